@@ -1,0 +1,187 @@
+"""The device mesh: each rank's coordinates and the process groups of every parallel axis.
+
+N = D·P·C·T ranks (data, pipeline, context, tensor). Ranks are laid out tensor-fastest, then context, then
+pipeline, then data:
+
+    rank = ((d·P + p)·C + c)·T + t
+
+so the chattiest axis (tensor parallel: two all-reduces per block) stays inside a node, and data parallel,
+which talks once per step, spans nodes. D is inferred: D = N / (T·P·C).
+
+Expert parallel (E) multiplies nothing: it is carved out of the D·C ranks that share one (p, t). Dense
+parameters are replicated over those D·C ranks and sync over the `dp_cp` group; an expert is held by D·C/E
+of them, which sync its gradients over the `expert_dp` group; tokens travel between expert holders over
+the `ep` group (E consecutive members of the D·C slice).
+
+Accounting for this file:
+1. Nothing is held; it only names who talks to whom.
+2. Memory: none beyond the communicators.
+3. Messages: `new_group` once at start-up (every rank creates every group, in the same order: a
+   torch.distributed rule, or ranks deadlock).
+4. Restart state: none, but a checkpoint records the mesh shape so a resumed run knows if it changed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+AXES = ("dp", "pp", "cp", "tp")  # slowest to fastest
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    dp: int
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    def coords(self, rank: int) -> dict:
+        """(d, p, c, t) of a rank, inverting rank = ((d·P + p)·C + c)·T + t."""
+        t = rank % self.tp
+        c = (rank // self.tp) % self.cp
+        p = (rank // (self.tp * self.cp)) % self.pp
+        d = rank // (self.tp * self.cp * self.pp)
+        return {"dp": d, "pp": p, "cp": c, "tp": t}
+
+    def rank_of(self, dp: int, pp: int, cp: int, tp: int) -> int:
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
+
+
+def infer_mesh_shape(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> MeshShape:
+    """Validate the parallel flags against the world size; raise before any process group is awaited."""
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--cp", cp), ("--ep", ep)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ValueError(
+            f"world size {world_size} is not divisible by --tp {tp} × --pp {pp} × --cp {cp} = {model_parallel}; "
+            f"launch a multiple of {model_parallel} processes (torchrun --nproc_per_node)"
+        )
+    dp = world_size // model_parallel
+    if (dp * cp) % ep:
+        raise ValueError(
+            f"--ep {ep} must divide the data × context ranks D·C = {dp}·{cp} = {dp * cp} "
+            f"(expert parallel is carved out of them)"
+        )
+    return MeshShape(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
+
+
+@dataclass
+class Mesh:
+    """This rank's place in the mesh and one process group per axis (groups of size 1 included)."""
+
+    shape: MeshShape
+    rank: int
+    groups: dict = field(default_factory=dict)  # axis name -> ProcessGroup holding this rank
+    members: dict = field(default_factory=dict)  # axis name -> list of global ranks in this rank's group
+
+    @property
+    def coords(self) -> dict:
+        return self.shape.coords(self.rank)
+
+    def __getattr__(self, name):  # mesh.dp_group, mesh.tp_rank, mesh.tp_size, ...
+        groups, members = self.__dict__.get("groups", {}), self.__dict__.get("members", {})
+        for suffix in ("_group", "_rank", "_size"):
+            axis = name[: -len(suffix)] if name.endswith(suffix) else None
+            if axis in members:
+                if suffix == "_group":
+                    return groups[axis]
+                if suffix == "_size":
+                    return len(members[axis])
+                return members[axis].index(self.rank)
+        raise AttributeError(name)
+
+    def describe(self) -> str:
+        lines = [f"mesh D={self.shape.dp} P={self.shape.pp} C={self.shape.cp} T={self.shape.tp} E={self.shape.ep}"
+                 f" (rank = ((d·P + p)·C + c)·T + t); rank {self.rank} at {self.coords}"]
+        for axis, ranks in self.members.items():
+            lines.append(f"  {axis:>9} group: ranks {ranks}")
+        return "\n".join(lines)
+
+
+def _axis_groups(shape: MeshShape) -> dict:
+    """For every axis, the list of rank groups that partition the world along it."""
+    ranges = {axis: range(getattr(shape, axis)) for axis in AXES}
+
+    def groups_varying(varying: tuple) -> list:
+        fixed = [a for a in AXES if a not in varying]
+        out = []
+        for fixed_values in _product([ranges[a] for a in fixed]):
+            coord = dict(zip(fixed, fixed_values))
+            ranks = []
+            for vary_values in _product([ranges[a] for a in varying]):
+                coord.update(zip(varying, vary_values))
+                ranks.append(shape.rank_of(**coord))
+            out.append(sorted(ranks))
+        return out
+
+    groups = {axis: groups_varying((axis,)) for axis in AXES}
+    groups["dp_cp"] = groups_varying(("dp", "cp"))  # dense gradient sync: everyone holding the same shard
+    # Expert parallel inside each D·C slice: E consecutive members share tokens, members i, i+E, i+2E...
+    # hold the same experts and sync their gradients.
+    ep, dp_cp_size = shape.ep, shape.dp * shape.cp
+    groups["ep"] = [s[i:i + ep] for s in groups["dp_cp"] for i in range(0, dp_cp_size, ep)]
+    groups["expert_dp"] = [s[i::ep] for s in groups["dp_cp"] for i in range(ep)]
+    return groups
+
+
+def _product(ranges):
+    if not ranges:
+        yield ()
+        return
+    for head in ranges[0]:
+        for tail in _product(ranges[1:]):
+            yield (head,) + tail
+
+
+def build_mesh(shape: MeshShape, rank: int | None = None) -> Mesh:
+    """Create every axis's process groups (collective: all ranks call this with the same shape)."""
+    rank = dist.get_rank() if rank is None else rank
+    mesh = Mesh(shape=shape, rank=rank)
+    for axis, partition in _axis_groups(shape).items():
+        for ranks in partition:  # same order on every rank
+            group = dist.new_group(ranks) if dist.is_initialized() else None
+            if rank in ranks:
+                mesh.groups[axis], mesh.members[axis] = group, ranks
+    return mesh
+
+
+def choose_device_and_backend(backend: str | None = None) -> tuple[torch.device, str]:
+    """CUDA + NCCL when a GPU is present, else CPU + gloo; `--backend` overrides the backend."""
+    if backend not in (None, "nccl", "gloo"):
+        raise ValueError(f"--backend must be nccl or gloo, got {backend!r}")
+    if torch.cuda.is_available() and backend != "gloo":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), backend or "nccl"
+    if backend == "nccl":
+        raise ValueError("--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed(backend: str, timeout_s: float = 600) -> tuple[int, int]:
+    """Join the default process group (torchrun's env://); a plain `python train.py` is a world of one."""
+    if "RANK" not in os.environ:  # launched without torchrun
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,625 @@
+"""The accounting: FLOPs, MFU/HFU, memory, communication and pipeline bubble.
+
+This file talks over nothing; it observes. Everything here is either a closed-form formula from a paper (so a
+reader can check a number by hand) or a measurement (a CPU matmul loop, a tracer that counts the bytes each
+`torch.distributed` call moves). Nothing in it changes what the trainer computes.
+
+Conventions used throughout:
+
+* FLOPs count one multiply-add as 2 FLOPs. A "FLOP" is a floating-point operation; "FLOP/s" is a rate.
+* "Per token" means per token of the global batch that goes through forward + backward once.
+* N is the number of parameters that take part in matmuls: every block weight plus the LM head. Embedding
+  lookups and position embeddings are gathers, not matmuls, so they are excluded; with tied input/output
+  embeddings the shared matrix counts once, as the head. For a mixture-of-experts model N is the ACTIVE count
+  (the experts a token actually visits); the caller computes it.
+* L = layers, H = attention heads, Q = head dimension, T = sequence length, so H*Q is the model width.
+* MFU (model FLOPs utilisation) uses model FLOPs only: work the model mathematically needs. HFU (hardware FLOPs
+  utilisation) also counts work the hardware really did again, e.g. the forward pass that activation
+  checkpointing recomputes. Both divide by the dense (no sparsity) datasheet peak of all devices together.
+* Bytes are bytes; format_bytes prints binary units (1 KiB = 1024 B). Communication volumes are bytes SENT per
+  rank by the usual ring algorithms, with M the message size and N the group size (see section 5).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. FLOPs per token
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    model: float  # FLOPs the model needs per token (numerator of MFU)
+    hardware: float  # FLOPs the hardware executes per token, recomputation included (numerator of HFU)
+    convention: str  # how these were counted, for printouts
+
+
+def flops_per_token(
+    n_matmul_params: int,
+    n_layer: int,
+    n_head: int,
+    head_dim: int,
+    seq_len: int,
+    recompute: bool = False,
+    n_recomputed_params: int | None = None,
+) -> FlopsPerToken:
+    """Training FLOPs per token: model = 6N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT).
+
+    6N: each matmul weight is used once per token in a multiply-add (2 FLOPs) in the forward pass, and twice in
+    the backward pass (gradient w.r.t. the input and w.r.t. the weight), so 2N + 4N = 6N.
+
+    12*L*H*Q*T: attention's two matmuls that involve no weights. Per layer, per head, one token's query is
+    dotted with T keys (2*T*Q FLOPs) and the T values are summed with the softmax weights (2*T*Q FLOPs): 4*H*Q*T
+    forward, times 3 for forward + backward. We count the full T x T score matrix, not half of it for causal
+    masking, as PaLM does (and as most kernels compute, block-sparse ones aside).
+
+    With activation checkpointing (recompute=True) the forward of every recomputed block runs a second time
+    during backward, so the hardware does 2*N_r + 4*L*H*Q*T more FLOPs per token, N_r being the matmul weights
+    whose forward is recomputed (n_recomputed_params; default: all of N, though usually the LM head is not
+    recomputed and the caller passes the block weights only).
+    """
+    if min(n_matmul_params, n_layer, n_head, head_dim, seq_len) < 0:
+        raise ValueError("parameter and shape counts must be non-negative")
+    attention_fwd = 4 * n_layer * n_head * head_dim * seq_len  # per token, forward only
+    model = 6 * n_matmul_params + 3 * attention_fwd  # 3 * 4LHQT = 12LHQT
+    convention = (
+        f"model = 6N + 12*L*H*Q*T per token (N = {n_matmul_params:,} active matmul params, embeddings "
+        f"excluded; attention counts the full TxT score matrix, not halved for causal masking)"
+    )
+    hardware = model
+    if recompute:
+        n_r = n_matmul_params if n_recomputed_params is None else n_recomputed_params
+        hardware = model + 2 * n_r + attention_fwd
+        convention += f"; hardware adds the recomputed forward 2*N_r + 4*L*H*Q*T (N_r = {n_r:,})"
+    else:
+        convention += "; hardware = model (no recomputation)"
+    return FlopsPerToken(model=float(model), hardware=float(hardware), convention=convention)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. MFU / HFU
+# ----------------------------------------------------------------------------------------------------------
+
+
+def mfu(flops_per_token: float, tokens_per_second: float, peak_flops_per_device: float, n_devices: int) -> float:
+    """Utilisation = achieved FLOP/s / (n_devices * peak FLOP/s per device).
+
+    tokens_per_second is the throughput of the whole job (all devices). Pass FlopsPerToken.model to get MFU,
+    FlopsPerToken.hardware to get HFU.
+    """
+    if peak_flops_per_device <= 0 or n_devices < 1:
+        raise ValueError("peak_flops_per_device must be > 0 and n_devices >= 1")
+    return flops_per_token * tokens_per_second / (peak_flops_per_device * n_devices)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. Peak FLOP/s
+# ----------------------------------------------------------------------------------------------------------
+
+# Dense (no 2:4 sparsity) tensor-core peaks in TFLOP/s for the SXM parts, from NVIDIA's datasheets:
+# A100 (A100 datasheet, "BF16/FP16 Tensor Core 312 TFLOPS"; no FP8 on Ampere), H100 SXM and H200 SXM (same
+# compute die: 989.4 BF16/FP16, 1978.9 FP8; the datasheets print the sparse figures, twice these), B200 (HGX
+# B200: 2.25 PFLOPS BF16/FP16, 4.5 PFLOPS FP8, dense). PCIe/NVL variants are clocked lower: pass --peak-tflops.
+PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp8": None},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+    "H200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0},
+}
+
+# Accept torch-style spellings too, so `detect_peak_flops(dev, "bfloat16", None)` works.
+_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def measure_matmul_peak(
+    dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds: float = 0.3, device: str | torch.device = "cpu"
+) -> float:
+    """Measure achievable matmul FLOP/s: multiply two n x n matrices in a loop for `seconds`, after a warm-up.
+
+    Each n x n @ n x n matmul is n^3 multiply-adds = 2n^3 FLOPs. This is a practical ceiling for this machine,
+    not a datasheet number, so an MFU computed against it reads higher than one against a datasheet peak.
+    """
+    device = torch.device(device)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":  # CUDA kernels are asynchronous; wait before reading the clock
+            torch.cuda.synchronize(device)
+
+    a @ b  # warm-up: first call pays for kernel selection, thread-pool start-up and allocation
+    sync()
+    iterations = 0
+    start = time.perf_counter()
+    while True:
+        a @ b
+        iterations += 1
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            break
+    return 2 * n**3 * iterations / elapsed
+
+
+def detect_peak_flops(device: torch.device, dtype: str, override_tflops: float | None) -> tuple[float, str]:
+    """Return (peak FLOP/s per device, where that number came from).
+
+    Order: an explicit override wins; on CUDA the GPU's name is looked up in PEAK_TFLOPS; on CPU there is no
+    datasheet we can trust, so a short matmul loop measures one (in the same dtype: fp32 measures fp32).
+    """
+    if override_tflops is not None:
+        if override_tflops <= 0:
+            raise ValueError(f"--peak-tflops must be positive, got {override_tflops}")
+        return override_tflops * 1e12, f"override: {override_tflops:g} TFLOP/s (--peak-tflops)"
+
+    device = torch.device(device)
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for gpu, peaks in PEAK_TFLOPS.items():
+            if gpu in name:
+                tflops = peaks.get(dtype)
+                if tflops is None:
+                    raise ValueError(f"no {dtype} peak known for {name} in PEAK_TFLOPS; pass --peak-tflops")
+                return tflops * 1e12, f"table: {gpu} dense {dtype} peak {tflops:g} TFLOP/s ({name})"
+        raise ValueError(f"unknown GPU {name!r}: its peak FLOP/s is not in PEAK_TFLOPS; pass --peak-tflops")
+    if device.type == "cpu":
+        if dtype not in _TORCH_DTYPES:
+            raise ValueError(f"cannot measure a {dtype} matmul peak on CPU; pass --peak-tflops")
+        n, seconds = 1024, 0.3
+        flops = measure_matmul_peak(_TORCH_DTYPES[dtype], n=n, seconds=seconds)
+        return flops, f"measured: {n}x{n} {dtype} matmul loop on CPU for {seconds}s (not a datasheet peak)"
+    raise ValueError(f"no peak FLOP/s known for device type {device.type!r}; pass --peak-tflops")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. Memory
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    weights: int  # b_w
+    grads: int  # b_g
+    optimizer: int  # b_o: everything Adam keeps per parameter (moments, and any fp32 master copy)
+
+
+BYTES_PER_PARAM: dict[str, BytesPerParam] = {
+    # fp32 weights and grads plus Adam's two fp32 moments. bf16 autocast also lands here: it casts weights to
+    # bf16 on the fly inside each op, but the stored weights and their gradients stay fp32.
+    "fp32": BytesPerParam(weights=4, grads=4, optimizer=8),
+    # Mixed precision as in the ZeRO paper (Rajbhandari et al. 2020, K = 12): bf16/fp16 working weights and
+    # gradients, and the optimizer keeps an fp32 master copy of the weights plus two fp32 moments (4 + 4 + 4).
+    "mixed": BytesPerParam(weights=2, grads=2, optimizer=12),
+}
+
+
+def persistent_bytes(
+    psi: int, recipe: str | BytesPerParam, zero_stage: int, dp_size: int
+) -> dict[str, float]:
+    """Bytes per rank of the state that lives for the whole run, for Psi parameters, under ZeRO stage 0..3.
+
+    ZeRO partitions state across the D data-parallel ranks, one more kind per stage:
+        stage 0 (plain DDP): (b_w + b_g + b_o) * Psi
+        stage 1 (optimizer): (b_w + b_g) * Psi + b_o * Psi / D
+        stage 2 (+ grads):   b_w * Psi + (b_g + b_o) * Psi / D
+        stage 3 (+ weights): (b_w + b_g + b_o) * Psi / D
+    Activations, temporary buffers and fragmentation are extra (see activation_bytes_per_layer).
+    """
+    bpp = BYTES_PER_PARAM[recipe] if isinstance(recipe, str) else recipe
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    # Which kinds are split across the D ranks: optimizer from stage 1, grads from stage 2, weights at stage 3.
+    weights_div = dp_size if zero_stage >= 3 else 1
+    grads_div = dp_size if zero_stage >= 2 else 1
+    optimizer_div = dp_size if zero_stage >= 1 else 1
+    out = {
+        "weights": bpp.weights * psi / weights_div,
+        "grads": bpp.grads * psi / grads_div,
+        "optimizer": bpp.optimizer * psi / optimizer_div,
+    }
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def activation_bytes_per_layer(
+    s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False
+) -> float:
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", section 4).
+
+    s = sequence length, b = micro-batch size, h = hidden size, a = attention heads, t = tensor-parallel size.
+    Bytes assume 16-bit activations (and 1-byte dropout masks), as in the paper:
+        no parallelism:             s*b*h * (34 + 5*a*s/h)
+        tensor parallel t:          s*b*h * (10 + 24/t + 5*a*s/(h*t))
+        tensor + sequence parallel: s*b*h/t * (34 + 5*a*s/h)
+    34*s*b*h is the per-token part (attention 11, MLP 19, two layernorms 4); 5*a*s^2*b is the a x s x s score
+    matrix, its softmax and its dropout mask. Tensor parallelism splits all but the 10*s*b*h around the
+    layernorms and dropouts, which sequence parallelism then splits too. The t = 1 formulas equal the first.
+    A fused attention kernel (FlashAttention, F.scaled_dot_product_attention) does not store the scores, which
+    removes most of the 5*a*s/h term; full activation checkpointing keeps only the layer input, 2*s*b*h.
+    """
+    sbh = s * b * h
+    if sequence_parallel:
+        return sbh / t * (34 + 5 * a * s / h)
+    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. Communication volume (bytes sent per rank, ring algorithms; M = message bytes, N = group size)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def all_reduce_bytes(m: float, n: int) -> float:
+    """2(N-1)/N * M: a ring all-reduce is a reduce-scatter followed by an all-gather."""
+    return 2 * (n - 1) / n * m
+
+
+def all_gather_bytes(m: float, n: int) -> float:
+    """(N-1)/N * M, M the OUTPUT (gathered, full) size: each rank forwards the N-1 chunks it does not own."""
+    return (n - 1) / n * m
+
+
+def reduce_scatter_bytes(m: float, n: int) -> float:
+    """(N-1)/N * M, M the INPUT (full) size: each rank sends N-1 partial sums of M/N."""
+    return (n - 1) / n * m
+
+
+def all_to_all_bytes(m: float, n: int) -> float:
+    """(N-1)/N * M, M the input size: every rank keeps its own 1/N and sends the rest (even splits assumed)."""
+    return (n - 1) / n * m
+
+
+def broadcast_bytes(m: float, n: int) -> float:
+    """M: the root sends the whole message once; in a pipelined chain each non-last rank forwards M too, so M
+    is also the bytes that cross each link."""
+    return m
+
+
+def p2p_bytes(m: float, n: int = 2) -> float:
+    """M: a send puts the whole message on the wire; the receiving side sends nothing."""
+    return m
+
+
+def _nothing_sent(m: float, n: int) -> float:
+    return 0.0
+
+
+# Maps an op name (torch.distributed's function names, plus the generic names above) to its formula.
+_WIRE_FORMULAS = {
+    "all_reduce": all_reduce_bytes,
+    "all_gather": all_gather_bytes,
+    "all_gather_into_tensor": all_gather_bytes,
+    "all_gather_single": all_gather_bytes,
+    "reduce_scatter": reduce_scatter_bytes,
+    "reduce_scatter_tensor": reduce_scatter_bytes,
+    "reduce_scatter_single": reduce_scatter_bytes,
+    "all_to_all": all_to_all_bytes,
+    "all_to_all_single": all_to_all_bytes,
+    "broadcast": broadcast_bytes,
+    "send": p2p_bytes,
+    "isend": p2p_bytes,
+    "recv": _nothing_sent,  # we count bytes SENT; the matching send already counted this message
+    "irecv": _nothing_sent,
+    "barrier": _nothing_sent,
+}
+
+
+def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
+    """Bytes one rank sends for collective `op` with message size `payload_bytes` in a group of `group_size`."""
+    if op not in _WIRE_FORMULAS:
+        raise ValueError(f"unknown communication op {op!r}; known: {sorted(_WIRE_FORMULAS)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    return _WIRE_FORMULAS[op](payload_bytes, group_size)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. Pipeline bubble and checkpoint interval
+# ----------------------------------------------------------------------------------------------------------
+
+
+def pipeline_bubble(p: int, m: int) -> float:
+    """Idle fraction of a GPipe/1F1B schedule with p stages and m micro-batches: (p-1)/(m+p-1).
+
+    Filling and draining the pipeline costs p-1 micro-batch slots out of the m+p-1 the schedule takes.
+    """
+    if p < 1 or m < 1:
+        raise ValueError("p and m must be >= 1")
+    return (p - 1) / (m + p - 1)
+
+
+def young_checkpoint_interval(checkpoint_seconds: float, mtbf_seconds: float) -> float:
+    """Seconds between checkpoints that minimise lost work: sqrt(2 * C * M) (Young 1974), C = time to write a
+    checkpoint, M = mean time between failures of the whole job."""
+    return math.sqrt(2 * checkpoint_seconds * mtbf_seconds)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 7. Formatting
+# ----------------------------------------------------------------------------------------------------------
+
+
+def format_bytes(n: float) -> str:
+    """Binary units with 2 decimals: 1536 -> '1.50 KiB'."""
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def format_flops(n: float) -> str:
+    """Decimal units with 2 decimals: 3.12e14 -> '312.00 TFLOP' (append '/s' yourself for a rate)."""
+    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 8. CommTracer: count what every torch.distributed call moves
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CommStat:
+    calls: int = 0
+    payload_bytes: int = 0  # sum of message sizes M (as defined in section 5)
+    wire_bytes: float = 0.0  # sum of bytes this rank sent, by the section 5 formulas
+    seconds: float = 0.0  # host time in the call (+ in wait() for async calls)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors_bytes(ts) -> int:
+    return sum(_tensor_bytes(t) for t in ts)
+
+
+# For each traced function: the argument that holds the message M, and how to size it. The argument names are
+# torch.distributed's own, so a call is bound to the real signature and positional/keyword use both work.
+_MESSAGE_ARG = {
+    "all_reduce": ("tensor", _tensor_bytes),
+    "all_gather_into_tensor": ("output_tensor", _tensor_bytes),  # M = the gathered (full) output
+    "reduce_scatter_tensor": ("input", _tensor_bytes),  # M = the full input
+    "all_to_all_single": ("input", _tensor_bytes),
+    # Newer torch names for the two above (torch 2.13 deprecates the *_tensor spellings in their favour).
+    "all_gather_single": ("output_tensor", _tensor_bytes),
+    "reduce_scatter_single": ("input", _tensor_bytes),
+    "all_gather": ("tensor_list", _tensors_bytes),  # M = all the outputs together
+    "reduce_scatter": ("input_list", _tensors_bytes),  # M = all the inputs together
+    "broadcast": ("tensor", _tensor_bytes),
+    "send": ("tensor", _tensor_bytes),
+    "recv": ("tensor", _tensor_bytes),
+    "isend": ("tensor", _tensor_bytes),
+    "irecv": ("tensor", _tensor_bytes),
+    "barrier": (None, None),  # no message; counted for its calls and time
+}
+_TRACED = [*_MESSAGE_ARG, "batch_isend_irecv"]  # patched when this torch has them
+
+
+class _TimedWork:
+    """Stands in for the Work an async call returns: wait() is timed and charged to the call, everything else
+    (is_completed, get_future, ...) is forwarded to the real Work. It is not a dist.Work instance, so code that
+    hands Works to C++ or checks isinstance sees the difference."""
+
+    def __init__(self, work, charge):
+        self._work = work
+        self._charge = charge  # charge(seconds)
+
+    def wait(self, *args, **kwargs):
+        start = time.perf_counter()
+        result = self._work.wait(*args, **kwargs)
+        self._charge(time.perf_counter() - start)
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class CommTracer:
+    """Counts calls, bytes and seconds per (collective, group) for torch.distributed calls made inside `with`.
+
+        tracer = CommTracer()
+        tracer.name_group(dp_group, "dp")
+        with tracer:
+            train_step()
+        print(tracer.table())
+
+    Entering patches the functions on the `torch.distributed` module object (the collectives in _MESSAGE_ARG,
+    batch_isend_irecv, and P2POp, see _p2p_op_class), so code that calls `dist.all_reduce(...)` through the
+    module goes through the tracer. Exiting (also on an exception) puts the originals back. Calls forward every
+    argument and return what the original returns, except that an async call's Work comes back wrapped so that
+    its wait() can be timed. Groups are reported by the name given to name_group, else "world" for the default
+    group, else "group0", "group1", ... in the order the tracer first sees them.
+
+    Seconds are host time. With gloo that is the real communication time; with NCCL a synchronous call only
+    enqueues a kernel on the stream, so the time is a lower bound unless the caller synchronizes.
+    """
+
+    def __init__(self):
+        self._stats: dict[tuple[str, str], CommStat] = {}
+        self._names: list[tuple[object, str]] = []  # (process group, name); a list because we compare with `is`
+        self._unnamed = 0
+        self._originals: dict[str, object] | None = None  # set while active
+
+    # --- naming groups -------------------------------------------------------------------------------------
+
+    def name_group(self, group, name: str) -> None:
+        """Report calls on `group` under `name` (e.g. "dp", "tp")."""
+        group = dist.group.WORLD if group is None else group  # None means the default group in torch calls
+        self._names = [(g, n) for g, n in self._names if g is not group] + [(group, name)]
+
+    def _group_name(self, group) -> str:
+        group = dist.group.WORLD if group is None else group
+        for g, name in self._names:
+            if g is group:
+                return name
+        if group is dist.group.WORLD:
+            return "world"
+        name = f"group{self._unnamed}"  # an unnamed subgroup: numbered in the order this tracer first sees it
+        self._unnamed += 1
+        self._names.append((group, name))
+        return name
+
+    # --- results -------------------------------------------------------------------------------------------
+
+    @property
+    def records(self) -> dict[tuple[str, str], CommStat]:
+        """A snapshot: {(op, group name): CommStat}."""
+        return {key: replace(stat) for key, stat in self._stats.items()}
+
+    def reset(self) -> None:
+        self._stats = {}
+
+    def total(self, group_name: str | None = None) -> CommStat:
+        """All records summed, or only those of one group."""
+        out = CommStat()
+        for (_, group), stat in self._stats.items():
+            if group_name is None or group == group_name:
+                out.calls += stat.calls
+                out.payload_bytes += stat.payload_bytes
+                out.wire_bytes += stat.wire_bytes
+                out.seconds += stat.seconds
+        return out
+
+    def table(self) -> str:
+        """An aligned text table, one row per (op, group), and a total."""
+        header = ("op", "group", "calls", "payload", "wire/rank", "seconds")
+        rows = [header]
+        for (op, group), s in sorted(self._stats.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            rows.append((op, group, str(s.calls), format_bytes(s.payload_bytes), format_bytes(s.wire_bytes),
+                         f"{s.seconds:.4f}"))
+        t = self.total()
+        rows.append(("total", "", str(t.calls), format_bytes(t.payload_bytes), format_bytes(t.wire_bytes),
+                     f"{t.seconds:.4f}"))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = []
+        for row in rows:
+            cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+            lines.append("  ".join(cells).rstrip())
+        return "\n".join(lines)
+
+    # --- recording -----------------------------------------------------------------------------------------
+
+    def _record(self, op: str, group, payload: int) -> tuple[str, str] | None:
+        """Count one call; return its key, or None when this rank is not in `group` (the call is a no-op)."""
+        group_size = dist.get_world_size(group)
+        if group_size < 1:
+            return None
+        key = (op, self._group_name(group))
+        stat = self._stats.setdefault(key, CommStat())
+        stat.calls += 1
+        stat.payload_bytes += payload
+        stat.wire_bytes += wire_bytes(op, payload, group_size)
+        return key
+
+    def _charge(self, keys: list, seconds: float) -> None:
+        """Add `seconds` to the records in `keys`, shared equally (a batch's ops cannot be timed apart)."""
+        keys = [k for k in keys if k is not None]
+        for key in keys:
+            self._stats.setdefault(key, CommStat()).seconds += seconds / len(keys)
+
+    def _timed_call(self, original, keys: list, args, kwargs):
+        """Call `original`, charge its duration to `keys`; wrap a returned Work so its wait() is charged too."""
+        start = time.perf_counter()
+        result = original(*args, **kwargs)
+        self._charge(keys, time.perf_counter() - start)
+        if hasattr(result, "wait"):  # an async call's Work
+            return _TimedWork(result, lambda s: self._charge(keys, s))
+        return result
+
+    def _wrap(self, name: str, original):
+        """The stand-in for torch.distributed.<name>."""
+        signature = inspect.signature(original)
+        message_arg, size_of = _MESSAGE_ARG[name]
+
+        @functools.wraps(original)
+        def traced(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs).arguments  # only what the caller passed; defaults absent
+            payload = size_of(bound[message_arg]) if message_arg else 0
+            key = self._record(name, bound.get("group"), payload)
+            return self._timed_call(original, [key], args, kwargs)
+
+        traced._comm_tracer_original = original
+        return traced
+
+    def _wrap_batch(self, original):
+        """The stand-in for torch.distributed.batch_isend_irecv: one "send"/"recv" record per P2POp."""
+        isend = self._originals["isend"]
+
+        @functools.wraps(original)
+        def traced(p2p_op_list, *args, **kwargs):
+            keys = []
+            for p2p in p2p_op_list:
+                kind = "send" if p2p.op is isend else "recv"
+                keys.append(self._record(kind, p2p.group, _tensor_bytes(p2p.tensor)))
+            start = time.perf_counter()
+            works = original(p2p_op_list, *args, **kwargs)
+            self._charge(keys, time.perf_counter() - start)
+            # Without coalescing there is one Work per op, in order; with it, one Work for the whole batch.
+            if len(works) == len(keys):
+                return [_TimedWork(w, lambda s, k=k: self._charge([k], s)) for w, k in zip(works, keys)]
+            return [_TimedWork(w, lambda s: self._charge(keys, s)) for w in works]
+
+        traced._comm_tracer_original = original
+        return traced
+
+    def _p2p_op_class(self, original_cls):
+        """dist.P2POp checks `op in [isend, irecv]` (and batch_isend_irecv tests `op is isend`) against the real
+        functions, so a P2POp built from our patched dist.isend would be rejected. This subclass hands the
+        original function to P2POp instead."""
+
+        def unwrap(op):
+            return getattr(op, "_comm_tracer_original", op)
+
+        class P2POp(original_cls):
+            def __new__(cls, op, *args, **kwargs):
+                return super().__new__(cls, unwrap(op), *args, **kwargs)
+
+            def __init__(self, op, *args, **kwargs):
+                super().__init__(unwrap(op), *args, **kwargs)
+
+        P2POp._comm_tracer_original = original_cls
+        return P2POp
+
+    # --- context manager -----------------------------------------------------------------------------------
+
+    def __enter__(self) -> CommTracer:
+        if self._originals is not None:
+            raise RuntimeError("this CommTracer is already active")
+        if hasattr(dist.all_reduce, "_comm_tracer_original"):
+            raise RuntimeError("another CommTracer is active; nesting tracers is not supported")
+        self._originals = {name: getattr(dist, name) for name in [*_TRACED, "P2POp"] if hasattr(dist, name)}
+        patched = {}
+        for name, original in self._originals.items():
+            if name == "batch_isend_irecv":
+                patched[name] = self._wrap_batch(original)
+            elif name == "P2POp":
+                patched[name] = self._p2p_op_class(original)
+            else:
+                patched[name] = self._wrap(name, original)
+        for name, fn in patched.items():
+            setattr(dist, name, fn)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals = None

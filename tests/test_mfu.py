@@ -1,0 +1,278 @@
+"""Tests for mfu.py: every formula against numbers worked out by hand, and the CommTracer on real gloo ranks."""
+
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mfu
+from harness import run_ranks
+
+# ---------------------------------------------------------------------------------------------------------
+# FLOPs and MFU
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_flops_per_token_small_config():
+    # N = 1000 matmul params, L = 2 layers, H = 4 heads, Q = 8 head dim, T = 16 tokens.
+    # 6N = 6000; 12*L*H*Q*T = 12*2*4*8*16 = 12288; total 18288.
+    f = mfu.flops_per_token(1000, n_layer=2, n_head=4, head_dim=8, seq_len=16)
+    assert f.model == 18288
+    assert f.hardware == f.model  # nothing recomputed
+    assert "6N + 12*L*H*Q*T" in f.convention and "not halved" in f.convention
+
+
+def test_hfu_adds_recomputed_forward():
+    f = mfu.flops_per_token(1000, 2, 4, 8, 16, recompute=True)
+    # + 2N + 4*L*H*Q*T = 2000 + 4096
+    assert f.model == 18288
+    assert f.hardware == 18288 + 2000 + 4096
+    assert f.hardware > f.model
+    # Only the block weights are recomputed, say 900 of them (the head's 100 is not).
+    g = mfu.flops_per_token(1000, 2, 4, 8, 16, recompute=True, n_recomputed_params=900)
+    assert g.hardware == 18288 + 1800 + 4096
+
+
+def test_mfu_and_hfu():
+    f = mfu.flops_per_token(1000, 2, 4, 8, 16, recompute=True)
+    # 18288 FLOP/token * 1e6 token/s = 1.8288e10 FLOP/s over 2 devices of 1e10 each -> 0.9144
+    assert mfu.mfu(f.model, 1e6, 1e10, 2) == pytest.approx(0.9144)
+    assert mfu.mfu(f.hardware, 1e6, 1e10, 2) == pytest.approx((18288 + 6096) * 1e6 / 2e10)
+    with pytest.raises(ValueError):
+        mfu.mfu(f.model, 1e6, 0.0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Peaks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_peak_table():
+    assert mfu.PEAK_TFLOPS["A100"]["bf16"] == 312.0 and mfu.PEAK_TFLOPS["A100"]["fp8"] is None
+    assert mfu.PEAK_TFLOPS["H100"] == {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9}
+    assert mfu.PEAK_TFLOPS["H200"] == mfu.PEAK_TFLOPS["H100"]
+    assert mfu.PEAK_TFLOPS["B200"]["fp8"] == 4500.0
+
+
+def test_detect_peak_from_table(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    flops, source = mfu.detect_peak_flops(torch.device("cuda", 0), "bf16", None)
+    assert flops == pytest.approx(989.4e12) and "H100" in source
+    flops, _ = mfu.detect_peak_flops(torch.device("cuda", 0), "bfloat16", None)  # torch spelling works too
+    assert flops == pytest.approx(989.4e12)
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match="--peak-tflops"):
+        mfu.detect_peak_flops(torch.device("cuda", 0), "fp8", None)  # Ampere has no fp8
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(ValueError, match="--peak-tflops"):
+        mfu.detect_peak_flops(torch.device("cuda", 0), "bf16", None)
+
+
+def test_detect_peak_override_wins(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    flops, source = mfu.detect_peak_flops(torch.device("cuda", 0), "bf16", 65.0)
+    assert flops == 65e12 and "override" in source
+    flops, _ = mfu.detect_peak_flops(torch.device("cpu"), "bf16", 1.5)  # no measurement either
+    assert flops == 1.5e12
+
+
+def test_cpu_peak_is_measured_quickly():
+    start = time.perf_counter()
+    flops = mfu.measure_matmul_peak(torch.float32, n=256, seconds=0.05)
+    assert flops > 0 and time.perf_counter() - start < 2.0
+
+    flops, source = mfu.detect_peak_flops(torch.device("cpu"), "fp32", None)
+    assert flops > 0 and "measured" in source and "fp32" in source
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_zero_bytes_per_stage():
+    psi, d = 1000, 4
+    mixed = [mfu.persistent_bytes(psi, "mixed", stage, d) for stage in range(4)]
+    # mixed: b_w=2, b_g=2, b_o=12, so 16*psi = 16000 unsplit
+    assert mixed[0] == {"weights": 2000, "grads": 2000, "optimizer": 12000, "total": 16000}
+    assert mixed[1] == {"weights": 2000, "grads": 2000, "optimizer": 3000, "total": 7000}
+    assert mixed[2] == {"weights": 2000, "grads": 500, "optimizer": 3000, "total": 5500}
+    assert mixed[3] == {"weights": 500, "grads": 500, "optimizer": 3000, "total": 4000}
+    fp32 = [mfu.persistent_bytes(psi, "fp32", stage, d)["total"] for stage in range(4)]
+    assert fp32 == [16000, 8000 + 2000, 4000 + 3000, 4000]
+    # One rank: every stage is plain DDP.
+    assert {mfu.persistent_bytes(psi, "mixed", s, 1)["total"] for s in range(4)} == {16000}
+    with pytest.raises(ValueError):
+        mfu.persistent_bytes(psi, "mixed", 4, d)
+
+
+def test_korthikanti_activation_formulas():
+    s, b, h, a = 1024, 2, 512, 8
+    sbh = s * b * h
+    unsplit = sbh * (34 + 5 * a * s / h)  # = sbh * 114
+    assert unsplit == sbh * 114
+    assert mfu.activation_bytes_per_layer(s, b, h, a) == unsplit
+    # t = 1 reduces to the unsplit formula, with or without sequence parallelism.
+    assert mfu.activation_bytes_per_layer(s, b, h, a, t=1, sequence_parallel=False) == unsplit
+    assert mfu.activation_bytes_per_layer(s, b, h, a, t=1, sequence_parallel=True) == unsplit
+    # t = 4: sbh(10 + 24/4 + 80/4) = 36 sbh without SP; 114/4 = 28.5 sbh with SP.
+    assert mfu.activation_bytes_per_layer(s, b, h, a, t=4) == sbh * 36
+    assert mfu.activation_bytes_per_layer(s, b, h, a, t=4, sequence_parallel=True) == sbh * 28.5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Communication, bubble, Young, formatting
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_wire_byte_formulas():
+    m = 1200
+    assert mfu.wire_bytes("all_reduce", m, 4) == 1800  # 2 * 3/4 * 1200
+    assert mfu.wire_bytes("all_gather_into_tensor", m, 4) == 900
+    assert mfu.wire_bytes("reduce_scatter_tensor", m, 4) == 900
+    assert mfu.wire_bytes("all_to_all_single", m, 3) == 800
+    assert mfu.wire_bytes("broadcast", m, 8) == 1200
+    assert mfu.wire_bytes("send", m, 2) == 1200 and mfu.wire_bytes("recv", m, 2) == 0
+    assert mfu.wire_bytes("all_reduce", m, 1) == 0  # nothing to talk to
+    with pytest.raises(ValueError):
+        mfu.wire_bytes("gossip", m, 2)
+
+
+def test_bubble_and_young():
+    assert mfu.pipeline_bubble(1, 8) == 0
+    assert mfu.pipeline_bubble(4, 8) == pytest.approx(3 / 11)
+    assert mfu.pipeline_bubble(4, 1) == pytest.approx(3 / 4)
+    # 60 s to checkpoint, one failure a day: sqrt(2 * 60 * 86400) = 3220 s, about 54 min
+    assert mfu.young_checkpoint_interval(60, 86400) == pytest.approx(math.sqrt(2 * 60 * 86400))
+    assert mfu.young_checkpoint_interval(50, 100) == pytest.approx(100)
+
+
+def test_formatting():
+    assert mfu.format_bytes(512) == "512 B"
+    assert mfu.format_bytes(1536) == "1.50 KiB"
+    assert mfu.format_bytes(3 * 2**20) == "3.00 MiB"
+    assert mfu.format_bytes(80 * 2**30) == "80.00 GiB"
+    assert mfu.format_flops(312e12) == "312.00 TFLOP"
+    assert mfu.format_flops(1.5e9) == "1.50 GFLOP"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CommTracer
+# ---------------------------------------------------------------------------------------------------------
+
+TRACED_NAMES = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+                "all_gather_single", "reduce_scatter_single",
+                "all_gather", "reduce_scatter", "broadcast", "send", "recv", "isend", "irecv",
+                "batch_isend_irecv", "barrier", "P2POp"]
+
+
+def test_tracer_restores_on_exception_and_refuses_reentry():
+    # Patching and restoring needs no process group.
+    originals = {n: getattr(dist, n) for n in TRACED_NAMES if hasattr(dist, n)}
+    tracer = mfu.CommTracer()
+    with pytest.raises(ZeroDivisionError):
+        with tracer:
+            assert dist.all_reduce is not originals["all_reduce"]
+            with pytest.raises(RuntimeError):
+                tracer.__enter__()  # the same tracer twice
+            with pytest.raises(RuntimeError):
+                mfu.CommTracer().__enter__()  # another tracer on top
+            1 / 0
+    assert all(getattr(dist, n) is f for n, f in originals.items())
+    assert tracer.records == {} and tracer.total().calls == 0
+
+
+def _traced_collectives(rank, world_size):
+    """Runs on each rank: a mix of collectives under a tracer. Returns what the test checks."""
+    originals = {n: getattr(dist, n) for n in TRACED_NAMES if hasattr(dist, n)}
+    # new_group is collective over the world: every rank creates every pair group, in the same order.
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world_size, 2)]
+    dp = pairs[rank // 2]
+    unnamed = dist.new_group(list(range(world_size)))  # reported as "group0"
+
+    tracer = mfu.CommTracer()
+    tracer.name_group(dp, "dp")
+    checks = {}
+    with tracer:
+        x = torch.full((1000,), float(rank))  # 4000 bytes
+        dist.all_reduce(x)  # sync, world
+        checks["all_reduce"] = x[0].item()
+
+        y = torch.ones(500)  # 2000 bytes
+        work = dist.all_reduce(y, group=dp, async_op=True)
+        work.wait()
+        checks["async"] = y[0].item()
+        dist.all_reduce(y, dist.ReduceOp.SUM, dp)  # positional group
+
+        shard = torch.full((16,), float(rank))
+        gathered = torch.empty(32)  # 128 bytes, the output counts
+        dist.all_gather_into_tensor(gathered, shard, group=dp)
+        checks["gathered"] = gathered.tolist()
+        if hasattr(dist, "all_gather_single"):  # the newer name for the same collective
+            dist.all_gather_single(gathered, shard, group=dp)
+
+        full = torch.ones(8 * world_size)  # 32 * world_size bytes, the input counts
+        part = torch.empty(8)
+        dist.reduce_scatter_tensor(part, full)
+        checks["scattered"] = part[0].item()
+
+        a2a_in = torch.arange(4 * world_size, dtype=torch.float32) + 100 * rank
+        a2a_out = torch.empty_like(a2a_in)
+        dist.all_to_all_single(a2a_out, a2a_in, group=unnamed)
+        checks["a2a"] = a2a_out.tolist()
+
+        # A ring: send 10 floats to the next rank, receive 10 from the previous one. The P2POps are built
+        # while the tracer is active, from the patched dist.isend/dist.irecv.
+        send_buf = torch.full((10,), float(rank))
+        recv_buf = torch.empty(10)
+        ops = [dist.P2POp(dist.isend, send_buf, (rank + 1) % world_size),
+               dist.P2POp(dist.irecv, recv_buf, (rank - 1) % world_size)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        checks["ring"] = recv_buf[0].item()
+        checks["patched"] = dist.all_reduce is not originals["all_reduce"]
+    checks["restored"] = all(getattr(dist, n) is f for n, f in originals.items())
+    checks["table"] = tracer.table()
+    return tracer.records, checks, tracer.total("dp")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tracer_counts_bytes_on_ranks(world_size):
+    results = run_ranks(_traced_collectives, world_size, timeout=60)
+    n = world_size
+    for rank, (records, checks, dp_total) in enumerate(results):
+        # The calls did what they always do: arguments and results forwarded unchanged.
+        assert checks["patched"] and checks["restored"]
+        assert checks["all_reduce"] == sum(range(n))
+        assert checks["async"] == 2.0
+        pair = rank // 2 * 2
+        assert checks["gathered"] == [float(pair)] * 16 + [float(pair + 1)] * 16
+        assert checks["scattered"] == n
+        assert checks["a2a"] == [4 * rank + i + 100 * src for src in range(n) for i in range(4)]
+        assert checks["ring"] == (rank - 1) % n
+
+        expected = {  # (op, group): (calls, payload M, wire bytes by the section 5 formula)
+            ("all_reduce", "world"): (1, 4000, 2 * (n - 1) / n * 4000),
+            ("all_reduce", "dp"): (2, 4000, 2 * 1 / 2 * 4000),
+            ("all_gather_into_tensor", "dp"): (1, 128, 1 / 2 * 128),
+            ("reduce_scatter_tensor", "world"): (1, 32 * n, (n - 1) / n * 32 * n),
+            ("all_to_all_single", "group0"): (1, 16 * n, (n - 1) / n * 16 * n),
+            ("send", "world"): (1, 40, 40),
+            ("recv", "world"): (1, 40, 0),
+        }
+        if hasattr(dist, "all_gather_single"):
+            expected[("all_gather_single", "dp")] = (1, 128, 1 / 2 * 128)
+        assert set(records) == set(expected)
+        for key, (calls, payload, wire) in expected.items():
+            stat = records[key]
+            assert (stat.calls, stat.payload_bytes) == (calls, payload), key
+            assert stat.wire_bytes == pytest.approx(wire), key
+            assert stat.seconds > 0, key
+        dp_expected = [v for (op, group), v in expected.items() if group == "dp"]
+        assert dp_total.calls == sum(c for c, _, _ in dp_expected)
+        assert dp_total.payload_bytes == sum(m for _, m, _ in dp_expected)
+        assert "all_to_all_single" in checks["table"] and "group0" in checks["table"]

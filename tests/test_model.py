@@ -1,0 +1,114 @@
+"""model.py: shapes, the loss contract, deterministic per-parameter init, activation checkpointing, sampling."""
+
+import math
+
+import pytest
+import torch
+
+from model import GPT, PRESETS, ShardInfo, config_from_preset, init_full_parameter
+
+
+def tiny(**overrides):
+    return config_from_preset("tiny", **overrides)
+
+
+def test_shapes_and_tied_head():
+    model = GPT(tiny(), seed=0)
+    idx = torch.randint(0, 256, (3, 17))
+    logits, loss_sum, count = model(idx, idx)
+    assert logits.shape == (3, 17, 256)
+    assert count.item() == 3 * 17
+    assert model.lm_head.weight is model.transformer.wte.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert "lm_head.weight" not in names and "transformer.wte.weight" in names  # one tensor, one name
+    logits, loss_sum, count = model(idx)
+    assert logits.shape == (3, 1, 256) and loss_sum is None
+
+
+def test_init_loss_is_near_log_vocab():
+    model = GPT(tiny(), seed=0)
+    generator = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 256, (8, 64), generator=generator)
+    targets = torch.randint(0, 256, (8, 64), generator=generator)
+    _, loss_sum, count = model(idx, targets)
+    assert abs(loss_sum.item() / count.item() - math.log(256)) < 0.05
+
+
+def test_loss_is_sum_over_targets_and_ignores_minus_one():
+    model = GPT(tiny(), seed=3)
+    idx = torch.randint(0, 256, (2, 10))
+    targets = torch.randint(0, 256, (2, 10))
+    targets[0, :4] = -1
+    logits, loss_sum, count = model(idx, targets)
+    keep = targets != -1
+    expected = -torch.log_softmax(logits.float(), -1)[keep].gather(1, targets[keep][:, None]).sum()
+    assert count.item() == keep.sum().item() == 16
+    torch.testing.assert_close(loss_sum, expected)
+
+
+def test_init_is_per_parameter_and_independent_of_global_rng():
+    torch.manual_seed(123)
+    a = GPT(tiny(), seed=7)
+    torch.manual_seed(456)
+    b = GPT(tiny(), seed=7)
+    c = GPT(tiny(), seed=8)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        assert torch.equal(pa, init_full_parameter(name, pa.shape, a.config, 7)), name
+        if pa.dim() == 2:
+            assert not torch.equal(pa, pc), name
+    c_proj = a.transformer.h[0].attn.c_proj.weight.std().item()
+    c_fc = a.transformer.h[0].mlp.c_fc.weight.std().item()
+    assert c_proj < c_fc  # residual projections are scaled by 1/sqrt(2·n_layer)
+
+
+def test_float64_model_starts_from_the_float32_values():
+    a = GPT(tiny(), seed=1)
+    b = GPT(tiny(), seed=1, dtype=torch.float64)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert pb.dtype == torch.float64 and torch.equal(pa.double(), pb)
+
+
+@pytest.mark.parametrize("dim,pieces", [(0, 2), (1, 4), (0, 3)])
+def test_shard_slices_tile_the_full_parameter(dim, pieces):
+    full = init_full_parameter("transformer.h.0.mlp.c_fc.weight", (12, 8), tiny(), seed=5)
+    slices = []
+    for index in range(pieces):
+        info = ShardInfo("transformer.h.0.mlp.c_fc.weight", (12, 8), split_dim=dim, num_splits=pieces,
+                         split_index=index)
+        shard = init_full_parameter(info.global_name, info.global_shape, tiny(), seed=5)[info.local_slice()]
+        assert shard.shape[dim] == full.shape[dim] // pieces
+        slices.append(shard)
+    assert torch.equal(torch.cat(slices, dim=dim), full)
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    plain = GPT(tiny(dropout=0.0), seed=2, dtype=torch.float64)
+    ckpt = GPT(tiny(dropout=0.0, activation_checkpointing=True), seed=2, dtype=torch.float64)
+    idx = torch.randint(0, 256, (2, 32))
+    for model in (plain, ckpt):
+        _, loss_sum, _ = model(idx, idx.roll(1, 1))
+        loss_sum.backward()
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_global_positions_hook():
+    model = GPT(tiny(), seed=0)
+    idx = torch.randint(0, 256, (1, 16))
+    full, _, _ = model(idx, idx)
+    # The first half of the sequence with explicit positions equals the causal prefix of the full pass.
+    half, _, _ = model(idx[:, :8], idx[:, :8], pos=torch.arange(8))
+    torch.testing.assert_close(half, full[:, :8])
+
+
+def test_generate_and_presets():
+    model = GPT(tiny(), seed=0)
+    out = model.generate(torch.zeros(2, 3, dtype=torch.long), 5, top_k=10, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 8) and out.max() < 256
+    assert set(PRESETS) >= {"tiny", "small", "gpt2"}
+    assert GPT(config_from_preset("small"), seed=0).num_params() > 10_000_000
+    with pytest.raises(ValueError, match="--preset"):
+        config_from_preset("huge")
+    with pytest.raises(ValueError, match="divisible"):
+        tiny(n_head=5)

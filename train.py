@@ -1,0 +1,380 @@
+"""Train the GPT on a mesh of devices: flags → mesh → model → parallel transforms → loop → printouts.
+
+    python train.py                                   # one process, `small` preset, built-in corpus
+    torchrun --nproc_per_node 2 train.py --preset tiny --steps 50
+
+Each optimizer step consumes B_global = D·m·B_μ sequences (`--global-batch`, `--micro-batch`; the number of
+micro-batches m is derived). Every micro-batch backpropagates loss_sum / tokens_in_global_batch, so all
+gradient reductions are sums and the update equals the single-device one on the whole global batch.
+
+The run prints its accounting: at start the mesh, parameters, predicted memory, FLOPs per token, the peak
+assumed and the bytes each group will send per step; every step the loss, lr, grad norm, throughput and MFU;
+at the end measured against predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+import data
+import mfu
+from ddp import DistributedDataParallel
+from mesh import build_mesh, choose_device_and_backend, infer_mesh_shape, init_distributed
+from model import GPT, config_from_preset
+from optim import DynamicLossScaler, LRSchedule, build_adamw, unscale_clip_and_step
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default="small", help="tiny | small | gpt2 (124M)")
+    g.add_argument("--n-layer", type=int)
+    g.add_argument("--n-head", type=int)
+    g.add_argument("--n-embd", type=int)
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's block size)")
+    g.add_argument("--dropout", type=float)
+    g.add_argument("--no-bias", action="store_true", help="no biases in linears and LayerNorms")
+    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", help="a text file to train on (default: the Python standard library's source)")
+    g.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2"])
+    g.add_argument("--out-dir", default="out", help="token cache, metrics and checkpoints go here")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=200)
+    g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (B_global)")
+    g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (B_μ)")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
+    g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.95)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
+    g.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="autocast compute dtype")
+    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (GPU speed)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size T")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size P")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel size C")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size E")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0: plain DDP)")
+    g.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB")
+    g.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
+    g = p.add_argument_group("evaluation and reporting")
+    g.add_argument("--eval-every", type=int, default=100, help="val loss every N steps (0: only at the end)")
+    g.add_argument("--eval-batches", type=int, default=4)
+    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--sample-tokens", type=int, default=300, help="tokens sampled at the end (0: none)")
+    g.add_argument("--metrics-file", help="write one JSON object per step to this file")
+    g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: table or measured)")
+    return p
+
+
+class FlagError(ValueError):
+    """A flag combination that cannot run; raised before any rank waits on another."""
+
+
+def validate_args(args, world_size: int):
+    """Check every flag product and divisibility; return (mesh shape, micro-batches per step)."""
+    try:
+        shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--cp", args.cp), ("--ep", args.ep)):
+        if value > 1:
+            raise FlagError(f"{flag} {value}: this axis is not implemented in this version of the trainer")
+    if args.zero:
+        raise FlagError(f"--zero {args.zero}: ZeRO is not implemented in this version of the trainer")
+    if args.sp and args.tp == 1:
+        raise FlagError("--sp (sequence parallel) needs --tp > 1")
+    if args.steps < 1:
+        raise FlagError(f"--steps must be at least 1, got {args.steps}")
+    micro = args.micro_batch or args.global_batch // shape.dp
+    if args.global_batch < 1 or micro < 1:
+        raise FlagError(f"--global-batch {args.global_batch} must give each of D={shape.dp} data ranks a sequence")
+    if args.global_batch % (shape.dp * micro):
+        raise FlagError(
+            f"--global-batch {args.global_batch} must be divisible by D × --micro-batch = {shape.dp} × {micro}"
+            f" (B_global = D·m·B_μ)"
+        )
+    config = model_config(args)
+    if args.seq_len is not None and not 1 <= args.seq_len <= config.block_size:
+        raise FlagError(f"--seq-len {args.seq_len} must be between 1 and the model's block size {config.block_size}")
+    if args.dtype == "fp16" and not torch.cuda.is_available() and args.backend != "nccl":
+        pass  # fp16 autocast runs on CPU too (slowly); allowed so the loss-scaling path can be exercised
+    return shape, args.global_batch // (shape.dp * micro), micro
+
+
+def model_config(args):
+    overrides = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    if args.no_bias:
+        overrides["bias"] = False
+    if args.activation_checkpointing:
+        overrides["activation_checkpointing"] = True
+    try:
+        return config_from_preset(args.preset, **overrides)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+
+
+def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """Round the vocabulary up (50257 → 50304) so the head's matmul has friendly shapes."""
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def count_global_tokens(batches, group, device) -> torch.Tensor:
+    """Target tokens (≠ -1) in the whole global batch: the denominator of the loss on every rank."""
+    local = sum((y != -1).sum() for _, y in batches).to(device=device, dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+    return local
+
+
+def train_step(model, ddp, optimizer, scaler, batches, data_group, clip, autocast, device, norm_groups=()):
+    """One optimizer step over this rank's micro-batches, in DESIGN.md's update order.
+
+    Returns (global mean loss, StepResult). `ddp` is the DistributedDataParallel wrapper (gradient sync).
+    """
+    global_tokens = count_global_tokens(batches, data_group, device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for index, (x, y) in enumerate(batches):
+        last = index == len(batches) - 1
+        # Gradient sync is decided when backward runs: every micro-step but the last only accumulates.
+        with nullcontext() if last else ddp.no_sync():
+            with autocast:
+                _, micro_loss_sum, _ = model(x.to(device), y.to(device))
+            (micro_loss_sum * (scaler.scale / global_tokens)).backward()
+        loss_sum += micro_loss_sum.detach().double()
+    ddp.finish_grad_sync()
+    result = unscale_clip_and_step(model.parameters(), optimizer, scaler, clip, norm_groups=norm_groups,
+                                   device=device)
+    ddp.zero_grad()
+    if dist.get_world_size(data_group) > 1:
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=data_group)
+    return float(loss_sum / global_tokens), result
+
+
+@torch.no_grad()
+def evaluate(model, tokens, sampler, steps, dp_rank, dp_size, micro, data_group, autocast, device) -> float:
+    """Mean val loss over `steps` deterministic global batches of the validation split."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss_sum, tokens]
+    for step in range(steps):
+        for index in range(sampler.global_batch // (dp_size * micro)):
+            x, y = sampler.get_batch(tokens, step, dp_rank, dp_size, micro, index)
+            with autocast:
+                _, loss_sum, count = model(x.to(device), y.to(device))
+            totals += torch.stack([loss_sum.double(), count.double()])
+    if dist.get_world_size(data_group) > 1:
+        dist.all_reduce(totals, group=data_group)
+    model.train()
+    return float(totals[0] / totals[1])
+
+
+def print0(*args, **kwargs):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source, ddp,
+                       device) -> dict:
+    """Print what each device holds and what each group sends; return the predictions for the end report."""
+    D = mesh.shape.dp
+    psi = model.num_params()
+    local_params = sum(p.numel() for p in model.parameters())
+    recipe = mfu.BYTES_PER_PARAM["fp32"]  # fp32 parameters and grads, fp32 Adam moments (autocast computes bf16)
+    persistent = mfu.persistent_bytes(psi, recipe, zero_stage=0, dp_size=D)
+    grad_bytes = 4 * local_params
+    wire = mfu.wire_bytes("all_reduce", grad_bytes, mesh.dp_cp_size)
+    activation = mfu.activation_bytes_per_layer(seq_len, micro, config.n_embd, config.n_head) * config.n_layer
+    print0("=" * 100)
+    print0(mesh_description(mesh))
+    print0(f"parameters: {psi:,} global (Ψ); {local_params:,} on each rank"
+           f" (n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} vocab={config.vocab_size})")
+    print0(f"batch: B_global={args.global_batch} = D {D} × m {steps_m} × B_μ {micro} sequences of {seq_len}"
+           f" tokens = {args.global_batch * seq_len:,} tokens/step; autocast {args.dtype}")
+    print0("predicted persistent memory per rank (fp32 master recipe, ZeRO stage 0):")
+    print0(f"  weights   fp32 {mfu.format_bytes(persistent['weights'])}")
+    print0(f"  grads     fp32 {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)")
+    print0(f"  AdamW m,v fp32 {mfu.format_bytes(persistent['optimizer'])}")
+    print0(f"  total          {mfu.format_bytes(persistent['total'])}; activations ≈"
+           f" {mfu.format_bytes(activation)} per micro-batch (Korthikanti, 16-bit, L layers)")
+    print0(f"FLOPs/token: model {flops.model:,.0f}, hardware {flops.hardware:,.0f}  [{flops.convention}]")
+    print0(f"peak assumed: {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
+    print0(f"predicted comm per step: all_reduce dp_cp (D·C={mesh.dp_cp_size}): payload"
+           f" {mfu.format_bytes(grad_bytes)}, sent per rank {mfu.format_bytes(wire)} in"
+           f" {len(ddp.buckets)} buckets of ≤{args.bucket_mb:g} MiB (2(N-1)/N·M, ring)")
+    print0(f"pipeline bubble: {mfu.pipeline_bubble(mesh.shape.pp, steps_m):.1%} (P={mesh.shape.pp}, m={steps_m})")
+    print0("=" * 100)
+    return {"grad_bytes": grad_bytes, "wire": wire, "persistent": persistent}
+
+
+def mesh_description(mesh) -> str:
+    from mesh import _axis_groups
+
+    lines = [f"mesh: world {mesh.shape.world_size} = D {mesh.shape.dp} × P {mesh.shape.pp} × C {mesh.shape.cp}"
+             f" × T {mesh.shape.tp} (E {mesh.shape.ep} inside D·C); rank = ((d·P + p)·C + c)·T + t"]
+    for axis, partition in _axis_groups(mesh.shape).items():
+        if len(partition[0]) > 1:
+            lines.append(f"  {axis:>9} groups: {partition}")
+    return "\n".join(lines)
+
+
+def measured_state_bytes(model, optimizer) -> dict:
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    opt = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+              if torch.is_tensor(t) and t.dim() > 0)
+    return {"weights": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        shape, steps_m, micro = validate_args(args, world_size)
+    except FlagError as e:
+        # Every rank validates the same flags and exits before any of them waits on a peer.
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    device, backend = choose_device_and_backend(args.backend)
+    rank, world_size = init_distributed(backend)
+    mesh = build_mesh(shape, rank)
+    torch.manual_seed(args.seed + rank)  # dropout differs per rank, like independent devices; init does not
+
+    # Data: rank 0 tokenizes the corpus once into the cache; the others wait, then memory-map it.
+    cache_dir = os.path.join(args.out_dir, "data")
+    if rank == 0:
+        corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=print0)
+    dist.barrier()
+    if rank != 0:
+        corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=lambda *a, **k: None)
+    train_tokens, val_tokens = data.TokenFile(corpus.train_path), data.TokenFile(corpus.val_path)
+
+    config = model_config(args)
+    config.vocab_size = padded_vocab(corpus.vocab_size) if args.tokenizer != "byte" else corpus.vocab_size
+    seq_len = args.seq_len or config.block_size
+    model = GPT(config, seed=args.seed, device=device)
+    compiled = torch.compile(model) if args.compile else model
+    ddp = DistributedDataParallel(compiled, group=mesh.dp_cp_group, bucket_mb=args.bucket_mb)
+    optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
+    schedule = LRSchedule(args.lr, args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
+                          args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
+    scaler = DynamicLossScaler(enabled=args.dtype == "fp16")
+    autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext())
+    sampler = data.BatchSampler(len(train_tokens), seq_len, args.global_batch, args.seed)
+    val_sampler = data.BatchSampler(len(val_tokens), seq_len, args.global_batch, args.seed + 1)
+
+    flops = mfu.flops_per_token(
+        n_matmul_params=model.num_params(exclude_position_embedding=True), n_layer=config.n_layer,
+        n_head=config.n_head, head_dim=config.head_dim, seq_len=seq_len, recompute=config.activation_checkpointing,
+    )
+    peak, peak_source = mfu.detect_peak_flops(device, args.dtype, args.peak_tflops)
+    predicted = startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source,
+                                   ddp, device)
+
+    metrics = open(args.metrics_file, "w") if (args.metrics_file and rank == 0) else None
+    tracer = mfu.CommTracer()
+    for axis, group in mesh.groups.items():
+        tracer.name_group(group, axis)
+    dp_rank, dp_size = mesh.dp_rank, mesh.dp_size
+    tokens_per_step = args.global_batch * seq_len
+    timed_seconds, timed_steps = 0.0, 0
+    with tracer:
+        for step in range(args.steps):
+            lr = schedule(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batches = [sampler.get_batch(train_tokens, step, dp_rank, dp_size, micro, i) for i in range(steps_m)]
+            start = time.perf_counter()
+            loss, result = train_step(ddp, ddp, optimizer, scaler, batches, mesh.dp_cp_group, args.grad_clip,
+                                      autocast, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = time.perf_counter() - start
+            if step > 0:  # the first step pays one-off costs (allocation, compile)
+                timed_seconds, timed_steps = timed_seconds + step_time, timed_steps + 1
+            tokens_per_s = tokens_per_step / step_time
+            step_mfu = mfu.mfu(flops.model, tokens_per_s, peak, world_size)
+            record = dict(step=step, loss=loss, lr=lr, grad_norm=result.grad_norm, tokens=tokens_per_step,
+                          step_time_s=step_time, tokens_per_s=tokens_per_s, mfu=step_mfu, skipped=result.skipped)
+            if scaler.enabled:
+                record["loss_scale"] = scaler.scale
+            last = step == args.steps - 1
+            if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
+                record["val_loss"] = evaluate(ddp, val_tokens, val_sampler, args.eval_batches, dp_rank, dp_size,
+                                              micro, mesh.dp_cp_group, autocast, device)
+            if step % args.log_every == 0 or last or "val_loss" in record:
+                val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+                print0(f"step {step:5d} | loss {loss:.4f}{val} | lr {lr:.2e} | grad norm {result.grad_norm:.3f}"
+                       f"{' (skipped)' if result.skipped else ''} | {tokens_per_s:,.0f} tok/s"
+                       f" | MFU {step_mfu:.2%} | {step_time * 1000:.0f} ms")
+            if metrics:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+    if metrics:
+        metrics.close()
+
+    end_accounting(tracer, predicted, model, optimizer, args, timed_seconds, timed_steps, tokens_per_step,
+                   flops, peak, world_size, device)
+    if args.sample_tokens and rank == 0:
+        sample(model, val_tokens, corpus.tokenizer_name, args.sample_tokens, args.seed, device)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def end_accounting(tracer, predicted, model, optimizer, args, seconds, steps, tokens_per_step, flops, peak,
+                   world_size, device):
+    held = measured_state_bytes(model, optimizer)
+    print0("=" * 100)
+    print0("measured vs predicted (per rank, rank 0):")
+    for kind in ("weights", "grads", "optimizer", "total"):
+        print0(f"  {kind:<9} held {mfu.format_bytes(held[kind]):>12}   predicted"
+               f" {mfu.format_bytes(predicted['persistent'][kind]):>12}")
+    if device.type == "cuda":
+        print0(f"  CUDA allocator peak {mfu.format_bytes(torch.cuda.max_memory_allocated())}")
+    grad_sync = tracer.records.get(("all_reduce", "dp_cp"))
+    if grad_sync is not None and args.steps:
+        # Every step sends the gradients plus three small reductions (token count, finite flag, loss).
+        print0(f"  all_reduce dp_cp per step: measured payload {mfu.format_bytes(grad_sync.payload_bytes / args.steps)}"
+               f" (gradients predicted {mfu.format_bytes(predicted['grad_bytes'])} + 2 scalars),"
+               f" sent {mfu.format_bytes(grad_sync.wire_bytes / args.steps)} (predicted"
+               f" {mfu.format_bytes(predicted['wire'])})")
+    print0("communication by (collective, group) over the whole run:")
+    print0(tracer.table())
+    if steps:
+        tokens_per_s = tokens_per_step * steps / seconds
+        print0(f"throughput {tokens_per_s:,.0f} tok/s, MFU {mfu.mfu(flops.model, tokens_per_s, peak, world_size):.2%},"
+               f" HFU {mfu.mfu(flops.hardware, tokens_per_s, peak, world_size):.2%}"
+               f" (mean over steps 1..{steps}, step 0 excluded)")
+    print0("=" * 100)
+
+
+@torch.no_grad()
+def sample(model, val_tokens, tokenizer_name, num_tokens, seed, device):
+    tokenizer = data.get_tokenizer(tokenizer_name)
+    prompt = torch.from_numpy(val_tokens.tokens[:32].astype("int64"))[None].to(device)
+    model.eval()
+    out = model.generate(prompt, num_tokens, temperature=0.8, top_k=50,
+                         generator=torch.Generator(device=device).manual_seed(seed))
+    model.train()
+    print0("sample (prompt from the val split, then the model):")
+    print0(tokenizer.decode(out[0].tolist()))
+
+
+if __name__ == "__main__":
+    main()
