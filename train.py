@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -143,40 +142,84 @@ def count_global_tokens(batches, group, device) -> torch.Tensor:
     return local
 
 
-def train_step(model, ddp, optimizer, scaler, batches, data_group, clip, autocast, device, norm_groups=()):
+class ReplicatedUpdate:
+    """ZeRO stage 0: ddp.py sums the gradients, then every rank runs the same AdamW on the whole model.
+
+    This is the layout protocol train_step drives; zero.py's layouts implement the same methods:
+    `__call__` (forward), `no_sync()`, `finish_grad_sync()`, `step(scaler, clip, device) -> StepResult`,
+    `zero_grad()`, `set_lr(lr)`, `held_bytes() -> {weights, grads, optimizer, total}`.
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, optimizer, norm_groups=(), tp_rank: int = 0):
+        self.ddp, self.optimizer = ddp, optimizer
+        self.norm_groups, self.tp_rank = norm_groups, tp_rank  # TP shards: the norm sums over the TP group
+
+    def __call__(self, *args, **kwargs):
+        return self.ddp(*args, **kwargs)
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def finish_grad_sync(self):
+        self.ddp.finish_grad_sync()
+
+    def step(self, scaler, clip: float, device):
+        return unscale_clip_and_step(self.ddp.parameters(), self.optimizer, scaler, clip, self.norm_groups,
+                                     self.tp_rank, device)
+
+    def zero_grad(self):
+        self.ddp.zero_grad()
+
+    def set_lr(self, lr: float):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def held_bytes(self) -> dict:
+        params = list(self.ddp.parameters())
+        weights = sum(p.numel() * p.element_size() for p in params)
+        grads = sum(b.numel() * b.element_size() for b in (bucket.buffer for bucket in self.ddp.buckets))
+        optimizer = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+                        if torch.is_tensor(t) and t.dim() > 0)  # the moments; the 0-d step counters aside
+        return {"weights": weights, "grads": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+
+
+def train_step(layout, scaler, batches, data_group, clip, autocast, device):
     """One optimizer step over this rank's micro-batches, in DESIGN.md's update order.
 
-    Returns (global mean loss, StepResult). `ddp` is the DistributedDataParallel wrapper (gradient sync).
+    Returns (global mean loss, StepResult). `layout` syncs gradients and steps (ReplicatedUpdate or ZeRO).
     """
     global_tokens = count_global_tokens(batches, data_group, device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for index, (x, y) in enumerate(batches):
         last = index == len(batches) - 1
         # Gradient sync is decided when backward runs: every micro-step but the last only accumulates.
-        with nullcontext() if last else ddp.no_sync():
+        with nullcontext() if last else layout.no_sync():
             with autocast:
-                _, micro_loss_sum, _ = model(x.to(device), y.to(device))
+                _, micro_loss_sum, _ = layout(x.to(device), y.to(device))
             (micro_loss_sum * (scaler.scale / global_tokens)).backward()
         loss_sum += micro_loss_sum.detach().double()
-    ddp.finish_grad_sync()
-    result = unscale_clip_and_step(model.parameters(), optimizer, scaler, clip, norm_groups=norm_groups,
-                                   device=device)
-    ddp.zero_grad()
+    layout.finish_grad_sync()
+    result = layout.step(scaler, clip, device)
+    layout.zero_grad()
     if dist.get_world_size(data_group) > 1:
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=data_group)
     return float(loss_sum / global_tokens), result
 
 
 @torch.no_grad()
-def evaluate(model, tokens, sampler, steps, dp_rank, dp_size, micro, data_group, autocast, device) -> float:
-    """Mean val loss over `steps` deterministic global batches of the validation split."""
+def evaluate(forward, model, tokens, sampler, steps, dp_rank, dp_size, micro, data_group, autocast,
+             device) -> float:
+    """Mean val loss over `steps` deterministic global batches of the validation split.
+
+    `forward` runs the layout's forward (ZeRO-3 gathers parameters there); `model` switches dropout off.
+    """
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss_sum, tokens]
     for step in range(steps):
         for index in range(sampler.global_batch // (dp_size * micro)):
             x, y = sampler.get_batch(tokens, step, dp_rank, dp_size, micro, index)
             with autocast:
-                _, loss_sum, count = model(x.to(device), y.to(device))
+                _, loss_sum, count = forward(x.to(device), y.to(device))
             totals += torch.stack([loss_sum.double(), count.double()])
     if dist.get_world_size(data_group) > 1:
         dist.all_reduce(totals, group=data_group)
@@ -233,14 +276,6 @@ def mesh_description(mesh) -> str:
     return "\n".join(lines)
 
 
-def measured_state_bytes(model, optimizer) -> dict:
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    opt = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-              if torch.is_tensor(t) and t.dim() > 0)
-    return {"weights": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
-
-
 def main(argv=None):
     args = build_parser().parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -272,6 +307,7 @@ def main(argv=None):
     compiled = torch.compile(model) if args.compile else model
     ddp = DistributedDataParallel(compiled, group=mesh.dp_cp_group, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
+    layout = ReplicatedUpdate(ddp, optimizer)
     schedule = LRSchedule(args.lr, args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
                           args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
     scaler = DynamicLossScaler(enabled=args.dtype == "fp16")
@@ -294,42 +330,41 @@ def main(argv=None):
     dp_rank, dp_size = mesh.dp_rank, mesh.dp_size
     tokens_per_step = args.global_batch * seq_len
     timed_seconds, timed_steps = 0.0, 0
-    with tracer:
-        for step in range(args.steps):
-            lr = schedule(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batches = [sampler.get_batch(train_tokens, step, dp_rank, dp_size, micro, i) for i in range(steps_m)]
-            start = time.perf_counter()
-            loss, result = train_step(ddp, ddp, optimizer, scaler, batches, mesh.dp_cp_group, args.grad_clip,
-                                      autocast, device)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_time = time.perf_counter() - start
-            if step > 0:  # the first step pays one-off costs (allocation, compile)
-                timed_seconds, timed_steps = timed_seconds + step_time, timed_steps + 1
-            tokens_per_s = tokens_per_step / step_time
-            step_mfu = mfu.mfu(flops.model, tokens_per_s, peak, world_size)
-            record = dict(step=step, loss=loss, lr=lr, grad_norm=result.grad_norm, tokens=tokens_per_step,
-                          step_time_s=step_time, tokens_per_s=tokens_per_s, mfu=step_mfu, skipped=result.skipped)
-            if scaler.enabled:
-                record["loss_scale"] = scaler.scale
-            last = step == args.steps - 1
-            if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
-                record["val_loss"] = evaluate(ddp, val_tokens, val_sampler, args.eval_batches, dp_rank, dp_size,
-                                              micro, mesh.dp_cp_group, autocast, device)
-            if step % args.log_every == 0 or last or "val_loss" in record:
-                val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
-                print0(f"step {step:5d} | loss {loss:.4f}{val} | lr {lr:.2e} | grad norm {result.grad_norm:.3f}"
-                       f"{' (skipped)' if result.skipped else ''} | {tokens_per_s:,.0f} tok/s"
-                       f" | MFU {step_mfu:.2%} | {step_time * 1000:.0f} ms")
-            if metrics:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+    for step in range(args.steps):
+        lr = schedule(step)
+        layout.set_lr(lr)
+        batches = [sampler.get_batch(train_tokens, step, dp_rank, dp_size, micro, i) for i in range(steps_m)]
+        start = time.perf_counter()
+        with tracer:  # count the messages of training steps only (not evaluation)
+            loss, result = train_step(layout, scaler, batches, mesh.dp_cp_group, args.grad_clip, autocast,
+                                      device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - start
+        if step > 0:  # the first step pays one-off costs (allocation, compile)
+            timed_seconds, timed_steps = timed_seconds + step_time, timed_steps + 1
+        tokens_per_s = tokens_per_step / step_time
+        step_mfu = mfu.mfu(flops.model, tokens_per_s, peak, world_size)
+        record = dict(step=step, loss=loss, lr=lr, grad_norm=result.grad_norm, tokens=tokens_per_step,
+                      step_time_s=step_time, tokens_per_s=tokens_per_s, mfu=step_mfu, skipped=result.skipped)
+        if scaler.enabled:
+            record["loss_scale"] = scaler.scale
+        last = step == args.steps - 1
+        if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
+            record["val_loss"] = evaluate(layout, model, val_tokens, val_sampler, args.eval_batches, dp_rank, dp_size,
+                                          micro, mesh.dp_cp_group, autocast, device)
+        if step % args.log_every == 0 or last or "val_loss" in record:
+            val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            print0(f"step {step:5d} | loss {loss:.4f}{val} | lr {lr:.2e} | grad norm {result.grad_norm:.3f}"
+                   f"{' (skipped)' if result.skipped else ''} | {tokens_per_s:,.0f} tok/s"
+                   f" | MFU {step_mfu:.2%} | {step_time * 1000:.0f} ms")
+        if metrics:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
     if metrics:
         metrics.close()
 
-    end_accounting(tracer, predicted, model, optimizer, args, timed_seconds, timed_steps, tokens_per_step,
+    end_accounting(tracer, predicted, layout, args, timed_seconds, timed_steps, tokens_per_step,
                    flops, peak, world_size, device)
     if args.sample_tokens and rank == 0:
         sample(model, val_tokens, corpus.tokenizer_name, args.sample_tokens, args.seed, device)
@@ -337,9 +372,9 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-def end_accounting(tracer, predicted, model, optimizer, args, seconds, steps, tokens_per_step, flops, peak,
+def end_accounting(tracer, predicted, layout, args, seconds, steps, tokens_per_step, flops, peak,
                    world_size, device):
-    held = measured_state_bytes(model, optimizer)
+    held = layout.held_bytes()
     print0("=" * 100)
     print0("measured vs predicted (per rank, rank 0):")
     for kind in ("weights", "grads", "optimizer", "total"):

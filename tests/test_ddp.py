@@ -24,13 +24,14 @@ def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
     from mfu import CommTracer
     from model import GPT
     from optim import DynamicLossScaler, build_adamw
-    from train import train_step
+    from train import ReplicatedUpdate, train_step
 
     config = make_config()
     model = GPT(config, seed=0, dtype=torch.float64)
     group = dist.new_group(list(range(world)))
     ddp = DistributedDataParallel(model, group=group, bucket_mb=bucket_mb)
     optimizer = build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"])
+    layout = ReplicatedUpdate(ddp, optimizer)
     scaler = DynamicLossScaler(enabled=False)
     tracer = CommTracer()
     tracer.name_group(group, "dp")
@@ -38,7 +39,7 @@ def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
     for x, y in global_batches(STEPS, global_batch, SEQ):
         batches = rank_micro_batches(x, y, rank, world, micro)
         with tracer:
-            loss, result = train_step(ddp, ddp, optimizer, scaler, batches, group, clip, nullcontext(), "cpu")
+            loss, result = train_step(layout, scaler, batches, group, clip, nullcontext(), "cpu")
         calls.append(tracer.records[("all_reduce", "dp")].calls)
         tracer.reset()
         losses.append(loss)
