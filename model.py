@@ -78,7 +78,9 @@ class ShardInfo:
     """The one record of a parameter's place in the logical model, read by checkpoints, grad norm, accounting.
 
     `global_name`/`global_shape` name the logical tensor. If `split_dim` is set, the local tensor is piece
-    `split_index` of `num_splits` equal pieces along that dimension (tensor and expert parallel set this).
+    `split_index` of `num_splits` along that dimension (tensor and expert parallel set this). A fused tensor
+    such as c_attn's [q | k | v] has `segments=3`: the split dimension is made of 3 equal segments and each
+    rank holds its piece of every segment, concatenated (its heads of q, of k and of v).
     `tp_replicated` is True when every tensor-parallel rank holds the same copy (LayerNorms, row-parallel
     biases): the global gradient norm must then count it once, not T times.
     """
@@ -88,17 +90,49 @@ class ShardInfo:
     split_dim: int | None = None
     num_splits: int = 1
     split_index: int = 0
+    segments: int = 1
     tp_replicated: bool = True
-    extra: dict = field(default_factory=dict)
 
-    def local_slice(self) -> tuple:
-        """Index into the global tensor that gives this local tensor."""
+    @property
+    def local_shape(self) -> tuple:
+        shape = list(self.global_shape)
+        if self.split_dim is not None:
+            shape[self.split_dim] //= self.num_splits
+        return tuple(shape)
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece of the global tensor `full` (a copy for fused segments, else a view)."""
         if self.split_dim is None:
-            return tuple(slice(None) for _ in self.global_shape)
-        size = self.global_shape[self.split_dim] // self.num_splits
-        index = [slice(None)] * len(self.global_shape)
-        index[self.split_dim] = slice(self.split_index * size, (self.split_index + 1) * size)
-        return tuple(index)
+            return full
+        pieces = [segment.chunk(self.num_splits, self.split_dim)[self.split_index]
+                  for segment in full.chunk(self.segments, self.split_dim)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.split_dim)
+
+    def place_into(self, full: torch.Tensor, local: torch.Tensor) -> None:
+        """Write the local piece into its place in the global tensor `full` (the inverse of shard_of)."""
+        if self.split_dim is None:
+            full.copy_(local)
+            return
+        for segment, piece in zip(full.chunk(self.segments, self.split_dim), local.chunk(self.segments,
+                                                                                          self.split_dim)):
+            segment.chunk(self.num_splits, self.split_dim)[self.split_index].copy_(piece)
+
+
+@dataclass
+class StatePiece:
+    """One local tensor of training state and where it sits in its logical tensor: what checkpoints move.
+
+    Every layout lists its state as pieces; saving reads `tensor`, loading copies into it (it is the live
+    storage). A piece is the `shard` (TP/EP split) of the logical tensor, and of that, when `flat_range` is
+    set, the elements [start, end) of the flattened split (a ZeRO shard). `primary` is False on a replica
+    whose identical twin on another rank is the one written.
+    """
+
+    key: str  # "<kind>/<global name>", kind: param | master | exp_avg | exp_avg_sq
+    tensor: torch.Tensor
+    shard: ShardInfo
+    flat_range: tuple | None = None
+    primary: bool = True
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -69,17 +69,23 @@ def test_float64_model_starts_from_the_float32_values():
         assert pb.dtype == torch.float64 and torch.equal(pa.double(), pb)
 
 
-@pytest.mark.parametrize("dim,pieces", [(0, 2), (1, 4), (0, 3)])
-def test_shard_slices_tile_the_full_parameter(dim, pieces):
-    full = init_full_parameter("transformer.h.0.mlp.c_fc.weight", (12, 8), tiny(), seed=5)
-    slices = []
+@pytest.mark.parametrize("dim,pieces,segments", [(0, 2, 1), (1, 4, 1), (0, 3, 1), (0, 2, 3)])
+def test_shard_pieces_tile_the_full_parameter(dim, pieces, segments):
+    """Each rank builds its piece from the full init alone; the pieces put back together give the full tensor."""
+    shape = (12 * segments, 8) if dim == 0 else (12, 8)
+    full = init_full_parameter("transformer.h.0.attn.c_attn.weight", shape, tiny(), seed=5)
+    rebuilt = torch.full(shape, float("nan"))
     for index in range(pieces):
-        info = ShardInfo("transformer.h.0.mlp.c_fc.weight", (12, 8), split_dim=dim, num_splits=pieces,
-                         split_index=index)
-        shard = init_full_parameter(info.global_name, info.global_shape, tiny(), seed=5)[info.local_slice()]
-        assert shard.shape[dim] == full.shape[dim] // pieces
-        slices.append(shard)
-    assert torch.equal(torch.cat(slices, dim=dim), full)
+        info = ShardInfo("transformer.h.0.attn.c_attn.weight", shape, split_dim=dim, num_splits=pieces,
+                         split_index=index, segments=segments)
+        shard = info.shard_of(init_full_parameter(info.global_name, info.global_shape, tiny(), seed=5))
+        assert shard.shape == info.local_shape
+        if segments == 3:  # fused q|k|v: rank `index` holds rows [index·2, index·2+2) of each 12-row segment
+            expected = torch.cat([full[s * 12 + index * 12 // pieces:s * 12 + (index + 1) * 12 // pieces]
+                                  for s in range(3)])
+            assert torch.equal(shard, expected)
+        info.place_into(rebuilt, shard)
+    assert torch.equal(rebuilt, full)
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients():
