@@ -109,11 +109,12 @@ def validate_args(args, world_size: int):
             f"--global-batch {args.global_batch} must be divisible by D × --micro-batch = {shape.dp} × {micro}"
             f" (B_global = D·m·B_μ)"
         )
+    if args.data is not None and not os.path.isfile(args.data):
+        raise FlagError(f"--data {args.data!r} is not a file; give a text file to train on, or leave --data out"
+                        f" for the built-in corpus")
     config = model_config(args)
     if args.seq_len is not None and not 1 <= args.seq_len <= config.block_size:
         raise FlagError(f"--seq-len {args.seq_len} must be between 1 and the model's block size {config.block_size}")
-    if args.dtype == "fp16" and not torch.cuda.is_available() and args.backend != "nccl":
-        pass  # fp16 autocast runs on CPU too (slowly); allowed so the loss-scaling path can be exercised
     return shape, args.global_batch // (shape.dp * micro), micro
 
 
@@ -262,12 +263,15 @@ def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops
     print0(f"predicted comm per step: all_reduce dp_cp (D·C={mesh.dp_cp_size}): payload"
            f" {mfu.format_bytes(grad_bytes)}, sent per rank {mfu.format_bytes(wire)} in"
            f" {len(ddp.buckets)} buckets of ≤{args.bucket_mb:g} MiB (2(N-1)/N·M, ring)")
-    last_bucket = ddp.bucket_sizes_bytes()[-1]
-    print0(f"critical path: buckets 0..{len(ddp.buckets) - 2} overlap backward; the last one"
-           f" ({mfu.format_bytes(last_bucket)}, the first layers' grads) is sent after it, then 3 scalar"
-           f" all-reduces (token count, finite flag, loss)" if len(ddp.buckets) > 1 else
-           f"critical path: the single bucket ({mfu.format_bytes(last_bucket)}) is sent after backward;"
-           f" lower --bucket-mb to overlap it")
+    last_bucket = mfu.format_bytes(ddp.bucket_sizes_bytes()[-1])
+    if mesh.dp_cp_size == 1:
+        print0("critical path: no gradient communication (one data rank)")
+    elif len(ddp.buckets) == 1:
+        print0(f"critical path: the single bucket ({last_bucket}) is sent after backward; lower --bucket-mb"
+               f" to overlap it")
+    else:
+        print0(f"critical path: buckets 0..{len(ddp.buckets) - 2} overlap backward; the last one ({last_bucket},"
+               f" the first layers' grads) is sent after it, then scalar all-reduces (token count, finite flag)")
     print0(f"pipeline bubble: {mfu.pipeline_bubble(mesh.shape.pp, steps_m):.1%} (P={mesh.shape.pp}, m={steps_m})")
     print0("=" * 100)
     return {"grad_bytes": grad_bytes, "wire": wire, "persistent": persistent}
@@ -289,7 +293,8 @@ def main(argv=None):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         shape, steps_m, micro = validate_args(args, world_size)
-    except FlagError as e:
+        data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
+    except (FlagError, RuntimeError) as e:
         # Every rank validates the same flags and exits before any of them waits on a peer.
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -10,7 +10,6 @@ the printed ratio is median step time of ddp.py / median step time of torch DDP 
 import argparse
 import os
 import sys
-from contextlib import nullcontext
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

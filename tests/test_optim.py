@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import run_ranks
 from model import ShardInfo

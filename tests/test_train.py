@@ -65,6 +65,7 @@ def args_for(*flags):
         (["--steps", "0"], 1, "--steps must be at least 1"),
         (["--n-head", "5"], 1, "n_embd=64 must be divisible by n_head=5"),
         (["--ep", "3"], 2, "--ep 3 must divide"),
+        (["--data", "/no/such/file.txt"], 1, "--data '/no/such/file.txt' is not a file"),
     ],
 )
 def test_invalid_flags_have_clear_errors(flags, world, message):
