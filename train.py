@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import data
 import mfu
+import tensor_parallel
 from ddp import DistributedDataParallel
 from mesh import build_mesh, choose_device_and_backend, infer_mesh_shape, init_distributed
 from model import GPT, config_from_preset
@@ -92,7 +93,7 @@ def validate_args(args, world_size: int):
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
         raise FlagError(str(e)) from None
-    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--cp", args.cp), ("--ep", args.ep)):
+    for flag, value in (("--pp", args.pp), ("--cp", args.cp), ("--ep", args.ep)):
         if value > 1:
             raise FlagError(f"{flag} {value}: this axis is not implemented in this version of the trainer")
     if args.zero:
@@ -112,6 +113,12 @@ def validate_args(args, world_size: int):
     config = model_config(args)
     if args.seq_len is not None and not 1 <= args.seq_len <= config.block_size:
         raise FlagError(f"--seq-len {args.seq_len} must be between 1 and the model's block size {config.block_size}")
+    if args.tp > 1:
+        config.vocab_size = vocab_size(args.tokenizer)
+        try:
+            tensor_parallel.check_divisible(config, args.tp, args.seq_len or config.block_size, args.sp)
+        except ValueError as e:
+            raise FlagError(str(e)) from None
     if args.dtype == "fp16" and not torch.cuda.is_available() and args.backend != "nccl":
         pass  # fp16 autocast runs on CPU too (slowly); allowed so the loss-scaling path can be exercised
     return shape, args.global_batch // (shape.dp * micro), micro
@@ -127,6 +134,13 @@ def model_config(args):
         return config_from_preset(args.preset, **overrides)
     except ValueError as e:
         raise FlagError(str(e)) from None
+
+
+def vocab_size(tokenizer: str) -> int:
+    """The model's vocabulary for a tokenizer: bytes as they are, BPE padded (main() uses the same rule)."""
+    if tokenizer == "byte":
+        return data.ByteTokenizer.vocab_size
+    return padded_vocab(data.GPT2Tokenizer.vocab_size)
 
 
 def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
@@ -150,9 +164,13 @@ class ReplicatedUpdate:
     `zero_grad()`, `set_lr(lr)`, `held_bytes() -> {weights, grads, optimizer, total}`.
     """
 
-    def __init__(self, ddp: DistributedDataParallel, optimizer, norm_groups=(), tp_rank: int = 0):
+    def __init__(self, ddp: DistributedDataParallel, optimizer, norm_groups=(), tp_rank: int = 0,
+                 after_grad_sync=()):
         self.ddp, self.optimizer = ddp, optimizer
         self.norm_groups, self.tp_rank = norm_groups, tp_rank  # TP shards: the norm sums over the TP group
+        # Reductions over other groups once the data-parallel one is done (sequence parallel sums its
+        # replicated parameters' gradients over the TP group: TensorParallel.finish_grad_sync).
+        self.after_grad_sync = tuple(after_grad_sync)
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
@@ -162,6 +180,8 @@ class ReplicatedUpdate:
 
     def finish_grad_sync(self):
         self.ddp.finish_grad_sync()
+        for reduce in self.after_grad_sync:
+            reduce()
 
     def step(self, scaler, clip: float, device):
         return unscale_clip_and_step(self.ddp.parameters(), self.optimizer, scaler, clip, self.norm_groups,
