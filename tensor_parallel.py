@@ -426,6 +426,13 @@ class TensorParallel:
         finally:
             self.ctx.sequence_parallel, head.gather_output = previous, False
 
+    def startup_lines(self, micro: int, seq: int, compute_bytes: int, autocast) -> list:
+        """accounting_lines with block 0's messages measured once (before DDP installs gradient hooks)."""
+        param_bytes = next(self.model.parameters()).element_size()
+        measured = measure_block_messages(self.model, self.ctx, micro, seq, autocast)
+        return accounting_lines(self.model.config, micro, seq, self.ctx.size, self.sequence_parallel, param_bytes,
+                                compute_bytes, measured=measured)
+
     def step_messages(self, micro: int, seq: int, micro_batches: int = 1, compute_bytes: int | None = None):
         """Predicted {(op, "tp"): (calls, payload bytes)} for one optimizer step; see `step_messages`."""
         param = next(self.model.parameters())
@@ -551,16 +558,69 @@ def activation_estimates(config: GPTConfig, micro: int, seq: int, tp: int) -> di
             "tp_sp": activation_bytes_per_layer(*args, t=tp, sequence_parallel=True)}
 
 
+def _by_phase_and_op(messages) -> dict:
+    out = {}
+    for phase, op, payload in messages:
+        calls, total = out.get((phase, op), (0, 0))
+        out[(phase, op)] = (calls + 1, total + payload)
+    return out
+
+
+@torch.no_grad()
+def _clear_grads(module: nn.Module):
+    for p in module.parameters():
+        p.grad = None
+
+
+def measure_block_messages(model: GPT, ctx: TensorParallelContext, micro: int, seq: int, autocast) -> dict:
+    """Run block 0's forward and backward once on random input under a CommTracer: {(phase, op): (calls, bytes)}.
+
+    Call it before any gradient hook is installed (DDP): it leaves no gradient behind.
+    """
+    from mfu import CommTracer
+
+    block = model.transformer.h[0]
+    param = next(block.parameters())
+    local_seq = seq // ctx.size if ctx.sequence_parallel else seq
+    generator = torch.Generator(device=param.device).manual_seed(0)  # leaves the global RNG alone
+    x = torch.randn(micro, local_seq, model.config.n_embd, generator=generator, device=param.device,
+                    dtype=param.dtype, requires_grad=True)
+    tracer = CommTracer()
+    tracer.name_group(ctx.group, "tp")
+    measured = {}
+    with tracer:
+        with autocast:
+            out = block(x)
+    measured.update({("forward", op): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items()})
+    tracer.reset()
+    with tracer:
+        out.float().sum().backward()
+    measured.update({("backward", op): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items()})
+    _clear_grads(block)
+    return measured
+
+
 def accounting_lines(config: GPTConfig, micro: int, seq: int, tp: int, sequence_parallel: bool,
-                     param_bytes: int = 4, compute_bytes: int = 4, state_bytes_per_param: int = 16) -> list:
-    """The startup printout: per-block messages, parameters per rank, activation estimates."""
+                     param_bytes: int = 4, compute_bytes: int = 4, state_bytes_per_param: int = 16,
+                     measured: dict | None = None) -> list:
+    """The startup printout: per-block messages (predicted, and measured when given), parameters per rank,
+    activation estimates."""
     from mfu import format_bytes
 
-    lines = [f"tensor parallel T={tp}{' + sequence parallel' if sequence_parallel else ''}: per block and"
-             f" micro-batch (b={micro}, s={seq}, h={config.n_embd}), critical path, group tp:"]
-    for phase, op, payload in block_messages(micro, seq, config.n_embd, sequence_parallel, param_bytes,
-                                             compute_bytes):
-        lines.append(f"  {phase:<8} {op:<22} tp  {format_bytes(payload)}")
+    lines = [f"tensor parallel T={tp}{' + sequence parallel' if sequence_parallel else ''}: messages per block and"
+             f" micro-batch (b={micro}, s={seq}, h={config.n_embd}), on the critical path, group tp:"]
+    predicted = _by_phase_and_op(block_messages(micro, seq, config.n_embd, sequence_parallel, param_bytes,
+                                                compute_bytes))
+    for (phase, op), (calls, payload) in predicted.items():
+        line = f"  {phase:<8} {op:<22} predicted {calls} × {format_bytes(payload / calls):>10}"
+        if measured is not None:
+            m_calls, m_payload = measured.get((phase, op), (0, 0))
+            line += f"   measured {m_calls} × {format_bytes(m_payload / max(1, m_calls)):>10}"
+        lines.append(line)
+    if measured is not None:
+        for (phase, op), (m_calls, m_payload) in measured.items():
+            if (phase, op) not in predicted:
+                lines.append(f"  {phase:<8} {op:<22} predicted 0   measured {m_calls} × {format_bytes(m_payload)}")
     counts = param_counts(config, tp)
     act = activation_estimates(config, micro, seq, tp)
     lines.append(f"  parameters per rank: {counts['per_rank']:,} of {counts['global']:,}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -253,16 +254,17 @@ def print0(*args, **kwargs):
 
 
 def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source, ddp,
-                       device) -> dict:
+                       device, extra_lines=()) -> dict:
     """Print what each device holds and what each group sends; return the predictions for the end report."""
     D = mesh.shape.dp
-    psi = model.num_params()
-    local_params = sum(p.numel() for p in model.parameters())
+    psi = sum(math.prod(p.shard_info.global_shape) for p in model.parameters())  # the logical model
+    local_params = sum(p.numel() for p in model.parameters())  # this rank's (TP) shards
     recipe = mfu.BYTES_PER_PARAM["fp32"]  # fp32 parameters and grads, fp32 Adam moments (autocast computes bf16)
-    persistent = mfu.persistent_bytes(psi, recipe, zero_stage=0, dp_size=D)
+    persistent = mfu.persistent_bytes(local_params, recipe, zero_stage=0, dp_size=D)
     grad_bytes = 4 * local_params
     wire = mfu.wire_bytes("all_reduce", grad_bytes, mesh.dp_cp_size)
-    activation = mfu.activation_bytes_per_layer(seq_len, micro, config.n_embd, config.n_head) * config.n_layer
+    activation = mfu.activation_bytes_per_layer(seq_len, micro, config.n_embd, config.n_head, t=mesh.shape.tp,
+                                                sequence_parallel=args.sp) * config.n_layer
     print0("=" * 100)
     print0(mesh_description(mesh))
     print0(f"parameters: {psi:,} global (Ψ); {local_params:,} on each rank"
@@ -281,6 +283,8 @@ def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops
            f" {mfu.format_bytes(grad_bytes)}, sent per rank {mfu.format_bytes(wire)} in"
            f" {len(ddp.buckets)} buckets of ≤{args.bucket_mb:g} MiB (2(N-1)/N·M, ring)")
     print0(f"pipeline bubble: {mfu.pipeline_bubble(mesh.shape.pp, steps_m):.1%} (P={mesh.shape.pp}, m={steps_m})")
+    for line in extra_lines:
+        print0(line)
     print0("=" * 100)
     return {"grad_bytes": grad_bytes, "wire": wire, "persistent": persistent}
 
@@ -324,24 +328,32 @@ def main(argv=None):
     config.vocab_size = padded_vocab(corpus.vocab_size) if args.tokenizer != "byte" else corpus.vocab_size
     seq_len = args.seq_len or config.block_size
     model = GPT(config, seed=args.seed, device=device)
+    n_matmul_params = model.num_params(exclude_position_embedding=True)  # logical, before TP splits it
+    autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext())
+    tp, tp_lines, tp_kwargs = None, [], {}
+    if shape.tp > 1:  # TP swaps the linears, embedding and head before DDP wraps the model
+        tp = tensor_parallel.parallelize(model, mesh.tp_group, args.sp, seed=args.seed)
+        tp_lines = tp.startup_lines(micro, seq_len, DTYPES[args.dtype].itemsize, autocast)
+        tp_kwargs = dict(norm_groups=(mesh.tp_group,), tp_rank=mesh.tp_rank, after_grad_sync=(tp.finish_grad_sync,))
     compiled = torch.compile(model) if args.compile else model
     ddp = DistributedDataParallel(compiled, group=mesh.dp_cp_group, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
-    layout = ReplicatedUpdate(ddp, optimizer)
+    layout = ReplicatedUpdate(ddp, optimizer, **tp_kwargs)
     schedule = LRSchedule(args.lr, args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
                           args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
     scaler = DynamicLossScaler(enabled=args.dtype == "fp16")
-    autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext())
     sampler = data.BatchSampler(len(train_tokens), seq_len, args.global_batch, args.seed)
     val_sampler = data.BatchSampler(len(val_tokens), seq_len, args.global_batch, args.seed + 1)
 
     flops = mfu.flops_per_token(
-        n_matmul_params=model.num_params(exclude_position_embedding=True), n_layer=config.n_layer,
+        n_matmul_params=n_matmul_params, n_layer=config.n_layer,
         n_head=config.n_head, head_dim=config.head_dim, seq_len=seq_len, recompute=config.activation_checkpointing,
     )
     peak, peak_source = mfu.detect_peak_flops(device, args.dtype, args.peak_tflops)
     predicted = startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source,
-                                   ddp, device)
+                                   ddp, device, tp_lines)
+    if tp is not None:
+        predicted["tp_step"] = tp.step_messages(micro, seq_len, steps_m, DTYPES[args.dtype].itemsize)
 
     metrics = open(args.metrics_file, "w") if (args.metrics_file and rank == 0) else None
     tracer = mfu.CommTracer()
@@ -386,8 +398,9 @@ def main(argv=None):
 
     end_accounting(tracer, predicted, layout, args, timed_seconds, timed_steps, tokens_per_step,
                    flops, peak, world_size, device)
-    if args.sample_tokens and rank == 0:
-        sample(model, val_tokens, corpus.tokenizer_name, args.sample_tokens, args.seed, device)
+    if args.sample_tokens and rank < shape.tp:  # rank 0's TP group samples together (rank 0 prints)
+        with tp.full_logits() if tp is not None else nullcontext():
+            sample(model, val_tokens, corpus.tokenizer_name, args.sample_tokens, args.seed, device)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -409,6 +422,13 @@ def end_accounting(tracer, predicted, layout, args, seconds, steps, tokens_per_s
                f" (gradients predicted {mfu.format_bytes(predicted['grad_bytes'])} + 2 scalars),"
                f" sent {mfu.format_bytes(grad_sync.wire_bytes / args.steps)} (predicted"
                f" {mfu.format_bytes(predicted['wire'])})")
+    if predicted.get("tp_step") and args.steps:
+        print0("  tp group per step (every step: messages × payload, measured vs predicted):")
+        for op, (calls, payload) in predicted["tp_step"].items():
+            stat = tracer.records.get((op, "tp"))
+            m_calls, m_payload = (stat.calls / args.steps, stat.payload_bytes / args.steps) if stat else (0, 0)
+            print0(f"    {op:<22} measured {m_calls:g} calls {mfu.format_bytes(m_payload):>10}   predicted"
+                   f" {calls} calls {mfu.format_bytes(payload):>10}")
     print0("communication by (collective, group) over the whole run:")
     print0(tracer.table())
     if steps:
