@@ -36,17 +36,19 @@ size, e_w / e_c the bytes of a parameter-dtype / compute-dtype element (autocast
        T = 1:        s·b·h·(34 + 5·a·s/h)
        TP:           s·b·h·(10 + 24/T + 5·a·s/(h·T))
        TP + SP:      s·b·h/T·(34 + 5·a·s/h)
-   This file keeps, under SP, the all-gathered inputs of c_attn and c_fc for the backward (autograd saves
-   them; Megatron re-gathers them in backward instead): 2·2·s·b·h·(T-1)/T bytes more per layer than the
-   third line. Temporary: the gathered [s, b, h] buffer of one all-gather, and the loss's softmax
-   [b·s, V/T] in fp32 (never [b·s, V]).
+   The third line assumes that c_attn and c_fc keep only their input's sequence shard for backward and
+   all-gather it again there, as Megatron does and as ColumnParallelLinear does here (a saved-tensor hook).
+   Temporary: one gathered [b, s, h] input at a time, and the loss's softmax [b·s, V/T] in fp32 (never
+   [b·s, V]).
 3. Critical path, per micro-batch (all synchronous, nothing overlaps; group `tp`, bytes = the message M):
        per block, no SP: forward  2 × all_reduce s·b·h·e_c   (after attn.c_proj and mlp.c_proj: g)
                          backward 2 × all_reduce s·b·h·e_w   (before c_attn and c_fc: f)
-       per block, SP:    forward  2 × all_gather s·b·h·e_w + 2 × reduce_scatter s·b·h·e_c
-                         backward 2 × reduce_scatter s·b·h·e_w + 2 × all_gather s·b·h·e_c
+       per block, SP:    forward  2 × all_gather s·b·h·e_c + 2 × reduce_scatter s·b·h·e_c
+                         backward 2 × reduce_scatter s·b·h·e_c + 4 × all_gather s·b·h·e_c (two of them
+                         re-gather c_attn's and c_fc's inputs; not under activation checkpointing)
        embedding: all_reduce (SP: reduce_scatter forward, all_gather backward) s·b·h·e_w
-       head:      all_reduce backward (SP: all_gather forward, reduce_scatter backward) s·b·h·e_w
+       head:      all_reduce backward s·b·h·e_w (SP: all_gather forward, all_gather + reduce_scatter
+                  backward, s·b·h·e_c)
        loss:      all_reduce MAX b·s·e_l and all_reduce SUM 2·b·s·e_l (e_l = 4, or 8 for float64 logits)
    Activation checkpointing repeats each block's forward messages in backward, all but the last (torch's
    checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none). Per step: the squared
@@ -144,7 +146,7 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, 1, group)
+        return _all_gather(x, 1, group).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
@@ -177,6 +179,13 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
         return _split(grad, -1, ctx.group), None
 
 
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """Cast to the autocast dtype now, as the linear would: the all-gather then moves 16-bit data, and the
+    linear's own cast is a no-op, so the tensor it saves for backward is the gathered one itself."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
 @dataclass
 class TensorParallelContext:
     """What every swapped module shares: the group and whether activations between regions are split."""
@@ -187,9 +196,9 @@ class TensorParallelContext:
     sequence_parallel: bool = False
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Into a region: f, or with SP the all-gather of the sequence."""
+        """Into a region: f, or with SP the all-gather of the sequence (of 16-bit data under autocast)."""
         if self.sequence_parallel:
-            return GatherFromSequenceParallelRegion.apply(x, self.group)
+            return GatherFromSequenceParallelRegion.apply(_autocast_input(x), self.group)
         return CopyToTensorParallelRegion.apply(x, self.group)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,15 +218,45 @@ class ColumnParallelLinear(nn.Module):
 
     The input enters the region through f (or SP's all-gather); the output stays split (the next row-parallel
     layer consumes it) unless `gather_output`, which all-gathers it (sampling's full logits).
+    `regather` (SP only): keep the sequence shard for backward instead of the gathered input (see
+    `_forward_regathering`); off inside activation-checkpointed blocks, which keep only their input anyway.
     """
 
-    def __init__(self, linear: nn.Linear, ctx: TensorParallelContext, gather_output: bool = False):
+    def __init__(self, linear: nn.Linear, ctx: TensorParallelContext, gather_output: bool = False,
+                 regather: bool = True):
         super().__init__()
-        self.linear, self.ctx, self.gather_output = linear, ctx, gather_output
+        self.linear, self.ctx, self.gather_output, self.regather = linear, ctx, gather_output, regather
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(self.ctx.enter(x))
+        if self.regather and self.ctx.sequence_parallel and torch.is_grad_enabled():
+            y = self._forward_regathering(x)
+        else:
+            y = self.linear(self.ctx.enter(x))
         return GatherFromTensorParallelRegion.apply(y, self.ctx.group) if self.gather_output else y
+
+    def _forward_regathering(self, x: torch.Tensor) -> torch.Tensor:
+        """SP as in Megatron: autograd keeps the shard, and backward all-gathers it again.
+
+        The weight gradient X_fullᵀ·dY needs the whole gathered input; storing it would cost s·b·h elements
+        per column layer where Korthikanti et al. count s·b·h/T. A saved-tensor hook swaps the gathered
+        tensor for this rank's shard when the linear saves it, and unpacking it in backward all-gathers it
+        again: one more all-gather per column layer in backward, for (T-1)/T of that memory.
+        """
+        total = self.ctx.enter(x)
+        shard, group = _autocast_input(x).detach(), self.ctx.group
+
+        def pack(t):
+            same = t.data_ptr() == total.data_ptr() and t.numel() == total.numel() and t.dtype == total.dtype
+            return (shard, t.shape) if same else t  # the linear saves a [b·s, h] view of `total`
+
+        def unpack(saved):
+            if isinstance(saved, tuple):
+                piece, shape = saved
+                return _all_gather(piece, 1, group).contiguous().view(shape)
+            return saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return self.linear(total)
 
 
 class RowParallelLinear(nn.Module):
@@ -360,7 +399,7 @@ def _param(shard: ShardInfo, config, seed, like: torch.Tensor) -> nn.Parameter:
     return param
 
 
-def _column(linear: nn.Linear, name: str, ctx, config, seed, segments=1, gather_output=False):
+def _column(linear: nn.Linear, name: str, ctx, config, seed, segments=1, regather=True):
     out_features = linear.out_features // ctx.size
     with torch.device("meta"):  # shapes only; the values come from the deterministic init
         local = nn.Linear(linear.in_features, out_features, bias=linear.bias is not None)
@@ -368,7 +407,7 @@ def _column(linear: nn.Linear, name: str, ctx, config, seed, segments=1, gather_
                           linear.weight)
     if linear.bias is not None:
         local.bias = _param(_shard(f"{name}.bias", linear.bias.shape, 0, ctx, segments), config, seed, linear.bias)
-    return ColumnParallelLinear(local, ctx, gather_output)
+    return ColumnParallelLinear(local, ctx, regather=regather)
 
 
 def _row(linear: nn.Linear, name: str, ctx, config, seed):
@@ -455,9 +494,11 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
     sp_params = []
     for i, block in enumerate(model.transformer.h):
         prefix = f"transformer.h.{i}"
-        block.attn.c_attn = _column(block.attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, segments=3)
+        regather = not config.activation_checkpointing
+        block.attn.c_attn = _column(block.attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, segments=3,
+                                    regather=regather)
         block.attn.c_proj = _row(block.attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
-        block.mlp.c_fc = _column(block.mlp.c_fc, f"{prefix}.mlp.c_fc", ctx, config, seed)
+        block.mlp.c_fc = _column(block.mlp.c_fc, f"{prefix}.mlp.c_fc", ctx, config, seed, regather=regather)
         block.mlp.c_proj = _row(block.mlp.c_proj, f"{prefix}.mlp.c_proj", ctx, config, seed)
         sp_params += [*block.ln_1.parameters(), *block.ln_2.parameters()]
         sp_params += [p for p in (block.attn.c_proj.bias, block.mlp.c_proj.bias) if p is not None]
@@ -496,20 +537,26 @@ def param_counts(config: GPTConfig, tp: int) -> dict:
             "per_rank": split // tp + replicated}
 
 
-def block_messages(micro: int, seq: int, h: int, sequence_parallel: bool, param_bytes: int, compute_bytes: int):
+def block_messages(micro: int, seq: int, h: int, sequence_parallel: bool, param_bytes: int, compute_bytes: int,
+                   regather: bool = True):
     """One block's critical-path messages for one micro-batch: [(phase, op, payload bytes)], group tp.
 
-    Entering a region moves the LayerNorm's output (parameter dtype); leaving it, a linear's output (compute
-    dtype under autocast). The backward of each moves the gradient of that same tensor, in that dtype.
+    Without SP, f moves the gradient of the LayerNorm's output (parameter dtype: autocast casts inside the
+    linear, after f) and g a linear's output (compute dtype). With SP everything moves compute-dtype data:
+    the shard is cast before its all-gather. The backward of each moves the gradient of the same tensor.
     """
     enter, leave = micro * seq * h * param_bytes, micro * seq * h * compute_bytes
     if not sequence_parallel:
         return [("forward", "all_reduce", leave), ("forward", "all_reduce", leave),  # g after attn, mlp
                 ("backward", "all_reduce", enter), ("backward", "all_reduce", enter)]  # f before mlp, attn
-    return [("forward", "all_gather_single", enter), ("forward", "reduce_scatter_single", leave),
-            ("forward", "all_gather_single", enter), ("forward", "reduce_scatter_single", leave),
-            ("backward", "all_gather_single", leave), ("backward", "reduce_scatter_single", enter),
-            ("backward", "all_gather_single", leave), ("backward", "reduce_scatter_single", enter)]
+    full = leave
+    backward_column = [("backward", "all_gather_single", full)] if regather else []  # re-gather the input
+    return [("forward", "all_gather_single", full), ("forward", "reduce_scatter_single", full),
+            ("forward", "all_gather_single", full), ("forward", "reduce_scatter_single", full),
+            ("backward", "all_gather_single", full),  # mlp.c_proj's ḡ
+            *backward_column, ("backward", "reduce_scatter_single", full),  # c_fc: weight grad, then g's RS
+            ("backward", "all_gather_single", full),  # attn.c_proj's ḡ
+            *backward_column, ("backward", "reduce_scatter_single", full)]  # c_attn
 
 
 def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_parallel: bool,
@@ -526,7 +573,8 @@ def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_par
     loss_bytes = max(4, compute_bytes)  # the softmax runs in at least fp32
     for _ in range(micro_batches):
         for _ in range(config.n_layer):
-            msgs = block_messages(micro, seq, h, sequence_parallel, param_bytes, compute_bytes)
+            msgs = block_messages(micro, seq, h, sequence_parallel, param_bytes, compute_bytes,
+                                  regather=not config.activation_checkpointing)
             if config.activation_checkpointing:
                 # Backward recomputes the block's forward, messages included, but torch's non-reentrant
                 # checkpoint stops as soon as every saved tensor is back: the MLP's final reduction feeds
@@ -537,7 +585,8 @@ def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_par
         act = tokens * h * param_bytes
         if sequence_parallel:
             add("reduce_scatter_single", act), add("all_gather_single", act)  # embedding: fwd, bwd
-            add("all_gather_single", act), add("reduce_scatter_single", act)  # head: fwd, bwd
+            head = tokens * h * compute_bytes
+            add("all_gather_single", head, calls=2), add("reduce_scatter_single", head)  # head: fwd, re-gather, bwd
         else:
             add("all_reduce", act)  # embedding forward (g)
             add("all_reduce", act)  # head backward (f)
@@ -610,7 +659,7 @@ def accounting_lines(config: GPTConfig, micro: int, seq: int, tp: int, sequence_
     lines = [f"tensor parallel T={tp}{' + sequence parallel' if sequence_parallel else ''}: messages per block and"
              f" micro-batch (b={micro}, s={seq}, h={config.n_embd}), on the critical path, group tp:"]
     predicted = _by_phase_and_op(block_messages(micro, seq, config.n_embd, sequence_parallel, param_bytes,
-                                                compute_bytes))
+                                                compute_bytes, regather=not config.activation_checkpointing))
     for (phase, op), (calls, payload) in predicted.items():
         line = f"  {phase:<8} {op:<22} predicted {calls} × {format_bytes(payload / calls):>10}"
         if measured is not None:
