@@ -57,8 +57,8 @@ size, e_w / e_c the bytes of a parameter-dtype / compute-dtype element (autocast
 4. Restart state: nothing of its own. Every parameter's `shard_info` names its global tensor and its
    slice, which the checkpoint reads; a different T reslices on load.
 
-Dropout > 0 is refused: a replicated region needs the same dropout mask on every TP rank and a split region
-different ones (Megatron's RNG tracker); this file does not implement that yet.
+Dropout: a replicated activation (the residual stream without SP) needs the same mask on every TP rank, a
+split one (attention heads; with SP the sequence pieces) a different mask per rank: see TensorParallelRNG.
 """
 
 from __future__ import annotations
@@ -365,6 +365,62 @@ def vocab_parallel_cross_entropy_sum(local_logits, targets, vocab_start: int, gr
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Dropout randomness
+# ---------------------------------------------------------------------------------------------------------
+
+
+class TensorParallelRNG:
+    """Which dropout masks agree across the TP group: the job of Megatron's RNG tracker, checkpoint-safe.
+
+    Replicated activations need the SAME mask on every TP rank, or the ranks' copies drift apart: they use
+    the default generator, which the trainer seeds alike across a TP group. Split activations need
+    INDEPENDENT masks: `fork()` draws one number from the default generator (the same draw on every TP rank),
+    reseeds the default generator with (draw, TP rank) for the op, and then restores it. Since the per-op
+    seed is itself a draw from the default generator, torch.utils.checkpoint, which saves and restores that
+    generator's state around the recomputation, replays the very same masks in backward.
+    """
+
+    def __init__(self, tp_rank: int, device: torch.device):
+        self.tp_rank, self.device = tp_rank, torch.device(device)
+
+    @contextmanager
+    def fork(self):
+        draw = int(torch.randint(0, 2**62, ()))  # CPU default generator: same on every TP rank
+        cuda = self.device.type == "cuda"
+        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] if cuda else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda" if cuda else None):
+            torch.manual_seed((draw + self.tp_rank * 0x9E3779B97F4A7C15) % 2**63)
+            yield
+
+
+class ForkedDropout(nn.Module):
+    """A dropout in a region that sequence parallelism splits: independent masks per TP rank under SP."""
+
+    def __init__(self, dropout: nn.Dropout, ctx: TensorParallelContext, rng: TensorParallelRNG):
+        super().__init__()
+        self.dropout, self.ctx, self.rng = dropout, ctx, rng
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and self.dropout.p > 0 and self.ctx.sequence_parallel):
+            return self.dropout(x)
+        with self.rng.fork():
+            return self.dropout(x)
+
+
+class ForkedAttention:
+    """attention_fn on this rank's heads: its attention-probability dropout gets this rank's own masks."""
+
+    def __init__(self, fn, rng: TensorParallelRNG):
+        self.fn, self.rng = fn, rng
+
+    def __call__(self, q, k, v, dropout_p: float):
+        if dropout_p == 0:
+            return self.fn(q, k, v, dropout_p)
+        with self.rng.fork():
+            return self.fn(q, k, v, dropout_p)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Applying TP to the plain GPT
 # ---------------------------------------------------------------------------------------------------------
 
@@ -379,9 +435,6 @@ def check_divisible(config: GPTConfig, tp: int, seq_len: int | None = None, sequ
                          f" head are split by vocabulary; this trainer does not pad it)")
     if sequence_parallel and seq_len is not None and seq_len % tp:
         raise ValueError(f"--sp: --tp {tp} must divide the sequence length {seq_len} (--seq-len)")
-    if config.dropout > 0:
-        raise ValueError(f"--dropout {config.dropout} with --tp {tp}: dropout inside tensor-parallel regions needs"
-                         f" per-rank RNG streams (Megatron's RNG tracker), not implemented; use --dropout 0")
 
 
 def _shard(name: str, shape, split_dim: int | None, ctx: TensorParallelContext, segments: int = 1) -> ShardInfo:
@@ -423,8 +476,9 @@ def _row(linear: nn.Linear, name: str, ctx, config, seed):
 class TensorParallel:
     """The handle `parallelize` returns: the shared context, the SP gradient sync, sampling, accounting."""
 
-    def __init__(self, model: GPT, ctx: TensorParallelContext, sequence_parallel_params: list):
-        self.model, self.ctx = model, ctx
+    def __init__(self, model: GPT, ctx: TensorParallelContext, sequence_parallel_params: list,
+                 rng: TensorParallelRNG):
+        self.model, self.ctx, self.rng = model, ctx, rng
         self.sequence_parallel = ctx.sequence_parallel
         # Replicated parameters that, under SP, see only this rank's tokens: LayerNorms, row-parallel biases,
         # the position embedding. Their gradient is the SUM over the TP group of what each rank computed.
@@ -486,11 +540,13 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
 
     Every rank of `group` calls this with the same model config and seed; rank t keeps slice t of every
     split parameter, taken from the per-parameter deterministic init (`seed` must be the one the model was
-    built with). Replicated parameters (LayerNorms, position embedding) stay as they are.
+    built with). Replicated parameters (LayerNorms, position embedding) stay as they are. With dropout, the
+    caller seeds the default generator alike on the ranks of a TP group (see TensorParallelRNG).
     """
     config = model.config
     ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel)
     check_divisible(config, ctx.size)
+    rng = TensorParallelRNG(ctx.rank, next(model.parameters()).device)
     sp_params = []
     for i, block in enumerate(model.transformer.h):
         prefix = f"transformer.h.{i}"
@@ -500,6 +556,9 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
         block.attn.c_proj = _row(block.attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
         block.mlp.c_fc = _column(block.mlp.c_fc, f"{prefix}.mlp.c_fc", ctx, config, seed, regather=regather)
         block.mlp.c_proj = _row(block.mlp.c_proj, f"{prefix}.mlp.c_proj", ctx, config, seed)
+        block.attn.attention_fn = ForkedAttention(block.attn.attention_fn, rng)
+        block.attn.resid_dropout = ForkedDropout(block.attn.resid_dropout, ctx, rng)
+        block.mlp.dropout = ForkedDropout(block.mlp.dropout, ctx, rng)
         sp_params += [*block.ln_1.parameters(), *block.ln_2.parameters()]
         sp_params += [p for p in (block.attn.c_proj.bias, block.mlp.c_proj.bias) if p is not None]
     # Tied embedding and head: ONE vocabulary-split parameter, used by both.
@@ -514,12 +573,13 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
     model.transformer.wte = VocabParallelEmbedding(embedding, ctx, vocab_start)
     model.lm_head = ColumnParallelLinear(head, ctx)
     model.loss_fn = VocabParallelLoss(ctx, vocab_start)
+    model.transformer.drop = ForkedDropout(model.transformer.drop, ctx, rng)
     if sequence_parallel:
         model.transformer.wpe = SequenceParallelPositions(model.transformer.wpe, ctx)
         sp_params += [model.transformer.wpe.embedding.weight, *model.transformer.ln_f.parameters()]
     else:
         sp_params = []
-    return TensorParallel(model, ctx, sp_params)
+    return TensorParallel(model, ctx, sp_params, rng)
 
 
 # ---------------------------------------------------------------------------------------------------------

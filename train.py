@@ -313,7 +313,9 @@ def main(argv=None):
     device, backend = choose_device_and_backend(args.backend)
     rank, world_size = init_distributed(backend)
     mesh = build_mesh(shape, rank)
-    torch.manual_seed(args.seed + rank)  # dropout differs per rank, like independent devices; init does not
+    # Dropout differs per rank, like independent devices, except across a TP group, whose ranks hold copies of
+    # the same activations (tensor_parallel.TensorParallelRNG forks it for split ones). Init is seeded apart.
+    torch.manual_seed(args.seed + rank // shape.tp)
 
     # Data: rank 0 tokenizes the corpus once into the cache; the others wait, then memory-map it.
     cache_dir = os.path.join(args.out_dir, "data")
