@@ -242,8 +242,9 @@ class ColumnParallelLinear(nn.Module):
         tensor for this rank's shard when the linear saves it, and unpacking it in backward all-gathers it
         again: one more all-gather per column layer in backward, for (T-1)/T of that memory.
         """
-        total = self.ctx.enter(x)
-        shard, group = _autocast_input(x).detach(), self.ctx.group
+        shard, group = _autocast_input(x), self.ctx.group
+        total = GatherFromSequenceParallelRegion.apply(shard, group)  # = self.ctx.enter(x)
+        shard = shard.detach()
 
         def pack(t):
             same = t.data_ptr() == total.data_ptr() and t.numel() == total.numel() and t.dtype == total.dtype
