@@ -179,7 +179,13 @@ def _pieces(model):
     return {p.shard_info.global_name: (p.detach().clone(), p.shard_info) for p in model.parameters()}
 
 
-def _train_tp(rank, world, tp_size, sp, layout_name, global_batch, micro, clip, checkpointing):
+def _train_tp(rank, world, tp_size, layout_name, global_batch, micro, clip, variants):
+    """Each (sequence parallel, activation checkpointing) variant trained from scratch, in one spawn."""
+    return {variant: _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip, *variant)
+            for variant in variants}
+
+
+def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip, sp, checkpointing):
     import tensor_parallel as tp
     from mesh import build_mesh, infer_mesh_shape
     from mfu import CommTracer
@@ -223,28 +229,33 @@ def _assemble(rank_pieces):
     return full
 
 
+# Variants (sequence parallel, activation checkpointing) run one after the other in the same spawn.
+PLAIN, SP, CKPT, SP_CKPT = (False, False), (True, False), (False, True), (True, True)
+
+
 @pytest.mark.parametrize(
-    "world,tp_size,sp,layout,global_batch,micro,clip,checkpointing",
+    "world,tp_size,layout,global_batch,micro,variants",
     [
-        (2, 2, False, "ddp", 4, 2, 0.05, False),  # T=2, 2 micro-batches, clipping active
-        (2, 2, True, "ddp", 4, 2, 0.05, False),  # + sequence parallel
-        (4, 4, False, "ddp", 4, 4, 0.0, True),  # T=4, activation checkpointing (messages recomputed)
-        (4, 4, True, "ddp", 4, 2, 0.05, False),  # T=4 + SP
-        (4, 2, False, "ddp", 8, 2, 0.05, False),  # 2-D mesh: T=2 × D=2, DDP over dp_cp
-        (4, 2, True, "ddp", 8, 2, 0.05, True),  # T=2 × D=2 with SP and activation checkpointing
+        (2, 2, "ddp", 4, 2, (PLAIN, SP)),  # T=2: 2 micro-batches each, clipping active
+        (4, 4, "ddp", 4, 2, (CKPT, SP)),  # T=4; checkpointing recomputes the forward's messages
+        (4, 2, "ddp", 8, 2, (PLAIN, SP_CKPT)),  # 2-D mesh: T=2 × D=2, DDP over the dp_cp group
     ],
+    ids=["T2", "T4", "T2xD2-ddp"],
 )
-def test_tp_update_matches_single_device(world, tp_size, sp, layout, global_batch, micro, clip, checkpointing):
+def test_tp_update_matches_single_device(world, tp_size, layout, global_batch, micro, variants):
+    config = make_config()
+    clip = 0.05
+    ref_losses, ref_norms, ref_params = reference_run(config, global_batches(STEPS, global_batch, SEQ), clip=clip)
+    assert min(ref_norms) > clip  # clipping really is active
+    by_variant = run_ranks(_train_tp, world, tp_size, layout, global_batch, micro, clip, variants, timeout=180)
+    for variant in variants:
+        _check_against_reference([r[variant] for r in by_variant], config, tp_size, ref_losses, ref_norms,
+                                 ref_params)
+
+
+def _check_against_reference(results, config, tp_size, ref_losses, ref_norms, ref_params):
     import tensor_parallel as tp
     from model import GPT
-
-    config = make_config()
-    batches = global_batches(STEPS, global_batch, SEQ)
-    ref_losses, ref_norms, ref_params = reference_run(config, batches, clip=clip)
-    if clip:
-        assert min(ref_norms) > clip  # clipping really is active
-    results = run_ranks(_train_tp, world, tp_size, sp, layout, global_batch, micro, clip, checkpointing,
-                        timeout=180)
     # The TP run starts from exactly the single-device weights: pieces put back together are bitwise equal.
     init = _assemble([r[2] for r in results])
     plain = dict(GPT(config, seed=0, dtype=torch.float64).named_parameters())
