@@ -51,8 +51,9 @@ size, e_w / e_c the bytes of a parameter-dtype / compute-dtype element (autocast
                   backward, s·b·h·e_c)
        loss:      all_reduce MAX b·s·e_l and all_reduce SUM 2·b·s·e_l (e_l = 4, or 8 for float64 logits)
    Activation checkpointing repeats each block's forward messages in backward, all but the last (torch's
-   checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none). Per step: the squared
-   gradient norm (8 bytes), and with SP one all_reduce of the sequence-parallel parameters' gradients.
+   checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none).
+   Per step: the squared gradient norm (8 bytes), and with SP one all_reduce of the sequence-parallel
+   parameters' gradients.
    `step_messages` computes all of this; the tests check it against the CommTracer byte for byte.
 4. Restart state: nothing of its own. Every parameter's `shard_info` names its global tensor and its
    slice, which the checkpoint reads; a different T reslices on load.
@@ -63,7 +64,6 @@ split one (attention heads; with SP the sequence pieces) a different mask per ra
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 

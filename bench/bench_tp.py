@@ -149,7 +149,8 @@ def main():
         for proc in procs:
             proc.join()
     config = config_from_preset(args.preset, n_layer=args.n_layer)
-    print(f"{args.preset} (n_layer={config.n_layer}, h={config.n_embd}, heads={config.n_head}, vocab={config.vocab_size}),"
+    print(f"{args.preset} (n_layer={config.n_layer}, h={config.n_embd}, heads={config.n_head},"
+          f" vocab={config.vocab_size}),"
           f" T=2 on 2 gloo ranks, batch {args.batch}×{args.seq}, fp32, {args.threads} thread(s)/rank,"
           f" {args.steps} measured steps each (alternating) after {args.warmup} warm-up")
     print(f"  loss at step 0: ours {losses['ours'][0]:.6f}, DTensor {losses['dtensor'][0]:.6f} (same function)")
