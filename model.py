@@ -172,6 +172,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ over targets ≠ -1 of -log softmax(logits)[target]. Tensor parallel swaps this (vocab-parallel)."""
+    # The softmax of 16-bit logits loses the small differences that matter: take it in (at least) fp32.
+    wide = logits.float() if logits.element_size() < 4 else logits
+    return F.cross_entropy(wide.view(-1, wide.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="sum")
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -184,9 +191,11 @@ class CausalSelfAttention(nn.Module):
         self.attention_fn = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)
-        # The number of heads is read from the width, not the config: a tensor-parallel shard holds fewer.
+        qkv = self.c_attn(x)
+        # Shapes are read from the projection, not the input or the config: a tensor-parallel shard holds
+        # fewer heads, and under sequence parallelism c_attn gathers the full sequence from a shard of it.
+        batch, seq, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=-1)
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = self.attention_fn(q, k, v, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
@@ -235,6 +244,7 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.to_empty(device=device or "cpu")
         self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, named transformer.wte.weight
+        self.loss_fn = cross_entropy_sum  # tensor parallel swaps in a vocab-parallel one
         self.init_weights(seed, dtype)
 
     @torch.no_grad()
@@ -270,10 +280,7 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None, None  # sampling needs the last position only
         logits = self.lm_head(x)
-        # The softmax of 16-bit logits loses the small differences that matter: take it in (at least) fp32.
-        wide = logits.float() if logits.element_size() < 4 else logits
-        loss_sum = F.cross_entropy(wide.view(-1, wide.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="sum")
-        return logits, loss_sum, (targets != -1).sum()
+        return logits, self.loss_fn(logits, targets), (targets != -1).sum()
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

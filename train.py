@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 import data
 import mfu
+import tensor_parallel
 from ddp import DistributedDataParallel
 from mesh import build_mesh, choose_device_and_backend, infer_mesh_shape, init_distributed
 from model import GPT, config_from_preset
@@ -92,7 +94,7 @@ def validate_args(args, world_size: int):
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
         raise FlagError(str(e)) from None
-    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--cp", args.cp), ("--ep", args.ep)):
+    for flag, value in (("--pp", args.pp), ("--cp", args.cp), ("--ep", args.ep)):
         if value > 1:
             raise FlagError(f"{flag} {value}: this axis is not implemented in this version of the trainer")
     if args.zero:
@@ -115,6 +117,12 @@ def validate_args(args, world_size: int):
     config = model_config(args)
     if args.seq_len is not None and not 1 <= args.seq_len <= config.block_size:
         raise FlagError(f"--seq-len {args.seq_len} must be between 1 and the model's block size {config.block_size}")
+    if args.tp > 1:
+        config.vocab_size = vocab_size(args.tokenizer)
+        try:
+            tensor_parallel.check_divisible(config, args.tp, args.seq_len or config.block_size, args.sp)
+        except ValueError as e:
+            raise FlagError(str(e)) from None
     return shape, args.global_batch // (shape.dp * micro), micro
 
 
@@ -128,6 +136,13 @@ def model_config(args):
         return config_from_preset(args.preset, **overrides)
     except ValueError as e:
         raise FlagError(str(e)) from None
+
+
+def vocab_size(tokenizer: str) -> int:
+    """The model's vocabulary for a tokenizer: bytes as they are, BPE padded (main() uses the same rule)."""
+    if tokenizer == "byte":
+        return data.ByteTokenizer.vocab_size
+    return padded_vocab(data.GPT2Tokenizer.vocab_size)
 
 
 def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
@@ -151,9 +166,13 @@ class ReplicatedUpdate:
     `zero_grad()`, `set_lr(lr)`, `held_bytes() -> {weights, grads, optimizer, total}`.
     """
 
-    def __init__(self, ddp: DistributedDataParallel, optimizer, norm_groups=(), tp_rank: int = 0):
+    def __init__(self, ddp: DistributedDataParallel, optimizer, norm_groups=(), tp_rank: int = 0,
+                 after_grad_sync=()):
         self.ddp, self.optimizer = ddp, optimizer
         self.norm_groups, self.tp_rank = norm_groups, tp_rank  # TP shards: the norm sums over the TP group
+        # Reductions over other groups once the data-parallel one is done (sequence parallel sums its
+        # replicated parameters' gradients over the TP group: TensorParallel.finish_grad_sync).
+        self.after_grad_sync = tuple(after_grad_sync)
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
@@ -163,6 +182,8 @@ class ReplicatedUpdate:
 
     def finish_grad_sync(self):
         self.ddp.finish_grad_sync()
+        for reduce in self.after_grad_sync:
+            reduce()
 
     def step(self, scaler, clip: float, device):
         return unscale_clip_and_step(self.ddp.parameters(), self.optimizer, scaler, clip, self.norm_groups,
@@ -234,16 +255,17 @@ def print0(*args, **kwargs):
 
 
 def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source, ddp,
-                       device) -> dict:
+                       device, extra_lines=()) -> dict:
     """Print what each device holds and what each group sends; return the predictions for the end report."""
     D = mesh.shape.dp
-    psi = model.num_params()
-    local_params = sum(p.numel() for p in model.parameters())
+    psi = sum(math.prod(p.shard_info.global_shape) for p in model.parameters())  # the logical model
+    local_params = sum(p.numel() for p in model.parameters())  # this rank's (TP) shards
     recipe = mfu.BYTES_PER_PARAM["fp32"]  # fp32 parameters and grads, fp32 Adam moments (autocast computes bf16)
-    persistent = mfu.persistent_bytes(psi, recipe, zero_stage=0, dp_size=D)
+    persistent = mfu.persistent_bytes(local_params, recipe, zero_stage=0, dp_size=D)
     grad_bytes = 4 * local_params
     wire = mfu.wire_bytes("all_reduce", grad_bytes, mesh.dp_cp_size)
-    activation = mfu.activation_bytes_per_layer(seq_len, micro, config.n_embd, config.n_head) * config.n_layer
+    activation = mfu.activation_bytes_per_layer(seq_len, micro, config.n_embd, config.n_head, t=mesh.shape.tp,
+                                                sequence_parallel=args.sp) * config.n_layer
     print0("=" * 100)
     print0(mesh_description(mesh))
     print0(f"parameters: {psi:,} global (Ψ); {local_params:,} on each rank"
@@ -273,6 +295,8 @@ def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops
         print0(f"critical path: buckets 0..{len(ddp.buckets) - 2} overlap backward; the last one ({last_bucket},"
                f" the first layers' grads) is sent after it, then scalar all-reduces (token count, finite flag)")
     print0(f"pipeline bubble: {mfu.pipeline_bubble(mesh.shape.pp, steps_m):.1%} (P={mesh.shape.pp}, m={steps_m})")
+    for line in extra_lines:
+        print0(line)
     print0("=" * 100)
     return {"grad_bytes": grad_bytes, "wire": wire, "persistent": persistent}
 
@@ -302,7 +326,9 @@ def main(argv=None):
     device, backend = choose_device_and_backend(args.backend)
     rank, world_size = init_distributed(backend)
     mesh = build_mesh(shape, rank)
-    torch.manual_seed(args.seed + rank)  # dropout differs per rank, like independent devices; init does not
+    # Dropout differs per rank, like independent devices, except across a TP group, whose ranks hold copies of
+    # the same activations (tensor_parallel.TensorParallelRNG forks it for split ones). Init is seeded apart.
+    torch.manual_seed(args.seed + rank // shape.tp)
 
     # Data: rank 0 tokenizes the corpus once into the cache; the others wait, then memory-map it.
     cache_dir = os.path.join(args.out_dir, "data")
@@ -317,25 +343,33 @@ def main(argv=None):
     config.vocab_size = padded_vocab(corpus.vocab_size) if args.tokenizer != "byte" else corpus.vocab_size
     seq_len = args.seq_len or config.block_size
     model = GPT(config, seed=args.seed, device=device)
+    n_matmul_params = model.num_params(exclude_position_embedding=True)  # logical, before TP splits it
+    autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext())
+    tp, tp_lines, tp_kwargs = None, [], {}
+    if shape.tp > 1:  # TP swaps the linears, embedding and head before DDP wraps the model
+        tp = tensor_parallel.parallelize(model, mesh.tp_group, args.sp, seed=args.seed)
+        tp_lines = tp.startup_lines(micro, seq_len, DTYPES[args.dtype].itemsize, autocast)
+        tp_kwargs = dict(norm_groups=(mesh.tp_group,), tp_rank=mesh.tp_rank, after_grad_sync=(tp.finish_grad_sync,))
     compiled = torch.compile(model) if args.compile else model
     ddp = DistributedDataParallel(compiled, group=mesh.dp_cp_group, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
-    layout = ReplicatedUpdate(ddp, optimizer)
+    layout = ReplicatedUpdate(ddp, optimizer, **tp_kwargs)
     schedule = LRSchedule(args.lr, args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
                           args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
     scaler = DynamicLossScaler(enabled=args.dtype == "fp16")
-    autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext())
     sampler = data.BatchSampler(len(train_tokens), seq_len, args.global_batch, args.seed)
     val_sampler = data.EvalSampler(len(val_tokens), seq_len, args.global_batch)
     eval_batches = min(args.eval_batches, val_sampler.num_batches)
 
     flops = mfu.flops_per_token(
-        n_matmul_params=model.num_params(exclude_position_embedding=True), n_layer=config.n_layer,
+        n_matmul_params=n_matmul_params, n_layer=config.n_layer,
         n_head=config.n_head, head_dim=config.head_dim, seq_len=seq_len, recompute=config.activation_checkpointing,
     )
     peak, peak_source = mfu.detect_peak_flops(device, args.dtype, args.peak_tflops)
     predicted = startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source,
-                                   ddp, device)
+                                   ddp, device, tp_lines)
+    if tp is not None:
+        predicted["tp_step"] = tp.step_messages(micro, seq_len, steps_m, DTYPES[args.dtype].itemsize)
 
     metrics = open(args.metrics_file, "w") if (args.metrics_file and rank == 0) else None
     tracer = mfu.CommTracer()
@@ -380,8 +414,9 @@ def main(argv=None):
 
     end_accounting(tracer, predicted, layout, args, timed_seconds, timed_steps, tokens_per_step,
                    flops, peak, world_size, device)
-    if args.sample_tokens and rank == 0:
-        sample(model, val_tokens, corpus.tokenizer_name, args.sample_tokens, args.seed, device)
+    if args.sample_tokens and rank < shape.tp:  # rank 0's TP group samples together (rank 0 prints)
+        with tp.full_logits() if tp is not None else nullcontext():
+            sample(model, val_tokens, corpus.tokenizer_name, args.sample_tokens, args.seed, device)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -403,6 +438,13 @@ def end_accounting(tracer, predicted, layout, args, seconds, steps, tokens_per_s
                f" (gradients predicted {mfu.format_bytes(predicted['grad_bytes'])} + 2 scalars),"
                f" sent {mfu.format_bytes(grad_sync.wire_bytes / args.steps)} (predicted"
                f" {mfu.format_bytes(predicted['wire'])})")
+    if predicted.get("tp_step") and args.steps:
+        print0("  tp group per step (every step: messages × payload, measured vs predicted):")
+        for op, (calls, payload) in predicted["tp_step"].items():
+            stat = tracer.records.get((op, "tp"))
+            m_calls, m_payload = (stat.calls / args.steps, stat.payload_bytes / args.steps) if stat else (0, 0)
+            print0(f"    {op:<22} measured {m_calls:g} calls {mfu.format_bytes(m_payload):>10}   predicted"
+                   f" {calls} calls {mfu.format_bytes(payload):>10}")
     print0("communication by (collective, group) over the whole run:")
     print0(tracer.table())
     if steps:
