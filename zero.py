@@ -131,10 +131,12 @@ class ZeroLayout:
 
     def __init__(self, module: nn.Module, group, stage: int, *, lr: float, weight_decay: float = 0.1,
                  betas=(0.9, 0.95), eps: float = 1e-8, param_dtype=torch.float32, master_dtype=torch.float32,
-                 bucket_mb: float = 25.0, norm_groups=(), tp_rank: int = 0, check_same_init: bool = True):
+                 bucket_mb: float = 25.0, norm_groups=(), tp_rank: int = 0, check_same_init: bool = True,
+                 forward=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage} (stage 0 is ddp.py + ReplicatedUpdate)")
         self.module, self.group, self.stage = module, group, stage
+        self.forward = forward or module  # e.g. torch.compile(module) (stages 1/2)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.param_dtype, self.master_dtype = param_dtype, master_dtype
         self.norm_groups, self.tp_rank = norm_groups, tp_rank
@@ -231,7 +233,7 @@ class ZeroLayout:
     # ----------------------------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     @contextmanager
     def no_sync(self):
@@ -525,6 +527,24 @@ class ZeroLayout:
         for op, payload in self.predicted_comm(micro_batches).items():
             lines.append(f"predicted comm per step: {op} dp_cp: payload {mfu.format_bytes(payload)}, sent per rank"
                          f" {mfu.format_bytes(mfu.wire_bytes(op, payload, D))} ((D-1)/D·M, ring)")
+        return lines
+
+    def end_report_lines(self, records: dict, group_name: str, steps: int, micro_batches: int) -> list:
+        """The end-of-run printout: peak gathered units (stage 3), predicted vs traced bytes per step per op.
+
+        `records` is mfu.CommTracer.records over `steps` training steps, this layout's group named `group_name`.
+        """
+        D = self.dp_size
+        lines = [f"  ZeRO-{self.stage} peak lower bound {mfu.format_bytes(self.peak_lower_bound())}"
+                 + (f"; gathered units alive at once: {self.peak_gathered_units} (bound: 2, in use + prefetched)"
+                    if self.stage == 3 else "")]
+        for op, payload in self.predicted_comm(micro_batches).items():
+            stat = records.get((op, group_name))
+            measured = stat.payload_bytes / steps if stat and steps else 0.0
+            wire = stat.wire_bytes / steps if stat and steps else 0.0
+            lines.append(f"  {op} {group_name} per step: payload traced {mfu.format_bytes(measured)} predicted"
+                         f" {mfu.format_bytes(payload)}; sent traced {mfu.format_bytes(wire)} predicted"
+                         f" {mfu.format_bytes(mfu.wire_bytes(op, payload, D))}")
         return lines
 
     # ----------------------------------------------------------------------------------------------------

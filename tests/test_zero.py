@@ -10,6 +10,7 @@ units, and that the checkpoint pieces reassemble into the full tensors.
 """
 
 import os
+import re
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -189,13 +190,14 @@ def test_mixed_precision_holds_2_2_12_bytes():
     (["--zero", "1", "--dtype", "fp16"], 2, "--zero 1 with --dtype fp16"),
     (["--zero", "3", "--activation-checkpointing"], 2, "--activation-checkpointing"),
     (["--zero", "3", "--compile"], 2, "--compile"),
-    (["--zero", "3", "--n-layer", "0"], 2, "n_layer"),
+    (["--zero", "3", "--n-layer", "0"], 2, "--n-layer ≥ 1"),
+    (["--zero", "2", "--pp", "2"], 2, "--zero 2 with --pp 2"),
 ])
 def test_invalid_zero_flags(flags, world, message):
     import train
 
     args = train.build_parser().parse_args(flags)
-    with pytest.raises(train.FlagError, match=message.replace("-", r"\-")):
+    with pytest.raises(train.FlagError, match=re.escape(message)):
         train.validate_args(args, world)
 
 
@@ -211,7 +213,7 @@ def test_torchrun_zero3_smoke(tmp_path):
     """train.py end to end: 2 ranks, ZeRO-3, a few steps, accounting printed."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(ROOT, "train.py"), "--preset", "tiny", "--zero", "3", "--steps", "3", "--global-batch", "4",
            "--micro-batch", "1", "--data", str(corpus), "--out-dir", str(tmp_path), "--eval-every", "0",
            "--eval-batches", "1", "--sample-tokens", "8", "--log-every", "1", "--peak-tflops", "1",
