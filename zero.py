@@ -51,12 +51,14 @@ working weights / gradients / optimizer state, m micro-batches per step, U the l
    weights replicated; gradients and optimizer state split. Stage 3: everything split. The batch is split.
 2. Persistent bytes per rank (mfu.persistent_bytes, `held_bytes()` measures it):
        stage 1: (b_w + b_g)·Ψ' + b_o·Ψ'/D;   stage 2: b_w·Ψ' + (b_g + b_o)·Ψ'/D;   stage 3: (b_w + b_g + b_o)·Ψ'/D.
-   Temporary on top: stage 1/2: a gathered-into copy of one shard (b_w·S) and the reduce-scatter output per
-   in-flight bucket; stage 2: at most 2 full buckets in flight (b_g·2·bucket), plus the gradients autograd
-   holds until they are copied; stage 3: two gathered units, b_w·2U (the current one and the prefetched one:
-   the peak lower bound printed by train.py), plus 2 gradient buckets in flight (b_g·2U). Activations apart.
+   Temporary on top (`peak_lower_bound()`, printed by train.py; activations apart): stage 1: the reduce-scatter
+   outputs, later the all-gather inputs, of every unit: max(b_g, b_w)·Ψ'/D; stage 2: at most 2 full gradient
+   buckets in flight, b_g·2U (U: largest unit), or the all-gather inputs b_w·Ψ'/D; stage 3: two gathered units,
+   b_w·2U (the one in use and the prefetched one), plus gradient buckets b_g·(U_root + 2U) (the root's fills
+   during the whole backward: its tied head and its embeddings are its first and last gradients).
 3. Messages on the critical path, per step, over the dp×cp group (M = payload; ring: wire = (D-1)/D·M):
-       stage 1: reduce_scatter b_g·Ψ' (overlapped with backward) + all_gather b_w·Ψ' after the step = 2Ψ;
+       stage 1: reduce_scatter b_g·Ψ' (overlapped with backward) + all_gather b_w·Ψ' = 2Ψ; the all-gather of
+       unit k is launched as soon as unit k is updated, so it overlaps the update of unit k+1;
        stage 2: m × reduce_scatter b_g·Ψ' (overlapped) + all_gather b_w·Ψ' = 2Ψ for m = 1;
        stage 3: m × [all_gather b_w·(2Ψ' - U_last) + reduce_scatter b_g·Ψ']: forward gathers every unit once
        (the root twice: embedding, then the tied head), backward every unit again except the root (its
@@ -323,57 +325,53 @@ class ZeroLayout:
         grads = [u.grad_shard.to(self.master_dtype) for u in self.units]  # the same tensors if dtypes agree
         if scaler.enabled:
             torch._foreach_mul_(grads, 1.0 / scaler.scale)
-        local_finite = bool(all(torch.isfinite(g).all() for g in grads))
-        if not all_ranks_finite(local_finite, device):
-            scaler.update(found_nonfinite=True)
-            return StepResult(grad_norm=float("nan"), skipped=True)
-        sq_sum = torch.zeros((), dtype=torch.float64, device=device)
+        # One pass over the shards gives both answers: a non-finite gradient makes its shard's norm non-finite.
+        sq_sum = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         for unit, g in zip(self.units, grads):
-            sq_sum += g.double().pow(2).sum()
             for lo, hi in unit.uncounted_segments:  # a TP replica another tp rank already counts
                 sq_sum -= g[lo:hi].double().pow(2).sum()
+        if not all_ranks_finite(bool(torch.isfinite(sq_sum)), device):
+            scaler.update(found_nonfinite=True)
+            return StepResult(grad_norm=float("nan"), skipped=True)
         for group in (self.group, *self.norm_groups):  # shards over dp, different pieces over TP/PP
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq_sum, op=dist.ReduceOp.SUM, group=group)
         grad_norm = float(sq_sum.sqrt())
         if clip > 0 and grad_norm > clip:
             torch._foreach_mul_(grads, clip / (grad_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s coefficient
-        self._adamw(grads)
-        self._publish()
+        # Unit by unit: the all-gather of unit k (stages 1/2) runs while unit k+1 is being updated.
+        self.step_count += 1
+        gathers = []
+        for unit, grad in zip(self.units, grads):
+            self._adamw(unit, grad)
+            gathers.append(self._publish(unit))
+        for work in gathers:
+            if work is not None:
+                work.wait()
         scaler.update(found_nonfinite=False)
         return StepResult(grad_norm=grad_norm, skipped=False)
 
-    def _adamw(self, grads):
-        """torch.optim.AdamW (amsgrad off) on the shards: decoupled decay, moments, bias-corrected update."""
-        self.step_count += 1
+    def _adamw(self, unit: _Unit, grad: torch.Tensor):
+        """torch.optim.AdamW (amsgrad off) on one shard: decoupled decay, moments, bias-corrected update."""
         beta1, beta2 = self.betas
-        masters = [u.master for u in self.units]
-        m = [u.exp_avg for u in self.units]
-        v = [u.exp_avg_sq for u in self.units]
-        if self.weight_decay:
-            for unit in self.units:
-                for lo, hi in unit.decay_segments:
-                    unit.master[lo:hi].mul_(1 - self.lr * self.weight_decay)
-        torch._foreach_lerp_(m, grads, 1 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+        for lo, hi in unit.decay_segments if self.weight_decay else ():
+            unit.master[lo:hi].mul_(1 - self.lr * self.weight_decay)
+        unit.exp_avg.lerp_(grad, 1 - beta1)
+        unit.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step_size = self.lr / (1 - beta1 ** self.step_count)
-        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.step_count)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bias_correction2_sqrt)
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(masters, m, denom, value=-step_size)
+        denom = (unit.exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** self.step_count)).add_(self.eps)
+        unit.master.addcdiv_(unit.exp_avg, denom, value=-step_size)
 
-    def _publish(self):
-        """Stage 1/2: all-gather the updated shards into every rank's full weights. Stage 3: update the shard."""
-        for unit in self.units:
-            if self.stage == 3:
-                if unit.master is not unit.param_shard:
-                    unit.param_shard.copy_(unit.master)
-                continue
-            # The input may not overlap the output: send a copy (the cast, or a clone of the aliased view).
-            mine = unit.master.to(self.param_dtype, copy=True)
-            dist.all_gather_single(unit.full_param, mine, group=self.group)
+    def _publish(self, unit: _Unit):
+        """Stage 1/2: launch the all-gather of the updated shard into every rank's full weights (async).
+        Stage 3: refresh the working shard from the master (no message: weights are gathered at use)."""
+        if self.stage == 3:
+            if unit.master is not unit.param_shard:
+                unit.param_shard.copy_(unit.master)
+            return None
+        # The input may not overlap the output: send a copy (the cast, or a clone of the aliased view).
+        mine = unit.master.to(self.param_dtype, copy=True)
+        return dist.all_gather_single(unit.full_param, mine, group=self.group, async_op=True)
 
     # ----------------------------------------------------------------------------------------------------
     # Stage 3: gather before use, free after, prefetch the next unit
@@ -488,15 +486,21 @@ class ZeroLayout:
         return {"weights": weights, "grads": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
 
     def peak_lower_bound(self) -> float:
-        """Persistent bytes + what the schedule must hold on top (activations apart): see the docstring, 2."""
-        b = self.bytes_per_param()
+        """Persistent bytes + the transient buffers the schedule cannot avoid (activations apart; docstring, 2).
+
+        stage 1: + max(b_g, b_w)·Ψ'/D: the reduce-scatter outputs, then the all-gather inputs, of every unit;
+        stage 2: + max(b_g·2U, b_w·Ψ'/D): two full gradient buckets in flight, then the all-gather inputs;
+        stage 3: + b_w·2U (the unit in use and the prefetched one) + b_g·(U_root + 2U) (the root's gradient
+                 bucket fills during the whole backward, and two block buckets are in flight).
+        """
+        b, D = self.bytes_per_param(), self.dp_size
         largest = max(u.padded_numel for u in self.units)
         persistent = self.predicted_persistent()["total"]
         if self.stage == 3:
-            return persistent + 2 * b.weights * largest + 2 * b.grads * largest  # 2 gathered + 2 buckets
+            return persistent + 2 * b.weights * largest + b.grads * (self.root.padded_numel + 2 * largest)
         if self.stage == 2:
-            return persistent + 2 * b.grads * largest  # 2 full buckets in flight
-        return persistent + b.weights * max(u.shard_numel for u in self.units)  # the all-gather's input copy
+            return persistent + max(2 * b.grads * largest, b.weights * self.padded_numel / D)
+        return persistent + max(b.grads, b.weights) * self.padded_numel / D
 
     def predicted_comm(self, micro_batches: int) -> dict:
         """Payload bytes M per step per collective over the dp×cp group (docstring, 3)."""

@@ -76,7 +76,7 @@ def _plain_step(model, optimizer, params, x, y, group):
     return float(loss / tokens)
 
 
-def _compare(rank, world, config_kw, micro, seq, steps):
+def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
     from contextlib import nullcontext
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -96,7 +96,7 @@ def _compare(rank, world, config_kw, micro, seq, steps):
 
     def ours(stage):
         model = GPT(config, seed=0)
-        layout = ZeroLayout(model, group, stage, **HYPER)
+        layout = ZeroLayout(model, group, stage, bucket_mb=bucket_mb, **HYPER)
 
         def step(x, y):
             loss, _ = train_step(layout, scaler, [(x, y)], group, CLIP, nullcontext(), "cpu")
@@ -207,12 +207,13 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro", type=int, default=2, help="sequences per rank per step")
+    parser.add_argument("--bucket-mb", type=float, default=4.0, help="zero.py stage 1/2 bucket size")
     parser.add_argument("--skip-table", action="store_true")
     args = parser.parse_args()
 
     config_kw = dict(n_layer=args.layers)
     start = time.time()
-    results = run_ranks(_compare, 2, config_kw, args.micro, args.seq, args.steps, timeout=600)
+    results = run_ranks(_compare, 2, config_kw, args.micro, args.seq, args.steps, args.bucket_mb, timeout=600)
     times, losses, held, psi = results[0]
     print(f"Part 1: 2 gloo ranks, `small` preset with n_layer={args.layers} (Ψ = {psi:,}), fp32, {args.micro}"
           f" x {args.seq} tokens per rank per step, {args.steps - 1} timed steps per system, alternating"
