@@ -75,7 +75,7 @@ working weights / gradients / optimizer state, m micro-batches per step, U the l
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist

@@ -152,6 +152,69 @@ def _check_pieces_reassemble(results, ref_params, world):
         assert full[f"exp_avg_sq/{name}"].abs().sum() > 0
 
 
+def _nonfinite_skip(rank, world):
+    from model import GPT
+    from optim import DynamicLossScaler
+    from zero import ZeroLayout
+
+    out = {}
+    for stage in (1, 2, 3):
+        model = GPT(make_config(n_embd=33, n_head=3), seed=0, dtype=torch.float64)
+        layout = ZeroLayout(model, None, stage, lr=1e-2, param_dtype=torch.float64, master_dtype=torch.float64,
+                            bucket_mb=0.02)
+        before = layout.full_parameters()
+        x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+        _, loss_sum, _ = layout(x, x)
+        loss_sum.backward()
+        layout.finish_grad_sync()
+        if rank == 1:
+            layout.units[-1].grad_shard[0] = float("inf")  # one element, one rank
+        skipped = layout.step(DynamicLossScaler(enabled=False), 1.0, "cpu").skipped
+        layout.zero_grad()
+        after = layout.full_parameters()
+        out[stage] = (skipped, layout.optimizer_step_count, all(torch.equal(before[k], after[k]) for k in before))
+    return out
+
+
+def test_nonfinite_gradient_on_one_rank_skips_on_all():
+    for result in run_ranks(_nonfinite_skip, 2, timeout=60):
+        assert result == {stage: (True, 0, True) for stage in (1, 2, 3)}
+
+
+def _prefetch_order(rank, world):
+    """Event log of one stage-3 step: which gathers are launched while which block computes."""
+    from model import GPT
+    from zero import ZeroLayout
+
+    model = GPT(make_config(n_layer=3), seed=0, dtype=torch.float64)
+    layout = ZeroLayout(model, None, 3, lr=1e-3, param_dtype=torch.float64, master_dtype=torch.float64)
+    events = []
+    name = {id(u): ("root" if u is layout.root else f"b{layout.block_units.index(u)}") for u in layout.units}
+    gather, launch = layout._gather, layout._launch
+    layout._gather = lambda u: (events.append(f"gather {name[id(u)]}") if not u.gathered else None, gather(u))
+    layout._launch = lambda u: (events.append(f"reduce {name[id(u)]}"), launch(u))
+    for i, block in enumerate(model.transformer.h):
+        block.register_forward_hook(lambda m, a, o, i=i: events.append(f"forward b{i} done"))
+    x = torch.randint(0, 256, (2, SEQ))
+    _, loss_sum, _ = layout(x, x)
+    events.append("backward")
+    loss_sum.backward()
+    layout.finish_grad_sync()
+    return events, layout.peak_gathered_units
+
+
+def test_stage3_prefetches_next_block_in_forward_and_backward():
+    events, peak = run_ranks(_prefetch_order, 2, timeout=60)[0]
+    assert peak == 2
+    # Forward: block i+1's gather is launched before block i finishes (it overlaps block i's compute), and the
+    # root (tied head) is prefetched during the last block.
+    assert events[:8] == ["gather root", "gather b0", "gather b1", "forward b0 done", "gather b2",
+                          "forward b1 done", "gather root", "forward b2 done"]
+    # Backward: the last block stays gathered; block i-1's gather is launched before block i's gradients are
+    # reduced (it overlaps block i's backward); gradient buckets are reduced in order, the root last.
+    assert events[8:] == ["backward", "gather b1", "reduce b2", "gather b0", "reduce b1", "reduce b0", "reduce root"]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Mixed precision: bf16 working weights, fp32 master: the 2 + 2 + 12 bytes of the paper
 # ---------------------------------------------------------------------------------------------------------
