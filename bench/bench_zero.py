@@ -64,11 +64,14 @@ def _batches(steps, rank, world, micro, seq, vocab):
 
 
 def _plain_step(model, optimizer, params, x, y, group):
-    """The update train.train_step makes, written for torch's layouts: loss_sum / global tokens, clip, step."""
+    """The update train.train_step makes, written for torch's layouts: loss_sum / global tokens, clip, step.
+
+    torch's DDP and FSDP AVERAGE gradients over the D ranks where zero.py sums them (DESIGN.md): the loss is
+    scaled by D here so that both give the gradient of the global mean loss (clipping sees the same norm)."""
     tokens = (y != -1).sum().double()
     dist.all_reduce(tokens, group=group)
     _, loss_sum, _ = model(x, y)
-    (loss_sum / tokens).backward()
+    (loss_sum * (dist.get_world_size(group) / tokens)).backward()
     torch.nn.utils.clip_grad_norm_(params, CLIP)
     optimizer.step()
     loss = loss_sum.detach().double()
