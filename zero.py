@@ -42,8 +42,9 @@ on block i's output (it fires when the gradient reaches block i, before its back
 launches block i-1's gather, and (i = L-1) frees the root once the head's backward is done. A unit's
 parameter gradients are copied into a flat bucket as they arrive (post-accumulate-grad hooks) and, once all
 are there, the bucket is reduce-scattered asynchronously and the unit is freed: every node that reads a
-weight has run before autograd accumulates that weight's gradient. So at most two units are gathered at once
-(`peak_gathered_units`, tested).
+weight has run before autograd accumulates that weight's gradient. Autograd runs a ready AccumulateGrad before
+any other ready node, so block i+1 is freed before block i's backward hook prefetches block i-1: at most two
+units are gathered at once (`peak_gathered_units`, tested, with the order of gathers in both passes).
 
 Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_o bytes per parameter for
 working weights / gradients / optimizer state, m micro-batches per step, U the largest unit's elements):
@@ -63,8 +64,9 @@ working weights / gradients / optimizer state, m micro-batches per step, U the l
        stage 3: m × [all_gather b_w·(2Ψ' - U_last) + reduce_scatter b_g·Ψ']: forward gathers every unit once
        (the root twice: embedding, then the tied head), backward every unit again except the root (its
        weights were last read by the head's backward, before it is freed) and the last block (kept gathered
-       from its forward into its backward) = the paper's 3Ψ less what is not regathered. Only the gathers of
-       block 0 and the root at the start of forward, and of the last block's reduce-scatter, are exposed.
+       from its forward into its backward) = the paper's 3Ψ less what is not regathered. Exposed (not hidden
+       behind compute): the gathers of the root and block 0 at the start of forward, and the root's
+       reduce-scatter at the end of backward (its last gradient, the embeddings', comes last).
    Plus small all-reduces: the squared grad norm (8 bytes, dp×cp and norm_groups), the finite flag (world).
 4. Restart state: `state_pieces()` lists, per logical tensor, the working weights (`param/`: the full tensor
    at stages 1/2, written by dp rank 0 only; this rank's flat range at stage 3), and this rank's flat range of
