@@ -187,8 +187,19 @@ def _nonfinite_skip(rank, world):
     return out
 
 
-def test_nonfinite_gradient_on_one_rank_skips_on_all():
-    for result in run_ranks(_nonfinite_skip, 2, timeout=60):
+def _two_rank_checks(rank, world):
+    return dict(nonfinite=_nonfinite_skip(rank, world), prefetch=_prefetch_order(rank, world),
+                mixed=_mixed_bytes(rank, world))
+
+
+@pytest.fixture(scope="module")
+def two_rank_checks():
+    """The small 2-rank checks below share one spawn."""
+    return run_ranks(_two_rank_checks, 2, timeout=120)
+
+
+def test_nonfinite_gradient_on_one_rank_skips_on_all(two_rank_checks):
+    for result in (r["nonfinite"] for r in two_rank_checks):
         assert result == {stage: (True, 0, True) for stage in (1, 2, 3)}
 
 
@@ -214,8 +225,8 @@ def _prefetch_order(rank, world):
     return events, layout.peak_gathered_units
 
 
-def test_stage3_prefetches_next_block_in_forward_and_backward():
-    events, peak = run_ranks(_prefetch_order, 2, timeout=60)[0]
+def test_stage3_prefetches_next_block_in_forward_and_backward(two_rank_checks):
+    events, peak = two_rank_checks[0]["prefetch"]
     assert peak == 2
     # Forward: block i+1's gather is launched before block i finishes (it overlaps block i's compute), and the
     # root (tied head) is prefetched during the last block.
@@ -248,8 +259,8 @@ def _mixed_bytes(rank, world):
     return out
 
 
-def test_mixed_precision_holds_2_2_12_bytes():
-    for result in run_ranks(_mixed_bytes, 2, timeout=60):
+def test_mixed_precision_holds_2_2_12_bytes(two_rank_checks):
+    for result in (r["mixed"] for r in two_rank_checks):
         for stage, (held, expected, working, master) in result.items():
             assert held == expected, stage
             assert working == {torch.bfloat16} and master == {torch.float32}
