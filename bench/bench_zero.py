@@ -11,6 +11,9 @@ slows all of them alike:
     torch DDP + AdamW (foreach) as the unsharded baseline.
 It prints the median step time of each, the ratios (target ≤ 1.0), the bytes each holds per rank (weights,
 gradients, optimizer state) and the final loss of each, which must agree (they compute the same update).
+Then gloo's own collectives on a message of the model's gradient size: on CPU its reduce-scatter is SLOWER than
+its all-reduce (NCCL's is half of one), which is what stage 1 (reduce-scatter + all-gather, 2Ψ) pays against
+ZeroRedundancyOptimizer (all-reduce + broadcasts, 3Ψ).
 
 Part 2: persistent bytes per rank for stages 0-3 at D = 1, 2, 4 for the `small` preset, predicted by
 mfu.persistent_bytes and measured with held_bytes() on layouts built on D gloo ranks: the fp32 recipe
@@ -170,6 +173,26 @@ def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
     return times, losses, held, sum(p.numel() for p in GPT(config, seed=0).parameters())
 
 
+def _collectives(rank, world, megabytes):
+    """Median seconds of gloo's collectives on one message: what the layouts above are built from."""
+    n = int(megabytes * 2**20) // 4
+    x, shard, full = torch.randn(n), torch.empty(n // world), torch.empty(n)
+    ops = {
+        "all_reduce (DDP, ZeroRedundancyOptimizer)": lambda: dist.all_reduce(x),
+        "reduce_scatter_single (zero.py, FSDP2)": lambda: dist.reduce_scatter_single(shard, x),
+        "all_gather_single (zero.py, FSDP2)": lambda: dist.all_gather_single(full, shard),
+        "D broadcasts of M/D (ZeroRedundancyOptimizer)": lambda: [dist.broadcast(shard, r) for r in range(world)],
+    }
+    times = {name: [] for name in ops}
+    for _ in range(7):
+        for name, op in ops.items():
+            dist.barrier()
+            start = time.perf_counter()
+            op()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _persistent(rank, world, recipe):
     """held_bytes() of every stage's layout for `small` on this D, next to mfu.persistent_bytes."""
     import mfu
@@ -206,7 +229,7 @@ def main():
     import mfu
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6, help="steps per system (the first is not timed)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per system (the first is not timed)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro", type=int, default=2, help="sequences per rank per step")
@@ -234,6 +257,10 @@ def main():
               f"   (rank 1: {statistics.median(results[1][0][ours]) / statistics.median(results[1][0][theirs]):.3f})")
     spread = max(l[-1] for l in losses.values()) - min(l[-1] for l in losses.values())
     print(f"final losses agree within {spread:.2e} (same update, fp32 sums in different orders)")
+    megabytes = 4 * psi / 2**20
+    print(f"gloo's collectives on one {megabytes:.1f} MiB message (the model's fp32 gradients), 2 ranks, median:")
+    for name, seconds in run_ranks(_collectives, 2, megabytes, timeout=300)[0].items():
+        print(f"  {name:<48}{seconds * 1000:>8.1f} ms")
 
     if args.skip_table:
         return
