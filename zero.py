@@ -170,7 +170,7 @@ class ZeroLayout:
             groups.append([p for p in params if id(p) not in in_block])  # the root: gradients complete last
         else:
             groups = self._buckets(params, int(bucket_mb * 2**20))
-        self.units = [_Unit(i, g, self.dp_size, self.dp_rank) for i, g in enumerate(groups) if g]
+        self.units = [_Unit(i, g, self.dp_size, self.dp_rank) for i, g in enumerate(g for g in groups if g)]
         self._unit_of = {p: u for u in self.units for p in u.params}  # tensors hash by identity
         self._offset_of = {p: o for u in self.units for p, o in zip(u.params, u.offsets)}
         with torch.no_grad():
