@@ -187,9 +187,42 @@ def _nonfinite_skip(rank, world):
     return out
 
 
+def _tp_replicated_norm(rank, world):
+    """On tp_rank 1, tensors marked tp_replicated are left out of the norm (tp_rank 0 counts them): the norm
+    of the sharded gradient must equal the single-device norm over the other tensors, whatever the shard cuts."""
+    from model import GPT
+    from optim import DynamicLossScaler
+    from zero import ZeroLayout
+
+    config = make_config(n_embd=33, n_head=3)
+    x, y = global_batches(1, 4, SEQ)[0]
+    reference = GPT(config, seed=0, dtype=torch.float64)
+    _, loss_sum, count = reference(x, y)
+    (loss_sum / count).backward()
+    expected = {}
+    for stage in (1, 2, 3):
+        model = GPT(config, seed=0, dtype=torch.float64)
+        for name, p in model.named_parameters():
+            p.shard_info.tp_replicated = ".ln_" in name or "ln_f" in name  # LayerNorms, as under TP
+        layout = ZeroLayout(model, None, stage, lr=1e-3, param_dtype=torch.float64, master_dtype=torch.float64,
+                            bucket_mb=0.01, tp_rank=1)
+        _, local_sum, _ = layout(*rank_micro_batches(x, y, rank, world, 2)[0])
+        (local_sum / count).backward()
+        layout.finish_grad_sync()
+        expected[stage] = layout.step(DynamicLossScaler(enabled=False), 0.0, "cpu").grad_norm
+    counted = [p.grad for n, p in reference.named_parameters() if not (".ln_" in n or "ln_f" in n)]
+    return expected, float(torch.cat([g.reshape(-1) for g in counted]).norm())
+
+
 def _two_rank_checks(rank, world):
     return dict(nonfinite=_nonfinite_skip(rank, world), prefetch=_prefetch_order(rank, world),
-                mixed=_mixed_bytes(rank, world))
+                mixed=_mixed_bytes(rank, world), tp_norm=_tp_replicated_norm(rank, world))
+
+
+def test_norm_counts_tp_replicated_tensors_on_tp_rank_0_only(two_rank_checks):
+    for norms, expected in (r["tp_norm"] for r in two_rank_checks):
+        for stage, norm in norms.items():
+            assert abs(norm - expected) <= TOL * expected, stage
 
 
 @pytest.fixture(scope="module")
