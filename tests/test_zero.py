@@ -1,12 +1,15 @@
 """zero.py: ZeRO stages 1/2/3 perform the single-device AdamW update on the global batch, and hold and send
 exactly the bytes their formulas predict.
 
-Each equivalence run spawns gloo ranks, trains a few float64 steps with zero.ZeroLayout driven by
-train.train_step (gradient accumulation, clipping active, unit sizes and the parameter count not divisible by
-D) and compares losses, grad norms and the full parameters with tests/reference.py (torch's AdamW and
-clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15; tolerance 1e-10.
-The same run checks the byte accounting (held == formula, traced == formula), stage 3's peak of gathered
-units, and that the checkpoint pieces reassemble into the full tensors.
+The equivalence runs spawn gloo ranks (2 and 4), train a few float64 steps of each stage with zero.ZeroLayout
+driven by train.train_step (gradient accumulation, clipping active, unit sizes and the parameter count not
+divisible by D) and compare losses, grad norms and the full parameters with tests/reference.py (torch's AdamW
+and clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15; tolerance 1e-10.
+The same runs check the byte accounting (held == formula, traced == formula), stage 3's peak of gathered
+units, and that the checkpoint pieces reassemble into the full tensors. Smaller 2-rank checks share one spawn:
+a non-finite gradient on one rank skips the step on all, the order of stage 3's gathers (prefetch in forward
+and backward), the 2 + 2 + 12 bytes of bf16/fp32 mixed precision, and the TP-replicated rule of the norm.
+Then the flags, and train.py end to end under torchrun.
 """
 
 import os
