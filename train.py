@@ -32,8 +32,10 @@ from ddp import DistributedDataParallel
 from mesh import build_mesh, choose_device_and_backend, infer_mesh_shape, init_distributed
 from model import GPT, config_from_preset
 from optim import DynamicLossScaler, LRSchedule, build_adamw, unscale_clip_and_step
+from zero import ZeroLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ZERO_PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # working weights; masters stay fp32
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,11 +96,10 @@ def validate_args(args, world_size: int):
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
         raise FlagError(str(e)) from None
+    validate_zero_args(args)
     for flag, value in (("--pp", args.pp), ("--cp", args.cp), ("--ep", args.ep)):
         if value > 1:
             raise FlagError(f"{flag} {value}: this axis is not implemented in this version of the trainer")
-    if args.zero:
-        raise FlagError(f"--zero {args.zero}: ZeRO is not implemented in this version of the trainer")
     if args.sp and args.tp == 1:
         raise FlagError("--sp (sequence parallel) needs --tp > 1")
     if args.steps < 1:
@@ -124,6 +125,30 @@ def validate_args(args, world_size: int):
         except ValueError as e:
             raise FlagError(str(e)) from None
     return shape, args.global_batch // (shape.dp * micro), micro
+
+
+def validate_zero_args(args):
+    """--zero 1|2|3 (zero.py) runs with bf16 or fp32 working weights and, at stage 3, hooks on each block."""
+    if not args.zero:
+        return
+    if args.dtype == "fp16":
+        raise FlagError(f"--zero {args.zero} with --dtype fp16: ZeRO keeps bf16 (or fp32) working weights with fp32"
+                        f" masters, which need no loss scaling; use --dtype bf16 or fp32")
+    if args.sp:
+        raise FlagError(f"--zero {args.zero} with --sp: sequence parallel sums its LayerNorm gradients over the TP"
+                        f" group on full gradients, which ZeRO reduce-scatters during backward; use --zero 0 with"
+                        f" --sp, or --tp without --sp")
+    if args.zero >= 2 and args.pp > 1:
+        raise FlagError(f"--zero {args.zero} with --pp {args.pp}: sharded gradients would be reduce-scattered on"
+                        f" every micro-batch of the pipeline schedule; use --zero 1 with pipeline parallel")
+    if args.zero == 3 and args.activation_checkpointing:
+        raise FlagError("--zero 3 with --activation-checkpointing: recomputing a block in backward reruns its"
+                        " forward hooks, which would gather and free its weights out of schedule; use --zero 1 or 2")
+    if args.zero == 3 and args.compile:
+        raise FlagError("--zero 3 with --compile: the per-block gather/free hooks swap parameter storage under"
+                        " the compiled graph; use --zero 1 or 2 with --compile")
+    if args.zero == 3 and args.n_layer is not None and args.n_layer < 1:
+        raise FlagError(f"--zero 3 gathers one block at a time: it needs --n-layer ≥ 1, got {args.n_layer}")
 
 
 def model_config(args):
@@ -255,7 +280,7 @@ def print0(*args, **kwargs):
 
 
 def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source, ddp,
-                       device, extra_lines=()) -> dict:
+                       device, layout=None, extra_lines=()) -> dict:
     """Print what each device holds and what each group sends; return the predictions for the end report."""
     D = mesh.shape.dp
     psi = sum(math.prod(p.shard_info.global_shape) for p in model.parameters())  # the logical model
@@ -272,33 +297,39 @@ def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops
            f" (n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} vocab={config.vocab_size})")
     print0(f"batch: B_global={args.global_batch} = D {D} × m {steps_m} × B_μ {micro} sequences of {seq_len}"
            f" tokens = {args.global_batch * seq_len:,} tokens/step; autocast {args.dtype}")
-    print0("predicted persistent memory per rank (fp32 master recipe, ZeRO stage 0):")
-    print0(f"  weights   fp32 {mfu.format_bytes(persistent['weights'])}")
-    print0(f"  grads     fp32 {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)")
-    print0(f"  AdamW m,v fp32 {mfu.format_bytes(persistent['optimizer'])}")
+    if args.zero:
+        persistent = layout.predicted_persistent()
+        for line in layout.accounting_lines(steps_m, psi):
+            print0(line)
+    else:
+        print0("predicted persistent memory per rank (fp32 master recipe, ZeRO stage 0):")
+        print0(f"  weights   fp32 {mfu.format_bytes(persistent['weights'])}")
+        print0(f"  grads     fp32 {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)")
+        print0(f"  AdamW m,v fp32 {mfu.format_bytes(persistent['optimizer'])}")
     print0(f"  total          {mfu.format_bytes(persistent['total'])}; activations ≈"
            f" {mfu.format_bytes(activation)} per micro-batch (Korthikanti, 16-bit, L layers)")
     print0(f"FLOPs/token: model {flops.model:,.0f}, hardware {flops.hardware:,.0f}  [{flops.convention}]")
     print0(f"peak assumed: {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
-    print0(f"layout: parameters, gradients and AdamW state replicated over dp_cp; split: the batch"
-           f" ({micro} sequences per rank per micro-step)")
-    print0(f"predicted comm per step: all_reduce dp_cp (D·C={mesh.dp_cp_size}): payload"
-           f" {mfu.format_bytes(grad_bytes)}, sent per rank {mfu.format_bytes(wire)} in"
-           f" {len(ddp.buckets)} buckets of ≤{args.bucket_mb:g} MiB (2(N-1)/N·M, ring)")
-    last_bucket = mfu.format_bytes(ddp.bucket_sizes_bytes()[-1])
-    if mesh.dp_cp_size == 1:
-        print0("critical path: no gradient communication (one data rank)")
-    elif len(ddp.buckets) == 1:
-        print0(f"critical path: the single bucket ({last_bucket}) is sent after backward; lower --bucket-mb"
-               f" to overlap it")
-    else:
-        print0(f"critical path: buckets 0..{len(ddp.buckets) - 2} overlap backward; the last one ({last_bucket},"
-               f" the first layers' grads) is sent after it, then scalar all-reduces (token count, finite flag)")
+    if not args.zero:
+        print0(f"layout: parameters, gradients and AdamW state replicated over dp_cp; split: the batch"
+               f" ({micro} sequences per rank per micro-step)")
+        print0(f"predicted comm per step: all_reduce dp_cp (D·C={mesh.dp_cp_size}): payload"
+               f" {mfu.format_bytes(grad_bytes)}, sent per rank {mfu.format_bytes(wire)} in"
+               f" {len(ddp.buckets)} buckets of ≤{args.bucket_mb:g} MiB (2(N-1)/N·M, ring)")
+        last_bucket = mfu.format_bytes(ddp.bucket_sizes_bytes()[-1])
+        if mesh.dp_cp_size == 1:
+            print0("critical path: no gradient communication (one data rank)")
+        elif len(ddp.buckets) == 1:
+            print0(f"critical path: the single bucket ({last_bucket}) is sent after backward; lower --bucket-mb"
+                   f" to overlap it")
+        else:
+            print0(f"critical path: buckets 0..{len(ddp.buckets) - 2} overlap backward; the last one"
+                   f" ({last_bucket}, the first layers' grads) is sent after it, then scalar all-reduces")
     print0(f"pipeline bubble: {mfu.pipeline_bubble(mesh.shape.pp, steps_m):.1%} (P={mesh.shape.pp}, m={steps_m})")
     for line in extra_lines:
         print0(line)
     print0("=" * 100)
-    return {"grad_bytes": grad_bytes, "wire": wire, "persistent": persistent}
+    return {"grad_bytes": grad_bytes, "wire": wire, "persistent": persistent, "micro_batches": steps_m}
 
 
 def mesh_description(mesh) -> str:
@@ -351,9 +382,16 @@ def main(argv=None):
         tp_lines = tp.startup_lines(micro, seq_len, DTYPES[args.dtype].itemsize, autocast)
         tp_kwargs = dict(norm_groups=(mesh.tp_group,), tp_rank=mesh.tp_rank, after_grad_sync=(tp.finish_grad_sync,))
     compiled = torch.compile(model) if args.compile else model
-    ddp = DistributedDataParallel(compiled, group=mesh.dp_cp_group, bucket_mb=args.bucket_mb)
-    optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
-    layout = ReplicatedUpdate(ddp, optimizer, **tp_kwargs)
+    if args.zero:  # zero.py shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
+        ddp = None
+        tp_norm = {key: tp_kwargs[key] for key in ("norm_groups", "tp_rank") if key in tp_kwargs}
+        layout = ZeroLayout(model, mesh.dp_cp_group, args.zero, lr=args.lr, weight_decay=args.weight_decay,
+                            betas=(args.beta1, args.beta2), param_dtype=ZERO_PARAM_DTYPES[args.dtype],
+                            master_dtype=torch.float32, bucket_mb=args.bucket_mb, forward=compiled, **tp_norm)
+    else:
+        ddp = DistributedDataParallel(compiled, group=mesh.dp_cp_group, bucket_mb=args.bucket_mb)
+        optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
+        layout = ReplicatedUpdate(ddp, optimizer, **tp_kwargs)
     schedule = LRSchedule(args.lr, args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
                           args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
     scaler = DynamicLossScaler(enabled=args.dtype == "fp16")
@@ -367,7 +405,7 @@ def main(argv=None):
     )
     peak, peak_source = mfu.detect_peak_flops(device, args.dtype, args.peak_tflops)
     predicted = startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source,
-                                   ddp, device, tp_lines)
+                                   ddp, device, layout, tp_lines)
     if tp is not None:
         predicted["tp_step"] = tp.step_messages(micro, seq_len, steps_m, DTYPES[args.dtype].itemsize)
 
@@ -414,6 +452,8 @@ def main(argv=None):
 
     end_accounting(tracer, predicted, layout, args, timed_seconds, timed_steps, tokens_per_step,
                    flops, peak, world_size, device)
+    if args.zero == 3:
+        layout.unshard()  # gather every weight once: sampling runs a forward on some ranks only
     if args.sample_tokens and rank < shape.tp:  # rank 0's TP group samples together (rank 0 prints)
         with tp.full_logits() if tp is not None else nullcontext():
             sample(model, val_tokens, corpus.tokenizer_name, args.sample_tokens, args.seed, device)
@@ -431,8 +471,11 @@ def end_accounting(tracer, predicted, layout, args, seconds, steps, tokens_per_s
                f" {mfu.format_bytes(predicted['persistent'][kind]):>12}")
     if device.type == "cuda":
         print0(f"  CUDA allocator peak {mfu.format_bytes(torch.cuda.max_memory_allocated())}")
+    if args.zero:
+        for line in layout.end_report_lines(tracer.records, "dp_cp", args.steps, predicted["micro_batches"]):
+            print0(line)
     grad_sync = tracer.records.get(("all_reduce", "dp_cp"))
-    if grad_sync is not None and args.steps:
+    if grad_sync is not None and args.steps and not args.zero:
         # Every step sends the gradients plus three small reductions (token count, finite flag, loss).
         print0(f"  all_reduce dp_cp per step: measured payload {mfu.format_bytes(grad_sync.payload_bytes / args.steps)}"
                f" (gradients predicted {mfu.format_bytes(predicted['grad_bytes'])} + 2 scalars),"

@@ -1,0 +1,347 @@
+"""zero.py: ZeRO stages 1/2/3 perform the single-device AdamW update on the global batch, and hold and send
+exactly the bytes their formulas predict.
+
+The equivalence runs spawn gloo ranks (2 and 4), train a few float64 steps of each stage with zero.ZeroLayout
+driven by train.train_step (gradient accumulation, clipping active, unit sizes and the parameter count not
+divisible by D) and compare losses, grad norms and the full parameters with tests/reference.py (torch's AdamW
+and clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15; tolerance 1e-10.
+The same runs check the byte accounting (held == formula, traced == formula), stage 3's peak of gathered
+units, and that the checkpoint pieces reassemble into the full tensors. Smaller 2-rank checks share one spawn:
+a non-finite gradient on one rank skips the step on all, the order of stage 3's gathers (prefetch in forward
+and backward), the 2 + 2 + 12 bytes of bf16/fp32 mixed precision, and the TP-replicated rule of the norm.
+Then the flags, and train.py end to end under torchrun.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
+
+STEPS, SEQ = 3, 16
+TOL = 1e-10
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train_zero(rank, world, stage, config_kw, global_batch, micro, clip, bucket_mb):
+    import mfu
+    from model import GPT
+    from optim import DynamicLossScaler
+    from train import train_step
+    from zero import ZeroLayout
+
+    config = make_config(**config_kw)
+    model = GPT(config, seed=0, dtype=torch.float64)
+    group = dist.new_group(list(range(world)))
+    layout = ZeroLayout(model, group, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
+                        betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=torch.float64,
+                        master_dtype=torch.float64, bucket_mb=bucket_mb)
+    scaler = DynamicLossScaler(enabled=False)
+    tracer = mfu.CommTracer()
+    tracer.name_group(group, "dp")
+    losses, norms, comm = [], [], []
+    for x, y in global_batches(STEPS, global_batch, SEQ):
+        batches = rank_micro_batches(x, y, rank, world, micro)
+        with tracer:
+            loss, result = train_step(layout, scaler, batches, group, clip, nullcontext(), "cpu")
+        comm.append({op: tracer.records[(op, "dp")].payload_bytes
+                     for op in ("all_gather_single", "reduce_scatter_single") if (op, "dp") in tracer.records})
+        tracer.reset()
+        losses.append(loss)
+        norms.append(result.grad_norm)
+    pieces = [(p.key, p.tensor.clone(), p.shard, p.flat_range, p.primary) for p in layout.state_pieces()]
+    return dict(losses=losses, norms=norms, params=layout.full_parameters(), comm=comm,
+                predicted_comm=layout.predicted_comm(len(batches)), held=layout.held_bytes(),
+                predicted=layout.predicted_persistent(), unpadded=layout.predicted_persistent(padded=False),
+                padded_numel=layout.padded_numel, numel=layout.numel, units=len(layout.units),
+                peak_gathered=layout.peak_gathered_units, pieces=pieces, step_count=layout.optimizer_step_count,
+                unit_sizes=[u.numel for u in layout.units])
+
+
+def _train_stages(rank, world, cases):
+    """All stages in one spawn (spawning and importing cost more than these tiny runs)."""
+    return [_train_zero(rank, world, *case) for case in cases]
+
+
+CLIP = 0.05
+# (stage, config, micro-batch, bucket MiB) with B_global = 2·D·micro: 2 micro-batches per rank each. n_embd=33
+# makes unit sizes odd; without biases the parameter count itself is odd. Small buckets: many units.
+STAGE_CASES = {
+    2: [(1, dict(n_embd=33, n_head=3, bias=False), 1, 0.01), (2, dict(n_embd=33, n_head=3), 1, 0.01),
+        (3, dict(n_embd=33, n_head=3, bias=False), 1, 25.0)],
+    4: [(1, dict(n_embd=33, n_head=3), 1, 0.02), (2, dict(n_embd=33, n_head=3, bias=False), 1, 0.02),
+        (3, dict(n_embd=33, n_head=3), 1, 25.0)],
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_matches_single_device(world):
+    cases = [(stage, config_kw, 2 * world * micro, micro, CLIP, bucket_mb)
+             for stage, config_kw, micro, bucket_mb in STAGE_CASES[world]]
+    per_rank = run_ranks(_train_stages, world, cases, timeout=180)
+    for index, (stage, config_kw, global_batch, micro, clip, _) in enumerate(cases):
+        _check_stage(stage, world, make_config(**config_kw), global_batch, micro, clip,
+                     [results[index] for results in per_rank])
+
+
+def _check_stage(stage, world, config, global_batch, micro, clip, results):
+    ref_losses, ref_norms, ref_params = reference_run(config, global_batches(STEPS, global_batch, SEQ), clip=clip)
+    assert min(ref_norms) > clip  # clipping really is active
+    m = global_batch // (world * micro)
+    assert m == 2  # gradient accumulation is exercised
+    first = results[0]
+    assert any(n % world for n in first["unit_sizes"])  # padding is exercised
+    if not config.bias:
+        assert first["numel"] % world  # and Ψ itself does not divide by D
+    assert first["units"] > 2
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=TOL, atol=TOL)
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=TOL, atol=TOL, msg=f"stage {stage}: {name}")
+        assert r["step_count"] == STEPS
+
+        # Persistent bytes: exactly the ZeRO formula with the padded count Ψ', within the padding of Ψ's.
+        assert r["held"] == r["predicted"]
+        slack = 8 * r["units"] * (world - 1) * 4  # ≤ D-1 padding elements per unit, ≤ 32 bytes per element
+        assert abs(r["held"]["total"] - r["unpadded"]["total"]) <= slack
+        # Communication: what the tracer counted is what predicted_comm says, every step.
+        assert r["comm"] == [r["predicted_comm"]] * STEPS
+    # The ZeRO volumes in Ψ' units (float64: 8 bytes per element): 2Ψ for stages 1/2 at m = 1, 3Ψ at stage 3.
+    psi_bytes = 8 * first["padded_numel"]
+    comm = first["predicted_comm"]
+    if stage == 1:
+        assert comm == {"all_gather_single": psi_bytes, "reduce_scatter_single": psi_bytes}
+    if stage == 2:
+        assert comm == {"all_gather_single": psi_bytes, "reduce_scatter_single": m * psi_bytes}
+    if stage == 3:
+        assert comm["reduce_scatter_single"] == m * psi_bytes
+        assert m * psi_bytes < comm["all_gather_single"] < 2 * m * psi_bytes
+        # At most the unit in use plus the prefetched one, and prefetch really happens.
+        assert all(r["peak_gathered"] == 2 for r in results)
+
+    _check_pieces_reassemble(results, ref_params, world)
+
+
+def _check_pieces_reassemble(results, ref_params, world):
+    """Every element of every logical tensor is written by exactly one primary piece; params and masters
+    reassembled from the flat ranges equal the reference parameters."""
+    full, count = {}, {}
+    for r in results:
+        for key, tensor, shard, flat_range, primary in r["pieces"]:
+            if not primary:
+                continue
+            name = key.split("/", 1)[1]
+            if key not in full:
+                full[key] = torch.zeros(shard.global_shape, dtype=tensor.dtype)
+                count[key] = torch.zeros(shard.global_shape)
+            local = torch.zeros(shard.local_shape, dtype=tensor.dtype)
+            hits = torch.zeros(shard.local_shape)
+            if flat_range is None:
+                local.copy_(tensor)
+                hits += 1
+            else:
+                local.view(-1)[flat_range[0]:flat_range[1]] = tensor.reshape(-1)
+                hits.view(-1)[flat_range[0]:flat_range[1]] += 1
+            # place_into writes the whole local tensor; ranges are disjoint, so placing into zeros and adding
+            # assembles the pieces (and counts how often each element was written).
+            for total, part in ((full[key], local), (count[key], hits)):
+                placed = torch.zeros(shard.global_shape, dtype=part.dtype)
+                shard.place_into(placed, part)
+                total += placed
+    kinds = {key.split("/")[0] for key in full}
+    assert kinds == {"param", "master", "exp_avg", "exp_avg_sq"}
+    for key, c in count.items():
+        assert bool((c == 1).all()), f"{key} is not covered exactly once"
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(full[f"param/{name}"], ref, rtol=TOL, atol=TOL, msg=name)
+        torch.testing.assert_close(full[f"master/{name}"], ref, rtol=TOL, atol=TOL, msg=name)
+        assert full[f"exp_avg_sq/{name}"].abs().sum() > 0
+
+
+def _nonfinite_skip(rank, world):
+    from model import GPT
+    from optim import DynamicLossScaler
+    from zero import ZeroLayout
+
+    out = {}
+    for stage in (1, 2, 3):
+        model = GPT(make_config(n_embd=33, n_head=3), seed=0, dtype=torch.float64)
+        layout = ZeroLayout(model, None, stage, lr=1e-2, param_dtype=torch.float64, master_dtype=torch.float64,
+                            bucket_mb=0.02)
+        before = layout.full_parameters()
+        x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+        _, loss_sum, _ = layout(x, x)
+        loss_sum.backward()
+        layout.finish_grad_sync()
+        if rank == 1:
+            layout.units[-1].grad_shard[0] = float("inf")  # one element, one rank
+        skipped = layout.step(DynamicLossScaler(enabled=False), 1.0, "cpu").skipped
+        layout.zero_grad()
+        after = layout.full_parameters()
+        out[stage] = (skipped, layout.optimizer_step_count, all(torch.equal(before[k], after[k]) for k in before))
+    return out
+
+
+def _tp_replicated_norm(rank, world):
+    """On tp_rank 1, tensors marked tp_replicated are left out of the norm (tp_rank 0 counts them): the norm
+    of the sharded gradient must equal the single-device norm over the other tensors, whatever the shard cuts."""
+    from model import GPT
+    from optim import DynamicLossScaler
+    from zero import ZeroLayout
+
+    config = make_config(n_embd=33, n_head=3)
+    x, y = global_batches(1, 4, SEQ)[0]
+    reference = GPT(config, seed=0, dtype=torch.float64)
+    _, loss_sum, count = reference(x, y)
+    (loss_sum / count).backward()
+    expected = {}
+    for stage in (1, 2, 3):
+        model = GPT(config, seed=0, dtype=torch.float64)
+        for name, p in model.named_parameters():
+            p.shard_info.tp_replicated = ".ln_" in name or "ln_f" in name  # LayerNorms, as under TP
+        layout = ZeroLayout(model, None, stage, lr=1e-3, param_dtype=torch.float64, master_dtype=torch.float64,
+                            bucket_mb=0.01, tp_rank=1)
+        _, local_sum, _ = layout(*rank_micro_batches(x, y, rank, world, 2)[0])
+        (local_sum / count).backward()
+        layout.finish_grad_sync()
+        expected[stage] = layout.step(DynamicLossScaler(enabled=False), 0.0, "cpu").grad_norm
+    counted = [p.grad for n, p in reference.named_parameters() if not (".ln_" in n or "ln_f" in n)]
+    return expected, float(torch.cat([g.reshape(-1) for g in counted]).norm())
+
+
+def _two_rank_checks(rank, world):
+    return dict(nonfinite=_nonfinite_skip(rank, world), prefetch=_prefetch_order(rank, world),
+                mixed=_mixed_bytes(rank, world), tp_norm=_tp_replicated_norm(rank, world))
+
+
+def test_norm_counts_tp_replicated_tensors_on_tp_rank_0_only(two_rank_checks):
+    for norms, expected in (r["tp_norm"] for r in two_rank_checks):
+        for stage, norm in norms.items():
+            assert abs(norm - expected) <= TOL * expected, stage
+
+
+@pytest.fixture(scope="module")
+def two_rank_checks():
+    """The small 2-rank checks below share one spawn."""
+    return run_ranks(_two_rank_checks, 2, timeout=120)
+
+
+def test_nonfinite_gradient_on_one_rank_skips_on_all(two_rank_checks):
+    for result in (r["nonfinite"] for r in two_rank_checks):
+        assert result == {stage: (True, 0, True) for stage in (1, 2, 3)}
+
+
+def _prefetch_order(rank, world):
+    """Event log of one stage-3 step: which gathers are launched while which block computes."""
+    from model import GPT
+    from zero import ZeroLayout
+
+    model = GPT(make_config(n_layer=3), seed=0, dtype=torch.float64)
+    layout = ZeroLayout(model, None, 3, lr=1e-3, param_dtype=torch.float64, master_dtype=torch.float64)
+    events = []
+    name = {id(u): ("root" if u is layout.root else f"b{layout.block_units.index(u)}") for u in layout.units}
+    gather, launch = layout._gather, layout._launch
+    layout._gather = lambda u: (events.append(f"gather {name[id(u)]}") if not u.gathered else None, gather(u))
+    layout._launch = lambda u: (events.append(f"reduce {name[id(u)]}"), launch(u))
+    for i, block in enumerate(model.transformer.h):
+        block.register_forward_hook(lambda m, a, o, i=i: events.append(f"forward b{i} done"))
+    x = torch.randint(0, 256, (2, SEQ))
+    _, loss_sum, _ = layout(x, x)
+    events.append("backward")
+    loss_sum.backward()
+    layout.finish_grad_sync()
+    return events, layout.peak_gathered_units
+
+
+def test_stage3_prefetches_next_block_in_forward_and_backward(two_rank_checks):
+    events, peak = two_rank_checks[0]["prefetch"]
+    assert peak == 2
+    # Forward: block i+1's gather is launched before block i finishes (it overlaps block i's compute), and the
+    # root (tied head) is prefetched during the last block.
+    assert events[:8] == ["gather root", "gather b0", "gather b1", "forward b0 done", "gather b2",
+                          "forward b1 done", "gather root", "forward b2 done"]
+    # Backward: the last block stays gathered; block i-1's gather is launched before block i's gradients are
+    # reduced (it overlaps block i's backward); gradient buckets are reduced in order, the root last.
+    assert events[8:] == ["backward", "gather b1", "reduce b2", "gather b0", "reduce b1", "reduce b0", "reduce root"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mixed precision: bf16 working weights, fp32 master: the 2 + 2 + 12 bytes of the paper
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _mixed_bytes(rank, world):
+    import mfu
+    from model import GPT
+    from zero import ZeroLayout
+
+    out = {}
+    for stage in (1, 2, 3):
+        model = GPT(make_config(n_embd=33, n_head=3), seed=0)
+        layout = ZeroLayout(model, None, stage, lr=1e-3, param_dtype=torch.bfloat16, master_dtype=torch.float32,
+                            bucket_mb=0.02)
+        psi = layout.padded_numel
+        expected = mfu.persistent_bytes(psi, "mixed", stage, world)
+        out[stage] = (layout.held_bytes(), expected, {p.dtype for p in model.parameters()},
+                      {u.master.dtype for u in layout.units})
+    return out
+
+
+def test_mixed_precision_holds_2_2_12_bytes(two_rank_checks):
+    for result in (r["mixed"] for r in two_rank_checks):
+        for stage, (held, expected, working, master) in result.items():
+            assert held == expected, stage
+            assert working == {torch.bfloat16} and master == {torch.float32}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Flags
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (["--zero", "1", "--dtype", "fp16"], 2, "--zero 1 with --dtype fp16"),
+    (["--zero", "3", "--activation-checkpointing"], 2, "--activation-checkpointing"),
+    (["--zero", "3", "--compile"], 2, "--compile"),
+    (["--zero", "3", "--n-layer", "0"], 2, "--n-layer ≥ 1"),
+    (["--zero", "2", "--pp", "2"], 2, "--zero 2 with --pp 2"),
+])
+def test_invalid_zero_flags(flags, world, message):
+    import train
+
+    args = train.build_parser().parse_args(flags)
+    with pytest.raises(train.FlagError, match=re.escape(message)):
+        train.validate_args(args, world)
+
+
+def test_valid_zero_flags():
+    import train
+
+    for stage in (0, 1, 2, 3):
+        args = train.build_parser().parse_args(["--zero", str(stage), "--global-batch", "4"])
+        train.validate_args(args, 2)
+
+
+def test_torchrun_zero3_smoke(tmp_path):
+    """train.py end to end: 2 ranks, ZeRO-3, a few steps, accounting printed."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "train.py"), "--preset", "tiny", "--zero", "3", "--steps", "3", "--global-batch", "4",
+           "--micro-batch", "1", "--data", str(corpus), "--out-dir", str(tmp_path), "--eval-every", "0",
+           "--eval-batches", "1", "--sample-tokens", "8", "--log-every", "1", "--peak-tflops", "1",
+           "--dtype", "bf16"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "ZeRO stage 3" in out and "peak lower bound" in out and "all_gather_single" in out
+    assert "step     2" in out

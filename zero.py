@@ -1,0 +1,607 @@
+"""ZeRO stages 1, 2 and 3 from raw collectives: shard optimizer state, then gradients, then parameters.
+
+Plain data parallel (stage 0) keeps D identical copies of everything. ZeRO (Rajbhandari et al. 2020) keeps
+the same arithmetic but gives each of the D ranks of the data group (dp×cp) one 1/D slice of the state:
+
+    stage 1: the optimizer state (fp32 master weights + both Adam moments) is sharded;
+    stage 2: + the gradients (reduce-scattered in buckets during backward; full gradients freed at once);
+    stage 3: + the working parameters (all-gathered per block just before use, freed after).
+
+The flat layout. Parameters are packed into UNITS, each one flat buffer padded to a multiple of D elements:
+stage 1/2 units are gradient buckets of about `bucket_mb` MiB, in reverse registration order (roughly the
+order backward produces them); stage 3 units are the transformer blocks plus one "root" unit holding the rest
+(embeddings, tied head, final LayerNorm). A unit of n elements is padded to n' = ⌈n/D⌉·D and rank r owns the
+contiguous slice [r·S, (r+1)·S), S = n'/D. The padding is zero in every buffer and stays zero (its gradient is
+zero, so Adam never moves it). Ψ' = Σ n' ≤ Ψ + units·(D-1) is the padded parameter count; every formula
+below holds exactly with Ψ' (and within that padding with Ψ).
+
+The update on a shard is torch.optim.AdamW's, element for element: decoupled decay p ← p·(1 - lr·wd) on the
+tensors of dim ≥ 2 (kept as [start, end) segments of the shard, no per-element mask), then m ← β1·m + (1-β1)·g,
+v ← β2·v + (1-β2)·g², p ← p - lr/(1-β1^t) · m / (√v/√(1-β2^t) + ε). Everything else follows DESIGN.md's
+order: reduce → unscale → all ranks finite? → global norm = √(Σ_ranks Σ_shard g²) (padding is zero, TP-
+replicated tensors counted on tp_rank 0 only, summed over `norm_groups` too) → clip → all step or all skip.
+
+Mixed precision. Working parameters and gradients are `param_dtype` (bf16 in train.py: b_w = b_g = 2), the
+optimizer keeps `master_dtype` master weights and moments (fp32: b_o = 4 + 4 + 4 = 12): the 2 + 2 + 12 = 16
+bytes per parameter of the paper. When the two dtypes are equal (fp32 runs, the float64 tests) the master IS
+the working shard (no third copy): b_o = 8 with fp32.
+
+Gradient accumulation. Stage 1 accumulates full gradients locally under `no_sync()` and reduces once per
+step, like DDP. Stages 2 and 3 cannot hold a full gradient, so every micro-batch's backward reduce-scatters
+its buckets and adds the result to the gradient shard: no_sync() changes nothing there, and the reduce-scatter
+volume is paid m times per step (FSDP does the same; its no_sync trades this back for full gradients).
+
+How stage 3 overlaps (module hooks, chosen over autograd Functions because the model stays untouched).
+Each unit's gathered buffer is allocated once and every parameter's `.data` is a view into it; "free" shrinks
+the buffer's storage to 0 bytes and "gather" grows it back and all-gathers into it, so the views (and the
+tensors autograd saved) stay valid. Forward: a pre-hook on the model gathers the root (embeddings) and
+prefetches block 0; block i's pre-hook waits for block i, frees the root after the embedding (i = 0) and
+launches the async gather of block i+1 (after the last block: the root again, for the tied head) while block i
+computes; block i's post-hook frees it, except the last block, which backward needs first. Backward: a hook
+on block i's output (it fires when the gradient reaches block i, before its backward) waits for block i,
+launches block i-1's gather, and (i = L-1) frees the root once the head's backward is done. A unit's
+parameter gradients are copied into a flat bucket as they arrive (post-accumulate-grad hooks) and, once all
+are there, the bucket is reduce-scattered asynchronously and the unit is freed: every node that reads a
+weight has run before autograd accumulates that weight's gradient. Autograd runs a ready AccumulateGrad before
+any other ready node, so block i+1 is freed before block i's backward hook prefetches block i-1: at most two
+units are gathered at once (`peak_gathered_units`, tested, with the order of gathers in both passes).
+
+Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_o bytes per parameter for
+working weights / gradients / optimizer state, m micro-batches per step, U the largest unit's elements):
+1. Replicated vs split. Stage 1: weights and gradients replicated, optimizer state split in D. Stage 2:
+   weights replicated; gradients and optimizer state split. Stage 3: everything split. The batch is split.
+2. Persistent bytes per rank (mfu.persistent_bytes, `held_bytes()` measures it):
+       stage 1: (b_w + b_g)·Ψ' + b_o·Ψ'/D;   stage 2: b_w·Ψ' + (b_g + b_o)·Ψ'/D;   stage 3: (b_w + b_g + b_o)·Ψ'/D.
+   Temporary on top (`peak_lower_bound()`, printed by train.py; activations apart): stage 1: the reduce-scatter
+   outputs, later the all-gather inputs, of every unit: max(b_g, b_w)·Ψ'/D; stage 2: at most 2 full gradient
+   buckets in flight, b_g·2U (U: largest unit), or the all-gather inputs b_w·Ψ'/D; stage 3: two gathered units,
+   b_w·2U (the one in use and the prefetched one), plus gradient buckets b_g·(U_root + 2U) (the root's fills
+   during the whole backward: its tied head and its embeddings are its first and last gradients).
+3. Messages on the critical path, per step, over the dp×cp group (M = payload; ring: wire = (D-1)/D·M):
+       stage 1: reduce_scatter b_g·Ψ' (overlapped with backward) + all_gather b_w·Ψ' = 2Ψ; the all-gather of
+       unit k is launched as soon as unit k is updated, so it overlaps the update of unit k+1;
+       stage 2: m × reduce_scatter b_g·Ψ' (overlapped) + all_gather b_w·Ψ' = 2Ψ for m = 1;
+       stage 3: m × [all_gather b_w·(2Ψ' - U_last) + reduce_scatter b_g·Ψ']: forward gathers every unit once
+       (the root twice: embedding, then the tied head), backward every unit again except the root (its
+       weights were last read by the head's backward, before it is freed) and the last block (kept gathered
+       from its forward into its backward) = the paper's 3Ψ less what is not regathered. Exposed (not hidden
+       behind compute): the gathers of the root and block 0 at the start of forward, and the root's
+       reduce-scatter at the end of backward (its last gradient, the embeddings', comes last).
+   Plus small all-reduces: the squared grad norm (8 bytes, dp×cp and norm_groups), the finite flag (world).
+4. Restart state: `state_pieces()` lists, per logical tensor, the working weights (`param/`: the full tensor
+   at stages 1/2, written by dp rank 0 only; this rank's flat range at stage 3), and this rank's flat range of
+   `master/`, `exp_avg/`, `exp_avg_sq/`, plus `optimizer_step_count` (Adam's t). The flat ranges exclude the
+   padding, so a checkpoint reloads on any D.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import mfu
+from ddp import assert_same_across_ranks
+from model import ShardInfo, StatePiece
+from optim import StepResult, all_ranks_finite, counts_once
+
+
+class _Unit:
+    """One flat, padded buffer of parameters: what is gathered, reduce-scattered and stepped together."""
+
+    def __init__(self, index: int, params: list, dp_size: int, dp_rank: int):
+        self.index = index
+        self.params = params
+        self.offsets = []  # flat offset of each parameter in the unit
+        offset = 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.numel = offset  # n: real elements
+        self.shard_numel = -(-offset // dp_size)  # S = ⌈n/D⌉
+        self.padded_numel = self.shard_numel * dp_size  # n' = S·D
+        self.shard_start = dp_rank * self.shard_numel  # this rank owns [start, start + S) of the flat unit
+        self.pending = len(params)  # gradients still to arrive in this backward
+        # Filled by the layout:
+        self.full_param = None  # n' working elements (stage 1/2: persistent; stage 3: storage freed between uses)
+        self.param_shard = None  # S working elements (stage 3; at stage 1/2 a view of full_param)
+        self.full_grad = None  # n' (stage 1: persistent, param.grad are views; stage 2/3: per backward)
+        self.grad_shard = None  # S working-dtype reduced gradient (stage 1: a view of full_grad)
+        self.master = None  # S master-dtype weights (may alias param_shard)
+        self.exp_avg = None
+        self.exp_avg_sq = None
+        self.decay_segments = []  # [(lo, hi)] of the shard that get weight decay (dim ≥ 2)
+        self.uncounted_segments = []  # [(lo, hi)] of the shard that the global norm skips (TP replicas)
+        self.gather_work = None  # stage 3 in-flight all-gather
+        self.gathered = False  # stage 3: the full buffer's storage is allocated
+
+    def shard_range_of(self, i: int):
+        """(lo, hi) of parameter i, as offsets into this rank's shard, or None when the shard misses it."""
+        lo = max(self.offsets[i], self.shard_start)
+        hi = min(self.offsets[i] + self.params[i].numel(), self.shard_start + self.shard_numel)
+        return (lo - self.shard_start, hi - self.shard_start) if lo < hi else None
+
+
+class ZeroLayout:
+    """ZeRO stage 1, 2 or 3 over the dp×cp `group`; train.train_step drives it (ReplicatedUpdate's protocol).
+
+    `module` must hold the same initial values on every rank (checked). At stage 3 it must be a model.GPT (its
+    `transformer.h` blocks are the units gathered one at a time). Parameters may be TP-local shards carrying
+    `param.shard_info`; each is flattened as the local tensor it is.
+    """
+
+    def __init__(self, module: nn.Module, group, stage: int, *, lr: float, weight_decay: float = 0.1,
+                 betas=(0.9, 0.95), eps: float = 1e-8, param_dtype=torch.float32, master_dtype=torch.float32,
+                 bucket_mb: float = 25.0, norm_groups=(), tp_rank: int = 0, check_same_init: bool = True,
+                 forward=None):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage} (stage 0 is ddp.py + ReplicatedUpdate)")
+        self.module, self.group, self.stage = module, group, stage
+        self.forward = forward or module  # e.g. torch.compile(module) (stages 1/2)
+        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
+        self.param_dtype, self.master_dtype = param_dtype, master_dtype
+        self.norm_groups, self.tp_rank = norm_groups, tp_rank
+        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.step_count = 0  # Adam's t
+        self.require_grad_sync = True
+        self.peak_gathered_units = 0
+        self._in_flight = []  # [(unit, work, output)] reduce-scatters launched, not yet added to grad shards
+        self._next_to_launch = 0
+        self._launched_this_step = False
+        self._unsharded = False
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        if check_same_init:
+            assert_same_across_ranks(params, group)
+        names = {id(p): n for n, p in module.named_parameters()}
+        for p in params:
+            if not hasattr(p, "shard_info"):
+                p.shard_info = ShardInfo(global_name=names[id(p)], global_shape=tuple(p.shape))
+        device = params[0].device
+        if stage == 3:
+            self.blocks = list(module.transformer.h)
+            if not self.blocks:
+                raise ValueError("ZeRO-3 gathers one transformer block at a time: the model needs n_layer ≥ 1")
+            in_block = {id(p) for b in self.blocks for p in b.parameters()}
+            groups = [[p for p in b.parameters() if p.requires_grad] for b in reversed(self.blocks)]
+            groups.append([p for p in params if id(p) not in in_block])  # the root: gradients complete last
+        else:
+            groups = self._buckets(params, int(bucket_mb * 2**20))
+        self.units = [_Unit(i, g, self.dp_size, self.dp_rank) for i, g in enumerate(g for g in groups if g)]
+        self._unit_of = {p: u for u in self.units for p in u.params}  # tensors hash by identity
+        self._offset_of = {p: o for u in self.units for p, o in zip(u.params, u.offsets)}
+        with torch.no_grad():
+            for unit in self.units:
+                self._build_unit(unit, device)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        if stage == 3:
+            self.block_units = self.units[-2::-1]  # block i's unit
+            self.root = self.units[-1]
+            self._install_stage3_hooks()
+
+    # ----------------------------------------------------------------------------------------------------
+    # Construction
+    # ----------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _buckets(params: list, bucket_bytes: int) -> list:
+        """Reverse registration order (≈ gradient arrival order), ~bucket_bytes per bucket."""
+        buckets, current, current_bytes = [], [], 0
+        for p in reversed(params):
+            if current and current_bytes >= bucket_bytes:
+                buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(p)
+            current_bytes += p.numel() * p.element_size()
+        return buckets + [current] if current else buckets
+
+    def _build_unit(self, unit: _Unit, device):
+        """Pack the unit's initial values, keep this rank's master shard, point the parameters at the buffers."""
+        flat = torch.zeros(unit.padded_numel, dtype=self.master_dtype, device=device)
+        for p, offset in zip(unit.params, unit.offsets):
+            flat[offset:offset + p.numel()] = p.detach().reshape(-1)  # master from the full-precision init
+        mine = slice(unit.shard_start, unit.shard_start + unit.shard_numel)
+        unit.full_param = flat.to(self.param_dtype, copy=True)
+        if self.stage == 3:
+            unit.param_shard = unit.full_param[mine].clone()
+        else:
+            unit.param_shard = unit.full_param[mine]  # a view: the step's result is gathered around it
+        aliased = self.param_dtype == self.master_dtype
+        unit.master = unit.param_shard if aliased else flat[mine].clone()
+        unit.exp_avg = torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
+        unit.exp_avg_sq = torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
+        if self.stage == 1:
+            unit.full_grad = torch.zeros(unit.padded_numel, dtype=self.param_dtype, device=device)
+            unit.grad_shard = unit.full_grad[mine]
+        else:
+            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.param_dtype, device=device)
+        for i, (p, offset) in enumerate(zip(unit.params, unit.offsets)):
+            p.data = unit.full_param[offset:offset + p.numel()].view(p.shape)
+            if self.stage == 1:
+                p.grad = unit.full_grad[offset:offset + p.numel()].view(p.shape)
+            span = unit.shard_range_of(i)
+            if span is not None:
+                if p.dim() >= 2:
+                    unit.decay_segments.append(span)
+                if not counts_once(p, self.tp_rank):
+                    unit.uncounted_segments.append(span)
+        unit.decay_segments = _merge(unit.decay_segments)
+        if self.stage == 3:
+            _free_storage(unit.full_param)  # the views stay; their storage has 0 bytes until gathered
+
+    # ----------------------------------------------------------------------------------------------------
+    # The layout protocol (train.ReplicatedUpdate's)
+    # ----------------------------------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Stage 1: accumulate full gradients locally. Stages 2/3 hold no full gradient: they reduce anyway."""
+        previous, self.require_grad_sync = self.require_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_grad_sync = previous
+
+    def _syncs_now(self) -> bool:
+        return self.require_grad_sync or self.stage >= 2
+
+    def _on_grad_ready(self, param: torch.Tensor):
+        if not self._syncs_now():
+            return
+        unit = self._unit_of[param]
+        if self.stage >= 2:
+            # Move the gradient into the unit's flat bucket and drop autograd's tensor right away.
+            if unit.full_grad is None:
+                unit.full_grad = torch.zeros(unit.padded_numel, dtype=self.param_dtype, device=param.device)
+            offset = self._offset_of[param]
+            unit.full_grad[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+            param.grad = None
+        unit.pending -= 1
+        if unit.pending < 0:
+            raise RuntimeError("a gradient arrived twice in one synchronised backward: at stage 1 run the backward "
+                               "of accumulation micro-steps inside no_sync(), and call finish_grad_sync() each step")
+        while self._next_to_launch < len(self.units) and self.units[self._next_to_launch].pending == 0:
+            self._launch(self.units[self._next_to_launch])
+
+    def _launch(self, unit: _Unit):
+        """Reduce-scatter the unit's gradient bucket (async), in unit order: the same order on every rank."""
+        if unit.full_grad is None:  # its parameters took no part in this backward: reduce zeros
+            unit.full_grad = torch.zeros(unit.padded_numel, dtype=self.param_dtype, device=unit.grad_shard.device)
+        out = torch.empty_like(unit.grad_shard)
+        work = dist.reduce_scatter_single(out, unit.full_grad, op=dist.ReduceOp.SUM, group=self.group,
+                                          async_op=True)
+        self._in_flight.append((unit, work, out))
+        if self.stage >= 2:
+            unit.full_grad = None  # the bucket is freed once the collective no longer needs it
+        if self.stage == 3 and unit is not self.root:
+            self._free(unit)  # every node reading these weights has run (their gradients are all here)
+        unit.pending = len(unit.params)
+        self._launched_this_step = True
+        self._next_to_launch += 1
+        if self._next_to_launch == len(self.units):
+            self._next_to_launch = 0
+        while self.stage >= 2 and len(self._in_flight) > 2:  # bound the buckets held by in-flight collectives
+            self._complete_oldest()
+
+    def _complete_oldest(self):
+        unit, work, out = self._in_flight.pop(0)
+        work.wait()
+        if self.stage == 1:
+            unit.grad_shard.copy_(out)  # full_grad holds the local sum; its own slice now the global one
+        else:
+            unit.grad_shard.add_(out)  # accumulate over micro-batches
+
+    def finish_grad_sync(self):
+        """Launch the buckets whose gradients never arrived, then wait for every reduce-scatter."""
+        # A backward left part-way (unused parameters), or at stage 1 none synchronised at all: finish the round.
+        while self._next_to_launch != 0 or (self.stage == 1 and not self._launched_this_step):
+            self._launch(self.units[self._next_to_launch])
+        while self._in_flight:
+            self._complete_oldest()
+        self._launched_this_step = False
+
+    def zero_grad(self):
+        for unit in self.units:
+            (unit.full_grad if self.stage == 1 else unit.grad_shard).zero_()
+
+    def set_lr(self, lr: float):
+        self.lr = lr
+
+    @property
+    def optimizer_step_count(self) -> int:
+        return self.step_count
+
+    @optimizer_step_count.setter
+    def optimizer_step_count(self, value: int):
+        self.step_count = int(value)
+
+    @torch.no_grad()
+    def step(self, scaler, clip: float, device) -> StepResult:
+        """Unscale → all ranks finite? → global norm over the shards → clip → AdamW on every shard → publish."""
+        grads = [u.grad_shard.to(self.master_dtype) for u in self.units]  # the same tensors if dtypes agree
+        if scaler.enabled:
+            torch._foreach_mul_(grads, 1.0 / scaler.scale)
+        # One pass over the shards gives both answers: a non-finite gradient makes its shard's norm non-finite.
+        sq_sum = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+        for unit, g in zip(self.units, grads):
+            for lo, hi in unit.uncounted_segments:  # a TP replica another tp rank already counts
+                sq_sum -= g[lo:hi].double().pow(2).sum()
+        if not all_ranks_finite(bool(torch.isfinite(sq_sum)), device):
+            scaler.update(found_nonfinite=True)
+            return StepResult(grad_norm=float("nan"), skipped=True)
+        for group in (self.group, *self.norm_groups):  # shards over dp, different pieces over TP/PP
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(sq_sum, op=dist.ReduceOp.SUM, group=group)
+        grad_norm = float(sq_sum.sqrt())
+        if clip > 0 and grad_norm > clip:
+            torch._foreach_mul_(grads, clip / (grad_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s coefficient
+        # Unit by unit: the all-gather of unit k (stages 1/2) runs while unit k+1 is being updated.
+        self.step_count += 1
+        gathers = []
+        for unit, grad in zip(self.units, grads):
+            self._adamw(unit, grad)
+            gathers.append(self._publish(unit))
+        for work in gathers:
+            if work is not None:
+                work.wait()
+        scaler.update(found_nonfinite=False)
+        return StepResult(grad_norm=grad_norm, skipped=False)
+
+    def _adamw(self, unit: _Unit, grad: torch.Tensor):
+        """torch.optim.AdamW (amsgrad off) on one shard: decoupled decay, moments, bias-corrected update."""
+        beta1, beta2 = self.betas
+        for lo, hi in unit.decay_segments if self.weight_decay else ():
+            unit.master[lo:hi].mul_(1 - self.lr * self.weight_decay)
+        unit.exp_avg.lerp_(grad, 1 - beta1)
+        unit.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step_size = self.lr / (1 - beta1 ** self.step_count)
+        denom = (unit.exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** self.step_count)).add_(self.eps)
+        unit.master.addcdiv_(unit.exp_avg, denom, value=-step_size)
+
+    def _publish(self, unit: _Unit):
+        """Stage 1/2: launch the all-gather of the updated shard into every rank's full weights (async).
+        Stage 3: refresh the working shard from the master (no message: weights are gathered at use)."""
+        if self.stage == 3:
+            if unit.master is not unit.param_shard:
+                unit.param_shard.copy_(unit.master)
+            return None
+        # The input may not overlap the output: send a copy (the cast, or a clone of the aliased view).
+        mine = unit.master.to(self.param_dtype, copy=True)
+        return dist.all_gather_single(unit.full_param, mine, group=self.group, async_op=True)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Stage 3: gather before use, free after, prefetch the next unit
+    # ----------------------------------------------------------------------------------------------------
+
+    def _install_stage3_hooks(self):
+        tf = self.module.transformer
+        self.module.register_forward_pre_hook(self._forward_start)
+        self.module.register_forward_hook(self._forward_end)
+        for i, block in enumerate(self.blocks):
+            block.register_forward_pre_hook(lambda mod, args, i=i: self._before_block(i))
+            block.register_forward_hook(lambda mod, args, out, i=i: self._after_block(i, out))
+        for head in (tf.ln_f, getattr(self.module, "lm_head", None)):
+            if head is not None:
+                head.register_forward_pre_hook(lambda mod, args: self._wait(self.root))
+
+    def _gather(self, unit: _Unit):
+        """Allocate the unit's full buffer and launch its all-gather (async); no-op if already there."""
+        if self._unsharded or unit.gathered:
+            return
+        unit.full_param.untyped_storage().resize_(unit.padded_numel * unit.full_param.element_size())
+        unit.gather_work = dist.all_gather_single(unit.full_param, unit.param_shard, group=self.group,
+                                                  async_op=True)
+        unit.gathered = True
+        self.peak_gathered_units = max(self.peak_gathered_units, sum(u.gathered for u in self.units))
+
+    def _wait(self, unit: _Unit):
+        self._gather(unit)
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work = None
+
+    def _free(self, unit: _Unit):
+        if self._unsharded or not unit.gathered:
+            return
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work = None
+        _free_storage(unit.full_param)
+        unit.gathered = False
+
+    def _forward_start(self, module, args):
+        self._wait(self.root)  # embeddings: nothing to overlap with yet
+        self._gather(self.block_units[0])
+
+    def _before_block(self, i: int):
+        self._wait(self.block_units[i])
+        if i == 0:
+            self._free(self.root)  # the embedding lookups are done; the head regathers it
+        self._gather(self.block_units[i + 1] if i + 1 < len(self.blocks) else self.root)  # prefetch
+
+    def _after_block(self, i: int, out):
+        last = i == len(self.blocks) - 1
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self._before_block_backward(i))
+            if last:
+                return  # backward starts with this block: keep it
+        self._free(self.block_units[i])
+
+    def _forward_end(self, module, args, out):
+        if not torch.is_grad_enabled():  # evaluation: no backward will free what is still gathered
+            self._free(self.block_units[-1])
+            self._free(self.root)
+
+    def _before_block_backward(self, i: int):
+        if i == len(self.blocks) - 1:
+            self._free(self.root)  # the head's and ln_f's backward (the only readers of its weights) are done
+        self._wait(self.block_units[i])
+        if i > 0:
+            self._gather(self.block_units[i - 1])  # prefetch: overlaps block i's backward
+
+    def unshard(self):
+        """Gather every unit for good (e.g. to sample after training): collective, every rank calls it."""
+        if self.stage == 3:
+            for unit in self.units:
+                self._wait(unit)
+            self._unsharded = True
+
+    # ----------------------------------------------------------------------------------------------------
+    # Accounting
+    # ----------------------------------------------------------------------------------------------------
+
+    @property
+    def padded_numel(self) -> int:
+        """Ψ': the parameter count with every unit padded to a multiple of D."""
+        return sum(u.padded_numel for u in self.units)
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def bytes_per_param(self) -> mfu.BytesPerParam:
+        """b_w, b_g, b_o of this layout (b_o: two moments, plus the master unless it aliases the weights)."""
+        b_w = torch.empty((), dtype=self.param_dtype).element_size()
+        b_m = torch.empty((), dtype=self.master_dtype).element_size()
+        return mfu.BytesPerParam(weights=b_w, grads=b_w, optimizer=2 * b_m + (0 if self.param_dtype ==
+                                                                              self.master_dtype else b_m))
+
+    def predicted_persistent(self, padded: bool = True) -> dict:
+        psi = self.padded_numel if padded else self.numel
+        return mfu.persistent_bytes(psi, self.bytes_per_param(), self.stage, self.dp_size)
+
+    def held_bytes(self) -> dict:
+        """What this rank actually holds for the whole run (gathered stage-3 units and buckets are transient)."""
+        def nbytes(t):
+            return t.numel() * t.element_size()
+
+        weights = sum(nbytes(u.param_shard if self.stage == 3 else u.full_param) for u in self.units)
+        grads = sum(nbytes(u.full_grad if self.stage == 1 else u.grad_shard) for u in self.units)
+        optimizer = sum(nbytes(u.exp_avg) + nbytes(u.exp_avg_sq) for u in self.units)
+        optimizer += sum(nbytes(u.master) for u in self.units if u.master is not u.param_shard)
+        return {"weights": weights, "grads": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+
+    def peak_lower_bound(self) -> float:
+        """Persistent bytes + the transient buffers the schedule cannot avoid (activations apart; docstring, 2).
+
+        stage 1: + max(b_g, b_w)·Ψ'/D: the reduce-scatter outputs, then the all-gather inputs, of every unit;
+        stage 2: + max(b_g·2U, b_w·Ψ'/D): two full gradient buckets in flight, then the all-gather inputs;
+        stage 3: + b_w·2U (the unit in use and the prefetched one) + b_g·(U_root + 2U) (the root's gradient
+                 bucket fills during the whole backward, and two block buckets are in flight).
+        """
+        b, D = self.bytes_per_param(), self.dp_size
+        largest = max(u.padded_numel for u in self.units)
+        persistent = self.predicted_persistent()["total"]
+        if self.stage == 3:
+            return persistent + 2 * b.weights * largest + b.grads * (self.root.padded_numel + 2 * largest)
+        if self.stage == 2:
+            return persistent + max(2 * b.grads * largest, b.weights * self.padded_numel / D)
+        return persistent + max(b.grads, b.weights) * self.padded_numel / D
+
+    def predicted_comm(self, micro_batches: int) -> dict:
+        """Payload bytes M per step per collective over the dp×cp group (docstring, 3)."""
+        b = self.bytes_per_param()
+        psi = self.padded_numel
+        if self.stage == 3:
+            regathered = 2 * psi - self.block_units[-1].padded_numel
+            return {"all_gather_single": micro_batches * b.weights * regathered,
+                    "reduce_scatter_single": micro_batches * b.grads * psi}
+        reduces = micro_batches if self.stage == 2 else 1
+        return {"all_gather_single": b.weights * psi, "reduce_scatter_single": reduces * b.grads * psi}
+
+    def accounting_lines(self, micro_batches: int, psi: int) -> list:
+        """The start-up printout: predicted persistent bytes next to held, peak bound, predicted comm."""
+        b, D = self.bytes_per_param(), self.dp_size
+        formula = {1: "(b_w+b_g)Ψ + b_oΨ/D", 2: "b_wΨ + (b_g+b_o)Ψ/D", 3: "(b_w+b_g+b_o)Ψ/D"}[self.stage]
+        exact = mfu.persistent_bytes(psi, b, self.stage, D)
+        padded, held = self.predicted_persistent(), self.held_bytes()
+        lines = [f"ZeRO stage {self.stage} over D={D}: {self.param_dtype} working weights and grads, "
+                 f"{self.master_dtype} optimizer (b_w={b.weights}, b_g={b.grads}, b_o={b.optimizer});"
+                 f" {len(self.units)} units, Ψ={psi:,}, padded Ψ'={self.padded_numel:,}",
+                 f"persistent bytes per rank, {formula}:  predicted(Ψ) / predicted(Ψ') / held"]
+        for kind in ("weights", "grads", "optimizer", "total"):
+            lines.append(f"  {kind:<9} {mfu.format_bytes(exact[kind]):>12} {mfu.format_bytes(padded[kind]):>12}"
+                         f" {mfu.format_bytes(held[kind]):>12}")
+        lines.append(f"peak lower bound per rank (persistent + transient buffers, activations apart):"
+                     f" {mfu.format_bytes(self.peak_lower_bound())}")
+        for op, payload in self.predicted_comm(micro_batches).items():
+            lines.append(f"predicted comm per step: {op} dp_cp: payload {mfu.format_bytes(payload)}, sent per rank"
+                         f" {mfu.format_bytes(mfu.wire_bytes(op, payload, D))} ((D-1)/D·M, ring)")
+        return lines
+
+    def end_report_lines(self, records: dict, group_name: str, steps: int, micro_batches: int) -> list:
+        """The end-of-run printout: peak gathered units (stage 3), predicted vs traced bytes per step per op.
+
+        `records` is mfu.CommTracer.records over `steps` training steps, this layout's group named `group_name`.
+        """
+        D = self.dp_size
+        lines = [f"  ZeRO-{self.stage} peak lower bound {mfu.format_bytes(self.peak_lower_bound())}"
+                 + (f"; gathered units alive at once: {self.peak_gathered_units} (bound: 2, in use + prefetched)"
+                    if self.stage == 3 else "")]
+        for op, payload in self.predicted_comm(micro_batches).items():
+            stat = records.get((op, group_name))
+            measured = stat.payload_bytes / steps if stat and steps else 0.0
+            wire = stat.wire_bytes / steps if stat and steps else 0.0
+            lines.append(f"  {op} {group_name} per step: payload traced {mfu.format_bytes(measured)} predicted"
+                         f" {mfu.format_bytes(payload)}; sent traced {mfu.format_bytes(wire)} predicted"
+                         f" {mfu.format_bytes(mfu.wire_bytes(op, payload, D))}")
+        return lines
+
+    # ----------------------------------------------------------------------------------------------------
+    # Checkpoint state
+    # ----------------------------------------------------------------------------------------------------
+
+    def state_pieces(self) -> list:
+        """One StatePiece per logical tensor and kind; tensors are live views (loading copies into them)."""
+        pieces = []
+        for unit in self.units:
+            for i, p in enumerate(unit.params):
+                name, info = p.shard_info.global_name, p.shard_info
+                span = unit.shard_range_of(i)
+                if self.stage < 3:
+                    pieces.append(StatePiece(f"param/{name}", p.data, info, None, primary=self.dp_rank == 0))
+                if span is None:
+                    continue
+                lo, hi = span
+                flat_range = (unit.shard_start + lo - unit.offsets[i], unit.shard_start + hi - unit.offsets[i])
+                if self.stage == 3:
+                    pieces.append(StatePiece(f"param/{name}", unit.param_shard[lo:hi], info, flat_range))
+                for kind, tensor in (("master", unit.master), ("exp_avg", unit.exp_avg),
+                                     ("exp_avg_sq", unit.exp_avg_sq)):
+                    pieces.append(StatePiece(f"{kind}/{name}", tensor[lo:hi], info, flat_range))
+        return pieces
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict:
+        """{global name: full local tensor} of the working weights (collective at stage 3; for tests, sampling)."""
+        out = {}
+        for unit in self.units:
+            if self.stage == 3:
+                was_gathered = unit.gathered
+                self._wait(unit)
+            for p in unit.params:
+                out[p.shard_info.global_name] = p.detach().clone()
+            if self.stage == 3 and not was_gathered:
+                self._free(unit)
+        return out
+
+
+def _free_storage(t: torch.Tensor):
+    t.untyped_storage().resize_(0)
+
+
+def _merge(segments: list) -> list:
+    """Join touching [lo, hi) segments: fewer, longer in-place ops."""
+    out = []
+    for lo, hi in sorted(segments):
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
