@@ -5,7 +5,7 @@ Whole-model tests train the tensor-parallel GPT through train.train_step for a f
 accumulation and active clipping, and compare losses, grad norms and the final parameters (each rank's
 shards put back into the global tensors with ShardInfo.place_into) with tests/reference.py's single-device
 run: float64, tolerance 1e-10, as for DDP. Every step's traced TP-group messages must equal the prediction
-to the byte. `layout` names how data parallelism wraps the TP model (LAYOUTS); ZeRO layouts slot in there.
+to the byte. `layout` names how data parallelism wraps the TP model (LAYOUTS): DDP, ZeRO-1 or ZeRO-3.
 """
 
 from contextlib import nullcontext
@@ -169,9 +169,19 @@ def _ddp_layout(model, mesh, handle):
                             after_grad_sync=(handle.finish_grad_sync,))
 
 
+def _zero_layout(stage):
+    def build(model, mesh, handle):
+        from zero import ZeroLayout
+
+        # The flat ZeRO buffers hold this rank's TP shards; the norm sums the dp shards and the TP group.
+        return ZeroLayout(model, mesh.dp_cp_group, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
+                          betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=torch.float64,
+                          master_dtype=torch.float64, norm_groups=(mesh.tp_group,), tp_rank=mesh.tp_rank)
+    return build
+
+
 # How data parallelism wraps the TP model: layout name -> builder(model, mesh, tp handle) -> layout object.
-# ZeRO stages plug in here with the same constructor convention (group, norm_groups, tp_rank).
-LAYOUTS = {"ddp": _ddp_layout}
+LAYOUTS = {"ddp": _ddp_layout, "zero1": _zero_layout(1), "zero3": _zero_layout(3)}
 
 
 def _pieces(model):
@@ -211,6 +221,8 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
         tracer.reset()
         losses.append(loss)
         norms.append(result.grad_norm)
+    if hasattr(layout, "unshard"):
+        layout.unshard()  # ZeRO-3: gather the weights back so this rank's TP shards can be compared
     predicted = handle.step_messages(micro, SEQ, micro_batches=len(batches))
     local_numel = sum(p.numel() for p in model.parameters())
     return losses, norms, init, _pieces(model), traced, predicted, local_numel
@@ -239,8 +251,10 @@ PLAIN, SP, CKPT, SP_CKPT = (False, False), (True, False), (False, True), (True, 
         (2, 2, "ddp", 4, 2, (PLAIN, SP)),  # T=2: 2 micro-batches each, clipping active
         (4, 4, "ddp", 4, 2, (CKPT, SP)),  # T=4; checkpointing recomputes the forward's messages
         (4, 2, "ddp", 8, 2, (PLAIN, SP_CKPT)),  # 2-D mesh: T=2 × D=2, DDP over the dp_cp group
+        (4, 2, "zero1", 8, 2, (PLAIN,)),  # T=2 × D=2 with ZeRO-1 sharding the TP shards' optimizer state
+        (4, 2, "zero3", 8, 2, (PLAIN,)),  # T=2 × D=2 with ZeRO-3 sharding the TP shards themselves
     ],
-    ids=["T2", "T4", "T2xD2-ddp"],
+    ids=["T2", "T4", "T2xD2-ddp", "T2xD2-zero1", "T2xD2-zero3"],
 )
 def test_tp_update_matches_single_device(world, tp_size, layout, global_batch, micro, variants):
     config = make_config()
