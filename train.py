@@ -299,7 +299,7 @@ def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops
            f" tokens = {args.global_batch * seq_len:,} tokens/step; autocast {args.dtype}")
     if args.zero:
         persistent = layout.predicted_persistent()
-        for line in layout.accounting_lines(steps_m, local_params)  # Ψ of the shards ZeRO splits (TP-local):
+        for line in layout.accounting_lines(steps_m, local_params):  # Ψ of what ZeRO splits (TP-local shards)
             print0(line)
     else:
         print0("predicted persistent memory per rank (fp32 master recipe, ZeRO stage 0):")
