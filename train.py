@@ -24,6 +24,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+import ckpt
 import data
 import mfu
 from ddp import DistributedDataParallel
@@ -79,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-tokens", type=int, default=300, help="tokens sampled at the end (0: none)")
     g.add_argument("--metrics-file", help="write one JSON object per step to this file")
     g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: table or measured)")
+    g = p.add_argument_group("checkpoints (ckpt.py)")
+    g.add_argument("--ckpt-dir", help="save sharded checkpoints under this directory (one step-XXXXXXXX per save)")
+    g.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only after the last step)")
+    g.add_argument("--keep", type=int, default=2, help="keep the newest K committed checkpoints (K >= 2)")
+    g.add_argument("--resume", help="'latest' (the newest good checkpoint, if any) or a step number")
+    g.add_argument("--async-ckpt", action="store_true", help="persist checkpoints on a background thread")
+    g.add_argument("--mtbf-hours", type=float, default=24.0,
+                   help="mean time between interruptions, for the suggested interval sqrt(2·C·M)")
     return p
 
 
@@ -112,9 +121,27 @@ def validate_args(args, world_size: int):
     config = model_config(args)
     if args.seq_len is not None and not 1 <= args.seq_len <= config.block_size:
         raise FlagError(f"--seq-len {args.seq_len} must be between 1 and the model's block size {config.block_size}")
+    validate_checkpoint_args(args)
     if args.dtype == "fp16" and not torch.cuda.is_available() and args.backend != "nccl":
         pass  # fp16 autocast runs on CPU too (slowly); allowed so the loss-scaling path can be exercised
     return shape, args.global_batch // (shape.dp * micro), micro
+
+
+def validate_checkpoint_args(args):
+    if args.ckpt_dir is None:
+        for flag, value in (("--ckpt-every", args.ckpt_every), ("--resume", args.resume),
+                            ("--async-ckpt", args.async_ckpt)):
+            if value:
+                raise FlagError(f"{flag} needs --ckpt-dir (where checkpoints are written and read)")
+    if args.ckpt_every < 0:
+        raise FlagError(f"--ckpt-every must be 0 (only at the end) or a positive number of steps, got {args.ckpt_every}")
+    if args.keep < 2:
+        raise FlagError(f"--keep must be at least 2 (a good checkpoint must survive while the next is written),"
+                        f" got {args.keep}")
+    if args.resume is not None and args.resume != "latest" and not (args.resume.isdigit()):
+        raise FlagError(f"--resume must be 'latest' or a step number, got {args.resume!r}")
+    if args.mtbf_hours is not None and args.mtbf_hours <= 0:
+        raise FlagError(f"--mtbf-hours must be positive, got {args.mtbf_hours}")
 
 
 def model_config(args):
@@ -153,6 +180,7 @@ class ReplicatedUpdate:
     def __init__(self, ddp: DistributedDataParallel, optimizer, norm_groups=(), tp_rank: int = 0):
         self.ddp, self.optimizer = ddp, optimizer
         self.norm_groups, self.tp_rank = norm_groups, tp_rank  # TP shards: the norm sums over the TP group
+        self.zero_stage = 0
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
@@ -173,6 +201,19 @@ class ReplicatedUpdate:
     def set_lr(self, lr: float):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def state_pieces(self) -> list:
+        """The checkpoint's view: params (= the fp32 masters) and Adam moments, each replica written once."""
+        distributed = dist.is_initialized()
+        return ckpt.replicated_state_pieces(self.ddp.parameters(), self.optimizer,
+                                            dist.get_rank(self.ddp.group) if distributed else 0,
+                                            dist.get_world_size(self.ddp.group) if distributed else 1, self.tp_rank)
+
+    def adam_step(self) -> int:
+        return ckpt.adam_step(self.optimizer)
+
+    def set_adam_step(self, step: int):
+        ckpt.set_adam_step(self.optimizer, step)
 
     def held_bytes(self) -> dict:
         params = list(self.ddp.parameters())
@@ -323,14 +364,22 @@ def main(argv=None):
     predicted = startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source,
                                    ddp, device)
 
-    metrics = open(args.metrics_file, "w") if (args.metrics_file and rank == 0) else None
+    checkpointer, start_step = None, 0
+    if args.ckpt_dir:
+        checkpointer = ckpt.Checkpointer(args.ckpt_dir, mesh, keep=args.keep, async_save=args.async_ckpt,
+                                         mtbf_hours=args.mtbf_hours, device=device, log=print0)
+        if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
+            start_step = checkpointer.resume(args.resume, layout, scaler, sampler, args.seed)
+
+    # A resumed run appends: the replayed steps then sit next to the originals in one file.
+    metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and rank == 0) else None
     tracer = mfu.CommTracer()
     for axis, group in mesh.groups.items():
         tracer.name_group(group, axis)
     dp_rank, dp_size = mesh.dp_rank, mesh.dp_size
     tokens_per_step = args.global_batch * seq_len
     timed_seconds, timed_steps = 0.0, 0
-    for step in range(args.steps):
+    for step in range(start_step, args.steps):
         lr = schedule(step)
         layout.set_lr(lr)
         batches = [sampler.get_batch(train_tokens, step, dp_rank, dp_size, micro, i) for i in range(steps_m)]
@@ -361,8 +410,12 @@ def main(argv=None):
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+        if checkpointer:
+            checkpointer.step_end(step + 1, args.ckpt_every, last, layout, scaler, sampler)
     if metrics:
         metrics.close()
+    if checkpointer:
+        checkpointer.close()
 
     end_accounting(tracer, predicted, layout, args, timed_seconds, timed_steps, tokens_per_step,
                    flops, peak, world_size, device)
