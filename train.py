@@ -390,7 +390,7 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
-        if step > 0:  # the first step pays one-off costs (allocation, compile)
+        if step > start_step:  # the first step pays one-off costs (allocation, compile)
             timed_seconds, timed_steps = timed_seconds + step_time, timed_steps + 1
         tokens_per_s = tokens_per_step / step_time
         step_mfu = mfu.mfu(flops.model, tokens_per_s, peak, world_size)
@@ -448,7 +448,7 @@ def end_accounting(tracer, predicted, layout, args, seconds, steps, tokens_per_s
         tokens_per_s = tokens_per_step * steps / seconds
         print0(f"throughput {tokens_per_s:,.0f} tok/s, MFU {mfu.mfu(flops.model, tokens_per_s, peak, world_size):.2%},"
                f" HFU {mfu.mfu(flops.hardware, tokens_per_s, peak, world_size):.2%}"
-               f" (mean over steps 1..{steps}, step 0 excluded)")
+               f" (mean over {steps} steps, the first one of the run excluded)")
     print0("=" * 100)
 
 
