@@ -100,7 +100,7 @@ FORMAT_VERSION = 1
 MANIFEST, MARKER = "manifest.json", "COMMITTED"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
-FAULT_ENV = "CKPT_FAULT_PERSIST_SLEEP"  # "STEP:SECONDS": tests sleep inside that step's persist (first attempt)
+FAULT_ENV = "CKPT_FAULT_PERSIST_SLEEP"  # "STEP:SECONDS": fault-injection tests sleep inside that step's persist
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
@@ -685,9 +685,9 @@ class Checkpointer:
         stats.persist_s = time.perf_counter() - start
 
     def _fault_hook(self, step: int) -> None:
-        """Tests only: sleep inside one step's persist so a kill lands there (first torchrun attempt only)."""
+        """Tests only: sleep inside one step's persist (after the shard, before its record) so a kill lands there."""
         spec = os.environ.get(FAULT_ENV)
-        if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if spec:
             fault_step, seconds = spec.split(":")
             if int(fault_step) == step:
                 time.sleep(float(seconds))
