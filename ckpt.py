@@ -534,8 +534,8 @@ class Checkpointer:
     """Saves and resumes a training run's complete state under `root` (see the module docstring).
 
     Every rank constructs one (it broadcasts a nonce) and calls `save`/`resume`/`close` at the same points.
-    The layout provides `state_pieces()`, `adam_step()` and `set_adam_step(n)`, optionally `zero_stage`,
-    `fp8_state() -> (tensors, scalars)` and `load_fp8_state(tensors, scalars)`.
+    The layout provides `state_pieces()` and an `optimizer_step_count` property (Adam's t, settable); optionally
+    `stage` (ZeRO), `fp8_state() -> (tensors, scalars)` and `load_fp8_state(tensors, scalars)`.
     """
 
     def __init__(self, root: str, mesh=None, keep: int = 2, async_save: bool = False, mtbf_hours=None,
@@ -650,10 +650,10 @@ class Checkpointer:
         fp8_tensors, fp8_scalars = layout.fp8_state() if hasattr(layout, "fp8_state") else ({}, {})
         tensors.update({f"fp8/{k}": v.detach().cpu().clone() for k, v in fp8_tensors.items()})
         data = dict(sampler.state_dict(), step=step)
-        scalars = dict(step=step, adam_step=layout.adam_step(), lr_step=step, scaler=scaler.state_dict(),
+        scalars = dict(step=step, adam_step=layout.optimizer_step_count, lr_step=step, scaler=scaler.state_dict(),
                        data=data, rng=rng_scalars, fp8=fp8_scalars)
         return dict(step=step, tensors=tensors, entries=entries, scalars=scalars,
-                    layout=dict(name=type(layout).__name__, zero_stage=getattr(layout, "zero_stage", 0)))
+                    layout=dict(name=type(layout).__name__, zero_stage=getattr(layout, "stage", 0)))
 
     def _persist_in_background(self, snapshot: dict, stats: SaveStats) -> None:
         try:
@@ -833,7 +833,7 @@ class Checkpointer:
         same_mesh = manifest["mesh"] == self.mesh_record
         record = manifest["ranks"][self.rank if same_mesh else 0]
         scalars, step = record["scalars"], manifest["step"]
-        layout.set_adam_step(scalars["adam_step"])
+        layout.optimizer_step_count = scalars["adam_step"]
         scaler.load_state_dict(scalars["scaler"])
         sampler.load_state_dict(scalars["data"])
         if same_mesh:  # deterministic replay: this rank's own generators, exactly

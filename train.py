@@ -180,7 +180,6 @@ class ReplicatedUpdate:
     def __init__(self, ddp: DistributedDataParallel, optimizer, norm_groups=(), tp_rank: int = 0):
         self.ddp, self.optimizer = ddp, optimizer
         self.norm_groups, self.tp_rank = norm_groups, tp_rank  # TP shards: the norm sums over the TP group
-        self.zero_stage = 0
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
@@ -209,11 +208,14 @@ class ReplicatedUpdate:
                                             dist.get_rank(self.ddp.group) if distributed else 0,
                                             dist.get_world_size(self.ddp.group) if distributed else 1, self.tp_rank)
 
-    def adam_step(self) -> int:
+    @property
+    def optimizer_step_count(self) -> int:
+        """Adam's t (skipped steps do not count): a checkpoint restores it."""
         return ckpt.adam_step(self.optimizer)
 
-    def set_adam_step(self, step: int):
-        ckpt.set_adam_step(self.optimizer, step)
+    @optimizer_step_count.setter
+    def optimizer_step_count(self, value: int):
+        ckpt.set_adam_step(self.optimizer, value)
 
     def held_bytes(self) -> dict:
         params = list(self.ddp.parameters())
