@@ -55,6 +55,7 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.group = group
+        self.group_size = dist.get_world_size(group)
         self.require_grad_sync = True
         params = [p for p in module.parameters() if p.requires_grad]
         if check_same_init:
@@ -111,7 +112,8 @@ class DistributedDataParallel(nn.Module):
             self._launch(self.buckets[self._next_to_launch])
 
     def _launch(self, bucket: _Bucket):
-        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if self.group_size > 1:  # a group of one has nothing to sum
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._next_to_launch += 1
 
     def finish_grad_sync(self):
@@ -119,7 +121,8 @@ class DistributedDataParallel(nn.Module):
         while self._next_to_launch < len(self.buckets):
             self._launch(self.buckets[self._next_to_launch])
         for bucket in self.buckets:
-            bucket.work.wait()
+            if bucket.work is not None:
+                bucket.work.wait()
             bucket.reset()
         self._next_to_launch = 0
 

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2"])
     g.add_argument("--out-dir", default="out", help="token cache, metrics and checkpoints go here")
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=200)
+    g.add_argument("--steps", type=int, default=150)
     g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (B_global)")
     g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (B_μ)")
     g.add_argument("--lr", type=float, default=1e-3)
@@ -118,12 +118,13 @@ def validate_args(args, world_size: int):
             f"--global-batch {args.global_batch} must be divisible by D × --micro-batch = {shape.dp} × {micro}"
             f" (B_global = D·m·B_μ)"
         )
+    if args.data is not None and not os.path.isfile(args.data):
+        raise FlagError(f"--data {args.data!r} is not a file; give a text file to train on, or leave --data out"
+                        f" for the built-in corpus")
     config = model_config(args)
     if args.seq_len is not None and not 1 <= args.seq_len <= config.block_size:
         raise FlagError(f"--seq-len {args.seq_len} must be between 1 and the model's block size {config.block_size}")
     validate_checkpoint_args(args)
-    if args.dtype == "fp16" and not torch.cuda.is_available() and args.backend != "nccl":
-        pass  # fp16 autocast runs on CPU too (slowly); allowed so the loss-scaling path can be exercised
     return shape, args.global_batch // (shape.dp * micro), micro
 
 
@@ -250,17 +251,17 @@ def train_step(layout, scaler, batches, data_group, clip, autocast, device):
 
 
 @torch.no_grad()
-def evaluate(forward, model, tokens, sampler, steps, dp_rank, dp_size, micro, data_group, autocast,
+def evaluate(forward, model, tokens, sampler, num_batches, dp_rank, dp_size, micro, data_group, autocast,
              device) -> float:
-    """Mean val loss over `steps` deterministic global batches of the validation split.
+    """Mean val loss over the first `num_batches` global batches of the validation split (always the same).
 
     `forward` runs the layout's forward (ZeRO-3 gathers parameters there); `model` switches dropout off.
     """
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss_sum, tokens]
-    for step in range(steps):
+    for batch in range(num_batches):
         for index in range(sampler.global_batch // (dp_size * micro)):
-            x, y = sampler.get_batch(tokens, step, dp_rank, dp_size, micro, index)
+            x, y = sampler.get_batch(tokens, batch, dp_rank, dp_size, micro, index)
             with autocast:
                 _, loss_sum, count = forward(x.to(device), y.to(device))
             totals += torch.stack([loss_sum.double(), count.double()])
@@ -300,9 +301,20 @@ def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops
            f" {mfu.format_bytes(activation)} per micro-batch (Korthikanti, 16-bit, L layers)")
     print0(f"FLOPs/token: model {flops.model:,.0f}, hardware {flops.hardware:,.0f}  [{flops.convention}]")
     print0(f"peak assumed: {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
+    print0(f"layout: parameters, gradients and AdamW state replicated over dp_cp; split: the batch"
+           f" ({micro} sequences per rank per micro-step)")
     print0(f"predicted comm per step: all_reduce dp_cp (D·C={mesh.dp_cp_size}): payload"
            f" {mfu.format_bytes(grad_bytes)}, sent per rank {mfu.format_bytes(wire)} in"
            f" {len(ddp.buckets)} buckets of ≤{args.bucket_mb:g} MiB (2(N-1)/N·M, ring)")
+    last_bucket = mfu.format_bytes(ddp.bucket_sizes_bytes()[-1])
+    if mesh.dp_cp_size == 1:
+        print0("critical path: no gradient communication (one data rank)")
+    elif len(ddp.buckets) == 1:
+        print0(f"critical path: the single bucket ({last_bucket}) is sent after backward; lower --bucket-mb"
+               f" to overlap it")
+    else:
+        print0(f"critical path: buckets 0..{len(ddp.buckets) - 2} overlap backward; the last one ({last_bucket},"
+               f" the first layers' grads) is sent after it, then scalar all-reduces (token count, finite flag)")
     print0(f"pipeline bubble: {mfu.pipeline_bubble(mesh.shape.pp, steps_m):.1%} (P={mesh.shape.pp}, m={steps_m})")
     print0("=" * 100)
     return {"grad_bytes": grad_bytes, "wire": wire, "persistent": persistent}
@@ -324,7 +336,8 @@ def main(argv=None):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         shape, steps_m, micro = validate_args(args, world_size)
-    except FlagError as e:
+        data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
+    except (FlagError, RuntimeError) as e:
         # Every rank validates the same flags and exits before any of them waits on a peer.
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -356,7 +369,8 @@ def main(argv=None):
     scaler = DynamicLossScaler(enabled=args.dtype == "fp16")
     autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext())
     sampler = data.BatchSampler(len(train_tokens), seq_len, args.global_batch, args.seed)
-    val_sampler = data.BatchSampler(len(val_tokens), seq_len, args.global_batch, args.seed + 1)
+    val_sampler = data.EvalSampler(len(val_tokens), seq_len, args.global_batch)
+    eval_batches = min(args.eval_batches, val_sampler.num_batches)
 
     flops = mfu.flops_per_token(
         n_matmul_params=model.num_params(exclude_position_embedding=True), n_layer=config.n_layer,
@@ -402,7 +416,7 @@ def main(argv=None):
             record["loss_scale"] = scaler.scale
         last = step == args.steps - 1
         if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
-            record["val_loss"] = evaluate(layout, model, val_tokens, val_sampler, args.eval_batches, dp_rank, dp_size,
+            record["val_loss"] = evaluate(layout, model, val_tokens, val_sampler, eval_batches, dp_rank, dp_size,
                                           micro, mesh.dp_cp_group, autocast, device)
         if step % args.log_every == 0 or last or "val_loss" in record:
             val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""

@@ -1,0 +1,75 @@
+"""ddp.py against torch.nn.parallel.DistributedDataParallel: same model, same batch, 2 gloo ranks.
+
+    python bench/bench_ddp.py [--preset small] [--steps 8]
+
+Both wrappers drive the identical train.train_step (same loss normalisation, AdamW, clipping); only the
+gradient sync differs. Steps alternate between the two so noise on this shared machine hits both alike;
+the printed ratio is median step time of ddp.py / median step time of torch DDP (target ≤ 1.0).
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from common import alternate, launch  # noqa: E402
+from ddp import DistributedDataParallel  # noqa: E402
+from model import GPT, config_from_preset  # noqa: E402
+from optim import DynamicLossScaler, build_adamw, unscale_clip_and_step  # noqa: E402
+from train import ReplicatedUpdate, train_step  # noqa: E402
+
+
+class TorchDDPLayout(ReplicatedUpdate):
+    """torch's DDP behind the same layout protocol: it syncs inside backward, so finish has nothing to do."""
+
+    def finish_grad_sync(self):
+        pass
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=False)  # keep the bucket views, as ddp.py does
+
+    def step(self, scaler, clip, device):
+        return unscale_clip_and_step(self.ddp.module.parameters(), self.optimizer, scaler, clip, device=device)
+
+
+def run(rank, world, preset, steps, micro, bucket_mb):
+    config = config_from_preset(preset)
+    ours_model, torch_model = GPT(config, seed=0), GPT(config, seed=0)
+    ours = ReplicatedUpdate(DistributedDataParallel(ours_model, bucket_mb=bucket_mb),
+                            build_adamw(ours_model.parameters(), 1e-4))
+    theirs_ddp = torch.nn.parallel.DistributedDataParallel(torch_model, bucket_cap_mb=bucket_mb,
+                                                           gradient_as_bucket_view=True)
+    theirs = TorchDDPLayout(theirs_ddp, build_adamw(torch_model.parameters(), 1e-4))
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, config.vocab_size, (micro, config.block_size), generator=generator)
+    batches = [(x, torch.roll(x, -1, 1))]
+    scaler = DynamicLossScaler(enabled=False)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    medians = alternate({
+        "ddp.py": lambda: train_step(ours, scaler, batches, None, 1.0, autocast, "cpu"),
+        "torch DDP": lambda: train_step(theirs, scaler, batches, None, 1.0, autocast, "cpu"),
+    }, steps=steps)
+    # Both ranks must agree on the verdict: take the slower rank's time for each.
+    times = torch.tensor([medians["ddp.py"], medians["torch DDP"]])
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        psi = ours_model.num_params()
+        print(f"preset {preset}: Ψ={psi:,}, {world} gloo ranks, micro-batch {micro}×{config.block_size},"
+              f" bf16 autocast, buckets ≤{bucket_mb:g} MiB, {steps} timed steps each (alternating)")
+        print(f"  ddp.py     median step {times[0] * 1e3:8.1f} ms")
+        print(f"  torch DDP  median step {times[1] * 1e3:8.1f} ms")
+        print(f"  ratio ddp.py / torch DDP = {times[0] / times[1]:.3f}  (target ≤ 1.0)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    a = parser.parse_args()
+    launch(run, 2, a.preset, a.steps, a.micro_batch, a.bucket_mb)

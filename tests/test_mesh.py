@@ -1,0 +1,75 @@
+"""mesh.py: the rank layout, every axis's groups, and the errors for flag products that cannot work."""
+
+import pytest
+import torch.distributed as dist
+
+from harness import run_ranks
+from mesh import MeshShape, _axis_groups, build_mesh, infer_mesh_shape
+
+
+def test_rank_layout_is_tensor_fastest():
+    shape = MeshShape(dp=2, pp=2, cp=2, tp=2)
+    for rank in range(16):
+        c = shape.coords(rank)
+        assert rank == ((c["dp"] * 2 + c["pp"]) * 2 + c["cp"]) * 2 + c["tp"]
+        assert shape.rank_of(**c) == rank
+    groups = _axis_groups(shape)
+    assert groups["tp"][0] == [0, 1]  # neighbours
+    assert groups["cp"][0] == [0, 2]
+    assert groups["pp"][0] == [0, 4]
+    assert groups["dp"][0] == [0, 8]
+    assert groups["dp_cp"][0] == [0, 2, 8, 10]
+
+
+def test_every_axis_partitions_the_world():
+    shape = MeshShape(dp=4, pp=1, cp=2, tp=1, ep=4)
+    for axis, partition in _axis_groups(shape).items():
+        flat = sorted(r for ranks in partition for r in ranks)
+        assert flat == list(range(shape.world_size)), axis
+    groups = _axis_groups(shape)
+    # EP is carved out of the 8 D·C ranks: 2 groups of 4 share tokens; members i, i+4 hold the same experts.
+    assert groups["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize(
+    "world,kwargs,message",
+    [
+        (4, dict(tp=3), "not divisible by --tp 3"),
+        (6, dict(tp=2, pp=2), "--tp 2 × --pp 2 × --cp 1 = 4"),
+        (4, dict(tp=2, ep=4), "--ep 4 must divide"),
+        (4, dict(tp=0), "--tp must be a positive integer"),
+    ],
+)
+def test_invalid_layouts_name_the_flags(world, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        infer_mesh_shape(world, **kwargs)
+
+
+def test_inferred_data_parallel_size():
+    assert infer_mesh_shape(8, tp=2, pp=2).dp == 2
+    assert infer_mesh_shape(8, tp=2, cp=2, ep=2).dp == 2
+
+
+def _build(rank, world):
+    mesh = build_mesh(infer_mesh_shape(world, tp=2), rank)
+    import torch
+
+    # An all-reduce on each group sums exactly the members the mesh says it has.
+    out = {}
+    for axis in ("tp", "dp", "dp_cp", "pp"):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=mesh.groups[axis])
+        out[axis] = (float(t), mesh.members[axis], getattr(mesh, f"{axis}_rank"), getattr(mesh, f"{axis}_size"))
+    return out
+
+
+def test_groups_hold_the_right_members():
+    results = run_ranks(_build, 4, timeout=60)
+    for rank, out in enumerate(results):
+        tp_total, tp_members, tp_rank, tp_size = out["tp"]
+        assert tp_members == [rank - rank % 2, rank - rank % 2 + 1] and tp_total == sum(tp_members)
+        assert tp_rank == rank % 2 and tp_size == 2
+        dp_total, dp_members, dp_rank, _ = out["dp"]
+        assert dp_members == [rank % 2, rank % 2 + 2] and dp_total == sum(dp_members) and dp_rank == rank // 2
+        assert out["pp"][1] == [rank] and out["pp"][3] == 1

@@ -1,0 +1,81 @@
+"""train.py end to end: a real torchrun launch that writes metrics and learns, and flags that cannot work.
+
+Each torchrun launch costs a few seconds of process start-up here, so there are few of them; flag checks
+that do not need a launch call `validate_args` directly.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from train import FlagError, build_parser, validate_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def launch(nproc, *flags, timeout=180):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([*TORCHRUN, f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *flags],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_two_rank_run_writes_metrics_and_lowers_the_loss(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    run = launch(2, "--preset", "tiny", "--steps", "40", "--global-batch", "8", "--micro-batch", "2",
+                 "--lr", "3e-3", "--out-dir", str(tmp_path), "--metrics-file", str(metrics), "--eval-every", "0",
+                 "--sample-tokens", "16")
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(40))
+    required = {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mfu", "skipped"}
+    assert required <= set(records[0])
+    assert records[0]["tokens"] == 8 * 64
+    first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    assert "val_loss" in records[-1]
+    out = run.stdout
+    for printed in ("mesh: world 2 = D 2", "predicted persistent memory", "FLOPs/token", "peak assumed",
+                    "predicted comm per step", "measured vs predicted", "sample"):
+        assert printed in out, printed
+    # m = B_global / (D · B_μ) = 8 / (2 · 2) = 2 micro-batches per step
+    assert "D 2 × m 2 × B_μ 2" in out
+
+
+def test_bad_layout_fails_fast_on_every_rank(tmp_path):
+    run = launch(2, "--preset", "tiny", "--tp", "3", "--out-dir", str(tmp_path), timeout=60)
+    assert run.returncode != 0
+    assert "world size 2 is not divisible by --tp 3" in run.stderr
+
+
+def args_for(*flags):
+    return build_parser().parse_args(["--preset", "tiny", *flags])
+
+
+@pytest.mark.parametrize(
+    "flags,world,message",
+    [
+        (["--global-batch", "6", "--micro-batch", "2"], 2, "--global-batch 6 must be divisible by D × --micro-batch"),
+        (["--global-batch", "1"], 2, "--global-batch 1 must give each of D=2"),
+        (["--seq-len", "65"], 1, "--seq-len 65 must be between 1 and the model's block size 64"),
+        (["--sp"], 2, "--sp (sequence parallel) needs --tp > 1"),
+        (["--steps", "0"], 1, "--steps must be at least 1"),
+        (["--n-head", "5"], 1, "n_embd=64 must be divisible by n_head=5"),
+        (["--ep", "3"], 2, "--ep 3 must divide"),
+        (["--data", "/no/such/file.txt"], 1, "--data '/no/such/file.txt' is not a file"),
+    ],
+)
+def test_invalid_flags_have_clear_errors(flags, world, message):
+    with pytest.raises(FlagError) as error:
+        validate_args(args_for(*flags), world)
+    assert message in str(error.value)
+
+
+def test_batch_arithmetic():
+    shape, micro_steps, micro = validate_args(args_for("--global-batch", "16", "--micro-batch", "2"), 4)
+    assert (shape.dp, micro_steps, micro) == (4, 2, 2)
+    shape, micro_steps, micro = validate_args(args_for("--global-batch", "16"), 2)
+    assert (micro_steps, micro) == (1, 8)
