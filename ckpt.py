@@ -226,6 +226,7 @@ def adam_step(optimizer) -> int:
 
 
 def set_adam_step(optimizer, step: int) -> None:
+    ensure_adam_state(optimizer)  # a state created later would start again from 0
     for state in optimizer.state.values():
         if "step" in state:
             state["step"].fill_(step)  # in place: keeps the dtype/device torch chose (fp32 on CPU)

@@ -277,26 +277,46 @@ def test_reshard_arithmetic_tp_segments_and_zero_ranges(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 
+class _OneProcessLayout:
+    """ReplicatedUpdate's checkpoint view for one process without a process group (ddp.py needs one)."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_pieces(self):
+        import ckpt
+
+        return ckpt.replicated_state_pieces(self.model.parameters(), self.optimizer, dp_rank=0, dp_size=1)
+
+    @property
+    def optimizer_step_count(self):
+        import ckpt
+
+        return ckpt.adam_step(self.optimizer)
+
+    @optimizer_step_count.setter
+    def optimizer_step_count(self, value):
+        import ckpt
+
+        ckpt.set_adam_step(self.optimizer, value)
+
+
 def _one_rank_checkpoints(root, steps=(2, 4)):
-    """A tiny DDP run of one process (no process group) with checkpoints at `steps`; returns the layout."""
+    """A tiny model and AdamW in this process (no process group), checkpointed at `steps`."""
     import ckpt
     from data import BatchSampler
-    from optim import DynamicLossScaler
-
-    from ddp import DistributedDataParallel
     from model import GPT
-    from optim import build_adamw
-    from train import ReplicatedUpdate
+    from optim import DynamicLossScaler, build_adamw
 
     model = GPT(make_config(n_layer=1), seed=0)
-    layout = ReplicatedUpdate(DistributedDataParallel(model, check_same_init=False),
-                              build_adamw(model.parameters(), 1e-3))
+    layout = _OneProcessLayout(model, build_adamw(model.parameters(), 1e-3))
     scaler, sampler = DynamicLossScaler(False), BatchSampler(1000, 8, 4, 0)
     saver = ckpt.Checkpointer(root, keep=3, log=lambda *a: None)
     for step in steps:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01 * step)
+        layout.optimizer_step_count = step
         saver.save(step, layout, scaler, sampler)
     return model, layout, scaler, sampler
 
@@ -397,6 +417,7 @@ def test_corruption_is_detected_and_latest_falls_back(corruption, tmp_path, caps
         logged = []
         loader = ckpt.Checkpointer(root, keep=3, log=logged.append)
         assert loader.resume("latest", layout, scaler, sampler, seed=0) == 2
+        assert layout.optimizer_step_count == 2 and sampler.step == 2
         assert any("refusing" in line and "step-00000004" in line for line in logged), logged
         for p in model.parameters():
             assert torch.equal(p.detach(), good[f"param/{p.shard_info.global_name}"])
@@ -440,6 +461,7 @@ def test_keep_prunes_to_the_newest_k(tmp_path):
     assert manifest["step"] == 5 and manifest["mesh"]["world_size"] == 1
     scalars = manifest["ranks"][0]["scalars"]
     assert scalars["data"]["step"] == 5 and scalars["lr_step"] == 5 and scalars["fp8"] == {}
+    assert scalars["adam_step"] == 5
     assert set(manifest["ranks"][0]["tensors"]) >= {"rng/torch_cpu", "rng/python", "rng/numpy"}
 
 
