@@ -100,7 +100,8 @@ def _run(rank, world, spec, root, stop, save_every, resume=None, dropout=0.0, as
     from train import train_step
 
     mesh = build_mesh(MeshShape(dp=spec["dp"], tp=spec["tp"]))
-    torch.manual_seed(100 + rank)  # a stream per rank, as train.py: dropout differs across ranks
+    # A stream per data rank, as train.py: dropout differs across data ranks; a TP group draws alike.
+    torch.manual_seed(100 + mesh.dp_rank)
     model, layout = build_layout(spec, mesh, make_config(dropout=dropout), torch.float64)
     scaler = DynamicLossScaler(enabled=False)
     sampler = BatchSampler(10_000, SEQ, GLOBAL_BATCH, seed=0)  # only its cursor is used: batches come below
@@ -110,7 +111,7 @@ def _run(rank, world, spec, root, stop, save_every, resume=None, dropout=0.0, as
         torch.manual_seed(12345)  # whatever state the fresh process has: the checkpoint must replace it
         start = checkpointer.resume(resume, layout, scaler, sampler, seed=0)
         if reseed_after_resume:
-            torch.manual_seed(100 + rank)  # the negative control: RNG not restored
+            torch.manual_seed(100 + mesh.dp_rank)  # the negative control: RNG not restored
     batches = global_batches(STEPS, GLOBAL_BATCH, SEQ)
     losses = {}
     for step in range(start, stop):
@@ -135,7 +136,7 @@ def _run(rank, world, spec, root, stop, save_every, resume=None, dropout=0.0, as
 def test_deterministic_replay_is_bitwise(name, tmp_path):
     _needs(name)
     world, spec, root = _world(name), LAYOUTS[name], str(tmp_path / "ck")
-    dropout = 0.0 if spec["tp"] > 1 else 0.1  # tensor_parallel.py refuses dropout (no per-rank RNG tracker yet)
+    dropout = 0.1  # so that every rank's RNG state must come back (tensor_parallel.py forks it for split regions)
     # Uninterrupted, saving (synchronously) every 2 steps: saving must not perturb the run.
     full = run_ranks(_run, world, spec, root, STEPS, 2, None, dropout, False, 3, timeout=120)
     assert sorted(os.listdir(root)) == ["step-00000002", "step-00000004", "step-00000006"]
