@@ -25,6 +25,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+import ckpt
 import data
 import mfu
 import tensor_parallel
@@ -83,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample-tokens", type=int, default=300, help="tokens sampled at the end (0: none)")
     g.add_argument("--metrics-file", help="write one JSON object per step to this file")
     g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: table or measured)")
+    g = p.add_argument_group("checkpoints (ckpt.py)")
+    g.add_argument("--ckpt-dir", help="save sharded checkpoints under this directory (one step-XXXXXXXX per save)")
+    g.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only after the last step)")
+    g.add_argument("--keep", type=int, default=2, help="keep the newest K committed checkpoints (K >= 2)")
+    g.add_argument("--resume", help="'latest' (the newest good checkpoint, if any) or a step number")
+    g.add_argument("--async-ckpt", action="store_true", help="persist checkpoints on a background thread")
+    g.add_argument("--mtbf-hours", type=float, default=24.0,
+                   help="mean time between interruptions, for the suggested interval sqrt(2·C·M)")
     return p
 
 
@@ -124,6 +133,7 @@ def validate_args(args, world_size: int):
             tensor_parallel.check_divisible(config, args.tp, args.seq_len or config.block_size, args.sp)
         except ValueError as e:
             raise FlagError(str(e)) from None
+    validate_checkpoint_args(args)
     return shape, args.global_batch // (shape.dp * micro), micro
 
 
@@ -149,6 +159,23 @@ def validate_zero_args(args):
                         " the compiled graph; use --zero 1 or 2 with --compile")
     if args.zero == 3 and args.n_layer is not None and args.n_layer < 1:
         raise FlagError(f"--zero 3 gathers one block at a time: it needs --n-layer ≥ 1, got {args.n_layer}")
+
+
+def validate_checkpoint_args(args):
+    if args.ckpt_dir is None:
+        for flag, value in (("--ckpt-every", args.ckpt_every), ("--resume", args.resume),
+                            ("--async-ckpt", args.async_ckpt)):
+            if value:
+                raise FlagError(f"{flag} needs --ckpt-dir (where checkpoints are written and read)")
+    if args.ckpt_every < 0:
+        raise FlagError(f"--ckpt-every must be 0 (only at the end) or a positive number of steps, got {args.ckpt_every}")
+    if args.keep < 2:
+        raise FlagError(f"--keep must be at least 2 (a good checkpoint must survive while the next is written),"
+                        f" got {args.keep}")
+    if args.resume is not None and args.resume != "latest" and not (args.resume.isdigit()):
+        raise FlagError(f"--resume must be 'latest' or a step number, got {args.resume!r}")
+    if args.mtbf_hours is not None and args.mtbf_hours <= 0:
+        raise FlagError(f"--mtbf-hours must be positive, got {args.mtbf_hours}")
 
 
 def model_config(args):
@@ -220,6 +247,22 @@ class ReplicatedUpdate:
     def set_lr(self, lr: float):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def state_pieces(self) -> list:
+        """The checkpoint's view: params (= the fp32 masters) and Adam moments, each replica written once."""
+        distributed = dist.is_initialized()
+        return ckpt.replicated_state_pieces(self.ddp.parameters(), self.optimizer,
+                                            dist.get_rank(self.ddp.group) if distributed else 0,
+                                            dist.get_world_size(self.ddp.group) if distributed else 1, self.tp_rank)
+
+    @property
+    def optimizer_step_count(self) -> int:
+        """Adam's t (skipped steps do not count): a checkpoint restores it."""
+        return ckpt.adam_step(self.optimizer)
+
+    @optimizer_step_count.setter
+    def optimizer_step_count(self, value: int):
+        ckpt.set_adam_step(self.optimizer, value)
 
     def held_bytes(self) -> dict:
         params = list(self.ddp.parameters())
@@ -409,14 +452,22 @@ def main(argv=None):
     if tp is not None:
         predicted["tp_step"] = tp.step_messages(micro, seq_len, steps_m, DTYPES[args.dtype].itemsize)
 
-    metrics = open(args.metrics_file, "w") if (args.metrics_file and rank == 0) else None
+    checkpointer, start_step = None, 0
+    if args.ckpt_dir:
+        checkpointer = ckpt.Checkpointer(args.ckpt_dir, mesh, keep=args.keep, async_save=args.async_ckpt,
+                                         mtbf_hours=args.mtbf_hours, device=device, log=print0)
+        if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
+            start_step = checkpointer.resume(args.resume, layout, scaler, sampler, args.seed)
+
+    # A resumed run appends: the replayed steps then sit next to the originals in one file.
+    metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and rank == 0) else None
     tracer = mfu.CommTracer()
     for axis, group in mesh.groups.items():
         tracer.name_group(group, axis)
     dp_rank, dp_size = mesh.dp_rank, mesh.dp_size
     tokens_per_step = args.global_batch * seq_len
     timed_seconds, timed_steps = 0.0, 0
-    for step in range(args.steps):
+    for step in range(start_step, args.steps):
         lr = schedule(step)
         layout.set_lr(lr)
         batches = [sampler.get_batch(train_tokens, step, dp_rank, dp_size, micro, i) for i in range(steps_m)]
@@ -427,7 +478,7 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
-        if step > 0:  # the first step pays one-off costs (allocation, compile)
+        if step > start_step:  # the first step pays one-off costs (allocation, compile)
             timed_seconds, timed_steps = timed_seconds + step_time, timed_steps + 1
         tokens_per_s = tokens_per_step / step_time
         step_mfu = mfu.mfu(flops.model, tokens_per_s, peak, world_size)
@@ -447,8 +498,12 @@ def main(argv=None):
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+        if checkpointer:
+            checkpointer.step_end(step + 1, args.ckpt_every, last, layout, scaler, sampler)
     if metrics:
         metrics.close()
+    if checkpointer:
+        checkpointer.close()
 
     end_accounting(tracer, predicted, layout, args, timed_seconds, timed_steps, tokens_per_step,
                    flops, peak, world_size, device)
@@ -494,7 +549,7 @@ def end_accounting(tracer, predicted, layout, args, seconds, steps, tokens_per_s
         tokens_per_s = tokens_per_step * steps / seconds
         print0(f"throughput {tokens_per_s:,.0f} tok/s, MFU {mfu.mfu(flops.model, tokens_per_s, peak, world_size):.2%},"
                f" HFU {mfu.mfu(flops.hardware, tokens_per_s, peak, world_size):.2%}"
-               f" (mean over steps 1..{steps}, step 0 excluded)")
+               f" (mean over {steps} steps, the first one of the run excluded)")
     print0("=" * 100)
 
 

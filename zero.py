@@ -563,18 +563,23 @@ class ZeroLayout:
         for unit in self.units:
             for i, p in enumerate(unit.params):
                 name, info = p.shard_info.global_name, p.shard_info
+                # A TP-replicated tensor (LayerNorm, row-parallel bias) is identical on every TP rank:
+                # only TP rank 0's copy is written.
+                written_here = counts_once(p, self.tp_rank)
                 span = unit.shard_range_of(i)
                 if self.stage < 3:
-                    pieces.append(StatePiece(f"param/{name}", p.data, info, None, primary=self.dp_rank == 0))
+                    pieces.append(StatePiece(f"param/{name}", p.data, info, None,
+                                             primary=self.dp_rank == 0 and written_here))
                 if span is None:
                     continue
                 lo, hi = span
                 flat_range = (unit.shard_start + lo - unit.offsets[i], unit.shard_start + hi - unit.offsets[i])
                 if self.stage == 3:
-                    pieces.append(StatePiece(f"param/{name}", unit.param_shard[lo:hi], info, flat_range))
+                    pieces.append(StatePiece(f"param/{name}", unit.param_shard[lo:hi], info, flat_range,
+                                             primary=written_here))
                 for kind, tensor in (("master", unit.master), ("exp_avg", unit.exp_avg),
                                      ("exp_avg_sq", unit.exp_avg_sq)):
-                    pieces.append(StatePiece(f"{kind}/{name}", tensor[lo:hi], info, flat_range))
+                    pieces.append(StatePiece(f"{kind}/{name}", tensor[lo:hi], info, flat_range, primary=written_here))
         return pieces
 
     @torch.no_grad()

@@ -24,7 +24,7 @@ import time
 import traceback
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "numpy"])
 
 
 def _rank_main(fn, rank, world_size, store_path, threads, args, kwargs, results):

@@ -1,0 +1,854 @@
+"""Atomic sharded checkpoints that reload on any mesh.
+
+A checkpoint is one directory per step:
+
+    <ckpt-dir>/step-00000200/
+        shard-00000.pt      rank 0's tensors only (torch.save of {name: tensor}; torch.load(weights_only=True))
+        shard-00001.pt      rank 1's ...
+        manifest.json       what every file holds, the mesh, the step, a SHA-256 per file, every rank's scalars
+        COMMITTED           written last: {"step", "manifest_sha256"}; without it the directory does not count
+
+The manifest maps each LOGICAL tensor ("<kind>/<global name>", kind ∈ param | master | exp_avg | exp_avg_sq)
+to its global shape, dtype, and the pieces that hold it: for each piece, the file, the entry name in it, the
+tensor-parallel split (split_dim, num_splits, split_index, fused segments) and the ZeRO flat range [start, end)
+of the flattened split. That is exactly `model.StatePiece`, the unit every layout lists its state in
+(`layout.state_pieces()`), so a new axis (pipeline, context, experts) joins by describing its pieces; this
+file never learns what ZeRO or TP are.
+
+Saving (every rank, at a step boundary):
+1. snapshot: copy this rank's primary pieces (`primary=False` marks a replica whose twin elsewhere is
+   written), its RNG states and the FP8 slot to host memory. Training is blocked only for this copy (plus
+   waiting for the previous save, if it is still persisting).
+2. persist (on a background thread with `async_save`, else inline): write `shard-<rank>.pt` into
+   `.tmp-step-<step>-<nonce>/`, hashing the bytes as they stream out, fsync it, then publish a small
+   `rank-<rank>.json` (written to a temporary name, fsynced, renamed) with the file's size and checksum and
+   the rank's pieces and scalars.
+3. commit (rank 0's persist): wait until every rank's record exists, merge them into manifest.json, check
+   that the pieces of each logical tensor cover it exactly once, fsync the manifest and the directory, rename
+   the directory to `step-<step>`, fsync the parent, write COMMITTED (temporary name, fsync, rename) and fsync
+   again. Then prune to the newest `keep` committed checkpoints (renamed away first, so a half-deleted one
+   never looks committed).
+   Why the filesystem is the rendezvous, not a collective: the persist thread runs while the main thread is
+   inside training collectives; a second collective stream from another thread would interleave with them
+   on the training groups (and be counted by mfu.CommTracer as training traffic). A directory per step
+   already needs a filesystem that every rank sees, so rank 0 simply waits for the other ranks' records to
+   appear (with a timeout); no message crosses the network from the thread. The nonce (drawn by rank 0 and
+   broadcast once at start-up) keeps a dead attempt's stray files out of a later attempt's commit; stale
+   `.tmp-*` directories are deleted at start-up.
+Synchronous saves run the same persist inline and end with a barrier on the main thread, so every rank
+returns after the commit.
+
+Loading (`Checkpointer.resume`): candidates are the `step-*` directories, newest first (or the one step asked
+for). Each is verified: marker present, manifest SHA-256 equal to the marker's, format known, every file name
+a plain name inside the directory, every file present with the recorded size and SHA-256 (the files are
+hashed round-robin across ranks, and the verdicts are gathered so all ranks agree). A bad one is reported
+with its reason and the next older one is tried. Tensors are read only with `torch.load(weights_only=True,
+mmap=True)` and scalars only from JSON.
+
+Resharding: every target piece is filled from the stored pieces of its logical tensor, one logical tensor at
+a time. The loader builds the full logical tensor in host memory, but only from the stored pieces that
+overlap what this rank needs (a boolean mask of the needed elements is intersected with each stored piece's
+region), and the files are memory-mapped, so a rank touches only the bytes of the pieces it needs; then it
+slices its targets out. Peak extra host memory is one logical tensor (plus a byte-mask of it) — the largest
+is the embedding — a simpler bound than intersecting index ranges, and acceptable for a reference trainer.
+Which stored tensor fills a target:
+- `param/X` comes from `master/X` when the checkpoint has it: the fp32 master is what the 16-bit parameter
+  was rounded from, so casting it gives the same parameter, and it is the more precise copy when the new
+  layout keeps parameters in a wider dtype;
+- `master/X` missing (a checkpoint of a layout whose parameters are the master weights, e.g. DDP fp32) is
+  filled from `param/X`, cast;
+- anything else must be present under its own key.
+Per-rank state: on the same mesh (same D, P, C, T, E) each rank gets back exactly its own RNG states (torch
+CPU, CUDA, Python `random`, numpy) and FP8 history: deterministic replay, bitwise. On another mesh a rank's
+old RNG stream has no meaning, so every generator is re-seeded from (seed, step, rank): the run is
+deterministic for its mesh, and with dropout 0 the losses match the uninterrupted run to float tolerance
+(coverage-equivalent resharding: the data cursor makes it consume the same global batches). Replicated
+scalars (Adam step, LR position = the step, loss scaler, data cursor) come from the rank's own record on the
+same mesh, else from rank 0's.
+
+Accounting for this file (Ψ parameters, b_w/b_m bytes per parameter/master element, N ranks):
+1. Replicated: nothing is held between saves except reusable host snapshot buffers. Split: the files;
+   each logical piece is written once (replicas are not), spread over the ranks that hold copies.
+2. Peak per device: the host snapshot of its written pieces (≤ its share of (b_w + b_m + 8)·Ψ with fp32
+   Adam moments), reused from save to save; loading adds one logical tensor plus its byte-mask.
+3. Messages: none on the critical path of a step. At start-up a broadcast of the nonce; at load an
+   all_gather of each rank's verification verdict; a synchronous save ends with one barrier.
+4. Restart state: it IS the restart state — parameters, master parameters, Adam moments and step, LR
+   position, loss scaler, every rank's RNG states, the data cursor, and an FP8 slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import mfu
+from model import ShardInfo, StatePiece, parameter_seed
+
+FORMAT_VERSION = 1
+MANIFEST, MARKER = "manifest.json", "COMMITTED"
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
+FAULT_ENV = "CKPT_FAULT_PERSIST_SLEEP"  # "STEP:SECONDS": fault-injection tests sleep inside that step's persist
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupt, or does not fit the model: the message says which and why."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Files: durable writes and checksums
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a directory's entries (creations, renames) durable: fsync of the files alone does not."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: str, payload: bytes) -> None:
+    """Write to a temporary name, fsync, rename: a reader sees the old state or the whole new file."""
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what torch.save streams through it (no second read pass)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.bytes += len(data)
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+
+def _sha256_file(path: str, chunk: int = 8 << 20) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _inside(directory: str, name) -> str:
+    """The path of file `name` in `directory`, refusing names that could leave it (manifests are untrusted)."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or "\0" in name or os.path.isabs(name)):
+        raise CheckpointError(f"{directory}: manifest names a file {name!r} that is not a plain file name inside "
+                              f"the checkpoint directory; refusing to read it")
+    path = os.path.join(directory, name)
+    real_dir = os.path.realpath(directory)
+    if os.path.dirname(os.path.realpath(path)) != real_dir:  # a symlink pointing out of the directory
+        raise CheckpointError(f"{directory}: {name!r} resolves outside the checkpoint directory; refusing it")
+    return path
+
+
+def _dtype(name) -> torch.dtype:
+    if name not in _DTYPES:
+        raise CheckpointError(f"unknown dtype {name!r} in the manifest")
+    return _DTYPES[name]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-rank state: RNG streams and the DDP layout's pieces
+# ---------------------------------------------------------------------------------------------------------
+
+
+def capture_rng_state(device=None) -> tuple[dict, dict]:
+    """(tensors, JSON scalars) of every random generator this process draws from."""
+    tensors = {"rng/torch_cpu": torch.get_rng_state()}
+    if device is not None and torch.device(device).type == "cuda":
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(device)
+    version, internal, gauss_next = random.getstate()
+    tensors["rng/python"] = torch.tensor(internal, dtype=torch.int64)
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["rng/numpy"] = torch.from_numpy(keys.astype(np.int64))
+    scalars = dict(python_version=version, python_gauss_next=gauss_next, numpy_kind=kind, numpy_pos=int(pos),
+                   numpy_has_gauss=int(has_gauss), numpy_cached_gaussian=float(cached))
+    return tensors, scalars
+
+
+def restore_rng_state(tensors: dict, scalars: dict, device=None) -> None:
+    torch.set_rng_state(tensors["rng/torch_cpu"])
+    if device is not None and torch.device(device).type == "cuda" and "rng/cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["rng/cuda"], device)
+    random.setstate((scalars["python_version"], tuple(int(x) for x in tensors["rng/python"].tolist()),
+                     scalars["python_gauss_next"]))
+    np.random.set_state((scalars["numpy_kind"], tensors["rng/numpy"].numpy().astype(np.uint32),
+                         scalars["numpy_pos"], scalars["numpy_has_gauss"], scalars["numpy_cached_gaussian"]))
+
+
+def reseed_rng(seed: int, step: int, rank: int) -> None:
+    """Another mesh: a fresh, deterministic stream per (seed, step, rank) for every generator."""
+    mixed = parameter_seed(seed, f"rng/step{step}/rank{rank}")
+    torch.manual_seed(mixed)  # seeds CUDA devices too
+    random.seed(mixed)
+    np.random.seed(mixed % 2**32)
+
+
+def adam_step(optimizer) -> int:
+    """The step count torch's Adam/AdamW uses for bias correction (all parameters share it)."""
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def set_adam_step(optimizer, step: int) -> None:
+    ensure_adam_state(optimizer)  # a state created later would start again from 0
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"].fill_(step)  # in place: keeps the dtype/device torch chose (fp32 on CPU)
+
+
+def ensure_adam_state(optimizer) -> None:
+    """Create torch AdamW's state now, as its first step would (step 0, zero moments), so it can be loaded into.
+
+    Mirrors torch.optim.Adam._init_group for the non-capturable, non-fused case; the first step then finds the
+    state present and behaves exactly as if it had created it.
+    """
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    for group in optimizer.param_groups:
+        if group.get("capturable") or group.get("fused"):
+            raise NotImplementedError("ensure_adam_state: capturable/fused AdamW keeps its step on the device")
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def replicated_state_pieces(params, optimizer, dp_rank: int, dp_size: int, tp_rank: int = 0) -> list:
+    """StatePieces of a layout where D ranks hold the same parameters and the same torch AdamW state (DDP).
+
+    The parameters are the fp32 master weights here, so there are no `master/` pieces. Each logical piece is
+    written once: TP-replicated tensors by TP rank 0 only (as `optim.counts_once`), and of the D identical
+    replicas, by one data rank chosen so that every data rank writes about 1/D of the bytes (greedy: the
+    largest tensors first, each to the least-loaded rank; the same on every rank as it only reads shapes).
+    """
+    from optim import counts_once
+
+    ensure_adam_state(optimizer)
+    params = [p for p in params if p.requires_grad]
+    load, writer = [0] * dp_size, {}
+    for index in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        chosen = min(range(dp_size), key=lambda d: load[d])
+        writer[index], load[chosen] = chosen, load[chosen] + params[index].numel()
+    pieces = []
+    for index, p in enumerate(params):
+        info = p.shard_info
+        primary = writer[index] == dp_rank and counts_once(p, tp_rank)
+        state = optimizer.state[p]
+        for kind, tensor in (("param", p.detach()), ("exp_avg", state["exp_avg"]),
+                             ("exp_avg_sq", state["exp_avg_sq"])):
+            pieces.append(StatePiece(f"{kind}/{info.global_name}", tensor, info, primary=primary))
+    return pieces
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Where a piece sits in its logical tensor
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _piece_record(shard: ShardInfo, flat_range) -> dict:
+    return dict(split_dim=shard.split_dim, num_splits=shard.num_splits, split_index=shard.split_index,
+                segments=shard.segments, flat_range=list(flat_range) if flat_range is not None else None)
+
+
+def _shard_from_record(key: str, global_shape: tuple, record: dict) -> tuple[ShardInfo, tuple | None]:
+    """Rebuild (ShardInfo, flat_range) from a manifest piece, checking every number (manifests are untrusted)."""
+    split_dim, num_splits = record.get("split_dim"), record.get("num_splits", 1)
+    split_index, segments = record.get("split_index", 0), record.get("segments", 1)
+    ints = (num_splits, split_index, segments) + (() if split_dim is None else (split_dim,))
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
+        raise CheckpointError(f"{key}: malformed split in the manifest: {record}")
+    if split_dim is not None:
+        if not (0 <= split_dim < len(global_shape) and num_splits >= 1 and 0 <= split_index < num_splits
+                and segments >= 1 and global_shape[split_dim] % (num_splits * segments) == 0):
+            raise CheckpointError(f"{key}: split {record} does not fit the global shape {list(global_shape)}")
+    shard = ShardInfo(global_name=key.split("/", 1)[1], global_shape=tuple(global_shape), split_dim=split_dim,
+                      num_splits=num_splits if split_dim is not None else 1,
+                      split_index=split_index if split_dim is not None else 0,
+                      segments=segments if split_dim is not None else 1)
+    flat = record.get("flat_range")
+    if flat is not None:
+        local = int(np.prod(shard.local_shape))
+        if not (isinstance(flat, list) and len(flat) == 2 and all(isinstance(v, int) for v in flat)
+                and 0 <= flat[0] <= flat[1] <= local):
+            raise CheckpointError(f"{key}: flat range {flat} is not inside its split of {local} elements")
+        flat = tuple(flat)
+    return shard, flat
+
+
+def _piece_numel(shard: ShardInfo, flat_range) -> int:
+    return flat_range[1] - flat_range[0] if flat_range is not None else int(np.prod(shard.local_shape))
+
+
+def _mark(mask: torch.Tensor, shard: ShardInfo, flat_range) -> torch.Tensor:
+    """Set the elements of the piece (shard, flat_range) in a boolean tensor of the global shape."""
+    local = shard.shard_of(mask).clone(memory_format=torch.contiguous_format)
+    if flat_range is None:
+        local.fill_(True)
+    else:
+        local.view(-1)[flat_range[0]:flat_range[1]] = True
+    shard.place_into(mask, local)
+    return mask
+
+
+def _region(global_shape, shard: ShardInfo, flat_range) -> torch.Tensor:
+    return _mark(torch.zeros(global_shape, dtype=torch.bool), shard, flat_range)
+
+
+def _place(full: torch.Tensor, shard: ShardInfo, flat_range, values: torch.Tensor) -> None:
+    """Write a stored piece into the full logical tensor (the inverse of _extract)."""
+    if flat_range is None:
+        shard.place_into(full, values.reshape(shard.local_shape))
+        return
+    local = shard.shard_of(full).clone(memory_format=torch.contiguous_format)
+    local.view(-1)[flat_range[0]:flat_range[1]] = values.reshape(-1)
+    shard.place_into(full, local)
+
+
+def _extract(full: torch.Tensor, shard: ShardInfo, flat_range) -> torch.Tensor:
+    local = shard.shard_of(full)
+    return local if flat_range is None else local.reshape(-1)[flat_range[0]:flat_range[1]]
+
+
+def _check_coverage(key: str, global_shape, pieces) -> None:
+    """The stored pieces of a logical tensor cover every element exactly once (sizes add up, union is all)."""
+    covered = torch.zeros(global_shape, dtype=torch.bool)
+    total = 0
+    for shard, flat in pieces:
+        total += _piece_numel(shard, flat)
+        _mark(covered, shard, flat)
+    numel = int(np.prod(global_shape))
+    if total != numel or not bool(covered.all()):
+        raise CheckpointError(f"{key}: the pieces hold {total} elements covering {int(covered.sum())} of"
+                              f" {numel}: some part is missing or written twice (a layout's `primary` is wrong)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Verifying and reading a checkpoint directory
+# ---------------------------------------------------------------------------------------------------------
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every `step-XXXXXXXX` directory under root, newest first (committed or not)."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
+             if (m := STEP_DIR.match(name)) and os.path.isdir(os.path.join(root, name))]
+    return sorted(found, reverse=True)
+
+
+def verify_checkpoint(path: str, rank: int = 0, world: int = 1) -> dict:
+    """Return the manifest of the checkpoint at `path`, or raise CheckpointError saying what is wrong.
+
+    Every check but the hashing is cheap and done whole; the SHA-256 of the files is checked for every
+    `world`-th file starting at `rank` (so the ranks of a distributed load hash each file once between them).
+    """
+    marker_path, manifest_path = os.path.join(path, MARKER), os.path.join(path, MANIFEST)
+    if not os.path.isfile(marker_path):
+        raise CheckpointError(f"{path} is incomplete: no {MARKER} marker (the save was interrupted before its"
+                              f" commit)")
+    try:
+        with open(marker_path) as f:
+            marker = json.load(f)
+        with open(manifest_path, "rb") as f:
+            manifest_bytes = f.read()
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read the marker or manifest ({e})") from None
+    if not isinstance(marker, dict) or hashlib.sha256(manifest_bytes).hexdigest() != marker.get("manifest_sha256"):
+        raise CheckpointError(f"{path}: {MANIFEST} does not match the checksum in {MARKER} (corrupt or edited)")
+    try:
+        manifest = json.loads(manifest_bytes)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}"
+                              f" (this trainer reads format {FORMAT_VERSION})")
+    files = manifest.get("files", {})
+    for name, info in files.items():
+        file_path = _inside(path, name)
+        if not os.path.isfile(file_path):
+            raise CheckpointError(f"{path}: shard file {name} is missing")
+        size = os.path.getsize(file_path)
+        if size != info["bytes"]:
+            raise CheckpointError(f"{path}: shard file {name} has {size} bytes, the manifest says {info['bytes']}"
+                                  f" (truncated or overwritten)")
+    for key, entry in manifest.get("tensors", {}).items():
+        for piece in entry["pieces"]:
+            if piece.get("file") not in files:
+                _inside(path, piece.get("file"))  # a path escaping the directory gets that message first
+                raise CheckpointError(f"{path}: {key} names file {piece.get('file')!r}, which the manifest lacks")
+    for name in sorted(files)[rank::world]:
+        if _sha256_file(_inside(path, name)) != files[name]["sha256"]:
+            raise CheckpointError(f"{path}: shard file {name} fails its SHA-256 checksum (corrupt)")
+    return manifest
+
+
+class _ShardFiles:
+    """Memory-mapped shard files, opened on first use: only the pages of the tensors read are touched."""
+
+    def __init__(self, path: str, manifest: dict):
+        self.path, self.manifest, self.open = path, manifest, {}
+
+    def tensor(self, file: str, name: str) -> torch.Tensor:
+        if file not in self.open:
+            try:
+                self.open[file] = torch.load(_inside(self.path, file), weights_only=True, mmap=True)
+            except CheckpointError:
+                raise
+            except Exception as e:  # a weights_only refusal or a broken zip: both mean "not our file"
+                raise CheckpointError(f"{self.path}: cannot load {file} ({type(e).__name__}: {e})") from None
+        tensors = self.open[file]
+        if not isinstance(tensors, dict) or name not in tensors or not torch.is_tensor(tensors[name]):
+            raise CheckpointError(f"{self.path}: {file} has no tensor {name!r}")
+        return tensors[name]
+
+
+def _source_key(key: str, tensors: dict) -> str:
+    kind, name = key.split("/", 1)
+    if kind == "param" and f"master/{name}" in tensors:
+        return f"master/{name}"  # the fp32 master is what the parameter was rounded from: prefer it
+    if key in tensors:
+        return key
+    if kind == "master" and f"param/{name}" in tensors:
+        return f"param/{name}"  # params were the master weights (e.g. DDP fp32): cast them
+    raise CheckpointError(f"the checkpoint has no {key}" + (f" (nor param/{name} to derive it from)"
+                                                            if kind == "master" else ""))
+
+
+@torch.no_grad()
+def load_pieces(path: str, manifest: dict, pieces: list) -> int:
+    """Fill every target piece from the checkpoint, one logical tensor at a time; return the bytes read.
+
+    Works for any source and target layouts described by StatePieces (see the module docstring).
+    """
+    files, stored = _ShardFiles(path, manifest), manifest["tensors"]
+    by_key: dict[str, list] = {}
+    for piece in pieces:
+        by_key.setdefault(piece.key, []).append(piece)
+    bytes_read = 0
+    for key, targets in by_key.items():
+        source = _source_key(key, stored)
+        entry = stored[source]
+        global_shape = tuple(targets[0].shard.global_shape)
+        if tuple(entry["global_shape"]) != global_shape:
+            raise CheckpointError(f"{path}: {source} has global shape {list(entry['global_shape'])} in the"
+                                  f" manifest, but the model's {key} is {list(global_shape)}")
+        dtype = _dtype(entry["dtype"])
+        need = torch.zeros(global_shape, dtype=torch.bool)
+        for target in targets:
+            _mark(need, target.shard, target.flat_range)
+        full = torch.empty(global_shape, dtype=dtype)
+        covered = torch.zeros(global_shape, dtype=torch.bool)
+        for record in entry["pieces"]:
+            shard, flat = _shard_from_record(source, global_shape, record)
+            region = _region(global_shape, shard, flat)
+            if bool((region & covered).any()):
+                raise CheckpointError(f"{path}: {source} has overlapping pieces in the manifest")
+            covered |= region
+            if not bool((region & need).any()):
+                continue  # nothing this rank needs: the file's pages are never touched
+            values = files.tensor(record["file"], record["name"])
+            if values.numel() != _piece_numel(shard, flat) or values.dtype != dtype:
+                raise CheckpointError(f"{path}: {record['file']}:{record['name']} holds {values.numel()}"
+                                      f" {values.dtype} elements, the manifest says {_piece_numel(shard, flat)}"
+                                      f" {dtype} for {source}")
+            _place(full, shard, flat, values)
+            bytes_read += values.numel() * values.element_size()
+        if bool((need & ~covered).any()):
+            raise CheckpointError(f"{path}: the pieces of {source} do not cover the part this rank needs")
+        for target in targets:
+            region = _extract(full, target.shard, target.flat_range)
+            if region.numel() != target.tensor.numel():
+                raise CheckpointError(f"{key}: the target piece has {target.tensor.numel()} elements, its place"
+                                      f" in the logical tensor {region.numel()}")
+            target.tensor.copy_(region.reshape(target.tensor.shape))
+    return bytes_read
+
+
+def read_logical(path: str) -> dict:
+    """Every logical tensor of a (verified) checkpoint, whole: for inspection, export and tests."""
+    manifest = verify_checkpoint(path)
+    out, pieces = {}, []
+    for key, entry in manifest["tensors"].items():
+        shape = tuple(entry["global_shape"])
+        out[key] = torch.empty(shape, dtype=_dtype(entry["dtype"]))
+        pieces.append(StatePiece(key, out[key], ShardInfo(key.split("/", 1)[1], shape)))
+    load_pieces(path, manifest, pieces)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The checkpointer: snapshot, persist, commit, prune; resume
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SaveStats:
+    step: int
+    path: str
+    rank_bytes: int  # this rank's shard file
+    blocked_s: float  # training time this save blocked: waiting for the previous one + snapshot (+ persist)
+    waited_s: float  # of which waiting for the previous save's persist
+    persist_s: float | None = None  # writing (+ commit on rank 0); None until it is done
+    total_bytes: int | None = None  # all shard files; rank 0 only, after the commit
+    num_files: int | None = None
+
+
+class Checkpointer:
+    """Saves and resumes a training run's complete state under `root` (see the module docstring).
+
+    Every rank constructs one (it broadcasts a nonce) and calls `save`/`resume`/`close` at the same points.
+    The layout provides `state_pieces()` and an `optimizer_step_count` property (Adam's t, settable); optionally
+    `stage` (ZeRO), `fp8_state() -> (tensors, scalars)` and `load_fp8_state(tensors, scalars)`.
+    """
+
+    def __init__(self, root: str, mesh=None, keep: int = 2, async_save: bool = False, mtbf_hours=None,
+                 device="cpu", log=print, commit_timeout_s: float = 600.0):
+        if keep < 2:
+            raise ValueError(f"keep={keep}: at least 2, so a good checkpoint survives while the next is written")
+        self.root, self.keep, self.async_save, self.mtbf_hours = root, keep, async_save, mtbf_hours
+        self.device, self.log, self.commit_timeout_s = torch.device(device), log, commit_timeout_s
+        distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world = dist.get_world_size() if distributed else 1
+        shape = mesh.shape if mesh is not None else None
+        self.mesh_record = dict(world_size=self.world, dp=shape.dp if shape else self.world,
+                                pp=shape.pp if shape else 1, cp=shape.cp if shape else 1,
+                                tp=shape.tp if shape else 1, ep=shape.ep if shape else 1)
+        self.coords = mesh.coords if mesh is not None else {"dp": self.rank, "pp": 0, "cp": 0, "tp": 0}
+        nonce = [None]
+        if self.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            for name in os.listdir(root):  # leftovers of a dead attempt can never be committed now
+                if name.startswith((".tmp-", ".trash-")):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            nonce = [os.urandom(4).hex()]
+        if self.world > 1:
+            dist.broadcast_object_list(nonce, src=0)  # before any rank creates a temporary directory
+        self.nonce = nonce[0]
+        self._thread, self._result, self._error = None, None, None
+        self._host: dict[str, torch.Tensor] = {}  # snapshot buffers, reused (pinned on CUDA)
+        self._clock = (time.perf_counter(), None)  # (time, step) of the last save: seconds per step for Young
+        self.history: list[SaveStats] = []
+
+    # -- saving ------------------------------------------------------------------------------------------
+
+    def step_end(self, steps_done: int, every: int, last: bool, layout, scaler, sampler):
+        """Call after every optimizer step: reports a finished background save; saves every `every` steps
+        and after the last one."""
+        self.poll()
+        if (every and steps_done % every == 0) or last:
+            return self.save(steps_done, layout, scaler, sampler)
+        return None
+
+    def save(self, step: int, layout, scaler, sampler) -> SaveStats:
+        """Checkpoint the state after `step` completed optimizer steps (the data cursor is then `step`)."""
+        start = time.perf_counter()
+        self.wait()  # the next save waits for the previous one: its buffers are reused
+        waited = time.perf_counter() - start
+        snapshot = self._snapshot(step, layout, scaler, sampler)
+        path = os.path.join(self.root, step_dir_name(step))
+        stats = SaveStats(step=step, path=path, rank_bytes=0, blocked_s=0.0, waited_s=waited)
+        if self.async_save:
+            stats.blocked_s = time.perf_counter() - start
+            self._thread = threading.Thread(target=self._persist_in_background, args=(snapshot, stats),
+                                            name=f"ckpt-persist-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._persist(snapshot, stats)
+            if self.world > 1:
+                dist.barrier()  # every rank returns after rank 0's commit
+            stats.blocked_s = time.perf_counter() - start
+            self._report(stats)
+        return stats
+
+    def poll(self) -> None:
+        """Report a background save that has finished, without waiting."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the background save, if any; re-raise its error on this thread."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"background checkpoint save failed: {error}") from error
+        self._report(self._result)
+
+    def close(self) -> None:
+        """Finish the last save and agree that it is committed (call before destroying the process group)."""
+        self.wait()
+        if self.world > 1:
+            dist.barrier()
+
+    def _host_copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        buffer = self._host.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self._host[name] = buffer
+        buffer.copy_(tensor, non_blocking=tensor.is_cuda)
+        return buffer
+
+    def _snapshot(self, step: int, layout, scaler, sampler) -> dict:
+        """Host copies of everything this rank writes, taken at the step boundary."""
+        tensors, entries, counts = {}, [], {}
+        for piece in layout.state_pieces():
+            if not piece.primary:
+                continue
+            if piece.key.split("/", 1)[0] not in KINDS:
+                raise ValueError(f"state piece {piece.key!r}: kind must be one of {KINDS}")
+            n = counts[piece.key] = counts.get(piece.key, -1) + 1
+            name = piece.key if n == 0 else f"{piece.key}#{n}"
+            tensors[name] = self._host_copy(name, piece.tensor)
+            entries.append(dict(key=piece.key, name=name, global_shape=list(piece.shard.global_shape),
+                                dtype=str(piece.tensor.dtype).removeprefix("torch."),
+                                **_piece_record(piece.shard, piece.flat_range)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the non-blocking copies have landed
+        rng_tensors, rng_scalars = capture_rng_state(self.device)
+        tensors.update(rng_tensors)
+        fp8_tensors, fp8_scalars = layout.fp8_state() if hasattr(layout, "fp8_state") else ({}, {})
+        tensors.update({f"fp8/{k}": v.detach().cpu().clone() for k, v in fp8_tensors.items()})
+        data = dict(sampler.state_dict(), step=step)
+        scalars = dict(step=step, adam_step=layout.optimizer_step_count, lr_step=step, scaler=scaler.state_dict(),
+                       data=data, rng=rng_scalars, fp8=fp8_scalars)
+        return dict(step=step, tensors=tensors, entries=entries, scalars=scalars,
+                    layout=dict(name=type(layout).__name__, zero_stage=getattr(layout, "stage", 0)))
+
+    def _persist_in_background(self, snapshot: dict, stats: SaveStats) -> None:
+        try:
+            self._persist(snapshot, stats)
+            self._result = stats
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait() on the main thread
+            self._error = e
+
+    def _persist(self, snapshot: dict, stats: SaveStats) -> None:
+        start = time.perf_counter()
+        step = snapshot["step"]
+        tmp = os.path.join(self.root, f".tmp-{step_dir_name(step)}-{self.nonce}")
+        os.makedirs(tmp, exist_ok=True)
+        file = f"shard-{self.rank:05d}.pt"
+        with open(os.path.join(tmp, file), "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(snapshot["tensors"], writer)
+            f.flush()
+            os.fsync(f.fileno())
+        self._fault_hook(step)
+        record = dict(rank=self.rank, coords=self.coords, file=file, bytes=writer.bytes,
+                      sha256=writer.sha.hexdigest(), pieces=snapshot["entries"],
+                      tensors=sorted(k for k in snapshot["tensors"] if not k.split("/", 1)[0] in KINDS),
+                      scalars=snapshot["scalars"], layout=snapshot["layout"])
+        _write_durably(os.path.join(tmp, f"rank-{self.rank:05d}.json"), json.dumps(record).encode())
+        stats.rank_bytes = writer.bytes
+        if self.rank == 0:
+            stats.total_bytes, stats.num_files = self._commit(tmp, step)
+        stats.persist_s = time.perf_counter() - start
+
+    def _fault_hook(self, step: int) -> None:
+        """Tests only: sleep inside one step's persist (after the shard, before its record) so a kill lands there."""
+        spec = os.environ.get(FAULT_ENV)
+        if spec:
+            fault_step, seconds = spec.split(":")
+            if int(fault_step) == step:
+                time.sleep(float(seconds))
+
+    def _commit(self, tmp: str, step: int) -> tuple[int, int]:
+        """Rank 0: merge the rank records into the manifest, check coverage, rename, mark, prune."""
+        names = [os.path.join(tmp, f"rank-{r:05d}.json") for r in range(self.world)]
+        deadline = time.monotonic() + self.commit_timeout_s
+        while not all(os.path.exists(n) for n in names):
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"step {step}: not every rank wrote its shard within "
+                                      f"{self.commit_timeout_s:.0f} s; {tmp} is left uncommitted")
+            time.sleep(0.005)
+        records = []
+        for name in names:
+            with open(name) as f:
+                records.append(json.load(f))
+        tensors = {}
+        for record in records:
+            for piece in record["pieces"]:
+                entry = tensors.setdefault(piece["key"], dict(global_shape=piece["global_shape"],
+                                                              dtype=piece["dtype"], pieces=[]))
+                if entry["global_shape"] != piece["global_shape"] or entry["dtype"] != piece["dtype"]:
+                    raise CheckpointError(f"step {step}: ranks disagree on the shape or dtype of {piece['key']}")
+                entry["pieces"].append(dict(file=record["file"], name=piece["name"],
+                                            **{k: piece[k] for k in ("split_dim", "num_splits", "split_index",
+                                                                     "segments", "flat_range")}))
+        for key, entry in tensors.items():
+            shape = tuple(entry["global_shape"])
+            _check_coverage(key, shape, [_shard_from_record(key, shape, p) for p in entry["pieces"]])
+        manifest = dict(
+            format=FORMAT_VERSION, step=step, mesh=self.mesh_record, layout=records[0]["layout"],
+            files={r["file"]: dict(rank=r["rank"], bytes=r["bytes"], sha256=r["sha256"]) for r in records},
+            tensors=tensors,
+            ranks=[dict(rank=r["rank"], coords=r["coords"], file=r["file"], tensors=r["tensors"],
+                        scalars=r["scalars"]) for r in records],
+        )
+        manifest_bytes = json.dumps(manifest, indent=1).encode()
+        _write_durably(os.path.join(tmp, MANIFEST), manifest_bytes)
+        for name in names:
+            os.remove(name)  # merged into the manifest
+        _fsync_dir(tmp)
+        final = os.path.join(self.root, step_dir_name(step))
+        if os.path.exists(final):  # a rerun of this step (resumed from an older one): replace it
+            trash = os.path.join(self.root, f".trash-{step_dir_name(step)}-{self.nonce}")
+            os.replace(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        marker = dict(step=step, manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest())
+        _write_durably(os.path.join(final, MARKER), json.dumps(marker).encode())
+        _fsync_dir(final)
+        self._prune()
+        return sum(r["bytes"] for r in records), len(records)
+
+    def _prune(self) -> None:
+        committed = [(s, p) for s, p in list_checkpoints(self.root) if os.path.isfile(os.path.join(p, MARKER))]
+        if len(committed) <= self.keep:
+            return
+        oldest_kept = committed[self.keep - 1][0]
+        for step, path in list_checkpoints(self.root):
+            if step < oldest_kept:
+                trash = os.path.join(self.root, f".trash-{os.path.basename(path)}-{self.nonce}")
+                os.replace(path, trash)  # atomically gone from the candidates, then deleted
+                shutil.rmtree(trash, ignore_errors=True)
+
+    def _report(self, stats: SaveStats | None) -> None:
+        if stats is None:
+            return
+        self.history.append(stats)
+        now, last_step = time.perf_counter(), self._clock[1]
+        seconds_per_step = ((now - self._clock[0]) / (stats.step - last_step)
+                            if last_step is not None and stats.step > last_step else None)
+        self._clock = (now, stats.step)
+        if self.rank != 0:
+            return
+        mode = "async" if self.async_save else "sync"
+        size = (f"{mfu.format_bytes(stats.total_bytes)} in {stats.num_files} files"
+                if stats.total_bytes is not None else f"{mfu.format_bytes(stats.rank_bytes)} (rank 0)")
+        line = (f"ckpt step {stats.step} → {stats.path}: {size}; training blocked {stats.blocked_s * 1e3:.0f} ms"
+                f" (waited {stats.waited_s * 1e3:.0f} ms for the previous save); persist"
+                f" {stats.persist_s * 1e3:.0f} ms ({mode})")
+        if self.mtbf_hours:
+            cost = stats.blocked_s  # what a checkpoint costs training: C in Young's formula
+            interval = mfu.young_checkpoint_interval(cost, self.mtbf_hours * 3600)
+            every = f" ≈ every {interval / seconds_per_step:,.0f} steps" if seconds_per_step else ""
+            line += (f"\nckpt Young interval sqrt(2·C·M) = {interval:,.0f} s{every} (C = {cost:.3f} s blocked,"
+                     f" M = MTBF {self.mtbf_hours:g} h)")
+            if self.async_save:
+                line += f"; async: also ≥ the persist time {stats.persist_s:.2f} s"
+        self.log(line)
+
+    # -- resuming ----------------------------------------------------------------------------------------
+
+    def _agree(self, error: str | None) -> list[str]:
+        if self.world == 1:
+            return [error] if error else []
+        errors = [None] * self.world
+        dist.all_gather_object(errors, error)
+        return [e for e in errors if e]
+
+    def find(self, which="latest") -> tuple[str | None, dict | None]:
+        """The checkpoint to resume from, agreed by all ranks: (path, manifest), or (None, None) if none exist.
+
+        `which`: "latest" (the newest that verifies; bad ones are reported and skipped) or a step number (that
+        one, or an error).
+        """
+        candidates = list_checkpoints(self.root)
+        if self.world > 1:  # everyone tries the same list in the same order
+            box = [candidates]
+            dist.broadcast_object_list(box, src=0)
+            candidates = box[0]
+        if which != "latest":
+            wanted = [c for c in candidates if c[0] == int(which)]
+            if not wanted:
+                raise CheckpointError(f"--resume {which}: no {step_dir_name(int(which))} in {self.root} (have:"
+                                      f" {', '.join(os.path.basename(p) for _, p in candidates) or 'none'})")
+            candidates = wanted
+        rejected = []
+        for step, path in candidates:
+            error, manifest = None, None
+            try:
+                manifest = verify_checkpoint(path, self.rank, self.world)
+            except (CheckpointError, OSError, ValueError, AttributeError, KeyError, TypeError) as e:
+                error = str(e) if isinstance(e, CheckpointError) else f"{path}: unreadable ({type(e).__name__}: {e})"
+            errors = self._agree(error)
+            if not errors:
+                return path, manifest
+            rejected.append(errors[0])
+            self.log(f"ckpt: refusing {path}: {errors[0]}" + ("" if which != "latest" else "; trying an older one"))
+        if rejected:
+            raise CheckpointError(f"no good checkpoint in {self.root}: " + "; ".join(rejected))
+        return None, None
+
+    def resume(self, which, layout, scaler, sampler, seed: int) -> int:
+        """Load the chosen checkpoint into the live state; return the step to continue from (0: none found)."""
+        start = time.perf_counter()
+        path, manifest = self.find(which)
+        if path is None:
+            self.log(f"ckpt: no checkpoint in {self.root}; starting from step 0")
+            return 0
+        bytes_read = load_pieces(path, manifest, layout.state_pieces())
+        same_mesh = manifest["mesh"] == self.mesh_record
+        record = manifest["ranks"][self.rank if same_mesh else 0]
+        scalars, step = record["scalars"], manifest["step"]
+        layout.optimizer_step_count = scalars["adam_step"]
+        scaler.load_state_dict(scalars["scaler"])
+        sampler.load_state_dict(scalars["data"])
+        if same_mesh:  # deterministic replay: this rank's own generators, exactly
+            files = _ShardFiles(path, manifest)
+            own = {name: files.tensor(record["file"], name) for name in record["tensors"]}
+            restore_rng_state(own, scalars["rng"], self.device)
+            if hasattr(layout, "load_fp8_state"):
+                layout.load_fp8_state({k[4:]: v for k, v in own.items() if k.startswith("fp8/")}, scalars["fp8"])
+        else:  # another mesh: old streams mean nothing here; fresh deterministic ones
+            reseed_rng(seed, step, self.rank)
+        seconds = time.perf_counter() - start
+        how = "same mesh: every rank's RNG restored" if same_mesh else (
+            f"resharded from mesh {manifest['mesh']} (RNG re-seeded from seed, step, rank)")
+        self.log(f"ckpt: resumed from {path} at step {step} ({how}); loaded in {seconds * 1e3:.0f} ms,"
+                 f" rank 0 read {mfu.format_bytes(bytes_read)}")
+        self._clock = (time.perf_counter(), step)
+        return step
