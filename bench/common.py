@@ -12,13 +12,18 @@ import torch.multiprocessing as mp
 
 
 def alternate(candidates: dict, steps: int, warmup: int = 2) -> dict:
-    """Time each callable `steps` times, interleaved (a, b, a, b, ...) so machine noise hits all alike.
+    """Time each callable `steps` times, interleaved so machine noise hits all alike.
 
+    The order rotates every round (a b c, b c a, c a b, ...): a variant that always ran right after another
+    would inherit its cache and allocator state, which biased fixed-order runs by a few percent here.
     Returns {name: median seconds}. Warm-up rounds (allocation, first-call costs) are not timed.
     """
     times = {name: [] for name in candidates}
+    names = list(candidates)
     for round_index in range(warmup + steps):
-        for name, fn in candidates.items():
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = candidates[name]
             start = time.perf_counter()
             fn()
             if round_index >= warmup:
