@@ -505,8 +505,8 @@ def main(argv=None):
     if checkpointer:
         checkpointer.close()
 
-    end_accounting(tracer, predicted, layout, args, timed_seconds, timed_steps, tokens_per_step,
-                   flops, peak, world_size, device)
+    end_accounting(tracer, predicted, layout, args, args.steps - start_step, timed_seconds, timed_steps,
+                   tokens_per_step, flops, peak, world_size, device)
     if args.zero == 3:
         layout.unshard()  # gather every weight once: sampling runs a forward on some ranks only
     if args.sample_tokens and rank < shape.tp:  # rank 0's TP group samples together (rank 0 prints)
@@ -516,8 +516,9 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-def end_accounting(tracer, predicted, layout, args, seconds, steps, tokens_per_step, flops, peak,
+def end_accounting(tracer, predicted, layout, args, steps_run, seconds, steps, tokens_per_step, flops, peak,
                    world_size, device):
+    """Measured against predicted. steps_run: steps traced (a resumed run starts late); steps: steps timed."""
     held = layout.held_bytes()
     print0("=" * 100)
     print0("measured vs predicted (per rank, rank 0):")
@@ -527,20 +528,20 @@ def end_accounting(tracer, predicted, layout, args, seconds, steps, tokens_per_s
     if device.type == "cuda":
         print0(f"  CUDA allocator peak {mfu.format_bytes(torch.cuda.max_memory_allocated())}")
     if args.zero:
-        for line in layout.end_report_lines(tracer.records, "dp_cp", args.steps, predicted["micro_batches"]):
+        for line in layout.end_report_lines(tracer.records, "dp_cp", steps_run, predicted["micro_batches"]):
             print0(line)
     grad_sync = tracer.records.get(("all_reduce", "dp_cp"))
-    if grad_sync is not None and args.steps and not args.zero:
-        # Every step sends the gradients plus three small reductions (token count, finite flag, loss).
-        print0(f"  all_reduce dp_cp per step: measured payload {mfu.format_bytes(grad_sync.payload_bytes / args.steps)}"
+    if grad_sync is not None and steps_run and not args.zero:
+        # Every step sends the gradients plus two float64 scalars (token count, loss) over dp_cp.
+        print0(f"  all_reduce dp_cp per step: measured payload {mfu.format_bytes(grad_sync.payload_bytes / steps_run)}"
                f" (gradients predicted {mfu.format_bytes(predicted['grad_bytes'])} + 2 scalars),"
-               f" sent {mfu.format_bytes(grad_sync.wire_bytes / args.steps)} (predicted"
+               f" sent {mfu.format_bytes(grad_sync.wire_bytes / steps_run)} (predicted"
                f" {mfu.format_bytes(predicted['wire'])})")
-    if predicted.get("tp_step") and args.steps:
+    if predicted.get("tp_step") and steps_run:
         print0("  tp group per step (every step: messages × payload, measured vs predicted):")
         for op, (calls, payload) in predicted["tp_step"].items():
             stat = tracer.records.get((op, "tp"))
-            m_calls, m_payload = (stat.calls / args.steps, stat.payload_bytes / args.steps) if stat else (0, 0)
+            m_calls, m_payload = (stat.calls / steps_run, stat.payload_bytes / steps_run) if stat else (0, 0)
             print0(f"    {op:<22} measured {m_calls:g} calls {mfu.format_bytes(m_payload):>10}   predicted"
                    f" {calls} calls {mfu.format_bytes(payload):>10}")
     print0("communication by (collective, group) over the whole run:")
