@@ -5,7 +5,7 @@ Whole-model tests train the tensor-parallel GPT through train.train_step for a f
 accumulation and active clipping, and compare losses, grad norms and the final parameters (each rank's
 shards put back into the global tensors with ShardInfo.place_into) with tests/reference.py's single-device
 run: float64, tolerance 1e-10, as for DDP. Every step's traced TP-group messages must equal the prediction
-to the byte. `layout` names how data parallelism wraps the TP model (LAYOUTS): DDP, ZeRO-1 or ZeRO-3.
+to the byte. `layout` names how data parallelism wraps the TP model (LAYOUTS): DDP or a ZeRO stage.
 """
 
 from contextlib import nullcontext
@@ -181,7 +181,7 @@ def _zero_layout(stage):
 
 
 # How data parallelism wraps the TP model: layout name -> builder(model, mesh, tp handle) -> layout object.
-LAYOUTS = {"ddp": _ddp_layout, "zero1": _zero_layout(1), "zero3": _zero_layout(3)}
+LAYOUTS = {"ddp": _ddp_layout, "zero1": _zero_layout(1), "zero2": _zero_layout(2), "zero3": _zero_layout(3)}
 
 
 def _pieces(model):
@@ -252,9 +252,10 @@ PLAIN, SP, CKPT, SP_CKPT = (False, False), (True, False), (False, True), (True, 
         (4, 4, "ddp", 4, 2, (CKPT, SP)),  # T=4; checkpointing recomputes the forward's messages
         (4, 2, "ddp", 8, 2, (PLAIN, SP_CKPT)),  # 2-D mesh: T=2 × D=2, DDP over the dp_cp group
         (4, 2, "zero1", 8, 2, (PLAIN,)),  # T=2 × D=2 with ZeRO-1 sharding the TP shards' optimizer state
+        (4, 2, "zero2", 8, 2, (CKPT,)),  # ZeRO-2: + their gradients; activation checkpointing on top
         (4, 2, "zero3", 8, 2, (PLAIN,)),  # T=2 × D=2 with ZeRO-3 sharding the TP shards themselves
     ],
-    ids=["T2", "T4", "T2xD2-ddp", "T2xD2-zero1", "T2xD2-zero3"],
+    ids=["T2", "T4", "T2xD2-ddp", "T2xD2-zero1", "T2xD2-zero2", "T2xD2-zero3"],
 )
 def test_tp_update_matches_single_device(world, tp_size, layout, global_batch, micro, variants):
     config = make_config()
