@@ -527,13 +527,19 @@ class TensorParallel:
         return accounting_lines(self.model.config, micro, seq, self.ctx.size, self.sequence_parallel, param_bytes,
                                 compute_bytes, measured=measured)
 
-    def step_messages(self, micro: int, seq: int, micro_batches: int = 1, compute_bytes: int | None = None):
-        """Predicted {(op, "tp"): (calls, payload bytes)} for one optimizer step; see `step_messages`."""
+    def step_messages(self, micro: int, seq: int, micro_batches: int = 1, compute_bytes: int | None = None,
+                      sp_grad_bytes: int | None = None):
+        """Predicted {(op, "tp"): (calls, payload bytes)} for one optimizer step; see `step_messages`.
+
+        sp_grad_bytes: the payload of the SP gradient sum when a ZeRO layout does it on its gradient shard
+        (ZeroLayout.grad_sum_bytes); by default the full SP parameters' gradients (finish_grad_sync).
+        """
         param = next(self.model.parameters())
-        sp_numel = sum(p.numel() for p in self.sequence_parallel_params)
+        if sp_grad_bytes is None:
+            sp_grad_bytes = sum(p.numel() for p in self.sequence_parallel_params) * param.element_size()
         return step_messages(self.model.config, micro, seq, self.ctx.size, self.sequence_parallel,
                              micro_batches, param.element_size(), compute_bytes or param.element_size(),
-                             sp_param_bytes=sp_numel * param.element_size())
+                             sp_param_bytes=sp_grad_bytes)
 
 
 def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 0) -> TensorParallel:
@@ -653,8 +659,8 @@ def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_par
             add("all_reduce", act)  # head backward (f)
         add("all_reduce", tokens * loss_bytes)  # loss: MAX
         add("all_reduce", 2 * tokens * loss_bytes)  # loss: Σexp and target logit
-    if sequence_parallel:
-        add("all_reduce", sp_param_bytes)  # finish_grad_sync
+    if sequence_parallel and sp_param_bytes:
+        add("all_reduce", sp_param_bytes)  # finish_grad_sync (or ZeRO's sum of its gradient shard)
     add("all_reduce", 8)  # squared gradient norm (float64)
     return out
 

@@ -144,10 +144,6 @@ def validate_zero_args(args):
     if args.dtype == "fp16":
         raise FlagError(f"--zero {args.zero} with --dtype fp16: ZeRO keeps bf16 (or fp32) working weights with fp32"
                         f" masters, which need no loss scaling; use --dtype bf16 or fp32")
-    if args.sp:
-        raise FlagError(f"--zero {args.zero} with --sp: sequence parallel sums its LayerNorm gradients over the TP"
-                        f" group on full gradients, which ZeRO reduce-scatters during backward; use --zero 0 with"
-                        f" --sp, or --tp without --sp")
     if args.zero >= 2 and args.pp > 1:
         raise FlagError(f"--zero {args.zero} with --pp {args.pp}: sharded gradients would be reduce-scattered on"
                         f" every micro-batch of the pipeline schedule; use --zero 1 with pipeline parallel")
@@ -428,6 +424,8 @@ def main(argv=None):
     if args.zero:  # zero.py shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
         ddp = None
         tp_norm = {key: tp_kwargs[key] for key in ("norm_groups", "tp_rank") if key in tp_kwargs}
+        if tp is not None:  # SP's replicated parameters: their gradient shards are summed over the TP group
+            tp_norm["grad_sum"] = (mesh.tp_group, tp.sequence_parallel_params)
         layout = ZeroLayout(model, mesh.dp_cp_group, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                             betas=(args.beta1, args.beta2), param_dtype=ZERO_PARAM_DTYPES[args.dtype],
                             master_dtype=torch.float32, bucket_mb=args.bucket_mb, forward=compiled, **tp_norm)
@@ -450,7 +448,8 @@ def main(argv=None):
     predicted = startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source,
                                    ddp, device, layout, tp_lines)
     if tp is not None:
-        predicted["tp_step"] = tp.step_messages(micro, seq_len, steps_m, DTYPES[args.dtype].itemsize)
+        predicted["tp_step"] = tp.step_messages(micro, seq_len, steps_m, DTYPES[args.dtype].itemsize,
+                                                sp_grad_bytes=layout.grad_sum_bytes if args.zero else None)
 
     checkpointer, start_step = None, 0
     if args.ckpt_dir:

@@ -115,6 +115,7 @@ class _Unit:
         self.exp_avg_sq = None
         self.decay_segments = []  # [(lo, hi)] of the shard that get weight decay (dim ≥ 2)
         self.uncounted_segments = []  # [(lo, hi)] of the shard that the global norm skips (TP replicas)
+        self.grad_sum_segments = []  # [(lo, hi)] of the shard also summed over `grad_sum`'s group (SP)
         self.gather_work = None  # stage 3 in-flight all-gather
         self.gathered = False  # stage 3: the full buffer's storage is allocated
 
@@ -136,7 +137,7 @@ class ZeroLayout:
     def __init__(self, module: nn.Module, group, stage: int, *, lr: float, weight_decay: float = 0.1,
                  betas=(0.9, 0.95), eps: float = 1e-8, param_dtype=torch.float32, master_dtype=torch.float32,
                  bucket_mb: float = 25.0, norm_groups=(), tp_rank: int = 0, check_same_init: bool = True,
-                 forward=None):
+                 forward=None, grad_sum=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage} (stage 0 is ddp.py + ReplicatedUpdate)")
         self.module, self.group, self.stage = module, group, stage
@@ -177,6 +178,17 @@ class ZeroLayout:
             for unit in self.units:
                 self._build_unit(unit, device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        # grad_sum = (group, params): gradients that must also be summed over another group once the data-
+        # parallel reduction is done. Sequence parallel's replicated parameters (LayerNorms, row-parallel
+        # biases, positions) see only their piece of the sequence on each TP rank: their gradient is the sum
+        # over the TP group. Both reductions are sums, so their order is free; and every rank of a TP group
+        # has the same local shapes and the same dp rank, so the same shard segments on every one of them.
+        self.grad_sum_group = None
+        if grad_sum is not None:
+            self.grad_sum_group, summed = grad_sum[0], {id(p) for p in grad_sum[1]}
+            for unit in self.units:
+                spans = (unit.shard_range_of(i) for i, p in enumerate(unit.params) if id(p) in summed)
+                unit.grad_sum_segments = [span for span in spans if span is not None]
         if stage == 3:
             self.block_units = self.units[-2::-1]  # block i's unit
             self.root = self.units[-1]
@@ -305,6 +317,27 @@ class ZeroLayout:
         while self._in_flight:
             self._complete_oldest()
         self._launched_this_step = False
+        if self.grad_sum_group is not None:
+            self._sum_segments_over_grad_sum_group()
+
+    @torch.no_grad()
+    def _sum_segments_over_grad_sum_group(self):
+        """One flat all-reduce of this shard's grad_sum segments (sequence parallel: over the TP group)."""
+        segments = [unit.grad_shard[lo:hi] for unit in self.units for lo, hi in unit.grad_sum_segments]
+        if not segments:  # the same on every rank of the group: nobody sends
+            return
+        flat = torch.cat(segments)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.grad_sum_group)
+        offset = 0
+        for segment in segments:
+            segment.copy_(flat[offset:offset + segment.numel()])
+            offset += segment.numel()
+
+    @property
+    def grad_sum_bytes(self) -> int:
+        """Payload of that all-reduce per step: this rank's shard of the summed parameters' gradients."""
+        numel = sum(hi - lo for unit in self.units for lo, hi in unit.grad_sum_segments)
+        return numel * self.param_dtype.itemsize
 
     def zero_grad(self):
         for unit in self.units:

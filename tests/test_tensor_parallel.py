@@ -176,7 +176,8 @@ def _zero_layout(stage):
         # The flat ZeRO buffers hold this rank's TP shards; the norm sums the dp shards and the TP group.
         return ZeroLayout(model, mesh.dp_cp_group, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
                           betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=torch.float64,
-                          master_dtype=torch.float64, norm_groups=(mesh.tp_group,), tp_rank=mesh.tp_rank)
+                          master_dtype=torch.float64, norm_groups=(mesh.tp_group,), tp_rank=mesh.tp_rank,
+                          grad_sum=(mesh.tp_group, handle.sequence_parallel_params))
     return build
 
 
@@ -223,7 +224,9 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
         norms.append(result.grad_norm)
     if hasattr(layout, "unshard"):
         layout.unshard()  # ZeRO-3: gather the weights back so this rank's TP shards can be compared
-    predicted = handle.step_messages(micro, SEQ, micro_batches=len(batches))
+    # Under ZeRO the SP gradient sum moves this rank's gradient shard of those parameters, not all of them.
+    predicted = handle.step_messages(micro, SEQ, micro_batches=len(batches),
+                                     sp_grad_bytes=getattr(layout, "grad_sum_bytes", None))
     local_numel = sum(p.numel() for p in model.parameters())
     return losses, norms, init, _pieces(model), traced, predicted, local_numel
 
@@ -251,9 +254,9 @@ PLAIN, SP, CKPT, SP_CKPT = (False, False), (True, False), (False, True), (True, 
         (2, 2, "ddp", 4, 2, (PLAIN, SP)),  # T=2: 2 micro-batches each, clipping active
         (4, 4, "ddp", 4, 2, (CKPT, SP)),  # T=4; checkpointing recomputes the forward's messages
         (4, 2, "ddp", 8, 2, (PLAIN, SP_CKPT)),  # 2-D mesh: T=2 × D=2, DDP over the dp_cp group
-        (4, 2, "zero1", 8, 2, (PLAIN,)),  # T=2 × D=2 with ZeRO-1 sharding the TP shards' optimizer state
-        (4, 2, "zero2", 8, 2, (CKPT,)),  # ZeRO-2: + their gradients; activation checkpointing on top
-        (4, 2, "zero3", 8, 2, (PLAIN,)),  # T=2 × D=2 with ZeRO-3 sharding the TP shards themselves
+        (4, 2, "zero1", 8, 2, (PLAIN, SP)),  # T=2 × D=2 with ZeRO-1 sharding the TP shards' optimizer state
+        (4, 2, "zero2", 8, 2, (CKPT, SP_CKPT)),  # ZeRO-2: + their gradients; activation checkpointing on top
+        (4, 2, "zero3", 8, 2, (PLAIN, SP)),  # T=2 × D=2 with ZeRO-3 sharding the TP shards themselves
     ],
     ids=["T2", "T4", "T2xD2-ddp", "T2xD2-zero1", "T2xD2-zero2", "T2xD2-zero3"],
 )
