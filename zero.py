@@ -67,7 +67,9 @@ working weights / gradients / optimizer state, m micro-batches per step, U the l
        from its forward into its backward) = the paper's 3Ψ less what is not regathered. Exposed (not hidden
        behind compute): the gathers of the root and block 0 at the start of forward, and the root's
        reduce-scatter at the end of backward (its last gradient, the embeddings', comes last).
-   Plus small all-reduces: the squared grad norm (8 bytes, dp×cp and norm_groups), the finite flag (world).
+   Plus small all-reduces: the squared grad norm (8 bytes, dp×cp and norm_groups), the finite flag (world),
+   and with sequence parallel (`grad_sum`) one all-reduce over the TP group of this shard's part of the SP
+   replicated parameters' gradients (b_g bytes each).
 4. Restart state: `state_pieces()` lists, per logical tensor, the working weights (`param/`: the full tensor
    at stages 1/2, written by dp rank 0 only; this rank's flat range at stage 3), and this rank's flat range of
    `master/`, `exp_avg/`, `exp_avg_sq/`, plus `optimizer_step_count` (Adam's t). The flat ranges exclude the
