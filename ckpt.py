@@ -209,9 +209,13 @@ def restore_rng_state(tensors: dict, scalars: dict, device=None) -> None:
                          scalars["numpy_pos"], scalars["numpy_has_gauss"], scalars["numpy_cached_gaussian"]))
 
 
-def reseed_rng(seed: int, step: int, rank: int) -> None:
-    """Another mesh: a fresh, deterministic stream per (seed, step, rank) for every generator."""
-    mixed = parameter_seed(seed, f"rng/step{step}/rank{rank}")
+def reseed_rng(seed: int, step: int, stream: int) -> None:
+    """Another mesh: a fresh, deterministic stream per (seed, step, stream) for every generator.
+
+    `stream` is the rank's position outside its tensor-parallel group (rank // T), as train.py seeds at
+    start: the ranks of one TP group hold copies of the same activations and must draw the same dropout
+    masks on them (tensor_parallel.TensorParallelRNG forks the generator for the split regions)."""
+    mixed = parameter_seed(seed, f"rng/step{step}/stream{stream}")
     torch.manual_seed(mixed)  # seeds CUDA devices too
     random.seed(mixed)
     np.random.seed(mixed % 2**32)
@@ -540,10 +544,12 @@ class Checkpointer:
     """
 
     def __init__(self, root: str, mesh=None, keep: int = 2, async_save: bool = False, mtbf_hours=None,
-                 device="cpu", log=print, commit_timeout_s: float = 600.0):
+                 device="cpu", log=print, commit_timeout_s: float = 600.0, run_record: dict | None = None):
         if keep < 2:
             raise ValueError(f"keep={keep}: at least 2, so a good checkpoint survives while the next is written")
         self.root, self.keep, self.async_save, self.mtbf_hours = root, keep, async_save, mtbf_hours
+        # The flags that shape the run's trajectory (LR schedule, batch): saved, and compared on resume.
+        self.run_record = dict(run_record or {})
         self.device, self.log, self.commit_timeout_s = torch.device(device), log, commit_timeout_s
         distributed = dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
@@ -652,7 +658,7 @@ class Checkpointer:
         tensors.update({f"fp8/{k}": v.detach().cpu().clone() for k, v in fp8_tensors.items()})
         data = dict(sampler.state_dict(), step=step)
         scalars = dict(step=step, adam_step=layout.optimizer_step_count, lr_step=step, scaler=scaler.state_dict(),
-                       data=data, rng=rng_scalars, fp8=fp8_scalars)
+                       data=data, rng=rng_scalars, fp8=fp8_scalars, run=self.run_record)
         return dict(step=step, tensors=tensors, entries=entries, scalars=scalars,
                     layout=dict(name=type(layout).__name__, zero_stage=getattr(layout, "stage", 0)))
 
@@ -744,6 +750,17 @@ class Checkpointer:
         self._prune()
         return sum(r["bytes"] for r in records), len(records)
 
+    def _set_aside_newer_than(self, step: int) -> None:
+        """Resuming from `step` abandons any newer checkpoint (another line of the run, or a bad one): rename
+        it out of the candidates so that `latest` and pruning only ever see this run's line. Nothing is
+        deleted: `abandoned-step-…` directories stay for the user to inspect or remove."""
+        for newer, path in list_checkpoints(self.root):
+            if newer > step:
+                aside = os.path.join(self.root, f"abandoned-{os.path.basename(path)}-{self.nonce}")
+                os.replace(path, aside)
+                self.log(f"ckpt: resumed at step {step}, so {path} is set aside as {aside}")
+        _fsync_dir(self.root)
+
     def _prune(self) -> None:
         committed = [(s, p) for s, p in list_checkpoints(self.root) if os.path.isfile(os.path.join(p, MARKER))]
         if len(committed) <= self.keep:
@@ -829,6 +846,8 @@ class Checkpointer:
         path, manifest = self.find(which)
         if path is None:
             self.log(f"ckpt: no checkpoint in {self.root}; starting from step 0")
+            if self.rank == 0:
+                self._set_aside_newer_than(0)  # only bad ones can be there: keep them out of this run's line
             return 0
         bytes_read = load_pieces(path, manifest, layout.state_pieces())
         same_mesh = manifest["mesh"] == self.mesh_record
@@ -843,11 +862,18 @@ class Checkpointer:
             restore_rng_state(own, scalars["rng"], self.device)
             if hasattr(layout, "load_fp8_state"):
                 layout.load_fp8_state({k[4:]: v for k, v in own.items() if k.startswith("fp8/")}, scalars["fp8"])
-        else:  # another mesh: old streams mean nothing here; fresh deterministic ones
-            reseed_rng(seed, step, self.rank)
+        else:  # another mesh: old streams mean nothing here; fresh deterministic ones, alike within TP groups
+            reseed_rng(seed, step, self.rank // self.mesh_record["tp"])
+        saved_run = scalars.get("run", {})
+        changed = {k: (saved_run[k], v) for k, v in self.run_record.items() if k in saved_run and saved_run[k] != v}
+        if changed:  # e.g. extending --steps: legitimate, but the LR schedule is then not the saved run's
+            self.log("ckpt: this run's flags differ from the checkpoint's (LR schedule and batch follow this run):"
+                     + ", ".join(f" {k} {old}→{new}" for k, (old, new) in changed.items()))
+        if self.rank == 0:
+            self._set_aside_newer_than(step)
         seconds = time.perf_counter() - start
         how = "same mesh: every rank's RNG restored" if same_mesh else (
-            f"resharded from mesh {manifest['mesh']} (RNG re-seeded from seed, step, rank)")
+            f"resharded from mesh {manifest['mesh']} (RNG re-seeded from seed, step, rank // T)")
         self.log(f"ckpt: resumed from {path} at step {step} ({how}); loaded in {seconds * 1e3:.0f} ms,"
                  f" rank 0 read {mfu.format_bytes(bytes_read)}")
         self._clock = (time.perf_counter(), step)

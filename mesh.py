@@ -102,15 +102,8 @@ class Mesh:
                 return members[axis].index(self.rank)
         raise AttributeError(name)
 
-    def describe(self) -> str:
-        lines = [f"mesh D={self.shape.dp} P={self.shape.pp} C={self.shape.cp} T={self.shape.tp} E={self.shape.ep}"
-                 f" (rank = ((d·P + p)·C + c)·T + t); rank {self.rank} at {self.coords}"]
-        for axis, ranks in self.members.items():
-            lines.append(f"  {axis:>9} group: ranks {ranks}")
-        return "\n".join(lines)
 
-
-def _axis_groups(shape: MeshShape) -> dict:
+def axis_groups(shape: MeshShape) -> dict:
     """For every axis, the list of rank groups that partition the world along it."""
     ranges = {axis: range(getattr(shape, axis)) for axis in AXES}
 
@@ -149,7 +142,7 @@ def build_mesh(shape: MeshShape, rank: int | None = None) -> Mesh:
     """Create every axis's process groups (collective: all ranks call this with the same shape)."""
     rank = dist.get_rank() if rank is None else rank
     mesh = Mesh(shape=shape, rank=rank)
-    for axis, partition in _axis_groups(shape).items():
+    for axis, partition in axis_groups(shape).items():
         for ranks in partition:  # same order on every rank
             group = dist.new_group(ranks) if dist.is_initialized() else None
             if rank in ranks:

@@ -82,7 +82,10 @@ class DynamicLossScaler:
         return {"scale": self.scale, "good_steps": self.good_steps, "enabled": self.enabled}
 
     def load_state_dict(self, state: dict):
-        self.scale, self.good_steps, self.enabled = state["scale"], state["good_steps"], state["enabled"]
+        """Whether scaling is on follows this run's --dtype, not the checkpoint's; the scale carries over only
+        between two runs that both scale (an fp16 run resuming a bf16 checkpoint starts from init_scale)."""
+        if self.enabled and state["enabled"]:
+            self.scale, self.good_steps = state["scale"], state["good_steps"]
 
 
 def counts_once(param: torch.Tensor, tp_rank: int) -> bool:

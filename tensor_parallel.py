@@ -520,12 +520,26 @@ class TensorParallel:
         finally:
             self.ctx.sequence_parallel, head.gather_output = previous, False
 
-    def startup_lines(self, micro: int, seq: int, compute_bytes: int, autocast) -> list:
-        """accounting_lines with block 0's messages measured once (before DDP installs gradient hooks)."""
-        param_bytes = next(self.model.parameters()).element_size()
-        measured = measure_block_messages(self.model, self.ctx, micro, seq, autocast)
-        return accounting_lines(self.model.config, micro, seq, self.ctx.size, self.sequence_parallel, param_bytes,
-                                compute_bytes, measured=measured)
+    def startup_lines(self, micro: int, seq: int, compute_bytes: int, autocast, param_dtype=None,
+                      state_bytes_per_param: int = 16) -> list:
+        """accounting_lines with block 0's messages measured once (before DDP installs gradient hooks).
+
+        param_dtype: the working dtype the run will train in when a later layout casts the weights (ZeRO's
+        bf16 recipe). Block 0 is measured in it, its fp32 values put back exactly afterwards, so the messages
+        printed are the sizes the run will send.
+        """
+        params = list(self.model.transformer.h[0].parameters())
+        param_dtype = param_dtype or params[0].dtype
+        originals = [p.data for p in params]
+        try:
+            for p in params:
+                p.data = p.data.to(param_dtype)
+            measured = measure_block_messages(self.model, self.ctx, micro, seq, autocast)
+        finally:
+            for p, original in zip(params, originals):
+                p.data = original
+        return accounting_lines(self.model.config, micro, seq, self.ctx.size, self.sequence_parallel,
+                                param_dtype.itemsize, compute_bytes, state_bytes_per_param, measured=measured)
 
     def step_messages(self, micro: int, seq: int, micro_batches: int = 1, compute_bytes: int | None = None,
                       sp_grad_bytes: int | None = None):

@@ -30,7 +30,7 @@ import data
 import mfu
 import tensor_parallel
 from ddp import DistributedDataParallel
-from mesh import build_mesh, choose_device_and_backend, infer_mesh_shape, init_distributed
+from mesh import axis_groups, build_mesh, choose_device_and_backend, infer_mesh_shape, init_distributed
 from model import GPT, config_from_preset
 from optim import DynamicLossScaler, LRSchedule, build_adamw, unscale_clip_and_step
 from zero import ZeroLayout
@@ -111,9 +111,17 @@ def validate_args(args, world_size: int):
             raise FlagError(f"{flag} {value}: this axis is not implemented in this version of the trainer")
     if args.sp and args.tp == 1:
         raise FlagError("--sp (sequence parallel) needs --tp > 1")
-    if args.steps < 1:
-        raise FlagError(f"--steps must be at least 1, got {args.steps}")
-    micro = args.micro_batch or args.global_batch // shape.dp
+    for flag, value in (("--steps", args.steps), ("--log-every", args.log_every),
+                        ("--eval-batches", args.eval_batches), ("--micro-batch", args.micro_batch),
+                        ("--n-layer", args.n_layer), ("--n-head", args.n_head), ("--n-embd", args.n_embd)):
+        if value is not None and value < 1:
+            raise FlagError(f"{flag} must be at least 1, got {value}")
+    if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
+        raise FlagError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.lr <= 0 or args.eval_every < 0 or args.grad_clip < 0:
+        raise FlagError(f"--lr must be positive and --eval-every, --grad-clip non-negative; got --lr {args.lr},"
+                        f" --eval-every {args.eval_every}, --grad-clip {args.grad_clip}")
+    micro = args.micro_batch if args.micro_batch is not None else args.global_batch // shape.dp
     if args.global_batch < 1 or micro < 1:
         raise FlagError(f"--global-batch {args.global_batch} must give each of D={shape.dp} data ranks a sequence")
     if args.global_batch % (shape.dp * micro):
@@ -372,11 +380,9 @@ def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops
 
 
 def mesh_description(mesh) -> str:
-    from mesh import _axis_groups
-
     lines = [f"mesh: world {mesh.shape.world_size} = D {mesh.shape.dp} × P {mesh.shape.pp} × C {mesh.shape.cp}"
              f" × T {mesh.shape.tp} (E {mesh.shape.ep} inside D·C); rank = ((d·P + p)·C + c)·T + t"]
-    for axis, partition in _axis_groups(mesh.shape).items():
+    for axis, partition in axis_groups(mesh.shape).items():
         if len(partition[0]) > 1:
             lines.append(f"  {axis:>9} groups: {partition}")
     return "\n".join(lines)
@@ -413,12 +419,21 @@ def main(argv=None):
     config.vocab_size = padded_vocab(corpus.vocab_size) if args.tokenizer != "byte" else corpus.vocab_size
     seq_len = args.seq_len or config.block_size
     model = GPT(config, seed=args.seed, device=device)
-    n_matmul_params = model.num_params(exclude_position_embedding=True)  # logical, before TP splits it
+    # N of 6N: the weights that enter a matmul (blocks' linears and the tied head), counted on the logical
+    # model before TP splits it; N_r: those whose forward activation checkpointing recomputes (the blocks').
+    n_matmul_params = model.transformer.wte.weight.numel() + sum(
+        p.numel() for p in model.transformer.h.parameters() if p.dim() == 2)
+    n_recomputed = sum(p.numel() for p in model.transformer.h.parameters() if p.dim() == 2)
     autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext())
     tp, tp_lines, tp_kwargs = None, [], {}
     if shape.tp > 1:  # TP swaps the linears, embedding and head before DDP wraps the model
         tp = tensor_parallel.parallelize(model, mesh.tp_group, args.sp, seed=args.seed)
-        tp_lines = tp.startup_lines(micro, seq_len, DTYPES[args.dtype].itemsize, autocast)
+        if args.zero:  # ZeRO trains in its working dtype (bf16 weights, fp32 masters: 2 + 2 + 12 bytes/param)
+            tp_lines = tp.startup_lines(micro, seq_len, DTYPES[args.dtype].itemsize, autocast,
+                                        ZERO_PARAM_DTYPES[args.dtype])  # 2+2+12 or 4+4+8: 16 bytes/param either way
+            tp_lines.append("  (with --zero these per-rank TP figures are before ZeRO shards them over D: see above)")
+        else:
+            tp_lines = tp.startup_lines(micro, seq_len, DTYPES[args.dtype].itemsize, autocast)
         tp_kwargs = dict(norm_groups=(mesh.tp_group,), tp_rank=mesh.tp_rank, after_grad_sync=(tp.finish_grad_sync,))
     compiled = torch.compile(model) if args.compile else model
     if args.zero:  # zero.py shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
@@ -443,6 +458,7 @@ def main(argv=None):
     flops = mfu.flops_per_token(
         n_matmul_params=n_matmul_params, n_layer=config.n_layer,
         n_head=config.n_head, head_dim=config.head_dim, seq_len=seq_len, recompute=config.activation_checkpointing,
+        n_recomputed_params=n_recomputed,
     )
     peak, peak_source = mfu.detect_peak_flops(device, args.dtype, args.peak_tflops)
     predicted = startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source,
@@ -453,8 +469,11 @@ def main(argv=None):
 
     checkpointer, start_step = None, 0
     if args.ckpt_dir:
+        run_record = dict(steps=args.steps, lr=args.lr, min_lr=schedule.min_lr, warmup_steps=schedule.warmup_steps,
+                          global_batch=args.global_batch, seq_len=seq_len, seed=args.seed)
         checkpointer = ckpt.Checkpointer(args.ckpt_dir, mesh, keep=args.keep, async_save=args.async_ckpt,
-                                         mtbf_hours=args.mtbf_hours, device=device, log=print0)
+                                         mtbf_hours=args.mtbf_hours, device=device, log=print0,
+                                         run_record=run_record)
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
             start_step = checkpointer.resume(args.resume, layout, scaler, sampler, args.seed)
 

@@ -4,7 +4,7 @@ import pytest
 import torch.distributed as dist
 
 from harness import run_ranks
-from mesh import MeshShape, _axis_groups, build_mesh, infer_mesh_shape
+from mesh import MeshShape, axis_groups, build_mesh, infer_mesh_shape
 
 
 def test_rank_layout_is_tensor_fastest():
@@ -13,7 +13,7 @@ def test_rank_layout_is_tensor_fastest():
         c = shape.coords(rank)
         assert rank == ((c["dp"] * 2 + c["pp"]) * 2 + c["cp"]) * 2 + c["tp"]
         assert shape.rank_of(**c) == rank
-    groups = _axis_groups(shape)
+    groups = axis_groups(shape)
     assert groups["tp"][0] == [0, 1]  # neighbours
     assert groups["cp"][0] == [0, 2]
     assert groups["pp"][0] == [0, 4]
@@ -23,10 +23,10 @@ def test_rank_layout_is_tensor_fastest():
 
 def test_every_axis_partitions_the_world():
     shape = MeshShape(dp=4, pp=1, cp=2, tp=1, ep=4)
-    for axis, partition in _axis_groups(shape).items():
+    for axis, partition in axis_groups(shape).items():
         flat = sorted(r for ranks in partition for r in ranks)
         assert flat == list(range(shape.world_size)), axis
-    groups = _axis_groups(shape)
+    groups = axis_groups(shape)
     # EP is carved out of the 8 D·C ranks: 2 groups of 4 share tokens; members i, i+4 hold the same experts.
     assert groups["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert groups["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]

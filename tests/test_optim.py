@@ -32,6 +32,12 @@ def test_loss_scaler_backs_off_and_grows():
     off = DynamicLossScaler(enabled=False)
     off.update(True)
     assert off.scale == 1.0
+    # Whether scaling is on follows the run's --dtype, not the checkpoint's.
+    off.load_state_dict(scaler.state_dict())
+    assert not off.enabled and off.scale == 1.0
+    fresh = DynamicLossScaler(enabled=True, init_scale=64.0)
+    fresh.load_state_dict(DynamicLossScaler(enabled=False).state_dict())
+    assert fresh.enabled and fresh.scale == 64.0
 
 
 def test_norm_counts_tp_replicated_tensors_once():
