@@ -35,8 +35,9 @@ Saving (every rank, at a step boundary):
    appear (with a timeout); no message crosses the network from the thread. The nonce (drawn by rank 0 and
    broadcast once at start-up) keeps a dead attempt's stray files out of a later attempt's commit; stale
    `.tmp-*` directories are deleted at start-up.
-Synchronous saves run the same persist inline and end with a barrier on the main thread, so every rank
-returns after the commit.
+Synchronous saves run the same persist inline and end with an all-gather of every rank's outcome on the main
+thread (the barrier: every rank returns after the commit, and a failure on one rank is raised on all).
+Background failures are gathered the same way at the next save and at close.
 
 Loading (`Checkpointer.resume`): candidates are the `step-*` directories, newest first (or the one step asked
 for). Each is verified: marker present, manifest SHA-256 equal to the marker's, format known, every file name
@@ -72,7 +73,8 @@ Accounting for this file (Ψ parameters, b_w/b_m bytes per parameter/master elem
 2. Peak per device: the host snapshot of its written pieces (≤ its share of (b_w + b_m + 8)·Ψ with fp32
    Adam moments), reused from save to save; loading adds one logical tensor plus its byte-mask.
 3. Messages: none on the critical path of a step. At start-up a broadcast of the nonce; at load an
-   all_gather of each rank's verification verdict; a synchronous save ends with one barrier.
+   all_gather of each rank's verification verdict and load outcome; each save (and close) ends or begins with
+   an all_gather of every rank's save outcome, so a failure on one rank is raised on all.
 4. Restart state: it IS the restart state — parameters, master parameters, Adam moments and step, LR
    position, loss scaler, every rank's RNG states, the data cursor, and an FP8 slot.
 """
@@ -598,28 +600,43 @@ class Checkpointer:
                                             name=f"ckpt-persist-{step}", daemon=True)
             self._thread.start()
         else:
-            self._persist(snapshot, stats)
-            if self.world > 1:
-                dist.barrier()  # every rank returns after rank 0's commit
+            error = None
+            try:
+                self._persist(snapshot, stats)
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
+                error = f"rank {self.rank}: {type(e).__name__}: {e}"
+            errors = self._agree(error)  # also the barrier: every rank returns after rank 0's commit
+            if errors:
+                raise CheckpointError(f"checkpoint save of step {step} failed: {'; '.join(errors)}")
             stats.blocked_s = time.perf_counter() - start
             self._report(stats)
         return stats
 
     def poll(self) -> None:
-        """Report a background save that has finished, without waiting."""
+        """Report a background save that has finished, without waiting (a failure is kept for `wait`)."""
         if self._thread is not None and not self._thread.is_alive():
-            self.wait()
+            self._join()
 
-    def wait(self) -> None:
-        """Wait for the background save, if any; re-raise its error on this thread."""
+    def _join(self) -> None:
         if self._thread is None:
             return
         self._thread.join()
         self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(f"background checkpoint save failed: {error}") from error
-        self._report(self._result)
+        if self._error is None:
+            self._report(self._result)
+
+    def wait(self) -> None:
+        """Wait for the background save, if any, and agree across ranks that it succeeded.
+
+        A persist can fail on one rank only (a full disk, rank 0's commit timing out); raising there alone
+        would leave the others waiting in the next training collective. So every rank calls this at the
+        same point (each save, and close), the outcomes are gathered, and all ranks raise together.
+        """
+        self._join()
+        error, self._error = self._error, None
+        errors = self._agree(f"rank {self.rank}: {error}" if error is not None else None)
+        if errors:
+            raise CheckpointError(f"background checkpoint save failed: {'; '.join(errors)}") from error
 
     def close(self) -> None:
         """Finish the last save and agree that it is committed (call before destroying the process group)."""
@@ -849,7 +866,14 @@ class Checkpointer:
             if self.rank == 0:
                 self._set_aside_newer_than(0)  # only bad ones can be there: keep them out of this run's line
             return 0
-        bytes_read = load_pieces(path, manifest, layout.state_pieces())
+        error, bytes_read = None, 0
+        try:  # a rank can fail alone (a piece that does not fit its layout): all ranks must learn it
+            bytes_read = load_pieces(path, manifest, layout.state_pieces())
+        except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as e:
+            error = f"rank {self.rank}: {e}"
+        errors = self._agree(error)
+        if errors:
+            raise CheckpointError(f"cannot load {path}: {'; '.join(errors)}")
         same_mesh = manifest["mesh"] == self.mesh_record
         record = manifest["ranks"][self.rank if same_mesh else 0]
         scalars, step = record["scalars"], manifest["step"]

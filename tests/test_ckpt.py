@@ -255,6 +255,37 @@ def test_resuming_an_older_step_sets_the_newer_ones_aside(tmp_path):
     assert saver.find("latest")[0].endswith("step-00000005")
 
 
+def _save_fails_on_rank_1(rank, world, root, async_save):
+    """Rank 1's persist raises (a full disk, say): every rank must raise, none may wait forever."""
+    import ckpt
+    from data import BatchSampler
+    from mesh import MeshShape, build_mesh
+    from optim import DynamicLossScaler
+
+    mesh = build_mesh(MeshShape(dp=2))
+    _, layout = build_layout(LAYOUTS["D2"], mesh, make_config(), torch.float64)
+    saver = ckpt.Checkpointer(root, mesh, async_save=async_save, log=lambda *a: None, commit_timeout_s=2)
+    if rank == 1:
+        def full_disk(snapshot, stats):
+            raise OSError("No space left on device")
+        saver._persist = full_disk
+    try:
+        saver.save(1, layout, DynamicLossScaler(False), BatchSampler(1000, SEQ, GLOBAL_BATCH, seed=0))
+        saver.close()
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_failing_on_one_rank_is_raised_on_every_rank(async_save, tmp_path):
+    import ckpt
+
+    messages = run_ranks(_save_fails_on_rank_1, 2, str(tmp_path), async_save, timeout=60)
+    assert all(m is not None and "rank 1" in m and "No space left" in m for m in messages), messages
+    assert ckpt.list_checkpoints(str(tmp_path)) == []  # nothing was committed
+
+
 def test_reshard_arithmetic_tp_segments_and_zero_ranges(tmp_path):
     import ckpt
     from data import BatchSampler
