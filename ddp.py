@@ -65,19 +65,10 @@ class DistributedDataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     def _build_buckets(self, params: list, bucket_bytes: int) -> list:
-        """Group parameters in reverse order into ~bucket_bytes buckets of one dtype; make grads buffer views."""
-        buckets, current, current_bytes = [], [], 0
-        for param in reversed(params):
-            if current and (param.dtype != current[0].dtype or current_bytes >= bucket_bytes):
-                buckets.append(current)
-                current, current_bytes = [], 0
-            current.append(param)
-            current_bytes += param.numel() * param.element_size()
-        if current:
-            buckets.append(current)
+        """Group the parameters into buckets (reverse_order_buckets) and make their grads buffer views."""
         self._bucket_of = {}
         result = []
-        for index, bucket_params in enumerate(buckets):
+        for index, bucket_params in enumerate(reverse_order_buckets(params, bucket_bytes)):
             bucket = _Bucket(index, bucket_params, bucket_params[0].device, bucket_params[0].dtype)
             offset = 0
             for param in bucket_params:
@@ -133,6 +124,19 @@ class DistributedDataParallel(nn.Module):
 
     def bucket_sizes_bytes(self) -> list:
         return [b.buffer.numel() * b.buffer.element_size() for b in self.buckets]
+
+
+def reverse_order_buckets(params: list, bucket_bytes: int) -> list:
+    """Parameters in reverse registration order (≈ the order backward produces their gradients), cut into
+    buckets of about `bucket_bytes` (a bucket closes once it reaches the size) and of one dtype each."""
+    buckets, current, current_bytes = [], [], 0
+    for param in reversed(params):
+        if current and (param.dtype != current[0].dtype or current_bytes >= bucket_bytes):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(param)
+        current_bytes += param.numel() * param.element_size()
+    return buckets + [current] if current else buckets
 
 
 @torch.no_grad()

@@ -86,7 +86,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import mfu
-from ddp import assert_same_across_ranks
+from ddp import assert_same_across_ranks, reverse_order_buckets
 from model import ShardInfo, StatePiece
 from optim import StepResult, all_ranks_finite, counts_once
 
@@ -172,7 +172,7 @@ class ZeroLayout:
             groups = [[p for p in b.parameters() if p.requires_grad] for b in reversed(self.blocks)]
             groups.append([p for p in params if id(p) not in in_block])  # the root: gradients complete last
         else:
-            groups = self._buckets(params, int(bucket_mb * 2**20))
+            groups = reverse_order_buckets(params, int(bucket_mb * 2**20))  # as ddp.py's buckets
         self.units = [_Unit(i, g, self.dp_size, self.dp_rank) for i, g in enumerate(g for g in groups if g)]
         self._unit_of = {p: u for u in self.units for p in u.params}  # tensors hash by identity
         self._offset_of = {p: o for u in self.units for p, o in zip(u.params, u.offsets)}
@@ -199,18 +199,6 @@ class ZeroLayout:
     # ----------------------------------------------------------------------------------------------------
     # Construction
     # ----------------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _buckets(params: list, bucket_bytes: int) -> list:
-        """Reverse registration order (≈ gradient arrival order), ~bucket_bytes per bucket."""
-        buckets, current, current_bytes = [], [], 0
-        for p in reversed(params):
-            if current and current_bytes >= bucket_bytes:
-                buckets.append(current)
-                current, current_bytes = [], 0
-            current.append(p)
-            current_bytes += p.numel() * p.element_size()
-        return buckets + [current] if current else buckets
 
     def _build_unit(self, unit: _Unit, device):
         """Pack the unit's initial values, keep this rank's master shard, point the parameters at the buffers."""
