@@ -336,8 +336,15 @@ def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops
     persistent = mfu.persistent_bytes(local_params, recipe, zero_stage=0, dp_size=D)
     grad_bytes = 4 * local_params
     wire = mfu.wire_bytes("all_reduce", grad_bytes, mesh.dp_cp_size)
-    activation = mfu.activation_bytes_per_layer(seq_len, micro, config.n_embd, config.n_head, t=mesh.shape.tp,
-                                                sequence_parallel=args.sp) * config.n_layer
+    per_layer = mfu.activation_bytes_per_layer(seq_len, micro, config.n_embd, config.n_head, t=mesh.shape.tp,
+                                               sequence_parallel=args.sp)
+    if config.activation_checkpointing:
+        # Only each block's input survives forward (2·s·b·h bytes at 16 bits, /T with SP); backward
+        # rebuilds one block's activations at a time.
+        block_input = 2 * seq_len * micro * config.n_embd // (mesh.shape.tp if args.sp else 1)
+        activation, how = block_input * config.n_layer + per_layer, "L block inputs + one layer recomputed"
+    else:
+        activation, how = per_layer * config.n_layer, "L layers"
     print0("=" * 100)
     print0(mesh_description(mesh))
     print0(f"parameters: {psi:,} global (Ψ); {local_params:,} on each rank"
@@ -354,7 +361,7 @@ def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops
         print0(f"  grads     fp32 {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)")
         print0(f"  AdamW m,v fp32 {mfu.format_bytes(persistent['optimizer'])}")
     print0(f"  total          {mfu.format_bytes(persistent['total'])}; activations ≈"
-           f" {mfu.format_bytes(activation)} per micro-batch (Korthikanti, 16-bit, L layers)")
+           f" {mfu.format_bytes(activation)} per micro-batch (Korthikanti, 16-bit, {how})")
     print0(f"FLOPs/token: model {flops.model:,.0f}, hardware {flops.hardware:,.0f}  [{flops.convention}]")
     print0(f"peak assumed: {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
     if not args.zero:
