@@ -10,8 +10,8 @@ A checkpoint is one directory per step:
 
 The manifest maps each LOGICAL tensor ("<kind>/<global name>", kind ∈ param | master | exp_avg | exp_avg_sq)
 to its global shape, dtype, and the pieces that hold it: for each piece, the file, the entry name in it, the
-tensor-parallel split (split_dim, num_splits, split_index, fused segments) and the ZeRO flat range [start, end)
-of the flattened split. That is exactly `model.StatePiece`, the unit every layout lists its state in
+splits (each: dim, num, index, fused segments; tensor and expert parallel) and the ZeRO flat range
+[start, end) of the flattened split. That is exactly `model.StatePiece`, the unit every layout lists its state in
 (`layout.state_pieces()`), so a new axis (pipeline, context, experts) joins by describing its pieces; this
 file never learns what ZeRO or TP are.
 
@@ -96,9 +96,9 @@ import torch
 import torch.distributed as dist
 
 import mfu
-from model import ShardInfo, StatePiece, parameter_seed
+from model import ShardInfo, Split, StatePiece, parameter_seed
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a piece records a list of splits (1: one split as four fields; still read)
 MANIFEST, MARKER = "manifest.json", "COMMITTED"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
@@ -290,25 +290,36 @@ def replicated_state_pieces(params, optimizer, dp_rank: int, dp_size: int, tp_ra
 
 
 def _piece_record(shard: ShardInfo, flat_range) -> dict:
-    return dict(split_dim=shard.split_dim, num_splits=shard.num_splits, split_index=shard.split_index,
-                segments=shard.segments, flat_range=list(flat_range) if flat_range is not None else None)
+    return dict(splits=[[sp.dim, sp.num, sp.index, sp.segments] for sp in shard.splits],
+                flat_range=list(flat_range) if flat_range is not None else None)
+
+
+def _splits_of_record(key: str, record: dict) -> list:
+    """[[dim, num, index, segments], ...] of a manifest piece; format 1 stored one split as four fields."""
+    if "splits" in record:
+        splits = record["splits"]
+        if not isinstance(splits, list) or not all(isinstance(sp, list) and len(sp) == 4 for sp in splits):
+            raise CheckpointError(f"{key}: malformed splits in the manifest: {record}")
+        return splits
+    if record.get("split_dim") is None:
+        return []
+    return [[record.get("split_dim"), record.get("num_splits", 1), record.get("split_index", 0),
+             record.get("segments", 1)]]
 
 
 def _shard_from_record(key: str, global_shape: tuple, record: dict) -> tuple[ShardInfo, tuple | None]:
     """Rebuild (ShardInfo, flat_range) from a manifest piece, checking every number (manifests are untrusted)."""
-    split_dim, num_splits = record.get("split_dim"), record.get("num_splits", 1)
-    split_index, segments = record.get("split_index", 0), record.get("segments", 1)
-    ints = (num_splits, split_index, segments) + (() if split_dim is None else (split_dim,))
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
-        raise CheckpointError(f"{key}: malformed split in the manifest: {record}")
-    if split_dim is not None:
-        if not (0 <= split_dim < len(global_shape) and num_splits >= 1 and 0 <= split_index < num_splits
-                and segments >= 1 and global_shape[split_dim] % (num_splits * segments) == 0):
-            raise CheckpointError(f"{key}: split {record} does not fit the global shape {list(global_shape)}")
-    shard = ShardInfo(global_name=key.split("/", 1)[1], global_shape=tuple(global_shape), split_dim=split_dim,
-                      num_splits=num_splits if split_dim is not None else 1,
-                      split_index=split_index if split_dim is not None else 0,
-                      segments=segments if split_dim is not None else 1)
+    shape, splits = list(global_shape), []
+    for split in _splits_of_record(key, record):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in split):
+            raise CheckpointError(f"{key}: malformed split in the manifest: {record}")
+        dim, num, index, segments = split
+        if not (0 <= dim < len(shape) and num >= 1 and 0 <= index < num and segments >= 1
+                and shape[dim] % (num * segments) == 0):
+            raise CheckpointError(f"{key}: split {split} does not fit the shape {shape} (global {list(global_shape)})")
+        shape[dim] //= num
+        splits.append(Split(dim, num, index, segments))
+    shard = ShardInfo(global_name=key.split("/", 1)[1], global_shape=tuple(global_shape), splits=tuple(splits))
     flat = record.get("flat_range")
     if flat is not None:
         local = int(np.prod(shard.local_shape))
@@ -403,7 +414,7 @@ def verify_checkpoint(path: str, rank: int = 0, world: int = 1) -> dict:
         manifest = json.loads(manifest_bytes)
     except ValueError as e:
         raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") not in (1, FORMAT_VERSION):
         raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}"
                               f" (this trainer reads format {FORMAT_VERSION})")
     files = manifest.get("files", {})
@@ -737,8 +748,7 @@ class Checkpointer:
                 if entry["global_shape"] != piece["global_shape"] or entry["dtype"] != piece["dtype"]:
                     raise CheckpointError(f"step {step}: ranks disagree on the shape or dtype of {piece['key']}")
                 entry["pieces"].append(dict(file=record["file"], name=piece["name"],
-                                            **{k: piece[k] for k in ("split_dim", "num_splits", "split_index",
-                                                                     "segments", "flat_range")}))
+                                            splits=piece["splits"], flat_range=piece["flat_range"]))
         for key, entry in tensors.items():
             shape = tuple(entry["global_shape"])
             _check_coverage(key, shape, [_shard_from_record(key, shape, p) for p in entry["pieces"]])

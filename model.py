@@ -1,7 +1,7 @@
 """A GPT-2 style Transformer, single device: the model every parallel layout must reproduce.
 
 nanoGPT's names and shapes (learned positions, pre-LayerNorm blocks, GELU MLP, tied embedding and head,
-optional biases). It knows nothing of distribution except three hooks the parallel files rely on:
+optional biases). It knows nothing of distribution except these hooks the parallel files rely on:
 
 - `forward(idx, targets=None, pos=None)`: `pos` carries the global positions of the tokens, so context
   parallel can hand a rank a non-contiguous piece of the sequence.
@@ -12,7 +12,15 @@ optional biases). It knows nothing of distribution except three hooks the parall
 - Every parameter is initialised from its own generator seeded by (seed, parameter name). Any rank can
   therefore build one full parameter at a time and keep its slice, bitwise equal to the single-device
   model's; equivalence tests and checkpoint resharding depend on it. Each parameter also carries a
-  `ShardInfo` record saying where its local tensor sits in the global logical tensor.
+  `ShardInfo` record saying where its local tensor sits in the global logical tensor, and over which mesh
+  axes identical copies of it exist (`counts_here` is the one rule that picks the copy that counts).
+- A model may be a STAGE: `GPT(config, layers=range(a, b), embedding=..., head=...)` builds only blocks
+  a..b-1 (named by their global index, `transformer.h.<i>`) and, optionally, the embeddings and the final
+  LayerNorm + head. The forward is three public pieces a pipeline stage calls on its own: `embed`,
+  `forward_blocks` and `head_loss`; `forward` is their composition.
+- The MLP of a block is chosen by the config (`build_mlp`), and a layer may add auxiliary losses (MoE load
+  balance, router z-loss) to `model.aux_losses`, which the training step backpropagates with DESIGN.md's
+  normalisation: Σ coef·aux averaged over the D·m micro-batches of the step.
 
 Accounting for this file (one device, nothing split):
 1. Everything is replicated (there is one device).
@@ -45,6 +53,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in linears and LayerNorms, like GPT-2
     activation_checkpointing: bool = False  # recompute each block's forward in backward
+    mlp: str = "dense"  # the block's MLP (build_mlp): "dense"
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -73,49 +82,91 @@ def config_from_preset(name: str, **overrides) -> GPTConfig:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Split:
+    """The local tensor is piece `index` of `num` equal pieces along dimension `dim`.
+
+    With `segments` > 1 the dimension is made of that many equal segments (c_attn's fused [q | k | v]) and the
+    piece is this rank's part of every segment, concatenated (its heads of q, of k and of v).
+    """
+
+    dim: int
+    num: int
+    index: int
+    segments: int = 1
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        pieces = [segment.chunk(self.num, self.dim)[self.index] for segment in full.chunk(self.segments, self.dim)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.dim)
+
+    def put(self, full: torch.Tensor, local: torch.Tensor) -> None:
+        for segment, piece in zip(full.chunk(self.segments, self.dim), local.chunk(self.segments, self.dim)):
+            segment.chunk(self.num, self.dim)[self.index].copy_(piece)
+
+
 @dataclass
 class ShardInfo:
     """The one record of a parameter's place in the logical model, read by checkpoints, grad norm, accounting.
 
-    `global_name`/`global_shape` name the logical tensor. If `split_dim` is set, the local tensor is piece
-    `split_index` of `num_splits` along that dimension (tensor and expert parallel set this). A fused tensor
-    such as c_attn's [q | k | v] has `segments=3`: the split dimension is made of 3 equal segments and each
-    rank holds its piece of every segment, concatenated (its heads of q, of k and of v).
-    `tp_replicated` is True when every tensor-parallel rank holds the same copy (LayerNorms, row-parallel
-    biases): the global gradient norm must then count it once, not T times.
+    `global_name`/`global_shape` name the logical tensor. `splits` cut it, in order (tensor parallel splits a
+    dimension; expert parallel the expert dimension; both may apply): the local tensor is
+    `splits[-1].take(... splits[0].take(full))`.
+    `replicated_over` names the mesh axes over which IDENTICAL copies of this local tensor exist: "tp" for
+    LayerNorms and row-parallel biases under tensor parallel, "pp" for the embedding tied between the first
+    and the last pipeline stage. The copy on coordinate 0 of each of those axes is the one that counts
+    (`counts_here`): the gradient norm adds it once and the checkpoint writes it once.
+    `grad_group` is the mesh group over which data-parallel replicas of the tensor sum their gradients:
+    "dp_cp" for dense parameters, "expert_dp" for experts (fewer replicas: the ranks holding the same experts).
     """
 
     global_name: str
     global_shape: tuple
-    split_dim: int | None = None
-    num_splits: int = 1
-    split_index: int = 0
-    segments: int = 1
-    tp_replicated: bool = True
+    splits: tuple = ()
+    replicated_over: tuple = ()
+    grad_group: str = "dp_cp"
 
     @property
     def local_shape(self) -> tuple:
         shape = list(self.global_shape)
-        if self.split_dim is not None:
-            shape[self.split_dim] //= self.num_splits
+        for split in self.splits:
+            shape[split.dim] //= split.num
         return tuple(shape)
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This piece of the global tensor `full` (a copy for fused segments, else a view)."""
-        if self.split_dim is None:
-            return full
-        pieces = [segment.chunk(self.num_splits, self.split_dim)[self.split_index]
-                  for segment in full.chunk(self.segments, self.split_dim)]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.split_dim)
+        for split in self.splits:
+            full = split.take(full)
+        return full
 
     def place_into(self, full: torch.Tensor, local: torch.Tensor) -> None:
         """Write the local piece into its place in the global tensor `full` (the inverse of shard_of)."""
-        if self.split_dim is None:
+        if not self.splits:
             full.copy_(local)
             return
-        for segment, piece in zip(full.chunk(self.segments, self.split_dim), local.chunk(self.segments,
-                                                                                          self.split_dim)):
-            segment.chunk(self.num_splits, self.split_dim)[self.split_index].copy_(piece)
+        outer = [full]  # the tensor each split cuts: full, then its first piece, ...
+        for split in self.splits[:-1]:
+            outer.append(split.take(outer[-1]).clone())
+        self.splits[-1].put(outer[-1], local)
+        for split, parent, piece in zip(reversed(self.splits[:-1]), reversed(outer[:-1]), reversed(outer[1:])):
+            split.put(parent, piece)  # fused segments are copies: write each level back into its parent
+
+    def with_splits(self, *splits: Split) -> ShardInfo:
+        return replace(self, splits=self.splits + splits)
+
+    def replicated_also_over(self, *axes: str) -> ShardInfo:
+        return replace(self, replicated_over=tuple(dict.fromkeys(self.replicated_over + axes)))
+
+
+def counts_here(info: ShardInfo | None, coords: dict | None, replica_axes: tuple = ()) -> bool:
+    """Whether this rank's copy of a tensor is THE copy: counted in the gradient norm, Ψ, written to disk.
+
+    A tensor identical over the axes `info.replicated_over` (plus `replica_axes`, the data-parallel group of a
+    layout that replicates it) counts on coordinate 0 of each of them. `coords` maps an axis or group name
+    to this rank's index in it (`Mesh.coordinates()`); None means one process (everything counts).
+    """
+    if info is None or coords is None:
+        return True
+    return all(coords.get(axis, 0) == 0 for axis in (*info.replicated_over, *replica_axes))
 
 
 @dataclass
@@ -214,73 +265,166 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+class AuxLosses:
+    """The auxiliary-loss channel: layers add (name, coef, value) terms during a micro-batch's forward.
+
+    The objective of a step is Σ CE / tokens_in_global_batch + Σ_aux coef · (mean over the D·m micro-batches
+    of aux), so the training step takes `weighted_sum()` after each micro-batch's forward and backpropagates
+    it divided by D·m. A micro-batch's terms are cleared before its forward (a recomputing backward under
+    activation checkpointing adds them again; they are dropped then).
+    """
+
+    def __init__(self):
+        self.terms: list[tuple[str, float, torch.Tensor]] = []
+
+    def add(self, name: str, coef: float, value: torch.Tensor) -> None:
+        self.terms.append((name, coef, value))
+
+    def clear(self) -> None:
+        self.terms.clear()
+
+    def weighted_sum(self) -> torch.Tensor | None:
+        """Σ coef·value over this micro-batch's terms (None when no layer added one)."""
+        return sum(coef * value for _, coef, value in self.terms) if self.terms else None
+
+    def values(self) -> dict:
+        """{name: Σ value} of this micro-batch's terms, detached, for the printouts."""
+        out = {}
+        for name, _, value in self.terms:
+            out[name] = out.get(name, 0.0) + float(value.detach())
+        return out
+
+
+def build_mlp(config: GPTConfig, layer_id: int, aux_losses: AuxLosses) -> nn.Module:
+    """The MLP of block `layer_id`, as the config chooses (the one place a new MLP kind plugs in)."""
+    if config.mlp == "dense":
+        return MLP(config)
+    raise ValueError(f"unknown MLP kind {config.mlp!r} (expected 'dense')")
+
+
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer_id: int = 0, aux_losses: AuxLosses | None = None):
         super().__init__()
+        self.layer_id = layer_id
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = build_mlp(config, layer_id, aux_losses if aux_losses is not None else AuxLosses())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
+class Blocks(nn.ModuleDict):
+    """The blocks a model holds, keyed by their GLOBAL layer index (so parameter names are global:
+    `transformer.h.3.attn.c_attn.weight` on the pipeline stage that holds layer 3). Iterates over blocks."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, layer_id):
+        return super().__getitem__(str(layer_id))
+
+    @property
+    def layer_ids(self) -> list:
+        return [int(key) for key in self.keys()]
+
+
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None):
+    """The GPT, or one pipeline stage of it: `layers` (default all) blocks, plus the embeddings when
+    `embedding`, plus the final LayerNorm, head and loss when `head`. The head's weight is tied to the token
+    embedding: one tensor when the model holds both, else a copy named `transformer.wte.weight` too."""
+
+    def __init__(self, config: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None,
+                 layers: range | None = None, embedding: bool = True, head: bool = True):
         super().__init__()
         self.config = config
+        layers = range(config.n_layer) if layers is None else layers
+        if not (0 <= layers.start <= layers.stop <= config.n_layer and layers.step == 1):
+            raise ValueError(f"layers {layers} is not a contiguous range of the model's {config.n_layer} layers")
+        self.aux_losses = AuxLosses()
         with torch.device("meta"):  # build shapes only; init_weights materialises every tensor once
-            self.transformer = nn.ModuleDict(
-                dict(
-                    wte=nn.Embedding(config.vocab_size, config.n_embd),
-                    wpe=nn.Embedding(config.block_size, config.n_embd),
-                    drop=nn.Dropout(config.dropout),
-                    h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                    ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-                )
-            )
-            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            parts = {}  # in nanoGPT's order: wte, wpe, drop, h, ln_f
+            if embedding:
+                parts.update(wte=nn.Embedding(config.vocab_size, config.n_embd),
+                             wpe=nn.Embedding(config.block_size, config.n_embd), drop=nn.Dropout(config.dropout))
+            parts.update(h=Blocks({str(i): Block(config, i, self.aux_losses) for i in layers}))
+            if head:
+                parts.update(ln_f=nn.LayerNorm(config.n_embd, bias=config.bias))
+            self.transformer = nn.ModuleDict(parts)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False) if head else None
         self.to_empty(device=device or "cpu")
-        self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, named transformer.wte.weight
+        if embedding and head:
+            self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, named transformer.wte.weight
         self.loss_fn = cross_entropy_sum  # tensor parallel swaps in a vocab-parallel one
         self.init_weights(seed, dtype)
+
+    @property
+    def has_embedding(self) -> bool:
+        return "wte" in self.transformer
+
+    @property
+    def has_head(self) -> bool:
+        return self.lm_head is not None
+
+    @staticmethod
+    def global_name(local_name: str) -> str:
+        """The head's own copy of the tied weight (a stage without the embedding) is the embedding's tensor."""
+        return "transformer.wte.weight" if local_name == "lm_head.weight" else local_name
 
     @torch.no_grad()
     def init_weights(self, seed: int, dtype: torch.dtype = torch.float32):
         """Give every parameter its deterministic value and its ShardInfo (whole tensor, not split)."""
         for name, param in self.named_parameters():
+            name = self.global_name(name)
             full = init_full_parameter(name, param.shape, self.config, seed, dtype)
             param.data = full.to(param.device)
             param.shard_info = ShardInfo(global_name=name, global_shape=tuple(param.shape))
 
     def num_params(self, exclude_position_embedding: bool = False) -> int:
-        """Parameters of the logical model (tied weights once)."""
+        """Parameters this model holds (tied weights once)."""
         total = sum(p.numel() for p in self.parameters())
-        return total - self.transformer.wpe.weight.numel() if exclude_position_embedding else total
+        if exclude_position_embedding and self.has_embedding:
+            total -= self.transformer.wpe.weight.numel()
+        return total
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, pos: torch.Tensor | None = None):
-        """Returns (logits, loss_sum, token_count); loss_sum and token_count are None without targets.
+    # The forward in three pieces: embed → blocks → head + loss. A pipeline stage calls those it holds.
 
-        loss_sum = Σ over targets ≠ -1 of -log softmax(logits)[target]; token_count = #targets ≠ -1.
-        """
-        batch, seq = idx.shape
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Token + position embeddings (batch, seq) → (batch, seq, n_embd). `pos`: global positions (CP)."""
         if pos is None:
-            if seq > self.config.block_size:
-                raise ValueError(f"sequence of {seq} tokens is longer than block_size={self.config.block_size}")
-            pos = torch.arange(seq, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
+            if idx.size(1) > self.config.block_size:
+                raise ValueError(f"sequence of {idx.size(1)} tokens is longer than block_size={self.config.block_size}")
+            pos = torch.arange(idx.size(1), device=idx.device)
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
+    def forward_blocks(self, x: torch.Tensor, layers: range | None = None) -> torch.Tensor:
+        """Run the held blocks (or the contiguous `layers` of them) on hidden states x."""
+        for layer_id in layers if layers is not None else self.transformer.h.layer_ids:
+            block = self.transformer.h[layer_id]
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        return x
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        """Final LayerNorm, head and loss: (logits, loss_sum, token_count), as `forward` returns them."""
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None, None  # sampling needs the last position only
         logits = self.lm_head(x)
         return logits, self.loss_fn(logits, targets), (targets != -1).sum()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, pos: torch.Tensor | None = None):
+        """Returns (logits, loss_sum, token_count); loss_sum and token_count are None without targets.
+
+        loss_sum = Σ over targets ≠ -1 of -log softmax(logits)[target]; token_count = #targets ≠ -1.
+        Auxiliary losses of this forward are left in `self.aux_losses` (cleared first).
+        """
+        self.aux_losses.clear()
+        return self.head_loss(self.forward_blocks(self.embed(idx, pos)), targets)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

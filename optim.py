@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from model import counts_here
+
 
 def adamw_param_groups(params, weight_decay: float) -> list:
     """Decoupled weight decay on matrices (linears, embeddings); none on biases and LayerNorm gains (dim < 2)."""
@@ -90,8 +92,7 @@ class DynamicLossScaler:
 
 def counts_once(param: torch.Tensor, tp_rank: int) -> bool:
     """Whether this rank's copy enters the global norm: TP-replicated tensors are counted on TP rank 0 only."""
-    info = getattr(param, "shard_info", None)
-    return info is None or not info.tp_replicated or tp_rank == 0
+    return counts_here(getattr(param, "shard_info", None), {"tp": tp_rank})
 
 
 @torch.no_grad()

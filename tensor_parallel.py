@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from model import GPT, GPTConfig, ShardInfo, init_full_parameter
+from model import GPT, GPTConfig, ShardInfo, Split, init_full_parameter
 
 # ---------------------------------------------------------------------------------------------------------
 # Collectives along the sequence (dim 1 of [batch, seq, ...]) and the vocabulary (last dim)
@@ -439,10 +439,11 @@ def check_divisible(config: GPTConfig, tp: int, seq_len: int | None = None, sequ
 
 
 def _shard(name: str, shape, split_dim: int | None, ctx: TensorParallelContext, segments: int = 1) -> ShardInfo:
+    """A tensor split along `split_dim` over the TP group, or (None) one identical copy on every TP rank."""
     if split_dim is None:
-        return ShardInfo(global_name=name, global_shape=tuple(shape))
-    return ShardInfo(global_name=name, global_shape=tuple(shape), split_dim=split_dim, num_splits=ctx.size,
-                     split_index=ctx.rank, segments=segments, tp_replicated=False)
+        return ShardInfo(global_name=name, global_shape=tuple(shape), replicated_over=("tp",))
+    return ShardInfo(global_name=name, global_shape=tuple(shape),
+                     splits=(Split(split_dim, ctx.size, ctx.rank, segments),))
 
 
 def _param(shard: ShardInfo, config, seed, like: torch.Tensor) -> nn.Parameter:
@@ -528,7 +529,7 @@ class TensorParallel:
         bf16 recipe). Block 0 is measured in it, its fp32 values put back exactly afterwards, so the messages
         printed are the sizes the run will send.
         """
-        params = list(self.model.transformer.h[0].parameters())
+        params = list(next(iter(self.model.transformer.h)).parameters())
         param_dtype = param_dtype or params[0].dtype
         originals = [p.data for p in params]
         try:
@@ -568,9 +569,10 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
     ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel)
     check_divisible(config, ctx.size)
     rng = TensorParallelRNG(ctx.rank, next(model.parameters()).device)
+    untouched = set(model.parameters())  # holds them: an id() of a freed tensor could be reused
     sp_params = []
-    for i, block in enumerate(model.transformer.h):
-        prefix = f"transformer.h.{i}"
+    for block in model.transformer.h:  # the blocks this model (or pipeline stage) holds
+        prefix = f"transformer.h.{block.layer_id}"
         regather = not config.activation_checkpointing
         block.attn.c_attn = _column(block.attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, segments=3,
                                     regather=regather)
@@ -582,24 +584,32 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
         block.mlp.dropout = ForkedDropout(block.mlp.dropout, ctx, rng)
         sp_params += [*block.ln_1.parameters(), *block.ln_2.parameters()]
         sp_params += [p for p in (block.attn.c_proj.bias, block.mlp.c_proj.bias) if p is not None]
-    # Tied embedding and head: ONE vocabulary-split parameter, used by both.
-    wte = model.transformer.wte.weight
-    vocab_shard = _shard("transformer.wte.weight", wte.shape, 0, ctx)
+    # Tied embedding and head: ONE vocabulary-split parameter, used by both (a pipeline stage holding only
+    # one of them has its own copy, named transformer.wte.weight as well).
+    vocab_shard = _shard("transformer.wte.weight", (config.vocab_size, config.n_embd), 0, ctx)
+    vocab_start = ctx.rank * (config.vocab_size // ctx.size)
+    like = next(model.parameters())
     with torch.device("meta"):
         embedding = nn.Embedding(config.vocab_size // ctx.size, config.n_embd)
         head = nn.Linear(config.n_embd, config.vocab_size // ctx.size, bias=False)
-    embedding.weight = _param(vocab_shard, config, seed, wte)
-    head.weight = embedding.weight
-    vocab_start = ctx.rank * (config.vocab_size // ctx.size)
-    model.transformer.wte = VocabParallelEmbedding(embedding, ctx, vocab_start)
-    model.lm_head = ColumnParallelLinear(head, ctx)
-    model.loss_fn = VocabParallelLoss(ctx, vocab_start)
-    model.transformer.drop = ForkedDropout(model.transformer.drop, ctx, rng)
-    if sequence_parallel:
-        model.transformer.wpe = SequenceParallelPositions(model.transformer.wpe, ctx)
-        sp_params += [model.transformer.wpe.embedding.weight, *model.transformer.ln_f.parameters()]
-    else:
+    vocab_weight = _param(vocab_shard, config, seed, like)
+    if model.has_embedding:
+        embedding.weight = vocab_weight
+        model.transformer.wte = VocabParallelEmbedding(embedding, ctx, vocab_start)
+        model.transformer.drop = ForkedDropout(model.transformer.drop, ctx, rng)
+        if sequence_parallel:
+            model.transformer.wpe = SequenceParallelPositions(model.transformer.wpe, ctx)
+            sp_params.append(model.transformer.wpe.embedding.weight)
+    if model.has_head:
+        head.weight = embedding.weight if model.has_embedding else vocab_weight
+        model.lm_head = ColumnParallelLinear(head, ctx)
+        model.loss_fn = VocabParallelLoss(ctx, vocab_start)
+        sp_params += [*model.transformer.ln_f.parameters()]
+    if not sequence_parallel:
         sp_params = []
+    for param in model.parameters():  # what TP did not split, every TP rank holds a copy of
+        if param in untouched:
+            param.shard_info = param.shard_info.replicated_also_over("tp")
     return TensorParallel(model, ctx, sp_params, rng)
 
 
@@ -709,7 +719,7 @@ def measure_block_messages(model: GPT, ctx: TensorParallelContext, micro: int, s
     """
     from mfu import CommTracer
 
-    block = model.transformer.h[0]
+    block = next(iter(model.transformer.h))
     param = next(block.parameters())
     local_seq = seq // ctx.size if ctx.sequence_parallel else seq
     generator = torch.Generator(device=param.device).manual_seed(0)  # leaves the global RNG alone

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tensor_parallel  # noqa: E402
-from model import GPT, ShardInfo, config_from_preset  # noqa: E402
+from model import GPT, ShardInfo, Split, config_from_preset  # noqa: E402
 from mfu import format_bytes  # noqa: E402
 from optim import adamw_param_groups, build_adamw  # noqa: E402
 
@@ -49,8 +49,7 @@ def _dtensor_model(config, seed, world, rank):
             for param in (block.attn.c_attn.weight, block.attn.c_attn.bias):
                 if param is None:
                     continue
-                pieces = [ShardInfo("c_attn", tuple(param.shape), split_dim=0, num_splits=world, split_index=t,
-                                    segments=3).shard_of(param.data) for t in range(world)]
+                pieces = [ShardInfo("c_attn", tuple(param.shape), splits=(Split(0, world, t, 3),)).shard_of(param.data) for t in range(world)]
                 param.copy_(torch.cat(pieces))
     mesh = init_device_mesh("cpu", (world,))
     plan = {}

@@ -210,12 +210,12 @@ class _FakeLayout:
 def _pieces(kind, full, tp, zero, segments=3, dtype=None):
     """Every rank's piece of `full` (split along dim 0 in `segments` fused segments over tp, then zero flat
     ranges over the flattened split, unevenly: ZeRO pads, and the last rank may hold less)."""
-    from model import ShardInfo, StatePiece
+    from model import ShardInfo, Split, StatePiece
 
     out = []
     for t in range(tp):
-        shard = ShardInfo("h.0.attn.c_attn.weight", tuple(full.shape), split_dim=0 if tp > 1 else None,
-                          num_splits=tp, split_index=t, segments=segments if tp > 1 else 1, tp_replicated=False)
+        shard = ShardInfo("h.0.attn.c_attn.weight", tuple(full.shape),
+                          splits=(Split(0, tp, t, segments),) if tp > 1 else ())
         local = shard.shard_of(full).contiguous().view(-1)
         chunk = -(-local.numel() // zero)  # ceil: the padded shard size
         for z in range(zero):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from model import GPT, PRESETS, ShardInfo, config_from_preset, init_full_parameter
+from model import GPT, PRESETS, ShardInfo, Split, config_from_preset, init_full_parameter
 
 
 def tiny(**overrides):
@@ -76,8 +76,7 @@ def test_shard_pieces_tile_the_full_parameter(dim, pieces, segments):
     full = init_full_parameter("transformer.h.0.attn.c_attn.weight", shape, tiny(), seed=5)
     rebuilt = torch.full(shape, float("nan"))
     for index in range(pieces):
-        info = ShardInfo("transformer.h.0.attn.c_attn.weight", shape, split_dim=dim, num_splits=pieces,
-                         split_index=index, segments=segments)
+        info = ShardInfo("transformer.h.0.attn.c_attn.weight", shape, splits=(Split(dim, pieces, index, segments),))
         shard = info.shard_of(init_full_parameter(info.global_name, info.global_shape, tiny(), seed=5))
         assert shard.shape == info.local_shape
         if segments == 3:  # fused q|k|v: rank `index` holds rows [index·2, index·2+2) of each 12-row segment
@@ -118,3 +117,46 @@ def test_generate_and_presets():
         config_from_preset("huge")
     with pytest.raises(ValueError, match="divisible"):
         tiny(n_head=5)
+
+
+def test_a_stage_built_alone_equals_the_same_blocks_of_the_full_model():
+    """A pipeline stage builds only its layers (named by global index), bitwise equal to the full model's."""
+    config = tiny(n_layer=4)
+    full = GPT(config, seed=3)
+    first = GPT(config, seed=3, layers=range(0, 1), head=False)
+    middle = GPT(config, seed=3, layers=range(1, 3), embedding=False, head=False)
+    last = GPT(config, seed=3, layers=range(3, 4), embedding=False)
+    full_params = dict(full.named_parameters())
+    for stage in (first, middle, last):
+        for name, p in stage.named_parameters():
+            assert torch.equal(p, full_params[GPT.global_name(name)]), name
+            assert p.shard_info.global_name == GPT.global_name(name)
+    assert [n for n, _ in middle.named_parameters()][0] == "transformer.h.1.ln_1.weight"
+    assert not middle.has_embedding and not middle.has_head and "wte" not in dict(middle.transformer.named_children())
+    assert sum(s.num_params() for s in (first, middle, last)) == full.num_params() + full.transformer.wte.weight.numel()
+    # The three pieces, run stage by stage, give exactly `forward` of the full model.
+    idx, targets = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    expected = full(idx, targets)
+    x = first.forward_blocks(first.embed(idx))
+    x = middle.forward_blocks(x)
+    got = last.head_loss(last.forward_blocks(x), targets)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    # A contiguous sub-range of the full model's blocks is the same computation.
+    h = full.embed(idx)
+    assert torch.equal(full.forward_blocks(full.forward_blocks(h, range(0, 2)), range(2, 4)), full.forward_blocks(h))
+    with pytest.raises(ValueError, match="contiguous range"):
+        GPT(config, layers=range(2, 6))
+
+
+def test_auxiliary_losses_are_collected_per_forward():
+    model = GPT(tiny(), seed=0)
+    block = next(iter(model.transformer.h))
+    block.mlp.register_forward_hook(lambda mod, args, out: model.aux_losses.add("act_l2", 0.5, out.pow(2).mean()))
+    idx = torch.randint(0, 256, (2, 8))
+    model(idx, idx)
+    model(idx, idx)  # cleared before each forward: one term, not two
+    assert len(model.aux_losses.terms) == 1
+    value = model.aux_losses.terms[0][2]
+    assert torch.equal(model.aux_losses.weighted_sum(), 0.5 * value)
+    assert model.aux_losses.values() == {"act_l2": float(value)}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from model import ShardInfo
+from model import ShardInfo, Split
 from optim import DynamicLossScaler, LRSchedule, build_adamw, local_grad_sq_sum, unscale_clip_and_step
 
 
@@ -42,9 +42,9 @@ def test_loss_scaler_backs_off_and_grows():
 
 def test_norm_counts_tp_replicated_tensors_once():
     split = torch.nn.Parameter(torch.ones(4))
-    split.shard_info = ShardInfo("w", (8,), split_dim=0, num_splits=2, split_index=1, tp_replicated=False)
+    split.shard_info = ShardInfo("w", (8,), splits=(Split(0, 2, 1),))
     replicated = torch.nn.Parameter(torch.ones(3))
-    replicated.shard_info = ShardInfo("ln", (3,))
+    replicated.shard_info = ShardInfo("ln", (3,), replicated_over=("tp",))
     grads = [(split, torch.full((4,), 2.0)), (replicated, torch.full((3,), 1.0))]
     assert local_grad_sq_sum(grads, tp_rank=0).item() == 16 + 3
     assert local_grad_sq_sum(grads, tp_rank=1).item() == 16  # the TP-replicated copy counts on rank 0 only

@@ -42,7 +42,7 @@ def _layers(rank, world):
 def _layer_checks(rank, world, group, sp):
     import tensor_parallel as tp
     from mfu import CommTracer
-    from model import GPT, ShardInfo
+    from model import GPT, ShardInfo, Split
 
     torch.manual_seed(0)  # identical "full" tensors on every rank
     ctx = tp.TensorParallelContext(group, world, rank, sp)
@@ -54,8 +54,7 @@ def _layer_checks(rank, world, group, sp):
         return t.chunk(world, 1)[rank]
 
     def piece(t, dim, segments=1):
-        return ShardInfo("x", tuple(t.shape), split_dim=dim, num_splits=world, split_index=rank,
-                         segments=segments).shard_of(t)
+        return ShardInfo("x", tuple(t.shape), splits=(Split(dim, world, rank, segments),)).shard_of(t)
 
     # Column-parallel, plain and with c_attn's fused [q | k | v] layout.
     for segments in (1, 3):
@@ -238,7 +237,7 @@ def _assemble(rank_pieces):
         for name, (local, info) in pieces.items():
             if name not in full:
                 full[name] = torch.full(info.global_shape, float("nan"), dtype=local.dtype)
-            if info.split_dim is None:
+            if not info.splits:
                 assert torch.equal(full[name], local) or full[name].isnan().all(), f"replicas differ: {name}"
             info.place_into(full[name], local)
     return full

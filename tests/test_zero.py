@@ -206,7 +206,8 @@ def _tp_replicated_norm(rank, world):
     for stage in (1, 2, 3):
         model = GPT(config, seed=0, dtype=torch.float64)
         for name, p in model.named_parameters():
-            p.shard_info.tp_replicated = ".ln_" in name or "ln_f" in name  # LayerNorms, as under TP
+            if ".ln_" in name or "ln_f" in name:  # LayerNorms, as under TP
+                p.shard_info = p.shard_info.replicated_also_over("tp")
         layout = ZeroLayout(model, None, stage, lr=1e-3, param_dtype=torch.float64, master_dtype=torch.float64,
                             bucket_mb=0.01, tp_rank=1)
         _, local_sum, _ = layout(*rank_micro_batches(x, y, rank, world, 2)[0])
