@@ -79,28 +79,63 @@ def infer_mesh_shape(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep:
 
 @dataclass
 class Mesh:
-    """This rank's place in the mesh and one process group per axis (groups of size 1 included)."""
+    """This rank's place in the mesh and one process group per axis (groups of size 1 included).
+
+    Axis and group names: "dp", "pp", "cp", "tp" (the four axes), "dp_cp" (dense gradient sync), "ep" (tokens
+    between expert holders), "expert_dp" (expert gradient sync). `group(name)`, `index(name)` (this rank's
+    index in its group of that name) and `size(name)` answer for any of them; the properties below spell out
+    the ones the trainer uses most.
+    """
 
     shape: MeshShape
     rank: int
-    groups: dict = field(default_factory=dict)  # axis name -> ProcessGroup holding this rank
-    members: dict = field(default_factory=dict)  # axis name -> list of global ranks in this rank's group
+    groups: dict = field(default_factory=dict)  # name -> ProcessGroup holding this rank
+    members: dict = field(default_factory=dict)  # name -> list of global ranks in this rank's group
+
+    def group(self, name: str):
+        return self.groups[name]
+
+    def index(self, name: str) -> int:
+        return self.members[name].index(self.rank)
+
+    def size(self, name: str) -> int:
+        return len(self.members[name])
+
+    def coordinates(self) -> dict:
+        """{name: this rank's index} for every axis and group: what model.counts_here reads."""
+        return {name: self.index(name) for name in self.members}
 
     @property
-    def coords(self) -> dict:
-        return self.shape.coords(self.rank)
+    def dp_cp_group(self):
+        return self.groups["dp_cp"]
 
-    def __getattr__(self, name):  # mesh.dp_group, mesh.tp_rank, mesh.tp_size, ...
-        groups, members = self.__dict__.get("groups", {}), self.__dict__.get("members", {})
-        for suffix in ("_group", "_rank", "_size"):
-            axis = name[: -len(suffix)] if name.endswith(suffix) else None
-            if axis in members:
-                if suffix == "_group":
-                    return groups[axis]
-                if suffix == "_size":
-                    return len(members[axis])
-                return members[axis].index(self.rank)
-        raise AttributeError(name)
+    @property
+    def dp_cp_size(self) -> int:
+        return self.size("dp_cp")
+
+    @property
+    def tp_group(self):
+        return self.groups["tp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.index("tp")
+
+    @property
+    def tp_size(self) -> int:
+        return self.size("tp")
+
+    @property
+    def dp_group(self):
+        return self.groups["dp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.index("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.size("dp")
 
 
 def axis_groups(shape: MeshShape) -> dict:

@@ -60,7 +60,7 @@ def _build(rank, world):
     for axis in ("tp", "dp", "dp_cp", "pp"):
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=mesh.groups[axis])
-        out[axis] = (float(t), mesh.members[axis], getattr(mesh, f"{axis}_rank"), getattr(mesh, f"{axis}_size"))
+        out[axis] = (float(t), mesh.members[axis], mesh.index(axis), mesh.size(axis))
     return out
 
 

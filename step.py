@@ -1,0 +1,112 @@
+"""One optimizer step: a schedule runs the micro-batches' forwards and backwards, then the one update.
+
+DESIGN.md, "One optimizer step": B_global = D·m·B_μ sequences; each of this data rank's m micro-batches
+backpropagates
+
+    loss_scale · ( loss_sum / tokens_in_global_batch  +  Σ_aux coef·aux / (D·m) )
+
+so that every gradient reduction afterwards is a plain SUM, and the objective is the single-device one:
+Σ CE / tokens + Σ_aux coef · mean over the D·m micro-batches of aux. Then, on every rank alike:
+
+    layout.finish_grad_sync()        reduce gradients over each parameter's data-parallel group
+    axis.after_grad_sync(layout)     each axis's own sums (SP's replicated grads, PP's tied embedding)
+    layout.step(scaler, clip)        optim.update: unscale → finite? → global norm → clip → step or skip
+
+A schedule is an object with one method, `forward_backward(...)` (below); `GradientAccumulation` is the
+default, and the pipeline replaces it with its own (`pipeline.py`): the rest of the step does not change.
+
+Accounting: the step adds two scalar all-reduces over the data group (dp×cp): the global token count before
+the schedule (the loss denominator) and the logged loss after it (8 bytes each, float64), and the update's
+one 16-byte all-reduce over the world (optim.update).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+def count_global_tokens(batches, group, device) -> torch.Tensor:
+    """Target tokens (≠ -1) in the whole global batch: the denominator of the loss on every rank."""
+    local = sum((y != -1).sum() for _, y in batches).to(device=device, dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+    return local
+
+
+@dataclass
+class MicroBatchLoss:
+    """What a schedule hands back: Σ CE over this data rank's micro-batches (float64, on every rank of its
+    model-parallel group), and Σ over them of each auxiliary loss, by name (for the printouts)."""
+
+    loss_sum: torch.Tensor
+    aux: dict = field(default_factory=dict)
+
+
+class GradientAccumulation:
+    """The default schedule: forward and backward each micro-batch in turn; gradients sync on the last one.
+
+    Under DDP the last backward launches the bucket all-reduces as gradients become ready (overlapped);
+    the earlier ones run inside `layout.no_sync()` and only accumulate.
+    """
+
+    bubble_fraction = 0.0
+
+    def forward_backward(self, layout, model, batches, global_tokens, loss_scale: float, aux_divisor: int,
+                         autocast, device) -> MicroBatchLoss:
+        """layout: runs the forward (ZeRO-3 gathers there); model: the GPT (its aux-loss channel)."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        aux_totals: dict = {}
+        for index, (x, y) in enumerate(batches):
+            last = index == len(batches) - 1
+            with nullcontext() if last else layout.no_sync():
+                with autocast:
+                    _, micro_loss_sum, _ = layout(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                objective = micro_loss_sum / global_tokens
+                aux = model.aux_losses.weighted_sum()
+                if aux is not None:
+                    objective = objective + aux / aux_divisor
+                    for name, value in model.aux_losses.values().items():
+                        aux_totals[name] = aux_totals.get(name, 0.0) + value
+                (objective * loss_scale).backward()
+            loss_sum += micro_loss_sum.detach().double()
+        return MicroBatchLoss(loss_sum, aux_totals)
+
+
+@dataclass
+class StepOutcome:
+    loss: float  # global mean CE of the step
+    grad_norm: float
+    skipped: bool
+    aux: dict  # {name: mean over this data rank's micro-batches}
+
+
+def train_step(layout, scaler, batches, data_group, clip: float, autocast, device, *, model=None, schedule=None,
+               axes=(), data_size: int | None = None) -> StepOutcome:
+    """One optimizer step over this rank's micro-batches (`batches`), in DESIGN.md's order.
+
+    model: the GPT whose aux-loss channel the schedule reads (default: layout.module); schedule: default
+    GradientAccumulation; axes: the applied axes' handles (their after_grad_sync runs after the layout's
+    reduction); data_size: D, the number of data-parallel micro-batch streams (default: the size of
+    data_group; under context parallel the C ranks of a stream share its micro-batches, so pass mesh D),
+    so that aux losses are averaged over the D·m micro-batches.
+    """
+    model = model if model is not None else layout.module
+    schedule = schedule or GradientAccumulation()
+    data_size = data_size or dist.get_world_size(data_group)
+    global_tokens = count_global_tokens(batches, data_group, device)
+    micro = schedule.forward_backward(layout, model, batches, global_tokens, scaler.scale,
+                                      data_size * len(batches), autocast, device)
+    layout.finish_grad_sync()
+    for axis in axes:
+        axis.after_grad_sync(layout)
+    result = layout.step(scaler, clip)
+    layout.zero_grad()
+    loss_sum = micro.loss_sum
+    if dist.get_world_size(data_group) > 1:
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=data_group)
+    aux = {name: total / len(batches) for name, total in micro.aux.items()}
+    return StepOutcome(float(loss_sum / global_tokens), result.grad_norm, result.skipped, aux)
