@@ -96,7 +96,7 @@ import torch
 import torch.distributed as dist
 
 import mfu
-from model import ShardInfo, Split, StatePiece, parameter_seed
+from model import ShardInfo, Split, StatePiece, counts_here, parameter_seed
 
 FORMAT_VERSION = 2  # 2: a piece records a list of splits (1: one split as four fields; still read)
 MANIFEST, MARKER = "manifest.json", "COMMITTED"
@@ -257,26 +257,29 @@ def ensure_adam_state(optimizer) -> None:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def replicated_state_pieces(params, optimizer, dp_rank: int, dp_size: int, tp_rank: int = 0) -> list:
-    """StatePieces of a layout where D ranks hold the same parameters and the same torch AdamW state (DDP).
+def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict | None = None) -> list:
+    """StatePieces of a layout where data-parallel ranks hold the same parameters and torch AdamW state (DDP).
 
     The parameters are the fp32 master weights here, so there are no `master/` pieces. Each logical piece is
-    written once: TP-replicated tensors by TP rank 0 only (as `optim.counts_once`), and of the D identical
-    replicas, by one data rank chosen so that every data rank writes about 1/D of the bytes (greedy: the
-    largest tensors first, each to the least-loaded rank; the same on every rank as it only reads shapes).
+    written once: only copies that model.counts_here picks over the model axes (`coords`: a TP-replicated
+    LayerNorm on TP rank 0, the tied embedding on the first pipeline stage), and of the identical replicas in
+    a parameter's data-parallel group (`coords[grad_group]` is this rank's index in it, `group_sizes` its
+    size), by one member chosen so that each writes about 1/D of the bytes (greedy: the largest tensors
+    first, each to the least-loaded member; the same on every rank as it only reads shapes).
     """
-    from optim import counts_once
-
     ensure_adam_state(optimizer)
     params = [p for p in params if p.requires_grad]
-    load, writer = [0] * dp_size, {}
+    group_sizes = group_sizes or {}
+    writer, load = {}, {}
     for index in sorted(range(len(params)), key=lambda i: -params[i].numel()):
-        chosen = min(range(dp_size), key=lambda d: load[d])
-        writer[index], load[chosen] = chosen, load[chosen] + params[index].numel()
+        group = params[index].shard_info.grad_group
+        loads = load.setdefault(group, [0] * group_sizes.get(group, 1))
+        chosen = min(range(len(loads)), key=lambda d: loads[d])
+        writer[index], loads[chosen] = chosen, loads[chosen] + params[index].numel()
     pieces = []
     for index, p in enumerate(params):
         info = p.shard_info
-        primary = writer[index] == dp_rank and counts_once(p, tp_rank)
+        primary = writer[index] == coords.get(info.grad_group, 0) and counts_here(info, coords)
         state = optimizer.state[p]
         for kind, tensor in (("param", p.detach()), ("exp_avg", state["exp_avg"]),
                              ("exp_avg_sq", state["exp_avg_sq"])):

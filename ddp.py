@@ -34,11 +34,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import mfu
+from ckpt import adam_step, replicated_state_pieces, set_adam_step
+from model import counts_here
+from optim import update
+
 
 class _Bucket:
-    def __init__(self, index: int, params: list, device, dtype):
+    def __init__(self, index: int, params: list, device, dtype, group):
         self.index = index
         self.params = params
+        self.group = group  # the parameters' data-parallel group (one per bucket)
         self.buffer = torch.zeros(sum(p.numel() for p in params), device=device, dtype=dtype)
         self.pending = len(params)  # gradients still to arrive this backward
         self.work = None  # the in-flight all-reduce
@@ -51,15 +57,24 @@ class _Bucket:
 class DistributedDataParallel(nn.Module):
     """Wraps a module; `forward` is the module's. Call `finish_grad_sync()` after the last backward of a step."""
 
-    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25.0, check_same_init: bool = True):
+    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25.0, check_same_init: bool = True,
+                 groups: dict | None = None):
+        """group: the dense parameters' data-parallel group (dp×cp); groups: {grad_group name: ProcessGroup}
+        when parameters name other groups in their record (experts: "expert_dp")."""
         super().__init__()
         self.module = module
-        self.group = group
-        self.group_size = dist.get_world_size(group)
+        self.groups = dict(groups or {})
+        self.groups.setdefault("dp_cp", group)
+        self.group = self.groups["dp_cp"]
         self.require_grad_sync = True
         params = [p for p in module.parameters() if p.requires_grad]
+        for name in {grad_group(p) for p in params} - set(self.groups):
+            raise ValueError(f"parameters reduce over the {name!r} group, which was not given to DistributedDataParallel")
         if check_same_init:
-            assert_same_across_ranks(params, group)
+            for name, group_ in self.groups.items():
+                same_group = [p for p in params if grad_group(p) == name]
+                if same_group:
+                    assert_same_across_ranks(same_group, group_)
         self.buckets = self._build_buckets(params, int(bucket_mb * 2**20))
         self._next_to_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
@@ -69,7 +84,8 @@ class DistributedDataParallel(nn.Module):
         self._bucket_of = {}
         result = []
         for index, bucket_params in enumerate(reverse_order_buckets(params, bucket_bytes)):
-            bucket = _Bucket(index, bucket_params, bucket_params[0].device, bucket_params[0].dtype)
+            bucket = _Bucket(index, bucket_params, bucket_params[0].device, bucket_params[0].dtype,
+                             self.groups[grad_group(bucket_params[0])])
             offset = 0
             for param in bucket_params:
                 param.grad = bucket.buffer[offset:offset + param.numel()].view_as(param)
@@ -103,8 +119,8 @@ class DistributedDataParallel(nn.Module):
             self._launch(self.buckets[self._next_to_launch])
 
     def _launch(self, bucket: _Bucket):
-        if self.group_size > 1:  # a group of one has nothing to sum
-            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if dist.get_world_size(bucket.group) > 1:  # a group of one has nothing to sum
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True)
         self._next_to_launch += 1
 
     def finish_grad_sync(self):
@@ -126,12 +142,20 @@ class DistributedDataParallel(nn.Module):
         return [b.buffer.numel() * b.buffer.element_size() for b in self.buckets]
 
 
+def grad_group(param) -> str:
+    """The data-parallel group a parameter's gradient is summed over (its record's; dense: "dp_cp")."""
+    info = getattr(param, "shard_info", None)
+    return info.grad_group if info is not None else "dp_cp"
+
+
 def reverse_order_buckets(params: list, bucket_bytes: int) -> list:
     """Parameters in reverse registration order (≈ the order backward produces their gradients), cut into
-    buckets of about `bucket_bytes` (a bucket closes once it reaches the size) and of one dtype each."""
+    buckets of about `bucket_bytes` (a bucket closes once it reaches the size), of one dtype and one
+    data-parallel group each."""
     buckets, current, current_bytes = [], [], 0
     for param in reversed(params):
-        if current and (param.dtype != current[0].dtype or current_bytes >= bucket_bytes):
+        if current and (param.dtype != current[0].dtype or grad_group(param) != grad_group(current[0])
+                        or current_bytes >= bucket_bytes):
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(param)
@@ -165,3 +189,117 @@ def assert_same_across_ranks(params: list, group=None):
             f"data-parallel ranks hold different initial values for parameter #{first}"
             f" ({name.global_name if name else 'unnamed'}); build the model from the same --seed on every rank"
         )
+
+
+class DDPLayout:
+    """ZeRO stage 0, the optim.Layout protocol: ddp.py sums the gradients, then every rank runs the same
+    torch AdamW on the whole model (its parameters are the fp32 masters: b_w = b_g = 4, b_o = 8).
+
+    coords: this rank's index along every mesh axis (`Mesh.coordinates()`), for model.counts_here: a tensor
+    replicated over TP or PP is counted in the norm and written once. Without a mesh (tests on one group),
+    the axes a parameter says it is replicated over must be given here.
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, optimizer, coords: dict | None = None):
+        self.ddp, self.optimizer, self.module = ddp, optimizer, ddp.module
+        self.params = [p for p in ddp.parameters() if p.requires_grad]
+        coords = dict(coords or {})
+        for name, group in ddp.groups.items():  # data-parallel replicas: their rank 0's copy counts
+            coords[name] = dist.get_rank(group)
+        for p in self.params:
+            missing = set(getattr(p, "shard_info", None).replicated_over) - set(coords)
+            if missing:
+                raise ValueError(f"{p.shard_info.global_name} is replicated over {sorted(missing)}: pass coords")
+        self.coords = coords
+        # Which copy counts never changes: decided once, with the data-parallel group of each parameter.
+        self.counted = [counts_here(p.shard_info, coords, (grad_group(p),)) for p in self.params]
+
+    def __call__(self, *args, **kwargs):
+        return self.ddp(*args, **kwargs)
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def finish_grad_sync(self):
+        self.ddp.finish_grad_sync()
+
+    def grad_pieces(self, params) -> list:
+        return [p.grad for p in params if p.grad is not None]
+
+    def step(self, scaler, clip: float):
+        grads = [p.grad for p in self.params]
+        return update(grads, self.counted, scaler, clip, self.optimizer.step, grads[0].device)
+
+    def zero_grad(self):
+        self.ddp.zero_grad()
+
+    def unshard(self):
+        """Nothing to gather: every rank holds the whole model (ZeRO-3's counterpart gathers it)."""
+
+    def set_lr(self, lr: float):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_pieces(self) -> list:
+        """The checkpoint's view: params (= the fp32 masters) and Adam moments, each logical piece written once."""
+        sizes = {name: dist.get_world_size(group) for name, group in self.ddp.groups.items()}
+        return replicated_state_pieces(self.params, self.optimizer, self.coords, sizes)
+
+    @property
+    def optimizer_step_count(self) -> int:
+        return adam_step(self.optimizer)
+
+    @optimizer_step_count.setter
+    def optimizer_step_count(self, value: int):
+        set_adam_step(self.optimizer, value)
+
+    def held_bytes(self) -> dict:
+        weights = sum(p.numel() * p.element_size() for p in self.params)
+        grads = sum(b.buffer.numel() * b.buffer.element_size() for b in self.ddp.buckets)
+        optimizer = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+                        if torch.is_tensor(t) and t.dim() > 0)  # the moments; the 0-d step counters aside
+        return {"weights": weights, "grads": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+
+    def predicted_persistent(self) -> dict:
+        b = self.params[0].element_size()
+        return mfu.persistent_bytes(sum(p.numel() for p in self.params),
+                                    mfu.BytesPerParam(weights=b, grads=b, optimizer=2 * b), 0, 1)
+
+    def predicted_messages(self, micro_batches: int = 1) -> dict:
+        """One all-reduce per bucket over its group, plus nothing else (the step's scalars are step.py's)."""
+        out = {}
+        for bucket, size in zip(self.ddp.buckets, self.ddp.bucket_sizes_bytes()):
+            if dist.get_world_size(bucket.group) > 1:
+                key = ("all_reduce", _group_name(self.ddp.groups, bucket.group))
+                calls, payload = out.get(key, (0, 0))
+                out[key] = (calls + 1, payload + size)
+        return out
+
+    def end_lines(self, tracer, steps: int) -> list:
+        return []  # its messages are in train.py's generic table
+
+    def startup_lines(self, micro_batches: int = 1) -> list:
+        persistent = self.predicted_persistent()
+        sizes = self.ddp.bucket_sizes_bytes()
+        lines = ["layout: DDP (ZeRO stage 0): parameters, gradients and AdamW state replicated over each"
+                 " parameter's data-parallel group; split: the batch",
+                 "predicted persistent memory per rank (fp32 master recipe: b_w = b_g = 4, b_o = 8 bytes):",
+                 f"  weights   {mfu.format_bytes(persistent['weights'])}",
+                 f"  grads     {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)",
+                 f"  AdamW m,v {mfu.format_bytes(persistent['optimizer'])}",
+                 f"  total     {mfu.format_bytes(persistent['total'])}"]
+        for (op, group), (calls, payload) in self.predicted_messages().items():
+            n = dist.get_world_size(self.ddp.groups[group])
+            lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls} buckets, sent per"
+                         f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} (2(N-1)/N·M, ring)")
+        if len(sizes) > 1 and dist.get_world_size(self.ddp.group) > 1:
+            lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"
+                         f" last one ({mfu.format_bytes(sizes[-1])}, the first layers' grads) is sent after it")
+        elif dist.get_world_size(self.ddp.group) > 1:
+            lines.append(f"critical path: the single bucket ({mfu.format_bytes(sizes[0])}) is sent after backward;"
+                         f" lower --bucket-mb to overlap it")
+        return lines
+
+
+def _group_name(groups: dict, group) -> str:
+    return next(name for name, g in groups.items() if g is group)

@@ -92,6 +92,11 @@ class Mesh:
     groups: dict = field(default_factory=dict)  # name -> ProcessGroup holding this rank
     members: dict = field(default_factory=dict)  # name -> list of global ranks in this rank's group
 
+    @property
+    def coords(self) -> dict:
+        """(d, p, c, t) of this rank, as {"dp": d, "pp": p, "cp": c, "tp": t}."""
+        return self.shape.coords(self.rank)
+
     def group(self, name: str):
         return self.groups[name]
 

@@ -9,20 +9,21 @@ layout applies the same update as the single-device model.
 Accounting:
 1. Optimizer state is laid out like the parameters it belongs to (replicated under DDP, sharded by ZeRO).
 2. AdamW holds two fp32 moments per parameter: 8 bytes/param.
-3. Messages per step: one 4-byte MAX all-reduce over the world (the finite flag) and one float64 SUM
-   all-reduce of the squared norm over the groups that hold different pieces of the logical gradient.
+3. Messages per step: one 16-byte float64 SUM all-reduce over the world: [Σ g² over the copies this rank
+   counts, number of non-finite gradients]; it is the only host synchronisation of the update.
 4. Restart state: AdamW moments and step count, the scheduler's position (the step), the loss scaler.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
-
-from model import counts_here
+import torch.nn as nn
 
 
 def adamw_param_groups(params, weight_decay: float) -> list:
@@ -90,28 +91,58 @@ class DynamicLossScaler:
             self.scale, self.good_steps = state["scale"], state["good_steps"]
 
 
-def counts_once(param: torch.Tensor, tp_rank: int) -> bool:
-    """Whether this rank's copy enters the global norm: TP-replicated tensors are counted on TP rank 0 only."""
-    return counts_here(getattr(param, "shard_info", None), {"tp": tp_rank})
+class Layout(Protocol):
+    """The one protocol every layout implements (`ddp.DDPLayout`, `zero.ZeroLayout`); `step.train_step` and
+    the checkpoint drive it, and never ask which layout it is.
 
+    A layout owns the gradient reduction (each parameter over the data-parallel group its record names:
+    `shard_info.grad_group`, "dp_cp" for dense parameters, "expert_dp" for experts) and the optimizer state.
+    """
 
-@torch.no_grad()
-def local_grad_sq_sum(grads_with_params, tp_rank: int = 0) -> torch.Tensor:
-    """Σ g² over the gradients this rank contributes to the logical gradient, in float64."""
-    total = torch.zeros((), dtype=torch.float64)
-    for param, grad in grads_with_params:
-        if grad is not None and counts_once(param, tp_rank):
-            total += grad.detach().double().pow(2).sum().cpu()
-    return total
+    module: nn.Module  # the model it wraps
 
+    def __call__(self, idx, targets=None, pos=None):
+        """The model's forward (ZeRO-3 gathers weights around it)."""
 
-@torch.no_grad()
-def all_ranks_finite(local_finite: bool, device) -> bool:
-    """True only if every rank in the world found its gradients finite (MAX of the 'bad' flag)."""
-    flag = torch.tensor([0.0 if local_finite else 1.0], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() == 0.0)
+    def no_sync(self) -> AbstractContextManager:
+        """Backwards inside only accumulate; finish_grad_sync() reduces whatever was not reduced yet."""
+
+    def finish_grad_sync(self) -> None:
+        """Reduce (SUM) every gradient over its data-parallel group; wait for every reduction in flight."""
+
+    def grad_pieces(self, params) -> list:
+        """The reduced gradient of `params` as this rank holds it (whole under DDP, shard segments under ZeRO),
+        as views: an axis may sum them over another group in place (SP's replicated grads, PP's tied copy)."""
+
+    def step(self, scaler: DynamicLossScaler, clip: float) -> StepResult:
+        """`update(...)` below, on this layout's gradients and optimizer."""
+
+    def zero_grad(self) -> None: ...
+
+    def unshard(self) -> None:
+        """Collective: make every parameter whole on every rank for good (sampling after training)."""
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def state_pieces(self) -> list:
+        """Every tensor of training state as model.StatePiece (what ckpt.py saves and reslices)."""
+
+    optimizer_step_count: int  # Adam's t (skipped steps do not count); a checkpoint restores it
+
+    def held_bytes(self) -> dict:
+        """{weights, grads, optimizer, total} bytes this rank holds for the whole run (measured)."""
+
+    def predicted_persistent(self) -> dict:
+        """The same keys, from the layout's formula (mfu.persistent_bytes)."""
+
+    def startup_lines(self, micro_batches: int) -> list:
+        """Its accounting at start: what it replicates and splits, bytes per rank, messages per step."""
+
+    def predicted_messages(self, micro_batches: int) -> dict:
+        """{(op, group name): (calls, payload bytes)} per optimizer step, as mfu.CommTracer names them."""
+
+    def end_lines(self, tracer, steps: int) -> list:
+        """Its own measured-vs-predicted lines at the end (the generic message table aside)."""
 
 
 @dataclass
@@ -121,29 +152,50 @@ class StepResult:
 
 
 @torch.no_grad()
-def unscale_clip_and_step(params, optimizer, scaler: DynamicLossScaler, clip: float, norm_groups=(),
-                          tp_rank: int = 0, device="cpu") -> StepResult:
-    """The update after the gradient reduction, for layouts whose `param.grad` holds the reduced gradient.
+def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, apply_step: Callable[[], None],
+           device, counted_pieces=(), extra_nonfinite: torch.Tensor | None = None) -> StepResult:
+    """DESIGN.md's update order after the gradient reduction, identical on every rank (the one implementation).
 
-    norm_groups: the process groups whose members hold DIFFERENT pieces of the logical gradient (TP, PP); the
-    squared norm is summed over them. Replicas (data parallel) hold the same reduced gradient: not summed.
+    grads: every reduced gradient tensor this rank holds (unscaled and clipped in place);
+    counted[i]: whether grads[i] enters the global norm here: each logical element must be counted on exactly
+        one rank of the world (model.counts_here: coordinate 0 of every axis holding identical copies, the
+        data-parallel replicas included), so that one SUM over the world gives the global norm;
+    counted_pieces: further views to count (ZeRO: the parts of a shard that are not replicas);
+    apply_step(): the optimizer step, run only when every rank's gradients are finite;
+    extra_nonfinite: a local count of other non-finite values that must skip the step (FP8 amaxes).
+
+        unscale (fp16) → [Σ counted g², #non-finite] summed over the world → all finite? → ‖g‖ = √Σ →
+        clip by clip/(‖g‖ + 1e-6) (torch.nn.utils.clip_grad_norm_'s coefficient) → step, or skip everywhere
+
+    One 16-byte all-reduce answers both questions (a non-finite gradient makes its norm non-finite), so a
+    step costs one host synchronisation, not one per parameter.
     """
-    params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
     if scaler.enabled:
         torch._foreach_mul_(grads, 1.0 / scaler.scale)
-    local_finite = bool(all(torch.isfinite(g).all() for g in grads))
-    if not all_ranks_finite(local_finite, device):
+    stats = torch.zeros(2, dtype=torch.float64, device=device)  # [Σ counted g², number of non-finite norms]
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads)).double()
+        stats[1] = (~torch.isfinite(norms)).sum()
+        mask = torch.tensor(counted, dtype=torch.bool, device=norms.device)
+        stats[0] = norms[mask].pow(2).sum()
+    if counted_pieces:
+        stats[0] += torch.stack(torch._foreach_norm(list(counted_pieces))).double().pow(2).sum()
+    if extra_nonfinite is not None:
+        stats[1] += extra_nonfinite.to(stats.device, torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM)  # the world: every rank, every axis
+    sq_sum, nonfinite = stats.tolist()  # the step's one host synchronisation
+    if nonfinite or not math.isfinite(sq_sum):
         scaler.update(found_nonfinite=True)
         return StepResult(grad_norm=float("nan"), skipped=True)
-    sq_sum = local_grad_sq_sum(zip(params, grads), tp_rank).to(device)
-    for group in norm_groups:
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(sq_sum, op=dist.ReduceOp.SUM, group=group)
-    grad_norm = float(sq_sum.sqrt())
+    grad_norm = math.sqrt(sq_sum)
     if clip > 0 and grad_norm > clip:
-        # clip_coef = clip / (‖g‖ + ε), as torch.nn.utils.clip_grad_norm_
         torch._foreach_mul_(grads, clip / (grad_norm + 1e-6))
-    optimizer.step()
+    apply_step()
     scaler.update(found_nonfinite=False)
     return StepResult(grad_norm=grad_norm, skipped=False)
+
+
+def update_messages() -> dict:
+    """The update's own message per step: one 16-byte float64 SUM all-reduce over the world."""
+    return {("all_reduce", "world"): (1, 16)}

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 def count_global_tokens(batches, group, device) -> torch.Tensor:
     """Target tokens (≠ -1) in the whole global batch: the denominator of the loss on every rank."""
-    local = sum((y != -1).sum() for _, y in batches).to(device=device, dtype=torch.float64)
+    local = sum((batch[1] != -1).sum() for batch in batches).to(device=device, dtype=torch.float64)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
     return local
@@ -57,14 +57,17 @@ class GradientAccumulation:
 
     def forward_backward(self, layout, model, batches, global_tokens, loss_scale: float, aux_divisor: int,
                          autocast, device) -> MicroBatchLoss:
-        """layout: runs the forward (ZeRO-3 gathers there); model: the GPT (its aux-loss channel)."""
+        """layout: runs the forward (ZeRO-3 gathers there); model: the GPT (its aux-loss channel); batches:
+        this data rank's micro-batches (x, y) or (x, y, pos)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         aux_totals: dict = {}
-        for index, (x, y) in enumerate(batches):
+        for index, batch in enumerate(batches):
+            x, y, pos = (*batch, None)[:3]  # (x, y) or (x, y, pos): pos, the global positions (context parallel)
             last = index == len(batches) - 1
             with nullcontext() if last else layout.no_sync():
                 with autocast:
-                    _, micro_loss_sum, _ = layout(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                    _, micro_loss_sum, _ = layout(x.to(device, non_blocking=True), y.to(device, non_blocking=True),
+                                                  None if pos is None else pos.to(device))
                 objective = micro_loss_sum / global_tokens
                 aux = model.aux_losses.weighted_sum()
                 if aux is not None:

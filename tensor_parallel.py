@@ -52,8 +52,8 @@ size, e_w / e_c the bytes of a parameter-dtype / compute-dtype element (autocast
        loss:      all_reduce MAX b·s·e_l and all_reduce SUM 2·b·s·e_l (e_l = 4, or 8 for float64 logits)
    Activation checkpointing repeats each block's forward messages in backward, all but the last (torch's
    checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none).
-   Per step: the squared gradient norm (8 bytes), and with SP one all_reduce of the sequence-parallel
-   parameters' gradients.
+   Per step, with SP: one all_reduce of the sequence-parallel parameters' gradients (`after_grad_sync`).
+   (The global gradient norm is one all-reduce over the world, optim.update; nothing per axis.)
    `step_messages` computes all of this; the tests check it against the CommTracer byte for byte.
 4. Restart state: nothing of its own. Every parameter's `shard_info` names its global tensor and its
    slice, which the checkpoint reads; a different T reslices on load.
@@ -486,25 +486,28 @@ class TensorParallel:
         # the position embedding. Their gradient is the SUM over the TP group of what each rank computed.
         self.sequence_parallel_params = sequence_parallel_params
 
+    name = "tp"
+
     @torch.no_grad()
-    def finish_grad_sync(self):
+    def after_grad_sync(self, layout):
         """Sum the sequence-parallel parameters' gradients over the TP group: one flat all-reduce per step.
 
-        Called by the layout after the data-parallel reduction (ReplicatedUpdate's after_grad_sync), once
-        all micro-batches have accumulated, like Megatron's finalize_model_grads. Both reductions are sums,
-        so their order does not matter; doing it once per step (not in a backward hook per micro-batch)
-        sends it once and keeps accumulation simple. Without SP every TP rank already holds the full
-        gradient of a replicated parameter (f and g make it so), and there is nothing to do.
+        Run after the layout's data-parallel reduction, once all micro-batches have accumulated, like
+        Megatron's finalize_model_grads. Both reductions are sums, so their order does not matter; doing it
+        once per step (not in a backward hook per micro-batch) sends it once. `layout.grad_pieces` gives the
+        gradients as this rank holds them (whole under DDP, its shard's segments under ZeRO; every rank of
+        the TP group has the same segments). Without SP every TP rank already holds the full gradient of a
+        replicated parameter (f and g make it so), and there is nothing to do.
         """
         if not self.sequence_parallel:
             return
-        grads = [p.grad for p in self.sequence_parallel_params if p.grad is not None]
-        if not grads:
+        grads = layout.grad_pieces(self.sequence_parallel_params)
+        if not grads:  # the same on every rank of the group: nobody sends
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.ctx.group)
         offset = 0
-        for g in grads:  # copy back in place: under DDP the grads are views into its buckets
+        for g in grads:  # copy back in place: the pieces are views into the layout's gradient buffers
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
@@ -521,8 +524,8 @@ class TensorParallel:
         finally:
             self.ctx.sequence_parallel, head.gather_output = previous, False
 
-    def startup_lines(self, micro: int, seq: int, compute_bytes: int, autocast, param_dtype=None,
-                      state_bytes_per_param: int = 16) -> list:
+    def startup_lines_measured(self, micro: int, seq: int, compute_bytes: int, autocast, param_dtype=None,
+                               state_bytes_per_param: int = 16) -> list:
         """accounting_lines with block 0's messages measured once (before DDP installs gradient hooks).
 
         param_dtype: the working dtype the run will train in when a later layout casts the weights (ZeRO's
@@ -543,18 +546,47 @@ class TensorParallel:
                                 param_dtype.itemsize, compute_bytes, state_bytes_per_param, measured=measured)
 
     def step_messages(self, micro: int, seq: int, micro_batches: int = 1, compute_bytes: int | None = None,
-                      sp_grad_bytes: int | None = None):
-        """Predicted {(op, "tp"): (calls, payload bytes)} for one optimizer step; see `step_messages`.
+                      sp_grad_bytes: int | None = None, param_bytes: int | None = None):
+        """Predicted {op: (calls, payload bytes)} on the TP group for one optimizer step; see `step_messages`.
 
-        sp_grad_bytes: the payload of the SP gradient sum when a ZeRO layout does it on its gradient shard
-        (ZeroLayout.grad_sum_bytes); by default the full SP parameters' gradients (finish_grad_sync).
+        sp_grad_bytes: the payload of the SP gradient sum (the layout's grad_pieces of the SP parameters);
+        by default their whole gradients.
         """
-        param = next(self.model.parameters())
+        param_bytes = param_bytes or next(self.model.parameters()).element_size()
         if sp_grad_bytes is None:
-            sp_grad_bytes = sum(p.numel() for p in self.sequence_parallel_params) * param.element_size()
+            sp_grad_bytes = sum(p.numel() for p in self.sequence_parallel_params) * param_bytes
         return step_messages(self.model.config, micro, seq, self.ctx.size, self.sequence_parallel,
-                             micro_batches, param.element_size(), compute_bytes or param.element_size(),
-                             sp_param_bytes=sp_grad_bytes)
+                             micro_batches, param_bytes, compute_bytes or param_bytes, sp_param_bytes=sp_grad_bytes,
+                             n_blocks=len(self.model.transformer.h), embedding=self.model.has_embedding,
+                             head=self.model.has_head)
+
+    # The axis protocol train.py talks to (`apply` fills `run` and the start-up lines).
+
+    def startup_lines(self) -> list:
+        return self._startup_lines
+
+    def predicted_messages(self, layout) -> dict:
+        run = self.run
+        sp_bytes = sum(g.numel() * g.element_size() for g in layout.grad_pieces(self.sequence_parallel_params))
+        messages = self.step_messages(run.micro, run.seq_len, run.micro_batches, run.compute_dtype.itemsize,
+                                      sp_grad_bytes=sp_bytes, param_bytes=run.param_dtype.itemsize)
+        return {(op, "tp"): value for op, value in messages.items()}
+
+    def end_lines(self, tracer, steps: int) -> list:
+        return []  # the generic table of train.py compares its messages with the tracer
+
+
+def apply(model: GPT, run) -> TensorParallel | None:
+    """--tp T (and --sp): split the model over the TP group; None when T = 1."""
+    if run.mesh.shape.tp == 1:
+        return None
+    handle = parallelize(model, run.mesh.group("tp"), run.args.sp, seed=run.seed)
+    handle.run = run
+    # Block 0's messages are measured now, before a layout installs gradient hooks, in the working dtype
+    # the layout will train in (ZeRO's bf16 weights), so the printed sizes are those the run sends.
+    handle._startup_lines = handle.startup_lines_measured(run.micro, run.seq_len, run.compute_dtype.itemsize,
+                                                          run.autocast, run.param_dtype)
+    return handle
 
 
 def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 0) -> TensorParallel:
@@ -652,8 +684,11 @@ def block_messages(micro: int, seq: int, h: int, sequence_parallel: bool, param_
 
 def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_parallel: bool,
                   micro_batches: int = 1, param_bytes: int = 4, compute_bytes: int = 4,
-                  sp_param_bytes: int = 0) -> dict:
-    """Predicted TP-group messages of one optimizer step: {op: (calls, payload bytes)} (docstring item 3)."""
+                  sp_param_bytes: int = 0, n_blocks: int | None = None, embedding: bool = True,
+                  head: bool = True) -> dict:
+    """Predicted TP-group messages of one optimizer step: {op: (calls, payload bytes)} (docstring item 3).
+
+    n_blocks, embedding, head: what this rank holds (a pipeline stage holds a few blocks, maybe one end)."""
     out = {}
 
     def add(op, payload, calls=1):
@@ -663,7 +698,7 @@ def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_par
     h, tokens = config.n_embd, micro * seq
     loss_bytes = max(4, compute_bytes)  # the softmax runs in at least fp32
     for _ in range(micro_batches):
-        for _ in range(config.n_layer):
+        for _ in range(config.n_layer if n_blocks is None else n_blocks):
             msgs = block_messages(micro, seq, h, sequence_parallel, param_bytes, compute_bytes,
                                   regather=not config.activation_checkpointing)
             if config.activation_checkpointing:
@@ -673,19 +708,21 @@ def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_par
                 msgs += [m for m in msgs if m[0] == "forward"][:-1]
             for _, op, payload in msgs:
                 add(op, payload)
-        act = tokens * h * param_bytes
-        if sequence_parallel:
-            add("reduce_scatter_single", act), add("all_gather_single", act)  # embedding: fwd, bwd
-            head = tokens * h * compute_bytes
-            add("all_gather_single", head, calls=2), add("reduce_scatter_single", head)  # head: fwd, re-gather, bwd
-        else:
-            add("all_reduce", act)  # embedding forward (g)
-            add("all_reduce", act)  # head backward (f)
-        add("all_reduce", tokens * loss_bytes)  # loss: MAX
-        add("all_reduce", 2 * tokens * loss_bytes)  # loss: Σexp and target logit
+        act, head_act = tokens * h * param_bytes, tokens * h * compute_bytes
+        if embedding:
+            if sequence_parallel:
+                add("reduce_scatter_single", act), add("all_gather_single", act)  # embedding: fwd, bwd
+            else:
+                add("all_reduce", act)  # embedding forward (g)
+        if head:
+            if sequence_parallel:
+                add("all_gather_single", head_act, calls=2), add("reduce_scatter_single", head_act)  # fwd, re-gather, bwd
+            else:
+                add("all_reduce", act)  # head backward (f)
+            add("all_reduce", tokens * loss_bytes)  # loss: MAX
+            add("all_reduce", 2 * tokens * loss_bytes)  # loss: Σexp and target logit
     if sequence_parallel and sp_param_bytes:
-        add("all_reduce", sp_param_bytes)  # finish_grad_sync (or ZeRO's sum of its gradient shard)
-    add("all_reduce", 8)  # squared gradient norm (float64)
+        add("all_reduce", sp_param_bytes)  # after_grad_sync: the SP parameters' gradients (as the layout holds them)
     return out
 
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,10 +29,11 @@ import ckpt
 import data
 import mfu
 import tensor_parallel
-from ddp import DistributedDataParallel
-from mesh import axis_groups, build_mesh, choose_device_and_backend, infer_mesh_shape, init_distributed
-from model import GPT, config_from_preset
-from optim import DynamicLossScaler, LRSchedule, build_adamw, unscale_clip_and_step
+from ddp import DDPLayout, DistributedDataParallel
+from mesh import Mesh, axis_groups, build_mesh, choose_device_and_backend, infer_mesh_shape, init_distributed
+from model import GPT, GPTConfig, config_from_preset, counts_here
+from optim import DynamicLossScaler, LRSchedule, build_adamw, update_messages
+from step import GradientAccumulation, train_step
 from zero import ZeroLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-dir", help="save sharded checkpoints under this directory (one step-XXXXXXXX per save)")
     g.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only after the last step)")
     g.add_argument("--keep", type=int, default=2, help="keep the newest K committed checkpoints (K >= 2)")
-    g.add_argument("--resume", help="'latest' (the newest good checkpoint, if any) or a step number")
+    g.add_argument("--resume", nargs="?", const="latest",
+                   help="'latest' (the newest good checkpoint, if any; the default with no value) or a step number")
     g.add_argument("--async-ckpt", action="store_true", help="persist checkpoints on a background thread")
     g.add_argument("--mtbf-hours", type=float, default=24.0,
                    help="mean time between interruptions, for the suggested interval sqrt(2·C·M)")
@@ -206,119 +208,247 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def count_global_tokens(batches, group, device) -> torch.Tensor:
-    """Target tokens (≠ -1) in the whole global batch: the denominator of the loss on every rank."""
-    local = sum((y != -1).sum() for _, y in batches).to(device=device, dtype=torch.float64)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-    return local
+# ---------------------------------------------------------------------------------------------------------
+# The composition
+# ---------------------------------------------------------------------------------------------------------
+
+# The axes, in DESIGN.md's order of application (MoE/EP → TP → CP → PP → FP8). Each `apply(model, run)` swaps
+# modules of the model in place and returns its handle (None when its flag is off): startup_lines(),
+# predicted_messages(layout), end_lines(tracer, steps), after_grad_sync(layout), and optionally
+# shard_batches(batches) and a `schedule`. Adding an axis adds a line here; the loop and the printouts only
+# ever loop over the handles.
+AXES = (
+    tensor_parallel.apply,
+)
 
 
-class ReplicatedUpdate:
-    """ZeRO stage 0: ddp.py sums the gradients, then every rank runs the same AdamW on the whole model.
+@dataclass
+class Run:
+    """Everything one run is made of; the axes' `apply`, the loop and the printouts read it."""
 
-    This is the layout protocol train_step drives; zero.py's layouts implement the same methods:
-    `__call__` (forward), `no_sync()`, `finish_grad_sync()`, `step(scaler, clip, device) -> StepResult`,
-    `zero_grad()`, `set_lr(lr)`, `held_bytes() -> {weights, grads, optimizer, total}`.
-    """
-
-    def __init__(self, ddp: DistributedDataParallel, optimizer, norm_groups=(), tp_rank: int = 0,
-                 after_grad_sync=()):
-        self.ddp, self.optimizer = ddp, optimizer
-        self.norm_groups, self.tp_rank = norm_groups, tp_rank  # TP shards: the norm sums over the TP group
-        # Reductions over other groups once the data-parallel one is done (sequence parallel sums its
-        # replicated parameters' gradients over the TP group: TensorParallel.finish_grad_sync).
-        self.after_grad_sync = tuple(after_grad_sync)
-
-    def __call__(self, *args, **kwargs):
-        return self.ddp(*args, **kwargs)
-
-    def no_sync(self):
-        return self.ddp.no_sync()
-
-    def finish_grad_sync(self):
-        self.ddp.finish_grad_sync()
-        for reduce in self.after_grad_sync:
-            reduce()
-
-    def step(self, scaler, clip: float, device):
-        return unscale_clip_and_step(self.ddp.parameters(), self.optimizer, scaler, clip, self.norm_groups,
-                                     self.tp_rank, device)
-
-    def zero_grad(self):
-        self.ddp.zero_grad()
-
-    def set_lr(self, lr: float):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def state_pieces(self) -> list:
-        """The checkpoint's view: params (= the fp32 masters) and Adam moments, each replica written once."""
-        distributed = dist.is_initialized()
-        return ckpt.replicated_state_pieces(self.ddp.parameters(), self.optimizer,
-                                            dist.get_rank(self.ddp.group) if distributed else 0,
-                                            dist.get_world_size(self.ddp.group) if distributed else 1, self.tp_rank)
+    args: argparse.Namespace
+    mesh: Mesh
+    config: GPTConfig
+    seq_len: int
+    micro: int  # B_μ: sequences per micro-batch per data rank
+    micro_batches: int  # m
+    device: torch.device
+    autocast: object  # torch.autocast(...) or nullcontext()
+    compute_dtype: torch.dtype  # autocast's dtype (fp32 when off)
+    param_dtype: torch.dtype  # the layout's working weights (ZeRO: bf16 under --dtype bf16; DDP: fp32)
+    seed: int
+    model: GPT | None = None
+    axes: list = field(default_factory=list)
+    layout: object = None
+    schedule: object = None
+    tracer: mfu.CommTracer = field(default_factory=mfu.CommTracer)
+    flops: mfu.FlopsPerToken | None = None
+    peak: tuple = (0.0, "")  # (FLOP/s per device, where it came from)
 
     @property
-    def optimizer_step_count(self) -> int:
-        """Adam's t (skipped steps do not count): a checkpoint restores it."""
-        return ckpt.adam_step(self.optimizer)
-
-    @optimizer_step_count.setter
-    def optimizer_step_count(self, value: int):
-        ckpt.set_adam_step(self.optimizer, value)
-
-    def held_bytes(self) -> dict:
-        params = list(self.ddp.parameters())
-        weights = sum(p.numel() * p.element_size() for p in params)
-        grads = sum(b.numel() * b.element_size() for b in (bucket.buffer for bucket in self.ddp.buckets))
-        optimizer = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
-                        if torch.is_tensor(t) and t.dim() > 0)  # the moments; the 0-d step counters aside
-        return {"weights": weights, "grads": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+    def tokens_per_step(self) -> int:
+        return self.args.global_batch * self.seq_len
 
 
-def train_step(layout, scaler, batches, data_group, clip, autocast, device):
-    """One optimizer step over this rank's micro-batches, in DESIGN.md's update order.
+def main(argv=None):
+    args = parse_flags(argv)  # a bad flag exits with status 2 on every rank, before any rank waits
+    run, corpus = start_run(args)  # device, process groups, mesh, seeds, the token cache
+    train_tokens, val_tokens = data.TokenFile(corpus.train_path), data.TokenFile(corpus.val_path)
+    run.model = GPT(run.config, seed=args.seed, device=run.device)
+    run.flops = model_flops(run.config, run.seq_len)  # of the logical model, before any axis splits it
+    run.axes = [axis for axis in (apply(run.model, run) for apply in AXES) if axis is not None]
+    run.layout = build_layout(run.model, run)
+    run.schedule = next((a.schedule for a in run.axes if getattr(a, "schedule", None)), GradientAccumulation())
+    run.peak = mfu.detect_peak_flops(run.device, args.dtype, args.peak_tflops)
+    for name, group in run.mesh.groups.items():
+        run.tracer.name_group(group, name)
+    print_startup(run)
 
-    Returns (global mean loss, StepResult). `layout` syncs gradients and steps (ReplicatedUpdate or ZeRO).
-    """
-    global_tokens = count_global_tokens(batches, data_group, device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for index, (x, y) in enumerate(batches):
-        last = index == len(batches) - 1
-        # Gradient sync is decided when backward runs: every micro-step but the last only accumulates.
-        with nullcontext() if last else layout.no_sync():
-            with autocast:
-                _, micro_loss_sum, _ = layout(x.to(device), y.to(device))
-            (micro_loss_sum * (scaler.scale / global_tokens)).backward()
-        loss_sum += micro_loss_sum.detach().double()
-    layout.finish_grad_sync()
-    result = layout.step(scaler, clip, device)
-    layout.zero_grad()
-    if dist.get_world_size(data_group) > 1:
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=data_group)
-    return float(loss_sum / global_tokens), result
+    lr_schedule = LRSchedule(args.lr, args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
+                             args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
+    scaler = DynamicLossScaler(enabled=args.dtype == "fp16")
+    sampler = data.BatchSampler(len(train_tokens), run.seq_len, args.global_batch, args.seed)
+    val_sampler = data.EvalSampler(len(val_tokens), run.seq_len, args.global_batch)
+    checkpointer, start_step = None, 0
+    if args.ckpt_dir:
+        run_record = dict(steps=args.steps, lr=args.lr, min_lr=lr_schedule.min_lr, seed=args.seed,
+                          warmup_steps=lr_schedule.warmup_steps, global_batch=args.global_batch, seq_len=run.seq_len)
+        checkpointer = ckpt.Checkpointer(args.ckpt_dir, run.mesh, keep=args.keep, async_save=args.async_ckpt,
+                                         mtbf_hours=args.mtbf_hours, device=run.device, log=print0,
+                                         run_record=run_record)
+        if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
+            start_step = checkpointer.resume(args.resume, run.layout, scaler, sampler, args.seed)
+
+    # A resumed run appends: the replayed steps then sit next to the originals in one file.
+    metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and run.mesh.rank == 0) else None
+    timed_seconds, timed_steps = 0.0, 0
+    for step in range(start_step, args.steps):
+        lr = lr_schedule(step)
+        run.layout.set_lr(lr)
+        batches = local_batches(run, sampler, train_tokens, step)
+        began = time.perf_counter()
+        with run.tracer:  # count the messages of training steps only (not evaluation)
+            outcome = train_step(run.layout, scaler, batches, run.mesh.dp_cp_group, args.grad_clip, run.autocast,
+                                 run.device, model=run.model, schedule=run.schedule, axes=run.axes,
+                                 data_size=run.mesh.shape.dp)
+        if run.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - began
+        if step > start_step:  # the first step pays one-off costs (allocation, compile)
+            timed_seconds, timed_steps = timed_seconds + step_time, timed_steps + 1
+        last = step == args.steps - 1
+        record = step_record(run, step, lr, outcome, step_time, scaler)
+        if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
+            record["val_loss"] = evaluate(run, val_tokens, val_sampler)
+        if step % args.log_every == 0 or last or "val_loss" in record:
+            print_step(record)
+        if metrics:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        if checkpointer:
+            checkpointer.step_end(step + 1, args.ckpt_every, last, run.layout, scaler, sampler)
+    if metrics:
+        metrics.close()
+    if checkpointer:
+        checkpointer.close()
+    print_end(run, args.steps - start_step, timed_seconds, timed_steps)
+    if args.sample_tokens:
+        sample(run, val_tokens, corpus.tokenizer_name)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def parse_flags(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    try:
+        args.mesh_shape, args.micro_batches, args.micro = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+        data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
+    except (FlagError, RuntimeError) as e:
+        # Every rank validates the same flags and exits before any of them waits on a peer.
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return args
+
+
+def start_run(args) -> tuple[Run, data.Corpus]:
+    """Join the process group, build the mesh, seed, and make the token cache (rank 0 builds, others wait)."""
+    device, backend = choose_device_and_backend(args.backend)
+    rank, _ = init_distributed(backend)
+    shape = args.mesh_shape
+    mesh = build_mesh(shape, rank)
+    # Dropout differs per rank, like independent devices, except across a TP group, whose ranks hold copies of
+    # the same activations (tensor_parallel.TensorParallelRNG forks it for split ones). Init is seeded apart.
+    torch.manual_seed(args.seed + rank // shape.tp)
+    cache_dir = os.path.join(args.out_dir, "data")
+    if rank == 0:
+        corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=print0)
+    dist.barrier()
+    if rank != 0:
+        corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=lambda *a, **k: None)
+    config = model_config(args)
+    config.vocab_size = padded_vocab(corpus.vocab_size) if args.tokenizer != "byte" else corpus.vocab_size
+    compute_dtype = DTYPES[args.dtype]
+    run = Run(args=args, mesh=mesh, config=config, seq_len=args.seq_len or config.block_size, micro=args.micro,
+              micro_batches=args.micro_batches, device=device, seed=args.seed, compute_dtype=compute_dtype,
+              autocast=torch.autocast(device.type, dtype=compute_dtype) if args.dtype != "fp32" else nullcontext(),
+              param_dtype=ZERO_PARAM_DTYPES[args.dtype] if args.zero else torch.float32)
+    return run, corpus
+
+
+def model_flops(config: GPTConfig, seq_len: int) -> mfu.FlopsPerToken:
+    """FLOPs per token of the logical model. N of 6N: the weights that enter a matmul (the blocks' linears,
+    12·L·h², and the tied head, V·h); N_r: those whose forward activation checkpointing recomputes."""
+    blocks = 12 * config.n_layer * config.n_embd ** 2
+    return mfu.flops_per_token(n_matmul_params=config.vocab_size * config.n_embd + blocks, n_layer=config.n_layer,
+                               n_head=config.n_head, head_dim=config.head_dim, seq_len=seq_len,
+                               recompute=config.activation_checkpointing, n_recomputed_params=blocks)
+
+
+def build_layout(model: GPT, run: Run):
+    """DDP (--zero 0) or ZeRO 1/2/3 (zero.py) over each parameter's data-parallel group."""
+    args, coords = run.args, run.mesh.coordinates()
+    forward = torch.compile(model) if args.compile else model
+    if args.zero:  # shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
+        return ZeroLayout(model, run.mesh.dp_cp_group, args.zero, lr=args.lr, weight_decay=args.weight_decay,
+                          betas=(args.beta1, args.beta2), param_dtype=run.param_dtype, master_dtype=torch.float32,
+                          bucket_mb=args.bucket_mb, forward=forward, coords=coords)
+    groups = {name: run.mesh.group(name) for name in ("dp_cp", "expert_dp")}
+    ddp = DistributedDataParallel(forward, groups=groups, bucket_mb=args.bucket_mb)
+    optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
+    return DDPLayout(ddp, optimizer, coords)
+
+
+def local_batches(run: Run, sampler, tokens, step: int) -> list:
+    """This rank's m micro-batches of step `step`, each (x, y, pos); an axis may cut them (context parallel)."""
+    mesh = run.mesh
+    batches = [(*sampler.get_batch(tokens, step, mesh.dp_rank, mesh.dp_size, run.micro, i), None)
+               for i in range(run.micro_batches)]
+    for axis in run.axes:
+        if hasattr(axis, "shard_batches"):
+            batches = axis.shard_batches(batches)
+    return batches
+
+
+def step_record(run: Run, step: int, lr: float, outcome, step_time: float, scaler) -> dict:
+    tokens_per_s = run.tokens_per_step / step_time
+    record = dict(step=step, loss=outcome.loss, lr=lr, grad_norm=outcome.grad_norm, tokens=run.tokens_per_step,
+                  step_time_s=step_time, tokens_per_s=tokens_per_s, skipped=outcome.skipped,
+                  mfu=mfu.mfu(run.flops.model, tokens_per_s, run.peak[0], run.mesh.shape.world_size))
+    record.update({f"aux_{name}": value for name, value in outcome.aux.items()})
+    if scaler.enabled:
+        record["loss_scale"] = scaler.scale
+    return record
+
+
+def print_step(record: dict):
+    val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+    aux = "".join(f" | {key[4:]} {value:.4f}" for key, value in record.items() if key.startswith("aux_"))
+    print0(f"step {record['step']:5d} | loss {record['loss']:.4f}{val}{aux} | lr {record['lr']:.2e} | grad norm"
+           f" {record['grad_norm']:.3f}{' (skipped)' if record['skipped'] else ''} | {record['tokens_per_s']:,.0f}"
+           f" tok/s | MFU {record['mfu']:.2%} | {record['step_time_s'] * 1000:.0f} ms")
 
 
 @torch.no_grad()
-def evaluate(forward, model, tokens, sampler, num_batches, dp_rank, dp_size, micro, data_group, autocast,
-             device) -> float:
-    """Mean val loss over the first `num_batches` global batches of the validation split (always the same).
+def evaluate(run: Run, tokens, sampler) -> float:
+    """Mean val loss over the first --eval-batches global batches of the validation split (always the same).
 
-    `forward` runs the layout's forward (ZeRO-3 gathers parameters there); `model` switches dropout off.
+    Runs the layout's forward (ZeRO-3 gathers parameters there) with dropout off.
     """
+    mesh, model = run.mesh, run.model
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss_sum, tokens]
-    for batch in range(num_batches):
-        for index in range(sampler.global_batch // (dp_size * micro)):
-            x, y = sampler.get_batch(tokens, batch, dp_rank, dp_size, micro, index)
-            with autocast:
-                _, loss_sum, count = forward(x.to(device), y.to(device))
+    totals = torch.zeros(2, dtype=torch.float64, device=run.device)  # [loss_sum, tokens]
+    for batch in range(min(run.args.eval_batches, sampler.num_batches)):
+        micro_batches = [(*sampler.get_batch(tokens, batch, mesh.dp_rank, mesh.dp_size, run.micro, i), None)
+                         for i in range(run.micro_batches)]
+        for axis in run.axes:
+            if hasattr(axis, "shard_batches"):
+                micro_batches = axis.shard_batches(micro_batches)
+        for x, y, pos in micro_batches:
+            with run.autocast:
+                _, loss_sum, count = run.layout(x.to(run.device), y.to(run.device), pos)
             totals += torch.stack([loss_sum.double(), count.double()])
-    if dist.get_world_size(data_group) > 1:
-        dist.all_reduce(totals, group=data_group)
+    if dist.get_world_size(mesh.dp_cp_group) > 1:
+        dist.all_reduce(totals, group=mesh.dp_cp_group)
     model.train()
     return float(totals[0] / totals[1])
+
+
+@torch.no_grad()
+def sample(run: Run, val_tokens, tokenizer_name):
+    """Rank 0's model-parallel group samples together (the collectives are theirs); rank 0 prints."""
+    run.layout.unshard()  # collective (ZeRO-3 gathers every weight on every rank): before any rank leaves
+    if run.mesh.rank >= run.mesh.shape.tp:
+        return
+    prompt = torch.from_numpy(val_tokens.tokens[:32].astype("int64"))[None].to(run.device)
+    model = run.model
+    full_logits = next((a.full_logits() for a in run.axes if hasattr(a, "full_logits")), nullcontext())
+    model.eval()
+    with full_logits:
+        out = model.generate(prompt, run.args.sample_tokens, temperature=0.8, top_k=50,
+                             generator=torch.Generator(device=run.device).manual_seed(run.seed))
+    model.train()
+    print0("sample (prompt from the val split, then the model):")
+    print0(data.get_tokenizer(tokenizer_name).decode(out[0].tolist()))
 
 
 def print0(*args, **kwargs):
@@ -326,64 +456,112 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source, ddp,
-                       device, layout=None, extra_lines=()) -> dict:
-    """Print what each device holds and what each group sends; return the predictions for the end report."""
-    D = mesh.shape.dp
-    psi = sum(math.prod(p.shard_info.global_shape) for p in model.parameters())  # the logical model
-    local_params = sum(p.numel() for p in model.parameters())  # this rank's (TP) shards
-    recipe = mfu.BYTES_PER_PARAM["fp32"]  # fp32 parameters and grads, fp32 Adam moments (autocast computes bf16)
-    persistent = mfu.persistent_bytes(local_params, recipe, zero_stage=0, dp_size=D)
-    grad_bytes = 4 * local_params
-    wire = mfu.wire_bytes("all_reduce", grad_bytes, mesh.dp_cp_size)
-    per_layer = mfu.activation_bytes_per_layer(seq_len, micro, config.n_embd, config.n_head, t=mesh.shape.tp,
-                                               sequence_parallel=args.sp)
-    if config.activation_checkpointing:
-        # Only each block's input survives forward (2·s·b·h bytes at 16 bits, /T with SP); backward
-        # rebuilds one block's activations at a time.
-        block_input = 2 * seq_len * micro * config.n_embd // (mesh.shape.tp if args.sp else 1)
-        activation, how = block_input * config.n_layer + per_layer, "L block inputs + one layer recomputed"
-    else:
-        activation, how = per_layer * config.n_layer, "L layers"
+# ---------------------------------------------------------------------------------------------------------
+# Accounting printouts: they loop over the layout and the axes' handles, never over flags
+# ---------------------------------------------------------------------------------------------------------
+
+
+def predicted_messages(run: Run) -> dict:
+    """{(op, group): (calls, payload bytes)} per optimizer step: the layout's, every axis's, the step's own."""
+    m = run.micro_batches
+    sources = [run.layout.predicted_messages(m), *(axis.predicted_messages(run.layout) for axis in run.axes)]
+    if run.mesh.dp_cp_size > 1:  # step.py: the global token count and the logged loss, float64 each
+        sources.append({("all_reduce", "dp_cp"): (2, 16)})
+    if run.mesh.shape.world_size > 1:
+        sources.append(update_messages())
+    out = {}
+    for source in sources:
+        for key, (calls, payload) in source.items():
+            c, b = out.get(key, (0, 0))
+            out[key] = (c + calls, b + payload)
+    return out
+
+
+def parameter_counts(run: Run) -> tuple[int, int]:
+    """(Ψ of the logical model, parameters this rank holds). Ψ adds, over the world, the copies that count
+    (model.counts_here, with each parameter's data-parallel group as a replica axis): each logical element once."""
+    coords = run.mesh.coordinates()
+    params = list(run.model.parameters())
+    counted = sum(p.numel() for p in params if counts_here(p.shard_info, coords, (p.shard_info.grad_group,)))
+    psi = torch.tensor([counted], dtype=torch.float64, device=run.device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(psi)
+    return int(psi.item()), sum(p.numel() for p in params)
+
+
+def print_startup(run: Run):
+    """What each device holds and what each group sends, predicted; the end report measures the same."""
+    args, mesh, config = run.args, run.mesh, run.config
+    psi, local = parameter_counts(run)
     print0("=" * 100)
     print0(mesh_description(mesh))
-    print0(f"parameters: {psi:,} global (Ψ); {local_params:,} on each rank"
-           f" (n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} vocab={config.vocab_size})")
-    print0(f"batch: B_global={args.global_batch} = D {D} × m {steps_m} × B_μ {micro} sequences of {seq_len}"
-           f" tokens = {args.global_batch * seq_len:,} tokens/step; autocast {args.dtype}")
-    if args.zero:
-        persistent = layout.predicted_persistent()
-        for line in layout.accounting_lines(steps_m, local_params):  # Ψ of what ZeRO splits (TP-local shards)
-            print0(line)
-    else:
-        print0("predicted persistent memory per rank (fp32 master recipe, ZeRO stage 0):")
-        print0(f"  weights   fp32 {mfu.format_bytes(persistent['weights'])}")
-        print0(f"  grads     fp32 {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)")
-        print0(f"  AdamW m,v fp32 {mfu.format_bytes(persistent['optimizer'])}")
-    print0(f"  total          {mfu.format_bytes(persistent['total'])}; activations ≈"
-           f" {mfu.format_bytes(activation)} per micro-batch (Korthikanti, 16-bit, {how})")
-    print0(f"FLOPs/token: model {flops.model:,.0f}, hardware {flops.hardware:,.0f}  [{flops.convention}]")
-    print0(f"peak assumed: {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
-    if not args.zero:
-        print0(f"layout: parameters, gradients and AdamW state replicated over dp_cp; split: the batch"
-               f" ({micro} sequences per rank per micro-step)")
-        print0(f"predicted comm per step: all_reduce dp_cp (D·C={mesh.dp_cp_size}): payload"
-               f" {mfu.format_bytes(grad_bytes)}, sent per rank {mfu.format_bytes(wire)} in"
-               f" {len(ddp.buckets)} buckets of ≤{args.bucket_mb:g} MiB (2(N-1)/N·M, ring)")
-        last_bucket = mfu.format_bytes(ddp.bucket_sizes_bytes()[-1])
-        if mesh.dp_cp_size == 1:
-            print0("critical path: no gradient communication (one data rank)")
-        elif len(ddp.buckets) == 1:
-            print0(f"critical path: the single bucket ({last_bucket}) is sent after backward; lower --bucket-mb"
-                   f" to overlap it")
-        else:
-            print0(f"critical path: buckets 0..{len(ddp.buckets) - 2} overlap backward; the last one"
-                   f" ({last_bucket}, the first layers' grads) is sent after it, then scalar all-reduces")
-    print0(f"pipeline bubble: {mfu.pipeline_bubble(mesh.shape.pp, steps_m):.1%} (P={mesh.shape.pp}, m={steps_m})")
-    for line in extra_lines:
+    print0(f"parameters: {psi:,} global (Ψ); {local:,} on this rank (n_layer={config.n_layer} n_head={config.n_head}"
+           f" n_embd={config.n_embd} vocab={config.vocab_size})")
+    print0(f"batch: B_global={args.global_batch} = D {mesh.shape.dp} × m {run.micro_batches} × B_μ {run.micro}"
+           f" sequences of {run.seq_len} tokens = {run.tokens_per_step:,} tokens/step; autocast {args.dtype}")
+    for line in run.layout.startup_lines(run.micro_batches):
         print0(line)
+    activation, how = activation_estimate(run)
+    print0(f"activations ≈ {mfu.format_bytes(activation)} per micro-batch (Korthikanti, 16-bit, {how})")
+    print0(f"FLOPs/token: model {run.flops.model:,.0f}, hardware {run.flops.hardware:,.0f}  [{run.flops.convention}]")
+    print0(f"peak assumed: {run.peak[0] / 1e12:.2f} TFLOP/s per device ({run.peak[1]})")
+    for axis in run.axes:
+        for line in axis.startup_lines():
+            print0(line)
+    print0(f"schedule: {type(run.schedule).__name__}, pipeline bubble {run.schedule.bubble_fraction:.1%}")
+    print0("predicted comm per step (op, group: calls, payload M, sent per rank by the ring formulas):")
+    for (op, group), (calls, payload) in sorted(predicted_messages(run).items(), key=lambda kv: kv[0][::-1]):
+        n = dist.get_world_size(mesh.group(group)) if group in mesh.groups else dist.get_world_size()
+        print0(f"  {op:<22} {group:<9} {calls:>6g} calls  {mfu.format_bytes(payload):>12}"
+               f"  sent {mfu.format_bytes(mfu.wire_bytes(op, payload, n)):>12}")
     print0("=" * 100)
-    return {"grad_bytes": grad_bytes, "wire": wire, "persistent": persistent, "micro_batches": steps_m}
+
+
+def activation_estimate(run: Run) -> tuple[float, str]:
+    """Korthikanti et al. 2022 per micro-batch for the blocks this rank holds (16-bit activations)."""
+    config, mesh, sp = run.config, run.mesh, run.args.sp
+    blocks = len(run.model.transformer.h)
+    per_layer = mfu.activation_bytes_per_layer(run.seq_len, run.micro, config.n_embd, config.n_head,
+                                               t=mesh.shape.tp, sequence_parallel=sp)
+    if not config.activation_checkpointing:
+        return per_layer * blocks, f"{blocks} layers"
+    # Only each block's input survives forward (2·s·b·h bytes at 16 bits, /T with SP); backward rebuilds
+    # one block's activations at a time.
+    block_input = 2 * run.seq_len * run.micro * config.n_embd // (mesh.shape.tp if sp else 1)
+    return block_input * blocks + per_layer, f"{blocks} block inputs + one layer recomputed"
+
+
+def print_end(run: Run, steps_run: int, seconds: float, steps_timed: int):
+    """Measured against predicted. steps_run: steps traced (a resumed run starts late); steps_timed: timed."""
+    held, predicted = run.layout.held_bytes(), run.layout.predicted_persistent()
+    print0("=" * 100)
+    print0("measured vs predicted (per rank, rank 0):")
+    for kind in ("weights", "grads", "optimizer", "total"):
+        print0(f"  {kind:<9} held {mfu.format_bytes(held[kind]):>12}   predicted {mfu.format_bytes(predicted[kind]):>12}")
+    if run.device.type == "cuda":
+        print0(f"  CUDA allocator peak {mfu.format_bytes(torch.cuda.max_memory_allocated())}")
+    for line in run.layout.end_lines(run.tracer, steps_run):
+        print0(line)
+    for axis in run.axes:
+        for line in axis.end_lines(run.tracer, steps_run):
+            print0(line)
+    if steps_run:
+        print0("messages per training step, traced vs predicted (calls, payload):")
+        for key, (calls, payload) in sorted(predicted_messages(run).items(), key=lambda kv: kv[0][::-1]):
+            stat = run.tracer.records.get(key)
+            got_calls, got_payload = (stat.calls / steps_run, stat.payload_bytes / steps_run) if stat else (0, 0)
+            mark = "" if (got_calls, got_payload) == (calls, payload) else "   <- differs"
+            print0(f"  {key[0]:<22} {key[1]:<9} traced {got_calls:>6g} {mfu.format_bytes(got_payload):>12}"
+                   f"   predicted {calls:>6g} {mfu.format_bytes(payload):>12}{mark}")
+    print0("communication by (collective, group) over the training steps:")
+    print0(run.tracer.table())
+    if steps_timed:
+        tokens_per_s = run.tokens_per_step * steps_timed / seconds
+        world, peak = run.mesh.shape.world_size, run.peak[0]
+        print0(f"throughput {tokens_per_s:,.0f} tok/s, MFU {mfu.mfu(run.flops.model, tokens_per_s, peak, world):.2%},"
+               f" HFU {mfu.mfu(run.flops.hardware, tokens_per_s, peak, world):.2%}"
+               f" (mean over {steps_timed} steps, the first one of the run excluded)")
+    print0("=" * 100)
 
 
 def mesh_description(mesh) -> str:
@@ -393,202 +571,6 @@ def mesh_description(mesh) -> str:
         if len(partition[0]) > 1:
             lines.append(f"  {axis:>9} groups: {partition}")
     return "\n".join(lines)
-
-
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        shape, steps_m, micro = validate_args(args, world_size)
-        data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
-    except (FlagError, RuntimeError) as e:
-        # Every rank validates the same flags and exits before any of them waits on a peer.
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-    device, backend = choose_device_and_backend(args.backend)
-    rank, world_size = init_distributed(backend)
-    mesh = build_mesh(shape, rank)
-    # Dropout differs per rank, like independent devices, except across a TP group, whose ranks hold copies of
-    # the same activations (tensor_parallel.TensorParallelRNG forks it for split ones). Init is seeded apart.
-    torch.manual_seed(args.seed + rank // shape.tp)
-
-    # Data: rank 0 tokenizes the corpus once into the cache; the others wait, then memory-map it.
-    cache_dir = os.path.join(args.out_dir, "data")
-    if rank == 0:
-        corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=print0)
-    dist.barrier()
-    if rank != 0:
-        corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=lambda *a, **k: None)
-    train_tokens, val_tokens = data.TokenFile(corpus.train_path), data.TokenFile(corpus.val_path)
-
-    config = model_config(args)
-    config.vocab_size = padded_vocab(corpus.vocab_size) if args.tokenizer != "byte" else corpus.vocab_size
-    seq_len = args.seq_len or config.block_size
-    model = GPT(config, seed=args.seed, device=device)
-    # N of 6N: the weights that enter a matmul (blocks' linears and the tied head), counted on the logical
-    # model before TP splits it; N_r: those whose forward activation checkpointing recomputes (the blocks').
-    n_matmul_params = model.transformer.wte.weight.numel() + sum(
-        p.numel() for p in model.transformer.h.parameters() if p.dim() == 2)
-    n_recomputed = sum(p.numel() for p in model.transformer.h.parameters() if p.dim() == 2)
-    autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.dtype != "fp32" else nullcontext())
-    tp, tp_lines, tp_kwargs = None, [], {}
-    if shape.tp > 1:  # TP swaps the linears, embedding and head before DDP wraps the model
-        tp = tensor_parallel.parallelize(model, mesh.tp_group, args.sp, seed=args.seed)
-        if args.zero:  # ZeRO trains in its working dtype (bf16 weights, fp32 masters: 2 + 2 + 12 bytes/param)
-            tp_lines = tp.startup_lines(micro, seq_len, DTYPES[args.dtype].itemsize, autocast,
-                                        ZERO_PARAM_DTYPES[args.dtype])  # 2+2+12 or 4+4+8: 16 bytes/param either way
-            tp_lines.append("  (with --zero these per-rank TP figures are before ZeRO shards them over D: see above)")
-        else:
-            tp_lines = tp.startup_lines(micro, seq_len, DTYPES[args.dtype].itemsize, autocast)
-        tp_kwargs = dict(norm_groups=(mesh.tp_group,), tp_rank=mesh.tp_rank, after_grad_sync=(tp.finish_grad_sync,))
-    compiled = torch.compile(model) if args.compile else model
-    if args.zero:  # zero.py shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
-        ddp = None
-        tp_norm = {key: tp_kwargs[key] for key in ("norm_groups", "tp_rank") if key in tp_kwargs}
-        if tp is not None:  # SP's replicated parameters: their gradient shards are summed over the TP group
-            tp_norm["grad_sum"] = (mesh.tp_group, tp.sequence_parallel_params)
-        layout = ZeroLayout(model, mesh.dp_cp_group, args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                            betas=(args.beta1, args.beta2), param_dtype=ZERO_PARAM_DTYPES[args.dtype],
-                            master_dtype=torch.float32, bucket_mb=args.bucket_mb, forward=compiled, **tp_norm)
-    else:
-        ddp = DistributedDataParallel(compiled, group=mesh.dp_cp_group, bucket_mb=args.bucket_mb)
-        optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
-        layout = ReplicatedUpdate(ddp, optimizer, **tp_kwargs)
-    schedule = LRSchedule(args.lr, args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
-                          args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
-    scaler = DynamicLossScaler(enabled=args.dtype == "fp16")
-    sampler = data.BatchSampler(len(train_tokens), seq_len, args.global_batch, args.seed)
-    val_sampler = data.EvalSampler(len(val_tokens), seq_len, args.global_batch)
-    eval_batches = min(args.eval_batches, val_sampler.num_batches)
-
-    flops = mfu.flops_per_token(
-        n_matmul_params=n_matmul_params, n_layer=config.n_layer,
-        n_head=config.n_head, head_dim=config.head_dim, seq_len=seq_len, recompute=config.activation_checkpointing,
-        n_recomputed_params=n_recomputed,
-    )
-    peak, peak_source = mfu.detect_peak_flops(device, args.dtype, args.peak_tflops)
-    predicted = startup_accounting(mesh, model, config, args, micro, steps_m, seq_len, flops, peak, peak_source,
-                                   ddp, device, layout, tp_lines)
-    if tp is not None:
-        predicted["tp_step"] = tp.step_messages(micro, seq_len, steps_m, DTYPES[args.dtype].itemsize,
-                                                sp_grad_bytes=layout.grad_sum_bytes if args.zero else None)
-
-    checkpointer, start_step = None, 0
-    if args.ckpt_dir:
-        run_record = dict(steps=args.steps, lr=args.lr, min_lr=schedule.min_lr, warmup_steps=schedule.warmup_steps,
-                          global_batch=args.global_batch, seq_len=seq_len, seed=args.seed)
-        checkpointer = ckpt.Checkpointer(args.ckpt_dir, mesh, keep=args.keep, async_save=args.async_ckpt,
-                                         mtbf_hours=args.mtbf_hours, device=device, log=print0,
-                                         run_record=run_record)
-        if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
-            start_step = checkpointer.resume(args.resume, layout, scaler, sampler, args.seed)
-
-    # A resumed run appends: the replayed steps then sit next to the originals in one file.
-    metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and rank == 0) else None
-    tracer = mfu.CommTracer()
-    for axis, group in mesh.groups.items():
-        tracer.name_group(group, axis)
-    dp_rank, dp_size = mesh.dp_rank, mesh.dp_size
-    tokens_per_step = args.global_batch * seq_len
-    timed_seconds, timed_steps = 0.0, 0
-    for step in range(start_step, args.steps):
-        lr = schedule(step)
-        layout.set_lr(lr)
-        batches = [sampler.get_batch(train_tokens, step, dp_rank, dp_size, micro, i) for i in range(steps_m)]
-        start = time.perf_counter()
-        with tracer:  # count the messages of training steps only (not evaluation)
-            loss, result = train_step(layout, scaler, batches, mesh.dp_cp_group, args.grad_clip, autocast,
-                                      device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        step_time = time.perf_counter() - start
-        if step > start_step:  # the first step pays one-off costs (allocation, compile)
-            timed_seconds, timed_steps = timed_seconds + step_time, timed_steps + 1
-        tokens_per_s = tokens_per_step / step_time
-        step_mfu = mfu.mfu(flops.model, tokens_per_s, peak, world_size)
-        record = dict(step=step, loss=loss, lr=lr, grad_norm=result.grad_norm, tokens=tokens_per_step,
-                      step_time_s=step_time, tokens_per_s=tokens_per_s, mfu=step_mfu, skipped=result.skipped)
-        if scaler.enabled:
-            record["loss_scale"] = scaler.scale
-        last = step == args.steps - 1
-        if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
-            record["val_loss"] = evaluate(layout, model, val_tokens, val_sampler, eval_batches, dp_rank, dp_size,
-                                          micro, mesh.dp_cp_group, autocast, device)
-        if step % args.log_every == 0 or last or "val_loss" in record:
-            val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
-            print0(f"step {step:5d} | loss {loss:.4f}{val} | lr {lr:.2e} | grad norm {result.grad_norm:.3f}"
-                   f"{' (skipped)' if result.skipped else ''} | {tokens_per_s:,.0f} tok/s"
-                   f" | MFU {step_mfu:.2%} | {step_time * 1000:.0f} ms")
-        if metrics:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-        if checkpointer:
-            checkpointer.step_end(step + 1, args.ckpt_every, last, layout, scaler, sampler)
-    if metrics:
-        metrics.close()
-    if checkpointer:
-        checkpointer.close()
-
-    end_accounting(tracer, predicted, layout, args, args.steps - start_step, timed_seconds, timed_steps,
-                   tokens_per_step, flops, peak, world_size, device)
-    if args.zero == 3:
-        layout.unshard()  # gather every weight once: sampling runs a forward on some ranks only
-    if args.sample_tokens and rank < shape.tp:  # rank 0's TP group samples together (rank 0 prints)
-        with tp.full_logits() if tp is not None else nullcontext():
-            sample(model, val_tokens, corpus.tokenizer_name, args.sample_tokens, args.seed, device)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def end_accounting(tracer, predicted, layout, args, steps_run, seconds, steps, tokens_per_step, flops, peak,
-                   world_size, device):
-    """Measured against predicted. steps_run: steps traced (a resumed run starts late); steps: steps timed."""
-    held = layout.held_bytes()
-    print0("=" * 100)
-    print0("measured vs predicted (per rank, rank 0):")
-    for kind in ("weights", "grads", "optimizer", "total"):
-        print0(f"  {kind:<9} held {mfu.format_bytes(held[kind]):>12}   predicted"
-               f" {mfu.format_bytes(predicted['persistent'][kind]):>12}")
-    if device.type == "cuda":
-        print0(f"  CUDA allocator peak {mfu.format_bytes(torch.cuda.max_memory_allocated())}")
-    if args.zero:
-        for line in layout.end_report_lines(tracer.records, "dp_cp", steps_run, predicted["micro_batches"]):
-            print0(line)
-    grad_sync = tracer.records.get(("all_reduce", "dp_cp"))
-    if grad_sync is not None and steps_run and not args.zero:
-        # Every step sends the gradients plus two float64 scalars (token count, loss) over dp_cp.
-        print0(f"  all_reduce dp_cp per step: measured payload {mfu.format_bytes(grad_sync.payload_bytes / steps_run)}"
-               f" (gradients predicted {mfu.format_bytes(predicted['grad_bytes'])} + 2 scalars),"
-               f" sent {mfu.format_bytes(grad_sync.wire_bytes / steps_run)} (predicted"
-               f" {mfu.format_bytes(predicted['wire'])})")
-    if predicted.get("tp_step") and steps_run:
-        print0("  tp group per step (every step: messages × payload, measured vs predicted):")
-        for op, (calls, payload) in predicted["tp_step"].items():
-            stat = tracer.records.get((op, "tp"))
-            m_calls, m_payload = (stat.calls / steps_run, stat.payload_bytes / steps_run) if stat else (0, 0)
-            print0(f"    {op:<22} measured {m_calls:g} calls {mfu.format_bytes(m_payload):>10}   predicted"
-                   f" {calls} calls {mfu.format_bytes(payload):>10}")
-    print0("communication by (collective, group) over the whole run:")
-    print0(tracer.table())
-    if steps:
-        tokens_per_s = tokens_per_step * steps / seconds
-        print0(f"throughput {tokens_per_s:,.0f} tok/s, MFU {mfu.mfu(flops.model, tokens_per_s, peak, world_size):.2%},"
-               f" HFU {mfu.mfu(flops.hardware, tokens_per_s, peak, world_size):.2%}"
-               f" (mean over {steps} steps, the first one of the run excluded)")
-    print0("=" * 100)
-
-
-@torch.no_grad()
-def sample(model, val_tokens, tokenizer_name, num_tokens, seed, device):
-    tokenizer = data.get_tokenizer(tokenizer_name)
-    prompt = torch.from_numpy(val_tokens.tokens[:32].astype("int64"))[None].to(device)
-    model.eval()
-    out = model.generate(prompt, num_tokens, temperature=0.8, top_k=50,
-                         generator=torch.Generator(device=device).manual_seed(seed))
-    model.train()
-    print0("sample (prompt from the val split, then the model):")
-    print0(tokenizer.decode(out[0].tolist()))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ below holds exactly with Ψ' (and within that padding with Ψ).
 The update on a shard is torch.optim.AdamW's, element for element: decoupled decay p ← p·(1 - lr·wd) on the
 tensors of dim ≥ 2 (kept as [start, end) segments of the shard, no per-element mask), then m ← β1·m + (1-β1)·g,
 v ← β2·v + (1-β2)·g², p ← p - lr/(1-β1^t) · m / (√v/√(1-β2^t) + ε). Everything else follows DESIGN.md's
-order: reduce → unscale → all ranks finite? → global norm = √(Σ_ranks Σ_shard g²) (padding is zero, TP-
-replicated tensors counted on tp_rank 0 only, summed over `norm_groups` too) → clip → all step or all skip.
+order, through optim.update: reduce → unscale → all ranks finite? → global norm = √(Σ_world Σ_shard g²)
+(padding is zero; a tensor replicated over a model axis, such as TP's LayerNorms, is counted on coordinate 0
+of that axis only: model.counts_here) → clip → all step or all skip.
 
 Mixed precision. Working parameters and gradients are `param_dtype` (bf16 in train.py: b_w = b_g = 2), the
 optimizer keeps `master_dtype` master weights and moments (fp32: b_o = 4 + 4 + 4 = 12): the 2 + 2 + 12 = 16
@@ -67,9 +68,9 @@ working weights / gradients / optimizer state, m micro-batches per step, U the l
        from its forward into its backward) = the paper's 3Ψ less what is not regathered. Exposed (not hidden
        behind compute): the gathers of the root and block 0 at the start of forward, and the root's
        reduce-scatter at the end of backward (its last gradient, the embeddings', comes last).
-   Plus small all-reduces: the squared grad norm (8 bytes, dp×cp and norm_groups), the finite flag (world),
-   and with sequence parallel (`grad_sum`) one all-reduce over the TP group of this shard's part of the SP
-   replicated parameters' gradients (b_g bytes each).
+   Plus the update's 16-byte all-reduce over the world (optim.update: squared norm and non-finite count),
+   and with sequence parallel one all-reduce over the TP group of this shard's part of the SP replicated
+   parameters' gradients (tensor_parallel's after_grad_sync, on `grad_pieces`).
 4. Restart state: `state_pieces()` lists, per logical tensor, the working weights (`param/`: the full tensor
    at stages 1/2, written by dp rank 0 only; this rank's flat range at stage 3), and this rank's flat range of
    `master/`, `exp_avg/`, `exp_avg_sq/`, plus `optimizer_step_count` (Adam's t). The flat ranges exclude the
@@ -88,7 +89,8 @@ import torch.nn as nn
 import mfu
 from ddp import assert_same_across_ranks, reverse_order_buckets
 from model import ShardInfo, StatePiece
-from optim import StepResult, all_ranks_finite, counts_once
+from model import counts_here
+from optim import StepResult, update
 
 
 class _Unit:
@@ -117,7 +119,6 @@ class _Unit:
         self.exp_avg_sq = None
         self.decay_segments = []  # [(lo, hi)] of the shard that get weight decay (dim ≥ 2)
         self.uncounted_segments = []  # [(lo, hi)] of the shard that the global norm skips (TP replicas)
-        self.grad_sum_segments = []  # [(lo, hi)] of the shard also summed over `grad_sum`'s group (SP)
         self.gather_work = None  # stage 3 in-flight all-gather
         self.gathered = False  # stage 3: the full buffer's storage is allocated
 
@@ -138,16 +139,18 @@ class ZeroLayout:
 
     def __init__(self, module: nn.Module, group, stage: int, *, lr: float, weight_decay: float = 0.1,
                  betas=(0.9, 0.95), eps: float = 1e-8, param_dtype=torch.float32, master_dtype=torch.float32,
-                 bucket_mb: float = 25.0, norm_groups=(), tp_rank: int = 0, check_same_init: bool = True,
-                 forward=None, grad_sum=None):
+                 bucket_mb: float = 25.0, coords: dict | None = None, check_same_init: bool = True,
+                 forward=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage} (stage 0 is ddp.py + ReplicatedUpdate)")
         self.module, self.group, self.stage = module, group, stage
         self.forward = forward or module  # e.g. torch.compile(module) (stages 1/2)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.param_dtype, self.master_dtype = param_dtype, master_dtype
-        self.norm_groups, self.tp_rank = norm_groups, tp_rank
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        # This rank's index along the model axes (Mesh.coordinates()): which replicated copies count (TP rank 0's
+        # LayerNorms, ...). The dp×cp group holds disjoint shards, so every shard element counts somewhere.
+        self.coords = dict(coords or {})
         self.step_count = 0  # Adam's t
         self.require_grad_sync = True
         self.peak_gathered_units = 0
@@ -163,6 +166,12 @@ class ZeroLayout:
         for p in params:
             if not hasattr(p, "shard_info"):
                 p.shard_info = ShardInfo(global_name=names[id(p)], global_shape=tuple(p.shape))
+            if p.shard_info.grad_group != "dp_cp":
+                raise ValueError(f"{p.shard_info.global_name} reduces over {p.shard_info.grad_group!r}: this ZeRO"
+                                 f" layout shards over the dense data-parallel group (dp×cp) only")
+            missing = set(p.shard_info.replicated_over) - set(self.coords)
+            if missing:
+                raise ValueError(f"{p.shard_info.global_name} is replicated over {sorted(missing)}: pass coords")
         device = params[0].device
         if stage == 3:
             self.blocks = list(module.transformer.h)
@@ -180,17 +189,6 @@ class ZeroLayout:
             for unit in self.units:
                 self._build_unit(unit, device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-        # grad_sum = (group, params): gradients that must also be summed over another group once the data-
-        # parallel reduction is done. Sequence parallel's replicated parameters (LayerNorms, row-parallel
-        # biases, positions) see only their piece of the sequence on each TP rank: their gradient is the sum
-        # over the TP group. Both reductions are sums, so their order is free; and every rank of a TP group
-        # has the same local shapes and the same dp rank, so the same shard segments on every one of them.
-        self.grad_sum_group = None
-        if grad_sum is not None:
-            self.grad_sum_group, summed = grad_sum[0], {id(p) for p in grad_sum[1]}
-            for unit in self.units:
-                spans = (unit.shard_range_of(i) for i, p in enumerate(unit.params) if id(p) in summed)
-                unit.grad_sum_segments = [span for span in spans if span is not None]
         if stage == 3:
             self.block_units = self.units[-2::-1]  # block i's unit
             self.root = self.units[-1]
@@ -228,7 +226,7 @@ class ZeroLayout:
             if span is not None:
                 if p.dim() >= 2:
                     unit.decay_segments.append(span)
-                if not counts_once(p, self.tp_rank):
+                if not counts_here(p.shard_info, self.coords):
                     unit.uncounted_segments.append(span)
         unit.decay_segments = _merge(unit.decay_segments)
         if self.stage == 3:
@@ -307,27 +305,17 @@ class ZeroLayout:
         while self._in_flight:
             self._complete_oldest()
         self._launched_this_step = False
-        if self.grad_sum_group is not None:
-            self._sum_segments_over_grad_sum_group()
 
-    @torch.no_grad()
-    def _sum_segments_over_grad_sum_group(self):
-        """One flat all-reduce of this shard's grad_sum segments (sequence parallel: over the TP group)."""
-        segments = [unit.grad_shard[lo:hi] for unit in self.units for lo, hi in unit.grad_sum_segments]
-        if not segments:  # the same on every rank of the group: nobody sends
-            return
-        flat = torch.cat(segments)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.grad_sum_group)
-        offset = 0
-        for segment in segments:
-            segment.copy_(flat[offset:offset + segment.numel()])
-            offset += segment.numel()
+    def grad_pieces(self, params) -> list:
+        """The segments of this rank's gradient shards that belong to `params` (views, in unit order).
 
-    @property
-    def grad_sum_bytes(self) -> int:
-        """Payload of that all-reduce per step: this rank's shard of the summed parameters' gradients."""
-        numel = sum(hi - lo for unit in self.units for lo, hi in unit.grad_sum_segments)
-        return numel * self.param_dtype.itemsize
+        Ranks that hold the same parameters with the same shapes and the same dp rank (the members of a TP
+        group) get the same segments, so an axis can sum them over its group in place: sequence parallel's
+        replicated parameters see only their piece of the sequence, and their gradient is the sum over TP.
+        """
+        wanted = set(params)
+        return [unit.grad_shard[lo:hi] for unit in self.units for i, p in enumerate(unit.params)
+                if p in wanted and (span := unit.shard_range_of(i)) is not None for lo, hi in (span,)]
 
     def zero_grad(self):
         for unit in self.units:
@@ -345,36 +333,26 @@ class ZeroLayout:
         self.step_count = int(value)
 
     @torch.no_grad()
-    def step(self, scaler, clip: float, device) -> StepResult:
-        """Unscale → all ranks finite? → global norm over the shards → clip → AdamW on every shard → publish."""
+    def step(self, scaler, clip: float) -> StepResult:
+        """optim.update on the master-dtype gradient shards, then AdamW on every shard and publish."""
         grads = [u.grad_shard.to(self.master_dtype) for u in self.units]  # the same tensors if dtypes agree
-        if scaler.enabled:
-            torch._foreach_mul_(grads, 1.0 / scaler.scale)
-        # One pass over the shards gives both answers: a non-finite gradient makes its shard's norm non-finite.
-        sq_sum = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
-        for unit, g in zip(self.units, grads):
-            for lo, hi in unit.uncounted_segments:  # a TP replica another tp rank already counts
-                sq_sum -= g[lo:hi].double().pow(2).sum()
-        if not all_ranks_finite(bool(torch.isfinite(sq_sum)), device):
-            scaler.update(found_nonfinite=True)
-            return StepResult(grad_norm=float("nan"), skipped=True)
-        for group in (self.group, *self.norm_groups):  # shards over dp, different pieces over TP/PP
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(sq_sum, op=dist.ReduceOp.SUM, group=group)
-        grad_norm = float(sq_sum.sqrt())
-        if clip > 0 and grad_norm > clip:
-            torch._foreach_mul_(grads, clip / (grad_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s coefficient
-        # Unit by unit: the all-gather of unit k (stages 1/2) runs while unit k+1 is being updated.
-        self.step_count += 1
-        gathers = []
-        for unit, grad in zip(self.units, grads):
-            self._adamw(unit, grad)
-            gathers.append(self._publish(unit))
-        for work in gathers:
-            if work is not None:
-                work.wait()
-        scaler.update(found_nonfinite=False)
-        return StepResult(grad_norm=grad_norm, skipped=False)
+        # A shard counts whole unless it holds replicas another rank counts (TP's LayerNorms on tp rank > 0):
+        # then only its other segments count.
+        counted = [not u.uncounted_segments for u in self.units]
+        pieces = [g[lo:hi] for u, g in zip(self.units, grads) if u.uncounted_segments
+                  for lo, hi in _complement(u.uncounted_segments, u.shard_numel)]
+
+        def adamw_and_publish():  # unit by unit: the all-gather of unit k (stages 1/2) overlaps unit k+1's update
+            self.step_count += 1
+            gathers = []
+            for unit, grad in zip(self.units, grads):
+                self._adamw(unit, grad)
+                gathers.append(self._publish(unit))
+            for work in gathers:
+                if work is not None:
+                    work.wait()
+
+        return update(grads, counted, scaler, clip, adamw_and_publish, grads[0].device, counted_pieces=pieces)
 
     def _adamw(self, unit: _Unit, grad: torch.Tensor):
         """torch.optim.AdamW (amsgrad off) on one shard: decoupled decay, moments, bias-corrected update."""
@@ -538,6 +516,27 @@ class ZeroLayout:
         reduces = micro_batches if self.stage == 2 else 1
         return {"all_gather_single": b.weights * psi, "reduce_scatter_single": reduces * b.grads * psi}
 
+    def predicted_messages(self, micro_batches: int) -> dict:
+        """{(op, "dp_cp"): (calls, payload)} per step (the layout protocol's form of predicted_comm)."""
+        if self.dp_size == 1:
+            return {}
+        units = len(self.units)
+        if self.stage == 3:  # per micro-batch: forward gathers every unit, the root twice; backward all but the
+            calls = {"all_gather_single": micro_batches * (2 * units - 1),  # root and the last block
+                     "reduce_scatter_single": micro_batches * units}
+        else:
+            calls = {"all_gather_single": units,
+                     "reduce_scatter_single": units * (micro_batches if self.stage == 2 else 1)}
+        return {(op, "dp_cp"): (calls[op], payload) for op, payload in self.predicted_comm(micro_batches).items()}
+
+    def startup_lines(self, micro_batches: int) -> list:
+        return self.accounting_lines(micro_batches, self.numel)
+
+    def end_lines(self, tracer, steps: int) -> list:
+        return [f"  ZeRO-{self.stage} peak lower bound {mfu.format_bytes(self.peak_lower_bound())}"
+                + (f"; gathered units alive at once: {self.peak_gathered_units} (bound: 2, in use + prefetched)"
+                   if self.stage == 3 else "")]
+
     def accounting_lines(self, micro_batches: int, psi: int) -> list:
         """The start-up printout: predicted persistent bytes next to held, peak bound, predicted comm."""
         b, D = self.bytes_per_param(), self.dp_size
@@ -588,7 +587,7 @@ class ZeroLayout:
                 name, info = p.shard_info.global_name, p.shard_info
                 # A TP-replicated tensor (LayerNorm, row-parallel bias) is identical on every TP rank:
                 # only TP rank 0's copy is written.
-                written_here = counts_once(p, self.tp_rank)
+                written_here = counts_here(info, self.coords)
                 span = unit.shard_range_of(i)
                 if self.stage < 3:
                     pieces.append(StatePiece(f"param/{name}", p.data, info, None,
@@ -618,6 +617,16 @@ class ZeroLayout:
             if self.stage == 3 and not was_gathered:
                 self._free(unit)
         return out
+
+
+def _complement(segments: list, n: int) -> list:
+    """[lo, hi) ranges of [0, n) not covered by the sorted, disjoint `segments`."""
+    out, start = [], 0
+    for lo, hi in sorted(segments):
+        if lo > start:
+            out.append((start, lo))
+        start = max(start, hi)
+    return out + [(start, n)] if start < n else out
 
 
 def _free_storage(t: torch.Tensor):

@@ -37,11 +37,12 @@ def _bench(rank, world, root, saves, between):
     from mesh import MeshShape, build_mesh
     from model import GPT, config_from_preset
     from optim import DynamicLossScaler, build_adamw
-    from train import ReplicatedUpdate, train_step
+    from ddp import DDPLayout
+    from step import train_step
 
     mesh = build_mesh(MeshShape(dp=world))
     model = GPT(config_from_preset("small"), seed=0)
-    layout = ReplicatedUpdate(DistributedDataParallel(model, group=mesh.dp_cp_group), build_adamw(model.parameters(), 1e-3))
+    layout = DDPLayout(DistributedDataParallel(model, group=mesh.dp_cp_group), build_adamw(model.parameters(), 1e-3))
     scaler, sampler = DynamicLossScaler(False), BatchSampler(100_000, 128, 2 * world, 0)
     generator = torch.Generator().manual_seed(rank)
     batch = [(torch.randint(0, 256, (2, 128), generator=generator),) * 2]

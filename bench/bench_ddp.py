@@ -2,7 +2,7 @@
 
     python bench/bench_ddp.py [--preset small] [--steps 8]
 
-Both wrappers drive the identical train.train_step (same loss normalisation, AdamW, clipping); only the
+Both wrappers drive the identical step.train_step (same loss normalisation, AdamW, clipping); only the
 gradient sync differs. Steps alternate between the two so noise on this shared machine hits both alike;
 the printed ratio is median step time of ddp.py / median step time of torch DDP (target ≤ 1.0).
 """
@@ -17,14 +17,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from common import alternate, launch  # noqa: E402
-from ddp import DistributedDataParallel  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
-from optim import DynamicLossScaler, build_adamw, unscale_clip_and_step  # noqa: E402
-from train import ReplicatedUpdate, train_step  # noqa: E402
+from ddp import DDPLayout, DistributedDataParallel  # noqa: E402
+from optim import DynamicLossScaler, build_adamw, update  # noqa: E402
+from step import train_step  # noqa: E402
 
 
-class TorchDDPLayout(ReplicatedUpdate):
+class TorchDDPLayout(DDPLayout):
     """torch's DDP behind the same layout protocol: it syncs inside backward, so finish has nothing to do."""
+
+    def __init__(self, ddp, optimizer):
+        self.ddp, self.optimizer, self.module = ddp, optimizer, ddp.module
+        self.params = list(ddp.module.parameters())
 
     def finish_grad_sync(self):
         pass
@@ -32,15 +36,16 @@ class TorchDDPLayout(ReplicatedUpdate):
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=False)  # keep the bucket views, as ddp.py does
 
-    def step(self, scaler, clip, device):
-        return unscale_clip_and_step(self.ddp.module.parameters(), self.optimizer, scaler, clip, device=device)
+    def step(self, scaler, clip):
+        grads = [p.grad for p in self.params]
+        counted = [dist.get_rank() == 0] * len(grads)  # replicas: rank 0's copy counts, as DDPLayout's
+        return update(grads, counted, scaler, clip, self.optimizer.step, "cpu")
 
 
 def run(rank, world, preset, steps, micro, bucket_mb):
     config = config_from_preset(preset)
     ours_model, torch_model = GPT(config, seed=0), GPT(config, seed=0)
-    ours = ReplicatedUpdate(DistributedDataParallel(ours_model, bucket_mb=bucket_mb),
-                            build_adamw(ours_model.parameters(), 1e-4))
+    ours = DDPLayout(DistributedDataParallel(ours_model, bucket_mb=bucket_mb), build_adamw(ours_model.parameters(), 1e-4))
     theirs_ddp = torch.nn.parallel.DistributedDataParallel(torch_model, bucket_cap_mb=bucket_mb,
                                                            gradient_as_bucket_view=True)
     theirs = TorchDDPLayout(theirs_ddp, build_adamw(torch_model.parameters(), 1e-4))

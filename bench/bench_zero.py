@@ -17,7 +17,7 @@ ZeroRedundancyOptimizer (all-reduce + broadcasts, 3Ψ).
 
 Part 2: persistent bytes per rank for stages 0-3 at D = 1, 2, 4 for the `small` preset, predicted by
 mfu.persistent_bytes and measured with held_bytes() on layouts built on D gloo ranks: the fp32 recipe
-(4 + 4 + 8, what `--dtype fp32` runs; stage 0 is ddp.py + ReplicatedUpdate) and the mixed recipe
+(4 + 4 + 8, what `--dtype fp32` runs; stage 0 is ddp.py + DDPLayout) and the mixed recipe
 (2 + 2 + 12, what `--zero N --dtype bf16` runs; stage 0 predicted only, train.py's stage 0 keeps fp32 weights).
 """
 
@@ -67,7 +67,7 @@ def _batches(steps, rank, world, micro, seq, vocab):
 
 
 def _plain_step(model, optimizer, params, x, y, group):
-    """The update train.train_step makes, written for torch's layouts: loss_sum / global tokens, clip, step.
+    """The update step.train_step makes, written for torch's layouts: loss_sum / global tokens, clip, step.
 
     torch's DDP and FSDP AVERAGE gradients over the D ranks where zero.py sums them (DESIGN.md): the loss is
     scaled by D here so that both give the gradient of the global mean loss (clipping sees the same norm)."""
@@ -92,7 +92,7 @@ def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
 
     from model import GPT, config_from_preset
     from optim import DynamicLossScaler, adamw_param_groups, build_adamw
-    from train import train_step
+    from step import train_step
     from zero import ZeroLayout
 
     config = config_from_preset("small", **config_kw)
@@ -105,8 +105,7 @@ def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
         layout = ZeroLayout(model, group, stage, bucket_mb=bucket_mb, **HYPER)
 
         def step(x, y):
-            loss, _ = train_step(layout, scaler, [(x, y)], group, CLIP, nullcontext(), "cpu")
-            return loss
+            return train_step(layout, scaler, [(x, y)], group, CLIP, nullcontext(), "cpu").loss
 
         return step, layout.held_bytes
 
@@ -199,7 +198,7 @@ def _persistent(rank, world, recipe):
     from ddp import DistributedDataParallel
     from model import GPT, config_from_preset
     from optim import build_adamw
-    from train import ReplicatedUpdate
+    from ddp import DDPLayout
     from zero import ZeroLayout
 
     config = config_from_preset("small")
@@ -215,7 +214,7 @@ def _persistent(rank, world, recipe):
             ddp = DistributedDataParallel(model, bucket_mb=25.0)
             optimizer = build_adamw(model.parameters(), **HYPER)
             optimizer.step()  # AdamW allocates its moments on the first step (the gradients are zero)
-            layout = ReplicatedUpdate(ddp, optimizer)
+            layout = DDPLayout(ddp, optimizer)
             rows[stage] = (mfu.persistent_bytes(psi, recipe, 0, world), layout.held_bytes(), psi)
         else:
             layout = ZeroLayout(model, None, stage, param_dtype=dtypes[0], master_dtype=dtypes[1], **HYPER)

@@ -5,3 +5,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--backend", choices=["gloo", "nccl"], default=None,
+                     help="process-group backend of the multi-rank tests (default: $TEST_BACKEND or gloo)")
+
+
+def pytest_configure(config):
+    # The spawned ranks read the environment (harness.backend()), so the option is passed on through it.
+    if config.getoption("--backend"):
+        os.environ["TEST_BACKEND"] = config.getoption("--backend")

@@ -2,8 +2,11 @@
 
     results = run_ranks(check_fn, world_size=4, arg1, arg2, timeout=120)
 
-`check_fn(rank, world_size, *args)` runs in a fresh process with the default process group initialised
-(gloo, CPU). Its return value (tensors, numbers, dicts...) comes back in `results[rank]`, so the assertion
+`check_fn(rank, world_size, *args)` runs in a fresh process with the default process group initialised.
+By default that is gloo on CPU. With `TEST_BACKEND=nccl` (or `pytest --backend nccl`) each rank takes GPU
+`rank` and the group is "cpu:gloo,cuda:nccl": collectives on CUDA tensors go over NCCL, those on CPU tensors
+over gloo, so every test still runs; `device()` tells a test body where to put its tensors, and a test that
+needs more ranks than there are GPUs is skipped with that reason. Its return value (tensors, numbers, dicts...) comes back in `results[rank]`, so the assertion
 can live in the test itself. If any rank raises, every rank is killed and the test fails with that rank's
 traceback; if the ranks do not all finish within `timeout` seconds (a hang: a mismatched collective, a
 missing peer), they are killed and the test fails naming the ranks still running.
@@ -23,17 +26,42 @@ import tempfile
 import time
 import traceback
 
+BACKEND_ENV = "TEST_BACKEND"  # gloo (default) | nccl
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "numpy"])
 
 
-def _rank_main(fn, rank, world_size, store_path, threads, args, kwargs, results):
+def backend() -> str:
+    """The backend of the multi-rank tests: $TEST_BACKEND (set by `pytest --backend`), gloo by default."""
+    name = os.environ.get(BACKEND_ENV, "gloo")
+    if name not in ("gloo", "nccl"):
+        raise ValueError(f"{BACKEND_ENV}={name!r}: expected gloo or nccl")
+    return name
+
+
+def device():
+    """Where a test body should build its tensors: CPU under gloo, this rank's GPU under nccl."""
+    import torch
+    import torch.distributed as dist
+
+    if backend() == "nccl":
+        return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _rank_main(fn, rank, world_size, store_path, threads, backend_name, args, kwargs, results):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    os.environ[BACKEND_ENV] = backend_name  # what device() answers in this rank
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        if backend_name == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{store_path}", rank=rank,
+                                    world_size=world_size, device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args, **kwargs)
         buffer = io.BytesIO()
         torch.save(value, buffer)  # bytes, not shared-memory tensors: the rank may exit before they are read
@@ -46,9 +74,20 @@ def _rank_main(fn, rank, world_size, store_path, threads, args, kwargs, results)
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
-    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return each rank's result."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend_name: str | None = None,
+              **kwargs) -> list:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return each rank's result.
+
+    backend_name: force "nccl" or "gloo" for this call (default: `backend()`)."""
     import torch
+
+    backend_name = backend_name or backend()
+    if backend_name == "nccl":
+        import pytest
+
+        gpus = torch.cuda.device_count()
+        if world_size > gpus:
+            pytest.skip(f"needs {world_size} GPUs (one per rank) for {BACKEND_ENV}=nccl; {gpus} visible")
 
     threads = max(1, (os.cpu_count() or 1) // world_size)
     results = _CONTEXT.Queue()
@@ -57,7 +96,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> l
         procs = [
             _CONTEXT.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, store_path, threads, args, kwargs, results),
+                args=(fn, rank, world_size, store_path, threads, backend_name, args, kwargs, results),
                 daemon=True,
             )
             for rank in range(world_size)

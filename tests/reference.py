@@ -42,16 +42,38 @@ def rank_micro_batches(x, y, dp_rank: int, dp_size: int, micro: int):
     return [(xs[i:i + micro], ys[i:i + micro]) for i in range(0, local, micro)]
 
 
-def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch.float64):
-    """Train the single-device model on the global batches; return (losses, grad_norms, final parameters)."""
+def add_squared_mean_aux(model, coef: float):
+    """A test auxiliary loss on every block's MLP: (mean of its output over the micro-batch)², through the
+    model's aux-loss channel. Nonlinear in the micro-batch, so its mean over micro-batches is not its value on
+    the whole batch: a step that normalised it otherwise would train differently."""
+    for block in model.transformer.h:
+        block.mlp.register_forward_hook(lambda mod, args, out: model.aux_losses.add("sq_mean", coef,
+                                                                                   out.mean().pow(2)))
+
+
+def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch.float64, micro_batches: int = 1,
+                  aux_coef: float | None = None):
+    """Train the single-device model on the global batches; return (losses, grad_norms, final parameters).
+
+    With auxiliary losses (aux_coef: add_squared_mean_aux) the objective is DESIGN.md's: Σ CE / tokens +
+    coef · mean over the `micro_batches` (= D·m) micro-batches of aux, the global batch cut in rank order.
+    """
     model = GPT(config, seed=seed, dtype=dtype)
+    if aux_coef is not None:
+        add_squared_mean_aux(model, aux_coef)
     optimizer = torch.optim.AdamW(adamw_param_groups(model.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"],
                                   betas=HYPER["betas"], eps=HYPER["eps"])
     losses, norms = [], []
     for x, y in batches:
         optimizer.zero_grad()
-        _, loss_sum, count = model(x, y)
-        (loss_sum / count).backward()
+        count = (y != -1).sum()
+        loss_sum, objective = 0.0, 0.0
+        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+            _, micro_loss_sum, _ = model(xs, ys)
+            aux = model.aux_losses.weighted_sum()
+            loss_sum = loss_sum + micro_loss_sum
+            objective = objective + micro_loss_sum / count + (aux / micro_batches if aux is not None else 0.0)
+        objective.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
         optimizer.step()
         losses.append(float(loss_sum.detach() / count))

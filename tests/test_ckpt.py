@@ -55,25 +55,23 @@ def build_layout(spec: dict, mesh, config, dtype):
     from ddp import DistributedDataParallel
     from model import GPT
     from optim import build_adamw
-    from train import ReplicatedUpdate
+    from ddp import DDPLayout
 
     model = GPT(config, seed=0, dtype=dtype)
-    norm_groups = ()
     if spec["tp"] > 1:
         import tensor_parallel
 
         tensor_parallel.parallelize(model, mesh.tp_group, seed=0)  # swaps the modules in place
-        norm_groups = (mesh.tp_group,)
     if spec["zero"]:
         import zero
 
         layout = zero.ZeroLayout(model, mesh.dp_cp_group, spec["zero"], lr=HYPER["lr"],
                                  weight_decay=HYPER["weight_decay"], betas=HYPER["betas"], eps=HYPER["eps"],
-                                 param_dtype=dtype, master_dtype=dtype, norm_groups=norm_groups, tp_rank=mesh.tp_rank)
+                                 param_dtype=dtype, master_dtype=dtype, coords=mesh.coordinates())
     else:
         ddp = DistributedDataParallel(model, group=mesh.dp_cp_group)
         optimizer = build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"])
-        layout = ReplicatedUpdate(ddp, optimizer, norm_groups, mesh.tp_rank)
+        layout = DDPLayout(ddp, optimizer, mesh.coordinates())
     return model, layout
 
 
@@ -87,7 +85,7 @@ def _run(rank, world, spec, root, stop, save_every, resume=None, dropout=0.0, as
     from data import BatchSampler
     from mesh import MeshShape, build_mesh
     from optim import DynamicLossScaler
-    from train import train_step
+    from step import train_step
 
     mesh = build_mesh(MeshShape(dp=spec["dp"], tp=spec["tp"]))
     # A stream per data rank, as train.py: dropout differs across data ranks; a TP group draws alike.
@@ -106,7 +104,7 @@ def _run(rank, world, spec, root, stop, save_every, resume=None, dropout=0.0, as
     losses = {}
     for step in range(start, stop):
         micro = rank_micro_batches(*batches[step], mesh.dp_rank, mesh.dp_size, MICRO)
-        losses[step], _ = train_step(layout, scaler, micro, mesh.dp_cp_group, CLIP, nullcontext(), "cpu")
+        losses[step] = train_step(layout, scaler, micro, mesh.dp_cp_group, CLIP, nullcontext(), "cpu").loss
         checkpointer.step_end(step + 1, save_every, step + 1 == stop, layout, scaler, sampler)
     checkpointer.close()
     assert sampler.step == start  # the cursor is the data of the NEXT step, set by resume
@@ -327,7 +325,7 @@ def test_reshard_arithmetic_tp_segments_and_zero_ranges(tmp_path):
 
 
 class _OneProcessLayout:
-    """ReplicatedUpdate's checkpoint view for one process without a process group (ddp.py needs one)."""
+    """DDPLayout's checkpoint view for one process without a process group (ddp.py needs one)."""
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
@@ -335,7 +333,7 @@ class _OneProcessLayout:
     def state_pieces(self):
         import ckpt
 
-        return ckpt.replicated_state_pieces(self.model.parameters(), self.optimizer, dp_rank=0, dp_size=1)
+        return ckpt.replicated_state_pieces(self.model.parameters(), self.optimizer, coords={})
 
     @property
     def optimizer_step_count(self):

@@ -1,6 +1,6 @@
 """ddp.py: data-parallel training performs the single-device update on the global batch.
 
-Each test spawns gloo ranks with the harness, runs a few optimizer steps with ddp.py and train.train_step
+Each test spawns gloo ranks with the harness, runs a few optimizer steps with ddp.py and step.train_step
 in float64, and compares losses and final parameters with tests/reference.py's single-device run on the
 same global batches (torch's AdamW and clip_grad_norm_). float64 sums in a different order agree to ~1e-15
 relative; the stated tolerance is 1e-10.
@@ -24,14 +24,15 @@ def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
     from mfu import CommTracer
     from model import GPT
     from optim import DynamicLossScaler, build_adamw
-    from train import ReplicatedUpdate, train_step
+    from ddp import DDPLayout
+    from step import train_step
 
     config = make_config()
     model = GPT(config, seed=0, dtype=torch.float64)
     group = dist.new_group(list(range(world)))
     ddp = DistributedDataParallel(model, group=group, bucket_mb=bucket_mb)
     optimizer = build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"])
-    layout = ReplicatedUpdate(ddp, optimizer)
+    layout = DDPLayout(ddp, optimizer)
     scaler = DynamicLossScaler(enabled=False)
     tracer = CommTracer()
     tracer.name_group(group, "dp")
@@ -39,11 +40,11 @@ def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
     for x, y in global_batches(STEPS, global_batch, SEQ):
         batches = rank_micro_batches(x, y, rank, world, micro)
         with tracer:
-            loss, result = train_step(layout, scaler, batches, group, clip, nullcontext(), "cpu")
+            outcome = train_step(layout, scaler, batches, group, clip, nullcontext(), "cpu")
         calls.append(tracer.records[("all_reduce", "dp")].calls)
         tracer.reset()
-        losses.append(loss)
-        norms.append(result.grad_norm)
+        losses.append(outcome.loss)
+        norms.append(outcome.grad_norm)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     return losses, norms, params, len(ddp.buckets), calls
 
@@ -112,3 +113,62 @@ def _overlap_order(rank, world):
 def test_buckets_launch_during_backward_in_order():
     for launched, num_buckets in run_ranks(_overlap_order, 2, timeout=60):
         assert launched == list(range(num_buckets))  # all launched from hooks, in order
+
+
+def _train_with_aux(rank, world, global_batch, micro, coef):
+    from ddp import DDPLayout, DistributedDataParallel
+    from model import GPT
+    from optim import DynamicLossScaler, build_adamw
+    from reference import add_squared_mean_aux
+    from step import train_step
+
+    model = GPT(make_config(), seed=0, dtype=torch.float64)
+    add_squared_mean_aux(model, coef)
+    group = dist.new_group(list(range(world)))
+    layout = DDPLayout(DistributedDataParallel(model, group=group),
+                       build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"]))
+    losses = []
+    for x, y in global_batches(STEPS, global_batch, SEQ):
+        outcome = train_step(layout, DynamicLossScaler(enabled=False), rank_micro_batches(x, y, rank, world, micro),
+                             group, 0.05, nullcontext(), "cpu")
+        losses.append(outcome.loss)
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_auxiliary_loss_reaches_the_gradients_with_the_design_normalisation():
+    """D = 2 ranks, m = 2 micro-batches each: the objective is Σ CE / tokens + coef · mean over the D·m = 4
+    micro-batches of aux, aux being (mean of an MLP's output)² on one micro-batch: not the value on the whole
+    batch, so a step that averaged over m only, or over the whole batch, would give other parameters."""
+    coef, global_batch, micro = 50.0, 8, 2
+    batches = global_batches(STEPS, global_batch, SEQ)
+    _, _, ref_params = reference_run(make_config(), batches, clip=0.05, micro_batches=4, aux_coef=coef)
+    _, _, plain_params = reference_run(make_config(), batches, clip=0.05)
+    assert any((ref_params[n] - plain_params[n]).abs().max() > 1e-6 for n in ref_params)  # aux does matter
+    for losses, params in run_ranks(_train_with_aux, 2, global_batch, micro, coef, timeout=120):
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(params[name], ref, rtol=TOL, atol=TOL, msg=name)
+
+
+def _nccl_smoke(rank, world):
+    from ddp import DDPLayout, DistributedDataParallel
+    from model import GPT
+    from optim import DynamicLossScaler, build_adamw
+    from step import train_step
+
+    device = torch.device("cuda", rank)
+    model = GPT(make_config(), seed=0, dtype=torch.float64, device=device)  # float64 collectives on NCCL
+    group = dist.new_group(list(range(world)))
+    layout = DDPLayout(DistributedDataParallel(model, group=group), build_adamw(model.parameters(), HYPER["lr"]))
+    x, y = global_batches(1, 4, SEQ)[0]
+    outcome = train_step(layout, DynamicLossScaler(enabled=False), rank_micro_batches(x, y, rank, world, 2),
+                         group, 0.0, nullcontext(), device)
+    return outcome.loss
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="the NCCL smoke needs 2 CUDA GPUs; none or one visible here (CPU/gloo machine)")
+def test_nccl_smoke():
+    """The NCCL path with no flag: 2 GPUs, a float64 DDP step, the same loss as the single-device model."""
+    ref_losses, _, _ = reference_run(make_config(), global_batches(1, 4, SEQ))
+    for loss in run_ranks(_nccl_smoke, 2, timeout=300, backend_name="nccl"):
+        assert abs(loss - ref_losses[0]) < 1e-10

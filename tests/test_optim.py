@@ -1,4 +1,4 @@
-"""optim.py: LR schedule, loss scaling, the global norm's TP accounting, and skipping a step on all ranks."""
+"""optim.py: LR schedule, loss scaling, the global norm counting each copy once, skipping a step on all ranks."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from harness import run_ranks
-from model import ShardInfo, Split
-from optim import DynamicLossScaler, LRSchedule, build_adamw, local_grad_sq_sum, unscale_clip_and_step
+from model import ShardInfo, Split, counts_here
+from optim import DynamicLossScaler, LRSchedule, build_adamw, update
 
 
 def test_lr_schedule_warmup_cosine_floor():
@@ -40,18 +40,52 @@ def test_loss_scaler_backs_off_and_grows():
     assert fresh.enabled and fresh.scale == 64.0
 
 
-def test_norm_counts_tp_replicated_tensors_once():
-    split = torch.nn.Parameter(torch.ones(4))
-    split.shard_info = ShardInfo("w", (8,), splits=(Split(0, 2, 1),))
-    replicated = torch.nn.Parameter(torch.ones(3))
-    replicated.shard_info = ShardInfo("ln", (3,), replicated_over=("tp",))
-    grads = [(split, torch.full((4,), 2.0)), (replicated, torch.full((3,), 1.0))]
-    assert local_grad_sq_sum(grads, tp_rank=0).item() == 16 + 3
-    assert local_grad_sq_sum(grads, tp_rank=1).item() == 16  # the TP-replicated copy counts on rank 0 only
+def test_counts_here_picks_coordinate_zero_of_every_replicated_axis():
+    split = ShardInfo("w", (8,), splits=(Split(0, 2, 1),))
+    copied = ShardInfo("ln", (3,), replicated_over=("tp", "pp"))
+    for t in (0, 1):
+        for p in (0, 1):
+            coords = {"tp": t, "pp": p, "dp_cp": 1}
+            assert counts_here(split, coords)
+            assert counts_here(copied, coords) == (t == 0 and p == 0)
+            assert not counts_here(copied, coords, ("dp_cp",))  # a layout's data replicas: its rank 0 counts
+    assert counts_here(copied, None)  # one process: everything counts
+
+
+def _copied_across_two_axes(rank, world):
+    """A 2×2 (pp × tp) mesh: one tensor split four ways and one copied over both axes. The global norm from
+    optim.update counts the copy once; the DDP layout's checkpoint pieces write it once."""
+    from ckpt import replicated_state_pieces
+    from mesh import MeshShape, build_mesh
+
+    mesh = build_mesh(MeshShape(dp=1, pp=2, tp=2), rank)
+    coords = mesh.coordinates()
+    split = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))  # float64: the norm is exact to 1e-15
+    split.shard_info = ShardInfo("w", (8,), splits=(Split(0, 4, rank),))
+    copied = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    copied.shard_info = ShardInfo("ln", (3,), replicated_over=("pp", "tp"))
+    split.grad = torch.full((2,), float(rank + 1), dtype=torch.float64)
+    copied.grad = torch.full((3,), 2.0, dtype=torch.float64)
+    optimizer = build_adamw([split, copied], lr=0.1)
+    counted = [counts_here(p.shard_info, coords) for p in (split, copied)]
+    result = update([split.grad, copied.grad], counted, DynamicLossScaler(enabled=False), 0.0, optimizer.step, "cpu")
+    pieces = replicated_state_pieces([split, copied], optimizer, coords)
+    return result.grad_norm, sorted(p.key for p in pieces if p.primary)
+
+
+def test_a_tensor_copied_across_two_axes_counts_once_in_the_norm_and_the_checkpoint():
+    results = run_ranks(_copied_across_two_axes, 4, timeout=60)
+    expected = math.sqrt(sum(2 * (r + 1) ** 2 for r in range(4)) + 3 * 2.0 ** 2)  # copies would add 3·4 each
+    written = [keys for _, keys in results]
+    for norm, _ in results:
+        assert norm == pytest.approx(expected, rel=1e-12)
+    assert sum(key == "param/ln" for keys in written for key in keys) == 1
+    assert all("param/w" in keys for keys in written)
 
 
 def _skip_everywhere(rank, world):
-    """One rank's gradient is inf: every rank must skip, the scale must halve, parameters must not move."""
+    """One rank's gradient is inf, on a rank whose copy does not even count in the norm: every rank must skip,
+    the scale must halve, parameters must not move."""
     param = torch.nn.Parameter(torch.ones(5, 5))
     optimizer = build_adamw([param], lr=0.1)
     scaler = DynamicLossScaler(enabled=True, init_scale=8.0)
@@ -59,10 +93,11 @@ def _skip_everywhere(rank, world):
     if rank == 1:
         param.grad[2, 3] = float("inf")
     before = param.detach().clone()
-    skipped = unscale_clip_and_step([param], optimizer, scaler, clip=1.0)
+    counted = [rank == 0]  # data-parallel replicas: rank 0's copy counts
+    skipped = update([param.grad], counted, scaler, 1.0, optimizer.step, "cpu")
     moved_after_skip = not torch.equal(before, param.detach())
     param.grad = torch.full((5, 5), 8.0)  # a good step now goes through, with the halved scale (8 → 4)
-    good = unscale_clip_and_step([param], optimizer, scaler, clip=0.0)
+    good = update([param.grad], counted, scaler, 0.0, optimizer.step, "cpu")
     return skipped.skipped, moved_after_skip, scaler.scale, good.skipped, good.grad_norm
 
 

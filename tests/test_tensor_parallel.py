@@ -1,7 +1,7 @@
 """tensor_parallel.py: the layers, the whole model's update, the messages and the flag errors.
 
 Layer tests compare each parallel layer's forward and backward with the plain layer (float64, 1e-12).
-Whole-model tests train the tensor-parallel GPT through train.train_step for a few steps, with gradient
+Whole-model tests train the tensor-parallel GPT through step.train_step for a few steps, with gradient
 accumulation and active clipping, and compare losses, grad norms and the final parameters (each rank's
 shards put back into the global tensors with ShardInfo.place_into) with tests/reference.py's single-device
 run: float64, tolerance 1e-10, as for DDP. Every step's traced TP-group messages must equal the prediction
@@ -160,23 +160,21 @@ def test_layers_match_plain_layers():
 def _ddp_layout(model, mesh, handle):
     from ddp import DistributedDataParallel
     from optim import build_adamw
-    from train import ReplicatedUpdate
+    from ddp import DDPLayout
 
     ddp = DistributedDataParallel(model, group=mesh.dp_cp_group)
     optimizer = build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"])
-    return ReplicatedUpdate(ddp, optimizer, norm_groups=(mesh.tp_group,), tp_rank=mesh.tp_rank,
-                            after_grad_sync=(handle.finish_grad_sync,))
+    return DDPLayout(ddp, optimizer, mesh.coordinates())
 
 
 def _zero_layout(stage):
     def build(model, mesh, handle):
         from zero import ZeroLayout
 
-        # The flat ZeRO buffers hold this rank's TP shards; the norm sums the dp shards and the TP group.
+        # The flat ZeRO buffers hold this rank's TP shards; the norm counts TP-replicated copies on tp rank 0.
         return ZeroLayout(model, mesh.dp_cp_group, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
                           betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=torch.float64,
-                          master_dtype=torch.float64, norm_groups=(mesh.tp_group,), tp_rank=mesh.tp_rank,
-                          grad_sum=(mesh.tp_group, handle.sequence_parallel_params))
+                          master_dtype=torch.float64, coords=mesh.coordinates())
     return build
 
 
@@ -201,7 +199,7 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
     from mfu import CommTracer
     from model import GPT
     from optim import DynamicLossScaler
-    from train import train_step
+    from step import train_step
 
     mesh = build_mesh(infer_mesh_shape(world, tp=tp_size), rank)
     config = make_config(activation_checkpointing=checkpointing)
@@ -216,16 +214,17 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
     for x, y in global_batches(STEPS, global_batch, SEQ):
         batches = rank_micro_batches(x, y, mesh.dp_rank, mesh.dp_size, micro)
         with tracer:
-            loss, result = train_step(layout, scaler, batches, mesh.dp_cp_group, clip, nullcontext(), "cpu")
+            outcome = train_step(layout, scaler, batches, mesh.dp_cp_group, clip, nullcontext(), "cpu",
+                                 model=model, axes=[handle])
         traced.append({op: (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items() if g == "tp"})
         tracer.reset()
-        losses.append(loss)
-        norms.append(result.grad_norm)
+        losses.append(outcome.loss)
+        norms.append(outcome.grad_norm)
     if hasattr(layout, "unshard"):
         layout.unshard()  # ZeRO-3: gather the weights back so this rank's TP shards can be compared
     # Under ZeRO the SP gradient sum moves this rank's gradient shard of those parameters, not all of them.
-    predicted = handle.step_messages(micro, SEQ, micro_batches=len(batches),
-                                     sp_grad_bytes=getattr(layout, "grad_sum_bytes", None))
+    sp_bytes = sum(g.numel() * g.element_size() for g in layout.grad_pieces(handle.sequence_parallel_params))
+    predicted = handle.step_messages(micro, SEQ, micro_batches=len(batches), sp_grad_bytes=sp_bytes)
     local_numel = sum(p.numel() for p in model.parameters())
     return losses, norms, init, _pieces(model), traced, predicted, local_numel
 
@@ -299,7 +298,7 @@ def _dropout(rank, world):
     from mesh import build_mesh, infer_mesh_shape
     from model import GPT
     from optim import DynamicLossScaler
-    from train import train_step
+    from step import train_step
 
     mesh = build_mesh(infer_mesh_shape(world, tp=world), rank)
     # fork(): a different stream per TP rank inside, the shared default stream continues after it.
@@ -319,9 +318,9 @@ def _dropout(rank, world):
             losses = []
             for x, y in global_batches(2, 4, SEQ):
                 batches = rank_micro_batches(x, y, 0, 1, 2)
-                loss, _ = train_step(layout, DynamicLossScaler(enabled=False), batches, mesh.dp_cp_group, 0.0,
-                                     nullcontext(), "cpu")
-                losses.append(loss)
+                outcome = train_step(layout, DynamicLossScaler(enabled=False), batches, mesh.dp_cp_group, 0.0,
+                                     nullcontext(), "cpu", model=model, axes=[handle])
+                losses.append(outcome.loss)
             out[sp, checkpointing] = (losses, _pieces(model))
     return out
 

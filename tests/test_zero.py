@@ -2,7 +2,7 @@
 exactly the bytes their formulas predict.
 
 The equivalence runs spawn gloo ranks (2 and 4), train a few float64 steps of each stage with zero.ZeroLayout
-driven by train.train_step (gradient accumulation, clipping active, unit sizes and the parameter count not
+driven by step.train_step (gradient accumulation, clipping active, unit sizes and the parameter count not
 divisible by D) and compare losses, grad norms and the full parameters with tests/reference.py (torch's AdamW
 and clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15; tolerance 1e-10.
 The same runs check the byte accounting (held == formula, traced == formula), stage 3's peak of gathered
@@ -34,7 +34,7 @@ def _train_zero(rank, world, stage, config_kw, global_batch, micro, clip, bucket
     import mfu
     from model import GPT
     from optim import DynamicLossScaler
-    from train import train_step
+    from step import train_step
     from zero import ZeroLayout
 
     config = make_config(**config_kw)
@@ -50,12 +50,12 @@ def _train_zero(rank, world, stage, config_kw, global_batch, micro, clip, bucket
     for x, y in global_batches(STEPS, global_batch, SEQ):
         batches = rank_micro_batches(x, y, rank, world, micro)
         with tracer:
-            loss, result = train_step(layout, scaler, batches, group, clip, nullcontext(), "cpu")
+            outcome = train_step(layout, scaler, batches, group, clip, nullcontext(), "cpu")
         comm.append({op: tracer.records[(op, "dp")].payload_bytes
                      for op in ("all_gather_single", "reduce_scatter_single") if (op, "dp") in tracer.records})
         tracer.reset()
-        losses.append(loss)
-        norms.append(result.grad_norm)
+        losses.append(outcome.loss)
+        norms.append(outcome.grad_norm)
     pieces = [(p.key, p.tensor.clone(), p.shard, p.flat_range, p.primary) for p in layout.state_pieces()]
     return dict(losses=losses, norms=norms, params=layout.full_parameters(), comm=comm,
                 predicted_comm=layout.predicted_comm(len(batches)), held=layout.held_bytes(),
@@ -183,7 +183,7 @@ def _nonfinite_skip(rank, world):
         layout.finish_grad_sync()
         if rank == 1:
             layout.units[-1].grad_shard[0] = float("inf")  # one element, one rank
-        skipped = layout.step(DynamicLossScaler(enabled=False), 1.0, "cpu").skipped
+        skipped = layout.step(DynamicLossScaler(enabled=False), 1.0).skipped
         layout.zero_grad()
         after = layout.full_parameters()
         out[stage] = (skipped, layout.optimizer_step_count, all(torch.equal(before[k], after[k]) for k in before))
@@ -209,11 +209,11 @@ def _tp_replicated_norm(rank, world):
             if ".ln_" in name or "ln_f" in name:  # LayerNorms, as under TP
                 p.shard_info = p.shard_info.replicated_also_over("tp")
         layout = ZeroLayout(model, None, stage, lr=1e-3, param_dtype=torch.float64, master_dtype=torch.float64,
-                            bucket_mb=0.01, tp_rank=1)
+                            bucket_mb=0.01, coords={"tp": 1})
         _, local_sum, _ = layout(*rank_micro_batches(x, y, rank, world, 2)[0])
         (local_sum / count).backward()
         layout.finish_grad_sync()
-        expected[stage] = layout.step(DynamicLossScaler(enabled=False), 0.0, "cpu").grad_norm
+        expected[stage] = layout.step(DynamicLossScaler(enabled=False), 0.0).grad_norm
     counted = [p.grad for n, p in reference.named_parameters() if not (".ln_" in n or "ln_f" in n)]
     return expected, float(torch.cat([g.reshape(-1) for g in counted]).norm())
 
