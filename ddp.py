@@ -226,9 +226,10 @@ class DDPLayout:
     def grad_pieces(self, params) -> list:
         return [p.grad for p in params if p.grad is not None]
 
-    def step(self, scaler, clip: float):
+    def step(self, scaler, clip: float, extra_nonfinite=None):
         grads = [p.grad for p in self.params]
-        return update(grads, self.counted, scaler, clip, self.optimizer.step, grads[0].device)
+        return update(grads, self.counted, scaler, clip, self.optimizer.step, grads[0].device,
+                      extra_nonfinite=extra_nonfinite)
 
     def zero_grad(self):
         self.ddp.zero_grad()

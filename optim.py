@@ -114,8 +114,8 @@ class Layout(Protocol):
         """The reduced gradient of `params` as this rank holds it (whole under DDP, shard segments under ZeRO),
         as views: an axis may sum them over another group in place (SP's replicated grads, PP's tied copy)."""
 
-    def step(self, scaler: DynamicLossScaler, clip: float) -> StepResult:
-        """`update(...)` below, on this layout's gradients and optimizer."""
+    def step(self, scaler: DynamicLossScaler, clip: float, extra_nonfinite=None) -> StepResult:
+        """`update(...)` below, on this layout's gradients and optimizer (extra_nonfinite: see update)."""
 
     def zero_grad(self) -> None: ...
 

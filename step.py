@@ -24,9 +24,51 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+
+
+class Axis:
+    """What an applied axis hands back to train.py (`apply(model, run)` returns one, or None when off).
+
+    The same few methods for every axis, so that the loop and the printouts loop over handles and never ask
+    which axes are on. Every method has a default that does nothing; an axis overrides what it needs.
+    """
+
+    name: ClassVar[str] = "axis"
+    schedule = None  # an object with GradientAccumulation's forward_backward (the pipeline brings one)
+
+    def startup_lines(self) -> list:
+        """Accounting printed at start: what it splits and replicates, bytes per rank, its formulas."""
+        return []
+
+    def predicted_messages(self, layout) -> dict:
+        """{(op, group name): (calls, payload bytes)} per optimizer step, as mfu.CommTracer names them."""
+        return {}
+
+    def end_lines(self, tracer, steps: int) -> list:
+        """Measured against predicted at the end (the generic message table aside)."""
+        return []
+
+    def shard_batches(self, batches: list) -> list:
+        """This rank's part of each micro-batch (x, y, pos): context parallel cuts the sequences."""
+        return batches
+
+    def after_grad_sync(self, layout) -> None:
+        """Sums the axis needs once the layout's data-parallel reduction is done (on layout.grad_pieces)."""
+
+    def local_nonfinite(self):
+        """A count of non-finite values of its own (FP8 amaxes) that must skip the step everywhere, or None."""
+        return None
+
+    def after_step(self, skipped: bool) -> None:
+        """Once per optimizer step, after the update (FP8 rolls its amax history)."""
+
+    def sampling(self):
+        """A context in which model.generate runs on one rank group (TP gathers the logits, CP attends locally)."""
+        return nullcontext()
 
 
 def count_global_tokens(batches, group, device) -> torch.Tensor:
@@ -106,7 +148,10 @@ def train_step(layout, scaler, batches, data_group, clip: float, autocast, devic
     layout.finish_grad_sync()
     for axis in axes:
         axis.after_grad_sync(layout)
-    result = layout.step(scaler, clip)
+    nonfinite = [count for count in (axis.local_nonfinite() for axis in axes) if count is not None]
+    result = layout.step(scaler, clip, extra_nonfinite=sum(nonfinite) if nonfinite else None)
+    for axis in axes:
+        axis.after_step(result.skipped)
     layout.zero_grad()
     loss_sum = micro.loss_sum
     if dist.get_world_size(data_group) > 1:

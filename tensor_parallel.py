@@ -72,6 +72,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from model import GPT, GPTConfig, ShardInfo, Split, init_full_parameter
+from step import Axis
 
 # ---------------------------------------------------------------------------------------------------------
 # Collectives along the sequence (dim 1 of [batch, seq, ...]) and the vocabulary (last dim)
@@ -475,7 +476,7 @@ def _row(linear: nn.Linear, name: str, ctx, config, seed):
     return RowParallelLinear(local, bias, ctx)
 
 
-class TensorParallel:
+class TensorParallel(Axis):
     """The handle `parallelize` returns: the shared context, the SP gradient sync, sampling, accounting."""
 
     def __init__(self, model: GPT, ctx: TensorParallelContext, sequence_parallel_params: list,
@@ -510,6 +511,9 @@ class TensorParallel:
         for g in grads:  # copy back in place: the pieces are views into the layout's gradient buffers
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+    def sampling(self):
+        return self.full_logits()
 
     @contextmanager
     def full_logits(self):
@@ -572,8 +576,6 @@ class TensorParallel:
                                       sp_grad_bytes=sp_bytes, param_bytes=run.param_dtype.itemsize)
         return {(op, "tp"): value for op, value in messages.items()}
 
-    def end_lines(self, tracer, steps: int) -> list:
-        return []  # the generic table of train.py compares its messages with the tracer
 
 
 def apply(model: GPT, run) -> TensorParallel | None:

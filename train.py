@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -213,10 +213,8 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 # ---------------------------------------------------------------------------------------------------------
 
 # The axes, in DESIGN.md's order of application (MoE/EP → TP → CP → PP → FP8). Each `apply(model, run)` swaps
-# modules of the model in place and returns its handle (None when its flag is off): startup_lines(),
-# predicted_messages(layout), end_lines(tracer, steps), after_grad_sync(layout), and optionally
-# shard_batches(batches) and a `schedule`. Adding an axis adds a line here; the loop and the printouts only
-# ever loop over the handles.
+# modules of the model in place and returns its handle, a step.Axis (None when its flag is off). Adding an
+# axis adds a line here; the loop and the printouts only ever loop over the handles.
 AXES = (
     tensor_parallel.apply,
 )
@@ -384,8 +382,7 @@ def local_batches(run: Run, sampler, tokens, step: int) -> list:
     batches = [(*sampler.get_batch(tokens, step, mesh.dp_rank, mesh.dp_size, run.micro, i), None)
                for i in range(run.micro_batches)]
     for axis in run.axes:
-        if hasattr(axis, "shard_batches"):
-            batches = axis.shard_batches(batches)
+        batches = axis.shard_batches(batches)
     return batches
 
 
@@ -421,8 +418,7 @@ def evaluate(run: Run, tokens, sampler) -> float:
         micro_batches = [(*sampler.get_batch(tokens, batch, mesh.dp_rank, mesh.dp_size, run.micro, i), None)
                          for i in range(run.micro_batches)]
         for axis in run.axes:
-            if hasattr(axis, "shard_batches"):
-                micro_batches = axis.shard_batches(micro_batches)
+            micro_batches = axis.shard_batches(micro_batches)
         for x, y, pos in micro_batches:
             with run.autocast:
                 _, loss_sum, count = run.layout(x.to(run.device), y.to(run.device), pos)
@@ -441,9 +437,10 @@ def sample(run: Run, val_tokens, tokenizer_name):
         return
     prompt = torch.from_numpy(val_tokens.tokens[:32].astype("int64"))[None].to(run.device)
     model = run.model
-    full_logits = next((a.full_logits() for a in run.axes if hasattr(a, "full_logits")), nullcontext())
     model.eval()
-    with full_logits:
+    with ExitStack() as stack:
+        for axis in run.axes:
+            stack.enter_context(axis.sampling())
         out = model.generate(prompt, run.args.sample_tokens, temperature=0.8, top_k=50,
                              generator=torch.Generator(device=run.device).manual_seed(run.seed))
     model.train()

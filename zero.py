@@ -333,7 +333,7 @@ class ZeroLayout:
         self.step_count = int(value)
 
     @torch.no_grad()
-    def step(self, scaler, clip: float) -> StepResult:
+    def step(self, scaler, clip: float, extra_nonfinite=None) -> StepResult:
         """optim.update on the master-dtype gradient shards, then AdamW on every shard and publish."""
         grads = [u.grad_shard.to(self.master_dtype) for u in self.units]  # the same tensors if dtypes agree
         # A shard counts whole unless it holds replicas another rank counts (TP's LayerNorms on tp rank > 0):
@@ -352,7 +352,8 @@ class ZeroLayout:
                 if work is not None:
                     work.wait()
 
-        return update(grads, counted, scaler, clip, adamw_and_publish, grads[0].device, counted_pieces=pieces)
+        return update(grads, counted, scaler, clip, adamw_and_publish, grads[0].device, counted_pieces=pieces,
+                      extra_nonfinite=extra_nonfinite)
 
     def _adamw(self, unit: _Unit, grad: torch.Tensor):
         """torch.optim.AdamW (amsgrad off) on one shard: decoupled decay, moments, bias-corrected update."""

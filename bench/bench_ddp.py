@@ -36,7 +36,7 @@ class TorchDDPLayout(DDPLayout):
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=False)  # keep the bucket views, as ddp.py does
 
-    def step(self, scaler, clip):
+    def step(self, scaler, clip, extra_nonfinite=None):
         grads = [p.grad for p in self.params]
         counted = [dist.get_rank() == 0] * len(grads)  # replicas: rank 0's copy counts, as DDPLayout's
         return update(grads, counted, scaler, clip, self.optimizer.step, "cpu")
