@@ -87,7 +87,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import mfu
-from ddp import assert_same_across_ranks, reverse_order_buckets
+from ddp import assert_same_across_ranks, grad_group, reverse_order_buckets
 from model import ShardInfo, StatePiece
 from model import counts_here
 from optim import StepResult, update
@@ -96,9 +96,12 @@ from optim import StepResult, update
 class _Unit:
     """One flat, padded buffer of parameters: what is gathered, reduce-scattered and stepped together."""
 
-    def __init__(self, index: int, params: list, dp_size: int, dp_rank: int):
+    def __init__(self, index: int, params: list, group):
         self.index = index
         self.params = params
+        self.group = group  # the parameters' data-parallel group (dp×cp, or expert_dp for experts)
+        dp_size, dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.dp_size, self.dp_rank = dp_size, dp_rank
         self.offsets = []  # flat offset of each parameter in the unit
         offset = 0
         for p in params:
@@ -140,10 +143,14 @@ class ZeroLayout:
     def __init__(self, module: nn.Module, group, stage: int, *, lr: float, weight_decay: float = 0.1,
                  betas=(0.9, 0.95), eps: float = 1e-8, param_dtype=torch.float32, master_dtype=torch.float32,
                  bucket_mb: float = 25.0, coords: dict | None = None, check_same_init: bool = True,
-                 forward=None):
+                 forward=None, groups: dict | None = None):
         if stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage} (stage 0 is ddp.py + ReplicatedUpdate)")
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage} (stage 0 is ddp.py + DDPLayout)")
         self.module, self.group, self.stage = module, group, stage
+        # Each parameter is sharded over its own data-parallel group (its record's grad_group): the dense
+        # ones over dp×cp (`group`), experts over expert_dp (`groups`), each unit over one of them.
+        self.groups = dict(groups or {})
+        self.groups.setdefault("dp_cp", group)
         self.forward = forward or module  # e.g. torch.compile(module) (stages 1/2)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.param_dtype, self.master_dtype = param_dtype, master_dtype
@@ -160,38 +167,50 @@ class ZeroLayout:
         self._unsharded = False
 
         params = [p for p in module.parameters() if p.requires_grad]
-        if check_same_init:
-            assert_same_across_ranks(params, group)
         names = {id(p): n for n, p in module.named_parameters()}
         for p in params:
             if not hasattr(p, "shard_info"):
                 p.shard_info = ShardInfo(global_name=names[id(p)], global_shape=tuple(p.shape))
-            if p.shard_info.grad_group != "dp_cp":
-                raise ValueError(f"{p.shard_info.global_name} reduces over {p.shard_info.grad_group!r}: this ZeRO"
-                                 f" layout shards over the dense data-parallel group (dp×cp) only")
+            if p.shard_info.grad_group not in self.groups:
+                raise ValueError(f"{p.shard_info.global_name} reduces over {p.shard_info.grad_group!r}, which was"
+                                 f" not given to ZeroLayout")
             missing = set(p.shard_info.replicated_over) - set(self.coords)
             if missing:
                 raise ValueError(f"{p.shard_info.global_name} is replicated over {sorted(missing)}: pass coords")
+        if check_same_init:
+            for name, group_ in self.groups.items():
+                same_group = [p for p in params if grad_group(p) == name]
+                if same_group:
+                    assert_same_across_ranks(same_group, group_)
         device = params[0].device
         if stage == 3:
             self.blocks = list(module.transformer.h)
             if not self.blocks:
                 raise ValueError("ZeRO-3 gathers one transformer block at a time: the model needs n_layer ≥ 1")
             in_block = {id(p) for b in self.blocks for p in b.parameters()}
-            groups = [[p for p in b.parameters() if p.requires_grad] for b in reversed(self.blocks)]
-            groups.append([p for p in params if id(p) not in in_block])  # the root: gradients complete last
+            # A block's parameters, one unit per data-parallel group (a MoE block: dense, then experts).
+            units = [_by_group([p for p in b.parameters() if p.requires_grad]) for b in reversed(self.blocks)]
+            units.append(_by_group([p for p in params if id(p) not in in_block]))  # the root: last gradients
+            sets = [len(u) for u in units]
+            units = [u for block in units for u in block]
         else:
-            groups = reverse_order_buckets(params, int(bucket_mb * 2**20))  # as ddp.py's buckets
-        self.units = [_Unit(i, g, self.dp_size, self.dp_rank) for i, g in enumerate(g for g in groups if g)]
+            # A tensor with a copy on another pipeline stage (the tied embedding) gets a unit of its own: both
+            # stages then shard it alike, and its gradient pieces can be summed across them.
+            alone = [p for p in params if "pp" in p.shard_info.replicated_over]
+            units = reverse_order_buckets([p for p in params if p not in set(alone)], int(bucket_mb * 2**20))
+            units += [[p] for p in alone]
+        self.units = [_Unit(i, u, self.groups[grad_group(u[0])]) for i, u in enumerate(u for u in units if u)]
         self._unit_of = {p: u for u in self.units for p in u.params}  # tensors hash by identity
         self._offset_of = {p: o for u in self.units for p, o in zip(u.params, u.offsets)}
         with torch.no_grad():
             for unit in self.units:
                 self._build_unit(unit, device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-        if stage == 3:
-            self.block_units = self.units[-2::-1]  # block i's unit
-            self.root = self.units[-1]
+        if stage == 3:  # what is gathered together: block i's units, the root's
+            bounds = [sum(sets[:k]) for k in range(len(sets) + 1)]
+            gathered_sets = [self.units[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+            self.block_units = gathered_sets[-2::-1]  # block i's units
+            self.root = gathered_sets[-1]
             self._install_stage3_hooks()
 
     # ----------------------------------------------------------------------------------------------------
@@ -274,13 +293,13 @@ class ZeroLayout:
         if unit.full_grad is None:  # its parameters took no part in this backward: reduce zeros
             unit.full_grad = torch.zeros(unit.padded_numel, dtype=self.param_dtype, device=unit.grad_shard.device)
         out = torch.empty_like(unit.grad_shard)
-        work = dist.reduce_scatter_single(out, unit.full_grad, op=dist.ReduceOp.SUM, group=self.group,
+        work = dist.reduce_scatter_single(out, unit.full_grad, op=dist.ReduceOp.SUM, group=unit.group,
                                           async_op=True)
         self._in_flight.append((unit, work, out))
         if self.stage >= 2:
             unit.full_grad = None  # the bucket is freed once the collective no longer needs it
-        if self.stage == 3 and unit is not self.root:
-            self._free(unit)  # every node reading these weights has run (their gradients are all here)
+        if self.stage == 3 and unit not in self.root:
+            self._free([unit])  # every node reading these weights has run (their gradients are all here)
         unit.pending = len(unit.params)
         self._launched_this_step = True
         self._next_to_launch += 1
@@ -375,7 +394,7 @@ class ZeroLayout:
             return None
         # The input may not overlap the output: send a copy (the cast, or a clone of the aliased view).
         mine = unit.master.to(self.param_dtype, copy=True)
-        return dist.all_gather_single(unit.full_param, mine, group=self.group, async_op=True)
+        return dist.all_gather_single(unit.full_param, mine, group=unit.group, async_op=True)
 
     # ----------------------------------------------------------------------------------------------------
     # Stage 3: gather before use, free after, prefetch the next unit
@@ -392,30 +411,37 @@ class ZeroLayout:
             if head is not None:
                 head.register_forward_pre_hook(lambda mod, args: self._wait(self.root))
 
-    def _gather(self, unit: _Unit):
-        """Allocate the unit's full buffer and launch its all-gather (async); no-op if already there."""
-        if self._unsharded or unit.gathered:
-            return
-        unit.full_param.untyped_storage().resize_(unit.padded_numel * unit.full_param.element_size())
-        unit.gather_work = dist.all_gather_single(unit.full_param, unit.param_shard, group=self.group,
-                                                  async_op=True)
-        unit.gathered = True
-        self.peak_gathered_units = max(self.peak_gathered_units, sum(u.gathered for u in self.units))
+    # Each takes the units gathered together: block i's (`block_units[i]`: one per data-parallel group of its
+    # parameters, dense and experts) or the root's.
 
-    def _wait(self, unit: _Unit):
-        self._gather(unit)
-        if unit.gather_work is not None:
-            unit.gather_work.wait()
-            unit.gather_work = None
+    def _gather(self, units: list):
+        """Allocate the units' full buffers and launch their all-gathers (async); no-op where already there."""
+        for unit in units:
+            if self._unsharded or unit.gathered:
+                continue
+            unit.full_param.untyped_storage().resize_(unit.padded_numel * unit.full_param.element_size())
+            unit.gather_work = dist.all_gather_single(unit.full_param, unit.param_shard, group=unit.group,
+                                                      async_op=True)
+            unit.gathered = True
+        alive = sum(any(u.gathered for u in units_) for units_ in (*self.block_units, self.root))
+        self.peak_gathered_units = max(self.peak_gathered_units, alive)
 
-    def _free(self, unit: _Unit):
-        if self._unsharded or not unit.gathered:
-            return
-        if unit.gather_work is not None:
-            unit.gather_work.wait()
-            unit.gather_work = None
-        _free_storage(unit.full_param)
-        unit.gathered = False
+    def _wait(self, units: list):
+        self._gather(units)
+        for unit in units:
+            if unit.gather_work is not None:
+                unit.gather_work.wait()
+                unit.gather_work = None
+
+    def _free(self, units: list):
+        for unit in units:
+            if self._unsharded or not unit.gathered:
+                continue
+            if unit.gather_work is not None:
+                unit.gather_work.wait()
+                unit.gather_work = None
+            _free_storage(unit.full_param)
+            unit.gathered = False
 
     def _forward_start(self, module, args):
         self._wait(self.root)  # embeddings: nothing to overlap with yet
@@ -450,8 +476,7 @@ class ZeroLayout:
     def unshard(self):
         """Gather every unit for good (e.g. to sample after training): collective, every rank calls it."""
         if self.stage == 3:
-            for unit in self.units:
-                self._wait(unit)
+            self._wait(self.units)
             self._unsharded = True
 
     # ----------------------------------------------------------------------------------------------------
@@ -474,9 +499,19 @@ class ZeroLayout:
         return mfu.BytesPerParam(weights=b_w, grads=b_w, optimizer=2 * b_m + (0 if self.param_dtype ==
                                                                               self.master_dtype else b_m))
 
+    def _units_of(self, group_name: str) -> list:
+        return [u for u in self.units if u.group is self.groups[group_name]]
+
     def predicted_persistent(self, padded: bool = True) -> dict:
-        psi = self.padded_numel if padded else self.numel
-        return mfu.persistent_bytes(psi, self.bytes_per_param(), self.stage, self.dp_size)
+        """mfu.persistent_bytes of each data-parallel group's units (Ψ'_g over D_g), added up."""
+        out = {"weights": 0.0, "grads": 0.0, "optimizer": 0.0, "total": 0.0}
+        for name, group in self.groups.items():
+            units = self._units_of(name)
+            if units:
+                psi = sum(u.padded_numel if padded else u.numel for u in units)
+                part = mfu.persistent_bytes(psi, self.bytes_per_param(), self.stage, dist.get_world_size(group))
+                out = {kind: out[kind] + part[kind] for kind in out}
+        return out
 
     def held_bytes(self) -> dict:
         """What this rank actually holds for the whole run (gathered stage-3 units and buckets are transient)."""
@@ -496,46 +531,57 @@ class ZeroLayout:
         stage 2: + max(b_g·2U, b_w·Ψ'/D): two full gradient buckets in flight, then the all-gather inputs;
         stage 3: + b_w·2U (the unit in use and the prefetched one) + b_g·(U_root + 2U) (the root's gradient
                  bucket fills during the whole backward, and two block buckets are in flight).
+        (U: the largest unit, or block's units together at stage 3; Ψ'/D: this rank's shards, Σ S.)
         """
-        b, D = self.bytes_per_param(), self.dp_size
-        largest = max(u.padded_numel for u in self.units)
+        b = self.bytes_per_param()
+        shards = sum(u.shard_numel for u in self.units)
         persistent = self.predicted_persistent()["total"]
         if self.stage == 3:
-            return persistent + 2 * b.weights * largest + b.grads * (self.root.padded_numel + 2 * largest)
+            largest = max(sum(u.padded_numel for u in units) for units in self.block_units)
+            root = sum(u.padded_numel for u in self.root)
+            return persistent + 2 * b.weights * largest + b.grads * (root + 2 * largest)
+        largest = max(u.padded_numel for u in self.units)
         if self.stage == 2:
-            return persistent + max(2 * b.grads * largest, b.weights * self.padded_numel / D)
-        return persistent + max(b.grads, b.weights) * self.padded_numel / D
+            return persistent + max(2 * b.grads * largest, b.weights * shards)
+        return persistent + max(b.grads, b.weights) * shards
 
-    def predicted_comm(self, micro_batches: int) -> dict:
-        """Payload bytes M per step per collective over the dp×cp group (docstring, 3)."""
+    def predicted_comm(self, micro_batches: int, group_name: str = "dp_cp") -> dict:
+        """Payload bytes M per step per collective over one data-parallel group (docstring, 3)."""
         b = self.bytes_per_param()
-        psi = self.padded_numel
+        units = self._units_of(group_name)
+        psi = sum(u.padded_numel for u in units)
         if self.stage == 3:
-            regathered = 2 * psi - self.block_units[-1].padded_numel
-            return {"all_gather_single": micro_batches * b.weights * regathered,
+            kept = sum(u.padded_numel for u in self.block_units[-1] if u in units)  # last block: not regathered
+            return {"all_gather_single": micro_batches * b.weights * (2 * psi - kept),
                     "reduce_scatter_single": micro_batches * b.grads * psi}
         reduces = micro_batches if self.stage == 2 else 1
         return {"all_gather_single": b.weights * psi, "reduce_scatter_single": reduces * b.grads * psi}
 
     def predicted_messages(self, micro_batches: int) -> dict:
-        """{(op, "dp_cp"): (calls, payload)} per step (the layout protocol's form of predicted_comm)."""
-        if self.dp_size == 1:
-            return {}
-        units = len(self.units)
-        if self.stage == 3:  # per micro-batch: forward gathers every unit, the root twice; backward all but the
-            calls = {"all_gather_single": micro_batches * (2 * units - 1),  # root and the last block
-                     "reduce_scatter_single": micro_batches * units}
-        else:
-            calls = {"all_gather_single": units,
-                     "reduce_scatter_single": units * (micro_batches if self.stage == 2 else 1)}
-        return {(op, "dp_cp"): (calls[op], payload) for op, payload in self.predicted_comm(micro_batches).items()}
+        """{(op, group): (calls, payload)} per step: predicted_comm with its calls, for every group of size > 1."""
+        out = {}
+        for name, group in self.groups.items():
+            units = self._units_of(name)
+            if not units or dist.get_world_size(group) == 1:
+                continue
+            if self.stage == 3:  # per micro-batch, forward gathers the blocks once and the root twice (embedding,
+                # head); backward regathers every block but the last
+                last = sum(u in units for u in self.block_units[-1])
+                calls = {"all_gather_single": micro_batches * (2 * len(units) - last),
+                         "reduce_scatter_single": micro_batches * len(units)}
+            else:
+                calls = {"all_gather_single": len(units),
+                         "reduce_scatter_single": len(units) * (micro_batches if self.stage == 2 else 1)}
+            for op, payload in self.predicted_comm(micro_batches, name).items():
+                out[(op, name)] = (calls[op], payload)
+        return out
 
     def startup_lines(self, micro_batches: int) -> list:
         return self.accounting_lines(micro_batches, self.numel)
 
     def end_lines(self, tracer, steps: int) -> list:
         return [f"  ZeRO-{self.stage} peak lower bound {mfu.format_bytes(self.peak_lower_bound())}"
-                + (f"; gathered units alive at once: {self.peak_gathered_units} (bound: 2, in use + prefetched)"
+                + (f"; gathered blocks alive at once: {self.peak_gathered_units} (bound: 2, in use + prefetched)"
                    if self.stage == 3 else "")]
 
     def accounting_lines(self, micro_batches: int, psi: int) -> list:
@@ -544,36 +590,20 @@ class ZeroLayout:
         formula = {1: "(b_w+b_g)Ψ + b_oΨ/D", 2: "b_wΨ + (b_g+b_o)Ψ/D", 3: "(b_w+b_g+b_o)Ψ/D"}[self.stage]
         exact = mfu.persistent_bytes(psi, b, self.stage, D)
         padded, held = self.predicted_persistent(), self.held_bytes()
-        lines = [f"ZeRO stage {self.stage} over D={D}: {self.param_dtype} working weights and grads, "
+        sizes = ", ".join(f"{name} D={dist.get_world_size(g)}" for name, g in self.groups.items() if self._units_of(name))
+        lines = [f"ZeRO stage {self.stage} over {sizes}: {self.param_dtype} working weights and grads, "
                  f"{self.master_dtype} optimizer (b_w={b.weights}, b_g={b.grads}, b_o={b.optimizer});"
                  f" {len(self.units)} units, Ψ={psi:,}, padded Ψ'={self.padded_numel:,}",
-                 f"persistent bytes per rank, {formula}:  predicted(Ψ) / predicted(Ψ') / held"]
+                 f"persistent bytes per rank, {formula}:  predicted(Ψ, D={D}) / predicted(Ψ'_g, D_g) / held"]
         for kind in ("weights", "grads", "optimizer", "total"):
             lines.append(f"  {kind:<9} {mfu.format_bytes(exact[kind]):>12} {mfu.format_bytes(padded[kind]):>12}"
                          f" {mfu.format_bytes(held[kind]):>12}")
         lines.append(f"peak lower bound per rank (persistent + transient buffers, activations apart):"
                      f" {mfu.format_bytes(self.peak_lower_bound())}")
-        for op, payload in self.predicted_comm(micro_batches).items():
-            lines.append(f"predicted comm per step: {op} dp_cp: payload {mfu.format_bytes(payload)}, sent per rank"
-                         f" {mfu.format_bytes(mfu.wire_bytes(op, payload, D))} ((D-1)/D·M, ring)")
-        return lines
-
-    def end_report_lines(self, records: dict, group_name: str, steps: int, micro_batches: int) -> list:
-        """The end-of-run printout: peak gathered units (stage 3), predicted vs traced bytes per step per op.
-
-        `records` is mfu.CommTracer.records over `steps` training steps, this layout's group named `group_name`.
-        """
-        D = self.dp_size
-        lines = [f"  ZeRO-{self.stage} peak lower bound {mfu.format_bytes(self.peak_lower_bound())}"
-                 + (f"; gathered units alive at once: {self.peak_gathered_units} (bound: 2, in use + prefetched)"
-                    if self.stage == 3 else "")]
-        for op, payload in self.predicted_comm(micro_batches).items():
-            stat = records.get((op, group_name))
-            measured = stat.payload_bytes / steps if stat and steps else 0.0
-            wire = stat.wire_bytes / steps if stat and steps else 0.0
-            lines.append(f"  {op} {group_name} per step: payload traced {mfu.format_bytes(measured)} predicted"
-                         f" {mfu.format_bytes(payload)}; sent traced {mfu.format_bytes(wire)} predicted"
-                         f" {mfu.format_bytes(mfu.wire_bytes(op, payload, D))}")
+        lines.append("messages: reduce_scatter of the gradients overlaps backward; the all_gather of unit k"
+                     " overlaps the update of unit k+1" if self.stage < 3 else
+                     "messages: each block's all_gather is prefetched behind the previous block's compute;"
+                     " exposed: the root and block 0 at the start of forward, the root's reduce_scatter at the end")
         return lines
 
     # ----------------------------------------------------------------------------------------------------
@@ -592,7 +622,7 @@ class ZeroLayout:
                 span = unit.shard_range_of(i)
                 if self.stage < 3:
                     pieces.append(StatePiece(f"param/{name}", p.data, info, None,
-                                             primary=self.dp_rank == 0 and written_here))
+                                             primary=unit.dp_rank == 0 and written_here))
                 if span is None:
                     continue
                 lo, hi = span
@@ -612,11 +642,11 @@ class ZeroLayout:
         for unit in self.units:
             if self.stage == 3:
                 was_gathered = unit.gathered
-                self._wait(unit)
+                self._wait([unit])
             for p in unit.params:
                 out[p.shard_info.global_name] = p.detach().clone()
             if self.stage == 3 and not was_gathered:
-                self._free(unit)
+                self._free([unit])
         return out
 
 
@@ -643,3 +673,11 @@ def _merge(segments: list) -> list:
         else:
             out.append((lo, hi))
     return out
+
+
+def _by_group(params: list) -> list:
+    """The parameters split by data-parallel group, in first-seen order: [[dense...], [experts...]]."""
+    out = {}
+    for p in params:
+        out.setdefault(grad_group(p), []).append(p)
+    return list(out.values())

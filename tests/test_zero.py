@@ -248,9 +248,11 @@ def _prefetch_order(rank, world):
     model = GPT(make_config(n_layer=3), seed=0, dtype=torch.float64)
     layout = ZeroLayout(model, None, 3, lr=1e-3, param_dtype=torch.float64, master_dtype=torch.float64)
     events = []
-    name = {id(u): ("root" if u is layout.root else f"b{layout.block_units.index(u)}") for u in layout.units}
+    name = {id(u): f"b{i}" for i, units in enumerate(layout.block_units) for u in units}
+    name.update({id(u): "root" for u in layout.root})
     gather, launch = layout._gather, layout._launch
-    layout._gather = lambda u: (events.append(f"gather {name[id(u)]}") if not u.gathered else None, gather(u))
+    layout._gather = lambda units: (events.extend(f"gather {name[id(u)]}" for u in units if not u.gathered),
+                                    gather(units))
     layout._launch = lambda u: (events.append(f"reduce {name[id(u)]}"), launch(u))
     for i, block in enumerate(model.transformer.h):
         block.register_forward_hook(lambda m, a, o, i=i: events.append(f"forward b{i} done"))
