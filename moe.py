@@ -63,10 +63,10 @@ element, m micro-batches.
    `transformer.h.<l>.mlp.experts.<i>.c_fc.weight`) and, in the dispatch, the routed token rows. Replicated:
    the router and all dense parameters (over dp×cp and tp), each expert over the D×C/E ranks of expert_dp.
 2. Peak per device. Parameters Ψ_dense + L_moe·(h·N + (N/E)·Ψ_e), ×16 bytes with fp32 grads and AdamW
-   (`expert_bytes`). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and
-   probabilities in fp32, the S sent and R received rows (h wide), the experts' [R, 4h] hidden activations
-   (kept for backward), the S combined rows. Uniform routing: S = R = T·k. Worst case (all of the ep
-   group's tokens pick this rank): R = E·T·k dropless, R ≤ N·C with capacity.
+   (`param_counts`; the startup lines print this rank's). Temporaries per MoE layer and micro-batch: the
+   router's [T, N] logits and probabilities in fp32, the S sent and R received rows (h wide), the experts'
+   [R, 4h] hidden activations (kept for backward), the S combined rows. Uniform routing: S = R = T·k.
+   Worst case (all of the ep group's tokens pick this rank): R = E·T·k dropless, R ≤ N·C with capacity.
 3. Critical path (all synchronous), per MoE layer and micro-batch, group ep (payload = the input tensor):
        forward   all_to_all_single  counts 8N  +  dispatch S·h·e_c  +  combine R·h·e_c
        backward  all_to_all_single  combine's reverse S·h·e_c  +  dispatch's reverse R·h·e_c
@@ -294,7 +294,8 @@ class MoE(nn.Module):
     # Records for the accounting (per-step load line, count-based message prediction).
 
     def reset_load(self):
-        self.load = torch.zeros(self.n_experts, dtype=torch.long, device="cpu")  # slots routed per expert (training forwards)
+        # Slots routed to each expert by this rank's training forwards (not recomputes, not evaluation).
+        self.load = torch.zeros(self.n_experts, dtype=torch.long, device="cpu")
         self.dropped = 0  # slots dropped by capacity
 
     def reset_messages(self):
@@ -333,6 +334,11 @@ def _in_backward() -> bool:
 FLAGS = {"--moe-experts": ("moe_experts", 0), "--moe-topk": ("moe_topk", 2), "--moe-every": ("moe_every", 1),
          "--moe-capacity-factor": ("moe_capacity_factor", 0.0), "--moe-aux-coef": ("moe_aux_coef", 0.01),
          "--moe-z-coef": ("moe_z_coef", 0.001)}
+
+
+def config_overrides(args) -> dict:
+    """The GPTConfig fields from parsed flags (argparse's names: args.moe_experts, ...), defaults if absent."""
+    return {field: getattr(args, field, default) for field, default in FLAGS.values()}
 
 
 def is_moe_layer(config: GPTConfig, layer_id: int) -> bool:
@@ -510,8 +516,8 @@ def flops_per_token(config: GPTConfig, seq_len: int, recompute: bool = False):
     import mfu
 
     n_active = active_matmul_params(config)
-    return mfu.flops_per_token(n_active, config.n_layer, config.n_head, config.head_dim, seq_len, recompute=recompute,
-                               n_recomputed_params=n_active - config.vocab_size * config.n_embd)
+    return mfu.flops_per_token(n_active, config.n_layer, config.n_head, config.head_dim, seq_len,
+                               recompute=recompute, n_recomputed_params=n_active - config.vocab_size * config.n_embd)
 
 
 def step_messages(config: GPTConfig, moe_layers: int, tokens: int, ep: int, micro_batches: int,
@@ -584,7 +590,8 @@ def startup_lines(axis: MoEAxis) -> list:
            if cap is not None else "dropless")
         + f"; aux α={config.moe_aux_coef}, z β={config.moe_z_coef}",
         f"  parameters: total {counts['total']:,}, active per token {counts['active']:,}"
-        f" (= total − L_moe·(N−k)·Ψ_e, Ψ_e = 8h²+5h = {counts['expert']:,}); routers L_moe·h·N = {counts['router']:,}",
+        f" (= total − L_moe·(N−k)·Ψ_e, Ψ_e = 8h²+5h = {counts['expert']:,});"
+        f" routers L_moe·h·N = {counts['router']:,}",
         f"  FLOPs per token (model) 6·N_active + 12·L·H·Q·s = {format_flops(flops.model)},"
         f" N_active = {active_matmul_params(config):,} matmul weights (k experts + router, not N)",
         f"  expert parallel E={axis.ep} (group ep), expert grads over expert_dp ({run.mesh.size('expert_dp')} ranks),"

@@ -97,9 +97,9 @@ def test_capacity_drops_later_tokens_in_position_order():
         layer.router.weight[0, 0] = 10.0
     x = torch.randn(1, 8, config.n_embd, dtype=DT)
     x[..., 0] = 1.0
-    y = layer(x)[0]
+    y = layer(x)[0].detach()
     gate = torch.softmax(torch.tensor([10.0, 0, 0, 0], dtype=DT), 0)[0]
-    assert float((y[:2] - gate * layer.experts["0"](x[0, :2])).abs().max()) < 1e-14
+    assert float((y[:2] - gate * layer.experts["0"](x[0, :2]).detach()).abs().max()) < 1e-14
     assert float(y[2:].abs().max()) == 0.0
     assert layer.dropped == 6
 
@@ -130,6 +130,13 @@ def _reduce_grads(model, mesh):
     return out
 
 
+def _skew(layer, x):
+    """Make experts 0-3 lose to 4-7 for every token: under E = 2, rank 0 of each ep group receives nothing."""
+    with torch.no_grad():
+        layer.router.weight[:4, 0] = -30.0
+        x[..., 0] = 1.0
+
+
 def _layer(rank, world):
     import moe
     from mesh import MeshShape, build_mesh
@@ -139,17 +146,18 @@ def _layer(rank, world):
     results = {}
     meshes = {ep: build_mesh(MeshShape(dp=world, ep=ep)) for ep in (2, 4)}
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # ranks holding pieces of one micro-batch
-    cases = [(ep, f, False) for ep in (2, 4) for f in CAPACITIES] + [(4, 0.0, True)]
-    for ep, factor, pieces in cases:
+    for ep, factor, mode in LAYER_CASES:
         mesh = meshes[ep]
         model = GPT(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT)
         layer = model.transformer.h[0].mlp
         moe.shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
-        if pieces:  # micro-batch rank // 2, its sequence cut in two: this rank holds half rank % 2
+        if mode == "pieces":  # micro-batch rank // 2, its sequence cut in two: this rank holds half rank % 2
             layer.stats_groups = (pairs[rank // 2],)
             x, g = (t.chunk(2, dim=1)[rank % 2] for t in _layer_inputs(rank // 2, (2, 12), 16))
         else:
             x, g = _layer_inputs(rank, (2, 12), 16)
+        if mode == "skew":
+            _skew(layer, x)
         x.requires_grad_()
         tracer = CommTracer()
         tracer.name_group(mesh.group("ep"), "ep")
@@ -158,14 +166,27 @@ def _layer(rank, world):
             y = layer(x)
             ((y * g).sum() + model.aux_losses.weighted_sum()).backward()
         traced = tracer.records[("all_to_all_single", "ep")]
-        results[(ep, factor, pieces)] = dict(
+        results[(ep, factor, mode)] = dict(
             y=y.detach(), dx=x.grad, grads=_reduce_grads(model, mesh), aux=model.aux_losses.values(),
             local=sorted(layer.experts.keys(), key=int), dropped=layer.dropped,
             traced=(traced.calls, traced.payload_bytes), counted=(layer.a2a_calls, layer.a2a_bytes))
+    # Under bf16 autocast (float32 model): the router still computes in fp32, the rows travel in bf16.
+    model = GPT(make_config(**LAYER), seed=0)
+    layer = model.transformer.h[0].mlp
+    moe.shard_experts(layer, meshes[2].group("ep"), 2, meshes[2].index("ep"))
+    x = _layer_inputs(rank, (2, 12), 16)[0].float().requires_grad_()
+    tracer = CommTracer()
+    tracer.name_group(meshes[2].group("ep"), "ep")
+    with tracer, torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        y.float().sum().backward()
+        router_dtype = layer.router(x).dtype
+    results["bf16"] = dict(router=router_dtype, traced=tracer.records[("all_to_all_single", "ep")].payload_bytes,
+                           finite=bool(torch.isfinite(layer.router.weight.grad).all()))
     return results
 
 
-def _layer_reference(factor, inputs):
+def _layer_reference(factor, inputs, skew=False):
     """The single-device layer on each input in turn: outputs, input grads, aux values; grads summed."""
     from model import GPT
 
@@ -173,7 +194,10 @@ def _layer_reference(factor, inputs):
     layer = model.transformer.h[0].mlp
     outs = []
     for x, g in inputs:
-        x = x.clone().requires_grad_()
+        x = x.clone()
+        if skew:
+            _skew(layer, x)
+        x.requires_grad_()
         model.aux_losses.clear()
         y = layer(x)
         ((y * g).sum() + model.aux_losses.weighted_sum()).backward()
@@ -185,20 +209,25 @@ def _err(a, b):
     return float((a - b).abs().max())
 
 
+# (E, capacity factor, mode): "ranks": each rank its own rank-batch; "pieces": each micro-batch cut in two
+# along the sequence over ranks (0, 1) and (2, 3), as CP/SP do; "skew": rank 0 of each ep group gets no rows.
+LAYER_CASES = [(ep, f, "ranks") for ep in (2, 4) for f in CAPACITIES] + [(4, 0.0, "pieces"), (2, 0.0, "skew")]
+
+
 def test_expert_parallel_equals_single_device_layer():
     results = run_ranks(_layer, 4, timeout=120)
-    for (ep, factor, pieces), _ in results[0].items():
-        if pieces:
-            wholes = [_layer_inputs(i, (2, 12), 16) for i in range(2)]
-            ref, ref_grads = _layer_reference(factor, wholes)
+    for ep, factor, mode in LAYER_CASES:
+        if mode == "pieces":
+            ref, ref_grads = _layer_reference(factor, [_layer_inputs(i, (2, 12), 16) for i in range(2)])
         else:
-            ref, ref_grads = _layer_reference(factor, [_layer_inputs(r, (2, 12), 16) for r in range(4)])
+            ref, ref_grads = _layer_reference(factor, [_layer_inputs(r, (2, 12), 16) for r in range(4)],
+                                              skew=mode == "skew")
         for rank, by_case in enumerate(results):
-            got = by_case[(ep, factor, pieces)]
-            y, dx, aux = ref[rank // 2] if pieces else ref[rank]
-            if pieces:
+            got = by_case[(ep, factor, mode)]
+            y, dx, aux = ref[rank // 2] if mode == "pieces" else ref[rank]
+            if mode == "pieces":
                 y, dx = y.chunk(2, dim=1)[rank % 2], dx.chunk(2, dim=1)[rank % 2]
-            case = (ep, factor, pieces, rank)
+            case = (ep, factor, mode, rank)
             assert _err(got["y"], y) < TOL, case
             assert _err(got["dx"], dx) < TOL, case
             for name in aux:  # under pieces: the WHOLE micro-batch's value on both halves
@@ -214,6 +243,12 @@ def test_expert_parallel_equals_single_device_layer():
             assert got["traced"][0] == 5, case
             if factor > 0:
                 assert got["dropped"] > 0, case  # the capacity case does drop something
+            if mode == "skew" and index == 0:  # nothing comes in: 8N of counts, S = T·k rows out (forward)
+                assert got["traced"][1] == 8 * 8 + 2 * (2 * 12 * 2) * 16 * 8, got["traced"]  # and back (bwd)
+                assert all(float(grad.abs().max()) == 0 for name, grad in got["grads"].items() if ".experts." in name)
+    # bf16: Σ over ranks of the payload = W·8N + 4·Σ S·h·2 bytes (Σ R = Σ S within each ep group), S = T·k.
+    assert all(r["bf16"]["router"] == torch.float32 and r["bf16"]["finite"] for r in results)
+    assert sum(r["bf16"]["traced"] for r in results) == 4 * 8 * 8 + 4 * 4 * (2 * 12 * 2) * 16 * 2
 
 
 # ---------------------------------------------------------------------------------------------------------
