@@ -374,7 +374,12 @@ def check_flags(n_experts: int, topk: int = 2, ep: int = 1, dp: int = 1, cp: int
 
 
 def shard_experts(layer: MoE, ep_group, ep_size: int, ep_index: int) -> None:
-    """Keep experts [e·N/E, (e+1)·N/E) of `layer` (e = ep_index) and drop the rest; records say expert_dp."""
+    """Keep experts [e·N/E, (e+1)·N/E) of `layer` (e = ep_index) and drop the rest; records say expert_dp.
+
+    The plain GPT materialised all N experts at construction (as tensor parallel materialises the full weights
+    it then slices); dropping frees the others, so from here on a rank holds N/E of them. The kept ones are
+    the plain model's tensors, initialised from their global names: bitwise the single-device experts.
+    """
     per_rank = layer.n_experts // ep_size
     layer.local = range(ep_index * per_rank, (ep_index + 1) * per_rank)
     for i in range(layer.n_experts):

@@ -100,7 +100,7 @@ def _rank(rank, world, args):
     print(f"  parameters: total {counts['total']:,}, active per token {counts['active']:,};"
           f" experts {counts['experts']:,} (Ψ_e = {counts['expert']:,})")
     header = (f"  {'':<5} {'step ms':>9} {'expert params/rank':>19} {'weights':>10} {'w+g+Adam':>10}"
-              f" {'a2a traced/step':>16} {'a2a counted':>12} {'a2a uniform':>12} {'a2a calls':>9}"
+              f" {'a2a traced/step':>16} {'(wire)':>10} {'a2a counted':>12} {'a2a uniform':>12} {'a2a calls':>9}"
               f" {'dp_cp AR':>10} {'expert_dp AR':>13}")
     print(header)
     base = times["E=1"]
@@ -115,6 +115,7 @@ def _rank(rank, world, args):
         a2a = records.get(("all_to_all_single", "ep"))
         print(f"  {name:<5} {times[name] * 1e3:9.1f} {held:>19,} {format_bytes(4 * held):>10}"
               f" {format_bytes(16 * held):>10} {format_bytes(payload(('all_to_all_single', 'ep'))):>16}"
+              f" {format_bytes(a2a.wire_bytes if a2a else 0):>10}"
               f" {format_bytes(payload(('all_to_all_single', 'ep'), counted)):>12}"
               f" {format_bytes(payload(('all_to_all_single', 'ep'), uniform)):>12}"
               f" {a2a.calls if a2a else 0:>9} {format_bytes(payload(('all_reduce', 'dp_cp'))):>10}"
@@ -123,7 +124,7 @@ def _rank(rank, world, args):
         f"{n} " + " ".join(f"{l:.4f}" for l in v.losses) for n, v in variants.items()))
     print("  step-time ratio to E=1: " + ", ".join(f"{n} {t / base:.2f}" for n, t in times.items()))
     print("  a2a = all_to_all_single payload on the ep group per step (input bytes, all MoE layers; uniform:"
-          " 4·T·k·h·4 + 8N per layer); AR = the gradient all-reduce payload per step")
+          " 4·T·k·h·4 + 8N per layer), wire = (E−1)/E of it; AR = the gradient all-reduce payload per step")
     for name, v in variants.items():  # the same data and model each step: the load of the timed steps together
         print(f"  {name} rank 0, timed steps: " + v.handle.step_lines()[0])
 
