@@ -54,6 +54,14 @@ class GPTConfig:
     bias: bool = True  # biases in linears and LayerNorms, like GPT-2
     activation_checkpointing: bool = False  # recompute each block's forward in backward
     mlp: str = "dense"  # the block's MLP (build_mlp): "dense"
+    # Mixture of experts (moe.py): N experts (0: dense), top-k routing, on every n-th block (blocks n-1, 2n-1,
+    # ...), capacity factor f (0: dropless), load-balance and router z-loss coefficients.
+    moe_experts: int = 0
+    moe_topk: int = 2
+    moe_every: int = 1
+    moe_capacity_factor: float = 0.0
+    moe_aux_coef: float = 0.01
+    moe_z_coef: float = 0.001
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -297,6 +305,11 @@ class AuxLosses:
 
 def build_mlp(config: GPTConfig, layer_id: int, aux_losses: AuxLosses) -> nn.Module:
     """The MLP of block `layer_id`, as the config chooses (the one place a new MLP kind plugs in)."""
+    if config.moe_experts > 0:
+        import moe  # here, not at the top: moe.py imports this file
+
+        if moe.is_moe_layer(config, layer_id):
+            return moe.MoE(config, layer_id, aux_losses)
     if config.mlp == "dense":
         return MLP(config)
     raise ValueError(f"unknown MLP kind {config.mlp!r} (expected 'dense')")

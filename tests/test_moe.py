@@ -1,0 +1,404 @@
+"""moe.py: the router's losses by hand, capacity dropping, expert parallel against the single-device layer and
+model (float64, 1e-10), traced all-to-all bytes against the count-based prediction, flags and accounting.
+
+Layer tests run the MoE layer on 4 gloo ranks, each with its own rank-batch, with E = 2 and E = 4, dropless
+and with capacity; the reference is the same single-device layer (all experts) run on each rank-batch in turn
+(capacity is per rank-batch, as in the trainer), its gradients summed over the rank-batches. On the ranks the
+router's gradient is summed over all ranks and an expert's over its expert_dp group, as the layouts will.
+A third case spreads each micro-batch over two ranks (as CP or SP would) and checks that the aux losses are
+those of the whole micro-batch and that the summed gradients are those of the design objective, once.
+
+The whole-model test trains nothing: one step's forward/backward through step.GradientAccumulation on D = 4
+ranks (m = 2 micro-batches each), E = 2 and E = 4, against the single-device model on the same objective
+Σ CE/tokens + Σ coef·aux/(D·m) over the D·m micro-batches: gradients within 1e-10.
+"""
+
+import math
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from reference import global_batches, make_config, rank_micro_batches
+
+TOL = 1e-10
+DT = torch.float64
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Router and capacity, one process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_router_losses_match_hand_computation():
+    import moe
+
+    torch.manual_seed(0)
+    T, N = 6, 4
+    logits = torch.randn(T, N, dtype=DT) * 2
+    rows = logits.tolist()
+    probs_hand = [[math.exp(v) / sum(math.exp(u) for u in row) for v in row] for row in rows]
+    for k in (1, 2, 3):
+        probs, gate, expert = moe.route(logits, k)
+        chosen = [sorted(range(N), key=lambda i: -p[i])[:k] for p in probs_hand]
+        assert expert.tolist() == chosen
+        for t in range(T):
+            picked = [probs_hand[t][i] for i in chosen[t]]
+            weights = picked if k == 1 else [v / sum(picked) for v in picked]  # Switch's raw gate for k = 1
+            assert max(abs(a - b) for a, b in zip(gate[t].tolist(), weights)) < 1e-14
+        routed = torch.bincount(expert.reshape(-1), minlength=N)
+        balance, z = moe.router_losses(logits, probs, routed, k)
+        f = [sum(i in c for c in chosen) / (T * k) for i in range(N)]
+        P = [sum(p[i] for p in probs_hand) / T for i in range(N)]
+        lse = [math.log(sum(math.exp(v) for v in row)) for row in rows]
+        assert abs(float(balance) - N * sum(a * b for a, b in zip(f, P))) < 1e-13
+        assert abs(float(z) - sum(v * v for v in lse) / T) < 1e-13
+    # Balanced routing gives 1; the layer adds both terms to the channel with the config's coefficients.
+    assert abs(float(moe.router_losses(torch.zeros(8, 4, dtype=DT), torch.full((8, 4), 0.25, dtype=DT),
+                                       torch.full((4,), 4), 2)[0]) - 1.0) < 1e-15
+    from model import GPT
+
+    config = make_config(n_layer=1, moe_experts=4, moe_topk=2, moe_aux_coef=0.25, moe_z_coef=0.125)
+    model = GPT(config, seed=0, dtype=DT)
+    layer = model.transformer.h[0].mlp
+    x = torch.randn(2, 5, config.n_embd, dtype=DT)
+    layer(x)
+    logits = x.reshape(-1, config.n_embd) @ layer.router.weight.T
+    probs, _, expert = moe.route(logits, 2)
+    balance, z = moe.router_losses(logits, probs, torch.bincount(expert.reshape(-1), minlength=4), 2)
+    assert [(n, c) for n, c, _ in model.aux_losses.terms] == [("moe_balance", 0.25), ("moe_z", 0.125)]
+    assert abs(float(model.aux_losses.terms[0][2].detach() - balance.detach())) < 1e-14
+    assert abs(float(model.aux_losses.terms[1][2].detach() - z.detach())) < 1e-14
+
+
+def test_capacity_drops_later_tokens_in_position_order():
+    import moe
+    from model import GPT
+
+    assert moe.capacity(64, 2, 4, 1.25) == 40 and moe.capacity(7, 2, 4, 1.0) == 4
+    assert moe.capacity(10, 2, 4, 0.0) is None
+    expert = torch.tensor([[0, 1], [2, 0], [1, 0], [0, 3], [2, 1], [1, 0]])
+    keep = moe.capacity_keep(expert, 4, 2)
+    # expert 0: tokens 0, 1 kept; 2, 3, 5 dropped. expert 1: tokens 0, 2 kept; 4, 5 dropped. 2: 1, 4. 3: 3.
+    assert keep.tolist() == [[True, True], [True, True], [True, False], [False, True], [True, False],
+                             [False, False]]
+    assert moe.capacity_keep(expert, 4, None).all()
+
+    # In the layer: every token prefers expert 0 (top-1, C = ⌈8·1/4·1⌉ = 2): tokens 0 and 1 get expert 0's
+    # output times their gate, the 6 later ones nothing (their residual carries them).
+    config = make_config(n_layer=1, moe_experts=4, moe_topk=1, moe_capacity_factor=1.0)
+    model = GPT(config, seed=0, dtype=DT)
+    layer = model.transformer.h[0].mlp
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 10.0
+    x = torch.randn(1, 8, config.n_embd, dtype=DT)
+    x[..., 0] = 1.0
+    y = layer(x)[0].detach()
+    gate = torch.softmax(torch.tensor([10.0, 0, 0, 0], dtype=DT), 0)[0]
+    assert float((y[:2] - gate * layer.experts["0"](x[0, :2]).detach()).abs().max()) < 1e-14
+    assert float(y[2:].abs().max()) == 0.0
+    assert layer.dropped == 6
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Expert parallel against the single-device layer
+# ---------------------------------------------------------------------------------------------------------
+
+LAYER = dict(n_layer=1, n_head=2, n_embd=16, moe_experts=8, moe_topk=2, moe_aux_coef=0.3, moe_z_coef=0.05)
+CAPACITIES = (0.0, 1.0)
+
+
+def _layer_inputs(index, shape, h):
+    generator = torch.Generator().manual_seed(100 + index)
+    return (torch.randn(*shape, h, generator=generator, dtype=DT),
+            torch.randn(*shape, h, generator=generator, dtype=DT))
+
+
+def _reduce_grads(model, mesh):
+    """Router (and dense) gradients summed over dp×cp, experts' over expert_dp: what the layouts do."""
+    out = {}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        group = mesh.group(p.shard_info.grad_group)
+        dist.all_reduce(p.grad, group=group)
+        out[p.shard_info.global_name] = p.grad.clone()
+    return out
+
+
+def _skew(layer, x):
+    """Make experts 0-3 lose to 4-7 for every token: under E = 2, rank 0 of each ep group receives nothing."""
+    with torch.no_grad():
+        layer.router.weight[:4, 0] = -30.0
+        x[..., 0] = 1.0
+
+
+def _layer(rank, world):
+    import moe
+    from mesh import MeshShape, build_mesh
+    from mfu import CommTracer
+    from model import GPT
+
+    results = {}
+    meshes = {ep: build_mesh(MeshShape(dp=world, ep=ep)) for ep in (2, 4)}
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # ranks holding pieces of one micro-batch
+    for ep, factor, mode in LAYER_CASES:
+        mesh = meshes[ep]
+        model = GPT(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT)
+        layer = model.transformer.h[0].mlp
+        moe.shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
+        if mode == "pieces":  # micro-batch rank // 2, its sequence cut in two: this rank holds half rank % 2
+            layer.stats_groups = (pairs[rank // 2],)
+            x, g = (t.chunk(2, dim=1)[rank % 2] for t in _layer_inputs(rank // 2, (2, 12), 16))
+        else:
+            x, g = _layer_inputs(rank, (2, 12), 16)
+        if mode == "skew":
+            _skew(layer, x)
+        x.requires_grad_()
+        tracer = CommTracer()
+        tracer.name_group(mesh.group("ep"), "ep")
+        model.aux_losses.clear()
+        with tracer:
+            y = layer(x)
+            ((y * g).sum() + model.aux_losses.weighted_sum()).backward()
+        traced = tracer.records[("all_to_all_single", "ep")]
+        results[(ep, factor, mode)] = dict(
+            y=y.detach(), dx=x.grad, grads=_reduce_grads(model, mesh), aux=model.aux_losses.values(),
+            local=sorted(layer.experts.keys(), key=int), dropped=layer.dropped,
+            traced=(traced.calls, traced.payload_bytes), counted=(layer.a2a_calls, layer.a2a_bytes))
+    # Under bf16 autocast (float32 model): the router still computes in fp32, the rows travel in bf16.
+    model = GPT(make_config(**LAYER), seed=0)
+    layer = model.transformer.h[0].mlp
+    moe.shard_experts(layer, meshes[2].group("ep"), 2, meshes[2].index("ep"))
+    x = _layer_inputs(rank, (2, 12), 16)[0].float().requires_grad_()
+    tracer = CommTracer()
+    tracer.name_group(meshes[2].group("ep"), "ep")
+    with tracer, torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        y.float().sum().backward()
+        router_dtype = layer.router(x).dtype
+    results["bf16"] = dict(router=router_dtype, traced=tracer.records[("all_to_all_single", "ep")].payload_bytes,
+                           finite=bool(torch.isfinite(layer.router.weight.grad).all()))
+    return results
+
+
+def _layer_reference(factor, inputs, skew=False):
+    """The single-device layer on each input in turn: outputs, input grads, aux values; grads summed."""
+    from model import GPT
+
+    model = GPT(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT)
+    layer = model.transformer.h[0].mlp
+    outs = []
+    for x, g in inputs:
+        x = x.clone()
+        if skew:
+            _skew(layer, x)
+        x.requires_grad_()
+        model.aux_losses.clear()
+        y = layer(x)
+        ((y * g).sum() + model.aux_losses.weighted_sum()).backward()
+        outs.append((y.detach(), x.grad, model.aux_losses.values()))
+    return outs, {f"transformer.h.0.mlp.{n}": p.grad for n, p in layer.named_parameters()}
+
+
+def _err(a, b):
+    return float((a - b).abs().max())
+
+
+# (E, capacity factor, mode): "ranks": each rank its own rank-batch; "pieces": each micro-batch cut in two
+# along the sequence over ranks (0, 1) and (2, 3), as CP/SP do; "skew": rank 0 of each ep group gets no rows.
+LAYER_CASES = [(ep, f, "ranks") for ep in (2, 4) for f in CAPACITIES] + [(4, 0.0, "pieces"), (2, 0.0, "skew")]
+
+
+def test_expert_parallel_equals_single_device_layer():
+    results = run_ranks(_layer, 4, timeout=120)
+    for ep, factor, mode in LAYER_CASES:
+        if mode == "pieces":
+            ref, ref_grads = _layer_reference(factor, [_layer_inputs(i, (2, 12), 16) for i in range(2)])
+        else:
+            ref, ref_grads = _layer_reference(factor, [_layer_inputs(r, (2, 12), 16) for r in range(4)],
+                                              skew=mode == "skew")
+        for rank, by_case in enumerate(results):
+            got = by_case[(ep, factor, mode)]
+            y, dx, aux = ref[rank // 2] if mode == "pieces" else ref[rank]
+            if mode == "pieces":
+                y, dx = y.chunk(2, dim=1)[rank % 2], dx.chunk(2, dim=1)[rank % 2]
+            case = (ep, factor, mode, rank)
+            assert _err(got["y"], y) < TOL, case
+            assert _err(got["dx"], dx) < TOL, case
+            for name in aux:  # under pieces: the WHOLE micro-batch's value on both halves
+                assert abs(got["aux"][name] - aux[name]) < TOL, (case, name)
+            per_rank = 8 // ep
+            index = rank % ep
+            assert got["local"] == [str(i) for i in range(index * per_rank, (index + 1) * per_rank)], case
+            assert set(got["grads"]) == {n for n in ref_grads if ".experts." not in n or
+                                         int(n.split(".")[5]) in range(index * per_rank, (index + 1) * per_rank)}
+            for name, grad in got["grads"].items():
+                assert _err(grad, ref_grads[name]) < TOL, (case, name)
+            assert got["traced"] == got["counted"], case  # 5 calls: counts, dispatch, combine and 2 reversed
+            assert got["traced"][0] == 5, case
+            if factor > 0:
+                assert got["dropped"] > 0, case  # the capacity case does drop something
+            if mode == "skew" and index == 0:  # nothing comes in: 8N of counts, S = T·k rows out (forward)
+                assert got["traced"][1] == 8 * 8 + 2 * (2 * 12 * 2) * 16 * 8, got["traced"]  # and back (bwd)
+                assert all(float(grad.abs().max()) == 0 for name, grad in got["grads"].items() if ".experts." in name)
+    # bf16: Σ over ranks of the payload = W·8N + 4·Σ S·h·2 bytes (Σ R = Σ S within each ep group), S = T·k.
+    assert all(r["bf16"]["router"] == torch.float32 and r["bf16"]["finite"] for r in results)
+    assert sum(r["bf16"]["traced"] for r in results) == 4 * 8 * 8 + 4 * 4 * (2 * 12 * 2) * 16 * 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The whole model: D = 4, each rank its own data, against the single-device objective
+# ---------------------------------------------------------------------------------------------------------
+
+D, M, SEQ = 4, 2, 16
+MODEL_CASES = {  # E: config overrides
+    2: dict(n_layer=2, moe_experts=4, moe_topk=2, moe_every=1, moe_aux_coef=0.1, moe_z_coef=0.01,
+            activation_checkpointing=True),
+    4: dict(n_layer=3, moe_experts=4, moe_topk=2, moe_every=2, moe_capacity_factor=1.0, moe_aux_coef=0.1,
+            moe_z_coef=0.01),
+}
+
+
+def _model(rank, world):
+    import moe
+    from mesh import MeshShape, build_mesh
+    from mfu import CommTracer
+    from model import GPT
+    from step import GradientAccumulation
+
+    (x, y), = global_batches(1, D * M, SEQ)
+    global_tokens = (y != -1).sum().to(DT)
+    results = {}
+    for ep, overrides in MODEL_CASES.items():
+        config = make_config(**overrides)
+        mesh = build_mesh(MeshShape(dp=world, ep=ep))
+        run = SimpleNamespace(args=SimpleNamespace(sp=False), mesh=mesh, config=config, seq_len=SEQ, micro=1,
+                              micro_batches=M, device=torch.device("cpu"), autocast=nullcontext(),
+                              compute_dtype=DT, seed=0)
+        model = GPT(config, seed=0, dtype=DT)
+        handle = moe.apply(model, run)
+        layout = _Layout(model)
+        tracer = CommTracer()
+        tracer.name_group(mesh.group("ep"), "ep")
+        with tracer:
+            micro = GradientAccumulation().forward_backward(layout, model, rank_micro_batches(x, y, rank, D, 1),
+                                                            global_tokens, 1.0, D * M, nullcontext(), run.device)
+        traced = tracer.records[("all_to_all_single", "ep")]
+        results[ep] = dict(grads=_reduce_grads(model, mesh), aux=micro.aux, traced=(traced.calls, traced.payload_bytes),
+                           counted=handle.counted_messages()[("all_to_all_single", "ep")],
+                           uniform=handle.predicted_messages()[("all_to_all_single", "ep")],
+                           lines=handle.startup_lines() + handle.step_lines() + handle.end_lines(tracer, 1))
+    return results
+
+
+class _Layout:
+    """The smallest layout step.GradientAccumulation needs: the forward and a no_sync context."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x, y):
+        return self.model(x, y)
+
+    def no_sync(self):
+        return nullcontext()
+
+
+def test_expert_parallel_model_gradients_equal_single_device():
+    from model import GPT
+
+    results = run_ranks(_model, D, timeout=120)
+    (x, y), = global_batches(1, D * M, SEQ)
+    global_tokens = (y != -1).sum().to(DT)
+    for ep, overrides in MODEL_CASES.items():
+        model = GPT(make_config(**overrides), seed=0, dtype=DT)
+        aux_totals = []
+        for i in range(D * M):  # the D·m micro-batches, in the trainer's order (rank d: d·m .. d·m + m - 1)
+            _, loss_sum, _ = model(x[i:i + 1], y[i:i + 1])
+            aux_totals.append(model.aux_losses.values())  # before backward: a recompute adds the terms again
+            (loss_sum / global_tokens + model.aux_losses.weighted_sum() / (D * M)).backward()
+        ref = {p.shard_info.global_name: p.grad for p in model.parameters()}
+        for rank, by_case in enumerate(results):
+            got = by_case[ep]
+            assert got["grads"].keys() <= ref.keys()
+            held = {n for n in ref if ".experts." not in n or int(n.split(".")[5]) // (4 // ep) == rank % ep}
+            assert set(got["grads"]) == held, (ep, rank)
+            for name, grad in got["grads"].items():
+                assert _err(grad, ref[name]) < TOL, (ep, rank, name, _err(grad, ref[name]))
+            for name in got["aux"]:  # Σ over this rank's micro-batches
+                expected = sum(a[name] for a in aux_totals[rank * M:(rank + 1) * M])
+                assert abs(got["aux"][name] - expected) < TOL, (ep, rank, name)
+            assert got["traced"] == got["counted"], (ep, rank, got["traced"], got["counted"])
+            assert got["uniform"][0] == got["traced"][0]  # calls do not depend on routing, bytes do
+        print(f"\nE={ep} rank 0:\n" + "\n".join(results[0][ep]["lines"]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Flags and accounting
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(n_experts=8, topk=2, ep=3, dp=6), "--ep 3 must divide --moe-experts 8"),
+    (dict(n_experts=8, topk=2, ep=8, dp=4), "--ep 8 must divide the data × context ranks"),
+    (dict(n_experts=8, topk=2, ep=4, dp=2, cp=1), "D·C = 2·1 = 2"),
+    (dict(n_experts=4, topk=5), "--moe-topk 5"),
+    (dict(n_experts=4, topk=0), "--moe-topk 0"),
+    (dict(n_experts=0, ep=2, dp=2), "--ep 2 needs experts"),
+    (dict(n_experts=-1), "--moe-experts"),
+    (dict(n_experts=4, every=3, n_layer=2), "--moe-every 3"),
+    (dict(n_experts=4, capacity_factor=-1.0), "--moe-capacity-factor"),
+    (dict(n_experts=4, aux_coef=-0.1), "--moe-aux-coef"),
+])
+def test_check_flags_names_the_flag(kwargs, flag):
+    import moe
+
+    with pytest.raises(ValueError, match=flag.replace("(", r"\(").replace("·", ".").replace("×", ".")):
+        moe.check_flags(**kwargs)
+
+
+def test_check_flags_accepts_ep_inside_data_times_context():
+    import moe
+
+    moe.check_flags(8, 2, ep=4, dp=2, cp=2)  # E carved from D·C = 4
+    moe.check_flags(0, 2, ep=1)  # dense
+
+
+def test_accounting_counts_match_the_model():
+    import mfu
+    import moe
+    from model import GPT
+
+    for overrides in (dict(moe_experts=4, moe_topk=2), dict(moe_experts=8, moe_topk=1, moe_every=2, n_layer=3),
+                      dict(moe_experts=4, moe_topk=2, bias=False)):
+        config = make_config(**overrides)
+        model = GPT(config, seed=0)
+        counts = moe.param_counts(config)
+        assert counts["total"] == model.num_params()
+        expert = sum(p.numel() for p in model.transformer.h[config.moe_every - 1].mlp.experts["0"].parameters())
+        assert counts["expert"] == expert
+        idle = counts["moe_layers"] * (config.moe_experts - config.moe_topk) * expert
+        assert counts["active"] == counts["total"] - idle
+        # Matmul weights a token touches: the head (tied), attention, k experts' and the router's.
+        matmul = config.vocab_size * config.n_embd + sum(
+            p.numel() for name, p in model.named_parameters() if name.endswith("weight") and p.dim() == 2
+            and ".h." in name and ".experts." not in name) + counts["moe_layers"] * config.moe_topk * sum(
+            p.numel() for name, p in model.transformer.h[config.moe_every - 1].mlp.experts["0"].named_parameters()
+            if name.endswith("weight"))
+        assert moe.active_matmul_params(config) == matmul
+        flops = moe.flops_per_token(config, 64)
+        assert flops.model == mfu.flops_per_token(matmul, config.n_layer, config.n_head, config.head_dim, 64).model
+    assert moe.histogram([0, 1, 4, 8]) == " ▁▄█"
+    # Uniform all-to-all: 5 calls per MoE layer and micro-batch, 4·T·k·h·e + 8N bytes; checkpointing +3 calls.
+    config = make_config(moe_experts=4, moe_topk=2)
+    msgs = moe.step_messages(config, moe_layers=2, tokens=32, ep=2, micro_batches=3, compute_bytes=2)
+    assert msgs == {("all_to_all_single", "ep"): (2 * 3 * 5, 2 * 3 * (4 * 32 * 2 * 32 * 2 + 8 * 4))}
+    config = make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True)
+    msgs = moe.step_messages(config, moe_layers=1, tokens=32, ep=2, micro_batches=1, compute_bytes=2, cp=2)
+    assert msgs[("all_to_all_single", "ep")] == (8, 6 * 32 * 2 * 32 * 2 + 2 * 8 * 4)
+    assert msgs[("all_reduce", "cp")] == (2, 2 * 10 * 4)
