@@ -93,6 +93,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from step import Axis
 import torch.nn.functional as F
 
 from model import GPTConfig
@@ -412,17 +414,32 @@ def apply(model, run):
     return MoEAxis(model, run, layers, sequence_parallel)
 
 
-class MoEAxis:
-    """The handle train.py talks to (the Axis protocol), plus `step_lines()` (the per-step load line) and
-    `counted_messages()` / `reset_message_counts()` (the exact, count-based all-to-all prediction)."""
+class MoEAxis(Axis):
+    """The handle train.py talks to (step.Axis), with `step_lines()` (the load line) and the exact, count-based
+    all-to-all prediction of the training steps (`counted_messages()`, bracketed by before/after_step)."""
 
     name = "moe"
-    schedule = None
 
     def __init__(self, model, run, layers: list, sequence_parallel: bool):
         self.model, self.run, self.layers, self.sequence_parallel = model, run, layers, sequence_parallel
         self.config, self.ep = model.config, run.mesh.size("ep")
         self.last_load = None
+        self.trained_calls, self.trained_bytes = 0, 0  # all-to-alls of the training steps, from the counts
+
+    def before_step(self) -> None:
+        self.reset_message_counts()  # what ran outside training steps (evaluation, start-up probes) is not traced
+
+    def after_step(self, skipped: bool) -> None:
+        calls, payload = self.counted_messages().get(("all_to_all_single", "ep"), (0, 0))
+        self.trained_calls, self.trained_bytes = self.trained_calls + calls, self.trained_bytes + payload
+
+    def traced_prediction(self, layout, steps: int) -> dict:
+        """Per step over the traced training steps: the all-to-alls from the routed counts (exact), the rest as
+        predicted_messages."""
+        out = dict(self.predicted_messages(layout))
+        if self.ep > 1 and steps:
+            out[("all_to_all_single", "ep")] = (self.trained_calls / steps, self.trained_bytes / steps)
+        return out
 
     def params(self) -> list:
         return [p for layer in self.layers for p in layer.parameters()]
@@ -442,15 +459,12 @@ class MoEAxis:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def shard_batches(self, batches) -> list:
-        return batches  # experts do not cut the batch
-
     def tokens_per_micro_batch(self) -> int:
         """T: the tokens one rank routes per micro-batch (its CP piece, and SP piece)."""
         mesh = self.run.mesh
         return self.run.micro * self.run.seq_len // mesh.shape.cp // (mesh.shape.tp if self.sequence_parallel else 1)
 
-    def predicted_messages(self) -> dict:
+    def predicted_messages(self, layout=None) -> dict:
         """Per optimizer step, for UNIFORM routing: {(op, group): (calls, payload bytes)} (docstring item 3)."""
         run, config = self.run, self.config
         param = next(self.model.parameters())
@@ -622,14 +636,12 @@ def end_lines(axis: MoEAxis, tracer, steps: int) -> list:
     if axis.ep > 1:
         traced = tracer.records.get(("all_to_all_single", "ep"))
         traced = (traced.calls, traced.payload_bytes) if traced is not None else (0, 0)
-        counted = axis.counted_messages().get(("all_to_all_single", "ep"), (0, 0))
+        counted = (axis.trained_calls, axis.trained_bytes)  # the training steps', from the routed counts
         uniform = axis.predicted_messages().get(("all_to_all_single", "ep"), (0, 0))
         per = max(1, steps * len(axis.layers))
         lines.append(f"moe all_to_all_single (group ep) per MoE layer and step: traced {format_bytes(traced[1] / per)}"
                      f" ({traced[0] / per:.1f} calls), from the routed counts {format_bytes(counted[1] / per)},"
                      f" uniform routing {format_bytes(uniform[1] / max(1, len(axis.layers)))}")
-        lines.append("  per layer, from the counts: " + ", ".join(
-            f"h.{layer.layer_id} {format_bytes(layer.a2a_bytes / max(1, steps))}" for layer in axis.layers))
     loads = axis.last_load or [layer.load for layer in axis.layers]
     for layer, load in zip(axis.layers, loads):
         mean = float(load.sum()) / load.numel() if load.sum() else 1.0

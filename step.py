@@ -52,12 +52,24 @@ class Axis:
         """Measured against predicted at the end (the generic message table aside)."""
         return []
 
+    def traced_prediction(self, layout, steps: int) -> dict:
+        """What the tracer should have seen per training step, for the end table: predicted_messages, unless
+        the axis knows better after the fact (MoE: the all-to-all bytes from the routed counts)."""
+        return self.predicted_messages(layout)
+
+    def step_lines(self) -> list:
+        """Lines printed with each logged step (MoE: the load per expert; FP8: scales and saturation)."""
+        return []
+
     def shard_batches(self, batches: list) -> list:
         """This rank's part of each micro-batch (x, y, pos): context parallel cuts the sequences."""
         return batches
 
     def after_grad_sync(self, layout) -> None:
         """Sums the axis needs once the layout's data-parallel reduction is done (on layout.grad_pieces)."""
+
+    def before_step(self) -> None:
+        """Once per optimizer step, before its first forward."""
 
     def local_nonfinite(self):
         """A count of non-finite values of its own (FP8 amaxes) that must skip the step everywhere, or None."""
@@ -142,6 +154,8 @@ def train_step(layout, scaler, batches, data_group, clip: float, autocast, devic
     model = model if model is not None else layout.module
     schedule = schedule or GradientAccumulation()
     data_size = data_size or dist.get_world_size(data_group)
+    for axis in axes:
+        axis.before_step()
     global_tokens = count_global_tokens(batches, data_group, device)
     micro = schedule.forward_backward(layout, model, batches, global_tokens, scaler.scale,
                                       data_size * len(batches), autocast, device)

@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from model import GPT, GPTConfig, ShardInfo, Split, init_full_parameter
+from model import GPT, MLP, GPTConfig, ShardInfo, Split, init_full_parameter
 from step import Axis
 
 # ---------------------------------------------------------------------------------------------------------
@@ -547,7 +547,8 @@ class TensorParallel(Axis):
             for p, original in zip(params, originals):
                 p.data = original
         return accounting_lines(self.model.config, micro, seq, self.ctx.size, self.sequence_parallel,
-                                param_dtype.itemsize, compute_bytes, state_bytes_per_param, measured=measured)
+                                param_dtype.itemsize, compute_bytes, state_bytes_per_param, measured=measured,
+                                split_mlp=isinstance(next(iter(self.model.transformer.h)).mlp, MLP))
 
     def step_messages(self, micro: int, seq: int, micro_batches: int = 1, compute_bytes: int | None = None,
                       sp_grad_bytes: int | None = None, param_bytes: int | None = None):
@@ -562,7 +563,8 @@ class TensorParallel(Axis):
         return step_messages(self.model.config, micro, seq, self.ctx.size, self.sequence_parallel,
                              micro_batches, param_bytes, compute_bytes or param_bytes, sp_param_bytes=sp_grad_bytes,
                              n_blocks=len(self.model.transformer.h), embedding=self.model.has_embedding,
-                             head=self.model.has_head)
+                             head=self.model.has_head,
+                             unsplit_mlp_blocks=sum(not isinstance(b.mlp, MLP) for b in self.model.transformer.h))
 
     # The axis protocol train.py talks to (`apply` fills `run` and the start-up lines).
 
@@ -611,13 +613,15 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
         block.attn.c_attn = _column(block.attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, segments=3,
                                     regather=regather)
         block.attn.c_proj = _row(block.attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
-        block.mlp.c_fc = _column(block.mlp.c_fc, f"{prefix}.mlp.c_fc", ctx, config, seed, regather=regather)
-        block.mlp.c_proj = _row(block.mlp.c_proj, f"{prefix}.mlp.c_proj", ctx, config, seed)
+        if isinstance(block.mlp, MLP):  # a mixture of experts stays whole on every TP rank (moe.py)
+            block.mlp.c_fc = _column(block.mlp.c_fc, f"{prefix}.mlp.c_fc", ctx, config, seed, regather=regather)
+            block.mlp.c_proj = _row(block.mlp.c_proj, f"{prefix}.mlp.c_proj", ctx, config, seed)
         block.attn.attention_fn = ForkedAttention(block.attn.attention_fn, rng)
         block.attn.resid_dropout = ForkedDropout(block.attn.resid_dropout, ctx, rng)
         block.mlp.dropout = ForkedDropout(block.mlp.dropout, ctx, rng)
         sp_params += [*block.ln_1.parameters(), *block.ln_2.parameters()]
-        sp_params += [p for p in (block.attn.c_proj.bias, block.mlp.c_proj.bias) if p is not None]
+        row_biases = [block.attn.c_proj.bias] + ([block.mlp.c_proj.bias] if isinstance(block.mlp, MLP) else [])
+        sp_params += [p for p in row_biases if p is not None]
     # Tied embedding and head: ONE vocabulary-split parameter, used by both (a pipeline stage holding only
     # one of them has its own copy, named transformer.wte.weight as well).
     vocab_shard = _shard("transformer.wte.weight", (config.vocab_size, config.n_embd), 0, ctx)
@@ -663,7 +667,7 @@ def param_counts(config: GPTConfig, tp: int) -> dict:
 
 
 def block_messages(micro: int, seq: int, h: int, sequence_parallel: bool, param_bytes: int, compute_bytes: int,
-                   regather: bool = True):
+                   regather: bool = True, split_mlp: bool = True):
     """One block's critical-path messages for one micro-batch: [(phase, op, payload bytes)], group tp.
 
     Without SP, f moves the gradient of the LayerNorm's output (parameter dtype: autocast casts inside the
@@ -671,11 +675,16 @@ def block_messages(micro: int, seq: int, h: int, sequence_parallel: bool, param_
     the shard is cast before its all-gather. The backward of each moves the gradient of the same tensor.
     """
     enter, leave = micro * seq * h * param_bytes, micro * seq * h * compute_bytes
+    full = leave
+    backward_column = [("backward", "all_gather_single", full)] if regather else []  # re-gather the input
+    if not split_mlp:  # a mixture of experts is not split by TP: the attention's messages only
+        if not sequence_parallel:
+            return [("forward", "all_reduce", leave), ("backward", "all_reduce", enter)]
+        return [("forward", "all_gather_single", full), ("forward", "reduce_scatter_single", full),
+                ("backward", "all_gather_single", full), *backward_column, ("backward", "reduce_scatter_single", full)]
     if not sequence_parallel:
         return [("forward", "all_reduce", leave), ("forward", "all_reduce", leave),  # g after attn, mlp
                 ("backward", "all_reduce", enter), ("backward", "all_reduce", enter)]  # f before mlp, attn
-    full = leave
-    backward_column = [("backward", "all_gather_single", full)] if regather else []  # re-gather the input
     return [("forward", "all_gather_single", full), ("forward", "reduce_scatter_single", full),
             ("forward", "all_gather_single", full), ("forward", "reduce_scatter_single", full),
             ("backward", "all_gather_single", full),  # mlp.c_proj's ḡ
@@ -687,10 +696,11 @@ def block_messages(micro: int, seq: int, h: int, sequence_parallel: bool, param_
 def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_parallel: bool,
                   micro_batches: int = 1, param_bytes: int = 4, compute_bytes: int = 4,
                   sp_param_bytes: int = 0, n_blocks: int | None = None, embedding: bool = True,
-                  head: bool = True) -> dict:
+                  head: bool = True, unsplit_mlp_blocks: int = 0) -> dict:
     """Predicted TP-group messages of one optimizer step: {op: (calls, payload bytes)} (docstring item 3).
 
-    n_blocks, embedding, head: what this rank holds (a pipeline stage holds a few blocks, maybe one end)."""
+    n_blocks, embedding, head: what this rank holds (a pipeline stage holds a few blocks, maybe one end);
+    unsplit_mlp_blocks of them have an MLP that TP does not split (a mixture of experts)."""
     out = {}
 
     def add(op, payload, calls=1):
@@ -700,14 +710,17 @@ def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_par
     h, tokens = config.n_embd, micro * seq
     loss_bytes = max(4, compute_bytes)  # the softmax runs in at least fp32
     for _ in range(micro_batches):
-        for _ in range(config.n_layer if n_blocks is None else n_blocks):
+        blocks = config.n_layer if n_blocks is None else n_blocks
+        for index in range(blocks):
+            split_mlp = index >= unsplit_mlp_blocks
             msgs = block_messages(micro, seq, h, sequence_parallel, param_bytes, compute_bytes,
-                                  regather=not config.activation_checkpointing)
+                                  regather=not config.activation_checkpointing, split_mlp=split_mlp)
             if config.activation_checkpointing:
                 # Backward recomputes the block's forward, messages included, but torch's non-reentrant
                 # checkpoint stops as soon as every saved tensor is back: the MLP's final reduction feeds
-                # nothing saved, so it is not repeated.
-                msgs += [m for m in msgs if m[0] == "forward"][:-1]
+                # nothing saved, so it is not repeated (a mixture of experts saves what follows the attention's).
+                forward = [m for m in msgs if m[0] == "forward"]
+                msgs += forward[:-1] if split_mlp else forward
             for _, op, payload in msgs:
                 add(op, payload)
         act, head_act = tokens * h * param_bytes, tokens * h * compute_bytes
@@ -770,26 +783,29 @@ def measure_block_messages(model: GPT, ctx: TensorParallelContext, micro: int, s
     with tracer:
         with autocast:
             out = block(x)
-    measured.update({("forward", op): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items()})
+    measured.update({("forward", op): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items()
+                     if g == "tp"})
     tracer.reset()
     with tracer:
         out.float().sum().backward()
-    measured.update({("backward", op): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items()})
+    measured.update({("backward", op): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items()
+                     if g == "tp"})
     _clear_grads(block)
     return measured
 
 
 def accounting_lines(config: GPTConfig, micro: int, seq: int, tp: int, sequence_parallel: bool,
                      param_bytes: int = 4, compute_bytes: int = 4, state_bytes_per_param: int = 16,
-                     measured: dict | None = None) -> list:
+                     measured: dict | None = None, split_mlp: bool = True) -> list:
     """The startup printout: per-block messages (predicted, and measured when given), parameters per rank,
-    activation estimates."""
+    activation estimates. split_mlp: whether the measured block's MLP is TP-split (a MoE block's is not)."""
     from mfu import format_bytes
 
     lines = [f"tensor parallel T={tp}{' + sequence parallel' if sequence_parallel else ''}: messages per block and"
              f" micro-batch (b={micro}, s={seq}, h={config.n_embd}), on the critical path, group tp:"]
     predicted = _by_phase_and_op(block_messages(micro, seq, config.n_embd, sequence_parallel, param_bytes,
-                                                compute_bytes, regather=not config.activation_checkpointing))
+                                                compute_bytes, regather=not config.activation_checkpointing,
+                                                split_mlp=split_mlp))
     for (phase, op), (calls, payload) in predicted.items():
         line = f"  {phase:<8} {op:<22} predicted {calls} × {format_bytes(payload / calls):>10}"
         if measured is not None:

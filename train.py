@@ -28,6 +28,7 @@ import torch.distributed as dist
 import ckpt
 import data
 import mfu
+import moe
 import tensor_parallel
 from ddp import DDPLayout, DistributedDataParallel
 from mesh import Mesh, axis_groups, build_mesh, choose_device_and_backend, infer_mesh_shape, init_distributed
@@ -78,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB")
     g.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
+    g = p.add_argument_group("mixture of experts (moe.py)")
+    g.add_argument("--moe-experts", type=int, default=0, help="experts N per MoE block (0: dense MLP)")
+    g.add_argument("--moe-topk", type=int, default=2, help="experts per token k")
+    g.add_argument("--moe-every", type=int, default=1, help="every n-th block is MoE")
+    g.add_argument("--moe-capacity-factor", type=float, default=0.0, help="capacity ⌈T·k/N·f⌉ (0: dropless)")
+    g.add_argument("--moe-aux-coef", type=float, default=0.01, help="load-balance loss coefficient α")
+    g.add_argument("--moe-z-coef", type=float, default=0.001, help="router z-loss coefficient β")
     g = p.add_argument_group("evaluation and reporting")
     g.add_argument("--eval-every", type=int, default=100, help="val loss every N steps (0: only at the end)")
     g.add_argument("--eval-batches", type=int, default=4)
@@ -108,7 +116,13 @@ def validate_args(args, world_size: int):
     except ValueError as e:
         raise FlagError(str(e)) from None
     validate_zero_args(args)
-    for flag, value in (("--pp", args.pp), ("--cp", args.cp), ("--ep", args.ep)):
+    try:
+        moe.check_flags(args.moe_experts, args.moe_topk, args.ep, shape.dp, shape.cp, args.moe_every,
+                        args.moe_capacity_factor, args.n_layer or model_config(args).n_layer, args.moe_aux_coef,
+                        args.moe_z_coef)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    for flag, value in (("--pp", args.pp), ("--cp", args.cp)):
         if value > 1:
             raise FlagError(f"{flag} {value}: this axis is not implemented in this version of the trainer")
     if args.sp and args.tp == 1:
@@ -185,7 +199,8 @@ def validate_checkpoint_args(args):
 
 
 def model_config(args):
-    overrides = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    overrides = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
+                     **moe.config_overrides(args))
     if args.no_bias:
         overrides["bias"] = False
     if args.activation_checkpointing:
@@ -216,6 +231,7 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 # modules of the model in place and returns its handle, a step.Axis (None when its flag is off). Adding an
 # axis adds a line here; the loop and the printouts only ever loop over the handles.
 AXES = (
+    moe.apply,
     tensor_parallel.apply,
 )
 
@@ -300,6 +316,8 @@ def main(argv=None):
             record["val_loss"] = evaluate(run, val_tokens, val_sampler)
         if step % args.log_every == 0 or last or "val_loss" in record:
             print_step(record)
+            for line in (line for axis in run.axes for line in axis.step_lines()):
+                print0(f"  {line}")
         if metrics:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -354,23 +372,21 @@ def start_run(args) -> tuple[Run, data.Corpus]:
 
 
 def model_flops(config: GPTConfig, seq_len: int) -> mfu.FlopsPerToken:
-    """FLOPs per token of the logical model. N of 6N: the weights that enter a matmul (the blocks' linears,
-    12·L·h², and the tied head, V·h); N_r: those whose forward activation checkpointing recomputes."""
-    blocks = 12 * config.n_layer * config.n_embd ** 2
-    return mfu.flops_per_token(n_matmul_params=config.vocab_size * config.n_embd + blocks, n_layer=config.n_layer,
-                               n_head=config.n_head, head_dim=config.head_dim, seq_len=seq_len,
-                               recompute=config.activation_checkpointing, n_recomputed_params=blocks)
+    """FLOPs per token of the logical model. N of 6N: the weights a token's matmuls use (the blocks' linears,
+    12·L·h² when dense; with experts the k it is routed to and the router, not all N: moe.py), and the tied
+    head, V·h; N_r: those whose forward activation checkpointing recomputes (the blocks')."""
+    return moe.flops_per_token(config, seq_len, recompute=config.activation_checkpointing)
 
 
 def build_layout(model: GPT, run: Run):
     """DDP (--zero 0) or ZeRO 1/2/3 (zero.py) over each parameter's data-parallel group."""
     args, coords = run.args, run.mesh.coordinates()
     forward = torch.compile(model) if args.compile else model
+    groups = {name: run.mesh.group(name) for name in ("dp_cp", "expert_dp")}  # dense, experts
     if args.zero:  # shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
         return ZeroLayout(model, run.mesh.dp_cp_group, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                           betas=(args.beta1, args.beta2), param_dtype=run.param_dtype, master_dtype=torch.float32,
-                          bucket_mb=args.bucket_mb, forward=forward, coords=coords)
-    groups = {name: run.mesh.group(name) for name in ("dp_cp", "expert_dp")}
+                          bucket_mb=args.bucket_mb, forward=forward, coords=coords, groups=groups)
     ddp = DistributedDataParallel(forward, groups=groups, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
     return DDPLayout(ddp, optimizer, coords)
@@ -431,10 +447,9 @@ def evaluate(run: Run, tokens, sampler) -> float:
 
 @torch.no_grad()
 def sample(run: Run, val_tokens, tokenizer_name):
-    """Rank 0's model-parallel group samples together (the collectives are theirs); rank 0 prints."""
-    run.layout.unshard()  # collective (ZeRO-3 gathers every weight on every rank): before any rank leaves
-    if run.mesh.rank >= run.mesh.shape.tp:
-        return
+    """Every rank generates the same tokens in lock step (the same prompt and seed), so that every group whose
+    collectives the forward uses (TP, the experts' all-to-all) takes part; rank 0 prints."""
+    run.layout.unshard()  # collective (ZeRO-3 gathers every weight on every rank)
     prompt = torch.from_numpy(val_tokens.tokens[:32].astype("int64"))[None].to(run.device)
     model = run.model
     model.eval()
@@ -458,10 +473,13 @@ def print0(*args, **kwargs):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def predicted_messages(run: Run) -> dict:
-    """{(op, group): (calls, payload bytes)} per optimizer step: the layout's, every axis's, the step's own."""
+def predicted_messages(run: Run, traced_steps: int = 0) -> dict:
+    """{(op, group): (calls, payload bytes)} per optimizer step: the layout's, every axis's, the step's own.
+    With traced_steps, what the tracer should have seen per step (an axis may know it better after the fact)."""
     m = run.micro_batches
-    sources = [run.layout.predicted_messages(m), *(axis.predicted_messages(run.layout) for axis in run.axes)]
+    axes = [axis.traced_prediction(run.layout, traced_steps) if traced_steps else axis.predicted_messages(run.layout)
+            for axis in run.axes]
+    sources = [run.layout.predicted_messages(m), *axes]
     if run.mesh.dp_cp_size > 1:  # step.py: the global token count and the logged loss, float64 each
         sources.append({("all_reduce", "dp_cp"): (2, 16)})
     if run.mesh.shape.world_size > 1:
@@ -544,10 +562,11 @@ def print_end(run: Run, steps_run: int, seconds: float, steps_timed: int):
             print0(line)
     if steps_run:
         print0("messages per training step, traced vs predicted (calls, payload):")
-        for key, (calls, payload) in sorted(predicted_messages(run).items(), key=lambda kv: kv[0][::-1]):
+        for key, (calls, payload) in sorted(predicted_messages(run, steps_run).items(), key=lambda kv: kv[0][::-1]):
             stat = run.tracer.records.get(key)
             got_calls, got_payload = (stat.calls / steps_run, stat.payload_bytes / steps_run) if stat else (0, 0)
-            mark = "" if (got_calls, got_payload) == (calls, payload) else "   <- differs"
+            same = abs(got_calls - calls) < 1e-9 and abs(got_payload - payload) < 1e-6
+            mark = "" if same else "   <- differs"
             print0(f"  {key[0]:<22} {key[1]:<9} traced {got_calls:>6g} {mfu.format_bytes(got_payload):>12}"
                    f"   predicted {calls:>6g} {mfu.format_bytes(payload):>12}{mark}")
     print0("communication by (collective, group) over the training steps:")
