@@ -494,7 +494,9 @@ class ContextParallel:
         step = sum(payload for (op, _), (_, payload) in self.predicted_messages().items() if op != "recv")
         lines.append(f"  per step (× L={len(self.model.transformer.h)} × m={self.micro_batches}): {format_bytes(step)} sent")
         lines += causal_work_lines(s, C)
-        lines += activation_lines(self.model.config, s, b, h, C, self.tp, saved)
+        ctx = getattr(next(iter(self.model.transformer.h)).attn.c_attn, "ctx", None)  # tensor parallel's
+        sp = ctx is not None and ctx.sequence_parallel
+        lines += activation_lines(self.model.config, s, b, h, C, self.tp, saved, sp, self.compute_bytes)
         if self.impl == "ring":
             self.alone_seconds = time_ring_alone(self)
             lines.append(f"  ring transfers alone (no compute): forward {self.alone_seconds['forward'] * 1e3:.2f} ms,"
@@ -608,8 +610,12 @@ def saved_activation_bytes(fn, exclude=()) -> int:
     return saved.bytes
 
 
-def activation_lines(config, s, b, h, cp, tp, measured: int | None, sequence_parallel: bool = False) -> list:
-    """The measured saved bytes of one layer next to Korthikanti's estimate and its CP form (÷ C)."""
+def activation_lines(config, s, b, h, cp, tp, measured: int | None, sequence_parallel: bool = False,
+                     element_bytes: int = 2) -> list:
+    """The measured saved bytes of one layer next to Korthikanti's estimate and its CP form (÷ C).
+
+    The estimate counts 16-bit elements; the measurement is in the run's dtypes, so it is also shown scaled
+    by 2/e_c (exact when every saved tensor is in the compute dtype; autocast keeps LayerNorm inputs fp32)."""
     from mfu import activation_bytes_per_layer, format_bytes
 
     full = activation_bytes_per_layer(s, b, h, config.n_head, tp, sequence_parallel)
@@ -617,7 +623,8 @@ def activation_lines(config, s, b, h, cp, tp, measured: int | None, sequence_par
     line = (f"  activations per layer and micro-batch (Korthikanti 2022, 16-bit, ÷ C={cp}): sbh(34+5as/h)/C ="
             f" {format_bytes(full / cp)}; without stored scores 34sbh/C = {format_bytes(per_token / cp)}")
     if measured is not None:
-        line += f"; measured (saved_tensors_hooks, this run's dtypes) {format_bytes(measured)}"
+        line += (f"; measured (saved_tensors_hooks) {format_bytes(measured)}, × 2/e_c = "
+                 f"{format_bytes(measured * 2 / element_bytes)}")
     return [line]
 
 
