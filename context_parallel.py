@@ -26,8 +26,8 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
 2. Peak per device. Parameters and optimizer as without CP (ZeRO shards them over dp×cp). Activations per
    layer and micro-batch, Korthikanti et al. 2022 divided by C: (s/C)·b·h·(34 + 5·a·s/h) at 16 bits. The
    attention here keeps no score matrix (it saves q, k, v, its output and the log-sum-exp, as a flash
-   kernel does), so the measured figure is ≈ 34·(s/C)·b·h (`saved_activation_bytes`; measured per layer at
-   start-up and printed next to both). Temporaries, ring: the K,V block in use and the one arriving,
+   kernel does) and dropout is 0 (no 1-byte masks), so the measured figure is ≈ 32·(s/C)·b·h at 16 bits
+   (`saved_activation_bytes`; measured per layer at start-up and printed next to both). Temporaries, ring: the K,V block in use and the one arriving,
    2 × 2·(s/C)·b·(h/T)·e_c; one score block b·(a/T)·(s/C)²·e_a; in backward also two dK,dV accumulators
    2 × 2·(s/C)·b·(h/T)·e_a and dq. Ulysses: head-split q, k, v, out (the same bytes as the local ones) and
    the inner attention's own temporaries on the whole s for a/(T·C) heads.
@@ -95,6 +95,12 @@ def _block_forward(q, k, v, causal: bool, wide):
     s = _scores(q, k, causal, wide)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(wide)), lse
+
+
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H, L, D] stored as [B, L, H, D]: the model's next step (transpose, reshape for c_proj) is then a
+    view, so c_proj saves the very storage attention saved (one copy of the output per layer, not two)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _merge(out, lse, block_out, block_lse) -> None:
@@ -206,7 +212,7 @@ def ring_attention_forward(q, k, v, ring: Ring, balance: str):
             _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         if step + 1 < ring.size:
             kv = ring.wait(arriving)
-    return out.to(q.dtype), lse
+    return _token_major(out.to(q.dtype)), lse
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, ring: Ring, balance: str):
@@ -286,7 +292,8 @@ def _head_to_seq(y, group, reorder):
     send = y.reshape(B, Hc, size, S // size, D).permute(2, 0, 1, 3, 4).contiguous()  # piece j: rank j's tokens
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
-    return received.transpose(0, 1).reshape(B, size * Hc, S // size, D)  # heads of rank j come j-th
+    # Heads of rank j come j-th; stored token-major, as the ring's output is.
+    return received.permute(1, 3, 0, 2, 4).reshape(B, S // size, size * Hc, D).transpose(1, 2)
 
 
 class SeqToHead(torch.autograd.Function):
@@ -619,9 +626,10 @@ def activation_lines(config, s, b, h, cp, tp, measured: int | None, sequence_par
     from mfu import activation_bytes_per_layer, format_bytes
 
     full = activation_bytes_per_layer(s, b, h, config.n_head, tp, sequence_parallel)
-    per_token = activation_bytes_per_layer(s, b, h, 0, tp, sequence_parallel)  # a = 0: no score term
+    # Without the score term (a = 0) and without the two 1-byte dropout masks of the residual branches.
+    flash = activation_bytes_per_layer(s, b, h, 0, tp, sequence_parallel) - 2 * s * b * h / (tp if sequence_parallel else 1)
     line = (f"  activations per layer and micro-batch (Korthikanti 2022, 16-bit, ÷ C={cp}): sbh(34+5as/h)/C ="
-            f" {format_bytes(full / cp)}; without stored scores 34sbh/C = {format_bytes(per_token / cp)}")
+            f" {format_bytes(full / cp)}; no stored scores, no dropout masks (32sbh)/C = {format_bytes(flash / cp)}")
     if measured is not None:
         line += (f"; measured (saved_tensors_hooks) {format_bytes(measured)}, × 2/e_c = "
                  f"{format_bytes(measured * 2 / element_bytes)}")
