@@ -412,8 +412,9 @@ def apply(model, run) -> ContextParallel | None:
     tp = run.mesh.size("tp")
     check_flags(run.seq_len, cp, model.config.n_head, tp, impl, balance, model.config.dropout,
                 getattr(args, "sp", False))
-    autocast_on = isinstance(run.autocast, torch.autocast)
-    compute_bytes = run.compute_dtype.itemsize if autocast_on else next(model.parameters()).element_size()
+    param = next(model.parameters())
+    with run.autocast:  # e_c: the dtype c_attn's output (q, k, v) will have in this run
+        compute_bytes = torch.nn.functional.linear(param.new_zeros(1, 1), param.new_zeros(1, 1)).element_size()
     return parallelize(model, run.mesh.group("cp"), impl, balance, seq_len=run.seq_len, micro=run.micro,
                        micro_batches=run.micro_batches, compute_bytes=compute_bytes, tp=tp, autocast=run.autocast)
 

@@ -131,9 +131,14 @@ def _measure(rank, world, args, device):
         handle.ring.times = {"forward": context_parallel.PhaseTime(), "backward": context_parallel.PhaseTime()}
     dist.barrier(group)
     times = alternate({name: _synchronized(fn, group) for name, fn in models.items()}, args.steps, args.warmup)
-    hidden = {}
+    hidden, compute = {}, {}
     for name, handle in handles.items():
-        if handle.impl == "ring":
+        if handle.impl == "ring":  # attention compute per pass (not blocked), every rank: the balance shows
+            mine = torch.zeros(2, world, dtype=torch.float64)
+            for row, stat in enumerate(handle.ring.times.values()):
+                mine[row, rank] = (stat.seconds - stat.waited) / max(1, stat.passes)
+            dist.all_reduce(mine, group=group)
+            compute[name] = mine.tolist()
             handle.seq_len, handle.micro, handle.compute_bytes = args.seq_len, args.micro, 2 if args.dtype == "bf16" else 4
             alone = context_parallel.time_ring_alone(handle)
             hidden[name] = context_parallel.hidden_lines(handle.ring.times, alone)
@@ -142,7 +147,7 @@ def _measure(rank, world, args, device):
         t = torch.tensor(seconds, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         worst[name] = float(t)
-    return {"times": worst, "saved": saved, "losses": losses, "hidden": hidden}
+    return {"times": worst, "saved": saved, "losses": losses, "hidden": hidden, "compute": compute}
 
 
 def _synchronized(fn, group):
@@ -242,6 +247,12 @@ def main():
                      f" (Ulysses needs n_head={a} divisible by C)"))
             work = context_parallel.causal_work(s, cp)
             print("    causal work max/mean: " + ", ".join(f"{k} {max(v) / (sum(v) / cp):.3f}" for k, v in work.items()))
+            for name, (forward, backward) in result["compute"].items():
+                print(f"    {name:<16} attention compute per layer, by rank (ms): forward "
+                      + " ".join(f"{t * 1e3:.0f}" for t in forward) + ", backward "
+                      + " ".join(f"{t * 1e3:.0f}" for t in backward)
+                      + f"; max/mean forward {max(forward) / (sum(forward) / cp):.2f},"
+                        f" backward {max(backward) / (sum(backward) / cp):.2f}")
             for name, lines in result["hidden"].items():
                 for line in lines:
                     print(f"    {name}:{line}")
