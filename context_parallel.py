@@ -637,12 +637,6 @@ def activation_lines(config, s, b, h, cp, tp, measured: int | None, sequence_par
     return [line]
 
 
-@torch.no_grad()
-def _clear_grads(module) -> None:
-    for p in module.parameters():
-        p.grad = None
-
-
 def measure_block(handle: ContextParallel) -> tuple[dict, int]:
     """Run block 0 forward + backward once on random local input: ({(phase, op): (calls, bytes)}, saved bytes)."""
     from mfu import CommTracer
@@ -664,7 +658,8 @@ def measure_block(handle: ContextParallel) -> tuple[dict, int]:
     with tracer:
         out.float().sum().backward()
     measured.update({("backward", op): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items() if g == "cp"})
-    _clear_grads(block)
+    block.zero_grad(set_to_none=True)
+    handle.ring.times = {phase: PhaseTime() for phase in handle.ring.times}  # not training time
     return measured, saved.bytes
 
 
