@@ -27,10 +27,11 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
    layer and micro-batch, Korthikanti et al. 2022 divided by C: (s/C)·b·h·(34 + 5·a·s/h) at 16 bits. The
    attention here keeps no score matrix (it saves q, k, v, its output and the log-sum-exp, as a flash
    kernel does) and dropout is 0 (no 1-byte masks), so the measured figure is ≈ 32·(s/C)·b·h at 16 bits
-   (`saved_activation_bytes`; measured per layer at start-up and printed next to both). Temporaries, ring: the K,V block in use and the one arriving,
-   2 × 2·(s/C)·b·(h/T)·e_c; one score block b·(a/T)·(s/C)²·e_a; in backward also two dK,dV accumulators
-   2 × 2·(s/C)·b·(h/T)·e_a and dq. Ulysses: head-split q, k, v, out (the same bytes as the local ones) and
-   the inner attention's own temporaries on the whole s for a/(T·C) heads.
+   (`saved_activation_bytes`, measured per layer at start-up and printed next to both; Ulysses keeps the
+   output twice, head-split and back, +2·(s/C)·b·h). Temporaries, ring: the K,V block in use and the one
+   arriving, 2 × 2·(s/C)·b·(h/T)·e_c; one score block b·(a/T)·(s/C)²·e_a; in backward also two dK,dV
+   accumulators 2 × 2·(s/C)·b·(h/T)·e_a and dq. Ulysses: head-split q, k, v, out (the bytes of the local
+   ones) and the inner attention's own temporaries on the whole s for a/(T·C) heads.
 3. Critical path, per layer and micro-batch, group cp (payload M per call; p2p traced as "send"/"recv"):
      ring forward:  (C−1) × send + recv of the stacked [K; V], 2·(s/C)·b·(h/T)·e_c each, posted before the
                     step's compute: hidden when a block's compute outlasts its transfer.
@@ -43,9 +44,10 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
 4. Restart state: nothing of its own. Parameters are replicated over cp and a rank's positions depend only on
    (s, C, c), so a checkpoint resumes on any C.
 
-Dropout inside attention is REFUSED (a clear ValueError naming --dropout and --cp): the masks of a ring run
-would have to be drawn per (query block, key block) and replayed by the backward, and would still not match
-the single device's. dropout_p = 0 is exact. The attention is kept out of torch.compile graphs (it talks).
+Dropout inside attention is REFUSED (a ValueError naming --dropout and --cp, from check_flags and at the
+call): the masks of a ring run would have to be drawn per (query block, key block) and replayed by the
+backward, and would still not match the single device's. --dropout also sets the residual dropouts, so --cp
+runs with --dropout 0, where everything is exact. The attention is kept out of torch.compile graphs (it talks).
 
 `saved_activation_bytes` (a saved_tensors_hooks measurement, each storage counted once) lives here for now;
 it measures any layout, not only CP, and may move to mfu.py.
@@ -74,7 +76,8 @@ def positions(seq_len: int, cp: int, rank: int, balance: str = "zigzag") -> torc
         piece = seq_len // cp
         return torch.arange(rank * piece, (rank + 1) * piece)
     n = seq_len // (2 * cp)  # zig-zag: chunks `rank` and 2C−1−rank of 2C
-    return torch.cat([torch.arange(rank * n, (rank + 1) * n), torch.arange((2 * cp - 1 - rank) * n, (2 * cp - rank) * n)])
+    early, late = rank, 2 * cp - 1 - rank
+    return torch.cat([torch.arange(early * n, (early + 1) * n), torch.arange(late * n, (late + 1) * n)])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -229,8 +232,9 @@ def ring_attention_backward(dout, q, k, v, out, lse, ring: Ring, balance: str):
         case = block_case(ring.rank, (ring.rank - step) % ring.size, q.shape[2], balance)
         if case is not None:
             rows, cols, causal = case
-            block_dq, block_dk, block_dv = _block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                                                           kv[1][:, :, cols], lse[:, :, rows], delta[:, :, rows], causal)
+            block_dq, block_dk, block_dv = _block_backward(
+                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], lse[:, :, rows],
+                delta[:, :, rows], causal)
             dq[:, :, rows] += block_dq
         # The accumulator of the block we hold: fresh at step 0, else it arrives from the previous rank.
         dkv = torch.zeros((2, *k.shape), dtype=wide, device=k.device) if step == 0 else ring.wait(dkv_transfer)
@@ -437,18 +441,14 @@ class ContextParallel:
     schedule = None
     alone_seconds: dict = field(default_factory=dict)  # ring transfers timed without compute, per phase
 
-    @property
-    def size(self) -> int:
-        return self.ring.size
-
     def shard_batches(self, batches) -> list:
         """[(x, y)] or [(x, y, pos)] of whole sequences → [(x, y, pos)] of this rank's tokens (pos global)."""
         out = []
         for batch in batches:
             x, y, pos = (*batch, None)[:3]
             seq_len = x.shape[1]
-            check_flags(seq_len, self.size, self.model.config.n_head, self.tp, self.impl, self.balance)
-            index = positions(seq_len, self.size, self.ring.rank, self.balance).to(x.device)
+            check_flags(seq_len, self.ring.size, self.model.config.n_head, self.tp, self.impl, self.balance)
+            index = positions(seq_len, self.ring.size, self.ring.rank, self.balance).to(x.device)
             pos = torch.arange(seq_len, device=x.device) if pos is None else pos
             out.append((x[:, index], y[:, index], pos[..., index]))
         return out
@@ -473,8 +473,9 @@ class ContextParallel:
 
     def layer_messages(self) -> dict:
         """{(phase, op): (calls, payload)} of one layer and micro-batch: see `layer_messages`."""
-        return layer_messages(self.impl, self.size, self.micro, self.seq_len, self.model.config.n_embd // self.tp,
-                              self.compute_bytes, self.model.config.activation_checkpointing)
+        config = self.model.config
+        return layer_messages(self.impl, self.ring.size, self.micro, self.seq_len, config.n_embd // self.tp,
+                              self.compute_bytes, config.activation_checkpointing)
 
     def predicted_messages(self) -> dict:
         """Per optimizer step: {(op, "cp"): (calls, payload bytes)}."""
@@ -489,18 +490,20 @@ class ContextParallel:
         """Collective over cp (and tp): measures block 0 once (messages, saved bytes, the ring alone)."""
         from mfu import format_bytes
 
-        C, s, b, h = self.size, self.seq_len, self.micro, self.model.config.n_embd
+        C, s, b, h = self.ring.size, self.seq_len, self.micro, self.model.config.n_embd
         measured_msgs, saved = measure_block(self)
         lines = [f"context parallel C={C} ({self.impl}, {self.balance}): rank c holds "
                  + ("chunks c and 2C−1−c of 2C" if self.balance == "zigzag" else "the c-th s/C tokens")
                  + f" ({s // C} of s={s} tokens); parameters replicated, gradients summed over dp×cp"]
-        lines.append(f"  messages per layer and micro-batch, group cp (e_c={self.compute_bytes}, e_a={_acc_bytes(self.compute_bytes)}):")
+        lines.append(f"  messages per layer and micro-batch, group cp (e_c={self.compute_bytes},"
+                     f" e_a={_acc_bytes(self.compute_bytes)}):")
         for (phase, op), (calls, payload) in self.layer_messages().items():
             m_calls, m_payload = measured_msgs.get((phase, op), (0, 0))
             lines.append(f"    {phase:<8} {op:<18} predicted {calls} × {format_bytes(payload / max(1, calls)):>10}"
                          f"   measured {m_calls} × {format_bytes(m_payload / max(1, m_calls)):>10}")
         step = sum(payload for (op, _), (_, payload) in self.predicted_messages().items() if op != "recv")
-        lines.append(f"  per step (× L={len(self.model.transformer.h)} × m={self.micro_batches}): {format_bytes(step)} sent")
+        lines.append(f"  per step (× L={len(self.model.transformer.h)} × m={self.micro_batches}):"
+                     f" {format_bytes(step)} sent")
         lines += causal_work_lines(s, C)
         ctx = getattr(next(iter(self.model.transformer.h)).attn.c_attn, "ctx", None)  # tensor parallel's
         sp = ctx is not None and ctx.sequence_parallel
@@ -514,7 +517,7 @@ class ContextParallel:
     def end_lines(self, tracer, steps: int) -> list:
         from mfu import format_bytes
 
-        lines = [f"context parallel C={self.size} ({self.impl}): per step, measured vs predicted (group cp)"]
+        lines = [f"context parallel C={self.ring.size} ({self.impl}): per step, measured vs predicted (group cp)"]
         records = tracer.records
         for (op, group), (calls, payload) in self.predicted_messages().items():
             stat = records.get((op, group))
@@ -628,7 +631,8 @@ def activation_lines(config, s, b, h, cp, tp, measured: int | None, sequence_par
 
     full = activation_bytes_per_layer(s, b, h, config.n_head, tp, sequence_parallel)
     # Without the score term (a = 0) and without the two 1-byte dropout masks of the residual branches.
-    flash = activation_bytes_per_layer(s, b, h, 0, tp, sequence_parallel) - 2 * s * b * h / (tp if sequence_parallel else 1)
+    masks = 2 * s * b * h / (tp if sequence_parallel else 1)
+    flash = activation_bytes_per_layer(s, b, h, 0, tp, sequence_parallel) - masks
     line = (f"  activations per layer and micro-batch (Korthikanti 2022, 16-bit, ÷ C={cp}): sbh(34+5as/h)/C ="
             f" {format_bytes(full / cp)}; no stored scores, no dropout masks (32sbh)/C = {format_bytes(flash / cp)}")
     if measured is not None:
@@ -644,20 +648,20 @@ def measure_block(handle: ContextParallel) -> tuple[dict, int]:
     block = next(iter(handle.model.transformer.h))
     param = next(block.parameters())
     ctx = getattr(block.attn.c_attn, "ctx", None)  # tensor parallel's context, if any
-    local = handle.seq_len // handle.size // (ctx.size if ctx is not None and ctx.sequence_parallel else 1)
+    local = handle.seq_len // handle.ring.size // (ctx.size if ctx is not None and ctx.sequence_parallel else 1)
     generator = torch.Generator(device=param.device).manual_seed(0)
     x = torch.randn(handle.micro, local, handle.model.config.n_embd, generator=generator, device=param.device,
                     dtype=param.dtype, requires_grad=True)
     tracer = CommTracer()
     tracer.name_group(handle.ring.group, "cp")
-    measured = {}
     with tracer, SavedActivations(exclude=list(handle.model.parameters())) as saved, handle.autocast:
         out = block(x)
-    measured.update({("forward", op): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items() if g == "cp"})
+    forward = tracer.records
     tracer.reset()
     with tracer:
         out.float().sum().backward()
-    measured.update({("backward", op): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items() if g == "cp"})
+    measured = {(phase, op): (r.calls, r.payload_bytes) for phase, records in (("forward", forward),
+                ("backward", tracer.records)) for (op, group), r in records.items() if group == "cp"}
     block.zero_grad(set_to_none=True)
     handle.ring.times = {phase: PhaseTime() for phase in handle.ring.times}  # not training time
     return measured, saved.bytes
@@ -666,29 +670,29 @@ def measure_block(handle: ContextParallel) -> tuple[dict, int]:
 def time_ring_alone(handle: ContextParallel, repeats: int = 5) -> dict:
     """Seconds per layer of one micro-batch's ring transfers with no compute between them (collective over cp):
     forward (C−1) hops of [K; V]; backward (C−1) of [K; V] and C of [dK; dV]."""
-    param = next(handle.model.parameters())
-    tokens, h = handle.micro * handle.seq_len // handle.size, handle.model.config.n_embd // handle.tp
-    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[handle.compute_bytes]
-    kv = torch.zeros(2, tokens, h, dtype=dtype, device=param.device)
-    dkv = torch.zeros(2, tokens, h, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=param.device)
-    ring, out = handle.ring, {}
-    waited = ring.waited
+    device, ring = next(handle.model.parameters()).device, handle.ring
+    shape = (2, handle.micro * handle.seq_len // handle.ring.size, handle.model.config.n_embd // handle.tp)
+    dtypes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+    kv = torch.zeros(shape, dtype=dtypes[handle.compute_bytes], device=device)
+    dkv = torch.zeros(shape, dtype=dtypes[_acc_bytes(handle.compute_bytes)], device=device)
+    out = {}
     for phase, hops in (("forward", [kv] * (ring.size - 1)), ("backward", [kv] * (ring.size - 1) + [dkv] * ring.size)):
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             for tensor in hops:
                 ring.wait(ring.post(tensor))
-            if param.device.type == "cuda":
-                torch.cuda.synchronize(param.device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
         out[phase] = statistics.median(times)
-    ring.waited = waited  # calibration is not training time
     return out
 
 
 def hidden_lines(times: dict, alone: dict) -> list:
-    """How much of the ring's transfer time compute hid: 1 − (waited per pass) / (transfers alone per pass)."""
+    """How much of the ring's transfer time compute hid: 1 − (waited per pass) / (transfers alone per pass).
+
+    Waiting also counts a slower peer's compute (imbalance, a busy machine): it can exceed the transfers."""
     lines = []
     for phase, stat in times.items():
         if not stat.passes:
@@ -698,6 +702,6 @@ def hidden_lines(times: dict, alone: dict) -> list:
                 f" {waited * 1e3:.2f} ms ({waited / seconds:.0%})")
         if phase in alone and alone[phase] > 0:
             line += (f"; the transfers alone take {alone[phase] * 1e3:.2f} ms: hidden behind compute"
-                     f" {min(1.0, max(0.0, 1 - waited / alone[phase])):.0%}")
+                     f" {min(1.0, max(0.0, 1 - waited / alone[phase])):.0%} (waits include slower peers)")
         lines.append(line)
     return lines

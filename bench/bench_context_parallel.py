@@ -139,7 +139,8 @@ def _measure(rank, world, args, device):
                 mine[row, rank] = (stat.seconds - stat.waited) / max(1, stat.passes)
             dist.all_reduce(mine, group=group)
             compute[name] = mine.tolist()
-            handle.seq_len, handle.micro, handle.compute_bytes = args.seq_len, args.micro, 2 if args.dtype == "bf16" else 4
+            handle.seq_len, handle.micro = args.seq_len, args.micro
+            handle.compute_bytes = 2 if args.dtype == "bf16" else 4
             alone = context_parallel.time_ring_alone(handle)
             hidden[name] = context_parallel.hidden_lines(handle.ring.times, alone)
     worst = {}
@@ -242,11 +243,13 @@ def main():
     for cp, result in results.items():
         times = result["times"]
         if "ring zigzag" in times:
+            ulysses = (f", Ulysses / ring zig-zag = {times['ulysses'] / times['ring zigzag']:.3f}" if "ulysses" in times
+                       else f" (Ulysses needs n_head={a} divisible by C)")
             print(f"  C={cp}: step time zig-zag / contiguous = {times['ring zigzag'] / times['ring contiguous']:.3f}"
-                  + (f", Ulysses / ring zig-zag = {times['ulysses'] / times['ring zigzag']:.3f}" if "ulysses" in times else
-                     f" (Ulysses needs n_head={a} divisible by C)"))
+                  + ulysses)
             work = context_parallel.causal_work(s, cp)
-            print("    causal work max/mean: " + ", ".join(f"{k} {max(v) / (sum(v) / cp):.3f}" for k, v in work.items()))
+            print("    causal work max/mean: "
+                  + ", ".join(f"{k} {max(v) / (sum(v) / cp):.3f}" for k, v in work.items()))
             for name, (forward, backward) in result["compute"].items():
                 print(f"    {name:<16} attention compute per layer, by rank (ms): forward "
                       + " ".join(f"{t * 1e3:.0f}" for t in forward) + ", backward "

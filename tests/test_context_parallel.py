@@ -252,7 +252,8 @@ def _model_variant(mesh, tp_size, impl, balance, sp, checkpointing, bf16):
 
 
 RING_ZZ, RING_CONTIGUOUS = ("ring", "zigzag", False, False, False), ("ring", "contiguous", False, False, False)
-ULYSSES_ZZ, ULYSSES_CONTIGUOUS = ("ulysses", "zigzag", False, False, False), ("ulysses", "contiguous", False, False, False)
+ULYSSES_ZZ = ("ulysses", "zigzag", False, False, False)
+ULYSSES_CONTIGUOUS = ("ulysses", "contiguous", False, False, False)
 RING_CKPT, ULYSSES_CKPT = ("ring", "zigzag", False, True, False), ("ulysses", "zigzag", False, True, False)
 RING_BF16, ULYSSES_BF16 = ("ring", "zigzag", False, False, True), ("ulysses", "zigzag", False, False, True)
 RING_SP, ULYSSES_SP_CKPT = ("ring", "zigzag", True, False, False), ("ulysses", "zigzag", True, True, False)
