@@ -427,6 +427,8 @@ class PipelineSchedule:
             t0 = time.perf_counter()
             with nullcontext() if action in synced else layout.no_sync():
                 outgoing = getattr(self, "_" + action.kind)(run, action, incoming)
+            if run.device.type == "cuda":
+                torch.cuda.synchronize(run.device)  # the action's device time, not its launch time
             t1 = time.perf_counter()
             busy[action.kind].append(t1 - t0)
             events.append(dict(cat="compute", name=str(action), kind=action.kind, mb=action.mb, chunk=action.chunk,
@@ -655,8 +657,8 @@ class Pipeline:
         copies = tied_copies(self.stages)
         if self.tied_group is None or not copies:
             return
-        grads = layout.grad_pieces(copies)
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        grads = layout.grad_pieces(copies)  # whole under DDP, this rank's ZeRO-1 segments (same on both ends)
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else copies[0].new_zeros(0)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.tied_group)
         offset = 0
         for g in grads:  # in place: the layout's gradients may be views of its buckets

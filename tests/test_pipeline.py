@@ -262,7 +262,7 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
     results = {}
     for case in cases:
         schedule, m, n_layer, v, extra = case
-        config = make_config(n_layer=n_layer)
+        config = make_config(n_layer=n_layer, activation_checkpointing="ckpt" in extra)
         trace_file = os.path.join(trace_dir, f"{schedule}.json") if trace_dir else None
         run = SimpleNamespace(args=SimpleNamespace(pp_schedule=schedule, pp_virtual=v, trace_file=trace_file, sp=sp),
                               mesh=mesh, config=config, seq_len=SEQ, micro=MICRO, micro_batches=m,
@@ -360,6 +360,7 @@ CASES_P2 = [(s, m, 8, v, extra) for s, v in (("gpipe", 1), ("1f1b", 1), ("interl
             for m, extra in ((2, ()), (4, ("scale",)), (3, ("pos",)))] + [
     ("1f1b", 3, 5, 1, ("aux",)),  # uneven split (3 + 2 layers) and auxiliary losses on both stages
     ("zb", 3, 8, 1, ("aux", "lines")),
+    ("zb", 4, 8, 1, ("ckpt",)),  # activation checkpointing: I recomputes the block, its linears still defer W
     ("interleaved", 3, 6, 3, ("aux",)),  # v = 3
 ]
 CASES_P4 = [(s, m, 8, v, extra) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1))
