@@ -1,77 +1,62 @@
-"""Pipeline parallel: the layers cut into stages, micro-batches flowing through them, from raw p2p.
+"""Pipeline parallel: the layers cut into stages, micro-batches flowing through them, raw p2p.
 
-P ranks (the `pp` group) each hold a contiguous range of layers, a STAGE: the first also holds the
-embeddings, the last the final LayerNorm, the head and the loss. A micro-batch's hidden states travel
-forward stage to stage (one send per boundary), its gradient travels back. With `interleaved` the layers
-are cut into v·P CHUNKS and rank r holds chunks r, r+P, r+2P, ... (Narayanan et al. 2021). Every
-schedule is an explicit list of actions per rank, built by a pure function, executed by ONE interpreter:
-    F   forward of (micro-batch, chunk)
-    B   its backward (GPipe, 1F1B, interleaved 1F1B)
-    I   the input-gradient half of B, W the weight-gradient half (ZB-H1 of Qi et al. 2023: I stays on the
-        critical path that feeds the previous stage, W is deferred to fill the bubble)
-The schedules: `gpipe` (all F, then all B), `1f1b` (warm-up of P−r−1 forwards, steady 1F1B, cool-down:
-PipeDream-Flush, as in Megatron and picotron), `interleaved` (Megatron's interleaved 1F1B over groups of
-P micro-batches; a remainder of m mod P joins the last group), `zb` (1F1B with B split into I and W;
-rank r keeps r W's deferred and runs them at the end, where 1F1B idles).
+P ranks (the `pp` group) each hold a contiguous range of layers, a stage; the first also the embeddings,
+the last ln_f, the head and the loss. A micro-batch's hidden states go forward stage to stage, their
+gradient comes back. With `interleaved` the layers are cut into v·P chunks and rank r holds chunks r, r+P,
+... (Narayanan et al. 2021). Every schedule is a list of actions per rank, built by a pure function below,
+executed by ONE interpreter (`PipelineSchedule.forward_backward`):
+    F  forward of (micro-batch, chunk)          B  its backward
+    I  B's input-gradient half, sent upstream   W  B's weight-gradient half, deferred (ZB-H1, Qi et al. 2023)
+`gpipe`: all F, then all B. `1f1b`: warm-up of P−r−1 F, steady 1F1B, cool-down (PipeDream-Flush, as in
+Megatron and picotron). `interleaved`: Megatron's interleaved 1F1B over groups of P micro-batches (a
+remainder of m mod P joins the last group). `zb`: 1F1B with B split into I and W; rank r keeps r W's
+deferred and runs them at the end, where 1F1B idles.
 
-How ZB defers W. Every `nn.Linear` of a chunk (the head, and the inner linears of tensor_parallel's
-Column/RowParallelLinear alike) gets a forward that applies `_LinearInputGradOnly`: inside an I its
-backward returns only dL/dx = dL/dy·A and stashes (linear, x, dL/dy) in the WeightGradStore; W computes
-dL/dA = dL/dyᵀ·x and dL/db = Σ dL/dy and hands them to autograd's AccumulateGrad (torch.autograd.backward
-on the parameters), so a layout's gradient hooks see ordinary gradients. LayerNorm and embedding gradients
-(elementwise, cheap) stay in I. Cost: no extra FLOPs, but x and dL/dy of every linear (≈16·b·s·h elements
-per layer) live from I to W; under SP the gathered x (not its shard) is kept, and under autocast the
-16-bit copies. Outside I (gpipe, 1f1b, interleaved) nothing is patched.
+How zb defers W: every nn.Linear of a chunk (the head, and the inner linears of tensor_parallel's
+Column/RowParallelLinear alike) gets a forward that applies `_LinearInputGradOnly` with the parameters
+detached; its backward returns dL/dx = dL/dy·A and stashes (linear, x, dL/dy) in the WeightGradStore, and W
+computes dL/dA = dL/dyᵀ·x, dL/db = Σ dL/dy and hands them to autograd's AccumulateGrad, so a layout's
+gradient hooks see ordinary gradients. LayerNorm and embedding gradients stay in I. Cost: no extra FLOPs;
+x and dL/dy of each linear (≈16·b·s·h elements per layer) are held from I to W (under SP the gathered x,
+under autocast the 16-bit copies, cast once per micro-batch), plus one Python autograd node per linear.
 
-P2P. Each F sends its output to the next chunk's rank, each B/I sends its input gradient to the previous
-chunk's rank. `communication_plan` gives every rank the order in which each peer SENDS on each
-(src → dst) channel, and a rank posts its receives in exactly that order, early enough (before the action
-that needs one, together with any earlier ones on that channel): the symmetry NCCL needs, since it matches
-p2p by order, not by tag. A step's sends are posted in ONE `dist.batch_isend_irecv` with the receives of
-the next action (Megatron's send_forward_recv_backward pairing), so a rank never blocks in a send; it
-blocks only in the wait of a receive whose sender has it scheduled earlier (the schedule checker proves the
-lists are deadlock-free). Every returned work is waited: receives before use, sends at the end of the step
+P2P: an F sends its output to the next chunk's rank, a B/I its input gradient to the previous one's.
+`communication_plan` has every rank post a receive as soon as, in a uniform-cost simulation of all the
+lists, its sender has sent it (so the transfer overlaps compute; torch.distributed.pipelining does the
+same). On each channel (src → dst) the receives are thus posted in the order src sends (NCCL matches p2p by
+order, not tag), and a receive posted early never waits on something this rank sends later. The sends an
+action produces go in ONE `dist.batch_isend_irecv` with the next receives (Megatron's send/recv pairing),
+so a rank blocks only in the wait of a receive that its sender has scheduled earlier (the schedule checker
+proves the lists deadlock-free). Every work is waited: receives before use, sends at the end of the step
 (gloo completes a send only in wait()).
 
-Loss. A micro-batch backpropagates loss_scale·(loss_sum/global_tokens + Σ coef·aux/(D·m)) exactly as
-step.GradientAccumulation does, so no schedule rescales afterwards; a chunk's aux-loss terms are
-backpropagated together with its output. The loss sum reaches every pipeline rank in one 8-byte all-reduce.
+The loss each micro-batch backpropagates is loss_scale·(loss_sum/global_tokens + Σ coef·aux/(D·m)), as in
+step.GradientAccumulation: nothing is rescaled afterwards. A chunk's aux-loss terms are backpropagated with
+its output. Data parallel wraps the `PipelineStages` container (DDP or ZeRO-1): every backward runs under
+`layout.no_sync()` except each chunk's last B (zb: last I and last W), so every gradient reaches the
+reduction once, overlapped with the cool-down. ZeRO-2/3 are refused (`check_flags` says why).
 
-Composition. Data parallel wraps the `PipelineStages` container (DDP or ZeRO-1): every backward runs in
-`layout.no_sync()` except each chunk's last B (zb: its last I and last W), so each gradient reaches the
-layout's reduction once per step, overlapped with the cool-down. ZeRO-2/3 are refused: stage 2 reduces the
-gradient bucket of every backward, but a pipeline backward delivers one chunk's (zb: half a chunk's)
-gradients of one micro-batch at a time, interleaved with other micro-batches; stage 3 gathers its weights
-in the layout's forward, which the schedule bypasses (it calls the chunks' pieces).
+Symbols: L layers, P stages, v chunks per rank, m micro-batches, b micro-batch size, s tokens per row on a
+rank (÷C under CP, ÷T under SP), h hidden, V vocabulary, e bytes per activation element (the parameter
+dtype: the residual stream stays in it under autocast), A = activation bytes a layer keeps for backward
+(mfu.activation_bytes_per_layer, s·b·h·(34 + 5·a·s/h) at 16 bits; 2·s·b·h with activation checkpointing).
 
-Symbols: L layers, P stages, v chunks per rank, m micro-batches per step, b micro-batch size, s sequence
-per rank (÷C under CP, ÷T under SP), h hidden, V vocabulary, e bytes of an activation element (the
-parameter dtype: the residual stream stays in it under autocast), A the activation bytes one layer keeps
-for backward (mfu.activation_bytes_per_layer: s·b·h·(34 + 5·a·s/h) at 16 bits; 2·s·b·h with activation
-checkpointing).
-
-1. Split and replicated. Split: the blocks (L/(vP) per chunk; an uneven split is allowed, with a warning),
-   the embeddings (first stage) and ln_f + head (last), their gradients and optimizer state, the
-   activations. Replicated: the tied embedding, one copy on the first stage and one (named
-   transformer.wte.weight too) on the last, `replicated_over=("pp",)`; the copies start equal and their
-   gradients are summed over the {first, last} group (`after_grad_sync`).
-2. Peak per device. Its chunks' parameters (`stage_params`) × 16 bytes (fp32 AdamW), plus activations:
-   peak in-flight × (layers per chunk) × A, in-flight counted in chunk-micro-batches between F and B/I:
-       gpipe m;  1f1b min(P−r, m);  interleaved min(2(P−r−1) + (v−1)·(P + m mod P) + 1, v·m) chunks of L/(vP)
-       layers;
-       zb min(P−r, m) between F and I, and up to r+1 stashes between I and W (16·b·s·h·e per layer).
-   Temporary: received activations and gradients, b·s·h·e each, and sent ones until the step's end.
-3. Critical path. Bubble (idle fraction of a step):
-       gpipe, 1f1b   (P−1)/(m+P−1)
-       interleaved   (P−1)/(v·m+P−1)
-       zb (ZB-H1)    (P−1)·max(t_F, t_F+t_I−t_W) / (m·(t_F+t_I+t_W) + (P−1)·max(t_F, t_F+t_I−t_W))
-   (uniform costs, no communication time; `simulate` gives it for any per-rank costs). Messages per step:
-   across each of the v·P−1 chunk boundaries, m activations forward and m gradients back, b·s·h·e bytes
-   each, `send`/`recv` over `pp`: per stage pair r→r+1 (and P−1→0 when interleaved) that is m·(chunk
-   boundaries it carries) messages each way. Plus all_reduce 8 B over `pp` (the loss sum) and all_reduce
-   V·h·e_g (÷T under TP, the ZeRO shard under ZeRO-1) over `pp_tied` on the first and the last stage.
-4. Restart state: nothing of its own. Every parameter carries its global name (`transformer.h.<i>`), so a
-   checkpoint reslices onto another P; the tied copy counts on pp coordinate 0 and is written once.
+1. Split: the blocks (L/(vP) per chunk; an uneven split is allowed, with a warning), embeddings (first),
+   ln_f + head (last), their gradients and optimizer state, the activations. Replicated: the tied embedding,
+   one copy on the first and one on the last stage (both `replicated_over=("pp",)`, coordinate 0 counts);
+   they start equal and their gradients are summed over the {first, last} group (`after_grad_sync`).
+2. Peak per rank: its parameters (`stage_params`) × 16 bytes with fp32 AdamW, and in-flight × layers per
+   chunk × A, counting chunk-micro-batches between F and B/I:  gpipe m;  1f1b min(P−r, m);
+   interleaved min(2(P−r−1) + (v−1)(P + m mod P) + 1, v·m);  zb min(P−r, m), plus ≤ r+1 W stashes.
+   Temporary: received activations and gradients, b·s·h·e each; sent ones until the step ends.
+3. Critical path. The bubble (idle fraction of a step; uniform costs, free communication; `simulate` does
+   any per-rank costs):  gpipe, 1f1b (P−1)/(m+P−1);  interleaved (P−1)/(v·m+P−1);
+   zb (P−1)·max(t_F, t_F+t_I−t_W) / (m·(t_F+t_I+t_W) + (P−1)·max(t_F, t_F+t_I−t_W)).
+   Messages per step: at each of the v·P−1 chunk boundaries m activations forward and m gradients back,
+   b·s·h·e bytes each (`send`/`recv` over pp; `p2p_counts` per stage pair); all_reduce 8 B over pp (the
+   loss sum); all_reduce V·h·e (÷T under TP, the shard under ZeRO-1) over pp_tied, first and last stage.
+4. Restart state: nothing of its own. Parameters carry global names (`transformer.h.<i>`), so a checkpoint
+   reslices onto another P; the tied copy counts on pp coordinate 0 and is written once.
 """
 
 from __future__ import annotations
@@ -243,26 +228,62 @@ class Step(NamedTuple):
     send: Message | None  # posted right after the action (with the next step's receives)
 
 
+def simulate(programs: list, costs) -> list:
+    """Per rank [(action, start, end)]: every action starts once its rank is free and its input has been sent
+    (communication free). `costs`: {kind: seconds}, or one such dict per rank. Raises on a deadlock."""
+    P = len(programs)
+    n_chunks = max(a.chunk for program in programs for a in program) + 1
+    costs = costs if isinstance(costs, (list, tuple)) else [costs] * P
+    sent_at, clock, nxt = {}, [0.0] * P, [0] * P
+    out = [[] for _ in range(P)]
+    progress = True
+    while progress:
+        progress = False
+        for rank, program in enumerate(programs):
+            while nxt[rank] < len(program):
+                action = program[nxt[rank]]
+                msg = needs(action, n_chunks)
+                if msg is not None and msg not in sent_at:
+                    break
+                start = max(clock[rank], sent_at.get(msg, 0.0))
+                clock[rank] = start + costs[rank][action.kind]
+                out[rank].append((action, start, clock[rank]))
+                if (sent := produces(action, n_chunks)) is not None:
+                    sent_at[sent] = clock[rank]
+                nxt[rank], progress = nxt[rank] + 1, True
+    stuck = [(rank, str(program[nxt[rank]])) for rank, program in enumerate(programs) if nxt[rank] < len(program)]
+    if stuck:
+        raise RuntimeError(f"the schedule deadlocks: ranks wait at {stuck}")
+    return out
+
+
+UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # backward = 2 forwards, split evenly into I and W
+
+
 def communication_plan(programs: list, n_chunks: int) -> list:
     """Per rank, [Step]: each action with the receives to post before it and the send after it.
 
-    A rank posts receives on a channel (src → this rank) in the order src sends on it, and before an action
-    it posts every receive up to the one that action needs."""
+    A receive is posted before the first action that starts after its message was sent in the uniform-cost
+    simulation (so its transfer overlaps compute, and it always precedes the action that needs it). Sends on
+    a channel happen in order, so the receives are posted in the order the peer sends them; and a message
+    posted early was sent, in the simulation, before anything this rank sends later: it cannot wait on it."""
     P = len(programs)
-    channel = defaultdict(list)  # (src, dst) -> messages in send order
-    for src, program in enumerate(programs):
-        for action in program:
+    timelines = simulate(programs, UNIFORM)
+    channel = defaultdict(list)  # (src, dst) -> [(send time, message)] in send order
+    for src, timeline in enumerate(timelines):
+        for action, _, end in timeline:
             if (msg := produces(action, n_chunks)) is not None:
-                channel[(src, msg.dst(P))].append(msg)
+                channel[src, msg.dst(P)].append((end, msg))
     plan = []
-    for rank, program in enumerate(programs):
+    for rank, timeline in enumerate(timelines):
         posted, steps = defaultdict(int), []
-        for action in program:
+        for action, start, _ in timeline:
             recvs = []
-            if (msg := needs(action, n_chunks)) is not None:
-                queue = channel[(msg.src(P), rank)]
-                upto = queue.index(msg) + 1
-                recvs, posted[msg.src(P)] = queue[posted[msg.src(P)]:upto], max(posted[msg.src(P)], upto)
+            for src in range(P):
+                queue = channel[src, rank]
+                while posted[src] < len(queue) and queue[posted[src]][0] <= start:
+                    recvs.append(queue[posted[src]][1])
+                    posted[src] += 1
             steps.append(Step(recvs, action, produces(action, n_chunks)))
         plan.append(steps)
     return plan
@@ -300,12 +321,6 @@ class _LinearInputGradOnly(torch.autograd.Function):
         else:
             ctx.store.apply([(ctx.linear, x, grad_out)])
         return grad_out.matmul(weight), None, None, None, None
-
-
-def _weight_grads(x, grad_out, has_bias):
-    flat_out = grad_out.reshape(-1, grad_out.shape[-1])
-    grad_w = flat_out.t().matmul(x.reshape(-1, x.shape[-1]))
-    return grad_w, flat_out.sum(0) if has_bias else None
 
 
 def _deferred_linear_forward(linear: nn.Linear, store, x):
@@ -347,10 +362,11 @@ class WeightGradStore:
         """W: dL/dA = dL/dyᵀ·x, dL/db = Σ dL/dy, accumulated by autograd (so layout hooks fire)."""
         params, grads = [], []
         for linear, x, grad_out in entries:
-            grad_w, grad_b = _weight_grads(x, grad_out, linear.bias is not None)
-            params.append(linear.weight), grads.append(grad_w.to(linear.weight.dtype))
-            if grad_b is not None:
-                params.append(linear.bias), grads.append(grad_b.to(linear.bias.dtype))
+            grad_out = grad_out.reshape(-1, grad_out.shape[-1])
+            params.append(linear.weight), grads.append(grad_out.t().matmul(x.reshape(-1, x.shape[-1])))
+            if linear.bias is not None:
+                params.append(linear.bias), grads.append(grad_out.sum(0))
+        grads = [g.to(p.dtype) for p, g in zip(params, grads)]
         if params:
             torch.autograd.backward(params, grads)
 
@@ -665,9 +681,6 @@ class Pipeline:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def shard_batches(self, batches):
-        return batches
-
     # --- accounting -------------------------------------------------------------------------------------------
 
     @property
@@ -708,7 +721,7 @@ class Pipeline:
                      activation_bytes_per_layer(self.seq_len, self.micro, c.n_embd, c.n_head))
         layers = len(stage_layers(c.n_layer, P, v, r))
         peak, stash = in_flight(programs[r])
-        lines.append(f"  in flight on this rank (pp {r}): {peak} chunk-micro-batches ({in_flight_text(s.name)}), ×"
+        lines.append(f"  in flight on this rank (pp {r}): {peak} chunk-micro-batches ({IN_FLIGHT_TEXT[s.name]}), ×"
                      f" {layers} layers × {format_bytes(per_layer)}/layer (16-bit, Korthikanti) ="
                      f" {format_bytes(peak * layers * per_layer)} of activations"
                      + (f"; {stash} W stashes of ≈16·b·s·h per layer" if s.name == "zb" else ""))
@@ -745,7 +758,7 @@ class Pipeline:
             lines.append(f"  {op:<10} {group:<8} per step predicted {calls} × = {format_bytes(payload)}, traced {measured}")
         lines.append("  one executed step (the last), per pp rank:")
         lines += ascii_timeline([r["events"] for r in ranks])
-        if self.trace_file:
+        if self.trace_file and s.rank == 0:
             write_chrome_trace(self.trace_file, [r["events"] for r in ranks])
             lines.append(f"  Chrome trace of that step written to {self.trace_file} (Perfetto, chrome://tracing)")
         if torch.cuda.is_available() and next(self.stages.parameters()).is_cuda:
@@ -759,6 +772,8 @@ class Pipeline:
 
 BUBBLE_TEXT = {"gpipe": "(P−1)/(m+P−1)", "1f1b": "(P−1)/(m+P−1)", "interleaved": "(P−1)/(v·m+P−1)",
                "zb": "(P−1)·max(F, F+I−W)/(m(F+I+W) + (P−1)·max(F, F+I−W))"}
+IN_FLIGHT_TEXT = {"gpipe": "m", "1f1b": "min(P−r, m)", "zb": "min(P−r, m)",
+                  "interleaved": "min(2(P−r−1) + (v−1)(P + m mod P) + 1, v·m)"}
 
 
 def bubble_formula(schedule: str, P: int, m: int, v: int = 1, costs: tuple = (1.0, 1.0, 1.0)) -> float:
@@ -780,19 +795,6 @@ def in_flight(program: list) -> tuple:
         stash += {"I": 1, "W": -1}.get(action.kind, 0)
         peak, peak_stash = max(peak, live), max(peak_stash, stash)
     return peak, peak_stash
-
-
-def in_flight_formula(schedule: str, P: int, m: int, rank: int, v: int = 1) -> int:
-    if schedule == "gpipe":
-        return m
-    if schedule == "interleaved":
-        return min(2 * (P - rank - 1) + (v - 1) * (P + m % P) + 1, v * m)
-    return min(P - rank, m)
-
-
-def in_flight_text(schedule: str) -> str:
-    return {"gpipe": "m", "1f1b": "min(P−r, m)", "zb": "min(P−r, m)",
-            "interleaved": "min(2(P−r−1) + (v−1)·(P + m mod P) + 1, v·m)"}[schedule]
 
 
 def p2p_counts(programs: list, n_chunks: int) -> dict:
@@ -835,35 +837,6 @@ def split_lines(config: GPTConfig, P: int, v: int = 1) -> list:
                      f" chunks {[c for c, n in enumerate(sizes) if n == max(sizes)]} and {min(sizes)} to the others:"
                      f" the slowest stage sets the pace ({max(sizes) / min(sizes):.2f}× the work)")
     return lines
-
-
-def simulate(programs: list, costs) -> list:
-    """Per rank [(action, start, end)]: every action starts once its rank is free and its input has been sent
-    (communication free). `costs`: {kind: seconds}, or one such dict per rank. Raises on a deadlock."""
-    P = len(programs)
-    n_chunks = max(a.chunk for program in programs for a in program) + 1
-    costs = costs if isinstance(costs, (list, tuple)) else [costs] * P
-    sent_at, clock, nxt = {}, [0.0] * P, [0] * P
-    out = [[] for _ in range(P)]
-    progress = True
-    while progress:
-        progress = False
-        for rank, program in enumerate(programs):
-            while nxt[rank] < len(program):
-                action = program[nxt[rank]]
-                msg = needs(action, n_chunks)
-                if msg is not None and msg not in sent_at:
-                    break
-                start = max(clock[rank], sent_at.get(msg, 0.0))
-                clock[rank] = start + costs[rank][action.kind]
-                out[rank].append((action, start, clock[rank]))
-                if (sent := produces(action, n_chunks)) is not None:
-                    sent_at[sent] = clock[rank]
-                nxt[rank], progress = nxt[rank] + 1, True
-    stuck = [(rank, str(program[nxt[rank]])) for rank, program in enumerate(programs) if nxt[rank] < len(program)]
-    if stuck:
-        raise RuntimeError(f"the schedule deadlocks: ranks wait at {stuck}")
-    return out
 
 
 def bubble_of(timelines: list) -> list:
