@@ -405,7 +405,7 @@ class PipelineSchedule:
         self.seq_divisor = seq_divisor  # T under sequence parallel: a stage boundary carries s/T tokens
         self.sync_last_backward = sync_last_backward
         self.store = WeightGradStore() if name == "zb" else None
-        self.timings = []  # per executed step: (wall seconds, busy seconds, {kind: [durations]})
+        self.timings = deque(maxlen=64)  # recent steps: (wall s, busy s, {kind: [durations]}, first step?)
         self.events = []  # the last step's timeline: compute and p2p events (seconds from its start)
         self._plans = {}
 
@@ -457,7 +457,7 @@ class PipelineSchedule:
         for work in send_works:
             work.wait()
         wall = time.perf_counter() - start
-        self.timings.append((wall, sum(map(sum, busy.values())), dict(busy)))
+        self.timings.append((wall, sum(map(sum, busy.values())), dict(busy), not self.timings))
         self.events = events
         if self.P > 1:
             dist.all_reduce(run.loss_sum, op=dist.ReduceOp.SUM, group=self.group)  # 8 bytes: Σ CE everywhere
@@ -494,14 +494,18 @@ class PipelineSchedule:
 
     def _F(self, run, action: Action, received):
         chunk = run.model.chunk(action.chunk)
-        x, y, pos = run.batch(action.mb)
+        x, y, *pos = run.batches[action.mb]
         first, last = action.chunk == 0, action.chunk == self.n_chunks - 1
         chunk.aux_losses.clear()
         with run.autocast:
-            inp = None if first else received.requires_grad_()
-            h = chunk.forward_blocks(chunk.embed(x, pos) if first else inp)
+            if first:  # only the first chunk reads the tokens (and positions), only the last the targets
+                inp, pos = None, pos[0].to(run.device) if pos and pos[0] is not None else None
+                h = chunk.forward_blocks(chunk.embed(x.to(run.device, non_blocking=True), pos))
+            else:
+                inp = received.requires_grad_()
+                h = chunk.forward_blocks(inp)
             if last:
-                _, loss_sum, _ = chunk.head_loss(h, y)
+                _, loss_sum, _ = chunk.head_loss(h, y.to(run.device, non_blocking=True))
         aux = chunk.aux_losses.weighted_sum()
         for name, value in chunk.aux_losses.values().items():
             run.aux_totals[name] = run.aux_totals.get(name, 0.0) + value
@@ -540,12 +544,6 @@ class _StepState:
         self.loss_scale, self.aux_divisor, self.autocast, self.device = loss_scale, aux_divisor, autocast, device
         self.saved, self.deferred, self.aux_totals = {}, {}, {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-
-    def batch(self, mb: int):
-        x, y, *rest = self.batches[mb]
-        pos = rest[0] if rest else None
-        return (x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True),
-                None if pos is None else pos.to(self.device))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -683,86 +681,77 @@ class Pipeline:
 
     # --- accounting -------------------------------------------------------------------------------------------
 
-    @property
-    def activation_message_bytes(self) -> int:
-        """One stage-boundary message: a micro-batch's hidden states (or their gradient), b·s·h·e."""
+    def message_bytes(self) -> int:
+        """One stage-boundary message: a micro-batch's hidden states or their gradient, b·s·h·e."""
         return self.micro * self.seq_len * self.config.n_embd * next(self.stages.parameters()).element_size()
 
     def predicted_messages(self, layout=None) -> dict:
-        """This rank's messages per optimizer step: {(op, group name): (calls, payload bytes)}.
-
-        layout: when given, the tied sum's payload is its grad_pieces (a ZeRO-1 shard); else the whole copy."""
-        steps, n_chunks = self.schedule.plan(self.m), self.schedule.n_chunks
-        sends = sum(step.send is not None for step in steps)
-        recvs = sum(needs(step.action, n_chunks) is not None for step in steps)
-        size = self.activation_message_bytes
-        out = {("all_reduce", "pp"): (1, 8)}
-        if sends:
-            out[("send", "pp")] = (sends, sends * size)
-        if recvs:
-            out[("recv", "pp")] = (recvs, recvs * size)
+        """This rank's messages per step, {(op, group name): (calls, payload bytes)}. With `layout`, the tied
+        sum's payload is its grad_pieces (a ZeRO-1 shard), else the whole copy."""
+        steps, size = self.schedule.plan(self.m), self.message_bytes()
+        sends, recvs = sum(s.send is not None for s in steps), sum(len(s.recvs) for s in steps)
+        out = {key: value for key, value in {("all_reduce", "pp"): (1, 8), ("send", "pp"): (sends, sends * size),
+                                             ("recv", "pp"): (recvs, recvs * size)}.items() if value[0]}
         copies = tied_copies(self.stages)
         if self.tied_group is not None and copies:
             pieces = layout.grad_pieces(copies) if layout is not None else copies
-            out[("all_reduce", "pp_tied")] = (1, sum(t.numel() * t.element_size() for t in pieces))
+            out["all_reduce", "pp_tied"] = (1, sum(t.numel() * t.element_size() for t in pieces))
         return out
 
     def startup_lines(self) -> list:
         from mfu import activation_bytes_per_layer, format_bytes
 
-        c, s = self.config, self.schedule
-        P, v, m, r = s.P, s.v, self.m, s.rank
-        programs = s.programs(m)
-        lines = [f"pipeline {s.name}: P={P} stages" + (f" × v={v} chunks" if v > 1 else "") + f", m={m} micro-batches"]
-        lines += split_lines(c, P, v)
-        bubble = bubble_formula(s.name, P, m, v)
-        lines.append(f"  bubble predicted {bubble:.1%}: " + BUBBLE_TEXT[s.name] + " (uniform costs)")
-        per_layer = (2 * self.seq_len * self.micro * c.n_embd * 2 if c.activation_checkpointing else
+        c, s, m = self.config, self.schedule, self.m
+        lines = [f"pipeline {s.name}: P={s.P} stages" + (f" × v={s.v} chunks" if s.v > 1 else "") + f", m={m}"
+                 f" micro-batches; bubble predicted {bubble_formula(s.name, s.P, m, s.v):.1%} = {BUBBLE_TEXT[s.name]}"
+                 f" (uniform costs)"]
+        lines += split_lines(c, s.P, s.v)
+        per_layer = (4 * self.seq_len * self.micro * c.n_embd if c.activation_checkpointing else
                      activation_bytes_per_layer(self.seq_len, self.micro, c.n_embd, c.n_head))
-        layers = len(stage_layers(c.n_layer, P, v, r))
-        peak, stash = in_flight(programs[r])
-        lines.append(f"  in flight on this rank (pp {r}): {peak} chunk-micro-batches ({IN_FLIGHT_TEXT[s.name]}), ×"
-                     f" {layers} layers × {format_bytes(per_layer)}/layer (16-bit, Korthikanti) ="
+        layers = len(stage_layers(c.n_layer, s.P, s.v, s.rank))
+        peak, stash = in_flight(s.programs(m)[s.rank])
+        lines.append(f"  in flight on pp rank {s.rank}: {peak} chunk-micro-batches ({IN_FLIGHT_TEXT[s.name]}) ×"
+                     f" {layers} layers × {format_bytes(per_layer)} (16-bit, Korthikanti) ="
                      f" {format_bytes(peak * layers * per_layer)} of activations"
-                     + (f"; {stash} W stashes of ≈16·b·s·h per layer" if s.name == "zb" else ""))
-        counts = p2p_counts(programs, s.n_chunks)
-        size = self.activation_message_bytes
-        pairs = ", ".join(f"{a}→{b}: {n} × {format_bytes(size)}" for (a, b), n in sorted(counts.items()))
-        lines.append(f"  p2p per step per stage pair (b·s·h·e = {self.micro}·{self.seq_len}·{c.n_embd}·e): {pairs}")
+                     + (f", and up to {stash} W stashes of ≈16·b·s·h per layer" if s.name == "zb" else ""))
+        pairs = ", ".join(f"{a}→{b}: {n}" for (a, b), n in sorted(p2p_counts(s.programs(m), s.n_chunks).items()))
+        lines.append(f"  p2p per step, messages of b·s·h·e = {format_bytes(self.message_bytes())} per stage pair: {pairs}")
         return lines
 
     def end_lines(self, tracer, steps: int) -> list:
-        """Measured against predicted. COLLECTIVE over the pp group (it gathers every rank's timeline): call it
-        on every rank. Writes the Chrome trace when this rank's handle has a trace file."""
+        """Measured against predicted. COLLECTIVE over the pp group (it gathers every rank's timings): call it
+        on every rank. pp rank 0 writes the Chrome trace when the handle has a trace file."""
         from mfu import format_bytes
 
         s = self.schedule
-        timed = s.timings[1:] if len(s.timings) > 1 else s.timings  # the first step warms up
-        mine = dict(bubble=sum((w - b) / w for w, b, _ in timed) / max(1, len(timed)),
-                    costs={k: sum(sum(t[2].get(k, [])) for t in timed) / max(1, sum(len(t[2].get(k, [])) for t in timed))
-                           for k in "FBIW"}, events=s.events)
+        timed = [t for t in s.timings if not t[3]] or list(s.timings)  # the first step warms up
+        durations = defaultdict(list)
+        for _, _, by_kind, _ in timed:
+            for kind, values in by_kind.items():
+                durations[kind] += values
+        bubble = 1 - sum(busy / wall for wall, busy, _, _ in timed) / len(timed) if timed else float("nan")
+        mine = dict(bubble=bubble, events=s.events,
+                    costs={kind: sum(values) / len(values) for kind, values in durations.items()})
         ranks = [None] * s.P
         dist.all_gather_object(ranks, mine, group=s.group)
-        programs = s.programs(self.m)
-        simulated = bubble_of(simulate(programs, [r["costs"] for r in ranks]))
+        simulated = bubble_of(simulate(s.programs(self.m), [r["costs"] for r in ranks]))
         lines = [f"pipeline {s.name} P={s.P} m={self.m}: bubble predicted {bubble_formula(s.name, s.P, self.m, s.v):.1%}"
-                 f" ({BUBBLE_TEXT[s.name]}), simulated with the measured per-rank costs"
-                 f" {sum(simulated) / s.P:.1%}, measured per rank "
-                 + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)"]
-        lines.append("  mean action time per rank (ms): " + "; ".join(
-            f"pp{i} " + " ".join(f"{k} {v * 1e3:.2f}" for k, v in r["costs"].items() if v) for i, r in enumerate(ranks)))
+                 f" ({BUBBLE_TEXT[s.name]}), simulated with the measured costs {sum(simulated) / s.P:.1%}, measured"
+                 f" per rank " + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)",
+                 "  mean action time per rank (ms): " + "; ".join(
+                     f"pp{i} " + " ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(r["costs"].items()))
+                     for i, r in enumerate(ranks))]
         records = tracer.records if tracer is not None else {}
         for (op, group), (calls, payload) in sorted(self.predicted_messages().items()):
             rec = records.get((op, group))
-            measured = f"{rec.calls / steps:g} × = {format_bytes(rec.payload_bytes / steps)}" if rec else "not traced"
-            lines.append(f"  {op:<10} {group:<8} per step predicted {calls} × = {format_bytes(payload)}, traced {measured}")
-        lines.append("  one executed step (the last), per pp rank:")
-        lines += ascii_timeline([r["events"] for r in ranks])
+            traced = f"{rec.calls / steps:g} × = {format_bytes(rec.payload_bytes / steps)}" if rec else "not traced"
+            lines.append(f"  {op:<10} {group:<8} per step predicted {calls} × = {format_bytes(payload)}, traced {traced}")
+        lines += ["  one executed step (the last), per pp rank:"] + ascii_timeline([r["events"] for r in ranks])
         if self.trace_file and s.rank == 0:
             write_chrome_trace(self.trace_file, [r["events"] for r in ranks])
             lines.append(f"  Chrome trace of that step written to {self.trace_file} (Perfetto, chrome://tracing)")
-        if torch.cuda.is_available() and next(self.stages.parameters()).is_cuda:
-            lines.append(f"  measured peak memory this rank: {format_bytes(torch.cuda.max_memory_allocated())}")
+        if next(self.stages.parameters()).is_cuda:
+            lines.append(f"  measured peak memory on this rank: {format_bytes(torch.cuda.max_memory_allocated())}")
         return lines
 
 

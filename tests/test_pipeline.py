@@ -170,6 +170,31 @@ def test_1f1b_phases_read_like_picotron():
     assert zb_last == ["F0.1", "I0.1", "F1.1", "I1.1", "W0.1", "F2.1", "I2.1", "W1.1", "W2.1"]
 
 
+def test_deferred_weight_gradients_equal_autograd_under_bf16_autocast():
+    """zb's I/W split under autocast: the same bf16 matmuls as autograd's linear backward, so the gradients
+    are bitwise equal (the tied head weight included: this one-chunk model holds both of its uses)."""
+    config = make_config(n_layer=2)
+    plain, deferred = (pp.build_stages(config, 0, torch.float32, None, 0, 1, 1).chunks[0] for _ in range(2))
+    store = pp.WeightGradStore()
+    store.install(deferred)
+    x, y = global_batches(1, 2, SEQ)[0]
+    losses = []
+    for model in (plain, deferred):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss, _ = model(x, y)
+        with store.capture() if model is deferred else nullcontext() as entries:
+            loss.backward()
+        losses.append(loss)
+    assert len(entries) == 4 * 2 + 1  # every linear of both blocks, and the head, waited for W
+    assert deferred.lm_head.weight.grad is not None  # the embedding's gradient arrived in I ...
+    before = deferred.lm_head.weight.grad.clone()
+    store.apply(entries)  # ... the head's in W
+    assert not torch.equal(before, deferred.lm_head.weight.grad)
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), b in zip(plain.named_parameters(), deferred.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Flags and the split
 # ---------------------------------------------------------------------------------------------------------
@@ -386,7 +411,7 @@ def test_gradients_match_single_device_on_4_ranks():
     _check(results, 4, CASES_P4)
     startup = results[0][CASES_P4[0]]["startup"]
     assert any("bubble predicted 42.9%" in line for line in startup)  # (4−1)/(4+4−1)
-    assert any("in flight on this rank (pp 0): 4" in line for line in startup)
+    assert any("in flight on pp rank 0: 4 chunk-micro-batches" in line for line in startup)
 
 
 CASES_TP = [("zb", 2, 4, 1, ()), ("1f1b", 3, 4, 1, ()), ("interleaved", 2, 4, 2, ())]
