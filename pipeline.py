@@ -23,12 +23,12 @@ under autocast the 16-bit copies, cast once per micro-batch), plus one Python au
 P2P: an F sends its output to the next chunk's rank, a B/I its input gradient to the previous one's.
 `communication_plan` has every rank post a receive as soon as, in a uniform-cost simulation of all the
 lists, its sender has sent it (so the transfer overlaps compute; torch.distributed.pipelining does the
-same). On each channel (src → dst) the receives are thus posted in the order src sends (NCCL matches p2p by
-order, not tag), and a receive posted early never waits on something this rank sends later. The sends an
-action produces go in ONE `dist.batch_isend_irecv` with the next receives (Megatron's send/recv pairing),
-so a rank blocks only in the wait of a receive that its sender has scheduled earlier (the schedule checker
-proves the lists deadlock-free). Every work is waited: receives before use, sends at the end of the step
-(gloo completes a send only in wait()).
+same); the sends an action produces go in ONE `dist.batch_isend_irecv` with the receives posted next
+(Megatron's send/recv pairing). Every op is thus posted in the order of one global simulated clock: on each
+channel the receives come in the order the sender sends (NCCL matches p2p by order, not tag), and two ranks
+can never each sit in a send waiting for the other's later receive. A rank blocks only in the wait of a
+receive its sender has scheduled earlier (the schedule checker proves the lists deadlock-free). Every work
+is waited: receives before use, sends at the end of the step (gloo completes a send only in wait()).
 
 The loss each micro-batch backpropagates is loss_scale·(loss_sum/global_tokens + Σ coef·aux/(D·m)), as in
 step.GradientAccumulation: nothing is rescaled afterwards. A chunk's aux-loss terms are backpropagated with
@@ -494,12 +494,13 @@ class PipelineSchedule:
 
     def _F(self, run, action: Action, received):
         chunk = run.model.chunk(action.chunk)
-        x, y, *pos = run.batches[action.mb]
+        x, y, *rest = run.batches[action.mb]  # (x, y) or (x, y, pos)
         first, last = action.chunk == 0, action.chunk == self.n_chunks - 1
         chunk.aux_losses.clear()
         with run.autocast:
             if first:  # only the first chunk reads the tokens (and positions), only the last the targets
-                inp, pos = None, pos[0].to(run.device) if pos and pos[0] is not None else None
+                inp, pos = None, rest[0] if rest else None
+                pos = None if pos is None else pos.to(run.device)
                 h = chunk.forward_blocks(chunk.embed(x.to(run.device, non_blocking=True), pos))
             else:
                 inp = received.requires_grad_()
@@ -541,7 +542,8 @@ class _StepState:
 
     def __init__(self, model, batches, global_tokens, loss_scale, aux_divisor, autocast, device):
         self.model, self.batches, self.global_tokens = model, batches, global_tokens
-        self.loss_scale, self.aux_divisor, self.autocast, self.device = loss_scale, aux_divisor, autocast, device
+        self.loss_scale, self.aux_divisor, self.autocast = loss_scale, aux_divisor, autocast
+        self.device = torch.device(device)
         self.saved, self.deferred, self.aux_totals = {}, {}, {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -671,7 +673,9 @@ class Pipeline:
         copies = tied_copies(self.stages)
         if self.tied_group is None or not copies:
             return
-        grads = layout.grad_pieces(copies)  # whole under DDP, this rank's ZeRO-1 segments (same on both ends)
+        # Whole under DDP. Under ZeRO-1, this rank's segments: the layout must give the first and the last stage
+        # the same element ranges of this tensor (e.g. a unit of its own), or the sum adds unrelated elements.
+        grads = layout.grad_pieces(copies)
         flat = torch.cat([g.reshape(-1) for g in grads]) if grads else copies[0].new_zeros(0)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.tied_group)
         offset = 0

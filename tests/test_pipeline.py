@@ -313,7 +313,7 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
                 tracer.name_group(group, name)
         with tracer:
             out = handle.schedule.forward_backward(layout, stages, batches, global_tokens, loss_scale, m,
-                                                   nullcontext(), torch.device("cpu"))
+                                                   nullcontext(), "cpu")  # train_step may pass a string
             for h in tp_handles:
                 h.finish_grad_sync()
             handle.after_grad_sync(layout)
