@@ -1,0 +1,165 @@
+"""pipeline.py against torch.distributed.pipelining, side by side in one run (gloo, CPU), P = 2 and 4, m = 8.
+
+    python bench/bench_pipeline.py                  # both P, 8 layers, h=128, 8 micro-batches of 4×64 tokens
+    python bench/bench_pipeline.py --pp 2 --rounds 4
+
+On the same ranks, the same stages (model.py GPT chunks from the same seed, fp32) and the same global batch,
+each of our schedules runs next to its torch counterpart:
+    ours gpipe        ScheduleGPipe
+    ours 1f1b         Schedule1F1B
+    ours interleaved  ScheduleInterleaved1F1B            (v = 2 chunks per rank)
+    ours zb (ZB-H1)   ScheduleInterleavedZeroBubble      (one chunk per rank: its ZB1P is ZB-H1's shape)
+torch's stage modules wrap the very same chunks (embed → blocks → ln_f + head), its loss_fn is our
+Σ CE / global tokens and scale_grads=False, so both compute the same gradients (the first step's losses are
+printed). A timed step is barrier → step → barrier on every rank, so it ends when the whole pipeline has;
+the variants rotate their order every round and the ratio is of medians. Gradients are zeroed between steps
+and no optimizer runs (the schedules are what differs). Our measured bubble is each rank's idle fraction of
+its step, from the executed timeline; the predicted one is the closed form (uniform costs) and the
+comm-free simulation of the same action lists with each rank's measured mean F/B/I/W times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pipeline as pp  # noqa: E402
+from bench.common import launch  # noqa: E402
+from mfu import CommTracer  # noqa: E402
+from model import GPTConfig, cross_entropy_sum  # noqa: E402
+
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+         "zb": "ScheduleInterleavedZeroBubble"}
+
+
+class TorchStageModule(nn.Module):
+    """One of our chunks as torch.distributed.pipelining wants a stage: tensor in, tensor out."""
+
+    def __init__(self, chunk):
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x):
+        h = self.chunk.embed(x) if self.chunk.has_embedding else x
+        h = self.chunk.forward_blocks(h)
+        return self.chunk.lm_head(self.chunk.transformer.ln_f(h)) if self.chunk.has_head else h
+
+
+class NoLayout:
+    """Our schedule's layout argument without data parallelism."""
+
+    def no_sync(self):
+        return nullcontext()
+
+
+def _bench(rank, world, args):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    P, m = world, args.micro_batches
+    config = GPTConfig(block_size=args.seq, vocab_size=256, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (m * args.micro, args.seq), generator=generator)
+    y = torch.randint(0, 256, (m * args.micro, args.seq), generator=generator)
+    batches = [(x[i:i + args.micro], y[i:i + args.micro]) for i in range(0, m * args.micro, args.micro)]
+    global_tokens = torch.tensor(float(y.numel()), dtype=torch.float64)
+    group = dist.new_group(list(range(world)))
+    variants, ours, torch_runs, first_losses = {}, {}, {}, {}
+    for name in ("gpipe", "1f1b", "interleaved", "zb"):
+        v = 2 if name == "interleaved" else 1
+        # Ours.
+        stages = pp.build_stages(config, 0, torch.float32, None, rank, P, v)
+        schedule = pp.PipelineSchedule(name, P, v, rank, group, list(range(world)))
+        handle = pp.Pipeline(stages, schedule, args.micro, args.seq, m)
+
+        def ours_step(stages=stages, schedule=schedule):
+            stages.zero_grad(set_to_none=True)
+            out = schedule.forward_backward(NoLayout(), stages, batches, global_tokens, 1.0, m, nullcontext(),
+                                            torch.device("cpu"))
+            return float(out.loss_sum / global_tokens)
+
+        # torch.distributed.pipelining on identical chunks.
+        theirs = pp.build_stages(config, 0, torch.float32, None, rank, P, v)
+        torch_stages = [PipelineStage(TorchStageModule(chunk), chunk_id, P * v, torch.device("cpu"), group=group)
+                        for chunk, chunk_id in zip(theirs.chunks, theirs.chunk_ids)]
+        loss_fn = lambda logits, target: cross_entropy_sum(logits, target) / global_tokens  # noqa: E731
+        cls = getattr(torch_schedules, TORCH[name])
+        torch_schedule = cls(torch_stages if cls in (torch_schedules.ScheduleInterleaved1F1B,
+                                                     torch_schedules.ScheduleInterleavedZeroBubble)
+                             else torch_stages[0], m, loss_fn=loss_fn, scale_grads=False)
+        holds_first, holds_last = 0 in theirs.chunk_ids, P * v - 1 in theirs.chunk_ids
+
+        def torch_step(theirs=theirs, torch_schedule=torch_schedule, holds_first=holds_first, holds_last=holds_last):
+            theirs.zero_grad(set_to_none=True)
+            losses = [] if holds_last else None
+            step_args = (x,) if holds_first else ()
+            torch_schedule.step(*step_args, target=y if holds_last else None, losses=losses)
+            loss = torch.tensor(sum(float(l.detach()) for l in losses) if holds_last else 0.0, dtype=torch.float64)
+            dist.all_reduce(loss, group=group)
+            return float(loss)
+
+        first_losses[name] = (ours_step(), torch_step())  # also the warm-up (torch infers shapes here)
+        variants[f"ours {name}"], variants[f"torch {name}"] = ours_step, torch_step
+        ours[name], torch_runs[name] = (schedule, handle), torch_schedule
+    times = {key: [] for key in variants}
+    names = list(variants)
+    for round_index in range(args.warmup + args.rounds):
+        if round_index == args.warmup:
+            for schedule, _ in ours.values():
+                schedule.timings.clear()
+        shift = round_index % len(names)
+        for key in names[shift:] + names[:shift]:
+            dist.barrier(group)
+            start = time.perf_counter()
+            variants[key]()
+            dist.barrier(group)
+            if round_index >= args.warmup:
+                times[key].append(time.perf_counter() - start)
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    lines = []
+    for name, (schedule, handle) in ours.items():
+        tracer = CommTracer()  # one more step, traced, for the accounting lines (not timed)
+        tracer.name_group(group, "pp")
+        with tracer:
+            variants[f"ours {name}"]()
+        lines.append((name, handle.end_lines(tracer, 1)))
+    if rank == 0:
+        print(f"\nP={P}, m={m}, {config.n_layer} layers, h={config.n_embd}, micro-batch {args.micro}×{args.seq}"
+              f" tokens, {args.rounds} timed rounds (median), {torch.get_num_threads()} thread(s) per rank")
+        print(f"  {'schedule':<12} {'ours':>9} {'torch':>9} {'ours/torch':>10}   first loss ours / torch")
+        for name in ours:
+            a, b = medians[f"ours {name}"], medians[f"torch {name}"]
+            print(f"  {name:<12} {a * 1e3:7.1f}ms {b * 1e3:7.1f}ms {a / b:10.2f}   "
+                  f"{first_losses[name][0]:.6f} / {first_losses[name][1]:.6f}")
+        for name, text in lines:
+            print("\n".join(text[:2] if name != args.timeline else text))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pp", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeline", default="zb", help="the schedule whose accounting is printed in full")
+    args = parser.parse_args()
+    for P in args.pp:
+        launch(_bench, P, args)
+
+
+if __name__ == "__main__":
+    main()

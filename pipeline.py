@@ -1,0 +1,869 @@
+"""Pipeline parallel: the layers cut into stages, micro-batches flowing through them, raw p2p.
+
+P ranks (the `pp` group) each hold a contiguous range of layers, a stage; the first also the embeddings,
+the last ln_f, the head and the loss. A micro-batch's hidden states go forward stage to stage, their
+gradient comes back. With `interleaved` the layers are cut into v·P chunks and rank r holds chunks r, r+P,
+... (Narayanan et al. 2021). Every schedule is a list of actions per rank, built by a pure function below,
+executed by ONE interpreter (`PipelineSchedule.forward_backward`):
+    F  forward of (micro-batch, chunk)          B  its backward
+    I  B's input-gradient half, sent upstream   W  B's weight-gradient half, deferred (ZB-H1, Qi et al. 2023)
+`gpipe`: all F, then all B. `1f1b`: warm-up of P−r−1 F, steady 1F1B, cool-down (PipeDream-Flush, as in
+Megatron and picotron). `interleaved`: Megatron's interleaved 1F1B over groups of P micro-batches (a
+remainder of m mod P joins the last group). `zb`: 1F1B with B split into I and W; rank r keeps r W's
+deferred and runs them at the end, where 1F1B idles.
+
+How zb defers W: every nn.Linear of a chunk (the head, and the inner linears of tensor_parallel's
+Column/RowParallelLinear alike) gets a forward that applies `_LinearInputGradOnly` with the parameters
+detached; its backward returns dL/dx = dL/dy·A and stashes (linear, x, dL/dy) in the WeightGradStore, and W
+computes dL/dA = dL/dyᵀ·x, dL/db = Σ dL/dy and hands them to autograd's AccumulateGrad, so a layout's
+gradient hooks see ordinary gradients. LayerNorm and embedding gradients stay in I. Cost: no extra FLOPs;
+x and dL/dy of each linear (≈16·b·s·h elements per layer) are held from I to W (under SP the gathered x,
+under autocast the 16-bit copies, cast once per micro-batch), plus one Python autograd node per linear.
+
+P2P: an F sends its output to the next chunk's rank, a B/I its input gradient to the previous one's.
+`communication_plan` has every rank post a receive as soon as, in a uniform-cost simulation of all the
+lists, its sender has sent it (so the transfer overlaps compute; torch.distributed.pipelining does the
+same); the sends an action produces go in ONE `dist.batch_isend_irecv` with the receives posted next
+(Megatron's send/recv pairing). Every op is thus posted in the order of one global simulated clock: on each
+channel the receives come in the order the sender sends (NCCL matches p2p by order, not tag), and two ranks
+can never each sit in a send waiting for the other's later receive. A rank blocks only in the wait of a
+receive its sender has scheduled earlier (the schedule checker proves the lists deadlock-free). Every work
+is waited: receives before use, sends at the end of the step (gloo completes a send only in wait()).
+
+The loss each micro-batch backpropagates is loss_scale·(loss_sum/global_tokens + Σ coef·aux/(D·m)), as in
+step.GradientAccumulation: nothing is rescaled afterwards. A chunk's aux-loss terms are backpropagated with
+its output. Data parallel wraps the `PipelineStages` container (DDP or ZeRO-1): every backward runs under
+`layout.no_sync()` except each chunk's last B (zb: last I and last W), so every gradient reaches the
+reduction once, overlapped with the cool-down. ZeRO-2/3 are refused (`check_flags` says why).
+
+Symbols: L layers, P stages, v chunks per rank, m micro-batches, b micro-batch size, s tokens per row on a
+rank (÷C under CP, ÷T under SP), h hidden, V vocabulary, e bytes per activation element (the parameter
+dtype: the residual stream stays in it under autocast), A = activation bytes a layer keeps for backward
+(mfu.activation_bytes_per_layer, s·b·h·(34 + 5·a·s/h) at 16 bits; 2·s·b·h with activation checkpointing).
+
+1. Split: the blocks (L/(vP) per chunk; an uneven split is allowed, with a warning), embeddings (first),
+   ln_f + head (last), their gradients and optimizer state, the activations. Replicated: the tied embedding,
+   one copy on the first and one on the last stage (both `replicated_over=("pp",)`, coordinate 0 counts);
+   they start equal and their gradients are summed over the {first, last} group (`after_grad_sync`).
+2. Peak per rank: its parameters (`stage_params`) × 16 bytes with fp32 AdamW, and in-flight × layers per
+   chunk × A, counting chunk-micro-batches between F and B/I:  gpipe m;  1f1b min(P−r, m);
+   interleaved min(2(P−r−1) + (v−1)(P + m mod P) + 1, v·m);  zb min(P−r, m), plus ≤ r+1 W stashes.
+   Temporary: received activations and gradients, b·s·h·e each; sent ones until the step ends.
+3. Critical path. The bubble (idle fraction of a step; uniform costs, free communication; `simulate` does
+   any per-rank costs):  gpipe, 1f1b (P−1)/(m+P−1);  interleaved (P−1)/(v·m+P−1);
+   zb (P−1)·max(t_F, t_F+t_I−t_W) / (m·(t_F+t_I+t_W) + (P−1)·max(t_F, t_F+t_I−t_W)).
+   Messages per step: at each of the v·P−1 chunk boundaries m activations forward and m gradients back,
+   b·s·h·e bytes each (`send`/`recv` over pp; `p2p_counts` per stage pair); all_reduce 8 B over pp (the
+   loss sum); all_reduce V·h·e (÷T under TP, the shard under ZeRO-1) over pp_tied, first and last stage.
+4. Restart state: nothing of its own. Parameters carry global names (`transformer.h.<i>`), so a checkpoint
+   reslices onto another P; the tied copy counts on pp coordinate 0 and is written once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections import defaultdict, deque
+from contextlib import contextmanager, nullcontext
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mesh as mesh_lib
+from model import GPT, GPTConfig
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+TIED = "transformer.wte.weight"
+
+# ---------------------------------------------------------------------------------------------------------
+# The stage split
+# ---------------------------------------------------------------------------------------------------------
+
+
+def split_layers(n_layer: int, n_chunks: int) -> list:
+    """Contiguous layer ranges of `n_chunks` chunks; sizes differ by at most one (earlier chunks get more)."""
+    base, extra = divmod(n_layer, n_chunks)
+    bounds = [0]
+    for chunk in range(n_chunks):
+        bounds.append(bounds[-1] + base + (chunk < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def stage_layers(n_layer: int, P: int, v: int, chunk: int) -> range:
+    """The layers of global chunk `chunk` (of v·P); it lives on pp rank chunk mod P."""
+    return split_layers(n_layer, P * v)[chunk]
+
+
+def rank_chunks(pp_rank: int, P: int, v: int) -> list:
+    """The global chunks pp rank r holds: r, r+P, r+2P, ..."""
+    return [pp_rank + k * P for k in range(v)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The schedules: one list of actions per rank, built by pure functions
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Action(NamedTuple):
+    kind: str  # "F" forward, "B" backward, "I" input-gradient backward, "W" weight-gradient backward
+    mb: int  # micro-batch
+    chunk: int  # global chunk index (= pp rank without interleaving)
+
+    def __str__(self):
+        return f"{self.kind}{self.mb}.{self.chunk}"
+
+
+def gpipe(P: int, m: int, rank: int, v: int = 1) -> list:
+    """All forwards, then all backwards (Huang et al. 2019): m micro-batches in flight."""
+    return [Action("F", i, rank) for i in range(m)] + [Action("B", i, rank) for i in range(m)]
+
+
+def one_f_one_b(P: int, m: int, rank: int, v: int = 1) -> list:
+    """1F1B (PipeDream-Flush): as soon as a backward can run, alternate one forward with one backward."""
+    warmup = min(P - rank - 1, m)
+    actions = [Action("F", i, rank) for i in range(warmup)]  # warm-up: fill the pipeline
+    for i in range(m - warmup):  # steady 1F1B: P−r micro-batches in flight at most
+        actions += [Action("F", warmup + i, rank), Action("B", i, rank)]
+    actions += [Action("B", i, rank) for i in range(m - warmup, m)]  # cool-down: drain it
+    return actions
+
+
+def microbatch_groups(m: int, P: int) -> list:
+    """Interleaving runs micro-batches in groups of P through every chunk; a remainder joins the last group."""
+    groups = [range(a, min(a + P, m)) for a in range(0, m, P)]
+    if len(groups) > 1 and len(groups[-1]) < P:
+        tail = groups.pop()
+        groups[-1] = range(groups[-1].start, tail.stop)
+    return groups
+
+
+def interleaved_1f1b(P: int, m: int, rank: int, v: int = 2) -> list:
+    """Megatron's interleaved 1F1B: rank r holds chunks r, r+P, ...; each group of micro-batches goes through
+    the rank's chunks in order forward and in reverse order backward, in 1F1B after a longer warm-up."""
+    groups = microbatch_groups(m, P)
+    forwards = [Action("F", mb, k * P + rank) for g in groups for k in range(v) for mb in g]
+    backwards = [Action("B", mb, k * P + rank) for g in groups for k in reversed(range(v)) for mb in g]
+    total = v * m
+    # A group's first backward needs its first micro-batch through all v·P chunks: (v−1)·|group| more
+    # forwards here (the largest group, P + m mod P, so every group's fit), and two slots per stage
+    # downstream (its forward there, its backward coming back).
+    warmup = min(2 * (P - rank - 1) + (v - 1) * (P + m % P), total)
+    actions = forwards[:warmup]  # warm-up
+    for i in range(total - warmup):  # steady 1F1B
+        actions += [forwards[warmup + i], backwards[i]]
+    return actions + backwards[total - warmup:]  # cool-down
+
+
+def zero_bubble_h1(P: int, m: int, rank: int, v: int = 1) -> list:
+    """ZB-H1 (Qi et al. 2023): 1F1B with B split into I (input gradient, sent upstream at once) and W (weight
+    gradient, deferred). Rank r keeps r W's deferred: its last I comes r slots before rank 0's, and those
+    W's fill the tail where 1F1B idles. Bubble (P−1)(t_F+t_I−t_W) instead of (P−1)(t_F+t_B)."""
+    warmup = min(P - rank - 1, m)
+    actions = [Action("F", i, rank) for i in range(warmup)]  # warm-up, as 1F1B
+    deferred = deque()
+
+    def input_grad(i):
+        actions.append(Action("I", i, rank))
+        deferred.append(i)
+        if len(deferred) > rank:
+            actions.append(Action("W", deferred.popleft(), rank))
+
+    for i in range(m - warmup):  # steady: F, I (and a W once r are deferred)
+        actions.append(Action("F", warmup + i, rank))
+        input_grad(i)
+    for i in range(m - warmup, m):  # cool-down: I, W
+        input_grad(i)
+    return actions + [Action("W", i, rank) for i in deferred]  # the deferred W's fill the bubble
+
+
+BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb": zero_bubble_h1}
+
+
+def build_programs(schedule: str, P: int, m: int, v: int = 1) -> list:
+    """Every rank's action list (v applies to `interleaved` only)."""
+    v = v if schedule == "interleaved" else 1
+    return [BUILDERS[schedule](P, m, rank, v) for rank in range(P)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Communication: which messages each action needs and sends, and the order of receives on each channel
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Message(NamedTuple):
+    kind: str  # "act": chunk's output, to chunk+1; "grad": gradient of chunk's input, to chunk−1
+    mb: int
+    chunk: int  # the sending chunk
+
+    def src(self, P: int) -> int:
+        return self.chunk % P
+
+    def dst(self, P: int) -> int:
+        return (self.chunk + (1 if self.kind == "act" else -1)) % P
+
+
+def needs(action: Action, n_chunks: int) -> Message | None:
+    if action.kind == "F" and action.chunk > 0:
+        return Message("act", action.mb, action.chunk - 1)
+    if action.kind in "BI" and action.chunk < n_chunks - 1:
+        return Message("grad", action.mb, action.chunk + 1)
+    return None
+
+
+def produces(action: Action, n_chunks: int) -> Message | None:
+    if action.kind == "F" and action.chunk < n_chunks - 1:
+        return Message("act", action.mb, action.chunk)
+    if action.kind in "BI" and action.chunk > 0:
+        return Message("grad", action.mb, action.chunk)
+    return None
+
+
+class Step(NamedTuple):
+    recvs: list  # Messages to post before the action, in the order their sender sends them
+    action: Action
+    send: Message | None  # posted right after the action (with the next step's receives)
+
+
+def simulate(programs: list, costs) -> list:
+    """Per rank [(action, start, end)]: every action starts once its rank is free and its input has been sent
+    (communication free). `costs`: {kind: seconds}, or one such dict per rank. Raises on a deadlock."""
+    P = len(programs)
+    n_chunks = max(a.chunk for program in programs for a in program) + 1
+    costs = costs if isinstance(costs, (list, tuple)) else [costs] * P
+    sent_at, clock, nxt = {}, [0.0] * P, [0] * P
+    out = [[] for _ in range(P)]
+    progress = True
+    while progress:
+        progress = False
+        for rank, program in enumerate(programs):
+            while nxt[rank] < len(program):
+                action = program[nxt[rank]]
+                msg = needs(action, n_chunks)
+                if msg is not None and msg not in sent_at:
+                    break
+                start = max(clock[rank], sent_at.get(msg, 0.0))
+                clock[rank] = start + costs[rank][action.kind]
+                out[rank].append((action, start, clock[rank]))
+                if (sent := produces(action, n_chunks)) is not None:
+                    sent_at[sent] = clock[rank]
+                nxt[rank], progress = nxt[rank] + 1, True
+    stuck = [(rank, str(program[nxt[rank]])) for rank, program in enumerate(programs) if nxt[rank] < len(program)]
+    if stuck:
+        raise RuntimeError(f"the schedule deadlocks: ranks wait at {stuck}")
+    return out
+
+
+UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # backward = 2 forwards, split evenly into I and W
+
+
+def communication_plan(programs: list, n_chunks: int) -> list:
+    """Per rank, [Step]: each action with the receives to post before it and the send after it.
+
+    A receive is posted before the first action that starts after its message was sent in the uniform-cost
+    simulation (so its transfer overlaps compute, and it always precedes the action that needs it). Sends on
+    a channel happen in order, so the receives are posted in the order the peer sends them; and a message
+    posted early was sent, in the simulation, before anything this rank sends later: it cannot wait on it."""
+    P = len(programs)
+    timelines = simulate(programs, UNIFORM)
+    channel = defaultdict(list)  # (src, dst) -> [(send time, message)] in send order
+    for src, timeline in enumerate(timelines):
+        for action, _, end in timeline:
+            if (msg := produces(action, n_chunks)) is not None:
+                channel[src, msg.dst(P)].append((end, msg))
+    plan = []
+    for rank, timeline in enumerate(timelines):
+        posted, steps = defaultdict(int), []
+        for action, start, _ in timeline:
+            recvs = []
+            for src in range(P):
+                queue = channel[src, rank]
+                while posted[src] < len(queue) and queue[posted[src]][0] <= start:
+                    recvs.append(queue[posted[src]][1])
+                    posted[src] += 1
+            steps.append(Step(recvs, action, produces(action, n_chunks)))
+        plan.append(steps)
+    return plan
+
+
+def last_backwards(steps: list) -> set:
+    """The actions after which a chunk's gradients are final: its last B, or its last I and last W."""
+    last = {}
+    for step in steps:
+        if step.action.kind != "F":
+            last[(step.action.chunk, step.action.kind)] = step.action
+    return set(last.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ZB's W: linears whose backward leaves the weight gradient for later
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _LinearInputGradOnly(torch.autograd.Function):
+    """y = x·Aᵀ + b with A, b detached: autograd reaches the parameters only through `WeightGradStore.apply`.
+    Backward returns dL/dx and stashes (linear, x, dL/dy): for a later W inside an I, at once elsewhere."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, linear, store):
+        ctx.save_for_backward(x, weight)
+        ctx.linear, ctx.store = linear, store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        if ctx.store.captured is not None:
+            ctx.store.captured.append((ctx.linear, x, grad_out))
+        else:
+            ctx.store.apply([(ctx.linear, x, grad_out)])
+        return grad_out.matmul(weight), None, None, None, None
+
+
+def _deferred_linear_forward(linear: nn.Linear, store, x):
+    weight, bias, device = linear.weight, linear.bias, x.device.type
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return F.linear(x, weight, bias)  # no backward through x would reach the deferred weight gradient
+    if torch.is_autocast_enabled(device):  # cast as autocast would, then run the Function outside it
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    bias = bias.detach() if bias is not None else None
+    with torch.autocast(device, enabled=False):
+        return _LinearInputGradOnly.apply(x, weight.detach(), bias, linear, store)
+
+
+class WeightGradStore:
+    """The W half of ZB's backward: what every patched linear stashed during an I, applied later."""
+
+    def __init__(self):
+        self.captured = None  # a list while an I runs
+
+    def install(self, module: nn.Module) -> None:
+        """Give every nn.Linear inside `module` the deferring forward (idempotent)."""
+        for linear in module.modules():
+            if isinstance(linear, nn.Linear) and getattr(linear, "weight_grad_store", None) is not self:
+                linear.weight_grad_store = self
+                linear.forward = functools.partial(_deferred_linear_forward, linear, self)
+
+    @contextmanager
+    def capture(self):
+        self.captured = entries = []
+        try:
+            yield entries
+        finally:
+            self.captured = None
+
+    @staticmethod
+    def apply(entries: list) -> None:
+        """W: dL/dA = dL/dyᵀ·x, dL/db = Σ dL/dy, accumulated by autograd (so layout hooks fire)."""
+        params, grads = [], []
+        for linear, x, grad_out in entries:
+            grad_out = grad_out.reshape(-1, grad_out.shape[-1])
+            params.append(linear.weight), grads.append(grad_out.t().matmul(x.reshape(-1, x.shape[-1])))
+            if linear.bias is not None:
+                params.append(linear.bias), grads.append(grad_out.sum(0))
+        grads = [g.to(p.dtype) for p, g in zip(params, grads)]
+        if params:
+            torch.autograd.backward(params, grads)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The interpreter
+# ---------------------------------------------------------------------------------------------------------
+
+
+class PipelineStages(nn.Module):
+    """The chunks this rank holds (`chunks[k]` is global chunk `chunk_ids[k]`): what DDP/ZeRO-1 wrap."""
+
+    def __init__(self, chunks: list, chunk_ids: list, n_chunks: int):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.chunk_ids, self.n_chunks = list(chunk_ids), n_chunks
+        self.config = chunks[0].config
+
+    def chunk(self, global_id: int) -> GPT:
+        return self.chunks[self.chunk_ids.index(global_id)]
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("pipeline stages run through their schedule (PipelineSchedule.forward_backward), "
+                           "which calls each chunk's embed / forward_blocks / head_loss")
+
+
+class PipelineSchedule:
+    """The step's schedule object (step.GradientAccumulation's protocol), for one pp rank."""
+
+    def __init__(self, name: str, P: int, v: int, pp_rank: int, group=None, peers=None, seq_divisor: int = 1,
+                 sync_last_backward: bool = True):
+        self.name, self.P, self.rank, self.group = name, P, pp_rank, group
+        self.v = v if name == "interleaved" else 1
+        self.n_chunks = self.P * self.v
+        self.peers = list(peers) if peers is not None else list(range(P))  # global rank of each pp index
+        self.seq_divisor = seq_divisor  # T under sequence parallel: a stage boundary carries s/T tokens
+        self.sync_last_backward = sync_last_backward
+        self.store = WeightGradStore() if name == "zb" else None
+        self.timings = deque(maxlen=64)  # recent steps: (wall s, busy s, {kind: [durations]}, first step?)
+        self.events = []  # the last step's timeline: compute and p2p events (seconds from its start)
+        self._plans = {}
+
+    def programs(self, m: int) -> list:
+        return build_programs(self.name, self.P, m, self.v)
+
+    def plan(self, m: int) -> list:
+        if m not in self._plans:
+            self._plans[m] = communication_plan(self.programs(m), self.n_chunks)[self.rank]
+        return self._plans[m]
+
+    def forward_backward(self, layout, model, batches, global_tokens, loss_scale: float, aux_divisor: int,
+                         autocast, device):
+        """Run this rank's actions over the m micro-batches; returns step.MicroBatchLoss (Σ CE on every rank)."""
+        from step import MicroBatchLoss
+
+        if self.store is not None:
+            self.store.install(model)
+        steps = self.plan(len(batches))
+        synced = last_backwards(steps) if self.sync_last_backward else set()
+        run = _StepState(model, batches, global_tokens, loss_scale, aux_divisor, autocast, device)
+        dtype = next(model.parameters()).dtype  # the residual stream stays in the parameter dtype
+        received, send_works, pending, events, busy = {}, [], [], [], defaultdict(list)
+        start = time.perf_counter()
+        for step in steps:
+            ops = pending + [(self._recv_op(msg, run, dtype), msg) for msg in step.recvs]
+            send_works += self._post(ops, received, events, start)
+            action, incoming = step.action, None
+            if (msg := needs(action, self.n_chunks)) is not None:
+                incoming, work = received.pop(msg)
+                t0 = time.perf_counter()
+                work.wait()
+                events.append(dict(cat="p2p", name=f"wait {msg.kind} {msg.mb}.{msg.chunk}", start=t0 - start,
+                                   end=time.perf_counter() - start))
+            t0 = time.perf_counter()
+            with nullcontext() if action in synced else layout.no_sync():
+                outgoing = getattr(self, "_" + action.kind)(run, action, incoming)
+            if run.device.type == "cuda":
+                torch.cuda.synchronize(run.device)  # the action's device time, not its launch time
+            t1 = time.perf_counter()
+            busy[action.kind].append(t1 - t0)
+            events.append(dict(cat="compute", name=str(action), kind=action.kind, mb=action.mb, chunk=action.chunk,
+                               start=t0 - start, end=t1 - start))
+            pending = []
+            if step.send is not None:
+                peer = self.peers[step.send.dst(self.P)]
+                pending = [(dist.P2POp(dist.isend, outgoing.contiguous(), peer, self.group), None)]
+        send_works += self._post(pending, received, events, start)
+        for work in send_works:
+            work.wait()
+        wall = time.perf_counter() - start
+        self.timings.append((wall, sum(map(sum, busy.values())), dict(busy), not self.timings))
+        self.events = events
+        if self.P > 1:
+            dist.all_reduce(run.loss_sum, op=dist.ReduceOp.SUM, group=self.group)  # 8 bytes: Σ CE everywhere
+        return MicroBatchLoss(run.loss_sum, run.aux_totals)
+
+    # --- p2p ------------------------------------------------------------------------------------------------
+
+    def _recv_op(self, msg: Message, run, dtype):
+        x = run.batches[msg.mb][0]
+        shape = (x.shape[0], x.shape[1] // self.seq_divisor, run.model.config.n_embd)
+        buffer = torch.empty(shape, dtype=dtype, device=run.device)
+        return dist.P2POp(dist.irecv, buffer, self.peers[msg.src(self.P)], self.group)
+
+    def _post(self, ops: list, received: dict, events: list, start: float) -> list:
+        """ONE batch_isend_irecv for [(op, message received or None for a send)]: receives go to `received`
+        (waited before use), the sends' works are returned (waited at the end of the step)."""
+        if not ops:
+            return []
+        t0 = time.perf_counter()
+        works = dist.batch_isend_irecv([op for op, _ in ops])
+        events.append(dict(cat="p2p", name=f"post {len(ops)}", start=t0 - start, end=time.perf_counter() - start,
+                           bytes=sum(op.tensor.numel() * op.tensor.element_size() for op, _ in ops)))
+        if len(works) != len(ops):  # NCCL coalesces a batch into one work
+            works = [works[0]] * len(ops)
+        sends = []
+        for (op, msg), work in zip(ops, works):
+            if msg is None:
+                sends.append(work)
+            else:
+                received[msg] = (op.tensor, work)
+        return sends
+
+    # --- the computations -------------------------------------------------------------------------------------
+
+    def _F(self, run, action: Action, received):
+        chunk = run.model.chunk(action.chunk)
+        x, y, *rest = run.batches[action.mb]  # (x, y) or (x, y, pos)
+        first, last = action.chunk == 0, action.chunk == self.n_chunks - 1
+        chunk.aux_losses.clear()
+        with run.autocast:
+            if first:  # only the first chunk reads the tokens (and positions), only the last the targets
+                inp, pos = None, rest[0] if rest else None
+                pos = None if pos is None else pos.to(run.device)
+                h = chunk.forward_blocks(chunk.embed(x.to(run.device, non_blocking=True), pos))
+            else:
+                inp = received.requires_grad_()
+                h = chunk.forward_blocks(inp)
+            if last:
+                _, loss_sum, _ = chunk.head_loss(h, y.to(run.device, non_blocking=True))
+        aux = chunk.aux_losses.weighted_sum()
+        for name, value in chunk.aux_losses.values().items():
+            run.aux_totals[name] = run.aux_totals.get(name, 0.0) + value
+        if last:
+            objective = loss_sum / run.global_tokens
+            if aux is not None:
+                objective = objective + aux / run.aux_divisor
+            run.saved[action.mb, action.chunk] = (inp, [objective * run.loss_scale])
+            run.loss_sum += loss_sum.detach().double()
+            return None
+        roots = [h] if aux is None else [h, aux / run.aux_divisor * run.loss_scale]
+        run.saved[action.mb, action.chunk] = (inp, roots)
+        return h.detach()
+
+    def _B(self, run, action: Action, grad):
+        inp, roots = run.saved.pop((action.mb, action.chunk))
+        grads = None if grad is None else [grad] + [None] * (len(roots) - 1)
+        torch.autograd.backward(roots, grads)
+        return None if inp is None else inp.grad
+
+    def _I(self, run, action: Action, grad):
+        with self.store.capture() as entries:
+            grad_input = self._B(run, action, grad)
+        run.deferred[action.mb, action.chunk] = entries
+        return grad_input
+
+    def _W(self, run, action: Action, _):
+        self.store.apply(run.deferred.pop((action.mb, action.chunk)))
+
+
+class _StepState:
+    """What one step's actions share: the inputs, the stashed graphs between F and B/I, the loss."""
+
+    def __init__(self, model, batches, global_tokens, loss_scale, aux_divisor, autocast, device):
+        self.model, self.batches, self.global_tokens = model, batches, global_tokens
+        self.loss_scale, self.aux_divisor, self.autocast = loss_scale, aux_divisor, autocast
+        self.device = torch.device(device)
+        self.saved, self.deferred, self.aux_totals = {}, {}, {}
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Wiring: flags, the stages, the tied embedding, the handle
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_flags(n_layer: int, P: int, m: int, schedule: str = "1f1b", v: int = 2, zero_stage: int = 0) -> None:
+    """Raise ValueError naming the flag when the pipeline cannot run (call before init_process_group)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--pp-schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    if not isinstance(P, int) or P < 1:
+        raise ValueError(f"--pp must be a positive integer, got {P!r}")
+    if P == 1:
+        return
+    if schedule == "interleaved" and v < 2:
+        raise ValueError(f"--pp-virtual {v}: interleaved 1F1B needs at least 2 chunks per rank (one chunk per rank"
+                         f" is --pp-schedule 1f1b)")
+    if m < P:
+        raise ValueError(f"--pp {P} needs at least {P} micro-batches per step (one in flight per stage), but this run"
+                         f" has m = {m} = global batch / (D × --micro-batch): raise --global-batch or lower --micro-batch")
+    chunks = P * v if schedule == "interleaved" else P
+    if n_layer < chunks:
+        raise ValueError(f"--pp {P}" + (f" × --pp-virtual {v}" if chunks > P else "") + f" makes {chunks} pipeline"
+                         f" chunks, but the model has only n_layer={n_layer} layers (at least one per chunk)")
+    if schedule == "interleaved" and n_layer % chunks:
+        raise ValueError(f"--pp-schedule interleaved: n_layer={n_layer} must be divisible by --pp {P} × --pp-virtual"
+                         f" {v} = {chunks} (equal chunks keep the interleaved slots equal)")
+    if zero_stage >= 2:
+        raise ValueError(f"--zero-stage {zero_stage} with --pp {P}: refused. Stage 2 reduces each backward's gradient"
+                         f" bucket, but a pipeline backward brings one chunk's gradients of one micro-batch at a time,"
+                         f" interleaved with other micro-batches; stage 3 gathers weights in the layout's forward,"
+                         f" which the schedule bypasses. Use --zero-stage 1 (or 0)")
+
+
+def build_stages(config: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None, pp_rank: int = 0,
+                 P: int = 1, v: int = 1, transform=None) -> PipelineStages:
+    """The chunks pp rank `pp_rank` holds, each a model.GPT stage built alone (first chunk: + embeddings, last:
+    + ln_f and head). `transform(chunk)`, if given, runs on each chunk as built (TP's parallelize, CP's
+    attention swap); the tied copies are marked after it."""
+    n_chunks, ids = P * v, rank_chunks(pp_rank, P, v)
+    chunks = []
+    for chunk_id in ids:
+        chunk = GPT(config, seed, dtype, device, layers=stage_layers(config.n_layer, P, v, chunk_id),
+                    embedding=chunk_id == 0, head=chunk_id == n_chunks - 1)
+        if transform is not None:
+            transform(chunk)
+        chunks.append(chunk)
+    stages = PipelineStages(chunks, ids, n_chunks)
+    mark_tied_copies(stages)
+    return stages
+
+
+def tied_copies(stages: PipelineStages) -> list:
+    """This rank's copy of the embedding tied to the head (the first or the last chunk holds one)."""
+    if stages.n_chunks == 1:
+        return []
+    return [p for p in stages.parameters() if p.shard_info.global_name == TIED]
+
+
+def mark_tied_copies(stages: PipelineStages) -> None:
+    """Both copies are replicas over pp: coordinate 0's counts (norm, Ψ, checkpoint). Idempotent: call again
+    after an axis swaps the parameter (TP's vocabulary shard)."""
+    for p in tied_copies(stages):
+        p.shard_info = p.shard_info.replicated_also_over("pp")
+
+
+def tied_embedding_group(shape, rank: int):
+    """This rank's {first, last} stage group (None in the middle). Collective: every rank creates every
+    pipeline's group, in the same order."""
+    mine = None
+    for ranks in mesh_lib.axis_groups(shape)["pp"]:
+        group = dist.new_group(sorted({ranks[0], ranks[-1]}))
+        if rank in (ranks[0], ranks[-1]):
+            mine = group
+    return mine
+
+
+def build(run, dtype: torch.dtype = torch.float32, transform=None):
+    """(PipelineStages, Pipeline) for this rank from train.py's Run, or None when --pp is 1.
+
+    Reads run.args.pp_schedule (default 1f1b), pp_virtual (2), trace_file (None), sp, zero_stage; builds
+    only this rank's chunks (`transform` as in build_stages) and the tied-embedding groups (collective).
+    The lead wraps the container in DDP/ZeRO-1, passes `handle.schedule` to train_step and names
+    `handle.groups()` in the tracer."""
+    args, mesh = run.args, run.mesh
+    P = mesh.size("pp")
+    if P == 1:
+        return None
+    name, v = getattr(args, "pp_schedule", "1f1b"), getattr(args, "pp_virtual", 2)
+    check_flags(run.config.n_layer, P, run.micro_batches, name, v, getattr(args, "zero_stage", 0))
+    v = v if name == "interleaved" else 1
+    sp = mesh.size("tp") if getattr(args, "sp", False) else 1
+    tied_group = tied_embedding_group(mesh.shape, mesh.rank)
+    stages = build_stages(run.config, run.seed, dtype, run.device, mesh.index("pp"), P, v, transform)
+    schedule = PipelineSchedule(name, P, v, mesh.index("pp"), mesh.group("pp"), mesh.members["pp"], seq_divisor=sp)
+    coords = mesh.coordinates()
+    writes_trace = all(index == 0 for axis, index in coords.items() if axis != "pp")
+    handle = Pipeline(stages, schedule, run.micro, run.seq_len // mesh.size("cp") // sp, run.micro_batches,
+                      tied_group, getattr(args, "trace_file", None) if writes_trace else None)
+    return stages, handle
+
+
+class Pipeline:
+    """The axis handle: the schedule, the tied-embedding sum, the accounting.
+
+    seq_len: tokens of a micro-batch row that cross a stage boundary on this rank (÷C under CP, ÷T under SP).
+    """
+
+    name = "pp"
+
+    def __init__(self, stages: PipelineStages, schedule: PipelineSchedule, micro: int, seq_len: int,
+                 micro_batches: int, tied_group=None, trace_file: str | None = None):
+        self.stages, self.schedule, self.config = stages, schedule, stages.config
+        self.micro, self.seq_len, self.m = micro, seq_len, micro_batches
+        self.tied_group, self.trace_file = tied_group, trace_file
+
+    def groups(self) -> dict:
+        """{name: group} for the tracer: p2p and the loss on "pp", the tied-embedding sum on "pp_tied"."""
+        return {"pp": self.schedule.group, "pp_tied": self.tied_group}
+
+    @torch.no_grad()
+    def after_grad_sync(self, layout) -> None:
+        """Sum the tied embedding's gradient over {first, last} stage (after the data-parallel reduction)."""
+        copies = tied_copies(self.stages)
+        if self.tied_group is None or not copies:
+            return
+        # Whole under DDP. Under ZeRO-1, this rank's segments: the layout must give the first and the last stage
+        # the same element ranges of this tensor (e.g. a unit of its own), or the sum adds unrelated elements.
+        grads = layout.grad_pieces(copies)
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else copies[0].new_zeros(0)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.tied_group)
+        offset = 0
+        for g in grads:  # in place: the layout's gradients may be views of its buckets
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # --- accounting -------------------------------------------------------------------------------------------
+
+    def message_bytes(self) -> int:
+        """One stage-boundary message: a micro-batch's hidden states or their gradient, b·s·h·e."""
+        return self.micro * self.seq_len * self.config.n_embd * next(self.stages.parameters()).element_size()
+
+    def predicted_messages(self, layout=None) -> dict:
+        """This rank's messages per step, {(op, group name): (calls, payload bytes)}. With `layout`, the tied
+        sum's payload is its grad_pieces (a ZeRO-1 shard), else the whole copy."""
+        steps, size = self.schedule.plan(self.m), self.message_bytes()
+        sends, recvs = sum(s.send is not None for s in steps), sum(len(s.recvs) for s in steps)
+        out = {key: value for key, value in {("all_reduce", "pp"): (1, 8), ("send", "pp"): (sends, sends * size),
+                                             ("recv", "pp"): (recvs, recvs * size)}.items() if value[0]}
+        copies = tied_copies(self.stages)
+        if self.tied_group is not None and copies:
+            pieces = layout.grad_pieces(copies) if layout is not None else copies
+            out["all_reduce", "pp_tied"] = (1, sum(t.numel() * t.element_size() for t in pieces))
+        return out
+
+    def startup_lines(self) -> list:
+        from mfu import activation_bytes_per_layer, format_bytes
+
+        c, s, m = self.config, self.schedule, self.m
+        lines = [f"pipeline {s.name}: P={s.P} stages" + (f" × v={s.v} chunks" if s.v > 1 else "") + f", m={m}"
+                 f" micro-batches; bubble predicted {bubble_formula(s.name, s.P, m, s.v):.1%} = {BUBBLE_TEXT[s.name]}"
+                 f" (uniform costs)"]
+        lines += split_lines(c, s.P, s.v)
+        per_layer = (4 * self.seq_len * self.micro * c.n_embd if c.activation_checkpointing else
+                     activation_bytes_per_layer(self.seq_len, self.micro, c.n_embd, c.n_head))
+        layers = len(stage_layers(c.n_layer, s.P, s.v, s.rank))
+        peak, stash = in_flight(s.programs(m)[s.rank])
+        lines.append(f"  in flight on pp rank {s.rank}: {peak} chunk-micro-batches ({IN_FLIGHT_TEXT[s.name]}) ×"
+                     f" {layers} layers × {format_bytes(per_layer)} (16-bit, Korthikanti) ="
+                     f" {format_bytes(peak * layers * per_layer)} of activations"
+                     + (f", and up to {stash} W stashes of ≈16·b·s·h per layer" if s.name == "zb" else ""))
+        pairs = ", ".join(f"{a}→{b}: {n}" for (a, b), n in sorted(p2p_counts(s.programs(m), s.n_chunks).items()))
+        lines.append(f"  p2p per step, messages of b·s·h·e = {format_bytes(self.message_bytes())} per stage pair: {pairs}")
+        return lines
+
+    def end_lines(self, tracer, steps: int) -> list:
+        """Measured against predicted. COLLECTIVE over the pp group (it gathers every rank's timings): call it
+        on every rank. pp rank 0 writes the Chrome trace when the handle has a trace file."""
+        from mfu import format_bytes
+
+        s = self.schedule
+        timed = [t for t in s.timings if not t[3]] or list(s.timings)  # the first step warms up
+        durations = defaultdict(list)
+        for _, _, by_kind, _ in timed:
+            for kind, values in by_kind.items():
+                durations[kind] += values
+        bubble = 1 - sum(busy / wall for wall, busy, _, _ in timed) / len(timed) if timed else float("nan")
+        mine = dict(bubble=bubble, events=s.events,
+                    costs={kind: sum(values) / len(values) for kind, values in durations.items()})
+        ranks = [None] * s.P
+        dist.all_gather_object(ranks, mine, group=s.group)
+        simulated = bubble_of(simulate(s.programs(self.m), [r["costs"] for r in ranks]))
+        lines = [f"pipeline {s.name} P={s.P} m={self.m}: bubble predicted {bubble_formula(s.name, s.P, self.m, s.v):.1%}"
+                 f" ({BUBBLE_TEXT[s.name]}), simulated with the measured costs {sum(simulated) / s.P:.1%}, measured"
+                 f" per rank " + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)",
+                 "  mean action time per rank (ms): " + "; ".join(
+                     f"pp{i} " + " ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(r["costs"].items()))
+                     for i, r in enumerate(ranks))]
+        records = tracer.records if tracer is not None else {}
+        for (op, group), (calls, payload) in sorted(self.predicted_messages().items()):
+            rec = records.get((op, group))
+            traced = f"{rec.calls / steps:g} × = {format_bytes(rec.payload_bytes / steps)}" if rec else "not traced"
+            lines.append(f"  {op:<10} {group:<8} per step predicted {calls} × = {format_bytes(payload)}, traced {traced}")
+        lines += ["  one executed step (the last), per pp rank:"] + ascii_timeline([r["events"] for r in ranks])
+        if self.trace_file and s.rank == 0:
+            write_chrome_trace(self.trace_file, [r["events"] for r in ranks])
+            lines.append(f"  Chrome trace of that step written to {self.trace_file} (Perfetto, chrome://tracing)")
+        if next(self.stages.parameters()).is_cuda:
+            lines.append(f"  measured peak memory on this rank: {format_bytes(torch.cuda.max_memory_allocated())}")
+        return lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Accounting: formulas, the comm-free simulation, the pictures
+# ---------------------------------------------------------------------------------------------------------
+
+BUBBLE_TEXT = {"gpipe": "(P−1)/(m+P−1)", "1f1b": "(P−1)/(m+P−1)", "interleaved": "(P−1)/(v·m+P−1)",
+               "zb": "(P−1)·max(F, F+I−W)/(m(F+I+W) + (P−1)·max(F, F+I−W))"}
+IN_FLIGHT_TEXT = {"gpipe": "m", "1f1b": "min(P−r, m)", "zb": "min(P−r, m)",
+                  "interleaved": "min(2(P−r−1) + (v−1)(P + m mod P) + 1, v·m)"}
+
+
+def bubble_formula(schedule: str, P: int, m: int, v: int = 1, costs: tuple = (1.0, 1.0, 1.0)) -> float:
+    """Idle fraction of a step by the closed forms (costs (t_F, t_I, t_W) for zb)."""
+    if schedule in ("gpipe", "1f1b"):
+        return (P - 1) / (m + P - 1)
+    if schedule == "interleaved":
+        return (P - 1) / (v * m + P - 1)
+    t_f, t_i, t_w = costs
+    idle = (P - 1) * max(t_f, t_f + t_i - t_w)
+    return idle / (m * (t_f + t_i + t_w) + idle)
+
+
+def in_flight(program: list) -> tuple:
+    """(peak micro-batch-chunks between F and B/I, peak stashes between I and W) of one rank's list."""
+    live = stash = peak = peak_stash = 0
+    for action in program:
+        live += {"F": 1, "B": -1, "I": -1}.get(action.kind, 0)
+        stash += {"I": 1, "W": -1}.get(action.kind, 0)
+        peak, peak_stash = max(peak, live), max(peak_stash, stash)
+    return peak, peak_stash
+
+
+def p2p_counts(programs: list, n_chunks: int) -> dict:
+    """{(src pp rank, dst pp rank): messages per step}."""
+    counts = defaultdict(int)
+    for program in programs:
+        for action in program:
+            if (msg := produces(action, n_chunks)) is not None:
+                counts[msg.src(len(programs)), msg.dst(len(programs))] += 1
+    return dict(counts)
+
+
+def stage_params(config: GPTConfig, P: int, v: int = 1) -> list:
+    """Parameters each pp rank holds (the tied copy counted on both the first and the last)."""
+    h, bias = config.n_embd, int(config.bias)
+    per_layer = 12 * h * h + (2 + 2 * bias) * h + bias * 9 * h  # linears, 2 LayerNorms, linear biases
+    out = []
+    for rank in range(P):
+        total = 0
+        for chunk in rank_chunks(rank, P, v):
+            total += len(stage_layers(config.n_layer, P, v, chunk)) * per_layer
+            total += (config.vocab_size + config.block_size) * h if chunk == 0 else 0
+            total += (config.vocab_size * h + (1 + bias) * h) if chunk == P * v - 1 else 0
+        out.append(total)
+    return out
+
+
+def split_lines(config: GPTConfig, P: int, v: int = 1) -> list:
+    """The split, printed: layers and parameters per stage, and a warning when it is uneven."""
+    params = stage_params(config, P, v)
+    lines = []
+    for rank in range(P):
+        ranges = [stage_layers(config.n_layer, P, v, c) for c in rank_chunks(rank, P, v)]
+        text = " + ".join(f"{r.start}..{r.stop - 1}" for r in ranges)
+        extra = (" + embeddings" if rank == 0 else "") + (" + ln_f, head (tied copy)" if rank == P - 1 else "")
+        lines.append(f"  stage {rank}: layers {text}{extra}: {params[rank]:,} parameters")
+    sizes = [len(r) for r in split_layers(config.n_layer, P * v)]
+    if len(set(sizes)) > 1:
+        lines.append(f"  WARNING uneven split: {config.n_layer} layers over {P * v} chunks give {max(sizes)} layers to"
+                     f" chunks {[c for c, n in enumerate(sizes) if n == max(sizes)]} and {min(sizes)} to the others:"
+                     f" the slowest stage sets the pace ({max(sizes) / min(sizes):.2f}× the work)")
+    return lines
+
+
+def bubble_of(timelines: list) -> list:
+    """Each rank's idle fraction of the makespan."""
+    makespan = max(end for timeline in timelines for _, _, end in timeline)
+    return [1 - sum(end - start for _, start, end in timeline) / makespan for timeline in timelines]
+
+
+def ascii_timeline(events_per_rank: list, width: int = 96) -> list:
+    """One row per rank: F/B/I/W (upper case even micro-batches, lower case odd), '.' idle."""
+    end = max((e["end"] for events in events_per_rank for e in events), default=0.0) or 1.0
+    lines = []
+    for rank, events in enumerate(events_per_rank):
+        row = ["."] * width
+        for e in events:
+            if e["cat"] == "compute":
+                a = min(width - 1, int(e["start"] / end * width))
+                for i in range(a, max(a + 1, min(width, round(e["end"] / end * width)))):
+                    row[i] = e["kind"] if e["mb"] % 2 == 0 else e["kind"].lower()
+        lines.append(f"  pp{rank} |{''.join(row)}|")
+    lines.append(f"  ({end * 1e3:.1f} ms across {width} columns; each rank's clock starts at its step start)")
+    return lines
+
+
+def write_chrome_trace(path: str, events_per_rank: list) -> None:
+    """A Chrome-trace JSON: one process per pp rank, a compute thread and a p2p thread."""
+    trace = []
+    for rank, events in enumerate(events_per_rank):
+        trace.append(dict(name="process_name", ph="M", pid=rank, tid=0, args=dict(name=f"pp rank {rank}")))
+        for tid, label in ((0, "compute"), (1, "p2p")):
+            trace.append(dict(name="thread_name", ph="M", pid=rank, tid=tid, args=dict(name=label)))
+        for e in events:
+            args = {k: e[k] for k in ("mb", "chunk", "bytes") if k in e}
+            trace.append(dict(name=e["name"], cat=e["cat"], ph="X", pid=rank, tid=0 if e["cat"] == "compute" else 1,
+                              ts=e["start"] * 1e6, dur=(e["end"] - e["start"]) * 1e6, args=args))
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
