@@ -63,6 +63,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from step import Axis
+
 IMPLS, BALANCES = ("ring", "ulysses"), ("zigzag", "contiguous")
 
 # ---------------------------------------------------------------------------------------------------------
@@ -419,12 +421,15 @@ def apply(model, run) -> ContextParallel | None:
     param = next(model.parameters())
     with run.autocast:  # e_c: the dtype c_attn's output (q, k, v) will have in this run
         compute_bytes = torch.nn.functional.linear(param.new_zeros(1, 1), param.new_zeros(1, 1)).element_size()
-    return parallelize(model, run.mesh.group("cp"), impl, balance, seq_len=run.seq_len, micro=run.micro,
-                       micro_batches=run.micro_batches, compute_bytes=compute_bytes, tp=tp, autocast=run.autocast)
+    handle = parallelize(model, run.mesh.group("cp"), impl, balance, seq_len=run.seq_len, micro=run.micro,
+                         micro_batches=run.micro_batches, compute_bytes=compute_bytes, tp=tp, autocast=run.autocast)
+    # Block 0 is measured now (collective over cp and tp), before a layout installs its gradient hooks.
+    handle.measured_startup = handle.startup_lines()
+    return handle
 
 
 @dataclass
-class ContextParallel:
+class ContextParallel(Axis):
     """The handle: cuts batches, predicts and reports the cp messages, the causal work and the activations."""
 
     model: object
@@ -438,8 +443,8 @@ class ContextParallel:
     tp: int = 1
     autocast: object = field(default_factory=nullcontext)
     name: str = "cp"
-    schedule = None
     alone_seconds: dict = field(default_factory=dict)  # ring transfers timed without compute, per phase
+    measured_startup: list | None = None  # startup_lines() as measured by apply
 
     def shard_batches(self, batches) -> list:
         """[(x, y)] or [(x, y, pos)] of whole sequences → [(x, y, pos)] of this rank's tokens (pos global)."""
@@ -455,6 +460,9 @@ class ContextParallel:
 
     def after_grad_sync(self, layout) -> None:
         """Nothing: the layout's dp×cp sum is the whole gradient (every rank's loss is a sum over its tokens)."""
+
+    def sampling(self):
+        return self.whole_sequences()
 
     @contextmanager
     def whole_sequences(self):
@@ -477,7 +485,7 @@ class ContextParallel:
         return layer_messages(self.impl, self.ring.size, self.micro, self.seq_len, config.n_embd // self.tp,
                               self.compute_bytes, config.activation_checkpointing)
 
-    def predicted_messages(self) -> dict:
+    def predicted_messages(self, layout=None) -> dict:
         """Per optimizer step: {(op, "cp"): (calls, payload bytes)}."""
         out = {}
         repeats = len(self.model.transformer.h) * self.micro_batches
@@ -490,6 +498,8 @@ class ContextParallel:
         """Collective over cp (and tp): measures block 0 once (messages, saved bytes, the ring alone)."""
         from mfu import format_bytes
 
+        if self.measured_startup is not None:
+            return self.measured_startup
         C, s, b, h = self.ring.size, self.seq_len, self.micro, self.model.config.n_embd
         measured_msgs, saved = measure_block(self)
         lines = [f"context parallel C={C} ({self.impl}, {self.balance}): rank c holds "

@@ -14,10 +14,11 @@ optional biases). It knows nothing of distribution except these hooks the parall
   model's; equivalence tests and checkpoint resharding depend on it. Each parameter also carries a
   `ShardInfo` record saying where its local tensor sits in the global logical tensor, and over which mesh
   axes identical copies of it exist (`counts_here` is the one rule that picks the copy that counts).
-- A model may be a STAGE: `GPT(config, layers=range(a, b), embedding=..., head=...)` builds only blocks
-  a..b-1 (named by their global index, `transformer.h.<i>`) and, optionally, the embeddings and the final
-  LayerNorm + head. The forward is three public pieces a pipeline stage calls on its own: `embed`,
-  `forward_blocks` and `head_loss`; `forward` is their composition.
+- A model may be a pipeline STAGE: `GPT(config, layers=range(a, b), embedding=..., head=...)` builds only
+  blocks a..b-1 (named by their global index, `transformer.h.<i>`; an interleaved pipeline rank holds several
+  such ranges, `layers=[0, 1, 4, 5]`) and, optionally, the embeddings and the final LayerNorm + head. The
+  forward is three public pieces a stage calls on its own: `embed`, `forward_blocks` (all held blocks, or a
+  contiguous range of them: one chunk) and `head_loss`; `forward` is their composition.
 - The MLP of a block is chosen by the config (`build_mlp`), and a layer may add auxiliary losses (MoE load
   balance, router z-loss) to `model.aux_losses`, which the training step backpropagates with DESIGN.md's
   normalisation: Σ coef·aux averaged over the D·m micro-batches of the step.
@@ -345,17 +346,18 @@ class Blocks(nn.ModuleDict):
 
 
 class GPT(nn.Module):
-    """The GPT, or one pipeline stage of it: `layers` (default all) blocks, plus the embeddings when
-    `embedding`, plus the final LayerNorm, head and loss when `head`. The head's weight is tied to the token
-    embedding: one tensor when the model holds both, else a copy named `transformer.wte.weight` too."""
+    """The GPT, or one pipeline stage of it: the blocks `layers` (default all; any increasing layer ids),
+    plus the embeddings when `embedding`, plus the final LayerNorm, head and loss when `head`. The head's
+    weight is tied to the token embedding: one tensor when the model holds both, else a copy named
+    `transformer.wte.weight` too."""
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None,
-                 layers: range | None = None, embedding: bool = True, head: bool = True):
+                 layers=None, embedding: bool = True, head: bool = True):
         super().__init__()
         self.config = config
-        layers = range(config.n_layer) if layers is None else layers
-        if not (0 <= layers.start <= layers.stop <= config.n_layer and layers.step == 1):
-            raise ValueError(f"layers {layers} is not a contiguous range of the model's {config.n_layer} layers")
+        layers = list(range(config.n_layer) if layers is None else layers)
+        if layers != sorted(set(layers)) or not all(0 <= i < config.n_layer for i in layers):
+            raise ValueError(f"layers {layers} are not increasing layer ids of the model's {config.n_layer} layers")
         self.aux_losses = AuxLosses()
         with torch.device("meta"):  # build shapes only; init_weights materialises every tensor once
             parts = {}  # in nanoGPT's order: wte, wpe, drop, h, ln_f
@@ -413,7 +415,7 @@ class GPT(nn.Module):
         return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
 
     def forward_blocks(self, x: torch.Tensor, layers: range | None = None) -> torch.Tensor:
-        """Run the held blocks (or the contiguous `layers` of them) on hidden states x."""
+        """Run the held blocks (or the contiguous `layers` of them: one pipeline chunk) on hidden states x."""
         for layer_id in layers if layers is not None else self.transformer.h.layer_ids:
             block = self.transformer.h[layer_id]
             if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():

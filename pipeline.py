@@ -32,7 +32,7 @@ is waited: receives before use, sends at the end of the step (gloo completes a s
 
 The loss each micro-batch backpropagates is loss_scale·(loss_sum/global_tokens + Σ coef·aux/(D·m)), as in
 step.GradientAccumulation: nothing is rescaled afterwards. A chunk's aux-loss terms are backpropagated with
-its output. Data parallel wraps the `PipelineStages` container (DDP or ZeRO-1): every backward runs under
+its output. Data parallel wraps the rank's stage model (DDP or ZeRO-1): every backward runs under
 `layout.no_sync()` except each chunk's last B (zb: last I and last W), so every gradient reaches the
 reduction once, overlapped with the cool-down. ZeRO-2/3 are refused (`check_flags` says why).
 
@@ -75,6 +75,7 @@ import torch.nn.functional as F
 
 import mesh as mesh_lib
 from model import GPT, GPTConfig
+from step import Axis
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 TIED = "transformer.wte.weight"
@@ -376,31 +377,15 @@ class WeightGradStore:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class PipelineStages(nn.Module):
-    """The chunks this rank holds (`chunks[k]` is global chunk `chunk_ids[k]`): what DDP/ZeRO-1 wrap."""
-
-    def __init__(self, chunks: list, chunk_ids: list, n_chunks: int):
-        super().__init__()
-        self.chunks = nn.ModuleList(chunks)
-        self.chunk_ids, self.n_chunks = list(chunk_ids), n_chunks
-        self.config = chunks[0].config
-
-    def chunk(self, global_id: int) -> GPT:
-        return self.chunks[self.chunk_ids.index(global_id)]
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("pipeline stages run through their schedule (PipelineSchedule.forward_backward), "
-                           "which calls each chunk's embed / forward_blocks / head_loss")
-
-
 class PipelineSchedule:
     """The step's schedule object (step.GradientAccumulation's protocol), for one pp rank."""
 
-    def __init__(self, name: str, P: int, v: int, pp_rank: int, group=None, peers=None, seq_divisor: int = 1,
-                 sync_last_backward: bool = True):
+    def __init__(self, name: str, P: int, v: int, pp_rank: int, n_layer: int, group=None, peers=None,
+                 seq_divisor: int = 1, sync_last_backward: bool = True):
         self.name, self.P, self.rank, self.group = name, P, pp_rank, group
         self.v = v if name == "interleaved" else 1
         self.n_chunks = self.P * self.v
+        self.chunk_layers = split_layers(n_layer, self.n_chunks)  # chunk c's layers; pp rank c mod P holds it
         self.peers = list(peers) if peers is not None else list(range(P))  # global rank of each pp index
         self.seq_divisor = seq_divisor  # T under sequence parallel: a stage boundary carries s/T tokens
         self.sync_last_backward = sync_last_backward
@@ -411,6 +396,10 @@ class PipelineSchedule:
 
     def programs(self, m: int) -> list:
         return build_programs(self.name, self.P, m, self.v)
+
+    def describe(self, m: int) -> str:
+        return (f"pipeline {self.name} over P={self.P}" + (f" × v={self.v}" if self.v > 1 else "") + f", m={m}:"
+                f" bubble predicted {bubble_formula(self.name, self.P, m, self.v):.1%} = {BUBBLE_TEXT[self.name]}")
 
     def plan(self, m: int) -> list:
         if m not in self._plans:
@@ -463,6 +452,37 @@ class PipelineSchedule:
             dist.all_reduce(run.loss_sum, op=dist.ReduceOp.SUM, group=self.group)  # 8 bytes: Σ CE everywhere
         return MicroBatchLoss(run.loss_sum, run.aux_totals)
 
+    @torch.no_grad()
+    def forward_only(self, layout, model, batches, autocast, device):
+        """Evaluation: (Σ loss, Σ tokens) of the micro-batches through every stage, on every rank of the pp
+        group (one forward at a time, blocking p2p: chunk c's rank receives from chunk c−1's, no cycle)."""
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        for x, y, *rest in batches:
+            pos = rest[0].to(device) if rest and rest[0] is not None else None
+            with autocast:
+                out = self.through_stages(model, lambda m, h: m.embed(x.to(device), pos),
+                                          lambda m, h: m.head_loss(h, y.to(device)), device)
+            if out is not None:
+                totals += torch.stack([out[1].double(), out[2].double()])
+        dist.all_reduce(totals, group=self.group)  # the last stage's numbers, everywhere
+        return totals[0], totals[1]
+
+    def through_stages(self, model, embed, head, device):
+        """One forward through all chunks in order; returns head(...) on the last chunk's rank, else None."""
+        h = None
+        for chunk in range(self.n_chunks):
+            if chunk % self.P != self.rank:
+                continue
+            if chunk == 0:
+                h = embed(model, None)
+            else:
+                h = _recv_blocking(self.peers[(chunk - 1) % self.P], self.group, device,
+                                   next(model.parameters()).dtype)
+            h = model.forward_blocks(h, self.chunk_layers[chunk])
+            if chunk < self.n_chunks - 1:
+                _send_blocking(h, self.peers[(chunk + 1) % self.P], self.group)
+        return head(model, h) if (self.n_chunks - 1) % self.P == self.rank else None
+
     # --- p2p ------------------------------------------------------------------------------------------------
 
     def _recv_op(self, msg: Message, run, dtype):
@@ -493,22 +513,22 @@ class PipelineSchedule:
     # --- the computations -------------------------------------------------------------------------------------
 
     def _F(self, run, action: Action, received):
-        chunk = run.model.chunk(action.chunk)
+        model, layers = run.model, self.chunk_layers[action.chunk]  # this rank's GPT holds all its chunks
         x, y, *rest = run.batches[action.mb]  # (x, y) or (x, y, pos)
         first, last = action.chunk == 0, action.chunk == self.n_chunks - 1
-        chunk.aux_losses.clear()
+        model.aux_losses.clear()
         with run.autocast:
             if first:  # only the first chunk reads the tokens (and positions), only the last the targets
                 inp, pos = None, rest[0] if rest else None
                 pos = None if pos is None else pos.to(run.device)
-                h = chunk.forward_blocks(chunk.embed(x.to(run.device, non_blocking=True), pos))
+                h = model.forward_blocks(model.embed(x.to(run.device, non_blocking=True), pos), layers)
             else:
                 inp = received.requires_grad_()
-                h = chunk.forward_blocks(inp)
+                h = model.forward_blocks(inp, layers)
             if last:
-                _, loss_sum, _ = chunk.head_loss(h, y.to(run.device, non_blocking=True))
-        aux = chunk.aux_losses.weighted_sum()
-        for name, value in chunk.aux_losses.values().items():
+                _, loss_sum, _ = model.head_loss(h, y.to(run.device, non_blocking=True))
+        aux = model.aux_losses.weighted_sum()
+        for name, value in model.aux_losses.values().items():
             run.aux_totals[name] = run.aux_totals.get(name, 0.0) + value
         if last:
             objective = loss_sum / run.global_tokens
@@ -535,6 +555,23 @@ class PipelineSchedule:
 
     def _W(self, run, action: Action, _):
         self.store.apply(run.deferred.pop((action.mb, action.chunk)))
+
+
+def _send_blocking(h: torch.Tensor, peer: int, group) -> None:
+    """Shape first (3 int64), then the tensor: forward-only passes need no shape agreed in advance."""
+    for tensor in (torch.tensor(h.shape, dtype=torch.int64, device=h.device), h.contiguous()):
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer, group)]):
+            work.wait()
+
+
+def _recv_blocking(peer: int, group, device, dtype) -> torch.Tensor:
+    shape = torch.empty(3, dtype=torch.int64, device=device)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, shape, peer, group)]):
+        work.wait()
+    h = torch.empty(tuple(shape.tolist()), dtype=dtype, device=device)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, peer, group)]):
+        work.wait()
+    return h
 
 
 class _StepState:
@@ -575,41 +612,45 @@ def check_flags(n_layer: int, P: int, m: int, schedule: str = "1f1b", v: int = 2
         raise ValueError(f"--pp-schedule interleaved: n_layer={n_layer} must be divisible by --pp {P} × --pp-virtual"
                          f" {v} = {chunks} (equal chunks keep the interleaved slots equal)")
     if zero_stage >= 2:
-        raise ValueError(f"--zero-stage {zero_stage} with --pp {P}: refused. Stage 2 reduces each backward's gradient"
+        raise ValueError(f"--zero {zero_stage} with --pp {P}: refused. Stage 2 reduces each backward's gradient"
                          f" bucket, but a pipeline backward brings one chunk's gradients of one micro-batch at a time,"
                          f" interleaved with other micro-batches; stage 3 gathers weights in the layout's forward,"
-                         f" which the schedule bypasses. Use --zero-stage 1 (or 0)")
+                         f" which the schedule bypasses. Use --zero 1 (or 0)")
+
+
+def stage_of(run) -> dict:
+    """What this rank builds (a stage never allocates the others' blocks): GPT(config, **stage_of(run)).
+    {} without a pipeline; else its chunks' layers, the embeddings on chunk 0's rank, the head on the last's."""
+    P, v = run.mesh.size("pp"), getattr(run.args, "pp_virtual", 2)
+    if P == 1:
+        return {}
+    return stage_kwargs(run.config.n_layer, run.mesh.index("pp"), P, v if run.args.pp_schedule == "interleaved" else 1)
+
+
+def stage_kwargs(n_layer: int, pp_rank: int, P: int, v: int = 1) -> dict:
+    chunks = rank_chunks(pp_rank, P, v)
+    layers = [layer for chunk in chunks for layer in stage_layers(n_layer, P, v, chunk)]
+    return dict(layers=layers, embedding=0 in chunks, head=P * v - 1 in chunks)
 
 
 def build_stages(config: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None, pp_rank: int = 0,
-                 P: int = 1, v: int = 1, transform=None) -> PipelineStages:
-    """The chunks pp rank `pp_rank` holds, each a model.GPT stage built alone (first chunk: + embeddings, last:
-    + ln_f and head). `transform(chunk)`, if given, runs on each chunk as built (TP's parallelize, CP's
-    attention swap); the tied copies are marked after it."""
-    n_chunks, ids = P * v, rank_chunks(pp_rank, P, v)
-    chunks = []
-    for chunk_id in ids:
-        chunk = GPT(config, seed, dtype, device, layers=stage_layers(config.n_layer, P, v, chunk_id),
-                    embedding=chunk_id == 0, head=chunk_id == n_chunks - 1)
-        if transform is not None:
-            transform(chunk)
-        chunks.append(chunk)
-    stages = PipelineStages(chunks, ids, n_chunks)
-    mark_tied_copies(stages)
-    return stages
+                 P: int = 1, v: int = 1) -> GPT:
+    """Pipeline rank `pp_rank`'s model: one model.GPT holding its chunks' blocks (first chunk: + embeddings,
+    last: + ln_f and head), built alone."""
+    return GPT(config, seed, dtype, device, **stage_kwargs(config.n_layer, pp_rank, P, v))
 
 
-def tied_copies(stages: PipelineStages) -> list:
+def tied_copies(model: GPT, n_chunks: int) -> list:
     """This rank's copy of the embedding tied to the head (the first or the last chunk holds one)."""
-    if stages.n_chunks == 1:
+    if n_chunks == 1:
         return []
-    return [p for p in stages.parameters() if p.shard_info.global_name == TIED]
+    return [p for p in model.parameters() if p.shard_info.global_name == TIED]
 
 
-def mark_tied_copies(stages: PipelineStages) -> None:
-    """Both copies are replicas over pp: coordinate 0's counts (norm, Ψ, checkpoint). Idempotent: call again
-    after an axis swaps the parameter (TP's vocabulary shard)."""
-    for p in tied_copies(stages):
+def mark_tied_copies(model: GPT, n_chunks: int) -> None:
+    """Both copies are replicas over pp: coordinate 0's counts (norm, Ψ, checkpoint). PP is applied after TP
+    (DESIGN's order), so this marks TP's vocabulary shard when TP swapped the parameter."""
+    for p in tied_copies(model, n_chunks):
         p.shard_info = p.shard_info.replicated_also_over("pp")
 
 
@@ -624,53 +665,82 @@ def tied_embedding_group(shape, rank: int):
     return mine
 
 
-def build(run, dtype: torch.dtype = torch.float32, transform=None):
-    """(PipelineStages, Pipeline) for this rank from train.py's Run, or None when --pp is 1.
-
-    Reads run.args.pp_schedule (default 1f1b), pp_virtual (2), trace_file (None), sp, zero_stage; builds
-    only this rank's chunks (`transform` as in build_stages) and the tied-embedding groups (collective).
-    The lead wraps the container in DDP/ZeRO-1, passes `handle.schedule` to train_step and names
-    `handle.groups()` in the tracer."""
+def apply(model: GPT, run):
+    """The axis for train.py: the stage model was built by stage_of(run); this adds the schedule, the
+    tied-embedding group (collective) and the marks on the tied copies. None when --pp is 1."""
     args, mesh = run.args, run.mesh
     P = mesh.size("pp")
     if P == 1:
         return None
     name, v = getattr(args, "pp_schedule", "1f1b"), getattr(args, "pp_virtual", 2)
-    check_flags(run.config.n_layer, P, run.micro_batches, name, v, getattr(args, "zero_stage", 0))
+    check_flags(run.config.n_layer, P, run.micro_batches, name, v, getattr(args, "zero", 0))
     v = v if name == "interleaved" else 1
     sp = mesh.size("tp") if getattr(args, "sp", False) else 1
     tied_group = tied_embedding_group(mesh.shape, mesh.rank)
-    stages = build_stages(run.config, run.seed, dtype, run.device, mesh.index("pp"), P, v, transform)
-    schedule = PipelineSchedule(name, P, v, mesh.index("pp"), mesh.group("pp"), mesh.members["pp"], seq_divisor=sp)
+    schedule = PipelineSchedule(name, P, v, mesh.index("pp"), run.config.n_layer, mesh.group("pp"),
+                                mesh.members["pp"], seq_divisor=sp)
+    mark_tied_copies(model, schedule.n_chunks)
     coords = mesh.coordinates()
     writes_trace = all(index == 0 for axis, index in coords.items() if axis != "pp")
-    handle = Pipeline(stages, schedule, run.micro, run.seq_len // mesh.size("cp") // sp, run.micro_batches,
-                      tied_group, getattr(args, "trace_file", None) if writes_trace else None)
-    return stages, handle
+    return Pipeline(model, schedule, run.micro, run.seq_len // mesh.size("cp") // sp, run.micro_batches,
+                    tied_group, getattr(args, "trace_file", None) if writes_trace else None)
 
 
-class Pipeline:
-    """The axis handle: the schedule, the tied-embedding sum, the accounting.
+def build(run, dtype: torch.dtype = torch.float32, transform=None):
+    """(stage model, Pipeline) for tests and benchmarks: build this rank's stage, `transform(model)` (TP's
+    parallelize, CP's swap: the axes before PP), then apply. None when --pp is 1."""
+    if run.mesh.size("pp") == 1:
+        return None
+    model = GPT(run.config, run.seed, dtype, run.device, **stage_of(run))
+    if transform is not None:
+        transform(model)
+    return model, apply(model, run)
+
+
+class Pipeline(Axis):
+    """The axis handle: the schedule, the tied-embedding sum, evaluation and sampling through the stages,
+    the accounting.
 
     seq_len: tokens of a micro-batch row that cross a stage boundary on this rank (÷C under CP, ÷T under SP).
     """
 
     name = "pp"
 
-    def __init__(self, stages: PipelineStages, schedule: PipelineSchedule, micro: int, seq_len: int,
+    def __init__(self, model: GPT, schedule: PipelineSchedule, micro: int, seq_len: int,
                  micro_batches: int, tied_group=None, trace_file: str | None = None):
-        self.stages, self.schedule, self.config = stages, schedule, stages.config
+        self.model, self.schedule, self.config = model, schedule, model.config
         self.micro, self.seq_len, self.m = micro, seq_len, micro_batches
         self.tied_group, self.trace_file = tied_group, trace_file
 
+    @contextmanager
+    def sampling(self):
+        """model.generate on a stage: its forward runs through every stage and the last stage's logits (of the
+        last position) reach every pp rank (one all-reduce, zeros elsewhere), so all ranks sample alike."""
+        model, schedule = self.model, self.schedule
+
+        def forward(idx, targets=None, pos=None):
+            device, dtype = idx.device, next(model.parameters()).dtype
+            logits = schedule.through_stages(model, lambda m, h: m.embed(idx, pos), lambda m, h: m.head_loss(h)[0],
+                                             device)
+            if logits is None:
+                logits = torch.zeros(idx.shape[0], 1, self.config.vocab_size, dtype=dtype, device=device)
+            dist.all_reduce(logits, group=schedule.group)
+            return logits, None, None
+
+        model.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
+        try:
+            yield
+        finally:
+            del model.forward
+
     def groups(self) -> dict:
-        """{name: group} for the tracer: p2p and the loss on "pp", the tied-embedding sum on "pp_tied"."""
-        return {"pp": self.schedule.group, "pp_tied": self.tied_group}
+        """{name: group} for the tracer: the tied-embedding sum on "pp_tied" (p2p and the loss go on "pp")."""
+        return {"pp_tied": self.tied_group}
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> None:
         """Sum the tied embedding's gradient over {first, last} stage (after the data-parallel reduction)."""
-        copies = tied_copies(self.stages)
+        copies = tied_copies(self.model, self.schedule.n_chunks)
         if self.tied_group is None or not copies:
             return
         # Whole under DDP. Under ZeRO-1, this rank's segments: the layout must give the first and the last stage
@@ -687,7 +757,7 @@ class Pipeline:
 
     def message_bytes(self) -> int:
         """One stage-boundary message: a micro-batch's hidden states or their gradient, b·s·h·e."""
-        return self.micro * self.seq_len * self.config.n_embd * next(self.stages.parameters()).element_size()
+        return self.micro * self.seq_len * self.config.n_embd * next(self.model.parameters()).element_size()
 
     def predicted_messages(self, layout=None) -> dict:
         """This rank's messages per step, {(op, group name): (calls, payload bytes)}. With `layout`, the tied
@@ -696,7 +766,7 @@ class Pipeline:
         sends, recvs = sum(s.send is not None for s in steps), sum(len(s.recvs) for s in steps)
         out = {key: value for key, value in {("all_reduce", "pp"): (1, 8), ("send", "pp"): (sends, sends * size),
                                              ("recv", "pp"): (recvs, recvs * size)}.items() if value[0]}
-        copies = tied_copies(self.stages)
+        copies = tied_copies(self.model, self.schedule.n_chunks)
         if self.tied_group is not None and copies:
             pieces = layout.grad_pieces(copies) if layout is not None else copies
             out["all_reduce", "pp_tied"] = (1, sum(t.numel() * t.element_size() for t in pieces))
@@ -754,7 +824,7 @@ class Pipeline:
         if self.trace_file and s.rank == 0:
             write_chrome_trace(self.trace_file, [r["events"] for r in ranks])
             lines.append(f"  Chrome trace of that step written to {self.trace_file} (Perfetto, chrome://tracing)")
-        if next(self.stages.parameters()).is_cuda:
+        if next(self.model.parameters()).is_cuda:
             lines.append(f"  measured peak memory on this rank: {format_bytes(torch.cuda.max_memory_allocated())}")
         return lines
 

@@ -61,6 +61,10 @@ class Axis:
         """Lines printed with each logged step (MoE: the load per expert; FP8: scales and saturation)."""
         return []
 
+    def groups(self) -> dict:
+        """{name: process group} of groups the axis creates itself (the mesh's are named already)."""
+        return {}
+
     def shard_batches(self, batches: list) -> list:
         """This rank's part of each micro-batch (x, y, pos): context parallel cuts the sequences."""
         return batches
@@ -107,7 +111,8 @@ class GradientAccumulation:
     the earlier ones run inside `layout.no_sync()` and only accumulate.
     """
 
-    bubble_fraction = 0.0
+    def describe(self, micro_batches: int) -> str:
+        return f"gradient accumulation over m={micro_batches} micro-batches (no pipeline: no bubble)"
 
     def forward_backward(self, layout, model, batches, global_tokens, loss_scale: float, aux_divisor: int,
                          autocast, device) -> MicroBatchLoss:
@@ -131,6 +136,17 @@ class GradientAccumulation:
                 (objective * loss_scale).backward()
             loss_sum += micro_loss_sum.detach().double()
         return MicroBatchLoss(loss_sum, aux_totals)
+
+    @torch.no_grad()
+    def forward_only(self, layout, model, batches, autocast, device):
+        """Evaluation: (Σ loss, Σ tokens) over the micro-batches, through the layout's forward."""
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        for batch in batches:
+            x, y, pos = (*batch, None)[:3]
+            with autocast:
+                _, loss_sum, count = layout(x.to(device), y.to(device), None if pos is None else pos.to(device))
+            totals += torch.stack([loss_sum.double(), count.double()])
+        return totals[0], totals[1]
 
 
 @dataclass

@@ -521,12 +521,16 @@ class TensorParallel(Axis):
 
         Every rank of the TP group must run the same generate() call (the collectives are the group's).
         """
-        head, previous = self.model.lm_head, self.ctx.sequence_parallel
-        self.ctx.sequence_parallel, head.gather_output = False, True
+        head, previous = self.model.lm_head, self.ctx.sequence_parallel  # no head on a middle pipeline stage
+        self.ctx.sequence_parallel = False
+        if head is not None:
+            head.gather_output = True
         try:
             yield
         finally:
-            self.ctx.sequence_parallel, head.gather_output = previous, False
+            self.ctx.sequence_parallel = previous
+            if head is not None:
+                head.gather_output = False
 
     def startup_lines_measured(self, micro: int, seq: int, compute_bytes: int, autocast, param_dtype=None,
                                state_bytes_per_param: int = 16) -> list:

@@ -26,9 +26,11 @@ import torch
 import torch.distributed as dist
 
 import ckpt
+import context_parallel
 import data
 import mfu
 import moe
+import pipeline
 import tensor_parallel
 from ddp import DDPLayout, DistributedDataParallel
 from mesh import Mesh, axis_groups, build_mesh, choose_device_and_backend, infer_mesh_shape, init_distributed
@@ -79,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB")
     g.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
+    g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
+                   help="pipeline schedule (pipeline.py)")
+    g.add_argument("--pp-virtual", type=int, default=2, help="model chunks per rank for --pp-schedule interleaved")
+    g.add_argument("--trace-file", help="write one executed pipeline step as Chrome-trace JSON (Perfetto)")
+    g.add_argument("--cp-impl", default="ring", choices=["ring", "ulysses"], help="context parallel attention")
+    g.add_argument("--cp-balance", default="zigzag", choices=["zigzag", "contiguous"],
+                   help="how the sequence is cut over the C ranks (zig-zag balances causal work)")
     g = p.add_argument_group("mixture of experts (moe.py)")
     g.add_argument("--moe-experts", type=int, default=0, help="experts N per MoE block (0: dense MLP)")
     g.add_argument("--moe-topk", type=int, default=2, help="experts per token k")
@@ -122,9 +131,6 @@ def validate_args(args, world_size: int):
                         args.moe_z_coef)
     except ValueError as e:
         raise FlagError(str(e)) from None
-    for flag, value in (("--pp", args.pp), ("--cp", args.cp)):
-        if value > 1:
-            raise FlagError(f"{flag} {value}: this axis is not implemented in this version of the trainer")
     if args.sp and args.tp == 1:
         raise FlagError("--sp (sequence parallel) needs --tp > 1")
     for flag, value in (("--steps", args.steps), ("--log-every", args.log_every),
@@ -158,7 +164,14 @@ def validate_args(args, world_size: int):
         except ValueError as e:
             raise FlagError(str(e)) from None
     validate_checkpoint_args(args)
-    return shape, args.global_batch // (shape.dp * micro), micro
+    m = args.global_batch // (shape.dp * micro)
+    try:
+        pipeline.check_flags(config.n_layer, args.pp, m, args.pp_schedule, args.pp_virtual, args.zero)
+        context_parallel.check_flags(args.seq_len or config.block_size, args.cp, config.n_head, args.tp,
+                                     args.cp_impl, args.cp_balance, config.dropout, args.sp)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    return shape, m, micro
 
 
 def validate_zero_args(args):
@@ -233,6 +246,8 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 AXES = (
     moe.apply,
     tensor_parallel.apply,
+    context_parallel.apply,
+    pipeline.apply,
 )
 
 
@@ -256,6 +271,7 @@ class Run:
     layout: object = None
     schedule: object = None
     tracer: mfu.CommTracer = field(default_factory=mfu.CommTracer)
+    groups: dict = field(default_factory=dict)  # every named process group: the mesh's and the axes' own
     flops: mfu.FlopsPerToken | None = None
     peak: tuple = (0.0, "")  # (FLOP/s per device, where it came from)
 
@@ -268,13 +284,14 @@ def main(argv=None):
     args = parse_flags(argv)  # a bad flag exits with status 2 on every rank, before any rank waits
     run, corpus = start_run(args)  # device, process groups, mesh, seeds, the token cache
     train_tokens, val_tokens = data.TokenFile(corpus.train_path), data.TokenFile(corpus.val_path)
-    run.model = GPT(run.config, seed=args.seed, device=run.device)
+    run.model = GPT(run.config, seed=args.seed, device=run.device, **pipeline.stage_of(run))  # a stage builds its part
     run.flops = model_flops(run.config, run.seq_len)  # of the logical model, before any axis splits it
     run.axes = [axis for axis in (apply(run.model, run) for apply in AXES) if axis is not None]
     run.layout = build_layout(run.model, run)
     run.schedule = next((a.schedule for a in run.axes if getattr(a, "schedule", None)), GradientAccumulation())
     run.peak = mfu.detect_peak_flops(run.device, args.dtype, args.peak_tflops)
-    for name, group in run.mesh.groups.items():
+    run.groups = {**run.mesh.groups, **{name: g for a in run.axes for name, g in a.groups().items() if g is not None}}
+    for name, group in run.groups.items():
         run.tracer.name_group(group, name)
     print_startup(run)
 
@@ -423,10 +440,8 @@ def print_step(record: dict):
 
 @torch.no_grad()
 def evaluate(run: Run, tokens, sampler) -> float:
-    """Mean val loss over the first --eval-batches global batches of the validation split (always the same).
-
-    Runs the layout's forward (ZeRO-3 gathers parameters there) with dropout off.
-    """
+    """Mean val loss over the first --eval-batches global batches of the validation split (always the same),
+    through the step's schedule (the pipeline's passes through its stages) with dropout off."""
     mesh, model = run.mesh, run.model
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=run.device)  # [loss_sum, tokens]
@@ -435,10 +450,7 @@ def evaluate(run: Run, tokens, sampler) -> float:
                          for i in range(run.micro_batches)]
         for axis in run.axes:
             micro_batches = axis.shard_batches(micro_batches)
-        for x, y, pos in micro_batches:
-            with run.autocast:
-                _, loss_sum, count = run.layout(x.to(run.device), y.to(run.device), pos)
-            totals += torch.stack([loss_sum.double(), count.double()])
+        totals += torch.stack(run.schedule.forward_only(run.layout, model, micro_batches, run.autocast, run.device))
     if dist.get_world_size(mesh.dp_cp_group) > 1:
         dist.all_reduce(totals, group=mesh.dp_cp_group)
     model.train()
@@ -523,26 +535,27 @@ def print_startup(run: Run):
     for axis in run.axes:
         for line in axis.startup_lines():
             print0(line)
-    print0(f"schedule: {type(run.schedule).__name__}, pipeline bubble {run.schedule.bubble_fraction:.1%}")
+    print0(f"schedule: {run.schedule.describe(run.micro_batches)}")
     print0("predicted comm per step (op, group: calls, payload M, sent per rank by the ring formulas):")
     for (op, group), (calls, payload) in sorted(predicted_messages(run).items(), key=lambda kv: kv[0][::-1]):
-        n = dist.get_world_size(mesh.group(group)) if group in mesh.groups else dist.get_world_size()
+        n = dist.get_world_size(run.groups[group]) if group in run.groups else dist.get_world_size()
         print0(f"  {op:<22} {group:<9} {calls:>6g} calls  {mfu.format_bytes(payload):>12}"
                f"  sent {mfu.format_bytes(mfu.wire_bytes(op, payload, n)):>12}")
     print0("=" * 100)
 
 
 def activation_estimate(run: Run) -> tuple[float, str]:
-    """Korthikanti et al. 2022 per micro-batch for the blocks this rank holds (16-bit activations)."""
+    """Korthikanti et al. 2022 per micro-batch for the blocks this rank holds (16-bit activations), with the
+    sequence this rank holds (s/C under context parallel)."""
     config, mesh, sp = run.config, run.mesh, run.args.sp
-    blocks = len(run.model.transformer.h)
-    per_layer = mfu.activation_bytes_per_layer(run.seq_len, run.micro, config.n_embd, config.n_head,
+    blocks, seq = len(run.model.transformer.h), run.seq_len // mesh.shape.cp
+    per_layer = mfu.activation_bytes_per_layer(seq, run.micro, config.n_embd, config.n_head,
                                                t=mesh.shape.tp, sequence_parallel=sp)
     if not config.activation_checkpointing:
         return per_layer * blocks, f"{blocks} layers"
     # Only each block's input survives forward (2·s·b·h bytes at 16 bits, /T with SP); backward rebuilds
     # one block's activations at a time.
-    block_input = 2 * run.seq_len * run.micro * config.n_embd // (mesh.shape.tp if sp else 1)
+    block_input = 2 * seq * run.micro * config.n_embd // (mesh.shape.tp if sp else 1)
     return block_input * blocks + per_layer, f"{blocks} block inputs + one layer recomputed"
 
 

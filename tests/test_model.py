@@ -145,8 +145,11 @@ def test_a_stage_built_alone_equals_the_same_blocks_of_the_full_model():
     # A contiguous sub-range of the full model's blocks is the same computation.
     h = full.embed(idx)
     assert torch.equal(full.forward_blocks(full.forward_blocks(h, range(0, 2)), range(2, 4)), full.forward_blocks(h))
-    with pytest.raises(ValueError, match="contiguous range"):
+    with pytest.raises(ValueError, match="increasing layer ids"):
         GPT(config, layers=range(2, 6))
+    interleaved = GPT(config, seed=3, layers=[0, 2], head=False)  # an interleaved pipeline rank: chunks 0 and 2
+    assert interleaved.transformer.h.layer_ids == [0, 2]
+    assert torch.equal(interleaved.forward_blocks(h, range(2, 3)), full.forward_blocks(h, range(2, 3)))
 
 
 def test_auxiliary_losses_are_collected_per_forward():

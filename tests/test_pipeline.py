@@ -174,7 +174,7 @@ def test_deferred_weight_gradients_equal_autograd_under_bf16_autocast():
     """zb's I/W split under autocast: the same bf16 matmuls as autograd's linear backward, so the gradients
     are bitwise equal (the tied head weight included: this one-chunk model holds both of its uses)."""
     config = make_config(n_layer=2)
-    plain, deferred = (pp.build_stages(config, 0, torch.float32, None, 0, 1, 1).chunks[0] for _ in range(2))
+    plain, deferred = (pp.build_stages(config, 0, torch.float32, None, 0, 1, 1) for _ in range(2))
     store = pp.WeightGradStore()
     store.install(deferred)
     x, y = global_batches(1, 2, SEQ)[0]
@@ -206,8 +206,8 @@ def test_deferred_weight_gradients_equal_autograd_under_bf16_autocast():
     ((3, 4, 8, "gpipe", 2), ["n_layer=3", "4 pipeline chunks"]),
     ((8, 2, 4, "interleaved", 1), ["--pp-virtual 1"]),
     ((8, 2, 4, "pipedream", 2), ["--pp-schedule 'pipedream'"]),
-    ((8, 2, 4, "1f1b", 2, 2), ["--zero-stage 2", "--pp 2"]),
-    ((8, 2, 4, "zb", 2, 3), ["--zero-stage 3"]),
+    ((8, 2, 4, "1f1b", 2, 2), ["--zero 2", "--pp 2"]),
+    ((8, 2, 4, "zb", 2, 3), ["--zero 3"]),
 ])
 def test_impossible_shapes_are_clear_errors(args, expected):
     with pytest.raises(ValueError) as error:
@@ -302,20 +302,20 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
                     if layer_id in (0, n_layer - 1):
                         _add_aux_loss(chunk, layer_id, 0.3)
 
-        stages, handle = pp.build(run, dtype=torch.float64, transform=transform)
+        stages, handle = pp.build(run, dtype=torch.float64, transform=transform)  # this rank's stage model
         layout = StandInLayout(stages)
         x, y, batches = _case_batches(m, "pos" in extra)
         global_tokens = (y != -1).sum().to(torch.float64)
         loss_scale = 4.0 if "scale" in extra else 1.0
         tracer = CommTracer()
-        for name, group in handle.groups().items():
+        for name, group in {"pp": mesh.group("pp"), **handle.groups()}.items():
             if group is not None:
                 tracer.name_group(group, name)
         with tracer:
             out = handle.schedule.forward_backward(layout, stages, batches, global_tokens, loss_scale, m,
                                                    nullcontext(), "cpu")  # train_step may pass a string
             for h in tp_handles:
-                h.finish_grad_sync()
+                h.after_grad_sync(layout)
             handle.after_grad_sync(layout)
         traced = {key: (r.calls, r.payload_bytes) for key, r in tracer.records.items() if key[1] in ("pp", "pp_tied")}
         grads = {p.shard_info.global_name: (p.grad.detach().clone() / loss_scale, p.shard_info)
