@@ -266,6 +266,7 @@ class Run:
     compute_dtype: torch.dtype  # autocast's dtype (fp32 when off)
     param_dtype: torch.dtype  # the layout's working weights (ZeRO: bf16 under --dtype bf16; DDP: fp32)
     seed: int
+    master_dtype: torch.dtype = torch.float32  # ZeRO's master weights and Adam moments
     model: GPT | None = None
     axes: list = field(default_factory=list)
     layout: object = None
@@ -402,7 +403,7 @@ def build_layout(model: GPT, run: Run):
     groups = {name: run.mesh.group(name) for name in ("dp_cp", "expert_dp")}  # dense, experts
     if args.zero:  # shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
         return ZeroLayout(model, run.mesh.dp_cp_group, args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                          betas=(args.beta1, args.beta2), param_dtype=run.param_dtype, master_dtype=torch.float32,
+                          betas=(args.beta1, args.beta2), param_dtype=run.param_dtype, master_dtype=run.master_dtype,
                           bucket_mb=args.bucket_mb, forward=forward, coords=coords, groups=groups)
     ddp = DistributedDataParallel(forward, groups=groups, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))

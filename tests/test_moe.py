@@ -302,8 +302,8 @@ class _Layout:
     def __init__(self, model):
         self.model = model
 
-    def __call__(self, x, y):
-        return self.model(x, y)
+    def __call__(self, x, y, pos=None):
+        return self.model(x, y, pos)
 
     def no_sync(self):
         return nullcontext()

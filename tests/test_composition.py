@@ -1,0 +1,130 @@
+"""train.py's composition: every axis applied from train.AXES, the layout from train.build_layout, the step
+from step.train_step, trained a few steps in float64 and compared with the single-device model.
+
+Each case builds the run exactly as `train.main` does (flags → mesh → the stage model → the axes in order →
+the layout → the schedule), but on the deterministic batches of tests/reference.py, so the losses and the
+final parameters can be compared with `reference_run` on the same global batches (torch's AdamW, clipping
+active). float64 sums in another order agree to ~1e-15 relative; the stated tolerance is 1e-10. Each rank
+compares the parameters it holds (a pipeline stage, a TP shard, its experts, a ZeRO shard gathered) with the
+matching slice of the reference's.
+
+Cases of one world size share one spawn (process start-up costs seconds here).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness import run_ranks
+from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
+
+STEPS, SEQ, CLIP, TOL = 3, 16, 0.05, 1e-10
+
+
+def _parse(flags, global_batch, micro):
+    import train
+
+    return train.build_parser().parse_args(["--global-batch", str(global_batch), "--micro-batch", str(micro),
+                                            "--lr", str(HYPER["lr"]), "--weight-decay", str(HYPER["weight_decay"]),
+                                            "--beta1", str(HYPER["betas"][0]), "--beta2", str(HYPER["betas"][1]),
+                                            "--bucket-mb", "0.02", *flags])
+
+
+def _config(args, config_kw):
+    import moe
+
+    return make_config(**config_kw, **moe.config_overrides(args))  # the MoE flags, as train.model_config
+
+
+def _run_case(rank, world, flags, config_kw, global_batch, micro):
+    import train
+    from mesh import build_mesh, infer_mesh_shape
+    from model import GPT
+    from optim import DynamicLossScaler
+    from step import train_step
+
+    args = _parse(flags, global_batch, micro)
+    shape = infer_mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    mesh = build_mesh(shape, rank)
+    config = _config(args, config_kw)
+    m = global_batch // (shape.dp * micro)
+    run = train.Run(args=args, mesh=mesh, config=config, seq_len=SEQ, micro=micro, micro_batches=m,
+                    device=torch.device("cpu"), autocast=train.nullcontext(), compute_dtype=torch.float64,
+                    param_dtype=torch.float64, master_dtype=torch.float64, seed=0)
+    torch.manual_seed(rank // shape.tp)  # as train.py: a TP group draws alike
+    run.model = GPT(config, seed=0, dtype=torch.float64, **train.pipeline.stage_of(run))
+    run.axes = [axis for axis in (apply(run.model, run) for apply in train.AXES) if axis is not None]
+    run.layout = train.build_layout(run.model, run)
+    run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), None)
+    scaler = DynamicLossScaler(enabled=False)
+    losses = []
+    for x, y in global_batches(STEPS, global_batch, SEQ):
+        batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.dp_rank, mesh.dp_size, micro)]
+        for axis in run.axes:
+            batches = axis.shard_batches(batches)
+        outcome = train_step(run.layout, scaler, batches, mesh.dp_cp_group, CLIP, run.autocast, "cpu",
+                             model=run.model, schedule=run.schedule, axes=run.axes, data_size=shape.dp)
+        losses.append(outcome.loss)
+    run.layout.unshard()
+    infos = {p.shard_info.global_name: p.shard_info for p in run.model.parameters()}
+    held = {p.shard_info.global_name: p.detach().clone() for p in run.model.parameters()}
+    return losses, {name: (held[name], infos[name]) for name in held}
+
+
+def _check(results, flags, config_kw, global_batch, micro):
+    micro_batches_total = global_batch // micro  # D·m: the reference cuts the global batch alike (aux losses)
+    config = _config(_parse(flags, global_batch, micro), config_kw)
+    ref_losses, ref_norms, ref_params = reference_run(config,
+                                                      global_batches(STEPS, global_batch, SEQ), clip=CLIP,
+                                                      micro_batches=micro_batches_total)
+    assert min(ref_norms) > CLIP  # clipping is active
+    seen = set()
+    for losses, params in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
+        for name, (local, info) in params.items():
+            torch.testing.assert_close(local, info.shard_of(ref_params[name]), rtol=TOL, atol=TOL, msg=name)
+            seen.add(name)
+    assert seen == set(ref_params), set(ref_params) ^ seen  # every logical tensor is held somewhere
+
+
+def _cases(rank, world, cases):
+    return [_run_case(rank, world, *case) for case in cases]
+
+
+# (flags, config overrides, global batch, B_μ): D·m micro-batches in the reference = global batch / B_μ.
+PIPELINE_4 = [
+    (["--pp", "2", "--pp-schedule", "1f1b"], dict(n_layer=2), 8, 1),  # 2×2 with DP, m = 4 = 2P
+    (["--pp", "2", "--pp-schedule", "gpipe"], dict(n_layer=2), 6, 1),  # m = 3, not a multiple of P
+    (["--pp", "2", "--pp-schedule", "interleaved"], dict(n_layer=4), 8, 2),  # m = P, v = 2
+    (["--pp", "2", "--pp-schedule", "zb"], dict(n_layer=2), 8, 1),
+    (["--pp", "2", "--pp-schedule", "1f1b", "--zero", "1"], dict(n_layer=2), 8, 1),  # ZeRO-1: the tied unit
+    (["--pp", "2", "--tp", "2", "--pp-schedule", "zb"], dict(n_layer=2), 4, 1),  # 2×2 with TP
+    (["--pp", "2", "--tp", "2", "--sp", "--pp-schedule", "interleaved"], dict(n_layer=4), 4, 1),
+    (["--pp", "4", "--pp-schedule", "1f1b"], dict(n_layer=4), 5, 1),  # P = 4, m = 5
+    (["--pp", "4", "--pp-schedule", "zb"], dict(n_layer=4), 8, 1),  # P = 4, m = 2P
+]
+CONTEXT_4 = [
+    (["--cp", "2", "--cp-impl", "ring"], {}, 4, 1),  # 2×2 with DP
+    (["--cp", "2", "--cp-impl", "ulysses"], {}, 4, 1),
+    (["--cp", "2", "--cp-impl", "ring", "--cp-balance", "contiguous", "--zero", "3"], {}, 4, 1),
+    (["--cp", "2", "--tp", "2", "--cp-impl", "ring"], {}, 4, 2),  # 2×2 with TP
+    (["--cp", "2", "--pp", "2", "--cp-impl", "ring"], {}, 4, 2),  # with PP
+    (["--cp", "4", "--cp-impl", "ring"], {}, 2, 1),
+    (["--cp", "4", "--cp-impl", "ulysses"], {}, 2, 1),
+]
+EXPERTS_4 = [
+    (["--moe-experts", "4", "--ep", "2"], {}, 8, 1),  # D = 4, E = 2, dropless
+    (["--moe-experts", "4", "--ep", "4", "--moe-capacity-factor", "1.0"], {}, 8, 2),  # E = 4, capacity
+    (["--moe-experts", "4", "--ep", "2", "--zero", "1"], {}, 8, 1),
+    (["--moe-experts", "4", "--ep", "2", "--zero", "3"], {}, 8, 1),
+    (["--moe-experts", "4", "--ep", "2", "--tp", "2", "--sp"], {}, 4, 1),  # 2×2 with TP (experts whole on tp)
+    (["--moe-experts", "4", "--ep", "2", "--cp", "2"], {}, 4, 1),  # aux statistics over the CP pieces
+]
+
+
+@pytest.mark.parametrize("name,cases", [("pipeline", PIPELINE_4), ("context", CONTEXT_4), ("experts", EXPERTS_4)])
+def test_composed_run_matches_single_device(name, cases):
+    results = run_ranks(_cases, 4, cases, timeout=600)
+    for index, case in enumerate(cases):
+        _check([rank_results[index] for rank_results in results], *case)
