@@ -37,8 +37,12 @@ def _config(args, config_kw):
     return make_config(**config_kw, **moe.config_overrides(args))  # the MoE flags, as train.model_config
 
 
-def _run_case(rank, world, flags, config_kw, global_batch, micro):
+def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_root=None, resume_root=None):
+    """Train steps [start, stop) on the mesh the flags give; save a checkpoint at `stop` into save_root, or
+    start from the newest one in resume_root (saved on another mesh: the checkpoint reslices)."""
+    import ckpt
     import train
+    from data import BatchSampler
     from mesh import build_mesh, infer_mesh_shape
     from model import GPT
     from optim import DynamicLossScaler
@@ -58,14 +62,25 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro):
     run.layout = train.build_layout(run.model, run)
     run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), None)
     scaler = DynamicLossScaler(enabled=False)
-    losses = []
-    for x, y in global_batches(STEPS, global_batch, SEQ):
+    sampler = BatchSampler(10_000, SEQ, global_batch, 0)  # the cursor only: the batches are the reference's
+    start = 0
+    if resume_root:
+        start = ckpt.Checkpointer(resume_root, mesh, log=lambda *a: None).resume("latest", run.layout, scaler,
+                                                                                 sampler, 0)
+    losses = {}
+    for step, (x, y) in enumerate(global_batches(STEPS, global_batch, SEQ)):
+        if not start <= step < stop:
+            continue
         batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.dp_rank, mesh.dp_size, micro)]
         for axis in run.axes:
             batches = axis.shard_batches(batches)
         outcome = train_step(run.layout, scaler, batches, mesh.dp_cp_group, CLIP, run.autocast, "cpu",
                              model=run.model, schedule=run.schedule, axes=run.axes, data_size=shape.dp)
-        losses.append(outcome.loss)
+        losses[step] = outcome.loss
+    if save_root:
+        saver = ckpt.Checkpointer(save_root, mesh, log=lambda *a: None)
+        saver.save(stop, run.layout, scaler, sampler)
+        saver.close()
     run.layout.unshard()
     infos = {p.shard_info.global_name: p.shard_info for p in run.model.parameters()}
     held = {p.shard_info.global_name: p.detach().clone() for p in run.model.parameters()}
@@ -81,7 +96,8 @@ def _check(results, flags, config_kw, global_batch, micro):
     assert min(ref_norms) > CLIP  # clipping is active
     seen = set()
     for losses, params in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(torch.tensor(list(losses.values())),
+                                   torch.tensor([ref_losses[step] for step in losses]), rtol=TOL, atol=TOL)
         for name, (local, info) in params.items():
             torch.testing.assert_close(local, info.shard_of(ref_params[name]), rtol=TOL, atol=TOL, msg=name)
             seen.add(name)
@@ -128,3 +144,34 @@ def test_composed_run_matches_single_device(name, cases):
     results = run_ranks(_cases, 4, cases, timeout=600)
     for index, case in enumerate(cases):
         _check([rank_results[index] for rank_results in results], *case)
+
+
+# Resharding: (the mesh that saves after SAVE_AT steps, the mesh that resumes and trains to the end).
+SAVE_AT = 2
+RESHARD_4 = [
+    ((["--pp", "2"], dict(n_layer=4), 8, 1), (["--pp", "4", "--pp-schedule", "zb"], dict(n_layer=4), 8, 1)),
+    ((["--pp", "2", "--pp-schedule", "interleaved"], dict(n_layer=4), 8, 2), ([], dict(n_layer=4), 8, 2)),
+    ((["--cp", "2", "--zero", "1"], {}, 4, 1), (["--cp", "4", "--cp-impl", "ulysses"], {}, 4, 1)),
+    ((["--moe-experts", "4", "--ep", "2", "--zero", "3"], {}, 8, 1), (["--moe-experts", "4", "--ep", "4"], {}, 8, 1)),
+]
+
+
+def _reshard(rank, world, cases, root):
+    import os
+
+    out = []
+    for index, (saving, resuming) in enumerate(cases):
+        directory = os.path.join(root, str(index))
+        _run_case(rank, world, *saving, stop=SAVE_AT, save_root=directory)
+        out.append(_run_case(rank, world, *resuming, resume_root=directory))
+    return out
+
+
+def test_a_run_resumed_on_another_mesh_matches_the_uninterrupted_one(tmp_path):
+    """Saved on P=2 and resumed on P=4 (and on no pipeline), saved on C=2 and resumed on C=4, saved on E=2 and
+    resumed on E=4: the resumed steps and the final parameters equal the single device's uninterrupted run."""
+    results = run_ranks(_reshard, 4, RESHARD_4, str(tmp_path), timeout=600)
+    for index, (_, resuming) in enumerate(RESHARD_4):
+        per_rank = [rank_results[index] for rank_results in results]
+        assert all(sorted(losses) == list(range(SAVE_AT, STEPS)) for losses, _ in per_rank)
+        _check(per_rank, *resuming)
