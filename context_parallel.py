@@ -49,8 +49,8 @@ call): the masks of a ring run would have to be drawn per (query block, key bloc
 backward, and would still not match the single device's. --dropout also sets the residual dropouts, so --cp
 runs with --dropout 0, where everything is exact. The attention is kept out of torch.compile graphs (it talks).
 
-`saved_activation_bytes` (a saved_tensors_hooks measurement, each storage counted once) lives here for now;
-it measures any layout, not only CP, and may move to mfu.py.
+`saved_activation_bytes` wraps mfu.SavedActivations (a saved_tensors_hooks measurement, each storage counted
+once), which train.py also uses to measure the first micro-batch of every layout.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mfu import SavedActivations
 from step import Axis
 
 IMPLS, BALANCES = ("ring", "ulysses"), ("zigzag", "contiguous")
@@ -586,42 +587,6 @@ def causal_work_lines(seq_len: int, cp: int) -> list:
         ratio = max(pairs) / (sum(pairs) / len(pairs))
         lines.append(f"    {balance:<10} " + " ".join(f"{p:>10,}" for p in pairs) + f"   max/mean {ratio:.3f}")
     return lines
-
-
-class SavedActivations:
-    """Bytes saved for backward inside the `with`, counted with saved_tensors_hooks, each storage once.
-
-        with SavedActivations(exclude=model.parameters()) as saved:
-            loss = model(x, y)[1]
-        saved.bytes
-
-    Storages of `exclude` (the parameters: weights are not activations) are left out. The storages are held
-    until the object is dropped, so an address cannot be freed and reused within one measurement. Under
-    non-reentrant activation checkpointing the checkpoint's own hooks take the saved tensors instead (only
-    the block inputs stay), which this does not see.
-    """
-
-    def __init__(self, exclude=()):
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.storages = {}
-
-    def _pack(self, tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.exclude:
-            self.storages[storage.data_ptr()] = storage
-        return tensor
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    @property
-    def bytes(self) -> int:
-        return sum(storage.nbytes() for storage in self.storages.values())
 
 
 def saved_activation_bytes(fn, exclude=()) -> int:

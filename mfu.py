@@ -331,6 +331,48 @@ def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 5b. Measured activation memory (what the Korthikanti estimate above predicts)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class SavedActivations:
+    """Bytes saved for backward inside the `with`, counted with saved_tensors_hooks, each storage once.
+
+        with SavedActivations(exclude=model.parameters()) as saved:
+            loss = model(x, y)[1]
+        saved.bytes
+
+    Storages of `exclude` (the parameters: weights are not activations) are left out. The storages are held
+    until the object is dropped, so an address cannot be freed and reused within one measurement. Under
+    non-reentrant activation checkpointing the checkpoint's own hooks take the saved tensors instead (only
+    the block inputs stay), which this does not see.
+    """
+
+    def __init__(self, exclude=()):
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.storages = {}
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.exclude:
+            self.storages[storage.data_ptr()] = storage
+        return tensor
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(storage.nbytes() for storage in self.storages.values())
+
+
+
+# ----------------------------------------------------------------------------------------------------------
 # 6. Pipeline bubble and checkpoint interval
 # ----------------------------------------------------------------------------------------------------------
 

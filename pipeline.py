@@ -74,6 +74,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mesh as mesh_lib
+import mfu
 from model import GPT, GPTConfig
 from step import Axis
 
@@ -390,6 +391,8 @@ class PipelineSchedule:
         self.seq_divisor = seq_divisor  # T under sequence parallel: a stage boundary carries s/T tokens
         self.sync_last_backward = sync_last_backward
         self.store = WeightGradStore() if name == "zb" else None
+        self.measure_activations = False  # set it: the next step measures its first forward's saved bytes
+        self.saved_activation_bytes = None  # bytes autograd saved for one (micro-batch, chunk) forward
         self.timings = deque(maxlen=64)  # recent steps: (wall s, busy s, {kind: [durations]}, first step?)
         self.events = []  # the last step's timeline: compute and p2p events (seconds from its start)
         self._plans = {}
@@ -430,8 +433,12 @@ class PipelineSchedule:
                 events.append(dict(cat="p2p", name=f"wait {msg.kind} {msg.mb}.{msg.chunk}", start=t0 - start,
                                    end=time.perf_counter() - start))
             t0 = time.perf_counter()
-            with nullcontext() if action in synced else layout.no_sync():
+            measuring = self.measure_activations and action.kind == "F"
+            saved = mfu.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
+            with nullcontext() if action in synced else layout.no_sync(), saved:
                 outgoing = getattr(self, "_" + action.kind)(run, action, incoming)
+            if measuring:
+                self.saved_activation_bytes, self.measure_activations = saved.bytes, False
             if run.device.type == "cuda":
                 torch.cuda.synchronize(run.device)  # the action's device time, not its launch time
             t1 = time.perf_counter()

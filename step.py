@@ -29,6 +29,8 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+import mfu
+
 
 class Axis:
     """What an applied axis hands back to train.py (`apply(model, run)` returns one, or None when off).
@@ -111,6 +113,10 @@ class GradientAccumulation:
     the earlier ones run inside `layout.no_sync()` and only accumulate.
     """
 
+    def __init__(self):
+        self.measure_activations = False  # set it: the next step measures its first micro-batch's saved bytes
+        self.saved_activation_bytes = None  # bytes autograd saved for backward in one micro-batch's forward
+
     def describe(self, micro_batches: int) -> str:
         return f"gradient accumulation over m={micro_batches} micro-batches (no pipeline: no bubble)"
 
@@ -123,10 +129,14 @@ class GradientAccumulation:
         for index, batch in enumerate(batches):
             x, y, pos = (*batch, None)[:3]  # (x, y) or (x, y, pos): pos, the global positions (context parallel)
             last = index == len(batches) - 1
+            measuring = self.measure_activations and index == 0
+            saved = mfu.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
             with nullcontext() if last else layout.no_sync():
-                with autocast:
+                with autocast, saved:
                     _, micro_loss_sum, _ = layout(x.to(device, non_blocking=True), y.to(device, non_blocking=True),
                                                   None if pos is None else pos.to(device))
+                if measuring:
+                    self.saved_activation_bytes, self.measure_activations = saved.bytes, False
                 objective = micro_loss_sum / global_tokens
                 aux = model.aux_losses.weighted_sum()
                 if aux is not None:

@@ -314,6 +314,7 @@ def main(argv=None):
     # A resumed run appends: the replayed steps then sit next to the originals in one file.
     metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and run.mesh.rank == 0) else None
     timed_seconds, timed_steps = 0.0, 0
+    run.schedule.measure_activations = True  # the first step counts the bytes saved for backward
     for step in range(start_step, args.steps):
         lr = lr_schedule(step)
         run.layout.set_lr(lr)
@@ -569,6 +570,13 @@ def print_end(run: Run, steps_run: int, seconds: float, steps_timed: int):
         print0(f"  {kind:<9} held {mfu.format_bytes(held[kind]):>12}   predicted {mfu.format_bytes(predicted[kind]):>12}")
     if run.device.type == "cuda":
         print0(f"  CUDA allocator peak {mfu.format_bytes(torch.cuda.max_memory_allocated())}")
+    saved = run.schedule.saved_activation_bytes
+    if saved is not None:
+        estimate, how = activation_estimate(run)
+        per = "micro-batch" if run.mesh.shape.pp == 1 else "micro-batch and pipeline chunk (its first forward)"
+        print0(f"  activations saved for backward per {per} (measured with saved_tensors_hooks, {run.args.dtype}"
+               f" compute): {mfu.format_bytes(saved)}; Korthikanti estimate {mfu.format_bytes(estimate)}"
+               f" (16-bit, {how}; a fused attention stores no score matrix, its 5·a·s/h term)")
     for line in run.layout.end_lines(run.tracer, steps_run):
         print0(line)
     for axis in run.axes:
