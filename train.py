@@ -40,7 +40,10 @@ from step import GradientAccumulation, train_step
 from zero import ZeroLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ZERO_PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # working weights; masters stay fp32
+# ZeRO's working weights and gradients; the masters and Adam moments stay fp32. fp16 is Micikevicius et al.
+# 2018's recipe: fp16 weights and gradients, fp32 masters, dynamic loss scaling (the one update order skips
+# an overflowing step on every rank and halves the scale).
+ZERO_PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,12 +178,9 @@ def validate_args(args, world_size: int):
 
 
 def validate_zero_args(args):
-    """--zero 1|2|3 (zero.py) runs with bf16 or fp32 working weights and, at stage 3, hooks on each block."""
+    """--zero 1|2|3 (zero.py) runs with fp32, bf16 or fp16 working weights and, at stage 3, hooks on each block."""
     if not args.zero:
         return
-    if args.dtype == "fp16":
-        raise FlagError(f"--zero {args.zero} with --dtype fp16: ZeRO keeps bf16 (or fp32) working weights with fp32"
-                        f" masters, which need no loss scaling; use --dtype bf16 or fp32")
     if args.zero >= 2 and args.pp > 1:
         raise FlagError(f"--zero {args.zero} with --pp {args.pp}: sharded gradients would be reduce-scattered on"
                         f" every micro-batch of the pipeline schedule; use --zero 1 with pipeline parallel")
