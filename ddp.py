@@ -148,10 +148,11 @@ def grad_group(param) -> str:
     return info.grad_group if info is not None else "dp_cp"
 
 
-def reverse_order_buckets(params: list, bucket_bytes: int) -> list:
+def reverse_order_buckets(params: list, bucket_bytes: int, element_size: int | None = None) -> list:
     """Parameters in reverse registration order (≈ the order backward produces their gradients), cut into
     buckets of about `bucket_bytes` (a bucket closes once it reaches the size), of one dtype and one
-    data-parallel group each."""
+    data-parallel group each. element_size: the bytes of an element in the buckets, when they will hold
+    another dtype than the parameters have now (ZeRO's bf16 working copy of fp32-built parameters)."""
     buckets, current, current_bytes = [], [], 0
     for param in reversed(params):
         if current and (param.dtype != current[0].dtype or grad_group(param) != grad_group(current[0])
@@ -159,7 +160,7 @@ def reverse_order_buckets(params: list, bucket_bytes: int) -> list:
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(param)
-        current_bytes += param.numel() * param.element_size()
+        current_bytes += param.numel() * (element_size or param.element_size())
     return buckets + [current] if current else buckets
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -143,6 +144,10 @@ def validate_args(args, world_size: int):
             raise FlagError(f"{flag} must be at least 1, got {value}")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         raise FlagError(f"--dropout must be in [0, 1), got {args.dropout}")
+    for flag, value in (("--lr", args.lr), ("--weight-decay", args.weight_decay), ("--beta1", args.beta1),
+                        ("--beta2", args.beta2), ("--grad-clip", args.grad_clip)):
+        if not math.isfinite(value):
+            raise FlagError(f"{flag} must be a finite number, got {value}")
     if args.lr <= 0 or args.eval_every < 0 or args.grad_clip < 0:
         raise FlagError(f"--lr must be positive and --eval-every, --grad-clip non-negative; got --lr {args.lr},"
                         f" --eval-every {args.eval_every}, --grad-clip {args.grad_clip}")
@@ -157,6 +162,13 @@ def validate_args(args, world_size: int):
     if args.data is not None and not os.path.isfile(args.data):
         raise FlagError(f"--data {args.data!r} is not a file; give a text file to train on, or leave --data out"
                         f" for the built-in corpus")
+    if args.data is not None and os.path.getsize(args.data) == 0:
+        raise FlagError(f"--data {args.data!r} is empty; give a text file with something to train on")
+    if args.metrics_file is not None:
+        directory = os.path.dirname(os.path.abspath(args.metrics_file))
+        if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+            raise FlagError(f"--metrics-file {args.metrics_file!r}: the directory {directory!r} does not exist or"
+                            f" cannot be written")
     config = model_config(args)
     if args.seq_len is not None and not 1 <= args.seq_len <= config.block_size:
         raise FlagError(f"--seq-len {args.seq_len} must be between 1 and the model's block size {config.block_size}")

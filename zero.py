@@ -197,7 +197,8 @@ class ZeroLayout:
             # A tensor with a copy on another pipeline stage (the tied embedding) gets a unit of its own: both
             # stages then shard it alike, and its gradient pieces can be summed across them.
             alone = [p for p in params if "pp" in p.shard_info.replicated_over]
-            units = reverse_order_buckets([p for p in params if p not in set(alone)], int(bucket_mb * 2**20))
+            units = reverse_order_buckets([p for p in params if p not in set(alone)], int(bucket_mb * 2**20),
+                                          element_size=torch.empty((), dtype=param_dtype).element_size())
             units += [[p] for p in alone]
         self.units = [_Unit(i, u, self.groups[grad_group(u[0])]) for i, u in enumerate(u for u in units if u)]
         self._unit_of = {p: u for u in self.units for p in u.params}  # tensors hash by identity

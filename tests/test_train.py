@@ -66,6 +66,12 @@ def args_for(*flags):
         (["--n-head", "5"], 1, "n_embd=64 must be divisible by n_head=5"),
         (["--ep", "3"], 2, "--ep 3 must divide"),
         (["--data", "/no/such/file.txt"], 1, "--data '/no/such/file.txt' is not a file"),
+        (["--data", "/dev/null"], 1, "--data '/dev/null' is not a file"),
+        (["--lr", "nan"], 1, "--lr must be a finite number"),
+        (["--metrics-file", "/no/such/dir/m.jsonl"], 1, "--metrics-file '/no/such/dir/m.jsonl'"),
+        (["--pp", "2", "--global-batch", "2", "--micro-batch", "2"], 2, "--pp 2 needs at least 2 micro-batches"),
+        (["--cp", "2", "--seq-len", "30"], 2, "--seq-len"),
+        (["--moe-experts", "3", "--ep", "2"], 2, "--ep 2 must divide --moe-experts 3"),
     ],
 )
 def test_invalid_flags_have_clear_errors(flags, world, message):
@@ -79,3 +85,10 @@ def test_batch_arithmetic():
     assert (shape.dp, micro_steps, micro) == (4, 2, 2)
     shape, micro_steps, micro = validate_args(args_for("--global-batch", "16"), 2)
     assert (micro_steps, micro) == (1, 8)
+
+
+def test_empty_data_file_is_a_flag_error(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(FlagError, match="is empty"):
+        validate_args(args_for("--data", str(empty)), 1)

@@ -400,3 +400,21 @@ def test_fp16_working_weights_with_fp32_masters_and_loss_scaling(stage):
         skipped, scale, moved, masters, working = out["overflow"]
         assert skipped and scale == 2.0**11 and not moved
         assert masters == {torch.float32} and working == {torch.float16}
+
+
+def test_units_are_sized_in_the_working_dtype():
+    """--bucket-mb is the size of a unit as ZeRO holds it: bf16 units of an fp32-built model hold twice the
+    parameters of fp32 ones (reverse_order_buckets counts the bytes the buckets will have)."""
+    from ddp import reverse_order_buckets
+    from model import GPT
+
+    params = list(GPT(make_config(n_layer=4), seed=0).parameters())  # fp32
+    limit = 64 * 1024
+    for element_size in (4, 2):
+        units = reverse_order_buckets(params, limit, element_size=element_size)
+        sizes = [sum(p.numel() for p in unit) * element_size for unit in units]
+        # a unit closes once it reaches the limit: every unit but the last is at least the limit, and less than
+        # the limit plus its last parameter
+        assert all(size >= limit for size in sizes[:-1])
+        assert all(size - unit[-1].numel() * element_size < limit for size, unit in zip(sizes, units))
+    assert len(reverse_order_buckets(params, limit, element_size=2)) < len(reverse_order_buckets(params, limit))
