@@ -93,6 +93,7 @@ ROLES = ("input", "weight", "grad_output")
 FORMATS = (E4M3, E4M3, E5M2)  # per role; blockwise uses E4M3 for all three (DeepSeek-V3)
 TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT = (1, 128), (128, 1), (128, 128)
 MODES = ("current", "delayed", "blockwise")
+FORWARD, BACKWARD = slice(0, 2), slice(2, 3)  # the roles quantised in each pass (slices: no index tensors)
 _SATURATED = 1 + 2**-20  # |x·s| beyond max by more than the rounding of the scale and product counts
 
 
@@ -108,7 +109,8 @@ def amax_of(x: torch.Tensor) -> torch.Tensor:
 
 def scale_from_amax(amax: torch.Tensor, fmt_max, margin: float = 0) -> torch.Tensor:
     """s = max/amax/2^margin (float32), elementwise; 1 where amax is 0 or not finite (nothing to scale by)."""
-    fmt_max = torch.as_tensor(fmt_max, dtype=torch.float32, device=amax.device)
+    if not torch.is_tensor(fmt_max):  # a fill, not a copy from the host (which would wait for the GPU)
+        fmt_max = torch.full_like(amax, fmt_max)
     usable = torch.isfinite(amax) & (amax > 0)
     scale = fmt_max / torch.where(usable, amax, 1.0) / 2.0**margin
     return torch.where(usable, scale, 1.0).clamp(max=torch.finfo(torch.float32).max)
@@ -122,7 +124,7 @@ def quantize(x: torch.Tensor, fmt: Format, scale: torch.Tensor, count_saturated:
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.to(_wide(dtype)) * (1.0 / scale).to(_wide(dtype))).to(dtype)
+    return (q.to(_wide(dtype)) * scale.to(_wide(dtype)).reciprocal()).to(dtype)
 
 
 def _tiles(x: torch.Tensor, tile) -> torch.Tensor:
@@ -255,16 +257,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 qx, ix, amax_x = quantize_tiles(x2, TILE_ACTIVATION)
                 qw, iw, amax_w = quantize_tiles(weight, TILE_WEIGHT)
                 smallest = torch.stack([ix.max(), iw.max()]).reciprocal()  # the tiles with the largest amax
-                layer.observe((0, 1), torch.stack([amax_x, amax_w]), smallest, record=training)
+                layer.observe(FORWARD, torch.stack([amax_x, amax_w]), smallest, record=training)
                 wide = _wide(out_dtype)
                 y = (dequantize_tiles(qx, ix, TILE_ACTIVATION, wide)
                      @ dequantize_tiles(qw, iw, TILE_WEIGHT, wide).t()).to(out_dtype)
             else:
                 amax = torch.stack([amax_of(x2), amax_of(weight)])
-                scale = layer.scales((0, 1), amax)
+                scale = layer.scales(FORWARD, amax)
                 qx, sat_x = quantize(x2, E4M3, scale[0], layer.counts_saturation)
                 qw, sat_w = quantize(weight, E4M3, scale[1], layer.counts_saturation)
-                layer.observe((0, 1), amax, scale, (sat_x, sat_w), (qx.numel(), qw.numel()), training)
+                layer.observe(FORWARD, amax, scale, (sat_x, sat_w), (qx.numel(), qw.numel()), training)
                 ix, iw = scale.to(_wide(out_dtype)).reciprocal()  # float32 on the GPU path
                 y = scaled_matmul(qx, ix, qw.t(), iw, out_dtype, layer.use_scaled_mm, "forward Y = X·Wᵀ")
             if bias is not None:
@@ -283,7 +285,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if layer.recipe.mode == "blockwise":
                 wide = _wide(out_dtype)
                 amax = amax_of(dy)
-                layer.observe((2,), amax.view(1), scale_from_amax(amax, E4M3.max).view(1))
+                layer.observe(BACKWARD, amax.view(1), scale_from_amax(amax, E4M3.max).view(1))
                 if ctx.needs_input_grad[0]:  # dX = dY·W, dY tiled along N (the contracted dimension)
                     qdy, idy, _ = quantize_tiles(dy, TILE_ACTIVATION)
                     dx = (dequantize_tiles(qdy, idy, TILE_ACTIVATION, wide)
@@ -295,9 +297,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                           @ dequantize_tiles(qx_t, ix_t, TILE_ACTIVATION_T, wide))
             else:
                 amax = amax_of(dy).view(1)
-                scale = layer.scales((2,), amax)
+                scale = layer.scales(BACKWARD, amax)
                 qdy, sat = quantize(dy, E5M2, scale[0], layer.counts_saturation)
-                layer.observe((2,), amax, scale, (sat,), (qdy.numel(),))
+                layer.observe(BACKWARD, amax, scale, (sat,), (qdy.numel(),))
                 idy = scale[0].to(_wide(out_dtype)).reciprocal()
                 if ctx.needs_input_grad[0]:
                     dx = scaled_matmul(qdy, idy, qw.t().contiguous().t(), iw, out_dtype, layer.use_scaled_mm,
@@ -307,7 +309,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                                        layer.weight.dtype, layer.use_scaled_mm, "weight gradient dW = dYᵀ·X")
         dx = None if dx is None else dx.to(ctx.x_dtype).view(*grad.shape[:-1], qx.shape[1])
         dw = None if dw is None else dw.to(layer.weight.dtype)
-        db = dy.sum(0).to(layer.bias.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        db = dy.sum(0, dtype=layer.bias.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None
 
 
@@ -349,7 +351,8 @@ class Fp8Linear(nn.Linear):
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, training)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.recipe.mode}, gemm={'_scaled_mm' if self.use_scaled_mm else 'emulated'}"
+        gemm = "_scaled_mm" if self.use_scaled_mm else "emulated"
+        return f"{super().extra_repr()}, fp8={self.recipe.mode}, gemm={gemm}"
 
     def check_shapes(self, tokens: int, training: bool) -> None:
         errors = gemm_shape_errors(tokens, self.in_features, self.out_features, training)
@@ -357,25 +360,24 @@ class Fp8Linear(nn.Linear):
             raise ValueError(f"FP8 linear {self.name or ''} [{self.out_features}×{self.in_features}]: "
                              + "; ".join(errors) + " (torch._scaled_mm's rules, checked on every device)")
 
-    def scales(self, roles: tuple, amax: torch.Tensor) -> torch.Tensor:
+    def scales(self, roles: slice, amax: torch.Tensor) -> torch.Tensor:
         """The scales to quantise `roles` with now: the delayed ones, or from the amaxes reduced over the
         ranks holding pieces of these tensors (current scaling, and delayed while the history is empty)."""
         if self.recipe.mode == "delayed" and self.history_ready:
-            return self.scale[list(roles)]
+            return self.scale[roles].clone()
         amax = torch.nan_to_num(amax, nan=float("inf"))  # MAX must not drop a NaN
         for group in self.amax_groups:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        return scale_from_amax(amax, self.fmt_max[list(roles)], self.recipe.margin)
+        return scale_from_amax(amax, self.fmt_max[roles], self.recipe.margin)
 
-    def observe(self, roles: tuple, amax, scale, saturated=(), counts=(), record: bool = True) -> None:
+    def observe(self, roles: slice, amax, scale, saturated=(), counts=(), record: bool = True) -> None:
         """Record this quantisation's local amaxes (max over the step) and statistics: in training (a forward
         with autograd, every backward), not in evaluation, nor inside `Fp8Handle.not_recording()`."""
         if not (record and self.recording):
             return
-        index = list(roles)
-        self.step_amax[index] = torch.maximum(self.step_amax[index], amax)  # NaN propagates
-        self.last_scale[index] = scale.detach().float()
-        for role, count, numel in zip(roles, saturated, counts):
+        self.step_amax[roles] = torch.maximum(self.step_amax[roles], amax)  # NaN propagates
+        self.last_scale[roles] = scale.detach().float()
+        for role, count, numel in zip(range(roles.start, roles.stop), saturated, counts):
             if count is not None:
                 self.saturated[role] += count
             self.quantized[role] += numel
@@ -661,12 +663,14 @@ class Fp8Handle:
     def table(self) -> str:
         """Per layer and linear: the scales in use and the fraction of saturated values since the last call
         (this rank's tensors). Blockwise shows the smallest tile scale (the tile with the largest amax)."""
-        rows = [f"fp8 {self.recipe.mode}: {'linear':<28} " + "  ".join(f"{role:>11} scale  sat" for role in ROLES)]
+        names = {name: name.removeprefix("transformer.h.") for name in self.linears}
+        width = max([len("layer.linear"), *map(len, names.values())])
+        rows = [f"fp8 {self.recipe.mode}: the scales in use and the saturated share since the last table (this rank)",
+                f"  {'layer.linear':<{width}}" + "".join(f"  {role + ' scale':>17} {'sat':>6}" for role in ROLES)]
         for name, linear in self.linears.items():
-            scales = linear.last_scale.tolist() if self.recipe.mode != "delayed" else linear.scale.tolist()
-            saturated = linear.saturated.tolist()
-            cells = [f"{s:17.3e} {100 * c / max(1, n):4.1f}%" for s, c, n in zip(scales, saturated, linear.quantized)]
-            rows.append(f"  {name.removeprefix('transformer.h.'):<36} " + "  ".join(cells))
+            scales = (linear.scale if self.recipe.mode == "delayed" else linear.last_scale).tolist()
+            shares = [100 * c / max(1, n) for c, n in zip(linear.saturated.tolist(), linear.quantized)]
+            rows.append(f"  {names[name]:<{width}}" + "".join(f"  {s:17.3e} {p:5.2f}%" for s, p in zip(scales, shares)))
             linear.saturated.zero_()
             linear.quantized = [0, 0, 0]
         return "\n".join(rows)

@@ -409,7 +409,8 @@ def _on_meshes(rank, world):
             model = GPT(config, seed=0, dtype=torch.float64)
             finish = None
             if kind == "tp":
-                finish = tensor_parallel.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0).finish_grad_sync
+                tp_handle = tensor_parallel.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0)
+                finish = tp_handle.finish_grad_sync
             handle = fp8.convert(model, fp8.Recipe(mode), fp8_mesh)
             tracer = CommTracer()
             for name in ("tp", "dp_cp", "cp"):
