@@ -12,7 +12,8 @@ weights use E4M3 and output gradients E5M2: the forward GEMM is e4m3×e4m3, the 
 dW = dYᵀ·X) are e5m2×e4m3. How the scale is chosen is the recipe (`--fp8`):
   current    amax of this tensor now (reduced over the ranks that hold pieces of it);
   delayed    Transformer Engine's DelayedScaling: the scale of step s comes from the amax HISTORY of steps
-             < s (`max` over the last L steps or the `most_recent`), so no reduction waits in the forward;
+             < s (`max` over the last L steps or the `most_recent`), so no reduction waits in the forward
+             (the first step, with an empty history, scales like `current`, as torchao's did);
   blockwise  DeepSeek-V3 (2024, section 3.3): all E4M3, one scale per 1×128 tile of activations and output
              gradients and per 128×128 block of weights (current scaling, tile by tile).
 
@@ -40,19 +41,25 @@ this rank holds, m micro-batches per step, e_c bytes of a compute-dtype element 
 1. Replicated and split: nothing new is split. Each FP8 linear keeps its parameters (TP/EP shards as they
    were) and adds, per role (input, weight, grad_output), one scale and an L-long amax history, identical
    on every rank holding the linear.
-2. Peak per device: the scaling state, n·3·(L + 2)·4 bytes. Each FP8 linear saves its input for backward in
+2. Peak per device: the scaling state, n·(3L + 18)·4 bytes. Each FP8 linear saves its input for backward in
    FP8 (1 byte) instead of the compute dtype: Σ_j M·K_j·(e_c - 1) bytes less per micro-batch in flight, K_j
    its local input width; per GPT layer M·h·(2 + 5/T)·(e_c - 1) (c_attn and c_fc read h, c_proj h/T and
-   4h/T). The FP8 weight copy kept for backward (Σ_j N_j·K_j bytes) replaces autocast's e_c-byte copy.
-   Temporaries: the fp32 scaled copy of the tensor being quantised (≤ 4·M·4h/T bytes) and, in backward,
-   FP8 transposes of dY, X and W (column-major operands).
+   4h/T; blockwise adds a float32 scale per 128 values, +3%). The FP8 weight copy kept for backward
+   (Σ_j N_j·K_j bytes) replaces autocast's e_c-byte copy. Under --sp a column layer keeps its gathered input
+   in FP8 (M·h bytes) instead of its bf16 sequence shard (2·M·h/T) and does not re-gather it in backward
+   (`convert` switches ColumnParallelLinear's `regather` off). Temporaries: the fp32 scaled copy of the
+   tensor being quantised (≤ 4·M·4h/T bytes) and, in backward, FP8 transposes of dY, X and W.
 3. Messages (all_reduce MAX, float32, on the critical path, tiny and latency-bound):
      current:   per linear and micro-batch: forward 8 bytes ([amax_x, amax_w]), backward 4 bytes (amax_dY),
                 over cp and over tp (each when its size > 1); activation checkpointing repeats the forward's.
-     delayed:   per optimizer step: one 12·n-byte all_reduce over each group of the linears' gradient group
-                (dp_cp, or expert_dp for experts) and tp, in `end_step`; its first step (empty history)
-                scales like `current` and sends those messages too.
-     blockwise: none: the tiles are local (check_flags requires the TP-split widths to be multiples of 128).
+     delayed:   per optimizer step, in `end_step`: one 12·n-byte all_reduce over the linears' gradient group
+                (dp_cp; expert_dp for experts) and one over tp (each when its size > 1); the first step
+                (empty history) also sends the current recipe's messages.
+     blockwise: none: the tiles are local (check_flags requires the TP-split widths to be multiples of 128;
+                under CP the weight gradient's 128-token tiles are this rank's tokens, so blockwise equals the
+                single device only when its sequence pieces hold whole tiles).
+   Under EP an expert's input gathers the tokens of several data ranks: current scaling quantises that
+   batch with one amax, which the single device (one micro-batch at a time) does not.
    `predicted_messages` gives these per step; the tests check them against the CommTracer.
 4. Restart state: per linear and role the amax history and scale (delayed; current and blockwise have
    none), keyed by the linear's global name: `state_dict()` is the same on every rank holding the linear,
@@ -61,8 +68,10 @@ this rank holds, m micro-batches per step, e_c bytes of a compute-dtype element 
 What the trainer calls: `check_flags(...)` before any process group, `apply(model, run) -> Fp8Handle`
 after PP and before DDP/ZeRO, `handle.after_grad_sync(layout)` once per optimizer step (it rolls the
 histories), `handle.found_nonfinite_amax` in the world finite check of the update, `handle.table()` every
---log-every steps. For ZeRO-3's FP8 all-gather: `quantize_to_uint8` / `dequantize_from_uint8` with a scale
-shared by the shards (`scale_from_amax` of the MAX-reduced shard amaxes, or `handle.weight_scale(name)`).
+--log-every steps, `handle.not_recording()` around measurement runs (their amaxes must not enter a step's),
+and the accounting (`startup_lines`, `predicted_messages`, `end_lines`). ZeRO-3's FP8 all-gather:
+`quantize_to_uint8` / `dequantize_from_uint8` with a scale shared by the shards (`scale_from_amax` of the
+MAX-reduced shard amaxes, or the delayed recipe's `handle.weight_scale(name)`, which needs no message).
 """
 
 from __future__ import annotations
@@ -120,7 +129,7 @@ def quantize(x: torch.Tensor, fmt: Format, scale: torch.Tensor, count_saturated:
     """q = cast(clamp(x·scale, ±max)): (q in fmt.dtype, number of elements the clamp cut, or None)."""
     scaled = x.to(_wide(x.dtype)) * scale.to(_wide(x.dtype))
     saturated = (scaled.abs() > fmt.max * _SATURATED).sum() if count_saturated else None
-    return scaled.clamp_(-fmt.max, fmt.max).to(fmt.dtype), saturated
+    return scaled.clamp_(-fmt.max, fmt.max).to(fmt.dtype).contiguous(), saturated  # row-major for _scaled_mm
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -631,7 +640,7 @@ class Fp8Handle:
                          f" {format_bytes(saved['compute'])} per micro-batch in flight (Σ M·K_j, M={tokens}):"
                          f" {format_bytes(saved['saved'])} less; FP8 weight copies {format_bytes(weights)}"
                          f" (autocast's were {format_bytes(weights * compute_bytes)}); scaling state"
-                         f" {format_bytes(len(lins) * 3 * (r.amax_history + 2) * 4)}")
+                         f" {format_bytes(len(lins) * (3 * r.amax_history + 18) * 4)}")
             peak = PEAK_TFLOPS["H100"]
             f = self.fp8_flops_fraction()
             lines.append(f"  MFU: {f:.0%} of model FLOPs run in FP8; on GPUs divide by the blended peak"

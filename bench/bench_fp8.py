@@ -46,7 +46,8 @@ def numerics(device, n: int = 1024) -> None:
     for fmt in (fp8.E4M3, fp8.E5M2):
         scale = fp8.scale_from_amax(fp8.amax_of(x), fmt.max)
         q, _ = fp8.quantize(x, fmt, scale)
-        print(f"  cast round trip {fmt.name}: {sqnr(x, fp8.dequantize(q, scale, torch.float32)):.1f} dB (target ≥ 25)")
+        round_trip = sqnr(x, fp8.dequantize(q, scale, torch.float32))
+        print(f"  cast round trip {fmt.name}: {round_trip:.1f} dB (target ≥ 25)")
     print(f"  {'mode':<10} {'output':>8} {'dX':>8} {'dW':>8}   saturated in the last step (input, weight, grad)")
     for mode in fp8.MODES:
         torch.manual_seed(0)
@@ -70,7 +71,8 @@ def numerics(device, n: int = 1024) -> None:
         fractions = [f"{100 * int(c) / max(1, q):.2f}%" for c, q in zip(layer.saturated.tolist(), layer.quantized)]
         print(f"  {mode:<10} {sqnr(y_ref, y):7.1f} {sqnr(x_ref.grad, x.grad):8.1f} "
               f"{sqnr(reference.weight.grad, plain.weight.grad):8.1f}   {', '.join(fractions)}")
-    print("  (targets: output ≥ 18 dB, dW ≥ 17 dB, torchao's; delayed saturates when a tensor outgrows its history)")
+    print("  (targets: output ≥ 18 dB, dW ≥ 17 dB, torchao's; delayed saturates when a tensor outgrows its"
+          " history: the last step's input is 2× the earlier ones)")
 
 
 def _sync(device):
@@ -101,7 +103,7 @@ def gemm_throughput(device, n: int, steps: int) -> None:
 def linear_throughput(device, n: int, steps: int, compile_too: bool) -> None:
     """Forward + backward of one linear (6·M·K·N FLOPs), bf16 autocast against FP8, eager and compiled."""
     torch.manual_seed(0)
-    x = torch.randn(n, n, device=device, requires_grad=True)
+    x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)  # a bf16 activation
     grad = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     variants = {"bf16": nn.Linear(n, n, bias=False, device=device)}
     for mode in ("current", "delayed"):
@@ -138,10 +140,10 @@ def gpt2_step_ratio(device, batch: int, steps: int, compile_too: bool, preset: s
     config = config_from_preset(preset)
     seq = seq or config.block_size
     idx = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-    models = {"bf16": GPT(config, seed=0, device=device)}
+    models, handles = {"bf16": GPT(config, seed=0, device=device)}, {}
     for mode in ("current", "delayed"):
         models[mode] = GPT(config, seed=0, device=device)
-        handle = fp8.convert(models[mode], fp8.Recipe(mode))
+        handle = handles[mode] = fp8.convert(models[mode], fp8.Recipe(mode))
         with torch.autocast(device.type, torch.bfloat16):
             _, loss_sum, count = models[mode](idx, idx)
         (loss_sum / count).backward()
@@ -160,12 +162,21 @@ def gpt2_step_ratio(device, batch: int, steps: int, compile_too: bool, preset: s
             _sync(device)
         return fn
 
+    peaks = {}
+    for name, model in models.items():  # peak memory of one step: FP8 saves the linears' inputs in 1 byte
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            run(model)()
+            peaks[name] = torch.cuda.max_memory_allocated(device)
     times = alternate({name: run(m) for name, m in models.items()}, steps=steps, warmup=3)
     print(f"{preset} forward + backward, batch {batch} × {seq} tokens, bf16 autocast (the head, attention and"
           f" loss stay bf16):")
     for name, seconds in times.items():
         base = times["bf16+compile" if name.endswith("compile") else "bf16"]
-        print(f"  {name:<18} {seconds * 1e3:9.1f} ms per step  {base / seconds:.2f}× bf16")
+        memory = f"  peak {peaks[name] / 2**30:.2f} GiB" if name in peaks else ""
+        print(f"  {name:<18} {seconds * 1e3:9.1f} ms per step  {base / seconds:.2f}× bf16{memory}")
+    saved = handles["current"].saved_input_bytes(batch * seq, 2)["saved"]
+    print(f"  predicted: FP8 saved inputs {saved / 2**30:.2f} GiB less per micro-batch (Σ M·K_j, bf16 → FP8)")
 
 
 def train_small(device, steps: int, batch: int, seq: int, eval_batches: int, lr: float = 1e-3) -> None:

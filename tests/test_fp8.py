@@ -457,3 +457,36 @@ def test_tp_and_dp_equal_the_single_device_fp8_model():
     assert ranks[0][("tp", "delayed", 32, False, False)][3][1] == {("all_reduce", "tp"): (1, 12 * 8)}
     for flag, latest in (r["nan"] for r in ranks):
         assert flag and latest == [1.0, 1.0, 0.0]
+
+
+def test_apply_flags_and_accounting_lines():
+    """The trainer's entry points: the flags and their defaults, apply() on a Run, the printouts."""
+    import argparse
+
+    from mesh import MeshShape, build_mesh
+    from mfu import CommTracer
+    from model import GPT
+
+    parser = argparse.ArgumentParser()
+    fp8.add_arguments(parser)
+    defaults = parser.parse_args([])
+    assert (defaults.fp8, defaults.fp8_amax_history, defaults.fp8_amax_algo, defaults.fp8_margin) == \
+        (None, 16, "max", 0)
+    config = make_config()
+    run = SimpleNamespace(args=parser.parse_args(["--fp8", "delayed", "--fp8-amax-history", "4"]),
+                          mesh=build_mesh(MeshShape(dp=1), rank=0), config=config, seq_len=SEQ, micro=2,
+                          micro_batches=2, device=torch.device("cpu"), compute_dtype=torch.bfloat16, seed=0)
+    assert fp8.apply(GPT(config, seed=0), SimpleNamespace(args=defaults)) is None  # off by default
+    model = GPT(config, seed=0)
+    handle = fp8.apply(model, run)
+    assert len(handle.linears) == 4 * config.n_layer and model.lm_head.__class__ is nn.Linear  # the head stays
+    assert all(type(m) is fp8.Fp8Linear for m in model.transformer.h.modules() if isinstance(m, nn.Linear))
+    lines = "\n".join(handle.startup_lines())
+    saved = handle.saved_input_bytes(2 * SEQ, 2)["saved"]
+    assert saved == 2 * SEQ * config.n_embd * (2 + 5) * config.n_layer  # M·h·(2 + 5/T)·(e_c - 1) per layer
+    assert "fp8 delayed, history L=4" in lines and "MFU:" in lines
+    assert handle.predicted_messages() == {}  # one process: nothing to agree on
+    assert 0.3 < handle.fp8_flops_fraction() < 1
+    assert handle.blended_peak(1000.0, 2000.0) > 1000.0 and handle.blended_peak(1000.0, None) == 1000.0
+    end = "\n".join(handle.end_lines(CommTracer(), steps=1))
+    assert "fp8 delayed: the scales in use" in end
