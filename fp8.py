@@ -20,8 +20,8 @@ dW = dYᵀ·X) are e5m2×e4m3. How the scale is chosen is the recipe (`--fp8`):
 Which layers: the block linears (attention's c_attn and c_proj, the MLP's c_fc and c_proj, and the experts'
 linears: ~2/3 of a GPT's FLOPs). The embedding is a lookup, not a GEMM. The head stays in the compute dtype:
 its logits feed the softmax cross-entropy, whose gradient lives in the small differences between logits,
-and its weight is the tied embedding. The loss stays in fp32. Routers and gates ("router"/"gate" in the
-name) stay in high precision too, as in DeepSeek-V3: a flipped top-k choice is not a small error.
+and its weight is the tied embedding. The loss stays in fp32. MoE routers (modules named `router` or `gate`)
+stay in high precision too, as in DeepSeek-V3: a flipped top-k choice is not a small error.
 
 One logical tensor, one scale, on any mesh. Ranks holding pieces of the same logical tensor (TP shards of a
 weight, of an activation or of its gradient; CP pieces of a sequence) reduce its amax with MAX before
@@ -457,7 +457,7 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto") -> 
     linears = {}
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
-            if type(module) is not nn.Linear or "router" in path or "gate" in path:
+            if type(module) is not nn.Linear or path.rpartition(".")[2] in ("router", "gate"):
                 continue
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
@@ -509,7 +509,9 @@ class Fp8Handle:
     @torch.no_grad()
     def end_step(self) -> None:
         """Close the step: reduce (delayed: MAX over each linear's gradient group and tp) the amaxes of this
-        step, set `found_nonfinite_amax`, roll the finite ones into the histories, start the next step."""
+        step, set `found_nonfinite_amax`, roll the finite ones into the histories, start the next step. The
+        roll does not wait for the update's verdict: a step skipped for another reason (an fp16 overflow)
+        still records what its tensors were, as Transformer Engine does."""
         if not self.linears:
             return
         names = list(self.linears)
