@@ -1,0 +1,687 @@
+"""FP8 training: the block linears compute their GEMMs in 8-bit floats, with per-tensor or blockwise scales.
+
+An FP8 number has 8 bits: E4M3 (4 exponent bits, 3 mantissa bits, largest value 448) and E5M2 (largest
+57344: more range, less precision). A tensor x is sent to FP8 with a scale s chosen so that its largest
+magnitude lands near the top of the format:
+
+    s = max_format / amax / 2^margin,       q = cast(clamp(x·s, -max_format, max_format)),       x ≈ q / s
+
+The clamp matters: torch's E4M3 cast saturates at 448 in eager mode, but the E5M2 cast overflows to inf.
+Following Micikevicius et al. 2022 ("FP8 formats for deep learning") and Transformer Engine, inputs and
+weights use E4M3 and output gradients E5M2: the forward GEMM is e4m3×e4m3, the two backward GEMMs (dX = dY·W,
+dW = dYᵀ·X) are e5m2×e4m3. How the scale is chosen is the recipe (`--fp8`):
+  current    amax of this tensor now (reduced over the ranks that hold pieces of it);
+  delayed    Transformer Engine's DelayedScaling: the scale of step s comes from the amax HISTORY of steps
+             < s (`max` over the last L steps or the `most_recent`), so no reduction waits in the forward
+             (the first step, with an empty history, scales like `current`, as torchao's did);
+  blockwise  DeepSeek-V3 (2024, section 3.3): all E4M3, one scale per 1×128 tile of activations and output
+             gradients and per 128×128 block of weights (current scaling, tile by tile).
+
+Which layers: the block linears (attention's c_attn and c_proj, the MLP's c_fc and c_proj, and the experts'
+linears: ~2/3 of a GPT's FLOPs). The embedding is a lookup, not a GEMM. The head stays in the compute dtype:
+its logits feed the softmax cross-entropy, whose gradient lives in the small differences between logits,
+and its weight is the tied embedding. The loss stays in fp32. MoE routers (modules named `router` or `gate`)
+stay in high precision too, as in DeepSeek-V3: a flipped top-k choice is not a small error.
+
+One logical tensor, one scale, on any mesh. Ranks holding pieces of the same logical tensor (TP shards of a
+weight, of an activation or of its gradient; CP pieces of a sequence) reduce its amax with MAX before
+quantising, so every element is quantised exactly as on one device. Data-parallel ranks hold other data:
+current scaling never reduces over them. The delayed history of step s holds the max over all micro-batches
+and all ranks of step s (over the linear's gradient group, dp×cp or expert-dp, and TP): every rank that
+holds the linear has the same history, whatever the mesh. On GPUs with FP8 tensor cores (compute capability
+≥ 8.9) the per-tensor GEMMs run on `torch._scaled_mm`; elsewhere (and for blockwise) they are emulated with
+the same quantised values: the FP8 values times their inverse scales, multiplied in fp32 (fp64 for float64
+models) and rounded once to the output dtype, as the tensor cores accumulate. `_scaled_mm`'s rules (K and N
+multiples of 16, a column-major second operand, no e5m2×e5m2) are checked on every device.
+
+Symbols: M = b·s/C tokens per micro-batch on a rank (b micro-batch, s sequence, C context parallel; with
+--sp the column layers see the gathered b·s), h hidden, T tensor parallel, L history length, n = FP8 linears
+this rank holds, m micro-batches per step, e_c bytes of a compute-dtype element (bf16: 2).
+
+1. Replicated and split: nothing new is split. Each FP8 linear keeps its parameters (TP/EP shards as they
+   were) and adds, per role (input, weight, grad_output), one scale and an L-long amax history, identical
+   on every rank holding the linear.
+2. Peak per device: the scaling state, n·(3L + 18)·4 bytes. Each FP8 linear saves its input for backward in
+   FP8 (1 byte) instead of the compute dtype: Σ_j M·K_j·(e_c - 1) bytes less per micro-batch in flight, K_j
+   its local input width; per GPT layer M·h·(2 + 5/T)·(e_c - 1) (c_attn and c_fc read h, c_proj h/T and
+   4h/T; blockwise adds a float32 scale per 128 values, +3%). The FP8 weight copy kept for backward
+   (Σ_j N_j·K_j bytes) replaces autocast's e_c-byte copy. Under --sp a column layer keeps its gathered input
+   in FP8 (M·h bytes) instead of its bf16 sequence shard (2·M·h/T) and does not re-gather it in backward
+   (`convert` switches ColumnParallelLinear's `regather` off). Temporaries: the fp32 scaled copy of the
+   tensor being quantised (≤ 4·M·4h/T bytes) and, in backward, FP8 transposes of dY, X and W.
+3. Messages (all_reduce MAX, float32, on the critical path, tiny and latency-bound):
+     current:   per linear and micro-batch: forward 8 bytes ([amax_x, amax_w]), backward 4 bytes (amax_dY),
+                over cp and over tp (each when its size > 1); activation checkpointing repeats the forward's.
+     delayed:   per optimizer step, in `end_step`: one 12·n-byte all_reduce over the linears' gradient group
+                (dp_cp; expert_dp for experts) and one over tp (each when its size > 1); the first step
+                (empty history) also sends the current recipe's messages.
+     blockwise: none: the tiles are local (check_flags requires the TP-split widths to be multiples of 128;
+                under CP the weight gradient's 128-token tiles are this rank's tokens, so blockwise equals the
+                single device only when its sequence pieces hold whole tiles).
+   Under EP an expert's input gathers the tokens of several data ranks: current scaling quantises that
+   batch with one amax, which the single device (one micro-batch at a time) does not.
+   `predicted_messages` gives these per step; the tests check them against the CommTracer.
+4. Restart state: per linear and role the amax history and scale (delayed; current and blockwise have
+   none), keyed by the linear's global name: `state_dict()` is the same on every rank holding the linear,
+   so a checkpoint writes it once and any mesh restores it; a restored run replays bitwise.
+
+What the trainer calls: `check_flags(...)` before any process group, `apply(model, run) -> Fp8Handle`
+after PP and before DDP/ZeRO, `handle.after_grad_sync(layout)` once per optimizer step (it rolls the
+histories), `handle.found_nonfinite_amax` in the world finite check of the update, `handle.table()` every
+--log-every steps, `handle.not_recording()` around measurement runs (their amaxes must not enter a step's),
+and the accounting (`startup_lines`, `predicted_messages`, `end_lines`). ZeRO-3's FP8 all-gather:
+`quantize_to_uint8` / `dequantize_from_uint8` with a scale shared by the shards (`scale_from_amax` of the
+MAX-reduced shard amaxes, or the delayed recipe's `handle.weight_scale(name)`, which needs no message).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------------------------------------
+# Formats and casts
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    dtype: torch.dtype
+    max: float  # the largest finite magnitude
+
+
+E4M3 = Format("e4m3", torch.float8_e4m3fn, 448.0)
+E5M2 = Format("e5m2", torch.float8_e5m2, 57344.0)
+ROLES = ("input", "weight", "grad_output")
+FORMATS = (E4M3, E4M3, E5M2)  # per role; blockwise uses E4M3 for all three (DeepSeek-V3)
+TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT = (1, 128), (128, 1), (128, 128)
+MODES = ("current", "delayed", "blockwise")
+FORWARD, BACKWARD = slice(0, 2), slice(2, 3)  # the roles quantised in each pass (slices: no index tensors)
+_SATURATED = 1 + 2**-20  # |x·s| beyond max by more than the rounding of the scale and product counts
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """Scaling and emulated GEMMs run in fp32 (fp64 for float64 models, so tests can be tight)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as float32 (one pass, no |x| temporary). NaN stays NaN."""
+    return torch.linalg.vector_norm(x, float("inf")).float()
+
+
+def scale_from_amax(amax: torch.Tensor, fmt_max, margin: float = 0) -> torch.Tensor:
+    """s = max/amax/2^margin (float32), elementwise; 1 where amax is 0 or not finite (nothing to scale by)."""
+    if not torch.is_tensor(fmt_max):  # a fill, not a copy from the host (which would wait for the GPU)
+        fmt_max = torch.full_like(amax, fmt_max)
+    usable = torch.isfinite(amax) & (amax > 0)
+    scale = fmt_max / torch.where(usable, amax, 1.0) / 2.0**margin
+    return torch.where(usable, scale, 1.0).clamp(max=torch.finfo(torch.float32).max)
+
+
+def quantize(x: torch.Tensor, fmt: Format, scale: torch.Tensor, count_saturated: bool = True):
+    """q = cast(clamp(x·scale, ±max)): (q in fmt.dtype, number of elements the clamp cut, or None)."""
+    scaled = x.to(_wide(x.dtype)) * scale.to(_wide(x.dtype))
+    saturated = (scaled.abs() > fmt.max * _SATURATED).sum() if count_saturated else None
+    return scaled.clamp_(-fmt.max, fmt.max).to(fmt.dtype).contiguous(), saturated  # row-major for _scaled_mm
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.to(_wide(dtype)) * scale.to(_wide(dtype)).reciprocal()).to(dtype)
+
+
+def _tiles(x: torch.Tensor, tile) -> torch.Tensor:
+    """[R, C] zero-padded to whole tiles, viewed as [R/r, r, C/c, c]."""
+    (r, c), (rows, cols) = tile, x.shape
+    padded = F.pad(x, (0, -cols % c, 0, -rows % r))
+    return padded.view(padded.shape[0] // r, r, padded.shape[1] // c, c)
+
+
+def quantize_tiles(x: torch.Tensor, tile, fmt: Format = E4M3):
+    """One scale per tile of x [R, C] (edge tiles partial): (q [R, C], inverse scales [⌈R/r⌉, ⌈C/c⌉], amax)."""
+    tiles = _tiles(x.to(_wide(x.dtype)), tile)
+    amax = tiles.abs().amax(dim=(1, 3)).float()
+    scale = scale_from_amax(amax, fmt.max)
+    q = (tiles * scale[:, None, :, None].to(tiles.dtype)).clamp_(-fmt.max, fmt.max).to(fmt.dtype)
+    rows, cols = x.shape
+    return q.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), 1.0 / scale.to(tiles.dtype), amax.max()
+
+
+def dequantize_tiles(q: torch.Tensor, inverse_scale: torch.Tensor, tile, dtype: torch.dtype) -> torch.Tensor:
+    tiles = _tiles(q.to(dtype), tile) * inverse_scale[:, None, :, None].to(dtype)
+    return tiles.flatten(2).flatten(0, 1)[:q.shape[0], :q.shape[1]]
+
+
+def quantize_to_uint8(shard: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """For ZeRO-3's FP8 all-gather: a weight shard in E4M3 with the logical tensor's shared scale, as uint8
+    (gloo cannot move float8). Quantising shards with one scale and concatenating them equals quantising the
+    whole tensor, so the gathered weight is what the FP8 linear would compute from the full one."""
+    return quantize(shard, E4M3, scale, count_saturated=False)[0].view(torch.uint8)
+
+
+def dequantize_from_uint8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse: uint8 bytes of E4M3 values → q/scale in `dtype`. The FP8 linear re-quantising this weight
+    with the same scale (or one computed from its amax, which lands on the same values) gets q back exactly."""
+    return dequantize(data.view(E4M3.dtype), scale, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The scaling rule (Transformer Engine's DelayedScaling)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recipe:
+    mode: str  # current | delayed | blockwise
+    amax_history: int = 16  # L
+    amax_algo: str = "max"  # max | most_recent
+    margin: int = 0
+
+
+def roll_history(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fmt_max, recipe: Recipe):
+    """One step of delayed scaling: (new history, new scale) for histories [..., L] (index 0 = latest).
+
+    A finite amax enters the history (the oldest entry leaves); a non-finite one does not, and that role
+    keeps its history and scale. The scale is max_format / (max over the history, or its latest entry) /
+    2^margin, kept when that amax is 0 (nothing seen yet).
+    """
+    finite = torch.isfinite(amax)
+    rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
+    history = torch.where(finite.unsqueeze(-1), rolled, history)
+    reference = history.amax(dim=-1) if recipe.amax_algo == "max" else history[..., 0]
+    new = scale_from_amax(reference, fmt_max, recipe.margin)
+    return history, torch.where(finite & (reference > 0), new, scale)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The GEMMs: torch._scaled_mm on FP8 tensor cores, emulated elsewhere, the same rules everywhere
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gemm_shape_errors(m: int, k: int, n: int, training: bool = True) -> list:
+    """Why a linear of input width K, output width N, on M tokens cannot run on _scaled_mm (empty: it can).
+
+    The three GEMMs are [M,K]·[K,N] (forward), [M,N]·[N,K] (dX) and [N,M]·[M,K] (dW): _scaled_mm needs the
+    inner dimension and the output width of each to be multiples of 16, i.e. K and N always, M to train.
+    """
+    errors = [f"{name}={value} is not a multiple of 16" for name, value in (("K (in_features)", k),
+              ("N (out_features)", n)) if value % 16]
+    if training and m % 16:
+        errors.append(f"M={m} tokens per micro-batch is not a multiple of 16 (the weight-gradient GEMM"
+                      f" dW = dYᵀ·X contracts over tokens)")
+    return errors
+
+
+def check_operands(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """_scaled_mm's operand rules, on every device: a [M,K] row-major, b [K,N] column-major, FP8, not both
+    e5m2, K and N multiples of 16. A ValueError here is what a GPU would have refused."""
+    if a.dtype == b.dtype == E5M2.dtype:
+        raise ValueError(f"FP8 {what}: e5m2 × e5m2 has no tensor-core GEMM (torch._scaled_mm); one operand"
+                         f" must be e4m3")
+    if not (a.dtype in (E4M3.dtype, E5M2.dtype) and b.dtype in (E4M3.dtype, E5M2.dtype)):
+        raise ValueError(f"FP8 {what}: operands must be float8, got {a.dtype} and {b.dtype}")
+    (k, n) = b.shape
+    if a.shape[1] != k or k % 16 or n % 16:
+        raise ValueError(f"FP8 {what}: torch._scaled_mm needs [M,K]·[K,N] with K and N multiples of 16,"
+                         f" got [{a.shape[0]},{a.shape[1]}]·[{k},{n}]")
+    if a.stride(1) != 1 or not (b.stride(0) == 1 and b.stride(1) >= k):
+        raise ValueError(f"FP8 {what}: torch._scaled_mm needs a row-major first operand and a column-major"
+                         f" second one, got strides {a.stride()} and {b.stride()}")
+
+
+def scaled_matmul(a, a_inverse_scale, b, b_inverse_scale, out_dtype, use_scaled_mm: bool, what: str = "GEMM"):
+    """(a·a_inv)·(b·b_inv) in out_dtype, a and b per-tensor-scaled FP8, accumulated in fp32 (fp64 emulated)."""
+    check_operands(a, b, what)
+    if use_scaled_mm:
+        return torch._scaled_mm(a, b, scale_a=a_inverse_scale, scale_b=b_inverse_scale, out_dtype=out_dtype)
+    wide = _wide(out_dtype)
+    return ((a.to(wide) @ b.to(wide)) * (a_inverse_scale * b_inverse_scale).to(wide)).to(out_dtype)
+
+
+def has_fp8_tensor_cores(device) -> bool:
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The FP8 linear
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """Y = X·Wᵀ + b with X, W in E4M3 and dY in E5M2 (blockwise: all E4M3); saves X and W in FP8."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, out_dtype, training):
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        layer.check_shapes(x2.shape[0], training)
+        with torch.autocast(x.device.type, enabled=False):
+            if layer.recipe.mode == "blockwise":
+                qx, ix, amax_x = quantize_tiles(x2, TILE_ACTIVATION)
+                qw, iw, amax_w = quantize_tiles(weight, TILE_WEIGHT)
+                smallest = torch.stack([ix.max(), iw.max()]).reciprocal()  # the tiles with the largest amax
+                layer.observe(FORWARD, torch.stack([amax_x, amax_w]), smallest, record=training)
+                wide = _wide(out_dtype)
+                y = (dequantize_tiles(qx, ix, TILE_ACTIVATION, wide)
+                     @ dequantize_tiles(qw, iw, TILE_WEIGHT, wide).t()).to(out_dtype)
+            else:
+                amax = torch.stack([amax_of(x2), amax_of(weight)])
+                scale = layer.scales(FORWARD, amax)
+                qx, sat_x = quantize(x2, E4M3, scale[0], layer.counts_saturation)
+                qw, sat_w = quantize(weight, E4M3, scale[1], layer.counts_saturation)
+                layer.observe(FORWARD, amax, scale, (sat_x, sat_w), (qx.numel(), qw.numel()), training)
+                ix, iw = scale.to(_wide(out_dtype)).reciprocal()  # float32 on the GPU path
+                y = scaled_matmul(qx, ix, qw.t(), iw, out_dtype, layer.use_scaled_mm, "forward Y = X·Wᵀ")
+            if bias is not None:
+                y = y + bias.to(out_dtype)
+        ctx.save_for_backward(qx, ix, qw, iw)  # the input kept in FP8: the activation-memory saving
+        ctx.layer, ctx.out_dtype, ctx.x_dtype, ctx.has_bias = layer, out_dtype, x.dtype, bias is not None
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        qx, ix, qw, iw = ctx.saved_tensors
+        layer, out_dtype = ctx.layer, ctx.out_dtype
+        dy = grad.reshape(-1, grad.shape[-1])  # [M, N]
+        dx = dw = None
+        with torch.autocast(grad.device.type, enabled=False):
+            if layer.recipe.mode == "blockwise":
+                wide = _wide(out_dtype)
+                amax = amax_of(dy)
+                layer.observe(BACKWARD, amax.view(1), scale_from_amax(amax, E4M3.max).view(1))
+                if ctx.needs_input_grad[0]:  # dX = dY·W, dY tiled along N (the contracted dimension)
+                    qdy, idy, _ = quantize_tiles(dy, TILE_ACTIVATION)
+                    dx = (dequantize_tiles(qdy, idy, TILE_ACTIVATION, wide)
+                          @ dequantize_tiles(qw, iw, TILE_WEIGHT, wide)).to(out_dtype)
+                if ctx.needs_input_grad[1]:  # dW = dYᵀ·X, both tiled along tokens: X re-tiled 1×128 → 128×1
+                    qdy_t, idy_t, _ = quantize_tiles(dy, TILE_ACTIVATION_T)
+                    qx_t, ix_t, _ = quantize_tiles(dequantize_tiles(qx, ix, TILE_ACTIVATION, wide), TILE_ACTIVATION_T)
+                    dw = (dequantize_tiles(qdy_t, idy_t, TILE_ACTIVATION_T, wide).t()
+                          @ dequantize_tiles(qx_t, ix_t, TILE_ACTIVATION_T, wide))
+            else:
+                amax = amax_of(dy).view(1)
+                scale = layer.scales(BACKWARD, amax)
+                qdy, sat = quantize(dy, E5M2, scale[0], layer.counts_saturation)
+                layer.observe(BACKWARD, amax, scale, (sat,), (qdy.numel(),))
+                idy = scale[0].to(_wide(out_dtype)).reciprocal()
+                if ctx.needs_input_grad[0]:
+                    dx = scaled_matmul(qdy, idy, qw.t().contiguous().t(), iw, out_dtype, layer.use_scaled_mm,
+                                       "input gradient dX = dY·W")
+                if ctx.needs_input_grad[1]:
+                    dw = scaled_matmul(qdy.t().contiguous(), idy, qx.t().contiguous().t(), ix,
+                                       layer.weight.dtype, layer.use_scaled_mm, "weight gradient dW = dYᵀ·X")
+        dx = None if dx is None else dx.to(ctx.x_dtype).view(*grad.shape[:-1], qx.shape[1])
+        dw = None if dw is None else dw.to(layer.weight.dtype)
+        db = dy.sum(0, dtype=layer.bias.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None
+
+
+class Fp8Linear(nn.Linear):
+    """A drop-in for a local nn.Linear (plain, a TP shard inside Column/RowParallelLinear, or an expert): the
+    SAME parameter objects, its GEMMs in FP8, and its scaling state (per role: history, scale).
+
+    amax_groups: the process groups over which pieces of this linear's tensors are spread (cp, tp): current
+    scaling MAX-reduces amaxes over them. gemm: "auto" (_scaled_mm on FP8 tensor cores, else emulated),
+    "emulated", or "scaled_mm" (forced: tests run it on CPU to check the GPU path's operands and scales).
+    """
+
+    def __init__(self, linear: nn.Linear, recipe: Recipe, name: str = "", amax_groups=(), gemm: str = "auto"):
+        nn.Module.__init__(self)  # no new parameters: keep the wrapped linear's
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
+        self.recipe, self.name, self.amax_groups = recipe, name, tuple(amax_groups)
+        self.delayed_groups = ()  # names of the mesh groups the delayed roll reduces over (set by convert)
+        device = linear.weight.device
+        self.fmt_max = torch.tensor([f.max for f in FORMATS], device=device)
+        self.amax_history = torch.zeros(3, recipe.amax_history, device=device)  # [role, L], column 0 latest
+        self.scale = torch.ones(3, device=device)  # delayed: the scales this step quantises with
+        self.history_ready = False  # delayed: False until a step's amaxes entered (until then: current)
+        self.step_amax = torch.zeros(3, device=device)  # max over this step's micro-batches (local)
+        self.last_scale = torch.ones(3, device=device)  # the scale last used, for the table
+        self.saturated = torch.zeros(3, dtype=torch.int64, device=device)  # since the last table
+        self.quantized = [0, 0, 0]
+        self.recording = True
+        self.counts_saturation = recipe.mode == "delayed"  # current and blockwise cannot saturate
+        blockwise_or_double = recipe.mode == "blockwise" or linear.weight.dtype == torch.float64
+        self.use_scaled_mm = (gemm == "scaled_mm" or (gemm == "auto" and has_fp8_tensor_cores(device))) \
+            and not blockwise_or_double
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, training)
+
+    def extra_repr(self) -> str:
+        gemm = "_scaled_mm" if self.use_scaled_mm else "emulated"
+        return f"{super().extra_repr()}, fp8={self.recipe.mode}, gemm={gemm}"
+
+    def check_shapes(self, tokens: int, training: bool) -> None:
+        errors = gemm_shape_errors(tokens, self.in_features, self.out_features, training)
+        if errors:
+            raise ValueError(f"FP8 linear {self.name or ''} [{self.out_features}×{self.in_features}]: "
+                             + "; ".join(errors) + " (torch._scaled_mm's rules, checked on every device)")
+
+    def scales(self, roles: slice, amax: torch.Tensor) -> torch.Tensor:
+        """The scales to quantise `roles` with now: the delayed ones, or from the amaxes reduced over the
+        ranks holding pieces of these tensors (current scaling, and delayed while the history is empty)."""
+        if self.recipe.mode == "delayed" and self.history_ready:
+            return self.scale[roles].clone()
+        amax = torch.nan_to_num(amax, nan=float("inf"))  # MAX must not drop a NaN
+        for group in self.amax_groups:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        return scale_from_amax(amax, self.fmt_max[roles], self.recipe.margin)
+
+    def observe(self, roles: slice, amax, scale, saturated=(), counts=(), record: bool = True) -> None:
+        """Record this quantisation's local amaxes (max over the step) and statistics: in training (a forward
+        with autograd, every backward), not in evaluation, nor inside `Fp8Handle.not_recording()`."""
+        if not (record and self.recording):
+            return
+        self.step_amax[roles] = torch.maximum(self.step_amax[roles], amax)  # NaN propagates
+        self.last_scale[roles] = scale.detach().float()
+        for role, count, numel in zip(range(roles.start, roles.stop), saturated, counts):
+            if count is not None:
+                self.saturated[role] += count
+            self.quantized[role] += numel
+
+    def roll(self, amax: torch.Tensor, finite: bool) -> None:
+        """End of a step (delayed): the reduced amaxes [3] enter the history; in place (state is live)."""
+        history, scale = roll_history(self.amax_history, self.scale, amax, self.fmt_max, self.recipe)
+        self.amax_history.copy_(history)
+        self.scale.copy_(scale)
+        self.history_ready = self.history_ready or finite
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Wiring into the trainer
+# ---------------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    """The flags, with their defaults (train.py adds them to its parser)."""
+    g = parser.add_argument_group("FP8 (fp8.py)")
+    g.add_argument("--fp8", choices=MODES, default=None, help="FP8 block linears: current | delayed | blockwise")
+    g.add_argument("--fp8-amax-history", type=int, default=16, help="delayed: amax history length L")
+    g.add_argument("--fp8-amax-algo", choices=("max", "most_recent"), default="max", help="delayed: scale from")
+    g.add_argument("--fp8-margin", type=int, default=0, help="scale = max/amax/2^margin")
+
+
+def check_flags(args, config, tp: int = 1, cp: int = 1, micro: int | None = None, seq_len: int | None = None):
+    """Raise ValueError naming the flag when --fp8 cannot run this model on this mesh (pure: call it before
+    init_process_group). Checks the recipe flags, _scaled_mm's shape rules for every block linear's local
+    shard, and, for blockwise under TP, that the 128-wide tiles do not straddle TP shards."""
+    mode = getattr(args, "fp8", None)
+    if mode is None:
+        return
+    if mode not in MODES:
+        raise ValueError(f"--fp8 {mode}: expected one of {', '.join(MODES)}")
+    if args.fp8_amax_history < 1:
+        raise ValueError(f"--fp8-amax-history {args.fp8_amax_history}: the history needs at least 1 entry")
+    if args.fp8_amax_algo not in ("max", "most_recent"):
+        raise ValueError(f"--fp8-amax-algo {args.fp8_amax_algo}: expected max or most_recent")
+    if args.fp8_margin < 0:
+        raise ValueError(f"--fp8-margin {args.fp8_margin}: the margin is a non-negative power of 2")
+    h = config.n_embd
+    shapes = {"attn.c_attn": (h, 3 * h // tp), "attn.c_proj": (h // tp, h), "mlp.c_fc": (h, 4 * h // tp),
+              "mlp.c_proj": (4 * h // tp, h)}  # local (K, N) under --tp
+    tokens = micro * (seq_len or config.block_size) // cp if micro else 0
+    for name, (k, n) in shapes.items():
+        errors = gemm_shape_errors(tokens, k, n, training=micro is not None)
+        if errors:
+            raise ValueError(f"--fp8 {mode} with --tp {tp}, --cp {cp}, --micro-batch {micro}, --n-embd {h}:"
+                             f" {name} [{n}×{k}] per rank: " + "; ".join(errors))
+    if mode == "blockwise" and tp > 1 and (h // tp) % 128:
+        raise ValueError(f"--fp8 blockwise with --tp {tp}: the TP shards of width n_embd/T = {h // tp} must be"
+                         f" multiples of 128, or the 128-wide tiles would straddle ranks")
+
+
+def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto") -> Fp8Handle:
+    """Swap every nn.Linear inside the blocks (routers and gates aside) for an Fp8Linear, in place.
+
+    mesh: a mesh.Mesh (None: one process). The current-scaling groups are cp and tp, the delayed roll's are
+    the linear's gradient group (dp_cp, or expert_dp) and tp, each kept only when it has more than one rank.
+    Under sequence parallel a ColumnParallelLinear keeps its gathered input (now in FP8) instead of
+    re-gathering it in backward: its `regather` is switched off (TP's backward loses that all-gather).
+    """
+
+    def groups(*names):
+        return tuple(n for n in names if mesh is not None and mesh.size(n) > 1)
+
+    linears = {}
+    for block in model.transformer.h:
+        for path, module in list(block.named_modules()):
+            if type(module) is not nn.Linear or path.rpartition(".")[2] in ("router", "gate"):
+                continue
+            info = getattr(module.weight, "shard_info", None)
+            name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
+            amax_groups = tuple(mesh.group(g) for g in groups("cp", "tp"))
+            fp8 = Fp8Linear(module, recipe, name, amax_groups, gemm)
+            fp8.delayed_groups = groups(info.grad_group if info else "dp_cp", "tp")
+            parent = block.get_submodule(path.rpartition(".")[0])
+            setattr(parent, path.rpartition(".")[2], fp8)
+            if getattr(parent, "regather", False):
+                parent.regather = False
+            linears[name] = fp8
+    return Fp8Handle(model, recipe, linears, mesh)
+
+
+def apply(model: nn.Module, run) -> Fp8Handle | None:
+    """The axis entry point: None without --fp8, else the handle (after PP, before DDP/ZeRO)."""
+    args = run.args
+    if getattr(args, "fp8", None) is None:
+        return None
+    recipe = Recipe(args.fp8, args.fp8_amax_history, args.fp8_amax_algo, args.fp8_margin)
+    handle = convert(model, recipe, run.mesh)
+    handle.run = run
+    return handle
+
+
+class Fp8Handle:
+    """What the trainer talks to: the step's end (the delayed roll), the non-finite flag, the scaling state,
+    and the accounting. `found_nonfinite_amax` is this rank's: the update's world finite check must include
+    it, so every rank skips a step in which any FP8 tensor had a non-finite amax."""
+
+    name = "fp8"
+    schedule = None
+
+    def __init__(self, model, recipe: Recipe, linears: dict, mesh=None):
+        self.model, self.recipe, self.linears, self.mesh = model, recipe, linears, mesh
+        self.run = None
+        self.found_nonfinite_amax = False
+        self.steps = 0
+        self.first_steps = 0  # delayed steps that scaled like `current` (empty history)
+        buckets = {}
+        for name, linear in linears.items():
+            buckets.setdefault(linear.delayed_groups, []).append(name)
+        self.buckets = sorted(buckets.items())  # the same order on every rank
+
+    def after_grad_sync(self, layout) -> None:
+        """Called once per optimizer step after the gradient reduction: see `end_step`."""
+        self.end_step()
+
+    @torch.no_grad()
+    def end_step(self) -> None:
+        """Close the step: reduce (delayed: MAX over each linear's gradient group and tp) the amaxes of this
+        step, set `found_nonfinite_amax`, roll the finite ones into the histories, start the next step. The
+        roll does not wait for the update's verdict: a step skipped for another reason (an fp16 overflow)
+        still records what its tensors were, as Transformer Engine does."""
+        if not self.linears:
+            return
+        names = list(self.linears)
+        amax = torch.stack([self.linears[n].step_amax for n in names])  # [n, 3]
+        amax = torch.nan_to_num(amax, nan=float("inf"), posinf=float("inf"))  # MAX must not drop a NaN
+        delayed = self.recipe.mode == "delayed"
+        if delayed:
+            self.first_steps += not all(lin.history_ready for lin in self.linears.values())
+            for group_names, members in self.buckets:
+                index = [names.index(m) for m in members]
+                part = amax[index].contiguous()
+                for group_name in group_names:
+                    dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self.mesh.group(group_name))
+                amax[index] = part
+        finite = torch.isfinite(amax).all(dim=1).tolist()  # the one host sync of the step
+        self.found_nonfinite_amax = not all(finite)
+        for row, name in enumerate(names):
+            linear = self.linears[name]
+            if delayed:
+                linear.roll(amax[row], finite[row])
+            linear.step_amax.zero_()
+        self.steps += 1
+
+    def weight_scale(self, name: str) -> torch.Tensor | None:
+        """The scale the delayed recipe quantises weight `name` with this step (ZeRO-3's FP8 gather can use
+        it without a message); None when the scale comes from the current amax."""
+        linear = self.linears[name]
+        return linear.scale[1] if self.recipe.mode == "delayed" and linear.history_ready else None
+
+    @contextmanager
+    def not_recording(self):
+        """Forwards inside record nothing (a measurement run must not enter the step's amaxes)."""
+        for linear in self.linears.values():
+            linear.recording = False
+        try:
+            yield
+        finally:
+            for linear in self.linears.values():
+                linear.recording = True
+
+    # --- checkpoint state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """{"<global linear name>.amax_history": [3, L], ".scale": [3]} (rows: input, weight, grad_output),
+        the same on every rank holding the linear; empty for current and blockwise (nothing to restore)."""
+        if self.recipe.mode != "delayed":
+            return {}
+        out = {}
+        for name, linear in self.linears.items():
+            out[f"{name}.amax_history"] = linear.amax_history.detach().cpu().clone()
+            out[f"{name}.scale"] = linear.scale.detach().cpu().clone()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore this rank's linears (a checkpoint may hold other stages' too); missing ones are an error."""
+        if self.recipe.mode != "delayed":
+            return
+        for name, linear in self.linears.items():
+            if f"{name}.amax_history" not in state:
+                raise ValueError(f"--fp8 delayed: the checkpoint has no FP8 scaling state for {name}")
+            history = state[f"{name}.amax_history"]
+            if history.shape != linear.amax_history.shape:
+                raise ValueError(f"--fp8-amax-history {self.recipe.amax_history}: the checkpoint's history of"
+                                 f" {name} has {history.shape[-1]} entries")
+            linear.amax_history.copy_(history)
+            linear.scale.copy_(state[f"{name}.scale"])
+            linear.history_ready = bool((history > 0).any())
+
+    # --- accounting ---------------------------------------------------------------------------------------
+
+    def predicted_messages(self, micro_batches: int | None = None, first_step: bool = False) -> dict:
+        """Per optimizer step: {("all_reduce", group name): (calls, payload bytes)} (docstring item 3).
+        first_step: the delayed recipe's first step, which also scales like `current`."""
+        m = micro_batches if micro_batches is not None else self.run.micro_batches
+        out = {}
+
+        def add(group, calls, payload):
+            c, b = out.get(("all_reduce", group), (0, 0))
+            out[("all_reduce", group)] = (c + calls, b + calls * payload)
+
+        if self.recipe.mode == "current" or (self.recipe.mode == "delayed" and first_step):
+            recompute = 2 if getattr(self.model.config, "activation_checkpointing", False) else 1
+            for group in [g for g in ("cp", "tp") if self.mesh is not None and self.mesh.size(g) > 1]:
+                add(group, len(self.linears) * m * recompute, 8)  # forward [amax_x, amax_w]
+                add(group, len(self.linears) * m, 4)  # backward amax_dY
+        if self.recipe.mode == "delayed":
+            for group_names, members in self.buckets:
+                for group in group_names:
+                    add(group, 1, 12 * len(members))
+        return out
+
+    def saved_input_bytes(self, tokens: int, compute_bytes: int) -> dict:
+        """Bytes of the FP8 linears' saved inputs per micro-batch: {"fp8", "compute", "saved"} (item 2)."""
+        elements = sum(tokens * linear.in_features for linear in self.linears.values())
+        return {"fp8": elements, "compute": elements * compute_bytes, "saved": elements * (compute_bytes - 1)}
+
+    def fp8_flops_fraction(self) -> float:
+        """Share of a dense GPT's model FLOPs per token (mfu.flops_per_token's 6N + 12·L·h·s) in FP8 GEMMs."""
+        c = self.model.config
+        seq = self.run.seq_len if self.run is not None else c.block_size
+        blocks = 12 * c.n_layer * c.n_embd ** 2
+        return 6 * blocks / (6 * (blocks + c.vocab_size * c.n_embd) + 12 * c.n_layer * c.n_embd * seq)
+
+    def blended_peak(self, bf16_peak: float, fp8_peak: float | None) -> float:
+        """The peak FLOP/s MFU should divide by: the FP8 share at the FP8 peak, the rest at the bf16 peak
+        (time-weighted: 1 / (f/P_fp8 + (1-f)/P_bf16)); the bf16 peak where there is no FP8 peak."""
+        if not fp8_peak:
+            return bf16_peak
+        f = self.fp8_flops_fraction()
+        return 1.0 / (f / fp8_peak + (1 - f) / bf16_peak)
+
+    def startup_lines(self) -> list:
+        from mfu import PEAK_TFLOPS, format_bytes
+
+        r, lins = self.recipe, list(self.linears.values())
+        gemm = "torch._scaled_mm" if lins and lins[0].use_scaled_mm else "emulated (no FP8 tensor cores here)"
+        detail = f", history L={r.amax_history}, {r.amax_algo}" if r.mode == "delayed" else ""
+        lines = [f"fp8 {r.mode}{detail}, margin {r.margin}: {len(lins)} block linears in FP8 (E4M3 X, W;"
+                 f" {'E4M3' if r.mode == 'blockwise' else 'E5M2'} dY), GEMMs {gemm}; embedding, head, loss,"
+                 f" routers in the compute dtype"]
+        if self.run is not None:
+            tokens = self.run.micro * self.run.seq_len // self.mesh.size("cp")
+            compute_bytes = self.run.compute_dtype.itemsize
+            saved = self.saved_input_bytes(tokens, compute_bytes)
+            weights = sum(lin.weight.numel() for lin in lins)
+            lines.append(f"  memory: saved inputs in FP8 {format_bytes(saved['fp8'])} instead of"
+                         f" {format_bytes(saved['compute'])} per micro-batch in flight (Σ M·K_j, M={tokens}):"
+                         f" {format_bytes(saved['saved'])} less; FP8 weight copies {format_bytes(weights)}"
+                         f" (autocast's were {format_bytes(weights * compute_bytes)}); scaling state"
+                         f" {format_bytes(len(lins) * (3 * r.amax_history + 18) * 4)}")
+            peak = PEAK_TFLOPS["H100"]
+            f = self.fp8_flops_fraction()
+            lines.append(f"  MFU: {f:.0%} of model FLOPs run in FP8; on GPUs divide by the blended peak"
+                         f" 1/(f/P_fp8 + (1-f)/P_bf16) (H100: {self.blended_peak(peak['bf16'], peak['fp8']):.0f}"
+                         f" TFLOP/s from {peak['bf16']:g} bf16, {peak['fp8']:g} fp8 dense)")
+            for (op, group), (calls, payload) in self.predicted_messages().items():
+                lines.append(f"  messages per step: {op} {group}: {calls} × {format_bytes(payload / calls)}"
+                             f" (amax MAX reductions)")
+        return lines
+
+    def end_lines(self, tracer, steps: int) -> list:
+        """Measured amax all-reduces over `steps` against the prediction (the first delayed step counted)."""
+        first = min(self.first_steps, steps) if self.recipe.mode == "delayed" else 0
+        predicted = {}
+        for count, table in ((steps - first, self.predicted_messages()),
+                             (first, self.predicted_messages(first_step=True))):
+            for key, (calls, payload) in table.items():
+                c, b = predicted.get(key, (0, 0))
+                predicted[key] = (c + count * calls, b + count * payload)
+        lines = [f"fp8: amax reductions over {steps} steps, measured vs predicted (the traced all_reduce of a"
+                 f" group also holds other axes' messages):"]
+        for (op, group), (calls, payload) in predicted.items():
+            record = tracer.records.get((op, group))
+            lines.append(f"  {op} {group}: predicted {calls} calls {payload} B; traced in total"
+                         f" {record.calls if record else 0} calls {record.payload_bytes if record else 0} B")
+        return lines + [self.table()]
+
+    @torch.no_grad()
+    def table(self) -> str:
+        """Per layer and linear: the scales in use and the fraction of saturated values since the last call
+        (this rank's tensors). Blockwise shows the smallest tile scale (the tile with the largest amax)."""
+        names = {name: name.removeprefix("transformer.h.") for name in self.linears}
+        width = max([len("layer.linear"), *map(len, names.values())])
+        rows = [f"fp8 {self.recipe.mode}: the scales in use and the saturated share since the last table (this rank)",
+                f"  {'layer.linear':<{width}}" + "".join(f"  {role + ' scale':>17} {'sat':>6}" for role in ROLES)]
+        for name, linear in self.linears.items():
+            scales = (linear.scale if self.recipe.mode == "delayed" else linear.last_scale).tolist()
+            shares = [100 * c / max(1, n) for c, n in zip(linear.saturated.tolist(), linear.quantized)]
+            rows.append(f"  {names[name]:<{width}}" + "".join(f"  {s:17.3e} {p:5.2f}%" for s, p in zip(scales, shares)))
+            linear.saturated.zero_()
+            linear.quantized = [0, 0, 0]
+        return "\n".join(rows)

@@ -1,0 +1,492 @@
+"""fp8.py: casts, the three scaling recipes, the FP8 linear, its state, and FP8 on a TP and a DP mesh.
+
+Numerics against high precision use SQNR = 10·log10(Σ ref² / Σ (ref - x)²) with torchao's thresholds (cast
+round trip ≥ 25 dB; the FP8 linear's output ≥ 18 dB and weight gradient ≥ 17 dB against the bf16 linear).
+The delayed recipe is checked against a hand computation. The mesh tests train the float64 GPT with FP8 on
+TP=2 (tensor_parallel.parallelize; also with SP and with activation checkpointing) and on DP=2, and compare
+with the single-device FP8 model on the same D·m micro-batches: losses, parameters and the FP8 state within
+1e-10 (float64). That tolerance only holds because every element is quantised identically on both meshes
+(the amaxes, hence the scales, agree), so a missing amax reduction fails it by orders of magnitude. The FP8
+state is compared within float32's rounding (rtol 1e-6): amaxes are float32, taken of float64 tensors that
+the meshes sum in different orders. The traced amax all-reduces must equal `predicted_messages`.
+The training loop here is explicit (micro-batches, a gradient all-reduce, `after_grad_sync`, torch's AdamW)
+so that these tests depend on nothing but model.py, mesh.py, tensor_parallel.py and fp8.py.
+"""
+
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fp8
+from harness import run_ranks
+from reference import HYPER, global_batches, make_config, rank_micro_batches
+
+STEPS, SEQ, GLOBAL_BATCH, MICRO = 3, 16, 8, 2
+TOL = 1e-10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny float64 models: OpenMP threads only contend (20× slower on the shared 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.detach().double(), x.detach().double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum()))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Casts and the FP8 linear's numerics
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_cast_round_trip_and_clamping():
+    torch.manual_seed(0)
+    x = torch.randn(512, 512) * 3
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        scale = fp8.scale_from_amax(fp8.amax_of(x), fmt.max)
+        q, saturated = fp8.quantize(x, fmt, scale)
+        assert q.dtype == fmt.dtype and int(saturated) == 0
+        assert float(q.float().abs().max()) == fmt.max  # current scaling puts the amax on the format's max
+        assert sqnr(x, fp8.dequantize(q, scale, torch.float32)) >= 25, fmt.name
+        # A scale 4× too large: the values beyond max are clamped and counted, never inf (E5M2's plain cast is).
+        q, saturated = fp8.quantize(x, fmt, scale * 4)
+        assert torch.isfinite(q.float()).all() and float(q.float().abs().max()) == fmt.max
+        assert int(saturated) == int((x.abs() * scale * 4 > fmt.max).sum()) > 0
+    assert torch.isinf((x * 1e5).to(torch.float8_e5m2).float()).any()  # why the clamp is needed
+    q, inverse, amax = fp8.quantize_tiles(x, fp8.TILE_ACTIVATION)
+    assert inverse.shape == (512, 4) and float(amax) == float(x.abs().max())
+    assert sqnr(x, fp8.dequantize_tiles(q, inverse, fp8.TILE_ACTIVATION, torch.float32)) >= 25
+
+
+@pytest.mark.parametrize("mode", fp8.MODES)
+def test_linear_against_bf16_linear(mode):
+    """Output ≥ 18 dB, weight gradient ≥ 17 dB (torchao's thresholds), input gradient ≥ 17 dB, under bf16
+    autocast. Delayed: the second step, which quantises with the first step's amaxes."""
+    torch.manual_seed(0)
+    plain = nn.Linear(256, 512)
+    reference = nn.Linear(256, 512)
+    reference.load_state_dict(plain.state_dict())
+    layer = fp8.Fp8Linear(plain, fp8.Recipe(mode), "layer")
+    handle = fp8.Fp8Handle(None, fp8.Recipe(mode), {"layer": layer})
+    for step in range(2):
+        x = torch.randn(4, 64, 256, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        grad = torch.randn(4, 64, 512)
+        plain.weight.grad = reference.weight.grad = None
+        with torch.autocast("cpu", torch.bfloat16):
+            y, y_ref = layer(x), reference(x_ref)
+        y.backward(grad), y_ref.backward(grad)
+        handle.end_step()
+    assert y.dtype == torch.bfloat16 and layer.weight is plain.weight
+    assert sqnr(y_ref, y) >= 18
+    assert sqnr(reference.weight.grad, plain.weight.grad) >= 17
+    assert sqnr(x_ref.grad, x.grad) >= 17
+    if mode == "delayed":
+        assert layer.history_ready and float(layer.last_scale[0]) == float(layer.scale[0]) != 1.0
+
+
+def test_gpu_gemm_path_matches_emulation():
+    """The _scaled_mm path (forced; torch runs it on CPU too) against the emulated one, same quantised values:
+    checks the GPU path's operand layouts, inverse scales and e5m2×e4m3 backward."""
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("this torch has no _scaled_mm")
+    results = []
+    for gemm in ("emulated", "scaled_mm"):
+        torch.manual_seed(0)
+        plain = nn.Linear(64, 96)
+        layer = fp8.Fp8Linear(plain, fp8.Recipe("current"), "layer", gemm=gemm)
+        assert layer.use_scaled_mm == (gemm == "scaled_mm")
+        x = torch.randn(2, 16, 64, requires_grad=True)
+        y = layer(x)
+        y.backward(torch.randn(2, 16, 96) * 1e-3)
+        results.append((y.detach(), x.grad, plain.weight.grad))
+    for emulated, scaled_mm in zip(*results):  # fp32 accumulation in a different order: rounding only
+        torch.testing.assert_close(scaled_mm, emulated, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_gemm_rules_rejected_on_cpu():
+    layer = fp8.Fp8Linear(nn.Linear(40, 64), fp8.Recipe("current"), "odd")
+    with pytest.raises(ValueError, match=r"K \(in_features\)=40 is not a multiple of 16"):
+        layer(torch.randn(16, 40))
+    layer = fp8.Fp8Linear(nn.Linear(32, 64), fp8.Recipe("delayed"), "tokens")
+    with pytest.raises(ValueError, match="M=10 tokens per micro-batch is not a multiple of 16"):
+        layer(torch.randn(10, 32, requires_grad=True))
+    with torch.no_grad():
+        assert layer(torch.randn(10, 32)).shape == (10, 64)  # the forward GEMM alone has no rule on M
+    a = torch.randn(16, 32).to(fp8.E5M2.dtype)
+    b = torch.randn(64, 32).to(fp8.E5M2.dtype)
+    one = torch.ones(())
+    with pytest.raises(ValueError, match="e5m2 × e5m2 has no tensor-core GEMM"):
+        fp8.scaled_matmul(a, one, b.t(), one, torch.float32, False)
+    with pytest.raises(ValueError, match="column-major second one"):
+        fp8.scaled_matmul(a, one, b.to(fp8.E4M3.dtype).t().contiguous(), one, torch.float32, False)
+
+
+def test_check_flags_name_the_flag():
+    config = make_config(n_embd=32, n_head=4)
+    args = SimpleNamespace(fp8="delayed", fp8_amax_history=16, fp8_amax_algo="max", fp8_margin=0)
+    fp8.check_flags(args, config, tp=2, micro=2, seq_len=16)
+    fp8.check_flags(SimpleNamespace(fp8=None), config, tp=4)  # off: nothing to check
+    cases = [(dict(fp8="e4m3"), {}, "--fp8 e4m3"), (dict(fp8_amax_history=0), {}, "--fp8-amax-history 0"),
+             (dict(fp8_amax_algo="mean"), {}, "--fp8-amax-algo mean"), (dict(fp8_margin=-1), {}, "--fp8-margin -1"),
+             ({}, dict(tp=4), "--tp 4"), ({}, dict(micro=1, seq_len=12), "M=12 tokens"),
+             (dict(fp8="blockwise"), dict(tp=2), "--fp8 blockwise with --tp 2")]
+    for overrides, mesh, text in cases:
+        with pytest.raises(ValueError, match=text):
+            fp8.check_flags(SimpleNamespace(**{**vars(args), **overrides}), config,
+                            **{"micro": 2, "seq_len": 16, **mesh})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Delayed scaling against a hand computation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_roll_history_by_hand():
+    """L = 3, margin 1; amaxes 2, 8, inf, 1, 0.5, 0.25 (inf never enters; its step keeps the scale)."""
+    amaxes = [2.0, 8.0, float("inf"), 1.0, 0.5, 0.25]
+    histories = [[2, 0, 0], [8, 2, 0], [8, 2, 0], [1, 8, 2], [0.5, 1, 8], [0.25, 0.5, 1]]
+    by_algo = {"max": [2, 8, 8, 8, 8, 1], "most_recent": [2, 8, 8, 1, 0.5, 0.25]}  # the amax each scale uses
+    for algo, used in by_algo.items():
+        recipe = fp8.Recipe("delayed", amax_history=3, amax_algo=algo, margin=1)
+        history, scale = torch.zeros(2, 3), torch.ones(2)
+        for amax, expected_history, expected_amax in zip(amaxes, histories, used):
+            history, scale = fp8.roll_history(history, scale, torch.tensor([amax, amax]),
+                                              torch.tensor([448.0, 57344.0]), recipe)
+            assert history.tolist() == [expected_history] * 2
+            assert scale.tolist() == [448.0 / expected_amax / 2, 57344.0 / expected_amax / 2], (algo, amax)
+    # An amax of 0 (an all-zero tensor) enters, but most_recent keeps the previous scale rather than divide by 0.
+    recipe = fp8.Recipe("delayed", amax_history=2, amax_algo="most_recent")
+    history, scale = fp8.roll_history(torch.tensor([[4.0, 0]]), torch.tensor([112.0]), torch.tensor([0.0]),
+                                      torch.tensor([448.0]), recipe)
+    assert history.tolist() == [[0.0, 4.0]] and scale.tolist() == [112.0]
+
+
+def _hand_linear(x, w, b, scale_x, scale_w):
+    """The FP8 forward by hand: torch's own casts, float64 matmul."""
+    qx = (x * scale_x).clamp(-448, 448).to(torch.float8_e4m3fn).double() / scale_x
+    qw = (w * scale_w).clamp(-448, 448).to(torch.float8_e4m3fn).double() / scale_w
+    return qx @ qw.t() + b
+
+
+def test_delayed_linear_by_hand_and_nonfinite_amax():
+    torch.manual_seed(0)
+    plain = nn.Linear(32, 16, dtype=torch.float64)
+    recipe = fp8.Recipe("delayed", amax_history=2, amax_algo="max", margin=1)
+    layer = fp8.Fp8Linear(plain, recipe, "layer")
+    handle = fp8.Fp8Handle(None, recipe, {"layer": layer})
+    w, b = plain.weight.detach(), plain.bias.detach()
+    amax_w = float(w.abs().max())
+    x_amaxes, dy_amaxes = [3.0, 5.0, float("inf"), 2.0], [0.5, 0.25, 0.75, float("nan")]
+    history = torch.zeros(3, 2)
+    scale = torch.ones(3)
+    for step, (x_amax, dy_amax) in enumerate(zip(x_amaxes, dy_amaxes)):
+        x = torch.rand(16, 32, dtype=torch.float64) * 2 - 1
+        x[3, 4] = x_amax  # the amax of the step's input
+        dy = torch.rand(16, 16, dtype=torch.float64) * 0.1
+        dy[0, 0] = dy_amax
+        y = layer(x.requires_grad_())
+        y.backward(dy)
+        if step == 0:  # empty history: the first step scales like `current` (the tensors' own amaxes)
+            expected = torch.tensor([448.0, 448.0, 57344.0]) / torch.tensor([x_amax, amax_w, dy_amax]).float() / 2
+            assert torch.equal(layer.last_scale, expected)
+        else:  # delayed: the scales from the history of the previous steps
+            assert torch.equal(layer.last_scale, scale)
+        sx, sw = layer.last_scale[0].double(), layer.last_scale[1].double()
+        torch.testing.assert_close(y, _hand_linear(x.detach(), w, b, sx, sw), rtol=1e-12, atol=1e-12)
+        assert torch.isfinite(y).all() and torch.isfinite(plain.weight.grad).all() == (step != 3)
+        handle.end_step()
+        # By hand: each role's amax enters when finite; scale = max/(max of history)/2^margin.
+        new = torch.tensor([x_amax, amax_w, dy_amax]).float()
+        for role, fmt_max in enumerate((448.0, 448.0, 57344.0)):
+            if torch.isfinite(new[role]):
+                history[role] = torch.stack([new[role], history[role, 0]])
+                scale[role] = torch.tensor(fmt_max) / history[role].max() / 2  # (448 / t is 448 · (1/t))
+        assert handle.found_nonfinite_amax == (step >= 2)
+        assert torch.equal(layer.amax_history, history) and torch.equal(layer.scale, scale), step
+        plain.weight.grad = plain.bias.grad = None
+    # Step 2's input held an inf: the E4M3 cast clamped it to 448, the gradients stayed finite, and only the
+    # amax flag tells the update to skip. It never entered the history (checked above).
+
+
+def test_state_dict_round_trip_and_bitwise_replay():
+    from model import GPT
+
+    config = make_config()
+    batches = global_batches(4, 4, SEQ)
+    recipe = fp8.Recipe("delayed", amax_history=3)
+
+    def build():
+        model = GPT(config, seed=0, dtype=torch.float64)
+        return model, fp8.convert(model, recipe), torch.optim.AdamW(model.parameters(), lr=HYPER["lr"])
+
+    def step(model, handle, optimizer, x, y):
+        _, loss_sum, count = model(x, y)
+        (loss_sum / count).backward()
+        handle.after_grad_sync(None)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss_sum.detach()
+
+    model, handle, optimizer = build()
+    for x, y in batches[:3]:
+        step(model, handle, optimizer, x, y)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": optimizer.state_dict(), "fp8": handle.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert set(saved["fp8"]) == {f"transformer.h.{i}.{n}.{k}" for i in range(2)
+                                 for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+                                 for k in ("amax_history", "scale")}
+    restored, restored_handle, restored_opt = build()
+    restored.load_state_dict(saved["model"])
+    restored_opt.load_state_dict(saved["opt"])
+    restored_handle.load_state_dict(saved["fp8"])
+    for name, linear in handle.linears.items():
+        twin = restored_handle.linears[name]
+        assert torch.equal(twin.amax_history, linear.amax_history) and torch.equal(twin.scale, linear.scale)
+        assert twin.history_ready and (linear.amax_history[:, 2] > 0).all()  # three steps: history full
+    x, y = batches[3]
+    assert torch.equal(step(model, handle, optimizer, x, y), step(restored, restored_handle, restored_opt, x, y))
+    for p, q in zip(model.parameters(), restored.parameters()):
+        assert torch.equal(p, q)  # bitwise replay
+    with pytest.raises(ValueError, match="--fp8-amax-history 5"):
+        other_model = GPT(config, seed=0, dtype=torch.float64)
+        fp8.convert(other_model, fp8.Recipe("delayed", amax_history=5)).load_state_dict(saved["fp8"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory, ZeRO-3 helpers, activation checkpointing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _saved_bytes(fn):
+    total = []
+
+    def pack(t):
+        total.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(total), out
+
+
+def test_inputs_saved_in_fp8_and_counted():
+    """Under bf16 autocast a plain block saves each linear's input and weight in bf16; the FP8 block saves
+    both in FP8 (+ two float32 scales per linear). The measured difference is the handle's formula."""
+    from model import GPT
+
+    config = make_config(n_embd=64)
+    x = torch.randn(2, SEQ, config.n_embd)
+    measured = {}
+    for use_fp8 in (False, True):
+        model = GPT(config, seed=0)
+        handle = fp8.convert(model, fp8.Recipe("current")) if use_fp8 else None
+        with torch.autocast("cpu", torch.bfloat16):
+            measured[use_fp8], _ = _saved_bytes(lambda: model.transformer.h[0](x.requires_grad_()))
+    linears = [lin for name, lin in handle.linears.items() if name.startswith("transformer.h.0.")]
+    weights = sum(lin.weight.numel() for lin in linears)
+    block_handle = fp8.Fp8Handle(None, handle.recipe, {lin.name: lin for lin in linears})
+    predicted = block_handle.saved_input_bytes(2 * SEQ, 2)["saved"] + weights * (2 - 1) - 8 * len(linears)
+    assert measured[False] - measured[True] == predicted
+
+
+def test_zero3_uint8_shards_share_one_scale():
+    torch.manual_seed(0)
+    plain = nn.Linear(64, 32)
+    weight = plain.weight.detach()
+    amax = torch.stack([fp8.amax_of(piece) for piece in weight.chunk(4)]).max()  # what MAX all_reduce gives
+    scale = fp8.scale_from_amax(amax, fp8.E4M3.max)
+    gathered = torch.cat([fp8.quantize_to_uint8(piece, scale) for piece in weight.chunk(4)])
+    assert gathered.dtype == torch.uint8 and gathered.numel() == weight.numel()  # 1 byte per element
+    whole, _ = fp8.quantize(weight, fp8.E4M3, scale)
+    assert torch.equal(gathered, whole.view(torch.uint8))
+    # The FP8 linear on the dequantised weight (its own current scale) lands on exactly the same values.
+    dequantized = fp8.dequantize_from_uint8(gathered, scale, torch.float32)
+    requantized, _ = fp8.quantize(dequantized, fp8.E4M3, fp8.scale_from_amax(fp8.amax_of(dequantized), 448.0))
+    assert torch.equal(requantized.view(torch.uint8), gathered)
+
+
+@pytest.mark.parametrize("mode", fp8.MODES)
+def test_activation_checkpointing_recomputes_the_same_quantisation(mode):
+    from model import GPT
+
+    grads = []
+    for checkpointing in (False, True):
+        model = GPT(make_config(activation_checkpointing=checkpointing), seed=0, dtype=torch.float64)
+        handle = fp8.convert(model, fp8.Recipe(mode))
+        for x, y in global_batches(2, 2, SEQ):
+            model.zero_grad()
+            _, loss_sum, count = model(x, y)
+            (loss_sum / count).backward()
+            handle.end_step()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TP (2) and DP (2) against the single-device FP8 model
+# ---------------------------------------------------------------------------------------------------------
+
+# (mode, n_embd, sequence parallel, activation checkpointing); blockwise under TP needs n_embd/T % 128 == 0.
+TP_VARIANTS = [("current", 32, False, False), ("delayed", 32, False, False), ("blockwise", 256, False, False),
+               ("current", 32, True, True), ("delayed", 32, True, False)]
+DP_VARIANTS = [("current", 32, False, False), ("delayed", 32, False, False), ("blockwise", 256, False, False)]
+
+
+def _train(model, handle, dp_group, dp_rank, dp_size, tracer=None, finish_grad_sync=None):
+    """STEPS optimizer steps of this rank's micro-batches; returns (losses, per-step traced fp8 messages).
+    finish_grad_sync: the TP handle's (under SP, the replicated parameters' gradients are summed over TP)."""
+    from optim import adamw_param_groups
+
+    optimizer = torch.optim.AdamW(adamw_param_groups(model.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"],
+                                  betas=HYPER["betas"], eps=HYPER["eps"])
+    losses, traced = [], []
+    for x, y in global_batches(STEPS, GLOBAL_BATCH, SEQ):
+        batches = rank_micro_batches(x, y, dp_rank, dp_size, MICRO)
+        tokens = sum((yb != -1).sum() for _, yb in batches).double()
+        loss = torch.zeros((), dtype=torch.float64)
+        if dp_size > 1:
+            dist.all_reduce(tokens, group=dp_group)
+        if tracer is not None:
+            tracer.__enter__()
+        for xb, yb in batches:
+            _, loss_sum, _ = model(xb, yb)
+            (loss_sum / tokens).backward()
+            loss += loss_sum.detach()
+        if dp_size > 1:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=dp_group)
+            dist.all_reduce(loss, group=dp_group)
+        if finish_grad_sync is not None:
+            finish_grad_sync()
+        handle.after_grad_sync(None)
+        if tracer is not None:
+            tracer.__exit__(None, None, None)
+            traced.append({(op, group): (r.calls, r.payload_bytes) for (op, group), r in tracer.records.items()
+                           if group in ("tp", "dp_cp", "cp")})  # FP8's groups; the model's are unnamed
+            tracer.reset()
+        assert not handle.found_nonfinite_amax
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss / tokens))
+    return losses, traced
+
+
+def _single_device(mode, n_embd):
+    from model import GPT
+
+    model = GPT(make_config(n_embd=n_embd), seed=0, dtype=torch.float64)
+    handle = fp8.convert(model, fp8.Recipe(mode))
+    losses, _ = _train(model, handle, None, 0, 1)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, handle.state_dict()
+
+
+def _on_meshes(rank, world):
+    import tensor_parallel
+    from mesh import MeshShape, build_mesh
+    from mfu import CommTracer
+    from model import GPT
+
+    out = {}
+    for kind, variants in (("tp", TP_VARIANTS), ("dp", DP_VARIANTS)):
+        shape = MeshShape(dp=1, tp=2) if kind == "tp" else MeshShape(dp=2)
+        mesh = build_mesh(shape, rank)  # the model's groups
+        fp8_mesh = build_mesh(shape, rank)  # the same ranks in new groups: the tracer tells FP8's messages apart
+        for mode, n_embd, sp, checkpointing in variants:
+            config = make_config(n_embd=n_embd, activation_checkpointing=checkpointing)
+            model = GPT(config, seed=0, dtype=torch.float64)
+            finish = None
+            if kind == "tp":
+                tp_handle = tensor_parallel.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0)
+                finish = tp_handle.finish_grad_sync
+            handle = fp8.convert(model, fp8.Recipe(mode), fp8_mesh)
+            tracer = CommTracer()
+            for name in ("tp", "dp_cp", "cp"):
+                tracer.name_group(fp8_mesh.group(name), name)
+            losses, traced = _train(model, handle, mesh.dp_group, mesh.dp_rank, mesh.dp_size, tracer, finish)
+            micro_batches = GLOBAL_BATCH // (mesh.dp_size * MICRO)
+            predicted = [handle.predicted_messages(micro_batches, first_step=step == 0) for step in range(STEPS)]
+            pieces = {p.shard_info.global_name: (p.detach().clone(), p.shard_info) for p in model.parameters()}
+            out[kind, mode, n_embd, sp, checkpointing] = (losses, pieces, handle.state_dict(), traced, predicted)
+        if kind == "dp":  # a NaN amax on one rank makes every rank of the group skip, and stays out
+            handle = fp8.convert(GPT(make_config(), seed=0, dtype=torch.float64), fp8.Recipe("delayed"), fp8_mesh)
+            first = next(iter(handle.linears.values()))
+            first.step_amax.fill_(1.0)
+            if rank == 1:
+                first.step_amax[2] = float("nan")
+            handle.end_step()
+            out["nan"] = (handle.found_nonfinite_amax, first.amax_history[:, 0].tolist())
+    return out
+
+
+def test_tp_and_dp_equal_the_single_device_fp8_model():
+    references = {(mode, n): _single_device(mode, n) for mode, n, _, _ in TP_VARIANTS}
+    ranks = run_ranks(_on_meshes, 2, timeout=120)
+    for kind, variants in (("tp", TP_VARIANTS), ("dp", DP_VARIANTS)):
+        for variant in variants:
+            ref_losses, ref_params, ref_state = references[variant[:2]]
+            results = [r[(kind, *variant)] for r in ranks]
+            for losses, _, state, traced, predicted in results:
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
+                assert state.keys() == ref_state.keys()
+                for key, value in state.items():
+                    assert torch.equal(value, results[0][2][key]), (kind, variant, key)  # the same on every rank
+                    torch.testing.assert_close(value, ref_state[key], rtol=1e-6, atol=0, msg=key)
+                assert traced == predicted, (kind, variant)  # every amax all-reduce, counted and sized
+            full = {}
+            for _, pieces, _, _, _ in results:
+                for name, (local, info) in pieces.items():
+                    full.setdefault(name, torch.full(info.global_shape, float("nan"), dtype=local.dtype))
+                    info.place_into(full[name], local)
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(full[name], ref, rtol=TOL, atol=TOL, msg=f"{kind} {variant} {name}")
+    # The TP runs really sent amax reductions (current: every micro-batch; delayed: one per step after the first).
+    assert ranks[0][("tp", "current", 32, False, False)][3][1][("all_reduce", "tp")][0] == 8 * 2 * 4
+    assert ranks[0][("tp", "delayed", 32, False, False)][3][1] == {("all_reduce", "tp"): (1, 12 * 8)}
+    for flag, latest in (r["nan"] for r in ranks):
+        assert flag and latest == [1.0, 1.0, 0.0]
+
+
+def test_apply_flags_and_accounting_lines():
+    """The trainer's entry points: the flags and their defaults, apply() on a Run, the printouts."""
+    import argparse
+
+    from mesh import MeshShape, build_mesh
+    from mfu import CommTracer
+    from model import GPT
+
+    parser = argparse.ArgumentParser()
+    fp8.add_arguments(parser)
+    defaults = parser.parse_args([])
+    assert (defaults.fp8, defaults.fp8_amax_history, defaults.fp8_amax_algo, defaults.fp8_margin) == \
+        (None, 16, "max", 0)
+    config = make_config()
+    run = SimpleNamespace(args=parser.parse_args(["--fp8", "delayed", "--fp8-amax-history", "4"]),
+                          mesh=build_mesh(MeshShape(dp=1), rank=0), config=config, seq_len=SEQ, micro=2,
+                          micro_batches=2, device=torch.device("cpu"), compute_dtype=torch.bfloat16, seed=0)
+    assert fp8.apply(GPT(config, seed=0), SimpleNamespace(args=defaults)) is None  # off by default
+    model = GPT(config, seed=0)
+    handle = fp8.apply(model, run)
+    assert len(handle.linears) == 4 * config.n_layer and model.lm_head.__class__ is nn.Linear  # the head stays
+    assert all(type(m) is fp8.Fp8Linear for m in model.transformer.h.modules() if isinstance(m, nn.Linear))
+    lines = "\n".join(handle.startup_lines())
+    saved = handle.saved_input_bytes(2 * SEQ, 2)["saved"]
+    assert saved == 2 * SEQ * config.n_embd * (2 + 5) * config.n_layer  # M·h·(2 + 5/T)·(e_c - 1) per layer
+    assert "fp8 delayed, history L=4" in lines and "MFU:" in lines
+    assert handle.predicted_messages() == {}  # one process: nothing to agree on
+    assert 0.3 < handle.fp8_flops_fraction() < 1
+    assert handle.blended_peak(1000.0, 2000.0) > 1000.0 and handle.blended_peak(1000.0, None) == 1000.0
+    end = "\n".join(handle.end_lines(CommTracer(), steps=1))
+    assert "fp8 delayed: the scales in use" in end
