@@ -17,7 +17,7 @@ file never learns what ZeRO or TP are.
 
 Saving (every rank, at a step boundary):
 1. snapshot: copy this rank's primary pieces (`primary=False` marks a replica whose twin elsewhere is
-   written), its RNG states and the FP8 slot to host memory. Training is blocked only for this copy (plus
+   written), and its RNG states to host memory. Training is blocked only for this copy (plus
    waiting for the previous save, if it is still persisting).
 2. persist (on a background thread with `async_save`, else inline): write `shard-<rank>.pt` into
    `.tmp-step-<step>-<nonce>/`, hashing the bytes as they stream out, fsync it, then publish a small
@@ -60,7 +60,8 @@ Which stored tensor fills a target:
   filled from `param/X`, cast;
 - anything else must be present under its own key.
 Per-rank state: on the same mesh (same D, P, C, T, E) each rank gets back exactly its own RNG states (torch
-CPU, CUDA, Python `random`, numpy) and FP8 history: deterministic replay, bitwise. On another mesh a rank's
+CPU, CUDA, Python `random`, numpy): deterministic replay, bitwise. The FP8 scaling state is logical state
+(the same on every rank holding a linear, written once, kind `fp8/`), so it comes back on any mesh. On another mesh a rank's
 old RNG stream has no meaning, so every generator is re-seeded from (seed, step, rank): the run is
 deterministic for its mesh, and with dropout 0 the losses match the uninterrupted run to float tolerance
 (coverage-equivalent resharding: the data cursor makes it consume the same global batches). Replicated
@@ -76,7 +77,7 @@ Accounting for this file (Ψ parameters, b_w/b_m bytes per parameter/master elem
    all_gather of each rank's verification verdict and load outcome; each save (and close) ends or begins with
    an all_gather of every rank's save outcome, so a failure on one rank is raised on all.
 4. Restart state: it IS the restart state — parameters, master parameters, Adam moments and step, LR
-   position, loss scaler, every rank's RNG states, the data cursor, and an FP8 slot.
+   position, loss scaler, every rank's RNG states, the data cursor, and the FP8 scaling state.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ from model import ShardInfo, Split, StatePiece, counts_here, parameter_seed
 FORMAT_VERSION = 2  # 2: a piece records a list of splits (1: one split as four fields; still read)
 MANIFEST, MARKER = "manifest.json", "COMMITTED"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
-KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
+KINDS = ("param", "master", "exp_avg", "exp_avg_sq", "fp8")  # fp8: an axis's scaling state (fp8.py)
 FAULT_ENV = "CKPT_FAULT_PERSIST_SLEEP"  # "STEP:SECONDS": fault-injection tests sleep inside that step's persist
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -556,14 +557,17 @@ class Checkpointer:
 
     Every rank constructs one (it broadcasts a nonce) and calls `save`/`resume`/`close` at the same points.
     The layout provides `state_pieces()` and an `optimizer_step_count` property (Adam's t, settable); optionally
-    `stage` (ZeRO), `fp8_state() -> (tensors, scalars)` and `load_fp8_state(tensors, scalars)`.
+    `stage` (ZeRO). `axes` (step.Axis handles) add their own logical state as pieces (`state_pieces()`: FP8's
+    amax histories and scales, kind "fp8") and hear `state_loaded()` after a resume.
     """
 
     def __init__(self, root: str, mesh=None, keep: int = 2, async_save: bool = False, mtbf_hours=None,
-                 device="cpu", log=print, commit_timeout_s: float = 600.0, run_record: dict | None = None):
+                 device="cpu", log=print, commit_timeout_s: float = 600.0, run_record: dict | None = None,
+                 axes=()):
         if keep < 2:
             raise ValueError(f"keep={keep}: at least 2, so a good checkpoint survives while the next is written")
         self.root, self.keep, self.async_save, self.mtbf_hours = root, keep, async_save, mtbf_hours
+        self.axes = list(axes)
         # The flags that shape the run's trajectory (LR schedule, batch): saved, and compared on resume.
         self.run_record = dict(run_record or {})
         self.device, self.log, self.commit_timeout_s = torch.device(device), log, commit_timeout_s
@@ -667,10 +671,13 @@ class Checkpointer:
         buffer.copy_(tensor, non_blocking=tensor.is_cuda)
         return buffer
 
+    def _state_pieces(self, layout) -> list:
+        return layout.state_pieces() + [piece for axis in self.axes for piece in axis.state_pieces()]
+
     def _snapshot(self, step: int, layout, scaler, sampler) -> dict:
         """Host copies of everything this rank writes, taken at the step boundary."""
         tensors, entries, counts = {}, [], {}
-        for piece in layout.state_pieces():
+        for piece in self._state_pieces(layout):
             if not piece.primary:
                 continue
             if piece.key.split("/", 1)[0] not in KINDS:
@@ -685,11 +692,9 @@ class Checkpointer:
             torch.cuda.synchronize(self.device)  # the non-blocking copies have landed
         rng_tensors, rng_scalars = capture_rng_state(self.device)
         tensors.update(rng_tensors)
-        fp8_tensors, fp8_scalars = layout.fp8_state() if hasattr(layout, "fp8_state") else ({}, {})
-        tensors.update({f"fp8/{k}": v.detach().cpu().clone() for k, v in fp8_tensors.items()})
         data = dict(sampler.state_dict(), step=step)
         scalars = dict(step=step, adam_step=layout.optimizer_step_count, lr_step=step, scaler=scaler.state_dict(),
-                       data=data, rng=rng_scalars, fp8=fp8_scalars, run=self.run_record)
+                       data=data, rng=rng_scalars, run=self.run_record)
         return dict(step=step, tensors=tensors, entries=entries, scalars=scalars,
                     layout=dict(name=type(layout).__name__, zero_stage=getattr(layout, "stage", 0)))
 
@@ -881,7 +886,9 @@ class Checkpointer:
             return 0
         error, bytes_read = None, 0
         try:  # a rank can fail alone (a piece that does not fit its layout): all ranks must learn it
-            bytes_read = load_pieces(path, manifest, layout.state_pieces())
+            bytes_read = load_pieces(path, manifest, self._state_pieces(layout))
+            for axis in self.axes:
+                axis.state_loaded()
         except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as e:
             error = f"rank {self.rank}: {e}"
         errors = self._agree(error)
@@ -897,8 +904,6 @@ class Checkpointer:
             files = _ShardFiles(path, manifest)
             own = {name: files.tensor(record["file"], name) for name in record["tensors"]}
             restore_rng_state(own, scalars["rng"], self.device)
-            if hasattr(layout, "load_fp8_state"):
-                layout.load_fp8_state({k[4:]: v for k, v in own.items() if k.startswith("fp8/")}, scalars["fp8"])
         else:  # another mesh: old streams mean nothing here; fresh deterministic ones, alike within TP groups
             reseed_rng(seed, step, self.rank // self.mesh_record["tp"])
         saved_run = scalars.get("run", {})

@@ -84,6 +84,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import ShardInfo, StatePiece, counts_here
+from step import Axis
+
 # ---------------------------------------------------------------------------------------------------------
 # Formats and casts
 # ---------------------------------------------------------------------------------------------------------
@@ -483,13 +486,12 @@ def apply(model: nn.Module, run) -> Fp8Handle | None:
     return handle
 
 
-class Fp8Handle:
+class Fp8Handle(Axis):
     """What the trainer talks to: the step's end (the delayed roll), the non-finite flag, the scaling state,
     and the accounting. `found_nonfinite_amax` is this rank's: the update's world finite check must include
     it, so every rank skips a step in which any FP8 tensor had a non-finite amax."""
 
     name = "fp8"
-    schedule = None
 
     def __init__(self, model, recipe: Recipe, linears: dict, mesh=None):
         self.model, self.recipe, self.linears, self.mesh = model, recipe, linears, mesh
@@ -505,6 +507,45 @@ class Fp8Handle:
     def after_grad_sync(self, layout) -> None:
         """Called once per optimizer step after the gradient reduction: see `end_step`."""
         self.end_step()
+
+    def local_nonfinite(self):
+        """The update's world finite check counts it: a non-finite amax on any rank skips the step everywhere."""
+        return int(self.found_nonfinite_amax)
+
+    def step_lines(self) -> list:
+        return self.table().splitlines()
+
+    def traced_prediction(self, layout, steps: int) -> dict:
+        """Per step over `steps` traced steps: the delayed recipe's first step also sends current's messages."""
+        first = min(self.first_steps, steps) if self.recipe.mode == "delayed" else 0
+        out = {}
+        for count, table in ((steps - first, self.predicted_messages()),
+                             (first, self.predicted_messages(first_step=True))):
+            for key, (calls, payload) in table.items():
+                c, b = out.get(key, (0, 0))
+                out[key] = (c + count * calls / max(1, steps), b + count * payload / max(1, steps))
+        return out
+
+    def state_pieces(self) -> list:
+        """The delayed recipe's histories and scales as logical tensors ("fp8/<linear>.amax_history", ".scale"):
+        identical on every rank holding the linear, written by the one at coordinate 0 of its gradient group
+        and of tp (model.counts_here), so they reload on any mesh."""
+        if self.recipe.mode != "delayed":
+            return []
+        coords = self.mesh.coordinates() if self.mesh is not None else None
+        pieces = []
+        for name, linear in self.linears.items():
+            grad_group = getattr(linear.weight, "shard_info", None)
+            grad_group = grad_group.grad_group if grad_group is not None else "dp_cp"
+            for suffix, tensor in (("amax_history", linear.amax_history), ("scale", linear.scale)):
+                info = ShardInfo(f"{name}.{suffix}", tuple(tensor.shape), replicated_over=("tp", "cp"))
+                pieces.append(StatePiece(f"fp8/{name}.{suffix}", tensor, info,
+                                         primary=counts_here(info, coords, (grad_group,))))
+        return pieces
+
+    def state_loaded(self) -> None:
+        for linear in self.linears.values():
+            linear.history_ready = bool((linear.amax_history > 0).any())
 
     @torch.no_grad()
     def end_step(self) -> None:

@@ -181,7 +181,7 @@ def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, a
     if counted_pieces:
         stats[0] += torch.stack(torch._foreach_norm(list(counted_pieces))).double().pow(2).sum()
     if extra_nonfinite is not None:
-        stats[1] += extra_nonfinite.to(stats.device, torch.float64)
+        stats[1] += torch.as_tensor(extra_nonfinite, dtype=torch.float64).to(stats.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)  # the world: every rank, every axis
     sq_sum, nonfinite = stats.tolist()  # the step's one host synchronisation

@@ -84,6 +84,13 @@ class Axis:
     def after_step(self, skipped: bool) -> None:
         """Once per optimizer step, after the update (FP8 rolls its amax history)."""
 
+    def state_pieces(self) -> list:
+        """Its own training state as model.StatePiece (kind "fp8": FP8's amax histories), for ckpt.py."""
+        return []
+
+    def state_loaded(self) -> None:
+        """A checkpoint was just loaded into the tensors of state_pieces()."""
+
     def sampling(self):
         """A context in which model.generate runs on one rank group (TP gathers the logits, CP attends locally)."""
         return nullcontext()

@@ -568,7 +568,8 @@ class TensorParallel(Axis):
                              micro_batches, param_bytes, compute_bytes or param_bytes, sp_param_bytes=sp_grad_bytes,
                              n_blocks=len(self.model.transformer.h), embedding=self.model.has_embedding,
                              head=self.model.has_head,
-                             unsplit_mlp_blocks=sum(not isinstance(b.mlp, MLP) for b in self.model.transformer.h))
+                             unsplit_mlp_blocks=sum(not isinstance(b.mlp, MLP) for b in self.model.transformer.h),
+                             regather=all(b.attn.c_attn.regather for b in self.model.transformer.h))
 
     # The axis protocol train.py talks to (`apply` fills `run` and the start-up lines).
 
@@ -700,11 +701,14 @@ def block_messages(micro: int, seq: int, h: int, sequence_parallel: bool, param_
 def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_parallel: bool,
                   micro_batches: int = 1, param_bytes: int = 4, compute_bytes: int = 4,
                   sp_param_bytes: int = 0, n_blocks: int | None = None, embedding: bool = True,
-                  head: bool = True, unsplit_mlp_blocks: int = 0) -> dict:
+                  head: bool = True, unsplit_mlp_blocks: int = 0, regather: bool | None = None) -> dict:
     """Predicted TP-group messages of one optimizer step: {op: (calls, payload bytes)} (docstring item 3).
 
     n_blocks, embedding, head: what this rank holds (a pipeline stage holds a few blocks, maybe one end);
-    unsplit_mlp_blocks of them have an MLP that TP does not split (a mixture of experts)."""
+    unsplit_mlp_blocks of them have an MLP that TP does not split (a mixture of experts). regather: whether
+    SP's column layers gather their input again in backward (default: unless activation checkpointing; FP8
+    keeps the gathered input instead)."""
+    regather = not config.activation_checkpointing if regather is None else regather
     out = {}
 
     def add(op, payload, calls=1):
@@ -718,7 +722,7 @@ def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_par
         for index in range(blocks):
             split_mlp = index >= unsplit_mlp_blocks
             msgs = block_messages(micro, seq, h, sequence_parallel, param_bytes, compute_bytes,
-                                  regather=not config.activation_checkpointing, split_mlp=split_mlp)
+                                  regather=regather, split_mlp=split_mlp)
             if config.activation_checkpointing:
                 # Backward recomputes the block's forward, messages included, but torch's non-reentrant
                 # checkpoint stops as soon as every saved tensor is back: the MLP's final reduction feeds

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import ckpt
 import context_parallel
 import data
+import fp8
 import mfu
 import moe
 import pipeline
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-impl", default="ring", choices=["ring", "ulysses"], help="context parallel attention")
     g.add_argument("--cp-balance", default="zigzag", choices=["zigzag", "contiguous"],
                    help="how the sequence is cut over the C ranks (zig-zag balances causal work)")
+    fp8.add_arguments(p)  # --fp8 current|delayed|blockwise, --fp8-amax-history, --fp8-amax-algo, --fp8-margin
     g = p.add_argument_group("mixture of experts (moe.py)")
     g.add_argument("--moe-experts", type=int, default=0, help="experts N per MoE block (0: dense MLP)")
     g.add_argument("--moe-topk", type=int, default=2, help="experts per token k")
@@ -184,6 +186,7 @@ def validate_args(args, world_size: int):
         pipeline.check_flags(config.n_layer, args.pp, m, args.pp_schedule, args.pp_virtual, args.zero)
         context_parallel.check_flags(args.seq_len or config.block_size, args.cp, config.n_head, args.tp,
                                      args.cp_impl, args.cp_balance, config.dropout, args.sp)
+        fp8.check_flags(args, config, args.tp, args.cp, micro, args.seq_len or config.block_size)
     except ValueError as e:
         raise FlagError(str(e)) from None
     return shape, m, micro
@@ -260,6 +263,7 @@ AXES = (
     tensor_parallel.apply,
     context_parallel.apply,
     pipeline.apply,
+    fp8.apply,
 )
 
 
@@ -319,7 +323,7 @@ def main(argv=None):
                           warmup_steps=lr_schedule.warmup_steps, global_batch=args.global_batch, seq_len=run.seq_len)
         checkpointer = ckpt.Checkpointer(args.ckpt_dir, run.mesh, keep=args.keep, async_save=args.async_ckpt,
                                          mtbf_hours=args.mtbf_hours, device=run.device, log=print0,
-                                         run_record=run_record)
+                                         run_record=run_record, axes=run.axes)
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
             start_step = checkpointer.resume(args.resume, run.layout, scaler, sampler, args.seed)
 

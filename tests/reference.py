@@ -52,15 +52,21 @@ def add_squared_mean_aux(model, coef: float):
 
 
 def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch.float64, micro_batches: int = 1,
-                  aux_coef: float | None = None):
+                  aux_coef: float | None = None, fp8_recipe: str | None = None):
     """Train the single-device model on the global batches; return (losses, grad_norms, final parameters).
 
     With auxiliary losses (aux_coef: add_squared_mean_aux) the objective is DESIGN.md's: Σ CE / tokens +
     coef · mean over the `micro_batches` (= D·m) micro-batches of aux, the global batch cut in rank order.
+    fp8_recipe: the block linears in FP8 (fp8.py, one process), the delayed history rolled once per step.
     """
     model = GPT(config, seed=seed, dtype=dtype)
     if aux_coef is not None:
         add_squared_mean_aux(model, aux_coef)
+    fp8_handle = None
+    if fp8_recipe is not None:
+        import fp8
+
+        fp8_handle = fp8.convert(model, fp8.Recipe(fp8_recipe, 16, "max", 0))
     optimizer = torch.optim.AdamW(adamw_param_groups(model.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"],
                                   betas=HYPER["betas"], eps=HYPER["eps"])
     losses, norms = [], []
@@ -74,6 +80,8 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
             loss_sum = loss_sum + micro_loss_sum
             objective = objective + micro_loss_sum / count + (aux / micro_batches if aux is not None else 0.0)
         objective.backward()
+        if fp8_handle is not None:
+            fp8_handle.end_step()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
         optimizer.step()
         losses.append(float(loss_sum.detach() / count))

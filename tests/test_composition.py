@@ -65,8 +65,8 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
     sampler = BatchSampler(10_000, SEQ, global_batch, 0)  # the cursor only: the batches are the reference's
     start = 0
     if resume_root:
-        start = ckpt.Checkpointer(resume_root, mesh, log=lambda *a: None).resume("latest", run.layout, scaler,
-                                                                                 sampler, 0)
+        start = ckpt.Checkpointer(resume_root, mesh, log=lambda *a: None, axes=run.axes).resume(
+            "latest", run.layout, scaler, sampler, 0)
     losses = {}
     for step, (x, y) in enumerate(global_batches(STEPS, global_batch, SEQ)):
         if not start <= step < stop:
@@ -78,7 +78,7 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
                              model=run.model, schedule=run.schedule, axes=run.axes, data_size=shape.dp)
         losses[step] = outcome.loss
     if save_root:
-        saver = ckpt.Checkpointer(save_root, mesh, log=lambda *a: None)
+        saver = ckpt.Checkpointer(save_root, mesh, log=lambda *a: None, axes=run.axes)  # as train.py
         saver.save(stop, run.layout, scaler, sampler)
         saver.close()
     run.layout.unshard()
@@ -89,10 +89,10 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
 
 def _check(results, flags, config_kw, global_batch, micro):
     micro_batches_total = global_batch // micro  # D·m: the reference cuts the global batch alike (aux losses)
-    config = _config(_parse(flags, global_batch, micro), config_kw)
-    ref_losses, ref_norms, ref_params = reference_run(config,
+    args = _parse(flags, global_batch, micro)
+    ref_losses, ref_norms, ref_params = reference_run(_config(args, config_kw),
                                                       global_batches(STEPS, global_batch, SEQ), clip=CLIP,
-                                                      micro_batches=micro_batches_total)
+                                                      micro_batches=micro_batches_total, fp8_recipe=args.fp8)
     assert min(ref_norms) > CLIP  # clipping is active
     seen = set()
     for losses, params in results:
@@ -129,6 +129,12 @@ CONTEXT_4 = [
     (["--cp", "4", "--cp-impl", "ring"], {}, 2, 1),
     (["--cp", "4", "--cp-impl", "ulysses"], {}, 2, 1),
 ]
+FP8_4 = [  # the quantised values are the same on every mesh because the scales are (amax MAX over the pieces)
+    (["--fp8", "current", "--tp", "2"], {}, 4, 1),
+    (["--fp8", "delayed", "--tp", "2", "--sp"], {}, 4, 1),
+    (["--fp8", "delayed", "--pp", "2", "--zero", "1"], dict(n_layer=2), 4, 1),
+    (["--fp8", "current", "--cp", "2"], {}, 4, 2),
+]
 EXPERTS_4 = [
     (["--moe-experts", "4", "--ep", "2"], {}, 8, 1),  # D = 4, E = 2, dropless
     (["--moe-experts", "4", "--ep", "4", "--moe-capacity-factor", "1.0"], {}, 8, 2),  # E = 4, capacity
@@ -139,7 +145,8 @@ EXPERTS_4 = [
 ]
 
 
-@pytest.mark.parametrize("name,cases", [("pipeline", PIPELINE_4), ("context", CONTEXT_4), ("experts", EXPERTS_4)])
+@pytest.mark.parametrize("name,cases", [("pipeline", PIPELINE_4), ("context", CONTEXT_4), ("experts", EXPERTS_4),
+                                        ("fp8", FP8_4)])
 def test_composed_run_matches_single_device(name, cases):
     results = run_ranks(_cases, 4, cases, timeout=600)
     for index, case in enumerate(cases):
@@ -149,6 +156,7 @@ def test_composed_run_matches_single_device(name, cases):
 # Resharding: (the mesh that saves after SAVE_AT steps, the mesh that resumes and trains to the end).
 SAVE_AT = 2
 RESHARD_4 = [
+    ((["--fp8", "delayed", "--tp", "2", "--zero", "1"], {}, 4, 1), (["--fp8", "delayed", "--zero", "3"], {}, 4, 1)),
     ((["--pp", "2"], dict(n_layer=4), 8, 1), (["--pp", "4", "--pp-schedule", "zb"], dict(n_layer=4), 8, 1)),
     ((["--pp", "2", "--pp-schedule", "interleaved"], dict(n_layer=4), 8, 2), ([], dict(n_layer=4), 8, 2)),
     ((["--cp", "2", "--zero", "1"], {}, 4, 1), (["--cp", "4", "--cp-impl", "ulysses"], {}, 4, 1)),
@@ -169,7 +177,8 @@ def _reshard(rank, world, cases, root):
 
 def test_a_run_resumed_on_another_mesh_matches_the_uninterrupted_one(tmp_path):
     """Saved on P=2 and resumed on P=4 (and on no pipeline), saved on C=2 and resumed on C=4, saved on E=2 and
-    resumed on E=4: the resumed steps and the final parameters equal the single device's uninterrupted run."""
+    resumed on E=4, FP8 delayed saved on T=2 (ZeRO-1) and resumed on D=4 (ZeRO-3: the amax histories come back):
+    the resumed steps and the final parameters equal the single device's uninterrupted run."""
     results = run_ranks(_reshard, 4, RESHARD_4, str(tmp_path), timeout=600)
     for index, (_, resuming) in enumerate(RESHARD_4):
         per_rank = [rank_results[index] for rank_results in results]
