@@ -13,6 +13,7 @@ The training loop here is explicit (micro-batches, a gradient all-reduce, `after
 so that these tests depend on nothing but model.py, mesh.py, tensor_parallel.py and fp8.py.
 """
 
+import functools
 import io
 from types import SimpleNamespace
 
@@ -410,7 +411,7 @@ def _on_meshes(rank, world):
             finish = None
             if kind == "tp":
                 tp_handle = tensor_parallel.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0)
-                finish = tp_handle.finish_grad_sync
+                finish = functools.partial(tp_handle.after_grad_sync, _WholeGrads())
             handle = fp8.convert(model, fp8.Recipe(mode), fp8_mesh)
             tracer = CommTracer()
             for name in ("tp", "dp_cp", "cp"):
@@ -429,6 +430,13 @@ def _on_meshes(rank, world):
             handle.end_step()
             out["nan"] = (handle.found_nonfinite_amax, first.amax_history[:, 0].tolist())
     return out
+
+
+class _WholeGrads:
+    """The layout protocol's grad_pieces without data parallel: whole gradients."""
+
+    def grad_pieces(self, params):
+        return [p.grad for p in params if p.grad is not None]
 
 
 def test_tp_and_dp_equal_the_single_device_fp8_model():
