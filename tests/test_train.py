@@ -92,3 +92,9 @@ def test_empty_data_file_is_a_flag_error(tmp_path):
     empty.write_text("")
     with pytest.raises(FlagError, match="is empty"):
         validate_args(args_for("--data", str(empty)), 1)
+
+
+def test_resume_alone_means_latest():
+    assert args_for("--ckpt-dir", "ck", "--resume").resume == "latest"
+    assert args_for("--ckpt-dir", "ck", "--resume", "40").resume == "40"
+    assert args_for().resume is None
