@@ -381,6 +381,8 @@ class WeightGradStore:
 class PipelineSchedule:
     """The step's schedule object (step.GradientAccumulation's protocol), for one pp rank."""
 
+    measured_forward = "one (micro-batch, chunk) forward on this stage"  # what saved_activation_bytes covers
+
     def __init__(self, name: str, P: int, v: int, pp_rank: int, n_layer: int, group=None, peers=None,
                  seq_divisor: int = 1, sync_last_backward: bool = True):
         self.name, self.P, self.rank, self.group = name, P, pp_rank, group

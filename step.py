@@ -120,6 +120,8 @@ class GradientAccumulation:
     the earlier ones run inside `layout.no_sync()` and only accumulate.
     """
 
+    measured_forward = "one micro-batch's forward"  # what saved_activation_bytes covers
+
     def __init__(self):
         self.measure_activations = False  # set it: the next step measures its first micro-batch's saved bytes
         self.saved_activation_bytes = None  # bytes autograd saved for backward in one micro-batch's forward

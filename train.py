@@ -589,8 +589,7 @@ def print_end(run: Run, steps_run: int, seconds: float, steps_timed: int):
     saved = run.schedule.saved_activation_bytes
     if saved is not None:
         estimate, how = activation_estimate(run)
-        per = "micro-batch" if run.mesh.shape.pp == 1 else "micro-batch and pipeline chunk (its first forward)"
-        print0(f"  activations saved for backward per {per} (measured with saved_tensors_hooks, {run.args.dtype}"
+        print0(f"  activations saved for backward by {run.schedule.measured_forward} (saved_tensors_hooks, {run.args.dtype}"
                f" compute): {mfu.format_bytes(saved)}; Korthikanti estimate {mfu.format_bytes(estimate)}"
                f" (16-bit, {how}; a fused attention stores no score matrix, its 5·a·s/h term)")
     for line in run.layout.end_lines(run.tracer, steps_run):
