@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from step import Axis
+from step import Axis, sum_in_place
 import torch.nn.functional as F
 
 from model import GPTConfig
@@ -449,15 +449,7 @@ class MoEAxis(Axis):
         """With --sp each TP rank routed its sequence piece: sum the experts' and router's gradients over tp."""
         if not self.sequence_parallel:
             return
-        grads = [g for g in layout.grad_pieces(self.params()) if g is not None and g.numel()]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.run.mesh.group("tp"))
-        offset = 0
-        for g in grads:  # in place: the layout's gradients may be views into its buffers
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        sum_in_place([g for g in layout.grad_pieces(self.params()) if g.numel()], self.run.mesh.group("tp"))
 
     def tokens_per_micro_batch(self) -> int:
         """T: the tokens one rank routes per micro-batch (its CP piece, and SP piece)."""

@@ -76,7 +76,7 @@ import torch.nn.functional as F
 import mesh as mesh_lib
 import mfu
 from model import GPT, GPTConfig
-from step import Axis
+from step import Axis, sum_in_place
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 TIED = "transformer.wte.weight"
@@ -754,13 +754,7 @@ class Pipeline(Axis):
             return
         # Whole under DDP. Under ZeRO-1, this rank's segments: the layout must give the first and the last stage
         # the same element ranges of this tensor (e.g. a unit of its own), or the sum adds unrelated elements.
-        grads = layout.grad_pieces(copies)
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else copies[0].new_zeros(0)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.tied_group)
-        offset = 0
-        for g in grads:  # in place: the layout's gradients may be views of its buckets
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        sum_in_place(layout.grad_pieces(copies), self.tied_group)
 
     # --- accounting -------------------------------------------------------------------------------------------
 
@@ -778,7 +772,8 @@ class Pipeline(Axis):
         copies = tied_copies(self.model, self.schedule.n_chunks)
         if self.tied_group is not None and copies:
             pieces = layout.grad_pieces(copies) if layout is not None else copies
-            out["all_reduce", "pp_tied"] = (1, sum(t.numel() * t.element_size() for t in pieces))
+            if pieces:  # a ZeRO-1 shard may hold none of it (and then neither does its peer)
+                out["all_reduce", "pp_tied"] = (1, sum(t.numel() * t.element_size() for t in pieces))
         return out
 
     def startup_lines(self) -> list:

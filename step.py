@@ -96,6 +96,21 @@ class Axis:
         return nullcontext()
 
 
+@torch.no_grad()
+def sum_in_place(tensors: list, group) -> None:
+    """All-reduce (SUM) `tensors` over `group` as one flat message and write the sums back in place (they are
+    views into a layout's gradient buffers: layout.grad_pieces). Every rank of the group passes the same sizes,
+    so a rank with nothing to sum is one whose peers have nothing either: nobody sends."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def count_global_tokens(batches, group, device) -> torch.Tensor:
     """Target tokens (≠ -1) in the whole global batch: the denominator of the loss on every rank."""
     local = sum((batch[1] != -1).sum() for batch in batches).to(device=device, dtype=torch.float64)

@@ -72,7 +72,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from model import GPT, MLP, GPTConfig, ShardInfo, Split, init_full_parameter
-from step import Axis
+from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------
 # Collectives along the sequence (dim 1 of [batch, seq, ...]) and the vocabulary (last dim)
@@ -502,15 +502,7 @@ class TensorParallel(Axis):
         """
         if not self.sequence_parallel:
             return
-        grads = layout.grad_pieces(self.sequence_parallel_params)
-        if not grads:  # the same on every rank of the group: nobody sends
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.ctx.group)
-        offset = 0
-        for g in grads:  # copy back in place: the pieces are views into the layout's gradient buffers
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        sum_in_place(layout.grad_pieces(self.sequence_parallel_params), self.ctx.group)
 
     def sampling(self):
         return self.full_logits()
