@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pipeline as pp  # noqa: E402
 from bench.common import launch  # noqa: E402
 from mfu import CommTracer  # noqa: E402
-from model import GPTConfig, cross_entropy_sum  # noqa: E402
+from model import GPT, GPTConfig, cross_entropy_sum  # noqa: E402
 
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
          "zb": "ScheduleInterleavedZeroBubble"}
@@ -78,8 +78,8 @@ def _bench(rank, world, args):
     for name in ("gpipe", "1f1b", "interleaved", "zb"):
         v = 2 if name == "interleaved" else 1
         # Ours.
-        stages = pp.build_stages(config, 0, torch.float32, None, rank, P, v)
-        schedule = pp.PipelineSchedule(name, P, v, rank, group, list(range(world)))
+        stages = pp.build_stages(config, 0, torch.float32, None, rank, P, v)  # this rank's GPT of its chunks
+        schedule = pp.PipelineSchedule(name, P, v, rank, config.n_layer, group, list(range(world)))
         handle = pp.Pipeline(stages, schedule, args.micro, args.seq, m)
 
         def ours_step(stages=stages, schedule=schedule):
@@ -89,15 +89,18 @@ def _bench(rank, world, args):
             return float(out.loss_sum / global_tokens)
 
         # torch.distributed.pipelining on identical chunks.
-        theirs = pp.build_stages(config, 0, torch.float32, None, rank, P, v)
+        chunk_ids = pp.rank_chunks(rank, P, v)  # torch's stages are one module per chunk
+        chunks = [GPT(config, 0, torch.float32, None, layers=pp.stage_layers(config.n_layer, P, v, c),
+                      embedding=c == 0, head=c == P * v - 1) for c in chunk_ids]
+        theirs = torch.nn.ModuleList(chunks)
         torch_stages = [PipelineStage(TorchStageModule(chunk), chunk_id, P * v, torch.device("cpu"), group=group)
-                        for chunk, chunk_id in zip(theirs.chunks, theirs.chunk_ids)]
+                        for chunk, chunk_id in zip(chunks, chunk_ids)]
         loss_fn = lambda logits, target: cross_entropy_sum(logits, target) / global_tokens  # noqa: E731
         cls = getattr(torch_schedules, TORCH[name])
         torch_schedule = cls(torch_stages if cls in (torch_schedules.ScheduleInterleaved1F1B,
                                                      torch_schedules.ScheduleInterleavedZeroBubble)
                              else torch_stages[0], m, loss_fn=loss_fn, scale_grads=False)
-        holds_first, holds_last = 0 in theirs.chunk_ids, P * v - 1 in theirs.chunk_ids
+        holds_first, holds_last = 0 in chunk_ids, P * v - 1 in chunk_ids
 
         def torch_step(theirs=theirs, torch_schedule=torch_schedule, holds_first=holds_first, holds_last=holds_last):
             theirs.zero_grad(set_to_none=True)
