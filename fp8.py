@@ -17,11 +17,13 @@ dW = dYᵀ·X) are e5m2×e4m3. How the scale is chosen is the recipe (`--fp8`):
   blockwise  DeepSeek-V3 (2024, section 3.3): all E4M3, one scale per 1×128 tile of activations and output
              gradients and per 128×128 block of weights (current scaling, tile by tile).
 
-Which layers: the block linears (attention's c_attn and c_proj, the MLP's c_fc and c_proj, and the experts'
-linears: ~2/3 of a GPT's FLOPs). The embedding is a lookup, not a GEMM. The head stays in the compute dtype:
-its logits feed the softmax cross-entropy, whose gradient lives in the small differences between logits,
-and its weight is the tied embedding. The loss stays in fp32. MoE routers (modules named `router` or `gate`)
-stay in high precision too, as in DeepSeek-V3: a flipped top-k choice is not a small error.
+Which layers: the block linears (attention's c_attn and c_proj, the MLP's c_fc and c_proj: ~2/3 of a GPT's
+FLOPs). The embedding is a lookup, not a GEMM. The head stays in the compute dtype: its logits feed the
+softmax cross-entropy, whose gradient lives in the small differences between logits, and its weight is the
+tied embedding. The loss stays in fp32. MoE routers (modules named `router` or `gate`) stay in high
+precision too, as in DeepSeek-V3: a flipped top-k choice is not a small error. The experts' linears stay in
+the compute dtype for now: the rows an expert receives are data-dependent (dropless routing), and the FP8
+GEMM needs a multiple of 16 of them; padding each expert's rows in the dispatch would lift this.
 
 One logical tensor, one scale, on any mesh. Ranks holding pieces of the same logical tensor (TP shards of a
 weight, of an activation or of its gradient; CP pieces of a sequence) reduce its amax with MAX before
@@ -460,8 +462,8 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto") -> 
     linears = {}
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
-            if type(module) is not nn.Linear or path.rpartition(".")[2] in ("router", "gate"):
-                continue
+            if type(module) is not nn.Linear or path.rpartition(".")[2] in ("router", "gate") or ".experts." in f".{path}":
+                continue  # routers stay precise; experts see data-dependent row counts (module docstring)
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
             amax_groups = tuple(mesh.group(g) for g in groups("cp", "tp"))
@@ -624,7 +626,7 @@ class Fp8Handle(Axis):
 
     # --- accounting ---------------------------------------------------------------------------------------
 
-    def predicted_messages(self, micro_batches: int | None = None, first_step: bool = False) -> dict:
+    def predicted_messages(self, layout=None, micro_batches: int | None = None, first_step: bool = False) -> dict:
         """Per optimizer step: {("all_reduce", group name): (calls, payload bytes)} (docstring item 3).
         first_step: the delayed recipe's first step, which also scales like `current`."""
         m = micro_batches if micro_batches is not None else self.run.micro_batches

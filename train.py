@@ -1,4 +1,4 @@
-"""Train the GPT on a mesh of devices: flags → mesh → model → parallel transforms → loop → printouts.
+"""Train the GPT on a mesh of devices: flags → mesh → model → the axes (AXES) → layout → schedule → loop → printouts.
 
     python train.py                                   # one process, `small` preset, built-in corpus
     torchrun --nproc_per_node 2 train.py --preset tiny --steps 50
@@ -305,7 +305,7 @@ def main(argv=None):
     run.flops = model_flops(run.config, run.seq_len)  # of the logical model, before any axis splits it
     run.axes = [axis for axis in (apply(run.model, run) for apply in AXES) if axis is not None]
     run.layout = build_layout(run.model, run)
-    run.schedule = next((a.schedule for a in run.axes if getattr(a, "schedule", None)), GradientAccumulation())
+    run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), GradientAccumulation())
     run.peak = mfu.detect_peak_flops(run.device, args.dtype, args.peak_tflops)
     run.groups = {**run.mesh.groups, **{name: g for a in run.axes for name, g in a.groups().items() if g is not None}}
     for name, group in run.groups.items():

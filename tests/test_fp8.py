@@ -418,7 +418,7 @@ def _on_meshes(rank, world):
                 tracer.name_group(fp8_mesh.group(name), name)
             losses, traced = _train(model, handle, mesh.dp_group, mesh.dp_rank, mesh.dp_size, tracer, finish)
             micro_batches = GLOBAL_BATCH // (mesh.dp_size * MICRO)
-            predicted = [handle.predicted_messages(micro_batches, first_step=step == 0) for step in range(STEPS)]
+            predicted = [handle.predicted_messages(micro_batches=micro_batches, first_step=step == 0) for step in range(STEPS)]
             pieces = {p.shard_info.global_name: (p.detach().clone(), p.shard_info) for p in model.parameters()}
             out[kind, mode, n_embd, sp, checkpointing] = (losses, pieces, handle.state_dict(), traced, predicted)
         if kind == "dp":  # a NaN amax on one rank makes every rank of the group skip, and stays out
