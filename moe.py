@@ -252,7 +252,7 @@ class MoE(nn.Module):
                                                                self.capacity_factor))
         y = self.dispatch_and_combine(tokens, gate, expert, keep)
         self._record(routed, keep)
-        return self.dropout(y.view(x.shape))
+        return self.dropout(y.view(x.shape).to(x.dtype))  # the fp32 gate must not widen the residual stream
 
     def dispatch_and_combine(self, tokens, gate, expert, keep) -> torch.Tensor:
         """Steps 1-6 of the module docstring: send each kept slot's row to its expert's owner and back."""

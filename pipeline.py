@@ -421,7 +421,9 @@ class PipelineSchedule:
         steps = self.plan(len(batches))
         synced = last_backwards(steps) if self.sync_last_backward else set()
         run = _StepState(model, batches, global_tokens, loss_scale, aux_divisor, autocast, device)
-        dtype = next(model.parameters()).dtype  # the residual stream stays in the parameter dtype
+        # Stage boundaries carry the parameter dtype (the residual stream's, usually): a layer whose output is
+        # wider (an FP8 linear's, say) is cast to it on the way, so every receive knows its size in advance.
+        dtype = run.boundary_dtype = next(model.parameters()).dtype
         received, send_works, pending, events, busy = {}, [], [], [], defaultdict(list)
         start = time.perf_counter()
         for step in steps:
@@ -488,8 +490,8 @@ class PipelineSchedule:
                 h = _recv_blocking(self.peers[(chunk - 1) % self.P], self.group, device,
                                    next(model.parameters()).dtype)
             h = model.forward_blocks(h, self.chunk_layers[chunk])
-            if chunk < self.n_chunks - 1:
-                _send_blocking(h, self.peers[(chunk + 1) % self.P], self.group)
+            if chunk < self.n_chunks - 1:  # in the parameter dtype, as the receive expects
+                _send_blocking(h.to(next(model.parameters()).dtype), self.peers[(chunk + 1) % self.P], self.group)
         return head(model, h) if (self.n_chunks - 1) % self.P == self.rank else None
 
     # --- p2p ------------------------------------------------------------------------------------------------
@@ -548,11 +550,11 @@ class PipelineSchedule:
             return None
         roots = [h] if aux is None else [h, aux / run.aux_divisor * run.loss_scale]
         run.saved[action.mb, action.chunk] = (inp, roots)
-        return h.detach()
+        return h.detach().to(run.boundary_dtype)
 
     def _B(self, run, action: Action, grad):
         inp, roots = run.saved.pop((action.mb, action.chunk))
-        grads = None if grad is None else [grad] + [None] * (len(roots) - 1)
+        grads = None if grad is None else [grad.to(roots[0].dtype)] + [None] * (len(roots) - 1)
         torch.autograd.backward(roots, grads)
         return None if inp is None else inp.grad
 

@@ -98,3 +98,18 @@ def test_resume_alone_means_latest():
     assert args_for("--ckpt-dir", "ck", "--resume").resume == "latest"
     assert args_for("--ckpt-dir", "ck", "--resume", "40").resume == "40"
     assert args_for().resume is None
+
+
+def test_every_axis_at_once_through_torchrun(tmp_path):
+    """PP 2 × CP 2 (DP 1) on 4 ranks with experts over EP 2, FP8 and ZeRO-1: the whole of train.main (the
+    printouts, evaluation through the stages, sampling in lock step), every traced message as predicted."""
+    run = launch(4, "--preset", "tiny", "--pp", "2", "--cp", "2", "--moe-experts", "4", "--ep", "2", "--fp8",
+                 "current", "--zero", "1", "--steps", "3", "--global-batch", "8", "--micro-batch", "2",
+                 "--out-dir", str(tmp_path), "--eval-every", "2", "--eval-batches", "1", "--sample-tokens", "4",
+                 timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    table = out.split("messages per training step, traced vs predicted")[1].split("communication by")[0]
+    assert all(group in table for group in ("pp ", "pp_tied", "cp ", "ep ", "dp_cp", "world"))
+    assert "<- differs" not in table, table
+    assert "moe load" in out and "fp8 current" in out and "pipeline 1f1b" in out and "sample" in out
