@@ -620,7 +620,7 @@ class Checkpointer:
         else:
             error = None
             try:
-                self._persist(snapshot, stats)
+                self._persist_or_report(snapshot, stats)
             except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
                 error = f"rank {self.rank}: {type(e).__name__}: {e}"
             errors = self._agree(error)  # also the barrier: every rank returns after rank 0's commit
@@ -700,15 +700,31 @@ class Checkpointer:
 
     def _persist_in_background(self, snapshot: dict, stats: SaveStats) -> None:
         try:
-            self._persist(snapshot, stats)
+            self._persist_or_report(snapshot, stats)
             self._result = stats
         except BaseException as e:  # noqa: BLE001 - surfaced by wait() on the main thread
             self._error = e
 
+    def _tmp_dir(self, step: int) -> str:
+        return os.path.join(self.root, f".tmp-{step_dir_name(step)}-{self.nonce}")
+
+    def _persist_or_report(self, snapshot: dict, stats: SaveStats) -> None:
+        """_persist, and if it fails on a rank other than 0, a failure record rank 0's commit sees at once
+        (instead of waiting for this rank's success record until the commit timeout)."""
+        try:
+            self._persist(snapshot, stats)
+        except BaseException as e:
+            if self.rank != 0:
+                tmp = self._tmp_dir(snapshot["step"])
+                os.makedirs(tmp, exist_ok=True)
+                _write_durably(os.path.join(tmp, f"rank-{self.rank:05d}.failed"),
+                               f"{type(e).__name__}: {e}".encode())
+            raise
+
     def _persist(self, snapshot: dict, stats: SaveStats) -> None:
         start = time.perf_counter()
         step = snapshot["step"]
-        tmp = os.path.join(self.root, f".tmp-{step_dir_name(step)}-{self.nonce}")
+        tmp = self._tmp_dir(step)
         os.makedirs(tmp, exist_ok=True)
         file = f"shard-{self.rank:05d}.pt"
         with open(os.path.join(tmp, file), "wb") as f:
@@ -740,6 +756,11 @@ class Checkpointer:
         names = [os.path.join(tmp, f"rank-{r:05d}.json") for r in range(self.world)]
         deadline = time.monotonic() + self.commit_timeout_s
         while not all(os.path.exists(n) for n in names):
+            failed = sorted(name for name in os.listdir(tmp) if name.endswith(".failed"))
+            if failed:  # a rank's persist failed: say so now, not at the timeout
+                with open(os.path.join(tmp, failed[0])) as f:
+                    raise CheckpointError(f"step {step}: {failed[0].removesuffix('.failed')} failed to write its"
+                                          f" shard ({f.read()}); {tmp} is left uncommitted")
             if time.monotonic() > deadline:
                 raise CheckpointError(f"step {step}: not every rank wrote its shard within "
                                       f"{self.commit_timeout_s:.0f} s; {tmp} is left uncommitted")

@@ -253,7 +253,7 @@ def test_resuming_an_older_step_sets_the_newer_ones_aside(tmp_path):
     assert saver.find("latest")[0].endswith("step-00000005")
 
 
-def _save_fails_on_rank_1(rank, world, root, async_save):
+def _save_fails_on_rank_1(rank, world, root, async_save, commit_timeout_s=2):
     """Rank 1's persist raises (a full disk, say): every rank must raise, none may wait forever."""
     import ckpt
     from data import BatchSampler
@@ -262,7 +262,7 @@ def _save_fails_on_rank_1(rank, world, root, async_save):
 
     mesh = build_mesh(MeshShape(dp=2))
     _, layout = build_layout(LAYOUTS["D2"], mesh, make_config(), torch.float64)
-    saver = ckpt.Checkpointer(root, mesh, async_save=async_save, log=lambda *a: None, commit_timeout_s=2)
+    saver = ckpt.Checkpointer(root, mesh, async_save=async_save, log=lambda *a: None, commit_timeout_s=commit_timeout_s)
     if rank == 1:
         def full_disk(snapshot, stats):
             raise OSError("No space left on device")
@@ -273,6 +273,17 @@ def _save_fails_on_rank_1(rank, world, root, async_save):
     except ckpt.CheckpointError as e:
         return str(e)
     return None
+
+
+def test_a_failed_save_on_rank_1_is_reported_at_once_not_at_the_commit_timeout(tmp_path):
+    """With the default 600 s commit timeout, rank 1's failure record makes rank 0 give up at once."""
+    import time
+
+    start = time.monotonic()
+    messages = run_ranks(_save_fails_on_rank_1, 2, str(tmp_path), False, 600.0, timeout=60)
+    assert time.monotonic() - start < 30
+    assert all(m is not None and "rank 1" in m and "No space left" in m for m in messages), messages
+    assert "rank-00001 failed to write its shard" in messages[0]
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
