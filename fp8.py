@@ -276,7 +276,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 y = (dequantize_tiles(qx, ix, TILE_ACTIVATION, wide)
                      @ dequantize_tiles(qw, iw, TILE_WEIGHT, wide).t()).to(out_dtype)
             else:
-                amax = torch.stack([amax_of(x2), amax_of(weight)])
+                # ZeRO-3 gathered the weight as E4M3 codes: its amax is the one the codes were scaled with.
+                amax_w = layer.gathered_weight_amax
+                amax = torch.stack([amax_of(x2), amax_of(weight) if amax_w is None else amax_w])
                 scale = layer.scales(FORWARD, amax)
                 qx, sat_x = quantize(x2, E4M3, scale[0], layer.counts_saturation)
                 qw, sat_w = quantize(weight, E4M3, scale[1], layer.counts_saturation)
@@ -353,6 +355,7 @@ class Fp8Linear(nn.Linear):
         self.saturated = torch.zeros(3, dtype=torch.int64, device=device)  # since the last table
         self.quantized = [0, 0, 0]
         self.recording = True
+        self.gathered_weight_amax = None  # set by ZeRO-3 while it holds this weight gathered from FP8 codes
         self.counts_saturation = recipe.mode == "delayed"  # current and blockwise cannot saturate
         blockwise_or_double = recipe.mode == "blockwise" or linear.weight.dtype == torch.float64
         self.use_scaled_mm = (gemm == "scaled_mm" or (gemm == "auto" and has_fp8_tensor_cores(device))) \
@@ -468,6 +471,7 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto") -> 
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
             amax_groups = tuple(mesh.group(g) for g in groups("cp", "tp"))
             fp8 = Fp8Linear(module, recipe, name, amax_groups, gemm)
+            fp8.amax_group_names = groups("cp", "tp")
             fp8.delayed_groups = groups(info.grad_group if info else "dp_cp", "tp")
             parent = block.get_submodule(path.rpartition(".")[0])
             setattr(parent, path.rpartition(".")[2], fp8)
@@ -577,6 +581,10 @@ class Fp8Handle(Axis):
                 linear.roll(amax[row], finite[row])
             linear.step_amax.zero_()
         self.steps += 1
+
+    def gather_codecs(self) -> dict:
+        """{weight parameter: its Fp8Linear}: ZeRO-3 gathers these weights in FP8 (zero.py, `codecs`)."""
+        return {} if self.recipe.mode == "blockwise" else {lin.weight: lin for lin in self.linears.values()}
 
     def weight_scale(self, name: str) -> torch.Tensor | None:
         """The scale the delayed recipe quantises weight `name` with this step (ZeRO-3's FP8 gather can use

@@ -124,6 +124,9 @@ class _Unit:
         self.uncounted_segments = []  # [(lo, hi)] of the shard that the global norm skips (TP replicas)
         self.gather_work = None  # stage 3 in-flight all-gather
         self.gathered = False  # stage 3: the full buffer's storage is allocated
+        self.fp8 = []  # stage 3 with FP8 weights: [(linear, lo, hi)] shard segments gathered as E4M3 bytes
+        self.codes = None  # the in-flight gather's uint8 buffer [n'], and the scales to decode it with
+        self.code_scales = None
 
     def shard_range_of(self, i: int):
         """(lo, hi) of parameter i, as offsets into this rank's shard, or None when the shard misses it."""
@@ -143,7 +146,7 @@ class ZeroLayout:
     def __init__(self, module: nn.Module, group, stage: int, *, lr: float, weight_decay: float = 0.1,
                  betas=(0.9, 0.95), eps: float = 1e-8, param_dtype=torch.float32, master_dtype=torch.float32,
                  bucket_mb: float = 25.0, coords: dict | None = None, check_same_init: bool = True,
-                 forward=None, groups: dict | None = None):
+                 forward=None, groups: dict | None = None, codecs: dict | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage} (stage 0 is ddp.py + DDPLayout)")
         self.module, self.group, self.stage = module, group, stage
@@ -151,6 +154,8 @@ class ZeroLayout:
         # ones over dp×cp (`group`), experts over expert_dp (`groups`), each unit over one of them.
         self.groups = dict(groups or {})
         self.groups.setdefault("dp_cp", group)
+        # Stage 3: weights gathered in FP8 (fp8.Fp8Linear's, {param: linear}): one byte per element on the wire.
+        self.codecs = dict(codecs or {}) if stage == 3 else {}
         self.forward = forward or module  # e.g. torch.compile(module) (stages 1/2)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.param_dtype, self.master_dtype = param_dtype, master_dtype
@@ -165,6 +170,7 @@ class ZeroLayout:
         self._next_to_launch = 0
         self._launched_this_step = False
         self._unsharded = False
+        self._exact_gathers = False  # unshard() gathers the working weights themselves, not their FP8 codes
 
         params = [p for p in module.parameters() if p.requires_grad]
         names = {id(p): n for n, p in module.named_parameters()}
@@ -189,8 +195,9 @@ class ZeroLayout:
                 raise ValueError("ZeRO-3 gathers one transformer block at a time: the model needs n_layer ≥ 1")
             in_block = {id(p) for b in self.blocks for p in b.parameters()}
             # A block's parameters, one unit per data-parallel group (a MoE block: dense, then experts).
-            units = [_by_group([p for p in b.parameters() if p.requires_grad]) for b in reversed(self.blocks)]
-            units.append(_by_group([p for p in params if id(p) not in in_block]))  # the root: last gradients
+            # FP8 weights form units of their own: those are gathered as E4M3 bytes.
+            units = [_by_group([p for p in b.parameters() if p.requires_grad], self.codecs) for b in reversed(self.blocks)]
+            units.append(_by_group([p for p in params if id(p) not in in_block], self.codecs))  # the root: last
             sets = [len(u) for u in units]
             units = [u for block in units for u in block]
         else:
@@ -207,6 +214,11 @@ class ZeroLayout:
             for unit in self.units:
                 self._build_unit(unit, device)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        for unit in self.units:
+            for i, p in enumerate(unit.params):
+                span = unit.shard_range_of(i)
+                if p in self.codecs:
+                    unit.fp8.append((self.codecs[p], *(span or (0, 0))))
         if stage == 3:  # what is gathered together: block i's units, the root's
             bounds = [sum(sets[:k]) for k in range(len(sets) + 1)]
             gathered_sets = [self.units[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
@@ -421,8 +433,13 @@ class ZeroLayout:
             if self._unsharded or unit.gathered:
                 continue
             unit.full_param.untyped_storage().resize_(unit.padded_numel * unit.full_param.element_size())
-            unit.gather_work = dist.all_gather_single(unit.full_param, unit.param_shard, group=unit.group,
-                                                      async_op=True)
+            if unit.fp8 and not self._exact_gathers:  # E4M3 bytes, decoded into full_param in _wait
+                shard_codes, unit.code_scales, unit.code_amax = self._encode(unit)
+                unit.codes = torch.empty(unit.padded_numel, dtype=torch.uint8, device=shard_codes.device)
+                unit.gather_work = dist.all_gather_single(unit.codes, shard_codes, group=unit.group, async_op=True)
+            else:
+                unit.gather_work = dist.all_gather_single(unit.full_param, unit.param_shard, group=unit.group,
+                                                          async_op=True)
             unit.gathered = True
         alive = sum(any(u.gathered for u in units_) for units_ in (*self.block_units, self.root))
         self.peak_gathered_units = max(self.peak_gathered_units, alive)
@@ -433,6 +450,47 @@ class ZeroLayout:
             if unit.gather_work is not None:
                 unit.gather_work.wait()
                 unit.gather_work = None
+            if unit.codes is not None:
+                self._decode(unit)
+
+    @torch.no_grad()
+    def _encode(self, unit: _Unit):
+        """This rank's shard of an FP8 unit as E4M3 bytes, each weight with ONE scale shared by every rank that
+        holds a piece of it: the amax of its shard segments MAX-reduced over the unit's group (the whole
+        weight), then over the linear's own amax groups (its TP/CP pieces); or, under delayed scaling with a
+        history, the linear's scale. The Fp8Linear re-quantises the decoded weight to the same codes."""
+        import fp8
+
+        none = torch.zeros((), dtype=torch.float32, device=unit.param_shard.device)  # a rank without a piece
+        amax = torch.stack([fp8.amax_of(unit.param_shard[lo:hi]) if hi > lo else none
+                            for _, lo, hi in unit.fp8])  # float32, as the linear's own amax
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=unit.group)
+        for group in unit.fp8[0][0].amax_groups:  # the same groups for every block linear
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        scales = []
+        for (linear, _, _), value in zip(unit.fp8, amax):
+            delayed = linear.recipe.mode == "delayed" and linear.history_ready
+            scales.append(linear.scale[1] if delayed else  # exactly as the linear computes it
+                          fp8.scale_from_amax(value, linear.fmt_max[1], linear.recipe.margin))
+        codes = torch.zeros(unit.shard_numel, dtype=torch.uint8, device=unit.param_shard.device)
+        for (_, lo, hi), scale in zip(unit.fp8, scales):
+            if hi > lo:
+                codes[lo:hi] = fp8.quantize_to_uint8(unit.param_shard[lo:hi], scale)
+        return codes, scales, amax
+
+    @torch.no_grad()
+    def _decode(self, unit: _Unit):
+        """The gathered E4M3 bytes → the working weights (q/scale), weight by weight; padding stays zero."""
+        import fp8
+
+        for p, offset, scale, (linear, _, _), amax in zip(unit.params, unit.offsets, unit.code_scales, unit.fp8,
+                                                          unit.code_amax):  # an FP8 unit holds weights only
+            unit.full_param[offset:offset + p.numel()] = fp8.dequantize_from_uint8(
+                unit.codes[offset:offset + p.numel()], scale, unit.full_param.dtype)
+            # The linear scales with this amax, not the decoded weight's (q/s, within a rounding of it): the
+            # same scale as the codes', so re-quantising gives the codes back and the GEMM uses exactly s.
+            linear.gathered_weight_amax = amax
+        unit.codes, unit.code_scales = None, None
 
     def _free(self, units: list):
         for unit in units:
@@ -441,6 +499,9 @@ class ZeroLayout:
             if unit.gather_work is not None:
                 unit.gather_work.wait()
                 unit.gather_work = None
+            unit.codes, unit.code_scales = None, None  # gathered but never used (evaluation's last block)
+            for linear, _, _ in unit.fp8:
+                linear.gathered_weight_amax = None
             _free_storage(unit.full_param)
             unit.gathered = False
 
@@ -477,6 +538,8 @@ class ZeroLayout:
     def unshard(self):
         """Gather every unit for good (e.g. to sample after training): collective, every rank calls it."""
         if self.stage == 3:
+            self._free(self.units)  # an FP8-gathered unit is regathered exactly
+            self._exact_gathers = True
             self._wait(self.units)
             self._unsharded = True
 
@@ -546,14 +609,20 @@ class ZeroLayout:
             return persistent + max(2 * b.grads * largest, b.weights * shards)
         return persistent + max(b.grads, b.weights) * shards
 
+    def _gathers(self, unit: _Unit) -> int:
+        """Stage 3 gathers of a unit per micro-batch: the root twice in forward (embedding, tied head), a block
+        once in forward and once in backward, except the last block (kept from its forward into backward)."""
+        return 2 if unit in self.root or unit not in self.block_units[-1] else 1
+
     def predicted_comm(self, micro_batches: int, group_name: str = "dp_cp") -> dict:
-        """Payload bytes M per step per collective over one data-parallel group (docstring, 3)."""
+        """Payload bytes M per step per collective over one data-parallel group (docstring, 3). Stage 3 gathers
+        FP8 weights as one byte per element."""
         b = self.bytes_per_param()
         units = self._units_of(group_name)
         psi = sum(u.padded_numel for u in units)
         if self.stage == 3:
-            kept = sum(u.padded_numel for u in self.block_units[-1] if u in units)  # last block: not regathered
-            return {"all_gather_single": micro_batches * b.weights * (2 * psi - kept),
+            gathered = sum(self._gathers(u) * u.padded_numel * (1 if u.fp8 else b.weights) for u in units)
+            return {"all_gather_single": micro_batches * gathered,
                     "reduce_scatter_single": micro_batches * b.grads * psi}
         reduces = micro_batches if self.stage == 2 else 1
         return {"all_gather_single": b.weights * psi, "reduce_scatter_single": reduces * b.grads * psi}
@@ -565,11 +634,14 @@ class ZeroLayout:
             units = self._units_of(name)
             if not units or dist.get_world_size(group) == 1:
                 continue
-            if self.stage == 3:  # per micro-batch, forward gathers the blocks once and the root twice (embedding,
-                # head); backward regathers every block but the last
-                last = sum(u in units for u in self.block_units[-1])
-                calls = {"all_gather_single": micro_batches * (2 * len(units) - last),
+            if self.stage == 3:
+                calls = {"all_gather_single": micro_batches * sum(self._gathers(u) for u in units),
                          "reduce_scatter_single": micro_batches * len(units)}
+                for unit in (u for u in units if u.fp8):  # each FP8 gather first agrees on the weights' scales
+                    for group in (name, *unit.fp8[0][0].amax_group_names):
+                        c, p = out.get(("all_reduce", group), (0, 0))
+                        n = micro_batches * self._gathers(unit)
+                        out[("all_reduce", group)] = (c + n, p + n * 4 * len(unit.fp8))
             else:
                 calls = {"all_gather_single": len(units),
                          "reduce_scatter_single": len(units) * (micro_batches if self.stage == 2 else 1)}
@@ -676,9 +748,10 @@ def _merge(segments: list) -> list:
     return out
 
 
-def _by_group(params: list) -> list:
-    """The parameters split by data-parallel group, in first-seen order: [[dense...], [experts...]]."""
+def _by_group(params: list, codecs: dict) -> list:
+    """The parameters split by data-parallel group and by whether they are gathered in FP8, in first-seen
+    order: [[dense...], [dense FP8 weights...], [experts...]]."""
     out = {}
     for p in params:
-        out.setdefault(grad_group(p), []).append(p)
+        out.setdefault((grad_group(p), p in codecs), []).append(p)
     return list(out.values())

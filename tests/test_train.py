@@ -113,3 +113,30 @@ def test_every_axis_at_once_through_torchrun(tmp_path):
     assert all(group in table for group in ("pp ", "pp_tied", "cp ", "ep ", "dp_cp", "world"))
     assert "<- differs" not in table, table
     assert "moe load" in out and "fp8 current" in out and "pipeline 1f1b" in out and "sample" in out
+
+
+def _traced_row(out: str, op: str, group: str) -> str:
+    table = out.split("messages per training step, traced vs predicted")[1].split("communication by")[0]
+    assert "<- differs" not in table, table
+    return next(line for line in table.splitlines() if line.split()[:2] == [op, group])
+
+
+def test_zero3_gathers_fp8_weights_in_half_the_bytes(tmp_path):
+    """--zero 3 --fp8 under bf16: the block linears' weights travel as E4M3 bytes (1 byte, not bf16's 2); the
+    traced all-gather equals the prediction, and the FP8 units' share of it is exactly half of bf16's."""
+    common = ["--preset", "tiny", "--zero", "3", "--steps", "2", "--global-batch", "2", "--micro-batch", "1",
+              "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path)]
+    plain, fp8_run = launch(2, *common), launch(2, *common, "--fp8", "current")
+    for run in (plain, fp8_run):
+        assert run.returncode == 0, run.stderr[-3000:]
+
+    def traced_kib(out):  # "all_gather_single dp_cp traced <calls> <payload> KiB predicted ..."
+        fields = _traced_row(out, "all_gather_single", "dp_cp").split()
+        assert fields[5] == "KiB", fields
+        return float(fields[4])
+
+    # tiny: h = 64, 2 blocks; per block the 4 weights are 12·h² elements, gathered twice per micro-batch but
+    # the last block's once: 3 gathers × 12·h² per micro-batch, 1 micro-batch per rank, bf16 2 bytes vs FP8 1.
+    saved = 3 * 12 * 64 * 64 * (2 - 1) / 1024
+    assert traced_kib(plain.stdout) - traced_kib(fp8_run.stdout) == pytest.approx(saved, abs=0.01)
+    _traced_row(fp8_run.stdout, "all_reduce", "dp_cp")  # the scales' agreement is predicted and traced too
