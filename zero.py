@@ -68,6 +68,9 @@ working weights / gradients / optimizer state, m micro-batches per step, U the l
        from its forward into its backward) = the paper's 3Ψ less what is not regathered. Exposed (not hidden
        behind compute): the gathers of the root and block 0 at the start of forward, and the root's
        reduce-scatter at the end of backward (its last gradient, the embeddings', comes last).
+       With --fp8 (`codecs`), the block linears' weights are units of their own gathered as E4M3 bytes:
+       1 byte instead of b_w per element, plus, per such gather, an all_reduce (MAX) of 4 bytes per weight
+       over the unit's group and the linear's TP/CP groups, so every rank quantises a weight with one scale.
    Plus the update's 16-byte all-reduce over the world (optim.update: squared norm and non-finite count),
    and with sequence parallel one all-reduce over the TP group of this shard's part of the SP replicated
    parameters' gradients (tensor_parallel's after_grad_sync, on `grad_pieces`).
