@@ -71,10 +71,7 @@ class DistributedDataParallel(nn.Module):
         for name in {grad_group(p) for p in params} - set(self.groups):
             raise ValueError(f"parameters reduce over the {name!r} group, which was not given to DistributedDataParallel")
         if check_same_init:
-            for name, group_ in self.groups.items():
-                same_group = [p for p in params if grad_group(p) == name]
-                if same_group:
-                    assert_same_across_ranks(same_group, group_)
+            assert_same_across_groups(params, self.groups)
         self.buckets = self._build_buckets(params, int(bucket_mb * 2**20))
         self._next_to_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
@@ -164,6 +161,14 @@ def reverse_order_buckets(params: list, bucket_bytes: int, element_size: int | N
     return buckets + [current] if current else buckets
 
 
+def assert_same_across_groups(params: list, groups: dict):
+    """assert_same_across_ranks for each data-parallel group over the parameters that reduce over it."""
+    for name, group in groups.items():
+        members = [p for p in params if grad_group(p) == name]
+        if members:
+            assert_same_across_ranks(members, group)
+
+
 @torch.no_grad()
 def assert_same_across_ranks(params: list, group=None):
     """Fail loudly if ranks start from different weights (a silent source of divergence).
@@ -213,7 +218,8 @@ class DDPLayout:
                 raise ValueError(f"{p.shard_info.global_name} is replicated over {sorted(missing)}: pass coords")
         self.coords = coords
         # Which copy counts never changes: decided once, with the data-parallel group of each parameter.
-        self.counted = [counts_here(p.shard_info, coords, (grad_group(p),)) for p in self.params]
+        self.counted = torch.tensor([counts_here(p.shard_info, coords, (grad_group(p),)) for p in self.params],
+                                    dtype=torch.bool, device=self.params[0].device)
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)

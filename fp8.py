@@ -706,18 +706,13 @@ class Fp8Handle(Axis):
 
     def end_lines(self, tracer, steps: int) -> list:
         """Measured amax all-reduces over `steps` against the prediction (the first delayed step counted)."""
-        first = min(self.first_steps, steps) if self.recipe.mode == "delayed" else 0
-        predicted = {}
-        for count, table in ((steps - first, self.predicted_messages()),
-                             (first, self.predicted_messages(first_step=True))):
-            for key, (calls, payload) in table.items():
-                c, b = predicted.get(key, (0, 0))
-                predicted[key] = (c + count * calls, b + count * payload)
+        predicted = {key: (calls * steps, payload * steps)
+                     for key, (calls, payload) in self.traced_prediction(None, steps).items()}
         lines = [f"fp8: amax reductions over {steps} steps, measured vs predicted (the traced all_reduce of a"
                  f" group also holds other axes' messages):"]
         for (op, group), (calls, payload) in predicted.items():
             record = tracer.records.get((op, group))
-            lines.append(f"  {op} {group}: predicted {calls} calls {payload} B; traced in total"
+            lines.append(f"  {op} {group}: predicted {calls:g} calls {payload:g} B; traced in total"
                          f" {record.calls if record else 0} calls {record.payload_bytes if record else 0} B")
         return lines + [self.table()]
 

@@ -157,7 +157,8 @@ def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, a
     """DESIGN.md's update order after the gradient reduction, identical on every rank (the one implementation).
 
     grads: every reduced gradient tensor this rank holds (unscaled and clipped in place);
-    counted[i]: whether grads[i] enters the global norm here: each logical element must be counted on exactly
+    counted[i]: whether grads[i] enters the global norm here (a list, or a bool tensor on the gradients'
+        device that a layout builds once): each logical element must be counted on exactly
         one rank of the world (model.counts_here: coordinate 0 of every axis holding identical copies, the
         data-parallel replicas included), so that one SUM over the world gives the global norm;
     counted_pieces: further views to count (ZeRO: the parts of a shard that are not replicas);
@@ -176,7 +177,7 @@ def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, a
     if grads:
         norms = torch.stack(torch._foreach_norm(grads)).double()
         stats[1] = (~torch.isfinite(norms)).sum()
-        mask = torch.tensor(counted, dtype=torch.bool, device=norms.device)
+        mask = counted if torch.is_tensor(counted) else torch.tensor(counted, dtype=torch.bool, device=norms.device)
         stats[0] = norms[mask].pow(2).sum()
     if counted_pieces:
         stats[0] += torch.stack(torch._foreach_norm(list(counted_pieces))).double().pow(2).sum()

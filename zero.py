@@ -90,7 +90,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import mfu
-from ddp import assert_same_across_ranks, grad_group, reverse_order_buckets
+from ddp import assert_same_across_groups, grad_group, reverse_order_buckets
 from model import ShardInfo, StatePiece
 from model import counts_here
 from optim import StepResult, update
@@ -187,10 +187,7 @@ class ZeroLayout:
             if missing:
                 raise ValueError(f"{p.shard_info.global_name} is replicated over {sorted(missing)}: pass coords")
         if check_same_init:
-            for name, group_ in self.groups.items():
-                same_group = [p for p in params if grad_group(p) == name]
-                if same_group:
-                    assert_same_across_ranks(same_group, group_)
+            assert_same_across_groups(params, self.groups)
         device = params[0].device
         if stage == 3:
             self.blocks = list(module.transformer.h)
