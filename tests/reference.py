@@ -87,3 +87,11 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
         losses.append(float(loss_sum.detach() / count))
         norms.append(float(norm))
     return losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+class WholeGrads:
+    """The layout protocol's grad_pieces without data parallel (each parameter's whole gradient): what an
+    axis's after_grad_sync sums in tests that run no layout."""
+
+    def grad_pieces(self, params):
+        return [p.grad for p in params if p.grad is not None]

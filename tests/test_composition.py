@@ -11,7 +11,6 @@ matching slice of the reference's.
 Cases of one world size share one spawn (process start-up costs seconds here).
 """
 
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
-from reference import global_batches, make_config
+from reference import WholeGrads, global_batches, make_config
 
 SEQ = 16
 TOL = 1e-10
@@ -200,13 +200,6 @@ def _run(mesh, config, impl, balance, sp=False, autocast=None, compute_dtype=tor
                            autocast=autocast or nullcontext(), compute_dtype=compute_dtype, seed=0)
 
 
-class _WholeGrads:
-    """The layout protocol's grad_pieces without data parallel: each parameter's whole gradient."""
-
-    def grad_pieces(self, params):
-        return [p.grad for p in params if p.grad is not None]
-
-
 def _model(rank, world, cp_size, tp_size, variants):
     """For each (impl, balance, sp, checkpointing, bf16) variant: gradient errors against the single device,
     and the traced cp-group messages next to the prediction."""
@@ -247,7 +240,7 @@ def _model_variant(mesh, tp_size, impl, balance, sp, checkpointing, bf16):
         (loss_sum / count).backward()
     traced = {key: (r.calls, r.payload_bytes) for key, r in tracer.records.items() if key[1] == "cp"}
     if tp_handle is not None:
-        tp_handle.after_grad_sync(_WholeGrads())  # SP: the replicated parameters' gradients summed over tp
+        tp_handle.after_grad_sync(WholeGrads())  # SP: the replicated parameters' gradients summed over tp
     loss_sum = loss_sum.detach().double()
     dist.all_reduce(loss_sum, group=group)
     errs = {"loss": _max_err(loss_sum, ref_loss.double())}

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 import fp8
 from harness import run_ranks
-from reference import HYPER, global_batches, make_config, rank_micro_batches
+from reference import HYPER, WholeGrads, global_batches, make_config, rank_micro_batches
 
 STEPS, SEQ, GLOBAL_BATCH, MICRO = 3, 16, 8, 2
 TOL = 1e-10
@@ -411,7 +411,7 @@ def _on_meshes(rank, world):
             finish = None
             if kind == "tp":
                 tp_handle = tensor_parallel.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0)
-                finish = functools.partial(tp_handle.after_grad_sync, _WholeGrads())
+                finish = functools.partial(tp_handle.after_grad_sync, WholeGrads())
             handle = fp8.convert(model, fp8.Recipe(mode), fp8_mesh)
             tracer = CommTracer()
             for name in ("tp", "dp_cp", "cp"):
@@ -430,13 +430,6 @@ def _on_meshes(rank, world):
             handle.end_step()
             out["nan"] = (handle.found_nonfinite_amax, first.amax_history[:, 0].tolist())
     return out
-
-
-class _WholeGrads:
-    """The layout protocol's grad_pieces without data parallel: whole gradients."""
-
-    def grad_pieces(self, params):
-        return [p.grad for p in params if p.grad is not None]
 
 
 def test_tp_and_dp_equal_the_single_device_fp8_model():
