@@ -43,7 +43,15 @@ Loading (`Checkpointer.resume`): candidates are the `step-*` directories, newest
 for). Each is verified: marker present, manifest SHA-256 equal to the marker's, format known, every file name
 a plain name inside the directory, every file present with the recorded size and SHA-256 (the files are
 hashed round-robin across ranks, and the verdicts are gathered so all ranks agree). A bad one is reported
-with its reason and the next older one is tried. Tensors are read only with `torch.load(weights_only=True,
+with its reason and the next older one is tried. Then, before a byte of tensor data is read, the manifest is
+checked against the live state (`plan_load`): every logical tensor the model needs is there, with the model's
+global shape, a dtype of the same family, and pieces that cover what this rank needs without overlapping.
+Then the candidate is read whole into host memory (`StagedLoad`) and its scalars are tried on copies of the
+sampler and loss scaler; only when every rank has succeeded (the verdicts are all-gathered) is anything copied
+into the live state. So a checkpoint that is damaged, or intact but unfit (another model, a file that
+`torch.load(weights_only=True)` refuses), is one more bad candidate: `latest` reports it and tries the next
+older one, a step asked for by number is refused with one line naming it, the reason and what to do, and no
+parameter is ever left half-overwritten. Tensors are read only with `torch.load(weights_only=True,
 mmap=True)` and scalars only from JSON.
 
 Resharding: every target piece is filled from the stored pieces of its logical tensor, one logical tensor at
@@ -72,7 +80,8 @@ Accounting for this file (Ψ parameters, b_w/b_m bytes per parameter/master elem
 1. Replicated: nothing is held between saves except reusable host snapshot buffers. Split: the files;
    each logical piece is written once (replicas are not), spread over the ranks that hold copies.
 2. Peak per device: the host snapshot of its written pieces (≤ its share of (b_w + b_m + 8)·Ψ with fp32
-   Adam moments), reused from save to save; loading adds one logical tensor plus its byte-mask.
+   Adam moments), reused from save to save; loading stages this rank's whole state in host memory (its share
+   of (b_w + b_m + 8)·Ψ) plus one logical tensor and its byte-mask, and adds nothing on the device.
 3. Messages: none on the critical path of a step. At start-up a broadcast of the nonce; at load an
    all_gather of each rank's verification verdict and load outcome; each save (and close) ends or begins with
    an all_gather of every rank's save outcome, so a failure on one rank is raised on all.
@@ -82,6 +91,7 @@ Accounting for this file (Ψ parameters, b_w/b_m bytes per parameter/master elem
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -441,6 +451,13 @@ def verify_checkpoint(path: str, rank: int = 0, world: int = 1) -> dict:
     return manifest
 
 
+def _gist(error: Exception) -> str:
+    """One line of an exception's message: torch.load's weights_only refusal spans a paragraph whose telling
+    line is the unpickler's ("WeightsUnpickler error: Unsupported global: ...")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in lines if line.startswith("WeightsUnpickler error")), lines[0] if lines else "")
+
+
 class _ShardFiles:
     """Memory-mapped shard files, opened on first use: only the pages of the tensors read are touched."""
 
@@ -454,7 +471,7 @@ class _ShardFiles:
             except CheckpointError:
                 raise
             except Exception as e:  # a weights_only refusal or a broken zip: both mean "not our file"
-                raise CheckpointError(f"{self.path}: cannot load {file} ({type(e).__name__}: {e})") from None
+                raise CheckpointError(f"{self.path}: cannot load {file} ({type(e).__name__}: {_gist(e)})") from None
         tensors = self.open[file]
         if not isinstance(tensors, dict) or name not in tensors or not torch.is_tensor(tensors[name]):
             raise CheckpointError(f"{self.path}: {file} has no tensor {name!r}")
@@ -473,54 +490,116 @@ def _source_key(key: str, tensors: dict) -> str:
                                                             if kind == "master" else ""))
 
 
-@torch.no_grad()
-def load_pieces(path: str, manifest: dict, pieces: list) -> int:
-    """Fill every target piece from the checkpoint, one logical tensor at a time; return the bytes read.
+@dataclass
+class _LoadPlan:
+    """How one logical tensor fills this rank's targets: the stored entry it comes from and the stored pieces
+    that overlap what this rank needs."""
 
-    Works for any source and target layouts described by StatePieces (see the module docstring).
+    key: str
+    source: str
+    global_shape: tuple
+    dtype: torch.dtype
+    targets: list
+    records: list  # [(ShardInfo, flat range, manifest record)] of the stored pieces this rank reads
+
+
+def plan_load(path: str, manifest: dict, pieces: list) -> list[_LoadPlan]:
+    """Check that the checkpoint fits the live state before a byte of it is read, or raise CheckpointError.
+
+    For every logical tensor the targets need: a stored source exists (see _source_key), its global shape is
+    the model's, its dtype is known and of the same family (floating or not) as the target's, its stored
+    pieces are well formed, do not overlap, and cover every element this rank needs.
     """
-    files, stored = _ShardFiles(path, manifest), manifest["tensors"]
+    stored = manifest.get("tensors")
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{path}: the manifest lists no tensors")
     by_key: dict[str, list] = {}
     for piece in pieces:
         by_key.setdefault(piece.key, []).append(piece)
-    bytes_read = 0
+    plans = []
     for key, targets in by_key.items():
-        source = _source_key(key, stored)
+        try:
+            source = _source_key(key, stored)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}, which the model has") from None
         entry = stored[source]
         global_shape = tuple(targets[0].shard.global_shape)
-        if tuple(entry["global_shape"]) != global_shape:
-            raise CheckpointError(f"{path}: {source} has global shape {list(entry['global_shape'])} in the"
+        if tuple(entry.get("global_shape", ())) != global_shape:
+            raise CheckpointError(f"{path}: {source} has global shape {list(entry.get('global_shape', ()))} in the"
                                   f" manifest, but the model's {key} is {list(global_shape)}")
-        dtype = _dtype(entry["dtype"])
+        dtype = _dtype(entry.get("dtype"))
+        if any(dtype.is_floating_point != t.tensor.dtype.is_floating_point for t in targets):
+            raise CheckpointError(f"{path}: {source} is stored as {dtype}, the model's {key} is"
+                                  f" {targets[0].tensor.dtype}")
         need = torch.zeros(global_shape, dtype=torch.bool)
         for target in targets:
             _mark(need, target.shard, target.flat_range)
-        full = torch.empty(global_shape, dtype=dtype)
         covered = torch.zeros(global_shape, dtype=torch.bool)
-        for record in entry["pieces"]:
+        records = []
+        for record in entry.get("pieces", ()):
             shard, flat = _shard_from_record(source, global_shape, record)
             region = _region(global_shape, shard, flat)
             if bool((region & covered).any()):
                 raise CheckpointError(f"{path}: {source} has overlapping pieces in the manifest")
             covered |= region
-            if not bool((region & need).any()):
-                continue  # nothing this rank needs: the file's pages are never touched
-            values = files.tensor(record["file"], record["name"])
-            if values.numel() != _piece_numel(shard, flat) or values.dtype != dtype:
-                raise CheckpointError(f"{path}: {record['file']}:{record['name']} holds {values.numel()}"
-                                      f" {values.dtype} elements, the manifest says {_piece_numel(shard, flat)}"
-                                      f" {dtype} for {source}")
-            _place(full, shard, flat, values)
-            bytes_read += values.numel() * values.element_size()
+            if bool((region & need).any()):  # pieces nobody here needs are never read
+                records.append((shard, flat, record))
         if bool((need & ~covered).any()):
             raise CheckpointError(f"{path}: the pieces of {source} do not cover the part this rank needs")
-        for target in targets:
+        plans.append(_LoadPlan(key, source, global_shape, dtype, targets, records))
+    return plans
+
+
+class StagedLoad:
+    """A checkpoint read into host memory, not yet in the live state: `commit()` copies it in.
+
+    Reading everything first makes a load all or nothing: a tensor that turns out unreadable halfway (a shard
+    `torch.load(weights_only=True)` refuses, a piece of the wrong size) abandons the load with every parameter
+    and moment untouched, so the run can try an older checkpoint or stop cleanly. The price is host memory
+    for this rank's state (its share of (b_w + b_m + 8)·Ψ), on top of one logical tensor being assembled.
+    """
+
+    def __init__(self, path: str, manifest: dict, pieces: list):
+        self.path, self.manifest, self.bytes_read = path, manifest, 0
+        self.files = _ShardFiles(path, manifest)
+        self.staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, its values in host memory)
+        with torch.no_grad():
+            for plan in plan_load(path, manifest, pieces):
+                self._read(plan)
+
+    def _read(self, plan: _LoadPlan) -> None:
+        full = torch.empty(plan.global_shape, dtype=plan.dtype)
+        for shard, flat, record in plan.records:
+            values = self.files.tensor(record.get("file"), record.get("name"))
+            if values.numel() != _piece_numel(shard, flat) or values.dtype != plan.dtype:
+                raise CheckpointError(f"{self.path}: {record['file']}:{record['name']} holds {values.numel()}"
+                                      f" {values.dtype} elements, the manifest says {_piece_numel(shard, flat)}"
+                                      f" {plan.dtype} for {plan.source}")
+            _place(full, shard, flat, values)
+            self.bytes_read += values.numel() * values.element_size()
+        for target in plan.targets:
             region = _extract(full, target.shard, target.flat_range)
             if region.numel() != target.tensor.numel():
-                raise CheckpointError(f"{key}: the target piece has {target.tensor.numel()} elements, its place"
-                                      f" in the logical tensor {region.numel()}")
-            target.tensor.copy_(region.reshape(target.tensor.shape))
-    return bytes_read
+                raise CheckpointError(f"{plan.key}: the target piece has {target.tensor.numel()} elements, its"
+                                      f" place in the logical tensor {region.numel()}")
+            self.staged.append((target.tensor, region.reshape(target.tensor.shape).to(target.tensor.dtype,
+                                                                                        copy=True)))
+
+    @torch.no_grad()
+    def commit(self) -> int:
+        """Copy every staged value into its live tensor; return the bytes read from the files."""
+        for tensor, values in self.staged:
+            tensor.copy_(values)
+        self.staged = []
+        return self.bytes_read
+
+
+def load_pieces(path: str, manifest: dict, pieces: list) -> int:
+    """Fill every target piece from the checkpoint, all or nothing (StagedLoad); return the bytes read.
+
+    Works for any source and target layouts described by StatePieces (see the module docstring).
+    """
+    return StagedLoad(path, manifest, pieces).commit()
 
 
 def read_logical(path: str) -> dict:
@@ -538,6 +617,18 @@ def read_logical(path: str) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # The checkpointer: snapshot, persist, commit, prune; resume
 # ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Staged:
+    """A checkpoint chosen for resuming, read and checked, not yet applied (Checkpointer._stage)."""
+
+    path: str
+    manifest: dict
+    staged: StagedLoad
+    scalars: dict  # this rank's record's (its own on the same mesh, else rank 0's)
+    same_mesh: bool
+    rng: dict | None  # this rank's generator states (same mesh only)
 
 
 @dataclass
@@ -863,68 +954,93 @@ class Checkpointer:
         dist.all_gather_object(errors, error)
         return [e for e in errors if e]
 
-    def find(self, which="latest") -> tuple[str | None, dict | None]:
-        """The checkpoint to resume from, agreed by all ranks: (path, manifest), or (None, None) if none exist.
-
-        `which`: "latest" (the newest that verifies; bad ones are reported and skipped) or a step number (that
-        one, or an error).
-        """
+    def _candidates(self, which) -> list[tuple[int, str]]:
+        """(step, path) to try, newest first, the same list on every rank: all of them for "latest", else the
+        one asked for (or an error naming what there is)."""
         candidates = list_checkpoints(self.root)
         if self.world > 1:  # everyone tries the same list in the same order
             box = [candidates]
             dist.broadcast_object_list(box, src=0)
             candidates = box[0]
+        if which == "latest":
+            return candidates
+        wanted = [c for c in candidates if c[0] == int(which)]
+        if not wanted:
+            raise CheckpointError(f"--resume {which}: no {step_dir_name(int(which))} in {self.root} (have:"
+                                  f" {', '.join(os.path.basename(p) for _, p in candidates) or 'none'})")
+        return wanted
+
+    def _stage(self, path: str, pieces: list, scaler, sampler) -> _Staged:
+        """Verify the checkpoint at `path`, check that it fits this run, and read it into host memory; the live
+        state is not touched (raises CheckpointError, or whatever a damaged file makes the readers raise)."""
+        manifest = verify_checkpoint(path, self.rank, self.world)
+        same_mesh = manifest["mesh"] == self.mesh_record
+        record = manifest["ranks"][self.rank if same_mesh else 0]
+        scalars = record["scalars"]
+        staged = StagedLoad(path, manifest, pieces)
+        rng = {name: staged.files.tensor(record["file"], name) for name in record["tensors"]} if same_mesh else None
+        # The scalars are tried on copies: a sampler that refuses them (another --seed) refuses before any
+        # live tensor changes.
+        copy.deepcopy(sampler).load_state_dict(scalars["data"])
+        copy.deepcopy(scaler).load_state_dict(scalars["scaler"])
+        if not isinstance(manifest["step"], int) or not isinstance(scalars["adam_step"], int) or (
+                same_mesh and not isinstance(scalars["rng"], dict)):
+            raise CheckpointError(f"{path}: the step, Adam step or RNG record of the manifest is malformed")
+        return _Staged(path, manifest, staged, scalars, same_mesh, rng)
+
+    def _refusal(self, which, rejected: list[str]) -> str:
+        """The one-line error when nothing can be resumed: which checkpoint(s), why, and what to do."""
         if which != "latest":
-            wanted = [c for c in candidates if c[0] == int(which)]
-            if not wanted:
-                raise CheckpointError(f"--resume {which}: no {step_dir_name(int(which))} in {self.root} (have:"
-                                      f" {', '.join(os.path.basename(p) for _, p in candidates) or 'none'})")
-            candidates = wanted
-        rejected = []
-        for step, path in candidates:
-            error, manifest = None, None
-            try:
-                manifest = verify_checkpoint(path, self.rank, self.world)
-            except (CheckpointError, OSError, ValueError, AttributeError, KeyError, TypeError) as e:
-                error = str(e) if isinstance(e, CheckpointError) else f"{path}: unreadable ({type(e).__name__}: {e})"
-            errors = self._agree(error)
-            if not errors:
-                return path, manifest
-            rejected.append(errors[0])
-            self.log(f"ckpt: refusing {path}: {errors[0]}" + ("" if which != "latest" else "; trying an older one"))
-        if rejected:
-            raise CheckpointError(f"no good checkpoint in {self.root}: " + "; ".join(rejected))
-        return None, None
+            others = [os.path.basename(p) for s, p in list_checkpoints(self.root) if s != int(which)]
+            return (f"cannot resume {rejected[0]} -- use --resume latest (the newest good"
+                    f" checkpoint)" + (f" or another step ({', '.join(others)})" if others else "")
+                    + ", or start without --resume")
+        return (f"no checkpoint in {self.root} can be resumed ({len(rejected)} refused: {'; '.join(rejected)})"
+                f" -- repair or move them aside, or start without --resume")
 
     def resume(self, which, layout, scaler, sampler, seed: int) -> int:
-        """Load the chosen checkpoint into the live state; return the step to continue from (0: none found)."""
+        """Load a checkpoint into the live state; return the step to continue from (0: none found).
+
+        `which`: "latest" (the newest that verifies and fits this run; each bad one is reported and the next
+        older tried) or a step number (that one, or an error). Every candidate is staged whole in host memory
+        before anything live changes, and all ranks agree on each verdict, so a refused checkpoint leaves no
+        parameter half-overwritten and every rank moves on (or raises) together.
+        """
         start = time.perf_counter()
-        path, manifest = self.find(which)
-        if path is None:
+        candidates, pieces, rejected, chosen = self._candidates(which), self._state_pieces(layout), [], None
+        for _, path in candidates:
+            error = None
+            try:
+                chosen = self._stage(path, pieces, scaler, sampler)
+            except (CheckpointError, OSError, ValueError, AttributeError, KeyError, IndexError, TypeError,
+                    RuntimeError) as e:  # a damaged or foreign file can make any reader raise: all mean "bad"
+                error = str(e) if isinstance(e, CheckpointError) else f"{path}: {_gist(e)} ({type(e).__name__})"
+            if error is not None and not error.startswith(path):
+                error = f"{path}: {error}"  # every reason names the checkpoint it is about
+            errors = self._agree(error)
+            if not errors:
+                break
+            chosen = None
+            rejected.append(errors[0] + (f" (and on {len(errors) - 1} more ranks)" if len(errors) > 1 else ""))
+            if which == "latest":  # (a checkpoint asked for by step is refused by the error itself)
+                self.log(f"ckpt: refusing {path}: {rejected[-1]}; trying an older one")
+        if chosen is None:
+            if rejected:
+                raise CheckpointError(self._refusal(which, rejected))
             self.log(f"ckpt: no checkpoint in {self.root}; starting from step 0")
             if self.rank == 0:
                 self._set_aside_newer_than(0)  # only bad ones can be there: keep them out of this run's line
             return 0
-        error, bytes_read = None, 0
-        try:  # a rank can fail alone (a piece that does not fit its layout): all ranks must learn it
-            bytes_read = load_pieces(path, manifest, self._state_pieces(layout))
-            for axis in self.axes:
-                axis.state_loaded()
-        except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as e:
-            error = f"rank {self.rank}: {e}"
-        errors = self._agree(error)
-        if errors:
-            raise CheckpointError(f"cannot load {path}: {'; '.join(errors)}")
-        same_mesh = manifest["mesh"] == self.mesh_record
-        record = manifest["ranks"][self.rank if same_mesh else 0]
-        scalars, step = record["scalars"], manifest["step"]
+        path, manifest, scalars, step = chosen.path, chosen.manifest, chosen.scalars, chosen.manifest["step"]
+        bytes_read = chosen.staged.commit()
+        for axis in self.axes:
+            axis.state_loaded()
         layout.optimizer_step_count = scalars["adam_step"]
         scaler.load_state_dict(scalars["scaler"])
         sampler.load_state_dict(scalars["data"])
+        same_mesh = chosen.same_mesh
         if same_mesh:  # deterministic replay: this rank's own generators, exactly
-            files = _ShardFiles(path, manifest)
-            own = {name: files.tensor(record["file"], name) for name in record["tensors"]}
-            restore_rng_state(own, scalars["rng"], self.device)
+            restore_rng_state(chosen.rng, scalars["rng"], self.device)
         else:  # another mesh: old streams mean nothing here; fresh deterministic ones, alike within TP groups
             reseed_rng(seed, step, self.rank // self.mesh_record["tp"])
         saved_run = scalars.get("run", {})

@@ -22,6 +22,7 @@ import sys
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -325,7 +326,10 @@ def main(argv=None):
                                          mtbf_hours=args.mtbf_hours, device=run.device, log=print0,
                                          run_record=run_record, axes=run.axes)
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
-            start_step = checkpointer.resume(args.resume, run.layout, scaler, sampler, args.seed)
+            try:
+                start_step = checkpointer.resume(args.resume, run.layout, scaler, sampler, args.seed)
+            except ckpt.CheckpointError as e:  # every rank raises it together (the verdicts are all-gathered)
+                fail(str(e))
 
     # A resumed run appends: the replayed steps then sit next to the originals in one file.
     metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and run.mesh.rank == 0) else None
@@ -376,9 +380,19 @@ def parse_flags(argv=None) -> argparse.Namespace:
         data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
     except (FlagError, RuntimeError) as e:
         # Every rank validates the same flags and exits before any of them waits on a peer.
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))
     return args
+
+
+def fail(message: str) -> NoReturn:
+    """End the run on an error that every rank has reached: one line, printed once (by rank 0; before the
+    process group exists, by the process torchrun started as RANK 0), exit status 2, like a flag error."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(2)
 
 
 def start_run(args) -> tuple[Run, data.Corpus]:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -250,7 +251,7 @@ def test_resuming_an_older_step_sets_the_newer_ones_aside(tmp_path):
     saver.save(5, layout, scaler, sampler)
     assert [step for step, _ in ckpt.list_checkpoints(root)] == [5, 4]  # keep=2 pruned step 2
     assert any(name.startswith("abandoned-step-00000006-") for name in os.listdir(root))  # kept, not deleted
-    assert saver.find("latest")[0].endswith("step-00000005")
+    assert saver.resume("latest", layout, scaler, sampler, seed=0) == 5
 
 
 def _save_fails_on_rank_1(rank, world, root, async_save, commit_timeout_s=2):
@@ -309,9 +310,8 @@ def test_reshard_arithmetic_tp_segments_and_zero_ranges(tmp_path):
     for tp, zero in ((1, 1), (3, 1), (1, 4), (3, 5), (2, 3), (6, 2)):
         # param/ prefers master/ (more precise); a missing master/ comes from param/ (cast).
         targets = [p for p in _pieces("param", torch.zeros(36, 5, dtype=torch.float64), tp, zero)]
-        ckpt_root = str(tmp_path)
-        path, manifest = ckpt.Checkpointer(ckpt_root, keep=2, log=lambda *a: None).find("latest")
-        ckpt.load_pieces(path, manifest, targets)
+        path = ckpt.list_checkpoints(str(tmp_path))[0][1]
+        ckpt.load_pieces(path, ckpt.verify_checkpoint(path), targets)
         for got, want in zip(targets, _pieces("param", master.double(), tp, zero)):
             assert torch.equal(got.tensor, want.tensor), (tp, zero)
     # master/ filled from param/ when the checkpoint has none (a DDP fp32 checkpoint into a mixed-precision one)
@@ -319,8 +319,8 @@ def test_reshard_arithmetic_tp_segments_and_zero_ranges(tmp_path):
     ckpt.Checkpointer(root2, keep=2, log=lambda *a: None).save(1, _FakeLayout(_pieces("param", full, 2, 3)),
                                                                scaler, sampler)
     targets = _pieces("master", torch.zeros(36, 5, dtype=torch.float32), 3, 2)
-    path, manifest = ckpt.Checkpointer(root2, keep=2, log=lambda *a: None).find("latest")
-    ckpt.load_pieces(path, manifest, targets)
+    path = ckpt.list_checkpoints(root2)[0][1]
+    ckpt.load_pieces(path, ckpt.verify_checkpoint(path), targets)
     for got, want in zip(targets, _pieces("master", full.float(), 3, 2)):
         assert torch.equal(got.tensor, want.tensor)
     # A layout bug (a piece written twice) is refused at commit, not discovered at the next resume.
@@ -445,50 +445,74 @@ class _Evil:
         return (print, ("this must never run",))
 
 
-CORRUPTIONS = {  # name -> (damage the step-4 checkpoint, where it is caught, the message)
-    "truncated shard": (_truncate, "verify", r"has \d+ bytes, the manifest says \d+ \(truncated"),
-    "flipped byte": (_flip_byte, "verify", "fails its SHA-256 checksum"),
-    "missing shard": (lambda p: os.remove(os.path.join(p, "shard-00000.pt")), "verify", "shard-00000.pt is missing"),
-    "missing marker": (lambda p: os.remove(os.path.join(p, "COMMITTED")), "verify", "incomplete: no COMMITTED"),
-    "edited manifest": (lambda p: open(os.path.join(p, "manifest.json"), "a").write(" "), "verify",
+def _missing_tensor(manifest):
+    del manifest["tensors"]["exp_avg/transformer.wpe.weight"]
+
+
+def _integer_dtype(manifest):
+    manifest["tensors"]["exp_avg_sq/transformer.wpe.weight"]["dtype"] = "int64"
+
+
+def _last_entry_renamed(manifest):
+    """Consistent on paper (names, shapes, coverage): the last logical tensor's piece names an entry the shard
+    does not have, so the loader finds out only after reading every tensor before it."""
+    manifest["tensors"][list(manifest["tensors"])[-1]]["pieces"][0]["name"] = "no-such-entry"
+
+
+DAMAGE = {  # name -> (damage the step-4 checkpoint, the reason the refusal must give)
+    "truncated shard": (_truncate, r"has \d+ bytes, the manifest says \d+ \(truncated"),
+    "flipped byte": (_flip_byte, "fails its SHA-256 checksum"),
+    "missing shard": (lambda p: os.remove(os.path.join(p, "shard-00000.pt")), "shard-00000.pt is missing"),
+    "missing marker": (lambda p: os.remove(os.path.join(p, "COMMITTED")), "incomplete: no COMMITTED"),
+    "edited manifest": (lambda p: open(os.path.join(p, "manifest.json"), "a").write(" "),
                         "does not match the checksum"),
-    "path escaping the directory": (lambda p: _edit_manifest(p, _escape), "verify", "not a plain file name"),
-    "wrong shape": (lambda p: _edit_manifest(p, _wrong_shape), "load", "global shape .* but the model's"),
-    "not weights only": (_unpicklable, "load", "cannot load shard-00000.pt .*Weights only load failed"),
+    "path escaping the directory": (lambda p: _edit_manifest(p, _escape), "not a plain file name"),
+    # Files intact and consistent with their checksums; what they hold does not fit the model:
+    "wrong global shape": (lambda p: _edit_manifest(p, _wrong_shape), "global shape .* but the model's"),
+    "missing logical tensor": (lambda p: _edit_manifest(p, _missing_tensor),
+                               "has no exp_avg/transformer.wpe.weight, which the model has"),
+    "integer dtype": (lambda p: _edit_manifest(p, _integer_dtype), "is stored as torch.int64"),
+    "not weights only": (_unpicklable, "cannot load shard-00000.pt .*Unsupported global: GLOBAL"),
+    "entry missing from its shard, found last": (lambda p: _edit_manifest(p, _last_entry_renamed),
+                                                 "has no tensor 'no-such-entry'"),
 }
 
 
-@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
-def test_corruption_is_detected_and_latest_falls_back(corruption, tmp_path, capsys):
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_refused_by_step_and_skipped_by_latest(damage, tmp_path, capsys):
+    """The damaged-checkpoint matrix (every kind × --resume 4 / latest). Asked for by step, it is refused with
+    one line naming it, the reason and what to do, and nothing live changes (the load is staged whole before
+    any parameter is written); `latest` reports it and resumes from the older good one."""
     import ckpt
 
     root = str(tmp_path)
     model, layout, scaler, sampler = _one_rank_checkpoints(root)
     good = {k: v.clone() for k, v in ckpt.read_logical(os.path.join(root, "step-00000002")).items()}
     bad_path = os.path.join(root, "step-00000004")
-    damage, stage, message = CORRUPTIONS[corruption]
-    damage(bad_path)
-    if stage == "verify":
-        with pytest.raises(ckpt.CheckpointError, match=message):
-            ckpt.verify_checkpoint(bad_path)
-        # Asked for by name, it is refused outright.
-        with pytest.raises(ckpt.CheckpointError, match=message):
-            ckpt.Checkpointer(root, keep=3, log=lambda *a: None).resume("4", layout, scaler, sampler, seed=0)
-        # `latest` refuses it, says why, and resumes from the newest good one.
-        logged = []
-        loader = ckpt.Checkpointer(root, keep=3, log=logged.append)
-        assert loader.resume("latest", layout, scaler, sampler, seed=0) == 2
-        assert layout.optimizer_step_count == 2 and sampler.step == 2
-        assert any("refusing" in line and "step-00000004" in line for line in logged), logged
+    hurt, reason = DAMAGE[damage]
+    hurt(bad_path)
+    with torch.no_grad():
         for p in model.parameters():
-            assert torch.equal(p.detach(), good[f"param/{p.shard_info.global_name}"])
-        # The bad one is set aside (kept for inspection), out of the way of this run's next step-4 save.
-        assert not os.path.exists(bad_path)
-        assert any(name.startswith("abandoned-step-00000004-") for name in os.listdir(root))
-    else:  # the files are intact and consistent; what they say does not fit (or is not plain tensors)
-        manifest = ckpt.verify_checkpoint(bad_path)
-        with pytest.raises(ckpt.CheckpointError, match=message):
-            ckpt.load_pieces(bad_path, manifest, layout.state_pieces())
+            p.add_(1.0)  # unlike both checkpoints: a partial load would show
+    live = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ckpt.CheckpointError, match=reason) as refused:
+        ckpt.Checkpointer(root, keep=3, log=lambda *a: None).resume("4", layout, scaler, sampler, seed=0)
+    message = str(refused.value)
+    assert "\n" not in message and bad_path in message and "--resume latest" in message, message
+    assert all(torch.equal(p.detach(), before) for p, before in zip(model.parameters(), live))
+    assert layout.optimizer_step_count == 4 and sampler.step == 0
+
+    logged = []
+    loader = ckpt.Checkpointer(root, keep=3, log=logged.append)
+    assert loader.resume("latest", layout, scaler, sampler, seed=0) == 2
+    assert layout.optimizer_step_count == 2 and sampler.step == 2
+    refusals = [line for line in logged if "refusing" in line and bad_path in line]
+    assert len(refusals) == 1 and re.search(reason, refusals[0]) and "\n" not in refusals[0], logged
+    for p in model.parameters():
+        assert torch.equal(p.detach(), good[f"param/{p.shard_info.global_name}"])
+    # The bad one is set aside (kept for inspection), out of the way of this run's next step-4 save.
+    assert not os.path.exists(bad_path)
+    assert any(name.startswith("abandoned-step-00000004-") for name in os.listdir(root))
     assert "this must never run" not in capsys.readouterr().out
 
 
@@ -504,7 +528,7 @@ def test_incomplete_saves_are_never_candidates_and_all_bad_is_an_error(tmp_path)
     assert not any(n.startswith(".tmp-") for n in os.listdir(root))  # cleaned at start-up
     assert loader.resume("latest", layout, scaler, sampler, seed=0) == 2
     os.remove(os.path.join(root, "step-00000002", "COMMITTED"))
-    with pytest.raises(ckpt.CheckpointError, match="no good checkpoint"):
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint in .* can be resumed .* start without --resume"):
         ckpt.Checkpointer(root, keep=2, log=lambda *a: None).resume("latest", layout, scaler, sampler, seed=0)
     with pytest.raises(ckpt.CheckpointError, match="no step-00000009"):
         ckpt.Checkpointer(root, keep=2, log=lambda *a: None).resume("9", layout, scaler, sampler, seed=0)

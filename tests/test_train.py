@@ -51,6 +51,56 @@ def test_bad_layout_fails_fast_on_every_rank(tmp_path):
     assert "world size 2 is not divisible by --tp 3" in run.stderr
 
 
+def _is_one_clean_error(run, message: str) -> bool:
+    """The worker exited with status 2 after printing `message` on one line, once, with no Python traceback
+    of its own (torchrun adds its own failure summary, which names the exit code)."""
+    output = run.stdout + run.stderr
+    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    return (run.returncode != 0 and "exitcode  : 2" in output and len(lines) == 1 and message in lines[0]
+            and 'train.py", line' not in output)
+
+
+def test_bad_inputs_end_in_one_line_and_exit_2_on_two_ranks(tmp_path):
+    empty, locked = tmp_path / "empty.txt", tmp_path / "locked"
+    empty.write_text("")
+    locked.mkdir(mode=0o500)
+    cases = [
+        (("--lr", "nan"), "--lr must be a finite number, got nan"),
+        (("--data", str(empty)), f"--data '{empty}' is empty"),
+        (("--metrics-file", str(tmp_path / "no-such-dir" / "m.jsonl")), "--metrics-file"),
+    ]
+    if os.geteuid() != 0:  # root writes anywhere: an unwritable directory cannot be made for it
+        cases.append((("--metrics-file", str(locked / "m.jsonl")), "cannot be written"))
+    for flags, message in cases:
+        run = launch(2, "--preset", "tiny", "--steps", "2", "--out-dir", str(tmp_path), *flags, timeout=60)
+        assert _is_one_clean_error(run, message), (flags, run.stdout[-2000:], run.stderr[-3000:])
+
+
+def test_a_damaged_checkpoint_ends_in_one_line_by_step_and_falls_back_with_latest(tmp_path):
+    """Two ranks save steps 2 and 4; step 4 is damaged. `--resume 4`: one line naming it, why, and what to do,
+    exit status 2. `--resume latest`: the refusal is reported and the run continues from step 2."""
+    import ckpt
+
+    common = ("--preset", "tiny", "--global-batch", "4", "--micro-batch", "2", "--eval-every", "0",
+              "--sample-tokens", "0", "--out-dir", str(tmp_path), "--ckpt-dir", str(tmp_path / "ck"))
+    first = launch(2, *common, "--steps", "4", "--ckpt-every", "2", "--keep", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    shard = tmp_path / "ck" / "step-00000004" / "shard-00001.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+
+    by_step = launch(2, *common, "--steps", "6", "--resume", "4", timeout=60)
+    assert _is_one_clean_error(by_step, "fails its SHA-256 checksum"), (by_step.stdout[-2000:], by_step.stderr[-3000:])
+    line = next(line for line in by_step.stderr.splitlines() if line.startswith("error: "))
+    assert "step-00000004" in line and "--resume latest" in line and "step-00000002" in line, line
+
+    latest = launch(2, *common, "--steps", "3", "--resume", "latest", timeout=120)
+    assert latest.returncode == 0, latest.stderr[-3000:]
+    assert "refusing" in latest.stdout and "resumed from" in latest.stdout and "at step 2" in latest.stdout
+    assert ckpt.list_checkpoints(str(tmp_path / "ck"))[0][0] == 3
+
+
 def args_for(*flags):
     return build_parser().parse_args(["--preset", "tiny", *flags])
 
