@@ -22,6 +22,7 @@ Conventions used throughout:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -30,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. FLOPs per token
@@ -297,6 +299,23 @@ def p2p_bytes(m: float, n: int = 2) -> float:
     return m
 
 
+def gather_bytes(m: float, n: int) -> float:
+    """M, M one rank's piece: each rank sends its piece to the root once (the root's own piece does not move:
+    this is the other ranks' figure)."""
+    return m
+
+
+def scatter_bytes(m: float, n: int) -> float:
+    """(N-1) * M, M one rank's piece: the root sends every piece but its own (the root's figure; the other
+    ranks send nothing)."""
+    return (n - 1) * m
+
+
+def reduce_bytes(m: float, n: int) -> float:
+    """(N-1)/N * M + M/N = M: a ring reduce-scatter, then each rank's reduced chunk to the root."""
+    return m
+
+
 def _nothing_sent(m: float, n: int) -> float:
     return 0.0
 
@@ -313,11 +332,20 @@ _WIRE_FORMULAS = {
     "all_to_all": all_to_all_bytes,
     "all_to_all_single": all_to_all_bytes,
     "broadcast": broadcast_bytes,
+    "gather": gather_bytes,
+    "scatter": scatter_bytes,
+    "reduce": reduce_bytes,
     "send": p2p_bytes,
     "isend": p2p_bytes,
     "recv": _nothing_sent,  # we count bytes SENT; the matching send already counted this message
     "irecv": _nothing_sent,
     "barrier": _nothing_sent,
+    # Object collectives pickle into byte tensors and move them with the tensor collectives above; the tracer
+    # adds those inner calls' bytes to the object collective's record (CommTracer), so nothing of their own.
+    "all_gather_object": _nothing_sent,
+    "broadcast_object_list": _nothing_sent,
+    "gather_object": _nothing_sent,
+    "scatter_object_list": _nothing_sent,
 }
 
 
@@ -430,6 +458,13 @@ class CommStat:
     seconds: float = 0.0  # host time in the call (+ in wait() for async calls)
 
 
+def _add(into: CommStat, stat: CommStat) -> None:
+    into.calls += stat.calls
+    into.payload_bytes += stat.payload_bytes
+    into.wire_bytes += stat.wire_bytes
+    into.seconds += stat.seconds
+
+
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -455,9 +490,26 @@ _MESSAGE_ARG = {
     "recv": ("tensor", _tensor_bytes),
     "isend": ("tensor", _tensor_bytes),
     "irecv": ("tensor", _tensor_bytes),
+    "gather": ("tensor", _tensor_bytes),  # M = one rank's piece (this rank's input)
+    "scatter": ("tensor", _tensor_bytes),  # M = one rank's piece (this rank's output)
+    "reduce": ("tensor", _tensor_bytes),
     "barrier": (None, None),  # no message; counted for its calls and time
+    # Object collectives: their size is what their inner tensor collectives move (see CommTracer).
+    "all_gather_object": (None, None),
+    "broadcast_object_list": (None, None),
+    "gather_object": (None, None),
+    "scatter_object_list": (None, None),
 }
+_OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+_POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp")
 _TRACED = [*_MESSAGE_ARG, "batch_isend_irecv"]  # patched when this torch has them
+
+
+def _unwrapped(fn):
+    """The torch function under any number of tracers' stand-ins (tracers nest: each wraps the one before)."""
+    while hasattr(fn, "_comm_tracer_original"):
+        fn = fn._comm_tracer_original
+    return fn
 
 
 class _TimedWork:
@@ -480,37 +532,58 @@ class _TimedWork:
 
 
 class CommTracer:
-    """Counts calls, bytes and seconds per (collective, group) for torch.distributed calls made inside `with`.
+    """Counts calls, bytes and seconds per (phase, collective, group) for torch.distributed calls made inside
+    `with`.
 
         tracer = CommTracer()
         tracer.name_group(dp_group, "dp")
         with tracer:
-            train_step()
+            train_step()                      # filed under the default phase, "step"
+            with tracer.phase("eval"):
+                evaluate()                    # filed under "eval"
         print(tracer.table())
 
-    Entering patches the functions on the `torch.distributed` module object (the collectives in _MESSAGE_ARG,
-    batch_isend_irecv, and P2POp, see _p2p_op_class), so code that calls `dist.all_reduce(...)` through the
-    module goes through the tracer. Exiting (also on an exception) puts the originals back. Calls forward every
-    argument and return what the original returns, except that an async call's Work comes back wrapped so that
-    its wait() can be timed. Groups are reported by the name given to name_group, else "world" for the default
-    group, else "group0", "group1", ... in the order the tracer first sees them.
+    Entering patches the functions on the `torch.distributed` module object and on its implementation module
+    `torch.distributed.distributed_c10d` (the collectives in _MESSAGE_ARG, batch_isend_irecv, and P2POp, see
+    _p2p_op_class), so code that calls `dist.all_reduce(...)` goes through the tracer, and so do the tensor
+    collectives that the object collectives (all_gather_object, broadcast_object_list, ...) make inside
+    torch: those inner calls are not counted as calls of their own, their bytes are added to the object
+    collective that made them (its payload is then the pickled bytes it moved, size headers included).
+    Tracers nest (a measurement inside a traced run): the inner one wraps the outer one's stand-ins, so both
+    count the calls made while both are active; they must exit in the reverse order of entering, as `with`
+    blocks do. Exiting (also on an exception) puts back what was there. Calls forward every argument and return what the
+    original returns, except that an async call's Work comes back wrapped so that its wait() can be timed.
+    Groups are reported by the name given to name_group (also renaming what was recorded before), else
+    "world" for the default group, else "group0", "group1", ... in the order the tracer first sees them.
+
+    `records` (the default phase's: what a step sends, the figure the predictions are checked against) and
+    `total` read one phase; `table()` shows every phase.
 
     Seconds are host time. With gloo that is the real communication time; with NCCL a synchronous call only
     enqueues a kernel on the stream, so the time is a lower bound unless the caller synchronizes.
     """
 
+    STEP = "step"  # the default phase
+
     def __init__(self):
-        self._stats: dict[tuple[str, str], CommStat] = {}
+        self._stats: dict[tuple[str, str, str], CommStat] = {}  # (phase, op, group name) -> stat
         self._names: list[tuple[object, str]] = []  # (process group, name); a list because we compare with `is`
         self._unnamed = 0
-        self._originals: dict[str, object] | None = None  # set while active
+        self._originals: dict[tuple[object, str], object] | None = None  # (module, name) -> original, while active
+        self._phase = self.STEP
+        self._outer = None  # the record of the traced call in progress (its inner calls add to it)
 
-    # --- naming groups -------------------------------------------------------------------------------------
+    # --- naming groups and phases --------------------------------------------------------------------------
 
     def name_group(self, group, name: str) -> None:
-        """Report calls on `group` under `name` (e.g. "dp", "tp")."""
+        """Report calls on `group` under `name` (e.g. "dp", "tp"), including those already recorded."""
         group = dist.group.WORLD if group is None else group  # None means the default group in torch calls
+        old = next((n for g, n in self._names if g is group), None)
         self._names = [(g, n) for g, n in self._names if g is not group] + [(group, name)]
+        if old is not None and old != name:
+            for (phase, op, group_name) in [k for k in self._stats if k[2] == old]:
+                stat = self._stats.pop((phase, op, group_name))
+                _add(self._stats.setdefault((phase, op, name), CommStat()), stat)
 
     def _group_name(self, group) -> str:
         group = dist.group.WORLD if group is None else group
@@ -524,57 +597,76 @@ class CommTracer:
         self._names.append((group, name))
         return name
 
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """File the calls made inside the `with` under phase `name` (e.g. "startup", "eval", "ckpt")."""
+        previous, self._phase = self._phase, name
+        try:
+            yield self
+        finally:
+            self._phase = previous
+
     # --- results -------------------------------------------------------------------------------------------
 
     @property
     def records(self) -> dict[tuple[str, str], CommStat]:
-        """A snapshot: {(op, group name): CommStat}."""
-        return {key: replace(stat) for key, stat in self._stats.items()}
+        """A snapshot of the default phase ("step"): {(op, group name): CommStat}."""
+        return self.records_of(self.STEP)
+
+    def records_of(self, phase: str) -> dict[tuple[str, str], CommStat]:
+        """A snapshot of one phase: {(op, group name): CommStat}."""
+        return {(op, group): replace(stat) for (p, op, group), stat in self._stats.items() if p == phase}
+
+    @property
+    def phases(self) -> list[str]:
+        """The phases that recorded a call, in the order first seen."""
+        return list(dict.fromkeys(p for p, _, _ in self._stats))
 
     def reset(self) -> None:
         self._stats = {}
 
-    def total(self, group_name: str | None = None) -> CommStat:
-        """All records summed, or only those of one group."""
+    def total(self, group_name: str | None = None, phase: str | None = STEP) -> CommStat:
+        """The records of a phase (None: all phases) summed, or only those of one group."""
         out = CommStat()
-        for (_, group), stat in self._stats.items():
-            if group_name is None or group == group_name:
-                out.calls += stat.calls
-                out.payload_bytes += stat.payload_bytes
-                out.wire_bytes += stat.wire_bytes
-                out.seconds += stat.seconds
+        for (p, _, group), stat in self._stats.items():
+            if (phase is None or p == phase) and (group_name is None or group == group_name):
+                _add(out, stat)
         return out
 
     def table(self) -> str:
-        """An aligned text table, one row per (op, group), and a total."""
-        header = ("op", "group", "calls", "payload", "wire/rank", "seconds")
+        """An aligned text table, one row per (phase, op, group) — the phase column only when there are
+        several — and a total."""
+        with_phase = len(self.phases) > 1
+        header = (("phase",) if with_phase else ()) + ("op", "group", "calls", "payload", "wire/rank", "seconds")
         rows = [header]
-        for (op, group), s in sorted(self._stats.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            rows.append((op, group, str(s.calls), format_bytes(s.payload_bytes), format_bytes(s.wire_bytes),
-                         f"{s.seconds:.4f}"))
-        t = self.total()
-        rows.append(("total", "", str(t.calls), format_bytes(t.payload_bytes), format_bytes(t.wire_bytes),
-                     f"{t.seconds:.4f}"))
+        order = {p: i for i, p in enumerate(self.phases)}
+        for (phase, op, group), s in sorted(self._stats.items(), key=lambda kv: (order[kv[0][0]], kv[0][2], kv[0][1])):
+            rows.append((phase,) * with_phase + (op, group, str(s.calls), format_bytes(s.payload_bytes),
+                                                 format_bytes(s.wire_bytes), f"{s.seconds:.4f}"))
+        t = self.total(phase=None)
+        rows.append(("total",) + ("",) * (1 + with_phase) + (str(t.calls), format_bytes(t.payload_bytes),
+                                                            format_bytes(t.wire_bytes), f"{t.seconds:.4f}"))
+        labels = 2 + with_phase  # left-aligned columns
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         lines = []
         for row in rows:
-            cells = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+            cells = [c.ljust(w) if i < labels else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
             lines.append("  ".join(cells).rstrip())
         return "\n".join(lines)
 
     # --- recording -----------------------------------------------------------------------------------------
 
-    def _record(self, op: str, group, payload: int) -> tuple[str, str] | None:
-        """Count one call; return its key, or None when this rank is not in `group` (the call is a no-op)."""
+    def _record(self, op: str, group, payload: int, key=None) -> tuple[str, str, str] | None:
+        """Count one call (or, given the `key` of the object collective that made it, add its bytes to that
+        record); return its key, or None when this rank is not in `group` (the call is a no-op)."""
         group_size = dist.get_world_size(group)
         if group_size < 1:
             return None
-        key = (op, self._group_name(group))
-        stat = self._stats.setdefault(key, CommStat())
-        stat.calls += 1
+        stat = self._stats.setdefault(key or (self._phase, op, self._group_name(group)), CommStat())
+        stat.calls += 0 if key else 1
         stat.payload_bytes += payload
         stat.wire_bytes += wire_bytes(op, payload, group_size)
-        return key
+        return key or (self._phase, op, self._group_name(group))
 
     def _charge(self, keys: list, seconds: float) -> None:
         """Add `seconds` to the records in `keys`, shared equally (a batch's ops cannot be timed apart)."""
@@ -600,15 +692,23 @@ class CommTracer:
         def traced(*args, **kwargs):
             bound = signature.bind(*args, **kwargs).arguments  # only what the caller passed; defaults absent
             payload = size_of(bound[message_arg]) if message_arg else 0
+            if self._outer is not None:  # called by a traced call: timed with it, and counted only as the bytes
+                if self._outer[1] in _OBJECT_COLLECTIVES:  # of an object collective (another spelling of a
+                    self._record(name, bound.get("group"), payload, key=self._outer)  # collective: not at all)
+                return original(*args, **kwargs)
             key = self._record(name, bound.get("group"), payload)
-            return self._timed_call(original, [key], args, kwargs)
+            self._outer = key
+            try:
+                return self._timed_call(original, [key], args, kwargs)
+            finally:
+                self._outer = None
 
         traced._comm_tracer_original = original
         return traced
 
     def _wrap_batch(self, original):
         """The stand-in for torch.distributed.batch_isend_irecv: one "send"/"recv" record per P2POp."""
-        isend = self._originals["isend"]
+        isend = _unwrapped(self._originals[(dist, "isend")])  # what a P2POp holds (see _p2p_op_class)
 
         @functools.wraps(original)
         def traced(p2p_op_list, *args, **kwargs):
@@ -632,15 +732,12 @@ class CommTracer:
         functions, so a P2POp built from our patched dist.isend would be rejected. This subclass hands the
         original function to P2POp instead."""
 
-        def unwrap(op):
-            return getattr(op, "_comm_tracer_original", op)
-
         class P2POp(original_cls):
             def __new__(cls, op, *args, **kwargs):
-                return super().__new__(cls, unwrap(op), *args, **kwargs)
+                return super().__new__(cls, _unwrapped(op), *args, **kwargs)
 
             def __init__(self, op, *args, **kwargs):
-                super().__init__(unwrap(op), *args, **kwargs)
+                super().__init__(_unwrapped(op), *args, **kwargs)
 
         P2POp._comm_tracer_original = original_cls
         return P2POp
@@ -650,22 +747,25 @@ class CommTracer:
     def __enter__(self) -> CommTracer:
         if self._originals is not None:
             raise RuntimeError("this CommTracer is already active")
-        if hasattr(dist.all_reduce, "_comm_tracer_original"):
-            raise RuntimeError("another CommTracer is active; nesting tracers is not supported")
-        self._originals = {name: getattr(dist, name) for name in [*_TRACED, "P2POp"] if hasattr(dist, name)}
+        originals = {name: getattr(dist, name) for name in [*_TRACED, "P2POp"] if hasattr(dist, name)}
+        # In distributed_c10d only the collectives the object collectives call: its P2POp checks ops against
+        # its own isend/irecv, which must stay the originals.
+        self._originals = {(module, name): getattr(module, name) for module in (dist, distributed_c10d)
+                           for name in originals if hasattr(module, name)
+                           and (module is dist or name not in _POINT_TO_POINT)}
         patched = {}
-        for name, original in self._originals.items():
+        for name, original in originals.items():
             if name == "batch_isend_irecv":
                 patched[name] = self._wrap_batch(original)
             elif name == "P2POp":
                 patched[name] = self._p2p_op_class(original)
             else:
                 patched[name] = self._wrap(name, original)
-        for name, fn in patched.items():
-            setattr(dist, name, fn)
+        for module, name in self._originals:
+            setattr(module, name, patched[name])
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
         self._originals = None

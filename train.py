@@ -300,36 +300,45 @@ class Run:
 
 def main(argv=None):
     args = parse_flags(argv)  # a bad flag exits with status 2 on every rank, before any rank waits
-    run, corpus = start_run(args)  # device, process groups, mesh, seeds, the token cache
-    train_tokens, val_tokens = data.TokenFile(corpus.train_path), data.TokenFile(corpus.val_path)
-    run.model = GPT(run.config, seed=args.seed, device=run.device, **pipeline.stage_of(run))  # a stage builds its part
-    run.flops = model_flops(run.config, run.seq_len)  # of the logical model, before any axis splits it
-    run.axes = [axis for axis in (apply(run.model, run) for apply in AXES) if axis is not None]
-    run.layout = build_layout(run.model, run)
-    run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), GradientAccumulation())
-    run.peak = mfu.detect_peak_flops(run.device, args.dtype, args.peak_tflops)
-    run.groups = {**run.mesh.groups, **{name: g for a in run.axes for name, g in a.groups().items() if g is not None}}
-    for name, group in run.groups.items():
-        run.tracer.name_group(group, name)
-    print_startup(run)
+    # Every collective the run issues is traced, filed by phase: startup, step (the default), eval, ckpt, sample,
+    # end; the table at the end shows them all, and checks the step's against the axes' predictions.
+    with mfu.CommTracer() as tracer:
+        train(args, tracer)
 
-    lr_schedule = LRSchedule(args.lr, args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20),
-                             args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
-    scaler = DynamicLossScaler(enabled=args.dtype == "fp16")
-    sampler = data.BatchSampler(len(train_tokens), run.seq_len, args.global_batch, args.seed)
-    val_sampler = data.EvalSampler(len(val_tokens), run.seq_len, args.global_batch)
+
+def train(args, tracer: mfu.CommTracer):
+    with tracer.phase("startup"):
+        run, corpus = start_run(args, tracer)  # device, process groups, mesh, seeds, the token cache
+        train_tokens, val_tokens = data.TokenFile(corpus.train_path), data.TokenFile(corpus.val_path)
+        run.model = GPT(run.config, seed=args.seed, device=run.device, **pipeline.stage_of(run))  # a stage: its part
+        run.flops = model_flops(run.config, run.seq_len)  # of the logical model, before any axis splits it
+        run.axes = [axis for axis in (apply(run.model, run) for apply in AXES) if axis is not None]
+        run.layout = build_layout(run.model, run)
+        run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), GradientAccumulation())
+        run.peak = mfu.detect_peak_flops(run.device, args.dtype, args.peak_tflops)
+        run.groups = {**run.mesh.groups, **{n: g for a in run.axes for n, g in a.groups().items() if g is not None}}
+        for name, group in run.groups.items():
+            tracer.name_group(group, name)
+        print_startup(run)
+
+        warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20)
+        lr_schedule = LRSchedule(args.lr, warmup, args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
+        scaler = DynamicLossScaler(enabled=args.dtype == "fp16")
+        sampler = data.BatchSampler(len(train_tokens), run.seq_len, args.global_batch, args.seed)
+        val_sampler = data.EvalSampler(len(val_tokens), run.seq_len, args.global_batch)
     checkpointer, start_step = None, 0
     if args.ckpt_dir:
-        run_record = dict(steps=args.steps, lr=args.lr, min_lr=lr_schedule.min_lr, seed=args.seed,
-                          warmup_steps=lr_schedule.warmup_steps, global_batch=args.global_batch, seq_len=run.seq_len)
-        checkpointer = ckpt.Checkpointer(args.ckpt_dir, run.mesh, keep=args.keep, async_save=args.async_ckpt,
-                                         mtbf_hours=args.mtbf_hours, device=run.device, log=print0,
-                                         run_record=run_record, axes=run.axes)
-        if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
-            try:
-                start_step = checkpointer.resume(args.resume, run.layout, scaler, sampler, args.seed)
-            except ckpt.CheckpointError as e:  # every rank raises it together (the verdicts are all-gathered)
-                fail(str(e))
+        with tracer.phase("ckpt"):
+            run_record = dict(steps=args.steps, lr=args.lr, min_lr=lr_schedule.min_lr, seed=args.seed,
+                              warmup_steps=lr_schedule.warmup_steps, global_batch=args.global_batch, seq_len=run.seq_len)
+            checkpointer = ckpt.Checkpointer(args.ckpt_dir, run.mesh, keep=args.keep, async_save=args.async_ckpt,
+                                             mtbf_hours=args.mtbf_hours, device=run.device, log=print0,
+                                             run_record=run_record, axes=run.axes)
+            if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
+                try:
+                    start_step = checkpointer.resume(args.resume, run.layout, scaler, sampler, args.seed)
+                except ckpt.CheckpointError as e:  # every rank raises it together (the verdicts are all-gathered)
+                    fail(str(e))
 
     # A resumed run appends: the replayed steps then sit next to the originals in one file.
     metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and run.mesh.rank == 0) else None
@@ -340,10 +349,9 @@ def main(argv=None):
         run.layout.set_lr(lr)
         batches = local_batches(run, sampler, train_tokens, step)
         began = time.perf_counter()
-        with run.tracer:  # count the messages of training steps only (not evaluation)
-            outcome = train_step(run.layout, scaler, batches, run.mesh.dp_cp_group, args.grad_clip, run.autocast,
-                                 run.device, model=run.model, schedule=run.schedule, axes=run.axes,
-                                 data_size=run.mesh.shape.dp)
+        outcome = train_step(run.layout, scaler, batches, run.mesh.dp_cp_group, args.grad_clip, run.autocast,
+                             run.device, model=run.model, schedule=run.schedule, axes=run.axes,
+                             data_size=run.mesh.shape.dp)
         if run.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - began
@@ -352,7 +360,8 @@ def main(argv=None):
         last = step == args.steps - 1
         record = step_record(run, step, lr, outcome, step_time, scaler)
         if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
-            record["val_loss"] = evaluate(run, val_tokens, val_sampler)
+            with tracer.phase("eval"):
+                record["val_loss"] = evaluate(run, val_tokens, val_sampler)
         if step % args.log_every == 0 or last or "val_loss" in record:
             print_step(record)
             for line in (line for axis in run.axes for line in axis.step_lines()):
@@ -361,15 +370,19 @@ def main(argv=None):
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
         if checkpointer:
-            checkpointer.step_end(step + 1, args.ckpt_every, last, run.layout, scaler, sampler)
+            with tracer.phase("ckpt"):
+                checkpointer.step_end(step + 1, args.ckpt_every, last, run.layout, scaler, sampler)
     if metrics:
         metrics.close()
     if checkpointer:
-        checkpointer.close()
-    print_end(run, args.steps - start_step, timed_seconds, timed_steps)
+        with tracer.phase("ckpt"):
+            checkpointer.close()
     if args.sample_tokens:
-        sample(run, val_tokens, corpus.tokenizer_name)
-    dist.barrier()
+        with tracer.phase("sample"):
+            sample(run, val_tokens, corpus.tokenizer_name)
+    with tracer.phase("end"):
+        dist.barrier()  # every rank is done: the table below is complete
+        print_end(run, args.steps - start_step, timed_seconds, timed_steps)
     dist.destroy_process_group()
 
 
@@ -395,7 +408,7 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def start_run(args) -> tuple[Run, data.Corpus]:
+def start_run(args, tracer: mfu.CommTracer) -> tuple[Run, data.Corpus]:
     """Join the process group, build the mesh, seed, and make the token cache (rank 0 builds, others wait)."""
     device, backend = choose_device_and_backend(args.backend)
     rank, _ = init_distributed(backend)
@@ -416,7 +429,7 @@ def start_run(args) -> tuple[Run, data.Corpus]:
     run = Run(args=args, mesh=mesh, config=config, seq_len=args.seq_len or config.block_size, micro=args.micro,
               micro_batches=args.micro_batches, device=device, seed=args.seed, compute_dtype=compute_dtype,
               autocast=torch.autocast(device.type, dtype=compute_dtype) if args.dtype != "fp32" else nullcontext(),
-              param_dtype=ZERO_PARAM_DTYPES[args.dtype] if args.zero else torch.float32)
+              param_dtype=ZERO_PARAM_DTYPES[args.dtype] if args.zero else torch.float32, tracer=tracer)
     return run, corpus
 
 
@@ -621,7 +634,8 @@ def print_end(run: Run, steps_run: int, seconds: float, steps_timed: int):
             mark = "" if same else "   <- differs"
             print0(f"  {key[0]:<22} {key[1]:<9} traced {got_calls:>6g} {mfu.format_bytes(got_payload):>12}"
                    f"   predicted {calls:>6g} {mfu.format_bytes(payload):>12}{mark}")
-    print0("communication by (collective, group) over the training steps:")
+    print0(f"communication by (phase, collective, group), every collective from the process group's creation to"
+           f" the end (the step's: {steps_run} steps):")
     print0(run.tracer.table())
     if steps_timed:
         tokens_per_s = run.tokens_per_step * steps_timed / seconds

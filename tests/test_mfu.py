@@ -179,8 +179,11 @@ def test_tracer_restores_on_exception_and_refuses_reentry():
             assert dist.all_reduce is not originals["all_reduce"]
             with pytest.raises(RuntimeError):
                 tracer.__enter__()  # the same tracer twice
-            with pytest.raises(RuntimeError):
-                mfu.CommTracer().__enter__()  # another tracer on top
+            outer = {n: getattr(dist, n) for n in originals}
+            with pytest.raises(ZeroDivisionError), mfu.CommTracer():  # another tracer on top: nests
+                assert dist.all_reduce is not outer["all_reduce"]
+                1 / 0
+            assert all(getattr(dist, n) is f for n, f in outer.items())  # the outer tracer's stand-ins are back
             1 / 0
     assert all(getattr(dist, n) is f for n, f in originals.items())
     assert tracer.records == {} and tracer.total().calls == 0
@@ -276,3 +279,65 @@ def test_tracer_counts_bytes_on_ranks(world_size):
         assert dp_total.calls == sum(c for c, _, _ in dp_expected)
         assert dp_total.payload_bytes == sum(m for _, m, _ in dp_expected)
         assert "all_to_all_single" in checks["table"] and "group0" in checks["table"]
+
+
+def _traced_phases_and_objects(rank, world_size):
+    """Object collectives, gather/scatter/reduce, phases, and a group named after it was first seen."""
+    import pickle
+
+    group = dist.new_group(list(range(world_size)))
+    tracer = mfu.CommTracer()
+    with tracer:
+        with tracer.phase("ckpt"):
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, {"rank": rank}, group=group)  # recorded under "group0" first
+            box = ["x" * 100 if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+        tracer.name_group(group, "dp")  # renames what was recorded
+        with tracer.phase("eval"):
+            piece = torch.full((4,), float(rank))
+            pieces = [torch.empty(4) for _ in range(world_size)] if rank == 0 else None
+            dist.gather(piece, pieces, dst=0)
+            out = torch.empty(4)
+            dist.scatter(out, [torch.full((4,), float(r)) for r in range(world_size)] if rank == 0 else None, src=0)
+            total = torch.ones(3)
+            dist.reduce(total, dst=0)
+        dist.all_reduce(torch.ones(2))  # the default phase: "step"
+        inner = mfu.CommTracer()
+        with inner:  # a measurement inside a traced run: both tracers count its calls
+            ring = [dist.P2POp(dist.isend, torch.ones(3), (rank + 1) % world_size),
+                    dist.P2POp(dist.irecv, torch.empty(3), (rank - 1) % world_size)]
+            for work in dist.batch_isend_irecv(ring):
+                work.wait()
+            dist.all_gather_object([None] * world_size, rank)
+    sizes = [len(pickle.dumps({"rank": r})) for r in range(world_size)]
+    return dict(step=tracer.records, ckpt=tracer.records_of("ckpt"), eval=tracer.records_of("eval"),
+                phases=tracer.phases, table=tracer.table(), sizes=sizes, box=box[0], out=out[0].item(),
+                gathered=gathered, all_phases=tracer.total(phase=None).calls, inner=inner.records)
+
+
+def test_tracer_files_phases_and_sizes_object_collectives():
+    n = 2
+    for rank, r in enumerate(run_ranks(_traced_phases_and_objects, n, timeout=60)):
+        assert r["gathered"] == [{"rank": i} for i in range(n)] and r["box"] == "x" * 100 and r["out"] == rank
+        assert r["phases"] == ["ckpt", "eval", "step"] and r["all_phases"] == 2 + 3 + 1 + 3
+        nested = {("send", "world"): (1, 12), ("recv", "world"): (1, 12), ("all_gather_object", "world"): (1, None)}
+        for records in (r["step"], r["inner"]):
+            for key, (calls, payload) in nested.items():
+                assert records[key].calls == calls and payload in (None, records[key].payload_bytes), key
+            assert records[("all_gather_object", "world")].payload_bytes == r["inner"][("all_gather_object", "world")].payload_bytes > 0
+        assert r["step"][("all_reduce", "world")].payload_bytes == 8 and ("all_reduce", "world") not in r["inner"]
+        # all_gather_object: an all_gather of the int64 sizes (8 bytes per rank), then of the pickles padded to
+        # the longest; broadcast_object_list: the size, then the pickle. One call each, their inner bytes.
+        objects = r["ckpt"]
+        assert set(objects) == {("all_gather_object", "dp"), ("broadcast_object_list", "world")}
+        gather = objects[("all_gather_object", "dp")]
+        assert gather.calls == 1 and gather.payload_bytes == 8 * n + n * max(r["sizes"])
+        box = objects[("broadcast_object_list", "world")]
+        assert box.calls == 1 and box.payload_bytes > 100 and box.wire_bytes == box.payload_bytes
+        ev = r["eval"]
+        assert {k: (s.calls, s.payload_bytes) for k, s in ev.items()} == {
+            ("gather", "world"): (1, 16), ("scatter", "world"): (1, 16), ("reduce", "world"): (1, 12)}
+        assert ev[("scatter", "world")].wire_bytes == (n - 1) * 16
+        header = r["table"].splitlines()[0].split()
+        assert header[:3] == ["phase", "op", "group"] and "group0" not in r["table"]

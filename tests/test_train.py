@@ -99,6 +99,13 @@ def test_a_damaged_checkpoint_ends_in_one_line_by_step_and_falls_back_with_lates
     assert latest.returncode == 0, latest.stderr[-3000:]
     assert "refusing" in latest.stdout and "resumed from" in latest.stdout and "at step 2" in latest.stdout
     assert ckpt.list_checkpoints(str(tmp_path / "ck"))[0][0] == 3
+    # The communication table holds every collective of the run, filed by phase: the resume's and the save's
+    # verdicts (object collectives) and the evaluation's sum in rows of their own, apart from the steps'.
+    table = latest.stdout.split("communication by (phase, collective, group)")[1]
+    rows = {tuple(line.split()[:3]) for line in table.splitlines()[1:] if line.strip()}
+    for row in (("ckpt", "all_gather_object", "world"), ("ckpt", "broadcast_object_list", "world"),
+                ("eval", "all_reduce", "dp_cp"), ("step", "all_reduce", "dp_cp"), ("startup", "barrier", "world")):
+        assert row in rows, (row, table)
 
 
 def args_for(*flags):
