@@ -449,7 +449,8 @@ def build_layout(model: GPT, run: Run):
         return ZeroLayout(model, run.mesh.dp_cp_group, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                           betas=(args.beta1, args.beta2), param_dtype=run.param_dtype, master_dtype=run.master_dtype,
                           bucket_mb=args.bucket_mb, forward=forward, coords=coords, groups=groups,
-                          codecs={p: c for axis in run.axes for p, c in axis.gather_codecs().items()})
+                          codecs={p: c for axis in run.axes for p, c in axis.gather_codecs().items()},
+                          micro_batches=run.micro_batches)  # m > 1: gradients summed in master_dtype
     ddp = DistributedDataParallel(forward, groups=groups, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
     return DDPLayout(ddp, optimizer, coords)

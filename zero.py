@@ -22,15 +22,29 @@ order, through optim.update: reduce → unscale → all ranks finite? → global
 (padding is zero; a tensor replicated over a model axis, such as TP's LayerNorms, is counted on coordinate 0
 of that axis only: model.counts_here) → clip → all step or all skip.
 
-Mixed precision. Working parameters and gradients are `param_dtype` (bf16 in train.py: b_w = b_g = 2), the
-optimizer keeps `master_dtype` master weights and moments (fp32: b_o = 4 + 4 + 4 = 12): the 2 + 2 + 12 = 16
-bytes per parameter of the paper. When the two dtypes are equal (fp32 runs, the float64 tests) the master IS
-the working shard (no third copy): b_o = 8 with fp32.
+Mixed precision. Working parameters and each backward's gradients are `param_dtype` (bf16 in train.py:
+b_w = 2), the optimizer keeps `master_dtype` master weights and moments (fp32: b_o = 4 + 4 + 4 = 12): with
+one micro-batch per step (b_g = 2) the 2 + 2 + 12 = 16 bytes per parameter of the paper, with m > 1 the
+gradient is accumulated in fp32 (b_g = 4, "Gradient accumulation"): 2 + 4 + 12. When the two dtypes are
+equal (fp32 runs, the float64 tests) the master IS the working shard (no third copy): b_o = 8 with fp32.
 
 Gradient accumulation. Stage 1 accumulates full gradients locally under `no_sync()` and reduces once per
 step, like DDP. Stages 2 and 3 cannot hold a full gradient, so every micro-batch's backward reduce-scatters
 its buckets and adds the result to the gradient shard: no_sync() changes nothing there, and the reduce-scatter
 volume is paid m times per step (FSDP does the same; its no_sync trades this back for full gradients).
+With m > 1 the sum over micro-batches is kept in the master dtype (`accumulate_dtype`, fp32 under bf16, as
+Megatron's main_grad and DeepSpeed's grad_accum_dtype): adding m terms into a bf16 sum rounds the whole sum
+m times, and its error grows with m (bench/bench_zero_accum.py measures it). Stage 1's accumulator is fp32
+(autograd's bf16 .grad of each micro-batch is added into it and dropped), stages 2/3's gradient shard is fp32.
+What goes on the wire (`reduce_dtype`):
+    stage 1 reduce-scatters its fp32 accumulator as it is, once per step: no rounding between the sum and the
+    optimizer and no bf16 copy of the full gradient to hold while it is sent; the price is b_g = 4 instead of
+    2 bytes once per step, spread over m ≥ 2 micro-batches (per micro-batch, no more than stage 2 sends);
+    stages 2/3 reduce-scatter each micro-batch's bucket in bf16 and add the result into the fp32 shard
+    (DeepSpeed's choice): the bucket is sent while backward runs, m times a step, and fp32 would double that
+    traffic and the buckets; its one rounding falls on that micro-batch's own term, not on the running sum,
+    so the error does not grow with m.
+At m = 1 nothing is summed: the gradient stays in the working dtype (no extra buffer, the same bytes).
 
 How stage 3 overlaps (module hooks, chosen over autograd Functions because the model stays untouched).
 Each unit's gathered buffer is allocated once and every parameter's `.data` is a view into it; "free" shrinks
@@ -48,21 +62,23 @@ any other ready node, so block i+1 is freed before block i's backward hook prefe
 units are gathered at once (`peak_gathered_units`, tested, with the order of gathers in both passes).
 
 Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_o bytes per parameter for
-working weights / gradients / optimizer state, m micro-batches per step, U the largest unit's elements):
+working weights / persistent gradients / optimizer state, m micro-batches per step, U the largest unit's
+elements; b_g = b_w at m = 1, the master's 4 bytes for m > 1 under bf16 or fp16: "Gradient accumulation"):
 1. Replicated vs split. Stage 1: weights and gradients replicated, optimizer state split in D. Stage 2:
    weights replicated; gradients and optimizer state split. Stage 3: everything split. The batch is split.
 2. Persistent bytes per rank (mfu.persistent_bytes, `held_bytes()` measures it):
        stage 1: (b_w + b_g)·Ψ' + b_o·Ψ'/D;   stage 2: b_w·Ψ' + (b_g + b_o)·Ψ'/D;   stage 3: (b_w + b_g + b_o)·Ψ'/D.
    Temporary on top (`peak_lower_bound()`, printed by train.py; activations apart): stage 1: the reduce-scatter
    outputs, later the all-gather inputs, of every unit: max(b_g, b_w)·Ψ'/D; stage 2: at most 2 full gradient
-   buckets in flight, b_g·2U (U: largest unit), or the all-gather inputs b_w·Ψ'/D; stage 3: two gathered units,
-   b_w·2U (the one in use and the prefetched one), plus gradient buckets b_g·(U_root + 2U) (the root's fills
-   during the whole backward: its tied head and its embeddings are its first and last gradients).
+   buckets in flight, b_w·2U (U: largest unit; buckets are working dtype), or the all-gather inputs b_w·Ψ'/D;
+   stage 3: two gathered units, b_w·2U (the one in use and the prefetched one), plus gradient buckets
+   b_w·(U_root + 2U) (the root's fills during the whole backward: its tied head and its embeddings are its
+   first and last gradients).
 3. Messages on the critical path, per step, over the dp×cp group (M = payload; ring: wire = (D-1)/D·M):
        stage 1: reduce_scatter b_g·Ψ' (overlapped with backward) + all_gather b_w·Ψ' = 2Ψ; the all-gather of
        unit k is launched as soon as unit k is updated, so it overlaps the update of unit k+1;
-       stage 2: m × reduce_scatter b_g·Ψ' (overlapped) + all_gather b_w·Ψ' = 2Ψ for m = 1;
-       stage 3: m × [all_gather b_w·(2Ψ' - U_last) + reduce_scatter b_g·Ψ']: forward gathers every unit once
+       stage 2: m × reduce_scatter b_w·Ψ' (overlapped) + all_gather b_w·Ψ' = 2Ψ for m = 1;
+       stage 3: m × [all_gather b_w·(2Ψ' - U_last) + reduce_scatter b_w·Ψ']: forward gathers every unit once
        (the root twice: embedding, then the tied head), backward every unit again except the root (its
        weights were last read by the head's backward, before it is freed) and the last block (kept gathered
        from its forward into its backward) = the paper's 3Ψ less what is not regathered. Exposed (not hidden
@@ -118,8 +134,8 @@ class _Unit:
         # Filled by the layout:
         self.full_param = None  # n' working elements (stage 1/2: persistent; stage 3: storage freed between uses)
         self.param_shard = None  # S working elements (stage 3; at stage 1/2 a view of full_param)
-        self.full_grad = None  # n' (stage 1: persistent, param.grad are views; stage 2/3: per backward)
-        self.grad_shard = None  # S working-dtype reduced gradient (stage 1: a view of full_grad)
+        self.full_grad = None  # n' (stage 1: the persistent accumulator; stage 2/3: one backward's bucket)
+        self.grad_shard = None  # S reduced gradient, accumulate_dtype (stage 1: a view of full_grad)
         self.master = None  # S master-dtype weights (may alias param_shard)
         self.exp_avg = None
         self.exp_avg_sq = None
@@ -143,13 +159,16 @@ class ZeroLayout:
 
     `module` must hold the same initial values on every rank (checked). At stage 3 it must be a model.GPT (its
     `transformer.h` blocks are the units gathered one at a time). Parameters may be TP-local shards carrying
-    `param.shard_info`; each is flattened as the local tensor it is.
+    `param.shard_info`; each is flattened as the local tensor it is. `micro_batches`: the m that each step
+    accumulates (train.py passes it); with m > 1 gradients are summed in `master_dtype` unless `accumulate_dtype`
+    says otherwise.
     """
 
     def __init__(self, module: nn.Module, group, stage: int, *, lr: float, weight_decay: float = 0.1,
                  betas=(0.9, 0.95), eps: float = 1e-8, param_dtype=torch.float32, master_dtype=torch.float32,
                  bucket_mb: float = 25.0, coords: dict | None = None, check_same_init: bool = True,
-                 forward=None, groups: dict | None = None, codecs: dict | None = None):
+                 forward=None, groups: dict | None = None, codecs: dict | None = None, micro_batches: int = 1,
+                 accumulate_dtype=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage} (stage 0 is ddp.py + DDPLayout)")
         self.module, self.group, self.stage = module, group, stage
@@ -162,6 +181,15 @@ class ZeroLayout:
         self.forward = forward or module  # e.g. torch.compile(module) (stages 1/2)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.param_dtype, self.master_dtype = param_dtype, master_dtype
+        # The gradient summed over the m micro-batches of a step is kept in the master dtype (docstring,
+        # "Gradient accumulation"); with one micro-batch there is nothing to sum: the working dtype, no new buffer.
+        # accumulate_dtype=param_dtype forces the working dtype (bench/bench_zero_accum.py's "before").
+        if accumulate_dtype is None:
+            accumulate_dtype = master_dtype if micro_batches > 1 else param_dtype
+        self.accumulate_dtype = accumulate_dtype
+        # What a gradient reduce-scatter sends: stage 1 its accumulator, once per step; stages 2/3 each
+        # micro-batch's bucket as backward produced it.
+        self.reduce_dtype = self.accumulate_dtype if stage == 1 else param_dtype
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
         # This rank's index along the model axes (Mesh.coordinates()): which replicated copies count (TP rank 0's
         # LayerNorms, ...). The dp×cp group holds disjoint shards, so every shard element counts somewhere.
@@ -246,14 +274,14 @@ class ZeroLayout:
         unit.exp_avg = torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
         unit.exp_avg_sq = torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
         if self.stage == 1:
-            unit.full_grad = torch.zeros(unit.padded_numel, dtype=self.param_dtype, device=device)
+            unit.full_grad = torch.zeros(unit.padded_numel, dtype=self.accumulate_dtype, device=device)
             unit.grad_shard = unit.full_grad[mine]
         else:
-            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.param_dtype, device=device)
+            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.accumulate_dtype, device=device)
         for i, (p, offset) in enumerate(zip(unit.params, unit.offsets)):
             p.data = unit.full_param[offset:offset + p.numel()].view(p.shape)
-            if self.stage == 1:
-                p.grad = unit.full_grad[offset:offset + p.numel()].view(p.shape)
+            if self.stage == 1 and not self._folds_grads():
+                p.grad = unit.full_grad[offset:offset + p.numel()].view(p.shape)  # autograd accumulates in place
             span = unit.shard_range_of(i)
             if span is not None:
                 if p.dim() >= 2:
@@ -283,10 +311,19 @@ class ZeroLayout:
     def _syncs_now(self) -> bool:
         return self.require_grad_sync or self.stage >= 2
 
+    def _folds_grads(self) -> bool:
+        """Stage 1 with a wider accumulator than the working dtype: autograd cannot accumulate into it (a .grad
+        has its parameter's dtype), so every micro-batch's gradient is added into it here."""
+        return self.stage == 1 and self.accumulate_dtype != self.param_dtype
+
     def _on_grad_ready(self, param: torch.Tensor):
+        unit = self._unit_of[param]
+        if self._folds_grads():  # every micro-batch, synchronised or not
+            offset = self._offset_of[param]
+            unit.full_grad[offset:offset + param.numel()].add_(param.grad.reshape(-1))
+            param.grad = None
         if not self._syncs_now():
             return
-        unit = self._unit_of[param]
         if self.stage >= 2:
             # Move the gradient into the unit's flat bucket and drop autograd's tensor right away.
             if unit.full_grad is None:
@@ -305,7 +342,7 @@ class ZeroLayout:
         """Reduce-scatter the unit's gradient bucket (async), in unit order: the same order on every rank."""
         if unit.full_grad is None:  # its parameters took no part in this backward: reduce zeros
             unit.full_grad = torch.zeros(unit.padded_numel, dtype=self.param_dtype, device=unit.grad_shard.device)
-        out = torch.empty_like(unit.grad_shard)
+        out = torch.empty(unit.shard_numel, dtype=unit.full_grad.dtype, device=unit.full_grad.device)  # reduce_dtype
         work = dist.reduce_scatter_single(out, unit.full_grad, op=dist.ReduceOp.SUM, group=unit.group,
                                           async_op=True)
         self._in_flight.append((unit, work, out))
@@ -327,7 +364,7 @@ class ZeroLayout:
         if self.stage == 1:
             unit.grad_shard.copy_(out)  # full_grad holds the local sum; its own slice now the global one
         else:
-            unit.grad_shard.add_(out)  # accumulate over micro-batches
+            unit.grad_shard.add_(out)  # accumulate over micro-batches (in accumulate_dtype)
 
     def finish_grad_sync(self):
         """Launch the buckets whose gradients never arrived, then wait for every reduce-scatter."""
@@ -557,10 +594,10 @@ class ZeroLayout:
         return sum(u.numel for u in self.units)
 
     def bytes_per_param(self) -> mfu.BytesPerParam:
-        """b_w, b_g, b_o of this layout (b_o: two moments, plus the master unless it aliases the weights)."""
-        b_w = torch.empty((), dtype=self.param_dtype).element_size()
-        b_m = torch.empty((), dtype=self.master_dtype).element_size()
-        return mfu.BytesPerParam(weights=b_w, grads=b_w, optimizer=2 * b_m + (0 if self.param_dtype ==
+        """b_w, b_g, b_o of this layout (b_g: the persistent gradient, in accumulate_dtype; b_o: two moments,
+        plus the master unless it aliases the weights)."""
+        b_w, b_g, b_m = (dtype.itemsize for dtype in (self.param_dtype, self.accumulate_dtype, self.master_dtype))
+        return mfu.BytesPerParam(weights=b_w, grads=b_g, optimizer=2 * b_m + (0 if self.param_dtype ==
                                                                               self.master_dtype else b_m))
 
     def _units_of(self, group_name: str) -> list:
@@ -592,22 +629,24 @@ class ZeroLayout:
         """Persistent bytes + the transient buffers the schedule cannot avoid (activations apart; docstring, 2).
 
         stage 1: + max(b_g, b_w)·Ψ'/D: the reduce-scatter outputs, then the all-gather inputs, of every unit;
-        stage 2: + max(b_g·2U, b_w·Ψ'/D): two full gradient buckets in flight, then the all-gather inputs;
-        stage 3: + b_w·2U (the unit in use and the prefetched one) + b_g·(U_root + 2U) (the root's gradient
+        stage 2: + max(b_w·2U, b_w·Ψ'/D): two full gradient buckets in flight, then the all-gather inputs;
+        stage 3: + b_w·2U (the unit in use and the prefetched one) + b_w·(U_root + 2U) (the root's gradient
                  bucket fills during the whole backward, and two block buckets are in flight).
-        (U: the largest unit, or block's units together at stage 3; Ψ'/D: this rank's shards, Σ S.)
+        (U: the largest unit, or block's units together at stage 3; Ψ'/D: this rank's shards, Σ S. The
+        buckets of stages 2/3 hold one backward's gradients: working dtype, b_w, whatever b_g is.)
         """
         b = self.bytes_per_param()
+        b_bucket = self.reduce_dtype.itemsize  # stage 1: b_g; stages 2/3: b_w
         shards = sum(u.shard_numel for u in self.units)
         persistent = self.predicted_persistent()["total"]
         if self.stage == 3:
             largest = max(sum(u.padded_numel for u in units) for units in self.block_units)
             root = sum(u.padded_numel for u in self.root)
-            return persistent + 2 * b.weights * largest + b.grads * (root + 2 * largest)
+            return persistent + 2 * b.weights * largest + b_bucket * (root + 2 * largest)
         largest = max(u.padded_numel for u in self.units)
         if self.stage == 2:
-            return persistent + max(2 * b.grads * largest, b.weights * shards)
-        return persistent + max(b.grads, b.weights) * shards
+            return persistent + max(2 * b_bucket * largest, b.weights * shards)
+        return persistent + max(b_bucket, b.weights) * shards
 
     def _gathers(self, unit: _Unit) -> int:
         """Stage 3 gathers of a unit per micro-batch: the root twice in forward (embedding, tied head), a block
@@ -616,16 +655,17 @@ class ZeroLayout:
 
     def predicted_comm(self, micro_batches: int, group_name: str = "dp_cp") -> dict:
         """Payload bytes M per step per collective over one data-parallel group (docstring, 3). Stage 3 gathers
-        FP8 weights as one byte per element."""
-        b = self.bytes_per_param()
+        FP8 weights as one byte per element. Gradients travel in reduce_dtype: stage 1's accumulator (b_g),
+        stages 2/3's per-micro-batch buckets (b_w)."""
+        b_w, b_r = self.param_dtype.itemsize, self.reduce_dtype.itemsize
         units = self._units_of(group_name)
         psi = sum(u.padded_numel for u in units)
         if self.stage == 3:
-            gathered = sum(self._gathers(u) * u.padded_numel * (1 if u.fp8 else b.weights) for u in units)
+            gathered = sum(self._gathers(u) * u.padded_numel * (1 if u.fp8 else b_w) for u in units)
             return {"all_gather_single": micro_batches * gathered,
-                    "reduce_scatter_single": micro_batches * b.grads * psi}
+                    "reduce_scatter_single": micro_batches * b_r * psi}
         reduces = micro_batches if self.stage == 2 else 1
-        return {"all_gather_single": b.weights * psi, "reduce_scatter_single": reduces * b.grads * psi}
+        return {"all_gather_single": b_w * psi, "reduce_scatter_single": reduces * b_r * psi}
 
     def predicted_messages(self, micro_batches: int) -> dict:
         """{(op, group): (calls, payload)} per step: predicted_comm with its calls, for every group of size > 1."""
@@ -664,8 +704,9 @@ class ZeroLayout:
         exact = mfu.persistent_bytes(psi, b, self.stage, D)
         padded, held = self.predicted_persistent(), self.held_bytes()
         sizes = ", ".join(f"{name} D={dist.get_world_size(g)}" for name, g in self.groups.items() if self._units_of(name))
-        lines = [f"ZeRO stage {self.stage} over {sizes}: {self.param_dtype} working weights and grads, "
-                 f"{self.master_dtype} optimizer (b_w={b.weights}, b_g={b.grads}, b_o={b.optimizer});"
+        lines = [f"ZeRO stage {self.stage} over {sizes}: {self.param_dtype} working weights and micro-batch grads,"
+                 f" {self.accumulate_dtype} accumulated grads, {self.reduce_dtype} reduce-scatter,"
+                 f" {self.master_dtype} optimizer (b_w={b.weights}, b_g={b.grads}, b_o={b.optimizer});"
                  f" {len(self.units)} units, Ψ={psi:,}, padded Ψ'={self.padded_numel:,}",
                  f"persistent bytes per rank, {formula}:  predicted(Ψ, D={D}) / predicted(Ψ'_g, D_g) / held"]
         for kind in ("weights", "grads", "optimizer", "total"):
