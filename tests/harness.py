@@ -49,6 +49,33 @@ def device():
     return torch.device("cpu")
 
 
+def backend_flags(nproc: int) -> list[str]:
+    """`--backend` for a test that launches train.py with torchrun on `nproc` ranks: the suite's backend, said
+    explicitly (left to itself, train.py picks NCCL whenever a GPU is visible, and gloo is what the suite asked
+    for); under nccl, the test is skipped when fewer GPUs than ranks are visible."""
+    import torch
+
+    name = backend()
+    if name == "nccl" and torch.cuda.device_count() < nproc:
+        import pytest
+
+        pytest.skip(f"needs {nproc} GPUs (one per rank) for {BACKEND_ENV}=nccl; {torch.cuda.device_count()} visible")
+    return ["--backend", name]
+
+
+def _to_cpu(value):
+    """`value` with every tensor inside (dicts, lists, tuples, dataclass-free containers) moved to the CPU."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)((k, _to_cpu(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
 def _rank_main(fn, rank, world_size, store_path, threads, backend_name, args, kwargs, results):
     import torch
     import torch.distributed as dist
@@ -62,7 +89,7 @@ def _rank_main(fn, rank, world_size, store_path, threads, backend_name, args, kw
                                     world_size=world_size, device_id=torch.device("cuda", rank))
         else:
             dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
-        value = fn(rank, world_size, *args, **kwargs)
+        value = _to_cpu(fn(rank, world_size, *args, **kwargs))  # GPU tensors do not outlive their process
         buffer = io.BytesIO()
         torch.save(value, buffer)  # bytes, not shared-memory tensors: the rank may exit before they are read
         results.put(("ok", rank, buffer.getvalue()))

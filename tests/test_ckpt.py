@@ -27,7 +27,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from harness import run_ranks
+from harness import backend_flags, run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -592,7 +592,7 @@ def launch_training(run_dir: str, corpus: str, log_name: str, extra=(), env=None
     """torchrun, 2 workers, tiny preset, dropout on, a checkpoint every 2 steps, --resume latest."""
     os.makedirs(run_dir, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.join(ROOT, "train.py"), "--preset", "tiny", "--steps", str(FAULT_STEPS),
+               os.path.join(ROOT, "train.py"), *backend_flags(2), "--preset", "tiny", "--steps", str(FAULT_STEPS),
                "--global-batch", "4", "--seq-len", "32", "--dtype", "fp32", "--dropout", "0.1",
                "--eval-every", "0", "--sample-tokens", "0", "--log-every", "1", "--data", corpus,
                "--out-dir", run_dir, "--ckpt-dir", os.path.join(run_dir, "ck"), "--ckpt-every", "2",

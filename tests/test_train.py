@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from harness import backend_flags
 from train import FlagError, build_parser, validate_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +20,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 def launch(nproc, *flags, timeout=180):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run([*TORCHRUN, f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"), *flags],
+    return subprocess.run([*TORCHRUN, f"--nproc_per_node={nproc}", os.path.join(ROOT, "train.py"),
+                           *backend_flags(nproc), *flags],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

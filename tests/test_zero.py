@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import backend_flags, run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
 STEPS, SEQ = 3, 16
@@ -340,7 +340,7 @@ def test_torchrun_zero3_smoke(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "train.py"), "--preset", "tiny", "--zero", "3", "--steps", "3", "--global-batch", "4",
+           os.path.join(ROOT, "train.py"), *backend_flags(2), "--preset", "tiny", "--zero", "3", "--steps", "3", "--global-batch", "4",
            "--micro-batch", "1", "--data", str(corpus), "--out-dir", str(tmp_path), "--eval-every", "0",
            "--eval-batches", "1", "--sample-tokens", "8", "--log-every", "1", "--peak-tflops", "1",
            "--dtype", "bf16"]
