@@ -172,7 +172,7 @@ def gpu_row(name: str, sm_count: int) -> str | None:
 def fp32_matmul_column() -> tuple[str, str]:
     """The column an fp32 run is measured against: TF32 when torch lets fp32 matmuls use TF32 tensor cores."""
     if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
-        return "tf32", ("TF32 tensor-core peak (fp32 matmuls may run as TF32: torch.backends.cuda.matmul.allow_tf32"
+        return "tf32", ("dense TF32 tensor-core peak (fp32 matmuls may run as TF32: torch.backends.cuda.matmul.allow_tf32"
                         f" = {torch.backends.cuda.matmul.allow_tf32}, float32_matmul_precision ="
                         f" {torch.get_float32_matmul_precision()!r})")
     return "fp32", "FP32 peak, no tensor cores (TF32 matmuls off: float32_matmul_precision 'highest')"
@@ -260,10 +260,10 @@ def detect_peak_flops(device: torch.device, dtype: str, override_tflops: float |
         name = torch.cuda.get_device_name(device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         row = gpu_row(name, sms)
-        column, what = fp32_matmul_column() if dtype == "fp32" else (dtype, f"{dtype} tensor-core peak")
+        column, what = fp32_matmul_column() if dtype == "fp32" else (dtype, f"dense {dtype} tensor-core peak")
         tflops = PEAK_TFLOPS[row].get(column) if row else None
         if tflops:
-            return tflops * 1e12, f"table: row {row} ({name}, {sms} SMs), dense {what}: {tflops:g} TFLOP/s"
+            return tflops * 1e12, f"table: row {row} ({name}, {sms} SMs), {what}: {tflops:g} TFLOP/s"
         missing = (f"PEAK_TFLOPS row {row} ({name}) has no {column} peak" if row
                    else f"{name!r} with {sms} SMs matches no PEAK_TFLOPS row")
         _warn(f"{missing}; MFU is against a measured matmul peak instead (--peak-tflops sets one)")
