@@ -1,7 +1,7 @@
 """The accounting: FLOPs, MFU/HFU, memory, communication and pipeline bubble.
 
 This file talks over nothing; it observes. Everything here is either a closed-form formula from a paper (so a
-reader can check a number by hand) or a measurement (a CPU matmul loop, a tracer that counts the bytes each
+reader can check a number by hand) or a measurement (a matmul loop, a tracer that counts the bytes each
 `torch.distributed` call moves). Nothing in it changes what the trainer computes.
 
 Conventions used throughout:
@@ -26,6 +26,7 @@ import contextlib
 import functools
 import inspect
 import math
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -107,57 +108,148 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops_per_device:
 # 3. Peak FLOP/s
 # ----------------------------------------------------------------------------------------------------------
 
-# Dense (no 2:4 sparsity) tensor-core peaks in TFLOP/s for the SXM parts, from NVIDIA's datasheets:
-# A100 (A100 datasheet, "BF16/FP16 Tensor Core 312 TFLOPS"; no FP8 on Ampere), H100 SXM and H200 SXM (same
-# compute die: 989.4 BF16/FP16, 1978.9 FP8; the datasheets print the sparse figures, twice these), B200 (HGX
-# B200: 2.25 PFLOPS BF16/FP16, 4.5 PFLOPS FP8, dense). PCIe/NVL variants are clocked lower: pass --peak-tflops.
+# Dense (no 2:4 sparsity) peaks in TFLOP/s per GPU, one row per product variant. Columns: fp32 = FP32 on the CUDA
+# cores (no tensor cores); tf32 = fp32 matmuls on the TF32 tensor cores; bf16/fp16 and fp8 = tensor cores. The
+# datasheets print tensor-core figures with sparsity ("*"); the dense figure is half of it. Sources, NVIDIA's:
+#   A100 datasheet (SXM4 and PCIe, 40 and 80 GB alike): 19.5 FP32, 156 TF32, 312 BF16/FP16 dense; no FP8.
+#   A10 datasheet: 31.2 FP32, 62.5 TF32, 125 BF16/FP16 dense (125* / 250* sparse); no FP8.
+#   L4 datasheet: 30.3 FP32, 120* TF32, 242* BF16/FP16, 485* FP8.
+#   L40 datasheet: 90.5 FP32, 90.5 TF32, 181.05 BF16/FP16, 362 FP8 dense (181* / 362.1* / 724* sparse).
+#   L40S datasheet: 91.6 FP32, 366* TF32, 733* BF16/FP16, 1,466* FP8 (its dense column's 362.05 BF16 is not half
+#     of 733*; the L40's figure copied, it seems: we halve 733*).
+#   H100 architecture whitepaper, SXM5: 66.9 FP32, 494.7 TF32, 989.4 BF16/FP16, 1978.9 FP8 dense (the datasheet
+#     rounds: 67, 989*, 1,979*, 3,958*). H200 SXM, GH200 and H800 SXM datasheets print the same figures (the
+#     same GH100 configuration and clocks; H800 differs in FP64 and NVLink only).
+#   H100 datasheet, PCIe (H800 PCIe datasheet alike): 51 FP32, 756* TF32, 1,513* BF16/FP16, 3,026* FP8.
+#   H100 and H200 datasheets, NVL columns: 60 FP32, 835* TF32, 1,671* BF16/FP16, 3,341* FP8.
+#   H20 (NVIDIA's spec sheet as published by its partners; there is no public datasheet): 44 FP32, 74 TF32,
+#     148 BF16/FP16, 296 FP8 dense.
+#   HGX B200 datasheet (8 GPUs, per GPU): 75 FP32, 2.25* PF TF32 (18* PF for 8), 4.5* PF BF16/FP16, 9* PF FP8.
+#   GB200 NVL72 datasheet (per GPU): 80 FP32, 2.5* PF TF32, 5* PF BF16/FP16, 10* PF FP8.
+# A row is chosen by gpu_row: the model word of the device name, whether it says NVL, and the SM count where a
+# row gives one (H100 SXM5 has 132, H100 PCIe 114: the same name word). The bare names are the SXM parts.
+#             row          word     SMs   NVL     fp32   tf32    bf16/fp16  fp8
+_GPU_ROWS = [("A100",      "A100",  108,  False,  19.5,  156.0,  312.0,     None),
+             ("A10",       "A10",   72,   False,  31.2,  62.5,   125.0,     None),
+             ("L4",        "L4",    None, False,  30.3,  60.0,   121.0,     242.5),
+             ("L40",       "L40",   None, False,  90.5,  90.5,   181.05,    362.0),
+             ("L40S",      "L40S",  None, False,  91.6,  183.0,  366.5,     733.0),
+             ("H100",      "H100",  132,  False,  66.9,  494.7,  989.4,     1978.9),
+             ("H100 PCIe", "H100",  114,  False,  51.0,  378.0,  756.5,     1513.0),
+             ("H100 NVL",  "H100",  None, True,   60.0,  417.5,  835.5,     1670.5),
+             ("H200",      "H200",  132,  False,  66.9,  494.7,  989.4,     1978.9),
+             ("H200 NVL",  "H200",  None, True,   60.0,  417.5,  835.5,     1670.5),
+             ("GH200",     "GH200", 132,  False,  66.9,  494.7,  989.4,     1978.9),
+             ("H800",      "H800",  132,  False,  66.9,  494.7,  989.4,     1978.9),
+             ("H800 PCIe", "H800",  114,  False,  51.0,  378.0,  756.5,     1513.0),
+             ("H20",       "H20",   None, False,  44.0,  74.0,   148.0,     296.0),
+             ("B200",      "B200",  None, False,  75.0,  1125.0, 2250.0,    4500.0),
+             ("GB200",     "GB200", None, False,  80.0,  1250.0, 2500.0,    5000.0)]
 PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp8": None},
-    "H100": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-    "H200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-    "B200": {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0},
-}
+    row: {"fp32": fp32, "tf32": tf32, "bf16": half, "fp16": half, "fp8": fp8}
+    for row, _, _, _, fp32, tf32, half, fp8 in _GPU_ROWS}
+GPU_RULES: dict[str, tuple[str, int | None, bool]] = {row: (word, sms, nvl) for row, word, sms, nvl, *_ in _GPU_ROWS}
 
 # Accept torch-style spellings too, so `detect_peak_flops(dev, "bfloat16", None)` works.
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def gpu_row(name: str, sm_count: int) -> str | None:
+    """The PEAK_TFLOPS row of a GPU called `name` (torch.cuda.get_device_name) with `sm_count` SMs, or None.
+
+    The name is cut into words at spaces and hyphens ("NVIDIA A100-SXM4-80GB": NVIDIA, A100, SXM4, 80GB). A row
+    matches when its model word is one of them (so "GB200" is not "B200", "GH200" not "H200", "H20" not "H200",
+    "A10G" not "A10"), when "NVL" is a word exactly if the row is an NVL part, and when the SM count is the row's
+    where the row gives one. A MIG slice has fewer SMs, so it matches no row that checks them.
+    """
+    words = set(name.upper().replace("-", " ").replace("_", " ").split())
+    matches = [row for row, (word, sms, nvl) in GPU_RULES.items()
+               if word in words and nvl == ("NVL" in words) and sms in (None, sm_count)]
+    if len(matches) > 1:  # the rules are exclusive by construction; a new row must keep them so
+        raise AssertionError(f"{name!r} with {sm_count} SMs matches several PEAK_TFLOPS rows: {matches}")
+    return matches[0] if matches else None
+
+
+def fp32_matmul_column() -> tuple[str, str]:
+    """The column an fp32 run is measured against: TF32 when torch lets fp32 matmuls use TF32 tensor cores."""
+    if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
+        return "tf32", ("dense TF32 tensor-core peak (fp32 matmuls may run as TF32: torch.backends.cuda.matmul.allow_tf32"
+                        f" = {torch.backends.cuda.matmul.allow_tf32}, float32_matmul_precision ="
+                        f" {torch.get_float32_matmul_precision()!r})")
+    return "fp32", "FP32 peak, no tensor cores (TF32 matmuls off: float32_matmul_precision 'highest')"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # CUDA kernels are asynchronous: wait for them before reading the clock
+        torch.cuda.synchronize(device)
+
+
 def measure_matmul_peak(
     dtype: torch.dtype = torch.bfloat16, n: int = 1024, seconds: float = 0.3, device: str | torch.device = "cpu"
 ) -> float:
-    """Measure achievable matmul FLOP/s: multiply two n x n matrices in a loop for `seconds`, after a warm-up.
+    """Measure achievable matmul FLOP/s: a batch of n x n matmuls that lasts about `seconds`, after a warm-up.
 
-    Each n x n @ n x n matmul is n^3 multiply-adds = 2n^3 FLOPs. This is a practical ceiling for this machine,
+    Each n x n @ n x n matmul is n^3 multiply-adds = 2n^3 FLOPs. The batch is timed between two synchronisations
+    only: a sync after every matmul would leave a GPU idle while the next one is launched. Its size comes from a
+    first short run, doubled until it lasts a tenth of `seconds`. This is a practical ceiling for this machine,
     not a datasheet number, so an MFU computed against it reads higher than one against a datasheet peak.
     """
     device = torch.device(device)
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
+    out = torch.empty(n, n, dtype=dtype, device=device)
 
-    def sync() -> None:
-        if device.type == "cuda":  # CUDA kernels are asynchronous; wait before reading the clock
-            torch.cuda.synchronize(device)
+    def timed(count: int) -> float:  # seconds for `count` back-to-back matmuls
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(count):
+            torch.mm(a, b, out=out)
+        _sync(device)
+        return time.perf_counter() - start
 
-    a @ b  # warm-up: first call pays for kernel selection, thread-pool start-up and allocation
-    sync()
-    iterations = 0
-    start = time.perf_counter()
-    while True:
-        a @ b
-        iterations += 1
-        sync()
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            break
-    return 2 * n**3 * iterations / elapsed
+    timed(1)  # warm-up: first call pays for kernel selection, thread-pool start-up and allocation
+    count, elapsed = 1, timed(1)
+    while elapsed < seconds / 10:  # calibration
+        count *= 2
+        elapsed = timed(count)
+    if elapsed < seconds:
+        count = round(count * seconds / elapsed)
+        elapsed = timed(count)
+    return 2 * n**3 * count / elapsed
+
+
+def _measured_peak(device: torch.device, dtype: str) -> tuple[float, str]:
+    """The matmul loop's FLOP/s on `device` as the peak for `dtype`, and how it was taken."""
+    n, seconds = (8192, 0.5) if device.type == "cuda" else (1024, 0.3)
+    note = ""
+    if dtype == "fp16" and device.type == "cpu":
+        # CPUs have no fast fp16 matmul (a 1024² fp16 matmul takes seconds here, small ones take other paths),
+        # so the measured fp16 "peak" is meaningless: fp16 runs are measured against the bf16 peak instead.
+        measured, note = "bf16", " (fp16 is compared with the bf16 peak: CPUs have no fast fp16 matmul)"
+    elif dtype not in _TORCH_DTYPES:  # fp8 needs scaled matmuls; its non-FP8 work runs in bf16
+        measured, note = "bf16", f" ({dtype} is compared with the bf16 peak: no plain {dtype} matmul to time)"
+    else:
+        measured = dtype
+    if measured == "fp32" and device.type == "cuda":
+        note = f" (TF32 {'on' if fp32_matmul_column()[0] == 'tf32' else 'off'})"
+    flops = measure_matmul_peak(_TORCH_DTYPES[measured], n=n, seconds=seconds, device=device)
+    return flops, f"{n}x{n} {measured} matmul loop on {device.type} for {seconds}s (not a datasheet peak){note}"
+
+
+def _warn(message: str) -> None:
+    """One line on stderr, from rank 0 only (every rank finds the same)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def detect_peak_flops(device: torch.device, dtype: str, override_tflops: float | None) -> tuple[float, str]:
     """Return (peak FLOP/s per device, where that number came from).
 
-    Order: an explicit override wins; on CUDA the GPU's name is looked up in PEAK_TFLOPS; on CPU there is no
-    datasheet we can trust, so a short matmul loop measures one (in the same dtype: fp32 measures fp32).
+    Order: an explicit override wins; on CUDA the GPU's PEAK_TFLOPS row (gpu_row) in the dtype's column, where
+    fp32 takes the TF32 column when TF32 matmuls are allowed (fp32_matmul_column); on a GPU without a row or
+    without that column (fp8 on an A100) a one-line warning, then a measured peak; on CPU there is no datasheet
+    we can trust, so a short matmul loop measures one (in the same dtype: fp32 measures fp32).
     """
     if override_tflops is not None:
         if override_tflops <= 0:
@@ -168,23 +260,20 @@ def detect_peak_flops(device: torch.device, dtype: str, override_tflops: float |
     dtype = _DTYPE_ALIASES.get(dtype, dtype)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for gpu, peaks in PEAK_TFLOPS.items():
-            if gpu in name:
-                tflops = peaks.get(dtype)
-                if tflops is None:
-                    raise ValueError(f"no {dtype} peak known for {name} in PEAK_TFLOPS; pass --peak-tflops")
-                return tflops * 1e12, f"table: {gpu} dense {dtype} peak {tflops:g} TFLOP/s ({name})"
-        raise ValueError(f"unknown GPU {name!r}: its peak FLOP/s is not in PEAK_TFLOPS; pass --peak-tflops")
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        row = gpu_row(name, sms)
+        column, what = fp32_matmul_column() if dtype == "fp32" else (dtype, f"dense {dtype} tensor-core peak")
+        tflops = PEAK_TFLOPS[row].get(column) if row else None
+        if tflops:
+            return tflops * 1e12, f"table: row {row} ({name}, {sms} SMs), {what}: {tflops:g} TFLOP/s"
+        missing = (f"PEAK_TFLOPS row {row} ({name}) has no {column} peak" if row
+                   else f"{name!r} with {sms} SMs matches no PEAK_TFLOPS row")
+        _warn(f"{missing}; MFU is against a measured matmul peak instead (--peak-tflops sets one)")
+        flops, how = _measured_peak(device, dtype)
+        return flops, f"measured, as {missing}: {how}"
     if device.type == "cpu":
-        if dtype not in _TORCH_DTYPES:
-            raise ValueError(f"cannot measure a {dtype} matmul peak on CPU; pass --peak-tflops")
-        n, seconds = 1024, 0.3
-        # CPUs have no fast fp16 matmul (a 1024² fp16 matmul takes seconds here, small ones take other paths),
-        # so the measured fp16 "peak" is meaningless: fp16 runs are measured against the bf16 peak instead.
-        measured = "bf16" if dtype == "fp16" else dtype
-        flops = measure_matmul_peak(_TORCH_DTYPES[measured], n=n, seconds=seconds)
-        note = " (fp16 is compared with the bf16 peak: CPUs have no fast fp16 matmul)" if dtype == "fp16" else ""
-        return flops, f"measured: {n}x{n} {measured} matmul loop on CPU for {seconds}s (not a datasheet peak){note}"
+        flops, how = _measured_peak(device, dtype)
+        return flops, f"measured: {how}"
     raise ValueError(f"no peak FLOP/s known for device type {device.type!r}; pass --peak-tflops")
 
 

@@ -2,6 +2,7 @@
 against asynchronous, measured side by side in one run.
 
     python bench/bench_ckpt.py [--dims 1 2 4] [--saves 4] [--root /tmp/bench-ckpt]
+    python bench/bench_ckpt.py --device cuda --dims 1 2        # one GPU per rank (D ≤ the GPUs), NCCL
 
 For every D, one set of ranks trains real steps (batch 2 × 128 tokens per rank, autocast off) and saves every
 `--between` steps, alternating a synchronous and an asynchronous Checkpointer (two directories) so that the noise
@@ -32,6 +33,8 @@ def _bench(rank, world, root, saves, between):
     import torch
 
     import ckpt
+    from common import synchronize
+    from harness import device as rank_device
     from data import BatchSampler
     from ddp import DistributedDataParallel
     from mesh import MeshShape, build_mesh
@@ -40,35 +43,39 @@ def _bench(rank, world, root, saves, between):
     from ddp import DDPLayout
     from step import train_step
 
+    device = rank_device()  # cuda:rank under --device cuda (harness backend nccl), else the CPU
     mesh = build_mesh(MeshShape(dp=world))
-    model = GPT(config_from_preset("small"), seed=0)
+    model = GPT(config_from_preset("small"), seed=0, device=device)
     layout = DDPLayout(DistributedDataParallel(model, group=mesh.dp_cp_group), build_adamw(model.parameters(), 1e-3))
     scaler, sampler = DynamicLossScaler(False), BatchSampler(100_000, 128, 2 * world, 0)
     generator = torch.Generator().manual_seed(rank)
-    batch = [(torch.randint(0, 256, (2, 128), generator=generator),) * 2]
+    batch = [(torch.randint(0, 256, (2, 128), generator=generator).to(device),) * 2]
 
     def step():
-        train_step(layout, scaler, batch, mesh.dp_cp_group, 1.0, torch.autocast("cpu", enabled=False), "cpu")
+        train_step(layout, scaler, batch, mesh.dp_cp_group, 1.0, torch.autocast(device.type, enabled=False), device)
 
     step()  # warm-up: allocations, Adam state
     savers = {mode: ckpt.Checkpointer(os.path.join(root, mode), mesh, keep=2, async_save=mode == "async",
-                                      log=lambda *a: None) for mode in ("sync", "async")}
+                                      device=device, log=lambda *a: None) for mode in ("sync", "async")}
     step_times, loads = [], {"sync": [], "async": []}
     for i in range(saves):
         for mode, saver in savers.items():  # alternate, so machine noise hits both modes alike
             for _ in range(between):
+                synchronize()
                 start = time.perf_counter()
                 step()
+                synchronize()
                 step_times.append(time.perf_counter() - start)
             saver.save((i + 1) * between, layout, scaler, sampler)
     for saver in savers.values():
         saver.close()
     for _ in range(2):
         for mode in savers:
-            loader = ckpt.Checkpointer(os.path.join(root, mode), mesh, keep=2, log=lambda *a: None)
+            loader = ckpt.Checkpointer(os.path.join(root, mode), mesh, keep=2, device=device, log=lambda *a: None)
             torch.distributed.barrier()
             start = time.perf_counter()
             loader.resume("latest", layout, scaler, sampler, seed=0)
+            synchronize()
             torch.distributed.barrier()
             loads[mode].append(time.perf_counter() - start)
     path, manifest = loader.find("latest")
@@ -88,7 +95,12 @@ def main():
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--between", type=int, default=2, help="training steps between two saves")
     parser.add_argument("--root", default="/tmp/bench-ckpt")
+    from common import add_device_argument, check_gpus
+
+    add_device_argument(parser)
     args = parser.parse_args()
+    check_gpus(max(args.dims), args.device)
+    backend = "nccl" if args.device == "cuda" else "gloo"  # harness: one GPU per rank, cpu:gloo,cuda:nccl
 
     from harness import run_ranks
     from mfu import format_bytes
@@ -99,7 +111,7 @@ def main():
     for dp in args.dims:
         root = os.path.join(args.root, f"D{dp}")
         shutil.rmtree(root, ignore_errors=True)
-        results = run_ranks(_bench, dp, root, args.saves, args.between, timeout=900)
+        results = run_ranks(_bench, dp, root, args.saves, args.between, timeout=900, backend_name=backend)
         r0 = results[0]
         for mode in ("sync", "async"):
             # per save: the slowest rank's blocked time (training waits for it at the next collective)

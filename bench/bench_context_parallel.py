@@ -3,7 +3,7 @@ contiguous; and PyTorch's own context parallel (torch.distributed.tensor.experim
 
     python bench/bench_context_parallel.py                                 # small, s=1024, CPU/gloo
     python bench/bench_context_parallel.py --seq-len 2048 --n-layer 2
-    python bench/bench_context_parallel.py --device cuda --seq-len 8192    # 4 GPUs, NCCL
+    python bench/bench_context_parallel.py --device cuda --seq-len 8192    # 4 GPUs (C ≤ the GPUs), NCCL
 
 One sequence of `--seq-len` tokens (the preset's block_size is raised to it) goes forward and backward
 (no optimizer step) on C ranks, for C = 1, 2, 4 in turn:
@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import context_parallel  # noqa: E402
-from common import alternate  # noqa: E402
+from common import add_device_argument, alternate, check_gpus, init_rank  # noqa: E402
 from mfu import activation_bytes_per_layer, format_bytes  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 
@@ -70,13 +70,7 @@ def _variants(cp, config):
 
 
 def _rank(rank, world, store, args, out_path):
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world)
+    device = init_rank(rank, world, store, args.device)  # cuda: one GPU per rank, NCCL for CUDA tensors
     try:
         result = _measure(rank, world, args, device)
         if args.torch_cp and world == max(args.cps):
@@ -194,6 +188,7 @@ def _torch_context_parallel(rank, world, args, device):
 
 
 def _launch(world, args):
+    check_gpus(world, args.device)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
         mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), args, out_path), nprocs=world,
@@ -212,7 +207,7 @@ def main():
     p.add_argument("--steps", type=int, default=3, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
+    add_device_argument(p)
     p.add_argument("--no-torch-cp", dest="torch_cp", action="store_false", help="skip PyTorch's context_parallel")
     args = p.parse_args()
     config = _config(args)

@@ -1,6 +1,7 @@
 """fp8.py's speed and numerics: FP8 against bf16 for one linear, for a GPT-2 step, and for a short training run.
 
-    python bench/bench_fp8.py                     # GPU (cc ≥ 8.9): throughput and step-time ratios; else numerics
+    python bench/bench_fp8.py --device cuda       # GPU (cc ≥ 8.9): throughput and step-time ratios; else numerics
+    python bench/bench_fp8.py                     # CPU: the numerics
     python bench/bench_fp8.py --train 100         # + the `small` preset trained per mode against bf16, same init
     python bench/bench_fp8.py --smoke             # the GPU code path at toy sizes, wherever you are (CPU: _scaled_mm)
 
@@ -30,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import fp8  # noqa: E402
-from common import alternate  # noqa: E402
+from common import add_device_argument, alternate  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 
 
@@ -246,8 +247,9 @@ def main():
     p.add_argument("--train-seq", type=int, default=256)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--smoke", action="store_true", help="run the GPU code path at toy sizes (checks it runs)")
+    add_device_argument(p)
     args = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device)
     torch.manual_seed(0)
     numerics(device, n=256 if args.smoke else 1024)
     if fp8.has_fp8_tensor_cores(device) or args.smoke:

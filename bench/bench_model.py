@@ -1,11 +1,12 @@
-"""CPU training throughput of model.py: bf16 autocast against fp32, and against the classic nanoGPT model.
+"""Training throughput of model.py: bf16 autocast against fp32, and against the classic nanoGPT model.
 
     python bench/bench_model.py [--preset small] [--batch 8] [--steps 6]
+    python bench/bench_model.py --device cuda --preset gpt2     # one GPU
 
 One process, the same shape for every variant, one training step = forward + backward + AdamW. Variants
 alternate step by step so noise hits all alike. Prints median step times, the bf16/fp32 speed-up (target
 ≥ 2x at `small`), model.py / nanoGPT ratios per dtype (target ≤ 1.0), and MFU against the bf16 (and fp32)
-matmul peak measured on this machine.
+matmul peak measured on this machine; on a GPU also against its datasheet peaks (mfu.detect_peak_flops).
 """
 
 import argparse
@@ -21,7 +22,7 @@ import torch.nn as nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import mfu  # noqa: E402
-from common import alternate  # noqa: E402
+from common import add_device_argument, alternate  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 
 
@@ -122,7 +123,7 @@ class NanoGPT(nn.Module):
 
 def make_step(model, x, y, dtype, ours: bool):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+    autocast = torch.autocast(x.device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
     tokens = y.numel()
 
     def step():
@@ -144,32 +145,41 @@ def main():
     parser.add_argument("--preset", default="small")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = torch.device(args.device)
     config = config_from_preset(args.preset)
     torch.manual_seed(0)
-    x = torch.randint(0, config.vocab_size, (args.batch, config.block_size))
+    x = torch.randint(0, config.vocab_size, (args.batch, config.block_size)).to(device)
     y = torch.roll(x, -1, 1)
     variants = {}
     for dtype in ("fp32", "bf16"):
-        variants[f"model.py {dtype}"] = make_step(GPT(config, seed=0), x, y, dtype, ours=True)
-        variants[f"nanoGPT  {dtype}"] = make_step(NanoGPT(config), x, y, dtype, ours=False)
+        variants[f"model.py {dtype}"] = make_step(GPT(config, seed=0, device=device), x, y, dtype, ours=True)
+        variants[f"nanoGPT  {dtype}"] = make_step(NanoGPT(config).to(device), x, y, dtype, ours=False)
     medians = alternate(variants, steps=args.steps, warmup=1)
 
     tokens = x.numel()
     model = GPT(config, seed=0)
     flops = mfu.flops_per_token(model.num_params(exclude_position_embedding=True), config.n_layer, config.n_head,
                                 config.head_dim, config.block_size)
-    peaks = {"bf16": mfu.measure_matmul_peak(torch.bfloat16, n=1024, seconds=1.0),
-             "fp32": mfu.measure_matmul_peak(torch.float32, n=1024, seconds=1.0)}
+    n = 8192 if device.type == "cuda" else 1024
+    peaks = {"bf16": mfu.measure_matmul_peak(torch.bfloat16, n=n, seconds=1.0, device=device),
+             "fp32": mfu.measure_matmul_peak(torch.float32, n=n, seconds=1.0, device=device)}
+    table = {dtype: mfu.detect_peak_flops(device, dtype, None) for dtype in peaks} if device.type == "cuda" else {}
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"preset {args.preset}: Ψ={model.num_params():,}, batch {args.batch}×{config.block_size} = {tokens:,} tokens,"
-          f" {torch.get_num_threads()} threads, {args.steps} timed steps each (alternating)")
+          f" {where}, {args.steps} timed steps each (alternating)")
     print(f"measured matmul peak: bf16 {peaks['bf16'] / 1e12:.3f} TFLOP/s, fp32 {peaks['fp32'] / 1e12:.3f} TFLOP/s")
+    for dtype, (peak, source) in table.items():
+        print(f"datasheet peak {dtype}: {peak / 1e12:.1f} TFLOP/s ({source})")
     for name, seconds in medians.items():
         dtype = name.split()[-1]
         tokens_per_s = tokens / seconds
+        datasheet = (f"  datasheet MFU {mfu.mfu(flops.model, tokens_per_s, table[dtype][0], 1):6.1%}" if table
+                     else "")
         print(f"  {name}: {seconds * 1e3:8.1f} ms/step  {tokens_per_s:9,.0f} tok/s  MFU vs {dtype} peak"
               f" {mfu.mfu(flops.model, tokens_per_s, peaks[dtype], 1):6.1%}  (vs bf16 peak"
-              f" {mfu.mfu(flops.model, tokens_per_s, peaks['bf16'], 1):6.1%})")
+              f" {mfu.mfu(flops.model, tokens_per_s, peaks['bf16'], 1):6.1%}){datasheet}")
     print(f"bf16 speed-up over fp32, model.py: {medians['model.py fp32'] / medians['model.py bf16']:.2f}x"
           f" (target ≥ 2x); nanoGPT: {medians['nanoGPT  fp32'] / medians['nanoGPT  bf16']:.2f}x")
     for dtype in ("fp32", "bf16"):

@@ -1,8 +1,9 @@
 """Expert parallel E = 1 (experts replicated, plain data parallel) against E = 2 and E = 4, side by side in one
-run on 4 gloo ranks (CPU).
+run on 4 gloo ranks (CPU), or 4 GPUs with --device cuda (NCCL).
 
     python bench/bench_moe.py                          # 4 layers, h=128, 8 experts top-2, 4×128 tokens/rank
     python bench/bench_moe.py --experts 16 --steps 4
+    python bench/bench_moe.py --device cuda --embd 768 --seq 1024
 
 The three variants are the same model.py GPT with MoE blocks, from the same seed, trained on the same data
 (each rank its own batch) with the same AdamW (fp32, no clipping); only E differs. A step is forward and
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import moe  # noqa: E402
-from common import alternate, launch  # noqa: E402
+from common import add_device_argument, alternate, launch, rank_device  # noqa: E402
 from mesh import MeshShape, build_mesh  # noqa: E402
 from mfu import CommTracer, format_bytes  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
@@ -40,13 +41,13 @@ EPS = (1, 2, 4)
 class Variant:
     """One E: its model (this rank's experts), optimizer, mesh and MoE handle."""
 
-    def __init__(self, ep, config, args, world):
+    def __init__(self, ep, config, args, world, device):
         self.ep = ep
         self.mesh = build_mesh(MeshShape(dp=world, ep=ep))
         self.run = SimpleNamespace(args=SimpleNamespace(sp=False), mesh=self.mesh, config=config, seq_len=args.seq,
-                                   micro=args.batch, micro_batches=1, device=torch.device("cpu"),
+                                   micro=args.batch, micro_batches=1, device=device,
                                    autocast=nullcontext(), compute_dtype=torch.float32, seed=args.seed)
-        self.model = GPT(config, seed=args.seed)
+        self.model = GPT(config, seed=args.seed, device=device)
         self.handle = moe.apply(self.model, self.run)
         self.optimizer = build_adamw(self.model.parameters(), 1e-4)
         params = list(self.model.parameters())
@@ -73,12 +74,13 @@ class Variant:
 
 def _rank(rank, world, args):
     torch.set_num_threads(args.threads)
+    device = rank_device()
     config = config_from_preset("tiny", n_layer=args.layers, n_embd=args.embd, n_head=4, block_size=args.seq,
                                 moe_experts=args.experts, moe_topk=args.topk)
-    variants = {f"E={ep}": Variant(ep, config, args, world) for ep in EPS}
+    variants = {f"E={ep}": Variant(ep, config, args, world, device) for ep in EPS}
     generator = torch.Generator().manual_seed(args.seed + rank)  # each rank its own batch
-    x = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator)
-    y = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator)
+    x = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
+    y = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
     traced = {}
     for name, v in variants.items():  # one traced step each (also the first warm-up step)
         tracer = CommTracer()
@@ -94,7 +96,8 @@ def _rank(rank, world, args):
     if rank != 0:
         return
     print(f"MoE GPT: {config.n_layer} layers, h={config.n_embd}, N={args.experts} experts top-{args.topk},"
-          f" dropless, {args.batch}×{args.seq} tokens per rank, 4 gloo ranks, fp32, {args.threads} thread(s)/rank;"
+          f" dropless, {args.batch}×{args.seq} tokens per rank, 4 {'GPUs' if device.type == 'cuda' else 'gloo'} ranks,"
+          f" fp32, {args.threads} thread(s)/rank;"
           f" {args.steps} timed steps each (alternating) after {args.warmup} warm-up")
     counts = moe.param_counts(config)
     print(f"  parameters: total {counts['total']:,}, active per token {counts['active']:,};"
@@ -141,9 +144,10 @@ def main():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--seed", type=int, default=0)
+    add_device_argument(p)
     args = p.parse_args()
     moe.check_flags(args.experts, args.topk, ep=max(EPS), dp=4)
-    launch(_rank, 4, args)
+    launch(_rank, 4, args, device=args.device)
 
 
 if __name__ == "__main__":

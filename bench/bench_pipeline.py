@@ -1,7 +1,8 @@
-"""pipeline.py against torch.distributed.pipelining, side by side in one run (gloo, CPU), P = 2 and 4, m = 8.
+"""pipeline.py against torch.distributed.pipelining, side by side in one run (gloo on CPU), P = 2 and 4, m = 8.
 
     python bench/bench_pipeline.py                  # both P, 8 layers, h=128, 8 micro-batches of 4×64 tokens
     python bench/bench_pipeline.py --pp 2 --rounds 4
+    python bench/bench_pipeline.py --device cuda --pp 2 4 --n-embd 768 --seq 1024    # P GPUs, NCCL
 
 On the same ranks, the same stages (model.py GPT chunks from the same seed, fp32) and the same global batch,
 each of our schedules runs next to its torch counterpart:
@@ -34,7 +35,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pipeline as pp  # noqa: E402
-from bench.common import launch  # noqa: E402
+from bench.common import add_device_argument, launch, rank_device, synchronize  # noqa: E402
 from mfu import CommTracer  # noqa: E402
 from model import GPT, GPTConfig, cross_entropy_sum  # noqa: E402
 
@@ -66,34 +67,34 @@ def _bench(rank, world, args):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    P, m = world, args.micro_batches
+    P, m, device = world, args.micro_batches, rank_device()
     config = GPTConfig(block_size=args.seq, vocab_size=256, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (m * args.micro, args.seq), generator=generator)
-    y = torch.randint(0, 256, (m * args.micro, args.seq), generator=generator)
+    x = torch.randint(0, 256, (m * args.micro, args.seq), generator=generator).to(device)
+    y = torch.randint(0, 256, (m * args.micro, args.seq), generator=generator).to(device)
     batches = [(x[i:i + args.micro], y[i:i + args.micro]) for i in range(0, m * args.micro, args.micro)]
-    global_tokens = torch.tensor(float(y.numel()), dtype=torch.float64)
+    global_tokens = torch.tensor(float(y.numel()), dtype=torch.float64, device=device)
     group = dist.new_group(list(range(world)))
     variants, ours, torch_runs, first_losses = {}, {}, {}, {}
     for name in ("gpipe", "1f1b", "interleaved", "zb"):
         v = 2 if name == "interleaved" else 1
         # Ours.
-        stages = pp.build_stages(config, 0, torch.float32, None, rank, P, v)  # this rank's GPT of its chunks
+        stages = pp.build_stages(config, 0, torch.float32, device, rank, P, v)  # this rank's GPT of its chunks
         schedule = pp.PipelineSchedule(name, P, v, rank, config.n_layer, group, list(range(world)))
         handle = pp.Pipeline(stages, schedule, args.micro, args.seq, m)
 
         def ours_step(stages=stages, schedule=schedule):
             stages.zero_grad(set_to_none=True)
             out = schedule.forward_backward(NoLayout(), stages, batches, global_tokens, 1.0, m, nullcontext(),
-                                            torch.device("cpu"))
+                                            device)
             return float(out.loss_sum / global_tokens)
 
         # torch.distributed.pipelining on identical chunks.
         chunk_ids = pp.rank_chunks(rank, P, v)  # torch's stages are one module per chunk
-        chunks = [GPT(config, 0, torch.float32, None, layers=pp.stage_layers(config.n_layer, P, v, c),
+        chunks = [GPT(config, 0, torch.float32, device, layers=pp.stage_layers(config.n_layer, P, v, c),
                       embedding=c == 0, head=c == P * v - 1) for c in chunk_ids]
         theirs = torch.nn.ModuleList(chunks)
-        torch_stages = [PipelineStage(TorchStageModule(chunk), chunk_id, P * v, torch.device("cpu"), group=group)
+        torch_stages = [PipelineStage(TorchStageModule(chunk), chunk_id, P * v, device, group=group)
                         for chunk, chunk_id in zip(chunks, chunk_ids)]
         loss_fn = lambda logits, target: cross_entropy_sum(logits, target) / global_tokens  # noqa: E731
         cls = getattr(torch_schedules, TORCH[name])
@@ -107,7 +108,8 @@ def _bench(rank, world, args):
             losses = [] if holds_last else None
             step_args = (x,) if holds_first else ()
             torch_schedule.step(*step_args, target=y if holds_last else None, losses=losses)
-            loss = torch.tensor(sum(float(l.detach()) for l in losses) if holds_last else 0.0, dtype=torch.float64)
+            loss = torch.tensor(sum(float(l.detach()) for l in losses) if holds_last else 0.0, dtype=torch.float64,
+                                device=device)
             dist.all_reduce(loss, group=group)
             return float(loss)
 
@@ -122,9 +124,11 @@ def _bench(rank, world, args):
                 schedule.timings.clear()
         shift = round_index % len(names)
         for key in names[shift:] + names[:shift]:
+            synchronize()
             dist.barrier(group)
             start = time.perf_counter()
             variants[key]()
+            synchronize()
             dist.barrier(group)
             if round_index >= args.warmup:
                 times[key].append(time.perf_counter() - start)
@@ -137,8 +141,9 @@ def _bench(rank, world, args):
             variants[f"ours {name}"]()
         lines.append((name, handle.end_lines(tracer, 1)))
     if rank == 0:
+        where = "one GPU per rank" if device.type == "cuda" else f"{torch.get_num_threads()} thread(s) per rank"
         print(f"\nP={P}, m={m}, {config.n_layer} layers, h={config.n_embd}, micro-batch {args.micro}×{args.seq}"
-              f" tokens, {args.rounds} timed rounds (median), {torch.get_num_threads()} thread(s) per rank")
+              f" tokens, {args.rounds} timed rounds (median), {where}")
         print(f"  {'schedule':<12} {'ours':>9} {'torch':>9} {'ours/torch':>10}   first loss ours / torch")
         for name in ours:
             a, b = medians[f"ours {name}"], medians[f"torch {name}"]
@@ -159,9 +164,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeline", default="zb", help="the schedule whose accounting is printed in full")
+    add_device_argument(parser)
     args = parser.parse_args()
     for P in args.pp:
-        launch(_bench, P, args)
+        launch(_bench, P, args, device=args.device)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""tensor_parallel.py against PyTorch's DTensor tensor parallel, side by side in one run (gloo, CPU).
+"""tensor_parallel.py against PyTorch's DTensor tensor parallel, side by side in one run (gloo on CPU, or NCCL).
 
     python bench/bench_tp.py                      # small preset, T=2, 2 ranks
     python bench/bench_tp.py --n-layer 2 --steps 4
+    python bench/bench_tp.py --device cuda --preset gpt2 --seq 1024    # 2 GPUs
 
 Both models are the plain model.py GPT from the same seed, on the same 2-rank mesh, trained on the same
 batch with the same AdamW (no clipping, fp32):
@@ -34,16 +35,17 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tensor_parallel  # noqa: E402
+from common import add_device_argument, check_gpus, init_rank, synchronize  # noqa: E402
 from model import GPT, ShardInfo, Split, config_from_preset  # noqa: E402
 from mfu import format_bytes  # noqa: E402
 from optim import adamw_param_groups, build_adamw  # noqa: E402
 
 
-def _dtensor_model(config, seed, world, rank):
+def _dtensor_model(config, seed, world, rank, device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = GPT(config, seed=seed)
+    model = GPT(config, seed=seed, device=device)
     with torch.no_grad():  # rows [q_t; k_t; v_t] for t = 0..T-1, so DTensor's row chunk t is our shard t
         for block in model.transformer.h:
             for param in (block.attn.c_attn.weight, block.attn.c_attn.bias):
@@ -51,7 +53,7 @@ def _dtensor_model(config, seed, world, rank):
                     continue
                 pieces = [ShardInfo("c_attn", tuple(param.shape), splits=(Split(0, world, t, 3),)).shard_of(param.data) for t in range(world)]
                 param.copy_(torch.cat(pieces))
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.type, (world,))
     plan = {}
     for i in range(config.n_layer):
         plan.update({f"transformer.h.{i}.attn.c_attn": ColwiseParallel(),
@@ -62,22 +64,24 @@ def _dtensor_model(config, seed, world, rank):
 
 
 def _step(model, optimizer, x, y):
+    synchronize()
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     _, loss_sum, count = model(x, y)
     (loss_sum / count).backward()
     optimizer.step()
+    synchronize()
     return time.perf_counter() - start, float(loss_sum.detach() / count)
 
 
 def _rank(rank, world, store, args, results):
+    device = init_rank(rank, world, store, args.device)
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     config = config_from_preset(args.preset, n_layer=args.n_layer)
     group = dist.new_group(list(range(world)))
-    ours = GPT(config, seed=args.seed)
+    ours = GPT(config, seed=args.seed, device=device)
     tensor_parallel.parallelize(ours, group, seed=args.seed)
-    theirs = _dtensor_model(config, args.seed, world, rank)
+    theirs = _dtensor_model(config, args.seed, world, rank, device)
     opt_ours = build_adamw(ours.parameters(), 1e-4)
     # torch's foreach AdamW cannot mix DTensor and plain tensors in one group: split each group by kind.
     from torch.distributed.tensor import DTensor
@@ -86,8 +90,8 @@ def _rank(rank, world, store, args, results):
               for g in adamw_param_groups(theirs.parameters(), 0.1) for kind in (True, False)]
     opt_theirs = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, foreach=True)
     generator = torch.Generator().manual_seed(args.seed)
-    x = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator)
-    y = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator)
+    x = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
+    y = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
     times = {"ours": [], "dtensor": []}
     losses = {"ours": [], "dtensor": []}
     for step in range(args.warmup + args.steps):
@@ -129,8 +133,10 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--seed", type=int, default=0)
+    add_device_argument(p)
     args = p.parse_args()
     world = 2
+    check_gpus(world, args.device)
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +156,8 @@ def main():
     config = config_from_preset(args.preset, n_layer=args.n_layer)
     print(f"{args.preset} (n_layer={config.n_layer}, h={config.n_embd}, heads={config.n_head},"
           f" vocab={config.vocab_size}),"
-          f" T=2 on 2 gloo ranks, batch {args.batch}×{args.seq}, fp32, {args.threads} thread(s)/rank,"
+          f" T=2 on 2 {'GPUs (NCCL)' if args.device == 'cuda' else 'gloo ranks'}, batch {args.batch}×{args.seq}, fp32,"
+          f" {args.threads} thread(s)/rank,"
           f" {args.steps} measured steps each (alternating) after {args.warmup} warm-up")
     print(f"  loss at step 0: ours {losses['ours'][0]:.6f}, DTensor {losses['dtensor'][0]:.6f} (same function)")
     for name in ("ours", "dtensor"):

@@ -2,8 +2,9 @@
 
     python bench/bench_zero.py                 # ~1-2 minutes on 2 CPU cores
     python bench/bench_zero.py --steps 8 --layers 6 --seq 256
+    python bench/bench_zero.py --device cuda --skip-table      # Part 1 on 2 GPUs, NCCL
 
-Part 1, on 2 gloo ranks, the same model, the same batches, fp32 everywhere (working weights = masters), the
+Part 1, on 2 gloo ranks (--device cuda: 2 GPUs, NCCL), the same model, the same batches, fp32 everywhere (working weights = masters), the
 same AdamW hyper-parameters and clipping; the measured steps of the systems ALTERNATE, so a noisy machine
 slows all of them alike:
     zero.py stage 3        vs  torch.distributed.fsdp.fully_shard (FSDP2; every block, then the root)
@@ -11,14 +12,15 @@ slows all of them alike:
     torch DDP + AdamW (foreach) as the unsharded baseline.
 It prints the median step time of each, the ratios (target ≤ 1.0), the bytes each holds per rank (weights,
 gradients, optimizer state) and the final loss of each, which must agree (they compute the same update).
-Then gloo's own collectives on a message of the model's gradient size: on CPU its reduce-scatter is SLOWER than
-its all-reduce (NCCL's is half of one), which is what stage 1 (reduce-scatter + all-gather, 2Ψ) pays against
-ZeroRedundancyOptimizer (all-reduce + broadcasts, 3Ψ).
+Then the backend's own collectives on a message of the model's gradient size: on CPU gloo's reduce-scatter is
+SLOWER than its all-reduce (NCCL's is half of one), which is what stage 1 (reduce-scatter + all-gather, 2Ψ) pays
+against ZeroRedundancyOptimizer (all-reduce + broadcasts, 3Ψ).
 
 Part 2: persistent bytes per rank for stages 0-3 at D = 1, 2, 4 for the `small` preset, predicted by
 mfu.persistent_bytes and measured with held_bytes() on layouts built on D gloo ranks: the fp32 recipe
 (4 + 4 + 8, what `--dtype fp32` runs; stage 0 is ddp.py + DDPLayout) and the mixed recipe
 (2 + 2 + 12, what `--zero N --dtype bf16` runs; stage 0 predicted only, train.py's stage 0 keeps fp32 weights).
+Part 2 counts bytes, which do not depend on the device: it runs on CPU ranks whatever --device says.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from harness import run_ranks  # noqa: E402
+from common import add_device_argument, check_gpus, synchronize  # noqa: E402
+from harness import device as rank_device, run_ranks  # noqa: E402
 
 HYPER = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 CLIP = 1.0
@@ -56,13 +59,13 @@ def _state_bytes(optimizer) -> int:
     return _nbytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
 
 
-def _batches(steps, rank, world, micro, seq, vocab):
+def _batches(steps, rank, world, micro, seq, vocab, device):
     generator = torch.Generator().manual_seed(1234)
     out = []
     for _ in range(steps):
         x = torch.randint(0, vocab, (world * micro, seq), generator=generator)
         y = torch.randint(0, vocab, (world * micro, seq), generator=generator)
-        out.append((x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]))
+        out.append((x[rank * micro:(rank + 1) * micro].to(device), y[rank * micro:(rank + 1) * micro].to(device)))
     return out
 
 
@@ -95,24 +98,25 @@ def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
     from step import train_step
     from zero import ZeroLayout
 
+    device = rank_device()
     config = config_from_preset("small", **config_kw)
     group = dist.new_group(list(range(world)))
     scaler = DynamicLossScaler(enabled=False)
     systems = {}
 
     def ours(stage):
-        model = GPT(config, seed=0)
+        model = GPT(config, seed=0, device=device)
         layout = ZeroLayout(model, group, stage, bucket_mb=bucket_mb, **HYPER)
 
         def step(x, y):
-            return train_step(layout, scaler, [(x, y)], group, CLIP, nullcontext(), "cpu").loss
+            return train_step(layout, scaler, [(x, y)], group, CLIP, nullcontext(), device).loss
 
         return step, layout.held_bytes
 
     systems["zero.py stage 3"] = ours(3)
 
-    model = GPT(config, seed=0)
-    mesh = init_device_mesh("cpu", (world,))
+    model = GPT(config, seed=0, device=device)
+    mesh = init_device_mesh(device.type, (world,))
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -132,7 +136,7 @@ def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
     systems["zero.py stage 1"] = ours(1)
 
     def torch_ddp(sharded_optimizer: bool):
-        model = GPT(config, seed=0)
+        model = GPT(config, seed=0, device=device)
         ddp = TorchDDP(model, process_group=group, gradient_as_bucket_view=True)
         if sharded_optimizer:
             opt = ZeroRedundancyOptimizer(adamw_param_groups(model.parameters(), HYPER["weight_decay"]),
@@ -157,14 +161,16 @@ def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
     systems["ZeroRedundancyOptimizer"] = torch_ddp(True)
     systems["torch DDP + AdamW"] = torch_ddp(False)
 
-    batches = _batches(steps, rank, world, micro, seq, config.vocab_size)
+    batches = _batches(steps, rank, world, micro, seq, config.vocab_size, device)
     times = {name: [] for name in systems}
     losses = {name: [] for name in systems}
     for index, (x, y) in enumerate(batches):
         for name, (step, _) in systems.items():  # alternate: one step of each system per round
+            synchronize()
             dist.barrier(group)
             start = time.perf_counter()
             losses[name].append(step(x, y))
+            synchronize()
             elapsed = time.perf_counter() - start
             if index > 0:  # step 0 pays allocation and first-call costs
                 times[name].append(elapsed)
@@ -173,9 +179,11 @@ def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
 
 
 def _collectives(rank, world, megabytes):
-    """Median seconds of gloo's collectives on one message: what the layouts above are built from."""
+    """Median seconds of the backend's collectives on one message: what the layouts above are built from."""
     n = int(megabytes * 2**20) // 4
-    x, shard, full = torch.randn(n), torch.empty(n // world), torch.empty(n)
+    device = rank_device()
+    x, shard, full = (torch.randn(n, device=device), torch.empty(n // world, device=device),
+                      torch.empty(n, device=device))
     ops = {
         "all_reduce (DDP, ZeroRedundancyOptimizer)": lambda: dist.all_reduce(x),
         "reduce_scatter_single (zero.py, FSDP2)": lambda: dist.reduce_scatter_single(shard, x),
@@ -185,9 +193,11 @@ def _collectives(rank, world, megabytes):
     times = {name: [] for name in ops}
     for _ in range(7):
         for name, op in ops.items():
+            synchronize()
             dist.barrier()
             start = time.perf_counter()
             op()
+            synchronize()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -234,13 +244,17 @@ def main():
     parser.add_argument("--micro", type=int, default=2, help="sequences per rank per step")
     parser.add_argument("--bucket-mb", type=float, default=4.0, help="zero.py stage 1/2 bucket size")
     parser.add_argument("--skip-table", action="store_true")
+    add_device_argument(parser)
     args = parser.parse_args()
+    check_gpus(2, args.device)
+    backend = "nccl" if args.device == "cuda" else "gloo"  # harness: one GPU per rank, cpu:gloo,cuda:nccl
 
     config_kw = dict(n_layer=args.layers)
     start = time.time()
-    results = run_ranks(_compare, 2, config_kw, args.micro, args.seq, args.steps, args.bucket_mb, timeout=600)
+    results = run_ranks(_compare, 2, config_kw, args.micro, args.seq, args.steps, args.bucket_mb, timeout=600,
+                        backend_name=backend)
     times, losses, held, psi = results[0]
-    print(f"Part 1: 2 gloo ranks, `small` preset with n_layer={args.layers} (Ψ = {psi:,}), fp32, {args.micro}"
+    print(f"Part 1: 2 {backend} ranks, `small` preset with n_layer={args.layers} (Ψ = {psi:,}), fp32, {args.micro}"
           f" x {args.seq} tokens per rank per step, {args.steps - 1} timed steps per system, alternating"
           f" ({time.time() - start:.0f} s)")
     median = {name: statistics.median(t) for name, t in times.items()}
@@ -257,8 +271,9 @@ def main():
     spread = max(l[-1] for l in losses.values()) - min(l[-1] for l in losses.values())
     print(f"final losses agree within {spread:.2e} (same update, fp32 sums in different orders)")
     megabytes = 4 * psi / 2**20
-    print(f"gloo's collectives on one {megabytes:.1f} MiB message (the model's fp32 gradients), 2 ranks, median:")
-    for name, seconds in run_ranks(_collectives, 2, megabytes, timeout=300)[0].items():
+    print(f"{backend}'s collectives on one {megabytes:.1f} MiB message (the model's fp32 gradients), 2 ranks,"
+          f" median:")
+    for name, seconds in run_ranks(_collectives, 2, megabytes, timeout=300, backend_name=backend)[0].items():
         print(f"  {name:<48}{seconds * 1000:>8.1f} ms")
 
     if args.skip_table:
@@ -271,7 +286,7 @@ def main():
         print(f"recipe {recipe}: b_w={bpp.weights} b_g={bpp.grads} b_o={bpp.optimizer}")
         table = {}
         for world in (1, 2, 4):
-            table[world] = run_ranks(_persistent, world, recipe, timeout=300)[0]
+            table[world] = run_ranks(_persistent, world, recipe, timeout=300, backend_name="gloo")[0]
         print(f"{'stage':<7}" + "".join(f"{f'D={d} predicted':>17}{'measured':>12}" for d in (1, 2, 4)))
         for stage in (0, 1, 2, 3):
             cells = []

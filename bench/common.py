@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: alternating timing and a two-rank gloo launcher."""
+"""Helpers shared by the benchmark scripts: the --device flag, alternating timing that waits for the GPU, and a
+multi-rank launcher (gloo on CPU; one GPU per rank and NCCL with --device cuda)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,29 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+# Collectives on CUDA tensors go over NCCL, those on CPU tensors (a step time, a loss to print) over gloo.
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def add_device_argument(parser) -> None:
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: one GPU per rank, NCCL for the collectives, autocast on cuda")
+
+
+def synchronize() -> None:
+    """Wait for this process's GPU work. CUDA kernels are asynchronous: a clock read without this measures the
+    launches, not the work. A no-op on CPU (CUDA never initialised)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
 
 def alternate(candidates: dict, steps: int, warmup: int = 2) -> dict:
     """Time each callable `steps` times, interleaved so machine noise hits all alike.
 
     The order rotates every round (a b c, b c a, c a b, ...): a variant that always ran right after another
     would inherit its cache and allocator state, which biased fixed-order runs by a few percent here.
-    Returns {name: median seconds}. Warm-up rounds (allocation, first-call costs) are not timed.
+    Returns {name: median seconds}. Warm-up rounds (allocation, first-call costs) are not timed. On a GPU each
+    call is timed from a synchronised start to a synchronised end.
     """
     times = {name: [] for name in candidates}
     names = list(candidates)
@@ -24,26 +41,58 @@ def alternate(candidates: dict, steps: int, warmup: int = 2) -> dict:
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             fn = candidates[name]
+            synchronize()
             start = time.perf_counter()
             fn()
+            synchronize()
             if round_index >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _rank_entry(rank, world, store, fn, args):
+def check_gpus(world: int, device: str) -> None:
+    """--device cuda runs one rank per GPU: NCCL refuses two ranks on one device. Fail before spawning."""
+    if device == "cuda":
+        visible = torch.cuda.device_count()
+        if visible < world:
+            raise SystemExit(f"--device cuda needs {world} GPUs (one per rank, NCCL), {visible} visible")
+
+
+def init_rank(rank: int, world: int, store: str, device: str) -> torch.device:
+    """Join the process group of a spawned rank; return its device (GPU LOCAL_RANK mod the GPU count)."""
     import torch.distributed as dist
 
+    if device == "cuda":
+        os.environ.setdefault("LOCAL_RANK", str(rank))  # spawned on one machine: the local rank is the rank
+        here = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(here)
+        dist.init_process_group(CUDA_BACKEND, init_method=f"file://{store}", rank=rank, world_size=world,
+                                device_id=here)
+        return here
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    return torch.device("cpu")
+
+
+def _rank_entry(rank, world, store, device, fn, args):
+    import torch.distributed as dist
+
+    init_rank(rank, world, store, device)
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def launch(fn, world: int, *args):
-    """Run fn(rank, world, *args) on `world` gloo ranks (fresh processes) and wait for them."""
+def launch(fn, world: int, *args, device: str = "cpu"):
+    """Run fn(rank, world, *args) on `world` ranks (fresh processes) and wait for them: gloo on CPU, or one GPU
+    per rank with device="cuda" (fn finds its GPU as torch.cuda.current_device())."""
+    check_gpus(world, device)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank_entry, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world,
+        mp.start_processes(_rank_entry, args=(world, os.path.join(tmp, "store"), device, fn, args), nprocs=world,
                            start_method="spawn")
+
+
+def rank_device() -> torch.device:
+    """This rank's device as init_rank set it: its GPU when CUDA is in use, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else torch.device("cpu")
