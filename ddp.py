@@ -41,10 +41,11 @@ from optim import update
 
 
 class _Bucket:
-    def __init__(self, index: int, params: list, device, dtype, group):
+    def __init__(self, index: int, params: list, device, dtype, group, group_name: str):
         self.index = index
         self.params = params
         self.group = group  # the parameters' data-parallel group (one per bucket)
+        self.group_name = group_name  # its name ("dp_cp", "expert_dp"): names may share one group (mesh.py)
         self.buffer = torch.zeros(sum(p.numel() for p in params), device=device, dtype=dtype)
         self.pending = len(params)  # gradients still to arrive this backward
         self.work = None  # the in-flight all-reduce
@@ -81,8 +82,9 @@ class DistributedDataParallel(nn.Module):
         self._bucket_of = {}
         result = []
         for index, bucket_params in enumerate(reverse_order_buckets(params, bucket_bytes)):
+            name = grad_group(bucket_params[0])
             bucket = _Bucket(index, bucket_params, bucket_params[0].device, bucket_params[0].dtype,
-                             self.groups[grad_group(bucket_params[0])])
+                             self.groups[name], name)
             offset = 0
             for param in bucket_params:
                 param.grad = bucket.buffer[offset:offset + param.numel()].view_as(param)
@@ -278,7 +280,7 @@ class DDPLayout:
         out = {}
         for bucket, size in zip(self.ddp.buckets, self.ddp.bucket_sizes_bytes()):
             if dist.get_world_size(bucket.group) > 1:
-                key = ("all_reduce", _group_name(self.ddp.groups, bucket.group))
+                key = ("all_reduce", bucket.group_name)
                 calls, payload = out.get(key, (0, 0))
                 out[key] = (calls + 1, payload + size)
         return out
@@ -307,7 +309,3 @@ class DDPLayout:
             lines.append(f"critical path: the single bucket ({mfu.format_bytes(sizes[0])}) is sent after backward;"
                          f" lower --bucket-mb to overlap it")
         return lines
-
-
-def _group_name(groups: dict, group) -> str:
-    return next(name for name, g in groups.items() if g is group)

@@ -79,7 +79,8 @@ def infer_mesh_shape(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep:
 
 @dataclass
 class Mesh:
-    """This rank's place in the mesh and one process group per axis (groups of size 1 included).
+    """This rank's place in the mesh and one process group per axis (groups of size 1 included; names with the
+    same members share one group: build_mesh).
 
     Axis and group names: "dp", "pp", "cp", "tp" (the four axes), "dp_cp" (dense gradient sync), "ep" (tokens
     between expert holders), "expert_dp" (expert gradient sync). `group(name)`, `index(name)` (this rank's
@@ -179,36 +180,65 @@ def _product(ranges):
 
 
 def build_mesh(shape: MeshShape, rank: int | None = None) -> Mesh:
-    """Create every axis's process groups (collective: all ranks call this with the same shape)."""
+    """Create every axis's process groups (collective: all ranks call this with the same shape).
+
+    One communicator per distinct set of ranks: names with the same members share one group (dp, dp_cp and
+    expert_dp are one group when C = E = 1; tp, cp and pp of size 1 are this rank's one singleton group).
+    Each NCCL communicator costs GPU memory and start-up time (with `device_id` bound they are created
+    eagerly), so duplicates are not free. An axis spanning every rank still gets its own group rather than the
+    default one, so the accounting keeps the world's few bytes (the update's flags, checkpoint verdicts) apart
+    from the axis's traffic. Singleton groups are kept,
+    one per rank: every file calls its collectives on its group whatever its size (a no-op on one rank)
+    rather than branching on the size, and one singleton is one small communicator with no peer buffers.
+    """
     rank = dist.get_rank() if rank is None else rank
     mesh = Mesh(shape=shape, rank=rank)
+    made: dict[tuple, object] = {}
     for axis, partition in axis_groups(shape).items():
-        for ranks in partition:  # same order on every rank
-            group = dist.new_group(ranks) if dist.is_initialized() else None
+        for ranks in partition:  # same order on every rank, so every rank makes the same new_group calls
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = dist.new_group(ranks) if dist.is_initialized() else None
             if rank in ranks:
-                mesh.groups[axis], mesh.members[axis] = group, ranks
+                mesh.groups[axis], mesh.members[axis] = made[key], ranks
     return mesh
 
 
 def choose_device_and_backend(backend: str | None = None) -> tuple[torch.device, str]:
-    """CUDA + NCCL when a GPU is present, else CPU + gloo; `--backend` overrides the backend."""
+    """CUDA + NCCL when a GPU is present, else CPU + gloo; `--backend` overrides the backend.
+
+    The GPU is LOCAL_RANK (this node's rank, from torchrun) modulo the visible GPUs. NCCL refuses two ranks
+    of one communicator on one GPU, so more local ranks than GPUs is an error under NCCL (raised before any
+    process group exists, so no rank waits); gloo on CUDA tensors may share GPUs.
+    """
     if backend not in (None, "nccl", "gloo"):
         raise ValueError(f"--backend must be nccl or gloo, got {backend!r}")
     if torch.cuda.is_available() and backend != "gloo":
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), backend or "nccl"
+        gpus, local_rank = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", 0))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if local_world > gpus:
+            raise ValueError(f"{local_world} processes on this node (torchrun --nproc_per_node) but {gpus} GPUs"
+                             f" visible: NCCL needs one GPU per rank; launch at most {gpus} per node")
+        device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(device)
+        return device, backend or "nccl"
     if backend == "nccl":
         raise ValueError("--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo")
     return torch.device("cpu"), "gloo"
 
 
-def init_distributed(backend: str, timeout_s: float = 600) -> tuple[int, int]:
-    """Join the default process group (torchrun's env://); a plain `python train.py` is a world of one."""
+def init_distributed(backend: str, device: torch.device | None = None, timeout_s: float = 600) -> tuple[int, int]:
+    """Join the default process group (torchrun's env://); a plain `python train.py` is a world of one.
+
+    On CUDA the group is bound to this rank's GPU (`device_id`): NCCL then builds its communicator at once on
+    that device, instead of guessing the GPU at the first collective (as rank % GPUs, which is wrong when
+    the device is not the global rank's), and new groups are split from it.
+    """
     if "RANK" not in os.environ:  # launched without torchrun
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    bound = dict(device_id=device) if device is not None and device.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **bound)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -594,6 +594,29 @@ _POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp
 _TRACED = [*_MESSAGE_ARG, "batch_isend_irecv"]  # patched when this torch has them
 
 
+class _Records(dict):
+    """{(op, group name): CommStat} that also answers a lookup by another name of the same group."""
+
+    def __init__(self, alias, items):
+        super().__init__(items)
+        self._alias = alias
+
+    def _key(self, key):
+        return (key[0], self._alias(key[1])) if isinstance(key, tuple) and len(key) == 2 else key
+
+    def __getitem__(self, key):
+        return super().__getitem__(self._key(key))
+
+    def __contains__(self, key):
+        return super().__contains__(self._key(key))
+
+    def get(self, key, default=None):
+        return super().get(self._key(key), default)
+
+    def __reduce__(self):  # pickled (sent to another process) as the plain dict it is
+        return dict, (dict(self),)
+
+
 def _unwrapped(fn):
     """The torch function under any number of tracers' stand-ins (tracers nest: each wraps the one before)."""
     while hasattr(fn, "_comm_tracer_original"):
@@ -660,19 +683,33 @@ class CommTracer:
         self._unnamed = 0
         self._originals: dict[tuple[object, str], object] | None = None  # (module, name) -> original, while active
         self._phase = self.STEP
+        self._aliases: dict[str, str] = {}  # any name of a group -> the name it is reported under
         self._outer = None  # the record of the traced call in progress (its inner calls add to it)
 
     # --- naming groups and phases --------------------------------------------------------------------------
 
     def name_group(self, group, name: str) -> None:
-        """Report calls on `group` under `name` (e.g. "dp", "tp"), including those already recorded."""
+        """Report calls on `group` under `name` (e.g. "dp", "tp"), including those already recorded. A group
+        named twice (one communicator serving two mesh names, e.g. dp_cp and expert_dp when E = 1) is reported
+        as "dp_cp=expert_dp", and looked up by either name (`alias`)."""
         group = dist.group.WORLD if group is None else group  # None means the default group in torch calls
         old = next((n for g, n in self._names if g is group), None)
+        if old is not None and not old.startswith("group"):  # a name given before: an alias
+            name = old if name in old.split("=") else f"{old}={name}"
         self._names = [(g, n) for g, n in self._names if g is not group] + [(group, name)]
+        for alias in name.split("="):
+            self._aliases[alias] = name
+        if group is dist.group.WORLD:  # (a mesh axis spanning every rank is the default group: mesh.py)
+            self._aliases["world"] = name
+            old = old or "world"
         if old is not None and old != name:
             for (phase, op, group_name) in [k for k in self._stats if k[2] == old]:
                 stat = self._stats.pop((phase, op, group_name))
                 _add(self._stats.setdefault((phase, op, name), CommStat()), stat)
+
+    def alias(self, name: str) -> str:
+        """The name a group is reported under, given any of its names ("expert_dp" -> "dp_cp=expert_dp")."""
+        return self._aliases.get(name, name)
 
     def _group_name(self, group) -> str:
         group = dist.group.WORLD if group is None else group
@@ -703,8 +740,9 @@ class CommTracer:
         return self.records_of(self.STEP)
 
     def records_of(self, phase: str) -> dict[tuple[str, str], CommStat]:
-        """A snapshot of one phase: {(op, group name): CommStat}."""
-        return {(op, group): replace(stat) for (p, op, group), stat in self._stats.items() if p == phase}
+        """A snapshot of one phase: {(op, group name): CommStat}; a lookup by any of a group's names works."""
+        return _Records(self.alias, {(op, group): replace(stat) for (p, op, group), stat in self._stats.items()
+                                     if p == phase})
 
     @property
     def phases(self) -> list[str]:

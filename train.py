@@ -391,6 +391,10 @@ def parse_flags(argv=None) -> argparse.Namespace:
     try:
         args.mesh_shape, args.micro_batches, args.micro = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
         data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
+        try:
+            args.device, args.backend = choose_device_and_backend(args.backend)
+        except ValueError as e:
+            raise FlagError(str(e)) from None
     except (FlagError, RuntimeError) as e:
         # Every rank validates the same flags and exits before any of them waits on a peer.
         fail(str(e))
@@ -409,19 +413,23 @@ def fail(message: str) -> NoReturn:
 
 
 def start_run(args, tracer: mfu.CommTracer) -> tuple[Run, data.Corpus]:
-    """Join the process group, build the mesh, seed, and make the token cache (rank 0 builds, others wait)."""
-    device, backend = choose_device_and_backend(args.backend)
-    rank, _ = init_distributed(backend)
+    """Join the process group, build the mesh, seed, and make the token cache (each node's local rank 0
+    builds, the others wait)."""
+    device = args.device  # chosen with the flags (parse_flags): a wrong one fails before any rank waits
+    rank, _ = init_distributed(args.backend, device)
     shape = args.mesh_shape
     mesh = build_mesh(shape, rank)
     # Dropout differs per rank, like independent devices, except across a TP group, whose ranks hold copies of
     # the same activations (tensor_parallel.TensorParallelRNG forks it for split ones). Init is seeded apart.
     torch.manual_seed(args.seed + rank // shape.tp)
-    cache_dir = os.path.join(args.out_dir, "data")
-    if rank == 0:
-        corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=print0)
+    # Each node's local rank 0 builds (or finds) the token cache under its own --out-dir, the others wait and
+    # read it: nodes need no shared filesystem (the bytes are deterministic, so every node's are the same), and
+    # on a shared one the cache is written atomically (data.prepare_corpus), so two builders cannot collide.
+    cache_dir, local_rank = os.path.join(args.out_dir, "data"), int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank == 0:
+        corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=lambda line: print(line, flush=True))
     dist.barrier()
-    if rank != 0:
+    if local_rank != 0:
         corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=lambda *a, **k: None)
     config = model_config(args)
     config.vocab_size = padded_vocab(corpus.vocab_size) if args.tokenizer != "byte" else corpus.vocab_size
@@ -545,7 +553,8 @@ def predicted_messages(run: Run, traced_steps: int = 0) -> dict:
         sources.append(update_messages())
     out = {}
     for source in sources:
-        for key, (calls, payload) in source.items():
+        for (op, group), (calls, payload) in source.items():
+            key = (op, run.tracer.alias(group))  # names that share one communicator are one row (mesh.py)
             c, b = out.get(key, (0, 0))
             out[key] = (c + calls, b + payload)
     return out
@@ -584,9 +593,12 @@ def print_startup(run: Run):
             print0(line)
     print0(f"schedule: {run.schedule.describe(run.micro_batches)}")
     print0("predicted comm per step (op, group: calls, payload M, sent per rank by the ring formulas):")
-    for (op, group), (calls, payload) in sorted(predicted_messages(run).items(), key=lambda kv: kv[0][::-1]):
-        n = dist.get_world_size(run.groups[group]) if group in run.groups else dist.get_world_size()
-        print0(f"  {op:<22} {group:<9} {calls:>6g} calls  {mfu.format_bytes(payload):>12}"
+    predicted = predicted_messages(run)
+    width = max([9, *(len(group) for _, group in predicted)])
+    for (op, group), (calls, payload) in sorted(predicted.items(), key=lambda kv: kv[0][::-1]):
+        named = [name for name in group.split("=") if name in run.groups]  # "dp_cp=expert_dp": one group
+        n = dist.get_world_size(run.groups[named[0]]) if named else dist.get_world_size()
+        print0(f"  {op:<22} {group:<{width}} {calls:>6g} calls  {mfu.format_bytes(payload):>12}"
                f"  sent {mfu.format_bytes(mfu.wire_bytes(op, payload, n)):>12}")
     print0("=" * 100)
 
@@ -628,12 +640,15 @@ def print_end(run: Run, steps_run: int, seconds: float, steps_timed: int):
             print0(line)
     if steps_run:
         print0("messages per training step, traced vs predicted (calls, payload):")
-        for key, (calls, payload) in sorted(predicted_messages(run, steps_run).items(), key=lambda kv: kv[0][::-1]):
-            stat = run.tracer.records.get(key)
+        predicted, traced = predicted_messages(run, steps_run), run.tracer.records
+        width = max([9, *(len(group) for _, group in [*predicted, *traced])])
+        for key in sorted(set(predicted) | set(traced), key=lambda key: key[::-1]):  # an unpredicted one too
+            calls, payload = predicted.get(key, (0, 0))
+            stat = traced.get(key)
             got_calls, got_payload = (stat.calls / steps_run, stat.payload_bytes / steps_run) if stat else (0, 0)
             same = abs(got_calls - calls) < 1e-9 and abs(got_payload - payload) < 1e-6
             mark = "" if same else "   <- differs"
-            print0(f"  {key[0]:<22} {key[1]:<9} traced {got_calls:>6g} {mfu.format_bytes(got_payload):>12}"
+            print0(f"  {key[0]:<22} {key[1]:<{width}} traced {got_calls:>6g} {mfu.format_bytes(got_payload):>12}"
                    f"   predicted {calls:>6g} {mfu.format_bytes(payload):>12}{mark}")
     print0(f"communication by (phase, collective, group), every collective from the process group's creation to"
            f" the end (the step's: {steps_run} steps):")
@@ -653,6 +668,13 @@ def mesh_description(mesh) -> str:
     for axis, partition in axis_groups(mesh.shape).items():
         if len(partition[0]) > 1:
             lines.append(f"  {axis:>9} groups: {partition}")
+    shared = {}  # one communicator per distinct set of ranks (mesh.build_mesh)
+    for name, group in mesh.groups.items():
+        if mesh.size(name) > 1:
+            shared.setdefault(id(group), []).append(name)
+    aliases = [" = ".join(names) for names in shared.values() if len(names) > 1]
+    if aliases:
+        lines.append(f"  one communicator each for {'; '.join(aliases)} (the same ranks)")
     return "\n".join(lines)
 
 

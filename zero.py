@@ -115,10 +115,11 @@ from optim import StepResult, update
 class _Unit:
     """One flat, padded buffer of parameters: what is gathered, reduce-scattered and stepped together."""
 
-    def __init__(self, index: int, params: list, group):
+    def __init__(self, index: int, params: list, group, group_name: str):
         self.index = index
         self.params = params
         self.group = group  # the parameters' data-parallel group (dp×cp, or expert_dp for experts)
+        self.group_name = group_name  # "dp_cp" or "expert_dp": two names may share one group (mesh.py)
         dp_size, dp_rank = dist.get_world_size(group), dist.get_rank(group)
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.offsets = []  # flat offset of each parameter in the unit
@@ -235,7 +236,8 @@ class ZeroLayout:
             units = reverse_order_buckets([p for p in params if p not in set(alone)], int(bucket_mb * 2**20),
                                           element_size=torch.empty((), dtype=param_dtype).element_size())
             units += [[p] for p in alone]
-        self.units = [_Unit(i, u, self.groups[grad_group(u[0])]) for i, u in enumerate(u for u in units if u)]
+        self.units = [_Unit(i, u, self.groups[grad_group(u[0])], grad_group(u[0]))
+                      for i, u in enumerate(u for u in units if u)]
         self._unit_of = {p: u for u in self.units for p in u.params}  # tensors hash by identity
         self._offset_of = {p: o for u in self.units for p, o in zip(u.params, u.offsets)}
         with torch.no_grad():
@@ -342,9 +344,12 @@ class ZeroLayout:
         """Reduce-scatter the unit's gradient bucket (async), in unit order: the same order on every rank."""
         if unit.full_grad is None:  # its parameters took no part in this backward: reduce zeros
             unit.full_grad = torch.zeros(unit.padded_numel, dtype=self.param_dtype, device=unit.grad_shard.device)
-        out = torch.empty(unit.shard_numel, dtype=unit.full_grad.dtype, device=unit.full_grad.device)  # reduce_dtype
-        work = dist.reduce_scatter_single(out, unit.full_grad, op=dist.ReduceOp.SUM, group=unit.group,
-                                          async_op=True)
+        if unit.dp_size == 1:  # a group of one (experts held whole, D = 1): the bucket is already the sum
+            out, work = unit.full_grad, None
+        else:
+            out = torch.empty(unit.shard_numel, dtype=unit.full_grad.dtype, device=unit.full_grad.device)
+            work = dist.reduce_scatter_single(out, unit.full_grad, op=dist.ReduceOp.SUM, group=unit.group,
+                                              async_op=True)
         self._in_flight.append((unit, work, out))
         if self.stage >= 2:
             unit.full_grad = None  # the bucket is freed once the collective no longer needs it
@@ -360,7 +365,8 @@ class ZeroLayout:
 
     def _complete_oldest(self):
         unit, work, out = self._in_flight.pop(0)
-        work.wait()
+        if work is not None:
+            work.wait()
         if self.stage == 1:
             unit.grad_shard.copy_(out)  # full_grad holds the local sum; its own slice now the global one
         else:
@@ -442,6 +448,10 @@ class ZeroLayout:
             if unit.master is not unit.param_shard:
                 unit.param_shard.copy_(unit.master)
             return None
+        if unit.dp_size == 1:  # the shard is the whole unit: no message
+            if unit.master is not unit.param_shard:
+                unit.param_shard.copy_(unit.master)
+            return None
         # The input may not overlap the output: send a copy (the cast, or a clone of the aliased view).
         mine = unit.master.to(self.param_dtype, copy=True)
         return dist.all_gather_single(unit.full_param, mine, group=unit.group, async_op=True)
@@ -474,6 +484,8 @@ class ZeroLayout:
                 shard_codes, unit.code_scales, unit.code_amax = self._encode(unit)
                 unit.codes = torch.empty(unit.padded_numel, dtype=torch.uint8, device=shard_codes.device)
                 unit.gather_work = dist.all_gather_single(unit.codes, shard_codes, group=unit.group, async_op=True)
+            elif unit.dp_size == 1:  # a group of one: the shard is the whole unit, no message
+                unit.full_param.copy_(unit.param_shard)
             else:
                 unit.gather_work = dist.all_gather_single(unit.full_param, unit.param_shard, group=unit.group,
                                                           async_op=True)
@@ -601,7 +613,7 @@ class ZeroLayout:
                                                                               self.master_dtype else b_m))
 
     def _units_of(self, group_name: str) -> list:
-        return [u for u in self.units if u.group is self.groups[group_name]]
+        return [u for u in self.units if u.group_name == group_name]
 
     def predicted_persistent(self, padded: bool = True) -> dict:
         """mfu.persistent_bytes of each data-parallel group's units (Ψ'_g over D_g), added up."""

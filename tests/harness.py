@@ -64,14 +64,14 @@ def backend_flags(nproc: int) -> list[str]:
 
 
 def _to_cpu(value):
-    """`value` with every tensor inside (dicts, lists, tuples, dataclass-free containers) moved to the CPU."""
+    """`value` with every tensor inside (plain dicts, lists and tuples, nested) moved to the CPU."""
     import torch
 
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
-    if isinstance(value, dict):
-        return type(value)((k, _to_cpu(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+    if type(value) is dict:
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
         return type(value)(_to_cpu(v) for v in value)
     return value
 

@@ -73,3 +73,46 @@ def test_groups_hold_the_right_members():
         dp_total, dp_members, dp_rank, _ = out["dp"]
         assert dp_members == [rank % 2, rank % 2 + 2] and dp_total == sum(dp_members) and dp_rank == rank // 2
         assert out["pp"][1] == [rank] and out["pp"][3] == 1
+
+
+def _shared(rank, world):
+    mesh = build_mesh(infer_mesh_shape(world, tp=2), rank)
+    g = mesh.groups
+    return dict(dp_aliases=g["dp"] is g["dp_cp"] is g["expert_dp"], singleton=g["pp"] is g["cp"],
+                tp_apart=g["tp"] is not g["dp"], world=g["dp"] is dist.group.WORLD)
+
+
+def test_names_with_the_same_ranks_share_one_group():
+    """One communicator per distinct rank set: dp = dp_cp = expert_dp (C = E = 1), pp = cp (both this rank alone)."""
+    for out in run_ranks(_shared, 4, timeout=60):
+        assert out == dict(dp_aliases=True, singleton=True, tp_apart=True, world=False)
+
+
+def test_the_gpu_is_the_local_rank_modulo_the_gpus_and_bound_at_init(monkeypatch):
+    """Mocked CUDA (no GPU here): LOCAL_RANK % device_count picks the GPU, more local ranks than GPUs is an error
+    under NCCL before any group exists, and init_process_group gets device_id."""
+    import torch
+
+    import mesh
+
+    chosen, init_kwargs = [], {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    device, backend = mesh.choose_device_and_backend(None)
+    assert (device, backend, chosen) == (torch.device("cuda", 1), "nccl", [torch.device("cuda", 1)])
+    assert mesh.choose_device_and_backend("gloo") == (torch.device("cpu"), "gloo")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="4 processes on this node .* but 2 GPUs"):
+        mesh.choose_device_and_backend("nccl")
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: init_kwargs.update(kwargs))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    monkeypatch.setenv("RANK", "0")
+    mesh.init_distributed("nccl", torch.device("cuda", 1))
+    assert init_kwargs["device_id"] == torch.device("cuda", 1)
+    init_kwargs.clear()
+    mesh.init_distributed("gloo", torch.device("cpu"))
+    assert "device_id" not in init_kwargs
