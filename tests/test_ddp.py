@@ -1,6 +1,6 @@
 """ddp.py: data-parallel training performs the single-device update on the global batch.
 
-Each test spawns gloo ranks with the harness, runs a few optimizer steps with ddp.py and step.train_step
+Each test spawns ranks with the harness, runs a few optimizer steps with ddp.py and step.train_step
 in float64, and compares losses and final parameters with tests/reference.py's single-device run on the
 same global batches (torch's AdamW and clip_grad_norm_). float64 sums in a different order agree to ~1e-15
 relative; the stated tolerance is 1e-10. Each rank builds on harness.device() (its GPU under nccl); the batches

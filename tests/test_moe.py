@@ -1,7 +1,7 @@
 """moe.py: the router's losses by hand, capacity dropping, expert parallel against the single-device layer and
 model (float64, 1e-10), traced all-to-all bytes against the count-based prediction, flags and accounting.
 
-Layer tests run the MoE layer on 4 gloo ranks, each with its own rank-batch, with E = 2 and E = 4, dropless
+Layer tests run the MoE layer on 4 ranks, each with its own rank-batch, with E = 2 and E = 4, dropless
 and with capacity; the reference is the same single-device layer (all experts) run on each rank-batch in turn
 (capacity is per rank-batch, as in the trainer), its gradients summed over the rank-batches. On the ranks the
 router's gradient is summed over all ranks and an expert's over its expert_dp group, as the layouts will.

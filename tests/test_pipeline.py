@@ -6,7 +6,7 @@
    send is matched by a receive in the same order on the peer (NCCL matches p2p by order), receives are
    posted before they are needed, and the in-flight counts and the bubble for uniform costs equal the
    formulas written here (not imported).
-2. Gradient equivalence: P = 2 and 4 gloo ranks, each schedule, m = P, 2P and a non-multiple, stages built
+2. Gradient equivalence: P = 2 and 4 ranks, each schedule, m = P, 2P and a non-multiple, stages built
    in float64 from the per-parameter init; forward_backward with a stand-in layout, then after_grad_sync;
    every parameter's gradient (by global name, the tied embedding on both of its stages) and the loss sum
    equal the single-device model.GPT on the same global batch within 1e-10. The stand-in layout also
@@ -238,7 +238,7 @@ def test_valid_flags_pass_and_uneven_split_warns():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 2 and 3. Gradient equivalence and traced messages on gloo ranks
+# 2 and 3. Gradient equivalence and traced messages on the ranks
 # ---------------------------------------------------------------------------------------------------------
 
 

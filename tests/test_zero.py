@@ -1,7 +1,7 @@
 """zero.py: ZeRO stages 1/2/3 perform the single-device AdamW update on the global batch, and hold and send
 exactly the bytes their formulas predict.
 
-The equivalence runs spawn gloo ranks (2 and 4), train a few float64 steps of each stage with zero.ZeroLayout
+The equivalence runs spawn ranks (2 and 4), train a few float64 steps of each stage with zero.ZeroLayout
 driven by step.train_step (gradient accumulation, clipping active, unit sizes and the parameter count not
 divisible by D) and compare losses, grad norms and the full parameters with tests/reference.py (torch's AdamW
 and clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15; tolerance 1e-10.
