@@ -3,7 +3,8 @@
 `global_batches(...)` makes the deterministic global batches of a test (with some targets set to -1, so rows
 and ranks hold different numbers of target tokens), and `reference_run(...)` trains the plain model.py GPT on
 them with torch's own AdamW and `clip_grad_norm_`: nothing in it comes from the code under test except the
-model and the AdamW parameter grouping.
+model and the AdamW parameter grouping. Both run in the pytest process, on the CPU: a rank body moves the
+batches to harness.device() (or leaves that to step.train_step), so the reference is the same under every backend.
 """
 
 import torch

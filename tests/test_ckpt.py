@@ -7,7 +7,10 @@ The two resume contracts (README):
   and the continued losses and final parameters match the single-device reference (tests/reference.py,
   float64) within TOL = 1e-10, the tolerance test_ddp.py states for DDP.
 
-ZeRO and tensor-parallel layouts are constructed in `build_layout` only.
+ZeRO and tensor-parallel layouts are constructed in `build_layout` only. The multi-rank runs build on
+harness.device() (each rank's GPU under nccl; the checkpointer then also saves and restores that GPU's RNG);
+the one-process checkpoints (`_one_rank_checkpoints`, the reshard arithmetic) stay on the CPU: they test the
+files, not a device.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
+import harness
 from harness import backend_flags, run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
@@ -51,14 +55,15 @@ def _world(name: str) -> int:
     return LAYOUTS[name]["dp"] * LAYOUTS[name]["tp"]
 
 
-def build_layout(spec: dict, mesh, config, dtype):
-    """(model, layout) for a layout spec: the one place that builds zero.py and tensor_parallel.py layouts."""
+def build_layout(spec: dict, mesh, config, dtype, device):
+    """(model, layout) for a layout spec on `device`: the one place that builds zero.py and tensor_parallel.py
+    layouts."""
     from ddp import DistributedDataParallel
     from model import GPT
     from optim import build_adamw
     from ddp import DDPLayout
 
-    model = GPT(config, seed=0, dtype=dtype)
+    model = GPT(config, seed=0, dtype=dtype, device=device)
     if spec["tp"] > 1:
         import tensor_parallel
 
@@ -88,13 +93,15 @@ def _run(rank, world, spec, root, stop, save_every, resume=None, dropout=0.0, as
     from optim import DynamicLossScaler
     from step import train_step
 
+    device = harness.device()
     mesh = build_mesh(MeshShape(dp=spec["dp"], tp=spec["tp"]))
     # A stream per data rank, as train.py: dropout differs across data ranks; a TP group draws alike.
-    torch.manual_seed(100 + mesh.dp_rank)
-    model, layout = build_layout(spec, mesh, make_config(dropout=dropout), torch.float64)
+    torch.manual_seed(100 + mesh.dp_rank)  # the CPU generator and every GPU's
+    model, layout = build_layout(spec, mesh, make_config(dropout=dropout), torch.float64, device)
     scaler = DynamicLossScaler(enabled=False)
     sampler = BatchSampler(10_000, SEQ, GLOBAL_BATCH, seed=0)  # only its cursor is used: batches come below
-    checkpointer = ckpt.Checkpointer(root, mesh, keep=keep, async_save=async_save, log=lambda *a: None)
+    checkpointer = ckpt.Checkpointer(root, mesh, keep=keep, async_save=async_save, device=device,
+                                     log=lambda *a: None)
     start = 0
     if resume is not None:
         torch.manual_seed(12345)  # whatever state the fresh process has: the checkpoint must replace it
@@ -105,7 +112,7 @@ def _run(rank, world, spec, root, stop, save_every, resume=None, dropout=0.0, as
     losses = {}
     for step in range(start, stop):
         micro = rank_micro_batches(*batches[step], mesh.dp_rank, mesh.dp_size, MICRO)
-        losses[step] = train_step(layout, scaler, micro, mesh.dp_cp_group, CLIP, nullcontext(), "cpu").loss
+        losses[step] = train_step(layout, scaler, micro, mesh.dp_cp_group, CLIP, nullcontext(), device).loss
         checkpointer.step_end(step + 1, save_every, step + 1 == stop, layout, scaler, sampler)
     checkpointer.close()
     assert sampler.step == start  # the cursor is the data of the NEXT step, set by resume
@@ -261,9 +268,11 @@ def _save_fails_on_rank_1(rank, world, root, async_save, commit_timeout_s=2):
     from mesh import MeshShape, build_mesh
     from optim import DynamicLossScaler
 
+    device = harness.device()
     mesh = build_mesh(MeshShape(dp=2))
-    _, layout = build_layout(LAYOUTS["D2"], mesh, make_config(), torch.float64)
-    saver = ckpt.Checkpointer(root, mesh, async_save=async_save, log=lambda *a: None, commit_timeout_s=commit_timeout_s)
+    _, layout = build_layout(LAYOUTS["D2"], mesh, make_config(), torch.float64, device)
+    saver = ckpt.Checkpointer(root, mesh, async_save=async_save, device=device, log=lambda *a: None,
+                              commit_timeout_s=commit_timeout_s)
     if rank == 1:
         def full_disk(snapshot, stats):
             raise OSError("No space left on device")

@@ -8,13 +8,15 @@ active). float64 sums in another order agree to ~1e-15 relative; the stated tole
 compares the parameters it holds (a pipeline stage, a TP shard, its experts, a ZeRO shard gathered) with the
 matching slice of the reference's.
 
-Cases of one world size share one spawn (process start-up costs seconds here).
+Cases of one world size share one spawn (process start-up costs seconds here). Each rank builds on
+harness.device() (its GPU under nccl) and the step moves the CPU batches there, as in train.py.
 """
 
 
 import pytest
 import torch
 
+import harness
 from harness import run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
@@ -47,16 +49,17 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
     from optim import DynamicLossScaler
     from step import train_step
 
+    device = harness.device()
     args = _parse(flags, global_batch, micro)
     shape = infer_mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     mesh = build_mesh(shape, rank)
     config = _config(args, config_kw)
     m = global_batch // (shape.dp * micro)
     run = train.Run(args=args, mesh=mesh, config=config, seq_len=SEQ, micro=micro, micro_batches=m,
-                    device=torch.device("cpu"), autocast=train.nullcontext(), compute_dtype=torch.float64,
+                    device=device, autocast=train.nullcontext(), compute_dtype=torch.float64,
                     param_dtype=torch.float64, master_dtype=torch.float64, seed=0)
     torch.manual_seed(rank // shape.tp)  # as train.py: a TP group draws alike
-    run.model = GPT(config, seed=0, dtype=torch.float64, **train.pipeline.stage_of(run))
+    run.model = GPT(config, seed=0, dtype=torch.float64, device=device, **train.pipeline.stage_of(run))
     run.axes = [axis for axis in (apply(run.model, run) for apply in train.AXES) if axis is not None]
     run.layout = train.build_layout(run.model, run)
     run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), None)
@@ -64,7 +67,7 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
     sampler = BatchSampler(10_000, SEQ, global_batch, 0)  # the cursor only: the batches are the reference's
     start = 0
     if resume_root:
-        start = ckpt.Checkpointer(resume_root, mesh, log=lambda *a: None, axes=run.axes).resume(
+        start = ckpt.Checkpointer(resume_root, mesh, device=device, log=lambda *a: None, axes=run.axes).resume(
             "latest", run.layout, scaler, sampler, 0)
     losses = {}
     for step, (x, y) in enumerate(global_batches(STEPS, global_batch, SEQ)):
@@ -73,11 +76,11 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
         batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.dp_rank, mesh.dp_size, micro)]
         for axis in run.axes:
             batches = axis.shard_batches(batches)
-        outcome = train_step(run.layout, scaler, batches, mesh.dp_cp_group, CLIP, run.autocast, "cpu",
+        outcome = train_step(run.layout, scaler, batches, mesh.dp_cp_group, CLIP, run.autocast, device,
                              model=run.model, schedule=run.schedule, axes=run.axes, data_size=shape.dp)
         losses[step] = outcome.loss
     if save_root:
-        saver = ckpt.Checkpointer(save_root, mesh, log=lambda *a: None, axes=run.axes)  # as train.py
+        saver = ckpt.Checkpointer(save_root, mesh, device=device, log=lambda *a: None, axes=run.axes)  # as train.py
         saver.save(stop, run.layout, scaler, sampler)
         saver.close()
     run.layout.unshard()

@@ -12,6 +12,8 @@ Activations: the bytes saved for backward by one block (saved_tensors_hooks) are
 estimate in the form this attention implies, 32·(s/C)·b·h scaled from 16-bit to float64: the attention keeps
 no score matrix (no 5as/h term) and dropout is 0 (no 1-byte masks: 34 − 2); what is left over is the fp64
 log-sum-exp and the LayerNorm statistics (1.6% here). C = 2 saves half of C = 1 at the same global sequence.
+The rank bodies build on harness.device() (each rank's GPU under nccl); the whole-sequence tensors every rank
+must hold alike are drawn on the CPU and moved there.
 """
 
 from argparse import Namespace
@@ -22,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import harness
 from harness import run_ranks
 from reference import WholeGrads, global_batches, make_config
 
@@ -94,7 +97,7 @@ def _reference_attention(q, k, v, dout):
     """Explicit causal softmax on the whole sequence: (out, lse, dq, dk, dv)."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
-    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     out = torch.softmax(s, -1) @ v
     out.backward(dout)
     return out.detach(), torch.logsumexp(s, -1).detach(), q.grad, k.grad, v.grad
@@ -112,16 +115,17 @@ def _attention_checks(group):
     import context_parallel as cp
     from model import causal_attention
 
+    device = harness.device()
     C, c = dist.get_world_size(group), dist.get_rank(group)
-    torch.manual_seed(0)  # the same whole-sequence tensors on every rank
+    torch.manual_seed(0)  # the same whole-sequence tensors on every rank (drawn on the CPU: one generator)
     B, H, S, D = 2, 4, SEQ, 8
-    q, k, v, dout = (torch.randn(B, H, S, D, dtype=torch.float64) for _ in range(4))
+    q, k, v, dout = (torch.randn(B, H, S, D, dtype=torch.float64).to(device) for _ in range(4))
     ref_out, ref_lse, *ref_grads = _reference_attention(q, k, v, dout)
     ring = cp.Ring(group)
     errs = {}
     for impl in cp.IMPLS:
         for balance in cp.BALANCES:
-            index = cp.positions(S, C, c, balance)
+            index = cp.positions(S, C, c, balance).to(device)
             ql, kl, vl = (t[:, :, index].clone().requires_grad_() for t in (q, k, v))
             attention = cp.ContextParallelAttention(causal_attention, ring, impl, balance)
             y = attention(ql, kl, vl, 0.0)
@@ -158,7 +162,8 @@ def _ring_event_order(group):
     cp._block_forward = lambda *a: (events.append("compute"), forward(*a))[1]
     cp._block_backward = lambda *a: (events.append("compute"), backward(*a))[1]
     try:
-        q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, device=harness.device(), requires_grad=True)
+                   for _ in range(3))
         y = cp.RingAttention.apply(q, k, v, ring, "zigzag")
         forward_events = list(events)
         events.clear()
@@ -193,10 +198,10 @@ def test_attention_matches_full_causal_attention():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _run(mesh, config, impl, balance, sp=False, autocast=None, compute_dtype=torch.float64, micro=2):
+def _run(mesh, config, impl, balance, device, sp=False, autocast=None, compute_dtype=torch.float64, micro=2):
     """The slice of train.py's Run that context_parallel.apply reads."""
     return SimpleNamespace(args=Namespace(cp=mesh.size("cp"), cp_impl=impl, cp_balance=balance, sp=sp), mesh=mesh,
-                           config=config, seq_len=SEQ, micro=micro, micro_batches=1, device=torch.device("cpu"),
+                           config=config, seq_len=SEQ, micro=micro, micro_batches=1, device=device,
                            autocast=autocast or nullcontext(), compute_dtype=compute_dtype, seed=0)
 
 
@@ -215,18 +220,20 @@ def _model_variant(mesh, tp_size, impl, balance, sp, checkpointing, bf16):
     from mfu import CommTracer
     from model import GPT
 
+    device = harness.device()
     config = make_config(activation_checkpointing=checkpointing)
-    x, y = global_batches(1, 2, SEQ)[0]
+    x, y = (t.to(device) for t in global_batches(1, 2, SEQ)[0])
     dtype = torch.float32 if bf16 else torch.float64
-    reference = GPT(config, seed=0, dtype=dtype)
+    reference = GPT(config, seed=0, dtype=dtype, device=device)
     _, ref_loss, ref_count = reference(x, y)
     (ref_loss / ref_count).backward()
     ref_grads = {p.shard_info.global_name: p.grad for p in reference.parameters()}
 
-    model = GPT(config, seed=0, dtype=dtype)
+    model = GPT(config, seed=0, dtype=dtype, device=device)
     tp_handle = tp.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0) if tp_size > 1 else None
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
-    handle = cp.apply(model, _run(mesh, config, impl, balance, sp, autocast, torch.bfloat16 if bf16 else dtype))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    handle = cp.apply(model, _run(mesh, config, impl, balance, device, sp, autocast,
+                                  torch.bfloat16 if bf16 else dtype))
     (x_local, y_local, pos), = handle.shard_batches([(x, y)])
     group = mesh.group("cp")
     count = (y_local != -1).sum().double()
@@ -293,25 +300,26 @@ def _activations(rank, world):
     from mfu import CommTracer
     from model import GPT
 
+    device = harness.device()
     singletons = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     mesh = build_mesh(infer_mesh_shape(world, cp=world), rank)
     config = make_config()
     torch.manual_seed(0)
-    x = torch.randn(2, SEQ, config.n_embd, dtype=torch.float64)
+    x = torch.randn(2, SEQ, config.n_embd, dtype=torch.float64).to(device)  # the same on every rank
     saved = {}
     for C, group in ((1, singletons[rank]), (world, mesh.group("cp"))):
-        model = GPT(config, seed=0, dtype=torch.float64)
+        model = GPT(config, seed=0, dtype=torch.float64, device=device)
         cp.parallelize(model, group, "ring", "zigzag")
-        local = x[:, cp.positions(SEQ, C, dist.get_rank(group))].requires_grad_()
+        local = x[:, cp.positions(SEQ, C, dist.get_rank(group)).to(device)].requires_grad_()
         block = model.transformer.h[0]
         saved[C] = cp.saved_activation_bytes(lambda: block(local), exclude=model.parameters())
-    model = GPT(config, seed=0, dtype=torch.float64)
-    handle = cp.apply(model, _run(mesh, config, "ring", "zigzag"))
+    model = GPT(config, seed=0, dtype=torch.float64, device=device)
+    handle = cp.apply(model, _run(mesh, config, "ring", "zigzag", device))
     measured_messages, measured_saved = cp.measure_block(handle)
     lines = handle.startup_lines()
     tracer = CommTracer()
     tracer.name_group(mesh.group("cp"), "cp")
-    (xl, yl, pos), = handle.shard_batches(global_batches(1, 2, SEQ))
+    (xl, yl, pos), = handle.shard_batches([(bx.to(device), by.to(device)) for bx, by in global_batches(1, 2, SEQ)])
     with tracer:
         model(xl, yl, pos)[1].backward()
     lines += handle.end_lines(tracer, 1)

@@ -1,9 +1,10 @@
 """ddp.py: data-parallel training performs the single-device update on the global batch.
 
-Each test spawns gloo ranks with the harness, runs a few optimizer steps with ddp.py and step.train_step
+Each test spawns ranks with the harness, runs a few optimizer steps with ddp.py and step.train_step
 in float64, and compares losses and final parameters with tests/reference.py's single-device run on the
 same global batches (torch's AdamW and clip_grad_norm_). float64 sums in a different order agree to ~1e-15
-relative; the stated tolerance is 1e-10.
+relative; the stated tolerance is 1e-10. Each rank builds on harness.device() (its GPU under nccl); the batches
+stay on the CPU, as train.py's sampler makes them, and train_step moves them.
 """
 
 from contextlib import nullcontext
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import harness
 from harness import run_ranks
 from reference import HYPER, global_batches, rank_micro_batches, reference_run, make_config
 
@@ -27,8 +29,9 @@ def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
     from ddp import DDPLayout
     from step import train_step
 
+    device = harness.device()
     config = make_config()
-    model = GPT(config, seed=0, dtype=torch.float64)
+    model = GPT(config, seed=0, dtype=torch.float64, device=device)
     group = dist.new_group(list(range(world)))
     ddp = DistributedDataParallel(model, group=group, bucket_mb=bucket_mb)
     optimizer = build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"])
@@ -40,7 +43,7 @@ def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
     for x, y in global_batches(STEPS, global_batch, SEQ):
         batches = rank_micro_batches(x, y, rank, world, micro)
         with tracer:
-            outcome = train_step(layout, scaler, batches, group, clip, nullcontext(), "cpu")
+            outcome = train_step(layout, scaler, batches, group, clip, nullcontext(), device)
         calls.append(tracer.records[("all_reduce", "dp")].calls)
         tracer.reset()
         losses.append(outcome.loss)
@@ -79,7 +82,7 @@ def _different_init(rank, world):
     from ddp import DistributedDataParallel
     from model import GPT
 
-    model = GPT(make_config(), seed=rank)  # a bug: each rank a different seed
+    model = GPT(make_config(), seed=rank, device=harness.device())  # a bug: each rank a different seed
     try:
         DistributedDataParallel(model)
     except RuntimeError as e:
@@ -97,12 +100,13 @@ def _overlap_order(rank, world):
     from ddp import DistributedDataParallel
     from model import GPT
 
-    model = GPT(make_config(), seed=0)
+    device = harness.device()
+    model = GPT(make_config(), seed=0, device=device)
     ddp = DistributedDataParallel(model, bucket_mb=0.01)
     launched = []
     original = ddp._launch
     ddp._launch = lambda bucket: (launched.append(bucket.index), original(bucket))
-    x = torch.randint(0, 256, (2, SEQ))
+    x = torch.randint(0, 256, (2, SEQ), device=device)
     _, loss_sum, _ = ddp(x, x)
     loss_sum.backward()
     launched_in_backward = list(launched)
@@ -122,7 +126,8 @@ def _train_with_aux(rank, world, global_batch, micro, coef):
     from reference import add_squared_mean_aux
     from step import train_step
 
-    model = GPT(make_config(), seed=0, dtype=torch.float64)
+    device = harness.device()
+    model = GPT(make_config(), seed=0, dtype=torch.float64, device=device)
     add_squared_mean_aux(model, coef)
     group = dist.new_group(list(range(world)))
     layout = DDPLayout(DistributedDataParallel(model, group=group),
@@ -130,7 +135,7 @@ def _train_with_aux(rank, world, global_batch, micro, coef):
     losses = []
     for x, y in global_batches(STEPS, global_batch, SEQ):
         outcome = train_step(layout, DynamicLossScaler(enabled=False), rank_micro_batches(x, y, rank, world, micro),
-                             group, 0.05, nullcontext(), "cpu")
+                             group, 0.05, nullcontext(), device)
         losses.append(outcome.loss)
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -155,7 +160,7 @@ def _nccl_smoke(rank, world):
     from optim import DynamicLossScaler, build_adamw
     from step import train_step
 
-    device = torch.device("cuda", rank)
+    device = harness.device()  # cuda:rank: this test forces nccl
     model = GPT(make_config(), seed=0, dtype=torch.float64, device=device)  # float64 collectives on NCCL
     group = dist.new_group(list(range(world)))
     layout = DDPLayout(DistributedDataParallel(model, group=group), build_adamw(model.parameters(), HYPER["lr"]))

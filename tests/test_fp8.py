@@ -10,7 +10,9 @@ with the single-device FP8 model on the same D·m micro-batches: losses, paramet
 state is compared within float32's rounding (rtol 1e-6): amaxes are float32, taken of float64 tensors that
 the meshes sum in different orders. The traced amax all-reduces must equal `predicted_messages`.
 The training loop here is explicit (micro-batches, a gradient all-reduce, `after_grad_sync`, torch's AdamW)
-so that these tests depend on nothing but model.py, mesh.py, tensor_parallel.py and fp8.py.
+so that these tests depend on nothing but model.py, mesh.py, tensor_parallel.py and fp8.py. The mesh runs build
+on harness.device() (each rank's GPU under nccl; float64 keeps the GEMMs emulated there too, so they still
+compare with the CPU reference at 1e-10); the one-process tests check the numerics on the CPU.
 """
 
 import functools
@@ -23,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fp8
+import harness
 from harness import run_ranks
 from reference import HYPER, WholeGrads, global_batches, make_config, rank_micro_batches
 
@@ -348,16 +351,18 @@ DP_VARIANTS = [("current", 32, False, False), ("delayed", 32, False, False), ("b
 
 def _train(model, handle, dp_group, dp_rank, dp_size, tracer=None, finish_grad_sync=None):
     """STEPS optimizer steps of this rank's micro-batches; returns (losses, per-step traced fp8 messages).
-    finish_grad_sync: the TP handle's (under SP, the replicated parameters' gradients are summed over TP)."""
+    finish_grad_sync: the TP handle's (under SP, the replicated parameters' gradients are summed over TP).
+    The batches go to the model's device."""
     from optim import adamw_param_groups
 
+    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(adamw_param_groups(model.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"],
                                   betas=HYPER["betas"], eps=HYPER["eps"])
     losses, traced = [], []
     for x, y in global_batches(STEPS, GLOBAL_BATCH, SEQ):
-        batches = rank_micro_batches(x, y, dp_rank, dp_size, MICRO)
+        batches = rank_micro_batches(x.to(device), y.to(device), dp_rank, dp_size, MICRO)
         tokens = sum((yb != -1).sum() for _, yb in batches).double()
-        loss = torch.zeros((), dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float64, device=device)
         if dp_size > 1:
             dist.all_reduce(tokens, group=dp_group)
         if tracer is not None:
@@ -400,6 +405,7 @@ def _on_meshes(rank, world):
     from mfu import CommTracer
     from model import GPT
 
+    device = harness.device()
     out = {}
     for kind, variants in (("tp", TP_VARIANTS), ("dp", DP_VARIANTS)):
         shape = MeshShape(dp=1, tp=2) if kind == "tp" else MeshShape(dp=2)
@@ -407,7 +413,7 @@ def _on_meshes(rank, world):
         fp8_mesh = build_mesh(shape, rank)  # the same ranks in new groups: the tracer tells FP8's messages apart
         for mode, n_embd, sp, checkpointing in variants:
             config = make_config(n_embd=n_embd, activation_checkpointing=checkpointing)
-            model = GPT(config, seed=0, dtype=torch.float64)
+            model = GPT(config, seed=0, dtype=torch.float64, device=device)
             finish = None
             if kind == "tp":
                 tp_handle = tensor_parallel.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0)
@@ -422,7 +428,8 @@ def _on_meshes(rank, world):
             pieces = {p.shard_info.global_name: (p.detach().clone(), p.shard_info) for p in model.parameters()}
             out[kind, mode, n_embd, sp, checkpointing] = (losses, pieces, handle.state_dict(), traced, predicted)
         if kind == "dp":  # a NaN amax on one rank makes every rank of the group skip, and stays out
-            handle = fp8.convert(GPT(make_config(), seed=0, dtype=torch.float64), fp8.Recipe("delayed"), fp8_mesh)
+            handle = fp8.convert(GPT(make_config(), seed=0, dtype=torch.float64, device=device), fp8.Recipe("delayed"),
+                                 fp8_mesh)
             first = next(iter(handle.linears.values()))
             first.step_amax.fill_(1.0)
             if rank == 1:

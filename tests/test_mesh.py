@@ -3,6 +3,7 @@
 import pytest
 import torch.distributed as dist
 
+import harness
 from harness import run_ranks
 from mesh import MeshShape, axis_groups, build_mesh, infer_mesh_shape
 
@@ -58,7 +59,7 @@ def _build(rank, world):
     # An all-reduce on each group sums exactly the members the mesh says it has.
     out = {}
     for axis in ("tp", "dp", "dp_cp", "pp"):
-        t = torch.tensor([float(rank)])
+        t = torch.tensor([float(rank)], device=harness.device())
         dist.all_reduce(t, group=mesh.groups[axis])
         out[axis] = (float(t), mesh.members[axis], mesh.index(axis), mesh.size(axis))
     return out

@@ -1,4 +1,5 @@
-"""Tests for mfu.py: every formula against numbers worked out by hand, and the CommTracer on real gloo ranks."""
+"""Tests for mfu.py: every formula against numbers worked out by hand, and the CommTracer on real ranks (their
+tensors on harness.device(): each rank's GPU under nccl, where the tensor collectives go over NCCL)."""
 
 import math
 import time
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import mfu
+import harness
 from harness import run_ranks
 
 # ---------------------------------------------------------------------------------------------------------
@@ -321,41 +323,42 @@ def _traced_collectives(rank, world_size):
     dp = pairs[rank // 2]
     unnamed = dist.new_group(list(range(world_size)))  # reported as "group0"
 
+    device = harness.device()
     tracer = mfu.CommTracer()
     tracer.name_group(dp, "dp")
     checks = {}
     with tracer:
-        x = torch.full((1000,), float(rank))  # 4000 bytes
+        x = torch.full((1000,), float(rank), device=device)  # 4000 bytes
         dist.all_reduce(x)  # sync, world
         checks["all_reduce"] = x[0].item()
 
-        y = torch.ones(500)  # 2000 bytes
+        y = torch.ones(500, device=device)  # 2000 bytes
         work = dist.all_reduce(y, group=dp, async_op=True)
         work.wait()
         checks["async"] = y[0].item()
         dist.all_reduce(y, dist.ReduceOp.SUM, dp)  # positional group
 
-        shard = torch.full((16,), float(rank))
-        gathered = torch.empty(32)  # 128 bytes, the output counts
+        shard = torch.full((16,), float(rank), device=device)
+        gathered = torch.empty(32, device=device)  # 128 bytes, the output counts
         dist.all_gather_into_tensor(gathered, shard, group=dp)
         checks["gathered"] = gathered.tolist()
         if hasattr(dist, "all_gather_single"):  # the newer name for the same collective
             dist.all_gather_single(gathered, shard, group=dp)
 
-        full = torch.ones(8 * world_size)  # 32 * world_size bytes, the input counts
-        part = torch.empty(8)
+        full = torch.ones(8 * world_size, device=device)  # 32 * world_size bytes, the input counts
+        part = torch.empty(8, device=device)
         dist.reduce_scatter_tensor(part, full)
         checks["scattered"] = part[0].item()
 
-        a2a_in = torch.arange(4 * world_size, dtype=torch.float32) + 100 * rank
+        a2a_in = torch.arange(4 * world_size, dtype=torch.float32, device=device) + 100 * rank
         a2a_out = torch.empty_like(a2a_in)
         dist.all_to_all_single(a2a_out, a2a_in, group=unnamed)
         checks["a2a"] = a2a_out.tolist()
 
         # A ring: send 10 floats to the next rank, receive 10 from the previous one. The P2POps are built
         # while the tracer is active, from the patched dist.isend/dist.irecv.
-        send_buf = torch.full((10,), float(rank))
-        recv_buf = torch.empty(10)
+        send_buf = torch.full((10,), float(rank), device=device)
+        recv_buf = torch.empty(10, device=device)
         ops = [dist.P2POp(dist.isend, send_buf, (rank + 1) % world_size),
                dist.P2POp(dist.irecv, recv_buf, (rank - 1) % world_size)]
         for req in dist.batch_isend_irecv(ops):
@@ -409,6 +412,7 @@ def _traced_phases_and_objects(rank, world_size):
     """Object collectives, gather/scatter/reduce, phases, and a group named after it was first seen."""
     import pickle
 
+    device = harness.device()
     group = dist.new_group(list(range(world_size)))
     tracer = mfu.CommTracer()
     with tracer:
@@ -419,18 +423,19 @@ def _traced_phases_and_objects(rank, world_size):
             dist.broadcast_object_list(box, src=0)
         tracer.name_group(group, "dp")  # renames what was recorded
         with tracer.phase("eval"):
-            piece = torch.full((4,), float(rank))
-            pieces = [torch.empty(4) for _ in range(world_size)] if rank == 0 else None
+            piece = torch.full((4,), float(rank), device=device)
+            pieces = [torch.empty(4, device=device) for _ in range(world_size)] if rank == 0 else None
             dist.gather(piece, pieces, dst=0)
-            out = torch.empty(4)
-            dist.scatter(out, [torch.full((4,), float(r)) for r in range(world_size)] if rank == 0 else None, src=0)
-            total = torch.ones(3)
+            out = torch.empty(4, device=device)
+            dist.scatter(out, [torch.full((4,), float(r), device=device) for r in range(world_size)] if rank == 0
+                         else None, src=0)
+            total = torch.ones(3, device=device)
             dist.reduce(total, dst=0)
-        dist.all_reduce(torch.ones(2))  # the default phase: "step"
+        dist.all_reduce(torch.ones(2, device=device))  # the default phase: "step"
         inner = mfu.CommTracer()
         with inner:  # a measurement inside a traced run: both tracers count its calls
-            ring = [dist.P2POp(dist.isend, torch.ones(3), (rank + 1) % world_size),
-                    dist.P2POp(dist.irecv, torch.empty(3), (rank - 1) % world_size)]
+            ring = [dist.P2POp(dist.isend, torch.ones(3, device=device), (rank + 1) % world_size),
+                    dist.P2POp(dist.irecv, torch.empty(3, device=device), (rank - 1) % world_size)]
             for work in dist.batch_isend_irecv(ring):
                 work.wait()
             dist.all_gather_object([None] * world_size, rank)

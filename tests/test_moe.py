@@ -1,7 +1,7 @@
 """moe.py: the router's losses by hand, capacity dropping, expert parallel against the single-device layer and
 model (float64, 1e-10), traced all-to-all bytes against the count-based prediction, flags and accounting.
 
-Layer tests run the MoE layer on 4 gloo ranks, each with its own rank-batch, with E = 2 and E = 4, dropless
+Layer tests run the MoE layer on 4 ranks, each with its own rank-batch, with E = 2 and E = 4, dropless
 and with capacity; the reference is the same single-device layer (all experts) run on each rank-batch in turn
 (capacity is per rank-batch, as in the trainer), its gradients summed over the rank-batches. On the ranks the
 router's gradient is summed over all ranks and an expert's over its expert_dp group, as the layouts will.
@@ -11,6 +11,9 @@ those of the whole micro-batch and that the summed gradients are those of the de
 The whole-model test trains nothing: one step's forward/backward through step.GradientAccumulation on D = 4
 ranks (m = 2 micro-batches each), E = 2 and E = 4, against the single-device model on the same objective
 Σ CE/tokens + Σ coef·aux/(D·m) over the D·m micro-batches: gradients within 1e-10.
+
+The rank bodies build on harness.device() (each rank's GPU under nccl); their inputs are drawn on the CPU, where
+the single-device references draw the same ones, and moved there.
 """
 
 import math
@@ -21,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import harness
 from harness import run_ranks
 from reference import global_batches, make_config, rank_micro_batches
 
@@ -143,19 +147,20 @@ def _layer(rank, world):
     from mfu import CommTracer
     from model import GPT
 
+    device = harness.device()
     results = {}
     meshes = {ep: build_mesh(MeshShape(dp=world, ep=ep)) for ep in (2, 4)}
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # ranks holding pieces of one micro-batch
     for ep, factor, mode in LAYER_CASES:
         mesh = meshes[ep]
-        model = GPT(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT)
+        model = GPT(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT, device=device)
         layer = model.transformer.h[0].mlp
         moe.shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         if mode == "pieces":  # micro-batch rank // 2, its sequence cut in two: this rank holds half rank % 2
             layer.stats_groups = (pairs[rank // 2],)
-            x, g = (t.chunk(2, dim=1)[rank % 2] for t in _layer_inputs(rank // 2, (2, 12), 16))
+            x, g = (t.chunk(2, dim=1)[rank % 2].to(device) for t in _layer_inputs(rank // 2, (2, 12), 16))
         else:
-            x, g = _layer_inputs(rank, (2, 12), 16)
+            x, g = (t.to(device) for t in _layer_inputs(rank, (2, 12), 16))
         if mode == "skew":
             _skew(layer, x)
         x.requires_grad_()
@@ -171,13 +176,13 @@ def _layer(rank, world):
             local=sorted(layer.experts.keys(), key=int), dropped=layer.dropped,
             traced=(traced.calls, traced.payload_bytes), counted=(layer.a2a_calls, layer.a2a_bytes))
     # Under bf16 autocast (float32 model): the router still computes in fp32, the rows travel in bf16.
-    model = GPT(make_config(**LAYER), seed=0)
+    model = GPT(make_config(**LAYER), seed=0, device=device)
     layer = model.transformer.h[0].mlp
     moe.shard_experts(layer, meshes[2].group("ep"), 2, meshes[2].index("ep"))
-    x = _layer_inputs(rank, (2, 12), 16)[0].float().requires_grad_()
+    x = _layer_inputs(rank, (2, 12), 16)[0].float().to(device).requires_grad_()
     tracer = CommTracer()
     tracer.name_group(meshes[2].group("ep"), "ep")
-    with tracer, torch.autocast("cpu", dtype=torch.bfloat16):
+    with tracer, torch.autocast(device.type, dtype=torch.bfloat16):
         y = layer(x)
         y.float().sum().backward()
         router_dtype = layer.router(x).dtype
@@ -271,16 +276,16 @@ def _model(rank, world):
     from model import GPT
     from step import GradientAccumulation
 
-    (x, y), = global_batches(1, D * M, SEQ)
-    global_tokens = (y != -1).sum().to(DT)
+    device = harness.device()
+    (x, y), = global_batches(1, D * M, SEQ)  # on the CPU: forward_backward moves each micro-batch
+    global_tokens = (y != -1).sum().to(device, DT)
     results = {}
     for ep, overrides in MODEL_CASES.items():
         config = make_config(**overrides)
         mesh = build_mesh(MeshShape(dp=world, ep=ep))
         run = SimpleNamespace(args=SimpleNamespace(sp=False), mesh=mesh, config=config, seq_len=SEQ, micro=1,
-                              micro_batches=M, device=torch.device("cpu"), autocast=nullcontext(),
-                              compute_dtype=DT, seed=0)
-        model = GPT(config, seed=0, dtype=DT)
+                              micro_batches=M, device=device, autocast=nullcontext(), compute_dtype=DT, seed=0)
+        model = GPT(config, seed=0, dtype=DT, device=device)
         handle = moe.apply(model, run)
         layout = _Layout(model)
         tracer = CommTracer()

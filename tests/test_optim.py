@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import harness
 from harness import run_ranks
 from model import ShardInfo, Split, counts_here
 from optim import DynamicLossScaler, LRSchedule, build_adamw, update
@@ -58,17 +59,18 @@ def _copied_across_two_axes(rank, world):
     from ckpt import replicated_state_pieces
     from mesh import MeshShape, build_mesh
 
+    device = harness.device()
     mesh = build_mesh(MeshShape(dp=1, pp=2, tp=2), rank)
     coords = mesh.coordinates()
-    split = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))  # float64: the norm is exact to 1e-15
+    split = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64, device=device))  # float64: norm exact to 1e-15
     split.shard_info = ShardInfo("w", (8,), splits=(Split(0, 4, rank),))
-    copied = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    copied = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64, device=device))
     copied.shard_info = ShardInfo("ln", (3,), replicated_over=("pp", "tp"))
-    split.grad = torch.full((2,), float(rank + 1), dtype=torch.float64)
-    copied.grad = torch.full((3,), 2.0, dtype=torch.float64)
+    split.grad = torch.full((2,), float(rank + 1), dtype=torch.float64, device=device)
+    copied.grad = torch.full((3,), 2.0, dtype=torch.float64, device=device)
     optimizer = build_adamw([split, copied], lr=0.1)
     counted = [counts_here(p.shard_info, coords) for p in (split, copied)]
-    result = update([split.grad, copied.grad], counted, DynamicLossScaler(enabled=False), 0.0, optimizer.step, "cpu")
+    result = update([split.grad, copied.grad], counted, DynamicLossScaler(enabled=False), 0.0, optimizer.step, device)
     pieces = replicated_state_pieces([split, copied], optimizer, coords)
     return result.grad_norm, sorted(p.key for p in pieces if p.primary)
 
@@ -86,18 +88,19 @@ def test_a_tensor_copied_across_two_axes_counts_once_in_the_norm_and_the_checkpo
 def _skip_everywhere(rank, world):
     """One rank's gradient is inf, on a rank whose copy does not even count in the norm: every rank must skip,
     the scale must halve, parameters must not move."""
-    param = torch.nn.Parameter(torch.ones(5, 5))
+    device = harness.device()
+    param = torch.nn.Parameter(torch.ones(5, 5, device=device))
     optimizer = build_adamw([param], lr=0.1)
     scaler = DynamicLossScaler(enabled=True, init_scale=8.0)
-    param.grad = torch.full((5, 5), 8.0)
+    param.grad = torch.full((5, 5), 8.0, device=device)
     if rank == 1:
         param.grad[2, 3] = float("inf")
     before = param.detach().clone()
     counted = [rank == 0]  # data-parallel replicas: rank 0's copy counts
-    skipped = update([param.grad], counted, scaler, 1.0, optimizer.step, "cpu")
+    skipped = update([param.grad], counted, scaler, 1.0, optimizer.step, device)
     moved_after_skip = not torch.equal(before, param.detach())
-    param.grad = torch.full((5, 5), 8.0)  # a good step now goes through, with the halved scale (8 → 4)
-    good = update([param.grad], counted, scaler, 0.0, optimizer.step, "cpu")
+    param.grad = torch.full((5, 5), 8.0, device=device)  # a good step now goes through, with the halved scale (8 → 4)
+    good = update([param.grad], counted, scaler, 0.0, optimizer.step, device)
     return skipped.skipped, moved_after_skip, scaler.scale, good.skipped, good.grad_norm
 
 

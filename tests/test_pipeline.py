@@ -6,7 +6,7 @@
    send is matched by a receive in the same order on the peer (NCCL matches p2p by order), receives are
    posted before they are needed, and the in-flight counts and the bubble for uniform costs equal the
    formulas written here (not imported).
-2. Gradient equivalence: P = 2 and 4 gloo ranks, each schedule, m = P, 2P and a non-multiple, stages built
+2. Gradient equivalence: P = 2 and 4 ranks, each schedule, m = P, 2P and a non-multiple, stages built
    in float64 from the per-parameter init; forward_backward with a stand-in layout, then after_grad_sync;
    every parameter's gradient (by global name, the tied embedding on both of its stages) and the loss sum
    equal the single-device model.GPT on the same global batch within 1e-10. The stand-in layout also
@@ -15,6 +15,9 @@
    with and without SP) the zb weight-gradient deferral runs through tensor_parallel's inner linears.
 3. Every traced message (send/recv over pp, the loss and tied-embedding all-reduces) equals the
    prediction, calls and bytes; the end-of-run accounting draws the timeline and writes a Chrome trace.
+The ranks build their stages on harness.device() (each rank's GPU under nccl, where the p2p goes over NCCL);
+the batches stay on the CPU and the schedule moves them. The one-process checks (1, the bf16 I/W split, the
+flags) stay on the CPU.
 """
 
 import functools
@@ -29,6 +32,7 @@ import pytest
 import torch
 
 import pipeline as pp
+import harness
 from harness import run_ranks
 from reference import global_batches, make_config, rank_micro_batches
 
@@ -234,7 +238,7 @@ def test_valid_flags_pass_and_uneven_split_warns():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 2 and 3. Gradient equivalence and traced messages on gloo ranks
+# 2 and 3. Gradient equivalence and traced messages on the ranks
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -283,6 +287,7 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
     from mesh import build_mesh, infer_mesh_shape
     from mfu import CommTracer
 
+    device = harness.device()
     mesh = build_mesh(infer_mesh_shape(world, pp=world // tp_size, tp=tp_size), rank)
     results = {}
     for case in cases:
@@ -291,7 +296,7 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
         trace_file = os.path.join(trace_dir, f"{schedule}.json") if trace_dir else None
         run = SimpleNamespace(args=SimpleNamespace(pp_schedule=schedule, pp_virtual=v, trace_file=trace_file, sp=sp),
                               mesh=mesh, config=config, seq_len=SEQ, micro=MICRO, micro_batches=m,
-                              device=torch.device("cpu"), seed=0)
+                              device=device, seed=0)
         tp_handles = []
 
         def transform(chunk):
@@ -305,7 +310,7 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
         stages, handle = pp.build(run, dtype=torch.float64, transform=transform)  # this rank's stage model
         layout = StandInLayout(stages)
         x, y, batches = _case_batches(m, "pos" in extra)
-        global_tokens = (y != -1).sum().to(torch.float64)
+        global_tokens = (y != -1).sum().to(device, torch.float64)
         loss_scale = 4.0 if "scale" in extra else 1.0
         tracer = CommTracer()
         for name, group in {"pp": mesh.group("pp"), **handle.groups()}.items():
@@ -313,7 +318,7 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
                 tracer.name_group(group, name)
         with tracer:
             out = handle.schedule.forward_backward(layout, stages, batches, global_tokens, loss_scale, m,
-                                                   nullcontext(), "cpu")  # train_step may pass a string
+                                                   nullcontext(), str(device))  # train_step may pass a string
             for h in tp_handles:
                 h.after_grad_sync(layout)
             handle.after_grad_sync(layout)

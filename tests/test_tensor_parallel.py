@@ -6,6 +6,8 @@ accumulation and active clipping, and compare losses, grad norms and the final p
 shards put back into the global tensors with ShardInfo.place_into) with tests/reference.py's single-device
 run: float64, tolerance 1e-10, as for DDP. Every step's traced TP-group messages must equal the prediction
 to the byte. `layout` names how data parallelism wraps the TP model (LAYOUTS): DDP or a ZeRO stage.
+The rank bodies build on harness.device() (each rank's GPU under nccl); the layer checks draw their "full"
+tensors on the CPU, alike on every rank, and move them there.
 """
 
 from contextlib import nullcontext
@@ -16,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import harness
 from harness import run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
@@ -44,11 +47,15 @@ def _layer_checks(rank, world, group, sp):
     from mfu import CommTracer
     from model import GPT, ShardInfo, Split
 
-    torch.manual_seed(0)  # identical "full" tensors on every rank
+    device = harness.device()
+    torch.manual_seed(0)  # identical "full" tensors on every rank: drawn by the CPU generator, then moved
     ctx = tp.TensorParallelContext(group, world, rank, sp)
     dt = torch.float64
     b, s, d_in, d_out, V = 2, 8, 12, 24, 16
     errs = {}
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=dt).to(device)
 
     def seq_shard(t):  # this rank's piece of the sequence (dim 1)
         return t.chunk(world, 1)[rank]
@@ -58,11 +65,11 @@ def _layer_checks(rank, world, group, sp):
 
     # Column-parallel, plain and with c_attn's fused [q | k | v] layout.
     for segments in (1, 3):
-        full = nn.Linear(d_in, d_out, dtype=dt)
-        x = torch.randn(b, s, d_in, dtype=dt, requires_grad=True)
-        go = torch.randn(b, s, d_out, dtype=dt)
+        full = nn.Linear(d_in, d_out, dtype=dt).to(device)
+        x = randn(b, s, d_in).requires_grad_()
+        go = randn(b, s, d_out)
         (full(x) * go).sum().backward()
-        local = nn.Linear(d_in, d_out // world, dtype=dt)
+        local = nn.Linear(d_in, d_out // world, dtype=dt).to(device)
         local.weight.data, local.bias.data = piece(full.weight, 0, segments), piece(full.bias, 0, segments)
         layer = tp.ColumnParallelLinear(local, ctx)
         x_in = (seq_shard(x) if sp else x).detach().requires_grad_()
@@ -74,12 +81,12 @@ def _layer_checks(rank, world, group, sp):
         errs[f"column{segments} db"] = _max_err(local.bias.grad, piece(full.bias.grad, 0, segments))
 
     # Row-parallel: input split by features, output summed (SP: and split by sequence); bias added once.
-    full = nn.Linear(d_in, d_out, dtype=dt)
-    x = torch.randn(b, s, d_in, dtype=dt, requires_grad=True)
-    go = torch.randn(b, s, d_out, dtype=dt)
+    full = nn.Linear(d_in, d_out, dtype=dt).to(device)
+    x = randn(b, s, d_in).requires_grad_()
+    go = randn(b, s, d_out)
     ref = full(x)
     (ref * go).sum().backward()
-    local = nn.Linear(d_in // world, d_out, bias=False, dtype=dt)
+    local = nn.Linear(d_in // world, d_out, bias=False, dtype=dt).to(device)
     local.weight.data = piece(full.weight, 1)
     bias = nn.Parameter(full.bias.detach().clone())
     layer = tp.RowParallelLinear(local, bias, ctx)
@@ -95,12 +102,12 @@ def _layer_checks(rank, world, group, sp):
     errs["row db"] = _max_err(bias_grad, full.bias.grad)
 
     # Vocab-parallel embedding.
-    full = nn.Embedding(V, d_in, dtype=dt)
-    idx = torch.randint(0, V, (b, s))
-    go = torch.randn(b, s, d_in, dtype=dt)
+    full = nn.Embedding(V, d_in, dtype=dt).to(device)
+    idx = torch.randint(0, V, (b, s)).to(device)
+    go = randn(b, s, d_in)
     ref = full(idx)
     (ref * go).sum().backward()
-    local = nn.Embedding(V // world, d_in, dtype=dt)
+    local = nn.Embedding(V // world, d_in, dtype=dt).to(device)
     local.weight.data = piece(full.weight, 0)
     layer = tp.VocabParallelEmbedding(local, ctx, rank * V // world)
     out = layer(idx)
@@ -109,9 +116,9 @@ def _layer_checks(rank, world, group, sp):
     errs["embedding dW"] = _max_err(local.weight.grad, piece(full.weight.grad, 0))
 
     # Vocab-parallel cross-entropy, with ignored targets, against F.cross_entropy on the full logits.
-    logits = torch.randn(b * s, V, dtype=dt, requires_grad=True) * 3
+    logits = randn(b * s, V).requires_grad_() * 3
     logits.retain_grad()
-    targets = torch.randint(0, V, (b * s,))
+    targets = torch.randint(0, V, (b * s,)).to(device)
     targets[::3] = -1
     ref = F.cross_entropy(logits, targets, ignore_index=-1, reduction="sum")
     ref.backward()
@@ -123,10 +130,10 @@ def _layer_checks(rank, world, group, sp):
 
     # Exactly two TP all-reduces in each block's forward and two in its backward (SP: their halves).
     config = make_config(n_head=4)
-    model = GPT(config, seed=0, dtype=dt)
+    model = GPT(config, seed=0, dtype=dt, device=device)
     tp.parallelize(model, group, sequence_parallel=sp, seed=0)
     block = model.transformer.h[0]
-    x = torch.randn(2, SEQ // world if sp else SEQ, config.n_embd, dtype=dt, requires_grad=True)
+    x = randn(2, SEQ // world if sp else SEQ, config.n_embd).requires_grad_()
     tracer = CommTracer()
     tracer.name_group(group, "tp")
     with tracer:
@@ -201,9 +208,10 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
     from optim import DynamicLossScaler
     from step import train_step
 
+    device = harness.device()
     mesh = build_mesh(infer_mesh_shape(world, tp=tp_size), rank)
     config = make_config(activation_checkpointing=checkpointing)
-    model = GPT(config, seed=0, dtype=torch.float64)
+    model = GPT(config, seed=0, dtype=torch.float64, device=device)
     handle = tp.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0)
     init = _pieces(model)
     layout = LAYOUTS[layout_name](model, mesh, handle)
@@ -214,7 +222,7 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
     for x, y in global_batches(STEPS, global_batch, SEQ):
         batches = rank_micro_batches(x, y, mesh.dp_rank, mesh.dp_size, micro)
         with tracer:
-            outcome = train_step(layout, scaler, batches, mesh.dp_cp_group, clip, nullcontext(), "cpu",
+            outcome = train_step(layout, scaler, batches, mesh.dp_cp_group, clip, nullcontext(), device,
                                  model=model, axes=[handle])
         traced.append({op: (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items() if g == "tp"})
         tracer.reset()
@@ -300,26 +308,28 @@ def _dropout(rank, world):
     from optim import DynamicLossScaler
     from step import train_step
 
+    device = harness.device()
     mesh = build_mesh(infer_mesh_shape(world, tp=world), rank)
-    # fork(): a different stream per TP rank inside, the shared default stream continues after it.
-    rng = tp.TensorParallelRNG(mesh.tp_rank, "cpu")
+    # fork(): a different stream per TP rank inside, the shared default stream continues after it (the
+    # device's generator: the one dropout draws from).
+    rng = tp.TensorParallelRNG(mesh.tp_rank, device)
     torch.manual_seed(1)
     with rng.fork():
-        inside = torch.rand(8)
-    after = torch.rand(8)
+        inside = torch.rand(8, device=device)
+    after = torch.rand(8, device=device)
     out = {"inside": inside, "after": after}
     for sp in (False, True):
         for checkpointing in (False, True):
             torch.manual_seed(0)  # as train.py: the same default seed on every rank of a TP group
             config = make_config(dropout=0.2, activation_checkpointing=checkpointing)
-            model = GPT(config, seed=0, dtype=torch.float64)
+            model = GPT(config, seed=0, dtype=torch.float64, device=device)
             handle = tp.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0)
             layout = _ddp_layout(model, mesh, handle)
             losses = []
             for x, y in global_batches(2, 4, SEQ):
                 batches = rank_micro_batches(x, y, 0, 1, 2)
                 outcome = train_step(layout, DynamicLossScaler(enabled=False), batches, mesh.dp_cp_group, 0.0,
-                                     nullcontext(), "cpu", model=model, axes=[handle])
+                                     nullcontext(), device, model=model, axes=[handle])
                 losses.append(outcome.loss)
             out[sp, checkpointing] = (losses, _pieces(model))
     return out

@@ -1,7 +1,7 @@
 """zero.py: ZeRO stages 1/2/3 perform the single-device AdamW update on the global batch, and hold and send
 exactly the bytes their formulas predict.
 
-The equivalence runs spawn gloo ranks (2 and 4), train a few float64 steps of each stage with zero.ZeroLayout
+The equivalence runs spawn ranks (2 and 4), train a few float64 steps of each stage with zero.ZeroLayout
 driven by step.train_step (gradient accumulation, clipping active, unit sizes and the parameter count not
 divisible by D) and compare losses, grad norms and the full parameters with tests/reference.py (torch's AdamW
 and clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15; tolerance 1e-10.
@@ -12,6 +12,8 @@ and backward), the 2 + 2 + 12 bytes of bf16/fp32 mixed precision, and the TP-rep
 Then the flags, and train.py end to end under torchrun. Last, bf16 gradient accumulation (one spawn): summed
 in fp32 over m = 8 and 32 micro-batches the reduced gradient's error against float64 stays at its m = 1 value
 where a bf16 sum grows past the bound, with 2 + 4 + 12 bytes held and the messages predicted.
+The rank bodies build on harness.device() (each rank's GPU under nccl, with autocast on its device type); the
+batches are drawn on the CPU, as the references draw them, and train_step moves them.
 """
 
 import math
@@ -25,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import harness
 from harness import backend_flags, run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
@@ -40,8 +43,9 @@ def _train_zero(rank, world, stage, config_kw, global_batch, micro, clip, bucket
     from step import train_step
     from zero import ZeroLayout
 
+    device = harness.device()
     config = make_config(**config_kw)
-    model = GPT(config, seed=0, dtype=torch.float64)
+    model = GPT(config, seed=0, dtype=torch.float64, device=device)
     group = dist.new_group(list(range(world)))
     layout = ZeroLayout(model, group, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
                         betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=torch.float64,
@@ -53,7 +57,7 @@ def _train_zero(rank, world, stage, config_kw, global_batch, micro, clip, bucket
     for x, y in global_batches(STEPS, global_batch, SEQ):
         batches = rank_micro_batches(x, y, rank, world, micro)
         with tracer:
-            outcome = train_step(layout, scaler, batches, group, clip, nullcontext(), "cpu")
+            outcome = train_step(layout, scaler, batches, group, clip, nullcontext(), device)
         comm.append({op: tracer.records[(op, "dp")].payload_bytes
                      for op in ("all_gather_single", "reduce_scatter_single") if (op, "dp") in tracer.records})
         tracer.reset()
@@ -174,13 +178,14 @@ def _nonfinite_skip(rank, world):
     from optim import DynamicLossScaler
     from zero import ZeroLayout
 
+    device = harness.device()
     out = {}
     for stage in (1, 2, 3):
-        model = GPT(make_config(n_embd=33, n_head=3), seed=0, dtype=torch.float64)
+        model = GPT(make_config(n_embd=33, n_head=3), seed=0, dtype=torch.float64, device=device)
         layout = ZeroLayout(model, None, stage, lr=1e-2, param_dtype=torch.float64, master_dtype=torch.float64,
                             bucket_mb=0.02)
         before = layout.full_parameters()
-        x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+        x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(rank)).to(device)
         _, loss_sum, _ = layout(x, x)
         loss_sum.backward()
         layout.finish_grad_sync()
@@ -200,14 +205,15 @@ def _tp_replicated_norm(rank, world):
     from optim import DynamicLossScaler
     from zero import ZeroLayout
 
+    device = harness.device()
     config = make_config(n_embd=33, n_head=3)
-    x, y = global_batches(1, 4, SEQ)[0]
-    reference = GPT(config, seed=0, dtype=torch.float64)
+    x, y = (t.to(device) for t in global_batches(1, 4, SEQ)[0])
+    reference = GPT(config, seed=0, dtype=torch.float64, device=device)
     _, loss_sum, count = reference(x, y)
     (loss_sum / count).backward()
     expected = {}
     for stage in (1, 2, 3):
-        model = GPT(config, seed=0, dtype=torch.float64)
+        model = GPT(config, seed=0, dtype=torch.float64, device=device)
         for name, p in model.named_parameters():
             if ".ln_" in name or "ln_f" in name:  # LayerNorms, as under TP
                 p.shard_info = p.shard_info.replicated_also_over("tp")
@@ -248,7 +254,8 @@ def _prefetch_order(rank, world):
     from model import GPT
     from zero import ZeroLayout
 
-    model = GPT(make_config(n_layer=3), seed=0, dtype=torch.float64)
+    device = harness.device()
+    model = GPT(make_config(n_layer=3), seed=0, dtype=torch.float64, device=device)
     layout = ZeroLayout(model, None, 3, lr=1e-3, param_dtype=torch.float64, master_dtype=torch.float64)
     events = []
     name = {id(u): f"b{i}" for i, units in enumerate(layout.block_units) for u in units}
@@ -259,7 +266,7 @@ def _prefetch_order(rank, world):
     layout._launch = lambda u: (events.append(f"reduce {name[id(u)]}"), launch(u))
     for i, block in enumerate(model.transformer.h):
         block.register_forward_hook(lambda m, a, o, i=i: events.append(f"forward b{i} done"))
-    x = torch.randint(0, 256, (2, SEQ))
+    x = torch.randint(0, 256, (2, SEQ), device=device)
     _, loss_sum, _ = layout(x, x)
     events.append("backward")
     loss_sum.backward()
@@ -291,7 +298,7 @@ def _mixed_bytes(rank, world):
 
     out = {}
     for stage in (1, 2, 3):
-        model = GPT(make_config(n_embd=33, n_head=3), seed=0)
+        model = GPT(make_config(n_embd=33, n_head=3), seed=0, device=harness.device())
         layout = ZeroLayout(model, None, stage, lr=1e-3, param_dtype=torch.bfloat16, master_dtype=torch.float32,
                             bucket_mb=0.02)
         psi = layout.padded_numel
@@ -365,10 +372,11 @@ def _fp16_zero(rank, world, stage):
     from step import train_step
     from zero import ZeroLayout
 
+    device = harness.device()
     out = {}
     for name, dtype, autocast in (("fp32", torch.float32, nullcontext()),
-                                  ("fp16", torch.float16, torch.autocast("cpu", dtype=torch.float16))):
-        model = GPT(make_config(), seed=0)
+                                  ("fp16", torch.float16, torch.autocast(device.type, dtype=torch.float16))):
+        model = GPT(make_config(), seed=0, device=device)
         layout = ZeroLayout(model, None, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
                             betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=dtype, master_dtype=torch.float32,
                             micro_batches=2)  # fp16: the scaled gradients are summed in fp32, unscaled there
@@ -376,13 +384,13 @@ def _fp16_zero(rank, world, stage):
         losses, norms = [], []
         for x, y in global_batches(STEPS, 8, SEQ):
             batches = rank_micro_batches(x, y, rank, world, 2)
-            outcome = train_step(layout, scaler, batches, None, 0.05, autocast, "cpu")
+            outcome = train_step(layout, scaler, batches, None, 0.05, autocast, device)
             losses.append(outcome.loss)
             norms.append(outcome.grad_norm)  # the update unscaled the gradients: the norm is the fp32 run's
         out[name] = losses
         out[name + " norms"] = norms
     masters = [u.master.clone() for u in layout.units]
-    x, y = global_batches(1, 8, SEQ)[0]
+    x, y = (t.to(device) for t in global_batches(1, 8, SEQ)[0])
     with autocast:
         _, loss_sum, _ = layout(*rank_micro_batches(x, y, rank, world, 4)[0])
     (loss_sum * scaler.scale).backward()
@@ -452,39 +460,40 @@ def accumulated_grad_errors(rank, world, stages=(1, 2, 3), ms=(1, 8, 32), forced
     from step import GradientAccumulation, count_global_tokens
     from zero import ZeroLayout
 
+    device = harness.device()
     config = make_config(**ACCUM_CONFIG)
-    x, y = global_batches(1, ACCUM_BATCH, SEQ)[0]
+    x, y = global_batches(1, ACCUM_BATCH, SEQ)[0]  # on the CPU: forward_backward moves each micro-batch
     # float64 on the bf16 working weights: the reference isolates the step's arithmetic from the weights' rounding
-    reference = GPT(config, seed=0, dtype=torch.float64)
+    reference = GPT(config, seed=0, dtype=torch.float64, device=device)
     with torch.no_grad():
-        for p, q in zip(reference.parameters(), GPT(config, seed=0).parameters()):
+        for p, q in zip(reference.parameters(), GPT(config, seed=0, device=device).parameters()):
             p.copy_(q.to(torch.bfloat16))
-    _, loss_sum, count = reference(x, y)
+    _, loss_sum, count = reference(x.to(device), y.to(device))
     (loss_sum / count).backward()
     reference_grads = {name: p.grad.reshape(-1) for name, p in reference.named_parameters()}
 
     group = dist.new_group(list(range(world)))
     tracer = mfu.CommTracer()
     tracer.name_group(group, "dp")
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     out = {}
     for stage in stages:
         for m in ms:
             for accumulate_dtype in forced if m > 1 else (None,):
-                model = GPT(config, seed=0)
+                model = GPT(config, seed=0, device=device)
                 layout = ZeroLayout(model, group, stage, lr=HYPER["lr"], param_dtype=torch.bfloat16,
                                     master_dtype=torch.float32, bucket_mb=0.02, micro_batches=m,
                                     accumulate_dtype=accumulate_dtype)
                 batches = rank_micro_batches(x, y, rank, world, ACCUM_BATCH // (world * m))
                 assert len(batches) == m
                 with tracer:
-                    tokens = count_global_tokens(batches, group, "cpu")
+                    tokens = count_global_tokens(batches, group, device)
                     GradientAccumulation().forward_backward(layout, model, batches, tokens, 1.0, world * m, autocast,
-                                                            "cpu")
+                                                            device)
                     layout.finish_grad_sync()
                     error, norm = 0.0, 0.0
                     for unit in layout.units:
-                        flat = torch.zeros(unit.padded_numel, dtype=torch.float64)
+                        flat = torch.zeros(unit.padded_numel, dtype=torch.float64, device=device)
                         for p, offset in zip(unit.params, unit.offsets):
                             flat[offset:offset + p.numel()] = reference_grads[p.shard_info.global_name]
                         expected = flat[unit.shard_start:unit.shard_start + unit.shard_numel]
