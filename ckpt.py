@@ -235,7 +235,10 @@ def reseed_rng(seed: int, step: int, stream: int) -> None:
 
 
 def adam_step(optimizer) -> int:
-    """The step count torch's Adam/AdamW uses for bias correction (all parameters share it)."""
+    """The step count torch's Adam/AdamW uses for bias correction (all parameters share it).
+
+    One step tensor is read: fused AdamW keeps them on the parameters' device, so this costs one host sync
+    (per checkpoint), not one per parameter."""
     for state in optimizer.state.values():
         if "step" in state:
             return int(state["step"])
@@ -246,24 +249,28 @@ def set_adam_step(optimizer, step: int) -> None:
     ensure_adam_state(optimizer)  # a state created later would start again from 0
     for state in optimizer.state.values():
         if "step" in state:
-            state["step"].fill_(step)  # in place: keeps the dtype/device torch chose (fp32 on CPU)
+            state["step"].fill_(step)  # in place: keeps the dtype and device torch chose (see ensure_adam_state)
 
 
 def ensure_adam_state(optimizer) -> None:
     """Create torch AdamW's state now, as its first step would (step 0, zero moments), so it can be loaded into.
 
-    Mirrors torch.optim.Adam._init_group for the non-capturable, non-fused case; the first step then finds the
-    state present and behaves exactly as if it had created it.
+    Mirrors torch.optim.Adam._init_group: the step count is a CPU scalar of the default float dtype, except
+    under fused or capturable AdamW, whose kernels read it on the parameter's device (float32 when fused).
+    The first step then finds the state present and behaves exactly as if it had created it. A checkpoint
+    holds only the moments and one integer step, so it loads into either kind.
     """
-    from torch.optim.optimizer import _get_scalar_dtype
+    from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
 
     for group in optimizer.param_groups:
-        if group.get("capturable") or group.get("fused"):
-            raise NotImplementedError("ensure_adam_state: capturable/fused AdamW keeps its step on the device")
+        fused, on_device = group.get("fused"), group.get("capturable") or group.get("fused")
         for p in group["params"]:
             state = optimizer.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                if fused:
+                    _device_dtype_check_for_fused(p)  # the error torch's first step would raise
+                state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
+                                 if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"))
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 

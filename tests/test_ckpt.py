@@ -575,6 +575,119 @@ def test_flags_are_validated():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Fused AdamW (step count on the parameter's device): made-ahead state, checkpoints between fused and foreach
+# ---------------------------------------------------------------------------------------------------------
+
+FUSED_LR = 1e-2
+
+
+@pytest.fixture(params=[torch.float32, torch.float64], ids=["default-fp32", "default-fp64"])
+def default_dtype(request):
+    """torch's default float dtype: foreach's step count follows it, fused's is float32 whatever it is."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(request.param)
+    yield request.param
+    torch.set_default_dtype(before)
+
+
+def _adam_state(optimizer) -> list:
+    """Every parameter's state, in parameter order: {key: tensor}."""
+    return [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _assert_same_state(model, layout, other_model, other_layout):
+    """Parameters and moments bitwise equal, and the same Adam step."""
+    for p, q in zip(model.parameters(), other_model.parameters()):
+        assert torch.equal(p, q)
+    for state, other in zip(_adam_state(layout.optimizer), _adam_state(other_layout.optimizer)):
+        assert torch.equal(state["exp_avg"], other["exp_avg"]) and torch.equal(state["exp_avg_sq"], other["exp_avg_sq"])
+    assert layout.optimizer_step_count == other_layout.optimizer_step_count
+
+
+def _fused_or_foreach(fused: bool, seed: int):
+    from model import GPT
+    from optim import build_adamw
+
+    model = GPT(make_config(n_layer=1), seed=seed)
+    return model, _OneProcessLayout(model, build_adamw(model.parameters(), FUSED_LR, fused=fused))
+
+
+def test_fused_adam_state_made_ahead_steps_bitwise_like_the_natural_one(default_dtype):
+    """ensure_adam_state + set_adam_step on a fused AdamW (moments copied in, as a resume does), then two steps:
+    bitwise the fused AdamW that took all four steps itself. The made state has the natural one's dtypes and
+    devices (fused: the step a float32 on the parameter's device, even with float64 the default)."""
+    import ckpt
+    from reference import seeded_adamw_step
+
+    natural_model, natural = _fused_or_foreach(True, seed=0)
+    for step in (1, 2):
+        seeded_adamw_step(natural_model, natural.optimizer, step)
+    made_model, made = _fused_or_foreach(True, seed=1)
+    ckpt.ensure_adam_state(made.optimizer)
+    kinds = [[(k, v.dtype, v.device, v.shape) for k, v in state.items()] for state in _adam_state(made.optimizer)]
+    assert kinds == [[(k, v.dtype, v.device, v.shape) for k, v in state.items()]
+                     for state in _adam_state(natural.optimizer)]
+    assert _adam_state(made.optimizer)[0]["step"].dtype == torch.float32
+    with torch.no_grad():
+        for p, q in zip(made_model.parameters(), natural_model.parameters()):
+            p.copy_(q)
+        for state, other in zip(_adam_state(made.optimizer), _adam_state(natural.optimizer)):
+            state["exp_avg"].copy_(other["exp_avg"])
+            state["exp_avg_sq"].copy_(other["exp_avg_sq"])
+    made.optimizer_step_count = 2
+    for step in (3, 4):
+        for model, layout in ((natural_model, natural), (made_model, made)):
+            seeded_adamw_step(model, layout.optimizer, step)
+    _assert_same_state(made_model, made, natural_model, natural)
+    assert made.optimizer_step_count == 4
+
+
+def test_a_fused_checkpoint_resumes_into_foreach_and_back(tmp_path):
+    """Fused run A saves at step 2 and runs on to 4. From its checkpoint: a fused run continues bitwise like A;
+    a foreach run B resumes it exactly (Adam step 2, same moments), takes step 3 and saves; a fused run C
+    resumes B's exactly and takes step 4, within reference.fused_adamw_tolerance of A (one step was foreach).
+    The resumed runs start from other weights (seed 1), so anything not loaded shows."""
+    import ckpt
+    from data import BatchSampler
+    from optim import DynamicLossScaler
+    from reference import fused_adamw_tolerance, seeded_adamw_step
+
+    def checkpointer(name):
+        return ckpt.Checkpointer(str(tmp_path / name), keep=2, log=lambda *a: None)
+
+    def resume(name, fused):
+        model, layout = _fused_or_foreach(fused, seed=1)
+        scaler, sampler = DynamicLossScaler(False), BatchSampler(1000, 8, 4, 0)
+        step = checkpointer(name).resume("latest", layout, scaler, sampler, seed=0)
+        return model, layout, scaler, sampler, step
+
+    model_a, a = _fused_or_foreach(True, seed=0)
+    for step in (1, 2):
+        seeded_adamw_step(model_a, a.optimizer, step)
+    checkpointer("a").save(2, a, DynamicLossScaler(False), BatchSampler(1000, 8, 4, 0))
+    model_fused, fused, *_, step = resume("a", fused=True)
+    model_b, b, scaler_b, sampler_b, step_b = resume("a", fused=False)
+    assert step == step_b == 2 and b.optimizer_step_count == 2
+    _assert_same_state(model_b, b, model_a, a)
+    foreach_step = _adam_state(b.optimizer)[0]["step"]
+    assert foreach_step.dtype == torch.get_default_dtype() and foreach_step.device.type == "cpu"  # foreach's own
+    for step in (3, 4):
+        seeded_adamw_step(model_a, a.optimizer, step)
+        seeded_adamw_step(model_fused, fused.optimizer, step)
+    _assert_same_state(model_fused, fused, model_a, a)
+
+    seeded_adamw_step(model_b, b.optimizer, 3)
+    checkpointer("b").save(3, b, scaler_b, sampler_b)
+    model_c, c, *_, step = resume("b", fused=True)
+    assert step == 3 and all(g["fused"] for g in c.optimizer.param_groups)
+    _assert_same_state(model_c, c, model_b, b)
+    seeded_adamw_step(model_c, c.optimizer, 4)
+    assert c.optimizer_step_count == a.optimizer_step_count == 4
+    for p, q in zip(model_c.parameters(), model_a.parameters()):
+        assert ((p - q).abs() <= fused_adamw_tolerance(q, FUSED_LR, 4)).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Fault injection: torchrun, a worker SIGKILLed, relaunched with --resume latest (as a cluster scheduler would)
 # ---------------------------------------------------------------------------------------------------------
 # torch 2.13's `torchrun --max-restarts` re-rendezvous hung here (the restarted gloo workers wait forever in

@@ -108,3 +108,33 @@ def test_non_finite_gradient_on_one_rank_skips_on_all():
     for skipped, moved, scale, good_skipped, good_norm in run_ranks(_skip_everywhere, 2, timeout=60):
         assert skipped and not moved and scale == 4.0
         assert not good_skipped and good_norm == pytest.approx(2.0 * 5)  # unscaled by 4: ‖2·1₅ₓ₅‖ = 10
+
+
+def test_fused_and_foreach_adamw_agree_to_rounding():
+    """build_adamw's two kinds on CPU (torch's fused AdamW runs there too): five steps of the same gradients on
+    a small GPT stay within reference.fused_adamw_tolerance of each other. They are not bitwise: the fused
+    kernel rounds in another order. lr 1e-2 puts a real difference far outside it (weight decay lr·wd·|p|
+    = 1e-3·|p| per step, a bias correction at the wrong step ~lr: 10⁴ ε and more)."""
+    from model import GPT
+    from reference import fused_adamw_tolerance, make_config, seeded_adamw_step
+
+    lr, steps = 1e-2, 5
+    runs = []
+    for fused in (False, True):
+        model = GPT(make_config(n_layer=1), seed=0)
+        optimizer = build_adamw(model.parameters(), lr, fused=fused)
+        assert all(bool(g["fused"]) == fused and bool(g["foreach"]) != fused for g in optimizer.param_groups)
+        runs.append((model, optimizer))
+    assert not build_adamw(runs[0][0].parameters(), lr).param_groups[0]["fused"]  # the CPU default: foreach
+    for step in range(1, steps + 1):
+        for model, optimizer in runs:
+            seeded_adamw_step(model, optimizer, step)
+    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+        assert ((a - b).abs() <= fused_adamw_tolerance(b, lr, steps)).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_build_adamw_is_fused_on_cuda():
+    cuda = torch.nn.Parameter(torch.ones(4, 4, device="cuda"))
+    assert all(g["fused"] for g in build_adamw([cuda], lr=0.1).param_groups)
+    assert not build_adamw([torch.nn.Parameter(torch.ones(4, 4))], lr=0.1).param_groups[0]["fused"]
