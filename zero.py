@@ -178,7 +178,7 @@ class ZeroLayout:
         self.groups.setdefault("dp_cp", group)
         # Stage 3: weights gathered in FP8 (fp8.Fp8Linear's, {param: linear}): one byte per element on the wire.
         self.codecs = dict(codecs or {}) if stage == 3 else {}
-        self.forward = forward or module  # e.g. torch.compile(module) (stages 1/2)
+        self.forward = forward or module  # a wrapper of the module's forward, if any (--compile compiles its blocks)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.param_dtype, self.master_dtype = param_dtype, master_dtype
         # The gradient summed over the m micro-batches of a step is kept in the master dtype (docstring,
