@@ -205,9 +205,6 @@ def validate_zero_args(args):
     if args.zero == 3 and args.activation_checkpointing:
         raise FlagError("--zero 3 with --activation-checkpointing: recomputing a block in backward reruns its"
                         " forward hooks, which would gather and free its weights out of schedule; use --zero 1 or 2")
-    if args.zero == 3 and args.compile:
-        raise FlagError("--zero 3 with --compile: the per-block gather/free hooks swap parameter storage under"
-                        " the compiled graph; use --zero 1 or 2 with --compile")
     if args.zero == 3 and args.n_layer is not None and args.n_layer < 1:
         raise FlagError(f"--zero 3 gathers one block at a time: it needs --n-layer ≥ 1, got {args.n_layer}")
 

@@ -60,6 +60,9 @@ are there, the bucket is reduce-scattered asynchronously and the unit is freed: 
 weight has run before autograd accumulates that weight's gradient. Autograd runs a ready AccumulateGrad before
 any other ready node, so block i+1 is freed before block i's backward hook prefetches block i-1: at most two
 units are gathered at once (`peak_gathered_units`, tested, with the order of gathers in both passes).
+Under --compile the hooks stay eager: model.compile_blocks compiles each block's forward, not its call, and the
+compiled graph reads the parameters as inputs, whatever storage the hooks give them (tested: same order, same
+gradients).
 
 Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_o bytes per parameter for
 working weights / persistent gradients / optimizer state, m micro-batches per step, U the largest unit's
