@@ -471,13 +471,13 @@ def compile_blocks(model: GPT, backend: str = "inductor") -> GPT:
 
     The block's `forward` is compiled, not its `__call__`, so module hooks (ZeRO-3's gather/free pre- and
     post-hooks, the backward hook they put on the block's output) run eagerly around the compiled graph. The
-    blocks share one code object; their parameters are graph inputs, so one compilation serves every block of
-    the same kind (dense or MoE) and mode (train or eval). Activation checkpointing still wraps the block's
-    call (`forward_blocks`): the compiled forward is what it recomputes in backward.
+    blocks share one code object and their parameters are graph inputs, so blocks built alike share one
+    compilation (12 dense blocks: one graph), plus one for eval mode. Activation checkpointing still wraps the
+    block's call (`forward_blocks`): the compiled forward is what it recomputes in backward.
     The embeddings (a lookup and an add) and the head (one matmul, then the loss, which tensor parallel swaps
-    for a vocabulary-parallel one that talks) stay eager: one large kernel each, little to fuse, and as their
-    own regions their gradients would arrive when they do now (ln_f's first; the tied weight's last, with the
-    embeddings'), so compiling them would not change the overlap.
+    for a vocabulary-parallel one that talks) stay eager: little to fuse, and as regions of their own their
+    gradients would arrive when they do now (ln_f's first; the tied weight's last, with the embeddings'), so
+    compiling them would not change the overlap.
     """
     for block in model.transformer.h:
         block.forward = torch.compile(block.forward, backend=backend)
