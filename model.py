@@ -19,6 +19,9 @@ optional biases). It knows nothing of distribution except these hooks the parall
   such ranges, `layers=[0, 1, 4, 5]`) and, optionally, the embeddings and the final LayerNorm + head. The
   forward is three public pieces a stage calls on its own: `embed`, `forward_blocks` (all held blocks, or a
   contiguous range of them: one chunk) and `head_loss`; `forward` is their composition.
+- `compile_blocks(model)` compiles each block's `forward` as its own region (not the whole model), so that
+  each block's backward is its own graph and its parameters' gradient hooks, where DDP and ZeRO launch their
+  collectives, fire as soon as that block's backward is done: communication still overlaps backward.
 - The MLP of a block is chosen by the config (`build_mlp`), and a layer may add auxiliary losses (MoE load
   balance, router z-loss) to `model.aux_losses`, which the training step backpropagates with DESIGN.md's
   normalisation: Σ coef·aux averaged over the D·m micro-batches of the step.
@@ -455,3 +458,27 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
         return idx
+
+
+def compile_blocks(model: GPT, backend: str = "inductor") -> GPT:
+    """torch.compile each transformer block's `forward`, one compiled region per block; returns the model.
+
+    Why per block and not `torch.compile(model)`: AOTAutograd turns a compiled region's backward into ONE
+    autograd node, which hands out all of the region's parameter gradients when it ends. Compiled whole, the
+    model's gradients all arrive at the very end of backward, and so do the post-accumulate-grad hooks where
+    DDP launches its bucket all-reduces and ZeRO its reduce-scatters: nothing overlaps. Compiled per block,
+    block i's gradients (and hooks) arrive when block i's backward graph ends, before block i-1's starts.
+
+    The block's `forward` is compiled, not its `__call__`, so module hooks (ZeRO-3's gather/free pre- and
+    post-hooks, the backward hook they put on the block's output) run eagerly around the compiled graph. The
+    blocks share one code object and their parameters are graph inputs, so blocks built alike share one
+    compilation (12 dense blocks: one graph), plus one for eval mode. Activation checkpointing still wraps the
+    block's call (`forward_blocks`): the compiled forward is what it recomputes in backward.
+    The embeddings (a lookup and an add) and the head (one matmul, then the loss, which tensor parallel swaps
+    for a vocabulary-parallel one that talks) stay eager: little to fuse, and as regions of their own their
+    gradients would arrive when they do now (ln_f's first; the tied weight's last, with the embeddings'), so
+    compiling them would not change the overlap.
+    """
+    for block in model.transformer.h:
+        block.forward = torch.compile(block.forward, backend=backend)
+    return model

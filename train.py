@@ -37,7 +37,7 @@ import pipeline
 import tensor_parallel
 from ddp import DDPLayout, DistributedDataParallel
 from mesh import Mesh, axis_groups, build_mesh, choose_device_and_backend, infer_mesh_shape, init_distributed
-from model import GPT, GPTConfig, config_from_preset, counts_here
+from model import GPT, GPTConfig, compile_blocks, config_from_preset, counts_here
 from optim import DynamicLossScaler, LRSchedule, build_adamw, update_messages
 from step import GradientAccumulation, train_step
 from zero import ZeroLayout
@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
     g.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="autocast compute dtype")
     g.add_argument("--seed", type=int, default=1337)
-    g.add_argument("--compile", action="store_true", help="torch.compile the model (GPU speed)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (GPU speed): per block, gradient hooks still fire block"
+                        " by block in backward, so DDP/ZeRO communication keeps overlapping it")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size T")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size P")
@@ -203,9 +205,6 @@ def validate_zero_args(args):
     if args.zero == 3 and args.activation_checkpointing:
         raise FlagError("--zero 3 with --activation-checkpointing: recomputing a block in backward reruns its"
                         " forward hooks, which would gather and free its weights out of schedule; use --zero 1 or 2")
-    if args.zero == 3 and args.compile:
-        raise FlagError("--zero 3 with --compile: the per-block gather/free hooks swap parameter storage under"
-                        " the compiled graph; use --zero 1 or 2 with --compile")
     if args.zero == 3 and args.n_layer is not None and args.n_layer < 1:
         raise FlagError(f"--zero 3 gathers one block at a time: it needs --n-layer ≥ 1, got {args.n_layer}")
 
@@ -451,15 +450,16 @@ def model_flops(config: GPTConfig, seq_len: int) -> mfu.FlopsPerToken:
 def build_layout(model: GPT, run: Run):
     """DDP (--zero 0) or ZeRO 1/2/3 (zero.py) over each parameter's data-parallel group."""
     args, coords = run.args, run.mesh.coordinates()
-    forward = torch.compile(model) if args.compile else model
+    if args.compile:
+        compile_blocks(model)  # per block: its gradient hooks fire when its backward ends (model.compile_blocks)
     groups = {name: run.mesh.group(name) for name in ("dp_cp", "expert_dp")}  # dense, experts
     if args.zero:  # shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
         return ZeroLayout(model, run.mesh.dp_cp_group, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                           betas=(args.beta1, args.beta2), param_dtype=run.param_dtype, master_dtype=run.master_dtype,
-                          bucket_mb=args.bucket_mb, forward=forward, coords=coords, groups=groups,
+                          bucket_mb=args.bucket_mb, coords=coords, groups=groups,
                           codecs={p: c for axis in run.axes for p, c in axis.gather_codecs().items()},
                           micro_batches=run.micro_batches)  # m > 1: gradients summed in master_dtype
-    ddp = DistributedDataParallel(forward, groups=groups, bucket_mb=args.bucket_mb)
+    ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
     return DDPLayout(ddp, optimizer, coords)
 

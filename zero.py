@@ -60,6 +60,9 @@ are there, the bucket is reduce-scattered asynchronously and the unit is freed: 
 weight has run before autograd accumulates that weight's gradient. Autograd runs a ready AccumulateGrad before
 any other ready node, so block i+1 is freed before block i's backward hook prefetches block i-1: at most two
 units are gathered at once (`peak_gathered_units`, tested, with the order of gathers in both passes).
+Under --compile the hooks stay eager: model.compile_blocks compiles each block's forward, not its call, and the
+compiled graph reads the parameters as inputs, whatever storage the hooks give them (tested: same order, same
+gradients).
 
 Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_o bytes per parameter for
 working weights / persistent gradients / optimizer state, m micro-batches per step, U the largest unit's
@@ -179,7 +182,7 @@ class ZeroLayout:
         self.groups.setdefault("dp_cp", group)
         # Stage 3: weights gathered in FP8 (fp8.Fp8Linear's, {param: linear}): one byte per element on the wire.
         self.codecs = dict(codecs or {}) if stage == 3 else {}
-        self.forward = forward or module  # e.g. torch.compile(module) (stages 1/2)
+        self.forward = forward or module  # a wrapper of the module's forward, if any (--compile compiles its blocks)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.param_dtype, self.master_dtype = param_dtype, master_dtype
         # The gradient summed over the m micro-batches of a step is kept in the master dtype (docstring,

@@ -119,6 +119,49 @@ def test_buckets_launch_during_backward_in_order():
         assert launched == list(range(num_buckets))  # all launched from hooks, in order
 
 
+def _compiled_blocks(rank, world):
+    """The same micro-batch through DDP on an eager and on a per-block compiled (aot_eager) model: the summed
+    gradients, and how many buckets were launched when block 0's backward started (a hook on its output's
+    gradient: module hooks stay eager around a compiled block)."""
+    from ddp import DistributedDataParallel
+    from model import GPT, compile_blocks
+
+    device = harness.device()
+    x, y = global_batches(1, 4, SEQ)[0]
+    (xs, ys), = rank_micro_batches(x, y, rank, world, 2)
+    xs, ys = xs.to(device), ys.to(device)
+    out = {}
+    for compiled in (False, True):
+        model = GPT(make_config(n_layer=3), seed=0, dtype=torch.float64, device=device)
+        if compiled:
+            compile_blocks(model, backend="aot_eager")
+        ddp = DistributedDataParallel(model, bucket_mb=0.01)
+        launched, at_block_0 = [], []
+        original = ddp._launch
+        ddp._launch = lambda bucket: (launched.append(bucket.index), original(bucket))
+
+        def mark_block_0_backward(module, args, output):
+            output.register_hook(lambda grad: at_block_0.append(len(launched)))
+
+        model.transformer.h[0].register_forward_hook(mark_block_0_backward)
+        _, loss_sum, _ = ddp(xs, ys)
+        loss_sum.backward()
+        ddp.finish_grad_sync()
+        out[compiled] = dict(grads={n: p.grad.clone() for n, p in model.named_parameters()},
+                             launched_before_block_0=at_block_0, buckets=len(ddp.buckets))
+    return out
+
+
+def test_per_block_compiled_ddp_sums_eager_gradients_with_eager_overlap():
+    for out in run_ranks(_compiled_blocks, 2, timeout=180):
+        eager, compiled = out[False], out[True]
+        for name, grad in eager["grads"].items():
+            torch.testing.assert_close(compiled["grads"][name], grad, rtol=1e-12, atol=1e-14, msg=name)
+        # The buckets of the head and blocks 2 and 1 are on the wire before block 0's backward: as many as eager.
+        assert compiled["launched_before_block_0"] == eager["launched_before_block_0"]
+        assert 0 < eager["launched_before_block_0"][0] < eager["buckets"]
+
+
 def _train_with_aux(rank, world, global_batch, micro, coef):
     from ddp import DDPLayout, DistributedDataParallel
     from model import GPT
