@@ -299,6 +299,21 @@ BYTES_PER_PARAM: dict[str, BytesPerParam] = {
 }
 
 
+def cuda_memory_peaks(device, group=None) -> tuple[int, int, int]:
+    """(allocated, reserved, rank) peaks of the CUDA caching allocator since its last reset
+    (torch.cuda.reset_peak_memory_stats), the maximum over the ranks of `group` (a collective: every rank
+    calls it), and the rank whose allocated peak it is. Allocated is what tensors held; reserved is what the
+    allocator kept from the driver (allocated + its cache and fragmentation): the figure that runs out."""
+    local = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                         dtype=torch.int64, device=device)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return int(local[0]), int(local[1]), 0
+    every = torch.empty(dist.get_world_size(group) * 2, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, local, group=group)
+    every = every.view(-1, 2)  # row r: rank r's (allocated, reserved)
+    return int(every[:, 0].max()), int(every[:, 1].max()), int(every[:, 0].argmax())
+
+
 def persistent_bytes(
     psi: int, recipe: str | BytesPerParam, zero_stage: int, dp_size: int
 ) -> dict[str, float]:

@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
     g.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="autocast compute dtype")
     g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--tf32", action="store_true",
+                   help="fp32 matmuls on TF32 tensor cores (Ampere and newer: ~8x the FP32 peak, 10-bit mantissa"
+                        " products); default off: --dtype fp32 means full FP32 (the peak for MFU follows)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="bitwise-reproducible CUDA kernels (torch.use_deterministic_algorithms, cuBLAS workspace"
+                        " :4096:8): slower attention backward and scatter-adds; CPU runs are deterministic anyway")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (GPU speed): per block, gradient hooks still fire block"
                         " by block in backward, so DDP/ZeRO communication keeps overlapping it")
@@ -343,10 +349,14 @@ def train(args, tracer: mfu.CommTracer):
     metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and run.mesh.rank == 0) else None
     timed_seconds, timed_steps = 0.0, 0
     run.schedule.measure_activations = True  # the first step counts the bytes saved for backward
+    if run.device.type == "cuda":  # the peak of training, not of start-up (the whole model built before TP/ZeRO)
+        torch.cuda.reset_peak_memory_stats(run.device)
+    # Step s + 1's micro-batches are read (pinned, on CUDA) while step s trains, then copied without blocking.
+    prefetched = data.Prefetcher(lambda s: local_batches(run, sampler, train_tokens, s), run.device, args.steps - 1)
     for step in range(start_step, args.steps):
         lr = lr_schedule(step)
         run.layout.set_lr(lr)
-        batches = local_batches(run, sampler, train_tokens, step)
+        batches = prefetched.get(step)
         began = time.perf_counter()
         outcome = train_step(run.layout, scaler, batches, run.mesh.dp_cp_group, args.grad_clip, run.autocast,
                              run.device, model=run.model, schedule=run.schedule, axes=run.axes,
@@ -371,6 +381,7 @@ def train(args, tracer: mfu.CommTracer):
         if checkpointer:
             with tracer.phase("ckpt"):
                 checkpointer.step_end(step + 1, args.ckpt_every, last, run.layout, scaler, sampler)
+    prefetched.close()
     if metrics:
         metrics.close()
     if checkpointer:
@@ -415,6 +426,7 @@ def start_run(args, tracer: mfu.CommTracer) -> tuple[Run, data.Corpus]:
     """Join the process group, build the mesh, seed, and make the token cache (each node's local rank 0
     builds, the others wait)."""
     device = args.device  # chosen with the flags (parse_flags): a wrong one fails before any rank waits
+    set_numerics(args)  # before any kernel runs: TF32 and determinism are stated choices, not defaults
     rank, _ = init_distributed(args.backend, device)
     shape = args.mesh_shape
     mesh = build_mesh(shape, rank)
@@ -438,6 +450,21 @@ def start_run(args, tracer: mfu.CommTracer) -> tuple[Run, data.Corpus]:
               autocast=torch.autocast(device.type, dtype=compute_dtype) if args.dtype != "fp32" else nullcontext(),
               param_dtype=ZERO_PARAM_DTYPES[args.dtype] if args.zero else torch.float32, tracer=tracer)
     return run, corpus
+
+
+def set_numerics(args) -> None:
+    """TF32 and determinism, set explicitly either way (torch's own defaults differ between matmuls and cuDNN).
+
+    --deterministic: every CUDA op takes its deterministic kernel or raises (the SDPA backward, index and
+    scatter adds, the NLL loss's reduction), and cuBLAS gets a fixed workspace (CUBLAS_WORKSPACE_CONFIG must
+    be set before its first call): the bitwise-replay contract of ckpt.py then holds on GPUs as on CPUs.
+    Without it, a GPU run replays to float tolerance only."""
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
+    if args.deterministic:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
 
 
 def model_flops(config: GPTConfig, seq_len: int) -> mfu.FlopsPerToken:
@@ -582,6 +609,10 @@ def print_startup(run: Run):
            f" n_embd={config.n_embd} vocab={config.vocab_size})")
     print0(f"batch: B_global={args.global_batch} = D {mesh.shape.dp} × m {run.micro_batches} × B_μ {run.micro}"
            f" sequences of {run.seq_len} tokens = {run.tokens_per_step:,} tokens/step; autocast {args.dtype}")
+    fp32_matmuls = "TF32 tensor cores (--tf32)" if args.tf32 else "full FP32 (no --tf32)"
+    print0(f"numerics: fp32 matmuls {fp32_matmuls} on {run.device.type}; "
+           + ("deterministic kernels (--deterministic): GPU runs replay bitwise" if args.deterministic else
+              "default kernels: a GPU run replays to float tolerance (--deterministic for bitwise)"))
     for line in run.layout.startup_lines(run.micro_batches):
         print0(line)
     activation, how = activation_estimate(run)
@@ -625,8 +656,10 @@ def print_end(run: Run, steps_run: int, seconds: float, steps_timed: int):
     print0("measured vs predicted (per rank, rank 0):")
     for kind in ("weights", "grads", "optimizer", "total"):
         print0(f"  {kind:<9} held {mfu.format_bytes(held[kind]):>12}   predicted {mfu.format_bytes(predicted[kind]):>12}")
-    if run.device.type == "cuda":
-        print0(f"  CUDA allocator peak {mfu.format_bytes(torch.cuda.max_memory_allocated())}")
+    if run.device.type == "cuda":  # since the loop began (the full model built before an axis split it is not in it)
+        allocated, reserved, rank = mfu.cuda_memory_peaks(run.device)
+        print0(f"  CUDA allocator peak over the training steps, max over ranks: allocated"
+               f" {mfu.format_bytes(allocated)} (rank {rank}), reserved {mfu.format_bytes(reserved)}")
     saved = run.schedule.saved_activation_bytes
     if saved is not None:
         estimate, how = activation_estimate(run)

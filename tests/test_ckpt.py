@@ -715,7 +715,7 @@ def launch_training(run_dir: str, corpus: str, log_name: str, extra=(), env=None
     os.makedirs(run_dir, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                os.path.join(ROOT, "train.py"), *backend_flags(2), "--preset", "tiny", "--steps", str(FAULT_STEPS),
-               "--global-batch", "4", "--seq-len", "32", "--dtype", "fp32", "--dropout", "0.1",
+               "--global-batch", "4", "--seq-len", "32", "--dtype", "fp32", "--dropout", "0.1", "--deterministic",
                "--eval-every", "0", "--sample-tokens", "0", "--log-every", "1", "--data", corpus,
                "--out-dir", run_dir, "--ckpt-dir", os.path.join(run_dir, "ck"), "--ckpt-every", "2",
                "--resume", "latest", "--metrics-file", os.path.join(run_dir, "metrics.jsonl"), *extra]

@@ -222,3 +222,25 @@ def test_eval_batches_are_deterministic_and_layout_independent(tokens):
         assert torch.equal(x, reference_x) and torch.equal(y, reference_y)
     with pytest.raises(ValueError, match="out of range"):
         sampler.global_offsets(sampler.num_batches)
+
+
+def test_prefetched_batches_are_the_ones_read_in_step_order():
+    """The read-ahead hands back exactly read(step) for each step (a resumed run starts late), reads each step
+    once, in order, and never reads past the last step."""
+    from data import Prefetcher
+
+    reads = []
+
+    def read(step):
+        reads.append(step)
+        x = torch.arange(6).view(2, 3) + 10 * step
+        return [(x, x + 1, None), (x * 2, x * 2 + 1, torch.arange(3))]
+
+    batches = Prefetcher(read, "cpu", last_step=6)
+    for step in range(3, 7):
+        (x, y, pos), (x2, y2, pos2) = batches.get(step)
+        expected = torch.arange(6).view(2, 3) + 10 * step
+        assert torch.equal(x, expected) and torch.equal(y, expected + 1) and pos is None
+        assert torch.equal(x2, expected * 2) and torch.equal(y2, expected * 2 + 1) and torch.equal(pos2, torch.arange(3))
+    batches.close()
+    assert reads == [3, 4, 5, 6]

@@ -470,3 +470,19 @@ def test_tracer_files_phases_and_sizes_object_collectives():
         assert ev[("scatter", "world")].wire_bytes == (n - 1) * 16
         header = r["table"].splitlines()[0].split()
         assert header[:3] == ["phase", "op", "group"] and "group0" not in r["table"]
+
+
+def _memory_peaks(rank, world_size, monkeypatch_values):
+    import torch
+
+    allocated, reserved = monkeypatch_values[rank]
+    torch.cuda.max_memory_allocated = lambda device=None: allocated  # this process only: no GPU here
+    torch.cuda.max_memory_reserved = lambda device=None: reserved
+    return mfu.cuda_memory_peaks(torch.device("cpu"))
+
+
+def test_cuda_memory_peaks_are_the_max_over_ranks():
+    """Rank 1 allocates most, rank 0 reserves most: each maximum is reported, with the allocating rank."""
+    values = [(100, 900), (300, 400)]
+    for result in run_ranks(_memory_peaks, 2, values, timeout=60):
+        assert result == (300, 900, 1)
