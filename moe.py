@@ -460,10 +460,13 @@ class MoEAxis(Axis):
         """Per optimizer step, for UNIFORM routing: {(op, group): (calls, payload bytes)} (docstring item 3)."""
         run, config = self.run, self.config
         param = next(self.model.parameters())
+        # With SP, after_grad_sync sums exactly the layout's gradient pieces of the experts and the router (ZeRO:
+        # this rank's shard of them, in its accumulation dtype); without a layout, the whole parameters.
+        pieces = layout.grad_pieces(self.params()) if layout is not None else list(self.params())
         return step_messages(config, len(self.layers), self.tokens_per_micro_batch(), self.ep, run.micro_batches,
                              run.compute_dtype.itemsize, max(4, param.element_size()), run.mesh.shape.cp,
                              run.mesh.shape.tp if self.sequence_parallel else 1,
-                             sum(p.numel() for p in self.params()) * param.element_size())
+                             sum(g.numel() * g.element_size() for g in pieces))
 
     def counted_messages(self) -> dict:
         """The all-to-alls since the last reset, predicted exactly from each forward's routed counts."""

@@ -722,6 +722,7 @@ class Pipeline(Axis):
         self.model, self.schedule, self.config = model, schedule, model.config
         self.micro, self.seq_len, self.m = micro, seq_len, micro_batches
         self.tied_group, self.trace_file = tied_group, trace_file
+        self.summed_over = None  # the layout of the last tied-embedding sum (after_grad_sync)
 
     @contextmanager
     def sampling(self):
@@ -751,6 +752,7 @@ class Pipeline(Axis):
     @torch.no_grad()
     def after_grad_sync(self, layout) -> None:
         """Sum the tied embedding's gradient over {first, last} stage (after the data-parallel reduction)."""
+        self.summed_over = layout  # the end lines predict the tied sum's payload from it, as it was sent
         copies = tied_copies(self.model, self.schedule.n_chunks)
         if self.tied_group is None or not copies:
             return
@@ -822,7 +824,7 @@ class Pipeline(Axis):
                      f"pp{i} " + " ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(r["costs"].items()))
                      for i, r in enumerate(ranks))]
         records = tracer.records if tracer is not None else {}
-        for (op, group), (calls, payload) in sorted(self.predicted_messages().items()):
+        for (op, group), (calls, payload) in sorted(self.predicted_messages(self.summed_over).items()):
             rec = records.get((op, group))
             traced = f"{rec.calls / steps:g} × = {format_bytes(rec.payload_bytes / steps)}" if rec else "not traced"
             lines.append(f"  {op:<10} {group:<8} per step predicted {calls} × = {format_bytes(payload)}, traced {traced}")

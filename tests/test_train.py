@@ -213,6 +213,22 @@ def test_two_torchrun_agents_without_a_shared_filesystem_match_one_agent(tmp_pat
     assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0), losses
 
 
+@pytest.mark.parametrize("flags", [("--tp", "2", "--sp", "--moe-experts", "4", "--zero", "2"), ("--pp", "2", "--zero", "1")],
+                         ids=["tp-sp-experts-zero2", "pp-zero1"])
+def test_messages_are_as_predicted_with_fp32_gradient_accumulation(flags, tmp_path):
+    """bf16 ZeRO with m = 4 accumulates in fp32: the gradient sums the axes add after the reduction (SP's over
+    TP for the experts, the tied embedding's over its two stages) move those fp32 shards, as predicted."""
+    run = launch(2, "--preset", "tiny", *flags, "--steps", "2", "--global-batch", "4", "--micro-batch", "1",
+                 "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path), timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = run.stdout.split("messages per training step, traced vs predicted")[1].split("communication by")[0]
+    assert "<- differs" not in table and "D 1 × m 4" in run.stdout, table
+    for line in run.stdout.splitlines():  # the pipeline's own line: "... per step predicted 1 × = X, traced 1 × = X"
+        if "per step predicted" in line:
+            predicted, traced = line.split("per step predicted ")[1].split(", traced ")
+            assert predicted == traced, line
+
+
 def _traced_row(out: str, op: str, group: str) -> str:
     table = out.split("messages per training step, traced vs predicted")[1].split("communication by")[0]
     assert "<- differs" not in table, table
