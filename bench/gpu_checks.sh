@@ -96,6 +96,11 @@ check train_gpt2_bf16 1 120 python3 train.py $TRAIN --steps 10 --global-batch 16
 check train_gpt2_fp32 1 90 python3 train.py $TRAIN --dtype fp32 --steps 5 --global-batch 8 --micro-batch 8
 check train_gpt2_ddp 2 120 torchrun --standalone --nproc_per_node "$GPUS" train.py $TRAIN --steps 10 \
     --global-batch $((8 * GPUS)) --micro-batch 8
+# What the stated choices cost: deterministic kernels (bf16, against train_gpt2_bf16), TF32 (against fp32), and
+# per-block torch.compile (its first step compiles; the mean excludes it).
+check train_gpt2_deterministic 1 90 python3 train.py $TRAIN --steps 10 --global-batch 16 --micro-batch 8 --deterministic
+check train_gpt2_fp32_tf32 1 90 python3 train.py $TRAIN --dtype fp32 --tf32 --steps 5 --global-batch 8 --micro-batch 8
+check train_gpt2_compile 1 180 python3 train.py $TRAIN --steps 10 --global-batch 16 --micro-batch 8 --compile
 
 # 4. The benches, --device cuda.
 check bench_model 1 90 python3 bench/bench_model.py --device cuda --preset gpt2 --batch 8 --steps 4
