@@ -485,8 +485,12 @@ class ZeroLayout:
             unit.full_param.untyped_storage().resize_(unit.padded_numel * unit.full_param.element_size())
             if unit.fp8 and not self._exact_gathers:  # E4M3 bytes, decoded into full_param in _wait
                 shard_codes, unit.code_scales, unit.code_amax = self._encode(unit)
-                unit.codes = torch.empty(unit.padded_numel, dtype=torch.uint8, device=shard_codes.device)
-                unit.gather_work = dist.all_gather_single(unit.codes, shard_codes, group=unit.group, async_op=True)
+                if unit.dp_size == 1:  # a group of one: this rank's codes are the unit's
+                    unit.codes = shard_codes
+                else:
+                    unit.codes = torch.empty(unit.padded_numel, dtype=torch.uint8, device=shard_codes.device)
+                    unit.gather_work = dist.all_gather_single(unit.codes, shard_codes, group=unit.group,
+                                                              async_op=True)
             elif unit.dp_size == 1:  # a group of one: the shard is the whole unit, no message
                 unit.full_param.copy_(unit.param_shard)
             else:
@@ -516,7 +520,8 @@ class ZeroLayout:
         none = torch.zeros((), dtype=torch.float32, device=unit.param_shard.device)  # a rank without a piece
         amax = torch.stack([fp8.amax_of(unit.param_shard[lo:hi]) if hi > lo else none
                             for _, lo, hi in unit.fp8])  # float32, as the linear's own amax
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=unit.group)
+        if unit.dp_size > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=unit.group)
         for group in unit.fp8[0][0].amax_groups:  # the same groups for every block linear
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         scales = []
@@ -687,16 +692,18 @@ class ZeroLayout:
         out = {}
         for name, group in self.groups.items():
             units = self._units_of(name)
-            if not units or dist.get_world_size(group) == 1:
+            alone = dist.get_world_size(group) == 1  # a group of one sends nothing (its shard is the unit)
+            if self.stage == 3:  # each FP8 gather first agrees on the weights' scales (over TP/CP even when alone)
+                for unit in (u for u in units if u.fp8):
+                    for group_name in (() if alone else (name,)) + tuple(unit.fp8[0][0].amax_group_names):
+                        c, p = out.get(("all_reduce", group_name), (0, 0))
+                        n = micro_batches * self._gathers(unit)
+                        out[("all_reduce", group_name)] = (c + n, p + n * 4 * len(unit.fp8))
+            if not units or alone:
                 continue
             if self.stage == 3:
                 calls = {"all_gather_single": micro_batches * sum(self._gathers(u) for u in units),
                          "reduce_scatter_single": micro_batches * len(units)}
-                for unit in (u for u in units if u.fp8):  # each FP8 gather first agrees on the weights' scales
-                    for group in (name, *unit.fp8[0][0].amax_group_names):
-                        c, p = out.get(("all_reduce", group), (0, 0))
-                        n = micro_batches * self._gathers(unit)
-                        out[("all_reduce", group)] = (c + n, p + n * 4 * len(unit.fp8))
             else:
                 calls = {"all_gather_single": len(units),
                          "reduce_scatter_single": len(units) * (micro_batches if self.stage == 2 else 1)}

@@ -213,12 +213,14 @@ def test_two_torchrun_agents_without_a_shared_filesystem_match_one_agent(tmp_pat
     assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0), losses
 
 
-@pytest.mark.parametrize("flags", [("--tp", "2", "--sp", "--moe-experts", "4", "--zero", "2"), ("--pp", "2", "--zero", "1")],
-                         ids=["tp-sp-experts-zero2", "pp-zero1"])
-def test_messages_are_as_predicted_with_fp32_gradient_accumulation(flags, tmp_path):
+@pytest.mark.parametrize("nproc,flags", [(2, ("--tp", "2", "--sp", "--moe-experts", "4", "--zero", "2")),
+                                         (2, ("--pp", "2", "--zero", "1")), (1, ("--zero", "3", "--fp8", "current"))],
+                         ids=["tp-sp-experts-zero2", "pp-zero1", "zero3-fp8-alone"])
+def test_messages_are_as_predicted_with_fp32_gradient_accumulation(nproc, flags, tmp_path):
     """bf16 ZeRO with m = 4 accumulates in fp32: the gradient sums the axes add after the reduction (SP's over
-    TP for the experts, the tied embedding's over its two stages) move those fp32 shards, as predicted."""
-    run = launch(2, "--preset", "tiny", *flags, "--steps", "2", "--global-batch", "4", "--micro-batch", "1",
+    TP for the experts, the tied embedding's over its two stages) move those fp32 shards, as predicted; and a
+    ZeRO group of one (D = 1) sends nothing, FP8 weight gathers included."""
+    run = launch(nproc, "--preset", "tiny", *flags, "--steps", "2", "--global-batch", "4", "--micro-batch", "1",
                  "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path), timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     table = run.stdout.split("messages per training step, traced vs predicted")[1].split("communication by")[0]
