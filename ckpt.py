@@ -30,7 +30,7 @@ Saving (every rank, at a step boundary):
    never looks committed).
    Why the filesystem is the rendezvous, not a collective: the persist thread runs while the main thread is
    inside training collectives; a second collective stream from another thread would interleave with them
-   on the training groups (and be counted by mfu.CommTracer as training traffic). A directory per step
+   on the training groups (and be counted by comm.CommTracer as training traffic). A directory per step
    already needs a filesystem that every rank sees, so rank 0 simply waits for the other ranks' records to
    appear (with a timeout); no message crosses the network from the thread. The nonce (drawn by rank 0 and
    broadcast once at start-up) keeps a dead attempt's stray files out of a later attempt's commit; stale

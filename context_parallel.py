@@ -618,7 +618,7 @@ def activation_lines(config, s, b, h, cp, tp, measured: int | None, sequence_par
 
 def measure_block(handle: ContextParallel) -> tuple[dict, int]:
     """Run block 0 forward + backward once on random local input: ({(phase, op): (calls, bytes)}, saved bytes)."""
-    from mfu import CommTracer
+    from comm import CommTracer
 
     block = next(iter(handle.model.transformer.h))
     param = next(block.parameters())

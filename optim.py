@@ -154,7 +154,7 @@ class Layout(Protocol):
         """Its accounting at start: what it replicates and splits, bytes per rank, messages per step."""
 
     def predicted_messages(self, micro_batches: int) -> dict:
-        """{(op, group name): (calls, payload bytes)} per optimizer step, as mfu.CommTracer names them."""
+        """{(op, group name): (calls, payload bytes)} per optimizer step, as comm.CommTracer names them."""
 
     def end_lines(self, tracer, steps: int) -> list:
         """Its own measured-vs-predicted lines at the end (the generic message table aside)."""

@@ -47,7 +47,7 @@ class Axis:
         return []
 
     def predicted_messages(self, layout) -> dict:
-        """{(op, group name): (calls, payload bytes)} per optimizer step, as mfu.CommTracer names them."""
+        """{(op, group name): (calls, payload bytes)} per optimizer step, as comm.CommTracer names them."""
         return {}
 
     def end_lines(self, tracer, steps: int) -> list:

@@ -769,7 +769,7 @@ def measure_block_messages(model: GPT, ctx: TensorParallelContext, micro: int, s
 
     Call it before any gradient hook is installed (DDP): it leaves no gradient behind.
     """
-    from mfu import CommTracer
+    from comm import CommTracer
 
     block = next(iter(model.transformer.h))
     param = next(block.parameters())

@@ -31,6 +31,7 @@ import ckpt
 import context_parallel
 import data
 import fp8
+import comm
 import mfu
 import moe
 import pipeline
@@ -293,7 +294,7 @@ class Run:
     axes: list = field(default_factory=list)
     layout: object = None
     schedule: object = None
-    tracer: mfu.CommTracer = field(default_factory=mfu.CommTracer)
+    tracer: comm.CommTracer = field(default_factory=comm.CommTracer)
     groups: dict = field(default_factory=dict)  # every named process group: the mesh's and the axes' own
     flops: mfu.FlopsPerToken | None = None
     peak: tuple = (0.0, "")  # (FLOP/s per device, where it came from)
@@ -307,11 +308,11 @@ def main(argv=None):
     args = parse_flags(argv)  # a bad flag exits with status 2 on every rank, before any rank waits
     # Every collective the run issues is traced, filed by phase: startup, step (the default), eval, ckpt, sample,
     # end; the table at the end shows them all, and checks the step's against the axes' predictions.
-    with mfu.CommTracer() as tracer:
+    with comm.CommTracer() as tracer:
         train(args, tracer)
 
 
-def train(args, tracer: mfu.CommTracer):
+def train(args, tracer: comm.CommTracer):
     with tracer.phase("startup"):
         run, corpus = start_run(args, tracer)  # device, process groups, mesh, seeds, the token cache
         train_tokens, val_tokens = data.TokenFile(corpus.train_path), data.TokenFile(corpus.val_path)
@@ -422,7 +423,7 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def start_run(args, tracer: mfu.CommTracer) -> tuple[Run, data.Corpus]:
+def start_run(args, tracer: comm.CommTracer) -> tuple[Run, data.Corpus]:
     """Join the process group, build the mesh, seed, and make the token cache (each node's local rank 0
     builds, the others wait)."""
     device = args.device  # chosen with the flags (parse_flags): a wrong one fails before any rank waits

@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe  # noqa: E402
 from common import add_device_argument, alternate, launch, rank_device  # noqa: E402
 from mesh import MeshShape, build_mesh  # noqa: E402
-from mfu import CommTracer, format_bytes  # noqa: E402
+from comm import CommTracer  # noqa: E402
+from mfu import format_bytes  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 from optim import build_adamw  # noqa: E402
 

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pipeline as pp  # noqa: E402
 from bench.common import add_device_argument, launch, rank_device, synchronize  # noqa: E402
-from mfu import CommTracer  # noqa: E402
+from comm import CommTracer  # noqa: E402
 from model import GPT, GPTConfig, cross_entropy_sum  # noqa: E402
 
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",

@@ -7,7 +7,7 @@ C = 2 groups and one C = 4 group).
 Whole model: `context_parallel.apply` on model.GPT in float64 (alone, and after tensor_parallel on a 2×2
 mesh); each rank backpropagates its loss_sum / the global token count, gradients are summed over the cp group
 (what the layout's dp×cp reduction does); they equal the single-device gradients on the whole batch, 1e-10.
-Every cp-group message traced by mfu.CommTracer equals the prediction, calls and bytes.
+Every cp-group message traced by comm.CommTracer equals the prediction, calls and bytes.
 Activations: the bytes saved for backward by one block (saved_tensors_hooks) are within 5% of Korthikanti's
 estimate in the form this attention implies, 32·(s/C)·b·h scaled from 16-bit to float64: the attention keeps
 no score matrix (no 5as/h term) and dropout is 0 (no 1-byte masks: 34 − 2); what is left over is the fp64
@@ -217,7 +217,7 @@ def _model(rank, world, cp_size, tp_size, variants):
 def _model_variant(mesh, tp_size, impl, balance, sp, checkpointing, bf16):
     import context_parallel as cp
     import tensor_parallel as tp
-    from mfu import CommTracer
+    from comm import CommTracer
     from model import GPT
 
     device = harness.device()
@@ -297,7 +297,7 @@ def _activations(rank, world):
     """Block 0's saved bytes at C = 1 (a ring of one) and C = 2, same global sequence; and the handle's lines."""
     import context_parallel as cp
     from mesh import build_mesh, infer_mesh_shape
-    from mfu import CommTracer
+    from comm import CommTracer
     from model import GPT
 
     device = harness.device()

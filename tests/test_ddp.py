@@ -23,7 +23,7 @@ TOL = 1e-10
 
 def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
     from ddp import DistributedDataParallel
-    from mfu import CommTracer
+    from comm import CommTracer
     from model import GPT
     from optim import DynamicLossScaler, build_adamw
     from ddp import DDPLayout

@@ -402,7 +402,7 @@ def _single_device(mode, n_embd):
 def _on_meshes(rank, world):
     import tensor_parallel
     from mesh import MeshShape, build_mesh
-    from mfu import CommTracer
+    from comm import CommTracer
     from model import GPT
 
     device = harness.device()
@@ -472,7 +472,7 @@ def test_apply_flags_and_accounting_lines():
     import argparse
 
     from mesh import MeshShape, build_mesh
-    from mfu import CommTracer
+    from comm import CommTracer
     from model import GPT
 
     parser = argparse.ArgumentParser()

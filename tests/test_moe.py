@@ -144,7 +144,7 @@ def _skew(layer, x):
 def _layer(rank, world):
     import moe
     from mesh import MeshShape, build_mesh
-    from mfu import CommTracer
+    from comm import CommTracer
     from model import GPT
 
     device = harness.device()
@@ -272,7 +272,7 @@ MODEL_CASES = {  # E: config overrides
 def _model(rank, world):
     import moe
     from mesh import MeshShape, build_mesh
-    from mfu import CommTracer
+    from comm import CommTracer
     from model import GPT
     from step import GradientAccumulation
 

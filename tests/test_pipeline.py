@@ -285,7 +285,7 @@ def _case_batches(m, with_pos):
 def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
     import tensor_parallel as tp_lib
     from mesh import build_mesh, infer_mesh_shape
-    from mfu import CommTracer
+    from comm import CommTracer
 
     device = harness.device()
     mesh = build_mesh(infer_mesh_shape(world, pp=world // tp_size, tp=tp_size), rank)

@@ -44,7 +44,7 @@ def _layers(rank, world):
 
 def _layer_checks(rank, world, group, sp):
     import tensor_parallel as tp
-    from mfu import CommTracer
+    from comm import CommTracer
     from model import GPT, ShardInfo, Split
 
     device = harness.device()
@@ -203,7 +203,7 @@ def _train_tp(rank, world, tp_size, layout_name, global_batch, micro, clip, vari
 def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip, sp, checkpointing):
     import tensor_parallel as tp
     from mesh import build_mesh, infer_mesh_shape
-    from mfu import CommTracer
+    from comm import CommTracer
     from model import GPT
     from optim import DynamicLossScaler
     from step import train_step

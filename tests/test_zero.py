@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+from comm import CommTracer
 from harness import backend_flags, run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
@@ -37,7 +38,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_zero(rank, world, stage, config_kw, global_batch, micro, clip, bucket_mb):
-    import mfu
     from model import GPT
     from optim import DynamicLossScaler
     from step import train_step
@@ -51,7 +51,7 @@ def _train_zero(rank, world, stage, config_kw, global_batch, micro, clip, bucket
                         betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=torch.float64,
                         master_dtype=torch.float64, bucket_mb=bucket_mb)
     scaler = DynamicLossScaler(enabled=False)
-    tracer = mfu.CommTracer()
+    tracer = CommTracer()
     tracer.name_group(group, "dp")
     losses, norms, comm = [], [], []
     for x, y in global_batches(STEPS, global_batch, SEQ):
@@ -469,7 +469,6 @@ def accumulated_grad_errors(rank, world, stages=(1, 2, 3), ms=(1, 8, 32), forced
     over its shards (padding included, zero in both), plus the step's traced and predicted messages and the held
     and predicted persistent bytes. The forced bf16 runs are the old behaviour: the same step with the sum kept
     in bf16. Also imported by bench/bench_zero_accum.py."""
-    import mfu
     from model import GPT
     from optim import DynamicLossScaler
     from step import GradientAccumulation, count_global_tokens
@@ -488,7 +487,7 @@ def accumulated_grad_errors(rank, world, stages=(1, 2, 3), ms=(1, 8, 32), forced
     reference_grads = {name: p.grad.reshape(-1) for name, p in reference.named_parameters()}
 
     group = dist.new_group(list(range(world)))
-    tracer = mfu.CommTracer()
+    tracer = CommTracer()
     tracer.name_group(group, "dp")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     out = {}
