@@ -984,15 +984,15 @@ class Checkpointer:
         same_mesh = manifest["mesh"] == self.mesh_record
         record = manifest["ranks"][self.rank if same_mesh else 0]
         scalars = record["scalars"]
-        staged = StagedLoad(path, manifest, pieces)
-        rng = {name: staged.files.tensor(record["file"], name) for name in record["tensors"]} if same_mesh else None
-        # The scalars are tried on copies: a sampler that refuses them (another --seed) refuses before any
-        # live tensor changes.
-        copy.deepcopy(sampler).load_state_dict(scalars["data"])
-        copy.deepcopy(scaler).load_state_dict(scalars["scaler"])
         if not isinstance(manifest["step"], int) or not isinstance(scalars["adam_step"], int) or (
                 same_mesh and not isinstance(scalars["rng"], dict)):
             raise CheckpointError(f"{path}: the step, Adam step or RNG record of the manifest is malformed")
+        # The scalars are tried on copies: a sampler that refuses them (another --seed) refuses before any
+        # tensor is read, and before any live state changes.
+        copy.deepcopy(sampler).load_state_dict(scalars["data"])
+        copy.deepcopy(scaler).load_state_dict(scalars["scaler"])
+        staged = StagedLoad(path, manifest, pieces)
+        rng = {name: staged.files.tensor(record["file"], name) for name in record["tensors"]} if same_mesh else None
         return _Staged(path, manifest, staged, scalars, same_mesh, rng)
 
     def _refusal(self, which, rejected: list[str]) -> str:
@@ -1030,7 +1030,7 @@ class Checkpointer:
             chosen = None
             rejected.append(errors[0] + (f" (and on {len(errors) - 1} more ranks)" if len(errors) > 1 else ""))
             if which == "latest":  # (a checkpoint asked for by step is refused by the error itself)
-                self.log(f"ckpt: refusing {path}: {rejected[-1]}; trying an older one")
+                self.log(f"ckpt: refusing {rejected[-1]}; trying an older one")
         if chosen is None:
             if rejected:
                 raise CheckpointError(self._refusal(which, rejected))

@@ -24,8 +24,8 @@ from mfu import format_bytes, wire_bytes
 @dataclass
 class CommStat:
     calls: int = 0
-    payload_bytes: int = 0  # sum of message sizes M (as defined in section 5)
-    wire_bytes: float = 0.0  # sum of bytes this rank sent, by the section 5 formulas
+    payload_bytes: int = 0  # sum of message sizes M (as defined in mfu.py, section 5)
+    wire_bytes: float = 0.0  # sum of bytes this rank sent, by mfu.py's section 5 formulas
     seconds: float = 0.0  # host time in the call (+ in wait() for async calls)
 
 
@@ -271,11 +271,12 @@ class CommTracer:
         group_size = dist.get_world_size(group)
         if group_size < 1:
             return None
-        stat = self._stats.setdefault(key or (self._phase, op, self._group_name(group)), CommStat())
-        stat.calls += 0 if key else 1
+        inner, key = key is not None, key or (self._phase, op, self._group_name(group))
+        stat = self._stats.setdefault(key, CommStat())
+        stat.calls += 0 if inner else 1
         stat.payload_bytes += payload
         stat.wire_bytes += wire_bytes(op, payload, group_size)
-        return key or (self._phase, op, self._group_name(group))
+        return key
 
     def _charge(self, keys: list, seconds: float) -> None:
         """Add `seconds` to the records in `keys`, shared equally (a batch's ops cannot be timed apart)."""

@@ -41,11 +41,11 @@ from optim import update
 
 
 class _Bucket:
-    def __init__(self, index: int, params: list, device, dtype, group, group_name: str):
+    def __init__(self, index: int, params: list, device, dtype, group):
         self.index = index
         self.params = params
         self.group = group  # the parameters' data-parallel group (one per bucket)
-        self.group_name = group_name  # its name ("dp_cp", "expert_dp"): names may share one group (mesh.py)
+        self.group_name = grad_group(params[0])  # "dp_cp" or "expert_dp": names may share one group (mesh.py)
         self.buffer = torch.zeros(sum(p.numel() for p in params), device=device, dtype=dtype)
         self.pending = len(params)  # gradients still to arrive this backward
         self.work = None  # the in-flight all-reduce
@@ -82,9 +82,8 @@ class DistributedDataParallel(nn.Module):
         self._bucket_of = {}
         result = []
         for index, bucket_params in enumerate(reverse_order_buckets(params, bucket_bytes)):
-            name = grad_group(bucket_params[0])
             bucket = _Bucket(index, bucket_params, bucket_params[0].device, bucket_params[0].dtype,
-                             self.groups[name], name)
+                             self.groups[grad_group(bucket_params[0])])
             offset = 0
             for param in bucket_params:
                 param.grad = bucket.buffer[offset:offset + param.numel()].view_as(param)

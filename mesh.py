@@ -187,9 +187,9 @@ def build_mesh(shape: MeshShape, rank: int | None = None) -> Mesh:
     Each NCCL communicator costs GPU memory and start-up time (with `device_id` bound they are created
     eagerly), so duplicates are not free. An axis spanning every rank still gets its own group rather than the
     default one, so the accounting keeps the world's few bytes (the update's flags, checkpoint verdicts) apart
-    from the axis's traffic. Singleton groups are kept,
-    one per rank: every file calls its collectives on its group whatever its size (a no-op on one rank)
-    rather than branching on the size, and one singleton is one small communicator with no peer buffers.
+    from the axis's traffic. Singleton groups are kept, one per rank: every file calls its collectives on its
+    group whatever its size rather than branching on the size (ZeRO, whose units may sit on a group of one,
+    skips them), and one singleton is one small communicator with no peer buffers.
     """
     rank = dist.get_rank() if rank is None else rank
     mesh = Mesh(shape=shape, rank=rank)

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 import ckpt
+import comm
 import context_parallel
 import data
 import fp8
-import comm
 import mfu
 import moe
 import pipeline
@@ -427,7 +427,7 @@ def start_run(args, tracer: comm.CommTracer) -> tuple[Run, data.Corpus]:
     """Join the process group, build the mesh, seed, and make the token cache (each node's local rank 0
     builds, the others wait)."""
     device = args.device  # chosen with the flags (parse_flags): a wrong one fails before any rank waits
-    set_numerics(args)  # before any kernel runs: TF32 and determinism are stated choices, not defaults
+    set_numerics(args.tf32, args.deterministic)  # before any kernel runs: stated choices, not defaults
     rank, _ = init_distributed(args.backend, device)
     shape = args.mesh_shape
     mesh = build_mesh(shape, rank)
@@ -453,16 +453,16 @@ def start_run(args, tracer: comm.CommTracer) -> tuple[Run, data.Corpus]:
     return run, corpus
 
 
-def set_numerics(args) -> None:
+def set_numerics(tf32: bool, deterministic: bool) -> None:
     """TF32 and determinism, set explicitly either way (torch's own defaults differ between matmuls and cuDNN).
 
     --deterministic: every CUDA op takes its deterministic kernel or raises (the SDPA backward, index and
     scatter adds, the NLL loss's reduction), and cuBLAS gets a fixed workspace (CUBLAS_WORKSPACE_CONFIG must
     be set before its first call): the bitwise-replay contract of ckpt.py then holds on GPUs as on CPUs.
     Without it, a GPU run replays to float tolerance only."""
-    torch.backends.cuda.matmul.allow_tf32 = args.tf32
-    torch.backends.cudnn.allow_tf32 = args.tf32
-    if args.deterministic:
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    if deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False

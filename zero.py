@@ -118,11 +118,11 @@ from optim import StepResult, update
 class _Unit:
     """One flat, padded buffer of parameters: what is gathered, reduce-scattered and stepped together."""
 
-    def __init__(self, index: int, params: list, group, group_name: str):
+    def __init__(self, index: int, params: list, group):
         self.index = index
         self.params = params
         self.group = group  # the parameters' data-parallel group (dp×cp, or expert_dp for experts)
-        self.group_name = group_name  # "dp_cp" or "expert_dp": two names may share one group (mesh.py)
+        self.group_name = grad_group(params[0])  # "dp_cp" or "expert_dp": two names may share one group (mesh.py)
         dp_size, dp_rank = dist.get_world_size(group), dist.get_rank(group)
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.offsets = []  # flat offset of each parameter in the unit
@@ -171,7 +171,7 @@ class ZeroLayout:
     def __init__(self, module: nn.Module, group, stage: int, *, lr: float, weight_decay: float = 0.1,
                  betas=(0.9, 0.95), eps: float = 1e-8, param_dtype=torch.float32, master_dtype=torch.float32,
                  bucket_mb: float = 25.0, coords: dict | None = None, check_same_init: bool = True,
-                 forward=None, groups: dict | None = None, codecs: dict | None = None, micro_batches: int = 1,
+                 groups: dict | None = None, codecs: dict | None = None, micro_batches: int = 1,
                  accumulate_dtype=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage} (stage 0 is ddp.py + DDPLayout)")
@@ -182,7 +182,6 @@ class ZeroLayout:
         self.groups.setdefault("dp_cp", group)
         # Stage 3: weights gathered in FP8 (fp8.Fp8Linear's, {param: linear}): one byte per element on the wire.
         self.codecs = dict(codecs or {}) if stage == 3 else {}
-        self.forward = forward or module  # a wrapper of the module's forward, if any (--compile compiles its blocks)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.param_dtype, self.master_dtype = param_dtype, master_dtype
         # The gradient summed over the m micro-batches of a step is kept in the master dtype (docstring,
@@ -239,8 +238,7 @@ class ZeroLayout:
             units = reverse_order_buckets([p for p in params if p not in set(alone)], int(bucket_mb * 2**20),
                                           element_size=torch.empty((), dtype=param_dtype).element_size())
             units += [[p] for p in alone]
-        self.units = [_Unit(i, u, self.groups[grad_group(u[0])], grad_group(u[0]))
-                      for i, u in enumerate(u for u in units if u)]
+        self.units = [_Unit(i, u, self.groups[grad_group(u[0])]) for i, u in enumerate(u for u in units if u)]
         self._unit_of = {p: u for u in self.units for p in u.params}  # tensors hash by identity
         self._offset_of = {p: o for u in self.units for p, o in zip(u.params, u.offsets)}
         with torch.no_grad():
@@ -302,7 +300,7 @@ class ZeroLayout:
     # ----------------------------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        return self.module(*args, **kwargs)
 
     @contextmanager
     def no_sync(self):

@@ -84,6 +84,9 @@ def _rank_main(fn, rank, world_size, store_path, threads, backend_name, args, kw
     os.environ[BACKEND_ENV] = backend_name  # what device() answers in this rank
     try:
         if backend_name == "nccl":
+            from train import set_numerics
+
+            set_numerics(tf32=False, deterministic=True)  # bitwise replay and 1e-10 comparisons on GPUs too
             torch.cuda.set_device(rank)
             dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{store_path}", rank=rank,
                                     world_size=world_size, device_id=torch.device("cuda", rank))

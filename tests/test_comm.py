@@ -161,8 +161,9 @@ def _traced_phases_and_objects(rank, world_size):
                 work.wait()
             dist.all_gather_object([None] * world_size, rank)
     sizes = [len(pickle.dumps({"rank": r})) for r in range(world_size)]
+    box_size = len(pickle.dumps("x" * 100))
     return dict(step=tracer.records, ckpt=tracer.records_of("ckpt"), eval=tracer.records_of("eval"),
-                phases=tracer.phases, table=tracer.table(), sizes=sizes, box=box[0], out=out[0].item(),
+                phases=tracer.phases, table=tracer.table(), sizes=sizes, box_size=box_size, box=box[0], out=out[0].item(),
                 gathered=gathered, all_phases=tracer.total(phase=None).calls, inner=inner.records)
 
 
@@ -183,8 +184,8 @@ def test_tracer_files_phases_and_sizes_object_collectives():
         assert set(objects) == {("all_gather_object", "dp"), ("broadcast_object_list", "world")}
         gather = objects[("all_gather_object", "dp")]
         assert gather.calls == 1 and gather.payload_bytes == 8 * n + n * max(r["sizes"])
-        box = objects[("broadcast_object_list", "world")]
-        assert box.calls == 1 and box.payload_bytes > 100 and box.wire_bytes == box.payload_bytes
+        box = objects[("broadcast_object_list", "world")]  # the int64 size, then the pickle
+        assert box.calls == 1 and box.payload_bytes == 8 + r["box_size"] and box.wire_bytes == box.payload_bytes
         ev = r["eval"]
         assert {k: (s.calls, s.payload_bytes) for k, s in ev.items()} == {
             ("gather", "world"): (1, 16), ("scatter", "world"): (1, 16), ("reduce", "world"): (1, 12)}

@@ -284,10 +284,10 @@ def test_formatting():
     assert mfu.format_flops(1.5e9) == "1.50 GFLOP"
 
 
-def _memory_peaks(rank, world_size, monkeypatch_values):
+def _memory_peaks(rank, world_size, peaks):
     import torch
 
-    allocated, reserved = monkeypatch_values[rank]
+    allocated, reserved = peaks[rank]
     torch.cuda.max_memory_allocated = lambda device=None: allocated  # this process only: no GPU here
     torch.cuda.max_memory_reserved = lambda device=None: reserved
     return mfu.cuda_memory_peaks(torch.device("cpu"))

@@ -210,7 +210,7 @@ def test_two_torchrun_agents_without_a_shared_filesystem_match_one_agent(tmp_pat
     assert single.returncode == 0, single.stderr[-3000:]
     losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
               for d in (tmp_path / "node0", one)]
-    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-6, abs=0), losses
+    assert len(losses[0]) == 3 and losses[0] == losses[1], losses  # the same ranks, groups and sums: bitwise
 
 
 @pytest.mark.parametrize("nproc,flags", [(2, ("--tp", "2", "--sp", "--moe-experts", "4", "--zero", "2")),
