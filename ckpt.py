@@ -412,6 +412,12 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
+def newest_committed(root: str) -> tuple[int, str] | None:
+    """(step, path) of the newest checkpoint with its COMMITTED marker (not verified: a report, not a load)."""
+    return next(((step, path) for step, path in list_checkpoints(root)
+                 if os.path.isfile(os.path.join(path, MARKER))), None)
+
+
 def verify_checkpoint(path: str, rank: int = 0, world: int = 1) -> dict:
     """Return the manifest of the checkpoint at `path`, or raise CheckpointError saying what is wrong.
 
@@ -650,18 +656,48 @@ class SaveStats:
     num_files: int | None = None
 
 
+class WriterLock:
+    """One run writes a checkpoint directory at a time: an exclusive flock on `<root>/.lock`, held by rank 0
+    for the whole run. The kernel drops it when the process dies, however it dies, so a killed run never
+    leaves it stuck; the file names the holder for the error a second writer gets."""
+
+    def __init__(self, root: str):
+        import fcntl
+
+        path = os.path.join(root, ".lock")
+        self.file = open(path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise CheckpointError(f"--ckpt-dir {root} is being written by another run ({holder} holds {path});"
+                                  f" two writers would replace each other's checkpoints: wait for it to end, or"
+                                  f" use another --ckpt-dir") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        self.file.flush()
+
+    def release(self) -> None:
+        self.file.close()  # closing the descriptor drops the flock
+
+
 class Checkpointer:
     """Saves and resumes a training run's complete state under `root` (see the module docstring).
 
     Every rank constructs one (it broadcasts a nonce) and calls `save`/`resume`/`close` at the same points.
     The layout provides `state_pieces()` and an `optimizer_step_count` property (Adam's t, settable); optionally
     `stage` (ZeRO). `axes` (step.Axis handles) add their own logical state as pieces (`state_pieces()`: FP8's
-    amax histories and scales, kind "fp8") and hear `state_loaded()` after a resume.
+    amax histories and scales, kind "fp8") and hear `state_loaded()` after a resume. `exclusive`: hold the
+    directory's WriterLock until `close()` (a training run: a second run writing the same directory is
+    refused at start, on every rank, before either touches the other's files).
     """
 
     def __init__(self, root: str, mesh=None, keep: int = 2, async_save: bool = False, mtbf_hours=None,
                  device="cpu", log=print, commit_timeout_s: float = 600.0, run_record: dict | None = None,
-                 axes=()):
+                 axes=(), exclusive: bool = False):
         if keep < 2:
             raise ValueError(f"keep={keep}: at least 2, so a good checkpoint survives while the next is written")
         self.root, self.keep, self.async_save, self.mtbf_hours = root, keep, async_save, mtbf_hours
@@ -677,15 +713,22 @@ class Checkpointer:
                                 pp=shape.pp if shape else 1, cp=shape.cp if shape else 1,
                                 tp=shape.tp if shape else 1, ep=shape.ep if shape else 1)
         self.coords = mesh.coords if mesh is not None else {"dp": self.rank, "pp": 0, "cp": 0, "tp": 0}
+        self._lock = None
         nonce = [None]
         if self.rank == 0:
-            os.makedirs(root, exist_ok=True)
-            for name in os.listdir(root):  # leftovers of a dead attempt can never be committed now
-                if name.startswith((".tmp-", ".trash-")):
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            nonce = [os.urandom(4).hex()]
+            try:
+                os.makedirs(root, exist_ok=True)
+                self._lock = WriterLock(root) if exclusive else None
+                for name in os.listdir(root):  # leftovers of a dead attempt can never be committed now
+                    if name.startswith((".tmp-", ".trash-")):
+                        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                nonce = [os.urandom(4).hex()]
+            except (CheckpointError, OSError) as e:  # told to every rank below, not raised here alone
+                nonce = [CheckpointError(str(e))]
         if self.world > 1:
             dist.broadcast_object_list(nonce, src=0)  # before any rank creates a temporary directory
+        if isinstance(nonce[0], CheckpointError):  # every rank refuses together
+            raise CheckpointError(str(nonce[0]))
         self.nonce = nonce[0]
         self._thread, self._result, self._error = None, None, None
         self._host: dict[str, torch.Tensor] = {}  # snapshot buffers, reused (pinned on CUDA)
@@ -754,11 +797,22 @@ class Checkpointer:
         if errors:
             raise CheckpointError(f"background checkpoint save failed: {'; '.join(errors)}") from error
 
+    def abandon(self) -> None:
+        """The run is stopping (a signal): no wait, no collective. Rank 0 removes this run's temporary
+        directories (a save cut short can never be committed now); the committed checkpoints stay."""
+        if self.rank == 0 and os.path.isdir(self.root):
+            for name in os.listdir(self.root):
+                if name.startswith(".tmp-") and name.endswith(f"-{self.nonce}"):
+                    shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
     def close(self) -> None:
         """Finish the last save and agree that it is committed (call before destroying the process group)."""
         self.wait()
         if self.world > 1:
             dist.barrier()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _host_copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()

@@ -15,12 +15,14 @@ at the end measured against predicted.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
+import signal
 import sys
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -50,8 +52,20 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ZERO_PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class FlagError(ValueError):
+    """A flag combination that cannot run; raised before any rank waits on another."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown flag, a choice not offered) are FlagErrors: like every other flag
+    error they end the run with one line, printed once, not with argparse's usage text on every rank."""
+
+    def error(self, message: str) -> NoReturn:
+        raise FlagError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--preset", default="small", help="tiny | small | gpt2 (124M)")
     g.add_argument("--n-layer", type=int)
@@ -130,59 +144,77 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class FlagError(ValueError):
-    """A flag combination that cannot run; raised before any rank waits on another."""
+# Ranges of the numeric flags: (flag, attribute, lowest, exclusive lowest?, highest or None). Every float must
+# also be finite: NaN passes every comparison, so `nan < 0` would let it through.
+_AT_LEAST_1 = ("steps", "log_every", "eval_batches", "micro_batch", "global_batch", "n_layer", "n_head", "n_embd",
+               "seq_len", "pp_virtual", "fp8_amax_history", "moe_topk", "moe_every")
+_AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe_experts", "fp8_margin",
+               "weight_decay", "grad_clip", "moe_capacity_factor", "moe_aux_coef", "moe_z_coef", "min_lr")
+_POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops")
+_FRACTION = ("beta1", "beta2", "dropout")  # in [0, 1)
+# Flags that only mean something with another one: (flag, attribute, what it needs, whether that is on).
+_ONLY_WITH = (
+    ("--pp-schedule", "pp_schedule", "--pp > 1", lambda a: a.pp > 1),
+    ("--pp-virtual", "pp_virtual", "--pp-schedule interleaved", lambda a: a.pp_schedule == "interleaved"),
+    ("--trace-file", "trace_file", "--pp > 1 (it draws the pipeline schedule)", lambda a: a.pp > 1),
+    ("--cp-impl", "cp_impl", "--cp > 1", lambda a: a.cp > 1),
+    ("--cp-balance", "cp_balance", "--cp > 1", lambda a: a.cp > 1),
+    *((flag, flag[2:].replace("-", "_"), "--fp8", lambda a: a.fp8 is not None)
+      for flag in ("--fp8-amax-history", "--fp8-amax-algo", "--fp8-margin")),
+    *((flag, flag[2:].replace("-", "_"), "--moe-experts > 0", lambda a: a.moe_experts > 0)
+      for flag in ("--moe-topk", "--moe-every", "--moe-capacity-factor", "--moe-aux-coef", "--moe-z-coef")),
+    *((flag, flag[2:].replace("-", "_"), "--ckpt-dir", lambda a: a.ckpt_dir is not None)
+      for flag in ("--ckpt-every", "--resume", "--async-ckpt", "--keep", "--mtbf-hours")),
+)
 
 
-def validate_args(args, world_size: int):
-    """Check every flag product and divisibility; return (mesh shape, micro-batches per step)."""
+def explicit_flags(argv) -> set:
+    """The attributes the command line sets itself (not left at their defaults): argparse fills in a default
+    only for attributes missing from the namespace it is given, so parse again into one where all are set."""
+    parser, unset = build_parser(), object()
+    names = vars(parser.parse_args(argv))
+    given = vars(parser.parse_args(argv, namespace=argparse.Namespace(**{name: unset for name in names})))
+    return {name for name, value in given.items() if value is not unset}
+
+
+def validate_args(args, world_size: int, given=None):
+    """Check every flag before any process group exists; return (mesh shape, micro-batches m, B_μ).
+
+    given: the flags the command line set (explicit_flags), for the rules about flags that only mean something
+    with another one; default: those whose value is not the default."""
+    if given is None:
+        defaults = vars(build_parser().parse_args([]))
+        given = {name for name, value in vars(args).items() if name in defaults and value != defaults[name]}
+    check_ranges(args)
+    for flag, name, needs, on in _ONLY_WITH:
+        if name in given and not on(args):
+            raise FlagError(f"{flag} needs {needs}; without it the flag would be ignored")
     try:
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
         raise FlagError(str(e)) from None
     validate_zero_args(args)
+    config = model_config(args)
     try:
         moe.check_flags(args.moe_experts, args.moe_topk, args.ep, shape.dp, shape.cp, args.moe_every,
-                        args.moe_capacity_factor, args.n_layer or model_config(args).n_layer, args.moe_aux_coef,
-                        args.moe_z_coef)
+                        args.moe_capacity_factor, config.n_layer, args.moe_aux_coef, args.moe_z_coef)
     except ValueError as e:
         raise FlagError(str(e)) from None
     if args.sp and args.tp == 1:
         raise FlagError("--sp (sequence parallel) needs --tp > 1")
-    for flag, value in (("--steps", args.steps), ("--log-every", args.log_every),
-                        ("--eval-batches", args.eval_batches), ("--micro-batch", args.micro_batch),
-                        ("--n-layer", args.n_layer), ("--n-head", args.n_head), ("--n-embd", args.n_embd)):
-        if value is not None and value < 1:
-            raise FlagError(f"{flag} must be at least 1, got {value}")
-    if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
-        raise FlagError(f"--dropout must be in [0, 1), got {args.dropout}")
-    for flag, value in (("--lr", args.lr), ("--weight-decay", args.weight_decay), ("--beta1", args.beta1),
-                        ("--beta2", args.beta2), ("--grad-clip", args.grad_clip)):
-        if not math.isfinite(value):
-            raise FlagError(f"{flag} must be a finite number, got {value}")
-    if args.lr <= 0 or args.eval_every < 0 or args.grad_clip < 0:
-        raise FlagError(f"--lr must be positive and --eval-every, --grad-clip non-negative; got --lr {args.lr},"
-                        f" --eval-every {args.eval_every}, --grad-clip {args.grad_clip}")
+    if args.min_lr is not None and args.min_lr > args.lr:
+        raise FlagError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the cosine schedule decays from --lr"
+                        f" down to --min-lr")
     micro = args.micro_batch if args.micro_batch is not None else args.global_batch // shape.dp
-    if args.global_batch < 1 or micro < 1:
+    if micro < 1:
         raise FlagError(f"--global-batch {args.global_batch} must give each of D={shape.dp} data ranks a sequence")
     if args.global_batch % (shape.dp * micro):
         raise FlagError(
             f"--global-batch {args.global_batch} must be divisible by D × --micro-batch = {shape.dp} × {micro}"
             f" (B_global = D·m·B_μ)"
         )
-    if args.data is not None and not os.path.isfile(args.data):
-        raise FlagError(f"--data {args.data!r} is not a file; give a text file to train on, or leave --data out"
-                        f" for the built-in corpus")
-    if args.data is not None and os.path.getsize(args.data) == 0:
-        raise FlagError(f"--data {args.data!r} is empty; give a text file with something to train on")
-    if args.metrics_file is not None:
-        directory = os.path.dirname(os.path.abspath(args.metrics_file))
-        if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-            raise FlagError(f"--metrics-file {args.metrics_file!r}: the directory {directory!r} does not exist or"
-                            f" cannot be written")
-    config = model_config(args)
-    if args.seq_len is not None and not 1 <= args.seq_len <= config.block_size:
+    validate_paths(args)
+    if args.seq_len is not None and args.seq_len > config.block_size:
         raise FlagError(f"--seq-len {args.seq_len} must be between 1 and the model's block size {config.block_size}")
     if args.tp > 1:
         config.vocab_size = vocab_size(args.tokenizer)
@@ -202,6 +234,74 @@ def validate_args(args, world_size: int):
     return shape, m, micro
 
 
+def check_ranges(args) -> None:
+    """Each numeric flag is finite and in its range (the tables above), naming the flag and what it must be."""
+
+    def bad(name, must):
+        flag = "--" + name.replace("_", "-")
+        return FlagError(f"{flag} must be {must}, got {getattr(args, name)}")
+
+    for name in (*_AT_LEAST_0, *_POSITIVE, *_FRACTION):
+        value = getattr(args, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad(name, "a finite number")
+    for name in _AT_LEAST_1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise bad(name, "at least 1")
+    for name in _AT_LEAST_0:
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise bad(name, "at least 0")
+    for name in _POSITIVE:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise bad(name, "positive")
+    for name in _FRACTION:
+        if getattr(args, name) is not None and not 0.0 <= getattr(args, name) < 1.0:
+            raise bad(name, "in [0, 1)")
+
+
+def validate_paths(args) -> None:
+    """The files the run reads exist and are text; the ones it writes can be written, checked now rather than
+    at the first write (a trace file is written after all the training)."""
+    if args.data is not None:
+        if not os.path.isfile(args.data):
+            raise FlagError(f"--data {args.data!r} is not a file; give a text file to train on, or leave --data out"
+                            f" for the built-in corpus")
+        if os.path.getsize(args.data) == 0:
+            raise FlagError(f"--data {args.data!r} is empty; give a text file with something to train on")
+        with open(args.data, "rb") as f:
+            head = f.read(1 << 16)
+        if b"\0" in head:
+            raise FlagError(f"--data {args.data!r} is a binary file (it holds NUL bytes); give a UTF-8 text file")
+    for flag, path in (("--out-dir", args.out_dir), ("--ckpt-dir", args.ckpt_dir)):
+        if path is not None:
+            check_writable(flag, path, directory=True)
+    for flag, path in (("--metrics-file", args.metrics_file), ("--trace-file", args.trace_file)):
+        if path is not None:
+            check_writable(flag, path, directory=False)
+
+
+def check_writable(flag: str, path: str, directory: bool) -> None:
+    """`path` can be created (or is already there as the right kind): everything above it that exists is a
+    writable directory. A file's directory must exist; a directory is created with its parents."""
+    if path == "":
+        raise FlagError(f"{flag} '' names nothing; give a path")
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        if directory and not os.path.isdir(path):
+            raise FlagError(f"{flag} {path!r} is a file, not a directory")
+        if not directory and os.path.isdir(path):
+            raise FlagError(f"{flag} {path!r} is a directory; give a file name")
+    parent = os.path.dirname(path)
+    if not directory and not os.path.isdir(parent):
+        raise FlagError(f"{flag} {path!r}: the directory {parent!r} does not exist or cannot be written")
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise FlagError(f"{flag} {path!r} lies under {parent!r}, which is a file, not a directory")
+    if not os.access(parent, os.W_OK):
+        raise FlagError(f"{flag} {path!r}: the directory {parent!r} does not exist or cannot be written")
+
+
 def validate_zero_args(args):
     """--zero 1|2|3 (zero.py) runs with fp32, bf16 or fp16 working weights and, at stage 3, hooks on each block."""
     if not args.zero:
@@ -212,25 +312,16 @@ def validate_zero_args(args):
     if args.zero == 3 and args.activation_checkpointing:
         raise FlagError("--zero 3 with --activation-checkpointing: recomputing a block in backward reruns its"
                         " forward hooks, which would gather and free its weights out of schedule; use --zero 1 or 2")
-    if args.zero == 3 and args.n_layer is not None and args.n_layer < 1:
-        raise FlagError(f"--zero 3 gathers one block at a time: it needs --n-layer ≥ 1, got {args.n_layer}")
 
 
 def validate_checkpoint_args(args):
     if args.ckpt_dir is None:
-        for flag, value in (("--ckpt-every", args.ckpt_every), ("--resume", args.resume),
-                            ("--async-ckpt", args.async_ckpt)):
-            if value:
-                raise FlagError(f"{flag} needs --ckpt-dir (where checkpoints are written and read)")
-    if args.ckpt_every < 0:
-        raise FlagError(f"--ckpt-every must be 0 (only at the end) or a positive number of steps, got {args.ckpt_every}")
+        return
     if args.keep < 2:
         raise FlagError(f"--keep must be at least 2 (a good checkpoint must survive while the next is written),"
                         f" got {args.keep}")
     if args.resume is not None and args.resume != "latest" and not (args.resume.isdigit()):
         raise FlagError(f"--resume must be 'latest' or a step number, got {args.resume!r}")
-    if args.mtbf_hours is not None and args.mtbf_hours <= 0:
-        raise FlagError(f"--mtbf-hours must be positive, got {args.mtbf_hours}")
 
 
 def model_config(args):
@@ -321,7 +412,7 @@ def train(args, tracer: comm.CommTracer):
         run.axes = [axis for axis in (apply(run.model, run) for apply in AXES) if axis is not None]
         run.layout = build_layout(run.model, run)
         run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), GradientAccumulation())
-        run.peak = mfu.detect_peak_flops(run.device, args.dtype, args.peak_tflops)
+        run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, args.dtype, args.peak_tflops))
         run.groups = {**run.mesh.groups, **{n: g for a in run.axes for n, g in a.groups().items() if g is not None}}
         for name, group in run.groups.items():
             tracer.name_group(group, name)
@@ -330,97 +421,212 @@ def train(args, tracer: comm.CommTracer):
         warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20)
         lr_schedule = LRSchedule(args.lr, warmup, args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
         scaler = DynamicLossScaler(enabled=args.dtype == "fp16")
-        sampler = data.BatchSampler(len(train_tokens), run.seq_len, args.global_batch, args.seed)
-        val_sampler = data.EvalSampler(len(val_tokens), run.seq_len, args.global_batch)
+        try:  # the same on every rank: a corpus too small for the batch fails them all alike
+            sampler = data.BatchSampler(len(train_tokens), run.seq_len, args.global_batch, args.seed)
+            val_sampler = data.EvalSampler(len(val_tokens), run.seq_len, args.global_batch)
+        except ValueError as e:
+            fail(f"{e} (--data {args.data or 'the built-in corpus'})")
     checkpointer, start_step = None, 0
     if args.ckpt_dir:
         with tracer.phase("ckpt"):
             run_record = dict(steps=args.steps, lr=args.lr, min_lr=lr_schedule.min_lr, seed=args.seed,
                               warmup_steps=lr_schedule.warmup_steps, global_batch=args.global_batch, seq_len=run.seq_len)
-            checkpointer = ckpt.Checkpointer(args.ckpt_dir, run.mesh, keep=args.keep, async_save=args.async_ckpt,
-                                             mtbf_hours=args.mtbf_hours, device=run.device, log=print0,
-                                             run_record=run_record, axes=run.axes)
-            if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
-                try:
+            try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
+                checkpointer = ckpt.Checkpointer(args.ckpt_dir, run.mesh, keep=args.keep, exclusive=True,
+                                                 async_save=args.async_ckpt, mtbf_hours=args.mtbf_hours,
+                                                 device=run.device, log=print0, run_record=run_record, axes=run.axes)
+                if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
                     start_step = checkpointer.resume(args.resume, run.layout, scaler, sampler, args.seed)
-                except ckpt.CheckpointError as e:  # every rank raises it together (the verdicts are all-gathered)
-                    fail(str(e))
+            except ckpt.CheckpointError as e:
+                fail(str(e))
+            if start_step >= args.steps:
+                print0(f"nothing to train: the checkpoint is at step {start_step} and --steps is {args.steps}"
+                       f" (raise --steps to train on); evaluating and sampling only")
 
     # A resumed run appends: the replayed steps then sit next to the originals in one file.
     metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and run.mesh.rank == 0) else None
-    timed_seconds, timed_steps = 0.0, 0
+    clock = StepClock(start_step, args.steps)
     run.schedule.measure_activations = True  # the first step counts the bytes saved for backward
     if run.device.type == "cuda":  # the peak of training, not of start-up (the whole model built before TP/ZeRO)
         torch.cuda.reset_peak_memory_stats(run.device)
     # Step s + 1's micro-batches are read (pinned, on CUDA) while step s trains, then copied without blocking.
     prefetched = data.Prefetcher(lambda s: local_batches(run, sampler, train_tokens, s), run.device, args.steps - 1)
-    for step in range(start_step, args.steps):
-        lr = lr_schedule(step)
-        run.layout.set_lr(lr)
-        batches = prefetched.get(step)
-        began = time.perf_counter()
-        outcome = train_step(run.layout, scaler, batches, run.mesh.dp_cp_group, args.grad_clip, run.autocast,
-                             run.device, model=run.model, schedule=run.schedule, axes=run.axes,
-                             data_size=run.mesh.shape.dp)
-        if run.device.type == "cuda":
-            torch.cuda.synchronize()
-        step_time = time.perf_counter() - began
-        if step > start_step:  # the first step pays one-off costs (allocation, compile)
-            timed_seconds, timed_steps = timed_seconds + step_time, timed_steps + 1
-        last = step == args.steps - 1
-        record = step_record(run, step, lr, outcome, step_time, scaler)
-        if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
-            with tracer.phase("eval"):
-                record["val_loss"] = evaluate(run, val_tokens, val_sampler)
-        if step % args.log_every == 0 or last or "val_loss" in record:
-            print_step(record)
-            for line in (line for axis in run.axes for line in axis.step_lines()):
-                print0(f"  {line}")
+    step = start_step
+    with ending_cleanly_on_signals(lambda: interrupted(checkpointer, step)):
+        for step in range(start_step, args.steps):
+            lr = lr_schedule(step)
+            run.layout.set_lr(lr)
+            batches = prefetched.get(step)
+            began = time.perf_counter()
+            outcome = train_step(run.layout, scaler, batches, run.mesh.dp_cp_group, args.grad_clip, run.autocast,
+                                 run.device, model=run.model, schedule=run.schedule, axes=run.axes,
+                                 data_size=run.mesh.shape.dp)
+            if run.device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = clock.tick(step, time.perf_counter() - began)
+            last = step == args.steps - 1
+            record = step_record(run, step, lr, outcome, step_time, scaler)
+            if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
+                with tracer.phase("eval"):
+                    record["val_loss"] = evaluate(run, val_tokens, val_sampler)
+            if step % args.log_every == 0 or last or "val_loss" in record or clock.silent_for() > LOG_AT_LEAST_EVERY_S:
+                print_step(record, clock)
+                for line in (line for axis in run.axes for line in axis.step_lines()):
+                    print0(f"  {line}")
+            if metrics:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            if checkpointer:
+                with tracer.phase("ckpt"):
+                    checkpointer.step_end(step + 1, args.ckpt_every, last, run.layout, scaler, sampler)
+        prefetched.close()
         if metrics:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            metrics.close()
         if checkpointer:
             with tracer.phase("ckpt"):
-                checkpointer.step_end(step + 1, args.ckpt_every, last, run.layout, scaler, sampler)
-    prefetched.close()
-    if metrics:
-        metrics.close()
-    if checkpointer:
-        with tracer.phase("ckpt"):
-            checkpointer.close()
-    if args.sample_tokens:
-        with tracer.phase("sample"):
-            sample(run, val_tokens, corpus.tokenizer_name)
+                checkpointer.close()
+        if args.sample_tokens:
+            with tracer.phase("sample"):
+                sample(run, val_tokens, corpus.tokenizer_name)
     with tracer.phase("end"):
         dist.barrier()  # every rank is done: the table below is complete
-        print_end(run, args.steps - start_step, timed_seconds, timed_steps)
+        print_end(run, max(0, args.steps - start_step), clock.seconds, clock.steps)
     dist.destroy_process_group()
 
 
-def parse_flags(argv=None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+LOG_AT_LEAST_EVERY_S = 30.0  # a step line at least this often, whatever --log-every says (a slow machine)
+
+
+class StepClock:
+    """Step times for the throughput, the step line's ETA and the log cadence. The first step of a run pays
+    one-off costs (allocation, compilation) and is left out of the mean."""
+
+    def __init__(self, start_step: int, steps: int):
+        self.start_step, self.total = start_step, steps
+        self.seconds, self.steps, self.first = 0.0, 0, None
+        self.last_line = time.perf_counter()
+        self.warned_mfu = False
+
+    def tick(self, step: int, seconds: float) -> float:
+        if step > self.start_step:
+            self.seconds, self.steps = self.seconds + seconds, self.steps + 1
+        else:
+            self.first = seconds
+        return seconds
+
+    def eta(self, step: int) -> float:
+        """Seconds left for the steps after `step`, at the mean step time (evaluation and saves aside)."""
+        mean = self.seconds / self.steps if self.steps else (self.first or 0.0)
+        return mean * (self.total - step - 1)
+
+    def silent_for(self) -> float:
+        return time.perf_counter() - self.last_line
+
+    def printed(self) -> None:
+        self.last_line = time.perf_counter()
+
+
+def format_duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return (f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s" if rest >= 60
+            else f"{rest}s")
+
+
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) or SIGTERM (torchrun stopping its workers) during training."""
+
+
+@contextmanager
+def ending_cleanly_on_signals(report):
+    """Turn SIGINT/SIGTERM into one line instead of a KeyboardInterrupt traceback on every rank: `report()`
+    says where the run stopped, then the process exits with 128 + the signal, as a killed one would. A peer
+    that stopped first can make this rank's collective fail before its own signal arrives: that error, once a
+    signal has been received, is part of the same stop. No collective runs on the way out (peers are gone)."""
+    received = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        args.mesh_shape, args.micro_batches, args.micro = validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+        yield
+    except (Interrupted, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not received:
+            raise
+        report()
+        os._exit(128 + received[0])  # no atexit, no process-group teardown: the peers are stopping too
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def interrupted(checkpointer, step: int) -> None:
+    """Rank 0's one line on a stop: the step reached and the newest committed checkpoint. The background save
+    that was running, if any, is abandoned: its temporary directory is removed (the next start would too)."""
+    if dist.get_rank() != 0:
+        return
+    line = f"interrupted at step {step}"
+    if checkpointer is not None:
+        checkpointer.abandon()
+        committed = ckpt.newest_committed(checkpointer.root)
+        line += (f"; the newest committed checkpoint is step {committed[0]} ({committed[1]}): --resume latest"
+                 f" continues from it" if committed else "; no checkpoint was committed")
+    print(line, file=sys.stderr, flush=True)
+
+
+def parse_flags(argv=None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:  # every rank validates the same flags and exits before any of them waits on a peer
+        args = build_parser().parse_args(argv)
+        args.mesh_shape, args.micro_batches, args.micro = validate_args(
+            args, int(os.environ.get("WORLD_SIZE", "1")), explicit_flags(argv))
         data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
         try:
             args.device, args.backend = choose_device_and_backend(args.backend)
         except ValueError as e:
             raise FlagError(str(e)) from None
     except (FlagError, RuntimeError) as e:
-        # Every rank validates the same flags and exits before any of them waits on a peer.
         fail(str(e))
     return args
 
 
 def fail(message: str) -> NoReturn:
-    """End the run on an error that every rank has reached: one line, printed once (by rank 0; before the
-    process group exists, by the process torchrun started as RANK 0), exit status 2, like a flag error."""
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    """End the run on an error that every rank has reached: one line, printed exactly once, exit status 2.
+
+    Printed once, and always: torchrun kills the other workers as soon as one exits, so no rank may exit
+    before the line is out. With a process group, rank 0 prints and then every rank meets at a barrier.
+    Before one exists (a flag error), the ranks agree through the launcher's store (torchrun's agent holds
+    one: TORCHELASTIC_USE_AGENT_STORE): the first rank to claim the error prints it, the others wait until it
+    has. Without torchrun, the process started as RANK 0 prints."""
+    line = f"error: {' '.join(message.split())}"
     if dist.is_initialized():
+        if dist.get_rank() == 0:
+            print(line, file=sys.stderr, flush=True)
+        dist.barrier()
         dist.destroy_process_group()
+    elif not _print_once_through_launcher_store(line) and int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def _print_once_through_launcher_store(line: str, timeout_s: float = 30.0) -> bool:
+    """Print `line` on exactly one of torchrun's workers (the first to get here): True when that is settled."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return False
+    key = f"train.py/error/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        if store.add(f"{key}/claimed", 1) == 1:
+            print(line, file=sys.stderr, flush=True)
+            store.set(f"{key}/printed", "1")
+        else:
+            store.wait([f"{key}/printed"], datetime.timedelta(seconds=timeout_s))
+        return True
+    except (RuntimeError, OSError, KeyError, ValueError):  # no store to be reached: rank 0 prints
+        return False
 
 
 def start_run(args, tracer: comm.CommTracer) -> tuple[Run, data.Corpus]:
@@ -438,9 +644,16 @@ def start_run(args, tracer: comm.CommTracer) -> tuple[Run, data.Corpus]:
     # read it: nodes need no shared filesystem (the bytes are deterministic, so every node's are the same), and
     # on a shared one the cache is written atomically (data.prepare_corpus), so two builders cannot collide.
     cache_dir, local_rank = os.path.join(args.out_dir, "data"), int(os.environ.get("LOCAL_RANK", "0"))
+    error = None
     if local_rank == 0:
-        corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=lambda line: print(line, flush=True))
-    dist.barrier()
+        try:  # a corpus that cannot be read or is too small fails here, on the builders only
+            corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir,
+                                         log=lambda line: print(line, flush=True))
+        except (ValueError, OSError) as e:
+            error = str(e)
+    errors = agree(error)  # the barrier: every node's cache is ready, or every rank ends with the error
+    if errors:
+        fail(errors[0])
     if local_rank != 0:
         corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=lambda *a, **k: None)
     config = model_config(args)
@@ -451,6 +664,25 @@ def start_run(args, tracer: comm.CommTracer) -> tuple[Run, data.Corpus]:
               autocast=torch.autocast(device.type, dtype=compute_dtype) if args.dtype != "fp32" else nullcontext(),
               param_dtype=ZERO_PARAM_DTYPES[args.dtype] if args.zero else torch.float32, tracer=tracer)
     return run, corpus
+
+
+def shared_peak(device, flops: float, source: str) -> tuple[float, str]:
+    """One peak for every rank: the mean of what each measured (they measured at once, each on its share of
+    a shared machine); a datasheet or --peak-tflops figure is the same everywhere already."""
+    if not source.startswith("measured") or dist.get_world_size() == 1:
+        return flops, source
+    total = torch.tensor([flops], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return float(total) / dist.get_world_size(), f"{source}; mean over the {dist.get_world_size()} ranks"
+
+
+def agree(error: str | None) -> list:
+    """Every rank's error (None: none), gathered: what every rank decides on together (collective)."""
+    if dist.get_world_size() == 1:
+        return [error] if error is not None else []
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return [e for e in errors if e is not None]
 
 
 def set_numerics(tf32: bool, deterministic: bool) -> None:
@@ -513,12 +745,22 @@ def step_record(run: Run, step: int, lr: float, outcome, step_time: float, scale
     return record
 
 
-def print_step(record: dict):
+def print_step(record: dict, clock: StepClock):
+    """One line per logged step: step i/N, the losses, lr, grad norm, throughput, MFU, step time, ETA."""
     val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
     aux = "".join(f" | {key[4:]} {value:.4f}" for key, value in record.items() if key.startswith("aux_"))
-    print0(f"step {record['step']:5d} | loss {record['loss']:.4f}{val}{aux} | lr {record['lr']:.2e} | grad norm"
-           f" {record['grad_norm']:.3f}{' (skipped)' if record['skipped'] else ''} | {record['tokens_per_s']:,.0f}"
-           f" tok/s | MFU {record['mfu']:.2%} | {record['step_time_s'] * 1000:.0f} ms")
+    scale = f" | loss scale {record['loss_scale']:g}" if "loss_scale" in record else ""
+    over = "!" if record["mfu"] > 1 else ""  # explained once, below
+    print0(f"step {record['step']:>{len(str(clock.total))}d}/{clock.total} | loss {record['loss']:.4f}{val}{aux}"
+           f" | lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f}{' (skipped)' if record['skipped'] else ''}"
+           f"{scale} | {record['tokens_per_s']:,.0f} tok/s | MFU {record['mfu']:.2%}{over}"
+           f" | {record['step_time_s'] * 1000:.0f} ms | eta {format_duration(clock.eta(record['step']))}")
+    if over and not clock.warned_mfu:
+        clock.warned_mfu = True
+        print0("  ! MFU above 100% cannot be: the peak assumed (see 'peak assumed' above) is too low for this"
+               " device; on a CPU it is measured at start-up and other jobs on the machine lower it; set"
+               " --peak-tflops")
+    clock.printed()
 
 
 @torch.no_grad()
@@ -619,13 +861,16 @@ def print_startup(run: Run):
     activation, how = activation_estimate(run)
     print0(f"activations ≈ {mfu.format_bytes(activation)} per micro-batch (Korthikanti, 16-bit, {how})")
     print0(f"FLOPs/token: model {run.flops.model:,.0f}, hardware {run.flops.hardware:,.0f}  [{run.flops.convention}]")
-    print0(f"peak assumed: {run.peak[0] / 1e12:.2f} TFLOP/s per device ({run.peak[1]})")
+    print0(f"peak assumed: {mfu.format_flops(run.peak[0])}/s per device ({run.peak[1]})")
     for axis in run.axes:
         for line in axis.startup_lines():
             print0(line)
     print0(f"schedule: {run.schedule.describe(run.micro_batches)}")
-    print0("predicted comm per step (op, group: calls, payload M, sent per rank by the ring formulas):")
     predicted = predicted_messages(run)
+    if not predicted:
+        print0("predicted comm per step: none (one process: nothing to send)")
+    else:
+        print0("predicted comm per step (op, group: calls, payload M, sent per rank by the ring formulas):")
     width = max([9, *(len(group) for _, group in predicted)])
     for (op, group), (calls, payload) in sorted(predicted.items(), key=lambda kv: kv[0][::-1]):
         named = [name for name in group.split("=") if name in run.groups]  # "dp_cp=expert_dp": one group
@@ -672,9 +917,9 @@ def print_end(run: Run, steps_run: int, seconds: float, steps_timed: int):
     for axis in run.axes:
         for line in axis.end_lines(run.tracer, steps_run):
             print0(line)
-    if steps_run:
+    predicted, traced = predicted_messages(run, steps_run), run.tracer.records
+    if steps_run and (predicted or traced):
         print0("messages per training step, traced vs predicted (calls, payload):")
-        predicted, traced = predicted_messages(run, steps_run), run.tracer.records
         width = max([9, *(len(group) for _, group in [*predicted, *traced])])
         for key in sorted(set(predicted) | set(traced), key=lambda key: key[::-1]):  # an unpredicted one too
             calls, payload = predicted.get(key, (0, 0))
@@ -684,9 +929,11 @@ def print_end(run: Run, steps_run: int, seconds: float, steps_timed: int):
             mark = "" if same else "   <- differs"
             print0(f"  {key[0]:<22} {key[1]:<{width}} traced {got_calls:>6g} {mfu.format_bytes(got_payload):>12}"
                    f"   predicted {calls:>6g} {mfu.format_bytes(payload):>12}{mark}")
-    print0(f"communication by (phase, collective, group), every collective from the process group's creation to"
-           f" the end (the step's: {steps_run} steps):")
-    print0(run.tracer.table())
+    table = run.tracer.table()
+    if table.strip():
+        print0(f"communication by (phase, collective, group), every collective from the process group's creation"
+               f" to the end (the step's: {steps_run} steps):")
+        print0(table)
     if steps_timed:
         tokens_per_s = run.tokens_per_step * steps_timed / seconds
         world, peak = run.mesh.shape.world_size, run.peak[0]

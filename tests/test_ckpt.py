@@ -570,7 +570,7 @@ def test_flags_are_validated():
     check(["--resume", "latest"], "--resume needs --ckpt-dir")
     check(["--async-ckpt"], "--async-ckpt needs --ckpt-dir")
     check(["--ckpt-dir", "x", "--resume", "newest"], "--resume must be 'latest' or a step number")
-    check(["--ckpt-dir", "x", "--ckpt-every", "-1"], "--ckpt-every must be 0")
+    check(["--ckpt-dir", "x", "--ckpt-every", "-1"], "--ckpt-every must be at least 0")
     check(["--ckpt-dir", "x", "--mtbf-hours", "0"], "--mtbf-hours must be positive")
 
 

@@ -76,7 +76,7 @@ def measured(monkeypatch):
     """Replace the matmul loop (it would need a real GPU) by one that records its arguments."""
     calls = []
 
-    def fake(dtype=torch.bfloat16, n=1024, seconds=0.3, device="cpu"):
+    def fake(dtype=torch.bfloat16, n=1024, seconds=0.3, device="cpu", repeats=1):
         calls.append((dtype, torch.device(device)))
         return 123e12
     monkeypatch.setattr(mfu, "measure_matmul_peak", fake)

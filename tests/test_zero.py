@@ -337,7 +337,7 @@ def test_mixed_precision_holds_2_2_12_bytes(two_rank_checks):
 
 @pytest.mark.parametrize("flags,world,message", [
     (["--zero", "3", "--activation-checkpointing"], 2, "--activation-checkpointing"),
-    (["--zero", "3", "--n-layer", "0"], 2, "--n-layer ≥ 1"),
+    (["--zero", "3", "--n-layer", "0"], 2, "--n-layer must be at least 1"),
     (["--zero", "2", "--pp", "2"], 2, "--zero 2 with --pp 2"),
 ])
 def test_invalid_zero_flags(flags, world, message):
