@@ -622,6 +622,7 @@ class Fp8Handle(Axis):
         self.found_nonfinite_amax = False
         self.steps = 0
         self.first_steps = 0  # delayed steps that scaled like `current` (empty history)
+        self.nonfinite_steps = 0  # steps in which some FP8 tensor had a non-finite amax (skipped everywhere)
         buckets = {}
         for name, linear in linears.items():
             buckets.setdefault(linear.delayed_groups, []).append(name)
@@ -702,6 +703,7 @@ class Fp8Handle(Axis):
                 amax[index] = part
         finite = torch.isfinite(amax).all(dim=1).tolist()  # the one host sync of the step
         self.found_nonfinite_amax = not all(finite)
+        self.nonfinite_steps += self.found_nonfinite_amax
         for row, name in enumerate(names):
             linear = self.linears[name]
             if delayed:
@@ -815,16 +817,11 @@ class Fp8Handle(Axis):
         return lines
 
     def end_lines(self, tracer, steps: int) -> list:
-        """Measured amax all-reduces over `steps` against the prediction (the first delayed step counted)."""
-        predicted = {key: (calls * steps, payload * steps)
-                     for key, (calls, payload) in self.traced_prediction(None, steps).items()}
-        lines = [f"fp8: amax reductions over {steps} steps, measured vs predicted (the traced all_reduce of a"
-                 f" group also holds other axes' messages):"]
-        for (op, group), (calls, payload) in predicted.items():
-            record = tracer.records.get((op, group))
-            lines.append(f"  {op} {group}: predicted {calls:g} calls {payload:g} B; traced in total"
-                         f" {record.calls if record else 0} calls {record.payload_bytes if record else 0} B")
-        return lines + [self.table()]
+        """What only FP8 can say at the end. Its amax reductions are in train.py's message table (traced
+        against every axis's prediction, this one's `traced_prediction`), its scales in the last step's table."""
+        first = f"{self.first_steps} scaled like current (empty history), " if self.recipe.mode == "delayed" else ""
+        return [f"fp8 {self.recipe.mode}: steps {self.steps} ({first}{self.nonfinite_steps} with a non-finite amax,"
+                f" skipped on every rank)"]
 
     @torch.no_grad()
     def table(self) -> str:
