@@ -46,11 +46,15 @@ this rank holds, m micro-batches per step, e_c bytes of a compute-dtype element 
 2. Peak per device: the scaling state, n·(3L + 18)·4 bytes. Each FP8 linear saves its input for backward in
    FP8 (1 byte) instead of the compute dtype: Σ_j M·K_j·(e_c - 1) bytes less per micro-batch in flight, K_j
    its local input width; per GPT layer M·h·(2 + 5/T)·(e_c - 1) (c_attn and c_fc read h, c_proj h/T and
-   4h/T; blockwise adds a float32 scale per 128 values, +3%). The FP8 weight copy kept for backward
-   (Σ_j N_j·K_j bytes) replaces autocast's e_c-byte copy. Under --sp a column layer keeps its gathered input
-   in FP8 (M·h bytes) instead of its bf16 sequence shard (2·M·h/T) and does not re-gather it in backward
-   (`convert` switches ColumnParallelLinear's `regather` off). Temporaries: the fp32 scaled copy of the
-   tensor being quantised (≤ 4·M·4h/T bytes) and, in backward, FP8 transposes of dY, X and W.
+   4h/T; blockwise adds a float32 scale per 128 values, +3%). The weight is quantised once per optimizer
+   step (the step's first micro-batch; `Fp8Linear.weight_codes`, dropped in `end_step`) and shared by every
+   micro-batch in flight: Σ_j N_j·K_j bytes, twice on the per-tensor recipes (dX's column-major copy), in
+   place of autocast's e_c-byte copy. Under --sp a column layer keeps its gathered input in FP8 (M·h bytes)
+   instead of its bf16 sequence shard (2·M·h/T) and does not re-gather it in backward (`convert` switches
+   ColumnParallelLinear's `regather` off). Temporaries: the fp32 scaled copy of the
+   tensor being quantised (≤ 4·M·4h/T bytes) and, in backward, FP8 transposes of dY and X. Under the
+   pipeline's zb each linear keeps dW's operands from I to W: the FP8 dY and X (M·(N_j + K_j) bytes, 16·M·h
+   per layer at T = 1) and db.
 3. Messages (all_reduce MAX, float32, on the critical path, tiny and latency-bound):
      current:   per linear and micro-batch: forward 8 bytes ([amax_x, amax_w]), backward 4 bytes (amax_dY),
                 over cp and over tp (each when its size > 1); activation checkpointing repeats the forward's.
@@ -67,18 +71,21 @@ this rank holds, m micro-batches per step, e_c bytes of a compute-dtype element 
    none), keyed by the linear's global name: `state_dict()` is the same on every rank holding the linear,
    so a checkpoint writes it once and any mesh restores it; a restored run replays bitwise.
 
-What the trainer calls: `check_flags(...)` before any process group, `apply(model, run) -> Fp8Handle`
-after PP and before DDP/ZeRO, `handle.after_grad_sync(layout)` once per optimizer step (it rolls the
-histories), `handle.found_nonfinite_amax` in the world finite check of the update, `handle.table()` every
---log-every steps, `handle.not_recording()` around measurement runs (their amaxes must not enter a step's),
-and the accounting (`startup_lines`, `predicted_messages`, `end_lines`). ZeRO-3's FP8 all-gather:
-`quantize_to_uint8` / `dequantize_from_uint8` with a scale shared by the shards (`scale_from_amax` of the
-MAX-reduced shard amaxes, or the delayed recipe's `handle.weight_scale(name)`, which needs no message).
+What the trainer calls (step.Axis): `check_flags(...)` before any process group, `apply(model, run) ->
+Fp8Handle` after PP and before DDP/ZeRO, `handle.before_step()` (no FP8 weight from before the step is
+used in it), `handle.after_grad_sync(layout)` once per optimizer step (`end_step`: it rolls the histories
+and drops the step's FP8 weights), `handle.local_nonfinite()` in the world finite check of the update,
+`handle.step_lines()` (the scale table) every --log-every steps, `state_pieces` / `state_loaded` for
+checkpoints, and the accounting (`startup_lines`, `predicted_messages`, `traced_prediction`, `end_lines`).
+Amaxes are recorded in training only (a forward with autograd, every backward), so evaluation leaves the
+step's untouched. ZeRO-3's FP8 all-gather (`gather_codecs`): `quantize_to_uint8` / `dequantize_from_uint8`
+with a scale shared by the shards (`scale_from_amax` of the MAX-reduced shard amaxes, or under delayed
+scaling the linear's own `scale[1]`); the linear reads the codes' amax from `gathered_weight_amax`.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -259,74 +266,155 @@ def has_fp8_tensor_cores(device) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 
 
+# Blockwise (DeepSeek-V3): every scale covers 128 consecutive values of the dimension its GEMM contracts, so it
+# factors out of each 128-long partial sum; the weight's 128×128 blocks serve both of its GEMMs.
+#   forward   Y  = X·Wᵀ   contracts K        X [M, K] in 1×128 tiles,   W [N, K] in 128×128 blocks
+#   input     dX = dY·W   contracts N        dY [M, N] in 1×128 tiles,  W as above
+#   weight    dW = dYᵀ·X  contracts M tokens dY [M, N] and X [M, K] in 128×1 tiles
+# Each function below returns (codes, inverse-scale grid [⌈rows/r⌉, ⌈cols/c⌉], amax); tests pin the grids.
+
+
+def blockwise_weight(weight: torch.Tensor):  # W [N, K]: grid [⌈N/128⌉, ⌈K/128⌉]
+    return quantize_tiles(weight, TILE_WEIGHT)
+
+
+def blockwise_input(x: torch.Tensor):  # the forward's X [M, K]: grid [M, ⌈K/128⌉]
+    return quantize_tiles(x, TILE_ACTIVATION)
+
+
+def blockwise_grad_output(dy: torch.Tensor):  # dX's dY [M, N]: grid [M, ⌈N/128⌉]
+    return quantize_tiles(dy, TILE_ACTIVATION)
+
+
+def blockwise_weight_grad_operands(dy: torch.Tensor, qx: torch.Tensor, ix: torch.Tensor, wide: torch.dtype):
+    """dW's operands, both in 128×1 tiles along the tokens: (dY codes, grid [⌈M/128⌉, N], X codes, grid
+    [⌈M/128⌉, K]). X is re-tiled from its forward codes (the only X kept)."""
+    qdy_t, idy_t, _ = quantize_tiles(dy, TILE_ACTIVATION_T)
+    qx_t, ix_t, _ = quantize_tiles(dequantize_tiles(qx, ix, TILE_ACTIVATION, wide), TILE_ACTIVATION_T)
+    return qdy_t, idy_t, qx_t, ix_t
+
+
+def weight_gradient(layer, operands: tuple, wide: torch.dtype) -> torch.Tensor:
+    """dW = dYᵀ·X from the backward's FP8 operands (dY codes, their inverse scale(s), X codes, theirs), in the
+    weight's dtype. Called by the backward, or later by the pipeline's W (zb)."""
+    qdy, idy, qx, ix = operands
+    if layer.recipe.mode == "blockwise":
+        dy_t = dequantize_tiles(qdy, idy, TILE_ACTIVATION_T, wide)
+        x_t = dequantize_tiles(qx, ix, TILE_ACTIVATION_T, wide)
+        return (dy_t.t() @ x_t).to(layer.weight.dtype)
+    return scaled_matmul(qdy.t().contiguous(), idy, qx.t().contiguous().t(), ix, layer.weight.dtype,
+                         layer.use_scaled_mm, "weight gradient dW = dYᵀ·X")
+
+
+def _deferred_weight_grads(layer, operands: tuple, wide: torch.dtype, db) -> list:
+    """The pipeline's W for an FP8 linear: [(weight, dW), (bias, db)] (db was summed in I, from the exact dY)."""
+    pairs = [(layer.weight, weight_gradient(layer, operands, wide))]
+    return pairs + ([(layer.bias, db)] if db is not None else [])
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
-    """Y = X·Wᵀ + b with X, W in E4M3 and dY in E5M2 (blockwise: all E4M3); saves X and W in FP8."""
+    """Y = X·Wᵀ + b with X, W in E4M3 and dY in E5M2 (blockwise: all E4M3); saves X in FP8 and uses the step's
+    FP8 weight (the linear's cache, `Fp8Linear.weight_codes`) in both passes.
+
+    store: the pipeline's WeightGradStore under zb (the weight and bias then arrive detached): backward computes
+    dX now and hands the store a callable for dW and db, which keeps dW's FP8 operands (dY, X, their scales) and
+    db until the W action."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, out_dtype, training):
+    def forward(ctx, x, weight, bias, layer, out_dtype, training, store):
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         layer.check_shapes(x2.shape[0], training)
         with torch.autocast(x.device.type, enabled=False):
+            codes = layer.cached_weight_codes(weight)  # None: the step's first micro-batch (or a new weight)
             if layer.recipe.mode == "blockwise":
-                qx, ix, amax_x = quantize_tiles(x2, TILE_ACTIVATION)
-                qw, iw, amax_w = quantize_tiles(weight, TILE_WEIGHT)
-                smallest = torch.stack([ix.max(), iw.max()]).reciprocal()  # the tiles with the largest amax
-                layer.observe(FORWARD, torch.stack([amax_x, amax_w]), smallest, record=training)
+                if codes is None:
+                    qw, iw, amax_w = blockwise_weight(weight)
+                    codes = layer.cache_weight_codes(weight, qw, amax_w, inverse_scales=iw)
+                qx, ix, amax_x = blockwise_input(x2)
+                smallest = torch.stack([ix.max(), codes.inverse_scales.max()]).reciprocal()  # largest-amax tiles
+                layer.observe(FORWARD, torch.stack([amax_x, codes.amax]), smallest, record=training)
                 wide = _wide(out_dtype)
                 y = (dequantize_tiles(qx, ix, TILE_ACTIVATION, wide)
-                     @ dequantize_tiles(qw, iw, TILE_WEIGHT, wide).t()).to(out_dtype)
+                     @ dequantize_tiles(codes.q, codes.inverse_scales, TILE_WEIGHT, wide).t()).to(out_dtype)
             else:
-                # ZeRO-3 gathered the weight as E4M3 codes: its amax is the one the codes were scaled with.
-                amax_w = layer.gathered_weight_amax
-                amax = torch.stack([amax_of(x2), amax_of(weight) if amax_w is None else amax_w])
-                scale = layer.scales(FORWARD, amax)
+                if codes is not None:
+                    amax_w = codes.amax
+                elif layer.gathered_weight_amax is not None:  # ZeRO-3 gathered E4M3 codes scaled with this amax
+                    amax_w = layer.gathered_weight_amax
+                else:
+                    amax_w = amax_of(weight)
+                amax = torch.stack([amax_of(x2), amax_w])
+                scale = layer.scales(FORWARD, amax)  # the weight's is the same for every micro-batch of a step
                 qx, sat_x = quantize(x2, E4M3, scale[0], layer.counts_saturation)
-                qw, sat_w = quantize(weight, E4M3, scale[1], layer.counts_saturation)
-                layer.observe(FORWARD, amax, scale, (sat_x, sat_w), (qx.numel(), qw.numel()), training)
-                ix, iw = scale.to(_wide(out_dtype)).reciprocal()  # float32 on the GPU path
-                y = scaled_matmul(qx, ix, qw.t(), iw, out_dtype, layer.use_scaled_mm, "forward Y = X·Wᵀ")
+                if codes is None:
+                    qw, sat_w = quantize(weight, E4M3, scale[1], layer.counts_saturation)
+                    codes = layer.cache_weight_codes(weight, qw, amax_w, scale=scale[1], saturated=sat_w)
+                layer.observe(FORWARD, amax, scale, (sat_x, codes.saturated), (qx.numel(), codes.q.numel()),
+                              training)
+                wide = _wide(out_dtype)  # float32 inverse scales on the GPU path
+                ix, iw = scale[0].to(wide).reciprocal(), codes.scale.to(wide).reciprocal()
+                y = scaled_matmul(qx, ix, codes.q.t(), iw, out_dtype, layer.use_scaled_mm, "forward Y = X·Wᵀ")
             if bias is not None:
                 y = y + bias.to(out_dtype)
-        ctx.save_for_backward(qx, ix, qw, iw)  # the input kept in FP8: the activation-memory saving
-        ctx.layer, ctx.out_dtype, ctx.x_dtype, ctx.has_bias = layer, out_dtype, x.dtype, bias is not None
+        ctx.save_for_backward(qx, ix)  # the input kept in FP8: the activation-memory saving
+        ctx.layer, ctx.codes, ctx.store, ctx.out_dtype, ctx.x_dtype = layer, codes, store, out_dtype, x.dtype
+        ctx.has_bias = layer.bias is not None
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        qx, ix, qw, iw = ctx.saved_tensors
-        layer, out_dtype = ctx.layer, ctx.out_dtype
+        qx, ix = ctx.saved_tensors
+        layer, codes, store, wide = ctx.layer, ctx.codes, ctx.store, _wide(ctx.out_dtype)
         dy = grad.reshape(-1, grad.shape[-1])  # [M, N]
-        dx = dw = None
+        wants_dw = ctx.needs_input_grad[1] or store is not None
+        dx = operands = None
         with torch.autocast(grad.device.type, enabled=False):
             if layer.recipe.mode == "blockwise":
-                wide = _wide(out_dtype)
                 amax = amax_of(dy)
                 layer.observe(BACKWARD, amax.view(1), scale_from_amax(amax, E4M3.max).view(1))
-                if ctx.needs_input_grad[0]:  # dX = dY·W, dY tiled along N (the contracted dimension)
-                    qdy, idy, _ = quantize_tiles(dy, TILE_ACTIVATION)
+                if ctx.needs_input_grad[0]:
+                    qdy, idy, _ = blockwise_grad_output(dy)
                     dx = (dequantize_tiles(qdy, idy, TILE_ACTIVATION, wide)
-                          @ dequantize_tiles(qw, iw, TILE_WEIGHT, wide)).to(out_dtype)
-                if ctx.needs_input_grad[1]:  # dW = dYᵀ·X, both tiled along tokens: X re-tiled 1×128 → 128×1
-                    qdy_t, idy_t, _ = quantize_tiles(dy, TILE_ACTIVATION_T)
-                    qx_t, ix_t, _ = quantize_tiles(dequantize_tiles(qx, ix, TILE_ACTIVATION, wide), TILE_ACTIVATION_T)
-                    dw = (dequantize_tiles(qdy_t, idy_t, TILE_ACTIVATION_T, wide).t()
-                          @ dequantize_tiles(qx_t, ix_t, TILE_ACTIVATION_T, wide))
+                          @ dequantize_tiles(codes.q, codes.inverse_scales, TILE_WEIGHT, wide)).to(ctx.out_dtype)
+                if wants_dw:
+                    operands = blockwise_weight_grad_operands(dy, qx, ix, wide)
             else:
                 amax = amax_of(dy).view(1)
                 scale = layer.scales(BACKWARD, amax)
                 qdy, sat = quantize(dy, E5M2, scale[0], layer.counts_saturation)
                 layer.observe(BACKWARD, amax, scale, (sat,), (qdy.numel(),))
-                idy = scale[0].to(_wide(out_dtype)).reciprocal()
+                idy = scale[0].to(wide).reciprocal()
                 if ctx.needs_input_grad[0]:
-                    dx = scaled_matmul(qdy, idy, qw.t().contiguous().t(), iw, out_dtype, layer.use_scaled_mm,
-                                       "input gradient dX = dY·W")
-                if ctx.needs_input_grad[1]:
-                    dw = scaled_matmul(qdy.t().contiguous(), idy, qx.t().contiguous().t(), ix,
-                                       layer.weight.dtype, layer.use_scaled_mm, "weight gradient dW = dYᵀ·X")
+                    dx = scaled_matmul(qdy, idy, codes.column_major(), codes.scale.to(wide).reciprocal(),
+                                       ctx.out_dtype, layer.use_scaled_mm, "input gradient dX = dY·W")
+                operands = (qdy, idy, qx, ix)
+            wants_db = ctx.has_bias and (ctx.needs_input_grad[2] or store is not None)
+            db = dy.sum(0, dtype=layer.bias.dtype) if wants_db else None
         dx = None if dx is None else dx.to(ctx.x_dtype).view(*grad.shape[:-1], qx.shape[1])
-        dw = None if dw is None else dw.to(layer.weight.dtype)
-        db = dy.sum(0, dtype=layer.bias.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None
+        if store is not None:  # zb's I: dW and db wait for the W action
+            store.defer(functools.partial(_deferred_weight_grads, layer, operands, wide, db))
+            return dx, None, None, None, None, None, None
+        dw = weight_gradient(layer, operands, wide) if ctx.needs_input_grad[1] else None
+        return dx, dw, db, None, None, None, None
+
+
+class WeightCodes:
+    """A weight in FP8 for one optimizer step: quantised by the step's first micro-batch, used by every forward
+    and backward of the step (the weight does not change within it). `source` records what it was made from
+    (Fp8Linear.cached_weight_codes compares it); the column-major copy dX needs is built by the first backward.
+    Per tensor: `scale` s; blockwise: `inverse_scales` per 128×128 block."""
+
+    def __init__(self, q, scale, inverse_scales, amax, saturated, source, gathered_amax):
+        self.q, self.scale, self.inverse_scales = q, scale, inverse_scales  # q [N, K] row-major
+        self.amax, self.saturated = amax, saturated
+        self.source, self.gathered_amax = source, gathered_amax
+        self._column_major = None
+
+    def column_major(self) -> torch.Tensor:
+        """W [N, K] with N contiguous: _scaled_mm's second operand of dX = dY·W."""
+        if self._column_major is None:
+            self._column_major = self.q.t().contiguous().t()
+        return self._column_major
 
 
 class Fp8Linear(nn.Linear):
@@ -336,7 +424,12 @@ class Fp8Linear(nn.Linear):
     amax_groups: the process groups over which pieces of this linear's tensors are spread (cp, tp): current
     scaling MAX-reduces amaxes over them. gemm: "auto" (_scaled_mm on FP8 tensor cores, else emulated),
     "emulated", or "scaled_mm" (forced: tests run it on CPU to check the GPU path's operands and scales).
+
+    Under the pipeline's zb schedule it defers its own weight gradient (`defers_weight_grad`: the store does
+    not patch its forward): with `weight_grad_store` set, its backward leaves dW and db to the store's W.
     """
+
+    defers_weight_grad = True
 
     def __init__(self, linear: nn.Linear, recipe: Recipe, name: str = "", amax_groups=(), gemm: str = "auto"):
         nn.Module.__init__(self)  # no new parameters: keep the wrapped linear's
@@ -354,8 +447,9 @@ class Fp8Linear(nn.Linear):
         self.last_scale = torch.ones(3, device=device)  # the scale last used, for the table
         self.saturated = torch.zeros(3, dtype=torch.int64, device=device)  # since the last table
         self.quantized = [0, 0, 0]
-        self.recording = True
         self.gathered_weight_amax = None  # set by ZeRO-3 while it holds this weight gathered from FP8 codes
+        self.weight_codes = None  # this step's FP8 weight (WeightCodes), dropped when the step ends
+        self.weight_grad_store = None  # the pipeline's WeightGradStore under zb (set by its install)
         self.counts_saturation = recipe.mode == "delayed"  # current and blockwise cannot saturate
         blockwise_or_double = recipe.mode == "blockwise" or linear.weight.dtype == torch.float64
         self.use_scaled_mm = (gemm == "scaled_mm" or (gemm == "auto" and has_fp8_tensor_cores(device))) \
@@ -365,7 +459,11 @@ class Fp8Linear(nn.Linear):
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, training)
+        store = self.weight_grad_store if training and x.requires_grad else None
+        weight, bias = self.weight, self.bias
+        if store is not None:  # zb: autograd reaches the parameters only through the store's W
+            weight, bias = weight.detach(), None if bias is None else bias.detach()
+        return _Fp8LinearFunction.apply(x, weight, bias, self, out_dtype, training, store)
 
     def extra_repr(self) -> str:
         gemm = "_scaled_mm" if self.use_scaled_mm else "emulated"
@@ -376,6 +474,25 @@ class Fp8Linear(nn.Linear):
         if errors:
             raise ValueError(f"FP8 linear {self.name or ''} [{self.out_features}×{self.in_features}]: "
                              + "; ".join(errors) + " (torch._scaled_mm's rules, checked on every device)")
+
+    def _weight_source(self, weight: torch.Tensor) -> tuple:
+        """What the FP8 weight depends on: the tensor (address, in-place version: a step, a checkpoint load)
+        and the delayed scale (its version: a roll, a restored state). ZeRO-3's gathered amax is compared by
+        identity (a regather sets a new one)."""
+        return weight.data_ptr(), weight._version, self.scale._version, self.history_ready
+
+    def cached_weight_codes(self, weight: torch.Tensor):
+        """This step's WeightCodes when they were made from this very weight, else None."""
+        codes = self.weight_codes
+        if codes is None or codes.source != self._weight_source(weight):
+            return None
+        return codes if codes.gathered_amax is self.gathered_weight_amax else None
+
+    def cache_weight_codes(self, weight, q, amax, scale=None, inverse_scales=None, saturated=None):
+        """Keep the weight's FP8 codes until the step ends (Fp8Handle.end_step) or the weight changes."""
+        self.weight_codes = WeightCodes(q, scale, inverse_scales, amax, saturated, self._weight_source(weight),
+                                        self.gathered_weight_amax)
+        return self.weight_codes
 
     def scales(self, roles: slice, amax: torch.Tensor) -> torch.Tensor:
         """The scales to quantise `roles` with now: the delayed ones, or from the amaxes reduced over the
@@ -389,8 +506,8 @@ class Fp8Linear(nn.Linear):
 
     def observe(self, roles: slice, amax, scale, saturated=(), counts=(), record: bool = True) -> None:
         """Record this quantisation's local amaxes (max over the step) and statistics: in training (a forward
-        with autograd, every backward), not in evaluation, nor inside `Fp8Handle.not_recording()`."""
-        if not (record and self.recording):
+        with autograd, every backward), not in evaluation."""
+        if not record:
             return
         self.step_amax[roles] = torch.maximum(self.step_amax[roles], amax)  # NaN propagates
         self.last_scale[roles] = scale.detach().float()
@@ -505,14 +622,23 @@ class Fp8Handle(Axis):
         self.found_nonfinite_amax = False
         self.steps = 0
         self.first_steps = 0  # delayed steps that scaled like `current` (empty history)
+        self.nonfinite_steps = 0  # steps in which some FP8 tensor had a non-finite amax (skipped everywhere)
         buckets = {}
         for name, linear in linears.items():
             buckets.setdefault(linear.delayed_groups, []).append(name)
         self.buckets = sorted(buckets.items())  # the same order on every rank
 
+    def before_step(self) -> None:
+        """A step begins: no FP8 weight made before it (an evaluation, a checkpoint load) is used in it."""
+        self.drop_weight_codes()
+
     def after_grad_sync(self, layout) -> None:
         """Called once per optimizer step after the gradient reduction: see `end_step`."""
         self.end_step()
+
+    def drop_weight_codes(self) -> None:
+        for linear in self.linears.values():
+            linear.weight_codes = None
 
     def local_nonfinite(self):
         """The update's world finite check counts it: a non-finite amax on any rank skips the step everywhere."""
@@ -556,11 +682,13 @@ class Fp8Handle(Axis):
     @torch.no_grad()
     def end_step(self) -> None:
         """Close the step: reduce (delayed: MAX over each linear's gradient group and tp) the amaxes of this
-        step, set `found_nonfinite_amax`, roll the finite ones into the histories, start the next step. The
-        roll does not wait for the update's verdict: a step skipped for another reason (an fp16 overflow)
-        still records what its tensors were, as Transformer Engine does."""
+        step, set `found_nonfinite_amax`, roll the finite ones into the histories, drop the step's FP8 weights
+        (the optimizer step comes next), start the next step. The roll does not wait for the update's verdict:
+        a step skipped for another reason (an fp16 overflow) still records what its tensors were, as
+        Transformer Engine does."""
         if not self.linears:
             return
+        self.drop_weight_codes()
         names = list(self.linears)
         amax = torch.stack([self.linears[n].step_amax for n in names])  # [n, 3]
         amax = torch.nan_to_num(amax, nan=float("inf"), posinf=float("inf"))  # MAX must not drop a NaN
@@ -575,6 +703,7 @@ class Fp8Handle(Axis):
                 amax[index] = part
         finite = torch.isfinite(amax).all(dim=1).tolist()  # the one host sync of the step
         self.found_nonfinite_amax = not all(finite)
+        self.nonfinite_steps += self.found_nonfinite_amax
         for row, name in enumerate(names):
             linear = self.linears[name]
             if delayed:
@@ -585,23 +714,6 @@ class Fp8Handle(Axis):
     def gather_codecs(self) -> dict:
         """{weight parameter: its Fp8Linear}: ZeRO-3 gathers these weights in FP8 (zero.py, `codecs`)."""
         return {} if self.recipe.mode == "blockwise" else {lin.weight: lin for lin in self.linears.values()}
-
-    def weight_scale(self, name: str) -> torch.Tensor | None:
-        """The scale the delayed recipe quantises weight `name` with this step (ZeRO-3's FP8 gather can use
-        it without a message); None when the scale comes from the current amax."""
-        linear = self.linears[name]
-        return linear.scale[1] if self.recipe.mode == "delayed" and linear.history_ready else None
-
-    @contextmanager
-    def not_recording(self):
-        """Forwards inside record nothing (a measurement run must not enter the step's amaxes)."""
-        for linear in self.linears.values():
-            linear.recording = False
-        try:
-            yield
-        finally:
-            for linear in self.linears.values():
-                linear.recording = True
 
     # --- checkpoint state ---------------------------------------------------------------------------------
 
@@ -705,16 +817,11 @@ class Fp8Handle(Axis):
         return lines
 
     def end_lines(self, tracer, steps: int) -> list:
-        """Measured amax all-reduces over `steps` against the prediction (the first delayed step counted)."""
-        predicted = {key: (calls * steps, payload * steps)
-                     for key, (calls, payload) in self.traced_prediction(None, steps).items()}
-        lines = [f"fp8: amax reductions over {steps} steps, measured vs predicted (the traced all_reduce of a"
-                 f" group also holds other axes' messages):"]
-        for (op, group), (calls, payload) in predicted.items():
-            record = tracer.records.get((op, group))
-            lines.append(f"  {op} {group}: predicted {calls:g} calls {payload:g} B; traced in total"
-                         f" {record.calls if record else 0} calls {record.payload_bytes if record else 0} B")
-        return lines + [self.table()]
+        """What only FP8 can say at the end. Its amax reductions are in train.py's message table (traced
+        against every axis's prediction, this one's `traced_prediction`), its scales in the last step's table."""
+        first = f"{self.first_steps} scaled like current (empty history), " if self.recipe.mode == "delayed" else ""
+        return [f"fp8 {self.recipe.mode}: steps {self.steps} ({first}{self.nonfinite_steps} with a non-finite amax,"
+                f" skipped on every rank)"]
 
     @torch.no_grad()
     def table(self) -> str:

@@ -13,12 +13,15 @@ remainder of m mod P joins the last group). `zb`: 1F1B with B split into I and W
 deferred and runs them at the end, where 1F1B idles.
 
 How zb defers W: every nn.Linear of a chunk (the head, and the inner linears of tensor_parallel's
-Column/RowParallelLinear alike) gets a forward that applies `_LinearInputGradOnly` with the parameters
-detached; its backward returns dL/dx = dL/dy·A and stashes (linear, x, dL/dy) in the WeightGradStore, and W
-computes dL/dA = dL/dyᵀ·x, dL/db = Σ dL/dy and hands them to autograd's AccumulateGrad, so a layout's
-gradient hooks see ordinary gradients. LayerNorm and embedding gradients stay in I. Cost: no extra FLOPs;
-x and dL/dy of each linear (≈16·b·s·h elements per layer) are held from I to W (under SP the gathered x,
-under autocast the 16-bit copies, cast once per micro-batch), plus one Python autograd node per linear.
+Column/RowParallelLinear alike) runs with its parameters detached, so its backward returns dL/dx = dL/dy·A
+and hands the WeightGradStore a callable for its weight gradient; W calls it (dL/dA = dL/dyᵀ·x, dL/db =
+Σ dL/dy) and hands the results to autograd's AccumulateGrad, so a layout's gradient hooks see ordinary
+gradients. A plain linear gets a forward that applies `_LinearInputGradOnly` (its callable keeps x and
+dL/dy); fp8.Fp8Linear defers by itself (its callable keeps the FP8 dL/dy and x with their scales, and db,
+and runs the FP8 GEMM in W). LayerNorm and embedding gradients stay in I. Cost: no extra FLOPs; x and dL/dy
+of each linear (≈16·b·s·h elements per layer) are held from I to W (under SP the gathered x, under
+autocast the 16-bit copies, cast once per micro-batch; under FP8 one byte each), plus one Python autograd
+node per linear.
 
 P2P: an F sends its output to the next chunk's rank, a B/I its input gradient to the previous one's.
 `communication_plan` has every rank post a receive as soon as, in a uniform-cost simulation of all the
@@ -307,7 +310,8 @@ def last_backwards(steps: list) -> set:
 
 class _LinearInputGradOnly(torch.autograd.Function):
     """y = x·Aᵀ + b with A, b detached: autograd reaches the parameters only through `WeightGradStore.apply`.
-    Backward returns dL/dx and stashes (linear, x, dL/dy): for a later W inside an I, at once elsewhere."""
+    Backward returns dL/dx and hands the store the weight gradient (x and dL/dy): for a later W inside an I,
+    at once elsewhere."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, linear, store):
@@ -318,11 +322,15 @@ class _LinearInputGradOnly(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        if ctx.store.captured is not None:
-            ctx.store.captured.append((ctx.linear, x, grad_out))
-        else:
-            ctx.store.apply([(ctx.linear, x, grad_out)])
+        ctx.store.defer(functools.partial(_linear_weight_grads, ctx.linear, x, grad_out))
         return grad_out.matmul(weight), None, None, None, None
+
+
+def _linear_weight_grads(linear: nn.Linear, x, grad_out) -> list:
+    """A plain linear's W: [(A, dL/dyᵀ·x), (b, Σ dL/dy)] over the tokens."""
+    grad_out = grad_out.reshape(-1, grad_out.shape[-1])
+    pairs = [(linear.weight, grad_out.t().matmul(x.reshape(-1, x.shape[-1])))]
+    return pairs + ([(linear.bias, grad_out.sum(0))] if linear.bias is not None else [])
 
 
 def _deferred_linear_forward(linear: nn.Linear, store, x):
@@ -339,17 +347,24 @@ def _deferred_linear_forward(linear: nn.Linear, store, x):
 
 
 class WeightGradStore:
-    """The W half of ZB's backward: what every patched linear stashed during an I, applied later."""
+    """The W half of ZB's backward: the weight gradients linears hand over during an I, applied later.
+
+    One protocol for every linear: its backward calls `defer(weight_grads)` with a callable returning
+    [(parameter, gradient)]; a plain nn.Linear does it through the forward `install` gives it, a linear that
+    `defers_weight_grad` by itself (fp8.Fp8Linear: its callable keeps the FP8 dY and X) reads
+    `weight_grad_store`."""
 
     def __init__(self):
         self.captured = None  # a list while an I runs
 
     def install(self, module: nn.Module) -> None:
-        """Give every nn.Linear inside `module` the deferring forward (idempotent)."""
+        """Point every nn.Linear inside `module` at this store (idempotent); give those that do not defer by
+        themselves the deferring forward."""
         for linear in module.modules():
             if isinstance(linear, nn.Linear) and getattr(linear, "weight_grad_store", None) is not self:
                 linear.weight_grad_store = self
-                linear.forward = functools.partial(_deferred_linear_forward, linear, self)
+                if not getattr(linear, "defers_weight_grad", False):
+                    linear.forward = functools.partial(_deferred_linear_forward, linear, self)
 
     @contextmanager
     def capture(self):
@@ -359,18 +374,20 @@ class WeightGradStore:
         finally:
             self.captured = None
 
+    def defer(self, weight_grads) -> None:
+        """A backward's weight gradients (a callable → [(parameter, gradient)]): kept for W inside an I,
+        accumulated at once elsewhere."""
+        if self.captured is not None:
+            self.captured.append(weight_grads)
+        else:
+            self.apply([weight_grads])
+
     @staticmethod
     def apply(entries: list) -> None:
-        """W: dL/dA = dL/dyᵀ·x, dL/db = Σ dL/dy, accumulated by autograd (so layout hooks fire)."""
-        params, grads = [], []
-        for linear, x, grad_out in entries:
-            grad_out = grad_out.reshape(-1, grad_out.shape[-1])
-            params.append(linear.weight), grads.append(grad_out.t().matmul(x.reshape(-1, x.shape[-1])))
-            if linear.bias is not None:
-                params.append(linear.bias), grads.append(grad_out.sum(0))
-        grads = [g.to(p.dtype) for p, g in zip(params, grads)]
-        if params:
-            torch.autograd.backward(params, grads)
+        """W: compute the entries' gradients and let autograd accumulate them (so layout hooks fire)."""
+        pairs = [pair for weight_grads in entries for pair in weight_grads()]
+        if pairs:
+            torch.autograd.backward([p for p, _ in pairs], [g.to(p.dtype) for p, g in pairs])
 
 
 # ---------------------------------------------------------------------------------------------------------

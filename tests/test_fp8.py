@@ -17,6 +17,7 @@ compare with the CPU reference at 1e-10); the one-process tests check the numeri
 
 import functools
 import io
+from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -148,6 +149,41 @@ def test_check_flags_name_the_flag():
         with pytest.raises(ValueError, match=text):
             fp8.check_flags(SimpleNamespace(**{**vars(args), **overrides}), config,
                             **{"micro": 2, "seq_len": 16, **mesh})
+
+
+def test_blockwise_tiles_run_along_each_gemms_contracted_dimension():
+    """DeepSeek-V3's tiles: one scale per 128 values of the dimension each GEMM contracts. At M = 256 tokens,
+    K = 384, N = 128 a tile along the wrong dimension gives another grid: the forward's X [256, 384] has
+    [256, 3] scales (1×128 along K), W [128, 384] [1, 3] (128×128 blocks), dX = dY·W's dY [256, 128] [256, 1]
+    (1×128 along N), and dW = dYᵀ·X contracts the 256 tokens: dY [2, 128] and X [2, 384] (128×1 tiles). The
+    blockwise FP8 linear computes its three GEMMs from exactly these operands (bitwise)."""
+    M, K, N, f64 = 256, 384, 128, torch.float64
+    torch.manual_seed(0)
+    x, dy = torch.randn(M, K, dtype=f64), torch.randn(M, N, dtype=f64)
+    plain = nn.Linear(K, N, dtype=f64)
+    qw, iw, _ = fp8.blockwise_weight(plain.weight.detach())
+    qx, ix, _ = fp8.blockwise_input(x)
+    qdy, idy, _ = fp8.blockwise_grad_output(dy)
+    qdy_t, idy_t, qx_t, ix_t = fp8.blockwise_weight_grad_operands(dy, qx, ix, f64)
+    grids = {"W": iw.shape, "X": ix.shape, "dY of dX": idy.shape, "dY of dW": idy_t.shape, "X of dW": ix_t.shape}
+    assert grids == {"W": (1, 3), "X": (256, 3), "dY of dX": (256, 1), "dY of dW": (2, 128), "X of dW": (2, 384)}
+    # A tile's inverse scale is its own amax / 448: dW's dY tiles hold 128 tokens of one output column.
+    tile_amax = dy.abs().view(2, 128, N).amax(dim=1)
+    torch.testing.assert_close(idy_t, tile_amax / fp8.E4M3.max, rtol=1e-6, atol=0)
+
+    layer = fp8.Fp8Linear(plain, fp8.Recipe("blockwise"), "layer")
+    x_leaf = x.clone().requires_grad_()
+    y = layer(x_leaf)
+    y.backward(dy)
+
+    def dq(q, inverse, tile):
+        return fp8.dequantize_tiles(q, inverse, tile, f64)
+
+    w = dq(qw, iw, fp8.TILE_WEIGHT)
+    assert torch.equal(y, dq(qx, ix, fp8.TILE_ACTIVATION) @ w.t() + plain.bias)
+    assert torch.equal(x_leaf.grad, dq(qdy, idy, fp8.TILE_ACTIVATION) @ w)
+    dw = dq(qdy_t, idy_t, fp8.TILE_ACTIVATION_T).t() @ dq(qx_t, ix_t, fp8.TILE_ACTIVATION_T)
+    assert torch.equal(plain.weight.grad, dw)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -286,8 +322,10 @@ def _saved_bytes(fn):
 
 
 def test_inputs_saved_in_fp8_and_counted():
-    """Under bf16 autocast a plain block saves each linear's input and weight in bf16; the FP8 block saves
-    both in FP8 (+ two float32 scales per linear). The measured difference is the handle's formula."""
+    """Under bf16 autocast a plain block saves each linear's input and weight in bf16; the FP8 block saves the
+    input in FP8 (+ a float32 scale per linear), its FP8 weight being the step's cache on the linear (not an
+    activation: one copy per step, whatever the micro-batches in flight). The measured difference is the
+    handle's formula."""
     from model import GPT
 
     config = make_config(n_embd=64)
@@ -301,8 +339,9 @@ def test_inputs_saved_in_fp8_and_counted():
     linears = [lin for name, lin in handle.linears.items() if name.startswith("transformer.h.0.")]
     weights = sum(lin.weight.numel() for lin in linears)
     block_handle = fp8.Fp8Handle(None, handle.recipe, {lin.name: lin for lin in linears})
-    predicted = block_handle.saved_input_bytes(2 * SEQ, 2)["saved"] + weights * (2 - 1) - 8 * len(linears)
+    predicted = block_handle.saved_input_bytes(2 * SEQ, 2)["saved"] + weights * 2 - 4 * len(linears)
     assert measured[False] - measured[True] == predicted
+    assert all(lin.weight_codes.q.numel() == lin.weight.numel() for lin in linears)  # held by the linear
 
 
 def test_zero3_uint8_shards_share_one_scale():
@@ -319,6 +358,116 @@ def test_zero3_uint8_shards_share_one_scale():
     dequantized = fp8.dequantize_from_uint8(gathered, scale, torch.float32)
     requantized, _ = fp8.quantize(dequantized, fp8.E4M3, fp8.scale_from_amax(fp8.amax_of(dequantized), 448.0))
     assert torch.equal(requantized.view(torch.uint8), gathered)
+
+
+class _WeightQuantisations:
+    """Counts fp8.quantize / quantize_tiles calls on a registered weight (by its storage), per name."""
+
+    def __init__(self, monkeypatch):
+        self.names, self.counts = {}, defaultdict(int)
+        for function in ("quantize", "quantize_tiles"):
+            original = getattr(fp8, function)
+
+            def counting(x, *args, original=original, **kwargs):
+                if x.data_ptr() in self.names:
+                    self.counts[self.names[x.data_ptr()]] += 1
+                return original(x, *args, **kwargs)
+
+            monkeypatch.setattr(fp8, function, counting)
+
+    def register(self, linears: dict, prefix: str) -> None:
+        self.names.update({linear.weight.data_ptr(): (prefix, name) for name, linear in linears.items()})
+
+    def take(self) -> dict:
+        counts, self.counts = dict(self.counts), defaultdict(int)
+        return counts
+
+
+@pytest.mark.parametrize("mode", fp8.MODES)
+def test_weight_quantised_once_per_step_bitwise_as_uncached(mode, monkeypatch):
+    """m = 4 micro-batches: each linear quantises its weight once per step (the first micro-batch's forward;
+    the other forwards and every backward reuse it), and the run is bitwise the uncached one (each forward
+    quantising afresh): losses, parameters, the FP8 state and the scale table (saturation counted as before)."""
+    from model import GPT
+    from optim import adamw_param_groups
+
+    m, steps = 4, 2
+    counter = _WeightQuantisations(monkeypatch)
+    runs = {}
+    for cached in (True, False):
+        model = GPT(make_config(), seed=0, dtype=torch.float64)
+        handle = fp8.convert(model, fp8.Recipe(mode))
+        counter.register(handle.linears, "cached" if cached else "uncached")
+        if not cached:
+            for linear in handle.linears.values():
+                linear.register_forward_pre_hook(lambda module, args: setattr(module, "weight_codes", None))
+        optimizer = torch.optim.AdamW(adamw_param_groups(model.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"])
+        losses, counts = [], []
+        for x, y in global_batches(steps, m * MICRO, SEQ):
+            handle.before_step()
+            for xb, yb in zip(x.chunk(m), y.chunk(m)):
+                _, loss_sum, _ = model(xb, yb)
+                (loss_sum / (y != -1).sum()).backward()
+                losses.append(loss_sum.detach())
+            handle.after_grad_sync(None)
+            counts.append(counter.take())
+            optimizer.step()
+            optimizer.zero_grad()
+        runs[cached] = (losses, list(model.parameters()), handle.state_dict(), handle.table(), counts)
+    (losses, params, state, table, counts), (losses_u, params_u, state_u, table_u, counts_u) = runs[True], runs[False]
+    n = len(fp8.convert(GPT(make_config(), seed=0), fp8.Recipe(mode)).linears)
+    assert all(len(c) == n and set(c.values()) == {1} for c in counts), counts  # was m = 4 before the cache
+    assert all(len(c) == n and set(c.values()) == {m} for c in counts_u)  # the counter sees every quantisation
+    assert all(torch.equal(a, b) for a, b in zip(losses, losses_u))
+    assert all(torch.equal(a, b) for a, b in zip(params, params_u))
+    assert state.keys() == state_u.keys() and all(torch.equal(state[k], state_u[k]) for k in state)
+    assert table == table_u
+
+
+def test_cached_weight_is_made_again_when_the_weight_changes():
+    """The step's FP8 weight is never stale: it is made again after an in-place change (an optimizer step, a
+    checkpoint load: the tensor's version), for another tensor (a `.data` swap), when ZeRO-3 regathered it (a
+    new gathered amax), after a delayed roll (the scale's version), and when a step ends or begins."""
+    torch.manual_seed(0)
+    plain = nn.Linear(64, 32, dtype=torch.float64)
+    recipe = fp8.Recipe("delayed")
+    layer = fp8.Fp8Linear(plain, recipe, "layer")
+    handle = fp8.Fp8Handle(None, recipe, {"layer": layer})
+    x = torch.randn(16, 64, dtype=torch.float64)
+
+    def uncached():
+        layer.weight_codes = None
+        return layer(x)
+
+    def made_again(change) -> bool:
+        layer(x)
+        before = layer.weight_codes
+        change()
+        y = layer(x)
+        return layer.weight_codes is not before and torch.equal(y, uncached())
+
+    layer(x)
+    codes = layer.weight_codes
+    layer(x)
+    assert layer.weight_codes is codes  # the same weight: reused
+
+    def in_place():
+        with torch.no_grad():
+            plain.weight.mul_(0.5)
+
+    def swap():
+        plain.weight.data = plain.weight.data * 2
+
+    assert made_again(in_place) and made_again(swap)
+    assert made_again(lambda: setattr(layer, "gathered_weight_amax", fp8.amax_of(plain.weight)))
+    assert made_again(lambda: setattr(layer, "gathered_weight_amax", fp8.amax_of(plain.weight)))  # equal, not it
+    layer.gathered_weight_amax = None
+    assert made_again(lambda: layer.roll(torch.ones(3), True))
+    handle.end_step()
+    assert layer.weight_codes is None
+    layer(x)
+    handle.before_step()
+    assert layer.weight_codes is None
 
 
 @pytest.mark.parametrize("mode", fp8.MODES)
@@ -496,5 +645,9 @@ def test_apply_flags_and_accounting_lines():
     assert handle.predicted_messages() == {}  # one process: nothing to agree on
     assert 0.3 < handle.fp8_flops_fraction() < 1
     assert handle.blended_peak(1000.0, 2000.0) > 1000.0 and handle.blended_peak(1000.0, None) == 1000.0
-    end = "\n".join(handle.end_lines(CommTracer(), steps=1))
-    assert "fp8 delayed: the scales in use" in end
+    handle.end_step()
+    assert "fp8 delayed: the scales in use" in "\n".join(handle.step_lines())  # train.py prints it on the last step
+    # ... so the end lines do not repeat it, nor set FP8's bytes against a traced total that holds other axes'
+    # messages too (train.py's message table compares the sum of every axis's prediction).
+    assert handle.end_lines(CommTracer(), steps=1) == [
+        "fp8 delayed: steps 1 (1 scaled like current (empty history), 0 with a non-finite amax, skipped on every rank)"]

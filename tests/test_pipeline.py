@@ -428,3 +428,95 @@ def test_gradients_match_with_tensor_parallel(sp):
     halves the sequence that crosses a stage boundary."""
     results = run_ranks(_run_pipeline, 4, CASES_TP, tp_size=2, sp=sp, timeout=150)
     _check(results, 4, CASES_TP, tp_size=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. FP8 under the pipeline (fp8.Fp8Linear defers its own weight gradient under zb)
+# ---------------------------------------------------------------------------------------------------------
+
+FP8_STEPS, FP8_M, FP8_LAYERS = 3, 4, 4
+FP8_CASES = [("zb", "current"), ("zb", "delayed"), ("zb", "blockwise"), ("1f1b", "delayed")]
+
+
+def _fp8_pipeline(rank, world, cases):
+    """FP8_STEPS optimizer steps of each (schedule, recipe) on P = 2: the stage model converted to FP8 after
+    PP (DESIGN's order), torch's AdamW on the reference's parameter groups. Returns per case the losses, the
+    parameters by global name, the FP8 linears whose weight gradient came through the store's W, each linear's
+    delayed history, and the synced arrivals (each gradient exactly once a step)."""
+    import fp8
+    from mesh import build_mesh, infer_mesh_shape
+    from optim import adamw_param_groups
+    from reference import HYPER
+
+    device = harness.device()
+    mesh = build_mesh(infer_mesh_shape(world, pp=world), rank)
+    out = {}
+    for schedule, recipe in cases:
+        config = make_config(n_layer=FP8_LAYERS)
+        run = SimpleNamespace(args=SimpleNamespace(pp_schedule=schedule, pp_virtual=1, trace_file=None, sp=False),
+                              mesh=mesh, config=config, seq_len=SEQ, micro=MICRO, micro_batches=FP8_M,
+                              device=device, seed=0)
+        stages, handle = pp.build(run, dtype=torch.float64)
+        fp8_handle = fp8.convert(stages, fp8.Recipe(recipe, 16, "max", 0), mesh)
+        layout = StandInLayout(stages)
+        optimizer = torch.optim.AdamW(adamw_param_groups(stages.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"],
+                                      betas=HYPER["betas"], eps=HYPER["eps"])
+        through_w = set()
+        store = handle.schedule.store
+        if store is not None:  # record which parameters the deferred W's hand to autograd
+            apply = store.apply
+
+            def recording_apply(entries, apply=apply):
+                before = {p: None if p.grad is None else p.grad.clone() for p in stages.parameters()}
+                apply(entries)
+                through_w.update(p.shard_info.global_name for p in stages.parameters()
+                                 if p.grad is not None and (before[p] is None or not torch.equal(before[p], p.grad)))
+
+            store.apply = recording_apply
+        losses = []
+        for x, y in global_batches(FP8_STEPS, FP8_M * MICRO, SEQ):
+            batches = rank_micro_batches(x, y, 0, 1, MICRO)
+            global_tokens = (y != -1).sum().to(device, torch.float64)
+            result = handle.schedule.forward_backward(layout, stages, batches, global_tokens, 1.0, FP8_M,
+                                                      nullcontext(), device)
+            handle.after_grad_sync(layout)  # the tied embedding's sum
+            fp8_handle.after_grad_sync(layout)  # the delayed roll
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(result.loss_sum / global_tokens))
+        out[schedule, recipe] = dict(
+            losses=losses, params={p.shard_info.global_name: p.detach().clone() for p in stages.parameters()},
+            fp8_weights={linear.weight.shard_info.global_name for linear in fp8_handle.linears.values()},
+            through_w=through_w, arrivals=dict(layout.arrivals),
+            histories={name: linear.amax_history.clone() for name, linear in fp8_handle.linears.items()})
+    return out
+
+
+def test_fp8_under_zero_bubble_equals_the_single_device_fp8_model():
+    """zb with --fp8 (current, delayed, blockwise) on P = 2, m = 4, three steps, against reference_run's FP8
+    model (float64, 1e-10): the FP8 linears quantise under zb (their W computes dW = dYᵀ·X from the FP8 dY and
+    X stashed by I), their weight gradients come through the store's W, and the delayed history holds the dY
+    amaxes (its grad_output row). 1F1B + delayed is the control without a deferred W."""
+    from reference import reference_run
+
+    results = run_ranks(_fp8_pipeline, 2, FP8_CASES, timeout=180)
+    for case in FP8_CASES:
+        schedule, recipe = case
+        ref_losses, _, ref_params = reference_run(make_config(n_layer=FP8_LAYERS),
+                                                  global_batches(FP8_STEPS, FP8_M * MICRO, SEQ),
+                                                  micro_batches=FP8_M, fp8_recipe=recipe)
+        seen = set()
+        for rank_results in results:
+            r = rank_results[case]
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=TOL, atol=TOL,
+                                       msg=str(case))
+            for name, value in r["params"].items():
+                torch.testing.assert_close(value, ref_params[name], rtol=TOL, atol=TOL, msg=f"{case} {name}")
+                seen.add(name)
+            assert set(r["arrivals"].values()) == {FP8_STEPS}, (case, r["arrivals"])  # once a step (DDP's overlap)
+            if schedule == "zb":
+                assert r["fp8_weights"] and r["fp8_weights"] <= r["through_w"], case
+            if recipe == "delayed":
+                for name, history in r["histories"].items():
+                    assert (history[:, :FP8_STEPS] > 0).all(), (case, name, history[:, :FP8_STEPS])
+        assert seen == set(ref_params), case
