@@ -300,10 +300,11 @@ class AuxLosses:
         return sum(coef * value for _, coef, value in self.terms) if self.terms else None
 
     def values(self) -> dict:
-        """{name: Σ value} of this micro-batch's terms, detached, for the printouts."""
+        """{name: Σ value} of this micro-batch's terms, detached 0-dim tensors on their device, for the
+        printouts: read on the host once per step (step.train_step), not once per term."""
         out = {}
         for name, _, value in self.terms:
-            out[name] = out.get(name, 0.0) + float(value.detach())
+            out[name] = out[name] + value.detach() if name in out else value.detach()
         return out
 
 

@@ -17,7 +17,8 @@ default, and the pipeline replaces it with its own (`pipeline.py`): the rest of 
 
 Accounting: the step adds two scalar all-reduces over the data group (dp×cp): the global token count before
 the schedule (the loss denominator) and the logged loss after it (8 bytes each, float64), and the update's
-one 16-byte all-reduce over the world (optim.update).
+one 16-byte all-reduce over the world (optim.update). Host synchronisations of its own: one, reading the logged
+loss and the aux means together (the update has its one; an axis may add its own, moe.py's docstring).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def count_global_tokens(batches, group, device) -> torch.Tensor:
 @dataclass
 class MicroBatchLoss:
     """What a schedule hands back: Σ CE over this data rank's micro-batches (float64, on every rank of its
-    model-parallel group), and Σ over them of each auxiliary loss, by name (for the printouts)."""
+    model-parallel group), and Σ over them of each auxiliary loss, by name (0-dim tensors, for the printouts)."""
 
     loss_sum: torch.Tensor
     aux: dict = field(default_factory=dict)
@@ -169,7 +170,7 @@ class GradientAccumulation:
                 aux = model.aux_losses.weighted_sum()
                 if aux is not None:
                     objective = objective + aux / aux_divisor
-                    for name, value in model.aux_losses.values().items():
+                    for name, value in model.aux_losses.values().items():  # tensors: no host sync here
                         aux_totals[name] = aux_totals.get(name, 0.0) + value
                 (objective * loss_scale).backward()
             loss_sum += micro_loss_sum.detach().double()
@@ -224,5 +225,9 @@ def train_step(layout, scaler, batches, data_group, clip: float, autocast, devic
     loss_sum = micro.loss_sum
     if dist.get_world_size(data_group) > 1:
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=data_group)
-    aux = {name: total / len(batches) for name, total in micro.aux.items()}
-    return StepOutcome(float(loss_sum / global_tokens), result.grad_norm, result.skipped, aux)
+    # The logged values reach the host together: one synchronisation for the loss and every aux mean.
+    names = list(micro.aux)
+    logged = torch.stack([(loss_sum / global_tokens).double(),
+                          *(torch.as_tensor(micro.aux[name], device=loss_sum.device).double() / len(batches)
+                            for name in names)]).tolist()
+    return StepOutcome(logged[0], result.grad_norm, result.skipped, dict(zip(names, logged[1:])))

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import harness
 from harness import run_ranks
@@ -157,7 +158,7 @@ def _layer(rank, world):
         layer = model.transformer.h[0].mlp
         moe.shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         if mode == "pieces":  # micro-batch rank // 2, its sequence cut in two: this rank holds half rank % 2
-            layer.stats_groups = (pairs[rank // 2],)
+            layer.pieces = (moe.Pieces(pairs[rank // 2], 2, rank % 2),)
             x, g = (t.chunk(2, dim=1)[rank % 2].to(device) for t in _layer_inputs(rank // 2, (2, 12), 16))
         else:
             x, g = (t.to(device) for t in _layer_inputs(rank, (2, 12), 16))
@@ -168,13 +169,15 @@ def _layer(rank, world):
         tracer.name_group(mesh.group("ep"), "ep")
         model.aux_losses.clear()
         with tracer:
-            y = layer(x)
+            with _ExpertInputs(layer) as inputs:  # the forward's (split's backward is a cat)
+                y = layer(x)
             ((y * g).sum() + model.aux_losses.weighted_sum()).backward()
         traced = tracer.records[("all_to_all_single", "ep")]
         results[(ep, factor, mode)] = dict(
             y=y.detach(), dx=x.grad, grads=_reduce_grads(model, mesh), aux=model.aux_losses.values(),
             local=sorted(layer.experts.keys(), key=int), dropped=layer.dropped,
-            traced=(traced.calls, traced.payload_bytes), counted=(layer.a2a_calls, layer.a2a_bytes))
+            traced=(traced.calls, traced.payload_bytes), counted=(layer.a2a_calls, layer.a2a_bytes),
+            expert_inputs=inputs.storages, cats=inputs.cats)
     # Under bf16 autocast (float32 model): the router still computes in fp32, the rows travel in bf16.
     model = GPT(make_config(**LAYER), seed=0, device=device)
     layer = model.transformer.h[0].mlp
@@ -189,6 +192,49 @@ def _layer(rank, world):
     results["bf16"] = dict(router=router_dtype, traced=tracer.records[("all_to_all_single", "ep")].payload_bytes,
                            finite=bool(torch.isfinite(layer.router.weight.grad).all()))
     return results
+
+
+class _ExpertInputs:
+    """Within the `with`: the storages the experts of `layer` read their rows from, and the torch.cat calls
+    on rows in its forward (the copies of token rows besides the one sort; the router's 1-D statistics aside)."""
+
+    def __init__(self, layer):
+        self.layer, self.storages, self.cats = layer, set(), 0
+        outer = self
+
+        class Cats(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer.cats += str(func).startswith("aten.cat") and args[0][0].dim() == 2  # rows, not statistics
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Cats()
+
+    def _seen(self, module, args):
+        self.storages.add(args[0].untyped_storage().data_ptr())
+
+    def __enter__(self):
+        self.hooks = [expert.c_fc.register_forward_pre_hook(self._seen) for expert in self.layer.experts.values()]
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        for hook in self.hooks:
+            hook.remove()
+
+
+def test_experts_run_in_the_sorted_buffer_and_write_one_output():
+    """E = 1: every expert reads its rows from the one buffer the sort made (views), and the forward
+    concatenates once (the experts' outputs): no copy of the tokens per expert."""
+    from model import GPT
+
+    for factor in CAPACITIES:
+        model = GPT(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT)
+        layer = model.transformer.h[0].mlp
+        x = _layer_inputs(0, (2, 12), 16)[0]
+        with _ExpertInputs(layer) as inputs:
+            layer(x)
+        assert len(inputs.storages) == 1 and inputs.cats == 1, (factor, inputs.storages, inputs.cats)
 
 
 def _layer_reference(factor, inputs, skew=False):
@@ -216,7 +262,8 @@ def _err(a, b):
 
 # (E, capacity factor, mode): "ranks": each rank its own rank-batch; "pieces": each micro-batch cut in two
 # along the sequence over ranks (0, 1) and (2, 3), as CP/SP do; "skew": rank 0 of each ep group gets no rows.
-LAYER_CASES = [(ep, f, "ranks") for ep in (2, 4) for f in CAPACITIES] + [(4, 0.0, "pieces"), (2, 0.0, "skew")]
+LAYER_CASES = [(ep, f, "ranks") for ep in (2, 4) for f in CAPACITIES] + [(4, 0.0, "pieces"), (2, 1.0, "pieces"),
+                                                                          (2, 0.0, "skew")]
 
 
 def test_expert_parallel_equals_single_device_layer():
@@ -245,6 +292,7 @@ def test_expert_parallel_equals_single_device_layer():
             for name, grad in got["grads"].items():
                 assert _err(grad, ref_grads[name]) < TOL, (case, name)
             assert got["traced"] == got["counted"], case  # 5 calls: counts, dispatch, combine and 2 reversed
+            assert len(got["expert_inputs"]) == 1 and got["cats"] == 1, case  # in the received buffer; 1 out
             assert got["traced"][0] == 5, case
             if factor > 0:
                 assert got["dropped"] > 0, case  # the capacity case does drop something
@@ -407,3 +455,269 @@ def test_accounting_counts_match_the_model():
     msgs = moe.step_messages(config, moe_layers=1, tokens=32, ep=2, micro_batches=1, compute_bytes=2, cp=2)
     assert msgs[("all_to_all_single", "ep")] == (8, 6 * 32 * 2 * 32 * 2 + 2 * 8 * 4)
     assert msgs[("all_reduce", "cp")] == (2, 2 * 10 * 4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Capacity on the whole micro-batch under CP and SP (trained through train.py's composition)
+# ---------------------------------------------------------------------------------------------------------
+
+# (flags, config overrides, global batch, B_μ), as tests/test_composition.py: 3 steps in float64 against the
+# single-device model, losses and parameters within 1e-10. Capacity f < 1 drops slots in every micro-batch;
+# which ones depends on the whole micro-batch's token order, so a rank deciding on its piece trains another model.
+CAPACITY_4 = [
+    (["--moe-experts", "4", "--ep", "2", "--cp", "2", "--moe-capacity-factor", "0.75"], {}, 4, 1),  # zig-zag
+    (["--moe-experts", "4", "--ep", "2", "--tp", "2", "--sp", "--moe-capacity-factor", "0.75"], {}, 4, 2),
+    (["--moe-experts", "4", "--cp", "2", "--cp-balance", "contiguous", "--tp", "2", "--sp",  # both: D = 1
+      "--moe-capacity-factor", "0.75", "--moe-topk", "1"], {}, 2, 2),
+]
+
+
+def test_capacity_is_decided_on_the_whole_micro_batch_under_cp_and_sp():
+    import test_composition
+
+    results = run_ranks(test_composition._cases, 4, CAPACITY_4, timeout=600)
+    for index, case in enumerate(CAPACITY_4):
+        test_composition._check([rank_results[index] for rank_results in results], *case)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host synchronisations of one training step
+# ---------------------------------------------------------------------------------------------------------
+
+
+class HostSyncs:
+    """Counts what would make the host wait for the GPU: a tensor's value read on the host (`.item()`,
+    `.tolist()`, float/int/bool/index of a tensor, `.cpu()`, `.numpy()`), and the ops whose output size
+    depends on the values (nonzero, bincount, masked_select, unique, boolean-mask indexing). On this torch
+    neither a TorchFunctionMode nor a TorchDispatchMode sees a checkpointed block's recompute in backward (the
+    autograd engine runs it outside the modes), and a TorchDispatchMode does not see `.tolist()` or `.cpu()` of
+    a CPU tensor: so the value reads are counted by wrapping those torch.Tensor methods (seen everywhere),
+    the value-dependent ops by a TorchDispatchMode (seen also inside other ops, not in a recompute).
+    `paused` stops counting."""
+
+    READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
+    ATEN = ("aten.nonzero", "aten.bincount", "aten.masked_select", "aten._unique", "aten.unique",
+            "aten.repeat_interleave.Tensor")
+
+    def __init__(self):
+        self.seen, self.paused = [], False
+        counter = self
+
+        class Aten(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func)
+                masked = name.startswith("aten.index") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for a in args if isinstance(a, (list, tuple))
+                    for i in a)
+                if (name.startswith(HostSyncs.ATEN) or masked) and not counter.paused:
+                    counter.seen.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Aten()
+
+    def _wrap(self, name, method):
+        def read(*args, **kwargs):
+            if not self.paused:
+                self.seen.append(name)
+            return method(*args, **kwargs)
+        return read
+
+    def __enter__(self):
+        self.methods = {name: getattr(torch.Tensor, name) for name in self.READS}
+        for name, method in self.methods.items():
+            setattr(torch.Tensor, name, self._wrap(name, method))
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        for name, method in self.methods.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _composed(rank, world, flags, config_kw, global_batch, micro):
+    """The run train.main builds from `flags` (as tests/test_composition.py), in float64 on harness.device()."""
+    import test_composition
+    import train
+    from mesh import build_mesh, infer_mesh_shape
+    from model import GPT
+
+    args = test_composition._parse(flags, global_batch, micro)
+    shape = infer_mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    run = train.Run(args=args, mesh=build_mesh(shape, rank), config=test_composition._config(args, config_kw),
+                    seq_len=SEQ, micro=micro, micro_batches=global_batch // (shape.dp * micro),
+                    device=harness.device(), autocast=nullcontext(), compute_dtype=DT, param_dtype=DT,
+                    master_dtype=DT, seed=0)
+    torch.manual_seed(rank // shape.tp)
+    run.model = GPT(run.config, seed=0, dtype=DT, device=run.device, **train.pipeline.stage_of(run))
+    run.axes = [axis for axis in (apply(run.model, run) for apply in train.AXES) if axis is not None]
+    run.layout = train.build_layout(run.model, run)
+    return run
+
+
+# (flags, config overrides): D = 2 ranks, m = 2 micro-batches of B_μ = 1, both blocks MoE.
+SYNC_CASES = [
+    (["--moe-experts", "4", "--ep", "2", "--moe-capacity-factor", "1.0"], {}),  # E = 2, capacity
+    (["--moe-experts", "4", "--ep", "2"], dict(activation_checkpointing=True)),  # dropless, recomputed
+    (["--moe-experts", "4", "--moe-capacity-factor", "1.0"], {}),  # E = 1
+    (["--moe-experts", "4"], {}),  # E = 1, dropless
+    ([], {}),  # dense
+]
+
+
+def _host_syncs(rank, world):
+    from optim import DynamicLossScaler
+    from step import train_step
+
+    out = []
+    for flags, config_kw in SYNC_CASES:
+        run = _composed(rank, world, flags, config_kw, 4, 1)
+        moe_axis = next((axis for axis in run.axes if axis.name == "moe"), None)
+        step = run.layout.step
+
+        def update(*args, **kwargs):  # the update's own (optim.update: one) is not what is counted here
+            counter.paused = True
+            try:
+                return step(*args, **kwargs)
+            finally:
+                counter.paused = False
+
+        run.layout.step = update
+        counts = []
+        for index, (x, y) in enumerate(global_batches(2, 4, SEQ)):
+            batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.dp_rank, run.mesh.dp_size, 1)]
+            with HostSyncs() as counter:
+                outcome = train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.dp_cp_group,
+                                     1.0, nullcontext(), run.device, model=run.model, axes=run.axes,
+                                     data_size=run.mesh.shape.dp)
+            with HostSyncs() as lines:
+                text = moe_axis.step_lines() if moe_axis is not None and index == 1 else []
+            counts.append((list(counter.seen), list(lines.seen), text))
+        out.append(dict(counts=counts, aux=outcome.aux, loss=outcome.loss))
+    return out
+
+
+def test_one_host_sync_per_moe_layer_and_micro_batch():
+    """The counts moe.py's docstring states (item 3): per MoE layer and micro-batch one `.tolist()` (the split
+    sizes: under EP the all-to-all's, with E = 1 the experts' row slicing), repeated by a recompute; the step
+    reads its logged loss and aux values in one `.tolist()`; the load line reads its statistics in one."""
+    results = run_ranks(_host_syncs, 2, timeout=300)
+    for rank, by_case in enumerate(results):
+        for (flags, config_kw), got in zip(SYNC_CASES, by_case):
+            moe_forwards = (2 if config_kw.get("activation_checkpointing") else 1) * 2 * 2 if flags else 0
+            for step, (syncs, line_syncs, text) in enumerate(got["counts"]):
+                case = (flags, config_kw, rank, step)
+                assert syncs == ["tolist"] * (moe_forwards + 1), (case, syncs)
+                if flags and step == 1:  # the load line read at step 1 only: it covers steps 0 and 1, and says so
+                    assert line_syncs == ["tolist"], (case, line_syncs)
+                    assert "moe load over the 2 steps since the previous line" in text[0], text
+                    assert ("dropless" in text[0]) == ("--moe-capacity-factor" not in flags), text
+            assert isinstance(got["loss"], float) and all(isinstance(v, float) for v in got["aux"].values())
+            assert sorted(got["aux"]) == (["moe_balance", "moe_z"] if flags else [])
+
+
+def _traced_and_sampled(rank, world, cases):
+    """Per case: the last-position logits of a whole-sequence forward in the axes' sampling contexts (as
+    train.sample runs model.generate) at init, then one training step traced against train.predicted_messages."""
+    from comm import CommTracer
+    from contextlib import ExitStack
+    from optim import DynamicLossScaler
+    from step import train_step
+    import train
+
+    out = []
+    for flags, config_kw, global_batch, micro in cases:
+        run = _composed(rank, world, flags, config_kw, global_batch, micro)
+        prompt = global_batches(1, 1, SEQ, seed=5)[0][0].to(run.device)
+        run.model.eval()
+        with torch.no_grad(), ExitStack() as stack:
+            for axis in run.axes:
+                stack.enter_context(axis.sampling())
+            logits = run.model(prompt)[0]
+        run.model.train()
+        run.tracer = CommTracer()
+        for name, group in {**run.mesh.groups, **{n: g for a in run.axes for n, g in a.groups().items()}}.items():
+            run.tracer.name_group(group, name)
+        (x, y), = global_batches(1, global_batch, SEQ)
+        batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.dp_rank, run.mesh.dp_size, micro)]
+        for axis in run.axes:
+            batches = axis.shard_batches(batches)
+        with run.tracer:
+            train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.dp_cp_group, 1.0,
+                       nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.shape.dp)
+        traced = {key: (r.calls, r.payload_bytes) for key, r in run.tracer.records.items()}
+        predicted = train.predicted_messages(run, 1)
+        load_line = next(axis for axis in run.axes if axis.name == "moe").step_lines()[0]
+        tp = next((axis for axis in run.axes if axis.name == "tp"), None)
+        if tp is not None and run.mesh.shape.cp > 1:
+            # tensor_parallel.py predicts its messages for the whole sequence, s, also under CP, where a rank
+            # holds s/C of it: put in its prediction for the rank's s/C, beside moe.py's own tp rows.
+            moe_rows = next(axis for axis in run.axes if axis.name == "moe").predicted_messages(run.layout)
+            sp_bytes = sum(g.numel() * g.element_size() for g in run.layout.grad_pieces(tp.sequence_parallel_params))
+            tp_rows = tp.step_messages(run.micro, run.seq_len // run.mesh.shape.cp, run.micro_batches,
+                                       run.compute_dtype.itemsize, sp_grad_bytes=sp_bytes,
+                                       param_bytes=run.param_dtype.itemsize)
+            for op in {op for op, group in predicted if group == "tp"} | set(tp_rows):
+                calls, payload = tp_rows.get(op, (0, 0))
+                moe_calls, moe_payload = moe_rows.get((op, "tp"), (0, 0))
+                predicted[(op, "tp")] = (calls + moe_calls, payload + moe_payload)
+        out.append(dict(logits=logits, traced=traced, predicted=predicted, load_line=load_line,
+                        slots=run.micro_batches * 2 * micro * SEQ // run.mesh.shape.cp
+                        // (run.mesh.shape.tp if run.args.sp else 1) * run.config.moe_topk))
+    return out
+
+
+def test_capacity_gathers_are_predicted_and_sampling_gathers_nothing():
+    """Under CP and SP with capacity, one step's traced messages (the choices' all-gathers on cp and tp with
+    them) equal train.predicted_messages, call for call and byte for byte; sampling, which runs whole
+    sequences on every rank, gives the single-device logits (1e-10): the layer gathers over no group then;
+    and the load line after the step counts that step's slots only."""
+    from model import GPT
+
+    results = run_ranks(_traced_and_sampled, 4, CAPACITY_4, timeout=600)
+    for index, (flags, config_kw, _, _) in enumerate(CAPACITY_4):
+        import test_composition
+
+        args = test_composition._parse(flags, 4, 1)
+        reference = GPT(test_composition._config(args, config_kw), seed=0, dtype=DT).eval()
+        with torch.no_grad():
+            expected = reference(global_batches(1, 1, SEQ, seed=5)[0][0])[0]
+        for rank, by_case in enumerate(results):
+            got = by_case[index]
+            assert _err(got["logits"], expected) < TOL, (flags, rank)
+            assert got["traced"] == got["predicted"], (flags, rank, set(got["traced"].items())
+                                                       ^ set(got["predicted"].items()))
+            gathers = {name for op, group in got["traced"] if op == "all_gather_single" for name in group.split("=")}
+            # The load line covers the training step only (m micro-batches × 2 layers × T·k slots): not the
+            # start-up probes CP and TP run through block 0, nor the sampling forward.
+            assert f"moe load over this step" in got["load_line"] and f"of the {got['slots']} slots" in got["load_line"]
+            assert gathers >= ({"cp"} if "--cp" in flags else set()) | ({"tp"} if "--sp" in flags else set()), gathers
+
+
+def test_layer_activation_bytes_match_what_autograd_saves():
+    """moe.layer_activation_bytes against mfu.SavedActivations of one MoE layer's forward (E = 1, dropless: S =
+    R = T·k exactly), in float64, float32 top-1 with dropout (a CPU mask in fp32) and bf16 autocast (whose saved
+    bf16 copies of the expert weights are weights, not activations: taken off); the MoE-aware correction."""
+    import mfu
+    import moe
+    from model import GPT
+
+    for dtype, autocast, overrides in ((DT, False, {}), (torch.float32, False, dict(dropout=0.1, moe_topk=1)),
+                                       (torch.float32, True, {})):
+        config = make_config(**{**LAYER, **overrides})
+        model = GPT(config, seed=0, dtype=dtype)
+        layer = model.transformer.h[0].mlp
+        x = _layer_inputs(0, (2, 12), 16)[0].to(dtype).requires_grad_()
+        with mfu.SavedActivations(exclude=list(model.parameters())) as saved, \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            layer(x)
+        compute = 2 if autocast else dtype.itemsize
+        weight_copies = config.moe_experts * 2 * 4 * 16 * 16 * 2 if autocast else 0
+        expected = moe.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize), mask_bytes=dtype.itemsize)
+        assert saved.bytes - weight_copies == expected, (dtype, autocast, saved.bytes, expected)
+    config = make_config(**LAYER)
+    one = moe.layer_activation_bytes(config, 64 * 2)
+    assert moe.activation_estimate_delta(config, 3, 64, 2) == 3 * (one - 19 * 64 * 2 * 16)
+    assert moe.activation_estimate_delta(config, 1, 64, 2, tp=2) == one - (3 + 8) * 64 * 2 * 16
+    assert moe.activation_estimate_delta(config, 1, 64, 2, tp=2, sequence_parallel=True) == \
+        moe.layer_activation_bytes(config, 64) - 19 * 64 * 2 * 16 / 2
