@@ -193,7 +193,7 @@ def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, a
         norms = torch.stack(torch._foreach_norm(grads)).double()
         stats[1] = (~torch.isfinite(norms)).sum()
         mask = counted if torch.is_tensor(counted) else torch.tensor(counted, dtype=torch.bool, device=norms.device)
-        stats[0] = norms[mask].pow(2).sum()
+        stats[0] = torch.where(mask, norms, 0.0).pow(2).sum()  # not norms[mask]: a boolean index syncs on GPUs
     if counted_pieces:
         stats[0] += torch.stack(torch._foreach_norm(list(counted_pieces))).double().pow(2).sum()
     if extra_nonfinite is not None:

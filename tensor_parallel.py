@@ -571,8 +571,10 @@ class TensorParallel(Axis):
     def predicted_messages(self, layout) -> dict:
         run = self.run
         sp_bytes = sum(g.numel() * g.element_size() for g in layout.grad_pieces(self.sequence_parallel_params))
-        messages = self.step_messages(run.micro, run.seq_len, run.micro_batches, run.compute_dtype.itemsize,
-                                      sp_grad_bytes=sp_bytes, param_bytes=run.param_dtype.itemsize)
+        # Under context parallel a rank holds s/C tokens of each sequence (applied after TP, it cuts the batch).
+        messages = self.step_messages(run.micro, run.seq_len // run.mesh.size("cp"), run.micro_batches,
+                                      run.compute_dtype.itemsize, sp_grad_bytes=sp_bytes,
+                                      param_bytes=run.param_dtype.itemsize)
         return {(op, "tp"): value for op, value in messages.items()}
 
 
@@ -585,8 +587,8 @@ def apply(model: GPT, run) -> TensorParallel | None:
     handle.run = run
     # Block 0's messages are measured now, before a layout installs gradient hooks, in the working dtype
     # the layout will train in (ZeRO's bf16 weights), so the printed sizes are those the run sends.
-    handle._startup_lines = handle.startup_lines_measured(run.micro, run.seq_len, run.compute_dtype.itemsize,
-                                                          run.autocast, run.param_dtype)
+    handle._startup_lines = handle.startup_lines_measured(run.micro, run.seq_len // run.mesh.size("cp"),
+                                                          run.compute_dtype.itemsize, run.autocast, run.param_dtype)
     return handle
 
 

@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-experts", type=int, default=0, help="experts N per MoE block (0: dense MLP)")
     g.add_argument("--moe-topk", type=int, default=2, help="experts per token k")
     g.add_argument("--moe-every", type=int, default=1, help="every n-th block is MoE")
-    g.add_argument("--moe-capacity-factor", type=float, default=0.0, help="capacity ⌈T·k/N·f⌉ (0: dropless)")
+    g.add_argument("--moe-capacity-factor", type=float, default=0.0, help="capacity per expert ⌈B_μ·s·k/N·f⌉ of each micro-batch (0: dropless)")
     g.add_argument("--moe-aux-coef", type=float, default=0.01, help="load-balance loss coefficient α")
     g.add_argument("--moe-z-coef", type=float, default=0.001, help="router z-loss coefficient β")
     g = p.add_argument_group("evaluation and reporting")
@@ -887,12 +887,17 @@ def activation_estimate(run: Run) -> tuple[float, str]:
     blocks, seq = len(run.model.transformer.h), run.seq_len // mesh.shape.cp
     per_layer = mfu.activation_bytes_per_layer(seq, run.micro, config.n_embd, config.n_head,
                                                t=mesh.shape.tp, sequence_parallel=sp)
+    moe_ids = [b.layer_id for b in run.model.transformer.h if moe.is_moe_layer(config, b.layer_id)]
+    experts = (lambda n: moe.activation_estimate_delta(config, n, seq, run.micro, mesh.shape.tp, sp)) if moe_ids \
+        else (lambda n: 0)  # a MoE block keeps its router's and experts' activations instead of the dense MLP's
+    with_experts = f", {len(moe_ids)} with experts (moe.activation_estimate_delta)" if moe_ids else ""
     if not config.activation_checkpointing:
-        return per_layer * blocks, f"{blocks} layers"
+        return per_layer * blocks + experts(len(moe_ids)), f"{blocks} layers{with_experts}"
     # Only each block's input survives forward (2·s·b·h bytes at 16 bits, /T with SP); backward rebuilds
     # one block's activations at a time.
     block_input = 2 * seq * run.micro * config.n_embd // (mesh.shape.tp if sp else 1)
-    return block_input * blocks + per_layer, f"{blocks} block inputs + one layer recomputed"
+    return (block_input * blocks + per_layer + experts(min(1, len(moe_ids))),
+            f"{blocks} block inputs + one layer recomputed{with_experts}")
 
 
 def print_end(run: Run, steps_run: int, seconds: float, steps_timed: int):

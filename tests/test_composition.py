@@ -135,6 +135,7 @@ FP8_4 = [  # the quantised values are the same on every mesh because the scales 
     (["--fp8", "current", "--tp", "2"], {}, 4, 1),
     (["--fp8", "delayed", "--tp", "2", "--sp"], {}, 4, 1),
     (["--fp8", "delayed", "--pp", "2", "--zero", "1"], dict(n_layer=2), 4, 1),
+    (["--fp8", "delayed", "--pp", "2", "--pp-schedule", "zb"], dict(n_layer=2), 4, 1),  # FP8 defers its own W
     (["--fp8", "current", "--cp", "2"], {}, 4, 2),
     (["--fp8", "current", "--zero", "3"], {}, 8, 1),  # ZeRO-3 gathers the FP8 weights as E4M3 bytes
     (["--fp8", "delayed", "--zero", "3", "--tp", "2"], {}, 4, 1),

@@ -648,19 +648,6 @@ def _traced_and_sampled(rank, world, cases):
         traced = {key: (r.calls, r.payload_bytes) for key, r in run.tracer.records.items()}
         predicted = train.predicted_messages(run, 1)
         load_line = next(axis for axis in run.axes if axis.name == "moe").step_lines()[0]
-        tp = next((axis for axis in run.axes if axis.name == "tp"), None)
-        if tp is not None and run.mesh.shape.cp > 1:
-            # tensor_parallel.py predicts its messages for the whole sequence, s, also under CP, where a rank
-            # holds s/C of it: put in its prediction for the rank's s/C, beside moe.py's own tp rows.
-            moe_rows = next(axis for axis in run.axes if axis.name == "moe").predicted_messages(run.layout)
-            sp_bytes = sum(g.numel() * g.element_size() for g in run.layout.grad_pieces(tp.sequence_parallel_params))
-            tp_rows = tp.step_messages(run.micro, run.seq_len // run.mesh.shape.cp, run.micro_batches,
-                                       run.compute_dtype.itemsize, sp_grad_bytes=sp_bytes,
-                                       param_bytes=run.param_dtype.itemsize)
-            for op in {op for op, group in predicted if group == "tp"} | set(tp_rows):
-                calls, payload = tp_rows.get(op, (0, 0))
-                moe_calls, moe_payload = moe_rows.get((op, "tp"), (0, 0))
-                predicted[(op, "tp")] = (calls + moe_calls, payload + moe_payload)
         out.append(dict(logits=logits, traced=traced, predicted=predicted, load_line=load_line,
                         slots=run.micro_batches * 2 * micro * SEQ // run.mesh.shape.cp
                         // (run.mesh.shape.tp if run.args.sp else 1) * run.config.moe_topk))
