@@ -233,7 +233,7 @@ class Step(NamedTuple):
     recvs: list  # Messages to post before the action, in the order their sender sends them
     action: Action
     send: Message | None  # posted right after the action (with the next step's receives)
-    release: list = []  # this rank's earlier sends to wait on before the action: their buffers are freed
+    release: tuple = ()  # this rank's earlier sends to wait on before the action: their buffers are freed
 
 
 def simulate(programs: list, costs) -> list:
@@ -308,7 +308,7 @@ def communication_plan(programs: list, n_chunks: int) -> list:
             release = []
             while unreleased and posted_at[unreleased[0]] <= start:
                 release.append(unreleased.popleft())
-            steps[j] = steps[j]._replace(release=release)
+            steps[j] = steps[j]._replace(release=tuple(release))
             if j > 0 and steps[j - 1].send is not None:
                 unreleased.append(steps[j - 1].send)  # posted at step j, released from step j + 1 on
     return plan
@@ -319,10 +319,12 @@ def live_sends(steps: list) -> int:
     included), a send dies at its release point, or at the step's end."""
     live = peak = 0
     for j, step in enumerate(steps):
-        live += j > 0 and steps[j - 1].send is not None
+        if j > 0 and steps[j - 1].send is not None:
+            live += 1  # posted with this step's receives
         peak = max(peak, live)
         live -= len(step.release)
-    return max(peak, live + (bool(steps) and steps[-1].send is not None))
+    last = 1 if steps and steps[-1].send is not None else 0  # posted after the last action
+    return max(peak, live + last)
 
 
 def last_backwards(steps: list) -> set:
@@ -484,10 +486,8 @@ class PipelineSchedule:
                 pending = [(dist.P2POp(dist.isend, outgoing.contiguous(), peer, self.group), step.send)]
             outgoing = incoming = None  # a sent buffer lives in its op and work only, until its release
         self._post(pending, [], received, sent, events, clock)
-        pending = []
         for work in sent.values():  # sends whose receivers post after this rank's last action starts
             work.wait()
-        sent.clear()
         wall, spans = clock.finish()  # on CUDA the events are read here, once
         busy = defaultdict(list)
         for action, t0, t1 in spans:
@@ -890,11 +890,12 @@ class Pipeline(Axis):
         ranks = [None] * s.P
         dist.all_gather_object(ranks, mine, group=s.group)
         simulated = bubble_of(simulate(s.programs(self.m), [r["costs"] for r in ranks]))
+        why = bubble_note([r["costs"] for r in ranks], sum(simulated) / s.P, ranks_on_node(), torch.get_num_threads(),
+                          os.cpu_count(), cpu=not next(self.model.parameters()).is_cuda)
         lines = [f"pipeline {s.name} P={s.P} m={self.m}: bubble predicted {bubble_formula(s.name, s.P, self.m, s.v):.1%}"
                  f" ({BUBBLE_TEXT[s.name]}), simulated with the measured costs {sum(simulated) / s.P:.1%}, measured"
-                 f" per rank " + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)",
-                 *bubble_note([r["costs"] for r in ranks], sum(simulated) / s.P, ranks_on_node(),
-                              torch.get_num_threads(), os.cpu_count(), cpu=not next(self.model.parameters()).is_cuda),
+                 f" per rank " + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)"
+                 + (f"\n  {why}" if why else ""),  # the end line and, printed under it, why they differ
                  "  mean action time per rank (ms): " + "; ".join(
                      f"pp{i} " + " ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(r["costs"].items()))
                      for i, r in enumerate(ranks))]
@@ -934,14 +935,14 @@ def bubble_formula(schedule: str, P: int, m: int, v: int = 1, costs: tuple = (1.
 
 
 def bubble_note(costs: list, simulated: float, ranks: int, threads: int, cores: int | None, cpu: bool = True,
-                tolerance: float = 0.1) -> list:
-    """Why a measured bubble differs from the formula, for the reasons a run can see ([] when none holds):
+                tolerance: float = 0.1) -> str:
+    """Why a measured bubble differs from the formula, for the reasons a run can see ("" when none holds):
     its ranks time-share the node's cores (on CPU), or the measured action costs (per rank {kind: seconds})
     are not the uniform ones the formula assumes (F equal on every stage, B = 2F, I = W = F)."""
     reasons = []
     if cpu and cores and ranks * threads > cores:
-        reasons.append(f"{ranks} ranks × {threads} threads share {cores} cores, so ranks take turns on them: an"
-                       f" action's time includes waiting for a core, and its peers wait on it")
+        reasons.append(f"{ranks} ranks × {threads} thread{'s' * (threads > 1)} share {cores} cores, so ranks take"
+                       f" turns on them: an action's time includes waiting for a core, and its peers wait on it")
     uneven, forwards = [], [c["F"] for c in costs if c.get("F")]
     if len(forwards) == len(costs) and max(forwards) > (1 + tolerance) * min(forwards):
         uneven.append(f"F differs {max(forwards) / min(forwards):.2f}× between stages")
@@ -954,9 +955,9 @@ def bubble_note(costs: list, simulated: float, ranks: int, threads: int, cores: 
         reasons.append("the measured costs are not the uniform ones (" + "; ".join(uneven) + "), so ranks also"
                        " wait on slower peers")
     if not reasons:
-        return []
-    return ["  why the measured bubble differs: " + "; ".join(reasons) + f". The comparable figure is the"
-            f" simulation with the measured costs, {simulated:.1%}"]
+        return ""
+    return ("why the measured bubble differs: " + "; ".join(reasons) + ". The figure comparable with the"
+            f" prediction is the simulation with the measured costs, {simulated:.1%}")
 
 
 def ranks_on_node() -> int:

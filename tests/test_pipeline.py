@@ -15,6 +15,12 @@
    with and without SP) the zb weight-gradient deferral runs through tensor_parallel's inner linears.
 3. Every traced message (send/recv over pp, the loss and tied-embedding all-reduces) equals the
    prediction, calls and bytes; the end-of-run accounting draws the timeline and writes a Chrome trace.
+4. Sent buffers are freed at the plan's release points: the host programs of every plan run to the end
+   under gloo's completion rule (a pair completes once both peers posted it) and NCCL's (one in-order stream
+   of batches per rank), with at most 2 sent buffers alive per rank, and a real 2-rank step holds exactly
+   the plan's count; evaluation and sampling leave no MoE aux term behind; on CUDA the actions are timed by
+   events (a fake torch.cuda.Event here) and nothing synchronizes the device inside the step; the end line
+   says why a measured bubble differs from the formula.
 The ranks build their stages on harness.device() (each rank's GPU under nccl, where the p2p goes over NCCL);
 the batches stay on the CPU and the schedule moves them. The one-process checks (1, the bf16 I/W split, the
 flags) stay on the CPU.
@@ -408,6 +414,8 @@ def test_gradients_match_single_device_on_2_ranks():
     lines = results[0][("zb", 3, 8, 1, ("aux", "lines"))]["lines"]
     assert any(line.startswith("  pp0 |") for line in lines) and any(line.startswith("  pp1 |") for line in lines)
     assert any("bubble predicted" in line for line in lines)
+    end = next(line for line in lines if "bubble predicted" in line).split("\n")
+    assert len(end) == 1 or end[1].startswith("  why the measured bubble differs: "), end
     assert any("send" in line and "traced 3 ×" in line for line in lines)
 
 
@@ -511,7 +519,6 @@ def test_release_points_keep_every_schedule_deadlock_free_with_two_sent_buffers(
     for s, P, m, v in RELEASE_GRID:
         n_chunks, where = P * v, f"{s} P={P} m={m} v={v}"
         plan = pp.communication_plan(pp.build_programs(s, P, m, v), n_chunks)
-        timelines = pp.simulate(pp.build_programs(s, P, m, v), pp.UNIFORM)
         for r, steps in enumerate(plan):
             posted, released = set(), []
             for j, step in enumerate(steps):
@@ -521,7 +528,7 @@ def test_release_points_keep_every_schedule_deadlock_free_with_two_sent_buffers(
                     posted.add(steps[j - 1].send)  # posted at step j: released from step j + 1 on
             sends = [step.send for step in steps if step.send is not None]
             assert released == sends[:len(released)], (where, r, "released out of posting order")
-            assert timelines[r][-1][0] == steps[-1].action
+            assert len(set(released)) == len(released), (where, r, "released twice")
         for in_order in (False, True):
             peaks = _run_blocking(plan, n_chunks, in_order)
             assert peaks is not None, (where, "deadlocks", "nccl" if in_order else "gloo")
@@ -531,7 +538,7 @@ def test_release_points_keep_every_schedule_deadlock_free_with_two_sent_buffers(
     # deadlock interleaved P = 2 (each rank waits in a send its peer receives after its own send).
     plan = pp.communication_plan(pp.build_programs("interleaved", 2, 4, 2), 4)
     blocking = [[step._replace(recvs=[need] if (need := pp.needs(step.action, 4)) else [],
-                               release=[steps[j - 1].send] if j and steps[j - 1].send is not None else [])
+                               release=(steps[j - 1].send,) if j and steps[j - 1].send is not None else ())
                  for j, step in enumerate(steps)] for steps in plan]
     assert _run_blocking(blocking, 4, False) is None and _run_blocking(blocking, 4, True) is None
 
@@ -659,13 +666,13 @@ def test_sent_buffers_aux_terms_and_the_cuda_clock_on_2_ranks():
 
 def test_bubble_note_says_why_the_measured_bubble_differs():
     uniform = [{"F": 1.0, "B": 2.0}] * 2
-    assert pp.bubble_note(uniform, 0.2, ranks=2, threads=1, cores=2) == []  # nothing the run can see
-    assert pp.bubble_note(uniform, 0.2, ranks=4, threads=8, cores=2, cpu=False) == []  # GPUs compute elsewhere
+    assert pp.bubble_note(uniform, 0.2, ranks=2, threads=1, cores=2) == ""  # nothing the run can see
+    assert pp.bubble_note(uniform, 0.2, ranks=4, threads=8, cores=2, cpu=False) == ""  # GPUs compute elsewhere
     shared = pp.bubble_note(uniform, 0.25, ranks=4, threads=1, cores=2)
-    assert len(shared) == 1 and "4 ranks × 1 threads share 2 cores" in shared[0] and "25.0%" in shared[0]
-    costs = [{"F": 1.0, "B": 2.9}, {"F": 1.5, "B": 3.0}]
-    slower = pp.bubble_note(costs, 0.31, ranks=2, threads=1, cores=2)[0]
+    assert "4 ranks × 1 thread share 2 cores" in shared and "costs" not in shared.split(".")[0]
+    assert shared.endswith("simulation with the measured costs, 25.0%")
+    slower = pp.bubble_note([{"F": 1.0, "B": 2.9}, {"F": 1.5, "B": 3.0}], 0.31, ranks=2, threads=1, cores=2)
     assert "F differs 1.50× between stages" in slower and "B/F 2.00..2.90, uniform 2" in slower
-    assert "wait on slower peers" in slower and "simulation with the measured costs, 31.0%" in slower
-    zb = pp.bubble_note([{"F": 1.0, "I": 1.05, "W": 0.5}], 0.1, ranks=1, threads=1, cores=2)[0]
+    assert "wait on slower peers" in slower and "cores" not in slower and slower.endswith("costs, 31.0%")
+    zb = pp.bubble_note([{"F": 1.0, "I": 1.05, "W": 0.5}], 0.1, ranks=1, threads=1, cores=2)
     assert "W/F 0.50..0.50, uniform 1" in zb and "I/F" not in zb
