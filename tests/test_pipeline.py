@@ -535,7 +535,7 @@ def test_release_points_keep_every_schedule_deadlock_free_with_two_sent_buffers(
             assert peaks == [pp.live_sends(steps) for steps in plan], where
         assert max(pp.live_sends(steps) for steps in plan) <= 2, where
     # The checker can fail: blocking sends (each waited at the next step) with receives posted only when needed
-    # deadlock interleaved P = 2 (each rank waits in a send its peer receives after its own send).
+    # deadlock interleaved P = 2: each rank waits in a send whose receive its peer posts after its own send.
     plan = pp.communication_plan(pp.build_programs("interleaved", 2, 4, 2), 4)
     blocking = [[step._replace(recvs=[need] if (need := pp.needs(step.action, 4)) else [],
                                release=(steps[j - 1].send,) if j and steps[j - 1].send is not None else ())
