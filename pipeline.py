@@ -29,9 +29,12 @@ lists, its sender has sent it (so the transfer overlaps compute; torch.distribut
 same); the sends an action produces go in ONE `dist.batch_isend_irecv` with the receives posted next
 (Megatron's send/recv pairing). Every op is thus posted in the order of one global simulated clock: on each
 channel the receives come in the order the sender sends (NCCL matches p2p by order, not tag), and two ranks
-can never each sit in a send waiting for the other's later receive. A rank blocks only in the wait of a
-receive its sender has scheduled earlier (the schedule checker proves the lists deadlock-free). Every work
-is waited: receives before use, sends at the end of the step (gloo completes a send only in wait()).
+can never each sit in a send waiting for the other's later receive. Every work is waited (gloo completes a
+send only in wait()): a receive before the action that uses it; a send at its release point in the plan,
+before the first action after the one it was posted with that starts, in the simulation, once its receiver
+has posted the receive (in posting order; any left at the step's end). A rank thus blocks only on a peer's
+post that comes earlier in the simulated clock: no cycle, whatever the real costs (the schedule checker runs
+the plans under gloo's and NCCL's completion rules), and at most 2 sent buffers per rank are alive at once.
 
 The loss each micro-batch backpropagates is loss_scale·(loss_sum/global_tokens + Σ coef·aux/(D·m)), as in
 step.GradientAccumulation: nothing is rescaled afterwards. A chunk's aux-loss terms are backpropagated with
@@ -51,7 +54,8 @@ dtype: the residual stream stays in it under autocast), A = activation bytes a l
 2. Peak per rank: its parameters (`stage_params`) × 16 bytes with fp32 AdamW, and in-flight × layers per
    chunk × A, counting chunk-micro-batches between F and B/I:  gpipe m;  1f1b min(P−r, m);
    interleaved min(2(P−r−1) + (v−1)(P + m mod P) + 1, v·m);  zb min(P−r, m), plus ≤ r+1 W stashes.
-   Temporary: received activations and gradients, b·s·h·e each; sent ones until the step ends.
+   Temporary: received activations and gradients, b·s·h·e each; sent ones until their release point, at
+   most 2 per rank at once (`live_sends`; 1 on the last stage of 1f1b and zb).
 3. Critical path. The bubble (idle fraction of a step; uniform costs, free communication; `simulate` does
    any per-rank costs):  gpipe, 1f1b (P−1)/(m+P−1);  interleaved (P−1)/(v·m+P−1);
    zb (P−1)·max(t_F, t_F+t_I−t_W) / (m·(t_F+t_I+t_W) + (P−1)·max(t_F, t_F+t_I−t_W)).
@@ -66,6 +70,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from collections import defaultdict, deque
 from contextlib import contextmanager, nullcontext
@@ -231,6 +236,7 @@ class Step(NamedTuple):
     recvs: list  # Messages to post before the action, in the order their sender sends them
     action: Action
     send: Message | None  # posted right after the action (with the next step's receives)
+    release: tuple = ()  # this rank's earlier sends to wait on before the action: their buffers are freed
 
 
 def simulate(programs: list, costs) -> list:
@@ -279,19 +285,49 @@ def communication_plan(programs: list, n_chunks: int) -> list:
         for action, _, end in timeline:
             if (msg := produces(action, n_chunks)) is not None:
                 channel[src, msg.dst(P)].append((end, msg))
-    plan = []
+    plan, posted_at = [], {}  # posted_at: message -> simulated time its receiver posts the receive
     for rank, timeline in enumerate(timelines):
-        posted, steps = defaultdict(int), []
-        for action, start, _ in timeline:
+        posted, steps, clock = defaultdict(int), [], 0.0
+        for action, start, end in timeline:
             recvs = []
             for src in range(P):
                 queue = channel[src, rank]
                 while posted[src] < len(queue) and queue[posted[src]][0] <= start:
                     recvs.append(queue[posted[src]][1])
+                    posted_at[recvs[-1]] = clock  # posted when the previous action ends
                     posted[src] += 1
             steps.append(Step(recvs, action, produces(action, n_chunks)))
+            clock = end
         plan.append(steps)
+    # Release points: a send is waited (its buffer freed) before the first action that starts after its
+    # receiver posted the receive, in posting order (a wait never passes an earlier send), and not before the
+    # action it was posted with (its transfer overlaps that one's compute). Every event such a wait needs then
+    # precedes it in simulated time (a post at t needs only waits before t), so the waits form no cycle,
+    # whatever the real costs; posting order keeps it so where one wait covers all the earlier ops (NCCL's
+    # in-order stream). Sends still unreleased are waited at the end of the step.
+    for steps, timeline in zip(plan, timelines):
+        unreleased = deque()
+        for j, (_, start, _) in enumerate(timeline):
+            release = []
+            while unreleased and posted_at[unreleased[0]] <= start:
+                release.append(unreleased.popleft())
+            steps[j] = steps[j]._replace(release=tuple(release))
+            if j > 0 and steps[j - 1].send is not None:
+                unreleased.append(steps[j - 1].send)  # posted at step j, released from step j + 1 on
     return plan
+
+
+def live_sends(steps: list) -> int:
+    """Peak number of this rank's sent buffers alive at once: counted when a batch is posted (the new send
+    included), a send dies at its release point, or at the step's end."""
+    live = peak = 0
+    for j, step in enumerate(steps):
+        if j > 0 and steps[j - 1].send is not None:
+            live += 1  # posted with this step's receives
+        peak = max(peak, live)
+        live -= len(step.release)
+    last = 1 if steps and steps[-1].send is not None else 0  # posted after the last action
+    return max(peak, live + last)
 
 
 def last_backwards(steps: list) -> set:
@@ -441,39 +477,40 @@ class PipelineSchedule:
         # Stage boundaries carry the parameter dtype (the residual stream's, usually): a layer whose output is
         # wider (an FP8 linear's, say) is cast to it on the way, so every receive knows its size in advance.
         dtype = run.boundary_dtype = next(model.parameters()).dtype
-        received, send_works, pending, events, busy = {}, [], [], [], defaultdict(list)
-        start = time.perf_counter()
+        received, sent, pending, events = {}, {}, [], []  # sent: message -> its send's work, until released
+        clock = StepClock(cuda=run.device.type == "cuda")
         for step in steps:
-            ops = pending + [(self._recv_op(msg, run, dtype), msg) for msg in step.recvs]
-            send_works += self._post(ops, received, events, start)
-            action, incoming = step.action, None
+            self._post(pending, [(self._recv_op(msg, run, dtype), msg) for msg in step.recvs], received, sent,
+                       events, clock)
+            action, incoming, pending = step.action, None, []
             if (msg := needs(action, self.n_chunks)) is not None:
                 incoming, work = received.pop(msg)
-                t0 = time.perf_counter()
+                t0 = clock.host()
                 work.wait()
-                events.append(dict(cat="p2p", name=f"wait {msg.kind} {msg.mb}.{msg.chunk}", start=t0 - start,
-                                   end=time.perf_counter() - start))
-            t0 = time.perf_counter()
+                events.append(dict(cat="p2p", name=f"wait {msg.kind} {msg.mb}.{msg.chunk}", start=t0, end=clock.host()))
+            for msg in step.release:  # its receiver has posted the receive (communication_plan): frees the buffer
+                sent.pop(msg).wait()
             measuring = self.measure_activations and action.kind == "F"
             saved = mfu.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
+            clock.begin()
             with nullcontext() if action in synced else layout.no_sync(), saved:
                 outgoing = getattr(self, "_" + action.kind)(run, action, incoming)
+            clock.end(action)
             if measuring:
                 self.saved_activation_bytes, self.measure_activations = saved.bytes, False
-            if run.device.type == "cuda":
-                torch.cuda.synchronize(run.device)  # the action's device time, not its launch time
-            t1 = time.perf_counter()
-            busy[action.kind].append(t1 - t0)
-            events.append(dict(cat="compute", name=str(action), kind=action.kind, mb=action.mb, chunk=action.chunk,
-                               start=t0 - start, end=t1 - start))
-            pending = []
             if step.send is not None:
                 peer = self.peers[step.send.dst(self.P)]
-                pending = [(dist.P2POp(dist.isend, outgoing.contiguous(), peer, self.group), None)]
-        send_works += self._post(pending, received, events, start)
-        for work in send_works:
+                pending = [(dist.P2POp(dist.isend, outgoing.contiguous(), peer, self.group), step.send)]
+            outgoing = incoming = None  # a sent buffer lives in its op and work only, until its release
+        self._post(pending, [], received, sent, events, clock)
+        for work in sent.values():  # sends whose receivers post after this rank's last action starts
             work.wait()
-        wall = time.perf_counter() - start
+        wall, spans = clock.finish()  # on CUDA the events are read here, once
+        busy = defaultdict(list)
+        for action, t0, t1 in spans:
+            busy[action.kind].append(t1 - t0)
+            events.append(dict(cat="compute", name=str(action), kind=action.kind, mb=action.mb, chunk=action.chunk,
+                               start=t0, end=t1))
         self.timings.append((wall, sum(map(sum, busy.values())), dict(busy), not self.timings))
         self.events = events
         if self.P > 1:
@@ -496,7 +533,8 @@ class PipelineSchedule:
         return totals[0], totals[1]
 
     def through_stages(self, model, embed, head, device):
-        """One forward through all chunks in order; returns head(...) on the last chunk's rank, else None."""
+        """One forward through all chunks in order; returns head(...) on the last chunk's rank, else None.
+        Nothing backpropagates here: the auxiliary-loss terms the blocks add are dropped as they come."""
         h = None
         for chunk in range(self.n_chunks):
             if chunk % self.P != self.rank:
@@ -507,6 +545,7 @@ class PipelineSchedule:
                 h = _recv_blocking(self.peers[(chunk - 1) % self.P], self.group, device,
                                    next(model.parameters()).dtype)
             h = model.forward_blocks(h, self.chunk_layers[chunk])
+            model.aux_losses.clear()  # else every evaluated batch and sampled token would keep its terms
             if chunk < self.n_chunks - 1:  # in the parameter dtype, as the receive expects
                 _send_blocking(h.to(next(model.parameters()).dtype), self.peers[(chunk + 1) % self.P], self.group)
         return head(model, h) if (self.n_chunks - 1) % self.P == self.rank else None
@@ -519,24 +558,22 @@ class PipelineSchedule:
         buffer = torch.empty(shape, dtype=dtype, device=run.device)
         return dist.P2POp(dist.irecv, buffer, self.peers[msg.src(self.P)], self.group)
 
-    def _post(self, ops: list, received: dict, events: list, start: float) -> list:
-        """ONE batch_isend_irecv for [(op, message received or None for a send)]: receives go to `received`
-        (waited before use), the sends' works are returned (waited at the end of the step)."""
+    def _post(self, sends: list, recvs: list, received: dict, sent: dict, events: list, clock) -> None:
+        """ONE batch_isend_irecv of the sends, then the receives, each [(op, message)]: a receive's (buffer, work)
+        goes to `received` (waited before use), a send's work to `sent` (waited at its release point)."""
+        ops = [op for op, _ in sends + recvs]
         if not ops:
-            return []
-        t0 = time.perf_counter()
-        works = dist.batch_isend_irecv([op for op, _ in ops])
-        events.append(dict(cat="p2p", name=f"post {len(ops)}", start=t0 - start, end=time.perf_counter() - start,
-                           bytes=sum(op.tensor.numel() * op.tensor.element_size() for op, _ in ops)))
+            return
+        t0 = clock.host()
+        works = dist.batch_isend_irecv(ops)
+        events.append(dict(cat="p2p", name=f"post {len(ops)}", start=t0, end=clock.host(),
+                           bytes=sum(op.tensor.numel() * op.tensor.element_size() for op in ops)))
         if len(works) != len(ops):  # NCCL coalesces a batch into one work
             works = [works[0]] * len(ops)
-        sends = []
-        for (op, msg), work in zip(ops, works):
-            if msg is None:
-                sends.append(work)
-            else:
-                received[msg] = (op.tensor, work)
-        return sends
+        for (_, msg), work in zip(sends, works):
+            sent[msg] = work
+        for (op, msg), work in zip(recvs, works[len(sends):]):
+            received[msg] = (op.tensor, work)
 
     # --- the computations -------------------------------------------------------------------------------------
 
@@ -600,6 +637,42 @@ def _recv_blocking(peer: int, group, device, dtype) -> torch.Tensor:
     for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, peer, group)]):
         work.wait()
     return h
+
+
+class StepClock:
+    """Times one step's actions (seconds from the step's start). CPU: perf_counter. CUDA: an event recorded on
+    the compute stream before and after each action, all read once at the end of the step; a device-wide
+    synchronize after each action would also wait on receives posted for later actions, charged as compute."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.origin, self.spans = cuda, time.perf_counter(), []  # spans: (action, mark, mark)
+        self.first = self._mark()
+
+    def host(self) -> float:
+        """Host seconds since the step began (the p2p posts and waits: on CUDA, when they were issued)."""
+        return time.perf_counter() - self.origin
+
+    def _mark(self):
+        if not self.cuda:
+            return self.host()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # on the current stream: the one the actions compute on
+        return event
+
+    def begin(self) -> None:
+        self.opened = self._mark()
+
+    def end(self, action: Action) -> None:
+        self.spans.append((action, self.opened, self._mark()))
+
+    def finish(self) -> tuple:
+        """(wall seconds of the step, [(action, start, end)])."""
+        last = self._mark()
+        if not self.cuda:
+            return last, self.spans
+        last.synchronize()  # this step's last event: every earlier one on the stream has completed
+        seconds = lambda event: self.first.elapsed_time(event) / 1e3  # noqa: E731 (elapsed_time is in ms)
+        return seconds(last), [(action, seconds(a), seconds(b)) for action, a, b in self.spans]
 
 
 class _StepState:
@@ -834,9 +907,12 @@ class Pipeline(Axis):
         ranks = [None] * s.P
         dist.all_gather_object(ranks, mine, group=s.group)
         simulated = bubble_of(simulate(s.programs(self.m), [r["costs"] for r in ranks]))
+        why = bubble_note([r["costs"] for r in ranks], sum(simulated) / s.P, ranks_on_node(), torch.get_num_threads(),
+                          os.cpu_count(), cpu=not next(self.model.parameters()).is_cuda)
         lines = [f"pipeline {s.name} P={s.P} m={self.m}: bubble predicted {bubble_formula(s.name, s.P, self.m, s.v):.1%}"
                  f" ({BUBBLE_TEXT[s.name]}), simulated with the measured costs {sum(simulated) / s.P:.1%}, measured"
-                 f" per rank " + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)",
+                 f" per rank " + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)"
+                 + (f"\n  {why}" if why else ""),  # the end line and, printed under it, why they differ
                  "  mean action time per rank (ms): " + "; ".join(
                      f"pp{i} " + " ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(r["costs"].items()))
                      for i, r in enumerate(ranks))]
@@ -873,6 +949,37 @@ def bubble_formula(schedule: str, P: int, m: int, v: int = 1, costs: tuple = (1.
     t_f, t_i, t_w = costs
     idle = (P - 1) * max(t_f, t_f + t_i - t_w)
     return idle / (m * (t_f + t_i + t_w) + idle)
+
+
+def bubble_note(costs: list, simulated: float, ranks: int, threads: int, cores: int | None, cpu: bool = True,
+                tolerance: float = 0.1) -> str:
+    """Why a measured bubble differs from the formula, for the reasons a run can see ("" when none holds):
+    its ranks time-share the node's cores (on CPU), or the measured action costs (per rank {kind: seconds})
+    are not the uniform ones the formula assumes (F equal on every stage, B = 2F, I = W = F)."""
+    reasons = []
+    if cpu and cores and ranks * threads > cores:
+        reasons.append(f"{ranks} ranks × {threads} thread{'s' * (threads > 1)} share {cores} cores, so ranks take"
+                       f" turns on them: an action's time includes waiting for a core, and its peers wait on it")
+    uneven, forwards = [], [c["F"] for c in costs if c.get("F")]
+    if len(forwards) == len(costs) and max(forwards) > (1 + tolerance) * min(forwards):
+        uneven.append(f"F differs {max(forwards) / min(forwards):.2f}× between stages")
+    for kind in ("B", "I", "W"):
+        ratios = [c[kind] / c["F"] for c in costs if kind in c and c.get("F")]
+        uniform = UNIFORM[kind] / UNIFORM["F"]
+        if any(abs(ratio / uniform - 1) > tolerance for ratio in ratios):
+            uneven.append(f"{kind}/F {min(ratios):.2f}..{max(ratios):.2f}, uniform {uniform:g}")
+    if uneven:
+        reasons.append("the measured costs are not the uniform ones (" + "; ".join(uneven) + "), so ranks also"
+                       " wait on slower peers")
+    if not reasons:
+        return ""
+    return ("why the measured bubble differs: " + "; ".join(reasons) + ". The figure comparable with the"
+            f" prediction is the simulation with the measured costs, {simulated:.1%}")
+
+
+def ranks_on_node() -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, else every rank (one node, as the tests run)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or dist.get_world_size()
 
 
 def in_flight(program: list) -> tuple:

@@ -445,7 +445,7 @@ def train(args, tracer: comm.CommTracer):
 
     # A resumed run appends: the replayed steps then sit next to the originals in one file.
     metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and run.mesh.rank == 0) else None
-    clock = StepClock(start_step, args.steps)
+    clock = Progress(start_step, args.steps)
     run.schedule.measure_activations = True  # the first step counts the bytes saved for backward
     if run.device.type == "cuda":  # the peak of training, not of start-up (the whole model built before TP/ZeRO)
         torch.cuda.reset_peak_memory_stats(run.device)
@@ -497,7 +497,7 @@ def train(args, tracer: comm.CommTracer):
 LOG_AT_LEAST_EVERY_S = 30.0  # a step line at least this often, whatever --log-every says (a slow machine)
 
 
-class StepClock:
+class Progress:
     """Step times for the throughput, the step line's ETA and the log cadence. The first step of a run pays
     one-off costs (allocation, compilation) and is left out of the mean."""
 
@@ -745,7 +745,7 @@ def step_record(run: Run, step: int, lr: float, outcome, step_time: float, scale
     return record
 
 
-def print_step(record: dict, clock: StepClock):
+def print_step(record: dict, clock: Progress):
     """One line per logged step: step i/N, the losses, lr, grad norm, throughput, MFU, step time, ETA."""
     val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
     aux = "".join(f" | {key[4:]} {value:.4f}" for key, value in record.items() if key.startswith("aux_"))

@@ -38,10 +38,13 @@ def _config(args, config_kw):
     return make_config(**config_kw, **moe.config_overrides(args))  # the MoE flags, as train.model_config
 
 
-def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_root=None, resume_root=None):
+def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_root=None, resume_root=None,
+              trace=False):
     """Train steps [start, stop) on the mesh the flags give; save a checkpoint at `stop` into save_root, or
-    start from the newest one in resume_root (saved on another mesh: the checkpoint reslices)."""
+    start from the newest one in resume_root (saved on another mesh: the checkpoint reslices). With `trace`,
+    also ({(op, group): (calls, payload)} traced per step, train.predicted_messages of the traced steps)."""
     import ckpt
+    from comm import CommTracer
     import train
     from data import BatchSampler
     from mesh import build_mesh, infer_mesh_shape
@@ -69,16 +72,23 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
     if resume_root:
         start = ckpt.Checkpointer(resume_root, mesh, device=device, log=lambda *a: None, axes=run.axes).resume(
             "latest", run.layout, scaler, sampler, 0)
-    losses = {}
+    losses, run.tracer = {}, CommTracer()
+    for name, group in {**mesh.groups, **{n: g for a in run.axes for n, g in a.groups().items()}}.items():
+        if group is not None:  # named as train.py names them
+            run.tracer.name_group(group, name)
     for step, (x, y) in enumerate(global_batches(STEPS, global_batch, SEQ)):
         if not start <= step < stop:
             continue
         batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.dp_rank, mesh.dp_size, micro)]
         for axis in run.axes:
             batches = axis.shard_batches(batches)
-        outcome = train_step(run.layout, scaler, batches, mesh.dp_cp_group, CLIP, run.autocast, device,
-                             model=run.model, schedule=run.schedule, axes=run.axes, data_size=shape.dp)
+        with run.tracer if trace else train.nullcontext():
+            outcome = train_step(run.layout, scaler, batches, mesh.dp_cp_group, CLIP, run.autocast, device,
+                                 model=run.model, schedule=run.schedule, axes=run.axes, data_size=shape.dp)
         losses[step] = outcome.loss
+    steps = len(losses)
+    messages = ({key: (r.calls / steps, r.payload_bytes / steps) for key, r in run.tracer.records.items()},
+                train.predicted_messages(run, steps)) if trace else None
     if save_root:
         saver = ckpt.Checkpointer(save_root, mesh, device=device, log=lambda *a: None, axes=run.axes)  # as train.py
         saver.save(stop, run.layout, scaler, sampler)
@@ -86,7 +96,8 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
     run.layout.unshard()
     infos = {p.shard_info.global_name: p.shard_info for p in run.model.parameters()}
     held = {p.shard_info.global_name: p.detach().clone() for p in run.model.parameters()}
-    return losses, {name: (held[name], infos[name]) for name in held}
+    params = {name: (held[name], infos[name]) for name in held}
+    return (losses, params, messages) if trace else (losses, params)
 
 
 def _check(results, flags, config_kw, global_batch, micro):
@@ -97,7 +108,7 @@ def _check(results, flags, config_kw, global_batch, micro):
                                                       micro_batches=micro_batches_total, fp8_recipe=args.fp8)
     assert min(ref_norms) > CLIP  # clipping is active
     seen = set()
-    for losses, params in results:
+    for losses, params, *_ in results:
         torch.testing.assert_close(torch.tensor(list(losses.values())),
                                    torch.tensor([ref_losses[step] for step in losses]), rtol=TOL, atol=TOL)
         for name, (local, info) in params.items():
@@ -156,6 +167,38 @@ def test_composed_run_matches_single_device(name, cases):
     results = run_ranks(_cases, 4, cases, timeout=600)
     for index, case in enumerate(cases):
         _check([rank_results[index] for rank_results in results], *case)
+
+
+# Experts inside pipeline stages: P = 2 × D = 2 with E = 2 over each stage's data ranks, so every F and B/I of
+# a MoE chunk runs its expert all-to-alls on ep, and each stage's router losses (coefficients raised so they
+# shape the update) backpropagate through the stages with the chunk's output.
+AUX = ["--moe-aux-coef", "0.1", "--moe-z-coef", "0.01"]
+PIPELINE_EXPERTS_4 = [
+    (["--pp", "2", "--moe-experts", "4", "--ep", "2", *AUX], dict(n_layer=2), 8, 1),  # 1f1b, m = 4
+    (["--pp", "2", "--pp-schedule", "zb", "--moe-experts", "4", "--ep", "2", "--moe-capacity-factor", "1.0", *AUX],
+     dict(n_layer=2), 6, 1),  # zb defers the experts' weight gradients; capacity drops slots; m = 3
+    (["--pp", "2", "--pp-schedule", "interleaved", "--moe-experts", "4", "--ep", "2", "--zero", "1", *AUX],
+     dict(n_layer=4), 8, 2),  # v = 2: two MoE chunks per stage; ZeRO-1
+]
+
+
+def _traced_cases(rank, world, cases):
+    return [_run_case(rank, world, *case, trace=True) for case in cases]
+
+
+def test_pipeline_with_experts_matches_single_device_and_traces_as_predicted():
+    """PP + MoE: the update equals the single device's (1e-10, float64), and every message of the traced steps
+    (p2p and loss over pp, the all-to-alls over ep, the layout's, the update's) equals train.predicted_messages."""
+    results = run_ranks(_traced_cases, 4, PIPELINE_EXPERTS_4, timeout=600)
+    for index, case in enumerate(PIPELINE_EXPERTS_4):
+        per_rank = [rank_results[index] for rank_results in results]
+        _check(per_rank, *case)
+        for rank, (_, _, (traced, predicted)) in enumerate(per_rank):
+            ep = next(group for op, group in traced if op == "all_to_all_single")  # ep's communicator is dp's
+            assert "ep" in ep.split("=") and ("send", "pp") in traced, (case, rank, traced)
+            assert set(traced) == set(predicted), (case, rank, set(traced) ^ set(predicted))
+            for key, (calls, payload) in predicted.items():
+                assert traced[key] == pytest.approx((calls, payload), abs=1e-9), (case, rank, key)
 
 
 # Resharding: (the mesh that saves after SAVE_AT steps, the mesh that resumes and trains to the end).

@@ -15,6 +15,14 @@
    with and without SP) the zb weight-gradient deferral runs through tensor_parallel's inner linears.
 3. Every traced message (send/recv over pp, the loss and tied-embedding all-reduces) equals the
    prediction, calls and bytes; the end-of-run accounting draws the timeline and writes a Chrome trace.
+4. FP8 under the pipeline: zb with every recipe equals the single-device FP8 model (fp8.Fp8Linear defers its
+   own weight gradient to the W action).
+5. Sent buffers are freed at the plan's release points: the host programs of every plan run to the end
+   under gloo's completion rule (a pair completes once both peers posted it) and NCCL's (one in-order stream
+   of batches per rank), with at most 2 sent buffers alive per rank, and a real 2-rank step holds exactly
+   the plan's count; evaluation and sampling leave no MoE aux term behind; on CUDA the actions are timed by
+   events (a fake torch.cuda.Event here) and nothing synchronizes the device inside the step; the end line
+   says why a measured bubble differs from the formula.
 The ranks build their stages on harness.device() (each rank's GPU under nccl, where the p2p goes over NCCL);
 the batches stay on the CPU and the schedule moves them. The one-process checks (1, the bf16 I/W split, the
 flags) stay on the CPU.
@@ -520,3 +528,243 @@ def test_fp8_under_zero_bubble_equals_the_single_device_fp8_model():
                 for name, history in r["histories"].items():
                     assert (history[:, :FP8_STEPS] > 0).all(), (case, name, history[:, :FP8_STEPS])
         assert seen == set(ref_params), case
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. Sent-buffer lifetimes, aux terms through the stages, the CUDA clock, the bubble note
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _host_ops(steps, n_chunks):
+    """What the interpreter's host does for one rank's plan: each step posts ONE batch (the previous action's
+    send, then the step's receives), waits on the receive its action needs, waits on the step's releases,
+    computes; the end posts the last send and waits on every send not released."""
+    ops, previous, released = [], None, []
+    for step in steps:
+        batch = ([("send", previous)] if previous is not None else []) + [("recv", msg) for msg in step.recvs]
+        ops += [("post", batch)] if batch else []
+        need = pp.needs(step.action, n_chunks)
+        ops += [("wait", ("recv", need))] if need is not None else []
+        ops += [("wait", ("send", msg)) for msg in step.release]
+        released += step.release
+        previous = step.send
+    ops += [("post", [("send", previous)])] if previous is not None else []
+    return ops + [("wait", ("send", s.send)) for s in steps if s.send is not None and s.send not in released]
+
+
+def _run_blocking(plan, n_chunks, in_order):
+    """Run every rank's host ops with blocking waits until all finish; None on a deadlock, else the peak of
+    sent buffers alive per rank (posted, not yet waited; counted at each post). Two completion rules:
+    gloo (in_order False): a send and its receive complete once both peers have posted them.
+    NCCL (in_order True): a rank's batches run one at a time in posting order (its stream); a pair completes
+    once both batches holding it run, a batch once all its pairs have, and a wait on an op waits for its batch."""
+    P = len(plan)
+    programs = [_host_ops(steps, n_chunks) for steps in plan]
+    batches, where, done = [[] for _ in range(P)], {}, set()  # where: (rank, op) -> batch index
+
+    def peer(rank, op):
+        kind, msg = op
+        return (msg.dst(P) if kind == "send" else msg.src(P)), ("recv" if kind == "send" else "send", msg)
+
+    def running(rank, b):
+        return b < len(batches[rank]) and (not in_order or b == 0 or batch_done(rank, b - 1))
+
+    def pair_done(rank, op):
+        other = peer(rank, op)
+        return ((rank, op) in where and other in where and running(rank, where[rank, op])
+                and running(other[0], where[other]))
+
+    def batch_done(rank, b):
+        if (rank, b) not in done and running(rank, b) and all(pair_done(rank, op) for op in batches[rank][b]):
+            done.add((rank, b))
+        return (rank, b) in done
+
+    pc, live, peak = [0] * P, [set() for _ in range(P)], [0] * P
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(P):
+            while pc[r] < len(programs[r]):
+                kind, arg = programs[r][pc[r]]
+                if kind == "post":
+                    for op in arg:
+                        where[r, op] = len(batches[r])
+                    batches[r].append(arg)
+                    live[r] |= {op for op in arg if op[0] == "send"}
+                    peak[r] = max(peak[r], len(live[r]))
+                elif (r, arg) in where and (batch_done(r, where[r, arg]) if in_order else pair_done(r, arg)):
+                    live[r].discard(arg)
+                else:
+                    break  # blocked in this wait
+                pc[r], progressed = pc[r] + 1, True
+    return peak if all(pc[r] == len(programs[r]) for r in range(P)) else None
+
+
+RELEASE_GRID = [(s, P, m, v) for P in (2, 3, 4) for m in range(P, 17) for s, vs in
+                (("gpipe", (1,)), ("1f1b", (1,)), ("zb", (1,)), ("interleaved", (2, 3))) for v in vs]
+
+
+def test_release_points_keep_every_schedule_deadlock_free_with_two_sent_buffers():
+    """Each send is waited at its plan's release point: under gloo's and NCCL's completion rules no schedule
+    deadlocks, and each rank holds at most 2 sent buffers at once (pp.live_sends, what the run measures below;
+    before release points it was every send of the step: 2m on a middle 1f1b rank)."""
+    for s, P, m, v in RELEASE_GRID:
+        n_chunks, where = P * v, f"{s} P={P} m={m} v={v}"
+        plan = pp.communication_plan(pp.build_programs(s, P, m, v), n_chunks)
+        for r, steps in enumerate(plan):
+            posted, released = set(), []
+            for j, step in enumerate(steps):
+                assert all(msg in posted for msg in step.release), (where, r, j, "released before it was posted")
+                released += step.release
+                if j > 0 and steps[j - 1].send is not None:
+                    posted.add(steps[j - 1].send)  # posted at step j: released from step j + 1 on
+            sends = [step.send for step in steps if step.send is not None]
+            assert released == sends[:len(released)], (where, r, "released out of posting order")
+            assert len(set(released)) == len(released), (where, r, "released twice")
+        for in_order in (False, True):
+            peaks = _run_blocking(plan, n_chunks, in_order)
+            assert peaks is not None, (where, "deadlocks", "nccl" if in_order else "gloo")
+            assert peaks == [pp.live_sends(steps) for steps in plan], where
+        assert max(pp.live_sends(steps) for steps in plan) <= 2, where
+    # The checker can fail: blocking sends (each waited at the next step) with receives posted only when needed
+    # deadlock interleaved P = 2: each rank waits in a send whose receive its peer posts after its own send.
+    plan = pp.communication_plan(pp.build_programs("interleaved", 2, 4, 2), 4)
+    blocking = [[step._replace(recvs=[need] if (need := pp.needs(step.action, 4)) else [],
+                               release=(steps[j - 1].send,) if j and steps[j - 1].send is not None else ())
+                 for j, step in enumerate(steps)] for steps in plan]
+    assert _run_blocking(blocking, 4, False) is None and _run_blocking(blocking, 4, True) is None
+
+
+class _FakeCudaEvent:
+    """torch.cuda.Event for a CPU run: each record() stamps the next millisecond of a fake device clock."""
+
+    log: list = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.stamp = None
+
+    def record(self, stream=None):
+        self.stamp = sum(entry[0] == "record" for entry in self.log)
+        self.log.append(("record", self))
+
+    def synchronize(self):
+        self.log.append(("synchronize", self))
+
+    def elapsed_time(self, end):
+        self.log.append(("elapsed", self))
+        assert self.stamp is not None and end.stamp is not None
+        return float(end.stamp - self.stamp)
+
+
+@contextmanager
+def _sent_buffers_alive():
+    """At each batch_isend_irecv: how many tensors this rank has sent (this batch's included) are alive, by
+    weak reference: a buffer dies when the schedule drops its op and its work."""
+    import weakref
+    import torch.distributed as dist
+
+    original, refs, counts = dist.batch_isend_irecv, [], []
+
+    def counting(ops):
+        refs.extend(weakref.ref(op.tensor) for op in ops if op.op.__name__ == "isend")
+        counts.append(sum(ref() is not None for ref in refs))
+        return original(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        yield counts
+    finally:
+        dist.batch_isend_irecv = original
+
+
+def _lifetime_checks(rank, world):
+    from mesh import build_mesh, infer_mesh_shape
+
+    device = harness.device()
+    mesh = build_mesh(infer_mesh_shape(world, pp=world), rank)
+    out = {}
+
+    def handle_for(schedule, m, config):
+        run = SimpleNamespace(args=SimpleNamespace(pp_schedule=schedule, pp_virtual=2, trace_file=None, sp=False),
+                              mesh=mesh, config=config, seq_len=SEQ, micro=MICRO, micro_batches=m, device=device,
+                              seed=0)
+        return pp.build(run, dtype=torch.float64)
+
+    def step(stages, handle, m):
+        x, y, batches = _case_batches(m, False)
+        tokens = (y != -1).sum().to(device, torch.float64)
+        return handle.schedule.forward_backward(StandInLayout(stages), stages, batches, tokens, 1.0, m, nullcontext(),
+                                                str(device))
+
+    # Sent buffers alive at once, 1f1b P = 2, m = 16, against the plan's bound.
+    stages, handle = handle_for("1f1b", 16, make_config(n_layer=2))
+    with _sent_buffers_alive() as counts:
+        step(stages, handle, 16)
+    out["live"], out["bound"] = max(counts), pp.live_sends(handle.schedule.plan(16))
+    # The CUDA clock, with a fake event and no device: two events per action and one for the step's start and
+    # end, read after the last record, one event synchronize, never a device-wide one.
+    real_clock, real_event, real_sync = pp.StepClock, torch.cuda.Event, torch.cuda.synchronize
+
+    def device_wide(*args):
+        raise AssertionError("torch.cuda.synchronize() inside the pipeline step")
+
+    _FakeCudaEvent.log.clear()
+    pp.StepClock, torch.cuda.Event, torch.cuda.synchronize = (lambda cuda: real_clock(cuda=True)), _FakeCudaEvent, \
+        device_wide
+    try:
+        stages, handle = handle_for("zb", 3, make_config(n_layer=2))
+        step(stages, handle, 3)
+    finally:
+        pp.StepClock, torch.cuda.Event, torch.cuda.synchronize = real_clock, real_event, real_sync
+    out["cuda_log"] = [entry[0] for entry in _FakeCudaEvent.log]
+    out["cuda_timing"], out["cuda_events"] = handle.schedule.timings[-1], handle.schedule.events
+    # Evaluation and sampling through the stages leave no aux term behind (a MoE router adds two per forward).
+    config = make_config(n_layer=2, moe_experts=4, moe_topk=2)
+    stages, handle = handle_for("1f1b", 2, config)
+    _, _, batches = _case_batches(2, False)
+    handle.schedule.forward_only(StandInLayout(stages), stages, batches, nullcontext(), device)
+    out["aux_after_eval"] = len(stages.aux_losses.terms)
+    with handle.sampling():
+        sampled = stages.generate(torch.zeros(1, 1, dtype=torch.long, device=device), 6,
+                                  generator=torch.Generator(device).manual_seed(0))
+    out["aux_after_sampling"], out["sampled"] = len(stages.aux_losses.terms), sampled
+    return out
+
+
+def test_sent_buffers_aux_terms_and_the_cuda_clock_on_2_ranks():
+    """P = 2: (a) 1f1b with m = 16 holds at most 2 sent buffers at once on a rank (the plan's live_sends: 2 on
+    rank 0, 1 on rank 1), not every send of the step (16); (b) on CUDA the actions are timed by events on the
+    compute stream, read at the end of the step; (c) forward_only and sampling leave no aux term behind."""
+    results = run_ranks(_lifetime_checks, 2, timeout=120)
+    assert [r["bound"] for r in results] == [2, 1]
+    assert [r["live"] for r in results] == [r["bound"] for r in results]
+    for r in results:
+        log = r["cuda_log"]
+        actions = 9  # zb, m = 3 on either rank: 3 F, 3 I, 3 W
+        assert log.count("record") == 2 * actions + 2 and log.count("synchronize") == 1
+        last_record = max(i for i, kind in enumerate(log) if kind == "record")
+        assert log.index("synchronize") > last_record and log.index("elapsed") > last_record
+        wall, busy, by_kind, _ = r["cuda_timing"]
+        # Fake stamps: the step's start is 0 ms, action k spans (2k+1, 2k+2) ms, the end is 2·actions + 1 ms.
+        assert abs(wall - (2 * actions + 1) / 1e3) < 1e-12 and abs(busy - actions / 1e3) < 1e-12
+        assert sorted(by_kind) == ["F", "I", "W"] and all(abs(t - 1e-3) < 1e-12 for ts in by_kind.values() for t in ts)
+        computes = [e for e in r["cuda_events"] if e["cat"] == "compute"]
+        spans = [t for e in computes for t in (e["start"], e["end"])]
+        assert spans == pytest.approx([(k + 1) / 1e3 for k in range(2 * actions)], abs=1e-12)
+        assert r["aux_after_eval"] == 0 and r["aux_after_sampling"] == 0
+    assert torch.equal(results[0]["sampled"], results[1]["sampled"])  # every pp rank samples alike
+
+
+def test_bubble_note_says_why_the_measured_bubble_differs():
+    uniform = [{"F": 1.0, "B": 2.0}] * 2
+    assert pp.bubble_note(uniform, 0.2, ranks=2, threads=1, cores=2) == ""  # nothing the run can see
+    assert pp.bubble_note(uniform, 0.2, ranks=4, threads=8, cores=2, cpu=False) == ""  # GPUs compute elsewhere
+    shared = pp.bubble_note(uniform, 0.25, ranks=4, threads=1, cores=2)
+    assert "4 ranks × 1 thread share 2 cores" in shared and "costs" not in shared.split(".")[0]
+    assert shared.endswith("simulation with the measured costs, 25.0%")
+    slower = pp.bubble_note([{"F": 1.0, "B": 2.9}, {"F": 1.5, "B": 3.0}], 0.31, ranks=2, threads=1, cores=2)
+    assert "F differs 1.50× between stages" in slower and "B/F 2.00..2.90, uniform 2" in slower
+    assert "wait on slower peers" in slower and "cores" not in slower and slower.endswith("costs, 31.0%")
+    zb = pp.bubble_note([{"F": 1.0, "I": 1.05, "W": 0.5}], 0.1, ranks=1, threads=1, cores=2)
+    assert "W/F 0.50..0.50, uniform 1" in zb and "I/F" not in zb
