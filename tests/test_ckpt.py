@@ -818,3 +818,30 @@ def test_fault_injection_sigkill_and_relaunch(tmp_path):
     run_to_completion(run_dir, corpus, "relaunch.txt", ["--async-ckpt"])
     line = check_fault_run(run_dir, reference)
     assert "step-00000004 at step 4" in line  # the last committed one; the half-written step 6 was never loaded
+
+
+def test_a_second_writer_is_refused_and_a_killed_one_leaves_no_stale_lock(tmp_path):
+    """One run writes a --ckpt-dir at a time (ckpt.WriterLock, an flock on <dir>/.lock): a second exclusive
+    Checkpointer is refused with a line naming the holder, before it touches the directory (the first one's
+    temporary directory survives); closing releases it; a SIGKILLed holder leaves nothing stuck."""
+    import ckpt
+
+    root = str(tmp_path / "ck")
+    first = ckpt.Checkpointer(root, keep=2, log=lambda *a: None, exclusive=True)
+    in_progress = os.path.join(root, f".tmp-step-00000007-{first.nonce}")
+    os.makedirs(in_progress)  # what an async save of the first run would be writing now
+    with pytest.raises(ckpt.CheckpointError, match=r"is being written by another run \(pid \d+ on .*\.lock\)"):
+        ckpt.Checkpointer(root, keep=2, log=lambda *a: None, exclusive=True)
+    assert os.path.isdir(in_progress)  # the refused writer cleaned nothing
+    first.close()
+    ckpt.Checkpointer(root, keep=2, log=lambda *a: None, exclusive=True).close()  # free again
+
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); import ckpt, time;"
+                               f" lock = ckpt.WriterLock({root!r}); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.WriterLock(root)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    ckpt.WriterLock(root).release()  # the kernel dropped the dead holder's lock
