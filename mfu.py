@@ -194,10 +194,13 @@ def measure_matmul_peak(
     only: a sync after every matmul would leave a GPU idle while the next one is launched. Its size comes from a
     first short run, doubled until it lasts a tenth of `seconds`. This is a practical ceiling for this machine,
     not a datasheet number, so an MFU computed against it reads higher than one against a datasheet peak.
+    The second operand is a transposed view, X·Wᵀ, the layout of nn.Linear: on a CPU without bf16 units the
+    kernels differ by layout (measured on an EPYC without AVX512-BF16: bf16 mm 0.7, X·Wᵀ 5.5 GFLOP/s at 1024²),
+    and the peak must be the one the model's matmuls can reach.
     """
     device = torch.device(device)
     a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device).t()  # Wᵀ: a weight [out, in] as nn.Linear reads it
     out = torch.empty(n, n, dtype=dtype, device=device)
 
     def timed(count: int) -> float:  # seconds for `count` back-to-back matmuls
@@ -223,11 +226,11 @@ def measure_matmul_peak(
 
 def _measured_peak(device: torch.device, dtype: str) -> tuple[float, str]:
     """The matmul loop's FLOP/s on `device` as the peak for `dtype`, and how it was taken."""
-    # CPU: sized to the machine, then the best of 5 short batches. The size grows (256 → 2048: AMX and AVX-512
-    # kernels peak at large sizes) while one matmul still fits in a tenth of a batch, so a loaded machine does
+    # CPU: sized to the machine, the best of 3 short batches per size. The size grows (256 → 2048: AMX and AVX-512
+    # kernels peak at large sizes) while one matmul still fits in half a batch, so a loaded machine does
     # not spend minutes here; the best of several batches, since one long batch on a shared machine measured
     # the other jobs as much as the cores (it varied 3× from run to run).
-    sizes, seconds, repeats = ((8192,), 0.5, 1) if device.type == "cuda" else ((256, 512, 1024, 2048), 0.2, 5)
+    sizes, seconds, repeats = ((8192,), 0.5, 1) if device.type == "cuda" else ((256, 512, 1024, 2048), 0.1, 3)
     note = ""
     if dtype == "fp16" and device.type == "cpu":
         # CPUs have no fast fp16 matmul (a 1024² fp16 matmul takes seconds here, small ones take other paths),
@@ -239,15 +242,12 @@ def _measured_peak(device: torch.device, dtype: str) -> tuple[float, str]:
         measured = dtype
     if measured == "fp32" and device.type == "cuda":
         note = f" (TF32 {'on' if fp32_matmul_column()[0] == 'tf32' else 'off'})"
-    rate, chosen = 0.0, sizes[0]
-    for n in sizes if len(sizes) > 1 else ():  # a quick look at each size that fits
-        if rate and 2 * n**3 / rate > seconds / 10:
+    best = (0.0, sizes[0])
+    for n in sizes:  # every size whose matmul fits in half a batch, each the best of `repeats` batches
+        if best[0] and 2 * n**3 / best[0] > seconds / 2:
             break
-        quick = measure_matmul_peak(_TORCH_DTYPES[measured], n=n, seconds=seconds / 4, device=device)
-        rate, chosen = max((rate, chosen), (quick, n))
-    rate = max(rate, measure_matmul_peak(_TORCH_DTYPES[measured], n=chosen, seconds=seconds, device=device,
-                                         repeats=repeats))
-    best = (rate, chosen)
+        best = max(best, (measure_matmul_peak(_TORCH_DTYPES[measured], n=n, seconds=seconds, device=device,
+                                              repeats=repeats), n))
     how = f", best of {repeats} × {seconds}s" if repeats > 1 else f" for {seconds}s"
     return best[0], (f"{best[1]}x{best[1]} {measured} matmul loop on {device.type}{how}"
                      + (f" (the fastest of the sizes {'/'.join(map(str, sizes))} that fit)" if len(sizes) > 1 else "")
@@ -556,6 +556,12 @@ def format_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.2f} {unit}"
     raise AssertionError("unreachable")
+
+
+def format_dtype(dtype: torch.dtype) -> str:
+    """The short name a reader types in the flags: torch.bfloat16 -> 'bf16'."""
+    return {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+            torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def format_flops(n: float) -> str:

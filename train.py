@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--beta1", type=float, default=0.9)
     g.add_argument("--beta2", type=float, default=0.95)
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
-    g.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="autocast compute dtype")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="autocast compute dtype; auto: bf16 where the device has bf16 matrix units (CUDA, CPUs with"
+                        " AMX or AVX512-BF16), else fp32 (a CPU without them emulates bf16, several times slower)")
     g.add_argument("--seed", type=int, default=1337)
     g.add_argument("--tf32", action="store_true",
                    help="fp32 matmuls on TF32 tensor cores (Ampere and newer: ~8x the FP32 peak, 10-bit mantissa"
@@ -587,9 +589,26 @@ def parse_flags(argv=None) -> argparse.Namespace:
             args.device, args.backend = choose_device_and_backend(args.backend)
         except ValueError as e:
             raise FlagError(str(e)) from None
+        args.dtype_choice = "--dtype" if args.dtype != "auto" else f"--dtype auto: {auto_dtype_reason(args.device)}"
+        args.dtype = args.dtype if args.dtype != "auto" else auto_dtype(args.device)
     except (FlagError, RuntimeError) as e:
         fail(str(e))
     return args
+
+
+def auto_dtype(device: torch.device) -> str:
+    """bf16 where the device multiplies bf16 natively, else fp32 (--dtype auto)."""
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported() else "fp32"
+
+
+def auto_dtype_reason(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "bf16 tensor cores" if torch.cuda.is_bf16_supported() else "this GPU has no bf16 tensor cores"
+    return ("this CPU has bf16 matrix units (AMX or AVX512-BF16)" if auto_dtype(device) == "bf16" else
+            "this CPU has no bf16 matrix units (no AMX, no AVX512-BF16): bf16 would be emulated, several times"
+            " slower than fp32")
 
 
 def fail(message: str) -> NoReturn:
@@ -851,7 +870,8 @@ def print_startup(run: Run):
     print0(f"parameters: {psi:,} global (Ψ); {local:,} on this rank (n_layer={config.n_layer} n_head={config.n_head}"
            f" n_embd={config.n_embd} vocab={config.vocab_size})")
     print0(f"batch: B_global={args.global_batch} = D {mesh.shape.dp} × m {run.micro_batches} × B_μ {run.micro}"
-           f" sequences of {run.seq_len} tokens = {run.tokens_per_step:,} tokens/step; autocast {args.dtype}")
+           f" sequences of {run.seq_len} tokens = {run.tokens_per_step:,} tokens/step; autocast {args.dtype}"
+           f" ({args.dtype_choice})")
     fp32_matmuls = "TF32 tensor cores (--tf32)" if args.tf32 else "full FP32 (no --tf32)"
     print0(f"numerics: fp32 matmuls {fp32_matmuls} on {run.device.type}; "
            + ("deterministic kernels (--deterministic): GPU runs replay bitwise" if args.deterministic else

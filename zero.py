@@ -724,9 +724,10 @@ class ZeroLayout:
         exact = mfu.persistent_bytes(psi, b, self.stage, D)
         padded, held = self.predicted_persistent(), self.held_bytes()
         sizes = ", ".join(f"{name} D={dist.get_world_size(g)}" for name, g in self.groups.items() if self._units_of(name))
-        lines = [f"ZeRO stage {self.stage} over {sizes}: {self.param_dtype} working weights and micro-batch grads,"
-                 f" {self.accumulate_dtype} accumulated grads, {self.reduce_dtype} reduce-scatter,"
-                 f" {self.master_dtype} optimizer (b_w={b.weights}, b_g={b.grads}, b_o={b.optimizer});"
+        name = mfu.format_dtype
+        lines = [f"ZeRO stage {self.stage} over {sizes}: {name(self.param_dtype)} working weights and micro-batch"
+                 f" grads, {name(self.accumulate_dtype)} accumulated grads, {name(self.reduce_dtype)} reduce-scatter,"
+                 f" {name(self.master_dtype)} optimizer (b_w={b.weights}, b_g={b.grads}, b_o={b.optimizer});"
                  f" {len(self.units)} units, Ψ={psi:,}, padded Ψ'={self.padded_numel:,}",
                  f"persistent bytes per rank, {formula}:  predicted(Ψ, D={D}) / predicted(Ψ'_g, D_g) / held"]
         for kind in ("weights", "grads", "optimizer", "total"):

@@ -307,7 +307,8 @@ def test_messages_are_as_predicted_with_fp32_gradient_accumulation(nproc, flags,
     """bf16 ZeRO with m = 4 accumulates in fp32: the gradient sums the axes add after the reduction (SP's over
     TP for the experts, the tied embedding's over its two stages) move those fp32 shards, as predicted; and a
     ZeRO group of one (D = 1) sends nothing, FP8 weight gathers included."""
-    run = launch(nproc, "--preset", "tiny", *flags, "--steps", "2", "--global-batch", "4", "--micro-batch", "1",
+    run = launch(nproc, "--preset", "tiny", "--dtype", "bf16", *flags, "--steps", "2", "--global-batch", "4",
+                 "--micro-batch", "1",
                  "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path), timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "D 1 × m 4" in run.stdout
@@ -332,7 +333,8 @@ def _traced_row(out: str, op: str, group: str) -> str:
 def test_zero3_gathers_fp8_weights_in_half_the_bytes(tmp_path):
     """--zero 3 --fp8 under bf16: the block linears' weights travel as E4M3 bytes (1 byte, not bf16's 2); the
     traced all-gather equals the prediction, and the FP8 units' share of it is exactly half of bf16's."""
-    common = ["--preset", "tiny", "--zero", "3", "--steps", "2", "--global-batch", "2", "--micro-batch", "1",
+    common = ["--preset", "tiny", "--dtype", "bf16", "--zero", "3", "--steps", "2", "--global-batch", "2",
+              "--micro-batch", "1",
               "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path)]
     plain, fp8_run = launch(2, *common), launch(2, *common, "--fp8", "current")
     for run in (plain, fp8_run):
