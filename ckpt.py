@@ -712,7 +712,7 @@ class Checkpointer:
         self.mesh_record = dict(world_size=self.world, dp=shape.dp if shape else self.world,
                                 pp=shape.pp if shape else 1, cp=shape.cp if shape else 1,
                                 tp=shape.tp if shape else 1, ep=shape.ep if shape else 1)
-        self.coords = mesh.coords if mesh is not None else {"dp": self.rank, "pp": 0, "cp": 0, "tp": 0}
+        self.coords = mesh.shape.coords(self.rank) if mesh is not None else {"dp": self.rank, "pp": 0, "cp": 0, "tp": 0}
         self._lock = None
         nonce = [None]
         if self.rank == 0:

@@ -409,21 +409,33 @@ def parallelize(model, group, impl: str = "ring", balance: str = "zigzag", **acc
     return ContextParallel(model, ring, impl, balance, **accounting)
 
 
-def apply(model, run) -> ContextParallel | None:
-    """The axis for train.py: None without --cp; after tensor_parallel (DESIGN's order), before PP/FP8/layout."""
-    cp = run.mesh.size("cp")
-    if cp == 1:
+@dataclass(frozen=True)
+class CPConfig:
+    """--cp C, --cp-impl, --cp-balance: validated by config_from_flags."""
+
+    size: int  # C
+    impl: str = "ring"
+    balance: str = "zigzag"
+
+
+def config_from_flags(args, settings) -> CPConfig | None:
+    """CP's flags on this model and mesh, or ValueError naming the flag (before any process group)."""
+    if args.cp == 1:
         return None
-    args = run.args
-    impl, balance = getattr(args, "cp_impl", "ring"), getattr(args, "cp_balance", "zigzag")
-    tp = run.mesh.size("tp")
-    check_flags(run.seq_len, cp, model.config.n_head, tp, impl, balance, model.config.dropout,
-                getattr(args, "sp", False))
+    model = settings.model
+    check_flags(settings.seq_len, args.cp, model.n_head, args.tp, args.cp_impl, args.cp_balance, model.dropout,
+                settings.sequence_parallel)
+    return CPConfig(args.cp, args.cp_impl, args.cp_balance)
+
+
+def apply(model, run, config: CPConfig) -> ContextParallel:
+    """The axis for train.py: after tensor_parallel (DESIGN's order), before PP/FP8/layout."""
     param = next(model.parameters())
     with run.autocast:  # e_c: the dtype c_attn's output (q, k, v) will have in this run
         compute_bytes = torch.nn.functional.linear(param.new_zeros(1, 1), param.new_zeros(1, 1)).element_size()
-    handle = parallelize(model, run.mesh.group("cp"), impl, balance, seq_len=run.seq_len, micro=run.micro,
-                         micro_batches=run.micro_batches, compute_bytes=compute_bytes, tp=tp, autocast=run.autocast)
+    handle = parallelize(model, run.mesh.group("cp"), config.impl, config.balance, seq_len=run.seq_len,
+                         micro=run.micro_batch_size, micro_batches=run.micro_batches, compute_bytes=compute_bytes,
+                         tp=run.mesh.size("tp"), autocast=run.autocast)
     # Block 0 is measured now (collective over cp and tp), before a layout installs its gradient hooks.
     handle.measured_startup = handle.startup_lines()
     return handle
@@ -453,7 +465,6 @@ class ContextParallel(Axis):
         for batch in batches:
             x, y, pos = (*batch, None)[:3]
             seq_len = x.shape[1]
-            check_flags(seq_len, self.ring.size, self.model.config.n_head, self.tp, self.impl, self.balance)
             index = positions(seq_len, self.ring.size, self.ring.rank, self.balance).to(x.device)
             pos = torch.arange(seq_len, device=x.device) if pos is None else pos
             out.append((x[:, index], y[:, index], pos[..., index]))

@@ -529,15 +529,6 @@ class Fp8Linear(nn.Linear):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def add_arguments(parser) -> None:
-    """The flags, with their defaults (train.py adds them to its parser)."""
-    g = parser.add_argument_group("FP8 (fp8.py)")
-    g.add_argument("--fp8", choices=MODES, default=None, help="FP8 block linears: current | delayed | blockwise")
-    g.add_argument("--fp8-amax-history", type=int, default=16, help="delayed: amax history length L")
-    g.add_argument("--fp8-amax-algo", choices=("max", "most_recent"), default="max", help="delayed: scale from")
-    g.add_argument("--fp8-margin", type=int, default=0, help="scale = max/amax/2^margin")
-
-
 def check_flags(args, config, tp: int = 1, cp: int = 1, micro: int | None = None, seq_len: int | None = None):
     """Raise ValueError naming the flag when --fp8 cannot run this model on this mesh (pure: call it before
     init_process_group). Checks the recipe flags, _scaled_mm's shape rules for every block linear's local
@@ -598,12 +589,16 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto") -> 
     return Fp8Handle(model, recipe, linears, mesh)
 
 
-def apply(model: nn.Module, run) -> Fp8Handle | None:
-    """The axis entry point: None without --fp8, else the handle (after PP, before DDP/ZeRO)."""
-    args = run.args
-    if getattr(args, "fp8", None) is None:
+def config_from_flags(args, settings) -> Recipe | None:
+    """The FP8 recipe of --fp8 and its flags, checked on this model and mesh (check_flags); None without --fp8."""
+    check_flags(args, settings.model, args.tp, args.cp, settings.micro_batch_size, settings.seq_len)
+    if args.fp8 is None:
         return None
-    recipe = Recipe(args.fp8, args.fp8_amax_history, args.fp8_amax_algo, args.fp8_margin)
+    return Recipe(args.fp8, args.fp8_amax_history, args.fp8_amax_algo, args.fp8_margin)
+
+
+def apply(model: nn.Module, run, recipe: Recipe) -> Fp8Handle:
+    """The axis entry point: the handle (after PP, before DDP/ZeRO)."""
     handle = convert(model, recipe, run.mesh)
     handle.run = run
     return handle
@@ -797,7 +792,7 @@ class Fp8Handle(Axis):
                  f" {'E4M3' if r.mode == 'blockwise' else 'E5M2'} dY), GEMMs {gemm}; embedding, head, loss,"
                  f" routers in the compute dtype"]
         if self.run is not None:
-            tokens = self.run.micro * self.run.seq_len // self.mesh.size("cp")
+            tokens = self.run.micro_batch_size * self.run.seq_len // self.mesh.size("cp")
             compute_bytes = self.run.compute_dtype.itemsize
             saved = self.saved_input_bytes(tokens, compute_bytes)
             weights = sum(lin.weight.numel() for lin in lins)

@@ -83,9 +83,10 @@ class Mesh:
     same members share one group: build_mesh).
 
     Axis and group names: "dp", "pp", "cp", "tp" (the four axes), "dp_cp" (dense gradient sync), "ep" (tokens
-    between expert holders), "expert_dp" (expert gradient sync). `group(name)`, `index(name)` (this rank's
-    index in its group of that name) and `size(name)` answer for any of them; the properties below spell out
-    the ones the trainer uses most.
+    between expert holders), "expert_dp" (expert gradient sync), "pp_tied" (the first and last pipeline stage,
+    which hold the tied embedding). `group(name)`, `index(name)` (this rank's index in its group of that name)
+    and `size(name)` answer for any of them: the one spelling every file uses; `shape` is the layout record
+    (D, P, C, T, E and the world size) for printouts and checkpoints.
     """
 
     shape: MeshShape
@@ -93,15 +94,11 @@ class Mesh:
     groups: dict = field(default_factory=dict)  # name -> ProcessGroup holding this rank
     members: dict = field(default_factory=dict)  # name -> list of global ranks in this rank's group
 
-    @property
-    def coords(self) -> dict:
-        """(d, p, c, t) of this rank, as {"dp": d, "pp": p, "cp": c, "tp": t}."""
-        return self.shape.coords(self.rank)
-
     def group(self, name: str):
         return self.groups[name]
 
     def index(self, name: str) -> int:
+        """This rank's index in its group `name` (an axis: its coordinate along it)."""
         return self.members[name].index(self.rank)
 
     def size(self, name: str) -> int:
@@ -110,38 +107,6 @@ class Mesh:
     def coordinates(self) -> dict:
         """{name: this rank's index} for every axis and group: what model.counts_here reads."""
         return {name: self.index(name) for name in self.members}
-
-    @property
-    def dp_cp_group(self):
-        return self.groups["dp_cp"]
-
-    @property
-    def dp_cp_size(self) -> int:
-        return self.size("dp_cp")
-
-    @property
-    def tp_group(self):
-        return self.groups["tp"]
-
-    @property
-    def tp_rank(self) -> int:
-        return self.index("tp")
-
-    @property
-    def tp_size(self) -> int:
-        return self.size("tp")
-
-    @property
-    def dp_group(self):
-        return self.groups["dp"]
-
-    @property
-    def dp_rank(self) -> int:
-        return self.index("dp")
-
-    @property
-    def dp_size(self) -> int:
-        return self.size("dp")
 
 
 def axis_groups(shape: MeshShape) -> dict:
@@ -167,6 +132,9 @@ def axis_groups(shape: MeshShape) -> dict:
     ep, dp_cp_size = shape.ep, shape.dp * shape.cp
     groups["ep"] = [s[i:i + ep] for s in groups["dp_cp"] for i in range(0, dp_cp_size, ep)]
     groups["expert_dp"] = [s[i::ep] for s in groups["dp_cp"] for i in range(ep)]
+    # The embedding tied to the head lives on the first and the last pipeline stage: they sum its gradient.
+    # The stages between hold no copy; each is a group of its own (every rank is in one group per name).
+    groups["pp_tied"] = [sorted({s[0], s[-1]}) for s in groups["pp"]] + [[r] for s in groups["pp"] for r in s[1:-1]]
     return groups
 
 

@@ -476,29 +476,43 @@ def shard_experts(layer: MoE, ep_group, ep_size: int, ep_index: int) -> None:
         param.shard_info = replace(param.shard_info, grad_group="expert_dp")
 
 
-def apply(model, run):
-    """Keep this rank's experts of every MoE block of `model` (first of the axes, DESIGN.md); None when dense.
+@dataclass(frozen=True)
+class MoEConfig:
+    """The expert-parallel layout of a MoE model (the experts themselves are GPTConfig's moe_* fields):
+    E = --ep, whether the micro-batch is cut over TP too (--sp), and how CP cut it (its pieces' positions)."""
+
+    ep: int = 1
+    sequence_parallel: bool = False
+    cp_balance: str | None = None  # None without CP
+
+
+def config_from_flags(args, settings) -> MoEConfig | None:
+    """The MoE flags on this mesh, or ValueError naming the flag (before any process group); None when dense."""
+    config, shape = settings.model, settings.shape
+    check_flags(config.moe_experts, config.moe_topk, args.ep, shape.dp, shape.cp, config.moe_every,
+                config.moe_capacity_factor, config.n_layer, config.moe_aux_coef, config.moe_z_coef)
+    if config.moe_experts == 0:
+        return None
+    return MoEConfig(args.ep, settings.sequence_parallel, args.cp_balance if shape.cp > 1 else None)
+
+
+def apply(model, run, config: MoEConfig):
+    """Keep this rank's experts of every MoE block of `model` (first of the axes, DESIGN.md).
 
     run.mesh gives the ep group (E ranks of the D×C slice), this rank's index in it, and the ranks holding
     the other pieces of its micro-batches (`Pieces`: cp when C > 1, cut as --cp-balance says; tp with --sp,
     contiguous), over which the aux-loss statistics are summed and the capacity decided.
     """
-    config = model.config
-    if config.moe_experts == 0:
-        return None
-    mesh, ep = run.mesh, run.mesh.size("ep")
-    check_flags(config.moe_experts, config.moe_topk, ep, mesh.shape.dp, mesh.shape.cp, config.moe_every,
-                config.moe_capacity_factor, config.n_layer, config.moe_aux_coef, config.moe_z_coef)
-    sequence_parallel = bool(getattr(run.args, "sp", False)) and mesh.shape.tp > 1
-    levels = [("cp", getattr(run.args, "cp_balance", "zigzag"))] if mesh.shape.cp > 1 else []
-    levels += [("tp", "contiguous")] if sequence_parallel else []
+    mesh, ep = run.mesh, config.ep
+    levels = [("cp", config.cp_balance)] if config.cp_balance is not None else []
+    levels += [("tp", "contiguous")] if config.sequence_parallel else []
     pieces = tuple(Pieces(mesh.group(name), mesh.size(name), dist.get_rank(mesh.group(name)), balance)
                    for name, balance in levels)
     layers = [block.mlp for block in model.transformer.h if isinstance(block.mlp, MoE)]
     for layer in layers:
         shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         layer.pieces = pieces
-    return MoEAxis(model, run, layers, sequence_parallel)
+    return MoEAxis(model, run, layers, config.sequence_parallel)
 
 
 class MoEAxis(Axis):
@@ -559,7 +573,7 @@ class MoEAxis(Axis):
     def tokens_per_micro_batch(self) -> int:
         """T: the tokens one rank routes per micro-batch (its CP piece, and SP piece; capacity counts B_μ·s)."""
         mesh = self.run.mesh
-        return self.run.micro * self.run.seq_len // mesh.shape.cp // (mesh.shape.tp if self.sequence_parallel else 1)
+        return self.run.micro_batch_size * self.run.seq_len // mesh.size("cp") // (mesh.size("tp") if self.sequence_parallel else 1)
 
     def predicted_messages(self, layout=None) -> dict:
         """Per optimizer step, for UNIFORM routing: {(op, group): (calls, payload bytes)} (docstring item 3)."""
@@ -569,8 +583,8 @@ class MoEAxis(Axis):
         # this rank's shard of them, in its accumulation dtype); without a layout, the whole parameters.
         pieces = layout.grad_pieces(self.params()) if layout is not None else list(self.params())
         return step_messages(config, len(self.layers), self.tokens_per_micro_batch(), self.ep, run.micro_batches,
-                             run.compute_dtype.itemsize, max(4, param.element_size()), run.mesh.shape.cp,
-                             run.mesh.shape.tp if self.sequence_parallel else 1,
+                             run.compute_dtype.itemsize, max(4, param.element_size()), run.mesh.size("cp"),
+                             run.mesh.size("tp") if self.sequence_parallel else 1,
                              sum(g.numel() * g.element_size() for g in pieces))
 
     def counted_messages(self) -> dict:
@@ -750,7 +764,7 @@ def startup_lines(axis: MoEAxis) -> list:
     from mfu import format_bytes, format_flops
 
     config, run, n, k = axis.config, axis.run, axis.config.moe_experts, axis.config.moe_topk
-    counts, tokens, whole = param_counts(config), axis.tokens_per_micro_batch(), run.micro * run.seq_len
+    counts, tokens, whole = param_counts(config), axis.tokens_per_micro_batch(), run.micro_batch_size * run.seq_len
     cap = capacity(whole, k, n, config.moe_capacity_factor)
     flops = flops_per_token(config, run.seq_len, config.activation_checkpointing)
     param = next(axis.model.parameters())

@@ -69,6 +69,7 @@ dtype: the residual stream stays in it under autocast), A = activation bytes a l
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 import json
 import os
 import time
@@ -691,41 +692,49 @@ class _StepState:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def check_flags(n_layer: int, P: int, m: int, schedule: str = "1f1b", v: int = 2, zero_stage: int = 0) -> None:
-    """Raise ValueError naming the flag when the pipeline cannot run (call before init_process_group)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"--pp-schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
-    if not isinstance(P, int) or P < 1:
-        raise ValueError(f"--pp must be a positive integer, got {P!r}")
+@dataclass(frozen=True)
+class PipelineConfig:
+    """--pp P, --pp-schedule, --pp-virtual v (interleaved only), --trace-file: validated by config_from_flags."""
+
+    size: int  # P
+    schedule: str = "1f1b"
+    virtual: int = 1  # v: chunks per rank (1 unless interleaved)
+    trace_file: str | None = None
+
+
+def config_from_flags(args, settings) -> PipelineConfig | None:
+    """The pipeline's flags on this mesh, or ValueError naming the flag (before any process group)."""
+    P, schedule, m, n_layer = args.pp, args.pp_schedule, settings.micro_batches, settings.model.n_layer
     if P == 1:
-        return
+        return None
+    if args.zero >= 2:
+        raise ValueError(f"--zero {args.zero} with --pp {P}: refused. Stage 2 reduces each backward's gradient"
+                         f" bucket, but a pipeline backward brings one chunk's gradients of one micro-batch at a time,"
+                         f" interleaved with other micro-batches; stage 3 gathers weights in the layout's forward,"
+                         f" which the schedule bypasses. Use --zero 1 (or 0)")
+    v = args.pp_virtual if schedule == "interleaved" else 1
     if schedule == "interleaved" and v < 2:
         raise ValueError(f"--pp-virtual {v}: interleaved 1F1B needs at least 2 chunks per rank (one chunk per rank"
                          f" is --pp-schedule 1f1b)")
     if m < P:
         raise ValueError(f"--pp {P} needs at least {P} micro-batches per step (one in flight per stage), but this run"
                          f" has m = {m} = global batch / (D × --micro-batch): raise --global-batch or lower --micro-batch")
-    chunks = P * v if schedule == "interleaved" else P
+    chunks = P * v
     if n_layer < chunks:
         raise ValueError(f"--pp {P}" + (f" × --pp-virtual {v}" if chunks > P else "") + f" makes {chunks} pipeline"
                          f" chunks, but the model has only n_layer={n_layer} layers (at least one per chunk)")
     if schedule == "interleaved" and n_layer % chunks:
         raise ValueError(f"--pp-schedule interleaved: n_layer={n_layer} must be divisible by --pp {P} × --pp-virtual"
                          f" {v} = {chunks} (equal chunks keep the interleaved slots equal)")
-    if zero_stage >= 2:
-        raise ValueError(f"--zero {zero_stage} with --pp {P}: refused. Stage 2 reduces each backward's gradient"
-                         f" bucket, but a pipeline backward brings one chunk's gradients of one micro-batch at a time,"
-                         f" interleaved with other micro-batches; stage 3 gathers weights in the layout's forward,"
-                         f" which the schedule bypasses. Use --zero 1 (or 0)")
+    return PipelineConfig(P, schedule, v, args.trace_file)
 
 
-def stage_of(run) -> dict:
-    """What this rank builds (a stage never allocates the others' blocks): GPT(config, **stage_of(run)).
+def stage_of(config: PipelineConfig | None, run) -> dict:
+    """What this rank builds (a stage never allocates the others' blocks): GPT(config, **stage_of(...)).
     {} without a pipeline; else its chunks' layers, the embeddings on chunk 0's rank, the head on the last's."""
-    P, v = run.mesh.size("pp"), getattr(run.args, "pp_virtual", 2)
-    if P == 1:
+    if config is None:
         return {}
-    return stage_kwargs(run.config.n_layer, run.mesh.index("pp"), P, v if run.args.pp_schedule == "interleaved" else 1)
+    return stage_kwargs(run.config.n_layer, run.mesh.index("pp"), config.size, config.virtual)
 
 
 def stage_kwargs(n_layer: int, pp_rank: int, P: int, v: int = 1) -> dict:
@@ -755,47 +764,27 @@ def mark_tied_copies(model: GPT, n_chunks: int) -> None:
         p.shard_info = p.shard_info.replicated_also_over("pp")
 
 
-def tied_embedding_group(shape, rank: int):
-    """This rank's {first, last} stage group (None in the middle). Collective: every rank creates every
-    pipeline's group, in the same order."""
-    mine = None
-    for ranks in mesh_lib.axis_groups(shape)["pp"]:
-        group = dist.new_group(sorted({ranks[0], ranks[-1]}))
-        if rank in (ranks[0], ranks[-1]):
-            mine = group
-    return mine
-
-
-def apply(model: GPT, run):
-    """The axis for train.py: the stage model was built by stage_of(run); this adds the schedule, the
-    tied-embedding group (collective) and the marks on the tied copies. None when --pp is 1."""
-    args, mesh = run.args, run.mesh
-    P = mesh.size("pp")
-    if P == 1:
-        return None
-    name, v = getattr(args, "pp_schedule", "1f1b"), getattr(args, "pp_virtual", 2)
-    check_flags(run.config.n_layer, P, run.micro_batches, name, v, getattr(args, "zero", 0))
-    v = v if name == "interleaved" else 1
-    sp = mesh.size("tp") if getattr(args, "sp", False) else 1
-    tied_group = tied_embedding_group(mesh.shape, mesh.rank)
-    schedule = PipelineSchedule(name, P, v, mesh.index("pp"), run.config.n_layer, mesh.group("pp"),
-                                mesh.members["pp"], seq_divisor=sp)
+def apply(model: GPT, run, config: PipelineConfig):
+    """The axis for train.py: the stage model was built by stage_of(config, run); this adds the schedule and
+    the marks on the tied copies."""
+    mesh, v = run.mesh, config.virtual
+    sp = mesh.size("tp") if run.settings.sequence_parallel else 1  # a boundary carries s/C (÷T under SP) tokens
+    tied_group = mesh.group("pp_tied") if mesh.size("pp_tied") > 1 else None  # first and last stage
+    schedule = PipelineSchedule(config.schedule, config.size, v, mesh.index("pp"), run.config.n_layer,
+                                mesh.group("pp"), mesh.members["pp"], seq_divisor=sp)
     mark_tied_copies(model, schedule.n_chunks)
-    coords = mesh.coordinates()
-    writes_trace = all(index == 0 for axis, index in coords.items() if axis != "pp")
-    return Pipeline(model, schedule, run.micro, run.seq_len // mesh.size("cp") // sp, run.micro_batches,
-                    tied_group, getattr(args, "trace_file", None) if writes_trace else None)
+    writes_trace = all(index == 0 for axis, index in mesh.coordinates().items() if axis not in ("pp", "pp_tied"))
+    return Pipeline(model, schedule, run.micro_batch_size, run.settings.local_seq_len, run.micro_batches,
+                    tied_group, config.trace_file if writes_trace else None)
 
 
-def build(run, dtype: torch.dtype = torch.float32, transform=None):
+def build(run, config: PipelineConfig, dtype: torch.dtype = torch.float32, transform=None):
     """(stage model, Pipeline) for tests and benchmarks: build this rank's stage, `transform(model)` (TP's
-    parallelize, CP's swap: the axes before PP), then apply. None when --pp is 1."""
-    if run.mesh.size("pp") == 1:
-        return None
-    model = GPT(run.config, run.seed, dtype, run.device, **stage_of(run))
+    parallelize, CP's swap: the axes before PP), then apply."""
+    model = GPT(run.config, run.seed, dtype, run.device, **stage_of(config, run))
     if transform is not None:
         transform(model)
-    return model, apply(model, run)
+    return model, apply(model, run, config)
 
 
 class Pipeline(Axis):
@@ -834,10 +823,6 @@ class Pipeline(Axis):
             yield
         finally:
             del model.forward
-
-    def groups(self) -> dict:
-        """{name: group} for the tracer: the tied-embedding sum on "pp_tied" (p2p and the loss go on "pp")."""
-        return {"pp_tied": self.tied_group}
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> None:

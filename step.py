@@ -64,10 +64,6 @@ class Axis:
         """Lines printed with each logged step (MoE: the load per expert; FP8: scales and saturation)."""
         return []
 
-    def groups(self) -> dict:
-        """{name: process group} of groups the axis creates itself (the mesh's are named already)."""
-        return {}
-
     def shard_batches(self, batches: list) -> list:
         """This rank's part of each micro-batch (x, y, pos): context parallel cuts the sequences."""
         return batches

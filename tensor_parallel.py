@@ -572,22 +572,38 @@ class TensorParallel(Axis):
         run = self.run
         sp_bytes = sum(g.numel() * g.element_size() for g in layout.grad_pieces(self.sequence_parallel_params))
         # Under context parallel a rank holds s/C tokens of each sequence (applied after TP, it cuts the batch).
-        messages = self.step_messages(run.micro, run.seq_len // run.mesh.size("cp"), run.micro_batches,
+        messages = self.step_messages(run.micro_batch_size, run.seq_len // run.mesh.size("cp"), run.micro_batches,
                                       run.compute_dtype.itemsize, sp_grad_bytes=sp_bytes,
                                       param_bytes=run.param_dtype.itemsize)
         return {(op, "tp"): value for op, value in messages.items()}
 
 
 
-def apply(model: GPT, run) -> TensorParallel | None:
-    """--tp T (and --sp): split the model over the TP group; None when T = 1."""
-    if run.mesh.shape.tp == 1:
+@dataclass(frozen=True)
+class TPConfig:
+    """--tp T and --sp: validated by config_from_flags."""
+
+    size: int  # T
+    sequence_parallel: bool = False
+
+
+def config_from_flags(args, settings) -> TPConfig | None:
+    """TP's flags on this model, or ValueError naming the flag (before any process group)."""
+    if args.sp and args.tp == 1:
+        raise ValueError("--sp (sequence parallel) needs --tp > 1")
+    if args.tp == 1:
         return None
-    handle = parallelize(model, run.mesh.group("tp"), run.args.sp, seed=run.seed)
+    check_divisible(settings.model, args.tp, settings.seq_len, args.sp)
+    return TPConfig(args.tp, args.sp)
+
+
+def apply(model: GPT, run, config: TPConfig) -> TensorParallel:
+    """--tp T (and --sp): split the model over the TP group."""
+    handle = parallelize(model, run.mesh.group("tp"), config.sequence_parallel, seed=run.seed)
     handle.run = run
     # Block 0's messages are measured now, before a layout installs gradient hooks, in the working dtype
     # the layout will train in (ZeRO's bf16 weights), so the printed sizes are those the run sends.
-    handle._startup_lines = handle.startup_lines_measured(run.micro, run.seq_len // run.mesh.size("cp"),
+    handle._startup_lines = handle.startup_lines_measured(run.micro_batch_size, run.seq_len // run.mesh.size("cp"),
                                                           run.compute_dtype.itemsize, run.autocast, run.param_dtype)
     return handle
 

@@ -46,13 +46,13 @@ def _bench(rank, world, root, saves, between):
     device = rank_device()  # cuda:rank under --device cuda (harness backend nccl), else the CPU
     mesh = build_mesh(MeshShape(dp=world))
     model = GPT(config_from_preset("small"), seed=0, device=device)
-    layout = DDPLayout(DistributedDataParallel(model, group=mesh.dp_cp_group), build_adamw(model.parameters(), 1e-3))
+    layout = DDPLayout(DistributedDataParallel(model, group=mesh.group("dp_cp")), build_adamw(model.parameters(), 1e-3))
     scaler, sampler = DynamicLossScaler(False), BatchSampler(100_000, 128, 2 * world, 0)
     generator = torch.Generator().manual_seed(rank)
     batch = [(torch.randint(0, 256, (2, 128), generator=generator).to(device),) * 2]
 
     def step():
-        train_step(layout, scaler, batch, mesh.dp_cp_group, 1.0, torch.autocast(device.type, enabled=False), device)
+        train_step(layout, scaler, batch, mesh.group("dp_cp"), 1.0, torch.autocast(device.type, enabled=False), device)
 
     step()  # warm-up: allocations, Adam state
     savers = {mode: ckpt.Checkpointer(os.path.join(root, mode), mesh, keep=2, async_save=mode == "async",

@@ -45,11 +45,11 @@ class Variant:
     def __init__(self, ep, config, args, world, device):
         self.ep = ep
         self.mesh = build_mesh(MeshShape(dp=world, ep=ep))
-        self.run = SimpleNamespace(args=SimpleNamespace(sp=False), mesh=self.mesh, config=config, seq_len=args.seq,
-                                   micro=args.batch, micro_batches=1, device=device,
-                                   autocast=nullcontext(), compute_dtype=torch.float32, seed=args.seed)
+        self.run = SimpleNamespace(mesh=self.mesh, config=config, seq_len=args.seq, micro_batch_size=args.batch,
+                                   micro_batches=1, device=device, autocast=nullcontext(),
+                                   compute_dtype=torch.float32, seed=args.seed)
         self.model = GPT(config, seed=args.seed, device=device)
-        self.handle = moe.apply(self.model, self.run)
+        self.handle = moe.apply(self.model, self.run, moe.MoEConfig(ep))
         self.optimizer = build_adamw(self.model.parameters(), 1e-4)
         params = list(self.model.parameters())
         self.losses = []

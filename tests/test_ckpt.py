@@ -67,15 +67,15 @@ def build_layout(spec: dict, mesh, config, dtype, device):
     if spec["tp"] > 1:
         import tensor_parallel
 
-        tensor_parallel.parallelize(model, mesh.tp_group, seed=0)  # swaps the modules in place
+        tensor_parallel.parallelize(model, mesh.group("tp"), seed=0)  # swaps the modules in place
     if spec["zero"]:
         import zero
 
-        layout = zero.ZeroLayout(model, mesh.dp_cp_group, spec["zero"], lr=HYPER["lr"],
+        layout = zero.ZeroLayout(model, mesh.group("dp_cp"), spec["zero"], lr=HYPER["lr"],
                                  weight_decay=HYPER["weight_decay"], betas=HYPER["betas"], eps=HYPER["eps"],
                                  param_dtype=dtype, master_dtype=dtype, coords=mesh.coordinates())
     else:
-        ddp = DistributedDataParallel(model, group=mesh.dp_cp_group)
+        ddp = DistributedDataParallel(model, group=mesh.group("dp_cp"))
         optimizer = build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"])
         layout = DDPLayout(ddp, optimizer, mesh.coordinates())
     return model, layout
@@ -96,7 +96,7 @@ def _run(rank, world, spec, root, stop, save_every, resume=None, dropout=0.0, as
     device = harness.device()
     mesh = build_mesh(MeshShape(dp=spec["dp"], tp=spec["tp"]))
     # A stream per data rank, as train.py: dropout differs across data ranks; a TP group draws alike.
-    torch.manual_seed(100 + mesh.dp_rank)  # the CPU generator and every GPU's
+    torch.manual_seed(100 + mesh.index("dp"))  # the CPU generator and every GPU's
     model, layout = build_layout(spec, mesh, make_config(dropout=dropout), torch.float64, device)
     scaler = DynamicLossScaler(enabled=False)
     sampler = BatchSampler(10_000, SEQ, GLOBAL_BATCH, seed=0)  # only its cursor is used: batches come below
@@ -107,12 +107,12 @@ def _run(rank, world, spec, root, stop, save_every, resume=None, dropout=0.0, as
         torch.manual_seed(12345)  # whatever state the fresh process has: the checkpoint must replace it
         start = checkpointer.resume(resume, layout, scaler, sampler, seed=0)
         if reseed_after_resume:
-            torch.manual_seed(100 + mesh.dp_rank)  # the negative control: RNG not restored
+            torch.manual_seed(100 + mesh.index("dp"))  # the negative control: RNG not restored
     batches = global_batches(STEPS, GLOBAL_BATCH, SEQ)
     losses = {}
     for step in range(start, stop):
-        micro = rank_micro_batches(*batches[step], mesh.dp_rank, mesh.dp_size, MICRO)
-        losses[step] = train_step(layout, scaler, micro, mesh.dp_cp_group, CLIP, nullcontext(), device).loss
+        micro = rank_micro_batches(*batches[step], mesh.index("dp"), mesh.size("dp"), MICRO)
+        losses[step] = train_step(layout, scaler, micro, mesh.group("dp_cp"), CLIP, nullcontext(), device).loss
         checkpointer.step_end(step + 1, save_every, step + 1 == stop, layout, scaler, sampler)
     checkpointer.close()
     assert sampler.step == start  # the cursor is the data of the NEXT step, set by resume
@@ -560,11 +560,11 @@ def test_keep_prunes_to_the_newest_k(tmp_path):
 
 
 def test_flags_are_validated():
-    from train import FlagError, build_parser, validate_args
+    from flags import FlagError, build_parser, validate
 
     def check(argv, message):
         with pytest.raises(FlagError, match=message):
-            validate_args(build_parser().parse_args(argv), 2)
+            validate(build_parser().parse_args(argv), 2)
 
     check(["--ckpt-dir", "x", "--keep", "1"], "--keep must be at least 2")
     check(["--resume", "latest"], "--resume needs --ckpt-dir")

@@ -13,6 +13,8 @@ harness.device() (its GPU under nccl) and the step moves the CPU batches there, 
 """
 
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -24,18 +26,39 @@ STEPS, SEQ, CLIP, TOL = 3, 16, 0.05, 1e-10
 
 
 def _parse(flags, global_batch, micro):
-    import train
+    import flags as flags_lib
 
-    return train.build_parser().parse_args(["--global-batch", str(global_batch), "--micro-batch", str(micro),
-                                            "--lr", str(HYPER["lr"]), "--weight-decay", str(HYPER["weight_decay"]),
-                                            "--beta1", str(HYPER["betas"][0]), "--beta2", str(HYPER["betas"][1]),
-                                            "--bucket-mb", "0.02", *flags])
+    return flags_lib.build_parser().parse_args(["--global-batch", str(global_batch), "--micro-batch", str(micro),
+                                                "--seq-len", str(SEQ), "--lr", str(HYPER["lr"]), "--weight-decay",
+                                                str(HYPER["weight_decay"]), "--beta1", str(HYPER["betas"][0]),
+                                                "--beta2", str(HYPER["betas"][1]), "--bucket-mb", "0.02", *flags])
 
 
 def _config(args, config_kw):
     import moe
 
-    return make_config(**config_kw, **moe.config_overrides(args))  # the MoE flags, as train.model_config
+    return make_config(**config_kw, **moe.config_overrides(args))  # the MoE flags, as flags.model_config
+
+
+def composed_run(rank, world, flags, config_kw, global_batch, micro, device):
+    """train.compose on the flags, as train.main builds a run, in float64 on this test's model config."""
+    from dataclasses import replace
+
+    import flags as flags_lib
+    import train
+    from mesh import build_mesh
+
+    shape_flags = ["--n-layer", str(make_config(**config_kw).n_layer), "--n-head", str(make_config(**config_kw).n_head),
+                   "--n-embd", str(make_config(**config_kw).n_embd)]  # validated on the model the test builds
+    args = _parse([*shape_flags, *flags], global_batch, micro)
+    settings = flags_lib.validate(args, world, axes=train.AXES)
+    config = _config(args, config_kw)
+    settings = replace(settings, model=config)
+    mesh = build_mesh(settings.shape, rank)
+    run = train.Run(settings=settings, mesh=mesh, config=config, device=device, seed=0,
+                    compute_dtype=torch.float64, param_dtype=torch.float64, master_dtype=torch.float64)
+    torch.manual_seed(rank // mesh.size("tp"))  # as train.py: a TP group draws alike
+    return train.compose(run)
 
 
 def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_root=None, resume_root=None,
@@ -44,28 +67,15 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
     start from the newest one in resume_root (saved on another mesh: the checkpoint reslices). With `trace`,
     also ({(op, group): (calls, payload)} traced per step, train.predicted_messages of the traced steps)."""
     import ckpt
+    import report
     from comm import CommTracer
-    import train
     from data import BatchSampler
-    from mesh import build_mesh, infer_mesh_shape
-    from model import GPT
     from optim import DynamicLossScaler
     from step import train_step
 
     device = harness.device()
-    args = _parse(flags, global_batch, micro)
-    shape = infer_mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
-    mesh = build_mesh(shape, rank)
-    config = _config(args, config_kw)
-    m = global_batch // (shape.dp * micro)
-    run = train.Run(args=args, mesh=mesh, config=config, seq_len=SEQ, micro=micro, micro_batches=m,
-                    device=device, autocast=train.nullcontext(), compute_dtype=torch.float64,
-                    param_dtype=torch.float64, master_dtype=torch.float64, seed=0)
-    torch.manual_seed(rank // shape.tp)  # as train.py: a TP group draws alike
-    run.model = GPT(config, seed=0, dtype=torch.float64, device=device, **train.pipeline.stage_of(run))
-    run.axes = [axis for axis in (apply(run.model, run) for apply in train.AXES) if axis is not None]
-    run.layout = train.build_layout(run.model, run)
-    run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), None)
+    run = composed_run(rank, world, flags, config_kw, global_batch, micro, device)
+    mesh, shape = run.mesh, run.settings.shape
     scaler = DynamicLossScaler(enabled=False)
     sampler = BatchSampler(10_000, SEQ, global_batch, 0)  # the cursor only: the batches are the reference's
     start = 0
@@ -73,22 +83,22 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
         start = ckpt.Checkpointer(resume_root, mesh, device=device, log=lambda *a: None, axes=run.axes).resume(
             "latest", run.layout, scaler, sampler, 0)
     losses, run.tracer = {}, CommTracer()
-    for name, group in {**mesh.groups, **{n: g for a in run.axes for n, g in a.groups().items()}}.items():
+    for name, group in mesh.groups.items():
         if group is not None:  # named as train.py names them
             run.tracer.name_group(group, name)
     for step, (x, y) in enumerate(global_batches(STEPS, global_batch, SEQ)):
         if not start <= step < stop:
             continue
-        batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.dp_rank, mesh.dp_size, micro)]
+        batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.index("dp"), mesh.size("dp"), micro)]
         for axis in run.axes:
             batches = axis.shard_batches(batches)
-        with run.tracer if trace else train.nullcontext():
-            outcome = train_step(run.layout, scaler, batches, mesh.dp_cp_group, CLIP, run.autocast, device,
+        with run.tracer if trace else nullcontext():
+            outcome = train_step(run.layout, scaler, batches, mesh.group("dp_cp"), CLIP, run.autocast, device,
                                  model=run.model, schedule=run.schedule, axes=run.axes, data_size=shape.dp)
         losses[step] = outcome.loss
     steps = len(losses)
     messages = ({key: (r.calls / steps, r.payload_bytes / steps) for key, r in run.tracer.records.items()},
-                train.predicted_messages(run, steps)) if trace else None
+                report.predicted_messages(run, steps)) if trace else None
     if save_root:
         saver = ckpt.Checkpointer(save_root, mesh, device=device, log=lambda *a: None, axes=run.axes)  # as train.py
         saver.save(stop, run.layout, scaler, sampler)
@@ -188,14 +198,15 @@ def _traced_cases(rank, world, cases):
 
 def test_pipeline_with_experts_matches_single_device_and_traces_as_predicted():
     """PP + MoE: the update equals the single device's (1e-10, float64), and every message of the traced steps
-    (p2p and loss over pp, the all-to-alls over ep, the layout's, the update's) equals train.predicted_messages."""
+    (p2p and loss over pp, the all-to-alls over ep, the layout's, the update's) equals report.predicted_messages."""
     results = run_ranks(_traced_cases, 4, PIPELINE_EXPERTS_4, timeout=600)
     for index, case in enumerate(PIPELINE_EXPERTS_4):
         per_rank = [rank_results[index] for rank_results in results]
         _check(per_rank, *case)
         for rank, (_, _, (traced, predicted)) in enumerate(per_rank):
             ep = next(group for op, group in traced if op == "all_to_all_single")  # ep's communicator is dp's
-            assert "ep" in ep.split("=") and ("send", "pp") in traced, (case, rank, traced)
+            sends = [group for op, group in traced if op == "send"]  # pp's communicator is pp_tied's at P = 2
+            assert "ep" in ep.split("=") and sends and "pp" in sends[0].split("="), (case, rank, traced)
             assert set(traced) == set(predicted), (case, rank, set(traced) ^ set(predicted))
             for key, (calls, payload) in predicted.items():
                 assert traced[key] == pytest.approx((calls, payload), abs=1e-9), (case, rank, key)

@@ -199,10 +199,16 @@ def test_attention_matches_full_causal_attention():
 
 
 def _run(mesh, config, impl, balance, device, sp=False, autocast=None, compute_dtype=torch.float64, micro=2):
-    """The slice of train.py's Run that context_parallel.apply reads."""
-    return SimpleNamespace(args=Namespace(cp=mesh.size("cp"), cp_impl=impl, cp_balance=balance, sp=sp), mesh=mesh,
-                           config=config, seq_len=SEQ, micro=micro, micro_batches=1, device=device,
-                           autocast=autocast or nullcontext(), compute_dtype=compute_dtype, seed=0)
+    """The slice of train.py's Run that context_parallel.apply reads, and its CPConfig."""
+    return SimpleNamespace(mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=micro, micro_batches=1,
+                           device=device, autocast=autocast or nullcontext(), compute_dtype=compute_dtype,
+                           seed=0), cp_config(mesh.size("cp"), impl, balance)
+
+
+def cp_config(size, impl, balance):
+    import context_parallel as cp
+
+    return cp.CPConfig(size, impl, balance)
 
 
 def _model(rank, world, cp_size, tp_size, variants):
@@ -230,17 +236,17 @@ def _model_variant(mesh, tp_size, impl, balance, sp, checkpointing, bf16):
     ref_grads = {p.shard_info.global_name: p.grad for p in reference.parameters()}
 
     model = GPT(config, seed=0, dtype=dtype, device=device)
-    tp_handle = tp.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0) if tp_size > 1 else None
+    tp_handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0) if tp_size > 1 else None
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    handle = cp.apply(model, _run(mesh, config, impl, balance, device, sp, autocast,
-                                  torch.bfloat16 if bf16 else dtype))
+    handle = cp.apply(model, *_run(mesh, config, impl, balance, device, sp, autocast,
+                                   torch.bfloat16 if bf16 else dtype))
     (x_local, y_local, pos), = handle.shard_batches([(x, y)])
     group = mesh.group("cp")
     count = (y_local != -1).sum().double()
     dist.all_reduce(count, group=group)  # the global token count: the loss's denominator on every rank
     tracer = CommTracer()
     tracer.name_group(group, "cp")
-    tracer.name_group(mesh.tp_group, "tp")
+    tracer.name_group(mesh.group("tp"), "tp")
     with tracer:
         with autocast:
             _, loss_sum, _ = model(x_local, y_local, pos)
@@ -314,7 +320,7 @@ def _activations(rank, world):
         block = model.transformer.h[0]
         saved[C] = cp.saved_activation_bytes(lambda: block(local), exclude=model.parameters())
     model = GPT(config, seed=0, dtype=torch.float64, device=device)
-    handle = cp.apply(model, _run(mesh, config, "ring", "zigzag", device))
+    handle = cp.apply(model, *_run(mesh, config, "ring", "zigzag", device))
     measured_messages, measured_saved = cp.measure_block(handle)
     lines = handle.startup_lines()
     tracer = CommTracer()

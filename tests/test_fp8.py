@@ -565,14 +565,14 @@ def _on_meshes(rank, world):
             model = GPT(config, seed=0, dtype=torch.float64, device=device)
             finish = None
             if kind == "tp":
-                tp_handle = tensor_parallel.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0)
+                tp_handle = tensor_parallel.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0)
                 finish = functools.partial(tp_handle.after_grad_sync, WholeGrads())
             handle = fp8.convert(model, fp8.Recipe(mode), fp8_mesh)
             tracer = CommTracer()
             for name in ("tp", "dp_cp", "cp"):
                 tracer.name_group(fp8_mesh.group(name), name)
-            losses, traced = _train(model, handle, mesh.dp_group, mesh.dp_rank, mesh.dp_size, tracer, finish)
-            micro_batches = GLOBAL_BATCH // (mesh.dp_size * MICRO)
+            losses, traced = _train(model, handle, mesh.group("dp"), mesh.index("dp"), mesh.size("dp"), tracer, finish)
+            micro_batches = GLOBAL_BATCH // (mesh.size("dp") * MICRO)
             predicted = [handle.predicted_messages(micro_batches=micro_batches, first_step=step == 0) for step in range(STEPS)]
             pieces = {p.shard_info.global_name: (p.detach().clone(), p.shard_info) for p in model.parameters()}
             out[kind, mode, n_embd, sp, checkpointing] = (losses, pieces, handle.state_dict(), traced, predicted)
@@ -624,18 +624,21 @@ def test_apply_flags_and_accounting_lines():
     from comm import CommTracer
     from model import GPT
 
-    parser = argparse.ArgumentParser()
-    fp8.add_arguments(parser)
+    import flags
+
+    parser = flags.build_parser()
     defaults = parser.parse_args([])
     assert (defaults.fp8, defaults.fp8_amax_history, defaults.fp8_amax_algo, defaults.fp8_margin) == \
         (None, 16, "max", 0)
+    assert flags.validate(parser.parse_args(["--preset", "tiny"]), 1, axes=(fp8,)).axes["fp8"] is None  # off
+    recipe = flags.validate(parser.parse_args(["--preset", "tiny", "--fp8", "delayed", "--fp8-amax-history", "4"]),
+                            1, axes=(fp8,)).axes["fp8"]
+    assert recipe == fp8.Recipe("delayed", 4, "max", 0)
     config = make_config()
-    run = SimpleNamespace(args=parser.parse_args(["--fp8", "delayed", "--fp8-amax-history", "4"]),
-                          mesh=build_mesh(MeshShape(dp=1), rank=0), config=config, seq_len=SEQ, micro=2,
+    run = SimpleNamespace(mesh=build_mesh(MeshShape(dp=1), rank=0), config=config, seq_len=SEQ, micro_batch_size=2,
                           micro_batches=2, device=torch.device("cpu"), compute_dtype=torch.bfloat16, seed=0)
-    assert fp8.apply(GPT(config, seed=0), SimpleNamespace(args=defaults)) is None  # off by default
     model = GPT(config, seed=0)
-    handle = fp8.apply(model, run)
+    handle = fp8.apply(model, run, recipe)
     assert len(handle.linears) == 4 * config.n_layer and model.lm_head.__class__ is nn.Linear  # the head stays
     assert all(type(m) is fp8.Fp8Linear for m in model.transformer.h.modules() if isinstance(m, nn.Linear))
     lines = "\n".join(handle.startup_lines())

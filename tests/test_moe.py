@@ -331,10 +331,10 @@ def _model(rank, world):
     for ep, overrides in MODEL_CASES.items():
         config = make_config(**overrides)
         mesh = build_mesh(MeshShape(dp=world, ep=ep))
-        run = SimpleNamespace(args=SimpleNamespace(sp=False), mesh=mesh, config=config, seq_len=SEQ, micro=1,
-                              micro_batches=M, device=device, autocast=nullcontext(), compute_dtype=DT, seed=0)
+        run = SimpleNamespace(mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=1, micro_batches=M,
+                              device=device, autocast=nullcontext(), compute_dtype=DT, seed=0)
         model = GPT(config, seed=0, dtype=DT, device=device)
-        handle = moe.apply(model, run)
+        handle = moe.apply(model, run, moe.MoEConfig(ep))
         layout = _Layout(model)
         tracer = CommTracer()
         tracer.name_group(mesh.group("ep"), "ep")
@@ -536,23 +536,11 @@ class HostSyncs:
 
 
 def _composed(rank, world, flags, config_kw, global_batch, micro):
-    """The run train.main builds from `flags` (as tests/test_composition.py), in float64 on harness.device()."""
+    """The run train.main builds from `flags` (test_composition.composed_run), in float64 on harness.device()."""
     import test_composition
-    import train
-    from mesh import build_mesh, infer_mesh_shape
-    from model import GPT
 
-    args = test_composition._parse(flags, global_batch, micro)
-    shape = infer_mesh_shape(world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
-    run = train.Run(args=args, mesh=build_mesh(shape, rank), config=test_composition._config(args, config_kw),
-                    seq_len=SEQ, micro=micro, micro_batches=global_batch // (shape.dp * micro),
-                    device=harness.device(), autocast=nullcontext(), compute_dtype=DT, param_dtype=DT,
-                    master_dtype=DT, seed=0)
-    torch.manual_seed(rank // shape.tp)
-    run.model = GPT(run.config, seed=0, dtype=DT, device=run.device, **train.pipeline.stage_of(run))
-    run.axes = [axis for axis in (apply(run.model, run) for apply in train.AXES) if axis is not None]
-    run.layout = train.build_layout(run.model, run)
-    return run
+    assert test_composition.SEQ == SEQ
+    return test_composition.composed_run(rank, world, flags, config_kw, global_batch, micro, harness.device())
 
 
 # (flags, config overrides): D = 2 ranks, m = 2 micro-batches of B_μ = 1, both blocks MoE.
@@ -585,11 +573,11 @@ def _host_syncs(rank, world):
         run.layout.step = update
         counts = []
         for index, (x, y) in enumerate(global_batches(2, 4, SEQ)):
-            batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.dp_rank, run.mesh.dp_size, 1)]
+            batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.index("dp"), run.mesh.size("dp"), 1)]
             with HostSyncs() as counter:
-                outcome = train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.dp_cp_group,
+                outcome = train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"),
                                      1.0, nullcontext(), run.device, model=run.model, axes=run.axes,
-                                     data_size=run.mesh.shape.dp)
+                                     data_size=run.mesh.size("dp"))
             with HostSyncs() as lines:
                 text = moe_axis.step_lines() if moe_axis is not None and index == 1 else []
             counts.append((list(counter.seen), list(lines.seen), text))
@@ -618,12 +606,12 @@ def test_one_host_sync_per_moe_layer_and_micro_batch():
 
 def _traced_and_sampled(rank, world, cases):
     """Per case: the last-position logits of a whole-sequence forward in the axes' sampling contexts (as
-    train.sample runs model.generate) at init, then one training step traced against train.predicted_messages."""
+    train.sample runs model.generate) at init, then one training step traced against report.predicted_messages."""
     from comm import CommTracer
     from contextlib import ExitStack
     from optim import DynamicLossScaler
     from step import train_step
-    import train
+    import report
 
     out = []
     for flags, config_kw, global_batch, micro in cases:
@@ -636,27 +624,27 @@ def _traced_and_sampled(rank, world, cases):
             logits = run.model(prompt)[0]
         run.model.train()
         run.tracer = CommTracer()
-        for name, group in {**run.mesh.groups, **{n: g for a in run.axes for n, g in a.groups().items()}}.items():
+        for name, group in run.mesh.groups.items():
             run.tracer.name_group(group, name)
         (x, y), = global_batches(1, global_batch, SEQ)
-        batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.dp_rank, run.mesh.dp_size, micro)]
+        batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.index("dp"), run.mesh.size("dp"), micro)]
         for axis in run.axes:
             batches = axis.shard_batches(batches)
         with run.tracer:
-            train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.dp_cp_group, 1.0,
-                       nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.shape.dp)
+            train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0,
+                       nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.size("dp"))
         traced = {key: (r.calls, r.payload_bytes) for key, r in run.tracer.records.items()}
-        predicted = train.predicted_messages(run, 1)
+        predicted = report.predicted_messages(run, 1)
         load_line = next(axis for axis in run.axes if axis.name == "moe").step_lines()[0]
         out.append(dict(logits=logits, traced=traced, predicted=predicted, load_line=load_line,
-                        slots=run.micro_batches * 2 * micro * SEQ // run.mesh.shape.cp
-                        // (run.mesh.shape.tp if run.args.sp else 1) * run.config.moe_topk))
+                        slots=run.micro_batches * 2 * micro * SEQ // run.mesh.size("cp")
+                        // (run.mesh.size("tp") if run.args.sp else 1) * run.config.moe_topk))
     return out
 
 
 def test_capacity_gathers_are_predicted_and_sampling_gathers_nothing():
     """Under CP and SP with capacity, one step's traced messages (the choices' all-gathers on cp and tp with
-    them) equal train.predicted_messages, call for call and byte for byte; sampling, which runs whole
+    them) equal report.predicted_messages, call for call and byte for byte; sampling, which runs whole
     sequences on every rank, gives the single-device logits (1e-10): the layer gathers over no group then;
     and the load line after the step counts that step's slots only."""
     from model import GPT

@@ -40,12 +40,20 @@ import pytest
 import torch
 
 import pipeline as pp
+from comm import Messages
 import harness
 from harness import run_ranks
 from reference import global_batches, make_config, rank_micro_batches
 
 TOL = 1e-10
 SEQ, MICRO = 8, 2
+
+
+def _stage_run(mesh, config, m, device, sp=False, tp=1):
+    """What pipeline.build and apply read of train.Run, for a run of m micro-batches of MICRO × SEQ tokens."""
+    settings = SimpleNamespace(sequence_parallel=sp, local_seq_len=SEQ // (tp if sp else 1))
+    return SimpleNamespace(settings=settings, mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=MICRO,
+                           micro_batches=m, device=device, seed=0)
 
 # ---------------------------------------------------------------------------------------------------------
 # 1. The schedule checker
@@ -212,26 +220,37 @@ def test_deferred_weight_gradients_equal_autograd_under_bf16_autocast():
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _validate(n_layer, P, m, schedule="1f1b", v=2, zero=0):
+    """flags.validate as every rank runs it before the process group: D = 1, m micro-batches of one sequence."""
+    import flags
+
+    args = flags.build_parser().parse_args(["--preset", "tiny", "--n-layer", str(n_layer), "--pp", str(P),
+                                            "--pp-schedule", schedule, "--pp-virtual", str(v), "--global-batch",
+                                            str(m), "--micro-batch", "1", "--zero", str(zero)])
+    return flags.validate(args, P, axes=(pp,)).axes["pipeline"]
+
+
 @pytest.mark.parametrize("args,expected", [
     ((8, 4, 3, "1f1b", 2), ["--pp 4", "m = 3"]),
     ((8, 2, 4, "interleaved", 3), ["n_layer=8", "--pp-virtual 3", "6"]),
     ((3, 4, 8, "gpipe", 2), ["n_layer=3", "4 pipeline chunks"]),
     ((8, 2, 4, "interleaved", 1), ["--pp-virtual 1"]),
-    ((8, 2, 4, "pipedream", 2), ["--pp-schedule 'pipedream'"]),
     ((8, 2, 4, "1f1b", 2, 2), ["--zero 2", "--pp 2"]),
     ((8, 2, 4, "zb", 2, 3), ["--zero 3"]),
 ])
 def test_impossible_shapes_are_clear_errors(args, expected):
-    with pytest.raises(ValueError) as error:
-        pp.check_flags(*args)
+    import flags
+
+    with pytest.raises(flags.FlagError) as error:
+        _validate(*args)
     for text in expected:
         assert text in str(error.value)
 
 
 def test_valid_flags_pass_and_uneven_split_warns():
-    pp.check_flags(7, 4, 4, "1f1b", 2)  # v only matters for interleaved; uneven is allowed
-    pp.check_flags(8, 2, 3, "interleaved", 2)  # m need not be a multiple of P
-    pp.check_flags(2, 1, 1, "zb", 2)  # no pipeline
+    assert _validate(7, 4, 4, "1f1b") == pp.PipelineConfig(4, "1f1b", 1)  # v only for interleaved; uneven allowed
+    assert _validate(8, 2, 3, "interleaved", 2) == pp.PipelineConfig(2, "interleaved", 2)  # m not a multiple of P
+    assert _validate(2, 1, 1, "1f1b") is None  # no pipeline
     assert pp.split_layers(7, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
     assert [pp.stage_layers(8, 2, 2, c) for c in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     assert pp.rank_chunks(1, 2, 2) == [1, 3]
@@ -302,26 +321,25 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
         schedule, m, n_layer, v, extra = case
         config = make_config(n_layer=n_layer, activation_checkpointing="ckpt" in extra)
         trace_file = os.path.join(trace_dir, f"{schedule}.json") if trace_dir else None
-        run = SimpleNamespace(args=SimpleNamespace(pp_schedule=schedule, pp_virtual=v, trace_file=trace_file, sp=sp),
-                              mesh=mesh, config=config, seq_len=SEQ, micro=MICRO, micro_batches=m,
-                              device=device, seed=0)
+        run = _stage_run(mesh, config, m, device, sp=sp, tp=tp_size)
+        pp_config = pp.PipelineConfig(mesh.size("pp"), schedule, v if schedule == "interleaved" else 1, trace_file)
         tp_handles = []
 
         def transform(chunk):
             if tp_size > 1:
-                tp_handles.append(tp_lib.parallelize(chunk, mesh.tp_group, sequence_parallel=sp, seed=0))
+                tp_handles.append(tp_lib.parallelize(chunk, mesh.group("tp"), sequence_parallel=sp, seed=0))
             if "aux" in extra:
                 for layer_id in chunk.transformer.h.layer_ids:
                     if layer_id in (0, n_layer - 1):
                         _add_aux_loss(chunk, layer_id, 0.3)
 
-        stages, handle = pp.build(run, dtype=torch.float64, transform=transform)  # this rank's stage model
+        stages, handle = pp.build(run, pp_config, dtype=torch.float64, transform=transform)  # this rank's stage
         layout = StandInLayout(stages)
         x, y, batches = _case_batches(m, "pos" in extra)
         global_tokens = (y != -1).sum().to(device, torch.float64)
         loss_scale = 4.0 if "scale" in extra else 1.0
         tracer = CommTracer()
-        for name, group in {"pp": mesh.group("pp"), **handle.groups()}.items():
+        for name, group in {"pp": mesh.group("pp"), "pp_tied": mesh.group("pp_tied")}.items():
             if group is not None:
                 tracer.name_group(group, name)
         with tracer:
@@ -330,13 +348,16 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
             for h in tp_handles:
                 h.after_grad_sync(layout)
             handle.after_grad_sync(layout)
-        traced = {key: (r.calls, r.payload_bytes) for key, r in tracer.records.items() if key[1] in ("pp", "pp_tied")}
+        # pp and pp_tied are one communicator at P = 2 (the same two ranks): the tracer reports it as "pp=pp_tied"
+        traced = {key: (r.calls, r.payload_bytes) for key, r in tracer.records.items()
+                  if set(key[1].split("=")) & {"pp", "pp_tied"}}
         grads = {p.shard_info.global_name: (p.grad.detach().clone() / loss_scale, p.shard_info)
                  for p in stages.parameters()}
         synced_arrivals = dict(layout.arrivals)
         lines = handle.end_lines(tracer, 1) if "lines" in extra else None
         results[case] = dict(loss=float(out.loss_sum), aux=out.aux, grads=grads, traced=traced,
-                             predicted=handle.predicted_messages(layout), arrivals=synced_arrivals,
+                             predicted=Messages(handle.predicted_messages(layout)).named(tracer.alias),
+                             arrivals=synced_arrivals,
                              startup=handle.startup_lines(), lines=lines)
     return results
 
@@ -461,10 +482,8 @@ def _fp8_pipeline(rank, world, cases):
     out = {}
     for schedule, recipe in cases:
         config = make_config(n_layer=FP8_LAYERS)
-        run = SimpleNamespace(args=SimpleNamespace(pp_schedule=schedule, pp_virtual=1, trace_file=None, sp=False),
-                              mesh=mesh, config=config, seq_len=SEQ, micro=MICRO, micro_batches=FP8_M,
-                              device=device, seed=0)
-        stages, handle = pp.build(run, dtype=torch.float64)
+        run = _stage_run(mesh, config, FP8_M, device)
+        stages, handle = pp.build(run, pp.PipelineConfig(mesh.size("pp"), schedule), dtype=torch.float64)
         fp8_handle = fp8.convert(stages, fp8.Recipe(recipe, 16, "max", 0), mesh)
         layout = StandInLayout(stages)
         optimizer = torch.optim.AdamW(adamw_param_groups(stages.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"],
@@ -686,10 +705,9 @@ def _lifetime_checks(rank, world):
     out = {}
 
     def handle_for(schedule, m, config):
-        run = SimpleNamespace(args=SimpleNamespace(pp_schedule=schedule, pp_virtual=2, trace_file=None, sp=False),
-                              mesh=mesh, config=config, seq_len=SEQ, micro=MICRO, micro_batches=m, device=device,
-                              seed=0)
-        return pp.build(run, dtype=torch.float64)
+        run = _stage_run(mesh, config, m, device)
+        v = 2 if schedule == "interleaved" else 1
+        return pp.build(run, pp.PipelineConfig(mesh.size("pp"), schedule, v), dtype=torch.float64)
 
     def step(stages, handle, m):
         x, y, batches = _case_batches(m, False)

@@ -169,7 +169,7 @@ def _ddp_layout(model, mesh, handle):
     from optim import build_adamw
     from ddp import DDPLayout
 
-    ddp = DistributedDataParallel(model, group=mesh.dp_cp_group)
+    ddp = DistributedDataParallel(model, group=mesh.group("dp_cp"))
     optimizer = build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"])
     return DDPLayout(ddp, optimizer, mesh.coordinates())
 
@@ -179,7 +179,7 @@ def _zero_layout(stage):
         from zero import ZeroLayout
 
         # The flat ZeRO buffers hold this rank's TP shards; the norm counts TP-replicated copies on tp rank 0.
-        return ZeroLayout(model, mesh.dp_cp_group, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
+        return ZeroLayout(model, mesh.group("dp_cp"), stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
                           betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=torch.float64,
                           master_dtype=torch.float64, coords=mesh.coordinates())
     return build
@@ -212,17 +212,17 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
     mesh = build_mesh(infer_mesh_shape(world, tp=tp_size), rank)
     config = make_config(activation_checkpointing=checkpointing)
     model = GPT(config, seed=0, dtype=torch.float64, device=device)
-    handle = tp.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0)
+    handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0)
     init = _pieces(model)
     layout = LAYOUTS[layout_name](model, mesh, handle)
     scaler = DynamicLossScaler(enabled=False)
     tracer = CommTracer()
-    tracer.name_group(mesh.tp_group, "tp")
+    tracer.name_group(mesh.group("tp"), "tp")
     losses, norms, traced = [], [], []
     for x, y in global_batches(STEPS, global_batch, SEQ):
-        batches = rank_micro_batches(x, y, mesh.dp_rank, mesh.dp_size, micro)
+        batches = rank_micro_batches(x, y, mesh.index("dp"), mesh.size("dp"), micro)
         with tracer:
-            outcome = train_step(layout, scaler, batches, mesh.dp_cp_group, clip, nullcontext(), device,
+            outcome = train_step(layout, scaler, batches, mesh.group("dp_cp"), clip, nullcontext(), device,
                                  model=model, axes=[handle])
         traced.append({op: (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items() if g == "tp"})
         tracer.reset()
@@ -312,7 +312,7 @@ def _dropout(rank, world):
     mesh = build_mesh(infer_mesh_shape(world, tp=world), rank)
     # fork(): a different stream per TP rank inside, the shared default stream continues after it (the
     # device's generator: the one dropout draws from).
-    rng = tp.TensorParallelRNG(mesh.tp_rank, device)
+    rng = tp.TensorParallelRNG(mesh.index("tp"), device)
     torch.manual_seed(1)
     with rng.fork():
         inside = torch.rand(8, device=device)
@@ -323,12 +323,12 @@ def _dropout(rank, world):
             torch.manual_seed(0)  # as train.py: the same default seed on every rank of a TP group
             config = make_config(dropout=0.2, activation_checkpointing=checkpointing)
             model = GPT(config, seed=0, dtype=torch.float64, device=device)
-            handle = tp.parallelize(model, mesh.tp_group, sequence_parallel=sp, seed=0)
+            handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0)
             layout = _ddp_layout(model, mesh, handle)
             losses = []
             for x, y in global_batches(2, 4, SEQ):
                 batches = rank_micro_batches(x, y, 0, 1, 2)
-                outcome = train_step(layout, DynamicLossScaler(enabled=False), batches, mesh.dp_cp_group, 0.0,
+                outcome = train_step(layout, DynamicLossScaler(enabled=False), batches, mesh.group("dp_cp"), 0.0,
                                      nullcontext(), device, model=model, axes=[handle])
                 losses.append(outcome.loss)
             out[sp, checkpointing] = (losses, _pieces(model))
@@ -370,16 +370,21 @@ def test_dropout_masks_agree_where_replicated_and_replay_under_checkpointing():
     ],
 )
 def test_invalid_tp_flags_are_clear_errors(argv, world, expected):
-    from train import FlagError, build_parser, validate_args
+    from flags import FlagError, build_parser, validate
+    from train import AXES
 
     with pytest.raises(FlagError) as error:
-        validate_args(build_parser().parse_args(argv), world)
+        validate(build_parser().parse_args(argv), world, axes=AXES)
     for text in expected:
         assert text in str(error.value)
 
 
 def test_valid_tp_flags_give_a_2d_mesh():
-    from train import build_parser, validate_args
+    from flags import build_parser, validate
+    from train import AXES
 
-    shape, _, _ = validate_args(build_parser().parse_args(["--preset", "tiny", "--tp", "2", "--sp"]), 4)
-    assert (shape.tp, shape.dp) == (2, 2)
+    settings = validate(build_parser().parse_args(["--preset", "tiny", "--tp", "2", "--sp"]), 4, axes=AXES)
+    assert (settings.shape.tp, settings.shape.dp) == (2, 2)
+    import tensor_parallel
+
+    assert settings.axes["tensor_parallel"] == tensor_parallel.TPConfig(2, sequence_parallel=True)

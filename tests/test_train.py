@@ -1,7 +1,7 @@
 """train.py end to end: a real torchrun launch that writes metrics and learns, and flags that cannot work.
 
 Each torchrun launch costs a few seconds of process start-up here, so there are few of them; flag checks
-that do not need a launch call `validate_args` directly.
+that do not need a launch call `flags.validate` directly.
 """
 
 import json
@@ -12,7 +12,13 @@ import sys
 import pytest
 
 from harness import backend_flags
-from train import FlagError, build_parser, validate_args
+from flags import FlagError, build_parser, validate
+from train import AXES
+
+
+def validate_args(args, world):
+    """flags.validate with every axis's rules, as train.main runs it."""
+    return validate(args, world, axes=AXES)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -143,8 +149,9 @@ BAD_INPUTS = [  # (flags, world size, what the one line must say); FILE, DIR: a 
 @pytest.mark.parametrize("flags,world,message", BAD_INPUTS, ids=[" ".join(f) or "empty" for f, _, _ in BAD_INPUTS])
 def test_a_bad_input_ends_in_one_line_before_any_process_group(flags, world, message, tmp_path, monkeypatch,
                                                               capsys):
-    """train.parse_flags, as every rank runs it before the process group exists: exit status 2 and one line,
+    """flags.parse, as every rank runs it before the process group exists: exit status 2 and one line,
     `error: ...`, naming the flag and what it must be; nothing else on stderr (no usage text, no traceback)."""
+    import flags as flags_lib
     import train
 
     paths = dict(FILE=tmp_path / "a-file", DIR=tmp_path / "a-dir", BINARY=tmp_path / "data.bin",
@@ -159,7 +166,7 @@ def test_a_bad_input_ends_in_one_line_before_any_process_group(flags, world, mes
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(SystemExit) as stop:
-        train.parse_flags(["--preset", "tiny", "--out-dir", str(tmp_path / "out"), *flags])
+        flags_lib.parse(["--preset", "tiny", "--out-dir", str(tmp_path / "out"), *flags], train.AXES)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
@@ -228,10 +235,10 @@ def test_invalid_flags_have_clear_errors(flags, world, message):
 
 
 def test_batch_arithmetic():
-    shape, micro_steps, micro = validate_args(args_for("--global-batch", "16", "--micro-batch", "2"), 4)
-    assert (shape.dp, micro_steps, micro) == (4, 2, 2)
-    shape, micro_steps, micro = validate_args(args_for("--global-batch", "16"), 2)
-    assert (micro_steps, micro) == (1, 8)
+    settings = validate_args(args_for("--global-batch", "16", "--micro-batch", "2"), 4)
+    assert (settings.shape.dp, settings.micro_batches, settings.micro_batch_size) == (4, 2, 2)
+    settings = validate_args(args_for("--global-batch", "16"), 2)
+    assert (settings.micro_batches, settings.micro_batch_size) == (1, 8)
 
 
 def test_empty_data_file_is_a_flag_error(tmp_path):
@@ -404,12 +411,12 @@ def test_one_process_prints_no_empty_tables_and_a_resume_at_the_last_step_says_s
 
 def test_an_mfu_above_100_percent_is_flagged_once(capsys):
     """A step line whose MFU exceeds 100% marks it and says once, why: the peak assumed is too low."""
-    import train
+    import report
 
-    clock = train.Progress(0, 10)
+    clock = report.Progress(0, 10)
     record = dict(step=0, loss=1.0, lr=1e-3, grad_norm=0.5, skipped=False, tokens_per_s=10.0, mfu=2.23,
                   step_time_s=0.1)
     for step in (0, 1):
-        train.print_step(dict(record, step=step), clock)
+        report.print_step(dict(record, step=step), clock)
     out = capsys.readouterr().out
     assert out.count("MFU 223.00%!") == 2 and out.count("MFU above 100% cannot be") == 1, out

@@ -343,9 +343,11 @@ def test_mixed_precision_holds_2_2_12_bytes(two_rank_checks):
 def test_invalid_zero_flags(flags, world, message):
     import train
 
-    args = train.build_parser().parse_args(flags)
-    with pytest.raises(train.FlagError, match=re.escape(message)):
-        train.validate_args(args, world)
+    import flags as flags_lib
+
+    args = flags_lib.build_parser().parse_args(flags)
+    with pytest.raises(flags_lib.FlagError, match=re.escape(message)):
+        flags_lib.validate(args, world, axes=train.AXES)
 
 
 def test_valid_zero_flags():
@@ -353,8 +355,8 @@ def test_valid_zero_flags():
 
     for stage in (0, 1, 2, 3):
         for compile_flag in ([], ["--compile"]):  # per-block compile composes with every stage
-            args = train.build_parser().parse_args(["--zero", str(stage), "--global-batch", "4", *compile_flag])
-            train.validate_args(args, 2)
+            args = train.flags.build_parser().parse_args(["--zero", str(stage), "--global-batch", "4", *compile_flag])
+            train.flags.validate(args, 2, axes=train.AXES)
 
 
 def test_torchrun_zero3_smoke(tmp_path):

@@ -1,0 +1,411 @@
+"""The command line: flags → one frozen `Settings`, every rule checked once, before any rank waits on another.
+
+`parse(argv, axes)` is all train.py calls: argparse, then the run's own rules (ranges, paths, the batch
+arithmetic B_global = D·m·B_μ, flags that need another), then each axis's `config_from_flags(args, settings)`,
+which returns that axis's frozen config (None when the axis is off) or raises ValueError naming the flag. The
+axes never see the flags again: `apply(model, run, config)` gets its config, validated.
+
+An error is one line, `error: ...`, printed exactly once however many ranks hit it, exit status 2 (`fail`).
+
+Accounting for this file: nothing is held or sent, except one error line through torchrun's agent store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+import data
+import moe
+from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
+from model import GPTConfig, config_from_preset
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class FlagError(ValueError):
+    """A flag combination that cannot run; raised before any rank waits on another."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the flags decide, validated: what train.py builds the run from."""
+
+    args: argparse.Namespace  # the parsed flags (read, never written)
+    given: frozenset  # the flags the command line set itself (explicit_flags)
+    shape: MeshShape  # D, P, C, T, E
+    model: GPTConfig  # the logical model (the vocabulary is set from the corpus at start)
+    seq_len: int
+    micro_batch_size: int  # B_μ: sequences per micro-batch per data rank
+    micro_batches: int  # m = B_global / (D·B_μ)
+    axes: dict = field(default_factory=dict)  # {axis module name: its config, None when off}, in train.AXES order
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str = "gloo"
+    dtype: str = "fp32"  # the autocast dtype (--dtype auto resolved)
+    dtype_reason: str = "--dtype"  # why: what was asked, or what auto found
+
+    @property
+    def world_size(self) -> int:
+        return self.shape.world_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """--sp: the residual stream between TP regions is cut along the sequence too (s/T tokens a rank),
+        which the pipeline's boundary messages, the experts' routing and FP8's token counts follow."""
+        return bool(self.args.sp) and self.shape.tp > 1
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of one sequence that a rank holds between TP regions: s/C under CP, ÷T more under SP."""
+        return self.seq_len // self.shape.cp // (self.shape.tp if self.sequence_parallel else 1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown flag, a choice not offered) are FlagErrors: like every other flag
+    error they end the run with one line, printed once, not with argparse's usage text on every rank."""
+
+    def error(self, message: str) -> NoReturn:
+        raise FlagError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="train.py", description="Train the GPT on a mesh of devices (see README.md).")
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default="small", help="tiny | small | gpt2 (124M)")
+    g.add_argument("--n-layer", type=int)
+    g.add_argument("--n-head", type=int)
+    g.add_argument("--n-embd", type=int)
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's block size)")
+    g.add_argument("--dropout", type=float)
+    g.add_argument("--no-bias", action="store_true", help="no biases in linears and LayerNorms")
+    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", help="a text file to train on (default: the Python standard library's source)")
+    g.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2"])
+    g.add_argument("--out-dir", default="out", help="token cache, metrics and checkpoints go here")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=150)
+    g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (B_global)")
+    g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (B_μ)")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
+    g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.95)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="autocast compute dtype; auto: bf16 where the device has bf16 matrix units (CUDA, CPUs with"
+                        " AMX or AVX512-BF16), else fp32 (a CPU without them emulates bf16, several times slower)")
+    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--tf32", action="store_true",
+                   help="fp32 matmuls on TF32 tensor cores (Ampere and newer: ~8x the FP32 peak, 10-bit mantissa"
+                        " products); default off: --dtype fp32 means full FP32 (the peak for MFU follows)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="bitwise-reproducible CUDA kernels (torch.use_deterministic_algorithms, cuBLAS workspace"
+                        " :4096:8): slower attention backward and scatter-adds; CPU runs are deterministic anyway")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (GPU speed): per block, gradient hooks still fire block"
+                        " by block in backward, so DDP/ZeRO communication keeps overlapping it")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size T")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size P")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel size C")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size E")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0: plain DDP)")
+    g.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB")
+    g.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
+    g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
+                   help="pipeline schedule (pipeline.py)")
+    g.add_argument("--pp-virtual", type=int, default=2, help="model chunks per rank for --pp-schedule interleaved")
+    g.add_argument("--trace-file", help="write one executed pipeline step as Chrome-trace JSON (Perfetto)")
+    g.add_argument("--cp-impl", default="ring", choices=["ring", "ulysses"], help="context parallel attention")
+    g.add_argument("--cp-balance", default="zigzag", choices=["zigzag", "contiguous"],
+                   help="how the sequence is cut over the C ranks (zig-zag balances causal work)")
+    g = p.add_argument_group("FP8 (fp8.py)")
+    g.add_argument("--fp8", choices=("current", "delayed", "blockwise"), default=None,
+                   help="FP8 block linears: current | delayed | blockwise")
+    g.add_argument("--fp8-amax-history", type=int, default=16, help="delayed: amax history length L")
+    g.add_argument("--fp8-amax-algo", choices=("max", "most_recent"), default="max", help="delayed: scale from")
+    g.add_argument("--fp8-margin", type=int, default=0, help="scale = max/amax/2^margin")
+    g = p.add_argument_group("mixture of experts (moe.py)")
+    g.add_argument("--moe-experts", type=int, default=0, help="experts N per MoE block (0: dense MLP)")
+    g.add_argument("--moe-topk", type=int, default=2, help="experts per token k")
+    g.add_argument("--moe-every", type=int, default=1, help="every n-th block is MoE")
+    g.add_argument("--moe-capacity-factor", type=float, default=0.0, help="capacity per expert ⌈B_μ·s·k/N·f⌉ of each micro-batch (0: dropless)")
+    g.add_argument("--moe-aux-coef", type=float, default=0.01, help="load-balance loss coefficient α")
+    g.add_argument("--moe-z-coef", type=float, default=0.001, help="router z-loss coefficient β")
+    g = p.add_argument_group("evaluation and reporting")
+    g.add_argument("--eval-every", type=int, default=100, help="val loss every N steps (0: only at the end)")
+    g.add_argument("--eval-batches", type=int, default=4)
+    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--sample-tokens", type=int, default=300, help="tokens sampled at the end (0: none)")
+    g.add_argument("--metrics-file", help="write one JSON object per step to this file")
+    g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: table or measured)")
+    g = p.add_argument_group("checkpoints (ckpt.py)")
+    g.add_argument("--ckpt-dir", help="save sharded checkpoints under this directory (one step-XXXXXXXX per save)")
+    g.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only after the last step)")
+    g.add_argument("--keep", type=int, default=2, help="keep the newest K committed checkpoints (K >= 2)")
+    g.add_argument("--resume", nargs="?", const="latest",
+                   help="'latest' (the newest good checkpoint, if any; the default with no value) or a step number")
+    g.add_argument("--async-ckpt", action="store_true", help="persist checkpoints on a background thread")
+    g.add_argument("--mtbf-hours", type=float, default=24.0,
+                   help="mean time between interruptions, for the suggested interval sqrt(2·C·M)")
+    return p
+
+
+# Ranges of the numeric flags: (flag, attribute, lowest, exclusive lowest?, highest or None). Every float must
+# also be finite: NaN passes every comparison, so `nan < 0` would let it through.
+_AT_LEAST_1 = ("steps", "log_every", "eval_batches", "micro_batch", "global_batch", "n_layer", "n_head", "n_embd",
+               "seq_len", "pp_virtual", "fp8_amax_history", "moe_topk", "moe_every")
+_AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe_experts", "fp8_margin",
+               "weight_decay", "grad_clip", "moe_capacity_factor", "moe_aux_coef", "moe_z_coef", "min_lr")
+_POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops")
+_FRACTION = ("beta1", "beta2", "dropout")  # in [0, 1)
+# Flags that only mean something with another one: (flag, attribute, what it needs, whether that is on).
+_ONLY_WITH = (
+    ("--pp-schedule", "pp_schedule", "--pp > 1", lambda a: a.pp > 1),
+    ("--pp-virtual", "pp_virtual", "--pp-schedule interleaved", lambda a: a.pp_schedule == "interleaved"),
+    ("--trace-file", "trace_file", "--pp > 1 (it draws the pipeline schedule)", lambda a: a.pp > 1),
+    ("--cp-impl", "cp_impl", "--cp > 1", lambda a: a.cp > 1),
+    ("--cp-balance", "cp_balance", "--cp > 1", lambda a: a.cp > 1),
+    *((flag, flag[2:].replace("-", "_"), "--fp8", lambda a: a.fp8 is not None)
+      for flag in ("--fp8-amax-history", "--fp8-amax-algo", "--fp8-margin")),
+    *((flag, flag[2:].replace("-", "_"), "--moe-experts > 0", lambda a: a.moe_experts > 0)
+      for flag in ("--moe-topk", "--moe-every", "--moe-capacity-factor", "--moe-aux-coef", "--moe-z-coef")),
+    *((flag, flag[2:].replace("-", "_"), "--ckpt-dir", lambda a: a.ckpt_dir is not None)
+      for flag in ("--ckpt-every", "--resume", "--async-ckpt", "--keep", "--mtbf-hours")),
+)
+
+
+def explicit_flags(argv) -> set:
+    """The attributes the command line sets itself (not left at their defaults): argparse fills in a default
+    only for attributes missing from the namespace it is given, so parse again into one where all are set."""
+    parser, unset = build_parser(), object()
+    names = vars(parser.parse_args(argv))
+    given = vars(parser.parse_args(argv, namespace=argparse.Namespace(**{name: unset for name in names})))
+    return {name for name, value in given.items() if value is not unset}
+
+
+def validate(args, world_size: int, given=None, axes=()) -> Settings:
+    """Check every flag before any process group exists: the run's own rules here, then each axis module's
+    `config_from_flags(args, settings)` (in `axes`, train.AXES' order). Returns the Settings (device and dtype
+    not chosen yet: parse does that). given: the flags the command line set (explicit_flags), for the rules
+    about flags that only mean something with another one; default: those whose value is not the default."""
+    if given is None:
+        defaults = vars(build_parser().parse_args([]))
+        given = {name for name, value in vars(args).items() if name in defaults and value != defaults[name]}
+    check_ranges(args)
+    for flag, name, needs, on in _ONLY_WITH:
+        if name in given and not on(args):
+            raise FlagError(f"{flag} needs {needs}; without it the flag would be ignored")
+    try:
+        shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    if args.zero == 3 and args.activation_checkpointing:
+        raise FlagError("--zero 3 with --activation-checkpointing: recomputing a block in backward reruns its"
+                        " forward hooks, which would gather and free its weights out of schedule; use --zero 1 or 2")
+    config = model_config(args)
+    if args.min_lr is not None and args.min_lr > args.lr:
+        raise FlagError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the cosine schedule decays from --lr"
+                        f" down to --min-lr")
+    micro = args.micro_batch if args.micro_batch is not None else args.global_batch // shape.dp
+    if micro < 1:
+        raise FlagError(f"--global-batch {args.global_batch} must give each of D={shape.dp} data ranks a sequence")
+    if args.global_batch % (shape.dp * micro):
+        raise FlagError(
+            f"--global-batch {args.global_batch} must be divisible by D × --micro-batch = {shape.dp} × {micro}"
+            f" (B_global = D·m·B_μ)"
+        )
+    validate_paths(args)
+    if args.seq_len is not None and args.seq_len > config.block_size:
+        raise FlagError(f"--seq-len {args.seq_len} must be between 1 and the model's block size {config.block_size}")
+    if args.ckpt_dir is not None and args.keep < 2:
+        raise FlagError(f"--keep must be at least 2 (a good checkpoint must survive while the next is written),"
+                        f" got {args.keep}")
+    if args.resume is not None and args.resume != "latest" and not args.resume.isdigit():
+        raise FlagError(f"--resume must be 'latest' or a step number, got {args.resume!r}")
+    config.vocab_size = vocab_size(args.tokenizer)  # the corpus's own, padded (start_run sets it again)
+    settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
+                        seq_len=args.seq_len or config.block_size, micro_batch_size=micro,
+                        micro_batches=args.global_batch // (shape.dp * micro))
+    configs = {}
+    for axis in axes:
+        try:
+            configs[axis.__name__] = axis.config_from_flags(args, settings)
+        except ValueError as e:
+            raise FlagError(str(e)) from None
+    return replace(settings, axes=configs)
+
+
+def check_ranges(args) -> None:
+    """Each numeric flag is finite and in its range (the tables above), naming the flag and what it must be."""
+
+    def bad(name, must):
+        flag = "--" + name.replace("_", "-")
+        return FlagError(f"{flag} must be {must}, got {getattr(args, name)}")
+
+    for name in (*_AT_LEAST_0, *_POSITIVE, *_FRACTION):
+        value = getattr(args, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad(name, "a finite number")
+    for name in _AT_LEAST_1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise bad(name, "at least 1")
+    for name in _AT_LEAST_0:
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise bad(name, "at least 0")
+    for name in _POSITIVE:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise bad(name, "positive")
+    for name in _FRACTION:
+        if getattr(args, name) is not None and not 0.0 <= getattr(args, name) < 1.0:
+            raise bad(name, "in [0, 1)")
+
+
+def validate_paths(args) -> None:
+    """The files the run reads exist and are text; the ones it writes can be written, checked now rather than
+    at the first write (a trace file is written after all the training)."""
+    if args.data is not None:
+        if not os.path.isfile(args.data):
+            raise FlagError(f"--data {args.data!r} is not a file; give a text file to train on, or leave --data out"
+                            f" for the built-in corpus")
+        if os.path.getsize(args.data) == 0:
+            raise FlagError(f"--data {args.data!r} is empty; give a text file with something to train on")
+        with open(args.data, "rb") as f:
+            head = f.read(1 << 16)
+        if b"\0" in head:
+            raise FlagError(f"--data {args.data!r} is a binary file (it holds NUL bytes); give a UTF-8 text file")
+    for flag, path in (("--out-dir", args.out_dir), ("--ckpt-dir", args.ckpt_dir)):
+        if path is not None:
+            check_writable(flag, path, directory=True)
+    for flag, path in (("--metrics-file", args.metrics_file), ("--trace-file", args.trace_file)):
+        if path is not None:
+            check_writable(flag, path, directory=False)
+
+
+def check_writable(flag: str, path: str, directory: bool) -> None:
+    """`path` can be created (or is already there as the right kind): everything above it that exists is a
+    writable directory. A file's directory must exist; a directory is created with its parents."""
+    if path == "":
+        raise FlagError(f"{flag} '' names nothing; give a path")
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        if directory and not os.path.isdir(path):
+            raise FlagError(f"{flag} {path!r} is a file, not a directory")
+        if not directory and os.path.isdir(path):
+            raise FlagError(f"{flag} {path!r} is a directory; give a file name")
+    parent = os.path.dirname(path)
+    if not directory and not os.path.isdir(parent):
+        raise FlagError(f"{flag} {path!r}: the directory {parent!r} does not exist or cannot be written")
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise FlagError(f"{flag} {path!r} lies under {parent!r}, which is a file, not a directory")
+    if not os.access(parent, os.W_OK):
+        raise FlagError(f"{flag} {path!r}: the directory {parent!r} does not exist or cannot be written")
+
+
+def model_config(args):
+    overrides = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
+                     **moe.config_overrides(args))
+    if args.no_bias:
+        overrides["bias"] = False
+    if args.activation_checkpointing:
+        overrides["activation_checkpointing"] = True
+    try:
+        return config_from_preset(args.preset, **overrides)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+
+
+def vocab_size(tokenizer: str) -> int:
+    """The model's vocabulary for a tokenizer: bytes as they are, BPE padded (main() uses the same rule)."""
+    if tokenizer == "byte":
+        return data.ByteTokenizer.vocab_size
+    return padded_vocab(data.GPT2Tokenizer.vocab_size)
+
+
+def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """Round the vocabulary up (50257 → 50304) so the head's matmul has friendly shapes."""
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def parse(argv=None, axes=()) -> Settings:
+    """The flags of this process (sys.argv) as Settings, or one error line and exit status 2 (fail).
+
+    Every rank validates the same flags and fails alike before any of them waits on a peer; the device,
+    the backend and the --dtype auto choice are made here too, so a wrong one fails as early."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(argv)
+        settings = validate(args, int(os.environ.get("WORLD_SIZE", "1")), explicit_flags(argv), axes)
+        data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
+        try:
+            device, backend = choose_device_and_backend(args.backend)
+        except ValueError as e:
+            raise FlagError(str(e)) from None
+        dtype, reason = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(device)
+    except (FlagError, RuntimeError) as e:
+        fail(str(e))
+    return replace(settings, device=device, backend=backend, dtype=dtype, dtype_reason=reason)
+
+
+def auto_dtype(device: torch.device) -> tuple[str, str]:
+    """(dtype, why) for --dtype auto: bf16 where the device multiplies bf16 natively, else fp32."""
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return ("bf16", "--dtype auto: bf16 tensor cores") if ok else ("fp32", "--dtype auto: no bf16 tensor cores")
+    if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
+        return "bf16", "--dtype auto: this CPU has bf16 matrix units (AMX or AVX512-BF16)"
+    return "fp32", ("--dtype auto: this CPU has no bf16 matrix units (no AMX, no AVX512-BF16): bf16 would be"
+                    " emulated, several times slower than fp32")
+
+
+def fail(message: str) -> NoReturn:
+    """End the run on an error that every rank has reached: one line, printed exactly once, exit status 2.
+
+    Printed once, and always: torchrun kills the other workers as soon as one exits, so no rank may exit
+    before the line is out. With a process group, rank 0 prints and then every rank meets at a barrier.
+    Before one exists (a flag error), the ranks agree through the launcher's store (torchrun's agent holds
+    one: TORCHELASTIC_USE_AGENT_STORE): the first rank to claim the error prints it, the others wait until it
+    has. Without torchrun, the process started as RANK 0 prints."""
+    line = f"error: {' '.join(message.split())}"
+    if dist.is_initialized():
+        if dist.get_rank() == 0:
+            print(line, file=sys.stderr, flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+    elif not _print_once_through_launcher_store(line) and int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _print_once_through_launcher_store(line: str, timeout_s: float = 30.0) -> bool:
+    """Print `line` on exactly one of torchrun's workers (the first to get here): True when that is settled."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return False
+    key = f"train.py/error/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        if store.add(f"{key}/claimed", 1) == 1:
+            print(line, file=sys.stderr, flush=True)
+            store.set(f"{key}/printed", "1")
+        else:
+            store.wait([f"{key}/printed"], datetime.timedelta(seconds=timeout_s))
+        return True
+    except (RuntimeError, OSError, KeyError, ValueError):  # no store to be reached: rank 0 prints
+        return False
+
+
