@@ -96,7 +96,7 @@ def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
     from model import GPT, config_from_preset
     from optim import DynamicLossScaler, adamw_param_groups, build_adamw
     from step import train_step
-    from zero import ZeroLayout
+    from zero import ZeroConfig, ZeroLayout
 
     device = rank_device()
     config = config_from_preset("small", **config_kw)
@@ -106,7 +106,7 @@ def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
 
     def ours(stage):
         model = GPT(config, seed=0, device=device)
-        layout = ZeroLayout(model, group, stage, bucket_mb=bucket_mb, **HYPER)
+        layout = ZeroLayout(model, ZeroConfig(stage, bucket_mb=bucket_mb, **HYPER), {"dp_cp": group})
 
         def step(x, y):
             return train_step(layout, scaler, [(x, y)], group, CLIP, nullcontext(), device).loss
@@ -209,7 +209,7 @@ def _persistent(rank, world, recipe):
     from model import GPT, config_from_preset
     from optim import build_adamw
     from ddp import DDPLayout
-    from zero import ZeroLayout
+    from zero import ZeroConfig, ZeroLayout
 
     config = config_from_preset("small")
     dtypes = {"fp32": (torch.float32, torch.float32), "mixed": (torch.bfloat16, torch.float32)}[recipe]
@@ -227,7 +227,7 @@ def _persistent(rank, world, recipe):
             layout = DDPLayout(ddp, optimizer)
             rows[stage] = (mfu.persistent_bytes(psi, recipe, 0, world), layout.held_bytes(), psi)
         else:
-            layout = ZeroLayout(model, None, stage, param_dtype=dtypes[0], master_dtype=dtypes[1], **HYPER)
+            layout = ZeroLayout(model, ZeroConfig(stage, param_dtype=dtypes[0], master_dtype=dtypes[1], **HYPER))
             rows[stage] = (mfu.persistent_bytes(psi, recipe, stage, world), layout.held_bytes(),
                            layout.padded_numel)
         del model
