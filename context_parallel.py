@@ -5,7 +5,8 @@ works token by token, so it runs on the local piece unchanged; only attention ne
   * ring (Liu et al. 2023, "Ring Attention"; zig-zag as in zhuzilin's ring-flash-attention): K,V blocks
     travel round the ring, C steps; each step POSTS the next block's send/receive and then computes the
     current block, merging it into the output with the online-softmax log-sum-exp update (in fp32, or fp64
-    for fp64 inputs). The backward is an explicit autograd Function: K,V travel the ring again and the dK,dV
+    for fp64 inputs: the local queries are cast once per pass, each arriving block once per hop, and the
+    diagonal block's causal mask is built once per pass). The backward is an explicit autograd Function: K,V travel the ring again and the dK,dV
     accumulators travel one hop behind them, arriving home after C steps.
   * Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): all-to-all from sequence-split to head-split, ordinary
     causal attention on whole sequences for a/(T·C) heads, all-to-all back.
@@ -29,8 +30,9 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
    kernel does) and dropout is 0 (no 1-byte masks), so the measured figure is ≈ 32·(s/C)·b·h at 16 bits
    (`saved_activation_bytes`, measured per layer at start-up and printed next to both; Ulysses keeps the
    output twice, head-split and back, +2·(s/C)·b·h). Temporaries, ring: the K,V block in use and the one
-   arriving, 2 × 2·(s/C)·b·(h/T)·e_c; one score block b·(a/T)·(s/C)²·e_a; in backward also two dK,dV
-   accumulators 2 × 2·(s/C)·b·(h/T)·e_a and dq. Ulysses: head-split q, k, v, out (the bytes of the local
+   arriving, 2 × 2·(s/C)·b·(h/T)·e_c, and the block's wide copy 2·(s/C)·b·(h/T)·e_a (none when e_c = e_a);
+   the wide scaled queries (s/C)·b·(h/T)·e_a; one score block b·(a/T)·(s/C)²·e_a (two in backward: p and
+   ds); in backward also two dK,dV accumulators 2 × 2·(s/C)·b·(h/T)·e_a, dq and the wide d output. Ulysses: head-split q, k, v, out (the bytes of the local
    ones) and the inner attention's own temporaries on the whole s for a/(T·C) heads.
 3. Critical path, per layer and micro-batch, group cp (payload M per call; p2p traced as "send"/"recv"):
      ring forward:  (C−1) × send + recv of the stacked [K; V], 2·(s/C)·b·(h/T)·e_c each, posted before the
@@ -88,19 +90,22 @@ def positions(seq_len: int, cp: int, rank: int, balance: str = "zigzag") -> torc
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _scores(q, k, causal: bool, wide):
-    """q·kᵀ/sqrt(d) in the wide dtype, [B, H, Lq, Lk]; `causal` masks the future of a diagonal block."""
-    s = torch.matmul(q.to(wide), k.to(wide).transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if causal:  # the diagonal block: local query i sees local keys j <= i
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+def causal_mask(length: int, device) -> torch.Tensor:
+    """The diagonal block's mask, True where local query i would see a later local key j > i."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
 
 
-def _block_forward(q, k, v, causal: bool, wide):
-    """Softmax attention of q over ONE block of keys: (out [B,H,Lq,D], lse [B,H,Lq]), both in `wide`."""
-    s = _scores(q, k, causal, wide)
+def _block_forward(q_hat, k, v, mask):
+    """Softmax attention of the queries over ONE block of keys: (out [B,H,Lq,D], lse [B,H,Lq]).
+
+    q_hat = q/sqrt(d), already in the wide dtype, as are k and v (the caller casts each once): s = q_hat·kᵀ.
+    mask: `causal_mask` for the diagonal block, None for a block wholly in the queries' past.
+    """
+    s = torch.matmul(q_hat, k.transpose(-2, -1))
+    if mask is not None:
+        s.masked_fill_(mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(wide)), lse
+    return torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v), lse  # p = exp(s − lse), in place of s
 
 
 def _token_major(x: torch.Tensor) -> torch.Tensor:
@@ -116,16 +121,19 @@ def _merge(out, lse, block_out, block_lse) -> None:
     lse.copy_(new)
 
 
-def _block_backward(dout, q, k, v, lse, delta, causal: bool):
-    """Gradients of one block given the FULL softmax's lse and delta = rowsum(dout·out): (dq, dk, dv), wide.
+def _block_backward(dout, q_hat, k, v, lse, delta, mask):
+    """Gradients of one block with respect to (q_hat, k, v), given the FULL softmax's lse and
+    delta = rowsum(dout·out); every input wide, q_hat = q/sqrt(d) (so dq = dq_hat/sqrt(d), taken once per pass).
 
-    p = exp(s − lse) is this block's share of the whole softmax; dv = pᵀ·dout; ds = p·(dout·vᵀ − delta).
+    p = exp(q_hat·kᵀ − lse) is this block's share of the whole softmax; dv = pᵀ·dout; ds = p ∘ (dout·vᵀ − delta);
+    dq_hat = ds·k; dk = dsᵀ·q_hat.
     """
-    wide = lse.dtype
-    q, k, v, dout = (t.to(wide) for t in (q, k, v, dout))
-    p = torch.exp(_scores(q, k, causal, wide) - lse.unsqueeze(-1))
-    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta.unsqueeze(-1)) * q.shape[-1] ** -0.5
-    return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), torch.matmul(p.transpose(-2, -1), dout)
+    s = torch.matmul(q_hat, k.transpose(-2, -1))
+    if mask is not None:
+        s.masked_fill_(mask, float("-inf"))
+    p = s.sub_(lse.unsqueeze(-1)).exp_()
+    ds = torch.matmul(dout, v.transpose(-2, -1)).sub_(delta.unsqueeze(-1)).mul_(p)
+    return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q_hat), torch.matmul(p.transpose(-2, -1), dout)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -199,12 +207,20 @@ def block_case(rank: int, source: int, length: int, balance: str):
     return slice(half, length), everything, False
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The accumulators' dtype: fp64 for fp64 inputs, else fp32 (bf16/fp16 inputs are cast up)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def ring_attention_forward(q, k, v, ring: Ring, balance: str):
     """Causal attention of the local queries over the whole sequence: (out in q's dtype, lse wide).
 
-    q, k, v: [B, H, L, D], this rank's L = s/C tokens. The stacked [K; V] block goes round the ring.
+    q, k, v: [B, H, L, D], this rank's L = s/C tokens. The stacked [K; V] block goes round the ring in the
+    compute dtype; the local queries are cast (and scaled) once, each arriving block once, the mask built once.
     """
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    wide = _wide(q.dtype)
+    q_hat = q.to(wide) * q.shape[-1] ** -0.5
+    mask = causal_mask(q.shape[2], q.device)
     out = torch.zeros(q.shape, dtype=wide, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device)
     kv = torch.stack([k, v])  # one message per step: [2, B, H, L, D]
@@ -214,7 +230,8 @@ def ring_attention_forward(q, k, v, ring: Ring, balance: str):
         case = block_case(ring.rank, (ring.rank - step) % ring.size, q.shape[2], balance)
         if case is not None:
             rows, cols, causal = case
-            block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, wide)
+            k_block, v_block = kv[:, :, :, cols].to(wide)
+            block_out, block_lse = _block_forward(q_hat[:, :, rows], k_block, v_block, mask if causal else None)
             _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         if step + 1 < ring.size:
             kv = ring.wait(arriving)
@@ -226,8 +243,11 @@ def ring_attention_backward(dout, q, k, v, out, lse, ring: Ring, balance: str):
     rank holds travels with it one hop behind: each rank adds its queries' share and passes it on, so after
     C steps every accumulator is back on its own rank, complete."""
     wide = lse.dtype
-    delta = (dout.to(wide) * out.to(wide)).sum(-1)  # rowsum(dO·O): the softmax backward's row term
-    dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+    scale = q.shape[-1] ** -0.5
+    q_hat, dout = q.to(wide) * scale, dout.to(wide)  # cast once per pass, as in the forward
+    delta = (dout * out.to(wide)).sum(-1)  # rowsum(dO·O): the softmax backward's row term
+    mask = causal_mask(q.shape[2], q.device)
+    dq_hat = torch.zeros(q.shape, dtype=wide, device=q.device)
     kv, dkv_transfer = torch.stack([k, v]), None
     for step in range(ring.size):
         if step + 1 < ring.size:
@@ -235,10 +255,10 @@ def ring_attention_backward(dout, q, k, v, out, lse, ring: Ring, balance: str):
         case = block_case(ring.rank, (ring.rank - step) % ring.size, q.shape[2], balance)
         if case is not None:
             rows, cols, causal = case
-            block_dq, block_dk, block_dv = _block_backward(
-                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], lse[:, :, rows],
-                delta[:, :, rows], causal)
-            dq[:, :, rows] += block_dq
+            k_block, v_block = kv[:, :, :, cols].to(wide)
+            block_dq, block_dk, block_dv = _block_backward(dout[:, :, rows], q_hat[:, :, rows], k_block, v_block,
+                                                           lse[:, :, rows], delta[:, :, rows], mask if causal else None)
+            dq_hat[:, :, rows] += block_dq
         # The accumulator of the block we hold: fresh at step 0, else it arrives from the previous rank.
         dkv = torch.zeros((2, *k.shape), dtype=wide, device=k.device) if step == 0 else ring.wait(dkv_transfer)
         if case is not None:
@@ -248,7 +268,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, ring: Ring, balance: str):
         if step + 1 < ring.size:
             kv = ring.wait(arriving)
     dkv = ring.wait(dkv_transfer)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return (dq_hat * scale).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):

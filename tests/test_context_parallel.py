@@ -108,6 +108,7 @@ def _attention(rank, world):
     groups = {4: dist.new_group([0, 1, 2, 3]), 2: [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]}
     out = {C: _attention_checks(groups[C]) for C in (2, 4)}
     out["events"] = _ring_event_order(groups[4])
+    out["ops"] = _ring_op_counts(groups[4])
     return out
 
 
@@ -135,8 +136,8 @@ def _attention_checks(group):
                     _, lse = cp.ring_attention_forward(ql, kl, vl, ring, balance)
                 else:  # Ulysses' lse: that of the head-split whole sequences, its heads sent back home
                     reorder = attention._reorder_for(S // C, q.device)
-                    _, full_lse = cp._block_forward(*(cp._seq_to_head(t, group, reorder) for t in (ql, kl)),
-                                                    cp._seq_to_head(vl, group, reorder), True, torch.float64)
+                    q_whole, k_whole, v_whole = (cp._seq_to_head(t, group, reorder) for t in (ql, kl, vl))
+                    _, full_lse = cp._block_forward(q_whole * D ** -0.5, k_whole, v_whole, cp.causal_mask(S, device))
                     lse = cp._head_to_seq(full_lse.unsqueeze(-1), group, reorder).squeeze(-1)
             errs[impl, balance] = {
                 "out": _max_err(y, ref_out[:, :, index]), "lse": _max_err(lse, ref_lse[:, :, index]),
@@ -173,6 +174,39 @@ def _ring_event_order(group):
     return forward_events, events
 
 
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the casts to float32 and the causal masks built (aten.triu) while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts, self.masks = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.float32:
+            self.casts += 1
+        if func in (torch.ops.aten.triu.default, torch.ops.aten.triu_.default):
+            self.masks += 1
+        return func(*args, **kwargs)
+
+
+def _ring_op_counts(group):
+    """Casts to the fp32 accumulator and masks built by one bf16 ring pass, forward and backward (zig-zag)."""
+    import context_parallel as cp
+
+    ring = cp.Ring(group)
+    q, k, v, dout = (torch.randn(1, 2, 8, 4, device=harness.device()).to(torch.bfloat16) for _ in range(4))
+    counts = {}
+    with torch.no_grad():
+        with _CountOps() as ops:
+            out, lse = cp.ring_attention_forward(q, k, v, ring, "zigzag")
+        counts["forward"] = (ops.casts, ops.masks)
+        with _CountOps() as ops:
+            cp.ring_attention_backward(dout, q, k, v, out, lse, ring, "zigzag")
+        counts["backward"] = (ops.casts, ops.masks)
+    return counts
+
+
 def test_attention_matches_full_causal_attention():
     ranks = run_ranks(_attention, 4, timeout=120)
     for result in ranks:
@@ -191,6 +225,9 @@ def test_attention_matches_full_causal_attention():
         step = lambda first, last: ([] if last else ["post"]) + ["compute"] + ([] if first else ["wait"]) \
             + ["post"] + ([] if last else ["wait"])
         assert backward == step(True, False) + step(False, False) * 2 + step(False, True) + ["wait"]
+        # bf16 in, fp32 accumulators: q cast once per pass (and, in backward, dout and out once), each hop's
+        # arriving [K; V] block once (C = 4 hops); one causal mask per pass, for the diagonal block.
+        assert result["ops"] == {"forward": (1 + 4, 1), "backward": (3 + 4, 1)}, result["ops"]
 
 
 # ---------------------------------------------------------------------------------------------------------
