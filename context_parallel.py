@@ -42,7 +42,8 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
      Ulysses:       forward 4 × all_to_all_single of (s/C)·b·(h/T)·e_c (q, k, v, then the output);
                     backward 4 × the same (d output, then dq, dk, dv). Blocking: nothing is hidden.
    Activation checkpointing repeats the forward's messages in backward. Per step: × L × m. How much ring time
-   was hidden is measured (`Ring.timed`: time blocked in wait() against the same transfers timed alone).
+   was hidden is measured over the training steps' passes (`Ring.timed`: time blocked in wait() against the
+   same transfers timed alone). It is a lower bound: a wait also lasts while a slower peer computes.
 4. Restart state: nothing of its own. Parameters are replicated over cp and a rank's positions depend only on
    (s, C, c), so a checkpoint resumes on any C.
 
@@ -57,6 +58,7 @@ once), which train.py also uses to measure the first micro-batch of every layout
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -145,7 +147,8 @@ def _block_backward(dout, q_hat, k, v, lse, delta, mask):
 class PhaseTime:
     passes: int = 0  # ring passes (one attention call, forward or backward, per layer and micro-batch)
     seconds: float = 0.0  # wall time inside the passes
-    waited: float = 0.0  # of which blocked in wait() on ring transfers: the EXPOSED communication
+    waited: float = 0.0  # of which blocked in wait(): on a transfer, or on a peer that is not there yet
+    cpu: float = 0.0  # process CPU time inside the passes (every thread, gloo's too): the work, however shared
 
 
 class Ring:
@@ -157,6 +160,7 @@ class Ring:
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
         self.waited = 0.0
         self.times = {"forward": PhaseTime(), "backward": PhaseTime()}
+        self.charging = True  # whether passes are charged to `times` (off between training steps: evaluation)
 
     def post(self, tensor: torch.Tensor, tag: int = 0):
         """Start sending `tensor` on and receiving the previous rank's into a new buffer: (buffer, works)."""
@@ -177,12 +181,14 @@ class Ring:
 
     @contextmanager
     def timed(self, phase: str):
-        """Charge the enclosed pass to `phase`. Host time: on CUDA wait() only orders streams (use a profiler)."""
-        start, waited = time.perf_counter(), self.waited
+        """Charge the enclosed pass to `phase` (while `charging`). Host time: on CUDA wait() only orders streams
+        (use a profiler there)."""
+        start, cpu, waited = time.perf_counter(), time.process_time(), self.waited
         yield
-        stat = self.times[phase]
-        stat.passes, stat.seconds = stat.passes + 1, stat.seconds + time.perf_counter() - start
-        stat.waited += self.waited - waited
+        if self.charging:
+            stat = self.times[phase]
+            stat.passes, stat.seconds = stat.passes + 1, stat.seconds + time.perf_counter() - start
+            stat.waited, stat.cpu = stat.waited + self.waited - waited, stat.cpu + time.process_time() - cpu
 
 
 def block_case(rank: int, source: int, length: int, balance: str):
@@ -482,6 +488,12 @@ class ContextParallel(Axis):
     def after_grad_sync(self, layout) -> None:
         """Nothing: the layout's dp×cp sum is the whole gradient (every rank's loss is a sum over its tokens)."""
 
+    def before_step(self) -> None:
+        self.ring.charging = True  # the ring's times count the passes of training steps...
+
+    def after_step(self, skipped: bool) -> None:
+        self.ring.charging = False  # ...not the evaluation (or anything else) run between them
+
     def sampling(self):
         return self.whole_sequences()
 
@@ -548,16 +560,22 @@ class ContextParallel(Axis):
     def end_lines(self, tracer, steps: int) -> list:
         from mfu import format_bytes
 
-        lines = [f"context parallel C={self.ring.size} ({self.impl}): per step, measured vs predicted (group cp)"]
+        lines = [f"context parallel C={self.ring.size} ({self.impl}): per training step, measured vs predicted"
+                 f" (group cp; {steps} steps, evaluation not included)"]
         records = tracer.records
         for (op, group), (calls, payload) in self.predicted_messages().items():
             stat = records.get((op, group))
             m_calls, m_payload = (stat.calls / steps, stat.payload_bytes / steps) if stat else (0, 0)
             lines.append(f"  {op:<18} predicted {calls} calls {format_bytes(payload):>10}"
                          f"   measured {m_calls:g} calls {format_bytes(m_payload):>10}")
-        lines += hidden_lines(self.ring.times, self.alone_seconds) if self.impl == "ring" else [
-            "  Ulysses' all-to-alls are blocking: none of their time is hidden (tracer seconds above)"]
-        return lines
+        if self.impl != "ring":
+            return lines + ["  Ulysses' all-to-alls are blocking: none of their time is hidden (tracer seconds above)"]
+        layers, m = len(self.model.transformer.h), self.micro_batches
+        recompute = " (forward ×2: activation checkpointing)" if self.model.config.activation_checkpointing else ""
+        lines.append(f"  ring time over the {steps} training steps' passes, L={layers} × m={m} per step and"
+                     f" phase{recompute}; evaluation not included:")
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        return lines + hidden_lines(self.ring.times, self.alone_seconds, on_cpu)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -684,19 +702,33 @@ def time_ring_alone(handle: ContextParallel, repeats: int = 5) -> dict:
     return out
 
 
-def hidden_lines(times: dict, alone: dict) -> list:
-    """How much of the ring's transfer time compute hid: 1 − (waited per pass) / (transfers alone per pass).
-
-    Waiting also counts a slower peer's compute (imbalance, a busy machine): it can exceed the transfers."""
-    lines = []
+def hidden_lines(times: dict, alone: dict, on_cpu: bool = False) -> list:
+    """How much of the ring's transfer time compute hid, per phase: at least 1 − waited / (the transfers alone),
+    both per pass. A lower bound: wait() also blocks on a peer that has not sent yet (imbalance; on a shared
+    host, a peer that was descheduled), so the waits can outlast the transfers even when each one overlapped.
+    on_cpu: also the CPU cores a rank kept busy while it computed (process CPU / (wall − waited); a gloo wait
+    sleeps), next to its torch threads: a one-thread rank with less than one core busy was descheduled, i.e.
+    the ranks time-share the host's cores."""
+    lines, shared = [], False
     for phase, stat in times.items():
         if not stat.passes:
             continue
         waited, seconds = stat.waited / stat.passes, stat.seconds / stat.passes
-        line = (f"  ring {phase:<8}: {stat.passes} passes, {seconds * 1e3:.2f} ms each, of which blocked on transfers"
+        line = (f"  ring {phase:<8}: {stat.passes} passes, {seconds * 1e3:.2f} ms each, blocked in wait()"
                 f" {waited * 1e3:.2f} ms ({waited / seconds:.0%})")
         if phase in alone and alone[phase] > 0:
-            line += (f"; the transfers alone take {alone[phase] * 1e3:.2f} ms: hidden behind compute"
-                     f" {min(1.0, max(0.0, 1 - waited / alone[phase])):.0%} (waits include slower peers)")
+            line += (f"; the transfers alone {alone[phase] * 1e3:.2f} ms: at least"
+                     f" {min(1.0, max(0.0, 1 - waited / alone[phase])):.0%} of them hidden behind compute")
+        if on_cpu:
+            threads, cores = torch.get_num_threads(), stat.cpu / max(1e-9, stat.seconds - stat.waited)
+            shared = shared or (threads == 1 and cores < 0.8)
+            line += f"; {cores:.2f} CPU cores busy while computing ({threads} torch threads)"
         lines.append(line)
+    if lines:
+        lines.append("  (at least: wait() also counts a slower peer's compute, so 0% means the waits outlast the"
+                     " transfers, not that none overlapped)")
+    if shared:
+        lines.append(f"  (under one core busy on one thread: the ranks time-share this host's {os.cpu_count()} cores; a"
+                     " rank's waits are then mostly its peers' descheduled compute, and gloo's copies of the"
+                     " 'hidden' transfers are CPU work taken from that compute)")
     return lines

@@ -453,8 +453,12 @@ def _activations(rank, world):
     tracer = CommTracer()
     tracer.name_group(mesh.group("cp"), "cp")
     (xl, yl, pos), = handle.shard_batches([(bx.to(device), by.to(device)) for bx, by in global_batches(1, 2, SEQ)])
+    handle.before_step()  # one training step (train_step's hooks around it), then an evaluation pass
     with tracer:
         model(xl, yl, pos)[1].backward()
+    handle.after_step(False)
+    with torch.no_grad():
+        model(xl, yl, pos)
     lines += handle.end_lines(tracer, 1)
     return saved, measured_messages, handle.layer_messages(), measured_saved, lines
 
@@ -471,5 +475,8 @@ def test_saved_activations_match_the_estimate_and_halve_with_cp():
         assert measured_saved == saved[2]
         text = "\n".join(lines)
         for expected in ("causal work per CP rank", "zigzag", "max/mean 1.000", "(32sbh)/C", "ring transfers alone",
-                         "hidden behind compute", "predicted 8 calls", "measured 8 calls"):
+                         "hidden behind compute", "predicted 8 calls", "measured 8 calls", "per training step",
+                         "the 1 training steps' passes, L=2 × m=1", "CPU cores busy while computing"):
             assert expected in text, expected
+        # The step's passes only: L = 2 layers, one micro-batch, one step; the evaluation forward is not counted.
+        assert "ring forward : 2 passes" in text and "ring backward: 2 passes" in text, text
