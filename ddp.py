@@ -299,7 +299,8 @@ class DDPLayout:
                  f"  total     {mfu.format_bytes(persistent['total'])}"]
         for (op, group), (calls, payload) in self.predicted_messages().items():
             n = dist.get_world_size(self.ddp.groups[group])
-            lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls} buckets, sent per"
+            lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls}"
+                         f" bucket{'' if calls == 1 else 's'}, sent per"
                          f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} (2(N-1)/N·M, ring)")
         if len(sizes) > 1 and dist.get_world_size(self.ddp.group) > 1:
             lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"

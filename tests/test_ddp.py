@@ -49,7 +49,7 @@ def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
         losses.append(outcome.loss)
         norms.append(outcome.grad_norm)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return losses, norms, params, len(ddp.buckets), calls
+    return losses, norms, params, len(ddp.buckets), calls, layout.startup_lines()
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_ddp_matches_single_device(world, global_batch, micro, clip, bucket_mb):
     if clip:
         assert min(ref_norms) > clip  # clipping really is active
     results = run_ranks(_train_ddp, world, global_batch, micro, clip, bucket_mb, timeout=120)
-    for losses, norms, params, num_buckets, calls in results:
+    for losses, norms, params, num_buckets, calls, startup in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=TOL, atol=TOL)
         for name, ref in ref_params.items():
@@ -76,6 +76,9 @@ def test_ddp_matches_single_device(world, global_batch, micro, clip, bucket_mb):
         assert calls == [num_buckets + 2] * STEPS
         if bucket_mb < 1:
             assert num_buckets > 3
+        # The startup line names the buckets it counts: "in 1 bucket", "in 7 buckets".
+        expected = "in 1 bucket," if num_buckets == 1 else f"in {num_buckets} buckets,"
+        assert any(expected in line for line in startup), (expected, startup)
 
 
 def _different_init(rank, world):
