@@ -6,8 +6,9 @@ works token by token, so it runs on the local piece unchanged; only attention ne
     travel round the ring, C steps; each step POSTS the next block's send/receive and then computes the
     current block, merging it into the output with the online-softmax log-sum-exp update (in fp32, or fp64
     for fp64 inputs: the local queries are cast once per pass, each arriving block once per hop, and the
-    diagonal block's causal mask is built once per pass). The backward is an explicit autograd Function: K,V travel the ring again and the dK,dV
-    accumulators travel one hop behind them, arriving home after C steps.
+    diagonal block's causal mask is built once per pass). The backward is an explicit autograd Function:
+    K,V travel the ring again and the dK,dV accumulators travel one hop behind them, arriving home after C
+    steps.
   * Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): all-to-all from sequence-split to head-split, ordinary
     causal attention on whole sequences for a/(T·C) heads, all-to-all back.
 
@@ -32,8 +33,9 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
    output twice, head-split and back, +2·(s/C)·b·h). Temporaries, ring: the K,V block in use and the one
    arriving, 2 × 2·(s/C)·b·(h/T)·e_c, and the block's wide copy 2·(s/C)·b·(h/T)·e_a (none when e_c = e_a);
    the wide scaled queries (s/C)·b·(h/T)·e_a; one score block b·(a/T)·(s/C)²·e_a (two in backward: p and
-   ds); in backward also two dK,dV accumulators 2 × 2·(s/C)·b·(h/T)·e_a, dq and the wide d output. Ulysses: head-split q, k, v, out (the bytes of the local
-   ones) and the inner attention's own temporaries on the whole s for a/(T·C) heads.
+   ds); in backward also two dK,dV accumulators 2 × 2·(s/C)·b·(h/T)·e_a, dq and the wide d output.
+   Ulysses: head-split q, k, v, out (the bytes of the local ones) and the inner attention's own temporaries
+   on the whole s for a/(T·C) heads.
 3. Critical path, per layer and micro-batch, group cp (payload M per call; p2p traced as "send"/"recv"):
      ring forward:  (C−1) × send + recv of the stacked [K; V], 2·(s/C)·b·(h/T)·e_c each, posted before the
                     step's compute: hidden when a block's compute outlasts its transfer.
@@ -127,8 +129,8 @@ def _block_backward(dout, q_hat, k, v, lse, delta, mask):
     """Gradients of one block with respect to (q_hat, k, v), given the FULL softmax's lse and
     delta = rowsum(dout·out); every input wide, q_hat = q/sqrt(d) (so dq = dq_hat/sqrt(d), taken once per pass).
 
-    p = exp(q_hat·kᵀ − lse) is this block's share of the whole softmax; dv = pᵀ·dout; ds = p ∘ (dout·vᵀ − delta);
-    dq_hat = ds·k; dk = dsᵀ·q_hat.
+    p = exp(q_hat·kᵀ − lse) is this block's share of the whole softmax; dv = pᵀ·dout;
+    ds = p ∘ (dout·vᵀ − delta); dq_hat = ds·k; dk = dsᵀ·q_hat.
     """
     s = torch.matmul(q_hat, k.transpose(-2, -1))
     if mask is not None:

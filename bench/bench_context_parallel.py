@@ -282,7 +282,8 @@ def main():
             for name, measured in result["compute"].items():
                 for kind in ("wall", "cpu"):
                     forward, backward = measured[kind]
-                    print(f"    {name:<16} attention {'compute (wall, not blocked)' if kind == 'wall' else 'work (CPU)':<27}"
+                    what = "compute (wall, not blocked)" if kind == "wall" else "work (CPU)"
+                    print(f"    {name:<16} attention {what:<27}"
                           " per layer, by rank (ms): forward " + " ".join(f"{t * 1e3:.0f}" for t in forward)
                           + ", backward " + " ".join(f"{t * 1e3:.0f}" for t in backward)
                           + f"; max/mean forward {max(forward) / (sum(forward) / cp):.2f},"

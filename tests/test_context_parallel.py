@@ -219,7 +219,8 @@ def _bf16_bounds(q, k, v, dout):
     The ring computes in fp32 (slack FP32_SLACK·max|x|) and rounds each result to bf16 once: ≤ u·|x|, u = 2^-8.
     dq and dk also inherit the rounding of the saved bf16 output õ inside delta = rowsum(dO·õ): |Δdelta_i| ≤
     u·γ_i with γ_i = Σ_d |dO_id·o_id|, so ds_ij = p_ij·(dO_i·v_j − delta_i) moves by ≤ u·p_ij·γ_i, hence
-    dq_i = Σ_j ds_ij·k_j/√d by ≤ u·γ_i·Σ_j p_ij·|k_j|/√d and dk_j = Σ_i ds_ij·q_i/√d by ≤ u·Σ_i p_ij·γ_i·|q_i|/√d.
+    dq_i = Σ_j ds_ij·k_j/√d by ≤ u·γ_i·Σ_j p_ij·|k_j|/√d
+    and dk_j = Σ_i ds_ij·q_i/√d by ≤ u·Σ_i p_ij·γ_i·|q_i|/√d.
     out and dv = pᵀ·dO have no delta: u·|x| and the slack."""
     q, k, v, dout = (t.double() for t in (q, k, v, dout))
     out, lse, dq, dk, dv = _reference_attention(q, k, v, dout)
