@@ -4,7 +4,9 @@ Every data-parallel rank holds the whole model and optimizer, runs forward and b
 the global batch, and the ranks then sum their gradients so that each applies the same update.
 
 How the sum overlaps backward. Parameters are packed, in reverse registration order (roughly the order in
-which backward produces their gradients), into buckets of about `bucket_mb` MiB. Each bucket owns one flat
+which backward produces their gradients), into buckets of at most `bucket_mb` MiB, the last ones tapered
+(1, 2, 4, ... MiB towards the end of backward, `reverse_order_buckets`): the last bucket's all-reduce can
+overlap nothing, so what is left to send once backward ends is ~1 MiB, not a whole bucket. Each bucket owns one flat
 gradient buffer and every `param.grad` is a view into it, so autograd accumulates straight into the buffer
 and no copy is needed before sending. A post-accumulate-grad hook on each parameter counts down its bucket;
 when a bucket's last gradient has arrived, its all-reduce is launched asynchronously while backward goes on
@@ -21,7 +23,9 @@ Accounting (Ψ parameters, D data ranks, b_g bytes per gradient element, bucket 
 2. Peak per device: the model's persistent state (b_w + b_g + b_o)·Ψ; the buckets ARE the gradients (views),
    so the only extra is gloo/NCCL's internal staging of at most one in-flight bucket per stream, ~K bytes.
 3. Critical path: one all-reduce of b_g·Ψ bytes over the dp×cp group per step (ring: 2(D-1)/D·b_g·Ψ sent per
-   rank), in ⌈b_g·Ψ/K⌉ pieces; all but the last bucket (the first layers' gradients) overlap with backward.
+   rank), in about ⌈b_g·Ψ/K⌉ + log2(K / 1 MiB) pieces; all but the last bucket overlap with backward, and the
+   last (the first-registered parameters': embeddings, block 0's first) is ≤ 1 MiB unless one parameter is
+   larger (a tied embedding, whose gradient completes only when backward ends).
    Plus a start-up check that every rank holds the same initial weights.
 4. Restart state: nothing of its own (buckets are rebuilt from the parameters).
 """
@@ -38,6 +42,8 @@ import mfu
 from ckpt import adam_step, replicated_state_pieces, set_adam_step
 from model import counts_here
 from optim import update
+
+TAPER_BYTES = 2**20  # the size the last buckets start from (reverse_order_buckets' taper), torch DDP's first bucket
 
 
 class _Bucket:
@@ -81,7 +87,7 @@ class DistributedDataParallel(nn.Module):
         """Group the parameters into buckets (reverse_order_buckets) and make their grads buffer views."""
         self._bucket_of = {}
         result = []
-        for index, bucket_params in enumerate(reverse_order_buckets(params, bucket_bytes)):
+        for index, bucket_params in enumerate(reverse_order_buckets(params, bucket_bytes, taper=True)):
             bucket = _Bucket(index, bucket_params, bucket_params[0].device, bucket_params[0].dtype,
                              self.groups[grad_group(bucket_params[0])])
             offset = 0
@@ -146,19 +152,43 @@ def grad_group(param) -> str:
     return info.grad_group if info is not None else "dp_cp"
 
 
-def reverse_order_buckets(params: list, bucket_bytes: int, element_size: int | None = None) -> list:
+def reverse_order_buckets(params: list, bucket_bytes: int, element_size: int | None = None,
+                          taper: bool = False) -> list:
     """Parameters in reverse registration order (≈ the order backward produces their gradients), cut into
     buckets of about `bucket_bytes` (a bucket closes once it reaches the size), of one dtype and one
     data-parallel group each. element_size: the bytes of an element in the buckets, when they will hold
-    another dtype than the parameters have now (ZeRO's bf16 working copy of fp32-built parameters)."""
+    another dtype than the parameters have now (ZeRO's bf16 working copy of fp32-built parameters).
+
+    taper (DDP): the buckets that launch LAST are cut small. Their gradients (the embeddings', the first
+    blocks') complete only as backward ends, so the last bucket's all-reduce overlaps nothing: cut from that
+    end, the first-registered parameters first, with caps of 1, 2, 4, ... MiB (TAPER_BYTES · 2^i) up to
+    bucket_bytes, closing a bucket before a parameter would overflow it. What is left to send after backward
+    is then ~1 MiB (or the one parameter that is larger), not up to bucket_bytes, for ~log2(bucket_bytes/1 MiB)
+    more all-reduces; the buckets before it are each launched while the layers below still compute.
+    """
+    def size(param):
+        return param.numel() * (element_size or param.element_size())
+
+    def other_kind(param, bucket):
+        return param.dtype != bucket[0].dtype or grad_group(param) != grad_group(bucket[0])
+
     buckets, current, current_bytes = [], [], 0
+    if taper:
+        for param in params:  # registration order: the bucket that launches last is cut first
+            cap = min(bucket_bytes, TAPER_BYTES << len(buckets))
+            if current and (other_kind(param, current) or current_bytes + size(param) > cap):
+                buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(param)
+            current_bytes += size(param)
+        buckets += [current] if current else []
+        return [bucket[::-1] for bucket in reversed(buckets)]  # launch order, each in reverse registration order
     for param in reversed(params):
-        if current and (param.dtype != current[0].dtype or grad_group(param) != grad_group(current[0])
-                        or current_bytes >= bucket_bytes):
+        if current and (other_kind(param, current) or current_bytes >= bucket_bytes):
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(param)
-        current_bytes += param.numel() * (element_size or param.element_size())
+        current_bytes += size(param)
     return buckets + [current] if current else buckets
 
 
@@ -299,7 +329,8 @@ class DDPLayout:
                  f"  total     {mfu.format_bytes(persistent['total'])}"]
         for (op, group), (calls, payload) in self.predicted_messages().items():
             n = dist.get_world_size(self.ddp.groups[group])
-            lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls} buckets, sent per"
+            lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls}"
+                         f" bucket{'' if calls == 1 else 's'}, sent per"
                          f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} (2(N-1)/N·M, ring)")
         if len(sizes) > 1 and dist.get_world_size(self.ddp.group) > 1:
             lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"
