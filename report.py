@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import os
 import time
+from copy import deepcopy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import mfu
 import moe
-from comm import Messages
+from comm import CommTracer, Count, Messages
 from mesh import axis_groups
 from model import counts_here
 from optim import update_messages
@@ -289,6 +291,66 @@ def _legacy_lines() -> dict:  # the handle still formats its own lines (until it
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
+MEASURES_BLOCK: set = set()  # handle names whose lines read run.measured (block 0 under a tracer)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Block 0 measured once at start-up, for the sections that print it next to their predictions
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockMeasurement:
+    """One held block run forward and backward once, as the run will run it: what it sent and what it saved."""
+
+    messages: dict  # {(phase, op, group as the tracer reports it): Count}, phase "forward" or "backward"
+    saved_bytes: int  # the distinct storages autograd saved in the forward, parameters aside
+
+    def on(self, group: str) -> dict:
+        """{(phase, op): Count} on one mesh group, found by any of its names ("dp_cp" in "dp_cp=expert_dp")."""
+        return {(phase, op): count for (phase, op, name), count in self.messages.items() if group in name.split("=")}
+
+
+def measure_startup(run) -> None:
+    """Measure block 0 once when a section wants it (MEASURES_BLOCK), into run.measured: train.compose calls
+    it after the axes and before the layout (its hooks, ZeRO's freed weights). Collective, on every rank."""
+    if any(axis.name in MEASURES_BLOCK for axis in run.axes) and len(run.model.transformer.h):
+        run.measured = measure_block(run)
+
+
+def measure_block(run, block_index: int = 0) -> BlockMeasurement:
+    """Run held block `block_index` forward and backward once under a CommTracer on random input of one
+    micro-batch as a rank holds it between regions, [B_μ, s/C (÷T under SP), h], in the working dtype the
+    layout will train in (run.param_dtype: ZeRO's bf16 weights) and the run's autocast.
+
+    It runs a deep copy of the block (sharing only the process groups) under a forked RNG, so the run is left
+    as it was: no gradient, no FP8 amax, no expert load, no ring time, the same dropout draws next. Every
+    rank of the groups the block talks on calls it (each pipeline stage measures its own first block).
+    """
+    groups = {name: group for name, group in run.mesh.groups.items() if group is not None}
+    shared = {id(group): group for group in [*groups.values(), dist.group.WORLD]}  # not copied: the same groups
+    block = deepcopy(list(run.model.transformer.h)[block_index], memo=dict(shared))
+    params = list(block.parameters())
+    for p in params:
+        p.data = p.data.to(run.param_dtype)
+    device = params[0].device
+    tracer = CommTracer()
+    for name, group in groups.items():
+        tracer.name_group(group, name)
+    seen, cuda = {}, device.type == "cuda"
+    with torch.random.fork_rng(devices=[device.index if device.index is not None else torch.cuda.current_device()]
+                               if cuda else []):
+        x = torch.randn(run.micro_batch_size, run.settings.local_seq_len, run.config.n_embd, device=device,
+                        dtype=run.param_dtype, generator=torch.Generator(device).manual_seed(0), requires_grad=True)
+        with tracer, mfu.SavedActivations(exclude=params) as saved, run.autocast:
+            out = block(x)
+        seen["forward"] = tracer.records
+        tracer.reset()
+        with tracer:
+            out.float().sum().backward()
+        seen["backward"] = tracer.records
+    return BlockMeasurement({(phase, op, group): Count(stat.calls, stat.payload_bytes) for phase, records in
+                             seen.items() for (op, group), stat in records.items()}, saved.bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -311,6 +373,7 @@ AXIS_LINES["moe"] = _legacy_lines()
 # ---------------------------------------------------------------------------------------------------------
 # --- tp ---
 # ---------------------------------------------------------------------------------------------------------
+
 
 AXIS_LINES["tp"] = _legacy_lines()
 
