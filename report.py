@@ -26,9 +26,10 @@ import torch.distributed as dist
 
 import mfu
 import moe
+import tensor_parallel
 from comm import CommTracer, Count, Messages
 from mesh import axis_groups
-from model import counts_here
+from model import MLP, counts_here
 from optim import update_messages
 
 
@@ -375,7 +376,46 @@ AXIS_LINES["moe"] = _legacy_lines()
 # ---------------------------------------------------------------------------------------------------------
 
 
-AXIS_LINES["tp"] = _legacy_lines()
+def tp_startup_lines(axis, run, steps: int = 0) -> list:
+    """Block 0's tp messages per micro-batch, predicted (tensor_parallel.block_messages) and measured
+    (run.measured, when start-up measured it), the parameters per rank, the activation estimates."""
+    held, batch, config = axis.holding(), axis.batch, run.config
+    tp, format_bytes = run.mesh.size("tp"), mfu.format_bytes
+    lines = [f"tensor parallel T={tp}{' + sequence parallel' if held.sequence_parallel else ''}: messages per block"
+             f" and micro-batch (b={batch.micro}, s={batch.seq}, h={held.hidden}), on the critical path, group tp:"]
+    blocks = list(axis.model.transformer.h)
+    predicted = tensor_parallel.block_messages(batch, held, split_mlp=not blocks or isinstance(blocks[0].mlp, MLP))
+    measured = run.measured.on("tp") if run.measured is not None else None
+    for phase, messages in predicted.items():
+        for (op, _), (calls, payload) in messages.items():
+            line = f"  {phase:<8} {op:<22} predicted {calls} × {format_bytes(payload / calls):>10}"
+            if measured is not None:
+                got = measured.get((phase, op), Count(0, 0))
+                line += f"   measured {got.calls} × {format_bytes(got.payload / max(1, got.calls)):>10}"
+            lines.append(line)
+    for (phase, op), got in (measured or {}).items():
+        if (op, "tp") not in predicted[phase]:  # another axis's (FP8's amaxes), or a surprise
+            lines.append(f"  {phase:<8} {op:<22} predicted 0   measured {got.calls} × {format_bytes(got.payload)}")
+    if measured is not None and measured != {(phase, op): count for phase, messages in predicted.items()
+                                             for (op, _), count in messages.items()}:
+        lines.append("  (measured: block 0 as the run runs it, every axis's messages on tp included; the end's table"
+                     " checks each axis's prediction)")
+    counts, act = tensor_parallel.param_counts(config, tp), tensor_parallel.activation_estimates(config, batch.micro,
+                                                                                                batch.seq, tp)
+    lines.append(f"  parameters per rank: {counts['per_rank']:,} of {counts['global']:,}"
+                 f" ({counts['split']:,} split /T + {counts['replicated']:,} replicated) ="
+                 f" {format_bytes(counts['per_rank'] * batch.param_bytes)} weights,"
+                 f" {format_bytes(counts['per_rank'] * 16)} with grads and AdamW")
+    chosen = act["tp_sp"] if held.sequence_parallel else act["tp"]
+    lines.append(f"  activations per layer (Korthikanti, 16-bit): unsplit sbh(34+5as/h) = {format_bytes(act['none'])};"
+                 f" TP sbh(10+24/t+5as/(ht)) = {format_bytes(act['tp'])}; TP+SP (sbh/t)(34+5as/h) ="
+                 f" {format_bytes(act['tp_sp'])}; this run {format_bytes(chosen)} × L={config.n_layer}"
+                 f" = {format_bytes(chosen * config.n_layer)}")
+    return lines
+
+
+AXIS_LINES["tp"] = {"startup": tp_startup_lines}
+MEASURES_BLOCK.add("tp")
 
 
 # ---------------------------------------------------------------------------------------------------------
