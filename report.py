@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import os
 import time
+from copy import deepcopy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import mfu
 import moe
-from comm import Messages
+import tensor_parallel
+from comm import CommTracer, Count, Messages
 from mesh import axis_groups
-from model import counts_here
+from model import MLP, counts_here
 from optim import update_messages
 
 
@@ -289,6 +292,66 @@ def _legacy_lines() -> dict:  # the handle still formats its own lines (until it
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
+MEASURES_BLOCK: set = set()  # handle names whose lines read run.measured (block 0 under a tracer)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Block 0 measured once at start-up, for the sections that print it next to their predictions
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockMeasurement:
+    """One held block run forward and backward once, as the run will run it: what it sent and what it saved."""
+
+    messages: dict  # {(phase, op, group as the tracer reports it): Count}, phase "forward" or "backward"
+    saved_bytes: int  # the distinct storages autograd saved in the forward, parameters aside
+
+    def on(self, group: str) -> dict:
+        """{(phase, op): Count} on one mesh group, found by any of its names ("dp_cp" in "dp_cp=expert_dp")."""
+        return {(phase, op): count for (phase, op, name), count in self.messages.items() if group in name.split("=")}
+
+
+def measure_startup(run) -> None:
+    """Measure block 0 once when a section wants it (MEASURES_BLOCK), into run.measured: train.compose calls
+    it after the axes and before the layout (its hooks, ZeRO's freed weights). Collective, on every rank."""
+    if any(axis.name in MEASURES_BLOCK for axis in run.axes) and len(run.model.transformer.h):
+        run.measured = measure_block(run)
+
+
+def measure_block(run, block_index: int = 0) -> BlockMeasurement:
+    """Run held block `block_index` forward and backward once under a CommTracer on random input of one
+    micro-batch as a rank holds it between regions, [B_μ, s/C (÷T under SP), h], in the working dtype the
+    layout will train in (run.param_dtype: ZeRO's bf16 weights) and the run's autocast.
+
+    It runs a deep copy of the block (sharing only the process groups) under a forked RNG, so the run is left
+    as it was: no gradient, no FP8 amax, no expert load, no ring time, the same dropout draws next. Every
+    rank of the groups the block talks on calls it (each pipeline stage measures its own first block).
+    """
+    groups = {name: group for name, group in run.mesh.groups.items() if group is not None}
+    shared = {id(group): group for group in [*groups.values(), dist.group.WORLD]}  # not copied: the same groups
+    block = deepcopy(list(run.model.transformer.h)[block_index], memo=dict(shared))
+    params = list(block.parameters())
+    for p in params:
+        p.data = p.data.to(run.param_dtype)
+    device = params[0].device
+    tracer = CommTracer()
+    for name, group in groups.items():
+        tracer.name_group(group, name)
+    seen, cuda = {}, device.type == "cuda"
+    with torch.random.fork_rng(devices=[device.index if device.index is not None else torch.cuda.current_device()]
+                               if cuda else []):
+        x = torch.randn(run.micro_batch_size, run.settings.local_seq_len, run.config.n_embd, device=device,
+                        dtype=run.param_dtype, generator=torch.Generator(device).manual_seed(0), requires_grad=True)
+        with tracer, mfu.SavedActivations(exclude=params) as saved, run.autocast:
+            out = block(x)
+        seen["forward"] = tracer.records
+        tracer.reset()
+        with tracer:
+            out.float().sum().backward()
+        seen["backward"] = tracer.records
+    return BlockMeasurement({(phase, op, group): Count(stat.calls, stat.payload_bytes) for phase, records in
+                             seen.items() for (op, group), stat in records.items()}, saved.bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -312,7 +375,47 @@ AXIS_LINES["moe"] = _legacy_lines()
 # --- tp ---
 # ---------------------------------------------------------------------------------------------------------
 
-AXIS_LINES["tp"] = _legacy_lines()
+
+def tp_startup_lines(axis, run, steps: int = 0) -> list:
+    """Block 0's tp messages per micro-batch, predicted (tensor_parallel.block_messages) and measured
+    (run.measured, when start-up measured it), the parameters per rank, the activation estimates."""
+    held, batch, config = axis.holding(), axis.batch, run.config
+    tp, format_bytes = run.mesh.size("tp"), mfu.format_bytes
+    lines = [f"tensor parallel T={tp}{' + sequence parallel' if held.sequence_parallel else ''}: messages per block"
+             f" and micro-batch (b={batch.micro}, s={batch.seq}, h={held.hidden}), on the critical path, group tp:"]
+    blocks = list(axis.model.transformer.h)
+    predicted = tensor_parallel.block_messages(batch, held, split_mlp=not blocks or isinstance(blocks[0].mlp, MLP))
+    measured = run.measured.on("tp") if run.measured is not None else None
+    for phase, messages in predicted.items():
+        for (op, _), (calls, payload) in messages.items():
+            line = f"  {phase:<8} {op:<22} predicted {calls} × {format_bytes(payload / calls):>10}"
+            if measured is not None:
+                got = measured.get((phase, op), Count(0, 0))
+                line += f"   measured {got.calls} × {format_bytes(got.payload / max(1, got.calls)):>10}"
+            lines.append(line)
+    for (phase, op), got in (measured or {}).items():
+        if (op, "tp") not in predicted[phase]:  # another axis's (FP8's amaxes), or a surprise
+            lines.append(f"  {phase:<8} {op:<22} predicted 0   measured {got.calls} × {format_bytes(got.payload)}")
+    if measured is not None and measured != {(phase, op): count for phase, messages in predicted.items()
+                                             for (op, _), count in messages.items()}:
+        lines.append("  (measured: block 0 as the run runs it, every axis's messages on tp included; the end's table"
+                     " checks each axis's prediction)")
+    counts, act = tensor_parallel.param_counts(config, tp), tensor_parallel.activation_estimates(config, batch.micro,
+                                                                                                batch.seq, tp)
+    lines.append(f"  parameters per rank: {counts['per_rank']:,} of {counts['global']:,}"
+                 f" ({counts['split']:,} split /T + {counts['replicated']:,} replicated) ="
+                 f" {format_bytes(counts['per_rank'] * batch.param_bytes)} weights,"
+                 f" {format_bytes(counts['per_rank'] * 16)} with grads and AdamW")
+    chosen = act["tp_sp"] if held.sequence_parallel else act["tp"]
+    lines.append(f"  activations per layer (Korthikanti, 16-bit): unsplit sbh(34+5as/h) = {format_bytes(act['none'])};"
+                 f" TP sbh(10+24/t+5as/(ht)) = {format_bytes(act['tp'])}; TP+SP (sbh/t)(34+5as/h) ="
+                 f" {format_bytes(act['tp_sp'])}; this run {format_bytes(chosen)} × L={config.n_layer}"
+                 f" = {format_bytes(chosen * config.n_layer)}")
+    return lines
+
+
+AXIS_LINES["tp"] = {"startup": tp_startup_lines}
+MEASURES_BLOCK.add("tp")
 
 
 # ---------------------------------------------------------------------------------------------------------
