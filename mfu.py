@@ -101,6 +101,22 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops_per_device:
     return flops_per_token * tokens_per_second / (peak_flops_per_device * n_devices)
 
 
+def block_linear_flops_fraction(config, seq_len: int) -> float:
+    """Share of a dense GPT's model FLOPs per token (flops_per_token's 6N + 12·L·h·s) in its block linears,
+    which --fp8 runs in FP8: 6·12·L·h² of 6·(12·L·h² + V·h) + 12·L·h·s."""
+    layers, h = config.n_layer, config.n_embd
+    blocks = 12 * layers * h ** 2
+    return 6 * blocks / (6 * (blocks + config.vocab_size * h) + 12 * layers * h * seq_len)
+
+
+def blended_peak(fraction: float, base_peak: float, fast_peak: float | None) -> float:
+    """The peak FLOP/s to divide by when `fraction` of the FLOPs runs at `fast_peak` (FP8) and the rest at
+    `base_peak` (bf16), time-weighted: 1 / (f/P_fast + (1-f)/P_base); base_peak where there is no fast peak."""
+    if not fast_peak:
+        return base_peak
+    return 1.0 / (fraction / fast_peak + (1 - fraction) / base_peak)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 3. Peak FLOP/s
 # ----------------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import fp8
 import mfu
 import moe
 import tensor_parallel
@@ -436,4 +437,52 @@ AXIS_LINES["pp"] = _legacy_lines()
 # --- fp8 ---
 # ---------------------------------------------------------------------------------------------------------
 
-AXIS_LINES["fp8"] = _legacy_lines()
+def _fp8_startup(handle, run, steps: int) -> list:
+    """The recipe, which linears and GEMMs, the memory FP8 saves, the FP8 share of the FLOPs (the blended peak
+    MFU should use on GPUs) and the amax reductions per step (fp8.py's docstring, items 2 and 3)."""
+    r, linears = handle.recipe, list(handle.linears.values())
+    gemm = "torch._scaled_mm" if linears and linears[0].use_scaled_mm else "emulated (no FP8 tensor cores here)"
+    detail = f", history L={r.amax_history}, {r.amax_algo}" if r.mode == "delayed" else ""
+    lines = [f"fp8 {r.mode}{detail}, margin {r.margin}: {len(linears)} block linears in FP8 (E4M3 X, W;"
+             f" {'E4M3' if r.mode == 'blockwise' else 'E5M2'} dY), GEMMs {gemm}; embedding, head, loss,"
+             f" routers in the compute dtype"]
+    tokens, compute_bytes = run.micro_batch_size * run.seq_len // run.mesh.size("cp"), run.compute_dtype.itemsize
+    saved, weights = fp8.saved_input_bytes(linears, tokens, compute_bytes), sum(lin.weight.numel() for lin in linears)
+    lines.append(f"  memory: saved inputs in FP8 {mfu.format_bytes(saved['fp8'])} instead of"
+                 f" {mfu.format_bytes(saved['compute'])} per micro-batch in flight (Σ M·K_j, M={tokens}):"
+                 f" {mfu.format_bytes(saved['saved'])} less; FP8 weight copies {mfu.format_bytes(weights)}"
+                 f" (autocast's were {mfu.format_bytes(weights * compute_bytes)}); scaling state"
+                 f" {mfu.format_bytes(len(linears) * (3 * r.amax_history + 18) * 4)}")
+    peak, f = mfu.PEAK_TFLOPS["H100"], mfu.block_linear_flops_fraction(run.config, run.seq_len)
+    lines.append(f"  MFU: {f:.0%} of model FLOPs run in FP8; on GPUs divide by the blended peak"
+                 f" 1/(f/P_fp8 + (1-f)/P_bf16) (H100: {mfu.blended_peak(f, peak['bf16'], peak['fp8']):.0f}"
+                 f" TFLOP/s from {peak['bf16']:g} bf16, {peak['fp8']:g} fp8 dense)")
+    for (op, group), (calls, payload) in handle.predicted_messages(run.layout).items():
+        lines.append(f"  messages per step: {op} {group}: {calls} × {mfu.format_bytes(payload / calls)}"
+                     f" (amax MAX reductions)")
+    return lines
+
+
+def _fp8_scale_table(handle, run, steps: int) -> list:
+    """Per layer and linear: the scales in use and the share of saturated values since the last table (this
+    rank's tensors). Blockwise shows the smallest tile scale (the tile with the largest amax)."""
+    names = {name: name.removeprefix("transformer.h.") for name in handle.linears}
+    width = max([len("layer.linear"), *map(len, names.values())])
+    rows = [f"fp8 {handle.recipe.mode}: the scales in use and the saturated share since the last table (this rank)",
+            f"  {'layer.linear':<{width}}" + "".join(f"  {role + ' scale':>17} {'sat':>6}" for role in fp8.ROLES)]
+    for name, linear in handle.linears.items():
+        scales = (linear.scale if handle.recipe.mode == "delayed" else linear.last_scale).tolist()
+        rows.append(f"  {names[name]:<{width}}" + "".join(f"  {s:17.3e} {p:5.2f}%"
+                                                           for s, p in zip(scales, linear.take_saturation())))
+    return rows
+
+
+def _fp8_end(handle, run, steps: int) -> list:
+    """What only FP8 can say at the end: its amax reductions are in the message table (traced against every
+    axis's prediction, this one's `traced_prediction`), its scales in the last step's table."""
+    first = f"{handle.first_steps} scaled like current (empty history), " if handle.recipe.mode == "delayed" else ""
+    return [f"fp8 {handle.recipe.mode}: steps {steps} ({first}{handle.nonfinite_steps} with a non-finite amax,"
+            f" skipped on every rank)"]
+
+
+AXIS_LINES["fp8"] = {"startup": _fp8_startup, "step": _fp8_scale_table, "end": _fp8_end}
