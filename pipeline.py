@@ -99,12 +99,13 @@ class PipelineSchedule:
 
     def forward_backward(self, layout, model, batches, global_tokens, loss_scale: float, aux_divisor: int,
                          autocast, device) -> MicroBatchLoss:
-        """Run this rank's plan over the m micro-batches; returns step.MicroBatchLoss (Σ CE on every pp rank)."""
+        """Run this rank's plan over the m micro-batches; returns step.MicroBatchLoss (Σ CE on every pp rank).
+        The batches move to the stage's device (`device`, the protocol's argument, is that one)."""
         if self.store is not None:
             self.store.install(model)
         steps = self.plan(len(batches))
         synced = last_backwards(steps)  # every other backward accumulates under no_sync: each gradient syncs once
-        state = _StepState(model, batches, global_tokens, loss_scale, aux_divisor, autocast, device)
+        state = _StepState(model, batches, global_tokens, loss_scale, aux_divisor, autocast)
         mail = _Mailbox(self, state)
         self.clock.start()
         for step in steps:
@@ -225,15 +226,15 @@ class PipelineSchedule:
 class _StepState:
     """What one step's actions share: the inputs, the stashed graphs between F and B/I (and I and W), the loss."""
 
-    def __init__(self, model, batches, global_tokens, loss_scale, aux_divisor, autocast, device):
+    def __init__(self, model, batches, global_tokens, loss_scale, aux_divisor, autocast):
         self.model, self.batches, self.global_tokens = model, batches, global_tokens
         self.loss_scale, self.aux_divisor, self.autocast = loss_scale, aux_divisor, autocast
-        self.device = torch.device(device)
+        self.device = next(model.parameters()).device  # the stage's: the batches move there
         # Stage boundaries carry the parameter dtype (the residual stream's, usually): a layer whose output is
         # wider (an FP8 linear's, say) is cast to it on the way, so every receive knows its size in advance.
         self.boundary_dtype = next(model.parameters()).dtype
         self.saved, self.deferred, self.aux_totals = {}, {}, {}
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
 
 class _Mailbox:
