@@ -85,7 +85,8 @@ class PipelineSchedule:
 
     measured_forward = "one (micro-batch, chunk) forward on this stage"  # what saved_activation_bytes covers
 
-    def __init__(self, config, mesh, n_layer: int, seq_divisor: int = 1, clock=None):
+    def __init__(self, config: PipelineConfig, mesh, n_layer: int, seq_divisor: int = 1,
+                 clock: mfu.ActionClock | None = None):
         self.name, self.P, self.v = config.schedule, config.size, config.virtual
         self.rank, self.group, self.peers = mesh.index("pp"), mesh.group("pp"), list(mesh.members["pp"])
         self.n_chunks = self.P * self.v

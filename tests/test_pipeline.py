@@ -462,7 +462,8 @@ def _check_gradients(results, cases, tp_size=1):
             r = rank_results[case]
             assert abs(r["loss"] - ref_loss) < TOL * max(1.0, abs(ref_loss)), (case, r["loss"], ref_loss)
             for name, (grad, info) in r["grads"].items():
-                torch.testing.assert_close(grad, info.shard_of(ref_grads[name]), rtol=TOL, atol=TOL, msg=f"{case} {name}")
+                torch.testing.assert_close(grad, info.shard_of(ref_grads[name]), rtol=TOL, atol=TOL,
+                                           msg=f"{case} {name}")
                 seen[name] += 1
         assert set(seen) == set(ref_grads), case  # every parameter of the model is somewhere
         assert seen["transformer.wte.weight"] == 2 * tp_size, case  # the tied copies, on the first and last stage
