@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections import defaultdict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -535,6 +537,70 @@ class SavedActivations:
     def bytes(self) -> int:
         return sum(storage.nbytes() for storage in self.storages.values())
 
+
+# ----------------------------------------------------------------------------------------------------------
+# 5c. Measured pipeline actions (what the simulated bubble predicts)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class ActionClock:
+    """Times one pipeline step's actions and p2p calls, for the measured bubble, the timeline and the trace
+    (report.py's pp section). pipeline.PipelineSchedule calls it: start() at the step's start, begin() and
+    end(action) around each action's compute, `with p2p(name)` around each host p2p call, stop() at the end.
+
+    CPU: perf_counter. CUDA: an event recorded on the compute stream before and after each action, all read
+    once at stop(); a device-wide synchronize after each action would also wait on receives posted for later
+    actions, charged as compute. p2p spans are host time (on CUDA: when the calls were issued).
+
+    Kept: `timings`, recent steps as (wall s, busy s, {kind: [s]}, first step of the run?), and `events`, the
+    last step's compute and p2p spans as dicts (seconds from that step's start).
+    """
+
+    def __init__(self, cuda: bool, keep: int = 64):
+        self.cuda = cuda
+        self.timings = deque(maxlen=keep)
+        self.events = []
+
+    def start(self) -> None:
+        self.origin, self.spans, self.p2p_events = time.perf_counter(), [], []  # spans: (action, mark, mark)
+        self.first = self._mark()
+
+    def _host(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def _mark(self):
+        if not self.cuda:
+            return self._host()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # on the current stream: the one the actions compute on
+        return event
+
+    def begin(self) -> None:
+        self.opened = self._mark()
+
+    def end(self, action) -> None:
+        self.spans.append((action, self.opened, self._mark()))
+
+    @contextmanager
+    def p2p(self, name: str, nbytes: int | None = None):
+        start = self._host()
+        yield
+        event = dict(cat="p2p", name=name, start=start, end=self._host())
+        self.p2p_events.append(event if nbytes is None else dict(event, bytes=nbytes))
+
+    def stop(self) -> None:
+        last = self._mark()
+        if self.cuda:
+            last.synchronize()  # this step's last event: every earlier one on the stream has completed
+            seconds = lambda event: self.first.elapsed_time(event) / 1e3  # noqa: E731 (elapsed_time is in ms)
+            last, self.spans = seconds(last), [(action, seconds(a), seconds(b)) for action, a, b in self.spans]
+        busy = defaultdict(list)
+        for action, start, end in self.spans:
+            busy[action.kind].append(end - start)
+        self.timings.append((last, sum(map(sum, busy.values())), dict(busy), not self.timings))
+        self.events = self.p2p_events + [dict(cat="compute", name=str(action), kind=action.kind, mb=action.mb,
+                                              chunk=action.chunk, start=start, end=end)
+                                         for action, start, end in self.spans]
 
 
 # ----------------------------------------------------------------------------------------------------------
