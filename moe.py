@@ -1,103 +1,69 @@
-"""Mixture of experts (Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021) and expert
-parallel, from raw all-to-all collectives.
+"""Mixture of experts (Shazeer et al. 2017; GShard 2020; Switch, Fedus et al. 2021) and expert parallel, from
+raw all-to-all collectives.
 
-A MoE block replaces the dense MLP by N experts (each the same GELU MLP, c_fc → GELU → c_proj) and a router.
-For each token x the router scores the experts, the token visits the k best, and the block returns the sum
-of their outputs weighted by the router: y = Σ_{j<k} w_j · expert_{e_j}(x).
+A MoE block replaces the dense MLP by N experts (each the dense MLP's c_fc → GELU → c_proj) and a router; each
+token visits the k best experts and the block returns y = Σ_{j<k} w_j · expert_{e_j}(x). The router (in fp32,
+or the model's dtype when wider; autocast off):
+    z = x·W_rᵀ [T, N];  p = softmax(z) over all N;  (g, e) = top-k of p;  w = g / Σ_j g_j (k > 1), g (k = 1)
+For k > 1 this is Mixtral's softmax over the k chosen logits, weights summing to 1 (one dense MLP's scale
+whatever k and N); for k = 1 renormalising would give w = 1, so, as Switch, we keep the raw probability.
+Auxiliary losses (`aux_losses.add(name, coef, value)`; the step divides by the D·m micro-batches, so each is
+defined on ONE data-parallel micro-batch, DESIGN.md), with fᵢ = (slots routed to i)/(T·k) before capacity:
+    moe_balance = N · Σᵢ fᵢ·Pᵢ,  Pᵢ = mean of pᵢ (1 when balanced)    α = --moe-aux-coef
+    moe_z       = mean over tokens of (logsumexp z)²   (ST-MoE)       β = --moe-z-coef
+Under CP or SP a rank holds a piece of its micro-batch: the losses' statistics are summed over the pieces'
+ranks by an all-reduce whose backward is the identity (`SumOverPieces`: the gradient then counts once).
 
-The router (in fp32, or the model's dtype when wider; autocast off):
-    z = x·W_rᵀ                      logits, [T, N]
-    p = softmax(z)                  over all N experts
-    (g, e) = top-k of p             the k chosen experts of each token, in decreasing p
-    w = g / Σ_j g_j   (k > 1)       renormalised over the chosen k; w = g for k = 1
-For k > 1 this equals Mixtral's softmax over the k chosen logits, and the weights sum to 1, so the output has
-the scale of one dense MLP whatever k and N are. For k = 1 renormalising would give w = 1 and the router would
-learn only from the auxiliary losses; Switch keeps the raw probability there, and so do we. Pᵢ below uses the
-full softmax either way, so the balance loss reaches every expert's logit.
+Capacity (--moe-capacity-factor f > 0; 0: dropless): each expert takes at most C_μ = ⌈B_μ·s·k/N · f⌉ slots of
+a micro-batch; later slots drop in TOKEN order (b-major) and add nothing (the residual carries the token).
+It is decided on the WHOLE micro-batch whatever the mesh (`MoE.keep_slots`): the same slots drop on any C and
+T_tp, so a resume on another mesh trains the same model.
 
-Auxiliary losses, added to the model's channel (`aux_losses.add(name, coef, value)`; the step divides by
-the D·m micro-batches, so each term is defined on ONE data-parallel micro-batch, DESIGN.md):
-    moe_balance = N · Σᵢ fᵢ·Pᵢ     fᵢ = (slots routed to expert i) / (T·k), before any capacity drop;
-                                   Pᵢ = mean over tokens of pᵢ.  1 when balanced; α = --moe-aux-coef
-    moe_z       = mean over tokens of (logsumexp z)²                     (ST-MoE);  β = --moe-z-coef
-Under context or sequence parallel a rank holds only a piece of its micro-batch: the statistics
-(Σ routed slots, Σ p, Σ lse², T) are all-reduced over the ranks that hold the other pieces (cp, and tp with
---sp) with an all-reduce whose BACKWARD IS THE IDENTITY (Megatron's g). Every piece-holder then has the same
-value A = a(S), S = Σ_r s_r, and differentiates its own copy: its gradient is ∂a/∂S · ∂s_r/∂θ, through its
-own tokens only. The data-parallel SUM over dp×cp (and SP's sum over tp) adds Σ_r ∂a/∂S · ∂s_r/∂θ = ∂A/∂θ:
-the gradient of the design objective, once. An all-reduce in backward would count it C times.
-
-Capacity (--moe-capacity-factor f > 0): each expert takes at most C_μ = ⌈B_μ·s·k/N · f⌉ slots of one
-micro-batch's B_μ·s tokens; slots beyond it are dropped in TOKEN order (b-major, as one device holds them: the
-first ones keep their place, deterministically), and a dropped slot adds nothing (the residual carries the
-token). f = 0: dropless. It is decided on the WHOLE micro-batch, exactly as one device decides it, whatever the
-mesh: under CP or SP a rank holds a piece (`Pieces`), so it all-gathers the pieces' expert choices, [B_μ, s, k]
-in one byte each (N ≤ 256), rebuilds them in token order, runs the same `capacity_keep` and keeps its own
-slots' verdicts. The same slots drop on any C and T_tp, so a resume on another mesh trains the same model.
-Sampling runs whole sequences on every rank (`MoEAxis.sampling`): the layer then gathers over nothing.
-
-Expert parallel (--ep E): E ranks of one (p, t) slice, the `ep` group carved from the D×C data ranks
-(mesh.py), share their tokens; rank e of the group holds experts [e·N/E, (e+1)·N/E) of every MoE layer, whole,
-and never the others. A forward (`MoE.dispatch_and_combine`):
-    1. route the local tokens; sort the slots by expert (token order inside each expert, dropped slots last)
-       and gather the kept ones' rows in that order: the one copy of the token rows on the way in
+Expert parallel (--ep E): the E ranks of an `ep` group (carved from the D×C data ranks, mesh.py) share their
+tokens; rank e holds experts [e·N/E, (e+1)·N/E) of every MoE layer, whole. `MoE.dispatch_and_combine`:
+    1. route; sort the slots by expert (token order inside, dropped last); gather the kept rows: the one copy
     2. all_to_all_single of the N per-expert counts: each rank learns how many rows each peer sends it
-    3. all_to_all_single of the token rows, split by destination / by source rank (uneven)      (dispatch)
-    4. the rows arrive in [source rank][local expert] chunks: each chunk runs through its expert where it
-       lies (a view of the received buffer); the outputs are written once, in arrival order, into the
-       combine's send buffer (with E = 1 the chunks are the experts' slices of the sorted rows)
+    3. all_to_all_single of the rows, split by destination / by source rank (uneven)            (dispatch)
+    4. each [source rank][local expert] chunk runs through its expert where it lies (a view), the outputs
+       written once, in arrival order, into the combine's send buffer (E = 1: the sorted rows' slices)
     5. the inverse all_to_all_single returns each row to the rank it came from                   (combine)
     6. y[t] = Σ_j w_tj · row(t, j) over the kept slots
-Dispatch and combine are one autograd Function, `AllToAll`, whose backward is the reverse all-to-all. The
-D×C/E ranks holding the same experts form `expert_dp`: expert gradients are summed there
-(`grad_group="expert_dp"`), the router's and every dense parameter's over dp×cp. With E = 1 the experts are
-replicated on every data rank (plain data parallel) and nothing is exchanged. Under tensor parallel the
-experts and the router are REPLICATED over tp: without --sp every TP rank routes the same tokens and computes
-the same thing; with --sp each routes its sequence piece and the experts' and router's gradients are summed
-over tp once per step (`MoEAxis.after_grad_sync`). Under pipeline parallel the ranks of an ep group are one
-stage: they run the same schedule, so their collectives come in the same order.
+`AllToAll` (autograd) does 3 and 5; its backward is the reverse all-to-all. Expert gradients are summed over
+`expert_dp` (the D×C/E ranks holding the same experts), the router's with the dense ones over dp×cp; E = 1 is
+plain data parallel. Under TP the experts and the router are REPLICATED over tp: without --sp each TP rank
+computes the same thing; with --sp each routes its sequence piece and their gradients are summed over tp
+once per step (`MoEAxis.after_grad_sync`). Under PP an ep group is one stage: one schedule, one order.
 
 Symbols: N experts, k top-k, E expert-parallel size, h hidden, L_moe MoE layers (L in all), T tokens of one
-rank's micro-batch (B_μ·s, ÷C under CP, ÷T_tp under SP), C_μ the capacity of a micro-batch, Ψ_e = 8h² + 5h
-parameters of one expert, S / R rows a rank sends / receives in one dispatch, e_c bytes of a compute-dtype
-element, e_r of a router-dtype one (fp32, or wider), e_i = 1 of a gathered choice (4 when N > 256), m micro-batches.
+rank's micro-batch (B_μ·s, ÷C under CP, ÷T_tp under SP), C_μ the capacity, Ψ_e = 8h² + 5h one expert's
+parameters, S / R rows a rank sends / receives in one dispatch, e_c bytes of a compute-dtype element, e_r of a
+router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256), m micro-batches.
 
-1. Replicated and split. Split E ways: the experts (whole ones: expert i is one logical tensor per weight,
-   `transformer.h.<l>.mlp.experts.<i>.c_fc.weight`) and, in the dispatch, the routed token rows. Replicated:
-   the router and all dense parameters (over dp×cp and tp), each expert over the D×C/E ranks of expert_dp.
+1. Replicated and split. Split E ways: the experts (expert i one logical tensor per weight, `...experts.<i>.
+   c_fc.weight`), the routed rows. Replicated: the router, the dense parameters; each expert over expert_dp.
 2. Peak per device. Parameters Ψ_dense + L_moe·(h·N + (N/E)·Ψ_e), ×16 bytes with fp32 grads and AdamW
    (`param_counts`). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
-   in e_r, the S sorted (sent) and R received rows (h wide), the experts' [R, 4h] hidden activations, their R
-   output rows, the S combined rows, S·h gate-weighted rows in max(e_c, e_r); with capacity under CP/SP the
-   gathered choices, B_μ·s·k·e_i bytes. Kept for backward: `layer_activation_bytes` (tested against what
-   autograd saves; `activation_estimate_delta` is what a MoE-aware Korthikanti estimate adds). Uniform routing:
-   S = R = T·k. Worst case (all of the ep group's tokens pick this rank): R = E·T·k dropless, R ≤ N·C_μ with
-   capacity (each of E sources sends each local expert at most C_μ rows).
+   (e_r), S sent and R received rows, the experts' [R, 4h] hidden and R outputs, S combined and S weighted
+   rows; with capacity under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward:
+   `layer_activation_bytes` (tested against autograd). Uniform routing: S = R = T·k; worst case (the whole ep
+   group picks this rank): R = E·T·k dropless, R ≤ N·C_μ with capacity.
 3. Critical path (all synchronous), per MoE layer and micro-batch, group ep (payload = the input tensor):
        forward   all_to_all_single  counts 8N  +  dispatch S·h·e_c  +  combine R·h·e_c
        backward  all_to_all_single  combine's reverse S·h·e_c  +  dispatch's reverse R·h·e_c
-   Uniform routing: 5 calls, payload 4·T·k·h·e_c + 8N, of which (E−1)/E crosses the wire (a rank keeps its
-   own share). With capacity S ≤ min(T·k, N·C_μ) (uniformly, N·C_μ/(C·T_sp)). Activation checkpointing
-   repeats the 3 forward calls in backward. With CP/SP, per MoE layer and forward: one all_reduce of (2N+2)
-   e_r values on cp (and on tp), and with capacity one all_gather_single of the expert choices, payload (its
-   output) B_μ·s·k·e_i on cp and B_μ·(s/C)·k·e_i on tp (SP's level is gathered first).
-   Per step: expert gradients over expert_dp, the router with the dense ones over dp×cp (the layout);
-   with --sp one all_reduce of the experts' and router's gradients over tp. `step_messages` computes these
-   for uniform routing (the startup table's estimate); `all_to_all_messages` computes the all-to-alls from
-   the rows the training forwards did send and receive (`Routing`, recorded by each layer): exact, the end
-   table's prediction (`MoEAxis.traced_prediction`). The tests match both with the tracer.
-   Host synchronisations, per MoE layer and micro-batch: ONE `.tolist()`, the split sizes (under EP both
-   all-to-all splits at once, which all_to_all_single takes as Python ints; with E = 1 the experts' row
-   slicing), repeated by an activation-checkpointing recompute. Nothing else waits for the device: no
-   nonzero() (dropped slots sort last), no bincount (a scatter-add); the aux values, the load and the dropped
-   count stay tensors until a log line reads them (step.train_step: once per step; the load line, through
-   `MoEAxis.take_load`: once per line).
-4. Restart state: nothing of its own; routing is deterministic (no RNG). Each expert is a whole logical
+   Uniform routing: 5 calls, 4·T·k·h·e_c + 8N, (E−1)/E of it on the wire; with capacity S ≤ min(T·k, N·C_μ)
+   (uniformly N·C_μ/(C·T_sp)); activation checkpointing repeats the 3 forward calls. With CP/SP, per MoE layer
+   and forward: one all_reduce of (2N+2) e_r values on cp (and tp) and, with capacity, one all_gather_single of
+   the choices (its output: B_μ·s·k·e_i on cp, B_μ·(s/C)·k·e_i on tp). Per step: the gradients over
+   expert_dp and dp×cp (the layout), with --sp one all_reduce of the experts' and router's over tp.
+   `step_messages` is the uniform estimate (startup table); `all_to_all_messages` of the rows the training
+   forwards did send and receive (each layer's `Routing`) is exact (end table, `MoEAxis.traced_prediction`).
+   Host syncs per MoE layer and micro-batch: ONE `.tolist()` of the split sizes (all_to_all_single takes
+   Python ints; E = 1: the experts' row slicing), again in a recompute; no nonzero() (dropped slots sort
+   last), no bincount (a scatter-add). Aux values, load and drops stay tensors until a line reads them
+   (step.train_step once per step; the load line, through `MoEAxis.take_load`, once per line).
+4. Restart state: nothing of its own; routing is deterministic (no RNG), and each expert is a whole logical
    tensor named by its global index, so a checkpoint written with one E loads with another.
-
-FLOPs per token (for MFU, `flops_per_token`): 6·N_active + 12·L·H·Q·s with
-N_active = V·h + L·4h² + L_dense·8h² + L_moe·(k·8h² + h·N): a token pays for k experts and the router, not
-for the N − k idle experts (dropped slots are not subtracted: a convention, stated in the printout).
+   FLOPs per token (MFU): `flops_per_token`, from the k experts a token visits, not the N.
 """
 
 from __future__ import annotations
@@ -106,6 +72,7 @@ import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -186,7 +153,7 @@ class MoE(nn.Module):
 
     def __init__(self, config: GPTConfig, layer_id: int, aux_losses):
         super().__init__()
-        self.layer_id, self.aux_losses = layer_id, aux_losses
+        self.layer_id, self.aux_losses = layer_id, aux_losses  # the model's aux-loss channel
         self.n_experts, self.topk = config.moe_experts, config.moe_topk
         self.capacity_factor = config.moe_capacity_factor
         self.aux_coef, self.z_coef = config.moe_aux_coef, config.moe_z_coef
@@ -215,7 +182,9 @@ class MoE(nn.Module):
     @torch.no_grad()
     def keep_slots(self, expert: torch.Tensor) -> torch.Tensor | None:
         """[T, k] bool: which of this rank's slots keep their place (None: dropless), decided on the WHOLE
-        micro-batch as one device decides it (module docstring, Capacity). expert: [B, n, k], this rank's."""
+        micro-batch as one device decides it. expert: [B, n, k], this rank's. Under CP or SP the rank all-gathers
+        the pieces' choices (`Pieces`), one byte each (N ≤ 256), rebuilds token order, runs the same
+        `capacity_keep` and keeps its own verdicts; sampling (whole sequences, `MoEAxis.sampling`) gathers nothing."""
         batch, n, k = expert.shape
         cap = capacity(batch * n * math.prod(piece.size for piece in self.pieces), k, self.n_experts,
                        self.capacity_factor)
@@ -243,7 +212,9 @@ class MoE(nn.Module):
             counts = torch.cat([counts, counts_in])  # [N sent per expert, then received per (source, local expert)]
         sizes = counts.tolist()  # the one host sync: the split sizes (E = 1: the experts' row slicing)
         order = order[:sum(sizes[:n])]  # the kept slots
-        sent = _autocast_input(tokens)[order // k]  # [S, h] by expert, hence by destination: the one copy in
+        autocast = torch.is_autocast_enabled(tokens.device.type)  # the rows travel in the dtype c_fc will cast to
+        rows = tokens.to(torch.get_autocast_dtype(tokens.device.type)) if autocast else tokens
+        sent = rows[order // k]  # [S, h] by expert, hence by destination: the one copy in
         if self.ep_size == 1:
             back, rows_received = self.run_local_experts(sent, sizes), len(order)  # 4.
         else:
@@ -286,23 +257,18 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, output_splits: list, input_splits: list, group):
         ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        return AllToAll.exchange(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return AllToAll.exchange(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+
+    @staticmethod
+    def exchange(x, output_splits: list, input_splits: list, group) -> torch.Tensor:
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), output_split_sizes=output_splits,
                                input_split_sizes=input_splits, group=group)
         return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty((sum(ctx.input_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.input_splits,
-                               input_split_sizes=ctx.output_splits, group=ctx.group)
-        return out, None, None, None
-
-
-def _autocast_input(x: torch.Tensor) -> torch.Tensor:
-    """Cast to the autocast dtype now, as the expert's first linear would: the dispatch moves 16-bit rows."""
-    device = x.device.type
-    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
 
 
 def _in_backward() -> bool:
@@ -310,15 +276,14 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-# ---------------------------------------------------------------------------------------------------------
-# A micro-batch in pieces (CP, SP): the aux statistics summed, the capacity decided on the whole
-# ---------------------------------------------------------------------------------------------------------
+# A micro-batch in pieces (CP, SP): the aux statistics summed, the capacity decided on the whole.
 
 
 class SumOverPieces(torch.autograd.Function):
-    """All-reduce (sum) forward, IDENTITY backward: the aux-loss statistics of a micro-batch whose tokens
-    are spread over `group` (CP pieces, SP pieces). Each rank differentiates its own copy of the whole value;
-    the data-parallel gradient sum adds the pieces' contributions (module docstring)."""
+    """All-reduce (sum) forward, IDENTITY backward (Megatron's g): the aux-loss statistics s_r (Σ routed slots,
+    Σ p, Σ lse², T) of a micro-batch whose pieces lie on the ranks of `group` (cp; tp with --sp). Every piece-
+    holder then has A = a(S), S = Σ_r s_r, and its gradient ∂a/∂S · ∂s_r/∂θ runs through its own tokens; the
+    data-parallel SUM (and SP's over tp) adds them to ∂A/∂θ, once. A backward all-reduce would count it C times."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -345,8 +310,7 @@ def router_losses(logits: torch.Tensor, probs: torch.Tensor, routed: torch.Tenso
     return n * (f * p).sum(), stats[2 * n] / tokens
 
 
-@dataclass(frozen=True)
-class Pieces:
+class Pieces(NamedTuple):
     """The `size` ranks of `group` each hold a piece of every sequence of the micro-batch: rank j the n/size
     positions `context_parallel.positions(n, size, j, balance)` of its n tokens. CP cuts zig-zag or
     contiguous; SP cuts the CP piece contiguously (its ranks are the inner level)."""
@@ -422,31 +386,20 @@ def is_moe_layer(config: GPTConfig, layer_id: int) -> bool:
 
 def check_flags(config: GPTConfig, shape: MeshShape) -> None:
     """Raise ValueError naming the flag when the MoE flags (config's moe_* fields, --ep in shape) cannot work
-    on this mesh; pure, run once before any process group (config_from_flags)."""
-    n, ep = config.moe_experts, shape.ep
-    if n < 0:
-        raise ValueError(f"--moe-experts must be ≥ 0 (0: dense MLP), got {n}")
-    if ep < 1:
-        raise ValueError(f"--ep must be a positive integer, got {ep}")
-    if n == 0:
-        if ep > 1:
-            raise ValueError(f"--ep {ep} needs experts to split: set --moe-experts N (a multiple of {ep})")
-        return
-    if not 1 <= config.moe_topk <= n:
-        raise ValueError(f"--moe-topk {config.moe_topk} must be between 1 and --moe-experts {n}")
-    if n % ep:
-        raise ValueError(f"--ep {ep} must divide --moe-experts {n} (each rank holds N/E whole experts)")
-    if (shape.dp * shape.cp) % ep:
-        raise ValueError(f"--ep {ep} must divide the data × context ranks D·C = {shape.dp}·{shape.cp} ="
-                         f" {shape.dp * shape.cp} (expert parallel is carved out of them)")
-    if not 1 <= config.moe_every <= config.n_layer:
-        raise ValueError(f"--moe-every {config.moe_every} must be between 1 and --n-layer {config.n_layer}"
-                         f" (else no block is MoE)")
-    if config.moe_capacity_factor < 0:
-        raise ValueError(f"--moe-capacity-factor must be ≥ 0 (0: dropless), got {config.moe_capacity_factor}")
-    if config.moe_aux_coef < 0 or config.moe_z_coef < 0:
-        raise ValueError(f"--moe-aux-coef and --moe-z-coef must be ≥ 0, got {config.moe_aux_coef} and"
-                         f" {config.moe_z_coef}")
+    together on this mesh; pure, run once before any process group (config_from_flags). Each flag's own
+    range (N, f, α, β ≥ 0; k, --moe-every, E ≥ 1) is checked once, in flags.check_ranges, infer_mesh_shape."""
+    n, k, ep, every = config.moe_experts, config.moe_topk, shape.ep, config.moe_every
+    for broken, message in (
+            (n == 0 and ep > 1, f"--ep {ep} needs experts to split: set --moe-experts N (a multiple of {ep})"),
+            (n > 0 and not 1 <= k <= n, f"--moe-topk {k} must be between 1 and --moe-experts {n}"),
+            (n > 0 and n % ep, f"--ep {ep} must divide --moe-experts {n} (each rank holds N/E whole experts)"),
+            (n > 0 and (shape.dp * shape.cp) % ep, f"--ep {ep} must divide the data × context ranks D·C ="
+                                                   f" {shape.dp}·{shape.cp} = {shape.dp * shape.cp} (expert"
+                                                   f" parallel is carved out of them)"),
+            (n > 0 and not 1 <= every <= config.n_layer,
+             f"--moe-every {every} must be between 1 and --n-layer {config.n_layer} (else no block is MoE)")):
+        if broken:
+            raise ValueError(message)
 
 
 @dataclass(frozen=True)
@@ -468,12 +421,8 @@ def config_from_flags(args, settings) -> MoEConfig | None:
 
 
 def shard_experts(layer: MoE, ep_group, ep_size: int, ep_index: int) -> None:
-    """Keep experts [e·N/E, (e+1)·N/E) of `layer` (e = ep_index) and drop the rest; records say expert_dp.
-
-    The plain GPT materialised all N experts at construction (as tensor parallel materialises the full weights
-    it then slices); dropping frees the others, so from here on a rank holds N/E of them. The kept ones are
-    the plain model's tensors, initialised from their global names: bitwise the single-device experts.
-    """
+    """Keep experts [e·N/E, (e+1)·N/E) of `layer` (e = ep_index), drop the others (the plain GPT built all N,
+    as TP builds the full weights it slices); the kept ones are the single-device experts, bitwise."""
     per_rank = layer.n_experts // ep_size
     layer.local = range(ep_index * per_rank, (ep_index + 1) * per_rank)
     for i in range(layer.n_experts):
@@ -485,12 +434,8 @@ def shard_experts(layer: MoE, ep_group, ep_size: int, ep_index: int) -> None:
 
 
 def apply(model, run, config: MoEConfig) -> MoEAxis:
-    """Keep this rank's experts of every MoE block of `model` (first of the axes, DESIGN.md).
-
-    run.mesh gives the ep group (E ranks of the D×C slice), this rank's index in it, and the ranks holding
-    the other pieces of its micro-batches (`Pieces`: cp when C > 1, cut as --cp-balance says; tp with --sp,
-    contiguous), over which the aux-loss statistics are summed and the capacity decided.
-    """
+    """Keep this rank's experts of every MoE block of `model` (first of the axes, DESIGN.md); tell each layer
+    the ranks holding the other pieces of its micro-batches (`Pieces`: cp as --cp-balance cut it; tp with --sp)."""
     mesh, ep = run.mesh, config.ep
     levels = [("cp", config.cp_balance)] if config.cp_balance is not None else []
     levels += [("tp", "contiguous")] if config.sequence_parallel else []
@@ -508,8 +453,7 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
 
 
 class MoEAxis(Axis):
-    """The handle train.py talks to (step.Axis): SP's gradient sum over tp, the sampling context, the uniform
-    and the exact (from the layers' `Routing`) message predictions; `take_load` for report.py's load line."""
+    """The handle train.py talks to (step.Axis); `take_load` and `reset_routing` serve report.py's moe lines."""
 
     name = "moe"
 
@@ -543,9 +487,8 @@ class MoEAxis(Axis):
         return [p for layer in self.layers for p in layer.parameters()]
 
     def predicted_messages(self, layout=None) -> Messages:
-        """Per optimizer step, for UNIFORM routing (docstring item 3). With SP, after_grad_sync sums exactly the
-        layout's gradient pieces of the experts and the router (ZeRO: this rank's shard of them, in its
-        accumulation dtype); without a layout, the whole parameters."""
+        """Per optimizer step, for UNIFORM routing (item 3). SP's sum covers the layout's gradient pieces of the
+        experts and router (ZeRO: this rank's shard, in its accumulation dtype); no layout: the parameters."""
         sp_grad_bytes = 0
         if self.tp_group is not None:
             pieces = layout.grad_pieces(self.params()) if layout is not None else self.params()
@@ -558,10 +501,13 @@ class MoEAxis(Axis):
         out = self.predicted_messages(layout)
         if self.traffic.ep > 1 and steps:
             out.pop(ALL_TO_ALL, None)
-            routed = [self.taken, *(layer.routing for layer in self.layers)]
-            out = out + all_to_all_messages(self.traffic, sum(r.forwards for r in routed),
-                                            sum(r.sent for r in routed), sum(r.received for r in routed)).times(1 / steps)
+            out = out + all_to_all_messages(self.traffic, *self.routed_rows()).times(1 / steps)
         return out
+
+    def routed_rows(self) -> tuple:
+        """(forwards, Σ S, Σ R) of the training forwards since start-up, taken by a load line or not yet."""
+        routed = [self.taken, *(layer.routing for layer in self.layers)]
+        return tuple(sum(getattr(r, name) for r in routed) for name in ("forwards", "sent", "received"))
 
     def reset_routing(self) -> None:
         """Forget what the layers routed so far (start-up's forwards, which are no training step)."""
@@ -570,17 +516,14 @@ class MoEAxis(Axis):
         self.taken, self.last_load = Routing(), None
 
     def take_load(self):
-        """(loads [layer][N], dropped, steps): the slots this rank's training forwards routed to each expert
-        (before capacity) and dropped, per MoE layer, since the last take, read on the host in ONE `.tolist()`;
-        None when nothing was routed. The layers start afresh; their forwards and rows stay counted."""
+        """(loads [layer][N], dropped, steps) of this rank's training forwards since the last take, read in ONE
+        `.tolist()` (None: nothing routed); the layers start afresh, their forwards and rows stay counted."""
         recorded = [layer.routing for layer in self.layers if layer.routing.load is not None]
         if not recorded:
             return None
         stats = torch.stack([torch.cat([r.load, (r.load.new_zeros(()) + r.dropped).view(1)])
                              for r in recorded]).tolist()  # [layer][N routed per expert, dropped]
-        for r in recorded:
-            self.taken = Routing(self.taken.forwards + r.forwards, self.taken.sent + r.sent,
-                                 self.taken.received + r.received)
+        self.taken = Routing(*self.routed_rows())
         for layer in self.layers:
             layer.routing = Routing()
         steps = recorded[0].forwards // max(1, self.traffic.micro_batches)  # each layer runs m times a step
@@ -588,12 +531,11 @@ class MoEAxis(Axis):
         return self.last_load
 
 
-ALL_TO_ALL = ("all_to_all_single", "ep")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Prediction formulas (docstring items 2 and 3, FLOPs)
 # ---------------------------------------------------------------------------------------------------------
+
+ALL_TO_ALL = ("all_to_all_single", "ep")
 
 
 @dataclass(frozen=True)
@@ -611,18 +553,12 @@ class Traffic:
     router_bytes: int = 4  # e_r
 
 
-def expert_params(config: GPTConfig) -> int:
-    """Ψ_e, one expert: c_fc h·4h (+4h) and c_proj 4h·h (+h) = 8h² + 5h with biases."""
-    h = config.n_embd
-    return 8 * h * h + 5 * h * int(config.bias)
-
-
 def param_counts(config: GPTConfig) -> dict:
     """The logical model's parameters: total (every expert, tied weights once) and ACTIVE per token (k experts)."""
     h, L, V, n, k, b = (config.n_embd, config.n_layer, config.vocab_size, config.moe_experts, config.moe_topk,
                         int(config.bias))
     moe_layers = sum(is_moe_layer(config, i) for i in range(L))
-    psi_e = expert_params(config)
+    psi_e = 8 * h * h + 5 * h * b  # Ψ_e: c_fc h·4h (+4h), c_proj 4h·h (+h)
     blocks = L * (4 * h * h + 4 * h * b + 2 * h * (1 + b)) + (L - moe_layers) * psi_e  # attn, LNs, dense MLPs
     shared = V * h + config.block_size * h + blocks + h * (1 + b) + moe_layers * h * n  # ... ln_f, routers
     return {"total": shared + moe_layers * n * psi_e, "active": shared + moe_layers * k * psi_e,
@@ -639,7 +575,8 @@ def active_matmul_params(config: GPTConfig) -> int:
 
 
 def flops_per_token(config: GPTConfig, seq_len: int, recompute: bool = False) -> mfu.FlopsPerToken:
-    """mfu.FlopsPerToken from the ACTIVE parameters plus the router: MFU is not inflated by idle experts."""
+    """mfu.FlopsPerToken, 6·N_active + 12·L·H·Q·s (N_active: active_matmul_params): a token pays for k experts
+    and the router, not the N − k idle ones (nor are dropped slots subtracted: a convention, printed)."""
     n_active = active_matmul_params(config)
     return mfu.flops_per_token(n_active, config.n_layer, config.n_head, config.head_dim, seq_len,
                                recompute=recompute, n_recomputed_params=n_active - config.vocab_size * config.n_embd)
@@ -686,26 +623,19 @@ def all_to_all_messages(traffic: Traffic, forwards: int, sent: float, received: 
     (the reverses, (S + R)·h·e_c)."""
     repeats = 2 if traffic.model.activation_checkpointing else 1
     row_bytes = traffic.model.n_embd * traffic.compute_bytes
-    return Messages().add(*ALL_TO_ALL, forwards * (3 * repeats + 2),
-                          forwards * repeats * 8 * traffic.model.moe_experts + (repeats + 1) * (sent + received) * row_bytes)
+    counts = forwards * repeats * 8 * traffic.model.moe_experts  # the N int64 counts, each (re)computed forward
+    rows = (repeats + 1) * (sent + received) * row_bytes
+    return Messages().add(*ALL_TO_ALL, forwards * (3 * repeats + 2), counts + rows)
 
 
 def step_messages(traffic: Traffic, sp_grad_bytes: int = 0) -> Messages:
-    """Predicted messages of one optimizer step for UNIFORM routing (docstring item 3).
-
-    Per MoE layer and micro-batch, S = R = T·k rows (at most N·C_μ/(C·T_sp), this rank's share of what capacity
-    keeps): all_to_all_messages of them on ep when E > 1. CP (C > 1) and SP (T_tp > 1): per MoE layer and
-    forward one all_reduce of (2N+2) router-dtype values on cp / tp and, with capacity, one all_gather_single of
-    the expert choices (e_i = 1 byte, N ≤ 256; else 4): on tp the CP piece's B_μ·s/C·k·e_i, on cp the
-    micro-batch's B_μ·s·k·e_i (its output). SP adds the per-step all_reduce of the experts' and router's
-    gradients on tp (`sp_grad_bytes`, the layout's pieces of them).
-    """
+    """Predicted messages of one optimizer step for UNIFORM routing (docstring item 3): S = R = T·k rows per MoE
+    layer and micro-batch (at most N·C_μ/(C·T_sp), this rank's share of what capacity keeps); CP's and SP's
+    statistics all-reduces and choice gathers; SP's gradient sum over tp of `sp_grad_bytes` (the layout's)."""
     t, n, k = traffic, traffic.model.moe_experts, traffic.model.moe_topk
     whole = t.tokens * t.cp * t.sp  # B_μ·s
-    rows = t.tokens * k
     cap = capacity(whole, k, n, t.model.moe_capacity_factor)
-    if cap is not None:
-        rows = min(rows, n * cap / (t.cp * t.sp))
+    rows = t.tokens * k if cap is None else min(t.tokens * k, n * cap / (t.cp * t.sp))
     passes = t.moe_layers * t.micro_batches
     out = all_to_all_messages(t, passes, passes * rows, passes * rows) if t.ep > 1 else Messages()
     forwards = passes * (2 if t.model.activation_checkpointing else 1)

@@ -346,15 +346,16 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
     held = sum(p.numel() for layer in axis.layers for p in layer.experts.parameters())
     local = axis.layers[0].local if axis.layers else range(0)
     capacity_text = "dropless" if cap is None else (
-        f"capacity f={config.moe_capacity_factor}: C = ⌈B_μ·s·k/N·f⌉ = {cap} slots per expert of each micro-batch"
-        f" (B_μ·s = {whole} tokens, decided in its token order"
+        f"capacity f={config.moe_capacity_factor}: C = ⌈B_μ·s·k/N·f⌉ = {cap} slots per expert of each"
+        f" micro-batch (B_μ·s = {whole} tokens, decided in its token order"
         + (f"; this rank routes T = {tokens} of them and gathers the others' choices" if tokens < whole else "") + ")")
     lines = [
         f"moe: N={n} experts, top-{k} (fp32 router: softmax → top-k → {'renormalised' if k > 1 else 'raw gate'}),"
         f" on {counts['moe_layers']} of {config.n_layer} blocks (every {config.moe_every}); {capacity_text}"
         f"; aux α={config.moe_aux_coef}, z β={config.moe_z_coef}",
         f"  parameters: total {counts['total']:,}, active per token {counts['active']:,}"
-        f" (= total − L_moe·(N−k)·Ψ_e, Ψ_e = 8h²+5h = {counts['expert']:,}); routers L_moe·h·N = {counts['router']:,}",
+        f" (= total − L_moe·(N−k)·Ψ_e, Ψ_e = 8h²+5h = {counts['expert']:,});"
+        f" routers L_moe·h·N = {counts['router']:,}",
         f"  FLOPs per token (model) 6·N_active + 12·L·H·Q·s = {mfu.format_flops(flops.model)},"
         f" N_active = {moe.active_matmul_params(config):,} matmul weights (k experts + router, not N)",
         f"  expert parallel E={traffic.ep} (group ep), expert grads over expert_dp ({run.mesh.size('expert_dp')}"

@@ -97,8 +97,13 @@ def _rank(rank, world, args):
         v.handle.reset_routing()  # the load line below covers the timed steps
     times = alternate({name: (lambda v=v: v.step(x, y)) for name, v in variants.items()}, args.steps,
                       warmup=args.warmup)
-    if rank != 0:
-        return
+    if rank == 0:
+        _print_table(config, args, device, variants, traced, times)
+
+
+def _print_table(config, args, device, variants: dict, traced: dict, times: dict) -> None:
+    """Rank 0's table: per E the step time, the experts held, the all-to-all traced and predicted, the
+    gradient all-reduces; the losses (the same whatever E), the time ratios, the load of the timed steps."""
     print(f"MoE GPT: {config.n_layer} layers, h={config.n_embd}, N={args.experts} experts top-{args.topk},"
           f" dropless, {args.batch}×{args.seq} tokens per rank, 4 {'GPUs' if device.type == 'cuda' else 'gloo'} ranks,"
           f" fp32, {args.threads} thread(s)/rank;"

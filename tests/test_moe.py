@@ -225,8 +225,9 @@ def _layer(rank, world):
             y=y.detach(), dx=x.grad, grads=_reduce_grads(model, mesh), aux=model.aux_losses.values(),
             local=sorted(layer.experts.keys(), key=int), dropped=layer.routing.dropped,
             traced=(traced.calls, traced.payload_bytes),
-            counted=tuple(moe.all_to_all_messages(moe.Traffic(model.config, ep=ep, compute_bytes=8), layer.routing.forwards,
-                                                  layer.routing.sent, layer.routing.received)[moe.ALL_TO_ALL]),
+            counted=tuple(moe.all_to_all_messages(moe.Traffic(model.config, ep=ep, compute_bytes=8),
+                                                  layer.routing.forwards, layer.routing.sent,
+                                                  layer.routing.received)[moe.ALL_TO_ALL]),
             expert_inputs=inputs.storages, cats=inputs.cats)
     # Under bf16 autocast (float32 model): the router still computes in fp32, the rows travel in bf16.
     model = GPT(make_config(**LAYER), seed=0, device=device)
@@ -438,7 +439,8 @@ def _model(rank, world):
         results[ep] = dict(grads=_reduce_grads(model, mesh), aux=micro.aux, traced=(traced.calls, traced.payload_bytes),
                            counted=tuple(handle.traced_prediction(None, 1)[moe.ALL_TO_ALL]),
                            uniform=handle.predicted_messages()[moe.ALL_TO_ALL],
-                           lines=startup + report.axis_lines(handle, "step", run) + report.axis_lines(handle, "end", run, 1))
+                           lines=[*startup, *report.axis_lines(handle, "step", run),
+                                  *report.axis_lines(handle, "end", run, 1)])
     return results
 
 
@@ -510,7 +512,8 @@ def test_report_prints_the_moe_lines(model_runs):
     for ep, (per_rank, _, _) in model_runs.items():
         lines = per_rank[0]["lines"]
         print(f"\nE={ep} rank 0:\n" + "\n".join(lines))
-        assert lines[0].startswith("moe: N=4 experts, top-2") and any("all_to_all_single per MoE layer" in l for l in lines)
+        assert lines[0].startswith("moe: N=4 experts, top-2"), lines
+        assert any("all_to_all_single per MoE layer and micro-batch" in l for l in lines), lines
         assert any(l.startswith("moe load over this step") for l in lines), lines
         assert any(l.startswith("moe all_to_all_single (group ep) per MoE layer and step") for l in lines), lines
         moe_layers = {2: 2, 4: 1}[ep]  # E = 2: both blocks; E = 4: every second of 3
@@ -537,14 +540,26 @@ def _check(experts=4, topk=2, ep=1, dp=1, cp=1, **overrides):
     (dict(experts=4, topk=5), "--moe-topk 5"),
     (dict(experts=4, topk=0), "--moe-topk 0"),
     (dict(experts=0, ep=2, dp=2), "--ep 2 needs experts"),
-    (dict(experts=-1), "--moe-experts"),
     (dict(experts=4, moe_every=3, n_layer=2), "--moe-every 3"),
-    (dict(experts=4, moe_capacity_factor=-1.0), "--moe-capacity-factor"),
-    (dict(experts=4, moe_aux_coef=-0.1), "--moe-aux-coef"),
 ])
 def test_check_flags_names_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag.replace("(", r"\(").replace("·", ".").replace("×", ".")):
         _check(**kwargs)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-experts", "-1"], "--moe-experts must be at least 0"),
+    (["--moe-experts", "4", "--moe-capacity-factor", "-1"], "--moe-capacity-factor must be at least 0"),
+    (["--moe-experts", "4", "--moe-aux-coef", "-0.1"], "--moe-aux-coef must be at least 0"),
+    (["--moe-experts", "4", "--moe-topk", "0"], "--moe-topk must be at least 1"),
+])
+def test_a_moe_flag_out_of_its_range_fails_once_in_flags_validate(flags, message):
+    """Each flag's own range is flags.check_ranges' (once, for every flag alike), not check_flags'."""
+    import flags as flags_lib
+    import train
+
+    with pytest.raises(flags_lib.FlagError, match=message):
+        flags_lib.validate(flags_lib.build_parser().parse_args(flags), 1, axes=train.AXES)
 
 
 def test_check_flags_accepts_ep_inside_data_times_context():
@@ -602,7 +617,8 @@ def test_uniform_step_messages():
     import moe
 
     traffic = moe.Traffic(make_config(moe_experts=4, moe_topk=2), moe_layers=2, tokens=32, micro_batches=3, ep=2)
-    assert moe.step_messages(traffic) == {("all_to_all_single", "ep"): (2 * 3 * 5, 2 * 3 * (4 * 32 * 2 * 32 * 2 + 8 * 4))}
+    expected = {("all_to_all_single", "ep"): (2 * 3 * 5, 2 * 3 * (4 * 32 * 2 * 32 * 2 + 8 * 4))}
+    assert moe.step_messages(traffic) == expected
     traffic = moe.Traffic(make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True), tokens=32, ep=2, cp=2)
     msgs = moe.step_messages(traffic)
     assert msgs[("all_to_all_single", "ep")] == (8, 6 * 32 * 2 * 32 * 2 + 2 * 8 * 4)
