@@ -19,7 +19,7 @@ a micro-batch; later slots drop in TOKEN order (b-major) and add nothing (the re
 It is decided on the WHOLE micro-batch whatever the mesh (`MoE.keep_slots`): the same slots drop on any C and
 T_tp, so a resume on another mesh trains the same model.
 
-Expert parallel (--ep E): the E ranks of an `ep` group (carved from the D×C data ranks, mesh.py) share their
+Expert parallel (--ep E): the E ranks of an ep group (carved from the D×C data ranks, mesh.py) share their
 tokens; rank e holds experts [e·N/E, (e+1)·N/E) of every MoE layer, whole. `MoE.dispatch_and_combine`:
     1. route; sort the slots by expert (token order inside, dropped last); gather the kept rows: the one copy
     2. all_to_all_single of the N per-expert counts: each rank learns how many rows each peer sends it
@@ -29,7 +29,7 @@ tokens; rank e holds experts [e·N/E, (e+1)·N/E) of every MoE layer, whole. `Mo
     5. the inverse all_to_all_single returns each row to the rank it came from                   (combine)
     6. y[t] = Σ_j w_tj · row(t, j) over the kept slots
 `AllToAll` (autograd) does 3 and 5; its backward is the reverse all-to-all. Expert gradients are summed over
-`expert_dp` (the D×C/E ranks holding the same experts), the router's with the dense ones over dp×cp; E = 1 is
+expert_dp (the D×C/E ranks holding the same experts), the router's with the dense ones over dp×cp; E = 1 is
 plain data parallel. Under TP the experts and the router are REPLICATED over tp: without --sp each TP rank
 computes the same thing; with --sp each routes its sequence piece and their gradients are summed over tp
 once per step (`MoEAxis.after_grad_sync`). Under PP an ep group is one stage: one schedule, one order.
@@ -136,7 +136,7 @@ def capacity_keep(expert: torch.Tensor, n_experts: int, cap: int | None) -> torc
 
 
 def count_per_expert(expert: torch.Tensor, bins: int) -> torch.Tensor:
-    """[bins] int64: how many entries of `expert` name each bin. A scatter-add, not torch.bincount, which
+    """[bins] int64: how many of the entries name each bin. A scatter-add, not torch.bincount, which
     reads the largest value on the host first (a sync on GPUs)."""
     flat = expert.reshape(-1)
     return torch.zeros(bins, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -149,7 +149,7 @@ def count_per_expert(expert: torch.Tensor, bins: int) -> torch.Tensor:
 
 class MoE(nn.Module):
     """The MoE MLP of one block: router, experts (keyed by GLOBAL index: this rank may hold only some), and
-    the expert-parallel exchange when `ep_group` is set (`shard_experts`)."""
+    the expert-parallel exchange when ep_group is set (`shard_experts`)."""
 
     def __init__(self, config: GPTConfig, layer_id: int, aux_losses):
         super().__init__()
@@ -421,7 +421,7 @@ def config_from_flags(args, settings) -> MoEConfig | None:
 
 
 def shard_experts(layer: MoE, ep_group, ep_size: int, ep_index: int) -> None:
-    """Keep experts [e·N/E, (e+1)·N/E) of `layer` (e = ep_index), drop the others (the plain GPT built all N,
+    """Keep experts [e·N/E, (e+1)·N/E) of the layer (e = ep_index), drop the others (the plain GPT built all N,
     as TP builds the full weights it slices); the kept ones are the single-device experts, bitwise."""
     per_rank = layer.n_experts // ep_size
     layer.local = range(ep_index * per_rank, (ep_index + 1) * per_rank)
@@ -606,7 +606,7 @@ def layer_activation_bytes(config: GPTConfig, tokens: int, compute_bytes: int = 
 def activation_estimate_delta(config: GPTConfig, moe_blocks: int, seq: int, micro: int, tp: int = 1,
                               sequence_parallel: bool = False) -> float:
     """What a MoE-aware activation estimate adds to Korthikanti's dense one (mfu.activation_bytes_per_layer,
-    16-bit, s = this rank's sequence, s/C under CP) for `moe_blocks` held MoE blocks: each one's own bytes
+    16-bit, s = this rank's sequence, s/C under CP) for moe_blocks held MoE blocks: each one's own bytes
     (layer_activation_bytes at e_c = 2, e_r = 4, for its T = s·b tokens, /T_tp with SP: experts are whole on
     every TP rank) minus the dense MLP's share it replaces, 19·s·b·h ((3 + 16/t)·s·b·h under TP, 19·s·b·h/t
     with SP: c_fc's input 2, GELU's input and output 16, the dropout mask 1)."""
