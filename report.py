@@ -372,7 +372,109 @@ def measure_block(run, block_index: int = 0) -> BlockMeasurement:
 # --- moe ---
 # ---------------------------------------------------------------------------------------------------------
 
-AXIS_LINES["moe"] = _legacy_lines()
+MOE_BARS = "▁▂▃▄▅▆▇█"
+
+
+def moe_histogram(values) -> str:
+    """One character per value, its height proportional to value / max (blank for zero load)."""
+    values = [int(v) for v in values]
+    top = max(values) or 1
+    return "".join(MOE_BARS[min(len(MOE_BARS) - 1, v * (len(MOE_BARS) - 1) // top)] if v else " " for v in values)
+
+
+def moe_load_line(loads: list, dropped: int, steps: int, capacity_on: bool) -> str:
+    """`moe load over the 10 steps since the previous line ...`: loads[l][i] slots routed to expert i by MoE
+    layer l (before capacity), summed over layers; imbalance max/mean; what capacity dropped, or dropless."""
+    total = [sum(column) for column in zip(*loads)]
+    slots = sum(total)
+    mean = slots / len(total) if slots else 1.0
+    worst = max(max(load) / (sum(load) / len(load)) if sum(load) else 1.0 for load in loads)
+    span = "this step" if steps == 1 else f"the {steps} steps since the previous line"
+    if not capacity_on:
+        drops = "dropless"
+    elif dropped:
+        drops = f"{dropped} of the {slots} slots dropped by capacity ({100 * dropped / slots:.1f}%)"
+    else:
+        drops = f"none of the {slots} slots dropped by capacity"
+    return (f"moe load over {span} (this rank, {len(loads)} MoE layers): |{moe_histogram(total)}|"
+            f" {min(total)}..{max(total)} slots/expert, imbalance max/mean {max(total) / mean:.2f}"
+            f" (worst layer {worst:.2f}), {drops}")
+
+
+def moe_startup_lines(axis, run, steps: int = 0) -> list:
+    """The router, capacity, parameters (total and active), FLOPs, this rank's experts, the all-to-all estimate.
+    Start-up's own forwards through the layers (block 0 measured under a tracer) are no training step: the
+    layers' routing records are reset here, so the load lines and the end table count training only."""
+    axis.reset_routing()
+    traffic, config = axis.traffic, axis.traffic.model
+    n, k, tokens, whole = config.moe_experts, config.moe_topk, traffic.tokens, run.micro_batch_size * run.seq_len
+    counts, cap = moe.param_counts(config), moe.capacity(whole, k, n, config.moe_capacity_factor)
+    flops = moe.flops_per_token(config, run.seq_len, config.activation_checkpointing)
+    held = sum(p.numel() for layer in axis.layers for p in layer.experts.parameters())
+    local = axis.layers[0].local if axis.layers else range(0)
+    capacity_text = "dropless" if cap is None else (
+        f"capacity f={config.moe_capacity_factor}: C = ⌈B_μ·s·k/N·f⌉ = {cap} slots per expert of each"
+        f" micro-batch (B_μ·s = {whole} tokens, decided in its token order"
+        + (f"; this rank routes T = {tokens} of them and gathers the others' choices" if tokens < whole else "") + ")")
+    lines = [
+        f"moe: N={n} experts, top-{k} (fp32 router: softmax → top-k → {'renormalised' if k > 1 else 'raw gate'}),"
+        f" on {counts['moe_layers']} of {config.n_layer} blocks (every {config.moe_every}); {capacity_text}"
+        f"; aux α={config.moe_aux_coef}, z β={config.moe_z_coef}",
+        f"  parameters: total {counts['total']:,}, active per token {counts['active']:,}"
+        f" (= total − L_moe·(N−k)·Ψ_e, Ψ_e = 8h²+5h = {counts['expert']:,});"
+        f" routers L_moe·h·N = {counts['router']:,}",
+        f"  FLOPs per token (model) 6·N_active + 12·L·H·Q·s = {mfu.format_flops(flops.model)},"
+        f" N_active = {moe.active_matmul_params(config):,} matmul weights (k experts + router, not N)",
+        f"  expert parallel E={traffic.ep} (group ep), expert grads over expert_dp ({run.mesh.size('expert_dp')}"
+        f" ranks), router over dp×cp, replicated over tp: this rank holds experts [{local.start}, {local.stop}) of"
+        f" each MoE layer = {held:,} params = {mfu.format_bytes(held * next(run.model.parameters()).element_size())}"
+        f" weights, {mfu.format_bytes(held * 16)} with fp32 grads + AdamW",
+    ]
+    if traffic.ep > 1:
+        per_layer = 4 * tokens * k * config.n_embd * traffic.compute_bytes + 8 * n
+        calls, payload = axis.predicted_messages(run.layout).get(moe.ALL_TO_ALL, (0, 0))
+        lines.append(f"  all_to_all_single per MoE layer and micro-batch (group ep), uniform-routing estimate"
+                     f" S = R = T·k = {tokens * k}: fwd counts 8N + dispatch + combine, bwd both reversed ="
+                     f" 4·T·k·h·e_c + 8N = {mfu.format_bytes(per_layer)} payload, (E−1)/E on the wire ="
+                     f" {mfu.format_bytes(per_layer * (traffic.ep - 1) / traffic.ep)}; per step {calls} calls,"
+                     f" {mfu.format_bytes(payload)} (the startup table's figure; the end table predicts exactly,"
+                     f" from the routed counts)")
+    return lines
+
+
+def moe_step_lines(axis, run=None, steps: int = 0) -> list:
+    """With each logged step: this rank's routed slots per expert, summed over its MoE layers, micro-batches
+    and the training steps since the previous line (which it says), read in one `.tolist()` (MoEAxis.take_load)."""
+    load = axis.take_load()
+    if load is None:
+        return []
+    return [moe_load_line(*load, axis.traffic.model.moe_capacity_factor > 0)]
+
+
+def moe_end_lines(axis, run, steps: int) -> list:
+    """The all-to-all predicted from the routed counts beside the uniform-routing estimate (the end table
+    compares the first with the tracer); the load of the last steps, per MoE layer."""
+    lines = []
+    layers = max(1, len(axis.layers))
+    if axis.traffic.ep > 1 and steps:
+        counted = axis.traced_prediction(run.layout, steps).get(moe.ALL_TO_ALL, (0, 0))
+        uniform = axis.predicted_messages(run.layout).get(moe.ALL_TO_ALL, (0, 0))
+        lines.append(f"moe all_to_all_single (group ep) per MoE layer and step: predicted from this run's routed"
+                     f" counts {mfu.format_bytes(counted[1] / layers)} ({counted[0] / layers:.1f} calls; the end"
+                     f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"
+                     f" (the startup table's)")
+    if axis.last_load is None:
+        axis.take_load()  # no load line was printed: read the loads now
+    if axis.last_load is not None:
+        loads, _, span = axis.last_load
+        for layer, load in zip(axis.layers, loads):
+            mean = sum(load) / len(load) if sum(load) else 1.0
+            lines.append(f"moe load over the last {span} step{'s' if span != 1 else ''}, h.{layer.layer_id}:"
+                         f" |{moe_histogram(load)}| {load} imbalance {max(load) / mean:.2f}")
+    return lines
+
+
+AXIS_LINES["moe"] = {"startup": moe_startup_lines, "step": moe_step_lines, "end": moe_end_lines}
 
 
 # ---------------------------------------------------------------------------------------------------------
