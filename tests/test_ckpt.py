@@ -687,6 +687,18 @@ def test_a_fused_checkpoint_resumes_into_foreach_and_back(tmp_path):
         assert ((p - q).abs() <= fused_adamw_tolerance(q, FUSED_LR, 4)).all()
 
 
+def test_measuring_the_peak_draws_nothing_from_the_training_rng():
+    """train.py measures the CPU peak after seeding; a measurement that drew its matrices from the global
+    generator shifted every dropout mask by an amount that depends on the machine's load (how many sizes fit
+    the time), so an uninterrupted run and a killed-and-resumed one (whose RNG comes from the checkpoint) ended
+    apart on a busy machine."""
+    import mfu
+
+    before = torch.get_rng_state()
+    mfu.measure_matmul_peak(torch.float32, n=32, seconds=0.001)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Fault injection: torchrun, a worker SIGKILLed, relaunched with --resume latest (as a cluster scheduler would)
 # ---------------------------------------------------------------------------------------------------------
