@@ -397,9 +397,7 @@ class Checkpointer:
                 set_aside_newer_than(self.root, 0, self.nonce, self.log)  # only bad ones: out of this run's line
             return 0
         step, scalars = chosen.manifest["step"], chosen.scalars
-        bytes_read = chosen.staged.commit()
-        for axis in self.axes:
-            axis.state_loaded()
+        bytes_read = chosen.staged.commit()  # an axis derives what it recomputes from its loaded tensors
         layout.optimizer_step_count = scalars["adam_step"]
         scaler.load_state_dict(scalars["scaler"])
         sampler.load_state_dict(scalars["data"])
