@@ -95,7 +95,7 @@ def _bench(rank, world, root, saves, between, preset):
     return out
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dims", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--saves", type=int, default=4)
@@ -107,7 +107,7 @@ def main():
     from common import add_device_argument, check_gpus
 
     add_device_argument(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         args.preset, args.dims, args.saves, args.between = "tiny", [2], 1, 1
     check_gpus(max(args.dims), args.device)
