@@ -217,8 +217,9 @@ def measure_matmul_peak(
     and the peak must be the one the model's matmuls can reach.
     """
     device = torch.device(device)
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device).t()  # Wᵀ: a weight [out, in] as nn.Linear reads it
+    generator = torch.Generator(device=device).manual_seed(0)  # not the global one: training's dropout draws it
+    a = torch.randn(n, n, dtype=dtype, device=device, generator=generator)
+    b = torch.randn(n, n, dtype=dtype, device=device, generator=generator).t()  # Wᵀ: a weight [out, in], as nn.Linear
     out = torch.empty(n, n, dtype=dtype, device=device)
 
     def timed(count: int) -> float:  # seconds for `count` back-to-back matmuls

@@ -368,6 +368,31 @@ def measure_block(run, block_index: int = 0) -> BlockMeasurement:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def save_line(stats, mtbf_hours: float | None = None) -> str:
+    """The line of one committed save (a ckpt.SaveStats): its size, the training time it blocked, its persist
+    time; with an MTBF, Young's interval sqrt(2·C·M) (C: the blocked time, what a save costs training), also in
+    steps at the measured time per step."""
+    size = (f"{mfu.format_bytes(stats.total_bytes)} in {stats.num_files} files"
+            if stats.total_bytes is not None else f"{mfu.format_bytes(stats.rank_bytes)} (rank 0)")
+    line = (f"ckpt step {stats.step} → {stats.path}: {size}; training blocked {stats.blocked_s * 1e3:.0f} ms"
+            f" (waited {stats.waited_s * 1e3:.0f} ms for the previous save); persist {stats.persist_s * 1e3:.0f} ms"
+            f" ({'async' if stats.async_save else 'sync'})")
+    if mtbf_hours:
+        cost = stats.blocked_s
+        interval = mfu.young_checkpoint_interval(cost, mtbf_hours * 3600)
+        every = f" ≈ every {interval / stats.seconds_per_step:,.0f} steps" if stats.seconds_per_step else ""
+        line += (f"\nckpt Young interval sqrt(2·C·M) = {interval:,.0f} s{every} (C = {cost:.3f} s blocked,"
+                 f" M = MTBF {mtbf_hours:g} h)")
+        if stats.async_save:
+            line += f"; async: also ≥ the persist time {stats.persist_s:.2f} s"
+    return line
+
+
+def print_save(stats, mtbf_hours: float | None = None) -> None:
+    """Checkpointer's on_save in train.py: rank 0 prints the save line (rank 0 holds the commit's totals)."""
+    print0(save_line(stats, mtbf_hours))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # --- moe ---
 # ---------------------------------------------------------------------------------------------------------
