@@ -5,8 +5,10 @@ works token by token, so it runs on the local piece unchanged; only attention ne
   * ring (Liu et al. 2023, "Ring Attention"; zig-zag as in zhuzilin's ring-flash-attention): K,V blocks
     travel round the ring, C steps; each step POSTS the next block's send/receive and then computes the
     current block, merging it into the output with the online-softmax log-sum-exp update (in fp32, or fp64
-    for fp64 inputs). The backward is an explicit autograd Function: K,V travel the ring again and the dK,dV
-    accumulators travel one hop behind them, arriving home after C steps.
+    for fp64 inputs: the local queries are cast once per pass, each arriving block once per hop, and the
+    diagonal block's causal mask is built once per pass). The backward is an explicit autograd Function:
+    K,V travel the ring again and the dK,dV accumulators travel one hop behind them, arriving home after C
+    steps.
   * Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): all-to-all from sequence-split to head-split, ordinary
     causal attention on whole sequences for a/(T·C) heads, all-to-all back.
 
@@ -29,9 +31,11 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
    kernel does) and dropout is 0 (no 1-byte masks), so the measured figure is ≈ 32·(s/C)·b·h at 16 bits
    (`saved_activation_bytes`, measured per layer at start-up and printed next to both; Ulysses keeps the
    output twice, head-split and back, +2·(s/C)·b·h). Temporaries, ring: the K,V block in use and the one
-   arriving, 2 × 2·(s/C)·b·(h/T)·e_c; one score block b·(a/T)·(s/C)²·e_a; in backward also two dK,dV
-   accumulators 2 × 2·(s/C)·b·(h/T)·e_a and dq. Ulysses: head-split q, k, v, out (the bytes of the local
-   ones) and the inner attention's own temporaries on the whole s for a/(T·C) heads.
+   arriving, 2 × 2·(s/C)·b·(h/T)·e_c, and the block's wide copy 2·(s/C)·b·(h/T)·e_a (none when e_c = e_a);
+   the wide scaled queries (s/C)·b·(h/T)·e_a; one score block b·(a/T)·(s/C)²·e_a (two in backward: p and
+   ds); in backward also two dK,dV accumulators 2 × 2·(s/C)·b·(h/T)·e_a, dq and the wide d output.
+   Ulysses: head-split q, k, v, out (the bytes of the local ones) and the inner attention's own temporaries
+   on the whole s for a/(T·C) heads.
 3. Critical path, per layer and micro-batch, group cp (payload M per call; p2p traced as "send"/"recv"):
      ring forward:  (C−1) × send + recv of the stacked [K; V], 2·(s/C)·b·(h/T)·e_c each, posted before the
                     step's compute: hidden when a block's compute outlasts its transfer.
@@ -40,7 +44,8 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
      Ulysses:       forward 4 × all_to_all_single of (s/C)·b·(h/T)·e_c (q, k, v, then the output);
                     backward 4 × the same (d output, then dq, dk, dv). Blocking: nothing is hidden.
    Activation checkpointing repeats the forward's messages in backward. Per step: × L × m. How much ring time
-   was hidden is measured (`Ring.timed`: time blocked in wait() against the same transfers timed alone).
+   was hidden is measured over the training steps' passes (`Ring.timed`: time blocked in wait() against the
+   same transfers timed alone). It is a lower bound: a wait also lasts while a slower peer computes.
 4. Restart state: nothing of its own. Parameters are replicated over cp and a rank's positions depend only on
    (s, C, c), so a checkpoint resumes on any C.
 
@@ -55,6 +60,7 @@ once), which train.py also uses to measure the first micro-batch of every layout
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -88,19 +94,22 @@ def positions(seq_len: int, cp: int, rank: int, balance: str = "zigzag") -> torc
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _scores(q, k, causal: bool, wide):
-    """q·kᵀ/sqrt(d) in the wide dtype, [B, H, Lq, Lk]; `causal` masks the future of a diagonal block."""
-    s = torch.matmul(q.to(wide), k.to(wide).transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if causal:  # the diagonal block: local query i sees local keys j <= i
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+def causal_mask(length: int, device) -> torch.Tensor:
+    """The diagonal block's mask, True where local query i would see a later local key j > i."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
 
 
-def _block_forward(q, k, v, causal: bool, wide):
-    """Softmax attention of q over ONE block of keys: (out [B,H,Lq,D], lse [B,H,Lq]), both in `wide`."""
-    s = _scores(q, k, causal, wide)
+def _block_forward(q_hat, k, v, mask):
+    """Softmax attention of the queries over ONE block of keys: (out [B,H,Lq,D], lse [B,H,Lq]).
+
+    q_hat = q/sqrt(d), already in the wide dtype, as are k and v (the caller casts each once): s = q_hat·kᵀ.
+    mask: `causal_mask` for the diagonal block, None for a block wholly in the queries' past.
+    """
+    s = torch.matmul(q_hat, k.transpose(-2, -1))
+    if mask is not None:
+        s.masked_fill_(mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(wide)), lse
+    return torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v), lse  # p = exp(s − lse), in place of s
 
 
 def _token_major(x: torch.Tensor) -> torch.Tensor:
@@ -116,16 +125,19 @@ def _merge(out, lse, block_out, block_lse) -> None:
     lse.copy_(new)
 
 
-def _block_backward(dout, q, k, v, lse, delta, causal: bool):
-    """Gradients of one block given the FULL softmax's lse and delta = rowsum(dout·out): (dq, dk, dv), wide.
+def _block_backward(dout, q_hat, k, v, lse, delta, mask):
+    """Gradients of one block with respect to (q_hat, k, v), given the FULL softmax's lse and
+    delta = rowsum(dout·out); every input wide, q_hat = q/sqrt(d) (so dq = dq_hat/sqrt(d), taken once per pass).
 
-    p = exp(s − lse) is this block's share of the whole softmax; dv = pᵀ·dout; ds = p·(dout·vᵀ − delta).
+    p = exp(q_hat·kᵀ − lse) is this block's share of the whole softmax; dv = pᵀ·dout;
+    ds = p ∘ (dout·vᵀ − delta); dq_hat = ds·k; dk = dsᵀ·q_hat.
     """
-    wide = lse.dtype
-    q, k, v, dout = (t.to(wide) for t in (q, k, v, dout))
-    p = torch.exp(_scores(q, k, causal, wide) - lse.unsqueeze(-1))
-    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta.unsqueeze(-1)) * q.shape[-1] ** -0.5
-    return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), torch.matmul(p.transpose(-2, -1), dout)
+    s = torch.matmul(q_hat, k.transpose(-2, -1))
+    if mask is not None:
+        s.masked_fill_(mask, float("-inf"))
+    p = s.sub_(lse.unsqueeze(-1)).exp_()
+    ds = torch.matmul(dout, v.transpose(-2, -1)).sub_(delta.unsqueeze(-1)).mul_(p)
+    return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q_hat), torch.matmul(p.transpose(-2, -1), dout)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -137,7 +149,8 @@ def _block_backward(dout, q, k, v, lse, delta, causal: bool):
 class PhaseTime:
     passes: int = 0  # ring passes (one attention call, forward or backward, per layer and micro-batch)
     seconds: float = 0.0  # wall time inside the passes
-    waited: float = 0.0  # of which blocked in wait() on ring transfers: the EXPOSED communication
+    waited: float = 0.0  # of which blocked in wait(): on a transfer, or on a peer that is not there yet
+    cpu: float = 0.0  # process CPU time inside the passes (every thread, gloo's too): the work, however shared
 
 
 class Ring:
@@ -149,6 +162,7 @@ class Ring:
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
         self.waited = 0.0
         self.times = {"forward": PhaseTime(), "backward": PhaseTime()}
+        self.charging = True  # whether passes are charged to `times` (off between training steps: evaluation)
 
     def post(self, tensor: torch.Tensor, tag: int = 0):
         """Start sending `tensor` on and receiving the previous rank's into a new buffer: (buffer, works)."""
@@ -169,12 +183,14 @@ class Ring:
 
     @contextmanager
     def timed(self, phase: str):
-        """Charge the enclosed pass to `phase`. Host time: on CUDA wait() only orders streams (use a profiler)."""
-        start, waited = time.perf_counter(), self.waited
+        """Charge the enclosed pass to `phase` (while `charging`). Host time: on CUDA wait() only orders streams
+        (use a profiler there)."""
+        start, cpu, waited = time.perf_counter(), time.process_time(), self.waited
         yield
-        stat = self.times[phase]
-        stat.passes, stat.seconds = stat.passes + 1, stat.seconds + time.perf_counter() - start
-        stat.waited += self.waited - waited
+        if self.charging:
+            stat = self.times[phase]
+            stat.passes, stat.seconds = stat.passes + 1, stat.seconds + time.perf_counter() - start
+            stat.waited, stat.cpu = stat.waited + self.waited - waited, stat.cpu + time.process_time() - cpu
 
 
 def block_case(rank: int, source: int, length: int, balance: str):
@@ -199,12 +215,20 @@ def block_case(rank: int, source: int, length: int, balance: str):
     return slice(half, length), everything, False
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The accumulators' dtype: fp64 for fp64 inputs, else fp32 (bf16/fp16 inputs are cast up)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def ring_attention_forward(q, k, v, ring: Ring, balance: str):
     """Causal attention of the local queries over the whole sequence: (out in q's dtype, lse wide).
 
-    q, k, v: [B, H, L, D], this rank's L = s/C tokens. The stacked [K; V] block goes round the ring.
+    q, k, v: [B, H, L, D], this rank's L = s/C tokens. The stacked [K; V] block goes round the ring in the
+    compute dtype; the local queries are cast (and scaled) once, each arriving block once, the mask built once.
     """
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    wide = _wide(q.dtype)
+    q_hat = q.to(wide) * q.shape[-1] ** -0.5
+    mask = causal_mask(q.shape[2], q.device)
     out = torch.zeros(q.shape, dtype=wide, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device)
     kv = torch.stack([k, v])  # one message per step: [2, B, H, L, D]
@@ -214,7 +238,8 @@ def ring_attention_forward(q, k, v, ring: Ring, balance: str):
         case = block_case(ring.rank, (ring.rank - step) % ring.size, q.shape[2], balance)
         if case is not None:
             rows, cols, causal = case
-            block_out, block_lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, wide)
+            k_block, v_block = kv[:, :, :, cols].to(wide)
+            block_out, block_lse = _block_forward(q_hat[:, :, rows], k_block, v_block, mask if causal else None)
             _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         if step + 1 < ring.size:
             kv = ring.wait(arriving)
@@ -226,8 +251,11 @@ def ring_attention_backward(dout, q, k, v, out, lse, ring: Ring, balance: str):
     rank holds travels with it one hop behind: each rank adds its queries' share and passes it on, so after
     C steps every accumulator is back on its own rank, complete."""
     wide = lse.dtype
-    delta = (dout.to(wide) * out.to(wide)).sum(-1)  # rowsum(dO·O): the softmax backward's row term
-    dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+    scale = q.shape[-1] ** -0.5
+    q_hat, dout = q.to(wide) * scale, dout.to(wide)  # cast once per pass, as in the forward
+    delta = (dout * out.to(wide)).sum(-1)  # rowsum(dO·O): the softmax backward's row term
+    mask = causal_mask(q.shape[2], q.device)
+    dq_hat = torch.zeros(q.shape, dtype=wide, device=q.device)
     kv, dkv_transfer = torch.stack([k, v]), None
     for step in range(ring.size):
         if step + 1 < ring.size:
@@ -235,10 +263,10 @@ def ring_attention_backward(dout, q, k, v, out, lse, ring: Ring, balance: str):
         case = block_case(ring.rank, (ring.rank - step) % ring.size, q.shape[2], balance)
         if case is not None:
             rows, cols, causal = case
-            block_dq, block_dk, block_dv = _block_backward(
-                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], lse[:, :, rows],
-                delta[:, :, rows], causal)
-            dq[:, :, rows] += block_dq
+            k_block, v_block = kv[:, :, :, cols].to(wide)
+            block_dq, block_dk, block_dv = _block_backward(dout[:, :, rows], q_hat[:, :, rows], k_block, v_block,
+                                                           lse[:, :, rows], delta[:, :, rows], mask if causal else None)
+            dq_hat[:, :, rows] += block_dq
         # The accumulator of the block we hold: fresh at step 0, else it arrives from the previous rank.
         dkv = torch.zeros((2, *k.shape), dtype=wide, device=k.device) if step == 0 else ring.wait(dkv_transfer)
         if case is not None:
@@ -248,7 +276,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, ring: Ring, balance: str):
         if step + 1 < ring.size:
             kv = ring.wait(arriving)
     dkv = ring.wait(dkv_transfer)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return (dq_hat * scale).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):
@@ -473,6 +501,12 @@ class ContextParallel(Axis):
     def after_grad_sync(self, layout) -> None:
         """Nothing: the layout's dp×cp sum is the whole gradient (every rank's loss is a sum over its tokens)."""
 
+    def before_step(self) -> None:
+        self.ring.charging = True  # the ring's times count the passes of training steps...
+
+    def after_step(self, skipped: bool) -> None:
+        self.ring.charging = False  # ...not the evaluation (or anything else) run between them
+
     def sampling(self):
         return self.whole_sequences()
 
@@ -539,16 +573,22 @@ class ContextParallel(Axis):
     def end_lines(self, tracer, steps: int) -> list:
         from mfu import format_bytes
 
-        lines = [f"context parallel C={self.ring.size} ({self.impl}): per step, measured vs predicted (group cp)"]
+        lines = [f"context parallel C={self.ring.size} ({self.impl}): per training step, measured vs predicted"
+                 f" (group cp; {steps} steps, evaluation not included)"]
         records = tracer.records
         for (op, group), (calls, payload) in self.predicted_messages().items():
             stat = records.get((op, group))
             m_calls, m_payload = (stat.calls / steps, stat.payload_bytes / steps) if stat else (0, 0)
             lines.append(f"  {op:<18} predicted {calls} calls {format_bytes(payload):>10}"
                          f"   measured {m_calls:g} calls {format_bytes(m_payload):>10}")
-        lines += hidden_lines(self.ring.times, self.alone_seconds) if self.impl == "ring" else [
-            "  Ulysses' all-to-alls are blocking: none of their time is hidden (tracer seconds above)"]
-        return lines
+        if self.impl != "ring":
+            return lines + ["  Ulysses' all-to-alls are blocking: none of their time is hidden (tracer seconds above)"]
+        layers, m = len(self.model.transformer.h), self.micro_batches
+        recompute = " (forward ×2: activation checkpointing)" if self.model.config.activation_checkpointing else ""
+        lines.append(f"  ring time over the {steps} training steps' passes, L={layers} × m={m} per step and"
+                     f" phase{recompute}; evaluation not included:")
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        return lines + hidden_lines(self.ring.times, self.alone_seconds, on_cpu)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -675,19 +715,33 @@ def time_ring_alone(handle: ContextParallel, repeats: int = 5) -> dict:
     return out
 
 
-def hidden_lines(times: dict, alone: dict) -> list:
-    """How much of the ring's transfer time compute hid: 1 − (waited per pass) / (transfers alone per pass).
-
-    Waiting also counts a slower peer's compute (imbalance, a busy machine): it can exceed the transfers."""
-    lines = []
+def hidden_lines(times: dict, alone: dict, on_cpu: bool = False) -> list:
+    """How much of the ring's transfer time compute hid, per phase: at least 1 − waited / (the transfers alone),
+    both per pass. A lower bound: wait() also blocks on a peer that has not sent yet (imbalance; on a shared
+    host, a peer that was descheduled), so the waits can outlast the transfers even when each one overlapped.
+    on_cpu: also the CPU cores a rank kept busy while it computed (process CPU / (wall − waited); a gloo wait
+    sleeps), next to its torch threads: a one-thread rank with less than one core busy was descheduled, i.e.
+    the ranks time-share the host's cores."""
+    lines, shared = [], False
     for phase, stat in times.items():
         if not stat.passes:
             continue
         waited, seconds = stat.waited / stat.passes, stat.seconds / stat.passes
-        line = (f"  ring {phase:<8}: {stat.passes} passes, {seconds * 1e3:.2f} ms each, of which blocked on transfers"
+        line = (f"  ring {phase:<8}: {stat.passes} passes, {seconds * 1e3:.2f} ms each, blocked in wait()"
                 f" {waited * 1e3:.2f} ms ({waited / seconds:.0%})")
         if phase in alone and alone[phase] > 0:
-            line += (f"; the transfers alone take {alone[phase] * 1e3:.2f} ms: hidden behind compute"
-                     f" {min(1.0, max(0.0, 1 - waited / alone[phase])):.0%} (waits include slower peers)")
+            line += (f"; the transfers alone {alone[phase] * 1e3:.2f} ms: at least"
+                     f" {min(1.0, max(0.0, 1 - waited / alone[phase])):.0%} of them hidden behind compute")
+        if on_cpu:
+            threads, cores = torch.get_num_threads(), stat.cpu / max(1e-9, stat.seconds - stat.waited)
+            shared = shared or (threads == 1 and cores < 0.8)
+            line += f"; {cores:.2f} CPU cores busy while computing ({threads} torch threads)"
         lines.append(line)
+    if lines:
+        lines.append("  (at least: wait() also counts a slower peer's compute, so 0% means the waits outlast the"
+                     " transfers, not that none overlapped)")
+    if shared:
+        lines.append(f"  (under one core busy on one thread: the ranks time-share this host's {os.cpu_count()} cores; a"
+                     " rank's waits are then mostly its peers' descheduled compute, and gloo's copies of the"
+                     " 'hidden' transfers are CPU work taken from that compute)")
     return lines

@@ -4,7 +4,9 @@ Every data-parallel rank holds the whole model and optimizer, runs forward and b
 the global batch, and the ranks then sum their gradients so that each applies the same update.
 
 How the sum overlaps backward. Parameters are packed, in reverse registration order (roughly the order in
-which backward produces their gradients), into buckets of about `bucket_mb` MiB. Each bucket owns one flat
+which backward produces their gradients), into buckets of at most `bucket_mb` MiB, the last ones tapered
+(1, 2, 4, ... MiB towards the end of backward, `reverse_order_buckets`): the last bucket's all-reduce can
+overlap nothing, so what is left to send once backward ends is ~1 MiB, not a whole bucket. Each bucket owns one flat
 gradient buffer and every `param.grad` is a view into it, so autograd accumulates straight into the buffer
 and no copy is needed before sending. A post-accumulate-grad hook on each parameter counts down its bucket;
 when a bucket's last gradient has arrived, its all-reduce is launched asynchronously while backward goes on
@@ -21,7 +23,9 @@ Accounting (Ψ parameters, D data ranks, b_g bytes per gradient element, bucket 
 2. Peak per device: the model's persistent state (b_w + b_g + b_o)·Ψ; the buckets ARE the gradients (views),
    so the only extra is gloo/NCCL's internal staging of at most one in-flight bucket per stream, ~K bytes.
 3. Critical path: one all-reduce of b_g·Ψ bytes over the dp×cp group per step (ring: 2(D-1)/D·b_g·Ψ sent per
-   rank), in ⌈b_g·Ψ/K⌉ pieces; all but the last bucket (the first layers' gradients) overlap with backward.
+   rank), in about ⌈b_g·Ψ/K⌉ + log2(K / 1 MiB) pieces; all but the last bucket overlap with backward, and the
+   last (the first-registered parameters': embeddings, block 0's first) is ≤ 1 MiB unless one parameter is
+   larger (a tied embedding, whose gradient completes only when backward ends).
    Plus a start-up check that every rank holds the same initial weights.
 4. Restart state: nothing of its own (buckets are rebuilt from the parameters).
 """
@@ -35,9 +39,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import mfu
-from ckpt import adam_step, replicated_state_pieces, set_adam_step
-from model import counts_here
-from optim import update
+from model import StatePiece, counts_here
+from optim import ensure_adam_state, update
+
+TAPER_BYTES = 2**20  # the size the last buckets start from (reverse_order_buckets' taper), torch DDP's first bucket
 
 
 class _Bucket:
@@ -81,7 +86,7 @@ class DistributedDataParallel(nn.Module):
         """Group the parameters into buckets (reverse_order_buckets) and make their grads buffer views."""
         self._bucket_of = {}
         result = []
-        for index, bucket_params in enumerate(reverse_order_buckets(params, bucket_bytes)):
+        for index, bucket_params in enumerate(reverse_order_buckets(params, bucket_bytes, taper=True)):
             bucket = _Bucket(index, bucket_params, bucket_params[0].device, bucket_params[0].dtype,
                              self.groups[grad_group(bucket_params[0])])
             offset = 0
@@ -146,19 +151,43 @@ def grad_group(param) -> str:
     return info.grad_group if info is not None else "dp_cp"
 
 
-def reverse_order_buckets(params: list, bucket_bytes: int, element_size: int | None = None) -> list:
+def reverse_order_buckets(params: list, bucket_bytes: int, element_size: int | None = None,
+                          taper: bool = False) -> list:
     """Parameters in reverse registration order (≈ the order backward produces their gradients), cut into
     buckets of about `bucket_bytes` (a bucket closes once it reaches the size), of one dtype and one
     data-parallel group each. element_size: the bytes of an element in the buckets, when they will hold
-    another dtype than the parameters have now (ZeRO's bf16 working copy of fp32-built parameters)."""
+    another dtype than the parameters have now (ZeRO's bf16 working copy of fp32-built parameters).
+
+    taper (DDP): the buckets that launch LAST are cut small. Their gradients (the embeddings', the first
+    blocks') complete only as backward ends, so the last bucket's all-reduce overlaps nothing: cut from that
+    end, the first-registered parameters first, with caps of 1, 2, 4, ... MiB (TAPER_BYTES · 2^i) up to
+    bucket_bytes, closing a bucket before a parameter would overflow it. What is left to send after backward
+    is then ~1 MiB (or the one parameter that is larger), not up to bucket_bytes, for ~log2(bucket_bytes/1 MiB)
+    more all-reduces; the buckets before it are each launched while the layers below still compute.
+    """
+    def size(param):
+        return param.numel() * (element_size or param.element_size())
+
+    def other_kind(param, bucket):
+        return param.dtype != bucket[0].dtype or grad_group(param) != grad_group(bucket[0])
+
     buckets, current, current_bytes = [], [], 0
+    if taper:
+        for param in params:  # registration order: the bucket that launches last is cut first
+            cap = min(bucket_bytes, TAPER_BYTES << len(buckets))
+            if current and (other_kind(param, current) or current_bytes + size(param) > cap):
+                buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(param)
+            current_bytes += size(param)
+        buckets += [current] if current else []
+        return [bucket[::-1] for bucket in reversed(buckets)]  # launch order, each in reverse registration order
     for param in reversed(params):
-        if current and (param.dtype != current[0].dtype or grad_group(param) != grad_group(current[0])
-                        or current_bytes >= bucket_bytes):
+        if current and (other_kind(param, current) or current_bytes >= bucket_bytes):
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(param)
-        current_bytes += param.numel() * (element_size or param.element_size())
+        current_bytes += size(param)
     return buckets + [current] if current else buckets
 
 
@@ -299,7 +328,8 @@ class DDPLayout:
                  f"  total     {mfu.format_bytes(persistent['total'])}"]
         for (op, group), (calls, payload) in self.predicted_messages().items():
             n = dist.get_world_size(self.ddp.groups[group])
-            lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls} buckets, sent per"
+            lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls}"
+                         f" bucket{'' if calls == 1 else 's'}, sent per"
                          f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} (2(N-1)/N·M, ring)")
         if len(sizes) > 1 and dist.get_world_size(self.ddp.group) > 1:
             lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"
@@ -308,3 +338,56 @@ class DDPLayout:
             lines.append(f"critical path: the single bucket ({mfu.format_bytes(sizes[0])}) is sent after backward;"
                          f" lower --bucket-mb to overlap it")
         return lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The checkpoint's view of the parameters and torch AdamW's state (DDPLayout.state_pieces, ckpt.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict | None = None) -> list:
+    """StatePieces of a layout where data-parallel ranks hold the same parameters and torch AdamW state (DDP).
+
+    The parameters are the fp32 master weights here, so there are no `master/` pieces. Each logical piece is
+    written once: only copies that model.counts_here picks over the model axes (`coords`: a TP-replicated
+    LayerNorm on TP rank 0, the tied embedding on the first pipeline stage), and of the identical replicas in
+    a parameter's data-parallel group (`coords[grad_group]` is this rank's index in it, `group_sizes` its
+    size), by one member chosen so that each writes about 1/D of the bytes (greedy: the largest tensors
+    first, each to the least-loaded member; the same on every rank as it only reads shapes).
+    """
+    ensure_adam_state(optimizer)
+    params = [p for p in params if p.requires_grad]
+    group_sizes = group_sizes or {}
+    writer, load = {}, {}
+    for index in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        group = params[index].shard_info.grad_group
+        loads = load.setdefault(group, [0] * group_sizes.get(group, 1))
+        chosen = min(range(len(loads)), key=lambda d: loads[d])
+        writer[index], loads[chosen] = chosen, loads[chosen] + params[index].numel()
+    pieces = []
+    for index, p in enumerate(params):
+        info = p.shard_info
+        primary = writer[index] == coords.get(info.grad_group, 0) and counts_here(info, coords)
+        state = optimizer.state[p]
+        for kind, tensor in (("param", p.detach()), ("exp_avg", state["exp_avg"]),
+                             ("exp_avg_sq", state["exp_avg_sq"])):
+            pieces.append(StatePiece(f"{kind}/{info.global_name}", tensor, info, primary=primary))
+    return pieces
+
+
+def adam_step(optimizer) -> int:
+    """The step count torch's Adam/AdamW uses for bias correction (all parameters share it).
+
+    One step tensor is read: fused AdamW keeps them on the parameters' device, so this costs one host sync
+    (per checkpoint), not one per parameter."""
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def set_adam_step(optimizer, step: int) -> None:
+    ensure_adam_state(optimizer)  # a state created later would start again from 0
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"].fill_(step)  # in place: keeps the dtype and device torch chose (see ensure_adam_state)

@@ -81,6 +81,13 @@ PRESETS = {
     "small": GPTConfig(block_size=256, vocab_size=256, n_layer=6, n_head=6, n_embd=384),  # CPU demo, ~10.7M
     "gpt2": GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768),  # 124M
 }
+# The GPT-3 family (Brown et al. 2020, Table 2.1: n_layers, d_model, n_heads; context 2048; GPT-2's BPE, padded
+# to 50304). Two rows of Table 2.1 do not multiply out (n_heads · d_head ≠ d_model): XL's 24 heads of 128 in 2048
+# (16 heads of 128 here) and 13B's d_model 5140 for 40 heads of 128 (5120 here).
+GPT3 = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1.3b": (24, 2048, 16),
+        "2.7b": (32, 2560, 32), "6.7b": (32, 4096, 32), "13b": (40, 5120, 40), "175b": (96, 12288, 96)}
+PRESETS.update({f"gpt3-{size}": GPTConfig(block_size=2048, vocab_size=50304, n_layer=layers, n_head=heads,
+                                          n_embd=width) for size, (layers, width, heads) in GPT3.items()})
 
 
 def config_from_preset(name: str, **overrides) -> GPTConfig:

@@ -18,7 +18,12 @@ are dispatched to a ring): it supports only the CUDA flash / memory-efficient / 
 CPU it is expected to fail, and the error is printed with what it needs; with --device cuda it is timed.
 
 On a CPU the C ranks share the machine's cores, so step time does not fall with C there; the point of the
-CPU run is the activation memory, the balance ratio and the communication that is hidden.
+CPU run is the activation memory, the balance ratio and the communication that is hidden. Zig-zag against
+contiguous, per C: the attention's per-rank wall time (not blocked) and its CPU work; a ring hop ends with
+its slowest rank, so with a core per rank the step follows the busiest rank's work, but when C ranks × their
+torch threads outnumber the cores (C = 4 on 2 cores) they time-share them and the step follows the TOTAL work,
+which both cuts share (the same (query, key) pairs): zig-zag cannot win there, and its waits are peers'
+descheduled compute, which is why the ring's "hidden" share reads 0% (a lower bound; see hidden_lines).
 """
 
 from __future__ import annotations
@@ -126,16 +131,17 @@ def _measure(rank, world, args, device):
     times = alternate({name: _synchronized(fn, group) for name, fn in models.items()}, args.steps, args.warmup)
     hidden, compute = {}, {}
     for name, handle in handles.items():
-        if handle.impl == "ring":  # attention compute per pass (not blocked), every rank: the balance shows
-            mine = torch.zeros(2, world, dtype=torch.float64)
+        if handle.impl == "ring":  # per pass and rank: wall time not blocked, and the CPU work (however shared)
+            mine = torch.zeros(2, 2, world, dtype=torch.float64)  # [wall | cpu, forward | backward, rank]
             for row, stat in enumerate(handle.ring.times.values()):
-                mine[row, rank] = (stat.seconds - stat.waited) / max(1, stat.passes)
+                mine[0, row, rank] = (stat.seconds - stat.waited) / max(1, stat.passes)
+                mine[1, row, rank] = stat.cpu / max(1, stat.passes)
             dist.all_reduce(mine, group=group)
-            compute[name] = mine.tolist()
+            compute[name] = {"wall": mine[0].tolist(), "cpu": mine[1].tolist(), "threads": torch.get_num_threads()}
             handle.seq_len, handle.micro = args.seq_len, args.micro
             handle.compute_bytes = 2 if args.dtype == "bf16" else 4
             alone = context_parallel.time_ring_alone(handle)
-            hidden[name] = context_parallel.hidden_lines(handle.ring.times, alone)
+            hidden[name] = context_parallel.hidden_lines(handle.ring.times, alone, on_cpu=device.type == "cpu")
     worst = {}
     for name, seconds in times.items():  # the step ends when the slowest rank finishes
         t = torch.tensor(seconds, dtype=torch.float64)
@@ -197,6 +203,35 @@ def _launch(world, args):
             return json.load(f)
 
 
+def _balance_explained(cp, compute, times, device) -> str:
+    """Why zig-zag's balance does or does not shorten the step here, from the ranks' CPU work per layer.
+
+    A ring hop ends when its slowest rank does, so with a core (or GPU) per rank the attention waits for the
+    busiest rank: max over ranks. When the C ranks' threads outnumber the cores, the ranks time-share them and
+    the step waits for the whole work instead: the sum over ranks, the same for both cuts (equal pairs)."""
+    work = {name: [f + b for f, b in zip(*compute[name]["cpu"])] for name in ("ring zigzag", "ring contiguous")}
+    busiest = max(work["ring zigzag"]) / max(work["ring contiguous"])
+    total = sum(work["ring zigzag"]) / sum(work["ring contiguous"])
+    threads, cores = compute["ring zigzag"]["threads"], os.cpu_count()
+    step = times["ring zigzag"] / times["ring contiguous"]
+    if device != "cpu":
+        return (f"    attention work zig-zag / contiguous: busiest rank {busiest:.3f}, all ranks {total:.3f}"
+                f" (host CPU time; on GPUs the busiest rank's kernels set the step: see the profiler)")
+    wall, cpu = (sum(sum(compute["ring zigzag"][kind], [])) for kind in ("wall", "cpu"))
+    busy = cpu / wall  # cores a rank kept busy while it computed (not blocked), over the ranks
+    shared = cp * threads > cores or busy < 0.8 * threads
+    why = (f"{cp} ranks × {threads} torch threads on {cores} cores" if cp * threads > cores else
+           f"each rank kept only {busy:.2f} cores busy for its {threads} thread(s) while computing: other jobs"
+           f" share this machine")
+    return (f"    attention work (CPU) zig-zag / contiguous: busiest rank {busiest:.3f}, all ranks {total:.3f};"
+            + (f" {why}: the ranks time-share the cores, so the step follows the total work ({total:.3f}), not"
+               f" the busiest rank; step time zig-zag / contiguous measured {step:.3f}. With a core per rank it"
+               f" would follow the busiest rank ({busiest:.3f} of the attention)" if shared else
+               f" a core per thread ({busy:.2f} busy per rank), so the attention follows the busiest rank"
+               f" ({busiest:.3f}); step time zig-zag / contiguous measured {step:.3f} (the rest of the step is"
+               f" balanced in both)"))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
@@ -244,12 +279,17 @@ def main():
             work = context_parallel.causal_work(s, cp)
             print("    causal work max/mean: "
                   + ", ".join(f"{k} {max(v) / (sum(v) / cp):.3f}" for k, v in work.items()))
-            for name, (forward, backward) in result["compute"].items():
-                print(f"    {name:<16} attention compute per layer, by rank (ms): forward "
-                      + " ".join(f"{t * 1e3:.0f}" for t in forward) + ", backward "
-                      + " ".join(f"{t * 1e3:.0f}" for t in backward)
-                      + f"; max/mean forward {max(forward) / (sum(forward) / cp):.2f},"
-                        f" backward {max(backward) / (sum(backward) / cp):.2f}")
+            for name, measured in result["compute"].items():
+                for kind in ("wall", "cpu"):
+                    forward, backward = measured[kind]
+                    what = "compute (wall, not blocked)" if kind == "wall" else "work (CPU)"
+                    print(f"    {name:<16} attention {what:<27}"
+                          " per layer, by rank (ms): forward " + " ".join(f"{t * 1e3:.0f}" for t in forward)
+                          + ", backward " + " ".join(f"{t * 1e3:.0f}" for t in backward)
+                          + f"; max/mean forward {max(forward) / (sum(forward) / cp):.2f},"
+                            f" backward {max(backward) / (sum(backward) / cp):.2f}")
+            if "ring contiguous" in result["compute"]:
+                print(_balance_explained(cp, result["compute"], times, args.device))
             for name, lines in result["hidden"].items():
                 for line in lines:
                     print(f"    {name}:{line}")

@@ -3,7 +3,10 @@ the traced messages against the prediction, the saved activations, and the flag 
 
 Attention: output, log-sum-exp and dq, dk, dv of ring (zig-zag, contiguous) and Ulysses at C = 2 and C = 4
 against an explicit causal softmax on the whole sequence, float64, tolerance 1e-10 (one 4-rank spawn: two
-C = 2 groups and one C = 4 group).
+C = 2 groups and one C = 4 group). The same spawn runs C = 2 under bf16 autocast: the ring within the bound
+one bf16 rounding implies (u = 2^-8 per result, plus the bf16 output's rounding inside dq and dk: see
+`_bf16_bounds`) of the float64 values, Ulysses bitwise equal to the single device's attention under the same
+autocast, and a ring with bf16 accumulators caught; and it counts the ring's casts and masks per pass.
 Whole model: `context_parallel.apply` on model.GPT in float64 (alone, and after tensor_parallel on a 2×2
 mesh); each rank backpropagates its loss_sum / the global token count, gradients are summed over the cp group
 (what the layout's dp×cp reduction does); they equal the single-device gradients on the whole batch, 1e-10.
@@ -30,6 +33,8 @@ from reference import WholeGrads, global_batches, make_config
 
 SEQ = 16
 TOL = 1e-10
+BF16_U = 2.0 ** -8  # bf16 keeps 8 significant bits: rounding to nearest moves a value by ≤ 2^-8 of it
+FP32_SLACK = 64 * torch.finfo(torch.float32).eps  # the ring's fp32 arithmetic, relative to a tensor's max
 ACTIVATION_TOL = 0.05
 
 
@@ -108,6 +113,8 @@ def _attention(rank, world):
     groups = {4: dist.new_group([0, 1, 2, 3]), 2: [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]}
     out = {C: _attention_checks(groups[C]) for C in (2, 4)}
     out["events"] = _ring_event_order(groups[4])
+    out["ops"] = _ring_op_counts(groups[4])
+    out["bf16"] = _bf16_checks(groups[2])
     return out
 
 
@@ -135,8 +142,8 @@ def _attention_checks(group):
                     _, lse = cp.ring_attention_forward(ql, kl, vl, ring, balance)
                 else:  # Ulysses' lse: that of the head-split whole sequences, its heads sent back home
                     reorder = attention._reorder_for(S // C, q.device)
-                    _, full_lse = cp._block_forward(*(cp._seq_to_head(t, group, reorder) for t in (ql, kl)),
-                                                    cp._seq_to_head(vl, group, reorder), True, torch.float64)
+                    q_whole, k_whole, v_whole = (cp._seq_to_head(t, group, reorder) for t in (ql, kl, vl))
+                    _, full_lse = cp._block_forward(q_whole * D ** -0.5, k_whole, v_whole, cp.causal_mask(S, device))
                     lse = cp._head_to_seq(full_lse.unsqueeze(-1), group, reorder).squeeze(-1)
             errs[impl, balance] = {
                 "out": _max_err(y, ref_out[:, :, index]), "lse": _max_err(lse, ref_lse[:, :, index]),
@@ -173,9 +180,114 @@ def _ring_event_order(group):
     return forward_events, events
 
 
-def test_attention_matches_full_causal_attention():
-    ranks = run_ranks(_attention, 4, timeout=120)
-    for result in ranks:
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the casts to float32 and the causal masks built (aten.triu) while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts, self.masks = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.float32:
+            self.casts += 1
+        if func in (torch.ops.aten.triu.default, torch.ops.aten.triu_.default):
+            self.masks += 1
+        return func(*args, **kwargs)
+
+
+def _ring_op_counts(group):
+    """Casts to the fp32 accumulator and masks built by one bf16 ring pass, forward and backward (zig-zag)."""
+    import context_parallel as cp
+
+    ring = cp.Ring(group)
+    q, k, v, dout = (torch.randn(1, 2, 8, 4, device=harness.device()).to(torch.bfloat16) for _ in range(4))
+    counts = {}
+    with torch.no_grad():
+        with _CountOps() as ops:
+            out, lse = cp.ring_attention_forward(q, k, v, ring, "zigzag")
+        counts["forward"] = (ops.casts, ops.masks)
+        with _CountOps() as ops:
+            cp.ring_attention_backward(dout, q, k, v, out, lse, ring, "zigzag")
+        counts["backward"] = (ops.casts, ops.masks)
+    return counts
+
+
+def _bf16_bounds(q, k, v, dout):
+    """Elementwise bounds on |ring − exact| for bf16 q, k, v, dO (exact: float64 on the same values).
+
+    The ring computes in fp32 (slack FP32_SLACK·max|x|) and rounds each result to bf16 once: ≤ u·|x|, u = 2^-8.
+    dq and dk also inherit the rounding of the saved bf16 output õ inside delta = rowsum(dO·õ): |Δdelta_i| ≤
+    u·γ_i with γ_i = Σ_d |dO_id·o_id|, so ds_ij = p_ij·(dO_i·v_j − delta_i) moves by ≤ u·p_ij·γ_i, hence
+    dq_i = Σ_j ds_ij·k_j/√d by ≤ u·γ_i·Σ_j p_ij·|k_j|/√d
+    and dk_j = Σ_i ds_ij·q_i/√d by ≤ u·Σ_i p_ij·γ_i·|q_i|/√d.
+    out and dv = pᵀ·dO have no delta: u·|x| and the slack."""
+    q, k, v, dout = (t.double() for t in (q, k, v, dout))
+    out, lse, dq, dk, dv = _reference_attention(q, k, v, dout)
+    scale = q.shape[-1] ** -0.5
+    future = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).triu(1)
+    p = torch.exp((q @ k.transpose(-2, -1) * scale).masked_fill(future, float("-inf")) - lse.unsqueeze(-1))
+    gamma = (dout.abs() * out.abs()).sum(-1, keepdim=True)
+    through_delta = {"dq": BF16_U * scale * gamma * (p @ k.abs()),
+                     "dk": BF16_U * scale * (p.transpose(-2, -1) @ (gamma * q.abs()))}
+    exact = {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    return exact, {name: BF16_U * x.abs() + through_delta.get(name, 0.0) + FP32_SLACK * x.abs().max()
+                   for name, x in exact.items()}
+
+
+def _bf16_checks(group):
+    """C = 2 under bf16 autocast: ring and Ulysses attention (out, dq, dk, dv) from bf16 q, k, v, dO, next to
+    the single device's attention (model.causal_attention) under the same autocast and the float64 exact
+    values. Returns {variant: {name: (max |error| / bound against exact, max |error| against the single
+    device)}}; "ring, fp32 accumulators in bf16" is the ring run with its accumulators (out, lse, the merge,
+    dq, dK, dV) kept in bf16: the check must catch it."""
+    import context_parallel as cp
+    from model import causal_attention
+
+    device = harness.device()
+    C, c = dist.get_world_size(group), dist.get_rank(group)
+    torch.manual_seed(1)
+    B, H, S, D = 2, 4, 64, 16
+    q, k, v, dout = (torch.randn(B, H, S, D).to(torch.bfloat16).to(device) for _ in range(4))
+    q = (2 * q.float()).to(torch.bfloat16)  # sharper softmax rows: the merge's weights matter
+    exact, bounds = _bf16_bounds(q, k, v, dout)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def attend(fn, index):
+        leaves = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+        with autocast:
+            y = fn(*leaves, 0.0)
+        y.backward(dout[:, :, index])
+        return {"out": y.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", leaves)}}
+
+    single = attend(causal_attention, slice(None))
+    ring = cp.Ring(group)
+    variants = [(impl, balance) for impl in cp.IMPLS for balance in cp.BALANCES]
+    results = {}
+    for impl, balance in variants + [("ring, fp32 accumulators in bf16", "zigzag")]:
+        index = cp.positions(S, C, c, balance).to(device)
+        wide = cp._wide
+        if impl.startswith("ring,"):
+            cp._wide = lambda dtype: dtype  # the broken ring: bf16 inputs, bf16 accumulators
+        try:
+            got = attend(cp.ContextParallelAttention(causal_attention, ring, impl.split(",")[0], balance), index)
+        finally:
+            cp._wide = wide
+        results[impl, balance] = {
+            name: (float(((x.double() - exact[name][:, :, index]).abs() / bounds[name][:, :, index]).max()),
+                   float((x.double() - single[name][:, :, index].double()).abs().max()), str(x.dtype))
+            for name, x in got.items()}
+    return results
+
+
+@pytest.fixture(scope="module")
+def attention_ranks():
+    """One 4-rank spawn for every attention-level check (each spawn costs seconds)."""
+    return run_ranks(_attention, 4, timeout=180)
+
+
+def test_attention_matches_full_causal_attention(attention_ranks):
+    for result in attention_ranks:
         for C in (2, 4):
             errs = result[C]
             assert "--dropout 0.1" in errs.pop("dropout refused")
@@ -191,6 +303,27 @@ def test_attention_matches_full_causal_attention():
         step = lambda first, last: ([] if last else ["post"]) + ["compute"] + ([] if first else ["wait"]) \
             + ["post"] + ([] if last else ["wait"])
         assert backward == step(True, False) + step(False, False) * 2 + step(False, True) + ["wait"]
+        # bf16 in, fp32 accumulators: q cast once per pass (and, in backward, dout and out once), each hop's
+        # arriving [K; V] block once (C = 4 hops); one causal mask per pass, for the diagonal block.
+        assert result["ops"] == {"forward": (1 + 4, 1), "backward": (3 + 4, 1)}, result["ops"]
+
+
+def test_bf16_attention_within_the_bf16_rounding_bound(attention_ranks):
+    """C = 2, bf16 autocast, forward and backward. The ring (fp32 accumulators) is within `_bf16_bounds` of the
+    exact float64 values, element by element: one bf16 rounding of each result (u = 2^-8), plus, for dq and dk,
+    the bf16 output's rounding inside delta. Ulysses runs the single device's own attention on whole sequences
+    of a/C heads: it equals model.causal_attention under the same autocast bitwise. A ring whose accumulators
+    (the lse merge, dq, dK, dV) were bf16 breaks the bound many times over: the check can fail."""
+    for result in attention_ranks:
+        for (impl, balance), by_name in result["bf16"].items():
+            for name, (error_over_bound, vs_single, dtype) in by_name.items():
+                assert dtype == "torch.bfloat16", (impl, name, dtype)  # results come back in the compute dtype
+                if impl == "ring":
+                    assert error_over_bound <= 1.0, (impl, balance, name, error_over_bound)
+                elif impl == "ulysses":
+                    assert vs_single == 0.0, (balance, name, vs_single)
+                else:  # the broken ring: off by more than one rounding (out and dV: by 100 and more)
+                    assert error_over_bound > 1.0, (name, error_over_bound)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -288,7 +421,8 @@ def test_model_gradients_match_single_device(world, cp_size, tp_size, variants):
         for variant in variants:
             errs, traced, predicted = result[variant]
             bf16 = variant[-1]
-            if not bf16:  # bf16 autocast runs only to check the message sizes (2-byte K,V, 4-byte dK,dV)
+            if not bf16:  # here bf16 checks the message sizes (2-byte K,V, 4-byte dK,dV); its numerics:
+                #             test_bf16_attention_within_the_bf16_rounding_bound
                 for name, err in errs.items():
                     assert err < TOL, (variant, name, err)
             assert traced == predicted, variant  # every cp message, counted and sized, as predicted
@@ -326,8 +460,12 @@ def _activations(rank, world):
     tracer = CommTracer()
     tracer.name_group(mesh.group("cp"), "cp")
     (xl, yl, pos), = handle.shard_batches([(bx.to(device), by.to(device)) for bx, by in global_batches(1, 2, SEQ)])
+    handle.before_step()  # one training step (train_step's hooks around it), then an evaluation pass
     with tracer:
         model(xl, yl, pos)[1].backward()
+    handle.after_step(False)
+    with torch.no_grad():
+        model(xl, yl, pos)
     lines += handle.end_lines(tracer, 1)
     return saved, measured_messages, handle.layer_messages(), measured_saved, lines
 
@@ -344,5 +482,8 @@ def test_saved_activations_match_the_estimate_and_halve_with_cp():
         assert measured_saved == saved[2]
         text = "\n".join(lines)
         for expected in ("causal work per CP rank", "zigzag", "max/mean 1.000", "(32sbh)/C", "ring transfers alone",
-                         "hidden behind compute", "predicted 8 calls", "measured 8 calls"):
+                         "hidden behind compute", "predicted 8 calls", "measured 8 calls", "per training step",
+                         "the 1 training steps' passes, L=2 × m=1", "CPU cores busy while computing"):
             assert expected in text, expected
+        # The step's passes only: L = 2 layers, one micro-batch, one step; the evaluation forward is not counted.
+        assert "ring forward : 2 passes" in text and "ring backward: 2 passes" in text, text

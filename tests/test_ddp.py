@@ -49,7 +49,7 @@ def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
         losses.append(outcome.loss)
         norms.append(outcome.grad_norm)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return losses, norms, params, len(ddp.buckets), calls
+    return losses, norms, params, len(ddp.buckets), calls, layout.startup_lines()
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_ddp_matches_single_device(world, global_batch, micro, clip, bucket_mb):
     if clip:
         assert min(ref_norms) > clip  # clipping really is active
     results = run_ranks(_train_ddp, world, global_batch, micro, clip, bucket_mb, timeout=120)
-    for losses, norms, params, num_buckets, calls in results:
+    for losses, norms, params, num_buckets, calls, startup in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=TOL, atol=TOL)
         for name, ref in ref_params.items():
@@ -76,6 +76,9 @@ def test_ddp_matches_single_device(world, global_batch, micro, clip, bucket_mb):
         assert calls == [num_buckets + 2] * STEPS
         if bucket_mb < 1:
             assert num_buckets > 3
+        # The startup line names the buckets it counts: "in 1 bucket", "in 7 buckets".
+        expected = "in 1 bucket," if num_buckets == 1 else f"in {num_buckets} buckets,"
+        assert any(expected in line for line in startup), (expected, startup)
 
 
 def _different_init(rank, world):
@@ -95,10 +98,29 @@ def test_ddp_refuses_different_initial_weights():
     assert all(m is not None and "--seed" in m and "transformer.wte.weight" in m for m in messages)
 
 
+def test_buckets_taper_towards_the_end_of_backward():
+    """The `small` model at K = 25 MiB: the buckets hold every parameter once, in reverse registration order, none
+    over K; counted from the end of backward, bucket j holds at most 2^j MiB (or one larger parameter), so the
+    one all-reduce left once backward ends is ≤ 1 MiB. Without the taper the last bucket is ~16 MiB."""
+    from ddp import TAPER_BYTES, reverse_order_buckets
+    from model import GPT, config_from_preset
+
+    params = list(GPT(config_from_preset("small"), device="meta").parameters())
+    limit = 25 * 2**20
+    buckets = reverse_order_buckets(params, limit, taper=True)
+    assert [p for bucket in buckets for p in bucket] == params[::-1]  # launch order = reverse registration
+    sizes = [sum(p.numel() * p.element_size() for p in bucket) for bucket in buckets]
+    for j, (bucket, size) in enumerate(zip(buckets[::-1], sizes[::-1])):
+        assert size <= min(limit, TAPER_BYTES * 2**j) or len(bucket) == 1, (j, size, len(bucket))
+    untapered = sum(p.numel() * p.element_size() for p in reverse_order_buckets(params, limit)[-1])
+    assert sizes[-1] <= TAPER_BYTES < 15 * 2**20 < untapered
+    assert len(buckets) <= -(-sum(sizes) // limit) + 5  # a handful more all-reduces than ⌈bytes / K⌉
+
+
 def _overlap_order(rank, world):
     """Buckets are launched during backward (before finish_grad_sync), in index order."""
     from ddp import DistributedDataParallel
-    from model import GPT
+    from model import GPT, config_from_preset
 
     device = harness.device()
     model = GPT(make_config(), seed=0, device=device)
@@ -111,12 +133,16 @@ def _overlap_order(rank, world):
     loss_sum.backward()
     launched_in_backward = list(launched)
     ddp.finish_grad_sync()
-    return launched_in_backward, len(ddp.buckets)
+    small = DistributedDataParallel(GPT(config_from_preset("small"), device=device), bucket_mb=25)
+    return launched_in_backward, len(ddp.buckets), small.bucket_sizes_bytes()
 
 
 def test_buckets_launch_during_backward_in_order():
-    for launched, num_buckets in run_ranks(_overlap_order, 2, timeout=60):
+    from ddp import TAPER_BYTES
+
+    for launched, num_buckets, small_sizes in run_ranks(_overlap_order, 2, timeout=60):
         assert launched == list(range(num_buckets))  # all launched from hooks, in order
+        assert small_sizes[-1] <= TAPER_BYTES and max(small_sizes) <= 25 * 2**20  # DDP cuts its buckets tapered
 
 
 def _compiled_blocks(rank, world):

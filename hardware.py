@@ -1,0 +1,136 @@
+"""The hardware model the plan predicts step times with: what a device computes, what its links move, how long.
+
+A stated model, every figure a flag (`--hw-*`), so a prediction can be checked by hand and argued with:
+
+    compute     t = FLOPs / peak(dtype)            matmuls at the datasheet's dense peak (mfu.PEAK_TFLOPS)
+                  + bytes / HBM bandwidth          the memory-bound rest: elementwise ops, the optimizer
+    collective  t = steps(op, N)·α + wire(op, M, N) / β     the α-β model of a ring (Thakur et al. 2005),
+                  wire() the bytes each rank sends (mfu.wire_bytes), steps 2(N−1) for an all-reduce, N−1 for
+                  a gather, scatter or all-to-all, 1 for a send; α and β are the link's
+    link        a group whose ranks share a node uses the intra-node link (NVLink), any other the inter-node
+                  one (InfiniBand), at its per-GPU bandwidth: ranks = ((d·P + p)·C + c)·T + t, node = rank // G
+
+Presets are 8-GPU nodes of the named part (H100 SXM, H200 SXM, A100 SXM 80 GB): the datasheets' dense peaks,
+HBM bandwidth and capacity, NVLink (4th gen: 450 GB/s per GPU and direction; 3rd gen: 300) and one NDR 400 Gb/s
+(HDR 200 for A100) InfiniBand port per GPU. Latencies are round figures of NCCL's per-step cost on such links
+(a few µs), stated, not measured. `cpu` is this machine, measured (`measure_cpu`): the bf16/fp32 matmul loop
+of mfu.py and a timed gloo all-reduce, so every real run's end line checks the model against its own steps.
+
+Accounting for this file: it holds and sends nothing; `measure_cpu` times one all-reduce over the world.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+import mfu
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: dict  # {dtype: dense TFLOP/s}; fp32 without TF32
+    hbm_gbps: float  # device memory bandwidth, GB/s
+    memory_gib: float  # device memory
+    intra_gbps: float  # per-GPU bandwidth to a GPU of the same node, one direction, GB/s
+    inter_gbps: float  # per-GPU bandwidth to another node, GB/s
+    intra_latency_us: float = 5.0  # α of one ring step inside a node
+    inter_latency_us: float = 10.0  # α across nodes
+    gpus_per_node: int = 8
+
+    def peak(self, dtype: str) -> float:
+        """FLOP/s of a matmul in `dtype` (fp16 as bf16; a dtype without a peak: the bf16 one)."""
+        key = {"fp16": "bf16"}.get(dtype, dtype)
+        return 1e12 * (self.peak_tflops.get(key) or self.peak_tflops["bf16"])
+
+
+def _gpu(row: str, hbm_gbps: float, memory_gib: float, intra_gbps: float, inter_gbps: float) -> Hardware:
+    peaks = {k: v for k, v in mfu.PEAK_TFLOPS[row].items() if v}
+    return Hardware(row.lower(), peaks, hbm_gbps, memory_gib, intra_gbps, inter_gbps)
+
+
+PRESETS = {
+    "h100": _gpu("H100", hbm_gbps=3350, memory_gib=80, intra_gbps=450, inter_gbps=50),  # SXM5, NDR 400 per GPU
+    "h200": _gpu("H200", hbm_gbps=4800, memory_gib=141e9 / 2**30, intra_gbps=450, inter_gbps=50),
+    "a100": _gpu("A100", hbm_gbps=2039, memory_gib=80, intra_gbps=300, inter_gbps=25),  # SXM4 80 GB, HDR 200
+}
+
+# Ring steps of one call of each collective over N ranks (the latency term's count).
+_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "send": lambda n: 1, "recv": lambda n: 0, "barrier": lambda n: 0}
+
+
+def ring_steps(op: str, n: int) -> int:
+    return _STEPS.get(op, lambda n: n - 1)(n) if n > 1 else 0
+
+
+def node_of(rank: int, hardware: Hardware) -> int:
+    return rank // hardware.gpus_per_node
+
+
+def crosses_nodes(ranks, hardware: Hardware) -> bool:
+    return len({node_of(r, hardware) for r in ranks}) > 1
+
+
+def collective_seconds(op: str, calls: float, payload: float, ranks, hardware: Hardware) -> float:
+    """The α-β time of `calls` calls of `op` moving `payload` bytes in all over the group `ranks`."""
+    n = len(ranks)
+    if n <= 1 or op in ("recv", "barrier"):  # a receive is its send's time
+        return 0.0
+    inter = crosses_nodes(ranks, hardware)
+    alpha = 1e-6 * (hardware.inter_latency_us if inter else hardware.intra_latency_us)
+    beta = 1e9 * (hardware.inter_gbps if inter else hardware.intra_gbps)
+    return calls * ring_steps(op, n) * alpha + mfu.wire_bytes(op, payload, n) / beta
+
+
+def add_arguments(parser) -> None:
+    """--hw PRESET and one flag per figure (train.py --plan)."""
+    g = parser.add_argument_group("hardware model (hardware.py, for --plan)")
+    g.add_argument("--hw", default="h100", choices=sorted(PRESETS), help="8-GPU node preset (default h100)")
+    g.add_argument("--gpus-per-node", type=int, help="GPUs per node G (default: the preset's, 8)")
+    g.add_argument("--hw-peak-tflops", type=float, help="dense matmul peak of the run's dtype, TFLOP/s")
+    g.add_argument("--hw-hbm-gbps", type=float, help="device memory bandwidth, GB/s")
+    g.add_argument("--hw-memory-gib", type=float, help="device memory, GiB")
+    g.add_argument("--hw-intra-gbps", type=float, help="per-GPU bandwidth inside a node, GB/s")
+    g.add_argument("--hw-inter-gbps", type=float, help="per-GPU bandwidth across nodes, GB/s")
+    g.add_argument("--hw-intra-latency-us", type=float, help="latency of one ring step inside a node, µs")
+    g.add_argument("--hw-inter-latency-us", type=float, help="latency of one ring step across nodes, µs")
+
+
+def from_flags(args, dtype: str) -> Hardware:
+    """The preset with every --hw-* figure given on the command line put in (each positive: flags.py)."""
+    hw = PRESETS[args.hw]
+    overrides = {name: getattr(args, f"hw_{name}") for name in ("hbm_gbps", "memory_gib", "intra_gbps", "inter_gbps",
+                                                                  "intra_latency_us", "inter_latency_us")
+                 if getattr(args, f"hw_{name}", None) is not None}
+    if args.gpus_per_node is not None:
+        overrides["gpus_per_node"] = args.gpus_per_node
+    if args.hw_peak_tflops is not None:
+        overrides["peak_tflops"] = {**hw.peak_tflops, {"fp16": "bf16"}.get(dtype, dtype): args.hw_peak_tflops}
+    return replace(hw, **overrides)
+
+
+def measure_cpu(peak_flops: float, dtype: str, device, sizes=(1 << 12, 1 << 22)) -> Hardware:
+    """This machine as a Hardware: the measured matmul peak (train.py measured it at start) and a world
+    all-reduce timed at two sizes, which give α (the small one) and β (the large one) of the ranks' link.
+    Collective: every rank calls it. One node: every group is 'intra'."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    alpha, beta = 0.0, float("inf")
+    if world > 1:
+        times = []
+        for nbytes in sizes:
+            x = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+            dist.all_reduce(x)  # warm-up: connections, buffers
+            start = time.perf_counter()
+            for _ in range(3):
+                dist.all_reduce(x)
+            times.append((time.perf_counter() - start) / 3)
+        steps = ring_steps("all_reduce", world)
+        alpha = max(times[0] / steps, 0.0)
+        beta = mfu.wire_bytes("all_reduce", sizes[1], world) / max(times[1] - steps * alpha, 1e-9)
+    return Hardware("cpu (measured)", {dtype: peak_flops / 1e12}, hbm_gbps=20.0, memory_gib=0.0,
+                    intra_gbps=beta / 1e9, inter_gbps=beta / 1e9, intra_latency_us=alpha * 1e6,
+                    inter_latency_us=alpha * 1e6, gpus_per_node=max(world, 1))
