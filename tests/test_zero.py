@@ -726,3 +726,32 @@ def test_fp32_accumulation_bytes_are_the_formulas(accumulation_runs):
             reduced = {1: b_g * psi, 2: m * 2 * psi, 3: m * 2 * psi}[stage]
             assert result["comm"]["reduce_scatter_single"] == reduced, (stage, m, forced)
             assert result["peak"] > result["held"]["total"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The bench runs (in this process, so their ranks come from the harness's warm fork server)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _bench_main(name: str, argv: list):
+    bench = os.path.join(ROOT, "bench")
+    sys.path.insert(0, bench)  # bench/common.py, here and in the ranks (the fork server takes this sys.path)
+    try:
+        module = __import__(name)
+        module.main(argv)
+    finally:
+        sys.path.remove(bench)
+
+
+def test_bench_zero_smoke_runs(capsys):
+    """bench/bench_zero.py --smoke: every system steps once timed, the ratios and the bytes table print."""
+    _bench_main("bench_zero", ["--smoke"])
+    out = capsys.readouterr().out
+    assert "step-time ratio zero.py stage 3 / FSDP2 fully_shard" in out and "D=2 predicted" in out, out
+
+
+def test_bench_zero_accum_smoke_runs(capsys):
+    """bench/bench_zero_accum.py --smoke: the error table of m = 1, 2 at stages 1 and 3."""
+    _bench_main("bench_zero_accum", ["--smoke"])
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+3\s+2\s", out, re.M) and "fp32/bf16" in out, out
