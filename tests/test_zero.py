@@ -13,7 +13,7 @@ TP-replicated rule of the norm, and ZeRO-3 over FP8 weights (their gather codec:
 FP8 linear's own result, exact weights after unshard). Then the flags, and train.py end to end under torchrun.
 Last, bf16 gradient accumulation (one spawn): summed in fp32 over m = 8 and 32 micro-batches the reduced
 gradient's error against float64 stays at its m = 1 value where a bf16 sum grows past the bound, with
-2 + 4 + 12 bytes held and the messages predicted.
+2 + 4 + 12 bytes held and the messages predicted. And bench/bench_zero.py, bench_zero_accum.py --smoke run.
 The rank bodies build on harness.device() (each rank's GPU under nccl, with autocast on its device type); the
 batches are drawn on the CPU, as the references draw them, and train_step moves them.
 """
