@@ -165,7 +165,7 @@ def print_startup(run):
     print0(f"numerics: fp32 matmuls {fp32_matmuls} on {run.device.type}; "
            + ("deterministic kernels (--deterministic): GPU runs replay bitwise" if args.deterministic else
               "default kernels: a GPU run replays to float tolerance (--deterministic for bitwise)"))
-    for line in run.layout.startup_lines(run.micro_batches):
+    for line in layout_lines(run, "startup"):
         print0(line)
     activation, how = activation_estimate(run)
     print0(f"activations ≈ {mfu.format_bytes(activation)} per micro-batch (Korthikanti, 16-bit, {how})")
@@ -226,7 +226,7 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int):
         print0(f"  activations saved for backward by {run.schedule.measured_forward} (saved_tensors_hooks,"
                f" {run.settings.dtype} compute): {mfu.format_bytes(saved)}; Korthikanti estimate {mfu.format_bytes(estimate)}"
                f" (16-bit, {how}; a fused attention stores no score matrix, its 5·a·s/h term)")
-    for line in run.layout.end_lines(run.tracer, steps_run):
+    for line in layout_lines(run, "end", steps_run):
         print0(line)
     for axis in run.axes:
         for line in axis_lines(axis, "end", run, steps_run):
@@ -284,6 +284,13 @@ def axis_lines(axis, when: str, run, steps: int = 0) -> list:
     """The lines of `axis` (a handle) at `when`: its section's formatter, or none."""
     formatter = AXIS_LINES.get(axis.name, {}).get(when)
     return formatter(axis, run, steps) if formatter is not None else []
+
+
+def layout_lines(run, when: str, steps: int = 0) -> list:
+    """The layout's lines at `when`: its section's (AXIS_LINES[layout.name]: DDP's), else its own methods."""
+    if getattr(run.layout, "name", None) in AXIS_LINES:
+        return axis_lines(run.layout, when, run, steps)
+    return run.layout.startup_lines(run.micro_batches) if when == "startup" else run.layout.end_lines(run.tracer, steps)
 
 
 def _legacy_lines() -> dict:  # the handle still formats its own lines (until its section takes them over)
@@ -353,6 +360,39 @@ def measure_block(run, block_index: int = 0) -> BlockMeasurement:
         seen["backward"] = tracer.records
     return BlockMeasurement({(phase, op, group): Count(stat.calls, stat.payload_bytes) for phase, records in
                              seen.items() for (op, group), stat in records.items()}, saved.bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --- ddp --- (the DDP layout's lines)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ddp_startup_lines(layout, run=None, steps: int = 0) -> list:
+    """What DDP holds and sends (ddp.py's docstring, answers 1-3): the persistent bytes predicted, the bucket
+    all-reduces per group, and the bucket left on the critical path once backward ends."""
+    persistent, sizes = layout.predicted_persistent(), layout.ddp.bucket_sizes_bytes()
+    lines = ["layout: DDP (ZeRO stage 0): parameters, gradients and AdamW state replicated over each"
+             " parameter's data-parallel group; split: the batch",
+             "predicted persistent memory per rank (fp32 master recipe: b_w = b_g = 4, b_o = 8 bytes):",
+             f"  weights   {mfu.format_bytes(persistent['weights'])}",
+             f"  grads     {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)",
+             f"  AdamW m,v {mfu.format_bytes(persistent['optimizer'])}",
+             f"  total     {mfu.format_bytes(persistent['total'])}"]
+    for (op, group), (calls, payload) in layout.predicted_messages().items():
+        n = dist.get_world_size(layout.ddp.groups[group])
+        lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls}"
+                     f" bucket{'' if calls == 1 else 's'}, sent per"
+                     f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} (2(N-1)/N·M, ring)")
+    if len(sizes) > 1 and dist.get_world_size(layout.ddp.group) > 1:
+        lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"
+                     f" last one ({mfu.format_bytes(sizes[-1])}, the first layers' grads) is sent after it")
+    elif dist.get_world_size(layout.ddp.group) > 1:
+        lines.append(f"critical path: the single bucket ({mfu.format_bytes(sizes[0])}) is sent after backward;"
+                     f" lower --bucket-mb to overlap it")
+    return lines
+
+
+AXIS_LINES["ddp"] = {"startup": ddp_startup_lines}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     python bench/bench_ddp.py [--preset small] [--steps 10] [--load 2] [--repeats 1] [--dtype fp32]
     python bench/bench_ddp.py --device cuda --preset gpt2 --load 0     # 2 GPUs, NCCL (bf16 there by default)
+    python bench/bench_ddp.py --smoke                                   # seconds: tiny preset, quiet, 2 rounds
 
 Both wrappers drive the identical step.train_step (same loss normalisation, AdamW, clipping); only the
 gradient sync differs. Each round times one step of each, back to back, in alternating order, every step
@@ -131,8 +132,11 @@ if __name__ == "__main__":
                         help="autocast dtype (default: bf16 on cuda, fp32 on cpu: see the docstring)")
     parser.add_argument("--load", type=int, default=2, help="busy-loop processes beside the loaded run (0: quiet only)")
     parser.add_argument("--repeats", type=int, default=1, help="quiet/loaded pairs, alternating")
+    parser.add_argument("--smoke", action="store_true", help="seconds: tiny preset, 2 rounds, quiet only")
     add_device_argument(parser)
     a = parser.parse_args()
+    if a.smoke:
+        a.preset, a.steps, a.load, a.repeats = "tiny", 2, 0, 1
     if a.load < 0 or a.repeats < 1 or a.steps < 1:
         parser.error(f"--load {a.load} must be ≥ 0, --repeats {a.repeats} and --steps {a.steps} ≥ 1")
     a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
