@@ -486,6 +486,9 @@ def cp_startup_lines(axis, run, steps: int = 0) -> list:
             got = measured.get((phase, op), Count(0, 0))
             line += f"   measured {got.calls} × {format_bytes(got.payload / max(1, got.calls)):>10}"
         lines.append(line)
+    if measured is not None and shape.checkpointing:
+        lines.append("    (measured: block 0 run once, outside activation checkpointing, so its backward lacks the"
+                     " recomputed forward's messages the prediction adds)")
     sent = sum(payload for (op, _), (_, payload) in axis.predicted_messages().items() if op != "recv")
     lines.append(f"  per step (× L={len(axis.model.transformer.h)} × m={axis.micro_batches}): {format_bytes(sent)} sent")
     lines += cp_causal_work_lines(s, C) + cp_activation_lines(axis, run)
