@@ -150,11 +150,11 @@ class Ring:
     """Send to the next rank of the cp group, receive from the previous one. Its clock (mfu.WaitClock) times
     the training passes and the part of them blocked in wait(), for report.py."""
 
-    def __init__(self, group, clock: WaitClock | None = None):
+    def __init__(self, group):
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        self.clock = clock if clock is not None else WaitClock()
+        self.clock = WaitClock()
 
     def post(self, tensor: torch.Tensor, tag: int = 0):
         """Start sending `tensor` on and receiving the previous rank's into a new buffer: (buffer, works)."""
@@ -255,6 +255,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, ring: Ring, balance: str):
             kv = ring.wait(arriving)
     dkv = ring.wait(dkv_transfer)
     return (dq_hat * scale).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
 
 class RingAttention(torch.autograd.Function):
     """The ring, forward and backward, as one autograd node: saves q, k, v, out and lse (no scores).

@@ -490,7 +490,8 @@ def cp_startup_lines(axis, run, steps: int = 0) -> list:
         lines.append("    (measured: block 0 run once, outside activation checkpointing, so its backward lacks the"
                      " recomputed forward's messages the prediction adds)")
     sent = sum(payload for (op, _), (_, payload) in axis.predicted_messages().items() if op != "recv")
-    lines.append(f"  per step (× L={len(axis.model.transformer.h)} × m={axis.micro_batches}): {format_bytes(sent)} sent")
+    layers = len(axis.model.transformer.h)
+    lines.append(f"  per step (× L={layers} × m={axis.micro_batches}): {format_bytes(sent)} sent")
     lines += cp_causal_work_lines(s, C) + cp_activation_lines(axis, run)
     if impl == "ring":
         alone = time_ring_alone(axis)
