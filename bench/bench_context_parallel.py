@@ -200,8 +200,10 @@ def _launch(world, args):
     check_gpus(world, args.device)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
+        # On CPU the ranks fork from this process, which has imported torch and the trainer but run nothing:
+        # each spawned rank would import them again (~5 s of CPU each, most of a --smoke run). CUDA needs spawn.
         mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), args, out_path), nprocs=world,
-                           start_method="spawn")
+                           start_method="spawn" if args.device == "cuda" else "fork")
         with open(out_path) as f:
             return json.load(f)
 
@@ -247,10 +249,11 @@ def main():
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
     add_device_argument(p)
     p.add_argument("--no-torch-cp", dest="torch_cp", action="store_false", help="skip PyTorch's context_parallel")
-    p.add_argument("--smoke", action="store_true", help="seconds: tiny preset, 1 layer, s=64, C = 1 and 2, one step")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds: tiny preset, 1 layer, s=64, C = 1 and 2, 1 warm-up + 1 step")
     args = p.parse_args()
     if args.smoke:
-        args.preset, args.n_layer, args.seq_len, args.cps, args.steps, args.warmup = "tiny", 1, 64, [1, 2], 1, 0
+        args.preset, args.n_layer, args.seq_len, args.cps, args.steps, args.warmup = "tiny", 1, 64, [1, 2], 1, 1
         args.torch_cp = False
     for cp in args.cps:
         if cp < 1 or args.seq_len % (2 * cp):
