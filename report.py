@@ -291,16 +291,8 @@ def axis_lines(axis, when: str, run, steps: int = 0) -> list:
 
 
 def layout_lines(run, when: str, steps: int = 0) -> list:
-    """The layout's lines at `when`: its section's formatters (AXIS_LINES[layout.name]: ZeRO's, DDP's)."""
-    if getattr(run.layout, "name", None) in AXIS_LINES:
-        return axis_lines(run.layout, when, run, steps)
-    return run.layout.startup_lines(run.micro_batches) if when == "startup" else run.layout.end_lines(run.tracer, steps)
-
-
-def _legacy_lines() -> dict:  # the handle still formats its own lines (until its section takes them over)
-    return {"startup": lambda axis, run, steps: axis.startup_lines(),
-            "step": lambda axis, run, steps: axis.step_lines(),
-            "end": lambda axis, run, steps: axis.end_lines(run.tracer, steps)}
+    """The layout's lines at `when`: its section's formatters (AXIS_LINES[layout.name]: DDP's, ZeRO's)."""
+    return axis_lines(run.layout, when, run, steps)
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
