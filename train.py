@@ -161,9 +161,10 @@ def train(settings: Settings, tracer: comm.CommTracer):
                               warmup_steps=lr_schedule.warmup_steps, global_batch=args.global_batch,
                               seq_len=run.seq_len, model=run.config.architecture())  # read by export_hf.py, sample.py
             try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
-                checkpointer = ckpt.Checkpointer(args.ckpt_dir, run.mesh, keep=args.keep, exclusive=True,
-                                                 async_save=args.async_ckpt, mtbf_hours=args.mtbf_hours,
-                                                 device=run.device, log=print0, run_record=run_record, axes=run.axes)
+                config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
+                                               run_record=run_record)
+                checkpointer = ckpt.Checkpointer(config, run.mesh, run.axes, run.device, log=print0,
+                                                 on_save=lambda stats: report.print_save(stats, args.mtbf_hours))
                 if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
                     start_step = checkpointer.resume(args.resume, run.layout, scaler, sampler, args.seed)
             except ckpt.CheckpointError as e:

@@ -138,8 +138,9 @@ def _save(run, root, step):
     from data import BatchSampler
     from optim import DynamicLossScaler
 
-    saver = ckpt.Checkpointer(root, run.mesh, device=run.device, log=lambda *a: None, axes=run.axes,
-                              run_record=dict(model=run.config.architecture(), global_batch=GLOBAL_BATCH, seq_len=SEQ))
+    record = dict(model=run.config.architecture(), global_batch=GLOBAL_BATCH, seq_len=SEQ)
+    saver = ckpt.Checkpointer(ckpt.CheckpointConfig(root, run_record=record), run.mesh, device=run.device,
+                              log=lambda *a: None, axes=run.axes)
     saver.save(step, run.layout, DynamicLossScaler(enabled=False), BatchSampler(10_000, SEQ, GLOBAL_BATCH, 0))
     saver.close()
 
