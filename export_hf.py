@@ -21,8 +21,8 @@ import argparse
 import importlib.util
 import sys
 
-import ckpt
 import hf
+from ckpt_files import CheckpointError
 
 
 def main(argv=None) -> None:
@@ -37,7 +37,7 @@ def main(argv=None) -> None:
         model, record = hf.load_model(args.checkpoint)
         weights = {p.shard_info.global_name: p.detach() for p in model.parameters()}
         written = hf.write_directory(weights, model.config, args.out_dir, safetensors=args.safetensors)
-    except (hf.HFError, ckpt.CheckpointError, OSError) as e:
+    except (hf.HFError, CheckpointError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
     config = model.config

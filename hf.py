@@ -17,10 +17,10 @@ tanh approximation: model.py's `gelu="tanh"`).
 
 In (`--init-from DIR`): `HFDirectory` checks the directory (every tensor there with GPT-2's shape, nothing
 else), and `load_into` fills a layout's `param/` and `master/` pieces through ckpt's own resharding path:
-ckpt.plan_load and ckpt.StagedLoad over a manifest-like description of the directory, in which each logical
-tensor is one whole stored piece and the directory is the reader (it transposes and pads as it reads). So any
-mesh works as a resharding resume does, all or nothing: each rank reads (memory-mapped) only the tensors it
-holds a piece of, and keeps its slices. Out (export_hf.py): `write_directory` from the logical tensors.
+ckpt.StagedLoad (its checks: ckpt.plan_load) over a manifest-like description of the directory, in which each
+logical tensor is one whole stored piece and the directory is the reader, `files=` (it transposes and pads as
+it reads). So any mesh works as a resharding resume does, all or nothing: each rank reads (memory-mapped)
+only the tensors it holds a piece of, and keeps its slices. Out (export_hf.py): `write_directory` from the logical tensors.
 Whole, on one process (export_hf.py, sample.py): `load_model` reads any checkpoint of this trainer, whatever
 mesh saved it (its run record names the model), or a Hugging Face directory, into one GPT.
 
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 import ckpt
+from ckpt_files import CheckpointError, list_checkpoints, verify_checkpoint
 from model import GPT, GPTConfig, StatePiece
 
 # GPT-2's Conv1D weights, stored [in, out] (model.py's nn.Linear: [out, in]).
@@ -259,25 +260,13 @@ class HFDirectory:
         return to_ours(name, stored, self.vocab_rows)
 
 
-class _StagedFromHF(ckpt.StagedLoad):
-    """ckpt.StagedLoad with the directory as its reader: the same plan (ckpt.plan_load: every target's logical
-    tensor there, its global shape, its dtype family, its pieces covered) and the same reslicing."""
-
-    def __init__(self, directory: HFDirectory, pieces: list):
-        self.path, self.manifest, self.bytes_read = directory.path, directory.manifest(), 0
-        self.files, self.staged = directory, []
-        with torch.no_grad():
-            for plan in ckpt.plan_load(self.path, self.manifest, pieces):
-                self._read(plan)
-
-
 def load_into(directory: HFDirectory, pieces: list) -> int:
     """Fill the weights among a layout's state pieces (`param/`, `master/`: any mesh, any ZeRO stage) from the
     directory, all or nothing; the Adam moments and any axis state stay as they start. Returns bytes read."""
     weights = [piece for piece in pieces if piece.key.split("/", 1)[0] in ("param", "master")]
     try:
-        return _StagedFromHF(directory, weights).commit()
-    except ckpt.CheckpointError as e:
+        return ckpt.StagedLoad(directory.path, directory.manifest(), weights, files=directory).commit()
+    except CheckpointError as e:
         raise HFError(str(e)) from None
 
 
@@ -418,14 +407,14 @@ def _newest_good_checkpoint(path: str) -> tuple[str, dict]:
     """(step directory, its verified manifest): `path` itself, or the newest checkpoint under it that verifies
     (marker, manifest checksum, every file's size and SHA-256); an older one is taken when a newer one fails."""
     candidates = [path] if os.path.isfile(os.path.join(path, "manifest.json")) else [
-        p for _, p in ckpt.list_checkpoints(path)]
+        p for _, p in list_checkpoints(path)]
     if not candidates:
         raise HFError(f"{path} is neither a checkpoint (no manifest.json), a --ckpt-dir holding step-* checkpoints,"
                       f" nor a Hugging Face directory (no config.json)")
     refused = []
     for candidate in candidates:
         try:
-            return candidate, ckpt.verify_checkpoint(candidate)
-        except ckpt.CheckpointError as e:
+            return candidate, verify_checkpoint(candidate)
+        except CheckpointError as e:
             refused.append(str(e))
     raise HFError(f"no checkpoint in {path} verifies: {'; '.join(refused)}")

@@ -24,10 +24,10 @@ import sys
 
 import torch
 
-import ckpt
 import data
 import flags
 import hf
+from ckpt_files import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
             print(val_loss_line(model, args, record, tokenizer_name))
         for line in samples(model, tokenizer, args):
             print(line)
-    except (hf.HFError, ckpt.CheckpointError, ValueError, RuntimeError, OSError) as e:
+    except (hf.HFError, CheckpointError, ValueError, RuntimeError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
 

@@ -261,10 +261,11 @@ def start_run(settings: Settings, tracer: comm.CommTracer) -> tuple[Run, data.Co
     return run, corpus
 
 
-def init_from(run: Run, path: str) -> None:
+def init_from(run: Run, path: str) -> int:
     """--init-from DIR: the layout's weights (param and master pieces: any mesh, any ZeRO stage) from a Hugging
     Face GPT-2 directory, through ckpt's resharding path (hf.load_into); every rank reads the tensors it holds
-    a piece of. One line on success; one line and exit status 2 on every rank if any rank fails."""
+    a piece of. One line on success; one line and exit status 2 on every rank if any rank fails. Returns the
+    bytes this rank read."""
     began, error, read = time.perf_counter(), None, 0
     try:
         directory = hf.HFDirectory(path, run.config.vocab_size)
@@ -280,6 +281,7 @@ def init_from(run: Run, path: str) -> None:
     print0(f"init-from {path}: {', '.join(files)}; GPT-2 n_layer={config.n_layer} n_head={config.n_head}"
            f" n_embd={config.n_embd} vocab={directory.shape.vocab_size}{padding}, GELU {config.gelu}; rank 0 read"
            f" {mfu.format_bytes(read)} in {(time.perf_counter() - began) * 1e3:.0f} ms")
+    return read
 
 
 def agree(error: str | None) -> list:

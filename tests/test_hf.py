@@ -174,9 +174,11 @@ def _imported(rank, world, hf_dir, root):
     from optim import DynamicLossScaler
 
     run = _run(rank, world, _flags("--init-from", hf_dir, "--tokenizer", "gpt2", "--pp", "2", "--zero", "1"))
-    train.init_from(run, hf_dir)
+    read = train.init_from(run, hf_dir)
+    held = {p.key: p.shard.global_shape for p in run.layout.state_pieces() if p.key.startswith(("param/", "master/"))}
     _save(run, root, 0)
-    return dict(config=run.config.architecture(), first=_step(run, DynamicLossScaler(enabled=False), 2))
+    return dict(config=run.config.architecture(), first=_step(run, DynamicLossScaler(enabled=False), 2), read=read,
+                held=sorted(held), held_bytes=8 * sum(math.prod(shape) for shape in held.values()))
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +208,18 @@ def test_round_trip_gives_the_same_loss(round_trip):
     """The imported run's first loss equals the source run's last one, on the same batch (another mesh)."""
     last = round_trip["source"][0]["last"]
     assert all(abs(r["first"] - last) <= TOL * last for r in round_trip["imported"]), (last, round_trip["imported"])
+
+
+def test_init_from_reads_on_each_rank_only_the_tensors_it_holds_a_piece_of(round_trip):
+    """P=2 × D=2 ZeRO-1: a rank reads the tensors its stage holds (params) and its ZeRO shard covers (masters),
+    each whole, once per kind (float64: 8 bytes), never the others': 4 ranks, 4 different sets, all covered."""
+    every = 2 * 8 * sum(t.numel() for k, t in round_trip["logical"].items() if k.startswith("param/"))
+    held = [set(r["held"]) for r in round_trip["imported"]]
+    assert len({tuple(sorted(h)) for h in held}) == 4 and set.union(*held) == {
+        k for k in round_trip["logical"] if k.startswith(("param/", "master/"))}
+    for r in round_trip["imported"]:
+        assert r["read"] == r["held_bytes"] < every, (r["read"], r["held_bytes"], every)
+        assert not any(".h.1." in k for k in r["held"]) or not any(".h.0." in k for k in r["held"])
 
 
 def test_init_from_takes_the_shape_and_gelu_from_config_json(round_trip):
@@ -277,6 +291,43 @@ def test_exported_directory_loads_in_transformers_with_the_same_logits(round_tri
     with torch.no_grad():
         difference = (ours(x, x)[0][..., :VOCAB] - theirs(x).logits).abs().max().item()
     assert difference < 1e-5, difference
+
+
+def test_a_safetensors_export_holds_the_bin_files_tensors_and_is_read_first(round_trip, tmp_path):
+    """export_hf.py --safetensors: model.safetensors beside pytorch_model.bin, the same tensors; --init-from reads
+    it (preferred where safetensors is installed) and so does transformers, with the same logits."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    import export_hf
+    import hf
+
+    export_hf.main([str(round_trip["source_ckpt"]), str(tmp_path / "hf"), "--safetensors"])
+    stored, pickled = load_file(tmp_path / "hf" / "model.safetensors"), torch.load(tmp_path / "hf" / "pytorch_model.bin")
+    assert stored.keys() == pickled.keys() and all(torch.equal(stored[k], pickled[k]) for k in stored)
+    assert set(hf.HFDirectory(str(tmp_path / "hf")).weight_files.values()) == {"model.safetensors"}
+    ours, _ = hf.load_model(str(tmp_path / "hf"))
+    for p, q in zip(ours.parameters(), hf.load_model(str(round_trip["dir"]))[0].parameters()):
+        assert torch.equal(p, q)
+    try:
+        import transformers
+    except ImportError:
+        return
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    x = batches()[0][0]
+    with torch.no_grad():
+        assert (ours.float().eval()(x, x)[0][..., :VOCAB] - theirs(x).logits).abs().max() < 1e-5
+
+
+def test_export_safetensors_without_the_package_is_one_line(round_trip, tmp_path, monkeypatch, capsys):
+    import export_hf
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if it were not installed
+    with pytest.raises(SystemExit) as stop:
+        export_hf.main([str(round_trip["source_ckpt"]), str(tmp_path / "hf"), "--safetensors"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "needs the safetensors package" in err, err
+    assert not (tmp_path / "hf").exists()
 
 
 def _saved_two_ways(model, root):
