@@ -2,12 +2,13 @@
 
     python bench/bench_hf.py                 # GPT-2 124M's shape (12 × 768, 12 heads, 50257 tokens), float64
     python bench/bench_hf.py --small         # 2 × 64, for a quick look
+    python bench/bench_hf.py --smoke         # 2 × 64 and 16 tokens: tests/test_hf.py runs it where transformers is
 
 A randomly initialised GPT2LMHeadModel (nothing is downloaded) is saved with save_pretrained and read with
 `--init-from`'s path (flags.validate, then hf.load_into: Conv1D weights transposed, the vocabulary padded to
 50304). The same weights are compared twice: with the exact (erf) GELU this trainer used before the GELU was a
 config choice, and with GPT-2's tanh GELU that config.json's `gelu_new` selects now; in float64 and in fp32.
-Needs transformers (not a requirement of the trainer).
+A float64 difference with tanh above 1e-10 prints WRONG. Needs transformers (not a requirement of the trainer).
 """
 
 import argparse
@@ -26,11 +27,14 @@ from model import GPT  # noqa: E402
 from train import AXES  # noqa: E402
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="--small with 16 tokens: that it runs, in seconds")
     parser.add_argument("--tokens", type=int, default=128)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.small, args.tokens = True, 16
     import transformers
 
     shape = dict(n_layer=2, n_embd=64, n_head=4) if args.small else dict(n_layer=12, n_embd=768, n_head=12)
@@ -59,7 +63,8 @@ def main():
                 our_logits, loss_sum, count = ours[gelu].to(dtype)(x, y)
                 dlogits = (our_logits[..., :50257] - logits).abs().max().item()
                 dloss = abs(loss_sum.item() / count.item() - loss.item())
-                print(f"{str(dtype).removeprefix('torch.'):<8} {label:<26} {dlogits:>15.2e} {dloss:>19.2e}")
+                wrong = "  WRONG" if dtype == torch.float64 and gelu == "tanh" and dlogits > 1e-10 else ""
+                print(f"{str(dtype).removeprefix('torch.'):<8} {label:<26} {dlogits:>15.2e} {dloss:>19.2e}{wrong}")
 
 
 if __name__ == "__main__":

@@ -330,6 +330,19 @@ def test_export_safetensors_without_the_package_is_one_line(round_trip, tmp_path
     assert not (tmp_path / "hf").exists()
 
 
+def test_bench_hf_smoke_runs(capsys):
+    """bench/bench_hf.py --smoke (tests/test_bench.py lists it here): its table, nothing WRONG."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import bench_hf
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    bench_hf.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert "tanh = gelu_new (after)" in out and "WRONG" not in out, out
+
+
 def _saved_two_ways(model, root):
     """model saved by transformers (model.safetensors, transformer.* names) and as an older pytorch_model.bin of
     GPT2Model names (no prefix) with the attention's causal-mask buffers."""
