@@ -160,8 +160,9 @@ def print_startup(run):
     psi, local = parameter_counts(run)
     print0("=" * 100)
     print0(mesh_description(mesh))
+    padding = f", {config.real_vocab_size} real: padding never predicted" if config.real_vocab_size else ""
     print0(f"parameters: {psi:,} global (Ψ); {local:,} on this rank (n_layer={config.n_layer} n_head={config.n_head}"
-           f" n_embd={config.n_embd} vocab={config.vocab_size})")
+           f" n_embd={config.n_embd} vocab={config.vocab_size}{padding}; GELU {config.gelu})")
     print0(f"batch: B_global={args.global_batch} = D {mesh.shape.dp} × m {run.micro_batches} × B_μ"
            f" {run.micro_batch_size} sequences of {run.seq_len} tokens = {run.tokens_per_step:,} tokens/step;"
            f" autocast {settings.dtype} ({settings.dtype_reason})")
