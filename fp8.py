@@ -75,7 +75,6 @@ scaling the linear's own `scale[1]`); the linear reads the codes' amax from `gat
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -274,12 +273,6 @@ def weight_gradient(layer, operands: tuple, wide: torch.dtype) -> torch.Tensor:
                          layer.use_scaled_mm, "weight gradient dW = dYᵀ·X")
 
 
-def _deferred_weight_grads(layer, operands: tuple, wide: torch.dtype, db) -> list:
-    """The pipeline's W for an FP8 linear: [(weight, dW), (bias, db)] (db was summed in I, from the exact dY)."""
-    pairs = [(layer.weight, weight_gradient(layer, operands, wide))]
-    return pairs + ([(layer.bias, db)] if db is not None else [])
-
-
 class _Fp8LinearFunction(torch.autograd.Function):
     """Y = X·Wᵀ + b with X, W in E4M3 and dY in E5M2 (blockwise: all E4M3); saves X in FP8 and uses the step's
     FP8 weight (`Fp8Linear.weight_codes`) in both passes. store: the pipeline's WeightGradStore under zb (the
@@ -359,8 +352,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             wants_db = ctx.has_bias and (ctx.needs_input_grad[2] or store is not None)
             db = dy.sum(0, dtype=layer.bias.dtype) if wants_db else None
         dx = None if dx is None else dx.to(ctx.x_dtype).view(*grad.shape[:-1], qx.shape[1])
-        if store is not None:  # zb's I: dW and db wait for the W action
-            store.defer(functools.partial(_deferred_weight_grads, layer, operands, wide, db))
+        if store is not None:  # zb's I: dW (and db, summed now from the exact dY) wait for the W action
+            store.defer(lambda: [(layer.weight, weight_gradient(layer, operands, wide))]
+                        + ([(layer.bias, db)] if db is not None else []))
             return dx, None, None, None, None, None
         dw = weight_gradient(layer, operands, wide) if ctx.needs_input_grad[1] else None
         return dx, dw, db, None, None, None
@@ -430,10 +424,6 @@ class Fp8Linear(nn.Linear):
         if store is not None:  # zb: autograd reaches the parameters only through the store's W
             weight, bias = weight.detach(), None if bias is None else bias.detach()
         return _Fp8LinearFunction.apply(x, weight, bias, self, training, store)
-
-    def extra_repr(self) -> str:
-        gemm = "_scaled_mm" if self.use_scaled_mm else "emulated"
-        return f"{super().extra_repr()}, fp8={self.recipe.mode}, gemm={gemm}"
 
     def check_shapes(self, tokens: int, training: bool) -> None:
         errors = gemm_shape_errors(tokens, self.in_features, self.out_features, training)
@@ -532,7 +522,7 @@ def config_from_flags(args, settings) -> Recipe | None:
     return Recipe(mode, args.fp8_amax_history, args.fp8_amax_algo, args.fp8_margin)
 
 
-def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto", micro_batches: int = 1) -> Fp8Handle:
+def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1) -> Fp8Handle:
     """Swap every nn.Linear inside the blocks (routers, gates and experts aside) for an Fp8Linear, in place.
     mesh: a mesh.Mesh (None: one process). The current-scaling groups are cp and tp, the delayed roll's the
     linear's gradient group (dp_cp, or expert_dp) and tp, each kept when it has more than one rank. Under
@@ -551,7 +541,7 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto", mic
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
             amax_groups = tuple(mesh.group(g) for g in groups("cp", "tp"))
-            fp8 = Fp8Linear(module, recipe, name, amax_groups, gemm)
+            fp8 = Fp8Linear(module, recipe, name, amax_groups)
             fp8.amax_group_names = groups("cp", "tp")
             fp8.delayed_groups = groups(info.grad_group if info else "dp_cp", "tp")
             codec.attach(fp8)
@@ -580,47 +570,42 @@ class Fp8Handle(Axis):
         self.micro_batches, self.recomputes = micro_batches, recomputes
         self.first_steps = 0  # delayed steps that scaled like `current` (empty history)
         self.nonfinite_steps = 0  # steps in which some FP8 tensor had a non-finite amax (skipped everywhere)
-        buckets = {}
-        for name, linear in linears.items():
-            buckets.setdefault(linear.delayed_groups, []).append(name)
+        buckets = {}  # delayed_groups → the rows of those linears in end_step's [n, 3] amaxes
+        for row, linear in enumerate(linears.values()):
+            buckets.setdefault(linear.delayed_groups, []).append(row)
         self.buckets = sorted(buckets.items())  # the same order on every rank
 
-    def after_grad_sync(self, layout) -> int:
-        """Once per optimizer step, after the gradient reduction: `end_step`, whose count of linears with a
-        non-finite amax the update adds to its world finite check (a non-finite amax skips the step everywhere)."""
-        return self.end_step()
-
     @torch.no_grad()
-    def end_step(self) -> int:
-        """Close the step: drop its FP8 weights (the optimizer step comes next), reduce its amaxes (delayed: MAX
-        over each linear's gradient group and tp), roll the finite ones into the histories. Returns how many
-        linears had a non-finite amax on this rank. The roll does not wait for the update's verdict: a step
+    def after_grad_sync(self, layout=None) -> int:
+        """Close the step, after the gradient reduction: drop its FP8 weights (the optimizer step comes next),
+        reduce its amaxes (delayed: MAX over each linear's gradient group and tp), roll the finite ones into
+        the histories. Returns how many linears had a non-finite amax on this rank, which the update adds to
+        its world finite check (every rank skips the step). The roll does not wait for that verdict: a step
         skipped for another reason (an fp16 overflow) still records its tensors, as Transformer Engine does."""
         if not self.linears:
             return 0
-        for linear in self.linears.values():
-            linear.weight_codes = None
-        names = list(self.linears)
-        amax = torch.stack([self.linears[n].step_amax for n in names])  # [n, 3]
+        linears = list(self.linears.values())
+        amax = torch.stack([linear.step_amax for linear in linears])  # [n, 3]
         amax = torch.nan_to_num(amax, nan=float("inf"), posinf=float("inf"))  # MAX must not drop a NaN
         delayed = self.recipe.mode == "delayed"
         if delayed:
-            self.first_steps += not all(lin.history_ready for lin in self.linears.values())
-            for group_names, members in self.buckets:
-                index = [names.index(m) for m in members]
-                part = amax[index].contiguous()
+            self.first_steps += not all(linear.history_ready for linear in linears)
+            for group_names, rows in self.buckets:
+                part = amax[rows]  # a copy: reduced, then written back
                 for group_name in group_names:
                     dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self.mesh.group(group_name))
-                amax[index] = part
+                amax[rows] = part
         finite = torch.isfinite(amax).all(dim=1).tolist()  # the one host sync of the step
-        for row, name in enumerate(names):
-            linear = self.linears[name]
+        for linear, row_amax, row_finite in zip(linears, amax, finite):
             if delayed:
-                linear.roll(amax[row], finite[row])
+                linear.roll(row_amax, row_finite)
             linear.step_amax.zero_()
+            linear.weight_codes = None
         nonfinite = len(finite) - sum(finite)
         self.nonfinite_steps += nonfinite > 0
         return nonfinite
+
+    end_step = after_grad_sync  # the name the single-device loops (tests/reference.py, the bench) call
 
     def state_pieces(self) -> list:
         """The delayed recipe's histories and scales as logical tensors ("fp8/<linear>.amax_history", ".scale"):
@@ -651,9 +636,9 @@ class Fp8Handle(Axis):
                 out.add("all_reduce", group, forwards, 8 * forwards)  # forward [amax_x, amax_w]
                 out.add("all_reduce", group, calls, 4 * calls)  # backward amax_dY
         if self.recipe.mode == "delayed":
-            for group_names, members in self.buckets:
+            for group_names, rows in self.buckets:
                 for group in group_names:
-                    out.add("all_reduce", group, 1, 12 * len(members))  # end_step: [amax_x, amax_w, amax_dY]
+                    out.add("all_reduce", group, 1, 12 * len(rows))  # end_step: [amax_x, amax_w, amax_dY]
         return out
 
     def traced_prediction(self, layout, steps: int) -> Messages:
