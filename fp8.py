@@ -1,15 +1,14 @@
 """FP8 training: the block linears compute their GEMMs in 8-bit floats, with per-tensor or blockwise scales.
 
-An FP8 number has 8 bits: E4M3 (4 exponent bits, 3 mantissa bits, largest value 448) and E5M2 (largest
-57344: more range, less precision). A tensor x is sent to FP8 with a scale s chosen so that its largest
-magnitude lands near the top of the format:
+E4M3 (4 exponent bits, 3 mantissa bits) reaches 448, E5M2 57344 (more range, less precision). A tensor x goes
+to FP8 with a scale s that puts its largest magnitude near the top of the format:
 
     s = max_format / amax / 2^margin,       q = cast(clamp(x·s, -max_format, max_format)),       x ≈ q / s
 
-The clamp matters: torch's E4M3 cast saturates at 448 in eager mode, but the E5M2 cast overflows to inf.
-Following Micikevicius et al. 2022 ("FP8 formats for deep learning") and Transformer Engine, inputs and
-weights use E4M3 and output gradients E5M2: the forward GEMM is e4m3×e4m3, the two backward GEMMs (dX = dY·W,
-dW = dYᵀ·X) are e5m2×e4m3. How the scale is chosen is the recipe (`--fp8`):
+The clamp matters: torch's E4M3 cast saturates at 448 in eager mode, but the E5M2 cast overflows to inf. As in
+Micikevicius et al. 2022 ("FP8 formats for deep learning") and Transformer Engine, inputs and weights are E4M3
+and output gradients E5M2: the forward GEMM is e4m3×e4m3, the backward ones (dX = dY·W, dW = dYᵀ·X) e5m2×e4m3.
+The recipe (`--fp8`) chooses the scale:
   current    amax of this tensor now (reduced over the ranks that hold pieces of it);
   delayed    Transformer Engine's DelayedScaling: the scale of step s comes from the amax HISTORY of steps
              < s (`max` over the last L steps or the `most_recent`), so no reduction waits in the forward
@@ -19,10 +18,9 @@ dW = dYᵀ·X) are e5m2×e4m3. How the scale is chosen is the recipe (`--fp8`):
 
 Which layers: the block linears (attention's c_attn and c_proj, the MLP's c_fc and c_proj: ~2/3 of a GPT's
 FLOPs). The embedding is a lookup; the head stays in the compute dtype (its logits feed the cross-entropy,
-whose gradient lives in small differences; its weight is the tied embedding), the loss in fp32, MoE routers
-(`router`, `gate`) precise, as in DeepSeek-V3 (a flipped top-k choice is not a small error), the experts'
-linears in the compute dtype for now (an expert's row count is data-dependent, the FP8 GEMM needs multiples
-of 16: padding them in the dispatch would lift this).
+whose gradient lives in small differences), the loss in fp32, MoE routers (`router`, `gate`) precise as in
+DeepSeek-V3 (a flipped top-k choice is not a small error), the experts' linears in the compute dtype (their
+row counts are data-dependent, the FP8 GEMM needs multiples of 16: padding them in the dispatch would lift it).
 
 One logical tensor, one scale, on any mesh: ranks holding pieces of one logical tensor (TP shards of a
 weight, an activation or its gradient; CP pieces of a sequence) MAX-reduce its amax before quantising, so
@@ -31,8 +29,7 @@ never reduces over them). The delayed history of step s is the max over its micr
 linear's gradient group, dp×cp or expert-dp, and TP): the same on every rank holding the linear. On GPUs
 with FP8 tensor cores (compute capability ≥ 8.9) the per-tensor GEMMs run on `torch._scaled_mm`; elsewhere
 (and for blockwise) they are emulated on the same quantised values, multiplied in fp32 (fp64 for float64
-models) and rounded once, as tensor cores accumulate. `_scaled_mm`'s rules (K and N multiples of 16, a
-column-major second operand, no e5m2×e5m2) are checked on every device.
+models) and rounded once, as tensor cores accumulate; `_scaled_mm`'s rules are checked on every device.
 
 Symbols: M = b·s/C tokens per micro-batch on a rank (b micro-batch, s sequence, C context parallel; with
 --sp the column layers see the gathered b·s), h hidden, T tensor parallel, L history length, n = FP8 linears
@@ -44,7 +41,7 @@ this rank holds, m micro-batches per step, e_c bytes of a compute-dtype element 
 2. Peak per device: the scaling state, n·(3L + 18)·4 bytes. Each FP8 linear saves its input for backward in
    FP8: Σ_j M·K_j·(e_c - 1) bytes less per micro-batch in flight (`saved_input_bytes`; K_j its local input
    width; per GPT layer M·h·(2 + 5/T)·(e_c - 1); blockwise adds a float32 scale per 128 values, +3%). The
-   weight is quantised once per optimizer step (`weight_codes`) for every micro-batch in flight: Σ_j N_j·K_j
+   weight is quantised once per optimizer step (`WeightCodes`) for every micro-batch in flight: Σ_j N_j·K_j
    bytes, twice on the per-tensor recipes (dX's column-major copy), instead of autocast's e_c-byte copy.
    Under --sp a column layer keeps its gathered input in FP8 (M·h bytes, not its 2·M·h/T bf16 shard) and
    does not re-gather it in backward (`convert` switches `regather` off). Temporaries: the fp32 scaled copy
@@ -53,24 +50,20 @@ this rank holds, m micro-batches per step, e_c bytes of a compute-dtype element 
 3. Messages (all_reduce MAX, float32, on the critical path, tiny and latency-bound; `predicted_messages`):
      current:   per linear and micro-batch: forward 8 bytes ([amax_x, amax_w]), backward 4 bytes (amax_dY),
                 over cp and over tp (each when its size > 1); activation checkpointing repeats the forward's.
-     delayed:   per optimizer step, in `end_step`: one 12·n-byte all_reduce over the linears' gradient group
-                (dp_cp; expert_dp for experts) and one over tp (each when its size > 1); the first step
+     delayed:   per optimizer step, in `after_grad_sync`: one 12·n-byte all_reduce over the linears' gradient
+                group (dp_cp; expert_dp for experts) and one over tp (each when its size > 1); the first step
                 (empty history) also sends the current recipe's messages.
      blockwise: none: the tiles are local (`config_from_flags` requires TP-split widths that are multiples of
                 128; under CP dW's 128-token tiles are this rank's tokens, so blockwise equals the single
                 device only when its sequence pieces hold whole tiles).
+     ZeRO-3 gathers these weights as E4M3 bytes with one shared scale (`ZeroWeightCodec`, the last section).
 4. Restart state: per linear and role the amax history and scale (delayed; current and blockwise have
    none), keyed by the linear's global name (`state_pieces`): the same on every rank holding the linear, so
    a checkpoint writes them once and any mesh restores them; a restored run replays bitwise.
 
 The axis (step.Axis): `config_from_flags` before any process group; `apply(model, run, recipe)` after PP,
-before DDP/ZeRO; once per optimizer step `after_grad_sync` (`end_step`: roll the histories, drop the step's
-FP8 weights, return this rank's count of linears with a non-finite amax, which the update's world finite
-check adds: every rank skips that step); `state_pieces`; `predicted_messages`, `traced_prediction` (report.py
-prints). Amaxes are recorded in training only (a forward with autograd, every backward).
-ZeRO-3's FP8 all-gather (`ZeroWeightCodec`, at the end): `quantize_to_uint8` / `dequantize_from_uint8`
-with a scale shared by the shards (`scale_from_amax` of the MAX-reduced shard amaxes, or under delayed
-scaling the linear's own `scale[1]`); the linear reads the codes' amax from `gathered_weight_amax`.
+before DDP/ZeRO; `after_grad_sync` once per optimizer step; `state_pieces`; `predicted_messages` and
+`traced_prediction`. Amaxes are recorded in training only (a forward with autograd, every backward).
 """
 
 from __future__ import annotations
@@ -158,19 +151,6 @@ def dequantize_tiles(q: torch.Tensor, inverse_scale: torch.Tensor, tile, dtype: 
     return tiles.flatten(2).flatten(0, 1)[:q.shape[0], :q.shape[1]]
 
 
-def quantize_to_uint8(shard: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """For ZeRO-3's FP8 all-gather: a weight shard in E4M3 with the logical tensor's shared scale, as uint8
-    (gloo cannot move float8). Quantising shards with one scale and concatenating them equals quantising the
-    whole tensor, so the gathered weight is what the FP8 linear would compute from the full one."""
-    return quantize(shard, E4M3, scale, count_saturated=False)[0].view(torch.uint8)
-
-
-def dequantize_from_uint8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse: uint8 bytes of E4M3 values → q/scale in `dtype`. The FP8 linear re-quantising this weight
-    with the same scale (or one computed from its amax, which lands on the same values) gets q back exactly."""
-    return dequantize(data.view(E4M3.dtype), scale, dtype)
-
-
 # --- The scaling rule (Transformer Engine's DelayedScaling) --------------------------------------------------
 
 
@@ -210,14 +190,13 @@ def gemm_shape_errors(m: int, k: int, n: int, training: bool = True) -> list:
     return errors
 
 
-def check_operands(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    """_scaled_mm's operand rules, on every device: a [M,K] row-major, b [K,N] column-major, FP8, not both
-    e5m2, K and N multiples of 16. A ValueError here is what a GPU would have refused."""
+def scaled_matmul(a, a_inverse_scale, b, b_inverse_scale, out_dtype, use_scaled_mm: bool, what: str = "GEMM"):
+    """(a·a_inv)·(b·b_inv) in out_dtype, a and b per-tensor-scaled FP8, accumulated in fp32 (fp64 emulated).
+    _scaled_mm's operand rules are checked on every device (a ValueError here is what a GPU would refuse):
+    a [M,K] row-major, b [K,N] column-major, not both e5m2, K and N multiples of 16."""
     if a.dtype == b.dtype == E5M2.dtype:
         raise ValueError(f"FP8 {what}: e5m2 × e5m2 has no tensor-core GEMM (torch._scaled_mm); one operand"
                          f" must be e4m3")
-    if not (a.dtype in (E4M3.dtype, E5M2.dtype) and b.dtype in (E4M3.dtype, E5M2.dtype)):
-        raise ValueError(f"FP8 {what}: operands must be float8, got {a.dtype} and {b.dtype}")
     (k, n) = b.shape
     if a.shape[1] != k or k % 16 or n % 16:
         raise ValueError(f"FP8 {what}: torch._scaled_mm needs [M,K]·[K,N] with K and N multiples of 16,"
@@ -225,11 +204,6 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     if a.stride(1) != 1 or not (b.stride(0) == 1 and b.stride(1) >= k):
         raise ValueError(f"FP8 {what}: torch._scaled_mm needs a row-major first operand and a column-major"
                          f" second one, got strides {a.stride()} and {b.stride()}")
-
-
-def scaled_matmul(a, a_inverse_scale, b, b_inverse_scale, out_dtype, use_scaled_mm: bool, what: str = "GEMM"):
-    """(a·a_inv)·(b·b_inv) in out_dtype, a and b per-tensor-scaled FP8, accumulated in fp32 (fp64 emulated)."""
-    check_operands(a, b, what)
     if use_scaled_mm:
         return torch._scaled_mm(a, b, scale_a=a_inverse_scale, scale_b=b_inverse_scale, out_dtype=out_dtype)
     wide = _wide(out_dtype)
@@ -285,6 +259,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         layer.check_shapes(x2.shape[0], training)
         device = x.device.type  # the output in autocast's dtype, as nn.Linear's would be
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        wide = _wide(out_dtype)  # float32 inverse scales on the GPU path
         with torch.autocast(device, enabled=False):
             codes = layer.cached_weight_codes(weight)  # None: the step's first micro-batch (or a new weight)
             if layer.recipe.mode == "blockwise":
@@ -294,7 +269,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 qx, ix, amax_x = quantize_tiles(x2, TILE_ACTIVATION)
                 smallest = torch.stack([ix.max(), codes.inverse_scales.max()]).reciprocal()  # largest-amax tiles
                 layer.observe(FORWARD, torch.stack([amax_x, codes.amax]), smallest, record=training)
-                wide = _wide(out_dtype)
                 y = (dequantize_tiles(qx, ix, TILE_ACTIVATION, wide)
                      @ dequantize_tiles(codes.q, codes.inverse_scales, TILE_WEIGHT, wide).t()).to(out_dtype)
             else:
@@ -312,7 +286,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     codes = layer.cache_weight_codes(weight, qw, amax_w, scale=scale[1], saturated=sat_w)
                 layer.observe(FORWARD, amax, scale, (sat_x, codes.saturated), (qx.numel(), codes.q.numel()),
                               training)
-                wide = _wide(out_dtype)  # float32 inverse scales on the GPU path
                 ix, iw = scale[0].to(wide).reciprocal(), codes.scale.to(wide).reciprocal()
                 y = scaled_matmul(qx, ix, codes.q.t(), iw, out_dtype, layer.use_scaled_mm, "forward Y = X·Wᵀ")
             if bias is not None:
@@ -383,23 +356,24 @@ class WeightCodes:
 
 
 class Fp8Linear(nn.Linear):
-    """A drop-in for a local nn.Linear (plain, a TP shard inside Column/RowParallelLinear, or an expert): the
-    SAME parameter objects, its GEMMs in FP8, and its scaling state (per role: history, scale).
-    amax_groups: the process groups over which pieces of this linear's tensors are spread (cp, tp): current
-    scaling MAX-reduces amaxes over them. gemm: "auto" (_scaled_mm on FP8 tensor cores, else emulated),
-    "emulated", or "scaled_mm" (forced: tests run it on CPU to check the GPU path's operands and scales).
+    """A drop-in for a local nn.Linear (plain or a TP shard inside Column/RowParallelLinear): the SAME parameter
+    objects, its GEMMs in FP8, and its scaling state (per role: history, scale). amax_groups: {mesh group name:
+    process group} over which pieces of this linear's tensors are spread (cp, tp): current scaling MAX-reduces
+    amaxes over them; delayed_groups: the mesh group names the delayed roll reduces over. gemm: "auto"
+    (_scaled_mm on FP8 tensor cores, else emulated), "emulated", or "scaled_mm" (forced: tests run it on CPU).
     Under the pipeline's zb it defers its own weight gradient (`defers_weight_grad`: the store does not patch
     its forward): with `weight_grad_store` set, its backward leaves dW and db to the store's W."""
 
     defers_weight_grad = True
 
-    def __init__(self, linear: nn.Linear, recipe: Recipe, name: str = "", amax_groups=(), gemm: str = "auto"):
+    def __init__(self, linear: nn.Linear, recipe: Recipe, name: str = "", amax_groups=(), delayed_groups=(),
+                 gemm: str = "auto"):
         nn.Module.__init__(self)  # no new parameters: keep the wrapped linear's
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
-        self.recipe, self.name, self.amax_groups = recipe, name, tuple(amax_groups)
-        self.delayed_groups = ()  # names of the mesh groups the delayed roll reduces over (set by convert)
+        self.recipe, self.name, self.amax_groups = recipe, name, dict(amax_groups)
+        self.delayed_groups = tuple(delayed_groups)
         device = linear.weight.device
         self.fmt_max = torch.tensor([f.max for f in FORMATS], device=device)
         self.amax_history = torch.zeros(3, recipe.amax_history, device=device)  # [role, L], column 0 latest
@@ -455,7 +429,7 @@ class Fp8Linear(nn.Linear):
         if self.recipe.mode == "delayed" and self.history_ready:
             return self.scale[roles].clone()
         amax = torch.nan_to_num(amax, nan=float("inf"))  # MAX must not drop a NaN
-        for group in self.amax_groups:
+        for group in self.amax_groups.values():
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return scale_from_amax(amax, self.fmt_max[roles], self.recipe.margin)
 
@@ -489,13 +463,6 @@ class Fp8Linear(nn.Linear):
             self._history_version = self.amax_history._version
         return self._history_ready
 
-    def take_saturation(self) -> list:
-        """Per role, the percentage of values the clamp cut since the last call (this rank's); restarts."""
-        shares = [100 * c / max(1, n) for c, n in zip(self.saturated.tolist(), self.quantized)]
-        self.saturated.zero_()
-        self.quantized = [0, 0, 0]
-        return shares
-
 
 # --- Wiring into the trainer ---------------------------------------------------------------------------------
 
@@ -523,15 +490,15 @@ def config_from_flags(args, settings) -> Recipe | None:
 
 
 def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1) -> Fp8Handle:
-    """Swap every nn.Linear inside the blocks (routers, gates and experts aside) for an Fp8Linear, in place.
-    mesh: a mesh.Mesh (None: one process). The current-scaling groups are cp and tp, the delayed roll's the
-    linear's gradient group (dp_cp, or expert_dp) and tp, each kept when it has more than one rank. Under
-    sequence parallel a ColumnParallelLinear keeps its gathered input (now in FP8) instead of re-gathering it
-    in backward: its `regather` is switched off. micro_batches: m, for the predicted messages."""
+    """Swap every nn.Linear inside the blocks (routers, gates and experts aside) for an Fp8Linear, in place; a
+    ColumnParallelLinear stops re-gathering its input (`regather` off: docstring item 2). mesh: a mesh.Mesh
+    (None: one process): the amax groups are cp and tp, the delayed roll's the linear's gradient group (dp_cp,
+    or expert_dp) and tp, each when it has more than one rank. micro_batches: m, for the predicted messages."""
 
     def groups(*names):
         return tuple(n for n in names if mesh is not None and mesh.size(n) > 1)
 
+    amax_groups = {name: mesh.group(name) for name in groups("cp", "tp")}
     linears, codec = {}, ZeroWeightCodec()  # how ZeRO-3 gathers these weights (the section at the end)
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
@@ -540,10 +507,7 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1)
                 continue  # routers stay precise; experts see data-dependent row counts (module docstring)
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
-            amax_groups = tuple(mesh.group(g) for g in groups("cp", "tp"))
-            fp8 = Fp8Linear(module, recipe, name, amax_groups)
-            fp8.amax_group_names = groups("cp", "tp")
-            fp8.delayed_groups = groups(info.grad_group if info else "dp_cp", "tp")
+            fp8 = Fp8Linear(module, recipe, name, amax_groups, groups(info.grad_group if info else "dp_cp", "tp"))
             codec.attach(fp8)
             parent = block.get_submodule(path.rpartition(".")[0])
             setattr(parent, leaf, fp8)
@@ -655,26 +619,35 @@ def saved_input_bytes(linears, tokens: int, compute_bytes: int) -> dict:
     return {"fp8": elements, "compute": elements * compute_bytes, "saved": elements * (compute_bytes - 1)}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The ZeRO-3 weight codec
-# ---------------------------------------------------------------------------------------------------------
+# --- The ZeRO-3 weight codec ------------------------------------------------------------------------------
+
+
+def quantize_to_uint8(shard: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A weight shard in E4M3 with the logical tensor's shared scale, as uint8 (gloo cannot move float8).
+    Quantising shards with one scale and concatenating them equals quantising the whole tensor."""
+    return quantize(shard, E4M3, scale, count_saturated=False)[0].view(torch.uint8)
+
+
+def dequantize_from_uint8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse: q/scale in `dtype`. Re-quantising it with the same scale (or one from its amax, which
+    lands on the same values) gives q back exactly."""
+    return dequantize(data.view(E4M3.dtype), scale, dtype)
 
 
 class ZeroWeightCodec:
     """How ZeRO-3 gathers the FP8 linears' weights: as E4M3 bytes (one per element instead of b_w), each weight
-    with ONE scale shared by every rank that holds a piece of it, so that the gathered weight is what its linear
-    would quantise the whole tensor to. `convert` attaches one codec to every FP8 weight (`weight.gather_codec`,
-    like `shard_info`); zero.py knows that attribute and the two methods, nothing of the recipe:
+    with ONE scale shared by every rank holding a piece of it, so the gathered weight is what its linear would
+    quantise the whole tensor to. `convert` attaches it to every FP8 weight as `weight.gather_codec` (blockwise
+    scales 128×128 blocks, no one scale to share: no codec); zero.py knows that attribute and these methods:
 
         encode(weights, segments, group) -> (codes, decoding)    this rank's shard segments → uint8 codes
         decode(weights, codes, into, decoding)                    the gathered codes → the working weights
+        encode_messages(weights, group_name) -> Messages          what one encode sends
 
-    The scale: the amaxes of the weights' segments in ONE all-reduce (MAX, 4 bytes per weight) over the gathering
-    group (the whole local weight), then over the linears' amax groups (their TP/CP pieces); or, under delayed
-    scaling with a history, the linear's own scale[1]. decode hands each linear the amax its codes were scaled
-    with (`gathered_weight_amax`), so it scales the decoded q/s with exactly s and re-quantises it to the same
-    codes. Blockwise scales 128×128 tiles: no one scale to share, so its weights get no codec.
-    """
+    The scale: the segments' amaxes in ONE all-reduce (MAX, 4 bytes per weight) over the gathering group, then
+    over the linears' amax groups (their TP/CP pieces); under delayed scaling with a history, the linear's own
+    scale[1]. decode tells each linear the amax its codes were scaled with (`gathered_weight_amax`), so that it
+    scales the decoded q/s with exactly s and re-quantises it to the same codes."""
 
     def __init__(self):
         self.linear_of = {}  # weight parameter → its Fp8Linear
@@ -693,7 +666,7 @@ class ZeroWeightCodec:
         amax = torch.stack([amax_of(s) if s.numel() else none for s in segments])  # float32, as the linear's own
         if dist.get_world_size(group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        for amax_group in linears[0].amax_groups:  # the same groups for every block linear
+        for amax_group in linears[0].amax_groups.values():  # the same groups for every block linear
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
         scales = [linear.scale[1] if linear.recipe.mode == "delayed" and linear.history_ready else  # as the linear
                   scale_from_amax(value, linear.fmt_max[1], linear.recipe.margin) for linear, value in zip(linears, amax)]
@@ -704,17 +677,16 @@ class ZeroWeightCodec:
         """Each weight's gathered codes → q/s in `into` (its working weight, flat), and its linear told the amax.
         codes None: `into` was gathered exactly (ZeRO's unshard): the linears scale from the weights again."""
         for i, (weight, target) in enumerate(zip(weights, into)):
-            linear = self.linear_of[weight]
-            if codes is None:
-                linear.gathered_weight_amax = None
-                continue
-            scales, amax = decoding
-            target.copy_(dequantize_from_uint8(codes[i], scales[i], target.dtype))
-            linear.gathered_weight_amax = amax[i]
+            gathered_amax = None
+            if codes is not None:
+                scales, amax = decoding
+                target.copy_(dequantize_from_uint8(codes[i], scales[i], target.dtype))
+                gathered_amax = amax[i]
+            self.linear_of[weight].gathered_weight_amax = gathered_amax
 
     def encode_messages(self, weights: list, group_name: str | None) -> Messages:
         """What one `encode` of `weights` sends (group_name None: a gathering group of one rank sends nothing)."""
         out = Messages()
-        for name in ((group_name,) if group_name else ()) + tuple(self.linear_of[weights[0]].amax_group_names):
+        for name in ((group_name,) if group_name else ()) + tuple(self.linear_of[weights[0]].amax_groups):
             out.add("all_reduce", name, 1, 4 * len(weights))
         return out
