@@ -1,7 +1,7 @@
 """FP8 training: the block linears compute their GEMMs in 8-bit floats, with per-tensor or blockwise scales.
 
-E4M3 (4 exponent bits, 3 mantissa bits) reaches 448, E5M2 57344 (more range, less precision). A tensor x goes
-to FP8 with a scale s that puts its largest magnitude near the top of the format:
+E4M3 (4 exponent bits, 3 mantissa bits) reaches 448, E5M2 57344 (more range, less precision). A tensor x goes to
+FP8 with a scale s that puts its largest magnitude near the top of the format:
 
     s = max_format / amax / 2^margin,       q = cast(clamp(x·s, -max_format, max_format)),       x ≈ q / s
 
@@ -10,64 +10,64 @@ Micikevicius et al. 2022 ("FP8 formats for deep learning") and Transformer Engin
 and output gradients E5M2: the forward GEMM is e4m3×e4m3, the backward ones (dX = dY·W, dW = dYᵀ·X) e5m2×e4m3.
 The recipe (`--fp8`) chooses the scale:
   current    amax of this tensor now (reduced over the ranks that hold pieces of it);
-  delayed    Transformer Engine's DelayedScaling: the scale of step s comes from the amax HISTORY of steps
-             < s (`max` over the last L steps or the `most_recent`), so no reduction waits in the forward
-             (the first step, with an empty history, scales like `current`, as torchao's did);
+  delayed    Transformer Engine's DelayedScaling: the scale of step s comes from the amax HISTORY of steps < s
+             (`max` over the last L steps or the `most_recent`), so no reduction waits in the forward (the first
+             step, with an empty history, scales like `current`, as torchao's did);
   blockwise  DeepSeek-V3 (2024, section 3.3): all E4M3, one scale per 1×128 tile of activations and output
              gradients and per 128×128 block of weights (current scaling, tile by tile).
 
 Which layers: the block linears (attention's c_attn and c_proj, the MLP's c_fc and c_proj: ~2/3 of a GPT's
-FLOPs). The embedding is a lookup; the head stays in the compute dtype (its logits feed the cross-entropy,
-whose gradient lives in small differences), the loss in fp32, MoE routers (`router`, `gate`) precise as in
-DeepSeek-V3 (a flipped top-k choice is not a small error), the experts' linears in the compute dtype (their
-row counts are data-dependent, the FP8 GEMM needs multiples of 16: padding them in the dispatch would lift it).
+FLOPs). The embedding is a lookup; the head stays in the compute dtype (its logits feed the cross-entropy, whose
+gradient lives in small differences), the loss in fp32, MoE routers (`router`, `gate`) precise as in DeepSeek-V3
+(a flipped top-k choice is not a small error), the experts' linears in the compute dtype (their row counts are
+data-dependent, the FP8 GEMM needs multiples of 16: padding them in the dispatch would lift this).
 
-One logical tensor, one scale, on any mesh: ranks holding pieces of one logical tensor (TP shards of a
-weight, an activation or its gradient; CP pieces of a sequence) MAX-reduce its amax before quantising, so
-every element is quantised exactly as on one device (data-parallel ranks hold other data: current scaling
-never reduces over them). The delayed history of step s is the max over its micro-batches and ranks (the
-linear's gradient group, dp×cp or expert-dp, and TP): the same on every rank holding the linear. On GPUs
-with FP8 tensor cores (compute capability ≥ 8.9) the per-tensor GEMMs run on `torch._scaled_mm`; elsewhere
-(and for blockwise) they are emulated on the same quantised values, multiplied in fp32 (fp64 for float64
-models) and rounded once, as tensor cores accumulate; `_scaled_mm`'s rules are checked on every device.
+One logical tensor, one scale, on any mesh: the ranks holding pieces of a tensor (TP shards of a weight, an
+activation or its gradient; CP pieces of a sequence) MAX-reduce its amax before quantising, so every element is
+quantised as on one device (data-parallel ranks hold other data: current scaling never reduces over them); the
+delayed history of step s is the max over its micro-batches and ranks (the linear's gradient group, dp×cp or
+expert-dp, and TP). With FP8 tensor cores (compute capability ≥ 8.9) the per-tensor GEMMs run on
+`torch._scaled_mm`; elsewhere (and for blockwise) they are emulated on the same quantised values, multiplied in
+fp32 (fp64 for float64 models) and rounded once, as tensor cores accumulate; `_scaled_mm`'s rules are checked
+on every device.
 
-Symbols: M = b·s/C tokens per micro-batch on a rank (b micro-batch, s sequence, C context parallel; with
---sp the column layers see the gathered b·s), h hidden, T tensor parallel, L history length, n = FP8 linears
-this rank holds, m micro-batches per step, e_c bytes of a compute-dtype element (bf16: 2).
+Symbols: M = b·s/C tokens per micro-batch on a rank (b micro-batch, s sequence, C context parallel; with --sp
+the column layers see the gathered b·s), h hidden, T tensor parallel, L history length, n = FP8 linears this rank
+holds, e_c bytes of a compute-dtype element (bf16: 2).
 
-1. Replicated and split: nothing new is split. Each FP8 linear keeps its parameters (TP/EP shards as they
-   were) and adds, per role (input, weight, grad_output), a scale and an L-long amax history, identical on
-   every rank holding the linear.
-2. Peak per device: the scaling state, n·(3L + 18)·4 bytes. Each FP8 linear saves its input for backward in
-   FP8: Σ_j M·K_j·(e_c - 1) bytes less per micro-batch in flight (`saved_input_bytes`; K_j its local input
-   width; per GPT layer M·h·(2 + 5/T)·(e_c - 1); blockwise adds a float32 scale per 128 values, +3%). The
-   weight is quantised once per optimizer step (`WeightCodes`) for every micro-batch in flight: Σ_j N_j·K_j
-   bytes, twice on the per-tensor recipes (dX's column-major copy), instead of autocast's e_c-byte copy.
-   Under --sp a column layer keeps its gathered input in FP8 (M·h bytes, not its 2·M·h/T bf16 shard) and
-   does not re-gather it in backward (`convert` switches `regather` off). Temporaries: the fp32 scaled copy
-   being quantised (≤ 4·M·4h/T bytes), FP8 transposes of dY and X in backward; under the pipeline's zb,
-   dW's FP8 operands (M·(N_j + K_j) bytes) and db from I to W.
+1. Replicated and split: nothing new is split. Each FP8 linear keeps its parameters (TP shards as they were) and
+   adds, per role (input, weight, grad_output), a scale and an L-long amax history, replicated.
+2. Peak per device: the scaling state, n·(3L + 18)·4 bytes. Each FP8 linear saves its input for backward in FP8:
+   Σ_j M·K_j·(e_c - 1) bytes less per micro-batch in flight (`saved_input_bytes`; K_j its local input width; per
+   GPT layer M·h·(2 + 5/T)·(e_c - 1); blockwise adds a float32 scale per 128 values, +3%). The weight is
+   quantised once per optimizer step (`WeightCodes`) for every micro-batch in flight: Σ_j N_j·K_j bytes, twice
+   on the per-tensor recipes (dX's column-major copy), instead of autocast's e_c-byte copy. Under --sp a column
+   layer keeps its gathered input in FP8 (M·h bytes, not its 2·M·h/T bf16 shard) and does not re-gather it in
+   backward (`convert` switches `regather` off). Temporaries: the fp32 scaled copy being quantised
+   (≤ 4·M·4h/T bytes), FP8 transposes of dY and X in backward; under the pipeline's zb, dW's FP8 operands
+   (M·(N_j + K_j) bytes) and db from I to W.
 3. Messages (all_reduce MAX, float32, on the critical path, tiny and latency-bound; `predicted_messages`):
-     current:   per linear and micro-batch: forward 8 bytes ([amax_x, amax_w]), backward 4 bytes (amax_dY),
-                over cp and over tp (each when its size > 1); activation checkpointing repeats the forward's.
+     current:   per linear and micro-batch: forward 8 bytes ([amax_x, amax_w]), backward 4 bytes (amax_dY), over
+                cp and over tp (each when its size > 1); activation checkpointing repeats the forward's.
      delayed:   per optimizer step, in `after_grad_sync`: one 12·n-byte all_reduce over the linears' gradient
                 group (dp_cp; expert_dp for experts) and one over tp (each when its size > 1); the first step
                 (empty history) also sends the current recipe's messages.
      blockwise: none: the tiles are local (`config_from_flags` requires TP-split widths that are multiples of
-                128; under CP dW's 128-token tiles are this rank's tokens, so blockwise equals the single
-                device only when its sequence pieces hold whole tiles).
-     ZeRO-3 gathers these weights as E4M3 bytes with one shared scale (`ZeroWeightCodec`, the last section).
-4. Restart state: per linear and role the amax history and scale (delayed; current and blockwise have
-   none), keyed by the linear's global name (`state_pieces`): the same on every rank holding the linear, so
-   a checkpoint writes them once and any mesh restores them; a restored run replays bitwise.
+                128; under CP dW's 128-token tiles are this rank's tokens, so blockwise equals the single device
+                only when its sequence pieces hold whole tiles).
+   ZeRO-3 gathers these weights as E4M3 bytes, each gather adding a MAX all_reduce of 4 bytes per weight over
+   the gathering group and the amax groups (`ZeroWeightCodec`, the last section).
+4. Restart state: per linear and role the amax history and scale (delayed; current and blockwise have none),
+   keyed by the linear's global name (`state_pieces`): the same on every rank holding the linear, so a
+   checkpoint writes them once and any mesh restores them; a restored run replays bitwise.
 
-The axis (step.Axis): `config_from_flags` before any process group; `apply(model, run, recipe)` after PP,
-before DDP/ZeRO; `after_grad_sync` once per optimizer step; `state_pieces`; `predicted_messages` and
-`traced_prediction`. Amaxes are recorded in training only (a forward with autograd, every backward).
+The axis (step.Axis): `config_from_flags` before any process group, `apply(model, run, recipe)` after PP and
+before DDP/ZeRO. Amaxes are recorded in training only (a forward with autograd, every backward).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -163,10 +163,9 @@ class Recipe:
 
 
 def roll_history(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fmt_max, recipe: Recipe):
-    """One step of delayed scaling: (new history, new scale) for histories [..., L] (index 0 = latest). A
-    finite amax enters the history (the oldest leaves); a non-finite one does not, and that role keeps its
-    history and scale. s = max_format / (max over the history, or its latest entry) / 2^margin, kept when
-    that amax is 0 (nothing seen yet)."""
+    """One step of delayed scaling on histories [..., L] (index 0 the latest): (new history, new scale). A finite
+    amax enters (the oldest leaves); a non-finite one leaves that role's history and scale as they were. s =
+    max_format / (the history's max, or its latest entry) / 2^margin, kept while that is 0 (nothing seen yet)."""
     finite = torch.isfinite(amax)
     rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
     history = torch.where(finite.unsqueeze(-1), rolled, history)
@@ -216,20 +215,17 @@ def has_fp8_tensor_cores(device) -> bool:
 
 
 # --- The FP8 linear ------------------------------------------------------------------------------------------
-
-
 # Blockwise (DeepSeek-V3): every scale covers 128 consecutive values of the dimension its GEMM contracts, so it
 # factors out of each 128-long partial sum; the weight's 128×128 blocks serve both of its GEMMs.
 #   forward   Y  = X·Wᵀ   contracts K        X [M, K] in 1×128 tiles,   W [N, K] in 128×128 blocks
 #   input     dX = dY·W   contracts N        dY [M, N] in 1×128 tiles,  W as above
 #   weight    dW = dYᵀ·X  contracts M tokens dY [M, N] and X [M, K] in 128×1 tiles
-# quantize_tiles gives (codes, inverse-scale grid [⌈rows/r⌉, ⌈cols/c⌉], amax): W's grid is [⌈N/128⌉, ⌈K/128⌉],
-# the forward's X's [M, ⌈K/128⌉], dX's dY's [M, ⌈N/128⌉], dW's dY's and X's [⌈M/128⌉, N] and [⌈M/128⌉, K].
+# The inverse-scale grids (quantize_tiles): W [⌈N/128⌉, ⌈K/128⌉], X [M, ⌈K/128⌉], dX's dY [M, ⌈N/128⌉].
 
 
 def blockwise_weight_grad_operands(dy: torch.Tensor, qx: torch.Tensor, ix: torch.Tensor, wide: torch.dtype):
-    """dW's operands, both in 128×1 tiles along the tokens: (dY codes, grid [⌈M/128⌉, N], X codes, grid
-    [⌈M/128⌉, K]). X is re-tiled from its forward codes (the only X kept)."""
+    """dW's operands in 128×1 tiles: (dY codes, grid [⌈M/128⌉, N], X codes, grid [⌈M/128⌉, K]); X re-tiled
+    from its forward codes (the only X kept)."""
     qdy_t, idy_t, _ = quantize_tiles(dy, TILE_ACTIVATION_T)
     qx_t, ix_t, _ = quantize_tiles(dequantize_tiles(qx, ix, TILE_ACTIVATION, wide), TILE_ACTIVATION_T)
     return qdy_t, idy_t, qx_t, ix_t
@@ -248,15 +244,17 @@ def weight_gradient(layer, operands: tuple, wide: torch.dtype) -> torch.Tensor:
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
-    """Y = X·Wᵀ + b with X, W in E4M3 and dY in E5M2 (blockwise: all E4M3); saves X in FP8 and uses the step's
-    FP8 weight (`Fp8Linear.weight_codes`) in both passes. store: the pipeline's WeightGradStore under zb (the
-    weight and bias then arrive detached): backward computes dX now and hands the store a callable for dW and
-    db, which keeps dW's FP8 operands (dY, X, their scales) and db until the W action."""
+    """Y = X·Wᵀ + b; saves X in FP8 and uses the step's FP8 weight (`Fp8Linear.weight_codes`) in both passes.
+    store: the pipeline's WeightGradStore under zb (weight and bias then arrive detached): backward computes dX
+    now and hands the store a callable that keeps dW's FP8 operands and db until the W action."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, training, store):
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        layer.check_shapes(x2.shape[0], training)
+        errors = gemm_shape_errors(x2.shape[0], layer.in_features, layer.out_features, training)
+        if errors:
+            raise ValueError(f"FP8 linear {layer.name} [{layer.out_features}×{layer.in_features}]: "
+                             + "; ".join(errors) + " (torch._scaled_mm's rules, checked on every device)")
         device = x.device.type  # the output in autocast's dtype, as nn.Linear's would be
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         wide = _wide(out_dtype)  # float32 inverse scales on the GPU path
@@ -272,11 +270,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 y = (dequantize_tiles(qx, ix, TILE_ACTIVATION, wide)
                      @ dequantize_tiles(codes.q, codes.inverse_scales, TILE_WEIGHT, wide).t()).to(out_dtype)
             else:
-                if codes is not None:
-                    amax_w = codes.amax
-                elif layer.gathered_weight_amax is not None:  # ZeRO-3 gathered E4M3 codes scaled with this amax
-                    amax_w = layer.gathered_weight_amax
-                else:
+                # the weight's amax: its step codes', else ZeRO-3's (whose gathered codes were scaled with it)
+                amax_w = codes.amax if codes is not None else layer.gathered_weight_amax
+                if amax_w is None:
                     amax_w = amax_of(weight)
                 amax = torch.stack([amax_of(x2), amax_w])
                 scale = layer.scales(FORWARD, amax)  # the weight's is the same for every micro-batch of a step
@@ -319,7 +315,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 layer.observe(BACKWARD, amax, scale, (sat,), (qdy.numel(),))
                 idy = scale[0].to(wide).reciprocal()
                 if ctx.needs_input_grad[0]:
-                    dx = scaled_matmul(qdy, idy, codes.column_major(), codes.scale.to(wide).reciprocal(),
+                    dx = scaled_matmul(qdy, idy, codes.column_major, codes.scale.to(wide).reciprocal(),
                                        ctx.out_dtype, layer.use_scaled_mm, "input gradient dX = dY·W")
                 operands = (qdy, idy, qx, ix)
             wants_db = ctx.has_bias and (ctx.needs_input_grad[2] or store is not None)
@@ -335,9 +331,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 @dataclass(eq=False)
 class WeightCodes:
-    """A weight in FP8 for one optimizer step: quantised by the step's first micro-batch, used by every forward
-    and backward of the step (the weight does not change within it). The column-major copy dX needs is built
-    by the first backward."""
+    """A weight in FP8 for one optimizer step (it does not change within it): quantised by the step's first
+    micro-batch, used by all its forwards and backwards; dX's column-major copy is built by the first backward."""
 
     q: torch.Tensor  # [N, K] row-major
     scale: torch.Tensor | None  # per tensor: s
@@ -346,21 +341,18 @@ class WeightCodes:
     saturated: torch.Tensor | None  # values the clamp cut (delayed)
     source: tuple  # what it was made from (Fp8Linear._weight_source): compared before every use
     gathered_amax: torch.Tensor | None  # ZeRO-3's, compared by identity
-    _column_major: torch.Tensor | None = None
 
+    @functools.cached_property
     def column_major(self) -> torch.Tensor:
         """W [N, K] with N contiguous: _scaled_mm's second operand of dX = dY·W."""
-        if self._column_major is None:
-            self._column_major = self.q.t().contiguous().t()
-        return self._column_major
+        return self.q.t().contiguous().t()
 
 
 class Fp8Linear(nn.Linear):
     """A drop-in for a local nn.Linear (plain or a TP shard inside Column/RowParallelLinear): the SAME parameter
     objects, its GEMMs in FP8, and its scaling state (per role: history, scale). amax_groups: {mesh group name:
-    process group} over which pieces of this linear's tensors are spread (cp, tp): current scaling MAX-reduces
-    amaxes over them; delayed_groups: the mesh group names the delayed roll reduces over. gemm: "auto"
-    (_scaled_mm on FP8 tensor cores, else emulated), "emulated", or "scaled_mm" (forced: tests run it on CPU).
+    process group} over which pieces of its tensors are spread (cp, tp), for current scaling; delayed_groups:
+    the mesh groups the delayed roll reduces over; gemm: "auto", "emulated" or "scaled_mm" (forced, for tests).
     Under the pipeline's zb it defers its own weight gradient (`defers_weight_grad`: the store does not patch
     its forward): with `weight_grad_store` set, its backward leaves dW and db to the store's W."""
 
@@ -399,12 +391,6 @@ class Fp8Linear(nn.Linear):
             weight, bias = weight.detach(), None if bias is None else bias.detach()
         return _Fp8LinearFunction.apply(x, weight, bias, self, training, store)
 
-    def check_shapes(self, tokens: int, training: bool) -> None:
-        errors = gemm_shape_errors(tokens, self.in_features, self.out_features, training)
-        if errors:
-            raise ValueError(f"FP8 linear {self.name or ''} [{self.out_features}×{self.in_features}]: "
-                             + "; ".join(errors) + " (torch._scaled_mm's rules, checked on every device)")
-
     def _weight_source(self, weight: torch.Tensor) -> tuple:
         """What the FP8 weight depends on: the tensor (address, in-place version: a step, a checkpoint load)
         and the delayed scale (its version: a roll, a restored state; and whether the history is ready)."""
@@ -423,13 +409,14 @@ class Fp8Linear(nn.Linear):
                                         self.gathered_weight_amax)
         return self.weight_codes
 
-    def scales(self, roles: slice, amax: torch.Tensor) -> torch.Tensor:
-        """The scales to quantise `roles` with now: the delayed ones, or from the amaxes reduced over the
-        ranks holding pieces of these tensors (current scaling, and delayed while the history is empty)."""
+    def scales(self, roles: slice, amax: torch.Tensor, reduced: bool = False) -> torch.Tensor:
+        """The scales to quantise `roles` with now: the delayed ones, or from the amaxes MAX-reduced over the
+        ranks holding pieces of these tensors (current scaling, and delayed while the history is empty).
+        reduced: the caller has reduced them (ZeRO-3's codec, all weights of a unit in one all-reduce)."""
         if self.recipe.mode == "delayed" and self.history_ready:
             return self.scale[roles].clone()
         amax = torch.nan_to_num(amax, nan=float("inf"))  # MAX must not drop a NaN
-        for group in self.amax_groups.values():
+        for group in () if reduced else self.amax_groups.values():
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return scale_from_amax(amax, self.fmt_max[roles], self.recipe.margin)
 
@@ -468,10 +455,9 @@ class Fp8Linear(nn.Linear):
 
 
 def config_from_flags(args, settings) -> Recipe | None:
-    """The FP8 recipe of --fp8 and its flags (None without --fp8), checked once, before any process group:
-    _scaled_mm's shape rules for every block linear's local shard on this mesh, and for blockwise under TP
-    that the 128-wide tiles do not straddle TP shards. Raises ValueError naming the flags. (The choices and
-    ranges of --fp8, --fp8-amax-history, --fp8-amax-algo and --fp8-margin are argparse's and flags.py's.)"""
+    """The FP8 recipe of --fp8 and its flags (None without --fp8; their choices and ranges are flags.py's),
+    checked once, before any process group: _scaled_mm's shape rules for every block linear's local shard on
+    this mesh, and for blockwise under TP that no 128-wide tile straddles TP shards. ValueError names the flags."""
     mode = args.fp8
     if mode is None:
         return None
@@ -523,8 +509,7 @@ def apply(model: nn.Module, run, recipe: Recipe) -> Fp8Handle:
 
 
 class Fp8Handle(Axis):
-    """What the trainer talks to: the step's end (`after_grad_sync`), the scaling state for checkpoints, the
-    predicted messages. linears: {global name: Fp8Linear}; micro_batches: m; recomputes: activation
+    """The axis handle. linears: {global name: Fp8Linear}; micro_batches: m; recomputes: activation
     checkpointing (a block's forward, and its amax reductions, run twice)."""
 
     name = "fp8"
@@ -541,11 +526,10 @@ class Fp8Handle(Axis):
 
     @torch.no_grad()
     def after_grad_sync(self, layout=None) -> int:
-        """Close the step, after the gradient reduction: drop its FP8 weights (the optimizer step comes next),
-        reduce its amaxes (delayed: MAX over each linear's gradient group and tp), roll the finite ones into
-        the histories. Returns how many linears had a non-finite amax on this rank, which the update adds to
-        its world finite check (every rank skips the step). The roll does not wait for that verdict: a step
-        skipped for another reason (an fp16 overflow) still records its tensors, as Transformer Engine does."""
+        """Close the step: drop its FP8 weights (the update comes next), reduce its amaxes (delayed: docstring
+        item 3), roll the finite ones into the histories. Returns this rank's count of linears with a non-finite
+        amax (the update's world finite check then skips the step everywhere). The roll does not wait for that
+        verdict: a step skipped for another reason (an fp16 overflow) still records its amaxes, as in TE."""
         if not self.linears:
             return 0
         linears = list(self.linears.values())
@@ -619,7 +603,7 @@ def saved_input_bytes(linears, tokens: int, compute_bytes: int) -> dict:
     return {"fp8": elements, "compute": elements * compute_bytes, "saved": elements * (compute_bytes - 1)}
 
 
-# --- The ZeRO-3 weight codec ------------------------------------------------------------------------------
+# --- The ZeRO-3 weight codec ---------------------------------------------------------------------------------
 
 
 def quantize_to_uint8(shard: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -638,12 +622,7 @@ class ZeroWeightCodec:
     """How ZeRO-3 gathers the FP8 linears' weights: as E4M3 bytes (one per element instead of b_w), each weight
     with ONE scale shared by every rank holding a piece of it, so the gathered weight is what its linear would
     quantise the whole tensor to. `convert` attaches it to every FP8 weight as `weight.gather_codec` (blockwise
-    scales 128×128 blocks, no one scale to share: no codec); zero.py knows that attribute and these methods:
-
-        encode(weights, segments, group) -> (codes, decoding)    this rank's shard segments → uint8 codes
-        decode(weights, codes, into, decoding)                    the gathered codes → the working weights
-        encode_messages(weights, group_name) -> Messages          what one encode sends
-
+    has no one scale to share: no codec); zero.py knows that attribute and the three methods below.
     The scale: the segments' amaxes in ONE all-reduce (MAX, 4 bytes per weight) over the gathering group, then
     over the linears' amax groups (their TP/CP pieces); under delayed scaling with a history, the linear's own
     scale[1]. decode tells each linear the amax its codes were scaled with (`gathered_weight_amax`), so that it
@@ -668,8 +647,7 @@ class ZeroWeightCodec:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         for amax_group in linears[0].amax_groups.values():  # the same groups for every block linear
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
-        scales = [linear.scale[1] if linear.recipe.mode == "delayed" and linear.history_ready else  # as the linear
-                  scale_from_amax(value, linear.fmt_max[1], linear.recipe.margin) for linear, value in zip(linears, amax)]
+        scales = [linear.scales(slice(1, 2), value.view(1), reduced=True)[0] for linear, value in zip(linears, amax)]
         return [quantize_to_uint8(s, scale) for s, scale in zip(segments, scales)], (scales, amax)
 
     @torch.no_grad()
