@@ -27,9 +27,8 @@ activation or its gradient; CP pieces of a sequence) MAX-reduce its amax before 
 quantised as on one device (data-parallel ranks hold other data: current scaling never reduces over them); the
 delayed history of step s is the max over its micro-batches and ranks (the linear's gradient group, dp×cp or
 expert-dp, and TP). With FP8 tensor cores (compute capability ≥ 8.9) the per-tensor GEMMs run on
-`torch._scaled_mm`; elsewhere (and for blockwise) they are emulated on the same quantised values, multiplied in
-fp32 (fp64 for float64 models) and rounded once, as tensor cores accumulate; `_scaled_mm`'s rules are checked
-on every device.
+`torch._scaled_mm`, elsewhere (and for blockwise) emulated on the same quantised values in fp32 (fp64 for
+float64 models), rounded once as tensor cores accumulate; `_scaled_mm`'s rules are checked on every device.
 
 Symbols: M = b·s/C tokens per micro-batch on a rank (b micro-batch, s sequence, C context parallel; with --sp
 the column layers see the gathered b·s), h hidden, T tensor parallel, L history length, n = FP8 linears this rank
@@ -60,9 +59,6 @@ holds, e_c bytes of a compute-dtype element (bf16: 2).
 4. Restart state: per linear and role the amax history and scale (delayed; current and blockwise have none),
    keyed by the linear's global name (`state_pieces`): the same on every rank holding the linear, so a
    checkpoint writes them once and any mesh restores them; a restored run replays bitwise.
-
-The axis (step.Axis): `config_from_flags` before any process group, `apply(model, run, recipe)` after PP and
-before DDP/ZeRO. Amaxes are recorded in training only (a forward with autograd, every backward).
 """
 
 from __future__ import annotations
@@ -190,9 +186,8 @@ def gemm_shape_errors(m: int, k: int, n: int, training: bool = True) -> list:
 
 
 def scaled_matmul(a, a_inverse_scale, b, b_inverse_scale, out_dtype, use_scaled_mm: bool, what: str = "GEMM"):
-    """(a·a_inv)·(b·b_inv) in out_dtype, a and b per-tensor-scaled FP8, accumulated in fp32 (fp64 emulated).
-    _scaled_mm's operand rules are checked on every device (a ValueError here is what a GPU would refuse):
-    a [M,K] row-major, b [K,N] column-major, not both e5m2, K and N multiples of 16."""
+    """(a·a_inv)·(b·b_inv) in out_dtype, a and b per-tensor-scaled FP8, accumulated in fp32 (fp64 emulated), after
+    _scaled_mm's operand rules, checked on every device (a ValueError here is what a GPU would refuse)."""
     if a.dtype == b.dtype == E5M2.dtype:
         raise ValueError(f"FP8 {what}: e5m2 × e5m2 has no tensor-core GEMM (torch._scaled_mm); one operand"
                          f" must be e4m3")
@@ -353,8 +348,8 @@ class Fp8Linear(nn.Linear):
     objects, its GEMMs in FP8, and its scaling state (per role: history, scale). amax_groups: {mesh group name:
     process group} over which pieces of its tensors are spread (cp, tp), for current scaling; delayed_groups:
     the mesh groups the delayed roll reduces over; gemm: "auto", "emulated" or "scaled_mm" (forced, for tests).
-    Under the pipeline's zb it defers its own weight gradient (`defers_weight_grad`: the store does not patch
-    its forward): with `weight_grad_store` set, its backward leaves dW and db to the store's W."""
+    Under the pipeline's zb it defers its own weight gradient (`defers_weight_grad`: the store does not patch its
+    forward), through `weight_grad_store` (see _Fp8LinearFunction)."""
 
     defers_weight_grad = True
 
@@ -619,14 +614,11 @@ def dequantize_from_uint8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.
 
 
 class ZeroWeightCodec:
-    """How ZeRO-3 gathers the FP8 linears' weights: as E4M3 bytes (one per element instead of b_w), each weight
-    with ONE scale shared by every rank holding a piece of it, so the gathered weight is what its linear would
-    quantise the whole tensor to. `convert` attaches it to every FP8 weight as `weight.gather_codec` (blockwise
-    has no one scale to share: no codec); zero.py knows that attribute and the three methods below.
-    The scale: the segments' amaxes in ONE all-reduce (MAX, 4 bytes per weight) over the gathering group, then
-    over the linears' amax groups (their TP/CP pieces); under delayed scaling with a history, the linear's own
-    scale[1]. decode tells each linear the amax its codes were scaled with (`gathered_weight_amax`), so that it
-    scales the decoded q/s with exactly s and re-quantises it to the same codes."""
+    """How ZeRO-3 gathers the FP8 linears' weights (`convert` sets `weight.gather_codec`; blockwise has no one
+    scale to share: no codec; zero.py knows only that attribute and the methods below): as E4M3 bytes, each
+    weight with ONE scale (`Fp8Linear.scales` of its amax MAX-reduced over the ranks holding pieces of it), so
+    the gathered weight is what its linear would quantise the whole tensor to. decode tells each linear the amax
+    its codes were scaled with (`gathered_weight_amax`), so that it re-quantises the decoded q/s to the same codes."""
 
     def __init__(self):
         self.linear_of = {}  # weight parameter → its Fp8Linear
