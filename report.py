@@ -943,8 +943,16 @@ def _fp8_scale_table(handle, run, steps: int) -> list:
     for name, linear in handle.linears.items():
         scales = (linear.scale if handle.recipe.mode == "delayed" else linear.last_scale).tolist()
         rows.append(f"  {names[name]:<{width}}" + "".join(f"  {s:17.3e} {p:5.2f}%"
-                                                           for s, p in zip(scales, linear.take_saturation())))
+                                                           for s, p in zip(scales, _take_saturation(linear))))
     return rows
+
+
+def _take_saturation(linear) -> list:
+    """Per role, the percentage of values the clamp cut since the last table (this rank's); restarts."""
+    shares = [100 * c / max(1, n) for c, n in zip(linear.saturated.tolist(), linear.quantized)]
+    linear.saturated.zero_()
+    linear.quantized = [0, 0, 0]
+    return shares
 
 
 def _fp8_end(handle, run, steps: int) -> list:
