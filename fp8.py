@@ -5,10 +5,9 @@ FP8 with a scale s that puts its largest magnitude near the top of the format:
 
     s = max_format / amax / 2^margin,       q = cast(clamp(x·s, -max_format, max_format)),       x ≈ q / s
 
-The clamp matters: torch's E4M3 cast saturates at 448 in eager mode, but the E5M2 cast overflows to inf. As in
-Micikevicius et al. 2022 ("FP8 formats for deep learning") and Transformer Engine, inputs and weights are E4M3
-and output gradients E5M2: the forward GEMM is e4m3×e4m3, the backward ones (dX = dY·W, dW = dYᵀ·X) e5m2×e4m3.
-The recipe (`--fp8`) chooses the scale:
+The clamp matters: torch's E4M3 cast saturates at 448 in eager mode, the E5M2 cast overflows to inf. As in
+Micikevicius et al. 2022 and Transformer Engine, inputs and weights are E4M3, output gradients E5M2: the forward
+GEMM is e4m3×e4m3, the backward ones (dX = dY·W, dW = dYᵀ·X) e5m2×e4m3. The recipe (`--fp8`) chooses the scale:
   current    amax of this tensor now (reduced over the ranks that hold pieces of it);
   delayed    Transformer Engine's DelayedScaling: the scale of step s comes from the amax HISTORY of steps < s
              (`max` over the last L steps or the `most_recent`), so no reduction waits in the forward (the first
@@ -16,11 +15,10 @@ The recipe (`--fp8`) chooses the scale:
   blockwise  DeepSeek-V3 (2024, section 3.3): all E4M3, one scale per 1×128 tile of activations and output
              gradients and per 128×128 block of weights (current scaling, tile by tile).
 
-Which layers: the block linears (attention's c_attn and c_proj, the MLP's c_fc and c_proj: ~2/3 of a GPT's
-FLOPs). The embedding is a lookup; the head stays in the compute dtype (its logits feed the cross-entropy, whose
-gradient lives in small differences), the loss in fp32, MoE routers (`router`, `gate`) precise as in DeepSeek-V3
-(a flipped top-k choice is not a small error), the experts' linears in the compute dtype (their row counts are
-data-dependent, the FP8 GEMM needs multiples of 16: padding them in the dispatch would lift this).
+Which layers: the block linears (c_attn, attention's and the MLP's c_proj, c_fc: ~2/3 of a GPT's FLOPs). The
+head stays in the compute dtype (the cross-entropy's gradient lives in small differences), the loss in fp32, MoE
+routers precise as in DeepSeek-V3 (a flipped top-k choice is not a small error), the experts' linears in the
+compute dtype (data-dependent row counts; the FP8 GEMM needs multiples of 16).
 
 One logical tensor, one scale, on any mesh: the ranks holding pieces of a tensor (TP shards of a weight, an
 activation or its gradient; CP pieces of a sequence) MAX-reduce its amax before quantising, so every element is
@@ -30,9 +28,8 @@ expert-dp, and TP). With FP8 tensor cores (compute capability ≥ 8.9) the per-t
 `torch._scaled_mm`, elsewhere (and for blockwise) emulated on the same quantised values in fp32 (fp64 for
 float64 models), rounded once as tensor cores accumulate; `_scaled_mm`'s rules are checked on every device.
 
-Symbols: M = b·s/C tokens per micro-batch on a rank (b micro-batch, s sequence, C context parallel; with --sp
-the column layers see the gathered b·s), h hidden, T tensor parallel, L history length, n = FP8 linears this rank
-holds, e_c bytes of a compute-dtype element (bf16: 2).
+Symbols: M = b·s/C tokens per micro-batch on a rank (with --sp the column layers see the gathered b·s), h hidden,
+T tensor parallel, L history length, n FP8 linears on this rank, e_c bytes of a compute-dtype element (bf16: 2).
 
 1. Replicated and split: nothing new is split. Each FP8 linear keeps its parameters (TP shards as they were) and
    adds, per role (input, weight, grad_output), a scale and an L-long amax history, replicated.
@@ -399,7 +396,7 @@ class Fp8Linear(nn.Linear):
         return codes if fresh and codes.gathered_amax is self.gathered_weight_amax else None
 
     def cache_weight_codes(self, weight, q, amax, scale=None, inverse_scales=None, saturated=None):
-        """Keep the weight's FP8 codes until the step ends (Fp8Handle.end_step) or the weight changes."""
+        """Keep the weight's FP8 codes until the step ends (Fp8Handle.after_grad_sync) or the weight changes."""
         self.weight_codes = WeightCodes(q, scale, inverse_scales, amax, saturated, self._weight_source(weight),
                                         self.gathered_weight_amax)
         return self.weight_codes
@@ -450,9 +447,8 @@ class Fp8Linear(nn.Linear):
 
 
 def config_from_flags(args, settings) -> Recipe | None:
-    """The FP8 recipe of --fp8 and its flags (None without --fp8; their choices and ranges are flags.py's),
-    checked once, before any process group: _scaled_mm's shape rules for every block linear's local shard on
-    this mesh, and for blockwise under TP that no 128-wide tile straddles TP shards. ValueError names the flags."""
+    """The recipe of --fp8 (None without it), checked once before any process group: _scaled_mm's shape rules
+    for every block linear's local shard, and under blockwise TP no 128-wide tile straddling shards."""
     mode = args.fp8
     if mode is None:
         return None
@@ -471,10 +467,9 @@ def config_from_flags(args, settings) -> Recipe | None:
 
 
 def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1) -> Fp8Handle:
-    """Swap every nn.Linear inside the blocks (routers, gates and experts aside) for an Fp8Linear, in place; a
-    ColumnParallelLinear stops re-gathering its input (`regather` off: docstring item 2). mesh: a mesh.Mesh
-    (None: one process): the amax groups are cp and tp, the delayed roll's the linear's gradient group (dp_cp,
-    or expert_dp) and tp, each when it has more than one rank. micro_batches: m, for the predicted messages."""
+    """Swap every nn.Linear of the blocks (routers, gates and experts aside) for an Fp8Linear, in place; a
+    ColumnParallelLinear stops re-gathering its input (docstring item 2). mesh None: one process; else the amax
+    groups are cp and tp, the delayed roll's the gradient group and tp, each when larger than one rank."""
 
     def groups(*names):
         return tuple(n for n in names if mesh is not None and mesh.size(n) > 1)
@@ -514,17 +509,16 @@ class Fp8Handle(Axis):
         self.micro_batches, self.recomputes = micro_batches, recomputes
         self.first_steps = 0  # delayed steps that scaled like `current` (empty history)
         self.nonfinite_steps = 0  # steps in which some FP8 tensor had a non-finite amax (skipped everywhere)
-        buckets = {}  # delayed_groups → the rows of those linears in end_step's [n, 3] amaxes
+        buckets = {}  # delayed_groups → the rows of those linears in after_grad_sync's [n, 3] amaxes
         for row, linear in enumerate(linears.values()):
             buckets.setdefault(linear.delayed_groups, []).append(row)
         self.buckets = sorted(buckets.items())  # the same order on every rank
 
     @torch.no_grad()
     def after_grad_sync(self, layout=None) -> int:
-        """Close the step: drop its FP8 weights (the update comes next), reduce its amaxes (delayed: docstring
-        item 3), roll the finite ones into the histories. Returns this rank's count of linears with a non-finite
-        amax (the update's world finite check then skips the step everywhere). The roll does not wait for that
-        verdict: a step skipped for another reason (an fp16 overflow) still records its amaxes, as in TE."""
+        """Close the step: drop its FP8 weights (the update comes next), reduce its amaxes (docstring item 3),
+        roll the finite ones into the histories; return the count of linears with a non-finite amax (the update
+        then skips everywhere). A step skipped for another reason (fp16 overflow) still records, as in TE."""
         if not self.linears:
             return 0
         linears = list(self.linears.values())
@@ -547,8 +541,6 @@ class Fp8Handle(Axis):
         nonfinite = len(finite) - sum(finite)
         self.nonfinite_steps += nonfinite > 0
         return nonfinite
-
-    end_step = after_grad_sync  # the name the single-device loops (tests/reference.py, the bench) call
 
     def state_pieces(self) -> list:
         """The delayed recipe's histories and scales as logical tensors ("fp8/<linear>.amax_history", ".scale"):
@@ -581,7 +573,7 @@ class Fp8Handle(Axis):
         if self.recipe.mode == "delayed":
             for group_names, rows in self.buckets:
                 for group in group_names:
-                    out.add("all_reduce", group, 1, 12 * len(rows))  # end_step: [amax_x, amax_w, amax_dY]
+                    out.add("all_reduce", group, 1, 12 * len(rows))  # after_grad_sync: [amax_x, amax_w, amax_dY]
         return out
 
     def traced_prediction(self, layout, steps: int) -> Messages:
@@ -592,8 +584,7 @@ class Fp8Handle(Axis):
 
 
 def saved_input_bytes(linears, tokens: int, compute_bytes: int) -> dict:
-    """Bytes of the FP8 linears' saved inputs per micro-batch of `tokens` (M): {"fp8": Σ M·K_j, "compute": in
-    the compute dtype, "saved": Σ M·K_j·(e_c - 1)} (docstring item 2)."""
+    """The saved inputs' bytes per micro-batch of M `tokens`: fp8 Σ M·K_j, compute, saved Σ M·K_j·(e_c - 1)."""
     elements = sum(tokens * linear.in_features for linear in linears)
     return {"fp8": elements, "compute": elements * compute_bytes, "saved": elements * (compute_bytes - 1)}
 
@@ -608,17 +599,14 @@ def quantize_to_uint8(shard: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_from_uint8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse: q/scale in `dtype`. Re-quantising it with the same scale (or one from its amax, which
-    lands on the same values) gives q back exactly."""
+    """The inverse, q/scale in `dtype`: re-quantising it with the same scale gives q back exactly."""
     return dequantize(data.view(E4M3.dtype), scale, dtype)
 
 
 class ZeroWeightCodec:
-    """How ZeRO-3 gathers the FP8 linears' weights (`convert` sets `weight.gather_codec`; blockwise has no one
-    scale to share: no codec; zero.py knows only that attribute and the methods below): as E4M3 bytes, each
-    weight with ONE scale (`Fp8Linear.scales` of its amax MAX-reduced over the ranks holding pieces of it), so
-    the gathered weight is what its linear would quantise the whole tensor to. decode tells each linear the amax
-    its codes were scaled with (`gathered_weight_amax`), so that it re-quantises the decoded q/s to the same codes."""
+    """How ZeRO-3 gathers FP8 weights (zero.py knows only `weight.gather_codec` and these methods; blockwise,
+    with no one scale to share, has none): E4M3 bytes, each weight with ONE scale from its amax MAX-reduced over
+    its pieces, so decode's q/s re-quantises (`gathered_weight_amax`) to the codes of the whole tensor."""
 
     def __init__(self):
         self.linear_of = {}  # weight parameter → its Fp8Linear

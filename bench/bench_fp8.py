@@ -69,7 +69,7 @@ def numerics(device, n: int = 1024) -> None:
                 y, y_ref = layer(x), reference(x_ref)
             y.backward(grad)
             y_ref.backward(grad)
-            handle.end_step()
+            handle.after_grad_sync()
         fractions = [f"{100 * int(c) / max(1, q):.2f}%" for c, q in zip(layer.saturated.tolist(), layer.quantized)]
         print(f"  {mode:<10} {sqnr(y_ref, y):7.1f} {sqnr(x_ref.grad, x.grad):8.1f} "
               f"{sqnr(reference.weight.grad, plain.weight.grad):8.1f}   {', '.join(fractions)}")
@@ -112,7 +112,7 @@ def linear_throughput(device, n: int, steps: int, compile_too: bool) -> None:
         layer = fp8.Fp8Linear(nn.Linear(n, n, bias=False, device=device), fp8.Recipe(mode), mode)
         with torch.autocast(device.type, torch.bfloat16):
             layer(x).backward(grad)  # one step, rolled: delayed then quantises with its history's scales
-        fp8.Fp8Handle(layer.recipe, {mode: layer}).end_step()
+        fp8.Fp8Handle(layer.recipe, {mode: layer}).after_grad_sync()
         variants[mode] = layer
     if compile_too:
         variants.update({f"{name}+compile": torch.compile(layer) for name, layer in list(variants.items())})
@@ -149,7 +149,7 @@ def gpt2_step_ratio(device, batch: int, steps: int, compile_too: bool, preset: s
         with torch.autocast(device.type, torch.bfloat16):
             _, loss_sum, count = models[mode](idx, idx)
         (loss_sum / count).backward()
-        handle.end_step()  # delayed: from here on the scales come from the history
+        handle.after_grad_sync()  # delayed: from here on the scales come from the history
         models[mode].zero_grad(set_to_none=True)
     if compile_too:
         models.update({f"{name}+compile": torch.compile(m) for name, m in list(models.items())})
@@ -207,7 +207,7 @@ def train_small(device, steps: int, batch: int, seq: int, eval_batches: int, lr:
             with autocast:
                 _, loss_sum, count = model(x.to(device), y.to(device))
             (loss_sum / count).backward()
-            nonfinite = handle.after_grad_sync(None) if handle is not None else 0
+            nonfinite = handle.after_grad_sync() if handle is not None else 0
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if nonfinite:
                 skipped += 1

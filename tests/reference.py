@@ -82,7 +82,7 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
             objective = objective + micro_loss_sum / count + (aux / micro_batches if aux is not None else 0.0)
         objective.backward()
         if fp8_handle is not None:
-            fp8_handle.end_step()
+            fp8_handle.after_grad_sync()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
         optimizer.step()
         losses.append(float(loss_sum.detach() / count))

@@ -112,7 +112,7 @@ def test_linear_against_bf16_linear(mode):
         with torch.autocast("cpu", torch.bfloat16):
             y, y_ref = layer(x), reference(x_ref)
         y.backward(grad), y_ref.backward(grad)
-        handle.end_step()
+        handle.after_grad_sync()
     assert y.dtype == torch.bfloat16 and layer.weight is plain.weight
     assert sqnr(y_ref, y) >= 18
     assert sqnr(reference.weight.grad, plain.weight.grad) >= 17
@@ -274,7 +274,7 @@ def delayed_by_hand():
         sx, sw = used_scale[0].double(), used_scale[1].double()
         record = dict(y=y.detach(), by_hand=_hand_linear(x.detach(), w, b, sx, sw), used_scale=used_scale,
                       expected_scale=expected_scale, finite_grad=bool(torch.isfinite(plain.weight.grad).all()))
-        record["nonfinite"] = handle.after_grad_sync(None)
+        record["nonfinite"] = handle.after_grad_sync()
         # By hand: each role's amax enters when finite; scale = max/(max of history)/2^margin.
         new = torch.tensor([x_amax, amax_w, dy_amax]).float()
         for role, fmt_max in enumerate((448.0, 448.0, 57344.0)):
@@ -326,7 +326,7 @@ def test_state_pieces_restore_on_a_fresh_model_and_replay_bitwise():
     def step(model, handle, optimizer, x, y):
         _, loss_sum, count = model(x, y)
         (loss_sum / count).backward()
-        handle.after_grad_sync(None)
+        handle.after_grad_sync()
         optimizer.step()
         optimizer.zero_grad()
         return loss_sum.detach()
@@ -477,7 +477,7 @@ def cached_and_uncached(request):
                 _, loss_sum, _ = model(xb, yb)
                 (loss_sum / (y != -1).sum()).backward()
                 losses.append(loss_sum.detach())
-            handle.after_grad_sync(None)
+            handle.after_grad_sync()
             counts.append(counter.take())
             tables.append(report.axis_lines(handle, "step", None))
             optimizer.step()
@@ -559,7 +559,7 @@ def test_cached_weight_is_made_again_when_the_weight_changes():
     assert made_again(lambda: layer.roll(torch.ones(3), True))
     assert made_again(load(layer.scale, layer.scale * 0.5))
     assert made_again(load(layer.amax_history, torch.zeros_like(layer.amax_history)))  # not ready: current again
-    handle.end_step()
+    handle.after_grad_sync()
     assert layer.weight_codes is None
 
 
@@ -575,7 +575,7 @@ def test_activation_checkpointing_recomputes_the_same_quantisation(mode):
             model.zero_grad()
             _, loss_sum, count = model(x, y)
             (loss_sum / count).backward()
-            handle.end_step()
+            handle.after_grad_sync()
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
@@ -622,7 +622,7 @@ def _train(model, handle, dp_group, dp_rank, dp_size, tracer=None, finish_grad_s
             dist.all_reduce(loss, group=dp_group)
         if finish_grad_sync is not None:
             finish_grad_sync()
-        assert handle.after_grad_sync(None) == 0
+        assert handle.after_grad_sync() == 0
         if tracer is not None:
             tracer.__exit__(None, None, None)
             traced.append({(op, group): (r.calls, r.payload_bytes) for (op, group), r in tracer.records.items()
@@ -801,10 +801,10 @@ def test_apply_converts_the_block_linears_only(applied):
 
 
 def test_handle_keeps_to_the_axis_protocol():
-    """The handle overrides only step.Axis's protocol (plus its own end_step): the old hooks and printers are
+    """The handle overrides only step.Axis's protocol: the old hooks and printers are
     gone (ZeRO-3's codec rides on each FP8 weight, `gather_codec`), and train.py sets nothing on it."""
     own = {name for name, value in vars(fp8.Fp8Handle).items() if callable(value) and not name.startswith("__")}
-    assert own <= {"after_grad_sync", "end_step", "state_pieces", "predicted_messages", "traced_prediction"}, own
+    assert own <= {"after_grad_sync", "state_pieces", "predicted_messages", "traced_prediction"}, own
 
 
 def test_saved_input_bytes_formula(applied):
@@ -835,7 +835,7 @@ def test_step_and_end_lines(applied):
     """The scale table with each logged step; at the end one line of counts (the amax reductions are in
     report.print_end's message table, the scales in the last step's table: not repeated)."""
     _, run, handle = applied
-    handle.end_step()
+    handle.after_grad_sync()
     table = report.axis_lines(handle, "step", None)
     assert table[0].startswith("fp8 delayed: the scales in use") and len(table) == 2 + len(handle.linears)
     assert report.axis_lines(handle, "end", run, 1) == [
