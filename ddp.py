@@ -39,9 +39,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import mfu
-from ckpt import adam_step, replicated_state_pieces, set_adam_step
-from model import counts_here
-from optim import update
+from model import StatePiece, counts_here
+from optim import ensure_adam_state, update
 
 TAPER_BYTES = 2**20  # the size the last buckets start from (reverse_order_buckets' taper), torch DDP's first bucket
 
@@ -339,3 +338,56 @@ class DDPLayout:
             lines.append(f"critical path: the single bucket ({mfu.format_bytes(sizes[0])}) is sent after backward;"
                          f" lower --bucket-mb to overlap it")
         return lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The checkpoint's view of the parameters and torch AdamW's state (DDPLayout.state_pieces, ckpt.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict | None = None) -> list:
+    """StatePieces of a layout where data-parallel ranks hold the same parameters and torch AdamW state (DDP).
+
+    The parameters are the fp32 master weights here, so there are no `master/` pieces. Each logical piece is
+    written once: only copies that model.counts_here picks over the model axes (`coords`: a TP-replicated
+    LayerNorm on TP rank 0, the tied embedding on the first pipeline stage), and of the identical replicas in
+    a parameter's data-parallel group (`coords[grad_group]` is this rank's index in it, `group_sizes` its
+    size), by one member chosen so that each writes about 1/D of the bytes (greedy: the largest tensors
+    first, each to the least-loaded member; the same on every rank as it only reads shapes).
+    """
+    ensure_adam_state(optimizer)
+    params = [p for p in params if p.requires_grad]
+    group_sizes = group_sizes or {}
+    writer, load = {}, {}
+    for index in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        group = params[index].shard_info.grad_group
+        loads = load.setdefault(group, [0] * group_sizes.get(group, 1))
+        chosen = min(range(len(loads)), key=lambda d: loads[d])
+        writer[index], loads[chosen] = chosen, loads[chosen] + params[index].numel()
+    pieces = []
+    for index, p in enumerate(params):
+        info = p.shard_info
+        primary = writer[index] == coords.get(info.grad_group, 0) and counts_here(info, coords)
+        state = optimizer.state[p]
+        for kind, tensor in (("param", p.detach()), ("exp_avg", state["exp_avg"]),
+                             ("exp_avg_sq", state["exp_avg_sq"])):
+            pieces.append(StatePiece(f"{kind}/{info.global_name}", tensor, info, primary=primary))
+    return pieces
+
+
+def adam_step(optimizer) -> int:
+    """The step count torch's Adam/AdamW uses for bias correction (all parameters share it).
+
+    One step tensor is read: fused AdamW keeps them on the parameters' device, so this costs one host sync
+    (per checkpoint), not one per parameter."""
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def set_adam_step(optimizer, step: int) -> None:
+    ensure_adam_state(optimizer)  # a state created later would start again from 0
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"].fill_(step)  # in place: keeps the dtype and device torch chose (see ensure_adam_state)

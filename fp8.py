@@ -18,67 +18,57 @@ dW = dYᵀ·X) are e5m2×e4m3. How the scale is chosen is the recipe (`--fp8`):
              gradients and per 128×128 block of weights (current scaling, tile by tile).
 
 Which layers: the block linears (attention's c_attn and c_proj, the MLP's c_fc and c_proj: ~2/3 of a GPT's
-FLOPs). The embedding is a lookup, not a GEMM. The head stays in the compute dtype: its logits feed the
-softmax cross-entropy, whose gradient lives in the small differences between logits, and its weight is the
-tied embedding. The loss stays in fp32. MoE routers (modules named `router` or `gate`) stay in high
-precision too, as in DeepSeek-V3: a flipped top-k choice is not a small error. The experts' linears stay in
-the compute dtype for now: the rows an expert receives are data-dependent (dropless routing), and the FP8
-GEMM needs a multiple of 16 of them; padding each expert's rows in the dispatch would lift this.
+FLOPs). The embedding is a lookup; the head stays in the compute dtype (its logits feed the cross-entropy,
+whose gradient lives in small differences; its weight is the tied embedding), the loss in fp32, MoE routers
+(`router`, `gate`) precise, as in DeepSeek-V3 (a flipped top-k choice is not a small error), the experts'
+linears in the compute dtype for now (an expert's row count is data-dependent, the FP8 GEMM needs multiples
+of 16: padding them in the dispatch would lift this).
 
-One logical tensor, one scale, on any mesh. Ranks holding pieces of the same logical tensor (TP shards of a
-weight, of an activation or of its gradient; CP pieces of a sequence) reduce its amax with MAX before
-quantising, so every element is quantised exactly as on one device. Data-parallel ranks hold other data:
-current scaling never reduces over them. The delayed history of step s holds the max over all micro-batches
-and all ranks of step s (over the linear's gradient group, dp×cp or expert-dp, and TP): every rank that
-holds the linear has the same history, whatever the mesh. On GPUs with FP8 tensor cores (compute capability
-≥ 8.9) the per-tensor GEMMs run on `torch._scaled_mm`; elsewhere (and for blockwise) they are emulated with
-the same quantised values: the FP8 values times their inverse scales, multiplied in fp32 (fp64 for float64
-models) and rounded once to the output dtype, as the tensor cores accumulate. `_scaled_mm`'s rules (K and N
-multiples of 16, a column-major second operand, no e5m2×e5m2) are checked on every device.
+One logical tensor, one scale, on any mesh: ranks holding pieces of one logical tensor (TP shards of a
+weight, an activation or its gradient; CP pieces of a sequence) MAX-reduce its amax before quantising, so
+every element is quantised exactly as on one device (data-parallel ranks hold other data: current scaling
+never reduces over them). The delayed history of step s is the max over its micro-batches and ranks (the
+linear's gradient group, dp×cp or expert-dp, and TP): the same on every rank holding the linear. On GPUs
+with FP8 tensor cores (compute capability ≥ 8.9) the per-tensor GEMMs run on `torch._scaled_mm`; elsewhere
+(and for blockwise) they are emulated on the same quantised values, multiplied in fp32 (fp64 for float64
+models) and rounded once, as tensor cores accumulate. `_scaled_mm`'s rules (K and N multiples of 16, a
+column-major second operand, no e5m2×e5m2) are checked on every device.
 
 Symbols: M = b·s/C tokens per micro-batch on a rank (b micro-batch, s sequence, C context parallel; with
 --sp the column layers see the gathered b·s), h hidden, T tensor parallel, L history length, n = FP8 linears
 this rank holds, m micro-batches per step, e_c bytes of a compute-dtype element (bf16: 2).
 
 1. Replicated and split: nothing new is split. Each FP8 linear keeps its parameters (TP/EP shards as they
-   were) and adds, per role (input, weight, grad_output), one scale and an L-long amax history, identical
-   on every rank holding the linear.
+   were) and adds, per role (input, weight, grad_output), a scale and an L-long amax history, identical on
+   every rank holding the linear.
 2. Peak per device: the scaling state, n·(3L + 18)·4 bytes. Each FP8 linear saves its input for backward in
-   FP8 (1 byte) instead of the compute dtype: Σ_j M·K_j·(e_c - 1) bytes less per micro-batch in flight, K_j
-   its local input width; per GPT layer M·h·(2 + 5/T)·(e_c - 1) (c_attn and c_fc read h, c_proj h/T and
-   4h/T; blockwise adds a float32 scale per 128 values, +3%). The weight is quantised once per optimizer
-   step (the step's first micro-batch; `Fp8Linear.weight_codes`, dropped in `end_step`) and shared by every
-   micro-batch in flight: Σ_j N_j·K_j bytes, twice on the per-tensor recipes (dX's column-major copy), in
-   place of autocast's e_c-byte copy. Under --sp a column layer keeps its gathered input in FP8 (M·h bytes)
-   instead of its bf16 sequence shard (2·M·h/T) and does not re-gather it in backward (`convert` switches
-   ColumnParallelLinear's `regather` off). Temporaries: the fp32 scaled copy of the
-   tensor being quantised (≤ 4·M·4h/T bytes) and, in backward, FP8 transposes of dY and X. Under the
-   pipeline's zb each linear keeps dW's operands from I to W: the FP8 dY and X (M·(N_j + K_j) bytes, 16·M·h
-   per layer at T = 1) and db.
-3. Messages (all_reduce MAX, float32, on the critical path, tiny and latency-bound):
+   FP8: Σ_j M·K_j·(e_c - 1) bytes less per micro-batch in flight (`saved_input_bytes`; K_j its local input
+   width; per GPT layer M·h·(2 + 5/T)·(e_c - 1); blockwise adds a float32 scale per 128 values, +3%). The
+   weight is quantised once per optimizer step (`weight_codes`) for every micro-batch in flight: Σ_j N_j·K_j
+   bytes, twice on the per-tensor recipes (dX's column-major copy), instead of autocast's e_c-byte copy.
+   Under --sp a column layer keeps its gathered input in FP8 (M·h bytes, not its 2·M·h/T bf16 shard) and
+   does not re-gather it in backward (`convert` switches `regather` off). Temporaries: the fp32 scaled copy
+   being quantised (≤ 4·M·4h/T bytes), FP8 transposes of dY and X in backward; under the pipeline's zb,
+   dW's FP8 operands (M·(N_j + K_j) bytes) and db from I to W.
+3. Messages (all_reduce MAX, float32, on the critical path, tiny and latency-bound; `predicted_messages`):
      current:   per linear and micro-batch: forward 8 bytes ([amax_x, amax_w]), backward 4 bytes (amax_dY),
                 over cp and over tp (each when its size > 1); activation checkpointing repeats the forward's.
      delayed:   per optimizer step, in `end_step`: one 12·n-byte all_reduce over the linears' gradient group
                 (dp_cp; expert_dp for experts) and one over tp (each when its size > 1); the first step
                 (empty history) also sends the current recipe's messages.
-     blockwise: none: the tiles are local (check_flags requires the TP-split widths to be multiples of 128;
-                under CP the weight gradient's 128-token tiles are this rank's tokens, so blockwise equals the
-                single device only when its sequence pieces hold whole tiles).
-   Under EP an expert's input gathers the tokens of several data ranks: current scaling quantises that
-   batch with one amax, which the single device (one micro-batch at a time) does not.
-   `predicted_messages` gives these per step; the tests check them against the CommTracer.
+     blockwise: none: the tiles are local (`config_from_flags` requires TP-split widths that are multiples of
+                128; under CP dW's 128-token tiles are this rank's tokens, so blockwise equals the single
+                device only when its sequence pieces hold whole tiles).
 4. Restart state: per linear and role the amax history and scale (delayed; current and blockwise have
-   none), keyed by the linear's global name: `state_dict()` is the same on every rank holding the linear,
-   so a checkpoint writes it once and any mesh restores it; a restored run replays bitwise.
+   none), keyed by the linear's global name (`state_pieces`): the same on every rank holding the linear, so
+   a checkpoint writes them once and any mesh restores them; a restored run replays bitwise.
 
-What the trainer calls (step.Axis): `check_flags(...)` before any process group, `apply(model, run) ->
-Fp8Handle` after PP and before DDP/ZeRO, `handle.before_step()` (no FP8 weight from before the step is
-used in it), `handle.after_grad_sync(layout)` once per optimizer step (`end_step`: it rolls the histories
-and drops the step's FP8 weights), `handle.local_nonfinite()` in the world finite check of the update,
-`handle.step_lines()` (the scale table) every --log-every steps, `state_pieces` / `state_loaded` for
-checkpoints, and the accounting (`startup_lines`, `predicted_messages`, `traced_prediction`, `end_lines`).
-Amaxes are recorded in training only (a forward with autograd, every backward), so evaluation leaves the
-step's untouched. ZeRO-3's FP8 all-gather (`gather_codecs`): `quantize_to_uint8` / `dequantize_from_uint8`
+The axis (step.Axis): `config_from_flags` before any process group; `apply(model, run, recipe)` after PP,
+before DDP/ZeRO; once per optimizer step `after_grad_sync` (`end_step`: roll the histories, drop the step's
+FP8 weights, return this rank's count of linears with a non-finite amax, which the update's world finite
+check adds: every rank skips that step); `state_pieces`; `predicted_messages`, `traced_prediction` (report.py
+prints). Amaxes are recorded in training only (a forward with autograd, every backward).
+ZeRO-3's FP8 all-gather (`gather_codecs`): `quantize_to_uint8` / `dequantize_from_uint8`
 with a scale shared by the shards (`scale_from_amax` of the MAX-reduced shard amaxes, or under delayed
 scaling the linear's own `scale[1]`); the linear reads the codes' amax from `gathered_weight_amax`.
 """
@@ -93,12 +83,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from comm import Messages
 from model import ShardInfo, StatePiece, counts_here
 from step import Axis
 
-# ---------------------------------------------------------------------------------------------------------
-# Formats and casts
-# ---------------------------------------------------------------------------------------------------------
+# --- Formats and casts ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -183,9 +172,7 @@ def dequantize_from_uint8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.
     return dequantize(data.view(E4M3.dtype), scale, dtype)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The scaling rule (Transformer Engine's DelayedScaling)
-# ---------------------------------------------------------------------------------------------------------
+# --- The scaling rule (Transformer Engine's DelayedScaling) --------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -197,12 +184,10 @@ class Recipe:
 
 
 def roll_history(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fmt_max, recipe: Recipe):
-    """One step of delayed scaling: (new history, new scale) for histories [..., L] (index 0 = latest).
-
-    A finite amax enters the history (the oldest entry leaves); a non-finite one does not, and that role
-    keeps its history and scale. The scale is max_format / (max over the history, or its latest entry) /
-    2^margin, kept when that amax is 0 (nothing seen yet).
-    """
+    """One step of delayed scaling: (new history, new scale) for histories [..., L] (index 0 = latest). A
+    finite amax enters the history (the oldest leaves); a non-finite one does not, and that role keeps its
+    history and scale. s = max_format / (max over the history, or its latest entry) / 2^margin, kept when
+    that amax is 0 (nothing seen yet)."""
     finite = torch.isfinite(amax)
     rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
     history = torch.where(finite.unsqueeze(-1), rolled, history)
@@ -211,17 +196,13 @@ def roll_history(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     return history, torch.where(finite & (reference > 0), new, scale)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The GEMMs: torch._scaled_mm on FP8 tensor cores, emulated elsewhere, the same rules everywhere
-# ---------------------------------------------------------------------------------------------------------
+# --- The GEMMs: torch._scaled_mm on FP8 tensor cores, emulated elsewhere, the same rules everywhere ----------
 
 
 def gemm_shape_errors(m: int, k: int, n: int, training: bool = True) -> list:
     """Why a linear of input width K, output width N, on M tokens cannot run on _scaled_mm (empty: it can).
-
-    The three GEMMs are [M,K]·[K,N] (forward), [M,N]·[N,K] (dX) and [N,M]·[M,K] (dW): _scaled_mm needs the
-    inner dimension and the output width of each to be multiples of 16, i.e. K and N always, M to train.
-    """
+    The GEMMs [M,K]·[K,N] (forward), [M,N]·[N,K] (dX), [N,M]·[M,K] (dW) need their inner dimension and output
+    width to be multiples of 16: K and N always, M to train."""
     errors = [f"{name}={value} is not a multiple of 16" for name, value in (("K (in_features)", k),
               ("N (out_features)", n)) if value % 16]
     if training and m % 16:
@@ -261,9 +242,7 @@ def has_fp8_tensor_cores(device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The FP8 linear
-# ---------------------------------------------------------------------------------------------------------
+# --- The FP8 linear ------------------------------------------------------------------------------------------
 
 
 # Blockwise (DeepSeek-V3): every scale covers 128 consecutive values of the dimension its GEMM contracts, so it
@@ -271,19 +250,8 @@ def has_fp8_tensor_cores(device) -> bool:
 #   forward   Y  = X·Wᵀ   contracts K        X [M, K] in 1×128 tiles,   W [N, K] in 128×128 blocks
 #   input     dX = dY·W   contracts N        dY [M, N] in 1×128 tiles,  W as above
 #   weight    dW = dYᵀ·X  contracts M tokens dY [M, N] and X [M, K] in 128×1 tiles
-# Each function below returns (codes, inverse-scale grid [⌈rows/r⌉, ⌈cols/c⌉], amax); tests pin the grids.
-
-
-def blockwise_weight(weight: torch.Tensor):  # W [N, K]: grid [⌈N/128⌉, ⌈K/128⌉]
-    return quantize_tiles(weight, TILE_WEIGHT)
-
-
-def blockwise_input(x: torch.Tensor):  # the forward's X [M, K]: grid [M, ⌈K/128⌉]
-    return quantize_tiles(x, TILE_ACTIVATION)
-
-
-def blockwise_grad_output(dy: torch.Tensor):  # dX's dY [M, N]: grid [M, ⌈N/128⌉]
-    return quantize_tiles(dy, TILE_ACTIVATION)
+# quantize_tiles gives (codes, inverse-scale grid [⌈rows/r⌉, ⌈cols/c⌉], amax): W's grid is [⌈N/128⌉, ⌈K/128⌉],
+# the forward's X's [M, ⌈K/128⌉], dX's dY's [M, ⌈N/128⌉], dW's dY's and X's [⌈M/128⌉, N] and [⌈M/128⌉, K].
 
 
 def blockwise_weight_grad_operands(dy: torch.Tensor, qx: torch.Tensor, ix: torch.Tensor, wide: torch.dtype):
@@ -314,23 +282,23 @@ def _deferred_weight_grads(layer, operands: tuple, wide: torch.dtype, db) -> lis
 
 class _Fp8LinearFunction(torch.autograd.Function):
     """Y = X·Wᵀ + b with X, W in E4M3 and dY in E5M2 (blockwise: all E4M3); saves X in FP8 and uses the step's
-    FP8 weight (the linear's cache, `Fp8Linear.weight_codes`) in both passes.
-
-    store: the pipeline's WeightGradStore under zb (the weight and bias then arrive detached): backward computes
-    dX now and hands the store a callable for dW and db, which keeps dW's FP8 operands (dY, X, their scales) and
-    db until the W action."""
+    FP8 weight (`Fp8Linear.weight_codes`) in both passes. store: the pipeline's WeightGradStore under zb (the
+    weight and bias then arrive detached): backward computes dX now and hands the store a callable for dW and
+    db, which keeps dW's FP8 operands (dY, X, their scales) and db until the W action."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, out_dtype, training, store):
+    def forward(ctx, x, weight, bias, layer, training, store):
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         layer.check_shapes(x2.shape[0], training)
-        with torch.autocast(x.device.type, enabled=False):
+        device = x.device.type  # the output in autocast's dtype, as nn.Linear's would be
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
             codes = layer.cached_weight_codes(weight)  # None: the step's first micro-batch (or a new weight)
             if layer.recipe.mode == "blockwise":
                 if codes is None:
-                    qw, iw, amax_w = blockwise_weight(weight)
+                    qw, iw, amax_w = quantize_tiles(weight, TILE_WEIGHT)
                     codes = layer.cache_weight_codes(weight, qw, amax_w, inverse_scales=iw)
-                qx, ix, amax_x = blockwise_input(x2)
+                qx, ix, amax_x = quantize_tiles(x2, TILE_ACTIVATION)
                 smallest = torch.stack([ix.max(), codes.inverse_scales.max()]).reciprocal()  # largest-amax tiles
                 layer.observe(FORWARD, torch.stack([amax_x, codes.amax]), smallest, record=training)
                 wide = _wide(out_dtype)
@@ -373,7 +341,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 amax = amax_of(dy)
                 layer.observe(BACKWARD, amax.view(1), scale_from_amax(amax, E4M3.max).view(1))
                 if ctx.needs_input_grad[0]:
-                    qdy, idy, _ = blockwise_grad_output(dy)
+                    qdy, idy, _ = quantize_tiles(dy, TILE_ACTIVATION)
                     dx = (dequantize_tiles(qdy, idy, TILE_ACTIVATION, wide)
                           @ dequantize_tiles(codes.q, codes.inverse_scales, TILE_WEIGHT, wide)).to(ctx.out_dtype)
                 if wants_dw:
@@ -393,22 +361,25 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dx = None if dx is None else dx.to(ctx.x_dtype).view(*grad.shape[:-1], qx.shape[1])
         if store is not None:  # zb's I: dW and db wait for the W action
             store.defer(functools.partial(_deferred_weight_grads, layer, operands, wide, db))
-            return dx, None, None, None, None, None, None
+            return dx, None, None, None, None, None
         dw = weight_gradient(layer, operands, wide) if ctx.needs_input_grad[1] else None
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None
 
 
+@dataclass(eq=False)
 class WeightCodes:
     """A weight in FP8 for one optimizer step: quantised by the step's first micro-batch, used by every forward
-    and backward of the step (the weight does not change within it). `source` records what it was made from
-    (Fp8Linear.cached_weight_codes compares it); the column-major copy dX needs is built by the first backward.
-    Per tensor: `scale` s; blockwise: `inverse_scales` per 128×128 block."""
+    and backward of the step (the weight does not change within it). The column-major copy dX needs is built
+    by the first backward."""
 
-    def __init__(self, q, scale, inverse_scales, amax, saturated, source, gathered_amax):
-        self.q, self.scale, self.inverse_scales = q, scale, inverse_scales  # q [N, K] row-major
-        self.amax, self.saturated = amax, saturated
-        self.source, self.gathered_amax = source, gathered_amax
-        self._column_major = None
+    q: torch.Tensor  # [N, K] row-major
+    scale: torch.Tensor | None  # per tensor: s
+    inverse_scales: torch.Tensor | None  # blockwise: 1/s per 128×128 block
+    amax: torch.Tensor
+    saturated: torch.Tensor | None  # values the clamp cut (delayed)
+    source: tuple  # what it was made from (Fp8Linear._weight_source): compared before every use
+    gathered_amax: torch.Tensor | None  # ZeRO-3's, compared by identity
+    _column_major: torch.Tensor | None = None
 
     def column_major(self) -> torch.Tensor:
         """W [N, K] with N contiguous: _scaled_mm's second operand of dX = dY·W."""
@@ -420,14 +391,11 @@ class WeightCodes:
 class Fp8Linear(nn.Linear):
     """A drop-in for a local nn.Linear (plain, a TP shard inside Column/RowParallelLinear, or an expert): the
     SAME parameter objects, its GEMMs in FP8, and its scaling state (per role: history, scale).
-
     amax_groups: the process groups over which pieces of this linear's tensors are spread (cp, tp): current
     scaling MAX-reduces amaxes over them. gemm: "auto" (_scaled_mm on FP8 tensor cores, else emulated),
     "emulated", or "scaled_mm" (forced: tests run it on CPU to check the GPU path's operands and scales).
-
-    Under the pipeline's zb schedule it defers its own weight gradient (`defers_weight_grad`: the store does
-    not patch its forward): with `weight_grad_store` set, its backward leaves dW and db to the store's W.
-    """
+    Under the pipeline's zb it defers its own weight gradient (`defers_weight_grad`: the store does not patch
+    its forward): with `weight_grad_store` set, its backward leaves dW and db to the store's W."""
 
     defers_weight_grad = True
 
@@ -442,7 +410,7 @@ class Fp8Linear(nn.Linear):
         self.fmt_max = torch.tensor([f.max for f in FORMATS], device=device)
         self.amax_history = torch.zeros(3, recipe.amax_history, device=device)  # [role, L], column 0 latest
         self.scale = torch.ones(3, device=device)  # delayed: the scales this step quantises with
-        self.history_ready = False  # delayed: False until a step's amaxes entered (until then: current)
+        self._history_ready, self._history_version = False, self.amax_history._version  # see history_ready
         self.step_amax = torch.zeros(3, device=device)  # max over this step's micro-batches (local)
         self.last_scale = torch.ones(3, device=device)  # the scale last used, for the table
         self.saturated = torch.zeros(3, dtype=torch.int64, device=device)  # since the last table
@@ -456,14 +424,12 @@ class Fp8Linear(nn.Linear):
             and not blockwise_or_double
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        device = x.device.type
-        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         store = self.weight_grad_store if training and x.requires_grad else None
         weight, bias = self.weight, self.bias
         if store is not None:  # zb: autograd reaches the parameters only through the store's W
             weight, bias = weight.detach(), None if bias is None else bias.detach()
-        return _Fp8LinearFunction.apply(x, weight, bias, self, out_dtype, training, store)
+        return _Fp8LinearFunction.apply(x, weight, bias, self, training, store)
 
     def extra_repr(self) -> str:
         gemm = "_scaled_mm" if self.use_scaled_mm else "emulated"
@@ -477,16 +443,15 @@ class Fp8Linear(nn.Linear):
 
     def _weight_source(self, weight: torch.Tensor) -> tuple:
         """What the FP8 weight depends on: the tensor (address, in-place version: a step, a checkpoint load)
-        and the delayed scale (its version: a roll, a restored state). ZeRO-3's gathered amax is compared by
-        identity (a regather sets a new one)."""
+        and the delayed scale (its version: a roll, a restored state; and whether the history is ready)."""
         return weight.data_ptr(), weight._version, self.scale._version, self.history_ready
 
     def cached_weight_codes(self, weight: torch.Tensor):
-        """This step's WeightCodes when they were made from this very weight, else None."""
+        """The WeightCodes made from this very weight and scale, else None (so no step, evaluation or checkpoint
+        load can make it stale); ZeRO-3's gathered amax is compared by identity (a regather sets a new one)."""
         codes = self.weight_codes
-        if codes is None or codes.source != self._weight_source(weight):
-            return None
-        return codes if codes.gathered_amax is self.gathered_weight_amax else None
+        fresh = codes is not None and codes.source == self._weight_source(weight)
+        return codes if fresh and codes.gathered_amax is self.gathered_weight_amax else None
 
     def cache_weight_codes(self, weight, q, amax, scale=None, inverse_scales=None, saturated=None):
         """Keep the weight's FP8 codes until the step ends (Fp8Handle.end_step) or the weight changes."""
@@ -519,53 +484,60 @@ class Fp8Linear(nn.Linear):
     def roll(self, amax: torch.Tensor, finite: bool) -> None:
         """End of a step (delayed): the reduced amaxes [3] enter the history; in place (state is live)."""
         history, scale = roll_history(self.amax_history, self.scale, amax, self.fmt_max, self.recipe)
+        ready = self.history_ready or finite
         self.amax_history.copy_(history)
         self.scale.copy_(scale)
-        self.history_ready = self.history_ready or finite
+        self._history_ready, self._history_version = ready, self.amax_history._version
+
+    @property
+    def history_ready(self) -> bool:
+        """Delayed: whether a step's amaxes entered the history (until then the linear scales like `current`).
+        After a write from elsewhere (a checkpoint restoring the history: its tensor version changed) it is
+        read from the history itself: ready when some amax in it is > 0."""
+        if self.amax_history._version != self._history_version:
+            self._history_ready = bool((self.amax_history > 0).any())
+            self._history_version = self.amax_history._version
+        return self._history_ready
+
+    def take_saturation(self) -> list:
+        """Per role, the percentage of values the clamp cut since the last call (this rank's); restarts."""
+        shares = [100 * c / max(1, n) for c, n in zip(self.saturated.tolist(), self.quantized)]
+        self.saturated.zero_()
+        self.quantized = [0, 0, 0]
+        return shares
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Wiring into the trainer
-# ---------------------------------------------------------------------------------------------------------
+# --- Wiring into the trainer ---------------------------------------------------------------------------------
 
 
-def check_flags(args, config, tp: int = 1, cp: int = 1, micro: int | None = None, seq_len: int | None = None):
-    """Raise ValueError naming the flag when --fp8 cannot run this model on this mesh (pure: call it before
-    init_process_group). Checks the recipe flags, _scaled_mm's shape rules for every block linear's local
-    shard, and, for blockwise under TP, that the 128-wide tiles do not straddle TP shards."""
-    mode = getattr(args, "fp8", None)
+def config_from_flags(args, settings) -> Recipe | None:
+    """The FP8 recipe of --fp8 and its flags (None without --fp8), checked once, before any process group:
+    _scaled_mm's shape rules for every block linear's local shard on this mesh, and for blockwise under TP
+    that the 128-wide tiles do not straddle TP shards. Raises ValueError naming the flags. (The choices and
+    ranges of --fp8, --fp8-amax-history, --fp8-amax-algo and --fp8-margin are argparse's and flags.py's.)"""
+    mode = args.fp8
     if mode is None:
-        return
-    if mode not in MODES:
-        raise ValueError(f"--fp8 {mode}: expected one of {', '.join(MODES)}")
-    if args.fp8_amax_history < 1:
-        raise ValueError(f"--fp8-amax-history {args.fp8_amax_history}: the history needs at least 1 entry")
-    if args.fp8_amax_algo not in ("max", "most_recent"):
-        raise ValueError(f"--fp8-amax-algo {args.fp8_amax_algo}: expected max or most_recent")
-    if args.fp8_margin < 0:
-        raise ValueError(f"--fp8-margin {args.fp8_margin}: the margin is a non-negative power of 2")
-    h = config.n_embd
+        return None
+    tp, cp, micro, h = settings.shape.tp, settings.shape.cp, settings.micro_batch_size, settings.model.n_embd
     shapes = {"attn.c_attn": (h, 3 * h // tp), "attn.c_proj": (h // tp, h), "mlp.c_fc": (h, 4 * h // tp),
               "mlp.c_proj": (4 * h // tp, h)}  # local (K, N) under --tp
-    tokens = micro * (seq_len or config.block_size) // cp if micro else 0
     for name, (k, n) in shapes.items():
-        errors = gemm_shape_errors(tokens, k, n, training=micro is not None)
+        errors = gemm_shape_errors(micro * settings.seq_len // cp, k, n)
         if errors:
             raise ValueError(f"--fp8 {mode} with --tp {tp}, --cp {cp}, --micro-batch {micro}, --n-embd {h}:"
                              f" {name} [{n}×{k}] per rank: " + "; ".join(errors))
     if mode == "blockwise" and tp > 1 and (h // tp) % 128:
         raise ValueError(f"--fp8 blockwise with --tp {tp}: the TP shards of width n_embd/T = {h // tp} must be"
                          f" multiples of 128, or the 128-wide tiles would straddle ranks")
+    return Recipe(mode, args.fp8_amax_history, args.fp8_amax_algo, args.fp8_margin)
 
 
-def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto") -> Fp8Handle:
-    """Swap every nn.Linear inside the blocks (routers and gates aside) for an Fp8Linear, in place.
-
-    mesh: a mesh.Mesh (None: one process). The current-scaling groups are cp and tp, the delayed roll's are
-    the linear's gradient group (dp_cp, or expert_dp) and tp, each kept only when it has more than one rank.
-    Under sequence parallel a ColumnParallelLinear keeps its gathered input (now in FP8) instead of
-    re-gathering it in backward: its `regather` is switched off (TP's backward loses that all-gather).
-    """
+def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto", micro_batches: int = 1) -> Fp8Handle:
+    """Swap every nn.Linear inside the blocks (routers, gates and experts aside) for an Fp8Linear, in place.
+    mesh: a mesh.Mesh (None: one process). The current-scaling groups are cp and tp, the delayed roll's the
+    linear's gradient group (dp_cp, or expert_dp) and tp, each kept when it has more than one rank. Under
+    sequence parallel a ColumnParallelLinear keeps its gathered input (now in FP8) instead of re-gathering it
+    in backward: its `regather` is switched off. micro_batches: m, for the predicted messages."""
 
     def groups(*names):
         return tuple(n for n in names if mesh is not None and mesh.size(n) > 1)
@@ -573,7 +545,8 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto") -> 
     linears = {}
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
-            if type(module) is not nn.Linear or path.rpartition(".")[2] in ("router", "gate") or ".experts." in f".{path}":
+            leaf = path.rpartition(".")[2]
+            if type(module) is not nn.Linear or leaf in ("router", "gate") or ".experts." in f".{path}":
                 continue  # routers stay precise; experts see data-dependent row counts (module docstring)
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
@@ -582,40 +555,28 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto") -> 
             fp8.amax_group_names = groups("cp", "tp")
             fp8.delayed_groups = groups(info.grad_group if info else "dp_cp", "tp")
             parent = block.get_submodule(path.rpartition(".")[0])
-            setattr(parent, path.rpartition(".")[2], fp8)
+            setattr(parent, leaf, fp8)
             if getattr(parent, "regather", False):
                 parent.regather = False
             linears[name] = fp8
-    return Fp8Handle(model, recipe, linears, mesh)
-
-
-def config_from_flags(args, settings) -> Recipe | None:
-    """The FP8 recipe of --fp8 and its flags, checked on this model and mesh (check_flags); None without --fp8."""
-    check_flags(args, settings.model, args.tp, args.cp, settings.micro_batch_size, settings.seq_len)
-    if args.fp8 is None:
-        return None
-    return Recipe(args.fp8, args.fp8_amax_history, args.fp8_amax_algo, args.fp8_margin)
+    return Fp8Handle(recipe, linears, mesh, micro_batches, model.config.activation_checkpointing)
 
 
 def apply(model: nn.Module, run, recipe: Recipe) -> Fp8Handle:
     """The axis entry point: the handle (after PP, before DDP/ZeRO)."""
-    handle = convert(model, recipe, run.mesh)
-    handle.run = run
-    return handle
+    return convert(model, recipe, run.mesh, micro_batches=run.micro_batches)
 
 
 class Fp8Handle(Axis):
-    """What the trainer talks to: the step's end (the delayed roll), the non-finite flag, the scaling state,
-    and the accounting. `found_nonfinite_amax` is this rank's: the update's world finite check must include
-    it, so every rank skips a step in which any FP8 tensor had a non-finite amax."""
+    """What the trainer talks to: the step's end (`after_grad_sync`), the scaling state for checkpoints, the
+    predicted messages. linears: {global name: Fp8Linear}; micro_batches: m; recomputes: activation
+    checkpointing (a block's forward, and its amax reductions, run twice)."""
 
     name = "fp8"
 
-    def __init__(self, model, recipe: Recipe, linears: dict, mesh=None):
-        self.model, self.recipe, self.linears, self.mesh = model, recipe, linears, mesh
-        self.run = None
-        self.found_nonfinite_amax = False
-        self.steps = 0
+    def __init__(self, recipe: Recipe, linears: dict, mesh=None, micro_batches: int = 1, recomputes: bool = False):
+        self.recipe, self.linears, self.mesh = recipe, linears, mesh
+        self.micro_batches, self.recomputes = micro_batches, recomputes
         self.first_steps = 0  # delayed steps that scaled like `current` (empty history)
         self.nonfinite_steps = 0  # steps in which some FP8 tensor had a non-finite amax (skipped everywhere)
         buckets = {}
@@ -623,67 +584,21 @@ class Fp8Handle(Axis):
             buckets.setdefault(linear.delayed_groups, []).append(name)
         self.buckets = sorted(buckets.items())  # the same order on every rank
 
-    def before_step(self) -> None:
-        """A step begins: no FP8 weight made before it (an evaluation, a checkpoint load) is used in it."""
-        self.drop_weight_codes()
-
-    def after_grad_sync(self, layout) -> None:
-        """Called once per optimizer step after the gradient reduction: see `end_step`."""
-        self.end_step()
-
-    def drop_weight_codes(self) -> None:
-        for linear in self.linears.values():
-            linear.weight_codes = None
-
-    def local_nonfinite(self):
-        """The update's world finite check counts it: a non-finite amax on any rank skips the step everywhere."""
-        return int(self.found_nonfinite_amax)
-
-    def step_lines(self) -> list:
-        return self.table().splitlines()
-
-    def traced_prediction(self, layout, steps: int) -> dict:
-        """Per step over `steps` traced steps: the delayed recipe's first step also sends current's messages."""
-        first = min(self.first_steps, steps) if self.recipe.mode == "delayed" else 0
-        out = {}
-        for count, table in ((steps - first, self.predicted_messages()),
-                             (first, self.predicted_messages(first_step=True))):
-            for key, (calls, payload) in table.items():
-                c, b = out.get(key, (0, 0))
-                out[key] = (c + count * calls / max(1, steps), b + count * payload / max(1, steps))
-        return out
-
-    def state_pieces(self) -> list:
-        """The delayed recipe's histories and scales as logical tensors ("fp8/<linear>.amax_history", ".scale"):
-        identical on every rank holding the linear, written by the one at coordinate 0 of its gradient group
-        and of tp (model.counts_here), so they reload on any mesh."""
-        if self.recipe.mode != "delayed":
-            return []
-        coords = self.mesh.coordinates() if self.mesh is not None else None
-        pieces = []
-        for name, linear in self.linears.items():
-            grad_group = getattr(linear.weight, "shard_info", None)
-            grad_group = grad_group.grad_group if grad_group is not None else "dp_cp"
-            for suffix, tensor in (("amax_history", linear.amax_history), ("scale", linear.scale)):
-                info = ShardInfo(f"{name}.{suffix}", tuple(tensor.shape), replicated_over=("tp", "cp"))
-                pieces.append(StatePiece(f"fp8/{name}.{suffix}", tensor, info,
-                                         primary=counts_here(info, coords, (grad_group,))))
-        return pieces
-
-    def state_loaded(self) -> None:
-        for linear in self.linears.values():
-            linear.history_ready = bool((linear.amax_history > 0).any())
+    def after_grad_sync(self, layout) -> int:
+        """Once per optimizer step, after the gradient reduction: `end_step`, whose count of linears with a
+        non-finite amax the update adds to its world finite check (a non-finite amax skips the step everywhere)."""
+        return self.end_step()
 
     @torch.no_grad()
-    def end_step(self) -> None:
-        """Close the step: reduce (delayed: MAX over each linear's gradient group and tp) the amaxes of this
-        step, set `found_nonfinite_amax`, roll the finite ones into the histories, drop the step's FP8 weights
-        (the optimizer step comes next), start the next step. The roll does not wait for the update's verdict:
-        a step skipped for another reason (an fp16 overflow) still records what its tensors were, as
-        Transformer Engine does."""
+    def end_step(self) -> int:
+        """Close the step: drop its FP8 weights (the optimizer step comes next), reduce its amaxes (delayed: MAX
+        over each linear's gradient group and tp), roll the finite ones into the histories. Returns how many
+        linears had a non-finite amax on this rank. The roll does not wait for the update's verdict: a step
+        skipped for another reason (an fp16 overflow) still records its tensors, as Transformer Engine does."""
         if not self.linears:
-            return
-        self.drop_weight_codes()
+            return 0
+        for linear in self.linears.values():
+            linear.weight_codes = None
         names = list(self.linears)
         amax = torch.stack([self.linears[n].step_amax for n in names])  # [n, 3]
         amax = torch.nan_to_num(amax, nan=float("inf"), posinf=float("inf"))  # MAX must not drop a NaN
@@ -697,139 +612,62 @@ class Fp8Handle(Axis):
                     dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self.mesh.group(group_name))
                 amax[index] = part
         finite = torch.isfinite(amax).all(dim=1).tolist()  # the one host sync of the step
-        self.found_nonfinite_amax = not all(finite)
-        self.nonfinite_steps += self.found_nonfinite_amax
         for row, name in enumerate(names):
             linear = self.linears[name]
             if delayed:
                 linear.roll(amax[row], finite[row])
             linear.step_amax.zero_()
-        self.steps += 1
+        nonfinite = len(finite) - sum(finite)
+        self.nonfinite_steps += nonfinite > 0
+        return nonfinite
+
+    def state_pieces(self) -> list:
+        """The delayed recipe's histories and scales as logical tensors ("fp8/<linear>.amax_history", ".scale"):
+        identical on every rank holding the linear, written by the one at coordinate 0 of its gradient group
+        and of tp (model.counts_here), so they reload on any mesh (`history_ready` follows the loaded history)."""
+        if self.recipe.mode != "delayed":
+            return []
+        coords = self.mesh.coordinates() if self.mesh is not None else None
+        pieces = []
+        for name, linear in self.linears.items():
+            grad_group = linear.weight.shard_info.grad_group if hasattr(linear.weight, "shard_info") else "dp_cp"
+            for suffix, tensor in (("amax_history", linear.amax_history), ("scale", linear.scale)):
+                info = ShardInfo(f"{name}.{suffix}", tuple(tensor.shape), replicated_over=("tp", "cp"))
+                pieces.append(StatePiece(f"fp8/{name}.{suffix}", tensor, info,
+                                         primary=counts_here(info, coords, (grad_group,))))
+        return pieces
 
     def gather_codecs(self) -> dict:
         """{weight parameter: its Fp8Linear}: ZeRO-3 gathers these weights in FP8 (zero.py, `codecs`)."""
         return {} if self.recipe.mode == "blockwise" else {lin.weight: lin for lin in self.linears.values()}
 
-    # --- checkpoint state ---------------------------------------------------------------------------------
+    # --- prediction formulas (docstring item 3) -------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """{"<global linear name>.amax_history": [3, L], ".scale": [3]} (rows: input, weight, grad_output),
-        the same on every rank holding the linear; empty for current and blockwise (nothing to restore)."""
-        if self.recipe.mode != "delayed":
-            return {}
-        out = {}
-        for name, linear in self.linears.items():
-            out[f"{name}.amax_history"] = linear.amax_history.detach().cpu().clone()
-            out[f"{name}.scale"] = linear.scale.detach().cpu().clone()
-        return out
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """Restore this rank's linears (a checkpoint may hold other stages' too); missing ones are an error."""
-        if self.recipe.mode != "delayed":
-            return
-        for name, linear in self.linears.items():
-            if f"{name}.amax_history" not in state:
-                raise ValueError(f"--fp8 delayed: the checkpoint has no FP8 scaling state for {name}")
-            history = state[f"{name}.amax_history"]
-            if history.shape != linear.amax_history.shape:
-                raise ValueError(f"--fp8-amax-history {self.recipe.amax_history}: the checkpoint's history of"
-                                 f" {name} has {history.shape[-1]} entries")
-            linear.amax_history.copy_(history)
-            linear.scale.copy_(state[f"{name}.scale"])
-            linear.history_ready = bool((history > 0).any())
-
-    # --- accounting ---------------------------------------------------------------------------------------
-
-    def predicted_messages(self, layout=None, micro_batches: int | None = None, first_step: bool = False) -> dict:
-        """Per optimizer step: {("all_reduce", group name): (calls, payload bytes)} (docstring item 3).
-        first_step: the delayed recipe's first step, which also scales like `current`."""
-        m = micro_batches if micro_batches is not None else self.run.micro_batches
-        out = {}
-
-        def add(group, calls, payload):
-            c, b = out.get(("all_reduce", group), (0, 0))
-            out[("all_reduce", group)] = (c + calls, b + calls * payload)
-
+    def predicted_messages(self, layout=None, first_step: bool = False) -> Messages:
+        """The amax MAX all-reduces of one optimizer step. first_step: the delayed recipe's first step (an empty
+        history), which also sends the current recipe's."""
+        out = Messages()
         if self.recipe.mode == "current" or (self.recipe.mode == "delayed" and first_step):
-            recompute = 2 if getattr(self.model.config, "activation_checkpointing", False) else 1
+            calls = len(self.linears) * self.micro_batches
+            forwards = calls * (2 if self.recomputes else 1)
             for group in [g for g in ("cp", "tp") if self.mesh is not None and self.mesh.size(g) > 1]:
-                add(group, len(self.linears) * m * recompute, 8)  # forward [amax_x, amax_w]
-                add(group, len(self.linears) * m, 4)  # backward amax_dY
+                out.add("all_reduce", group, forwards, 8 * forwards)  # forward [amax_x, amax_w]
+                out.add("all_reduce", group, calls, 4 * calls)  # backward amax_dY
         if self.recipe.mode == "delayed":
             for group_names, members in self.buckets:
                 for group in group_names:
-                    add(group, 1, 12 * len(members))
+                    out.add("all_reduce", group, 1, 12 * len(members))  # end_step: [amax_x, amax_w, amax_dY]
         return out
 
-    def saved_input_bytes(self, tokens: int, compute_bytes: int) -> dict:
-        """Bytes of the FP8 linears' saved inputs per micro-batch: {"fp8", "compute", "saved"} (item 2)."""
-        elements = sum(tokens * linear.in_features for linear in self.linears.values())
-        return {"fp8": elements, "compute": elements * compute_bytes, "saved": elements * (compute_bytes - 1)}
+    def traced_prediction(self, layout, steps: int) -> Messages:
+        """Per step over `steps` traced steps: the delayed recipe's first steps also sent current's messages."""
+        first = min(self.first_steps, steps) if self.recipe.mode == "delayed" else 0
+        return (self.predicted_messages(layout).times((steps - first) / max(1, steps))
+                + self.predicted_messages(layout, first_step=True).times(first / max(1, steps)))
 
-    def fp8_flops_fraction(self) -> float:
-        """Share of a dense GPT's model FLOPs per token (mfu.flops_per_token's 6N + 12·L·h·s) in FP8 GEMMs."""
-        c = self.model.config
-        seq = self.run.seq_len if self.run is not None else c.block_size
-        blocks = 12 * c.n_layer * c.n_embd ** 2
-        return 6 * blocks / (6 * (blocks + c.vocab_size * c.n_embd) + 12 * c.n_layer * c.n_embd * seq)
 
-    def blended_peak(self, bf16_peak: float, fp8_peak: float | None) -> float:
-        """The peak FLOP/s MFU should divide by: the FP8 share at the FP8 peak, the rest at the bf16 peak
-        (time-weighted: 1 / (f/P_fp8 + (1-f)/P_bf16)); the bf16 peak where there is no FP8 peak."""
-        if not fp8_peak:
-            return bf16_peak
-        f = self.fp8_flops_fraction()
-        return 1.0 / (f / fp8_peak + (1 - f) / bf16_peak)
-
-    def startup_lines(self) -> list:
-        from mfu import PEAK_TFLOPS, format_bytes
-
-        r, lins = self.recipe, list(self.linears.values())
-        gemm = "torch._scaled_mm" if lins and lins[0].use_scaled_mm else "emulated (no FP8 tensor cores here)"
-        detail = f", history L={r.amax_history}, {r.amax_algo}" if r.mode == "delayed" else ""
-        lines = [f"fp8 {r.mode}{detail}, margin {r.margin}: {len(lins)} block linears in FP8 (E4M3 X, W;"
-                 f" {'E4M3' if r.mode == 'blockwise' else 'E5M2'} dY), GEMMs {gemm}; embedding, head, loss,"
-                 f" routers in the compute dtype"]
-        if self.run is not None:
-            tokens = self.run.micro_batch_size * self.run.seq_len // self.mesh.size("cp")
-            compute_bytes = self.run.compute_dtype.itemsize
-            saved = self.saved_input_bytes(tokens, compute_bytes)
-            weights = sum(lin.weight.numel() for lin in lins)
-            lines.append(f"  memory: saved inputs in FP8 {format_bytes(saved['fp8'])} instead of"
-                         f" {format_bytes(saved['compute'])} per micro-batch in flight (Σ M·K_j, M={tokens}):"
-                         f" {format_bytes(saved['saved'])} less; FP8 weight copies {format_bytes(weights)}"
-                         f" (autocast's were {format_bytes(weights * compute_bytes)}); scaling state"
-                         f" {format_bytes(len(lins) * (3 * r.amax_history + 18) * 4)}")
-            peak = PEAK_TFLOPS["H100"]
-            f = self.fp8_flops_fraction()
-            lines.append(f"  MFU: {f:.0%} of model FLOPs run in FP8; on GPUs divide by the blended peak"
-                         f" 1/(f/P_fp8 + (1-f)/P_bf16) (H100: {self.blended_peak(peak['bf16'], peak['fp8']):.0f}"
-                         f" TFLOP/s from {peak['bf16']:g} bf16, {peak['fp8']:g} fp8 dense)")
-            for (op, group), (calls, payload) in self.predicted_messages().items():
-                lines.append(f"  messages per step: {op} {group}: {calls} × {format_bytes(payload / calls)}"
-                             f" (amax MAX reductions)")
-        return lines
-
-    def end_lines(self, tracer, steps: int) -> list:
-        """What only FP8 can say at the end. Its amax reductions are in train.py's message table (traced
-        against every axis's prediction, this one's `traced_prediction`), its scales in the last step's table."""
-        first = f"{self.first_steps} scaled like current (empty history), " if self.recipe.mode == "delayed" else ""
-        return [f"fp8 {self.recipe.mode}: steps {self.steps} ({first}{self.nonfinite_steps} with a non-finite amax,"
-                f" skipped on every rank)"]
-
-    @torch.no_grad()
-    def table(self) -> str:
-        """Per layer and linear: the scales in use and the fraction of saturated values since the last call
-        (this rank's tensors). Blockwise shows the smallest tile scale (the tile with the largest amax)."""
-        names = {name: name.removeprefix("transformer.h.") for name in self.linears}
-        width = max([len("layer.linear"), *map(len, names.values())])
-        rows = [f"fp8 {self.recipe.mode}: the scales in use and the saturated share since the last table (this rank)",
-                f"  {'layer.linear':<{width}}" + "".join(f"  {role + ' scale':>17} {'sat':>6}" for role in ROLES)]
-        for name, linear in self.linears.items():
-            scales = (linear.scale if self.recipe.mode == "delayed" else linear.last_scale).tolist()
-            shares = [100 * c / max(1, n) for c, n in zip(linear.saturated.tolist(), linear.quantized)]
-            rows.append(f"  {names[name]:<{width}}" + "".join(f"  {s:17.3e} {p:5.2f}%" for s, p in zip(scales, shares)))
-            linear.saturated.zero_()
-            linear.quantized = [0, 0, 0]
-        return "\n".join(rows)
+def saved_input_bytes(linears, tokens: int, compute_bytes: int) -> dict:
+    """Bytes of the FP8 linears' saved inputs per micro-batch of `tokens` (M): {"fp8": Σ M·K_j, "compute": in
+    the compute dtype, "saved": Σ M·K_j·(e_c - 1)} (docstring item 2)."""
+    elements = sum(tokens * linear.in_features for linear in linears)
+    return {"fp8": elements, "compute": elements * compute_bytes, "saved": elements * (compute_bytes - 1)}

@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import time
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -101,6 +102,22 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops_per_device:
     if peak_flops_per_device <= 0 or n_devices < 1:
         raise ValueError("peak_flops_per_device must be > 0 and n_devices >= 1")
     return flops_per_token * tokens_per_second / (peak_flops_per_device * n_devices)
+
+
+def block_linear_flops_fraction(config, seq_len: int) -> float:
+    """Share of a dense GPT's model FLOPs per token (flops_per_token's 6N + 12·L·h·s) in its block linears,
+    which --fp8 runs in FP8: 6·12·L·h² of 6·(12·L·h² + V·h) + 12·L·h·s."""
+    layers, h = config.n_layer, config.n_embd
+    blocks = 12 * layers * h ** 2
+    return 6 * blocks / (6 * (blocks + config.vocab_size * h) + 12 * layers * h * seq_len)
+
+
+def blended_peak(fraction: float, base_peak: float, fast_peak: float | None) -> float:
+    """The peak FLOP/s to divide by when `fraction` of the FLOPs runs at `fast_peak` (FP8) and the rest at
+    `base_peak` (bf16), time-weighted: 1 / (f/P_fast + (1-f)/P_base); base_peak where there is no fast peak."""
+    if not fast_peak:
+        return base_peak
+    return 1.0 / (fraction / fast_peak + (1 - fraction) / base_peak)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -201,8 +218,9 @@ def measure_matmul_peak(
     and the peak must be the one the model's matmuls can reach.
     """
     device = torch.device(device)
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device).t()  # Wᵀ: a weight [out, in] as nn.Linear reads it
+    generator = torch.Generator(device=device).manual_seed(0)  # not the global one: training's dropout draws it
+    a = torch.randn(n, n, dtype=dtype, device=device, generator=generator)
+    b = torch.randn(n, n, dtype=dtype, device=device, generator=generator).t()  # Wᵀ: a weight [out, in], as nn.Linear
     out = torch.empty(n, n, dtype=dtype, device=device)
 
     def timed(count: int) -> float:  # seconds for `count` back-to-back matmuls
@@ -713,6 +731,70 @@ class MemoryTimeline:
             self.peak = max(self.peak, in_use)
         self.net = in_use
 
+
+# ----------------------------------------------------------------------------------------------------------
+# 5c. Measured pipeline actions (what the simulated bubble predicts)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class ActionClock:
+    """Times one pipeline step's actions and p2p calls, for the measured bubble, the timeline and the trace
+    (report.py's pp section). pipeline.PipelineSchedule calls it: start() at the step's start, begin() and
+    end(action) around each action's compute, `with p2p(name)` around each host p2p call, stop() at the end.
+
+    CPU: perf_counter. CUDA: an event recorded on the compute stream before and after each action, all read
+    once at stop(); a device-wide synchronize after each action would also wait on receives posted for later
+    actions, charged as compute. p2p spans are host time (on CUDA: when the calls were issued).
+
+    Kept: `timings`, recent steps as (wall s, busy s, {kind: [s]}, first step of the run?), and `events`, the
+    last step's compute and p2p spans as dicts (seconds from that step's start).
+    """
+
+    def __init__(self, cuda: bool, keep: int = 64):
+        self.cuda = cuda
+        self.timings = deque(maxlen=keep)
+        self.events = []
+
+    def start(self) -> None:
+        self.origin, self.spans, self.p2p_events = time.perf_counter(), [], []  # spans: (action, mark, mark)
+        self.first = self._mark()
+
+    def _host(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def _mark(self):
+        if not self.cuda:
+            return self._host()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # on the current stream: the one the actions compute on
+        return event
+
+    def begin(self) -> None:
+        self.opened = self._mark()
+
+    def end(self, action) -> None:
+        self.spans.append((action, self.opened, self._mark()))
+
+    @contextmanager
+    def p2p(self, name: str, nbytes: int | None = None):
+        start = self._host()
+        yield
+        event = dict(cat="p2p", name=name, start=start, end=self._host())
+        self.p2p_events.append(event if nbytes is None else dict(event, bytes=nbytes))
+
+    def stop(self) -> None:
+        last = self._mark()
+        if self.cuda:
+            last.synchronize()  # this step's last event: every earlier one on the stream has completed
+            seconds = lambda event: self.first.elapsed_time(event) / 1e3  # noqa: E731 (elapsed_time is in ms)
+            last, self.spans = seconds(last), [(action, seconds(a), seconds(b)) for action, a, b in self.spans]
+        busy = defaultdict(list)
+        for action, start, end in self.spans:
+            busy[action.kind].append(end - start)
+        self.timings.append((last, sum(map(sum, busy.values())), dict(busy), not self.timings))
+        self.events = self.p2p_events + [dict(cat="compute", name=str(action), kind=action.kind, mb=action.mb,
+                                              chunk=action.chunk, start=start, end=end)
+                                         for action, start, end in self.spans]
 
 
 # ----------------------------------------------------------------------------------------------------------

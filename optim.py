@@ -55,6 +55,29 @@ def build_adamw(params, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95),
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kind)
 
 
+def ensure_adam_state(optimizer) -> None:
+    """Create torch AdamW's state now, as its first step would (step 0, zero moments), so it can be loaded into.
+
+    Mirrors torch.optim.Adam._init_group: the step count is a CPU scalar of the default float dtype, except
+    under fused or capturable AdamW, whose kernels read it on the parameter's device (float32 when fused).
+    The first step then finds the state present and behaves exactly as if it had created it. A checkpoint
+    holds only the moments and one integer step, so it loads into either kind.
+    """
+    from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
+
+    for group in optimizer.param_groups:
+        fused, on_device = group.get("fused"), group.get("capturable") or group.get("fused")
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                if fused:
+                    _device_dtype_check_for_fused(p)  # the error torch's first step would raise
+                state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
+                                 if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"))
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 @dataclass
 class LRSchedule:
     """Linear warmup to `max_lr`, then cosine decay to `min_lr` at `decay_steps`, constant after."""

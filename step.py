@@ -68,8 +68,11 @@ class Axis:
         """This rank's part of each micro-batch (x, y, pos): context parallel cuts the sequences."""
         return batches
 
-    def after_grad_sync(self, layout) -> None:
-        """Sums the axis needs once the layout's data-parallel reduction is done (on layout.grad_pieces)."""
+    def after_grad_sync(self, layout) -> int:
+        """Sums the axis needs once the layout's data-parallel reduction is done (on layout.grad_pieces).
+        Returns this rank's count of non-finite values of its own (FP8 amaxes) that must skip the step on
+        every rank (the update's world finite check adds them); None counts as 0."""
+        return 0
 
     def before_step(self) -> None:
         """Once per optimizer step, before its first forward."""
@@ -211,10 +214,8 @@ def train_step(layout, scaler, batches, data_group, clip: float, autocast, devic
     micro = schedule.forward_backward(layout, model, batches, global_tokens, scaler.scale,
                                       data_size * len(batches), autocast, device)
     layout.finish_grad_sync()
-    for axis in axes:
-        axis.after_grad_sync(layout)
-    nonfinite = [count for count in (axis.local_nonfinite() for axis in axes) if count is not None]
-    result = layout.step(scaler, clip, extra_nonfinite=sum(nonfinite) if nonfinite else None)
+    nonfinite = sum(axis.after_grad_sync(layout) or 0 for axis in axes)  # FP8's non-finite amaxes skip the step
+    result = layout.step(scaler, clip, extra_nonfinite=nonfinite or None)
     for axis in axes:
         axis.after_step(result.skipped)
     layout.zero_grad()

@@ -14,56 +14,50 @@ Sequence parallelism (Korthikanti et al., section 4.2.2) replaces them with thei
 LayerNorms and dropouts between regions work on 1/T of the sequence instead of repeating the same work:
     g  (enter): all-gather along the sequence forward,  reduce-scatter backward
     ḡ  (leave): reduce-scatter along the sequence forward, all-gather backward
-An all-reduce IS a reduce-scatter followed by an all-gather, so the bytes are the same; what changes is that
-nothing outside the regions is replicated any more.
+An all-reduce IS a reduce-scatter followed by an all-gather: the same bytes, and nothing outside the regions
+is replicated any more.
 
 Weights come from the per-parameter deterministic init (model.init_full_parameter), sliced with
 ShardInfo.shard_of: a TP run starts from exactly the single-device weights. c_attn's output is [q | k | v],
-so its shard is taken with `segments=3`: rank t holds its heads of q, of k and of v.
+so its shard is taken with `segments=3`: rank t holds its heads of q, of k and of v. Dropout: a replicated
+activation needs the same mask on every TP rank, a split one a different mask per rank (TensorParallelRNG).
 
-Symbols: s sequence length, b micro-batch, h hidden, a heads, V vocabulary, L layers, T tensor-parallel
-size, e_w / e_c the bytes of a parameter-dtype / compute-dtype element (autocast: e_w = 4, e_c = 2).
+Symbols: s sequence length (s/C under context parallel), b micro-batch, h hidden, a heads, V vocabulary,
+L layers, T tensor-parallel size, e_w / e_c the bytes of a working-weight / compute-dtype element.
 
 1. Replicated and split. Split T ways: c_attn (by heads, q/k/v each), attn.c_proj (by input rows), mlp.c_fc
    (by output columns), mlp.c_proj (by input rows), the tied embedding/head (by vocabulary rows), and the
    activations inside the regions (heads, MLP columns, the logits' vocabulary). Replicated: LayerNorms, the
    row-parallel biases (added once, after the sum), the position embedding. With --sp the activations between
    regions are split along the sequence too, and the replicated parameters see only their tokens, so their
-   gradients are summed over the TP group once per step (`finish_grad_sync`).
-2. Peak per device. Parameters Ψ_split/T + Ψ_repl (`param_counts`; Ψ_split = V·h + 12·h²·L + biases,
-   Ψ_repl = block_size·h + LayerNorms + row biases), each with (b_w + b_g + b_o) bytes for weights, grads
-   and AdamW (16 in fp32). Activations per layer (Korthikanti, 16-bit):
-       T = 1:        s·b·h·(34 + 5·a·s/h)
-       TP:           s·b·h·(10 + 24/T + 5·a·s/(h·T))
-       TP + SP:      s·b·h/T·(34 + 5·a·s/h)
-   The third line assumes that c_attn and c_fc keep only their input's sequence shard for backward and
-   all-gather it again there, as Megatron does and as ColumnParallelLinear does here (a saved-tensor hook).
-   Temporary: one gathered [b, s, h] input at a time, and the loss's softmax [b·s, V/T] in fp32 (never
-   [b·s, V]).
+   gradients are summed over the TP group once per step (`TensorParallel.after_grad_sync`).
+2. Peak per device. Parameters Ψ_split/T + Ψ_repl (`param_counts`: Ψ_split = V·h + 12·h²·L + biases,
+   Ψ_repl = block_size·h + LayerNorms + row biases), 16 bytes each with fp32 grads and AdamW. Activations
+   per layer (Korthikanti, 16-bit; `activation_estimates`): T = 1 s·b·h·(34 + 5·a·s/h); TP
+   s·b·h·(10 + 24/T + 5·a·s/(h·T)); TP + SP s·b·h/T·(34 + 5·a·s/h), as c_attn and c_fc keep only their input's
+   sequence shard for backward and all-gather it again there (as Megatron). Temporary: one gathered
+   [b, s, h] input at a time, and the loss's softmax [b·s, V/T] in fp32 (never [b·s, V]).
 3. Critical path, per micro-batch (all synchronous, nothing overlaps; group `tp`, bytes = the message M):
        per block, no SP: forward  2 × all_reduce s·b·h·e_c   (after attn.c_proj and mlp.c_proj: g)
                          backward 2 × all_reduce s·b·h·e_w   (before c_attn and c_fc: f)
        per block, SP:    forward  2 × all_gather s·b·h·e_c + 2 × reduce_scatter s·b·h·e_c
                          backward 2 × reduce_scatter s·b·h·e_c + 4 × all_gather s·b·h·e_c (two of them
-                         re-gather c_attn's and c_fc's inputs; not under activation checkpointing)
+                         re-gather c_attn's and c_fc's inputs; not under activation checkpointing or FP8)
        embedding: all_reduce (SP: reduce_scatter forward, all_gather backward) s·b·h·e_w
        head:      all_reduce backward s·b·h·e_w (SP: all_gather forward, all_gather + reduce_scatter
                   backward, s·b·h·e_c)
        loss:      all_reduce MAX b·s·e_l and all_reduce SUM 2·b·s·e_l (e_l = 4, or 8 for float64 logits)
    Activation checkpointing repeats each block's forward messages in backward, all but the last (torch's
-   checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none).
-   Per step, with SP: one all_reduce of the sequence-parallel parameters' gradients (`after_grad_sync`).
-   (The global gradient norm is one all-reduce over the world, optim.update; nothing per axis.)
+   checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none). Per step,
+   with SP: one all_reduce of the sequence-parallel parameters' gradients (`after_grad_sync`).
    `step_messages` computes all of this; the tests check it against the CommTracer byte for byte.
 4. Restart state: nothing of its own. Every parameter's `shard_info` names its global tensor and its
    slice, which the checkpoint reads; a different T reslices on load.
-
-Dropout: a replicated activation (the residual stream without SP) needs the same mask on every TP rank, a
-split one (attention heads; with SP the sequence pieces) a different mask per rank: see TensorParallelRNG.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -71,20 +65,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from comm import Messages
+from mfu import activation_bytes_per_layer
 from model import GPT, MLP, GPTConfig, ShardInfo, Split, init_full_parameter
 from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------
-# Collectives along the sequence (dim 1 of [batch, seq, ...]) and the vocabulary (last dim)
+# The collectives along the sequence (dim 1 of [batch, seq, ...]) and the vocabulary (last dim), and the
+# conjugate operators made of them
 # ---------------------------------------------------------------------------------------------------------
 # all_gather_single / reduce_scatter_single work on dim 0, so the sequence is moved to the front for the
 # collective and back after. (Megatron keeps activations [s, b, h] throughout so this is free; model.py is
 # batch-first like nanoGPT, so we pay one copy per collective.)
 
 
-def _all_reduce(x: torch.Tensor, group, op=None) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)  # a fresh buffer: never mutate autograd's tensors
-    dist.all_reduce(out, op=op or dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
@@ -97,23 +94,13 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    if x.shape[dim] % size:
-        raise ValueError(f"sequence parallel: a sequence of {x.shape[dim]} tokens does not split into --tp {size}"
-                         f" equal pieces")
+    size = dist.get_world_size(group)  # the sequence splits into T pieces (config_from_flags)
     full = x.movedim(dim, 0).contiguous()
     out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
     dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
     return out.movedim(0, dim)
 
 
-def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The conjugate operators
-# ---------------------------------------------------------------------------------------------------------
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -167,19 +154,6 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _all_gather(grad, 1, ctx.group), None
 
 
-class GatherFromTensorParallelRegion(torch.autograd.Function):
-    """All-gather the last dimension forward, keep this rank's slice backward (full logits for sampling)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None
-
-
 def _autocast_input(x: torch.Tensor) -> torch.Tensor:
     """Cast to the autocast dtype now, as the linear would: the all-gather then moves 16-bit data, and the
     linear's own cast is a no-op, so the tensor it saves for backward is the gathered one itself."""
@@ -217,10 +191,9 @@ class TensorParallelContext:
 class ColumnParallelLinear(nn.Module):
     """Y = X·Aᵀ with A split by output features: rank t computes Y_t = X·A_tᵀ (+ b_t), its columns of Y.
 
-    The input enters the region through f (or SP's all-gather); the output stays split (the next row-parallel
-    layer consumes it) unless `gather_output`, which all-gathers it (sampling's full logits).
-    `regather` (SP only): keep the sequence shard for backward instead of the gathered input (see
-    `_forward_regathering`); off inside activation-checkpointed blocks, which keep only their input anyway.
+    The input enters the region through f (or SP's all-gather); the output stays split for the next row-parallel
+    layer unless `gather_output` (sampling's full logits, under no_grad). `regather` (SP): keep the sequence
+    shard for backward, not the gathered input (`_forward_regathering`); off under activation checkpointing.
     """
 
     def __init__(self, linear: nn.Linear, ctx: TensorParallelContext, gather_output: bool = False,
@@ -233,16 +206,15 @@ class ColumnParallelLinear(nn.Module):
             y = self._forward_regathering(x)
         else:
             y = self.linear(self.ctx.enter(x))
-        return GatherFromTensorParallelRegion.apply(y, self.ctx.group) if self.gather_output else y
+        return _all_gather(y, -1, self.ctx.group) if self.gather_output else y  # sampling: no gradient
 
     def _forward_regathering(self, x: torch.Tensor) -> torch.Tensor:
         """SP as in Megatron: autograd keeps the shard, and backward all-gathers it again.
 
-        The weight gradient X_fullᵀ·dY needs the whole gathered input; storing it would cost s·b·h elements
-        per column layer where Korthikanti et al. count s·b·h/T. A saved-tensor hook swaps the gathered
-        tensor for this rank's shard when the linear saves it, and unpacking it in backward all-gathers it
-        again: one more all-gather per column layer in backward, for (T-1)/T of that memory.
-        """
+        The weight gradient X_fullᵀ·dY needs the whole gathered input: s·b·h elements per column layer where
+        Korthikanti et al. count s·b·h/T. A saved-tensor hook swaps the gathered tensor for this rank's shard
+        when the linear saves it and all-gathers it again when backward unpacks it: one more all-gather per
+        column layer in backward, for (T-1)/T of that memory."""
         shard, group = _autocast_input(x), self.ctx.group
         total = GatherFromSequenceParallelRegion.apply(shard, group)  # = self.ctx.enter(x)
         shard = shard.detach()
@@ -279,11 +251,9 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The token embedding split by vocabulary rows: rank t holds rows [t·V/T, (t+1)·V/T).
-
-    Each rank looks up the tokens it owns and writes zeros for the others; the sum over ranks (g, or SP's
-    reduce-scatter, which also splits the sequence for what follows) is then the full lookup.
-    """
+    """The token embedding split by vocabulary rows: rank t holds rows [t·V/T, (t+1)·V/T). Each rank looks up
+    the tokens it owns and writes zeros for the others; the sum over ranks (g, or SP's reduce-scatter, which
+    also splits the sequence for what follows) is then the full lookup."""
 
     def __init__(self, embedding: nn.Embedding, ctx: TensorParallelContext, vocab_start: int):
         super().__init__()
@@ -305,9 +275,6 @@ class SequenceParallelPositions(nn.Module):
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         if self.ctx.sequence_parallel:
-            if pos.shape[0] % self.ctx.size:
-                raise ValueError(f"sequence parallel: a sequence of {pos.shape[0]} tokens does not split into"
-                                 f" --tp {self.ctx.size} equal pieces")
             pos = pos.chunk(self.ctx.size)[self.ctx.rank]
         return self.embedding(pos)
 
@@ -350,22 +317,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-class VocabParallelLoss:
-    """model.loss_fn under TP: the vocab-parallel cross-entropy of the LOCAL logits (a vocabulary slice)."""
-
-    def __init__(self, ctx: TensorParallelContext, vocab_start: int):
-        self.ctx, self.vocab_start = ctx, vocab_start
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        wide = logits.float() if logits.element_size() < 4 else logits  # softmax in at least fp32
-        return VocabParallelCrossEntropy.apply(wide.reshape(-1, wide.shape[-1]), targets.reshape(-1),
-                                               self.vocab_start, self.ctx.group)
-
-
-def vocab_parallel_cross_entropy_sum(local_logits, targets, vocab_start: int, group) -> torch.Tensor:
-    """Functional form, for tests and callers outside the model."""
-    ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group))
-    return VocabParallelLoss(ctx, vocab_start)(local_logits, targets)
+def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+    """model.loss_fn under TP (bound with functools.partial): the cross-entropy sum of LOCAL logits [..., V/T]."""
+    wide = logits.float() if logits.element_size() < 4 else logits  # softmax in at least fp32
+    return VocabParallelCrossEntropy.apply(wide.reshape(-1, wide.shape[-1]), targets.reshape(-1), vocab_start, group)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -378,11 +333,9 @@ class TensorParallelRNG:
 
     Replicated activations need the SAME mask on every TP rank, or the ranks' copies drift apart: they use
     the default generator, which the trainer seeds alike across a TP group. Split activations need
-    INDEPENDENT masks: `fork()` draws one number from the default generator (the same draw on every TP rank),
-    reseeds the default generator with (draw, TP rank) for the op, and then restores it. Since the per-op
-    seed is itself a draw from the default generator, torch.utils.checkpoint, which saves and restores that
-    generator's state around the recomputation, replays the very same masks in backward.
-    """
+    INDEPENDENT masks: `fork()` draws one number from the default generator (the same draw on every TP rank)
+    and reseeds it with (draw, TP rank) for the op, then restores it. The per-op seed being a draw from the
+    default generator, torch.utils.checkpoint (which restores that state to recompute) replays the masks."""
 
     def __init__(self, tp_rank: int, device: torch.device):
         self.tp_rank, self.device = tp_rank, torch.device(device)
@@ -429,16 +382,55 @@ class ForkedAttention:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def check_divisible(config: GPTConfig, tp: int, seq_len: int | None = None, sequence_parallel: bool = False):
-    """Raise ValueError naming the flag when the model does not split into --tp pieces."""
-    if config.n_head % tp:
-        raise ValueError(f"--tp {tp} must divide the number of attention heads n_head={config.n_head}"
-                         f" (attention is split by heads)")
-    if config.vocab_size % tp:
-        raise ValueError(f"--tp {tp} must divide the vocabulary size {config.vocab_size} (the embedding and"
-                         f" head are split by vocabulary; this trainer does not pad it)")
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise ValueError(f"--sp: --tp {tp} must divide the sequence length {seq_len} (--seq-len)")
+def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 0,
+                batch: BatchShape | None = None) -> TensorParallel:
+    """Swap the plain GPT's linears, embedding and head for their tensor-parallel versions, in place.
+
+    Every rank of `group` calls this with the same model config and seed (the model's; the sizes split, as
+    config_from_flags checks): rank t keeps slice t of every split parameter, from the per-parameter init.
+    Replicated ones (LayerNorms, position embedding) stay. With dropout, the caller seeds the default generator
+    alike across a TP group (TensorParallelRNG). `batch`: what a step feeds this rank (`predicted_messages`).
+    """
+    config = model.config
+    ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel)
+    rng = TensorParallelRNG(ctx.rank, next(model.parameters()).device)
+    untouched = set(model.parameters())  # holds them: an id() of a freed tensor could be reused
+    regather, sp_params = not config.activation_checkpointing, []
+    for block in model.transformer.h:  # the blocks this model (or pipeline stage) holds
+        prefix, attn, mlp = f"transformer.h.{block.layer_id}", block.attn, block.mlp
+        attn.c_attn = _column(attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, 3, regather)
+        attn.c_proj = _row(attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
+        if isinstance(mlp, MLP):  # a mixture of experts stays whole on every TP rank (moe.py)
+            mlp.c_fc = _column(mlp.c_fc, f"{prefix}.mlp.c_fc", ctx, config, seed, 1, regather)
+            mlp.c_proj = _row(mlp.c_proj, f"{prefix}.mlp.c_proj", ctx, config, seed)
+        attn.attention_fn = ForkedAttention(attn.attention_fn, rng)
+        attn.resid_dropout = ForkedDropout(attn.resid_dropout, ctx, rng)
+        mlp.dropout = ForkedDropout(mlp.dropout, ctx, rng)
+        row_biases = [attn.c_proj.bias] + ([mlp.c_proj.bias] if isinstance(mlp, MLP) else [])
+        sp_params += [*block.ln_1.parameters(), *block.ln_2.parameters(), *(p for p in row_biases if p is not None)]
+    # Tied embedding and head: ONE vocabulary-split parameter, used by both (a pipeline stage holding only
+    # one of them has its own copy, named transformer.wte.weight as well).
+    vocab_weight = _param(_shard("transformer.wte.weight", (config.vocab_size, config.n_embd), 0, ctx), config,
+                          seed, next(model.parameters()))
+    vocab_start = ctx.rank * (config.vocab_size // ctx.size)
+    with torch.device("meta"):
+        embedding = nn.Embedding(config.vocab_size // ctx.size, config.n_embd)
+        head = nn.Linear(config.n_embd, config.vocab_size // ctx.size, bias=False)
+    embedding.weight = head.weight = vocab_weight
+    if model.has_embedding:
+        model.transformer.wte = VocabParallelEmbedding(embedding, ctx, vocab_start)
+        model.transformer.drop = ForkedDropout(model.transformer.drop, ctx, rng)
+        if sequence_parallel:
+            model.transformer.wpe = SequenceParallelPositions(model.transformer.wpe, ctx)
+            sp_params.append(model.transformer.wpe.embedding.weight)
+    if model.has_head:
+        model.lm_head = ColumnParallelLinear(head, ctx)
+        model.loss_fn = functools.partial(vocab_parallel_loss, vocab_start=vocab_start, group=group)
+        sp_params += [*model.transformer.ln_f.parameters()]
+    for param in model.parameters():  # what TP did not split, every TP rank holds a copy of
+        if param in untouched:
+            param.shard_info = param.shard_info.replicated_also_over("tp")
+    return TensorParallel(model, ctx, sp_params if sequence_parallel else [], rng, batch)
 
 
 def _shard(name: str, shape, split_dim: int | None, ctx: TensorParallelContext, segments: int = 1) -> ShardInfo:
@@ -457,14 +449,12 @@ def _param(shard: ShardInfo, config, seed, like: torch.Tensor) -> nn.Parameter:
     return param
 
 
-def _column(linear: nn.Linear, name: str, ctx, config, seed, segments=1, regather=True):
-    out_features = linear.out_features // ctx.size
+def _column(linear: nn.Linear, name: str, ctx, config, seed, segments: int, regather: bool):
     with torch.device("meta"):  # shapes only; the values come from the deterministic init
-        local = nn.Linear(linear.in_features, out_features, bias=linear.bias is not None)
-    local.weight = _param(_shard(f"{name}.weight", linear.weight.shape, 0, ctx, segments), config, seed,
-                          linear.weight)
-    if linear.bias is not None:
-        local.bias = _param(_shard(f"{name}.bias", linear.bias.shape, 0, ctx, segments), config, seed, linear.bias)
+        local = nn.Linear(linear.in_features, linear.out_features // ctx.size, bias=linear.bias is not None)
+    for kind in ("weight", "bias") if linear.bias is not None else ("weight",):
+        full = getattr(linear, kind)
+        setattr(local, kind, _param(_shard(f"{name}.{kind}", full.shape, 0, ctx, segments), config, seed, full))
     return ColumnParallelLinear(local, ctx, regather=regather)
 
 
@@ -472,113 +462,62 @@ def _row(linear: nn.Linear, name: str, ctx, config, seed):
     with torch.device("meta"):
         local = nn.Linear(linear.in_features // ctx.size, linear.out_features, bias=False)
     local.weight = _param(_shard(f"{name}.weight", linear.weight.shape, 1, ctx), config, seed, linear.weight)
-    bias = None
-    if linear.bias is not None:
-        bias = _param(_shard(f"{name}.bias", linear.bias.shape, None, ctx), config, seed, linear.bias)
+    bias = linear.bias  # replicated: added once, after the sum
+    if bias is not None:
+        bias = _param(_shard(f"{name}.bias", bias.shape, None, ctx), config, seed, bias)
     return RowParallelLinear(local, bias, ctx)
 
 
 class TensorParallel(Axis):
-    """The handle `parallelize` returns: the shared context, the SP gradient sync, sampling, accounting."""
-
-    def __init__(self, model: GPT, ctx: TensorParallelContext, sequence_parallel_params: list,
-                 rng: TensorParallelRNG):
-        self.model, self.ctx, self.rng = model, ctx, rng
-        self.sequence_parallel = ctx.sequence_parallel
-        # Replicated parameters that, under SP, see only this rank's tokens: LayerNorms, row-parallel biases,
-        # the position embedding. Their gradient is the SUM over the TP group of what each rank computed.
-        self.sequence_parallel_params = sequence_parallel_params
+    """The handle `parallelize` returns (step.Axis): the SP gradient sum, sampling, the predicted messages.
+    sequence_parallel_params: the replicated parameters that under SP see only this rank's tokens (LayerNorms,
+    row-parallel biases, the position embedding), whose gradient is the SUM over the TP group."""
 
     name = "tp"
 
+    def __init__(self, model: GPT, ctx: TensorParallelContext, sequence_parallel_params: list,
+                 rng: TensorParallelRNG, batch: BatchShape | None = None):
+        self.model, self.ctx, self.rng, self.batch = model, ctx, rng, batch
+        self.sequence_parallel = ctx.sequence_parallel  # ctx's is switched off while sampling
+        self.sequence_parallel_params = sequence_parallel_params
+
     @torch.no_grad()
-    def after_grad_sync(self, layout):
-        """Sum the sequence-parallel parameters' gradients over the TP group: one flat all-reduce per step.
-
-        Run after the layout's data-parallel reduction, once all micro-batches have accumulated, like
-        Megatron's finalize_model_grads. Both reductions are sums, so their order does not matter; doing it
-        once per step (not in a backward hook per micro-batch) sends it once. `layout.grad_pieces` gives the
-        gradients as this rank holds them (whole under DDP, its shard's segments under ZeRO; every rank of
-        the TP group has the same segments). Without SP every TP rank already holds the full gradient of a
-        replicated parameter (f and g make it so), and there is nothing to do.
-        """
-        if not self.sequence_parallel:
-            return
-        sum_in_place(layout.grad_pieces(self.sequence_parallel_params), self.ctx.group)
-
-    def sampling(self):
-        return self.full_logits()
+    def after_grad_sync(self, layout) -> int:
+        """Sum the SP parameters' gradients over the TP group in one flat all-reduce per step, after the
+        data-parallel sum (both are sums), like Megatron's finalize_model_grads; `layout.grad_pieces`: as this
+        rank holds them (whole, or a ZeRO shard's segments, alike on every TP rank). Without SP f and g already
+        gave every TP rank the whole gradient. Returns 0: nothing non-finite of its own."""
+        if self.sequence_parallel:
+            sum_in_place(layout.grad_pieces(self.sequence_parallel_params), self.ctx.group)
+        return 0
 
     @contextmanager
-    def full_logits(self):
-        """For sampling: the head gathers its vocabulary slices and SP is off (any prompt length works).
-
-        Every rank of the TP group must run the same generate() call (the collectives are the group's).
-        """
-        head, previous = self.model.lm_head, self.ctx.sequence_parallel  # no head on a middle pipeline stage
+    def sampling(self):
+        """The head gathers its vocabulary slices and SP is off (any prompt length works); every rank of the
+        TP group runs the same generate() call (the collectives are the group's)."""
+        head = self.model.lm_head  # None on a middle pipeline stage
         self.ctx.sequence_parallel = False
         if head is not None:
             head.gather_output = True
         try:
             yield
         finally:
-            self.ctx.sequence_parallel = previous
+            self.ctx.sequence_parallel = self.sequence_parallel
             if head is not None:
                 head.gather_output = False
 
-    def startup_lines_measured(self, micro: int, seq: int, compute_bytes: int, autocast, param_dtype=None,
-                               state_bytes_per_param: int = 16) -> list:
-        """accounting_lines with block 0's messages measured once (before DDP installs gradient hooks).
+    def holding(self) -> Holding:
+        """What this rank's model holds, as the formulas read it (FP8, applied later, may stop the regather)."""
+        blocks, config = list(self.model.transformer.h), self.model.config
+        return Holding(config.n_embd, self.sequence_parallel, config.activation_checkpointing, len(blocks),
+                       sum(not isinstance(b.mlp, MLP) for b in blocks), self.model.has_embedding,
+                       self.model.has_head, all(b.attn.c_attn.regather for b in blocks))
 
-        param_dtype: the working dtype the run will train in when a later layout casts the weights (ZeRO's
-        bf16 recipe). Block 0 is measured in it, its fp32 values put back exactly afterwards, so the messages
-        printed are the sizes the run will send.
-        """
-        params = list(next(iter(self.model.transformer.h)).parameters())
-        param_dtype = param_dtype or params[0].dtype
-        originals = [p.data for p in params]
-        try:
-            for p in params:
-                p.data = p.data.to(param_dtype)
-            measured = measure_block_messages(self.model, self.ctx, micro, seq, autocast)
-        finally:
-            for p, original in zip(params, originals):
-                p.data = original
-        return accounting_lines(self.model.config, micro, seq, self.ctx.size, self.sequence_parallel,
-                                param_dtype.itemsize, compute_bytes, state_bytes_per_param, measured=measured,
-                                split_mlp=isinstance(next(iter(self.model.transformer.h)).mlp, MLP))
-
-    def step_messages(self, micro: int, seq: int, micro_batches: int = 1, compute_bytes: int | None = None,
-                      sp_grad_bytes: int | None = None, param_bytes: int | None = None):
-        """Predicted {op: (calls, payload bytes)} on the TP group for one optimizer step; see `step_messages`.
-
-        sp_grad_bytes: the payload of the SP gradient sum (the layout's grad_pieces of the SP parameters);
-        by default their whole gradients.
-        """
-        param_bytes = param_bytes or next(self.model.parameters()).element_size()
-        if sp_grad_bytes is None:
-            sp_grad_bytes = sum(p.numel() for p in self.sequence_parallel_params) * param_bytes
-        return step_messages(self.model.config, micro, seq, self.ctx.size, self.sequence_parallel,
-                             micro_batches, param_bytes, compute_bytes or param_bytes, sp_param_bytes=sp_grad_bytes,
-                             n_blocks=len(self.model.transformer.h), embedding=self.model.has_embedding,
-                             head=self.model.has_head,
-                             unsplit_mlp_blocks=sum(not isinstance(b.mlp, MLP) for b in self.model.transformer.h),
-                             regather=all(b.attn.c_attn.regather for b in self.model.transformer.h))
-
-    # The axis protocol train.py talks to (`apply` fills `run` and the start-up lines).
-
-    def startup_lines(self) -> list:
-        return self._startup_lines
-
-    def predicted_messages(self, layout) -> dict:
-        run = self.run
+    def predicted_messages(self, layout) -> Messages:
+        """One optimizer step's tp messages (`step_messages`); the SP sum moves the gradients as the layout
+        holds them (a ZeRO shard of them, in its gradient dtype)."""
         sp_bytes = sum(g.numel() * g.element_size() for g in layout.grad_pieces(self.sequence_parallel_params))
-        # Under context parallel a rank holds s/C tokens of each sequence (applied after TP, it cuts the batch).
-        messages = self.step_messages(run.micro_batch_size, run.seq_len // run.mesh.size("cp"), run.micro_batches,
-                                      run.compute_dtype.itemsize, sp_grad_bytes=sp_bytes,
-                                      param_bytes=run.param_dtype.itemsize)
-        return {(op, "tp"): value for op, value in messages.items()}
-
+        return step_messages(self.batch, self.holding(), sp_bytes)
 
 
 @dataclass(frozen=True)
@@ -590,86 +529,33 @@ class TPConfig:
 
 
 def config_from_flags(args, settings) -> TPConfig | None:
-    """TP's flags on this model, or ValueError naming the flag (before any process group)."""
-    if args.sp and args.tp == 1:
+    """TP's flags on this model (the sizes must split T ways), or ValueError naming the flag."""
+    config, tp, seq_len = settings.model, args.tp, settings.seq_len
+    if args.sp and tp == 1:
         raise ValueError("--sp (sequence parallel) needs --tp > 1")
-    if args.tp == 1:
+    if tp == 1:
         return None
-    check_divisible(settings.model, args.tp, settings.seq_len, args.sp)
-    return TPConfig(args.tp, args.sp)
+    if config.n_head % tp:
+        raise ValueError(f"--tp {tp} must divide the number of attention heads n_head={config.n_head}"
+                         f" (attention is split by heads)")
+    if config.vocab_size % tp:
+        raise ValueError(f"--tp {tp} must divide the vocabulary size {config.vocab_size} (the embedding and"
+                         f" head are split by vocabulary; this trainer does not pad it)")
+    if args.sp and seq_len % tp:
+        raise ValueError(f"--sp: --tp {tp} must divide the sequence length {seq_len} (--seq-len)")
+    return TPConfig(tp, args.sp)
 
 
 def apply(model: GPT, run, config: TPConfig) -> TensorParallel:
-    """--tp T (and --sp): split the model over the TP group."""
-    handle = parallelize(model, run.mesh.group("tp"), config.sequence_parallel, seed=run.seed)
-    handle.run = run
-    # Block 0's messages are measured now, before a layout installs gradient hooks, in the working dtype
-    # the layout will train in (ZeRO's bf16 weights), so the printed sizes are those the run sends.
-    handle._startup_lines = handle.startup_lines_measured(run.micro_batch_size, run.seq_len // run.mesh.size("cp"),
-                                                          run.compute_dtype.itemsize, run.autocast, run.param_dtype)
-    return handle
-
-
-def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 0) -> TensorParallel:
-    """Swap the plain GPT's linears, embedding and head for their tensor-parallel versions, in place.
-
-    Every rank of `group` calls this with the same model config and seed; rank t keeps slice t of every
-    split parameter, taken from the per-parameter deterministic init (`seed` must be the one the model was
-    built with). Replicated parameters (LayerNorms, position embedding) stay as they are. With dropout, the
-    caller seeds the default generator alike on the ranks of a TP group (see TensorParallelRNG).
-    """
-    config = model.config
-    ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel)
-    check_divisible(config, ctx.size)
-    rng = TensorParallelRNG(ctx.rank, next(model.parameters()).device)
-    untouched = set(model.parameters())  # holds them: an id() of a freed tensor could be reused
-    sp_params = []
-    for block in model.transformer.h:  # the blocks this model (or pipeline stage) holds
-        prefix = f"transformer.h.{block.layer_id}"
-        regather = not config.activation_checkpointing
-        block.attn.c_attn = _column(block.attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, segments=3,
-                                    regather=regather)
-        block.attn.c_proj = _row(block.attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
-        if isinstance(block.mlp, MLP):  # a mixture of experts stays whole on every TP rank (moe.py)
-            block.mlp.c_fc = _column(block.mlp.c_fc, f"{prefix}.mlp.c_fc", ctx, config, seed, regather=regather)
-            block.mlp.c_proj = _row(block.mlp.c_proj, f"{prefix}.mlp.c_proj", ctx, config, seed)
-        block.attn.attention_fn = ForkedAttention(block.attn.attention_fn, rng)
-        block.attn.resid_dropout = ForkedDropout(block.attn.resid_dropout, ctx, rng)
-        block.mlp.dropout = ForkedDropout(block.mlp.dropout, ctx, rng)
-        sp_params += [*block.ln_1.parameters(), *block.ln_2.parameters()]
-        row_biases = [block.attn.c_proj.bias] + ([block.mlp.c_proj.bias] if isinstance(block.mlp, MLP) else [])
-        sp_params += [p for p in row_biases if p is not None]
-    # Tied embedding and head: ONE vocabulary-split parameter, used by both (a pipeline stage holding only
-    # one of them has its own copy, named transformer.wte.weight as well).
-    vocab_shard = _shard("transformer.wte.weight", (config.vocab_size, config.n_embd), 0, ctx)
-    vocab_start = ctx.rank * (config.vocab_size // ctx.size)
-    like = next(model.parameters())
-    with torch.device("meta"):
-        embedding = nn.Embedding(config.vocab_size // ctx.size, config.n_embd)
-        head = nn.Linear(config.n_embd, config.vocab_size // ctx.size, bias=False)
-    vocab_weight = _param(vocab_shard, config, seed, like)
-    if model.has_embedding:
-        embedding.weight = vocab_weight
-        model.transformer.wte = VocabParallelEmbedding(embedding, ctx, vocab_start)
-        model.transformer.drop = ForkedDropout(model.transformer.drop, ctx, rng)
-        if sequence_parallel:
-            model.transformer.wpe = SequenceParallelPositions(model.transformer.wpe, ctx)
-            sp_params.append(model.transformer.wpe.embedding.weight)
-    if model.has_head:
-        head.weight = embedding.weight if model.has_embedding else vocab_weight
-        model.lm_head = ColumnParallelLinear(head, ctx)
-        model.loss_fn = VocabParallelLoss(ctx, vocab_start)
-        sp_params += [*model.transformer.ln_f.parameters()]
-    if not sequence_parallel:
-        sp_params = []
-    for param in model.parameters():  # what TP did not split, every TP rank holds a copy of
-        if param in untouched:
-            param.shard_info = param.shard_info.replicated_also_over("tp")
-    return TensorParallel(model, ctx, sp_params, rng)
+    """--tp T (and --sp): split the model over the TP group. A rank holds s/C tokens of each sequence (CP,
+    applied after TP, cuts the batch) and the layout's working weights (e_w: ZeRO's bf16 ones)."""
+    batch = BatchShape(run.micro_batch_size, run.seq_len // run.mesh.size("cp"), run.micro_batches,
+                       run.param_dtype.itemsize, run.compute_dtype.itemsize)
+    return parallelize(model, run.mesh.group("tp"), config.sequence_parallel, run.seed, batch)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Accounting
+# Prediction formulas (docstring items 2 and 3)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -683,168 +569,81 @@ def param_counts(config: GPTConfig, tp: int) -> dict:
             "per_rank": split // tp + replicated}
 
 
-def block_messages(micro: int, seq: int, h: int, sequence_parallel: bool, param_bytes: int, compute_bytes: int,
-                   regather: bool = True, split_mlp: bool = True):
-    """One block's critical-path messages for one micro-batch: [(phase, op, payload bytes)], group tp.
-
-    Without SP, f moves the gradient of the LayerNorm's output (parameter dtype: autocast casts inside the
-    linear, after f) and g a linear's output (compute dtype). With SP everything moves compute-dtype data:
-    the shard is cast before its all-gather. The backward of each moves the gradient of the same tensor.
-    """
-    enter, leave = micro * seq * h * param_bytes, micro * seq * h * compute_bytes
-    full = leave
-    backward_column = [("backward", "all_gather_single", full)] if regather else []  # re-gather the input
-    if not split_mlp:  # a mixture of experts is not split by TP: the attention's messages only
-        if not sequence_parallel:
-            return [("forward", "all_reduce", leave), ("backward", "all_reduce", enter)]
-        return [("forward", "all_gather_single", full), ("forward", "reduce_scatter_single", full),
-                ("backward", "all_gather_single", full), *backward_column, ("backward", "reduce_scatter_single", full)]
-    if not sequence_parallel:
-        return [("forward", "all_reduce", leave), ("forward", "all_reduce", leave),  # g after attn, mlp
-                ("backward", "all_reduce", enter), ("backward", "all_reduce", enter)]  # f before mlp, attn
-    return [("forward", "all_gather_single", full), ("forward", "reduce_scatter_single", full),
-            ("forward", "all_gather_single", full), ("forward", "reduce_scatter_single", full),
-            ("backward", "all_gather_single", full),  # mlp.c_proj's ḡ
-            *backward_column, ("backward", "reduce_scatter_single", full),  # c_fc: weight grad, then g's RS
-            ("backward", "all_gather_single", full),  # attn.c_proj's ḡ
-            *backward_column, ("backward", "reduce_scatter_single", full)]  # c_attn
-
-
-def step_messages(config: GPTConfig, micro: int, seq: int, tp: int, sequence_parallel: bool,
-                  micro_batches: int = 1, param_bytes: int = 4, compute_bytes: int = 4,
-                  sp_param_bytes: int = 0, n_blocks: int | None = None, embedding: bool = True,
-                  head: bool = True, unsplit_mlp_blocks: int = 0, regather: bool | None = None) -> dict:
-    """Predicted TP-group messages of one optimizer step: {op: (calls, payload bytes)} (docstring item 3).
-
-    n_blocks, embedding, head: what this rank holds (a pipeline stage holds a few blocks, maybe one end);
-    unsplit_mlp_blocks of them have an MLP that TP does not split (a mixture of experts). regather: whether
-    SP's column layers gather their input again in backward (default: unless activation checkpointing; FP8
-    keeps the gathered input instead)."""
-    regather = not config.activation_checkpointing if regather is None else regather
-    out = {}
-
-    def add(op, payload, calls=1):
-        c, b = out.get(op, (0, 0))
-        out[op] = (c + calls, b + calls * payload)
-
-    h, tokens = config.n_embd, micro * seq
-    loss_bytes = max(4, compute_bytes)  # the softmax runs in at least fp32
-    for _ in range(micro_batches):
-        blocks = config.n_layer if n_blocks is None else n_blocks
-        for index in range(blocks):
-            split_mlp = index >= unsplit_mlp_blocks
-            msgs = block_messages(micro, seq, h, sequence_parallel, param_bytes, compute_bytes,
-                                  regather=regather, split_mlp=split_mlp)
-            if config.activation_checkpointing:
-                # Backward recomputes the block's forward, messages included, but torch's non-reentrant
-                # checkpoint stops as soon as every saved tensor is back: the MLP's final reduction feeds
-                # nothing saved, so it is not repeated (a mixture of experts saves what follows the attention's).
-                forward = [m for m in msgs if m[0] == "forward"]
-                msgs += forward[:-1] if split_mlp else forward
-            for _, op, payload in msgs:
-                add(op, payload)
-        act, head_act = tokens * h * param_bytes, tokens * h * compute_bytes
-        if embedding:
-            if sequence_parallel:
-                add("reduce_scatter_single", act), add("all_gather_single", act)  # embedding: fwd, bwd
-            else:
-                add("all_reduce", act)  # embedding forward (g)
-        if head:
-            if sequence_parallel:
-                add("all_gather_single", head_act, calls=2), add("reduce_scatter_single", head_act)  # fwd, re-gather, bwd
-            else:
-                add("all_reduce", act)  # head backward (f)
-            add("all_reduce", tokens * loss_bytes)  # loss: MAX
-            add("all_reduce", 2 * tokens * loss_bytes)  # loss: Σexp and target logit
-    if sequence_parallel and sp_param_bytes:
-        add("all_reduce", sp_param_bytes)  # after_grad_sync: the SP parameters' gradients (as the layout holds them)
-    return out
-
-
 def activation_estimates(config: GPTConfig, micro: int, seq: int, tp: int) -> dict:
     """Korthikanti et al. 2022 activation bytes per layer (16-bit): unsplit, TP, TP + SP."""
-    from mfu import activation_bytes_per_layer
-
     args = (seq, micro, config.n_embd, config.n_head)
     return {"none": activation_bytes_per_layer(*args), "tp": activation_bytes_per_layer(*args, t=tp),
             "tp_sp": activation_bytes_per_layer(*args, t=tp, sequence_parallel=True)}
 
 
-def _by_phase_and_op(messages) -> dict:
-    out = {}
-    for phase, op, payload in messages:
-        calls, total = out.get((phase, op), (0, 0))
-        out[(phase, op)] = (calls + 1, total + payload)
-    return out
+@dataclass(frozen=True)
+class BatchShape:
+    """What one optimizer step feeds a rank: m micro-batches of b sequences of s tokens, e_w / e_c bytes."""
+
+    micro: int  # b
+    seq: int  # s (s/C under context parallel)
+    micro_batches: int = 1  # m
+    param_bytes: int = 4  # e_w, a working weight
+    compute_bytes: int = 4  # e_c, autocast's dtype
 
 
-@torch.no_grad()
-def _clear_grads(module: nn.Module):
-    for p in module.parameters():
-        p.grad = None
+@dataclass(frozen=True)
+class Holding:
+    """What a rank's TP model holds: width h, SP, recompute; its blocks (a pipeline stage: some, maybe one
+    end), `unsplit_mlp_blocks` of them with an MLP TP leaves whole (experts); whether SP re-gathers inputs."""
+
+    hidden: int
+    sequence_parallel: bool
+    checkpointing: bool = False
+    blocks: int = 1
+    unsplit_mlp_blocks: int = 0
+    embedding: bool = True
+    head: bool = True
+    regather: bool = True
 
 
-def measure_block_messages(model: GPT, ctx: TensorParallelContext, micro: int, seq: int, autocast) -> dict:
-    """Run block 0's forward and backward once on random input under a CommTracer: {(phase, op): (calls, bytes)}.
-
-    Call it before any gradient hook is installed (DDP): it leaves no gradient behind.
-    """
-    from comm import CommTracer
-
-    block = next(iter(model.transformer.h))
-    param = next(block.parameters())
-    local_seq = seq // ctx.size if ctx.sequence_parallel else seq
-    generator = torch.Generator(device=param.device).manual_seed(0)  # leaves the global RNG alone
-    x = torch.randn(micro, local_seq, model.config.n_embd, generator=generator, device=param.device,
-                    dtype=param.dtype, requires_grad=True)
-    tracer = CommTracer()
-    tracer.name_group(ctx.group, "tp")
-    measured = {}
-    with tracer:
-        with autocast:
-            out = block(x)
-    measured.update({("forward", op): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items()
-                     if g == "tp"})
-    tracer.reset()
-    with tracer:
-        out.float().sum().backward()
-    measured.update({("backward", op): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items()
-                     if g == "tp"})
-    _clear_grads(block)
-    return measured
+def block_messages(batch: BatchShape, held: Holding, split_mlp: bool = True) -> dict:
+    """One block's messages for one micro-batch, group tp: {"forward": Messages, "backward": Messages}.
+    Without SP, f moves the gradient of the LayerNorm's output (e_w: autocast casts inside the linear, after
+    f) and g a linear's output (e_c). With SP everything moves e_c data (the shard is cast before its
+    all-gather); backward: ḡ's all-gather, the column layer's re-gather, g's reduce-scatter, per region."""
+    regions = 2 if split_mlp else 1  # attention and MLP; a mixture of experts: the attention only
+    activation = batch.micro * batch.seq * held.hidden
+    message = activation * batch.compute_bytes
+    if not held.sequence_parallel:
+        return {"forward": Messages().add("all_reduce", "tp", regions, regions * message),  # g
+                "backward": Messages().add("all_reduce", "tp", regions, regions * activation * batch.param_bytes)}
+    gathers = regions * (2 if held.regather else 1)
+    return {"forward": Messages().add("all_gather_single", "tp", regions, regions * message)
+                                 .add("reduce_scatter_single", "tp", regions, regions * message),
+            "backward": Messages().add("all_gather_single", "tp", gathers, gathers * message)
+                                  .add("reduce_scatter_single", "tp", regions, regions * message)}
 
 
-def accounting_lines(config: GPTConfig, micro: int, seq: int, tp: int, sequence_parallel: bool,
-                     param_bytes: int = 4, compute_bytes: int = 4, state_bytes_per_param: int = 16,
-                     measured: dict | None = None, split_mlp: bool = True) -> list:
-    """The startup printout: per-block messages (predicted, and measured when given), parameters per rank,
-    activation estimates. split_mlp: whether the measured block's MLP is TP-split (a MoE block's is not)."""
-    from mfu import format_bytes
-
-    lines = [f"tensor parallel T={tp}{' + sequence parallel' if sequence_parallel else ''}: messages per block and"
-             f" micro-batch (b={micro}, s={seq}, h={config.n_embd}), on the critical path, group tp:"]
-    predicted = _by_phase_and_op(block_messages(micro, seq, config.n_embd, sequence_parallel, param_bytes,
-                                                compute_bytes, regather=not config.activation_checkpointing,
-                                                split_mlp=split_mlp))
-    for (phase, op), (calls, payload) in predicted.items():
-        line = f"  {phase:<8} {op:<22} predicted {calls} × {format_bytes(payload / calls):>10}"
-        if measured is not None:
-            m_calls, m_payload = measured.get((phase, op), (0, 0))
-            line += f"   measured {m_calls} × {format_bytes(m_payload / max(1, m_calls)):>10}"
-        lines.append(line)
-    if measured is not None:
-        for (phase, op), (m_calls, m_payload) in measured.items():
-            if (phase, op) not in predicted:
-                lines.append(f"  {phase:<8} {op:<22} predicted 0   measured {m_calls} × {format_bytes(m_payload)}")
-    counts = param_counts(config, tp)
-    act = activation_estimates(config, micro, seq, tp)
-    lines.append(f"  parameters per rank: {counts['per_rank']:,} of {counts['global']:,}"
-                 f" ({counts['split']:,} split /T + {counts['replicated']:,} replicated) ="
-                 f" {format_bytes(counts['per_rank'] * param_bytes)} weights,"
-                 f" {format_bytes(counts['per_rank'] * state_bytes_per_param)} with grads and AdamW")
-    chosen = act["tp_sp"] if sequence_parallel else act["tp"]
-    lines.append(f"  activations per layer (Korthikanti, 16-bit): unsplit sbh(34+5as/h) = {format_bytes(act['none'])};"
-                 f" TP sbh(10+24/t+5as/(ht)) = {format_bytes(act['tp'])}; TP+SP (sbh/t)(34+5as/h) ="
-                 f" {format_bytes(act['tp_sp'])}; this run {format_bytes(chosen)} × L={config.n_layer}"
-                 f" = {format_bytes(chosen * config.n_layer)}")
-    return lines
+def step_messages(batch: BatchShape, held: Holding, sp_grad_bytes: int = 0) -> Messages:
+    """Predicted tp-group messages of one optimizer step (docstring item 3): per micro-batch every held
+    block's, the embedding's, the head's and the loss's; then SP's one sum of `sp_grad_bytes` of gradients."""
+    tokens, sp, micro_batch = batch.micro * batch.seq, held.sequence_parallel, Messages()
+    weights_dtype, compute = tokens * held.hidden * batch.param_bytes, tokens * held.hidden * batch.compute_bytes
+    for split_mlp, count in ((True, held.blocks - held.unsplit_mlp_blocks), (False, held.unsplit_mlp_blocks)):
+        phases = block_messages(batch, held, split_mlp)
+        block = phases["forward"] + phases["backward"]
+        if held.checkpointing:
+            # Backward recomputes the forward, messages included, but torch's non-reentrant checkpoint stops
+            # once every saved tensor is back: the MLP's final reduction feeds nothing saved and is not
+            # repeated (a mixture of experts saves what follows the attention's: all of it is).
+            block = block + phases["forward"]
+            if split_mlp:
+                block.add("reduce_scatter_single" if sp else "all_reduce", "tp", -1, -compute)
+        micro_batch = micro_batch + block.times(count)
+    if held.embedding:  # forward g (SP: ḡ, whose backward all-gathers)
+        for op in ("reduce_scatter_single", "all_gather_single") if sp else ("all_reduce",):
+            micro_batch.add(op, "tp", 1, weights_dtype)
+    if held.head and sp:  # forward all-gather; backward its re-gather and g's reduce-scatter
+        micro_batch.add("all_gather_single", "tp", 2, 2 * compute).add("reduce_scatter_single", "tp", 1, compute)
+    elif held.head:
+        micro_batch.add("all_reduce", "tp", 1, weights_dtype)  # backward f
+    if held.head:  # the loss: MAX of [N], then Σexp and the target logit [2, N], in at least fp32
+        micro_batch.add("all_reduce", "tp", 2, 3 * tokens * max(4, batch.compute_bytes))
+    out = micro_batch.times(batch.micro_batches)
+    return out.add("all_reduce", "tp", 1, sp_grad_bytes) if sp and sp_grad_bytes else out  # after_grad_sync

@@ -72,6 +72,7 @@ class Run:
     tracer: comm.CommTracer = field(default_factory=comm.CommTracer)
     flops: mfu.FlopsPerToken | None = None
     peak: tuple = (0.0, "")  # (FLOP/s per device, where it came from)
+    measured: object = None  # report.measure_startup's BlockMeasurement: block 0 under a tracer, at start-up
 
     @property
     def seq_len(self) -> int:
@@ -90,8 +91,9 @@ class Run:
         return self.settings.args.global_batch * self.seq_len
 
 
-def compose(run: Run) -> Run:
-    """The model, the axes in order, the layout, the schedule: the run as train.main and the tests build it."""
+def compose(run: Run, measure: bool = False) -> Run:
+    """The model, the axes in order, the layout, the schedule: the run as train.main and the tests build it.
+    measure: block 0 is measured for the start-up printout (report.measure_startup), before the layout."""
     configs = run.settings.axes
     run.model = GPT(run.config, seed=run.seed, dtype=run.master_dtype, device=run.device,
                     **pipeline.stage_of(configs.get("pipeline"), run))  # a pipeline rank builds its stage only
@@ -99,6 +101,8 @@ def compose(run: Run) -> Run:
     for axis in AXES:  # each swaps modules in place; its handle is what the rest of the run talks to
         if configs.get(axis.__name__) is not None:
             run.axes.append(axis.apply(run.model, run, configs[axis.__name__]))
+    if measure:
+        report.measure_startup(run)
     run.layout = build_layout(run.model, run)
     run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), GradientAccumulation())
     return run
@@ -134,7 +138,7 @@ def train(settings: Settings, tracer: comm.CommTracer):
     with tracer.phase("startup"):
         run, corpus = start_run(settings, tracer)  # device, process groups, mesh, seeds, the token cache
         train_tokens, val_tokens = data.TokenFile(corpus.train_path), data.TokenFile(corpus.val_path)
-        compose(run)
+        compose(run, measure=True)
         run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
         for name, group in run.mesh.groups.items():
             tracer.name_group(group, name)
@@ -153,9 +157,10 @@ def train(settings: Settings, tracer: comm.CommTracer):
             run_record = dict(steps=args.steps, lr=args.lr, min_lr=lr_schedule.min_lr, seed=args.seed,
                               warmup_steps=lr_schedule.warmup_steps, global_batch=args.global_batch, seq_len=run.seq_len)
             try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
-                checkpointer = ckpt.Checkpointer(args.ckpt_dir, run.mesh, keep=args.keep, exclusive=True,
-                                                 async_save=args.async_ckpt, mtbf_hours=args.mtbf_hours,
-                                                 device=run.device, log=print0, run_record=run_record, axes=run.axes)
+                config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
+                                               run_record=run_record)
+                checkpointer = ckpt.Checkpointer(config, run.mesh, run.axes, run.device, log=print0,
+                                                 on_save=lambda stats: report.print_save(stats, args.mtbf_hours))
                 if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
                     start_step = checkpointer.resume(args.resume, run.layout, scaler, sampler, args.seed)
             except ckpt.CheckpointError as e:

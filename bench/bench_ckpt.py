@@ -3,8 +3,10 @@ against asynchronous, measured side by side in one run.
 
     python bench/bench_ckpt.py [--dims 1 2 4] [--saves 4] [--root /tmp/bench-ckpt]
     python bench/bench_ckpt.py --device cuda --dims 1 2        # one GPU per rank (D ≤ the GPUs), NCCL
+    python bench/bench_ckpt.py --smoke                          # seconds: the `tiny` preset, D = 2, one save
 
-For every D, one set of ranks trains real steps (batch 2 × 128 tokens per rank, autocast off) and saves every
+For every D, one set of ranks trains real steps (batch 2 × 128 tokens per rank, autocast off;
+the preset's block size if shorter) and saves every
 `--between` steps, alternating a synchronous and an asynchronous Checkpointer (two directories) so that the noise
 of a shared machine hits both alike; then fresh Checkpointers resume from each. Printed per (D, mode):
 - bytes: all shard files of one checkpoint (each logical piece is written once, spread over the D ranks);
@@ -29,10 +31,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
-def _bench(rank, world, root, saves, between):
+def _bench(rank, world, root, saves, between, preset):
     import torch
 
     import ckpt
+    from ckpt_files import verify_checkpoint
     from common import synchronize
     from harness import device as rank_device
     from data import BatchSampler
@@ -45,18 +48,20 @@ def _bench(rank, world, root, saves, between):
 
     device = rank_device()  # cuda:rank under --device cuda (harness backend nccl), else the CPU
     mesh = build_mesh(MeshShape(dp=world))
-    model = GPT(config_from_preset("small"), seed=0, device=device)
+    config = config_from_preset(preset)
+    seq = min(128, config.block_size)
+    model = GPT(config, seed=0, device=device)
     layout = DDPLayout(DistributedDataParallel(model, group=mesh.group("dp_cp")), build_adamw(model.parameters(), 1e-3))
-    scaler, sampler = DynamicLossScaler(False), BatchSampler(100_000, 128, 2 * world, 0)
+    scaler, sampler = DynamicLossScaler(False), BatchSampler(100_000, seq, 2 * world, 0)
     generator = torch.Generator().manual_seed(rank)
-    batch = [(torch.randint(0, 256, (2, 128), generator=generator).to(device),) * 2]
+    batch = [(torch.randint(0, 256, (2, seq), generator=generator).to(device),) * 2]
 
     def step():
         train_step(layout, scaler, batch, mesh.group("dp_cp"), 1.0, torch.autocast(device.type, enabled=False), device)
 
     step()  # warm-up: allocations, Adam state
-    savers = {mode: ckpt.Checkpointer(os.path.join(root, mode), mesh, keep=2, async_save=mode == "async",
-                                      device=device, log=lambda *a: None) for mode in ("sync", "async")}
+    savers = {mode: ckpt.Checkpointer(ckpt.CheckpointConfig(os.path.join(root, mode), async_save=mode == "async"),
+                                      mesh, device=device, log=lambda *a: None) for mode in ("sync", "async")}
     step_times, loads = [], {"sync": [], "async": []}
     for i in range(saves):
         for mode, saver in savers.items():  # alternate, so machine noise hits both modes alike
@@ -71,15 +76,16 @@ def _bench(rank, world, root, saves, between):
         saver.close()
     for _ in range(2):
         for mode in savers:
-            loader = ckpt.Checkpointer(os.path.join(root, mode), mesh, keep=2, device=device, log=lambda *a: None)
+            loader = ckpt.Checkpointer(ckpt.CheckpointConfig(os.path.join(root, mode)), mesh, device=device,
+                                       log=lambda *a: None)
             torch.distributed.barrier()
             start = time.perf_counter()
-            loader.resume("latest", layout, scaler, sampler, seed=0)
+            resumed = loader.resume("latest", layout, scaler, sampler, seed=0)
             synchronize()
             torch.distributed.barrier()
             loads[mode].append(time.perf_counter() - start)
-    path, manifest = loader.find("latest")
-    bytes_read = ckpt.load_pieces(path, manifest, layout.state_pieces())
+    path = os.path.join(root, mode, ckpt.step_dir_name(resumed))  # the last one resumed, read once more
+    bytes_read = ckpt.load_pieces(path, verify_checkpoint(path), layout.state_pieces())
     out = {"step": statistics.median(step_times), "bytes_read": bytes_read}
     for mode, saver in savers.items():
         history = saver.history
@@ -89,16 +95,21 @@ def _bench(rank, world, root, saves, between):
     return out
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dims", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--between", type=int, default=2, help="training steps between two saves")
     parser.add_argument("--root", default="/tmp/bench-ckpt")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds, to check the bench runs: --preset tiny --dims 2 --saves 1 --between 1")
     from common import add_device_argument, check_gpus
 
     add_device_argument(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.preset, args.dims, args.saves, args.between = "tiny", [2], 1, 1
     check_gpus(max(args.dims), args.device)
     backend = "nccl" if args.device == "cuda" else "gloo"  # harness: one GPU per rank, cpu:gloo,cuda:nccl
 
@@ -111,7 +122,8 @@ def main():
     for dp in args.dims:
         root = os.path.join(args.root, f"D{dp}")
         shutil.rmtree(root, ignore_errors=True)
-        results = run_ranks(_bench, dp, root, args.saves, args.between, timeout=900, backend_name=backend)
+        results = run_ranks(_bench, dp, root, args.saves, args.between, args.preset, timeout=900,
+                            backend_name=backend)
         r0 = results[0]
         for mode in ("sync", "async"):
             # per save: the slowest rank's blocked time (training waits for it at the next collective)

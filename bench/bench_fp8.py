@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import fp8  # noqa: E402
+import report  # noqa: E402
 from common import add_device_argument, alternate  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 
@@ -55,7 +56,7 @@ def numerics(device, n: int = 1024) -> None:
         plain, reference = nn.Linear(n, n, device=device), nn.Linear(n, n, device=device)
         reference.load_state_dict(plain.state_dict())
         layer = fp8.Fp8Linear(plain, fp8.Recipe(mode), "bench")
-        handle = fp8.Fp8Handle(None, fp8.Recipe(mode), {"bench": layer})
+        handle = fp8.Fp8Handle(fp8.Recipe(mode), {"bench": layer})
         for step in range(3):  # delayed: steps 2 and 3 use the history; step 3's input is 2× larger
             x = torch.randn(8, n // 8, n, device=device) * (2.0 if step == 2 else 1.0)
             x = x.requires_grad_()
@@ -111,7 +112,7 @@ def linear_throughput(device, n: int, steps: int, compile_too: bool) -> None:
         layer = fp8.Fp8Linear(nn.Linear(n, n, bias=False, device=device), fp8.Recipe(mode), mode)
         with torch.autocast(device.type, torch.bfloat16):
             layer(x).backward(grad)  # one step, rolled: delayed then quantises with its history's scales
-        fp8.Fp8Handle(None, layer.recipe, {mode: layer}).end_step()
+        fp8.Fp8Handle(layer.recipe, {mode: layer}).end_step()
         variants[mode] = layer
     if compile_too:
         variants.update({f"{name}+compile": torch.compile(layer) for name, layer in list(variants.items())})
@@ -176,7 +177,7 @@ def gpt2_step_ratio(device, batch: int, steps: int, compile_too: bool, preset: s
         base = times["bf16+compile" if name.endswith("compile") else "bf16"]
         memory = f"  peak {peaks[name] / 2**30:.2f} GiB" if name in peaks else ""
         print(f"  {name:<18} {seconds * 1e3:9.1f} ms per step  {base / seconds:.2f}× bf16{memory}")
-    saved = handles["current"].saved_input_bytes(batch * seq, 2)["saved"]
+    saved = fp8.saved_input_bytes(handles["current"].linears.values(), batch * seq, 2)["saved"]
     print(f"  predicted: FP8 saved inputs {saved / 2**30:.2f} GiB less per micro-batch (Σ M·K_j, bf16 → FP8)")
 
 
@@ -206,10 +207,9 @@ def train_small(device, steps: int, batch: int, seq: int, eval_batches: int, lr:
             with autocast:
                 _, loss_sum, count = model(x.to(device), y.to(device))
             (loss_sum / count).backward()
-            if handle is not None:
-                handle.after_grad_sync(None)
+            nonfinite = handle.after_grad_sync(None) if handle is not None else 0
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if handle is not None and handle.found_nonfinite_amax:
+            if nonfinite:
                 skipped += 1
             else:
                 for group in optimizer.param_groups:
@@ -233,7 +233,7 @@ def train_small(device, steps: int, batch: int, seq: int, eval_batches: int, lr:
               f"  {seconds:.2f} s/step"
               f"{f', {skipped} steps skipped' if skipped else ''}")
         if handle is not None:
-            print("    " + handle.table().replace("\n", "\n    "))
+            print("    " + "\n    ".join(report.axis_lines(handle, "step", None)))
 
 
 def main():

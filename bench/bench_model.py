@@ -145,8 +145,11 @@ def main():
     parser.add_argument("--preset", default="small")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--smoke", action="store_true", help="seconds: the tiny preset, 1 step (the suite runs it)")
     add_device_argument(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.preset, args.batch, args.steps = "tiny", 2, 1
     device = torch.device(args.device)
     config = config_from_preset(args.preset)
     torch.manual_seed(0)
@@ -162,9 +165,10 @@ def main():
     model = GPT(config, seed=0)
     flops = mfu.flops_per_token(model.num_params(exclude_position_embedding=True), config.n_layer, config.n_head,
                                 config.head_dim, config.block_size)
-    n = 8192 if device.type == "cuda" else 1024
-    peaks = {"bf16": mfu.measure_matmul_peak(torch.bfloat16, n=n, seconds=1.0, device=device),
-             "fp32": mfu.measure_matmul_peak(torch.float32, n=n, seconds=1.0, device=device)}
+    n = 8192 if device.type == "cuda" else (256 if args.smoke else 1024)
+    seconds = 0.05 if args.smoke else 1.0
+    peaks = {"bf16": mfu.measure_matmul_peak(torch.bfloat16, n=n, seconds=seconds, device=device),
+             "fp32": mfu.measure_matmul_peak(torch.float32, n=n, seconds=seconds, device=device)}
     table = {dtype: mfu.detect_peak_flops(device, dtype, None) for dtype in peaks} if device.type == "cuda" else {}
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"preset {args.preset}: Ψ={model.num_params():,}, batch {args.batch}×{config.block_size} = {tokens:,} tokens,"

@@ -4,14 +4,16 @@ run on 4 gloo ranks (CPU), or 4 GPUs with --device cuda (NCCL).
     python bench/bench_moe.py                          # 4 layers, h=128, 8 experts top-2, 4×128 tokens/rank
     python bench/bench_moe.py --experts 16 --steps 4
     python bench/bench_moe.py --device cuda --embd 768 --seq 1024
+    python bench/bench_moe.py --smoke                  # seconds: 1 layer, h=32, 4 experts, 16 tokens, 1 step
 
 The three variants are the same model.py GPT with MoE blocks, from the same seed, trained on the same data
 (each rank its own batch) with the same AdamW (fp32, no clipping); only E differs. A step is forward and
 backward, the gradient sums (dense and router over all 4 ranks, experts over expert_dp: 4/E ranks, one flat
 all-reduce per group), and the AdamW step. Steps alternate E=1, E=2, E=4 (rotating order) after warm-up, so
 the shared machine's noise hits all alike; times are rank 0's medians. Printed per variant: step time,
-expert parameters and bytes per rank, the all-to-all traced over one step beside the count-based and the
-uniform-routing predictions, and the gradient all-reduce bytes (what E trades the all-to-all against).
+expert parameters and bytes per rank, the all-to-all traced over one step beside the predictions from the
+routed rows (exact) and for uniform routing, and the gradient all-reduce bytes (what E trades the all-to-all
+against).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import moe  # noqa: E402
+import report  # noqa: E402
 from common import add_device_argument, alternate, launch, rank_device  # noqa: E402
 from mesh import MeshShape, build_mesh  # noqa: E402
 from comm import CommTracer  # noqa: E402
@@ -45,10 +48,10 @@ class Variant:
     def __init__(self, ep, config, args, world, device):
         self.ep = ep
         self.mesh = build_mesh(MeshShape(dp=world, ep=ep))
+        self.model = GPT(config, seed=args.seed, device=device)
         self.run = SimpleNamespace(mesh=self.mesh, config=config, seq_len=args.seq, micro_batch_size=args.batch,
                                    micro_batches=1, device=device, autocast=nullcontext(),
-                                   compute_dtype=torch.float32, seed=args.seed)
-        self.model = GPT(config, seed=args.seed, device=device)
+                                   compute_dtype=torch.float32, seed=args.seed, model=self.model, layout=None)
         self.handle = moe.apply(self.model, self.run, moe.MoEConfig(ep))
         self.optimizer = build_adamw(self.model.parameters(), 1e-4)
         params = list(self.model.parameters())
@@ -87,15 +90,20 @@ def _rank(rank, world, args):
         tracer = CommTracer()
         for group in ("ep", "dp_cp", "expert_dp"):
             tracer.name_group(v.mesh.group(group), group)
-        v.handle.reset_message_counts()
+        v.handle.reset_routing()
         with tracer:
             v.step(x, y)
-        traced[name] = (tracer.records, v.handle.counted_messages(), v.handle.predicted_messages())
-        v.handle.step_lines()
+        traced[name] = (tracer.records, v.handle.traced_prediction(None, 1), v.handle.predicted_messages())
+        v.handle.reset_routing()  # the load line below covers the timed steps
     times = alternate({name: (lambda v=v: v.step(x, y)) for name, v in variants.items()}, args.steps,
                       warmup=args.warmup)
-    if rank != 0:
-        return
+    if rank == 0:
+        _print_table(config, args, device, variants, traced, times)
+
+
+def _print_table(config, args, device, variants: dict, traced: dict, times: dict) -> None:
+    """Rank 0's table: per E the step time, the experts held, the all-to-all traced and predicted, the
+    gradient all-reduces; the losses (the same whatever E), the time ratios, the load of the timed steps."""
     print(f"MoE GPT: {config.n_layer} layers, h={config.n_embd}, N={args.experts} experts top-{args.topk},"
           f" dropless, {args.batch}×{args.seq} tokens per rank, 4 {'GPUs' if device.type == 'cuda' else 'gloo'} ranks,"
           f" fp32, {args.threads} thread(s)/rank;"
@@ -130,7 +138,7 @@ def _rank(rank, world, args):
     print("  a2a = all_to_all_single payload on the ep group per step (input bytes, all MoE layers; uniform:"
           " 4·T·k·h·4 + 8N per layer), wire = (E−1)/E of it; AR = the gradient all-reduce payload per step")
     for name, v in variants.items():  # the same data and model each step: the load of the timed steps together
-        print(f"  {name} rank 0, timed steps: " + v.handle.step_lines()[0])
+        print(f"  {name} rank 0, timed steps: " + report.moe_step_lines(v.handle)[0])
 
 
 def main():
@@ -145,9 +153,13 @@ def main():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, one timed step: checks the bench runs")
     add_device_argument(p)
     args = p.parse_args()
-    moe.check_flags(args.experts, args.topk, ep=max(EPS), dp=4)
+    if args.smoke:
+        args.layers, args.embd, args.experts, args.batch, args.seq, args.steps, args.warmup = 1, 32, 4, 2, 8, 1, 0
+    moe.check_flags(config_from_preset("tiny", n_layer=args.layers, moe_experts=args.experts, moe_topk=args.topk),
+                    MeshShape(dp=4, ep=max(EPS)))
     launch(_rank, 4, args, device=args.device)
 
 

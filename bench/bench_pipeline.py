@@ -3,6 +3,7 @@
     python bench/bench_pipeline.py                  # both P, 8 layers, h=128, 8 micro-batches of 4×64 tokens
     python bench/bench_pipeline.py --pp 2 --rounds 4
     python bench/bench_pipeline.py --device cuda --pp 2 4 --n-embd 768 --seq 1024    # P GPUs, NCCL
+    python bench/bench_pipeline.py --smoke          # seconds: P = 2, tiny shapes, one round (checks it runs)
 
 On the same ranks, the same stages (model.py GPT chunks from the same seed, fp32) and the same global batch,
 each of our schedules runs next to its torch counterpart:
@@ -34,9 +35,12 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import mfu  # noqa: E402
 import pipeline as pp  # noqa: E402
+import report  # noqa: E402
+import schedules  # noqa: E402
 from bench.common import add_device_argument, launch, rank_device, synchronize  # noqa: E402
-from comm import CommTracer  # noqa: E402
+from mesh import build_mesh, infer_mesh_shape  # noqa: E402
 from model import GPT, GPTConfig, cross_entropy_sum  # noqa: E402
 
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
@@ -74,14 +78,16 @@ def _bench(rank, world, args):
     y = torch.randint(0, 256, (m * args.micro, args.seq), generator=generator).to(device)
     batches = [(x[i:i + args.micro], y[i:i + args.micro]) for i in range(0, m * args.micro, args.micro)]
     global_tokens = torch.tensor(float(y.numel()), dtype=torch.float64, device=device)
-    group = dist.new_group(list(range(world)))
+    mesh = build_mesh(infer_mesh_shape(world, pp=world), rank)  # P = world: the pp group is every rank
+    group = mesh.group("pp")
     variants, ours, torch_runs, first_losses = {}, {}, {}, {}
     for name in ("gpipe", "1f1b", "interleaved", "zb"):
         v = 2 if name == "interleaved" else 1
         # Ours.
         stages = pp.build_stages(config, 0, torch.float32, device, rank, P, v)  # this rank's GPT of its chunks
-        schedule = pp.PipelineSchedule(name, P, v, rank, config.n_layer, group, list(range(world)))
-        handle = pp.Pipeline(stages, schedule, args.micro, args.seq, m)
+        clock = mfu.ActionClock(cuda=device.type == "cuda")
+        schedule = pp.PipelineSchedule(pp.PipelineConfig(P, name, v), mesh, config.n_layer, clock=clock)
+        handle = pp.Pipeline(stages, schedule, m, args.micro * args.seq * config.n_embd)
 
         def ours_step(stages=stages, schedule=schedule):
             stages.zero_grad(set_to_none=True)
@@ -90,8 +96,8 @@ def _bench(rank, world, args):
             return float(out.loss_sum / global_tokens)
 
         # torch.distributed.pipelining on identical chunks.
-        chunk_ids = pp.rank_chunks(rank, P, v)  # torch's stages are one module per chunk
-        chunks = [GPT(config, 0, torch.float32, device, layers=pp.stage_layers(config.n_layer, P, v, c),
+        chunk_ids = schedules.rank_chunks(rank, P, v)  # torch's stages are one module per chunk
+        chunks = [GPT(config, 0, torch.float32, device, layers=schedules.stage_layers(config.n_layer, P, v, c),
                       embedding=c == 0, head=c == P * v - 1) for c in chunk_ids]
         theirs = torch.nn.ModuleList(chunks)
         torch_stages = [PipelineStage(TorchStageModule(chunk), chunk_id, P * v, device, group=group)
@@ -121,7 +127,7 @@ def _bench(rank, world, args):
     for round_index in range(args.warmup + args.rounds):
         if round_index == args.warmup:
             for schedule, _ in ours.values():
-                schedule.timings.clear()
+                schedule.clock.timings.clear()
         shift = round_index % len(names)
         for key in names[shift:] + names[:shift]:
             synchronize()
@@ -133,13 +139,8 @@ def _bench(rank, world, args):
             if round_index >= args.warmup:
                 times[key].append(time.perf_counter() - start)
     medians = {key: statistics.median(values) for key, values in times.items()}
-    lines = []
-    for name, (schedule, handle) in ours.items():
-        tracer = CommTracer()  # one more step, traced, for the accounting lines (not timed)
-        tracer.name_group(group, "pp")
-        with tracer:
-            variants[f"ours {name}"]()
-        lines.append((name, handle.end_lines(tracer, 1)))
+    # report.py's end lines of each of ours (collective over pp: every rank calls them, rank 0 prints).
+    lines = [(name, report.pp_end_lines(handle)) for name, (_, handle) in ours.items()]
     if rank == 0:
         where = "one GPU per rank" if device.type == "cuda" else f"{torch.get_num_threads()} thread(s) per rank"
         print(f"\nP={P}, m={m}, {config.n_layer} layers, h={config.n_embd}, micro-batch {args.micro}×{args.seq}"
@@ -164,8 +165,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeline", default="zb", help="the schedule whose accounting is printed in full")
+    parser.add_argument("--smoke", action="store_true", help="P = 2, 4 layers of h=32, m = 4 of 1×16, one round")
     add_device_argument(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.pp, args.micro_batches, args.micro, args.seq, args.n_layer, args.n_embd = [2], 4, 1, 16, 4, 32
+        args.rounds, args.warmup = 1, 0
     for P in args.pp:
         launch(_bench, P, args, device=args.device)
 

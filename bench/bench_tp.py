@@ -3,6 +3,7 @@
     python bench/bench_tp.py                      # small preset, T=2, 2 ranks
     python bench/bench_tp.py --n-layer 2 --steps 4
     python bench/bench_tp.py --device cuda --preset gpt2 --seq 1024    # 2 GPUs
+    python bench/bench_tp.py --smoke              # seconds: tiny preset, one warm-up and one measured step
 
 Both models are the plain model.py GPT from the same seed, on the same 2-rank mesh, trained on the same
 batch with the same AdamW (no clipping, fp32):
@@ -133,8 +134,11 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, 1 warm-up + 1 step: checks the bench runs")
     add_device_argument(p)
     args = p.parse_args()
+    if args.smoke:
+        args.preset, args.batch, args.seq, args.steps, args.warmup = "tiny", 2, 32, 1, 1
     world = 2
     check_gpus(world, args.device)
     context = mp.get_context("spawn")
@@ -166,7 +170,7 @@ def main():
               f" max {max(t) * 1e3:.1f})")
     ratio = statistics.median(times["ours"]) / statistics.median(times["dtensor"])
     print(f"  step-time ratio ours / DTensor = {ratio:.3f} (target ≤ 1.0)")
-    print_accounting("small", args.batch, args.seq)
+    print_accounting(args.preset if args.smoke else "small", args.batch, args.seq)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Fault injection at random points: SIGKILL a torchrun worker, relaunch with --resume latest, check the end.
 
     python bench/fault_ckpt.py [--trials 8] [--seed 0] [--root /tmp/fault-ckpt]
+    python bench/fault_ckpt.py --smoke          # one trial (the reference run, one kill, one relaunch)
 
 One uninterrupted run (torchrun, 2 workers, `tiny`, dropout 0.1, a checkpoint every 2 of 12 steps) gives the
 reference final checkpoint. Each trial launches the same run and kills one worker (chosen at random):
@@ -30,9 +31,13 @@ def main():
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", default="/tmp/fault-ckpt")
+    parser.add_argument("--smoke", action="store_true", help="one trial, to check the bench runs (--trials 1)")
     args = parser.parse_args()
+    if args.smoke:
+        args.trials = 1
 
     import ckpt
+    from ckpt_files import FAULT_ENV
     from test_ckpt import (FAULT_STEPS, check_fault_run, kill_a_worker_when, launch_training, metrics_lines,
                            run_to_completion)
 
@@ -70,7 +75,7 @@ def main():
                 return any(n.startswith(f".tmp-{ckpt.step_dir_name(step)}") and os.listdir(os.path.join(ck, n))
                            for n in names)
 
-            extra, env, what = ["--async-ckpt"], {ckpt.FAULT_ENV: f"{step}:30"}, f"persisting step {step}"
+            extra, env, what = ["--async-ckpt"], {FAULT_ENV: f"{step}:30"}, f"persisting step {step}"
         proc = launch_training(run_dir, corpus, "log.txt", extra, env)
         victim = kill_a_worker_when(proc, condition, rng)
         if victim is None or proc.returncode == 0:

@@ -80,8 +80,8 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
     sampler = BatchSampler(10_000, SEQ, global_batch, 0)  # the cursor only: the batches are the reference's
     start = 0
     if resume_root:
-        start = ckpt.Checkpointer(resume_root, mesh, device=device, log=lambda *a: None, axes=run.axes).resume(
-            "latest", run.layout, scaler, sampler, 0)
+        loader = ckpt.Checkpointer(ckpt.CheckpointConfig(resume_root), mesh, run.axes, device, log=lambda *a: None)
+        start = loader.resume("latest", run.layout, scaler, sampler, 0)
     losses, run.tracer = {}, CommTracer()
     for name, group in mesh.groups.items():
         if group is not None:  # named as train.py names them
@@ -100,7 +100,7 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
     messages = ({key: (r.calls / steps, r.payload_bytes / steps) for key, r in run.tracer.records.items()},
                 report.predicted_messages(run, steps)) if trace else None
     if save_root:
-        saver = ckpt.Checkpointer(save_root, mesh, device=device, log=lambda *a: None, axes=run.axes)  # as train.py
+        saver = ckpt.Checkpointer(ckpt.CheckpointConfig(save_root), mesh, run.axes, device, log=lambda *a: None)
         saver.save(stop, run.layout, scaler, sampler)
         saver.close()
     run.layout.unshard()

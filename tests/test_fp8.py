@@ -4,20 +4,23 @@ Numerics against high precision use SQNR = 10·log10(Σ ref² / Σ (ref - x)²) 
 round trip ≥ 25 dB; the FP8 linear's output ≥ 18 dB and weight gradient ≥ 17 dB against the bf16 linear).
 The delayed recipe is checked against a hand computation. The mesh tests train the float64 GPT with FP8 on
 TP=2 (tensor_parallel.parallelize; also with SP and with activation checkpointing) and on DP=2, and compare
-with the single-device FP8 model on the same D·m micro-batches: losses, parameters and the FP8 state within
-1e-10 (float64). That tolerance only holds because every element is quantised identically on both meshes
-(the amaxes, hence the scales, agree), so a missing amax reduction fails it by orders of magnitude. The FP8
-state is compared within float32's rounding (rtol 1e-6): amaxes are float32, taken of float64 tensors that
-the meshes sum in different orders. The traced amax all-reduces must equal `predicted_messages`.
-The training loop here is explicit (micro-batches, a gradient all-reduce, `after_grad_sync`, torch's AdamW)
-so that these tests depend on nothing but model.py, mesh.py, tensor_parallel.py and fp8.py. The mesh runs build
-on harness.device() (each rank's GPU under nccl; float64 keeps the GEMMs emulated there too, so they still
-compare with the CPU reference at 1e-10); the one-process tests check the numerics on the CPU.
+with the single-device FP8 model on the same D·m micro-batches: losses and parameters within 1e-10
+(float64). That tolerance only holds because every element is quantised identically on both meshes (the
+amaxes, hence the scales, agree), so a missing amax reduction fails it by orders of magnitude. The FP8 state
+is compared within float32's rounding (rtol 1e-6): amaxes are float32, taken of float64 tensors that the
+meshes sum in different orders. The traced amax all-reduces must equal `predicted_messages`. Those runs share
+one spawn (the module fixture `mesh_runs`); each property is its own test, per mesh and variant.
+The training loop there is explicit (micro-batches, a gradient all-reduce, `after_grad_sync`, torch's AdamW)
+so that those tests depend on nothing but model.py, mesh.py, tensor_parallel.py and fp8.py; one more run goes
+through step.train_step and a DDP layout, to show that a non-finite amax on one rank skips the step on all.
+The mesh runs build on harness.device() (each rank's GPU under nccl; float64 keeps the GEMMs emulated there
+too, so they still compare with the CPU reference at 1e-10); the one-process tests check numerics on the CPU.
 """
 
+import copy
 import functools
-import io
 from collections import defaultdict
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +30,8 @@ import torch.nn as nn
 
 import fp8
 import harness
+import mfu
+import report
 from harness import run_ranks
 from reference import HYPER, WholeGrads, global_batches, make_config, rank_micro_batches
 
@@ -48,25 +53,42 @@ def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum()))
 
 
+def fp8_state(handle) -> dict:
+    """The handle's checkpoint state, {key: a copy}, as ckpt.py reads it (state_pieces)."""
+    return {piece.key: piece.tensor.detach().cpu().clone() for piece in handle.state_pieces()}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Casts and the FP8 linear's numerics
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_cast_round_trip_and_clamping():
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=lambda f: f.name)
+def test_cast_round_trip_puts_the_amax_on_the_format_max(fmt):
     torch.manual_seed(0)
     x = torch.randn(512, 512) * 3
-    for fmt in (fp8.E4M3, fp8.E5M2):
-        scale = fp8.scale_from_amax(fp8.amax_of(x), fmt.max)
-        q, saturated = fp8.quantize(x, fmt, scale)
-        assert q.dtype == fmt.dtype and int(saturated) == 0
-        assert float(q.float().abs().max()) == fmt.max  # current scaling puts the amax on the format's max
-        assert sqnr(x, fp8.dequantize(q, scale, torch.float32)) >= 25, fmt.name
-        # A scale 4× too large: the values beyond max are clamped and counted, never inf (E5M2's plain cast is).
-        q, saturated = fp8.quantize(x, fmt, scale * 4)
-        assert torch.isfinite(q.float()).all() and float(q.float().abs().max()) == fmt.max
-        assert int(saturated) == int((x.abs() * scale * 4 > fmt.max).sum()) > 0
+    scale = fp8.scale_from_amax(fp8.amax_of(x), fmt.max)
+    q, saturated = fp8.quantize(x, fmt, scale)
+    assert q.dtype == fmt.dtype and int(saturated) == 0
+    assert float(q.float().abs().max()) == fmt.max  # current scaling puts the amax on the format's max
+    assert sqnr(x, fp8.dequantize(q, scale, torch.float32)) >= 25
+
+
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=lambda f: f.name)
+def test_a_too_large_scale_clamps_and_counts_never_inf(fmt):
+    """A scale 4× too large: the values beyond max are clamped and counted, never inf (E5M2's plain cast is)."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 512) * 3
+    scale = fp8.scale_from_amax(fp8.amax_of(x), fmt.max) * 4
+    q, saturated = fp8.quantize(x, fmt, scale)
+    assert torch.isfinite(q.float()).all() and float(q.float().abs().max()) == fmt.max
+    assert int(saturated) == int((x.abs() * scale > fmt.max).sum()) > 0
     assert torch.isinf((x * 1e5).to(torch.float8_e5m2).float()).any()  # why the clamp is needed
+
+
+def test_tile_round_trip():
+    torch.manual_seed(0)
+    x = torch.randn(512, 512) * 3
     q, inverse, amax = fp8.quantize_tiles(x, fp8.TILE_ACTIVATION)
     assert inverse.shape == (512, 4) and float(amax) == float(x.abs().max())
     assert sqnr(x, fp8.dequantize_tiles(q, inverse, fp8.TILE_ACTIVATION, torch.float32)) >= 25
@@ -81,7 +103,7 @@ def test_linear_against_bf16_linear(mode):
     reference = nn.Linear(256, 512)
     reference.load_state_dict(plain.state_dict())
     layer = fp8.Fp8Linear(plain, fp8.Recipe(mode), "layer")
-    handle = fp8.Fp8Handle(None, fp8.Recipe(mode), {"layer": layer})
+    handle = fp8.Fp8Handle(fp8.Recipe(mode), {"layer": layer})
     for step in range(2):
         x = torch.randn(4, 64, 256, requires_grad=True)
         x_ref = x.detach().clone().requires_grad_()
@@ -118,7 +140,7 @@ def test_gpu_gemm_path_matches_emulation():
         torch.testing.assert_close(scaled_mm, emulated, rtol=1e-5, atol=1e-6)
 
 
-def test_gpu_gemm_rules_rejected_on_cpu():
+def test_gpu_shape_rules_rejected_on_cpu():
     layer = fp8.Fp8Linear(nn.Linear(40, 64), fp8.Recipe("current"), "odd")
     with pytest.raises(ValueError, match=r"K \(in_features\)=40 is not a multiple of 16"):
         layer(torch.randn(16, 40))
@@ -127,6 +149,9 @@ def test_gpu_gemm_rules_rejected_on_cpu():
         layer(torch.randn(10, 32, requires_grad=True))
     with torch.no_grad():
         assert layer(torch.randn(10, 32)).shape == (10, 64)  # the forward GEMM alone has no rule on M
+
+
+def test_gpu_operand_rules_rejected_on_cpu():
     a = torch.randn(16, 32).to(fp8.E5M2.dtype)
     b = torch.randn(64, 32).to(fp8.E5M2.dtype)
     one = torch.ones(())
@@ -136,19 +161,22 @@ def test_gpu_gemm_rules_rejected_on_cpu():
         fp8.scaled_matmul(a, one, b.to(fp8.E4M3.dtype).t().contiguous(), one, torch.float32, False)
 
 
-def test_check_flags_name_the_flag():
-    config = make_config(n_embd=32, n_head=4)
+def test_config_from_flags_names_the_flags():
+    from mesh import MeshShape
+
     args = SimpleNamespace(fp8="delayed", fp8_amax_history=16, fp8_amax_algo="max", fp8_margin=0)
-    fp8.check_flags(args, config, tp=2, micro=2, seq_len=16)
-    fp8.check_flags(SimpleNamespace(fp8=None), config, tp=4)  # off: nothing to check
-    cases = [(dict(fp8="e4m3"), {}, "--fp8 e4m3"), (dict(fp8_amax_history=0), {}, "--fp8-amax-history 0"),
-             (dict(fp8_amax_algo="mean"), {}, "--fp8-amax-algo mean"), (dict(fp8_margin=-1), {}, "--fp8-margin -1"),
-             ({}, dict(tp=4), "--tp 4"), ({}, dict(micro=1, seq_len=12), "M=12 tokens"),
-             (dict(fp8="blockwise"), dict(tp=2), "--fp8 blockwise with --tp 2")]
-    for overrides, mesh, text in cases:
+
+    def settings(tp=1, cp=1, micro=2, seq_len=16):
+        return SimpleNamespace(shape=MeshShape(dp=1, tp=tp, cp=cp), model=make_config(n_embd=32, n_head=4),
+                               micro_batch_size=micro, seq_len=seq_len)
+
+    assert fp8.config_from_flags(args, settings(tp=2)) == fp8.Recipe("delayed", 16, "max", 0)
+    assert fp8.config_from_flags(SimpleNamespace(fp8=None), settings(tp=4)) is None  # off: nothing to check
+    cases = [("delayed", dict(tp=4), "--fp8 delayed with --tp 4"),
+             ("delayed", dict(micro=1, seq_len=12), "M=12 tokens"), ("blockwise", dict(tp=2), "--fp8 blockwise with --tp 2")]
+    for mode, mesh, text in cases:
         with pytest.raises(ValueError, match=text):
-            fp8.check_flags(SimpleNamespace(**{**vars(args), **overrides}), config,
-                            **{"micro": 2, "seq_len": 16, **mesh})
+            fp8.config_from_flags(SimpleNamespace(**{**vars(args), "fp8": mode}), settings(**mesh))
 
 
 def test_blockwise_tiles_run_along_each_gemms_contracted_dimension():
@@ -161,9 +189,9 @@ def test_blockwise_tiles_run_along_each_gemms_contracted_dimension():
     torch.manual_seed(0)
     x, dy = torch.randn(M, K, dtype=f64), torch.randn(M, N, dtype=f64)
     plain = nn.Linear(K, N, dtype=f64)
-    qw, iw, _ = fp8.blockwise_weight(plain.weight.detach())
-    qx, ix, _ = fp8.blockwise_input(x)
-    qdy, idy, _ = fp8.blockwise_grad_output(dy)
+    qw, iw, _ = fp8.quantize_tiles(plain.weight.detach(), fp8.TILE_WEIGHT)
+    qx, ix, _ = fp8.quantize_tiles(x, fp8.TILE_ACTIVATION)
+    qdy, idy, _ = fp8.quantize_tiles(dy, fp8.TILE_ACTIVATION)
     qdy_t, idy_t, qx_t, ix_t = fp8.blockwise_weight_grad_operands(dy, qx, ix, f64)
     grids = {"W": iw.shape, "X": ix.shape, "dY of dX": idy.shape, "dY of dW": idy_t.shape, "X of dW": ix_t.shape}
     assert grids == {"W": (1, 3), "X": (256, 3), "dY of dX": (256, 1), "dY of dW": (2, 128), "X of dW": (2, 384)}
@@ -218,18 +246,20 @@ def _hand_linear(x, w, b, scale_x, scale_w):
     return qx @ qw.t() + b
 
 
-def test_delayed_linear_by_hand_and_nonfinite_amax():
+@pytest.fixture(scope="module")
+def delayed_by_hand():
+    """Four steps of a delayed linear (L = 2, margin 1) whose input amaxes are 3, 5, inf, 2 and output
+    gradient amaxes 0.5, 0.25, 0.75, nan; per step what it computed and the hand computation of it."""
     torch.manual_seed(0)
     plain = nn.Linear(32, 16, dtype=torch.float64)
     recipe = fp8.Recipe("delayed", amax_history=2, amax_algo="max", margin=1)
     layer = fp8.Fp8Linear(plain, recipe, "layer")
-    handle = fp8.Fp8Handle(None, recipe, {"layer": layer})
+    handle = fp8.Fp8Handle(recipe, {"layer": layer})
     w, b = plain.weight.detach(), plain.bias.detach()
     amax_w = float(w.abs().max())
-    x_amaxes, dy_amaxes = [3.0, 5.0, float("inf"), 2.0], [0.5, 0.25, 0.75, float("nan")]
-    history = torch.zeros(3, 2)
-    scale = torch.ones(3)
-    for step, (x_amax, dy_amax) in enumerate(zip(x_amaxes, dy_amaxes)):
+    history, scale = torch.zeros(3, 2), torch.ones(3)
+    steps = []
+    for step, (x_amax, dy_amax) in enumerate(zip([3.0, 5.0, float("inf"), 2.0], [0.5, 0.25, 0.75, float("nan")])):
         x = torch.rand(16, 32, dtype=torch.float64) * 2 - 1
         x[3, 4] = x_amax  # the amax of the step's input
         dy = torch.rand(16, 16, dtype=torch.float64) * 0.1
@@ -237,28 +267,52 @@ def test_delayed_linear_by_hand_and_nonfinite_amax():
         y = layer(x.requires_grad_())
         y.backward(dy)
         if step == 0:  # empty history: the first step scales like `current` (the tensors' own amaxes)
-            expected = torch.tensor([448.0, 448.0, 57344.0]) / torch.tensor([x_amax, amax_w, dy_amax]).float() / 2
-            assert torch.equal(layer.last_scale, expected)
+            expected_scale = torch.tensor([448.0, 448.0, 57344.0]) / torch.tensor([x_amax, amax_w, dy_amax]).float() / 2
         else:  # delayed: the scales from the history of the previous steps
-            assert torch.equal(layer.last_scale, scale)
-        sx, sw = layer.last_scale[0].double(), layer.last_scale[1].double()
-        torch.testing.assert_close(y, _hand_linear(x.detach(), w, b, sx, sw), rtol=1e-12, atol=1e-12)
-        assert torch.isfinite(y).all() and torch.isfinite(plain.weight.grad).all() == (step != 3)
-        handle.end_step()
+            expected_scale = scale.clone()
+        used_scale = layer.last_scale.clone()
+        sx, sw = used_scale[0].double(), used_scale[1].double()
+        record = dict(y=y.detach(), by_hand=_hand_linear(x.detach(), w, b, sx, sw), used_scale=used_scale,
+                      expected_scale=expected_scale, finite_grad=bool(torch.isfinite(plain.weight.grad).all()))
+        record["nonfinite"] = handle.after_grad_sync(None)
         # By hand: each role's amax enters when finite; scale = max/(max of history)/2^margin.
         new = torch.tensor([x_amax, amax_w, dy_amax]).float()
         for role, fmt_max in enumerate((448.0, 448.0, 57344.0)):
             if torch.isfinite(new[role]):
                 history[role] = torch.stack([new[role], history[role, 0]])
                 scale[role] = torch.tensor(fmt_max) / history[role].max() / 2  # (448 / t is 448 · (1/t))
-        assert handle.found_nonfinite_amax == (step >= 2)
-        assert torch.equal(layer.amax_history, history) and torch.equal(layer.scale, scale), step
+        record.update(history=layer.amax_history.clone(), scale=layer.scale.clone(),
+                      expected_history=history.clone(), expected_next_scale=scale.clone())
+        steps.append(record)
         plain.weight.grad = plain.bias.grad = None
-    # Step 2's input held an inf: the E4M3 cast clamped it to 448, the gradients stayed finite, and only the
-    # amax flag tells the update to skip. It never entered the history (checked above).
+    return steps
 
 
-def test_state_dict_round_trip_and_bitwise_replay():
+def test_delayed_linear_scales_and_computes_as_by_hand(delayed_by_hand):
+    for step, r in enumerate(delayed_by_hand):
+        assert torch.equal(r["used_scale"], r["expected_scale"]), step
+        torch.testing.assert_close(r["y"], r["by_hand"], rtol=1e-12, atol=1e-12)
+        assert torch.isfinite(r["y"]).all()
+
+
+def test_delayed_history_and_scale_roll_as_by_hand(delayed_by_hand):
+    for step, r in enumerate(delayed_by_hand):
+        assert torch.equal(r["history"], r["expected_history"]), step
+        assert torch.equal(r["scale"], r["expected_next_scale"]), step
+
+
+def test_a_nonfinite_amax_is_counted_by_after_grad_sync(delayed_by_hand):
+    """Step 2's input held an inf: the E4M3 cast clamped it to 448, the gradients stayed finite, and only the
+    count after_grad_sync returns tells the update to skip (step 3: a NaN output gradient). It never entered
+    the history (test_delayed_history_and_scale_roll_as_by_hand)."""
+    assert [r["nonfinite"] for r in delayed_by_hand] == [0, 0, 1, 1]
+    assert [r["finite_grad"] for r in delayed_by_hand] == [True, True, True, False]
+
+
+def test_state_pieces_restore_on_a_fresh_model_and_replay_bitwise():
+    """Three delayed steps, the state saved as ckpt.py does (model, optimizer, the handle's state_pieces),
+    copied into a fresh model's tensors: the restored linears read `history_ready` from the loaded histories
+    (no hook tells them), and the fourth step is bitwise the uninterrupted one."""
     from model import GPT
 
     config = make_config()
@@ -280,17 +334,16 @@ def test_state_dict_round_trip_and_bitwise_replay():
     model, handle, optimizer = build()
     for x, y in batches[:3]:
         step(model, handle, optimizer, x, y)
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": optimizer.state_dict(), "fp8": handle.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    assert set(saved["fp8"]) == {f"transformer.h.{i}.{n}.{k}" for i in range(2)
-                                 for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-                                 for k in ("amax_history", "scale")}
+    saved = fp8_state(handle)
+    assert set(saved) == {f"fp8/transformer.h.{i}.{n}.{k}" for i in range(2)
+                          for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+                          for k in ("amax_history", "scale")}
     restored, restored_handle, restored_opt = build()
-    restored.load_state_dict(saved["model"])
-    restored_opt.load_state_dict(saved["opt"])
-    restored_handle.load_state_dict(saved["fp8"])
+    restored.load_state_dict(copy.deepcopy(model.state_dict()))
+    restored_opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # not the live moments: copies
+    with torch.no_grad():
+        for piece in restored_handle.state_pieces():  # what ckpt.py's load does: copy into the live tensors
+            piece.tensor.copy_(saved[piece.key])
     for name, linear in handle.linears.items():
         twin = restored_handle.linears[name]
         assert torch.equal(twin.amax_history, linear.amax_history) and torch.equal(twin.scale, linear.scale)
@@ -299,13 +352,25 @@ def test_state_dict_round_trip_and_bitwise_replay():
     assert torch.equal(step(model, handle, optimizer, x, y), step(restored, restored_handle, restored_opt, x, y))
     for p, q in zip(model.parameters(), restored.parameters()):
         assert torch.equal(p, q)  # bitwise replay
-    with pytest.raises(ValueError, match="--fp8-amax-history 5"):
-        other_model = GPT(config, seed=0, dtype=torch.float64)
-        fp8.convert(other_model, fp8.Recipe("delayed", amax_history=5)).load_state_dict(saved["fp8"])
+
+
+def test_history_ready_follows_a_loaded_history():
+    """An empty history loaded into a ready linear makes it scale like `current` again; a non-empty one into
+    a fresh linear makes it delayed: derived from the tensors, on the next use."""
+    layer = fp8.Fp8Linear(nn.Linear(32, 16), fp8.Recipe("delayed", amax_history=2), "layer")
+    assert not layer.history_ready
+    with torch.no_grad():
+        layer.amax_history.copy_(torch.tensor([[0.0, 3.0], [0.0, 1.0], [0.0, 0.5]]))
+    assert layer.history_ready
+    layer.roll(torch.full((3,), float("nan")), False)  # a non-finite step: the history stays, and ready
+    assert layer.history_ready
+    with torch.no_grad():
+        layer.amax_history.zero_()
+    assert not layer.history_ready
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Memory, ZeRO-3 helpers, activation checkpointing
+# Memory, ZeRO-3 helpers, activation checkpointing, the weight cache
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -324,8 +389,8 @@ def _saved_bytes(fn):
 def test_inputs_saved_in_fp8_and_counted():
     """Under bf16 autocast a plain block saves each linear's input and weight in bf16; the FP8 block saves the
     input in FP8 (+ a float32 scale per linear), its FP8 weight being the step's cache on the linear (not an
-    activation: one copy per step, whatever the micro-batches in flight). The measured difference is the
-    handle's formula."""
+    activation: one copy per step, whatever the micro-batches in flight). The measured difference is
+    fp8.saved_input_bytes."""
     from model import GPT
 
     config = make_config(n_embd=64)
@@ -338,8 +403,7 @@ def test_inputs_saved_in_fp8_and_counted():
             measured[use_fp8], _ = _saved_bytes(lambda: model.transformer.h[0](x.requires_grad_()))
     linears = [lin for name, lin in handle.linears.items() if name.startswith("transformer.h.0.")]
     weights = sum(lin.weight.numel() for lin in linears)
-    block_handle = fp8.Fp8Handle(None, handle.recipe, {lin.name: lin for lin in linears})
-    predicted = block_handle.saved_input_bytes(2 * SEQ, 2)["saved"] + weights * 2 - 4 * len(linears)
+    predicted = fp8.saved_input_bytes(linears, 2 * SEQ, 2)["saved"] + weights * 2 - 4 * len(linears)
     assert measured[False] - measured[True] == predicted
     assert all(lin.weight_codes.q.numel() == lin.weight.numel() for lin in linears)  # held by the linear
 
@@ -383,15 +447,16 @@ class _WeightQuantisations:
         return counts
 
 
-@pytest.mark.parametrize("mode", fp8.MODES)
-def test_weight_quantised_once_per_step_bitwise_as_uncached(mode, monkeypatch):
-    """m = 4 micro-batches: each linear quantises its weight once per step (the first micro-batch's forward;
-    the other forwards and every backward reuse it), and the run is bitwise the uncached one (each forward
-    quantising afresh): losses, parameters, the FP8 state and the scale table (saturation counted as before)."""
+@pytest.fixture(scope="module", params=fp8.MODES)
+def cached_and_uncached(request):
+    """m = 4 micro-batches, two steps, with an evaluation forward before the second (whose FP8 weight the
+    step may reuse: the weight is the same), once with the step's weight cache and once quantising afresh in
+    every forward. Per run: losses, parameters, FP8 state, the step tables, the weight quantisations per step."""
     from model import GPT
     from optim import adamw_param_groups
 
-    m, steps = 4, 2
+    mode, m, steps = request.param, 4, 2
+    monkeypatch = pytest.MonkeyPatch()
     counter = _WeightQuantisations(monkeypatch)
     runs = {}
     for cached in (True, False):
@@ -402,37 +467,58 @@ def test_weight_quantised_once_per_step_bitwise_as_uncached(mode, monkeypatch):
             for linear in handle.linears.values():
                 linear.register_forward_pre_hook(lambda module, args: setattr(module, "weight_codes", None))
         optimizer = torch.optim.AdamW(adamw_param_groups(model.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"])
-        losses, counts = [], []
-        for x, y in global_batches(steps, m * MICRO, SEQ):
-            handle.before_step()
+        losses, counts, tables = [], [], []
+        for step, (x, y) in enumerate(global_batches(steps, m * MICRO, SEQ)):
+            if step > 0:
+                with torch.no_grad():
+                    model(x[:MICRO], y[:MICRO])  # an evaluation between the steps
+                counter.take()
             for xb, yb in zip(x.chunk(m), y.chunk(m)):
                 _, loss_sum, _ = model(xb, yb)
                 (loss_sum / (y != -1).sum()).backward()
                 losses.append(loss_sum.detach())
             handle.after_grad_sync(None)
             counts.append(counter.take())
+            tables.append(report.axis_lines(handle, "step", None))
             optimizer.step()
             optimizer.zero_grad()
-        runs[cached] = (losses, list(model.parameters()), handle.state_dict(), handle.table(), counts)
-    (losses, params, state, table, counts), (losses_u, params_u, state_u, table_u, counts_u) = runs[True], runs[False]
-    n = len(fp8.convert(GPT(make_config(), seed=0), fp8.Recipe(mode)).linears)
-    assert all(len(c) == n and set(c.values()) == {1} for c in counts), counts  # was m = 4 before the cache
-    assert all(len(c) == n and set(c.values()) == {m} for c in counts_u)  # the counter sees every quantisation
-    assert all(torch.equal(a, b) for a, b in zip(losses, losses_u))
-    assert all(torch.equal(a, b) for a, b in zip(params, params_u))
-    assert state.keys() == state_u.keys() and all(torch.equal(state[k], state_u[k]) for k in state)
-    assert table == table_u
+        runs[cached] = dict(losses=losses, params=list(model.parameters()), state=fp8_state(handle), tables=tables,
+                            counts=counts, linears=len(handle.linears))
+    monkeypatch.undo()
+    return mode, runs
+
+
+def test_weight_quantised_once_per_step(cached_and_uncached):
+    """Each linear quantises its weight once per step (the first forward, or the evaluation's before it; the
+    other forwards and every backward reuse it); the uncached run every micro-batch."""
+    _, runs = cached_and_uncached
+    n = runs[True]["linears"]
+    assert len(runs[True]["counts"][0]) == n and set(runs[True]["counts"][0].values()) == {1}
+    assert runs[True]["counts"][1] == {}  # step 2 reuses the evaluation's FP8 weight: the same weight
+    assert all(len(c) == n and set(c.values()) == {4} for c in runs[False]["counts"])
+
+
+def test_cached_weight_run_is_bitwise_the_uncached_one(cached_and_uncached):
+    """Losses, parameters, the FP8 state and the scale tables (saturation counted as uncached) agree bitwise."""
+    _, runs = cached_and_uncached
+    cached, uncached = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(cached["losses"], uncached["losses"]))
+    assert all(torch.equal(a, b) for a, b in zip(cached["params"], uncached["params"]))
+    assert cached["state"].keys() == uncached["state"].keys()
+    assert all(torch.equal(cached["state"][k], uncached["state"][k]) for k in cached["state"])
+    assert cached["tables"] == uncached["tables"]
 
 
 def test_cached_weight_is_made_again_when_the_weight_changes():
-    """The step's FP8 weight is never stale: it is made again after an in-place change (an optimizer step, a
-    checkpoint load: the tensor's version), for another tensor (a `.data` swap), when ZeRO-3 regathered it (a
-    new gathered amax), after a delayed roll (the scale's version), and when a step ends or begins."""
+    """The step's FP8 weight is never stale, with no hook at the start of a step: it is made again after an
+    in-place change (an optimizer step, a checkpoint load: the tensor's version), for another tensor (a `.data`
+    swap), when ZeRO-3 regathered it (a new gathered amax), after a delayed roll or a restored scale (the
+    scale's version), after a restored history, and when a step ends."""
     torch.manual_seed(0)
     plain = nn.Linear(64, 32, dtype=torch.float64)
     recipe = fp8.Recipe("delayed")
     layer = fp8.Fp8Linear(plain, recipe, "layer")
-    handle = fp8.Fp8Handle(None, recipe, {"layer": layer})
+    handle = fp8.Fp8Handle(recipe, {"layer": layer})
     x = torch.randn(16, 64, dtype=torch.float64)
 
     def uncached():
@@ -446,10 +532,11 @@ def test_cached_weight_is_made_again_when_the_weight_changes():
         y = layer(x)
         return layer.weight_codes is not before and torch.equal(y, uncached())
 
-    layer(x)
+    with torch.no_grad():
+        layer(x)  # an evaluation's forward
     codes = layer.weight_codes
     layer(x)
-    assert layer.weight_codes is codes  # the same weight: reused
+    assert layer.weight_codes is codes  # the same weight and scales: reused
 
     def in_place():
         with torch.no_grad():
@@ -458,15 +545,21 @@ def test_cached_weight_is_made_again_when_the_weight_changes():
     def swap():
         plain.weight.data = plain.weight.data * 2
 
+    def load(tensor, value):
+        def change():
+            with torch.no_grad():
+                tensor.copy_(value)
+        return change
+
     assert made_again(in_place) and made_again(swap)
+    assert made_again(load(plain.weight, plain.weight.detach() * 0.25))
     assert made_again(lambda: setattr(layer, "gathered_weight_amax", fp8.amax_of(plain.weight)))
     assert made_again(lambda: setattr(layer, "gathered_weight_amax", fp8.amax_of(plain.weight)))  # equal, not it
     layer.gathered_weight_amax = None
     assert made_again(lambda: layer.roll(torch.ones(3), True))
+    assert made_again(load(layer.scale, layer.scale * 0.5))
+    assert made_again(load(layer.amax_history, torch.zeros_like(layer.amax_history)))  # not ready: current again
     handle.end_step()
-    assert layer.weight_codes is None
-    layer(x)
-    handle.before_step()
     assert layer.weight_codes is None
 
 
@@ -496,6 +589,9 @@ def test_activation_checkpointing_recomputes_the_same_quantisation(mode):
 TP_VARIANTS = [("current", 32, False, False), ("delayed", 32, False, False), ("blockwise", 256, False, False),
                ("current", 32, True, True), ("delayed", 32, True, False)]
 DP_VARIANTS = [("current", 32, False, False), ("delayed", 32, False, False), ("blockwise", 256, False, False)]
+MESH_CASES = [("tp", v) for v in TP_VARIANTS] + [("dp", v) for v in DP_VARIANTS]
+MESH_IDS = [f"{kind}-{mode}-h{n}" + ("-sp" if sp else "") + ("-ckpt" if ac else "")
+            for kind, (mode, n, sp, ac) in MESH_CASES]
 
 
 def _train(model, handle, dp_group, dp_rank, dp_size, tracer=None, finish_grad_sync=None):
@@ -526,13 +622,12 @@ def _train(model, handle, dp_group, dp_rank, dp_size, tracer=None, finish_grad_s
             dist.all_reduce(loss, group=dp_group)
         if finish_grad_sync is not None:
             finish_grad_sync()
-        handle.after_grad_sync(None)
+        assert handle.after_grad_sync(None) == 0
         if tracer is not None:
             tracer.__exit__(None, None, None)
             traced.append({(op, group): (r.calls, r.payload_bytes) for (op, group), r in tracer.records.items()
                            if group in ("tp", "dp_cp", "cp")})  # FP8's groups; the model's are unnamed
             tracer.reset()
-        assert not handle.found_nonfinite_amax
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss / tokens))
@@ -545,13 +640,40 @@ def _single_device(mode, n_embd):
     model = GPT(make_config(n_embd=n_embd), seed=0, dtype=torch.float64)
     handle = fp8.convert(model, fp8.Recipe(mode))
     losses, _ = _train(model, handle, None, 0, 1)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, handle.state_dict()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, fp8_state(handle)
+
+
+def _nonfinite_amax_skips_every_rank(rank, mesh, device):
+    """One step.train_step on D = 2 through a DDP layout, FP8 current (no reduction of its own over dp): rank
+    1's first linear sees a NaN amax, its after_grad_sync counts it, the update's world check skips the step on
+    both ranks. Returns (skipped, parameters unchanged)."""
+    from ddp import DDPLayout, DistributedDataParallel
+    from model import GPT
+    from optim import DynamicLossScaler, build_adamw
+    from step import train_step
+
+    model = GPT(make_config(), seed=0, dtype=torch.float64, device=device)
+    handle = fp8.convert(model, fp8.Recipe("current"), mesh, micro_batches=GLOBAL_BATCH // (2 * MICRO))
+    def nan_amax(module, args, out):
+        module.step_amax.fill_(float("nan"))  # returns None: the output stays
+
+    if rank == 1:
+        next(iter(handle.linears.values())).register_forward_hook(nan_amax)
+    ddp = DistributedDataParallel(model, groups={name: mesh.group(name) for name in ("dp_cp", "expert_dp")})
+    layout = DDPLayout(ddp, build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"]),
+                       mesh.coordinates())
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = global_batches(1, GLOBAL_BATCH, SEQ)[0]
+    batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.index("dp"), mesh.size("dp"), MICRO)]
+    outcome = train_step(layout, DynamicLossScaler(enabled=False), batches, mesh.group("dp_cp"), 0.0, nullcontext(),
+                         device, model=model, axes=[handle], data_size=mesh.size("dp"))
+    return outcome.skipped, all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def _on_meshes(rank, world):
     import tensor_parallel
-    from mesh import MeshShape, build_mesh
     from comm import CommTracer
+    from mesh import MeshShape, build_mesh
     from model import GPT
 
     device = harness.device()
@@ -560,6 +682,7 @@ def _on_meshes(rank, world):
         shape = MeshShape(dp=1, tp=2) if kind == "tp" else MeshShape(dp=2)
         mesh = build_mesh(shape, rank)  # the model's groups
         fp8_mesh = build_mesh(shape, rank)  # the same ranks in new groups: the tracer tells FP8's messages apart
+        micro_batches = GLOBAL_BATCH // (mesh.size("dp") * MICRO)
         for mode, n_embd, sp, checkpointing in variants:
             config = make_config(n_embd=n_embd, activation_checkpointing=checkpointing)
             model = GPT(config, seed=0, dtype=torch.float64, device=device)
@@ -567,63 +690,84 @@ def _on_meshes(rank, world):
             if kind == "tp":
                 tp_handle = tensor_parallel.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0)
                 finish = functools.partial(tp_handle.after_grad_sync, WholeGrads())
-            handle = fp8.convert(model, fp8.Recipe(mode), fp8_mesh)
+            handle = fp8.convert(model, fp8.Recipe(mode), fp8_mesh, micro_batches=micro_batches)
             tracer = CommTracer()
             for name in ("tp", "dp_cp", "cp"):
                 tracer.name_group(fp8_mesh.group(name), name)
             losses, traced = _train(model, handle, mesh.group("dp"), mesh.index("dp"), mesh.size("dp"), tracer, finish)
-            micro_batches = GLOBAL_BATCH // (mesh.size("dp") * MICRO)
-            predicted = [handle.predicted_messages(micro_batches=micro_batches, first_step=step == 0) for step in range(STEPS)]
+            predicted = [dict(handle.predicted_messages(first_step=step == 0)) for step in range(STEPS)]
             pieces = {p.shard_info.global_name: (p.detach().clone(), p.shard_info) for p in model.parameters()}
-            out[kind, mode, n_embd, sp, checkpointing] = (losses, pieces, handle.state_dict(), traced, predicted)
-        if kind == "dp":  # a NaN amax on one rank makes every rank of the group skip, and stays out
-            handle = fp8.convert(GPT(make_config(), seed=0, dtype=torch.float64, device=device), fp8.Recipe("delayed"),
-                                 fp8_mesh)
-            first = next(iter(handle.linears.values()))
-            first.step_amax.fill_(1.0)
-            if rank == 1:
-                first.step_amax[2] = float("nan")
-            handle.end_step()
-            out["nan"] = (handle.found_nonfinite_amax, first.amax_history[:, 0].tolist())
+            out[kind, (mode, n_embd, sp, checkpointing)] = dict(losses=losses, pieces=pieces, state=fp8_state(handle),
+                                                                 traced=traced, predicted=predicted)
+        if kind == "dp":
+            out["skip"] = _nonfinite_amax_skips_every_rank(rank, mesh, device)
     return out
 
 
-def test_tp_and_dp_equal_the_single_device_fp8_model():
+@pytest.fixture(scope="module")
+def mesh_runs():
+    """Both ranks' results of every mesh case (one spawn), and the single-device runs they compare with."""
     references = {(mode, n): _single_device(mode, n) for mode, n, _, _ in TP_VARIANTS}
-    ranks = run_ranks(_on_meshes, 2, timeout=120)
-    for kind, variants in (("tp", TP_VARIANTS), ("dp", DP_VARIANTS)):
-        for variant in variants:
-            ref_losses, ref_params, ref_state = references[variant[:2]]
-            results = [r[(kind, *variant)] for r in ranks]
-            for losses, _, state, traced, predicted in results:
-                torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
-                assert state.keys() == ref_state.keys()
-                for key, value in state.items():
-                    assert torch.equal(value, results[0][2][key]), (kind, variant, key)  # the same on every rank
-                    torch.testing.assert_close(value, ref_state[key], rtol=1e-6, atol=0, msg=key)
-                assert traced == predicted, (kind, variant)  # every amax all-reduce, counted and sized
-            full = {}
-            for _, pieces, _, _, _ in results:
-                for name, (local, info) in pieces.items():
-                    full.setdefault(name, torch.full(info.global_shape, float("nan"), dtype=local.dtype))
-                    info.place_into(full[name], local)
-            for name, ref in ref_params.items():
-                torch.testing.assert_close(full[name], ref, rtol=TOL, atol=TOL, msg=f"{kind} {variant} {name}")
-    # The TP runs really sent amax reductions (current: every micro-batch; delayed: one per step after the first).
-    assert ranks[0][("tp", "current", 32, False, False)][3][1][("all_reduce", "tp")][0] == 8 * 2 * 4
-    assert ranks[0][("tp", "delayed", 32, False, False)][3][1] == {("all_reduce", "tp"): (1, 12 * 8)}
-    for flag, latest in (r["nan"] for r in ranks):
-        assert flag and latest == [1.0, 1.0, 0.0]
+    return run_ranks(_on_meshes, 2, timeout=120), references
 
 
-def test_apply_flags_and_accounting_lines():
-    """The trainer's entry points: the flags and their defaults, apply() on a Run, the printouts."""
-    import argparse
+@pytest.mark.parametrize("kind,variant", MESH_CASES, ids=MESH_IDS)
+def test_mesh_losses_equal_the_single_device(mesh_runs, kind, variant):
+    ranks, references = mesh_runs
+    ref_losses = references[variant[:2]][0]
+    for r in ranks:
+        losses = torch.tensor(r[kind, variant]["losses"])
+        torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=TOL, atol=TOL)
 
-    from mesh import MeshShape, build_mesh
-    from comm import CommTracer
-    from model import GPT
 
+@pytest.mark.parametrize("kind,variant", MESH_CASES, ids=MESH_IDS)
+def test_mesh_parameters_equal_the_single_device(mesh_runs, kind, variant):
+    ranks, references = mesh_runs
+    full = {}
+    for r in ranks:
+        for name, (local, info) in r[kind, variant]["pieces"].items():
+            full.setdefault(name, torch.full(info.global_shape, float("nan"), dtype=local.dtype))
+            info.place_into(full[name], local)
+    for name, ref in references[variant[:2]][1].items():
+        torch.testing.assert_close(full[name], ref, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("kind,variant", MESH_CASES, ids=MESH_IDS)
+def test_mesh_fp8_state_is_the_same_on_every_rank_and_the_single_devices(mesh_runs, kind, variant):
+    ranks, references = mesh_runs
+    ref_state = references[variant[:2]][2]
+    states = [r[kind, variant]["state"] for r in ranks]
+    for state in states:
+        assert state.keys() == ref_state.keys()
+        for key, value in state.items():
+            assert torch.equal(value, states[0][key]), key
+            torch.testing.assert_close(value, ref_state[key], rtol=1e-6, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("kind,variant", MESH_CASES, ids=MESH_IDS)
+def test_mesh_traced_amax_reductions_equal_predicted_messages(mesh_runs, kind, variant):
+    """Every amax all-reduce of every step, counted and sized, as Fp8Handle.predicted_messages says."""
+    for r in mesh_runs[0]:
+        assert r[kind, variant]["traced"] == r[kind, variant]["predicted"]
+
+
+def test_tp_runs_send_amax_reductions(mesh_runs):
+    """Current: every micro-batch's forward and backward; delayed: one per step after the first."""
+    rank0 = mesh_runs[0][0]
+    assert rank0["tp", ("current", 32, False, False)]["traced"][1][("all_reduce", "tp")][0] == 8 * 2 * 4
+    assert rank0["tp", ("delayed", 32, False, False)]["traced"][1] == {("all_reduce", "tp"): (1, 12 * 8)}
+
+
+def test_a_nonfinite_amax_on_one_rank_skips_the_step_on_every_rank(mesh_runs):
+    assert [r["skip"] for r in mesh_runs[0]] == [(True, True), (True, True)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trainer's entry points: flags, apply, the protocol, the printouts (report.py's fp8 section)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_flags_defaults_and_recipe():
     import flags
 
     parser = flags.build_parser()
@@ -634,23 +778,66 @@ def test_apply_flags_and_accounting_lines():
     recipe = flags.validate(parser.parse_args(["--preset", "tiny", "--fp8", "delayed", "--fp8-amax-history", "4"]),
                             1, axes=(fp8,)).axes["fp8"]
     assert recipe == fp8.Recipe("delayed", 4, "max", 0)
+
+
+@pytest.fixture(scope="module")
+def applied():
+    """fp8.apply on a one-process run (delayed, L = 4), as train.compose calls it: (model, run, handle)."""
+    from mesh import MeshShape, build_mesh
+    from model import GPT
+
     config = make_config()
     run = SimpleNamespace(mesh=build_mesh(MeshShape(dp=1), rank=0), config=config, seq_len=SEQ, micro_batch_size=2,
-                          micro_batches=2, device=torch.device("cpu"), compute_dtype=torch.bfloat16, seed=0)
+                          micro_batches=2, device=torch.device("cpu"), compute_dtype=torch.bfloat16, seed=0,
+                          layout=None)
     model = GPT(config, seed=0)
-    handle = fp8.apply(model, run, recipe)
-    assert len(handle.linears) == 4 * config.n_layer and model.lm_head.__class__ is nn.Linear  # the head stays
+    return model, run, fp8.apply(model, run, fp8.Recipe("delayed", 4, "max", 0))
+
+
+def test_apply_converts_the_block_linears_only(applied):
+    model, run, handle = applied
+    assert len(handle.linears) == 4 * run.config.n_layer and model.lm_head.__class__ is nn.Linear  # the head stays
     assert all(type(m) is fp8.Fp8Linear for m in model.transformer.h.modules() if isinstance(m, nn.Linear))
-    lines = "\n".join(handle.startup_lines())
-    saved = handle.saved_input_bytes(2 * SEQ, 2)["saved"]
-    assert saved == 2 * SEQ * config.n_embd * (2 + 5) * config.n_layer  # M·h·(2 + 5/T)·(e_c - 1) per layer
-    assert "fp8 delayed, history L=4" in lines and "MFU:" in lines
-    assert handle.predicted_messages() == {}  # one process: nothing to agree on
-    assert 0.3 < handle.fp8_flops_fraction() < 1
-    assert handle.blended_peak(1000.0, 2000.0) > 1000.0 and handle.blended_peak(1000.0, None) == 1000.0
+
+
+def test_handle_keeps_to_the_axis_protocol():
+    """The handle overrides only step.Axis's protocol (plus its own end_step and ZeRO-3's codecs): the old
+    hooks and printers are gone, and train.py sets nothing on it."""
+    own = {name for name, value in vars(fp8.Fp8Handle).items() if callable(value) and not name.startswith("__")}
+    assert own <= {"after_grad_sync", "end_step", "state_pieces", "predicted_messages", "traced_prediction",
+                   "gather_codecs"}, own
+
+
+def test_saved_input_bytes_formula(applied):
+    _, run, handle = applied
+    saved = fp8.saved_input_bytes(handle.linears.values(), 2 * SEQ, 2)["saved"]
+    assert saved == 2 * SEQ * run.config.n_embd * (2 + 5) * run.config.n_layer  # M·h·(2 + 5/T)·(e_c - 1) per layer
+
+
+def test_one_process_predicts_no_messages(applied):
+    assert applied[2].predicted_messages(None) == {}  # nothing to agree on
+    assert applied[2].traced_prediction(None, 3) == {}
+
+
+def test_flops_fraction_and_blended_peak(applied):
+    fraction = mfu.block_linear_flops_fraction(applied[1].config, SEQ)
+    assert 0.3 < fraction < 1
+    assert mfu.blended_peak(fraction, 1000.0, 2000.0) > 1000.0 and mfu.blended_peak(fraction, 1000.0, None) == 1000.0
+
+
+def test_startup_lines_name_the_recipe_memory_and_mfu(applied):
+    _, run, handle = applied
+    lines = "\n".join(report.axis_lines(handle, "startup", run))
+    assert "fp8 delayed, history L=4, max, margin 0: 8 block linears in FP8" in lines
+    assert "memory: saved inputs in FP8" in lines and "MFU:" in lines and "messages per step" not in lines
+
+
+def test_step_and_end_lines(applied):
+    """The scale table with each logged step; at the end one line of counts (the amax reductions are in
+    report.print_end's message table, the scales in the last step's table: not repeated)."""
+    _, run, handle = applied
     handle.end_step()
-    assert "fp8 delayed: the scales in use" in "\n".join(handle.step_lines())  # train.py prints it on the last step
-    # ... so the end lines do not repeat it, nor set FP8's bytes against a traced total that holds other axes'
-    # messages too (train.py's message table compares the sum of every axis's prediction).
-    assert handle.end_lines(CommTracer(), steps=1) == [
+    table = report.axis_lines(handle, "step", None)
+    assert table[0].startswith("fp8 delayed: the scales in use") and len(table) == 2 + len(handle.linears)
+    assert report.axis_lines(handle, "end", run, 1) == [
         "fp8 delayed: steps 1 (1 scaled like current (empty history), 0 with a non-finite amax, skipped on every rank)"]

@@ -1,5 +1,5 @@
 """moe.py: the router's losses by hand, capacity dropping, expert parallel against the single-device layer and
-model (float64, 1e-10), traced all-to-all bytes against the count-based prediction, flags and accounting.
+model (float64, 1e-10), traced all-to-all bytes against the prediction from the routed rows, flags and accounting.
 
 Layer tests run the MoE layer on 4 ranks, each with its own rank-batch, with E = 2 and E = 4, dropless
 and with capacity; the reference is the same single-device layer (all experts) run on each rank-batch in turn
@@ -13,7 +13,8 @@ ranks (m = 2 micro-batches each), E = 2 and E = 4, against the single-device mod
 Σ CE/tokens + Σ coef·aux/(D·m) over the D·m micro-batches: gradients within 1e-10.
 
 The rank bodies build on harness.device() (each rank's GPU under nccl); their inputs are drawn on the CPU, where
-the single-device references draw the same ones, and moved there.
+the single-device references draw the same ones, and moved there. Each spawn runs once per module (a fixture);
+one test per property reads it, so a failure names the property.
 """
 
 import math
@@ -38,32 +39,53 @@ DT = torch.float64
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_router_losses_match_hand_computation():
-    import moe
-
+def _hand_routing(T=6, N=4):
     torch.manual_seed(0)
-    T, N = 6, 4
     logits = torch.randn(T, N, dtype=DT) * 2
     rows = logits.tolist()
-    probs_hand = [[math.exp(v) / sum(math.exp(u) for u in row) for v in row] for row in rows]
+    probs = [[math.exp(v) / sum(math.exp(u) for u in row) for v in row] for row in rows]
+    return logits, rows, probs
+
+
+def test_route_picks_the_top_k_and_renormalises_for_k_above_one():
+    import moe
+
+    logits, _, probs_hand = _hand_routing()
     for k in (1, 2, 3):
-        probs, gate, expert = moe.route(logits, k)
-        chosen = [sorted(range(N), key=lambda i: -p[i])[:k] for p in probs_hand]
+        _, gate, expert = moe.route(logits, k)
+        chosen = [sorted(range(4), key=lambda i: -p[i])[:k] for p in probs_hand]
         assert expert.tolist() == chosen
-        for t in range(T):
+        for t in range(len(chosen)):
             picked = [probs_hand[t][i] for i in chosen[t]]
             weights = picked if k == 1 else [v / sum(picked) for v in picked]  # Switch's raw gate for k = 1
             assert max(abs(a - b) for a, b in zip(gate[t].tolist(), weights)) < 1e-14
-        routed = torch.bincount(expert.reshape(-1), minlength=N)
-        balance, z = moe.router_losses(logits, probs, routed, k)
+
+
+def test_router_losses_match_hand_computation():
+    import moe
+
+    logits, rows, probs_hand = _hand_routing()
+    T, N = logits.shape
+    for k in (1, 2, 3):
+        probs, _, expert = moe.route(logits, k)
+        chosen = [sorted(range(N), key=lambda i: -p[i])[:k] for p in probs_hand]
+        balance, z = moe.router_losses(logits, probs, torch.bincount(expert.reshape(-1), minlength=N), k)
         f = [sum(i in c for c in chosen) / (T * k) for i in range(N)]
         P = [sum(p[i] for p in probs_hand) / T for i in range(N)]
         lse = [math.log(sum(math.exp(v) for v in row)) for row in rows]
         assert abs(float(balance) - N * sum(a * b for a, b in zip(f, P))) < 1e-13
         assert abs(float(z) - sum(v * v for v in lse) / T) < 1e-13
-    # Balanced routing gives 1; the layer adds both terms to the channel with the config's coefficients.
+
+
+def test_balanced_routing_has_balance_loss_one():
+    import moe
+
     assert abs(float(moe.router_losses(torch.zeros(8, 4, dtype=DT), torch.full((8, 4), 0.25, dtype=DT),
                                        torch.full((4,), 4), 2)[0]) - 1.0) < 1e-15
+
+
+def test_the_layer_adds_both_aux_terms_with_their_coefficients():
+    import moe
     from model import GPT
 
     config = make_config(n_layer=1, moe_experts=4, moe_topk=2, moe_aux_coef=0.25, moe_z_coef=0.125)
@@ -79,12 +101,16 @@ def test_router_losses_match_hand_computation():
     assert abs(float(model.aux_losses.terms[1][2].detach() - z.detach())) < 1e-14
 
 
-def test_capacity_drops_later_tokens_in_position_order():
+def test_capacity_is_the_ceiling_of_the_fair_share_times_f():
     import moe
-    from model import GPT
 
     assert moe.capacity(64, 2, 4, 1.25) == 40 and moe.capacity(7, 2, 4, 1.0) == 4
     assert moe.capacity(10, 2, 4, 0.0) is None
+
+
+def test_capacity_keeps_each_experts_first_slots_in_token_order():
+    import moe
+
     expert = torch.tensor([[0, 1], [2, 0], [1, 0], [0, 3], [2, 1], [1, 0]])
     keep = moe.capacity_keep(expert, 4, 2)
     # expert 0: tokens 0, 1 kept; 2, 3, 5 dropped. expert 1: tokens 0, 2 kept; 4, 5 dropped. 2: 1, 4. 3: 3.
@@ -92,8 +118,12 @@ def test_capacity_drops_later_tokens_in_position_order():
                              [False, False]]
     assert moe.capacity_keep(expert, 4, None).all()
 
-    # In the layer: every token prefers expert 0 (top-1, C = ⌈8·1/4·1⌉ = 2): tokens 0 and 1 get expert 0's
-    # output times their gate, the 6 later ones nothing (their residual carries them).
+
+def test_a_dropped_slot_adds_nothing_and_is_counted():
+    """Every token prefers expert 0 (top-1, C = ⌈8·1/4·1⌉ = 2): tokens 0 and 1 get expert 0's output times
+    their gate, the 6 later ones nothing (their residual carries them); the layer's routing record says 6."""
+    from model import GPT
+
     config = make_config(n_layer=1, moe_experts=4, moe_topk=1, moe_capacity_factor=1.0)
     model = GPT(config, seed=0, dtype=DT)
     layer = model.transformer.h[0].mlp
@@ -106,7 +136,25 @@ def test_capacity_drops_later_tokens_in_position_order():
     gate = torch.softmax(torch.tensor([10.0, 0, 0, 0], dtype=DT), 0)[0]
     assert float((y[:2] - gate * layer.experts["0"](x[0, :2]).detach()).abs().max()) < 1e-14
     assert float(y[2:].abs().max()) == 0.0
-    assert layer.dropped == 6
+    assert layer.routing.dropped == 6 and layer.routing.sent == 2 and layer.routing.forwards == 1
+
+
+def test_evaluation_and_sampling_forwards_record_no_routing():
+    """Only a training forward records (the load line and the exact message prediction count training
+    steps): not one under no_grad (evaluation, sampling), not one in eval mode."""
+    from model import GPT
+
+    model = GPT(make_config(n_layer=1, moe_experts=4, moe_topk=2), seed=0, dtype=DT)
+    layer = model.transformer.h[0].mlp
+    x = torch.randn(1, 8, model.config.n_embd, dtype=DT)
+    with torch.no_grad():
+        layer(x)
+    layer.eval()
+    layer(x)
+    assert layer.routing.forwards == 0 and layer.routing.load is None
+    layer.train()
+    layer(x)
+    assert layer.routing.forwards == 1 and int(layer.routing.load.sum()) == 16
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -175,8 +223,11 @@ def _layer(rank, world):
         traced = tracer.records[("all_to_all_single", "ep")]
         results[(ep, factor, mode)] = dict(
             y=y.detach(), dx=x.grad, grads=_reduce_grads(model, mesh), aux=model.aux_losses.values(),
-            local=sorted(layer.experts.keys(), key=int), dropped=layer.dropped,
-            traced=(traced.calls, traced.payload_bytes), counted=(layer.a2a_calls, layer.a2a_bytes),
+            local=sorted(layer.experts.keys(), key=int), dropped=layer.routing.dropped,
+            traced=(traced.calls, traced.payload_bytes),
+            counted=tuple(moe.all_to_all_messages(moe.Traffic(model.config, ep=ep, compute_bytes=8),
+                                                  layer.routing.forwards, layer.routing.sent,
+                                                  layer.routing.received)[moe.ALL_TO_ALL]),
             expert_inputs=inputs.storages, cats=inputs.cats)
     # Under bf16 autocast (float32 model): the router still computes in fp32, the rows travel in bf16.
     model = GPT(make_config(**LAYER), seed=0, device=device)
@@ -266,8 +317,12 @@ LAYER_CASES = [(ep, f, "ranks") for ep in (2, 4) for f in CAPACITIES] + [(4, 0.0
                                                                           (2, 0.0, "skew")]
 
 
-def test_expert_parallel_equals_single_device_layer():
+@pytest.fixture(scope="module")
+def layer_runs():
+    """The 4-rank layer runs of every LAYER_CASES case, beside the single-device reference of each:
+    [(case, rank, what the rank got, (y, dx, aux) expected, summed reference grads)], and the bf16 results."""
     results = run_ranks(_layer, 4, timeout=120)
+    rows = []
     for ep, factor, mode in LAYER_CASES:
         if mode == "pieces":
             ref, ref_grads = _layer_reference(factor, [_layer_inputs(i, (2, 12), 16) for i in range(2)])
@@ -275,33 +330,70 @@ def test_expert_parallel_equals_single_device_layer():
             ref, ref_grads = _layer_reference(factor, [_layer_inputs(r, (2, 12), 16) for r in range(4)],
                                               skew=mode == "skew")
         for rank, by_case in enumerate(results):
-            got = by_case[(ep, factor, mode)]
             y, dx, aux = ref[rank // 2] if mode == "pieces" else ref[rank]
             if mode == "pieces":
                 y, dx = y.chunk(2, dim=1)[rank % 2], dx.chunk(2, dim=1)[rank % 2]
-            case = (ep, factor, mode, rank)
-            assert _err(got["y"], y) < TOL, case
-            assert _err(got["dx"], dx) < TOL, case
-            for name in aux:  # under pieces: the WHOLE micro-batch's value on both halves
-                assert abs(got["aux"][name] - aux[name]) < TOL, (case, name)
-            per_rank = 8 // ep
-            index = rank % ep
-            assert got["local"] == [str(i) for i in range(index * per_rank, (index + 1) * per_rank)], case
-            assert set(got["grads"]) == {n for n in ref_grads if ".experts." not in n or
-                                         int(n.split(".")[5]) in range(index * per_rank, (index + 1) * per_rank)}
-            for name, grad in got["grads"].items():
-                assert _err(grad, ref_grads[name]) < TOL, (case, name)
-            assert got["traced"] == got["counted"], case  # 5 calls: counts, dispatch, combine and 2 reversed
-            assert len(got["expert_inputs"]) == 1 and got["cats"] == 1, case  # in the received buffer; 1 out
-            assert got["traced"][0] == 5, case
-            if factor > 0:
-                assert got["dropped"] > 0, case  # the capacity case does drop something
-            if mode == "skew" and index == 0:  # nothing comes in: 8N of counts, S = T·k rows out (forward)
-                assert got["traced"][1] == 8 * 8 + 2 * (2 * 12 * 2) * 16 * 8, got["traced"]  # and back (bwd)
-                assert all(float(grad.abs().max()) == 0 for name, grad in got["grads"].items() if ".experts." in name)
-    # bf16: Σ over ranks of the payload = W·8N + 4·Σ S·h·2 bytes (Σ R = Σ S within each ep group), S = T·k.
-    assert all(r["bf16"]["router"] == torch.float32 and r["bf16"]["finite"] for r in results)
-    assert sum(r["bf16"]["traced"] for r in results) == 4 * 8 * 8 + 4 * 4 * (2 * 12 * 2) * 16 * 2
+            rows.append(((ep, factor, mode, rank), by_case[(ep, factor, mode)], (y, dx, aux), ref_grads))
+    return rows, [r["bf16"] for r in results]
+
+
+def test_expert_parallel_layer_outputs_and_input_grads_equal_single_device(layer_runs):
+    for case, got, (y, dx, _), _ in layer_runs[0]:
+        assert _err(got["y"], y) < TOL, case
+        assert _err(got["dx"], dx) < TOL, case
+
+
+def test_aux_losses_are_the_whole_micro_batchs_on_every_piece(layer_runs):
+    for case, got, (_, _, aux), _ in layer_runs[0]:
+        for name in aux:  # under pieces: the WHOLE micro-batch's value on both halves
+            assert abs(got["aux"][name] - aux[name]) < TOL, (case, name)
+
+
+def test_each_rank_holds_experts_of_its_ep_index_and_their_gradients_only(layer_runs):
+    for (ep, factor, mode, rank), got, _, ref_grads in layer_runs[0]:
+        mine = range((rank % ep) * (8 // ep), (rank % ep + 1) * (8 // ep))
+        assert got["local"] == [str(i) for i in mine], (ep, mode, rank)
+        assert set(got["grads"]) == {n for n in ref_grads if ".experts." not in n or int(n.split(".")[5]) in mine}
+
+
+def test_expert_parallel_layer_gradients_equal_single_device(layer_runs):
+    for case, got, _, ref_grads in layer_runs[0]:
+        for name, grad in got["grads"].items():
+            assert _err(grad, ref_grads[name]) < TOL, (case, name)
+
+
+def test_traced_all_to_alls_equal_the_prediction_from_the_routed_rows(layer_runs):
+    """5 calls (counts, dispatch, combine and the 2 reverses), bytes from the routing record's S and R."""
+    for case, got, _, _ in layer_runs[0]:
+        assert got["traced"] == got["counted"], case
+        assert got["traced"][0] == 5, case
+
+
+def test_experts_read_the_received_buffer_and_write_one_output_under_ep(layer_runs):
+    for case, got, _, _ in layer_runs[0]:
+        assert len(got["expert_inputs"]) == 1 and got["cats"] == 1, case
+
+
+def test_capacity_drops_slots_under_expert_parallel(layer_runs):
+    for (ep, factor, mode, rank), got, _, _ in layer_runs[0]:
+        if factor > 0:
+            assert got["dropped"] > 0, (ep, mode, rank)
+
+
+def test_a_rank_whose_experts_nobody_picks_receives_nothing(layer_runs):
+    """Skew: nothing comes in on rank 0 of each ep group: 8N of counts, S = T·k rows out and back (forward),
+    and the same in backward; its experts' gradients are zero."""
+    for (ep, factor, mode, rank), got, _, _ in layer_runs[0]:
+        if mode == "skew" and rank % ep == 0:
+            assert got["traced"][1] == 8 * 8 + 2 * (2 * 12 * 2) * 16 * 8, got["traced"]
+            assert all(float(grad.abs().max()) == 0 for name, grad in got["grads"].items() if ".experts." in name)
+
+
+def test_under_bf16_autocast_the_router_is_fp32_and_the_rows_travel_in_bf16(layer_runs):
+    """Σ over ranks of the payload = W·8N + 4·Σ S·h·2 bytes (Σ R = Σ S within each ep group), S = T·k."""
+    bf16 = layer_runs[1]
+    assert all(r["router"] == torch.float32 and r["finite"] for r in bf16)
+    assert sum(r["traced"] for r in bf16) == 4 * 8 * 8 + 4 * 4 * (2 * 12 * 2) * 16 * 2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -319,6 +411,7 @@ MODEL_CASES = {  # E: config overrides
 
 def _model(rank, world):
     import moe
+    import report
     from mesh import MeshShape, build_mesh
     from comm import CommTracer
     from model import GPT
@@ -331,10 +424,11 @@ def _model(rank, world):
     for ep, overrides in MODEL_CASES.items():
         config = make_config(**overrides)
         mesh = build_mesh(MeshShape(dp=world, ep=ep))
-        run = SimpleNamespace(mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=1, micro_batches=M,
-                              device=device, autocast=nullcontext(), compute_dtype=DT, seed=0)
         model = GPT(config, seed=0, dtype=DT, device=device)
+        run = SimpleNamespace(mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=1, micro_batches=M,
+                              device=device, autocast=nullcontext(), compute_dtype=DT, seed=0, model=model, layout=None)
         handle = moe.apply(model, run, moe.MoEConfig(ep))
+        startup = report.axis_lines(handle, "startup", run)
         layout = _Layout(model)
         tracer = CommTracer()
         tracer.name_group(mesh.group("ep"), "ep")
@@ -343,9 +437,10 @@ def _model(rank, world):
                                                             global_tokens, 1.0, D * M, nullcontext(), run.device)
         traced = tracer.records[("all_to_all_single", "ep")]
         results[ep] = dict(grads=_reduce_grads(model, mesh), aux=micro.aux, traced=(traced.calls, traced.payload_bytes),
-                           counted=handle.counted_messages()[("all_to_all_single", "ep")],
-                           uniform=handle.predicted_messages()[("all_to_all_single", "ep")],
-                           lines=handle.startup_lines() + handle.step_lines() + handle.end_lines(tracer, 1))
+                           counted=tuple(handle.traced_prediction(None, 1)[moe.ALL_TO_ALL]),
+                           uniform=handle.predicted_messages()[moe.ALL_TO_ALL],
+                           lines=[*startup, *report.axis_lines(handle, "step", run),
+                                  *report.axis_lines(handle, "end", run, 1)])
     return results
 
 
@@ -362,12 +457,16 @@ class _Layout:
         return nullcontext()
 
 
-def test_expert_parallel_model_gradients_equal_single_device():
+@pytest.fixture(scope="module")
+def model_runs():
+    """What each of the D ranks got for each E of MODEL_CASES, beside the single-device model's gradients and
+    aux values of the D·m micro-batches: {E: (per-rank results, reference grads, aux per micro-batch)}."""
     from model import GPT
 
     results = run_ranks(_model, D, timeout=120)
     (x, y), = global_batches(1, D * M, SEQ)
     global_tokens = (y != -1).sum().to(DT)
+    out = {}
     for ep, overrides in MODEL_CASES.items():
         model = GPT(make_config(**overrides), seed=0, dtype=DT)
         aux_totals = []
@@ -375,20 +474,50 @@ def test_expert_parallel_model_gradients_equal_single_device():
             _, loss_sum, _ = model(x[i:i + 1], y[i:i + 1])
             aux_totals.append(model.aux_losses.values())  # before backward: a recompute adds the terms again
             (loss_sum / global_tokens + model.aux_losses.weighted_sum() / (D * M)).backward()
-        ref = {p.shard_info.global_name: p.grad for p in model.parameters()}
-        for rank, by_case in enumerate(results):
-            got = by_case[ep]
-            assert got["grads"].keys() <= ref.keys()
+        out[ep] = ([r[ep] for r in results], {p.shard_info.global_name: p.grad for p in model.parameters()}, aux_totals)
+    return out
+
+
+def test_expert_parallel_model_gradients_equal_single_device(model_runs):
+    for ep, (per_rank, ref, _) in model_runs.items():
+        for rank, got in enumerate(per_rank):
             held = {n for n in ref if ".experts." not in n or int(n.split(".")[5]) // (4 // ep) == rank % ep}
             assert set(got["grads"]) == held, (ep, rank)
             for name, grad in got["grads"].items():
                 assert _err(grad, ref[name]) < TOL, (ep, rank, name, _err(grad, ref[name]))
+
+
+def test_expert_parallel_model_aux_losses_are_each_ranks_micro_batches(model_runs):
+    for ep, (per_rank, _, aux_totals) in model_runs.items():
+        for rank, got in enumerate(per_rank):
             for name in got["aux"]:  # Σ over this rank's micro-batches
                 expected = sum(a[name] for a in aux_totals[rank * M:(rank + 1) * M])
                 assert abs(got["aux"][name] - expected) < TOL, (ep, rank, name)
-            assert got["traced"] == got["counted"], (ep, rank, got["traced"], got["counted"])
-            assert got["uniform"][0] == got["traced"][0]  # calls do not depend on routing, bytes do
-        print(f"\nE={ep} rank 0:\n" + "\n".join(results[0][ep]["lines"]))
+
+
+def test_traced_all_to_alls_of_a_step_equal_the_handles_exact_prediction(model_runs):
+    """With activation checkpointing (E = 2: recomputes repeat the forward's 3 calls) and capacity (E = 4)."""
+    for ep, (per_rank, _, _) in model_runs.items():
+        for rank, got in enumerate(per_rank):
+            assert got["traced"] == pytest.approx(got["counted"], abs=1e-9), (ep, rank, got["traced"], got["counted"])
+
+
+def test_the_uniform_estimate_has_the_traced_calls(model_runs):
+    for ep, (per_rank, _, _) in model_runs.items():
+        for rank, got in enumerate(per_rank):
+            assert got["uniform"][0] == got["traced"][0], (ep, rank)  # calls do not depend on routing, bytes do
+
+
+def test_report_prints_the_moe_lines(model_runs):
+    for ep, (per_rank, _, _) in model_runs.items():
+        lines = per_rank[0]["lines"]
+        print(f"\nE={ep} rank 0:\n" + "\n".join(lines))
+        assert lines[0].startswith("moe: N=4 experts, top-2"), lines
+        assert any("all_to_all_single per MoE layer and micro-batch" in l for l in lines), lines
+        assert any(l.startswith("moe load over this step") for l in lines), lines
+        assert any(l.startswith("moe all_to_all_single (group ep) per MoE layer and step") for l in lines), lines
+        moe_layers = {2: 2, 4: 1}[ep]  # E = 2: both blocks; E = 4: every second of 3
+        assert sum(l.startswith("moe load over the last 1 step, h.") for l in lines) == moe_layers, lines
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -396,63 +525,102 @@ def test_expert_parallel_model_gradients_equal_single_device():
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _check(experts=4, topk=2, ep=1, dp=1, cp=1, **overrides):
+    import moe
+    from mesh import MeshShape
+
+    config = make_config(moe_experts=experts, moe_topk=topk, **overrides)
+    return moe.check_flags(config, MeshShape(dp=dp, cp=cp, ep=ep))
+
+
 @pytest.mark.parametrize("kwargs, flag", [
-    (dict(n_experts=8, topk=2, ep=3, dp=6), "--ep 3 must divide --moe-experts 8"),
-    (dict(n_experts=8, topk=2, ep=8, dp=4), "--ep 8 must divide the data × context ranks"),
-    (dict(n_experts=8, topk=2, ep=4, dp=2, cp=1), "D·C = 2·1 = 2"),
-    (dict(n_experts=4, topk=5), "--moe-topk 5"),
-    (dict(n_experts=4, topk=0), "--moe-topk 0"),
-    (dict(n_experts=0, ep=2, dp=2), "--ep 2 needs experts"),
-    (dict(n_experts=-1), "--moe-experts"),
-    (dict(n_experts=4, every=3, n_layer=2), "--moe-every 3"),
-    (dict(n_experts=4, capacity_factor=-1.0), "--moe-capacity-factor"),
-    (dict(n_experts=4, aux_coef=-0.1), "--moe-aux-coef"),
+    (dict(experts=8, topk=2, ep=3, dp=6), "--ep 3 must divide --moe-experts 8"),
+    (dict(experts=8, topk=2, ep=8, dp=4), "--ep 8 must divide the data × context ranks"),
+    (dict(experts=8, topk=2, ep=4, dp=2, cp=1), "D·C = 2·1 = 2"),
+    (dict(experts=4, topk=5), "--moe-topk 5"),
+    (dict(experts=4, topk=0), "--moe-topk 0"),
+    (dict(experts=0, ep=2, dp=2), "--ep 2 needs experts"),
+    (dict(experts=4, moe_every=3, n_layer=2), "--moe-every 3"),
 ])
 def test_check_flags_names_the_flag(kwargs, flag):
-    import moe
-
     with pytest.raises(ValueError, match=flag.replace("(", r"\(").replace("·", ".").replace("×", ".")):
-        moe.check_flags(**kwargs)
+        _check(**kwargs)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-experts", "-1"], "--moe-experts must be at least 0"),
+    (["--moe-experts", "4", "--moe-capacity-factor", "-1"], "--moe-capacity-factor must be at least 0"),
+    (["--moe-experts", "4", "--moe-aux-coef", "-0.1"], "--moe-aux-coef must be at least 0"),
+    (["--moe-experts", "4", "--moe-topk", "0"], "--moe-topk must be at least 1"),
+])
+def test_a_moe_flag_out_of_its_range_fails_once_in_flags_validate(flags, message):
+    """Each flag's own range is flags.check_ranges' (once, for every flag alike), not check_flags'."""
+    import flags as flags_lib
+    import train
+
+    with pytest.raises(flags_lib.FlagError, match=message):
+        flags_lib.validate(flags_lib.build_parser().parse_args(flags), 1, axes=train.AXES)
 
 
 def test_check_flags_accepts_ep_inside_data_times_context():
+    _check(8, 2, ep=4, dp=2, cp=2)  # E carved from D·C = 4
+    _check(0, 2, ep=1)  # dense
+
+
+ACCOUNTING_CONFIGS = (dict(moe_experts=4, moe_topk=2), dict(moe_experts=8, moe_topk=1, moe_every=2, n_layer=3),
+                      dict(moe_experts=4, moe_topk=2, bias=False))
+
+
+@pytest.mark.parametrize("overrides", ACCOUNTING_CONFIGS)
+def test_param_counts_match_the_model(overrides):
     import moe
+    from model import GPT
 
-    moe.check_flags(8, 2, ep=4, dp=2, cp=2)  # E carved from D·C = 4
-    moe.check_flags(0, 2, ep=1)  # dense
+    config = make_config(**overrides)
+    model = GPT(config, seed=0)
+    counts = moe.param_counts(config)
+    assert counts["total"] == model.num_params()
+    expert = sum(p.numel() for p in model.transformer.h[config.moe_every - 1].mlp.experts["0"].parameters())
+    assert counts["expert"] == expert
+    idle = counts["moe_layers"] * (config.moe_experts - config.moe_topk) * expert
+    assert counts["active"] == counts["total"] - idle
 
 
-def test_accounting_counts_match_the_model():
+@pytest.mark.parametrize("overrides", ACCOUNTING_CONFIGS)
+def test_flops_count_the_matmul_weights_a_token_touches(overrides):
+    """The head (tied), attention, k experts' and the router's: not the N − k idle experts."""
     import mfu
     import moe
     from model import GPT
 
-    for overrides in (dict(moe_experts=4, moe_topk=2), dict(moe_experts=8, moe_topk=1, moe_every=2, n_layer=3),
-                      dict(moe_experts=4, moe_topk=2, bias=False)):
-        config = make_config(**overrides)
-        model = GPT(config, seed=0)
-        counts = moe.param_counts(config)
-        assert counts["total"] == model.num_params()
-        expert = sum(p.numel() for p in model.transformer.h[config.moe_every - 1].mlp.experts["0"].parameters())
-        assert counts["expert"] == expert
-        idle = counts["moe_layers"] * (config.moe_experts - config.moe_topk) * expert
-        assert counts["active"] == counts["total"] - idle
-        # Matmul weights a token touches: the head (tied), attention, k experts' and the router's.
-        matmul = config.vocab_size * config.n_embd + sum(
-            p.numel() for name, p in model.named_parameters() if name.endswith("weight") and p.dim() == 2
-            and ".h." in name and ".experts." not in name) + counts["moe_layers"] * config.moe_topk * sum(
-            p.numel() for name, p in model.transformer.h[config.moe_every - 1].mlp.experts["0"].named_parameters()
-            if name.endswith("weight"))
-        assert moe.active_matmul_params(config) == matmul
-        flops = moe.flops_per_token(config, 64)
-        assert flops.model == mfu.flops_per_token(matmul, config.n_layer, config.n_head, config.head_dim, 64).model
-    assert moe.histogram([0, 1, 4, 8]) == " ▁▄█"
-    # Uniform all-to-all: 5 calls per MoE layer and micro-batch, 4·T·k·h·e + 8N bytes; checkpointing +3 calls.
-    config = make_config(moe_experts=4, moe_topk=2)
-    msgs = moe.step_messages(config, moe_layers=2, tokens=32, ep=2, micro_batches=3, compute_bytes=2)
-    assert msgs == {("all_to_all_single", "ep"): (2 * 3 * 5, 2 * 3 * (4 * 32 * 2 * 32 * 2 + 8 * 4))}
-    config = make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True)
-    msgs = moe.step_messages(config, moe_layers=1, tokens=32, ep=2, micro_batches=1, compute_bytes=2, cp=2)
+    config = make_config(**overrides)
+    model = GPT(config, seed=0)
+    moe_block = model.transformer.h[config.moe_every - 1].mlp
+    matmul = config.vocab_size * config.n_embd + sum(
+        p.numel() for name, p in model.named_parameters() if name.endswith("weight") and p.dim() == 2
+        and ".h." in name and ".experts." not in name) + moe.param_counts(config)["moe_layers"] * config.moe_topk * sum(
+        p.numel() for name, p in moe_block.experts["0"].named_parameters() if name.endswith("weight"))
+    assert moe.active_matmul_params(config) == matmul
+    flops = moe.flops_per_token(config, 64)
+    assert flops.model == mfu.flops_per_token(matmul, config.n_layer, config.n_head, config.head_dim, 64).model
+
+
+def test_the_load_histogram_scales_to_the_largest():
+    import report
+
+    assert report.moe_histogram([0, 1, 4, 8]) == " ▁▄█"
+
+
+def test_uniform_step_messages():
+    """5 all-to-alls per MoE layer and micro-batch, 4·T·k·h·e + 8N bytes; checkpointing +3 calls; CP's
+    statistics all-reduce (2N + 2 fp32 values) once per forward."""
+    import moe
+
+    traffic = moe.Traffic(make_config(moe_experts=4, moe_topk=2), moe_layers=2, tokens=32, micro_batches=3, ep=2)
+    expected = {("all_to_all_single", "ep"): (2 * 3 * 5, 2 * 3 * (4 * 32 * 2 * 32 * 2 + 8 * 4))}
+    assert moe.step_messages(traffic) == expected
+    traffic = moe.Traffic(make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True), tokens=32, ep=2, cp=2)
+    msgs = moe.step_messages(traffic)
     assert msgs[("all_to_all_single", "ep")] == (8, 6 * 32 * 2 * 32 * 2 + 2 * 8 * 4)
     assert msgs[("all_reduce", "cp")] == (2, 2 * 10 * 4)
 
@@ -554,6 +722,7 @@ SYNC_CASES = [
 
 
 def _host_syncs(rank, world):
+    import report
     from optim import DynamicLossScaler
     from step import train_step
 
@@ -579,27 +748,42 @@ def _host_syncs(rank, world):
                                      1.0, nullcontext(), run.device, model=run.model, axes=run.axes,
                                      data_size=run.mesh.size("dp"))
             with HostSyncs() as lines:
-                text = moe_axis.step_lines() if moe_axis is not None and index == 1 else []
+                text = report.axis_lines(moe_axis, "step", run) if moe_axis is not None and index == 1 else []
             counts.append((list(counter.seen), list(lines.seen), text))
         out.append(dict(counts=counts, aux=outcome.aux, loss=outcome.loss))
     return out
 
 
-def test_one_host_sync_per_moe_layer_and_micro_batch():
+@pytest.fixture(scope="module")
+def host_sync_runs():
+    return run_ranks(_host_syncs, 2, timeout=300)
+
+
+def test_one_host_sync_per_moe_layer_and_micro_batch(host_sync_runs):
     """The counts moe.py's docstring states (item 3): per MoE layer and micro-batch one `.tolist()` (the split
-    sizes: under EP the all-to-all's, with E = 1 the experts' row slicing), repeated by a recompute; the step
-    reads its logged loss and aux values in one `.tolist()`; the load line reads its statistics in one."""
-    results = run_ranks(_host_syncs, 2, timeout=300)
-    for rank, by_case in enumerate(results):
+    sizes: under EP the all-to-all's, with E = 1 the experts' row slicing), repeated by a recompute; and the
+    step reads its logged loss and aux values in one `.tolist()`."""
+    for rank, by_case in enumerate(host_sync_runs):
         for (flags, config_kw), got in zip(SYNC_CASES, by_case):
             moe_forwards = (2 if config_kw.get("activation_checkpointing") else 1) * 2 * 2 if flags else 0
-            for step, (syncs, line_syncs, text) in enumerate(got["counts"]):
-                case = (flags, config_kw, rank, step)
-                assert syncs == ["tolist"] * (moe_forwards + 1), (case, syncs)
-                if flags and step == 1:  # the load line read at step 1 only: it covers steps 0 and 1, and says so
-                    assert line_syncs == ["tolist"], (case, line_syncs)
-                    assert "moe load over the 2 steps since the previous line" in text[0], text
-                    assert ("dropless" in text[0]) == ("--moe-capacity-factor" not in flags), text
+            for step, (syncs, _, _) in enumerate(got["counts"]):
+                assert syncs == ["tolist"] * (moe_forwards + 1), ((flags, config_kw, rank, step), syncs)
+
+
+def test_the_load_line_reads_the_device_once_and_spans_the_steps_since_the_last(host_sync_runs):
+    """Read at step 1 only: one `.tolist()`, covering steps 0 and 1 (and saying so), dropless or not."""
+    for rank, by_case in enumerate(host_sync_runs):
+        for (flags, config_kw), got in zip(SYNC_CASES, by_case):
+            _, line_syncs, text = got["counts"][1]
+            if flags:
+                assert line_syncs == ["tolist"], (flags, rank, line_syncs)
+                assert "moe load over the 2 steps since the previous line" in text[0], text
+                assert ("dropless" in text[0]) == ("--moe-capacity-factor" not in flags), text
+
+
+def test_the_step_logs_floats_and_the_moe_aux_terms(host_sync_runs):
+    for by_case in host_sync_runs:
+        for (flags, _), got in zip(SYNC_CASES, by_case):
             assert isinstance(got["loss"], float) and all(isinstance(v, float) for v in got["aux"].values())
             assert sorted(got["aux"]) == (["moe_balance", "moe_z"] if flags else [])
 
@@ -616,6 +800,8 @@ def _traced_and_sampled(rank, world, cases):
     out = []
     for flags, config_kw, global_batch, micro in cases:
         run = _composed(rank, world, flags, config_kw, global_batch, micro)
+        moe_axis = next(axis for axis in run.axes if axis.name == "moe")
+        report.axis_lines(moe_axis, "startup", run)  # as train.py prints it, after start-up's own forwards
         prompt = global_batches(1, 1, SEQ, seed=5)[0][0].to(run.device)
         run.model.eval()
         with torch.no_grad(), ExitStack() as stack:
@@ -635,44 +821,58 @@ def _traced_and_sampled(rank, world, cases):
                        nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.size("dp"))
         traced = {key: (r.calls, r.payload_bytes) for key, r in run.tracer.records.items()}
         predicted = report.predicted_messages(run, 1)
-        load_line = next(axis for axis in run.axes if axis.name == "moe").step_lines()[0]
+        load_line = report.axis_lines(moe_axis, "step", run)[0]
         out.append(dict(logits=logits, traced=traced, predicted=predicted, load_line=load_line,
                         slots=run.micro_batches * 2 * micro * SEQ // run.mesh.size("cp")
-                        // (run.mesh.size("tp") if run.args.sp else 1) * run.config.moe_topk))
+                        // (run.mesh.size("tp") if run.settings.sequence_parallel else 1) * run.config.moe_topk))
     return out
 
 
-def test_capacity_gathers_are_predicted_and_sampling_gathers_nothing():
-    """Under CP and SP with capacity, one step's traced messages (the choices' all-gathers on cp and tp with
-    them) equal report.predicted_messages, call for call and byte for byte; sampling, which runs whole
-    sequences on every rank, gives the single-device logits (1e-10): the layer gathers over no group then;
-    and the load line after the step counts that step's slots only."""
+@pytest.fixture(scope="module")
+def traced_and_sampled_runs():
+    return run_ranks(_traced_and_sampled, 4, CAPACITY_4, timeout=600)
+
+
+def test_sampling_under_cp_and_sp_gives_the_single_device_logits(traced_and_sampled_runs):
+    """Sampling runs whole sequences on every rank: the layer gathers over no group then (1e-10)."""
+    import test_composition
     from model import GPT
 
-    results = run_ranks(_traced_and_sampled, 4, CAPACITY_4, timeout=600)
     for index, (flags, config_kw, _, _) in enumerate(CAPACITY_4):
-        import test_composition
-
         args = test_composition._parse(flags, 4, 1)
         reference = GPT(test_composition._config(args, config_kw), seed=0, dtype=DT).eval()
         with torch.no_grad():
             expected = reference(global_batches(1, 1, SEQ, seed=5)[0][0])[0]
-        for rank, by_case in enumerate(results):
+        for rank, by_case in enumerate(traced_and_sampled_runs):
+            assert _err(by_case[index]["logits"], expected) < TOL, (flags, rank)
+
+
+def test_capacity_gathers_under_cp_and_sp_are_traced_as_predicted(traced_and_sampled_runs):
+    """One step's traced messages (the choices' all-gathers on cp, and on tp with --sp, the exact all-to-alls)
+    equal report.predicted_messages, call for call and byte for byte."""
+    for index, (flags, _, _, _) in enumerate(CAPACITY_4):
+        for rank, by_case in enumerate(traced_and_sampled_runs):
             got = by_case[index]
-            assert _err(got["logits"], expected) < TOL, (flags, rank)
             assert got["traced"] == got["predicted"], (flags, rank, set(got["traced"].items())
                                                        ^ set(got["predicted"].items()))
             gathers = {name for op, group in got["traced"] if op == "all_gather_single" for name in group.split("=")}
-            # The load line covers the training step only (m micro-batches × 2 layers × T·k slots): not the
-            # start-up probes CP and TP run through block 0, nor the sampling forward.
-            assert f"moe load over this step" in got["load_line"] and f"of the {got['slots']} slots" in got["load_line"]
             assert gathers >= ({"cp"} if "--cp" in flags else set()) | ({"tp"} if "--sp" in flags else set()), gathers
+
+
+def test_the_load_line_counts_the_training_step_only(traced_and_sampled_runs):
+    """m micro-batches × 2 layers × T·k slots: not start-up's forwards through block 0 (CP's and TP's
+    measurements), nor the sampling forward."""
+    for index, (flags, _, _, _) in enumerate(CAPACITY_4):
+        for rank, by_case in enumerate(traced_and_sampled_runs):
+            got = by_case[index]
+            assert "moe load over this step" in got["load_line"], (flags, rank, got["load_line"])
+            assert f"of the {got['slots']} slots" in got["load_line"], (flags, rank, got["load_line"])
 
 
 def test_layer_activation_bytes_match_what_autograd_saves():
     """moe.layer_activation_bytes against mfu.SavedActivations of one MoE layer's forward (E = 1, dropless: S =
     R = T·k exactly), in float64, float32 top-1 with dropout (a CPU mask in fp32) and bf16 autocast (whose saved
-    bf16 copies of the expert weights are weights, not activations: taken off); the MoE-aware correction."""
+    bf16 copies of the expert weights are weights, not activations: taken off)."""
     import mfu
     import moe
     from model import GPT
@@ -690,6 +890,11 @@ def test_layer_activation_bytes_match_what_autograd_saves():
         weight_copies = config.moe_experts * 2 * 4 * 16 * 16 * 2 if autocast else 0
         expected = moe.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize), mask_bytes=dtype.itemsize)
         assert saved.bytes - weight_copies == expected, (dtype, autocast, saved.bytes, expected)
+
+
+def test_the_moe_aware_activation_estimate_replaces_the_dense_mlps_share():
+    import moe
+
     config = make_config(**LAYER)
     one = moe.layer_activation_bytes(config, 64 * 2)
     assert moe.activation_estimate_delta(config, 3, 64, 2) == 3 * (one - 19 * 64 * 2 * 16)

@@ -56,7 +56,7 @@ def test_counts_here_picks_coordinate_zero_of_every_replicated_axis():
 def _copied_across_two_axes(rank, world):
     """A 2×2 (pp × tp) mesh: one tensor split four ways and one copied over both axes. The global norm from
     optim.update counts the copy once; the DDP layout's checkpoint pieces write it once."""
-    from ckpt import replicated_state_pieces
+    from ddp import replicated_state_pieces
     from mesh import MeshShape, build_mesh
 
     device = harness.device()

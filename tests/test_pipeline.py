@@ -1,11 +1,13 @@
-"""pipeline.py: the schedules as pure Python, gradient equivalence on 2 and 4 ranks, traced p2p bytes, flags.
+"""pipeline.py and schedules.py: the schedules as pure Python, gradient equivalence on 2 and 4 ranks, traced
+p2p bytes, flags. Each test names one property; the spawned runs are module-scoped fixtures that several
+tests read.
 
 1. The schedule checker (no processes): for every schedule over a (P, m, v) grid, every action list is
-   complete, every dependency is respected in an independent simulation of the interpreter's semantics
-   (F after the previous chunk's F, B/I after the next chunk's B/I, W after its I, B after its own F), every
-   send is matched by a receive in the same order on the peer (NCCL matches p2p by order), receives are
-   posted before they are needed, and the in-flight counts and the bubble for uniform costs equal the
-   formulas written here (not imported).
+   complete and ordered, every send is matched by a receive in the same order on the peer (NCCL matches p2p
+   by order) and receives are posted before they are needed, every dependency is respected in an independent
+   simulation of the interpreter's semantics (F after the previous chunk's F, B/I after the next chunk's
+   B/I, W after its I, B after its own F), and the in-flight counts and the bubble for uniform costs equal
+   the formulas written here (not imported).
 2. Gradient equivalence: P = 2 and 4 ranks, each schedule, m = P, 2P and a non-multiple, stages built
    in float64 from the per-parameter init; forward_backward with a stand-in layout, then after_grad_sync;
    every parameter's gradient (by global name, the tied embedding on both of its stages) and the loss sum
@@ -13,16 +15,17 @@
    checks that each gradient reaches the synchronised backward exactly once (the DDP overlap contract).
    Cases add an auxiliary loss, (x, y, pos) batches, an uneven split and loss scaling; with TP (2 × 2,
    with and without SP) the zb weight-gradient deferral runs through tensor_parallel's inner linears.
-3. Every traced message (send/recv over pp, the loss and tied-embedding all-reduces) equals the
-   prediction, calls and bytes; the end-of-run accounting draws the timeline and writes a Chrome trace.
+3. Every traced message (send/recv over pp, the loss and tied-embedding all-reduces) equals the handle's
+   prediction, calls and bytes; report.py's pp lines draw the timeline and write a Chrome trace.
 4. FP8 under the pipeline: zb with every recipe equals the single-device FP8 model (fp8.Fp8Linear defers its
    own weight gradient to the W action).
 5. Sent buffers are freed at the plan's release points: the host programs of every plan run to the end
    under gloo's completion rule (a pair completes once both peers posted it) and NCCL's (one in-order stream
    of batches per rank), with at most 2 sent buffers alive per rank, and a real 2-rank step holds exactly
    the plan's count; evaluation and sampling leave no MoE aux term behind; on CUDA the actions are timed by
-   events (a fake torch.cuda.Event here) and nothing synchronizes the device inside the step; the end line
-   says why a measured bubble differs from the formula.
+   events (mfu.ActionClock, with a fake torch.cuda.Event here) and nothing synchronizes the device inside the
+   step; the end line says why a measured bubble differs from the formula; the handle speaks the axis
+   protocol (after_grad_sync returns 0, predicted_messages a comm.Messages, no printing of its own).
 The ranks build their stages on harness.device() (each rank's GPU under nccl, where the p2p goes over NCCL);
 the batches stay on the CPU and the schedule moves them. The one-process checks (1, the bf16 I/W split, the
 flags) stay on the CPU.
@@ -31,7 +34,6 @@ flags) stay on the CPU.
 import functools
 import json
 import os
-import tempfile
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
@@ -40,6 +42,8 @@ import pytest
 import torch
 
 import pipeline as pp
+import report
+import schedules as sch
 from comm import Messages
 import harness
 from harness import run_ranks
@@ -50,7 +54,8 @@ SEQ, MICRO = 8, 2
 
 
 def _stage_run(mesh, config, m, device, sp=False, tp=1):
-    """What pipeline.build and apply read of train.Run, for a run of m micro-batches of MICRO × SEQ tokens."""
+    """What pipeline.build, apply and report's pp lines read of train.Run, for m micro-batches of MICRO × SEQ
+    tokens."""
     settings = SimpleNamespace(sequence_parallel=sp, local_seq_len=SEQ // (tp if sp else 1))
     return SimpleNamespace(settings=settings, mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=MICRO,
                            micro_batches=m, device=device, seed=0)
@@ -59,8 +64,20 @@ def _stage_run(mesh, config, m, device, sp=False, tp=1):
 # 1. The schedule checker
 # ---------------------------------------------------------------------------------------------------------
 
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb"]
 GRID = [(s, P, m, v) for P in (2, 3, 4, 5) for m in range(P, 3 * P + 2) for s, vs in
         (("gpipe", (1,)), ("1f1b", (1,)), ("zb", (1,)), ("interleaved", (2, 3, 4))) for v in vs]
+UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # backward = 2 forwards, I = W = F
+
+
+def _grid(schedule):
+    return [(s, P, m, v) for s, P, m, v in GRID if s == schedule]
+
+
+@functools.lru_cache(maxsize=None)
+def _programs_and_plan(s, P, m, v):
+    programs = sch.build_programs(s, P, m, v)
+    return programs, sch.communication_plan(programs, P * v)
 
 
 def _execute(plan, costs, n_chunks):
@@ -75,7 +92,7 @@ def _execute(plan, costs, n_chunks):
         for r in range(P):
             while nxt[r] < len(plan[r]):
                 step = plan[r][nxt[r]]
-                need = pp.needs(step.action, n_chunks)
+                need = sch.needs(step.action, n_chunks)
                 if need is not None and need not in sent_at:
                     break
                 start = max(clock[r], sent_at.get(need, 0.0))
@@ -87,6 +104,11 @@ def _execute(plan, costs, n_chunks):
                 progressed = True
         assert progressed, f"deadlock at {[(r, str(plan[r][nxt[r]].action)) for r in range(P) if nxt[r] < len(plan[r])]}"
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _uniform_times(s, P, m, v):
+    return _execute(_programs_and_plan(s, P, m, v)[1], UNIFORM, P * v)
 
 
 def _expected_in_flight(schedule, P, m, r, v):
@@ -107,19 +129,13 @@ def _expected_bubble(schedule, P, m, v, t_f, t_b, t_w=None):
     return idle / (m * (t_f + t_b + t_w) + idle)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb"])
-def test_schedules_respect_dependencies_symmetry_and_formulas(schedule):
-    for s, P, m, v in GRID:
-        if s != schedule:
-            continue
-        n_chunks = P * v
-        programs = pp.build_programs(s, P, m, v)
-        plan = pp.communication_plan(programs, n_chunks)
-        where = f"{s} P={P} m={m} v={v}"
-        # Complete: each chunk a rank holds sees each micro-batch once per kind.
-        kinds = "FIW" if s == "zb" else "FB"
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_chunk_runs_each_micro_batch_once_per_kind_after_its_forward(schedule):
+    for s, P, m, v in _grid(schedule):
+        programs, _ = _programs_and_plan(s, P, m, v)
+        where, kinds = f"{s} P={P} m={m} v={v}", "FIW" if s == "zb" else "FB"
         for r, program in enumerate(programs):
-            expected = sorted((k, mb, c) for k in kinds for mb in range(m) for c in range(r, n_chunks, P))
+            expected = sorted((k, mb, c) for k in kinds for mb in range(m) for c in range(r, P * v, P))
             assert sorted(tuple(a) for a in program) == expected, where
             order = {tuple(a): i for i, a in enumerate(program)}
             for k, mb, c in expected:
@@ -127,7 +143,13 @@ def test_schedules_respect_dependencies_symmetry_and_formulas(schedule):
                     assert order[("F", mb, c)] < order[(k, mb, c)], (where, "backward before its forward")
                 if k == "W":
                     assert order[("I", mb, c)] < order[("W", mb, c)], (where, "W before its I")
-        # Symmetry: on every channel the receives are posted in the order the peer sends.
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_receives_are_posted_in_the_peers_send_order_before_their_use(schedule):
+    for s, P, m, v in _grid(schedule):
+        _, plan = _programs_and_plan(s, P, m, v)
+        where = f"{s} P={P} m={m} v={v}"
         sends, recvs = defaultdict(list), defaultdict(list)
         for r, steps in enumerate(plan):
             posted = set()
@@ -135,38 +157,55 @@ def test_schedules_respect_dependencies_symmetry_and_formulas(schedule):
                 for msg in step.recvs:
                     recvs[(msg.chunk % P, r)].append(msg)
                     posted.add(msg)
-                need = pp.needs(step.action, n_chunks)
+                need = sch.needs(step.action, P * v)
                 assert need is None or need in posted, (where, "receive not posted before its use")
                 if step.send is not None:
                     dst = (step.send.chunk + (1 if step.send.kind == "act" else -1)) % P
                     sends[(r, dst)].append(step.send)
         assert dict(sends) == dict(recvs), where
-        # Dependencies, in an independent run of the plan with uniform costs (F=1, B=2 or I=W=1).
-        costs = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-        times = _execute(plan, costs, n_chunks)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_plan_respects_every_dependency(schedule):
+    """In an independent run of the plan with uniform costs (F=1, B=2 or I=W=1)."""
+    for s, P, m, v in _grid(schedule):
+        times, where = _uniform_times(s, P, m, v), f"{s} P={P} m={m} v={v}"
         for (k, mb, c), (r, start, end) in times.items():
             if k == "F" and c > 0:
-                assert start >= times[pp.Action("F", mb, c - 1)][2], where
-            if k in "BI" and c < n_chunks - 1:
-                assert start >= times[pp.Action(k, mb, c + 1)][2], where
+                assert start >= times[sch.Action("F", mb, c - 1)][2], where
+            if k in "BI" and c < P * v - 1:
+                assert start >= times[sch.Action(k, mb, c + 1)][2], where
             if k in "BI":
-                assert start >= times[pp.Action("F", mb, c)][2], where
+                assert start >= times[sch.Action("F", mb, c)][2], where
             if k == "W":
-                assert start >= times[pp.Action("I", mb, c)][2], where
+                assert start >= times[sch.Action("I", mb, c)][2], where
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_uniform_cost_bubble_equals_the_formula_and_the_simulation(schedule):
+    for s, P, m, v in _grid(schedule):
+        times, where = _uniform_times(s, P, m, v), f"{s} P={P} m={m} v={v}"
+        expected = _expected_bubble(s, P, m, v, 1, 1 if s == "zb" else 2, 1)
         makespan = max(end for _, _, end in times.values())
         busy = defaultdict(float)
         for (k, _, _), (r, start, end) in times.items():
             busy[r] += end - start
-        for r in range(P):
-            assert abs((makespan - busy[r]) / makespan - _expected_bubble(s, P, m, v, 1, 1 if s == "zb" else 2, 1)) < 1e-12, where
-        # The module's own simulation and formulas agree with this run.
-        assert [round(b, 12) for b in pp.bubble_of(pp.simulate(programs, costs))] == \
-            [round((makespan - busy[r]) / makespan, 12) for r in range(P)], where
-        assert abs(pp.bubble_formula(s, P, m, v) - _expected_bubble(s, P, m, v, 1, 1 if s == "zb" else 2, 1)) < 1e-12
+        bubbles = [(makespan - busy[r]) / makespan for r in range(P)]
+        assert all(abs(b - expected) < 1e-12 for b in bubbles), where
+        programs, _ = _programs_and_plan(s, P, m, v)
+        assert [round(b, 12) for b in sch.bubble_of(sch.simulate(programs, UNIFORM))] == \
+            [round(b, 12) for b in bubbles], where
+        assert abs(sch.bubble_formula(s, P, m, v) - expected) < 1e-12, where
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_in_flight_counts_equal_the_formulas(schedule):
+    for s, P, m, v in _grid(schedule):
+        programs, _ = _programs_and_plan(s, P, m, v)
         for r, program in enumerate(programs):
-            peak, stash = pp.in_flight(program)
-            assert peak == _expected_in_flight(s, P, m, r, v), (where, r)
-            assert stash == (min(r + 1, m) if s == "zb" else 0), (where, r)
+            peak, stash = sch.in_flight(program)
+            assert peak == _expected_in_flight(s, P, m, r, v), (s, P, m, v, r)
+            assert stash == (min(r + 1, m) if s == "zb" else 0), (s, P, m, v, r)
 
 
 def test_zero_bubble_formula_holds_for_other_costs():
@@ -174,20 +213,24 @@ def test_zero_bubble_formula_holds_for_other_costs():
     for t_f, t_i, t_w in ((2, 2, 1), (1, 2, 1), (1, 1, 2), (2, 3, 2), (1, 0.5, 1)):
         for P in (2, 3, 4):
             for m in (P, 2 * P + 1):
-                plan = pp.communication_plan(pp.build_programs("zb", P, m), P)
+                plan = sch.communication_plan(sch.build_programs("zb", P, m), P)
                 times = _execute(plan, {"F": t_f, "I": t_i, "W": t_w}, P)
                 makespan = max(end for _, _, end in times.values())
                 expected = _expected_bubble("zb", P, m, 1, t_f, t_i, t_w)
                 assert abs(1 - m * (t_f + t_i + t_w) / makespan - expected) < 1e-12, (t_f, t_i, t_w, P, m)
-                assert abs(pp.bubble_formula("zb", P, m, 1, (t_f, t_i, t_w)) - expected) < 1e-12
+                assert abs(sch.bubble_formula("zb", P, m, 1, (t_f, t_i, t_w)) - expected) < 1e-12
 
 
 def test_1f1b_phases_read_like_picotron():
     """Rank 0 of 4 with m = 6: three warm-up forwards, steady 1F1B, three cool-down backwards."""
-    names = [str(a) for a in pp.one_f_one_b(4, 6, 0)]
+    names = [str(a) for a in sch.one_f_one_b(4, 6, 0)]
     assert names == ["F0.0", "F1.0", "F2.0", "F3.0", "B0.0", "F4.0", "B1.0", "F5.0", "B2.0", "B3.0", "B4.0", "B5.0"]
-    zb_last = [str(a) for a in pp.zero_bubble_h1(2, 3, 1)]  # rank 1 of 2 keeps one W deferred
-    assert zb_last == ["F0.1", "I0.1", "F1.1", "I1.1", "W0.1", "F2.1", "I2.1", "W1.1", "W2.1"]
+
+
+def test_zero_bubble_rank_r_keeps_r_weight_gradients_deferred():
+    """Rank 1 of 2 keeps one W deferred; the deferred ones run at the end."""
+    names = [str(a) for a in sch.zero_bubble_h1(2, 3, 1)]
+    assert names == ["F0.1", "I0.1", "F1.1", "I1.1", "W0.1", "F2.1", "I2.1", "W1.1", "W2.1"]
 
 
 def test_deferred_weight_gradients_equal_autograd_under_bf16_autocast():
@@ -247,16 +290,25 @@ def test_impossible_shapes_are_clear_errors(args, expected):
         assert text in str(error.value)
 
 
-def test_valid_flags_pass_and_uneven_split_warns():
+def test_valid_flags_give_the_config():
     assert _validate(7, 4, 4, "1f1b") == pp.PipelineConfig(4, "1f1b", 1)  # v only for interleaved; uneven allowed
     assert _validate(8, 2, 3, "interleaved", 2) == pp.PipelineConfig(2, "interleaved", 2)  # m not a multiple of P
     assert _validate(2, 1, 1, "1f1b") is None  # no pipeline
-    assert pp.split_layers(7, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
-    assert [pp.stage_layers(8, 2, 2, c) for c in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
-    assert pp.rank_chunks(1, 2, 2) == [1, 3]
-    lines = pp.split_lines(make_config(n_layer=7), 4)
+
+
+def test_layers_split_into_contiguous_chunks_dealt_round_robin():
+    assert sch.split_layers(7, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
+    assert [sch.stage_layers(8, 2, 2, c) for c in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert sch.rank_chunks(1, 2, 2) == [1, 3]
+
+
+def test_an_uneven_split_warns():
+    lines = report.pp_split_lines(make_config(n_layer=7), 4)
     assert any("WARNING uneven split" in line and "chunks [0, 1, 2]" in line for line in lines)
-    assert not any("WARNING" in line for line in pp.split_lines(make_config(n_layer=8), 4))
+    assert not any("WARNING" in line for line in report.pp_split_lines(make_config(n_layer=8), 4))
+
+
+def test_stage_params_count_what_each_stage_builds():
     for config in (make_config(n_layer=7), make_config(n_layer=8, bias=False)):
         for P, v in ((4, 1), (2, 2)):
             counts = [sum(p.numel() for p in pp.build_stages(config, 0, torch.float32, None, r, P, v).parameters())
@@ -354,11 +406,10 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
         grads = {p.shard_info.global_name: (p.grad.detach().clone() / loss_scale, p.shard_info)
                  for p in stages.parameters()}
         synced_arrivals = dict(layout.arrivals)
-        lines = handle.end_lines(tracer, 1) if "lines" in extra else None
+        lines = report.pp_end_lines(handle, run, 1) if "lines" in extra else None  # collective over pp
         results[case] = dict(loss=float(out.loss_sum), aux=out.aux, grads=grads, traced=traced,
-                             predicted=Messages(handle.predicted_messages(layout)).named(tracer.alias),
-                             arrivals=synced_arrivals,
-                             startup=handle.startup_lines(), lines=lines)
+                             predicted=handle.predicted_messages(layout).named(tracer.alias),
+                             arrivals=synced_arrivals, startup=report.pp_startup_lines(handle, run), lines=lines)
     return results
 
 
@@ -395,7 +446,14 @@ def _reference_run(n_layer, m, aux_on):
     return loss, {name: p.grad for name, p in model.named_parameters()}
 
 
-def _check(results, world, cases, tp_size=1):
+def _each(results, cases):
+    """(case, this rank's results) for every rank and case."""
+    return [(case, rank_results[case]) for case in cases for rank_results in results]
+
+
+def _check_gradients(results, cases, tp_size=1):
+    """The loss sum and every parameter's gradient equal the single-device model's (1e-10), every parameter
+    is held somewhere, the tied embedding on both its stages."""
     for case in cases:
         schedule, m, n_layer, v, extra = case
         ref_loss, ref_grads = _reference(n_layer, m, extra)
@@ -404,15 +462,25 @@ def _check(results, world, cases, tp_size=1):
             r = rank_results[case]
             assert abs(r["loss"] - ref_loss) < TOL * max(1.0, abs(ref_loss)), (case, r["loss"], ref_loss)
             for name, (grad, info) in r["grads"].items():
-                expected = info.shard_of(ref_grads[name])
-                torch.testing.assert_close(grad, expected, rtol=TOL, atol=TOL, msg=f"{case} {name}")
+                torch.testing.assert_close(grad, info.shard_of(ref_grads[name]), rtol=TOL, atol=TOL,
+                                           msg=f"{case} {name}")
                 seen[name] += 1
-            # Each gradient reaches the synchronised backward exactly once (DDP's buckets count on it).
-            assert set(r["arrivals"].values()) <= {1}, (case, r["arrivals"])
-            assert set(r["arrivals"]) == set(r["grads"]), case
-            assert r["traced"] == r["predicted"], (case, r["traced"], r["predicted"])
         assert set(seen) == set(ref_grads), case  # every parameter of the model is somewhere
         assert seen["transformer.wte.weight"] == 2 * tp_size, case  # the tied copies, on the first and last stage
+
+
+def _check_arrivals(results, cases):
+    """Each gradient reaches the synchronised backward exactly once (DDP's buckets count on it)."""
+    for case, r in _each(results, cases):
+        assert set(r["arrivals"].values()) <= {1}, (case, r["arrivals"])
+        assert set(r["arrivals"]) == set(r["grads"]), case
+
+
+def _check_traced(results, cases):
+    """Every p2p and all-reduce over pp and pp_tied, calls and payload, as Pipeline.predicted_messages says."""
+    for case, r in _each(results, cases):
+        assert isinstance(r["predicted"], Messages)
+        assert r["traced"] == r["predicted"], (case, r["traced"], r["predicted"])
 
 
 CASES_P2 = [(s, m, 8, v, extra) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1))
@@ -424,39 +492,89 @@ CASES_P2 = [(s, m, 8, v, extra) for s, v in (("gpipe", 1), ("1f1b", 1), ("interl
 ]
 CASES_P4 = [(s, m, 8, v, extra) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1))
             for m, extra in ((4, ()), (8, ()), (5, ("lines",)))] + [("1f1b", 4, 6, 1, ("aux",))]
+LINES_P2 = ("zb", 3, 8, 1, ("aux", "lines"))
 
 
-def test_gradients_match_single_device_on_2_ranks():
-    with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(_run_pipeline, 2, CASES_P2, trace_dir=tmp, timeout=120)
-        _check(results, 2, CASES_P2)
-        trace = json.load(open(os.path.join(tmp, "zb.json")))
-        pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
-        names = {e["name"][0] for e in trace["traceEvents"] if e.get("cat") == "compute"}
-        assert pids == {0, 1} and names == {"F", "I", "W"}
-    lines = results[0][("zb", 3, 8, 1, ("aux", "lines"))]["lines"]
+@pytest.fixture(scope="module")
+def p2_run(tmp_path_factory):
+    """Every CASES_P2 case on 2 ranks, one spawn; zb's end lines write their Chrome trace into trace_dir."""
+    trace_dir = str(tmp_path_factory.mktemp("pp_trace"))
+    return run_ranks(_run_pipeline, 2, CASES_P2, trace_dir=trace_dir, timeout=120), trace_dir
+
+
+@pytest.fixture(scope="module")
+def p4_run():
+    return run_ranks(_run_pipeline, 4, CASES_P4, timeout=150)
+
+
+def test_gradients_match_single_device_on_2_ranks(p2_run):
+    _check_gradients(p2_run[0], CASES_P2)
+
+
+def test_each_gradient_reaches_the_synced_backward_once_on_2_ranks(p2_run):
+    _check_arrivals(p2_run[0], CASES_P2)
+
+
+def test_traced_messages_equal_the_prediction_on_2_ranks(p2_run):
+    _check_traced(p2_run[0], CASES_P2)
+
+
+def test_end_lines_draw_every_rank_and_the_bubble(p2_run):
+    lines = p2_run[0][0][LINES_P2]["lines"]
     assert any(line.startswith("  pp0 |") for line in lines) and any(line.startswith("  pp1 |") for line in lines)
-    assert any("bubble predicted" in line for line in lines)
-    assert any("send" in line and "traced 3 ×" in line for line in lines)
+    assert any("bubble predicted" in line and "simulated with the measured costs" in line for line in lines)
+    assert any(line.startswith("  mean action time per rank (ms): pp0 F") for line in lines)
 
 
-def test_gradients_match_single_device_on_4_ranks():
-    results = run_ranks(_run_pipeline, 4, CASES_P4, timeout=150)
-    _check(results, 4, CASES_P4)
-    startup = results[0][CASES_P4[0]]["startup"]
+def test_end_lines_write_a_chrome_trace_of_every_rank(p2_run):
+    results, trace_dir = p2_run
+    trace = json.load(open(os.path.join(trace_dir, "zb.json")))
+    pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    names = {e["name"][0] for e in trace["traceEvents"] if e.get("cat") == "compute"}
+    assert pids == {0, 1} and names == {"F", "I", "W"}
+    assert {e["name"].split()[0] for e in trace["traceEvents"] if e.get("cat") == "p2p"} == {"post", "wait"}
+    assert any("Chrome trace of that step written to" in line for line in results[0][LINES_P2]["lines"])
+
+
+def test_gradients_match_single_device_on_4_ranks(p4_run):
+    _check_gradients(p4_run, CASES_P4)
+
+
+def test_each_gradient_reaches_the_synced_backward_once_on_4_ranks(p4_run):
+    _check_arrivals(p4_run, CASES_P4)
+
+
+def test_traced_messages_equal_the_prediction_on_4_ranks(p4_run):
+    _check_traced(p4_run, CASES_P4)
+
+
+def test_startup_lines_give_the_bubble_and_the_activations_in_flight(p4_run):
+    startup = p4_run[0][CASES_P4[0]]["startup"]
     assert any("bubble predicted 42.9%" in line for line in startup)  # (4−1)/(4+4−1)
     assert any("in flight on pp rank 0: 4 chunk-micro-batches" in line for line in startup)
+    assert any("p2p per step" in line and "0→1: 4" in line for line in startup)
 
 
 CASES_TP = [("zb", 2, 4, 1, ()), ("1f1b", 3, 4, 1, ()), ("interleaved", 2, 4, 2, ())]
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_gradients_match_with_tensor_parallel(sp):
+@pytest.fixture(scope="module", params=[False, True], ids=["tp", "tp+sp"])
+def tp_run(request):
     """P = 2 × T = 2: TP swaps each chunk's linears (zb defers the inner nn.Linear's weight gradient), SP
     halves the sequence that crosses a stage boundary."""
-    results = run_ranks(_run_pipeline, 4, CASES_TP, tp_size=2, sp=sp, timeout=150)
-    _check(results, 4, CASES_TP, tp_size=2)
+    return run_ranks(_run_pipeline, 4, CASES_TP, tp_size=2, sp=request.param, timeout=150)
+
+
+def test_gradients_match_with_tensor_parallel(tp_run):
+    _check_gradients(tp_run, CASES_TP, tp_size=2)
+
+
+def test_each_gradient_reaches_the_synced_backward_once_with_tensor_parallel(tp_run):
+    _check_arrivals(tp_run, CASES_TP)
+
+
+def test_traced_messages_equal_the_prediction_with_tensor_parallel(tp_run):
+    _check_traced(tp_run, CASES_TP)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -519,19 +637,27 @@ def _fp8_pipeline(rank, world, cases):
     return out
 
 
-def test_fp8_under_zero_bubble_equals_the_single_device_fp8_model():
-    """zb with --fp8 (current, delayed, blockwise) on P = 2, m = 4, three steps, against reference_run's FP8
-    model (float64, 1e-10): the FP8 linears quantise under zb (their W computes dW = dYᵀ·X from the FP8 dY and
-    X stashed by I), their weight gradients come through the store's W, and the delayed history holds the dY
-    amaxes (its grad_output row). 1F1B + delayed is the control without a deferred W."""
+@pytest.fixture(scope="module")
+def fp8_run():
+    """Every FP8_CASES case on 2 ranks (one spawn), with reference_run's single-device FP8 model of each."""
     from reference import reference_run
 
     results = run_ranks(_fp8_pipeline, 2, FP8_CASES, timeout=180)
+    references = {}
     for case in FP8_CASES:
-        schedule, recipe = case
         ref_losses, _, ref_params = reference_run(make_config(n_layer=FP8_LAYERS),
                                                   global_batches(FP8_STEPS, FP8_M * MICRO, SEQ),
-                                                  micro_batches=FP8_M, fp8_recipe=recipe)
+                                                  micro_batches=FP8_M, fp8_recipe=case[1])
+        references[case] = (ref_losses, ref_params)
+    return results, references
+
+
+def test_fp8_under_zero_bubble_equals_the_single_device_fp8_model(fp8_run):
+    """zb with --fp8 (current, delayed, blockwise) on P = 2, m = 4, three steps, against reference_run's FP8
+    model (float64, 1e-10); 1F1B + delayed is the control without a deferred W."""
+    results, references = fp8_run
+    for case in FP8_CASES:
+        ref_losses, ref_params = references[case]
         seen = set()
         for rank_results in results:
             r = rank_results[case]
@@ -540,17 +666,31 @@ def test_fp8_under_zero_bubble_equals_the_single_device_fp8_model():
             for name, value in r["params"].items():
                 torch.testing.assert_close(value, ref_params[name], rtol=TOL, atol=TOL, msg=f"{case} {name}")
                 seen.add(name)
-            assert set(r["arrivals"].values()) == {FP8_STEPS}, (case, r["arrivals"])  # once a step (DDP's overlap)
-            if schedule == "zb":
-                assert r["fp8_weights"] and r["fp8_weights"] <= r["through_w"], case
-            if recipe == "delayed":
-                for name, history in r["histories"].items():
-                    assert (history[:, :FP8_STEPS] > 0).all(), (case, name, history[:, :FP8_STEPS])
         assert seen == set(ref_params), case
 
 
+def test_fp8_gradients_reach_the_synced_backward_once_a_step(fp8_run):
+    for case, r in _each(fp8_run[0], FP8_CASES):
+        assert set(r["arrivals"].values()) == {FP8_STEPS}, (case, r["arrivals"])  # once a step (DDP's overlap)
+
+
+def test_fp8_weight_gradients_come_through_the_deferred_w(fp8_run):
+    """Under zb the FP8 linears' W computes dW = dYᵀ·X from the FP8 dY and X stashed by I."""
+    for case, r in _each(fp8_run[0], FP8_CASES):
+        if case[0] == "zb":
+            assert r["fp8_weights"] and r["fp8_weights"] <= r["through_w"], case
+
+
+def test_fp8_delayed_history_holds_the_amaxes_of_every_step(fp8_run):
+    """The delayed history holds the dY amaxes too (its grad_output row), also when dY is used in W."""
+    for case, r in _each(fp8_run[0], FP8_CASES):
+        if case[1] == "delayed":
+            for name, history in r["histories"].items():
+                assert (history[:, :FP8_STEPS] > 0).all(), (case, name, history[:, :FP8_STEPS])
+
+
 # ---------------------------------------------------------------------------------------------------------
-# 5. Sent-buffer lifetimes, aux terms through the stages, the CUDA clock, the bubble note
+# 5. Sent-buffer lifetimes, the handle's protocol, aux terms, the CUDA clock, the bubble note
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -562,7 +702,7 @@ def _host_ops(steps, n_chunks):
     for step in steps:
         batch = ([("send", previous)] if previous is not None else []) + [("recv", msg) for msg in step.recvs]
         ops += [("post", batch)] if batch else []
-        need = pp.needs(step.action, n_chunks)
+        need = sch.needs(step.action, n_chunks)
         ops += [("wait", ("recv", need))] if need is not None else []
         ops += [("wait", ("send", msg)) for msg in step.release]
         released += step.release
@@ -618,19 +758,24 @@ def _run_blocking(plan, n_chunks, in_order):
                 pc[r], progressed = pc[r] + 1, True
     return peak if all(pc[r] == len(programs[r]) for r in range(P)) else None
 
-
 RELEASE_GRID = [(s, P, m, v) for P in (2, 3, 4) for m in range(P, 17) for s, vs in
                 (("gpipe", (1,)), ("1f1b", (1,)), ("zb", (1,)), ("interleaved", (2, 3))) for v in vs]
 
 
-def test_release_points_keep_every_schedule_deadlock_free_with_two_sent_buffers():
-    """Each send is waited at its plan's release point: under gloo's and NCCL's completion rules no schedule
-    deadlocks, and each rank holds at most 2 sent buffers at once (pp.live_sends, what the run measures below;
-    before release points it was every send of the step: 2m on a middle 1f1b rank)."""
+@functools.lru_cache(maxsize=None)
+def _release_plan(s, P, m, v):
+    return sch.communication_plan(sch.build_programs(s, P, m, v), P * v)
+
+
+@functools.lru_cache(maxsize=None)
+def _blocking_peaks(s, P, m, v, in_order):
+    return _run_blocking(_release_plan(s, P, m, v), P * v, in_order)
+
+
+def test_sends_are_released_once_after_their_post_in_posting_order():
     for s, P, m, v in RELEASE_GRID:
-        n_chunks, where = P * v, f"{s} P={P} m={m} v={v}"
-        plan = pp.communication_plan(pp.build_programs(s, P, m, v), n_chunks)
-        for r, steps in enumerate(plan):
+        where = f"{s} P={P} m={m} v={v}"
+        for r, steps in enumerate(_release_plan(s, P, m, v)):
             posted, released = set(), []
             for j, step in enumerate(steps):
                 assert all(msg in posted for msg in step.release), (where, r, j, "released before it was posted")
@@ -640,15 +785,31 @@ def test_release_points_keep_every_schedule_deadlock_free_with_two_sent_buffers(
             sends = [step.send for step in steps if step.send is not None]
             assert released == sends[:len(released)], (where, r, "released out of posting order")
             assert len(set(released)) == len(released), (where, r, "released twice")
-        for in_order in (False, True):
-            peaks = _run_blocking(plan, n_chunks, in_order)
-            assert peaks is not None, (where, "deadlocks", "nccl" if in_order else "gloo")
-            assert peaks == [pp.live_sends(steps) for steps in plan], where
-        assert max(pp.live_sends(steps) for steps in plan) <= 2, where
-    # The checker can fail: blocking sends (each waited at the next step) with receives posted only when needed
-    # deadlock interleaved P = 2: each rank waits in a send whose receive its peer posts after its own send.
-    plan = pp.communication_plan(pp.build_programs("interleaved", 2, 4, 2), 4)
-    blocking = [[step._replace(recvs=[need] if (need := pp.needs(step.action, 4)) else [],
+
+
+@pytest.mark.parametrize("in_order", [False, True], ids=["gloo", "nccl"])
+def test_release_points_keep_every_schedule_deadlock_free(in_order):
+    """Each send waited at its plan's release point: under gloo's and NCCL's completion rules no schedule
+    deadlocks."""
+    for s, P, m, v in RELEASE_GRID:
+        assert _blocking_peaks(s, P, m, v, in_order) is not None, (s, P, m, v, "deadlocks")
+
+
+@pytest.mark.parametrize("in_order", [False, True], ids=["gloo", "nccl"])
+def test_live_sends_count_the_sent_buffers_a_rank_holds_at_most_two(in_order):
+    """schedules.live_sends is the peak of sent buffers alive on the host (what the 2-rank run measures
+    below), at most 2 (before release points it was every send of the step: 2m on a middle 1f1b rank)."""
+    for s, P, m, v in RELEASE_GRID:
+        plan = _release_plan(s, P, m, v)
+        assert _blocking_peaks(s, P, m, v, in_order) == [sch.live_sends(steps) for steps in plan], (s, P, m, v)
+        assert max(sch.live_sends(steps) for steps in plan) <= 2, (s, P, m, v)
+
+
+def test_the_deadlock_checker_can_fail():
+    """Blocking sends (each waited at the next step) with receives posted only when needed deadlock
+    interleaved P = 2: each rank waits in a send whose receive its peer posts after its own send."""
+    plan = sch.communication_plan(sch.build_programs("interleaved", 2, 4, 2), 4)
+    blocking = [[step._replace(recvs=[need] if (need := sch.needs(step.action, 4)) else [],
                                release=(steps[j - 1].send,) if j and steps[j - 1].send is not None else ())
                  for j, step in enumerate(steps)] for steps in plan]
     assert _run_blocking(blocking, 4, False) is None and _run_blocking(blocking, 4, True) is None
@@ -698,6 +859,7 @@ def _sent_buffers_alive():
 
 
 def _lifetime_checks(rank, world):
+    import mfu
     from mesh import build_mesh, infer_mesh_shape
 
     device = harness.device()
@@ -719,24 +881,29 @@ def _lifetime_checks(rank, world):
     stages, handle = handle_for("1f1b", 16, make_config(n_layer=2))
     with _sent_buffers_alive() as counts:
         step(stages, handle, 16)
-    out["live"], out["bound"] = max(counts), pp.live_sends(handle.schedule.plan(16))
+    out["live"], out["bound"] = max(counts), sch.live_sends(handle.schedule.plan(16))
+    # The handle's protocol: after_grad_sync's count of non-finite values, the type of its prediction, and none
+    # of the hooks that moved to report.py or left the protocol.
+    layout = StandInLayout(stages)
+    out["protocol"] = dict(nonfinite=handle.after_grad_sync(layout), predicted=type(handle.predicted_messages(layout)),
+                           own=set(vars(pp.Pipeline)))
     # The CUDA clock, with a fake event and no device: two events per action and one for the step's start and
     # end, read after the last record, one event synchronize, never a device-wide one.
-    real_clock, real_event, real_sync = pp.StepClock, torch.cuda.Event, torch.cuda.synchronize
+    real_event, real_sync = torch.cuda.Event, torch.cuda.synchronize
 
     def device_wide(*args):
         raise AssertionError("torch.cuda.synchronize() inside the pipeline step")
 
     _FakeCudaEvent.log.clear()
-    pp.StepClock, torch.cuda.Event, torch.cuda.synchronize = (lambda cuda: real_clock(cuda=True)), _FakeCudaEvent, \
-        device_wide
+    stages, handle = handle_for("zb", 3, make_config(n_layer=2))
+    handle.schedule.clock = mfu.ActionClock(cuda=True)  # what apply gives a CUDA run
+    torch.cuda.Event, torch.cuda.synchronize = _FakeCudaEvent, device_wide
     try:
-        stages, handle = handle_for("zb", 3, make_config(n_layer=2))
         step(stages, handle, 3)
     finally:
-        pp.StepClock, torch.cuda.Event, torch.cuda.synchronize = real_clock, real_event, real_sync
+        torch.cuda.Event, torch.cuda.synchronize = real_event, real_sync
     out["cuda_log"] = [entry[0] for entry in _FakeCudaEvent.log]
-    out["cuda_timing"], out["cuda_events"] = handle.schedule.timings[-1], handle.schedule.events
+    out["cuda_timing"], out["cuda_events"] = handle.schedule.clock.timings[-1], handle.schedule.clock.events
     # Evaluation and sampling through the stages leave no aux term behind (a MoE router adds two per forward).
     config = make_config(n_layer=2, moe_experts=4, moe_topk=2)
     stages, handle = handle_for("1f1b", 2, config)
@@ -750,39 +917,76 @@ def _lifetime_checks(rank, world):
     return out
 
 
-def test_sent_buffers_aux_terms_and_the_cuda_clock_on_2_ranks():
-    """P = 2: (a) 1f1b with m = 16 holds at most 2 sent buffers at once on a rank (the plan's live_sends: 2 on
-    rank 0, 1 on rank 1), not every send of the step (16); (b) on CUDA the actions are timed by events on the
-    compute stream, read at the end of the step; (c) forward_only and sampling leave no aux term behind."""
-    results = run_ranks(_lifetime_checks, 2, timeout=120)
-    assert [r["bound"] for r in results] == [2, 1]
-    assert [r["live"] for r in results] == [r["bound"] for r in results]
-    for r in results:
+@pytest.fixture(scope="module")
+def lifetime_run():
+    """P = 2: 1f1b with m = 16 and its sent buffers; zb with m = 3 under a fake CUDA clock; a MoE model
+    evaluated and sampled through the stages."""
+    return run_ranks(_lifetime_checks, 2, timeout=120)
+
+
+ZB_ACTIONS = 9  # zb, m = 3 on either rank: 3 F, 3 I, 3 W
+
+
+def test_a_rank_holds_the_plans_count_of_sent_buffers(lifetime_run):
+    """1f1b with m = 16 holds at most 2 sent buffers at once on a rank (live_sends: 2 on rank 0, 1 on rank
+    1), not every send of the step (16)."""
+    assert [r["bound"] for r in lifetime_run] == [2, 1]
+    assert [r["live"] for r in lifetime_run] == [r["bound"] for r in lifetime_run]
+
+
+def test_the_handle_speaks_the_axis_protocol(lifetime_run):
+    for r in lifetime_run:
+        assert r["protocol"]["nonfinite"] == 0 and r["protocol"]["predicted"] is Messages
+        moved = {"startup_lines", "end_lines", "step_lines", "groups", "before_step", "after_step",
+                 "local_nonfinite", "gather_codecs", "state_loaded"}
+        assert not moved & r["protocol"]["own"], moved & r["protocol"]["own"]
+
+
+def test_cuda_actions_are_timed_by_events_read_once_at_the_end(lifetime_run):
+    for r in lifetime_run:
         log = r["cuda_log"]
-        actions = 9  # zb, m = 3 on either rank: 3 F, 3 I, 3 W
-        assert log.count("record") == 2 * actions + 2 and log.count("synchronize") == 1
+        assert log.count("record") == 2 * ZB_ACTIONS + 2 and log.count("synchronize") == 1
         last_record = max(i for i, kind in enumerate(log) if kind == "record")
         assert log.index("synchronize") > last_record and log.index("elapsed") > last_record
+
+
+def test_cuda_event_times_give_the_step_timings(lifetime_run):
+    for r in lifetime_run:
         wall, busy, by_kind, _ = r["cuda_timing"]
         # Fake stamps: the step's start is 0 ms, action k spans (2k+1, 2k+2) ms, the end is 2·actions + 1 ms.
-        assert abs(wall - (2 * actions + 1) / 1e3) < 1e-12 and abs(busy - actions / 1e3) < 1e-12
+        assert abs(wall - (2 * ZB_ACTIONS + 1) / 1e3) < 1e-12 and abs(busy - ZB_ACTIONS / 1e3) < 1e-12
         assert sorted(by_kind) == ["F", "I", "W"] and all(abs(t - 1e-3) < 1e-12 for ts in by_kind.values() for t in ts)
         computes = [e for e in r["cuda_events"] if e["cat"] == "compute"]
         spans = [t for e in computes for t in (e["start"], e["end"])]
-        assert spans == pytest.approx([(k + 1) / 1e3 for k in range(2 * actions)], abs=1e-12)
+        assert spans == pytest.approx([(k + 1) / 1e3 for k in range(2 * ZB_ACTIONS)], abs=1e-12)
+
+
+def test_evaluation_and_sampling_leave_no_aux_term_behind(lifetime_run):
+    for r in lifetime_run:
         assert r["aux_after_eval"] == 0 and r["aux_after_sampling"] == 0
-    assert torch.equal(results[0]["sampled"], results[1]["sampled"])  # every pp rank samples alike
 
 
-def test_bubble_note_says_why_the_measured_bubble_differs():
-    uniform = [{"F": 1.0, "B": 2.0}] * 2
-    assert pp.bubble_note(uniform, 0.2, ranks=2, threads=1, cores=2) == ""  # nothing the run can see
-    assert pp.bubble_note(uniform, 0.2, ranks=4, threads=8, cores=2, cpu=False) == ""  # GPUs compute elsewhere
-    shared = pp.bubble_note(uniform, 0.25, ranks=4, threads=1, cores=2)
+def test_every_pp_rank_samples_alike(lifetime_run):
+    assert torch.equal(lifetime_run[0]["sampled"], lifetime_run[1]["sampled"])
+
+
+UNIFORM_COSTS = [{"F": 1.0, "B": 2.0}] * 2
+
+
+def test_bubble_note_is_empty_when_nothing_the_run_sees_explains_a_difference():
+    assert report.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=2, threads=1, cores=2) == ""
+    assert report.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=4, threads=8, cores=2, cpu=False) == ""  # GPUs: elsewhere
+
+
+def test_bubble_note_names_ranks_sharing_cores():
+    shared = report.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=4, threads=1, cores=2)
     assert "4 ranks × 1 thread share 2 cores" in shared and "costs" not in shared.split(".")[0]
     assert shared.endswith("simulation with the measured costs, 25.0%")
-    slower = pp.bubble_note([{"F": 1.0, "B": 2.9}, {"F": 1.5, "B": 3.0}], 0.31, ranks=2, threads=1, cores=2)
+
+
+def test_bubble_note_names_costs_that_are_not_uniform():
+    slower = report.pp_bubble_note([{"F": 1.0, "B": 2.9}, {"F": 1.5, "B": 3.0}], 0.31, ranks=2, threads=1, cores=2)
     assert "F differs 1.50× between stages" in slower and "B/F 2.00..2.90, uniform 2" in slower
     assert "wait on slower peers" in slower and "cores" not in slower and slower.endswith("costs, 31.0%")
-    zb = pp.bubble_note([{"F": 1.0, "I": 1.05, "W": 0.5}], 0.1, ranks=1, threads=1, cores=2)
+    zb = report.pp_bubble_note([{"F": 1.0, "I": 1.05, "W": 0.5}], 0.1, ranks=1, threads=1, cores=2)
     assert "W/F 0.50..0.50, uniform 1" in zb and "I/F" not in zb

@@ -1,11 +1,13 @@
-"""tensor_parallel.py: the layers, the whole model's update, the messages and the flag errors.
+"""tensor_parallel.py: the layers, the whole model's update, the messages, dropout, the start-up measurement
+and the flag errors.
 
 Layer tests compare each parallel layer's forward and backward with the plain layer (float64, 1e-12).
 Whole-model tests train the tensor-parallel GPT through step.train_step for a few steps, with gradient
 accumulation and active clipping, and compare losses, grad norms and the final parameters (each rank's
 shards put back into the global tensors with ShardInfo.place_into) with tests/reference.py's single-device
-run: float64, tolerance 1e-10, as for DDP. Every step's traced TP-group messages must equal the prediction
-to the byte. `layout` names how data parallelism wraps the TP model (LAYOUTS): DDP or a ZeRO stage.
+run: float64, tolerance 1e-10, as for DDP. Every step's traced TP-group messages must equal the handle's
+prediction to the byte. `layout` names how data parallelism wraps the TP model (LAYOUTS): DDP or a ZeRO stage.
+Each spawn of ranks is a module-scoped fixture; the tests read one property each from it.
 The rank bodies build on harness.device() (each rank's GPU under nccl); the layer checks draw their "full"
 tensors on the CPU, alike on every rank, and move them there.
 """
@@ -97,7 +99,7 @@ def _layer_checks(rank, world, group, sp):
     errs["row dx"] = _max_err(x_in.grad, piece(x.grad, 2))
     errs["row dW"] = _max_err(local.weight.grad, piece(full.weight.grad, 1))
     bias_grad = bias.grad.clone()
-    if sp:  # each rank saw its tokens only: the sum over the group is the gradient (finish_grad_sync's job)
+    if sp:  # each rank saw its tokens only: the sum over the group is the gradient (after_grad_sync's job)
         dist.all_reduce(bias_grad, group=group)
     errs["row db"] = _max_err(bias_grad, full.bias.grad)
 
@@ -123,12 +125,12 @@ def _layer_checks(rank, world, group, sp):
     ref = F.cross_entropy(logits, targets, ignore_index=-1, reduction="sum")
     ref.backward()
     local = logits.detach().chunk(world, -1)[rank].clone().requires_grad_()
-    loss = tp.vocab_parallel_cross_entropy_sum(local, targets, rank * V // world, group)
+    loss = tp.vocab_parallel_loss(local, targets, rank * V // world, group)
     (loss * 0.5).backward()
     errs["ce loss"] = _max_err(loss, ref)
     errs["ce dlogits"] = _max_err(local.grad, 0.5 * logits.grad.chunk(world, -1)[rank])
 
-    # Exactly two TP all-reduces in each block's forward and two in its backward (SP: their halves).
+    # The messages of one block, forward and backward.
     config = make_config(n_head=4)
     model = GPT(config, seed=0, dtype=dt, device=device)
     tp.parallelize(model, group, sequence_parallel=sp, seed=0)
@@ -146,13 +148,51 @@ def _layer_checks(rank, world, group, sp):
     return errs, forward, backward
 
 
-def test_layers_match_plain_layers():
-    cases = [case for by_case in run_ranks(_layers, 4, timeout=120) for case in by_case.items()]
-    assert len(cases) == 4 * 4
-    for (size, sp), (errs, forward, backward) in cases:
-        for name, err in errs.items():
-            assert err < LAYER_TOL, (size, sp, name, err)
-        if sp:  # backward also re-gathers the two column layers' inputs (only their shards were kept)
+LAYER_CASES = [(2, False), (2, True), (4, False), (4, True)]  # (T, sequence parallel)
+LAYER_IDS = ["T2", "T2-sp", "T4", "T4-sp"]
+
+
+@pytest.fixture(scope="module")
+def layer_ranks():
+    """One spawn of 4 ranks for every layer case: [rank] -> {(T, sp): (errors by name, forward, backward)}."""
+    return run_ranks(_layers, 4, timeout=120)
+
+
+def _layer_errors(layer_ranks, case, prefix):
+    errs = {(rank, name): err for rank, by_case in enumerate(layer_ranks) for name, err in by_case[case][0].items()
+            if name.startswith(prefix)}
+    assert errs  # the check ran
+    return {key: err for key, err in errs.items() if not err < LAYER_TOL}
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=LAYER_IDS)
+def test_column_parallel_linear_matches_the_plain_linear(layer_ranks, case):
+    assert _layer_errors(layer_ranks, case, "column") == {}  # y, dx, dW, db; plain and [q | k | v]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=LAYER_IDS)
+def test_row_parallel_linear_matches_the_plain_linear(layer_ranks, case):
+    assert _layer_errors(layer_ranks, case, "row") == {}  # the bias is added once, after the sum
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=LAYER_IDS)
+def test_vocab_parallel_embedding_matches_the_plain_embedding(layer_ranks, case):
+    assert _layer_errors(layer_ranks, case, "embedding") == {}
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=LAYER_IDS)
+def test_vocab_parallel_cross_entropy_matches_the_full_logits(layer_ranks, case):
+    assert _layer_errors(layer_ranks, case, "ce") == {}  # ignored targets included
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=LAYER_IDS)
+def test_a_block_sends_two_reductions_each_way(layer_ranks, case):
+    """f and g: two all-reduces forward, two backward; SP: their halves, and backward also re-gathers the two
+    column layers' inputs (only their shards were kept)."""
+    _, sp = case
+    for by_case in layer_ranks:
+        _, forward, backward = by_case[case]
+        if sp:
             assert forward == {"all_gather_single": 2, "reduce_scatter_single": 2}
             assert backward == {"all_gather_single": 4, "reduce_scatter_single": 2}
         else:
@@ -164,10 +204,9 @@ def test_layers_match_plain_layers():
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _ddp_layout(model, mesh, handle):
-    from ddp import DistributedDataParallel
+def _ddp_layout(model, mesh):
+    from ddp import DDPLayout, DistributedDataParallel
     from optim import build_adamw
-    from ddp import DDPLayout
 
     ddp = DistributedDataParallel(model, group=mesh.group("dp_cp"))
     optimizer = build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"])
@@ -175,7 +214,7 @@ def _ddp_layout(model, mesh, handle):
 
 
 def _zero_layout(stage):
-    def build(model, mesh, handle):
+    def build(model, mesh):
         from zero import ZeroLayout
 
         # The flat ZeRO buffers hold this rank's TP shards; the norm counts TP-replicated copies on tp rank 0.
@@ -185,7 +224,7 @@ def _zero_layout(stage):
     return build
 
 
-# How data parallelism wraps the TP model: layout name -> builder(model, mesh, tp handle) -> layout object.
+# How data parallelism wraps the TP model: layout name -> builder(model, mesh) -> layout object.
 LAYOUTS = {"ddp": _ddp_layout, "zero1": _zero_layout(1), "zero2": _zero_layout(2), "zero3": _zero_layout(3)}
 
 
@@ -202,8 +241,8 @@ def _train_tp(rank, world, tp_size, layout_name, global_batch, micro, clip, vari
 
 def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip, sp, checkpointing):
     import tensor_parallel as tp
-    from mesh import build_mesh, infer_mesh_shape
     from comm import CommTracer
+    from mesh import build_mesh, infer_mesh_shape
     from model import GPT
     from optim import DynamicLossScaler
     from step import train_step
@@ -212,9 +251,11 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
     mesh = build_mesh(infer_mesh_shape(world, tp=tp_size), rank)
     config = make_config(activation_checkpointing=checkpointing)
     model = GPT(config, seed=0, dtype=torch.float64, device=device)
-    handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0)
+    micro_batches = global_batch // (mesh.size("dp") * micro)
+    batch = tp.BatchShape(micro, SEQ, micro_batches, param_bytes=8, compute_bytes=8)
+    handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0, batch=batch)
     init = _pieces(model)
-    layout = LAYOUTS[layout_name](model, mesh, handle)
+    layout = LAYOUTS[layout_name](model, mesh)
     scaler = DynamicLossScaler(enabled=False)
     tracer = CommTracer()
     tracer.name_group(mesh.group("tp"), "tp")
@@ -224,17 +265,16 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
         with tracer:
             outcome = train_step(layout, scaler, batches, mesh.group("dp_cp"), clip, nullcontext(), device,
                                  model=model, axes=[handle])
-        traced.append({op: (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items() if g == "tp"})
+        traced.append({(op, g): (r.calls, r.payload_bytes) for (op, g), r in tracer.records.items() if g == "tp"})
         tracer.reset()
         losses.append(outcome.loss)
         norms.append(outcome.grad_norm)
     if hasattr(layout, "unshard"):
         layout.unshard()  # ZeRO-3: gather the weights back so this rank's TP shards can be compared
     # Under ZeRO the SP gradient sum moves this rank's gradient shard of those parameters, not all of them.
-    sp_bytes = sum(g.numel() * g.element_size() for g in layout.grad_pieces(handle.sequence_parallel_params))
-    predicted = handle.step_messages(micro, SEQ, micro_batches=len(batches), sp_grad_bytes=sp_bytes)
-    local_numel = sum(p.numel() for p in model.parameters())
-    return losses, norms, init, _pieces(model), traced, predicted, local_numel
+    predicted = {key: tuple(count) for key, count in handle.predicted_messages(layout).items()}
+    return dict(losses=losses, norms=norms, init=init, final=_pieces(model), traced=traced, predicted=predicted,
+                local_numel=sum(p.numel() for p in model.parameters()))
 
 
 def _assemble(rank_pieces):
@@ -252,64 +292,89 @@ def _assemble(rank_pieces):
 
 # Variants (sequence parallel, activation checkpointing) run one after the other in the same spawn.
 PLAIN, SP, CKPT, SP_CKPT = (False, False), (True, False), (False, True), (True, True)
+MESHES = {  # id: (world, T, layout, global batch, B_μ, variants)
+    "T2": (2, 2, "ddp", 4, 2, (PLAIN, SP)),  # T=2: 2 micro-batches each, clipping active
+    "T4": (4, 4, "ddp", 4, 2, (CKPT, SP)),  # T=4; checkpointing recomputes the forward's messages
+    "T2xD2-ddp": (4, 2, "ddp", 8, 2, (PLAIN, SP_CKPT)),  # 2-D mesh: T=2 × D=2, DDP over the dp_cp group
+    "T2xD2-zero1": (4, 2, "zero1", 8, 2, (PLAIN, SP)),  # ZeRO-1 shards the TP shards' optimizer state
+    "T2xD2-zero2": (4, 2, "zero2", 8, 2, (CKPT, SP_CKPT)),  # ZeRO-2: + their gradients; with checkpointing
+    "T2xD2-zero3": (4, 2, "zero3", 8, 2, (PLAIN, SP)),  # ZeRO-3 shards the TP shards themselves
+}
+CLIP = 0.05
 
 
-@pytest.mark.parametrize(
-    "world,tp_size,layout,global_batch,micro,variants",
-    [
-        (2, 2, "ddp", 4, 2, (PLAIN, SP)),  # T=2: 2 micro-batches each, clipping active
-        (4, 4, "ddp", 4, 2, (CKPT, SP)),  # T=4; checkpointing recomputes the forward's messages
-        (4, 2, "ddp", 8, 2, (PLAIN, SP_CKPT)),  # 2-D mesh: T=2 × D=2, DDP over the dp_cp group
-        (4, 2, "zero1", 8, 2, (PLAIN, SP)),  # T=2 × D=2 with ZeRO-1 sharding the TP shards' optimizer state
-        (4, 2, "zero2", 8, 2, (CKPT, SP_CKPT)),  # ZeRO-2: + their gradients; activation checkpointing on top
-        (4, 2, "zero3", 8, 2, (PLAIN, SP)),  # T=2 × D=2 with ZeRO-3 sharding the TP shards themselves
-    ],
-    ids=["T2", "T4", "T2xD2-ddp", "T2xD2-zero1", "T2xD2-zero2", "T2xD2-zero3"],
-)
-def test_tp_update_matches_single_device(world, tp_size, layout, global_batch, micro, variants):
-    config = make_config()
-    clip = 0.05
-    ref_losses, ref_norms, ref_params = reference_run(config, global_batches(STEPS, global_batch, SEQ), clip=clip)
-    assert min(ref_norms) > clip  # clipping really is active
-    by_variant = run_ranks(_train_tp, world, tp_size, layout, global_batch, micro, clip, variants, timeout=180)
-    for variant in variants:
-        _check_against_reference([r[variant] for r in by_variant], config, tp_size, ref_losses, ref_norms,
-                                 ref_params)
+@pytest.fixture(scope="module", params=list(MESHES), ids=list(MESHES))
+def trained(request):
+    """One spawn per mesh, every variant in it: (T, the reference's (losses, norms, params), {variant: [rank]})."""
+    world, tp_size, layout, global_batch, micro, variants = MESHES[request.param]
+    ref = reference_run(make_config(), global_batches(STEPS, global_batch, SEQ), clip=CLIP)
+    assert min(ref[1]) > CLIP  # clipping really is active
+    by_rank = run_ranks(_train_tp, world, tp_size, layout, global_batch, micro, CLIP, variants, timeout=180)
+    return tp_size, ref, {variant: [r[variant] for r in by_rank] for variant in variants}
 
 
-def _check_against_reference(results, config, tp_size, ref_losses, ref_norms, ref_params):
-    import tensor_parallel as tp
+def test_tp_starts_from_exactly_the_single_device_weights(trained):
     from model import GPT
-    # The TP run starts from exactly the single-device weights: pieces put back together are bitwise equal.
-    init = _assemble([r[2] for r in results])
-    plain = dict(GPT(config, seed=0, dtype=torch.float64).named_parameters())
-    assert init.keys() == plain.keys()
-    for name, p in plain.items():
-        assert torch.equal(init[name], p.detach()), name
-    final = _assemble([r[3] for r in results])
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(final[name], ref, rtol=TOL, atol=TOL, msg=name)
-    for losses, norms, _, _, traced, predicted, local_numel in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=TOL, atol=TOL)
-        assert traced == [predicted] * STEPS  # every TP message, counted and sized, as predicted
-        assert local_numel == tp.param_counts(config, tp_size)["per_rank"]
+
+    plain = dict(GPT(make_config(), seed=0, dtype=torch.float64).named_parameters())
+    for variant, results in trained[2].items():
+        init = _assemble([r["init"] for r in results])  # replicated copies agree (checked inside)
+        assert init.keys() == plain.keys(), variant
+        for name, p in plain.items():
+            assert torch.equal(init[name], p.detach()), (variant, name)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Dropout
-# ---------------------------------------------------------------------------------------------------------
+def test_tp_losses_match_the_single_device(trained):
+    ref_losses = trained[1][0]
+    for variant, results in trained[2].items():
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=TOL, atol=TOL,
+                                       msg=lambda m: f"{variant}: {m}")
 
 
-def _dropout(rank, world):
+def test_tp_grad_norms_match_the_single_device(trained):
+    ref_norms = trained[1][1]
+    for variant, results in trained[2].items():
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=TOL, atol=TOL,
+                                       msg=lambda m: f"{variant}: {m}")
+
+
+def test_tp_final_parameters_match_the_single_device(trained):
+    ref_params = trained[1][2]
+    for variant, results in trained[2].items():
+        final = _assemble([r["final"] for r in results])
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(final[name], ref, rtol=TOL, atol=TOL, msg=lambda m: f"{variant} {name}: {m}")
+
+
+def test_tp_messages_are_as_predicted_every_step(trained):
+    """Every TP message, counted and sized, as the handle's predicted_messages says (the SP sum: the layout's
+    gradient pieces)."""
+    for variant, results in trained[2].items():
+        for r in results:
+            assert r["traced"] == [r["predicted"]] * STEPS, variant
+
+
+def test_tp_rank_holds_param_counts_per_rank(trained):
     import tensor_parallel as tp
-    from mesh import build_mesh, infer_mesh_shape
+
+    for variant, results in trained[2].items():
+        for r in results:
+            assert r["local_numel"] == tp.param_counts(make_config(), trained[0])["per_rank"], variant
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two ranks, T = 2: dropout, and block 0 measured at start-up
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _dropout(mesh, device):
+    import tensor_parallel as tp
     from model import GPT
     from optim import DynamicLossScaler
     from step import train_step
 
-    device = harness.device()
-    mesh = build_mesh(infer_mesh_shape(world, tp=world), rank)
     # fork(): a different stream per TP rank inside, the shared default stream continues after it (the
     # device's generator: the one dropout draws from).
     rng = tp.TensorParallelRNG(mesh.index("tp"), device)
@@ -324,7 +389,7 @@ def _dropout(rank, world):
             config = make_config(dropout=0.2, activation_checkpointing=checkpointing)
             model = GPT(config, seed=0, dtype=torch.float64, device=device)
             handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0)
-            layout = _ddp_layout(model, mesh, handle)
+            layout = _ddp_layout(model, mesh)
             losses = []
             for x, y in global_batches(2, 4, SEQ):
                 batches = rank_micro_batches(x, y, 0, 1, 2)
@@ -335,24 +400,137 @@ def _dropout(rank, world):
     return out
 
 
-def test_dropout_masks_agree_where_replicated_and_replay_under_checkpointing():
-    """Dropout cannot match the single device (other masks), so this checks what makes it right: ranks'
-    replicated copies stay identical (the same masks on the residual stream, or under SP summed LayerNorm
-    gradients), split regions draw independent masks, and activation checkpointing replays the masks exactly.
-    """
-    ranks = run_ranks(_dropout, 2, timeout=120)
-    assert not torch.equal(ranks[0]["inside"], ranks[1]["inside"])  # independent masks per TP rank
-    assert torch.equal(ranks[0]["after"], ranks[1]["after"])  # the shared stream stays shared
-    no_dropout, _, _ = reference_run(make_config(), global_batches(2, 4, SEQ))
+def _composed(rank, world, flags, measure):
+    """train.compose on the flags in float64, as train.main builds a run (the measurement included)."""
+    from dataclasses import replace
+
+    import flags as flags_lib
+    import train
+    from mesh import build_mesh
+
+    config = make_config()
+    args = flags_lib.build_parser().parse_args(
+        ["--global-batch", "4", "--micro-batch", "2", "--seq-len", str(SEQ), "--n-layer", str(config.n_layer),
+         "--n-head", str(config.n_head), "--n-embd", str(config.n_embd), *flags])
+    settings = replace(flags_lib.validate(args, world, axes=train.AXES), model=config)
+    run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=config,
+                    device=harness.device(), seed=0, compute_dtype=torch.float64, param_dtype=torch.float64,
+                    master_dtype=torch.float64)
+    torch.manual_seed(rank // run.mesh.size("tp"))  # as train.py
+    return train.compose(run, measure=measure)
+
+
+def _trained_losses(run, steps=2):
+    from optim import DynamicLossScaler
+    from step import train_step
+
+    losses = []
+    for x, y in global_batches(steps, 4, SEQ):
+        batches = rank_micro_batches(x, y, run.mesh.index("dp"), run.mesh.size("dp"), 2)
+        losses.append(train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"),
+                                 CLIP, run.autocast, run.device, model=run.model, schedule=run.schedule,
+                                 axes=run.axes, data_size=run.mesh.size("dp")).loss)
+    return losses, {name: p.detach().clone() for name, p in run.model.named_parameters()}
+
+
+def _measured(rank):
+    """Block 0 measured by report.measure_startup in composed runs: what it saw, the lines printed with it,
+    and whether measuring changed anything (FP8's delayed amaxes would, were the block not a copy)."""
+    import report
+    import tensor_parallel
+
+    out = {}
     for sp in (False, True):
-        plain_losses, _ = ranks[0][sp, False]
-        assert abs(plain_losses[0] - no_dropout[0]) > 1e-6  # dropout is really on (float64 agrees to 1e-12 without)
-        params = _assemble([r[sp, False][1] for r in ranks])  # replicas must agree (checked inside)
-        recomputed = _assemble([r[sp, True][1] for r in ranks])
-        for r in ranks:
-            torch.testing.assert_close(torch.tensor(r[sp, True][0]), torch.tensor(plain_losses), rtol=1e-12, atol=0)
-        for name in params:
-            torch.testing.assert_close(recomputed[name], params[name], rtol=1e-12, atol=1e-14, msg=name)
+        run = _composed(rank, 2, ["--tp", "2", *(["--sp"] if sp else [])], measure=True)
+        tp = next(axis for axis in run.axes if axis.name == "tp")
+        out[sp] = dict(measured=run.measured.on("tp"), saved=run.measured.saved_bytes,
+                       predicted=tensor_parallel.block_messages(tp.batch, tp.holding()),
+                       lines=report.tp_startup_lines(tp, run))
+    fp8 = ["--tp", "2", "--sp", "--fp8", "delayed"]
+    out["fp8"] = {measure: _trained_losses(_composed(rank, 2, fp8, measure)) for measure in (True, False)}
+    return out
+
+
+def _two_ranks(rank, world):
+    from mesh import build_mesh, infer_mesh_shape
+
+    mesh = build_mesh(infer_mesh_shape(world, tp=world), rank)
+    return {"dropout": _dropout(mesh, harness.device()), "measured": _measured(rank)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_two_ranks, 2, timeout=180)
+
+
+def test_fork_draws_other_masks_on_each_tp_rank(two_ranks):
+    assert not torch.equal(two_ranks[0]["dropout"]["inside"], two_ranks[1]["dropout"]["inside"])
+
+
+def test_the_shared_stream_stays_shared_after_a_fork(two_ranks):
+    assert torch.equal(two_ranks[0]["dropout"]["after"], two_ranks[1]["dropout"]["after"])
+
+
+@pytest.fixture(scope="module")
+def losses_without_dropout():
+    return reference_run(make_config(), global_batches(2, 4, SEQ))[0]
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_dropout_is_really_on(two_ranks, losses_without_dropout, sp):
+    plain_losses, _ = two_ranks[0]["dropout"][sp, False]
+    assert abs(plain_losses[0] - losses_without_dropout[0]) > 1e-6  # float64 agrees to 1e-12 without dropout
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_replicated_copies_stay_identical_under_dropout(two_ranks, sp):
+    """The same masks on the residual stream (without SP), or under SP the summed LayerNorm gradients."""
+    for checkpointing in (False, True):
+        _assemble([r["dropout"][sp, checkpointing][1] for r in two_ranks])  # asserts the replicas agree
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_activation_checkpointing_replays_the_dropout_masks(two_ranks, sp):
+    plain_losses, _ = two_ranks[0]["dropout"][sp, False]
+    params = _assemble([r["dropout"][sp, False][1] for r in two_ranks])
+    recomputed = _assemble([r["dropout"][sp, True][1] for r in two_ranks])
+    for r in two_ranks:
+        torch.testing.assert_close(torch.tensor(r["dropout"][sp, True][0]), torch.tensor(plain_losses),
+                                   rtol=1e-12, atol=0)
+    for name in params:
+        torch.testing.assert_close(recomputed[name], params[name], rtol=1e-12, atol=1e-14, msg=name)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_block_zero_measured_at_startup_sends_what_tp_predicts(two_ranks, sp):
+    for r in two_ranks:
+        seen = r["measured"][sp]
+        predicted = {(phase, op): tuple(count) for phase, messages in seen["predicted"].items()
+                     for (op, _), count in messages.items()}
+        assert {key: tuple(count) for key, count in seen["measured"].items()} == predicted
+        assert seen["saved"] > 0  # autograd saved the block's activations, the weights aside
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_startup_lines_print_block_zero_measured_next_to_predicted(two_ranks, sp):
+    lines = two_ranks[0]["measured"][sp]["lines"]
+    assert lines[0].startswith("tensor parallel T=2" + (" + sequence parallel" if sp else "") + ": messages per block")
+    rows = [line for line in lines if "predicted" in line]
+    assert len(rows) == (4 if sp else 2)
+    for row in rows:  # "  forward  all_reduce  predicted 2 ×  1.00 KiB   measured 2 ×  1.00 KiB"
+        predicted, measured = row.split("predicted ")[1].split("   measured ")
+        assert predicted == measured, row
+    assert any(line.startswith("  parameters per rank") for line in lines)
+
+
+def test_measuring_block_zero_leaves_the_run_as_it_was(two_ranks):
+    """FP8 delayed scaling keeps each step's amaxes for the next step's scales: had the measurement run the
+    model's own block, its random input's amaxes would enter them. The measured run trains bitwise alike."""
+    for r in two_ranks:
+        (measured_losses, measured_params), (losses, params) = r["measured"]["fp8"][True], r["measured"]["fp8"][False]
+        assert measured_losses == losses
+        for name, p in params.items():
+            assert torch.equal(measured_params[name], p), name
 
 
 # ---------------------------------------------------------------------------------------------------------

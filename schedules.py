@@ -1,0 +1,330 @@
+"""Pipeline schedules as pure data: every schedule a per-rank list of actions, a simulator, the communication plan.
+
+No torch and no processes here: `pipeline.PipelineSchedule` executes these plans (one loop over a rank's
+`Step`s), and this file can be read, and checked, apart from it (tests/test_pipeline.py runs every plan
+over a grid of shapes under gloo's and NCCL's completion rules).
+
+A schedule is one list of `Action`s per pp rank, built by a pure function:
+    F  forward of (micro-batch, chunk)          B  its backward
+    I  B's input-gradient half, sent upstream   W  B's weight-gradient half, deferred (ZB-H1, Qi et al. 2023)
+`gpipe`: all F, then all B. `1f1b`: warm-up of P−r−1 F, steady 1F1B, cool-down (PipeDream-Flush, as in
+Megatron and picotron). `interleaved`: Megatron's interleaved 1F1B over groups of P micro-batches (a
+remainder of m mod P joins the last group); rank r holds chunks r, r+P, ... of the v·P (Narayanan et al.
+2021). `zb`: 1F1B with B split into I and W; rank r keeps r W's deferred and runs them at the end, where
+1F1B idles.
+
+The communication plan. An F sends its output to the next chunk's rank, a B/I its input gradient to the
+previous one's. `communication_plan` has every rank post a receive as soon as, in a uniform-cost simulation
+of all the lists, its sender has sent it (so the transfer overlaps compute; torch.distributed.pipelining
+does the same); the sends an action produces go in ONE batch with the receives posted next (Megatron's
+send/recv pairing). Every op is thus posted in the order of one global simulated clock: on each channel the
+receives come in the order the sender sends (NCCL matches p2p by order, not tag), and two ranks can never
+each sit in a send waiting for the other's later receive. Every work is waited (gloo completes a send only
+in wait()): a receive before the action that uses it; a send at its release point, before the first action
+after the one it was posted with that starts, in the simulation, once its receiver has posted the receive
+(in posting order; any left at the step's end). A rank thus blocks only on a peer's post that comes earlier
+in the simulated clock: no cycle, whatever the real costs, and at most 2 sent buffers per rank are alive at
+once (`live_sends`).
+
+The closed forms the plans are checked against (pipeline.py's docstring, answers 2 and 3): `bubble_formula`,
+`in_flight`, `p2p_counts`; `simulate` gives the bubble for any per-rank costs (`bubble_of`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from typing import NamedTuple
+
+# ---------------------------------------------------------------------------------------------------------
+# The stage split
+# ---------------------------------------------------------------------------------------------------------
+
+
+def split_layers(n_layer: int, n_chunks: int) -> list:
+    """Contiguous layer ranges of `n_chunks` chunks; sizes differ by at most one (earlier chunks get more)."""
+    base, extra = divmod(n_layer, n_chunks)
+    bounds = [0]
+    for chunk in range(n_chunks):
+        bounds.append(bounds[-1] + base + (chunk < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def stage_layers(n_layer: int, P: int, v: int, chunk: int) -> range:
+    """The layers of global chunk `chunk` (of v·P); it lives on pp rank chunk mod P."""
+    return split_layers(n_layer, P * v)[chunk]
+
+
+def rank_chunks(pp_rank: int, P: int, v: int) -> list:
+    """The global chunks pp rank r holds: r, r+P, r+2P, ..."""
+    return [pp_rank + k * P for k in range(v)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The schedules: one list of actions per rank, built by pure functions
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Action(NamedTuple):
+    kind: str  # "F" forward, "B" backward, "I" input-gradient backward, "W" weight-gradient backward
+    mb: int  # micro-batch
+    chunk: int  # global chunk index (= pp rank without interleaving)
+
+    def __str__(self):
+        return f"{self.kind}{self.mb}.{self.chunk}"
+
+
+def gpipe(P: int, m: int, rank: int, v: int = 1) -> list:
+    """All forwards, then all backwards (Huang et al. 2019): m micro-batches in flight."""
+    return [Action("F", i, rank) for i in range(m)] + [Action("B", i, rank) for i in range(m)]
+
+
+def one_f_one_b(P: int, m: int, rank: int, v: int = 1) -> list:
+    """1F1B (PipeDream-Flush): as soon as a backward can run, alternate one forward with one backward."""
+    warmup = min(P - rank - 1, m)
+    actions = [Action("F", i, rank) for i in range(warmup)]  # warm-up: fill the pipeline
+    for i in range(m - warmup):  # steady 1F1B: P−r micro-batches in flight at most
+        actions += [Action("F", warmup + i, rank), Action("B", i, rank)]
+    actions += [Action("B", i, rank) for i in range(m - warmup, m)]  # cool-down: drain it
+    return actions
+
+
+def microbatch_groups(m: int, P: int) -> list:
+    """Interleaving runs micro-batches in groups of P through every chunk; a remainder joins the last group."""
+    groups = [range(a, min(a + P, m)) for a in range(0, m, P)]
+    if len(groups) > 1 and len(groups[-1]) < P:
+        tail = groups.pop()
+        groups[-1] = range(groups[-1].start, tail.stop)
+    return groups
+
+
+def interleaved_1f1b(P: int, m: int, rank: int, v: int = 2) -> list:
+    """Megatron's interleaved 1F1B: rank r holds chunks r, r+P, ...; each group of micro-batches goes through
+    the rank's chunks in order forward and in reverse order backward, in 1F1B after a longer warm-up."""
+    groups = microbatch_groups(m, P)
+    forwards = [Action("F", mb, k * P + rank) for g in groups for k in range(v) for mb in g]
+    backwards = [Action("B", mb, k * P + rank) for g in groups for k in reversed(range(v)) for mb in g]
+    total = v * m
+    # A group's first backward needs its first micro-batch through all v·P chunks: (v−1)·|group| more
+    # forwards here (the largest group, P + m mod P, so every group's fit), and two slots per stage
+    # downstream (its forward there, its backward coming back).
+    warmup = min(2 * (P - rank - 1) + (v - 1) * (P + m % P), total)
+    actions = forwards[:warmup]  # warm-up
+    for i in range(total - warmup):  # steady 1F1B
+        actions += [forwards[warmup + i], backwards[i]]
+    return actions + backwards[total - warmup:]  # cool-down
+
+
+def zero_bubble_h1(P: int, m: int, rank: int, v: int = 1) -> list:
+    """ZB-H1 (Qi et al. 2023): 1F1B with B split into I (input gradient, sent upstream at once) and W (weight
+    gradient, deferred). Rank r keeps r W's deferred: its last I comes r slots before rank 0's, and those
+    W's fill the tail where 1F1B idles. Bubble (P−1)(t_F+t_I−t_W) instead of (P−1)(t_F+t_B)."""
+    warmup = min(P - rank - 1, m)
+    actions = [Action("F", i, rank) for i in range(warmup)]  # warm-up, as 1F1B
+    deferred = deque()
+
+    def input_grad(i):
+        actions.append(Action("I", i, rank))
+        deferred.append(i)
+        if len(deferred) > rank:
+            actions.append(Action("W", deferred.popleft(), rank))
+
+    for i in range(m - warmup):  # steady: F, I (and a W once r are deferred)
+        actions.append(Action("F", warmup + i, rank))
+        input_grad(i)
+    for i in range(m - warmup, m):  # cool-down: I, W
+        input_grad(i)
+    return actions + [Action("W", i, rank) for i in deferred]  # the deferred W's fill the bubble
+
+
+BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb": zero_bubble_h1}
+
+
+def build_programs(schedule: str, P: int, m: int, v: int = 1) -> list:
+    """Every rank's action list (v applies to `interleaved` only)."""
+    v = v if schedule == "interleaved" else 1
+    return [BUILDERS[schedule](P, m, rank, v) for rank in range(P)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Communication: which messages each action needs and sends, and the order of receives on each channel
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Message(NamedTuple):
+    kind: str  # "act": chunk's output, to chunk+1; "grad": gradient of chunk's input, to chunk−1
+    mb: int
+    chunk: int  # the sending chunk
+
+    def src(self, P: int) -> int:
+        return self.chunk % P
+
+    def dst(self, P: int) -> int:
+        return (self.chunk + (1 if self.kind == "act" else -1)) % P
+
+
+def needs(action: Action, n_chunks: int) -> Message | None:
+    if action.kind == "F" and action.chunk > 0:
+        return Message("act", action.mb, action.chunk - 1)
+    if action.kind in "BI" and action.chunk < n_chunks - 1:
+        return Message("grad", action.mb, action.chunk + 1)
+    return None
+
+
+def produces(action: Action, n_chunks: int) -> Message | None:
+    if action.kind == "F" and action.chunk < n_chunks - 1:
+        return Message("act", action.mb, action.chunk)
+    if action.kind in "BI" and action.chunk > 0:
+        return Message("grad", action.mb, action.chunk)
+    return None
+
+
+class Step(NamedTuple):
+    recvs: list  # Messages to post before the action, in the order their sender sends them
+    action: Action
+    send: Message | None  # posted right after the action (with the next step's receives)
+    release: tuple = ()  # this rank's earlier sends to wait on before the action: their buffers are freed
+
+
+def simulate(programs: list, costs) -> list:
+    """Per rank [(action, start, end)]: every action starts once its rank is free and its input has been sent
+    (communication free). `costs`: {kind: seconds}, or one such dict per rank. Raises on a deadlock."""
+    P = len(programs)
+    n_chunks = max(a.chunk for program in programs for a in program) + 1
+    costs = costs if isinstance(costs, (list, tuple)) else [costs] * P
+    sent_at, clock, nxt = {}, [0.0] * P, [0] * P
+    out = [[] for _ in range(P)]
+    progress = True
+    while progress:
+        progress = False
+        for rank, program in enumerate(programs):
+            while nxt[rank] < len(program):
+                action = program[nxt[rank]]
+                msg = needs(action, n_chunks)
+                if msg is not None and msg not in sent_at:
+                    break
+                start = max(clock[rank], sent_at.get(msg, 0.0))
+                clock[rank] = start + costs[rank][action.kind]
+                out[rank].append((action, start, clock[rank]))
+                if (sent := produces(action, n_chunks)) is not None:
+                    sent_at[sent] = clock[rank]
+                nxt[rank], progress = nxt[rank] + 1, True
+    stuck = [(rank, str(program[nxt[rank]])) for rank, program in enumerate(programs) if nxt[rank] < len(program)]
+    if stuck:
+        raise RuntimeError(f"the schedule deadlocks: ranks wait at {stuck}")
+    return out
+
+
+UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # backward = 2 forwards, split evenly into I and W
+
+
+def communication_plan(programs: list, n_chunks: int) -> list:
+    """Per rank, [Step]: each action with the receives to post before it and the send after it.
+
+    A receive is posted before the first action that starts after its message was sent in the uniform-cost
+    simulation (so its transfer overlaps compute, and it always precedes the action that needs it). Sends on
+    a channel happen in order, so the receives are posted in the order the peer sends them; and a message
+    posted early was sent, in the simulation, before anything this rank sends later: it cannot wait on it."""
+    P = len(programs)
+    timelines = simulate(programs, UNIFORM)
+    channel = defaultdict(list)  # (src, dst) -> [(send time, message)] in send order
+    for src, timeline in enumerate(timelines):
+        for action, _, end in timeline:
+            if (msg := produces(action, n_chunks)) is not None:
+                channel[src, msg.dst(P)].append((end, msg))
+    plan, posted_at = [], {}  # posted_at: message -> simulated time its receiver posts the receive
+    for rank, timeline in enumerate(timelines):
+        posted, steps, clock = defaultdict(int), [], 0.0
+        for action, start, end in timeline:
+            recvs = []
+            for src in range(P):
+                queue = channel[src, rank]
+                while posted[src] < len(queue) and queue[posted[src]][0] <= start:
+                    recvs.append(queue[posted[src]][1])
+                    posted_at[recvs[-1]] = clock  # posted when the previous action ends
+                    posted[src] += 1
+            steps.append(Step(recvs, action, produces(action, n_chunks)))
+            clock = end
+        plan.append(steps)
+    # Release points: a send is waited (its buffer freed) before the first action that starts after its
+    # receiver posted the receive, in posting order (a wait never passes an earlier send), and not before the
+    # action it was posted with (its transfer overlaps that one's compute). Every event such a wait needs then
+    # precedes it in simulated time (a post at t needs only waits before t), so the waits form no cycle,
+    # whatever the real costs; posting order keeps it so where one wait covers all the earlier ops (NCCL's
+    # in-order stream). Sends still unreleased are waited at the end of the step.
+    for steps, timeline in zip(plan, timelines):
+        unreleased = deque()
+        for j, (_, start, _) in enumerate(timeline):
+            release = []
+            while unreleased and posted_at[unreleased[0]] <= start:
+                release.append(unreleased.popleft())
+            steps[j] = steps[j]._replace(release=tuple(release))
+            if j > 0 and steps[j - 1].send is not None:
+                unreleased.append(steps[j - 1].send)  # posted at step j, released from step j + 1 on
+    return plan
+
+
+def live_sends(steps: list) -> int:
+    """Peak number of this rank's sent buffers alive at once: counted when a batch is posted (the new send
+    included), a send dies at its release point, or at the step's end."""
+    live = peak = 0
+    for j, step in enumerate(steps):
+        if j > 0 and steps[j - 1].send is not None:
+            live += 1  # posted with this step's receives
+        peak = max(peak, live)
+        live -= len(step.release)
+    last = 1 if steps and steps[-1].send is not None else 0  # posted after the last action
+    return max(peak, live + last)
+
+
+def last_backwards(steps: list) -> set:
+    """The actions after which a chunk's gradients are final: its last B, or its last I and last W."""
+    last = {}
+    for step in steps:
+        if step.action.kind != "F":
+            last[(step.action.chunk, step.action.kind)] = step.action
+    return set(last.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The closed forms: bubble, activations in flight, messages per stage pair
+# ---------------------------------------------------------------------------------------------------------
+
+BUBBLE_TEXT = {"gpipe": "(P−1)/(m+P−1)", "1f1b": "(P−1)/(m+P−1)", "interleaved": "(P−1)/(v·m+P−1)",
+               "zb": "(P−1)·max(F, F+I−W)/(m(F+I+W) + (P−1)·max(F, F+I−W))"}
+
+
+def bubble_formula(schedule: str, P: int, m: int, v: int = 1, costs: tuple = (1.0, 1.0, 1.0)) -> float:
+    """Idle fraction of a step by the closed forms (costs (t_F, t_I, t_W) for zb)."""
+    if schedule in ("gpipe", "1f1b"):
+        return (P - 1) / (m + P - 1)
+    if schedule == "interleaved":
+        return (P - 1) / (v * m + P - 1)
+    t_f, t_i, t_w = costs
+    idle = (P - 1) * max(t_f, t_f + t_i - t_w)
+    return idle / (m * (t_f + t_i + t_w) + idle)
+
+
+def bubble_of(timelines: list) -> list:
+    """Each rank's idle fraction of the makespan."""
+    makespan = max(end for timeline in timelines for _, _, end in timeline)
+    return [1 - sum(end - start for _, start, end in timeline) / makespan for timeline in timelines]
+
+
+def in_flight(program: list) -> tuple:
+    """(peak micro-batch-chunks between F and B/I, peak stashes between I and W) of one rank's list."""
+    live = stash = peak = peak_stash = 0
+    for action in program:
+        live += {"F": 1, "B": -1, "I": -1}.get(action.kind, 0)
+        stash += {"I": 1, "W": -1}.get(action.kind, 0)
+        peak, peak_stash = max(peak, live), max(peak_stash, stash)
+    return peak, peak_stash
+
+
+def p2p_counts(programs: list, n_chunks: int) -> dict:
+    """{(src pp rank, dst pp rank): messages per step}."""
+    counts = defaultdict(int)
+    for program in programs:
+        for action in program:
+            if (msg := produces(action, n_chunks)) is not None:
+                counts[msg.src(len(programs)), msg.dst(len(programs))] += 1
+    return dict(counts)
