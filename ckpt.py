@@ -592,11 +592,13 @@ class StagedLoad:
 
     All or nothing: a tensor found unreadable halfway (a shard weights_only refuses, a piece of the wrong size)
     abandons the load with the live state untouched. The price: this rank's state in host memory.
+    `files` reads the stored pieces (`tensor(file, name)`): the checkpoint's shard files, or another source
+    described by a manifest of the same form (hf.py: a Hugging Face directory).
     """
 
-    def __init__(self, path: str, manifest: dict, pieces: list):
+    def __init__(self, path: str, manifest: dict, pieces: list, files=None):
         self.path, self.manifest, self.bytes_read = path, manifest, 0
-        self.files = ShardFiles(path)
+        self.files = files if files is not None else ShardFiles(path)
         self.staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, its values in host memory)
         with torch.no_grad():
             for plan in plan_load(path, manifest, pieces):

@@ -23,20 +23,22 @@ L layers held, m micro-batches per step, e_c bytes of a compute-dtype element (q
 autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
 
 1. Replicated and split. Every parameter is replicated over the C ranks; each rank's loss covers only its
-   tokens, so the layout sums gradients over the dp×cp group (nothing CP-specific: `after_grad_sync` is
-   empty). Split: the sequence, hence every activation (s/C tokens). Ulysses splits heads inside attention.
+   tokens, so the layout sums gradients over the dp×cp group (nothing CP-specific after that reduction: the
+   handle has no `after_grad_sync` of its own). Split: the sequence, hence every activation (s/C tokens).
+   Ulysses splits heads inside attention.
 2. Peak per device. Parameters and optimizer as without CP (ZeRO shards them over dp×cp). Activations per
    layer and micro-batch, Korthikanti et al. 2022 divided by C: (s/C)·b·h·(34 + 5·a·s/h) at 16 bits. The
    attention here keeps no score matrix (it saves q, k, v, its output and the log-sum-exp, as a flash
    kernel does) and dropout is 0 (no 1-byte masks), so the measured figure is ≈ 32·(s/C)·b·h at 16 bits
-   (`saved_activation_bytes`, measured per layer at start-up and printed next to both; Ulysses keeps the
+   (block 0 measured at start-up, `report.measure_block`, and printed next to both; Ulysses keeps the
    output twice, head-split and back, +2·(s/C)·b·h). Temporaries, ring: the K,V block in use and the one
    arriving, 2 × 2·(s/C)·b·(h/T)·e_c, and the block's wide copy 2·(s/C)·b·(h/T)·e_a (none when e_c = e_a);
    the wide scaled queries (s/C)·b·(h/T)·e_a; one score block b·(a/T)·(s/C)²·e_a (two in backward: p and
    ds); in backward also two dK,dV accumulators 2 × 2·(s/C)·b·(h/T)·e_a, dq and the wide d output.
    Ulysses: head-split q, k, v, out (the bytes of the local ones) and the inner attention's own temporaries
    on the whole s for a/(T·C) heads.
-3. Critical path, per layer and micro-batch, group cp (payload M per call; p2p traced as "send"/"recv"):
+3. Critical path, per layer and micro-batch, group cp (payload M per call; p2p traced as "send"/"recv";
+   `layer_messages`):
      ring forward:  (C−1) × send + recv of the stacked [K; V], 2·(s/C)·b·(h/T)·e_c each, posted before the
                     step's compute: hidden when a block's compute outlasts its transfer.
      ring backward: (C−1) × send + recv of [K; V] as above, and C × send + recv of [dK; dV],
@@ -44,35 +46,34 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
      Ulysses:       forward 4 × all_to_all_single of (s/C)·b·(h/T)·e_c (q, k, v, then the output);
                     backward 4 × the same (d output, then dq, dk, dv). Blocking: nothing is hidden.
    Activation checkpointing repeats the forward's messages in backward. Per step: × L × m. How much ring time
-   was hidden is measured over the training steps' passes (`Ring.timed`: time blocked in wait() against the
-   same transfers timed alone). It is a lower bound: a wait also lasts while a slower peer computes.
+   was hidden is measured over the training passes by the ring's clock (`mfu.WaitClock`: time blocked in
+   wait() against the same transfers timed alone; report.py prints it). It is a lower bound: a wait also
+   lasts while a slower peer computes.
 4. Restart state: nothing of its own. Parameters are replicated over cp and a rank's positions depend only on
    (s, C, c), so a checkpoint resumes on any C.
 
-Dropout inside attention is REFUSED (a ValueError naming --dropout and --cp, from check_flags and at the
-call): the masks of a ring run would have to be drawn per (query block, key block) and replayed by the
-backward, and would still not match the single device's. --dropout also sets the residual dropouts, so --cp
-runs with --dropout 0, where everything is exact. The attention is kept out of torch.compile graphs (it talks).
-
-`saved_activation_bytes` wraps mfu.SavedActivations (a saved_tensors_hooks measurement, each storage counted
-once), which train.py also uses to measure the first micro-batch of every layout.
+Dropout inside attention is REFUSED (a ValueError naming --dropout and --cp from `config_from_flags`;
+`parallelize` refuses a model whose attention has dropout): the masks of a ring run would have to be drawn per
+(query block, key block) and replayed by the backward, and would still not match the single device's.
+--dropout also sets the residual dropouts, so --cp runs with --dropout 0, where everything is exact. The
+attention is kept out of torch.compile graphs (it talks).
 """
 
 from __future__ import annotations
 
-import os
-import statistics
-import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-from mfu import SavedActivations
+from comm import Messages
+from mfu import WaitClock
 from step import Axis
 
 IMPLS, BALANCES = ("ring", "ulysses"), ("zigzag", "contiguous")
+
 
 # ---------------------------------------------------------------------------------------------------------
 # The layout: which tokens a rank holds
@@ -145,24 +146,15 @@ def _block_backward(dout, q_hat, k, v, lse, delta, mask):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class PhaseTime:
-    passes: int = 0  # ring passes (one attention call, forward or backward, per layer and micro-batch)
-    seconds: float = 0.0  # wall time inside the passes
-    waited: float = 0.0  # of which blocked in wait(): on a transfer, or on a peer that is not there yet
-    cpu: float = 0.0  # process CPU time inside the passes (every thread, gloo's too): the work, however shared
-
-
 class Ring:
-    """Send to the next rank of the cp group, receive from the previous one; time what is waited for."""
+    """Send to the next rank of the cp group, receive from the previous one. Its clock (mfu.WaitClock) times
+    the training passes and the part of them blocked in wait(), for report.py."""
 
     def __init__(self, group):
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        self.waited = 0.0
-        self.times = {"forward": PhaseTime(), "backward": PhaseTime()}
-        self.charging = True  # whether passes are charged to `times` (off between training steps: evaluation)
+        self.clock = WaitClock()
 
     def post(self, tensor: torch.Tensor, tag: int = 0):
         """Start sending `tensor` on and receiving the previous rank's into a new buffer: (buffer, works)."""
@@ -175,22 +167,8 @@ class Ring:
 
     def wait(self, transfer) -> torch.Tensor:
         received, works = transfer
-        start = time.perf_counter()
-        for work in works:  # one work per op: wait on every one
-            work.wait()
-        self.waited += time.perf_counter() - start
+        self.clock.wait(works)  # one work per op: it waits on every one
         return received
-
-    @contextmanager
-    def timed(self, phase: str):
-        """Charge the enclosed pass to `phase` (while `charging`). Host time: on CUDA wait() only orders streams
-        (use a profiler there)."""
-        start, cpu, waited = time.perf_counter(), time.process_time(), self.waited
-        yield
-        if self.charging:
-            stat = self.times[phase]
-            stat.passes, stat.seconds = stat.passes + 1, stat.seconds + time.perf_counter() - start
-            stat.waited, stat.cpu = stat.waited + self.waited - waited, stat.cpu + time.process_time() - cpu
 
 
 def block_case(rank: int, source: int, length: int, balance: str):
@@ -280,11 +258,13 @@ def ring_attention_backward(dout, q, k, v, out, lse, ring: Ring, balance: str):
 
 
 class RingAttention(torch.autograd.Function):
-    """The ring, forward and backward, as one autograd node: saves q, k, v, out and lse (no scores)."""
+    """The ring, forward and backward, as one autograd node: saves q, k, v, out and lse (no scores).
+    training: grad was on at the call; only such passes are charged to the ring's clock (evaluation runs under
+    no_grad, and inside forward grad is always off)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, balance: str):
-        with torch.autocast(q.device.type, enabled=False), ring.timed("forward"):
+    def forward(ctx, q, k, v, ring: Ring, balance: str, training: bool = True):
+        with torch.autocast(q.device.type, enabled=False), ring.clock.timed("forward", charge=training):
             out, lse = ring_attention_forward(q, k, v, ring, balance)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.balance = ring, balance
@@ -293,9 +273,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        with torch.autocast(q.device.type, enabled=False), ctx.ring.timed("backward"):
+        with torch.autocast(q.device.type, enabled=False), ctx.ring.clock.timed("backward"):
             dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, ctx.ring, ctx.balance)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -353,13 +333,11 @@ class HeadToSeq(torch.autograd.Function):
         return _seq_to_head(grad, ctx.group, ctx.reorder), None, None
 
 
-def ulysses_attention(q, k, v, group, reorder, inner, dropout_p: float = 0.0):
-    """4 all-to-alls forward (q, k, v in, the output back), 4 backward; `inner` is ordinary causal attention."""
-    if q.shape[1] % dist.get_world_size(group):
-        raise ValueError(f"--cp-impl ulysses: {q.shape[1]} heads per tensor-parallel rank do not divide into"
-                         f" --cp {dist.get_world_size(group)}")
+def ulysses_attention(q, k, v, group, reorder, inner):
+    """4 all-to-alls forward (q, k, v in, the output back), 4 backward; `inner` is ordinary causal attention,
+    without dropout, on whole sequences of the a/(T·C) heads (config_from_flags checked that they divide)."""
     q, k, v = (SeqToHead.apply(t, group, reorder) for t in (q, k, v))
-    return HeadToSeq.apply(inner(q, k, v, dropout_p), group, reorder)
+    return HeadToSeq.apply(inner(q, k, v, 0.0), group, reorder)
 
 
 def zigzag_reorder(seq_len: int, cp: int, device=None):
@@ -369,13 +347,14 @@ def zigzag_reorder(seq_len: int, cp: int, device=None):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Wiring: the attention function, flags, apply, the handle
+# Wiring: the attention function, the flags, apply, the handle
 # ---------------------------------------------------------------------------------------------------------
 
 
 class ContextParallelAttention:
     """`block.attn.attention_fn` under CP. `inner` is the function it replaced (model.causal_attention, or
-    tensor_parallel's ForkedAttention around it): Ulysses calls it on whole sequences; the ring does not."""
+    tensor_parallel's ForkedAttention around it): Ulysses calls it on whole sequences; the ring does not.
+    dropout_p is 0 (`parallelize` refused a model with attention dropout)."""
 
     def __init__(self, inner, ring: Ring, impl: str, balance: str):
         self.inner, self.ring, self.impl, self.balance = inner, ring, impl, balance
@@ -383,11 +362,8 @@ class ContextParallelAttention:
 
     @torch.compiler.disable  # p2p and all-to-all inside: never traced into a compiled graph
     def __call__(self, q, k, v, dropout_p: float):
-        if dropout_p > 0:
-            raise ValueError(f"--dropout {dropout_p} with --cp {self.ring.size}: context-parallel attention has no"
-                             f" attention dropout; use --dropout 0")
         if self.impl == "ring":
-            return RingAttention.apply(q, k, v, self.ring, self.balance)
+            return RingAttention.apply(q, k, v, self.ring, self.balance, torch.is_grad_enabled())
         return ulysses_attention(q, k, v, self.ring.group, self._reorder_for(q.shape[2], q.device), self.inner)
 
     def _reorder_for(self, local_len: int, device):
@@ -398,43 +374,16 @@ class ContextParallelAttention:
         return self._reorder[local_len]
 
 
-def check_flags(seq_len: int, cp: int, n_head: int, tp: int = 1, impl: str = "ring", balance: str = "zigzag",
-                dropout: float = 0.0, sequence_parallel: bool = False) -> None:
-    """Raise ValueError naming the flag for any CP setting that cannot run (call before init_process_group)."""
-    if not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"--cp must be a positive integer, got {cp!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"--cp-impl {impl!r}: expected one of {', '.join(IMPLS)}")
-    if balance not in BALANCES:
-        raise ValueError(f"--cp-balance {balance!r}: expected one of {', '.join(BALANCES)}")
-    if cp == 1:
-        return
-    pieces = 2 * cp if balance == "zigzag" else cp
-    if seq_len % pieces:
-        raise ValueError(f"--seq-len {seq_len} must be divisible by {pieces} with --cp {cp} --cp-balance {balance}"
-                         f" (the sequence is cut into {'2C' if balance == 'zigzag' else 'C'} = {pieces} equal chunks)")
-    if impl == "ulysses" and (n_head % tp or (n_head // tp) % cp):
-        raise ValueError(f"--cp-impl ulysses with --cp {cp}: the n_head/T = {n_head}/{tp} heads per tensor-parallel"
-                         f" rank must be a whole number divisible by --cp {cp} (attention is split by heads)")
+def parallelize(model, group, impl: str = "ring", balance: str = "zigzag") -> Ring:
+    """Swap every held block's attention_fn for the CP one, in place; return the ring they share."""
+    dropout = max([block.attn.dropout for block in model.transformer.h], default=0.0)
     if dropout > 0:
-        raise ValueError(f"--dropout {dropout} with --cp {cp}: context-parallel attention has no attention dropout"
-                         f" (masks per ring block, replayed in backward, are not implemented); use --dropout 0")
-    if sequence_parallel and (seq_len // cp) % tp:
-        raise ValueError(f"--sp with --cp {cp}: the {seq_len // cp} tokens per CP rank (--seq-len {seq_len}) must"
-                         f" split into --tp {tp} pieces")
-
-
-def parallelize(model, group, impl: str = "ring", balance: str = "zigzag", **accounting) -> ContextParallel:
-    """Swap every held block's attention_fn for the CP one, in place; return the handle.
-
-    `accounting`: seq_len, micro, micro_batches, compute_bytes, tp (see ContextParallel) for the printouts.
-    """
-    if impl not in IMPLS or balance not in BALANCES:
-        raise ValueError(f"--cp-impl {impl!r} / --cp-balance {balance!r}: expected {IMPLS} / {BALANCES}")
+        raise ValueError(f"--dropout {dropout} with --cp: context-parallel attention has no attention dropout;"
+                         f" build the model with --dropout 0")
     ring = Ring(group)
     for block in model.transformer.h:
         block.attn.attention_fn = ContextParallelAttention(block.attn.attention_fn, ring, impl, balance)
-    return ContextParallel(model, ring, impl, balance, **accounting)
+    return ring
 
 
 @dataclass(frozen=True)
@@ -447,13 +396,43 @@ class CPConfig:
 
 
 def config_from_flags(args, settings) -> CPConfig | None:
-    """CP's flags on this model and mesh, or ValueError naming the flag (before any process group)."""
-    if args.cp == 1:
+    """CP's flags on this model and mesh (settings: flags.Settings), or a ValueError naming the flag, before any
+    process group exists; None when --cp is 1."""
+    cp, impl, balance = args.cp, args.cp_impl, args.cp_balance
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"--cp must be a positive integer, got {cp!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"--cp-impl {impl!r}: expected one of {', '.join(IMPLS)}")
+    if balance not in BALANCES:
+        raise ValueError(f"--cp-balance {balance!r}: expected one of {', '.join(BALANCES)}")
+    if cp == 1:
         return None
-    model = settings.model
-    check_flags(settings.seq_len, args.cp, model.n_head, args.tp, args.cp_impl, args.cp_balance, model.dropout,
-                settings.sequence_parallel)
-    return CPConfig(args.cp, args.cp_impl, args.cp_balance)
+    seq_len, n_head, tp, dropout = settings.seq_len, settings.model.n_head, settings.shape.tp, settings.model.dropout
+    pieces = 2 * cp if balance == "zigzag" else cp
+    if seq_len % pieces:
+        raise ValueError(f"--seq-len {seq_len} must be divisible by {pieces} with --cp {cp} --cp-balance {balance}"
+                         f" (the sequence is cut into {'2C' if balance == 'zigzag' else 'C'} = {pieces} equal chunks)")
+    if impl == "ulysses" and (n_head % tp or (n_head // tp) % cp):
+        raise ValueError(f"--cp-impl ulysses with --cp {cp}: the n_head/T = {n_head}/{tp} heads per tensor-parallel"
+                         f" rank must be a whole number divisible by --cp {cp} (attention is split by heads)")
+    if dropout > 0:
+        raise ValueError(f"--dropout {dropout} with --cp {cp}: context-parallel attention has no attention dropout"
+                         f" (masks per ring block, replayed in backward, are not implemented); use --dropout 0")
+    if settings.sequence_parallel and (seq_len // cp) % tp:
+        raise ValueError(f"--sp with --cp {cp}: the {seq_len // cp} tokens per CP rank (--seq-len {seq_len}) must"
+                         f" split into --tp {tp} pieces")
+    return CPConfig(cp, impl, balance)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What one layer's cp messages depend on (`layer_messages`)."""
+
+    micro: int  # b = B_μ, sequences per micro-batch
+    seq_len: int  # s, the whole sequence
+    width: int  # h/T, the hidden width this tensor-parallel rank's q, k, v have
+    compute_bytes: int  # e_c
+    checkpointing: bool = False  # activation checkpointing: backward recomputes the forward
 
 
 def apply(model, run, config: CPConfig) -> ContextParallel:
@@ -461,31 +440,23 @@ def apply(model, run, config: CPConfig) -> ContextParallel:
     param = next(model.parameters())
     with run.autocast:  # e_c: the dtype c_attn's output (q, k, v) will have in this run
         compute_bytes = torch.nn.functional.linear(param.new_zeros(1, 1), param.new_zeros(1, 1)).element_size()
-    handle = parallelize(model, run.mesh.group("cp"), config.impl, config.balance, seq_len=run.seq_len,
-                         micro=run.micro_batch_size, micro_batches=run.micro_batches, compute_bytes=compute_bytes,
-                         tp=run.mesh.size("tp"), autocast=run.autocast)
-    # Block 0 is measured now (collective over cp and tp), before a layout installs its gradient hooks.
-    handle.measured_startup = handle.startup_lines()
-    return handle
+    shape = LayerShape(run.micro_batch_size, run.seq_len, run.config.n_embd // run.mesh.size("tp"), compute_bytes,
+                       run.config.activation_checkpointing)
+    ring = parallelize(model, run.mesh.group("cp"), config.impl, config.balance)
+    return ContextParallel(model, ring, config, shape, run.micro_batches)
 
 
 @dataclass
 class ContextParallel(Axis):
-    """The handle: cuts batches, predicts and reports the cp messages, the causal work and the activations."""
+    """The handle: cuts batches into this rank's tokens, gives sampling whole-sequence attention back, predicts
+    the cp messages (report.py's cp section prints them with the causal work, the activations, the ring's time)."""
 
     model: object
     ring: Ring
-    impl: str
-    balance: str
-    seq_len: int | None = None
-    micro: int = 1
-    micro_batches: int = 1
-    compute_bytes: int = 4  # e_c
-    tp: int = 1
-    autocast: object = field(default_factory=nullcontext)
-    name: str = "cp"
-    alone_seconds: dict = field(default_factory=dict)  # ring transfers timed without compute, per phase
-    measured_startup: list | None = None  # startup_lines() as measured by apply
+    config: CPConfig
+    shape: LayerShape
+    micro_batches: int = 1  # m
+    name: ClassVar[str] = "cp"
 
     def shard_batches(self, batches) -> list:
         """[(x, y)] or [(x, y, pos)] of whole sequences → [(x, y, pos)] of this rank's tokens (pos global)."""
@@ -493,26 +464,14 @@ class ContextParallel(Axis):
         for batch in batches:
             x, y, pos = (*batch, None)[:3]
             seq_len = x.shape[1]
-            index = positions(seq_len, self.ring.size, self.ring.rank, self.balance).to(x.device)
+            index = positions(seq_len, self.ring.size, self.ring.rank, self.config.balance).to(x.device)
             pos = torch.arange(seq_len, device=x.device) if pos is None else pos
             out.append((x[:, index], y[:, index], pos[..., index]))
         return out
 
-    def after_grad_sync(self, layout) -> None:
-        """Nothing: the layout's dp×cp sum is the whole gradient (every rank's loss is a sum over its tokens)."""
-
-    def before_step(self) -> None:
-        self.ring.charging = True  # the ring's times count the passes of training steps...
-
-    def after_step(self, skipped: bool) -> None:
-        self.ring.charging = False  # ...not the evaluation (or anything else) run between them
-
-    def sampling(self):
-        return self.whole_sequences()
-
     @contextmanager
-    def whole_sequences(self):
-        """For sampling/evaluating whole sequences on every rank: the attention functions CP replaced."""
+    def sampling(self):
+        """Whole sequences on every rank (model.generate): the attention functions CP replaced, for the while."""
         blocks = list(self.model.transformer.h)
         swapped = [block.attn.attention_fn for block in blocks]
         try:
@@ -523,225 +482,44 @@ class ContextParallel(Axis):
             for block, fn in zip(blocks, swapped):
                 block.attn.attention_fn = fn
 
-    # --- accounting (item 3 of the docstring) ------------------------------------------------------------
-
     def layer_messages(self) -> dict:
-        """{(phase, op): (calls, payload)} of one layer and micro-batch: see `layer_messages`."""
-        config = self.model.config
-        return layer_messages(self.impl, self.ring.size, self.micro, self.seq_len, config.n_embd // self.tp,
-                              self.compute_bytes, config.activation_checkpointing)
+        """{"forward" | "backward": Messages} of one layer and micro-batch: see `layer_messages`."""
+        return layer_messages(self.config.impl, self.ring.size, self.shape)
 
-    def predicted_messages(self, layout=None) -> dict:
-        """Per optimizer step: {(op, "cp"): (calls, payload bytes)}."""
-        out = {}
-        repeats = len(self.model.transformer.h) * self.micro_batches
-        for (_, op), (calls, payload) in self.layer_messages().items():
-            c, b = out.get((op, "cp"), (0, 0))
-            out[(op, "cp")] = (c + calls * repeats, b + payload * repeats)
-        return out
-
-    def startup_lines(self) -> list:
-        """Collective over cp (and tp): measures block 0 once (messages, saved bytes, the ring alone)."""
-        from mfu import format_bytes
-
-        if self.measured_startup is not None:
-            return self.measured_startup
-        C, s, b, h = self.ring.size, self.seq_len, self.micro, self.model.config.n_embd
-        measured_msgs, saved = measure_block(self)
-        lines = [f"context parallel C={C} ({self.impl}, {self.balance}): rank c holds "
-                 + ("chunks c and 2C−1−c of 2C" if self.balance == "zigzag" else "the c-th s/C tokens")
-                 + f" ({s // C} of s={s} tokens); parameters replicated, gradients summed over dp×cp"]
-        lines.append(f"  messages per layer and micro-batch, group cp (e_c={self.compute_bytes},"
-                     f" e_a={_acc_bytes(self.compute_bytes)}):")
-        for (phase, op), (calls, payload) in self.layer_messages().items():
-            m_calls, m_payload = measured_msgs.get((phase, op), (0, 0))
-            lines.append(f"    {phase:<8} {op:<18} predicted {calls} × {format_bytes(payload / max(1, calls)):>10}"
-                         f"   measured {m_calls} × {format_bytes(m_payload / max(1, m_calls)):>10}")
-        step = sum(payload for (op, _), (_, payload) in self.predicted_messages().items() if op != "recv")
-        lines.append(f"  per step (× L={len(self.model.transformer.h)} × m={self.micro_batches}):"
-                     f" {format_bytes(step)} sent")
-        lines += causal_work_lines(s, C)
-        ctx = getattr(next(iter(self.model.transformer.h)).attn.c_attn, "ctx", None)  # tensor parallel's
-        sp = ctx is not None and ctx.sequence_parallel
-        lines += activation_lines(self.model.config, s, b, h, C, self.tp, saved, sp, self.compute_bytes)
-        if self.impl == "ring":
-            self.alone_seconds = time_ring_alone(self)
-            lines.append(f"  ring transfers alone (no compute): forward {self.alone_seconds['forward'] * 1e3:.2f} ms,"
-                         f" backward {self.alone_seconds['backward'] * 1e3:.2f} ms per layer")
-        return lines
-
-    def end_lines(self, tracer, steps: int) -> list:
-        from mfu import format_bytes
-
-        lines = [f"context parallel C={self.ring.size} ({self.impl}): per training step, measured vs predicted"
-                 f" (group cp; {steps} steps, evaluation not included)"]
-        records = tracer.records
-        for (op, group), (calls, payload) in self.predicted_messages().items():
-            stat = records.get((op, group))
-            m_calls, m_payload = (stat.calls / steps, stat.payload_bytes / steps) if stat else (0, 0)
-            lines.append(f"  {op:<18} predicted {calls} calls {format_bytes(payload):>10}"
-                         f"   measured {m_calls:g} calls {format_bytes(m_payload):>10}")
-        if self.impl != "ring":
-            return lines + ["  Ulysses' all-to-alls are blocking: none of their time is hidden (tracer seconds above)"]
-        layers, m = len(self.model.transformer.h), self.micro_batches
-        recompute = " (forward ×2: activation checkpointing)" if self.model.config.activation_checkpointing else ""
-        lines.append(f"  ring time over the {steps} training steps' passes, L={layers} × m={m} per step and"
-                     f" phase{recompute}; evaluation not included:")
-        on_cpu = next(self.model.parameters()).device.type == "cpu"
-        return lines + hidden_lines(self.ring.times, self.alone_seconds, on_cpu)
+    def predicted_messages(self, layout=None) -> Messages:
+        """Per optimizer step: one layer's messages × L held layers × m micro-batches, group cp."""
+        per_layer = self.layer_messages()
+        return (per_layer["forward"] + per_layer["backward"]).times(len(self.model.transformer.h) * self.micro_batches)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Accounting
+# Pure prediction formulas (items 2 and 3 of the docstring)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _acc_bytes(compute_bytes: int) -> int:
+def accumulator_bytes(compute_bytes: int) -> int:
+    """e_a: fp64 accumulators for fp64 inputs, else fp32 (as `_wide`)."""
     return 8 if compute_bytes == 8 else 4
 
 
-def layer_messages(impl, cp, micro, seq_len, h_local, compute_bytes, checkpointing=False) -> dict:
-    """One layer's cp-group messages for one micro-batch: {(phase, op): (calls, payload bytes)}."""
-    if cp == 1:
-        return {}
-    tokens = micro * seq_len // cp
-    out = {}
-
-    def add(phase, ops, calls, payload):
-        for op in ops:
-            c, b = out.get((phase, op), (0, 0))
-            out[(phase, op)] = (c + calls, b + calls * payload)
-
-    if impl == "ring":
-        kv, dkv = 2 * tokens * h_local * compute_bytes, 2 * tokens * h_local * _acc_bytes(compute_bytes)
-        forward = [((cp - 1), kv)]
-        backward = forward + [(cp, dkv)] + (forward if checkpointing else [])
-        for phase, messages in (("forward", forward), ("backward", backward)):
-            for calls, payload in messages:
-                add(phase, ("send", "recv"), calls, payload)
-    else:
-        piece = tokens * h_local * compute_bytes
-        add("forward", ("all_to_all_single",), 4, piece)
-        add("backward", ("all_to_all_single",), 8 if checkpointing else 4, piece)
-    return out
+def layer_messages(impl: str, cp: int, shape: LayerShape) -> dict:
+    """One layer's cp-group messages for one micro-batch, per phase: {"forward" | "backward": Messages}."""
+    forward, backward = Messages(), Messages()
+    tokens = shape.micro * shape.seq_len // cp
+    if cp > 1 and impl == "ring":
+        kv, dkv = (2 * tokens * shape.width * e for e in (shape.compute_bytes, accumulator_bytes(shape.compute_bytes)))
+        for op in ("send", "recv"):
+            forward.add(op, "cp", cp - 1, (cp - 1) * kv)  # [K; V] to the next rank, C−1 hops
+            backward.add(op, "cp", cp - 1, (cp - 1) * kv).add(op, "cp", cp, cp * dkv)  # and [dK; dV], C hops
+    elif cp > 1:
+        piece = tokens * shape.width * shape.compute_bytes
+        forward.add("all_to_all_single", "cp", 4, 4 * piece)  # q, k, v to head-split; the output back
+        backward.add("all_to_all_single", "cp", 4, 4 * piece)  # d output; dq, dk, dv back
+    if shape.checkpointing:  # backward recomputes the forward, messages included
+        backward = backward + forward
+    return {"forward": forward, "backward": backward}
 
 
 def causal_work(seq_len: int, cp: int) -> dict:
     """{balance: [(query, key) pairs rank c attends under the causal mask, for each c]}: token p sees p+1 keys."""
     return {balance: [int((positions(seq_len, cp, c, balance) + 1).sum()) for c in range(cp)] for balance in BALANCES}
-
-
-def causal_work_lines(seq_len: int, cp: int) -> list:
-    work = causal_work(seq_len, cp)
-    lines = [f"  causal work per CP rank, (query, key) pairs for s={seq_len} (max/mean is the imbalance):"]
-    for balance, pairs in work.items():
-        ratio = max(pairs) / (sum(pairs) / len(pairs))
-        lines.append(f"    {balance:<10} " + " ".join(f"{p:>10,}" for p in pairs) + f"   max/mean {ratio:.3f}")
-    return lines
-
-
-def saved_activation_bytes(fn, exclude=()) -> int:
-    """Bytes of the distinct storages autograd saves while `fn()` runs (parameters in `exclude` left out)."""
-    with SavedActivations(exclude) as saved:
-        fn()
-    return saved.bytes
-
-
-def activation_lines(config, s, b, h, cp, tp, measured: int | None, sequence_parallel: bool = False,
-                     element_bytes: int = 2) -> list:
-    """The measured saved bytes of one layer next to Korthikanti's estimate and its CP form (÷ C).
-
-    The estimate counts 16-bit elements; the measurement is in the run's dtypes, so it is also shown scaled
-    by 2/e_c (exact when every saved tensor is in the compute dtype; autocast keeps LayerNorm inputs fp32)."""
-    from mfu import activation_bytes_per_layer, format_bytes
-
-    full = activation_bytes_per_layer(s, b, h, config.n_head, tp, sequence_parallel)
-    # Without the score term (a = 0) and without the two 1-byte dropout masks of the residual branches.
-    masks = 2 * s * b * h / (tp if sequence_parallel else 1)
-    flash = activation_bytes_per_layer(s, b, h, 0, tp, sequence_parallel) - masks
-    line = (f"  activations per layer and micro-batch (Korthikanti 2022, 16-bit, ÷ C={cp}): sbh(34+5as/h)/C ="
-            f" {format_bytes(full / cp)}; no stored scores, no dropout masks (32sbh)/C = {format_bytes(flash / cp)}")
-    if measured is not None:
-        line += (f"; measured (saved_tensors_hooks) {format_bytes(measured)}, × 2/e_c = "
-                 f"{format_bytes(measured * 2 / element_bytes)}")
-    return [line]
-
-
-def measure_block(handle: ContextParallel) -> tuple[dict, int]:
-    """Run block 0 forward + backward once on random local input: ({(phase, op): (calls, bytes)}, saved bytes)."""
-    from comm import CommTracer
-
-    block = next(iter(handle.model.transformer.h))
-    param = next(block.parameters())
-    ctx = getattr(block.attn.c_attn, "ctx", None)  # tensor parallel's context, if any
-    local = handle.seq_len // handle.ring.size // (ctx.size if ctx is not None and ctx.sequence_parallel else 1)
-    generator = torch.Generator(device=param.device).manual_seed(0)
-    x = torch.randn(handle.micro, local, handle.model.config.n_embd, generator=generator, device=param.device,
-                    dtype=param.dtype, requires_grad=True)
-    tracer = CommTracer()
-    tracer.name_group(handle.ring.group, "cp")
-    with tracer, SavedActivations(exclude=list(handle.model.parameters())) as saved, handle.autocast:
-        out = block(x)
-    forward = tracer.records
-    tracer.reset()
-    with tracer:
-        out.float().sum().backward()
-    measured = {(phase, op): (r.calls, r.payload_bytes) for phase, records in (("forward", forward),
-                ("backward", tracer.records)) for (op, group), r in records.items() if group == "cp"}
-    block.zero_grad(set_to_none=True)
-    handle.ring.times = {phase: PhaseTime() for phase in handle.ring.times}  # not training time
-    return measured, saved.bytes
-
-
-def time_ring_alone(handle: ContextParallel, repeats: int = 5) -> dict:
-    """Seconds per layer of one micro-batch's ring transfers with no compute between them (collective over cp):
-    forward (C−1) hops of [K; V]; backward (C−1) of [K; V] and C of [dK; dV]."""
-    device, ring = next(handle.model.parameters()).device, handle.ring
-    shape = (2, handle.micro * handle.seq_len // handle.ring.size, handle.model.config.n_embd // handle.tp)
-    dtypes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
-    kv = torch.zeros(shape, dtype=dtypes[handle.compute_bytes], device=device)
-    dkv = torch.zeros(shape, dtype=dtypes[_acc_bytes(handle.compute_bytes)], device=device)
-    out = {}
-    for phase, hops in (("forward", [kv] * (ring.size - 1)), ("backward", [kv] * (ring.size - 1) + [dkv] * ring.size)):
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for tensor in hops:
-                ring.wait(ring.post(tensor))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        out[phase] = statistics.median(times)
-    return out
-
-
-def hidden_lines(times: dict, alone: dict, on_cpu: bool = False) -> list:
-    """How much of the ring's transfer time compute hid, per phase: at least 1 − waited / (the transfers alone),
-    both per pass. A lower bound: wait() also blocks on a peer that has not sent yet (imbalance; on a shared
-    host, a peer that was descheduled), so the waits can outlast the transfers even when each one overlapped.
-    on_cpu: also the CPU cores a rank kept busy while it computed (process CPU / (wall − waited); a gloo wait
-    sleeps), next to its torch threads: a one-thread rank with less than one core busy was descheduled, i.e.
-    the ranks time-share the host's cores."""
-    lines, shared = [], False
-    for phase, stat in times.items():
-        if not stat.passes:
-            continue
-        waited, seconds = stat.waited / stat.passes, stat.seconds / stat.passes
-        line = (f"  ring {phase:<8}: {stat.passes} passes, {seconds * 1e3:.2f} ms each, blocked in wait()"
-                f" {waited * 1e3:.2f} ms ({waited / seconds:.0%})")
-        if phase in alone and alone[phase] > 0:
-            line += (f"; the transfers alone {alone[phase] * 1e3:.2f} ms: at least"
-                     f" {min(1.0, max(0.0, 1 - waited / alone[phase])):.0%} of them hidden behind compute")
-        if on_cpu:
-            threads, cores = torch.get_num_threads(), stat.cpu / max(1e-9, stat.seconds - stat.waited)
-            shared = shared or (threads == 1 and cores < 0.8)
-            line += f"; {cores:.2f} CPU cores busy while computing ({threads} torch threads)"
-        lines.append(line)
-    if lines:
-        lines.append("  (at least: wait() also counts a slower peer's compute, so 0% means the waits outlast the"
-                     " transfers, not that none overlapped)")
-    if shared:
-        lines.append(f"  (under one core busy on one thread: the ranks time-share this host's {os.cpu_count()} cores; a"
-                     " rank's waits are then mostly its peers' descheduled compute, and gloo's copies of the"
-                     " 'hidden' transfers are CPU work taken from that compute)")
-    return lines

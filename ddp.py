@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import mfu
+from comm import Messages
 from model import StatePiece, counts_here
 from optim import ensure_adam_state, update
 
@@ -229,12 +230,15 @@ def assert_same_across_ranks(params: list, group=None):
 
 class DDPLayout:
     """ZeRO stage 0, the optim.Layout protocol: ddp.py sums the gradients, then every rank runs the same
-    torch AdamW on the whole model (its parameters are the fp32 masters: b_w = b_g = 4, b_o = 8).
+    torch AdamW on the whole model (its parameters are the fp32 masters: b_w = b_g = 4, b_o = 8). Its
+    start-up lines are report.py's (`ddp_startup_lines`, under its name).
 
     coords: this rank's index along every mesh axis (`Mesh.coordinates()`), for model.counts_here: a tensor
     replicated over TP or PP is counted in the norm and written once. Without a mesh (tests on one group),
     the axes a parameter says it is replicated over must be given here.
     """
+
+    name = "ddp"  # its lines: report.AXIS_LINES["ddp"]
 
     def __init__(self, ddp: DistributedDataParallel, optimizer, coords: dict | None = None):
         self.ddp, self.optimizer, self.module = ddp, optimizer, ddp.module
@@ -303,41 +307,13 @@ class DDPLayout:
         return mfu.persistent_bytes(sum(p.numel() for p in self.params),
                                     mfu.BytesPerParam(weights=b, grads=b, optimizer=2 * b), 0, 1)
 
-    def predicted_messages(self, micro_batches: int = 1) -> dict:
+    def predicted_messages(self, micro_batches: int = 1) -> Messages:
         """One all-reduce per bucket over its group, plus nothing else (the step's scalars are step.py's)."""
-        out = {}
+        out = Messages()
         for bucket, size in zip(self.ddp.buckets, self.ddp.bucket_sizes_bytes()):
             if dist.get_world_size(bucket.group) > 1:
-                key = ("all_reduce", bucket.group_name)
-                calls, payload = out.get(key, (0, 0))
-                out[key] = (calls + 1, payload + size)
+                out.add("all_reduce", bucket.group_name, 1, size)
         return out
-
-    def end_lines(self, tracer, steps: int) -> list:
-        return []  # its messages are in train.py's generic table
-
-    def startup_lines(self, micro_batches: int = 1) -> list:
-        persistent = self.predicted_persistent()
-        sizes = self.ddp.bucket_sizes_bytes()
-        lines = ["layout: DDP (ZeRO stage 0): parameters, gradients and AdamW state replicated over each"
-                 " parameter's data-parallel group; split: the batch",
-                 "predicted persistent memory per rank (fp32 master recipe: b_w = b_g = 4, b_o = 8 bytes):",
-                 f"  weights   {mfu.format_bytes(persistent['weights'])}",
-                 f"  grads     {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)",
-                 f"  AdamW m,v {mfu.format_bytes(persistent['optimizer'])}",
-                 f"  total     {mfu.format_bytes(persistent['total'])}"]
-        for (op, group), (calls, payload) in self.predicted_messages().items():
-            n = dist.get_world_size(self.ddp.groups[group])
-            lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls}"
-                         f" bucket{'' if calls == 1 else 's'}, sent per"
-                         f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} (2(N-1)/N·M, ring)")
-        if len(sizes) > 1 and dist.get_world_size(self.ddp.group) > 1:
-            lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"
-                         f" last one ({mfu.format_bytes(sizes[-1])}, the first layers' grads) is sent after it")
-        elif dist.get_world_size(self.ddp.group) > 1:
-            lines.append(f"critical path: the single bucket ({mfu.format_bytes(sizes[0])}) is sent after backward;"
-                         f" lower --bucket-mb to overlap it")
-        return lines
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 import data
+import hf
 import moe
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
-from model import GPTConfig, config_from_preset
+from model import PRESETS, GPTConfig, config_from_preset
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,7 +43,7 @@ class Settings:
     args: argparse.Namespace  # the parsed flags (read, never written)
     given: frozenset  # the flags the command line set itself (explicit_flags)
     shape: MeshShape  # D, P, C, T, E
-    model: GPTConfig  # the logical model (the vocabulary is set from the corpus at start)
+    model: GPTConfig  # the logical model (its vocabulary: the tokenizer's or --init-from's, padded: padded_vocab)
     seq_len: int
     micro_batch_size: int  # B_μ: sequences per micro-batch per data rank
     micro_batches: int  # m = B_global / (D·B_μ)
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dropout", type=float)
     g.add_argument("--no-bias", action="store_true", help="no biases in linears and LayerNorms")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    g.add_argument("--gelu", choices=["exact", "tanh"], help="the MLP's GELU: exact (erf; the default) or GPT-2's"
+                   " tanh approximation (the default with --init-from GPT-2 weights)")
+    g.add_argument("--init-from", metavar="DIR", help="start from a local Hugging Face GPT-2 directory (config.json +"
+                   " model.safetensors or pytorch_model.bin; nothing is downloaded): its config.json sets the shape")
     g = p.add_argument_group("data")
     g.add_argument("--data", help="a text file to train on (default: the Python standard library's source)")
     g.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2"])
@@ -215,7 +220,7 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
     if args.zero == 3 and args.activation_checkpointing:
         raise FlagError("--zero 3 with --activation-checkpointing: recomputing a block in backward reruns its"
                         " forward hooks, which would gather and free its weights out of schedule; use --zero 1 or 2")
-    config = model_config(args)
+    config = model_config(args, given)
     if args.min_lr is not None and args.min_lr > args.lr:
         raise FlagError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the cosine schedule decays from --lr"
                         f" down to --min-lr")
@@ -235,7 +240,10 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
                         f" got {args.keep}")
     if args.resume is not None and args.resume != "latest" and not args.resume.isdigit():
         raise FlagError(f"--resume must be 'latest' or a step number, got {args.resume!r}")
-    config.vocab_size = vocab_size(args.tokenizer)  # the corpus's own, padded (start_run sets it again)
+    real_vocab = config.real_vocab_size if args.init_from else tokenizer_vocab(args.tokenizer)
+    check_tokenizer(args.tokenizer, real_vocab, f"--init-from {args.init_from}" if args.init_from else None)
+    config.vocab_size = padded_vocab(real_vocab)  # rows past real_vocab are padding, never predicted (model.py)
+    config.real_vocab_size = real_vocab if config.vocab_size > real_vocab else None
     settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
                         seq_len=args.seq_len or config.block_size, micro_batch_size=micro,
                         micro_batches=args.global_batch // (shape.dp * micro))
@@ -316,9 +324,13 @@ def check_writable(flag: str, path: str, directory: bool) -> None:
         raise FlagError(f"{flag} {path!r}: the directory {parent!r} does not exist or cannot be written")
 
 
-def model_config(args):
+def model_config(args, given=frozenset()):
+    """The GPTConfig of the flags: the preset with its overrides, or --init-from's config.json (init_from_config).
+    The vocabulary is set by validate (the tokenizer's, or config.json's, padded)."""
+    if args.init_from:
+        return init_from_config(args, given)
     overrides = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
-                     **moe.config_overrides(args))
+                     gelu=args.gelu, **moe.config_overrides(args))
     if args.no_bias:
         overrides["bias"] = False
     if args.activation_checkpointing:
@@ -329,15 +341,60 @@ def model_config(args):
         raise FlagError(str(e)) from None
 
 
-def vocab_size(tokenizer: str) -> int:
-    """The model's vocabulary for a tokenizer: bytes as they are, BPE padded (main() uses the same rule)."""
-    if tokenizer == "byte":
-        return data.ByteTokenizer.vocab_size
-    return padded_vocab(data.GPT2Tokenizer.vocab_size)
+def init_from_config(args, given) -> GPTConfig:
+    """--init-from DIR: the shape and GELU from its config.json (hf.HFDirectory checks the directory: every
+    GPT-2 tensor there, with its shape); a flag that says otherwise is an error, not a silent override."""
+    flag = f"--init-from {args.init_from}"
+    try:
+        shape = hf.HFDirectory(args.init_from).shape
+    except hf.HFError as e:
+        raise FlagError(f"{flag}: {e}") from None
+    fixed = dict(n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd, gelu=shape.gelu)
+    for name, value in fixed.items():
+        if name in given and getattr(args, name) != value:
+            raise FlagError(f"--{name.replace('_', '-')} {getattr(args, name)} contradicts {flag}, whose config.json"
+                            f" has {name}={value}; leave the flag out")
+    if "preset" in given:
+        preset = config_from_preset(args.preset) if args.preset in PRESETS else None
+        if preset is None or (preset.n_layer, preset.n_head, preset.n_embd, preset.block_size) != (
+                shape.n_layer, shape.n_head, shape.n_embd, shape.block_size):
+            raise FlagError(f"--preset {args.preset} contradicts {flag}, whose config.json has n_layer={shape.n_layer}"
+                            f" n_head={shape.n_head} n_embd={shape.n_embd} n_positions={shape.block_size}; leave"
+                            f" --preset out")
+    if args.no_bias:
+        raise FlagError(f"--no-bias contradicts {flag}: GPT-2 has biases")
+    if args.moe_experts:
+        raise FlagError(f"--moe-experts with {flag}: GPT-2's MLPs are dense, the experts would have no weights")
+    return GPTConfig(block_size=shape.block_size, vocab_size=shape.vocab_size, real_vocab_size=shape.vocab_size,
+                     n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd, gelu=shape.gelu,
+                     dropout=args.dropout or 0.0, activation_checkpointing=args.activation_checkpointing)
+
+
+def tokenizer_vocab(tokenizer: str) -> int:
+    """The real vocabulary of a tokenizer: 256 bytes, or GPT-2's 50257 BPE tokens."""
+    return data.ByteTokenizer.vocab_size if tokenizer == "byte" else data.GPT2Tokenizer.vocab_size
+
+
+def tokenizer_of_vocab(vocab: int) -> str:
+    """The tokenizer of a model's real vocabulary: GPT-2's BPE for its 50257 rows, else bytes."""
+    return "gpt2" if vocab == data.GPT2Tokenizer.vocab_size else "byte"
+
+
+def check_tokenizer(tokenizer: str, vocab: int, source: str | None) -> None:
+    """--tokenizer is the one of the real vocabulary of the model `source` gives (None: the tokenizer's own):
+    one row per token, so that every row the model can predict can be decoded."""
+    if source is None or vocab == tokenizer_vocab(tokenizer):
+        return
+    if tokenizer == "byte" and vocab == data.GPT2Tokenizer.vocab_size:
+        raise FlagError(f"{source} has GPT-2's BPE vocabulary ({vocab} rows): add --tokenizer gpt2")
+    raise FlagError(f"--tokenizer {tokenizer} has {tokenizer_vocab(tokenizer)} tokens, but {source} has {vocab} rows:"
+                    f" the tokenizers are bytes (256 tokens) and GPT-2's BPE (50257)")
 
 
 def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
-    """Round the vocabulary up (50257 → 50304) so the head's matmul has friendly shapes."""
+    """The padded vocabulary's rule: round the rows up to a multiple of 64 (50257 → 50304; 256 stays), so the
+    head's matmul has friendly shapes and splits T ways for tensor parallel. The padding rows are never
+    predicted (model.py), so the rule changes no loss and no sample."""
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 

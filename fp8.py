@@ -1,76 +1,64 @@
 """FP8 training: the block linears compute their GEMMs in 8-bit floats, with per-tensor or blockwise scales.
 
-An FP8 number has 8 bits: E4M3 (4 exponent bits, 3 mantissa bits, largest value 448) and E5M2 (largest
-57344: more range, less precision). A tensor x is sent to FP8 with a scale s chosen so that its largest
-magnitude lands near the top of the format:
+E4M3 (4 exponent bits, 3 mantissa bits) reaches 448, E5M2 57344 (more range, less precision). A tensor x goes to
+FP8 with a scale s that puts its largest magnitude near the top of the format:
 
     s = max_format / amax / 2^margin,       q = cast(clamp(x·s, -max_format, max_format)),       x ≈ q / s
 
-The clamp matters: torch's E4M3 cast saturates at 448 in eager mode, but the E5M2 cast overflows to inf.
-Following Micikevicius et al. 2022 ("FP8 formats for deep learning") and Transformer Engine, inputs and
-weights use E4M3 and output gradients E5M2: the forward GEMM is e4m3×e4m3, the two backward GEMMs (dX = dY·W,
-dW = dYᵀ·X) are e5m2×e4m3. How the scale is chosen is the recipe (`--fp8`):
+The clamp matters: torch's E4M3 cast saturates at 448 in eager mode, but the E5M2 cast overflows to inf. As in
+Micikevicius et al. 2022 ("FP8 formats for deep learning") and Transformer Engine, inputs and weights are E4M3
+and output gradients E5M2: the forward GEMM is e4m3×e4m3, the backward ones (dX = dY·W, dW = dYᵀ·X) e5m2×e4m3.
+The recipe (`--fp8`) chooses the scale:
   current    amax of this tensor now (reduced over the ranks that hold pieces of it);
-  delayed    Transformer Engine's DelayedScaling: the scale of step s comes from the amax HISTORY of steps
-             < s (`max` over the last L steps or the `most_recent`), so no reduction waits in the forward
-             (the first step, with an empty history, scales like `current`, as torchao's did);
+  delayed    Transformer Engine's DelayedScaling: the scale of step s comes from the amax HISTORY of steps < s
+             (`max` over the last L steps or the `most_recent`), so no reduction waits in the forward (the first
+             step, with an empty history, scales like `current`, as torchao's did);
   blockwise  DeepSeek-V3 (2024, section 3.3): all E4M3, one scale per 1×128 tile of activations and output
              gradients and per 128×128 block of weights (current scaling, tile by tile).
 
 Which layers: the block linears (attention's c_attn and c_proj, the MLP's c_fc and c_proj: ~2/3 of a GPT's
-FLOPs). The embedding is a lookup; the head stays in the compute dtype (its logits feed the cross-entropy,
-whose gradient lives in small differences; its weight is the tied embedding), the loss in fp32, MoE routers
-(`router`, `gate`) precise, as in DeepSeek-V3 (a flipped top-k choice is not a small error), the experts'
-linears in the compute dtype for now (an expert's row count is data-dependent, the FP8 GEMM needs multiples
-of 16: padding them in the dispatch would lift this).
+FLOPs). The embedding is a lookup; the head stays in the compute dtype (its logits feed the cross-entropy, whose
+gradient lives in small differences), the loss in fp32, MoE routers (`router`, `gate`) precise as in DeepSeek-V3
+(a flipped top-k choice is not a small error), the experts' linears in the compute dtype (their row counts are
+data-dependent, the FP8 GEMM needs multiples of 16: padding them in the dispatch would lift this).
 
-One logical tensor, one scale, on any mesh: ranks holding pieces of one logical tensor (TP shards of a
-weight, an activation or its gradient; CP pieces of a sequence) MAX-reduce its amax before quantising, so
-every element is quantised exactly as on one device (data-parallel ranks hold other data: current scaling
-never reduces over them). The delayed history of step s is the max over its micro-batches and ranks (the
-linear's gradient group, dp×cp or expert-dp, and TP): the same on every rank holding the linear. On GPUs
-with FP8 tensor cores (compute capability ≥ 8.9) the per-tensor GEMMs run on `torch._scaled_mm`; elsewhere
-(and for blockwise) they are emulated on the same quantised values, multiplied in fp32 (fp64 for float64
-models) and rounded once, as tensor cores accumulate. `_scaled_mm`'s rules (K and N multiples of 16, a
-column-major second operand, no e5m2×e5m2) are checked on every device.
+One logical tensor, one scale, on any mesh: the ranks holding pieces of a tensor (TP shards of a weight, an
+activation or its gradient; CP pieces of a sequence) MAX-reduce its amax before quantising, so every element is
+quantised as on one device (data-parallel ranks hold other data: current scaling never reduces over them); the
+delayed history of step s is the max over its micro-batches and ranks (the linear's gradient group, dp×cp or
+expert-dp, and TP). With FP8 tensor cores (compute capability ≥ 8.9) the per-tensor GEMMs run on
+`torch._scaled_mm`, elsewhere (and for blockwise) emulated on the same quantised values in fp32 (fp64 for
+float64 models), rounded once as tensor cores accumulate; `_scaled_mm`'s rules are checked on every device.
 
-Symbols: M = b·s/C tokens per micro-batch on a rank (b micro-batch, s sequence, C context parallel; with
---sp the column layers see the gathered b·s), h hidden, T tensor parallel, L history length, n = FP8 linears
-this rank holds, m micro-batches per step, e_c bytes of a compute-dtype element (bf16: 2).
+Symbols: M = b·s/C tokens per micro-batch on a rank (b micro-batch, s sequence, C context parallel; with --sp
+the column layers see the gathered b·s), h hidden, T tensor parallel, L history length, n = FP8 linears this rank
+holds, e_c bytes of a compute-dtype element (bf16: 2).
 
-1. Replicated and split: nothing new is split. Each FP8 linear keeps its parameters (TP/EP shards as they
-   were) and adds, per role (input, weight, grad_output), a scale and an L-long amax history, identical on
-   every rank holding the linear.
-2. Peak per device: the scaling state, n·(3L + 18)·4 bytes. Each FP8 linear saves its input for backward in
-   FP8: Σ_j M·K_j·(e_c - 1) bytes less per micro-batch in flight (`saved_input_bytes`; K_j its local input
-   width; per GPT layer M·h·(2 + 5/T)·(e_c - 1); blockwise adds a float32 scale per 128 values, +3%). The
-   weight is quantised once per optimizer step (`weight_codes`) for every micro-batch in flight: Σ_j N_j·K_j
-   bytes, twice on the per-tensor recipes (dX's column-major copy), instead of autocast's e_c-byte copy.
-   Under --sp a column layer keeps its gathered input in FP8 (M·h bytes, not its 2·M·h/T bf16 shard) and
-   does not re-gather it in backward (`convert` switches `regather` off). Temporaries: the fp32 scaled copy
-   being quantised (≤ 4·M·4h/T bytes), FP8 transposes of dY and X in backward; under the pipeline's zb,
-   dW's FP8 operands (M·(N_j + K_j) bytes) and db from I to W.
+1. Replicated and split: nothing new is split. Each FP8 linear keeps its parameters (TP shards as they were) and
+   adds, per role (input, weight, grad_output), a scale and an L-long amax history, replicated.
+2. Peak per device: the scaling state, n·(3L + 18)·4 bytes. Each FP8 linear saves its input for backward in FP8:
+   Σ_j M·K_j·(e_c - 1) bytes less per micro-batch in flight (`saved_input_bytes`; K_j its local input width; per
+   GPT layer M·h·(2 + 5/T)·(e_c - 1); blockwise adds a float32 scale per 128 values, +3%). The weight is
+   quantised once per optimizer step (`WeightCodes`) for every micro-batch in flight: Σ_j N_j·K_j bytes, twice
+   on the per-tensor recipes (dX's column-major copy), instead of autocast's e_c-byte copy. Under --sp a column
+   layer keeps its gathered input in FP8 (M·h bytes, not its 2·M·h/T bf16 shard) and does not re-gather it in
+   backward (`convert` switches `regather` off). Temporaries: the fp32 scaled copy being quantised
+   (≤ 4·M·4h/T bytes), FP8 transposes of dY and X in backward; under the pipeline's zb, dW's FP8 operands
+   (M·(N_j + K_j) bytes) and db from I to W.
 3. Messages (all_reduce MAX, float32, on the critical path, tiny and latency-bound; `predicted_messages`):
-     current:   per linear and micro-batch: forward 8 bytes ([amax_x, amax_w]), backward 4 bytes (amax_dY),
-                over cp and over tp (each when its size > 1); activation checkpointing repeats the forward's.
-     delayed:   per optimizer step, in `end_step`: one 12·n-byte all_reduce over the linears' gradient group
-                (dp_cp; expert_dp for experts) and one over tp (each when its size > 1); the first step
+     current:   per linear and micro-batch: forward 8 bytes ([amax_x, amax_w]), backward 4 bytes (amax_dY), over
+                cp and over tp (each when its size > 1); activation checkpointing repeats the forward's.
+     delayed:   per optimizer step, in `after_grad_sync`: one 12·n-byte all_reduce over the linears' gradient
+                group (dp_cp; expert_dp for experts) and one over tp (each when its size > 1); the first step
                 (empty history) also sends the current recipe's messages.
      blockwise: none: the tiles are local (`config_from_flags` requires TP-split widths that are multiples of
-                128; under CP dW's 128-token tiles are this rank's tokens, so blockwise equals the single
-                device only when its sequence pieces hold whole tiles).
-4. Restart state: per linear and role the amax history and scale (delayed; current and blockwise have
-   none), keyed by the linear's global name (`state_pieces`): the same on every rank holding the linear, so
-   a checkpoint writes them once and any mesh restores them; a restored run replays bitwise.
-
-The axis (step.Axis): `config_from_flags` before any process group; `apply(model, run, recipe)` after PP,
-before DDP/ZeRO; once per optimizer step `after_grad_sync` (`end_step`: roll the histories, drop the step's
-FP8 weights, return this rank's count of linears with a non-finite amax, which the update's world finite
-check adds: every rank skips that step); `state_pieces`; `predicted_messages`, `traced_prediction` (report.py
-prints). Amaxes are recorded in training only (a forward with autograd, every backward).
-ZeRO-3's FP8 all-gather (`gather_codecs`): `quantize_to_uint8` / `dequantize_from_uint8`
-with a scale shared by the shards (`scale_from_amax` of the MAX-reduced shard amaxes, or under delayed
-scaling the linear's own `scale[1]`); the linear reads the codes' amax from `gathered_weight_amax`.
+                128; under CP dW's 128-token tiles are this rank's tokens, so blockwise equals the single device
+                only when its sequence pieces hold whole tiles).
+   ZeRO-3 gathers these weights as E4M3 bytes, each gather adding a MAX all_reduce of 4 bytes per weight over
+   the gathering group and the amax groups (`ZeroWeightCodec`, the last section).
+4. Restart state: per linear and role the amax history and scale (delayed; current and blockwise have none),
+   keyed by the linear's global name (`state_pieces`): the same on every rank holding the linear, so a
+   checkpoint writes them once and any mesh restores them; a restored run replays bitwise.
 """
 
 from __future__ import annotations
@@ -159,19 +147,6 @@ def dequantize_tiles(q: torch.Tensor, inverse_scale: torch.Tensor, tile, dtype: 
     return tiles.flatten(2).flatten(0, 1)[:q.shape[0], :q.shape[1]]
 
 
-def quantize_to_uint8(shard: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """For ZeRO-3's FP8 all-gather: a weight shard in E4M3 with the logical tensor's shared scale, as uint8
-    (gloo cannot move float8). Quantising shards with one scale and concatenating them equals quantising the
-    whole tensor, so the gathered weight is what the FP8 linear would compute from the full one."""
-    return quantize(shard, E4M3, scale, count_saturated=False)[0].view(torch.uint8)
-
-
-def dequantize_from_uint8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse: uint8 bytes of E4M3 values → q/scale in `dtype`. The FP8 linear re-quantising this weight
-    with the same scale (or one computed from its amax, which lands on the same values) gets q back exactly."""
-    return dequantize(data.view(E4M3.dtype), scale, dtype)
-
-
 # --- The scaling rule (Transformer Engine's DelayedScaling) --------------------------------------------------
 
 
@@ -184,10 +159,9 @@ class Recipe:
 
 
 def roll_history(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fmt_max, recipe: Recipe):
-    """One step of delayed scaling: (new history, new scale) for histories [..., L] (index 0 = latest). A
-    finite amax enters the history (the oldest leaves); a non-finite one does not, and that role keeps its
-    history and scale. s = max_format / (max over the history, or its latest entry) / 2^margin, kept when
-    that amax is 0 (nothing seen yet)."""
+    """One step of delayed scaling on histories [..., L] (index 0 the latest): (new history, new scale). A finite
+    amax enters (the oldest leaves); a non-finite one leaves that role's history and scale as they were. s =
+    max_format / (the history's max, or its latest entry) / 2^margin, kept while that is 0 (nothing seen yet)."""
     finite = torch.isfinite(amax)
     rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
     history = torch.where(finite.unsqueeze(-1), rolled, history)
@@ -211,14 +185,12 @@ def gemm_shape_errors(m: int, k: int, n: int, training: bool = True) -> list:
     return errors
 
 
-def check_operands(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    """_scaled_mm's operand rules, on every device: a [M,K] row-major, b [K,N] column-major, FP8, not both
-    e5m2, K and N multiples of 16. A ValueError here is what a GPU would have refused."""
+def scaled_matmul(a, a_inverse_scale, b, b_inverse_scale, out_dtype, use_scaled_mm: bool, what: str = "GEMM"):
+    """(a·a_inv)·(b·b_inv) in out_dtype, a and b per-tensor-scaled FP8, accumulated in fp32 (fp64 emulated), after
+    _scaled_mm's operand rules, checked on every device (a ValueError here is what a GPU would refuse)."""
     if a.dtype == b.dtype == E5M2.dtype:
         raise ValueError(f"FP8 {what}: e5m2 × e5m2 has no tensor-core GEMM (torch._scaled_mm); one operand"
                          f" must be e4m3")
-    if not (a.dtype in (E4M3.dtype, E5M2.dtype) and b.dtype in (E4M3.dtype, E5M2.dtype)):
-        raise ValueError(f"FP8 {what}: operands must be float8, got {a.dtype} and {b.dtype}")
     (k, n) = b.shape
     if a.shape[1] != k or k % 16 or n % 16:
         raise ValueError(f"FP8 {what}: torch._scaled_mm needs [M,K]·[K,N] with K and N multiples of 16,"
@@ -226,11 +198,6 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     if a.stride(1) != 1 or not (b.stride(0) == 1 and b.stride(1) >= k):
         raise ValueError(f"FP8 {what}: torch._scaled_mm needs a row-major first operand and a column-major"
                          f" second one, got strides {a.stride()} and {b.stride()}")
-
-
-def scaled_matmul(a, a_inverse_scale, b, b_inverse_scale, out_dtype, use_scaled_mm: bool, what: str = "GEMM"):
-    """(a·a_inv)·(b·b_inv) in out_dtype, a and b per-tensor-scaled FP8, accumulated in fp32 (fp64 emulated)."""
-    check_operands(a, b, what)
     if use_scaled_mm:
         return torch._scaled_mm(a, b, scale_a=a_inverse_scale, scale_b=b_inverse_scale, out_dtype=out_dtype)
     wide = _wide(out_dtype)
@@ -243,20 +210,17 @@ def has_fp8_tensor_cores(device) -> bool:
 
 
 # --- The FP8 linear ------------------------------------------------------------------------------------------
-
-
 # Blockwise (DeepSeek-V3): every scale covers 128 consecutive values of the dimension its GEMM contracts, so it
 # factors out of each 128-long partial sum; the weight's 128×128 blocks serve both of its GEMMs.
 #   forward   Y  = X·Wᵀ   contracts K        X [M, K] in 1×128 tiles,   W [N, K] in 128×128 blocks
 #   input     dX = dY·W   contracts N        dY [M, N] in 1×128 tiles,  W as above
 #   weight    dW = dYᵀ·X  contracts M tokens dY [M, N] and X [M, K] in 128×1 tiles
-# quantize_tiles gives (codes, inverse-scale grid [⌈rows/r⌉, ⌈cols/c⌉], amax): W's grid is [⌈N/128⌉, ⌈K/128⌉],
-# the forward's X's [M, ⌈K/128⌉], dX's dY's [M, ⌈N/128⌉], dW's dY's and X's [⌈M/128⌉, N] and [⌈M/128⌉, K].
+# The inverse-scale grids (quantize_tiles): W [⌈N/128⌉, ⌈K/128⌉], X [M, ⌈K/128⌉], dX's dY [M, ⌈N/128⌉].
 
 
 def blockwise_weight_grad_operands(dy: torch.Tensor, qx: torch.Tensor, ix: torch.Tensor, wide: torch.dtype):
-    """dW's operands, both in 128×1 tiles along the tokens: (dY codes, grid [⌈M/128⌉, N], X codes, grid
-    [⌈M/128⌉, K]). X is re-tiled from its forward codes (the only X kept)."""
+    """dW's operands in 128×1 tiles: (dY codes, grid [⌈M/128⌉, N], X codes, grid [⌈M/128⌉, K]); X re-tiled
+    from its forward codes (the only X kept)."""
     qdy_t, idy_t, _ = quantize_tiles(dy, TILE_ACTIVATION_T)
     qx_t, ix_t, _ = quantize_tiles(dequantize_tiles(qx, ix, TILE_ACTIVATION, wide), TILE_ACTIVATION_T)
     return qdy_t, idy_t, qx_t, ix_t
@@ -274,24 +238,21 @@ def weight_gradient(layer, operands: tuple, wide: torch.dtype) -> torch.Tensor:
                          layer.use_scaled_mm, "weight gradient dW = dYᵀ·X")
 
 
-def _deferred_weight_grads(layer, operands: tuple, wide: torch.dtype, db) -> list:
-    """The pipeline's W for an FP8 linear: [(weight, dW), (bias, db)] (db was summed in I, from the exact dY)."""
-    pairs = [(layer.weight, weight_gradient(layer, operands, wide))]
-    return pairs + ([(layer.bias, db)] if db is not None else [])
-
-
 class _Fp8LinearFunction(torch.autograd.Function):
-    """Y = X·Wᵀ + b with X, W in E4M3 and dY in E5M2 (blockwise: all E4M3); saves X in FP8 and uses the step's
-    FP8 weight (`Fp8Linear.weight_codes`) in both passes. store: the pipeline's WeightGradStore under zb (the
-    weight and bias then arrive detached): backward computes dX now and hands the store a callable for dW and
-    db, which keeps dW's FP8 operands (dY, X, their scales) and db until the W action."""
+    """Y = X·Wᵀ + b; saves X in FP8 and uses the step's FP8 weight (`Fp8Linear.weight_codes`) in both passes.
+    store: the pipeline's WeightGradStore under zb (weight and bias then arrive detached): backward computes dX
+    now and hands the store a callable that keeps dW's FP8 operands and db until the W action."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, training, store):
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        layer.check_shapes(x2.shape[0], training)
+        errors = gemm_shape_errors(x2.shape[0], layer.in_features, layer.out_features, training)
+        if errors:
+            raise ValueError(f"FP8 linear {layer.name} [{layer.out_features}×{layer.in_features}]: "
+                             + "; ".join(errors) + " (torch._scaled_mm's rules, checked on every device)")
         device = x.device.type  # the output in autocast's dtype, as nn.Linear's would be
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        wide = _wide(out_dtype)  # float32 inverse scales on the GPU path
         with torch.autocast(device, enabled=False):
             codes = layer.cached_weight_codes(weight)  # None: the step's first micro-batch (or a new weight)
             if layer.recipe.mode == "blockwise":
@@ -301,15 +262,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 qx, ix, amax_x = quantize_tiles(x2, TILE_ACTIVATION)
                 smallest = torch.stack([ix.max(), codes.inverse_scales.max()]).reciprocal()  # largest-amax tiles
                 layer.observe(FORWARD, torch.stack([amax_x, codes.amax]), smallest, record=training)
-                wide = _wide(out_dtype)
                 y = (dequantize_tiles(qx, ix, TILE_ACTIVATION, wide)
                      @ dequantize_tiles(codes.q, codes.inverse_scales, TILE_WEIGHT, wide).t()).to(out_dtype)
             else:
-                if codes is not None:
-                    amax_w = codes.amax
-                elif layer.gathered_weight_amax is not None:  # ZeRO-3 gathered E4M3 codes scaled with this amax
-                    amax_w = layer.gathered_weight_amax
-                else:
+                # the weight's amax: its step codes', else ZeRO-3's (whose gathered codes were scaled with it)
+                amax_w = codes.amax if codes is not None else layer.gathered_weight_amax
+                if amax_w is None:
                     amax_w = amax_of(weight)
                 amax = torch.stack([amax_of(x2), amax_w])
                 scale = layer.scales(FORWARD, amax)  # the weight's is the same for every micro-batch of a step
@@ -319,7 +277,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     codes = layer.cache_weight_codes(weight, qw, amax_w, scale=scale[1], saturated=sat_w)
                 layer.observe(FORWARD, amax, scale, (sat_x, codes.saturated), (qx.numel(), codes.q.numel()),
                               training)
-                wide = _wide(out_dtype)  # float32 inverse scales on the GPU path
                 ix, iw = scale[0].to(wide).reciprocal(), codes.scale.to(wide).reciprocal()
                 y = scaled_matmul(qx, ix, codes.q.t(), iw, out_dtype, layer.use_scaled_mm, "forward Y = X·Wᵀ")
             if bias is not None:
@@ -353,14 +310,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 layer.observe(BACKWARD, amax, scale, (sat,), (qdy.numel(),))
                 idy = scale[0].to(wide).reciprocal()
                 if ctx.needs_input_grad[0]:
-                    dx = scaled_matmul(qdy, idy, codes.column_major(), codes.scale.to(wide).reciprocal(),
+                    dx = scaled_matmul(qdy, idy, codes.column_major, codes.scale.to(wide).reciprocal(),
                                        ctx.out_dtype, layer.use_scaled_mm, "input gradient dX = dY·W")
                 operands = (qdy, idy, qx, ix)
             wants_db = ctx.has_bias and (ctx.needs_input_grad[2] or store is not None)
             db = dy.sum(0, dtype=layer.bias.dtype) if wants_db else None
         dx = None if dx is None else dx.to(ctx.x_dtype).view(*grad.shape[:-1], qx.shape[1])
-        if store is not None:  # zb's I: dW and db wait for the W action
-            store.defer(functools.partial(_deferred_weight_grads, layer, operands, wide, db))
+        if store is not None:  # zb's I: dW (and db, summed now from the exact dY) wait for the W action
+            store.defer(lambda: [(layer.weight, weight_gradient(layer, operands, wide))]
+                        + ([(layer.bias, db)] if db is not None else []))
             return dx, None, None, None, None, None
         dw = weight_gradient(layer, operands, wide) if ctx.needs_input_grad[1] else None
         return dx, dw, db, None, None, None
@@ -368,9 +326,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 @dataclass(eq=False)
 class WeightCodes:
-    """A weight in FP8 for one optimizer step: quantised by the step's first micro-batch, used by every forward
-    and backward of the step (the weight does not change within it). The column-major copy dX needs is built
-    by the first backward."""
+    """A weight in FP8 for one optimizer step (it does not change within it): quantised by the step's first
+    micro-batch, used by all its forwards and backwards; dX's column-major copy is built by the first backward."""
 
     q: torch.Tensor  # [N, K] row-major
     scale: torch.Tensor | None  # per tensor: s
@@ -379,33 +336,31 @@ class WeightCodes:
     saturated: torch.Tensor | None  # values the clamp cut (delayed)
     source: tuple  # what it was made from (Fp8Linear._weight_source): compared before every use
     gathered_amax: torch.Tensor | None  # ZeRO-3's, compared by identity
-    _column_major: torch.Tensor | None = None
 
+    @functools.cached_property
     def column_major(self) -> torch.Tensor:
         """W [N, K] with N contiguous: _scaled_mm's second operand of dX = dY·W."""
-        if self._column_major is None:
-            self._column_major = self.q.t().contiguous().t()
-        return self._column_major
+        return self.q.t().contiguous().t()
 
 
 class Fp8Linear(nn.Linear):
-    """A drop-in for a local nn.Linear (plain, a TP shard inside Column/RowParallelLinear, or an expert): the
-    SAME parameter objects, its GEMMs in FP8, and its scaling state (per role: history, scale).
-    amax_groups: the process groups over which pieces of this linear's tensors are spread (cp, tp): current
-    scaling MAX-reduces amaxes over them. gemm: "auto" (_scaled_mm on FP8 tensor cores, else emulated),
-    "emulated", or "scaled_mm" (forced: tests run it on CPU to check the GPU path's operands and scales).
-    Under the pipeline's zb it defers its own weight gradient (`defers_weight_grad`: the store does not patch
-    its forward): with `weight_grad_store` set, its backward leaves dW and db to the store's W."""
+    """A drop-in for a local nn.Linear (plain or a TP shard inside Column/RowParallelLinear): the SAME parameter
+    objects, its GEMMs in FP8, and its scaling state (per role: history, scale). amax_groups: {mesh group name:
+    process group} over which pieces of its tensors are spread (cp, tp), for current scaling; delayed_groups:
+    the mesh groups the delayed roll reduces over; gemm: "auto", "emulated" or "scaled_mm" (forced, for tests).
+    Under the pipeline's zb it defers its own weight gradient (`defers_weight_grad`: the store does not patch its
+    forward), through `weight_grad_store` (see _Fp8LinearFunction)."""
 
     defers_weight_grad = True
 
-    def __init__(self, linear: nn.Linear, recipe: Recipe, name: str = "", amax_groups=(), gemm: str = "auto"):
+    def __init__(self, linear: nn.Linear, recipe: Recipe, name: str = "", amax_groups=(), delayed_groups=(),
+                 gemm: str = "auto"):
         nn.Module.__init__(self)  # no new parameters: keep the wrapped linear's
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
-        self.recipe, self.name, self.amax_groups = recipe, name, tuple(amax_groups)
-        self.delayed_groups = ()  # names of the mesh groups the delayed roll reduces over (set by convert)
+        self.recipe, self.name, self.amax_groups = recipe, name, dict(amax_groups)
+        self.delayed_groups = tuple(delayed_groups)
         device = linear.weight.device
         self.fmt_max = torch.tensor([f.max for f in FORMATS], device=device)
         self.amax_history = torch.zeros(3, recipe.amax_history, device=device)  # [role, L], column 0 latest
@@ -431,16 +386,6 @@ class Fp8Linear(nn.Linear):
             weight, bias = weight.detach(), None if bias is None else bias.detach()
         return _Fp8LinearFunction.apply(x, weight, bias, self, training, store)
 
-    def extra_repr(self) -> str:
-        gemm = "_scaled_mm" if self.use_scaled_mm else "emulated"
-        return f"{super().extra_repr()}, fp8={self.recipe.mode}, gemm={gemm}"
-
-    def check_shapes(self, tokens: int, training: bool) -> None:
-        errors = gemm_shape_errors(tokens, self.in_features, self.out_features, training)
-        if errors:
-            raise ValueError(f"FP8 linear {self.name or ''} [{self.out_features}×{self.in_features}]: "
-                             + "; ".join(errors) + " (torch._scaled_mm's rules, checked on every device)")
-
     def _weight_source(self, weight: torch.Tensor) -> tuple:
         """What the FP8 weight depends on: the tensor (address, in-place version: a step, a checkpoint load)
         and the delayed scale (its version: a roll, a restored state; and whether the history is ready)."""
@@ -459,13 +404,14 @@ class Fp8Linear(nn.Linear):
                                         self.gathered_weight_amax)
         return self.weight_codes
 
-    def scales(self, roles: slice, amax: torch.Tensor) -> torch.Tensor:
-        """The scales to quantise `roles` with now: the delayed ones, or from the amaxes reduced over the
-        ranks holding pieces of these tensors (current scaling, and delayed while the history is empty)."""
+    def scales(self, roles: slice, amax: torch.Tensor, reduced: bool = False) -> torch.Tensor:
+        """The scales to quantise `roles` with now: the delayed ones, or from the amaxes MAX-reduced over the
+        ranks holding pieces of these tensors (current scaling, and delayed while the history is empty).
+        reduced: the caller has reduced them (ZeRO-3's codec, all weights of a unit in one all-reduce)."""
         if self.recipe.mode == "delayed" and self.history_ready:
             return self.scale[roles].clone()
         amax = torch.nan_to_num(amax, nan=float("inf"))  # MAX must not drop a NaN
-        for group in self.amax_groups:
+        for group in () if reduced else self.amax_groups.values():
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return scale_from_amax(amax, self.fmt_max[roles], self.recipe.margin)
 
@@ -499,22 +445,14 @@ class Fp8Linear(nn.Linear):
             self._history_version = self.amax_history._version
         return self._history_ready
 
-    def take_saturation(self) -> list:
-        """Per role, the percentage of values the clamp cut since the last call (this rank's); restarts."""
-        shares = [100 * c / max(1, n) for c, n in zip(self.saturated.tolist(), self.quantized)]
-        self.saturated.zero_()
-        self.quantized = [0, 0, 0]
-        return shares
-
 
 # --- Wiring into the trainer ---------------------------------------------------------------------------------
 
 
 def config_from_flags(args, settings) -> Recipe | None:
-    """The FP8 recipe of --fp8 and its flags (None without --fp8), checked once, before any process group:
-    _scaled_mm's shape rules for every block linear's local shard on this mesh, and for blockwise under TP
-    that the 128-wide tiles do not straddle TP shards. Raises ValueError naming the flags. (The choices and
-    ranges of --fp8, --fp8-amax-history, --fp8-amax-algo and --fp8-margin are argparse's and flags.py's.)"""
+    """The FP8 recipe of --fp8 and its flags (None without --fp8; their choices and ranges are flags.py's),
+    checked once, before any process group: _scaled_mm's shape rules for every block linear's local shard on
+    this mesh, and for blockwise under TP that no 128-wide tile straddles TP shards. ValueError names the flags."""
     mode = args.fp8
     if mode is None:
         return None
@@ -532,17 +470,17 @@ def config_from_flags(args, settings) -> Recipe | None:
     return Recipe(mode, args.fp8_amax_history, args.fp8_amax_algo, args.fp8_margin)
 
 
-def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto", micro_batches: int = 1) -> Fp8Handle:
-    """Swap every nn.Linear inside the blocks (routers, gates and experts aside) for an Fp8Linear, in place.
-    mesh: a mesh.Mesh (None: one process). The current-scaling groups are cp and tp, the delayed roll's the
-    linear's gradient group (dp_cp, or expert_dp) and tp, each kept when it has more than one rank. Under
-    sequence parallel a ColumnParallelLinear keeps its gathered input (now in FP8) instead of re-gathering it
-    in backward: its `regather` is switched off. micro_batches: m, for the predicted messages."""
+def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1) -> Fp8Handle:
+    """Swap every nn.Linear inside the blocks (routers, gates and experts aside) for an Fp8Linear, in place; a
+    ColumnParallelLinear stops re-gathering its input (`regather` off: docstring item 2). mesh: a mesh.Mesh
+    (None: one process): the amax groups are cp and tp, the delayed roll's the linear's gradient group (dp_cp,
+    or expert_dp) and tp, each when it has more than one rank. micro_batches: m, for the predicted messages."""
 
     def groups(*names):
         return tuple(n for n in names if mesh is not None and mesh.size(n) > 1)
 
-    linears = {}
+    amax_groups = {name: mesh.group(name) for name in groups("cp", "tp")}
+    linears, codec = {}, ZeroWeightCodec()  # how ZeRO-3 gathers these weights (the section at the end)
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
             leaf = path.rpartition(".")[2]
@@ -550,10 +488,8 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto", mic
                 continue  # routers stay precise; experts see data-dependent row counts (module docstring)
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
-            amax_groups = tuple(mesh.group(g) for g in groups("cp", "tp"))
-            fp8 = Fp8Linear(module, recipe, name, amax_groups, gemm)
-            fp8.amax_group_names = groups("cp", "tp")
-            fp8.delayed_groups = groups(info.grad_group if info else "dp_cp", "tp")
+            fp8 = Fp8Linear(module, recipe, name, amax_groups, groups(info.grad_group if info else "dp_cp", "tp"))
+            codec.attach(fp8)
             parent = block.get_submodule(path.rpartition(".")[0])
             setattr(parent, leaf, fp8)
             if getattr(parent, "regather", False):
@@ -568,8 +504,7 @@ def apply(model: nn.Module, run, recipe: Recipe) -> Fp8Handle:
 
 
 class Fp8Handle(Axis):
-    """What the trainer talks to: the step's end (`after_grad_sync`), the scaling state for checkpoints, the
-    predicted messages. linears: {global name: Fp8Linear}; micro_batches: m; recomputes: activation
+    """The axis handle. linears: {global name: Fp8Linear}; micro_batches: m; recomputes: activation
     checkpointing (a block's forward, and its amax reductions, run twice)."""
 
     name = "fp8"
@@ -579,47 +514,41 @@ class Fp8Handle(Axis):
         self.micro_batches, self.recomputes = micro_batches, recomputes
         self.first_steps = 0  # delayed steps that scaled like `current` (empty history)
         self.nonfinite_steps = 0  # steps in which some FP8 tensor had a non-finite amax (skipped everywhere)
-        buckets = {}
-        for name, linear in linears.items():
-            buckets.setdefault(linear.delayed_groups, []).append(name)
+        buckets = {}  # delayed_groups → the rows of those linears in end_step's [n, 3] amaxes
+        for row, linear in enumerate(linears.values()):
+            buckets.setdefault(linear.delayed_groups, []).append(row)
         self.buckets = sorted(buckets.items())  # the same order on every rank
 
-    def after_grad_sync(self, layout) -> int:
-        """Once per optimizer step, after the gradient reduction: `end_step`, whose count of linears with a
-        non-finite amax the update adds to its world finite check (a non-finite amax skips the step everywhere)."""
-        return self.end_step()
-
     @torch.no_grad()
-    def end_step(self) -> int:
-        """Close the step: drop its FP8 weights (the optimizer step comes next), reduce its amaxes (delayed: MAX
-        over each linear's gradient group and tp), roll the finite ones into the histories. Returns how many
-        linears had a non-finite amax on this rank. The roll does not wait for the update's verdict: a step
-        skipped for another reason (an fp16 overflow) still records its tensors, as Transformer Engine does."""
+    def after_grad_sync(self, layout=None) -> int:
+        """Close the step: drop its FP8 weights (the update comes next), reduce its amaxes (delayed: docstring
+        item 3), roll the finite ones into the histories. Returns this rank's count of linears with a non-finite
+        amax (the update's world finite check then skips the step everywhere). The roll does not wait for that
+        verdict: a step skipped for another reason (an fp16 overflow) still records its amaxes, as in TE."""
         if not self.linears:
             return 0
-        for linear in self.linears.values():
-            linear.weight_codes = None
-        names = list(self.linears)
-        amax = torch.stack([self.linears[n].step_amax for n in names])  # [n, 3]
+        linears = list(self.linears.values())
+        amax = torch.stack([linear.step_amax for linear in linears])  # [n, 3]
         amax = torch.nan_to_num(amax, nan=float("inf"), posinf=float("inf"))  # MAX must not drop a NaN
         delayed = self.recipe.mode == "delayed"
         if delayed:
-            self.first_steps += not all(lin.history_ready for lin in self.linears.values())
-            for group_names, members in self.buckets:
-                index = [names.index(m) for m in members]
-                part = amax[index].contiguous()
+            self.first_steps += not all(linear.history_ready for linear in linears)
+            for group_names, rows in self.buckets:
+                part = amax[rows]  # a copy: reduced, then written back
                 for group_name in group_names:
                     dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self.mesh.group(group_name))
-                amax[index] = part
+                amax[rows] = part
         finite = torch.isfinite(amax).all(dim=1).tolist()  # the one host sync of the step
-        for row, name in enumerate(names):
-            linear = self.linears[name]
+        for linear, row_amax, row_finite in zip(linears, amax, finite):
             if delayed:
-                linear.roll(amax[row], finite[row])
+                linear.roll(row_amax, row_finite)
             linear.step_amax.zero_()
+            linear.weight_codes = None
         nonfinite = len(finite) - sum(finite)
         self.nonfinite_steps += nonfinite > 0
         return nonfinite
+
+    end_step = after_grad_sync  # the name the single-device loops (tests/reference.py, the bench) call
 
     def state_pieces(self) -> list:
         """The delayed recipe's histories and scales as logical tensors ("fp8/<linear>.amax_history", ".scale"):
@@ -637,10 +566,6 @@ class Fp8Handle(Axis):
                                          primary=counts_here(info, coords, (grad_group,))))
         return pieces
 
-    def gather_codecs(self) -> dict:
-        """{weight parameter: its Fp8Linear}: ZeRO-3 gathers these weights in FP8 (zero.py, `codecs`)."""
-        return {} if self.recipe.mode == "blockwise" else {lin.weight: lin for lin in self.linears.values()}
-
     # --- prediction formulas (docstring item 3) -------------------------------------------------------------
 
     def predicted_messages(self, layout=None, first_step: bool = False) -> Messages:
@@ -654,9 +579,9 @@ class Fp8Handle(Axis):
                 out.add("all_reduce", group, forwards, 8 * forwards)  # forward [amax_x, amax_w]
                 out.add("all_reduce", group, calls, 4 * calls)  # backward amax_dY
         if self.recipe.mode == "delayed":
-            for group_names, members in self.buckets:
+            for group_names, rows in self.buckets:
                 for group in group_names:
-                    out.add("all_reduce", group, 1, 12 * len(members))  # end_step: [amax_x, amax_w, amax_dY]
+                    out.add("all_reduce", group, 1, 12 * len(rows))  # end_step: [amax_x, amax_w, amax_dY]
         return out
 
     def traced_prediction(self, layout, steps: int) -> Messages:
@@ -671,3 +596,67 @@ def saved_input_bytes(linears, tokens: int, compute_bytes: int) -> dict:
     the compute dtype, "saved": Σ M·K_j·(e_c - 1)} (docstring item 2)."""
     elements = sum(tokens * linear.in_features for linear in linears)
     return {"fp8": elements, "compute": elements * compute_bytes, "saved": elements * (compute_bytes - 1)}
+
+
+# --- The ZeRO-3 weight codec ---------------------------------------------------------------------------------
+
+
+def quantize_to_uint8(shard: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A weight shard in E4M3 with the logical tensor's shared scale, as uint8 (gloo cannot move float8).
+    Quantising shards with one scale and concatenating them equals quantising the whole tensor."""
+    return quantize(shard, E4M3, scale, count_saturated=False)[0].view(torch.uint8)
+
+
+def dequantize_from_uint8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse: q/scale in `dtype`. Re-quantising it with the same scale (or one from its amax, which
+    lands on the same values) gives q back exactly."""
+    return dequantize(data.view(E4M3.dtype), scale, dtype)
+
+
+class ZeroWeightCodec:
+    """How ZeRO-3 gathers the FP8 linears' weights (`convert` sets `weight.gather_codec`; blockwise has no one
+    scale to share: no codec; zero.py knows only that attribute and the methods below): as E4M3 bytes, each
+    weight with ONE scale (`Fp8Linear.scales` of its amax MAX-reduced over the ranks holding pieces of it), so
+    the gathered weight is what its linear would quantise the whole tensor to. decode tells each linear the amax
+    its codes were scaled with (`gathered_weight_amax`), so that it re-quantises the decoded q/s to the same codes."""
+
+    def __init__(self):
+        self.linear_of = {}  # weight parameter → its Fp8Linear
+
+    def attach(self, linear: Fp8Linear) -> None:
+        if linear.recipe.mode != "blockwise":
+            self.linear_of[linear.weight] = linear
+            linear.weight.gather_codec = self
+
+    @torch.no_grad()
+    def encode(self, weights: list, segments: list, group) -> tuple:
+        """(uint8 codes of each segment, the scales and amaxes decode needs). Collective over `group` and the
+        linears' amax groups: every rank holding a piece of these weights calls it with the same weights."""
+        linears = [self.linear_of[w] for w in weights]
+        none = torch.zeros((), dtype=torch.float32, device=segments[0].device)  # a rank without a piece
+        amax = torch.stack([amax_of(s) if s.numel() else none for s in segments])  # float32, as the linear's own
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        for amax_group in linears[0].amax_groups.values():  # the same groups for every block linear
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+        scales = [linear.scales(slice(1, 2), value.view(1), reduced=True)[0] for linear, value in zip(linears, amax)]
+        return [quantize_to_uint8(s, scale) for s, scale in zip(segments, scales)], (scales, amax)
+
+    @torch.no_grad()
+    def decode(self, weights: list, codes: list | None, into: list, decoding) -> None:
+        """Each weight's gathered codes → q/s in `into` (its working weight, flat), and its linear told the amax.
+        codes None: `into` was gathered exactly (ZeRO's unshard): the linears scale from the weights again."""
+        for i, (weight, target) in enumerate(zip(weights, into)):
+            gathered_amax = None
+            if codes is not None:
+                scales, amax = decoding
+                target.copy_(dequantize_from_uint8(codes[i], scales[i], target.dtype))
+                gathered_amax = amax[i]
+            self.linear_of[weight].gathered_weight_amax = gathered_amax
+
+    def encode_messages(self, weights: list, group_name: str | None) -> Messages:
+        """What one `encode` of `weights` sends (group_name None: a gathering group of one rank sends nothing)."""
+        out = Messages()
+        for name in ((group_name,) if group_name else ()) + tuple(self.linear_of[weights[0]].amax_groups):
+            out.add("all_reduce", name, 1, 4 * len(weights))
+        return out

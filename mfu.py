@@ -644,6 +644,69 @@ def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 5a. Measured overlap: how much of a pass was blocked in wait() (context_parallel's ring)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PassTime:
+    """One phase's charged passes (one ring attention call, forward or backward, per layer and micro-batch)."""
+
+    passes: int = 0
+    seconds: float = 0.0  # wall time inside the passes
+    waited: float = 0.0  # of which blocked in wait(): on a transfer, or on a peer that is not there yet
+    cpu: float = 0.0  # process CPU time inside the passes (every thread, gloo's too): the work, however shared
+
+
+class WaitClock:
+    """Host time of an algorithm's passes per phase and the part blocked in wait(), next to the same transfers
+    timed alone: `compute hid at least 1 − waited / alone` of them (report.py's cp section).
+
+        with clock.timed("forward", charge=training):   # around a pass; charged to phases[phase] if charge
+            ... clock.wait(works) ...                     # waits on every work, counting the time blocked
+        clock.time_alone("forward", transfers)            # the pass's transfers with no compute: alone[phase]
+
+    Host time: on CUDA wait() only orders streams (use a profiler there). reset() forgets the passes.
+    """
+
+    def __init__(self):
+        self.phases, self.alone, self.waited, self._open = {}, {}, 0.0, []
+
+    def reset(self) -> None:
+        self.phases = {}
+
+    def wait(self, works) -> None:
+        start = time.perf_counter()
+        for work in works:
+            work.wait()
+        self.waited += time.perf_counter() - start
+
+    def timed(self, phase: str, charge: bool = True) -> WaitClock:
+        self._open.append((phase, charge, time.perf_counter(), time.process_time(), self.waited))
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        phase, charge, start, cpu, waited = self._open.pop()
+        if charge:
+            stat = self.phases.setdefault(phase, PassTime())
+            stat.passes, stat.seconds = stat.passes + 1, stat.seconds + time.perf_counter() - start
+            stat.waited, stat.cpu = stat.waited + self.waited - waited, stat.cpu + time.process_time() - cpu
+
+    def time_alone(self, phase: str, transfers, repeats: int = 5) -> float:
+        """The median seconds of `transfers()` over `repeats` runs, kept as alone[phase]."""
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            transfers()
+            seconds.append(time.perf_counter() - start)
+        self.alone[phase] = sorted(seconds)[len(seconds) // 2]
+        return self.alone[phase]
+
+
+# ----------------------------------------------------------------------------------------------------------
 # 5b. Measured activation memory (what the Korthikanti estimate above predicts)
 # ----------------------------------------------------------------------------------------------------------
 

@@ -1,7 +1,12 @@
 """A GPT-2 style Transformer, single device: the model every parallel layout must reproduce.
 
 nanoGPT's names and shapes (learned positions, pre-LayerNorm blocks, GELU MLP, tied embedding and head,
-optional biases). It knows nothing of distribution except these hooks the parallel files rely on:
+optional biases), which are also Hugging Face's GPT-2 names (hf.py reads and writes that layout). The GELU is
+exact (erf, as nanoGPT) or GPT-2's tanh approximation (`GPTConfig.gelu`; tanh for GPT-2's weights). The
+vocabulary may be padded (`real_vocab_size` < `vocab_size`, e.g. 50257 → 50304 for friendlier matmul shapes):
+padding rows start at zero and are cut off before every softmax, in the loss and the sampler, so they are
+never predicted and the loss and the samples are the unpadded model's. It knows nothing of distribution
+except these hooks the parallel files rely on:
 
 - `forward(idx, targets=None, pos=None)`: `pos` carries the global positions of the tokens, so context
   parallel can hand a rank a non-contiguous piece of the sequence.
@@ -37,9 +42,10 @@ Accounting for this file (one device, nothing split):
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -50,7 +56,8 @@ from torch.utils.checkpoint import checkpoint
 @dataclass
 class GPTConfig:
     block_size: int = 256  # longest sequence (learned position table size)
-    vocab_size: int = 256  # byte-level tokens by default; GPT-2 BPE uses 50304 (50257 padded to 64)
+    vocab_size: int = 256  # rows of the embedding table: byte-level tokens by default; GPT-2 BPE 50304 (padded)
+    real_vocab_size: int | None = None  # rows past this are padding, never predicted (None: every row is real)
     n_layer: int = 6
     n_head: int = 6
     n_embd: int = 384
@@ -58,6 +65,7 @@ class GPTConfig:
     bias: bool = True  # biases in linears and LayerNorms, like GPT-2
     activation_checkpointing: bool = False  # recompute each block's forward in backward
     mlp: str = "dense"  # the block's MLP (build_mlp): "dense"
+    gelu: str = "exact"  # the MLP's GELU: "exact" (erf, nanoGPT) or "tanh" (GPT-2's, Hugging Face's gelu_new)
     # Mixture of experts (moe.py): N experts (0: dense), top-k routing, on every n-th block (blocks n-1, 2n-1,
     # ...), capacity factor f (0: dropless), load-balance and router z-loss coefficients.
     moe_experts: int = 0
@@ -70,10 +78,29 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.gelu not in GELU_APPROXIMATIONS:
+            raise ValueError(f"gelu={self.gelu!r}: choose one of {sorted(GELU_APPROXIMATIONS)}")
+        if self.real_vocab_size is not None and not 0 < self.real_vocab_size <= self.vocab_size:
+            raise ValueError(f"real_vocab_size={self.real_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def gelu_approximate(self) -> str:
+        """nn.GELU's `approximate` for this config's GELU."""
+        return GELU_APPROXIMATIONS[self.gelu]
+
+    def architecture(self) -> dict:
+        """The fields that decide what the model computes, as plain values: saved with every checkpoint, so
+        export_hf.py and sample.py rebuild the model without the flags (not how it trains: dropout, recompute)."""
+        skip = ("dropout", "activation_checkpointing", "moe_aux_coef", "moe_z_coef")
+        return {name: value for name, value in asdict(self).items() if name not in skip}
+
+
+# GELU(x) = x·Φ(x) (exact, erf), or GPT-2's approximation 0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³))).
+GELU_APPROXIMATIONS = {"exact": "none", "tanh": "tanh"}
 
 
 PRESETS = {
@@ -219,7 +246,7 @@ def init_full_parameter(name: str, shape, config: GPTConfig, seed: int, dtype=to
     """The full (global) initial value of the parameter called `name`, identical on every rank.
 
     GPT-2 init: N(0, 0.02) weights; residual projections (`c_proj`) scaled by 1/sqrt(2·n_layer) so the
-    residual stream's variance does not grow with depth; zero biases; unit LayerNorm gains.
+    residual stream's variance does not grow with depth; zero biases; unit LayerNorm gains; zero padding rows.
     Sampled in float32 from the parameter's own generator and then cast, so a float64 model starts from the
     same values as a float32 one.
     """
@@ -229,7 +256,10 @@ def init_full_parameter(name: str, shape, config: GPTConfig, seed: int, dtype=to
         return torch.ones(shape, dtype=dtype)
     std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
     generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    return torch.normal(0.0, std, size=tuple(shape), generator=generator).to(dtype)
+    value = torch.normal(0.0, std, size=tuple(shape), generator=generator).to(dtype)
+    if name == "transformer.wte.weight":
+        value[config.real_vocab_size or shape[0]:] = 0.0  # padding rows: zero, and no gradient ever reaches them
+    return value
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -242,11 +272,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Σ over targets ≠ -1 of -log softmax(logits)[target]. Tensor parallel swaps this (vocab-parallel)."""
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, real_vocab_size: int | None = None) -> torch.Tensor:
+    """Σ over targets ≠ -1 of -log softmax(logits)[target], the softmax over the first `real_vocab_size` columns
+    (the padding rows' logits take no share of it: the unpadded model's loss). Tensor parallel swaps this."""
+    logits = logits[..., :real_vocab_size]  # None: every column
     # The softmax of 16-bit logits loses the small differences that matter: take it in (at least) fp32.
     wide = logits.float() if logits.element_size() < 4 else logits
-    return F.cross_entropy(wide.view(-1, wide.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="sum")
+    return F.cross_entropy(wide.reshape(-1, wide.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="sum")
 
 
 class CausalSelfAttention(nn.Module):
@@ -276,7 +308,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()  # exact (erf) GELU, as nanoGPT; GPT-2 used the tanh approximation, slower on CPU
+        self.gelu = nn.GELU(approximate=config.gelu_approximate)  # exact (nanoGPT) or tanh (GPT-2's weights)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -383,7 +415,8 @@ class GPT(nn.Module):
         self.to_empty(device=device or "cpu")
         if embedding and head:
             self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, named transformer.wte.weight
-        self.loss_fn = cross_entropy_sum  # tensor parallel swaps in a vocab-parallel one
+        # Tensor parallel swaps in a vocab-parallel loss (which leaves the padding rows out alike).
+        self.loss_fn = functools.partial(cross_entropy_sum, real_vocab_size=config.real_vocab_size)
         self.init_weights(seed, dtype)
 
     @property
@@ -459,7 +492,7 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size:]
             logits, _, _ = self(context)
-            logits = logits[:, -1, :].float() / max(temperature, 1e-6)
+            logits = logits[:, -1, :self.config.real_vocab_size].float() / max(temperature, 1e-6)  # no padding
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits[logits < kth] = -float("inf")

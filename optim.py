@@ -137,6 +137,7 @@ class Layout(Protocol):
     `shard_info.grad_group`, "dp_cp" for dense parameters, "expert_dp" for experts) and the optimizer state.
     """
 
+    name: str  # "ddp" or "zero": its printouts are report.AXIS_LINES[name]
     module: nn.Module  # the model it wraps
 
     def __call__(self, idx, targets=None, pos=None):
@@ -173,14 +174,8 @@ class Layout(Protocol):
     def predicted_persistent(self) -> dict:
         """The same keys, from the layout's formula (mfu.persistent_bytes)."""
 
-    def startup_lines(self, micro_batches: int) -> list:
-        """Its accounting at start: what it replicates and splits, bytes per rank, messages per step."""
-
-    def predicted_messages(self, micro_batches: int) -> dict:
-        """{(op, group name): (calls, payload bytes)} per optimizer step, as comm.CommTracer names them."""
-
-    def end_lines(self, tracer, steps: int) -> list:
-        """Its own measured-vs-predicted lines at the end (the generic message table aside)."""
+    def predicted_messages(self, micro_batches: int):
+        """Its comm.Messages of one optimizer step of m micro-batches, by (op, group), from its formulas."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+import context_parallel
 import fp8
 import mfu
 import moe
@@ -161,8 +162,9 @@ def print_startup(run):
     psi, local = parameter_counts(run)
     print0("=" * 100)
     print0(mesh_description(mesh))
+    padding = f", {config.real_vocab_size} real: padding never predicted" if config.real_vocab_size else ""
     print0(f"parameters: {psi:,} global (Ψ); {local:,} on this rank (n_layer={config.n_layer} n_head={config.n_head}"
-           f" n_embd={config.n_embd} vocab={config.vocab_size})")
+           f" n_embd={config.n_embd} vocab={config.vocab_size}{padding}; GELU {config.gelu})")
     print0(f"batch: B_global={args.global_batch} = D {mesh.shape.dp} × m {run.micro_batches} × B_μ"
            f" {run.micro_batch_size} sequences of {run.seq_len} tokens = {run.tokens_per_step:,} tokens/step;"
            f" autocast {settings.dtype} ({settings.dtype_reason})")
@@ -170,7 +172,7 @@ def print_startup(run):
     print0(f"numerics: fp32 matmuls {fp32_matmuls} on {run.device.type}; "
            + ("deterministic kernels (--deterministic): GPU runs replay bitwise" if args.deterministic else
               "default kernels: a GPU run replays to float tolerance (--deterministic for bitwise)"))
-    for line in run.layout.startup_lines(run.micro_batches):
+    for line in layout_lines(run, "startup"):
         print0(line)
     for line in activation_lines(activation_estimate(run)):
         print0(line)
@@ -348,7 +350,7 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int, step_peak: 
                f" {f(held['total'])} + {f(step_peak.rise)} = {f(peak)}; persistent + activations at the peak"
                f" {f(expected)} (measured/that {peak / expected:.2f}: the rest is temporaries, e.g. the logits and"
                f" the gradients of activations)")
-    for line in run.layout.end_lines(run.tracer, steps_run):
+    for line in layout_lines(run, "end", steps_run):
         print0(line)
     for axis in run.axes:
         for line in axis_lines(axis, "end", run, steps_run):
@@ -410,10 +412,9 @@ def axis_lines(axis, when: str, run, steps: int = 0) -> list:
     return formatter(axis, run, steps) if formatter is not None else []
 
 
-def _legacy_lines() -> dict:  # the handle still formats its own lines (until its section takes them over)
-    return {"startup": lambda axis, run, steps: axis.startup_lines(),
-            "step": lambda axis, run, steps: axis.step_lines(),
-            "end": lambda axis, run, steps: axis.end_lines(run.tracer, steps)}
+def layout_lines(run, when: str, steps: int = 0) -> list:
+    """The layout's lines at `when`: its section's formatters (AXIS_LINES[layout.name]: DDP's, ZeRO's)."""
+    return axis_lines(run.layout, when, run, steps)
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
@@ -480,8 +481,78 @@ def measure_block(run, block_index: int = 0) -> BlockMeasurement:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# --- ddp --- (the DDP layout's lines)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ddp_startup_lines(layout, run=None, steps: int = 0) -> list:
+    """What DDP holds and sends (ddp.py's docstring, answers 1-3): the persistent bytes predicted, the bucket
+    all-reduces per group, and the bucket left on the critical path once backward ends."""
+    persistent, sizes = layout.predicted_persistent(), layout.ddp.bucket_sizes_bytes()
+    lines = ["layout: DDP (ZeRO stage 0): parameters, gradients and AdamW state replicated over each"
+             " parameter's data-parallel group; split: the batch",
+             "predicted persistent memory per rank (fp32 master recipe: b_w = b_g = 4, b_o = 8 bytes):",
+             f"  weights   {mfu.format_bytes(persistent['weights'])}",
+             f"  grads     {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)",
+             f"  AdamW m,v {mfu.format_bytes(persistent['optimizer'])}",
+             f"  total     {mfu.format_bytes(persistent['total'])}"]
+    for (op, group), (calls, payload) in layout.predicted_messages().items():
+        n = dist.get_world_size(layout.ddp.groups[group])
+        lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls}"
+                     f" bucket{'' if calls == 1 else 's'}, sent per"
+                     f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} (2(N-1)/N·M, ring)")
+    if len(sizes) > 1 and dist.get_world_size(layout.ddp.group) > 1:
+        lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"
+                     f" last one ({mfu.format_bytes(sizes[-1])}, the first layers' grads) is sent after it")
+    elif dist.get_world_size(layout.ddp.group) > 1:
+        lines.append(f"critical path: the single bucket ({mfu.format_bytes(sizes[0])}) is sent after backward;"
+                     f" lower --bucket-mb to overlap it")
+    return lines
+
+
+AXIS_LINES["ddp"] = {"startup": ddp_startup_lines}
+
+
+# ---------------------------------------------------------------------------------------------------------
 # --- zero --- (the ZeRO layout's lines)
 # ---------------------------------------------------------------------------------------------------------
+
+
+def zero_startup_lines(layout, run, steps: int) -> list:
+    """What ZeRO holds and sends: the persistent bytes predicted (with Ψ, with the padded Ψ'_g) next to what
+    it holds, the peak bound, and which messages overlap what (zero.py's docstring, answers 2 and 3)."""
+    b, D, psi, stage = layout.bytes_per_param(), layout.dp_size, layout.numel, layout.stage
+    formula = {1: "(b_w+b_g)Ψ + b_oΨ/D", 2: "b_wΨ + (b_g+b_o)Ψ/D", 3: "(b_w+b_g+b_o)Ψ/D"}[stage]
+    exact = mfu.persistent_bytes(psi, b, stage, D)
+    padded, held = layout.predicted_persistent(), layout.held_bytes()
+    sizes = ", ".join(f"{name} D={dist.get_world_size(group)}" for name, group in layout.groups.items()
+                      if layout.units_of(name))
+    name, units = mfu.format_dtype, len(layout.units)
+    lines = [f"ZeRO stage {stage} over {sizes}: {name(layout.param_dtype)} working weights and micro-batch"
+             f" grads, {name(layout.accumulate_dtype)} accumulated grads, {name(layout.reduce_dtype)} reduce-scatter,"
+             f" {name(layout.master_dtype)} optimizer (b_w={b.weights}, b_g={b.grads}, b_o={b.optimizer});"
+             f" {units} unit{'s' if units != 1 else ''}, Ψ={psi:,}, padded Ψ'={layout.padded_numel:,}",
+             f"persistent bytes per rank, {formula}:  predicted(Ψ, D={D}) / predicted(Ψ'_g, D_g) / held"]
+    for kind in ("weights", "grads", "optimizer", "total"):
+        lines.append(f"  {kind:<9} {mfu.format_bytes(exact[kind]):>12} {mfu.format_bytes(padded[kind]):>12}"
+                     f" {mfu.format_bytes(held[kind]):>12}")
+    lines.append(f"peak lower bound per rank (persistent + transient buffers, activations apart):"
+                 f" {mfu.format_bytes(layout.peak_lower_bound())}")
+    lines.append("messages: reduce_scatter of the gradients overlaps backward; the all_gather of unit k"
+                 " overlaps the update of unit k+1" if stage < 3 else
+                 "messages: each block's all_gather is prefetched behind the previous block's compute;"
+                 " exposed: the root and block 0 at the start of forward, the root's reduce_scatter at the end")
+    return lines
+
+
+def zero_end_lines(layout, run, steps: int) -> list:
+    """The peak bound again, and at stage 3 how many gathered blocks the schedule held at once (bound: 2)."""
+    return [f"  ZeRO-{layout.stage} peak lower bound {mfu.format_bytes(layout.peak_lower_bound())}"
+            + (f"; gathered blocks alive at once: {layout.peak_gathered_units} (bound: 2, in use + prefetched)"
+               if layout.stage == 3 else "")]
+
+
+AXIS_LINES["zero"] = {"startup": zero_startup_lines, "end": zero_end_lines}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -674,7 +745,138 @@ MEASURES_BLOCK.add("tp")
 # --- cp ---
 # ---------------------------------------------------------------------------------------------------------
 
-AXIS_LINES["cp"] = _legacy_lines()
+
+def cp_startup_lines(axis, run, steps: int = 0) -> list:
+    """What CP cuts and sends (context_parallel.py's docstring, answers 1-3): block 0's messages predicted
+    (context_parallel.layer_messages) next to measured (run.measured), the causal work per rank, the activations,
+    and the ring's transfers timed alone. Collective over cp: every rank formats these lines."""
+    C, shape, impl, balance = axis.ring.size, axis.shape, axis.config.impl, axis.config.balance
+    s, format_bytes = shape.seq_len, mfu.format_bytes
+    lines = [f"context parallel C={C} ({impl}, {balance}): rank c holds "
+             + ("chunks c and 2C−1−c of 2C" if balance == "zigzag" else "the c-th s/C tokens")
+             + f" ({s // C} of s={s} tokens); parameters replicated, gradients summed over dp×cp",
+             f"  messages per layer and micro-batch, group cp (e_c={shape.compute_bytes},"
+             f" e_a={context_parallel.accumulator_bytes(shape.compute_bytes)}):"]
+    predicted = axis.layer_messages()
+    measured = run.measured.on("cp") if run.measured is not None else None
+    rows = [(phase, op, count) for phase, messages in predicted.items() for (op, _), count in messages.items()]
+    # Measured but not predicted by CP: another axis's messages on cp in block 0 (MoE's routing statistics).
+    rows += [(phase, op, Count(0, 0)) for phase, op in (measured or {}) if (op, "cp") not in predicted[phase]]
+    for phase, op, (calls, payload) in rows:
+        line = f"    {phase:<8} {op:<18} predicted {calls} × {format_bytes(payload / max(1, calls)):>10}"
+        if measured is not None:
+            got = measured.get((phase, op), Count(0, 0))
+            line += f"   measured {got.calls} × {format_bytes(got.payload / max(1, got.calls)):>10}"
+        lines.append(line)
+    if measured is not None and shape.checkpointing:
+        lines.append("    (measured: block 0 run once, outside activation checkpointing, so its backward lacks the"
+                     " recomputed forward's messages the prediction adds)")
+    sent = sum(payload for (op, _), (_, payload) in axis.predicted_messages().items() if op != "recv")
+    layers = len(axis.model.transformer.h)
+    lines.append(f"  per step (× L={layers} × m={axis.micro_batches}): {format_bytes(sent)} sent")
+    lines += cp_causal_work_lines(s, C) + cp_activation_lines(axis, run)
+    if impl == "ring":
+        alone = time_ring_alone(axis)
+        lines.append(f"  ring transfers alone (no compute): forward {alone['forward'] * 1e3:.2f} ms,"
+                     f" backward {alone['backward'] * 1e3:.2f} ms per layer")
+    return lines
+
+
+def cp_causal_work_lines(seq_len: int, cp: int) -> list:
+    lines = [f"  causal work per CP rank, (query, key) pairs for s={seq_len} (max/mean is the imbalance):"]
+    for balance, pairs in context_parallel.causal_work(seq_len, cp).items():
+        ratio = max(pairs) / (sum(pairs) / len(pairs))
+        lines.append(f"    {balance:<10} " + " ".join(f"{p:>10,}" for p in pairs) + f"   max/mean {ratio:.3f}")
+    return lines
+
+
+def cp_activation_lines(axis, run) -> list:
+    """Block 0's measured saved bytes next to Korthikanti's estimate and its CP form (÷ C).
+
+    The estimate counts 16-bit elements; the measurement is in the run's dtypes, so it is also shown scaled
+    by 2/e_c (exact when every saved tensor is in the compute dtype; autocast keeps LayerNorm inputs fp32)."""
+    C, s, b, h, tp = axis.ring.size, axis.shape.seq_len, axis.shape.micro, run.config.n_embd, run.mesh.size("tp")
+    sp, format_bytes = run.settings.sequence_parallel, mfu.format_bytes
+    full = mfu.activation_bytes_per_layer(s, b, h, run.config.n_head, tp, sp)
+    # Without the score term (a = 0) and without the two 1-byte dropout masks of the residual branches.
+    flash = mfu.activation_bytes_per_layer(s, b, h, 0, tp, sp) - 2 * s * b * h / (tp if sp else 1)
+    line = (f"  activations per layer and micro-batch (Korthikanti 2022, 16-bit, ÷ C={C}): sbh(34+5as/h)/C ="
+            f" {format_bytes(full / C)}; no stored scores, no dropout masks (32sbh)/C = {format_bytes(flash / C)}")
+    if run.measured is not None:
+        saved = run.measured.saved_bytes
+        line += (f"; measured (saved_tensors_hooks) {format_bytes(saved)}, × 2/e_c = "
+                 f"{format_bytes(saved * 2 / axis.shape.compute_bytes)}")
+    return [line]
+
+
+def time_ring_alone(axis) -> dict:
+    """Seconds per layer of one micro-batch's ring transfers with no compute between them, by the ring's clock
+    (collective over cp): forward (C−1) hops of [K; V]; backward (C−1) of [K; V] and C of [dK; dV]."""
+    ring, shape = axis.ring, axis.shape
+    device = next(axis.model.parameters()).device
+    dtypes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+    size = (2, shape.micro * shape.seq_len // ring.size, shape.width)
+    kv = torch.zeros(size, dtype=dtypes[shape.compute_bytes], device=device)
+    dkv = torch.zeros(size, dtype=dtypes[context_parallel.accumulator_bytes(shape.compute_bytes)], device=device)
+
+    def hops(tensors):
+        def transfers():
+            for tensor in tensors:
+                ring.wait(ring.post(tensor))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return transfers
+
+    return {"forward": ring.clock.time_alone("forward", hops([kv] * (ring.size - 1))),
+            "backward": ring.clock.time_alone("backward", hops([kv] * (ring.size - 1) + [dkv] * ring.size))}
+
+
+def cp_end_lines(axis, run, steps: int) -> list:
+    """How much of the ring's transfer time compute hid over the training steps' passes (Ulysses: none)."""
+    C, impl = axis.ring.size, axis.config.impl
+    if impl != "ring":
+        return [f"context parallel C={C} ({impl}): the all-to-alls are blocking, none of their time is hidden"
+                f" (their seconds: the communication table below)"]
+    layers, m = len(axis.model.transformer.h), axis.micro_batches
+    recompute = " (forward ×2: activation checkpointing)" if axis.shape.checkpointing else ""
+    on_cpu = next(axis.model.parameters()).device.type == "cpu"
+    return [f"context parallel C={C} (ring): ring time over the {steps} training steps' passes, L={layers} × m={m}"
+            f" per step and phase{recompute}; evaluation not included:", *cp_hidden_lines(axis.ring.clock, on_cpu)]
+
+
+def cp_hidden_lines(clock, on_cpu: bool = False) -> list:
+    """How much of the ring's transfer time compute hid, per phase: at least 1 − waited / (the transfers alone),
+    both per pass (clock: the ring's mfu.WaitClock). A lower bound: wait() also blocks on a peer that has not
+    sent yet (imbalance; on a shared host, a peer that was descheduled), so the waits can outlast the transfers
+    even when each one overlapped. on_cpu: also the CPU cores a rank kept busy while it computed (process CPU /
+    (wall − waited); a gloo wait sleeps), next to its torch threads: a one-thread rank with less than one core
+    busy was descheduled, i.e. the ranks time-share the host's cores."""
+    lines, shared = [], False
+    for phase, stat in clock.phases.items():
+        waited, seconds = stat.waited / stat.passes, stat.seconds / stat.passes
+        line = (f"  ring {phase:<8}: {stat.passes} passes, {seconds * 1e3:.2f} ms each, blocked in wait()"
+                f" {waited * 1e3:.2f} ms ({waited / seconds:.0%})")
+        if clock.alone.get(phase, 0) > 0:
+            alone = clock.alone[phase]
+            line += (f"; the transfers alone {alone * 1e3:.2f} ms: at least"
+                     f" {min(1.0, max(0.0, 1 - waited / alone)):.0%} of them hidden behind compute")
+        if on_cpu:
+            threads, cores = torch.get_num_threads(), stat.cpu / max(1e-9, stat.seconds - stat.waited)
+            shared = shared or (threads == 1 and cores < 0.8)
+            line += f"; {cores:.2f} CPU cores busy while computing ({threads} torch threads)"
+        lines.append(line)
+    if lines:
+        lines.append("  (at least: wait() also counts a slower peer's compute, so 0% means the waits outlast the"
+                     " transfers, not that none overlapped)")
+    if shared:
+        lines.append(f"  (under one core busy on one thread: the ranks time-share this host's {os.cpu_count()} cores; a"
+                     " rank's waits are then mostly its peers' descheduled compute, and gloo's copies of the"
+                     " 'hidden' transfers are CPU work taken from that compute)")
+    return lines
+
+
+AXIS_LINES["cp"] = {"startup": cp_startup_lines, "end": cp_end_lines}
+MEASURES_BLOCK.add("cp")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -862,8 +1064,16 @@ def _fp8_scale_table(handle, run, steps: int) -> list:
     for name, linear in handle.linears.items():
         scales = (linear.scale if handle.recipe.mode == "delayed" else linear.last_scale).tolist()
         rows.append(f"  {names[name]:<{width}}" + "".join(f"  {s:17.3e} {p:5.2f}%"
-                                                           for s, p in zip(scales, linear.take_saturation())))
+                                                           for s, p in zip(scales, _take_saturation(linear))))
     return rows
+
+
+def _take_saturation(linear) -> list:
+    """Per role, the percentage of values the clamp cut since the last table (this rank's); restarts."""
+    shares = [100 * c / max(1, n) for c, n in zip(linear.saturated.tolist(), linear.quantized)]
+    linear.saturated.zero_()
+    linear.quantized = [0, 0, 0]
+    return shares
 
 
 def _fp8_end(handle, run, steps: int) -> list:

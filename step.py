@@ -31,73 +31,53 @@ import torch
 import torch.distributed as dist
 
 import mfu
+from comm import Messages
 
 
 class Axis:
-    """What an applied axis hands back to train.py (`apply(model, run)` returns one, or None when off).
+    """What an applied axis hands back to train.py (`apply(model, run, config)` returns one, or None when off).
 
-    The same few methods for every axis, so that the loop and the printouts loop over handles and never ask
-    which axes are on. Every method has a default that does nothing; an axis overrides what it needs.
+    Six methods, the same for every axis, so that the step, the checkpoint and the printouts loop over handles
+    and never ask which axes are on. Four serve training, two accounting; every one has a default that does
+    nothing, and an axis overrides what it needs. What an axis prints lives in its section of report.py
+    (report.AXIS_LINES[name]), which reads the handle; nothing is set on a handle from outside.
     """
 
     name: ClassVar[str] = "axis"
     schedule = None  # an object with GradientAccumulation's forward_backward (the pipeline brings one)
 
-    def startup_lines(self) -> list:
-        """Accounting printed at start: what it splits and replicates, bytes per rank, its formulas."""
-        return []
-
-    def predicted_messages(self, layout) -> dict:
-        """{(op, group name): (calls, payload bytes)} per optimizer step, as comm.CommTracer names them."""
-        return {}
-
-    def end_lines(self, tracer, steps: int) -> list:
-        """Measured against predicted at the end (the generic message table aside)."""
-        return []
-
-    def traced_prediction(self, layout, steps: int) -> dict:
-        """What the tracer should have seen per training step, for the end table: predicted_messages, unless
-        the axis knows better after the fact (MoE: the all-to-all bytes from the routed counts)."""
-        return self.predicted_messages(layout)
-
-    def step_lines(self) -> list:
-        """Lines printed with each logged step (MoE: the load per expert; FP8: scales and saturation)."""
-        return []
+    # --- training ---------------------------------------------------------------------------------------------
 
     def shard_batches(self, batches: list) -> list:
         """This rank's part of each micro-batch (x, y, pos): context parallel cuts the sequences."""
         return batches
 
     def after_grad_sync(self, layout) -> int:
-        """Sums the axis needs once the layout's data-parallel reduction is done (on layout.grad_pieces).
-        Returns this rank's count of non-finite values of its own (FP8 amaxes) that must skip the step on
-        every rank (the update's world finite check adds them); None counts as 0."""
+        """Sums the axis needs once the layout's data-parallel reduction is done (on layout.grad_pieces), and
+        its own per-step bookkeeping (FP8 rolls its amax histories here). Returns this rank's count of
+        non-finite values of its own (FP8 amaxes) that must skip the step on every rank: the update's one world
+        all-reduce adds them to the gradients' count, so no rank can step while another skips."""
         return 0
-
-    def before_step(self) -> None:
-        """Once per optimizer step, before its first forward."""
-
-    def local_nonfinite(self):
-        """A count of non-finite values of its own (FP8 amaxes) that must skip the step everywhere, or None."""
-        return None
-
-    def after_step(self, skipped: bool) -> None:
-        """Once per optimizer step, after the update (FP8 rolls its amax history)."""
-
-    def gather_codecs(self) -> dict:
-        """{parameter: codec} of weights a ZeRO-3 layout may gather compressed (FP8: E4M3 bytes + one scale)."""
-        return {}
-
-    def state_pieces(self) -> list:
-        """Its own training state as model.StatePiece (kind "fp8": FP8's amax histories), for ckpt.py."""
-        return []
-
-    def state_loaded(self) -> None:
-        """A checkpoint was just loaded into the tensors of state_pieces()."""
 
     def sampling(self):
         """A context in which model.generate runs on one rank group (TP gathers the logits, CP attends locally)."""
         return nullcontext()
+
+    def state_pieces(self) -> list:
+        """Its own training state as model.StatePiece (FP8's amax histories), for ckpt.py. What the axis derives
+        from that state it derives from the tensors themselves after a load (there is no "loaded" hook)."""
+        return []
+
+    # --- accounting -----------------------------------------------------------------------------------------
+
+    def predicted_messages(self, layout) -> Messages:
+        """Its messages of one optimizer step, by (op, group), from its formulas (uniform routing for MoE)."""
+        return Messages()
+
+    def traced_prediction(self, layout, steps: int) -> Messages:
+        """What the tracer should have seen per training step, for the end table: predicted_messages, unless
+        the axis knows better after the fact (MoE: the all-to-all bytes from the routed counts)."""
+        return self.predicted_messages(layout)
 
 
 @torch.no_grad()
@@ -208,16 +188,12 @@ def train_step(layout, scaler, batches, data_group, clip: float, autocast, devic
     model = model if model is not None else layout.module
     schedule = schedule or GradientAccumulation()
     data_size = data_size or dist.get_world_size(data_group)
-    for axis in axes:
-        axis.before_step()
     global_tokens = count_global_tokens(batches, data_group, device)
     micro = schedule.forward_backward(layout, model, batches, global_tokens, scaler.scale,
                                       data_size * len(batches), autocast, device)
     layout.finish_grad_sync()
     nonfinite = sum(axis.after_grad_sync(layout) or 0 for axis in axes)  # FP8's non-finite amaxes skip the step
     result = layout.step(scaler, clip, extra_nonfinite=nonfinite or None)
-    for axis in axes:
-        axis.after_step(result.skipped)
     layout.zero_grad()
     loss_sum = micro.loss_sum
     if dist.get_world_size(data_group) > 1:

@@ -317,9 +317,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
-    """model.loss_fn under TP (bound with functools.partial): the cross-entropy sum of LOCAL logits [..., V/T]."""
+def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group,
+                        real_vocab_size: int | None = None) -> torch.Tensor:
+    """model.loss_fn under TP (bound with functools.partial): the cross-entropy sum of LOCAL logits [..., V/T].
+    Columns past `real_vocab_size` (padding rows) get the lowest finite logit: exp underflows to exactly 0, so
+    they take no share of the softmax, and unlike -inf it keeps (z - m)·0 finite on a rank of only padding."""
     wide = logits.float() if logits.element_size() < 4 else logits  # softmax in at least fp32
+    if real_vocab_size is not None and vocab_start + wide.shape[-1] > real_vocab_size:
+        rows = torch.arange(vocab_start, vocab_start + wide.shape[-1], device=wide.device)
+        wide = wide.masked_fill(rows >= real_vocab_size, torch.finfo(wide.dtype).min)
     return VocabParallelCrossEntropy.apply(wide.reshape(-1, wide.shape[-1]), targets.reshape(-1), vocab_start, group)
 
 
@@ -425,7 +431,8 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
             sp_params.append(model.transformer.wpe.embedding.weight)
     if model.has_head:
         model.lm_head = ColumnParallelLinear(head, ctx)
-        model.loss_fn = functools.partial(vocab_parallel_loss, vocab_start=vocab_start, group=group)
+        model.loss_fn = functools.partial(vocab_parallel_loss, vocab_start=vocab_start, group=group,
+                                          real_vocab_size=config.real_vocab_size)
         sp_params += [*model.transformer.ln_f.parameters()]
     for param in model.parameters():  # what TP did not split, every TP rank holds a copy of
         if param in untouched:

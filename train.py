@@ -31,6 +31,7 @@ import context_parallel
 import data
 import flags
 import fp8
+import hf
 import mfu
 import moe
 import pipeline
@@ -43,7 +44,7 @@ from model import GPT, GPTConfig, compile_blocks
 from optim import DynamicLossScaler, LRSchedule, build_adamw
 from report import print0
 from step import GradientAccumulation, train_step
-from zero import ZeroLayout
+from zero import ZeroConfig, ZeroLayout
 
 # The axes, in DESIGN.md's order of application (MoE/EP → TP → CP → PP → FP8). Each module has a
 # `config_from_flags(args, settings)` (flags.py calls it once, before any rank waits) and an
@@ -115,11 +116,10 @@ def build_layout(model: GPT, run: Run):
         compile_blocks(model)  # per block: its gradient hooks fire when its backward ends (model.compile_blocks)
     groups = {name: run.mesh.group(name) for name in ("dp_cp", "expert_dp")}  # dense, experts
     if args.zero:  # shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
-        return ZeroLayout(model, run.mesh.group("dp_cp"), args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                          betas=(args.beta1, args.beta2), param_dtype=run.param_dtype, master_dtype=run.master_dtype,
-                          bucket_mb=args.bucket_mb, coords=coords, groups=groups,
-                          codecs={p: c for axis in run.axes for p, c in axis.gather_codecs().items()},
-                          micro_batches=run.micro_batches)  # m > 1: gradients summed in master_dtype
+        config = ZeroConfig(args.zero, lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2),
+                            param_dtype=run.param_dtype, master_dtype=run.master_dtype, bucket_mb=args.bucket_mb,
+                            micro_batches=run.micro_batches)  # m > 1: gradients summed in master_dtype
+        return ZeroLayout(model, config, groups, coords)  # FP8 weights carry their gather codec (fp8.convert)
     ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
     return DDPLayout(ddp, optimizer, coords)
@@ -139,6 +139,8 @@ def train(settings: Settings, tracer: comm.CommTracer):
         run, corpus = start_run(settings, tracer)  # device, process groups, mesh, seeds, the token cache
         train_tokens, val_tokens = data.TokenFile(corpus.train_path), data.TokenFile(corpus.val_path)
         compose(run, measure=True)
+        if args.init_from:  # the weights of step 0, read as a resharding resume reads (a checkpoint overrides them)
+            init_from(run, args.init_from)
         run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
         for name, group in run.mesh.groups.items():
             tracer.name_group(group, name)
@@ -155,7 +157,8 @@ def train(settings: Settings, tracer: comm.CommTracer):
     if args.ckpt_dir:
         with tracer.phase("ckpt"):
             run_record = dict(steps=args.steps, lr=args.lr, min_lr=lr_schedule.min_lr, seed=args.seed,
-                              warmup_steps=lr_schedule.warmup_steps, global_batch=args.global_batch, seq_len=run.seq_len)
+                              warmup_steps=lr_schedule.warmup_steps, global_batch=args.global_batch,
+                              seq_len=run.seq_len, model=run.config.architecture())  # read by export_hf.py, sample.py
             try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
                 config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
                                                run_record=run_record)
@@ -169,6 +172,10 @@ def train(settings: Settings, tracer: comm.CommTracer):
                 print0(f"nothing to train: the checkpoint is at step {start_step} and --steps is {args.steps}"
                        f" (raise --steps to train on); sampling only")
 
+    if args.init_from and start_step == 0:  # where fine-tuning starts from: the imported model's val loss
+        with tracer.phase("eval"):
+            print0(f"init-from: val loss {evaluate(run, val_tokens, val_sampler):.6f} before training (the first"
+                   f" {min(args.eval_batches, val_sampler.num_batches)} validation batches, as every eval)")
     # A resumed run appends: the replayed steps then sit next to the originals in one file.
     metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and run.mesh.rank == 0) else None
     progress = report.Progress(start_step, args.steps)
@@ -253,8 +260,7 @@ def start_run(settings: Settings, tracer: comm.CommTracer) -> tuple[Run, data.Co
         fail(errors[0])
     if local_rank != 0:
         corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=lambda *a, **k: None)
-    config = settings.model
-    config.vocab_size = flags.padded_vocab(corpus.vocab_size) if args.tokenizer != "byte" else corpus.vocab_size
+    config = settings.model  # its vocabulary: the tokenizer's (the corpus's) or --init-from's, padded (flags.py)
     compute = DTYPES[settings.dtype]
     # ZeRO's working weights and gradients are the compute dtype; the masters and Adam moments stay fp32. fp16
     # is Micikevicius et al. 2018's recipe: fp16 weights and gradients, fp32 masters, dynamic loss scaling.
@@ -262,6 +268,29 @@ def start_run(settings: Settings, tracer: comm.CommTracer) -> tuple[Run, data.Co
               autocast=torch.autocast(device.type, dtype=compute) if settings.dtype != "fp32" else nullcontext(),
               param_dtype=compute if args.zero else torch.float32, tracer=tracer)
     return run, corpus
+
+
+def init_from(run: Run, path: str) -> int:
+    """--init-from DIR: the layout's weights (param and master pieces: any mesh, any ZeRO stage) from a Hugging
+    Face GPT-2 directory, through ckpt's resharding path (hf.load_into); every rank reads the tensors it holds
+    a piece of. One line on success; one line and exit status 2 on every rank if any rank fails. Returns the
+    bytes this rank read."""
+    began, error, read = time.perf_counter(), None, 0
+    try:
+        directory = hf.HFDirectory(path, run.config.vocab_size)
+        read = hf.load_into(directory, run.layout.state_pieces())
+    except hf.HFError as e:
+        error = f"--init-from {path}: {e}"
+    errors = agree(error)
+    if errors:
+        fail(errors[0])
+    config, files = run.config, sorted(set(directory.weight_files.values()))
+    padding = (f", padded to {config.vocab_size} rows ({config.vocab_size - config.real_vocab_size} never predicted)"
+               if config.real_vocab_size else "")
+    print0(f"init-from {path}: {', '.join(files)}; GPT-2 n_layer={config.n_layer} n_head={config.n_head}"
+           f" n_embd={config.n_embd} vocab={directory.shape.vocab_size}{padding}, GELU {config.gelu}; rank 0 read"
+           f" {mfu.format_bytes(read)} in {(time.perf_counter() - began) * 1e3:.0f} ms")
+    return read
 
 
 def agree(error: str | None) -> list:

@@ -4,6 +4,7 @@ contiguous; and PyTorch's own context parallel (torch.distributed.tensor.experim
     python bench/bench_context_parallel.py                                 # small, s=1024, CPU/gloo
     python bench/bench_context_parallel.py --seq-len 2048 --n-layer 2
     python bench/bench_context_parallel.py --device cuda --seq-len 8192    # 4 GPUs (C ≤ the GPUs), NCCL
+    python bench/bench_context_parallel.py --smoke                         # seconds: tiny shapes (checks it runs)
 
 One sequence of `--seq-len` tokens (the preset's block_size is raised to it) goes forward and backward
 (no optimizer step) on C ranks, for C = 1, 2, 4 in turn:
@@ -11,7 +12,7 @@ One sequence of `--seq-len` tokens (the preset's block_size is raised to it) goe
   * C > 1: context_parallel.apply's attention: ring zig-zag, ring contiguous, and Ulysses where the heads
     divide by C; the variants alternate step by step (bench/common.alternate) so the machine's noise hits
     them alike; times are medians over the ranks' slowest (the step ends when the last rank does).
-Activation bytes per rank are measured with context_parallel.SavedActivations (saved_tensors_hooks, each
+Activation bytes per rank are measured with mfu.SavedActivations (saved_tensors_hooks, each
 storage once, parameters left out) over the whole forward, and per layer, next to Korthikanti et al.'s
 estimate ÷ C. Then, on the largest C, PyTorch's context_parallel runs the same plain model (its SDPA calls
 are dispatched to a ring): it supports only the CUDA flash / memory-efficient / cuDNN SDPA kernels, so on
@@ -23,7 +24,7 @@ contiguous, per C: the attention's per-rank wall time (not blocked) and its CPU 
 its slowest rank, so with a core per rank the step follows the busiest rank's work, but when C ranks × their
 torch threads outnumber the cores (C = 4 on 2 cores) they time-share them and the step follows the TOTAL work,
 which both cuts share (the same (query, key) pairs): zig-zag cannot win there, and its waits are peers'
-descheduled compute, which is why the ring's "hidden" share reads 0% (a lower bound; see hidden_lines).
+descheduled compute, which is why the ring's "hidden" share reads 0% (a lower bound; see report.cp_hidden_lines).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import context_parallel  # noqa: E402
+import report  # noqa: E402
 from common import add_device_argument, alternate, check_gpus, init_rank  # noqa: E402
-from mfu import activation_bytes_per_layer, format_bytes  # noqa: E402
+from mfu import SavedActivations, activation_bytes_per_layer, format_bytes  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 
 
@@ -102,15 +104,18 @@ def _measure(rank, world, args, device):
         model = GPT(config, seed=0, device=device)
         batch = [(x, y, None)]
         if impl is not None:
-            handles[name] = context_parallel.parallelize(model, group, impl, balance)
+            ring = context_parallel.parallelize(model, group, impl, balance)
+            shape = context_parallel.LayerShape(args.micro, args.seq_len, config.n_embd, 2 if args.dtype == "bf16" else 4)
+            handles[name] = context_parallel.ContextParallel(model, ring, context_parallel.CPConfig(world, impl, balance),
+                                                             shape)
             batch = handles[name].shard_batches(batch)
         xs, ys, pos = batch[0]
         params = list(model.parameters())
-        with context_parallel.SavedActivations(exclude=params) as whole, autocast:
+        with SavedActivations(exclude=params) as whole, autocast:
             _, loss_sum, _ = model(xs, ys, pos)
         loss_sum.backward()
         block_input = torch.randn(args.micro, xs.shape[1], config.n_embd, device=device, requires_grad=True)
-        with context_parallel.SavedActivations(exclude=params) as layer, autocast:
+        with SavedActivations(exclude=params) as layer, autocast:
             model.transformer.h[0](block_input).sum().backward()
         saved[name] = (whole.bytes, layer.bytes)
         total = loss_sum.detach().double()
@@ -126,22 +131,20 @@ def _measure(rank, world, args, device):
 
         models[name] = step
     for handle in handles.values():  # the timing below is what the ring's hidden fraction reports
-        handle.ring.times = {"forward": context_parallel.PhaseTime(), "backward": context_parallel.PhaseTime()}
+        handle.ring.clock.reset()
     dist.barrier(group)
     times = alternate({name: _synchronized(fn, group) for name, fn in models.items()}, args.steps, args.warmup)
     hidden, compute = {}, {}
     for name, handle in handles.items():
-        if handle.impl == "ring":  # per pass and rank: wall time not blocked, and the CPU work (however shared)
+        if handle.config.impl == "ring":  # per pass and rank: wall time not blocked, and the CPU work (however shared)
             mine = torch.zeros(2, 2, world, dtype=torch.float64)  # [wall | cpu, forward | backward, rank]
-            for row, stat in enumerate(handle.ring.times.values()):
+            for row, stat in enumerate(handle.ring.clock.phases[phase] for phase in ("forward", "backward")):
                 mine[0, row, rank] = (stat.seconds - stat.waited) / max(1, stat.passes)
                 mine[1, row, rank] = stat.cpu / max(1, stat.passes)
             dist.all_reduce(mine, group=group)
             compute[name] = {"wall": mine[0].tolist(), "cpu": mine[1].tolist(), "threads": torch.get_num_threads()}
-            handle.seq_len, handle.micro = args.seq_len, args.micro
-            handle.compute_bytes = 2 if args.dtype == "bf16" else 4
-            alone = context_parallel.time_ring_alone(handle)
-            hidden[name] = context_parallel.hidden_lines(handle.ring.times, alone, on_cpu=device.type == "cpu")
+            report.time_ring_alone(handle)  # into the clock's `alone`, next to its passes
+            hidden[name] = report.cp_hidden_lines(handle.ring.clock, on_cpu=device.type == "cpu")
     worst = {}
     for name, seconds in times.items():  # the step ends when the slowest rank finishes
         t = torch.tensor(seconds, dtype=torch.float64)
@@ -197,8 +200,10 @@ def _launch(world, args):
     check_gpus(world, args.device)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
+        # On CPU the ranks fork from this process, which has imported torch and the trainer but run nothing:
+        # each spawned rank would import them again (~5 s of CPU each, most of a --smoke run). CUDA needs spawn.
         mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), args, out_path), nprocs=world,
-                           start_method="spawn")
+                           start_method="spawn" if args.device == "cuda" else "fork")
         with open(out_path) as f:
             return json.load(f)
 
@@ -244,10 +249,17 @@ def main():
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
     add_device_argument(p)
     p.add_argument("--no-torch-cp", dest="torch_cp", action="store_false", help="skip PyTorch's context_parallel")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds: tiny preset, 1 layer, s=64, C = 1 and 2, 1 warm-up + 1 step")
     args = p.parse_args()
-    config = _config(args)
+    if args.smoke:
+        args.preset, args.n_layer, args.seq_len, args.cps, args.steps, args.warmup = "tiny", 1, 64, [1, 2], 1, 1
+        args.torch_cp = False
     for cp in args.cps:
-        context_parallel.check_flags(args.seq_len, cp, config.n_head)
+        if cp < 1 or args.seq_len % (2 * cp):
+            p.error(f"--seq-len {args.seq_len} must be divisible by 2C for every C of --cps (zig-zag: 2C equal"
+                    f" chunks), not by 2·{cp}")
+    config = _config(args)
     print(f"{args.preset}: L={config.n_layer}, h={config.n_embd}, a={config.n_head}; one micro-batch of"
           f" b={args.micro} × s={args.seq_len} tokens, forward + backward, {args.dtype} on {args.device}"
           f" ({os.cpu_count()} CPU cores shared by the C ranks on CPU); {args.steps} measured steps per variant"

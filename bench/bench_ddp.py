@@ -2,6 +2,7 @@
 
     python bench/bench_ddp.py [--preset small] [--steps 10] [--load 2] [--repeats 1] [--dtype fp32]
     python bench/bench_ddp.py --device cuda --preset gpt2 --load 0     # 2 GPUs, NCCL (bf16 there by default)
+    python bench/bench_ddp.py --smoke                                   # seconds: tiny, quiet, 1 warm-up + 1 round
 
 Both wrappers drive the identical step.train_step (same loss normalisation, AdamW, clipping); only the
 gradient sync differs. Each round times one step of each, back to back, in alternating order, every step
@@ -60,7 +61,7 @@ class TorchDDPLayout(DDPLayout):
         return update(grads, counted, scaler, clip, self.optimizer.step, grads[0].device)
 
 
-def run(rank, world, preset, steps, micro, bucket_mb, dtype, out_path, warmup=2):
+def run(rank, world, preset, steps, warmup, micro, bucket_mb, dtype, out_path):
     device = rank_device()
     config = config_from_preset(preset)
     ours_model, torch_model = GPT(config, seed=0, device=device), GPT(config, seed=0, device=device)
@@ -87,11 +88,12 @@ def run(rank, world, preset, steps, micro, bucket_mb, dtype, out_path, warmup=2)
     # A step ends when the slower rank's does: the max over ranks, step by step.
     times = torch.tensor([seconds["ddp.py"], seconds["torch DDP"]], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    ratios = (times[0] / times[1]).tolist()
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"ours": statistics.median(times[0].tolist()), "torch": statistics.median(times[1].tolist()),
-                       "ratio": statistics.median((times[0] / times[1]).tolist()),
-                       "quartiles": statistics.quantiles((times[0] / times[1]).tolist(), n=4)[::2],
+                       "ratio": statistics.median(ratios),  # quartiles need 2 rounds (--smoke has 1)
+                       "quartiles": statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 else ratios * 2,
                        "psi": ours_model.num_params(),
                        "block_size": config.block_size, "threads": torch.get_num_threads(),
                        "buckets": [round(b / 2**20, 2) for b in ours.ddp.bucket_sizes_bytes()]}, f)
@@ -111,8 +113,9 @@ def measure(args, load: int) -> dict:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             out_path = os.path.join(tmp, "result.json")
-            launch(run, 2, args.preset, args.steps, args.micro_batch, args.bucket_mb, args.dtype, out_path,
-                   device=args.device)
+            # fork on CPU: this process has run nothing yet, and each rank then skips importing torch again
+            launch(run, 2, args.preset, args.steps, args.warmup, args.micro_batch, args.bucket_mb, args.dtype,
+                   out_path, device=args.device, start_method="fork")
             with open(out_path) as f:
                 return json.load(f)
     finally:
@@ -125,16 +128,21 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="small")
     parser.add_argument("--steps", type=int, default=10, help="timed rounds (one step of each per round)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                         help="autocast dtype (default: bf16 on cuda, fp32 on cpu: see the docstring)")
     parser.add_argument("--load", type=int, default=2, help="busy-loop processes beside the loaded run (0: quiet only)")
     parser.add_argument("--repeats", type=int, default=1, help="quiet/loaded pairs, alternating")
+    parser.add_argument("--smoke", action="store_true", help="seconds: tiny preset, 1 warm-up + 1 round, quiet only")
     add_device_argument(parser)
     a = parser.parse_args()
-    if a.load < 0 or a.repeats < 1 or a.steps < 1:
-        parser.error(f"--load {a.load} must be ≥ 0, --repeats {a.repeats} and --steps {a.steps} ≥ 1")
+    if a.smoke:
+        a.preset, a.steps, a.warmup, a.load, a.repeats = "tiny", 1, 1, 0, 1
+    if a.load < 0 or a.warmup < 0 or a.repeats < 1 or a.steps < 1:
+        parser.error(f"--load {a.load} and --warmup {a.warmup} must be ≥ 0, --repeats {a.repeats} and --steps"
+                     f" {a.steps} ≥ 1")
     a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
     loads = [0] + ([a.load] if a.load else [])
     runs = [(load, measure(a, load)) for _ in range(a.repeats) for load in loads]
@@ -142,7 +150,8 @@ if __name__ == "__main__":
     backend = "NCCL" if a.device == "cuda" else "gloo"
     print(f"preset {a.preset}: Ψ={first['psi']:,}, 2 {backend} ranks ({first['threads']} torch threads each,"
           f" {os.cpu_count()} CPU cores), micro-batch {a.micro_batch}×{first['block_size']}, {a.dtype},"
-          f" buckets ≤{a.bucket_mb:g} MiB (ddp.py's, in launch order: {first['buckets']} MiB), {a.steps} rounds")
+          f" buckets ≤{a.bucket_mb:g} MiB (ddp.py's, in launch order: {first['buckets']} MiB), {a.steps} rounds"
+          f" after {a.warmup} warm-up")
     for load, result in runs:
         label = "quiet" if load == 0 else f"load {load}"
         print(f"  {label:<8} median step ddp.py {result['ours'] * 1e3:8.1f} ms,"

@@ -84,13 +84,14 @@ def _rank_entry(rank, world, store, device, fn, args):
         dist.destroy_process_group()
 
 
-def launch(fn, world: int, *args, device: str = "cpu"):
+def launch(fn, world: int, *args, device: str = "cpu", start_method: str = "spawn"):
     """Run fn(rank, world, *args) on `world` ranks (fresh processes) and wait for them: gloo on CPU, or one GPU
-    per rank with device="cuda" (fn finds its GPU as torch.cuda.current_device())."""
+    per rank with device="cuda" (fn finds its GPU as torch.cuda.current_device()). start_method "fork" (CPU
+    only) saves each rank importing torch again, for a caller that has run nothing before the launch."""
     check_gpus(world, device)
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_rank_entry, args=(world, os.path.join(tmp, "store"), device, fn, args), nprocs=world,
-                           start_method="spawn")
+                           start_method="spawn" if device == "cuda" else start_method)
 
 
 def rank_device() -> torch.device:

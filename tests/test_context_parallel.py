@@ -1,5 +1,5 @@
 """context_parallel.py: the layout, the attention against full causal attention, the whole model's gradients,
-the traced messages against the prediction, the saved activations, and the flag errors.
+the traced messages against the prediction, the saved activations, the printouts, and the flag errors.
 
 Attention: output, log-sum-exp and dq, dk, dv of ring (zig-zag, contiguous) and Ulysses at C = 2 and C = 4
 against an explicit causal softmax on the whole sequence, float64, tolerance 1e-10 (one 4-rank spawn: two
@@ -15,8 +15,12 @@ Activations: the bytes saved for backward by one block (saved_tensors_hooks) are
 estimate in the form this attention implies, 32·(s/C)·b·h scaled from 16-bit to float64: the attention keeps
 no score matrix (no 5as/h term) and dropout is 0 (no 1-byte masks: 34 − 2); what is left over is the fp64
 log-sum-exp and the LayerNorm statistics (1.6% here). C = 2 saves half of C = 1 at the same global sequence.
-The rank bodies build on harness.device() (each rank's GPU under nccl); the whole-sequence tensors every rank
-must hold alike are drawn on the CPU and moved there.
+Printouts: a run composed as train.py composes it (`train.compose`, block 0 measured at start-up), its cp
+start-up lines, one training step and one evaluation pass, its end lines (the ring's clock counts the step's
+passes only).
+Each spawned run is a module-scoped fixture shared by one test per property. The rank bodies build on
+harness.device() (each rank's GPU under nccl); the whole-sequence tensors every rank must hold alike are drawn
+on the CPU and moved there.
 """
 
 from argparse import Namespace
@@ -29,7 +33,7 @@ import torch.distributed as dist
 
 import harness
 from harness import run_ranks
-from reference import WholeGrads, global_batches, make_config
+from reference import WholeGrads, global_batches, make_config, rank_micro_batches
 
 SEQ = 16
 TOL = 1e-10
@@ -43,11 +47,11 @@ def _max_err(a, b):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The layout and the flags (no processes)
+# The layout, the formulas and the flags (no processes)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_layout_covers_the_sequence_and_zigzag_balances_the_causal_work():
+def test_layout_covers_the_sequence_each_rank_ascending():
     import context_parallel as cp
 
     for C in (1, 2, 4):
@@ -56,10 +60,40 @@ def test_layout_covers_the_sequence_and_zigzag_balances_the_causal_work():
             assert torch.equal(torch.cat(pieces).sort().values, torch.arange(64))
             assert all(torch.equal(p, p.sort().values) for p in pieces)  # each rank's tokens ascend
     assert cp.positions(16, 4, 1).tolist() == [2, 3, 12, 13]  # chunks 1 and 2C−1−1 = 6 of 8
+
+
+def test_zigzag_balances_the_causal_work():
+    import context_parallel as cp
+
     work = cp.causal_work(64, 4)
     assert len(set(work["zigzag"])) == 1  # every rank attends the same number of (query, key) pairs
     assert sum(work["zigzag"]) == sum(work["contiguous"]) == 64 * 65 // 2
     assert max(work["contiguous"]) / (sum(work["contiguous"]) / 4) == pytest.approx(1.75, rel=0.02)
+
+
+def test_layer_messages_follow_the_docstring():
+    """Item 3 of the docstring at C = 4, b = 2, s = 16, h/T = 8, e_c = 2 (e_a = 4): ring forward 3 hops of [K; V]
+    (2·(s/C)·b·(h/T)·e_c = 256 B), backward 3 of [K; V] and 4 of [dK; dV] (512 B); Ulysses 4 all-to-alls of
+    128 B each way; activation checkpointing adds the forward's to backward."""
+    import context_parallel as cp
+
+    shape = cp.LayerShape(micro=2, seq_len=16, width=8, compute_bytes=2)
+    ring = cp.layer_messages("ring", 4, shape)
+    assert ring["forward"] == {("send", "cp"): (3, 3 * 256), ("recv", "cp"): (3, 3 * 256)}
+    assert ring["backward"] == {("send", "cp"): (7, 3 * 256 + 4 * 512), ("recv", "cp"): (7, 3 * 256 + 4 * 512)}
+    ulysses = cp.layer_messages("ulysses", 4, cp.LayerShape(2, 16, 8, 2, checkpointing=True))
+    assert ulysses["forward"] == {("all_to_all_single", "cp"): (4, 4 * 128)}
+    assert ulysses["backward"] == {("all_to_all_single", "cp"): (8, 8 * 128)}
+    assert cp.layer_messages("ring", 1, shape) == {"forward": {}, "backward": {}}
+
+
+def _flags(seq_len, cp, n_head, tp=1, impl="ring", balance="zigzag", dropout=0.0, sequence_parallel=False):
+    """config_from_flags on these flags, with the slice of flags.Settings it reads."""
+    import context_parallel
+
+    settings = SimpleNamespace(seq_len=seq_len, model=SimpleNamespace(n_head=n_head, dropout=dropout),
+                               shape=SimpleNamespace(tp=tp), sequence_parallel=sequence_parallel)
+    return context_parallel.config_from_flags(Namespace(cp=cp, cp_impl=impl, cp_balance=balance), settings)
 
 
 @pytest.mark.parametrize(
@@ -77,20 +111,31 @@ def test_layout_covers_the_sequence_and_zigzag_balances_the_causal_work():
     ],
 )
 def test_invalid_cp_flags_are_clear_errors(kwargs, expected):
-    import context_parallel as cp
-
     with pytest.raises(ValueError) as error:
-        cp.check_flags(**kwargs)
+        _flags(**kwargs)
     for text in expected:
         assert text in str(error.value)
 
 
-def test_valid_cp_flags_pass():
+def test_valid_cp_flags_give_the_config():
     import context_parallel as cp
 
-    cp.check_flags(seq_len=16, cp=4, n_head=4, impl="ulysses")
-    cp.check_flags(seq_len=12, cp=4, n_head=3, balance="contiguous")
-    cp.check_flags(seq_len=16, cp=2, n_head=4, tp=2, impl="ulysses", sequence_parallel=True)
+    assert _flags(seq_len=16, cp=4, n_head=4, impl="ulysses") == cp.CPConfig(4, "ulysses", "zigzag")
+    assert _flags(seq_len=12, cp=4, n_head=3, balance="contiguous") == cp.CPConfig(4, "ring", "contiguous")
+    assert _flags(seq_len=16, cp=2, n_head=4, tp=2, impl="ulysses", sequence_parallel=True).size == 2
+    assert _flags(seq_len=15, cp=1, n_head=3) is None  # off: nothing to check
+
+
+def test_parallelize_refuses_a_model_with_attention_dropout():
+    """The ring has no attention dropout: a model built with it is refused before anything is swapped (no
+    process group needed: nothing talks before the check)."""
+    import context_parallel as cp
+    from model import GPT, causal_attention
+
+    model = GPT(make_config(dropout=0.1), seed=0)
+    with pytest.raises(ValueError, match="--dropout 0.1"):
+        cp.parallelize(model, group=None)
+    assert all(block.attn.attention_fn is causal_attention for block in model.transformer.h)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -109,7 +154,7 @@ def _reference_attention(q, k, v, dout):
 
 
 def _attention(rank, world):
-    """Every variant at C = 2 (groups {0,1}, {2,3}) and C = 4; plus the ring's order of events, dropout."""
+    """Every variant at C = 2 (groups {0,1}, {2,3}) and C = 4; the ring's order of events and its casts; bf16."""
     groups = {4: dist.new_group([0, 1, 2, 3]), 2: [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]}
     out = {C: _attention_checks(groups[C]) for C in (2, 4)}
     out["events"] = _ring_event_order(groups[4])
@@ -148,11 +193,6 @@ def _attention_checks(group):
             errs[impl, balance] = {
                 "out": _max_err(y, ref_out[:, :, index]), "lse": _max_err(lse, ref_lse[:, :, index]),
                 **{name: _max_err(t.grad, g[:, :, index]) for name, t, g in zip("qkv", (ql, kl, vl), ref_grads)}}
-    try:
-        cp.ContextParallelAttention(causal_attention, ring, "ring", "zigzag")(q, k, v, 0.1)
-        errs["dropout refused"] = None
-    except ValueError as error:
-        errs["dropout refused"] = str(error)
     return errs
 
 
@@ -171,7 +211,7 @@ def _ring_event_order(group):
     try:
         q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, device=harness.device(), requires_grad=True)
                    for _ in range(3))
-        y = cp.RingAttention.apply(q, k, v, ring, "zigzag")
+        y = cp.RingAttention.apply(q, k, v, ring, "zigzag", True)
         forward_events = list(events)
         events.clear()
         y.sum().backward()
@@ -287,14 +327,17 @@ def attention_ranks():
 
 
 def test_attention_matches_full_causal_attention(attention_ranks):
+    """Ring and Ulysses, zig-zag and contiguous, C = 2 and 4: out, lse, dq, dk, dv within 1e-10 in float64."""
     for result in attention_ranks:
         for C in (2, 4):
-            errs = result[C]
-            assert "--dropout 0.1" in errs.pop("dropout refused")
-            assert len(errs) == 4  # ring and Ulysses, zig-zag and contiguous
-            for variant, by_name in errs.items():
+            assert len(result[C]) == 4  # ring and Ulysses, zig-zag and contiguous
+            for variant, by_name in result[C].items():
                 for name, err in by_name.items():
                     assert err < TOL, (C, variant, name, err)
+
+
+def test_ring_posts_the_next_block_before_computing_this_one(attention_ranks):
+    for result in attention_ranks:
         forward, backward = result["events"]
         # C = 4: three steps of (post the next K,V; compute this block; wait), then the last block.
         assert forward == ["post", "compute", "wait"] * 3 + ["compute"]
@@ -303,27 +346,45 @@ def test_attention_matches_full_causal_attention(attention_ranks):
         step = lambda first, last: ([] if last else ["post"]) + ["compute"] + ([] if first else ["wait"]) \
             + ["post"] + ([] if last else ["wait"])
         assert backward == step(True, False) + step(False, False) * 2 + step(False, True) + ["wait"]
-        # bf16 in, fp32 accumulators: q cast once per pass (and, in backward, dout and out once), each hop's
-        # arriving [K; V] block once (C = 4 hops); one causal mask per pass, for the diagonal block.
+
+
+def test_ring_casts_once_per_pass_and_hop_and_builds_one_mask(attention_ranks):
+    """bf16 in, fp32 accumulators: q cast once per pass (and, in backward, dout and out once), each hop's
+    arriving [K; V] block once (C = 4 hops); one causal mask per pass, for the diagonal block."""
+    for result in attention_ranks:
         assert result["ops"] == {"forward": (1 + 4, 1), "backward": (3 + 4, 1)}, result["ops"]
 
 
-def test_bf16_attention_within_the_bf16_rounding_bound(attention_ranks):
-    """C = 2, bf16 autocast, forward and backward. The ring (fp32 accumulators) is within `_bf16_bounds` of the
+def _bf16_results(attention_ranks, kind):
+    """(impl, balance, name, error / bound against exact, error against the single device, dtype) of `kind`:
+    "ring", "ulysses", or the broken ring (fp32 accumulators kept in bf16)."""
+    rows = [(impl, balance, name, *values) for result in attention_ranks
+            for (impl, balance), by_name in result["bf16"].items() for name, values in by_name.items()]
+    chosen = [row for row in rows if (row[0] == kind if kind != "broken" else row[0].startswith("ring,"))]
+    assert chosen and all(row[-1] == "torch.bfloat16" for row in chosen)  # results in the compute dtype
+    return chosen
+
+
+def test_bf16_ring_is_within_the_bf16_rounding_bound(attention_ranks):
+    """C = 2, bf16 autocast, forward and backward: the ring (fp32 accumulators) is within `_bf16_bounds` of the
     exact float64 values, element by element: one bf16 rounding of each result (u = 2^-8), plus, for dq and dk,
-    the bf16 output's rounding inside delta. Ulysses runs the single device's own attention on whole sequences
-    of a/C heads: it equals model.causal_attention under the same autocast bitwise. A ring whose accumulators
-    (the lse merge, dq, dK, dV) were bf16 breaks the bound many times over: the check can fail."""
-    for result in attention_ranks:
-        for (impl, balance), by_name in result["bf16"].items():
-            for name, (error_over_bound, vs_single, dtype) in by_name.items():
-                assert dtype == "torch.bfloat16", (impl, name, dtype)  # results come back in the compute dtype
-                if impl == "ring":
-                    assert error_over_bound <= 1.0, (impl, balance, name, error_over_bound)
-                elif impl == "ulysses":
-                    assert vs_single == 0.0, (balance, name, vs_single)
-                else:  # the broken ring: off by more than one rounding (out and dV: by 100 and more)
-                    assert error_over_bound > 1.0, (name, error_over_bound)
+    the bf16 output's rounding inside delta."""
+    for impl, balance, name, error_over_bound, _, _ in _bf16_results(attention_ranks, "ring"):
+        assert error_over_bound <= 1.0, (balance, name, error_over_bound)
+
+
+def test_bf16_ulysses_equals_the_single_device_attention(attention_ranks):
+    """Ulysses runs the single device's own attention on whole sequences of a/C heads: it equals
+    model.causal_attention under the same autocast bitwise."""
+    for impl, balance, name, _, vs_single, _ in _bf16_results(attention_ranks, "ulysses"):
+        assert vs_single == 0.0, (balance, name, vs_single)
+
+
+def test_bf16_bound_catches_a_ring_with_bf16_accumulators(attention_ranks):
+    """A ring whose accumulators (the lse merge, dq, dK, dV) were bf16 breaks the bound many times over (out and
+    dV by 100 and more): the bound can fail."""
+    for impl, balance, name, error_over_bound, _, _ in _bf16_results(attention_ranks, "broken"):
+        assert error_over_bound > 1.0, (name, error_over_bound)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -331,17 +392,10 @@ def test_bf16_attention_within_the_bf16_rounding_bound(attention_ranks):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _run(mesh, config, impl, balance, device, sp=False, autocast=None, compute_dtype=torch.float64, micro=2):
-    """The slice of train.py's Run that context_parallel.apply reads, and its CPConfig."""
+def _run(mesh, config, device, autocast=None, micro=2):
+    """The slice of train.py's Run that context_parallel.apply reads."""
     return SimpleNamespace(mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=micro, micro_batches=1,
-                           device=device, autocast=autocast or nullcontext(), compute_dtype=compute_dtype,
-                           seed=0), cp_config(mesh.size("cp"), impl, balance)
-
-
-def cp_config(size, impl, balance):
-    import context_parallel as cp
-
-    return cp.CPConfig(size, impl, balance)
+                           device=device, autocast=autocast or nullcontext())
 
 
 def _model(rank, world, cp_size, tp_size, variants):
@@ -371,8 +425,7 @@ def _model_variant(mesh, tp_size, impl, balance, sp, checkpointing, bf16):
     model = GPT(config, seed=0, dtype=dtype, device=device)
     tp_handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0) if tp_size > 1 else None
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    handle = cp.apply(model, *_run(mesh, config, impl, balance, device, sp, autocast,
-                                   torch.bfloat16 if bf16 else dtype))
+    handle = cp.apply(model, _run(mesh, config, device, autocast), cp.CPConfig(mesh.size("cp"), impl, balance))
     (x_local, y_local, pos), = handle.shard_batches([(x, y)])
     group = mesh.group("cp")
     count = (y_local != -1).sum().double()
@@ -394,7 +447,7 @@ def _model_variant(mesh, tp_size, impl, balance, sp, checkpointing, bf16):
         grad = p.grad.clone()
         dist.all_reduce(grad, group=group)  # what the layout's dp×cp reduction does
         errs[p.shard_info.global_name] = _max_err(grad, p.shard_info.shard_of(ref_grads[p.shard_info.global_name]))
-    return errs, traced, handle.predicted_messages()
+    return errs, traced, dict(handle.predicted_messages())
 
 
 RING_ZZ, RING_CONTIGUOUS = ("ring", "zigzag", False, False, False), ("ring", "contiguous", False, False, False)
@@ -403,42 +456,77 @@ ULYSSES_CONTIGUOUS = ("ulysses", "contiguous", False, False, False)
 RING_CKPT, ULYSSES_CKPT = ("ring", "zigzag", False, True, False), ("ulysses", "zigzag", False, True, False)
 RING_BF16, ULYSSES_BF16 = ("ring", "zigzag", False, False, True), ("ulysses", "zigzag", False, False, True)
 RING_SP, ULYSSES_SP_CKPT = ("ring", "zigzag", True, False, False), ("ulysses", "zigzag", True, True, False)
+MESHES = {  # (world, C, T, variants)
+    "C2": (2, 2, 1, (RING_ZZ, RING_CONTIGUOUS, ULYSSES_ZZ, ULYSSES_CONTIGUOUS, RING_CKPT, ULYSSES_CKPT, RING_BF16,
+                     ULYSSES_BF16)),
+    "C4": (4, 4, 1, (RING_ZZ, RING_CONTIGUOUS, ULYSSES_ZZ, RING_CKPT)),
+    "T2xC2": (4, 2, 2, (RING_ZZ, ULYSSES_ZZ, RING_SP, ULYSSES_SP_CKPT)),  # after tensor (and sequence) parallel
+}
 
 
-@pytest.mark.parametrize(
-    "world,cp_size,tp_size,variants",
-    [
-        (2, 2, 1, (RING_ZZ, RING_CONTIGUOUS, ULYSSES_ZZ, ULYSSES_CONTIGUOUS, RING_CKPT, ULYSSES_CKPT, RING_BF16,
-                   ULYSSES_BF16)),
-        (4, 4, 1, (RING_ZZ, RING_CONTIGUOUS, ULYSSES_ZZ, RING_CKPT)),
-        (4, 2, 2, (RING_ZZ, ULYSSES_ZZ, RING_SP, ULYSSES_SP_CKPT)),  # after tensor (and sequence) parallel
-    ],
-    ids=["C2", "C4", "T2xC2"],
-)
-def test_model_gradients_match_single_device(world, cp_size, tp_size, variants):
-    ranks = run_ranks(_model, world, cp_size, tp_size, variants, timeout=180)
+@pytest.fixture(scope="module", params=list(MESHES))
+def model_ranks(request):
+    """One spawn per mesh: [(rank's {variant: (errors, traced, predicted)}), ...] and the mesh's variants."""
+    world, cp_size, tp_size, variants = MESHES[request.param]
+    return run_ranks(_model, world, cp_size, tp_size, variants, timeout=180), variants
+
+
+def test_model_gradients_match_single_device(model_ranks):
+    """The loss and every gradient, summed over cp, equal the single device's on the whole batch (float64;
+    the bf16 variants check the message sizes only: their numerics are the bf16 attention tests')."""
+    ranks, variants = model_ranks
     for result in ranks:
         for variant in variants:
-            errs, traced, predicted = result[variant]
-            bf16 = variant[-1]
-            if not bf16:  # here bf16 checks the message sizes (2-byte K,V, 4-byte dK,dV); its numerics:
-                #             test_bf16_attention_within_the_bf16_rounding_bound
+            errs, _, _ = result[variant]
+            if not variant[-1]:
                 for name, err in errs.items():
                     assert err < TOL, (variant, name, err)
-            assert traced == predicted, variant  # every cp message, counted and sized, as predicted
+
+
+def test_traced_cp_messages_equal_the_prediction(model_ranks):
+    """Every cp message of one forward and backward, counted and sized, as predicted_messages says (L = 2,
+    m = 1; bf16: 2-byte K,V and 4-byte dK,dV)."""
+    ranks, variants = model_ranks
+    for result in ranks:
+        for variant in variants:
+            _, traced, predicted = result[variant]
+            assert traced == predicted, variant
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Saved activations, and the handle's printouts
+# Saved activations, block 0 measured at start-up, and the printouts
 # ---------------------------------------------------------------------------------------------------------
+
+
+def _composed_cp_run(rank, world, device):
+    """train.compose on `--cp world`, as train.main composes a run (block 0 measured at start-up), in float64 on
+    the test's model."""
+    from dataclasses import replace
+
+    import flags
+    import train
+    from mesh import build_mesh
+
+    config = make_config()
+    args = flags.build_parser().parse_args(["--cp", str(world), "--global-batch", "2", "--micro-batch", "2",
+                                            "--seq-len", str(SEQ), "--n-layer", str(config.n_layer), "--n-head",
+                                            str(config.n_head), "--n-embd", str(config.n_embd)])
+    settings = replace(flags.validate(args, world, axes=train.AXES), model=config)
+    run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=config, device=device, seed=0,
+                    compute_dtype=torch.float64, param_dtype=torch.float64, master_dtype=torch.float64)
+    return train.compose(run, measure=True)
 
 
 def _activations(rank, world):
-    """Block 0's saved bytes at C = 1 (a ring of one) and C = 2, same global sequence; and the handle's lines."""
+    """Block 0's saved bytes at C = 1 (a ring of one) and C = 2, same global sequence; then a composed run: what
+    start-up measured, its cp lines, one training step and one evaluation pass, the end lines."""
     import context_parallel as cp
+    import report
     from mesh import build_mesh, infer_mesh_shape
-    from comm import CommTracer
+    from mfu import SavedActivations
     from model import GPT
+    from optim import DynamicLossScaler
+    from step import train_step
 
     device = harness.device()
     singletons = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
@@ -451,39 +539,79 @@ def _activations(rank, world):
         model = GPT(config, seed=0, dtype=torch.float64, device=device)
         cp.parallelize(model, group, "ring", "zigzag")
         local = x[:, cp.positions(SEQ, C, dist.get_rank(group)).to(device)].requires_grad_()
-        block = model.transformer.h[0]
-        saved[C] = cp.saved_activation_bytes(lambda: block(local), exclude=model.parameters())
-    model = GPT(config, seed=0, dtype=torch.float64, device=device)
-    handle = cp.apply(model, *_run(mesh, config, "ring", "zigzag", device))
-    measured_messages, measured_saved = cp.measure_block(handle)
-    lines = handle.startup_lines()
-    tracer = CommTracer()
-    tracer.name_group(mesh.group("cp"), "cp")
-    (xl, yl, pos), = handle.shard_batches([(bx.to(device), by.to(device)) for bx, by in global_batches(1, 2, SEQ)])
-    handle.before_step()  # one training step (train_step's hooks around it), then an evaluation pass
-    with tracer:
-        model(xl, yl, pos)[1].backward()
-    handle.after_step(False)
-    with torch.no_grad():
-        model(xl, yl, pos)
-    lines += handle.end_lines(tracer, 1)
-    return saved, measured_messages, handle.layer_messages(), measured_saved, lines
+        with SavedActivations(exclude=model.parameters()) as block_saved:
+            model.transformer.h[0](local)
+        saved[C] = block_saved.bytes
+
+    run = _composed_cp_run(rank, world, device)
+    axis = next(a for a in run.axes if a.name == "cp")
+    out = dict(saved=saved, measured=run.measured.on("cp"), measured_saved=run.measured.saved_bytes,
+               layer_messages={(phase, op): count for phase, messages in axis.layer_messages().items()
+                               for (op, _), count in messages.items()},
+               phases_after_startup=dict(axis.ring.clock.phases))
+    out["startup"] = report.cp_startup_lines(axis, run)
+    batches = axis.shard_batches(rank_micro_batches(*global_batches(1, 2, SEQ)[0], dp_rank=0, dp_size=1, micro=2))
+    train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 0.0, run.autocast,
+               device, model=run.model, schedule=run.schedule, axes=run.axes, data_size=run.mesh.size("dp"))
+    run.schedule.forward_only(run.layout, run.model, batches, run.autocast, device)  # evaluation: not charged
+    out["passes"] = {phase: stat.passes for phase, stat in axis.ring.clock.phases.items()}
+    out["end"] = report.cp_end_lines(axis, run, 1)
+    return out
 
 
-def test_saved_activations_match_the_estimate_and_halve_with_cp():
+@pytest.fixture(scope="module")
+def activation_ranks():
+    return run_ranks(_activations, 2, timeout=120)
+
+
+def test_saved_activations_match_the_estimate(activation_ranks):
     config = make_config()
     b, s, h = 2, SEQ, config.n_embd
-    for saved, measured, predicted, measured_saved, lines in run_ranks(_activations, 2, timeout=120):
-        for C in (1, 2):
+    for result in activation_ranks:
+        for C, saved in result["saved"].items():
             estimate = 32 * (s // C) * b * h * 8 / 2  # Korthikanti's 34sbh less 2 mask bytes, 16-bit → float64
-            assert abs(saved[C] / estimate - 1) < ACTIVATION_TOL, (C, saved[C], estimate)
-        assert saved[2] / saved[1] == pytest.approx(0.5, abs=0.01)
-        assert measured == predicted  # block 0's messages per phase, as layer_messages predicts
-        assert measured_saved == saved[2]
-        text = "\n".join(lines)
-        for expected in ("causal work per CP rank", "zigzag", "max/mean 1.000", "(32sbh)/C", "ring transfers alone",
-                         "hidden behind compute", "predicted 8 calls", "measured 8 calls", "per training step",
-                         "the 1 training steps' passes, L=2 × m=1", "CPU cores busy while computing"):
-            assert expected in text, expected
-        # The step's passes only: L = 2 layers, one micro-batch, one step; the evaluation forward is not counted.
-        assert "ring forward : 2 passes" in text and "ring backward: 2 passes" in text, text
+            assert abs(saved / estimate - 1) < ACTIVATION_TOL, (C, saved, estimate)
+
+
+def test_saved_activations_halve_with_cp(activation_ranks):
+    for result in activation_ranks:
+        assert result["saved"][2] / result["saved"][1] == pytest.approx(0.5, abs=0.01)
+
+
+def test_block_0_measured_at_startup_sends_what_layer_messages_predicts(activation_ranks):
+    for result in activation_ranks:
+        assert result["measured"] == result["layer_messages"]  # per phase and op, calls and bytes
+
+
+def test_block_0_measured_at_startup_saves_what_the_block_saves(activation_ranks):
+    for result in activation_ranks:
+        assert result["measured_saved"] == result["saved"][2]
+
+
+def test_startup_measurement_leaves_the_ring_clock_empty(activation_ranks):
+    """report.measure_block runs a copy of block 0: none of its passes is charged to the run's ring."""
+    for result in activation_ranks:
+        assert result["phases_after_startup"] == {}
+
+
+def test_ring_clock_counts_the_training_passes_only(activation_ranks):
+    """One training step at L = 2 layers and m = 1: 2 forward and 2 backward passes; the evaluation pass after
+    it (under no_grad) is not counted (it would make 4 forward)."""
+    for result in activation_ranks:
+        assert result["passes"] == {"forward": 2, "backward": 2}
+
+
+def test_startup_lines_show_the_layout_messages_work_and_activations(activation_ranks):
+    text = "\n".join(activation_ranks[0]["startup"])
+    for expected in ("context parallel C=2 (ring, zigzag): rank c holds chunks c and 2C−1−c of 2C (8 of s=16",
+                     "forward  send               predicted 1 ×", "measured 1 ×", "backward recv               "
+                     "predicted 3 ×", "per step (× L=2 × m=1)", "causal work per CP rank", "max/mean 1.000",
+                     "(32sbh)/C", "measured (saved_tensors_hooks)", "ring transfers alone"):
+        assert expected in text, expected
+
+
+def test_end_lines_say_how_much_of_the_ring_compute_hid(activation_ranks):
+    text = "\n".join(activation_ranks[0]["end"])
+    for expected in ("the 1 training steps' passes, L=2 × m=1", "ring forward : 2 passes", "ring backward: 2 passes",
+                     "hidden behind compute", "CPU cores busy while computing"):
+        assert expected in text, expected

@@ -1,10 +1,12 @@
 """ddp.py: data-parallel training performs the single-device update on the global batch.
 
-Each test spawns ranks with the harness, runs a few optimizer steps with ddp.py and step.train_step
-in float64, and compares losses and final parameters with tests/reference.py's single-device run on the
-same global batches (torch's AdamW and clip_grad_norm_). float64 sums in a different order agree to ~1e-15
-relative; the stated tolerance is 1e-10. Each rank builds on harness.device() (its GPU under nccl); the batches
-stay on the CPU, as train.py's sampler makes them, and train_step moves them.
+Each spawned run (ranks from the harness, a module-scoped fixture shared by one test per property) runs a
+few optimizer steps with ddp.py and step.train_step in float64, and the tests compare losses, gradient norms
+and final parameters with tests/reference.py's single-device run on the same global batches (torch's AdamW
+and clip_grad_norm_), the all-reduces per step with the buckets and the prediction, and the start-up line.
+float64 sums in a different order agree to ~1e-15 relative; the stated tolerance is 1e-10. Each rank builds on
+harness.device() (its GPU under nccl); the batches stay on the CPU, as train.py's sampler makes them, and
+train_step moves them.
 """
 
 from contextlib import nullcontext
@@ -22,6 +24,7 @@ TOL = 1e-10
 
 
 def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
+    import report
     from ddp import DistributedDataParallel
     from comm import CommTracer
     from model import GPT
@@ -49,36 +52,65 @@ def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
         losses.append(outcome.loss)
         norms.append(outcome.grad_norm)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return losses, norms, params, len(ddp.buckets), calls, layout.startup_lines()
+    return dict(losses=losses, norms=norms, params=params, buckets=len(ddp.buckets), calls=calls,
+                predicted=dict(layout.predicted_messages()), bucket_bytes=sum(ddp.bucket_sizes_bytes()),
+                startup=report.ddp_startup_lines(layout))
 
 
-@pytest.mark.parametrize(
-    "world,global_batch,micro,clip,bucket_mb",
-    [
-        (2, 4, 2, 0.0, 25.0),  # one micro-batch per rank, one bucket
-        (2, 8, 1, 0.05, 0.01),  # 4 accumulation steps, clipping active, many small buckets
-        (4, 8, 1, 0.05, 0.02),  # 4 ranks, 2 accumulation steps
-    ],
-)
-def test_ddp_matches_single_device(world, global_batch, micro, clip, bucket_mb):
-    ref_losses, ref_norms, ref_params = reference_run(make_config(), global_batches(STEPS, global_batch, SEQ),
-                                                      clip=clip)
+CASES = {  # (world, global batch, B_μ, clip, bucket MiB)
+    "one bucket": (2, 4, 2, 0.0, 25.0),  # one micro-batch per rank, one bucket
+    "clipped, many buckets": (2, 8, 1, 0.05, 0.01),  # 4 accumulation steps, clipping active, many small buckets
+    "4 ranks": (4, 8, 1, 0.05, 0.02),  # 4 ranks, 2 accumulation steps
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def ddp_case(request):
+    """One spawn per case and its single-device reference: (case, reference (losses, norms, params), ranks)."""
+    world, global_batch, micro, clip, bucket_mb = case = CASES[request.param]
+    reference = reference_run(make_config(), global_batches(STEPS, global_batch, SEQ), clip=clip)
+    return case, reference, run_ranks(_train_ddp, world, global_batch, micro, clip, bucket_mb, timeout=120)
+
+
+def test_ddp_losses_match_single_device(ddp_case):
+    _, (ref_losses, _, _), ranks = ddp_case
+    for result in ranks:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
+
+
+def test_ddp_grad_norms_match_single_device(ddp_case):
+    (_, _, _, clip, _), (_, ref_norms, _), ranks = ddp_case
     if clip:
         assert min(ref_norms) > clip  # clipping really is active
-    results = run_ranks(_train_ddp, world, global_batch, micro, clip, bucket_mb, timeout=120)
-    for losses, norms, params, num_buckets, calls, startup in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=TOL, atol=TOL)
+    for result in ranks:
+        torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(ref_norms), rtol=TOL, atol=TOL)
+
+
+def test_ddp_parameters_match_single_device(ddp_case):
+    _, (_, _, ref_params), ranks = ddp_case
+    for result in ranks:
         for name, ref in ref_params.items():
-            torch.testing.assert_close(params[name], ref, rtol=TOL, atol=TOL, msg=name)
-        # Per step: one all-reduce per bucket (none on accumulation micro-steps), plus the token count and
-        # the logged loss. The finite flag goes over the world group, not this one.
-        assert calls == [num_buckets + 2] * STEPS
+            torch.testing.assert_close(result["params"][name], ref, rtol=TOL, atol=TOL, msg=name)
+
+
+def test_one_all_reduce_per_bucket_per_step(ddp_case):
+    """Per step: one all-reduce per bucket (none on accumulation micro-steps), plus the token count and the
+    logged loss (the finite flag goes over the world group, not this one); and that is what the layout
+    predicts: one all_reduce per bucket, payload the buckets' bytes."""
+    (_, _, _, _, bucket_mb), _, ranks = ddp_case
+    for result in ranks:
+        assert result["calls"] == [result["buckets"] + 2] * STEPS
+        assert result["predicted"] == {("all_reduce", "dp_cp"): (result["buckets"], result["bucket_bytes"])}
         if bucket_mb < 1:
-            assert num_buckets > 3
-        # The startup line names the buckets it counts: "in 1 bucket", "in 7 buckets".
-        expected = "in 1 bucket," if num_buckets == 1 else f"in {num_buckets} buckets,"
-        assert any(expected in line for line in startup), (expected, startup)
+            assert result["buckets"] > 3
+
+
+def test_startup_line_names_the_bucket_count(ddp_case):
+    """The startup line names the buckets it counts: "in 1 bucket", "in 7 buckets"."""
+    _, _, ranks = ddp_case
+    for result in ranks:
+        expected = "in 1 bucket," if result["buckets"] == 1 else f"in {result['buckets']} buckets,"
+        assert any(expected in line for line in result["startup"]), (expected, result["startup"])
 
 
 def _different_init(rank, world):
@@ -137,12 +169,21 @@ def _overlap_order(rank, world):
     return launched_in_backward, len(ddp.buckets), small.bucket_sizes_bytes()
 
 
-def test_buckets_launch_during_backward_in_order():
+@pytest.fixture(scope="module")
+def overlap_ranks():
+    return run_ranks(_overlap_order, 2, timeout=60)
+
+
+def test_buckets_launch_during_backward_in_order(overlap_ranks):
+    for launched, num_buckets, _ in overlap_ranks:
+        assert launched == list(range(num_buckets))  # all launched from hooks, in order
+
+
+def test_ddp_cuts_its_buckets_tapered(overlap_ranks):
     from ddp import TAPER_BYTES
 
-    for launched, num_buckets, small_sizes in run_ranks(_overlap_order, 2, timeout=60):
-        assert launched == list(range(num_buckets))  # all launched from hooks, in order
-        assert small_sizes[-1] <= TAPER_BYTES and max(small_sizes) <= 25 * 2**20  # DDP cuts its buckets tapered
+    for _, _, small_sizes in overlap_ranks:
+        assert small_sizes[-1] <= TAPER_BYTES and max(small_sizes) <= 25 * 2**20
 
 
 def _compiled_blocks(rank, world):
@@ -178,12 +219,21 @@ def _compiled_blocks(rank, world):
     return out
 
 
-def test_per_block_compiled_ddp_sums_eager_gradients_with_eager_overlap():
-    for out in run_ranks(_compiled_blocks, 2, timeout=180):
+@pytest.fixture(scope="module")
+def compiled_ranks():
+    return run_ranks(_compiled_blocks, 2, timeout=180)
+
+
+def test_per_block_compiled_ddp_sums_the_eager_gradients(compiled_ranks):
+    for out in compiled_ranks:
+        for name, grad in out[False]["grads"].items():
+            torch.testing.assert_close(out[True]["grads"][name], grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_per_block_compiled_ddp_overlaps_as_eager(compiled_ranks):
+    """The buckets of the head and blocks 2 and 1 are on the wire before block 0's backward: as many as eager."""
+    for out in compiled_ranks:
         eager, compiled = out[False], out[True]
-        for name, grad in eager["grads"].items():
-            torch.testing.assert_close(compiled["grads"][name], grad, rtol=1e-12, atol=1e-14, msg=name)
-        # The buckets of the head and blocks 2 and 1 are on the wire before block 0's backward: as many as eager.
         assert compiled["launched_before_block_0"] == eager["launched_before_block_0"]
         assert 0 < eager["launched_before_block_0"][0] < eager["buckets"]
 

@@ -420,3 +420,23 @@ def test_an_mfu_above_100_percent_is_flagged_once(capsys):
         report.print_step(dict(record, step=step), clock)
     out = capsys.readouterr().out
     assert out.count("MFU 223.00%!") == 2 and out.count("MFU above 100% cannot be") == 1, out
+
+
+def test_the_axis_protocol_is_six_methods_and_no_handle_brings_back_a_removed_hook():
+    """step.Axis: four training methods and two accounting ones (issue 18's target: ≤ 8, ≤ 3 accounting).
+    A handle may have helpers of its own, but none of the hooks that left the protocol (printing moved to
+    report.py's sections, per-step hooks into after_grad_sync, "loaded" into the loaded tensors)."""
+    import inspect
+
+    import step
+
+    protocol = {name for name, value in vars(step.Axis).items() if callable(value) and not name.startswith("_")}
+    assert protocol == {"shard_batches", "after_grad_sync", "sampling", "state_pieces",
+                        "predicted_messages", "traced_prediction"}, protocol
+    removed = {"startup_lines", "end_lines", "step_lines", "groups", "before_step", "after_step",
+               "local_nonfinite", "gather_codecs", "state_loaded"}
+    handles = [cls for module in AXES for _, cls in inspect.getmembers(module, inspect.isclass)
+               if issubclass(cls, step.Axis) and cls is not step.Axis]
+    assert len({cls.name for cls in handles}) == len(AXES), handles  # one handle class per axis
+    for cls in handles:
+        assert not removed & set(vars(cls)), (cls, removed & set(vars(cls)))
