@@ -20,7 +20,8 @@ import json
 import os
 import time
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -60,8 +61,9 @@ class Progress:
         self.last_line = time.perf_counter()
         self.warned_mfu = False
 
-    def tick(self, step: int, seconds: float) -> float:
-        if step > self.start_step:
+    def tick(self, step: int, seconds: float, timed: bool = True) -> float:
+        """Count the step's time; timed=False leaves it out of the mean (a profiled step)."""
+        if step > self.start_step and timed:
             self.seconds, self.steps = self.seconds + seconds, self.steps + 1
         else:
             self.first = seconds
@@ -172,8 +174,8 @@ def print_startup(run):
               "default kernels: a GPU run replays to float tolerance (--deterministic for bitwise)"))
     for line in layout_lines(run, "startup"):
         print0(line)
-    activation, how = activation_estimate(run)
-    print0(f"activations ≈ {mfu.format_bytes(activation)} per micro-batch (Korthikanti, 16-bit, {how})")
+    for line in activation_lines(activation_estimate(run)):
+        print0(line)
     print0(f"FLOPs/token: model {run.flops.model:,.0f}, hardware {run.flops.hardware:,.0f}  [{run.flops.convention}]")
     print0(f"peak assumed: {mfu.format_flops(run.peak[0])}/s per device ({run.peak[1]})")
     for axis in run.axes:
@@ -194,43 +196,160 @@ def print_startup(run):
     print0("=" * 100)
 
 
-def activation_estimate(run) -> tuple[float, str]:
-    """Korthikanti et al. 2022 per micro-batch for the blocks this rank holds (16-bit activations), with the
-    sequence this rank holds (s/C under context parallel)."""
-    config, mesh, sp = run.config, run.mesh, run.settings.args.sp
-    blocks, seq = len(run.model.transformer.h), run.seq_len // mesh.size("cp")
-    per_layer = mfu.activation_bytes_per_layer(seq, run.micro_batch_size, config.n_embd, config.n_head,
-                                               t=mesh.size("tp"), sequence_parallel=sp)
-    moe_ids = [b.layer_id for b in run.model.transformer.h if moe.is_moe_layer(config, b.layer_id)]
-    experts = (lambda n: moe.activation_estimate_delta(config, n, seq, run.micro_batch_size, mesh.size("tp"), sp)) if moe_ids \
-        else (lambda n: 0)  # a MoE block keeps its router's and experts' activations instead of the dense MLP's
-    with_experts = f", {len(moe_ids)} with experts (moe.activation_estimate_delta)" if moe_ids else ""
-    if not config.activation_checkpointing:
-        return per_layer * blocks + experts(len(moe_ids)), f"{blocks} layers{with_experts}"
-    # Only each block's input survives forward (2·s·b·h bytes at 16 bits, /T with SP); backward rebuilds
-    # one block's activations at a time.
-    block_input = 2 * seq * run.micro_batch_size * config.n_embd // (mesh.size("tp") if sp else 1)
-    return (block_input * blocks + per_layer + experts(min(1, len(moe_ids))),
-            f"{blocks} block inputs + one layer recomputed{with_experts}")
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """What this rank's forwards save for backward, by mfu's formulas (what the kernels save)."""
+
+    forward: float  # bytes one forward saves: a micro-batch (under PP one chunk of it) through this rank's part
+    terms: dict  # the micro-batch's bytes (all v chunks) by what saves them
+    hidden: float  # of `forward`, what saved_tensors_hooks cannot see (SP's regather hooks: mfu.hidden_from_hooks)
+    in_flight: int  # forwards alive at once (the pipeline's chunk-micro-batches; 1 otherwise)
+    chunks: int  # v: the chunks of a pipeline rank (forward is 1/v of the micro-batch's bytes); 1 otherwise
+    recomputed: float  # under activation checkpointing, the block that backward rebuilds (else 0)
+    korthikanti: float  # the paper's formula for the same blocks and micro-batch (16-bit, unfused attention)
+    how: str
+
+    @property
+    def peak(self) -> float:
+        """Bytes alive at once: every forward in flight, and under activation checkpointing the block that
+        backward rebuilds (by then the head's and the loss's tensors of that micro-batch are freed)."""
+        rebuilt = max(0.0, self.recomputed - self.terms["head and loss"] / self.chunks)
+        return self.in_flight * self.forward + rebuilt
 
 
-def print_end(run, steps_run: int, seconds: float, steps_timed: int):
-    """Measured against predicted. steps_run: steps traced (a resumed run starts late); steps_timed: timed."""
+def activation_shape(run) -> mfu.ActivationShape:
+    """The symbols of mfu's activation formulas for this rank: its sequence (s/C), its dtypes, the kernel."""
+    config, settings, device = run.config, run.settings, run.device
+    cp_impl = settings.args.cp_impl if settings.shape.cp > 1 else None
+    # CP's attention (the ring, or SDPA on whole sequences inside Ulysses) runs without dropout (refused).
+    kernel = "fused" if cp_impl else mfu.attention_kernel(device.type, run.compute_dtype, config.dropout)
+    return mfu.ActivationShape(
+        s=run.seq_len // settings.shape.cp, b=run.micro_batch_size, h=config.n_embd, a=config.n_head,
+        vocab=config.vocab_size, t=settings.shape.tp, sp=settings.sequence_parallel,
+        e_r=run.param_dtype.itemsize, e_c=run.compute_dtype.itemsize, dropout=config.dropout > 0,
+        bool_masks=device.type == "cuda", fp32_norms=device.type == "cuda" and run.compute_dtype.itemsize < 4,
+        kernel=kernel, ulysses=cp_impl == "ulysses", fp8=settings.args.fp8 is not None,
+        regather=settings.args.fp8 is None)  # FP8 keeps the gathered input (fp8.convert)
+
+
+def activation_estimate(run) -> ActivationEstimate:
+    """This rank's activations per micro-batch: its blocks, the embeddings and the head where it holds them,
+    autocast's weight copies apart. Under activation checkpointing a block keeps its input only and backward
+    rebuilds one block at a time; under PP the schedule keeps `schedules.in_flight` chunk-micro-batches of this
+    rank's program alive, each counted as 1/v of the stage (exact for v = 1)."""
+    config, model, x = run.config, run.model, activation_shape(run)
+    n_moe = sum(moe.is_moe_layer(config, block.layer_id) for block in model.transformer.h)
+    held = {"dense": len(model.transformer.h) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
+    # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
+    # (whole on every TP rank).
+    experts = (moe.layer_activation_bytes(config, x.s * x.b // (x.t if x.sp else 1), x.e_c, max(4, x.e_r),
+                                          mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)),
+               config.moe_experts // run.settings.shape.ep * 8 * x.h * x.h * x.weight_copy) if n_moe else (0, 0)
+    recomputed = 0.0
+    if config.activation_checkpointing:  # the inputs stay; backward rebuilds one block, its copies with it
+        blocks, copies = mfu.block_input_bytes(x) * sum(held.values()), 0.0
+        rebuilt = block_bytes(replace(x, regather=False), experts)
+        recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - mfu.block_input_bytes(x)
+        what = f"{sum(held.values())} block inputs"  # the rebuilt block's input is the one the checkpoint holds
+    else:
+        each = block_bytes(x, experts)
+        blocks, copies = (sum(held[kind] * each[kind][i] for kind in held) for i in (0, 1))
+        what = f"{sum(held.values())} blocks" + (f" ({n_moe} MoE)" if n_moe else "")
+    terms = {what: blocks, "autocast weight copies": copies,
+             "embeddings": mfu.embedding_activation_bytes(x) if model.has_embedding else 0.0,
+             "head and loss": mfu.head_activation_bytes(x) if model.has_head else 0.0}
+    hidden = mfu.hidden_from_hooks(x, 0 if config.activation_checkpointing else sum(held.values()), model.has_head)
+    in_flight, chunks = 1, 1
+    if isinstance(run.schedule, pipeline.PipelineSchedule):
+        in_flight = schedules.in_flight(run.schedule.programs(run.micro_batches)[run.schedule.rank])[0]
+        chunks = run.schedule.v
+    how = (f"attention {x.kernel}" + (" (Ulysses)" if x.ulysses else "")
+           + f", {x.e_r}-byte residual, {x.e_c}-byte compute" + (", FP8 linear inputs" if x.fp8 else "")
+           + (f", {x.mask(x.e_c)}-byte dropout masks" if x.dropout else ", no dropout"))
+    return ActivationEstimate(forward=sum(terms.values()) / chunks, terms=terms, hidden=hidden / chunks,
+                              in_flight=in_flight, chunks=chunks, recomputed=recomputed,
+                              korthikanti=korthikanti_estimate(run, x, n_moe), how=how)
+
+
+def block_bytes(x: mfu.ActivationShape, experts: tuple) -> dict:
+    """{"dense" | "moe": (activations, autocast weight copies)} of one block of each kind (mfu's terms). A MoE
+    block keeps its attention and LayerNorms, and `experts` (its router's and experts' bytes, their copies)
+    instead of the dense MLP's."""
+    terms = mfu.layer_activation_terms(x)
+    attention = terms["layernorms"] + terms["attention"]
+    return {"dense": (attention + terms["mlp"], terms["attention weight copies"] + terms["mlp weight copies"]),
+            "moe": (attention + experts[0], terms["attention weight copies"] + experts[1])}
+
+
+def korthikanti_estimate(run, x: mfu.ActivationShape, n_moe: int) -> float:
+    """Korthikanti et al. 2022 for this rank's blocks and micro-batch (16-bit; a MoE block's experts by
+    moe.activation_estimate_delta); under activation checkpointing the block inputs, 2·s·b·h each (/T with SP),
+    and one layer recomputed."""
+    blocks, checkpointing = len(run.model.transformer.h), run.config.activation_checkpointing
+    per_layer = mfu.activation_bytes_per_layer(x.s, x.b, x.h, x.a, t=x.t, sequence_parallel=x.sp)
+    experts = moe.activation_estimate_delta(run.config, min(1, n_moe) if checkpointing else n_moe, x.s, x.b, x.t,
+                                            x.sp) if n_moe else 0
+    if not checkpointing:
+        return per_layer * blocks + experts
+    return 2 * x.s * x.b * x.h // (x.t if x.sp else 1) * blocks + per_layer + experts
+
+
+def activation_lines(estimate: ActivationEstimate) -> list:
+    """The start-up's lines: the estimate by term, its peak under the schedule, Korthikanti's reference."""
+    f = mfu.format_bytes
+    terms = ", ".join(f"{name} {f(value)}" for name, value in estimate.terms.items() if value)
+    per = "per micro-batch" if estimate.chunks == 1 else f"per micro-batch and chunk (1/{estimate.chunks} of"
+    lines = [f"activations ≈ {f(estimate.forward)} saved for backward {per}"
+             + (f" {f(sum(estimate.terms.values()))})" if estimate.chunks > 1 else "")
+             + f" ({estimate.how}): {terms}"]
+    if estimate.in_flight > 1 or estimate.recomputed:
+        lines.append(f"  at the peak: {estimate.in_flight} in flight × {f(estimate.forward)}"
+                     + (f" + one block recomputed in backward {f(estimate.recomputed)}, less the head's"
+                        f" {f(estimate.terms['head and loss'] / estimate.chunks)} freed by then" if estimate.recomputed
+                        else "") + f" = {f(estimate.peak)}")
+    lines.append(f"  reference: Korthikanti et al. 2022, s·b·h·(34 + 5·a·s/h) per block at 16 bits, which assumes"
+                 f" an unfused attention storing the a·s² scores and 1-byte dropout masks: {f(estimate.korthikanti)}"
+                 f" per micro-batch")
+    return lines
+
+
+class StepPeak(NamedTuple):
+    """How far one training step's host memory rose above where it began (mfu.MemoryTimeline over it)."""
+
+    step: int
+    rise: float  # bytes
+    in_mean: bool  # its time (slowed by the profiler) is in the throughput's mean
+
+
+def print_end(run, steps_run: int, seconds: float, steps_timed: int, step_peak: StepPeak | None = None):
+    """Measured against predicted. steps_run: steps traced (a resumed run starts late); steps_timed: timed;
+    step_peak: on a CPU, the profiled step's (train.py profiles the second: its state is steady)."""
     held, predicted = run.layout.held_bytes(), run.layout.predicted_persistent()
     print0("=" * 100)
     print0("measured vs predicted (per rank, rank 0):")
     for kind in ("weights", "grads", "optimizer", "total"):
         print0(f"  {kind:<9} held {mfu.format_bytes(held[kind]):>12}   predicted {mfu.format_bytes(predicted[kind]):>12}")
+    f, estimate = mfu.format_bytes, activation_estimate(run)
+    saved = run.schedule.saved_activation_bytes
+    if saved is not None:
+        seen = estimate.forward - estimate.hidden  # what the hooks can see of the estimate
+        print0(f"  activations saved for backward by {run.schedule.measured_forward} (saved_tensors_hooks,"
+               f" {run.settings.dtype} compute): measured {f(saved)}, estimated {f(seen)} ({saved / seen - 1:+.1%})"
+               + (f" + {f(estimate.hidden)} kept inside SP's regather hooks, which the measurement cannot see"
+                  if estimate.hidden else "")
+               + f"; Korthikanti {f(estimate.korthikanti)} (the paper's, 16-bit, unfused attention)")
+    expected = predicted["total"] + estimate.peak  # persistent + activations at the schedule's peak
     if run.device.type == "cuda":  # since the loop began (the full model built before an axis split it is not in it)
         allocated, reserved, rank = mfu.cuda_memory_peaks(run.device)
         print0(f"  CUDA allocator peak over the training steps, max over ranks: allocated"
-               f" {mfu.format_bytes(allocated)} (rank {rank}), reserved {mfu.format_bytes(reserved)}")
-    saved = run.schedule.saved_activation_bytes
-    if saved is not None:
-        estimate, how = activation_estimate(run)
-        print0(f"  activations saved for backward by {run.schedule.measured_forward} (saved_tensors_hooks,"
-               f" {run.settings.dtype} compute): {mfu.format_bytes(saved)}; Korthikanti estimate {mfu.format_bytes(estimate)}"
-               f" (16-bit, {how}; a fused attention stores no score matrix, its 5·a·s/h term)")
+               f" {f(allocated)} (rank {rank}), reserved {f(reserved)}; persistent + activations at the peak"
+               f" {f(expected)} (allocated/that {allocated / expected:.2f}: the rest is temporaries)")
+    elif step_peak is not None:  # the step began holding the persistent state (its second step: steady)
+        peak = held["total"] + step_peak.rise
+        print0(f"  peak of step {step_peak.step} (host memory, torch.profiler's allocation events): held"
+               f" {f(held['total'])} + {f(step_peak.rise)} = {f(peak)}; persistent + activations at the peak"
+               f" {f(expected)} (measured/that {peak / expected:.2f}: the rest is temporaries, e.g. the logits and"
+               f" the gradients of activations)")
     for line in layout_lines(run, "end", steps_run):
         print0(line)
     for axis in run.axes:
@@ -258,7 +377,9 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int):
         world, peak = run.mesh.shape.world_size, run.peak[0]
         print0(f"throughput {tokens_per_s:,.0f} tok/s, MFU {mfu.mfu(run.flops.model, tokens_per_s, peak, world):.2%},"
                f" HFU {mfu.mfu(run.flops.hardware, tokens_per_s, peak, world):.2%}"
-               f" (mean over {steps_timed} steps, the first one of the run excluded)")
+               f" (mean over {steps_timed} steps, the first one of the run excluded"
+               + ("" if step_peak is None else f", step {step_peak.step}, profiled for its memory, "
+                  + ("included: its time has the profiler's" if step_peak.in_mean else "too") + ")"))
     print0("=" * 100)
 
 

@@ -218,9 +218,11 @@ class ColumnParallelLinear(nn.Module):
         shard, group = _autocast_input(x), self.ctx.group
         total = GatherFromSequenceParallelRegion.apply(shard, group)  # = self.ctx.enter(x)
         shard = shard.detach()
+        # `pack` lives as long as what it saved: it must not hold `total` itself, or the gathered input stays.
+        gathered = (total.data_ptr(), total.numel(), total.dtype)
 
         def pack(t):
-            same = t.data_ptr() == total.data_ptr() and t.numel() == total.numel() and t.dtype == total.dtype
+            same = (t.data_ptr(), t.numel(), t.dtype) == gathered
             return (shard, t.shape) if same else t  # the linear saves a [b·s, h] view of `total`
 
         def unpack(saved):

@@ -182,6 +182,12 @@ def train(settings: Settings, tracer: comm.CommTracer):
     run.schedule.measure_activations = True  # the first step counts the bytes saved for backward
     if run.device.type == "cuda":  # the peak of training, not of start-up
         torch.cuda.reset_peak_memory_stats(run.device)
+    # On a CPU, the second step's host memory is profiled (mfu.MemoryTimeline; the first allocates AdamW's moments
+    # and measures the saved activations, so its state is not steady); its time is left out of the mean (the
+    # profiler slows it) when another timed step remains. CUDA's allocator reports its own peak.
+    peak_step = start_step + 1 if run.device.type == "cpu" and args.steps - start_step >= 2 else None
+    peak_in_mean = args.steps - start_step < 3  # no other timed step would remain
+    step_peak = None
     # Step s + 1's micro-batches are read (pinned, on CUDA) while step s trains, then copied without blocking.
     prefetched = data.Prefetcher(lambda s: local_batches(run, sampler, train_tokens, s), run.device, args.steps - 1)
     step = start_step
@@ -191,13 +197,17 @@ def train(settings: Settings, tracer: comm.CommTracer):
             run.layout.set_lr(lr)
             batches = prefetched.get(step)
             began = time.perf_counter()
-            outcome = train_step(run.layout, scaler, batches, run.mesh.group("dp_cp"), args.grad_clip, run.autocast,
-                                 run.device, model=run.model, schedule=run.schedule, axes=run.axes,
-                                 data_size=run.mesh.size("dp"))
+            with mfu.MemoryTimeline() if step == peak_step else nullcontext() as memory:
+                outcome = train_step(run.layout, scaler, batches, run.mesh.group("dp_cp"), args.grad_clip,
+                                     run.autocast, run.device, model=run.model, schedule=run.schedule, axes=run.axes,
+                                     data_size=run.mesh.size("dp"))
             if run.device.type == "cuda":
                 torch.cuda.synchronize()
-            record = report.step_record(run, step, lr, outcome, progress.tick(step, time.perf_counter() - began),
-                                        scaler)
+            seconds = time.perf_counter() - began
+            if step == peak_step:
+                step_peak = report.StepPeak(step, memory.peak, peak_in_mean)
+            record = report.step_record(run, step, lr, outcome,
+                                        progress.tick(step, seconds, timed=step != peak_step or peak_in_mean), scaler)
             last = step == args.steps - 1
             if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
                 with tracer.phase("eval"):
@@ -221,7 +231,7 @@ def train(settings: Settings, tracer: comm.CommTracer):
                 sample(run, val_tokens, corpus.tokenizer_name)
     with tracer.phase("end"):
         dist.barrier()  # every rank is done: the table below is complete
-        report.print_end(run, max(0, args.steps - start_step), progress.seconds, progress.steps)
+        report.print_end(run, max(0, args.steps - start_step), progress.seconds, progress.steps, step_peak)
     dist.destroy_process_group()
 
 
