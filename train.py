@@ -127,6 +127,10 @@ def build_layout(model: GPT, run: Run):
 
 def main(argv=None):
     settings = flags.parse(argv, AXES)  # a bad flag: one line, exit status 2, before any rank waits
+    if settings.args.plan or settings.args.plan_search:  # size the layout on meta in a fake process group
+        import plan
+
+        return plan.main(settings, sys.argv[1:] if argv is None else list(argv))
     # Every collective the run issues is traced, filed by phase: startup, step (the default), eval, ckpt, sample,
     # end; the table at the end shows them all, and checks the step's against the axes' predictions.
     with comm.CommTracer() as tracer:
