@@ -148,6 +148,7 @@ class Role:
     last_bucket: float  # bytes of the gradient reduction's last piece (sent after backward)
     first_gather: float  # ZeRO-3: bytes gathered before the first block can start (root + block 0)
     boundary_bytes: float = 0.0  # one pipeline message
+    layer_share: float = 1.0  # this rank's layers over the mean (L/P): an uneven pipeline split's slow stage
 
     @property
     def peak(self) -> float:
@@ -200,7 +201,8 @@ def role_of(run) -> Role:
                 persistent=persistent, activations=activations, activation_how=how, in_flight=in_flight,
                 temporaries=temporaries, messages=report.predicted_messages(run), group_ranks=ranks,
                 flops=run.flops, bubble=bubble, last_bucket=last_bucket, first_gather=first_gather,
-                boundary_bytes=boundary)
+                boundary_bytes=boundary,
+                layer_share=len(run.model.transformer.h) * mesh.shape.pp / run.config.n_layer)
 
 
 def role_ranks(shape: MeshShape, every: bool = False) -> list:
@@ -274,7 +276,7 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
     cp_impl, attention_share (of the compute: attention's score and value matmuls)."""
     m, stage, P = layout["m"], layout["zero"], layout["P"]
     peak = hw.peak(layout["dtype"])
-    compute = role.flops.hardware * layout["tokens"] / layout["world"] / peak
+    compute = role.flops.hardware * layout["tokens"] / layout["world"] / peak * role.layer_share
     backward_mb = compute * 2 / 3 / m  # one micro-batch's backward: 4 of its 6·N FLOPs
     update = 2 * role.persistent["total"] / (hw.hbm_gbps * 1e9)
     exposed, total, link, in_layer = {}, {}, {}, 0.0
@@ -324,9 +326,13 @@ def layout_facts(settings) -> dict:
 
 
 def limiting_term(prediction: Prediction) -> str:
-    terms = {"compute": prediction.compute, "exposed communication": prediction.exposed_comm,
-             "bubble": prediction.bubble, "update (HBM)": prediction.update}
-    return max(terms, key=terms.get)
+    """The largest term of the step, and when that is compute, the largest of what is lost besides it."""
+    losses = {"exposed communication": prediction.exposed_comm, "bubble": prediction.bubble,
+              "update (HBM)": prediction.update}
+    worst = max(losses, key=losses.get)
+    if prediction.compute >= losses[worst]:
+        return f"compute; most lost to {worst} ({losses[worst] / prediction.step:.0%} of the step)"
+    return worst
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -427,7 +433,8 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
                 activations=activations, activation_how=f"{held['layers']} layers (formula)", in_flight=in_flight,
                 temporaries=temporaries, messages=messages, group_ranks=ranks,
                 flops=moe.flops_per_token(config, settings.seq_len, recompute=ac), bubble=bubble,
-                last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary)
+                last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
+                layer_share=held["layers"] * P / config.n_layer)
 
 
 def _formula_temporaries(stage: int, local: int, held: dict, b_w: int, b_r: int, D: int, bucket: float) -> dict:
@@ -654,3 +661,32 @@ def main(settings, argv: list) -> None:
             run_plan(settings, hw)
     except FlagError as e:
         fail(str(e))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every real run: its measured step time next to the hardware model's prediction for this machine
+# ---------------------------------------------------------------------------------------------------------
+
+
+def machine_model(run, args) -> hardware.Hardware:
+    """This machine as the time model sees it: on CPU measured (the matmul peak train.py measured, a timed
+    gloo all-reduce: collective, every rank calls it); on a GPU the preset's datasheet row (--hw, --hw-*)."""
+    if run.device.type == "cpu":
+        return hardware.measure_cpu(run.peak[0], run.settings.dtype, run.device)
+    return hardware.from_flags(args, run.settings.dtype)
+
+
+def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
+    """'step time measured ... vs predicted ...': the model checked against the run it describes."""
+    if not steps:
+        return "step time: no step timed (the first is left out), nothing to check the hardware model against"
+    settings = run.settings
+    facts = dict(layout_facts(settings), dtype=settings.dtype)
+    prediction = predict(role_of(run), facts, hw)
+    measured = seconds / steps
+    return (f"step time measured {measured * 1e3:,.1f} ms (mean of {steps}) vs predicted {prediction.step * 1e3:,.1f} ms"
+            f" ({measured / prediction.step:.2f}×) by the hardware model of this machine ({hw.name}:"
+            f" {hw.peak(settings.dtype) / 1e9:,.1f} GFLOP/s {settings.dtype}, link {hw.intra_gbps:.2f} GB/s,"
+            f" α {hw.intra_latency_us:.0f} µs): compute {prediction.compute * 1e3:,.1f}, exposed comm"
+            f" {prediction.exposed_comm * 1e3:,.1f}, bubble {prediction.bubble * 1e3:,.1f}, update"
+            f" {prediction.update * 1e3:,.1f} ms")
