@@ -390,11 +390,11 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     messages, temporaries, bucket = Messages(), {}, args.bucket_mb * 2**20
     b_r = b_g if stage == 1 else b_w  # what the gradient reduction sends
     last_bucket, first_gather = min(2**20, 4 * local), 0.0  # DDP: the taper's last bucket
+    tied = P * v > 1 and (held["embedding"] or held["head"])  # the tied copy: a unit of its own at ZeRO-1
     if D > 1 and stage == 0:
-        messages.add("all_reduce", "dp_cp", math.ceil(4 * local / bucket) + max(0, int(math.log2(bucket / 2**20))),
-                     4 * local)
+        messages.add("all_reduce", "dp_cp", _tapered_buckets(4 * local, bucket), 4 * local)
     elif D > 1:
-        units = max(1, math.ceil(b_w * local / bucket)) if stage < 3 else held["layers"] + 1
+        units = max(1, math.ceil(b_w * local / bucket)) + tied if stage < 3 else held["layers"] + 1
         gathered = local if stage < 3 else 2 * local - held["block"]
         gathers = units if stage < 3 else 2 * units - 1
         messages.add("all_gather_single", "dp_cp", gathers * (m if stage == 3 else 1),
@@ -409,7 +409,7 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     if T > 1:
         batch = tensor_parallel.BatchShape(micro, seq, m, b_w, b_c)
         holding = tensor_parallel.Holding(config.n_embd, sp, ac, held["layers"], 0, held["embedding"], held["head"])
-        sp_bytes = b_g * held["replicated"] / (D if stage >= 2 else 1) if sp else 0
+        sp_bytes = b_g * held["replicated"] / (D if stage >= 1 else 1) if sp else 0  # a ZeRO shard: on average
         messages = messages + tensor_parallel.step_messages(batch, holding, int(sp_bytes))
     in_flight, bubble, boundary = 1.0, 0.0, 0.0
     if P > 1:
@@ -420,7 +420,7 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
         messages.add("send", "pp", sends, sends * boundary).add("recv", "pp", recvs, recvs * boundary)
         messages.add("all_reduce", "pp", 1, 8)
         if held["embedding"] or held["head"]:
-            messages.add("all_reduce", "pp_tied", 1, b_g * config.vocab_size * config.n_embd // T)
+            messages.add("all_reduce", "pp_tied", 1, b_g * config.vocab_size * config.n_embd // T // (D if stage else 1))
         in_flight = flights[p] / v
         bubble = schedules.bubble_formula(args.pp_schedule, P, m, v)
         temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
@@ -428,6 +428,12 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     groups = axis_groups(shape)
     rank = shape.rank_of(0, p, 0, 0)
     ranks = {name: next(g for g in partition if rank in g) for name, partition in groups.items()}
+    aliases = {}  # names of one communicator (the same ranks) are one row, as the tracer reports them (mesh.py)
+    for name, members in ranks.items():
+        if len(members) > 1:
+            aliases.setdefault(tuple(members), []).append(name)
+    alias = {name: "=".join(names) for names in aliases.values() for name in names}
+    messages = messages.named(lambda name: alias.get(name, name))
     ranks["world"] = list(range(shape.world_size))
     return Role(rank=rank, coords=shape.coords(rank), local_params=local, logical={}, persistent=persistent,
                 activations=activations, activation_how=f"{held['layers']} layers (formula)", in_flight=in_flight,
@@ -435,6 +441,15 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
                 flops=moe.flops_per_token(config, settings.seq_len, recompute=ac), bubble=bubble,
                 last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
                 layer_share=held["layers"] * P / config.n_layer)
+
+
+def _tapered_buckets(nbytes: float, bucket: float) -> int:
+    """How many buckets ddp.reverse_order_buckets cuts nbytes into: caps 1, 2, 4, ... MiB up to `bucket`."""
+    count, covered = 0, 0.0
+    while covered < nbytes:
+        covered += min(bucket, ddp.TAPER_BYTES * 2**count)
+        count += 1
+    return max(count, 1)
 
 
 def _formula_temporaries(stage: int, local: int, held: dict, b_w: int, b_r: int, D: int, bucket: float) -> dict:
