@@ -59,6 +59,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+import context_parallel
 import ddp
 import hardware
 import mfu
@@ -101,6 +102,8 @@ def on_meta():
             stack.enter_context(mock.patch.object(target, "init_full_parameter", _meta_init))
         stack.enter_context(mock.patch.object(ddp, "assert_same_across_ranks", lambda *a, **k: None))
         stack.enter_context(mock.patch.object(zero, "assert_same_across_groups", lambda *a, **k: None))
+        # CP measures block 0 at apply (a forward on values; the report's measure_block will do it there)
+        stack.enter_context(mock.patch.object(context_parallel.ContextParallel, "startup_lines", lambda self: []))
         stack.enter_context(torch.device("meta"))
         yield
 
@@ -364,7 +367,8 @@ def stage_params(config, P: int, v: int, T: int, p: int) -> dict:
     block = split // T + replicated
     root = (V * h // T + config.block_size * h if embedding else 0) + \
            (h * (1 + bias) + (V * h // T if P * v > 1 else 0) if head else 0)
-    sp_replicated = layers * replicated + (h * (1 + bias) if head else 0)  # LayerNorms, row biases: replicated on tp
+    # replicated on tp, summed over it under SP: LayerNorms, row biases, ln_f, the positions
+    sp_replicated = layers * replicated + (h * (1 + bias) if head else 0) + (config.block_size * h if embedding else 0)
     return dict(blocks=layers * block, block=block, root=root, replicated=sp_replicated, total=layers * block + root,
                 layers=layers, embedding=embedding, head=head)
 
@@ -405,7 +409,8 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
         first_gather = b_w * (held["root"] + held["block"]) if stage == 3 else 0.0
     if D > 1:
         messages.add("all_reduce", "dp_cp", 2, 16)
-    temporaries.update(_formula_temporaries(stage, local, held, b_w, b_r, D, bucket))
+    largest = max(4 * config.n_embd ** 2 // T, config.vocab_size * config.n_embd // T if held["root"] else 0)
+    temporaries.update(_formula_temporaries(stage, local, held, b_w, b_r, D, max(bucket, 4 * largest)))
     if T > 1:
         batch = tensor_parallel.BatchShape(micro, seq, m, b_w, b_c)
         holding = tensor_parallel.Holding(config.n_embd, sp, ac, held["layers"], 0, held["embedding"], held["head"])
