@@ -238,6 +238,19 @@ def plan_roles(settings) -> list:
     return roles
 
 
+def logical_psi(settings, roles: list) -> int:
+    """Ψ: the logical tensors' elements, each once, over the roles' records. With E > 1 a role holds only its
+    ep index's experts: the ranks of the other ep indices (d·C + c = i of one dp×cp slice) are built for
+    their records too (a real start-up all-reduces the counted parameters instead; the fake group cannot)."""
+    logical = {name: n for role in roles for name, n in role.logical.items()}
+    shape = settings.shape
+    for i in range(1, shape.ep):
+        rank = shape.rank_of(i // shape.cp, 0, i % shape.cp, 0)
+        with fake_world(rank, shape.world_size):
+            logical.update(role_of(build_role(settings, rank)).logical)
+    return sum(logical.values())
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The time model
 # ---------------------------------------------------------------------------------------------------------
@@ -608,7 +621,7 @@ def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
     roles = plan_roles(settings)
     facts = layout_facts(settings)
     predictions = [predict(role, facts, hw) for role in roles]
-    psi = sum({name: n for role in roles for name, n in role.logical.items()}.values())
+    psi = logical_psi(settings, roles)
     s = settings.shape
     out("=" * 100)
     out(f"plan: {layout_name(settings)} on world {s.world_size} (rank = ((d·P + p)·C + c)·T + t, node = rank //"

@@ -83,14 +83,9 @@ def test_plan_equals_the_real_start_up(real, index):
     for rank in range(WORLD):  # every rank: a plan role's figures are those of each rank it stands for
         with plan.fake_world(rank, WORLD):
             role = plan.role_of(plan.build_role(settings, rank))
-        psi = sum(role.logical.values()) if settings.shape.pp == 1 else None
-        planned = _figures(role, psi)
-        got = dict(real[rank][index])
-        if psi is None:  # a stage's records hold its own tensors only: Ψ over the roles (plan_roles) below
-            got["psi"] = None
+        planned, got = _figures(role, None), dict(real[rank][index], psi=None)  # Ψ: over the roles, below
         assert planned == got, (rank, {k: (planned[k], got[k]) for k in planned if planned[k] != got[k]})
-    roles = plan.plan_roles(settings)
-    assert sum({n: c for r in roles for n, c in r.logical.items()}.values()) == real[0][index]["psi"]
+    assert plan.logical_psi(settings, plan.plan_roles(settings)) == real[0][index]["psi"]
 
 
 SEARCHED = [  # layouts the search enumerates (dense, C = E = 1), on 8 ranks
