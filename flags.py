@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import hardware
 import hf
 import moe
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
@@ -165,16 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--async-ckpt", action="store_true", help="persist checkpoints on a background thread")
     g.add_argument("--mtbf-hours", type=float, default=24.0,
                    help="mean time between interruptions, for the suggested interval sqrt(2·C·M)")
+    add_plan_arguments(p)
     return p
+
+
+def add_plan_arguments(parser) -> None:
+    """--plan, --plan-search, --world and the hardware model's flags (plan.py, hardware.py)."""
+    g = parser.add_argument_group("plan (plan.py): size a layout without its hardware")
+    g.add_argument("--plan", action="store_true", help="print every rank role's memory, messages and predicted"
+                   " step time for --world ranks, built on meta in a fake process group; trains nothing")
+    g.add_argument("--plan-search", action="store_true", help="rank the layouts of --world ranks that fit"
+                   " --hw-memory-gib by predicted step time; print the best ten")
+    g.add_argument("--world", type=int, help="ranks to plan for (--plan, --plan-search)")
+    hardware.add_arguments(parser)
 
 
 # Ranges of the numeric flags: (flag, attribute, lowest, exclusive lowest?, highest or None). Every float must
 # also be finite: NaN passes every comparison, so `nan < 0` would let it through.
 _AT_LEAST_1 = ("steps", "log_every", "eval_batches", "micro_batch", "global_batch", "n_layer", "n_head", "n_embd",
-               "seq_len", "pp_virtual", "fp8_amax_history", "moe_topk", "moe_every")
+               "seq_len", "pp_virtual", "fp8_amax_history", "moe_topk", "moe_every", "world", "gpus_per_node")
 _AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe_experts", "fp8_margin",
-               "weight_decay", "grad_clip", "moe_capacity_factor", "moe_aux_coef", "moe_z_coef", "min_lr")
-_POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops")
+               "weight_decay", "grad_clip", "moe_capacity_factor", "moe_aux_coef", "moe_z_coef", "min_lr",
+               "hw_intra_latency_us", "hw_inter_latency_us")
+_POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops", "hw_peak_tflops", "hw_hbm_gbps", "hw_memory_gib",
+             "hw_intra_gbps", "hw_inter_gbps")
 _FRACTION = ("beta1", "beta2", "dropout")  # in [0, 1)
 # Flags that only mean something with another one: (flag, attribute, what it needs, whether that is on).
 _ONLY_WITH = (
@@ -406,8 +421,15 @@ def parse(argv=None, axes=()) -> Settings:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser().parse_args(argv)
-        settings = validate(args, int(os.environ.get("WORLD_SIZE", "1")), explicit_flags(argv), axes)
-        data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
+        planning = args.plan or args.plan_search
+        if planning:
+            import plan
+
+            plan.check_world(args)
+        settings = validate(args, args.world if planning else int(os.environ.get("WORLD_SIZE", "1")),
+                            explicit_flags(argv), axes)
+        if not planning:  # a plan reads no corpus
+            data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
         try:
             device, backend = choose_device_and_backend(args.backend)
         except ValueError as e:

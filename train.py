@@ -35,6 +35,7 @@ import hf
 import mfu
 import moe
 import pipeline
+import plan
 import report
 import tensor_parallel
 from ddp import DDPLayout, DistributedDataParallel
@@ -127,6 +128,8 @@ def build_layout(model: GPT, run: Run):
 
 def main(argv=None):
     settings = flags.parse(argv, AXES)  # a bad flag: one line, exit status 2, before any rank waits
+    if settings.args.plan or settings.args.plan_search:  # size the layout on meta in a fake process group
+        return plan.main(settings, sys.argv[1:] if argv is None else list(argv))
     # Every collective the run issues is traced, filed by phase: startup, step (the default), eval, ckpt, sample,
     # end; the table at the end shows them all, and checks the step's against the axes' predictions.
     with comm.CommTracer() as tracer:
@@ -142,6 +145,7 @@ def train(settings: Settings, tracer: comm.CommTracer):
         if args.init_from:  # the weights of step 0, read as a resharding resume reads (a checkpoint overrides them)
             init_from(run, args.init_from)
         run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
+        machine = plan.machine_model(run, args)  # the time model of this machine (CPU: measured, collective)
         for name, group in run.mesh.groups.items():
             tracer.name_group(group, name)
         report.print_startup(run)
@@ -231,6 +235,7 @@ def train(settings: Settings, tracer: comm.CommTracer):
                 sample(run, val_tokens, corpus.tokenizer_name)
     with tracer.phase("end"):
         dist.barrier()  # every rank is done: the table below is complete
+        print0(plan.check_line(run, machine, progress.seconds, progress.steps))
         report.print_end(run, max(0, args.steps - start_step), progress.seconds, progress.steps, step_peak)
     dist.destroy_process_group()
 

@@ -1,0 +1,725 @@
+"""--plan and --plan-search: size a layout at any scale without its hardware, from the run's own accounting.
+
+    python train.py --plan --world 1024 --preset gpt3-175b --tp 8 --pp 8 --global-batch 1536 --micro-batch 1
+    python train.py --plan-search --world 64 --preset gpt3-13b --global-batch 512 --hw-memory-gib 80
+
+--plan runs the real start-up of each distinct rank ROLE inside a fake process group
+(torch.testing._internal.distributed.fake_pg: collectives return at once and move nothing) on meta tensors
+(nothing allocated), then reads that role's predictions exactly where a real run's start-up reads them
+(layout.predicted_persistent, report.predicted_messages, report.activation_estimate, the schedule's bubble):
+one source of truth, so a real run's printed predictions and the plan of the same layout are the same numbers.
+Roles: ranks that differ only by their data-parallel index d hold the same shapes and send the same messages.
+The plan builds every pipeline stage (d, c, t) = (0, 0, 0) and the corner (0, C−1, T−1): every TP and CP
+split is even (flags.py checks the divisibility), so the others equal their stage's role; when the corner
+does not, every (p, c, t) is built. Start-up figures that a real run gets from a collective come from formulas
+here (the fake group reduces nothing): Ψ is the sum of the logical tensors' sizes over the roles' records;
+every rank is built from the same seed, so DDP's same-init check holds by construction.
+
+Building on meta: until train.compose(run, materialize=False) exists (issue 19, "build only what a rank keeps"),
+`on_meta()` stands in for it: the per-parameter init returns an empty meta tensor of the right shape and dtype
+and the same-init fingerprint is skipped (it would read values). Everything else is the real start-up code.
+
+The time model (hardware.py states the hardware): per role and step
+    compute    t_c = FLOPs_hardware/token · tokens/step / world / peak(dtype)   (an even split over the ranks)
+    update     2 · persistent bytes / HBM bandwidth                                 (memory-bound, exposed)
+    each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds), then
+    on the critical path by these rules (Megatron, ZeRO and ring-attention's own overlap claims):
+      exposed: TP/SP (every f, g inside a layer waits on it), EP's and Ulysses' all-to-alls, the update's and
+               the step's scalar all-reduces, FP8's amax reductions, the pipeline's loss and tied sums;
+      DDP, ZeRO-1: the gradient reduction overlaps the last micro-batch's backward (≈ 2/3 of its compute)
+               except its last bucket: exposed = t(last bucket) + max(0, t − t_backward);
+      ZeRO-2/3: each micro-batch's reduce-scatter overlaps that micro-batch's backward, same rule, m times;
+      ZeRO-1/2's all-gather after the update: exposed (it overlaps only the next unit's update);
+      ZeRO-3's gathers are prefetched behind compute except the first (root + block 0) of each pass:
+               exposed = m · [t(first) + max(0, t/m − t_compute/m)];
+      ring CP: each hop's transfer hides behind its block's attention: exposed = max(0, t − t_attention);
+      pipeline p2p: overlapped except in fill and drain: exposed = 2(P−1) · t(one message).
+    bubble     b = pipeline's bubble_formula(schedule, P, m, v); the busy part (compute + the exposed
+               in-layer communication) stretches by 1/(1 − b)
+    step       (t_c + in-layer exposed) / (1 − b) + the exposed rest;  MFU = FLOPs_model · tokens / (world ·
+               peak · step). The slowest role sets the pace.
+
+--plan-search enumerates layouts (D, P, T, ZeRO stage, B_μ and m, schedule, activation checkpointing, SP) with
+the same pure formulas the start-up prints (mfu.persistent_bytes, tensor_parallel.step_messages,
+schedules.bubble_formula and p2p_counts, mfu.activation_bytes_per_layer, moe.flops_per_token) and the same time
+model, drops what does not fit, ranks by step time and prints the best ten with the term that limits each.
+tests/test_plan.py checks its figures against --plan's built ones.
+
+Accounting for this file: it allocates nothing (meta tensors) and sends nothing (a fake process group).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+import context_parallel
+import ddp
+import hardware
+import mfu
+import model as model_lib
+import moe
+import schedules
+import tensor_parallel
+import zero
+from comm import Messages
+from flags import DTYPES, FlagError
+from mesh import MeshShape, axis_groups
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One role's start-up, built on meta inside a fake process group
+# ---------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def fake_world(rank: int, world: int):
+    """This process as rank `rank` of `world` in a fake process group (nothing is sent), torn down after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _meta_init(name, shape, config, seed, dtype=torch.float32):
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+@contextmanager
+def on_meta():
+    """The start-up on meta tensors: shapes and records without values (a stand-in for S1's deferred build)."""
+    with ExitStack() as stack:
+        for target in (model_lib, tensor_parallel):
+            stack.enter_context(mock.patch.object(target, "init_full_parameter", _meta_init))
+        stack.enter_context(mock.patch.object(ddp, "assert_same_across_ranks", lambda *a, **k: None))
+        stack.enter_context(mock.patch.object(zero, "assert_same_across_groups", lambda *a, **k: None))
+        # CP measures block 0 at apply (a forward on values; the report's measure_block will do it there)
+        stack.enter_context(mock.patch.object(context_parallel.ContextParallel, "startup_lines", lambda self: []))
+        stack.enter_context(torch.device("meta"))
+        yield
+
+
+def plan_dtypes(settings) -> tuple:
+    """(compute, param, master) dtypes as train.start_run chooses them; --dtype auto plans for a GPU: bf16."""
+    name = settings.args.dtype if settings.args.dtype != "auto" else "bf16"
+    compute = DTYPES[name]
+    return name, compute, (compute if settings.args.zero else torch.float32), torch.float32
+
+
+def build_role(settings, rank: int):
+    """train.compose for `rank` of settings.world_size, on meta, inside the current fake process group."""
+    import train  # here: train imports this file
+    from mesh import build_mesh
+
+    name, compute, param, master = plan_dtypes(settings)
+    mesh = build_mesh(settings.shape, rank)
+    run = train.Run(settings=settings, mesh=mesh, config=replace(settings.model), device=torch.device("meta"),
+                    seed=settings.args.seed, compute_dtype=compute, param_dtype=param, master_dtype=master)
+    with on_meta():
+        train.compose(run)
+    for group_name, group in mesh.groups.items():
+        run.tracer.name_group(group, group_name)  # as train.py names them: the messages' rows are the run's
+    return run
+
+
+@dataclass
+class Role:
+    """What one rank holds and sends per step: the figures a real start-up prints."""
+
+    rank: int
+    coords: dict  # {"dp", "pp", "cp", "tp"}
+    local_params: int
+    logical: dict  # {global name: elements of the logical tensor}: Ψ is their sum over the roles
+    persistent: dict  # {"weights", "grads", "optimizer", "total"} bytes
+    activations: float  # bytes per micro-batch (report.activation_estimate), × in_flight in the peak
+    activation_how: str
+    in_flight: float  # micro-batches whose activations are alive at once (pipeline schedules: > 1)
+    temporaries: dict  # {what: bytes}
+    messages: Messages  # per step, (op, group as the tracer names it): (calls, payload)
+    group_ranks: dict  # {group name: global ranks of this rank's group}
+    flops: mfu.FlopsPerToken
+    bubble: float
+    last_bucket: float  # bytes of the gradient reduction's last piece (sent after backward)
+    first_gather: float  # ZeRO-3: bytes gathered before the first block can start (root + block 0)
+    boundary_bytes: float = 0.0  # one pipeline message
+    layer_share: float = 1.0  # this rank's layers over the mean (L/P): an uneven pipeline split's slow stage
+
+    @property
+    def peak(self) -> float:
+        return self.persistent["total"] + self.activations * self.in_flight + sum(self.temporaries.values())
+
+
+def role_of(run) -> Role:
+    """The Role of a built run: every figure read from the code a real start-up prints it with."""
+    import report
+
+    layout, mesh = run.layout, run.mesh
+    persistent = dict(layout.predicted_persistent())
+    activations, how = report.activation_estimate(run)
+    temporaries, last_bucket, first_gather = {}, 0.0, 0.0
+    if isinstance(layout, zero.ZeroLayout):
+        extra = layout.peak_lower_bound() - persistent["total"]
+        what = ("gathered units (in use + prefetched) and gradient buckets" if layout.stage == 3
+                else "reduce-scatter outputs / all-gather inputs, gradient buckets")
+        temporaries[f"ZeRO-{layout.stage} {what}"] = extra
+        b = layout.reduce_dtype.itemsize
+        last_bucket = b * (sum(u.padded_numel for u in layout.root) if layout.stage == 3
+                           else layout.units[-1].padded_numel)
+        if layout.stage == 3:
+            first_gather = layout.param_dtype.itemsize * sum(u.padded_numel for u in [*layout.root,
+                                                                                        *layout.block_units[0]])
+    else:
+        sizes = layout.ddp.bucket_sizes_bytes()
+        temporaries["DDP: one bucket in flight (the backend's staging)"] = max(sizes)
+        last_bucket = sizes[-1]
+    in_flight, bubble, boundary = 1.0, 0.0, 0.0
+    for axis in run.axes:
+        if axis.schedule is not None:  # the pipeline: its chunk-micro-batches in flight, its bubble
+            s = axis.schedule
+            in_flight = schedules.in_flight(s.programs(run.micro_batches)[s.rank])[0] / s.v
+            bubble = schedules.bubble_formula(s.name, s.P, run.micro_batches, s.v)
+            boundary = axis.message_bytes()
+            temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
+        if axis.name == "moe" and mesh.size("ep") > 1:
+            t = axis.traffic
+            temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * t.tokens * t.model.moe_topk * \
+                t.model.n_embd * t.compute_bytes
+        if axis.name == "cp" and run.settings.args.cp_impl == "ring":
+            kv = 2 * run.micro_batch_size * run.settings.local_seq_len * run.config.n_embd // mesh.size("tp")
+            temporaries["ring CP: the K, V block in flight"] = 2 * kv * run.compute_dtype.itemsize
+    params = list(run.model.parameters())
+    ranks = {name: members for name, members in mesh.members.items()}
+    ranks["world"] = list(range(mesh.shape.world_size))
+    return Role(rank=mesh.rank, coords=mesh.shape.coords(mesh.rank), local_params=sum(p.numel() for p in params),
+                logical={p.shard_info.global_name: math.prod(p.shard_info.global_shape) for p in params},
+                persistent=persistent, activations=activations, activation_how=how, in_flight=in_flight,
+                temporaries=temporaries, messages=report.predicted_messages(run), group_ranks=ranks,
+                flops=run.flops, bubble=bubble, last_bucket=last_bucket, first_gather=first_gather,
+                boundary_bytes=boundary,
+                layer_share=len(run.model.transformer.h) * mesh.shape.pp / run.config.n_layer)
+
+
+def role_ranks(shape: MeshShape, every: bool = False) -> list:
+    """Ranks of the roles to build: d = 0 and every stage p with (c, t) = (0, 0), plus the corner (0, C−1, T−1)
+    (or, `every`, each (p, c, t))."""
+    if every:
+        return [shape.rank_of(0, p, c, t) for p in range(shape.pp) for c in range(shape.cp) for t in range(shape.tp)]
+    ranks = [shape.rank_of(0, p, 0, 0) for p in range(shape.pp)]
+    corner = shape.rank_of(0, 0, shape.cp - 1, shape.tp - 1)
+    return ranks + ([corner] if corner not in ranks else [])
+
+
+def _same_figures(a: Role, b: Role) -> bool:
+    return (a.persistent == b.persistent and a.activations == b.activations and a.temporaries == b.temporaries
+            and dict(a.messages) == dict(b.messages))
+
+
+def plan_roles(settings) -> list:
+    """Every distinct role's Role (see role_ranks: the corner checks that TP/CP indices change nothing)."""
+    world = settings.world_size
+
+    def one(rank):
+        with fake_world(rank, world):
+            return role_of(build_role(settings, rank))
+
+    roles = [one(rank) for rank in role_ranks(settings.shape)]
+    if len(roles) > settings.shape.pp:  # the corner (0, C−1, T−1): equal to stage 0's, or build them all
+        roles = roles[:-1] if _same_figures(roles[0], roles[-1]) else \
+            [one(rank) for rank in role_ranks(settings.shape, every=True)]
+    return roles
+
+
+def logical_psi(settings, roles: list) -> int:
+    """Ψ: the logical tensors' elements, each once, over the roles' records. With E > 1 a role holds only its
+    ep index's experts: the ranks of the other ep indices (d·C + c = i of one dp×cp slice) are built for
+    their records too (a real start-up all-reduces the counted parameters instead; the fake group cannot)."""
+    logical = {name: n for role in roles for name, n in role.logical.items()}
+    shape = settings.shape
+    for i in range(1, shape.ep):
+        rank = shape.rank_of(i // shape.cp, 0, i % shape.cp, 0)
+        with fake_world(rank, shape.world_size):
+            logical.update(role_of(build_role(settings, rank)).logical)
+    return sum(logical.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The time model
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prediction:
+    compute: float
+    update: float
+    bubble: float  # seconds idle in the pipeline's fill and drain
+    step: float
+    mfu: float
+    exposed: dict = field(default_factory=dict)  # {(op, group): seconds on the critical path}
+    total: dict = field(default_factory=dict)  # {(op, group): seconds if nothing overlapped}
+    link: dict = field(default_factory=dict)  # {(op, group): "intra" | "inter"}
+
+    def by_link(self, exposed: bool = True) -> dict:
+        out = {"intra": 0.0, "inter": 0.0}
+        for key, t in (self.exposed if exposed else self.total).items():
+            out[self.link[key]] += t
+        return out
+
+    @property
+    def exposed_comm(self) -> float:
+        return sum(self.exposed.values())
+
+
+def _group_ranks(group: str, ranks: dict) -> list:
+    names = [name for name in group.split("=") if name in ranks]  # "dp=dp_cp=expert_dp": one communicator
+    return ranks[names[0]] if names else [0]
+
+
+def _names(group: str) -> set:
+    return set(group.split("="))
+
+
+def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
+    """The role's step time by the rules of the docstring. layout: world, tokens (per step), m, zero, P, dtype,
+    cp_impl, attention_share (of the compute: attention's score and value matmuls)."""
+    m, stage, P = layout["m"], layout["zero"], layout["P"]
+    peak = hw.peak(layout["dtype"])
+    compute = role.flops.hardware * layout["tokens"] / layout["world"] / peak * role.layer_share
+    backward_mb = compute * 2 / 3 / m  # one micro-batch's backward: 4 of its 6·N FLOPs
+    update = 2 * role.persistent["total"] / (hw.hbm_gbps * 1e9)
+    exposed, total, link, in_layer = {}, {}, {}, 0.0
+    for (op, group), (calls, payload) in role.messages.items():
+        ranks = _group_ranks(group, role.group_ranks)
+        t = hardware.collective_seconds(op, calls, payload, ranks, hw)
+        names = _names(group)
+
+        def piece(nbytes):  # one call of `op` moving nbytes
+            return hardware.collective_seconds(op, 1, nbytes, ranks, hw)
+
+        grads = names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single") and payload > 16 * calls
+        if grads and stage <= 1:  # DDP, ZeRO-1: once per step, over the last micro-batch's backward
+            last = piece(role.last_bucket)
+            e = last + max(0.0, t - last - backward_mb)
+        elif grads:  # ZeRO-2/3: every micro-batch's, over its own backward
+            last = piece(role.last_bucket)
+            e = m * (last + max(0.0, t / m - last - backward_mb))
+        elif stage == 3 and op == "all_gather_single" and names & {"dp_cp", "expert_dp"}:
+            first = piece(role.first_gather)
+            e = m * (first + max(0.0, t / m - first - compute / m))
+        elif "pp" in names and op == "send":
+            e = 2 * (P - 1) * piece(role.boundary_bytes) if role.boundary_bytes else t
+        elif "cp" in names and op in ("send", "isend", "batch_isend_irecv") and layout.get("cp_impl") == "ring":
+            e = max(0.0, t - compute * layout.get("attention_share", 0.0))
+        else:  # TP/SP, EP, Ulysses, the update's and the step's scalars, amaxes, ZeRO-1/2's gather, pp sums
+            e = t
+            in_layer += t if names & {"tp", "ep", "cp"} else 0.0
+        exposed[(op, group)], total[(op, group)] = min(e, t), t
+        link[(op, group)] = "inter" if hardware.crosses_nodes(ranks, hw) else "intra"
+    busy = compute + in_layer
+    bubble = busy * role.bubble / (1 - role.bubble)
+    step = busy + bubble + update + sum(exposed.values()) - in_layer
+    return Prediction(compute=compute, update=update, bubble=bubble, step=step, exposed=exposed, total=total,
+                      link=link, mfu=role.flops.model * layout["tokens"] / (layout["world"] * peak * step))
+
+
+def layout_facts(settings) -> dict:
+    """What the time model reads of a layout (predict's `layout`)."""
+    args, config = settings.args, settings.model
+    seq = settings.seq_len
+    attention = 12 * config.n_layer * config.n_embd * seq  # 12·L·H·Q·s of the FLOPs per token
+    flops = moe.flops_per_token(config, seq, recompute=config.activation_checkpointing)
+    return dict(world=settings.world_size, tokens=args.global_batch * seq, m=settings.micro_batches,
+                zero=args.zero, P=settings.shape.pp, dtype=plan_dtypes(settings)[0], cp_impl=args.cp_impl,
+                attention_share=attention / flops.hardware)
+
+
+def limiting_term(prediction: Prediction) -> str:
+    """The largest term of the step, and when that is compute, the largest of what is lost besides it."""
+    losses = {"exposed communication": prediction.exposed_comm, "bubble": prediction.bubble,
+              "update (HBM)": prediction.update}
+    worst = max(losses, key=losses.get)
+    if prediction.compute >= losses[worst]:
+        return f"compute; most lost to {worst} ({losses[worst] / prediction.step:.0%} of the step)"
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The same figures from the pure formulas, without building (--plan-search)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _programs_facts(schedule: str, P: int, m: int, v: int) -> tuple:
+    """({(src, dst): messages per step}, [chunk-micro-batches in flight per pp rank]) of a schedule."""
+    programs = schedules.build_programs(schedule, P, m, v)
+    return schedules.p2p_counts(programs, P * v), [schedules.in_flight(p)[0] for p in programs]
+
+
+def stage_holding(config, P: int, v: int, p: int) -> tuple:
+    """(layers, has embedding, has head) of pp rank p (pipeline.stage_kwargs's split)."""
+    chunks = schedules.rank_chunks(p, P, v)
+    layers = sum(len(schedules.stage_layers(config.n_layer, P, v, c)) for c in chunks)
+    return layers, 0 in chunks, P * v - 1 in chunks
+
+
+def stage_params(config, P: int, v: int, T: int, p: int) -> dict:
+    """This rank's parameters by the shapes: {"blocks", "block", "root", "split_replicated", "total"}: per layer
+    12h² + 7h·bias split T ways and 2h(1 + bias) + 2h·bias replicated (tensor_parallel.param_counts' split);
+    the embedding V·h/T + the positions s_max·h on the first chunk; ln_f and (P·v > 1) the head's tied copy on
+    the last."""
+    h, V, bias = config.n_embd, config.vocab_size, int(config.bias)
+    layers, embedding, head = stage_holding(config, P, v, p)
+    split, replicated = 12 * h * h + 7 * h * bias, 2 * h * (1 + bias) + 2 * h * bias
+    block = split // T + replicated
+    root = (V * h // T + config.block_size * h if embedding else 0) + \
+           (h * (1 + bias) + (V * h // T if P * v > 1 else 0) if head else 0)
+    # replicated on tp, summed over it under SP: LayerNorms, row biases, ln_f, the positions
+    sp_replicated = layers * replicated + (h * (1 + bias) if head else 0) + (config.block_size * h if embedding else 0)
+    return dict(blocks=layers * block, block=block, root=root, replicated=sp_replicated, total=layers * block + root,
+                layers=layers, embedding=embedding, head=head)
+
+
+def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
+    """pp rank p's (d, c, t = 0) Role from the formulas the start-up prints, for a dense model (no MoE, no CP)."""
+    args, config, shape = settings.args, settings.model, settings.shape
+    D, P, T, m, micro = shape.dp * shape.cp, shape.pp, shape.tp, settings.micro_batches, settings.micro_batch_size
+    v = args.pp_virtual if args.pp_schedule == "interleaved" and P > 1 else 1
+    sp, ac, stage = settings.sequence_parallel, config.activation_checkpointing, args.zero
+    _, compute, param, master = plan_dtypes(settings)
+    b_w, b_c, b_m = param.itemsize, compute.itemsize, master.itemsize
+    held = stage_params(config, P, v, T, p)
+    local = held["total"]
+    # persistent bytes: DDPLayout's (fp32 params, grads, moments) or ZeroLayout.bytes_per_param's
+    b_g = b_w if m == 1 or stage == 0 else b_m
+    bpp = mfu.BytesPerParam(b_w, b_g, 2 * b_m + (0 if b_w == b_m else b_m))
+    persistent = mfu.persistent_bytes(local, bpp, stage, D)
+    seq = settings.seq_len // shape.cp
+    per_layer = mfu.activation_bytes_per_layer(seq, micro, config.n_embd, config.n_head, t=T, sequence_parallel=sp)
+    activations = (per_layer * held["layers"] if not ac else
+                   2 * seq * micro * config.n_embd // (T if sp else 1) * held["layers"] + per_layer)
+    messages, temporaries, bucket = Messages(), {}, args.bucket_mb * 2**20
+    b_r = b_g if stage == 1 else b_w  # what the gradient reduction sends
+    last_bucket, first_gather = min(2**20, 4 * local), 0.0  # DDP: the taper's last bucket
+    tied = P * v > 1 and (held["embedding"] or held["head"])  # the tied copy: a unit of its own at ZeRO-1
+    if D > 1 and stage == 0:
+        messages.add("all_reduce", "dp_cp", _tapered_buckets(4 * local, bucket), 4 * local)
+    elif D > 1:
+        units = max(1, math.ceil(b_w * local / bucket)) + tied if stage < 3 else held["layers"] + 1
+        gathered = local if stage < 3 else 2 * local - held["block"]
+        gathers = units if stage < 3 else 2 * units - 1
+        messages.add("all_gather_single", "dp_cp", gathers * (m if stage == 3 else 1),
+                     b_w * gathered * (m if stage == 3 else 1))
+        reduces = m if stage >= 2 else 1
+        messages.add("reduce_scatter_single", "dp_cp", units * reduces, reduces * b_r * local)
+        last_bucket = b_r * (held["root"] if stage == 3 else min(local, bucket / b_w))
+        first_gather = b_w * (held["root"] + held["block"]) if stage == 3 else 0.0
+    if D > 1:
+        messages.add("all_reduce", "dp_cp", 2, 16)
+    largest = max(4 * config.n_embd ** 2 // T, config.vocab_size * config.n_embd // T if held["root"] else 0)
+    temporaries.update(_formula_temporaries(stage, local, held, b_w, b_r, D, max(bucket, 4 * largest)))
+    if T > 1:
+        batch = tensor_parallel.BatchShape(micro, seq, m, b_w, b_c)
+        holding = tensor_parallel.Holding(config.n_embd, sp, ac, held["layers"], 0, held["embedding"], held["head"])
+        sp_bytes = b_g * held["replicated"] / (D if stage >= 1 else 1) if sp else 0  # a ZeRO shard: on average
+        messages = messages + tensor_parallel.step_messages(batch, holding, int(sp_bytes))
+    in_flight, bubble, boundary = 1.0, 0.0, 0.0
+    if P > 1:
+        pairs, flights = facts or _programs_facts(args.pp_schedule, P, m, v)
+        boundary = micro * seq // (T if sp else 1) * config.n_embd * b_w
+        sends = sum(n for (src, _), n in pairs.items() if src == p)
+        recvs = sum(n for (_, dst), n in pairs.items() if dst == p)
+        messages.add("send", "pp", sends, sends * boundary).add("recv", "pp", recvs, recvs * boundary)
+        messages.add("all_reduce", "pp", 1, 8)
+        if held["embedding"] or held["head"]:
+            messages.add("all_reduce", "pp_tied", 1, b_g * config.vocab_size * config.n_embd // T // (D if stage else 1))
+        in_flight = flights[p] / v
+        bubble = schedules.bubble_formula(args.pp_schedule, P, m, v)
+        temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
+    messages.add("all_reduce", "world", 1, 16)
+    groups = axis_groups(shape)
+    rank = shape.rank_of(0, p, 0, 0)
+    ranks = {name: next(g for g in partition if rank in g) for name, partition in groups.items()}
+    aliases = {}  # names of one communicator (the same ranks) are one row, as the tracer reports them (mesh.py)
+    for name, members in ranks.items():
+        if len(members) > 1:
+            aliases.setdefault(tuple(members), []).append(name)
+    alias = {name: "=".join(names) for names in aliases.values() for name in names}
+    messages = messages.named(lambda name: alias.get(name, name))
+    ranks["world"] = list(range(shape.world_size))
+    return Role(rank=rank, coords=shape.coords(rank), local_params=local, logical={}, persistent=persistent,
+                activations=activations, activation_how=f"{held['layers']} layers (formula)", in_flight=in_flight,
+                temporaries=temporaries, messages=messages, group_ranks=ranks,
+                flops=moe.flops_per_token(config, settings.seq_len, recompute=ac), bubble=bubble,
+                last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
+                layer_share=held["layers"] * P / config.n_layer)
+
+
+def _tapered_buckets(nbytes: float, bucket: float) -> int:
+    """How many buckets ddp.reverse_order_buckets cuts nbytes into: caps 1, 2, 4, ... MiB up to `bucket`."""
+    count, covered = 0, 0.0
+    while covered < nbytes:
+        covered += min(bucket, ddp.TAPER_BYTES * 2**count)
+        count += 1
+    return max(count, 1)
+
+
+def _formula_temporaries(stage: int, local: int, held: dict, b_w: int, b_r: int, D: int, bucket: float) -> dict:
+    """zero.ZeroLayout.peak_lower_bound's transients (or DDP's one bucket in flight), from the shapes."""
+    if stage == 0:
+        return {"DDP: one bucket in flight (the backend's staging)": min(bucket, 4 * local)}
+    unit = min(local, bucket / b_w)
+    if stage == 1:
+        extra = max(b_r, b_w) * local / D
+    elif stage == 2:
+        extra = max(2 * b_r * unit, b_w * local / D)
+    else:
+        extra = 2 * b_w * held["block"] + b_r * (held["root"] + 2 * held["block"])
+    return {f"ZeRO-{stage} transients (zero.peak_lower_bound)": extra}
+
+
+def search_argv(c: dict) -> list:
+    argv = ["--tp", str(c["T"]), "--pp", str(c["P"]), "--zero", str(c["zero"]), "--micro-batch", str(c["micro"])]
+    if c["P"] > 1:
+        argv += ["--pp-schedule", c["schedule"]]
+    if c["T"] > 1:
+        argv += ["--sp"]
+    if c["ac"]:
+        argv += ["--activation-checkpointing"]
+    return argv
+
+
+def candidates(world: int, config, global_batch: int, gpus_per_node: int):
+    """Every (T, P, D, ZeRO, B_μ, schedule, checkpointing) of `world` ranks: T inside a node, T | heads."""
+    for T in (t for t in (1, 2, 4, 8, 16) if world % t == 0 and t <= gpus_per_node and config.n_head % t == 0):
+        for P in (p for p in range(1, world // T + 1) if (world // T) % p == 0 and p <= config.n_layer):
+            D = world // (T * P)
+            if global_batch % D:
+                continue
+            for zero_stage in (0, 1, 2, 3) if P == 1 else (0, 1):
+                for micro in (b for b in (1, 2, 4, 8) if (global_batch // D) % b == 0):
+                    for schedule in ("1f1b", "interleaved") if P > 1 else ("1f1b",):
+                        for ac in (False, True) if zero_stage < 3 else (False,):
+                            yield dict(T=T, P=P, D=D, zero=zero_stage, micro=micro, schedule=schedule, ac=ac)
+
+
+def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10) -> tuple:
+    """([(prediction, peak, settings, limiting term)] best first, fitting in hw.memory_gib; dropped; tried)."""
+    import flags
+    import train
+
+    results, dropped, smallest, facts_cache = [], 0, None, {}
+    parsed = flags.build_parser().parse_args(base_argv)
+    for c in candidates(world, flags.model_config(parsed), parsed.global_batch, hw.gpus_per_node):
+        try:
+            settings = flags.validate(flags.build_parser().parse_args([*base_argv, *search_argv(c)]), world,
+                                      axes=train.AXES)
+        except FlagError:
+            continue  # the trainer refuses it (heads, vocabulary, m < P, ...): so does the search
+        settings = plan_settings(settings)
+        v = settings.args.pp_virtual if c["P"] > 1 and c["schedule"] == "interleaved" else 1
+        key = (c["schedule"], c["P"], settings.micro_batches, v)
+        if c["P"] > 1 and key not in facts_cache:
+            facts_cache[key] = _programs_facts(*key)
+        roles = [formula_role(settings, p, facts_cache.get(key)) for p in range(c["P"])]
+        peak = max(r.peak for r in roles)
+        if peak > hw.memory_gib * 2**30:
+            dropped += 1
+            smallest = min(smallest or (peak, settings), (peak, settings), key=lambda x: x[0])
+            continue
+        facts = layout_facts(settings)
+        prediction = max((predict(r, facts, hw) for r in roles), key=lambda x: x.step)
+        results.append((prediction, peak, settings, limiting_term(prediction)))
+    results.sort(key=lambda r: r[0].step)
+    return results[:top], dropped, smallest, len(results) + dropped
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Flags and printouts
+# ---------------------------------------------------------------------------------------------------------
+
+
+def plan_settings(settings):
+    """The model's vocabulary as the plan sizes it: --tokenizer's, or a gpt3-* preset's own (50304) when
+    --tokenizer is not given (a real run takes the corpus's: the plan cannot read one)."""
+    args = settings.args
+    if "tokenizer" not in settings.given and args.preset.startswith("gpt3-"):
+        settings.model.vocab_size = model_lib.PRESETS[args.preset].vocab_size
+    return settings
+
+
+def check_world(args) -> None:
+    """--plan/--plan-search's own rules: --world given, and divisible by the layout (before any build)."""
+    if args.world is None:
+        raise FlagError("--plan and --plan-search need --world N (the number of ranks to plan for)")
+    model_parallel = args.tp * args.pp * args.cp
+    if args.plan and args.world % model_parallel:
+        raise FlagError(f"--world {args.world} is not divisible by --tp {args.tp} × --pp {args.pp} × --cp {args.cp}"
+                        f" = {model_parallel}: the layout needs a multiple of {model_parallel} ranks")
+
+
+def layout_name(settings) -> str:
+    a, s = settings.args, settings.shape
+    name = f"D{s.dp}·P{s.pp}·C{s.cp}·T{s.tp}" + (f"·E{s.ep}" if s.ep > 1 else "")
+    name += f" ZeRO-{a.zero} B_μ={settings.micro_batch_size} m={settings.micro_batches}"
+    name += (f" {a.pp_schedule}" + (f"(v={a.pp_virtual})" if a.pp_schedule == "interleaved" else "")) if s.pp > 1 else ""
+    return name + (" SP" if settings.sequence_parallel else "") + (" AC" if settings.model.activation_checkpointing else "")
+
+
+def hardware_line(hw: hardware.Hardware, dtype: str) -> str:
+    return (f"hardware model {hw.name}: {hw.peak(dtype) / 1e12:g} TFLOP/s {dtype} dense, HBM {hw.hbm_gbps:g} GB/s,"
+            f" {hw.memory_gib:.1f} GiB; {hw.gpus_per_node} GPUs a node; intra-node {hw.intra_gbps:g} GB/s,"
+            f" α {hw.intra_latency_us:g} µs; inter-node {hw.inter_gbps:g} GB/s per GPU, α {hw.inter_latency_us:g} µs")
+
+
+def zero_table(psi: int, D: int) -> str:
+    """The ZeRO paper's Figure 1 at this Ψ and D (16-bit mixed precision, K = 12: mfu.persistent_bytes)."""
+    cells = [f"{mfu.persistent_bytes(psi, 'mixed', s, D)['total'] / 1e9:.1f}" for s in range(4)]
+    return f"ZeRO stages 0/1/2/3 at Ψ = {psi / 1e9:.2f}B, D = {D}, K = 12: " + " / ".join(cells) + " GB per device"
+
+
+def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware) -> list:
+    fmt = mfu.format_bytes
+    c = role.coords
+    p = role.persistent
+    lines = [f"role rank {role.rank} (p {c['pp']}, c {c['cp']}, t {c['tp']}; every d alike): {role.local_params:,}"
+             f" parameters held",
+             f"  persistent: weights {fmt(p['weights'])}, grads {fmt(p['grads'])}, optimizer {fmt(p['optimizer'])},"
+             f" total {fmt(p['total'])}",
+             f"  activations {fmt(role.activations)} per micro-batch ({role.activation_how}) × {role.in_flight:g} in"
+             f" flight = {fmt(role.activations * role.in_flight)}"]
+    for what, nbytes in role.temporaries.items():
+        lines.append(f"  temporary: {what}: {fmt(nbytes)}")
+    fits = "fits" if role.peak <= hw.memory_gib * 2**30 else "DOES NOT FIT"
+    lines.append(f"  peak ≈ {fmt(role.peak)} of {hw.memory_gib:.1f} GiB: {fits}")
+    lines.append(f"  FLOPs/token: model {role.flops.model:,.0f}, hardware {role.flops.hardware:,.0f}; bubble"
+                 f" {role.bubble:.1%}")
+    lines.append("  per step (op, group: calls, payload, link, α-β time, on the critical path):")
+    for (op, group), (calls, payload) in sorted(role.messages.items(), key=lambda kv: kv[0][::-1]):
+        key = (op, group)
+        lines.append(f"    {op:<22} {group:<20} {calls:>8g} calls {fmt(payload):>12}  {prediction.link[key]:<5}"
+                     f" {prediction.total[key] * 1e3:10.2f} ms, exposed {prediction.exposed[key] * 1e3:10.2f} ms")
+    exposed, total = prediction.by_link(True), prediction.by_link(False)
+    lines.append(f"  step {prediction.step * 1e3:,.1f} ms = compute {prediction.compute * 1e3:,.1f} + exposed comm"
+                 f" {prediction.exposed_comm * 1e3:,.1f} (intra {exposed['intra'] * 1e3:,.1f} of"
+                 f" {total['intra'] * 1e3:,.1f}, inter {exposed['inter'] * 1e3:,.1f} of {total['inter'] * 1e3:,.1f})"
+                 f" + bubble {prediction.bubble * 1e3:,.1f} + update {prediction.update * 1e3:,.1f};"
+                 f" MFU {prediction.mfu:.1%}; limited by {limiting_term(prediction)}")
+    return lines
+
+
+def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
+    """--plan: every role built and accounted, its prediction printed; returns (roles, predictions)."""
+    began = time.perf_counter()
+    settings = plan_settings(settings)
+    roles = plan_roles(settings)
+    facts = layout_facts(settings)
+    predictions = [predict(role, facts, hw) for role in roles]
+    psi = logical_psi(settings, roles)
+    s = settings.shape
+    out("=" * 100)
+    out(f"plan: {layout_name(settings)} on world {s.world_size} (rank = ((d·P + p)·C + c)·T + t, node = rank //"
+        f" {hw.gpus_per_node}); {settings.args.preset}: Ψ = {psi:,} (n_layer={settings.model.n_layer}"
+        f" n_embd={settings.model.n_embd} n_head={settings.model.n_head} vocab={settings.model.vocab_size}),"
+        f" {settings.args.global_batch} × {settings.seq_len} tokens/step")
+    out(hardware_line(hw, facts["dtype"]))
+    out(zero_table(psi, s.dp * s.cp))
+    for role, prediction in zip(roles, predictions):
+        for line in role_lines(role, prediction, hw):
+            out(line)
+    slowest = max(range(len(roles)), key=lambda i: predictions[i].step)
+    worst = max(roles, key=lambda r: r.peak)
+    out(f"predicted: step {predictions[slowest].step:.3f} s (rank {roles[slowest].rank} sets the pace), MFU"
+        f" {predictions[slowest].mfu:.1%}, {facts['tokens'] / predictions[slowest].step:,.0f} tok/s; peak memory"
+        f" {mfu.format_bytes(worst.peak)} (rank {worst.rank}); {len(roles)} roles built on meta in"
+        f" {time.perf_counter() - began:.1f} s")
+    out("=" * 100)
+    return roles, predictions
+
+
+def run_search(argv: list, settings, hw: hardware.Hardware, out=print) -> list:
+    """--plan-search: the best ten layouts that fit, by predicted step time, with what limits each."""
+    began = time.perf_counter()
+    base = _without_layout_flags(argv)
+    best, dropped, smallest, tried = search(base, settings.args.world, hw)
+    if not best:
+        detail = f"; the smallest peak is {mfu.format_bytes(smallest[0])} ({layout_name(smallest[1])})" if smallest else ""
+        raise FlagError(f"--hw-memory-gib {hw.memory_gib:g}: no layout of {settings.args.preset} on --world"
+                        f" {settings.args.world} fits in it{detail}")
+    out(f"plan-search: {tried} valid layouts of {settings.args.preset} on {settings.args.world} GPUs, {dropped} do"
+        f" not fit {hw.memory_gib:.1f} GiB; the best {len(best)} by predicted step time"
+        f" ({time.perf_counter() - began:.1f} s):")
+    out(hardware_line(hw, plan_dtypes(settings)[0]))
+    for i, (prediction, peak, s, limit) in enumerate(best, 1):
+        out(f"  {i:>2}. {layout_name(s):<52} step {prediction.step:8.3f} s  MFU {prediction.mfu:6.1%}  peak"
+            f" {peak / 2**30:6.1f} GiB  compute {prediction.compute:.3f} s, exposed comm"
+            f" {prediction.exposed_comm:.3f} s, bubble {prediction.bubble:.3f} s: limited by {limit}")
+    return best
+
+
+_LAYOUT_FLAGS = {"--tp": 1, "--pp": 1, "--zero": 1, "--micro-batch": 1, "--pp-schedule": 1, "--sp": 0,
+                 "--activation-checkpointing": 0, "--cp": 1, "--ep": 1, "--plan-search": 0, "--plan": 0, "--world": 1}
+
+
+def _without_layout_flags(argv: list) -> list:
+    """The command line less what the search chooses itself (and the plan flags)."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=")[0]
+        if name in _LAYOUT_FLAGS:
+            skip = _LAYOUT_FLAGS[name] if "=" not in arg else 0
+            continue
+        out.append(arg)
+    return out
+
+
+def main(settings, argv: list) -> None:
+    """train.py --plan / --plan-search: one flag error line, or the plan."""
+    from flags import fail
+
+    hw = hardware.from_flags(settings.args, plan_dtypes(settings)[0])
+    try:
+        if settings.args.plan_search:
+            run_search(argv, settings, hw)
+        else:
+            run_plan(settings, hw)
+    except FlagError as e:
+        fail(str(e))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every real run: its measured step time next to the hardware model's prediction for this machine
+# ---------------------------------------------------------------------------------------------------------
+
+
+def machine_model(run, args) -> hardware.Hardware:
+    """This machine as the time model sees it: on CPU measured (the matmul peak train.py measured, a timed
+    gloo all-reduce: collective, every rank calls it); on a GPU the preset's datasheet row (--hw, --hw-*)."""
+    if run.device.type == "cpu":
+        return hardware.measure_cpu(run.peak[0], run.settings.dtype, run.device)
+    return hardware.from_flags(args, run.settings.dtype)
+
+
+def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
+    """'step time measured ... vs predicted ...': the model checked against the run it describes."""
+    if not steps:
+        return "step time: no step timed (the first is left out), nothing to check the hardware model against"
+    settings = run.settings
+    facts = dict(layout_facts(settings), dtype=settings.dtype)
+    prediction = predict(role_of(run), facts, hw)
+    measured = seconds / steps
+    return (f"step time measured {measured * 1e3:,.1f} ms (mean of {steps}) vs predicted {prediction.step * 1e3:,.1f} ms"
+            f" ({measured / prediction.step:.2f}×) by the hardware model of this machine ({hw.name}:"
+            f" {hw.peak(settings.dtype) / 1e9:,.1f} GFLOP/s {settings.dtype}, link {hw.intra_gbps:.2f} GB/s,"
+            f" α {hw.intra_latency_us:.0f} µs): compute {prediction.compute * 1e3:,.1f}, exposed comm"
+            f" {prediction.exposed_comm * 1e3:,.1f}, bubble {prediction.bubble * 1e3:,.1f}, update"
+            f" {prediction.update * 1e3:,.1f} ms")

@@ -1,0 +1,163 @@
+"""plan.py: the plan of a layout is the real start-up's own accounting, built on meta in a fake process group.
+
+- For layouts the suite runs on gloo (tests/test_composition.py's kinds), the plan's persistent bytes, Ψ,
+  activation estimate, temporaries and every (collective, group)'s calls and payload equal those of the real
+  start-up of the same rank on 4 gloo ranks, exactly.
+- The search's pure formulas give the plan's figures for the layouts it enumerates.
+- Published figures: the ZeRO paper's Figure 1; Korthikanti et al.'s per-layer activation formulas.
+- Bad plan input ends in one line, exit status 2.
+"""
+
+import pytest
+import torch
+
+from harness import run_ranks
+
+WORLD = 4
+TINY = ["--preset", "tiny", "--dtype", "fp32", "--seq-len", "32", "--bucket-mb", "0.05"]
+CASES = [  # (flags, global batch, B_μ)
+    ([], 8, 1),  # DDP, D = 4
+    (["--zero", "1"], 8, 2),
+    (["--zero", "2"], 8, 1),
+    (["--zero", "3"], 8, 1),
+    (["--tp", "2", "--sp"], 4, 1),
+    (["--tp", "2", "--zero", "1"], 4, 1),
+    (["--pp", "2", "--pp-schedule", "1f1b"], 8, 1),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--n-layer", "4"], 8, 2),
+    (["--pp", "2", "--tp", "2", "--pp-schedule", "zb"], 4, 1),
+    (["--cp", "2", "--cp-impl", "ring"], 4, 1),
+    (["--cp", "2", "--cp-impl", "ulysses", "--zero", "3"], 4, 1),
+    (["--moe-experts", "4", "--ep", "2"], 8, 1),
+    (["--moe-experts", "4", "--ep", "2", "--zero", "3"], 8, 1),
+    (["--fp8", "current", "--tp", "2"], 4, 1),
+    (["--fp8", "delayed", "--zero", "3"], 8, 1),
+]
+
+
+def _settings(flags_list, global_batch, micro, world=WORLD, extra=()):
+    import flags
+    import plan
+    import train
+
+    argv = [*TINY, *flags_list, "--global-batch", str(global_batch), "--micro-batch", str(micro), *extra]
+    return plan.plan_settings(flags.validate(flags.build_parser().parse_args(argv), world, axes=train.AXES))
+
+
+def _figures(role, psi):
+    return dict(psi=psi, params=role.local_params, persistent=role.persistent, activations=role.activations,
+                in_flight=role.in_flight, temporaries=role.temporaries, bubble=role.bubble,
+                messages={key: tuple(count) for key, count in role.messages.items()}, flops=role.flops.hardware)
+
+
+def _real_startups(rank, world, cases):
+    """Each case's real start-up on gloo (train.compose on CPU tensors, as train.main builds it)."""
+    import plan
+    import report
+    import train
+    from mesh import build_mesh
+
+    out = []
+    for case in cases:
+        settings = _settings(*case)
+        _, compute, param, master = plan.plan_dtypes(settings)
+        run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
+                        device=torch.device("cpu"), seed=settings.args.seed, compute_dtype=compute,
+                        param_dtype=param, master_dtype=master)
+        train.compose(run)
+        for name, group in run.mesh.groups.items():
+            run.tracer.name_group(group, name)
+        out.append(_figures(plan.role_of(run), report.parameter_counts(run)[0]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def real():
+    return run_ranks(_real_startups, WORLD, CASES, timeout=600)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[" ".join(c[0]) or "ddp" for c in CASES])
+def test_plan_equals_the_real_start_up(real, index):
+    import plan
+
+    settings = _settings(*CASES[index])
+    for rank in range(WORLD):  # every rank: a plan role's figures are those of each rank it stands for
+        with plan.fake_world(rank, WORLD):
+            role = plan.role_of(plan.build_role(settings, rank))
+        planned, got = _figures(role, None), dict(real[rank][index], psi=None)  # Ψ: over the roles, below
+        assert planned == got, (rank, {k: (planned[k], got[k]) for k in planned if planned[k] != got[k]})
+    assert plan.logical_psi(settings, plan.plan_roles(settings)) == real[0][index]["psi"]
+
+
+SEARCHED = [  # layouts the search enumerates (dense, C = E = 1), on 8 ranks
+    ([], 8, 1), (["--zero", "1"], 8, 1), (["--zero", "3"], 16, 1), (["--tp", "2", "--sp"], 8, 1),
+    (["--tp", "2", "--zero", "2"], 8, 2), (["--pp", "2", "--pp-schedule", "1f1b"], 8, 1),
+    (["--pp", "2", "--tp", "2", "--sp", "--zero", "1", "--pp-schedule", "interleaved", "--n-layer", "4"], 8, 1),
+]
+
+
+@pytest.mark.parametrize("case", SEARCHED, ids=[" ".join(c[0]) or "ddp" for c in SEARCHED])
+def test_search_formulas_give_the_plans_figures(case):
+    """Persistent bytes, activations, temporaries and messages exactly (bucket counts: with buckets larger than
+    any one tensor, as the search assumes); the SP gradient sum under ZeRO moves
+    this rank's shard of the replicated parameters (which ones depends on d), which the formula takes as their
+    average (1/D): within those parameters' gradient bytes. The predicted step time then agrees within 1%."""
+    import hardware
+    import plan
+
+    settings = _settings(*case, world=8, extra=["--bucket-mb", "25"])  # buckets above any one tensor
+    hw = hardware.PRESETS["h100"]
+    for p in range(settings.shape.pp):
+        rank = settings.shape.rank_of(0, p, 0, 0)
+        with plan.fake_world(rank, 8):
+            built = plan.role_of(plan.build_role(settings, rank))
+        formula = plan.formula_role(settings, p)
+        assert formula.local_params == built.local_params
+        assert formula.persistent == built.persistent
+        assert (formula.activations, formula.in_flight, formula.bubble) == (built.activations, built.in_flight,
+                                                                           built.bubble)
+        assert sum(formula.temporaries.values()) == pytest.approx(sum(built.temporaries.values()), rel=1e-12)
+        assert set(formula.messages) == set(built.messages)
+        v = settings.args.pp_virtual if settings.args.pp_schedule == "interleaved" else 1
+        held = plan.stage_params(settings.model, settings.shape.pp, v, settings.shape.tp, p)
+        for key, (calls, payload) in built.messages.items():
+            sp_sum = key == ("all_reduce", "tp") and settings.sequence_parallel and settings.args.zero
+            assert formula.messages[key].calls == calls, key
+            # the SP sum under ZeRO: this rank's shard of the replicated parameters' fp32 gradients
+            assert formula.messages[key].payload == pytest.approx(payload, abs=4 * held["replicated"] if sp_sum
+                                                                  else 1e-9), key
+        facts = plan.layout_facts(settings)
+        assert plan.predict(formula, facts, hw).step == pytest.approx(plan.predict(built, facts, hw).step, rel=0.01)
+
+
+def test_zero_paper_figure_1():
+    """Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N_d = 64, K = 12: 120 / 31.4 / 16.6 / 1.9 GB per device."""
+    import plan
+
+    assert plan.zero_table(7_500_000_000, 64).endswith("120.0 / 31.4 / 16.6 / 1.9 GB per device")
+
+
+def test_korthikanti_per_layer_activations():
+    """Korthikanti et al. 2022, Table 2 (16-bit, unfused attention): sbh(34 + 5as/h); TP sbh(10 + 24/t +
+    5as/(ht)); TP + SP sbh/t·(34 + 5as/h). GPT-3 175B (s 2048, h 12288, a 96, t 8): 114, 23, 14.25 sbh."""
+    from mfu import activation_bytes_per_layer
+
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h
+    assert activation_bytes_per_layer(s, b, h, a) == 114 * sbh
+    assert activation_bytes_per_layer(s, b, h, a, t=t) == 23 * sbh
+    assert activation_bytes_per_layer(s, b, h, a, t=t, sequence_parallel=True) == 14.25 * sbh
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--plan", "--world", "1000", "--tp", "8", "--pp", "8"], "error: --world 1000 is not divisible by --tp 8 × --pp 8"),
+    (["--plan", "--tp", "2"], "error: --plan and --plan-search need --world N"),
+    (["--plan-search", "--world", "8", "--preset", "gpt3-13b", "--global-batch", "8", "--hw-memory-gib", "1"],
+     "error: --hw-memory-gib 1: no layout of gpt3-13b on --world 8 fits in it; the smallest peak is"),
+])
+def test_bad_plan_input_ends_in_one_line(argv, expected, capsys):
+    import train
+
+    with pytest.raises(SystemExit) as stop:
+        train.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(expected), err
