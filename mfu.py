@@ -1,8 +1,8 @@
-"""The accounting: FLOPs, MFU/HFU, memory, communication and pipeline bubble.
+"""The accounting: FLOPs, MFU/HFU, communication, clocks and pipeline bubble (memory is memory.py).
 
 This file talks over nothing; it observes. Everything here is either a closed-form formula from a paper (so a
 reader can check a number by hand) or a measurement (a matmul loop; the bytes each `torch.distributed` call
-moves are counted by comm.CommTracer, against the formulas of section 5). Nothing in it changes what the
+moves are counted by comm.CommTracer, against the formulas of section 4). Nothing in it changes what the
 trainer computes.
 
 Conventions used throughout:
@@ -18,13 +18,12 @@ Conventions used throughout:
   utilisation) also counts work the hardware really did again, e.g. the forward pass that activation
   checkpointing recomputes. Both divide by the dense (no sparsity) datasheet peak of all devices together.
 * Bytes are bytes; format_bytes prints binary units (1 KiB = 1024 B). Communication volumes are bytes SENT per
-  rank by the usual ring algorithms, with M the message size and N the group size (see section 5).
+  rank by the usual ring algorithms, with M the message size and N the group size (see section 4).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections import defaultdict, deque
@@ -315,241 +314,7 @@ def detect_peak_flops(device: torch.device, dtype: str, override_tflops: float |
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 4. Memory
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BytesPerParam:
-    weights: int  # b_w
-    grads: int  # b_g
-    optimizer: int  # b_o: everything Adam keeps per parameter (moments, and any fp32 master copy)
-
-
-BYTES_PER_PARAM: dict[str, BytesPerParam] = {
-    # fp32 weights and grads plus Adam's two fp32 moments. bf16 autocast also lands here: it casts weights to
-    # bf16 on the fly inside each op, but the stored weights and their gradients stay fp32.
-    "fp32": BytesPerParam(weights=4, grads=4, optimizer=8),
-    # Mixed precision as in the ZeRO paper (Rajbhandari et al. 2020, K = 12): bf16/fp16 working weights and
-    # gradients, and the optimizer keeps an fp32 master copy of the weights plus two fp32 moments (4 + 4 + 4).
-    "mixed": BytesPerParam(weights=2, grads=2, optimizer=12),
-}
-
-
-def cuda_memory_peaks(device, group=None) -> tuple[int, int, int]:
-    """(allocated, reserved, rank) peaks of the CUDA caching allocator since its last reset
-    (torch.cuda.reset_peak_memory_stats), the maximum over the ranks of `group` (a collective: every rank
-    calls it), and the rank whose allocated peak it is. Allocated is what tensors held; reserved is what the
-    allocator kept from the driver (allocated + its cache and fragmentation): the figure that runs out."""
-    local = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
-                         dtype=torch.int64, device=device)
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return int(local[0]), int(local[1]), 0
-    every = torch.empty(dist.get_world_size(group) * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, local, group=group)
-    every = every.view(-1, 2)  # row r: rank r's (allocated, reserved)
-    return int(every[:, 0].max()), int(every[:, 1].max()), int(every[:, 0].argmax())
-
-
-def persistent_bytes(
-    psi: int, recipe: str | BytesPerParam, zero_stage: int, dp_size: int
-) -> dict[str, float]:
-    """Bytes per rank of the state that lives for the whole run, for Psi parameters, under ZeRO stage 0..3.
-
-    ZeRO partitions state across the D data-parallel ranks, one more kind per stage:
-        stage 0 (plain DDP): (b_w + b_g + b_o) * Psi
-        stage 1 (optimizer): (b_w + b_g) * Psi + b_o * Psi / D
-        stage 2 (+ grads):   b_w * Psi + (b_g + b_o) * Psi / D
-        stage 3 (+ weights): (b_w + b_g + b_o) * Psi / D
-    Activations, temporary buffers and fragmentation are extra (see activation_bytes_per_layer).
-    """
-    bpp = BYTES_PER_PARAM[recipe] if isinstance(recipe, str) else recipe
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    # Which kinds are split across the D ranks: optimizer from stage 1, grads from stage 2, weights at stage 3.
-    weights_div = dp_size if zero_stage >= 3 else 1
-    grads_div = dp_size if zero_stage >= 2 else 1
-    optimizer_div = dp_size if zero_stage >= 1 else 1
-    out = {
-        "weights": bpp.weights * psi / weights_div,
-        "grads": bpp.grads * psi / grads_div,
-        "optimizer": bpp.optimizer * psi / optimizer_div,
-    }
-    out["total"] = out["weights"] + out["grads"] + out["optimizer"]
-    return out
-
-
-def activation_bytes_per_layer(
-    s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False
-) -> float:
-    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, "Reducing Activation
-    Recomputation in Large Transformer Models", section 4).
-
-    s = sequence length, b = micro-batch size, h = hidden size, a = attention heads, t = tensor-parallel size.
-    Bytes assume 16-bit activations (and 1-byte dropout masks), as in the paper:
-        no parallelism:             s*b*h * (34 + 5*a*s/h)
-        tensor parallel t:          s*b*h * (10 + 24/t + 5*a*s/(h*t))
-        tensor + sequence parallel: s*b*h/t * (34 + 5*a*s/h)
-    34*s*b*h is the per-token part (attention 11, MLP 19, two layernorms 4); 5*a*s^2*b is the a x s x s score
-    matrix, its softmax and its dropout mask. Tensor parallelism splits all but the 10*s*b*h around the
-    layernorms and dropouts, which sequence parallelism then splits too. The t = 1 formulas equal the first.
-    A fused attention kernel (FlashAttention, F.scaled_dot_product_attention) does not store the scores, which
-    removes most of the 5*a*s/h term; full activation checkpointing keeps only the layer input, 2*s*b*h.
-    """
-    sbh = s * b * h
-    if sequence_parallel:
-        return sbh / t * (34 + 5 * a * s / h)
-    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
-
-
-# What the kernels actually save (the estimate the run prints; Korthikanti's formula above is the paper's
-# reference). Each term is a tensor autograd keeps, found with saved_tensors_hooks (SavedActivations) on this
-# model, one storage once; tests/test_activations.py checks the sums against the measurement.
-
-
-def attention_kernel(device_type: str, dtype: torch.dtype, dropout: float) -> str:
-    """The path of `F.scaled_dot_product_attention(q, k, v, dropout_p, is_causal=True)` (model.causal_attention):
-    "fused" (a flash-style kernel that saves q, k, v, the output and the log-sum-exp, never the scores) or
-    "math" (the reference composition, which saves the a·s² probabilities). Torch 2.x dispatches:
-        CPU:  fused at dropout 0 (the CPU flash kernel takes no dropout); math with dropout;
-        CUDA: fused for fp16, bf16 (flash or memory-efficient) and fp32 (memory-efficient), dropout or not;
-              math for fp64."""
-    if device_type == "cpu":
-        return "fused" if dropout == 0 else "math"
-    return "math" if dtype == torch.float64 else "fused"
-
-
-@dataclass(frozen=True)
-class ActivationShape:
-    """What one micro-batch's saved activations depend on, for one rank (the symbols of the formulas below)."""
-
-    s: int  # tokens of a sequence in this rank's attention (s/C under context parallel)
-    b: int  # sequences per micro-batch (B_μ)
-    h: int  # hidden size
-    a: int  # attention heads
-    vocab: int  # V
-    t: int = 1  # tensor-parallel size T: heads, MLP columns and the vocabulary are split T ways
-    sp: bool = False  # sequence parallel: LayerNorms and dropouts see s/T tokens
-    e_r: int = 4  # bytes of a residual-stream element: the working weights' dtype
-    e_c: int = 4  # bytes of a compute element: autocast's dtype (e_r without autocast)
-    dropout: bool = False  # --dropout > 0 (training)
-    bool_masks: bool = False  # dropout masks are 1-byte bools (CUDA's fused dropout; a CPU keeps a scaled copy)
-    fp32_norms: bool = False  # LayerNorm saves its input and statistics in fp32 (CUDA autocast casts them)
-    kernel: str = "fused"  # attention_kernel(...)
-    ulysses: bool = False  # context parallel's Ulysses: the output is kept head-split and back
-    fp8: bool = False  # the block linears save their inputs in FP8 (1 byte) and make no weight copies
-    regather: bool = True  # SP: c_attn and c_fc keep their input's shard (not inside a recomputed block)
-    upcast: bool = True  # torch's math path computes 16-bit attention in fp32 (Korthikanti et al.'s does not)
-
-    @property
-    def e_n(self) -> int:
-        """LayerNorm's saved input and statistics: the residual's dtype, or fp32 (fp32_norms)."""
-        return max(self.e_r, 4) if self.fp32_norms else self.e_r
-
-    @property
-    def e_a(self) -> int:
-        """The math path's precision: fp32 (fp64 for fp64 inputs), or e_c without the upcast."""
-        return max(self.e_c, 4) if self.upcast else self.e_c
-
-    def mask(self, element: int) -> int:
-        """Bytes per element of a dropout mask on a tensor of `element`-byte elements (0 without dropout)."""
-        return 0 if not self.dropout else 1 if self.bool_masks else element
-
-    @property
-    def weight_copy(self) -> int:
-        """Bytes per weight element of autocast's cast copy, which a linear saves: w = e_c when autocast casts
-        (e_c ≠ e_r), else 0. FP8's block linears quantise their weights instead and keep no copy."""
-        return 0 if self.e_c == self.e_r else self.e_c
-
-
-def layer_activation_terms(x: ActivationShape) -> dict[str, float]:
-    """Bytes ONE transformer block saves for backward per micro-batch, by what saves them.
-
-    With sbh = s·b·h; inside the TP regions /T (heads, MLP columns); between them, ÷T only under SP (write
-    sbh' = sbh/T with SP, else sbh, and sb' likewise); e_q = e_c (1 under FP8) for a linear's saved input:
-        layernorms      2·sbh'·e_n + 4·sb'·e_n         ln_1's and ln_2's inputs (the residual), mean and rstd
-        attention       sbh'·e_q                        c_attn's input (ln_1's output, cast)
-          fused         + 4·sbh·e_c/T                   q, k, v (views of c_attn's output) and the output, which
-                                                        is also c_proj's input (the kernel lays it out [b,s,a,d])
-                        + s·b·a·max(e_c, 4)/T           the log-sum-exp (fp32 at least)
-                        (+ sbh·e_c/T Ulysses: the output head-split and back; + sbh/T FP8: c_proj's own copy)
-          math          + 3·sbh·e_a/T + sbh·e_q/T       q, k (scaled), v in e_a (torch's math path upcasts 16-bit
-                                                        inputs: e_a = max(e_c, 4)), c_proj's input (a copy:
-                                                        the output is [b,a,s,d], c_proj reads [b,s,h])
-                        + a·s²·b·e_a/T                  the softmax probabilities
-                        + a·s²·b·(e_a + m(e_a))/T       with dropout: the dropped probabilities and the mask
-                        + sbh'·m(e_c)                   the residual dropout's mask
-        mlp             sbh'·e_q + 4·sbh·e_c/T          c_fc's input, GELU's input
-                        + 4·sbh·e_q/T + sbh'·m(e_c)     GELU's output (c_proj's input), the dropout's mask
-        weight copies   4h²·w/T (attention), 8h²·w/T (mlp)  autocast's cast of each weight, saved by its
-                                                        linear, w = e_c when autocast casts (e_c ≠ e_r), else 0
-                                                        (and 0 under FP8, which quantises the weights instead)
-    m(e) is a dropout mask's bytes per element: 0 without dropout, 1 on CUDA, e on a CPU (a scaled copy).
-    At e_r = e_c = 2, fused, no dropout, T = 1: s·b·h·(32 + 8/h + 4a/h), 32.07·sbh for GPT-2's block, where
-    Korthikanti's formula says 34 + 5·a·s/h = 114 at s = 1024. The paper's own assumptions (math path without
-    the upcast, e = 2, 1-byte masks) give its formula back, plus the LayerNorm statistics it leaves out.
-    """
-    sbh, sb = x.s * x.b * x.h, x.s * x.b
-    cut = x.t if x.sp else 1  # ÷T between the regions under SP
-    e_q = 1 if x.fp8 else x.e_c
-    linear_in = sbh / cut if x.regather or not x.sp else sbh  # a recomputed block keeps the gathered input
-    attention = linear_in * e_q + sbh / cut * x.mask(x.e_c)
-    if x.kernel == "fused":
-        attention += 4 * sbh * x.e_c / x.t + sb * x.a * max(x.e_c, 4) / x.t
-        attention += (sbh * x.e_c / x.t if x.ulysses else 0) + (sbh / x.t if x.fp8 else 0)
-    else:
-        scores = x.a * x.s * sb / x.t
-        attention += 3 * sbh * x.e_a / x.t + sbh * e_q / x.t + scores * x.e_a
-        attention += scores * (x.e_a + x.mask(x.e_a)) if x.dropout else 0
-    return {
-        "layernorms": 2 * sbh / cut * x.e_n + 4 * sb / cut * x.e_n,
-        "attention": attention,
-        "mlp": linear_in * e_q + 4 * sbh * (x.e_c + e_q) / x.t + sbh / cut * x.mask(x.e_c),
-        "attention weight copies": 0 if x.fp8 else 4 * x.h * x.h * x.weight_copy / x.t,
-        "mlp weight copies": 0 if x.fp8 else 8 * x.h * x.h * x.weight_copy / x.t,
-    }
-
-
-def embedding_activation_bytes(x: ActivationShape) -> float:
-    """The embeddings' saved bytes (first pipeline stage): 8·s·b token ids (int64; under TP the ids local to
-    the shard, and s·b bytes of the mask of those outside it), 8·s positions (under SP a slice of them, which
-    keeps their storage), and with dropout the mask of the embedding's output, sbh'·m(e_r)."""
-    cut = x.t if x.sp else 1
-    return 8 * x.s * x.b + (x.s * x.b if x.t > 1 else 0) + 8 * x.s + x.s * x.b * x.h / cut * x.mask(x.e_r)
-
-
-def head_activation_bytes(x: ActivationShape) -> float:
-    """The final LayerNorm's, the head's and the loss's saved bytes (last pipeline stage), with e_l = max(e_c, 4)
-    (the loss runs in fp32 at least): ln_f's input and statistics sbh'·e_n + 2·sb'·e_n, the head's input
-    sbh'·e_c, autocast's copy of the tied weight V·h·w/T, the log-softmax (TP: the softmax of the vocabulary
-    shard) s·b·V·e_l/T, the targets 8·s·b (TP: two more 1-byte masks, 2·s·b)."""
-    sbh, sb, cut = x.s * x.b * x.h, x.s * x.b, x.t if x.sp else 1
-    e_l = max(x.e_c, 4)
-    return (sbh / cut * (x.e_n + x.e_c) + 2 * sb / cut * x.e_n + x.vocab * x.h * x.weight_copy / x.t
-            + sb * x.vocab * e_l / x.t + 8 * sb + (2 * sb if x.t > 1 else 0))
-
-
-def block_input_bytes(x: ActivationShape) -> float:
-    """What an activation-checkpointed block keeps for backward: its input, sbh'·e_r (the recompute rebuilds the
-    rest, one block at a time: layer_activation_terms with regather off)."""
-    return x.s * x.b * x.h / (x.t if x.sp else 1) * x.e_r
-
-
-def hidden_from_hooks(x: ActivationShape, layers: int, head: bool) -> float:
-    """Of the bytes above, what an outer saved_tensors_hooks (SavedActivations) cannot see: under SP, the tensors
-    saved inside tensor_parallel's regather hook, per layer c_attn's and c_fc's input shards 2·sbh'·e_c and
-    their weight copies 7h²·w/T, and on the head its input shard sbh'·e_c and the tied weight's copy V·h·w/T."""
-    if not (x.sp and x.regather and x.t > 1):
-        return 0.0
-    shard = x.s * x.b * x.h / x.t * x.e_c
-    return (layers * (2 * shard + (0 if x.fp8 else 7 * x.h * x.h * x.weight_copy / x.t))
-            + (shard + x.vocab * x.h * x.weight_copy / x.t if head else 0))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 5. Communication volume (bytes sent per rank, ring algorithms; M = message bytes, N = group size)
+# 4. Communication volume (bytes sent per rank, ring algorithms; M = message bytes, N = group size)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -644,7 +409,7 @@ def wire_bytes(op: str, payload_bytes: int, group_size: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 5a. Measured overlap: how much of a pass was blocked in wait() (context_parallel's ring)
+# 4a. Measured overlap: how much of a pass was blocked in wait() (context_parallel's ring)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -707,96 +472,7 @@ class WaitClock:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 5b. Measured activation memory (what the Korthikanti estimate above predicts)
-# ----------------------------------------------------------------------------------------------------------
-
-
-class SavedActivations:
-    """Bytes saved for backward inside the `with`, counted with saved_tensors_hooks, each storage once.
-
-        with SavedActivations(exclude=model.parameters()) as saved:
-            loss = model(x, y)[1]
-        saved.bytes
-
-    Storages of `exclude` (the parameters: weights are not activations) are left out. The storages are held
-    until the object is dropped, so an address cannot be freed and reused within one measurement. Under
-    non-reentrant activation checkpointing the checkpoint's own hooks take the saved tensors instead (only
-    the block inputs stay), which this does not see.
-    """
-
-    def __init__(self, exclude=()):
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.storages = {}
-
-    def _pack(self, tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.exclude:
-            self.storages[storage.data_ptr()] = storage
-        return tensor
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    @property
-    def bytes(self) -> int:
-        return sum(storage.nbytes() for storage in self.storages.values())
-
-
-@contextmanager
-def _quiet_stderr():
-    """Standard error (file descriptor 2, where C++ logs) sent to /dev/null inside the `with`."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-class MemoryTimeline:
-    """The host memory a stretch of code allocates, from torch.profiler's memory events (profile_memory=True):
-    every allocation and free of a CPU tensor inside the `with`, in time order.
-
-        with MemoryTimeline() as memory:
-            train_step(...)
-        memory.peak, memory.net
-
-    `peak` is the most the bytes in use rose above where they stood at the start (temporaries included), `net`
-    where they ended. It sees every tensor, those that saved_tensors_hooks cannot (tensors saved inside another
-    hook, a recomputed block's), and nothing that is not a tensor. It cannot see the free of a block allocated
-    before it started (torch warns), so a region that frees older tensors reads high by those. The events
-    are read from the profiler's raw results (its kineto_results), where each one carries its size and time;
-    the profiler slows the code it watches, so a timed step should not be the one measured.
-    """
-
-    def __enter__(self):
-        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():  # the profiler's back end logs its start and stop there
-            self._profile.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        with _quiet_stderr():
-            self._profile.__exit__(*exc)
-        events = [e for e in self._profile.profiler.kineto_results.events()
-                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-        in_use = self.peak = 0
-        for event in sorted(events, key=lambda e: e.start_ns()):
-            in_use += event.nbytes()  # negative for a free
-            self.peak = max(self.peak, in_use)
-        self.net = in_use
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 5c. Measured pipeline actions (what the simulated bubble predicts)
+# 4b. Measured pipeline actions (what the simulated bubble predicts)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -861,7 +537,7 @@ class ActionClock:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 6. Pipeline bubble and checkpoint interval
+# 5. Pipeline bubble and checkpoint interval
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -882,7 +558,7 @@ def young_checkpoint_interval(checkpoint_seconds: float, mtbf_seconds: float) ->
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 7. Formatting
+# 6. Formatting
 # ----------------------------------------------------------------------------------------------------------
 
 
