@@ -1,6 +1,6 @@
 """The communication tracer: what every torch.distributed call moves, counted by (phase, collective, group).
 
-The accounting's measured half of communication: mfu.py predicts the bytes (its section 5 formulas, ring
+The accounting's measured half of communication: mfu.py predicts the bytes (its section 4 formulas, ring
 algorithms, M = message bytes, N = group size), this file counts them as the calls happen. It talks over
 nothing; it wraps the `torch.distributed` functions while a `with CommTracer()` block is active and
 forwards every call unchanged.
@@ -24,7 +24,7 @@ from mfu import format_bytes, wire_bytes
 
 class Count(NamedTuple):
     calls: float
-    payload: float  # bytes: the sum of the messages M (mfu.py, section 5)
+    payload: float  # bytes: the sum of the messages M (mfu.py, section 4)
 
 
 class Messages(dict):
@@ -64,8 +64,8 @@ class Messages(dict):
 @dataclass
 class CommStat:
     calls: int = 0
-    payload_bytes: int = 0  # sum of message sizes M (as defined in mfu.py, section 5)
-    wire_bytes: float = 0.0  # sum of bytes this rank sent, by mfu.py's section 5 formulas
+    payload_bytes: int = 0  # sum of message sizes M (as defined in mfu.py, section 4)
+    wire_bytes: float = 0.0  # sum of bytes this rank sent, by mfu.py's section 4 formulas
     seconds: float = 0.0  # host time in the call (+ in wait() for async calls)
 
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import mfu
+import memory
 from comm import Messages
 from model import StatePiece, counts_here
 from optim import ensure_adam_state, update
@@ -304,8 +304,8 @@ class DDPLayout:
 
     def predicted_persistent(self) -> dict:
         b = self.params[0].element_size()
-        return mfu.persistent_bytes(sum(p.numel() for p in self.params),
-                                    mfu.BytesPerParam(weights=b, grads=b, optimizer=2 * b), 0, 1)
+        return memory.persistent_bytes(sum(p.numel() for p in self.params),
+                                    memory.BytesPerParam(weights=b, grads=b, optimizer=2 * b), 0, 1)
 
     def predicted_messages(self, micro_batches: int = 1) -> Messages:
         """One all-reduce per bucket over its group, plus nothing else (the step's scalars are step.py's)."""

@@ -605,7 +605,7 @@ def layer_activation_bytes(config: GPTConfig, tokens: int, compute_bytes: int = 
 
 def activation_estimate_delta(config: GPTConfig, moe_blocks: int, seq: int, micro: int, tp: int = 1,
                               sequence_parallel: bool = False) -> float:
-    """What a MoE-aware activation estimate adds to Korthikanti's dense one (mfu.activation_bytes_per_layer,
+    """What a MoE-aware activation estimate adds to Korthikanti's dense one (memory.activation_bytes_per_layer,
     16-bit, s = this rank's sequence, s/C under CP) for moe_blocks held MoE blocks: each one's own bytes
     (layer_activation_bytes at e_c = 2, e_r = 4, for its T = s·b tokens, /T_tp with SP: experts are whole on
     every TP rank) minus the dense MLP's share it replaces, 19·s·b·h ((3 + 16/t)·s·b·h under TP, 19·s·b·h/t

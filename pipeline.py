@@ -30,7 +30,7 @@ reduction once, overlapped with the cool-down. ZeRO-2/3 are refused (`config_fro
 Symbols: L layers, P stages, v chunks per rank, m micro-batches, b micro-batch size, s tokens per row on a
 rank (÷C under CP, ÷T under SP), h hidden, V vocabulary, e bytes per activation element (the parameter
 dtype: the residual stream stays in it under autocast), A = activation bytes a layer keeps for backward
-(mfu.activation_bytes_per_layer, s·b·h·(34 + 5·a·s/h) at 16 bits; 2·s·b·h with activation checkpointing).
+(memory.activation_bytes_per_layer, s·b·h·(34 + 5·a·s/h) at 16 bits; 2·s·b·h with activation checkpointing).
 
 1. Split: the blocks (L/(vP) per chunk; an uneven split is allowed, with a warning), embeddings (first),
    ln_f + head (last), their gradients and optimizer state, the activations. Replicated: the tied embedding,
@@ -63,6 +63,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import memory
 import mfu
 from comm import Messages
 from model import GPT, GPTConfig
@@ -115,7 +116,7 @@ class PipelineSchedule:
             incoming = mail.take(needs(action, self.n_chunks))
             mail.release(step.release)  # their receivers have posted the receives: frees the buffers
             measuring = self.measure_activations and action.kind == "F"
-            saved = mfu.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
+            saved = memory.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
             self.clock.begin()
             with nullcontext() if action in synced else layout.no_sync(), saved:
                 outgoing = None

@@ -40,8 +40,8 @@ The time model (hardware.py states the hardware): per role and step
                peak · step). The slowest role sets the pace.
 
 --plan-search enumerates layouts (D, P, T, ZeRO stage, B_μ and m, schedule, activation checkpointing, SP) with
-the same pure formulas the start-up prints (mfu.persistent_bytes, tensor_parallel.step_messages,
-schedules.bubble_formula and p2p_counts, mfu.activation_bytes_per_layer, moe.flops_per_token) and the same time
+the same pure formulas the start-up prints (memory.persistent_bytes, tensor_parallel.step_messages,
+schedules.bubble_formula and p2p_counts, memory.activation_bytes_per_layer, moe.flops_per_token) and the same time
 model, drops what does not fit, ranks by step time and prints the best ten with the term that limits each.
 tests/test_plan.py checks its figures against --plan's built ones.
 
@@ -62,6 +62,7 @@ import torch.distributed as dist
 import context_parallel
 import ddp
 import hardware
+import memory
 import mfu
 import model as model_lib
 import moe
@@ -398,10 +399,10 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     local = held["total"]
     # persistent bytes: DDPLayout's (fp32 params, grads, moments) or ZeroLayout.bytes_per_param's
     b_g = b_w if m == 1 or stage == 0 else b_m
-    bpp = mfu.BytesPerParam(b_w, b_g, 2 * b_m + (0 if b_w == b_m else b_m))
-    persistent = mfu.persistent_bytes(local, bpp, stage, D)
+    bpp = memory.BytesPerParam(b_w, b_g, 2 * b_m + (0 if b_w == b_m else b_m))
+    persistent = memory.persistent_bytes(local, bpp, stage, D)
     seq = settings.seq_len // shape.cp
-    per_layer = mfu.activation_bytes_per_layer(seq, micro, config.n_embd, config.n_head, t=T, sequence_parallel=sp)
+    per_layer = memory.activation_bytes_per_layer(seq, micro, config.n_embd, config.n_head, t=T, sequence_parallel=sp)
     activations = (per_layer * held["layers"] if not ac else
                    2 * seq * micro * config.n_embd // (T if sp else 1) * held["layers"] + per_layer)
     messages, temporaries, bucket = Messages(), {}, args.bucket_mb * 2**20
@@ -579,8 +580,8 @@ def hardware_line(hw: hardware.Hardware, dtype: str) -> str:
 
 
 def zero_table(psi: int, D: int) -> str:
-    """The ZeRO paper's Figure 1 at this Ψ and D (16-bit mixed precision, K = 12: mfu.persistent_bytes)."""
-    cells = [f"{mfu.persistent_bytes(psi, 'mixed', s, D)['total'] / 1e9:.1f}" for s in range(4)]
+    """The ZeRO paper's Figure 1 at this Ψ and D (16-bit mixed precision, K = 12: memory.persistent_bytes)."""
+    cells = [f"{memory.persistent_bytes(psi, 'mixed', s, D)['total'] / 1e9:.1f}" for s in range(4)]
     return f"ZeRO stages 0/1/2/3 at Ψ = {psi / 1e9:.2f}B, D = {D}, K = 12: " + " / ".join(cells) + " GB per device"
 
 

@@ -1,9 +1,9 @@
 """The run's accounting printed: what the start-up predicts, each step's line, the end's measured vs predicted.
 
-Everything that prints, times a run or compares a prediction with a measurement lives here or in mfu.py (the
-formulas, the clocks) and comm.py (the tracer, the `Messages` type); the concept files keep their algorithms
-and their pure prediction formulas, which this file calls. It reads the run (train.Run), the layout and the
-axes' handles, and never changes what the trainer computes.
+Everything that prints, times a run or compares a prediction with a measurement lives here, in mfu.py (the
+formulas, the clocks), memory.py (the memory formulas and measurements) and comm.py (the tracer, the `Messages`
+type); the concept files keep their algorithms and their pure prediction formulas, which this file calls. It
+reads the run (train.Run), the layout and the axes' handles, and never changes what the trainer computes.
 
     print_startup(run)            the mesh, parameters, memory, FLOPs, peak, every axis, predicted messages
     print_step(record, progress)  step i/N, losses, lr, grad norm, tok/s, MFU, step time, ETA (+ axis lines)
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import context_parallel
 import fp8
+import memory
 import mfu
 import moe
 import pipeline
@@ -198,11 +199,11 @@ def print_startup(run):
 
 @dataclass(frozen=True)
 class ActivationEstimate:
-    """What this rank's forwards save for backward, by mfu's formulas (what the kernels save)."""
+    """What this rank's forwards save for backward, by memory.py's formulas (what the kernels save)."""
 
     forward: float  # bytes one forward saves: a micro-batch (under PP one chunk of it) through this rank's part
     terms: dict  # the micro-batch's bytes (all v chunks) by what saves them
-    hidden: float  # of `forward`, what saved_tensors_hooks cannot see (SP's regather hooks: mfu.hidden_from_hooks)
+    hidden: float  # of `forward`, what saved_tensors_hooks cannot see (SP's regather hooks: memory.hidden_from_hooks)
     in_flight: int  # forwards alive at once (the pipeline's chunk-micro-batches; 1 otherwise)
     chunks: int  # v: the chunks of a pipeline rank (forward is 1/v of the micro-batch's bytes); 1 otherwise
     recomputed: float  # under activation checkpointing, the block that backward rebuilds (else 0)
@@ -217,13 +218,13 @@ class ActivationEstimate:
         return self.in_flight * self.forward + rebuilt
 
 
-def activation_shape(run) -> mfu.ActivationShape:
-    """The symbols of mfu's activation formulas for this rank: its sequence (s/C), its dtypes, the kernel."""
+def activation_shape(run) -> memory.ActivationShape:
+    """The symbols of memory.py's activation formulas for this rank: its sequence (s/C), its dtypes, the kernel."""
     config, settings, device = run.config, run.settings, run.device
     cp_impl = settings.args.cp_impl if settings.shape.cp > 1 else None
     # CP's attention (the ring, or SDPA on whole sequences inside Ulysses) runs without dropout (refused).
-    kernel = "fused" if cp_impl else mfu.attention_kernel(device.type, run.compute_dtype, config.dropout)
-    return mfu.ActivationShape(
+    kernel = "fused" if cp_impl else memory.attention_kernel(device.type, run.compute_dtype, config.dropout)
+    return memory.ActivationShape(
         s=run.seq_len // settings.shape.cp, b=run.micro_batch_size, h=config.n_embd, a=config.n_head,
         vocab=config.vocab_size, t=settings.shape.tp, sp=settings.sequence_parallel,
         e_r=run.param_dtype.itemsize, e_c=run.compute_dtype.itemsize, dropout=config.dropout > 0,
@@ -247,18 +248,18 @@ def activation_estimate(run) -> ActivationEstimate:
                config.moe_experts // run.settings.shape.ep * 8 * x.h * x.h * x.weight_copy) if n_moe else (0, 0)
     recomputed = 0.0
     if config.activation_checkpointing:  # the inputs stay; backward rebuilds one block, its copies with it
-        blocks, copies = mfu.block_input_bytes(x) * sum(held.values()), 0.0
+        blocks, copies = memory.block_input_bytes(x) * sum(held.values()), 0.0
         rebuilt = block_bytes(replace(x, regather=False), experts)
-        recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - mfu.block_input_bytes(x)
+        recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - memory.block_input_bytes(x)
         what = f"{sum(held.values())} block inputs"  # the rebuilt block's input is the one the checkpoint holds
     else:
         each = block_bytes(x, experts)
         blocks, copies = (sum(held[kind] * each[kind][i] for kind in held) for i in (0, 1))
         what = f"{sum(held.values())} blocks" + (f" ({n_moe} MoE)" if n_moe else "")
     terms = {what: blocks, "autocast weight copies": copies,
-             "embeddings": mfu.embedding_activation_bytes(x) if model.has_embedding else 0.0,
-             "head and loss": mfu.head_activation_bytes(x) if model.has_head else 0.0}
-    hidden = mfu.hidden_from_hooks(x, 0 if config.activation_checkpointing else sum(held.values()), model.has_head)
+             "embeddings": memory.embedding_activation_bytes(x) if model.has_embedding else 0.0,
+             "head and loss": memory.head_activation_bytes(x) if model.has_head else 0.0}
+    hidden = memory.hidden_from_hooks(x, 0 if config.activation_checkpointing else sum(held.values()), model.has_head)
     in_flight, chunks = 1, 1
     if isinstance(run.schedule, pipeline.PipelineSchedule):
         in_flight = schedules.in_flight(run.schedule.programs(run.micro_batches)[run.schedule.rank])[0]
@@ -271,22 +272,22 @@ def activation_estimate(run) -> ActivationEstimate:
                               korthikanti=korthikanti_estimate(run, x, n_moe), how=how)
 
 
-def block_bytes(x: mfu.ActivationShape, experts: tuple) -> dict:
-    """{"dense" | "moe": (activations, autocast weight copies)} of one block of each kind (mfu's terms). A MoE
+def block_bytes(x: memory.ActivationShape, experts: tuple) -> dict:
+    """{"dense" | "moe": (activations, autocast weight copies)} of one block of each kind (memory.py's terms). A MoE
     block keeps its attention and LayerNorms, and `experts` (its router's and experts' bytes, their copies)
     instead of the dense MLP's."""
-    terms = mfu.layer_activation_terms(x)
+    terms = memory.layer_activation_terms(x)
     attention = terms["layernorms"] + terms["attention"]
     return {"dense": (attention + terms["mlp"], terms["attention weight copies"] + terms["mlp weight copies"]),
             "moe": (attention + experts[0], terms["attention weight copies"] + experts[1])}
 
 
-def korthikanti_estimate(run, x: mfu.ActivationShape, n_moe: int) -> float:
+def korthikanti_estimate(run, x: memory.ActivationShape, n_moe: int) -> float:
     """Korthikanti et al. 2022 for this rank's blocks and micro-batch (16-bit; a MoE block's experts by
     moe.activation_estimate_delta); under activation checkpointing the block inputs, 2·s·b·h each (/T with SP),
     and one layer recomputed."""
     blocks, checkpointing = len(run.model.transformer.h), run.config.activation_checkpointing
-    per_layer = mfu.activation_bytes_per_layer(x.s, x.b, x.h, x.a, t=x.t, sequence_parallel=x.sp)
+    per_layer = memory.activation_bytes_per_layer(x.s, x.b, x.h, x.a, t=x.t, sequence_parallel=x.sp)
     experts = moe.activation_estimate_delta(run.config, min(1, n_moe) if checkpointing else n_moe, x.s, x.b, x.t,
                                             x.sp) if n_moe else 0
     if not checkpointing:
@@ -314,7 +315,7 @@ def activation_lines(estimate: ActivationEstimate) -> list:
 
 
 class StepPeak(NamedTuple):
-    """How far one training step's host memory rose above where it began (mfu.MemoryTimeline over it)."""
+    """How far one training step's host memory rose above where it began (memory.MemoryTimeline over it)."""
 
     step: int
     rise: float  # bytes
@@ -340,7 +341,7 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int, step_peak: 
                + f"; Korthikanti {f(estimate.korthikanti)} (the paper's, 16-bit, unfused attention)")
     expected = predicted["total"] + estimate.peak  # persistent + activations at the schedule's peak
     if run.device.type == "cuda":  # since the loop began (the full model built before an axis split it is not in it)
-        allocated, reserved, rank = mfu.cuda_memory_peaks(run.device)
+        allocated, reserved, rank = memory.cuda_memory_peaks(run.device)
         print0(f"  CUDA allocator peak over the training steps, max over ranks: allocated"
                f" {f(allocated)} (rank {rank}), reserved {f(reserved)}; persistent + activations at the peak"
                f" {f(expected)} (allocated/that {allocated / expected:.2f}: the rest is temporaries)")
@@ -469,7 +470,7 @@ def measure_block(run, block_index: int = 0) -> BlockMeasurement:
                                if cuda else []):
         x = torch.randn(run.micro_batch_size, run.settings.local_seq_len, run.config.n_embd, device=device,
                         dtype=run.param_dtype, generator=torch.Generator(device).manual_seed(0), requires_grad=True)
-        with tracer, mfu.SavedActivations(exclude=params) as saved, run.autocast:
+        with tracer, memory.SavedActivations(exclude=params) as saved, run.autocast:
             out = block(x)
         seen["forward"] = tracer.records
         tracer.reset()
@@ -523,7 +524,7 @@ def zero_startup_lines(layout, run, steps: int) -> list:
     it holds, the peak bound, and which messages overlap what (zero.py's docstring, answers 2 and 3)."""
     b, D, psi, stage = layout.bytes_per_param(), layout.dp_size, layout.numel, layout.stage
     formula = {1: "(b_w+b_g)Ψ + b_oΨ/D", 2: "b_wΨ + (b_g+b_o)Ψ/D", 3: "(b_w+b_g+b_o)Ψ/D"}[stage]
-    exact = mfu.persistent_bytes(psi, b, stage, D)
+    exact = memory.persistent_bytes(psi, b, stage, D)
     padded, held = layout.predicted_persistent(), layout.held_bytes()
     sizes = ", ".join(f"{name} D={dist.get_world_size(group)}" for name, group in layout.groups.items()
                       if layout.units_of(name))
@@ -797,9 +798,9 @@ def cp_activation_lines(axis, run) -> list:
     by 2/e_c (exact when every saved tensor is in the compute dtype; autocast keeps LayerNorm inputs fp32)."""
     C, s, b, h, tp = axis.ring.size, axis.shape.seq_len, axis.shape.micro, run.config.n_embd, run.mesh.size("tp")
     sp, format_bytes = run.settings.sequence_parallel, mfu.format_bytes
-    full = mfu.activation_bytes_per_layer(s, b, h, run.config.n_head, tp, sp)
+    full = memory.activation_bytes_per_layer(s, b, h, run.config.n_head, tp, sp)
     # Without the score term (a = 0) and without the two 1-byte dropout masks of the residual branches.
-    flash = mfu.activation_bytes_per_layer(s, b, h, 0, tp, sp) - 2 * s * b * h / (tp if sp else 1)
+    flash = memory.activation_bytes_per_layer(s, b, h, 0, tp, sp) - 2 * s * b * h / (tp if sp else 1)
     line = (f"  activations per layer and micro-batch (Korthikanti 2022, 16-bit, ÷ C={C}): sbh(34+5as/h)/C ="
             f" {format_bytes(full / C)}; no stored scores, no dropout masks (32sbh)/C = {format_bytes(flash / C)}")
     if run.measured is not None:
@@ -897,7 +898,7 @@ def pp_startup_lines(axis, run, steps: int = 0) -> list:
              f" {schedules.BUBBLE_TEXT[s.name]} (uniform costs)"]
     lines += pp_split_lines(c, s.P, s.v)
     per_layer = (4 * seq * micro * c.n_embd if c.activation_checkpointing else
-                 mfu.activation_bytes_per_layer(seq, micro, c.n_embd, c.n_head))
+                 memory.activation_bytes_per_layer(seq, micro, c.n_embd, c.n_head))
     layers = len(schedules.stage_layers(c.n_layer, s.P, s.v, s.rank))
     peak, stash = schedules.in_flight(s.programs(m)[s.rank])
     lines.append(f"  in flight on pp rank {s.rank}: {peak} chunk-micro-batches ({PP_IN_FLIGHT_TEXT[s.name]}) ×"

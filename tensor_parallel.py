@@ -66,7 +66,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from comm import Messages
-from mfu import activation_bytes_per_layer
+from memory import activation_bytes_per_layer
 from model import GPT, MLP, GPTConfig, ShardInfo, Split, init_full_parameter
 from step import Axis, sum_in_place
 

@@ -40,6 +40,7 @@ import report
 import tensor_parallel
 from ddp import DDPLayout, DistributedDataParallel
 from flags import DTYPES, Settings, fail
+from memory import MemoryTimeline
 from mesh import Mesh, build_mesh, init_distributed
 from model import GPT, GPTConfig, compile_blocks
 from optim import DynamicLossScaler, LRSchedule, build_adamw
@@ -186,7 +187,7 @@ def train(settings: Settings, tracer: comm.CommTracer):
     run.schedule.measure_activations = True  # the first step counts the bytes saved for backward
     if run.device.type == "cuda":  # the peak of training, not of start-up
         torch.cuda.reset_peak_memory_stats(run.device)
-    # On a CPU, the second step's host memory is profiled (mfu.MemoryTimeline; the first allocates AdamW's moments
+    # On a CPU, the second step's host memory is profiled (memory.MemoryTimeline; the first allocates AdamW's moments
     # and measures the saved activations, so its state is not steady); its time is left out of the mean (the
     # profiler slows it) when another timed step remains. CUDA's allocator reports its own peak.
     peak_step = start_step + 1 if run.device.type == "cpu" and args.steps - start_step >= 2 else None
@@ -201,7 +202,7 @@ def train(settings: Settings, tracer: comm.CommTracer):
             run.layout.set_lr(lr)
             batches = prefetched.get(step)
             began = time.perf_counter()
-            with mfu.MemoryTimeline() if step == peak_step else nullcontext() as memory:
+            with MemoryTimeline() if step == peak_step else nullcontext() as memory:
                 outcome = train_step(run.layout, scaler, batches, run.mesh.group("dp_cp"), args.grad_clip,
                                      run.autocast, run.device, model=run.model, schedule=run.schedule, axes=run.axes,
                                      data_size=run.mesh.size("dp"))

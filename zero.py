@@ -58,7 +58,7 @@ Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_
 working weights / persistent gradients / optimizer state, m micro-batches per step, U the largest unit):
 1. Replicated vs split. Stage 1: weights and gradients replicated, optimizer state split in D. Stage 2:
    weights replicated; gradients and optimizer state split. Stage 3: everything split. The batch is split.
-2. Persistent bytes per rank (mfu.persistent_bytes, `predicted_persistent()`; `held_bytes()` measures it):
+2. Persistent bytes per rank (memory.persistent_bytes, `predicted_persistent()`; `held_bytes()` measures it):
      stage 1: (b_w + b_g)·Ψ' + b_o·Ψ'/D;  stage 2: b_w·Ψ' + (b_g + b_o)·Ψ'/D;  stage 3: (b_w + b_g + b_o)·Ψ'/D.
    Transient on top (`peak_lower_bound()`, activations apart): stage 1 max(b_g, b_w)·Ψ'/D (the reduce-scatter
    outputs, then the all-gather inputs); stage 2 max(b_w·2U, b_w·Ψ'/D) (2 buckets in flight, or the all-gather
@@ -93,7 +93,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import mfu
+import memory
 from comm import Messages
 from ddp import assert_same_across_groups, grad_group, reverse_order_buckets
 from model import ShardInfo, StatePiece, counts_here
@@ -532,21 +532,21 @@ class ZeroLayout:
     def units_of(self, group_name: str) -> list:
         return [u for u in self.units if u.group_name == group_name]
 
-    def bytes_per_param(self) -> mfu.BytesPerParam:
+    def bytes_per_param(self) -> memory.BytesPerParam:
         """b_w, b_g, b_o of this layout (b_g: the persistent gradient, in accumulate_dtype; b_o: two moments,
         plus the master unless it aliases the weights)."""
         b_w, b_g, b_m = (dtype.itemsize for dtype in (self.param_dtype, self.accumulate_dtype, self.master_dtype))
-        return mfu.BytesPerParam(weights=b_w, grads=b_g,
+        return memory.BytesPerParam(weights=b_w, grads=b_g,
                                  optimizer=2 * b_m + (0 if self.param_dtype == self.master_dtype else b_m))
 
     def predicted_persistent(self, padded: bool = True) -> dict:
-        """mfu.persistent_bytes of each data-parallel group's units (Ψ'_g over D_g), added up."""
+        """memory.persistent_bytes of each data-parallel group's units (Ψ'_g over D_g), added up."""
         out = {"weights": 0.0, "grads": 0.0, "optimizer": 0.0, "total": 0.0}
         for name, group in self.groups.items():
             units = self.units_of(name)
             if units:
                 psi = sum(u.padded_numel if padded else u.numel for u in units)
-                part = mfu.persistent_bytes(psi, self.bytes_per_param(), self.stage, dist.get_world_size(group))
+                part = memory.persistent_bytes(psi, self.bytes_per_param(), self.stage, dist.get_world_size(group))
                 out = {kind: out[kind] + part[kind] for kind in out}
         return out
 

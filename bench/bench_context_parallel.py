@@ -12,7 +12,7 @@ One sequence of `--seq-len` tokens (the preset's block_size is raised to it) goe
   * C > 1: context_parallel.apply's attention: ring zig-zag, ring contiguous, and Ulysses where the heads
     divide by C; the variants alternate step by step (bench/common.alternate) so the machine's noise hits
     them alike; times are medians over the ranks' slowest (the step ends when the last rank does).
-Activation bytes per rank are measured with mfu.SavedActivations (saved_tensors_hooks, each
+Activation bytes per rank are measured with memory.SavedActivations (saved_tensors_hooks, each
 storage once, parameters left out) over the whole forward, and per layer, next to Korthikanti et al.'s
 estimate ÷ C. Then, on the largest C, PyTorch's context_parallel runs the same plain model (its SDPA calls
 are dispatched to a ring): it supports only the CUDA flash / memory-efficient / cuDNN SDPA kernels, so on
@@ -45,7 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import context_parallel  # noqa: E402
 import report  # noqa: E402
 from common import add_device_argument, alternate, check_gpus, init_rank  # noqa: E402
-from mfu import SavedActivations, activation_bytes_per_layer, format_bytes  # noqa: E402
+from memory import SavedActivations, activation_bytes_per_layer  # noqa: E402
+from mfu import format_bytes  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 
 

@@ -1,13 +1,13 @@
-"""The activation estimate the run prints (report.activation_estimate, mfu's formulas of what the kernels save)
+"""The activation estimate the run prints (report.activation_estimate, memory.py's formulas of what the kernels save)
 against what autograd really saves, and the measured peak of a step.
 
 Each case builds the run from flags as train.py does and measures one micro-batch's forward with
-mfu.SavedActivations (saved_tensors_hooks, each storage once). The estimate must be within TOL of it:
+memory.SavedActivations (saved_tensors_hooks, each storage once). The estimate must be within TOL of it:
 dense fp32 and bf16 autocast, dropout 0 (the fused CPU flash kernel) and 0.1 (the math path, which stores the
 a·s² probabilities), activation checkpointing, MoE blocks and FP8 linears in this process; TP = 2 with and
 without SP, CP = 2 (ring and Ulysses), a pipeline stage and its in-flight micro-batches, and a DDP step's
 peak through tests/harness.py, all in one spawn of 2 ranks. Korthikanti et al.'s per-layer formulas come back
-from mfu's terms under the paper's assumptions.
+from memory.py's terms under the paper's assumptions.
 """
 
 import weakref
@@ -65,9 +65,9 @@ def batch(run, seed: int = 0):
 
 def saved_by_forward(run, forward) -> int:
     """Bytes autograd saves while `forward()` runs under the run's autocast (parameters left out)."""
-    import mfu
+    import memory
 
-    with mfu.SavedActivations(exclude=list(run.model.parameters())) as saved, run.autocast:
+    with memory.SavedActivations(exclude=list(run.model.parameters())) as saved, run.autocast:
         forward()
     return saved.bytes
 
@@ -146,15 +146,15 @@ def test_estimate_matches_what_one_forward_saves(case):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_attention_path_is_the_one_sdpa_takes(dtype):
-    """mfu.attention_kernel against the backward node torch's dispatcher really built, on this machine."""
-    import mfu
+    """memory.attention_kernel against the backward node torch's dispatcher really built, on this machine."""
+    import memory
 
     q = torch.randn(1, 2, 16, 16, requires_grad=True)
     for dropout in (0.0, 0.1):
         with torch.autocast("cpu", dtype=DTYPES[dtype], enabled=dtype == "bf16"):
             node = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=dropout, is_causal=True).grad_fn
         fused = "FlashAttention" in node.name() or "EfficientAttention" in node.name()
-        assert mfu.attention_kernel("cpu", DTYPES[dtype], dropout) == ("fused" if fused else "math"), node.name()
+        assert memory.attention_kernel("cpu", DTYPES[dtype], dropout) == ("fused" if fused else "math"), node.name()
 
 
 def test_checkpointing_keeps_the_block_inputs_and_rebuilds_one_block():
@@ -175,18 +175,18 @@ def test_checkpointing_keeps_the_block_inputs_and_rebuilds_one_block():
 
 def test_korthikanti_formulas_come_back_under_the_papers_assumptions():
     """Korthikanti et al. 2022, Table 2, for GPT-3 175B's layer (s = 2048, h = 12288, a = 96, so 5·a·s/h = 80:
-    114·s·b·h unsplit, s·b·h·(10 + 24/8 + 80/8) = 23·s·b·h at T = 8, 114/8·s·b·h with SP) from mfu's terms of
-    the unfused path, 16-bit throughout (no fp32 upcast), 1-byte dropout masks: equal, but for the LayerNorms'
-    mean and rstd (4·s·b/T_sp elements of 2 bytes), which the paper leaves out."""
-    import mfu
+    114·s·b·h unsplit, s·b·h·(10 + 24/8 + 80/8) = 23·s·b·h at T = 8, 114/8·s·b·h with SP) from memory.py's
+    terms of the unfused path, 16-bit throughout (no fp32 upcast), 1-byte dropout masks: equal, but for the
+    LayerNorms' mean and rstd (4·s·b/T_sp elements of 2 bytes), which the paper leaves out."""
+    import memory
 
     s, b, h, a = 2048, 1, 12288, 96
     sbh = s * b * h
     for t, sp, paper in ((1, False, 114), (8, False, 23), (8, True, 114 / 8)):
-        assert mfu.activation_bytes_per_layer(s, b, h, a, t, sp) == pytest.approx(paper * sbh)
-        shape = mfu.ActivationShape(s=s, b=b, h=h, a=a, vocab=50304, t=t, sp=sp, e_r=2, e_c=2, dropout=True,
+        assert memory.activation_bytes_per_layer(s, b, h, a, t, sp) == pytest.approx(paper * sbh)
+        shape = memory.ActivationShape(s=s, b=b, h=h, a=a, vocab=50304, t=t, sp=sp, e_r=2, e_c=2, dropout=True,
                                     bool_masks=True, kernel="math", upcast=False)
-        terms = mfu.layer_activation_terms(shape)
+        terms = memory.layer_activation_terms(shape)
         statistics = 4 * s * b / (t if sp else 1) * 2
         assert terms["layernorms"] + terms["attention"] + terms["mlp"] - statistics == pytest.approx(paper * sbh)
 
@@ -194,13 +194,13 @@ def test_korthikanti_formulas_come_back_under_the_papers_assumptions():
 def test_fused_kernel_saves_what_the_issue_measured_for_gpt2():
     """GPT-2's block at 16 bits with a fused attention and no dropout: 32.07·s·b·h (the issue's measurement),
     where Korthikanti's formula gives 114·s·b·h."""
-    import mfu
+    import memory
 
     s, b, h, a = 1024, 1, 768, 12
-    shape = mfu.ActivationShape(s=s, b=b, h=h, a=a, vocab=50304, e_r=2, e_c=2)
-    terms = mfu.layer_activation_terms(shape)
+    shape = memory.ActivationShape(s=s, b=b, h=h, a=a, vocab=50304, e_r=2, e_c=2)
+    terms = memory.layer_activation_terms(shape)
     assert (terms["layernorms"] + terms["attention"] + terms["mlp"]) / (s * b * h) == pytest.approx(32.07, abs=0.005)
-    assert mfu.activation_bytes_per_layer(s, b, h, a) / (s * b * h) == pytest.approx(114)
+    assert memory.activation_bytes_per_layer(s, b, h, a) / (s * b * h) == pytest.approx(114)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,26 +216,26 @@ MULTI = {  # case: (flags, autocast dtype)
 
 
 def held_after_forward(run, x, y, pos, tries: int = 5) -> int:
-    """Bytes a forward leaves allocated (the profiler's net, mfu.MemoryTimeline): the least of `tries`
+    """Bytes a forward leaves allocated (the profiler's net, memory.MemoryTimeline): the least of `tries`
     forwards. A single one reads high by 16 KiB steps now and then (gloo's scratch buffers of the SP
     collectives, freed after the profiler stops: 679300, 728452, 744836, 777604, 630148 B in five tries of the
     same forward, estimate 630144 B); the least is the forward's own."""
     import gc
 
-    import mfu
+    import memory
 
     held = []
     for _ in range(tries):
         gc.collect()
-        with mfu.MemoryTimeline() as memory, run.autocast:
+        with memory.MemoryTimeline() as timeline, run.autocast:
             loss = run.layout(x, y, pos)[1]  # the logits are dropped at once; the loss is a scalar
-        held.append(memory.net)
+        held.append(timeline.net)
         del loss
     return min(held)
 
 
 def _ranks(rank, world):
-    import mfu
+    import memory
     import report
     from optim import DynamicLossScaler
     from reference import global_batches, rank_micro_batches
@@ -275,9 +275,9 @@ def _ranks(rank, world):
     run = build_run(["--global-batch", "8"], "fp32", world, rank, compose=True)
     first, second = steps(run, 2)
     train(run, first)
-    memory = mfu.MemoryTimeline()
-    train(run, second, memory)
-    out["ddp"] = dict(peak=run.layout.held_bytes()["total"] + memory.peak,
+    timeline = memory.MemoryTimeline()
+    train(run, second, timeline)
+    out["ddp"] = dict(peak=run.layout.held_bytes()["total"] + timeline.peak,
                       persistent=run.layout.predicted_persistent()["total"], estimate=report.activation_estimate(run))
     return out
 

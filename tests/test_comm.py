@@ -106,7 +106,7 @@ def test_tracer_counts_bytes_on_ranks(world_size):
         assert checks["a2a"] == [4 * rank + i + 100 * src for src in range(n) for i in range(4)]
         assert checks["ring"] == (rank - 1) % n
 
-        expected = {  # (op, group): (calls, payload M, wire bytes by the section 5 formula)
+        expected = {  # (op, group): (calls, payload M, wire bytes by the section 4 formula)
             ("all_reduce", "world"): (1, 4000, 2 * (n - 1) / n * 4000),
             ("all_reduce", "dp"): (2, 4000, 2 * 1 / 2 * 4000),
             ("all_gather_into_tensor", "dp"): (1, 128, 1 / 2 * 128),

@@ -523,7 +523,7 @@ def _activations(rank, world):
     import context_parallel as cp
     import report
     from mesh import build_mesh, infer_mesh_shape
-    from mfu import SavedActivations
+    from memory import SavedActivations
     from model import GPT
     from optim import DynamicLossScaler
     from step import train_step

@@ -870,10 +870,10 @@ def test_the_load_line_counts_the_training_step_only(traced_and_sampled_runs):
 
 
 def test_layer_activation_bytes_match_what_autograd_saves():
-    """moe.layer_activation_bytes against mfu.SavedActivations of one MoE layer's forward (E = 1, dropless: S =
+    """moe.layer_activation_bytes against memory.SavedActivations of one MoE layer's forward (E = 1, dropless: S =
     R = T·k exactly), in float64, float32 top-1 with dropout (a CPU mask in fp32) and bf16 autocast (whose saved
     bf16 copies of the expert weights are weights, not activations: taken off)."""
-    import mfu
+    import memory
     import moe
     from model import GPT
 
@@ -883,7 +883,7 @@ def test_layer_activation_bytes_match_what_autograd_saves():
         model = GPT(config, seed=0, dtype=dtype)
         layer = model.transformer.h[0].mlp
         x = _layer_inputs(0, (2, 12), 16)[0].to(dtype).requires_grad_()
-        with mfu.SavedActivations(exclude=list(model.parameters())) as saved, \
+        with memory.SavedActivations(exclude=list(model.parameters())) as saved, \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             layer(x)
         compute = 2 if autocast else dtype.itemsize

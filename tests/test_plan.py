@@ -139,7 +139,7 @@ def test_zero_paper_figure_1():
 def test_korthikanti_per_layer_activations():
     """Korthikanti et al. 2022, Table 2 (16-bit, unfused attention): sbh(34 + 5as/h); TP sbh(10 + 24/t +
     5as/(ht)); TP + SP sbh/t·(34 + 5as/h). GPT-3 175B (s 2048, h 12288, a 96, t 8): 114, 23, 14.25 sbh."""
-    from mfu import activation_bytes_per_layer
+    from memory import activation_bytes_per_layer
 
     s, b, h, a, t = 2048, 1, 12288, 96, 8
     sbh = s * b * h

@@ -1,0 +1,57 @@
+"""Tests for memory.py: the ZeRO and Korthikanti formulas against numbers worked out by hand, and the CUDA
+memory peaks over ranks (what the kernels save is tested against autograd in test_activations.py)."""
+
+import pytest
+
+import memory
+from harness import run_ranks
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_zero_bytes_per_stage():
+    psi, d = 1000, 4
+    mixed = [memory.persistent_bytes(psi, "mixed", stage, d) for stage in range(4)]
+    # mixed: b_w=2, b_g=2, b_o=12, so 16*psi = 16000 unsplit
+    assert mixed[0] == {"weights": 2000, "grads": 2000, "optimizer": 12000, "total": 16000}
+    assert mixed[1] == {"weights": 2000, "grads": 2000, "optimizer": 3000, "total": 7000}
+    assert mixed[2] == {"weights": 2000, "grads": 500, "optimizer": 3000, "total": 5500}
+    assert mixed[3] == {"weights": 500, "grads": 500, "optimizer": 3000, "total": 4000}
+    fp32 = [memory.persistent_bytes(psi, "fp32", stage, d)["total"] for stage in range(4)]
+    assert fp32 == [16000, 8000 + 2000, 4000 + 3000, 4000]
+    # One rank: every stage is plain DDP.
+    assert {memory.persistent_bytes(psi, "mixed", s, 1)["total"] for s in range(4)} == {16000}
+    with pytest.raises(ValueError):
+        memory.persistent_bytes(psi, "mixed", 4, d)
+
+
+def test_korthikanti_activation_formulas():
+    s, b, h, a = 1024, 2, 512, 8
+    sbh = s * b * h
+    unsplit = sbh * (34 + 5 * a * s / h)  # = sbh * 114
+    assert unsplit == sbh * 114
+    assert memory.activation_bytes_per_layer(s, b, h, a) == unsplit
+    # t = 1 reduces to the unsplit formula, with or without sequence parallelism.
+    assert memory.activation_bytes_per_layer(s, b, h, a, t=1, sequence_parallel=False) == unsplit
+    assert memory.activation_bytes_per_layer(s, b, h, a, t=1, sequence_parallel=True) == unsplit
+    # t = 4: sbh(10 + 24/4 + 80/4) = 36 sbh without SP; 114/4 = 28.5 sbh with SP.
+    assert memory.activation_bytes_per_layer(s, b, h, a, t=4) == sbh * 36
+    assert memory.activation_bytes_per_layer(s, b, h, a, t=4, sequence_parallel=True) == sbh * 28.5
+
+
+def _memory_peaks(rank, world_size, peaks):
+    import torch
+
+    allocated, reserved = peaks[rank]
+    torch.cuda.max_memory_allocated = lambda device=None: allocated  # this process only: no GPU here
+    torch.cuda.max_memory_reserved = lambda device=None: reserved
+    return memory.cuda_memory_peaks(torch.device("cpu"))
+
+
+def test_cuda_memory_peaks_are_the_max_over_ranks():
+    """Rank 1 allocates most, rank 0 reserves most: each maximum is reported, with the allocating rank."""
+    values = [(100, 900), (300, 400)]
+    for result in run_ranks(_memory_peaks, 2, values, timeout=60):
+        assert result == (300, 900, 1)
