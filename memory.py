@@ -127,13 +127,10 @@ def activation_bytes_per_layer(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 3. Activations: what the kernels save
+# 3. Activations: what the kernels save (the estimate the run prints; section 2 is the paper's reference)
 # ----------------------------------------------------------------------------------------------------------
-
-
-# What the kernels actually save (the estimate the run prints; Korthikanti's formula above is the paper's
-# reference). Each term is a tensor autograd keeps, found with saved_tensors_hooks (SavedActivations) on this
-# model, one storage once; tests/test_activations.py checks the sums against the measurement.
+# Each term is a tensor autograd keeps, found with saved_tensors_hooks (SavedActivations) on this model, one
+# storage once; tests/test_activations.py checks the sums against the measurement.
 
 
 def attention_kernel(device_type: str, dtype: torch.dtype, dropout: float) -> str:
