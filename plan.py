@@ -59,12 +59,12 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-import context_parallel
 import ddp
 import hardware
 import mfu
 import model as model_lib
 import moe
+import report
 import schedules
 import tensor_parallel
 import zero
@@ -76,6 +76,9 @@ from mesh import MeshShape, axis_groups
 # ---------------------------------------------------------------------------------------------------------
 # One role's start-up, built on meta inside a fake process group
 # ---------------------------------------------------------------------------------------------------------
+
+
+PLANNED_DEVICE = "cuda"  # the hardware model's presets are GPUs: their attention kernels and dropout masks
 
 
 @contextmanager
@@ -102,8 +105,6 @@ def on_meta():
             stack.enter_context(mock.patch.object(target, "init_full_parameter", _meta_init))
         stack.enter_context(mock.patch.object(ddp, "assert_same_across_ranks", lambda *a, **k: None))
         stack.enter_context(mock.patch.object(zero, "assert_same_across_groups", lambda *a, **k: None))
-        # CP measures block 0 at apply (a forward on values; the report's measure_block will do it there)
-        stack.enter_context(mock.patch.object(context_parallel.ContextParallel, "startup_lines", lambda self: []))
         stack.enter_context(torch.device("meta"))
         yield
 
@@ -140,9 +141,7 @@ class Role:
     local_params: int
     logical: dict  # {global name: elements of the logical tensor}: Ψ is their sum over the roles
     persistent: dict  # {"weights", "grads", "optimizer", "total"} bytes
-    activations: float  # bytes per micro-batch (report.activation_estimate), × in_flight in the peak
-    activation_how: str
-    in_flight: float  # micro-batches whose activations are alive at once (pipeline schedules: > 1)
+    activations: object  # report.ActivationEstimate: one forward's bytes, how many in flight, their peak
     temporaries: dict  # {what: bytes}
     messages: Messages  # per step, (op, group as the tracer names it): (calls, payload)
     group_ranks: dict  # {group name: global ranks of this rank's group}
@@ -155,16 +154,15 @@ class Role:
 
     @property
     def peak(self) -> float:
-        return self.persistent["total"] + self.activations * self.in_flight + sum(self.temporaries.values())
+        return self.persistent["total"] + self.activations.peak + sum(self.temporaries.values())
 
 
-def role_of(run) -> Role:
-    """The Role of a built run: every figure read from the code a real start-up prints it with."""
-    import report
-
+def role_of(run, device_type: str | None = None) -> Role:
+    """The Role of a built run: every figure read from the code a real start-up prints it with; the
+    activations as the kernels of `device_type` save them (the plan's: "cuda"; default the run's device)."""
     layout, mesh = run.layout, run.mesh
     persistent = dict(layout.predicted_persistent())
-    activations, how = report.activation_estimate(run)
+    estimate = report.activation_estimate(run, device_type)
     temporaries, last_bucket, first_gather = {}, 0.0, 0.0
     if isinstance(layout, zero.ZeroLayout):
         extra = layout.peak_lower_bound() - persistent["total"]
@@ -181,11 +179,10 @@ def role_of(run) -> Role:
         sizes = layout.ddp.bucket_sizes_bytes()
         temporaries["DDP: one bucket in flight (the backend's staging)"] = max(sizes)
         last_bucket = sizes[-1]
-    in_flight, bubble, boundary = 1.0, 0.0, 0.0
+    bubble, boundary = 0.0, 0.0
     for axis in run.axes:
-        if axis.schedule is not None:  # the pipeline: its chunk-micro-batches in flight, its bubble
+        if axis.schedule is not None:  # the pipeline: its bubble, its messages' buffers
             s = axis.schedule
-            in_flight = schedules.in_flight(s.programs(run.micro_batches)[s.rank])[0] / s.v
             bubble = schedules.bubble_formula(s.name, s.P, run.micro_batches, s.v)
             boundary = axis.message_bytes()
             temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
@@ -201,7 +198,7 @@ def role_of(run) -> Role:
     ranks["world"] = list(range(mesh.shape.world_size))
     return Role(rank=mesh.rank, coords=mesh.shape.coords(mesh.rank), local_params=sum(p.numel() for p in params),
                 logical={p.shard_info.global_name: math.prod(p.shard_info.global_shape) for p in params},
-                persistent=persistent, activations=activations, activation_how=how, in_flight=in_flight,
+                persistent=persistent, activations=estimate,
                 temporaries=temporaries, messages=report.predicted_messages(run), group_ranks=ranks,
                 flops=run.flops, bubble=bubble, last_bucket=last_bucket, first_gather=first_gather,
                 boundary_bytes=boundary,
@@ -229,7 +226,7 @@ def plan_roles(settings) -> list:
 
     def one(rank):
         with fake_world(rank, world):
-            return role_of(build_role(settings, rank))
+            return role_of(build_role(settings, rank), PLANNED_DEVICE)
 
     roles = [one(rank) for rank in role_ranks(settings.shape)]
     if len(roles) > settings.shape.pp:  # the corner (0, C−1, T−1): equal to stage 0's, or build them all
@@ -247,7 +244,7 @@ def logical_psi(settings, roles: list) -> int:
     for i in range(1, shape.ep):
         rank = shape.rank_of(i // shape.cp, 0, i % shape.cp, 0)
         with fake_world(rank, shape.world_size):
-            logical.update(role_of(build_role(settings, rank)).logical)
+            logical.update(role_of(build_role(settings, rank), PLANNED_DEVICE).logical)
     return sum(logical.values())
 
 
@@ -363,10 +360,10 @@ def _programs_facts(schedule: str, P: int, m: int, v: int) -> tuple:
 
 
 def stage_holding(config, P: int, v: int, p: int) -> tuple:
-    """(layers, has embedding, has head) of pp rank p (pipeline.stage_kwargs's split)."""
+    """([layer ids], has embedding, has head) of pp rank p (pipeline.stage_kwargs's split)."""
     chunks = schedules.rank_chunks(p, P, v)
-    layers = sum(len(schedules.stage_layers(config.n_layer, P, v, c)) for c in chunks)
-    return layers, 0 in chunks, P * v - 1 in chunks
+    layer_ids = [i for c in chunks for i in schedules.stage_layers(config.n_layer, P, v, c)]
+    return layer_ids, 0 in chunks, P * v - 1 in chunks
 
 
 def stage_params(config, P: int, v: int, T: int, p: int) -> dict:
@@ -375,14 +372,15 @@ def stage_params(config, P: int, v: int, T: int, p: int) -> dict:
     the embedding V·h/T + the positions s_max·h on the first chunk; ln_f and (P·v > 1) the head's tied copy on
     the last."""
     h, V, bias = config.n_embd, config.vocab_size, int(config.bias)
-    layers, embedding, head = stage_holding(config, P, v, p)
+    layer_ids, embedding, head = stage_holding(config, P, v, p)
+    layers = len(layer_ids)
     split, replicated = 12 * h * h + 7 * h * bias, 2 * h * (1 + bias) + 2 * h * bias
     block = split // T + replicated
     root = (V * h // T + config.block_size * h if embedding else 0) + \
            (h * (1 + bias) + (V * h // T if P * v > 1 else 0) if head else 0)
     # replicated on tp, summed over it under SP: LayerNorms, row biases, ln_f, the positions
     sp_replicated = layers * replicated + (h * (1 + bias) if head else 0) + (config.block_size * h if embedding else 0)
-    return dict(blocks=layers * block, block=block, root=root, replicated=sp_replicated, total=layers * block + root,
+    return dict(layer_ids=layer_ids, blocks=layers * block, block=block, root=root, replicated=sp_replicated, total=layers * block + root,
                 layers=layers, embedding=embedding, head=head)
 
 
@@ -401,9 +399,6 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     bpp = mfu.BytesPerParam(b_w, b_g, 2 * b_m + (0 if b_w == b_m else b_m))
     persistent = mfu.persistent_bytes(local, bpp, stage, D)
     seq = settings.seq_len // shape.cp
-    per_layer = mfu.activation_bytes_per_layer(seq, micro, config.n_embd, config.n_head, t=T, sequence_parallel=sp)
-    activations = (per_layer * held["layers"] if not ac else
-                   2 * seq * micro * config.n_embd // (T if sp else 1) * held["layers"] + per_layer)
     messages, temporaries, bucket = Messages(), {}, args.bucket_mb * 2**20
     b_r = b_g if stage == 1 else b_w  # what the gradient reduction sends
     last_bucket, first_gather = min(2**20, 4 * local), 0.0  # DDP: the taper's last bucket
@@ -429,7 +424,7 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
         holding = tensor_parallel.Holding(config.n_embd, sp, ac, held["layers"], 0, held["embedding"], held["head"])
         sp_bytes = b_g * held["replicated"] / (D if stage >= 1 else 1) if sp else 0  # a ZeRO shard: on average
         messages = messages + tensor_parallel.step_messages(batch, holding, int(sp_bytes))
-    in_flight, bubble, boundary = 1.0, 0.0, 0.0
+    flight, bubble, boundary = (1, 1), 0.0, 0.0
     if P > 1:
         pairs, flights = facts or _programs_facts(args.pp_schedule, P, m, v)
         boundary = micro * seq // (T if sp else 1) * config.n_embd * b_w
@@ -439,7 +434,7 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
         messages.add("all_reduce", "pp", 1, 8)
         if held["embedding"] or held["head"]:
             messages.add("all_reduce", "pp_tied", 1, b_g * config.vocab_size * config.n_embd // T // (D if stage else 1))
-        in_flight = flights[p] / v
+        flight = (flights[p], v)
         bubble = schedules.bubble_formula(args.pp_schedule, P, m, v)
         temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
     messages.add("all_reduce", "world", 1, 16)
@@ -454,7 +449,9 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     messages = messages.named(lambda name: alias.get(name, name))
     ranks["world"] = list(range(shape.world_size))
     return Role(rank=rank, coords=shape.coords(rank), local_params=local, logical={}, persistent=persistent,
-                activations=activations, activation_how=f"{held['layers']} layers (formula)", in_flight=in_flight,
+                activations=report.estimate_of(config, report.shape_of(settings, config, PLANNED_DEVICE, compute,
+                                                                       param), held["layer_ids"],
+                                               (held["embedding"], held["head"]), shape.ep, flight),
                 temporaries=temporaries, messages=messages, group_ranks=ranks,
                 flops=moe.flops_per_token(config, settings.seq_len, recompute=ac), bubble=bubble,
                 last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
@@ -587,13 +584,14 @@ def zero_table(psi: int, D: int) -> str:
 def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware) -> list:
     fmt = mfu.format_bytes
     c = role.coords
-    p = role.persistent
+    p, a = role.persistent, role.activations
     lines = [f"role rank {role.rank} (p {c['pp']}, c {c['cp']}, t {c['tp']}; every d alike): {role.local_params:,}"
              f" parameters held",
              f"  persistent: weights {fmt(p['weights'])}, grads {fmt(p['grads'])}, optimizer {fmt(p['optimizer'])},"
              f" total {fmt(p['total'])}",
-             f"  activations {fmt(role.activations)} per micro-batch ({role.activation_how}) × {role.in_flight:g} in"
-             f" flight = {fmt(role.activations * role.in_flight)}"]
+             f"  activations {fmt(a.forward)} a forward ({a.how}) × {a.in_flight} in flight"
+             + (f" + the rebuilt block" if a.recomputed else "") + f" = {fmt(a.peak)} (Korthikanti et al.:"
+             f" {fmt(a.korthikanti / a.chunks)} a forward)"]
     for what, nbytes in role.temporaries.items():
         lines.append(f"  temporary: {what}: {fmt(nbytes)}")
     fits = "fits" if role.peak <= hw.memory_gib * 2**30 else "DOES NOT FIT"

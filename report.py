@@ -217,34 +217,51 @@ class ActivationEstimate:
         return self.in_flight * self.forward + rebuilt
 
 
-def activation_shape(run) -> mfu.ActivationShape:
-    """The symbols of mfu's activation formulas for this rank: its sequence (s/C), its dtypes, the kernel."""
-    config, settings, device = run.config, run.settings, run.device
+def activation_shape(run, device_type: str | None = None) -> mfu.ActivationShape:
+    """The symbols of mfu's activation formulas for this rank: its sequence (s/C), its dtypes, the kernel (of
+    `device_type`'s attention, default the run's device: plan.py sizes a GPU from a meta build)."""
+    return shape_of(run.settings, run.config, device_type or run.device.type, run.compute_dtype, run.param_dtype)
+
+
+def shape_of(settings, config, device_type: str, compute_dtype, param_dtype) -> mfu.ActivationShape:
+    """activation_shape without a run (plan.py's search sizes layouts it never builds)."""
     cp_impl = settings.args.cp_impl if settings.shape.cp > 1 else None
     # CP's attention (the ring, or SDPA on whole sequences inside Ulysses) runs without dropout (refused).
-    kernel = "fused" if cp_impl else mfu.attention_kernel(device.type, run.compute_dtype, config.dropout)
+    kernel = "fused" if cp_impl else mfu.attention_kernel(device_type, compute_dtype, config.dropout)
     return mfu.ActivationShape(
-        s=run.seq_len // settings.shape.cp, b=run.micro_batch_size, h=config.n_embd, a=config.n_head,
+        s=settings.seq_len // settings.shape.cp, b=settings.micro_batch_size, h=config.n_embd, a=config.n_head,
         vocab=config.vocab_size, t=settings.shape.tp, sp=settings.sequence_parallel,
-        e_r=run.param_dtype.itemsize, e_c=run.compute_dtype.itemsize, dropout=config.dropout > 0,
-        bool_masks=device.type == "cuda", fp32_norms=device.type == "cuda" and run.compute_dtype.itemsize < 4,
+        e_r=param_dtype.itemsize, e_c=compute_dtype.itemsize, dropout=config.dropout > 0,
+        bool_masks=device_type == "cuda", fp32_norms=device_type == "cuda" and compute_dtype.itemsize < 4,
         kernel=kernel, ulysses=cp_impl == "ulysses", fp8=settings.args.fp8 is not None,
         regather=settings.args.fp8 is None)  # FP8 keeps the gathered input (fp8.convert)
 
 
-def activation_estimate(run) -> ActivationEstimate:
+def activation_estimate(run, device_type: str | None = None) -> ActivationEstimate:
     """This rank's activations per micro-batch: its blocks, the embeddings and the head where it holds them,
     autocast's weight copies apart. Under activation checkpointing a block keeps its input only and backward
     rebuilds one block at a time; under PP the schedule keeps `schedules.in_flight` chunk-micro-batches of this
     rank's program alive, each counted as 1/v of the stage (exact for v = 1)."""
-    config, model, x = run.config, run.model, activation_shape(run)
-    n_moe = sum(moe.is_moe_layer(config, block.layer_id) for block in model.transformer.h)
-    held = {"dense": len(model.transformer.h) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
+    model, layer_ids = run.model, [block.layer_id for block in run.model.transformer.h]
+    in_flight, chunks = 1, 1
+    if isinstance(run.schedule, pipeline.PipelineSchedule):
+        in_flight = schedules.in_flight(run.schedule.programs(run.micro_batches)[run.schedule.rank])[0]
+        chunks = run.schedule.v
+    return estimate_of(run.config, activation_shape(run, device_type), layer_ids, (model.has_embedding, model.has_head),
+                       run.settings.shape.ep, (in_flight, chunks))
+
+
+def estimate_of(config, x: mfu.ActivationShape, layer_ids: list, ends: tuple, ep: int,
+                pipeline_flight: tuple = (1, 1)) -> ActivationEstimate:
+    """activation_estimate from the shapes: the blocks `layer_ids`, ends = (has embedding, has head), the
+    expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v)."""
+    n_moe = sum(moe.is_moe_layer(config, layer_id) for layer_id in layer_ids)
+    held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
     # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
     # (whole on every TP rank).
     experts = (moe.layer_activation_bytes(config, x.s * x.b // (x.t if x.sp else 1), x.e_c, max(4, x.e_r),
                                           mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)),
-               config.moe_experts // run.settings.shape.ep * 8 * x.h * x.h * x.weight_copy) if n_moe else (0, 0)
+               config.moe_experts // ep * 8 * x.h * x.h * x.weight_copy) if n_moe else (0, 0)
     recomputed = 0.0
     if config.activation_checkpointing:  # the inputs stay; backward rebuilds one block, its copies with it
         blocks, copies = mfu.block_input_bytes(x) * sum(held.values()), 0.0
@@ -256,19 +273,16 @@ def activation_estimate(run) -> ActivationEstimate:
         blocks, copies = (sum(held[kind] * each[kind][i] for kind in held) for i in (0, 1))
         what = f"{sum(held.values())} blocks" + (f" ({n_moe} MoE)" if n_moe else "")
     terms = {what: blocks, "autocast weight copies": copies,
-             "embeddings": mfu.embedding_activation_bytes(x) if model.has_embedding else 0.0,
-             "head and loss": mfu.head_activation_bytes(x) if model.has_head else 0.0}
-    hidden = mfu.hidden_from_hooks(x, 0 if config.activation_checkpointing else sum(held.values()), model.has_head)
-    in_flight, chunks = 1, 1
-    if isinstance(run.schedule, pipeline.PipelineSchedule):
-        in_flight = schedules.in_flight(run.schedule.programs(run.micro_batches)[run.schedule.rank])[0]
-        chunks = run.schedule.v
+             "embeddings": mfu.embedding_activation_bytes(x) if ends[0] else 0.0,
+             "head and loss": mfu.head_activation_bytes(x) if ends[1] else 0.0}
+    hidden = mfu.hidden_from_hooks(x, 0 if config.activation_checkpointing else sum(held.values()), ends[1])
+    in_flight, chunks = pipeline_flight
     how = (f"attention {x.kernel}" + (" (Ulysses)" if x.ulysses else "")
            + f", {x.e_r}-byte residual, {x.e_c}-byte compute" + (", FP8 linear inputs" if x.fp8 else "")
            + (f", {x.mask(x.e_c)}-byte dropout masks" if x.dropout else ", no dropout"))
     return ActivationEstimate(forward=sum(terms.values()) / chunks, terms=terms, hidden=hidden / chunks,
                               in_flight=in_flight, chunks=chunks, recomputed=recomputed,
-                              korthikanti=korthikanti_estimate(run, x, n_moe), how=how)
+                              korthikanti=korthikanti_estimate(config, x, len(layer_ids), n_moe), how=how)
 
 
 def block_bytes(x: mfu.ActivationShape, experts: tuple) -> dict:
@@ -281,13 +295,13 @@ def block_bytes(x: mfu.ActivationShape, experts: tuple) -> dict:
             "moe": (attention + experts[0], terms["attention weight copies"] + experts[1])}
 
 
-def korthikanti_estimate(run, x: mfu.ActivationShape, n_moe: int) -> float:
+def korthikanti_estimate(config, x: mfu.ActivationShape, blocks: int, n_moe: int) -> float:
     """Korthikanti et al. 2022 for this rank's blocks and micro-batch (16-bit; a MoE block's experts by
     moe.activation_estimate_delta); under activation checkpointing the block inputs, 2·s·b·h each (/T with SP),
     and one layer recomputed."""
-    blocks, checkpointing = len(run.model.transformer.h), run.config.activation_checkpointing
+    checkpointing = config.activation_checkpointing
     per_layer = mfu.activation_bytes_per_layer(x.s, x.b, x.h, x.a, t=x.t, sequence_parallel=x.sp)
-    experts = moe.activation_estimate_delta(run.config, min(1, n_moe) if checkpointing else n_moe, x.s, x.b, x.t,
+    experts = moe.activation_estimate_delta(config, min(1, n_moe) if checkpointing else n_moe, x.s, x.b, x.t,
                                             x.sp) if n_moe else 0
     if not checkpointing:
         return per_layer * blocks + experts
