@@ -154,10 +154,14 @@ def test_plan_activations_within_10_percent_of_a_real_step(real, index):
         assert abs(seen / measured - 1) < 0.10, (rank, seen, measured, a.terms)
 
 
-SEARCHED = [  # layouts the search enumerates (dense, C = E = 1), on 8 ranks
+SEARCHED = [  # layouts the search enumerates, on 8 ranks
     ([], 8, 1), (["--zero", "1"], 8, 1), (["--zero", "3"], 16, 1), (["--tp", "2", "--sp"], 8, 1),
     (["--tp", "2", "--zero", "2"], 8, 2), (["--pp", "2", "--pp-schedule", "1f1b"], 8, 1),
     (["--pp", "2", "--tp", "2", "--sp", "--zero", "1", "--pp-schedule", "interleaved", "--n-layer", "4"], 8, 1),
+    (["--cp", "2"], 8, 1), (["--cp", "2", "--tp", "2", "--sp", "--zero", "3"], 8, 2),
+    (["--moe-experts", "4", "--ep", "2"], 8, 1), (["--moe-experts", "4", "--ep", "4", "--zero", "2"], 16, 2),
+    (["--moe-experts", "4", "--moe-every", "2", "--ep", "2", "--cp", "2", "--zero", "3"], 8, 1),
+    (["--moe-experts", "4", "--ep", "2", "--tp", "2", "--sp", "--zero", "1", "--pp", "2"], 8, 1),
 ]
 
 
@@ -183,7 +187,7 @@ def test_search_formulas_give_the_plans_figures(case):
         assert sum(formula.temporaries.values()) == pytest.approx(sum(built.temporaries.values()), rel=1e-12)
         assert set(formula.messages) == set(built.messages)
         v = settings.args.pp_virtual if settings.args.pp_schedule == "interleaved" else 1
-        held = plan.stage_params(settings.model, settings.shape.pp, v, settings.shape.tp, p)
+        held = plan.stage_params(settings.model, settings.shape, v, p)
         for key, (calls, payload) in built.messages.items():
             sp_sum = key == ("all_reduce", "tp") and settings.sequence_parallel and settings.args.zero
             assert formula.messages[key].calls == calls, key
