@@ -399,14 +399,15 @@ class Fp8Linear(nn.Linear):
 
     defers_weight_grad = True
 
-    def __init__(self, linear: nn.Linear, recipe: Recipe, name: str = "", amax_groups=(), gemm: str = "auto"):
+    def __init__(self, linear: nn.Linear, recipe: Recipe, name: str = "", amax_groups=(), gemm: str = "auto",
+                 device=None):
         nn.Module.__init__(self)  # no new parameters: keep the wrapped linear's
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.recipe, self.name, self.amax_groups = recipe, name, tuple(amax_groups)
         self.delayed_groups = ()  # names of the mesh groups the delayed roll reduces over (set by convert)
-        device = linear.weight.device
+        device = torch.device(device) if device is not None else linear.weight.device  # a meta weight: pass the run's
         self.fmt_max = torch.tensor([f.max for f in FORMATS], device=device)
         self.amax_history = torch.zeros(3, recipe.amax_history, device=device)  # [role, L], column 0 latest
         self.scale = torch.ones(3, device=device)  # delayed: the scales this step quantises with
@@ -532,12 +533,14 @@ def config_from_flags(args, settings) -> Recipe | None:
     return Recipe(mode, args.fp8_amax_history, args.fp8_amax_algo, args.fp8_margin)
 
 
-def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto", micro_batches: int = 1) -> Fp8Handle:
+def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto", micro_batches: int = 1,
+            device=None) -> Fp8Handle:
     """Swap every nn.Linear inside the blocks (routers, gates and experts aside) for an Fp8Linear, in place.
     mesh: a mesh.Mesh (None: one process). The current-scaling groups are cp and tp, the delayed roll's the
     linear's gradient group (dp_cp, or expert_dp) and tp, each kept when it has more than one rank. Under
     sequence parallel a ColumnParallelLinear keeps its gathered input (now in FP8) instead of re-gathering it
-    in backward: its `regather` is switched off. micro_batches: m, for the predicted messages."""
+    in backward: its `regather` is switched off. micro_batches: m, for the predicted messages. device: where the
+    scaling state lives (default: the weights'; train.compose converts a meta model, materialised later)."""
 
     def groups(*names):
         return tuple(n for n in names if mesh is not None and mesh.size(n) > 1)
@@ -551,7 +554,7 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto", mic
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
             amax_groups = tuple(mesh.group(g) for g in groups("cp", "tp"))
-            fp8 = Fp8Linear(module, recipe, name, amax_groups, gemm)
+            fp8 = Fp8Linear(module, recipe, name, amax_groups, gemm, device)
             fp8.amax_group_names = groups("cp", "tp")
             fp8.delayed_groups = groups(info.grad_group if info else "dp_cp", "tp")
             parent = block.get_submodule(path.rpartition(".")[0])
@@ -564,7 +567,7 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto", mic
 
 def apply(model: nn.Module, run, recipe: Recipe) -> Fp8Handle:
     """The axis entry point: the handle (after PP, before DDP/ZeRO)."""
-    return convert(model, recipe, run.mesh, micro_batches=run.micro_batches)
+    return convert(model, recipe, run.mesh, micro_batches=run.micro_batches, device=run.device)
 
 
 class Fp8Handle(Axis):
