@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from model import materialize
 from mfu import SavedActivations
 from step import Axis
 
@@ -464,7 +465,10 @@ def apply(model, run, config: CPConfig) -> ContextParallel:
     handle = parallelize(model, run.mesh.group("cp"), config.impl, config.balance, seq_len=run.seq_len,
                          micro=run.micro_batch_size, micro_batches=run.micro_batches, compute_bytes=compute_bytes,
                          tp=run.mesh.size("tp"), autocast=run.autocast)
-    # Block 0 is measured now (collective over cp and tp), before a layout installs its gradient hooks.
+    # Block 0 is measured now (collective over cp and tp), before a layout installs its gradient hooks. It needs
+    # values: a model train.compose built on meta (MoE and TP have cut it) is materialised here, not after the axes.
+    if next(model.parameters()).is_meta:
+        materialize(model, run.device)
     handle.measured_startup = handle.startup_lines()
     return handle
 
