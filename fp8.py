@@ -68,7 +68,7 @@ before DDP/ZeRO; once per optimizer step `after_grad_sync` (`end_step`: roll the
 FP8 weights, return this rank's count of linears with a non-finite amax, which the update's world finite
 check adds: every rank skips that step); `state_pieces`; `predicted_messages`, `traced_prediction` (report.py
 prints). Amaxes are recorded in training only (a forward with autograd, every backward).
-ZeRO-3's FP8 all-gather (`gather_codecs`): `quantize_to_uint8` / `dequantize_from_uint8`
+ZeRO-3's FP8 all-gather (`ZeroWeightCodec`, at the end): `quantize_to_uint8` / `dequantize_from_uint8`
 with a scale shared by the shards (`scale_from_amax` of the MAX-reduced shard amaxes, or under delayed
 scaling the linear's own `scale[1]`); the linear reads the codes' amax from `gathered_weight_amax`.
 """
@@ -545,7 +545,7 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto", mic
     def groups(*names):
         return tuple(n for n in names if mesh is not None and mesh.size(n) > 1)
 
-    linears = {}
+    linears, codec = {}, ZeroWeightCodec()  # how ZeRO-3 gathers these weights (the section at the end)
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
             leaf = path.rpartition(".")[2]
@@ -557,6 +557,7 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, gemm: str = "auto", mic
             fp8 = Fp8Linear(module, recipe, name, amax_groups, gemm, device)
             fp8.amax_group_names = groups("cp", "tp")
             fp8.delayed_groups = groups(info.grad_group if info else "dp_cp", "tp")
+            codec.attach(fp8)
             parent = block.get_submodule(path.rpartition(".")[0])
             setattr(parent, leaf, fp8)
             if getattr(parent, "regather", False):
@@ -640,10 +641,6 @@ class Fp8Handle(Axis):
                                          primary=counts_here(info, coords, (grad_group,))))
         return pieces
 
-    def gather_codecs(self) -> dict:
-        """{weight parameter: its Fp8Linear}: ZeRO-3 gathers these weights in FP8 (zero.py, `codecs`)."""
-        return {} if self.recipe.mode == "blockwise" else {lin.weight: lin for lin in self.linears.values()}
-
     # --- prediction formulas (docstring item 3) -------------------------------------------------------------
 
     def predicted_messages(self, layout=None, first_step: bool = False) -> Messages:
@@ -674,3 +671,68 @@ def saved_input_bytes(linears, tokens: int, compute_bytes: int) -> dict:
     the compute dtype, "saved": Σ M·K_j·(e_c - 1)} (docstring item 2)."""
     elements = sum(tokens * linear.in_features for linear in linears)
     return {"fp8": elements, "compute": elements * compute_bytes, "saved": elements * (compute_bytes - 1)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The ZeRO-3 weight codec
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ZeroWeightCodec:
+    """How ZeRO-3 gathers the FP8 linears' weights: as E4M3 bytes (one per element instead of b_w), each weight
+    with ONE scale shared by every rank that holds a piece of it, so that the gathered weight is what its linear
+    would quantise the whole tensor to. `convert` attaches one codec to every FP8 weight (`weight.gather_codec`,
+    like `shard_info`); zero.py knows that attribute and the two methods, nothing of the recipe:
+
+        encode(weights, segments, group) -> (codes, decoding)    this rank's shard segments → uint8 codes
+        decode(weights, codes, into, decoding)                    the gathered codes → the working weights
+
+    The scale: the amaxes of the weights' segments in ONE all-reduce (MAX, 4 bytes per weight) over the gathering
+    group (the whole local weight), then over the linears' amax groups (their TP/CP pieces); or, under delayed
+    scaling with a history, the linear's own scale[1]. decode hands each linear the amax its codes were scaled
+    with (`gathered_weight_amax`), so it scales the decoded q/s with exactly s and re-quantises it to the same
+    codes. Blockwise scales 128×128 tiles: no one scale to share, so its weights get no codec.
+    """
+
+    def __init__(self):
+        self.linear_of = {}  # weight parameter → its Fp8Linear
+
+    def attach(self, linear: Fp8Linear) -> None:
+        if linear.recipe.mode != "blockwise":
+            self.linear_of[linear.weight] = linear
+            linear.weight.gather_codec = self
+
+    @torch.no_grad()
+    def encode(self, weights: list, segments: list, group) -> tuple:
+        """(uint8 codes of each segment, the scales and amaxes decode needs). Collective over `group` and the
+        linears' amax groups: every rank holding a piece of these weights calls it with the same weights."""
+        linears = [self.linear_of[w] for w in weights]
+        none = torch.zeros((), dtype=torch.float32, device=segments[0].device)  # a rank without a piece
+        amax = torch.stack([amax_of(s) if s.numel() else none for s in segments])  # float32, as the linear's own
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        for amax_group in linears[0].amax_groups:  # the same groups for every block linear
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+        scales = [linear.scale[1] if linear.recipe.mode == "delayed" and linear.history_ready else  # as the linear
+                  scale_from_amax(value, linear.fmt_max[1], linear.recipe.margin) for linear, value in zip(linears, amax)]
+        return [quantize_to_uint8(s, scale) for s, scale in zip(segments, scales)], (scales, amax)
+
+    @torch.no_grad()
+    def decode(self, weights: list, codes: list | None, into: list, decoding) -> None:
+        """Each weight's gathered codes → q/s in `into` (its working weight, flat), and its linear told the amax.
+        codes None: `into` was gathered exactly (ZeRO's unshard): the linears scale from the weights again."""
+        for i, (weight, target) in enumerate(zip(weights, into)):
+            linear = self.linear_of[weight]
+            if codes is None:
+                linear.gathered_weight_amax = None
+                continue
+            scales, amax = decoding
+            target.copy_(dequantize_from_uint8(codes[i], scales[i], target.dtype))
+            linear.gathered_weight_amax = amax[i]
+
+    def encode_messages(self, weights: list, group_name: str | None) -> Messages:
+        """What one `encode` of `weights` sends (group_name None: a gathering group of one rank sends nothing)."""
+        out = Messages()
+        for name in ((group_name,) if group_name else ()) + tuple(self.linear_of[weights[0]].amax_group_names):
+            out.add("all_reduce", name, 1, 4 * len(weights))
+        return out

@@ -168,7 +168,7 @@ def print_startup(run):
     print0(f"numerics: fp32 matmuls {fp32_matmuls} on {run.device.type}; "
            + ("deterministic kernels (--deterministic): GPU runs replay bitwise" if args.deterministic else
               "default kernels: a GPU run replays to float tolerance (--deterministic for bitwise)"))
-    for line in run.layout.startup_lines(run.micro_batches):
+    for line in layout_lines(run, "startup"):
         print0(line)
     activation, how = activation_estimate(run)
     print0(f"activations ≈ {mfu.format_bytes(activation)} per micro-batch (Korthikanti, 16-bit, {how})")
@@ -229,7 +229,7 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int):
         print0(f"  activations saved for backward by {run.schedule.measured_forward} (saved_tensors_hooks,"
                f" {run.settings.dtype} compute): {mfu.format_bytes(saved)}; Korthikanti estimate {mfu.format_bytes(estimate)}"
                f" (16-bit, {how}; a fused attention stores no score matrix, its 5·a·s/h term)")
-    for line in run.layout.end_lines(run.tracer, steps_run):
+    for line in layout_lines(run, "end", steps_run):
         print0(line)
     for axis in run.axes:
         for line in axis_lines(axis, "end", run, steps_run):
@@ -287,6 +287,13 @@ def axis_lines(axis, when: str, run, steps: int = 0) -> list:
     """The lines of `axis` (a handle) at `when`: its section's formatter, or none."""
     formatter = AXIS_LINES.get(axis.name, {}).get(when)
     return formatter(axis, run, steps) if formatter is not None else []
+
+
+def layout_lines(run, when: str, steps: int = 0) -> list:
+    """The layout's lines at `when`: its section's (AXIS_LINES[layout.name]: ZeRO's), else its own methods (DDP's)."""
+    if getattr(run.layout, "name", None) in AXIS_LINES:
+        return axis_lines(run.layout, when, run, steps)
+    return run.layout.startup_lines(run.micro_batches) if when == "startup" else run.layout.end_lines(run.tracer, steps)
 
 
 def _legacy_lines() -> dict:  # the handle still formats its own lines (until its section takes them over)
@@ -361,6 +368,43 @@ def measure_block(run, block_index: int = 0) -> BlockMeasurement:
 # ---------------------------------------------------------------------------------------------------------
 # --- zero --- (the ZeRO layout's lines)
 # ---------------------------------------------------------------------------------------------------------
+
+
+def zero_startup_lines(layout, run, steps: int) -> list:
+    """What ZeRO holds and sends: the persistent bytes predicted (with Ψ, with the padded Ψ'_g) next to what
+    it holds, the peak bound, and which messages overlap what (zero.py's docstring, answers 2 and 3)."""
+    b, D, psi, stage = layout.bytes_per_param(), layout.dp_size, layout.numel, layout.stage
+    formula = {1: "(b_w+b_g)Ψ + b_oΨ/D", 2: "b_wΨ + (b_g+b_o)Ψ/D", 3: "(b_w+b_g+b_o)Ψ/D"}[stage]
+    exact = mfu.persistent_bytes(psi, b, stage, D)
+    padded, held = layout.predicted_persistent(), layout.held_bytes()
+    sizes = ", ".join(f"{name} D={dist.get_world_size(group)}" for name, group in layout.groups.items()
+                      if layout.units_of(name))
+    name, units = mfu.format_dtype, len(layout.units)
+    lines = [f"ZeRO stage {stage} over {sizes}: {name(layout.param_dtype)} working weights and micro-batch"
+             f" grads, {name(layout.accumulate_dtype)} accumulated grads, {name(layout.reduce_dtype)} reduce-scatter,"
+             f" {name(layout.master_dtype)} optimizer (b_w={b.weights}, b_g={b.grads}, b_o={b.optimizer});"
+             f" {units} unit{'s' if units != 1 else ''}, Ψ={psi:,}, padded Ψ'={layout.padded_numel:,}",
+             f"persistent bytes per rank, {formula}:  predicted(Ψ, D={D}) / predicted(Ψ'_g, D_g) / held"]
+    for kind in ("weights", "grads", "optimizer", "total"):
+        lines.append(f"  {kind:<9} {mfu.format_bytes(exact[kind]):>12} {mfu.format_bytes(padded[kind]):>12}"
+                     f" {mfu.format_bytes(held[kind]):>12}")
+    lines.append(f"peak lower bound per rank (persistent + transient buffers, activations apart):"
+                 f" {mfu.format_bytes(layout.peak_lower_bound())}")
+    lines.append("messages: reduce_scatter of the gradients overlaps backward; the all_gather of unit k"
+                 " overlaps the update of unit k+1" if stage < 3 else
+                 "messages: each block's all_gather is prefetched behind the previous block's compute;"
+                 " exposed: the root and block 0 at the start of forward, the root's reduce_scatter at the end")
+    return lines
+
+
+def zero_end_lines(layout, run, steps: int) -> list:
+    """The peak bound again, and at stage 3 how many gathered blocks the schedule held at once (bound: 2)."""
+    return [f"  ZeRO-{layout.stage} peak lower bound {mfu.format_bytes(layout.peak_lower_bound())}"
+            + (f"; gathered blocks alive at once: {layout.peak_gathered_units} (bound: 2, in use + prefetched)"
+               if layout.stage == 3 else "")]
+
+
+AXIS_LINES["zero"] = {"startup": zero_startup_lines, "end": zero_end_lines}
 
 
 # ---------------------------------------------------------------------------------------------------------

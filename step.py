@@ -84,10 +84,6 @@ class Axis:
     def after_step(self, skipped: bool) -> None:
         """Once per optimizer step, after the update (FP8 rolls its amax history)."""
 
-    def gather_codecs(self) -> dict:
-        """{parameter: codec} of weights a ZeRO-3 layout may gather compressed (FP8: E4M3 bytes + one scale)."""
-        return {}
-
     def state_pieces(self) -> list:
         """Its own training state as model.StatePiece (kind "fp8": FP8's amax histories), for ckpt.py."""
         return []

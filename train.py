@@ -44,7 +44,7 @@ from model import GPT, GPTConfig, compile_blocks
 from optim import DynamicLossScaler, LRSchedule, build_adamw
 from report import print0
 from step import GradientAccumulation, train_step
-from zero import ZeroLayout
+from zero import ZeroConfig, ZeroLayout
 
 # The axes, in DESIGN.md's order of application (MoE/EP → TP → CP → PP → FP8). Each module has a
 # `config_from_flags(args, settings)` (flags.py calls it once, before any rank waits) and an
@@ -124,11 +124,10 @@ def build_layout(model: GPT, run: Run):
         compile_blocks(model)  # per block: its gradient hooks fire when its backward ends (model.compile_blocks)
     groups = {name: run.mesh.group(name) for name in ("dp_cp", "expert_dp")}  # dense, experts
     if args.zero:  # shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
-        return ZeroLayout(model, run.mesh.group("dp_cp"), args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                          betas=(args.beta1, args.beta2), param_dtype=run.param_dtype, master_dtype=run.master_dtype,
-                          bucket_mb=args.bucket_mb, coords=coords, groups=groups,
-                          codecs={p: c for axis in run.axes for p, c in axis.gather_codecs().items()},
-                          micro_batches=run.micro_batches)  # m > 1: gradients summed in master_dtype
+        config = ZeroConfig(args.zero, lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2),
+                            param_dtype=run.param_dtype, master_dtype=run.master_dtype, bucket_mb=args.bucket_mb,
+                            micro_batches=run.micro_batches)  # m > 1: gradients summed in master_dtype
+        return ZeroLayout(model, config, groups, coords)  # FP8 weights carry their gather codec (fp8.convert)
     ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
     return DDPLayout(ddp, optimizer, coords)

@@ -3,6 +3,7 @@
     python bench/bench_zero.py                 # ~1-2 minutes on 2 CPU cores
     python bench/bench_zero.py --steps 8 --layers 6 --seq 256
     python bench/bench_zero.py --device cuda --skip-table      # Part 1 on 2 GPUs, NCCL
+    python bench/bench_zero.py --smoke         # seconds: tiny preset, 1 warm-up + 1 step, the table at D = 2
 
 Part 1, on 2 gloo ranks (--device cuda: 2 GPUs, NCCL), the same model, the same batches, fp32 everywhere (working weights = masters), the
 same AdamW hyper-parameters and clipping; the measured steps of the systems ALTERNATE, so a noisy machine
@@ -85,7 +86,7 @@ def _plain_step(model, optimizer, params, x, y, group):
     return float(loss / tokens)
 
 
-def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
+def _compare(rank, world, preset, config_kw, micro, seq, steps, bucket_mb):
     from contextlib import nullcontext
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -96,17 +97,17 @@ def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
     from model import GPT, config_from_preset
     from optim import DynamicLossScaler, adamw_param_groups, build_adamw
     from step import train_step
-    from zero import ZeroLayout
+    from zero import ZeroConfig, ZeroLayout
 
     device = rank_device()
-    config = config_from_preset("small", **config_kw)
+    config = config_from_preset(preset, **config_kw)
     group = dist.new_group(list(range(world)))
     scaler = DynamicLossScaler(enabled=False)
     systems = {}
 
     def ours(stage):
         model = GPT(config, seed=0, device=device)
-        layout = ZeroLayout(model, group, stage, bucket_mb=bucket_mb, **HYPER)
+        layout = ZeroLayout(model, ZeroConfig(stage, bucket_mb=bucket_mb, **HYPER), {"dp_cp": group})
 
         def step(x, y):
             return train_step(layout, scaler, [(x, y)], group, CLIP, nullcontext(), device).loss
@@ -178,7 +179,7 @@ def _compare(rank, world, config_kw, micro, seq, steps, bucket_mb):
     return times, losses, held, sum(p.numel() for p in GPT(config, seed=0).parameters())
 
 
-def _collectives(rank, world, megabytes):
+def _collectives(rank, world, megabytes, repeats=7):
     """Median seconds of the backend's collectives on one message: what the layouts above are built from."""
     n = int(megabytes * 2**20) // 4
     device = rank_device()
@@ -191,7 +192,7 @@ def _collectives(rank, world, megabytes):
         "D broadcasts of M/D (ZeroRedundancyOptimizer)": lambda: [dist.broadcast(shard, r) for r in range(world)],
     }
     times = {name: [] for name in ops}
-    for _ in range(7):
+    for _ in range(repeats):
         for name, op in ops.items():
             synchronize()
             dist.barrier()
@@ -202,16 +203,16 @@ def _collectives(rank, world, megabytes):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _persistent(rank, world, recipe):
-    """held_bytes() of every stage's layout for `small` on this D, next to mfu.persistent_bytes."""
+def _persistent(rank, world, recipe, preset="small"):
+    """held_bytes() of every stage's layout for `preset` on this D, next to mfu.persistent_bytes."""
     import mfu
     from ddp import DistributedDataParallel
     from model import GPT, config_from_preset
     from optim import build_adamw
     from ddp import DDPLayout
-    from zero import ZeroLayout
+    from zero import ZeroConfig, ZeroLayout
 
-    config = config_from_preset("small")
+    config = config_from_preset(preset)
     dtypes = {"fp32": (torch.float32, torch.float32), "mixed": (torch.bfloat16, torch.float32)}[recipe]
     rows = {}
     for stage in (0, 1, 2, 3):
@@ -227,14 +228,14 @@ def _persistent(rank, world, recipe):
             layout = DDPLayout(ddp, optimizer)
             rows[stage] = (mfu.persistent_bytes(psi, recipe, 0, world), layout.held_bytes(), psi)
         else:
-            layout = ZeroLayout(model, None, stage, param_dtype=dtypes[0], master_dtype=dtypes[1], **HYPER)
+            layout = ZeroLayout(model, ZeroConfig(stage, param_dtype=dtypes[0], master_dtype=dtypes[1], **HYPER))
             rows[stage] = (mfu.persistent_bytes(psi, recipe, stage, world), layout.held_bytes(),
                            layout.padded_numel)
         del model
     return rows
 
 
-def main():
+def main(argv=None):
     import mfu
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -244,17 +245,23 @@ def main():
     parser.add_argument("--micro", type=int, default=2, help="sequences per rank per step")
     parser.add_argument("--bucket-mb", type=float, default=4.0, help="zero.py stage 1/2 bucket size")
     parser.add_argument("--skip-table", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny preset, 1 warm-up + 1 step, the table at"
+                        " D = 2 only: checks the bench runs")
     add_device_argument(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    preset, worlds, repeats = "small", (1, 2, 4), 7
+    if args.smoke:
+        preset, worlds, repeats = "tiny", (2,), 1
+        args.steps, args.layers, args.seq, args.micro = 2, 2, 32, 1
     check_gpus(2, args.device)
     backend = "nccl" if args.device == "cuda" else "gloo"  # harness: one GPU per rank, cpu:gloo,cuda:nccl
 
     config_kw = dict(n_layer=args.layers)
     start = time.time()
-    results = run_ranks(_compare, 2, config_kw, args.micro, args.seq, args.steps, args.bucket_mb, timeout=600,
+    results = run_ranks(_compare, 2, preset, config_kw, args.micro, args.seq, args.steps, args.bucket_mb, timeout=600,
                         backend_name=backend)
     times, losses, held, psi = results[0]
-    print(f"Part 1: 2 {backend} ranks, `small` preset with n_layer={args.layers} (Ψ = {psi:,}), fp32, {args.micro}"
+    print(f"Part 1: 2 {backend} ranks, `{preset}` preset with n_layer={args.layers} (Ψ = {psi:,}), fp32, {args.micro}"
           f" x {args.seq} tokens per rank per step, {args.steps - 1} timed steps per system, alternating"
           f" ({time.time() - start:.0f} s)")
     median = {name: statistics.median(t) for name, t in times.items()}
@@ -273,24 +280,24 @@ def main():
     megabytes = 4 * psi / 2**20
     print(f"{backend}'s collectives on one {megabytes:.1f} MiB message (the model's fp32 gradients), 2 ranks,"
           f" median:")
-    for name, seconds in run_ranks(_collectives, 2, megabytes, timeout=300, backend_name=backend)[0].items():
+    for name, seconds in run_ranks(_collectives, 2, megabytes, repeats, timeout=300, backend_name=backend)[0].items():
         print(f"  {name:<48}{seconds * 1000:>8.1f} ms")
 
     if args.skip_table:
         return
     print()
-    print("Part 2: persistent bytes per rank, `small` preset; predicted (mfu.persistent_bytes with Ψ) / measured"
+    print(f"Part 2: persistent bytes per rank, `{preset}` preset; predicted (mfu.persistent_bytes with Ψ) / measured"
           " (held_bytes(); ZeRO pads each unit to a multiple of D, Ψ' ≥ Ψ)")
     for recipe in ("fp32", "mixed"):
         bpp = mfu.BYTES_PER_PARAM[recipe]
         print(f"recipe {recipe}: b_w={bpp.weights} b_g={bpp.grads} b_o={bpp.optimizer}")
         table = {}
-        for world in (1, 2, 4):
-            table[world] = run_ranks(_persistent, world, recipe, timeout=300, backend_name="gloo")[0]
-        print(f"{'stage':<7}" + "".join(f"{f'D={d} predicted':>17}{'measured':>12}" for d in (1, 2, 4)))
+        for world in worlds:
+            table[world] = run_ranks(_persistent, world, recipe, preset, timeout=300, backend_name="gloo")[0]
+        print(f"{'stage':<7}" + "".join(f"{f'D={d} predicted':>17}{'measured':>12}" for d in worlds))
         for stage in (0, 1, 2, 3):
             cells = []
-            for world in (1, 2, 4):
+            for world in worlds:
                 predicted, measured, _ = table[world][stage]
                 cells.append(f"{mfu.format_bytes(predicted['total']):>17}"
                              f"{mfu.format_bytes(measured['total']) if measured else '(fp32 row)':>12}")

@@ -2,6 +2,7 @@
 
     python bench/bench_zero_accum.py                      # ~10 s on 2 CPU cores
     python bench/bench_zero_accum.py --ms 1,2,8,32,64
+    python bench/bench_zero_accum.py --smoke              # seconds: m = 1, 2 at stages 1 and 3
 
 One step of a bf16 ZeroLayout (fp32 masters, autocast bf16) on 2 gloo ranks, global batch of 64 sequences cut
 into m micro-batches per rank; the reduced gradient (what the optimizer sees) is compared with float64 autograd
@@ -27,13 +28,16 @@ from harness import run_ranks  # noqa: E402
 from test_zero import ACCUM_BATCH, accumulated_grad_errors, relative_errors  # noqa: E402
 
 
-def main():
+def main(argv=None):
     import mfu
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ms", default="1,8,32", help="micro-batches per rank (each must divide 32)")
     parser.add_argument("--stages", default="1,2,3")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="m = 1, 2 at stages 1 and 3: checks the bench runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.ms, args.stages = "1,2", "1,3"
     ms = tuple(int(m) for m in args.ms.split(","))
     stages = tuple(int(s) for s in args.stages.split(","))
 

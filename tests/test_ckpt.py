@@ -80,9 +80,9 @@ def build_layout(spec: dict, mesh, config, dtype, device):
     if spec["zero"]:
         import zero
 
-        layout = zero.ZeroLayout(model, mesh.group("dp_cp"), spec["zero"], lr=HYPER["lr"],
-                                 weight_decay=HYPER["weight_decay"], betas=HYPER["betas"], eps=HYPER["eps"],
-                                 param_dtype=dtype, master_dtype=dtype, coords=mesh.coordinates())
+        config = zero.ZeroConfig(spec["zero"], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
+                                 betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=dtype, master_dtype=dtype)
+        layout = zero.ZeroLayout(model, config, {"dp_cp": mesh.group("dp_cp")}, mesh.coordinates())
     else:
         ddp = DistributedDataParallel(model, group=mesh.group("dp_cp"))
         optimizer = build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"])

@@ -215,12 +215,12 @@ def _ddp_layout(model, mesh):
 
 def _zero_layout(stage):
     def build(model, mesh):
-        from zero import ZeroLayout
+        from zero import ZeroConfig, ZeroLayout
 
         # The flat ZeRO buffers hold this rank's TP shards; the norm counts TP-replicated copies on tp rank 0.
-        return ZeroLayout(model, mesh.group("dp_cp"), stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
-                          betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=torch.float64,
-                          master_dtype=torch.float64, coords=mesh.coordinates())
+        config = ZeroConfig(stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], betas=HYPER["betas"],
+                            eps=HYPER["eps"], param_dtype=torch.float64, master_dtype=torch.float64)
+        return ZeroLayout(model, config, {"dp_cp": mesh.group("dp_cp")}, mesh.coordinates())
     return build
 
 

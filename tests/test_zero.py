@@ -1,17 +1,19 @@
 """zero.py: ZeRO stages 1/2/3 perform the single-device AdamW update on the global batch, and hold and send
 exactly the bytes their formulas predict.
 
-The equivalence runs spawn ranks (2 and 4), train a few float64 steps of each stage with zero.ZeroLayout
-driven by step.train_step (gradient accumulation, clipping active, unit sizes and the parameter count not
-divisible by D) and compare losses, grad norms and the full parameters with tests/reference.py (torch's AdamW
-and clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15; tolerance 1e-10.
-The same runs check the byte accounting (held == formula, traced == formula), stage 3's peak of gathered
-units, and that the checkpoint pieces reassemble into the full tensors. Smaller 2-rank checks share one spawn:
-a non-finite gradient on one rank skips the step on all, the order of stage 3's gathers (prefetch in forward
-and backward), the 2 + 2 + 12 bytes of bf16/fp32 mixed precision, and the TP-replicated rule of the norm.
-Then the flags, and train.py end to end under torchrun. Last, bf16 gradient accumulation (one spawn): summed
-in fp32 over m = 8 and 32 micro-batches the reduced gradient's error against float64 stays at its m = 1 value
-where a bf16 sum grows past the bound, with 2 + 4 + 12 bytes held and the messages predicted.
+The equivalence runs (one spawn per D = 2, 4: the module-scoped `stage_runs`) train a few float64 steps of each
+stage with zero.ZeroLayout driven by step.train_step (gradient accumulation, clipping active, unit sizes and
+the parameter count not divisible by D) and are compared with tests/reference.py (torch's AdamW and
+clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15; tolerance 1e-10.
+Each property of those runs is its own test: the update, the held bytes, the traced messages, the 2Ψ/3Ψ
+volumes, stage 3's peak of gathered units, the checkpoint pieces. Smaller 2-rank checks share one spawn
+(`two_rank_checks`): a non-finite gradient on one rank skips the step on all, the order of stage 3's gathers
+(prefetch in forward and backward, eager and compiled), the 2 + 2 + 12 bytes of bf16/fp32 mixed precision, the
+TP-replicated rule of the norm, and ZeRO-3 over FP8 weights (their gather codec: E4M3 bytes on the wire, the
+FP8 linear's own result, exact weights after unshard). Then the flags, and train.py end to end under torchrun.
+Last, bf16 gradient accumulation (one spawn): summed in fp32 over m = 8 and 32 micro-batches the reduced
+gradient's error against float64 stays at its m = 1 value where a bf16 sum grows past the bound, with
+2 + 4 + 12 bytes held and the messages predicted. And bench/bench_zero.py, bench_zero_accum.py --smoke run.
 The rank bodies build on harness.device() (each rank's GPU under nccl, with autocast on its device type); the
 batches are drawn on the CPU, as the references draw them, and train_step moves them.
 """
@@ -22,6 +24,7 @@ import re
 import subprocess
 import sys
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -37,39 +40,52 @@ TOL = 1e-10
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def zero_layout(model, stage, group=None, coords=None, **config):
+    """zero.ZeroLayout(model, ZeroConfig(stage, **config)) over `group` (None: the world) as dp_cp."""
+    from zero import ZeroConfig, ZeroLayout
+
+    return ZeroLayout(model, ZeroConfig(stage, **config), {"dp_cp": group}, coords)
+
+
+F64 = dict(param_dtype=torch.float64, master_dtype=torch.float64)
+
+
 def _train_zero(rank, world, stage, config_kw, global_batch, micro, clip, bucket_mb):
     from model import GPT
     from optim import DynamicLossScaler
     from step import train_step
-    from zero import ZeroLayout
 
     device = harness.device()
     config = make_config(**config_kw)
     model = GPT(config, seed=0, dtype=torch.float64, device=device)
     group = dist.new_group(list(range(world)))
-    layout = ZeroLayout(model, group, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
-                        betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=torch.float64,
-                        master_dtype=torch.float64, bucket_mb=bucket_mb)
+    layout = zero_layout(model, stage, group, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
+                         betas=HYPER["betas"], eps=HYPER["eps"], bucket_mb=bucket_mb, **F64)
     scaler = DynamicLossScaler(enabled=False)
     tracer = CommTracer()
-    tracer.name_group(group, "dp")
+    tracer.name_group(group, "dp_cp")
     losses, norms, comm = [], [], []
     for x, y in global_batches(STEPS, global_batch, SEQ):
         batches = rank_micro_batches(x, y, rank, world, micro)
         with tracer:
             outcome = train_step(layout, scaler, batches, group, clip, nullcontext(), device)
-        comm.append({op: tracer.records[(op, "dp")].payload_bytes
-                     for op in ("all_gather_single", "reduce_scatter_single") if (op, "dp") in tracer.records})
+        comm.append({op: (tracer.records[(op, "dp_cp")].calls, tracer.records[(op, "dp_cp")].payload_bytes)
+                     for op in LAYOUT_OPS if (op, "dp_cp") in tracer.records})
         tracer.reset()
         losses.append(outcome.loss)
         norms.append(outcome.grad_norm)
+    predicted = layout.predicted_messages(len(batches))
     pieces = [(p.key, p.tensor.clone(), p.shard, p.flat_range, p.primary) for p in layout.state_pieces()]
     return dict(losses=losses, norms=norms, params=layout.full_parameters(), comm=comm,
+                predicted_messages={op: tuple(predicted[(op, "dp_cp")]) for op in LAYOUT_OPS},
                 predicted_comm=layout.predicted_comm(len(batches)), held=layout.held_bytes(),
                 predicted=layout.predicted_persistent(), unpadded=layout.predicted_persistent(padded=False),
                 padded_numel=layout.padded_numel, numel=layout.numel, units=len(layout.units),
                 peak_gathered=layout.peak_gathered_units, pieces=pieces, step_count=layout.optimizer_step_count,
                 unit_sizes=[u.numel for u in layout.units])
+
+
+LAYOUT_OPS = ("all_gather_single", "reduce_scatter_single")  # the layout's own (the step's scalars aside)
 
 
 def _train_stages(rank, world, cases):
@@ -88,56 +104,101 @@ STAGE_CASES = {
 }
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_zero_matches_single_device(world):
+@dataclass
+class StageRun:
+    stage: int
+    world: int
+    config: object
+    m: int  # micro-batches per rank per step
+    clip: float
+    results: list  # per rank: _train_zero's dict
+    reference: tuple  # reference_run's (losses, norms, params)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"D{world}")
+def stage_runs(request) -> list:
+    """Every stage trained on D = request.param ranks (one spawn), with its single-device reference."""
+    world = request.param
     cases = [(stage, config_kw, 2 * world * micro, micro, CLIP, bucket_mb)
              for stage, config_kw, micro, bucket_mb in STAGE_CASES[world]]
     per_rank = run_ranks(_train_stages, world, cases, timeout=180)
+    runs = []
     for index, (stage, config_kw, global_batch, micro, clip, _) in enumerate(cases):
-        _check_stage(stage, world, make_config(**config_kw), global_batch, micro, clip,
-                     [results[index] for results in per_rank])
+        config = make_config(**config_kw)
+        reference = reference_run(config, global_batches(STEPS, global_batch, SEQ), clip=clip)
+        runs.append(StageRun(stage, world, config, global_batch // (world * micro), clip,
+                             [results[index] for results in per_rank], reference))
+    return runs
 
 
-def _check_stage(stage, world, config, global_batch, micro, clip, results):
-    ref_losses, ref_norms, ref_params = reference_run(config, global_batches(STEPS, global_batch, SEQ), clip=clip)
-    assert min(ref_norms) > clip  # clipping really is active
-    m = global_batch // (world * micro)
-    assert m == 2  # gradient accumulation is exercised
-    first = results[0]
-    assert any(n % world for n in first["unit_sizes"])  # padding is exercised
-    if not config.bias:
-        assert first["numel"] % world  # and Ψ itself does not divide by D
-    assert first["units"] > 2
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
-        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=TOL, atol=TOL)
-        for name, ref in ref_params.items():
-            torch.testing.assert_close(r["params"][name], ref, rtol=TOL, atol=TOL, msg=f"stage {stage}: {name}")
-        assert r["step_count"] == STEPS
-
-        # Persistent bytes: exactly the ZeRO formula with the padded count Ψ', within the padding of Ψ's.
-        assert r["held"] == r["predicted"]
-        slack = 8 * r["units"] * (world - 1) * 4  # ≤ D-1 padding elements per unit, ≤ 32 bytes per element
-        assert abs(r["held"]["total"] - r["unpadded"]["total"]) <= slack
-        # Communication: what the tracer counted is what predicted_comm says, every step.
-        assert r["comm"] == [r["predicted_comm"]] * STEPS
-    # The ZeRO volumes in Ψ' units (float64: 8 bytes per element): 2Ψ for stages 1/2 at m = 1, 3Ψ at stage 3.
-    psi_bytes = 8 * first["padded_numel"]
-    comm = first["predicted_comm"]
-    if stage == 1:
-        assert comm == {"all_gather_single": psi_bytes, "reduce_scatter_single": psi_bytes}
-    if stage == 2:
-        assert comm == {"all_gather_single": psi_bytes, "reduce_scatter_single": m * psi_bytes}
-    if stage == 3:
-        assert comm["reduce_scatter_single"] == m * psi_bytes
-        assert m * psi_bytes < comm["all_gather_single"] < 2 * m * psi_bytes
-        # At most the unit in use plus the prefetched one, and prefetch really happens.
-        assert all(r["peak_gathered"] == 2 for r in results)
-
-    _check_pieces_reassemble(results, ref_params, world)
+def test_the_cases_exercise_clipping_accumulation_and_padding(stage_runs):
+    for run in stage_runs:
+        first = run.results[0]
+        assert min(run.reference[1]) > run.clip, run.stage  # clipping really is active
+        assert run.m == 2, run.stage  # gradient accumulation is exercised
+        assert any(n % run.world for n in first["unit_sizes"]), run.stage  # padding is exercised
+        if not run.config.bias:
+            assert first["numel"] % run.world, run.stage  # and Ψ itself does not divide by D
+        assert first["units"] > 2, run.stage
 
 
-def _check_pieces_reassemble(results, ref_params, world):
+def test_zero_matches_single_device(stage_runs):
+    """Losses, grad norms and every parameter after STEPS steps equal torch's AdamW on one device (1e-10)."""
+    for run in stage_runs:
+        ref_losses, ref_norms, ref_params = run.reference
+        for r in run.results:
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
+            torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=TOL, atol=TOL)
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(r["params"][name], ref, rtol=TOL, atol=TOL, msg=f"stage {run.stage}: {name}")
+            assert r["step_count"] == STEPS
+
+
+def test_held_bytes_are_the_zero_formula(stage_runs):
+    """Persistent bytes: exactly the ZeRO formula with the padded count Ψ', within the padding of Ψ's."""
+    for run in stage_runs:
+        for r in run.results:
+            assert r["held"] == r["predicted"], run.stage
+            slack = 8 * r["units"] * (run.world - 1) * 4  # ≤ D-1 padding elements per unit, ≤ 32 bytes each
+            assert abs(r["held"]["total"] - r["unpadded"]["total"]) <= slack, run.stage
+
+
+def test_traced_messages_are_the_predicted_ones(stage_runs):
+    """Every step, the tracer counts the calls and payloads of predicted_messages (and predicted_comm's bytes)."""
+    for run in stage_runs:
+        for r in run.results:
+            assert r["comm"] == [r["predicted_messages"]] * STEPS, run.stage
+            assert {op: payload for op, (_, payload) in r["predicted_messages"].items()} == r["predicted_comm"]
+
+
+def test_volumes_are_2psi_at_stages_1_and_2_and_below_3psi_at_stage_3(stage_runs):
+    """The ZeRO volumes in Ψ' units (float64: 8 bytes per element): 2Ψ for stages 1/2 at m = 1 (stage 2 pays
+    its reduce-scatter m times), between 2Ψ and 3Ψ per micro-batch at stage 3 (not every unit is regathered)."""
+    for run in stage_runs:
+        psi_bytes, m = 8 * run.results[0]["padded_numel"], run.m
+        comm = run.results[0]["predicted_comm"]
+        if run.stage == 1:
+            assert comm == {"all_gather_single": psi_bytes, "reduce_scatter_single": psi_bytes}
+        if run.stage == 2:
+            assert comm == {"all_gather_single": psi_bytes, "reduce_scatter_single": m * psi_bytes}
+        if run.stage == 3:
+            assert comm["reduce_scatter_single"] == m * psi_bytes
+            assert m * psi_bytes < comm["all_gather_single"] < 2 * m * psi_bytes
+
+
+def test_stage3_holds_at_most_two_gathered_units(stage_runs):
+    """The unit in use plus the prefetched one, and prefetch really happens: exactly 2 on every rank."""
+    for run in stage_runs:
+        if run.stage == 3:
+            assert [r["peak_gathered"] for r in run.results] == [2] * run.world
+
+
+def test_checkpoint_pieces_cover_every_element_once_and_reassemble(stage_runs):
+    for run in stage_runs:
+        _check_pieces_reassemble(run.results, run.reference[2])
+
+
+def _check_pieces_reassemble(results, ref_params):
     """Every element of every logical tensor is written by exactly one primary piece; params and masters
     reassembled from the flat ranges equal the reference parameters."""
     full, count = {}, {}
@@ -176,14 +237,11 @@ def _check_pieces_reassemble(results, ref_params, world):
 def _nonfinite_skip(rank, world):
     from model import GPT
     from optim import DynamicLossScaler
-    from zero import ZeroLayout
-
     device = harness.device()
     out = {}
     for stage in (1, 2, 3):
         model = GPT(make_config(n_embd=33, n_head=3), seed=0, dtype=torch.float64, device=device)
-        layout = ZeroLayout(model, None, stage, lr=1e-2, param_dtype=torch.float64, master_dtype=torch.float64,
-                            bucket_mb=0.02)
+        layout = zero_layout(model, stage, lr=1e-2, bucket_mb=0.02, **F64)
         before = layout.full_parameters()
         x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(rank)).to(device)
         _, loss_sum, _ = layout(x, x)
@@ -203,8 +261,6 @@ def _tp_replicated_norm(rank, world):
     of the sharded gradient must equal the single-device norm over the other tensors, whatever the shard cuts."""
     from model import GPT
     from optim import DynamicLossScaler
-    from zero import ZeroLayout
-
     device = harness.device()
     config = make_config(n_embd=33, n_head=3)
     x, y = (t.to(device) for t in global_batches(1, 4, SEQ)[0])
@@ -217,8 +273,7 @@ def _tp_replicated_norm(rank, world):
         for name, p in model.named_parameters():
             if ".ln_" in name or "ln_f" in name:  # LayerNorms, as under TP
                 p.shard_info = p.shard_info.replicated_also_over("tp")
-        layout = ZeroLayout(model, None, stage, lr=1e-3, param_dtype=torch.float64, master_dtype=torch.float64,
-                            bucket_mb=0.01, coords={"tp": 1})
+        layout = zero_layout(model, stage, coords={"tp": 1}, lr=1e-3, bucket_mb=0.01, **F64)
         _, local_sum, _ = layout(*rank_micro_batches(x, y, rank, world, 2)[0])
         (local_sum / count).backward()
         layout.finish_grad_sync()
@@ -230,7 +285,8 @@ def _tp_replicated_norm(rank, world):
 def _two_rank_checks(rank, world):
     return dict(nonfinite=_nonfinite_skip(rank, world), prefetch=_prefetch_order(rank, world),
                 compiled_prefetch=_prefetch_order(rank, world, compiled=True),
-                mixed=_mixed_bytes(rank, world), tp_norm=_tp_replicated_norm(rank, world))
+                mixed=_mixed_bytes(rank, world), tp_norm=_tp_replicated_norm(rank, world),
+                fp8=_fp8_gathers(rank, world))
 
 
 def test_norm_counts_tp_replicated_tensors_on_tp_rank_0_only(two_rank_checks):
@@ -254,19 +310,18 @@ def _prefetch_order(rank, world, compiled=False):
     """Event log of one stage-3 step: which gathers are launched while which block computes; and the gradient
     shards. compiled: each block compiled (model.compile_blocks, aot_eager), its hooks eager around it."""
     from model import GPT, compile_blocks
-    from zero import ZeroLayout
 
     device = harness.device()
     model = GPT(make_config(n_layer=3), seed=0, dtype=torch.float64, device=device)
     if compiled:
         compile_blocks(model, backend="aot_eager")
-    layout = ZeroLayout(model, None, 3, lr=1e-3, param_dtype=torch.float64, master_dtype=torch.float64)
+    layout = zero_layout(model, 3, lr=1e-3, **F64)
     events = []
     name = {id(u): f"b{i}" for i, units in enumerate(layout.block_units) for u in units}
     name.update({id(u): "root" for u in layout.root})
     gather, launch = layout._gather, layout._launch
-    layout._gather = lambda units: (events.extend(f"gather {name[id(u)]}" for u in units if not u.gathered),
-                                    gather(units))
+    layout._gather = lambda units, exact=False: (
+        events.extend(f"gather {name[id(u)]}" for u in units if u.state == "freed"), gather(units, exact))
     layout._launch = lambda u: (events.append(f"reduce {name[id(u)]}"), launch(u))
     for i, block in enumerate(model.transformer.h):
         block.register_forward_hook(lambda m, a, o, i=i: events.append(f"forward b{i} done"))
@@ -275,11 +330,17 @@ def _prefetch_order(rank, world, compiled=False):
     events.append("backward")
     loss_sum.backward()
     layout.finish_grad_sync()
-    return events, layout.peak_gathered_units, [unit.grad_shard.clone() for unit in layout.units]
+    step_events, peak, grads = list(events), layout.peak_gathered_units, [u.grad_shard.clone() for u in layout.units]
+    layout._gather = gather
+    layout.unshard()  # every unit at once, for good
+    with torch.no_grad():
+        layout(x)  # as train.py's sampling does after unshard
+    return dict(events=step_events, peak=peak, grads=grads, peak_after_unshard=layout.peak_gathered_units,
+                all_gathered=all(u.state == "gathered" for u in layout.units))
 
 
 def test_stage3_prefetches_next_block_in_forward_and_backward(two_rank_checks):
-    events, peak, _ = two_rank_checks[0]["prefetch"]
+    events, peak = two_rank_checks[0]["prefetch"]["events"], two_rank_checks[0]["prefetch"]["peak"]
     assert peak == 2
     # Forward: block i+1's gather is launched before block i finishes (it overlaps block i's compute), and the
     # root (tied head) is prefetched during the last block.
@@ -294,11 +355,102 @@ def test_stage3_with_compiled_blocks_keeps_the_schedule_and_the_gradients(two_ra
     """--zero 3 --compile: the gather/free hooks run eagerly around each compiled block (its forward is
     compiled, not its call), so the step gathers, frees and reduces in eager's order, with eager's gradients."""
     for result in two_rank_checks:
-        eager_events, eager_peak, eager_grads = result["prefetch"]
-        events, peak, grads = result["compiled_prefetch"]
-        assert events == eager_events and peak == eager_peak == 2
-        for got, expected in zip(grads, eager_grads, strict=True):
+        eager, compiled = result["prefetch"], result["compiled_prefetch"]
+        assert compiled["events"] == eager["events"] and compiled["peak"] == eager["peak"] == 2
+        for got, expected in zip(compiled["grads"], eager["grads"], strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_stage3_peak_of_gathered_units_is_the_schedules_not_unshards(two_rank_checks):
+    """unshard() gathers every unit at once, on purpose, after training (then sampling runs forwards on them);
+    the peak the end report prints next to its bound of 2 ("gathered blocks alive at once") is the
+    forward/backward schedule's, and stays 2."""
+    for result in (r["prefetch"] for r in two_rank_checks):
+        assert result["all_gathered"] and result["peak_after_unshard"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ZeRO-3 over FP8 weights: fp8.convert gives each FP8 weight a gather codec (E4M3 bytes, one shared scale)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fp8_gathers(rank, world):
+    """A ZeRO-3 layout over a GPT whose block linears are FP8 (current scaling, float64), next to the same FP8
+    model without ZeRO: one micro-batch traced (forward, backward, reduction), its loss, full_parameters at
+    init, then a step, unshard() and a forward against the FP8 model holding the same stepped weights."""
+    import fp8
+    from model import GPT
+    from optim import DynamicLossScaler
+
+    device = harness.device()
+
+    def fp8_model():
+        model = GPT(make_config(), seed=0, dtype=torch.float64, device=device)
+        return model, fp8.convert(model, fp8.Recipe("current"))
+
+    (plain, _), (model, handle) = fp8_model(), fp8_model()
+    group = dist.new_group(list(range(world)))
+    layout = zero_layout(model, 3, group, lr=1e-2, **F64)
+    x, y = (t.to(device) for t in rank_micro_batches(*global_batches(1, 4, SEQ)[0], rank, world, 2)[0])
+    tracer = CommTracer()
+    tracer.name_group(group, "dp_cp")
+    with tracer:
+        _, loss_sum, _ = layout(x, y)
+        loss_sum.backward()
+        layout.finish_grad_sync()
+    _, plain_loss_sum, _ = plain(x, y)
+    # Per micro-batch: the root gathered twice, every block twice but the last (kept from forward to backward).
+    gathers = {id(u): 2 if u in layout.root or u not in layout.block_units[-1] else 1 for u in layout.units}
+    gathered_bytes = sum(gathers[id(u)] * u.padded_numel * (1 if u.codec is not None else 8) for u in layout.units)
+    init = {name: p.detach().clone() for name, p in plain.named_parameters()}
+    exact_at_init = layout.full_parameters()
+    handle.after_grad_sync(layout)  # the FP8 step's end (its weight codes are dropped)
+    layout.step(DynamicLossScaler(enabled=False), 1.0)
+    layout.zero_grad()
+    stepped = layout.full_parameters()
+    layout.unshard()
+    with torch.no_grad():
+        _, unsharded_loss_sum, _ = layout(x, y)
+        for name, p in plain.named_parameters():
+            p.copy_(stepped[name])
+        _, plain_stepped_loss_sum, _ = plain(x, y)
+    return dict(traced={key: (r.calls, r.payload_bytes) for key, r in tracer.records.items()},
+                predicted={key: tuple(count) for key, count in layout.predicted_messages(1).items()},
+                codec_units=sum(u.codec is not None for u in layout.units), gathered_bytes=gathered_bytes,
+                losses=(float(loss_sum), float(plain_loss_sum)),
+                exact_at_init=all(torch.equal(exact_at_init[name], init[name]) for name in init),
+                stepped_losses=(float(unsharded_loss_sum), float(plain_stepped_loss_sum)))
+
+
+def test_zero3_gathers_fp8_weights_as_one_byte_per_element_as_predicted(two_rank_checks):
+    """Each block's FP8 weights are one unit gathered as uint8 codes; what the tracer saw (the all-gathers,
+    the scales' agreement all-reduces, the reduce-scatters) is predicted_messages, call for call."""
+    for result in (r["fp8"] for r in two_rank_checks):
+        assert result["codec_units"] == make_config().n_layer
+        assert result["traced"] == result["predicted"]
+        assert result["predicted"][("all_gather_single", "dp_cp")][1] == result["gathered_bytes"]
+        assert result["predicted"][("all_reduce", "dp_cp")][0] > 0  # one agreement per FP8 gather
+
+
+def test_zero3_fp8_forward_is_the_fp8_models(two_rank_checks):
+    """The weights decoded from the gathered codes re-quantise to the same codes with the same scale: the loss
+    is the one of the FP8 model holding the whole weights (float64)."""
+    for result in (r["fp8"] for r in two_rank_checks):
+        zero_loss, plain_loss = result["losses"]
+        assert zero_loss == pytest.approx(plain_loss, rel=1e-13)
+
+
+def test_full_parameters_are_the_exact_working_weights_under_fp8(two_rank_checks):
+    for result in (r["fp8"] for r in two_rank_checks):
+        assert result["exact_at_init"]  # not the FP8 values the forward's gathers decode
+
+
+def test_after_unshard_fp8_linears_scale_from_the_exact_weights(two_rank_checks):
+    """After a step, unshard() gathers the working weights themselves: the FP8 linears quantise them with their
+    own amax again (not the one of codes decoded before the step), as the FP8 model holding them does."""
+    for result in (r["fp8"] for r in two_rank_checks):
+        zero_loss, plain_loss = result["stepped_losses"]
+        assert zero_loss == pytest.approx(plain_loss, rel=1e-13)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -309,13 +461,12 @@ def test_stage3_with_compiled_blocks_keeps_the_schedule_and_the_gradients(two_ra
 def _mixed_bytes(rank, world):
     import mfu
     from model import GPT
-    from zero import ZeroLayout
 
     out = {}
     for stage in (1, 2, 3):
         model = GPT(make_config(n_embd=33, n_head=3), seed=0, device=harness.device())
-        layout = ZeroLayout(model, None, stage, lr=1e-3, param_dtype=torch.bfloat16, master_dtype=torch.float32,
-                            bucket_mb=0.02)
+        layout = zero_layout(model, stage, lr=1e-3, param_dtype=torch.bfloat16, master_dtype=torch.float32,
+                             bucket_mb=0.02)
         psi = layout.padded_numel
         expected = mfu.persistent_bytes(psi, "mixed", stage, world)
         out[stage] = (layout.held_bytes(), expected, {p.dtype for p in model.parameters()},
@@ -360,7 +511,7 @@ def test_valid_zero_flags():
 
 
 def test_torchrun_zero3_smoke(tmp_path):
-    """train.py end to end: 2 ranks, ZeRO-3, a few steps, accounting printed."""
+    """train.py end to end: 2 ranks, ZeRO-3, a few steps, accounting printed (startup and end lines)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -373,7 +524,9 @@ def test_torchrun_zero3_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "ZeRO stage 3" in out and "peak lower bound" in out and "all_gather_single" in out
-    assert "step 2/3 | loss" in out
+    assert "step 2/3 | loss" in out and "<- differs" not in out  # traced messages are the predicted ones
+    # The schedule's peak, though sampling unshards every unit at the end.
+    assert "gathered blocks alive at once: 2 (bound: 2" in out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -387,16 +540,14 @@ def _fp16_zero(rank, world, stage):
     from model import GPT
     from optim import DynamicLossScaler
     from step import train_step
-    from zero import ZeroLayout
 
     device = harness.device()
     out = {}
     for name, dtype, autocast in (("fp32", torch.float32, nullcontext()),
                                   ("fp16", torch.float16, torch.autocast(device.type, dtype=torch.float16))):
         model = GPT(make_config(), seed=0, device=device)
-        layout = ZeroLayout(model, None, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
-                            betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=dtype, master_dtype=torch.float32,
-                            micro_batches=2)  # fp16: the scaled gradients are summed in fp32, unscaled there
+        layout = zero_layout(model, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], betas=HYPER["betas"],
+                             eps=HYPER["eps"], param_dtype=dtype, master_dtype=torch.float32, micro_batches=2)  # fp16: the scaled gradients are summed in fp32, unscaled there
         scaler = DynamicLossScaler(enabled=dtype == torch.float16, init_scale=2.0**12)
         losses, norms = [], []
         for x, y in global_batches(STEPS, 8, SEQ):
@@ -474,7 +625,6 @@ def accumulated_grad_errors(rank, world, stages=(1, 2, 3), ms=(1, 8, 32), forced
     from model import GPT
     from optim import DynamicLossScaler
     from step import GradientAccumulation, count_global_tokens
-    from zero import ZeroLayout
 
     device = harness.device()
     config = make_config(**ACCUM_CONFIG)
@@ -497,9 +647,9 @@ def accumulated_grad_errors(rank, world, stages=(1, 2, 3), ms=(1, 8, 32), forced
         for m in ms:
             for accumulate_dtype in forced if m > 1 else (None,):
                 model = GPT(config, seed=0, device=device)
-                layout = ZeroLayout(model, group, stage, lr=HYPER["lr"], param_dtype=torch.bfloat16,
-                                    master_dtype=torch.float32, bucket_mb=0.02, micro_batches=m,
-                                    accumulate_dtype=accumulate_dtype)
+                layout = zero_layout(model, stage, group, lr=HYPER["lr"], param_dtype=torch.bfloat16,
+                                     master_dtype=torch.float32, bucket_mb=0.02, micro_batches=m,
+                                     accumulate_dtype=accumulate_dtype)
                 batches = rank_micro_batches(x, y, rank, world, ACCUM_BATCH // (world * m))
                 assert len(batches) == m
                 with tracer:
@@ -576,3 +726,32 @@ def test_fp32_accumulation_bytes_are_the_formulas(accumulation_runs):
             reduced = {1: b_g * psi, 2: m * 2 * psi, 3: m * 2 * psi}[stage]
             assert result["comm"]["reduce_scatter_single"] == reduced, (stage, m, forced)
             assert result["peak"] > result["held"]["total"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The bench runs (in this process, so their ranks come from the harness's warm fork server)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _bench_main(name: str, argv: list):
+    bench = os.path.join(ROOT, "bench")
+    sys.path.insert(0, bench)  # bench/common.py, here and in the ranks (the fork server takes this sys.path)
+    try:
+        module = __import__(name)
+        module.main(argv)
+    finally:
+        sys.path.remove(bench)
+
+
+def test_bench_zero_smoke_runs(capsys):
+    """bench/bench_zero.py --smoke: every system steps once timed, the ratios and the bytes table print."""
+    _bench_main("bench_zero", ["--smoke"])
+    out = capsys.readouterr().out
+    assert "step-time ratio zero.py stage 3 / FSDP2 fully_shard" in out and "D=2 predicted" in out, out
+
+
+def test_bench_zero_accum_smoke_runs(capsys):
+    """bench/bench_zero_accum.py --smoke: the error table of m = 1, 2 at stages 1 and 3."""
+    _bench_main("bench_zero_accum", ["--smoke"])
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+3\s+2\s", out, re.M) and "fp32/bf16" in out, out
