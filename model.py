@@ -251,11 +251,20 @@ def materialize(module: nn.Module, device, config: GPTConfig | None = None, seed
     seed = module.seed if seed is None else seed
     for param in module.parameters():  # each tensor once (a tied one too)
         if param.is_meta:
-            value = nn.Parameter(initial_local(param.shard_info, config, seed, param.dtype).to(device),
-                                 requires_grad=param.requires_grad)
-            value.__dict__.update(param.__dict__)  # shard_info; swap_tensors swaps the attributes too
-            torch.utils.swap_tensors(param, value)
+            set_value(param, initial_local(param.shard_info, config, seed, param.dtype).to(device))
     return module
+
+
+def set_value(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Make `param` hold `value` (its shape; it may be a view into a layout's flat buffer), keeping the object, so
+    its ShardInfo, ties and whatever holds it stay valid. A meta parameter cannot take `.data` from another
+    device (torch refuses): its contents are swapped for a new parameter's (torch.utils.swap_tensors)."""
+    if not param.is_meta:
+        param.data = value
+        return
+    new = nn.Parameter(value, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)  # shard_info (swap_tensors swaps the attributes too)
+    torch.utils.swap_tensors(param, new)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -108,16 +108,16 @@ def compose(run: Run, measure: bool = False, materialize: bool = True) -> Run:
     for axis in AXES:  # each swaps modules in place; its handle is what the rest of the run talks to
         if configs.get(axis.__name__) is not None:
             run.axes.append(axis.apply(run.model, run, configs[axis.__name__]))
-    if materialize:
+    if materialize and run.settings.args.zero != 3:  # ZeRO-3 fills its shards itself (build_layout)
         model_lib.materialize(run.model, run.device)
     if measure:
         report.measure_startup(run)
-    run.layout = build_layout(run.model, run)
+    run.layout = build_layout(run.model, run, materialize)
     run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), GradientAccumulation())
     return run
 
 
-def build_layout(model: GPT, run: Run):
+def build_layout(model: GPT, run: Run, materialize: bool = True):
     """DDP (--zero 0) or ZeRO 1/2/3 (zero.py) over each parameter's data-parallel group."""
     args, coords = run.settings.args, run.mesh.coordinates()
     if args.compile:
@@ -127,7 +127,8 @@ def build_layout(model: GPT, run: Run):
         config = ZeroConfig(args.zero, lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2),
                             param_dtype=run.param_dtype, master_dtype=run.master_dtype, bucket_mb=args.bucket_mb,
                             micro_batches=run.micro_batches)  # m > 1: gradients summed in master_dtype
-        return ZeroLayout(model, config, groups, coords)  # FP8 weights carry their gather codec (fp8.convert)
+        device = run.device if materialize else None  # stage 3 fills its shards of a meta model on it
+        return ZeroLayout(model, config, groups, coords, device)  # FP8 weights carry their codec (fp8.convert)
     ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
     return DDPLayout(ddp, optimizer, coords)

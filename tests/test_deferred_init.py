@@ -46,8 +46,9 @@ MEMORY_CASES = {"zero3": (["--zero", "3"], MEMORY_MODEL, 8, 1),
                 "pp": (["--pp", "2"], MEMORY_MODEL, 8, 1)}
 
 
-def build_run(rank, world, flags, config_kw, global_batch, micro, dtype, device, materialize=True):
-    """train.compose on the flags, as train.main builds a run, in `dtype` (master and working weights)."""
+def build_run(rank, world, flags, config_kw, global_batch, micro, dtype, device, materialize=True, param_dtype=None):
+    """train.compose on the flags, as train.main builds a run, in `dtype` (master weights; the working weights
+    too unless `param_dtype`)."""
     import flags as flags_lib
     import train
     from mesh import build_mesh
@@ -60,7 +61,7 @@ def build_run(rank, world, flags, config_kw, global_batch, micro, dtype, device,
     config = _config(args, config_kw)
     settings = replace(settings, model=config)
     run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=config, device=device, seed=0,
-                    compute_dtype=dtype, param_dtype=dtype, master_dtype=dtype)
+                    compute_dtype=dtype, param_dtype=param_dtype or dtype, master_dtype=dtype)
     for name, group in run.mesh.groups.items():
         if group is not None:  # named as train.py names them: the predictions use the tracer's names
             run.tracer.name_group(group, name)
@@ -81,17 +82,23 @@ def start_values(run) -> list:
             for piece in run.layout.state_pieces() if piece.key.split("/")[0] in ("param", "master")]
 
 
-def transient_bound(model, dtype: torch.dtype, fingerprints: bool) -> int:
+def transient_bound(model, dtype: torch.dtype, fingerprints: bool = False, zero3_units: int = 0) -> int:
     """The stated transient of a start-up, in bytes: one logical tensor at a time. materialize (and ZeRO-3's fill)
     samples it in fp32, casts it to `dtype`, and copies out the local piece: G·(4 + e) + L·e at most for the
     largest; with `fingerprints`, DDP's same-init check holds one local tensor's fingerprint in float64 (its
-    copy, the position weights and their product: 3·8·L). L: local elements, G: logical ones, e: dtype's bytes."""
+    copy, the position weights and their product: 3·8·L). L: local elements, G: logical ones, e: dtype's bytes.
+    ZeRO-3 over `zero3_units` = D ranks also allocates one unit's working buffer (a block's, or the root's:
+    n'·e, n' ≤ n + D) to make its parameters' views, and shrinks it to 0 bytes at once."""
     e = dtype.itemsize
     sample = 4 + (e if dtype != torch.float32 else 0)
     params = list(model.parameters())
     materialise = max(torch.Size(p.shard_info.global_shape).numel() * sample + p.numel() * e for p in params)
     fingerprint = max(3 * 8 * p.numel() for p in params) if fingerprints else 0
-    return max(materialise, fingerprint)
+    blocks = [list(block.parameters()) for block in model.transformer.h]
+    in_blocks = {id(p) for block in blocks for p in block}
+    units = [*blocks, [p for p in params if id(p) not in in_blocks]]
+    unit = max(sum(p.numel() for p in members) + zero3_units for members in units) * e if zero3_units else 0
+    return max(materialise, fingerprint, unit)
 
 
 def profiled_start_up(build):
@@ -104,9 +111,9 @@ def profiled_start_up(build):
 
     build_layout = train.build_layout
 
-    def marked(model, run):
+    def marked(*args):
         with record_function("build_layout"):
-            return build_layout(model, run)
+            return build_layout(*args)
 
     train.build_layout = marked
     try:
@@ -133,14 +140,17 @@ def _real_builds(rank, world):
         for name in BITWISE:
             out["bitwise"][(name, dtype)] = start_values(build_run(rank, world, *BUILD_CASES[name], dtype,
                                                                    torch.device("cpu")))
+    for name in ("zero1", "zero3"):  # bf16 working weights, fp32 masters (--dtype bf16)
+        out["bitwise"][(name, torch.bfloat16)] = start_values(build_run(rank, world, *BUILD_CASES[name], torch.float32,
+                                                                        torch.device("cpu"), param_dtype=torch.bfloat16))
     for name, case in BUILD_CASES.items():
         out["accounting"][name] = accounting(build_run(rank, world, *case, torch.float32, torch.device("cpu")))
     for name, case in MEMORY_CASES.items():
         dist.barrier()
         run, memory = profiled_start_up(lambda: build_run(rank, world, *case, torch.float32, torch.device("cpu")))
         out["memory"][name] = dict(memory, held=run.layout.held_bytes()["total"],
-                                   transient=transient_bound(run.model, torch.float32,
-                                                             fingerprints=run.settings.args.zero == 0))
+                                   transient=transient_bound(run.model, torch.float32, run.settings.args.zero == 0,
+                                                             world if run.settings.args.zero == 3 else 0))
     return out
 
 
@@ -149,21 +159,25 @@ def real_builds():
     return run_ranks(_real_builds, WORLD, timeout=600)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "fp32"])
-@pytest.mark.parametrize("name", BITWISE)
+@pytest.mark.parametrize("name,dtype", [(name, dtype) for dtype in (torch.float64, torch.float32) for name in BITWISE]
+                         + [("zero1", torch.bfloat16), ("zero3", torch.bfloat16)],
+                         ids=lambda v: str(v).removeprefix("torch."))
 def test_shards_built_on_meta_equal_the_single_device_init_bitwise(real_builds, name, dtype):
+    """dtype bfloat16: fp32 masters, bf16 working weights (the masters cast, as the packed path casts them)."""
     from model import GPT
 
     flags, config_kw, *_ = BUILD_CASES[name]
+    master = torch.float32 if dtype == torch.bfloat16 else dtype
     reference = {p.shard_info.global_name: p.detach() for p in
-                 GPT(_config(_parse(flags, 8, 1), config_kw), seed=0, dtype=dtype).parameters()}
+                 GPT(_config(_parse(flags, 8, 1), config_kw), seed=0, dtype=master).parameters()}
     seen = set()
     for rank, results in enumerate(real_builds):
         for key, tensor, info, flat_range in results["bitwise"][(name, dtype)]:
             expected = info.shard_of(reference[info.global_name])
             if flat_range is not None:
                 expected = expected.reshape(-1)[flat_range[0]:flat_range[1]]
-            assert tensor.dtype == dtype and tensor.shape == expected.shape, (rank, key)
+            expected = expected.to(dtype if key.startswith("param/") else master)
+            assert tensor.dtype == expected.dtype and tensor.shape == expected.shape, (rank, key)
             assert torch.equal(tensor, expected), (rank, key)
             seen.add(info.global_name)
     assert seen == set(reference)  # every logical tensor starts somewhere
