@@ -145,6 +145,9 @@ def _real_builds(rank, world):
                                                                         torch.device("cpu"), param_dtype=torch.bfloat16))
     for name, case in BUILD_CASES.items():
         out["accounting"][name] = accounting(build_run(rank, world, *case, torch.float32, torch.device("cpu")))
+    out["sample"] = {name: sampled(build_run(rank, world, BUILD_CASES[name][0] + ["--sample-tokens", "12"],
+                                             *BUILD_CASES[name][1:], torch.float32, torch.device("cpu")))
+                     for name in ("zero3", "zero3_tp_ep")}
     for name, case in MEMORY_CASES.items():
         dist.barrier()
         run, memory = profiled_start_up(lambda: build_run(rank, world, *case, torch.float32, torch.device("cpu")))
@@ -152,6 +155,29 @@ def _real_builds(rank, world):
                                    transient=transient_bound(run.model, torch.float32, run.settings.args.zero == 0,
                                                              world if run.settings.args.zero == 3 else 0))
     return out
+
+
+PROMPT = [(7 * i) % 64 for i in range(32)]
+
+
+def sampled(run) -> dict:
+    """train.sample's printout, and what is gathered after it: the working weights' bytes and the most units
+    gathered at once (ZeRO-3's schedule)."""
+    import contextlib
+    import io
+
+    import numpy as np
+
+    import train
+
+    class Tokens:
+        tokens = np.array(PROMPT)
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train.sample(run, Tokens(), "byte")
+    return dict(text=printed.getvalue(), gathered_bytes=sum(p.untyped_storage().nbytes() for p in run.model.parameters()),
+                peak_gathered_units=run.layout.peak_gathered_units)
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +249,22 @@ def test_compose_on_meta_in_a_fake_group_predicts_what_the_real_build_does(real_
         assert planned["persistent"] == real["persistent"], (name, rank)
         assert planned["held"] == real["held"], (name, rank)
         assert planned["messages"] == real["messages"], (name, rank)
+
+
+@pytest.mark.parametrize("name", ["zero3", "zero3_tp_ep"])
+def test_the_end_of_run_sample_runs_through_the_layout_and_frees_every_block(real_builds, name):
+    """No unshard: ZeRO-3 gathers a block at a time in each generate forward (at most two units at once) and
+    frees them after it; the tokens are the single-device model's (D = 4 alone: the same weights, the same ops)."""
+    import data
+    from model import GPT
+
+    for rank, results in enumerate(real_builds):
+        out = results["sample"][name]
+        assert out["gathered_bytes"] == 0 and 0 < out["peak_gathered_units"] <= 2, (rank, out)
+    if name == "zero3":
+        flags, config_kw, *_ = BUILD_CASES[name]
+        model = GPT(_config(_parse(flags, 8, 1), config_kw), seed=0).eval()
+        tokens = model.generate(torch.tensor([PROMPT]), 12, temperature=0.8, top_k=50,
+                                generator=torch.Generator().manual_seed(0))
+        text = data.get_tokenizer("byte").decode(tokens[0].tolist())
+        assert real_builds[0]["sample"][name]["text"].splitlines()[1:] == text.splitlines()
