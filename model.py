@@ -257,12 +257,15 @@ def materialize(module: nn.Module, device, config: GPTConfig | None = None, seed
 
 def set_value(param: nn.Parameter, value: torch.Tensor) -> None:
     """Make `param` hold `value` (its shape; it may be a view into a layout's flat buffer), keeping the object, so
-    its ShardInfo, ties and whatever holds it stay valid. A meta parameter cannot take `.data` from another
-    device (torch refuses): its contents are swapped for a new parameter's (torch.utils.swap_tensors)."""
+    its ShardInfo, ties and whatever holds it stay valid, and its own version counter (`.data =` semantics: a
+    write into the rest of a flat buffer, a ZeRO-3 regather, does not invalidate what autograd saved of it). A
+    meta parameter cannot take `.data` from another device (torch refuses): a new parameter takes it, and the
+    two swap contents (torch.utils.swap_tensors)."""
     if not param.is_meta:
         param.data = value
         return
-    new = nn.Parameter(value, requires_grad=param.requires_grad)
+    new = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=param.requires_grad)
+    new.data = value
     new.__dict__.update(param.__dict__)  # shard_info (swap_tensors swaps the attributes too)
     torch.utils.swap_tensors(param, new)
 
