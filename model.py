@@ -11,7 +11,10 @@ optional biases). It knows nothing of distribution except these hooks the parall
   reduction is a plain sum.
 - Every parameter is initialised from its own generator seeded by (seed, parameter name). Any rank can
   therefore build one full parameter at a time and keep its slice, bitwise equal to the single-device
-  model's; equivalence tests and checkpoint resharding depend on it. Each parameter also carries a
+  model's; equivalence tests and checkpoint resharding depend on it. `GPT(..., device="meta")` builds shapes
+  and records only: the axes cut it there (train.compose), then `materialize` gives each kept tensor its value
+  (`initial_local`: its logical tensor, then its piece), so a rank never holds more than it keeps plus one
+  logical tensor. Each parameter also carries a
   `ShardInfo` record saying where its local tensor sits in the global logical tensor, and over which mesh
   axes identical copies of it exist (`counts_here` is the one rule that picks the copy that counts).
 - A model may be a pipeline STAGE: `GPT(config, layers=range(a, b), embedding=..., head=...)` builds only

@@ -63,6 +63,8 @@ working weights / persistent gradients / optimizer state, m micro-batches per st
    Transient on top (`peak_lower_bound()`, activations apart): stage 1 max(b_g, b_w)·Ψ'/D (the reduce-scatter
    outputs, then the all-gather inputs); stage 2 max(b_w·2U, b_w·Ψ'/D) (2 buckets in flight, or the all-gather
    inputs); stage 3 b_w·2U (in use + prefetched) + b_w·(U_root + 2U) (the root's bucket fills all backward).
+   Start-up at stage 3 (a meta model): the largest of one logical tensor G (its fp32 sample, cast, and piece:
+   G·(4 + b_o) + L·b_o at most) and one unit's working buffer b_w·n' (allocated for its views, shrunk at once).
 3. Messages on the critical path per step over dp×cp (`predicted_messages(m)`; M = payload, wire = (D-1)/D·M):
        stage 1: reduce_scatter b_g·Ψ' (overlapping backward) + all_gather b_w·Ψ' = 2Ψ (unit k's all-gather is
        launched once unit k is updated: it overlaps the update of unit k+1);
@@ -137,7 +139,9 @@ class _Unit:
 class ZeroLayout:
     """ZeRO stage `config.stage` over each parameter's data-parallel group: `groups` {"dp_cp": ...,
     "expert_dp": ...} (default: the world for dp_cp). step.train_step drives it (optim.Layout's protocol).
-    `module` must hold the same initial values on every rank (checked); at stage 3 it is a model.GPT (its
+    `module` must hold the same initial values on every rank (checked), or at stage 3 be a meta model.GPT with a
+    `device` (train.compose): each parameter's init then fills its part of this rank's shard, one logical tensor
+    at a time, with no full working copy (`_fill_shard`). At stage 3 it is a model.GPT (its
     `transformer.h` blocks are gathered one at a time). Parameters may be TP-local shards carrying `shard_info`,
     flattened as the local tensors they are. `coords` (Mesh.coordinates()): this rank's index along the model
     axes, which says which replicated copies count (TP rank 0's LayerNorms, ...)."""
