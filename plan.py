@@ -15,9 +15,8 @@ does not, every (p, c, t) is built. Start-up figures that a real run gets from a
 here (the fake group reduces nothing): Ψ is the sum of the logical tensors' sizes over the roles' records;
 every rank is built from the same seed, so DDP's same-init check holds by construction.
 
-Building on meta: until train.compose(run, materialize=False) exists (issue 19, "build only what a rank keeps"),
-`on_meta()` stands in for it: the per-parameter init returns an empty meta tensor of the right shape and dtype
-and the same-init fingerprint is skipped (it would read values). Everything else is the real start-up code.
+Building on meta: train.compose(run, materialize=False), the real start-up with the model built on meta, every
+axis cutting it there and the layout sized over it, no value ever computed.
 
 The time model (hardware.py states the hardware): per role and step
     compute    t_c = FLOPs_hardware/token · tokens/step / world / peak(dtype)   (an even split over the ranks)
@@ -48,21 +47,18 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 
-import ddp
 import hardware
 import mfu
 import model as model_lib
 import moe
 import report
 import schedules
-import tensor_parallel
 import zero
 from comm import Messages
 from flags import DTYPES, FlagError
@@ -89,22 +85,6 @@ def fake_world(rank: int, world: int):
         dist.destroy_process_group()
 
 
-def _meta_init(name, shape, config, seed, dtype=torch.float32):
-    return torch.empty(tuple(shape), dtype=dtype, device="meta")
-
-
-@contextmanager
-def on_meta():
-    """The start-up on meta tensors: shapes and records without values (a stand-in for S1's deferred build)."""
-    with ExitStack() as stack:
-        for target in (model_lib, tensor_parallel):
-            stack.enter_context(mock.patch.object(target, "init_full_parameter", _meta_init))
-        stack.enter_context(mock.patch.object(ddp, "assert_same_across_ranks", lambda *a, **k: None))
-        stack.enter_context(mock.patch.object(zero, "assert_same_across_groups", lambda *a, **k: None))
-        stack.enter_context(torch.device("meta"))
-        yield
-
-
 def plan_dtypes(settings) -> tuple:
     """(compute, param, master) dtypes as train.start_run chooses them; --dtype auto plans for a GPU: bf16."""
     name = settings.args.dtype if settings.args.dtype != "auto" else "bf16"
@@ -121,8 +101,7 @@ def build_role(settings, rank: int):
     mesh = build_mesh(settings.shape, rank)
     run = train.Run(settings=settings, mesh=mesh, config=replace(settings.model), device=torch.device("meta"),
                     seed=settings.args.seed, compute_dtype=compute, param_dtype=param, master_dtype=master)
-    with on_meta():
-        train.compose(run)
+    train.compose(run, materialize=False)
     for group_name, group in mesh.groups.items():
         run.tracer.name_group(group, group_name)  # as train.py names them: the messages' rows are the run's
     return run

@@ -35,7 +35,7 @@ import schedules
 import tensor_parallel
 from comm import CommTracer, Count, Messages
 from mesh import axis_groups
-from model import MLP, counts_here
+from model import MLP, counts_here, materialize
 from optim import update_messages
 
 
@@ -471,6 +471,7 @@ def measure_block(run, block_index: int = 0) -> BlockMeasurement:
     groups = {name: group for name, group in run.mesh.groups.items() if group is not None}
     shared = {id(group): group for group in [*groups.values(), dist.group.WORLD]}  # not copied: the same groups
     block = deepcopy(list(run.model.transformer.h)[block_index], memo=dict(shared))
+    materialize(block, run.device, run.config, run.seed)  # a meta block (ZeRO-3 fills its shards later): its values
     params = list(block.parameters())
     for p in params:
         p.data = p.data.to(run.param_dtype)
