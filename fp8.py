@@ -351,14 +351,14 @@ class Fp8Linear(nn.Linear):
     defers_weight_grad = True
 
     def __init__(self, linear: nn.Linear, recipe: Recipe, name: str = "", amax_groups=(), delayed_groups=(),
-                 gemm: str = "auto"):
+                 gemm: str = "auto", device=None):
         nn.Module.__init__(self)  # no new parameters: keep the wrapped linear's
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.recipe, self.name, self.amax_groups = recipe, name, dict(amax_groups)
         self.delayed_groups = tuple(delayed_groups)
-        device = linear.weight.device
+        device = torch.device(device) if device is not None else linear.weight.device  # a meta weight: pass the run's
         self.fmt_max = torch.tensor([f.max for f in FORMATS], device=device)
         self.amax_history = torch.zeros(3, recipe.amax_history, device=device)  # [role, L], column 0 latest
         self.scale = torch.ones(3, device=device)  # delayed: the scales this step quantises with
@@ -466,10 +466,11 @@ def config_from_flags(args, settings) -> Recipe | None:
     return Recipe(mode, args.fp8_amax_history, args.fp8_amax_algo, args.fp8_margin)
 
 
-def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1) -> Fp8Handle:
+def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1, device=None) -> Fp8Handle:
     """Swap every nn.Linear of the blocks (routers, gates and experts aside) for an Fp8Linear, in place; a
     ColumnParallelLinear stops re-gathering its input (docstring item 2). mesh None: one process; else the amax
-    groups are cp and tp, the delayed roll's the gradient group and tp, each when larger than one rank."""
+    groups are cp and tp, the delayed roll's the gradient group and tp, each when larger than one rank. device:
+    where the scaling state lives (default: the weights'; train.compose converts a meta model)."""
 
     def groups(*names):
         return tuple(n for n in names if mesh is not None and mesh.size(n) > 1)
@@ -483,7 +484,8 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1)
                 continue  # routers stay precise; experts see data-dependent row counts (module docstring)
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
-            fp8 = Fp8Linear(module, recipe, name, amax_groups, groups(info.grad_group if info else "dp_cp", "tp"))
+            fp8 = Fp8Linear(module, recipe, name, amax_groups, groups(info.grad_group if info else "dp_cp", "tp"),
+                            device=device)
             codec.attach(fp8)
             parent = block.get_submodule(path.rpartition(".")[0])
             setattr(parent, leaf, fp8)
@@ -495,7 +497,7 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1)
 
 def apply(model: nn.Module, run, recipe: Recipe) -> Fp8Handle:
     """The axis entry point: the handle (after PP, before DDP/ZeRO)."""
-    return convert(model, recipe, run.mesh, micro_batches=run.micro_batches)
+    return convert(model, recipe, run.mesh, micro_batches=run.micro_batches, device=run.device)
 
 
 class Fp8Handle(Axis):

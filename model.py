@@ -16,7 +16,10 @@ except these hooks the parallel files rely on:
   reduction is a plain sum.
 - Every parameter is initialised from its own generator seeded by (seed, parameter name). Any rank can
   therefore build one full parameter at a time and keep its slice, bitwise equal to the single-device
-  model's; equivalence tests and checkpoint resharding depend on it. Each parameter also carries a
+  model's; equivalence tests and checkpoint resharding depend on it. `GPT(..., device="meta")` builds shapes
+  and records only: the axes cut it there (train.compose), then `materialize` gives each kept tensor its value
+  (`initial_local`: its logical tensor, then its piece), so a rank never holds more than it keeps plus one
+  logical tensor. Each parameter also carries a
   `ShardInfo` record saying where its local tensor sits in the global logical tensor, and over which mesh
   axes identical copies of it exist (`counts_here` is the one rule that picks the copy that counts).
 - A model may be a pipeline STAGE: `GPT(config, layers=range(a, b), embedding=..., head=...)` builds only
@@ -262,6 +265,44 @@ def init_full_parameter(name: str, shape, config: GPTConfig, seed: int, dtype=to
     return value
 
 
+def initial_local(info: ShardInfo, config: GPTConfig, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """The initial value of the local tensor `info` describes: its logical tensor's (init_full_parameter), cut by
+    its splits, in its own storage (a view would keep the whole logical tensor alive). Transient: that one
+    logical tensor plus the piece."""
+    full = init_full_parameter(info.global_name, info.global_shape, config, seed, dtype)
+    return info.shard_of(full).clone(memory_format=torch.contiguous_format)
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device, config: GPTConfig | None = None, seed: int | None = None) -> nn.Module:
+    """Give every meta parameter of `module` (a GPT, or a part of one: a block) its initial value on `device`,
+    one at a time, from its ShardInfo: what a rank keeps after the axes cut the model on meta, bitwise equal to
+    slicing the single-device model. The parameter objects stay the same (torch.utils.swap_tensors), so ties
+    and whatever the axes hold on to (FP8's linears, TP's SP list, the layout) see the values. config and seed:
+    the model's (a GPT knows its own). Peak: what is kept plus one logical tensor and its piece."""
+    config = config or module.config
+    seed = module.seed if seed is None else seed
+    for param in module.parameters():  # each tensor once (a tied one too)
+        if param.is_meta:
+            set_value(param, initial_local(param.shard_info, config, seed, param.dtype).to(device))
+    return module
+
+
+def set_value(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Make `param` hold `value` (its shape; it may be a view into a layout's flat buffer), keeping the object, so
+    its ShardInfo, ties and whatever holds it stay valid, and its own version counter (`.data =` semantics: a
+    write into the rest of a flat buffer, a ZeRO-3 regather, does not invalidate what autograd saved of it). A
+    meta parameter cannot take `.data` from another device (torch refuses): a new parameter takes it, and the
+    two swap contents (torch.utils.swap_tensors)."""
+    if not param.is_meta:
+        param.data = value
+        return
+    new = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=param.requires_grad)
+    new.data = value
+    new.__dict__.update(param.__dict__)  # shard_info (swap_tensors swaps the attributes too)
+    torch.utils.swap_tensors(param, new)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------------
@@ -397,12 +438,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None,
                  layers=None, embedding: bool = True, head: bool = True):
         super().__init__()
-        self.config = config
+        self.config, self.seed = config, seed
         layers = list(range(config.n_layer) if layers is None else layers)
         if layers != sorted(set(layers)) or not all(0 <= i < config.n_layer for i in layers):
             raise ValueError(f"layers {layers} are not increasing layer ids of the model's {config.n_layer} layers")
         self.aux_losses = AuxLosses()
-        with torch.device("meta"):  # build shapes only; init_weights materialises every tensor once
+        with torch.device("meta"):  # shapes only: `materialize` gives each tensor its value, one at a time
             parts = {}  # in nanoGPT's order: wte, wpe, drop, h, ln_f
             if embedding:
                 parts.update(wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -412,12 +453,16 @@ class GPT(nn.Module):
                 parts.update(ln_f=nn.LayerNorm(config.n_embd, bias=config.bias))
             self.transformer = nn.ModuleDict(parts)
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False) if head else None
-        self.to_empty(device=device or "cpu")
+        self.to(dtype)
         if embedding and head:
             self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, named transformer.wte.weight
         # Tensor parallel swaps in a vocab-parallel loss (which leaves the padding rows out alike).
         self.loss_fn = functools.partial(cross_entropy_sum, real_vocab_size=config.real_vocab_size)
-        self.init_weights(seed, dtype)
+        for name, param in self.named_parameters():  # the whole logical tensor; an axis may cut it (on meta)
+            name = self.global_name(name)
+            param.shard_info = ShardInfo(global_name=name, global_shape=tuple(param.shape))
+        if torch.device(device or "cpu").type != "meta":  # device="meta": the axes cut first (train.compose)
+            materialize(self, device or "cpu")
 
     @property
     def has_embedding(self) -> bool:
@@ -431,15 +476,6 @@ class GPT(nn.Module):
     def global_name(local_name: str) -> str:
         """The head's own copy of the tied weight (a stage without the embedding) is the embedding's tensor."""
         return "transformer.wte.weight" if local_name == "lm_head.weight" else local_name
-
-    @torch.no_grad()
-    def init_weights(self, seed: int, dtype: torch.dtype = torch.float32):
-        """Give every parameter its deterministic value and its ShardInfo (whole tensor, not split)."""
-        for name, param in self.named_parameters():
-            name = self.global_name(name)
-            full = init_full_parameter(name, param.shape, self.config, seed, dtype)
-            param.data = full.to(param.device)
-            param.shard_info = ShardInfo(global_name=name, global_shape=tuple(param.shape))
 
     def num_params(self, exclude_position_embedding: bool = False) -> int:
         """Parameters this model holds (tied weights once)."""

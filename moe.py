@@ -421,8 +421,8 @@ def config_from_flags(args, settings) -> MoEConfig | None:
 
 
 def shard_experts(layer: MoE, ep_group, ep_size: int, ep_index: int) -> None:
-    """Keep experts [e·N/E, (e+1)·N/E) of the layer (e = ep_index), drop the others (the plain GPT built all N,
-    as TP builds the full weights it slices); the kept ones are the single-device experts, bitwise."""
+    """Keep experts [e·N/E, (e+1)·N/E) of the layer (e = ep_index), drop the others (on a meta model, as
+    train.compose builds it, they were never allocated); the kept ones are the single-device experts, bitwise."""
     per_rank = layer.n_experts // ep_size
     layer.local = range(ep_index * per_rank, (ep_index + 1) * per_rank)
     for i in range(layer.n_experts):

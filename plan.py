@@ -15,9 +15,8 @@ does not, every (p, c, t) is built. Start-up figures that a real run gets from a
 here (the fake group reduces nothing): Ψ is the sum of the logical tensors' sizes over the roles' records;
 every rank is built from the same seed, so DDP's same-init check holds by construction.
 
-Building on meta: until train.compose(run, materialize=False) exists (issue 19, "build only what a rank keeps"),
-`on_meta()` stands in for it: the per-parameter init returns an empty meta tensor of the right shape and dtype
-and the same-init fingerprint is skipped (it would read values). Everything else is the real start-up code.
+Building on meta: train.compose(run, materialize=False), the real start-up with the model built on meta, every
+axis cutting it there and the layout sized over it, no value ever computed.
 
 The time model (hardware.py states the hardware): per role and step
     compute    t_c = FLOPs_hardware/token · tokens/step / world / peak(dtype)   (an even split over the ranks)
@@ -39,11 +38,7 @@ The time model (hardware.py states the hardware): per role and step
     step       (t_c + in-layer exposed) / (1 − b) + the exposed rest;  MFU = FLOPs_model · tokens / (world ·
                peak · step). The slowest role sets the pace.
 
---plan-search enumerates layouts (D, P, T, ZeRO stage, B_μ and m, schedule, activation checkpointing, SP) with
-the same pure formulas the start-up prints (memory.persistent_bytes, tensor_parallel.step_messages,
-schedules.bubble_formula and p2p_counts, memory.activation_bytes_per_layer, moe.flops_per_token) and the same time
-model, drops what does not fit, ranks by step time and prints the best ten with the term that limits each.
-tests/test_plan.py checks its figures against --plan's built ones.
+--plan-search (plan_search.py) sizes layouts from the same formulas without building them.
 
 Accounting for this file: it allocates nothing (meta tensors) and sends nothing (a fake process group).
 """
@@ -52,31 +47,31 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 
-import context_parallel
-import ddp
 import hardware
 import memory
 import mfu
 import model as model_lib
 import moe
+import report
 import schedules
-import tensor_parallel
 import zero
 from comm import Messages
 from flags import DTYPES, FlagError
-from mesh import MeshShape, axis_groups
+from mesh import MeshShape
 
 
 # ---------------------------------------------------------------------------------------------------------
 # One role's start-up, built on meta inside a fake process group
 # ---------------------------------------------------------------------------------------------------------
+
+
+PLANNED_DEVICE = "cuda"  # the hardware model's presets are GPUs: their attention kernels and dropout masks
 
 
 @contextmanager
@@ -89,24 +84,6 @@ def fake_world(rank: int, world: int):
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _meta_init(name, shape, config, seed, dtype=torch.float32):
-    return torch.empty(tuple(shape), dtype=dtype, device="meta")
-
-
-@contextmanager
-def on_meta():
-    """The start-up on meta tensors: shapes and records without values (a stand-in for S1's deferred build)."""
-    with ExitStack() as stack:
-        for target in (model_lib, tensor_parallel):
-            stack.enter_context(mock.patch.object(target, "init_full_parameter", _meta_init))
-        stack.enter_context(mock.patch.object(ddp, "assert_same_across_ranks", lambda *a, **k: None))
-        stack.enter_context(mock.patch.object(zero, "assert_same_across_groups", lambda *a, **k: None))
-        # CP measures block 0 at apply (a forward on values; the report's measure_block will do it there)
-        stack.enter_context(mock.patch.object(context_parallel.ContextParallel, "startup_lines", lambda self: []))
-        stack.enter_context(torch.device("meta"))
-        yield
 
 
 def plan_dtypes(settings) -> tuple:
@@ -125,8 +102,7 @@ def build_role(settings, rank: int):
     mesh = build_mesh(settings.shape, rank)
     run = train.Run(settings=settings, mesh=mesh, config=replace(settings.model), device=torch.device("meta"),
                     seed=settings.args.seed, compute_dtype=compute, param_dtype=param, master_dtype=master)
-    with on_meta():
-        train.compose(run)
+    train.compose(run, materialize=False)
     for group_name, group in mesh.groups.items():
         run.tracer.name_group(group, group_name)  # as train.py names them: the messages' rows are the run's
     return run
@@ -141,9 +117,7 @@ class Role:
     local_params: int
     logical: dict  # {global name: elements of the logical tensor}: Ψ is their sum over the roles
     persistent: dict  # {"weights", "grads", "optimizer", "total"} bytes
-    activations: float  # bytes per micro-batch (report.activation_estimate), × in_flight in the peak
-    activation_how: str
-    in_flight: float  # micro-batches whose activations are alive at once (pipeline schedules: > 1)
+    activations: object  # report.ActivationEstimate: one forward's bytes, how many in flight, their peak
     temporaries: dict  # {what: bytes}
     messages: Messages  # per step, (op, group as the tracer names it): (calls, payload)
     group_ranks: dict  # {group name: global ranks of this rank's group}
@@ -156,16 +130,15 @@ class Role:
 
     @property
     def peak(self) -> float:
-        return self.persistent["total"] + self.activations * self.in_flight + sum(self.temporaries.values())
+        return self.persistent["total"] + self.activations.peak + sum(self.temporaries.values())
 
 
-def role_of(run) -> Role:
-    """The Role of a built run: every figure read from the code a real start-up prints it with."""
-    import report
-
+def role_of(run, device_type: str | None = None) -> Role:
+    """The Role of a built run: every figure read from the code a real start-up prints it with; the
+    activations as the kernels of `device_type` save them (the plan's: "cuda"; default the run's device)."""
     layout, mesh = run.layout, run.mesh
     persistent = dict(layout.predicted_persistent())
-    activations, how = report.activation_estimate(run)
+    estimate = report.activation_estimate(run, device_type)
     temporaries, last_bucket, first_gather = {}, 0.0, 0.0
     if isinstance(layout, zero.ZeroLayout):
         extra = layout.peak_lower_bound() - persistent["total"]
@@ -182,11 +155,10 @@ def role_of(run) -> Role:
         sizes = layout.ddp.bucket_sizes_bytes()
         temporaries["DDP: one bucket in flight (the backend's staging)"] = max(sizes)
         last_bucket = sizes[-1]
-    in_flight, bubble, boundary = 1.0, 0.0, 0.0
+    bubble, boundary = 0.0, 0.0
     for axis in run.axes:
-        if axis.schedule is not None:  # the pipeline: its chunk-micro-batches in flight, its bubble
+        if axis.schedule is not None:  # the pipeline: its bubble, its messages' buffers
             s = axis.schedule
-            in_flight = schedules.in_flight(s.programs(run.micro_batches)[s.rank])[0] / s.v
             bubble = schedules.bubble_formula(s.name, s.P, run.micro_batches, s.v)
             boundary = axis.message_bytes()
             temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
@@ -195,14 +167,14 @@ def role_of(run) -> Role:
             temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * t.tokens * t.model.moe_topk * \
                 t.model.n_embd * t.compute_bytes
         if axis.name == "cp" and run.settings.args.cp_impl == "ring":
-            kv = 2 * run.micro_batch_size * run.settings.local_seq_len * run.config.n_embd // mesh.size("tp")
+            kv = 2 * run.micro_batch_size * run.seq_len // mesh.size("cp") * run.config.n_embd // mesh.size("tp")
             temporaries["ring CP: the K, V block in flight"] = 2 * kv * run.compute_dtype.itemsize
     params = list(run.model.parameters())
     ranks = {name: members for name, members in mesh.members.items()}
     ranks["world"] = list(range(mesh.shape.world_size))
     return Role(rank=mesh.rank, coords=mesh.shape.coords(mesh.rank), local_params=sum(p.numel() for p in params),
                 logical={p.shard_info.global_name: math.prod(p.shard_info.global_shape) for p in params},
-                persistent=persistent, activations=activations, activation_how=how, in_flight=in_flight,
+                persistent=persistent, activations=estimate,
                 temporaries=temporaries, messages=report.predicted_messages(run), group_ranks=ranks,
                 flops=run.flops, bubble=bubble, last_bucket=last_bucket, first_gather=first_gather,
                 boundary_bytes=boundary,
@@ -230,7 +202,7 @@ def plan_roles(settings) -> list:
 
     def one(rank):
         with fake_world(rank, world):
-            return role_of(build_role(settings, rank))
+            return role_of(build_role(settings, rank), PLANNED_DEVICE)
 
     roles = [one(rank) for rank in role_ranks(settings.shape)]
     if len(roles) > settings.shape.pp:  # the corner (0, C−1, T−1): equal to stage 0's, or build them all
@@ -248,7 +220,7 @@ def logical_psi(settings, roles: list) -> int:
     for i in range(1, shape.ep):
         rank = shape.rank_of(i // shape.cp, 0, i % shape.cp, 0)
         with fake_world(rank, shape.world_size):
-            logical.update(role_of(build_role(settings, rank)).logical)
+            logical.update(role_of(build_role(settings, rank), PLANNED_DEVICE).logical)
     return sum(logical.values())
 
 
@@ -353,195 +325,6 @@ def limiting_term(prediction: Prediction) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The same figures from the pure formulas, without building (--plan-search)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _programs_facts(schedule: str, P: int, m: int, v: int) -> tuple:
-    """({(src, dst): messages per step}, [chunk-micro-batches in flight per pp rank]) of a schedule."""
-    programs = schedules.build_programs(schedule, P, m, v)
-    return schedules.p2p_counts(programs, P * v), [schedules.in_flight(p)[0] for p in programs]
-
-
-def stage_holding(config, P: int, v: int, p: int) -> tuple:
-    """(layers, has embedding, has head) of pp rank p (pipeline.stage_kwargs's split)."""
-    chunks = schedules.rank_chunks(p, P, v)
-    layers = sum(len(schedules.stage_layers(config.n_layer, P, v, c)) for c in chunks)
-    return layers, 0 in chunks, P * v - 1 in chunks
-
-
-def stage_params(config, P: int, v: int, T: int, p: int) -> dict:
-    """This rank's parameters by the shapes: {"blocks", "block", "root", "split_replicated", "total"}: per layer
-    12h² + 7h·bias split T ways and 2h(1 + bias) + 2h·bias replicated (tensor_parallel.param_counts' split);
-    the embedding V·h/T + the positions s_max·h on the first chunk; ln_f and (P·v > 1) the head's tied copy on
-    the last."""
-    h, V, bias = config.n_embd, config.vocab_size, int(config.bias)
-    layers, embedding, head = stage_holding(config, P, v, p)
-    split, replicated = 12 * h * h + 7 * h * bias, 2 * h * (1 + bias) + 2 * h * bias
-    block = split // T + replicated
-    root = (V * h // T + config.block_size * h if embedding else 0) + \
-           (h * (1 + bias) + (V * h // T if P * v > 1 else 0) if head else 0)
-    # replicated on tp, summed over it under SP: LayerNorms, row biases, ln_f, the positions
-    sp_replicated = layers * replicated + (h * (1 + bias) if head else 0) + (config.block_size * h if embedding else 0)
-    return dict(blocks=layers * block, block=block, root=root, replicated=sp_replicated, total=layers * block + root,
-                layers=layers, embedding=embedding, head=head)
-
-
-def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
-    """pp rank p's (d, c, t = 0) Role from the formulas the start-up prints, for a dense model (no MoE, no CP)."""
-    args, config, shape = settings.args, settings.model, settings.shape
-    D, P, T, m, micro = shape.dp * shape.cp, shape.pp, shape.tp, settings.micro_batches, settings.micro_batch_size
-    v = args.pp_virtual if args.pp_schedule == "interleaved" and P > 1 else 1
-    sp, ac, stage = settings.sequence_parallel, config.activation_checkpointing, args.zero
-    _, compute, param, master = plan_dtypes(settings)
-    b_w, b_c, b_m = param.itemsize, compute.itemsize, master.itemsize
-    held = stage_params(config, P, v, T, p)
-    local = held["total"]
-    # persistent bytes: DDPLayout's (fp32 params, grads, moments) or ZeroLayout.bytes_per_param's
-    b_g = b_w if m == 1 or stage == 0 else b_m
-    bpp = memory.BytesPerParam(b_w, b_g, 2 * b_m + (0 if b_w == b_m else b_m))
-    persistent = memory.persistent_bytes(local, bpp, stage, D)
-    seq = settings.seq_len // shape.cp
-    per_layer = memory.activation_bytes_per_layer(seq, micro, config.n_embd, config.n_head, t=T, sequence_parallel=sp)
-    activations = (per_layer * held["layers"] if not ac else
-                   2 * seq * micro * config.n_embd // (T if sp else 1) * held["layers"] + per_layer)
-    messages, temporaries, bucket = Messages(), {}, args.bucket_mb * 2**20
-    b_r = b_g if stage == 1 else b_w  # what the gradient reduction sends
-    last_bucket, first_gather = min(2**20, 4 * local), 0.0  # DDP: the taper's last bucket
-    tied = P * v > 1 and (held["embedding"] or held["head"])  # the tied copy: a unit of its own at ZeRO-1
-    if D > 1 and stage == 0:
-        messages.add("all_reduce", "dp_cp", _tapered_buckets(4 * local, bucket), 4 * local)
-    elif D > 1:
-        units = max(1, math.ceil(b_w * local / bucket)) + tied if stage < 3 else held["layers"] + 1
-        gathered = local if stage < 3 else 2 * local - held["block"]
-        gathers = units if stage < 3 else 2 * units - 1
-        messages.add("all_gather_single", "dp_cp", gathers * (m if stage == 3 else 1),
-                     b_w * gathered * (m if stage == 3 else 1))
-        reduces = m if stage >= 2 else 1
-        messages.add("reduce_scatter_single", "dp_cp", units * reduces, reduces * b_r * local)
-        last_bucket = b_r * (held["root"] if stage == 3 else min(local, bucket / b_w))
-        first_gather = b_w * (held["root"] + held["block"]) if stage == 3 else 0.0
-    if D > 1:
-        messages.add("all_reduce", "dp_cp", 2, 16)
-    largest = max(4 * config.n_embd ** 2 // T, config.vocab_size * config.n_embd // T if held["root"] else 0)
-    temporaries.update(_formula_temporaries(stage, local, held, b_w, b_r, D, max(bucket, 4 * largest)))
-    if T > 1:
-        batch = tensor_parallel.BatchShape(micro, seq, m, b_w, b_c)
-        holding = tensor_parallel.Holding(config.n_embd, sp, ac, held["layers"], 0, held["embedding"], held["head"])
-        sp_bytes = b_g * held["replicated"] / (D if stage >= 1 else 1) if sp else 0  # a ZeRO shard: on average
-        messages = messages + tensor_parallel.step_messages(batch, holding, int(sp_bytes))
-    in_flight, bubble, boundary = 1.0, 0.0, 0.0
-    if P > 1:
-        pairs, flights = facts or _programs_facts(args.pp_schedule, P, m, v)
-        boundary = micro * seq // (T if sp else 1) * config.n_embd * b_w
-        sends = sum(n for (src, _), n in pairs.items() if src == p)
-        recvs = sum(n for (_, dst), n in pairs.items() if dst == p)
-        messages.add("send", "pp", sends, sends * boundary).add("recv", "pp", recvs, recvs * boundary)
-        messages.add("all_reduce", "pp", 1, 8)
-        if held["embedding"] or held["head"]:
-            messages.add("all_reduce", "pp_tied", 1, b_g * config.vocab_size * config.n_embd // T // (D if stage else 1))
-        in_flight = flights[p] / v
-        bubble = schedules.bubble_formula(args.pp_schedule, P, m, v)
-        temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
-    messages.add("all_reduce", "world", 1, 16)
-    groups = axis_groups(shape)
-    rank = shape.rank_of(0, p, 0, 0)
-    ranks = {name: next(g for g in partition if rank in g) for name, partition in groups.items()}
-    aliases = {}  # names of one communicator (the same ranks) are one row, as the tracer reports them (mesh.py)
-    for name, members in ranks.items():
-        if len(members) > 1:
-            aliases.setdefault(tuple(members), []).append(name)
-    alias = {name: "=".join(names) for names in aliases.values() for name in names}
-    messages = messages.named(lambda name: alias.get(name, name))
-    ranks["world"] = list(range(shape.world_size))
-    return Role(rank=rank, coords=shape.coords(rank), local_params=local, logical={}, persistent=persistent,
-                activations=activations, activation_how=f"{held['layers']} layers (formula)", in_flight=in_flight,
-                temporaries=temporaries, messages=messages, group_ranks=ranks,
-                flops=moe.flops_per_token(config, settings.seq_len, recompute=ac), bubble=bubble,
-                last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
-                layer_share=held["layers"] * P / config.n_layer)
-
-
-def _tapered_buckets(nbytes: float, bucket: float) -> int:
-    """How many buckets ddp.reverse_order_buckets cuts nbytes into: caps 1, 2, 4, ... MiB up to `bucket`."""
-    count, covered = 0, 0.0
-    while covered < nbytes:
-        covered += min(bucket, ddp.TAPER_BYTES * 2**count)
-        count += 1
-    return max(count, 1)
-
-
-def _formula_temporaries(stage: int, local: int, held: dict, b_w: int, b_r: int, D: int, bucket: float) -> dict:
-    """zero.ZeroLayout.peak_lower_bound's transients (or DDP's one bucket in flight), from the shapes."""
-    if stage == 0:
-        return {"DDP: one bucket in flight (the backend's staging)": min(bucket, 4 * local)}
-    unit = min(local, bucket / b_w)
-    if stage == 1:
-        extra = max(b_r, b_w) * local / D
-    elif stage == 2:
-        extra = max(2 * b_r * unit, b_w * local / D)
-    else:
-        extra = 2 * b_w * held["block"] + b_r * (held["root"] + 2 * held["block"])
-    return {f"ZeRO-{stage} transients (zero.peak_lower_bound)": extra}
-
-
-def search_argv(c: dict) -> list:
-    argv = ["--tp", str(c["T"]), "--pp", str(c["P"]), "--zero", str(c["zero"]), "--micro-batch", str(c["micro"])]
-    if c["P"] > 1:
-        argv += ["--pp-schedule", c["schedule"]]
-    if c["T"] > 1:
-        argv += ["--sp"]
-    if c["ac"]:
-        argv += ["--activation-checkpointing"]
-    return argv
-
-
-def candidates(world: int, config, global_batch: int, gpus_per_node: int):
-    """Every (T, P, D, ZeRO, B_μ, schedule, checkpointing) of `world` ranks: T inside a node, T | heads."""
-    for T in (t for t in (1, 2, 4, 8, 16) if world % t == 0 and t <= gpus_per_node and config.n_head % t == 0):
-        for P in (p for p in range(1, world // T + 1) if (world // T) % p == 0 and p <= config.n_layer):
-            D = world // (T * P)
-            if global_batch % D:
-                continue
-            for zero_stage in (0, 1, 2, 3) if P == 1 else (0, 1):
-                for micro in (b for b in (1, 2, 4, 8) if (global_batch // D) % b == 0):
-                    for schedule in ("1f1b", "interleaved") if P > 1 else ("1f1b",):
-                        for ac in (False, True) if zero_stage < 3 else (False,):
-                            yield dict(T=T, P=P, D=D, zero=zero_stage, micro=micro, schedule=schedule, ac=ac)
-
-
-def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10) -> tuple:
-    """([(prediction, peak, settings, limiting term)] best first, fitting in hw.memory_gib; dropped; tried)."""
-    import flags
-    import train
-
-    results, dropped, smallest, facts_cache = [], 0, None, {}
-    parsed = flags.build_parser().parse_args(base_argv)
-    for c in candidates(world, flags.model_config(parsed), parsed.global_batch, hw.gpus_per_node):
-        try:
-            settings = flags.validate(flags.build_parser().parse_args([*base_argv, *search_argv(c)]), world,
-                                      axes=train.AXES)
-        except FlagError:
-            continue  # the trainer refuses it (heads, vocabulary, m < P, ...): so does the search
-        settings = plan_settings(settings)
-        v = settings.args.pp_virtual if c["P"] > 1 and c["schedule"] == "interleaved" else 1
-        key = (c["schedule"], c["P"], settings.micro_batches, v)
-        if c["P"] > 1 and key not in facts_cache:
-            facts_cache[key] = _programs_facts(*key)
-        roles = [formula_role(settings, p, facts_cache.get(key)) for p in range(c["P"])]
-        peak = max(r.peak for r in roles)
-        if peak > hw.memory_gib * 2**30:
-            dropped += 1
-            smallest = min(smallest or (peak, settings), (peak, settings), key=lambda x: x[0])
-            continue
-        facts = layout_facts(settings)
-        prediction = max((predict(r, facts, hw) for r in roles), key=lambda x: x.step)
-        results.append((prediction, peak, settings, limiting_term(prediction)))
-    results.sort(key=lambda r: r[0].step)
-    return results[:top], dropped, smallest, len(results) + dropped
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Flags and printouts
 # ---------------------------------------------------------------------------------------------------------
 
@@ -588,13 +371,14 @@ def zero_table(psi: int, D: int) -> str:
 def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware) -> list:
     fmt = mfu.format_bytes
     c = role.coords
-    p = role.persistent
+    p, a = role.persistent, role.activations
     lines = [f"role rank {role.rank} (p {c['pp']}, c {c['cp']}, t {c['tp']}; every d alike): {role.local_params:,}"
              f" parameters held",
              f"  persistent: weights {fmt(p['weights'])}, grads {fmt(p['grads'])}, optimizer {fmt(p['optimizer'])},"
              f" total {fmt(p['total'])}",
-             f"  activations {fmt(role.activations)} per micro-batch ({role.activation_how}) × {role.in_flight:g} in"
-             f" flight = {fmt(role.activations * role.in_flight)}"]
+             f"  activations {fmt(a.forward)} a forward ({a.how}) × {a.in_flight} in flight"
+             + (" + the rebuilt block" if a.recomputed else "") + f" = {fmt(a.peak)} (Korthikanti et al.:"
+             f" {fmt(a.korthikanti / a.chunks)} a forward)"]
     for what, nbytes in role.temporaries.items():
         lines.append(f"  temporary: {what}: {fmt(nbytes)}")
     fits = "fits" if role.peak <= hw.memory_gib * 2**30 else "DOES NOT FIT"
@@ -644,53 +428,15 @@ def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
     return roles, predictions
 
 
-def run_search(argv: list, settings, hw: hardware.Hardware, out=print) -> list:
-    """--plan-search: the best ten layouts that fit, by predicted step time, with what limits each."""
-    began = time.perf_counter()
-    base = _without_layout_flags(argv)
-    best, dropped, smallest, tried = search(base, settings.args.world, hw)
-    if not best:
-        detail = f"; the smallest peak is {mfu.format_bytes(smallest[0])} ({layout_name(smallest[1])})" if smallest else ""
-        raise FlagError(f"--hw-memory-gib {hw.memory_gib:g}: no layout of {settings.args.preset} on --world"
-                        f" {settings.args.world} fits in it{detail}")
-    out(f"plan-search: {tried} valid layouts of {settings.args.preset} on {settings.args.world} GPUs, {dropped} do"
-        f" not fit {hw.memory_gib:.1f} GiB; the best {len(best)} by predicted step time"
-        f" ({time.perf_counter() - began:.1f} s):")
-    out(hardware_line(hw, plan_dtypes(settings)[0]))
-    for i, (prediction, peak, s, limit) in enumerate(best, 1):
-        out(f"  {i:>2}. {layout_name(s):<52} step {prediction.step:8.3f} s  MFU {prediction.mfu:6.1%}  peak"
-            f" {peak / 2**30:6.1f} GiB  compute {prediction.compute:.3f} s, exposed comm"
-            f" {prediction.exposed_comm:.3f} s, bubble {prediction.bubble:.3f} s: limited by {limit}")
-    return best
-
-
-_LAYOUT_FLAGS = {"--tp": 1, "--pp": 1, "--zero": 1, "--micro-batch": 1, "--pp-schedule": 1, "--sp": 0,
-                 "--activation-checkpointing": 0, "--cp": 1, "--ep": 1, "--plan-search": 0, "--plan": 0, "--world": 1}
-
-
-def _without_layout_flags(argv: list) -> list:
-    """The command line less what the search chooses itself (and the plan flags)."""
-    out, skip = [], 0
-    for arg in argv:
-        if skip:
-            skip -= 1
-            continue
-        name = arg.split("=")[0]
-        if name in _LAYOUT_FLAGS:
-            skip = _LAYOUT_FLAGS[name] if "=" not in arg else 0
-            continue
-        out.append(arg)
-    return out
-
-
 def main(settings, argv: list) -> None:
     """train.py --plan / --plan-search: one flag error line, or the plan."""
+    import plan_search  # it builds on this file's roles and time model
     from flags import fail
 
     hw = hardware.from_flags(settings.args, plan_dtypes(settings)[0])
     try:
         if settings.args.plan_search:
-            run_search(argv, settings, hw)
+            plan_search.run_search(argv, settings, hw)
         else:
             run_plan(settings, hw)
     except FlagError as e:

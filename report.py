@@ -36,7 +36,7 @@ import schedules
 import tensor_parallel
 from comm import CommTracer, Count, Messages
 from mesh import axis_groups
-from model import MLP, counts_here
+from model import MLP, counts_here, materialize
 from optim import update_messages
 
 
@@ -218,34 +218,51 @@ class ActivationEstimate:
         return self.in_flight * self.forward + rebuilt
 
 
-def activation_shape(run) -> memory.ActivationShape:
-    """The symbols of memory.py's activation formulas for this rank: its sequence (s/C), its dtypes, the kernel."""
-    config, settings, device = run.config, run.settings, run.device
+def activation_shape(run, device_type: str | None = None) -> memory.ActivationShape:
+    """The symbols of memory.py's activation formulas for this rank: its sequence (s/C), its dtypes, the kernel (of
+    `device_type`'s attention, default the run's device: plan.py sizes a GPU from a meta build)."""
+    return shape_of(run.settings, run.config, device_type or run.device.type, run.compute_dtype, run.param_dtype)
+
+
+def shape_of(settings, config, device_type: str, compute_dtype, param_dtype) -> memory.ActivationShape:
+    """activation_shape without a run (plan.py's search sizes layouts it never builds)."""
     cp_impl = settings.args.cp_impl if settings.shape.cp > 1 else None
     # CP's attention (the ring, or SDPA on whole sequences inside Ulysses) runs without dropout (refused).
-    kernel = "fused" if cp_impl else memory.attention_kernel(device.type, run.compute_dtype, config.dropout)
+    kernel = "fused" if cp_impl else memory.attention_kernel(device_type, compute_dtype, config.dropout)
     return memory.ActivationShape(
-        s=run.seq_len // settings.shape.cp, b=run.micro_batch_size, h=config.n_embd, a=config.n_head,
+        s=settings.seq_len // settings.shape.cp, b=settings.micro_batch_size, h=config.n_embd, a=config.n_head,
         vocab=config.vocab_size, t=settings.shape.tp, sp=settings.sequence_parallel,
-        e_r=run.param_dtype.itemsize, e_c=run.compute_dtype.itemsize, dropout=config.dropout > 0,
-        bool_masks=device.type == "cuda", fp32_norms=device.type == "cuda" and run.compute_dtype.itemsize < 4,
+        e_r=param_dtype.itemsize, e_c=compute_dtype.itemsize, dropout=config.dropout > 0,
+        bool_masks=device_type == "cuda", fp32_norms=device_type == "cuda" and compute_dtype.itemsize < 4,
         kernel=kernel, ulysses=cp_impl == "ulysses", fp8=settings.args.fp8 is not None,
         regather=settings.args.fp8 is None)  # FP8 keeps the gathered input (fp8.convert)
 
 
-def activation_estimate(run) -> ActivationEstimate:
+def activation_estimate(run, device_type: str | None = None) -> ActivationEstimate:
     """This rank's activations per micro-batch: its blocks, the embeddings and the head where it holds them,
     autocast's weight copies apart. Under activation checkpointing a block keeps its input only and backward
     rebuilds one block at a time; under PP the schedule keeps `schedules.in_flight` chunk-micro-batches of this
     rank's program alive, each counted as 1/v of the stage (exact for v = 1)."""
-    config, model, x = run.config, run.model, activation_shape(run)
-    n_moe = sum(moe.is_moe_layer(config, block.layer_id) for block in model.transformer.h)
-    held = {"dense": len(model.transformer.h) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
+    model, layer_ids = run.model, [block.layer_id for block in run.model.transformer.h]
+    in_flight, chunks = 1, 1
+    if isinstance(run.schedule, pipeline.PipelineSchedule):
+        in_flight = schedules.in_flight(run.schedule.programs(run.micro_batches)[run.schedule.rank])[0]
+        chunks = run.schedule.v
+    return estimate_of(run.config, activation_shape(run, device_type), layer_ids, (model.has_embedding, model.has_head),
+                       run.settings.shape.ep, (in_flight, chunks))
+
+
+def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int,
+                pipeline_flight: tuple = (1, 1)) -> ActivationEstimate:
+    """activation_estimate from the shapes: the blocks `layer_ids`, ends = (has embedding, has head), the
+    expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v)."""
+    n_moe = sum(moe.is_moe_layer(config, layer_id) for layer_id in layer_ids)
+    held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
     # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
     # (whole on every TP rank).
     experts = (moe.layer_activation_bytes(config, x.s * x.b // (x.t if x.sp else 1), x.e_c, max(4, x.e_r),
                                           mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)),
-               config.moe_experts // run.settings.shape.ep * 8 * x.h * x.h * x.weight_copy) if n_moe else (0, 0)
+               config.moe_experts // ep * 8 * x.h * x.h * x.weight_copy) if n_moe else (0, 0)
     recomputed = 0.0
     if config.activation_checkpointing:  # the inputs stay; backward rebuilds one block, its copies with it
         blocks, copies = memory.block_input_bytes(x) * sum(held.values()), 0.0
@@ -257,23 +274,20 @@ def activation_estimate(run) -> ActivationEstimate:
         blocks, copies = (sum(held[kind] * each[kind][i] for kind in held) for i in (0, 1))
         what = f"{sum(held.values())} blocks" + (f" ({n_moe} MoE)" if n_moe else "")
     terms = {what: blocks, "autocast weight copies": copies,
-             "embeddings": memory.embedding_activation_bytes(x) if model.has_embedding else 0.0,
-             "head and loss": memory.head_activation_bytes(x) if model.has_head else 0.0}
-    hidden = memory.hidden_from_hooks(x, 0 if config.activation_checkpointing else sum(held.values()), model.has_head)
-    in_flight, chunks = 1, 1
-    if isinstance(run.schedule, pipeline.PipelineSchedule):
-        in_flight = schedules.in_flight(run.schedule.programs(run.micro_batches)[run.schedule.rank])[0]
-        chunks = run.schedule.v
+             "embeddings": memory.embedding_activation_bytes(x) if ends[0] else 0.0,
+             "head and loss": memory.head_activation_bytes(x) if ends[1] else 0.0}
+    hidden = memory.hidden_from_hooks(x, 0 if config.activation_checkpointing else sum(held.values()), ends[1])
+    in_flight, chunks = pipeline_flight
     how = (f"attention {x.kernel}" + (" (Ulysses)" if x.ulysses else "")
            + f", {x.e_r}-byte residual, {x.e_c}-byte compute" + (", FP8 linear inputs" if x.fp8 else "")
            + (f", {x.mask(x.e_c)}-byte dropout masks" if x.dropout else ", no dropout"))
     return ActivationEstimate(forward=sum(terms.values()) / chunks, terms=terms, hidden=hidden / chunks,
                               in_flight=in_flight, chunks=chunks, recomputed=recomputed,
-                              korthikanti=korthikanti_estimate(run, x, n_moe), how=how)
+                              korthikanti=korthikanti_estimate(config, x, len(layer_ids), n_moe), how=how)
 
 
 def block_bytes(x: memory.ActivationShape, experts: tuple) -> dict:
-    """{"dense" | "moe": (activations, autocast weight copies)} of one block of each kind (memory.py's terms). A MoE
+    """{"dense" | "moe": (activations, autocast weight copies)} of one block of each kind (mfu's terms). A MoE
     block keeps its attention and LayerNorms, and `experts` (its router's and experts' bytes, their copies)
     instead of the dense MLP's."""
     terms = memory.layer_activation_terms(x)
@@ -282,13 +296,13 @@ def block_bytes(x: memory.ActivationShape, experts: tuple) -> dict:
             "moe": (attention + experts[0], terms["attention weight copies"] + experts[1])}
 
 
-def korthikanti_estimate(run, x: memory.ActivationShape, n_moe: int) -> float:
+def korthikanti_estimate(config, x: memory.ActivationShape, blocks: int, n_moe: int) -> float:
     """Korthikanti et al. 2022 for this rank's blocks and micro-batch (16-bit; a MoE block's experts by
     moe.activation_estimate_delta); under activation checkpointing the block inputs, 2·s·b·h each (/T with SP),
     and one layer recomputed."""
-    blocks, checkpointing = len(run.model.transformer.h), run.config.activation_checkpointing
+    checkpointing = config.activation_checkpointing
     per_layer = memory.activation_bytes_per_layer(x.s, x.b, x.h, x.a, t=x.t, sequence_parallel=x.sp)
-    experts = moe.activation_estimate_delta(run.config, min(1, n_moe) if checkpointing else n_moe, x.s, x.b, x.t,
+    experts = moe.activation_estimate_delta(config, min(1, n_moe) if checkpointing else n_moe, x.s, x.b, x.t,
                                             x.sp) if n_moe else 0
     if not checkpointing:
         return per_layer * blocks + experts
@@ -458,6 +472,7 @@ def measure_block(run, block_index: int = 0) -> BlockMeasurement:
     groups = {name: group for name, group in run.mesh.groups.items() if group is not None}
     shared = {id(group): group for group in [*groups.values(), dist.group.WORLD]}  # not copied: the same groups
     block = deepcopy(list(run.model.transformer.h)[block_index], memo=dict(shared))
+    materialize(block, run.device, run.config, run.seed)  # a meta block (ZeRO-3 fills its shards later): its values
     params = list(block.parameters())
     for p in params:
         p.data = p.data.to(run.param_dtype)

@@ -17,7 +17,7 @@ LayerNorms and dropouts between regions work on 1/T of the sequence instead of r
 An all-reduce IS a reduce-scatter followed by an all-gather: the same bytes, and nothing outside the regions
 is replicated any more.
 
-Weights come from the per-parameter deterministic init (model.init_full_parameter), sliced with
+Weights come from the per-parameter deterministic init (model.initial_local), sliced with
 ShardInfo.shard_of: a TP run starts from exactly the single-device weights. c_attn's output is [q | k | v],
 so its shard is taken with `segments=3`: rank t holds its heads of q, of k and of v. Dropout: a replicated
 activation needs the same mask on every TP rank, a split one a different mask per rank (TensorParallelRNG).
@@ -67,7 +67,7 @@ import torch.nn as nn
 
 from comm import Messages
 from memory import activation_bytes_per_layer
-from model import GPT, MLP, GPTConfig, ShardInfo, Split, init_full_parameter
+from model import GPT, MLP, GPTConfig, ShardInfo, Split, initial_local
 from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------
@@ -389,17 +389,19 @@ class ForkedAttention:
 
 
 def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 0,
-                batch: BatchShape | None = None) -> TensorParallel:
+                batch: BatchShape | None = None, device=None) -> TensorParallel:
     """Swap the plain GPT's linears, embedding and head for their tensor-parallel versions, in place.
 
     Every rank of `group` calls this with the same model config and seed (the model's; the sizes split, as
     config_from_flags checks): rank t keeps slice t of every split parameter, from the per-parameter init.
-    Replicated ones (LayerNorms, position embedding) stay. With dropout, the caller seeds the default generator
-    alike across a TP group (TensorParallelRNG). `batch`: what a step feeds this rank (`predicted_messages`).
+    Replicated ones (LayerNorms, position embedding) stay. On a meta model (train.compose) the slices are
+    shapes and records only, which model.materialize fills later. With dropout, the caller seeds the default
+    generator alike across a TP group (TensorParallelRNG, on `device`: the model's unless it is meta). `batch`:
+    what a step feeds this rank (`predicted_messages`).
     """
     config = model.config
     ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel)
-    rng = TensorParallelRNG(ctx.rank, next(model.parameters()).device)
+    rng = TensorParallelRNG(ctx.rank, device if device is not None else next(model.parameters()).device)
     untouched = set(model.parameters())  # holds them: an id() of a freed tensor could be reused
     regather, sp_params = not config.activation_checkpointing, []
     for block in model.transformer.h:  # the blocks this model (or pipeline stage) holds
@@ -449,9 +451,11 @@ def _shard(name: str, shape, split_dim: int | None, ctx: TensorParallelContext, 
 
 
 def _param(shard: ShardInfo, config, seed, like: torch.Tensor) -> nn.Parameter:
-    """This rank's slice of the parameter's deterministic init, with its shard record."""
-    full = init_full_parameter(shard.global_name, shard.global_shape, config, seed, like.dtype)
-    param = nn.Parameter(shard.shard_of(full).to(like.device).contiguous())
+    """This rank's slice of the parameter's deterministic init, with its shard record (on meta: its shape)."""
+    if like.is_meta:
+        param = nn.Parameter(torch.empty(shard.local_shape, dtype=like.dtype, device="meta"))
+    else:
+        param = nn.Parameter(initial_local(shard, config, seed, like.dtype).to(like.device))
     param.shard_info = shard
     return param
 
@@ -558,7 +562,7 @@ def apply(model: GPT, run, config: TPConfig) -> TensorParallel:
     applied after TP, cuts the batch) and the layout's working weights (e_w: ZeRO's bf16 ones)."""
     batch = BatchShape(run.micro_batch_size, run.seq_len // run.mesh.size("cp"), run.micro_batches,
                        run.param_dtype.itemsize, run.compute_dtype.itemsize)
-    return parallelize(model, run.mesh.group("tp"), config.sequence_parallel, run.seed, batch)
+    return parallelize(model, run.mesh.group("tp"), config.sequence_parallel, run.seed, batch, run.device)
 
 
 # ---------------------------------------------------------------------------------------------------------

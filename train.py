@@ -42,6 +42,7 @@ from ddp import DDPLayout, DistributedDataParallel
 from flags import DTYPES, Settings, fail
 from memory import MemoryTimeline
 from mesh import Mesh, build_mesh, init_distributed
+import model as model_lib
 from model import GPT, GPTConfig, compile_blocks
 from optim import DynamicLossScaler, LRSchedule, build_adamw
 from report import print0
@@ -94,24 +95,32 @@ class Run:
         return self.settings.args.global_batch * self.seq_len
 
 
-def compose(run: Run, measure: bool = False) -> Run:
+def compose(run: Run, measure: bool = False, materialize: bool = True) -> Run:
     """The model, the axes in order, the layout, the schedule: the run as train.main and the tests build it.
+
+    Each rank builds only what it keeps: the model is built on the meta device (shapes and ShardInfo records),
+    every axis cuts it there (TP's slices, this rank's experts; a pipeline rank builds its stage only), and
+    then model.materialize gives the kept tensors their values, one logical tensor at a time. ZeRO-3 instead
+    fills its flat shards parameter by parameter (never a full working copy). materialize=False leaves
+    everything on meta, layout included (--plan: the start-up's accounting without allocating the model).
     measure: block 0 is measured for the start-up printout (report.measure_startup), before the layout."""
     configs = run.settings.axes
-    run.model = GPT(run.config, seed=run.seed, dtype=run.master_dtype, device=run.device,
+    run.model = GPT(run.config, seed=run.seed, dtype=run.master_dtype, device="meta",
                     **pipeline.stage_of(configs.get("pipeline"), run))  # a pipeline rank builds its stage only
     run.flops = moe.flops_per_token(run.config, run.seq_len, recompute=run.config.activation_checkpointing)
     for axis in AXES:  # each swaps modules in place; its handle is what the rest of the run talks to
         if configs.get(axis.__name__) is not None:
             run.axes.append(axis.apply(run.model, run, configs[axis.__name__]))
+    if materialize and run.settings.args.zero != 3:  # ZeRO-3 fills its shards itself (build_layout)
+        model_lib.materialize(run.model, run.device)
     if measure:
         report.measure_startup(run)
-    run.layout = build_layout(run.model, run)
+    run.layout = build_layout(run.model, run, materialize)
     run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), GradientAccumulation())
     return run
 
 
-def build_layout(model: GPT, run: Run):
+def build_layout(model: GPT, run: Run, materialize: bool = True):
     """DDP (--zero 0) or ZeRO 1/2/3 (zero.py) over each parameter's data-parallel group."""
     args, coords = run.settings.args, run.mesh.coordinates()
     if args.compile:
@@ -121,7 +130,8 @@ def build_layout(model: GPT, run: Run):
         config = ZeroConfig(args.zero, lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2),
                             param_dtype=run.param_dtype, master_dtype=run.master_dtype, bucket_mb=args.bucket_mb,
                             micro_batches=run.micro_batches)  # m > 1: gradients summed in master_dtype
-        return ZeroLayout(model, config, groups, coords)  # FP8 weights carry their gather codec (fp8.convert)
+        device = run.device if materialize else None  # stage 3 fills its shards of a meta model on it
+        return ZeroLayout(model, config, groups, coords, device)  # FP8 weights carry their codec (fp8.convert)
     ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
     return DDPLayout(ddp, optimizer, coords)
@@ -362,8 +372,8 @@ def evaluate(run: Run, tokens, sampler) -> float:
 @torch.no_grad()
 def sample(run: Run, val_tokens, tokenizer_name):
     """Every rank generates the same tokens in lock step (the same prompt and seed), so that every group whose
-    collectives the forward uses (TP, the experts' all-to-all) takes part; rank 0 prints."""
-    run.layout.unshard()  # collective (ZeRO-3 gathers every weight on every rank)
+    collectives the forward uses (TP, the experts' all-to-all, ZeRO-3's gathers) takes part; rank 0 prints.
+    Through the layout as trained: ZeRO-3 gathers one block at a time and frees it after each forward."""
     prompt = torch.from_numpy(val_tokens.tokens[:32].astype("int64"))[None].to(run.device)
     run.model.eval()
     with ExitStack() as stack:

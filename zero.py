@@ -63,6 +63,8 @@ working weights / persistent gradients / optimizer state, m micro-batches per st
    Transient on top (`peak_lower_bound()`, activations apart): stage 1 max(b_g, b_w)·Ψ'/D (the reduce-scatter
    outputs, then the all-gather inputs); stage 2 max(b_w·2U, b_w·Ψ'/D) (2 buckets in flight, or the all-gather
    inputs); stage 3 b_w·2U (in use + prefetched) + b_w·(U_root + 2U) (the root's bucket fills all backward).
+   Start-up at stage 3 (a meta model): the largest of one logical tensor G (its fp32 sample, cast, and piece:
+   G·(4 + b_o) + L·b_o at most) and one unit's working buffer b_w·n' (allocated for its views, shrunk at once).
 3. Messages on the critical path per step over dp×cp (`predicted_messages(m)`; M = payload, wire = (D-1)/D·M):
        stage 1: reduce_scatter b_g·Ψ' (overlapping backward) + all_gather b_w·Ψ' = 2Ψ (unit k's all-gather is
        launched once unit k is updated: it overlaps the update of unit k+1);
@@ -96,7 +98,7 @@ import torch.nn as nn
 import memory
 from comm import Messages
 from ddp import assert_same_across_groups, grad_group, reverse_order_buckets
-from model import ShardInfo, StatePiece, counts_here
+from model import ShardInfo, StatePiece, counts_here, initial_local, set_value
 from optim import StepResult, update
 
 
@@ -137,7 +139,9 @@ class _Unit:
 class ZeroLayout:
     """ZeRO stage `config.stage` over each parameter's data-parallel group: `groups` {"dp_cp": ...,
     "expert_dp": ...} (default: the world for dp_cp). step.train_step drives it (optim.Layout's protocol).
-    `module` must hold the same initial values on every rank (checked); at stage 3 it is a model.GPT (its
+    `module` must hold the same initial values on every rank (checked), or at stage 3 be a meta model.GPT with a
+    `device` (train.compose): each parameter's init then fills its part of this rank's shard, one logical tensor
+    at a time, with no full working copy (`_fill_shard`). At stage 3 it is a model.GPT (its
     `transformer.h` blocks are gathered one at a time). Parameters may be TP-local shards carrying `shard_info`,
     flattened as the local tensors they are. `coords` (Mesh.coordinates()): this rank's index along the model
     axes, which says which replicated copies count (TP rank 0's LayerNorms, ...)."""
@@ -357,8 +361,10 @@ class ZeroLayout:
 
     # --- Construction
 
-    def __init__(self, module: nn.Module, config: ZeroConfig, groups: dict | None = None, coords: dict | None = None):
+    def __init__(self, module: nn.Module, config: ZeroConfig, groups: dict | None = None, coords: dict | None = None,
+                 device=None):
         self.module, self.config, self.stage = module, config, config.stage
+        self.device = device  # stage 3 of a meta module (train.compose): where its shards are filled from the init
         self.groups = {"dp_cp": None, **(groups or {})}  # name → process group (None: the world)
         self.dp_size = dist.get_world_size(self.groups["dp_cp"])
         self.coords = dict(coords or {})
@@ -429,15 +435,22 @@ class ZeroLayout:
         return [u for units in reversed(self.block_units) for u in units] + self.root
 
     def _build_unit(self, unit: _Unit):
-        """Pack the unit's initial values, keep this rank's master shard, point the parameters at the buffers."""
+        """Pack the unit's initial values, keep this rank's master shard, point the parameters at the buffers.
+        Stage 3 of a meta module with a `device` packs nothing: _fill_shard builds this rank's slice alone."""
         device = unit.params[0].device
-        flat = torch.zeros(unit.padded_numel, dtype=self.master_dtype, device=device)
-        for p, offset in zip(unit.params, unit.offsets):
-            flat[offset:offset + p.numel()] = p.detach().reshape(-1)  # master from the full-precision init
         mine = slice(unit.shard_start, unit.shard_start + unit.shard_numel)
-        unit.weights = flat.to(self.param_dtype, copy=True)
-        unit.weight_shard = unit.weights[mine].clone() if self.stage == 3 else unit.weights[mine]
-        unit.master = unit.weight_shard if self.param_dtype == self.master_dtype else flat[mine].clone()
+        if self.stage == 3 and device.type == "meta" and self.device is not None:
+            device = torch.device(self.device)
+            unit.master = self._fill_shard(unit, device)
+            unit.weight_shard = unit.master.to(self.param_dtype)  # the same tensor when the dtypes agree
+            unit.weights = torch.empty(unit.padded_numel, dtype=self.param_dtype, device=device)  # shrunk below
+        else:
+            flat = torch.zeros(unit.padded_numel, dtype=self.master_dtype, device=device)
+            for p, offset in zip(unit.params, unit.offsets):
+                flat[offset:offset + p.numel()] = p.detach().reshape(-1)  # master from the full-precision init
+            unit.weights = flat.to(self.param_dtype, copy=True)
+            unit.weight_shard = unit.weights[mine].clone() if self.stage == 3 else unit.weights[mine]
+            unit.master = unit.weight_shard if self.param_dtype == self.master_dtype else flat[mine].clone()
         unit.exp_avg, unit.exp_avg_sq = (torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
                                          for _ in range(2))
         if self.stage == 1:
@@ -446,7 +459,7 @@ class ZeroLayout:
         else:
             unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.accumulate_dtype, device=device)
         for p, offset, (lo, hi) in zip(unit.params, unit.offsets, unit.spans):
-            p.data = unit.weights[offset:offset + p.numel()].view(p.shape)
+            set_value(p, unit.weights[offset:offset + p.numel()].view(p.shape))
             if self.stage == 1 and not self._folds_grads:
                 p.grad = unit.grad_sum[offset:offset + p.numel()].view(p.shape)  # autograd accumulates in place
             if hi > lo and p.dim() >= 2:
@@ -457,6 +470,18 @@ class ZeroLayout:
         unit.decay_segments, unit.counted_segments = _merge(unit.decay_segments), _merge(unit.counted_segments)
         if self.stage == 3:
             unit.weights.untyped_storage().resize_(0)  # the views stay; their storage has 0 bytes until gathered
+
+    def _fill_shard(self, unit: _Unit, device) -> torch.Tensor:
+        """This rank's [S] master slice of a unit whose parameters are still meta, filled parameter by parameter
+        from its initial value (model.initial_local: its logical tensor, cut by its ShardInfo), never a full
+        working copy: the transient is one logical tensor. The padding is zero, as the packed path's."""
+        shard = torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
+        for p, offset, (lo, hi) in zip(unit.params, unit.offsets, unit.spans):
+            if hi > lo:
+                start = unit.shard_start + lo - offset  # the slice's first element, within p
+                value = initial_local(p.shard_info, self.module.config, self.module.seed, p.dtype).reshape(-1)
+                shard[lo:hi] = value[start:start + hi - lo]
+        return shard
 
     def _install_stage3_hooks(self):
         tf = self.module.transformer

@@ -3,15 +3,19 @@
 - For layouts the suite runs on gloo (tests/test_composition.py's kinds), the plan's persistent bytes, Ψ,
   activation estimate, temporaries and every (collective, group)'s calls and payload equal those of the real
   start-up of the same rank on 4 gloo ranks, exactly.
-- The search's pure formulas give the plan's figures for the layouts it enumerates.
+- The search's pure formulas (plan_search.py) give the plan's figures for the layouts it enumerates.
+- Their activation peak is within 10% of the most bytes autograd holds saved at once over a real step.
 - Published figures: the ZeRO paper's Figure 1; Korthikanti et al.'s per-layer activation formulas.
 - Bad plan input ends in one line, exit status 2.
 """
+
+import functools
 
 import pytest
 import torch
 
 from harness import run_ranks
+from test_activations import LiveSaved
 
 WORLD = 4
 TINY = ["--preset", "tiny", "--dtype", "fp32", "--seq-len", "32", "--bucket-mb", "0.05"]
@@ -45,7 +49,7 @@ def _settings(flags_list, global_batch, micro, world=WORLD, extra=()):
 
 def _figures(role, psi):
     return dict(psi=psi, params=role.local_params, persistent=role.persistent, activations=role.activations,
-                in_flight=role.in_flight, temporaries=role.temporaries, bubble=role.bubble,
+                temporaries=role.temporaries, bubble=role.bubble,
                 messages={key: tuple(count) for key, count in role.messages.items()}, flops=role.flops.hardware)
 
 
@@ -66,8 +70,41 @@ def _real_startups(rank, world, cases):
         train.compose(run)
         for name, group in run.mesh.groups.items():
             run.tracer.name_group(group, name)
-        out.append(_figures(plan.role_of(run), report.parameter_counts(run)[0]))
+        out.append(dict(_figures(plan.role_of(run), report.parameter_counts(run)[0]), saved=_saved_in_a_step(run)))
     return out
+
+
+class LiveSavedBesidesWeights(LiveSaved):
+    """LiveSaved without the parameters' storages as they are when a tensor is saved: ZeRO-3 gathers a unit
+    into a new storage for each pass (its gathered weights are the plan's temporaries, not activations)."""
+
+    def __init__(self, params):
+        super().__init__([])
+        self.params = list(params)
+
+    def pack(self, tensor):
+        if tensor.untyped_storage().data_ptr() in {p.untyped_storage().data_ptr() for p in self.params}:
+            return tensor
+        return super().pack(tensor)
+
+
+def _saved_in_a_step(run) -> int:
+    """The most bytes autograd holds saved at once over one training step of this rank (every micro-batch,
+    the pipeline's in flight together; tests/test_activations.LiveSaved: each storage once, parameters out)."""
+    from optim import DynamicLossScaler
+    from reference import global_batches, rank_micro_batches
+    from step import train_step
+
+    (x, y), = global_batches(1, run.settings.args.global_batch, run.seq_len, run.config.vocab_size)
+    batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.index("dp"), run.mesh.size("dp"),
+                                                      run.micro_batch_size)]
+    for axis in run.axes:
+        batches = axis.shard_batches(batches)
+    live = LiveSavedBesidesWeights(run.model.parameters())
+    with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+        train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0, run.autocast,
+                   run.device, model=run.model, schedule=run.schedule, axes=run.axes, data_size=run.mesh.size("dp"))
+    return live.peak
 
 
 @pytest.fixture(scope="module")
@@ -75,23 +112,56 @@ def real():
     return run_ranks(_real_startups, WORLD, CASES, timeout=600)
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[" ".join(c[0]) or "ddp" for c in CASES])
+@functools.cache
+def _planned(index: int) -> list:
+    """Case `index`'s plan role of every rank (each rank built as the plan builds a role)."""
+    import plan
+
+    settings = _settings(*CASES[index])
+    roles = []
+    for rank in range(WORLD):
+        with plan.fake_world(rank, WORLD):
+            roles.append(plan.role_of(plan.build_role(settings, rank)))
+    return roles
+
+
+IDS = [" ".join(c[0]) or "ddp" for c in CASES]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_plan_equals_the_real_start_up(real, index):
     import plan
 
     settings = _settings(*CASES[index])
-    for rank in range(WORLD):  # every rank: a plan role's figures are those of each rank it stands for
-        with plan.fake_world(rank, WORLD):
-            role = plan.role_of(plan.build_role(settings, rank))
-        planned, got = _figures(role, None), dict(real[rank][index], psi=None)  # Ψ: over the roles, below
+    for rank, role in enumerate(_planned(index)):  # every rank: a role's figures are those of each it stands for
+        planned = _figures(role, None)
+        got = {k: v for k, v in real[rank][index].items() if k in planned}
+        got["psi"] = None  # Ψ: over the roles, below
         assert planned == got, (rank, {k: (planned[k], got[k]) for k in planned if planned[k] != got[k]})
     assert plan.logical_psi(settings, plan.plan_roles(settings)) == real[0][index]["psi"]
 
 
-SEARCHED = [  # layouts the search enumerates (dense, C = E = 1), on 8 ranks
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
+def test_plan_activations_within_10_percent_of_a_real_step(real, index):
+    """The plan's activation peak (report.ActivationEstimate.peak: a forward × those in flight, + the rebuilt
+    block) against the most bytes autograd held saved at once over a real step of the same rank. SP's
+    regathered inputs sit inside hooks of their own, invisible to the measurement: the estimate's `hidden`
+    part is left out here (tests/test_activations.py measures it through the profiler). MoE's routing on
+    this data is not uniform: measured 0.94-1.01 of the estimate."""
+    for rank, role in enumerate(_planned(index)):
+        a, measured = role.activations, real[rank][index]["saved"]
+        seen = a.peak - a.hidden * a.in_flight
+        assert abs(seen / measured - 1) < 0.10, (rank, seen, measured, a.terms)
+
+
+SEARCHED = [  # layouts the search enumerates, on 8 ranks
     ([], 8, 1), (["--zero", "1"], 8, 1), (["--zero", "3"], 16, 1), (["--tp", "2", "--sp"], 8, 1),
     (["--tp", "2", "--zero", "2"], 8, 2), (["--pp", "2", "--pp-schedule", "1f1b"], 8, 1),
     (["--pp", "2", "--tp", "2", "--sp", "--zero", "1", "--pp-schedule", "interleaved", "--n-layer", "4"], 8, 1),
+    (["--cp", "2"], 8, 1), (["--cp", "2", "--tp", "2", "--sp", "--zero", "3"], 8, 2),
+    (["--moe-experts", "4", "--ep", "2"], 8, 1), (["--moe-experts", "4", "--ep", "4", "--zero", "2"], 16, 2),
+    (["--moe-experts", "4", "--moe-every", "2", "--ep", "2", "--cp", "2", "--zero", "3"], 8, 1),
+    (["--moe-experts", "4", "--ep", "2", "--tp", "2", "--sp", "--zero", "1", "--pp", "2"], 8, 1),
 ]
 
 
@@ -103,6 +173,7 @@ def test_search_formulas_give_the_plans_figures(case):
     average (1/D): within those parameters' gradient bytes. The predicted step time then agrees within 1%."""
     import hardware
     import plan
+    import plan_search
 
     settings = _settings(*case, world=8, extra=["--bucket-mb", "25"])  # buckets above any one tensor
     hw = hardware.PRESETS["h100"]
@@ -110,15 +181,14 @@ def test_search_formulas_give_the_plans_figures(case):
         rank = settings.shape.rank_of(0, p, 0, 0)
         with plan.fake_world(rank, 8):
             built = plan.role_of(plan.build_role(settings, rank))
-        formula = plan.formula_role(settings, p)
+        formula = plan_search.formula_role(settings, p)
         assert formula.local_params == built.local_params
         assert formula.persistent == built.persistent
-        assert (formula.activations, formula.in_flight, formula.bubble) == (built.activations, built.in_flight,
-                                                                           built.bubble)
+        assert (formula.activations, formula.bubble) == (built.activations, built.bubble)
         assert sum(formula.temporaries.values()) == pytest.approx(sum(built.temporaries.values()), rel=1e-12)
         assert set(formula.messages) == set(built.messages)
         v = settings.args.pp_virtual if settings.args.pp_schedule == "interleaved" else 1
-        held = plan.stage_params(settings.model, settings.shape.pp, v, settings.shape.tp, p)
+        held = plan_search.stage_params(settings.model, settings.shape, v, p)
         for key, (calls, payload) in built.messages.items():
             sp_sum = key == ("all_reduce", "tp") and settings.sequence_parallel and settings.args.zero
             assert formula.messages[key].calls == calls, key
@@ -161,3 +231,4 @@ def test_bad_plan_input_ends_in_one_line(argv, expected, capsys):
         train.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(expected), err
+

@@ -1,0 +1,311 @@
+"""--plan-search: every layout of a world size sized from the start-up's own pure formulas, without building.
+
+    python train.py --plan-search --world 64 --preset gpt3-13b --global-batch 512 --hw-memory-gib 80
+
+It enumerates the layouts (D, P, C ring, T with SP, E with --moe-experts, ZeRO stage, B_μ and m, schedule,
+activation checkpointing) that flags.validate accepts, gives each pipeline stage's plan.Role from the formulas
+the start-up prints (memory.persistent_bytes per data-parallel group, zero.ZeroLayout's units and transients as
+`grad_sync_messages` and `_formula_temporaries` count them, tensor_parallel.step_messages,
+context_parallel.layer_messages, moe.step_messages, report.estimate_of, schedules.bubble_formula and
+p2p_counts, moe.flops_per_token) and plan.predict's time model, drops what does not fit the device memory,
+ranks by step time and prints the best ten with the term that limits each. Building a role on meta takes
+about a second for a large model, too slow for thousands of layouts; tests/test_plan.py checks that these
+figures equal --plan's built ones (dense, CP and EP layouts).
+
+Accounting for this file: it allocates nothing and sends nothing (shapes and formulas only).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from itertools import product
+
+import context_parallel
+import ddp
+import hardware
+import memory
+import mfu
+import moe
+import report
+import schedules
+import tensor_parallel
+from comm import Messages
+from flags import FlagError
+from mesh import MeshShape, axis_groups
+from plan import (PLANNED_DEVICE, Role, hardware_line, layout_facts, layout_name, limiting_term, plan_dtypes,
+                  plan_settings, predict)
+
+
+def _programs_facts(schedule: str, P: int, m: int, v: int) -> tuple:
+    """({(src, dst): messages per step}, [chunk-micro-batches in flight per pp rank]) of a schedule."""
+    programs = schedules.build_programs(schedule, P, m, v)
+    return schedules.p2p_counts(programs, P * v), [schedules.in_flight(p)[0] for p in programs]
+
+
+def stage_holding(config, P: int, v: int, p: int) -> tuple:
+    """([layer ids], has embedding, has head) of pp rank p (pipeline.stage_kwargs's split)."""
+    chunks = schedules.rank_chunks(p, P, v)
+    layer_ids = [i for c in chunks for i in schedules.stage_layers(config.n_layer, P, v, c)]
+    return layer_ids, 0 in chunks, P * v - 1 in chunks
+
+
+def stage_params(config, shape: MeshShape, v: int, p: int) -> dict:
+    """pp rank p's parameters by the shapes, per data-parallel group ("dp_cp": dense, "expert_dp": experts).
+    A block: attention 4h² + 3h·bias split T ways (tensor_parallel.param_counts' split), LayerNorms
+    2h(1 + bias) and c_proj's bias h·bias replicated; then a dense MLP 8h² + 4h·bias split and h·bias
+    replicated, or a MoE layer's router N·h (dense) and its N/E experts Ψ_e = 8h² + 5h·bias each (whole on
+    every TP rank, group expert_dp). The root: the embedding V·h/T + the positions on the first chunk; ln_f
+    and (P·v > 1) the head's tied copy on the last. "runs": (group, elements) in registration order, adjacent
+    tensors of one group together (a bucket or ZeRO unit never spans two groups)."""
+    h, V, b, T, n = config.n_embd, config.vocab_size, int(config.bias), shape.tp, config.moe_experts
+    layer_ids, embedding, head = stage_holding(config, shape.pp, v, p)
+    first, last = (V * h // T + config.block_size * h if embedding else 0), \
+        (h * (1 + b) + (V * h // T if shape.pp * v > 1 else 0) if head else 0)
+    blocks = {"dp_cp": [], "expert_dp": []}
+    sp_replicated = (h * (1 + b) if head else 0) + (config.block_size * h if embedding else 0)  # ln_f, positions
+    moe_replicated, runs = 0, [["dp_cp", first]]  # routers and experts: MoE's own SP sum (moe.step_messages)
+    for layer_id in layer_ids:
+        expert = n // shape.ep * (8 * h * h + 5 * h * b) if moe.is_moe_layer(config, layer_id) else 0
+        dense = (4 * h * h + 3 * h * b) // T + 2 * h * (1 + b) + h * b
+        dense += n * h if expert else (8 * h * h + 4 * h * b) // T + h * b
+        sp_replicated += 2 * h * (1 + b) + h * b * (1 if expert else 2)
+        moe_replicated += n * h + expert if expert else 0
+        blocks["dp_cp"].append(dense)
+        blocks["expert_dp"].append(expert)
+        runs[-1][1] += dense
+        runs += [["expert_dp", expert], ["dp_cp", 0]] if expert else []
+    runs[-1][1] += last
+    local = {"dp_cp": sum(blocks["dp_cp"]) + first + last, "expert_dp": sum(blocks["expert_dp"])}
+    return dict(layer_ids=layer_ids, embedding=embedding, head=head, layers=len(layer_ids), blocks=blocks,
+                root=first + last, local=local, total=sum(local.values()), runs=[r for r in runs if r[1]],
+                replicated=sp_replicated, moe_replicated=moe_replicated,
+                block=max((sum(x) for x in zip(*blocks.values())), default=0))
+
+
+def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
+    """pp rank p's (d, c, t = 0) Role from the formulas the start-up prints (facts: _programs_facts, cached)."""
+    args, config, shape = settings.args, settings.model, settings.shape
+    P, C, T, E, m, micro = shape.pp, shape.cp, shape.tp, shape.ep, settings.micro_batches, settings.micro_batch_size
+    v = args.pp_virtual if args.pp_schedule == "interleaved" and P > 1 else 1
+    sp, ac, stage, seq = settings.sequence_parallel, config.activation_checkpointing, args.zero, settings.seq_len // C
+    _, compute, param, master = plan_dtypes(settings)
+    b_w, b_c, b_m = param.itemsize, compute.itemsize, master.itemsize
+    held, sizes = stage_params(config, shape, v, p), {"dp_cp": shape.dp * C, "expert_dp": shape.dp * C // E}
+    # persistent bytes: DDPLayout's (fp32 params, grads, moments) or ZeroLayout.bytes_per_param's, per group
+    b_g = b_w if m == 1 or stage == 0 else b_m
+    bpp = memory.BytesPerParam(b_w, b_g, 2 * b_m + (0 if b_w == b_m else b_m))
+    parts = [memory.persistent_bytes(n, bpp, stage, sizes[g]) for g, n in held["local"].items() if n]
+    persistent = {kind: sum(part[kind] for part in parts) for kind in parts[0]}
+    bucket, b_r = args.bucket_mb * 2**20, b_g if stage == 1 else b_w  # b_r: what the gradient reduction sends
+    tied = P * v > 1 and (held["embedding"] or held["head"])  # the tied copy: a unit of its own at ZeRO-1
+    messages = grad_sync_messages(held, sizes, stage, m, (b_w, b_r), bucket, tied)
+    last_bucket = b_r * (held["root"] if stage == 3 else min(held["total"], bucket / b_w)) if stage else \
+        min(ddp.TAPER_BYTES, 4 * held["total"])  # DDP: the taper's last bucket
+    first_gather = b_w * (held["root"] + held["block"]) if stage == 3 else 0.0
+    largest = max(4 * config.n_embd ** 2 // T, config.vocab_size * config.n_embd // T if held["root"] else 0)
+    temporaries = _formula_temporaries(stage, held, sizes, (b_w, b_r), max(bucket, 4 * largest))
+    n_moe = sum(map(bool, held["blocks"]["expert_dp"]))
+    if T > 1:
+        batch = tensor_parallel.BatchShape(micro, seq, m, b_w, b_c)
+        holding = tensor_parallel.Holding(config.n_embd, sp, ac, held["layers"], n_moe, held["embedding"],
+                                          held["head"])
+        sp_bytes = b_g * held["replicated"] / (sizes["dp_cp"] if stage else 1) if sp else 0  # a ZeRO shard: on average
+        messages = messages + tensor_parallel.step_messages(batch, holding, int(sp_bytes))
+    if C > 1:
+        layer = context_parallel.LayerShape(micro, settings.seq_len, config.n_embd // T, b_c, ac)
+        per_layer = context_parallel.layer_messages(args.cp_impl, C, layer)
+        messages = messages + (per_layer["forward"] + per_layer["backward"]).times(held["layers"] * m)
+        if args.cp_impl == "ring":
+            temporaries["ring CP: the K, V block in flight"] = 2 * 2 * micro * seq * config.n_embd // T * b_c
+    if n_moe:
+        tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
+        traffic = moe.Traffic(config, n_moe, tokens, m, E, C, tp_sp, b_c, max(4, b_w))
+        shard = (sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
+        messages = messages + moe.step_messages(traffic, int(b_g * held["moe_replicated"] / shard) if sp else 0)
+        if E > 1:
+            temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * tokens * config.moe_topk * \
+                config.n_embd * b_c
+    flight, bubble, boundary = (1, 1), 0.0, 0.0
+    if P > 1:
+        pairs, flights = facts or _programs_facts(args.pp_schedule, P, m, v)
+        boundary = micro * seq // (T if sp else 1) * config.n_embd * b_w
+        sends = sum(n for (src, _), n in pairs.items() if src == p)
+        recvs = sum(n for (_, dst), n in pairs.items() if dst == p)
+        messages.add("send", "pp", sends, sends * boundary).add("recv", "pp", recvs, recvs * boundary)
+        messages.add("all_reduce", "pp", 1, 8)
+        if held["embedding"] or held["head"]:
+            tied_bytes = b_g * config.vocab_size * config.n_embd // T // (sizes["dp_cp"] if stage else 1)
+            messages.add("all_reduce", "pp_tied", 1, tied_bytes)
+        flight = (flights[p], v)
+        bubble = schedules.bubble_formula(args.pp_schedule, P, m, v)
+        temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
+    messages.add("all_reduce", "world", 1, 16)
+    rank = shape.rank_of(0, p, 0, 0)
+    ranks = {name: next(g for g in partition if rank in g) for name, partition in axis_groups(shape).items()}
+    aliases = {}  # names of one communicator (the same ranks) are one row, as the tracer reports them (mesh.py)
+    for name, members in ranks.items():
+        if len(members) > 1:
+            aliases.setdefault(tuple(members), []).append(name)
+    alias = {name: "=".join(names) for names in aliases.values() for name in names}
+    ranks["world"] = list(range(shape.world_size))
+    x = report.shape_of(settings, config, PLANNED_DEVICE, compute, param)
+    return Role(rank=rank, coords=shape.coords(rank), local_params=held["total"], logical={}, persistent=persistent,
+                activations=report.estimate_of(config, x, held["layer_ids"], (held["embedding"], held["head"]), E,
+                                               flight),
+                temporaries=temporaries, messages=messages.named(lambda name: alias.get(name, name)),
+                group_ranks=ranks, flops=moe.flops_per_token(config, settings.seq_len, recompute=ac), bubble=bubble,
+                last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
+                layer_share=held["layers"] * P / config.n_layer)
+
+
+def grad_sync_messages(held: dict, sizes: dict, stage: int, m: int, bytes_wr: tuple, bucket: float,
+                       tied: bool) -> Messages:
+    """The layout's gradient reduction (and ZeRO's gathers) per step over each group of size > 1 (sizes:
+    {group: D_g}; bytes_wr: (b_w, b_r)): DDP's tapered buckets (ddp.reverse_order_buckets), ZeRO-1/2's
+    units of about `bucket` bytes (+ the tied copy's own), ZeRO-3's per block and the root
+    (zero.ZeroLayout._gathers: a block twice per micro-batch, the last one once, the root twice); plus the
+    step's two scalars over dp_cp."""
+    (b_w, b_r), out, cut = bytes_wr, Messages(), 0
+    for group, nbytes in held["runs"]:
+        if stage == 0 and sizes[group] > 1:
+            count = _tapered_buckets(4 * nbytes, bucket, cut)
+            out.add("all_reduce", group, count, 4 * nbytes)
+            cut += count
+    for group, local in held["local"].items():
+        if stage == 0 or sizes[group] == 1 or not local:
+            continue
+        if stage < 3:
+            units = sum(max(1, math.ceil(b_w * n / bucket)) for g, n in held["runs"] if g == group)
+            units += tied and group == "dp_cp"
+            out.add("all_gather_single", group, units, b_w * local)
+        else:
+            per_block, root = held["blocks"][group], held["root"] if group == "dp_cp" else 0
+            units, last = sum(map(bool, per_block)) + bool(root), per_block[-1] if per_block else 0
+            out.add("all_gather_single", group, m * (2 * units - bool(last)), m * b_w * (2 * local - last))
+        reduces = m if stage >= 2 else 1
+        out.add("reduce_scatter_single", group, units * reduces, reduces * b_r * local)
+    if sizes["dp_cp"] > 1:
+        out.add("all_reduce", "dp_cp", 2, 16)
+    return out
+
+
+def _tapered_buckets(nbytes: float, bucket: float, cut: int = 0) -> int:
+    """How many buckets ddp.reverse_order_buckets cuts nbytes into after `cut` others: caps 1, 2, 4, ... MiB
+    up to `bucket`."""
+    count, covered = 0, 0.0
+    while covered < nbytes:
+        covered += min(bucket, ddp.TAPER_BYTES * 2**(cut + count))
+        count += 1
+    return max(count, 1)
+
+
+def _formula_temporaries(stage: int, held: dict, sizes: dict, bytes_wr: tuple, bucket: float) -> dict:
+    """zero.ZeroLayout.peak_lower_bound's transients (or DDP's one bucket in flight), from the shapes."""
+    (b_w, b_r), largest_run = bytes_wr, max(n for _, n in held["runs"])
+    if stage == 0:
+        return {"DDP: one bucket in flight (the backend's staging)": min(bucket, 4 * largest_run)}
+    shards = sum(n / sizes[g] for g, n in held["local"].items())
+    if stage == 1:
+        extra = max(b_r, b_w) * shards
+    elif stage == 2:
+        extra = max(2 * b_r * min(largest_run, bucket / b_w), b_w * shards)
+    else:
+        extra = 2 * b_w * held["block"] + b_r * (held["root"] + 2 * held["block"])
+    return {f"ZeRO-{stage} transients (zero.peak_lower_bound)": extra}
+
+
+def search_argv(c: dict) -> list:
+    argv = ["--tp", str(c["T"]), "--pp", str(c["P"]), "--zero", str(c["zero"]), "--micro-batch", str(c["micro"])]
+    argv += ["--pp-schedule", c["schedule"]] if c["P"] > 1 else []
+    argv += ["--cp", str(c["C"]), "--cp-impl", "ring"] if c["C"] > 1 else []
+    argv += ["--ep", str(c["E"])] if c["E"] > 1 else []
+    return argv + (["--sp"] if c["T"] > 1 else []) + (["--activation-checkpointing"] if c["ac"] else [])
+
+
+def candidates(world: int, config, global_batch: int, gpus_per_node: int):
+    """Every (T, C, P, D, E, ZeRO, B_μ, schedule, checkpointing) of `world` ranks: T inside a node, T | heads;
+    ring CP, C ≤ 8; E | N (with --moe-experts) and E | D·C. flags.validate refuses the rest as a run would."""
+    powers = [2**i for i in range(world.bit_length()) if world % 2**i == 0]
+    experts = [e for e in powers if config.moe_experts % e == 0] if config.moe_experts else [1]
+    pipelines = [p for p in range(1, config.n_layer + 1) if world % p == 0]
+    for T, C, P, E in product(powers, [c for c in powers if c <= 8], pipelines, experts):
+        D = world // (T * C * P)
+        if world % (T * C * P) or T > gpus_per_node or config.n_head % T or global_batch % D or (D * C) % E:
+            continue
+        for zero_stage, micro, schedule, ac in product((0, 1, 2, 3) if P == 1 else (0, 1), (1, 2, 4, 8),
+                                                       ("1f1b", "interleaved") if P > 1 else ("1f1b",),
+                                                       (False, True)):
+            if (global_batch // D) % micro == 0 and not (ac and zero_stage == 3):
+                yield dict(T=T, C=C, P=P, D=D, E=E, zero=zero_stage, micro=micro, schedule=schedule, ac=ac)
+
+
+def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10) -> tuple:
+    """([(prediction, peak, settings, limiting term)] best first, fitting in hw.memory_gib; dropped; tried)."""
+    import flags
+    import train
+
+    results, dropped, smallest, facts_cache = [], 0, None, {}
+    parsed = flags.build_parser().parse_args(base_argv)
+    for c in candidates(world, flags.model_config(parsed), parsed.global_batch, hw.gpus_per_node):
+        try:
+            settings = flags.validate(flags.build_parser().parse_args([*base_argv, *search_argv(c)]), world,
+                                      axes=train.AXES)
+        except FlagError:
+            continue  # the trainer refuses it (heads, vocabulary, m < P, ...): so does the search
+        settings = plan_settings(settings)
+        v = settings.args.pp_virtual if c["P"] > 1 and c["schedule"] == "interleaved" else 1
+        key = (c["schedule"], c["P"], settings.micro_batches, v)
+        if c["P"] > 1 and key not in facts_cache:
+            facts_cache[key] = _programs_facts(*key)
+        roles = [formula_role(settings, p, facts_cache.get(key)) for p in range(c["P"])]
+        peak = max(r.peak for r in roles)
+        if peak > hw.memory_gib * 2**30:
+            dropped += 1
+            smallest = min(smallest or (peak, settings), (peak, settings), key=lambda x: x[0])
+            continue
+        facts = layout_facts(settings)
+        prediction = max((predict(r, facts, hw) for r in roles), key=lambda x: x.step)
+        results.append((prediction, peak, settings, limiting_term(prediction)))
+    results.sort(key=lambda r: r[0].step)
+    return results[:top], dropped, smallest, len(results) + dropped
+
+
+def run_search(argv: list, settings, hw: hardware.Hardware, out=print) -> list:
+    """--plan-search: the best ten layouts that fit, by predicted step time, with what limits each."""
+    began = time.perf_counter()
+    base = _without_layout_flags(argv)
+    best, dropped, smallest, tried = search(base, settings.args.world, hw)
+    if not best:
+        detail = f"; the smallest peak is {mfu.format_bytes(smallest[0])} ({layout_name(smallest[1])})" if smallest else ""
+        raise FlagError(f"--hw-memory-gib {hw.memory_gib:g}: no layout of {settings.args.preset} on --world"
+                        f" {settings.args.world} fits in it{detail}")
+    out(f"plan-search: {tried} valid layouts of {settings.args.preset} on {settings.args.world} GPUs, {dropped} do"
+        f" not fit {hw.memory_gib:.1f} GiB; the best {len(best)} by predicted step time"
+        f" ({time.perf_counter() - began:.1f} s):")
+    out(hardware_line(hw, plan_dtypes(settings)[0]))
+    for i, (prediction, peak, s, limit) in enumerate(best, 1):
+        out(f"  {i:>2}. {layout_name(s):<52} step {prediction.step:8.3f} s  MFU {prediction.mfu:6.1%}  peak"
+            f" {peak / 2**30:6.1f} GiB  compute {prediction.compute:.3f} s, exposed comm"
+            f" {prediction.exposed_comm:.3f} s, bubble {prediction.bubble:.3f} s: limited by {limit}")
+    return best
+
+
+_LAYOUT_FLAGS = {"--tp": 1, "--pp": 1, "--zero": 1, "--micro-batch": 1, "--pp-schedule": 1, "--sp": 0,
+                 "--activation-checkpointing": 0, "--cp": 1, "--cp-impl": 1, "--ep": 1, "--plan-search": 0,
+                 "--plan": 0, "--world": 1}
+
+
+def _without_layout_flags(argv: list) -> list:
+    """The command line less what the search chooses itself (and the plan flags)."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=")[0]
+        if name in _LAYOUT_FLAGS:
+            skip = _LAYOUT_FLAGS[name] if "=" not in arg else 0
+            continue
+        out.append(arg)
+    return out
