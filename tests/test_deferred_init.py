@@ -230,16 +230,7 @@ def _fake_build(rank, world, case, device):
         dist.destroy_process_group()
 
 
-def _cp_measures_in_apply() -> bool:
-    import context_parallel
-
-    return hasattr(context_parallel, "measure_block")  # main before r7-cp-ddp: CP's apply runs block 0
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(
-    name == "cp" and _cp_measures_in_apply(), strict=True,
-    reason="context_parallel.apply measures block 0 itself (materialising the model) until report.measure_block"
-           " does it")) for name in BUILD_CASES])
+@pytest.mark.parametrize("name", list(BUILD_CASES))
 def test_compose_on_meta_in_a_fake_group_predicts_what_the_real_build_does(real_builds, name):
     for rank in range(WORLD):
         run, planned = _fake_build(rank, WORLD, BUILD_CASES[name], torch.device("meta"))
