@@ -471,7 +471,10 @@ def measure_block(run, block_index: int = 0) -> BlockMeasurement:
     """
     groups = {name: group for name, group in run.mesh.groups.items() if group is not None}
     shared = {id(group): group for group in [*groups.values(), dist.group.WORLD]}  # not copied: the same groups
-    block = deepcopy(list(run.model.transformer.h)[block_index], memo=dict(shared))
+    original = list(run.model.transformer.h)[block_index]
+    block = deepcopy(original, memo=dict(shared))
+    for source, copy in zip(original.parameters(), block.parameters()):
+        copy.shard_info = source.shard_info  # a meta Parameter's deepcopy drops its attributes
     materialize(block, run.device, run.config, run.seed)  # a meta block (ZeRO-3 fills its shards later): its values
     params = list(block.parameters())
     for p in params:

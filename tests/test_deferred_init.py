@@ -46,7 +46,8 @@ MEMORY_CASES = {"zero3": (["--zero", "3"], MEMORY_MODEL, 8, 1),
                 "pp": (["--pp", "2"], MEMORY_MODEL, 8, 1)}
 
 
-def build_run(rank, world, flags, config_kw, global_batch, micro, dtype, device, materialize=True, param_dtype=None):
+def build_run(rank, world, flags, config_kw, global_batch, micro, dtype, device, materialize=True, param_dtype=None,
+              measure=False):
     """train.compose on the flags, as train.main builds a run, in `dtype` (master weights; the working weights
     too unless `param_dtype`)."""
     import flags as flags_lib
@@ -65,6 +66,8 @@ def build_run(rank, world, flags, config_kw, global_batch, micro, dtype, device,
     for name, group in run.mesh.groups.items():
         if group is not None:  # named as train.py names them: the predictions use the tracer's names
             run.tracer.name_group(group, name)
+    if measure:  # as train.main: block 0 measured for the start-up lines, before the layout
+        return train.compose(run, measure=True)
     return train.compose(run) if materialize else train.compose(run, materialize=False)
 
 
@@ -148,6 +151,8 @@ def _real_builds(rank, world):
     out["sample"] = {name: sampled(build_run(rank, world, BUILD_CASES[name][0] + ["--sample-tokens", "12"],
                                              *BUILD_CASES[name][1:], torch.float32, torch.device("cpu")))
                      for name in ("zero3", "zero3_tp_ep")}
+    measured = build_run(rank, world, *BUILD_CASES["zero3_tp_ep"], torch.float32, torch.device("cpu"), measure=True)
+    out["measured"] = (measured.measured.saved_bytes, start_values(measured))
     for name, case in MEMORY_CASES.items():
         dist.barrier()
         run, memory = profiled_start_up(lambda: build_run(rank, world, *case, torch.float32, torch.device("cpu")))
@@ -259,3 +264,13 @@ def test_the_end_of_run_sample_runs_through_the_layout_and_frees_every_block(rea
                                 generator=torch.Generator().manual_seed(0))
         text = data.get_tokenizer("byte").decode(tokens[0].tolist())
         assert real_builds[0]["sample"][name]["text"].splitlines()[1:] == text.splitlines()
+
+
+def test_block_zero_is_measured_at_start_up_on_a_zero3_meta_model(real_builds):
+    """train.main's compose(measure=True) under ZeRO-3 × TP: report.measure_block runs a materialised copy of the
+    meta block 0 (the model itself stays unmaterialised: the shards are the same as without measuring)."""
+    for results in real_builds:
+        saved, values = results["measured"]
+        assert saved > 0
+        for (key, tensor, _, _), (key_0, tensor_0, _, _) in zip(values, results["bitwise"][("zero3_tp_ep", torch.float32)]):
+            assert key == key_0 and torch.equal(tensor, tensor_0), key
