@@ -345,8 +345,7 @@ class Fp8Linear(nn.Linear):
     objects, its GEMMs in FP8, and its scaling state (per role: history, scale). amax_groups: {mesh group name:
     process group} over which pieces of its tensors are spread (cp, tp), for current scaling; delayed_groups:
     the mesh groups the delayed roll reduces over; gemm: "auto", "emulated" or "scaled_mm" (forced, for tests).
-    Under the pipeline's zb it defers its own weight gradient (`defers_weight_grad`: the store does not patch its
-    forward), through `weight_grad_store` (see _Fp8LinearFunction)."""
+    Under the pipeline's zb it defers its own weight gradient (`defers_weight_grad`, `weight_grad_store`)."""
 
     defers_weight_grad = True
 
@@ -545,9 +544,8 @@ class Fp8Handle(Axis):
         return nonfinite
 
     def state_pieces(self) -> list:
-        """The delayed recipe's histories and scales as logical tensors ("fp8/<linear>.amax_history", ".scale"):
-        identical on every rank holding the linear, written by the one at coordinate 0 of its gradient group
-        and of tp (model.counts_here), so they reload on any mesh (`history_ready` follows the loaded history)."""
+        """The delayed recipe's histories and scales as logical tensors ("fp8/<linear>.amax_history", ".scale";
+        docstring item 4), written by the rank at coordinate 0 of the linear's gradient group and of tp."""
         if self.recipe.mode != "delayed":
             return []
         coords = self.mesh.coordinates() if self.mesh is not None else None

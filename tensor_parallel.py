@@ -58,7 +58,7 @@ L layers, T tensor-parallel size, e_w / e_c the bytes of a working-weight / comp
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +71,7 @@ from model import GPT, MLP, GPTConfig, ShardInfo, Split, initial_local
 from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------
-# The collectives along the sequence (dim 1 of [batch, seq, ...]) and the vocabulary (last dim), and the
-# conjugate operators made of them
+# Collectives along the sequence (dim 1 of [batch, seq, ...]) and the vocabulary (last dim); the conjugate operators
 # ---------------------------------------------------------------------------------------------------------
 # all_gather_single / reduce_scatter_single work on dim 0, so the sequence is moved to the front for the
 # collective and back after. (Megatron keeps activations [s, b, h] throughout so this is free; model.py is
@@ -86,9 +85,8 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size = dist.get_world_size(group)
     local = x.movedim(dim, 0).contiguous()
-    out = local.new_empty((local.shape[0] * size, *local.shape[1:]))
+    out = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
     dist.all_gather_single(out, local, group=group)
     return out.movedim(0, dim)
 
@@ -99,8 +97,6 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
     dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
     return out.movedim(0, dim)
-
-
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -209,12 +205,10 @@ class ColumnParallelLinear(nn.Module):
         return _all_gather(y, -1, self.ctx.group) if self.gather_output else y  # sampling: no gradient
 
     def _forward_regathering(self, x: torch.Tensor) -> torch.Tensor:
-        """SP as in Megatron: autograd keeps the shard, and backward all-gathers it again.
-
-        The weight gradient X_fullᵀ·dY needs the whole gathered input: s·b·h elements per column layer where
-        Korthikanti et al. count s·b·h/T. A saved-tensor hook swaps the gathered tensor for this rank's shard
-        when the linear saves it and all-gathers it again when backward unpacks it: one more all-gather per
-        column layer in backward, for (T-1)/T of that memory."""
+        """SP as in Megatron: a saved-tensor hook keeps this rank's shard when the linear saves the gathered
+        input, and all-gathers it again when backward unpacks it. The weight gradient X_fullᵀ·dY needs the whole
+        input: s·b·h elements per column layer where Korthikanti et al. count s·b·h/T; this costs one more
+        all-gather per column layer in backward, for (T-1)/T of that memory."""
         shard, group = _autocast_input(x), self.ctx.group
         total = GatherFromSequenceParallelRegion.apply(shard, group)  # = self.ctx.enter(x)
         shard = shard.detach()
@@ -364,9 +358,8 @@ class ForkedDropout(nn.Module):
         self.dropout, self.ctx, self.rng = dropout, ctx, rng
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and self.dropout.p > 0 and self.ctx.sequence_parallel):
-            return self.dropout(x)
-        with self.rng.fork():
+        split = self.training and self.dropout.p > 0 and self.ctx.sequence_parallel
+        with self.rng.fork() if split else nullcontext():
             return self.dropout(x)
 
 
@@ -377,9 +370,7 @@ class ForkedAttention:
         self.fn, self.rng = fn, rng
 
     def __call__(self, q, k, v, dropout_p: float):
-        if dropout_p == 0:
-            return self.fn(q, k, v, dropout_p)
-        with self.rng.fork():
+        with self.rng.fork() if dropout_p != 0 else nullcontext():
             return self.fn(q, k, v, dropout_p)
 
 
@@ -452,10 +443,9 @@ def _shard(name: str, shape, split_dim: int | None, ctx: TensorParallelContext, 
 
 def _param(shard: ShardInfo, config, seed, like: torch.Tensor) -> nn.Parameter:
     """This rank's slice of the parameter's deterministic init, with its shard record (on meta: its shape)."""
-    if like.is_meta:
-        param = nn.Parameter(torch.empty(shard.local_shape, dtype=like.dtype, device="meta"))
-    else:
-        param = nn.Parameter(initial_local(shard, config, seed, like.dtype).to(like.device))
+    value = (torch.empty(shard.local_shape, dtype=like.dtype, device="meta") if like.is_meta
+             else initial_local(shard, config, seed, like.dtype).to(like.device))
+    param = nn.Parameter(value)
     param.shard_info = shard
     return param
 
@@ -481,8 +471,7 @@ def _row(linear: nn.Linear, name: str, ctx, config, seed):
 
 class TensorParallel(Axis):
     """The handle `parallelize` returns (step.Axis): the SP gradient sum, sampling, the predicted messages.
-    sequence_parallel_params: the replicated parameters that under SP see only this rank's tokens (LayerNorms,
-    row-parallel biases, the position embedding), whose gradient is the SUM over the TP group."""
+    sequence_parallel_params: the replicated parameters whose gradients SP sums over TP (docstring item 1)."""
 
     name = "tp"
 

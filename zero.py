@@ -7,55 +7,49 @@ the same arithmetic but gives each of the D ranks of the data group (dp×cp) one
     stage 2: + the gradients (reduce-scattered in buckets during backward; full gradients freed at once);
     stage 3: + the working parameters (all-gathered per block just before use, freed after).
 
-The flat layout. Parameters are packed into UNITS (`_Unit`), each one flat buffer padded to a multiple of D
-elements: stage 1/2 units are gradient buckets of about `bucket_mb` MiB, in reverse registration order (roughly
-the order backward produces them); stage 3 units are the transformer blocks plus one "root" unit holding the
-rest (embeddings, tied head, final LayerNorm). A unit of n elements is padded to n' = ⌈n/D⌉·D and rank r owns
-the contiguous slice [r·S, (r+1)·S), S = n'/D. The padding is zero in every buffer and stays zero (its gradient
-is zero, so Adam never moves it). Ψ' = Σ n' ≤ Ψ + units·(D-1) is the padded parameter count; every formula
-below holds exactly with Ψ' (and within that padding with Ψ). Each parameter is sharded over its own
-data-parallel group (its record's grad_group: dp×cp, or expert_dp for experts), each unit over one of them.
+The flat layout. Parameters are packed into UNITS (`_Unit`), flat buffers: stage 1/2 units are gradient
+buckets of about `bucket_mb` MiB, in reverse registration order (roughly the order backward produces them);
+stage 3 units are the transformer blocks plus one "root" unit holding the rest (embeddings, tied head, final
+LayerNorm). A unit of n elements is padded to n' = ⌈n/D⌉·D and rank r owns the contiguous slice [r·S, (r+1)·S),
+S = n'/D; the padding is zero and stays zero (its gradient is zero: Adam never moves it). Ψ' = Σ n' ≤ Ψ +
+units·(D-1) is the padded parameter count: every formula below holds exactly with Ψ' (within that padding with
+Ψ). Each unit is sharded over its parameters' data-parallel group (grad_group: dp×cp, or expert_dp).
 
-The update on a shard is torch.optim.AdamW's, element for element: decoupled decay p ← p·(1 - lr·wd) on the
-tensors of dim ≥ 2 (kept as [start, end) segments of the shard), then m ← β1·m + (1-β1)·g, v ← β2·v + (1-β2)·g²,
-p ← p - lr/(1-β1^t) · m / (√v/√(1-β2^t) + ε). The rest follows DESIGN.md's order, through optim.update: reduce
-→ unscale → all ranks finite? → global norm = √(Σ_world Σ_shard g²) (the padding is zero; a tensor replicated
-over a model axis, such as TP's LayerNorms, counts on coordinate 0 of that axis: model.counts_here) → clip →
-all step or all skip.
+The update on a shard is torch.optim.AdamW's, element for element: decoupled decay p ← p·(1 - lr·wd) on the tensors of
+dim ≥ 2 (kept as [start, end) segments of the shard), then m ← β1·m + (1-β1)·g, v ← β2·v + (1-β2)·g²,
+p ← p - lr/(1-β1^t) · m / (√v/√(1-β2^t) + ε). The rest follows DESIGN.md's order, through optim.update: reduce →
+unscale → all ranks finite? → global norm = √(Σ_world Σ_shard g²) (the padding is zero; a tensor replicated over a model
+axis, such as TP's LayerNorms, counts on coordinate 0 of that axis: model.counts_here) → clip → all step or all skip.
 
 Mixed precision. Working parameters and each backward's gradients are `param_dtype` (bf16 under --dtype bf16:
-b_w = 2), the optimizer keeps `master_dtype` master weights and moments (fp32: b_o = 4 + 4 + 4 = 12): with one
-micro-batch per step (b_g = 2) the 2 + 2 + 12 = 16 bytes per parameter of the paper; with m > 1 the gradient is
-summed in fp32 (b_g = 4, below): 2 + 4 + 12. When the two dtypes are equal (fp32 runs, the float64 tests) the
-master IS the working shard (no third copy): b_o = 8 with fp32.
+b_w = 2), the optimizer keeps `master_dtype` master weights and moments (fp32: b_o = 4 + 4 + 4 = 12): at m = 1
+(b_g = 2) the paper's 2 + 2 + 12 = 16 bytes per parameter, at m > 1 (b_g = 4, below) 2 + 4 + 12. Equal dtypes
+(fp32 runs, the float64 tests): the master IS the working shard (no third copy), b_o = 8 with fp32.
 
-Gradient accumulation. Stage 1 sums full gradients locally under `no_sync()` and reduces once per step,
-like DDP; stages 2/3 hold no full gradient, so every micro-batch's backward reduce-scatters its buckets into
-the gradient shard (the volume is paid m times per step, as in FSDP). With m > 1 the sum is kept in the master
-dtype (`accumulate_dtype`, as Megatron's main_grad): a bf16 sum of m terms rounds m times and its error grows
-with m (bench/bench_zero_accum.py). On the wire (`reduce_dtype`): stage 1 sends its fp32 sum once per step;
-stages 2/3 send each micro-batch's bf16 bucket while backward runs and add it into the fp32 shard (DeepSpeed's
-choice: one rounding per term, none on the running sum). At m = 1 nothing is summed (no extra buffer).
+Gradient accumulation. Stage 1 sums full gradients locally under `no_sync()` and reduces once per step, like DDP;
+stages 2/3 hold no full gradient, so every micro-batch's backward reduce-scatters its buckets into the gradient shard
+(m times per step, as in FSDP). With m > 1 the sum is kept in the master dtype (`accumulate_dtype`, as Megatron's
+main_grad): a bf16 sum of m terms rounds m times and its error grows with m (bench/bench_zero_accum.py); at m = 1
+nothing is summed. On the wire (`reduce_dtype`): stage 1 sends its fp32 sum once per step; stages 2/3 each
+micro-batch's bf16 bucket, added into the fp32 shard (as DeepSpeed: one rounding per term, none on the running sum).
 
-How stage 3 overlaps (module hooks: the model stays untouched). Each unit's full buffer is allocated once and
-every parameter's `.data` is a view into it; "free" shrinks its storage to 0 bytes, "gather" grows it back and
-all-gathers into it, so the views (and the tensors autograd saved) stay valid. Forward: the model's pre-hook
-gathers the root (embeddings) and prefetches block 0; block i's pre-hook waits for block i, frees the root
-after the embedding (i = 0) and launches block i+1's gather (after the last block: the root, for the tied head)
-while block i computes; its post-hook frees it, except the last block, which backward needs first. Backward:
-a hook on block i's output (it fires before block i's backward) waits for block i, launches block i-1's gather,
-and (i = L-1) frees the root, whose readers (head, ln_f) are done. Once all of a unit's gradients are in its
-bucket (post-accumulate-grad hooks), it is reduce-scattered (async) and the unit freed: every node reading a
-weight has run before autograd accumulates its gradient. Autograd runs a ready AccumulateGrad before any other
-ready node, so block i+1 is freed before block i's backward hook prefetches block i-1: at most two units are
-gathered at once (`peak_gathered_units`, tested, with the order of gathers in both passes). Under --compile
-the hooks stay eager (model.compile_blocks compiles each block's forward, not its call). A parameter with a
-`gather_codec` (fp8.convert gives one to each FP8 weight) shares a unit with its codec's other weights, which
-are gathered as uint8 codes: `codec.encode(weights, shard segments, group)` before the all-gather,
-`codec.decode(weights, codes, into=the working weights, ...)` after.
+How stage 3 overlaps (module hooks: the model stays untouched). Each unit's full buffer is allocated once and every
+parameter's `.data` is a view into it; "free" shrinks its storage to 0 bytes, "gather" grows it back and all-gathers
+into it, so the views (and the tensors autograd saved) stay valid. Forward: the model's pre-hook gathers the root
+(embeddings) and prefetches block 0; block i's pre-hook waits for block i, frees the root after the embedding (i = 0)
+and launches block i+1's gather (after the last block: the root, for the tied head) while block i computes; its
+post-hook frees it, except the last block, which backward needs first. Backward: a hook on block i's output (fired
+before block i's backward) waits for block i, launches block i-1's gather, and (i = L-1) frees the root, whose readers
+(head, ln_f) are done. Once all of a unit's gradients are in its bucket (post-accumulate-grad hooks), it is
+reduce-scattered (async) and the unit freed: every node reading a weight has run before autograd accumulates its
+gradient. Autograd runs a ready AccumulateGrad before any other ready node, so block i+1 is freed before block i's
+backward hook prefetches block i-1: at most two units are gathered at once (`peak_gathered_units`; tested, with the
+order of gathers). Under --compile the hooks stay eager (model.compile_blocks compiles each block's forward, not its
+call). A parameter with a `gather_codec` (fp8.convert gives one to each FP8 weight) shares a unit with its codec's
+other weights, gathered as uint8 codes: `codec.encode` before the all-gather, `codec.decode` after.
 
-Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_o bytes per parameter for
-working weights / persistent gradients / optimizer state, m micro-batches per step, U the largest unit):
+Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_o bytes per parameter for working
+weights / persistent gradients / optimizer state, m micro-batches per step, U the largest unit):
 1. Replicated vs split. Stage 1: weights and gradients replicated, optimizer state split in D. Stage 2:
    weights replicated; gradients and optimizer state split. Stage 3: everything split. The batch is split.
 2. Persistent bytes per rank (memory.persistent_bytes, `predicted_persistent()`; `held_bytes()` measures it):
@@ -69,20 +63,16 @@ working weights / persistent gradients / optimizer state, m micro-batches per st
        stage 1: reduce_scatter b_g·Ψ' (overlapping backward) + all_gather b_w·Ψ' = 2Ψ (unit k's all-gather is
        launched once unit k is updated: it overlaps the update of unit k+1);
        stage 2: m × reduce_scatter b_w·Ψ' (overlapped) + all_gather b_w·Ψ' = 2Ψ for m = 1;
-       stage 3: m × [all_gather b_w·(2Ψ' - U_last) + reduce_scatter b_w·Ψ'] = the paper's 3Ψ less what is not
-       regathered: the root in backward (last read by the head's backward, before it is freed) and the last
-       block (kept from its forward into its backward), the root being gathered twice in forward (embedding,
-       tied head). Exposed: the gathers of the root and block 0 at the start of forward, the root's
-       reduce-scatter at the end of backward. A unit with a codec gathers 1 byte per element instead of b_w,
-       plus per gather the codec's messages (FP8: one all_reduce (MAX) of 4 bytes per weight over the unit's
-       group and the linears' TP/CP groups, so every rank quantises a weight with one scale).
-   Plus the update's 16-byte all-reduce over the world (optim.update: squared norm and non-finite count),
-   and with sequence parallel one all-reduce over TP of this shard's part of the SP-replicated gradients
-   (tensor_parallel's after_grad_sync, on `grad_pieces`).
-4. Restart state: `state_pieces()` lists, per logical tensor, the working weights (`param/`: the full tensor
-   at stages 1/2, written by dp rank 0 only; this rank's flat range at stage 3), and this rank's flat range of
-   `master/`, `exp_avg/`, `exp_avg_sq/`, plus `optimizer_step_count` (Adam's t). The flat ranges exclude the
-   padding, so a checkpoint reloads on any D.
+       stage 3: m × [all_gather b_w·(2Ψ' - U_last) + reduce_scatter b_w·Ψ'] = the paper's 3Ψ, less the root
+       and the last block in backward (`_gathers`), plus the root's second gather in forward (the tied head).
+       Exposed: the root's and block 0's gathers at the start of forward, the root's reduce-scatter at the end of
+       backward. A unit with a codec gathers 1 byte per element instead of b_w, plus per gather the codec's messages
+       (FP8's scale agreement: a MAX all_reduce of 4 bytes per weight over the unit's group and TP/CP).
+   Plus the update's 16-byte all-reduce over the world (optim.update: squared norm, non-finite count) and, with SP,
+   one all-reduce over TP of this shard's part of the SP-replicated gradients (TensorParallel.after_grad_sync).
+4. Restart state (`state_pieces()`): per logical tensor the working weights (`param/`: stages 1/2 the full tensor,
+   written by dp rank 0; stage 3 this rank's flat range), this rank's flat range of `master/`, `exp_avg/`,
+   `exp_avg_sq/`, and `optimizer_step_count` (Adam's t). Flat ranges exclude the padding: they reload on any D.
 """
 
 from __future__ import annotations
@@ -103,9 +93,8 @@ from optim import StepResult, update
 
 
 class _Unit:
-    """One flat, padded buffer of parameters: what is gathered, reduce-scattered and stepped together. Its record
-    (parameters, offsets, n, S, n', this rank's slice and each parameter's part of it) is the same at every stage;
-    each buffer means one thing at every stage, None where a stage has none (ZeroLayout._build_unit fills them)."""
+    """One flat, padded buffer of parameters: what is gathered, reduce-scattered and stepped together. The record
+    and each buffer mean the same at every stage, a buffer None where a stage has none (ZeroLayout._build_unit)."""
 
     def __init__(self, params: list, group, group_name: str, codec):
         self.params, self.group, self.group_name = params, group, group_name  # "dp_cp" or "expert_dp"
@@ -137,14 +126,12 @@ class _Unit:
 
 
 class ZeroLayout:
-    """ZeRO stage `config.stage` over each parameter's data-parallel group: `groups` {"dp_cp": ...,
-    "expert_dp": ...} (default: the world for dp_cp). step.train_step drives it (optim.Layout's protocol).
-    `module` must hold the same initial values on every rank (checked), or at stage 3 be a meta model.GPT with a
-    `device` (train.compose): each parameter's init then fills its part of this rank's shard, one logical tensor
-    at a time, with no full working copy (`_fill_shard`). At stage 3 it is a model.GPT (its
-    `transformer.h` blocks are gathered one at a time). Parameters may be TP-local shards carrying `shard_info`,
-    flattened as the local tensors they are. `coords` (Mesh.coordinates()): this rank's index along the model
-    axes, which says which replicated copies count (TP rank 0's LayerNorms, ...)."""
+    """ZeRO stage `config.stage` over each parameter's data-parallel group: `groups` {"dp_cp": ..., "expert_dp": ...}
+    (default: the world for dp_cp). step.train_step drives it (optim.Layout's protocol). `module` must hold the same
+    initial values on every rank (checked), or at stage 3 be a meta model.GPT with a `device` (train.compose;
+    `_fill_shard`); at stage 3 a model.GPT (its `transformer.h` blocks are gathered one at a time). Parameters may be
+    TP-local shards (with `shard_info`), flattened as the local tensors they are. `coords` (Mesh.coordinates()): this
+    rank's index along the model axes (which replicated copies count: TP rank 0's LayerNorms, ...)."""
 
     name = "zero"  # its lines are report.py's section of that name
 
@@ -225,9 +212,8 @@ class ZeroLayout:
             for unit, grad in zip(self.units, grads):
                 self._adamw(unit, grad)
                 gathers.append(self._publish(unit))
-            for work in gathers:
-                if work is not None:
-                    work.wait()
+            for work in (work for work in gathers if work is not None):
+                work.wait()
 
         return update(grads, counted, scaler, clip, adamw_and_publish, grads[0].device, counted_pieces=pieces,
                       extra_nonfinite=extra_nonfinite)
@@ -319,17 +305,15 @@ class ZeroLayout:
         self._gather(self.block_units[i + 1] if i + 1 < len(self.blocks) else self.root)  # prefetch
 
     def _after_block(self, i: int, out):
-        last = i == len(self.blocks) - 1
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad, i=i: self._before_block_backward(i))
-            if last:
+            if i == len(self.blocks) - 1:
                 return  # backward starts with this block: keep it
         self._free(self.block_units[i])
 
     def _forward_end(self, module, args, out):
         if not torch.is_grad_enabled():  # evaluation: no backward will free what is still gathered
-            self._free(self.block_units[-1])
-            self._free(self.root)
+            self._free(self.block_units[-1] + self.root)
 
     def _before_block_backward(self, i: int):
         if i == len(self.blocks) - 1:
@@ -370,7 +354,6 @@ class ZeroLayout:
         self.coords = dict(coords or {})
         self.lr = config.lr  # set_lr changes it every step
         self.param_dtype, self.master_dtype = config.param_dtype, config.master_dtype
-        # The sum over a step's m > 1 micro-batches is kept in the master dtype (docstring, "Gradient accumulation").
         self.accumulate_dtype = config.accumulate_dtype or (
             config.master_dtype if config.micro_batches > 1 else config.param_dtype)
         # What a gradient reduce-scatter sends: stage 1 its sum, once per step; stages 2/3 each micro-batch's bucket.
@@ -465,16 +448,15 @@ class ZeroLayout:
             if hi > lo and p.dim() >= 2:
                 unit.decay_segments.append((lo, hi))
             if hi > lo:
-                counted = counts_here(p.shard_info, self.coords)
-                (unit.counted_segments if counted else unit.uncounted_segments).append((lo, hi))
+                segments = unit.counted_segments if counts_here(p.shard_info, self.coords) else unit.uncounted_segments
+                segments.append((lo, hi))
         unit.decay_segments, unit.counted_segments = _merge(unit.decay_segments), _merge(unit.counted_segments)
         if self.stage == 3:
             unit.weights.untyped_storage().resize_(0)  # the views stay; their storage has 0 bytes until gathered
 
     def _fill_shard(self, unit: _Unit, device) -> torch.Tensor:
-        """This rank's [S] master slice of a unit whose parameters are still meta, filled parameter by parameter
-        from its initial value (model.initial_local: its logical tensor, cut by its ShardInfo), never a full
-        working copy: the transient is one logical tensor. The padding is zero, as the packed path's."""
+        """This rank's [S] master slice of a unit whose parameters are still meta, from each one's initial value
+        (model.initial_local, cut by its ShardInfo): the transient is one logical tensor; the padding is zero."""
         shard = torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
         for p, offset, (lo, hi) in zip(unit.params, unit.offsets, unit.spans):
             if hi > lo:
@@ -484,13 +466,12 @@ class ZeroLayout:
         return shard
 
     def _install_stage3_hooks(self):
-        tf = self.module.transformer
         self.module.register_forward_pre_hook(self._forward_start)
         self.module.register_forward_hook(self._forward_end)
         for i, block in enumerate(self.blocks):
             block.register_forward_pre_hook(lambda mod, args, i=i: self._before_block(i))
             block.register_forward_hook(lambda mod, args, out, i=i: self._after_block(i, out))
-        for head in (tf.ln_f, getattr(self.module, "lm_head", None)):
+        for head in (self.module.transformer.ln_f, getattr(self.module, "lm_head", None)):
             if head is not None:
                 head.register_forward_pre_hook(lambda mod, args: self._wait(self.root))
 
@@ -509,9 +490,8 @@ class ZeroLayout:
             self.require_grad_sync = previous
 
     def grad_pieces(self, params) -> list:
-        """The segments of this rank's gradient shards that belong to `params` (views, in unit order). The
-        members of a TP group (same parameters, shapes and dp rank) get the same segments, so an axis can sum
-        them over its group in place (sequence parallel's replicated parameters)."""
+        """The segments of this rank's gradient shards that belong to `params` (views, in unit order), alike on every
+        TP rank (same parameters, shapes and dp rank): an axis can sum them over TP in place (SP)."""
         wanted = set(params)
         return [unit.grad_shard[lo:hi] for unit in self.units for p, (lo, hi) in zip(unit.params, unit.spans)
                 if p in wanted and hi > lo]
@@ -529,9 +509,7 @@ class ZeroLayout:
         for unit in self.units:
             for p, offset, (lo, hi) in zip(unit.params, unit.offsets, unit.spans):
                 name, info = p.shard_info.global_name, p.shard_info
-                # A TP-replicated tensor (LayerNorm, row-parallel bias) is identical on every TP rank:
-                # only TP rank 0's copy is written.
-                written_here = counts_here(info, self.coords)
+                written_here = counts_here(info, self.coords)  # a TP-replicated tensor: TP rank 0's copy only
                 if self.stage < 3:
                     pieces.append(StatePiece(f"param/{name}", p.data, info, None,
                                              primary=unit.dp_rank == 0 and written_here))
@@ -585,8 +563,7 @@ class ZeroLayout:
 
     def peak_lower_bound(self) -> float:
         """Persistent bytes + the transient buffers the schedule cannot avoid (activations apart; docstring, 2).
-        U: the largest unit (stage 3: a block's units together); Ψ'/D: this rank's shards, Σ S; the buckets of
-        stages 2/3 hold one backward's gradients, in the working dtype whatever b_g is."""
+        U: the largest unit (stage 3: a block's units together); Ψ'/D: this rank's shards, Σ S."""
         b = self.bytes_per_param()
         b_bucket = self.reduce_dtype.itemsize  # stage 1: b_g; stages 2/3: b_w
         shards = sum(u.shard_numel for u in self.units)
@@ -606,10 +583,8 @@ class ZeroLayout:
         return 2 if unit in self.root or unit not in self.block_units[-1] else 1
 
     def predicted_messages(self, micro_batches: int) -> Messages:
-        """Per step over each data-parallel group of size > 1 (docstring, 3): the all-gathers (stage 3: a unit's
-        `_gathers` per micro-batch, 1 byte per element for a codec's uint8 codes) and the reduce-scatters in
-        reduce_dtype (stage 1 once per step, stages 2/3 every micro-batch); plus each stage-3 gather's codec
-        messages (FP8: the scales' agreement, also over the linears' TP/CP groups when D = 1)."""
+        """Per step over each data-parallel group of size > 1 (docstring item 3; stage 3: a unit's `_gathers` per
+        micro-batch), plus each stage-3 gather's codec messages (also over the linears' TP/CP groups when D = 1)."""
         m, b_w, b_r, out = micro_batches, self.param_dtype.itemsize, self.reduce_dtype.itemsize, Messages()
         reduces = m if self.stage >= 2 else 1
         for name, group in self.groups.items():
