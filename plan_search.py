@@ -103,7 +103,8 @@ class _Stage:
 
 
 def _stage_of(settings, p: int) -> _Stage:
-    args, shape, C, m, stage = settings.args, settings.shape, settings.shape.cp, settings.micro_batches, settings.args.zero
+    args, shape, m = settings.args, settings.shape, settings.micro_batches
+    C, stage = shape.cp, args.zero
     v = args.pp_virtual if args.pp_schedule == "interleaved" and shape.pp > 1 else 1
     _, compute, param, master = plan_dtypes(settings)
     b_w, b_m = param.itemsize, master.itemsize
@@ -169,7 +170,8 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
         batch = tensor_parallel.BatchShape(micro, seq, m, s.b_w, s.b_c)
         holding = tensor_parallel.Holding(config.n_embd, sp, ac, held["layers"], n_moe, held["embedding"],
                                           held["head"])
-        sp_bytes = s.b_g * held["replicated"] / (s.sizes["dp_cp"] if stage else 1) if sp else 0  # a ZeRO shard: on average
+        shard = s.sizes["dp_cp"] if stage else 1  # ZeRO: a shard, on average
+        sp_bytes = s.b_g * held["replicated"] / shard if sp else 0
         messages = messages + tensor_parallel.step_messages(batch, holding, int(sp_bytes))
     if C > 1:
         layer = context_parallel.LayerShape(micro, settings.seq_len, config.n_embd // T, s.b_c, ac)
