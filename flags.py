@@ -80,7 +80,15 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="train.py", description="Train the GPT on a mesh of devices (see README.md).")
-    g = p.add_argument_group("model")
+    for add_group in (_add_model_flags, _add_data_flags, _add_optimization_flags, _add_parallelism_flags,
+                      _add_fp8_flags, _add_moe_flags, _add_reporting_flags, _add_checkpoint_flags):
+        add_group(p)  # --help lists the groups in this order
+    add_plan_arguments(p)
+    return p
+
+
+def _add_model_flags(parser) -> None:
+    g = parser.add_argument_group("model")
     g.add_argument("--preset", default="small", help="tiny | small | gpt2 (124M)")
     g.add_argument("--n-layer", type=int)
     g.add_argument("--n-head", type=int)
@@ -93,11 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
                    " tanh approximation (the default with --init-from GPT-2 weights)")
     g.add_argument("--init-from", metavar="DIR", help="start from a local Hugging Face GPT-2 directory (config.json +"
                    " model.safetensors or pytorch_model.bin; nothing is downloaded): its config.json sets the shape")
-    g = p.add_argument_group("data")
+
+
+def _add_data_flags(parser) -> None:
+    g = parser.add_argument_group("data")
     g.add_argument("--data", help="a text file to train on (default: the Python standard library's source)")
     g.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2"])
     g.add_argument("--out-dir", default="out", help="token cache, metrics and checkpoints go here")
-    g = p.add_argument_group("optimization")
+
+
+def _add_optimization_flags(parser) -> None:
+    g = parser.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=150)
     g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (B_global)")
     g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (B_μ)")
@@ -121,7 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (GPU speed): per block, gradient hooks still fire block"
                         " by block in backward, so DDP/ZeRO communication keeps overlapping it")
-    g = p.add_argument_group("parallelism")
+
+
+def _add_parallelism_flags(parser) -> None:
+    g = parser.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size T")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size P")
     g.add_argument("--cp", type=int, default=1, help="context-parallel size C")
@@ -137,27 +154,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-impl", default="ring", choices=["ring", "ulysses"], help="context parallel attention")
     g.add_argument("--cp-balance", default="zigzag", choices=["zigzag", "contiguous"],
                    help="how the sequence is cut over the C ranks (zig-zag balances causal work)")
-    g = p.add_argument_group("FP8 (fp8.py)")
+
+
+def _add_fp8_flags(parser) -> None:
+    g = parser.add_argument_group("FP8 (fp8.py)")
     g.add_argument("--fp8", choices=("current", "delayed", "blockwise"), default=None,
                    help="FP8 block linears: current | delayed | blockwise")
     g.add_argument("--fp8-amax-history", type=int, default=16, help="delayed: amax history length L")
     g.add_argument("--fp8-amax-algo", choices=("max", "most_recent"), default="max", help="delayed: scale from")
     g.add_argument("--fp8-margin", type=int, default=0, help="scale = max/amax/2^margin")
-    g = p.add_argument_group("mixture of experts (moe.py)")
+
+
+def _add_moe_flags(parser) -> None:
+    g = parser.add_argument_group("mixture of experts (moe.py)")
     g.add_argument("--moe-experts", type=int, default=0, help="experts N per MoE block (0: dense MLP)")
     g.add_argument("--moe-topk", type=int, default=2, help="experts per token k")
     g.add_argument("--moe-every", type=int, default=1, help="every n-th block is MoE")
     g.add_argument("--moe-capacity-factor", type=float, default=0.0, help="capacity per expert ⌈B_μ·s·k/N·f⌉ of each micro-batch (0: dropless)")
     g.add_argument("--moe-aux-coef", type=float, default=0.01, help="load-balance loss coefficient α")
     g.add_argument("--moe-z-coef", type=float, default=0.001, help="router z-loss coefficient β")
-    g = p.add_argument_group("evaluation and reporting")
+
+
+def _add_reporting_flags(parser) -> None:
+    g = parser.add_argument_group("evaluation and reporting")
     g.add_argument("--eval-every", type=int, default=100, help="val loss every N steps (0: only at the end)")
     g.add_argument("--eval-batches", type=int, default=4)
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--sample-tokens", type=int, default=300, help="tokens sampled at the end (0: none)")
     g.add_argument("--metrics-file", help="write one JSON object per step to this file")
     g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: table or measured)")
-    g = p.add_argument_group("checkpoints (ckpt.py)")
+
+
+def _add_checkpoint_flags(parser) -> None:
+    g = parser.add_argument_group("checkpoints (ckpt.py)")
     g.add_argument("--ckpt-dir", help="save sharded checkpoints under this directory (one step-XXXXXXXX per save)")
     g.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only after the last step)")
     g.add_argument("--keep", type=int, default=2, help="keep the newest K committed checkpoints (K >= 2)")
@@ -166,8 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--async-ckpt", action="store_true", help="persist checkpoints on a background thread")
     g.add_argument("--mtbf-hours", type=float, default=24.0,
                    help="mean time between interruptions, for the suggested interval sqrt(2·C·M)")
-    add_plan_arguments(p)
-    return p
 
 
 def add_plan_arguments(parser) -> None:
@@ -239,15 +266,30 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
     if args.min_lr is not None and args.min_lr > args.lr:
         raise FlagError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the cosine schedule decays from --lr"
                         f" down to --min-lr")
-    micro = args.micro_batch if args.micro_batch is not None else args.global_batch // shape.dp
+    micro = _micro_batch_size(args, shape.dp)
+    validate_paths(args)
+    _check_sequence_and_checkpoint_flags(args, config)
+    _set_vocabulary(args, config)
+    settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
+                        seq_len=args.seq_len or config.block_size, micro_batch_size=micro,
+                        micro_batches=args.global_batch // (shape.dp * micro))
+    return replace(settings, axes=_axis_configs(args, settings, axes))
+
+
+def _micro_batch_size(args, dp: int) -> int:
+    """B_μ: --micro-batch, or B_global / D (one micro-batch per step); B_global must be D·m·B_μ."""
+    micro = args.micro_batch if args.micro_batch is not None else args.global_batch // dp
     if micro < 1:
-        raise FlagError(f"--global-batch {args.global_batch} must give each of D={shape.dp} data ranks a sequence")
-    if args.global_batch % (shape.dp * micro):
+        raise FlagError(f"--global-batch {args.global_batch} must give each of D={dp} data ranks a sequence")
+    if args.global_batch % (dp * micro):
         raise FlagError(
-            f"--global-batch {args.global_batch} must be divisible by D × --micro-batch = {shape.dp} × {micro}"
+            f"--global-batch {args.global_batch} must be divisible by D × --micro-batch = {dp} × {micro}"
             f" (B_global = D·m·B_μ)"
         )
-    validate_paths(args)
+    return micro
+
+
+def _check_sequence_and_checkpoint_flags(args, config) -> None:
     if args.seq_len is not None and args.seq_len > config.block_size:
         raise FlagError(f"--seq-len {args.seq_len} must be between 1 and the model's block size {config.block_size}")
     if args.ckpt_dir is not None and args.keep < 2:
@@ -255,20 +297,25 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
                         f" got {args.keep}")
     if args.resume is not None and args.resume != "latest" and not args.resume.isdigit():
         raise FlagError(f"--resume must be 'latest' or a step number, got {args.resume!r}")
+
+
+def _set_vocabulary(args, config) -> None:
+    """The tokenizer's vocabulary (or --init-from's config.json's), padded: it must fit the tokenizer."""
     real_vocab = config.real_vocab_size if args.init_from else tokenizer_vocab(args.tokenizer)
     check_tokenizer(args.tokenizer, real_vocab, f"--init-from {args.init_from}" if args.init_from else None)
     config.vocab_size = padded_vocab(real_vocab)  # rows past real_vocab are padding, never predicted (model.py)
     config.real_vocab_size = real_vocab if config.vocab_size > real_vocab else None
-    settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
-                        seq_len=args.seq_len or config.block_size, micro_batch_size=micro,
-                        micro_batches=args.global_batch // (shape.dp * micro))
+
+
+def _axis_configs(args, settings: Settings, axes) -> dict:
+    """Each axis module's frozen config (None: the axis is off), in `axes`' order; its ValueError names a flag."""
     configs = {}
     for axis in axes:
         try:
             configs[axis.__name__] = axis.config_from_flags(args, settings)
         except ValueError as e:
             raise FlagError(str(e)) from None
-    return replace(settings, axes=configs)
+    return configs
 
 
 def check_ranges(args) -> None:

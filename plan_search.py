@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from itertools import product
 
 import context_parallel
@@ -83,80 +84,145 @@ def stage_params(config, shape: MeshShape, v: int, p: int) -> dict:
                 block=max((sum(x) for x in zip(*blocks.values())), default=0))
 
 
-def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
-    """pp rank p's (d, c, t = 0) Role from the formulas the start-up prints (facts: _programs_facts, cached)."""
-    args, config, shape = settings.args, settings.model, settings.shape
-    P, C, T, E, m, micro = shape.pp, shape.cp, shape.tp, shape.ep, settings.micro_batches, settings.micro_batch_size
-    v = args.pp_virtual if args.pp_schedule == "interleaved" and P > 1 else 1
-    sp, ac, stage, seq = settings.sequence_parallel, config.activation_checkpointing, args.zero, settings.seq_len // C
+@dataclass(frozen=True)
+class _Stage:
+    """What the formulas of pp rank p (d, c, t = 0) share: the flags, its parameters, the bytes per element."""
+
+    settings: object
+    p: int
+    v: int  # model chunks per pp rank (--pp-virtual under the interleaved schedule, else 1)
+    held: dict  # stage_params: this rank's parameters, per data-parallel group
+    sizes: dict  # {group: D_g}: "dp_cp" (dense), "expert_dp" (experts)
+    compute: object  # the dtypes of the activations and of the working weights (plan_dtypes)
+    param: object
+    b_w: int  # bytes of a working weight
+    b_c: int  # of an activation
+    b_m: int  # of a master weight or an Adam moment
+    b_g: int  # of a held gradient: ZeRO with m > 1 sums the micro-batches in the master dtype
+    b_r: int  # of what the gradient reduction sends
+
+
+def _stage_of(settings, p: int) -> _Stage:
+    args, shape, m = settings.args, settings.shape, settings.micro_batches
+    C, stage = shape.cp, args.zero
+    v = args.pp_virtual if args.pp_schedule == "interleaved" and shape.pp > 1 else 1
     _, compute, param, master = plan_dtypes(settings)
-    b_w, b_c, b_m = param.itemsize, compute.itemsize, master.itemsize
-    held, sizes = stage_params(config, shape, v, p), {"dp_cp": shape.dp * C, "expert_dp": shape.dp * C // E}
-    # persistent bytes: DDPLayout's (fp32 params, grads, moments) or ZeroLayout.bytes_per_param's, per group
+    b_w, b_m = param.itemsize, master.itemsize
     b_g = b_w if m == 1 or stage == 0 else b_m
-    bpp = memory.BytesPerParam(b_w, b_g, 2 * b_m + (0 if b_w == b_m else b_m))
-    parts = [memory.persistent_bytes(n, bpp, stage, sizes[g]) for g, n in held["local"].items() if n]
-    persistent = {kind: sum(part[kind] for part in parts) for kind in parts[0]}
-    bucket, b_r = args.bucket_mb * 2**20, b_g if stage == 1 else b_w  # b_r: what the gradient reduction sends
-    tied = P * v > 1 and (held["embedding"] or held["head"])  # the tied copy: a unit of its own at ZeRO-1
-    messages = grad_sync_messages(held, sizes, stage, m, (b_w, b_r), bucket, tied)
-    last_bucket = b_r * (held["root"] if stage == 3 else min(held["total"], bucket / b_w)) if stage else \
+    return _Stage(settings, p, v, held=stage_params(settings.model, shape, v, p),
+                  sizes={"dp_cp": shape.dp * C, "expert_dp": shape.dp * C // shape.ep}, compute=compute, param=param,
+                  b_w=b_w, b_c=compute.itemsize, b_m=b_m, b_g=b_g, b_r=b_g if stage == 1 else b_w)
+
+
+def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
+    """pp rank p's (d, c, t = 0) Role from the formulas the start-up prints (facts: _programs_facts, cached):
+    the persistent bytes, the messages (the data-parallel ones, each axis's, the pipeline's), the activations,
+    and the figures the time model reads (bubble, last bucket, first gather, boundary)."""
+    config, shape, s = settings.model, settings.shape, _stage_of(settings, p)
+    messages, temporaries, last_bucket, first_gather = _formula_data_parallel(s)
+    messages = _formula_axis_messages(s, messages, temporaries)
+    flight, bubble, boundary = _formula_pipeline(s, messages, temporaries, facts)
+    messages.add("all_reduce", "world", 1, 16)
+    rank, ranks, alias = _formula_groups(shape, p)
+    x = report.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param)
+    return Role(rank=rank, coords=shape.coords(rank), local_params=s.held["total"], logical={},
+                persistent=_formula_persistent(s),
+                activations=report.estimate_of(config, x, s.held["layer_ids"], (s.held["embedding"], s.held["head"]),
+                                               shape.ep, flight),
+                temporaries=temporaries, messages=messages.named(lambda name: alias.get(name, name)),
+                group_ranks=ranks, flops=moe.flops_per_token(config, settings.seq_len,
+                                                             recompute=config.activation_checkpointing),
+                bubble=bubble, last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
+                layer_share=s.held["layers"] * shape.pp / config.n_layer)
+
+
+def _formula_persistent(s: _Stage) -> dict:
+    """DDPLayout's (fp32 params, grads, moments) or ZeroLayout.bytes_per_param's persistent bytes, per group."""
+    bpp = memory.BytesPerParam(s.b_w, s.b_g, 2 * s.b_m + (0 if s.b_w == s.b_m else s.b_m))
+    stage = s.settings.args.zero
+    parts = [memory.persistent_bytes(n, bpp, stage, s.sizes[g]) for g, n in s.held["local"].items() if n]
+    return {kind: sum(part[kind] for part in parts) for kind in parts[0]}
+
+
+def _formula_data_parallel(s: _Stage) -> tuple:
+    """(messages, temporaries, last bucket, first gather) of the layout: DDP's or ZeRO's gradient reduction
+    and gathers, its transients, the piece sent after backward, what ZeRO-3 gathers before block 0 starts."""
+    args, config, held, stage, b_w = s.settings.args, s.settings.model, s.held, s.settings.args.zero, s.b_w
+    T, P = s.settings.shape.tp, s.settings.shape.pp
+    bucket = args.bucket_mb * 2**20
+    tied = P * s.v > 1 and (held["embedding"] or held["head"])  # the tied copy: a unit of its own at ZeRO-1
+    messages = grad_sync_messages(held, s.sizes, stage, s.settings.micro_batches, (b_w, s.b_r), bucket, tied)
+    last_bucket = s.b_r * (held["root"] if stage == 3 else min(held["total"], bucket / b_w)) if stage else \
         min(ddp.TAPER_BYTES, 4 * held["total"])  # DDP: the taper's last bucket
     first_gather = b_w * (held["root"] + held["block"]) if stage == 3 else 0.0
     largest = max(4 * config.n_embd ** 2 // T, config.vocab_size * config.n_embd // T if held["root"] else 0)
-    temporaries = _formula_temporaries(stage, held, sizes, (b_w, b_r), max(bucket, 4 * largest))
+    temporaries = _formula_temporaries(stage, held, s.sizes, (b_w, s.b_r), max(bucket, 4 * largest))
+    return messages, temporaries, last_bucket, first_gather
+
+
+def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
+    """messages + TP's, CP's and MoE's per step; their buffers join temporaries."""
+    settings, config, held, stage = s.settings, s.settings.model, s.held, s.settings.args.zero
+    shape, m, micro, sp = settings.shape, settings.micro_batches, settings.micro_batch_size, settings.sequence_parallel
+    C, T, E, ac, seq = shape.cp, shape.tp, shape.ep, config.activation_checkpointing, settings.seq_len // shape.cp
     n_moe = sum(map(bool, held["blocks"]["expert_dp"]))
     if T > 1:
-        batch = tensor_parallel.BatchShape(micro, seq, m, b_w, b_c)
+        batch = tensor_parallel.BatchShape(micro, seq, m, s.b_w, s.b_c)
         holding = tensor_parallel.Holding(config.n_embd, sp, ac, held["layers"], n_moe, held["embedding"],
                                           held["head"])
-        sp_bytes = b_g * held["replicated"] / (sizes["dp_cp"] if stage else 1) if sp else 0  # a ZeRO shard: on average
+        shard = s.sizes["dp_cp"] if stage else 1  # ZeRO: a shard, on average
+        sp_bytes = s.b_g * held["replicated"] / shard if sp else 0
         messages = messages + tensor_parallel.step_messages(batch, holding, int(sp_bytes))
     if C > 1:
-        layer = context_parallel.LayerShape(micro, settings.seq_len, config.n_embd // T, b_c, ac)
-        per_layer = context_parallel.layer_messages(args.cp_impl, C, layer)
+        layer = context_parallel.LayerShape(micro, settings.seq_len, config.n_embd // T, s.b_c, ac)
+        per_layer = context_parallel.layer_messages(settings.args.cp_impl, C, layer)
         messages = messages + (per_layer["forward"] + per_layer["backward"]).times(held["layers"] * m)
-        if args.cp_impl == "ring":
-            temporaries["ring CP: the K, V block in flight"] = 2 * 2 * micro * seq * config.n_embd // T * b_c
+        if settings.args.cp_impl == "ring":
+            temporaries["ring CP: the K, V block in flight"] = 2 * 2 * micro * seq * config.n_embd // T * s.b_c
     if n_moe:
         tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
-        traffic = moe.Traffic(config, n_moe, tokens, m, E, C, tp_sp, b_c, max(4, b_w))
-        shard = (sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
-        messages = messages + moe.step_messages(traffic, int(b_g * held["moe_replicated"] / shard) if sp else 0)
+        traffic = moe.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w))
+        shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
+        messages = messages + moe.step_messages(traffic, int(s.b_g * held["moe_replicated"] / shard) if sp else 0)
         if E > 1:
             temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * tokens * config.moe_topk * \
-                config.n_embd * b_c
-    flight, bubble, boundary = (1, 1), 0.0, 0.0
-    if P > 1:
-        pairs, flights = facts or _programs_facts(args.pp_schedule, P, m, v)
-        boundary = micro * seq // (T if sp else 1) * config.n_embd * b_w
-        sends = sum(n for (src, _), n in pairs.items() if src == p)
-        recvs = sum(n for (_, dst), n in pairs.items() if dst == p)
-        messages.add("send", "pp", sends, sends * boundary).add("recv", "pp", recvs, recvs * boundary)
-        messages.add("all_reduce", "pp", 1, 8)
-        if held["embedding"] or held["head"]:
-            tied_bytes = b_g * config.vocab_size * config.n_embd // T // (sizes["dp_cp"] if stage else 1)
-            messages.add("all_reduce", "pp_tied", 1, tied_bytes)
-        flight = (flights[p], v)
-        bubble = schedules.bubble_formula(args.pp_schedule, P, m, v)
-        temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
-    messages.add("all_reduce", "world", 1, 16)
+                config.n_embd * s.b_c
+    return messages
+
+
+def _formula_pipeline(s: _Stage, messages, temporaries: dict, facts: tuple | None) -> tuple:
+    """(in flight, bubble, boundary bytes) of pp rank p; its sends, receives and tied-embedding sum join
+    messages, its p2p buffers temporaries. Without a pipeline: one micro-batch of one chunk in flight."""
+    settings, config, held, p, v = s.settings, s.settings.model, s.held, s.p, s.v
+    args, P, T, m = settings.args, settings.shape.pp, settings.shape.tp, settings.micro_batches
+    if P == 1:
+        return (1, 1), 0.0, 0.0
+    pairs, flights = facts or _programs_facts(args.pp_schedule, P, m, v)
+    seq = settings.seq_len // settings.shape.cp
+    boundary = settings.micro_batch_size * seq // (T if settings.sequence_parallel else 1) * config.n_embd * s.b_w
+    sends = sum(n for (src, _), n in pairs.items() if src == p)
+    recvs = sum(n for (_, dst), n in pairs.items() if dst == p)
+    messages.add("send", "pp", sends, sends * boundary).add("recv", "pp", recvs, recvs * boundary)
+    messages.add("all_reduce", "pp", 1, 8)
+    if held["embedding"] or held["head"]:
+        tied_bytes = s.b_g * config.vocab_size * config.n_embd // T // (s.sizes["dp_cp"] if args.zero else 1)
+        messages.add("all_reduce", "pp_tied", 1, tied_bytes)
+    temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
+    return (flights[p], v), schedules.bubble_formula(args.pp_schedule, P, m, v), boundary
+
+
+def _formula_groups(shape: MeshShape, p: int) -> tuple:
+    """(global rank, {group: its ranks}, {group: its row name}) of pp rank p at d = c = t = 0: names of one
+    communicator (the same ranks) are one row, as the tracer reports them (mesh.py)."""
     rank = shape.rank_of(0, p, 0, 0)
     ranks = {name: next(g for g in partition if rank in g) for name, partition in axis_groups(shape).items()}
-    aliases = {}  # names of one communicator (the same ranks) are one row, as the tracer reports them (mesh.py)
+    aliases = {}
     for name, members in ranks.items():
         if len(members) > 1:
             aliases.setdefault(tuple(members), []).append(name)
     alias = {name: "=".join(names) for names in aliases.values() for name in names}
     ranks["world"] = list(range(shape.world_size))
-    x = report.shape_of(settings, config, PLANNED_DEVICE, compute, param)
-    return Role(rank=rank, coords=shape.coords(rank), local_params=held["total"], logical={}, persistent=persistent,
-                activations=report.estimate_of(config, x, held["layer_ids"], (held["embedding"], held["head"]), E,
-                                               flight),
-                temporaries=temporaries, messages=messages.named(lambda name: alias.get(name, name)),
-                group_ranks=ranks, flops=moe.flops_per_token(config, settings.seq_len, recompute=ac), bubble=bubble,
-                last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
-                layer_share=held["layers"] * P / config.n_layer)
+    return rank, ranks, alias
 
 
 def grad_sync_messages(held: dict, sizes: dict, stage: int, m: int, bytes_wr: tuple, bucket: float,

@@ -344,16 +344,42 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int, step_peak: 
     print0("measured vs predicted (per rank, rank 0):")
     for kind in ("weights", "grads", "optimizer", "total"):
         print0(f"  {kind:<9} held {mfu.format_bytes(held[kind]):>12}   predicted {mfu.format_bytes(predicted[kind]):>12}")
-    f, estimate = mfu.format_bytes, activation_estimate(run)
-    saved = run.schedule.saved_activation_bytes
-    if saved is not None:
-        seen = estimate.forward - estimate.hidden  # what the hooks can see of the estimate
-        print0(f"  activations saved for backward by {run.schedule.measured_forward} (saved_tensors_hooks,"
-               f" {run.settings.dtype} compute): measured {f(saved)}, estimated {f(seen)} ({saved / seen - 1:+.1%})"
-               + (f" + {f(estimate.hidden)} kept inside SP's regather hooks, which the measurement cannot see"
-                  if estimate.hidden else "")
-               + f"; Korthikanti {f(estimate.korthikanti)} (the paper's, 16-bit, unfused attention)")
-    expected = predicted["total"] + estimate.peak  # persistent + activations at the schedule's peak
+    estimate = activation_estimate(run)
+    _print_saved_activations(run, estimate)
+    _print_memory_peak(run, held, predicted["total"] + estimate.peak, step_peak)  # persistent + activations at the peak
+    for line in layout_lines(run, "end", steps_run):
+        print0(line)
+    for axis in run.axes:
+        for line in axis_lines(axis, "end", run, steps_run):
+            print0(line)
+    _print_messages(run, steps_run)
+    table = run.tracer.table()
+    if table.strip():
+        print0(f"communication by (phase, collective, group), every collective from the process group's creation"
+               f" to the end (the step's: {steps_run} steps):")
+        print0(table)
+    if steps_timed:
+        _print_throughput(run, seconds, steps_timed, step_peak)
+    print0("=" * 100)
+
+
+def _print_saved_activations(run, estimate) -> None:
+    """The bytes the first step saved for backward (when its schedule measured them) against the estimate."""
+    f, saved = mfu.format_bytes, run.schedule.saved_activation_bytes
+    if saved is None:
+        return
+    seen = estimate.forward - estimate.hidden  # what the hooks can see of the estimate
+    print0(f"  activations saved for backward by {run.schedule.measured_forward} (saved_tensors_hooks,"
+           f" {run.settings.dtype} compute): measured {f(saved)}, estimated {f(seen)} ({saved / seen - 1:+.1%})"
+           + (f" + {f(estimate.hidden)} kept inside SP's regather hooks, which the measurement cannot see"
+              if estimate.hidden else "")
+           + f"; Korthikanti {f(estimate.korthikanti)} (the paper's, 16-bit, unfused attention)")
+
+
+def _print_memory_peak(run, held: dict, expected: float, step_peak: StepPeak | None) -> None:
+    """The measured peak (CUDA's allocator, or the CPU's profiled step) against expected = persistent +
+    activations at the schedule's peak."""
+    f = mfu.format_bytes
     if run.device.type == "cuda":  # since the loop began (the full model built before an axis split it is not in it)
         allocated, reserved, rank = memory.cuda_memory_peaks(run.device)
         print0(f"  CUDA allocator peak over the training steps, max over ranks: allocated"
@@ -365,37 +391,34 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int, step_peak: 
                f" {f(held['total'])} + {f(step_peak.rise)} = {f(peak)}; persistent + activations at the peak"
                f" {f(expected)} (measured/that {peak / expected:.2f}: the rest is temporaries, e.g. the logits and"
                f" the gradients of activations)")
-    for line in layout_lines(run, "end", steps_run):
-        print0(line)
-    for axis in run.axes:
-        for line in axis_lines(axis, "end", run, steps_run):
-            print0(line)
+
+
+def _print_messages(run, steps_run: int) -> None:
+    """Per (collective, group): the step's traced calls and payload (the mean over steps_run) against the
+    axes' predicted messages; a row only one side has is printed too."""
     predicted, traced = predicted_messages(run, steps_run), run.tracer.records
-    if steps_run and (predicted or traced):
-        print0("messages per training step, traced vs predicted (calls, payload):")
-        width = max([9, *(len(group) for _, group in [*predicted, *traced])])
-        for key in sorted(set(predicted) | set(traced), key=lambda key: key[::-1]):  # an unpredicted one too
-            calls, payload = predicted.get(key, (0, 0))
-            stat = traced.get(key)
-            got_calls, got_payload = (stat.calls / steps_run, stat.payload_bytes / steps_run) if stat else (0, 0)
-            same = abs(got_calls - calls) < 1e-9 and abs(got_payload - payload) < 1e-6
-            mark = "" if same else "   <- differs"
-            print0(f"  {key[0]:<22} {key[1]:<{width}} traced {got_calls:>6g} {mfu.format_bytes(got_payload):>12}"
-                   f"   predicted {calls:>6g} {mfu.format_bytes(payload):>12}{mark}")
-    table = run.tracer.table()
-    if table.strip():
-        print0(f"communication by (phase, collective, group), every collective from the process group's creation"
-               f" to the end (the step's: {steps_run} steps):")
-        print0(table)
-    if steps_timed:
-        tokens_per_s = run.tokens_per_step * steps_timed / seconds
-        world, peak = run.mesh.shape.world_size, run.peak[0]
-        print0(f"throughput {tokens_per_s:,.0f} tok/s, MFU {mfu.mfu(run.flops.model, tokens_per_s, peak, world):.2%},"
-               f" HFU {mfu.mfu(run.flops.hardware, tokens_per_s, peak, world):.2%}"
-               f" (mean over {steps_timed} steps, the first one of the run excluded"
-               + ("" if step_peak is None else f", step {step_peak.step}, profiled for its memory, "
-                  + ("included: its time has the profiler's" if step_peak.in_mean else "too") + ")"))
-    print0("=" * 100)
+    if not (steps_run and (predicted or traced)):
+        return
+    print0("messages per training step, traced vs predicted (calls, payload):")
+    width = max([9, *(len(group) for _, group in [*predicted, *traced])])
+    for key in sorted(set(predicted) | set(traced), key=lambda key: key[::-1]):  # an unpredicted one too
+        calls, payload = predicted.get(key, (0, 0))
+        stat = traced.get(key)
+        got_calls, got_payload = (stat.calls / steps_run, stat.payload_bytes / steps_run) if stat else (0, 0)
+        same = abs(got_calls - calls) < 1e-9 and abs(got_payload - payload) < 1e-6
+        mark = "" if same else "   <- differs"
+        print0(f"  {key[0]:<22} {key[1]:<{width}} traced {got_calls:>6g} {mfu.format_bytes(got_payload):>12}"
+               f"   predicted {calls:>6g} {mfu.format_bytes(payload):>12}{mark}")
+
+
+def _print_throughput(run, seconds: float, steps_timed: int, step_peak: StepPeak | None) -> None:
+    tokens_per_s = run.tokens_per_step * steps_timed / seconds
+    world, peak = run.mesh.shape.world_size, run.peak[0]
+    print0(f"throughput {tokens_per_s:,.0f} tok/s, MFU {mfu.mfu(run.flops.model, tokens_per_s, peak, world):.2%},"
+           f" HFU {mfu.mfu(run.flops.hardware, tokens_per_s, peak, world):.2%}"
+           f" (mean over {steps_timed} steps, the first one of the run excluded"
+           + ("" if step_peak is None else f", step {step_peak.step}, profiled for its memory, "
+              + ("included: its time has the profiler's" if step_peak.in_mean else "too") + ")"))
 
 
 def mesh_description(mesh) -> str:

@@ -147,108 +147,162 @@ def main(argv=None):
         train(settings, tracer)
 
 
+@dataclass
+class Training:
+    """What train's steps share: the run, its data, its schedules, the checkpointer, where the loop stands."""
+
+    run: Run
+    corpus: data.Corpus
+    train_tokens: data.TokenFile
+    val_tokens: data.TokenFile
+    sampler: data.BatchSampler
+    val_sampler: data.EvalSampler
+    lr_schedule: LRSchedule
+    scaler: DynamicLossScaler
+    machine: object  # plan.machine_model: the time model of this machine
+    checkpointer: ckpt.Checkpointer | None = None
+    start_step: int = 0  # a resumed run starts at its checkpoint's step
+    step: int = 0  # the step the loop is at (an interrupt reports it)
+    progress: report.Progress | None = None
+    step_peak: report.StepPeak | None = None  # on a CPU, the profiled step's memory
+
+
 def train(settings: Settings, tracer: comm.CommTracer):
+    """Start-up, the checkpointer (and a resume), the loop, the end's measured-vs-predicted table."""
     args = settings.args
     with tracer.phase("startup"):
-        run, corpus = start_run(settings, tracer)  # device, process groups, mesh, seeds, the token cache
-        train_tokens, val_tokens = data.TokenFile(corpus.train_path), data.TokenFile(corpus.val_path)
-        compose(run, measure=True)
-        if args.init_from:  # the weights of step 0, read as a resharding resume reads (a checkpoint overrides them)
-            init_from(run, args.init_from)
-        run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
-        machine = plan.machine_model(run, args)  # the time model of this machine (CPU: measured, collective)
-        for name, group in run.mesh.groups.items():
-            tracer.name_group(group, name)
-        report.print_startup(run)
-        warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20)
-        lr_schedule = LRSchedule(args.lr, warmup, args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
-        scaler = DynamicLossScaler(enabled=settings.dtype == "fp16")
-        try:  # the same on every rank: a corpus too small for the batch fails them all alike
-            sampler = data.BatchSampler(len(train_tokens), run.seq_len, args.global_batch, args.seed)
-            val_sampler = data.EvalSampler(len(val_tokens), run.seq_len, args.global_batch)
-        except ValueError as e:
-            fail(f"{e} (--data {args.data or 'the built-in corpus'})")
-    checkpointer, start_step = None, 0
+        t = start_training(settings, tracer)
     if args.ckpt_dir:
         with tracer.phase("ckpt"):
-            run_record = dict(steps=args.steps, lr=args.lr, min_lr=lr_schedule.min_lr, seed=args.seed,
-                              warmup_steps=lr_schedule.warmup_steps, global_batch=args.global_batch,
-                              seq_len=run.seq_len, model=run.config.architecture())  # read by export_hf.py, sample.py
-            try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
-                config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
-                                               run_record=run_record)
-                checkpointer = ckpt.Checkpointer(config, run.mesh, run.axes, run.device, log=print0,
-                                                 on_save=lambda stats: report.print_save(stats, args.mtbf_hours))
-                if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
-                    start_step = checkpointer.resume(args.resume, run.layout, scaler, sampler, args.seed)
-            except ckpt.CheckpointError as e:
-                fail(str(e))
-            if start_step >= args.steps:
-                print0(f"nothing to train: the checkpoint is at step {start_step} and --steps is {args.steps}"
-                       f" (raise --steps to train on); sampling only")
-
-    if args.init_from and start_step == 0:  # where fine-tuning starts from: the imported model's val loss
+            open_checkpointer(t)
+    if args.init_from and t.start_step == 0:  # where fine-tuning starts from: the imported model's val loss
         with tracer.phase("eval"):
-            print0(f"init-from: val loss {evaluate(run, val_tokens, val_sampler):.6f} before training (the first"
-                   f" {min(args.eval_batches, val_sampler.num_batches)} validation batches, as every eval)")
+            print0(f"init-from: val loss {evaluate(t.run, t.val_tokens, t.val_sampler):.6f} before training (the"
+                   f" first {min(args.eval_batches, t.val_sampler.num_batches)} validation batches, as every eval)")
+    train_loop(t, tracer)
+    with tracer.phase("end"):
+        dist.barrier()  # every rank is done: the table below is complete
+        progress = t.progress
+        print0(plan.check_line(t.run, t.machine, progress.seconds, progress.steps))
+        report.print_end(t.run, max(0, args.steps - t.start_step), progress.seconds, progress.steps, t.step_peak)
+    dist.destroy_process_group()
+
+
+def start_training(settings: Settings, tracer: comm.CommTracer) -> Training:
+    """The run composed (init-from's weights in it), the peak FLOP/s, the start-up printout, the schedules and
+    the samplers."""
+    args = settings.args
+    run, corpus = start_run(settings, tracer)  # device, process groups, mesh, seeds, the token cache
+    train_tokens, val_tokens = data.TokenFile(corpus.train_path), data.TokenFile(corpus.val_path)
+    compose(run, measure=True)
+    if args.init_from:  # the weights of step 0, read as a resharding resume reads (a checkpoint overrides them)
+        init_from(run, args.init_from)
+    run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
+    machine = plan.machine_model(run, args)  # the time model of this machine (CPU: measured, collective)
+    for name, group in run.mesh.groups.items():
+        tracer.name_group(group, name)
+    report.print_startup(run)
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20)
+    lr_schedule = LRSchedule(args.lr, warmup, args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
+    scaler = DynamicLossScaler(enabled=settings.dtype == "fp16")
+    try:  # the same on every rank: a corpus too small for the batch fails them all alike
+        sampler = data.BatchSampler(len(train_tokens), run.seq_len, args.global_batch, args.seed)
+        val_sampler = data.EvalSampler(len(val_tokens), run.seq_len, args.global_batch)
+    except ValueError as e:
+        fail(f"{e} (--data {args.data or 'the built-in corpus'})")
+    return Training(run, corpus, train_tokens, val_tokens, sampler, val_sampler, lr_schedule, scaler, machine)
+
+
+def open_checkpointer(t: Training) -> None:
+    """--ckpt-dir's Checkpointer, and --resume's step, layout, scaler and sampler cursor read from it."""
+    run, args = t.run, t.run.settings.args
+    run_record = dict(steps=args.steps, lr=args.lr, min_lr=t.lr_schedule.min_lr, seed=args.seed,
+                      warmup_steps=t.lr_schedule.warmup_steps, global_batch=args.global_batch,
+                      seq_len=run.seq_len, model=run.config.architecture())  # read by export_hf.py, sample.py
+    try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
+        config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
+                                       run_record=run_record)
+        t.checkpointer = ckpt.Checkpointer(config, run.mesh, run.axes, run.device, log=print0,
+                                           on_save=lambda stats: report.print_save(stats, args.mtbf_hours))
+        if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
+            t.start_step = t.checkpointer.resume(args.resume, run.layout, t.scaler, t.sampler, args.seed)
+    except ckpt.CheckpointError as e:
+        fail(str(e))
+    if t.start_step >= args.steps:
+        print0(f"nothing to train: the checkpoint is at step {t.start_step} and --steps is {args.steps}"
+               f" (raise --steps to train on); sampling only")
+
+
+def train_loop(t: Training, tracer: comm.CommTracer) -> None:
+    """Steps start_step .. --steps - 1, then the files closed and the sample; a signal ends it in one line."""
+    run, args = t.run, t.run.settings.args
     # A resumed run appends: the replayed steps then sit next to the originals in one file.
-    metrics = open(args.metrics_file, "a" if start_step else "w") if (args.metrics_file and run.mesh.rank == 0) else None
-    progress = report.Progress(start_step, args.steps)
+    writes_metrics = args.metrics_file and run.mesh.rank == 0
+    metrics = open(args.metrics_file, "a" if t.start_step else "w") if writes_metrics else None
+    t.progress = report.Progress(t.start_step, args.steps)
     run.schedule.measure_activations = True  # the first step counts the bytes saved for backward
     if run.device.type == "cuda":  # the peak of training, not of start-up
         torch.cuda.reset_peak_memory_stats(run.device)
     # On a CPU, the second step's host memory is profiled (memory.MemoryTimeline; the first allocates AdamW's moments
     # and measures the saved activations, so its state is not steady); its time is left out of the mean (the
     # profiler slows it) when another timed step remains. CUDA's allocator reports its own peak.
-    peak_step = start_step + 1 if run.device.type == "cpu" and args.steps - start_step >= 2 else None
-    peak_in_mean = args.steps - start_step < 3  # no other timed step would remain
-    step_peak = None
+    peak_step = t.start_step + 1 if run.device.type == "cpu" and args.steps - t.start_step >= 2 else None
+    peak_in_mean = args.steps - t.start_step < 3  # no other timed step would remain
     # Step s + 1's micro-batches are read (pinned, on CUDA) while step s trains, then copied without blocking.
-    prefetched = data.Prefetcher(lambda s: local_batches(run, sampler, train_tokens, s), run.device, args.steps - 1)
-    step = start_step
-    with ending_cleanly_on_signals(lambda: interrupted(checkpointer, step)):
-        for step in range(start_step, args.steps):
-            lr = lr_schedule(step)
-            run.layout.set_lr(lr)
-            batches = prefetched.get(step)
-            began = time.perf_counter()
-            with MemoryTimeline() if step == peak_step else nullcontext() as memory:
-                outcome = train_step(run.layout, scaler, batches, run.mesh.group("dp_cp"), args.grad_clip,
-                                     run.autocast, run.device, model=run.model, schedule=run.schedule, axes=run.axes,
-                                     data_size=run.mesh.size("dp"))
-            if run.device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - began
-            if step == peak_step:
-                step_peak = report.StepPeak(step, memory.peak, peak_in_mean)
-            record = report.step_record(run, step, lr, outcome,
-                                        progress.tick(step, seconds, timed=step != peak_step or peak_in_mean), scaler)
-            last = step == args.steps - 1
-            if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
-                with tracer.phase("eval"):
-                    record["val_loss"] = evaluate(run, val_tokens, val_sampler)
-            if step % args.log_every == 0 or last or "val_loss" in record or progress.silent_too_long():
-                report.print_step(record, progress, run.axes)
-            if metrics:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-            if checkpointer:
-                with tracer.phase("ckpt"):
-                    checkpointer.step_end(step + 1, args.ckpt_every, last, run.layout, scaler, sampler)
+    prefetched = data.Prefetcher(lambda s: local_batches(run, t.sampler, t.train_tokens, s), run.device, args.steps - 1)
+    t.step = t.start_step
+    with ending_cleanly_on_signals(lambda: interrupted(t.checkpointer, t.step)):
+        for step in range(t.start_step, args.steps):
+            t.step = step
+            record = timed_step(t, step, prefetched, step == peak_step, peak_in_mean)
+            after_step(t, step, record, metrics, tracer)
         prefetched.close()
         if metrics:
             metrics.close()
-        if checkpointer:
+        if t.checkpointer:
             with tracer.phase("ckpt"):
-                checkpointer.close()
+                t.checkpointer.close()
         if args.sample_tokens:
             with tracer.phase("sample"):
-                sample(run, val_tokens, corpus.tokenizer_name)
-    with tracer.phase("end"):
-        dist.barrier()  # every rank is done: the table below is complete
-        print0(plan.check_line(run, machine, progress.seconds, progress.steps))
-        report.print_end(run, max(0, args.steps - start_step), progress.seconds, progress.steps, step_peak)
-    dist.destroy_process_group()
+                sample(run, t.val_tokens, t.corpus.tokenizer_name)
+
+
+def timed_step(t: Training, step: int, prefetched, profiled: bool, peak_in_mean: bool) -> dict:
+    """One optimizer step, timed (and its host memory profiled when `profiled`): its report.step_record."""
+    run, args = t.run, t.run.settings.args
+    lr = t.lr_schedule(step)
+    run.layout.set_lr(lr)
+    batches = prefetched.get(step)
+    began = time.perf_counter()
+    with MemoryTimeline() if profiled else nullcontext() as memory:
+        outcome = train_step(run.layout, t.scaler, batches, run.mesh.group("dp_cp"), args.grad_clip,
+                             run.autocast, run.device, model=run.model, schedule=run.schedule, axes=run.axes,
+                             data_size=run.mesh.size("dp"))
+    if run.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
+    if profiled:
+        t.step_peak = report.StepPeak(step, memory.peak, peak_in_mean)
+    return report.step_record(run, step, lr, outcome,
+                              t.progress.tick(step, seconds, timed=not profiled or peak_in_mean), t.scaler)
+
+
+def after_step(t: Training, step: int, record: dict, metrics, tracer: comm.CommTracer) -> None:
+    """The eval (every --eval-every steps and after the last), the printed line, the metrics file's line, the
+    checkpoint (every --ckpt-every steps and after the last)."""
+    run, args = t.run, t.run.settings.args
+    last = step == args.steps - 1
+    if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
+        with tracer.phase("eval"):
+            record["val_loss"] = evaluate(run, t.val_tokens, t.val_sampler)
+    if step % args.log_every == 0 or last or "val_loss" in record or t.progress.silent_too_long():
+        report.print_step(record, t.progress, run.axes)
+    if metrics:
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+    if t.checkpointer:
+        with tracer.phase("ckpt"):
+            t.checkpointer.step_end(step + 1, args.ckpt_every, last, run.layout, t.scaler, t.sampler)
 
 
 def start_run(settings: Settings, tracer: comm.CommTracer) -> tuple[Run, data.Corpus]:
