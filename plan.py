@@ -457,14 +457,15 @@ def machine_model(run, args) -> hardware.Hardware:
 
 
 def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
-    """'step time measured ... vs predicted ...': the model checked against the run it describes."""
+    """'hardware model: step time measured ... vs predicted ...': the model checked against the run it describes
+    (not a line starting with "step ": those are the step lines)."""
     if not steps:
-        return "step time: no step timed (the first is left out), nothing to check the hardware model against"
+        return "hardware model: no step timed (the first is left out), nothing to check it against"
     settings = run.settings
     facts = dict(layout_facts(settings), dtype=settings.dtype)
     prediction = predict(role_of(run), facts, hw)
     measured = seconds / steps
-    return (f"step time measured {measured * 1e3:,.1f} ms (mean of {steps}) vs predicted {prediction.step * 1e3:,.1f} ms"
+    return (f"hardware model: step time measured {measured * 1e3:,.1f} ms (mean of {steps}) vs predicted {prediction.step * 1e3:,.1f} ms"
             f" ({measured / prediction.step:.2f}×) by the hardware model of this machine ({hw.name}:"
             f" {hw.peak(settings.dtype) / 1e9:,.1f} GFLOP/s {settings.dtype}, link {hw.intra_gbps:.2f} GB/s,"
             f" α {hw.intra_latency_us:.0f} µs): compute {prediction.compute * 1e3:,.1f}, exposed comm"
