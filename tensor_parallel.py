@@ -1,10 +1,9 @@
 """Megatron tensor parallel (Shoeybi et al. 2019) and sequence parallel (Korthikanti et al. 2022), raw collectives.
 
-T ranks (the `tp` group) split every matmul of a block. The MLP's first linear is split by output columns and
-its second by input rows, so the GELU between them runs on local columns and the pair needs ONE sum at the
-end; attention is split by heads the same way (c_attn by columns, c_proj by rows). The embedding and the
-LM head, which share one weight, are split along the vocabulary, and the cross-entropy is computed on the
-vocabulary shards without ever building the full logits on one rank.
+T ranks (the `tp` group) split every matmul of a block. The MLP's first linear is split by output columns, its
+second by input rows, so the GELU between them runs on local columns and the pair needs ONE sum at the end;
+attention is split by heads alike. The tied embedding and LM head are split along the vocabulary, and the
+cross-entropy is computed on the vocabulary shards, never building the full logits on one rank.
 
 The conjugate operators of Megatron's paper (section 3) mark where a tensor-parallel region begins and ends:
     f: identity forward, all-reduce backward   (enters a region: every rank needs the whole input X, and
@@ -14,13 +13,11 @@ Sequence parallelism (Korthikanti et al., section 4.2.2) replaces them with thei
 LayerNorms and dropouts between regions work on 1/T of the sequence instead of repeating the same work:
     g  (enter): all-gather along the sequence forward,  reduce-scatter backward
     ḡ  (leave): reduce-scatter along the sequence forward, all-gather backward
-An all-reduce IS a reduce-scatter followed by an all-gather: the same bytes, and nothing outside the regions
-is replicated any more.
+An all-reduce IS a reduce-scatter then an all-gather: the same bytes, and nothing outside the regions repeats.
 
-Weights come from the per-parameter deterministic init (model.initial_local), sliced with
-ShardInfo.shard_of: a TP run starts from exactly the single-device weights. c_attn's output is [q | k | v],
-so its shard is taken with `segments=3`: rank t holds its heads of q, of k and of v. Dropout: a replicated
-activation needs the same mask on every TP rank, a split one a different mask per rank (TensorParallelRNG).
+Weights are the per-parameter init sliced by ShardInfo.shard_of (model.initial_local): a TP run starts from
+exactly the single-device weights; c_attn's [q | k | v] is cut with `segments=3` (rank t holds its heads of each).
+Dropout: a replicated activation needs one mask on every TP rank, a split one its own (TensorParallelRNG).
 
 Symbols: s sequence length (s/C under context parallel), b micro-batch, h hidden, a heads, V vocabulary,
 L layers, T tensor-parallel size, e_w / e_c the bytes of a working-weight / compute-dtype element.
@@ -51,8 +48,7 @@ L layers, T tensor-parallel size, e_w / e_c the bytes of a working-weight / comp
    checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none). Per step,
    with SP: one all_reduce of the sequence-parallel parameters' gradients (`after_grad_sync`).
    `step_messages` computes all of this; the tests check it against the CommTracer byte for byte.
-4. Restart state: nothing of its own. Every parameter's `shard_info` names its global tensor and its
-   slice, which the checkpoint reads; a different T reslices on load.
+4. Restart state: nothing of its own; each parameter's `shard_info` names its global slice (any T reloads it).
 """
 
 from __future__ import annotations
@@ -383,30 +379,18 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
                 batch: BatchShape | None = None, device=None) -> TensorParallel:
     """Swap the plain GPT's linears, embedding and head for their tensor-parallel versions, in place.
 
-    Every rank of `group` calls this with the same model config and seed (the model's; the sizes split, as
-    config_from_flags checks): rank t keeps slice t of every split parameter, from the per-parameter init.
-    Replicated ones (LayerNorms, position embedding) stay. On a meta model (train.compose) the slices are
-    shapes and records only, which model.materialize fills later. With dropout, the caller seeds the default
-    generator alike across a TP group (TensorParallelRNG, on `device`: the model's unless it is meta). `batch`:
-    what a step feeds this rank (`predicted_messages`).
+    Every rank of `group` calls it with the same config and seed: rank t keeps slice t of every split parameter
+    (the per-parameter init; on a meta model only shapes and records, which model.materialize fills later);
+    replicated ones stay. With dropout the caller seeds the default generator alike across the TP group
+    (TensorParallelRNG, on `device`: the model's unless meta). `batch`: a step's input (`predicted_messages`).
     """
     config = model.config
     ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel)
     rng = TensorParallelRNG(ctx.rank, device if device is not None else next(model.parameters()).device)
     untouched = set(model.parameters())  # holds them: an id() of a freed tensor could be reused
-    regather, sp_params = not config.activation_checkpointing, []
+    sp_params = []  # replicated over TP, summed over it under SP
     for block in model.transformer.h:  # the blocks this model (or pipeline stage) holds
-        prefix, attn, mlp = f"transformer.h.{block.layer_id}", block.attn, block.mlp
-        attn.c_attn = _column(attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, 3, regather)
-        attn.c_proj = _row(attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
-        if isinstance(mlp, MLP):  # a mixture of experts stays whole on every TP rank (moe.py)
-            mlp.c_fc = _column(mlp.c_fc, f"{prefix}.mlp.c_fc", ctx, config, seed, 1, regather)
-            mlp.c_proj = _row(mlp.c_proj, f"{prefix}.mlp.c_proj", ctx, config, seed)
-        attn.attention_fn = ForkedAttention(attn.attention_fn, rng)
-        attn.resid_dropout = ForkedDropout(attn.resid_dropout, ctx, rng)
-        mlp.dropout = ForkedDropout(mlp.dropout, ctx, rng)
-        row_biases = [attn.c_proj.bias] + ([mlp.c_proj.bias] if isinstance(mlp, MLP) else [])
-        sp_params += [*block.ln_1.parameters(), *block.ln_2.parameters(), *(p for p in row_biases if p is not None)]
+        sp_params += _parallelize_block(block, ctx, config, seed, rng)
     # Tied embedding and head: ONE vocabulary-split parameter, used by both (a pipeline stage holding only
     # one of them has its own copy, named transformer.wte.weight as well).
     vocab_weight = _param(_shard("transformer.wte.weight", (config.vocab_size, config.n_embd), 0, ctx), config,
@@ -431,6 +415,23 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
         if param in untouched:
             param.shard_info = param.shard_info.replicated_also_over("tp")
     return TensorParallel(model, ctx, sp_params if sequence_parallel else [], rng, batch)
+
+
+def _parallelize_block(block, ctx: TensorParallelContext, config, seed: int, rng) -> list:
+    """One block in place: attention's and the MLP's column → row pairs, dropout forked per TP rank. Returns
+    the block's parameters that stay replicated (its LayerNorms and the row layers' biases)."""
+    prefix, attn, mlp = f"transformer.h.{block.layer_id}", block.attn, block.mlp
+    regather = not config.activation_checkpointing
+    attn.c_attn = _column(attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, 3, regather)
+    attn.c_proj = _row(attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
+    if isinstance(mlp, MLP):  # a mixture of experts stays whole on every TP rank (moe.py)
+        mlp.c_fc = _column(mlp.c_fc, f"{prefix}.mlp.c_fc", ctx, config, seed, 1, regather)
+        mlp.c_proj = _row(mlp.c_proj, f"{prefix}.mlp.c_proj", ctx, config, seed)
+    attn.attention_fn = ForkedAttention(attn.attention_fn, rng)
+    attn.resid_dropout = ForkedDropout(attn.resid_dropout, ctx, rng)
+    mlp.dropout = ForkedDropout(mlp.dropout, ctx, rng)
+    row_biases = [attn.c_proj.bias] + ([mlp.c_proj.bias] if isinstance(mlp, MLP) else [])
+    return [*block.ln_1.parameters(), *block.ln_2.parameters(), *(p for p in row_biases if p is not None)]
 
 
 def _shard(name: str, shape, split_dim: int | None, ctx: TensorParallelContext, segments: int = 1) -> ShardInfo:
