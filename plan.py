@@ -465,9 +465,11 @@ def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
     facts = dict(layout_facts(settings), dtype=settings.dtype)
     prediction = predict(role_of(run), facts, hw)
     measured = seconds / steps
-    return (f"hardware model: step time measured {measured * 1e3:,.1f} ms (mean of {steps}) vs predicted {prediction.step * 1e3:,.1f} ms"
-            f" ({measured / prediction.step:.2f}×) by the hardware model of this machine ({hw.name}:"
-            f" {hw.peak(settings.dtype) / 1e9:,.1f} GFLOP/s {settings.dtype}, link {hw.intra_gbps:.2f} GB/s,"
-            f" α {hw.intra_latency_us:.0f} µs): compute {prediction.compute * 1e3:,.1f}, exposed comm"
+    link = (f"link {hw.intra_gbps:.2f} GB/s, α {hw.intra_latency_us:.0f} µs" if run.mesh.shape.world_size > 1
+            else "one process: no link")
+    return (f"hardware model: step time measured {measured * 1e3:,.1f} ms (mean of {steps})"
+            f" vs predicted {prediction.step * 1e3:,.1f} ms ({measured / prediction.step:.2f}×) by the hardware"
+            f" model of this machine ({hw.name}: {hw.peak(settings.dtype) / 1e9:,.1f} GFLOP/s {settings.dtype},"
+            f" {link}): compute {prediction.compute * 1e3:,.1f}, exposed comm"
             f" {prediction.exposed_comm * 1e3:,.1f}, bubble {prediction.bubble * 1e3:,.1f}, update"
             f" {prediction.update * 1e3:,.1f} ms")
