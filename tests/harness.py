@@ -159,3 +159,18 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, backend_name: 
                     proc.kill()
                     proc.join()
     return [outputs[rank] for rank in range(world_size)]
+
+
+def run_bench(name: str, argv: list) -> None:
+    """`bench/<name>.py`'s main(argv) in this process, so that its ranks come from the warm fork server (a bench
+    run as its own process pays torch's import in every rank). bench/ is on sys.path while it runs: the bench
+    imports bench/common.py, and the fork server's ranks take this process's sys.path."""
+    import importlib
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
+    try:
+        importlib.import_module(name).main(argv)
+    finally:
+        sys.path.remove(bench)

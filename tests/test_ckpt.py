@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import harness
-from harness import backend_flags, run_ranks
+from harness import backend_flags, run_bench, run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1205,13 +1205,6 @@ def test_a_sigkilled_writer_leaves_no_stale_lock(tmp_path):
 def test_bench_ckpt_smoke_runs(tmp_path, capsys):
     """bench/bench_ckpt.py --smoke: tiny shapes, one save per mode, the table and the ratios printed (run in this
     process, so its ranks come from the harness's warm fork server)."""
-    bench = os.path.join(ROOT, "bench")
-    sys.path.insert(0, bench)  # bench/common.py, here and in the ranks (the fork server takes this sys.path)
-    try:
-        import bench_ckpt
-
-        bench_ckpt.main(["--smoke", "--root", str(tmp_path)])
-    finally:
-        sys.path.remove(bench)
+    run_bench("bench_ckpt", ["--smoke", "--root", str(tmp_path)])
     out = capsys.readouterr().out
     assert "ratios (side by side, same run):" in out and " D=2: " in out, out

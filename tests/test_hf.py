@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import harness
-from harness import run_ranks
+from harness import run_bench, run_ranks
 from model import GPT, GPTConfig
 from reference import HYPER, global_batches
 
@@ -333,12 +333,7 @@ def test_export_safetensors_without_the_package_is_one_line(round_trip, tmp_path
 def test_bench_hf_smoke_runs(capsys):
     """bench/bench_hf.py --smoke (tests/test_bench.py lists it here): its table, nothing WRONG."""
     pytest.importorskip("transformers")
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        import bench_hf
-    finally:
-        sys.path.remove(os.path.join(ROOT, "bench"))
-    bench_hf.main(["--smoke"])
+    run_bench("bench_hf", ["--smoke"])
     out = capsys.readouterr().out
     assert "tanh = gelu_new (after)" in out and "WRONG" not in out, out
 

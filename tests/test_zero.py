@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import harness
 from comm import CommTracer
-from harness import backend_flags, run_ranks
+from harness import backend_flags, run_bench, run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
 STEPS, SEQ = 3, 16
@@ -733,25 +733,15 @@ def test_fp32_accumulation_bytes_are_the_formulas(accumulation_runs):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _bench_main(name: str, argv: list):
-    bench = os.path.join(ROOT, "bench")
-    sys.path.insert(0, bench)  # bench/common.py, here and in the ranks (the fork server takes this sys.path)
-    try:
-        module = __import__(name)
-        module.main(argv)
-    finally:
-        sys.path.remove(bench)
-
-
 def test_bench_zero_smoke_runs(capsys):
     """bench/bench_zero.py --smoke: every system steps once timed, the ratios and the bytes table print."""
-    _bench_main("bench_zero", ["--smoke"])
+    run_bench("bench_zero", ["--smoke"])
     out = capsys.readouterr().out
     assert "step-time ratio zero.py stage 3 / FSDP2 fully_shard" in out and "D=2 predicted" in out, out
 
 
 def test_bench_zero_accum_smoke_runs(capsys):
     """bench/bench_zero_accum.py --smoke: the error table of m = 1, 2 at stages 1 and 3."""
-    _bench_main("bench_zero_accum", ["--smoke"])
+    run_bench("bench_zero_accum", ["--smoke"])
     out = capsys.readouterr().out
     assert re.search(r"^\s+3\s+2\s", out, re.M) and "fp32/bf16" in out, out
