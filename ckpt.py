@@ -83,7 +83,6 @@ from ckpt_files import (FORMAT_VERSION, KINDS, MANIFEST, MARKER, CheckpointError
                         piece_record, place, prune, region, remove_leftovers, reseed_rng, restore_rng_state,
                         set_aside_newer_than, shard_from_record, step_dir_name, verify_checkpoint,
                         wait_for_rank_records, write_durably)
-from ckpt_files import newest_committed  # noqa: F401 - for train.py's line when a signal stops the run
 from mesh import MeshShape
 from model import ShardInfo, StatePiece
 

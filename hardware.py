@@ -22,7 +22,7 @@ Accounting for this file: it holds and sends nothing; `measure_cpu` times one al
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist

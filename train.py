@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
+import ckpt_files
 import comm
 import context_parallel
 import data
@@ -477,7 +478,7 @@ def interrupted(checkpointer, step: int) -> None:
     line = f"interrupted at step {step}"
     if checkpointer is not None:
         checkpointer.abandon()
-        committed = ckpt.newest_committed(checkpointer.root)
+        committed = ckpt_files.newest_committed(checkpointer.root)
         line += (f"; the newest committed checkpoint is step {committed[0]} ({committed[1]}): --resume latest"
                  f" continues from it" if committed else "; no checkpoint was committed")
     print(line, file=sys.stderr, flush=True)
