@@ -20,6 +20,7 @@ read outside the directory or an unpickled object (`torch.load(weights_only=True
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -113,8 +114,6 @@ class WriterLock:
     leaves it stuck; the file names the holder for the error a second writer gets."""
 
     def __init__(self, root: str):
-        import fcntl
-
         path = os.path.join(root, ".lock")
         self.file = open(path, "a+")
         try:

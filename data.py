@@ -32,6 +32,7 @@ import os
 import shutil
 import sysconfig
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple
 
@@ -473,8 +474,6 @@ class Prefetcher:
     """
 
     def __init__(self, read, device, last_step: int):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.read, self.device, self.last_step = read, torch.device(device), last_step
         self.pin = self.device.type == "cuda"
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass, field
 
 import torch
@@ -211,8 +212,6 @@ def init_distributed(backend: str, device: torch.device | None = None, timeout_s
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

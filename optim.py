@@ -24,6 +24,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
 
 
 def adamw_param_groups(params, weight_decay: float) -> list:
@@ -63,8 +64,6 @@ def ensure_adam_state(optimizer) -> None:
     The first step then finds the state present and behaves exactly as if it had created it. A checkpoint
     holds only the moments and one integer step, so it loads into either kind.
     """
-    from torch.optim.optimizer import _device_dtype_check_for_fused, _get_scalar_dtype
-
     for group in optimizer.param_groups:
         fused, on_device = group.get("fused"), group.get("capturable") or group.get("fused")
         for p in group["params"]:
