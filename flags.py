@@ -460,6 +460,16 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+def check_world(args) -> None:
+    """--plan/--plan-search's own rules: --world given, and divisible by the layout (before any build)."""
+    if args.world is None:
+        raise FlagError("--plan and --plan-search need --world N (the number of ranks to plan for)")
+    model_parallel = args.tp * args.pp * args.cp
+    if args.plan and args.world % model_parallel:
+        raise FlagError(f"--world {args.world} is not divisible by --tp {args.tp} × --pp {args.pp} × --cp {args.cp}"
+                        f" = {model_parallel}: the layout needs a multiple of {model_parallel} ranks")
+
+
 def parse(argv=None, axes=()) -> Settings:
     """The flags of this process (sys.argv) as Settings, or one error line and exit status 2 (fail).
 
@@ -470,9 +480,7 @@ def parse(argv=None, axes=()) -> Settings:
         args = build_parser().parse_args(argv)
         planning = args.plan or args.plan_search
         if planning:
-            import plan
-
-            plan.check_world(args)
+            check_world(args)
         settings = validate(args, args.world if planning else int(os.environ.get("WORLD_SIZE", "1")),
                             explicit_flags(argv), axes)
         if not planning:  # a plan reads no corpus

@@ -113,6 +113,12 @@ def from_flags(args, dtype: str) -> Hardware:
     return replace(hw, **overrides)
 
 
+def hardware_line(hw: Hardware, dtype: str) -> str:
+    return (f"hardware model {hw.name}: {hw.peak(dtype) / 1e12:g} TFLOP/s {dtype} dense, HBM {hw.hbm_gbps:g} GB/s,"
+            f" {hw.memory_gib:.1f} GiB; {hw.gpus_per_node} GPUs a node; intra-node {hw.intra_gbps:g} GB/s,"
+            f" α {hw.intra_latency_us:g} µs; inter-node {hw.inter_gbps:g} GB/s per GPU, α {hw.inter_latency_us:g} µs")
+
+
 def measure_cpu(peak_flops: float, dtype: str, device, sizes=(1 << 12, 1 << 22)) -> Hardware:
     """This machine as a Hardware: the measured matmul peak (train.py measured it at start) and a world
     all-reduce timed at two sizes, which give α (the small one) and β (the large one) of the ranks' link.
@@ -134,3 +140,11 @@ def measure_cpu(peak_flops: float, dtype: str, device, sizes=(1 << 12, 1 << 22))
     return Hardware("cpu (measured)", {dtype: peak_flops / 1e12}, hbm_gbps=20.0, memory_gib=0.0,
                     intra_gbps=beta / 1e9, inter_gbps=beta / 1e9, intra_latency_us=alpha * 1e6,
                     inter_latency_us=alpha * 1e6, gpus_per_node=max(world, 1))
+
+
+def machine_model(run, args) -> Hardware:
+    """This machine as the time model sees it: on CPU measured (the matmul peak train.py measured, a timed
+    gloo all-reduce: collective, every rank calls it); on a GPU the preset's datasheet row (--hw, --hw-*)."""
+    if run.device.type == "cpu":
+        return measure_cpu(run.peak[0], run.settings.dtype, run.device)
+    return from_flags(args, run.settings.dtype)

@@ -1,7 +1,9 @@
-"""--plan and --plan-search: size a layout at any scale without its hardware, from the run's own accounting.
+"""Size a layout at any scale without its hardware, from the run's own accounting: an entry point on top of train.py.
 
-    python train.py --plan --world 1024 --preset gpt3-175b --tp 8 --pp 8 --global-batch 1536 --micro-batch 1
-    python train.py --plan-search --world 64 --preset gpt3-13b --global-batch 512 --hw-memory-gib 80
+    python plan.py --world 1024 --preset gpt3-175b --tp 8 --pp 8 --global-batch 1536 --micro-batch 1
+    python plan.py --plan-search --world 64 --preset gpt3-13b --global-batch 512 --hw-memory-gib 80
+
+It takes train.py's flags (--plan is implied; `python train.py --plan ...` and `--plan-search` run this file).
 
 --plan runs the real start-up of each distinct rank ROLE inside a fake process group
 (torch.testing._internal.distributed.fake_pg: collectives return at once and move nothing) on meta tensors
@@ -18,25 +20,8 @@ every rank is built from the same seed, so DDP's same-init check holds by constr
 Building on meta: train.compose(run, materialize=False), the real start-up with the model built on meta, every
 axis cutting it there and the layout sized over it, no value ever computed.
 
-The time model (hardware.py states the hardware): per role and step
-    compute    t_c = FLOPs_hardware/token · tokens/step / world / peak(dtype)   (an even split over the ranks)
-    update     2 · persistent bytes / HBM bandwidth                                 (memory-bound, exposed)
-    each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds), then
-    on the critical path by these rules (Megatron, ZeRO and ring-attention's own overlap claims):
-      exposed: TP/SP (every f, g inside a layer waits on it), EP's and Ulysses' all-to-alls, the update's and
-               the step's scalar all-reduces, FP8's amax reductions, the pipeline's loss and tied sums;
-      DDP, ZeRO-1: the gradient reduction overlaps the last micro-batch's backward (≈ 2/3 of its compute)
-               except its last bucket: exposed = t(last bucket) + max(0, t − t_backward);
-      ZeRO-2/3: each micro-batch's reduce-scatter overlaps that micro-batch's backward, same rule, m times;
-      ZeRO-1/2's all-gather after the update: exposed (it overlaps only the next unit's update);
-      ZeRO-3's gathers are prefetched behind compute except the first (root + block 0) of each pass:
-               exposed = m · [t(first) + max(0, t/m − t_compute/m)];
-      ring CP: each hop's transfer hides behind its block's attention: exposed = max(0, t − t_attention);
-      pipeline p2p: overlapped except in fill and drain: exposed = 2(P−1) · t(one message).
-    bubble     b = pipeline's bubble_formula(schedule, P, m, v); the busy part (compute + the exposed
-               in-layer communication) stretches by 1/(1 − b)
-    step       (t_c + in-layer exposed) / (1 − b) + the exposed rest;  MFU = FLOPs_model · tokens / (world ·
-               peak · step). The slowest role sets the pace.
+Each role's figures become a step time and MFU by time_model.py's time model (its rules are in its docstring),
+on hardware.py's statement of the hardware.
 
 --plan-search (plan_search.py) sizes layouts from the same formulas without building them.
 
@@ -45,25 +30,26 @@ Accounting for this file: it allocates nothing (meta tensors) and sends nothing 
 
 from __future__ import annotations
 
-import math
+import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import flags
 import hardware
 import memory
 import mfu
-import model as model_lib
-import moe
-import report
-import schedules
-import zero
-from comm import Messages
-from flags import DTYPES, FlagError
-from mesh import MeshShape
+import plan_search
+import train
+from flags import FlagError, fail
+from hardware import hardware_line
+from mesh import MeshShape, build_mesh
+from time_model import (PLANNED_DEVICE, Prediction, Role, layout_facts, layout_name, limiting_term, plan_dtypes,
+                        plan_settings, predict, role_of)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -71,14 +57,9 @@ from mesh import MeshShape
 # ---------------------------------------------------------------------------------------------------------
 
 
-PLANNED_DEVICE = "cuda"  # the hardware model's presets are GPUs: their attention kernels and dropout masks
-
-
 @contextmanager
 def fake_world(rank: int, world: int):
     """This process as rank `rank` of `world` in a fake process group (nothing is sent), torn down after."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
@@ -86,18 +67,8 @@ def fake_world(rank: int, world: int):
         dist.destroy_process_group()
 
 
-def plan_dtypes(settings) -> tuple:
-    """(compute, param, master) dtypes as train.start_run chooses them; --dtype auto plans for a GPU: bf16."""
-    name = settings.args.dtype if settings.args.dtype != "auto" else "bf16"
-    compute = DTYPES[name]
-    return name, compute, (compute if settings.args.zero else torch.float32), torch.float32
-
-
 def build_role(settings, rank: int):
     """train.compose for `rank` of settings.world_size, on meta, inside the current fake process group."""
-    import train  # here: train imports this file
-    from mesh import build_mesh
-
     name, compute, param, master = plan_dtypes(settings)
     mesh = build_mesh(settings.shape, rank)
     run = train.Run(settings=settings, mesh=mesh, config=replace(settings.model), device=torch.device("meta"),
@@ -106,79 +77,6 @@ def build_role(settings, rank: int):
     for group_name, group in mesh.groups.items():
         run.tracer.name_group(group, group_name)  # as train.py names them: the messages' rows are the run's
     return run
-
-
-@dataclass
-class Role:
-    """What one rank holds and sends per step: the figures a real start-up prints."""
-
-    rank: int
-    coords: dict  # {"dp", "pp", "cp", "tp"}
-    local_params: int
-    logical: dict  # {global name: elements of the logical tensor}: Ψ is their sum over the roles
-    persistent: dict  # {"weights", "grads", "optimizer", "total"} bytes
-    activations: object  # report.ActivationEstimate: one forward's bytes, how many in flight, their peak
-    temporaries: dict  # {what: bytes}
-    messages: Messages  # per step, (op, group as the tracer names it): (calls, payload)
-    group_ranks: dict  # {group name: global ranks of this rank's group}
-    flops: mfu.FlopsPerToken
-    bubble: float
-    last_bucket: float  # bytes of the gradient reduction's last piece (sent after backward)
-    first_gather: float  # ZeRO-3: bytes gathered before the first block can start (root + block 0)
-    boundary_bytes: float = 0.0  # one pipeline message
-    layer_share: float = 1.0  # this rank's layers over the mean (L/P): an uneven pipeline split's slow stage
-
-    @property
-    def peak(self) -> float:
-        return self.persistent["total"] + self.activations.peak + sum(self.temporaries.values())
-
-
-def role_of(run, device_type: str | None = None) -> Role:
-    """The Role of a built run: every figure read from the code a real start-up prints it with; the
-    activations as the kernels of `device_type` save them (the plan's: "cuda"; default the run's device)."""
-    layout, mesh = run.layout, run.mesh
-    persistent = dict(layout.predicted_persistent())
-    estimate = report.activation_estimate(run, device_type)
-    temporaries, last_bucket, first_gather = {}, 0.0, 0.0
-    if isinstance(layout, zero.ZeroLayout):
-        extra = layout.peak_lower_bound() - persistent["total"]
-        what = ("gathered units (in use + prefetched) and gradient buckets" if layout.stage == 3
-                else "reduce-scatter outputs / all-gather inputs, gradient buckets")
-        temporaries[f"ZeRO-{layout.stage} {what}"] = extra
-        b = layout.reduce_dtype.itemsize
-        last_bucket = b * (sum(u.padded_numel for u in layout.root) if layout.stage == 3
-                           else layout.units[-1].padded_numel)
-        if layout.stage == 3:
-            first_gather = layout.param_dtype.itemsize * sum(u.padded_numel for u in [*layout.root,
-                                                                                        *layout.block_units[0]])
-    else:
-        sizes = layout.ddp.bucket_sizes_bytes()
-        temporaries["DDP: one bucket in flight (the backend's staging)"] = max(sizes)
-        last_bucket = sizes[-1]
-    bubble, boundary = 0.0, 0.0
-    for axis in run.axes:
-        if axis.schedule is not None:  # the pipeline: its bubble, its messages' buffers
-            s = axis.schedule
-            bubble = schedules.bubble_formula(s.name, s.P, run.micro_batches, s.v)
-            boundary = axis.message_bytes()
-            temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
-        if axis.name == "moe" and mesh.size("ep") > 1:
-            t = axis.traffic
-            temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * t.tokens * t.model.moe_topk * \
-                t.model.n_embd * t.compute_bytes
-        if axis.name == "cp" and run.settings.args.cp_impl == "ring":
-            kv = 2 * run.micro_batch_size * run.seq_len // mesh.size("cp") * run.config.n_embd // mesh.size("tp")
-            temporaries["ring CP: the K, V block in flight"] = 2 * kv * run.compute_dtype.itemsize
-    params = list(run.model.parameters())
-    ranks = {name: members for name, members in mesh.members.items()}
-    ranks["world"] = list(range(mesh.shape.world_size))
-    return Role(rank=mesh.rank, coords=mesh.shape.coords(mesh.rank), local_params=sum(p.numel() for p in params),
-                logical={p.shard_info.global_name: math.prod(p.shard_info.global_shape) for p in params},
-                persistent=persistent, activations=estimate,
-                temporaries=temporaries, messages=report.predicted_messages(run), group_ranks=ranks,
-                flops=run.flops, bubble=bubble, last_bucket=last_bucket, first_gather=first_gather,
-                boundary_bytes=boundary,
-                layer_share=len(run.model.transformer.h) * mesh.shape.pp / run.config.n_layer)
 
 
 def role_ranks(shape: MeshShape, every: bool = False) -> list:
@@ -225,141 +123,8 @@ def logical_psi(settings, roles: list) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The time model
+# Printouts and the entry point
 # ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Prediction:
-    compute: float
-    update: float
-    bubble: float  # seconds idle in the pipeline's fill and drain
-    step: float
-    mfu: float
-    exposed: dict = field(default_factory=dict)  # {(op, group): seconds on the critical path}
-    total: dict = field(default_factory=dict)  # {(op, group): seconds if nothing overlapped}
-    link: dict = field(default_factory=dict)  # {(op, group): "intra" | "inter"}
-
-    def by_link(self, exposed: bool = True) -> dict:
-        out = {"intra": 0.0, "inter": 0.0}
-        for key, t in (self.exposed if exposed else self.total).items():
-            out[self.link[key]] += t
-        return out
-
-    @property
-    def exposed_comm(self) -> float:
-        return sum(self.exposed.values())
-
-
-def _group_ranks(group: str, ranks: dict) -> list:
-    names = [name for name in group.split("=") if name in ranks]  # "dp=dp_cp=expert_dp": one communicator
-    return ranks[names[0]] if names else [0]
-
-
-def _names(group: str) -> set:
-    return set(group.split("="))
-
-
-def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
-    """The role's step time by the rules of the docstring. layout: world, tokens (per step), m, zero, P, dtype,
-    cp_impl, attention_share (of the compute: attention's score and value matmuls)."""
-    m, stage, P = layout["m"], layout["zero"], layout["P"]
-    peak = hw.peak(layout["dtype"])
-    compute = role.flops.hardware * layout["tokens"] / layout["world"] / peak * role.layer_share
-    backward_mb = compute * 2 / 3 / m  # one micro-batch's backward: 4 of its 6·N FLOPs
-    update = 2 * role.persistent["total"] / (hw.hbm_gbps * 1e9)
-    exposed, total, link, in_layer = {}, {}, {}, 0.0
-    for (op, group), (calls, payload) in role.messages.items():
-        ranks = _group_ranks(group, role.group_ranks)
-        t = hardware.collective_seconds(op, calls, payload, ranks, hw)
-        names = _names(group)
-
-        def piece(nbytes):  # one call of `op` moving nbytes
-            return hardware.collective_seconds(op, 1, nbytes, ranks, hw)
-
-        grads = names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single") and payload > 16 * calls
-        if grads and stage <= 1:  # DDP, ZeRO-1: once per step, over the last micro-batch's backward
-            last = piece(role.last_bucket)
-            e = last + max(0.0, t - last - backward_mb)
-        elif grads:  # ZeRO-2/3: every micro-batch's, over its own backward
-            last = piece(role.last_bucket)
-            e = m * (last + max(0.0, t / m - last - backward_mb))
-        elif stage == 3 and op == "all_gather_single" and names & {"dp_cp", "expert_dp"}:
-            first = piece(role.first_gather)
-            e = m * (first + max(0.0, t / m - first - compute / m))
-        elif "pp" in names and op == "send":
-            e = 2 * (P - 1) * piece(role.boundary_bytes) if role.boundary_bytes else t
-        elif "cp" in names and op in ("send", "isend", "batch_isend_irecv") and layout.get("cp_impl") == "ring":
-            e = max(0.0, t - compute * layout.get("attention_share", 0.0))
-        else:  # TP/SP, EP, Ulysses, the update's and the step's scalars, amaxes, ZeRO-1/2's gather, pp sums
-            e = t
-            in_layer += t if names & {"tp", "ep", "cp"} else 0.0
-        exposed[(op, group)], total[(op, group)] = min(e, t), t
-        link[(op, group)] = "inter" if hardware.crosses_nodes(ranks, hw) else "intra"
-    busy = compute + in_layer
-    bubble = busy * role.bubble / (1 - role.bubble)
-    step = busy + bubble + update + sum(exposed.values()) - in_layer
-    return Prediction(compute=compute, update=update, bubble=bubble, step=step, exposed=exposed, total=total,
-                      link=link, mfu=role.flops.model * layout["tokens"] / (layout["world"] * peak * step))
-
-
-def layout_facts(settings) -> dict:
-    """What the time model reads of a layout (predict's `layout`)."""
-    args, config = settings.args, settings.model
-    seq = settings.seq_len
-    attention = 12 * config.n_layer * config.n_embd * seq  # 12·L·H·Q·s of the FLOPs per token
-    flops = moe.flops_per_token(config, seq, recompute=config.activation_checkpointing)
-    return dict(world=settings.world_size, tokens=args.global_batch * seq, m=settings.micro_batches,
-                zero=args.zero, P=settings.shape.pp, dtype=plan_dtypes(settings)[0], cp_impl=args.cp_impl,
-                attention_share=attention / flops.hardware)
-
-
-def limiting_term(prediction: Prediction) -> str:
-    """The largest term of the step, and when that is compute, the largest of what is lost besides it."""
-    losses = {"exposed communication": prediction.exposed_comm, "bubble": prediction.bubble,
-              "update (HBM)": prediction.update}
-    worst = max(losses, key=losses.get)
-    if prediction.compute >= losses[worst]:
-        return f"compute; most lost to {worst} ({losses[worst] / prediction.step:.0%} of the step)"
-    return worst
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Flags and printouts
-# ---------------------------------------------------------------------------------------------------------
-
-
-def plan_settings(settings):
-    """The model's vocabulary as the plan sizes it: --tokenizer's, or a gpt3-* preset's own (50304) when
-    --tokenizer is not given (a real run takes the corpus's: the plan cannot read one)."""
-    args = settings.args
-    if "tokenizer" not in settings.given and args.preset.startswith("gpt3-"):
-        settings.model.vocab_size = model_lib.PRESETS[args.preset].vocab_size
-    return settings
-
-
-def check_world(args) -> None:
-    """--plan/--plan-search's own rules: --world given, and divisible by the layout (before any build)."""
-    if args.world is None:
-        raise FlagError("--plan and --plan-search need --world N (the number of ranks to plan for)")
-    model_parallel = args.tp * args.pp * args.cp
-    if args.plan and args.world % model_parallel:
-        raise FlagError(f"--world {args.world} is not divisible by --tp {args.tp} × --pp {args.pp} × --cp {args.cp}"
-                        f" = {model_parallel}: the layout needs a multiple of {model_parallel} ranks")
-
-
-def layout_name(settings) -> str:
-    a, s = settings.args, settings.shape
-    name = f"D{s.dp}·P{s.pp}·C{s.cp}·T{s.tp}" + (f"·E{s.ep}" if s.ep > 1 else "")
-    name += f" ZeRO-{a.zero} B_μ={settings.micro_batch_size} m={settings.micro_batches}"
-    name += (f" {a.pp_schedule}" + (f"(v={a.pp_virtual})" if a.pp_schedule == "interleaved" else "")) if s.pp > 1 else ""
-    return name + (" SP" if settings.sequence_parallel else "") + (" AC" if settings.model.activation_checkpointing else "")
-
-
-def hardware_line(hw: hardware.Hardware, dtype: str) -> str:
-    return (f"hardware model {hw.name}: {hw.peak(dtype) / 1e12:g} TFLOP/s {dtype} dense, HBM {hw.hbm_gbps:g} GB/s,"
-            f" {hw.memory_gib:.1f} GiB; {hw.gpus_per_node} GPUs a node; intra-node {hw.intra_gbps:g} GB/s,"
-            f" α {hw.intra_latency_us:g} µs; inter-node {hw.inter_gbps:g} GB/s per GPU, α {hw.inter_latency_us:g} µs")
 
 
 def zero_table(psi: int, D: int) -> str:
@@ -428,11 +193,10 @@ def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
     return roles, predictions
 
 
-def main(settings, argv: list) -> None:
-    """train.py --plan / --plan-search: one flag error line, or the plan."""
-    import plan_search  # it builds on this file's roles and time model
-    from flags import fail
-
+def main(argv=None) -> None:
+    """python plan.py FLAGS (or train.py --plan / --plan-search FLAGS): one flag error line, or the plan."""
+    argv = planning_argv(sys.argv[1:] if argv is None else list(argv))
+    settings = flags.parse(argv, train.AXES)  # a bad flag: one line, exit status 2
     hw = hardware.from_flags(settings.args, plan_dtypes(settings)[0])
     try:
         if settings.args.plan_search:
@@ -443,33 +207,15 @@ def main(settings, argv: list) -> None:
         fail(str(e))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Every real run: its measured step time next to the hardware model's prediction for this machine
-# ---------------------------------------------------------------------------------------------------------
+def planning_argv(argv: list) -> list:
+    """The command line with --plan put in front unless it asks for --plan or --plan-search (an error in it is
+    left for flags.parse to report)."""
+    try:
+        args = flags.build_parser().parse_args(argv)
+    except FlagError:
+        return argv
+    return argv if args.plan or args.plan_search else ["--plan", *argv]
 
 
-def machine_model(run, args) -> hardware.Hardware:
-    """This machine as the time model sees it: on CPU measured (the matmul peak train.py measured, a timed
-    gloo all-reduce: collective, every rank calls it); on a GPU the preset's datasheet row (--hw, --hw-*)."""
-    if run.device.type == "cpu":
-        return hardware.measure_cpu(run.peak[0], run.settings.dtype, run.device)
-    return hardware.from_flags(args, run.settings.dtype)
-
-
-def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
-    """'hardware model: step time measured ... vs predicted ...': the model checked against the run it describes
-    (not a line starting with "step ": those are the step lines)."""
-    if not steps:
-        return "hardware model: no step timed (the first is left out), nothing to check it against"
-    settings = run.settings
-    facts = dict(layout_facts(settings), dtype=settings.dtype)
-    prediction = predict(role_of(run), facts, hw)
-    measured = seconds / steps
-    link = (f"link {hw.intra_gbps:.2f} GB/s, α {hw.intra_latency_us:.0f} µs" if run.mesh.shape.world_size > 1
-            else "one process: no link")
-    return (f"hardware model: step time measured {measured * 1e3:,.1f} ms (mean of {steps})"
-            f" vs predicted {prediction.step * 1e3:,.1f} ms ({measured / prediction.step:.2f}×) by the hardware"
-            f" model of this machine ({hw.name}: {hw.peak(settings.dtype) / 1e9:,.1f} GFLOP/s {settings.dtype},"
-            f" {link}): compute {prediction.compute * 1e3:,.1f}, exposed comm"
-            f" {prediction.exposed_comm * 1e3:,.1f}, bubble {prediction.bubble * 1e3:,.1f}, update"
-            f" {prediction.update * 1e3:,.1f} ms")
+if __name__ == "__main__":
+    main()

@@ -1,13 +1,13 @@
 """--plan-search: every layout of a world size sized from the start-up's own pure formulas, without building.
 
-    python train.py --plan-search --world 64 --preset gpt3-13b --global-batch 512 --hw-memory-gib 80
+    python plan.py --plan-search --world 64 --preset gpt3-13b --global-batch 512 --hw-memory-gib 80
 
 It enumerates the layouts (D, P, C ring, T with SP, E with --moe-experts, ZeRO stage, B_μ and m, schedule,
-activation checkpointing) that flags.validate accepts, gives each pipeline stage's plan.Role from the formulas
+activation checkpointing) that flags.validate accepts, gives each pipeline stage's time_model.Role from the formulas
 the start-up prints (memory.persistent_bytes per data-parallel group, zero.ZeroLayout's units and transients as
 `grad_sync_messages` and `_formula_temporaries` count them, tensor_parallel.step_messages,
 context_parallel.layer_messages, moe.step_messages, report.estimate_of, schedules.bubble_formula and
-p2p_counts, moe.flops_per_token) and plan.predict's time model, drops what does not fit the device memory,
+p2p_counts, moe.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
 ranks by step time and prints the best ten with the term that limits each. Building a role on meta takes
 about a second for a large model, too slow for thousands of layouts; tests/test_plan.py checks that these
 figures equal --plan's built ones (dense, CP and EP layouts).
@@ -24,6 +24,7 @@ from itertools import product
 
 import context_parallel
 import ddp
+import flags
 import hardware
 import memory
 import mfu
@@ -31,11 +32,13 @@ import moe
 import report
 import schedules
 import tensor_parallel
+import train
 from comm import Messages
 from flags import FlagError
+from hardware import hardware_line
 from mesh import MeshShape, axis_groups
-from plan import (PLANNED_DEVICE, Role, hardware_line, layout_facts, layout_name, limiting_term, plan_dtypes,
-                  plan_settings, predict)
+from time_model import (PLANNED_DEVICE, Role, layout_facts, layout_name, limiting_term, plan_dtypes, plan_settings,
+                        predict)
 
 
 def _programs_facts(schedule: str, P: int, m: int, v: int) -> tuple:
@@ -308,9 +311,6 @@ def candidates(world: int, config, global_batch: int, gpus_per_node: int):
 
 def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10) -> tuple:
     """([(prediction, peak, settings, limiting term)] best first, fitting in hw.memory_gib; dropped; tried)."""
-    import flags
-    import train
-
     results, dropped, smallest, facts_cache = [], 0, None, {}
     parsed = flags.build_parser().parse_args(base_argv)
     for c in candidates(world, flags.model_config(parsed), parsed.global_batch, hw.gpus_per_node):

@@ -21,6 +21,7 @@ import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -32,13 +33,14 @@ import context_parallel
 import data
 import flags
 import fp8
+import hardware
 import hf
 import mfu
 import moe
 import pipeline
-import plan
 import report
 import tensor_parallel
+import time_model
 from ddp import DDPLayout, DistributedDataParallel
 from flags import DTYPES, Settings, fail
 from memory import MemoryTimeline
@@ -141,11 +143,19 @@ def build_layout(model: GPT, run: Run, materialize: bool = True):
 def main(argv=None):
     settings = flags.parse(argv, AXES)  # a bad flag: one line, exit status 2, before any rank waits
     if settings.args.plan or settings.args.plan_search:  # size the layout on meta in a fake process group
-        return plan.main(settings, sys.argv[1:] if argv is None else list(argv))
+        run_plan_py(sys.argv[1:] if argv is None else list(argv))
     # Every collective the run issues is traced, filed by phase: startup, step (the default), eval, ckpt, sample,
     # end; the table at the end shows them all, and checks the step's against the axes' predictions.
     with comm.CommTracer() as tracer:
         train(settings, tracer)
+
+
+def run_plan_py(argv: list) -> NoReturn:
+    """--plan, --plan-search: this process becomes `python plan.py` with the same flags. plan.py builds on this
+    file (train.compose on meta), so train.py runs it as a program rather than importing it: imports go one way."""
+    sys.stdout.flush(), sys.stderr.flush()  # exec drops what is still buffered
+    os.execv(sys.executable, [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan.py"),
+                              *argv])
 
 
 @dataclass
@@ -160,7 +170,7 @@ class Training:
     val_sampler: data.EvalSampler
     lr_schedule: LRSchedule
     scaler: DynamicLossScaler
-    machine: object  # plan.machine_model: the time model of this machine
+    machine: object  # hardware.machine_model: the time model of this machine
     checkpointer: ckpt.Checkpointer | None = None
     start_step: int = 0  # a resumed run starts at its checkpoint's step
     step: int = 0  # the step the loop is at (an interrupt reports it)
@@ -184,7 +194,7 @@ def train(settings: Settings, tracer: comm.CommTracer):
     with tracer.phase("end"):
         dist.barrier()  # every rank is done: the table below is complete
         progress = t.progress
-        print0(plan.check_line(t.run, t.machine, progress.seconds, progress.steps))
+        print0(time_model.check_line(t.run, t.machine, progress.seconds, progress.steps))
         report.print_end(t.run, max(0, args.steps - t.start_step), progress.seconds, progress.steps, t.step_peak)
     dist.destroy_process_group()
 
@@ -199,7 +209,7 @@ def start_training(settings: Settings, tracer: comm.CommTracer) -> Training:
     if args.init_from:  # the weights of step 0, read as a resharding resume reads (a checkpoint overrides them)
         init_from(run, args.init_from)
     run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
-    machine = plan.machine_model(run, args)  # the time model of this machine (CPU: measured, collective)
+    machine = hardware.machine_model(run, args)  # the time model of this machine (CPU: measured, collective)
     for name, group in run.mesh.groups.items():
         tracer.name_group(group, name)
     report.print_startup(run)

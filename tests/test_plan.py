@@ -40,11 +40,11 @@ CASES = [  # (flags, global batch, B_μ)
 
 def _settings(flags_list, global_batch, micro, world=WORLD, extra=()):
     import flags
-    import plan
+    import time_model
     import train
 
     argv = [*TINY, *flags_list, "--global-batch", str(global_batch), "--micro-batch", str(micro), *extra]
-    return plan.plan_settings(flags.validate(flags.build_parser().parse_args(argv), world, axes=train.AXES))
+    return time_model.plan_settings(flags.validate(flags.build_parser().parse_args(argv), world, axes=train.AXES))
 
 
 def _figures(role, psi):
@@ -55,22 +55,22 @@ def _figures(role, psi):
 
 def _real_startups(rank, world, cases):
     """Each case's real start-up on gloo (train.compose on CPU tensors, as train.main builds it)."""
-    import plan
     import report
+    import time_model
     import train
     from mesh import build_mesh
 
     out = []
     for case in cases:
         settings = _settings(*case)
-        _, compute, param, master = plan.plan_dtypes(settings)
+        _, compute, param, master = time_model.plan_dtypes(settings)
         run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
                         device=torch.device("cpu"), seed=settings.args.seed, compute_dtype=compute,
                         param_dtype=param, master_dtype=master)
         train.compose(run)
         for name, group in run.mesh.groups.items():
             run.tracer.name_group(group, name)
-        out.append(dict(_figures(plan.role_of(run), report.parameter_counts(run)[0]), saved=_saved_in_a_step(run)))
+        out.append(dict(_figures(time_model.role_of(run), report.parameter_counts(run)[0]), saved=_saved_in_a_step(run)))
     return out
 
 
@@ -116,12 +116,13 @@ def real():
 def _planned(index: int) -> list:
     """Case `index`'s plan role of every rank (each rank built as the plan builds a role)."""
     import plan
+    import time_model
 
     settings = _settings(*CASES[index])
     roles = []
     for rank in range(WORLD):
         with plan.fake_world(rank, WORLD):
-            roles.append(plan.role_of(plan.build_role(settings, rank)))
+            roles.append(time_model.role_of(plan.build_role(settings, rank)))
     return roles
 
 
@@ -174,13 +175,14 @@ def test_search_formulas_give_the_plans_figures(case):
     import hardware
     import plan
     import plan_search
+    import time_model
 
     settings = _settings(*case, world=8, extra=["--bucket-mb", "25"])  # buckets above any one tensor
     hw = hardware.PRESETS["h100"]
     for p in range(settings.shape.pp):
         rank = settings.shape.rank_of(0, p, 0, 0)
         with plan.fake_world(rank, 8):
-            built = plan.role_of(plan.build_role(settings, rank))
+            built = time_model.role_of(plan.build_role(settings, rank))
         formula = plan_search.formula_role(settings, p)
         assert formula.local_params == built.local_params
         assert formula.persistent == built.persistent
@@ -195,8 +197,9 @@ def test_search_formulas_give_the_plans_figures(case):
             # the SP sum under ZeRO: this rank's shard of the replicated parameters' fp32 gradients
             assert formula.messages[key].payload == pytest.approx(payload, abs=4 * held["replicated"] if sp_sum
                                                                   else 1e-9), key
-        facts = plan.layout_facts(settings)
-        assert plan.predict(formula, facts, hw).step == pytest.approx(plan.predict(built, facts, hw).step, rel=0.01)
+        facts = time_model.layout_facts(settings)
+        assert time_model.predict(formula, facts, hw).step == pytest.approx(time_model.predict(built, facts, hw).step,
+                                                                            rel=0.01)
 
 
 def test_zero_paper_figure_1():
@@ -219,16 +222,37 @@ def test_korthikanti_per_layer_activations():
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--plan", "--world", "1000", "--tp", "8", "--pp", "8"], "error: --world 1000 is not divisible by --tp 8 × --pp 8"),
+    (["--world", "1000", "--tp", "8", "--pp", "8"], "error: --world 1000 is not divisible by --tp 8 × --pp 8"),
     (["--plan", "--tp", "2"], "error: --plan and --plan-search need --world N"),
     (["--plan-search", "--world", "8", "--preset", "gpt3-13b", "--global-batch", "8", "--hw-memory-gib", "1"],
      "error: --hw-memory-gib 1: no layout of gpt3-13b on --world 8 fits in it; the smallest peak is"),
 ])
 def test_bad_plan_input_ends_in_one_line(argv, expected, capsys):
-    import train
+    """python plan.py FLAGS (--plan implied: the first case has none)."""
+    import plan
 
     with pytest.raises(SystemExit) as stop:
-        train.main(argv)
+        plan.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(expected), err
 
+
+def test_train_py_plan_runs_plan_py_with_the_same_flags(monkeypatch):
+    """train.py --plan / --plan-search: the process becomes python plan.py with the same command line."""
+    import os
+    import sys
+
+    import train
+
+    class Exec(Exception):
+        pass
+
+    def execv(path, args):
+        raise Exec(path, args)
+
+    monkeypatch.setattr(os, "execv", execv)
+    argv = ["--plan-search", "--world", "8", "--preset", "tiny"]
+    with pytest.raises(Exec) as became:
+        train.main(argv)
+    plan_py = os.path.join(os.path.dirname(os.path.abspath(train.__file__)), "plan.py")
+    assert became.value.args == (sys.executable, [sys.executable, plan_py, *argv])
