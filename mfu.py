@@ -537,18 +537,8 @@ class ActionClock:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 5. Pipeline bubble and checkpoint interval
+# 5. Checkpoint interval
 # ----------------------------------------------------------------------------------------------------------
-
-
-def pipeline_bubble(p: int, m: int) -> float:
-    """Idle fraction of a GPipe/1F1B schedule with p stages and m micro-batches: (p-1)/(m+p-1).
-
-    Filling and draining the pipeline costs p-1 micro-batch slots out of the m+p-1 the schedule takes.
-    """
-    if p < 1 or m < 1:
-        raise ValueError("p and m must be >= 1")
-    return (p - 1) / (m + p - 1)
 
 
 def young_checkpoint_interval(checkpoint_seconds: float, mtbf_seconds: float) -> float:

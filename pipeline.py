@@ -452,13 +452,6 @@ def stage_kwargs(n_layer: int, pp_rank: int, P: int, v: int = 1) -> dict:
     return dict(layers=layers, embedding=0 in chunks, head=P * v - 1 in chunks)
 
 
-def build_stages(config: GPTConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device=None, pp_rank: int = 0,
-                 P: int = 1, v: int = 1) -> GPT:
-    """Pipeline rank `pp_rank`'s model: one model.GPT holding its chunks' blocks (first chunk: + embeddings,
-    last: + ln_f and head), built alone."""
-    return GPT(config, seed, dtype, device, **stage_kwargs(config.n_layer, pp_rank, P, v))
-
-
 def tied_copies(model: GPT, n_chunks: int) -> list:
     """This rank's copy of the embedding tied to the head (the first or the last chunk holds one)."""
     if n_chunks == 1:
@@ -486,15 +479,6 @@ def apply(model: GPT, run, config: PipelineConfig):
     writes_trace = all(index == 0 for axis, index in mesh.coordinates().items() if axis not in ("pp", "pp_tied"))
     return Pipeline(model, schedule, run.micro_batches, boundary, tied_group,
                     config.trace_file if writes_trace else None)
-
-
-def build(run, config: PipelineConfig, dtype: torch.dtype = torch.float32, transform=None):
-    """(stage model, Pipeline) for tests and benchmarks: build this rank's stage, `transform(model)` (TP's
-    parallelize, CP's swap: the axes before PP), then apply."""
-    model = GPT(run.config, run.seed, dtype, run.device, **stage_of(config, run))
-    if transform is not None:
-        transform(model)
-    return model, apply(model, run, config)
 
 
 class Pipeline(Axis):

@@ -84,7 +84,7 @@ def _bench(rank, world, args):
     for name in ("gpipe", "1f1b", "interleaved", "zb"):
         v = 2 if name == "interleaved" else 1
         # Ours.
-        stages = pp.build_stages(config, 0, torch.float32, device, rank, P, v)  # this rank's GPT of its chunks
+        stages = GPT(config, 0, torch.float32, device, **pp.stage_kwargs(config.n_layer, rank, P, v))  # its chunks
         clock = mfu.ActionClock(cuda=device.type == "cuda")
         schedule = pp.PipelineSchedule(pp.PipelineConfig(P, name, v), mesh, config.n_layer, clock=clock)
         handle = pp.Pipeline(stages, schedule, m, args.micro * args.seq * config.n_embd)

@@ -230,10 +230,7 @@ def test_wire_byte_formulas():
         mfu.wire_bytes("gossip", m, 2)
 
 
-def test_bubble_and_young():
-    assert mfu.pipeline_bubble(1, 8) == 0
-    assert mfu.pipeline_bubble(4, 8) == pytest.approx(3 / 11)
-    assert mfu.pipeline_bubble(4, 1) == pytest.approx(3 / 4)
+def test_young_checkpoint_interval():
     # 60 s to checkpoint, one failure a day: sqrt(2 * 60 * 86400) = 3220 s, about 54 min
     assert mfu.young_checkpoint_interval(60, 86400) == pytest.approx(math.sqrt(2 * 60 * 86400))
     assert mfu.young_checkpoint_interval(50, 100) == pytest.approx(100)

@@ -47,14 +47,30 @@ import schedules as sch
 from comm import Messages
 import harness
 from harness import run_ranks
+from model import GPT
 from reference import global_batches, make_config, rank_micro_batches
 
 TOL = 1e-10
 SEQ, MICRO = 8, 2
 
 
+def build_stages(config, seed=0, dtype=torch.float32, device=None, pp_rank=0, P=1, v=1):
+    """Pipeline rank `pp_rank`'s model: one model.GPT holding its chunks' blocks (first chunk: + embeddings,
+    last: + ln_f and head), built alone."""
+    return GPT(config, seed, dtype, device, **pp.stage_kwargs(config.n_layer, pp_rank, P, v))
+
+
+def build(run, config, dtype=torch.float32, transform=None):
+    """(stage model, Pipeline) as train.compose makes them: build this rank's stage, `transform(model)` (TP's
+    parallelize, CP's swap: the axes before PP), then apply."""
+    model = GPT(run.config, run.seed, dtype, run.device, **pp.stage_of(config, run))
+    if transform is not None:
+        transform(model)
+    return model, pp.apply(model, run, config)
+
+
 def _stage_run(mesh, config, m, device, sp=False, tp=1):
-    """What pipeline.build, apply and report's pp lines read of train.Run, for m micro-batches of MICRO × SEQ
+    """What build, pipeline.apply and report's pp lines read of train.Run, for m micro-batches of MICRO × SEQ
     tokens."""
     settings = SimpleNamespace(sequence_parallel=sp, local_seq_len=SEQ // (tp if sp else 1))
     return SimpleNamespace(settings=settings, mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=MICRO,
@@ -237,7 +253,7 @@ def test_deferred_weight_gradients_equal_autograd_under_bf16_autocast():
     """zb's I/W split under autocast: the same bf16 matmuls as autograd's linear backward, so the gradients
     are bitwise equal (the tied head weight included: this one-chunk model holds both of its uses)."""
     config = make_config(n_layer=2)
-    plain, deferred = (pp.build_stages(config, 0, torch.float32, None, 0, 1, 1) for _ in range(2))
+    plain, deferred = (build_stages(config, 0, torch.float32, None, 0, 1, 1) for _ in range(2))
     store = pp.WeightGradStore()
     store.install(deferred)
     x, y = global_batches(1, 2, SEQ)[0]
@@ -311,7 +327,7 @@ def test_an_uneven_split_warns():
 def test_stage_params_count_what_each_stage_builds():
     for config in (make_config(n_layer=7), make_config(n_layer=8, bias=False)):
         for P, v in ((4, 1), (2, 2)):
-            counts = [sum(p.numel() for p in pp.build_stages(config, 0, torch.float32, None, r, P, v).parameters())
+            counts = [sum(p.numel() for p in build_stages(config, 0, torch.float32, None, r, P, v).parameters())
                       for r in range(P)]
             assert counts == pp.stage_params(config, P, v)
 
@@ -385,7 +401,7 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
                     if layer_id in (0, n_layer - 1):
                         _add_aux_loss(chunk, layer_id, 0.3)
 
-        stages, handle = pp.build(run, pp_config, dtype=torch.float64, transform=transform)  # this rank's stage
+        stages, handle = build(run, pp_config, dtype=torch.float64, transform=transform)  # this rank's stage
         layout = StandInLayout(stages)
         x, y, batches = _case_batches(m, "pos" in extra)
         global_tokens = (y != -1).sum().to(device, torch.float64)
@@ -425,8 +441,6 @@ def _reference(n_layer, m, extra):
 
 
 def _reference_run(n_layer, m, aux_on):
-    from model import GPT
-
     config = make_config(n_layer=n_layer)
     model = GPT(config, seed=0, dtype=torch.float64)
     if aux_on:
@@ -601,7 +615,7 @@ def _fp8_pipeline(rank, world, cases):
     for schedule, recipe in cases:
         config = make_config(n_layer=FP8_LAYERS)
         run = _stage_run(mesh, config, FP8_M, device)
-        stages, handle = pp.build(run, pp.PipelineConfig(mesh.size("pp"), schedule), dtype=torch.float64)
+        stages, handle = build(run, pp.PipelineConfig(mesh.size("pp"), schedule), dtype=torch.float64)
         fp8_handle = fp8.convert(stages, fp8.Recipe(recipe, 16, "max", 0), mesh)
         layout = StandInLayout(stages)
         optimizer = torch.optim.AdamW(adamw_param_groups(stages.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"],
@@ -869,7 +883,7 @@ def _lifetime_checks(rank, world):
     def handle_for(schedule, m, config):
         run = _stage_run(mesh, config, m, device)
         v = 2 if schedule == "interleaved" else 1
-        return pp.build(run, pp.PipelineConfig(mesh.size("pp"), schedule, v), dtype=torch.float64)
+        return build(run, pp.PipelineConfig(mesh.size("pp"), schedule, v), dtype=torch.float64)
 
     def step(stages, handle, m):
         x, y, batches = _case_batches(m, False)
