@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_model_flags(parser) -> None:
     g = parser.add_argument_group("model")
-    g.add_argument("--preset", default="small", help="tiny | small | gpt2 (124M)")
+    g.add_argument("--preset", default="small", help=" | ".join(PRESETS))
     g.add_argument("--n-layer", type=int)
     g.add_argument("--n-head", type=int)
     g.add_argument("--n-embd", type=int)

@@ -234,6 +234,13 @@ def test_invalid_flags_have_clear_errors(flags, world, message):
     assert message in str(error.value)
 
 
+def test_preset_help_lists_every_preset():
+    from model import PRESETS
+
+    help_text = next(action.help for action in build_parser()._actions if action.dest == "preset")
+    assert help_text.split(" | ") == list(PRESETS), help_text
+
+
 def test_batch_arithmetic():
     settings = validate_args(args_for("--global-batch", "16", "--micro-batch", "2"), 4)
     assert (settings.shape.dp, settings.micro_batches, settings.micro_batch_size) == (4, 2, 2)
