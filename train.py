@@ -153,7 +153,8 @@ def main(argv=None):
 def run_plan_py(argv: list) -> NoReturn:
     """--plan, --plan-search: this process becomes `python plan.py` with the same flags. plan.py builds on this
     file (train.compose on meta), so train.py runs it as a program rather than importing it: imports go one way."""
-    sys.stdout.flush(), sys.stderr.flush()  # exec drops what is still buffered
+    sys.stdout.flush()  # exec drops what is still buffered
+    sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan.py"),
                               *argv])
 

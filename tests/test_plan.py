@@ -70,7 +70,8 @@ def _real_startups(rank, world, cases):
         train.compose(run)
         for name, group in run.mesh.groups.items():
             run.tracer.name_group(group, name)
-        out.append(dict(_figures(time_model.role_of(run), report.parameter_counts(run)[0]), saved=_saved_in_a_step(run)))
+        figures = _figures(time_model.role_of(run), report.parameter_counts(run)[0])
+        out.append(dict(figures, saved=_saved_in_a_step(run)))
     return out
 
 
