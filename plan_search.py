@@ -67,7 +67,7 @@ def stage_params(config, shape: MeshShape, v: int, p: int) -> dict:
     sp_replicated = (h * (1 + b) if head else 0) + (config.block_size * h if embedding else 0)  # ln_f, positions
     moe_replicated, runs = 0, [["dp_cp", first]]  # routers and experts: MoE's own SP sum (moe.step_messages)
     for layer_id in layer_ids:
-        expert = n // shape.ep * (8 * h * h + 5 * h * b) if moe.is_moe_layer(config, layer_id) else 0
+        expert = n // shape.ep * (8 * h * h + 5 * h * b) if config.is_moe_layer(layer_id) else 0
         dense = (4 * h * h + 3 * h * b) // T + 2 * h * (1 + b) + h * b
         dense += n * h if expert else (8 * h * h + 4 * h * b) // T + h * b
         sp_replicated += 2 * h * (1 + b) + h * b * (1 if expert else 2)

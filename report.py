@@ -36,7 +36,8 @@ import schedules
 import tensor_parallel
 from comm import CommTracer, Count, Messages
 from mesh import axis_groups
-from model import MLP, counts_here, materialize
+from model import MLP, materialize
+from shard import counts_here
 from optim import update_messages
 
 
@@ -147,7 +148,7 @@ def predicted_messages(run, traced_steps: int = 0) -> Messages:
 
 def parameter_counts(run) -> tuple[int, int]:
     """(Ψ of the logical model, parameters this rank holds). Ψ adds, over the world, the copies that count
-    (model.counts_here, with each parameter's data-parallel group as a replica axis): each logical element once."""
+    (shard.counts_here, with each parameter's data-parallel group as a replica axis): each logical element once."""
     coords = run.mesh.coordinates()
     params = list(run.model.parameters())
     counted = sum(p.numel() for p in params if counts_here(p.shard_info, coords, (p.shard_info.grad_group,)))
@@ -256,7 +257,7 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
                 pipeline_flight: tuple = (1, 1)) -> ActivationEstimate:
     """activation_estimate from the shapes: the blocks `layer_ids`, ends = (has embedding, has head), the
     expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v)."""
-    n_moe = sum(moe.is_moe_layer(config, layer_id) for layer_id in layer_ids)
+    n_moe = sum(config.is_moe_layer(layer_id) for layer_id in layer_ids)
     held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
     # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
     # (whole on every TP rank).

@@ -63,7 +63,8 @@ import torch.nn as nn
 
 from comm import Messages
 from memory import activation_bytes_per_layer
-from model import GPT, MLP, GPTConfig, ShardInfo, Split, initial_local
+from model import GPT, MLP, GPTConfig, initial_local
+from shard import ShardInfo, Split
 from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------

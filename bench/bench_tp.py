@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tensor_parallel  # noqa: E402
 from common import add_device_argument, check_gpus, init_rank, synchronize  # noqa: E402
-from model import GPT, ShardInfo, Split, config_from_preset  # noqa: E402
+from model import GPT, config_from_preset  # noqa: E402
+from shard import ShardInfo, Split  # noqa: E402
 from mfu import format_bytes  # noqa: E402
 from optim import adamw_param_groups, build_adamw  # noqa: E402
 

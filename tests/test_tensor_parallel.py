@@ -47,7 +47,8 @@ def _layers(rank, world):
 def _layer_checks(rank, world, group, sp):
     import tensor_parallel as tp
     from comm import CommTracer
-    from model import GPT, ShardInfo, Split
+    from model import GPT
+    from shard import ShardInfo, Split
 
     device = harness.device()
     torch.manual_seed(0)  # identical "full" tensors on every rank: drawn by the CPU generator, then moved
