@@ -42,7 +42,7 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
 1. Replicated and split. Split E ways: the experts (expert i one logical tensor per weight, `...experts.<i>.
    c_fc.weight`), the routed rows. Replicated: the router, the dense parameters; each expert over expert_dp.
 2. Peak per device. Parameters Ψ_dense + L_moe·(h·N + (N/E)·Ψ_e), ×16 bytes with fp32 grads and AdamW
-   (`param_counts`). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
+   (memory.param_counts). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
    (e_r), S sent and R received rows, the experts' [R, 4h] hidden and R outputs, S combined and S weighted
    rows; with capacity under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward:
    `layer_activation_bytes` (tested against autograd). Uniform routing: S = R = T·k; worst case (the whole ep
@@ -63,7 +63,7 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    (step.train_step once per step; the load line, through `MoEAxis.take_load`, once per line).
 4. Restart state: nothing of its own; routing is deterministic (no RNG), and each expert is a whole logical
    tensor named by its global index, so a checkpoint written with one E loads with another.
-   FLOPs per token (MFU): `flops_per_token`, from the k experts a token visits, not the N.
+   FLOPs per token (MFU): mfu.flops_per_token, from the k experts a token visits, not the N.
 """
 
 from __future__ import annotations
@@ -79,7 +79,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import mfu
 from comm import Messages
 from context_parallel import positions
 from mesh import MeshShape
@@ -545,35 +544,6 @@ class Traffic:
     sp: int = 1  # T_tp with --sp, else 1
     compute_bytes: int = 2  # e_c of the rows
     router_bytes: int = 4  # e_r
-
-
-def param_counts(config) -> dict:
-    """The logical model's parameters: total (every expert, tied weights once) and ACTIVE per token (k experts)."""
-    h, L, V, n, k, b = (config.n_embd, config.n_layer, config.vocab_size, config.moe_experts, config.moe_topk,
-                        int(config.bias))
-    moe_layers = sum(config.is_moe_layer(i) for i in range(L))
-    psi_e = 8 * h * h + 5 * h * b  # Ψ_e: c_fc h·4h (+4h), c_proj 4h·h (+h)
-    blocks = L * (4 * h * h + 4 * h * b + 2 * h * (1 + b)) + (L - moe_layers) * psi_e  # attn, LNs, dense MLPs
-    shared = V * h + config.block_size * h + blocks + h * (1 + b) + moe_layers * h * n  # ... ln_f, routers
-    return {"total": shared + moe_layers * n * psi_e, "active": shared + moe_layers * k * psi_e,
-            "experts": moe_layers * n * psi_e, "expert": psi_e, "router": moe_layers * h * n,
-            "moe_layers": moe_layers}
-
-
-def active_matmul_params(config) -> int:
-    """N_active of 6N: V·h (head) + L·4h² + L_dense·8h² + L_moe·(k·8h² + h·N) matmul weights a token uses."""
-    h, L = config.n_embd, config.n_layer
-    moe_layers = sum(config.is_moe_layer(i) for i in range(L))
-    mlp = (L - moe_layers) * 8 * h * h + moe_layers * (config.moe_topk * 8 * h * h + h * config.moe_experts)
-    return config.vocab_size * h + L * 4 * h * h + mlp
-
-
-def flops_per_token(config, seq_len: int, recompute: bool = False) -> mfu.FlopsPerToken:
-    """mfu.FlopsPerToken, 6·N_active + 12·L·H·Q·s (N_active: active_matmul_params): a token pays for k experts
-    and the router, not the N − k idle ones (nor are dropped slots subtracted: a convention, printed)."""
-    n_active = active_matmul_params(config)
-    return mfu.flops_per_token(n_active, config.n_layer, config.n_head, config.head_dim, seq_len,
-                               recompute=recompute, n_recomputed_params=n_active - config.vocab_size * config.n_embd)
 
 
 def layer_activation_bytes(config, tokens: int, compute_bytes: int = 2, router_bytes: int = 4,

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 import fp8
 import harness
+import memory
 import mfu
 import report
 from harness import run_ranks
@@ -819,7 +820,7 @@ def test_one_process_predicts_no_messages(applied):
 
 
 def test_flops_fraction_and_blended_peak(applied):
-    fraction = mfu.block_linear_flops_fraction(applied[1].config, SEQ)
+    fraction = mfu.block_linear_flops_fraction(memory.param_counts(applied[1].config), applied[1].config, SEQ)
     assert 0.3 < fraction < 1
     assert mfu.blended_peak(fraction, 1000.0, 2000.0) > 1000.0 and mfu.blended_peak(fraction, 1000.0, None) == 1000.0
 
