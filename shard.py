@@ -26,8 +26,6 @@ import torch
 import torch.nn as nn
 
 
-
-
 @dataclass(frozen=True)
 class Split:
     """The local tensor is piece `index` of `num` equal pieces along dimension `dim`.
