@@ -11,7 +11,7 @@ A checkpoint is one directory per step:
 The manifest maps each LOGICAL tensor ("<kind>/<global name>", kind ∈ param | master | exp_avg | exp_avg_sq |
 fp8) to its global shape, dtype, and the pieces that hold it: per piece the file, the entry in it, the splits
 (dim, num, index, fused segments: tensor and expert parallel) and the ZeRO flat range [start, end) of the
-flattened split. That is `model.StatePiece`, the unit every layout (and an axis, for its own state) lists its
+flattened split. That is `shard.StatePiece`, the unit every layout (and an axis, for its own state) lists its
 state in, so a new axis joins by describing its pieces: this file never learns what ZeRO or TP are. The
 directory's side (durable writes, checksums, the untrusted manifest's checks, piece geometry, the random
 generators, pruning) is ckpt_files.py.
@@ -84,7 +84,7 @@ from ckpt_files import (FORMAT_VERSION, KINDS, MANIFEST, MARKER, CheckpointError
                         set_aside_newer_than, shard_from_record, step_dir_name, verify_checkpoint,
                         wait_for_rank_records, write_durably)
 from mesh import MeshShape
-from model import ShardInfo, StatePiece
+from shard import ShardInfo, StatePiece
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ import time
 import numpy as np
 import torch
 
-from model import ShardInfo, Split, parameter_seed
+from model import parameter_seed
+from shard import ShardInfo, Split
 
 FORMAT_VERSION = 2  # 2: a piece records a list of splits (1: one split as four fields; still read)
 MANIFEST, MARKER = "manifest.json", "COMMITTED"

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 import memory
 from comm import Messages
-from model import StatePiece, counts_here
+from shard import StatePiece, counts_here
 from optim import ensure_adam_state, update
 
 TAPER_BYTES = 2**20  # the size the last buckets start from (reverse_order_buckets' taper), torch DDP's first bucket
@@ -233,7 +233,7 @@ class DDPLayout:
     torch AdamW on the whole model (its parameters are the fp32 masters: b_w = b_g = 4, b_o = 8). Its
     start-up lines are report.py's (`ddp_startup_lines`, under its name).
 
-    coords: this rank's index along every mesh axis (`Mesh.coordinates()`), for model.counts_here: a tensor
+    coords: this rank's index along every mesh axis (`Mesh.coordinates()`), for shard.counts_here: a tensor
     replicated over TP or PP is counted in the norm and written once. Without a mesh (tests on one group),
     the axes a parameter says it is replicated over must be given here.
     """
@@ -325,7 +325,7 @@ def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict |
     """StatePieces of a layout where data-parallel ranks hold the same parameters and torch AdamW state (DDP).
 
     The parameters are the fp32 master weights here, so there are no `master/` pieces. Each logical piece is
-    written once: only copies that model.counts_here picks over the model axes (`coords`: a TP-replicated
+    written once: only copies that shard.counts_here picks over the model axes (`coords`: a TP-replicated
     LayerNorm on TP rank 0, the tied embedding on the first pipeline stage), and of the identical replicas in
     a parameter's data-parallel group (`coords[grad_group]` is this rank's index in it, `group_sizes` its
     size), by one member chosen so that each writes about 1/D of the bytes (greedy: the largest tensors

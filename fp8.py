@@ -69,7 +69,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from comm import Messages
-from model import ShardInfo, StatePiece, counts_here
+from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
 # --- Formats and casts ---------------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ import torch
 
 import ckpt
 from ckpt_files import CheckpointError, list_checkpoints, verify_checkpoint
-from model import GPT, GPTConfig, StatePiece
+from model import GPT, GPTConfig
+from shard import StatePiece
 
 # GPT-2's Conv1D weights, stored [in, out] (model.py's nn.Linear: [out, in]).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

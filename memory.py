@@ -6,7 +6,9 @@ Each formula is closed-form, so a reader can check a number by hand, and each ha
 1. Persistent state: b_w + b_g + b_o bytes per parameter (BytesPerParam), partitioned over the D data-parallel
    ranks one kind per ZeRO stage: persistent_bytes, from Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
    Toward Training Trillion Parameter Models", section 3 and Figure 1 (K = 12 for mixed precision). Measured
-   by each layout's held_bytes() and, on CUDA, by the caching allocator's peaks (cuda_memory_peaks).
+   by each layout's held_bytes() and, on CUDA, by the caching allocator's peaks (cuda_memory_peaks). Psi
+   itself, by the shapes: param_counts, the one count of the model's, a pipeline stage's or a rank's parameters
+   (each axis its own terms: TP divides what it splits, PP picks the stage's layers, MoE adds its experts).
 2. Activations, the paper's reference: activation_bytes_per_layer, from Korthikanti et al. 2022, "Reducing
    Activation Recomputation in Large Transformer Models", section 4 (16-bit activations, the a·s² scores
    stored, 1-byte dropout masks).
@@ -96,6 +98,51 @@ def persistent_bytes(
     }
     out["total"] = out["weights"] + out["grads"] + out["optimizer"]
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. Persistent state: the parameters it is per (Ψ), by the shapes
+# ----------------------------------------------------------------------------------------------------------
+
+
+def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool = True, head: bool = True) -> dict:
+    """Parameters by the shapes, no model built: the logical model's by default, or what one rank holds (`layers`,
+    `embedding`, `head`: a pipeline stage, as model.GPT takes them; its 1/T of what tensor parallel splits; its
+    N/E experts of each MoE block). h = n_embd, b = 1 with biases, V = vocab_size, N experts, top-k. Per block:
+        attention   c_attn 3h² + 3h·b, c_proj's weight h²   split by TP     c_proj's bias h·b  replicated over tp
+        LayerNorms  2h·(1 + b)                                               replicated over tp
+        dense MLP   c_fc 4h² + 4h·b, c_proj's weight 4h²    split by TP     c_proj's bias h·b  replicated over tp
+        MoE MLP     router N·h; N experts of Ψ_e = 8h² + 5h·b, whole on every TP rank, N/E of them on a rank
+    The embedding: wte V·h (split by vocabulary), wpe block_size·h (replicated). The head: ln_f h·(1 + b), and,
+    on a stage without the embedding, its own copy of the tied V·h (split).
+    Keys, in elements: split (what TP splits, logical), replicated (over tp), router, experts (all N), expert
+    (Ψ_e), moe_layers; total (logical: every expert, the tied weight once per holder), active (a token's k
+    experts instead of N). The matmul weights of 6N (mfu.flops_per_token): active_matmul (the head's V·h when
+    held, the blocks' linears, the routers, k experts), block_matmul (the blocks' part: what activation
+    checkpointing recomputes), dense_linears (the blocks' nn.Linear weights outside experts and routers: what
+    --fp8 runs in FP8). What the rank holds, by the group that sums its gradients: dp_cp (split/T + replicated
+    + router), expert_dp (experts/E), and per_rank, their sum.
+    """
+    h, V, b, n, k = config.n_embd, config.vocab_size, int(config.bias), config.moe_experts, config.moe_topk
+    layers = list(range(config.n_layer) if layers is None else layers)
+    moe_layers = sum(config.is_moe_layer(i) for i in layers)
+    dense_layers = len(layers) - moe_layers
+    expert = 8 * h * h + 5 * h * b
+    split = len(layers) * (4 * h * h + 3 * h * b) + dense_layers * (8 * h * h + 4 * h * b)
+    replicated = len(layers) * (2 * h * (1 + b) + h * b) + dense_layers * h * b
+    if embedding:
+        split, replicated = split + V * h, replicated + config.block_size * h
+    if head:  # the tied weight is the embedding's tensor where both are held, else the head's own copy
+        split, replicated = split + (0 if embedding else V * h), replicated + h * (1 + b)
+    router, experts = moe_layers * n * h, moe_layers * n * expert
+    shared = split + replicated + router
+    dense_linears = len(layers) * 4 * h * h + dense_layers * 8 * h * h
+    block_matmul = dense_linears + router + moe_layers * k * 8 * h * h
+    dp_cp, expert_dp = split // tp + replicated + router, experts // ep
+    return dict(split=split, replicated=replicated, router=router, experts=experts, expert=expert,
+                moe_layers=moe_layers, total=shared + experts, active=shared + moe_layers * k * expert,
+                active_matmul=block_matmul + (V * h if head else 0), block_matmul=block_matmul,
+                dense_linears=dense_linears, dp_cp=dp_cp, expert_dp=expert_dp, per_rank=dp_cp + expert_dp)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ class Mesh:
         return len(self.members[name])
 
     def coordinates(self) -> dict:
-        """{name: this rank's index} for every axis and group: what model.counts_here reads."""
+        """{name: this rank's index} for every axis and group: what shard.counts_here reads."""
         return {name: self.index(name) for name in self.members}
 
 

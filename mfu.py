@@ -12,7 +12,7 @@ Conventions used throughout:
 * N is the number of parameters that take part in matmuls: every block weight plus the LM head. Embedding
   lookups and position embeddings are gathers, not matmuls, so they are excluded; with tied input/output
   embeddings the shared matrix counts once, as the head. For a mixture-of-experts model N is the ACTIVE count
-  (the experts a token actually visits); the caller computes it.
+  (the experts a token actually visits): memory.param_counts counts it, flops_per_token reads it.
 * L = layers, H = attention heads, Q = head dimension, T = sequence length, so H*Q is the model width.
 * MFU (model FLOPs utilisation) uses model FLOPs only: work the model mathematically needs. HFU (hardware FLOPs
   utilisation) also counts work the hardware really did again, e.g. the forward pass that activation
@@ -45,16 +45,11 @@ class FlopsPerToken:
     convention: str  # how these were counted, for printouts
 
 
-def flops_per_token(
-    n_matmul_params: int,
-    n_layer: int,
-    n_head: int,
-    head_dim: int,
-    seq_len: int,
-    recompute: bool = False,
-    n_recomputed_params: int | None = None,
-) -> FlopsPerToken:
-    """Training FLOPs per token: model = 6N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT).
+def flops_per_token(counts: dict, config, seq_len: int) -> FlopsPerToken:
+    """Training FLOPs per token: model = 6N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT), N the
+    matmul weights a token uses: counts["active_matmul"] of memory.param_counts(config) (the head, the blocks'
+    linears, a mixture of experts' router and the k experts a token visits, not the N − k idle ones, nor are
+    dropped slots subtracted: a convention, printed). L, H, Q: config's n_layer, n_head, head_dim.
 
     6N: each matmul weight is used once per token in a multiply-add (2 FLOPs) in the forward pass, and twice in
     the backward pass (gradient w.r.t. the input and w.r.t. the weight), so 2N + 4N = 6N.
@@ -64,11 +59,12 @@ def flops_per_token(
     forward, times 3 for forward + backward. We count the full T x T score matrix, not half of it for causal
     masking, as PaLM does (and as most kernels compute, block-sparse ones aside).
 
-    With activation checkpointing (recompute=True) the forward of every recomputed block runs a second time
-    during backward, so the hardware does 2*N_r + 4*L*H*Q*T more FLOPs per token, N_r being the matmul weights
-    whose forward is recomputed (n_recomputed_params; default: all of N, though usually the LM head is not
-    recomputed and the caller passes the block weights only).
+    With activation checkpointing (config.activation_checkpointing) the forward of every block runs a second
+    time during backward, so the hardware does 2*N_r + 4*L*H*Q*T more FLOPs per token, N_r being the matmul
+    weights whose forward is recomputed: the blocks' (counts["block_matmul"]; the head is not recomputed).
     """
+    n_matmul_params = counts["active_matmul"]
+    n_layer, n_head, head_dim = config.n_layer, config.n_head, config.head_dim
     if min(n_matmul_params, n_layer, n_head, head_dim, seq_len) < 0:
         raise ValueError("parameter and shape counts must be non-negative")
     attention_fwd = 4 * n_layer * n_head * head_dim * seq_len  # per token, forward only
@@ -78,8 +74,8 @@ def flops_per_token(
         f"excluded; attention counts the full TxT score matrix, not halved for causal masking)"
     )
     hardware = model
-    if recompute:
-        n_r = n_matmul_params if n_recomputed_params is None else n_recomputed_params
+    if config.activation_checkpointing:
+        n_r = counts["block_matmul"]
         hardware = model + 2 * n_r + attention_fwd
         convention += f"; hardware adds the recomputed forward 2*N_r + 4*L*H*Q*T (N_r = {n_r:,})"
     else:
@@ -103,12 +99,10 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops_per_device:
     return flops_per_token * tokens_per_second / (peak_flops_per_device * n_devices)
 
 
-def block_linear_flops_fraction(config, seq_len: int) -> float:
-    """Share of a dense GPT's model FLOPs per token (flops_per_token's 6N + 12·L·h·s) in its block linears,
-    which --fp8 runs in FP8: 6·12·L·h² of 6·(12·L·h² + V·h) + 12·L·h·s."""
-    layers, h = config.n_layer, config.n_embd
-    blocks = 12 * layers * h ** 2
-    return 6 * blocks / (6 * (blocks + config.vocab_size * h) + 12 * layers * h * seq_len)
+def block_linear_flops_fraction(counts: dict, config, seq_len: int) -> float:
+    """Share of the model FLOPs per token (flops_per_token) in the blocks' linears that --fp8 runs in FP8 (not the
+    routers nor the experts): 6·counts["dense_linears"] of them, 6·12·L·h² of 6·(12·L·h² + V·h) + 12·L·h·s dense."""
+    return 6 * counts["dense_linears"] / flops_per_token(counts, config, seq_len).model
 
 
 def blended_peak(fraction: float, base_peak: float, fast_peak: float | None) -> float:

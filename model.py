@@ -20,8 +20,8 @@ except these hooks the parallel files rely on:
   and records only: the axes cut it there (train.compose), then `materialize` gives each kept tensor its value
   (`initial_local`: its logical tensor, then its piece), so a rank never holds more than it keeps plus one
   logical tensor. Each parameter also carries a
-  `ShardInfo` record saying where its local tensor sits in the global logical tensor, and over which mesh
-  axes identical copies of it exist (`counts_here` is the one rule that picks the copy that counts).
+  `ShardInfo` record (shard.py) saying where its local tensor sits in the global logical tensor, and over which
+  mesh axes identical copies of it exist (`counts_here` there is the one rule that picks the copy that counts).
 - A model may be a pipeline STAGE: `GPT(config, layers=range(a, b), embedding=..., head=...)` builds only
   blocks a..b-1 (named by their global index, `transformer.h.<i>`; an interleaved pipeline rank holds several
   such ranges, `layers=[0, 1, 4, 5]`) and, optionally, the embeddings and the final LayerNorm + head. The
@@ -54,6 +54,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+import moe
+from shard import ShardInfo, set_value
 
 
 @dataclass
@@ -90,6 +93,10 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Every n-th block is MoE (--moe-every n): blocks n-1, 2n-1, ... (all of them for n = 1)."""
+        return self.moe_experts > 0 and (layer_id + 1) % self.moe_every == 0
+
     @property
     def gelu_approximate(self) -> str:
         """nn.GELU's `approximate` for this config's GELU."""
@@ -124,115 +131,6 @@ def config_from_preset(name: str, **overrides) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(f"--preset {name!r} is unknown; choose one of {sorted(PRESETS)}")
     return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Where a local tensor sits in the global logical tensor
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Split:
-    """The local tensor is piece `index` of `num` equal pieces along dimension `dim`.
-
-    With `segments` > 1 the dimension is made of that many equal segments (c_attn's fused [q | k | v]) and the
-    piece is this rank's part of every segment, concatenated (its heads of q, of k and of v).
-    """
-
-    dim: int
-    num: int
-    index: int
-    segments: int = 1
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        pieces = [segment.chunk(self.num, self.dim)[self.index] for segment in full.chunk(self.segments, self.dim)]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.dim)
-
-    def put(self, full: torch.Tensor, local: torch.Tensor) -> None:
-        for segment, piece in zip(full.chunk(self.segments, self.dim), local.chunk(self.segments, self.dim)):
-            segment.chunk(self.num, self.dim)[self.index].copy_(piece)
-
-
-@dataclass
-class ShardInfo:
-    """The one record of a parameter's place in the logical model, read by checkpoints, grad norm, accounting.
-
-    `global_name`/`global_shape` name the logical tensor. `splits` cut it, in order (tensor parallel splits a
-    dimension; expert parallel the expert dimension; both may apply): the local tensor is
-    `splits[-1].take(... splits[0].take(full))`.
-    `replicated_over` names the mesh axes over which IDENTICAL copies of this local tensor exist: "tp" for
-    LayerNorms and row-parallel biases under tensor parallel, "pp" for the embedding tied between the first
-    and the last pipeline stage. The copy on coordinate 0 of each of those axes is the one that counts
-    (`counts_here`): the gradient norm adds it once and the checkpoint writes it once.
-    `grad_group` is the mesh group over which data-parallel replicas of the tensor sum their gradients:
-    "dp_cp" for dense parameters, "expert_dp" for experts (fewer replicas: the ranks holding the same experts).
-    """
-
-    global_name: str
-    global_shape: tuple
-    splits: tuple = ()
-    replicated_over: tuple = ()
-    grad_group: str = "dp_cp"
-
-    @property
-    def local_shape(self) -> tuple:
-        shape = list(self.global_shape)
-        for split in self.splits:
-            shape[split.dim] //= split.num
-        return tuple(shape)
-
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This piece of the global tensor `full` (a copy for fused segments, else a view)."""
-        for split in self.splits:
-            full = split.take(full)
-        return full
-
-    def place_into(self, full: torch.Tensor, local: torch.Tensor) -> None:
-        """Write the local piece into its place in the global tensor `full` (the inverse of shard_of)."""
-        if not self.splits:
-            full.copy_(local)
-            return
-        outer = [full]  # the tensor each split cuts: full, then its first piece, ...
-        for split in self.splits[:-1]:
-            outer.append(split.take(outer[-1]).clone())
-        self.splits[-1].put(outer[-1], local)
-        for split, parent, piece in zip(reversed(self.splits[:-1]), reversed(outer[:-1]), reversed(outer[1:])):
-            split.put(parent, piece)  # fused segments are copies: write each level back into its parent
-
-    def with_splits(self, *splits: Split) -> ShardInfo:
-        return replace(self, splits=self.splits + splits)
-
-    def replicated_also_over(self, *axes: str) -> ShardInfo:
-        return replace(self, replicated_over=tuple(dict.fromkeys(self.replicated_over + axes)))
-
-
-def counts_here(info: ShardInfo | None, coords: dict | None, replica_axes: tuple = ()) -> bool:
-    """Whether this rank's copy of a tensor is THE copy: counted in the gradient norm, Ψ, written to disk.
-
-    A tensor identical over the axes `info.replicated_over` (plus `replica_axes`, the data-parallel group of a
-    layout that replicates it) counts on coordinate 0 of each of them. `coords` maps an axis or group name
-    to this rank's index in it (`Mesh.coordinates()`); None means one process (everything counts).
-    """
-    if info is None or coords is None:
-        return True
-    return all(coords.get(axis, 0) == 0 for axis in (*info.replicated_over, *replica_axes))
-
-
-@dataclass
-class StatePiece:
-    """One local tensor of training state and where it sits in its logical tensor: what checkpoints move.
-
-    Every layout lists its state as pieces; saving reads `tensor`, loading copies into it (it is the live
-    storage). A piece is the `shard` (TP/EP split) of the logical tensor, and of that, when `flat_range` is
-    set, the elements [start, end) of the flattened split (a ZeRO shard). `primary` is False on a replica
-    whose identical twin on another rank is the one written.
-    """
-
-    key: str  # "<kind>/<global name>", kind: param | master | exp_avg | exp_avg_sq
-    tensor: torch.Tensor
-    shard: ShardInfo
-    flat_range: tuple | None = None
-    primary: bool = True
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -286,21 +184,6 @@ def materialize(module: nn.Module, device, config: GPTConfig | None = None, seed
         if param.is_meta:
             set_value(param, initial_local(param.shard_info, config, seed, param.dtype).to(device))
     return module
-
-
-def set_value(param: nn.Parameter, value: torch.Tensor) -> None:
-    """Make `param` hold `value` (its shape; it may be a view into a layout's flat buffer), keeping the object, so
-    its ShardInfo, ties and whatever holds it stay valid, and its own version counter (`.data =` semantics: a
-    write into the rest of a flat buffer, a ZeRO-3 regather, does not invalidate what autograd saved of it). A
-    meta parameter cannot take `.data` from another device (torch refuses): a new parameter takes it, and the
-    two swap contents (torch.utils.swap_tensors)."""
-    if not param.is_meta:
-        param.data = value
-        return
-    new = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=param.requires_grad)
-    new.data = value
-    new.__dict__.update(param.__dict__)  # shard_info (swap_tensors swaps the attributes too)
-    torch.utils.swap_tensors(param, new)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -390,11 +273,8 @@ class AuxLosses:
 
 def build_mlp(config: GPTConfig, layer_id: int, aux_losses: AuxLosses) -> nn.Module:
     """The MLP of block `layer_id`, as the config chooses (the one place a new MLP kind plugs in)."""
-    if config.moe_experts > 0:
-        import moe  # here, not at the top: moe.py imports this file
-
-        if moe.is_moe_layer(config, layer_id):
-            return moe.MoE(config, layer_id, aux_losses)
+    if config.is_moe_layer(layer_id):
+        return moe.MoE(config, layer_id, aux_losses)
     if config.mlp == "dense":
         return MLP(config)
     raise ValueError(f"unknown MLP kind {config.mlp!r} (expected 'dense')")

@@ -42,7 +42,7 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
 1. Replicated and split. Split E ways: the experts (expert i one logical tensor per weight, `...experts.<i>.
    c_fc.weight`), the routed rows. Replicated: the router, the dense parameters; each expert over expert_dp.
 2. Peak per device. Parameters Ψ_dense + L_moe·(h·N + (N/E)·Ψ_e), ×16 bytes with fp32 grads and AdamW
-   (`param_counts`). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
+   (memory.param_counts). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
    (e_r), S sent and R received rows, the experts' [R, 4h] hidden and R outputs, S combined and S weighted
    rows; with capacity under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward:
    `layer_activation_bytes` (tested against autograd). Uniform routing: S = R = T·k; worst case (the whole ep
@@ -63,7 +63,7 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    (step.train_step once per step; the load line, through `MoEAxis.take_load`, once per line).
 4. Restart state: nothing of its own; routing is deterministic (no RNG), and each expert is a whole logical
    tensor named by its global index, so a checkpoint written with one E loads with another.
-   FLOPs per token (MFU): `flops_per_token`, from the k experts a token visits, not the N.
+   FLOPs per token (MFU): mfu.flops_per_token, from the k experts a token visits, not the N.
 """
 
 from __future__ import annotations
@@ -79,11 +79,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import mfu
 from comm import Messages
 from context_parallel import positions
 from mesh import MeshShape
-from model import GPTConfig
 from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------
@@ -151,7 +149,7 @@ class MoE(nn.Module):
     """The MoE MLP of one block: router, experts (keyed by GLOBAL index: this rank may hold only some), and
     the expert-parallel exchange when ep_group is set (`shard_experts`)."""
 
-    def __init__(self, config: GPTConfig, layer_id: int, aux_losses):
+    def __init__(self, config, layer_id: int, aux_losses):
         super().__init__()
         self.layer_id, self.aux_losses = layer_id, aux_losses  # the model's aux-loss channel
         self.n_experts, self.topk = config.moe_experts, config.moe_topk
@@ -240,7 +238,7 @@ class MoE(nn.Module):
 class Expert(nn.Module):
     """One expert: the dense MLP's shape (c_fc → GELU → c_proj), plain nn.Linears that FP8/TP can wrap."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU(approximate=config.gelu_approximate)  # the dense MLP's GELU (GPTConfig.gelu)
@@ -379,12 +377,7 @@ def config_overrides(args) -> dict:
     return {field: getattr(args, field, default) for field, default in FLAGS.values()}
 
 
-def is_moe_layer(config: GPTConfig, layer_id: int) -> bool:
-    """Every n-th block is MoE (--moe-every n): blocks n-1, 2n-1, ... (all of them for n = 1)."""
-    return config.moe_experts > 0 and (layer_id + 1) % config.moe_every == 0
-
-
-def check_flags(config: GPTConfig, shape: MeshShape) -> None:
+def check_flags(config, shape: MeshShape) -> None:
     """Raise ValueError naming the flag when the MoE flags (config's moe_* fields, --ep in shape) cannot work
     together on this mesh; pure, run once before any process group (config_from_flags). Each flag's own
     range (N, f, α, β ≥ 0; k, --moe-every, E ≥ 1) is checked once, in flags.check_ranges, infer_mesh_shape."""
@@ -542,7 +535,7 @@ ALL_TO_ALL = ("all_to_all_single", "ep")
 class Traffic:
     """What the message formulas read: the model's MoE shape and what one micro-batch routes on this rank."""
 
-    model: GPTConfig  # N, k, h, the capacity factor, activation checkpointing
+    model: object  # the GPTConfig: N, k, h, the capacity factor, activation checkpointing
     moe_layers: int = 1  # L_moe this rank holds (a pipeline stage holds some)
     tokens: int = 0  # T: tokens this rank routes per micro-batch, B_μ·s/(C·T_sp)
     micro_batches: int = 1  # m
@@ -553,36 +546,7 @@ class Traffic:
     router_bytes: int = 4  # e_r
 
 
-def param_counts(config: GPTConfig) -> dict:
-    """The logical model's parameters: total (every expert, tied weights once) and ACTIVE per token (k experts)."""
-    h, L, V, n, k, b = (config.n_embd, config.n_layer, config.vocab_size, config.moe_experts, config.moe_topk,
-                        int(config.bias))
-    moe_layers = sum(is_moe_layer(config, i) for i in range(L))
-    psi_e = 8 * h * h + 5 * h * b  # Ψ_e: c_fc h·4h (+4h), c_proj 4h·h (+h)
-    blocks = L * (4 * h * h + 4 * h * b + 2 * h * (1 + b)) + (L - moe_layers) * psi_e  # attn, LNs, dense MLPs
-    shared = V * h + config.block_size * h + blocks + h * (1 + b) + moe_layers * h * n  # ... ln_f, routers
-    return {"total": shared + moe_layers * n * psi_e, "active": shared + moe_layers * k * psi_e,
-            "experts": moe_layers * n * psi_e, "expert": psi_e, "router": moe_layers * h * n,
-            "moe_layers": moe_layers}
-
-
-def active_matmul_params(config: GPTConfig) -> int:
-    """N_active of 6N: V·h (head) + L·4h² + L_dense·8h² + L_moe·(k·8h² + h·N) matmul weights a token uses."""
-    h, L = config.n_embd, config.n_layer
-    moe_layers = sum(is_moe_layer(config, i) for i in range(L))
-    mlp = (L - moe_layers) * 8 * h * h + moe_layers * (config.moe_topk * 8 * h * h + h * config.moe_experts)
-    return config.vocab_size * h + L * 4 * h * h + mlp
-
-
-def flops_per_token(config: GPTConfig, seq_len: int, recompute: bool = False) -> mfu.FlopsPerToken:
-    """mfu.FlopsPerToken, 6·N_active + 12·L·H·Q·s (N_active: active_matmul_params): a token pays for k experts
-    and the router, not the N − k idle ones (nor are dropped slots subtracted: a convention, printed)."""
-    n_active = active_matmul_params(config)
-    return mfu.flops_per_token(n_active, config.n_layer, config.n_head, config.head_dim, seq_len,
-                               recompute=recompute, n_recomputed_params=n_active - config.vocab_size * config.n_embd)
-
-
-def layer_activation_bytes(config: GPTConfig, tokens: int, compute_bytes: int = 2, router_bytes: int = 4,
+def layer_activation_bytes(config, tokens: int, compute_bytes: int = 2, router_bytes: int = 4,
                            mask_bytes: int = 1) -> int:
     """Bytes ONE MoE layer saves for backward per micro-batch (weights and their autocast copies aside), for
     T = `tokens` routed by this rank, uniform routing without drops (S = R = T·k; exact for E = 1):
@@ -603,7 +567,7 @@ def layer_activation_bytes(config: GPTConfig, tokens: int, compute_bytes: int = 
     return router + dispatch + rows + experts + mask + router_bytes * (4 * n + 3)
 
 
-def activation_estimate_delta(config: GPTConfig, moe_blocks: int, seq: int, micro: int, tp: int = 1,
+def activation_estimate_delta(config, moe_blocks: int, seq: int, micro: int, tp: int = 1,
                               sequence_parallel: bool = False) -> float:
     """What a MoE-aware activation estimate adds to Korthikanti's dense one (memory.activation_bytes_per_layer,
     16-bit, s = this rank's sequence, s/C under CP) for moe_blocks held MoE blocks: each one's own bytes

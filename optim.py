@@ -163,7 +163,7 @@ class Layout(Protocol):
     def set_lr(self, lr: float) -> None: ...
 
     def state_pieces(self) -> list:
-        """Every tensor of training state as model.StatePiece (what ckpt.py saves and reslices)."""
+        """Every tensor of training state as shard.StatePiece (what ckpt.py saves and reslices)."""
 
     optimizer_step_count: int  # Adam's t (skipped steps do not count); a checkpoint restores it
 
@@ -191,7 +191,7 @@ def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, a
     grads: every reduced gradient tensor this rank holds (unscaled and clipped in place);
     counted[i]: whether grads[i] enters the global norm here (a list, or a bool tensor on the gradients'
         device that a layout builds once): each logical element must be counted on exactly
-        one rank of the world (model.counts_here: coordinate 0 of every axis holding identical copies, the
+        one rank of the world (shard.counts_here: coordinate 0 of every axis holding identical copies, the
         data-parallel replicas included), so that one SUM over the world gives the global norm;
     counted_pieces: further views to count (ZeRO: the parts of a shard that are not replicas);
     apply_step(): the optimizer step, run only when every rank's gradients are finite;

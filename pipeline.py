@@ -36,8 +36,8 @@ dtype: the residual stream stays in it under autocast), A = activation bytes a l
    ln_f + head (last), their gradients and optimizer state, the activations. Replicated: the tied embedding,
    one copy on the first and one on the last stage (both `replicated_over=("pp",)`, coordinate 0 counts);
    they start equal and their gradients are summed over the {first, last} group (`after_grad_sync`).
-2. Peak per rank: its parameters (`stage_params`) × 16 bytes with fp32 AdamW, and in-flight × layers per
-   chunk × A, counting chunk-micro-batches between F and B/I:  gpipe m;  1f1b min(P−r, m);
+2. Peak per rank: its parameters (memory.param_counts of its stage_kwargs) × 16 bytes with fp32 AdamW, and
+   in-flight × layers per chunk × A, counting chunk-micro-batches between F and B/I:  gpipe m;  1f1b min(P−r, m);
    interleaved min(2(P−r−1) + (v−1)(P + m mod P) + 1, v·m);  zb min(P−r, m), plus ≤ r+1 W stashes.
    Temporary: received activations and gradients, b·s·h·e each; sent ones until their release point, at
    most 2 per rank at once (`schedules.live_sends`; 1 on the last stage of 1f1b and zb).
@@ -543,22 +543,3 @@ class Pipeline(Axis):
             out.add("all_reduce", "pp_tied", 1, sum(t.numel() * t.element_size() for t in pieces))
         return out
 
-
-# ---------------------------------------------------------------------------------------------------------
-# Prediction formulas (the schedules' own closed forms are in schedules.py)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def stage_params(config: GPTConfig, P: int, v: int = 1) -> list:
-    """Parameters each pp rank holds (the tied copy counted on both the first and the last)."""
-    h, bias = config.n_embd, int(config.bias)
-    per_layer = 12 * h * h + (2 + 2 * bias) * h + bias * 9 * h  # linears, 2 LayerNorms, linear biases
-    out = []
-    for rank in range(P):
-        total = 0
-        for chunk in rank_chunks(rank, P, v):
-            total += len(stage_layers(config.n_layer, P, v, chunk)) * per_layer
-            total += (config.vocab_size + config.block_size) * h if chunk == 0 else 0
-            total += (config.vocab_size * h + (1 + bias) * h) if chunk == P * v - 1 else 0
-        out.append(total)
-    return out

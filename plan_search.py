@@ -7,7 +7,7 @@ activation checkpointing) that flags.validate accepts, gives each pipeline stage
 the start-up prints (memory.persistent_bytes per data-parallel group, zero.ZeroLayout's units and transients as
 `grad_sync_messages` and `_formula_temporaries` count them, tensor_parallel.step_messages,
 context_parallel.layer_messages, moe.step_messages, report.estimate_of, schedules.bubble_formula and
-p2p_counts, moe.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
+p2p_counts, mfu.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
 ranks by step time and prints the best ten with the term that limits each. Building a role on meta takes
 about a second for a large model, too slow for thousands of layouts; tests/test_plan.py checks that these
 figures equal --plan's built ones (dense, CP and EP layouts).
@@ -55,35 +55,32 @@ def stage_holding(config, P: int, v: int, p: int) -> tuple:
 
 
 def stage_params(config, shape: MeshShape, v: int, p: int) -> dict:
-    """pp rank p's parameters by the shapes, per data-parallel group ("dp_cp": dense, "expert_dp": experts).
-    A block: attention 4h² + 3h·bias split T ways (tensor_parallel.param_counts' split), LayerNorms
-    2h(1 + bias) and c_proj's bias h·bias replicated; then a dense MLP 8h² + 4h·bias split and h·bias
-    replicated, or a MoE layer's router N·h (dense) and its N/E experts Ψ_e = 8h² + 5h·bias each (whole on
-    every TP rank, group expert_dp). The root: the embedding V·h/T + the positions on the first chunk; ln_f
-    and (P·v > 1) the head's tied copy on the last. "runs": (group, elements) in registration order, adjacent
-    tensors of one group together (a bucket or ZeRO unit never spans two groups)."""
-    h, V, b, T, n = config.n_embd, config.vocab_size, int(config.bias), shape.tp, config.moe_experts
+    """pp rank p's parameters by the shapes (memory.param_counts of what it holds, T and E as the shape says),
+    per data-parallel group ("dp_cp": dense, "expert_dp": experts): "blocks" each held block's, "root" the
+    embedding's (first chunk) and ln_f's and the head's tied copy (last chunk), "replicated" what TP replicates
+    (the SP gradient sum's), "moe_replicated" the routers' and this rank's experts (MoE's own SP sum,
+    moe.step_messages). "runs": (group, elements) in registration order, adjacent tensors of one group
+    together (a bucket or ZeRO unit never spans two groups)."""
     layer_ids, embedding, head = stage_holding(config, shape.pp, v, p)
-    first, last = (V * h // T + config.block_size * h if embedding else 0), \
-        (h * (1 + b) + (V * h // T if shape.pp * v > 1 else 0) if head else 0)
-    blocks = {"dp_cp": [], "expert_dp": []}
-    sp_replicated = (h * (1 + b) if head else 0) + (config.block_size * h if embedding else 0)  # ln_f, positions
-    moe_replicated, runs = 0, [["dp_cp", first]]  # routers and experts: MoE's own SP sum (moe.step_messages)
+
+    def held(layers, embedding: bool = False, head: bool = False) -> dict:
+        return memory.param_counts(config, shape.tp, shape.ep, layers, embedding, head)
+
+    whole = held(layer_ids, embedding, head)
+    first = held([], embedding)["dp_cp"]
+    last = held([], embedding, head)["dp_cp"] - first
+    blocks, runs = {"dp_cp": [], "expert_dp": []}, [["dp_cp", first]]
     for layer_id in layer_ids:
-        expert = n // shape.ep * (8 * h * h + 5 * h * b) if moe.is_moe_layer(config, layer_id) else 0
-        dense = (4 * h * h + 3 * h * b) // T + 2 * h * (1 + b) + h * b
-        dense += n * h if expert else (8 * h * h + 4 * h * b) // T + h * b
-        sp_replicated += 2 * h * (1 + b) + h * b * (1 if expert else 2)
-        moe_replicated += n * h + expert if expert else 0
-        blocks["dp_cp"].append(dense)
-        blocks["expert_dp"].append(expert)
-        runs[-1][1] += dense
-        runs += [["expert_dp", expert], ["dp_cp", 0]] if expert else []
+        block = held([layer_id])
+        blocks["dp_cp"].append(block["dp_cp"])
+        blocks["expert_dp"].append(block["expert_dp"])
+        runs[-1][1] += block["dp_cp"]
+        runs += [["expert_dp", block["expert_dp"]], ["dp_cp", 0]] if block["expert_dp"] else []
     runs[-1][1] += last
-    local = {"dp_cp": sum(blocks["dp_cp"]) + first + last, "expert_dp": sum(blocks["expert_dp"])}
+    local = {"dp_cp": whole["dp_cp"], "expert_dp": whole["expert_dp"]}
     return dict(layer_ids=layer_ids, embedding=embedding, head=head, layers=len(layer_ids), blocks=blocks,
-                root=first + last, local=local, total=sum(local.values()), runs=[r for r in runs if r[1]],
-                replicated=sp_replicated, moe_replicated=moe_replicated,
+                root=first + last, local=local, total=whole["per_rank"], runs=[r for r in runs if r[1]],
+                replicated=whole["replicated"], moe_replicated=whole["router"] + whole["expert_dp"],
                 block=max((sum(x) for x in zip(*blocks.values())), default=0))
 
 
@@ -133,8 +130,7 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
                 activations=report.estimate_of(config, x, s.held["layer_ids"], (s.held["embedding"], s.held["head"]),
                                                shape.ep, flight),
                 temporaries=temporaries, messages=messages.named(lambda name: alias.get(name, name)),
-                group_ranks=ranks, flops=moe.flops_per_token(config, settings.seq_len,
-                                                             recompute=config.activation_checkpointing),
+                group_ranks=ranks, flops=mfu.flops_per_token(memory.param_counts(config), config, settings.seq_len),
                 bubble=bubble, last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
                 layer_share=s.held["layers"] * shape.pp / config.n_layer)
 

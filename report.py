@@ -36,7 +36,8 @@ import schedules
 import tensor_parallel
 from comm import CommTracer, Count, Messages
 from mesh import axis_groups
-from model import MLP, counts_here, materialize
+from model import MLP, materialize
+from shard import counts_here
 from optim import update_messages
 
 
@@ -147,7 +148,7 @@ def predicted_messages(run, traced_steps: int = 0) -> Messages:
 
 def parameter_counts(run) -> tuple[int, int]:
     """(Ψ of the logical model, parameters this rank holds). Ψ adds, over the world, the copies that count
-    (model.counts_here, with each parameter's data-parallel group as a replica axis): each logical element once."""
+    (shard.counts_here, with each parameter's data-parallel group as a replica axis): each logical element once."""
     coords = run.mesh.coordinates()
     params = list(run.model.parameters())
     counted = sum(p.numel() for p in params if counts_here(p.shard_info, coords, (p.shard_info.grad_group,)))
@@ -256,7 +257,7 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
                 pipeline_flight: tuple = (1, 1)) -> ActivationEstimate:
     """activation_estimate from the shapes: the blocks `layer_ids`, ends = (has embedding, has head), the
     expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v)."""
-    n_moe = sum(moe.is_moe_layer(config, layer_id) for layer_id in layer_ids)
+    n_moe = sum(config.is_moe_layer(layer_id) for layer_id in layer_ids)
     held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
     # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
     # (whole on every TP rank).
@@ -667,8 +668,8 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
     axis.reset_routing()
     traffic, config = axis.traffic, axis.traffic.model
     n, k, tokens, whole = config.moe_experts, config.moe_topk, traffic.tokens, run.micro_batch_size * run.seq_len
-    counts, cap = moe.param_counts(config), moe.capacity(whole, k, n, config.moe_capacity_factor)
-    flops = moe.flops_per_token(config, run.seq_len, config.activation_checkpointing)
+    counts, cap = memory.param_counts(config), moe.capacity(whole, k, n, config.moe_capacity_factor)
+    flops = mfu.flops_per_token(counts, config, run.seq_len)
     held = sum(p.numel() for layer in axis.layers for p in layer.experts.parameters())
     local = axis.layers[0].local if axis.layers else range(0)
     capacity_text = "dropless" if cap is None else (
@@ -683,7 +684,7 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
         f" (= total − L_moe·(N−k)·Ψ_e, Ψ_e = 8h²+5h = {counts['expert']:,});"
         f" routers L_moe·h·N = {counts['router']:,}",
         f"  FLOPs per token (model) 6·N_active + 12·L·H·Q·s = {mfu.format_flops(flops.model)},"
-        f" N_active = {moe.active_matmul_params(config):,} matmul weights (k experts + router, not N)",
+        f" N_active = {counts['active_matmul']:,} matmul weights (k experts + router, not N)",
         f"  expert parallel E={traffic.ep} (group ep), expert grads over expert_dp ({run.mesh.size('expert_dp')}"
         f" ranks), router over dp×cp, replicated over tp: this rank holds experts [{local.start}, {local.stop}) of"
         f" each MoE layer = {held:,} params = {mfu.format_bytes(held * next(run.model.parameters()).element_size())}"
@@ -765,10 +766,12 @@ def tp_startup_lines(axis, run, steps: int = 0) -> list:
                                              for (op, _), count in messages.items()}:
         lines.append("  (measured: block 0 as the run runs it, every axis's messages on tp included; the end's table"
                      " checks each axis's prediction)")
-    counts, act = tensor_parallel.param_counts(config, tp), tensor_parallel.activation_estimates(config, batch.micro,
-                                                                                                batch.seq, tp)
-    lines.append(f"  parameters per rank: {counts['per_rank']:,} of {counts['global']:,}"
-                 f" ({counts['split']:,} split /T + {counts['replicated']:,} replicated) ="
+    model = axis.model  # what this rank holds: a pipeline stage's blocks, N/E experts of a MoE block
+    counts = memory.param_counts(config, tp, run.mesh.size("ep"), model.transformer.h.layer_ids,
+                                 model.has_embedding, model.has_head)
+    act = tensor_parallel.activation_estimates(config, batch.micro, batch.seq, tp)
+    lines.append(f"  parameters per rank: {counts['per_rank']:,} of {memory.param_counts(config)['total']:,}"
+                 f" ({counts['split']:,} split /T + {counts['per_rank'] - counts['split'] // tp:,} replicated) ="
                  f" {format_bytes(counts['per_rank'] * batch.param_bytes)} weights,"
                  f" {format_bytes(counts['per_rank'] * 16)} with grads and AdamW")
     chosen = act["tp_sp"] if held.sequence_parallel else act["tp"]
@@ -954,13 +957,13 @@ def pp_startup_lines(axis, run, steps: int = 0) -> list:
 
 def pp_split_lines(config, P: int, v: int = 1) -> list:
     """The split, printed: layers and parameters per stage, and a warning when it is uneven."""
-    params = pipeline.stage_params(config, P, v)
     lines = []
     for rank in range(P):
+        params = memory.param_counts(config, **pipeline.stage_kwargs(config.n_layer, rank, P, v))["total"]
         ranges = [schedules.stage_layers(config.n_layer, P, v, c) for c in schedules.rank_chunks(rank, P, v)]
         text = " + ".join(f"{r.start}..{r.stop - 1}" for r in ranges)
         extra = (" + embeddings" if rank == 0 else "") + (" + ln_f, head (tied copy)" if rank == P - 1 else "")
-        lines.append(f"  stage {rank}: layers {text}{extra}: {params[rank]:,} parameters")
+        lines.append(f"  stage {rank}: layers {text}{extra}: {params:,} parameters")
     sizes = [len(r) for r in schedules.split_layers(config.n_layer, P * v)]
     if len(set(sizes)) > 1:
         lines.append(f"  WARNING uneven split: {config.n_layer} layers over {P * v} chunks give {max(sizes)} layers to"
@@ -1086,7 +1089,8 @@ def _fp8_startup(handle, run, steps: int) -> list:
                  f" {mfu.format_bytes(saved['saved'])} less; FP8 weight copies {mfu.format_bytes(weights)}"
                  f" (autocast's were {mfu.format_bytes(weights * compute_bytes)}); scaling state"
                  f" {mfu.format_bytes(len(linears) * (3 * r.amax_history + 18) * 4)}")
-    peak, f = mfu.PEAK_TFLOPS["H100"], mfu.block_linear_flops_fraction(run.config, run.seq_len)
+    peak = mfu.PEAK_TFLOPS["H100"]
+    f = mfu.block_linear_flops_fraction(memory.param_counts(run.config), run.config, run.seq_len)
     lines.append(f"  MFU: {f:.0%} of model FLOPs run in FP8; on GPUs divide by the blended peak"
                  f" 1/(f/P_fp8 + (1-f)/P_bf16) (H100: {mfu.blended_peak(f, peak['bf16'], peak['fp8']):.0f}"
                  f" TFLOP/s from {peak['bf16']:g} bf16, {peak['fp8']:g} fp8 dense)")

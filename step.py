@@ -64,7 +64,7 @@ class Axis:
         return nullcontext()
 
     def state_pieces(self) -> list:
-        """Its own training state as model.StatePiece (FP8's amax histories), for ckpt.py. What the axis derives
+        """Its own training state as shard.StatePiece (FP8's amax histories), for ckpt.py. What the axis derives
         from that state it derives from the tensors themselves after a load (there is no "loaded" hook)."""
         return []
 

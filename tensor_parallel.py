@@ -28,7 +28,7 @@ L layers, T tensor-parallel size, e_w / e_c the bytes of a working-weight / comp
    row-parallel biases (added once, after the sum), the position embedding. With --sp the activations between
    regions are split along the sequence too, and the replicated parameters see only their tokens, so their
    gradients are summed over the TP group once per step (`TensorParallel.after_grad_sync`).
-2. Peak per device. Parameters Ψ_split/T + Ψ_repl (`param_counts`: Ψ_split = V·h + 12·h²·L + biases,
+2. Peak per device. Parameters Ψ_split/T + Ψ_repl (memory.param_counts: Ψ_split = V·h + 12·h²·L + biases,
    Ψ_repl = block_size·h + LayerNorms + row biases), 16 bytes each with fp32 grads and AdamW. Activations
    per layer (Korthikanti, 16-bit; `activation_estimates`): T = 1 s·b·h·(34 + 5·a·s/h); TP
    s·b·h·(10 + 24/T + 5·a·s/(h·T)); TP + SP s·b·h/T·(34 + 5·a·s/h), as c_attn and c_fc keep only their input's
@@ -63,7 +63,8 @@ import torch.nn as nn
 
 from comm import Messages
 from memory import activation_bytes_per_layer
-from model import GPT, MLP, GPTConfig, ShardInfo, Split, initial_local
+from model import GPT, MLP, GPTConfig, initial_local
+from shard import ShardInfo, Split
 from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------
@@ -558,16 +559,6 @@ def apply(model: GPT, run, config: TPConfig) -> TensorParallel:
 # ---------------------------------------------------------------------------------------------------------
 # Prediction formulas (docstring items 2 and 3)
 # ---------------------------------------------------------------------------------------------------------
-
-
-def param_counts(config: GPTConfig, tp: int) -> dict:
-    """Parameters of the logical model split T ways and replicated, and those one rank holds."""
-    h, L, V, bias = config.n_embd, config.n_layer, config.vocab_size, int(config.bias)
-    split = V * h + L * (3 * h * h + 3 * h * bias + h * h + 4 * h * h + 4 * h * bias + 4 * h * h)
-    # LayerNorms: weight (+ bias) each, two per block; row-parallel biases: two per block; ln_f.
-    replicated = config.block_size * h + L * (2 * h * (1 + bias) + 2 * h * bias) + h * (1 + bias)
-    return {"split": split, "replicated": replicated, "global": split + replicated,
-            "per_rank": split // tp + replicated}
 
 
 def activation_estimates(config: GPTConfig, micro: int, seq: int, tp: int) -> dict:

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 import hardware
+import memory
 import mfu
 import model as model_lib
-import moe
 import report
 import schedules
 import zero
@@ -208,7 +208,7 @@ def layout_facts(settings) -> dict:
     args, config = settings.args, settings.model
     seq = settings.seq_len
     attention = 12 * config.n_layer * config.n_embd * seq  # 12·L·H·Q·s of the FLOPs per token
-    flops = moe.flops_per_token(config, seq, recompute=config.activation_checkpointing)
+    flops = mfu.flops_per_token(memory.param_counts(config), config, seq)
     return dict(world=settings.world_size, tokens=args.global_batch * seq, m=settings.micro_batches,
                 zero=args.zero, P=settings.shape.pp, dtype=plan_dtypes(settings)[0], cp_impl=args.cp_impl,
                 attention_share=attention / flops.hardware)

@@ -43,7 +43,7 @@ import tensor_parallel
 import time_model
 from ddp import DDPLayout, DistributedDataParallel
 from flags import DTYPES, Settings, fail
-from memory import MemoryTimeline
+from memory import MemoryTimeline, param_counts
 from mesh import Mesh, build_mesh, init_distributed
 import model as model_lib
 from model import GPT, GPTConfig, compile_blocks
@@ -110,7 +110,7 @@ def compose(run: Run, measure: bool = False, materialize: bool = True) -> Run:
     configs = run.settings.axes
     run.model = GPT(run.config, seed=run.seed, dtype=run.master_dtype, device="meta",
                     **pipeline.stage_of(configs.get("pipeline"), run))  # a pipeline rank builds its stage only
-    run.flops = moe.flops_per_token(run.config, run.seq_len, recompute=run.config.activation_checkpointing)
+    run.flops = mfu.flops_per_token(param_counts(run.config), run.config, run.seq_len)
     for axis in AXES:  # each swaps modules in place; its handle is what the rest of the run talks to
         if configs.get(axis.__name__) is not None:
             run.axes.append(axis.apply(run.model, run, configs[axis.__name__]))

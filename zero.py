@@ -19,7 +19,7 @@ The update on a shard is torch.optim.AdamW's, element for element: decoupled dec
 dim ≥ 2 (kept as [start, end) segments of the shard), then m ← β1·m + (1-β1)·g, v ← β2·v + (1-β2)·g²,
 p ← p - lr/(1-β1^t) · m / (√v/√(1-β2^t) + ε). The rest follows DESIGN.md's order, through optim.update: reduce →
 unscale → all ranks finite? → global norm = √(Σ_world Σ_shard g²) (the padding is zero; a tensor replicated over a model
-axis, such as TP's LayerNorms, counts on coordinate 0 of that axis: model.counts_here) → clip → all step or all skip.
+axis, such as TP's LayerNorms, counts on coordinate 0 of that axis: shard.counts_here) → clip → all step or all skip.
 
 Mixed precision. Working parameters and each backward's gradients are `param_dtype` (bf16 under --dtype bf16:
 b_w = 2), the optimizer keeps `master_dtype` master weights and moments (fp32: b_o = 4 + 4 + 4 = 12): at m = 1
@@ -88,7 +88,8 @@ import torch.nn as nn
 import memory
 from comm import Messages
 from ddp import assert_same_across_groups, grad_group, reverse_order_buckets
-from model import ShardInfo, StatePiece, counts_here, initial_local, set_value
+from model import initial_local
+from shard import ShardInfo, StatePiece, counts_here, set_value
 from optim import StepResult, update
 
 

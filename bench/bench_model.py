@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
+import memory  # noqa: E402
 import mfu  # noqa: E402
 from common import add_device_argument, alternate  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
@@ -163,8 +164,7 @@ def main():
 
     tokens = x.numel()
     model = GPT(config, seed=0)
-    flops = mfu.flops_per_token(model.num_params(exclude_position_embedding=True), config.n_layer, config.n_head,
-                                config.head_dim, config.block_size)
+    flops = mfu.flops_per_token(memory.param_counts(config), config, config.block_size)
     n = 8192 if device.type == "cuda" else (256 if args.smoke else 1024)
     seconds = 0.05 if args.smoke else 1.0
     peaks = {"bf16": mfu.measure_matmul_peak(torch.bfloat16, n=n, seconds=seconds, device=device),

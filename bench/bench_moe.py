@@ -30,6 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import memory  # noqa: E402
 import moe  # noqa: E402
 import report  # noqa: E402
 from common import add_device_argument, alternate, launch, rank_device  # noqa: E402
@@ -108,7 +109,7 @@ def _print_table(config, args, device, variants: dict, traced: dict, times: dict
           f" dropless, {args.batch}×{args.seq} tokens per rank, 4 {'GPUs' if device.type == 'cuda' else 'gloo'} ranks,"
           f" fp32, {args.threads} thread(s)/rank;"
           f" {args.steps} timed steps each (alternating) after {args.warmup} warm-up")
-    counts = moe.param_counts(config)
+    counts = memory.param_counts(config)
     print(f"  parameters: total {counts['total']:,}, active per token {counts['active']:,};"
           f" experts {counts['experts']:,} (Ψ_e = {counts['expert']:,})")
     header = (f"  {'':<5} {'step ms':>9} {'expert params/rank':>19} {'weights':>10} {'w+g+Adam':>10}"

@@ -35,9 +35,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import memory  # noqa: E402
 import tensor_parallel  # noqa: E402
 from common import add_device_argument, check_gpus, init_rank, synchronize  # noqa: E402
-from model import GPT, ShardInfo, Split, config_from_preset  # noqa: E402
+from model import GPT, config_from_preset  # noqa: E402
+from shard import ShardInfo, Split  # noqa: E402
 from mfu import format_bytes  # noqa: E402
 from optim import adamw_param_groups, build_adamw  # noqa: E402
 
@@ -114,7 +116,7 @@ def print_accounting(preset: str, batch: int, seq: int):
     print(f"  {'T':>2}  {'params/rank':>12}  {'weights':>10}  {'w+g+Adam':>10}  {'act (no SP)':>12}"
           f"  {'act (SP)':>10}  {'act ×L (SP)':>12}")
     for t in (1, 2, 4):
-        counts = tensor_parallel.param_counts(config, t)
+        counts = memory.param_counts(config, t)
         act = tensor_parallel.activation_estimates(config, batch, seq, t)
         no_sp = act["none"] if t == 1 else act["tp"]
         sp = act["none"] if t == 1 else act["tp_sp"]

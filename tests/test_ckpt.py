@@ -371,7 +371,7 @@ class _FakeLayout:
 def _pieces(kind, full, tp, zero, segments=3, dtype=None):
     """Every rank's piece of `full` (split along dim 0 in `segments` fused segments over tp, then zero flat
     ranges over the flattened split, unevenly: ZeRO pads, and the last rank may hold less)."""
-    from model import ShardInfo, Split, StatePiece
+    from shard import ShardInfo, Split, StatePiece
 
     out = []
     for t in range(tp):

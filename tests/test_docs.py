@@ -166,7 +166,7 @@ def test_the_checker_can_fail():
     for missing in ("train.train_step", "ReplicatedUpdate", "not_recording()", "mesh.no_such_helper",
                     "torch.no_such_function"):
         assert not _resolves(missing), missing
-    for present in ("train.compose", "model.counts_here", "dist.all_reduce", "ShardInfo", "shard_of()",
+    for present in ("train.compose", "shard.counts_here", "dist.all_reduce", "ShardInfo", "shard_of()",
                     "torch.distributed.pipelining", "layout.grad_pieces", "F.scaled_dot_product_attention"):
         assert _resolves(present), present
 

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 import fp8
 import harness
+import memory
 import mfu
 import report
 from harness import run_ranks
@@ -819,9 +820,27 @@ def test_one_process_predicts_no_messages(applied):
 
 
 def test_flops_fraction_and_blended_peak(applied):
-    fraction = mfu.block_linear_flops_fraction(applied[1].config, SEQ)
+    fraction = mfu.block_linear_flops_fraction(memory.param_counts(applied[1].config), applied[1].config, SEQ)
     assert 0.3 < fraction < 1
     assert mfu.blended_peak(fraction, 1000.0, 2000.0) > 1000.0 and mfu.blended_peak(fraction, 1000.0, None) == 1000.0
+
+
+def test_the_fp8_share_of_flops_counts_the_linears_converted():
+    """With a mixture of experts (experts and routers stay in the compute dtype) the printed share of the model
+    FLOPs in FP8 is 6·(the weights converted) / FLOPs per token. The rank is built as --plan builds it (meta)."""
+    import flags
+    import plan
+    import train
+
+    argv = ["--preset", "tiny", "--fp8", "current", "--moe-experts", "4", "--moe-every", "2", "--global-batch", "1",
+            "--micro-batch", "1"]
+    settings = plan.plan_settings(flags.validate(flags.build_parser().parse_args(argv), 1, axes=train.AXES))
+    with plan.fake_world(0, 1):
+        run = plan.build_role(settings, 0)
+        handle = next(axis for axis in run.axes if axis.name == "fp8")
+        text = "\n".join(report.axis_lines(handle, "startup", run))
+    converted = sum(m.weight.numel() for m in run.model.modules() if isinstance(m, fp8.Fp8Linear))
+    assert f"MFU: {6 * converted / run.flops.model:.0%} of model FLOPs run in FP8" in text
 
 
 def test_startup_lines_name_the_recipe_memory_and_mfu(applied):

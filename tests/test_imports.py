@@ -19,11 +19,6 @@ OPTIONAL = {  # the package imported inside a function: why it is not at the top
     "safetensors": "Hugging Face weights, needed only by --init-from and export_hf.py (hf.py)",
 }
 
-# KNOWN_REMAINING: model.py imports moe.py inside a function, and moe.py imports model.py. Branch i27-shard
-# removes this cycle (shard.py); DELETE this entry (and its two uses below) when that branch is merged.
-KNOWN_REMAINING = {("model", "moe")}
-
-
 def _imports(module: str) -> list:
     """[(imported top-level name, line, inside a function)] of every import in `module`'s file."""
     tree = ast.parse(open(os.path.join(ROOT, f"{module}.py")).read())
@@ -48,11 +43,8 @@ IMPORTS = {module: _imports(module) for module in MODULES}
 
 
 def _graph() -> dict:
-    """{module: {the repository's modules it imports}}, less the known remaining cycle's edges."""
-    graph = {m: {name for name, _, _ in IMPORTS[m] if name in MODULES and name != m} for m in MODULES}
-    for a, b in KNOWN_REMAINING:
-        graph[a].discard(b)
-    return graph
+    """{module: {the repository's modules it imports}}."""
+    return {m: {name for name, _, _ in IMPORTS[m] if name in MODULES and name != m} for m in MODULES}
 
 
 def _tangles(graph: dict) -> list:
@@ -90,15 +82,9 @@ def test_the_import_graph_of_the_top_level_files_has_no_cycle():
         ", ".join(f"{m} -> {sorted(graph[m] & set(t))}" for m in t) for t in tangles)
 
 
-def test_the_known_remaining_cycle_is_still_there():
-    """When this fails, the cycle is gone: delete KNOWN_REMAINING and this test."""
-    for a, b in KNOWN_REMAINING:
-        assert a in {n for n, _, _ in IMPORTS[b]} and b in {n for n, _, _ in IMPORTS[a]}, (a, b)
-
-
 def test_no_import_inside_a_function_but_an_optional_package():
     lazy = [(module, line, name) for module in MODULES for name, line, in_function in IMPORTS[module]
-            if in_function and name not in OPTIONAL and (module, name) not in KNOWN_REMAINING]
+            if in_function and name not in OPTIONAL]
     assert not lazy, "imports inside a function (move them to the top of the file): " + ", ".join(
         f"{module}.py:{line} {name}" for module, line, name in lazy)
 

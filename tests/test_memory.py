@@ -11,6 +11,18 @@ from harness import run_ranks
 # ---------------------------------------------------------------------------------------------------------
 
 
+def test_param_counts_are_the_numel_of_what_is_built():
+    """The logical model, a first and a last pipeline stage (the tied weight's own copy), dense and MoE."""
+    from model import GPT
+    from reference import make_config
+
+    for overrides in (dict(), dict(bias=False), dict(moe_experts=4, moe_every=2)):
+        config = make_config(n_layer=3, **overrides)
+        for holding in ({}, dict(layers=[0], head=False), dict(layers=[1, 2], embedding=False)):
+            model = GPT(config, device="meta", **holding)
+            assert memory.param_counts(config, **holding)["total"] == model.num_params(), (overrides, holding)
+
+
 def test_zero_bytes_per_stage():
     psi, d = 1000, 4
     mixed = [memory.persistent_bytes(psi, "mixed", stage, d) for stage in range(4)]

@@ -15,31 +15,35 @@ import mfu
 # ---------------------------------------------------------------------------------------------------------
 
 
+# N = 1000 matmul params (900 of them in the blocks, 100 the head's), L = 2 layers, H = 4 heads, Q = 8 head dim.
+COUNTS = {"active_matmul": 1000, "block_matmul": 900}
+
+
+def _config(recompute: bool = False):
+    return types.SimpleNamespace(n_layer=2, n_head=4, head_dim=8, activation_checkpointing=recompute)
+
+
 def test_flops_per_token_small_config():
-    # N = 1000 matmul params, L = 2 layers, H = 4 heads, Q = 8 head dim, T = 16 tokens.
-    # 6N = 6000; 12*L*H*Q*T = 12*2*4*8*16 = 12288; total 18288.
-    f = mfu.flops_per_token(1000, n_layer=2, n_head=4, head_dim=8, seq_len=16)
+    # T = 16 tokens: 6N = 6000; 12*L*H*Q*T = 12*2*4*8*16 = 12288; total 18288.
+    f = mfu.flops_per_token(COUNTS, _config(), seq_len=16)
     assert f.model == 18288
     assert f.hardware == f.model  # nothing recomputed
     assert "6N + 12*L*H*Q*T" in f.convention and "not halved" in f.convention
 
 
 def test_hfu_adds_recomputed_forward():
-    f = mfu.flops_per_token(1000, 2, 4, 8, 16, recompute=True)
-    # + 2N + 4*L*H*Q*T = 2000 + 4096
+    # Only the block weights are recomputed (the head's 100 are not): + 2*N_r + 4*L*H*Q*T = 1800 + 4096
+    f = mfu.flops_per_token(COUNTS, _config(recompute=True), 16)
     assert f.model == 18288
-    assert f.hardware == 18288 + 2000 + 4096
-    assert f.hardware > f.model
-    # Only the block weights are recomputed, say 900 of them (the head's 100 is not).
-    g = mfu.flops_per_token(1000, 2, 4, 8, 16, recompute=True, n_recomputed_params=900)
-    assert g.hardware == 18288 + 1800 + 4096
+    assert f.hardware == 18288 + 1800 + 4096
+    assert "N_r = 900" in f.convention
 
 
 def test_mfu_and_hfu():
-    f = mfu.flops_per_token(1000, 2, 4, 8, 16, recompute=True)
+    f = mfu.flops_per_token(COUNTS, _config(recompute=True), 16)
     # 18288 FLOP/token * 1e6 token/s = 1.8288e10 FLOP/s over 2 devices of 1e10 each -> 0.9144
     assert mfu.mfu(f.model, 1e6, 1e10, 2) == pytest.approx(0.9144)
-    assert mfu.mfu(f.hardware, 1e6, 1e10, 2) == pytest.approx((18288 + 6096) * 1e6 / 2e10)
+    assert mfu.mfu(f.hardware, 1e6, 1e10, 2) == pytest.approx((18288 + 5896) * 1e6 / 2e10)
     with pytest.raises(ValueError):
         mfu.mfu(f.model, 1e6, 0.0, 1)
 

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from model import GPT, PRESETS, ShardInfo, Split, compile_blocks, config_from_preset, init_full_parameter
+from model import GPT, PRESETS, compile_blocks, config_from_preset, init_full_parameter
+from shard import ShardInfo, Split
 
 
 def tiny(**overrides):

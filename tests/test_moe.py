@@ -573,12 +573,12 @@ ACCOUNTING_CONFIGS = (dict(moe_experts=4, moe_topk=2), dict(moe_experts=8, moe_t
 
 @pytest.mark.parametrize("overrides", ACCOUNTING_CONFIGS)
 def test_param_counts_match_the_model(overrides):
-    import moe
+    import memory
     from model import GPT
 
     config = make_config(**overrides)
     model = GPT(config, seed=0)
-    counts = moe.param_counts(config)
+    counts = memory.param_counts(config)
     assert counts["total"] == model.num_params()
     expert = sum(p.numel() for p in model.transformer.h[config.moe_every - 1].mlp.experts["0"].parameters())
     assert counts["expert"] == expert
@@ -589,20 +589,22 @@ def test_param_counts_match_the_model(overrides):
 @pytest.mark.parametrize("overrides", ACCOUNTING_CONFIGS)
 def test_flops_count_the_matmul_weights_a_token_touches(overrides):
     """The head (tied), attention, k experts' and the router's: not the N − k idle experts."""
+    import memory
     import mfu
-    import moe
     from model import GPT
 
     config = make_config(**overrides)
     model = GPT(config, seed=0)
     moe_block = model.transformer.h[config.moe_every - 1].mlp
+    counts = memory.param_counts(config)
     matmul = config.vocab_size * config.n_embd + sum(
         p.numel() for name, p in model.named_parameters() if name.endswith("weight") and p.dim() == 2
-        and ".h." in name and ".experts." not in name) + moe.param_counts(config)["moe_layers"] * config.moe_topk * sum(
+        and ".h." in name and ".experts." not in name) + counts["moe_layers"] * config.moe_topk * sum(
         p.numel() for name, p in moe_block.experts["0"].named_parameters() if name.endswith("weight"))
-    assert moe.active_matmul_params(config) == matmul
-    flops = moe.flops_per_token(config, 64)
-    assert flops.model == mfu.flops_per_token(matmul, config.n_layer, config.n_head, config.head_dim, 64).model
+    assert counts["active_matmul"] == matmul
+    assert counts["block_matmul"] == matmul - config.vocab_size * config.n_embd  # what a recompute repeats
+    flops = mfu.flops_per_token(counts, config, 64)
+    assert flops.model == 6 * matmul + 12 * config.n_layer * config.n_embd * 64
 
 
 def test_the_load_histogram_scales_to_the_largest():

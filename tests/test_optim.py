@@ -7,7 +7,7 @@ import torch
 
 import harness
 from harness import run_ranks
-from model import ShardInfo, Split, counts_here
+from shard import ShardInfo, Split, counts_here
 from optim import DynamicLossScaler, LRSchedule, build_adamw, update
 
 

@@ -324,12 +324,16 @@ def test_an_uneven_split_warns():
     assert not any("WARNING" in line for line in report.pp_split_lines(make_config(n_layer=8), 4))
 
 
-def test_stage_params_count_what_each_stage_builds():
-    for config in (make_config(n_layer=7), make_config(n_layer=8, bias=False)):
+def test_the_split_prints_what_each_stage_builds():
+    """The start-up's parameters per stage are the numel of the stage built alone (its whole MoE blocks too)."""
+    for config in (make_config(n_layer=7), make_config(n_layer=8, bias=False),
+                   make_config(n_layer=4, moe_experts=4, moe_every=2)):
         for P, v in ((4, 1), (2, 2)):
-            counts = [sum(p.numel() for p in build_stages(config, 0, torch.float32, None, r, P, v).parameters())
-                      for r in range(P)]
-            assert counts == pp.stage_params(config, P, v)
+            built = [sum(p.numel() for p in build_stages(config, 0, torch.float32, "meta", r, P, v).parameters())
+                     for r in range(P)]
+            printed = [int(line.rsplit(": ", 1)[1].split()[0].replace(",", ""))
+                       for line in report.pp_split_lines(config, P, v) if line.startswith("  stage ")]
+            assert printed == built, (config, P, v)
 
 
 # ---------------------------------------------------------------------------------------------------------

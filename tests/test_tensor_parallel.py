@@ -47,7 +47,8 @@ def _layers(rank, world):
 def _layer_checks(rank, world, group, sp):
     import tensor_parallel as tp
     from comm import CommTracer
-    from model import GPT, ShardInfo, Split
+    from model import GPT
+    from shard import ShardInfo, Split
 
     device = harness.device()
     torch.manual_seed(0)  # identical "full" tensors on every rank: drawn by the CPU generator, then moved
@@ -357,11 +358,30 @@ def test_tp_messages_are_as_predicted_every_step(trained):
 
 
 def test_tp_rank_holds_param_counts_per_rank(trained):
-    import tensor_parallel as tp
+    import memory
 
     for variant, results in trained[2].items():
         for r in results:
-            assert r["local_numel"] == tp.param_counts(make_config(), trained[0])["per_rank"], variant
+            assert r["local_numel"] == memory.param_counts(make_config(), trained[0])["per_rank"], variant
+
+
+@pytest.mark.parametrize("flags_list", [["--tp", "2", "--pp", "2"], ["--tp", "2", "--moe-experts", "4", "--ep", "2"]])
+def test_the_startup_prints_the_parameters_each_rank_holds(flags_list):
+    """The start-up's "parameters per rank" is the numel of the rank as built (on meta, in a fake group of 4, as
+    --plan builds it): a pipeline stage's blocks only; whole experts, N/E of them, on every TP rank."""
+    import flags
+    import plan
+    import report
+    import train
+
+    argv = ["--preset", "tiny", "--dtype", "fp32", *flags_list, "--global-batch", "4", "--micro-batch", "1"]
+    settings = plan.plan_settings(flags.validate(flags.build_parser().parse_args(argv), 4, axes=train.AXES))
+    for rank in range(4):
+        with plan.fake_world(rank, 4):
+            run = plan.build_role(settings, rank)
+            lines = [line for axis in run.axes if axis.name == "tp" for line in report.tp_startup_lines(axis, run)]
+        printed = next(line for line in lines if "parameters per rank" in line).split(": ")[1].split()[0]
+        assert int(printed.replace(",", "")) == sum(p.numel() for p in run.model.parameters()), (flags_list, rank)
 
 
 # ---------------------------------------------------------------------------------------------------------

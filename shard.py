@@ -1,0 +1,142 @@
+"""What a local tensor is of the logical one: the record every parameter and piece of training state carries.
+
+The model (model.py) is one logical GPT. Each axis cuts its tensors on the ranks: tensor parallel splits a
+dimension, expert parallel keeps some experts, a pipeline stage keeps some blocks, ZeRO keeps a flat range.
+`ShardInfo` says, for one local tensor, which logical tensor it belongs to and where it sits in it (`Split`s,
+applied in order), over which mesh axes identical copies of it exist, and over which group data-parallel
+replicas sum its gradient. The checkpoint (which copy is written, where each piece goes), the gradient norm
+(each logical element counted once: `counts_here`) and the parameter counts of the accounting all read this
+one record; none of them special-cases an axis. `StatePiece` is one local tensor of training state with its
+record: what the layouts hand the checkpoint. `set_value` gives a parameter a new value (a shard, a view into
+a flat buffer) without replacing the object the axes and the layouts hold on to.
+
+The initial value of a local tensor (`model.initial_local`: the logical tensor's init, then its piece) stays
+with the model's init in model.py: it needs the init, and the model needs these records.
+
+Accounting for this file: it holds no tensors of its own and sends nothing; a record is a few Python values
+per parameter. Restart state: none of its own (the checkpoint writes each record's global name, shape and
+slice into its manifest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Split:
+    """The local tensor is piece `index` of `num` equal pieces along dimension `dim`.
+
+    With `segments` > 1 the dimension is made of that many equal segments (c_attn's fused [q | k | v]) and the
+    piece is this rank's part of every segment, concatenated (its heads of q, of k and of v).
+    """
+
+    dim: int
+    num: int
+    index: int
+    segments: int = 1
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        pieces = [segment.chunk(self.num, self.dim)[self.index] for segment in full.chunk(self.segments, self.dim)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.dim)
+
+    def put(self, full: torch.Tensor, local: torch.Tensor) -> None:
+        for segment, piece in zip(full.chunk(self.segments, self.dim), local.chunk(self.segments, self.dim)):
+            segment.chunk(self.num, self.dim)[self.index].copy_(piece)
+
+
+@dataclass
+class ShardInfo:
+    """The one record of a parameter's place in the logical model, read by checkpoints, grad norm, accounting.
+
+    `global_name`/`global_shape` name the logical tensor. `splits` cut it, in order (tensor parallel splits a
+    dimension; expert parallel the expert dimension; both may apply): the local tensor is
+    `splits[-1].take(... splits[0].take(full))`.
+    `replicated_over` names the mesh axes over which IDENTICAL copies of this local tensor exist: "tp" for
+    LayerNorms and row-parallel biases under tensor parallel, "pp" for the embedding tied between the first
+    and the last pipeline stage. The copy on coordinate 0 of each of those axes is the one that counts
+    (`counts_here`): the gradient norm adds it once and the checkpoint writes it once.
+    `grad_group` is the mesh group over which data-parallel replicas of the tensor sum their gradients:
+    "dp_cp" for dense parameters, "expert_dp" for experts (fewer replicas: the ranks holding the same experts).
+    """
+
+    global_name: str
+    global_shape: tuple
+    splits: tuple = ()
+    replicated_over: tuple = ()
+    grad_group: str = "dp_cp"
+
+    @property
+    def local_shape(self) -> tuple:
+        shape = list(self.global_shape)
+        for split in self.splits:
+            shape[split.dim] //= split.num
+        return tuple(shape)
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece of the global tensor `full` (a copy for fused segments, else a view)."""
+        for split in self.splits:
+            full = split.take(full)
+        return full
+
+    def place_into(self, full: torch.Tensor, local: torch.Tensor) -> None:
+        """Write the local piece into its place in the global tensor `full` (the inverse of shard_of)."""
+        if not self.splits:
+            full.copy_(local)
+            return
+        outer = [full]  # the tensor each split cuts: full, then its first piece, ...
+        for split in self.splits[:-1]:
+            outer.append(split.take(outer[-1]).clone())
+        self.splits[-1].put(outer[-1], local)
+        for split, parent, piece in zip(reversed(self.splits[:-1]), reversed(outer[:-1]), reversed(outer[1:])):
+            split.put(parent, piece)  # fused segments are copies: write each level back into its parent
+
+    def replicated_also_over(self, *axes: str) -> ShardInfo:
+        return replace(self, replicated_over=tuple(dict.fromkeys(self.replicated_over + axes)))
+
+
+def counts_here(info: ShardInfo | None, coords: dict | None, replica_axes: tuple = ()) -> bool:
+    """Whether this rank's copy of a tensor is THE copy: counted in the gradient norm, Ψ, written to disk.
+
+    A tensor identical over the axes `info.replicated_over` (plus `replica_axes`, the data-parallel group of a
+    layout that replicates it) counts on coordinate 0 of each of them. `coords` maps an axis or group name
+    to this rank's index in it (`Mesh.coordinates()`); None means one process (everything counts).
+    """
+    if info is None or coords is None:
+        return True
+    return all(coords.get(axis, 0) == 0 for axis in (*info.replicated_over, *replica_axes))
+
+
+@dataclass
+class StatePiece:
+    """One local tensor of training state and where it sits in its logical tensor: what checkpoints move.
+
+    Every layout lists its state as pieces; saving reads `tensor`, loading copies into it (it is the live
+    storage). A piece is the `shard` (TP/EP split) of the logical tensor, and of that, when `flat_range` is
+    set, the elements [start, end) of the flattened split (a ZeRO shard). `primary` is False on a replica
+    whose identical twin on another rank is the one written.
+    """
+
+    key: str  # "<kind>/<global name>", kind: param | master | exp_avg | exp_avg_sq
+    tensor: torch.Tensor
+    shard: ShardInfo
+    flat_range: tuple | None = None
+    primary: bool = True
+
+
+def set_value(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Make `param` hold `value` (its shape; it may be a view into a layout's flat buffer), keeping the object, so
+    its ShardInfo, ties and whatever holds it stay valid, and its own version counter (`.data =` semantics: a
+    write into the rest of a flat buffer, a ZeRO-3 regather, does not invalidate what autograd saved of it). A
+    meta parameter cannot take `.data` from another device (torch refuses): a new parameter takes it, and the
+    two swap contents (torch.utils.swap_tensors)."""
+    if not param.is_meta:
+        param.data = value
+        return
+    new = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=param.requires_grad)
+    new.data = value
+    new.__dict__.update(param.__dict__)  # shard_info (swap_tensors swaps the attributes too)
+    torch.utils.swap_tensors(param, new)
