@@ -246,9 +246,7 @@ class ZeroLayout:
     def _gather(self, units: list, exact: bool = False):
         """Allocate the units' full buffers and launch their all-gathers (async); no-op where already there. A
         unit with a codec sends its shard's codes (uint8, one byte per element; decoded in _wait), unless
-        `exact` (unshard, full_parameters: the working weights themselves)."""
-        if self._unsharded:  # every unit stays gathered for good
-            return
+        `exact` (full_parameters: the working weights themselves)."""
         for unit in units:
             if unit.state != "freed":
                 continue
@@ -266,7 +264,7 @@ class ZeroLayout:
             else:
                 unit.gather_work = dist.all_gather_single(target, source, group=unit.group, async_op=True)
             unit.state = "gathering"
-        if not exact:  # the schedule's peak (unshard and full_parameters gather every unit)
+        if not exact:  # the schedule's peak (full_parameters gathers every unit)
             alive = sum(any(u.state != "freed" for u in units_) for units_ in (*self.block_units, self.root))
             self.peak_gathered_units = max(self.peak_gathered_units, alive)
 
@@ -285,7 +283,7 @@ class ZeroLayout:
 
     def _free(self, units: list):
         for unit in units:
-            if self._unsharded or unit.state == "freed":
+            if unit.state == "freed":
                 continue
             if unit.gather_work is not None:  # gathered but never used (evaluation's last prefetch)
                 unit.gather_work.wait()
@@ -321,13 +319,6 @@ class ZeroLayout:
         self._wait(self.block_units[i])
         if i > 0:
             self._gather(self.block_units[i - 1])  # prefetch: overlaps block i's backward
-
-    def unshard(self):
-        """Gather every unit for good, exactly (e.g. to sample after training): collective, every rank calls it."""
-        if self.stage == 3:
-            self._free(self.units)  # a unit gathered as codes is regathered exactly
-            self._wait(self.units, exact=True)
-            self._unsharded = True
 
     @torch.no_grad()
     def full_parameters(self) -> dict:
@@ -366,7 +357,6 @@ class ZeroLayout:
         self.peak_gathered_units = 0
         self._in_flight = []  # [(unit, work, output)] reduce-scatters launched, not yet added to grad shards
         self._next_to_launch, self._launched_this_step = 0, False
-        self._unsharded = False
 
         params = [p for p in module.parameters() if p.requires_grad]
         self._check_records(module, params)
@@ -598,11 +588,6 @@ class ZeroLayout:
                     out.add("all_gather_single", name, gathers, gathers * b_gather * unit.padded_numel)
                     out.add("reduce_scatter_single", name, reduces, reduces * b_r * unit.padded_numel)
         return out
-
-    def predicted_comm(self, micro_batches: int, group_name: str = "dp_cp") -> dict:
-        """{op: payload bytes M per step} of predicted_messages over one group: stages 1/2 2Ψ' at m = 1."""
-        messages = self.predicted_messages(micro_batches)
-        return {op: messages.get((op, group_name), (0, 0))[1] for op in ("all_gather_single", "reduce_scatter_single")}
 
 
 @dataclass(frozen=True)

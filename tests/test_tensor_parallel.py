@@ -269,11 +269,14 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
         tracer.reset()
         losses.append(outcome.loss)
         norms.append(outcome.grad_norm)
-    if hasattr(layout, "unshard"):
-        layout.unshard()  # ZeRO-3: gather the weights back so this rank's TP shards can be compared
+    if hasattr(layout, "full_parameters"):  # ZeRO (at stage 3 gathered back): this rank's TP shards
+        infos = {p.shard_info.global_name: p.shard_info for p in model.parameters()}
+        final = {name: (value, infos[name]) for name, value in layout.full_parameters().items()}
+    else:
+        final = _pieces(model)
     # Under ZeRO the SP gradient sum moves this rank's gradient shard of those parameters, not all of them.
     predicted = {key: tuple(count) for key, count in handle.predicted_messages(layout).items()}
-    return dict(losses=losses, norms=norms, init=init, final=_pieces(model), traced=traced, predicted=predicted,
+    return dict(losses=losses, norms=norms, init=init, final=final, traced=traced, predicted=predicted,
                 local_numel=sum(p.numel() for p in model.parameters()))
 
 
