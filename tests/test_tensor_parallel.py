@@ -216,11 +216,13 @@ def _ddp_layout(model, mesh):
 def _zero_layout(stage):
     def build(model, mesh):
         from zero import ZeroConfig, ZeroLayout
+        from zero3 import Zero3Layout
 
         # The flat ZeRO buffers hold this rank's TP shards; the norm counts TP-replicated copies on tp rank 0.
         config = ZeroConfig(stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], betas=HYPER["betas"],
                             eps=HYPER["eps"], param_dtype=torch.float64, master_dtype=torch.float64)
-        return ZeroLayout(model, config, {"dp_cp": mesh.group("dp_cp")}, mesh.coordinates())
+        layout_class = Zero3Layout if stage == 3 else ZeroLayout
+        return layout_class(model, config, {"dp_cp": mesh.group("dp_cp")}, mesh.coordinates())
     return build
 
 

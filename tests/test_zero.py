@@ -2,11 +2,11 @@
 exactly the bytes their formulas predict.
 
 The equivalence runs (one spawn per D = 2, 4: the module-scoped `stage_runs`) train a few float64 steps of each
-stage with zero.ZeroLayout driven by step.train_step (gradient accumulation, clipping active, unit sizes and
-the parameter count not divisible by D) and are compared with tests/reference.py (torch's AdamW and
-clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15; tolerance 1e-10.
-Each property of those runs is its own test: the update, the held bytes, the traced messages, the 2Ψ/3Ψ
-volumes, stage 3's peak of gathered units, the checkpoint pieces. Smaller 2-rank checks share one spawn
+stage with zero.ZeroLayout (zero3.Zero3Layout at stage 3) driven by step.train_step (gradient accumulation,
+clipping active, unit sizes and the parameter count not divisible by D) and are compared with tests/reference.py
+(torch's AdamW and clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15;
+tolerance 1e-10. Each property of those runs is its own test: the update, the held bytes, the traced messages,
+the 2Ψ/3Ψ volumes, stage 3's peak of gathered units, the checkpoint pieces. Smaller 2-rank checks share one spawn
 (`two_rank_checks`): a non-finite gradient on one rank skips the step on all, the order of stage 3's gathers
 (prefetch in forward and backward, eager and compiled), the 2 + 2 + 12 bytes of bf16/fp32 mixed precision, the
 TP-replicated rule of the norm, and ZeRO-3 over FP8 weights (their gather codec: E4M3 bytes on the wire, the
@@ -41,10 +41,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def zero_layout(model, stage, group=None, coords=None, **config):
-    """zero.ZeroLayout(model, ZeroConfig(stage, **config)) over `group` (None: the world) as dp_cp."""
+    """zero.ZeroLayout (stages 1/2) or zero3.Zero3Layout (stage 3) of (model, ZeroConfig(stage, **config)) over
+    `group` (None: the world) as dp_cp."""
     from zero import ZeroConfig, ZeroLayout
+    from zero3 import Zero3Layout
 
-    return ZeroLayout(model, ZeroConfig(stage, **config), {"dp_cp": group}, coords)
+    return (Zero3Layout if stage == 3 else ZeroLayout)(model, ZeroConfig(stage, **config), {"dp_cp": group}, coords)
 
 
 def payloads(messages, group_name: str = "dp_cp") -> dict:
@@ -86,8 +88,8 @@ def _train_zero(rank, world, stage, config_kw, global_batch, micro, clip, bucket
                 predicted_comm=payloads(predicted), held=layout.held_bytes(),
                 predicted=layout.predicted_persistent(), unpadded=layout.predicted_persistent(padded=False),
                 padded_numel=layout.padded_numel, numel=layout.numel, units=len(layout.units),
-                peak_gathered=layout.peak_gathered_units, pieces=pieces, step_count=layout.optimizer_step_count,
-                unit_sizes=[u.numel for u in layout.units])
+                peak_gathered=getattr(layout, "peak_gathered_units", None), pieces=pieces,
+                step_count=layout.optimizer_step_count, unit_sizes=[u.numel for u in layout.units])
 
 
 LAYOUT_OPS = ("all_gather_single", "reduce_scatter_single")  # the layout's own (the step's scalars aside)
@@ -325,8 +327,8 @@ def _prefetch_order(rank, world, compiled=False):
     name = {id(u): f"b{i}" for i, units in enumerate(layout.block_units) for u in units}
     name.update({id(u): "root" for u in layout.root})
     gather, launch = layout._gather, layout._launch
-    layout._gather = lambda units, exact=False: (
-        events.extend(f"gather {name[id(u)]}" for u in units if u.state == "freed"), gather(units, exact))
+    layout._gather = lambda units: (
+        events.extend(f"gather {name[id(u)]}" for u in units if u.state == "freed"), gather(units))
     layout._launch = lambda u: (events.append(f"reduce {name[id(u)]}"), launch(u))
     for i, block in enumerate(model.transformer.h):
         block.register_forward_hook(lambda m, a, o, i=i: events.append(f"forward b{i} done"))
@@ -498,6 +500,19 @@ def test_valid_zero_flags():
         for compile_flag in ([], ["--compile"]):  # per-block compile composes with every stage
             args = train.flags.build_parser().parse_args(["--zero", str(stage), "--global-batch", "4", *compile_flag])
             train.flags.validate(args, 2, axes=train.AXES)
+
+
+@pytest.mark.parametrize("stage,cls,message", [(3, "ZeroLayout", "stage 3: zero3.Zero3Layout"),
+                                               (1, "Zero3Layout", "stages 1/2: zero.ZeroLayout")])
+def test_each_layout_class_refuses_the_other_stages(stage, cls, message):
+    """The caller picks the class by stage (train.build_layout); a mismatch names the right one, before any
+    collective (no process group here)."""
+    import zero
+    import zero3
+
+    layout_class = {"ZeroLayout": zero.ZeroLayout, "Zero3Layout": zero3.Zero3Layout}[cls]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        layout_class(torch.nn.Linear(2, 2), zero.ZeroConfig(stage, lr=1e-3))
 
 
 def test_torchrun_zero3_smoke(tmp_path):
