@@ -275,9 +275,6 @@ class DDPLayout:
     def zero_grad(self):
         self.ddp.zero_grad()
 
-    def unshard(self):
-        """Nothing to gather: every rank holds the whole model (ZeRO-3's counterpart gathers it)."""
-
     def set_lr(self, lr: float):
         for group in self.optimizer.param_groups:
             group["lr"] = lr

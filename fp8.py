@@ -633,7 +633,7 @@ class ZeroWeightCodec:
     @torch.no_grad()
     def decode(self, weights: list, codes: list | None, into: list, decoding) -> None:
         """Each weight's gathered codes → q/s in `into` (its working weight, flat), and its linear told the amax.
-        codes None: `into` was gathered exactly (ZeRO's unshard): the linears scale from the weights again."""
+        codes None: `into` was gathered exactly (ZeRO-3's full_parameters): the linears scale from the weights again."""
         for i, (weight, target) in enumerate(zip(weights, into)):
             gathered_amax = None
             if codes is not None:

@@ -157,9 +157,6 @@ class Layout(Protocol):
 
     def zero_grad(self) -> None: ...
 
-    def unshard(self) -> None:
-        """Collective: make every parameter whole on every rank for good (sampling after training)."""
-
     def set_lr(self, lr: float) -> None: ...
 
     def state_pieces(self) -> list:

@@ -7,7 +7,7 @@ the same arithmetic but gives each of the D ranks of the data group (dp×cp) one
     stage 2: + the gradients (reduce-scattered in buckets during backward; full gradients freed at once);
     stage 3: + the working parameters (all-gathered per block just before use, freed after).
 
-The flat layout. Parameters are packed into UNITS (`_Unit`), flat buffers: stage 1/2 units are gradient
+The flat layout. Parameters are packed into UNITS (`Unit`), flat buffers: stage 1/2 units are gradient
 buckets of about `bucket_mb` MiB, in reverse registration order (roughly the order backward produces them);
 stage 3 units are the transformer blocks plus one "root" unit holding the rest (embeddings, tied head, final
 LayerNorm). A unit of n elements is padded to n' = ⌈n/D⌉·D and rank r owns the contiguous slice [r·S, (r+1)·S),
@@ -33,20 +33,9 @@ main_grad): a bf16 sum of m terms rounds m times and its error grows with m (ben
 nothing is summed. On the wire (`reduce_dtype`): stage 1 sends its fp32 sum once per step; stages 2/3 each
 micro-batch's bf16 bucket, added into the fp32 shard (as DeepSpeed: one rounding per term, none on the running sum).
 
-How stage 3 overlaps (module hooks: the model stays untouched). Each unit's full buffer is allocated once and every
-parameter's `.data` is a view into it; "free" shrinks its storage to 0 bytes, "gather" grows it back and all-gathers
-into it, so the views (and the tensors autograd saved) stay valid. Forward: the model's pre-hook gathers the root
-(embeddings) and prefetches block 0; block i's pre-hook waits for block i, frees the root after the embedding (i = 0)
-and launches block i+1's gather (after the last block: the root, for the tied head) while block i computes; its
-post-hook frees it, except the last block, which backward needs first. Backward: a hook on block i's output (fired
-before block i's backward) waits for block i, launches block i-1's gather, and (i = L-1) frees the root, whose readers
-(head, ln_f) are done. Once all of a unit's gradients are in its bucket (post-accumulate-grad hooks), it is
-reduce-scattered (async) and the unit freed: every node reading a weight has run before autograd accumulates its
-gradient. Autograd runs a ready AccumulateGrad before any other ready node, so block i+1 is freed before block i's
-backward hook prefetches block i-1: at most two units are gathered at once (`peak_gathered_units`; tested, with the
-order of gathers). Under --compile the hooks stay eager (model.compile_blocks compiles each block's forward, not its
-call). A parameter with a `gather_codec` (fp8.convert gives one to each FP8 weight) shares a unit with its codec's
-other weights, gathered as uint8 codes: `codec.encode` before the all-gather, `codec.decode` after.
+Stage 3 (zero3.py, `Zero3Layout`: this layout plus module hooks) gathers each block's weights just before use
+and frees them after, prefetching the next block behind the current one's compute; FP8 weights travel as one byte
+per element through their gather codec. Stages 1 and 2 are this file alone.
 
 Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_o bytes per parameter for working
 weights / persistent gradients / optimizer state, m micro-batches per step, U the largest unit):
@@ -88,25 +77,46 @@ import torch.nn as nn
 import memory
 from comm import Messages
 from ddp import assert_same_across_groups, grad_group, reverse_order_buckets
-from model import initial_local
-from shard import ShardInfo, StatePiece, counts_here, set_value
 from optim import StepResult, update
+from shard import ShardInfo, StatePiece, counts_here, set_value
 
 
-class _Unit:
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Everything a ZeroLayout is built with besides the model, its groups and this rank's coordinates."""
+
+    stage: int  # 1: optimizer state sharded, 2: + gradients, 3: + weights (zero3.Zero3Layout)
+    lr: float
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    param_dtype: torch.dtype = torch.float32  # working weights and each backward's gradients (b_w)
+    master_dtype: torch.dtype = torch.float32  # master weights and Adam's moments
+    bucket_mb: float = 25.0  # stages 1/2: the size of a unit (a gradient bucket), in the working dtype
+    micro_batches: int = 1  # m, the micro-batches each step accumulates
+    accumulate_dtype: torch.dtype | None = None  # the sum over them; None: master_dtype when m > 1, else param_dtype
+
+    def __post_init__(self):
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage} (stage 0 is ddp.py + DDPLayout)")
+
+
+class Unit:
     """One flat, padded buffer of parameters: what is gathered, reduce-scattered and stepped together. The record
     and each buffer mean the same at every stage, a buffer None where a stage has none (ZeroLayout._build_unit)."""
 
-    def __init__(self, params: list, group, group_name: str, codec):
-        self.params, self.group, self.group_name = params, group, group_name  # "dp_cp" or "expert_dp"
+    def __init__(self, params: list, groups: dict, codec=None):
+        self.params, self.group_name = params, grad_group(params[0])  # "dp_cp" or "expert_dp"
+        self.group = groups[self.group_name]
         self.codec = codec  # stage 3: the weights' gather codec (their `gather_codec`), or None
-        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.dp_size, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         sizes = [p.numel() for p in params]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]  # flat offset of each parameter
         self.numel = sum(sizes)  # n
         self.shard_numel = -(-self.numel // self.dp_size)  # S = ⌈n/D⌉
         self.padded_numel = self.shard_numel * self.dp_size  # n' = S·D
         self.shard_start = self.dp_rank * self.shard_numel  # this rank owns [start, start + S)
+        self.mine = slice(self.shard_start, self.shard_start + self.shard_numel)  # its [S] of an [n'] buffer
         # Parameter i's part of the shard as [lo, hi) offsets into it (lo == hi: the shard misses it).
         self.spans = [(min(max(o - self.shard_start, 0), self.shard_numel),
                        min(max(o + n - self.shard_start, 0), self.shard_numel)) for o, n in zip(self.offsets, sizes)]
@@ -125,16 +135,121 @@ class _Unit:
         self.state = "freed"  # stage 3: "freed" (0 bytes) | "gathering" (all-gather launched) | "gathered"
         self.gather_work = self.codes = self.decoding = None  # the all-gather, a codec's codes [n'] and decoding
 
+    def packed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The parameters' current values in one flat [n'] buffer of `dtype` (the padding zero)."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.params[0].device)
+        for p, offset in zip(self.params, self.offsets):
+            flat[offset:offset + p.numel()] = p.detach().reshape(-1)
+        return flat
+
+    def optimizer_state(self) -> list:
+        """[(kind, [S] buffer)] of what AdamW keeps for this shard."""
+        return [("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
+
+    def flat_pieces(self, i: int, kinds: list, primary: bool) -> list:
+        """Parameter i's part of this rank's [S] buffers `kinds` [(kind, tensor)] as StatePieces of flat ranges of
+        the logical tensor (none where the shard misses it)."""
+        (lo, hi), p, offset = self.spans[i], self.params[i], self.offsets[i]
+        flat_range = (self.shard_start + lo - offset, self.shard_start + hi - offset)
+        return [StatePiece(f"{kind}/{p.shard_info.global_name}", tensor[lo:hi], p.shard_info, flat_range,
+                           primary=primary) for kind, tensor in kinds if hi > lo]
+
 
 class ZeroLayout:
-    """ZeRO stage `config.stage` over each parameter's data-parallel group: `groups` {"dp_cp": ..., "expert_dp": ...}
-    (default: the world for dp_cp). step.train_step drives it (optim.Layout's protocol). `module` must hold the same
-    initial values on every rank (checked), or at stage 3 be a meta model.GPT with a `device` (train.compose;
-    `_fill_shard`); at stage 3 a model.GPT (its `transformer.h` blocks are gathered one at a time). Parameters may be
-    TP-local shards (with `shard_info`), flattened as the local tensors they are. `coords` (Mesh.coordinates()): this
-    rank's index along the model axes (which replicated copies count: TP rank 0's LayerNorms, ...)."""
+    """ZeRO stage 1 or 2 (`config.stage`; stage 3 is the subclass zero3.Zero3Layout) over each parameter's
+    data-parallel group: `groups` {"dp_cp": ..., "expert_dp": ...} (default: the world for dp_cp). step.train_step
+    drives it (optim.Layout's protocol). `module` must hold the same initial values on every rank (checked).
+    Parameters may be TP-local shards (with `shard_info`), flattened as the local tensors they are. `coords`
+    (Mesh.coordinates()): this rank's index along the model axes (which replicated copies count: TP rank 0's
+    LayerNorms, ...)."""
 
     name = "zero"  # its lines are report.py's section of that name
+    stages = (1, 2)  # the stages this class runs
+
+    def __init__(self, module: nn.Module, config: ZeroConfig, groups: dict | None = None, coords: dict | None = None):
+        if config.stage not in self.stages:
+            raise ValueError(f"{type(self).__name__} runs ZeRO stage {' or '.join(map(str, self.stages))}, got"
+                             f" {config.stage} (stages 1/2: zero.ZeroLayout, stage 3: zero3.Zero3Layout)")
+        self.module, self.config, self.stage = module, config, config.stage
+        self.groups = {"dp_cp": None, **(groups or {})}  # name → process group (None: the world)
+        self.dp_size = dist.get_world_size(self.groups["dp_cp"])
+        self.coords = dict(coords or {})
+        self.lr = config.lr  # set_lr changes it every step
+        self.param_dtype, self.master_dtype = config.param_dtype, config.master_dtype
+        self.accumulate_dtype = config.accumulate_dtype or (
+            config.master_dtype if config.micro_batches > 1 else config.param_dtype)
+        # What a gradient reduce-scatter sends: stage 1 its sum, once per step; stages 2/3 each micro-batch's bucket.
+        self.reduce_dtype = self.accumulate_dtype if self.stage == 1 else self.param_dtype
+        # Stage 1 with a wider sum than the working dtype: autograd cannot accumulate into it (a .grad has its
+        # parameter's dtype), so _on_grad_ready adds every micro-batch's gradient into it.
+        self._folds_grads = self.stage == 1 and self.accumulate_dtype != self.param_dtype
+        self.optimizer_step_count = 0  # Adam's t (a checkpoint restores it)
+        self.require_grad_sync = True
+        self._in_flight = []  # [(unit, work, output)] reduce-scatters launched, not yet added to grad shards
+        self._next_to_launch, self._launched_this_step = 0, False
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._check_records(module, params)
+        assert_same_across_groups(params, self.groups)
+        self.units = self._build_units(module, params)
+        self._unit_of = {p: u for u in self.units for p in u.params}  # tensors hash by identity
+        self._offset_of = {p: o for u in self.units for p, o in zip(u.params, u.offsets)}
+        with torch.no_grad():
+            for unit in self.units:
+                self._build_unit(unit)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def _check_records(self, module: nn.Module, params: list):
+        names = {id(p): n for n, p in module.named_parameters()}
+        for p in params:
+            if not hasattr(p, "shard_info"):
+                p.shard_info = ShardInfo(global_name=names[id(p)], global_shape=tuple(p.shape))
+            if p.shard_info.grad_group not in self.groups:
+                raise ValueError(f"{p.shard_info.global_name} reduces over {p.shard_info.grad_group!r}, which was"
+                                 f" not given to ZeroLayout")
+            missing = set(p.shard_info.replicated_over) - set(self.coords)
+            if missing:
+                raise ValueError(f"{p.shard_info.global_name} is replicated over {sorted(missing)}: pass coords")
+
+    def _build_units(self, module: nn.Module, params: list) -> list:
+        """The units in launch order: reverse-order buckets of about bucket_mb in the working dtype."""
+        # A tensor with a copy on another pipeline stage (the tied embedding) gets a unit of its own: both
+        # stages then shard it alike, and its gradient pieces can be summed across them.
+        alone = [p for p in params if "pp" in p.shard_info.replicated_over]
+        rest = [p for p in params if id(p) not in {id(q) for q in alone}]
+        buckets = reverse_order_buckets(rest, int(self.config.bucket_mb * 2**20), self.param_dtype.itemsize)
+        return [Unit(members, self.groups) for members in buckets + [[p] for p in alone] if members]
+
+    def _build_unit(self, unit: Unit):
+        """Fill the unit's buffers: weights and master (`_pack_weights`), moments, gradients; point the parameters
+        at their views and record which segments of the shard decay and which the norm counts."""
+        self._pack_weights(unit)
+        device = unit.master.device
+        unit.exp_avg, unit.exp_avg_sq = (torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
+                                         for _ in range(2))
+        if self.stage == 1:
+            unit.grad_sum = torch.zeros(unit.padded_numel, dtype=self.accumulate_dtype, device=device)
+            unit.grad_shard = unit.grad_sum[unit.mine]
+        else:
+            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.accumulate_dtype, device=device)
+        for p, offset, (lo, hi) in zip(unit.params, unit.offsets, unit.spans):
+            set_value(p, unit.weights[offset:offset + p.numel()].view(p.shape))
+            if self.stage == 1 and not self._folds_grads:
+                p.grad = unit.grad_sum[offset:offset + p.numel()].view(p.shape)  # autograd accumulates in place
+            if hi > lo and p.dim() >= 2:
+                unit.decay_segments.append((lo, hi))
+            if hi > lo:
+                segments = unit.counted_segments if counts_here(p.shard_info, self.coords) else unit.uncounted_segments
+                segments.append((lo, hi))
+        unit.decay_segments, unit.counted_segments = _merge(unit.decay_segments), _merge(unit.counted_segments)
+
+    def _pack_weights(self, unit: Unit):
+        """The parameters' initial values packed: the [n'] working weights, this rank's working slice (a view of
+        them) and its master slice (the master dtype, from the full-precision init)."""
+        flat = unit.packed(self.master_dtype)
+        unit.weights = flat.to(self.param_dtype, copy=True)
+        unit.weight_shard = unit.weights[unit.mine]
+        unit.master = unit.weight_shard if self.param_dtype == self.master_dtype else flat[unit.mine].clone()
 
     # --- Gradients: each unit's bucket is reduce-scattered (async, in unit order) into this rank's shard
 
@@ -158,7 +273,7 @@ class ZeroLayout:
         while self._next_to_launch < len(self.units) and self.units[self._next_to_launch].pending == 0:
             self._launch(self.units[self._next_to_launch])
 
-    def _launch(self, unit: _Unit):
+    def _launch(self, unit: Unit):
         """Reduce-scatter the unit's gradients (async), in unit order: the same order on every rank."""
         full = unit.grad_sum if self.stage == 1 else unit.bucket
         if full is None:  # its parameters took no part in this backward: reduce zeros
@@ -170,8 +285,6 @@ class ZeroLayout:
             work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=unit.group, async_op=True)
         self._in_flight.append((unit, work, out))
         unit.bucket = None  # freed once the collective no longer needs it
-        if self.stage == 3 and unit not in self.root:
-            self._free([unit])  # every node reading these weights has run (their gradients are all here)
         unit.pending = len(unit.params)
         self._launched_this_step = True
         self._next_to_launch = (self._next_to_launch + 1) % len(self.units)
@@ -196,7 +309,7 @@ class ZeroLayout:
             self._complete_oldest()
         self._launched_this_step = False
 
-    # --- The update: AdamW on this rank's shard, then the updated shard all-gathered (stages 1/2)
+    # --- The update: AdamW on this rank's shard, then the updated shard all-gathered
 
     @torch.no_grad()
     def step(self, scaler, clip: float, extra_nonfinite=None) -> StepResult:
@@ -207,7 +320,7 @@ class ZeroLayout:
         counted = [not u.uncounted_segments for u in self.units]
         pieces = [g[lo:hi] for u, g in zip(self.units, grads) if u.uncounted_segments for lo, hi in u.counted_segments]
 
-        def adamw_and_publish():  # unit by unit: the all-gather of unit k (stages 1/2) overlaps unit k+1's update
+        def adamw_and_publish():  # unit by unit: the all-gather of unit k overlaps unit k+1's update
             self.optimizer_step_count += 1
             gathers = []
             for unit, grad in zip(self.units, grads):
@@ -219,7 +332,7 @@ class ZeroLayout:
         return update(grads, counted, scaler, clip, adamw_and_publish, grads[0].device, counted_pieces=pieces,
                       extra_nonfinite=extra_nonfinite)
 
-    def _adamw(self, unit: _Unit, grad: torch.Tensor):
+    def _adamw(self, unit: Unit, grad: torch.Tensor):
         """torch.optim.AdamW (amsgrad off) on one shard: decoupled decay, moments, bias-corrected update."""
         beta1, beta2 = self.config.betas
         for lo, hi in unit.decay_segments if self.config.weight_decay else ():
@@ -231,250 +344,16 @@ class ZeroLayout:
         denom = (unit.exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** t)).add_(self.config.eps)
         unit.master.addcdiv_(unit.exp_avg, denom, value=-step_size)
 
-    def _publish(self, unit: _Unit):
-        """The updated master → the working weights. Stages 1/2: all-gather it into every rank's full weights
-        (async). Stage 3 (or a group of one): refresh the working slice, no message (weights gather at use)."""
-        if self.stage < 3 and unit.dp_size > 1:
+    def _publish(self, unit: Unit):
+        """The updated master → the working weights: all-gathered into every rank's full weights (async); a group
+        of one refreshes its working slice, no message."""
+        if unit.dp_size > 1:
             # The input may not overlap the output: send a copy (the cast, or a clone of the aliased view).
             return dist.all_gather_single(unit.weights, unit.master.to(self.param_dtype, copy=True),
                                           group=unit.group, async_op=True)
         if unit.master is not unit.weight_shard:
             unit.weight_shard.copy_(unit.master)
         return None
-
-    # --- Stage 3: gather before use, free after, prefetch the next; each takes block i's units or the root's
-
-    def _gather(self, units: list, exact: bool = False):
-        """Allocate the units' full buffers and launch their all-gathers (async); no-op where already there. A
-        unit with a codec sends its shard's codes (uint8, one byte per element; decoded in _wait), unless
-        `exact` (unshard, full_parameters: the working weights themselves)."""
-        if self._unsharded:  # every unit stays gathered for good
-            return
-        for unit in units:
-            if unit.state != "freed":
-                continue
-            unit.weights.untyped_storage().resize_(unit.padded_numel * unit.weights.element_size())
-            source, target = unit.weight_shard, unit.weights
-            if unit.codec is not None and not exact:
-                codes, unit.decoding = unit.codec.encode(unit.params, [source[lo:hi] for lo, hi in unit.spans],
-                                                         unit.group)
-                source = torch.zeros(unit.shard_numel, dtype=torch.uint8, device=source.device)  # padding: 0
-                for (lo, hi), piece in zip(unit.spans, codes):
-                    source[lo:hi] = piece
-                target = unit.codes = torch.empty(unit.padded_numel, dtype=torch.uint8, device=source.device)
-            if unit.dp_size == 1:  # a group of one: the shard is the whole unit, no message
-                target.copy_(source)
-            else:
-                unit.gather_work = dist.all_gather_single(target, source, group=unit.group, async_op=True)
-            unit.state = "gathering"
-        if not exact:  # the schedule's peak (unshard and full_parameters gather every unit)
-            alive = sum(any(u.state != "freed" for u in units_) for units_ in (*self.block_units, self.root))
-            self.peak_gathered_units = max(self.peak_gathered_units, alive)
-
-    def _wait(self, units: list, exact: bool = False):
-        """Gather the units where needed and wait until their working weights are there (decoded)."""
-        self._gather(units, exact)
-        for unit in (u for u in units if u.state == "gathering"):
-            if unit.gather_work is not None:
-                unit.gather_work.wait()
-                unit.gather_work = None
-            if unit.codec is not None:  # codes None: the working weights themselves were gathered (exactly)
-                unit.codec.decode(unit.params, None if unit.codes is None else _views(unit, unit.codes),
-                                  _views(unit, unit.weights), unit.decoding)
-            unit.codes = unit.decoding = None
-            unit.state = "gathered"
-
-    def _free(self, units: list):
-        for unit in units:
-            if self._unsharded or unit.state == "freed":
-                continue
-            if unit.gather_work is not None:  # gathered but never used (evaluation's last prefetch)
-                unit.gather_work.wait()
-                unit.gather_work = None
-            unit.codes = unit.decoding = None
-            unit.weights.untyped_storage().resize_(0)
-            unit.state = "freed"
-
-    def _forward_start(self, module, args):
-        self._wait(self.root)  # embeddings: nothing to overlap with yet
-        self._gather(self.block_units[0])
-
-    def _before_block(self, i: int):
-        self._wait(self.block_units[i])
-        if i == 0:
-            self._free(self.root)  # the embedding lookups are done; the head regathers it
-        self._gather(self.block_units[i + 1] if i + 1 < len(self.blocks) else self.root)  # prefetch
-
-    def _after_block(self, i: int, out):
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad, i=i: self._before_block_backward(i))
-            if i == len(self.blocks) - 1:
-                return  # backward starts with this block: keep it
-        self._free(self.block_units[i])
-
-    def _forward_end(self, module, args, out):
-        if not torch.is_grad_enabled():  # evaluation: no backward will free what is still gathered
-            self._free(self.block_units[-1] + self.root)
-
-    def _before_block_backward(self, i: int):
-        if i == len(self.blocks) - 1:
-            self._free(self.root)  # the head's and ln_f's backward (the only readers of its weights) are done
-        self._wait(self.block_units[i])
-        if i > 0:
-            self._gather(self.block_units[i - 1])  # prefetch: overlaps block i's backward
-
-    def unshard(self):
-        """Gather every unit for good, exactly (e.g. to sample after training): collective, every rank calls it."""
-        if self.stage == 3:
-            self._free(self.units)  # a unit gathered as codes is regathered exactly
-            self._wait(self.units, exact=True)
-            self._unsharded = True
-
-    @torch.no_grad()
-    def full_parameters(self) -> dict:
-        """{global name: a copy of the full local working tensor}, between steps. At stage 3 a collective: each
-        unit gathered exactly (a unit with a codec too), copied and freed again (for tests)."""
-        out = {}
-        for unit in self.units:
-            if self.stage == 3:
-                self._free([unit])
-                self._wait([unit], exact=True)
-            out.update({p.shard_info.global_name: p.detach().clone() for p in unit.params})
-            if self.stage == 3:
-                self._free([unit])
-        return out
-
-    # --- Construction
-
-    def __init__(self, module: nn.Module, config: ZeroConfig, groups: dict | None = None, coords: dict | None = None,
-                 device=None):
-        self.module, self.config, self.stage = module, config, config.stage
-        self.device = device  # stage 3 of a meta module (train.compose): where its shards are filled from the init
-        self.groups = {"dp_cp": None, **(groups or {})}  # name → process group (None: the world)
-        self.dp_size = dist.get_world_size(self.groups["dp_cp"])
-        self.coords = dict(coords or {})
-        self.lr = config.lr  # set_lr changes it every step
-        self.param_dtype, self.master_dtype = config.param_dtype, config.master_dtype
-        self.accumulate_dtype = config.accumulate_dtype or (
-            config.master_dtype if config.micro_batches > 1 else config.param_dtype)
-        # What a gradient reduce-scatter sends: stage 1 its sum, once per step; stages 2/3 each micro-batch's bucket.
-        self.reduce_dtype = self.accumulate_dtype if self.stage == 1 else self.param_dtype
-        # Stage 1 with a wider sum than the working dtype: autograd cannot accumulate into it (a .grad has its
-        # parameter's dtype), so _on_grad_ready adds every micro-batch's gradient into it.
-        self._folds_grads = self.stage == 1 and self.accumulate_dtype != self.param_dtype
-        self.optimizer_step_count = 0  # Adam's t (a checkpoint restores it)
-        self.require_grad_sync = True
-        self.peak_gathered_units = 0
-        self._in_flight = []  # [(unit, work, output)] reduce-scatters launched, not yet added to grad shards
-        self._next_to_launch, self._launched_this_step = 0, False
-        self._unsharded = False
-
-        params = [p for p in module.parameters() if p.requires_grad]
-        self._check_records(module, params)
-        assert_same_across_groups(params, self.groups)
-        self.units = self._build_units(module, params)
-        self._unit_of = {p: u for u in self.units for p in u.params}  # tensors hash by identity
-        self._offset_of = {p: o for u in self.units for p, o in zip(u.params, u.offsets)}
-        with torch.no_grad():
-            for unit in self.units:
-                self._build_unit(unit)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-        if self.stage == 3:
-            self._install_stage3_hooks()
-
-    def _check_records(self, module: nn.Module, params: list):
-        names = {id(p): n for n, p in module.named_parameters()}
-        for p in params:
-            if not hasattr(p, "shard_info"):
-                p.shard_info = ShardInfo(global_name=names[id(p)], global_shape=tuple(p.shape))
-            if p.shard_info.grad_group not in self.groups:
-                raise ValueError(f"{p.shard_info.global_name} reduces over {p.shard_info.grad_group!r}, which was"
-                                 f" not given to ZeroLayout")
-            missing = set(p.shard_info.replicated_over) - set(self.coords)
-            if missing:
-                raise ValueError(f"{p.shard_info.global_name} is replicated over {sorted(missing)}: pass coords")
-
-    def _build_units(self, module: nn.Module, params: list) -> list:
-        """The units in launch order. Stages 1/2: reverse-order buckets of about bucket_mb in the working dtype.
-        Stage 3: per block, one unit per data-parallel group and codec (`block_units[i]`), last block first, then
-        the root's (the rest)."""
-        def unit(members):
-            codec = getattr(members[0], "gather_codec", None) if self.stage == 3 else None
-            return _Unit(members, self.groups[grad_group(members[0])], grad_group(members[0]), codec)
-
-        if self.stage < 3:
-            # A tensor with a copy on another pipeline stage (the tied embedding) gets a unit of its own: both
-            # stages then shard it alike, and its gradient pieces can be summed across them.
-            alone = [p for p in params if "pp" in p.shard_info.replicated_over]
-            rest = [p for p in params if id(p) not in {id(q) for q in alone}]
-            buckets = reverse_order_buckets(rest, int(self.config.bucket_mb * 2**20), self.param_dtype.itemsize)
-            return [unit(members) for members in buckets + [[p] for p in alone] if members]
-        self.blocks = list(module.transformer.h)
-        if not self.blocks:
-            raise ValueError("ZeRO-3 gathers one transformer block at a time: the model needs n_layer ≥ 1")
-        in_block = {id(p) for b in self.blocks for p in b.parameters()}
-        self.block_units = [[unit(m) for m in _by_group_and_codec([p for p in b.parameters() if p.requires_grad])]
-                            for b in self.blocks]
-        self.root = [unit(m) for m in _by_group_and_codec([p for p in params if id(p) not in in_block])]
-        return [u for units in reversed(self.block_units) for u in units] + self.root
-
-    def _build_unit(self, unit: _Unit):
-        """Pack the unit's initial values, keep this rank's master shard, point the parameters at the buffers.
-        Stage 3 of a meta module with a `device` packs nothing: _fill_shard builds this rank's slice alone."""
-        device = unit.params[0].device
-        mine = slice(unit.shard_start, unit.shard_start + unit.shard_numel)
-        if self.stage == 3 and device.type == "meta" and self.device is not None:
-            device = torch.device(self.device)
-            unit.master = self._fill_shard(unit, device)
-            unit.weight_shard = unit.master.to(self.param_dtype)  # the same tensor when the dtypes agree
-            unit.weights = torch.empty(unit.padded_numel, dtype=self.param_dtype, device=device)  # shrunk below
-        else:
-            flat = torch.zeros(unit.padded_numel, dtype=self.master_dtype, device=device)
-            for p, offset in zip(unit.params, unit.offsets):
-                flat[offset:offset + p.numel()] = p.detach().reshape(-1)  # master from the full-precision init
-            unit.weights = flat.to(self.param_dtype, copy=True)
-            unit.weight_shard = unit.weights[mine].clone() if self.stage == 3 else unit.weights[mine]
-            unit.master = unit.weight_shard if self.param_dtype == self.master_dtype else flat[mine].clone()
-        unit.exp_avg, unit.exp_avg_sq = (torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
-                                         for _ in range(2))
-        if self.stage == 1:
-            unit.grad_sum = torch.zeros(unit.padded_numel, dtype=self.accumulate_dtype, device=device)
-            unit.grad_shard = unit.grad_sum[mine]
-        else:
-            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.accumulate_dtype, device=device)
-        for p, offset, (lo, hi) in zip(unit.params, unit.offsets, unit.spans):
-            set_value(p, unit.weights[offset:offset + p.numel()].view(p.shape))
-            if self.stage == 1 and not self._folds_grads:
-                p.grad = unit.grad_sum[offset:offset + p.numel()].view(p.shape)  # autograd accumulates in place
-            if hi > lo and p.dim() >= 2:
-                unit.decay_segments.append((lo, hi))
-            if hi > lo:
-                segments = unit.counted_segments if counts_here(p.shard_info, self.coords) else unit.uncounted_segments
-                segments.append((lo, hi))
-        unit.decay_segments, unit.counted_segments = _merge(unit.decay_segments), _merge(unit.counted_segments)
-        if self.stage == 3:
-            unit.weights.untyped_storage().resize_(0)  # the views stay; their storage has 0 bytes until gathered
-
-    def _fill_shard(self, unit: _Unit, device) -> torch.Tensor:
-        """This rank's [S] master slice of a unit whose parameters are still meta, from each one's initial value
-        (model.initial_local, cut by its ShardInfo): the transient is one logical tensor; the padding is zero."""
-        shard = torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
-        for p, offset, (lo, hi) in zip(unit.params, unit.offsets, unit.spans):
-            if hi > lo:
-                start = unit.shard_start + lo - offset  # the slice's first element, within p
-                value = initial_local(p.shard_info, self.module.config, self.module.seed, p.dtype).reshape(-1)
-                shard[lo:hi] = value[start:start + hi - lo]
-        return shard
-
-    def _install_stage3_hooks(self):
-        self.module.register_forward_pre_hook(self._forward_start)
-        self.module.register_forward_hook(self._forward_end)
-        for i, block in enumerate(self.blocks):
-            block.register_forward_pre_hook(lambda mod, args, i=i: self._before_block(i))
-            block.register_forward_hook(lambda mod, args, out, i=i: self._after_block(i, out))
-        for head in (self.module.transformer.ln_f, getattr(self.module, "lm_head", None)):
-            if head is not None:
-                head.register_forward_pre_hook(lambda mod, args: self._wait(self.root))
 
     # --- The rest of the layout protocol (optim.Layout)
 
@@ -505,22 +384,21 @@ class ZeroLayout:
         self.lr = lr
 
     def state_pieces(self) -> list:
-        """One StatePiece per logical tensor and kind; tensors are live views (loading copies into them)."""
+        """One StatePiece per logical tensor and kind; tensors are live views (loading copies into them): the whole
+        working weight (written by dp rank 0), then this rank's flat ranges of the optimizer's."""
         pieces = []
         for unit in self.units:
-            for p, offset, (lo, hi) in zip(unit.params, unit.offsets, unit.spans):
-                name, info = p.shard_info.global_name, p.shard_info
-                written_here = counts_here(info, self.coords)  # a TP-replicated tensor: TP rank 0's copy only
-                if self.stage < 3:
-                    pieces.append(StatePiece(f"param/{name}", p.data, info, None,
-                                             primary=unit.dp_rank == 0 and written_here))
-                if hi == lo:
-                    continue
-                flat_range = (unit.shard_start + lo - offset, unit.shard_start + hi - offset)
-                kinds = [("master", unit.master), ("exp_avg", unit.exp_avg), ("exp_avg_sq", unit.exp_avg_sq)]
-                for kind, tensor in [("param", unit.weight_shard)] * (self.stage == 3) + kinds:
-                    pieces.append(StatePiece(f"{kind}/{name}", tensor[lo:hi], info, flat_range, primary=written_here))
+            for i, p in enumerate(unit.params):
+                written_here = counts_here(p.shard_info, self.coords)  # a TP-replicated tensor: TP rank 0's copy only
+                pieces.append(StatePiece(f"param/{p.shard_info.global_name}", p.data, p.shard_info, None,
+                                         primary=unit.dp_rank == 0 and written_here))
+                pieces += unit.flat_pieces(i, unit.optimizer_state(), written_here)
         return pieces
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict:
+        """{global name: a copy of the full local working tensor}, between steps (for tests)."""
+        return {p.shard_info.global_name: p.detach().clone() for unit in self.units for p in unit.params}
 
     # --- Accounting: the docstring's formulas (report.py prints them next to what was measured)
 
@@ -555,8 +433,8 @@ class ZeroLayout:
         return out
 
     def held_bytes(self) -> dict:
-        """What this rank actually holds for the whole run (gathered stage-3 units and buckets are transient)."""
-        weights = sum((u.weight_shard if self.stage == 3 else u.weights).nbytes for u in self.units)
+        """What this rank actually holds for the whole run (buckets are transient)."""
+        weights = sum(u.weights.nbytes for u in self.units)
         grads = sum((u.grad_sum if self.stage == 1 else u.grad_shard).nbytes for u in self.units)
         optimizer = sum(u.exp_avg.nbytes + u.exp_avg_sq.nbytes for u in self.units)
         optimizer += sum(u.master.nbytes for u in self.units if u.master is not u.weight_shard)
@@ -564,71 +442,28 @@ class ZeroLayout:
 
     def peak_lower_bound(self) -> float:
         """Persistent bytes + the transient buffers the schedule cannot avoid (activations apart; docstring, 2).
-        U: the largest unit (stage 3: a block's units together); Ψ'/D: this rank's shards, Σ S."""
+        U: the largest unit; Ψ'/D: this rank's shards, Σ S."""
         b = self.bytes_per_param()
-        b_bucket = self.reduce_dtype.itemsize  # stage 1: b_g; stages 2/3: b_w
+        b_bucket = self.reduce_dtype.itemsize  # stage 1: b_g; stage 2: b_w
         shards = sum(u.shard_numel for u in self.units)
         persistent = self.predicted_persistent()["total"]
-        if self.stage == 3:
-            largest = max(sum(u.padded_numel for u in units) for units in self.block_units)
-            root = sum(u.padded_numel for u in self.root)
-            return persistent + 2 * b.weights * largest + b_bucket * (root + 2 * largest)
         largest = max(u.padded_numel for u in self.units)
         if self.stage == 2:
             return persistent + max(2 * b_bucket * largest, b.weights * shards)
         return persistent + max(b_bucket, b.weights) * shards
 
-    def _gathers(self, unit: _Unit) -> int:
-        """Stage 3 gathers of a unit per micro-batch: the root twice in forward (embedding, tied head), a block
-        once in forward and once in backward, except the last block (kept from its forward into backward)."""
-        return 2 if unit in self.root or unit not in self.block_units[-1] else 1
-
     def predicted_messages(self, micro_batches: int) -> Messages:
-        """Per step over each data-parallel group of size > 1 (docstring item 3; stage 3: a unit's `_gathers` per
-        micro-batch), plus each stage-3 gather's codec messages (also over the linears' TP/CP groups when D = 1)."""
+        """Per step over each data-parallel group of size > 1 (docstring item 3): each unit's reduce-scatter (m
+        times at stage 2, once at stage 1) and the all-gather of its updated shard."""
         m, b_w, b_r, out = micro_batches, self.param_dtype.itemsize, self.reduce_dtype.itemsize, Messages()
-        reduces = m if self.stage >= 2 else 1
+        reduces = m if self.stage == 2 else 1
         for name, group in self.groups.items():
-            alone = dist.get_world_size(group) == 1  # one rank: its shard is the unit, nothing to send
+            if dist.get_world_size(group) == 1:  # one rank: its shard is the unit, nothing to send
+                continue
             for unit in self.units_of(name):
-                gathers = m * self._gathers(unit) if self.stage == 3 else 1
-                if unit.codec is not None:
-                    out = out + unit.codec.encode_messages(unit.params, None if alone else name).times(gathers)
-                if not alone:
-                    b_gather = b_w if unit.codec is None else 1
-                    out.add("all_gather_single", name, gathers, gathers * b_gather * unit.padded_numel)
-                    out.add("reduce_scatter_single", name, reduces, reduces * b_r * unit.padded_numel)
+                out.add("all_gather_single", name, 1, b_w * unit.padded_numel)
+                out.add("reduce_scatter_single", name, reduces, reduces * b_r * unit.padded_numel)
         return out
-
-    def predicted_comm(self, micro_batches: int, group_name: str = "dp_cp") -> dict:
-        """{op: payload bytes M per step} of predicted_messages over one group: stages 1/2 2Ψ' at m = 1."""
-        messages = self.predicted_messages(micro_batches)
-        return {op: messages.get((op, group_name), (0, 0))[1] for op in ("all_gather_single", "reduce_scatter_single")}
-
-
-@dataclass(frozen=True)
-class ZeroConfig:
-    """Everything a ZeroLayout is built with besides the model, its groups and this rank's coordinates."""
-
-    stage: int  # 1: optimizer state sharded, 2: + gradients, 3: + weights
-    lr: float
-    weight_decay: float = 0.1
-    betas: tuple = (0.9, 0.95)
-    eps: float = 1e-8
-    param_dtype: torch.dtype = torch.float32  # working weights and each backward's gradients (b_w)
-    master_dtype: torch.dtype = torch.float32  # master weights and Adam's moments
-    bucket_mb: float = 25.0  # stages 1/2: the size of a unit (a gradient bucket), in the working dtype
-    micro_batches: int = 1  # m, the micro-batches each step accumulates
-    accumulate_dtype: torch.dtype | None = None  # the sum over them; None: master_dtype when m > 1, else param_dtype
-
-    def __post_init__(self):
-        if self.stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage} (stage 0 is ddp.py + DDPLayout)")
-
-
-def _views(unit: _Unit, flat: torch.Tensor) -> list:
-    """Each parameter's 1-D range of a flat [n'] buffer of the unit."""
-    return [flat[offset:offset + p.numel()] for p, offset in zip(unit.params, unit.offsets)]
 
 
 def _merge(segments: list) -> list:
@@ -640,12 +475,3 @@ def _merge(segments: list) -> list:
         else:
             out.append((lo, hi))
     return out
-
-
-def _by_group_and_codec(params: list) -> list:
-    """The parameters split by data-parallel group and by gather codec, in first-seen order (a MoE block with
-    FP8 linears: [[dense...], [FP8 weights...], [experts...]])."""
-    out = {}
-    for p in params:
-        out.setdefault((grad_group(p), getattr(p, "gather_codec", None)), []).append(p)
-    return list(out.values())

@@ -98,6 +98,7 @@ def _compare(rank, world, preset, config_kw, micro, seq, steps, bucket_mb):
     from optim import DynamicLossScaler, adamw_param_groups, build_adamw
     from step import train_step
     from zero import ZeroConfig, ZeroLayout
+    from zero3 import Zero3Layout
 
     device = rank_device()
     config = config_from_preset(preset, **config_kw)
@@ -107,7 +108,8 @@ def _compare(rank, world, preset, config_kw, micro, seq, steps, bucket_mb):
 
     def ours(stage):
         model = GPT(config, seed=0, device=device)
-        layout = ZeroLayout(model, ZeroConfig(stage, bucket_mb=bucket_mb, **HYPER), {"dp_cp": group})
+        layout_class = Zero3Layout if stage == 3 else ZeroLayout
+        layout = layout_class(model, ZeroConfig(stage, bucket_mb=bucket_mb, **HYPER), {"dp_cp": group})
 
         def step(x, y):
             return train_step(layout, scaler, [(x, y)], group, CLIP, nullcontext(), device).loss
@@ -211,6 +213,7 @@ def _persistent(rank, world, recipe, preset="small"):
     from optim import build_adamw
     from ddp import DDPLayout
     from zero import ZeroConfig, ZeroLayout
+    from zero3 import Zero3Layout
 
     config = config_from_preset(preset)
     dtypes = {"fp32": (torch.float32, torch.float32), "mixed": (torch.bfloat16, torch.float32)}[recipe]
@@ -228,7 +231,8 @@ def _persistent(rank, world, recipe, preset="small"):
             layout = DDPLayout(ddp, optimizer)
             rows[stage] = (memory.persistent_bytes(psi, recipe, 0, world), layout.held_bytes(), psi)
         else:
-            layout = ZeroLayout(model, ZeroConfig(stage, param_dtype=dtypes[0], master_dtype=dtypes[1], **HYPER))
+            layout_class = Zero3Layout if stage == 3 else ZeroLayout
+            layout = layout_class(model, ZeroConfig(stage, param_dtype=dtypes[0], master_dtype=dtypes[1], **HYPER))
             rows[stage] = (memory.persistent_bytes(psi, recipe, stage, world), layout.held_bytes(),
                            layout.padded_numel)
         del model

@@ -66,8 +66,8 @@ def _checkpointer(root, mesh=None, device="cpu", log=lambda *a: None, on_save=No
 
 
 def build_layout(spec: dict, mesh, config, dtype, device):
-    """(model, layout) for a layout spec on `device`: the one place that builds zero.py and tensor_parallel.py
-    layouts."""
+    """(model, layout) for a layout spec on `device`: the one place that builds zero.py, zero3.py and
+    tensor_parallel.py layouts."""
     from ddp import DDPLayout, DistributedDataParallel
     from model import GPT
     from optim import build_adamw
@@ -79,10 +79,12 @@ def build_layout(spec: dict, mesh, config, dtype, device):
         tensor_parallel.parallelize(model, mesh.group("tp"), seed=0)  # swaps the modules in place
     if spec["zero"]:
         import zero
+        import zero3
 
         config = zero.ZeroConfig(spec["zero"], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
                                  betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=dtype, master_dtype=dtype)
-        layout = zero.ZeroLayout(model, config, {"dp_cp": mesh.group("dp_cp")}, mesh.coordinates())
+        layout_class = zero3.Zero3Layout if spec["zero"] == 3 else zero.ZeroLayout
+        layout = layout_class(model, config, {"dp_cp": mesh.group("dp_cp")}, mesh.coordinates())
     else:
         ddp = DistributedDataParallel(model, group=mesh.group("dp_cp"))
         optimizer = build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"])

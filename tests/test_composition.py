@@ -103,9 +103,11 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
         saver = ckpt.Checkpointer(ckpt.CheckpointConfig(save_root), mesh, run.axes, device, log=lambda *a: None)
         saver.save(stop, run.layout, scaler, sampler)
         saver.close()
-    run.layout.unshard()
     infos = {p.shard_info.global_name: p.shard_info for p in run.model.parameters()}
-    held = {p.shard_info.global_name: p.detach().clone() for p in run.model.parameters()}
+    if hasattr(run.layout, "full_parameters"):  # ZeRO: the working weights (at stage 3 gathered back)
+        held = run.layout.full_parameters()
+    else:
+        held = {p.shard_info.global_name: p.detach().clone() for p in run.model.parameters()}
     params = {name: (held[name], infos[name]) for name in held}
     return (losses, params, messages) if trace else (losses, params)
 

@@ -249,8 +249,9 @@ def test_compose_on_meta_in_a_fake_group_predicts_what_the_real_build_does(real_
 
 @pytest.mark.parametrize("name", ["zero3", "zero3_tp_ep"])
 def test_the_end_of_run_sample_runs_through_the_layout_and_frees_every_block(real_builds, name):
-    """No unshard: ZeRO-3 gathers a block at a time in each generate forward (at most two units at once) and
-    frees them after it; the tokens are the single-device model's (D = 4 alone: the same weights, the same ops)."""
+    """The whole model is never gathered: ZeRO-3 gathers a block at a time in each generate forward (at most two
+    units at once) and frees them after it; the tokens are the single-device model's (D = 4 alone: the same
+    weights, the same ops)."""
     import data
     from model import GPT
 

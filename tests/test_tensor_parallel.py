@@ -217,11 +217,13 @@ def _ddp_layout(model, mesh):
 def _zero_layout(stage):
     def build(model, mesh):
         from zero import ZeroConfig, ZeroLayout
+        from zero3 import Zero3Layout
 
         # The flat ZeRO buffers hold this rank's TP shards; the norm counts TP-replicated copies on tp rank 0.
         config = ZeroConfig(stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], betas=HYPER["betas"],
                             eps=HYPER["eps"], param_dtype=torch.float64, master_dtype=torch.float64)
-        return ZeroLayout(model, config, {"dp_cp": mesh.group("dp_cp")}, mesh.coordinates())
+        layout_class = Zero3Layout if stage == 3 else ZeroLayout
+        return layout_class(model, config, {"dp_cp": mesh.group("dp_cp")}, mesh.coordinates())
     return build
 
 
@@ -270,11 +272,14 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
         tracer.reset()
         losses.append(outcome.loss)
         norms.append(outcome.grad_norm)
-    if hasattr(layout, "unshard"):
-        layout.unshard()  # ZeRO-3: gather the weights back so this rank's TP shards can be compared
+    if hasattr(layout, "full_parameters"):  # ZeRO (at stage 3 gathered back): this rank's TP shards
+        infos = {p.shard_info.global_name: p.shard_info for p in model.parameters()}
+        final = {name: (value, infos[name]) for name, value in layout.full_parameters().items()}
+    else:
+        final = _pieces(model)
     # Under ZeRO the SP gradient sum moves this rank's gradient shard of those parameters, not all of them.
     predicted = {key: tuple(count) for key, count in handle.predicted_messages(layout).items()}
-    return dict(losses=losses, norms=norms, init=init, final=_pieces(model), traced=traced, predicted=predicted,
+    return dict(losses=losses, norms=norms, init=init, final=final, traced=traced, predicted=predicted,
                 local_numel=sum(p.numel() for p in model.parameters()))
 
 

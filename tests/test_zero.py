@@ -2,15 +2,15 @@
 exactly the bytes their formulas predict.
 
 The equivalence runs (one spawn per D = 2, 4: the module-scoped `stage_runs`) train a few float64 steps of each
-stage with zero.ZeroLayout driven by step.train_step (gradient accumulation, clipping active, unit sizes and
-the parameter count not divisible by D) and are compared with tests/reference.py (torch's AdamW and
-clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15; tolerance 1e-10.
-Each property of those runs is its own test: the update, the held bytes, the traced messages, the 2Ψ/3Ψ
-volumes, stage 3's peak of gathered units, the checkpoint pieces. Smaller 2-rank checks share one spawn
+stage with zero.ZeroLayout (zero3.Zero3Layout at stage 3) driven by step.train_step (gradient accumulation,
+clipping active, unit sizes and the parameter count not divisible by D) and are compared with tests/reference.py
+(torch's AdamW and clip_grad_norm_ on one device). float64 with sums in a different order agree to ~1e-15;
+tolerance 1e-10. Each property of those runs is its own test: the update, the held bytes, the traced messages,
+the 2Ψ/3Ψ volumes, stage 3's peak of gathered units, the checkpoint pieces. Smaller 2-rank checks share one spawn
 (`two_rank_checks`): a non-finite gradient on one rank skips the step on all, the order of stage 3's gathers
 (prefetch in forward and backward, eager and compiled), the 2 + 2 + 12 bytes of bf16/fp32 mixed precision, the
 TP-replicated rule of the norm, and ZeRO-3 over FP8 weights (their gather codec: E4M3 bytes on the wire, the
-FP8 linear's own result, exact weights after unshard). Then the flags, and train.py end to end under torchrun.
+FP8 linear's own result, exact weights from full_parameters). Then the flags, and train.py end to end under torchrun.
 Last, bf16 gradient accumulation (one spawn): summed in fp32 over m = 8 and 32 micro-batches the reduced
 gradient's error against float64 stays at its m = 1 value where a bf16 sum grows past the bound, with
 2 + 4 + 12 bytes held and the messages predicted. And bench/bench_zero.py, bench_zero_accum.py --smoke run.
@@ -41,10 +41,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def zero_layout(model, stage, group=None, coords=None, **config):
-    """zero.ZeroLayout(model, ZeroConfig(stage, **config)) over `group` (None: the world) as dp_cp."""
+    """zero.ZeroLayout (stages 1/2) or zero3.Zero3Layout (stage 3) of (model, ZeroConfig(stage, **config)) over
+    `group` (None: the world) as dp_cp."""
     from zero import ZeroConfig, ZeroLayout
+    from zero3 import Zero3Layout
 
-    return ZeroLayout(model, ZeroConfig(stage, **config), {"dp_cp": group}, coords)
+    return (Zero3Layout if stage == 3 else ZeroLayout)(model, ZeroConfig(stage, **config), {"dp_cp": group}, coords)
+
+
+def payloads(messages, group_name: str = "dp_cp") -> dict:
+    """{op: payload bytes M per step} of the layout's own messages (predicted_messages) over one group."""
+    return {op: messages.get((op, group_name), (0, 0))[1] for op in LAYOUT_OPS}
 
 
 F64 = dict(param_dtype=torch.float64, master_dtype=torch.float64)
@@ -78,11 +85,11 @@ def _train_zero(rank, world, stage, config_kw, global_batch, micro, clip, bucket
     pieces = [(p.key, p.tensor.clone(), p.shard, p.flat_range, p.primary) for p in layout.state_pieces()]
     return dict(losses=losses, norms=norms, params=layout.full_parameters(), comm=comm,
                 predicted_messages={op: tuple(predicted[(op, "dp_cp")]) for op in LAYOUT_OPS},
-                predicted_comm=layout.predicted_comm(len(batches)), held=layout.held_bytes(),
+                predicted_comm=payloads(predicted), held=layout.held_bytes(),
                 predicted=layout.predicted_persistent(), unpadded=layout.predicted_persistent(padded=False),
                 padded_numel=layout.padded_numel, numel=layout.numel, units=len(layout.units),
-                peak_gathered=layout.peak_gathered_units, pieces=pieces, step_count=layout.optimizer_step_count,
-                unit_sizes=[u.numel for u in layout.units])
+                peak_gathered=getattr(layout, "peak_gathered_units", None), pieces=pieces,
+                step_count=layout.optimizer_step_count, unit_sizes=[u.numel for u in layout.units])
 
 
 LAYOUT_OPS = ("all_gather_single", "reduce_scatter_single")  # the layout's own (the step's scalars aside)
@@ -164,7 +171,7 @@ def test_held_bytes_are_the_zero_formula(stage_runs):
 
 
 def test_traced_messages_are_the_predicted_ones(stage_runs):
-    """Every step, the tracer counts the calls and payloads of predicted_messages (and predicted_comm's bytes)."""
+    """Every step, the tracer counts the calls and payloads of predicted_messages (and their bytes per op)."""
     for run in stage_runs:
         for r in run.results:
             assert r["comm"] == [r["predicted_messages"]] * STEPS, run.stage
@@ -320,8 +327,8 @@ def _prefetch_order(rank, world, compiled=False):
     name = {id(u): f"b{i}" for i, units in enumerate(layout.block_units) for u in units}
     name.update({id(u): "root" for u in layout.root})
     gather, launch = layout._gather, layout._launch
-    layout._gather = lambda units, exact=False: (
-        events.extend(f"gather {name[id(u)]}" for u in units if u.state == "freed"), gather(units, exact))
+    layout._gather = lambda units: (
+        events.extend(f"gather {name[id(u)]}" for u in units if u.state == "freed"), gather(units))
     layout._launch = lambda u: (events.append(f"reduce {name[id(u)]}"), launch(u))
     for i, block in enumerate(model.transformer.h):
         block.register_forward_hook(lambda m, a, o, i=i: events.append(f"forward b{i} done"))
@@ -330,13 +337,7 @@ def _prefetch_order(rank, world, compiled=False):
     events.append("backward")
     loss_sum.backward()
     layout.finish_grad_sync()
-    step_events, peak, grads = list(events), layout.peak_gathered_units, [u.grad_shard.clone() for u in layout.units]
-    layout._gather = gather
-    layout.unshard()  # every unit at once, for good
-    with torch.no_grad():
-        layout(x)  # as train.py's sampling does after unshard
-    return dict(events=step_events, peak=peak, grads=grads, peak_after_unshard=layout.peak_gathered_units,
-                all_gathered=all(u.state == "gathered" for u in layout.units))
+    return dict(events=events, peak=layout.peak_gathered_units, grads=[u.grad_shard.clone() for u in layout.units])
 
 
 def test_stage3_prefetches_next_block_in_forward_and_backward(two_rank_checks):
@@ -361,14 +362,6 @@ def test_stage3_with_compiled_blocks_keeps_the_schedule_and_the_gradients(two_ra
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
 
 
-def test_stage3_peak_of_gathered_units_is_the_schedules_not_unshards(two_rank_checks):
-    """unshard() gathers every unit at once, on purpose, after training (then sampling runs forwards on them);
-    the peak the end report prints next to its bound of 2 ("gathered blocks alive at once") is the
-    forward/backward schedule's, and stays 2."""
-    for result in (r["prefetch"] for r in two_rank_checks):
-        assert result["all_gathered"] and result["peak_after_unshard"] == 2
-
-
 # ---------------------------------------------------------------------------------------------------------
 # ZeRO-3 over FP8 weights: fp8.convert gives each FP8 weight a gather codec (E4M3 bytes, one shared scale)
 # ---------------------------------------------------------------------------------------------------------
@@ -377,7 +370,7 @@ def test_stage3_peak_of_gathered_units_is_the_schedules_not_unshards(two_rank_ch
 def _fp8_gathers(rank, world):
     """A ZeRO-3 layout over a GPT whose block linears are FP8 (current scaling, float64), next to the same FP8
     model without ZeRO: one micro-batch traced (forward, backward, reduction), its loss, full_parameters at
-    init, then a step, unshard() and a forward against the FP8 model holding the same stepped weights."""
+    init, then a step, full_parameters and a forward against the FP8 model holding the same stepped weights."""
     import fp8
     from model import GPT
     from optim import DynamicLossScaler
@@ -408,9 +401,8 @@ def _fp8_gathers(rank, world):
     layout.step(DynamicLossScaler(enabled=False), 1.0)
     layout.zero_grad()
     stepped = layout.full_parameters()
-    layout.unshard()
     with torch.no_grad():
-        _, unsharded_loss_sum, _ = layout(x, y)
+        _, stepped_loss_sum, _ = layout(x, y)
         for name, p in plain.named_parameters():
             p.copy_(stepped[name])
         _, plain_stepped_loss_sum, _ = plain(x, y)
@@ -419,7 +411,7 @@ def _fp8_gathers(rank, world):
                 codec_units=sum(u.codec is not None for u in layout.units), gathered_bytes=gathered_bytes,
                 losses=(float(loss_sum), float(plain_loss_sum)),
                 exact_at_init=all(torch.equal(exact_at_init[name], init[name]) for name in init),
-                stepped_losses=(float(unsharded_loss_sum), float(plain_stepped_loss_sum)))
+                stepped_losses=(float(stepped_loss_sum), float(plain_stepped_loss_sum)))
 
 
 def test_zero3_gathers_fp8_weights_as_one_byte_per_element_as_predicted(two_rank_checks):
@@ -445,9 +437,9 @@ def test_full_parameters_are_the_exact_working_weights_under_fp8(two_rank_checks
         assert result["exact_at_init"]  # not the FP8 values the forward's gathers decode
 
 
-def test_after_unshard_fp8_linears_scale_from_the_exact_weights(two_rank_checks):
-    """After a step, unshard() gathers the working weights themselves: the FP8 linears quantise them with their
-    own amax again (not the one of codes decoded before the step), as the FP8 model holding them does."""
+def test_after_a_step_the_zero3_fp8_forward_is_the_fp8_models(two_rank_checks):
+    """After a step (and full_parameters' exact gathers), the forward gathers codes of the stepped weights: its
+    loss is the one of the FP8 model holding the stepped weights (float64)."""
     for result in (r["fp8"] for r in two_rank_checks):
         zero_loss, plain_loss = result["stepped_losses"]
         assert zero_loss == pytest.approx(plain_loss, rel=1e-13)
@@ -510,6 +502,19 @@ def test_valid_zero_flags():
             train.flags.validate(args, 2, axes=train.AXES)
 
 
+@pytest.mark.parametrize("stage,cls,message", [(3, "ZeroLayout", "stage 3: zero3.Zero3Layout"),
+                                               (1, "Zero3Layout", "stages 1/2: zero.ZeroLayout")])
+def test_each_layout_class_refuses_the_other_stages(stage, cls, message):
+    """The caller picks the class by stage (train.build_layout); a mismatch names the right one, before any
+    collective (no process group here)."""
+    import zero
+    import zero3
+
+    layout_class = {"ZeroLayout": zero.ZeroLayout, "Zero3Layout": zero3.Zero3Layout}[cls]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        layout_class(torch.nn.Linear(2, 2), zero.ZeroConfig(stage, lr=1e-3))
+
+
 def test_torchrun_zero3_smoke(tmp_path):
     """train.py end to end: 2 ranks, ZeRO-3, a few steps, accounting printed (startup and end lines)."""
     corpus = tmp_path / "corpus.txt"
@@ -525,7 +530,7 @@ def test_torchrun_zero3_smoke(tmp_path):
     out = proc.stdout
     assert "ZeRO stage 3" in out and "peak lower bound" in out and "all_gather_single" in out
     assert "step 2/3 | loss" in out and "<- differs" not in out  # traced messages are the predicted ones
-    # The schedule's peak, though sampling unshards every unit at the end.
+    # The schedule's peak, sampling's forwards included.
     assert "gathered blocks alive at once: 2 (bound: 2" in out
 
 
@@ -671,7 +676,8 @@ def accumulated_grad_errors(rank, world, stages=(1, 2, 3), ms=(1, 8, 32), forced
                         for op in ("all_gather_single", "reduce_scatter_single") if (op, "dp") in tracer.records}
                 tracer.reset()
                 out[stage, m, accumulate_dtype] = dict(
-                    error=error, norm=norm, accumulated=accumulated, comm=comm, predicted_comm=layout.predicted_comm(m),
+                    error=error, norm=norm, accumulated=accumulated, comm=comm,
+                    predicted_comm=payloads(layout.predicted_messages(m)),
                     held=layout.held_bytes(), predicted=layout.predicted_persistent(), padded_numel=layout.padded_numel,
                     peak=layout.peak_lower_bound(), bytes=layout.bytes_per_param())
     return out
