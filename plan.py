@@ -6,7 +6,7 @@
 --plan runs the real start-up of each distinct rank ROLE inside a fake process group
 (torch.testing._internal.distributed.fake_pg: collectives return at once and move nothing) on meta tensors
 (nothing allocated), then reads that role's predictions exactly where a real run's start-up reads them
-(layout.predicted_persistent, report.predicted_messages, report.activation_estimate, the schedule's bubble):
+(layout.predicted_persistent, report.predicted_messages, activations.activation_estimate, the schedule's bubble):
 one source of truth, so a real run's printed predictions and the plan of the same layout are the same numbers.
 Roles: ranks that differ only by their data-parallel index d hold the same shapes and send the same messages.
 The plan builds every pipeline stage (d, c, t) = (0, 0, 0) and the corner (0, C−1, T−1): every TP and CP
@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+import activations
 import hardware
 import memory
 import mfu
@@ -117,7 +118,7 @@ class Role:
     local_params: int
     logical: dict  # {global name: elements of the logical tensor}: Ψ is their sum over the roles
     persistent: dict  # {"weights", "grads", "optimizer", "total"} bytes
-    activations: object  # report.ActivationEstimate: one forward's bytes, how many in flight, their peak
+    activations: object  # activations.ActivationEstimate: one forward's bytes, how many in flight, their peak
     temporaries: dict  # {what: bytes}
     messages: Messages  # per step, (op, group as the tracer names it): (calls, payload)
     group_ranks: dict  # {group name: global ranks of this rank's group}
@@ -138,7 +139,7 @@ def role_of(run, device_type: str | None = None) -> Role:
     activations as the kernels of `device_type` save them (the plan's: "cuda"; default the run's device)."""
     layout, mesh = run.layout, run.mesh
     persistent = dict(layout.predicted_persistent())
-    estimate = report.activation_estimate(run, device_type)
+    estimate = activations.activation_estimate(run, device_type)
     temporaries, last_bucket, first_gather = {}, 0.0, 0.0
     if isinstance(layout, zero.ZeroLayout):
         extra = layout.peak_lower_bound() - persistent["total"]

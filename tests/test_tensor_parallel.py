@@ -436,7 +436,7 @@ def _trained_losses(run, steps=2):
 def _measured(rank):
     """Block 0 measured by report.measure_startup in composed runs: what it saw, the lines printed with it,
     and whether measuring changed anything (FP8's delayed amaxes would, were the block not a copy)."""
-    import report
+    import report_axes
     import tensor_parallel
 
     out = {}
@@ -445,7 +445,7 @@ def _measured(rank):
         tp = next(axis for axis in run.axes if axis.name == "tp")
         out[sp] = dict(measured=run.measured.on("tp"), saved=run.measured.saved_bytes,
                        predicted=tensor_parallel.block_messages(tp.batch, tp.holding()),
-                       lines=report.tp_startup_lines(tp, run))
+                       lines=report_axes.tp_startup_lines(tp, run))
     fp8 = ["--tp", "2", "--sp", "--fp8", "delayed"]
     out["fp8"] = {measure: _trained_losses(_composed(rank, 2, fp8, measure)) for measure in (True, False)}
     return out
