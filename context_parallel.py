@@ -30,7 +30,7 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
    layer and micro-batch, Korthikanti et al. 2022 divided by C: (s/C)·b·h·(34 + 5·a·s/h) at 16 bits. The
    attention here keeps no score matrix (it saves q, k, v, its output and the log-sum-exp, as a flash
    kernel does) and dropout is 0 (no 1-byte masks), so the measured figure is ≈ 32·(s/C)·b·h at 16 bits
-   (block 0 measured at start-up, `report.measure_block`, and printed next to both; Ulysses keeps the
+   (block 0 measured at start-up, `measure.measure_block`, and printed next to both; Ulysses keeps the
    output twice, head-split and back, +2·(s/C)·b·h). Temporaries, ring: the K,V block in use and the one
    arriving, 2 × 2·(s/C)·b·(h/T)·e_c, and the block's wide copy 2·(s/C)·b·(h/T)·e_a (none when e_c = e_a);
    the wide scaled queries (s/C)·b·(h/T)·e_a; one score block b·(a/T)·(s/C)²·e_a (two in backward: p and
@@ -47,7 +47,7 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
                     backward 4 × the same (d output, then dq, dk, dv). Blocking: nothing is hidden.
    Activation checkpointing repeats the forward's messages in backward. Per step: × L × m. How much ring time
    was hidden is measured over the training passes by the ring's clock (`mfu.WaitClock`: time blocked in
-   wait() against the same transfers timed alone; report.py prints it). It is a lower bound: a wait also
+   wait() against the same transfers timed alone; report_axes.py prints it). It is a lower bound: a wait also
    lasts while a slower peer computes.
 4. Restart state: nothing of its own. Parameters are replicated over cp and a rank's positions depend only on
    (s, C, c), so a checkpoint resumes on any C.
@@ -148,7 +148,7 @@ def _block_backward(dout, q_hat, k, v, lse, delta, mask):
 
 class Ring:
     """Send to the next rank of the cp group, receive from the previous one. Its clock (mfu.WaitClock) times
-    the training passes and the part of them blocked in wait(), for report.py."""
+    the training passes and the part of them blocked in wait(), for report_axes.py's cp section."""
 
     def __init__(self, group):
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
@@ -449,7 +449,7 @@ def apply(model, run, config: CPConfig) -> ContextParallel:
 @dataclass
 class ContextParallel(Axis):
     """The handle: cuts batches into this rank's tokens, gives sampling whole-sequence attention back, predicts
-    the cp messages (report.py's cp section prints them with the causal work, the activations, the ring's time)."""
+    the cp messages (report_axes.py's cp section prints them with the causal work, the activations, the ring's time)."""
 
     model: object
     ring: Ring

@@ -231,14 +231,14 @@ def assert_same_across_ranks(params: list, group=None):
 class DDPLayout:
     """ZeRO stage 0, the optim.Layout protocol: ddp.py sums the gradients, then every rank runs the same
     torch AdamW on the whole model (its parameters are the fp32 masters: b_w = b_g = 4, b_o = 8). Its
-    start-up lines are report.py's (`ddp_startup_lines`, under its name).
+    start-up lines are report_axes.py's (`ddp_startup_lines`, under its name).
 
     coords: this rank's index along every mesh axis (`Mesh.coordinates()`), for shard.counts_here: a tensor
     replicated over TP or PP is counted in the norm and written once. Without a mesh (tests on one group),
     the axes a parameter says it is replicated over must be given here.
     """
 
-    name = "ddp"  # its lines: report.AXIS_LINES["ddp"]
+    name = "ddp"  # its lines: report_axes.AXIS_LINES["ddp"]
 
     def __init__(self, ddp: DistributedDataParallel, optimizer, coords: dict | None = None):
         self.ddp, self.optimizer, self.module = ddp, optimizer, ddp.module

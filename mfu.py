@@ -419,7 +419,7 @@ class PassTime:
 
 class WaitClock:
     """Host time of an algorithm's passes per phase and the part blocked in wait(), next to the same transfers
-    timed alone: `compute hid at least 1 − waited / alone` of them (report.py's cp section).
+    timed alone: `compute hid at least 1 − waited / alone` of them (report_axes.py's cp section).
 
         with clock.timed("forward", charge=training):   # around a pass; charged to phases[phase] if charge
             ... clock.wait(works) ...                     # waits on every work, counting the time blocked
@@ -472,7 +472,7 @@ class WaitClock:
 
 class ActionClock:
     """Times one pipeline step's actions and p2p calls, for the measured bubble, the timeline and the trace
-    (report.py's pp section). pipeline.PipelineSchedule calls it: start() at the step's start, begin() and
+    (report_axes.py's pp section). pipeline.PipelineSchedule calls it: start() at the step's start, begin() and
     end(action) around each action's compute, `with p2p(name)` around each host p2p call, stop() at the end.
 
     CPU: perf_counter. CUDA: an event recorded on the compute stream before and after each action, all read

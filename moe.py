@@ -446,7 +446,7 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
 
 
 class MoEAxis(Axis):
-    """The handle train.py talks to (step.Axis); `take_load` and `reset_routing` serve report.py's moe lines."""
+    """The handle train.py talks to (step.Axis); `take_load` and `reset_routing` serve report_axes.py's moe lines."""
 
     name = "moe"
 

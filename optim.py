@@ -136,7 +136,7 @@ class Layout(Protocol):
     `shard_info.grad_group`, "dp_cp" for dense parameters, "expert_dp" for experts) and the optimizer state.
     """
 
-    name: str  # "ddp" or "zero": its printouts are report.AXIS_LINES[name]
+    name: str  # "ddp" or "zero": its printouts are report_axes.AXIS_LINES[name]
     module: nn.Module  # the model it wraps
 
     def __call__(self, idx, targets=None, pos=None):

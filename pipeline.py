@@ -492,7 +492,7 @@ class Pipeline(Axis):
         self.model, self.schedule, self.config = model, schedule, model.config
         self.m, self.boundary_elements = micro_batches, boundary_elements
         self.tied_group = tied_group  # the {first, last} stage group, None at P = 1
-        self.trace_file = trace_file  # where report.py writes the Chrome trace (one rank per pp group)
+        self.trace_file = trace_file  # where report_axes.py writes the Chrome trace (one rank per pp group)
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:

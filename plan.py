@@ -8,7 +8,7 @@ It takes train.py's flags (--plan is implied; `python train.py --plan ...` and `
 --plan runs the real start-up of each distinct rank ROLE inside a fake process group
 (torch.testing._internal.distributed.fake_pg: collectives return at once and move nothing) on meta tensors
 (nothing allocated), then reads that role's predictions exactly where a real run's start-up reads them
-(layout.predicted_persistent, report.predicted_messages, report.activation_estimate, the schedule's bubble):
+(layout.predicted_persistent, report.predicted_messages, activations.activation_estimate, the schedule's bubble):
 one source of truth, so a real run's printed predictions and the plan of the same layout are the same numbers.
 Roles: ranks that differ only by their data-parallel index d hold the same shapes and send the same messages.
 The plan builds every pipeline stage (d, c, t) = (0, 0, 0) and the corner (0, C−1, T−1): every TP and CP

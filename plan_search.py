@@ -6,7 +6,7 @@ It enumerates the layouts (D, P, C ring, T with SP, E with --moe-experts, ZeRO s
 activation checkpointing) that flags.validate accepts, gives each pipeline stage's time_model.Role from the formulas
 the start-up prints (memory.persistent_bytes per data-parallel group, zero.ZeroLayout's units and transients as
 `grad_sync_messages` and `_formula_temporaries` count them, tensor_parallel.step_messages,
-context_parallel.layer_messages, moe.step_messages, report.estimate_of, schedules.bubble_formula and
+context_parallel.layer_messages, moe.step_messages, activations.estimate_of, schedules.bubble_formula and
 p2p_counts, mfu.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
 ranks by step time and prints the best ten with the term that limits each. Building a role on meta takes
 about a second for a large model, too slow for thousands of layouts; tests/test_plan.py checks that these
@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from itertools import product
 
+import activations
 import context_parallel
 import ddp
 import flags
@@ -29,7 +30,6 @@ import hardware
 import memory
 import mfu
 import moe
-import report
 import schedules
 import tensor_parallel
 import train
@@ -124,11 +124,11 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     flight, bubble, boundary = _formula_pipeline(s, messages, temporaries, facts)
     messages.add("all_reduce", "world", 1, 16)
     rank, ranks, alias = _formula_groups(shape, p)
-    x = report.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param)
+    x = activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param)
     return Role(rank=rank, coords=shape.coords(rank), local_params=s.held["total"], logical={},
                 persistent=_formula_persistent(s),
-                activations=report.estimate_of(config, x, s.held["layer_ids"], (s.held["embedding"], s.held["head"]),
-                                               shape.ep, flight),
+                activations=activations.estimate_of(config, x, s.held["layer_ids"],
+                                                    (s.held["embedding"], s.held["head"]), shape.ep, flight),
                 temporaries=temporaries, messages=messages.named(lambda name: alias.get(name, name)),
                 group_ranks=ranks, flops=mfu.flops_per_token(memory.param_counts(config), config, settings.seq_len),
                 bubble=bubble, last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,

@@ -1,44 +1,39 @@
 """The run's accounting printed: what the start-up predicts, each step's line, the end's measured vs predicted.
 
-Everything that prints, times a run or compares a prediction with a measurement lives here, in mfu.py (the
-formulas, the clocks), memory.py (the memory formulas and measurements) and comm.py (the tracer, the `Messages`
-type); the concept files keep their algorithms and their pure prediction formulas, which this file calls. It
-reads the run (train.Run), the layout and the axes' handles, and never changes what the trainer computes.
+This file only prints; what it prints is computed elsewhere: mfu.py (FLOPs, peaks, wire bytes, the clocks),
+memory.py (what a device holds, the per-layer activation formulas, the memory measurements), activations.py
+(what a rank's forwards save), comm.py (the tracer, the `Messages` type), measure.py (the start-up's
+measurements that run work of their own), and each axis's lines are its section in report_axes.py. The concept
+files keep their algorithms and their pure prediction formulas, which these call. It reads the run
+(train.Run), the layout and the axes' handles, and never changes what the trainer computes.
 
     print_startup(run)            the mesh, parameters, memory, FLOPs, peak, every axis, predicted messages
     print_step(record, progress)  step i/N, losses, lr, grad norm, tok/s, MFU, step time, ETA (+ axis lines)
+    print_save(stats)             one committed checkpoint: its size, the time it blocked training (+ Young)
     print_end(run, ...)           held vs predicted bytes, activations, the axes' end lines, traced vs
                                   predicted messages per step, every collective of the run, throughput
 
-Per-axis lines come from the sections below, one per axis (`AXIS_LINES`), looked up by the handle's name:
+Per-axis lines come from report_axes.py, one section per axis (`AXIS_LINES`), looked up by the handle's name:
 the accounting loops over the handles and never asks which flags are on.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from copy import deepcopy
-from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-import context_parallel
-import fp8
 import memory
 import mfu
-import moe
-import pipeline
-import schedules
-import tensor_parallel
-from comm import CommTracer, Count, Messages
+from activations import ActivationEstimate, activation_estimate
+from comm import Messages
+from measure import measure_block
 from mesh import axis_groups
-from model import MLP, materialize
-from shard import counts_here
 from optim import update_messages
+from report_axes import MEASURES_BLOCK, axis_lines, layout_lines
+from shard import counts_here
 
 
 def print0(*args, **kwargs):
@@ -91,7 +86,6 @@ def format_duration(seconds: float) -> str:
             else f"{rest}s")
 
 
-
 def step_record(run, step: int, lr: float, outcome, step_time: float, scaler) -> dict:
     """One step's numbers, as the step line prints them and --metrics-file writes them (JSON)."""
     tokens_per_s = run.tokens_per_step / step_time
@@ -125,10 +119,17 @@ def print_step(record: dict, clock: Progress, axes=()):
     clock.printed()
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # Start and end
 # ---------------------------------------------------------------------------------------------------------
+
+
+def measure_startup(run) -> None:
+    """Measure block 0 once (measure.measure_block) when a section wants it (report_axes.MEASURES_BLOCK), into
+    run.measured: train.compose calls it after the axes and before the layout (its hooks, ZeRO's freed weights).
+    Collective, on every rank."""
+    if any(axis.name in MEASURES_BLOCK for axis in run.axes) and len(run.model.transformer.h):
+        run.measured = measure_block(run)
 
 
 def predicted_messages(run, traced_steps: int = 0) -> Messages:
@@ -198,118 +199,6 @@ def print_startup(run):
     print0("=" * 100)
 
 
-@dataclass(frozen=True)
-class ActivationEstimate:
-    """What this rank's forwards save for backward, by memory.py's formulas (what the kernels save)."""
-
-    forward: float  # bytes one forward saves: a micro-batch (under PP one chunk of it) through this rank's part
-    terms: dict  # the micro-batch's bytes (all v chunks) by what saves them
-    hidden: float  # of `forward`, what saved_tensors_hooks cannot see (SP's regather hooks: memory.hidden_from_hooks)
-    in_flight: int  # forwards alive at once (the pipeline's chunk-micro-batches; 1 otherwise)
-    chunks: int  # v: the chunks of a pipeline rank (forward is 1/v of the micro-batch's bytes); 1 otherwise
-    recomputed: float  # under activation checkpointing, the block that backward rebuilds (else 0)
-    korthikanti: float  # the paper's formula for the same blocks and micro-batch (16-bit, unfused attention)
-    how: str
-
-    @property
-    def peak(self) -> float:
-        """Bytes alive at once: every forward in flight, and under activation checkpointing the block that
-        backward rebuilds (by then the head's and the loss's tensors of that micro-batch are freed)."""
-        rebuilt = max(0.0, self.recomputed - self.terms["head and loss"] / self.chunks)
-        return self.in_flight * self.forward + rebuilt
-
-
-def activation_shape(run, device_type: str | None = None) -> memory.ActivationShape:
-    """The symbols of memory.py's activation formulas for this rank: its sequence (s/C), its dtypes, the kernel (of
-    `device_type`'s attention, default the run's device: plan.py sizes a GPU from a meta build)."""
-    return shape_of(run.settings, run.config, device_type or run.device.type, run.compute_dtype, run.param_dtype)
-
-
-def shape_of(settings, config, device_type: str, compute_dtype, param_dtype) -> memory.ActivationShape:
-    """activation_shape without a run (plan.py's search sizes layouts it never builds)."""
-    cp_impl = settings.args.cp_impl if settings.shape.cp > 1 else None
-    # CP's attention (the ring, or SDPA on whole sequences inside Ulysses) runs without dropout (refused).
-    kernel = "fused" if cp_impl else memory.attention_kernel(device_type, compute_dtype, config.dropout)
-    return memory.ActivationShape(
-        s=settings.seq_len // settings.shape.cp, b=settings.micro_batch_size, h=config.n_embd, a=config.n_head,
-        vocab=config.vocab_size, t=settings.shape.tp, sp=settings.sequence_parallel,
-        e_r=param_dtype.itemsize, e_c=compute_dtype.itemsize, dropout=config.dropout > 0,
-        bool_masks=device_type == "cuda", fp32_norms=device_type == "cuda" and compute_dtype.itemsize < 4,
-        kernel=kernel, ulysses=cp_impl == "ulysses", fp8=settings.args.fp8 is not None,
-        regather=settings.args.fp8 is None)  # FP8 keeps the gathered input (fp8.convert)
-
-
-def activation_estimate(run, device_type: str | None = None) -> ActivationEstimate:
-    """This rank's activations per micro-batch: its blocks, the embeddings and the head where it holds them,
-    autocast's weight copies apart. Under activation checkpointing a block keeps its input only and backward
-    rebuilds one block at a time; under PP the schedule keeps `schedules.in_flight` chunk-micro-batches of this
-    rank's program alive, each counted as 1/v of the stage (exact for v = 1)."""
-    model, layer_ids = run.model, [block.layer_id for block in run.model.transformer.h]
-    in_flight, chunks = 1, 1
-    if isinstance(run.schedule, pipeline.PipelineSchedule):
-        in_flight = schedules.in_flight(run.schedule.programs(run.micro_batches)[run.schedule.rank])[0]
-        chunks = run.schedule.v
-    return estimate_of(run.config, activation_shape(run, device_type), layer_ids, (model.has_embedding, model.has_head),
-                       run.settings.shape.ep, (in_flight, chunks))
-
-
-def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int,
-                pipeline_flight: tuple = (1, 1)) -> ActivationEstimate:
-    """activation_estimate from the shapes: the blocks `layer_ids`, ends = (has embedding, has head), the
-    expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v)."""
-    n_moe = sum(config.is_moe_layer(layer_id) for layer_id in layer_ids)
-    held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
-    # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
-    # (whole on every TP rank).
-    experts = (moe.layer_activation_bytes(config, x.s * x.b // (x.t if x.sp else 1), x.e_c, max(4, x.e_r),
-                                          mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)),
-               config.moe_experts // ep * 8 * x.h * x.h * x.weight_copy) if n_moe else (0, 0)
-    recomputed = 0.0
-    if config.activation_checkpointing:  # the inputs stay; backward rebuilds one block, its copies with it
-        blocks, copies = memory.block_input_bytes(x) * sum(held.values()), 0.0
-        rebuilt = block_bytes(replace(x, regather=False), experts)
-        recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - memory.block_input_bytes(x)
-        what = f"{sum(held.values())} block inputs"  # the rebuilt block's input is the one the checkpoint holds
-    else:
-        each = block_bytes(x, experts)
-        blocks, copies = (sum(held[kind] * each[kind][i] for kind in held) for i in (0, 1))
-        what = f"{sum(held.values())} blocks" + (f" ({n_moe} MoE)" if n_moe else "")
-    terms = {what: blocks, "autocast weight copies": copies,
-             "embeddings": memory.embedding_activation_bytes(x) if ends[0] else 0.0,
-             "head and loss": memory.head_activation_bytes(x) if ends[1] else 0.0}
-    hidden = memory.hidden_from_hooks(x, 0 if config.activation_checkpointing else sum(held.values()), ends[1])
-    in_flight, chunks = pipeline_flight
-    how = (f"attention {x.kernel}" + (" (Ulysses)" if x.ulysses else "")
-           + f", {x.e_r}-byte residual, {x.e_c}-byte compute" + (", FP8 linear inputs" if x.fp8 else "")
-           + (f", {x.mask(x.e_c)}-byte dropout masks" if x.dropout else ", no dropout"))
-    return ActivationEstimate(forward=sum(terms.values()) / chunks, terms=terms, hidden=hidden / chunks,
-                              in_flight=in_flight, chunks=chunks, recomputed=recomputed,
-                              korthikanti=korthikanti_estimate(config, x, len(layer_ids), n_moe), how=how)
-
-
-def block_bytes(x: memory.ActivationShape, experts: tuple) -> dict:
-    """{"dense" | "moe": (activations, autocast weight copies)} of one block of each kind (mfu's terms). A MoE
-    block keeps its attention and LayerNorms, and `experts` (its router's and experts' bytes, their copies)
-    instead of the dense MLP's."""
-    terms = memory.layer_activation_terms(x)
-    attention = terms["layernorms"] + terms["attention"]
-    return {"dense": (attention + terms["mlp"], terms["attention weight copies"] + terms["mlp weight copies"]),
-            "moe": (attention + experts[0], terms["attention weight copies"] + experts[1])}
-
-
-def korthikanti_estimate(config, x: memory.ActivationShape, blocks: int, n_moe: int) -> float:
-    """Korthikanti et al. 2022 for this rank's blocks and micro-batch (16-bit; a MoE block's experts by
-    moe.activation_estimate_delta); under activation checkpointing the block inputs, 2·s·b·h each (/T with SP),
-    and one layer recomputed."""
-    checkpointing = config.activation_checkpointing
-    per_layer = memory.activation_bytes_per_layer(x.s, x.b, x.h, x.a, t=x.t, sequence_parallel=x.sp)
-    experts = moe.activation_estimate_delta(config, min(1, n_moe) if checkpointing else n_moe, x.s, x.b, x.t,
-                                            x.sp) if n_moe else 0
-    if not checkpointing:
-        return per_layer * blocks + experts
-    return 2 * x.s * x.b * x.h // (x.t if x.sp else 1) * blocks + per_layer + experts
-
-
 def activation_lines(estimate: ActivationEstimate) -> list:
     """The start-up's lines: the estimate by term, its peak under the schedule, Korthikanti's reference."""
     f = mfu.format_bytes
@@ -344,7 +233,8 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int, step_peak: 
     print0("=" * 100)
     print0("measured vs predicted (per rank, rank 0):")
     for kind in ("weights", "grads", "optimizer", "total"):
-        print0(f"  {kind:<9} held {mfu.format_bytes(held[kind]):>12}   predicted {mfu.format_bytes(predicted[kind]):>12}")
+        print0(f"  {kind:<9} held {mfu.format_bytes(held[kind]):>12}"
+               f"   predicted {mfu.format_bytes(predicted[kind]):>12}")
     estimate = activation_estimate(run)
     _print_saved_activations(run, estimate)
     _print_memory_peak(run, held, predicted["total"] + estimate.peak, step_peak)  # persistent + activations at the peak
@@ -438,168 +328,8 @@ def mesh_description(mesh) -> str:
     return "\n".join(lines)
 
 
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Each axis's lines: AXIS_LINES[handle name][when](handle, run, steps) -> [str]; when: startup, step, end
-# ---------------------------------------------------------------------------------------------------------
-
-
-def axis_lines(axis, when: str, run, steps: int = 0) -> list:
-    """The lines of `axis` (a handle) at `when`: its section's formatter, or none."""
-    formatter = AXIS_LINES.get(axis.name, {}).get(when)
-    return formatter(axis, run, steps) if formatter is not None else []
-
-
-def layout_lines(run, when: str, steps: int = 0) -> list:
-    """The layout's lines at `when`: its section's formatters (AXIS_LINES[layout.name]: DDP's, ZeRO's)."""
-    return axis_lines(run.layout, when, run, steps)
-
-
-AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
-MEASURES_BLOCK: set = set()  # handle names whose lines read run.measured (block 0 under a tracer)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Block 0 measured once at start-up, for the sections that print it next to their predictions
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BlockMeasurement:
-    """One held block run forward and backward once, as the run will run it: what it sent and what it saved."""
-
-    messages: dict  # {(phase, op, group as the tracer reports it): Count}, phase "forward" or "backward"
-    saved_bytes: int  # the distinct storages autograd saved in the forward, parameters aside
-
-    def on(self, group: str) -> dict:
-        """{(phase, op): Count} on one mesh group, found by any of its names ("dp_cp" in "dp_cp=expert_dp")."""
-        return {(phase, op): count for (phase, op, name), count in self.messages.items() if group in name.split("=")}
-
-
-def measure_startup(run) -> None:
-    """Measure block 0 once when a section wants it (MEASURES_BLOCK), into run.measured: train.compose calls
-    it after the axes and before the layout (its hooks, ZeRO's freed weights). Collective, on every rank."""
-    if any(axis.name in MEASURES_BLOCK for axis in run.axes) and len(run.model.transformer.h):
-        run.measured = measure_block(run)
-
-
-def measure_block(run, block_index: int = 0) -> BlockMeasurement:
-    """Run held block `block_index` forward and backward once under a CommTracer on random input of one
-    micro-batch as a rank holds it between regions, [B_μ, s/C (÷T under SP), h], in the working dtype the
-    layout will train in (run.param_dtype: ZeRO's bf16 weights) and the run's autocast.
-
-    It runs a deep copy of the block (sharing only the process groups) under a forked RNG, so the run is left
-    as it was: no gradient, no FP8 amax, no expert load, no ring time, the same dropout draws next. Every
-    rank of the groups the block talks on calls it (each pipeline stage measures its own first block).
-    """
-    groups = {name: group for name, group in run.mesh.groups.items() if group is not None}
-    shared = {id(group): group for group in [*groups.values(), dist.group.WORLD]}  # not copied: the same groups
-    original = list(run.model.transformer.h)[block_index]
-    block = deepcopy(original, memo=dict(shared))
-    for source, copy in zip(original.parameters(), block.parameters()):
-        copy.shard_info = source.shard_info  # a meta Parameter's deepcopy drops its attributes
-    materialize(block, run.device, run.config, run.seed)  # a meta block (ZeRO-3 fills its shards later): its values
-    params = list(block.parameters())
-    for p in params:
-        p.data = p.data.to(run.param_dtype)
-    device = params[0].device
-    tracer = CommTracer()
-    for name, group in groups.items():
-        tracer.name_group(group, name)
-    seen, cuda = {}, device.type == "cuda"
-    with torch.random.fork_rng(devices=[device.index if device.index is not None else torch.cuda.current_device()]
-                               if cuda else []):
-        x = torch.randn(run.micro_batch_size, run.settings.local_seq_len, run.config.n_embd, device=device,
-                        dtype=run.param_dtype, generator=torch.Generator(device).manual_seed(0), requires_grad=True)
-        with tracer, memory.SavedActivations(exclude=params) as saved, run.autocast:
-            out = block(x)
-        seen["forward"] = tracer.records
-        tracer.reset()
-        with tracer:
-            out.float().sum().backward()
-        seen["backward"] = tracer.records
-    return BlockMeasurement({(phase, op, group): Count(stat.calls, stat.payload_bytes) for phase, records in
-                             seen.items() for (op, group), stat in records.items()}, saved.bytes)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# --- ddp --- (the DDP layout's lines)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def ddp_startup_lines(layout, run=None, steps: int = 0) -> list:
-    """What DDP holds and sends (ddp.py's docstring, answers 1-3): the persistent bytes predicted, the bucket
-    all-reduces per group, and the bucket left on the critical path once backward ends."""
-    persistent, sizes = layout.predicted_persistent(), layout.ddp.bucket_sizes_bytes()
-    lines = ["layout: DDP (ZeRO stage 0): parameters, gradients and AdamW state replicated over each"
-             " parameter's data-parallel group; split: the batch",
-             "predicted persistent memory per rank (fp32 master recipe: b_w = b_g = 4, b_o = 8 bytes):",
-             f"  weights   {mfu.format_bytes(persistent['weights'])}",
-             f"  grads     {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)",
-             f"  AdamW m,v {mfu.format_bytes(persistent['optimizer'])}",
-             f"  total     {mfu.format_bytes(persistent['total'])}"]
-    for (op, group), (calls, payload) in layout.predicted_messages().items():
-        n = dist.get_world_size(layout.ddp.groups[group])
-        lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls}"
-                     f" bucket{'' if calls == 1 else 's'}, sent per"
-                     f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} (2(N-1)/N·M, ring)")
-    if len(sizes) > 1 and dist.get_world_size(layout.ddp.group) > 1:
-        lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"
-                     f" last one ({mfu.format_bytes(sizes[-1])}, the first layers' grads) is sent after it")
-    elif dist.get_world_size(layout.ddp.group) > 1:
-        lines.append(f"critical path: the single bucket ({mfu.format_bytes(sizes[0])}) is sent after backward;"
-                     f" lower --bucket-mb to overlap it")
-    return lines
-
-
-AXIS_LINES["ddp"] = {"startup": ddp_startup_lines}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# --- zero --- (the ZeRO layout's lines)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def zero_startup_lines(layout, run, steps: int) -> list:
-    """What ZeRO holds and sends: the persistent bytes predicted (with Ψ, with the padded Ψ'_g) next to what
-    it holds, the peak bound, and which messages overlap what (zero.py's docstring, answers 2 and 3)."""
-    b, D, psi, stage = layout.bytes_per_param(), layout.dp_size, layout.numel, layout.stage
-    formula = {1: "(b_w+b_g)Ψ + b_oΨ/D", 2: "b_wΨ + (b_g+b_o)Ψ/D", 3: "(b_w+b_g+b_o)Ψ/D"}[stage]
-    exact = memory.persistent_bytes(psi, b, stage, D)
-    padded, held = layout.predicted_persistent(), layout.held_bytes()
-    sizes = ", ".join(f"{name} D={dist.get_world_size(group)}" for name, group in layout.groups.items()
-                      if layout.units_of(name))
-    name, units = mfu.format_dtype, len(layout.units)
-    lines = [f"ZeRO stage {stage} over {sizes}: {name(layout.param_dtype)} working weights and micro-batch"
-             f" grads, {name(layout.accumulate_dtype)} accumulated grads, {name(layout.reduce_dtype)} reduce-scatter,"
-             f" {name(layout.master_dtype)} optimizer (b_w={b.weights}, b_g={b.grads}, b_o={b.optimizer});"
-             f" {units} unit{'s' if units != 1 else ''}, Ψ={psi:,}, padded Ψ'={layout.padded_numel:,}",
-             f"persistent bytes per rank, {formula}:  predicted(Ψ, D={D}) / predicted(Ψ'_g, D_g) / held"]
-    for kind in ("weights", "grads", "optimizer", "total"):
-        lines.append(f"  {kind:<9} {mfu.format_bytes(exact[kind]):>12} {mfu.format_bytes(padded[kind]):>12}"
-                     f" {mfu.format_bytes(held[kind]):>12}")
-    lines.append(f"peak lower bound per rank (persistent + transient buffers, activations apart):"
-                 f" {mfu.format_bytes(layout.peak_lower_bound())}")
-    lines.append("messages: reduce_scatter of the gradients overlaps backward; the all_gather of unit k"
-                 " overlaps the update of unit k+1" if stage < 3 else
-                 "messages: each block's all_gather is prefetched behind the previous block's compute;"
-                 " exposed: the root and block 0 at the start of forward, the root's reduce_scatter at the end")
-    return lines
-
-
-def zero_end_lines(layout, run, steps: int) -> list:
-    """The peak bound again, and at stage 3 how many gathered blocks the schedule held at once (bound: 2)."""
-    return [f"  ZeRO-{layout.stage} peak lower bound {mfu.format_bytes(layout.peak_lower_bound())}"
-            + (f"; gathered blocks alive at once: {layout.peak_gathered_units} (bound: 2, in use + prefetched)"
-               if layout.stage == 3 else "")]
-
-
-AXIS_LINES["zero"] = {"startup": zero_startup_lines, "end": zero_end_lines}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# --- ckpt --- (the save line)
+# Each committed save (ckpt.py's Checkpointer calls on_save)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -627,507 +357,3 @@ def print_save(stats, mtbf_hours: float | None = None) -> None:
     """Checkpointer's on_save in train.py: rank 0 prints the save line (rank 0 holds the commit's totals)."""
     print0(save_line(stats, mtbf_hours))
 
-
-# ---------------------------------------------------------------------------------------------------------
-# --- moe ---
-# ---------------------------------------------------------------------------------------------------------
-
-MOE_BARS = "▁▂▃▄▅▆▇█"
-
-
-def moe_histogram(values) -> str:
-    """One character per value, its height proportional to value / max (blank for zero load)."""
-    values = [int(v) for v in values]
-    top = max(values) or 1
-    return "".join(MOE_BARS[min(len(MOE_BARS) - 1, v * (len(MOE_BARS) - 1) // top)] if v else " " for v in values)
-
-
-def moe_load_line(loads: list, dropped: int, steps: int, capacity_on: bool) -> str:
-    """`moe load over the 10 steps since the previous line ...`: loads[l][i] slots routed to expert i by MoE
-    layer l (before capacity), summed over layers; imbalance max/mean; what capacity dropped, or dropless."""
-    total = [sum(column) for column in zip(*loads)]
-    slots = sum(total)
-    mean = slots / len(total) if slots else 1.0
-    worst = max(max(load) / (sum(load) / len(load)) if sum(load) else 1.0 for load in loads)
-    span = "this step" if steps == 1 else f"the {steps} steps since the previous line"
-    if not capacity_on:
-        drops = "dropless"
-    elif dropped:
-        drops = f"{dropped} of the {slots} slots dropped by capacity ({100 * dropped / slots:.1f}%)"
-    else:
-        drops = f"none of the {slots} slots dropped by capacity"
-    return (f"moe load over {span} (this rank, {len(loads)} MoE layers): |{moe_histogram(total)}|"
-            f" {min(total)}..{max(total)} slots/expert, imbalance max/mean {max(total) / mean:.2f}"
-            f" (worst layer {worst:.2f}), {drops}")
-
-
-def moe_startup_lines(axis, run, steps: int = 0) -> list:
-    """The router, capacity, parameters (total and active), FLOPs, this rank's experts, the all-to-all estimate.
-    Start-up's own forwards through the layers (block 0 measured under a tracer) are no training step: the
-    layers' routing records are reset here, so the load lines and the end table count training only."""
-    axis.reset_routing()
-    traffic, config = axis.traffic, axis.traffic.model
-    n, k, tokens, whole = config.moe_experts, config.moe_topk, traffic.tokens, run.micro_batch_size * run.seq_len
-    counts, cap = memory.param_counts(config), moe.capacity(whole, k, n, config.moe_capacity_factor)
-    flops = mfu.flops_per_token(counts, config, run.seq_len)
-    held = sum(p.numel() for layer in axis.layers for p in layer.experts.parameters())
-    local = axis.layers[0].local if axis.layers else range(0)
-    capacity_text = "dropless" if cap is None else (
-        f"capacity f={config.moe_capacity_factor}: C = ⌈B_μ·s·k/N·f⌉ = {cap} slots per expert of each"
-        f" micro-batch (B_μ·s = {whole} tokens, decided in its token order"
-        + (f"; this rank routes T = {tokens} of them and gathers the others' choices" if tokens < whole else "") + ")")
-    lines = [
-        f"moe: N={n} experts, top-{k} (fp32 router: softmax → top-k → {'renormalised' if k > 1 else 'raw gate'}),"
-        f" on {counts['moe_layers']} of {config.n_layer} blocks (every {config.moe_every}); {capacity_text}"
-        f"; aux α={config.moe_aux_coef}, z β={config.moe_z_coef}",
-        f"  parameters: total {counts['total']:,}, active per token {counts['active']:,}"
-        f" (= total − L_moe·(N−k)·Ψ_e, Ψ_e = 8h²+5h = {counts['expert']:,});"
-        f" routers L_moe·h·N = {counts['router']:,}",
-        f"  FLOPs per token (model) 6·N_active + 12·L·H·Q·s = {mfu.format_flops(flops.model)},"
-        f" N_active = {counts['active_matmul']:,} matmul weights (k experts + router, not N)",
-        f"  expert parallel E={traffic.ep} (group ep), expert grads over expert_dp ({run.mesh.size('expert_dp')}"
-        f" ranks), router over dp×cp, replicated over tp: this rank holds experts [{local.start}, {local.stop}) of"
-        f" each MoE layer = {held:,} params = {mfu.format_bytes(held * next(run.model.parameters()).element_size())}"
-        f" weights, {mfu.format_bytes(held * 16)} with fp32 grads + AdamW",
-    ]
-    if traffic.ep > 1:
-        per_layer = 4 * tokens * k * config.n_embd * traffic.compute_bytes + 8 * n
-        calls, payload = axis.predicted_messages(run.layout).get(moe.ALL_TO_ALL, (0, 0))
-        lines.append(f"  all_to_all_single per MoE layer and micro-batch (group ep), uniform-routing estimate"
-                     f" S = R = T·k = {tokens * k}: fwd counts 8N + dispatch + combine, bwd both reversed ="
-                     f" 4·T·k·h·e_c + 8N = {mfu.format_bytes(per_layer)} payload, (E−1)/E on the wire ="
-                     f" {mfu.format_bytes(per_layer * (traffic.ep - 1) / traffic.ep)}; per step {calls} calls,"
-                     f" {mfu.format_bytes(payload)} (the startup table's figure; the end table predicts exactly,"
-                     f" from the routed counts)")
-    return lines
-
-
-def moe_step_lines(axis, run=None, steps: int = 0) -> list:
-    """With each logged step: this rank's routed slots per expert, summed over its MoE layers, micro-batches
-    and the training steps since the previous line (which it says), read in one `.tolist()` (MoEAxis.take_load)."""
-    load = axis.take_load()
-    if load is None:
-        return []
-    return [moe_load_line(*load, axis.traffic.model.moe_capacity_factor > 0)]
-
-
-def moe_end_lines(axis, run, steps: int) -> list:
-    """The all-to-all predicted from the routed counts beside the uniform-routing estimate (the end table
-    compares the first with the tracer); the load of the last steps, per MoE layer."""
-    lines = []
-    layers = max(1, len(axis.layers))
-    if axis.traffic.ep > 1 and steps:
-        counted = axis.traced_prediction(run.layout, steps).get(moe.ALL_TO_ALL, (0, 0))
-        uniform = axis.predicted_messages(run.layout).get(moe.ALL_TO_ALL, (0, 0))
-        lines.append(f"moe all_to_all_single (group ep) per MoE layer and step: predicted from this run's routed"
-                     f" counts {mfu.format_bytes(counted[1] / layers)} ({counted[0] / layers:.1f} calls; the end"
-                     f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"
-                     f" (the startup table's)")
-    if axis.last_load is None:
-        axis.take_load()  # no load line was printed: read the loads now
-    if axis.last_load is not None:
-        loads, _, span = axis.last_load
-        for layer, load in zip(axis.layers, loads):
-            mean = sum(load) / len(load) if sum(load) else 1.0
-            lines.append(f"moe load over the last {span} step{'s' if span != 1 else ''}, h.{layer.layer_id}:"
-                         f" |{moe_histogram(load)}| {load} imbalance {max(load) / mean:.2f}")
-    return lines
-
-
-AXIS_LINES["moe"] = {"startup": moe_startup_lines, "step": moe_step_lines, "end": moe_end_lines}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# --- tp ---
-# ---------------------------------------------------------------------------------------------------------
-
-
-def tp_startup_lines(axis, run, steps: int = 0) -> list:
-    """Block 0's tp messages per micro-batch, predicted (tensor_parallel.block_messages) and measured
-    (run.measured, when start-up measured it), the parameters per rank, the activation estimates."""
-    held, batch, config = axis.holding(), axis.batch, run.config
-    tp, format_bytes = run.mesh.size("tp"), mfu.format_bytes
-    lines = [f"tensor parallel T={tp}{' + sequence parallel' if held.sequence_parallel else ''}: messages per block"
-             f" and micro-batch (b={batch.micro}, s={batch.seq}, h={held.hidden}), on the critical path, group tp:"]
-    blocks = list(axis.model.transformer.h)
-    predicted = tensor_parallel.block_messages(batch, held, split_mlp=not blocks or isinstance(blocks[0].mlp, MLP))
-    measured = run.measured.on("tp") if run.measured is not None else None
-    for phase, messages in predicted.items():
-        for (op, _), (calls, payload) in messages.items():
-            line = f"  {phase:<8} {op:<22} predicted {calls} × {format_bytes(payload / calls):>10}"
-            if measured is not None:
-                got = measured.get((phase, op), Count(0, 0))
-                line += f"   measured {got.calls} × {format_bytes(got.payload / max(1, got.calls)):>10}"
-            lines.append(line)
-    for (phase, op), got in (measured or {}).items():
-        if (op, "tp") not in predicted[phase]:  # another axis's (FP8's amaxes), or a surprise
-            lines.append(f"  {phase:<8} {op:<22} predicted 0   measured {got.calls} × {format_bytes(got.payload)}")
-    if measured is not None and measured != {(phase, op): count for phase, messages in predicted.items()
-                                             for (op, _), count in messages.items()}:
-        lines.append("  (measured: block 0 as the run runs it, every axis's messages on tp included; the end's table"
-                     " checks each axis's prediction)")
-    model = axis.model  # what this rank holds: a pipeline stage's blocks, N/E experts of a MoE block
-    counts = memory.param_counts(config, tp, run.mesh.size("ep"), model.transformer.h.layer_ids,
-                                 model.has_embedding, model.has_head)
-    act = tensor_parallel.activation_estimates(config, batch.micro, batch.seq, tp)
-    lines.append(f"  parameters per rank: {counts['per_rank']:,} of {memory.param_counts(config)['total']:,}"
-                 f" ({counts['split']:,} split /T + {counts['per_rank'] - counts['split'] // tp:,} replicated) ="
-                 f" {format_bytes(counts['per_rank'] * batch.param_bytes)} weights,"
-                 f" {format_bytes(counts['per_rank'] * 16)} with grads and AdamW")
-    chosen = act["tp_sp"] if held.sequence_parallel else act["tp"]
-    lines.append(f"  activations per layer (Korthikanti, 16-bit): unsplit sbh(34+5as/h) = {format_bytes(act['none'])};"
-                 f" TP sbh(10+24/t+5as/(ht)) = {format_bytes(act['tp'])}; TP+SP (sbh/t)(34+5as/h) ="
-                 f" {format_bytes(act['tp_sp'])}; this run {format_bytes(chosen)} × L={config.n_layer}"
-                 f" = {format_bytes(chosen * config.n_layer)}")
-    return lines
-
-
-AXIS_LINES["tp"] = {"startup": tp_startup_lines}
-MEASURES_BLOCK.add("tp")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# --- cp ---
-# ---------------------------------------------------------------------------------------------------------
-
-
-def cp_startup_lines(axis, run, steps: int = 0) -> list:
-    """What CP cuts and sends (context_parallel.py's docstring, answers 1-3): block 0's messages predicted
-    (context_parallel.layer_messages) next to measured (run.measured), the causal work per rank, the activations,
-    and the ring's transfers timed alone. Collective over cp: every rank formats these lines."""
-    C, shape, impl, balance = axis.ring.size, axis.shape, axis.config.impl, axis.config.balance
-    s, format_bytes = shape.seq_len, mfu.format_bytes
-    lines = [f"context parallel C={C} ({impl}, {balance}): rank c holds "
-             + ("chunks c and 2C−1−c of 2C" if balance == "zigzag" else "the c-th s/C tokens")
-             + f" ({s // C} of s={s} tokens); parameters replicated, gradients summed over dp×cp",
-             f"  messages per layer and micro-batch, group cp (e_c={shape.compute_bytes},"
-             f" e_a={context_parallel.accumulator_bytes(shape.compute_bytes)}):"]
-    predicted = axis.layer_messages()
-    measured = run.measured.on("cp") if run.measured is not None else None
-    rows = [(phase, op, count) for phase, messages in predicted.items() for (op, _), count in messages.items()]
-    # Measured but not predicted by CP: another axis's messages on cp in block 0 (MoE's routing statistics).
-    rows += [(phase, op, Count(0, 0)) for phase, op in (measured or {}) if (op, "cp") not in predicted[phase]]
-    for phase, op, (calls, payload) in rows:
-        line = f"    {phase:<8} {op:<18} predicted {calls} × {format_bytes(payload / max(1, calls)):>10}"
-        if measured is not None:
-            got = measured.get((phase, op), Count(0, 0))
-            line += f"   measured {got.calls} × {format_bytes(got.payload / max(1, got.calls)):>10}"
-        lines.append(line)
-    if measured is not None and shape.checkpointing:
-        lines.append("    (measured: block 0 run once, outside activation checkpointing, so its backward lacks the"
-                     " recomputed forward's messages the prediction adds)")
-    sent = sum(payload for (op, _), (_, payload) in axis.predicted_messages().items() if op != "recv")
-    layers = len(axis.model.transformer.h)
-    lines.append(f"  per step (× L={layers} × m={axis.micro_batches}): {format_bytes(sent)} sent")
-    lines += cp_causal_work_lines(s, C) + cp_activation_lines(axis, run)
-    if impl == "ring":
-        alone = time_ring_alone(axis)
-        lines.append(f"  ring transfers alone (no compute): forward {alone['forward'] * 1e3:.2f} ms,"
-                     f" backward {alone['backward'] * 1e3:.2f} ms per layer")
-    return lines
-
-
-def cp_causal_work_lines(seq_len: int, cp: int) -> list:
-    lines = [f"  causal work per CP rank, (query, key) pairs for s={seq_len} (max/mean is the imbalance):"]
-    for balance, pairs in context_parallel.causal_work(seq_len, cp).items():
-        ratio = max(pairs) / (sum(pairs) / len(pairs))
-        lines.append(f"    {balance:<10} " + " ".join(f"{p:>10,}" for p in pairs) + f"   max/mean {ratio:.3f}")
-    return lines
-
-
-def cp_activation_lines(axis, run) -> list:
-    """Block 0's measured saved bytes next to Korthikanti's estimate and its CP form (÷ C).
-
-    The estimate counts 16-bit elements; the measurement is in the run's dtypes, so it is also shown scaled
-    by 2/e_c (exact when every saved tensor is in the compute dtype; autocast keeps LayerNorm inputs fp32)."""
-    C, s, b, h, tp = axis.ring.size, axis.shape.seq_len, axis.shape.micro, run.config.n_embd, run.mesh.size("tp")
-    sp, format_bytes = run.settings.sequence_parallel, mfu.format_bytes
-    full = memory.activation_bytes_per_layer(s, b, h, run.config.n_head, tp, sp)
-    # Without the score term (a = 0) and without the two 1-byte dropout masks of the residual branches.
-    flash = memory.activation_bytes_per_layer(s, b, h, 0, tp, sp) - 2 * s * b * h / (tp if sp else 1)
-    line = (f"  activations per layer and micro-batch (Korthikanti 2022, 16-bit, ÷ C={C}): sbh(34+5as/h)/C ="
-            f" {format_bytes(full / C)}; no stored scores, no dropout masks (32sbh)/C = {format_bytes(flash / C)}")
-    if run.measured is not None:
-        saved = run.measured.saved_bytes
-        line += (f"; measured (saved_tensors_hooks) {format_bytes(saved)}, × 2/e_c = "
-                 f"{format_bytes(saved * 2 / axis.shape.compute_bytes)}")
-    return [line]
-
-
-def time_ring_alone(axis) -> dict:
-    """Seconds per layer of one micro-batch's ring transfers with no compute between them, by the ring's clock
-    (collective over cp): forward (C−1) hops of [K; V]; backward (C−1) of [K; V] and C of [dK; dV]."""
-    ring, shape = axis.ring, axis.shape
-    device = next(axis.model.parameters()).device
-    dtypes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
-    size = (2, shape.micro * shape.seq_len // ring.size, shape.width)
-    kv = torch.zeros(size, dtype=dtypes[shape.compute_bytes], device=device)
-    dkv = torch.zeros(size, dtype=dtypes[context_parallel.accumulator_bytes(shape.compute_bytes)], device=device)
-
-    def hops(tensors):
-        def transfers():
-            for tensor in tensors:
-                ring.wait(ring.post(tensor))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        return transfers
-
-    return {"forward": ring.clock.time_alone("forward", hops([kv] * (ring.size - 1))),
-            "backward": ring.clock.time_alone("backward", hops([kv] * (ring.size - 1) + [dkv] * ring.size))}
-
-
-def cp_end_lines(axis, run, steps: int) -> list:
-    """How much of the ring's transfer time compute hid over the training steps' passes (Ulysses: none)."""
-    C, impl = axis.ring.size, axis.config.impl
-    if impl != "ring":
-        return [f"context parallel C={C} ({impl}): the all-to-alls are blocking, none of their time is hidden"
-                f" (their seconds: the communication table below)"]
-    layers, m = len(axis.model.transformer.h), axis.micro_batches
-    recompute = " (forward ×2: activation checkpointing)" if axis.shape.checkpointing else ""
-    on_cpu = next(axis.model.parameters()).device.type == "cpu"
-    return [f"context parallel C={C} (ring): ring time over the {steps} training steps' passes, L={layers} × m={m}"
-            f" per step and phase{recompute}; evaluation not included:", *cp_hidden_lines(axis.ring.clock, on_cpu)]
-
-
-def cp_hidden_lines(clock, on_cpu: bool = False) -> list:
-    """How much of the ring's transfer time compute hid, per phase: at least 1 − waited / (the transfers alone),
-    both per pass (clock: the ring's mfu.WaitClock). A lower bound: wait() also blocks on a peer that has not
-    sent yet (imbalance; on a shared host, a peer that was descheduled), so the waits can outlast the transfers
-    even when each one overlapped. on_cpu: also the CPU cores a rank kept busy while it computed (process CPU /
-    (wall − waited); a gloo wait sleeps), next to its torch threads: a one-thread rank with less than one core
-    busy was descheduled, i.e. the ranks time-share the host's cores."""
-    lines, shared = [], False
-    for phase, stat in clock.phases.items():
-        waited, seconds = stat.waited / stat.passes, stat.seconds / stat.passes
-        line = (f"  ring {phase:<8}: {stat.passes} passes, {seconds * 1e3:.2f} ms each, blocked in wait()"
-                f" {waited * 1e3:.2f} ms ({waited / seconds:.0%})")
-        if clock.alone.get(phase, 0) > 0:
-            alone = clock.alone[phase]
-            line += (f"; the transfers alone {alone * 1e3:.2f} ms: at least"
-                     f" {min(1.0, max(0.0, 1 - waited / alone)):.0%} of them hidden behind compute")
-        if on_cpu:
-            threads, cores = torch.get_num_threads(), stat.cpu / max(1e-9, stat.seconds - stat.waited)
-            shared = shared or (threads == 1 and cores < 0.8)
-            line += f"; {cores:.2f} CPU cores busy while computing ({threads} torch threads)"
-        lines.append(line)
-    if lines:
-        lines.append("  (at least: wait() also counts a slower peer's compute, so 0% means the waits outlast the"
-                     " transfers, not that none overlapped)")
-    if shared:
-        lines.append(f"  (under one core busy on one thread: the ranks time-share this host's {os.cpu_count()} cores; a"
-                     " rank's waits are then mostly its peers' descheduled compute, and gloo's copies of the"
-                     " 'hidden' transfers are CPU work taken from that compute)")
-    return lines
-
-
-AXIS_LINES["cp"] = {"startup": cp_startup_lines, "end": cp_end_lines}
-MEASURES_BLOCK.add("cp")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# --- pp ---
-# ---------------------------------------------------------------------------------------------------------
-
-PP_IN_FLIGHT_TEXT = {"gpipe": "m", "1f1b": "min(P−r, m)", "zb": "min(P−r, m)",
-                     "interleaved": "min(2(P−r−1) + (v−1)(P + m mod P) + 1, v·m)"}
-
-
-def pp_startup_lines(axis, run, steps: int = 0) -> list:
-    """The schedule and its predicted bubble, the split, this rank's activations in flight, p2p per stage pair.
-    run: B_μ and this rank's tokens of a row (settings.local_seq_len: ÷C under CP, ÷T under SP)."""
-    c, s, m = axis.config, axis.schedule, axis.m
-    micro, seq = run.micro_batch_size, run.settings.local_seq_len
-    lines = [f"pipeline {s.name}: P={s.P} stages" + (f" × v={s.v} chunks" if s.v > 1 else "") + f", m={m}"
-             f" micro-batches; bubble predicted {schedules.bubble_formula(s.name, s.P, m, s.v):.1%} ="
-             f" {schedules.BUBBLE_TEXT[s.name]} (uniform costs)"]
-    lines += pp_split_lines(c, s.P, s.v)
-    per_layer = (4 * seq * micro * c.n_embd if c.activation_checkpointing else
-                 memory.activation_bytes_per_layer(seq, micro, c.n_embd, c.n_head))
-    layers = len(schedules.stage_layers(c.n_layer, s.P, s.v, s.rank))
-    peak, stash = schedules.in_flight(s.programs(m)[s.rank])
-    lines.append(f"  in flight on pp rank {s.rank}: {peak} chunk-micro-batches ({PP_IN_FLIGHT_TEXT[s.name]}) ×"
-                 f" {layers} layers × {mfu.format_bytes(per_layer)} (16-bit, Korthikanti) ="
-                 f" {mfu.format_bytes(peak * layers * per_layer)} of activations"
-                 + (f", and up to {stash} W stashes of ≈16·b·s·h per layer" if s.name == "zb" else ""))
-    pairs = schedules.p2p_counts(s.programs(m), s.n_chunks)
-    lines.append(f"  p2p per step, messages of b·s·h·e = {mfu.format_bytes(axis.message_bytes())} per stage pair: "
-                 + ", ".join(f"{a}→{b}: {n}" for (a, b), n in sorted(pairs.items())))
-    return lines
-
-
-def pp_split_lines(config, P: int, v: int = 1) -> list:
-    """The split, printed: layers and parameters per stage, and a warning when it is uneven."""
-    lines = []
-    for rank in range(P):
-        params = memory.param_counts(config, **pipeline.stage_kwargs(config.n_layer, rank, P, v))["total"]
-        ranges = [schedules.stage_layers(config.n_layer, P, v, c) for c in schedules.rank_chunks(rank, P, v)]
-        text = " + ".join(f"{r.start}..{r.stop - 1}" for r in ranges)
-        extra = (" + embeddings" if rank == 0 else "") + (" + ln_f, head (tied copy)" if rank == P - 1 else "")
-        lines.append(f"  stage {rank}: layers {text}{extra}: {params:,} parameters")
-    sizes = [len(r) for r in schedules.split_layers(config.n_layer, P * v)]
-    if len(set(sizes)) > 1:
-        lines.append(f"  WARNING uneven split: {config.n_layer} layers over {P * v} chunks give {max(sizes)} layers to"
-                     f" chunks {[c for c, n in enumerate(sizes) if n == max(sizes)]} and {min(sizes)} to the others:"
-                     f" the slowest stage sets the pace ({max(sizes) / min(sizes):.2f}× the work)")
-    return lines
-
-
-def pp_end_lines(axis, run=None, steps: int = 0) -> list:
-    """The bubble predicted, simulated with the measured action costs and measured; the mean action times;
-    the last step's timeline (and its Chrome trace on pp rank 0, with a trace file). COLLECTIVE over the pp
-    group (it gathers every rank's timings): print_end calls it on every rank."""
-    s, clock, m = axis.schedule, axis.schedule.clock, axis.m
-    timed = [t for t in clock.timings if not t[3]] or list(clock.timings)  # the first step warms up
-    durations = {}
-    for _, _, by_kind, _ in timed:
-        for kind, values in by_kind.items():
-            durations[kind] = durations.get(kind, []) + values
-    bubble = 1 - sum(busy / wall for wall, busy, _, _ in timed) / len(timed) if timed else float("nan")
-    mine = dict(bubble=bubble, events=clock.events,
-                costs={kind: sum(values) / len(values) for kind, values in durations.items()})
-    ranks = [None] * s.P
-    dist.all_gather_object(ranks, mine, group=s.group)
-    costs, events = [r["costs"] for r in ranks], [r["events"] for r in ranks]
-    simulated = sum(schedules.bubble_of(schedules.simulate(s.programs(m), costs))) / s.P
-    why = pp_bubble_note(costs, simulated, _ranks_on_node(), torch.get_num_threads(), os.cpu_count(),
-                         cpu=not next(axis.model.parameters()).is_cuda)
-    lines = [f"pipeline {s.name} P={s.P} m={m}: bubble predicted {schedules.bubble_formula(s.name, s.P, m, s.v):.1%}"
-             f" ({schedules.BUBBLE_TEXT[s.name]}), simulated with the measured costs {simulated:.1%}, measured"
-             f" per rank " + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)"
-             + (f"\n  {why}" if why else ""),  # the end line and, printed under it, why they differ
-             "  mean action time per rank (ms): " + "; ".join(
-                 f"pp{i} " + " ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(r.items())) for i, r in enumerate(costs))]
-    lines += ["  one executed step (the last), per pp rank:"] + pp_timeline(events)
-    if axis.trace_file and s.rank == 0:
-        pp_write_chrome_trace(axis.trace_file, events)
-        lines.append(f"  Chrome trace of that step written to {axis.trace_file} (Perfetto, chrome://tracing)")
-    return lines
-
-
-def pp_bubble_note(costs: list, simulated: float, ranks: int, threads: int, cores: int | None, cpu: bool = True,
-                   tolerance: float = 0.1) -> str:
-    """Why a measured bubble differs from the formula, for the reasons a run can see ("" when none holds):
-    its ranks time-share the node's cores (on CPU), or the measured action costs (per rank {kind: seconds})
-    are not the uniform ones the formula assumes (F equal on every stage, B = 2F, I = W = F)."""
-    reasons = []
-    if cpu and cores and ranks * threads > cores:
-        reasons.append(f"{ranks} ranks × {threads} thread{'s' * (threads > 1)} share {cores} cores, so ranks take"
-                       f" turns on them: an action's time includes waiting for a core, and its peers wait on it")
-    uneven, forwards = [], [c["F"] for c in costs if c.get("F")]
-    if len(forwards) == len(costs) and max(forwards) > (1 + tolerance) * min(forwards):
-        uneven.append(f"F differs {max(forwards) / min(forwards):.2f}× between stages")
-    for kind in ("B", "I", "W"):
-        ratios = [c[kind] / c["F"] for c in costs if kind in c and c.get("F")]
-        uniform = schedules.UNIFORM[kind] / schedules.UNIFORM["F"]
-        if any(abs(ratio / uniform - 1) > tolerance for ratio in ratios):
-            uneven.append(f"{kind}/F {min(ratios):.2f}..{max(ratios):.2f}, uniform {uniform:g}")
-    if uneven:
-        reasons.append("the measured costs are not the uniform ones (" + "; ".join(uneven) + "), so ranks also"
-                       " wait on slower peers")
-    if not reasons:
-        return ""
-    return ("why the measured bubble differs: " + "; ".join(reasons) + ". The figure comparable with the"
-            f" prediction is the simulation with the measured costs, {simulated:.1%}")
-
-
-def _ranks_on_node() -> int:
-    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, else every rank (one node, as the tests run)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or dist.get_world_size()
-
-
-def pp_timeline(events_per_rank: list, width: int = 96) -> list:
-    """One row per rank: F/B/I/W (upper case even micro-batches, lower case odd), '.' idle."""
-    end = max((e["end"] for events in events_per_rank for e in events), default=0.0) or 1.0
-    lines = []
-    for rank, events in enumerate(events_per_rank):
-        row = ["."] * width
-        for e in events:
-            if e["cat"] == "compute":
-                a = min(width - 1, int(e["start"] / end * width))
-                for i in range(a, max(a + 1, min(width, round(e["end"] / end * width)))):
-                    row[i] = e["kind"] if e["mb"] % 2 == 0 else e["kind"].lower()
-        lines.append(f"  pp{rank} |{''.join(row)}|")
-    lines.append(f"  ({end * 1e3:.1f} ms across {width} columns; each rank's clock starts at its step start)")
-    return lines
-
-
-def pp_write_chrome_trace(path: str, events_per_rank: list) -> None:
-    """A Chrome-trace JSON: one process per pp rank, a compute thread and a p2p thread."""
-    trace = []
-    for rank, events in enumerate(events_per_rank):
-        trace.append(dict(name="process_name", ph="M", pid=rank, tid=0, args=dict(name=f"pp rank {rank}")))
-        for tid, label in ((0, "compute"), (1, "p2p")):
-            trace.append(dict(name="thread_name", ph="M", pid=rank, tid=tid, args=dict(name=label)))
-        for e in events:
-            args = {k: e[k] for k in ("mb", "chunk", "bytes") if k in e}
-            trace.append(dict(name=e["name"], cat=e["cat"], ph="X", pid=rank, tid=0 if e["cat"] == "compute" else 1,
-                              ts=e["start"] * 1e6, dur=(e["end"] - e["start"]) * 1e6, args=args))
-    with open(path, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-
-
-AXIS_LINES["pp"] = {"startup": pp_startup_lines, "end": pp_end_lines}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# --- fp8 ---
-# ---------------------------------------------------------------------------------------------------------
-
-def _fp8_startup(handle, run, steps: int) -> list:
-    """The recipe, which linears and GEMMs, the memory FP8 saves, the FP8 share of the FLOPs (the blended peak
-    MFU should use on GPUs) and the amax reductions per step (fp8.py's docstring, items 2 and 3)."""
-    r, linears = handle.recipe, list(handle.linears.values())
-    gemm = "torch._scaled_mm" if linears and linears[0].use_scaled_mm else "emulated (no FP8 tensor cores here)"
-    detail = f", history L={r.amax_history}, {r.amax_algo}" if r.mode == "delayed" else ""
-    lines = [f"fp8 {r.mode}{detail}, margin {r.margin}: {len(linears)} block linears in FP8 (E4M3 X, W;"
-             f" {'E4M3' if r.mode == 'blockwise' else 'E5M2'} dY), GEMMs {gemm}; embedding, head, loss,"
-             f" routers in the compute dtype"]
-    tokens, compute_bytes = run.micro_batch_size * run.seq_len // run.mesh.size("cp"), run.compute_dtype.itemsize
-    saved, weights = fp8.saved_input_bytes(linears, tokens, compute_bytes), sum(lin.weight.numel() for lin in linears)
-    lines.append(f"  memory: saved inputs in FP8 {mfu.format_bytes(saved['fp8'])} instead of"
-                 f" {mfu.format_bytes(saved['compute'])} per micro-batch in flight (Σ M·K_j, M={tokens}):"
-                 f" {mfu.format_bytes(saved['saved'])} less; FP8 weight copies {mfu.format_bytes(weights)}"
-                 f" (autocast's were {mfu.format_bytes(weights * compute_bytes)}); scaling state"
-                 f" {mfu.format_bytes(len(linears) * (3 * r.amax_history + 18) * 4)}")
-    peak = mfu.PEAK_TFLOPS["H100"]
-    f = mfu.block_linear_flops_fraction(memory.param_counts(run.config), run.config, run.seq_len)
-    lines.append(f"  MFU: {f:.0%} of model FLOPs run in FP8; on GPUs divide by the blended peak"
-                 f" 1/(f/P_fp8 + (1-f)/P_bf16) (H100: {mfu.blended_peak(f, peak['bf16'], peak['fp8']):.0f}"
-                 f" TFLOP/s from {peak['bf16']:g} bf16, {peak['fp8']:g} fp8 dense)")
-    for (op, group), (calls, payload) in handle.predicted_messages(run.layout).items():
-        lines.append(f"  messages per step: {op} {group}: {calls} × {mfu.format_bytes(payload / calls)}"
-                     f" (amax MAX reductions)")
-    return lines
-
-
-def _fp8_scale_table(handle, run, steps: int) -> list:
-    """Per layer and linear: the scales in use and the share of saturated values since the last table (this
-    rank's tensors). Blockwise shows the smallest tile scale (the tile with the largest amax)."""
-    names = {name: name.removeprefix("transformer.h.") for name in handle.linears}
-    width = max([len("layer.linear"), *map(len, names.values())])
-    rows = [f"fp8 {handle.recipe.mode}: the scales in use and the saturated share since the last table (this rank)",
-            f"  {'layer.linear':<{width}}" + "".join(f"  {role + ' scale':>17} {'sat':>6}" for role in fp8.ROLES)]
-    for name, linear in handle.linears.items():
-        scales = (linear.scale if handle.recipe.mode == "delayed" else linear.last_scale).tolist()
-        rows.append(f"  {names[name]:<{width}}" + "".join(f"  {s:17.3e} {p:5.2f}%"
-                                                           for s, p in zip(scales, _take_saturation(linear))))
-    return rows
-
-
-def _take_saturation(linear) -> list:
-    """Per role, the percentage of values the clamp cut since the last table (this rank's); restarts."""
-    shares = [100 * c / max(1, n) for c, n in zip(linear.saturated.tolist(), linear.quantized)]
-    linear.saturated.zero_()
-    linear.quantized = [0, 0, 0]
-    return shares
-
-
-def _fp8_end(handle, run, steps: int) -> list:
-    """What only FP8 can say at the end: its amax reductions are in the message table (traced against every
-    axis's prediction, this one's `traced_prediction`), its scales in the last step's table."""
-    first = f"{handle.first_steps} scaled like current (empty history), " if handle.recipe.mode == "delayed" else ""
-    return [f"fp8 {handle.recipe.mode}: steps {steps} ({first}{handle.nonfinite_steps} with a non-finite amax,"
-            f" skipped on every rank)"]
-
-
-AXIS_LINES["fp8"] = {"startup": _fp8_startup, "step": _fp8_scale_table, "end": _fp8_end}

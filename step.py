@@ -39,8 +39,8 @@ class Axis:
 
     Six methods, the same for every axis, so that the step, the checkpoint and the printouts loop over handles
     and never ask which axes are on. Four serve training, two accounting; every one has a default that does
-    nothing, and an axis overrides what it needs. What an axis prints lives in its section of report.py
-    (report.AXIS_LINES[name]), which reads the handle; nothing is set on a handle from outside.
+    nothing, and an axis overrides what it needs. What an axis prints lives in its section of report_axes.py
+    (report_axes.AXIS_LINES[name]), which reads the handle; nothing is set on a handle from outside.
     """
 
     name: ClassVar[str] = "axis"

@@ -1,7 +1,8 @@
 """The time model: one rank role's figures (what it holds, what it sends per step) and its predicted step time.
 
 A Role is read from a built run exactly where a real run's start-up reads its predictions (role_of:
-layout.predicted_persistent, report.predicted_messages, report.activation_estimate, the schedule's bubble).
+layout.predicted_persistent, report.predicted_messages, activations.activation_estimate, the schedule's
+bubble).
 plan.py builds each role on meta in a fake process group and plan_search.py gives roles from formulas; every
 real run checks the model against its own steps (check_line, on hardware.machine_model: this machine).
 
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import activations
 import hardware
 import memory
 import mfu
@@ -60,7 +62,7 @@ class Role:
     local_params: int
     logical: dict  # {global name: elements of the logical tensor}: Ψ is their sum over the roles
     persistent: dict  # {"weights", "grads", "optimizer", "total"} bytes
-    activations: object  # report.ActivationEstimate: one forward's bytes, how many in flight, their peak
+    activations: object  # activations.ActivationEstimate: one forward's bytes, how many in flight, their peak
     temporaries: dict  # {what: bytes}
     messages: Messages  # per step, (op, group as the tracer names it): (calls, payload)
     group_ranks: dict  # {group name: global ranks of this rank's group}
@@ -81,7 +83,7 @@ def role_of(run, device_type: str | None = None) -> Role:
     activations as the kernels of `device_type` save them (the plan's: "cuda"; default the run's device)."""
     layout, mesh = run.layout, run.mesh
     persistent = dict(layout.predicted_persistent())
-    estimate = report.activation_estimate(run, device_type)
+    estimate = activations.activation_estimate(run, device_type)
     temporaries, last_bucket, first_gather = {}, 0.0, 0.0
     if isinstance(layout, zero.ZeroLayout):
         extra = layout.peak_lower_bound() - persistent["total"]

@@ -163,7 +163,7 @@ class ZeroLayout:
     (Mesh.coordinates()): this rank's index along the model axes (which replicated copies count: TP rank 0's
     LayerNorms, ...)."""
 
-    name = "zero"  # its lines are report.py's section of that name
+    name = "zero"  # its lines are report_axes.py's section of that name
     stages = (1, 2)  # the stages this class runs
 
     def __init__(self, module: nn.Module, config: ZeroConfig, groups: dict | None = None, coords: dict | None = None):

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import memory  # noqa: E402
 import moe  # noqa: E402
-import report  # noqa: E402
+import report_axes  # noqa: E402
 from common import add_device_argument, alternate, launch, rank_device  # noqa: E402
 from mesh import MeshShape, build_mesh  # noqa: E402
 from comm import CommTracer  # noqa: E402
@@ -139,7 +139,7 @@ def _print_table(config, args, device, variants: dict, traced: dict, times: dict
     print("  a2a = all_to_all_single payload on the ep group per step (input bytes, all MoE layers; uniform:"
           " 4·T·k·h·4 + 8N per layer), wire = (E−1)/E of it; AR = the gradient all-reduce payload per step")
     for name, v in variants.items():  # the same data and model each step: the load of the timed steps together
-        print(f"  {name} rank 0, timed steps: " + report.moe_step_lines(v.handle)[0])
+        print(f"  {name} rank 0, timed steps: " + report_axes.moe_step_lines(v.handle)[0])
 
 
 def main():

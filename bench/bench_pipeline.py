@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mfu  # noqa: E402
 import pipeline as pp  # noqa: E402
-import report  # noqa: E402
+import report_axes  # noqa: E402
 import schedules  # noqa: E402
 from bench.common import add_device_argument, launch, rank_device, synchronize  # noqa: E402
 from mesh import build_mesh, infer_mesh_shape  # noqa: E402
@@ -139,8 +139,8 @@ def _bench(rank, world, args):
             if round_index >= args.warmup:
                 times[key].append(time.perf_counter() - start)
     medians = {key: statistics.median(values) for key, values in times.items()}
-    # report.py's end lines of each of ours (collective over pp: every rank calls them, rank 0 prints).
-    lines = [(name, report.pp_end_lines(handle)) for name, (_, handle) in ours.items()]
+    # report_axes.py's end lines of each of ours (collective over pp: every rank calls them, rank 0 prints).
+    lines = [(name, report_axes.pp_end_lines(handle)) for name, (_, handle) in ours.items()]
     if rank == 0:
         where = "one GPU per rank" if device.type == "cuda" else f"{torch.get_num_threads()} thread(s) per rank"
         print(f"\nP={P}, m={m}, {config.n_layer} layers, h={config.n_embd}, micro-batch {args.micro}×{args.seq}"

@@ -1,5 +1,5 @@
-"""The activation estimate the run prints (report.activation_estimate, memory.py's formulas of what the kernels save)
-against what autograd really saves, and the measured peak of a step.
+"""The activation estimate the run prints (activations.activation_estimate, memory.py's formulas of what the kernels
+save) against what autograd really saves, and the measured peak of a step.
 
 Each case builds the run from flags as train.py does and measures one micro-batch's forward with
 memory.SavedActivations (saved_tensors_hooks, each storage once). The estimate must be within TOL of it:
@@ -132,14 +132,14 @@ SINGLE = {  # case: (flags, autocast dtype, the attention path the estimate must
 
 @pytest.mark.parametrize("case", SINGLE)
 def test_estimate_matches_what_one_forward_saves(case):
-    import report
+    import activations
 
     flags, dtype, kernel = SINGLE[case]
     run = build_run(flags, dtype)
     x, y, pos = batch(run)
     measured = saved_by_forward(run, lambda: run.model(x, y, pos))
-    estimate = report.activation_estimate(run)
-    assert report.activation_shape(run).kernel == kernel
+    estimate = activations.activation_estimate(run)
+    assert activations.activation_shape(run).kernel == kernel
     assert estimate.hidden == 0 and estimate.in_flight == 1 and estimate.recomputed == 0
     assert within(measured, estimate.forward), (case, measured, estimate.forward, estimate.terms)
 
@@ -160,7 +160,7 @@ def test_attention_path_is_the_one_sdpa_takes(dtype):
 def test_checkpointing_keeps_the_block_inputs_and_rebuilds_one_block():
     """Forward: the block inputs, the embeddings and the head (a checkpoint's own hooks take the rest);
     backward rebuilds one block at a time: its saved bytes, less its input (the checkpoint holds it)."""
-    import report
+    import activations
 
     run = build_run(["--activation-checkpointing", "--dropout", "0.1"], "bf16")
     x, y, pos = batch(run)
@@ -168,7 +168,7 @@ def test_checkpointing_keeps_the_block_inputs_and_rebuilds_one_block():
     block = run.model.transformer.h[0]
     h = torch.randn(MICRO, SEQ, run.config.n_embd, requires_grad=True)
     rebuilt = saved_by_forward(run, lambda: block(h)) - h.untyped_storage().nbytes()
-    estimate = report.activation_estimate(run)
+    estimate = activations.activation_estimate(run)
     assert within(forward, estimate.forward), (forward, estimate.terms)
     assert within(rebuilt, estimate.recomputed), (rebuilt, estimate.recomputed)
 
@@ -236,7 +236,7 @@ def held_after_forward(run, x, y, pos, tries: int = 5) -> int:
 
 def _ranks(rank, world):
     import memory
-    import report
+    import activations
     from optim import DynamicLossScaler
     from reference import global_batches, rank_micro_batches
     from step import train_step
@@ -247,7 +247,7 @@ def _ranks(rank, world):
         x, y, pos = batch(run)
         saved = saved_by_forward(run, lambda: run.layout(x, y, pos))
         held = held_after_forward(run, x, y, pos) if case == "tp+sp" else None  # what the hooks cannot see
-        out[case] = dict(saved=saved, held=held, estimate=report.activation_estimate(run))
+        out[case] = dict(saved=saved, held=held, estimate=activations.activation_estimate(run))
 
     def steps(run, count: int):
         """(x, y, pos) micro-batches of `count` steps of this rank, B_global = 8."""
@@ -269,7 +269,7 @@ def _ranks(rank, world):
     live = LiveSaved(run.model.parameters())
     train(run, second, torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack))
     out["pp"] = dict(saved=run.schedule.saved_activation_bytes, live_peak=live.peak,
-                     estimate=report.activation_estimate(run))
+                     estimate=activations.activation_estimate(run))
 
     # DDP over 2 ranks: the second step's host memory (the first allocates AdamW's moments), as train.py.
     run = build_run(["--global-batch", "8"], "fp32", world, rank, compose=True)
@@ -278,7 +278,8 @@ def _ranks(rank, world):
     timeline = memory.MemoryTimeline()
     train(run, second, timeline)
     out["ddp"] = dict(peak=run.layout.held_bytes()["total"] + timeline.peak,
-                      persistent=run.layout.predicted_persistent()["total"], estimate=report.activation_estimate(run))
+                      persistent=run.layout.predicted_persistent()["total"],
+                      estimate=activations.activation_estimate(run))
     return out
 
 

@@ -521,7 +521,7 @@ def _activations(rank, world):
     """Block 0's saved bytes at C = 1 (a ring of one) and C = 2, same global sequence; then a composed run: what
     start-up measured, its cp lines, one training step and one evaluation pass, the end lines."""
     import context_parallel as cp
-    import report
+    import report_axes
     from mesh import build_mesh, infer_mesh_shape
     from memory import SavedActivations
     from model import GPT
@@ -549,13 +549,13 @@ def _activations(rank, world):
                layer_messages={(phase, op): count for phase, messages in axis.layer_messages().items()
                                for (op, _), count in messages.items()},
                phases_after_startup=dict(axis.ring.clock.phases))
-    out["startup"] = report.cp_startup_lines(axis, run)
+    out["startup"] = report_axes.cp_startup_lines(axis, run)
     batches = axis.shard_batches(rank_micro_batches(*global_batches(1, 2, SEQ)[0], dp_rank=0, dp_size=1, micro=2))
     train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 0.0, run.autocast,
                device, model=run.model, schedule=run.schedule, axes=run.axes, data_size=run.mesh.size("dp"))
     run.schedule.forward_only(run.layout, run.model, batches, run.autocast, device)  # evaluation: not charged
     out["passes"] = {phase: stat.passes for phase, stat in axis.ring.clock.phases.items()}
-    out["end"] = report.cp_end_lines(axis, run, 1)
+    out["end"] = report_axes.cp_end_lines(axis, run, 1)
     return out
 
 
@@ -589,7 +589,7 @@ def test_block_0_measured_at_startup_saves_what_the_block_saves(activation_ranks
 
 
 def test_startup_measurement_leaves_the_ring_clock_empty(activation_ranks):
-    """report.measure_block runs a copy of block 0: none of its passes is charged to the run's ring."""
+    """measure.measure_block runs a copy of block 0: none of its passes is charged to the run's ring."""
     for result in activation_ranks:
         assert result["phases_after_startup"] == {}
 

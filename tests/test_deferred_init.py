@@ -268,7 +268,7 @@ def test_the_end_of_run_sample_runs_through_the_layout_and_frees_every_block(rea
 
 
 def test_block_zero_is_measured_at_start_up_on_a_zero3_meta_model(real_builds):
-    """train.main's compose(measure=True) under ZeRO-3 × TP: report.measure_block runs a materialised copy of the
+    """train.main's compose(measure=True) under ZeRO-3 × TP: measure.measure_block runs a materialised copy of the
     meta block 0 (the model itself stays unmaterialised: the shards are the same as without measuring)."""
     for results in real_builds:
         saved, values = results["measured"]

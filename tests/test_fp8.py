@@ -32,7 +32,7 @@ import fp8
 import harness
 import memory
 import mfu
-import report
+import report_axes
 from harness import run_ranks
 from reference import HYPER, WholeGrads, global_batches, make_config, rank_micro_batches
 
@@ -480,7 +480,7 @@ def cached_and_uncached(request):
                 losses.append(loss_sum.detach())
             handle.after_grad_sync()
             counts.append(counter.take())
-            tables.append(report.axis_lines(handle, "step", None))
+            tables.append(report_axes.axis_lines(handle, "step", None))
             optimizer.step()
             optimizer.zero_grad()
         runs[cached] = dict(losses=losses, params=list(model.parameters()), state=fp8_state(handle), tables=tables,
@@ -764,7 +764,7 @@ def test_a_nonfinite_amax_on_one_rank_skips_the_step_on_every_rank(mesh_runs):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The trainer's entry points: flags, apply, the protocol, the printouts (report.py's fp8 section)
+# The trainer's entry points: flags, apply, the protocol, the printouts (report_axes.py's fp8 section)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -838,14 +838,14 @@ def test_the_fp8_share_of_flops_counts_the_linears_converted():
     with plan.fake_world(0, 1):
         run = plan.build_role(settings, 0)
         handle = next(axis for axis in run.axes if axis.name == "fp8")
-        text = "\n".join(report.axis_lines(handle, "startup", run))
+        text = "\n".join(report_axes.axis_lines(handle, "startup", run))
     converted = sum(m.weight.numel() for m in run.model.modules() if isinstance(m, fp8.Fp8Linear))
     assert f"MFU: {6 * converted / run.flops.model:.0%} of model FLOPs run in FP8" in text
 
 
 def test_startup_lines_name_the_recipe_memory_and_mfu(applied):
     _, run, handle = applied
-    lines = "\n".join(report.axis_lines(handle, "startup", run))
+    lines = "\n".join(report_axes.axis_lines(handle, "startup", run))
     assert "fp8 delayed, history L=4, max, margin 0: 8 block linears in FP8" in lines
     assert "memory: saved inputs in FP8" in lines and "MFU:" in lines and "messages per step" not in lines
 
@@ -855,7 +855,7 @@ def test_step_and_end_lines(applied):
     report.print_end's message table, the scales in the last step's table: not repeated)."""
     _, run, handle = applied
     handle.after_grad_sync()
-    table = report.axis_lines(handle, "step", None)
+    table = report_axes.axis_lines(handle, "step", None)
     assert table[0].startswith("fp8 delayed: the scales in use") and len(table) == 2 + len(handle.linears)
-    assert report.axis_lines(handle, "end", run, 1) == [
+    assert report_axes.axis_lines(handle, "end", run, 1) == [
         "fp8 delayed: steps 1 (1 scaled like current (empty history), 0 with a non-finite amax, skipped on every rank)"]

@@ -411,7 +411,7 @@ MODEL_CASES = {  # E: config overrides
 
 def _model(rank, world):
     import moe
-    import report
+    import report_axes
     from mesh import MeshShape, build_mesh
     from comm import CommTracer
     from model import GPT
@@ -428,7 +428,7 @@ def _model(rank, world):
         run = SimpleNamespace(mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=1, micro_batches=M,
                               device=device, autocast=nullcontext(), compute_dtype=DT, seed=0, model=model, layout=None)
         handle = moe.apply(model, run, moe.MoEConfig(ep))
-        startup = report.axis_lines(handle, "startup", run)
+        startup = report_axes.axis_lines(handle, "startup", run)
         layout = _Layout(model)
         tracer = CommTracer()
         tracer.name_group(mesh.group("ep"), "ep")
@@ -439,8 +439,8 @@ def _model(rank, world):
         results[ep] = dict(grads=_reduce_grads(model, mesh), aux=micro.aux, traced=(traced.calls, traced.payload_bytes),
                            counted=tuple(handle.traced_prediction(None, 1)[moe.ALL_TO_ALL]),
                            uniform=handle.predicted_messages()[moe.ALL_TO_ALL],
-                           lines=[*startup, *report.axis_lines(handle, "step", run),
-                                  *report.axis_lines(handle, "end", run, 1)])
+                           lines=[*startup, *report_axes.axis_lines(handle, "step", run),
+                                  *report_axes.axis_lines(handle, "end", run, 1)])
     return results
 
 
@@ -608,9 +608,9 @@ def test_flops_count_the_matmul_weights_a_token_touches(overrides):
 
 
 def test_the_load_histogram_scales_to_the_largest():
-    import report
+    import report_axes
 
-    assert report.moe_histogram([0, 1, 4, 8]) == " ▁▄█"
+    assert report_axes.moe_histogram([0, 1, 4, 8]) == " ▁▄█"
 
 
 def test_uniform_step_messages():
@@ -724,7 +724,7 @@ SYNC_CASES = [
 
 
 def _host_syncs(rank, world):
-    import report
+    import report_axes
     from optim import DynamicLossScaler
     from step import train_step
 
@@ -750,7 +750,7 @@ def _host_syncs(rank, world):
                                      1.0, nullcontext(), run.device, model=run.model, axes=run.axes,
                                      data_size=run.mesh.size("dp"))
             with HostSyncs() as lines:
-                text = report.axis_lines(moe_axis, "step", run) if moe_axis is not None and index == 1 else []
+                text = report_axes.axis_lines(moe_axis, "step", run) if moe_axis is not None and index == 1 else []
             counts.append((list(counter.seen), list(lines.seen), text))
         out.append(dict(counts=counts, aux=outcome.aux, loss=outcome.loss))
     return out
@@ -798,12 +798,13 @@ def _traced_and_sampled(rank, world, cases):
     from optim import DynamicLossScaler
     from step import train_step
     import report
+    import report_axes
 
     out = []
     for flags, config_kw, global_batch, micro in cases:
         run = _composed(rank, world, flags, config_kw, global_batch, micro)
         moe_axis = next(axis for axis in run.axes if axis.name == "moe")
-        report.axis_lines(moe_axis, "startup", run)  # as train.py prints it, after start-up's own forwards
+        report_axes.axis_lines(moe_axis, "startup", run)  # as train.py prints it, after start-up's own forwards
         prompt = global_batches(1, 1, SEQ, seed=5)[0][0].to(run.device)
         run.model.eval()
         with torch.no_grad(), ExitStack() as stack:
@@ -823,7 +824,7 @@ def _traced_and_sampled(rank, world, cases):
                        nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.size("dp"))
         traced = {key: (r.calls, r.payload_bytes) for key, r in run.tracer.records.items()}
         predicted = report.predicted_messages(run, 1)
-        load_line = report.axis_lines(moe_axis, "step", run)[0]
+        load_line = report_axes.axis_lines(moe_axis, "step", run)[0]
         out.append(dict(logits=logits, traced=traced, predicted=predicted, load_line=load_line,
                         slots=run.micro_batches * 2 * micro * SEQ // run.mesh.size("cp")
                         // (run.mesh.size("tp") if run.settings.sequence_parallel else 1) * run.config.moe_topk))

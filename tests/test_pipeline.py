@@ -16,7 +16,7 @@ tests read.
    Cases add an auxiliary loss, (x, y, pos) batches, an uneven split and loss scaling; with TP (2 × 2,
    with and without SP) the zb weight-gradient deferral runs through tensor_parallel's inner linears.
 3. Every traced message (send/recv over pp, the loss and tied-embedding all-reduces) equals the handle's
-   prediction, calls and bytes; report.py's pp lines draw the timeline and write a Chrome trace.
+   prediction, calls and bytes; report_axes.py's pp lines draw the timeline and write a Chrome trace.
 4. FP8 under the pipeline: zb with every recipe equals the single-device FP8 model (fp8.Fp8Linear defers its
    own weight gradient to the W action).
 5. Sent buffers are freed at the plan's release points: the host programs of every plan run to the end
@@ -42,7 +42,7 @@ import pytest
 import torch
 
 import pipeline as pp
-import report
+import report_axes
 import schedules as sch
 from comm import Messages
 import harness
@@ -319,9 +319,9 @@ def test_layers_split_into_contiguous_chunks_dealt_round_robin():
 
 
 def test_an_uneven_split_warns():
-    lines = report.pp_split_lines(make_config(n_layer=7), 4)
+    lines = report_axes.pp_split_lines(make_config(n_layer=7), 4)
     assert any("WARNING uneven split" in line and "chunks [0, 1, 2]" in line for line in lines)
-    assert not any("WARNING" in line for line in report.pp_split_lines(make_config(n_layer=8), 4))
+    assert not any("WARNING" in line for line in report_axes.pp_split_lines(make_config(n_layer=8), 4))
 
 
 def test_the_split_prints_what_each_stage_builds():
@@ -332,7 +332,7 @@ def test_the_split_prints_what_each_stage_builds():
             built = [sum(p.numel() for p in build_stages(config, 0, torch.float32, "meta", r, P, v).parameters())
                      for r in range(P)]
             printed = [int(line.rsplit(": ", 1)[1].split()[0].replace(",", ""))
-                       for line in report.pp_split_lines(config, P, v) if line.startswith("  stage ")]
+                       for line in report_axes.pp_split_lines(config, P, v) if line.startswith("  stage ")]
             assert printed == built, (config, P, v)
 
 
@@ -426,10 +426,10 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
         grads = {p.shard_info.global_name: (p.grad.detach().clone() / loss_scale, p.shard_info)
                  for p in stages.parameters()}
         synced_arrivals = dict(layout.arrivals)
-        lines = report.pp_end_lines(handle, run, 1) if "lines" in extra else None  # collective over pp
+        lines = report_axes.pp_end_lines(handle, run, 1) if "lines" in extra else None  # collective over pp
         results[case] = dict(loss=float(out.loss_sum), aux=out.aux, grads=grads, traced=traced,
                              predicted=handle.predicted_messages(layout).named(tracer.alias),
-                             arrivals=synced_arrivals, startup=report.pp_startup_lines(handle, run), lines=lines)
+                             arrivals=synced_arrivals, startup=report_axes.pp_startup_lines(handle, run), lines=lines)
     return results
 
 
@@ -901,7 +901,7 @@ def _lifetime_checks(rank, world):
         step(stages, handle, 16)
     out["live"], out["bound"] = max(counts), sch.live_sends(handle.schedule.plan(16))
     # The handle's protocol: after_grad_sync's count of non-finite values, the type of its prediction, and none
-    # of the hooks that moved to report.py or left the protocol.
+    # of the hooks that moved to report_axes.py or left the protocol.
     layout = StandInLayout(stages)
     out["protocol"] = dict(nonfinite=handle.after_grad_sync(layout), predicted=type(handle.predicted_messages(layout)),
                            own=set(vars(pp.Pipeline)))
@@ -992,19 +992,20 @@ UNIFORM_COSTS = [{"F": 1.0, "B": 2.0}] * 2
 
 
 def test_bubble_note_is_empty_when_nothing_the_run_sees_explains_a_difference():
-    assert report.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=2, threads=1, cores=2) == ""
-    assert report.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=4, threads=8, cores=2, cpu=False) == ""  # GPUs: elsewhere
+    assert report_axes.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=2, threads=1, cores=2) == ""
+    # GPUs: elsewhere
+    assert report_axes.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=4, threads=8, cores=2, cpu=False) == ""
 
 
 def test_bubble_note_names_ranks_sharing_cores():
-    shared = report.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=4, threads=1, cores=2)
+    shared = report_axes.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=4, threads=1, cores=2)
     assert "4 ranks × 1 thread share 2 cores" in shared and "costs" not in shared.split(".")[0]
     assert shared.endswith("simulation with the measured costs, 25.0%")
 
 
 def test_bubble_note_names_costs_that_are_not_uniform():
-    slower = report.pp_bubble_note([{"F": 1.0, "B": 2.9}, {"F": 1.5, "B": 3.0}], 0.31, ranks=2, threads=1, cores=2)
+    slower = report_axes.pp_bubble_note([{"F": 1.0, "B": 2.9}, {"F": 1.5, "B": 3.0}], 0.31, ranks=2, threads=1, cores=2)
     assert "F differs 1.50× between stages" in slower and "B/F 2.00..2.90, uniform 2" in slower
     assert "wait on slower peers" in slower and "cores" not in slower and slower.endswith("costs, 31.0%")
-    zb = report.pp_bubble_note([{"F": 1.0, "I": 1.05, "W": 0.5}], 0.1, ranks=1, threads=1, cores=2)
+    zb = report_axes.pp_bubble_note([{"F": 1.0, "I": 1.05, "W": 0.5}], 0.1, ranks=1, threads=1, cores=2)
     assert "W/F 0.50..0.50, uniform 1" in zb and "I/F" not in zb

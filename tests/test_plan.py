@@ -145,7 +145,7 @@ def test_plan_equals_the_real_start_up(real, index):
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_plan_activations_within_10_percent_of_a_real_step(real, index):
-    """The plan's activation peak (report.ActivationEstimate.peak: a forward × those in flight, + the rebuilt
+    """The plan's activation peak (activations.ActivationEstimate.peak: a forward × those in flight, + the rebuilt
     block) against the most bytes autograd held saved at once over a real step of the same rank. SP's
     regathered inputs sit inside hooks of their own, invisible to the measurement: the estimate's `hidden`
     part is left out here (tests/test_activations.py measures it through the profiler). MoE's routing on

@@ -376,7 +376,7 @@ def test_the_startup_prints_the_parameters_each_rank_holds(flags_list):
     --plan builds it): a pipeline stage's blocks only; whole experts, N/E of them, on every TP rank."""
     import flags
     import plan
-    import report
+    import report_axes
     import train
 
     argv = ["--preset", "tiny", "--dtype", "fp32", *flags_list, "--global-batch", "4", "--micro-batch", "1"]
@@ -384,7 +384,7 @@ def test_the_startup_prints_the_parameters_each_rank_holds(flags_list):
     for rank in range(4):
         with plan.fake_world(rank, 4):
             run = plan.build_role(settings, rank)
-            lines = [line for axis in run.axes if axis.name == "tp" for line in report.tp_startup_lines(axis, run)]
+            lines = [line for axis in run.axes if axis.name == "tp" for line in report_axes.tp_startup_lines(axis, run)]
         printed = next(line for line in lines if "parameters per rank" in line).split(": ")[1].split()[0]
         assert int(printed.replace(",", "")) == sum(p.numel() for p in run.model.parameters()), (flags_list, rank)
 
@@ -461,7 +461,7 @@ def _trained_losses(run, steps=2):
 def _measured(rank):
     """Block 0 measured by report.measure_startup in composed runs: what it saw, the lines printed with it,
     and whether measuring changed anything (FP8's delayed amaxes would, were the block not a copy)."""
-    import report
+    import report_axes
     import tensor_parallel
 
     out = {}
@@ -470,7 +470,7 @@ def _measured(rank):
         tp = next(axis for axis in run.axes if axis.name == "tp")
         out[sp] = dict(measured=run.measured.on("tp"), saved=run.measured.saved_bytes,
                        predicted=tensor_parallel.block_messages(tp.batch, tp.holding()),
-                       lines=report.tp_startup_lines(tp, run))
+                       lines=report_axes.tp_startup_lines(tp, run))
     fp8 = ["--tp", "2", "--sp", "--fp8", "delayed"]
     out["fp8"] = {measure: _trained_losses(_composed(rank, 2, fp8, measure)) for measure in (True, False)}
     return out

@@ -432,7 +432,7 @@ def test_an_mfu_above_100_percent_is_flagged_once(capsys):
 def test_the_axis_protocol_is_six_methods_and_no_handle_brings_back_a_removed_hook():
     """step.Axis: four training methods and two accounting ones (issue 18's target: ≤ 8, ≤ 3 accounting).
     A handle may have helpers of its own, but none of the hooks that left the protocol (printing moved to
-    report.py's sections, per-step hooks into after_grad_sync, "loaded" into the loaded tensors)."""
+    report_axes.py's sections, per-step hooks into after_grad_sync, "loaded" into the loaded tensors)."""
     import inspect
 
     import step

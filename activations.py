@@ -1,0 +1,143 @@
+"""What one rank's forwards save for backward, estimated: the activation-memory model of a whole rank.
+
+memory.py writes what one block, the embeddings and the head save, tensor by tensor (ActivationShape,
+layer_activation_terms, ...), and Korthikanti et al. 2022's per-layer reference. This file adds them up for the
+part of the model a rank holds, as the run runs it:
+
+    bytes of one forward = Σ over its blocks (dense or MoE) + autocast's weight copies + embeddings + head,
+                           ÷ v under a pipeline of v chunks per rank
+    peak                 = forwards in flight (schedules.in_flight) × one forward
+                           + under activation checkpointing the block backward rebuilds, less the head's bytes
+
+A MoE block's router and experts are moe.py's terms (uniform routing); under activation checkpointing a block
+keeps its input only. The start-up prints the estimate (report.py), the end compares it with what the first
+forward saved, and plan.py and plan_search.py size layouts with it, so a plan and a run print the same bytes.
+
+It is its own file, not memory.py, because it sits above the axes: it reads moe.py's expert terms and the
+pipeline's schedule, while the axes (pipeline.py, zero.py, ddp.py, step.py, through it moe.py) import memory.py.
+
+    activation_estimate(run)   this rank's ActivationEstimate (shape_of's symbols, the schedule's forwards in flight)
+    estimate_of(config, x, …)  the same from the shapes alone (plan_search sizes layouts it never builds)
+    shape_of(settings, …)      memory.ActivationShape of a layout: its sequence (s/C), dtypes, attention kernel
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import memory
+import moe
+import pipeline
+import schedules
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """What this rank's forwards save for backward, by memory.py's formulas (what the kernels save)."""
+
+    forward: float  # bytes one forward saves: a micro-batch (under PP one chunk of it) through this rank's part
+    terms: dict  # the micro-batch's bytes (all v chunks) by what saves them
+    hidden: float  # of `forward`, what saved_tensors_hooks cannot see (SP's regather hooks: memory.hidden_from_hooks)
+    in_flight: int  # forwards alive at once (the pipeline's chunk-micro-batches; 1 otherwise)
+    chunks: int  # v: the chunks of a pipeline rank (forward is 1/v of the micro-batch's bytes); 1 otherwise
+    recomputed: float  # under activation checkpointing, the block that backward rebuilds (else 0)
+    korthikanti: float  # the paper's formula for the same blocks and micro-batch (16-bit, unfused attention)
+    how: str
+
+    @property
+    def peak(self) -> float:
+        """Bytes alive at once: every forward in flight, and under activation checkpointing the block that
+        backward rebuilds (by then the head's and the loss's tensors of that micro-batch are freed)."""
+        rebuilt = max(0.0, self.recomputed - self.terms["head and loss"] / self.chunks)
+        return self.in_flight * self.forward + rebuilt
+
+
+def activation_shape(run, device_type: str | None = None) -> memory.ActivationShape:
+    """The symbols of memory.py's activation formulas for this rank: its sequence (s/C), its dtypes, the kernel (of
+    `device_type`'s attention, default the run's device: plan.py sizes a GPU from a meta build)."""
+    return shape_of(run.settings, run.config, device_type or run.device.type, run.compute_dtype, run.param_dtype)
+
+
+def shape_of(settings, config, device_type: str, compute_dtype, param_dtype) -> memory.ActivationShape:
+    """activation_shape without a run (plan.py's search sizes layouts it never builds)."""
+    cp_impl = settings.args.cp_impl if settings.shape.cp > 1 else None
+    # CP's attention (the ring, or SDPA on whole sequences inside Ulysses) runs without dropout (refused).
+    kernel = "fused" if cp_impl else memory.attention_kernel(device_type, compute_dtype, config.dropout)
+    return memory.ActivationShape(
+        s=settings.seq_len // settings.shape.cp, b=settings.micro_batch_size, h=config.n_embd, a=config.n_head,
+        vocab=config.vocab_size, t=settings.shape.tp, sp=settings.sequence_parallel,
+        e_r=param_dtype.itemsize, e_c=compute_dtype.itemsize, dropout=config.dropout > 0,
+        bool_masks=device_type == "cuda", fp32_norms=device_type == "cuda" and compute_dtype.itemsize < 4,
+        kernel=kernel, ulysses=cp_impl == "ulysses", fp8=settings.args.fp8 is not None,
+        regather=settings.args.fp8 is None)  # FP8 keeps the gathered input (fp8.convert)
+
+
+def activation_estimate(run, device_type: str | None = None) -> ActivationEstimate:
+    """This rank's activations per micro-batch: its blocks, the embeddings and the head where it holds them,
+    autocast's weight copies apart. Under activation checkpointing a block keeps its input only and backward
+    rebuilds one block at a time; under PP the schedule keeps `schedules.in_flight` chunk-micro-batches of this
+    rank's program alive, each counted as 1/v of the stage (exact for v = 1)."""
+    model, layer_ids = run.model, [block.layer_id for block in run.model.transformer.h]
+    in_flight, chunks = 1, 1
+    if isinstance(run.schedule, pipeline.PipelineSchedule):
+        in_flight = schedules.in_flight(run.schedule.programs(run.micro_batches)[run.schedule.rank])[0]
+        chunks = run.schedule.v
+    return estimate_of(run.config, activation_shape(run, device_type), layer_ids, (model.has_embedding, model.has_head),
+                       run.settings.shape.ep, (in_flight, chunks))
+
+
+def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int,
+                pipeline_flight: tuple = (1, 1)) -> ActivationEstimate:
+    """activation_estimate from the shapes: the blocks `layer_ids`, ends = (has embedding, has head), the
+    expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v)."""
+    n_moe = sum(config.is_moe_layer(layer_id) for layer_id in layer_ids)
+    held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
+    # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
+    # (whole on every TP rank).
+    experts = (moe.layer_activation_bytes(config, x.s * x.b // (x.t if x.sp else 1), x.e_c, max(4, x.e_r),
+                                          mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)),
+               config.moe_experts // ep * 8 * x.h * x.h * x.weight_copy) if n_moe else (0, 0)
+    recomputed = 0.0
+    if config.activation_checkpointing:  # the inputs stay; backward rebuilds one block, its copies with it
+        blocks, copies = memory.block_input_bytes(x) * sum(held.values()), 0.0
+        rebuilt = block_bytes(replace(x, regather=False), experts)
+        recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - memory.block_input_bytes(x)
+        what = f"{sum(held.values())} block inputs"  # the rebuilt block's input is the one the checkpoint holds
+    else:
+        each = block_bytes(x, experts)
+        blocks, copies = (sum(held[kind] * each[kind][i] for kind in held) for i in (0, 1))
+        what = f"{sum(held.values())} blocks" + (f" ({n_moe} MoE)" if n_moe else "")
+    terms = {what: blocks, "autocast weight copies": copies,
+             "embeddings": memory.embedding_activation_bytes(x) if ends[0] else 0.0,
+             "head and loss": memory.head_activation_bytes(x) if ends[1] else 0.0}
+    hidden = memory.hidden_from_hooks(x, 0 if config.activation_checkpointing else sum(held.values()), ends[1])
+    in_flight, chunks = pipeline_flight
+    how = (f"attention {x.kernel}" + (" (Ulysses)" if x.ulysses else "")
+           + f", {x.e_r}-byte residual, {x.e_c}-byte compute" + (", FP8 linear inputs" if x.fp8 else "")
+           + (f", {x.mask(x.e_c)}-byte dropout masks" if x.dropout else ", no dropout"))
+    return ActivationEstimate(forward=sum(terms.values()) / chunks, terms=terms, hidden=hidden / chunks,
+                              in_flight=in_flight, chunks=chunks, recomputed=recomputed,
+                              korthikanti=korthikanti_estimate(config, x, len(layer_ids), n_moe), how=how)
+
+
+def block_bytes(x: memory.ActivationShape, experts: tuple) -> dict:
+    """{"dense" | "moe": (activations, autocast weight copies)} of one block of each kind (mfu's terms). A MoE
+    block keeps its attention and LayerNorms, and `experts` (its router's and experts' bytes, their copies)
+    instead of the dense MLP's."""
+    terms = memory.layer_activation_terms(x)
+    attention = terms["layernorms"] + terms["attention"]
+    return {"dense": (attention + terms["mlp"], terms["attention weight copies"] + terms["mlp weight copies"]),
+            "moe": (attention + experts[0], terms["attention weight copies"] + experts[1])}
+
+
+def korthikanti_estimate(config, x: memory.ActivationShape, blocks: int, n_moe: int) -> float:
+    """Korthikanti et al. 2022 for this rank's blocks and micro-batch (16-bit; a MoE block's experts by
+    moe.activation_estimate_delta); under activation checkpointing the block inputs, 2·s·b·h each (/T with SP),
+    and one layer recomputed."""
+    checkpointing = config.activation_checkpointing
+    per_layer = memory.activation_bytes_per_layer(x.s, x.b, x.h, x.a, t=x.t, sequence_parallel=x.sp)
+    experts = moe.activation_estimate_delta(config, min(1, n_moe) if checkpointing else n_moe, x.s, x.b, x.t,
+                                            x.sp) if n_moe else 0
+    if not checkpointing:
+        return per_layer * blocks + experts
+    return 2 * x.s * x.b * x.h // (x.t if x.sp else 1) * blocks + per_layer + experts

@@ -1,0 +1,100 @@
+"""Measurements that run torch work for the printouts: a block forward and backward, the ring's transfers alone.
+
+The accounting prints each prediction next to a measurement of the same thing. Most measurements observe the
+training itself (the tracer in comm.py, the clocks in mfu.py, memory.py's saved-tensor hooks and memory
+timeline); the two here run work of their own at start-up, and leave the run as they found it:
+
+    measure_block(run)      one held block, forward and backward, under a CommTracer and memory.SavedActivations:
+                            its messages by (phase, op, group) and the bytes it saves for backward, as the run runs
+                            it (a deep copy under a forked RNG); the tp and cp sections print it (report_axes.py)
+    time_ring_alone(axis)   the ring's transfers of one layer with no compute between them, into the ring's clock,
+                            so the end can say how much of them compute hid (context_parallel.py's item 3)
+
+Both are collective: every rank of the groups they talk on calls them, in the same order.
+"""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import context_parallel
+import memory
+from comm import CommTracer, Count
+from model import materialize
+
+
+@dataclass(frozen=True)
+class BlockMeasurement:
+    """One held block run forward and backward once, as the run will run it: what it sent and what it saved."""
+
+    messages: dict  # {(phase, op, group as the tracer reports it): Count}, phase "forward" or "backward"
+    saved_bytes: int  # the distinct storages autograd saved in the forward, parameters aside
+
+    def on(self, group: str) -> dict:
+        """{(phase, op): Count} on one mesh group, found by any of its names ("dp_cp" in "dp_cp=expert_dp")."""
+        return {(phase, op): count for (phase, op, name), count in self.messages.items() if group in name.split("=")}
+
+
+def measure_block(run, block_index: int = 0) -> BlockMeasurement:
+    """Run held block `block_index` forward and backward once under a CommTracer on random input of one
+    micro-batch as a rank holds it between regions, [B_μ, s/C (÷T under SP), h], in the working dtype the
+    layout will train in (run.param_dtype: ZeRO's bf16 weights) and the run's autocast.
+
+    It runs a deep copy of the block (sharing only the process groups) under a forked RNG, so the run is left
+    as it was: no gradient, no FP8 amax, no expert load, no ring time, the same dropout draws next. Every
+    rank of the groups the block talks on calls it (each pipeline stage measures its own first block).
+    """
+    groups = {name: group for name, group in run.mesh.groups.items() if group is not None}
+    shared = {id(group): group for group in [*groups.values(), dist.group.WORLD]}  # not copied: the same groups
+    original = list(run.model.transformer.h)[block_index]
+    block = deepcopy(original, memo=dict(shared))
+    for source, copy in zip(original.parameters(), block.parameters()):
+        copy.shard_info = source.shard_info  # a meta Parameter's deepcopy drops its attributes
+    materialize(block, run.device, run.config, run.seed)  # a meta block (ZeRO-3 fills its shards later): its values
+    params = list(block.parameters())
+    for p in params:
+        p.data = p.data.to(run.param_dtype)
+    device = params[0].device
+    tracer = CommTracer()
+    for name, group in groups.items():
+        tracer.name_group(group, name)
+    seen, cuda = {}, device.type == "cuda"
+    with torch.random.fork_rng(devices=[device.index if device.index is not None else torch.cuda.current_device()]
+                               if cuda else []):
+        x = torch.randn(run.micro_batch_size, run.settings.local_seq_len, run.config.n_embd, device=device,
+                        dtype=run.param_dtype, generator=torch.Generator(device).manual_seed(0), requires_grad=True)
+        with tracer, memory.SavedActivations(exclude=params) as saved, run.autocast:
+            out = block(x)
+        seen["forward"] = tracer.records
+        tracer.reset()
+        with tracer:
+            out.float().sum().backward()
+        seen["backward"] = tracer.records
+    return BlockMeasurement({(phase, op, group): Count(stat.calls, stat.payload_bytes) for phase, records in
+                             seen.items() for (op, group), stat in records.items()}, saved.bytes)
+
+
+def time_ring_alone(axis) -> dict:
+    """Seconds per layer of one micro-batch's ring transfers with no compute between them, by the ring's clock
+    (collective over cp): forward (C−1) hops of [K; V]; backward (C−1) of [K; V] and C of [dK; dV]."""
+    ring, shape = axis.ring, axis.shape
+    device = next(axis.model.parameters()).device
+    dtypes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+    size = (2, shape.micro * shape.seq_len // ring.size, shape.width)
+    kv = torch.zeros(size, dtype=dtypes[shape.compute_bytes], device=device)
+    dkv = torch.zeros(size, dtype=dtypes[context_parallel.accumulator_bytes(shape.compute_bytes)], device=device)
+
+    def hops(tensors):
+        def transfers():
+            for tensor in tensors:
+                ring.wait(ring.post(tensor))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return transfers
+
+    return {"forward": ring.clock.time_alone("forward", hops([kv] * (ring.size - 1))),
+            "backward": ring.clock.time_alone("backward", hops([kv] * (ring.size - 1) + [dkv] * ring.size))}
