@@ -27,6 +27,7 @@ import data
 import hardware
 import hf
 import moe
+from ckpt_files import CheckpointError, WriterLock
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
 from model import PRESETS, GPTConfig, config_from_preset
 
@@ -53,6 +54,7 @@ class Settings:
     backend: str = "gloo"
     dtype: str = "fp32"  # the autocast dtype (--dtype auto resolved)
     dtype_reason: str = "--dtype"  # why: what was asked, or what auto found
+    ckpt_lock: WriterLock | None = None  # rank 0's hold on --ckpt-dir for the run (claim_checkpoint_directory)
 
     @property
     def world_size(self) -> int:
@@ -464,7 +466,8 @@ def parse(argv=None, axes=()) -> Settings:
     """The flags of this process (sys.argv) as Settings, or one error line and exit status 2 (fail).
 
     Every rank validates the same flags and fails alike before any of them waits on a peer; the device,
-    the backend and the --dtype auto choice are made here too, so a wrong one fails as early."""
+    the backend and the --dtype auto choice are made here too, so a wrong one fails as early, and rank 0
+    takes --ckpt-dir's writer lock (claim_checkpoint_directory), so a directory another run writes does too."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser().parse_args(argv)
@@ -482,9 +485,45 @@ def parse(argv=None, axes=()) -> Settings:
         except ValueError as e:
             raise FlagError(str(e)) from None
         dtype, reason = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(device)
+        lock = claim_checkpoint_directory(args.ckpt_dir) if args.ckpt_dir and not planning else None  # last: the
+        # only check that creates something (the directory and its lock), once every other one has passed
     except (FlagError, RuntimeError) as e:
         fail(str(e))
-    return replace(settings, device=device, backend=backend, dtype=dtype, dtype_reason=reason)
+    return replace(settings, device=device, backend=backend, dtype=dtype, dtype_reason=reason, ckpt_lock=lock)
+
+
+def claim_checkpoint_directory(path: str, timeout_s: float = 300.0) -> WriterLock | None:
+    """--ckpt-dir's writer lock (ckpt_files.WriterLock), taken now by the process that will be rank 0 and held
+    for the whole run (the Checkpointer is handed it: Settings.ckpt_lock), so a second run writing the same
+    directory is refused at start-up, before any process group, with one line naming the holder (pid, host).
+
+    An flock, not a lock file made with O_CREAT|O_EXCL: the kernel drops it when its holder dies however it
+    dies (SIGKILL, OOM), so a stale lock never blocks and no pid has to be judged alive (pids are reused, and
+    a pid on another host cannot be checked at all); the file only names the holder for the refusal.
+    Under torchrun the other workers hear rank 0's verdict through the agent's store, so all of them end now,
+    alike, instead of waiting in init_process_group for a rank 0 that is gone; a rank other than 0 returns
+    None (it writes no commit)."""
+    rank, store, key = int(os.environ.get("RANK", "0")), _launcher_store(timeout_s), _launcher_key("ckpt-dir")
+    if rank != 0:
+        if store is not None:
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+            verdict = store.get(key).decode()
+            if verdict:
+                raise FlagError(verdict)
+        return None  # without torchrun's store, rank 0 alone refuses (and its launcher stops the others)
+    lock, verdict = None, ""
+    try:
+        os.makedirs(path, exist_ok=True)
+        lock = WriterLock(path)
+    except CheckpointError as e:
+        verdict = str(e)
+    except OSError as e:  # validate_paths checked it can be made: a race, or a filesystem that refuses locks
+        verdict = f"--ckpt-dir {path}: cannot create it or its lock file: {e.strerror or e}"
+    if store is not None:
+        store.set(key, verdict)
+    if verdict:
+        raise FlagError(verdict)
+    return lock
 
 
 def auto_dtype(device: torch.device) -> tuple[str, str]:
@@ -517,14 +556,27 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def _launcher_store(timeout_s: float):
+    """torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE), which every worker can reach before any process
+    group exists; None for one process, or without torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _launcher_key(what: str) -> str:
+    """A key of this attempt of this run in the launcher's store (a restarted attempt starts afresh)."""
+    return f"train.py/{what}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+
+
 def _print_once_through_launcher_store(line: str, timeout_s: float = 30.0) -> bool:
     """Print `line` on exactly one of torchrun's workers (the first to get here): True when that is settled."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return False
-    key = f"train.py/error/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+    key = _launcher_key("error")
     try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        store = _launcher_store(timeout_s)
+        if store is None:
+            return False
         if store.add(f"{key}/claimed", 1) == 1:
             print(line, file=sys.stderr, flush=True)
             store.set(f"{key}/printed", "1")

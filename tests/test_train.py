@@ -73,7 +73,10 @@ def test_bad_inputs_end_in_one_line_exactly_once_through_torchrun(tmp_path):
     argparse choice (every rank's parser refuses it), a flag error when rank 0 starts 3 s after the others
     (the first rank to exit used to get rank 0 killed before it printed: the ranks now agree through the
     agent's store on who prints), and a corpus too small for the batch (found after the process group exists,
-    by the ranks that build the token cache, and agreed by all)."""
+    by the ranks that build the token cache, and agreed by all); a --ckpt-dir another run writes (rank 0 is
+    refused its lock before any process group and the other rank hears it through the store: no start-up)."""
+    from ckpt_files import WriterLock
+
     late_rank0 = tmp_path / "late_rank0.py"
     late_rank0.write_text(f"import os, runpy, sys, time\nsys.path.insert(0, {ROOT!r})\n"
                           f"time.sleep(3.0 if os.environ['RANK'] == '0' else 0.0)\n"
@@ -84,11 +87,18 @@ def test_bad_inputs_end_in_one_line_exactly_once_through_torchrun(tmp_path):
         (2, None, ("--zero", "4"), "argument --zero: invalid choice: 4"),
         (4, late_rank0, ("--lr", "nan"), "--lr must be a finite number, got nan"),
         (2, None, ("--data", str(tiny)), "has only 3 tokens"),
+        (2, None, ("--ckpt-dir", str(tmp_path / "held")), f"--ckpt-dir {tmp_path / 'held'} is being written by"
+                                                          f" another run (pid {os.getpid()} on {os.uname().nodename}"),
     ]
+    (tmp_path / "held").mkdir()
+    held = WriterLock(str(tmp_path / "held"))  # this process is the run that writes it
     for nproc, script, flags, message in cases:
         run = launch(nproc, "--preset", "tiny", "--steps", "2", "--out-dir", str(tmp_path), *flags, timeout=120,
                      script=script)
         assert _is_one_clean_error(run, message), (flags, run.stdout[-2000:], run.stderr[-3000:])
+        if "--ckpt-dir" in flags:
+            assert "mesh: world" not in run.stdout, run.stdout[-2000:]  # refused before the start-up, not after it
+    held.release()
 
 
 BAD_INPUTS = [  # (flags, world size, what the one line must say); FILE, DIR: a file and a directory that exist
@@ -203,6 +213,54 @@ def test_a_damaged_checkpoint_ends_in_one_line_by_step_and_falls_back_with_lates
                 ("eval", "all_reduce", "dp_cp"), ("step", "all_reduce", "dp_cp"),
                 ("startup", "all_gather_object", "world")):  # the token caches ready, or one error for all
         assert row in rows, (row, table)
+
+
+def _tree(root) -> dict:
+    """Every file and directory under root: its modification time and (a file's) bytes."""
+    return {path: (path.stat().st_mtime_ns, path.read_bytes() if path.is_file() else None)
+            for path in sorted(root.rglob("*"))}
+
+
+def test_a_second_run_on_a_ckpt_dir_is_refused_before_any_process_group_and_a_dead_holder_blocks_nothing(
+        tmp_path, monkeypatch, capsys):
+    """A live run holds --ckpt-dir (its flock on <dir>/.lock): a second one ends in flags.parse, before any
+    process group, with one line naming the directory and the holder (pid, host), exit status 2, and not a
+    byte or a timestamp under the directory changed (the first run's checkpoints and its save in progress
+    stay). Once the holder is killed (SIGKILL: its lock file stays behind, naming it), a new run takes the
+    directory: the kernel dropped the dead holder's flock."""
+    import torch.distributed as dist
+
+    import flags as flags_lib
+    import train
+
+    root = tmp_path / "ck"
+    root.mkdir()
+    hold = (f"import sys, time; sys.path.insert(0, {ROOT!r}); import ckpt_files; lock = ckpt_files.WriterLock("
+            f"{str(root)!r}); print('held', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for name, content in (("step-00000002/shard-00000.pt", b"weights"), ("step-00000002/COMMITTED", b"{}"),
+                              (".tmp-step-00000004-abcd/shard-00000.pt", b"half")):  # committed; being saved
+            (root / name).parent.mkdir(exist_ok=True)
+            (root / name).write_bytes(content)
+        before = _tree(root)
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        argv = ["--preset", "tiny", "--out-dir", str(tmp_path / "out"), "--ckpt-dir", str(root)]
+        with pytest.raises(SystemExit) as stop:
+            flags_lib.parse(argv, train.AXES)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"error: --ckpt-dir {root} is being written by another run (pid {holder.pid} on"
+                              f" {os.uname().nodename} holds {root / '.lock'})"), err
+        assert not dist.is_initialized() and _tree(root) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    settings = flags_lib.parse(argv, train.AXES)  # the stale lock file names a dead process: no block
+    assert f"pid {os.getpid()} on" in (root / ".lock").read_text()
+    settings.ckpt_lock.release()
 
 
 def args_for(*flags):
