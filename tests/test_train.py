@@ -453,7 +453,7 @@ def test_one_process_prints_no_empty_tables_and_a_resume_at_the_last_step_says_s
     says that there is nothing to train and exits 0 (it used to train 0 steps silently)."""
     common = [sys.executable, os.path.join(ROOT, "train.py"), "--preset", "tiny", "--steps", "3", "--global-batch",
               "2", "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path), "--ckpt-dir",
-              str(tmp_path / "ck"), "--peak-tflops", "1"]
+              str(tmp_path / "ck"), "--peak-tflops", "1", *backend_flags(1)]  # the suite's backend, as torchrun's
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     first = subprocess.run(common, capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
     assert first.returncode == 0, first.stderr[-3000:]
