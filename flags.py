@@ -27,6 +27,7 @@ import data
 import hardware
 import hf
 import moe
+import paths
 from ckpt_files import CheckpointError, WriterLock
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
 from model import PRESETS, GPTConfig, config_from_preset
@@ -202,9 +203,10 @@ def _add_checkpoint_flags(parser) -> None:
 def add_plan_arguments(parser) -> None:
     """--plan, --plan-search, --world and the hardware model's flags (plan.py, hardware.py)."""
     g = parser.add_argument_group("plan (plan.py): size a layout without its hardware")
-    g.add_argument("--plan", action="store_true", help="print every rank role's memory, messages and predicted"
+    one = g.add_mutually_exclusive_group()  # argparse refuses both: "argument --plan-search: not allowed with --plan"
+    one.add_argument("--plan", action="store_true", help="print every rank role's memory, messages and predicted"
                    " step time for --world ranks, built on meta in a fake process group; trains nothing")
-    g.add_argument("--plan-search", action="store_true", help="rank the layouts of --world ranks that fit"
+    one.add_argument("--plan-search", action="store_true", help="rank the layouts of --world ranks that fit"
                    " --hw-memory-gib by predicted step time; print the best ten")
     g.add_argument("--world", type=int, help="ranks to plan for (--plan, --plan-search)")
     hardware.add_arguments(parser)
@@ -220,8 +222,15 @@ _AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe
 _POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops", "hw_peak_tflops", "hw_hbm_gbps", "hw_memory_gib",
              "hw_intra_gbps", "hw_inter_gbps")
 _FRACTION = ("beta1", "beta2", "dropout")  # in [0, 1)
+# Upper bounds past which a value cannot be used: (attribute, highest, why).
+_AT_MOST = (
+    ("bucket_mb", 2.0**20, "a bucket of at most 1 TiB (its byte count must be an integer)"),
+    ("fp8_margin", 127, "a power of two that float32 holds (the scale is max/amax/2^margin)"),
+)
+_PLANNING = lambda a: a.plan or a.plan_search  # noqa: E731
 # Flags that only mean something with another one: (flag, attribute, what it needs, whether that is on).
 _ONLY_WITH = (
+    ("--world", "world", "--plan or --plan-search (a run's world is its launcher's)", _PLANNING),
     ("--pp-schedule", "pp_schedule", "--pp > 1", lambda a: a.pp > 1),
     ("--pp-virtual", "pp_virtual", "--pp-schedule interleaved", lambda a: a.pp_schedule == "interleaved"),
     ("--trace-file", "trace_file", "--pp > 1 (it draws the pipeline schedule)", lambda a: a.pp > 1),
@@ -257,6 +266,8 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
     for flag, name, needs, on in _ONLY_WITH:
         if name in given and not on(args):
             raise FlagError(f"{flag} needs {needs}; without it the flag would be ignored")
+    if _PLANNING(args):
+        check_whole_nodes(args)
     try:
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
@@ -265,11 +276,18 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
         raise FlagError("--zero 3 with --activation-checkpointing: recomputing a block in backward reruns its"
                         " forward hooks, which would gather and free its weights out of schedule; use --zero 1 or 2")
     config = model_config(args, given)
+    try:  # the experts' split before the batch arithmetic, which takes the mesh as given: --ep 3 of 4 experts
+        moe.check_flags(config, shape)  # is a wrong --ep, not a global batch that D = 3 does not divide
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     if args.min_lr is not None and args.min_lr > args.lr:
         raise FlagError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the cosine schedule decays from --lr"
                         f" down to --min-lr")
     micro = _micro_batch_size(args, shape.dp)
-    validate_paths(args)
+    try:
+        paths.check_paths(args)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     _check_sequence_and_checkpoint_flags(args, config)
     _set_vocabulary(args, config)
     settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
@@ -343,49 +361,11 @@ def check_ranges(args) -> None:
     for name in _FRACTION:
         if getattr(args, name) is not None and not 0.0 <= getattr(args, name) < 1.0:
             raise bad(name, "in [0, 1)")
-
-
-def validate_paths(args) -> None:
-    """The files the run reads exist and are text; the ones it writes can be written, checked now rather than
-    at the first write (a trace file is written after all the training)."""
-    if args.data is not None:
-        if not os.path.isfile(args.data):
-            raise FlagError(f"--data {args.data!r} is not a file; give a text file to train on, or leave --data out"
-                            f" for the built-in corpus")
-        if os.path.getsize(args.data) == 0:
-            raise FlagError(f"--data {args.data!r} is empty; give a text file with something to train on")
-        with open(args.data, "rb") as f:
-            head = f.read(1 << 16)
-        if b"\0" in head:
-            raise FlagError(f"--data {args.data!r} is a binary file (it holds NUL bytes); give a UTF-8 text file")
-    for flag, path in (("--out-dir", args.out_dir), ("--ckpt-dir", args.ckpt_dir)):
-        if path is not None:
-            check_writable(flag, path, directory=True)
-    for flag, path in (("--metrics-file", args.metrics_file), ("--trace-file", args.trace_file)):
-        if path is not None:
-            check_writable(flag, path, directory=False)
-
-
-def check_writable(flag: str, path: str, directory: bool) -> None:
-    """`path` can be created (or is already there as the right kind): everything above it that exists is a
-    writable directory. A file's directory must exist; a directory is created with its parents."""
-    if path == "":
-        raise FlagError(f"{flag} '' names nothing; give a path")
-    path = os.path.abspath(path)
-    if os.path.exists(path):
-        if directory and not os.path.isdir(path):
-            raise FlagError(f"{flag} {path!r} is a file, not a directory")
-        if not directory and os.path.isdir(path):
-            raise FlagError(f"{flag} {path!r} is a directory; give a file name")
-    parent = os.path.dirname(path)
-    if not directory and not os.path.isdir(parent):
-        raise FlagError(f"{flag} {path!r}: the directory {parent!r} does not exist or cannot be written")
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise FlagError(f"{flag} {path!r} lies under {parent!r}, which is a file, not a directory")
-    if not os.access(parent, os.W_OK):
-        raise FlagError(f"{flag} {path!r}: the directory {parent!r} does not exist or cannot be written")
+    if abs(args.seed) > 2**63 - 1:
+        raise bad("seed", "a 63-bit integer, |seed| < 2^63 (torch.manual_seed takes seed + rank)")
+    for name, highest, why in _AT_MOST:
+        if getattr(args, name) is not None and getattr(args, name) > highest:
+            raise bad(name, f"at most {highest:g}: {why}")
 
 
 def model_config(args, given=frozenset()):
@@ -476,8 +456,8 @@ def parse(argv=None, axes=()) -> Settings:
             import plan
 
             plan.check_world(args)
-        settings = validate(args, args.world if planning else int(os.environ.get("WORLD_SIZE", "1")),
-                            explicit_flags(argv), axes)
+        given = explicit_flags(argv)
+        settings = validate(args, args.world if planning else int(os.environ.get("WORLD_SIZE", "1")), given, axes)
         if not planning:  # a plan reads no corpus
             data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
         try:
@@ -485,11 +465,32 @@ def parse(argv=None, axes=()) -> Settings:
         except ValueError as e:
             raise FlagError(str(e)) from None
         dtype, reason = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(device)
+        if not planning and device.type != "cuda":
+            check_no_hardware_flags(given)
         lock = claim_checkpoint_directory(args.ckpt_dir) if args.ckpt_dir and not planning else None  # last: the
         # only check that creates something (the directory and its lock), once every other one has passed
     except (FlagError, RuntimeError) as e:
         fail(str(e))
     return replace(settings, device=device, backend=backend, dtype=dtype, dtype_reason=reason, ckpt_lock=lock)
+
+
+def check_no_hardware_flags(given) -> None:
+    """The hardware model's flags (--hw, --hw-*, --gpus-per-node) describe a GPU: the one --plan and
+    --plan-search size for, or a GPU run's (its end line checks the model); a CPU run measures its own."""
+    stated = sorted(name for name in given if name == "hw" or name.startswith("hw_") or name == "gpus_per_node")
+    if stated:
+        flag = "--" + stated[0].replace("_", "-")
+        raise FlagError(f"{flag} describes the GPU of --plan / --plan-search or of a GPU run; this run is on the"
+                        f" CPU, whose hardware model is measured: add --plan (or --plan-search) --world N, or leave"
+                        f" {flag} out")
+
+
+def check_whole_nodes(args) -> None:
+    """A plan's ranks fill whole nodes of G GPUs (rank // G is the node): --world at most G, or a multiple."""
+    gpus = args.gpus_per_node or hardware.PRESETS[args.hw].gpus_per_node
+    if args.world is not None and args.world > gpus and args.world % gpus:
+        raise FlagError(f"--world {args.world} does not fill whole nodes of {gpus} GPUs (--gpus-per-node, or --hw"
+                        f" {args.hw}'s): give a multiple of {gpus}, or at most {gpus} ranks")
 
 
 def claim_checkpoint_directory(path: str, timeout_s: float = 300.0) -> WriterLock | None:

@@ -223,6 +223,16 @@ def test_korthikanti_per_layer_activations():
     (["--plan", "--tp", "2"], "error: --plan and --plan-search need --world N"),
     (["--plan-search", "--world", "8", "--preset", "gpt3-13b", "--global-batch", "8", "--hw-memory-gib", "1"],
      "error: --hw-memory-gib 1: no layout of gpt3-13b on --world 8 fits in it; the smallest peak is"),
+    (["--plan", "--plan-search", "--world", "8"], "error: argument --plan-search: not allowed with argument --plan"),
+    (["--plan", "--world", "12", "--preset", "tiny"], "error: --world 12 does not fill whole nodes of 8 GPUs"),
+    (["--plan-search", "--world", "12", "--gpus-per-node", "5", "--preset", "tiny"],
+     "error: --world 12 does not fill whole nodes of 5 GPUs"),
+    *(([f"--plan{search}", "--world", "8", flag, value, "--preset", "tiny"], f"error: {flag} must be {must}")
+      for search in ("", "-search")  # every --hw-* figure's range, for both
+      for flag in ("--hw-peak-tflops", "--hw-hbm-gbps", "--hw-memory-gib", "--hw-intra-gbps", "--hw-inter-gbps",
+                   "--hw-intra-latency-us", "--hw-inter-latency-us")
+      for value, must in (("nan", "a finite number"), ("inf", "a finite number"),
+                          ("-1", "at least 0" if "latency" in flag else "positive"))),
 ])
 def test_bad_plan_input_ends_in_one_line(argv, expected, capsys):
     import train

@@ -153,6 +153,25 @@ BAD_INPUTS = [  # (flags, world size, what the one line must say); FILE, DIR: a 
     (["--data", "DIR/missing.txt"], 1, "is not a file"),
     (["--tp", "3"], 2, "world size 2 is not divisible by --tp 3"),
     (["--global-batch", "6", "--micro-batch", "2"], 2, "--global-batch 6 must be divisible by D × --micro-batch"),
+    # issue 26: the experts' split named before the batch that D = 3 does not divide; output paths where nothing
+    # can be written (root passes os.access there: the kernel's filesystems are refused by their type)
+    (["--moe-experts", "4", "--ep", "3"], 3, "--ep 3 must divide --moe-experts 4"),
+    (["--metrics-file", "/proc/x"], 1, "--metrics-file '/proc/x': the directory '/proc' cannot be written"),
+    (["--metrics-file", "/proc/self/status"], 1, "--metrics-file '/proc/self/status' exists and cannot be written"),
+    (["--ckpt-dir", "/proc/x/y"], 1, "--ckpt-dir '/proc/x/y': the directory '/proc' cannot be written"),
+    (["--ckpt-dir", "/proc"], 1, "--ckpt-dir '/proc': the directory '/proc' cannot be written"),
+    (["--out-dir", "/proc/x/y"], 1, "--out-dir '/proc/x/y': the directory '/proc' cannot be written"),
+    (["--out-dir", "/sys/x"], 1, "--out-dir '/sys/x': the directory '/sys' cannot be written"),
+    (["--pp", "2", "--trace-file", "/proc/x", "--global-batch", "4", "--micro-batch", "2"], 2,
+     "--trace-file '/proc/x': the directory '/proc' cannot be written"),
+    # issue 26's probe: values in range whose use would raise later, a planning flag without a plan
+    (["--seed", str(10**23)], 1, "--seed must be a 63-bit integer"),
+    (["--bucket-mb", "1e308"], 1, "--bucket-mb must be at most 1.04858e+06"),
+    (["--fp8", "delayed", "--fp8-margin", "100000"], 1, "--fp8-margin must be at most 127"),
+    (["--world", "8"], 1, "--world needs --plan or --plan-search"),
+    (["--backend", "gloo", "--hw", "h200"], 1, "--hw describes the GPU of --plan / --plan-search or of a GPU run"),
+    (["--backend", "gloo", "--gpus-per-node", "4"], 1, "--gpus-per-node describes the GPU of --plan"),
+    (["--backend", "gloo", "--hw-memory-gib", "80"], 1, "--hw-memory-gib describes the GPU of --plan"),
 ]
 
 
