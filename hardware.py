@@ -86,7 +86,8 @@ def node_of(rank: int, hardware: Hardware) -> int:
 
 
 def crosses_nodes(ranks, hardware: Hardware) -> bool:
-    return len({node_of(r, hardware) for r in ranks}) > 1
+    """A node holds consecutive ranks, so a group stays in one exactly when its lowest and highest rank do."""
+    return node_of(min(ranks), hardware) != node_of(max(ranks), hardware)
 
 
 def collective_seconds(op: str, calls: float, payload: float, ranks, hardware: Hardware) -> float:

@@ -99,7 +99,7 @@ def build_role(settings, rank: int):
     from mesh import build_mesh
 
     name, compute, param, master = plan_dtypes(settings)
-    mesh = build_mesh(settings.shape, rank)
+    mesh = build_mesh(settings.shape, rank, every_group=False)  # a fake group: no peer needs the others' groups
     run = train.Run(settings=settings, mesh=mesh, config=replace(settings.model), device=torch.device("meta"),
                     seed=settings.args.seed, compute_dtype=compute, param_dtype=param, master_dtype=master)
     train.compose(run, materialize=False)

@@ -266,3 +266,13 @@ def test_every_dtype_the_flags_accept_has_a_peak_in_every_hardware_model():
     bf16_only = hardware.measure_cpu(2e9, "bf16", torch.device("cpu"))
     with pytest.raises(hardware.NoPeakKnown, match="cpu [(]measured[)] knows no fp32 matmul peak .* --hw-peak-tflops"):
         bf16_only.peak("fp32")
+
+
+def test_a_world_of_a_million_ranks_is_planned_in_moments(capsys):
+    """--plan at 2^20 ranks builds its role's own groups only (mesh.groups_of; all of the mesh's 2^20-long
+    partitions took minutes: issue 26's probe timed it out at 30 s) and prints its prediction."""
+    import train
+
+    train.main(["--plan", "--world", str(2**20), "--global-batch", str(2**20), "--preset", "tiny"])
+    out = capsys.readouterr().out
+    assert "plan: D1048576·P1·C1·T1 ZeRO-0" in out and "predicted: step" in out, out[-2000:]
