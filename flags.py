@@ -518,7 +518,7 @@ def claim_checkpoint_directory(path: str, timeout_s: float = 300.0) -> WriterLoc
         lock = WriterLock(path)
     except CheckpointError as e:
         verdict = str(e)
-    except OSError as e:  # validate_paths checked it can be made: a race, or a filesystem that refuses locks
+    except OSError as e:  # paths.check_paths found it can be made: a race, or a filesystem that refuses locks
         verdict = f"--ckpt-dir {path}: cannot create it or its lock file: {e.strerror or e}"
     if store is not None:
         store.set(key, verdict)
