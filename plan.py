@@ -70,7 +70,7 @@ def fake_world(rank: int, world: int):
 def build_role(settings, rank: int):
     """train.compose for `rank` of settings.world_size, on meta, inside the current fake process group."""
     name, compute, param, master = plan_dtypes(settings)
-    mesh = build_mesh(settings.shape, rank)
+    mesh = build_mesh(settings.shape, rank, every_group=False)  # a fake group: no peer needs the others' groups
     run = train.Run(settings=settings, mesh=mesh, config=replace(settings.model), device=torch.device("meta"),
                     seed=settings.args.seed, compute_dtype=compute, param_dtype=param, master_dtype=master)
     train.compose(run, materialize=False)

@@ -36,7 +36,7 @@ import train
 from comm import Messages
 from flags import FlagError
 from hardware import hardware_line
-from mesh import MeshShape, axis_groups
+from mesh import MeshShape, groups_of
 from time_model import (PLANNED_DEVICE, Role, layout_facts, layout_name, limiting_term, plan_dtypes, plan_settings,
                         predict)
 
@@ -214,7 +214,7 @@ def _formula_groups(shape: MeshShape, p: int) -> tuple:
     """(global rank, {group: its ranks}, {group: its row name}) of pp rank p at d = c = t = 0: names of one
     communicator (the same ranks) are one row, as the tracer reports them (mesh.py)."""
     rank = shape.rank_of(0, p, 0, 0)
-    ranks = {name: next(g for g in partition if rank in g) for name, partition in axis_groups(shape).items()}
+    ranks = groups_of(shape, rank)
     aliases = {}
     for name, members in ranks.items():
         if len(members) > 1:

@@ -236,7 +236,7 @@ def open_checkpointer(t: Training) -> None:
                       seq_len=run.seq_len, model=run.config.architecture())  # read by export_hf.py, sample.py
     try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
         config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
-                                       run_record=run_record)
+                                       lock=run.settings.ckpt_lock, run_record=run_record)  # flags.parse took it
         t.checkpointer = ckpt.Checkpointer(config, run.mesh, run.axes, run.device, log=print0,
                                            on_save=lambda stats: report.print_save(stats, args.mtbf_hours))
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
