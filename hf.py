@@ -20,7 +20,8 @@ else), and `load_into` fills a layout's `param/` and `master/` pieces through ck
 ckpt.StagedLoad (its checks: ckpt.plan_load) over a manifest-like description of the directory, in which each
 logical tensor is one whole stored piece and the directory is the reader, `files=` (it transposes and pads as
 it reads). So any mesh works as a resharding resume does, all or nothing: each rank reads (memory-mapped)
-only the tensors it holds a piece of, and keeps its slices. Out (export_hf.py): `write_directory` from the logical tensors.
+only the tensors it holds a piece of, and keeps its slices. Out (export_hf.py): `write_directory` from the
+logical tensors, into a directory that appears whole or not at all.
 Whole, on one process (export_hf.py, sample.py): `load_model` reads any checkpoint of this trainer, whatever
 mesh saved it (its run record names the model), or a Hugging Face directory, into one GPT.
 
@@ -36,9 +37,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import ckpt
 from ckpt_files import CheckpointError, list_checkpoints, verify_checkpoint
@@ -121,12 +126,21 @@ def shape_from_hf_config(hf: dict) -> GPT2Shape:
     """The model a GPT-2 config.json describes, or HFError naming what this trainer's GPT cannot be."""
     if hf.get("model_type") != "gpt2":
         raise HFError(f"config.json has model_type {hf.get('model_type')!r}, not 'gpt2'")
-    missing = [key for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size") if key not in hf]
+    sizes = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
+    missing = [key for key in sizes if key not in hf]
     if missing:
         raise HFError(f"config.json lacks {', '.join(missing)}")
+    not_sizes = [f"{key}={hf[key]!r}" for key in sizes
+                 if not (isinstance(hf[key], int) and not isinstance(hf[key], bool) and hf[key] > 0)]
+    if not_sizes:
+        raise HFError(f"config.json has {', '.join(not_sizes)}: a GPT-2 size is a positive integer")
+    if hf["n_embd"] % hf["n_head"]:
+        raise HFError(f"config.json has n_embd={hf['n_embd']}, not divisible by n_head={hf['n_head']}: the heads"
+                      f" split the embedding")
     activation = hf.get("activation_function", "gelu_new")
     differences = [  # (what this trainer's GPT would compute otherwise, when config.json says so)
-        (activation not in GELU_OF, f"activation_function {activation!r} (this GPT has {sorted(GELU_OF)})"),
+        (not isinstance(activation, str) or activation not in GELU_OF,
+         f"activation_function {activation!r} (this GPT has {sorted(GELU_OF)})"),
         (hf.get("n_inner") not in (None, 4 * hf["n_embd"]), f"n_inner {hf.get('n_inner')} (the MLP is 4·n_embd wide)"),
         (hf.get("layer_norm_epsilon", LAYER_NORM_EPSILON) != LAYER_NORM_EPSILON,
          f"layer_norm_epsilon {hf.get('layer_norm_epsilon')} (nn.LayerNorm's is {LAYER_NORM_EPSILON})"),
@@ -137,13 +151,8 @@ def shape_from_hf_config(hf: dict) -> GPT2Shape:
     for differs, what in differences:
         if differs:
             raise HFError(f"config.json has {what}: this trainer's GPT cannot load it")
-    shape = GPT2Shape(hf["n_layer"], hf["n_head"], hf["n_embd"], hf["n_positions"], hf["vocab_size"],
-                      GELU_OF[activation])
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in
-               (shape.n_layer, shape.n_head, shape.n_embd, shape.block_size, shape.vocab_size)) \
-            or shape.n_embd % shape.n_head:
-        raise HFError(f"config.json's shape is not a GPT's: {shape}")
-    return shape
+    return GPT2Shape(hf["n_layer"], hf["n_head"], hf["n_embd"], hf["n_positions"], hf["vocab_size"],
+                     GELU_OF[activation])
 
 
 def hf_config(config) -> dict:
@@ -187,6 +196,9 @@ class HFDirectory:
         self._check_tensors()
 
     def _check_tensors(self) -> None:
+        if self.shape.n_layer > len(self.stored):  # every block has 12 tensors (and a list of 10⁹ would not fit)
+            raise HFError(f"{self.path}: config.json has n_layer={self.shape.n_layer}, but its weights hold only"
+                          f" {len(self.stored)} tensors (a GPT-2 block has 12)")
         expected = self.shape.logical_shapes()
         unknown = sorted(set(self.stored) - set(expected) - {"lm_head.weight"})
         missing = sorted(set(expected) - set(self.stored))
@@ -215,9 +227,7 @@ class HFDirectory:
             path = os.path.join(self.path, file)
             try:
                 if file.endswith(".safetensors"):
-                    from safetensors import safe_open
-
-                    self.open[file] = safe_open(path, framework="pt")
+                    self.open[file] = safe_open(path, framework="pt")  # checks the header against the file's size
                 else:
                     self.open[file] = _load_bin(path)
             except Exception as e:  # a damaged file makes any reader raise: each means "not readable"
@@ -257,6 +267,8 @@ class HFDirectory:
         except Exception as e:  # a truncated or corrupt file can fail only when its data is read
             raise HFError(f"{self.path}: {file}: cannot read {stored_name} ({type(e).__name__}: {_first_line(e)})"
                           f": the file is damaged") from None
+        if not torch.isfinite(stored).all():  # a NaN or inf weight would make every loss NaN from the first step
+            raise HFError(f"{self.path}: {file}: {stored_name} holds NaN or inf values: the weights are damaged")
         return to_ours(name, stored, self.vocab_rows)
 
 
@@ -285,14 +297,9 @@ def _read_json(directory: str, name: str) -> dict:
 
 
 def _weight_map(directory: HFDirectory) -> dict:
-    """{name in the files: file} of the directory's weights: model.safetensors where the safetensors package
-    is installed, else pytorch_model.bin; either may be sharded (its .index.json lists the shards)."""
-    try:
-        import safetensors  # noqa: F401 - only whether it is there
-        readable = WEIGHT_FILES
-    except ImportError:
-        readable = WEIGHT_FILES[1:]
-    for file in readable:
+    """{name in the files: file} of the directory's weights: model.safetensors (what save_pretrained writes),
+    else pytorch_model.bin; either may be sharded (its .index.json lists the shards)."""
+    for file in WEIGHT_FILES:
         if os.path.isfile(os.path.join(directory.path, file + ".index.json")):
             weight_map = _read_json(directory.path, file + ".index.json").get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) and os.path.basename(f) == f
@@ -301,9 +308,7 @@ def _weight_map(directory: HFDirectory) -> dict:
             return weight_map
         if os.path.isfile(os.path.join(directory.path, file)):
             return {name: file for name in directory._open(file).keys()}
-    found = [f for f in WEIGHT_FILES if os.path.isfile(os.path.join(directory.path, f))]
-    raise HFError(f"{directory.path} has {found[0]}, which needs the safetensors package (pip install safetensors)"
-                  if found else f"{directory.path} has no weights ({' or '.join(WEIGHT_FILES)})")
+    raise HFError(f"{directory.path} has no weights ({' or '.join(WEIGHT_FILES)})")
 
 
 def _load_bin(path: str):
@@ -327,10 +332,14 @@ def _first_line(error: Exception) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def write_directory(weights: dict, config, out_dir: str, safetensors: bool = False) -> list:
+def write_directory(weights: dict, config, out_dir: str, pytorch_bin: bool = False) -> list:
     """Write `weights` ({model.py name: logical tensor}, every one of a dense GPT of `config`) as a Hugging
-    Face GPT-2 directory: config.json and pytorch_model.bin (+ model.safetensors). Returns the files written.
-    A model without biases (--no-bias) is GPT-2 with zero biases: they are written as zeros."""
+    Face GPT-2 directory: config.json and model.safetensors (save_pretrained's format), + pytorch_model.bin with
+    `pytorch_bin` (for readers without safetensors). Returns the files written. A model without biases
+    (--no-bias) is GPT-2 with zero biases: they are written as zeros. `out_dir` must not exist or be an empty
+    directory: the files are written and fsynced in a directory beside it (`.NAME.partial-*`) and renamed to
+    `out_dir` last, so a killed export leaves no `out_dir` that --init-from or from_pretrained would read, only
+    that partial directory (safe to delete)."""
     if config.moe_experts:
         raise HFError("a mixture-of-experts model is not a GPT-2: its experts have no place in GPT-2's layout")
     shape = GPT2Shape(config.n_layer, config.n_head, config.n_embd, config.block_size,
@@ -343,19 +352,44 @@ def write_directory(weights: dict, config, out_dir: str, safetensors: bool = Fal
             state[name] = torch.zeros(logical, dtype=weights["transformer.wte.weight"].dtype)
         else:
             raise HFError(f"the checkpoint has no {name}")
-    os.makedirs(out_dir, exist_ok=True)
-    written = [os.path.join(out_dir, "config.json"), os.path.join(out_dir, "pytorch_model.bin")]
-    with open(written[0], "w") as f:
-        json.dump({**hf_config(config), "dtype": str(state["transformer.wte.weight"].dtype).removeprefix("torch.")},
-                  f, indent=2)
-        f.write("\n")
-    torch.save(state, written[1])
-    if safetensors:
-        from safetensors.torch import save_file
+    out_dir = os.path.abspath(out_dir)
+    created = _first_missing(os.path.dirname(out_dir))  # parents made here are removed again on failure
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    partial = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=os.path.dirname(out_dir))
+    names = ["config.json", "model.safetensors", *(["pytorch_model.bin"] if pytorch_bin else [])]
+    try:
+        with open(os.path.join(partial, names[0]), "w") as f:
+            json.dump({**hf_config(config), "dtype": str(state["transformer.wte.weight"].dtype).removeprefix("torch.")},
+                      f, indent=2)
+            f.write("\n")
+        save_file(state, os.path.join(partial, names[1]), metadata={"format": "pt"})
+        if pytorch_bin:
+            torch.save(state, os.path.join(partial, names[2]))
+        for name in names:
+            _fsync(os.path.join(partial, name))
+        os.rename(partial, out_dir)  # atomic; replaces an empty directory, refuses a non-empty one (ENOTEMPTY)
+        _fsync(os.path.dirname(out_dir))
+    except BaseException:
+        shutil.rmtree(created or partial, ignore_errors=True)
+        raise
+    return [os.path.join(out_dir, name) for name in names]
 
-        written.append(os.path.join(out_dir, "model.safetensors"))
-        save_file(state, written[2], metadata={"format": "pt"})
-    return written
+
+def _first_missing(path: str) -> str | None:
+    """The outermost directory of `path` that does not exist yet (None: it all exists)."""
+    missing = None
+    while not os.path.exists(path):
+        path, missing = os.path.dirname(path), path
+    return missing
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's (or a directory's entries') bytes to the disk, so a rename after it commits whole files."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 # ---------------------------------------------------------------------------------------------------------
