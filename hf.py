@@ -212,6 +212,12 @@ class HFDirectory:
             if tuple(shape) != tuple(want) or dtype not in SAFETENSORS_DTYPES.values():
                 raise HFError(f"{self.path}: {self.stored[name][1]} is {dtype} {list(shape)}; GPT-2 of this"
                               f" config.json has a floating {list(want)} there")
+        # A stored head must be the embedding (save_pretrained leaves a tied one out): checked now, with the flags,
+        # not when the weights are read after the process group exists. Two V·h tensors, memory-mapped.
+        if "lm_head.weight" in self.stored and not torch.equal(self._read("lm_head.weight"),
+                                                                self._read("transformer.wte.weight")):
+            raise HFError(f"{self.path}: lm_head.weight differs from {self.stored['transformer.wte.weight'][1]};"
+                          f" this trainer ties the head to the embedding")
 
     def _stored_shape_dtype(self, name: str) -> tuple:
         file, stored_name = self.stored[name]
@@ -252,24 +258,20 @@ class HFDirectory:
 
     def tensor(self, file: str, name: str) -> torch.Tensor:
         """ckpt's reader protocol: the stored piece `name` of `file`, here model.py's logical tensor `name`."""
-        handle, stored_name = self._open(file), self.stored[name][1]
+        stored = self._read(name)
+        if not torch.isfinite(stored).all():  # a NaN or inf weight would make every loss NaN from the first step
+            raise HFError(f"{self.path}: {file}: {self.stored[name][1]} holds NaN or inf values: the weights are"
+                          f" damaged")
+        return to_ours(name, stored, self.vocab_rows)
+
+    def _read(self, name: str) -> torch.Tensor:
+        """The tensor stored for model.py's `name`, as stored (memory-mapped, or read from the safetensors file)."""
+        (file, stored_name), handle = self.stored[name], self._open(self.stored[name][0])
         try:
-            stored = handle[stored_name] if isinstance(handle, dict) else handle.get_tensor(stored_name)
-            if name == "transformer.wte.weight" and "lm_head.weight" in self.stored:
-                head_file, head_name = self.stored["lm_head.weight"]
-                head = self._open(head_file)
-                head = head[head_name] if isinstance(head, dict) else head.get_tensor(head_name)
-                if not torch.equal(head, stored):
-                    raise HFError(f"{self.path}: lm_head.weight differs from {stored_name}; this trainer ties the"
-                                  f" head to the embedding")
-        except HFError:
-            raise
+            return handle[stored_name] if isinstance(handle, dict) else handle.get_tensor(stored_name)
         except Exception as e:  # a truncated or corrupt file can fail only when its data is read
             raise HFError(f"{self.path}: {file}: cannot read {stored_name} ({type(e).__name__}: {_first_line(e)})"
                           f": the file is damaged") from None
-        if not torch.isfinite(stored).all():  # a NaN or inf weight would make every loss NaN from the first step
-            raise HFError(f"{self.path}: {file}: {stored_name} holds NaN or inf values: the weights are damaged")
-        return to_ours(name, stored, self.vocab_rows)
 
 
 def load_into(directory: HFDirectory, pieces: list) -> int:
@@ -305,6 +307,9 @@ def _weight_map(directory: HFDirectory) -> dict:
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) and os.path.basename(f) == f
                                                            for f in weight_map.values()):
                 raise HFError(f"{directory.path}/{file}.index.json has no valid weight_map")
+            absent = sorted(f for f in set(weight_map.values()) if not os.path.isfile(os.path.join(directory.path, f)))
+            if absent:
+                raise HFError(f"{directory.path}/{file}.index.json names {', '.join(absent)}, which is not there")
             return weight_map
         if os.path.isfile(os.path.join(directory.path, file)):
             return {name: file for name in directory._open(file).keys()}

@@ -134,7 +134,12 @@ def val_loss_line(model, args, record: dict, tokenizer_name: str) -> str:
     seq_len = args.seq_len or record.get("seq_len", model.config.block_size)
     if global_batch % args.micro_batch:
         raise ValueError(f"--micro-batch {args.micro_batch} must divide the global batch {global_batch}")
-    corpus = data.prepare_corpus(args.data, tokenizer_name, os.path.join(args.out_dir, "data"), log=lambda line: None)
+    try:
+        corpus = data.prepare_corpus(args.data, tokenizer_name, os.path.join(args.out_dir, "data"),
+                                     log=lambda line: None)
+    except OSError as e:  # --data was checked: what fails here is writing the cache (os.access trusts root)
+        raise FlagError(f"--out-dir {args.out_dir!r}: the token cache cannot be written there ({e.strerror}:"
+                        f" {e.filename})") from None
     tokens = data.TokenFile(corpus.val_path)
     sampler = data.EvalSampler(len(tokens), seq_len, global_batch)
     batches = min(args.eval_batches, sampler.num_batches)
