@@ -73,7 +73,7 @@ class Settings:
         return self.seq_len // self.shape.cp // (self.shape.tp if self.sequence_parallel else 1)
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors (an unknown flag, a choice not offered) are FlagErrors: like every other flag
     error they end the run with one line, printed once, not with argparse's usage text on every rank."""
 
@@ -82,7 +82,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="train.py", description="Train the GPT on a mesh of devices (see README.md).")
+    p = OneLineParser(prog="train.py", description="Train the GPT on a mesh of devices (see README.md).")
     for add_group in (_add_model_flags, _add_data_flags, _add_optimization_flags, _add_parallelism_flags,
                       _add_fp8_flags, _add_moe_flags, _add_reporting_flags, _add_checkpoint_flags):
         add_group(p)  # --help lists the groups in this order
@@ -371,7 +371,7 @@ def check_ranges(args) -> None:
 def model_config(args, given=frozenset()):
     """The GPTConfig of the flags: the preset with its overrides, or --init-from's config.json (init_from_config).
     The vocabulary is set by validate (the tokenizer's, or config.json's, padded)."""
-    if args.init_from:
+    if args.init_from is not None:
         return init_from_config(args, given)
     overrides = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
                      gelu=args.gelu, **moe.config_overrides(args))
@@ -389,6 +389,8 @@ def init_from_config(args, given) -> GPTConfig:
     """--init-from DIR: the shape and GELU from its config.json (hf.HFDirectory checks the directory: every
     GPT-2 tensor there, with its shape); a flag that says otherwise is an error, not a silent override."""
     flag = f"--init-from {args.init_from}"
+    if not args.init_from:
+        raise FlagError("--init-from '' names nothing; give a Hugging Face GPT-2 directory")
     try:
         shape = hf.HFDirectory(args.init_from).shape
     except hf.HFError as e:
