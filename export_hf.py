@@ -25,7 +25,8 @@ import sys
 
 import hf
 from ckpt_files import CheckpointError
-from flags import FlagError, OneLineParser, check_writable
+from flags import FlagError, OneLineParser
+from paths import check_writable
 
 
 def build_parser() -> OneLineParser:
@@ -43,7 +44,7 @@ def main(argv=None) -> None:
         model, record = hf.load_model(args.checkpoint)
         weights = {p.shard_info.global_name: p.detach() for p in model.parameters()}
         written = hf.write_directory(weights, model.config, args.out_dir, pytorch_bin=args.bin)
-    except (FlagError, hf.HFError, CheckpointError, OSError) as e:
+    except (ValueError, hf.HFError, CheckpointError, OSError) as e:  # FlagError and paths' checks: ValueErrors
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
     config = model.config
@@ -58,7 +59,7 @@ def main(argv=None) -> None:
 
 def check_destination(out_dir: str, checkpoint: str) -> None:
     """OUT_DIR can be written without overwriting anything: the directory it goes in can be written
-    (flags.check_writable), it is not the checkpoint or inside it, it does not exist or is an empty directory."""
+    (paths.check_writable), it is not the checkpoint or inside it, it does not exist or is an empty directory."""
     check_writable("out_dir", out_dir, directory=True)  # a name; not a file, nor under one; its parent writable
     out, source = os.path.realpath(out_dir), os.path.realpath(checkpoint)
     if out == source or out.startswith(source + os.sep):

@@ -27,6 +27,7 @@ import torch
 import data
 import flags
 import hf
+import paths
 from ckpt_files import CheckpointError
 from flags import FlagError
 
@@ -102,7 +103,7 @@ def check_flags(args) -> str:
     if args.eval_batches:
         if args.data is not None and not os.path.isfile(args.data):
             raise FlagError(f"--data {args.data!r} is not a file; give a text file, or leave --data out")
-        flags.check_writable("--out-dir", args.out_dir, directory=True)  # the token cache goes there
+        paths.check_writable("--out-dir", args.out_dir, directory=True)  # the token cache goes there
     if not args.start.startswith("FILE:"):
         prompt = args.start
     else:
