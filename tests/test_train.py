@@ -53,6 +53,27 @@ def test_two_rank_run_writes_metrics_and_lowers_the_loss(tmp_path):
     assert "D 2 × m 2 × B_μ 2" in out
 
 
+def test_the_default_run_is_minutes_of_work_and_the_readme_names_it(tmp_path, monkeypatch):
+    """`python train.py` with no flags is a newcomer's first run: its training work, steps × B_global·s tokens ×
+    the FLOPs per token mfu.flops_per_token counts, stays within 10 TFLOP. Measured (README, Train), this machine's
+    2 CPU cores train the default `mini` model at ~55 GFLOP/s, so 10 TFLOP is ~3 minutes; the `small` preset's
+    150 steps, the default before, were 44 TFLOP and 13 minutes. The README's line for the run names its preset
+    and its number of steps."""
+    import flags as flags_lib
+    import moe
+    import train
+
+    monkeypatch.chdir(tmp_path)  # --out-dir's default, out/, is checked for writability here
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    settings = flags_lib.parse([], train.AXES)
+    args = settings.args
+    flops = moe.flops_per_token(settings.model, settings.seq_len).hardware * args.global_batch * settings.seq_len
+    assert flops * args.steps <= 10e12, f"{flops * args.steps / 1e12:.1f} TFLOP"
+    with open(os.path.join(ROOT, "README.md")) as f:
+        line = next(line for line in f if line.startswith("python train.py "))
+    assert f"`{args.preset}` preset" in line and f"{args.steps} steps" in line, line
+
+
 def test_bad_layout_fails_fast_on_every_rank(tmp_path):
     run = launch(2, "--preset", "tiny", "--tp", "3", "--out-dir", str(tmp_path), timeout=60)
     assert run.returncode != 0
