@@ -504,6 +504,7 @@ def test_export_of_a_bad_checkpoint_ends_in_one_line(how, round_trip, tmp_path, 
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fine_tuning_from_an_export_starts_at_the_source_runs_last_val_loss(tmp_path, capsys):
     """train.py (TP=2, exact GELU, byte vocabulary) → export_hf.py → train.py --init-from on D=2: the fine-tuning
     run's val loss before training equals the source run's val loss after its last step (same val batches), and

@@ -510,6 +510,7 @@ def test_valid_zero_flags():
             train.flags.validate(args, 2, axes=train.AXES)
 
 
+@pytest.mark.slow
 def test_torchrun_zero3_smoke(tmp_path):
     """train.py end to end: 2 ranks, ZeRO-3, a few steps, accounting printed (startup and end lines)."""
     corpus = tmp_path / "corpus.txt"
