@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_model_flags(parser) -> None:
     g = parser.add_argument_group("model")
-    g.add_argument("--preset", default="small", help=" | ".join(PRESETS))
+    g.add_argument("--preset", default="mini", help=" | ".join(PRESETS))
     g.add_argument("--n-layer", type=int)
     g.add_argument("--n-head", type=int)
     g.add_argument("--n-embd", type=int)
@@ -115,10 +115,10 @@ def _add_data_flags(parser) -> None:
 
 def _add_optimization_flags(parser) -> None:
     g = parser.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=150)
+    g.add_argument("--steps", type=int, default=600)
     g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (B_global)")
     g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (B_μ)")
-    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--lr", type=float, default=2e-3)
     g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
     g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
     g.add_argument("--weight-decay", type=float, default=0.1)
@@ -182,7 +182,7 @@ def _add_reporting_flags(parser) -> None:
     g = parser.add_argument_group("evaluation and reporting")
     g.add_argument("--eval-every", type=int, default=100, help="val loss every N steps (0: only at the end)")
     g.add_argument("--eval-batches", type=int, default=4)
-    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--log-every", type=int, default=25)
     g.add_argument("--sample-tokens", type=int, default=300, help="tokens sampled at the end (0: none)")
     g.add_argument("--metrics-file", help="write one JSON object per step to this file")
     g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: table or measured)")

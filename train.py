@@ -1,6 +1,6 @@
 """Train the GPT on a mesh of devices: flags → mesh → model → the axes (AXES) → layout → schedule → loop → printouts.
 
-    python train.py                                   # one process, `small` preset, built-in corpus
+    python train.py                                   # one process, `mini` preset, built-in corpus
     torchrun --nproc_per_node 2 train.py --preset tiny --steps 50
 
 Each optimizer step consumes B_global = D·m·B_μ sequences (`--global-batch`, `--micro-batch`; the number of

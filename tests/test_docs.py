@@ -178,3 +178,19 @@ def test_the_repository_documents_itself(document):
     assert "../" not in text and "shared folder" not in text, document
     if document == "README.md":
         assert "DESIGN.md" in text
+
+
+def test_the_quick_suite_is_a_marker_and_ci_runs_every_test():
+    """The README's two test commands: `-m "not slow"` needs pytest.ini to register the marker, and CI (.ci/run)
+    runs plain pytest, deselecting nothing, so the slow tests are never skipped there."""
+    import configparser
+
+    ini = configparser.ConfigParser()
+    ini.read(os.path.join(ROOT, "pytest.ini"))
+    assert any(line.strip().startswith("slow:") for line in ini["pytest"].get("markers", "").splitlines())
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        runs = [line.split() for line in f if "pytest" in line and not line.lstrip().startswith("#")]
+    options = [run[run.index("pytest") + 1:] for run in runs]  # after `python3 -m pytest`
+    assert runs and all("-m" not in given and "-k" not in given for given in options), runs
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert 'python3 -m pytest -q -m "not slow"' in readme and "python3 -m pytest -q  " in readme

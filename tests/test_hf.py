@@ -381,6 +381,7 @@ def test_a_transformers_directory_loads_with_init_from_and_gives_the_same_logits
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fine_tuning_from_an_export_starts_at_the_source_runs_last_val_loss(tmp_path, capsys):
     """train.py (TP=2, exact GELU, byte vocabulary) → export_hf.py → train.py --init-from on D=2: the fine-tuning
     run's val loss before training equals the source run's val loss after its last step (same val batches), and

@@ -670,6 +670,7 @@ def fp8_run():
     return results, references
 
 
+@pytest.mark.slow
 def test_fp8_under_zero_bubble_equals_the_single_device_fp8_model(fp8_run):
     """zb with --fp8 (current, delayed, blockwise) on P = 2, m = 4, three steps, against reference_run's FP8
     model (float64, 1e-10); 1F1B + delayed is the control without a deferred W."""
@@ -687,11 +688,13 @@ def test_fp8_under_zero_bubble_equals_the_single_device_fp8_model(fp8_run):
         assert seen == set(ref_params), case
 
 
+@pytest.mark.slow
 def test_fp8_gradients_reach_the_synced_backward_once_a_step(fp8_run):
     for case, r in _each(fp8_run[0], FP8_CASES):
         assert set(r["arrivals"].values()) == {FP8_STEPS}, (case, r["arrivals"])  # once a step (DDP's overlap)
 
 
+@pytest.mark.slow
 def test_fp8_weight_gradients_come_through_the_deferred_w(fp8_run):
     """Under zb the FP8 linears' W computes dW = dYᵀ·X from the FP8 dY and X stashed by I."""
     for case, r in _each(fp8_run[0], FP8_CASES):
@@ -699,6 +702,7 @@ def test_fp8_weight_gradients_come_through_the_deferred_w(fp8_run):
             assert r["fp8_weights"] and r["fp8_weights"] <= r["through_w"], case
 
 
+@pytest.mark.slow
 def test_fp8_delayed_history_holds_the_amaxes_of_every_step(fp8_run):
     """The delayed history holds the dY amaxes too (its grad_output row), also when dY is used in W."""
     for case, r in _each(fp8_run[0], FP8_CASES):

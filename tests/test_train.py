@@ -53,6 +53,28 @@ def test_two_rank_run_writes_metrics_and_lowers_the_loss(tmp_path):
     assert "D 2 × m 2 × B_μ 2" in out
 
 
+def test_the_default_run_is_minutes_of_work_and_the_readme_names_it(tmp_path, monkeypatch):
+    """`python train.py` with no flags is a newcomer's first run: its training work, steps × B_global·s tokens ×
+    the FLOPs per token mfu.flops_per_token counts, stays within 10 TFLOP. Measured (README, Train), one thread on
+    the 2-core test machine trains the default `mini` model at ~55 GFLOP/s (7.0 TFLOP in 126 s of CPU time), so
+    10 TFLOP is ~3 minutes; the `small` preset's 150 steps, the default before, were 44 TFLOP and 13 minutes.
+    The README's line for the run names its preset and its number of steps."""
+    import flags as flags_lib
+    import moe
+    import train
+
+    monkeypatch.chdir(tmp_path)  # --out-dir's default, out/, is checked for writability here
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    settings = flags_lib.parse([], train.AXES)
+    args = settings.args
+    flops = moe.flops_per_token(settings.model, settings.seq_len).hardware * args.global_batch * settings.seq_len
+    assert flops * args.steps <= 10e12, f"{flops * args.steps / 1e12:.1f} TFLOP"
+    with open(os.path.join(ROOT, "README.md")) as f:
+        line = next(line for line in f if line.startswith("python train.py "))
+    assert f"`{args.preset}` preset" in line and f"{args.steps} steps" in line, line
+
+
+@pytest.mark.slow
 def test_bad_layout_fails_fast_on_every_rank(tmp_path):
     run = launch(2, "--preset", "tiny", "--tp", "3", "--out-dir", str(tmp_path), timeout=60)
     assert run.returncode != 0
@@ -68,6 +90,7 @@ def _is_one_clean_error(run, message: str) -> bool:
             and 'train.py", line' not in output)
 
 
+@pytest.mark.slow
 def test_bad_inputs_end_in_one_line_exactly_once_through_torchrun(tmp_path):
     """Through torchrun, each way an error can reach the user prints exactly one line and exits with 2: an
     argparse choice (every rank's parser refuses it), a flag error when rank 0 starts 3 s after the others
@@ -200,6 +223,7 @@ def test_a_bad_input_ends_in_one_line_before_any_process_group(flags, world, mes
     assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_ends_in_one_line_by_step_and_falls_back_with_latest(tmp_path):
     """Two ranks save steps 2 and 4; step 4 is damaged. `--resume 4`: one line naming it, why, and what to do,
     exit status 2. `--resume latest`: the refusal is reported and the run continues from step 2."""
@@ -338,6 +362,7 @@ def test_resume_alone_means_latest():
     assert args_for().resume is None
 
 
+@pytest.mark.slow
 def test_every_axis_at_once_through_torchrun(tmp_path):
     """PP 2 × CP 2 (DP 1) on 4 ranks with experts over EP 2, FP8 and ZeRO-1: the whole of train.main (the
     printouts, evaluation through the stages, sampling in lock step), every traced message as predicted."""
@@ -354,6 +379,7 @@ def test_every_axis_at_once_through_torchrun(tmp_path):
     assert "moe load" in out and "fp8 current" in out and "pipeline 1f1b" in out and "sample" in out
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_without_a_shared_filesystem_match_one_agent(tmp_path):
     """Multi-node: two torchrun agents (nodes) on this machine, each started in its own directory so they share
     no out/ (no shared filesystem). Each node's local rank 0 builds its own token cache (the bytes are
@@ -391,6 +417,7 @@ def test_two_torchrun_agents_without_a_shared_filesystem_match_one_agent(tmp_pat
     assert len(losses[0]) == 3 and losses[0] == losses[1], losses  # the same ranks, groups and sums: bitwise
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,flags", [(2, ("--tp", "2", "--sp", "--moe-experts", "4", "--zero", "2")),
                                          (2, ("--pp", "2", "--zero", "1")), (1, ("--zero", "3", "--fp8", "current"))],
                          ids=["tp-sp-experts-zero2", "pp-zero1", "zero3-fp8-alone"])
@@ -421,6 +448,7 @@ def _traced_row(out: str, op: str, group: str) -> str:
                 if line.split()[:1] == [op] and group in line.split()[1].split("="))
 
 
+@pytest.mark.slow
 def test_zero3_gathers_fp8_weights_in_half_the_bytes(tmp_path):
     """--zero 3 --fp8 under bf16: the block linears' weights travel as E4M3 bytes (1 byte, not bf16's 2); the
     traced all-gather equals the prediction, and the FP8 units' share of it is exactly half of bf16's."""
@@ -443,6 +471,7 @@ def test_zero3_gathers_fp8_weights_in_half_the_bytes(tmp_path):
     _traced_row(fp8_run.stdout, "all_reduce", "dp_cp")  # the scales' agreement is predicted and traced too
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_an_async_save_ends_in_one_line_and_leaves_no_temporary(tmp_path):
     """SIGINT to the whole torchrun process group (what Ctrl-C sends) while checkpoints persist in the
     background: one line (the step reached, the newest committed checkpoint), no KeyboardInterrupt traceback
@@ -473,6 +502,7 @@ def test_ctrl_c_during_an_async_save_ends_in_one_line_and_leaves_no_temporary(tm
     assert not [name for name in os.listdir(ck) if name.startswith(".tmp-")], os.listdir(ck)
 
 
+@pytest.mark.slow
 def test_one_process_prints_no_empty_tables_and_a_resume_at_the_last_step_says_so(tmp_path):
     """`python train.py` alone: the step line shows step i/N and an ETA, the message tables are left out
     (one process sends nothing) instead of printed as empty headers; resuming at the run's own last step

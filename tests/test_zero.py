@@ -515,6 +515,7 @@ def test_each_layout_class_refuses_the_other_stages(stage, cls, message):
         layout_class(torch.nn.Linear(2, 2), zero.ZeroConfig(stage, lr=1e-3))
 
 
+@pytest.mark.slow
 def test_torchrun_zero3_smoke(tmp_path):
     """train.py end to end: 2 ranks, ZeRO-3, a few steps, accounting printed (startup and end lines)."""
     corpus = tmp_path / "corpus.txt"
