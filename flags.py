@@ -173,7 +173,8 @@ def _add_moe_flags(parser) -> None:
     g.add_argument("--moe-experts", type=int, default=0, help="experts N per MoE block (0: dense MLP)")
     g.add_argument("--moe-topk", type=int, default=2, help="experts per token k")
     g.add_argument("--moe-every", type=int, default=1, help="every n-th block is MoE")
-    g.add_argument("--moe-capacity-factor", type=float, default=0.0, help="capacity per expert ⌈B_μ·s·k/N·f⌉ of each micro-batch (0: dropless)")
+    g.add_argument("--moe-capacity-factor", type=float, default=0.0,
+                   help="capacity per expert ⌈B_μ·s·k/N·f⌉ of each micro-batch (0: dropless)")
     g.add_argument("--moe-aux-coef", type=float, default=0.01, help="load-balance loss coefficient α")
     g.add_argument("--moe-z-coef", type=float, default=0.001, help="router z-loss coefficient β")
 

@@ -427,7 +427,8 @@ def config_from_flags(args, settings) -> PipelineConfig | None:
                          f" is --pp-schedule 1f1b)")
     if m < P:
         raise ValueError(f"--pp {P} needs at least {P} micro-batches per step (one in flight per stage), but this run"
-                         f" has m = {m} = global batch / (D × --micro-batch): raise --global-batch or lower --micro-batch")
+                         f" has m = {m} = global batch / (D × --micro-batch): raise --global-batch or lower"
+                         f" --micro-batch")
     chunks = P * v
     if n_layer < chunks:
         raise ValueError(f"--pp {P}" + (f" × --pp-virtual {v}" if chunks > P else "") + f" makes {chunks} pipeline"

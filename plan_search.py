@@ -339,7 +339,8 @@ def run_search(argv: list, settings, hw: hardware.Hardware, out=print) -> list:
     base = _without_layout_flags(argv)
     best, dropped, smallest, tried = search(base, settings.args.world, hw)
     if not best:
-        detail = f"; the smallest peak is {mfu.format_bytes(smallest[0])} ({layout_name(smallest[1])})" if smallest else ""
+        detail = (f"; the smallest peak is {mfu.format_bytes(smallest[0])} ({layout_name(smallest[1])})"
+                  if smallest else "")
         raise FlagError(f"--hw-memory-gib {hw.memory_gib:g}: no layout of {settings.args.preset} on --world"
                         f" {settings.args.world} fits in it{detail}")
     out(f"plan-search: {tried} valid layouts of {settings.args.preset} on {settings.args.world} GPUs, {dropped} do"

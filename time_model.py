@@ -179,7 +179,8 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
         def piece(nbytes):  # one call of `op` moving nbytes
             return hardware.collective_seconds(op, 1, nbytes, ranks, hw)
 
-        grads = names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single") and payload > 16 * calls
+        grads = (names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single")
+                 and payload > 16 * calls)
         if grads and stage <= 1:  # DDP, ZeRO-1: once per step, over the last micro-batch's backward
             last = piece(role.last_bucket)
             e = last + max(0.0, t - last - backward_mb)
@@ -254,8 +255,10 @@ def layout_name(settings) -> str:
     a, s = settings.args, settings.shape
     name = f"D{s.dp}·P{s.pp}·C{s.cp}·T{s.tp}" + (f"·E{s.ep}" if s.ep > 1 else "")
     name += f" ZeRO-{a.zero} B_μ={settings.micro_batch_size} m={settings.micro_batches}"
-    name += (f" {a.pp_schedule}" + (f"(v={a.pp_virtual})" if a.pp_schedule == "interleaved" else "")) if s.pp > 1 else ""
-    return name + (" SP" if settings.sequence_parallel else "") + (" AC" if settings.model.activation_checkpointing else "")
+    if s.pp > 1:
+        name += f" {a.pp_schedule}" + (f"(v={a.pp_virtual})" if a.pp_schedule == "interleaved" else "")
+    name += " SP" if settings.sequence_parallel else ""
+    return name + (" AC" if settings.model.activation_checkpointing else "")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -307,7 +307,8 @@ def test_an_export_is_model_safetensors_and_with_bin_also_pytorch_model_bin_alik
     assert sorted(os.listdir(round_trip["dir"])) == ["config.json", "model.safetensors"]
     export_hf.main([str(round_trip["source_ckpt"]), str(tmp_path / "hf"), "--bin"])
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors", "pytorch_model.bin"]
-    stored, pickled = load_file(tmp_path / "hf" / "model.safetensors"), torch.load(tmp_path / "hf" / "pytorch_model.bin")
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    pickled = torch.load(tmp_path / "hf" / "pytorch_model.bin")
     assert stored.keys() == pickled.keys() and all(torch.equal(stored[k], pickled[k]) for k in stored)
     assert set(hf.HFDirectory(str(tmp_path / "hf")).weight_files.values()) == {"model.safetensors"}
     os.remove(tmp_path / "hf" / "model.safetensors")

@@ -118,7 +118,8 @@ def _execute(plan, costs, n_chunks):
                     sent_at[step.send] = clock[r]
                 nxt[r] += 1
                 progressed = True
-        assert progressed, f"deadlock at {[(r, str(plan[r][nxt[r]].action)) for r in range(P) if nxt[r] < len(plan[r])]}"
+        stuck = [(r, str(plan[r][nxt[r]].action)) for r in range(P) if nxt[r] < len(plan[r])]
+        assert progressed, f"deadlock at {stuck}"
     return out
 
 

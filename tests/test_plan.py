@@ -271,7 +271,7 @@ def test_train_py_plan_runs_plan_py_with_the_same_flags(monkeypatch):
 
 def test_every_dtype_the_flags_accept_has_a_peak_in_every_hardware_model():
     """Hardware.peak(dtype) for each --dtype (auto resolves to one of them) in each preset and in a measured
-    CPU (which knows the dtype it measured only: fp16 used to be looked up as bf16 there, a KeyError at the end
+    CPU (which knows the dtype it measured only: looking fp16 up as bf16 there would be a KeyError at the end
     of a run); a dtype a model has no figure for says so, naming the model and --hw-peak-tflops."""
     import argparse
 

@@ -60,14 +60,16 @@ def test_the_default_run_is_minutes_of_work_and_the_readme_names_it(tmp_path, mo
     10 TFLOP is ~3 minutes; the `small` preset's 150 steps, the default before, were 44 TFLOP and 13 minutes.
     The README's line for the run names its preset and its number of steps."""
     import flags as flags_lib
-    import moe
+    import memory
+    import mfu
     import train
 
     monkeypatch.chdir(tmp_path)  # --out-dir's default, out/, is checked for writability here
     monkeypatch.setenv("WORLD_SIZE", "1")
     settings = flags_lib.parse([], train.AXES)
     args = settings.args
-    flops = moe.flops_per_token(settings.model, settings.seq_len).hardware * args.global_batch * settings.seq_len
+    per_token = mfu.flops_per_token(memory.param_counts(settings.model), settings.model, settings.seq_len)
+    flops = per_token.hardware * args.global_batch * settings.seq_len
     assert flops * args.steps <= 10e12, f"{flops * args.steps / 1e12:.1f} TFLOP"
     with open(os.path.join(ROOT, "README.md")) as f:
         line = next(line for line in f if line.startswith("python train.py "))
@@ -94,7 +96,7 @@ def _is_one_clean_error(run, message: str) -> bool:
 def test_bad_inputs_end_in_one_line_exactly_once_through_torchrun(tmp_path):
     """Through torchrun, each way an error can reach the user prints exactly one line and exits with 2: an
     argparse choice (every rank's parser refuses it), a flag error when rank 0 starts 3 s after the others
-    (the first rank to exit used to get rank 0 killed before it printed: the ranks now agree through the
+    (the first rank to exit would get rank 0 killed before it printed: the ranks agree through the
     agent's store on who prints), and a corpus too small for the batch (found after the process group exists,
     by the ranks that build the token cache, and agreed by all); a --ckpt-dir another run writes (rank 0 is
     refused its lock before any process group and the other rank hears it through the store: no start-up)."""
@@ -176,7 +178,7 @@ BAD_INPUTS = [  # (flags, world size, what the one line must say); FILE, DIR: a 
     (["--data", "DIR/missing.txt"], 1, "is not a file"),
     (["--tp", "3"], 2, "world size 2 is not divisible by --tp 3"),
     (["--global-batch", "6", "--micro-batch", "2"], 2, "--global-batch 6 must be divisible by D × --micro-batch"),
-    # issue 26: the experts' split named before the batch that D = 3 does not divide; output paths where nothing
+    # the experts' split named before the batch that D = 3 does not divide; output paths where nothing
     # can be written (root passes os.access there: the kernel's filesystems are refused by their type)
     (["--moe-experts", "4", "--ep", "3"], 3, "--ep 3 must divide --moe-experts 4"),
     (["--metrics-file", "/proc/x"], 1, "--metrics-file '/proc/x': the directory '/proc' cannot be written"),
@@ -187,7 +189,7 @@ BAD_INPUTS = [  # (flags, world size, what the one line must say); FILE, DIR: a 
     (["--out-dir", "/sys/x"], 1, "--out-dir '/sys/x': the directory '/sys' cannot be written"),
     (["--pp", "2", "--trace-file", "/proc/x", "--global-batch", "4", "--micro-batch", "2"], 2,
      "--trace-file '/proc/x': the directory '/proc' cannot be written"),
-    # issue 26's probe: values in range whose use would raise later, a planning flag without a plan
+    # values in range whose use would raise later, a planning flag without a plan
     (["--seed", str(10**23)], 1, "--seed must be a 63-bit integer"),
     (["--bucket-mb", "1e308"], 1, "--bucket-mb must be at most 1.04858e+06"),
     (["--fp8", "delayed", "--fp8-margin", "100000"], 1, "--fp8-margin must be at most 127"),
@@ -506,7 +508,7 @@ def test_ctrl_c_during_an_async_save_ends_in_one_line_and_leaves_no_temporary(tm
 def test_one_process_prints_no_empty_tables_and_a_resume_at_the_last_step_says_so(tmp_path):
     """`python train.py` alone: the step line shows step i/N and an ETA, the message tables are left out
     (one process sends nothing) instead of printed as empty headers; resuming at the run's own last step
-    says that there is nothing to train and exits 0 (it used to train 0 steps silently)."""
+    says that there is nothing to train and exits 0 (rather than training 0 steps silently)."""
     common = [sys.executable, os.path.join(ROOT, "train.py"), "--preset", "tiny", "--steps", "3", "--global-batch",
               "2", "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path), "--ckpt-dir",
               str(tmp_path / "ck"), "--peak-tflops", "1", *backend_flags(1)]  # the suite's backend, as torchrun's
@@ -542,7 +544,7 @@ for dtype in sys.argv[2:]:
 def test_every_dtype_the_flags_accept_reaches_the_end_of_a_run_on_cpu(tmp_path):
     """--dtype fp32, bf16, fp16 and auto on one CPU process, each to the last line of the end's accounting:
     the hardware model's check line compares the steps with the model of this machine, whose peak is the one
-    measured in the run's dtype (fp16 used to look up a bf16 peak the measured CPU does not have: KeyError).
+    measured in the run's dtype (fp16 must not look up a bf16 peak the measured CPU does not have: KeyError).
     Two steps, so one is timed and the check line predicts; one process runs the four, importing torch once."""
     import flags as flags_lib
 
@@ -580,7 +582,7 @@ def test_an_mfu_above_100_percent_is_flagged_once(capsys):
 
 
 def test_the_axis_protocol_is_six_methods_and_no_handle_brings_back_a_removed_hook():
-    """step.Axis: four training methods and two accounting ones (issue 18's target: ≤ 8, ≤ 3 accounting).
+    """step.Axis: four training methods and two accounting ones (a small protocol: ≤ 8, ≤ 3 accounting).
     A handle may have helpers of its own, but none of the hooks that left the protocol (printing moved to
     report_axes.py's sections, per-step hooks into after_grad_sync, "loaded" into the loaded tensors)."""
     import inspect
