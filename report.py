@@ -993,7 +993,10 @@ def pp_end_lines(axis, run=None, steps: int = 0) -> list:
              f" per rank " + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)"
              + (f"\n  {why}" if why else ""),  # the end line and, printed under it, why they differ
              "  mean action time per rank (ms): " + "; ".join(
-                 f"pp{i} " + " ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(r.items())) for i, r in enumerate(costs))]
+                 f"pp{i} " + " ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(r.items())) for i, r in enumerate(costs)),
+             "  host time in p2p calls, last step (ms): " + "; ".join(  # what the simulation leaves out
+                 f"pp{i} " + " ".join(f"{k} {t * 1e3:.1f}" for k, t in _p2p_time(e).items())
+                 for i, e in enumerate(events))]
     lines += ["  one executed step (the last), per pp rank:"] + pp_timeline(events)
     if axis.trace_file and s.rank == 0:
         pp_write_chrome_trace(axis.trace_file, events)
@@ -1025,6 +1028,16 @@ def pp_bubble_note(costs: list, simulated: float, ranks: int, threads: int, core
         return ""
     return ("why the measured bubble differs: " + "; ".join(reasons) + ". The figure comparable with the"
             f" prediction is the simulation with the measured costs, {simulated:.1%}")
+
+
+def _p2p_time(events: list) -> dict:
+    """Seconds one rank's host spent in each kind of p2p call (post, wait: a receive, release: a send)."""
+    out = {"post": 0.0, "wait": 0.0, "release": 0.0}
+    for e in events:
+        if e["cat"] == "p2p":
+            kind = e["name"].split()[0]
+            out[kind] = out.get(kind, 0.0) + e["end"] - e["start"]
+    return out
 
 
 def _ranks_on_node() -> int:

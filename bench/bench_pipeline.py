@@ -17,7 +17,9 @@ printed). A timed step is barrier → step → barrier on every rank, so it ends
 the variants rotate their order every round and the ratio is of medians. Gradients are zeroed between steps
 and no optimizer runs (the schedules are what differs). Our measured bubble is each rank's idle fraction of
 its step, from the executed timeline; the predicted one is the closed form (uniform costs) and the
-comm-free simulation of the same action lists with each rank's measured mean F/B/I/W times.
+comm-free simulation of the same action lists with each rank's measured mean F/B/I/W times. What that
+simulation leaves out is printed under it: each rank's host time in p2p calls (posting a batch, waiting on a
+receive, waiting on a send) in the last step.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def _bench(rank, world, args):
             print(f"  {name:<12} {a * 1e3:7.1f}ms {b * 1e3:7.1f}ms {a / b:10.2f}   "
                   f"{first_losses[name][0]:.6f} / {first_losses[name][1]:.6f}")
         for name, text in lines:
-            print("\n".join(text[:2] if name != args.timeline else text))
+            print("\n".join(text[:3] if name != args.timeline else text))  # end line, action and p2p times
 
 
 def main():
