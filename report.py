@@ -987,7 +987,7 @@ def pp_end_lines(axis, run=None, steps: int = 0) -> list:
     costs, events = [r["costs"] for r in ranks], [r["events"] for r in ranks]
     simulated = sum(schedules.bubble_of(schedules.simulate(s.programs(m), costs))) / s.P
     why = pp_bubble_note(costs, simulated, _ranks_on_node(), torch.get_num_threads(), os.cpu_count(),
-                         cpu=not next(axis.model.parameters()).is_cuda)
+                         cpu=not next(axis.model.parameters()).is_cuda, load=os.getloadavg()[0])
     lines = [f"pipeline {s.name} P={s.P} m={m}: bubble predicted {schedules.bubble_formula(s.name, s.P, m, s.v):.1%}"
              f" ({schedules.BUBBLE_TEXT[s.name]}), simulated with the measured costs {simulated:.1%}, measured"
              f" per rank " + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)"
@@ -1005,14 +1005,19 @@ def pp_end_lines(axis, run=None, steps: int = 0) -> list:
 
 
 def pp_bubble_note(costs: list, simulated: float, ranks: int, threads: int, cores: int | None, cpu: bool = True,
-                   tolerance: float = 0.1) -> str:
+                   tolerance: float = 0.1, load: float | None = None) -> str:
     """Why a measured bubble differs from the formula, for the reasons a run can see ("" when none holds):
-    its ranks time-share the node's cores (on CPU), or the measured action costs (per rank {kind: seconds})
-    are not the uniform ones the formula assumes (F equal on every stage, B = 2F, I = W = F)."""
+    its ranks time-share the node's cores (on CPU), other processes do (the 1-minute load average `load`
+    above the cores), or the measured action costs (per rank {kind: seconds}) are not the uniform ones the
+    formula assumes (F equal on every stage, B = 2F, I = W = F)."""
     reasons = []
     if cpu and cores and ranks * threads > cores:
         reasons.append(f"{ranks} ranks × {threads} thread{'s' * (threads > 1)} share {cores} cores, so ranks take"
                        f" turns on them: an action's time includes waiting for a core, and its peers wait on it")
+    if cpu and cores and load is not None and load > max(cores, ranks * threads):
+        reasons.append(f"the node's load average is {load:.1f} on {cores} cores, so other processes take turns on"
+                       f" them too: a rank waits for a core in its p2p calls (and the transfers' threads for theirs),"
+                       f" which the simulation does not count")
     uneven, forwards = [], [c["F"] for c in costs if c.get("F")]
     if len(forwards) == len(costs) and max(forwards) > (1 + tolerance) * min(forwards):
         uneven.append(f"F differs {max(forwards) / min(forwards):.2f}× between stages")

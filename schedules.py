@@ -187,9 +187,10 @@ class Step(NamedTuple):
     release: tuple = ()  # this rank's earlier sends to wait on before the action: their buffers are freed
 
 
-def simulate(programs: list, costs) -> list:
-    """Per rank [(action, start, end)]: every action starts once its rank is free and its input has been sent
-    (communication free). `costs`: {kind: seconds}, or one such dict per rank. Raises on a deadlock."""
+def simulate(programs: list, costs, latency: float = 0.0) -> list:
+    """Per rank [(action, start, end)]: every action starts once its rank is free and its input has arrived,
+    `latency` seconds after it was sent (0: communication free). `costs`: {kind: seconds}, or one such dict
+    per rank. Raises on a deadlock."""
     P = len(programs)
     n_chunks = max(a.chunk for program in programs for a in program) + 1
     costs = costs if isinstance(costs, (list, tuple)) else [costs] * P
@@ -208,7 +209,7 @@ def simulate(programs: list, costs) -> list:
                 clock[rank] = start + costs[rank][action.kind]
                 out[rank].append((action, start, clock[rank]))
                 if (sent := produces(action, n_chunks)) is not None:
-                    sent_at[sent] = clock[rank]
+                    sent_at[sent] = clock[rank] + latency  # when it arrives
                 nxt[rank], progress = nxt[rank] + 1, True
     stuck = [(rank, str(program[nxt[rank]])) for rank, program in enumerate(programs) if nxt[rank] < len(program)]
     if stuck:

@@ -143,6 +143,8 @@ def _bench(rank, world, args):
     medians = {key: statistics.median(values) for key, values in times.items()}
     # report.py's end lines of each of ours (collective over pp: every rank calls them, rank 0 prints).
     lines = [(name, report.pp_end_lines(handle)) for name, (_, handle) in ours.items()]
+    latency = _message_latency(rank, group, batches[0][0].shape + (config.n_embd,), device)
+    with_latency = {name: _bubbles_with_latency(schedule, m, latency) for name, (schedule, _) in ours.items()}
     if rank == 0:
         where = "one GPU per rank" if device.type == "cuda" else f"{torch.get_num_threads()} thread(s) per rank"
         print(f"\nP={P}, m={m}, {config.n_layer} layers, h={config.n_embd}, micro-batch {args.micro}×{args.seq}"
@@ -154,6 +156,45 @@ def _bench(rank, world, args):
                   f"{first_losses[name][0]:.6f} / {first_losses[name][1]:.6f}")
         for name, text in lines:
             print("\n".join(text[:3] if name != args.timeline else text))  # end line, action and p2p times
+            simulated, measured = with_latency[name]
+            print(f"  with {latency * 1e3:.2f} ms a message (ping-pong of one b·s·h message, pp ranks 0 ↔ 1): "
+                  f"simulated per rank {' '.join(f'{b:.1%}' for b in simulated)}, measured"
+                  f" {' '.join(f'{b:.1%}' for b in measured)}")
+
+
+def _message_latency(rank, group, shape, device, trips: int = 20) -> float:
+    """Seconds from posting one stage-boundary message to its arrival, as the schedule posts it (one
+    batch_isend_irecv each way): half the median round trip between pp ranks 0 and 1; the others wait."""
+    buffer, times = torch.zeros(shape, device=device), []
+    if rank in (0, 1):
+        for trip in range(3 + trips):  # 3 warm-up trips
+            synchronize()
+            start = time.perf_counter()
+            for kind in ((dist.isend, dist.irecv) if rank == 0 else (dist.irecv, dist.isend)):
+                for work in dist.batch_isend_irecv([dist.P2POp(kind, buffer, 1 - rank, group)]):
+                    work.wait()
+            synchronize()
+            times.append(time.perf_counter() - start)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, statistics.median(times[3:]) / 2 if times else None, group=group)
+    return out[0]
+
+
+def _bubbles_with_latency(schedule, m: int, latency: float) -> tuple:
+    """(each rank's bubble simulated with its measured mean action costs and `latency` a message, each rank's
+    measured bubble): collective over pp. The step's host time in p2p is what the comm-free simulation leaves
+    out; if messages cost this much, this simulation accounts for it."""
+    timed = list(schedule.clock.timings)
+    durations = {}
+    for _, _, by_kind, _ in timed:
+        for kind, values in by_kind.items():
+            durations.setdefault(kind, []).extend(values)
+    mine = ({kind: statistics.mean(values) for kind, values in durations.items()},
+            1 - statistics.mean(busy / wall for wall, busy, _, _ in timed))
+    ranks = [None] * dist.get_world_size(schedule.group)
+    dist.all_gather_object(ranks, mine, group=schedule.group)
+    costs = [costs for costs, _ in ranks]
+    return schedules.bubble_of(schedules.simulate(schedule.programs(m), costs, latency)), [b for _, b in ranks]
 
 
 def main():

@@ -210,6 +210,14 @@ def test_in_flight_counts_equal_the_formulas(schedule):
             assert stash == (min(r + 1, m) if s == "zb" else 0), (s, P, m, v, r)
 
 
+def test_simulated_messages_arrive_latency_after_their_send():
+    """1f1b, P = 2, m = 1, latency L: F on rank 0 [0, 1], on rank 1 [1 + L, 2 + L], B [2 + L, 4 + L], back on
+    rank 0 [4 + 2L, 6 + 2L]."""
+    timelines = sch.simulate(sch.build_programs("1f1b", 2, 1), UNIFORM, latency=0.5)
+    assert [[(str(a), start, end) for a, start, end in t] for t in timelines] == \
+        [[("F0.0", 0.0, 1.0), ("B0.0", 5.0, 7.0)], [("F0.1", 1.5, 2.5), ("B0.1", 2.5, 4.5)]]
+
+
 def test_zero_bubble_formula_holds_for_other_costs():
     """ZB-H1's bubble (P−1)·max(t_F, t_F+t_I−t_W): W fills the tail unless it is longer than F + I − F."""
     for t_f, t_i, t_w in ((2, 2, 1), (1, 2, 1), (1, 1, 2), (2, 3, 2), (1, 0.5, 1)):
@@ -1062,6 +1070,12 @@ def test_bubble_note_names_ranks_sharing_cores():
     shared = report.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=4, threads=1, cores=2)
     assert "4 ranks × 1 thread share 2 cores" in shared and "costs" not in shared.split(".")[0]
     assert shared.endswith("simulation with the measured costs, 25.0%")
+
+
+def test_bubble_note_names_other_processes_loading_the_cores():
+    loaded = report.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=10.3)
+    assert "load average is 10.3 on 2 cores" in loaded and "2 ranks" not in loaded
+    assert report.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=1.9) == ""
 
 
 def test_bubble_note_names_costs_that_are_not_uniform():
