@@ -261,7 +261,8 @@ class _Mailbox:
         ops += [op for op, _ in sends]
         if not ops:
             return
-        with s.clock.p2p(f"post {len(ops)}", sum(op.tensor.numel() * op.tensor.element_size() for op in ops)):
+        named = ", ".join([f"recv {_label(msg)}" for msg in recvs] + [f"send {_label(msg)}" for _, msg in sends])
+        with s.clock.p2p(f"post {named}", sum(op.tensor.numel() * op.tensor.element_size() for op in ops)):
             works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # NCCL coalesces a batch into one work
             works = [works[0]] * len(ops)
@@ -275,13 +276,13 @@ class _Mailbox:
         if msg is None:
             return None
         buffer, work = self.received.pop(msg)
-        with self.schedule.clock.p2p(f"wait {msg.kind} {msg.mb}.{msg.chunk}"):
+        with self.schedule.clock.p2p(f"wait {_label(msg)}"):
             work.wait()
         return buffer
 
     def release(self, msgs) -> None:
         for msg in msgs:  # timed like the receives': the trace shows a rank held up by its own sends
-            with self.schedule.clock.p2p(f"release {msg.kind} {msg.mb}.{msg.chunk}"):
+            with self.schedule.clock.p2p(f"release {_label(msg)}"):
                 self.sent.pop(msg).wait()
 
     def send(self, msg: Message | None, tensor) -> None:
@@ -293,6 +294,11 @@ class _Mailbox:
         self.post([])
         for work in self.sent.values():  # sends whose receivers post after this rank's last action starts
             work.wait()
+
+
+def _label(msg: Message) -> str:
+    """A message as the trace names it: 'act 3.1' (micro-batch 3, sent by chunk 1)."""
+    return f"{msg.kind} {msg.mb}.{msg.chunk}"
 
 
 def _send_blocking(h: torch.Tensor, peer: int, group) -> None:

@@ -144,7 +144,9 @@ def _bench(rank, world, args):
     # report.py's end lines of each of ours (collective over pp: every rank calls them, rank 0 prints).
     lines = [(name, report.pp_end_lines(handle)) for name, (_, handle) in ours.items()]
     latency = _message_latency(rank, group, batches[0][0].shape + (config.n_embd,), device)
-    with_latency = {name: _bubbles_with_latency(schedule, m, latency) for name, (schedule, _) in ours.items()}
+    delays = {name: _message_delays(schedule) for name, (schedule, _) in ours.items()}
+    with_latency = {name: [_bubbles_with_latency(schedule, m, seconds) for seconds in (latency, delays[name][1])]
+                    for name, (schedule, _) in ours.items()}
     if rank == 0:
         where = "one GPU per rank" if device.type == "cuda" else f"{torch.get_num_threads()} thread(s) per rank"
         print(f"\nP={P}, m={m}, {config.n_layer} layers, h={config.n_embd}, micro-batch {args.micro}×{args.seq}"
@@ -156,10 +158,15 @@ def _bench(rank, world, args):
                   f"{first_losses[name][0]:.6f} / {first_losses[name][1]:.6f}")
         for name, text in lines:
             print("\n".join(text[:3] if name != args.timeline else text))  # end line, action and p2p times
-            simulated, measured = with_latency[name]
-            print(f"  with {latency * 1e3:.2f} ms a message (ping-pong of one b·s·h message, pp ranks 0 ↔ 1): "
-                  f"simulated per rank {' '.join(f'{b:.1%}' for b in simulated)}, measured"
-                  f" {' '.join(f'{b:.1%}' for b in measured)}")
+            (pinged, measured), (delayed, _) = with_latency[name]
+            per_rank, median, count = delays[name]
+            print(f"  measured per rank {' '.join(f'{b:.1%}' for b in measured)}; simulated with {latency * 1e3:.2f} ms"
+                  f" a message (ping-pong of one b·s·h message, pp ranks 0 ↔ 1, peers idle)"
+                  f" {' '.join(f'{b:.1%}' for b in pinged)}")
+            print(f"  last step: receive waits after both ends had posted the message, per rank (ms) "
+                  f"{' '.join(f'{t * 1e3:.1f}' for t in per_rank)} ({count} waits, median {median * 1e3:.2f} ms:"
+                  f" the transfer and the wake-ups, on a node whose cores these ranks share); simulated with"
+                  f" {median * 1e3:.2f} ms a message {' '.join(f'{b:.1%}' for b in delayed)}")
 
 
 def _message_latency(rank, group, shape, device, trips: int = 20) -> float:
@@ -178,6 +185,33 @@ def _message_latency(rank, group, shape, device, trips: int = 20) -> float:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, statistics.median(times[3:]) / 2 if times else None, group=group)
     return out[0]
+
+
+def _message_delays(schedule) -> tuple:
+    """From the last step's trace of every rank (one machine: perf_counter is one clock): how long each rank
+    waited on a receive after both ends had posted it (the receive's and the send's batch returned), i.e.
+    time that is neither compute nor a wait for the producing action. (per-rank seconds, median delay of
+    such a wait, count). Collective over pp."""
+    ranks = [None] * dist.get_world_size(schedule.group)
+    dist.all_gather_object(ranks, (schedule.clock.origin, schedule.clock.events), group=schedule.group)
+    posted = {}  # ("send" | "recv", message label) -> time its batch returned
+    for origin, events in ranks:
+        for e in events:
+            if e["name"].startswith("post "):
+                for op in e["name"][len("post "):].split(", "):
+                    side, label = op.split(" ", 1)
+                    posted[side, label] = origin + e["end"]
+    per_rank, delays = [], []
+    for origin, events in ranks:
+        mine = []
+        for e in events:
+            if e["name"].startswith("wait "):
+                label = e["name"][len("wait "):]
+                both = max(posted[side, label] for side in ("send", "recv"))
+                mine.append(max(0.0, origin + e["end"] - max(both, origin + e["start"])))
+        per_rank.append(sum(mine))
+        delays += [d for d in mine if d > 0]
+    return per_rank, statistics.median(delays) if delays else 0.0, len(delays)
 
 
 def _bubbles_with_latency(schedule, m: int, latency: float) -> tuple:
