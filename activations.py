@@ -27,7 +27,6 @@ from dataclasses import dataclass, replace
 
 import memory
 import moe
-import pipeline
 import schedules
 
 
@@ -79,9 +78,8 @@ def activation_estimate(run, device_type: str | None = None) -> ActivationEstima
     rank's program alive, each counted as 1/v of the stage (exact for v = 1)."""
     model, layer_ids = run.model, [block.layer_id for block in run.model.transformer.h]
     in_flight, chunks = 1, 1
-    if isinstance(run.schedule, pipeline.PipelineSchedule):
-        in_flight = schedules.in_flight(run.schedule.programs(run.micro_batches)[run.schedule.rank])[0]
-        chunks = run.schedule.v
+    for pp in (axis.facts() for axis in run.axes if axis.name == "pp"):
+        in_flight, chunks = schedules.in_flight(pp.programs[pp.rank])[0], pp.v
     return estimate_of(run.config, activation_shape(run, device_type), layer_ids, (model.has_embedding, model.has_head),
                        run.settings.shape.ep, (in_flight, chunks))
 

@@ -472,41 +472,48 @@ class WaitClock:
 
 class ActionClock:
     """Times one pipeline step's actions and p2p calls, for the measured bubble, the timeline and the trace
-    (report_axes.py's pp section). pipeline.PipelineSchedule calls it: start() at the step's start, begin() and
-    end(action) around each action's compute, `with p2p(name)` around each host p2p call, stop() at the end.
+    (report_axes.py's pp section). It observes the interpreter (pipeline.PipelineObserver's protocol, subscribed
+    by pipeline.Pipeline.observe): `with step(device)` around a step's actions, `with action(action)` around each
+    action's compute, `with p2p(name, nbytes)` around each host p2p call.
 
-    CPU: perf_counter. CUDA: an event recorded on the compute stream before and after each action, all read
-    once at stop(); a device-wide synchronize after each action would also wait on receives posted for later
-    actions, charged as compute. p2p spans are host time (on CUDA: when the calls were issued).
+    CPU: perf_counter. CUDA (cuda=None: the step's device says): an event recorded on the compute stream before
+    and after each action, all read once at the step's end; a device-wide synchronize after each action would
+    also wait on receives posted for later actions, charged as compute. p2p spans are host time (on CUDA: when
+    the calls were issued).
 
     Kept: `timings`, recent steps as (wall s, busy s, {kind: [s]}, first step of the run?), and `events`, the
     last step's compute and p2p spans as dicts (seconds from that step's start).
     """
 
-    def __init__(self, cuda: bool, keep: int = 64):
-        self.cuda = cuda
+    def __init__(self, cuda: bool | None = None, keep: int = 64):
+        self.cuda = cuda  # None: each step's device says
+        self.on_cuda = bool(cuda)  # the last step's
         self.timings = deque(maxlen=keep)
         self.events = []
 
-    def start(self) -> None:
+    @contextmanager
+    def step(self, device):
+        self.on_cuda = self.cuda if self.cuda is not None else torch.device(device).type == "cuda"
         self.origin, self.spans, self.p2p_events = time.perf_counter(), [], []  # spans: (action, mark, mark)
         self.first = self._mark()
+        yield
+        self._stop()
 
     def _host(self) -> float:
         return time.perf_counter() - self.origin
 
     def _mark(self):
-        if not self.cuda:
+        if not self.on_cuda:
             return self._host()
         event = torch.cuda.Event(enable_timing=True)
         event.record()  # on the current stream: the one the actions compute on
         return event
 
-    def begin(self) -> None:
-        self.opened = self._mark()
-
-    def end(self, action) -> None:
-        self.spans.append((action, self.opened, self._mark()))
+    @contextmanager
+    def action(self, action):
+        opened = self._mark()
+        yield
+        self.spans.append((action, opened, self._mark()))
 
     @contextmanager
     def p2p(self, name: str, nbytes: int | None = None):
@@ -515,9 +522,9 @@ class ActionClock:
         event = dict(cat="p2p", name=name, start=start, end=self._host())
         self.p2p_events.append(event if nbytes is None else dict(event, bytes=nbytes))
 
-    def stop(self) -> None:
+    def _stop(self) -> None:
         last = self._mark()
-        if self.cuda:
+        if self.on_cuda:
             last.synchronize()  # this step's last event: every earlier one on the stream has completed
             seconds = lambda event: self.first.elapsed_time(event) / 1e3  # noqa: E731 (elapsed_time is in ms)
             last, self.spans = seconds(last), [(action, seconds(a), seconds(b)) for action, a, b in self.spans]

@@ -8,7 +8,9 @@ one list of actions per rank (F forward, B backward, I its input-gradient half, 
 half) and a communication plan saying which receives to post before each action and where each send's
 buffer is released. ONE interpreter here, `PipelineSchedule.forward_backward`, runs a rank's plan: post
 the listed receives and the previous action's send in one `dist.batch_isend_irecv`, wait for the action's
-input, wait on the sends the plan releases (their receives are known posted), compute.
+input, wait on the sends the plan releases (their receives are known posted), compute. It keeps no clock: it
+tells an observer (`PipelineObserver`, nobody by default) where the step, each action and each p2p call
+begin and end, and the accounting subscribes its clock (mfu.ActionClock, through `Pipeline.observe`).
 
 How zb defers W: every nn.Linear of a chunk (the head, and the inner linears of tensor_parallel's
 Column/RowParallelLinear alike) runs with its parameters detached, so its backward returns dL/dx = dL/dy·A
@@ -64,7 +66,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memory
-import mfu
 from comm import Messages
 from model import GPT, GPTConfig
 from schedules import (BUBBLE_TEXT, Action, Message, bubble_formula, build_programs, communication_plan,
@@ -78,22 +79,40 @@ TIED = "transformer.wte.weight"
 # ---------------------------------------------------------------------------------------------------------
 
 
+class PipelineObserver:
+    """Who watches the interpreter: each method returns a context around what it names, and does nothing here.
+    The accounting subscribes its clock (`Pipeline.observe`; mfu.ActionClock times what it is told).
+        step(device)          one forward_backward's actions, computed on `device`
+        action(action)        one action's compute (a schedules.Action: F, B, I or W of a micro-batch and chunk)
+        p2p(name, nbytes)     one host p2p call: "post recv act 3.1, send grad 2.1" (nbytes: the batch's
+                              payload), "wait act 3.1" (a receive's), "release grad 2.1" (a send's)
+    """
+
+    def step(self, device):
+        return nullcontext()
+
+    def action(self, action: Action):
+        return nullcontext()
+
+    def p2p(self, name: str, nbytes: int | None = None):
+        return nullcontext()
+
+
 class PipelineSchedule:
     """The step's schedule object (step.GradientAccumulation's protocol), for one pp rank.
 
-    seq_divisor: T under sequence parallel (a stage boundary then carries s/T tokens); clock: an
-    mfu.ActionClock, which times the actions for the printouts."""
+    seq_divisor: T under sequence parallel (a stage boundary then carries s/T tokens); observer: who is told
+    what the interpreter does (a PipelineObserver: nobody, unless the accounting subscribed)."""
 
     measured_forward = "one (micro-batch, chunk) forward on this stage"  # what saved_activation_bytes covers
 
-    def __init__(self, config: PipelineConfig, mesh, n_layer: int, seq_divisor: int = 1,
-                 clock: mfu.ActionClock | None = None):
+    def __init__(self, config: PipelineConfig, mesh, n_layer: int, seq_divisor: int = 1):
         self.name, self.P, self.v = config.schedule, config.size, config.virtual
         self.rank, self.group, self.peers = mesh.index("pp"), mesh.group("pp"), list(mesh.members["pp"])
         self.n_chunks = self.P * self.v
         self.chunk_layers = split_layers(n_layer, self.n_chunks)  # chunk c's layers; pp rank c mod P holds it
         self.seq_divisor = seq_divisor
-        self.clock = clock if clock is not None else mfu.ActionClock(cuda=False)
+        self.observer = PipelineObserver()
         self.store = WeightGradStore() if self.name == "zb" else None
         self.measure_activations = False  # set it: the next step measures its first forward's saved bytes
         self.saved_activation_bytes = None  # bytes autograd saved for one (micro-batch, chunk) forward
@@ -109,30 +128,27 @@ class PipelineSchedule:
         synced = last_backwards(steps)  # every other backward accumulates under no_sync: each gradient syncs once
         state = _StepState(model, batches, global_tokens, loss_scale, aux_divisor, autocast)
         mail = _Mailbox(self, state)
-        self.clock.start()
-        for step in steps:
-            action = step.action
-            mail.post(step.recvs)  # then the previous action's send: one batch
-            incoming = mail.take(needs(action, self.n_chunks))
-            mail.release(step.release)  # a message taken shows their receives posted: frees the buffers
-            measuring = self.measure_activations and action.kind == "F"
-            saved = memory.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
-            self.clock.begin()
-            with nullcontext() if action in synced else layout.no_sync(), saved:
-                outgoing = None
-                if action.kind == "F":
-                    outgoing = self._forward(state, action, incoming)
-                elif action.kind == "W":  # the weight gradients its I left in the store
-                    self.store.apply(state.deferred.pop((action.mb, action.chunk)))
-                else:  # B, or I
-                    outgoing = self._backward(state, action, incoming)
-            self.clock.end(action)
-            if measuring:
-                self.saved_activation_bytes, self.measure_activations = saved.bytes, False
-            mail.send(step.send, outgoing)  # posted with the next step's receives
-            outgoing = incoming = None  # a sent buffer lives in its op and work only, until its release
-        mail.close()
-        self.clock.stop()
+        with self.observer.step(device):
+            for step in steps:
+                action = step.action
+                mail.post(step.recvs)  # then the previous action's send: one batch
+                incoming = mail.take(needs(action, self.n_chunks))
+                mail.release(step.release)  # a message taken shows their receives posted: frees the buffers
+                measuring = self.measure_activations and action.kind == "F"
+                saved = memory.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
+                with self.observer.action(action), nullcontext() if action in synced else layout.no_sync(), saved:
+                    outgoing = None
+                    if action.kind == "F":
+                        outgoing = self._forward(state, action, incoming)
+                    elif action.kind == "W":  # the weight gradients its I left in the store
+                        self.store.apply(state.deferred.pop((action.mb, action.chunk)))
+                    else:  # B, or I
+                        outgoing = self._backward(state, action, incoming)
+                if measuring:
+                    self.saved_activation_bytes, self.measure_activations = saved.bytes, False
+                mail.send(step.send, outgoing)  # posted with the next step's receives
+                outgoing = incoming = None  # a sent buffer lives in its op and work only, until its release
+            mail.close()
         if self.P > 1:
             dist.all_reduce(state.loss_sum, op=dist.ReduceOp.SUM, group=self.group)  # 8 bytes: Σ CE everywhere
         return MicroBatchLoss(state.loss_sum, state.aux_totals)
@@ -262,7 +278,7 @@ class _Mailbox:
         if not ops:
             return
         named = ", ".join([f"recv {_label(msg)}" for msg in recvs] + [f"send {_label(msg)}" for _, msg in sends])
-        with s.clock.p2p(f"post {named}", sum(op.tensor.numel() * op.tensor.element_size() for op in ops)):
+        with s.observer.p2p(f"post {named}", sum(op.tensor.numel() * op.tensor.element_size() for op in ops)):
             works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # NCCL coalesces a batch into one work
             works = [works[0]] * len(ops)
@@ -276,13 +292,13 @@ class _Mailbox:
         if msg is None:
             return None
         buffer, work = self.received.pop(msg)
-        with self.schedule.clock.p2p(f"wait {_label(msg)}"):
+        with self.schedule.observer.p2p(f"wait {_label(msg)}"):
             work.wait()
         return buffer
 
     def release(self, msgs) -> None:
-        for msg in msgs:  # timed like the receives': the trace shows a rank held up by its own sends
-            with self.schedule.clock.p2p(f"release {_label(msg)}"):
+        for msg in msgs:  # told like the receives': the trace shows a rank held up by its own sends
+            with self.schedule.observer.p2p(f"release {_label(msg)}"):
                 self.sent.pop(msg).wait()
 
     def send(self, msg: Message | None, tensor) -> None:
@@ -477,12 +493,11 @@ def mark_tied_copies(model: GPT, n_chunks: int) -> None:
 
 
 def apply(model: GPT, run, config: PipelineConfig):
-    """The axis for train.py: the stage model was built by stage_of(config, run); this adds the schedule, its
-    clock and the marks on the tied copies."""
+    """The axis for train.py: the stage model was built by stage_of(config, run); this adds the schedule and
+    the marks on the tied copies."""
     mesh = run.mesh
     sp = mesh.size("tp") if run.settings.sequence_parallel else 1  # a boundary carries s/C (÷T under SP) tokens
-    clock = mfu.ActionClock(cuda=torch.device(run.device).type == "cuda")
-    schedule = PipelineSchedule(config, mesh, run.config.n_layer, seq_divisor=sp, clock=clock)
+    schedule = PipelineSchedule(config, mesh, run.config.n_layer, seq_divisor=sp)
     mark_tied_copies(model, schedule.n_chunks)
     boundary = run.micro_batch_size * run.settings.local_seq_len * run.config.n_embd  # b·s·h elements
     tied_group = mesh.group("pp_tied") if mesh.size("pp_tied") > 1 else None  # first and last stage
@@ -491,11 +506,31 @@ def apply(model: GPT, run, config: PipelineConfig):
                     config.trace_file if writes_trace else None)
 
 
+@dataclass(frozen=True)
+class PPFacts:
+    """What the accounting reads of the pipeline (`Pipeline.facts`): report_axes.py's pp section, activations.py,
+    time_model.py. programs: every pp rank's actions for the run's m micro-batches (schedules.build_programs);
+    message_bytes: one stage-boundary message, b·s·h·e; group: pp's, which the end lines gather over;
+    trace_file: where the end lines write the Chrome trace (one rank per pp group has one)."""
+
+    schedule: str
+    P: int
+    v: int
+    rank: int
+    m: int
+    programs: list
+    message_bytes: int
+    group: object
+    trace_file: str | None
+
+
 class Pipeline(Axis):
     """The axis handle: the schedule, the tied-embedding sum, sampling through the stages, the predicted
-    messages. boundary_elements: b·s·h, one stage-boundary message (s: this rank's tokens of a row)."""
+    messages, what the accounting reads (`facts`) and subscribes (`observe`). boundary_elements: b·s·h, one
+    stage-boundary message (s: this rank's tokens of a row)."""
 
     name = "pp"
+    observer = None  # what `observe` was given
 
     def __init__(self, model: GPT, schedule: PipelineSchedule, micro_batches: int, boundary_elements: int,
                  tied_group=None, trace_file: str | None = None):
@@ -535,6 +570,15 @@ class Pipeline(Axis):
             yield
         finally:
             del model.forward
+
+    def observe(self, observer: PipelineObserver) -> None:
+        """The interpreter tells `observer` (the accounting's mfu.ActionClock) each step, action and p2p call."""
+        self.observer = self.schedule.observer = observer
+
+    def facts(self) -> PPFacts:
+        s = self.schedule
+        return PPFacts(s.name, s.P, s.v, s.rank, self.m, s.programs(self.m), self.message_bytes(), s.group,
+                       self.trace_file)
 
     def message_bytes(self) -> int:
         """One stage-boundary message, b·s·h·e: e of the parameter dtype, as the layout left it."""

@@ -51,6 +51,13 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
+OBSERVERS = {"pp": mfu.ActionClock}  # {handle name: what its section's lines read}
+
+
+def observe(axis) -> None:
+    """Subscribe a fresh observer of the axis's algorithm (OBSERVERS[name]; report.observe_axes)."""
+    if axis.name in OBSERVERS:
+        axis.observe(OBSERVERS[axis.name]())
 MEASURES_BLOCK: set = set()  # handle names whose lines read run.measured (block 0 under a tracer)
 
 
@@ -413,23 +420,24 @@ PP_IN_FLIGHT_TEXT = {"gpipe": "m", "1f1b": "min(P−r, m)", "zb": "min(P−r, m)
 
 def pp_startup_lines(axis, run, steps: int = 0) -> list:
     """The schedule and its predicted bubble, the split, this rank's activations in flight, p2p per stage pair.
-    run: B_μ and this rank's tokens of a row (settings.local_seq_len: ÷C under CP, ÷T under SP)."""
-    c, s, m = axis.config, axis.schedule, axis.m
-    micro, seq = run.micro_batch_size, run.settings.local_seq_len
-    lines = [f"pipeline {s.name}: P={s.P} stages" + (f" × v={s.v} chunks" if s.v > 1 else "") + f", m={m}"
-             f" micro-batches; bubble predicted {schedules.bubble_formula(s.name, s.P, m, s.v):.1%} ="
-             f" {schedules.BUBBLE_TEXT[s.name]} (uniform costs)"]
-    lines += pp_split_lines(c, s.P, s.v)
+    run: the model's config, B_μ and this rank's tokens of a row (settings.local_seq_len: ÷C under CP, ÷T
+    under SP)."""
+    c, f = run.config, axis.facts()
+    micro, seq, name, m = run.micro_batch_size, run.settings.local_seq_len, f.schedule, f.m
+    lines = [f"pipeline {name}: P={f.P} stages" + (f" × v={f.v} chunks" if f.v > 1 else "") + f", m={m}"
+             f" micro-batches; bubble predicted {schedules.bubble_formula(name, f.P, m, f.v):.1%} ="
+             f" {schedules.BUBBLE_TEXT[name]} (uniform costs)"]
+    lines += pp_split_lines(c, f.P, f.v)
     per_layer = (4 * seq * micro * c.n_embd if c.activation_checkpointing else
                  memory.activation_bytes_per_layer(seq, micro, c.n_embd, c.n_head))
-    layers = len(schedules.stage_layers(c.n_layer, s.P, s.v, s.rank))
-    peak, stash = schedules.in_flight(s.programs(m)[s.rank])
-    lines.append(f"  in flight on pp rank {s.rank}: {peak} chunk-micro-batches ({PP_IN_FLIGHT_TEXT[s.name]}) ×"
+    layers = len(schedules.stage_layers(c.n_layer, f.P, f.v, f.rank))
+    peak, stash = schedules.in_flight(f.programs[f.rank])
+    lines.append(f"  in flight on pp rank {f.rank}: {peak} chunk-micro-batches ({PP_IN_FLIGHT_TEXT[name]}) ×"
                  f" {layers} layers × {mfu.format_bytes(per_layer)} (16-bit, Korthikanti) ="
                  f" {mfu.format_bytes(peak * layers * per_layer)} of activations"
-                 + (f", and up to {stash} W stashes of ≈16·b·s·h per layer" if s.name == "zb" else ""))
-    pairs = schedules.p2p_counts(s.programs(m), s.n_chunks)
-    lines.append(f"  p2p per step, messages of b·s·h·e = {mfu.format_bytes(axis.message_bytes())} per stage pair: "
+                 + (f", and up to {stash} W stashes of ≈16·b·s·h per layer" if name == "zb" else ""))
+    pairs = schedules.p2p_counts(f.programs, f.P * f.v)
+    lines.append(f"  p2p per step, messages of b·s·h·e = {mfu.format_bytes(f.message_bytes)} per stage pair: "
                  + ", ".join(f"{a}→{b}: {n}" for (a, b), n in sorted(pairs.items())))
     return lines
 
@@ -454,8 +462,9 @@ def pp_split_lines(config, P: int, v: int = 1) -> list:
 def pp_end_lines(axis, run=None, steps: int = 0) -> list:
     """The bubble predicted, simulated with the measured action costs and measured; the mean action times;
     the last step's timeline (and its Chrome trace on pp rank 0, with a trace file). COLLECTIVE over the pp
-    group (it gathers every rank's timings): print_end calls it on every rank."""
-    s, clock, m = axis.schedule, axis.schedule.clock, axis.m
+    group (it gathers every rank's timings): print_end calls it on every rank. The timings are the clock's that
+    observes the interpreter (report_axes.OBSERVERS["pp"], mfu.ActionClock)."""
+    f, clock = axis.facts(), axis.observer
     timed = [t for t in clock.timings if not t[3]] or list(clock.timings)  # the first step warms up
     durations = {}
     for _, _, by_kind, _ in timed:
@@ -464,14 +473,15 @@ def pp_end_lines(axis, run=None, steps: int = 0) -> list:
     bubble = 1 - sum(busy / wall for wall, busy, _, _ in timed) / len(timed) if timed else float("nan")
     mine = dict(bubble=bubble, events=clock.events,
                 costs={kind: sum(values) / len(values) for kind, values in durations.items()})
-    ranks = [None] * s.P
-    dist.all_gather_object(ranks, mine, group=s.group)
+    ranks = [None] * f.P
+    dist.all_gather_object(ranks, mine, group=f.group)
     costs, events = [r["costs"] for r in ranks], [r["events"] for r in ranks]
-    simulated = sum(schedules.bubble_of(schedules.simulate(s.programs(m), costs))) / s.P
+    simulated = sum(schedules.bubble_of(schedules.simulate(f.programs, costs))) / f.P
     why = pp_bubble_note(costs, simulated, _ranks_on_node(), torch.get_num_threads(), os.cpu_count(),
-                         cpu=not next(axis.model.parameters()).is_cuda, load=os.getloadavg()[0])
-    lines = [f"pipeline {s.name} P={s.P} m={m}: bubble predicted {schedules.bubble_formula(s.name, s.P, m, s.v):.1%}"
-             f" ({schedules.BUBBLE_TEXT[s.name]}), simulated with the measured costs {simulated:.1%}, measured"
+                         cpu=not clock.on_cuda, load=os.getloadavg()[0])
+    name, predicted = f.schedule, schedules.bubble_formula(f.schedule, f.P, f.m, f.v)
+    lines = [f"pipeline {name} P={f.P} m={f.m}: bubble predicted {predicted:.1%} ({schedules.BUBBLE_TEXT[name]}),"
+             f" simulated with the measured costs {simulated:.1%}, measured"
              f" per rank " + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)"
              + (f"\n  {why}" if why else ""),  # the end line and, printed under it, why they differ
              "  mean action time per rank (ms): " + "; ".join(
@@ -480,9 +490,9 @@ def pp_end_lines(axis, run=None, steps: int = 0) -> list:
                  f"pp{i} " + " ".join(f"{k} {t * 1e3:.1f}" for k, t in _p2p_time(e).items())
                  for i, e in enumerate(events))]
     lines += ["  one executed step (the last), per pp rank:"] + pp_timeline(events)
-    if axis.trace_file and s.rank == 0:
-        pp_write_chrome_trace(axis.trace_file, events)
-        lines.append(f"  Chrome trace of that step written to {axis.trace_file} (Perfetto, chrome://tracing)")
+    if f.trace_file and f.rank == 0:
+        pp_write_chrome_trace(f.trace_file, events)
+        lines.append(f"  Chrome trace of that step written to {f.trace_file} (Perfetto, chrome://tracing)")
     return lines
 
 

@@ -102,10 +102,10 @@ def role_of(run, device_type: str | None = None) -> Role:
         last_bucket = sizes[-1]
     bubble, boundary = 0.0, 0.0
     for axis in run.axes:
-        if axis.schedule is not None:  # the pipeline: its bubble, its messages' buffers
-            s = axis.schedule
-            bubble = schedules.bubble_formula(s.name, s.P, run.micro_batches, s.v)
-            boundary = axis.message_bytes()
+        if axis.name == "pp":  # the pipeline: its bubble, its messages' buffers
+            pp = axis.facts()
+            bubble = schedules.bubble_formula(pp.schedule, pp.P, pp.m, pp.v)
+            boundary = pp.message_bytes
             temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
         if axis.name == "moe" and mesh.size("ep") > 1:
             t = axis.traffic

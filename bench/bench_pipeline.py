@@ -37,7 +37,6 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import mfu  # noqa: E402
 import pipeline as pp  # noqa: E402
 import report_axes  # noqa: E402
 import schedules  # noqa: E402
@@ -87,9 +86,9 @@ def _bench(rank, world, args):
         v = 2 if name == "interleaved" else 1
         # Ours.
         stages = GPT(config, 0, torch.float32, device, **pp.stage_kwargs(config.n_layer, rank, P, v))  # its chunks
-        clock = mfu.ActionClock(cuda=device.type == "cuda")
-        schedule = pp.PipelineSchedule(pp.PipelineConfig(P, name, v), mesh, config.n_layer, clock=clock)
+        schedule = pp.PipelineSchedule(pp.PipelineConfig(P, name, v), mesh, config.n_layer)
         handle = pp.Pipeline(stages, schedule, m, args.micro * args.seq * config.n_embd)
+        report_axes.observe(handle)  # the clock the end lines read, as train.compose subscribes it
 
         def ours_step(stages=stages, schedule=schedule):
             stages.zero_grad(set_to_none=True)
@@ -123,13 +122,13 @@ def _bench(rank, world, args):
 
         first_losses[name] = (ours_step(), torch_step())  # also the warm-up (torch infers shapes here)
         variants[f"ours {name}"], variants[f"torch {name}"] = ours_step, torch_step
-        ours[name], torch_runs[name] = (schedule, handle), torch_schedule
+        ours[name], torch_runs[name] = handle, torch_schedule
     times = {key: [] for key in variants}
     names = list(variants)
     for round_index in range(args.warmup + args.rounds):
         if round_index == args.warmup:
-            for schedule, _ in ours.values():
-                schedule.clock.timings.clear()
+            for handle in ours.values():
+                handle.observer.timings.clear()
         shift = round_index % len(names)
         for key in names[shift:] + names[:shift]:
             synchronize()
@@ -142,11 +141,11 @@ def _bench(rank, world, args):
                 times[key].append(time.perf_counter() - start)
     medians = {key: statistics.median(values) for key, values in times.items()}
     # report_axes.py's end lines of each of ours (collective over pp: every rank calls them, rank 0 prints).
-    lines = [(name, report_axes.pp_end_lines(handle)) for name, (_, handle) in ours.items()]
+    lines = [(name, report_axes.pp_end_lines(handle)) for name, handle in ours.items()]
     latency = _message_latency(rank, group, batches[0][0].shape + (config.n_embd,), device)
-    delays = {name: _message_delays(schedule) for name, (schedule, _) in ours.items()}
-    with_latency = {name: [_bubbles_with_latency(schedule, m, seconds) for seconds in (latency, delays[name][1])]
-                    for name, (schedule, _) in ours.items()}
+    delays = {name: _message_delays(handle) for name, handle in ours.items()}
+    with_latency = {name: [_bubbles_with_latency(handle, seconds) for seconds in (latency, delays[name][1])]
+                    for name, handle in ours.items()}
     if rank == 0:
         where = "one GPU per rank" if device.type == "cuda" else f"{torch.get_num_threads()} thread(s) per rank"
         print(f"\nP={P}, m={m}, {config.n_layer} layers, h={config.n_embd}, micro-batch {args.micro}×{args.seq}"
@@ -187,13 +186,14 @@ def _message_latency(rank, group, shape, device, trips: int = 20) -> float:
     return out[0]
 
 
-def _message_delays(schedule) -> tuple:
+def _message_delays(handle) -> tuple:
     """From the last step's trace of every rank (one machine: perf_counter is one clock): how long each rank
     waited on a receive after both ends had posted it (the receive's and the send's batch returned), i.e.
     time that is neither compute nor a wait for the producing action. (per-rank seconds, median delay of
     such a wait, count). Collective over pp."""
-    ranks = [None] * dist.get_world_size(schedule.group)
-    dist.all_gather_object(ranks, (schedule.clock.origin, schedule.clock.events), group=schedule.group)
+    group, clock = handle.facts().group, handle.observer
+    ranks = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, (clock.origin, clock.events), group=group)
     posted = {}  # ("send" | "recv", message label) -> time its batch returned
     for origin, events in ranks:
         for e in events:
@@ -214,21 +214,21 @@ def _message_delays(schedule) -> tuple:
     return per_rank, statistics.median(delays) if delays else 0.0, len(delays)
 
 
-def _bubbles_with_latency(schedule, m: int, latency: float) -> tuple:
+def _bubbles_with_latency(handle, latency: float) -> tuple:
     """(each rank's bubble simulated with its measured mean action costs and `latency` a message, each rank's
     measured bubble): collective over pp. The step's host time in p2p is what the comm-free simulation leaves
     out; if messages cost this much, this simulation accounts for it."""
-    timed = list(schedule.clock.timings)
+    facts, timed = handle.facts(), list(handle.observer.timings)
     durations = {}
     for _, _, by_kind, _ in timed:
         for kind, values in by_kind.items():
             durations.setdefault(kind, []).extend(values)
     mine = ({kind: statistics.mean(values) for kind, values in durations.items()},
             1 - statistics.mean(busy / wall for wall, busy, _, _ in timed))
-    ranks = [None] * dist.get_world_size(schedule.group)
-    dist.all_gather_object(ranks, mine, group=schedule.group)
+    ranks = [None] * facts.P
+    dist.all_gather_object(ranks, mine, group=facts.group)
     costs = [costs for costs, _ in ranks]
-    return schedules.bubble_of(schedules.simulate(schedule.programs(m), costs, latency)), [b for _, b in ranks]
+    return schedules.bubble_of(schedules.simulate(facts.programs, costs, latency)), [b for _, b in ranks]
 
 
 def main():

@@ -27,7 +27,9 @@ tests read.
    behind; on CUDA the actions are timed by events (mfu.ActionClock, with a fake torch.cuda.Event here) and
    nothing synchronizes the device inside the step; the end line says why a measured bubble differs from the
    formula; the handle speaks the axis protocol (after_grad_sync returns 0, predicted_messages a
-   comm.Messages, no printing of its own).
+   comm.Messages, no printing of its own). The interpreter keeps no clock: nobody watches it by default, and
+   an observer it is given is told the step, each action in the plan's order and each p2p call; the
+   accounting reads the handle through `facts()` and the observer it subscribed only.
 The ranks build their stages on harness.device() (each rank's GPU under nccl, where the p2p goes over NCCL);
 the batches stay on the CPU and the schedule moves them. The one-process checks (1, the bf16 I/W split, the
 flags) stay on the CPU.
@@ -64,11 +66,13 @@ def build_stages(config, seed=0, dtype=torch.float32, device=None, pp_rank=0, P=
 
 def build(run, config, dtype=torch.float32, transform=None):
     """(stage model, Pipeline) as train.compose makes them: build this rank's stage, `transform(model)` (TP's
-    parallelize, CP's swap: the axes before PP), then apply."""
+    parallelize, CP's swap: the axes before PP), then apply, and the accounting's clock subscribes."""
     model = GPT(run.config, run.seed, dtype, run.device, **pp.stage_of(config, run))
     if transform is not None:
         transform(model)
-    return model, pp.apply(model, run, config)
+    handle = pp.apply(model, run, config)
+    report_axes.observe(handle)
+    return model, handle
 
 
 def _stage_run(mesh, config, m, device, sp=False, tp=1):
@@ -969,6 +973,28 @@ def _sent_buffers_alive():
         dist.batch_isend_irecv = original
 
 
+class _Recorder(pp.PipelineObserver):
+    """Writes down what the interpreter tells it: ("begin" | "end", what) in order."""
+
+    def __init__(self):
+        self.told = []
+
+    @contextmanager
+    def _span(self, what):
+        self.told.append(("begin", what))
+        yield
+        self.told.append(("end", what))
+
+    def step(self, device):
+        return self._span("step")
+
+    def action(self, action):
+        return self._span(action)
+
+    def p2p(self, name, nbytes=None):
+        return self._span(name)
+
+
 def _lifetime_checks(rank, world):
     import mfu
     from mesh import build_mesh, infer_mesh_shape
@@ -1007,14 +1033,20 @@ def _lifetime_checks(rank, world):
 
     _FakeCudaEvent.log.clear()
     stages, handle = handle_for("zb", 3, make_config(n_layer=2))
-    handle.schedule.clock = mfu.ActionClock(cuda=True)  # what apply gives a CUDA run
+    handle.observe(mfu.ActionClock(cuda=True))  # what a step on a CUDA device gets
     torch.cuda.Event, torch.cuda.synchronize = _FakeCudaEvent, device_wide
     try:
         step(stages, handle, 3)
     finally:
         torch.cuda.Event, torch.cuda.synchronize = real_event, real_sync
     out["cuda_log"] = [entry[0] for entry in _FakeCudaEvent.log]
-    out["cuda_timing"], out["cuda_events"] = handle.schedule.clock.timings[-1], handle.schedule.clock.events
+    out["cuda_timing"], out["cuda_events"] = handle.observer.timings[-1], handle.observer.events
+    # Nobody watches a schedule by default; an observer it is given is told what the interpreter does, in order.
+    out["default_observer"] = type(pp.PipelineSchedule(pp.PipelineConfig(2, "zb"), mesh, 2).observer)
+    stages, handle = handle_for("zb", 3, make_config(n_layer=2))
+    handle.observe(_Recorder())
+    step(stages, handle, 3)
+    out["told"], out["plan"] = handle.observer.told, handle.schedule.plan(3)
     # Evaluation and sampling through the stages leave no aux term behind (a MoE router adds two per forward).
     config = make_config(n_layer=2, moe_experts=4, moe_topk=2)
     stages, handle = handle_for("1f1b", 2, config)
@@ -1070,6 +1102,67 @@ def test_cuda_event_times_give_the_step_timings(lifetime_run):
         computes = [e for e in r["cuda_events"] if e["cat"] == "compute"]
         spans = [t for e in computes for t in (e["start"], e["end"])]
         assert spans == pytest.approx([(k + 1) / 1e3 for k in range(2 * ZB_ACTIONS)], abs=1e-12)
+
+
+def test_nobody_watches_the_interpreter_by_default_and_an_observer_is_told_each_action_and_p2p_call(lifetime_run):
+    for r in lifetime_run:
+        assert r["default_observer"] is pp.PipelineObserver
+        told, plan = r["told"], r["plan"]
+        assert told[0] == ("begin", "step") and told[-1] == ("end", "step")
+        inner = told[1:-1]
+        assert all(what != "step" for _, what in inner)
+        # Each span closes before the next opens (no action inside a p2p call, nor the reverse).
+        assert [edge for edge, _ in inner] == ["begin", "end"] * (len(inner) // 2)
+        assert all(inner[i][1] == inner[i + 1][1] for i in range(0, len(inner), 2))
+        spans = [what for edge, what in inner if edge == "begin"]
+        assert [what for what in spans if isinstance(what, sch.Action)] == [s.action for s in plan]
+        label = lambda msg: f"{msg.kind} {msg.mb}.{msg.chunk}"  # noqa: E731
+        waits = [label(n) for s in plan for n in [sch.needs(s.action, 2)] if n is not None]
+        assert [what[len("wait "):] for what in spans if isinstance(what, str) and what.startswith("wait ")] == waits
+        releases = [label(msg) for s in plan for msg in s.release]
+        assert [what[len("release "):] for what in spans
+                if isinstance(what, str) and what.startswith("release ")] == releases
+        posted = [name for name in spans if isinstance(name, str) and name.startswith("post ")]
+        assert sum(name.count("recv ") for name in posted) == sum(len(s.recvs) for s in plan)
+        assert sum(name.count("send ") for name in posted) == sum(s.send is not None for s in plan)
+
+
+def test_the_accounting_reads_the_pipeline_handle_through_facts_and_its_observer_only():
+    """report_axes.py's pp section, activations.py, time_model.py's pp branch and the bench read the pp handle
+    (a variable `axis` or `handle`) through step.Axis's methods, `facts()` and `observer` (the clock the
+    accounting subscribed), never its schedule; report.py reads nothing of a schedule beyond
+    step.GradientAccumulation's protocol; pipeline.py imports no accounting file (measure.py reads no pp)."""
+    import ast
+
+    import step
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    allowed = {name for name, value in vars(step.Axis).items() if callable(value) and not name.startswith("_")}
+    allowed |= {"name", "facts", "observer", "observe"}
+    protocol = {name for name in vars(step.GradientAccumulation) if not name.startswith("_")}
+    protocol |= {"measure_activations", "saved_activation_bytes"}  # set in its __init__
+    read, of_schedule = set(), set()
+    for path in ("report_axes.py", "report.py", "activations.py", "time_model.py", "bench/bench_pipeline.py"):
+        tree = ast.parse(open(os.path.join(root, path)).read())
+        scopes = [tree]
+        if path == "report_axes.py":  # the pp section only: the other axes' sections read their own handles
+            scopes = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                      and (node.name.startswith("pp_") or node.name == "observe")]
+        if path == "time_model.py":  # the pp branch of role_of
+            scopes = [node for node in ast.walk(tree) if isinstance(node, ast.If)
+                      and ast.unparse(node.test) == "axis.name == 'pp'"]
+            assert len(scopes) == 1
+        for node in (node for scope in scopes for node in ast.walk(scope) if isinstance(node, ast.Attribute)):
+            if isinstance(node.value, ast.Name) and node.value.id in ("axis", "handle"):
+                read.add(node.attr)
+            if isinstance(node.value, ast.Attribute) and node.value.attr == "schedule":
+                of_schedule.add(node.attr)
+    assert read <= allowed, read - allowed
+    assert of_schedule <= protocol, of_schedule - protocol
+    tree = ast.parse(open(os.path.join(root, "pipeline.py")).read())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {"mfu", "report", "report_axes", "time"} & imported, imported
 
 
 def test_evaluation_and_sampling_leave_no_aux_term_behind(lifetime_run):
