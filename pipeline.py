@@ -137,13 +137,7 @@ class PipelineSchedule:
                 measuring = self.measure_activations and action.kind == "F"
                 saved = memory.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
                 with self.observer.action(action), nullcontext() if action in synced else layout.no_sync(), saved:
-                    outgoing = None
-                    if action.kind == "F":
-                        outgoing = self._forward(state, action, incoming)
-                    elif action.kind == "W":  # the weight gradients its I left in the store
-                        self.store.apply(state.deferred.pop((action.mb, action.chunk)))
-                    else:  # B, or I
-                        outgoing = self._backward(state, action, incoming)
+                    outgoing = self._compute(state, action, incoming)
                 if measuring:
                     self.saved_activation_bytes, self.measure_activations = saved.bytes, False
                 mail.send(step.send, outgoing)  # posted with the next step's receives
@@ -152,6 +146,15 @@ class PipelineSchedule:
         if self.P > 1:
             dist.all_reduce(state.loss_sum, op=dist.ReduceOp.SUM, group=self.group)  # 8 bytes: Σ CE everywhere
         return MicroBatchLoss(state.loss_sum, state.aux_totals)
+
+    def _compute(self, state, action: Action, received):
+        """The action's compute; returns the tensor to send (None: the action sends nothing)."""
+        if action.kind == "F":
+            return self._forward(state, action, received)
+        if action.kind == "W":  # the weight gradients its I left in the store
+            self.store.apply(state.deferred.pop((action.mb, action.chunk)))
+            return None
+        return self._backward(state, action, received)  # B, or I
 
     def _forward(self, state, action: Action, received):
         """F: the chunk's blocks (the first chunk embeds the tokens, the last adds the loss); keeps the graph's
