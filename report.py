@@ -32,7 +32,7 @@ from comm import Messages
 from measure import measure_block
 from mesh import axis_groups
 from optim import update_messages
-from report_axes import MEASURES_BLOCK, axis_lines, layout_lines
+from report_axes import MEASURES_BLOCK, axis_lines, layout_lines, observe
 from shard import counts_here
 
 
@@ -130,6 +130,13 @@ def measure_startup(run) -> None:
     Collective, on every rank."""
     if any(axis.name in MEASURES_BLOCK for axis in run.axes) and len(run.model.transformer.h):
         run.measured = measure_block(run)
+
+
+def observe_axes(run) -> None:
+    """Subscribe each axis's observer (report_axes.OBSERVERS: the ring's clock, the routed load) to its algorithm.
+    train.compose calls it after measure_startup: the observers see the run's own passes, not start-up's."""
+    for axis in run.axes:
+        observe(axis)
 
 
 def predicted_messages(run, traced_steps: int = 0) -> Messages:

@@ -51,6 +51,14 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
+OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad}  # {handle name: what its section's lines read}
+
+
+def observe(axis):
+    """Subscribe a fresh observer of the axis's algorithm (OBSERVERS[name]; report.observe_axes) and return it."""
+    if axis.name in OBSERVERS:
+        axis.observe(OBSERVERS[axis.name]())
+    return axis.observer
 MEASURES_BLOCK: set = set()  # handle names whose lines read run.measured (block 0 under a tracer)
 
 
@@ -163,10 +171,7 @@ def moe_load_line(loads: list, dropped: int, steps: int, capacity_on: bool) -> s
 
 
 def moe_startup_lines(axis, run, steps: int = 0) -> list:
-    """The router, capacity, parameters (total and active), FLOPs, this rank's experts, the all-to-all estimate.
-    Start-up's own forwards through the layers (block 0 measured under a tracer) are no training step: the
-    layers' routing records are reset here, so the load lines and the end table count training only."""
-    axis.reset_routing()
+    """The router, capacity, parameters (total and active), FLOPs, this rank's experts, the all-to-all estimate."""
     traffic, config = axis.traffic, axis.traffic.model
     n, k, tokens, whole = config.moe_experts, config.moe_topk, traffic.tokens, run.micro_batch_size * run.seq_len
     counts, cap = memory.param_counts(config), moe.capacity(whole, k, n, config.moe_capacity_factor)
@@ -205,11 +210,12 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
 
 def moe_step_lines(axis, run=None, steps: int = 0) -> list:
     """With each logged step: this rank's routed slots per expert, summed over its MoE layers, micro-batches
-    and the training steps since the previous line (which it says), read in one `.tolist()` (MoEAxis.take_load)."""
-    load = axis.take_load()
+    and the training steps since the previous line (which it says), read in one `.tolist()` (its observer's take_load: mfu.RoutedLoad)."""
+    load = axis.observer.take_load(axis.traffic.micro_batches)
     if load is None:
         return []
-    return [moe_load_line(*load, axis.traffic.model.moe_capacity_factor > 0)]
+    loads, dropped, span = load
+    return [moe_load_line(list(loads.values()), dropped, span, axis.traffic.model.moe_capacity_factor > 0)]
 
 
 def moe_end_lines(axis, run, steps: int) -> list:
@@ -224,13 +230,14 @@ def moe_end_lines(axis, run, steps: int) -> list:
                      f" counts {mfu.format_bytes(counted[1] / layers)} ({counted[0] / layers:.1f} calls; the end"
                      f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"
                      f" (the startup table's)")
-    if axis.last_load is None:
-        axis.take_load()  # no load line was printed: read the loads now
-    if axis.last_load is not None:
-        loads, _, span = axis.last_load
-        for layer, load in zip(axis.layers, loads):
+    routed = axis.observer
+    if routed.last_load is None:
+        routed.take_load(axis.traffic.micro_batches)  # no load line was printed: read the loads now
+    if routed.last_load is not None:
+        loads, _, span = routed.last_load
+        for layer_id, load in loads.items():
             mean = sum(load) / len(load) if sum(load) else 1.0
-            lines.append(f"moe load over the last {span} step{'s' if span != 1 else ''}, h.{layer.layer_id}:"
+            lines.append(f"moe load over the last {span} step{'s' if span != 1 else ''}, h.{layer_id}:"
                          f" |{moe_histogram(load)}| {load} imbalance {max(load) / mean:.2f}")
     return lines
 
@@ -365,12 +372,12 @@ def cp_end_lines(axis, run, steps: int) -> list:
     recompute = " (forward ×2: activation checkpointing)" if axis.shape.checkpointing else ""
     on_cpu = next(axis.model.parameters()).device.type == "cpu"
     return [f"context parallel C={C} (ring): ring time over the {steps} training steps' passes, L={layers} × m={m}"
-            f" per step and phase{recompute}; evaluation not included:", *cp_hidden_lines(axis.ring.clock, on_cpu)]
+            f" per step and phase{recompute}; evaluation not included:", *cp_hidden_lines(axis.observer, on_cpu)]
 
 
 def cp_hidden_lines(clock, on_cpu: bool = False) -> list:
     """How much of the ring's transfer time compute hid, per phase: at least 1 − waited / (the transfers alone),
-    both per pass (clock: the ring's mfu.WaitClock). A lower bound: wait() also blocks on a peer that has not
+    both per pass (clock: the mfu.WaitClock observing the ring). A lower bound: wait() also blocks on a peer that has not
     sent yet (imbalance; on a shared host, a peer that was descheduled), so the waits can outlast the transfers
     even when each one overlapped. on_cpu: also the CPU cores a rank kept busy while it computed (process CPU /
     (wall − waited); a gloo wait sleeps), next to its torch threads: a one-thread rank with less than one core

@@ -45,6 +45,7 @@ class Axis:
 
     name: ClassVar[str] = "axis"
     schedule = None  # an object with GradientAccumulation's forward_backward (the pipeline brings one)
+    observer = None  # what the accounting subscribed to the axis's algorithm (`observe`)
 
     # --- training ---------------------------------------------------------------------------------------------
 
@@ -69,6 +70,12 @@ class Axis:
         return []
 
     # --- accounting -----------------------------------------------------------------------------------------
+
+    def observe(self, observer) -> None:
+        """Subscribe the accounting's `observer` to the axis's algorithm, which then tells it what happened
+        (the ring its passes and waits, each MoE layer what it routed) and never times or counts itself.
+        report.observe_axes calls it once, at start-up; an axis with nothing to observe keeps the default."""
+        self.observer = observer
 
     def predicted_messages(self, layout) -> Messages:
         """Its messages of one optimizer step, by (op, group), from its formulas (uniform routing for MoE)."""

@@ -119,6 +119,7 @@ def compose(run: Run, measure: bool = False, materialize: bool = True) -> Run:
         model_lib.materialize(run.model, run.device)
     if measure:
         report.measure_startup(run)
+    report.observe_axes(run)  # the accounting's clocks and counters subscribe to the algorithms
     run.layout = build_layout(run.model, run, materialize)
     run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), GradientAccumulation())
     return run

@@ -211,7 +211,7 @@ def _ring_event_order(group):
     try:
         q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, device=harness.device(), requires_grad=True)
                    for _ in range(3))
-        y = cp.RingAttention.apply(q, k, v, ring, "zigzag", True)
+        y = cp.RingAttention.apply(q, k, v, ring, "zigzag")
         forward_events = list(events)
         events.clear()
         y.sum().backward()
@@ -548,13 +548,13 @@ def _activations(rank, world):
     out = dict(saved=saved, measured=run.measured.on("cp"), measured_saved=run.measured.saved_bytes,
                layer_messages={(phase, op): count for phase, messages in axis.layer_messages().items()
                                for (op, _), count in messages.items()},
-               phases_after_startup=dict(axis.ring.clock.phases))
+               phases_after_startup=dict(axis.observer.phases))
     out["startup"] = report_axes.cp_startup_lines(axis, run)
     batches = axis.shard_batches(rank_micro_batches(*global_batches(1, 2, SEQ)[0], dp_rank=0, dp_size=1, micro=2))
     train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 0.0, run.autocast,
                device, model=run.model, schedule=run.schedule, axes=run.axes, data_size=run.mesh.size("dp"))
     run.schedule.forward_only(run.layout, run.model, batches, run.autocast, device)  # evaluation: not charged
-    out["passes"] = {phase: stat.passes for phase, stat in axis.ring.clock.phases.items()}
+    out["passes"] = {phase: stat.passes for phase, stat in axis.observer.phases.items()}
     out["end"] = report_axes.cp_end_lines(axis, run, 1)
     return out
 
