@@ -464,6 +464,16 @@ def apply(model, run, config: CPConfig) -> ContextParallel:
     return ContextParallel(model, ring, config, shape, run.micro_batches)
 
 
+@dataclass(frozen=True)
+class CPFacts:
+    """What the accounting reads of the CP axis (`ContextParallel.facts`): report_axes.py's cp section and
+    measure.time_ring_alone, which posts the transfers of one layer on the ring with no compute between them."""
+
+    config: CPConfig
+    shape: LayerShape
+    ring: Ring
+
+
 @dataclass
 class ContextParallel(Axis):
     """The handle: cuts batches into this rank's tokens, gives sampling whole-sequence attention back, predicts
@@ -499,6 +509,9 @@ class ContextParallel(Axis):
         finally:
             for block, fn in zip(blocks, swapped):
                 block.attn.attention_fn = fn
+
+    def facts(self) -> CPFacts:
+        return CPFacts(self.config, self.shape, self.ring)
 
     def observe(self, observer: RingObserver) -> None:
         """The ring tells `observer` (the accounting's mfu.WaitClock) its passes and its waits."""

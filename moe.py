@@ -431,6 +431,15 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None)
 
 
+@dataclass(frozen=True)
+class MoEFacts:
+    """What the accounting reads of the MoE axis (`MoEAxis.facts`): report_axes.py's moe section, time_model.py."""
+
+    traffic: Traffic
+    experts: range  # the experts this rank holds of every MoE layer, [e·N/E, (e+1)·N/E)
+    expert_params: int  # their parameters, all MoE layers
+
+
 class MoEAxis(Axis):
     """The handle train.py talks to (step.Axis); `observe` subscribes the accounting to every layer's routing."""
 
@@ -466,6 +475,10 @@ class MoEAxis(Axis):
         self.observer = observer
         for layer in self.layers:
             layer.observer = observer
+
+    def facts(self) -> MoEFacts:
+        held = sum(p.numel() for layer in self.layers for p in layer.experts.parameters())
+        return MoEFacts(self.traffic, self.layers[0].local if self.layers else range(0), held)
 
     def params(self) -> list:
         return [p for layer in self.layers for p in layer.parameters()]

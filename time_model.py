@@ -108,7 +108,7 @@ def role_of(run, device_type: str | None = None) -> Role:
             boundary = axis.message_bytes()
             temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
         if axis.name == "moe" and mesh.size("ep") > 1:
-            t = axis.traffic
+            t = axis.facts().traffic
             temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * t.tokens * t.model.moe_topk * \
                 t.model.n_embd * t.compute_bytes
         if axis.name == "cp" and run.settings.args.cp_impl == "ring":

@@ -146,7 +146,7 @@ def _measure(rank, world, args, device):
                 mine[1, row, rank] = stat.cpu / max(1, stat.passes)
             dist.all_reduce(mine, group=group)
             compute[name] = {"wall": mine[0].tolist(), "cpu": mine[1].tolist(), "threads": torch.get_num_threads()}
-            measure.time_ring_alone(handle)  # into the clock's `alone`, next to its passes
+            measure.time_ring_alone(handle.facts(), handle.observer, device)  # into the clock's `alone`
             hidden[name] = report_axes.cp_hidden_lines(handle.observer, on_cpu=device.type == "cpu")
     worst = {}
     for name, seconds in times.items():  # the step ends when the slowest rank finishes
