@@ -196,13 +196,28 @@ def _attention_checks(group):
     return errs
 
 
+class _RecordingObserver:
+    """A ring observer that writes down what it is told (context_parallel.RingObserver's two methods)."""
+
+    def __init__(self):
+        self.told = []
+
+    def begin(self, phase):
+        self.told.append(f"begin {phase}")
+
+    def end(self, phase):
+        self.told.append(f"end {phase}")
+
+
 def _ring_event_order(group):
     """The order of post / compute / wait in one forward and one backward: each block is computed while the
-    next block's transfer is in flight (posted before, waited after)."""
+    next block's transfer is in flight (posted before, waited after); and what the ring's observer was told,
+    the pass called as the model calls it (ContextParallelAttention)."""
     import context_parallel as cp
 
     events = []
     ring = cp.Ring(group)
+    ring.observer = observer = _RecordingObserver()
     post, wait, forward, backward = ring.post, ring.wait, cp._block_forward, cp._block_backward
     ring.post = lambda *a, **k: (events.append("post"), post(*a, **k))[1]
     ring.wait = lambda *a, **k: (events.append("wait"), wait(*a, **k))[1]
@@ -211,13 +226,14 @@ def _ring_event_order(group):
     try:
         q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, device=harness.device(), requires_grad=True)
                    for _ in range(3))
-        y = cp.RingAttention.apply(q, k, v, ring, "zigzag")
-        forward_events = list(events)
+        y = cp.ContextParallelAttention(None, ring, "ring", "zigzag")(q, k, v, 0.0)
+        forward_events, forward_told = list(events), list(observer.told)
         events.clear()
+        observer.told.clear()
         y.sum().backward()
     finally:
         cp._block_forward, cp._block_backward = forward, backward
-    return forward_events, events
+    return forward_events, events, forward_told, observer.told
 
 
 class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
@@ -338,7 +354,7 @@ def test_attention_matches_full_causal_attention(attention_ranks):
 
 def test_ring_posts_the_next_block_before_computing_this_one(attention_ranks):
     for result in attention_ranks:
-        forward, backward = result["events"]
+        forward, backward, _, _ = result["events"]
         # C = 4: three steps of (post the next K,V; compute this block; wait), then the last block.
         assert forward == ["post", "compute", "wait"] * 3 + ["compute"]
         # backward: post K,V; compute; [wait for the dK,dV accumulator]; pass it on; wait for K,V ... and at
@@ -346,6 +362,16 @@ def test_ring_posts_the_next_block_before_computing_this_one(attention_ranks):
         step = lambda first, last: ([] if last else ["post"]) + ["compute"] + ([] if first else ["wait"]) \
             + ["post"] + ([] if last else ["wait"])
         assert backward == step(True, False) + step(False, False) * 2 + step(False, True) + ["wait"]
+
+
+def test_ring_tells_its_observer_each_pass_and_each_wait(attention_ranks):
+    """The ring keeps no clock: it tells its observer where each pass begins and ends and around each wait,
+    and the observer (the accounting's mfu.WaitClock in a run) does the timing."""
+    for result in attention_ranks:
+        forward, backward, forward_told, backward_told = result["events"]
+        waited = ["begin wait", "end wait"]
+        assert forward_told == ["begin forward"] + waited * forward.count("wait") + ["end forward"]
+        assert backward_told == ["begin backward"] + waited * backward.count("wait") + ["end backward"]
 
 
 def test_ring_casts_once_per_pass_and_hop_and_builds_one_mask(attention_ranks):

@@ -141,6 +141,33 @@ def test_a_dropped_slot_adds_nothing_and_is_counted():
     assert routed.dropped == {0: 6} and routed.rows() == (1, 2, 2)
 
 
+def test_the_layer_tells_its_observer_every_forward_and_the_load_counts_training_only():
+    """The layer keeps no record: it tells its observer what each forward routed, whatever the pass (the
+    forward and, under activation checkpointing, its recompute inside backward); mfu.RoutedLoad, the
+    accounting's observer, counts the training forward only."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    from mfu import RoutedLoad
+    from model import GPT
+
+    class Told:
+        def __init__(self):
+            self.calls = []
+
+        def routed(self, layer, load, keep, sent, received):
+            self.calls.append((layer.layer_id, int(load.sum()), keep, sent, received))
+
+    model = GPT(make_config(n_layer=1, moe_experts=4, moe_topk=2), seed=0, dtype=DT)
+    layer, told, routed = model.transformer.h[0].mlp, Told(), RoutedLoad()
+    x = torch.randn(1, 8, model.config.n_embd, dtype=DT, requires_grad=True)
+    for observer in (told, routed):
+        layer.observer = observer
+        with set_checkpoint_early_stop(False):  # the recompute runs the whole forward, its end included
+            checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert told.calls == [(0, 16, None, 16, 16)] * 2  # the forward, then its recompute in backward
+    assert routed.rows() == (1, 16, 16) and int(routed.loads[0].sum()) == 16
+
+
 def test_evaluation_and_sampling_forwards_record_no_routing():
     """Only a training forward records (the load line and the exact message prediction count training
     steps): not one under no_grad (evaluation, sampling), not one in eval mode (mfu.RoutedLoad decides)."""
