@@ -254,7 +254,7 @@ AXIS_LINES["moe"] = {"startup": moe_startup_lines, "step": moe_step_lines, "end"
 def tp_startup_lines(axis, run, steps: int = 0) -> list:
     """Block 0's tp messages per micro-batch, predicted (tensor_parallel.block_messages) and measured
     (run.measured, when start-up measured it), the parameters per rank, the activation estimates."""
-    held, batch, config = axis.holding(), axis.batch, run.config
+    (batch, held), config = axis.facts(), run.config
     tp, format_bytes = run.mesh.size("tp"), mfu.format_bytes
     lines = [f"tensor parallel T={tp}{' + sequence parallel' if held.sequence_parallel else ''}: messages per block"
              f" and micro-batch (b={batch.micro}, s={batch.seq}, h={held.hidden}), on the critical path, group tp:"]
