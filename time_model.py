@@ -106,7 +106,8 @@ def role_of(run, device_type: str | None = None) -> Role:
             s = axis.schedule
             bubble = schedules.bubble_formula(s.name, s.P, run.micro_batches, s.v)
             boundary = axis.message_bytes()
-            temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
+            live = schedules.live_sends(s.plan(run.micro_batches))  # sends not yet known received
+            temporaries["pipeline p2p buffers (a receive, the sends alive)"] = (1 + live) * boundary
         if axis.name == "moe" and mesh.size("ep") > 1:
             t = axis.traffic
             temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * t.tokens * t.model.moe_topk * \
