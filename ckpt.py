@@ -95,6 +95,7 @@ class CheckpointConfig:
     keep: int = 2  # committed checkpoints kept
     async_save: bool = False  # persist on a background thread: training blocks only for the snapshot
     exclusive: bool = False  # hold the directory's WriterLock until close(): a training run
+    lock: WriterLock | None = None  # that lock, already taken by this process (train.py: with the flags); rank 0's
     commit_timeout_s: float = 600.0  # how long rank 0's commit waits for every rank's record
     run_record: dict = field(default_factory=dict)  # flags that shape the trajectory: saved, compared on resume
 
@@ -355,7 +356,7 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 os.makedirs(self.root, exist_ok=True)
-                self._lock = WriterLock(self.root) if self.config.exclusive else None
+                self._lock = self.config.lock or (WriterLock(self.root) if self.config.exclusive else None)
                 remove_leftovers(self.root, (".tmp-", ".trash-"))  # a dead attempt's: never committed now
                 nonce = [os.urandom(4).hex()]
             except (CheckpointError, OSError) as e:  # told to every rank below, not raised here alone

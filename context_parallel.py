@@ -455,9 +455,9 @@ class LayerShape:
 
 def apply(model, run, config: CPConfig) -> ContextParallel:
     """The axis for train.py: after tensor_parallel (DESIGN's order), before PP/FP8/layout."""
-    param = next(model.parameters())
-    with run.autocast:  # e_c: the dtype c_attn's output (q, k, v) will have in this run
-        compute_bytes = torch.nn.functional.linear(param.new_zeros(1, 1), param.new_zeros(1, 1)).element_size()
+    probe = torch.zeros(1, 1, dtype=next(model.parameters()).dtype, device=run.device)  # on the run's device, not
+    with run.autocast:  # the parameters' (meta before they are filled: autocast ignores meta) -- e_c: the dtype
+        compute_bytes = torch.nn.functional.linear(probe, probe).element_size()  # c_attn's q, k, v will have
     shape = LayerShape(run.micro_batch_size, run.seq_len, run.config.n_embd // run.mesh.size("tp"), compute_bytes,
                        run.config.activation_checkpointing)
     ring = parallelize(model, run.mesh.group("cp"), config.impl, config.balance)

@@ -76,7 +76,8 @@ class DistributedDataParallel(nn.Module):
         self.require_grad_sync = True
         params = [p for p in module.parameters() if p.requires_grad]
         for name in {grad_group(p) for p in params} - set(self.groups):
-            raise ValueError(f"parameters reduce over the {name!r} group, which was not given to DistributedDataParallel")
+            raise ValueError(f"parameters reduce over the {name!r} group, which was not given to"
+                             f" DistributedDataParallel")
         if check_same_init:
             assert_same_across_groups(params, self.groups)
         self.buckets = self._build_buckets(params, int(bucket_mb * 2**20))

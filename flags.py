@@ -27,6 +27,8 @@ import data
 import hardware
 import hf
 import moe
+import paths
+from ckpt_files import CheckpointError, WriterLock
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
 from model import PRESETS, GPTConfig, config_from_preset
 
@@ -53,6 +55,7 @@ class Settings:
     backend: str = "gloo"
     dtype: str = "fp32"  # the autocast dtype (--dtype auto resolved)
     dtype_reason: str = "--dtype"  # why: what was asked, or what auto found
+    ckpt_lock: WriterLock | None = None  # rank 0's hold on --ckpt-dir for the run (claim_checkpoint_directory)
 
     @property
     def world_size(self) -> int:
@@ -70,7 +73,7 @@ class Settings:
         return self.seq_len // self.shape.cp // (self.shape.tp if self.sequence_parallel else 1)
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors (an unknown flag, a choice not offered) are FlagErrors: like every other flag
     error they end the run with one line, printed once, not with argparse's usage text on every rank."""
 
@@ -78,8 +81,9 @@ class _Parser(argparse.ArgumentParser):
         raise FlagError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="train.py", description="Train the GPT on a mesh of devices (see README.md).")
+def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
+    """Every flag; `prog` names the program in usage and errors (plan.py takes the same flags)."""
+    p = OneLineParser(prog=prog, description="Train the GPT on a mesh of devices (see README.md).")
     for add_group in (_add_model_flags, _add_data_flags, _add_optimization_flags, _add_parallelism_flags,
                       _add_fp8_flags, _add_moe_flags, _add_reporting_flags, _add_checkpoint_flags):
         add_group(p)  # --help lists the groups in this order
@@ -89,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_model_flags(parser) -> None:
     g = parser.add_argument_group("model")
-    g.add_argument("--preset", default="small", help=" | ".join(PRESETS))
+    g.add_argument("--preset", default="mini", help=" | ".join(PRESETS))
     g.add_argument("--n-layer", type=int)
     g.add_argument("--n-head", type=int)
     g.add_argument("--n-embd", type=int)
@@ -112,10 +116,10 @@ def _add_data_flags(parser) -> None:
 
 def _add_optimization_flags(parser) -> None:
     g = parser.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=150)
+    g.add_argument("--steps", type=int, default=600)
     g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (B_global)")
     g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (B_μ)")
-    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--lr", type=float, default=2e-3)
     g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
     g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
     g.add_argument("--weight-decay", type=float, default=0.1)
@@ -170,7 +174,8 @@ def _add_moe_flags(parser) -> None:
     g.add_argument("--moe-experts", type=int, default=0, help="experts N per MoE block (0: dense MLP)")
     g.add_argument("--moe-topk", type=int, default=2, help="experts per token k")
     g.add_argument("--moe-every", type=int, default=1, help="every n-th block is MoE")
-    g.add_argument("--moe-capacity-factor", type=float, default=0.0, help="capacity per expert ⌈B_μ·s·k/N·f⌉ of each micro-batch (0: dropless)")
+    g.add_argument("--moe-capacity-factor", type=float, default=0.0,
+                   help="capacity per expert ⌈B_μ·s·k/N·f⌉ of each micro-batch (0: dropless)")
     g.add_argument("--moe-aux-coef", type=float, default=0.01, help="load-balance loss coefficient α")
     g.add_argument("--moe-z-coef", type=float, default=0.001, help="router z-loss coefficient β")
 
@@ -179,7 +184,7 @@ def _add_reporting_flags(parser) -> None:
     g = parser.add_argument_group("evaluation and reporting")
     g.add_argument("--eval-every", type=int, default=100, help="val loss every N steps (0: only at the end)")
     g.add_argument("--eval-batches", type=int, default=4)
-    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--log-every", type=int, default=25)
     g.add_argument("--sample-tokens", type=int, default=300, help="tokens sampled at the end (0: none)")
     g.add_argument("--metrics-file", help="write one JSON object per step to this file")
     g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: table or measured)")
@@ -200,9 +205,10 @@ def _add_checkpoint_flags(parser) -> None:
 def add_plan_arguments(parser) -> None:
     """--plan, --plan-search, --world and the hardware model's flags (plan.py, hardware.py)."""
     g = parser.add_argument_group("plan (plan.py): size a layout without its hardware")
-    g.add_argument("--plan", action="store_true", help="print every rank role's memory, messages and predicted"
+    one = g.add_mutually_exclusive_group()  # argparse refuses both: "argument --plan-search: not allowed with --plan"
+    one.add_argument("--plan", action="store_true", help="print every rank role's memory, messages and predicted"
                    " step time for --world ranks, built on meta in a fake process group; trains nothing")
-    g.add_argument("--plan-search", action="store_true", help="rank the layouts of --world ranks that fit"
+    one.add_argument("--plan-search", action="store_true", help="rank the layouts of --world ranks that fit"
                    " --hw-memory-gib by predicted step time; print the best ten")
     g.add_argument("--world", type=int, help="ranks to plan for (--plan, --plan-search)")
     hardware.add_arguments(parser)
@@ -218,8 +224,15 @@ _AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe
 _POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops", "hw_peak_tflops", "hw_hbm_gbps", "hw_memory_gib",
              "hw_intra_gbps", "hw_inter_gbps")
 _FRACTION = ("beta1", "beta2", "dropout")  # in [0, 1)
+# Upper bounds past which a value cannot be used: (attribute, highest, why).
+_AT_MOST = (
+    ("bucket_mb", 2.0**20, "a bucket of at most 1 TiB (its byte count must be an integer)"),
+    ("fp8_margin", 127, "a power of two that float32 holds (the scale is max/amax/2^margin)"),
+)
+_PLANNING = lambda a: a.plan or a.plan_search  # noqa: E731
 # Flags that only mean something with another one: (flag, attribute, what it needs, whether that is on).
 _ONLY_WITH = (
+    ("--world", "world", "--plan or --plan-search (a run's world is its launcher's)", _PLANNING),
     ("--pp-schedule", "pp_schedule", "--pp > 1", lambda a: a.pp > 1),
     ("--pp-virtual", "pp_virtual", "--pp-schedule interleaved", lambda a: a.pp_schedule == "interleaved"),
     ("--trace-file", "trace_file", "--pp > 1 (it draws the pipeline schedule)", lambda a: a.pp > 1),
@@ -255,6 +268,8 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
     for flag, name, needs, on in _ONLY_WITH:
         if name in given and not on(args):
             raise FlagError(f"{flag} needs {needs}; without it the flag would be ignored")
+    if _PLANNING(args):
+        check_whole_nodes(args)
     try:
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
@@ -263,11 +278,18 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
         raise FlagError("--zero 3 with --activation-checkpointing: recomputing a block in backward reruns its"
                         " forward hooks, which would gather and free its weights out of schedule; use --zero 1 or 2")
     config = model_config(args, given)
+    try:  # the experts' split before the batch arithmetic, which takes the mesh as given: --ep 3 of 4 experts
+        moe.check_flags(config, shape)  # is a wrong --ep, not a global batch that D = 3 does not divide
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     if args.min_lr is not None and args.min_lr > args.lr:
         raise FlagError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the cosine schedule decays from --lr"
                         f" down to --min-lr")
     micro = _micro_batch_size(args, shape.dp)
-    validate_paths(args)
+    try:
+        paths.check_paths(args)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     _check_sequence_and_checkpoint_flags(args, config)
     _set_vocabulary(args, config)
     settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
@@ -341,55 +363,17 @@ def check_ranges(args) -> None:
     for name in _FRACTION:
         if getattr(args, name) is not None and not 0.0 <= getattr(args, name) < 1.0:
             raise bad(name, "in [0, 1)")
-
-
-def validate_paths(args) -> None:
-    """The files the run reads exist and are text; the ones it writes can be written, checked now rather than
-    at the first write (a trace file is written after all the training)."""
-    if args.data is not None:
-        if not os.path.isfile(args.data):
-            raise FlagError(f"--data {args.data!r} is not a file; give a text file to train on, or leave --data out"
-                            f" for the built-in corpus")
-        if os.path.getsize(args.data) == 0:
-            raise FlagError(f"--data {args.data!r} is empty; give a text file with something to train on")
-        with open(args.data, "rb") as f:
-            head = f.read(1 << 16)
-        if b"\0" in head:
-            raise FlagError(f"--data {args.data!r} is a binary file (it holds NUL bytes); give a UTF-8 text file")
-    for flag, path in (("--out-dir", args.out_dir), ("--ckpt-dir", args.ckpt_dir)):
-        if path is not None:
-            check_writable(flag, path, directory=True)
-    for flag, path in (("--metrics-file", args.metrics_file), ("--trace-file", args.trace_file)):
-        if path is not None:
-            check_writable(flag, path, directory=False)
-
-
-def check_writable(flag: str, path: str, directory: bool) -> None:
-    """`path` can be created (or is already there as the right kind): everything above it that exists is a
-    writable directory. A file's directory must exist; a directory is created with its parents."""
-    if path == "":
-        raise FlagError(f"{flag} '' names nothing; give a path")
-    path = os.path.abspath(path)
-    if os.path.exists(path):
-        if directory and not os.path.isdir(path):
-            raise FlagError(f"{flag} {path!r} is a file, not a directory")
-        if not directory and os.path.isdir(path):
-            raise FlagError(f"{flag} {path!r} is a directory; give a file name")
-    parent = os.path.dirname(path)
-    if not directory and not os.path.isdir(parent):
-        raise FlagError(f"{flag} {path!r}: the directory {parent!r} does not exist or cannot be written")
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise FlagError(f"{flag} {path!r} lies under {parent!r}, which is a file, not a directory")
-    if not os.access(parent, os.W_OK):
-        raise FlagError(f"{flag} {path!r}: the directory {parent!r} does not exist or cannot be written")
+    if abs(args.seed) > 2**63 - 1:
+        raise bad("seed", "a 63-bit integer, |seed| < 2^63 (torch.manual_seed takes seed + rank)")
+    for name, highest, why in _AT_MOST:
+        if getattr(args, name) is not None and getattr(args, name) > highest:
+            raise bad(name, f"at most {highest:g}: {why}")
 
 
 def model_config(args, given=frozenset()):
     """The GPTConfig of the flags: the preset with its overrides, or --init-from's config.json (init_from_config).
     The vocabulary is set by validate (the tokenizer's, or config.json's, padded)."""
-    if args.init_from:
+    if args.init_from is not None:
         return init_from_config(args, given)
     overrides = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
                      gelu=args.gelu, **moe.config_overrides(args))
@@ -407,6 +391,8 @@ def init_from_config(args, given) -> GPTConfig:
     """--init-from DIR: the shape and GELU from its config.json (hf.HFDirectory checks the directory: every
     GPT-2 tensor there, with its shape); a flag that says otherwise is an error, not a silent override."""
     flag = f"--init-from {args.init_from}"
+    if not args.init_from:
+        raise FlagError("--init-from '' names nothing; give a Hugging Face GPT-2 directory")
     try:
         shape = hf.HFDirectory(args.init_from).shape
     except hf.HFError as e:
@@ -470,19 +456,20 @@ def check_world(args) -> None:
                         f" = {model_parallel}: the layout needs a multiple of {model_parallel} ranks")
 
 
-def parse(argv=None, axes=()) -> Settings:
+def parse(argv=None, axes=(), prog: str = "train.py") -> Settings:
     """The flags of this process (sys.argv) as Settings, or one error line and exit status 2 (fail).
 
     Every rank validates the same flags and fails alike before any of them waits on a peer; the device,
-    the backend and the --dtype auto choice are made here too, so a wrong one fails as early."""
+    the backend and the --dtype auto choice are made here too, so a wrong one fails as early, and rank 0
+    takes --ckpt-dir's writer lock (claim_checkpoint_directory), so a directory another run writes does too."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(prog).parse_args(argv)
         planning = args.plan or args.plan_search
         if planning:
             check_world(args)
-        settings = validate(args, args.world if planning else int(os.environ.get("WORLD_SIZE", "1")),
-                            explicit_flags(argv), axes)
+        given = explicit_flags(argv)
+        settings = validate(args, args.world if planning else int(os.environ.get("WORLD_SIZE", "1")), given, axes)
         if not planning:  # a plan reads no corpus
             data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
         try:
@@ -490,9 +477,66 @@ def parse(argv=None, axes=()) -> Settings:
         except ValueError as e:
             raise FlagError(str(e)) from None
         dtype, reason = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(device)
+        if not planning and device.type != "cuda":
+            check_no_hardware_flags(given)
+        lock = claim_checkpoint_directory(args.ckpt_dir) if args.ckpt_dir and not planning else None  # last: the
+        # only check that creates something (the directory and its lock), once every other one has passed
     except (FlagError, RuntimeError) as e:
         fail(str(e))
-    return replace(settings, device=device, backend=backend, dtype=dtype, dtype_reason=reason)
+    return replace(settings, device=device, backend=backend, dtype=dtype, dtype_reason=reason, ckpt_lock=lock)
+
+
+def check_no_hardware_flags(given) -> None:
+    """The hardware model's flags (--hw, --hw-*, --gpus-per-node) describe a GPU: the one --plan and
+    --plan-search size for, or a GPU run's (its end line checks the model); a CPU run measures its own."""
+    stated = sorted(name for name in given if name == "hw" or name.startswith("hw_") or name == "gpus_per_node")
+    if stated:
+        flag = "--" + stated[0].replace("_", "-")
+        raise FlagError(f"{flag} describes the GPU of --plan / --plan-search or of a GPU run; this run is on the"
+                        f" CPU, whose hardware model is measured: add --plan (or --plan-search) --world N, or leave"
+                        f" {flag} out")
+
+
+def check_whole_nodes(args) -> None:
+    """A plan's ranks fill whole nodes of G GPUs (rank // G is the node): --world at most G, or a multiple."""
+    gpus = args.gpus_per_node or hardware.PRESETS[args.hw].gpus_per_node
+    if args.world is not None and args.world > gpus and args.world % gpus:
+        raise FlagError(f"--world {args.world} does not fill whole nodes of {gpus} GPUs (--gpus-per-node, or --hw"
+                        f" {args.hw}'s): give a multiple of {gpus}, or at most {gpus} ranks")
+
+
+def claim_checkpoint_directory(path: str, timeout_s: float = 300.0) -> WriterLock | None:
+    """--ckpt-dir's writer lock (ckpt_files.WriterLock), taken now by the process that will be rank 0 and held
+    for the whole run (the Checkpointer is handed it: Settings.ckpt_lock), so a second run writing the same
+    directory is refused at start-up, before any process group, with one line naming the holder (pid, host).
+
+    An flock, not a lock file made with O_CREAT|O_EXCL: the kernel drops it when its holder dies however it
+    dies (SIGKILL, OOM), so a stale lock never blocks and no pid has to be judged alive (pids are reused, and
+    a pid on another host cannot be checked at all); the file only names the holder for the refusal.
+    Under torchrun the other workers hear rank 0's verdict through the agent's store, so all of them end now,
+    alike, instead of waiting in init_process_group for a rank 0 that is gone; a rank other than 0 returns
+    None (it writes no commit)."""
+    rank, store, key = int(os.environ.get("RANK", "0")), _launcher_store(timeout_s), _launcher_key("ckpt-dir")
+    if rank != 0:
+        if store is not None:
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+            verdict = store.get(key).decode()
+            if verdict:
+                raise FlagError(verdict)
+        return None  # without torchrun's store, rank 0 alone refuses (and its launcher stops the others)
+    lock, verdict = None, ""
+    try:
+        os.makedirs(path, exist_ok=True)
+        lock = WriterLock(path)
+    except CheckpointError as e:
+        verdict = str(e)
+    except OSError as e:  # paths.check_paths found it can be made: a race, or a filesystem that refuses locks
+        verdict = f"--ckpt-dir {path}: cannot create it or its lock file: {e.strerror or e}"
+    if store is not None:
+        store.set(key, verdict)
+    if verdict:
+        raise FlagError(verdict)
+    return lock
 
 
 def auto_dtype(device: torch.device) -> tuple[str, str]:
@@ -525,14 +569,27 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def _launcher_store(timeout_s: float):
+    """torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE), which every worker can reach before any process
+    group exists; None for one process, or without torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _launcher_key(what: str) -> str:
+    """A key of this attempt of this run in the launcher's store (a restarted attempt starts afresh)."""
+    return f"train.py/{what}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+
+
 def _print_once_through_launcher_store(line: str, timeout_s: float = 30.0) -> bool:
     """Print `line` on exactly one of torchrun's workers (the first to get here): True when that is settled."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return False
-    key = f"train.py/error/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+    key = _launcher_key("error")
     try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        store = _launcher_store(timeout_s)
+        if store is None:
+            return False
         if store.add(f"{key}/claimed", 1) == 1:
             print(line, file=sys.stderr, flush=True)
             store.set(f"{key}/printed", "1")

@@ -43,9 +43,23 @@ class Hardware:
     gpus_per_node: int = 8
 
     def peak(self, dtype: str) -> float:
-        """FLOP/s of a matmul in `dtype` (fp16 as bf16; a dtype without a peak: the bf16 one)."""
-        key = {"fp16": "bf16"}.get(dtype, dtype)
-        return 1e12 * (self.peak_tflops.get(key) or self.peak_tflops["bf16"])
+        """FLOP/s of a matmul in `dtype`: its own entry, else (fp16 only) the bf16 one, the same tensor-core
+        rate on every part in mfu.PEAK_TFLOPS. No other stand-in: a model that knows no peak for `dtype` (a
+        measured CPU knows only the dtype it measured) raises NoPeakKnown, which says so, instead of a KeyError
+        or a figure of another dtype. Every dtype the flags accept has an entry in the presets, and a measured
+        machine holds the run's own (measure_cpu), so a run's end line always finds one."""
+        for key in (dtype, *_STAND_INS.get(dtype, ())):
+            if self.peak_tflops.get(key):
+                return 1e12 * self.peak_tflops[key]
+        raise NoPeakKnown(f"the hardware model {self.name} knows no {dtype} matmul peak (it has"
+                          f" {', '.join(sorted(self.peak_tflops)) or 'none'}); --hw-peak-tflops sets one")
+
+
+class NoPeakKnown(ValueError):
+    """A hardware model asked for the peak of a dtype it has no figure for."""
+
+
+_STAND_INS = {"fp16": ("bf16",)}  # fp16 runs at the bf16 tensor-core rate (one column in mfu.PEAK_TFLOPS)
 
 
 def _gpu(row: str, hbm_gbps: float, memory_gib: float, intra_gbps: float, inter_gbps: float) -> Hardware:
@@ -72,7 +86,8 @@ def node_of(rank: int, hardware: Hardware) -> int:
 
 
 def crosses_nodes(ranks, hardware: Hardware) -> bool:
-    return len({node_of(r, hardware) for r in ranks}) > 1
+    """A node holds consecutive ranks, so a group stays in one exactly when its lowest and highest rank do."""
+    return node_of(min(ranks), hardware) != node_of(max(ranks), hardware)
 
 
 def collective_seconds(op: str, calls: float, payload: float, ranks, hardware: Hardware) -> float:
@@ -109,7 +124,7 @@ def from_flags(args, dtype: str) -> Hardware:
     if args.gpus_per_node is not None:
         overrides["gpus_per_node"] = args.gpus_per_node
     if args.hw_peak_tflops is not None:
-        overrides["peak_tflops"] = {**hw.peak_tflops, {"fp16": "bf16"}.get(dtype, dtype): args.hw_peak_tflops}
+        overrides["peak_tflops"] = {**hw.peak_tflops, dtype: args.hw_peak_tflops}  # the figure peak(dtype) reads
     return replace(hw, **overrides)
 
 

@@ -20,7 +20,8 @@ else), and `load_into` fills a layout's `param/` and `master/` pieces through ck
 ckpt.StagedLoad (its checks: ckpt.plan_load) over a manifest-like description of the directory, in which each
 logical tensor is one whole stored piece and the directory is the reader, `files=` (it transposes and pads as
 it reads). So any mesh works as a resharding resume does, all or nothing: each rank reads (memory-mapped)
-only the tensors it holds a piece of, and keeps its slices. Out (export_hf.py): `write_directory` from the logical tensors.
+only the tensors it holds a piece of, and keeps its slices. Out (export_hf.py): `write_directory` from the
+logical tensors, into a directory that appears whole or not at all.
 Whole, on one process (export_hf.py, sample.py): `load_model` reads any checkpoint of this trainer, whatever
 mesh saved it (its run record names the model), or a Hugging Face directory, into one GPT.
 
@@ -36,9 +37,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import ckpt
 from ckpt_files import CheckpointError, list_checkpoints, verify_checkpoint
@@ -122,12 +127,21 @@ def shape_from_hf_config(hf: dict) -> GPT2Shape:
     """The model a GPT-2 config.json describes, or HFError naming what this trainer's GPT cannot be."""
     if hf.get("model_type") != "gpt2":
         raise HFError(f"config.json has model_type {hf.get('model_type')!r}, not 'gpt2'")
-    missing = [key for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size") if key not in hf]
+    sizes = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
+    missing = [key for key in sizes if key not in hf]
     if missing:
         raise HFError(f"config.json lacks {', '.join(missing)}")
+    not_sizes = [f"{key}={hf[key]!r}" for key in sizes
+                 if not (isinstance(hf[key], int) and not isinstance(hf[key], bool) and hf[key] > 0)]
+    if not_sizes:
+        raise HFError(f"config.json has {', '.join(not_sizes)}: a GPT-2 size is a positive integer")
+    if hf["n_embd"] % hf["n_head"]:
+        raise HFError(f"config.json has n_embd={hf['n_embd']}, not divisible by n_head={hf['n_head']}: the heads"
+                      f" split the embedding")
     activation = hf.get("activation_function", "gelu_new")
     differences = [  # (what this trainer's GPT would compute otherwise, when config.json says so)
-        (activation not in GELU_OF, f"activation_function {activation!r} (this GPT has {sorted(GELU_OF)})"),
+        (not isinstance(activation, str) or activation not in GELU_OF,
+         f"activation_function {activation!r} (this GPT has {sorted(GELU_OF)})"),
         (hf.get("n_inner") not in (None, 4 * hf["n_embd"]), f"n_inner {hf.get('n_inner')} (the MLP is 4·n_embd wide)"),
         (hf.get("layer_norm_epsilon", LAYER_NORM_EPSILON) != LAYER_NORM_EPSILON,
          f"layer_norm_epsilon {hf.get('layer_norm_epsilon')} (nn.LayerNorm's is {LAYER_NORM_EPSILON})"),
@@ -138,13 +152,8 @@ def shape_from_hf_config(hf: dict) -> GPT2Shape:
     for differs, what in differences:
         if differs:
             raise HFError(f"config.json has {what}: this trainer's GPT cannot load it")
-    shape = GPT2Shape(hf["n_layer"], hf["n_head"], hf["n_embd"], hf["n_positions"], hf["vocab_size"],
-                      GELU_OF[activation])
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in
-               (shape.n_layer, shape.n_head, shape.n_embd, shape.block_size, shape.vocab_size)) \
-            or shape.n_embd % shape.n_head:
-        raise HFError(f"config.json's shape is not a GPT's: {shape}")
-    return shape
+    return GPT2Shape(hf["n_layer"], hf["n_head"], hf["n_embd"], hf["n_positions"], hf["vocab_size"],
+                     GELU_OF[activation])
 
 
 def hf_config(config) -> dict:
@@ -188,6 +197,9 @@ class HFDirectory:
         self._check_tensors()
 
     def _check_tensors(self) -> None:
+        if self.shape.n_layer > len(self.stored):  # every block has 12 tensors (and a list of 10⁹ would not fit)
+            raise HFError(f"{self.path}: config.json has n_layer={self.shape.n_layer}, but its weights hold only"
+                          f" {len(self.stored)} tensors (a GPT-2 block has 12)")
         expected = self.shape.logical_shapes()
         unknown = sorted(set(self.stored) - set(expected) - {"lm_head.weight"})
         missing = sorted(set(expected) - set(self.stored))
@@ -201,6 +213,12 @@ class HFDirectory:
             if tuple(shape) != tuple(want) or dtype not in SAFETENSORS_DTYPES.values():
                 raise HFError(f"{self.path}: {self.stored[name][1]} is {dtype} {list(shape)}; GPT-2 of this"
                               f" config.json has a floating {list(want)} there")
+        # A stored head must be the embedding (save_pretrained leaves a tied one out): checked now, with the flags,
+        # not when the weights are read after the process group exists. Two V·h tensors, memory-mapped.
+        if "lm_head.weight" in self.stored and not torch.equal(self._read("lm_head.weight"),
+                                                                self._read("transformer.wte.weight")):
+            raise HFError(f"{self.path}: lm_head.weight differs from {self.stored['transformer.wte.weight'][1]};"
+                          f" this trainer ties the head to the embedding")
 
     def _stored_shape_dtype(self, name: str) -> tuple:
         file, stored_name = self.stored[name]
@@ -216,9 +234,7 @@ class HFDirectory:
             path = os.path.join(self.path, file)
             try:
                 if file.endswith(".safetensors"):
-                    from safetensors import safe_open
-
-                    self.open[file] = safe_open(path, framework="pt")
+                    self.open[file] = safe_open(path, framework="pt")  # checks the header against the file's size
                 else:
                     self.open[file] = _load_bin(path)
             except Exception as e:  # a damaged file makes any reader raise: each means "not readable"
@@ -243,22 +259,20 @@ class HFDirectory:
 
     def tensor(self, file: str, name: str) -> torch.Tensor:
         """ckpt's reader protocol: the stored piece `name` of `file`, here model.py's logical tensor `name`."""
-        handle, stored_name = self._open(file), self.stored[name][1]
+        stored = self._read(name)
+        if not torch.isfinite(stored).all():  # a NaN or inf weight would make every loss NaN from the first step
+            raise HFError(f"{self.path}: {file}: {self.stored[name][1]} holds NaN or inf values: the weights are"
+                          f" damaged")
+        return to_ours(name, stored, self.vocab_rows)
+
+    def _read(self, name: str) -> torch.Tensor:
+        """The tensor stored for model.py's `name`, as stored (memory-mapped, or read from the safetensors file)."""
+        (file, stored_name), handle = self.stored[name], self._open(self.stored[name][0])
         try:
-            stored = handle[stored_name] if isinstance(handle, dict) else handle.get_tensor(stored_name)
-            if name == "transformer.wte.weight" and "lm_head.weight" in self.stored:
-                head_file, head_name = self.stored["lm_head.weight"]
-                head = self._open(head_file)
-                head = head[head_name] if isinstance(head, dict) else head.get_tensor(head_name)
-                if not torch.equal(head, stored):
-                    raise HFError(f"{self.path}: lm_head.weight differs from {stored_name}; this trainer ties the"
-                                  f" head to the embedding")
-        except HFError:
-            raise
+            return handle[stored_name] if isinstance(handle, dict) else handle.get_tensor(stored_name)
         except Exception as e:  # a truncated or corrupt file can fail only when its data is read
             raise HFError(f"{self.path}: {file}: cannot read {stored_name} ({type(e).__name__}: {_first_line(e)})"
                           f": the file is damaged") from None
-        return to_ours(name, stored, self.vocab_rows)
 
 
 def load_into(directory: HFDirectory, pieces: list) -> int:
@@ -286,25 +300,21 @@ def _read_json(directory: str, name: str) -> dict:
 
 
 def _weight_map(directory: HFDirectory) -> dict:
-    """{name in the files: file} of the directory's weights: model.safetensors where the safetensors package
-    is installed, else pytorch_model.bin; either may be sharded (its .index.json lists the shards)."""
-    try:
-        import safetensors  # noqa: F401 - only whether it is there
-        readable = WEIGHT_FILES
-    except ImportError:
-        readable = WEIGHT_FILES[1:]
-    for file in readable:
+    """{name in the files: file} of the directory's weights: model.safetensors (what save_pretrained writes),
+    else pytorch_model.bin; either may be sharded (its .index.json lists the shards)."""
+    for file in WEIGHT_FILES:
         if os.path.isfile(os.path.join(directory.path, file + ".index.json")):
             weight_map = _read_json(directory.path, file + ".index.json").get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) and os.path.basename(f) == f
                                                            for f in weight_map.values()):
                 raise HFError(f"{directory.path}/{file}.index.json has no valid weight_map")
+            absent = sorted(f for f in set(weight_map.values()) if not os.path.isfile(os.path.join(directory.path, f)))
+            if absent:
+                raise HFError(f"{directory.path}/{file}.index.json names {', '.join(absent)}, which is not there")
             return weight_map
         if os.path.isfile(os.path.join(directory.path, file)):
             return {name: file for name in directory._open(file).keys()}
-    found = [f for f in WEIGHT_FILES if os.path.isfile(os.path.join(directory.path, f))]
-    raise HFError(f"{directory.path} has {found[0]}, which needs the safetensors package (pip install safetensors)"
-                  if found else f"{directory.path} has no weights ({' or '.join(WEIGHT_FILES)})")
+    raise HFError(f"{directory.path} has no weights ({' or '.join(WEIGHT_FILES)})")
 
 
 def _load_bin(path: str):
@@ -328,10 +338,14 @@ def _first_line(error: Exception) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def write_directory(weights: dict, config, out_dir: str, safetensors: bool = False) -> list:
+def write_directory(weights: dict, config, out_dir: str, pytorch_bin: bool = False) -> list:
     """Write `weights` ({model.py name: logical tensor}, every one of a dense GPT of `config`) as a Hugging
-    Face GPT-2 directory: config.json and pytorch_model.bin (+ model.safetensors). Returns the files written.
-    A model without biases (--no-bias) is GPT-2 with zero biases: they are written as zeros."""
+    Face GPT-2 directory: config.json and model.safetensors (save_pretrained's format), + pytorch_model.bin with
+    `pytorch_bin` (for readers without safetensors). Returns the files written. A model without biases
+    (--no-bias) is GPT-2 with zero biases: they are written as zeros. `out_dir` must not exist or be an empty
+    directory: the files are written and fsynced in a directory beside it (`.NAME.partial-*`) and renamed to
+    `out_dir` last, so a killed export leaves no `out_dir` that --init-from or from_pretrained would read, only
+    that partial directory (safe to delete)."""
     if config.moe_experts:
         raise HFError("a mixture-of-experts model is not a GPT-2: its experts have no place in GPT-2's layout")
     shape = GPT2Shape(config.n_layer, config.n_head, config.n_embd, config.block_size,
@@ -344,19 +358,44 @@ def write_directory(weights: dict, config, out_dir: str, safetensors: bool = Fal
             state[name] = torch.zeros(logical, dtype=weights["transformer.wte.weight"].dtype)
         else:
             raise HFError(f"the checkpoint has no {name}")
-    os.makedirs(out_dir, exist_ok=True)
-    written = [os.path.join(out_dir, "config.json"), os.path.join(out_dir, "pytorch_model.bin")]
-    with open(written[0], "w") as f:
-        json.dump({**hf_config(config), "dtype": str(state["transformer.wte.weight"].dtype).removeprefix("torch.")},
-                  f, indent=2)
-        f.write("\n")
-    torch.save(state, written[1])
-    if safetensors:
-        from safetensors.torch import save_file
+    out_dir = os.path.abspath(out_dir)
+    created = _first_missing(os.path.dirname(out_dir))  # parents made here are removed again on failure
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    partial = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=os.path.dirname(out_dir))
+    names = ["config.json", "model.safetensors", *(["pytorch_model.bin"] if pytorch_bin else [])]
+    try:
+        with open(os.path.join(partial, names[0]), "w") as f:
+            json.dump({**hf_config(config), "dtype": str(state["transformer.wte.weight"].dtype).removeprefix("torch.")},
+                      f, indent=2)
+            f.write("\n")
+        save_file(state, os.path.join(partial, names[1]), metadata={"format": "pt"})
+        if pytorch_bin:
+            torch.save(state, os.path.join(partial, names[2]))
+        for name in names:
+            _fsync(os.path.join(partial, name))
+        os.rename(partial, out_dir)  # atomic; replaces an empty directory, refuses a non-empty one (ENOTEMPTY)
+        _fsync(os.path.dirname(out_dir))
+    except BaseException:
+        shutil.rmtree(created or partial, ignore_errors=True)
+        raise
+    return [os.path.join(out_dir, name) for name in names]
 
-        written.append(os.path.join(out_dir, "model.safetensors"))
-        save_file(state, written[2], metadata={"format": "pt"})
-    return written
+
+def _first_missing(path: str) -> str | None:
+    """The outermost directory of `path` that does not exist yet (None: it all exists)."""
+    missing = None
+    while not os.path.exists(path):
+        path, missing = os.path.dirname(path), path
+    return missing
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's (or a directory's entries') bytes to the disk, so a rename after it commits whole files."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -139,6 +139,29 @@ def axis_groups(shape: MeshShape) -> dict:
     return groups
 
 
+def groups_of(shape: MeshShape, rank: int) -> dict:
+    """{name: ranks} of the groups of axis_groups that hold `rank` (the same sorted lists), from its coordinates
+    alone: O(the groups' sizes), not O(world) as the whole partition is, which a plan of a million ranks
+    cannot wait for (--plan, --plan-search)."""
+    coords = shape.coords(rank)
+    strides = {"dp": shape.pp * shape.cp * shape.tp, "pp": shape.cp * shape.tp, "cp": shape.tp, "tp": 1}
+
+    def varying(axes: tuple) -> list:  # every rank that differs from `rank` only along `axes`, ascending
+        ranks = [rank - sum(coords[a] * strides[a] for a in axes)]
+        for a in AXES:  # slowest first, so the list stays sorted: rank = ((d·P + p)·C + c)·T + t
+            if a in axes:
+                ranks = [r + i * strides[a] for r in ranks for i in range(getattr(shape, a))]
+        return ranks
+
+    groups = {axis: varying((axis,)) for axis in AXES}
+    dp_cp, ep = varying(("dp", "cp")), shape.ep
+    at = dp_cp.index(rank)
+    groups.update(dp_cp=dp_cp, ep=dp_cp[at - at % ep:at - at % ep + ep], expert_dp=dp_cp[at % ep::ep])
+    pp = groups["pp"]
+    groups["pp_tied"] = sorted({pp[0], pp[-1]}) if rank in (pp[0], pp[-1]) else [rank]
+    return groups
+
+
 def _product(ranges):
     if not ranges:
         yield ()
@@ -148,7 +171,7 @@ def _product(ranges):
             yield (head,) + tail
 
 
-def build_mesh(shape: MeshShape, rank: int | None = None) -> Mesh:
+def build_mesh(shape: MeshShape, rank: int | None = None, every_group: bool = True) -> Mesh:
     """Create every axis's process groups (collective: all ranks call this with the same shape).
 
     One communicator per distinct set of ranks: names with the same members share one group (dp, dp_cp and
@@ -159,11 +182,14 @@ def build_mesh(shape: MeshShape, rank: int | None = None) -> Mesh:
     from the axis's traffic. Singleton groups are kept, one per rank: every file calls its collectives on its
     group whatever its size rather than branching on the size (ZeRO, whose units may sit on a group of one,
     skips them), and one singleton is one small communicator with no peer buffers.
+    every_group=False (a plan, in a fake process group, where no peer waits on the others' groups): only the
+    groups holding `rank` (groups_of), so that a million ranks are planned in moments.
     """
     rank = dist.get_rank() if rank is None else rank
     mesh = Mesh(shape=shape, rank=rank)
     made: dict[tuple, object] = {}
-    for axis, partition in axis_groups(shape).items():
+    partitions = axis_groups(shape) if every_group else {name: [g] for name, g in groups_of(shape, rank).items()}
+    for axis, partition in partitions.items():
         for ranks in partition:  # same order on every rank, so every rank makes the same new_group calls
             key = tuple(ranks)
             if key not in made:

@@ -183,9 +183,9 @@ def gpu_row(name: str, sm_count: int) -> str | None:
 def fp32_matmul_column() -> tuple[str, str]:
     """The column an fp32 run is measured against: TF32 when torch lets fp32 matmuls use TF32 tensor cores."""
     if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
-        return "tf32", ("dense TF32 tensor-core peak (fp32 matmuls may run as TF32: torch.backends.cuda.matmul.allow_tf32"
-                        f" = {torch.backends.cuda.matmul.allow_tf32}, float32_matmul_precision ="
-                        f" {torch.get_float32_matmul_precision()!r})")
+        return "tf32", ("dense TF32 tensor-core peak (fp32 matmuls may run as TF32:"
+                        f" torch.backends.cuda.matmul.allow_tf32 = {torch.backends.cuda.matmul.allow_tf32},"
+                        f" float32_matmul_precision = {torch.get_float32_matmul_precision()!r})")
     return "fp32", "FP32 peak, no tensor cores (TF32 matmuls off: float32_matmul_precision 'highest')"
 
 

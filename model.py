@@ -115,6 +115,8 @@ GELU_APPROXIMATIONS = {"exact": "none", "tanh": "tanh"}
 
 PRESETS = {
     "tiny": GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64),  # tests
+    # The default run (`python train.py`): ~0.86M parameters, a few minutes on 2 CPU cores (README, Train).
+    "mini": GPTConfig(block_size=128, vocab_size=256, n_layer=4, n_head=4, n_embd=128),
     "small": GPTConfig(block_size=256, vocab_size=256, n_layer=6, n_head=6, n_embd=384),  # CPU demo, ~10.7M
     "gpt2": GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768),  # 124M
 }
@@ -404,11 +406,16 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample `max_new_tokens` tokens after the prompt `idx` (batch, seq), one at a time."""
+        """Sample `max_new_tokens` tokens after the prompt `idx` (batch, seq), one at a time; temperature 0 is
+        greedy (the most likely token: no draw)."""
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size:]
             logits, _, _ = self(context)
-            logits = logits[:, -1, :self.config.real_vocab_size].float() / max(temperature, 1e-6)  # no padding
+            logits = logits[:, -1, :self.config.real_vocab_size].float()  # no padding
+            if temperature == 0:
+                idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
+                continue
+            logits = logits / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits[logits < kth] = -float("inf")

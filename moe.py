@@ -365,8 +365,9 @@ def config_overrides(args) -> dict:
 
 def check_flags(config, shape: MeshShape) -> None:
     """Raise ValueError naming the flag when the MoE flags (config's moe_* fields, --ep in shape) cannot work
-    together on this mesh; pure, run once before any process group (config_from_flags). Each flag's own
-    range (N, f, α, β ≥ 0; k, --moe-every, E ≥ 1) is checked once, in flags.check_ranges, infer_mesh_shape."""
+    together on this mesh; pure, run once before any process group (flags.validate, before the batch
+    arithmetic). Each flag's own range (N, f, α, β ≥ 0; k, --moe-every, E ≥ 1) is checked once, in
+    flags.check_ranges, infer_mesh_shape."""
     n, k, ep, every = config.moe_experts, config.moe_topk, shape.ep, config.moe_every
     for broken, message in (
             (n == 0 and ep > 1, f"--ep {ep} needs experts to split: set --moe-experts N (a multiple of {ep})"),
@@ -392,8 +393,7 @@ class MoEConfig:
 
 
 def config_from_flags(args, settings) -> MoEConfig | None:
-    """The MoE flags on this mesh, or ValueError naming the flag (before any process group); None when dense."""
-    check_flags(settings.model, settings.shape)
+    """The MoE layout on this mesh (its flags checked by flags.validate, check_flags); None when dense."""
     if settings.model.moe_experts == 0:
         return None
     return MoEConfig(settings.shape.ep, settings.sequence_parallel, args.cp_balance if settings.shape.cp > 1 else None)

@@ -7,8 +7,8 @@ gradient comes back. With `interleaved` the layers are cut into v·P chunks and 
 one list of actions per rank (F forward, B backward, I its input-gradient half, W its weight-gradient
 half) and a communication plan saying which receives to post before each action and where each send's
 buffer is released. ONE interpreter here, `PipelineSchedule.forward_backward`, runs a rank's plan: post
-the previous action's send and the listed receives in one `dist.batch_isend_irecv`, wait for the action's
-input, wait on the sends the plan releases, compute.
+the listed receives and the previous action's send in one `dist.batch_isend_irecv`, wait for the action's
+input, wait on the sends the plan releases (their receives are known posted), compute.
 
 How zb defers W: every nn.Linear of a chunk (the head, and the inner linears of tensor_parallel's
 Column/RowParallelLinear alike) runs with its parameters detached, so its backward returns dL/dx = dL/dy·A
@@ -39,8 +39,8 @@ dtype: the residual stream stays in it under autocast), A = activation bytes a l
 2. Peak per rank: its parameters (memory.param_counts of its stage_kwargs) × 16 bytes with fp32 AdamW, and
    in-flight × layers per chunk × A, counting chunk-micro-batches between F and B/I:  gpipe m;  1f1b min(P−r, m);
    interleaved min(2(P−r−1) + (v−1)(P + m mod P) + 1, v·m);  zb min(P−r, m), plus ≤ r+1 W stashes.
-   Temporary: received activations and gradients, b·s·h·e each; sent ones until their release point, at
-   most 2 per rank at once (`schedules.live_sends`; 1 on the last stage of 1f1b and zb).
+   Temporary: received activations and gradients, b·s·h·e each; sent ones until their release point
+   (`schedules.live_sends` per rank: P−r on 1f1b's rank r, up to m on gpipe's; an F's is its stashed output).
 3. Critical path. The bubble (idle fraction of a step; uniform costs, free communication;
    `schedules.simulate` does any per-rank costs):  gpipe, 1f1b (P−1)/(m+P−1);  interleaved (P−1)/(v·m+P−1);
    zb (P−1)·max(t_F, t_F+t_I−t_W) / (m·(t_F+t_I+t_W) + (P−1)·max(t_F, t_F+t_I−t_W)).
@@ -112,9 +112,9 @@ class PipelineSchedule:
         self.clock.start()
         for step in steps:
             action = step.action
-            mail.post(step.recvs)  # with the previous action's send: one batch
+            mail.post(step.recvs)  # then the previous action's send: one batch
             incoming = mail.take(needs(action, self.n_chunks))
-            mail.release(step.release)  # their receivers have posted the receives: frees the buffers
+            mail.release(step.release)  # a message taken shows their receives posted: frees the buffers
             measuring = self.measure_activations and action.kind == "F"
             saved = memory.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
             self.clock.begin()
@@ -248,38 +248,42 @@ class _Mailbox:
         self.received, self.sent, self.pending = {}, {}, []  # message -> (buffer, work) | work; [(op, message)]
 
     def post(self, recvs: list) -> None:
-        """ONE batch_isend_irecv: the pending send, then a receive for each message of `recvs`."""
+        """ONE batch_isend_irecv: a receive for each message of `recvs`, then the pending send (the peer that
+        takes this send knows these receives posted: the plan's release points rely on it)."""
         s, state = self.schedule, self.state
         sends, self.pending = self.pending, []
-        ops = [op for op, _ in sends]
+        ops = []
         for msg in recvs:  # (b, s/T, h): the receive's size is known before the peer computes it
             rows, seq = state.batches[msg.mb][0].shape
             buffer = torch.empty(rows, seq // s.seq_divisor, state.model.config.n_embd, dtype=state.boundary_dtype,
                                  device=state.device)
             ops.append(dist.P2POp(dist.irecv, buffer, s.peers[msg.src(s.P)], s.group))
+        ops += [op for op, _ in sends]
         if not ops:
             return
-        with s.clock.p2p(f"post {len(ops)}", sum(op.tensor.numel() * op.tensor.element_size() for op in ops)):
+        named = ", ".join([f"recv {_label(msg)}" for msg in recvs] + [f"send {_label(msg)}" for _, msg in sends])
+        with s.clock.p2p(f"post {named}", sum(op.tensor.numel() * op.tensor.element_size() for op in ops)):
             works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # NCCL coalesces a batch into one work
             works = [works[0]] * len(ops)
-        for (_, msg), work in zip(sends, works):
-            self.sent[msg] = work
-        for msg, op, work in zip(recvs, ops[len(sends):], works[len(sends):]):
+        for msg, op, work in zip(recvs, ops, works):
             self.received[msg] = (op.tensor, work)
+        for (_, msg), work in zip(sends, works[len(recvs):]):
+            self.sent[msg] = work
 
     def take(self, msg: Message | None):
         """The received tensor `msg` carries, once its receive completes (None: the action needs none)."""
         if msg is None:
             return None
         buffer, work = self.received.pop(msg)
-        with self.schedule.clock.p2p(f"wait {msg.kind} {msg.mb}.{msg.chunk}"):
+        with self.schedule.clock.p2p(f"wait {_label(msg)}"):
             work.wait()
         return buffer
 
     def release(self, msgs) -> None:
-        for msg in msgs:
-            self.sent.pop(msg).wait()
+        for msg in msgs:  # timed like the receives': the trace shows a rank held up by its own sends
+            with self.schedule.clock.p2p(f"release {_label(msg)}"):
+                self.sent.pop(msg).wait()
 
     def send(self, msg: Message | None, tensor) -> None:
         if msg is not None:
@@ -290,6 +294,11 @@ class _Mailbox:
         self.post([])
         for work in self.sent.values():  # sends whose receivers post after this rank's last action starts
             work.wait()
+
+
+def _label(msg: Message) -> str:
+    """A message as the trace names it: 'act 3.1' (micro-batch 3, sent by chunk 1)."""
+    return f"{msg.kind} {msg.mb}.{msg.chunk}"
 
 
 def _send_blocking(h: torch.Tensor, peer: int, group) -> None:
@@ -427,7 +436,8 @@ def config_from_flags(args, settings) -> PipelineConfig | None:
                          f" is --pp-schedule 1f1b)")
     if m < P:
         raise ValueError(f"--pp {P} needs at least {P} micro-batches per step (one in flight per stage), but this run"
-                         f" has m = {m} = global batch / (D × --micro-batch): raise --global-batch or lower --micro-batch")
+                         f" has m = {m} = global batch / (D × --micro-batch): raise --global-batch or lower"
+                         f" --micro-batch")
     chunks = P * v
     if n_layer < chunks:
         raise ValueError(f"--pp {P}" + (f" × --pp-virtual {v}" if chunks > P else "") + f" makes {chunks} pipeline"

@@ -479,13 +479,16 @@ def pp_end_lines(axis, run=None, steps: int = 0) -> list:
     costs, events = [r["costs"] for r in ranks], [r["events"] for r in ranks]
     simulated = sum(schedules.bubble_of(schedules.simulate(s.programs(m), costs))) / s.P
     why = pp_bubble_note(costs, simulated, _ranks_on_node(), torch.get_num_threads(), os.cpu_count(),
-                         cpu=not next(axis.model.parameters()).is_cuda)
+                         cpu=not next(axis.model.parameters()).is_cuda, load=os.getloadavg()[0])
     lines = [f"pipeline {s.name} P={s.P} m={m}: bubble predicted {schedules.bubble_formula(s.name, s.P, m, s.v):.1%}"
              f" ({schedules.BUBBLE_TEXT[s.name]}), simulated with the measured costs {simulated:.1%}, measured"
              f" per rank " + " ".join(f"{r['bubble']:.1%}" for r in ranks) + f" (mean of {len(timed)} steps)"
              + (f"\n  {why}" if why else ""),  # the end line and, printed under it, why they differ
              "  mean action time per rank (ms): " + "; ".join(
-                 f"pp{i} " + " ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(r.items())) for i, r in enumerate(costs))]
+                 f"pp{i} " + " ".join(f"{k} {t * 1e3:.2f}" for k, t in sorted(r.items())) for i, r in enumerate(costs)),
+             "  host time in p2p calls, last step (ms): " + "; ".join(  # what the simulation leaves out
+                 f"pp{i} " + " ".join(f"{k} {t * 1e3:.1f}" for k, t in _p2p_time(e).items())
+                 for i, e in enumerate(events))]
     lines += ["  one executed step (the last), per pp rank:"] + pp_timeline(events)
     if axis.trace_file and s.rank == 0:
         pp_write_chrome_trace(axis.trace_file, events)
@@ -494,14 +497,19 @@ def pp_end_lines(axis, run=None, steps: int = 0) -> list:
 
 
 def pp_bubble_note(costs: list, simulated: float, ranks: int, threads: int, cores: int | None, cpu: bool = True,
-                   tolerance: float = 0.1) -> str:
+                   tolerance: float = 0.1, load: float | None = None) -> str:
     """Why a measured bubble differs from the formula, for the reasons a run can see ("" when none holds):
-    its ranks time-share the node's cores (on CPU), or the measured action costs (per rank {kind: seconds})
-    are not the uniform ones the formula assumes (F equal on every stage, B = 2F, I = W = F)."""
+    its ranks time-share the node's cores (on CPU), other processes do (the 1-minute load average `load`
+    above the cores), or the measured action costs (per rank {kind: seconds}) are not the uniform ones the
+    formula assumes (F equal on every stage, B = 2F, I = W = F)."""
     reasons = []
     if cpu and cores and ranks * threads > cores:
         reasons.append(f"{ranks} ranks × {threads} thread{'s' * (threads > 1)} share {cores} cores, so ranks take"
                        f" turns on them: an action's time includes waiting for a core, and its peers wait on it")
+    if cpu and cores and load is not None and load > max(cores, ranks * threads):
+        reasons.append(f"the node's load average is {load:.1f} on {cores} cores, so other processes take turns on"
+                       f" them too: a rank waits for a core in its p2p calls (and the transfers' threads for theirs),"
+                       f" which the simulation does not count")
     uneven, forwards = [], [c["F"] for c in costs if c.get("F")]
     if len(forwards) == len(costs) and max(forwards) > (1 + tolerance) * min(forwards):
         uneven.append(f"F differs {max(forwards) / min(forwards):.2f}× between stages")
@@ -517,6 +525,16 @@ def pp_bubble_note(costs: list, simulated: float, ranks: int, threads: int, core
         return ""
     return ("why the measured bubble differs: " + "; ".join(reasons) + ". The figure comparable with the"
             f" prediction is the simulation with the measured costs, {simulated:.1%}")
+
+
+def _p2p_time(events: list) -> dict:
+    """Seconds one rank's host spent in each kind of p2p call (post, wait: a receive, release: a send)."""
+    out = {"post": 0.0, "wait": 0.0, "release": 0.0}
+    for e in events:
+        if e["cat"] == "p2p":
+            kind = e["name"].split()[0]
+            out[kind] = out.get(kind, 0.0) + e["end"] - e["start"]
+    return out
 
 
 def _ranks_on_node() -> int:

@@ -18,7 +18,7 @@ and logits; no messages.
 
 from __future__ import annotations
 
-import argparse
+import math
 import os
 import sys
 
@@ -27,17 +27,24 @@ import torch
 import data
 import flags
 import hf
+import paths
 from ckpt_files import CheckpointError
+from flags import FlagError
+
+TOP_K = 200  # --top-k's default (nanoGPT's), or the whole vocabulary where it is smaller
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sample.py", description=__doc__.split("\n")[0])
+def build_parser() -> flags.OneLineParser:
+    p = flags.OneLineParser(prog="sample.py", description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="a step-XXXXXXXX directory, a --ckpt-dir, or a Hugging Face GPT-2 directory")
-    p.add_argument("--start", default="\n", help="the prompt, or FILE:path to read it from a file")
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--start", default="\n", help="the prompt, or FILE:path to read it from a UTF-8 text file")
+    p.add_argument("--num-samples", type=int, default=1, help="continuations of --start (at least 1)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens each continuation adds (at least 1)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="divides the logits: > 0 samples (lower: more conservative); 0 is greedy (always the most"
+                        " likely token, no draw)")
+    p.add_argument("--top-k", type=int, help=f"sample among the K most likely tokens, 1 ≤ K ≤ the vocabulary"
+                                             f" (default: {TOP_K}, or the whole vocabulary where it is smaller)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--tokenizer", choices=data.TOKENIZERS, help="default: the one the model's vocabulary implies")
     p.add_argument("--data", help="the text file whose val split is evaluated (default: the built-in corpus)")
@@ -51,13 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
+        prompt = check_flags(args)  # before anything is read or written
         model, record = hf.load_model(args.checkpoint, args.device)
         config = model.config
         vocab = config.real_vocab_size or config.vocab_size
         tokenizer_name = args.tokenizer or flags.tokenizer_of_vocab(vocab)
         flags.check_tokenizer(tokenizer_name, vocab, args.checkpoint)
+        check_model_flags(args, config, vocab)
         tokenizer = data.get_tokenizer(tokenizer_name)
         model.eval()
         what = (f"step {record['step']} of {record['path']} (saved on mesh {hf.mesh_text(record['mesh'])})"
@@ -66,11 +75,57 @@ def main(argv=None) -> None:
               f" n_embd={config.n_embd} vocab={vocab}, GELU {config.gelu}; tokenizer {tokenizer_name}")
         if args.eval_batches:
             print(val_loss_line(model, args, record, tokenizer_name))
-        for line in samples(model, tokenizer, args):
+        for line in samples(model, tokenizer, prompt, args):
             print(line)
-    except (hf.HFError, CheckpointError, ValueError, RuntimeError, OSError) as e:
+    except (hf.HFError, CheckpointError, ValueError, RuntimeError, OSError) as e:  # FlagError is a ValueError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_flags(args) -> str:
+    """Each flag in its range, the device there, --data readable, --out-dir writable: one FlagError naming the
+    flag. Returns the prompt's text (--start, or the file it names), which must be UTF-8."""
+    for flag, value in (("--num-samples", args.num_samples), ("--max-new-tokens", args.max_new_tokens),
+                        ("--micro-batch", args.micro_batch), ("--global-batch", args.global_batch),
+                        ("--seq-len", args.seq_len), ("--top-k", args.top_k)):
+        if value is not None and value < 1:
+            raise FlagError(f"{flag} must be at least 1, got {value}")
+    if args.eval_batches < 0:
+        raise FlagError(f"--eval-batches must be at least 0 (0: no eval), got {args.eval_batches}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise FlagError(f"--temperature must be a finite number ≥ 0 (0: greedy), got {args.temperature}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise FlagError(f"--device {args.device!r} is not a device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FlagError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
+    if args.eval_batches:
+        if args.data is not None and not os.path.isfile(args.data):
+            raise FlagError(f"--data {args.data!r} is not a file; give a text file, or leave --data out")
+        paths.check_writable("--out-dir", args.out_dir, directory=True)  # the token cache goes there
+    if not args.start.startswith("FILE:"):
+        prompt = args.start
+    else:
+        try:
+            with open(args.start[5:], encoding="utf-8") as f:
+                prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            raise FlagError(f"--start {args.start!r}: the file cannot be read ({why})") from None
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FlagError(f"--start {args.start!r} is not valid text (it holds a lone surrogate)") from None
+    return prompt
+
+
+def check_model_flags(args, config, vocab: int) -> None:
+    """The flags the model bounds: --top-k within its vocabulary, --seq-len within its block size."""
+    if args.top_k is not None and args.top_k > vocab:
+        raise FlagError(f"--top-k {args.top_k} is more than the model's {vocab} tokens; give 1 to {vocab}")
+    if args.seq_len is not None and args.seq_len > config.block_size:
+        raise FlagError(f"--seq-len {args.seq_len} is longer than the model's block size {config.block_size}")
 
 
 @torch.no_grad()
@@ -80,7 +135,12 @@ def val_loss_line(model, args, record: dict, tokenizer_name: str) -> str:
     seq_len = args.seq_len or record.get("seq_len", model.config.block_size)
     if global_batch % args.micro_batch:
         raise ValueError(f"--micro-batch {args.micro_batch} must divide the global batch {global_batch}")
-    corpus = data.prepare_corpus(args.data, tokenizer_name, os.path.join(args.out_dir, "data"), log=lambda line: None)
+    try:
+        corpus = data.prepare_corpus(args.data, tokenizer_name, os.path.join(args.out_dir, "data"),
+                                     log=lambda line: None)
+    except OSError as e:  # --data was checked: what fails here is writing the cache (os.access trusts root)
+        raise FlagError(f"--out-dir {args.out_dir!r}: the token cache cannot be written there ({e.strerror}:"
+                        f" {e.filename})") from None
     tokens = data.TokenFile(corpus.val_path)
     sampler = data.EvalSampler(len(tokens), seq_len, global_batch)
     batches = min(args.eval_batches, sampler.num_batches)
@@ -95,19 +155,16 @@ def val_loss_line(model, args, record: dict, tokenizer_name: str) -> str:
 
 
 @torch.no_grad()
-def samples(model, tokenizer, args) -> list:
-    """--num-samples continuations of --start, each --max-new-tokens long, from one seeded generator."""
-    start = args.start
-    if start.startswith("FILE:"):
-        with open(start[5:], encoding="utf-8") as f:
-            start = f.read()
-    prompt = tokenizer.encode(start) or [getattr(tokenizer, "eot_token", 0)]
-    idx = torch.tensor([prompt], dtype=torch.long, device=args.device)
+def samples(model, tokenizer, prompt: str, args) -> list:
+    """--num-samples continuations of the prompt, each --max-new-tokens long, from one seeded generator."""
+    vocab = model.config.real_vocab_size or model.config.vocab_size
+    idx = torch.tensor([tokenizer.encode(prompt) or [getattr(tokenizer, "eot_token", 0)]], dtype=torch.long,
+                       device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     out = []
     for _ in range(args.num_samples):
-        tokens = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                generator=generator)
+        tokens = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k or min(TOP_K, vocab), generator=generator)
         out += [tokenizer.decode(tokens[0].tolist()), "-" * 80]
     return out
 

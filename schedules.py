@@ -16,15 +16,17 @@ remainder of m mod P joins the last group); rank r holds chunks r, r+P, ... of t
 The communication plan. An F sends its output to the next chunk's rank, a B/I its input gradient to the
 previous one's. `communication_plan` has every rank post a receive as soon as, in a uniform-cost simulation
 of all the lists, its sender has sent it (so the transfer overlaps compute; torch.distributed.pipelining
-does the same); the sends an action produces go in ONE batch with the receives posted next (Megatron's
+does the same); the sends an action produces go in ONE batch after the receives posted next (Megatron's
 send/recv pairing). Every op is thus posted in the order of one global simulated clock: on each channel the
 receives come in the order the sender sends (NCCL matches p2p by order, not tag), and two ranks can never
 each sit in a send waiting for the other's later receive. Every work is waited (gloo completes a send only
-in wait()): a receive before the action that uses it; a send at its release point, before the first action
-after the one it was posted with that starts, in the simulation, once its receiver has posted the receive
-(in posting order; any left at the step's end). A rank thus blocks only on a peer's post that comes earlier
-in the simulated clock: no cycle, whatever the real costs, and at most 2 sent buffers per rank are alive at
-once (`live_sends`).
+once its receive is posted, and frees it only in wait()): a receive before the action that uses it; a send
+at its release point, the first action after the rank has taken a message that the receiver posted with
+or after the receive (in posting order; any left at the step's end). A release thus never waits on a
+peer's progress, only on a transfer under way: every action starts when `simulate` starts it, whatever the
+real costs (a release placed by the uniform costs held up a rank whose receiver ran behind). The price:
+sent buffers alive per rank (`live_sends`) are those not yet shown received, up to the cool-down's, where
+no later message comes back; an F's is its stashed output (no cast needed), a B/I's b·s·h·e of its own.
 
 The closed forms the plans are checked against (pipeline.py's docstring, answers 2 and 3): `bubble_formula`,
 `in_flight`, `p2p_counts`; `simulate` gives the bubble for any per-rank costs (`bubble_of`).
@@ -185,9 +187,10 @@ class Step(NamedTuple):
     release: tuple = ()  # this rank's earlier sends to wait on before the action: their buffers are freed
 
 
-def simulate(programs: list, costs) -> list:
-    """Per rank [(action, start, end)]: every action starts once its rank is free and its input has been sent
-    (communication free). `costs`: {kind: seconds}, or one such dict per rank. Raises on a deadlock."""
+def simulate(programs: list, costs, latency: float = 0.0) -> list:
+    """Per rank [(action, start, end)]: every action starts once its rank is free and its input has arrived,
+    `latency` seconds after it was sent (0: communication free). `costs`: {kind: seconds}, or one such dict
+    per rank. Raises on a deadlock."""
     P = len(programs)
     n_chunks = max(a.chunk for program in programs for a in program) + 1
     costs = costs if isinstance(costs, (list, tuple)) else [costs] * P
@@ -206,7 +209,7 @@ def simulate(programs: list, costs) -> list:
                 clock[rank] = start + costs[rank][action.kind]
                 out[rank].append((action, start, clock[rank]))
                 if (sent := produces(action, n_chunks)) is not None:
-                    sent_at[sent] = clock[rank]
+                    sent_at[sent] = clock[rank] + latency  # when it arrives
                 nxt[rank], progress = nxt[rank] + 1, True
     stuck = [(rank, str(program[nxt[rank]])) for rank, program in enumerate(programs) if nxt[rank] < len(program)]
     if stuck:
@@ -218,7 +221,8 @@ UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # backward = 2 forwards, spl
 
 
 def communication_plan(programs: list, n_chunks: int) -> list:
-    """Per rank, [Step]: each action with the receives to post before it and the send after it.
+    """Per rank, [Step]: each action with the receives to post before it, the send after it and the sends to
+    wait on before it.
 
     A receive is posted before the first action that starts after its message was sent in the uniform-cost
     simulation (so its transfer overlaps compute, and it always precedes the action that needs it). Sends on
@@ -231,36 +235,51 @@ def communication_plan(programs: list, n_chunks: int) -> list:
         for action, _, end in timeline:
             if (msg := produces(action, n_chunks)) is not None:
                 channel[src, msg.dst(P)].append((end, msg))
-    plan, posted_at = [], {}  # posted_at: message -> simulated time its receiver posts the receive
+    plan = []
     for rank, timeline in enumerate(timelines):
-        posted, steps, clock = defaultdict(int), [], 0.0
+        posted, steps = defaultdict(int), []
         for action, start, end in timeline:
             recvs = []
             for src in range(P):
                 queue = channel[src, rank]
                 while posted[src] < len(queue) and queue[posted[src]][0] <= start:
                     recvs.append(queue[posted[src]][1])
-                    posted_at[recvs[-1]] = clock  # posted when the previous action ends
                     posted[src] += 1
             steps.append(Step(recvs, action, produces(action, n_chunks)))
-            clock = end
         plan.append(steps)
-    # Release points: a send is waited (its buffer freed) before the first action that starts after its
-    # receiver posted the receive, in posting order (a wait never passes an earlier send), and not before the
-    # action it was posted with (its transfer overlaps that one's compute). Every event such a wait needs then
-    # precedes it in simulated time (a post at t needs only waits before t), so the waits form no cycle,
-    # whatever the real costs; posting order keeps it so where one wait covers all the earlier ops (NCCL's
-    # in-order stream). Sends still unreleased are waited at the end of the step.
-    for steps, timeline in zip(plan, timelines):
-        unreleased = deque()
-        for j, (_, start, _) in enumerate(timeline):
-            release = []
-            while unreleased and posted_at[unreleased[0]] <= start:
-                release.append(unreleased.popleft())
-            steps[j] = steps[j]._replace(release=tuple(release))
-            if j > 0 and steps[j - 1].send is not None:
-                unreleased.append(steps[j - 1].send)  # posted at step j, released from step j + 1 on
-    return plan
+    return [_with_release_points(steps, plan, n_chunks) for steps in plan]
+
+
+def _with_release_points(steps: list, plan: list, n_chunks: int) -> list:
+    """The rank's steps with their release points: a send is waited (its buffer freed) at the first step whose
+    action follows the arrival of a message its receiver sent after posting the receive. A batch posts its
+    receives before its send, so batch k of the receiver holds that receive once the rank has taken a
+    message posted in batch k or later. The wait then waits on no peer's progress, only on a transfer under
+    way (gloo completes a send once its receive is posted); waited as soon as the plan's position shows the
+    receive posted, a send stalled its rank whenever the receiver ran behind the uniform-cost simulation.
+    Releases keep posting order (a wait never passes an earlier send) and come after the action the send
+    was posted with (its transfer overlaps that one's compute); any left are waited at the step's end. Every
+    such wait follows, in the rank's own list, a take that already implies it, so the waits add no
+    dependency and no cycle to the receives', under gloo's and under NCCL's (in-order stream) rules."""
+    P = len(plan)
+    batch_of_recv, batch_of_send = {}, {}  # message -> index of the batch posting it (batch j precedes action j)
+    for program in plan:
+        for j, step in enumerate(program):
+            batch_of_recv.update((msg, j) for msg in step.recvs)
+            if step.send is not None:
+                batch_of_send[step.send] = j + 1  # with the next action's receives (or alone at the end)
+    known = defaultdict(lambda: -1)  # peer -> the latest of its batches a taken message shows posted
+    unreleased, out = deque(), []
+    for j, step in enumerate(steps):
+        if (need := needs(step.action, n_chunks)) is not None:
+            known[need.src(P)] = max(known[need.src(P)], batch_of_send[need])
+        release = []
+        while unreleased and batch_of_recv[unreleased[0]] <= known[unreleased[0].dst(P)]:
+            release.append(unreleased.popleft())
+        out.append(step._replace(release=tuple(release)))
+        if j > 0 and steps[j - 1].send is not None:
+            unreleased.append(steps[j - 1].send)  # posted at step j, released from step j + 1 on
+    return out
 
 
 def live_sends(steps: list) -> int:

@@ -106,7 +106,8 @@ def role_of(run, device_type: str | None = None) -> Role:
             s = axis.schedule
             bubble = schedules.bubble_formula(s.name, s.P, run.micro_batches, s.v)
             boundary = axis.message_bytes()
-            temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
+            live = schedules.live_sends(s.plan(run.micro_batches))  # sends not yet known received
+            temporaries["pipeline p2p buffers (a receive, the sends alive)"] = (1 + live) * boundary
         if axis.name == "moe" and mesh.size("ep") > 1:
             t = axis.facts().traffic
             temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * t.tokens * t.model.moe_topk * \
@@ -179,7 +180,8 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
         def piece(nbytes):  # one call of `op` moving nbytes
             return hardware.collective_seconds(op, 1, nbytes, ranks, hw)
 
-        grads = names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single") and payload > 16 * calls
+        grads = (names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single")
+                 and payload > 16 * calls)
         if grads and stage <= 1:  # DDP, ZeRO-1: once per step, over the last micro-batch's backward
             last = piece(role.last_bucket)
             e = last + max(0.0, t - last - backward_mb)
@@ -254,8 +256,10 @@ def layout_name(settings) -> str:
     a, s = settings.args, settings.shape
     name = f"D{s.dp}·P{s.pp}·C{s.cp}·T{s.tp}" + (f"·E{s.ep}" if s.ep > 1 else "")
     name += f" ZeRO-{a.zero} B_μ={settings.micro_batch_size} m={settings.micro_batches}"
-    name += (f" {a.pp_schedule}" + (f"(v={a.pp_virtual})" if a.pp_schedule == "interleaved" else "")) if s.pp > 1 else ""
-    return name + (" SP" if settings.sequence_parallel else "") + (" AC" if settings.model.activation_checkpointing else "")
+    if s.pp > 1:
+        name += f" {a.pp_schedule}" + (f"(v={a.pp_virtual})" if a.pp_schedule == "interleaved" else "")
+    name += " SP" if settings.sequence_parallel else ""
+    return name + (" AC" if settings.model.activation_checkpointing else "")
 
 
 # ---------------------------------------------------------------------------------------------------------

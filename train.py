@@ -1,6 +1,6 @@
 """Train the GPT on a mesh of devices: flags → mesh → model → the axes (AXES) → layout → schedule → loop → printouts.
 
-    python train.py                                   # one process, `small` preset, built-in corpus
+    python train.py                                   # one process, `mini` preset, built-in corpus
     torchrun --nproc_per_node 2 train.py --preset tiny --steps 50
 
 Each optimizer step consumes B_global = D·m·B_μ sequences (`--global-batch`, `--micro-batch`; the number of
@@ -237,7 +237,7 @@ def open_checkpointer(t: Training) -> None:
                       seq_len=run.seq_len, model=run.config.architecture())  # read by export_hf.py, sample.py
     try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
         config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
-                                       run_record=run_record)
+                                       lock=run.settings.ckpt_lock, run_record=run_record)  # flags.parse took it
         t.checkpointer = ckpt.Checkpointer(config, run.mesh, run.axes, run.device, log=print0,
                                            on_save=lambda stats: report.print_save(stats, args.mtbf_hours))
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor

@@ -107,9 +107,10 @@ def _measure(rank, world, args, device):
         batch = [(x, y, None)]
         if impl is not None:
             ring = context_parallel.parallelize(model, group, impl, balance)
-            shape = context_parallel.LayerShape(args.micro, args.seq_len, config.n_embd, 2 if args.dtype == "bf16" else 4)
-            handles[name] = context_parallel.ContextParallel(model, ring, context_parallel.CPConfig(world, impl, balance),
-                                                             shape)
+            compute_bytes = 2 if args.dtype == "bf16" else 4
+            shape = context_parallel.LayerShape(args.micro, args.seq_len, config.n_embd, compute_bytes)
+            cp_config = context_parallel.CPConfig(world, impl, balance)
+            handles[name] = context_parallel.ContextParallel(model, ring, cp_config, shape)
             report_axes.observe(handles[name])  # the clock the ring reports to (mfu.WaitClock)
             batch = handles[name].shard_batches(batch)
         xs, ys, pos = batch[0]

@@ -65,7 +65,8 @@ def run(rank, world, preset, steps, warmup, micro, bucket_mb, dtype, out_path):
     device = rank_device()
     config = config_from_preset(preset)
     ours_model, torch_model = GPT(config, seed=0, device=device), GPT(config, seed=0, device=device)
-    ours = DDPLayout(DistributedDataParallel(ours_model, bucket_mb=bucket_mb), build_adamw(ours_model.parameters(), 1e-4))
+    ours = DDPLayout(DistributedDataParallel(ours_model, bucket_mb=bucket_mb),
+                     build_adamw(ours_model.parameters(), 1e-4))
     theirs_ddp = torch.nn.parallel.DistributedDataParallel(torch_model, bucket_cap_mb=bucket_mb,
                                                            gradient_as_bucket_view=True)
     theirs = TorchDDPLayout(theirs_ddp, build_adamw(torch_model.parameters(), 1e-4))

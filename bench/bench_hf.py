@@ -8,7 +8,8 @@ A randomly initialised GPT2LMHeadModel (nothing is downloaded) is saved with sav
 `--init-from`'s path (flags.validate, then hf.load_into: Conv1D weights transposed, the vocabulary padded to
 50304). The same weights are compared twice: with the exact (erf) GELU this trainer used before the GELU was a
 config choice, and with GPT-2's tanh GELU that config.json's `gelu_new` selects now; in float64 and in fp32.
-A float64 difference with tanh above 1e-10 prints WRONG. Needs transformers (not a requirement of the trainer).
+A float64 difference with tanh above 1e-10 prints WRONG. Needs transformers (not a requirement of the trainer:
+without it, one line and exit status 2).
 """
 
 import argparse
@@ -35,7 +36,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         args.small, args.tokens = True, 16
-    import transformers
+    try:
+        import transformers
+    except ImportError:  # not a requirement of the trainer: say so in one line, not with a traceback
+        print("error: bench_hf.py compares with transformers' GPT2LMHeadModel and needs transformers: pip install"
+              " transformers (not in requirements.txt)", file=sys.stderr)
+        sys.exit(2)
 
     shape = dict(n_layer=2, n_embd=64, n_head=4) if args.small else dict(n_layer=12, n_embd=768, n_head=12)
     torch.manual_seed(0)

@@ -17,7 +17,9 @@ printed). A timed step is barrier → step → barrier on every rank, so it ends
 the variants rotate their order every round and the ratio is of medians. Gradients are zeroed between steps
 and no optimizer runs (the schedules are what differs). Our measured bubble is each rank's idle fraction of
 its step, from the executed timeline; the predicted one is the closed form (uniform costs) and the
-comm-free simulation of the same action lists with each rank's measured mean F/B/I/W times.
+comm-free simulation of the same action lists with each rank's measured mean F/B/I/W times. What that
+simulation leaves out is printed under it: each rank's host time in p2p calls (posting a batch, waiting on a
+receive, waiting on a send) in the last step.
 """
 
 from __future__ import annotations
@@ -141,6 +143,10 @@ def _bench(rank, world, args):
     medians = {key: statistics.median(values) for key, values in times.items()}
     # report_axes.py's end lines of each of ours (collective over pp: every rank calls them, rank 0 prints).
     lines = [(name, report_axes.pp_end_lines(handle)) for name, (_, handle) in ours.items()]
+    latency = _message_latency(rank, group, batches[0][0].shape + (config.n_embd,), device)
+    delays = {name: _message_delays(schedule) for name, (schedule, _) in ours.items()}
+    with_latency = {name: [_bubbles_with_latency(schedule, m, seconds) for seconds in (latency, delays[name][1])]
+                    for name, (schedule, _) in ours.items()}
     if rank == 0:
         where = "one GPU per rank" if device.type == "cuda" else f"{torch.get_num_threads()} thread(s) per rank"
         print(f"\nP={P}, m={m}, {config.n_layer} layers, h={config.n_embd}, micro-batch {args.micro}×{args.seq}"
@@ -151,7 +157,78 @@ def _bench(rank, world, args):
             print(f"  {name:<12} {a * 1e3:7.1f}ms {b * 1e3:7.1f}ms {a / b:10.2f}   "
                   f"{first_losses[name][0]:.6f} / {first_losses[name][1]:.6f}")
         for name, text in lines:
-            print("\n".join(text[:2] if name != args.timeline else text))
+            print("\n".join(text[:3] if name != args.timeline else text))  # end line, action and p2p times
+            (pinged, measured), (delayed, _) = with_latency[name]
+            per_rank, median, count = delays[name]
+            print(f"  measured per rank {' '.join(f'{b:.1%}' for b in measured)}; simulated with {latency * 1e3:.2f} ms"
+                  f" a message (ping-pong of one b·s·h message, pp ranks 0 ↔ 1, peers idle)"
+                  f" {' '.join(f'{b:.1%}' for b in pinged)}")
+            print(f"  last step: receive waits after both ends had posted the message, per rank (ms) "
+                  f"{' '.join(f'{t * 1e3:.1f}' for t in per_rank)} ({count} waits, median {median * 1e3:.2f} ms:"
+                  f" the transfer and the wake-ups, on a node whose cores these ranks share); simulated with"
+                  f" {median * 1e3:.2f} ms a message {' '.join(f'{b:.1%}' for b in delayed)}")
+
+
+def _message_latency(rank, group, shape, device, trips: int = 20) -> float:
+    """Seconds from posting one stage-boundary message to its arrival, as the schedule posts it (one
+    batch_isend_irecv each way): half the median round trip between pp ranks 0 and 1; the others wait."""
+    buffer, times = torch.zeros(shape, device=device), []
+    if rank in (0, 1):
+        for trip in range(3 + trips):  # 3 warm-up trips
+            synchronize()
+            start = time.perf_counter()
+            for kind in ((dist.isend, dist.irecv) if rank == 0 else (dist.irecv, dist.isend)):
+                for work in dist.batch_isend_irecv([dist.P2POp(kind, buffer, 1 - rank, group)]):
+                    work.wait()
+            synchronize()
+            times.append(time.perf_counter() - start)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, statistics.median(times[3:]) / 2 if times else None, group=group)
+    return out[0]
+
+
+def _message_delays(schedule) -> tuple:
+    """From the last step's trace of every rank (one machine: perf_counter is one clock): how long each rank
+    waited on a receive after both ends had posted it (the receive's and the send's batch returned), i.e.
+    time that is neither compute nor a wait for the producing action. (per-rank seconds, median delay of
+    such a wait, count). Collective over pp."""
+    ranks = [None] * dist.get_world_size(schedule.group)
+    dist.all_gather_object(ranks, (schedule.clock.origin, schedule.clock.events), group=schedule.group)
+    posted = {}  # ("send" | "recv", message label) -> time its batch returned
+    for origin, events in ranks:
+        for e in events:
+            if e["name"].startswith("post "):
+                for op in e["name"][len("post "):].split(", "):
+                    side, label = op.split(" ", 1)
+                    posted[side, label] = origin + e["end"]
+    per_rank, delays = [], []
+    for origin, events in ranks:
+        mine = []
+        for e in events:
+            if e["name"].startswith("wait "):
+                label = e["name"][len("wait "):]
+                both = max(posted[side, label] for side in ("send", "recv"))
+                mine.append(max(0.0, origin + e["end"] - max(both, origin + e["start"])))
+        per_rank.append(sum(mine))
+        delays += [d for d in mine if d > 0]
+    return per_rank, statistics.median(delays) if delays else 0.0, len(delays)
+
+
+def _bubbles_with_latency(schedule, m: int, latency: float) -> tuple:
+    """(each rank's bubble simulated with its measured mean action costs and `latency` a message, each rank's
+    measured bubble): collective over pp. The step's host time in p2p is what the comm-free simulation leaves
+    out; if messages cost this much, this simulation accounts for it."""
+    timed = list(schedule.clock.timings)
+    durations = {}
+    for _, _, by_kind, _ in timed:
+        for kind, values in by_kind.items():
+            durations.setdefault(kind, []).extend(values)
+    mine = ({kind: statistics.mean(values) for kind, values in durations.items()},
+            1 - statistics.mean(busy / wall for wall, busy, _, _ in timed))
+    ranks = [None] * dist.get_world_size(schedule.group)
+    dist.all_gather_object(ranks, mine, group=schedule.group)
+    costs = [costs for costs, _ in ranks]
+    return schedules.bubble_of(schedules.simulate(schedule.programs(m), costs, latency)), [b for _, b in ranks]
 
 
 def main():

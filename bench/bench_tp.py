@@ -54,7 +54,8 @@ def _dtensor_model(config, seed, world, rank, device):
             for param in (block.attn.c_attn.weight, block.attn.c_attn.bias):
                 if param is None:
                     continue
-                pieces = [ShardInfo("c_attn", tuple(param.shape), splits=(Split(0, world, t, 3),)).shard_of(param.data) for t in range(world)]
+                pieces = [ShardInfo("c_attn", tuple(param.shape), splits=(Split(0, world, t, 3),)).shard_of(param.data)
+                          for t in range(world)]
                 param.copy_(torch.cat(pieces))
     mesh = init_device_mesh(device.type, (world,))
     plan = {}

@@ -5,9 +5,9 @@
     python bench/bench_zero.py --device cuda --skip-table      # Part 1 on 2 GPUs, NCCL
     python bench/bench_zero.py --smoke         # seconds: tiny preset, 1 warm-up + 1 step, the table at D = 2
 
-Part 1, on 2 gloo ranks (--device cuda: 2 GPUs, NCCL), the same model, the same batches, fp32 everywhere (working weights = masters), the
-same AdamW hyper-parameters and clipping; the measured steps of the systems ALTERNATE, so a noisy machine
-slows all of them alike:
+Part 1, on 2 gloo ranks (--device cuda: 2 GPUs, NCCL), the same model, the same batches, fp32 everywhere (working
+weights = masters), the same AdamW hyper-parameters and clipping; the measured steps of the systems ALTERNATE, so a
+noisy machine slows all of them alike:
     zero.py stage 3        vs  torch.distributed.fsdp.fully_shard (FSDP2; every block, then the root)
     zero.py stage 1        vs  torch.distributed.optim.ZeroRedundancyOptimizer (+ torch DDP)
     torch DDP + AdamW (foreach) as the unsharded baseline.

@@ -6,10 +6,10 @@
 
 One step of a bf16 ZeroLayout or Zero3Layout (fp32 masters, autocast bf16) on 2 gloo ranks, global batch of
 64 sequences cut into m micro-batches per rank; the reduced gradient (what the optimizer sees) is compared with
-float64 autograd on the same bf16 working weights and batch: ‖g − g64‖ / ‖g64‖ over the whole gradient. "bf16 sum" forces
-accumulate_dtype=bf16 (the old behaviour), "fp32 sum" is the default for m > 1. It runs the measurement of
-tests/test_zero.py (accumulated_grad_errors), which asserts fp32 ≤ 1.05 × the m = 1 error and bf16 above it at
-m = 32; this prints the numbers, with the bytes each choice holds and sends.
+float64 autograd on the same bf16 working weights and batch: ‖g − g64‖ / ‖g64‖ over the whole gradient. "bf16 sum"
+forces accumulate_dtype=bf16 (the old behaviour), "fp32 sum" is the default for m > 1. It runs the measurement of
+tests/test_zero.py (accumulated_grad_errors), which asserts fp32 ≤ 1.05 × the m = 1 error and bf16 above it at m = 32;
+this prints the numbers, with the bytes each choice holds and sends.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@
 `check_fn(rank, world_size, *args)` runs in a fresh process with the default process group initialised.
 By default that is gloo on CPU. With `TEST_BACKEND=nccl` (or `pytest --backend nccl`) each rank takes GPU
 `rank` and the group is "cpu:gloo,cuda:nccl": collectives on CUDA tensors go over NCCL, those on CPU tensors
-over gloo, so every test still runs; `device()` tells a test body where to put its tensors, and a test that
-needs more ranks than there are GPUs is skipped with that reason. Its return value (tensors, numbers, dicts...) comes back in `results[rank]`, so the assertion
-can live in the test itself. If any rank raises, every rank is killed and the test fails with that rank's
-traceback; if the ranks do not all finish within `timeout` seconds (a hang: a mismatched collective, a
-missing peer), they are killed and the test fails naming the ranks still running.
+over gloo, so every test still runs; `device()` tells a test body where to put its tensors, and a test that needs more
+ranks than there are GPUs is skipped with that reason. Its return value (tensors, numbers, dicts...) comes back in
+`results[rank]`, so the assertion can live in the test itself. If any rank raises, every rank is killed and the test
+fails with that rank's traceback; if the ranks do not all finish within `timeout` seconds (a hang: a mismatched
+collective, a missing peer), they are killed and the test fails naming the ranks still running.
 
 Processes come from a fork server that has already imported torch, so each rank starts in a fraction of a
 second instead of paying torch's ~2 s import again. Children are forked from that server, never from the

@@ -191,8 +191,8 @@ def test_korthikanti_formulas_come_back_under_the_papers_assumptions():
         assert terms["layernorms"] + terms["attention"] + terms["mlp"] - statistics == pytest.approx(paper * sbh)
 
 
-def test_fused_kernel_saves_what_the_issue_measured_for_gpt2():
-    """GPT-2's block at 16 bits with a fused attention and no dropout: 32.07·s·b·h (the issue's measurement),
+def test_fused_kernel_saves_what_was_measured_for_gpt2():
+    """GPT-2's block at 16 bits with a fused attention and no dropout: 32.07·s·b·h (as measured),
     where Korthikanti's formula gives 114·s·b·h."""
     import memory
 

@@ -58,6 +58,7 @@ def test_every_bench_has_a_smoke_that_the_suite_runs():
     assert set(SMOKE_PRINTS) | set(RUN_ELSEWHERE) == set(scripts), "a listed bench no longer exists"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SMOKE_PRINTS))
 def test_bench_smoke_runs(name, tmp_path):
     cmd = [sys.executable, os.path.join(BENCH, name + ".py"), "--smoke"]

@@ -1127,14 +1127,17 @@ def killed_in_persist(fault_runs):
     return dict(run_dir=run_dir, listing_after_kill=listing)
 
 
+@pytest.mark.slow
 def test_a_kill_mid_training_ends_bitwise_like_the_uninterrupted_run(killed_mid_training, fault_runs):
     assert final_state_differences(killed_mid_training["run_dir"], fault_runs["reference"]) == []
 
 
+@pytest.mark.slow
 def test_a_kill_mid_training_replays_the_same_losses(killed_mid_training):
     assert sorted(replayed_losses(killed_mid_training["run_dir"])) == list(range(FAULT_STEPS))
 
 
+@pytest.mark.slow
 def test_a_kill_mid_training_resumes_once_from_the_newest_committed_checkpoint(killed_mid_training):
     resumed = resume_lines(killed_mid_training["run_dir"])
     assert len(resumed) == 1, resumed
@@ -1142,17 +1145,20 @@ def test_a_kill_mid_training_resumes_once_from_the_newest_committed_checkpoint(k
     assert resumed_at % 2 == 0 and resumed_at <= killed_mid_training["kill_after"] + 1, resumed
 
 
+@pytest.mark.slow
 def test_a_kill_in_persist_leaves_the_half_written_save_uncommitted(killed_in_persist):
     listing = killed_in_persist["listing_after_kill"]
     assert any(n.startswith(".tmp-step-00000006") for n in listing), listing
     assert "step-00000006" not in listing
 
 
+@pytest.mark.slow
 def test_a_kill_in_persist_resumes_once_from_the_checkpoint_before(killed_in_persist):
     resumed = resume_lines(killed_in_persist["run_dir"])
     assert len(resumed) == 1 and "step-00000004 at step 4" in resumed[0], resumed  # the half-written one: never
 
 
+@pytest.mark.slow
 def test_a_kill_in_persist_ends_bitwise_like_the_uninterrupted_run(killed_in_persist, fault_runs):
     assert final_state_differences(killed_in_persist["run_dir"], fault_runs["reference"]) == []
     assert sorted(replayed_losses(killed_in_persist["run_dir"])) == list(range(FAULT_STEPS))

@@ -163,8 +163,8 @@ def _traced_phases_and_objects(rank, world_size):
     sizes = [len(pickle.dumps({"rank": r})) for r in range(world_size)]
     box_size = len(pickle.dumps("x" * 100))
     return dict(step=tracer.records, ckpt=tracer.records_of("ckpt"), eval=tracer.records_of("eval"),
-                phases=tracer.phases, table=tracer.table(), sizes=sizes, box_size=box_size, box=box[0], out=out[0].item(),
-                gathered=gathered, all_phases=tracer.total(phase=None).calls, inner=inner.records)
+                phases=tracer.phases, table=tracer.table(), sizes=sizes, box_size=box_size, box=box[0],
+                out=out[0].item(), gathered=gathered, all_phases=tracer.total(phase=None).calls, inner=inner.records)
 
 
 def test_tracer_files_phases_and_sizes_object_collectives():
@@ -176,7 +176,8 @@ def test_tracer_files_phases_and_sizes_object_collectives():
         for records in (r["step"], r["inner"]):
             for key, (calls, payload) in nested.items():
                 assert records[key].calls == calls and payload in (None, records[key].payload_bytes), key
-            assert records[("all_gather_object", "world")].payload_bytes == r["inner"][("all_gather_object", "world")].payload_bytes > 0
+            gathered = ("all_gather_object", "world")
+            assert records[gathered].payload_bytes == r["inner"][gathered].payload_bytes > 0
         assert r["step"][("all_reduce", "world")].payload_bytes == 8 and ("all_reduce", "world") not in r["inner"]
         # all_gather_object: an all_gather of the int64 sizes (8 bytes per rank), then of the pickles padded to
         # the longest; broadcast_object_list: the size, then the pickle. One call each, their inner bytes.

@@ -173,6 +173,7 @@ EXPERTS_4 = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,cases", [("pipeline", PIPELINE_4), ("context", CONTEXT_4), ("experts", EXPERTS_4),
                                         ("fp8", FP8_4)])
 def test_composed_run_matches_single_device(name, cases):
@@ -198,6 +199,7 @@ def _traced_cases(rank, world, cases):
     return [_run_case(rank, world, *case, trace=True) for case in cases]
 
 
+@pytest.mark.slow
 def test_pipeline_with_experts_matches_single_device_and_traces_as_predicted():
     """PP + MoE: the update equals the single device's (1e-10, float64), and every message of the traced steps
     (p2p and loss over pp, the all-to-alls over ep, the layout's, the update's) equals report.predicted_messages."""
@@ -236,6 +238,7 @@ def _reshard(rank, world, cases, root):
     return out
 
 
+@pytest.mark.slow
 def test_a_run_resumed_on_another_mesh_matches_the_uninterrupted_one(tmp_path):
     """Saved on P=2 and resumed on P=4 (and on no pipeline), saved on C=2 and resumed on C=4, saved on E=2 and
     resumed on E=4, FP8 delayed saved on T=2 (ZeRO-1) and resumed on D=4 (ZeRO-3: the amax histories come back):

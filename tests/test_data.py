@@ -241,6 +241,7 @@ def test_prefetched_batches_are_the_ones_read_in_step_order():
         (x, y, pos), (x2, y2, pos2) = batches.get(step)
         expected = torch.arange(6).view(2, 3) + 10 * step
         assert torch.equal(x, expected) and torch.equal(y, expected + 1) and pos is None
-        assert torch.equal(x2, expected * 2) and torch.equal(y2, expected * 2 + 1) and torch.equal(pos2, torch.arange(3))
+        assert torch.equal(x2, expected * 2) and torch.equal(y2, expected * 2 + 1)
+        assert torch.equal(pos2, torch.arange(3))
     batches.close()
     assert reads == [3, 4, 5, 6]

@@ -250,7 +250,8 @@ def _train_with_aux(rank, world, global_batch, micro, coef):
     add_squared_mean_aux(model, coef)
     group = dist.new_group(list(range(world)))
     layout = DDPLayout(DistributedDataParallel(model, group=group),
-                       build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"]))
+                       build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"],
+                                   HYPER["eps"]))
     losses = []
     for x, y in global_batches(STEPS, global_batch, SEQ):
         outcome = train_step(layout, DynamicLossScaler(enabled=False), rank_micro_batches(x, y, rank, world, micro),

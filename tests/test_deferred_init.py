@@ -144,8 +144,9 @@ def _real_builds(rank, world):
             out["bitwise"][(name, dtype)] = start_values(build_run(rank, world, *BUILD_CASES[name], dtype,
                                                                    torch.device("cpu")))
     for name in ("zero1", "zero3"):  # bf16 working weights, fp32 masters (--dtype bf16)
-        out["bitwise"][(name, torch.bfloat16)] = start_values(build_run(rank, world, *BUILD_CASES[name], torch.float32,
-                                                                        torch.device("cpu"), param_dtype=torch.bfloat16))
+        run = build_run(rank, world, *BUILD_CASES[name], torch.float32, torch.device("cpu"),
+                        param_dtype=torch.bfloat16)
+        out["bitwise"][(name, torch.bfloat16)] = start_values(run)
     for name, case in BUILD_CASES.items():
         out["accounting"][name] = accounting(build_run(rank, world, *case, torch.float32, torch.device("cpu")))
     out["sample"] = {name: sampled(build_run(rank, world, BUILD_CASES[name][0] + ["--sample-tokens", "12"],
@@ -181,7 +182,8 @@ def sampled(run) -> dict:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         train.sample(run, Tokens(), "byte")
-    return dict(text=printed.getvalue(), gathered_bytes=sum(p.untyped_storage().nbytes() for p in run.model.parameters()),
+    gathered_bytes = sum(p.untyped_storage().nbytes() for p in run.model.parameters())
+    return dict(text=printed.getvalue(), gathered_bytes=gathered_bytes,
                 peak_gathered_units=run.layout.peak_gathered_units)
 
 
@@ -273,5 +275,6 @@ def test_block_zero_is_measured_at_start_up_on_a_zero3_meta_model(real_builds):
     for results in real_builds:
         saved, values = results["measured"]
         assert saved > 0
-        for (key, tensor, _, _), (key_0, tensor_0, _, _) in zip(values, results["bitwise"][("zero3_tp_ep", torch.float32)]):
+        reference = results["bitwise"][("zero3_tp_ep", torch.float32)]
+        for (key, tensor, _, _), (key_0, tensor_0, _, _) in zip(values, reference):
             assert key == key_0 and torch.equal(tensor, tensor_0), key

@@ -26,9 +26,8 @@ import tokenize
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = sorted([os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith(".py")]
-                 + [os.path.join(ROOT, "tests", f) for f in os.listdir(os.path.join(ROOT, "tests")) if f.endswith(".py")]
-                 + [os.path.join(ROOT, "bench", f) for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")])
+SOURCES = sorted(os.path.join(ROOT, folder, f) for folder in ("", "tests", "bench")
+                 for f in os.listdir(os.path.join(ROOT, folder)) if f.endswith(".py"))
 DOCUMENTS = [os.path.join(ROOT, name) for name in ("README.md", "DESIGN.md")]
 REFERENCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(\(\))?$")
 FILES = re.compile(r"\.(py|md|json|pt|bin|txt|sh|safetensors)$")  # a file name, not a reference
@@ -162,7 +161,7 @@ def test_every_backticked_name_resolves():
 
 
 def test_the_checker_can_fail():
-    """Names that do not exist are caught (the issue's examples), and real ones are not."""
+    """Names that do not exist are caught (made-up examples), and real ones are not."""
     for missing in ("train.train_step", "ReplicatedUpdate", "not_recording()", "mesh.no_such_helper",
                     "torch.no_such_function"):
         assert not _resolves(missing), missing
@@ -178,3 +177,41 @@ def test_the_repository_documents_itself(document):
     assert "../" not in text and "shared folder" not in text, document
     if document == "README.md":
         assert "DESIGN.md" in text
+
+
+def test_the_quick_suite_is_a_marker_and_ci_runs_every_test():
+    """The README's two test commands: `-m "not slow"` needs pytest.ini to register the marker, and CI (.ci/run)
+    runs plain pytest, deselecting nothing, so the slow tests are never skipped there."""
+    import configparser
+
+    ini = configparser.ConfigParser()
+    ini.read(os.path.join(ROOT, "pytest.ini"))
+    assert any(line.strip().startswith("slow:") for line in ini["pytest"].get("markers", "").splitlines())
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        runs = [line.split() for line in f if "pytest" in line and not line.lstrip().startswith("#")]
+    options = [run[run.index("pytest") + 1:] for run in runs]  # after `python3 -m pytest`
+    assert runs and all("-m" not in given and "-k" not in given for given in options), runs
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert 'python3 -m pytest -q -m "not slow"' in readme and "python3 -m pytest -q  " in readme
+
+
+def test_design_says_where_every_file_is_tested():
+    """DESIGN.md's "Where each file is tested" paragraph names every top-level file, and each file it says has a
+    test file of its name has one."""
+    text = open(os.path.join(ROOT, "DESIGN.md")).read()
+    paragraph = text.split("Where each file is tested:")[1].split("\n\n")[0]
+    modules = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+    unnamed = [m for m in modules if not re.search(rf"(?<![\w.]){m}(\.py)?\b", paragraph)]
+    assert not unnamed, f"DESIGN.md does not say where these are tested: {unnamed}"
+    own = paragraph.split("(")[1].split(")")[0].split("so on:")[1]
+    for name in (n.strip() for n in own.split(",")):
+        assert os.path.isfile(os.path.join(ROOT, "tests", f"test_{name}.py")), name
+
+
+def test_every_line_of_the_sources_fits_120_columns():
+    """The 120-column convention, counted in characters (Σ, ←, × are one each): a file that needs more room
+    splits along a concept rather than packing long lines."""
+    long_lines = [f"{os.path.relpath(path, ROOT)}:{number} ({len(line)})" for path in SOURCES
+                  for number, line in enumerate(open(path, encoding="utf-8").read().splitlines(), 1)
+                  if len(line) > 120]
+    assert not long_lines, "lines over 120 columns: " + ", ".join(long_lines)

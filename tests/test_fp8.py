@@ -174,7 +174,8 @@ def test_config_from_flags_names_the_flags():
     assert fp8.config_from_flags(args, settings(tp=2)) == fp8.Recipe("delayed", 16, "max", 0)
     assert fp8.config_from_flags(SimpleNamespace(fp8=None), settings(tp=4)) is None  # off: nothing to check
     cases = [("delayed", dict(tp=4), "--fp8 delayed with --tp 4"),
-             ("delayed", dict(micro=1, seq_len=12), "M=12 tokens"), ("blockwise", dict(tp=2), "--fp8 blockwise with --tp 2")]
+             ("delayed", dict(micro=1, seq_len=12), "M=12 tokens"),
+             ("blockwise", dict(tp=2), "--fp8 blockwise with --tp 2")]
     for mode, mesh, text in cases:
         with pytest.raises(ValueError, match=text):
             fp8.config_from_flags(SimpleNamespace(**{**vars(args), "fp8": mode}), settings(**mesh))

@@ -16,7 +16,6 @@ MODULES = sorted(name[:-3] for name in os.listdir(ROOT) if name.endswith(".py"))
 
 OPTIONAL = {  # the package imported inside a function: why it is not at the top of its file
     "tiktoken": "GPT-2's BPE, needed only by --tokenizer gpt2 (data.get_tokenizer); byte runs work without it",
-    "safetensors": "Hugging Face weights, needed only by --init-from and export_hf.py (hf.py)",
 }
 
 def _imports(module: str) -> list:

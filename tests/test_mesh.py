@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 import harness
 from harness import run_ranks
-from mesh import MeshShape, axis_groups, build_mesh, infer_mesh_shape
+from mesh import MeshShape, axis_groups, build_mesh, groups_of, infer_mesh_shape
 
 
 def test_rank_layout_is_tensor_fastest():
@@ -31,6 +31,19 @@ def test_every_axis_partitions_the_world():
     # EP is carved out of the 8 D·C ranks: 2 groups of 4 share tokens; members i, i+4 hold the same experts.
     assert groups["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert groups["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_a_ranks_own_groups_are_its_groups_in_the_whole_partition():
+    """groups_of (a plan's: O(group sizes)) gives every rank the very lists axis_groups' partition holds it in,
+    over meshes of every axis, EP included."""
+    for dp, pp, cp, tp, ep in [(1, 1, 1, 1, 1), (4, 1, 2, 1, 4), (6, 3, 1, 2, 3), (2, 2, 2, 2, 2), (4, 3, 2, 2, 8)]:
+        shape = MeshShape(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
+        partitions = axis_groups(shape)
+        for rank in range(shape.world_size):
+            own = groups_of(shape, rank)
+            assert set(own) == set(partitions), shape
+            for name, partition in partitions.items():
+                assert own[name] == next(g for g in partition if rank in g), (shape, rank, name)
 
 
 @pytest.mark.parametrize(

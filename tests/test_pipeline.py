@@ -21,11 +21,13 @@ tests read.
    own weight gradient to the W action).
 5. Sent buffers are freed at the plan's release points: the host programs of every plan run to the end
    under gloo's completion rule (a pair completes once both peers posted it) and NCCL's (one in-order stream
-   of batches per rank), with at most 2 sent buffers alive per rank, and a real 2-rank step holds exactly
-   the plan's count; evaluation and sampling leave no MoE aux term behind; on CUDA the actions are timed by
-   events (mfu.ActionClock, with a fake torch.cuda.Event here) and nothing synchronizes the device inside the
-   step; the end line says why a measured bubble differs from the formula; the handle speaks the axis
-   protocol (after_grad_sync returns 0, predicted_messages a comm.Messages, no printing of its own).
+   of batches per rank); a release waits only on a receive a message already taken shows posted, so under
+   gloo's rule with costs unlike the plan's every action starts when schedules.simulate starts it; a real
+   2-rank step holds exactly the plan's count of sent buffers; evaluation and sampling leave no MoE aux term
+   behind; on CUDA the actions are timed by events (mfu.ActionClock, with a fake torch.cuda.Event here) and
+   nothing synchronizes the device inside the step; the end line says why a measured bubble differs from the
+   formula; the handle speaks the axis protocol (after_grad_sync returns 0, predicted_messages a
+   comm.Messages, no printing of its own).
 The ranks build their stages on harness.device() (each rank's GPU under nccl, where the p2p goes over NCCL);
 the batches stay on the CPU and the schedule moves them. The one-process checks (1, the bf16 I/W split, the
 flags) stay on the CPU.
@@ -118,7 +120,8 @@ def _execute(plan, costs, n_chunks):
                     sent_at[step.send] = clock[r]
                 nxt[r] += 1
                 progressed = True
-        assert progressed, f"deadlock at {[(r, str(plan[r][nxt[r]].action)) for r in range(P) if nxt[r] < len(plan[r])]}"
+        stuck = [(r, str(plan[r][nxt[r]].action)) for r in range(P) if nxt[r] < len(plan[r])]
+        assert progressed, f"deadlock at {stuck}"
     return out
 
 
@@ -222,6 +225,14 @@ def test_in_flight_counts_equal_the_formulas(schedule):
             peak, stash = sch.in_flight(program)
             assert peak == _expected_in_flight(s, P, m, r, v), (s, P, m, v, r)
             assert stash == (min(r + 1, m) if s == "zb" else 0), (s, P, m, v, r)
+
+
+def test_simulated_messages_arrive_latency_after_their_send():
+    """1f1b, P = 2, m = 1, latency L: F on rank 0 [0, 1], on rank 1 [1 + L, 2 + L], B [2 + L, 4 + L], back on
+    rank 0 [4 + 2L, 6 + 2L]."""
+    timelines = sch.simulate(sch.build_programs("1f1b", 2, 1), UNIFORM, latency=0.5)
+    assert [[(str(a), start, end) for a, start, end in t] for t in timelines] == \
+        [[("F0.0", 0.0, 1.0), ("B0.0", 5.0, 7.0)], [("F0.1", 1.5, 2.5), ("B0.1", 2.5, 4.5)]]
 
 
 def test_zero_bubble_formula_holds_for_other_costs():
@@ -542,6 +553,8 @@ def test_end_lines_draw_every_rank_and_the_bubble(p2_run):
     assert any(line.startswith("  pp0 |") for line in lines) and any(line.startswith("  pp1 |") for line in lines)
     assert any("bubble predicted" in line and "simulated with the measured costs" in line for line in lines)
     assert any(line.startswith("  mean action time per rank (ms): pp0 F") for line in lines)
+    assert any(line.startswith("  host time in p2p calls, last step (ms): pp0 post") and "; pp1 post" in line
+               and "release" in line for line in lines)
 
 
 def test_end_lines_write_a_chrome_trace_of_every_rank(p2_run):
@@ -550,7 +563,8 @@ def test_end_lines_write_a_chrome_trace_of_every_rank(p2_run):
     pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     names = {e["name"][0] for e in trace["traceEvents"] if e.get("cat") == "compute"}
     assert pids == {0, 1} and names == {"F", "I", "W"}
-    assert {e["name"].split()[0] for e in trace["traceEvents"] if e.get("cat") == "p2p"} == {"post", "wait"}
+    p2p = {e["name"].split()[0] for e in trace["traceEvents"] if e.get("cat") == "p2p"}
+    assert p2p == {"post", "wait", "release"}
     assert any("Chrome trace of that step written to" in line for line in results[0][LINES_P2]["lines"])
 
 
@@ -670,6 +684,7 @@ def fp8_run():
     return results, references
 
 
+@pytest.mark.slow
 def test_fp8_under_zero_bubble_equals_the_single_device_fp8_model(fp8_run):
     """zb with --fp8 (current, delayed, blockwise) on P = 2, m = 4, three steps, against reference_run's FP8
     model (float64, 1e-10); 1F1B + delayed is the control without a deferred W."""
@@ -687,11 +702,13 @@ def test_fp8_under_zero_bubble_equals_the_single_device_fp8_model(fp8_run):
         assert seen == set(ref_params), case
 
 
+@pytest.mark.slow
 def test_fp8_gradients_reach_the_synced_backward_once_a_step(fp8_run):
     for case, r in _each(fp8_run[0], FP8_CASES):
         assert set(r["arrivals"].values()) == {FP8_STEPS}, (case, r["arrivals"])  # once a step (DDP's overlap)
 
 
+@pytest.mark.slow
 def test_fp8_weight_gradients_come_through_the_deferred_w(fp8_run):
     """Under zb the FP8 linears' W computes dW = dYᵀ·X from the FP8 dY and X stashed by I."""
     for case, r in _each(fp8_run[0], FP8_CASES):
@@ -699,6 +716,7 @@ def test_fp8_weight_gradients_come_through_the_deferred_w(fp8_run):
             assert r["fp8_weights"] and r["fp8_weights"] <= r["through_w"], case
 
 
+@pytest.mark.slow
 def test_fp8_delayed_history_holds_the_amaxes_of_every_step(fp8_run):
     """The delayed history holds the dY amaxes too (its grad_output row), also when dY is used in W."""
     for case, r in _each(fp8_run[0], FP8_CASES):
@@ -713,16 +731,17 @@ def test_fp8_delayed_history_holds_the_amaxes_of_every_step(fp8_run):
 
 
 def _host_ops(steps, n_chunks):
-    """What the interpreter's host does for one rank's plan: each step posts ONE batch (the previous action's
-    send, then the step's receives), waits on the receive its action needs, waits on the step's releases,
+    """What the interpreter's host does for one rank's plan: each step posts ONE batch (the step's receives,
+    then the previous action's send), waits on the receive its action needs, waits on the step's releases,
     computes; the end posts the last send and waits on every send not released."""
     ops, previous, released = [], None, []
     for step in steps:
-        batch = ([("send", previous)] if previous is not None else []) + [("recv", msg) for msg in step.recvs]
+        batch = [("recv", msg) for msg in step.recvs] + ([("send", previous)] if previous is not None else [])
         ops += [("post", batch)] if batch else []
         need = sch.needs(step.action, n_chunks)
         ops += [("wait", ("recv", need))] if need is not None else []
         ops += [("wait", ("send", msg)) for msg in step.release]
+        ops.append(("compute", step.action))
         released += step.release
         previous = step.send
     ops += [("post", [("send", previous)])] if previous is not None else []
@@ -769,6 +788,8 @@ def _run_blocking(plan, n_chunks, in_order):
                     batches[r].append(arg)
                     live[r] |= {op for op in arg if op[0] == "send"}
                     peak[r] = max(peak[r], len(live[r]))
+                elif kind == "compute":
+                    pass
                 elif (r, arg) in where and (batch_done(r, where[r, arg]) if in_order else pair_done(r, arg)):
                     live[r].discard(arg)
                 else:
@@ -814,13 +835,15 @@ def test_release_points_keep_every_schedule_deadlock_free(in_order):
 
 
 @pytest.mark.parametrize("in_order", [False, True], ids=["gloo", "nccl"])
-def test_live_sends_count_the_sent_buffers_a_rank_holds_at_most_two(in_order):
+def test_live_sends_count_the_sent_buffers_a_rank_holds(in_order):
     """schedules.live_sends is the peak of sent buffers alive on the host (what the 2-rank run measures
-    below), at most 2 (before release points it was every send of the step: 2m on a middle 1f1b rank)."""
+    below); 1f1b's rank r holds P − r (without release points it was every send of the step: 2m on a middle
+    1f1b rank)."""
     for s, P, m, v in RELEASE_GRID:
         plan = _release_plan(s, P, m, v)
         assert _blocking_peaks(s, P, m, v, in_order) == [sch.live_sends(steps) for steps in plan], (s, P, m, v)
-        assert max(sch.live_sends(steps) for steps in plan) <= 2, (s, P, m, v)
+        if s == "1f1b":
+            assert [sch.live_sends(steps) for steps in plan] == [min(P - r, m) for r in range(P)], (s, P, m, v)
 
 
 def test_the_deadlock_checker_can_fail():
@@ -831,6 +854,76 @@ def test_the_deadlock_checker_can_fail():
                                release=(steps[j - 1].send,) if j and steps[j - 1].send is not None else ())
                  for j, step in enumerate(steps)] for steps in plan]
     assert _run_blocking(blocking, 4, False) is None and _run_blocking(blocking, 4, True) is None
+
+
+def _run_timed(plan, n_chunks, costs):
+    """The host ops of every rank with times, under gloo's rule (a send and its receive complete at the later
+    of their two posts; communication free): {action: start}. costs: one {kind: seconds} per rank."""
+    P = len(plan)
+    programs = [_host_ops(steps, n_chunks) for steps in plan]
+    posted, clock, pc, start = {}, [0.0] * P, [0] * P, {}  # posted: (kind, message) -> time
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(P):
+            while pc[r] < len(programs[r]):
+                kind, arg = programs[r][pc[r]]
+                if kind == "post":
+                    posted.update((op, clock[r]) for op in arg)
+                elif kind == "compute":
+                    start[arg], clock[r] = clock[r], clock[r] + costs[r][arg.kind]
+                else:
+                    pair = [("send", arg[1]), ("recv", arg[1])]
+                    if not all(op in posted for op in pair):
+                        break  # blocked in this wait
+                    clock[r] = max([clock[r]] + [posted[op] for op in pair])
+                pc[r], progressed = pc[r] + 1, True
+    assert all(pc[r] == len(programs[r]) for r in range(P)), "deadlock"
+    return start
+
+
+def _skewed_costs(P, schedule):
+    """Per-rank costs that are not the uniform ones the plan was built with: each rank slower than the one
+    before it or faster, B from 1.2 to 2.6 forwards, I and W unequal."""
+    out = []
+    for factors in ([1 + 0.5 * r for r in range(P)], [1 + 0.5 * (P - 1 - r) for r in range(P)]):
+        out.append([{"F": f, "B": f * (1.2 + 0.7 * (r % 3)), "I": f * 1.3, "W": f * 0.6}
+                    for r, f in enumerate(factors)])
+    return out
+
+
+def test_a_send_is_released_after_a_message_its_receiver_sent_once_it_had_posted_the_receive():
+    """The release rule itself: before waiting on a send, the rank has taken a message that the send's
+    receiver posted in the batch holding the receive or in a later one (a batch posts its receives first)."""
+    for s, P, m, v in RELEASE_GRID:
+        plan = _release_plan(s, P, m, v)
+        batch_of_recv, batch_of_send = {}, {}
+        for steps in plan:
+            for j, step in enumerate(steps):
+                batch_of_recv.update((msg, j) for msg in step.recvs)
+                if step.send is not None:
+                    batch_of_send[step.send] = j + 1
+        for r, steps in enumerate(plan):
+            taken = []
+            for j, step in enumerate(steps):
+                if (need := sch.needs(step.action, P * v)) is not None:
+                    taken.append(need)
+                for msg in step.release:
+                    assert any(y.src(P) == msg.dst(P) and batch_of_send[y] >= batch_of_recv[msg] for y in taken), \
+                        (s, P, m, v, r, str(step.action), f"{msg} waited with no sign of its receive")
+
+
+def test_release_waits_never_delay_an_action_whatever_the_costs():
+    """Executed under gloo's rule (a send completes once its receive is posted) with costs unlike the
+    uniform ones the plan was built with, every action starts when schedules.simulate starts it (only its
+    input delays it): the waits on sent buffers never hold a rank up. Waiting on a send at the first
+    action after its receive is posted in the uniform simulation held up a rank whose receiver ran behind
+    (interleaved P = 2: 1.09× torch's step, a measured bubble of 22% against 5% simulated)."""
+    for s, P, m, v in RELEASE_GRID:
+        programs, plan = sch.build_programs(s, P, m, v), _release_plan(s, P, m, v)
+        for costs in _skewed_costs(P, s):
+            expected = {action: start for timeline in sch.simulate(programs, costs) for action, start, _ in timeline}
+            assert _run_timed(plan, P * v, costs) == pytest.approx(expected), (s, P, m, v, costs)
 
 
 class _FakeCudaEvent:
@@ -1001,6 +1094,12 @@ def test_bubble_note_names_ranks_sharing_cores():
     shared = report_axes.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=4, threads=1, cores=2)
     assert "4 ranks × 1 thread share 2 cores" in shared and "costs" not in shared.split(".")[0]
     assert shared.endswith("simulation with the measured costs, 25.0%")
+
+
+def test_bubble_note_names_other_processes_loading_the_cores():
+    loaded = report_axes.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=10.3)
+    assert "load average is 10.3 on 2 cores" in loaded and "2 ranks" not in loaded
+    assert report_axes.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=1.9) == ""
 
 
 def test_bubble_note_names_costs_that_are_not_uniform():

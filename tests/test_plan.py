@@ -227,6 +227,16 @@ def test_korthikanti_per_layer_activations():
     (["--plan", "--tp", "2"], "error: --plan and --plan-search need --world N"),
     (["--plan-search", "--world", "8", "--preset", "gpt3-13b", "--global-batch", "8", "--hw-memory-gib", "1"],
      "error: --hw-memory-gib 1: no layout of gpt3-13b on --world 8 fits in it; the smallest peak is"),
+    (["--plan", "--plan-search", "--world", "8"], "error: argument --plan-search: not allowed with argument --plan"),
+    (["--plan", "--world", "12", "--preset", "tiny"], "error: --world 12 does not fill whole nodes of 8 GPUs"),
+    (["--plan-search", "--world", "12", "--gpus-per-node", "5", "--preset", "tiny"],
+     "error: --world 12 does not fill whole nodes of 5 GPUs"),
+    *(([f"--plan{search}", "--world", "8", flag, value, "--preset", "tiny"], f"error: {flag} must be {must}")
+      for search in ("", "-search")  # every --hw-* figure's range, for both
+      for flag in ("--hw-peak-tflops", "--hw-hbm-gbps", "--hw-memory-gib", "--hw-intra-gbps", "--hw-inter-gbps",
+                   "--hw-intra-latency-us", "--hw-inter-latency-us")
+      for value, must in (("nan", "a finite number"), ("inf", "a finite number"),
+                          ("-1", "at least 0" if "latency" in flag else "positive"))),
 ])
 def test_bad_plan_input_ends_in_one_line(argv, expected, capsys):
     """python plan.py FLAGS (--plan implied: the first case has none)."""
@@ -257,3 +267,37 @@ def test_train_py_plan_runs_plan_py_with_the_same_flags(monkeypatch):
         train.main(argv)
     plan_py = os.path.join(os.path.dirname(os.path.abspath(train.__file__)), "plan.py")
     assert became.value.args == (sys.executable, [sys.executable, plan_py, *argv])
+
+
+def test_every_dtype_the_flags_accept_has_a_peak_in_every_hardware_model():
+    """Hardware.peak(dtype) for each --dtype (auto resolves to one of them) in each preset and in a measured
+    CPU (which knows the dtype it measured only: looking fp16 up as bf16 there would be a KeyError at the end
+    of a run); a dtype a model has no figure for says so, naming the model and --hw-peak-tflops."""
+    import argparse
+
+    import hardware
+    from flags import DTYPES, add_plan_arguments
+    from mfu import PEAK_TFLOPS
+
+    for dtype in DTYPES:
+        measured = hardware.measure_cpu(2e9, dtype, torch.device("cpu"))  # one process: times no all-reduce
+        assert measured.peak(dtype) == 2e9, dtype
+        for name, preset in hardware.PRESETS.items():
+            assert preset.peak(dtype) == 1e12 * PEAK_TFLOPS[name.upper()][dtype], (name, dtype)
+            parser = argparse.ArgumentParser()
+            add_plan_arguments(parser)
+            args = parser.parse_args(["--hw", name, "--hw-peak-tflops", "123"])
+            assert hardware.from_flags(args, dtype).peak(dtype) == 123e12, (name, dtype)  # the override is read
+    bf16_only = hardware.measure_cpu(2e9, "bf16", torch.device("cpu"))
+    with pytest.raises(hardware.NoPeakKnown, match="cpu [(]measured[)] knows no fp32 matmul peak .* --hw-peak-tflops"):
+        bf16_only.peak("fp32")
+
+
+def test_a_world_of_a_million_ranks_is_planned_in_moments(capsys):
+    """--plan at 2^20 ranks builds its role's own groups only (mesh.groups_of; all of the mesh's 2^20-long
+    partitions took minutes: a bad-input probe timed it out at 30 s) and prints its prediction."""
+    import plan
+
+    plan.main(["--plan", "--world", str(2**20), "--global-batch", str(2**20), "--preset", "tiny"])
+    out = capsys.readouterr().out
+    assert "plan: D1048576·P1·C1·T1 ZeRO-0" in out and "predicted: step" in out, out[-2000:]

@@ -515,14 +515,15 @@ def test_each_layout_class_refuses_the_other_stages(stage, cls, message):
         layout_class(torch.nn.Linear(2, 2), zero.ZeroConfig(stage, lr=1e-3))
 
 
+@pytest.mark.slow
 def test_torchrun_zero3_smoke(tmp_path):
     """train.py end to end: 2 ranks, ZeRO-3, a few steps, accounting printed (startup and end lines)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "train.py"), *backend_flags(2), "--preset", "tiny", "--zero", "3", "--steps", "3", "--global-batch", "4",
-           "--micro-batch", "1", "--data", str(corpus), "--out-dir", str(tmp_path), "--eval-every", "0",
-           "--eval-batches", "1", "--sample-tokens", "8", "--log-every", "1", "--peak-tflops", "1",
+           os.path.join(ROOT, "train.py"), *backend_flags(2), "--preset", "tiny", "--zero", "3", "--steps", "3",
+           "--global-batch", "4", "--micro-batch", "1", "--data", str(corpus), "--out-dir", str(tmp_path),
+           "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "8", "--log-every", "1", "--peak-tflops", "1",
            "--dtype", "bf16"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
@@ -552,7 +553,8 @@ def _fp16_zero(rank, world, stage):
                                   ("fp16", torch.float16, torch.autocast(device.type, dtype=torch.float16))):
         model = GPT(make_config(), seed=0, device=device)
         layout = zero_layout(model, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], betas=HYPER["betas"],
-                             eps=HYPER["eps"], param_dtype=dtype, master_dtype=torch.float32, micro_batches=2)  # fp16: the scaled gradients are summed in fp32, unscaled there
+                             eps=HYPER["eps"], param_dtype=dtype, master_dtype=torch.float32,
+                             micro_batches=2)  # fp16: the scaled gradients are summed in fp32, unscaled there
         scaler = DynamicLossScaler(enabled=dtype == torch.float16, init_scale=2.0**12)
         losses, norms = [], []
         for x, y in global_batches(STEPS, 8, SEQ):
