@@ -55,9 +55,9 @@ def test_two_rank_run_writes_metrics_and_lowers_the_loss(tmp_path):
 
 def test_the_default_run_is_minutes_of_work_and_the_readme_names_it(tmp_path, monkeypatch):
     """`python train.py` with no flags is a newcomer's first run: its training work, steps × B_global·s tokens ×
-    the FLOPs per token mfu.flops_per_token counts, stays within 10 TFLOP. Measured (README, Train), one thread on
-    the 2-core test machine trains the default `mini` model at ~55 GFLOP/s (7.0 TFLOP in 126 s of CPU time), so
-    10 TFLOP is ~3 minutes; the `small` preset's 150 steps, the default before, were 44 TFLOP and 13 minutes.
+    the FLOPs per token mfu.flops_per_token counts, stays within 10 TFLOP. Measured (README, Train), the 2-core test
+    machine runs the default's 7.0 TFLOP in 66 s of wall time, so 10 TFLOP stays well within the 5 minutes a
+    newcomer waits; the `small` preset's 150 steps, the default before, were 44 TFLOP and ~13 minutes.
     The README's line for the run names its preset and its number of steps."""
     import flags as flags_lib
     import memory
