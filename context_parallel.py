@@ -46,9 +46,9 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
      Ulysses:       forward 4 × all_to_all_single of (s/C)·b·(h/T)·e_c (q, k, v, then the output);
                     backward 4 × the same (d output, then dq, dk, dv). Blocking: nothing is hidden.
    Activation checkpointing repeats the forward's messages in backward. Per step: × L × m. How much ring time
-   was hidden is measured over the training passes by the ring's clock (`mfu.WaitClock`: time blocked in
-   wait() against the same transfers timed alone; report_axes.py prints it). It is a lower bound: a wait also
-   lasts while a slower peer computes.
+   was hidden is measured over the training passes by whoever observes the ring (`RingObserver`: the
+   accounting's clock, time blocked in wait() against the same transfers timed alone; report_axes.py prints
+   it). It is a lower bound: a wait also lasts while a slower peer computes.
 4. Restart state: nothing of its own. Parameters are replicated over cp and a rank's positions depend only on
    (s, C, c), so a checkpoint resumes on any C.
 
@@ -69,7 +69,6 @@ import torch
 import torch.distributed as dist
 
 from comm import Messages
-from mfu import WaitClock
 from step import Axis
 
 IMPLS, BALANCES = ("ring", "ulysses"), ("zigzag", "contiguous")
@@ -146,15 +145,26 @@ def _block_backward(dout, q_hat, k, v, lse, delta, mask):
 # ---------------------------------------------------------------------------------------------------------
 
 
+class RingObserver:
+    """Who watches the ring: told when a pass begins and ends (phase "forward" or "backward") and when the ring
+    blocks on its transfers (phase "wait"). Nobody by default; the accounting subscribes its clock
+    (`ContextParallel.observe`, mfu.WaitClock), which decides which passes belong to training."""
+
+    def begin(self, phase: str) -> None:
+        pass
+
+    def end(self, phase: str) -> None:
+        pass
+
+
 class Ring:
-    """Send to the next rank of the cp group, receive from the previous one. Its clock (mfu.WaitClock) times
-    the training passes and the part of them blocked in wait(), for report_axes.py's cp section."""
+    """Send to the next rank of the cp group, receive from the previous one; `observer` watches its passes."""
 
     def __init__(self, group):
         self.group, self.size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        self.clock = WaitClock()
+        self.observer = RingObserver()
 
     def post(self, tensor: torch.Tensor, tag: int = 0):
         """Start sending `tensor` on and receiving the previous rank's into a new buffer: (buffer, works)."""
@@ -167,7 +177,10 @@ class Ring:
 
     def wait(self, transfer) -> torch.Tensor:
         received, works = transfer
-        self.clock.wait(works)  # one work per op: it waits on every one
+        self.observer.begin("wait")
+        for work in works:  # one work per op: wait on every one
+            work.wait()
+        self.observer.end("wait")
         return received
 
 
@@ -258,13 +271,13 @@ def ring_attention_backward(dout, q, k, v, out, lse, ring: Ring, balance: str):
 
 
 class RingAttention(torch.autograd.Function):
-    """The ring, forward and backward, as one autograd node: saves q, k, v, out and lse (no scores).
-    training: grad was on at the call; only such passes are charged to the ring's clock (evaluation runs under
-    no_grad, and inside forward grad is always off)."""
+    """The ring, forward and backward, as one autograd node: saves q, k, v, out and lse (no scores). The
+    backward tells the ring's observer where it begins and ends; the forward's caller does (grad mode, which
+    says evaluation from training, is off inside forward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, balance: str, training: bool = True):
-        with torch.autocast(q.device.type, enabled=False), ring.clock.timed("forward", charge=training):
+    def forward(ctx, q, k, v, ring: Ring, balance: str):
+        with torch.autocast(q.device.type, enabled=False):
             out, lse = ring_attention_forward(q, k, v, ring, balance)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.balance = ring, balance
@@ -273,9 +286,11 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        with torch.autocast(q.device.type, enabled=False), ctx.ring.clock.timed("backward"):
+        ctx.ring.observer.begin("backward")
+        with torch.autocast(q.device.type, enabled=False):
             dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, ctx.ring, ctx.balance)
-        return dq, dk, dv, None, None, None
+        ctx.ring.observer.end("backward")
+        return dq, dk, dv, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -363,7 +378,10 @@ class ContextParallelAttention:
     @torch.compiler.disable  # p2p and all-to-all inside: never traced into a compiled graph
     def __call__(self, q, k, v, dropout_p: float):
         if self.impl == "ring":
-            return RingAttention.apply(q, k, v, self.ring, self.balance, torch.is_grad_enabled())
+            self.ring.observer.begin("forward")
+            out = RingAttention.apply(q, k, v, self.ring, self.balance)
+            self.ring.observer.end("forward")
+            return out
         return ulysses_attention(q, k, v, self.ring.group, self._reorder_for(q.shape[2], q.device), self.inner)
 
     def _reorder_for(self, local_len: int, device):
@@ -446,6 +464,16 @@ def apply(model, run, config: CPConfig) -> ContextParallel:
     return ContextParallel(model, ring, config, shape, run.micro_batches)
 
 
+@dataclass(frozen=True)
+class CPFacts:
+    """What the accounting reads of the CP axis (`ContextParallel.facts`): report_axes.py's cp section and
+    measure.time_ring_alone, which posts the transfers of one layer on the ring with no compute between them."""
+
+    config: CPConfig
+    shape: LayerShape
+    ring: Ring
+
+
 @dataclass
 class ContextParallel(Axis):
     """The handle: cuts batches into this rank's tokens, gives sampling whole-sequence attention back, predicts
@@ -481,6 +509,13 @@ class ContextParallel(Axis):
         finally:
             for block, fn in zip(blocks, swapped):
                 block.attn.attention_fn = fn
+
+    def facts(self) -> CPFacts:
+        return CPFacts(self.config, self.shape, self.ring)
+
+    def observe(self, observer: RingObserver) -> None:
+        """The ring tells `observer` (the accounting's mfu.WaitClock) its passes and its waits."""
+        self.observer = self.ring.observer = observer
 
     def layer_messages(self) -> dict:
         """{"forward" | "backward": Messages} of one layer and micro-batch: see `layer_messages`."""

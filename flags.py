@@ -81,8 +81,9 @@ class OneLineParser(argparse.ArgumentParser):
         raise FlagError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="train.py", description="Train the GPT on a mesh of devices (see README.md).")
+def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
+    """Every flag; `prog` names the program in usage and errors (plan.py takes the same flags)."""
+    p = OneLineParser(prog=prog, description="Train the GPT on a mesh of devices (see README.md).")
     for add_group in (_add_model_flags, _add_data_flags, _add_optimization_flags, _add_parallelism_flags,
                       _add_fp8_flags, _add_moe_flags, _add_reporting_flags, _add_checkpoint_flags):
         add_group(p)  # --help lists the groups in this order
@@ -455,7 +456,7 @@ def check_world(args) -> None:
                         f" = {model_parallel}: the layout needs a multiple of {model_parallel} ranks")
 
 
-def parse(argv=None, axes=()) -> Settings:
+def parse(argv=None, axes=(), prog: str = "train.py") -> Settings:
     """The flags of this process (sys.argv) as Settings, or one error line and exit status 2 (fail).
 
     Every rank validates the same flags and fails alike before any of them waits on a peer; the device,
@@ -463,7 +464,7 @@ def parse(argv=None, axes=()) -> Settings:
     takes --ckpt-dir's writer lock (claim_checkpoint_directory), so a directory another run writes does too."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(prog).parse_args(argv)
         planning = args.plan or args.plan_search
         if planning:
             check_world(args)

@@ -7,7 +7,7 @@ timeline); the two here run work of their own at start-up, and leave the run as 
     measure_block(run)      one held block, forward and backward, under a CommTracer and memory.SavedActivations:
                             its messages by (phase, op, group) and the bytes it saves for backward, as the run runs
                             it (a deep copy under a forked RNG); the tp and cp sections print it (report_axes.py)
-    time_ring_alone(axis)   the ring's transfers of one layer with no compute between them, into the ring's clock,
+    time_ring_alone(cp, …)  the ring's transfers of one layer with no compute between them, into its observer's clock,
                             so the end can say how much of them compute hid (context_parallel.py's item 3)
 
 Both are collective: every rank of the groups they talk on calls them, in the same order.
@@ -78,11 +78,11 @@ def measure_block(run, block_index: int = 0) -> BlockMeasurement:
                              seen.items() for (op, group), stat in records.items()}, saved.bytes)
 
 
-def time_ring_alone(axis) -> dict:
-    """Seconds per layer of one micro-batch's ring transfers with no compute between them, by the ring's clock
-    (collective over cp): forward (C−1) hops of [K; V]; backward (C−1) of [K; V] and C of [dK; dV]."""
-    ring, shape = axis.ring, axis.shape
-    device = next(axis.model.parameters()).device
+def time_ring_alone(cp, clock, device) -> dict:
+    """Seconds per layer of one micro-batch's ring transfers with no compute between them, into `clock` (the
+    mfu.WaitClock observing the ring), on `device` (collective over cp; cp: context_parallel.CPFacts): forward
+    (C−1) hops of [K; V]; backward (C−1) of [K; V] and C of [dK; dV]."""
+    ring, shape = cp.ring, cp.shape
     dtypes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
     size = (2, shape.micro * shape.seq_len // ring.size, shape.width)
     kv = torch.zeros(size, dtype=dtypes[shape.compute_bytes], device=device)
@@ -96,5 +96,5 @@ def time_ring_alone(axis) -> dict:
                 torch.cuda.synchronize(device)
         return transfers
 
-    return {"forward": ring.clock.time_alone("forward", hops([kv] * (ring.size - 1))),
-            "backward": ring.clock.time_alone("backward", hops([kv] * (ring.size - 1) + [dkv] * ring.size))}
+    return {"forward": clock.time_alone("forward", hops([kv] * (ring.size - 1))),
+            "backward": clock.time_alone("backward", hops([kv] * (ring.size - 1) + [dkv] * ring.size))}

@@ -418,12 +418,15 @@ class PassTime:
 
 
 class WaitClock:
-    """Host time of an algorithm's passes per phase and the part blocked in wait(), next to the same transfers
-    timed alone: `compute hid at least 1 − waited / alone` of them (report_axes.py's cp section).
+    """Host time of an algorithm's passes per phase and the part blocked waiting on transfers, next to the same
+    transfers timed alone: `compute hid at least 1 − waited / alone` of them (report_axes.py's cp section).
 
-        with clock.timed("forward", charge=training):   # around a pass; charged to phases[phase] if charge
-            ... clock.wait(works) ...                     # waits on every work, counting the time blocked
-        clock.time_alone("forward", transfers)            # the pass's transfers with no compute: alone[phase]
+    It observes the ring (context_parallel.RingObserver, subscribed by report.observe_axes): the ring tells it
+        begin(phase) ... end(phase)      around a pass, phase "forward" or "backward"
+        begin("wait") ... end("wait")    around each block on its transfers (inside a pass, or not)
+    and it decides which passes are training: a forward under no_grad (evaluation, sampling) is not charged;
+    a backward always is, and so is the forward activation checkpointing recomputes inside it (grad on).
+        clock.time_alone("forward", transfers)   the pass's transfers with no compute: alone[phase]
 
     Host time: on CUDA wait() only orders streams (use a profiler there). reset() forgets the passes.
     """
@@ -434,22 +437,17 @@ class WaitClock:
     def reset(self) -> None:
         self.phases = {}
 
-    def wait(self, works) -> None:
-        start = time.perf_counter()
-        for work in works:
-            work.wait()
-        self.waited += time.perf_counter() - start
-
-    def timed(self, phase: str, charge: bool = True) -> WaitClock:
+    def begin(self, phase: str) -> None:
+        charge = phase == "backward" or torch.is_grad_enabled()
         self._open.append((phase, charge, time.perf_counter(), time.process_time(), self.waited))
-        return self
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        phase, charge, start, cpu, waited = self._open.pop()
-        if charge:
+    def end(self, phase: str) -> None:
+        opened, charge, start, cpu, waited = self._open.pop()
+        while opened != phase:  # a begin whose pass an exception cut short (it told no end): forgotten
+            opened, charge, start, cpu, waited = self._open.pop()
+        if phase == "wait":
+            self.waited += time.perf_counter() - start
+        elif charge:
             stat = self.phases.setdefault(phase, PassTime())
             stat.passes, stat.seconds = stat.passes + 1, stat.seconds + time.perf_counter() - start
             stat.waited, stat.cpu = stat.waited + self.waited - waited, stat.cpu + time.process_time() - cpu
@@ -535,6 +533,53 @@ class ActionClock:
         self.events = self.p2p_events + [dict(cat="compute", name=str(action), kind=action.kind, mb=action.mb,
                                               chunk=action.chunk, start=start, end=end)
                                          for action, start, end in self.spans]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4c. Routed load: what the MoE layers' training forwards routed (moe.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class RoutedLoad:
+    """What the MoE layers' training forwards routed, for the load lines and the exact all-to-all prediction.
+    It observes every layer (moe.RoutingObserver, subscribed by report.observe_axes through MoEAxis.observe) and
+    decides which forwards are training: a layer in train mode with grad on, outside a backward (activation
+    checkpointing's recompute runs inside one), so evaluation, sampling and recomputes are not counted.
+
+    Per layer (by layer id): the slots routed to each expert (before capacity) and those dropped stay tensors on
+    the device until `take_load` reads them in ONE `.tolist()`; the forwards and rows (S sent, R received) are
+    host ints (the split sizes are on the host anyway) and are never forgotten (`rows`)."""
+
+    def __init__(self):
+        self.forwards, self.sent, self.received = 0, 0, 0  # of every training forward since the start
+        self.loads, self.dropped, self.taken_forwards = {}, {}, {}  # {layer id: since the last take_load}
+        self.last_load = None  # the last take_load, for the end lines
+
+    def routed(self, layer, load: torch.Tensor, keep, sent: int, received: int) -> None:
+        if not (layer.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
+            return  # evaluation, sampling (no grad, or eval mode), or a checkpointed block's recompute (in backward)
+        self.forwards, self.sent, self.received = self.forwards + 1, self.sent + sent, self.received + received
+        key = layer.layer_id
+        self.loads[key] = load if key not in self.loads else self.loads[key] + load
+        self.taken_forwards[key] = self.taken_forwards.get(key, 0) + 1
+        self.dropped[key] = self.dropped.get(key, 0) + (0 if keep is None else (~keep).sum())
+
+    def rows(self) -> tuple:
+        """(forwards, Σ S, Σ R) of the training forwards since start-up (moe.all_to_all_messages' arguments)."""
+        return self.forwards, self.sent, self.received
+
+    def take_load(self, micro_batches: int):
+        """({layer id: [N] routed per expert]}, dropped, steps) since the last take, read in ONE `.tolist()`
+        (None: nothing routed); the forwards and rows stay counted. Each layer runs m times a step."""
+        if not self.loads:
+            return None
+        ids = list(self.loads)
+        stats = torch.stack([torch.cat([self.loads[i], (self.loads[i].new_zeros(()) + self.dropped[i]).view(1)])
+                             for i in ids]).tolist()  # [layer][N routed per expert, dropped]
+        steps = self.taken_forwards[ids[0]] // max(1, micro_batches)
+        self.loads, self.dropped, self.taken_forwards = {}, {}, {}
+        self.last_load = ({i: row[:-1] for i, row in zip(ids, stats)}, sum(row[-1] for row in stats), steps)
+        return self.last_load
 
 
 # ----------------------------------------------------------------------------------------------------------

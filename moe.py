@@ -56,11 +56,12 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    the choices (its output: B_μ·s·k·e_i on cp, B_μ·(s/C)·k·e_i on tp). Per step: the gradients over
    expert_dp and dp×cp (the layout), with --sp one all_reduce of the experts' and router's over tp.
    `step_messages` is the uniform estimate (startup table); `all_to_all_messages` of the rows the training
-   forwards did send and receive (each layer's `Routing`) is exact (end table, `MoEAxis.traced_prediction`).
+   forwards did send and receive (told to the layers' observer, `RoutingObserver`) is exact (end table,
+   `MoEAxis.traced_prediction`).
    Host syncs per MoE layer and micro-batch: ONE `.tolist()` of the split sizes (all_to_all_single takes
    Python ints; E = 1: the experts' row slicing), again in a recompute; no nonzero() (dropped slots sort
    last), no bincount (a scatter-add). Aux values, load and drops stay tensors until a line reads them
-   (step.train_step once per step; the load line, through `MoEAxis.take_load`, once per line).
+   (step.train_step once per step; the load line, through its observer's `take_load`, once per line).
 4. Restart state: nothing of its own; routing is deterministic (no RNG), and each expert is a whole logical
    tensor named by its global index, so a checkpoint written with one E loads with another.
    FLOPs per token (MFU): mfu.flops_per_token, from the k experts a token visits, not the N.
@@ -161,7 +162,7 @@ class MoE(nn.Module):
         self.local = range(config.moe_experts)  # the experts this rank holds
         self.ep_group, self.ep_size = None, 1
         self.pieces = ()  # Pieces: the ranks holding the other pieces of this rank's micro-batch (CP, SP)
-        self.routing = Routing()  # what the training forwards routed, for the accounting (which resets it)
+        self.observer = RoutingObserver()  # who is told what each forward routed (the accounting, or nobody)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]: this rank's tokens (its CP/SP piece of the micro-batch)
@@ -173,8 +174,7 @@ class MoE(nn.Module):
         self.aux_losses.add("moe_z", self.z_coef, z)
         keep = self.keep_slots(expert.view(*x.shape[:-1], self.topk))
         y, rows_sent, rows_received = self.dispatch_and_combine(tokens, gate, expert, keep)
-        if self.training and torch.is_grad_enabled() and not _in_backward():  # not eval, sampling, a recompute
-            self.routing.add(routed, keep, rows_sent, rows_received)
+        self.observer.routed(self, routed, keep, rows_sent, rows_received)
         return self.dropout(y.view(x.shape).to(x.dtype))  # the fp32 gate must not widen the residual stream
 
     @torch.no_grad()
@@ -269,11 +269,6 @@ class AllToAll(torch.autograd.Function):
         return out
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass: a checkpointed block re-running its forward."""
-    return torch._C._current_graph_task_id() != -1
-
-
 # A micro-batch in pieces (CP, SP): the aux statistics summed, the capacity decided on the whole.
 
 
@@ -343,23 +338,14 @@ def whole_micro_batch(expert: torch.Tensor, pieces: tuple) -> tuple:
     return whole, mine
 
 
-@dataclass
-class Routing:
-    """What one layer's training forwards routed since the accounting last took it (`MoEAxis.take_load`):
-    the forwards, Σ S rows sent and Σ R received (host ints: the split sizes are on the host anyway), and, on
-    the device until a line reads them, the slots routed to each expert (before capacity) and those dropped."""
+class RoutingObserver:
+    """Who watches the routing: told, once per forward of a layer, the slots it routed to each expert ([N],
+    before capacity), which it kept ([T, k] bool, None when dropless), and the rows it sent and received (S, R:
+    host ints). Nobody by default; the accounting subscribes its record (`MoEAxis.observe`, mfu.RoutedLoad),
+    which decides which forwards belong to training (not evaluation, sampling, or a checkpointed recompute)."""
 
-    forwards: int = 0
-    sent: int = 0
-    received: int = 0
-    load: torch.Tensor | None = None  # [N]
-    dropped: torch.Tensor | int = 0
-
-    def add(self, routed: torch.Tensor, keep: torch.Tensor | None, sent: int, received: int) -> None:
-        self.forwards, self.sent, self.received = self.forwards + 1, self.sent + sent, self.received + received
-        self.load = routed if self.load is None else self.load + routed
-        if keep is not None:
-            self.dropped = self.dropped + (~keep).sum()
+    def routed(self, layer: MoE, load: torch.Tensor, keep: torch.Tensor | None, sent: int, received: int) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -445,16 +431,23 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None)
 
 
+@dataclass(frozen=True)
+class MoEFacts:
+    """What the accounting reads of the MoE axis (`MoEAxis.facts`): report_axes.py's moe section, time_model.py."""
+
+    traffic: Traffic
+    experts: range  # the experts this rank holds of every MoE layer, [e·N/E, (e+1)·N/E)
+    expert_params: int  # their parameters, all MoE layers
+
+
 class MoEAxis(Axis):
-    """The handle train.py talks to (step.Axis); `take_load` and `reset_routing` serve report_axes.py's moe lines."""
+    """The handle train.py talks to (step.Axis); `observe` subscribes the accounting to every layer's routing."""
 
     name = "moe"
 
     def __init__(self, layers: list, traffic: Traffic, tp_group=None):
         self.layers, self.traffic = layers, traffic
         self.tp_group = tp_group  # with --sp: the experts' and router's gradients are summed over it
-        self.taken = Routing()  # the forwards and rows of the Routing taken so far (host ints)
-        self.last_load = None  # the last take_load, for the end lines
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:
@@ -476,6 +469,17 @@ class MoEAxis(Axis):
             for layer, kept in zip(self.layers, pieces):
                 layer.pieces = kept
 
+    def observe(self, observer) -> None:
+        """Every layer tells `observer` (a RoutingObserver that also counts `rows()`: mfu.RoutedLoad) what it
+        routed; traced_prediction reads its rows."""
+        self.observer = observer
+        for layer in self.layers:
+            layer.observer = observer
+
+    def facts(self) -> MoEFacts:
+        held = sum(p.numel() for layer in self.layers for p in layer.experts.parameters())
+        return MoEFacts(self.traffic, self.layers[0].local if self.layers else range(0), held)
+
     def params(self) -> list:
         return [p for layer in self.layers for p in layer.parameters()]
 
@@ -490,38 +494,12 @@ class MoEAxis(Axis):
 
     def traced_prediction(self, layout, steps: int) -> Messages:
         """Per step of the `steps` traced training steps: the all-to-alls from the rows the training forwards
-        sent and received (exact), the rest as predicted_messages."""
+        sent and received (exact: the observer's `rows()`), the rest as predicted_messages."""
         out = self.predicted_messages(layout)
-        if self.traffic.ep > 1 and steps:
+        if self.traffic.ep > 1 and steps and self.observer is not None:
             out.pop(ALL_TO_ALL, None)
-            out = out + all_to_all_messages(self.traffic, *self.routed_rows()).times(1 / steps)
+            out = out + all_to_all_messages(self.traffic, *self.observer.rows()).times(1 / steps)
         return out
-
-    def routed_rows(self) -> tuple:
-        """(forwards, Σ S, Σ R) of the training forwards since start-up, taken by a load line or not yet."""
-        routed = [self.taken, *(layer.routing for layer in self.layers)]
-        return tuple(sum(getattr(r, name) for r in routed) for name in ("forwards", "sent", "received"))
-
-    def reset_routing(self) -> None:
-        """Forget what the layers routed so far (start-up's forwards, which are no training step)."""
-        for layer in self.layers:
-            layer.routing = Routing()
-        self.taken, self.last_load = Routing(), None
-
-    def take_load(self):
-        """(loads [layer][N], dropped, steps) of this rank's training forwards since the last take, read in ONE
-        `.tolist()` (None: nothing routed); the layers start afresh, their forwards and rows stay counted."""
-        recorded = [layer.routing for layer in self.layers if layer.routing.load is not None]
-        if not recorded:
-            return None
-        stats = torch.stack([torch.cat([r.load, (r.load.new_zeros(()) + r.dropped).view(1)])
-                             for r in recorded]).tolist()  # [layer][N routed per expert, dropped]
-        self.taken = Routing(*self.routed_rows())
-        for layer in self.layers:
-            layer.routing = Routing()
-        steps = recorded[0].forwards // max(1, self.traffic.micro_batches)  # each layer runs m times a step
-        self.last_load = ([row[:-1] for row in stats], sum(row[-1] for row in stats), steps)
-        return self.last_load
 
 
 # ---------------------------------------------------------------------------------------------------------

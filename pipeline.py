@@ -513,6 +513,7 @@ def apply(model: GPT, run, config: PipelineConfig):
 class PPFacts:
     """What the accounting reads of the pipeline (`Pipeline.facts`): report_axes.py's pp section, activations.py,
     time_model.py. programs: every pp rank's actions for the run's m micro-batches (schedules.build_programs);
+    plan: this rank's [schedules.Step] (the receives it posts, its sends and their release points);
     message_bytes: one stage-boundary message, b·s·h·e; group: pp's, which the end lines gather over;
     trace_file: where the end lines write the Chrome trace (one rank per pp group has one)."""
 
@@ -522,6 +523,7 @@ class PPFacts:
     rank: int
     m: int
     programs: list
+    plan: list
     message_bytes: int
     group: object
     trace_file: str | None
@@ -533,7 +535,6 @@ class Pipeline(Axis):
     stage-boundary message (s: this rank's tokens of a row)."""
 
     name = "pp"
-    observer = None  # what `observe` was given
 
     def __init__(self, model: GPT, schedule: PipelineSchedule, micro_batches: int, boundary_elements: int,
                  tied_group=None, trace_file: str | None = None):
@@ -580,8 +581,8 @@ class Pipeline(Axis):
 
     def facts(self) -> PPFacts:
         s = self.schedule
-        return PPFacts(s.name, s.P, s.v, s.rank, self.m, s.programs(self.m), self.message_bytes(), s.group,
-                       self.trace_file)
+        return PPFacts(s.name, s.P, s.v, s.rank, self.m, s.programs(self.m), s.plan(self.m), self.message_bytes(),
+                       s.group, self.trace_file)
 
     def message_bytes(self) -> int:
         """One stage-boundary message, b·s·h·e: e of the parameter dtype, as the layout left it."""

@@ -196,7 +196,7 @@ def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
 def main(argv=None) -> None:
     """python plan.py FLAGS (or train.py --plan / --plan-search FLAGS): one flag error line, or the plan."""
     argv = planning_argv(sys.argv[1:] if argv is None else list(argv))
-    settings = flags.parse(argv, train.AXES)  # a bad flag: one line, exit status 2
+    settings = flags.parse(argv, train.AXES, prog="plan.py")  # a bad flag: one line, exit status 2
     hw = hardware.from_flags(settings.args, plan_dtypes(settings)[0])
     try:
         if settings.args.plan_search:
@@ -211,7 +211,7 @@ def planning_argv(argv: list) -> list:
     """The command line with --plan put in front unless it asks for --plan or --plan-search (an error in it is
     left for flags.parse to report)."""
     try:
-        args = flags.build_parser().parse_args(argv)
+        args = flags.build_parser("plan.py").parse_args(argv)
     except FlagError:
         return argv
     return argv if args.plan or args.plan_search else ["--plan", *argv]

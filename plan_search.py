@@ -42,9 +42,11 @@ from time_model import (PLANNED_DEVICE, Role, layout_facts, layout_name, limitin
 
 
 def _programs_facts(schedule: str, P: int, m: int, v: int) -> tuple:
-    """({(src, dst): messages per step}, [chunk-micro-batches in flight per pp rank]) of a schedule."""
+    """({(src, dst): messages per step}, [chunk-micro-batches in flight per pp rank], [sent buffers alive at
+    once per pp rank]) of a schedule."""
     programs = schedules.build_programs(schedule, P, m, v)
-    return schedules.p2p_counts(programs, P * v), [schedules.in_flight(p)[0] for p in programs]
+    live = [schedules.live_sends(steps) for steps in schedules.communication_plan(programs, P * v)]
+    return schedules.p2p_counts(programs, P * v), [schedules.in_flight(p)[0] for p in programs], live
 
 
 def stage_holding(config, P: int, v: int, p: int) -> tuple:
@@ -196,7 +198,7 @@ def _formula_pipeline(s: _Stage, messages, temporaries: dict, facts: tuple | Non
     args, P, T, m = settings.args, settings.shape.pp, settings.shape.tp, settings.micro_batches
     if P == 1:
         return (1, 1), 0.0, 0.0
-    pairs, flights = facts or _programs_facts(args.pp_schedule, P, m, v)
+    pairs, flights, live = facts or _programs_facts(args.pp_schedule, P, m, v)
     seq = settings.seq_len // settings.shape.cp
     boundary = settings.micro_batch_size * seq // (T if settings.sequence_parallel else 1) * config.n_embd * s.b_w
     sends = sum(n for (src, _), n in pairs.items() if src == p)
@@ -206,7 +208,7 @@ def _formula_pipeline(s: _Stage, messages, temporaries: dict, facts: tuple | Non
     if held["embedding"] or held["head"]:
         tied_bytes = s.b_g * config.vocab_size * config.n_embd // T // (s.sizes["dp_cp"] if args.zero else 1)
         messages.add("all_reduce", "pp_tied", 1, tied_bytes)
-    temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
+    temporaries["pipeline p2p buffers (a receive, the sends alive)"] = (1 + live[p]) * boundary
     return (flights[p], v), schedules.bubble_formula(args.pp_schedule, P, m, v), boundary
 
 

@@ -133,8 +133,9 @@ def measure_startup(run) -> None:
 
 
 def observe_axes(run) -> None:
-    """Subscribe each axis's observer (report_axes.OBSERVERS: the pipeline's clock) to its algorithm.
-    train.compose calls it after measure_startup: the observers see the run's own passes, not start-up's."""
+    """Subscribe each axis's observer (report_axes.OBSERVERS: the ring's clock, the routed load, the pipeline's
+    clock) to its algorithm. train.compose calls it after measure_startup: the observers see the run's own
+    passes, not start-up's."""
     for axis in run.axes:
         observe(axis)
 

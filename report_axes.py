@@ -51,13 +51,14 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
-OBSERVERS = {"pp": mfu.ActionClock}  # {handle name: what its section's lines read}
+OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad, "pp": mfu.ActionClock}  # {handle name: what its lines read}
 
 
-def observe(axis) -> None:
-    """Subscribe a fresh observer of the axis's algorithm (OBSERVERS[name]; report.observe_axes)."""
+def observe(axis):
+    """Subscribe a fresh observer of the axis's algorithm (OBSERVERS[name]; report.observe_axes) and return it."""
     if axis.name in OBSERVERS:
         axis.observe(OBSERVERS[axis.name]())
+    return axis.observer
 MEASURES_BLOCK: set = set()  # handle names whose lines read run.measured (block 0 under a tracer)
 
 
@@ -170,16 +171,12 @@ def moe_load_line(loads: list, dropped: int, steps: int, capacity_on: bool) -> s
 
 
 def moe_startup_lines(axis, run, steps: int = 0) -> list:
-    """The router, capacity, parameters (total and active), FLOPs, this rank's experts, the all-to-all estimate.
-    Start-up's own forwards through the layers (block 0 measured under a tracer) are no training step: the
-    layers' routing records are reset here, so the load lines and the end table count training only."""
-    axis.reset_routing()
-    traffic, config = axis.traffic, axis.traffic.model
+    """The router, capacity, parameters (total and active), FLOPs, this rank's experts, the all-to-all estimate."""
+    facts = axis.facts()
+    traffic, config, local, held = facts.traffic, facts.traffic.model, facts.experts, facts.expert_params
     n, k, tokens, whole = config.moe_experts, config.moe_topk, traffic.tokens, run.micro_batch_size * run.seq_len
     counts, cap = memory.param_counts(config), moe.capacity(whole, k, n, config.moe_capacity_factor)
     flops = mfu.flops_per_token(counts, config, run.seq_len)
-    held = sum(p.numel() for layer in axis.layers for p in layer.experts.parameters())
-    local = axis.layers[0].local if axis.layers else range(0)
     capacity_text = "dropless" if cap is None else (
         f"capacity f={config.moe_capacity_factor}: C = ⌈B_μ·s·k/N·f⌉ = {cap} slots per expert of each"
         f" micro-batch (B_μ·s = {whole} tokens, decided in its token order"
@@ -212,32 +209,36 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
 
 def moe_step_lines(axis, run=None, steps: int = 0) -> list:
     """With each logged step: this rank's routed slots per expert, summed over its MoE layers, micro-batches
-    and the training steps since the previous line (which it says), read in one `.tolist()` (MoEAxis.take_load)."""
-    load = axis.take_load()
+    and the training steps since the previous line (which it says), read in one `.tolist()` (its observer's
+    take_load: mfu.RoutedLoad)."""
+    traffic = axis.facts().traffic
+    load = axis.observer.take_load(traffic.micro_batches)
     if load is None:
         return []
-    return [moe_load_line(*load, axis.traffic.model.moe_capacity_factor > 0)]
+    loads, dropped, span = load
+    return [moe_load_line(list(loads.values()), dropped, span, traffic.model.moe_capacity_factor > 0)]
 
 
 def moe_end_lines(axis, run, steps: int) -> list:
     """The all-to-all predicted from the routed counts beside the uniform-routing estimate (the end table
     compares the first with the tracer); the load of the last steps, per MoE layer."""
-    lines = []
-    layers = max(1, len(axis.layers))
-    if axis.traffic.ep > 1 and steps:
+    lines, traffic = [], axis.facts().traffic
+    layers = max(1, traffic.moe_layers)
+    if traffic.ep > 1 and steps:
         counted = axis.traced_prediction(run.layout, steps).get(moe.ALL_TO_ALL, (0, 0))
         uniform = axis.predicted_messages(run.layout).get(moe.ALL_TO_ALL, (0, 0))
         lines.append(f"moe all_to_all_single (group ep) per MoE layer and step: predicted from this run's routed"
                      f" counts {mfu.format_bytes(counted[1] / layers)} ({counted[0] / layers:.1f} calls; the end"
                      f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"
                      f" (the startup table's)")
-    if axis.last_load is None:
-        axis.take_load()  # no load line was printed: read the loads now
-    if axis.last_load is not None:
-        loads, _, span = axis.last_load
-        for layer, load in zip(axis.layers, loads):
+    routed = axis.observer
+    if routed.last_load is None:
+        routed.take_load(traffic.micro_batches)  # no load line was printed: read the loads now
+    if routed.last_load is not None:
+        loads, _, span = routed.last_load
+        for layer_id, load in loads.items():
             mean = sum(load) / len(load) if sum(load) else 1.0
-            lines.append(f"moe load over the last {span} step{'s' if span != 1 else ''}, h.{layer.layer_id}:"
+            lines.append(f"moe load over the last {span} step{'s' if span != 1 else ''}, h.{layer_id}:"
                          f" |{moe_histogram(load)}| {load} imbalance {max(load) / mean:.2f}")
     return lines
 
@@ -253,11 +254,11 @@ AXIS_LINES["moe"] = {"startup": moe_startup_lines, "step": moe_step_lines, "end"
 def tp_startup_lines(axis, run, steps: int = 0) -> list:
     """Block 0's tp messages per micro-batch, predicted (tensor_parallel.block_messages) and measured
     (run.measured, when start-up measured it), the parameters per rank, the activation estimates."""
-    held, batch, config = axis.holding(), axis.batch, run.config
+    (batch, held), config = axis.facts(), run.config
     tp, format_bytes = run.mesh.size("tp"), mfu.format_bytes
     lines = [f"tensor parallel T={tp}{' + sequence parallel' if held.sequence_parallel else ''}: messages per block"
              f" and micro-batch (b={batch.micro}, s={batch.seq}, h={held.hidden}), on the critical path, group tp:"]
-    blocks = list(axis.model.transformer.h)
+    blocks = list(run.model.transformer.h)
     predicted = tensor_parallel.block_messages(batch, held, split_mlp=not blocks or isinstance(blocks[0].mlp, MLP))
     measured = run.measured.on("tp") if run.measured is not None else None
     for phase, messages in predicted.items():
@@ -274,7 +275,7 @@ def tp_startup_lines(axis, run, steps: int = 0) -> list:
                                              for (op, _), count in messages.items()}:
         lines.append("  (measured: block 0 as the run runs it, every axis's messages on tp included; the end's table"
                      " checks each axis's prediction)")
-    model = axis.model  # what this rank holds: a pipeline stage's blocks, N/E experts of a MoE block
+    model = run.model  # what this rank holds: a pipeline stage's blocks, N/E experts of a MoE block
     counts = memory.param_counts(config, tp, run.mesh.size("ep"), model.transformer.h.layer_ids,
                                  model.has_embedding, model.has_head)
     act = tensor_parallel.activation_estimates(config, batch.micro, batch.seq, tp)
@@ -303,14 +304,15 @@ def cp_startup_lines(axis, run, steps: int = 0) -> list:
     """What CP cuts and sends (context_parallel.py's docstring, answers 1-3): block 0's messages predicted
     (context_parallel.layer_messages) next to measured (run.measured), the causal work per rank, the activations,
     and the ring's transfers timed alone. Collective over cp: every rank formats these lines."""
-    C, shape, impl, balance = axis.ring.size, axis.shape, axis.config.impl, axis.config.balance
+    facts = axis.facts()
+    C, shape, impl, balance = facts.ring.size, facts.shape, facts.config.impl, facts.config.balance
     s, format_bytes = shape.seq_len, mfu.format_bytes
     lines = [f"context parallel C={C} ({impl}, {balance}): rank c holds "
              + ("chunks c and 2C−1−c of 2C" if balance == "zigzag" else "the c-th s/C tokens")
              + f" ({s // C} of s={s} tokens); parameters replicated, gradients summed over dp×cp",
              f"  messages per layer and micro-batch, group cp (e_c={shape.compute_bytes},"
              f" e_a={context_parallel.accumulator_bytes(shape.compute_bytes)}):"]
-    predicted = axis.layer_messages()
+    predicted = context_parallel.layer_messages(impl, C, shape)
     measured = run.measured.on("cp") if run.measured is not None else None
     rows = [(phase, op, count) for phase, messages in predicted.items() for (op, _), count in messages.items()]
     # Measured but not predicted by CP: another axis's messages on cp in block 0 (MoE's routing statistics).
@@ -325,11 +327,11 @@ def cp_startup_lines(axis, run, steps: int = 0) -> list:
         lines.append("    (measured: block 0 run once, outside activation checkpointing, so its backward lacks the"
                      " recomputed forward's messages the prediction adds)")
     sent = sum(payload for (op, _), (_, payload) in axis.predicted_messages().items() if op != "recv")
-    layers = len(axis.model.transformer.h)
-    lines.append(f"  per step (× L={layers} × m={axis.micro_batches}): {format_bytes(sent)} sent")
-    lines += cp_causal_work_lines(s, C) + cp_activation_lines(axis, run)
+    layers = len(run.model.transformer.h)
+    lines.append(f"  per step (× L={layers} × m={run.micro_batches}): {format_bytes(sent)} sent")
+    lines += cp_causal_work_lines(s, C) + cp_activation_lines(facts, run)
     if impl == "ring":
-        alone = measure.time_ring_alone(axis)
+        alone = measure.time_ring_alone(facts, axis.observer, next(run.model.parameters()).device)
         lines.append(f"  ring transfers alone (no compute): forward {alone['forward'] * 1e3:.2f} ms,"
                      f" backward {alone['backward'] * 1e3:.2f} ms per layer")
     return lines
@@ -343,12 +345,12 @@ def cp_causal_work_lines(seq_len: int, cp: int) -> list:
     return lines
 
 
-def cp_activation_lines(axis, run) -> list:
+def cp_activation_lines(facts, run) -> list:
     """Block 0's measured saved bytes next to Korthikanti's estimate and its CP form (÷ C).
 
     The estimate counts 16-bit elements; the measurement is in the run's dtypes, so it is also shown scaled
     by 2/e_c (exact when every saved tensor is in the compute dtype; autocast keeps LayerNorm inputs fp32)."""
-    C, s, b, h, tp = axis.ring.size, axis.shape.seq_len, axis.shape.micro, run.config.n_embd, run.mesh.size("tp")
+    C, s, b, h, tp = facts.ring.size, facts.shape.seq_len, facts.shape.micro, run.config.n_embd, run.mesh.size("tp")
     sp, format_bytes = run.settings.sequence_parallel, mfu.format_bytes
     full = memory.activation_bytes_per_layer(s, b, h, run.config.n_head, tp, sp)
     # Without the score term (a = 0) and without the two 1-byte dropout masks of the residual branches.
@@ -358,27 +360,28 @@ def cp_activation_lines(axis, run) -> list:
     if run.measured is not None:
         saved = run.measured.saved_bytes
         line += (f"; measured (saved_tensors_hooks) {format_bytes(saved)}, × 2/e_c = "
-                 f"{format_bytes(saved * 2 / axis.shape.compute_bytes)}")
+                 f"{format_bytes(saved * 2 / facts.shape.compute_bytes)}")
     return [line]
 
 
 def cp_end_lines(axis, run, steps: int) -> list:
     """How much of the ring's transfer time compute hid over the training steps' passes (Ulysses: none)."""
-    C, impl = axis.ring.size, axis.config.impl
+    facts = axis.facts()
+    C, impl = facts.ring.size, facts.config.impl
     if impl != "ring":
         return [f"context parallel C={C} ({impl}): the all-to-alls are blocking, none of their time is hidden"
                 f" (their seconds: the communication table below)"]
-    layers, m = len(axis.model.transformer.h), axis.micro_batches
-    recompute = " (forward ×2: activation checkpointing)" if axis.shape.checkpointing else ""
-    on_cpu = next(axis.model.parameters()).device.type == "cpu"
+    layers, m = len(run.model.transformer.h), run.micro_batches
+    recompute = " (forward ×2: activation checkpointing)" if facts.shape.checkpointing else ""
+    on_cpu = next(run.model.parameters()).device.type == "cpu"
     return [f"context parallel C={C} (ring): ring time over the {steps} training steps' passes, L={layers} × m={m}"
-            f" per step and phase{recompute}; evaluation not included:", *cp_hidden_lines(axis.ring.clock, on_cpu)]
+            f" per step and phase{recompute}; evaluation not included:", *cp_hidden_lines(axis.observer, on_cpu)]
 
 
 def cp_hidden_lines(clock, on_cpu: bool = False) -> list:
     """How much of the ring's transfer time compute hid, per phase: at least 1 − waited / (the transfers alone),
-    both per pass (clock: the ring's mfu.WaitClock). A lower bound: wait() also blocks on a peer that has not
-    sent yet (imbalance; on a shared host, a peer that was descheduled), so the waits can outlast the transfers
+    both per pass (clock: the mfu.WaitClock observing the ring). A lower bound: wait() also blocks on a peer that
+    has not sent yet (imbalance; on a shared host, a peer that was descheduled), so the waits can outlast the transfers
     even when each one overlapped. on_cpu: also the CPU cores a rank kept busy while it computed (process CPU /
     (wall − waited); a gloo wait sleeps), next to its torch threads: a one-thread rank with less than one core
     busy was descheduled, i.e. the ranks time-share the host's cores."""

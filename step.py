@@ -37,14 +37,16 @@ from comm import Messages
 class Axis:
     """What an applied axis hands back to train.py (`apply(model, run, config)` returns one, or None when off).
 
-    Six methods, the same for every axis, so that the step, the checkpoint and the printouts loop over handles
-    and never ask which axes are on. Four serve training, two accounting; every one has a default that does
+    Eight methods, the same for every axis, so that the step, the checkpoint and the printouts loop over handles
+    and never ask which axes are on. Four serve training, four accounting; every one has a default that does
     nothing, and an axis overrides what it needs. What an axis prints lives in its section of report_axes.py
-    (report_axes.AXIS_LINES[name]), which reads the handle; nothing is set on a handle from outside.
+    (report_axes.AXIS_LINES[name]), which reads the handle through these methods only (`facts` for its own
+    figures); nothing is set on a handle from outside (`observe` is how the accounting subscribes).
     """
 
     name: ClassVar[str] = "axis"
     schedule = None  # an object with GradientAccumulation's forward_backward (the pipeline brings one)
+    observer = None  # what the accounting subscribed to the axis's algorithm (`observe`)
 
     # --- training ---------------------------------------------------------------------------------------------
 
@@ -69,6 +71,18 @@ class Axis:
         return []
 
     # --- accounting -----------------------------------------------------------------------------------------
+
+    def observe(self, observer) -> None:
+        """Subscribe the accounting's `observer` to the axis's algorithm, which then tells it what happened
+        (the ring its passes and waits, each MoE layer what it routed) and never times or counts itself.
+        report.observe_axes calls it once, at start-up; an axis with nothing to observe keeps the default."""
+        self.observer = observer
+
+    def facts(self):
+        """What the accounting reads of the axis (its report_axes.py section, time_model.py, measure.py): a
+        frozen record of its own (context_parallel.CPFacts, moe.MoEFacts, ...), or None; the rest they read of
+        the run. The one door into a handle besides these methods."""
+        return None
 
     def predicted_messages(self, layout) -> Messages:
         """Its messages of one optimizer step, by (op, group), from its formulas (uniform routing for MoE)."""

@@ -508,10 +508,11 @@ class TensorParallel(Axis):
             if head is not None:
                 head.gather_output = False
 
-    def holding(self) -> Holding:
-        """What this rank's model holds, as the formulas read it (FP8, applied later, may stop the regather)."""
+    def facts(self) -> tuple[BatchShape | None, Holding]:
+        """What the formulas (and report_axes.py's tp section) read: the step's batch and what this rank's model
+        holds (FP8, applied later, may stop the regather)."""
         blocks, config = list(self.model.transformer.h), self.model.config
-        return Holding(config.n_embd, self.sequence_parallel, config.activation_checkpointing, len(blocks),
+        return self.batch, Holding(config.n_embd, self.sequence_parallel, config.activation_checkpointing, len(blocks),
                        sum(not isinstance(b.mlp, MLP) for b in blocks), self.model.has_embedding,
                        self.model.has_head, all(b.attn.c_attn.regather for b in blocks))
 
@@ -519,7 +520,7 @@ class TensorParallel(Axis):
         """One optimizer step's tp messages (`step_messages`); the SP sum moves the gradients as the layout
         holds them (a ZeRO shard of them, in its gradient dtype)."""
         sp_bytes = sum(g.numel() * g.element_size() for g in layout.grad_pieces(self.sequence_parallel_params))
-        return step_messages(self.batch, self.holding(), sp_bytes)
+        return step_messages(*self.facts(), sp_bytes)
 
 
 @dataclass(frozen=True)

@@ -106,9 +106,10 @@ def role_of(run, device_type: str | None = None) -> Role:
             pp = axis.facts()
             bubble = schedules.bubble_formula(pp.schedule, pp.P, pp.m, pp.v)
             boundary = pp.message_bytes
-            temporaries["pipeline p2p buffers (a send and a receive)"] = 2 * boundary
+            live = schedules.live_sends(pp.plan)  # sends not yet known received
+            temporaries["pipeline p2p buffers (a receive, the sends alive)"] = (1 + live) * boundary
         if axis.name == "moe" and mesh.size("ep") > 1:
-            t = axis.traffic
+            t = axis.facts().traffic
             temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * t.tokens * t.model.moe_topk * \
                 t.model.n_embd * t.compute_bytes
         if axis.name == "cp" and run.settings.args.cp_impl == "ring":

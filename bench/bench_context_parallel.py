@@ -111,6 +111,7 @@ def _measure(rank, world, args, device):
             shape = context_parallel.LayerShape(args.micro, args.seq_len, config.n_embd, compute_bytes)
             cp_config = context_parallel.CPConfig(world, impl, balance)
             handles[name] = context_parallel.ContextParallel(model, ring, cp_config, shape)
+            report_axes.observe(handles[name])  # the clock the ring reports to (mfu.WaitClock)
             batch = handles[name].shard_batches(batch)
         xs, ys, pos = batch[0]
         params = list(model.parameters())
@@ -134,20 +135,20 @@ def _measure(rank, world, args, device):
 
         models[name] = step
     for handle in handles.values():  # the timing below is what the ring's hidden fraction reports
-        handle.ring.clock.reset()
+        handle.observer.reset()
     dist.barrier(group)
     times = alternate({name: _synchronized(fn, group) for name, fn in models.items()}, args.steps, args.warmup)
     hidden, compute = {}, {}
     for name, handle in handles.items():
         if handle.config.impl == "ring":  # per pass and rank: wall time not blocked, and the CPU work (however shared)
             mine = torch.zeros(2, 2, world, dtype=torch.float64)  # [wall | cpu, forward | backward, rank]
-            for row, stat in enumerate(handle.ring.clock.phases[phase] for phase in ("forward", "backward")):
+            for row, stat in enumerate(handle.observer.phases[phase] for phase in ("forward", "backward")):
                 mine[0, row, rank] = (stat.seconds - stat.waited) / max(1, stat.passes)
                 mine[1, row, rank] = stat.cpu / max(1, stat.passes)
             dist.all_reduce(mine, group=group)
             compute[name] = {"wall": mine[0].tolist(), "cpu": mine[1].tolist(), "threads": torch.get_num_threads()}
-            measure.time_ring_alone(handle)  # into the clock's `alone`, next to its passes
-            hidden[name] = report_axes.cp_hidden_lines(handle.ring.clock, on_cpu=device.type == "cpu")
+            measure.time_ring_alone(handle.facts(), handle.observer, device)  # into the clock's `alone`
+            hidden[name] = report_axes.cp_hidden_lines(handle.observer, on_cpu=device.type == "cpu")
     worst = {}
     for name, seconds in times.items():  # the step ends when the slowest rank finishes
         t = torch.tensor(seconds, dtype=torch.float64)

@@ -91,11 +91,11 @@ def _rank(rank, world, args):
         tracer = CommTracer()
         for group in ("ep", "dp_cp", "expert_dp"):
             tracer.name_group(v.mesh.group(group), group)
-        v.handle.reset_routing()
+        report_axes.observe(v.handle)  # a fresh mfu.RoutedLoad on every layer
         with tracer:
             v.step(x, y)
         traced[name] = (tracer.records, v.handle.traced_prediction(None, 1), v.handle.predicted_messages())
-        v.handle.reset_routing()  # the load line below covers the timed steps
+        report_axes.observe(v.handle)  # the load line below covers the timed steps
     times = alternate({name: (lambda v=v: v.step(x, y)) for name, v in variants.items()}, args.steps,
                       warmup=args.warmup)
     if rank == 0:

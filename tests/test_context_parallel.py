@@ -16,8 +16,8 @@ estimate in the form this attention implies, 32·(s/C)·b·h scaled from 16-bit 
 no score matrix (no 5as/h term) and dropout is 0 (no 1-byte masks: 34 − 2); what is left over is the fp64
 log-sum-exp and the LayerNorm statistics (1.6% here). C = 2 saves half of C = 1 at the same global sequence.
 Printouts: a run composed as train.py composes it (`train.compose`, block 0 measured at start-up), its cp
-start-up lines, one training step and one evaluation pass, its end lines (the ring's clock counts the step's
-passes only).
+start-up lines, one training step and one evaluation pass, its end lines (the clock observing the ring, mfu.WaitClock,
+counts the step's passes only).
 Each spawned run is a module-scoped fixture shared by one test per property. The rank bodies build on
 harness.device() (each rank's GPU under nccl); the whole-sequence tensors every rank must hold alike are drawn
 on the CPU and moved there.
@@ -196,13 +196,28 @@ def _attention_checks(group):
     return errs
 
 
+class _RecordingObserver:
+    """A ring observer that writes down what it is told (context_parallel.RingObserver's two methods)."""
+
+    def __init__(self):
+        self.told = []
+
+    def begin(self, phase):
+        self.told.append(f"begin {phase}")
+
+    def end(self, phase):
+        self.told.append(f"end {phase}")
+
+
 def _ring_event_order(group):
     """The order of post / compute / wait in one forward and one backward: each block is computed while the
-    next block's transfer is in flight (posted before, waited after)."""
+    next block's transfer is in flight (posted before, waited after); and what the ring's observer was told,
+    the pass called as the model calls it (ContextParallelAttention)."""
     import context_parallel as cp
 
     events = []
     ring = cp.Ring(group)
+    ring.observer = observer = _RecordingObserver()
     post, wait, forward, backward = ring.post, ring.wait, cp._block_forward, cp._block_backward
     ring.post = lambda *a, **k: (events.append("post"), post(*a, **k))[1]
     ring.wait = lambda *a, **k: (events.append("wait"), wait(*a, **k))[1]
@@ -211,13 +226,14 @@ def _ring_event_order(group):
     try:
         q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, device=harness.device(), requires_grad=True)
                    for _ in range(3))
-        y = cp.RingAttention.apply(q, k, v, ring, "zigzag", True)
-        forward_events = list(events)
+        y = cp.ContextParallelAttention(None, ring, "ring", "zigzag")(q, k, v, 0.0)
+        forward_events, forward_told = list(events), list(observer.told)
         events.clear()
+        observer.told.clear()
         y.sum().backward()
     finally:
         cp._block_forward, cp._block_backward = forward, backward
-    return forward_events, events
+    return forward_events, events, forward_told, observer.told
 
 
 class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
@@ -338,7 +354,7 @@ def test_attention_matches_full_causal_attention(attention_ranks):
 
 def test_ring_posts_the_next_block_before_computing_this_one(attention_ranks):
     for result in attention_ranks:
-        forward, backward = result["events"]
+        forward, backward, _, _ = result["events"]
         # C = 4: three steps of (post the next K,V; compute this block; wait), then the last block.
         assert forward == ["post", "compute", "wait"] * 3 + ["compute"]
         # backward: post K,V; compute; [wait for the dK,dV accumulator]; pass it on; wait for K,V ... and at
@@ -346,6 +362,16 @@ def test_ring_posts_the_next_block_before_computing_this_one(attention_ranks):
         step = lambda first, last: ([] if last else ["post"]) + ["compute"] + ([] if first else ["wait"]) \
             + ["post"] + ([] if last else ["wait"])
         assert backward == step(True, False) + step(False, False) * 2 + step(False, True) + ["wait"]
+
+
+def test_ring_tells_its_observer_each_pass_and_each_wait(attention_ranks):
+    """The ring keeps no clock: it tells its observer where each pass begins and ends and around each wait,
+    and the observer (the accounting's mfu.WaitClock in a run) does the timing."""
+    for result in attention_ranks:
+        forward, backward, forward_told, backward_told = result["events"]
+        waited = ["begin wait", "end wait"]
+        assert forward_told == ["begin forward"] + waited * forward.count("wait") + ["end forward"]
+        assert backward_told == ["begin backward"] + waited * backward.count("wait") + ["end backward"]
 
 
 def test_ring_casts_once_per_pass_and_hop_and_builds_one_mask(attention_ranks):
@@ -548,13 +574,13 @@ def _activations(rank, world):
     out = dict(saved=saved, measured=run.measured.on("cp"), measured_saved=run.measured.saved_bytes,
                layer_messages={(phase, op): count for phase, messages in axis.layer_messages().items()
                                for (op, _), count in messages.items()},
-               phases_after_startup=dict(axis.ring.clock.phases))
+               phases_after_startup=dict(axis.observer.phases))
     out["startup"] = report_axes.cp_startup_lines(axis, run)
     batches = axis.shard_batches(rank_micro_batches(*global_batches(1, 2, SEQ)[0], dp_rank=0, dp_size=1, micro=2))
     train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 0.0, run.autocast,
                device, model=run.model, schedule=run.schedule, axes=run.axes, data_size=run.mesh.size("dp"))
     run.schedule.forward_only(run.layout, run.model, batches, run.autocast, device)  # evaluation: not charged
-    out["passes"] = {phase: stat.passes for phase, stat in axis.ring.clock.phases.items()}
+    out["passes"] = {phase: stat.passes for phase, stat in axis.observer.phases.items()}
     out["end"] = report_axes.cp_end_lines(axis, run, 1)
     return out
 

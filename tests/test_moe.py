@@ -121,12 +121,14 @@ def test_capacity_keeps_each_experts_first_slots_in_token_order():
 
 def test_a_dropped_slot_adds_nothing_and_is_counted():
     """Every token prefers expert 0 (top-1, C = ⌈8·1/4·1⌉ = 2): tokens 0 and 1 get expert 0's output times
-    their gate, the 6 later ones nothing (their residual carries them); the layer's routing record says 6."""
+    their gate, the 6 later ones nothing (their residual carries them); the layer's observer is told 6."""
+    from mfu import RoutedLoad
     from model import GPT
 
     config = make_config(n_layer=1, moe_experts=4, moe_topk=1, moe_capacity_factor=1.0)
     model = GPT(config, seed=0, dtype=DT)
     layer = model.transformer.h[0].mlp
+    layer.observer = routed = RoutedLoad()
     with torch.no_grad():
         layer.router.weight.zero_()
         layer.router.weight[0, 0] = 10.0
@@ -136,25 +138,54 @@ def test_a_dropped_slot_adds_nothing_and_is_counted():
     gate = torch.softmax(torch.tensor([10.0, 0, 0, 0], dtype=DT), 0)[0]
     assert float((y[:2] - gate * layer.experts["0"](x[0, :2]).detach()).abs().max()) < 1e-14
     assert float(y[2:].abs().max()) == 0.0
-    assert layer.routing.dropped == 6 and layer.routing.sent == 2 and layer.routing.forwards == 1
+    assert routed.dropped == {0: 6} and routed.rows() == (1, 2, 2)
+
+
+def test_the_layer_tells_its_observer_every_forward_and_the_load_counts_training_only():
+    """The layer keeps no record: it tells its observer what each forward routed, whatever the pass (the
+    forward and, under activation checkpointing, its recompute inside backward); mfu.RoutedLoad, the
+    accounting's observer, counts the training forward only."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    from mfu import RoutedLoad
+    from model import GPT
+
+    class Told:
+        def __init__(self):
+            self.calls = []
+
+        def routed(self, layer, load, keep, sent, received):
+            self.calls.append((layer.layer_id, int(load.sum()), keep, sent, received))
+
+    model = GPT(make_config(n_layer=1, moe_experts=4, moe_topk=2), seed=0, dtype=DT)
+    layer, told, routed = model.transformer.h[0].mlp, Told(), RoutedLoad()
+    x = torch.randn(1, 8, model.config.n_embd, dtype=DT, requires_grad=True)
+    for observer in (told, routed):
+        layer.observer = observer
+        with set_checkpoint_early_stop(False):  # the recompute runs the whole forward, its end included
+            checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert told.calls == [(0, 16, None, 16, 16)] * 2  # the forward, then its recompute in backward
+    assert routed.rows() == (1, 16, 16) and int(routed.loads[0].sum()) == 16
 
 
 def test_evaluation_and_sampling_forwards_record_no_routing():
     """Only a training forward records (the load line and the exact message prediction count training
-    steps): not one under no_grad (evaluation, sampling), not one in eval mode."""
+    steps): not one under no_grad (evaluation, sampling), not one in eval mode (mfu.RoutedLoad decides)."""
+    from mfu import RoutedLoad
     from model import GPT
 
     model = GPT(make_config(n_layer=1, moe_experts=4, moe_topk=2), seed=0, dtype=DT)
     layer = model.transformer.h[0].mlp
+    layer.observer = routed = RoutedLoad()
     x = torch.randn(1, 8, model.config.n_embd, dtype=DT)
     with torch.no_grad():
         layer(x)
     layer.eval()
     layer(x)
-    assert layer.routing.forwards == 0 and layer.routing.load is None
+    assert routed.forwards == 0 and routed.loads == {}
     layer.train()
     layer(x)
-    assert layer.routing.forwards == 1 and int(layer.routing.load.sum()) == 16
+    assert routed.forwards == 1 and int(routed.loads[0].sum()) == 16
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -194,6 +225,7 @@ def _layer(rank, world):
     import moe
     from mesh import MeshShape, build_mesh
     from comm import CommTracer
+    from mfu import RoutedLoad
     from model import GPT
 
     device = harness.device()
@@ -205,6 +237,7 @@ def _layer(rank, world):
         model = GPT(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT, device=device)
         layer = model.transformer.h[0].mlp
         moe.shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
+        layer.observer = routed = RoutedLoad()
         if mode == "pieces":  # micro-batch rank // 2, its sequence cut in two: this rank holds half rank % 2
             layer.pieces = (moe.Pieces(pairs[rank // 2], 2, rank % 2),)
             x, g = (t.chunk(2, dim=1)[rank % 2].to(device) for t in _layer_inputs(rank // 2, (2, 12), 16))
@@ -223,11 +256,10 @@ def _layer(rank, world):
         traced = tracer.records[("all_to_all_single", "ep")]
         results[(ep, factor, mode)] = dict(
             y=y.detach(), dx=x.grad, grads=_reduce_grads(model, mesh), aux=model.aux_losses.values(),
-            local=sorted(layer.experts.keys(), key=int), dropped=layer.routing.dropped,
+            local=sorted(layer.experts.keys(), key=int), dropped=routed.dropped.get(0, 0),
             traced=(traced.calls, traced.payload_bytes),
             counted=tuple(moe.all_to_all_messages(moe.Traffic(model.config, ep=ep, compute_bytes=8),
-                                                  layer.routing.forwards, layer.routing.sent,
-                                                  layer.routing.received)[moe.ALL_TO_ALL]),
+                                                  *routed.rows())[moe.ALL_TO_ALL]),
             expert_inputs=inputs.storages, cats=inputs.cats)
     # Under bf16 autocast (float32 model): the router still computes in fp32, the rows travel in bf16.
     model = GPT(make_config(**LAYER), seed=0, device=device)
@@ -428,6 +460,7 @@ def _model(rank, world):
         run = SimpleNamespace(mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=1, micro_batches=M,
                               device=device, autocast=nullcontext(), compute_dtype=DT, seed=0, model=model, layout=None)
         handle = moe.apply(model, run, moe.MoEConfig(ep))
+        report_axes.observe(handle)  # as train.compose does: the routed load the lines and the end table read
         startup = report_axes.axis_lines(handle, "startup", run)
         layout = _Layout(model)
         tracer = CommTracer()

@@ -469,7 +469,7 @@ def _measured(rank):
         run = _composed(rank, 2, ["--tp", "2", *(["--sp"] if sp else [])], measure=True)
         tp = next(axis for axis in run.axes if axis.name == "tp")
         out[sp] = dict(measured=run.measured.on("tp"), saved=run.measured.saved_bytes,
-                       predicted=tensor_parallel.block_messages(tp.batch, tp.holding()),
+                       predicted=tensor_parallel.block_messages(*tp.facts()),
                        lines=report_axes.tp_startup_lines(tp, run))
     fp8 = ["--tp", "2", "--sp", "--fp8", "delayed"]
     out["fp8"] = {measure: _trained_losses(_composed(rank, 2, fp8, measure)) for measure in (True, False)}
