@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import context_parallel
 import fp8
+import fp8_scaling
 import measure
 import memory
 import mfu
@@ -51,7 +52,8 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
-OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad}  # {handle name: what its section's lines read}
+OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad,  # {handle name: what its section's lines read}
+             "fp8": mfu.SaturationCount}
 
 
 def observe(axis):
@@ -583,14 +585,15 @@ AXIS_LINES["pp"] = {"startup": pp_startup_lines, "end": pp_end_lines}
 def _fp8_startup(handle, run, steps: int) -> list:
     """The recipe, which linears and GEMMs, the memory FP8 saves, the FP8 share of the FLOPs (the blended peak
     MFU should use on GPUs) and the amax reductions per step (fp8.py's docstring, items 2 and 3)."""
-    r, linears = handle.recipe, list(handle.linears.values())
-    gemm = "torch._scaled_mm" if linears and linears[0].use_scaled_mm else "emulated (no FP8 tensor cores here)"
+    facts = handle.facts()
+    r, linears, weights = facts.recipe, facts.in_features, facts.weights
+    gemm = "torch._scaled_mm" if facts.scaled_mm else "emulated (no FP8 tensor cores here)"
     detail = f", history L={r.amax_history}, {r.amax_algo}" if r.mode == "delayed" else ""
     lines = [f"fp8 {r.mode}{detail}, margin {r.margin}: {len(linears)} block linears in FP8 (E4M3 X, W;"
              f" {'E4M3' if r.mode == 'blockwise' else 'E5M2'} dY), GEMMs {gemm}; embedding, head, loss,"
              f" routers in the compute dtype"]
     tokens, compute_bytes = run.micro_batch_size * run.seq_len // run.mesh.size("cp"), run.compute_dtype.itemsize
-    saved, weights = fp8.saved_input_bytes(linears, tokens, compute_bytes), sum(lin.weight.numel() for lin in linears)
+    saved = fp8.saved_input_bytes(linears.values(), tokens, compute_bytes)
     lines.append(f"  memory: saved inputs in FP8 {mfu.format_bytes(saved['fp8'])} instead of"
                  f" {mfu.format_bytes(saved['compute'])} per micro-batch in flight (Σ M·K_j, M={tokens}):"
                  f" {mfu.format_bytes(saved['saved'])} less; FP8 weight copies {mfu.format_bytes(weights)}"
@@ -609,31 +612,27 @@ def _fp8_startup(handle, run, steps: int) -> list:
 
 def _fp8_scale_table(handle, run, steps: int) -> list:
     """Per layer and linear: the scales in use and the share of saturated values since the last table (this
-    rank's tensors). Blockwise shows the smallest tile scale (the tile with the largest amax)."""
-    names = {name: name.removeprefix("transformer.h.") for name in handle.linears}
+    rank's tensors, counted by its observer, mfu.SaturationCount). Blockwise shows the smallest tile scale (the
+    tile with the largest amax)."""
+    facts = handle.facts()
+    names = {name: name.removeprefix("transformer.h.") for name in facts.scales}
     width = max([len("layer.linear"), *map(len, names.values())])
-    rows = [f"fp8 {handle.recipe.mode}: the scales in use and the saturated share since the last table (this rank)",
-            f"  {'layer.linear':<{width}}" + "".join(f"  {role + ' scale':>17} {'sat':>6}" for role in fp8.ROLES)]
-    for name, linear in handle.linears.items():
-        scales = (linear.scale if handle.recipe.mode == "delayed" else linear.last_scale).tolist()
+    rows = [f"fp8 {facts.recipe.mode}: the scales in use and the saturated share since the last table (this rank)",
+            f"  {'layer.linear':<{width}}" + "".join(f"  {role + ' scale':>17} {'sat':>6}"
+                                                  for role in fp8_scaling.ROLES)]
+    for name, scales in facts.scales.items():
+        shares = handle.observer.take(name)
         rows.append(f"  {names[name]:<{width}}" + "".join(f"  {s:17.3e} {p:5.2f}%"
-                                                           for s, p in zip(scales, _take_saturation(linear))))
+                                                           for s, p in zip(scales.tolist(), shares)))
     return rows
-
-
-def _take_saturation(linear) -> list:
-    """Per role, the percentage of values the clamp cut since the last table (this rank's); restarts."""
-    shares = [100 * c / max(1, n) for c, n in zip(linear.saturated.tolist(), linear.quantized)]
-    linear.saturated.zero_()
-    linear.quantized = [0, 0, 0]
-    return shares
 
 
 def _fp8_end(handle, run, steps: int) -> list:
     """What only FP8 can say at the end: its amax reductions are in the message table (traced against every
     axis's prediction, this one's `traced_prediction`), its scales in the last step's table."""
-    first = f"{handle.first_steps} scaled like current (empty history), " if handle.recipe.mode == "delayed" else ""
-    return [f"fp8 {handle.recipe.mode}: steps {steps} ({first}{handle.nonfinite_steps} with a non-finite amax,"
+    facts = handle.facts()
+    first = f"{facts.first_steps} scaled like current (empty history), " if facts.recipe.mode == "delayed" else ""
+    return [f"fp8 {facts.recipe.mode}: steps {steps} ({first}{facts.nonfinite_steps} with a non-finite amax,"
             f" skipped on every rank)"]
 
 

@@ -606,8 +606,7 @@ def test_the_axis_protocol_is_eight_methods_and_no_handle_brings_back_a_removed_
 
 # What the accounting files still read of a handle beyond step.Axis, by section: the pipeline's (its own issue)
 # and FP8's (fp8.py has no room for a facts record within its 650 lines).
-STILL_READ = {"config", "m", "message_bytes", "model", "trace_file",  # pp
-              "recipe", "linears", "first_steps", "nonfinite_steps"}  # fp8
+STILL_READ = {"config", "m", "message_bytes", "model", "trace_file"}  # pp
 
 
 def test_the_accounting_reads_a_handle_only_through_the_protocol():
