@@ -33,6 +33,7 @@ Accounting (Ψ parameters, D data ranks, b_g bytes per gradient element, bucket 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -229,6 +230,15 @@ def assert_same_across_ranks(params: list, group=None):
         )
 
 
+@dataclass(frozen=True)
+class DDPFacts:
+    """What the accounting reads of a DDP layout (`DDPLayout.facts`): report_axes.py's ddp section, time_model.py."""
+
+    bucket_bytes: tuple  # each bucket's bytes, in launch order (the last one is sent after backward)
+    group_sizes: dict  # {data-parallel group name: its ranks N}
+    dp_size: int  # the ranks of the dense parameters' group (dp×cp)
+
+
 class DDPLayout:
     """ZeRO stage 0, the optim.Layout protocol: ddp.py sums the gradients, then every rank runs the same
     torch AdamW on the whole model (its parameters are the fp32 masters: b_w = b_g = 4, b_o = 8). Its
@@ -304,6 +314,11 @@ class DDPLayout:
         b = self.params[0].element_size()
         return memory.persistent_bytes(sum(p.numel() for p in self.params),
                                     memory.BytesPerParam(weights=b, grads=b, optimizer=2 * b), 0, 1)
+
+    def facts(self) -> DDPFacts:
+        return DDPFacts(tuple(self.ddp.bucket_sizes_bytes()),
+                        {name: dist.get_world_size(group) for name, group in self.ddp.groups.items()},
+                        dist.get_world_size(self.ddp.group))
 
     def predicted_messages(self, micro_batches: int = 1) -> Messages:
         """One all-reduce per bucket over its group, plus nothing else (the step's scalars are step.py's)."""

@@ -66,85 +66,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from comm import Messages
+from fp8_scaling import (E4M3, E5M2, FORMATS, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT, amax_of, dequantize,
+                         dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores, quantize, quantize_tiles,
+                         scale_from_amax, scaled_matmul, wide_dtype)
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
-# --- Formats and casts ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Format:
-    name: str
-    dtype: torch.dtype
-    max: float  # the largest finite magnitude
-
-
-E4M3 = Format("e4m3", torch.float8_e4m3fn, 448.0)
-E5M2 = Format("e5m2", torch.float8_e5m2, 57344.0)
-ROLES = ("input", "weight", "grad_output")
-FORMATS = (E4M3, E4M3, E5M2)  # per role; blockwise uses E4M3 for all three (DeepSeek-V3)
-TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT = (1, 128), (128, 1), (128, 128)
-MODES = ("current", "delayed", "blockwise")
-FORWARD, BACKWARD = slice(0, 2), slice(2, 3)  # the roles quantised in each pass (slices: no index tensors)
-_SATURATED = 1 + 2**-20  # |x·s| beyond max by more than the rounding of the scale and product counts
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """Scaling and emulated GEMMs run in fp32 (fp64 for float64 models, so tests can be tight)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def amax_of(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as float32 (one pass, no |x| temporary). NaN stays NaN."""
-    return torch.linalg.vector_norm(x, float("inf")).float()
-
-
-def scale_from_amax(amax: torch.Tensor, fmt_max, margin: float = 0) -> torch.Tensor:
-    """s = max/amax/2^margin (float32), elementwise; 1 where amax is 0 or not finite (nothing to scale by)."""
-    if not torch.is_tensor(fmt_max):  # a fill, not a copy from the host (which would wait for the GPU)
-        fmt_max = torch.full_like(amax, fmt_max)
-    usable = torch.isfinite(amax) & (amax > 0)
-    scale = fmt_max / torch.where(usable, amax, 1.0) / 2.0**margin
-    return torch.where(usable, scale, 1.0).clamp(max=torch.finfo(torch.float32).max)
-
-
-def quantize(x: torch.Tensor, fmt: Format, scale: torch.Tensor, count_saturated: bool = True):
-    """q = cast(clamp(x·scale, ±max)): (q in fmt.dtype, number of elements the clamp cut, or None)."""
-    scaled = x.to(_wide(x.dtype)) * scale.to(_wide(x.dtype))
-    saturated = (scaled.abs() > fmt.max * _SATURATED).sum() if count_saturated else None
-    return scaled.clamp_(-fmt.max, fmt.max).to(fmt.dtype).contiguous(), saturated  # row-major for _scaled_mm
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.to(_wide(dtype)) * scale.to(_wide(dtype)).reciprocal()).to(dtype)
-
-
-def _tiles(x: torch.Tensor, tile) -> torch.Tensor:
-    """[R, C] zero-padded to whole tiles, viewed as [R/r, r, C/c, c]."""
-    (r, c), (rows, cols) = tile, x.shape
-    padded = F.pad(x, (0, -cols % c, 0, -rows % r))
-    return padded.view(padded.shape[0] // r, r, padded.shape[1] // c, c)
-
-
-def quantize_tiles(x: torch.Tensor, tile, fmt: Format = E4M3):
-    """One scale per tile of x [R, C] (edge tiles partial): (q [R, C], inverse scales [⌈R/r⌉, ⌈C/c⌉], amax)."""
-    tiles = _tiles(x.to(_wide(x.dtype)), tile)
-    amax = tiles.abs().amax(dim=(1, 3)).float()
-    scale = scale_from_amax(amax, fmt.max)
-    q = (tiles * scale[:, None, :, None].to(tiles.dtype)).clamp_(-fmt.max, fmt.max).to(fmt.dtype)
-    rows, cols = x.shape
-    return q.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), 1.0 / scale.to(tiles.dtype), amax.max()
-
-
-def dequantize_tiles(q: torch.Tensor, inverse_scale: torch.Tensor, tile, dtype: torch.dtype) -> torch.Tensor:
-    tiles = _tiles(q.to(dtype), tile) * inverse_scale[:, None, :, None].to(dtype)
-    return tiles.flatten(2).flatten(0, 1)[:q.shape[0], :q.shape[1]]
-
-
 # --- The scaling rule (Transformer Engine's DelayedScaling) --------------------------------------------------
+
+MODES = ("current", "delayed", "blockwise")
 
 
 @dataclass(frozen=True)
@@ -167,45 +99,6 @@ def roll_history(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     return history, torch.where(finite & (reference > 0), new, scale)
 
 
-# --- The GEMMs: torch._scaled_mm on FP8 tensor cores, emulated elsewhere, the same rules everywhere ----------
-
-
-def gemm_shape_errors(m: int, k: int, n: int, training: bool = True) -> list:
-    """Why a linear of input width K, output width N, on M tokens cannot run on _scaled_mm (empty: it can).
-    The GEMMs [M,K]·[K,N] (forward), [M,N]·[N,K] (dX), [N,M]·[M,K] (dW) need their inner dimension and output
-    width to be multiples of 16: K and N always, M to train."""
-    errors = [f"{name}={value} is not a multiple of 16" for name, value in (("K (in_features)", k),
-              ("N (out_features)", n)) if value % 16]
-    if training and m % 16:
-        errors.append(f"M={m} tokens per micro-batch is not a multiple of 16 (the weight-gradient GEMM"
-                      f" dW = dYᵀ·X contracts over tokens)")
-    return errors
-
-
-def scaled_matmul(a, a_inverse_scale, b, b_inverse_scale, out_dtype, use_scaled_mm: bool, what: str = "GEMM"):
-    """(a·a_inv)·(b·b_inv) in out_dtype, a and b per-tensor-scaled FP8, accumulated in fp32 (fp64 emulated), after
-    _scaled_mm's operand rules, checked on every device (a ValueError here is what a GPU would refuse)."""
-    if a.dtype == b.dtype == E5M2.dtype:
-        raise ValueError(f"FP8 {what}: e5m2 × e5m2 has no tensor-core GEMM (torch._scaled_mm); one operand"
-                         f" must be e4m3")
-    (k, n) = b.shape
-    if a.shape[1] != k or k % 16 or n % 16:
-        raise ValueError(f"FP8 {what}: torch._scaled_mm needs [M,K]·[K,N] with K and N multiples of 16,"
-                         f" got [{a.shape[0]},{a.shape[1]}]·[{k},{n}]")
-    if a.stride(1) != 1 or not (b.stride(0) == 1 and b.stride(1) >= k):
-        raise ValueError(f"FP8 {what}: torch._scaled_mm needs a row-major first operand and a column-major"
-                         f" second one, got strides {a.stride()} and {b.stride()}")
-    if use_scaled_mm:
-        return torch._scaled_mm(a, b, scale_a=a_inverse_scale, scale_b=b_inverse_scale, out_dtype=out_dtype)
-    wide = _wide(out_dtype)
-    return ((a.to(wide) @ b.to(wide)) * (a_inverse_scale * b_inverse_scale).to(wide)).to(out_dtype)
-
-
-def has_fp8_tensor_cores(device) -> bool:
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 # --- The FP8 linear ------------------------------------------------------------------------------------------
 # Blockwise (DeepSeek-V3): every scale covers 128 consecutive values of the dimension its GEMM contracts, so it
 # factors out of each 128-long partial sum; the weight's 128×128 blocks serve both of its GEMMs.
@@ -213,6 +106,18 @@ def has_fp8_tensor_cores(device) -> bool:
 #   input     dX = dY·W   contracts N        dY [M, N] in 1×128 tiles,  W as above
 #   weight    dW = dYᵀ·X  contracts M tokens dY [M, N] and X [M, K] in 128×1 tiles
 # The inverse-scale grids (quantize_tiles): W [⌈N/128⌉, ⌈K/128⌉], X [M, ⌈K/128⌉], dX's dY [M, ⌈N/128⌉].
+
+FORWARD, BACKWARD = slice(0, 2), slice(2, 3)  # the roles quantised in each pass (slices: no index tensors)
+
+
+class QuantizationObserver:
+    """Who watches the casts: told, per role of each training quantisation (a forward with autograd, every
+    backward), the values cast and how many the clamp cut (an int64 tensor on the device; None where the recipe
+    scales from the amax now and cannot saturate: current, blockwise). Nobody by default; the accounting
+    subscribes its counter (`Fp8Handle.observe`, mfu.SaturationCount), which the scale table reads."""
+
+    def quantized(self, linear: Fp8Linear, role: int, values: int, saturated: torch.Tensor | None) -> None:
+        pass
 
 
 def blockwise_weight_grad_operands(dy: torch.Tensor, qx: torch.Tensor, ix: torch.Tensor, wide: torch.dtype):
@@ -249,7 +154,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                              + "; ".join(errors) + " (torch._scaled_mm's rules, checked on every device)")
         device = x.device.type  # the output in autocast's dtype, as nn.Linear's would be
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        wide = _wide(out_dtype)  # float32 inverse scales on the GPU path
+        wide = wide_dtype(out_dtype)  # float32 inverse scales on the GPU path
         with torch.autocast(device, enabled=False):
             codes = layer.cached_weight_codes(weight)  # None: the step's first micro-batch (or a new weight)
             if layer.recipe.mode == "blockwise":
@@ -258,7 +163,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     codes = layer.cache_weight_codes(weight, qw, amax_w, inverse_scales=iw)
                 qx, ix, amax_x = quantize_tiles(x2, TILE_ACTIVATION)
                 smallest = torch.stack([ix.max(), codes.inverse_scales.max()]).reciprocal()  # largest-amax tiles
-                layer.observe(FORWARD, torch.stack([amax_x, codes.amax]), smallest, record=training)
+                layer.record(FORWARD, torch.stack([amax_x, codes.amax]), smallest, training=training)
                 y = (dequantize_tiles(qx, ix, TILE_ACTIVATION, wide)
                      @ dequantize_tiles(codes.q, codes.inverse_scales, TILE_WEIGHT, wide).t()).to(out_dtype)
             else:
@@ -272,7 +177,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 if codes is None:
                     qw, sat_w = quantize(weight, E4M3, scale[1], layer.counts_saturation)
                     codes = layer.cache_weight_codes(weight, qw, amax_w, scale=scale[1], saturated=sat_w)
-                layer.observe(FORWARD, amax, scale, (sat_x, codes.saturated), (qx.numel(), codes.q.numel()),
+                layer.record(FORWARD, amax, scale, (sat_x, codes.saturated), (qx.numel(), codes.q.numel()),
                               training)
                 ix, iw = scale[0].to(wide).reciprocal(), codes.scale.to(wide).reciprocal()
                 y = scaled_matmul(qx, ix, codes.q.t(), iw, out_dtype, layer.use_scaled_mm, "forward Y = X·Wᵀ")
@@ -286,14 +191,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         qx, ix = ctx.saved_tensors
-        layer, codes, store, wide = ctx.layer, ctx.codes, ctx.store, _wide(ctx.out_dtype)
+        layer, codes, store, wide = ctx.layer, ctx.codes, ctx.store, wide_dtype(ctx.out_dtype)
         dy = grad.reshape(-1, grad.shape[-1])  # [M, N]
         wants_dw = ctx.needs_input_grad[1] or store is not None
         dx = operands = None
         with torch.autocast(grad.device.type, enabled=False):
             if layer.recipe.mode == "blockwise":
                 amax = amax_of(dy)
-                layer.observe(BACKWARD, amax.view(1), scale_from_amax(amax, E4M3.max).view(1))
+                layer.record(BACKWARD, amax.view(1), scale_from_amax(amax, E4M3.max).view(1))
                 if ctx.needs_input_grad[0]:
                     qdy, idy, _ = quantize_tiles(dy, TILE_ACTIVATION)
                     dx = (dequantize_tiles(qdy, idy, TILE_ACTIVATION, wide)
@@ -304,7 +209,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 amax = amax_of(dy).view(1)
                 scale = layer.scales(BACKWARD, amax)
                 qdy, sat = quantize(dy, E5M2, scale[0], layer.counts_saturation)
-                layer.observe(BACKWARD, amax, scale, (sat,), (qdy.numel(),))
+                layer.record(BACKWARD, amax, scale, (sat,), (qdy.numel(),))
                 idy = scale[0].to(wide).reciprocal()
                 if ctx.needs_input_grad[0]:
                     dx = scaled_matmul(qdy, idy, codes.column_major, codes.scale.to(wide).reciprocal(),
@@ -364,8 +269,7 @@ class Fp8Linear(nn.Linear):
         self._history_ready, self._history_version = False, self.amax_history._version  # see history_ready
         self.step_amax = torch.zeros(3, device=device)  # max over this step's micro-batches (local)
         self.last_scale = torch.ones(3, device=device)  # the scale last used, for the table
-        self.saturated = torch.zeros(3, dtype=torch.int64, device=device)  # since the last table
-        self.quantized = [0, 0, 0]
+        self.observer = QuantizationObserver()  # told what each training quantisation cast (Fp8Handle.observe)
         self.gathered_weight_amax = None  # set by ZeRO-3 while it holds this weight gathered from FP8 codes
         self.weight_codes = None  # this step's FP8 weight (WeightCodes), dropped when the step ends
         self.weight_grad_store = None  # the pipeline's WeightGradStore under zb (set by its install)
@@ -411,17 +315,16 @@ class Fp8Linear(nn.Linear):
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return scale_from_amax(amax, self.fmt_max[roles], self.recipe.margin)
 
-    def observe(self, roles: slice, amax, scale, saturated=(), counts=(), record: bool = True) -> None:
-        """Record this quantisation's local amaxes (max over the step) and statistics: in training (a forward
-        with autograd, every backward), not in evaluation."""
-        if not record:
+    def record(self, roles: slice, amax, scale, saturated=(), values=(), training: bool = True) -> None:
+        """Record this quantisation's local amaxes (max over the step) and the scale it used, and tell the
+        observer, per role, the values cast and those the clamp cut: in training (a forward with autograd,
+        every backward), not in evaluation."""
+        if not training:
             return
         self.step_amax[roles] = torch.maximum(self.step_amax[roles], amax)  # NaN propagates
         self.last_scale[roles] = scale.detach().float()
-        for role, count, numel in zip(range(roles.start, roles.stop), saturated, counts):
-            if count is not None:
-                self.saturated[role] += count
-            self.quantized[role] += numel
+        for role, count, n in zip(range(roles.start, roles.stop), saturated, values):
+            self.observer.quantized(self, role, n, count)
 
     def roll(self, amax: torch.Tensor, finite: bool) -> None:
         """End of a step (delayed): the reduced amaxes [3] enter the history; in place (state is live)."""
@@ -499,9 +402,23 @@ def apply(model: nn.Module, run, recipe: Recipe) -> Fp8Handle:
     return convert(model, recipe, run.mesh, micro_batches=run.micro_batches, device=run.device)
 
 
+@dataclass(frozen=True)
+class Fp8Facts:
+    """What the accounting reads of the FP8 axis (`Fp8Handle.facts`): report_axes.py's fp8 section."""
+
+    recipe: Recipe
+    scaled_mm: bool  # the per-tensor GEMMs run on torch._scaled_mm (else emulated on the same codes)
+    in_features: dict  # {linear's global name: K_j, its local input width} (saved_input_bytes)
+    weights: int  # Σ N_j·K_j: the elements of the step's FP8 weight copies
+    scales: dict  # {linear's global name: its [3] scales in use (delayed: the step's; else the last used)}
+    first_steps: int  # delayed steps that scaled like `current` (empty history)
+    nonfinite_steps: int  # steps in which some FP8 tensor had a non-finite amax (skipped everywhere)
+
+
 class Fp8Handle(Axis):
     """The axis handle. linears: {global name: Fp8Linear}; micro_batches: m; recomputes: activation
-    checkpointing (a block's forward, and its amax reductions, run twice)."""
+    checkpointing (a block's forward, and its amax reductions, run twice); `observe` subscribes the accounting
+    to every linear's casts."""
 
     name = "fp8"
 
@@ -543,6 +460,20 @@ class Fp8Handle(Axis):
         self.nonfinite_steps += nonfinite > 0
         return nonfinite
 
+    def observe(self, observer: QuantizationObserver) -> None:
+        """Every linear tells `observer` (the accounting's mfu.SaturationCount) what its casts cut."""
+        self.observer = observer
+        for linear in self.linears.values():
+            linear.observer = observer
+
+    def facts(self) -> Fp8Facts:
+        linears = self.linears.values()
+        return Fp8Facts(self.recipe, any(linear.use_scaled_mm for linear in linears),
+                        {name: linear.in_features for name, linear in self.linears.items()},
+                        sum(linear.weight.numel() for linear in linears),
+                        {name: linear.scale if self.recipe.mode == "delayed" else linear.last_scale
+                         for name, linear in self.linears.items()}, self.first_steps, self.nonfinite_steps)
+
     def state_pieces(self) -> list:
         """The delayed recipe's histories and scales as logical tensors ("fp8/<linear>.amax_history", ".scale";
         docstring item 4), written by the rank at coordinate 0 of the linear's gradient group and of tp."""
@@ -583,9 +514,10 @@ class Fp8Handle(Axis):
                 + self.predicted_messages(layout, first_step=True).times(first / max(1, steps)))
 
 
-def saved_input_bytes(linears, tokens: int, compute_bytes: int) -> dict:
-    """The saved inputs' bytes per micro-batch of M `tokens`: fp8 Σ M·K_j, compute, saved Σ M·K_j·(e_c - 1)."""
-    elements = sum(tokens * linear.in_features for linear in linears)
+def saved_input_bytes(in_features, tokens: int, compute_bytes: int) -> dict:
+    """The saved inputs' bytes per micro-batch of M `tokens` through linears of input widths `in_features` (K_j):
+    fp8 Σ M·K_j, compute, saved Σ M·K_j·(e_c - 1)."""
+    elements = sum(tokens * k for k in in_features)
     return {"fp8": elements, "compute": elements * compute_bytes, "saved": elements * (compute_bytes - 1)}
 
 

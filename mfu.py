@@ -583,6 +583,31 @@ class RoutedLoad:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 4d. Saturation: what the FP8 linears' clamps cut (fp8.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class SaturationCount:
+    """Per FP8 linear (by its global name) and role (input, weight, grad_output): the values its training casts
+    quantised and those the clamp cut, since the last `take`. It observes every linear (fp8.QuantizationObserver,
+    subscribed by report.observe_axes through Fp8Handle.observe); the cut counts stay int64 tensors on the device
+    until `take` reads a linear's in one `.tolist()` (the scale table, report_axes.py's fp8 section)."""
+
+    def __init__(self):
+        self.values, self.saturated = {}, {}  # {linear name: [3] host ints}, {linear name: [3] int64 tensor}
+
+    def quantized(self, linear, role: int, values: int, saturated) -> None:
+        self.values.setdefault(linear.name, [0, 0, 0])[role] += values
+        if saturated is not None:  # None: a recipe that cannot saturate (it scales from the amax now)
+            self.saturated.setdefault(linear.name, saturated.new_zeros(3))[role] += saturated
+
+    def take(self, name: str) -> list:
+        """Per role, 100·cut / cast (percent) of linear `name` since the last take; its counts restart."""
+        cut = self.saturated.pop(name).tolist() if name in self.saturated else [0, 0, 0]
+        return [100 * c / max(1, n) for c, n in zip(cut, self.values.pop(name, [0, 0, 0]))]
+
+
+# ----------------------------------------------------------------------------------------------------------
 # 5. Checkpoint interval
 # ----------------------------------------------------------------------------------------------------------
 

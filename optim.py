@@ -173,6 +173,10 @@ class Layout(Protocol):
     def predicted_messages(self, micro_batches: int):
         """Its comm.Messages of one optimizer step of m micro-batches, by (op, group), from its formulas."""
 
+    def facts(self):
+        """What the accounting reads of the layout besides these methods (its report_axes.py section,
+        time_model.py): a frozen record of its own figures (ddp.DDPFacts, zero.ZeroFacts)."""
+
 
 @dataclass
 class StepResult:

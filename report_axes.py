@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import context_parallel
 import fp8
+import fp8_scaling
 import measure
 import memory
 import mfu
@@ -51,7 +52,8 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
-OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad, "pp": mfu.ActionClock}  # {handle name: what its lines read}
+OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad,  # {handle name: what its section's lines read}
+             "fp8": mfu.SaturationCount, "pp": mfu.ActionClock}
 
 
 def observe(axis):
@@ -70,7 +72,8 @@ MEASURES_BLOCK: set = set()  # handle names whose lines read run.measured (block
 def ddp_startup_lines(layout, run=None, steps: int = 0) -> list:
     """What DDP holds and sends (ddp.py's docstring, answers 1-3): the persistent bytes predicted, the bucket
     all-reduces per group, and the bucket left on the critical path once backward ends."""
-    persistent, sizes = layout.predicted_persistent(), layout.ddp.bucket_sizes_bytes()
+    persistent, facts = layout.predicted_persistent(), layout.facts()
+    sizes = facts.bucket_bytes
     lines = ["layout: DDP (ZeRO stage 0): parameters, gradients and AdamW state replicated over each"
              " parameter's data-parallel group; split: the batch",
              "predicted persistent memory per rank (fp32 master recipe: b_w = b_g = 4, b_o = 8 bytes):",
@@ -79,14 +82,14 @@ def ddp_startup_lines(layout, run=None, steps: int = 0) -> list:
              f"  AdamW m,v {mfu.format_bytes(persistent['optimizer'])}",
              f"  total     {mfu.format_bytes(persistent['total'])}"]
     for (op, group), (calls, payload) in layout.predicted_messages().items():
-        n = dist.get_world_size(layout.ddp.groups[group])
+        n = facts.group_sizes[group]
         lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls}"
                      f" bucket{'' if calls == 1 else 's'}, sent per"
                      f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} (2(N-1)/N·M, ring)")
-    if len(sizes) > 1 and dist.get_world_size(layout.ddp.group) > 1:
+    if len(sizes) > 1 and facts.dp_size > 1:
         lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"
                      f" last one ({mfu.format_bytes(sizes[-1])}, the first layers' grads) is sent after it")
-    elif dist.get_world_size(layout.ddp.group) > 1:
+    elif facts.dp_size > 1:
         lines.append(f"critical path: the single bucket ({mfu.format_bytes(sizes[0])}) is sent after backward;"
                      f" lower --bucket-mb to overlap it")
     return lines
@@ -103,23 +106,23 @@ AXIS_LINES["ddp"] = {"startup": ddp_startup_lines}
 def zero_startup_lines(layout, run, steps: int) -> list:
     """What ZeRO holds and sends: the persistent bytes predicted (with Ψ, with the padded Ψ'_g) next to what
     it holds, the peak bound, and which messages overlap what (zero.py's docstring, answers 2 and 3)."""
-    b, D, psi, stage = layout.bytes_per_param(), layout.dp_size, layout.numel, layout.stage
+    facts = layout.facts()
+    b, D, psi, stage, dtype = facts.bytes_per_param, facts.dp_size, facts.numel, facts.stage, facts.dtypes
     formula = {1: "(b_w+b_g)Ψ + b_oΨ/D", 2: "b_wΨ + (b_g+b_o)Ψ/D", 3: "(b_w+b_g+b_o)Ψ/D"}[stage]
     exact = memory.persistent_bytes(psi, b, stage, D)
     padded, held = layout.predicted_persistent(), layout.held_bytes()
-    sizes = ", ".join(f"{name} D={dist.get_world_size(group)}" for name, group in layout.groups.items()
-                      if layout.units_of(name))
-    name, units = mfu.format_dtype, len(layout.units)
-    lines = [f"ZeRO stage {stage} over {sizes}: {name(layout.param_dtype)} working weights and micro-batch"
-             f" grads, {name(layout.accumulate_dtype)} accumulated grads, {name(layout.reduce_dtype)} reduce-scatter,"
-             f" {name(layout.master_dtype)} optimizer (b_w={b.weights}, b_g={b.grads}, b_o={b.optimizer});"
-             f" {units} unit{'s' if units != 1 else ''}, Ψ={psi:,}, padded Ψ'={layout.padded_numel:,}",
+    sizes = ", ".join(f"{name} D={size}" for name, size in facts.group_sizes.items())
+    name, units = mfu.format_dtype, facts.units
+    lines = [f"ZeRO stage {stage} over {sizes}: {name(dtype['param'])} working weights and micro-batch"
+             f" grads, {name(dtype['accumulate'])} accumulated grads, {name(dtype['reduce'])} reduce-scatter,"
+             f" {name(dtype['master'])} optimizer (b_w={b.weights}, b_g={b.grads}, b_o={b.optimizer});"
+             f" {units} unit{'s' if units != 1 else ''}, Ψ={psi:,}, padded Ψ'={facts.padded_numel:,}",
              f"persistent bytes per rank, {formula}:  predicted(Ψ, D={D}) / predicted(Ψ'_g, D_g) / held"]
     for kind in ("weights", "grads", "optimizer", "total"):
         lines.append(f"  {kind:<9} {mfu.format_bytes(exact[kind]):>12} {mfu.format_bytes(padded[kind]):>12}"
                      f" {mfu.format_bytes(held[kind]):>12}")
     lines.append(f"peak lower bound per rank (persistent + transient buffers, activations apart):"
-                 f" {mfu.format_bytes(layout.peak_lower_bound())}")
+                 f" {mfu.format_bytes(facts.peak_lower_bound)}")
     lines.append("messages: reduce_scatter of the gradients overlaps backward; the all_gather of unit k"
                  " overlaps the update of unit k+1" if stage < 3 else
                  "messages: each block's all_gather is prefetched behind the previous block's compute;"
@@ -129,9 +132,10 @@ def zero_startup_lines(layout, run, steps: int) -> list:
 
 def zero_end_lines(layout, run, steps: int) -> list:
     """The peak bound again, and at stage 3 how many gathered blocks the schedule held at once (bound: 2)."""
-    return [f"  ZeRO-{layout.stage} peak lower bound {mfu.format_bytes(layout.peak_lower_bound())}"
-            + (f"; gathered blocks alive at once: {layout.peak_gathered_units} (bound: 2, in use + prefetched)"
-               if layout.stage == 3 else "")]
+    facts = layout.facts()
+    return [f"  ZeRO-{facts.stage} peak lower bound {mfu.format_bytes(facts.peak_lower_bound)}"
+            + (f"; gathered blocks alive at once: {facts.peak_gathered_units} (bound: 2, in use + prefetched)"
+               if facts.stage == 3 else "")]
 
 
 AXIS_LINES["zero"] = {"startup": zero_startup_lines, "end": zero_end_lines}
@@ -586,14 +590,15 @@ AXIS_LINES["pp"] = {"startup": pp_startup_lines, "end": pp_end_lines}
 def _fp8_startup(handle, run, steps: int) -> list:
     """The recipe, which linears and GEMMs, the memory FP8 saves, the FP8 share of the FLOPs (the blended peak
     MFU should use on GPUs) and the amax reductions per step (fp8.py's docstring, items 2 and 3)."""
-    r, linears = handle.recipe, list(handle.linears.values())
-    gemm = "torch._scaled_mm" if linears and linears[0].use_scaled_mm else "emulated (no FP8 tensor cores here)"
+    facts = handle.facts()
+    r, linears, weights = facts.recipe, facts.in_features, facts.weights
+    gemm = "torch._scaled_mm" if facts.scaled_mm else "emulated (no FP8 tensor cores here)"
     detail = f", history L={r.amax_history}, {r.amax_algo}" if r.mode == "delayed" else ""
     lines = [f"fp8 {r.mode}{detail}, margin {r.margin}: {len(linears)} block linears in FP8 (E4M3 X, W;"
              f" {'E4M3' if r.mode == 'blockwise' else 'E5M2'} dY), GEMMs {gemm}; embedding, head, loss,"
              f" routers in the compute dtype"]
     tokens, compute_bytes = run.micro_batch_size * run.seq_len // run.mesh.size("cp"), run.compute_dtype.itemsize
-    saved, weights = fp8.saved_input_bytes(linears, tokens, compute_bytes), sum(lin.weight.numel() for lin in linears)
+    saved = fp8.saved_input_bytes(linears.values(), tokens, compute_bytes)
     lines.append(f"  memory: saved inputs in FP8 {mfu.format_bytes(saved['fp8'])} instead of"
                  f" {mfu.format_bytes(saved['compute'])} per micro-batch in flight (Σ M·K_j, M={tokens}):"
                  f" {mfu.format_bytes(saved['saved'])} less; FP8 weight copies {mfu.format_bytes(weights)}"
@@ -612,31 +617,27 @@ def _fp8_startup(handle, run, steps: int) -> list:
 
 def _fp8_scale_table(handle, run, steps: int) -> list:
     """Per layer and linear: the scales in use and the share of saturated values since the last table (this
-    rank's tensors). Blockwise shows the smallest tile scale (the tile with the largest amax)."""
-    names = {name: name.removeprefix("transformer.h.") for name in handle.linears}
+    rank's tensors, counted by its observer, mfu.SaturationCount). Blockwise shows the smallest tile scale (the
+    tile with the largest amax)."""
+    facts = handle.facts()
+    names = {name: name.removeprefix("transformer.h.") for name in facts.scales}
     width = max([len("layer.linear"), *map(len, names.values())])
-    rows = [f"fp8 {handle.recipe.mode}: the scales in use and the saturated share since the last table (this rank)",
-            f"  {'layer.linear':<{width}}" + "".join(f"  {role + ' scale':>17} {'sat':>6}" for role in fp8.ROLES)]
-    for name, linear in handle.linears.items():
-        scales = (linear.scale if handle.recipe.mode == "delayed" else linear.last_scale).tolist()
+    rows = [f"fp8 {facts.recipe.mode}: the scales in use and the saturated share since the last table (this rank)",
+            f"  {'layer.linear':<{width}}" + "".join(f"  {role + ' scale':>17} {'sat':>6}"
+                                                  for role in fp8_scaling.ROLES)]
+    for name, scales in facts.scales.items():
+        shares = handle.observer.take(name)
         rows.append(f"  {names[name]:<{width}}" + "".join(f"  {s:17.3e} {p:5.2f}%"
-                                                           for s, p in zip(scales, _take_saturation(linear))))
+                                                           for s, p in zip(scales.tolist(), shares)))
     return rows
-
-
-def _take_saturation(linear) -> list:
-    """Per role, the percentage of values the clamp cut since the last table (this rank's); restarts."""
-    shares = [100 * c / max(1, n) for c, n in zip(linear.saturated.tolist(), linear.quantized)]
-    linear.saturated.zero_()
-    linear.quantized = [0, 0, 0]
-    return shares
 
 
 def _fp8_end(handle, run, steps: int) -> list:
     """What only FP8 can say at the end: its amax reductions are in the message table (traced against every
     axis's prediction, this one's `traced_prediction`), its scales in the last step's table."""
-    first = f"{handle.first_steps} scaled like current (empty history), " if handle.recipe.mode == "delayed" else ""
-    return [f"fp8 {handle.recipe.mode}: steps {steps} ({first}{handle.nonfinite_steps} with a non-finite amax,"
+    facts = handle.facts()
+    first = f"{facts.first_steps} scaled like current (empty history), " if facts.recipe.mode == "delayed" else ""
+    return [f"fp8 {facts.recipe.mode}: steps {steps} ({first}{facts.nonfinite_steps} with a non-finite amax,"
             f" skipped on every rank)"]
 
 

@@ -43,7 +43,6 @@ import mfu
 import model as model_lib
 import report
 import schedules
-import zero
 from comm import Messages
 from flags import DTYPES
 
@@ -85,19 +84,16 @@ def role_of(run, device_type: str | None = None) -> Role:
     persistent = dict(layout.predicted_persistent())
     estimate = activations.activation_estimate(run, device_type)
     temporaries, last_bucket, first_gather = {}, 0.0, 0.0
-    if isinstance(layout, zero.ZeroLayout):
-        extra = layout.peak_lower_bound() - persistent["total"]
-        what = ("gathered units (in use + prefetched) and gradient buckets" if layout.stage == 3
+    facts = layout.facts()
+    if layout.name == "zero":
+        extra = facts.peak_lower_bound - persistent["total"]
+        what = ("gathered units (in use + prefetched) and gradient buckets" if facts.stage == 3
                 else "reduce-scatter outputs / all-gather inputs, gradient buckets")
-        temporaries[f"ZeRO-{layout.stage} {what}"] = extra
-        b = layout.reduce_dtype.itemsize
-        last_bucket = b * (sum(u.padded_numel for u in layout.root) if layout.stage == 3
-                           else layout.units[-1].padded_numel)
-        if layout.stage == 3:
-            first_gather = layout.param_dtype.itemsize * sum(u.padded_numel for u in [*layout.root,
-                                                                                        *layout.block_units[0]])
+        temporaries[f"ZeRO-{facts.stage} {what}"] = extra
+        last_bucket = facts.dtypes["reduce"].itemsize * facts.last_reduce_numel
+        first_gather = facts.dtypes["param"].itemsize * facts.first_gather_numel  # 0 below stage 3
     else:
-        sizes = layout.ddp.bucket_sizes_bytes()
+        sizes = facts.bucket_bytes
         temporaries["DDP: one bucket in flight (the backend's staging)"] = max(sizes)
         last_bucket = sizes[-1]
     bubble, boundary = 0.0, 0.0

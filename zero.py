@@ -101,6 +101,25 @@ class ZeroConfig:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {self.stage} (stage 0 is ddp.py + DDPLayout)")
 
 
+@dataclass(frozen=True)
+class ZeroFacts:
+    """What the accounting reads of a ZeRO layout (`ZeroLayout.facts`): report_axes.py's zero section and
+    time_model.py. Ψ, Ψ', b and D as in the docstring."""
+
+    stage: int
+    dp_size: int  # D, the ranks of the dense parameters' group (dp×cp)
+    group_sizes: dict  # {data-parallel group name: D_g}, the groups that hold units
+    units: int  # the flat units (stages 1/2: gradient buckets; stage 3: the root's and each block's)
+    numel: int  # Ψ
+    padded_numel: int  # Ψ', every unit padded to a multiple of its D_g
+    bytes_per_param: memory.BytesPerParam  # b_w, b_g, b_o
+    dtypes: dict  # {"param" | "accumulate" | "reduce" | "master": torch.dtype}
+    peak_lower_bound: float  # persistent + the transient buffers (bytes, activations apart)
+    last_reduce_numel: int  # the elements reduce-scattered after backward: the last unit (stage 3: the root's)
+    first_gather_numel: int  # stage 3: the root's and block 0's, gathered before the first compute; else 0
+    peak_gathered_units: int = 0  # stage 3: the most blocks gathered at once so far
+
+
 class Unit:
     """One flat, padded buffer of parameters: what is gathered, reduce-scattered and stepped together. The record
     and each buffer mean the same at every stage, a buffer None where a stage has none (ZeroLayout._build_unit)."""
@@ -451,6 +470,13 @@ class ZeroLayout:
         if self.stage == 2:
             return persistent + max(2 * b_bucket * largest, b.weights * shards)
         return persistent + max(b_bucket, b.weights) * shards
+
+    def facts(self) -> ZeroFacts:
+        dtypes = {"param": self.param_dtype, "accumulate": self.accumulate_dtype, "reduce": self.reduce_dtype,
+                  "master": self.master_dtype}
+        sizes = {name: dist.get_world_size(group) for name, group in self.groups.items() if self.units_of(name)}
+        return ZeroFacts(self.stage, self.dp_size, sizes, len(self.units), self.numel, self.padded_numel,
+                         self.bytes_per_param(), dtypes, self.peak_lower_bound(), self.units[-1].padded_numel, 0)
 
     def predicted_messages(self, micro_batches: int) -> Messages:
         """Per step over each data-parallel group of size > 1 (docstring item 3): each unit's reduce-scatter (m

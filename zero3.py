@@ -42,6 +42,8 @@ Accounting (zero.py's symbols; its docstring gives all three stages side by side
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -50,7 +52,7 @@ from comm import Messages
 from ddp import grad_group
 from model import initial_local
 from shard import counts_here
-from zero import Unit, ZeroConfig, ZeroLayout
+from zero import Unit, ZeroConfig, ZeroFacts, ZeroLayout
 
 
 class Zero3Layout(ZeroLayout):
@@ -249,6 +251,13 @@ class Zero3Layout(ZeroLayout):
         largest = max(sum(u.padded_numel for u in units) for units in self.block_units)
         root = sum(u.padded_numel for u in self.root)
         return self.predicted_persistent()["total"] + 2 * b_w * largest + b_bucket * (root + 2 * largest)
+
+    def facts(self) -> ZeroFacts:
+        """ZeroLayout's, with the root's reduce-scatter last, the root and block 0 gathered first, and the
+        most blocks the schedule held gathered at once."""
+        first = sum(u.padded_numel for u in [*self.root, *self.block_units[0]])
+        return replace(super().facts(), last_reduce_numel=sum(u.padded_numel for u in self.root),
+                       first_gather_numel=first, peak_gathered_units=self.peak_gathered_units)
 
     def _gathers(self, unit: Unit) -> int:
         """Gathers of a unit per micro-batch: the root twice in forward (embedding, tied head), a block once in

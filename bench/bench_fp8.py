@@ -31,6 +31,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import fp8  # noqa: E402
+import fp8_scaling  # noqa: E402
+import mfu  # noqa: E402
 import report_axes  # noqa: E402
 from common import add_device_argument, alternate  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
@@ -45,10 +47,10 @@ def numerics(device, n: int = 1024) -> None:
     """SQNR (dB) of each FP8 recipe against the bf16 linear, and the fraction of saturated values."""
     print(f"numerics (vs the bf16 linear, M=K=N={n}, N(0,1) inputs and gradients, nn.Linear init):")
     x = torch.randn(n, n, device=device) * 3
-    for fmt in (fp8.E4M3, fp8.E5M2):
-        scale = fp8.scale_from_amax(fp8.amax_of(x), fmt.max)
-        q, _ = fp8.quantize(x, fmt, scale)
-        round_trip = sqnr(x, fp8.dequantize(q, scale, torch.float32))
+    for fmt in (fp8_scaling.E4M3, fp8_scaling.E5M2):
+        scale = fp8_scaling.scale_from_amax(fp8_scaling.amax_of(x), fmt.max)
+        q, _ = fp8_scaling.quantize(x, fmt, scale)
+        round_trip = sqnr(x, fp8_scaling.dequantize(q, scale, torch.float32))
         print(f"  cast round trip {fmt.name}: {round_trip:.1f} dB (target ≥ 25)")
     print(f"  {'mode':<10} {'output':>8} {'dX':>8} {'dW':>8}   saturated in the last step (input, weight, grad)")
     for mode in fp8.MODES:
@@ -57,20 +59,20 @@ def numerics(device, n: int = 1024) -> None:
         reference.load_state_dict(plain.state_dict())
         layer = fp8.Fp8Linear(plain, fp8.Recipe(mode), "bench")
         handle = fp8.Fp8Handle(fp8.Recipe(mode), {"bench": layer})
+        handle.observe(mfu.SaturationCount())  # what the clamps cut, as the trainer's accounting counts it
         for step in range(3):  # delayed: steps 2 and 3 use the history; step 3's input is 2× larger
             x = torch.randn(8, n // 8, n, device=device) * (2.0 if step == 2 else 1.0)
             x = x.requires_grad_()
             x_ref = x.detach().clone().requires_grad_()
             grad = torch.randn(8, n // 8, n, device=device)
             plain.weight.grad = reference.weight.grad = None
-            layer.saturated.zero_()
-            layer.quantized = [0, 0, 0]
+            handle.observer.take("bench")  # forget the earlier steps: the fractions below are the last step's
             with torch.autocast(device.type, torch.bfloat16):
                 y, y_ref = layer(x), reference(x_ref)
             y.backward(grad)
             y_ref.backward(grad)
             handle.after_grad_sync()
-        fractions = [f"{100 * int(c) / max(1, q):.2f}%" for c, q in zip(layer.saturated.tolist(), layer.quantized)]
+        fractions = [f"{share:.2f}%" for share in handle.observer.take("bench")]
         print(f"  {mode:<10} {sqnr(y_ref, y):7.1f} {sqnr(x_ref.grad, x.grad):8.1f} "
               f"{sqnr(reference.weight.grad, plain.weight.grad):8.1f}   {', '.join(fractions)}")
     print("  (targets: output ≥ 18 dB, dW ≥ 17 dB, torchao's; delayed saturates when a tensor outgrows its"
@@ -177,7 +179,7 @@ def gpt2_step_ratio(device, batch: int, steps: int, compile_too: bool, preset: s
         base = times["bf16+compile" if name.endswith("compile") else "bf16"]
         memory = f"  peak {peaks[name] / 2**30:.2f} GiB" if name in peaks else ""
         print(f"  {name:<18} {seconds * 1e3:9.1f} ms per step  {base / seconds:.2f}× bf16{memory}")
-    saved = fp8.saved_input_bytes(handles["current"].linears.values(), batch * seq, 2)["saved"]
+    saved = fp8.saved_input_bytes(handles["current"].facts().in_features.values(), batch * seq, 2)["saved"]
     print(f"  predicted: FP8 saved inputs {saved / 2**30:.2f} GiB less per micro-batch (Σ M·K_j, bf16 → FP8)")
 
 
@@ -252,18 +254,18 @@ def main():
     device = torch.device(args.device)
     torch.manual_seed(0)
     numerics(device, n=256 if args.smoke else 1024)
-    if fp8.has_fp8_tensor_cores(device) or args.smoke:
+    if fp8_scaling.has_fp8_tensor_cores(device) or args.smoke:
         n, steps = (64, 2) if args.smoke else (args.n, args.steps)
         compile_too = not args.no_compile and not args.smoke
         gemm_throughput(device, n, steps)
         if args.smoke and device.type == "cpu":  # the _scaled_mm path, which torch also runs on CPU
-            original = fp8.has_fp8_tensor_cores
-            fp8.has_fp8_tensor_cores = lambda dev: True
+            original = fp8_scaling.has_fp8_tensor_cores
+            fp8_scaling.has_fp8_tensor_cores = lambda dev: True
         linear_throughput(device, n, steps, compile_too)
         if args.smoke:
             gpt2_step_ratio(device, 1, steps, compile_too, preset="tiny", seq=16)
             if device.type == "cpu":
-                fp8.has_fp8_tensor_cores = original
+                fp8_scaling.has_fp8_tensor_cores = original
         else:
             gpt2_step_ratio(device, args.batch, max(5, steps // 2), compile_too)
     else:

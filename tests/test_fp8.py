@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fp8
+import fp8_scaling
 import harness
 import memory
 import mfu
@@ -64,24 +65,24 @@ def fp8_state(handle) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [fp8_scaling.E4M3, fp8_scaling.E5M2], ids=lambda f: f.name)
 def test_cast_round_trip_puts_the_amax_on_the_format_max(fmt):
     torch.manual_seed(0)
     x = torch.randn(512, 512) * 3
-    scale = fp8.scale_from_amax(fp8.amax_of(x), fmt.max)
-    q, saturated = fp8.quantize(x, fmt, scale)
+    scale = fp8_scaling.scale_from_amax(fp8_scaling.amax_of(x), fmt.max)
+    q, saturated = fp8_scaling.quantize(x, fmt, scale)
     assert q.dtype == fmt.dtype and int(saturated) == 0
     assert float(q.float().abs().max()) == fmt.max  # current scaling puts the amax on the format's max
-    assert sqnr(x, fp8.dequantize(q, scale, torch.float32)) >= 25
+    assert sqnr(x, fp8_scaling.dequantize(q, scale, torch.float32)) >= 25
 
 
-@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [fp8_scaling.E4M3, fp8_scaling.E5M2], ids=lambda f: f.name)
 def test_a_too_large_scale_clamps_and_counts_never_inf(fmt):
     """A scale 4× too large: the values beyond max are clamped and counted, never inf (E5M2's plain cast is)."""
     torch.manual_seed(0)
     x = torch.randn(512, 512) * 3
-    scale = fp8.scale_from_amax(fp8.amax_of(x), fmt.max) * 4
-    q, saturated = fp8.quantize(x, fmt, scale)
+    scale = fp8_scaling.scale_from_amax(fp8_scaling.amax_of(x), fmt.max) * 4
+    q, saturated = fp8_scaling.quantize(x, fmt, scale)
     assert torch.isfinite(q.float()).all() and float(q.float().abs().max()) == fmt.max
     assert int(saturated) == int((x.abs() * scale > fmt.max).sum()) > 0
     assert torch.isinf((x * 1e5).to(torch.float8_e5m2).float()).any()  # why the clamp is needed
@@ -90,9 +91,9 @@ def test_a_too_large_scale_clamps_and_counts_never_inf(fmt):
 def test_tile_round_trip():
     torch.manual_seed(0)
     x = torch.randn(512, 512) * 3
-    q, inverse, amax = fp8.quantize_tiles(x, fp8.TILE_ACTIVATION)
+    q, inverse, amax = fp8_scaling.quantize_tiles(x, fp8_scaling.TILE_ACTIVATION)
     assert inverse.shape == (512, 4) and float(amax) == float(x.abs().max())
-    assert sqnr(x, fp8.dequantize_tiles(q, inverse, fp8.TILE_ACTIVATION, torch.float32)) >= 25
+    assert sqnr(x, fp8_scaling.dequantize_tiles(q, inverse, fp8_scaling.TILE_ACTIVATION, torch.float32)) >= 25
 
 
 @pytest.mark.parametrize("mode", fp8.MODES)
@@ -153,13 +154,13 @@ def test_gpu_shape_rules_rejected_on_cpu():
 
 
 def test_gpu_operand_rules_rejected_on_cpu():
-    a = torch.randn(16, 32).to(fp8.E5M2.dtype)
-    b = torch.randn(64, 32).to(fp8.E5M2.dtype)
+    a = torch.randn(16, 32).to(fp8_scaling.E5M2.dtype)
+    b = torch.randn(64, 32).to(fp8_scaling.E5M2.dtype)
     one = torch.ones(())
     with pytest.raises(ValueError, match="e5m2 × e5m2 has no tensor-core GEMM"):
-        fp8.scaled_matmul(a, one, b.t(), one, torch.float32, False)
+        fp8_scaling.scaled_matmul(a, one, b.t(), one, torch.float32, False)
     with pytest.raises(ValueError, match="column-major second one"):
-        fp8.scaled_matmul(a, one, b.to(fp8.E4M3.dtype).t().contiguous(), one, torch.float32, False)
+        fp8_scaling.scaled_matmul(a, one, b.to(fp8_scaling.E4M3.dtype).t().contiguous(), one, torch.float32, False)
 
 
 def test_config_from_flags_names_the_flags():
@@ -191,15 +192,15 @@ def test_blockwise_tiles_run_along_each_gemms_contracted_dimension():
     torch.manual_seed(0)
     x, dy = torch.randn(M, K, dtype=f64), torch.randn(M, N, dtype=f64)
     plain = nn.Linear(K, N, dtype=f64)
-    qw, iw, _ = fp8.quantize_tiles(plain.weight.detach(), fp8.TILE_WEIGHT)
-    qx, ix, _ = fp8.quantize_tiles(x, fp8.TILE_ACTIVATION)
-    qdy, idy, _ = fp8.quantize_tiles(dy, fp8.TILE_ACTIVATION)
+    qw, iw, _ = fp8_scaling.quantize_tiles(plain.weight.detach(), fp8_scaling.TILE_WEIGHT)
+    qx, ix, _ = fp8_scaling.quantize_tiles(x, fp8_scaling.TILE_ACTIVATION)
+    qdy, idy, _ = fp8_scaling.quantize_tiles(dy, fp8_scaling.TILE_ACTIVATION)
     qdy_t, idy_t, qx_t, ix_t = fp8.blockwise_weight_grad_operands(dy, qx, ix, f64)
     grids = {"W": iw.shape, "X": ix.shape, "dY of dX": idy.shape, "dY of dW": idy_t.shape, "X of dW": ix_t.shape}
     assert grids == {"W": (1, 3), "X": (256, 3), "dY of dX": (256, 1), "dY of dW": (2, 128), "X of dW": (2, 384)}
     # A tile's inverse scale is its own amax / 448: dW's dY tiles hold 128 tokens of one output column.
     tile_amax = dy.abs().view(2, 128, N).amax(dim=1)
-    torch.testing.assert_close(idy_t, tile_amax / fp8.E4M3.max, rtol=1e-6, atol=0)
+    torch.testing.assert_close(idy_t, tile_amax / fp8_scaling.E4M3.max, rtol=1e-6, atol=0)
 
     layer = fp8.Fp8Linear(plain, fp8.Recipe("blockwise"), "layer")
     x_leaf = x.clone().requires_grad_()
@@ -207,12 +208,12 @@ def test_blockwise_tiles_run_along_each_gemms_contracted_dimension():
     y.backward(dy)
 
     def dq(q, inverse, tile):
-        return fp8.dequantize_tiles(q, inverse, tile, f64)
+        return fp8_scaling.dequantize_tiles(q, inverse, tile, f64)
 
-    w = dq(qw, iw, fp8.TILE_WEIGHT)
-    assert torch.equal(y, dq(qx, ix, fp8.TILE_ACTIVATION) @ w.t() + plain.bias)
-    assert torch.equal(x_leaf.grad, dq(qdy, idy, fp8.TILE_ACTIVATION) @ w)
-    dw = dq(qdy_t, idy_t, fp8.TILE_ACTIVATION_T).t() @ dq(qx_t, ix_t, fp8.TILE_ACTIVATION_T)
+    w = dq(qw, iw, fp8_scaling.TILE_WEIGHT)
+    assert torch.equal(y, dq(qx, ix, fp8_scaling.TILE_ACTIVATION) @ w.t() + plain.bias)
+    assert torch.equal(x_leaf.grad, dq(qdy, idy, fp8_scaling.TILE_ACTIVATION) @ w)
+    dw = dq(qdy_t, idy_t, fp8_scaling.TILE_ACTIVATION_T).t() @ dq(qx_t, ix_t, fp8_scaling.TILE_ACTIVATION_T)
     assert torch.equal(plain.weight.grad, dw)
 
 
@@ -405,7 +406,8 @@ def test_inputs_saved_in_fp8_and_counted():
             measured[use_fp8], _ = _saved_bytes(lambda: model.transformer.h[0](x.requires_grad_()))
     linears = [lin for name, lin in handle.linears.items() if name.startswith("transformer.h.0.")]
     weights = sum(lin.weight.numel() for lin in linears)
-    predicted = fp8.saved_input_bytes(linears, 2 * SEQ, 2)["saved"] + weights * 2 - 4 * len(linears)
+    saved = fp8.saved_input_bytes([lin.in_features for lin in linears], 2 * SEQ, 2)["saved"]
+    predicted = saved + weights * 2 - 4 * len(linears)
     assert measured[False] - measured[True] == predicted
     assert all(lin.weight_codes.q.numel() == lin.weight.numel() for lin in linears)  # held by the linear
 
@@ -414,20 +416,21 @@ def test_zero3_uint8_shards_share_one_scale():
     torch.manual_seed(0)
     plain = nn.Linear(64, 32)
     weight = plain.weight.detach()
-    amax = torch.stack([fp8.amax_of(piece) for piece in weight.chunk(4)]).max()  # what MAX all_reduce gives
-    scale = fp8.scale_from_amax(amax, fp8.E4M3.max)
+    amax = torch.stack([fp8_scaling.amax_of(piece) for piece in weight.chunk(4)]).max()  # what MAX all_reduce gives
+    scale = fp8_scaling.scale_from_amax(amax, fp8_scaling.E4M3.max)
     gathered = torch.cat([fp8.quantize_to_uint8(piece, scale) for piece in weight.chunk(4)])
     assert gathered.dtype == torch.uint8 and gathered.numel() == weight.numel()  # 1 byte per element
-    whole, _ = fp8.quantize(weight, fp8.E4M3, scale)
+    whole, _ = fp8_scaling.quantize(weight, fp8_scaling.E4M3, scale)
     assert torch.equal(gathered, whole.view(torch.uint8))
     # The FP8 linear on the dequantised weight (its own current scale) lands on exactly the same values.
     dequantized = fp8.dequantize_from_uint8(gathered, scale, torch.float32)
-    requantized, _ = fp8.quantize(dequantized, fp8.E4M3, fp8.scale_from_amax(fp8.amax_of(dequantized), 448.0))
+    scale_again = fp8_scaling.scale_from_amax(fp8_scaling.amax_of(dequantized), 448.0)
+    requantized, _ = fp8_scaling.quantize(dequantized, fp8_scaling.E4M3, scale_again)
     assert torch.equal(requantized.view(torch.uint8), gathered)
 
 
 class _WeightQuantisations:
-    """Counts fp8.quantize / quantize_tiles calls on a registered weight (by its storage), per name."""
+    """Counts fp8_scaling.quantize / quantize_tiles calls on a registered weight (by its storage), per name."""
 
     def __init__(self, monkeypatch):
         self.names, self.counts = {}, defaultdict(int)
@@ -464,6 +467,7 @@ def cached_and_uncached(request):
     for cached in (True, False):
         model = GPT(make_config(), seed=0, dtype=torch.float64)
         handle = fp8.convert(model, fp8.Recipe(mode))
+        report_axes.observe(handle)  # as train.compose does: the saturation counts the tables read
         counter.register(handle.linears, "cached" if cached else "uncached")
         if not cached:
             for linear in handle.linears.values():
@@ -555,8 +559,9 @@ def test_cached_weight_is_made_again_when_the_weight_changes():
 
     assert made_again(in_place) and made_again(swap)
     assert made_again(load(plain.weight, plain.weight.detach() * 0.25))
-    assert made_again(lambda: setattr(layer, "gathered_weight_amax", fp8.amax_of(plain.weight)))
-    assert made_again(lambda: setattr(layer, "gathered_weight_amax", fp8.amax_of(plain.weight)))  # equal, not it
+    regathered = lambda: setattr(layer, "gathered_weight_amax", fp8_scaling.amax_of(plain.weight))  # noqa: E731
+    assert made_again(regathered)
+    assert made_again(regathered)  # an equal amax, not the same tensor
     layer.gathered_weight_amax = None
     assert made_again(lambda: layer.roll(torch.ones(3), True))
     assert made_again(load(layer.scale, layer.scale * 0.5))
@@ -806,12 +811,13 @@ def test_handle_keeps_to_the_axis_protocol():
     """The handle overrides only step.Axis's protocol: the old hooks and printers are
     gone (ZeRO-3's codec rides on each FP8 weight, `gather_codec`), and train.py sets nothing on it."""
     own = {name for name, value in vars(fp8.Fp8Handle).items() if callable(value) and not name.startswith("__")}
-    assert own <= {"after_grad_sync", "state_pieces", "predicted_messages", "traced_prediction"}, own
+    assert own <= {"after_grad_sync", "state_pieces", "observe", "facts", "predicted_messages",
+                   "traced_prediction"}, own
 
 
 def test_saved_input_bytes_formula(applied):
     _, run, handle = applied
-    saved = fp8.saved_input_bytes(handle.linears.values(), 2 * SEQ, 2)["saved"]
+    saved = fp8.saved_input_bytes(handle.facts().in_features.values(), 2 * SEQ, 2)["saved"]
     assert saved == 2 * SEQ * run.config.n_embd * (2 + 5) * run.config.n_layer  # M·h·(2 + 5/T)·(e_c - 1) per layer
 
 
@@ -855,8 +861,33 @@ def test_step_and_end_lines(applied):
     """The scale table with each logged step; at the end one line of counts (the amax reductions are in
     report.print_end's message table, the scales in the last step's table: not repeated)."""
     _, run, handle = applied
+    report_axes.observe(handle)  # as train.compose does: the saturation counts the table reads
     handle.after_grad_sync()
     table = report_axes.axis_lines(handle, "step", None)
     assert table[0].startswith("fp8 delayed: the scales in use") and len(table) == 2 + len(handle.linears)
     assert report_axes.axis_lines(handle, "end", run, 1) == [
         "fp8 delayed: steps 1 (1 scaled like current (empty history), 0 with a non-finite amax, skipped on every rank)"]
+
+
+def test_the_accounting_counts_what_the_clamp_cut():
+    """Delayed scaling saturates when a tensor outgrows its history. The counter the accounting subscribes
+    (report_axes.observe: mfu.SaturationCount) is told every training cast, not an evaluation's, and the scale
+    table prints, per role, 100·cut/cast since the last table, then restarts."""
+    torch.manual_seed(0)
+    recipe = fp8.Recipe("delayed")
+    layer = fp8.Fp8Linear(nn.Linear(64, 32, dtype=torch.float64), recipe, "layer")
+    handle = fp8.Fp8Handle(recipe, {"layer": layer})
+    counter = report_axes.observe(handle)
+    x = torch.randn(16, 64, dtype=torch.float64)
+    layer(x.requires_grad_()).sum().backward()
+    handle.after_grad_sync()  # the history now holds this step's amaxes: the next step scales from them
+    assert counter.take("layer") == [0.0, 0.0, 0.0]
+    big = (2 * x).detach().requires_grad_()  # twice the history's amax: the clamp cuts the largest values
+    with torch.no_grad():
+        layer(big)  # an evaluation's forward: not counted
+    layer(big).sum().backward()
+    cut = int((big.detach() * layer.scale[0].double()).abs().gt(fp8_scaling.E4M3.max * (1 + 2**-20)).sum())
+    assert cut > 0
+    row = report_axes.axis_lines(handle, "step", None)[2]
+    assert row.split()[2::2] == [f"{100 * cut / big.numel():.2f}%", "0.00%", "0.00%"], row
+    assert counter.take("layer") == [0.0, 0.0, 0.0]  # the table restarted the count

@@ -604,25 +604,49 @@ def test_the_axis_protocol_is_eight_methods_and_no_handle_brings_back_a_removed_
         assert not removed & set(vars(cls)), (cls, removed & set(vars(cls)))
 
 
-# What the accounting files still read of a handle beyond step.Axis: FP8's (fp8.py has no room for a facts record
-# within its 650 lines).
-STILL_READ = {"recipe", "linears", "first_steps", "nonfinite_steps"}  # fp8
+ACCOUNTING = ("report.py", "report_axes.py", "measure.py", "activations.py", "time_model.py")
+# What the accounting files still read of a handle beyond step.Axis: nothing.
+STILL_READ = set()
+# ... and of a layout beyond optim.Layout: `get` is time_model.predict's `layout`, the plan's dict of sizes.
+STILL_READ_OF_LAYOUTS = {"get"}
+
+
+def _accounting_reads(variables: tuple) -> dict:
+    """{attribute: files} of every attribute the accounting files read on a variable named in `variables` (or
+    on an attribute of that name: `run.layout.held_bytes`)."""
+    import ast
+
+    read = {}
+    for path in ACCOUNTING:
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in variables) or (isinstance(owner, ast.Attribute)
+                                                                            and owner.attr in variables):
+                read.setdefault(node.attr, set()).add(path)
+    return read
 
 
 def test_the_accounting_reads_a_handle_only_through_the_protocol():
     """report.py, report_axes.py, measure.py, activations.py, time_model.py: every attribute read on a handle (a
     variable `axis` or `handle`) is a step.Axis method or attribute (`facts()` for the axis's own figures,
     `observer` for what the accounting subscribed), apart from STILL_READ."""
-    import ast
-
     import step
 
     protocol = {name for name in vars(step.Axis) if not name.startswith("_")}
-    read = {}
-    for path in ("report.py", "report_axes.py", "measure.py", "activations.py", "time_model.py"):
-        for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("axis",
-                                                                                                         "handle"):
-                read.setdefault(node.attr, set()).add(path)
-    beyond = {name: paths for name, paths in read.items() if name not in protocol | STILL_READ}
+    beyond = {name: paths for name, paths in _accounting_reads(("axis", "handle")).items()
+              if name not in protocol | STILL_READ}
+    assert not beyond, beyond
+
+
+def test_the_accounting_reads_a_layout_only_through_the_protocol():
+    """The same files: every attribute read on a layout (a variable `layout`, or `run.layout`) is an
+    optim.Layout method or attribute (`facts()` for the layout's own figures: ddp.DDPFacts, zero.ZeroFacts),
+    apart from STILL_READ_OF_LAYOUTS."""
+    import optim
+
+    protocol = {name for name in vars(optim.Layout) if not name.startswith("_")} | set(optim.Layout.__annotations__)
+    beyond = {name: paths for name, paths in _accounting_reads(("layout",)).items()
+              if name not in protocol | STILL_READ_OF_LAYOUTS}
     assert not beyond, beyond
