@@ -116,7 +116,7 @@ def _add_data_flags(parser) -> None:
 
 def _add_optimization_flags(parser) -> None:
     g = parser.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=600)
+    g.add_argument("--steps", type=int, default=1200)
     g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (B_global)")
     g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (B_μ)")
     g.add_argument("--lr", type=float, default=2e-3)

@@ -55,8 +55,8 @@ def test_two_rank_run_writes_metrics_and_lowers_the_loss(tmp_path):
 
 def test_the_default_run_is_minutes_of_work_and_the_readme_names_it(tmp_path, monkeypatch):
     """`python train.py` with no flags is a newcomer's first run: its training work, steps × B_global·s tokens ×
-    the FLOPs per token mfu.flops_per_token counts, stays within 10 TFLOP. Measured (README, Train), the 2-core test
-    machine runs the default's 7.0 TFLOP in 66 s of wall time, so 10 TFLOP stays well within the 5 minutes a
+    the FLOPs per token mfu.flops_per_token counts, stays within 20 TFLOP. Measured (README, Train), the 2-core test
+    machine runs the default's 14 TFLOP in 162 s of wall time, so 20 TFLOP stays within the 5 minutes a
     newcomer waits; the `small` preset's 150 steps, the default before, were 44 TFLOP and ~13 minutes.
     The README's line for the run names its preset and its number of steps."""
     import flags as flags_lib
@@ -70,7 +70,7 @@ def test_the_default_run_is_minutes_of_work_and_the_readme_names_it(tmp_path, mo
     args = settings.args
     per_token = mfu.flops_per_token(memory.param_counts(settings.model), settings.model, settings.seq_len)
     flops = per_token.hardware * args.global_batch * settings.seq_len
-    assert flops * args.steps <= 10e12, f"{flops * args.steps / 1e12:.1f} TFLOP"
+    assert flops * args.steps <= 20e12, f"{flops * args.steps / 1e12:.1f} TFLOP"
     with open(os.path.join(ROOT, "README.md")) as f:
         line = next(line for line in f if line.startswith("python train.py "))
     assert f"`{args.preset}` preset" in line and f"{args.steps} steps" in line, line
