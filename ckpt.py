@@ -79,7 +79,7 @@ import torch.distributed as dist
 import mfu
 from ckpt_files import (FORMAT_VERSION, KINDS, MANIFEST, MARKER, CheckpointError, HashingWriter, ShardFiles,
                         WriterLock, capture_rng_state, check_coverage, delete_checkpoint, dtype_named, extract,
-                        fsync_dir, gist, injected_fault, list_checkpoints, mark, piece_numel,
+                        fsync_path, gist, injected_fault, list_checkpoints, mark, piece_numel,
                         piece_record, place, prune, region, remove_leftovers, reseed_rng, restore_rng_state,
                         set_aside_newer_than, shard_from_record, step_dir_name, verify_checkpoint,
                         wait_for_rank_records, write_durably)
@@ -235,15 +235,15 @@ class Checkpointer:
         write_durably(os.path.join(tmp, MANIFEST), manifest_bytes)
         for record in records:
             os.remove(os.path.join(tmp, f"rank-{record['rank']:05d}.json"))  # merged into the manifest
-        fsync_dir(tmp)
+        fsync_path(tmp)
         final = os.path.join(self.root, step_dir_name(step))
         if os.path.exists(final):  # a rerun of this step (resumed from an older one): replace it
             delete_checkpoint(final, self.nonce)
         os.replace(tmp, final)
-        fsync_dir(self.root)
+        fsync_path(self.root)
         marker = dict(step=step, manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest())
         write_durably(os.path.join(final, MARKER), json.dumps(marker).encode())
-        fsync_dir(final)
+        fsync_path(final)
         prune(self.root, self.config.keep, self.nonce)
         return sum(r["bytes"] for r in records), len(records)
 

@@ -8,7 +8,7 @@ untrusted input: any field may be missing, of the wrong type, out of range, or n
 directory, and every such case ends in a CheckpointError naming the checkpoint and the field, never in a
 read outside the directory or an unpickled object (`torch.load(weights_only=True)` only).
 
-    durable writes      fsync_dir, write_durably, HashingWriter, sha256_file, WriterLock
+    durable writes      fsync_path, write_durably, HashingWriter, sha256_file, WriterLock
     the directory       step_dir_name, list_checkpoints, newest_committed, wait_for_rank_records (the
                         commit's rendezvous), delete_checkpoint, prune, set_aside_newer_than,
                         remove_leftovers, verify_checkpoint
@@ -58,8 +58,9 @@ def step_dir_name(step: int) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def fsync_dir(path: str) -> None:
-    """Make a directory's entries (creations, renames) durable: fsync of the files alone does not."""
+def fsync_path(path: str) -> None:
+    """Make a file's bytes, or a directory's entries (creations, renames), durable: a directory needs its own
+    fsync, the files' alone do not make their names durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -204,7 +205,7 @@ def set_aside_newer_than(root: str, step: int, nonce: str, log) -> None:
             aside = os.path.join(root, f"abandoned-{os.path.basename(path)}-{nonce}")
             os.replace(path, aside)
             log(f"ckpt: resumed at step {step}, so {path} is set aside as {aside}")
-    fsync_dir(root)
+    fsync_path(root)
 
 
 def remove_leftovers(root: str, prefixes: tuple, nonce: str | None = None) -> None:

@@ -229,10 +229,10 @@ _AT_MOST = (
     ("bucket_mb", 2.0**20, "a bucket of at most 1 TiB (its byte count must be an integer)"),
     ("fp8_margin", 127, "a power of two that float32 holds (the scale is max/amax/2^margin)"),
 )
-_PLANNING = lambda a: a.plan or a.plan_search  # noqa: E731
 # Flags that only mean something with another one: (flag, attribute, what it needs, whether that is on).
 _ONLY_WITH = (
-    ("--world", "world", "--plan or --plan-search (a run's world is its launcher's)", _PLANNING),
+    ("--world", "world", "--plan or --plan-search (a run's world is its launcher's)",
+     lambda a: a.plan or a.plan_search),
     ("--pp-schedule", "pp_schedule", "--pp > 1", lambda a: a.pp > 1),
     ("--pp-virtual", "pp_virtual", "--pp-schedule interleaved", lambda a: a.pp_schedule == "interleaved"),
     ("--trace-file", "trace_file", "--pp > 1 (it draws the pipeline schedule)", lambda a: a.pp > 1),
@@ -268,8 +268,6 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
     for flag, name, needs, on in _ONLY_WITH:
         if name in given and not on(args):
             raise FlagError(f"{flag} needs {needs}; without it the flag would be ignored")
-    if _PLANNING(args):
-        check_whole_nodes(args)
     try:
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
@@ -447,9 +445,14 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 
 
 def check_world(args) -> None:
-    """--plan/--plan-search's own rules: --world given, and divisible by the layout (before any build)."""
+    """--plan/--plan-search's own rules: --world given, filling whole nodes of G GPUs (rank // G is the node:
+    at most G, or a multiple), and divisible by the layout (before any build)."""
     if args.world is None:
         raise FlagError("--plan and --plan-search need --world N (the number of ranks to plan for)")
+    gpus = args.gpus_per_node or hardware.PRESETS[args.hw].gpus_per_node
+    if args.world > gpus and args.world % gpus:
+        raise FlagError(f"--world {args.world} does not fill whole nodes of {gpus} GPUs (--gpus-per-node, or --hw"
+                        f" {args.hw}'s): give a multiple of {gpus}, or at most {gpus} ranks")
     model_parallel = args.tp * args.pp * args.cp
     if args.plan and args.world % model_parallel:
         raise FlagError(f"--world {args.world} is not divisible by --tp {args.tp} × --pp {args.pp} × --cp {args.cp}"
@@ -495,14 +498,6 @@ def check_no_hardware_flags(given) -> None:
         raise FlagError(f"{flag} describes the GPU of --plan / --plan-search or of a GPU run; this run is on the"
                         f" CPU, whose hardware model is measured: add --plan (or --plan-search) --world N, or leave"
                         f" {flag} out")
-
-
-def check_whole_nodes(args) -> None:
-    """A plan's ranks fill whole nodes of G GPUs (rank // G is the node): --world at most G, or a multiple."""
-    gpus = args.gpus_per_node or hardware.PRESETS[args.hw].gpus_per_node
-    if args.world is not None and args.world > gpus and args.world % gpus:
-        raise FlagError(f"--world {args.world} does not fill whole nodes of {gpus} GPUs (--gpus-per-node, or --hw"
-                        f" {args.hw}'s): give a multiple of {gpus}, or at most {gpus} ranks")
 
 
 def claim_checkpoint_directory(path: str, timeout_s: float = 300.0) -> WriterLock | None:

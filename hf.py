@@ -46,7 +46,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import ckpt
-from ckpt_files import CheckpointError, list_checkpoints, verify_checkpoint
+from ckpt_files import CheckpointError, fsync_path, list_checkpoints, verify_checkpoint
 from model import GPT, GPTConfig
 from shard import StatePiece
 
@@ -372,9 +372,9 @@ def write_directory(weights: dict, config, out_dir: str, pytorch_bin: bool = Fal
         if pytorch_bin:
             torch.save(state, os.path.join(partial, names[2]))
         for name in names:
-            _fsync(os.path.join(partial, name))
+            fsync_path(os.path.join(partial, name))  # whole files before the rename commits them
         os.rename(partial, out_dir)  # atomic; replaces an empty directory, refuses a non-empty one (ENOTEMPTY)
-        _fsync(os.path.dirname(out_dir))
+        fsync_path(os.path.dirname(out_dir))
     except BaseException:
         shutil.rmtree(created or partial, ignore_errors=True)
         raise
@@ -387,15 +387,6 @@ def _first_missing(path: str) -> str | None:
     while not os.path.exists(path):
         path, missing = os.path.dirname(path), path
     return missing
-
-
-def _fsync(path: str) -> None:
-    """Flush a file's (or a directory's entries') bytes to the disk, so a rename after it commits whole files."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -15,21 +15,26 @@ def check_paths(args) -> None:
     """The files the run reads exist and are text; the ones it writes can be written, checked now rather than
     at the first write (a trace file is written after all the training)."""
     if args.data is not None:
-        if not os.path.isfile(args.data):
-            raise ValueError(f"--data {args.data!r} is not a file; give a text file to train on, or leave --data out"
-                             f" for the built-in corpus")
-        if os.path.getsize(args.data) == 0:
-            raise ValueError(f"--data {args.data!r} is empty; give a text file with something to train on")
-        with open(args.data, "rb") as f:
-            head = f.read(1 << 16)
-        if b"\0" in head:
-            raise ValueError(f"--data {args.data!r} is a binary file (it holds NUL bytes); give a UTF-8 text file")
+        check_text_file("--data", args.data)
     for flag, path in (("--out-dir", args.out_dir), ("--ckpt-dir", args.ckpt_dir)):
         if path is not None:
             check_writable(flag, path, directory=True)
     for flag, path in (("--metrics-file", args.metrics_file), ("--trace-file", args.trace_file)):
         if path is not None:
             check_writable(flag, path, directory=False)
+
+
+def check_text_file(flag: str, path: str) -> None:
+    """`path` is a non-empty text file (no NUL byte in its first 64 KiB): a corpus to tokenize."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path!r} is not a file; give a text file, or leave {flag} out for the built-in"
+                         f" corpus")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{flag} {path!r} is empty; give a text file with something in it")
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    if b"\0" in head:
+        raise ValueError(f"{flag} {path!r} is a binary file (it holds NUL bytes); give a UTF-8 text file")
 
 
 def check_writable(flag: str, path: str, directory: bool) -> None:

@@ -101,8 +101,8 @@ def check_flags(args) -> str:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FlagError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
     if args.eval_batches:
-        if args.data is not None and not os.path.isfile(args.data):
-            raise FlagError(f"--data {args.data!r} is not a file; give a text file, or leave --data out")
+        if args.data is not None:
+            paths.check_text_file("--data", args.data)  # the val split's corpus, as train.py's
         paths.check_writable("--out-dir", args.out_dir, directory=True)  # the token cache goes there
     if not args.start.startswith("FILE:"):
         prompt = args.start
