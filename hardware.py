@@ -10,9 +10,14 @@ A stated model, every figure a flag (`--hw-*`), so a prediction can be checked b
     link        a group whose ranks share a node uses the intra-node link (NVLink), any other the inter-node
                   one (InfiniBand), at its per-GPU bandwidth: ranks = ((d·P + p)·C + c)·T + t, node = rank // G
 
-Presets are 8-GPU nodes of the named part (H100 SXM, H200 SXM, A100 SXM 80 GB): the datasheets' dense peaks,
-HBM bandwidth and capacity, NVLink (4th gen: 450 GB/s per GPU and direction; 3rd gen: 300) and one NDR 400 Gb/s
-(HDR 200 for A100) InfiniBand port per GPU. Latencies are round figures of NCCL's per-step cost on such links
+Presets are 8-GPU nodes of the named part (H100 SXM, H200 SXM, A100 SXM 80 GB, B200 SXM): the datasheets' dense
+peaks, HBM bandwidth and capacity, NVLink (5th gen: 900 GB/s per GPU and direction; 4th gen: 450; 3rd gen: 300)
+and one NDR 400 Gb/s (HDR 200 for A100) InfiniBand port per GPU. A preset's peaks are its mfu.PEAK_TFLOPS row, per
+dtype and per microscaling format where the datasheet gives one: B200 (HGX B200 datasheet, per GPU, dense = half
+its sparse figures) 2,250 BF16, 4,500 FP8 and MXFP8, 9,000 FP4 (MXFP4, NVFP4) TFLOP/s, 180 GB HBM3e (1,440 GB a
+node) at 8 TB/s, NVLink 5 1.8 TB/s per GPU both directions together; H100, H200 and A100 have no block-scaled
+GEMM and no FP4 (their rows have no MX/NVFP4 figure: format_flops.py counts those FLOPs at the compute dtype's
+rate, as the emulation runs them). Latencies are round figures of NCCL's per-step cost on such links
 (a few µs), stated, not measured. `cpu` is this machine, measured (`measure_cpu`): the bf16/fp32 matmul loop
 of mfu.py and a timed gloo all-reduce, so every real run's end line checks the model against its own steps.
 
@@ -51,7 +56,8 @@ class Hardware:
         for key in (dtype, *_STAND_INS.get(dtype, ())):
             if self.peak_tflops.get(key):
                 return 1e12 * self.peak_tflops[key]
-        raise NoPeakKnown(f"the hardware model {self.name} knows no {dtype} matmul peak (it has"
+        why = " (no block-scaled GEMM, no FP4 before Blackwell)" if dtype in _BLOCK_SCALED else ""
+        raise NoPeakKnown(f"the hardware model {self.name} knows no {dtype} matmul peak{why} (it has"
                           f" {', '.join(sorted(self.peak_tflops)) or 'none'}); --hw-peak-tflops sets one")
 
 
@@ -60,6 +66,7 @@ class NoPeakKnown(ValueError):
 
 
 _STAND_INS = {"fp16": ("bf16",)}  # fp16 runs at the bf16 tensor-core rate (one column in mfu.PEAK_TFLOPS)
+_BLOCK_SCALED = ("mxfp8", "mxfp4", "nvfp4")  # microscaling formats: a peak on Blackwell's tensor cores only
 
 
 def _gpu(row: str, hbm_gbps: float, memory_gib: float, intra_gbps: float, inter_gbps: float) -> Hardware:
@@ -71,6 +78,7 @@ PRESETS = {
     "h100": _gpu("H100", hbm_gbps=3350, memory_gib=80, intra_gbps=450, inter_gbps=50),  # SXM5, NDR 400 per GPU
     "h200": _gpu("H200", hbm_gbps=4800, memory_gib=141e9 / 2**30, intra_gbps=450, inter_gbps=50),
     "a100": _gpu("A100", hbm_gbps=2039, memory_gib=80, intra_gbps=300, inter_gbps=25),  # SXM4 80 GB, HDR 200
+    "b200": _gpu("B200", hbm_gbps=8000, memory_gib=180e9 / 2**30, intra_gbps=900, inter_gbps=50),  # HGX, NDR 400
 }
 
 # Ring steps of one call of each collective over N ranks (the latency term's count).

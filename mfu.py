@@ -99,26 +99,15 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops_per_device:
     return flops_per_token * tokens_per_second / (peak_flops_per_device * n_devices)
 
 
-def block_linear_flops_fraction(counts: dict, config, seq_len: int) -> float:
-    """Share of the model FLOPs per token (flops_per_token) in the blocks' linears that --fp8 runs in FP8 (not the
-    routers nor the experts): 6·counts["dense_linears"] of them, 6·12·L·h² of 6·(12·L·h² + V·h) + 12·L·h·s dense."""
-    return 6 * counts["dense_linears"] / flops_per_token(counts, config, seq_len).model
-
-
-def blended_peak(fraction: float, base_peak: float, fast_peak: float | None) -> float:
-    """The peak FLOP/s to divide by when `fraction` of the FLOPs runs at `fast_peak` (FP8) and the rest at
-    `base_peak` (bf16), time-weighted: 1 / (f/P_fast + (1-f)/P_base); base_peak where there is no fast peak."""
-    if not fast_peak:
-        return base_peak
-    return 1.0 / (fraction / fast_peak + (1 - fraction) / base_peak)
-
+# A recipe that runs some GEMMs in narrow formats (--fp8, microscaling) divides by the format-weighted peak instead:
+# format_flops.py (the FLOPs by format, each at its own peak).
 
 # ----------------------------------------------------------------------------------------------------------
 # 3. Peak FLOP/s
 # ----------------------------------------------------------------------------------------------------------
 
 # Dense (no 2:4 sparsity) peaks in TFLOP/s per GPU, one row per product variant. Columns: fp32 = FP32 on the CUDA
-# cores (no tensor cores); tf32 = fp32 matmuls on the TF32 tensor cores; bf16/fp16 and fp8 = tensor cores. The
+# cores (no tensor cores); tf32 = fp32 matmuls on the TF32 tensor cores; bf16/fp16, fp8 and fp4 = tensor cores. The
 # datasheets print tensor-core figures with sparsity ("*"); the dense figure is half of it. Sources, NVIDIA's:
 #   A100 datasheet (SXM4 and PCIe, 40 and 80 GB alike): 19.5 FP32, 156 TF32, 312 BF16/FP16 dense; no FP8.
 #   A10 datasheet: 31.2 FP32, 62.5 TF32, 125 BF16/FP16 dense (125* / 250* sparse); no FP8.
@@ -133,30 +122,35 @@ def blended_peak(fraction: float, base_peak: float, fast_peak: float | None) -> 
 #   H100 and H200 datasheets, NVL columns: 60 FP32, 835* TF32, 1,671* BF16/FP16, 3,341* FP8.
 #   H20 (NVIDIA's spec sheet as published by its partners; there is no public datasheet): 44 FP32, 74 TF32,
 #     148 BF16/FP16, 296 FP8 dense.
-#   HGX B200 datasheet (8 GPUs, per GPU): 75 FP32, 2.25* PF TF32 (18* PF for 8), 4.5* PF BF16/FP16, 9* PF FP8.
-#   GB200 NVL72 datasheet (per GPU): 80 FP32, 2.5* PF TF32, 5* PF BF16/FP16, 10* PF FP8.
+#   HGX B200 datasheet (8 GPUs, per GPU): 75 FP32, 2.25* PF TF32 (18* PF for 8), 4.5* PF BF16/FP16, 9* PF FP8/FP6,
+#     18* PF FP4 (144* PF for 8).
+#   GB200 NVL72 datasheet (per GPU): 80 FP32, 2.5* PF TF32, 5* PF BF16/FP16, 10* PF FP8, 20* PF FP4 (1,440* for 72).
+# The microscaling formats (microscaling.py) have a peak only where the tensor cores take block scales: Blackwell's
+# (the rows with an FP4 column) run MXFP8 at the FP8 rate and MXFP4 and NVFP4 at the FP4 rate. Hopper, Ada and
+# Ampere have no block-scaled GEMM (Hopper's and Ada's FP8 is per-tensor scaled) and no FP4 at all: no figure.
 # A row is chosen by gpu_row: the model word of the device name, whether it says NVL, and the SM count where a
 # row gives one (H100 SXM5 has 132, H100 PCIe 114: the same name word). The bare names are the SXM parts.
-#             row          word     SMs   NVL     fp32   tf32    bf16/fp16  fp8
-_GPU_ROWS = [("A100",      "A100",  108,  False,  19.5,  156.0,  312.0,     None),
-             ("A10",       "A10",   72,   False,  31.2,  62.5,   125.0,     None),
-             ("L4",        "L4",    None, False,  30.3,  60.0,   121.0,     242.5),
-             ("L40",       "L40",   None, False,  90.5,  90.5,   181.05,    362.0),
-             ("L40S",      "L40S",  None, False,  91.6,  183.0,  366.5,     733.0),
-             ("H100",      "H100",  132,  False,  66.9,  494.7,  989.4,     1978.9),
-             ("H100 PCIe", "H100",  114,  False,  51.0,  378.0,  756.5,     1513.0),
-             ("H100 NVL",  "H100",  None, True,   60.0,  417.5,  835.5,     1670.5),
-             ("H200",      "H200",  132,  False,  66.9,  494.7,  989.4,     1978.9),
-             ("H200 NVL",  "H200",  None, True,   60.0,  417.5,  835.5,     1670.5),
-             ("GH200",     "GH200", 132,  False,  66.9,  494.7,  989.4,     1978.9),
-             ("H800",      "H800",  132,  False,  66.9,  494.7,  989.4,     1978.9),
-             ("H800 PCIe", "H800",  114,  False,  51.0,  378.0,  756.5,     1513.0),
-             ("H20",       "H20",   None, False,  44.0,  74.0,   148.0,     296.0),
-             ("B200",      "B200",  None, False,  75.0,  1125.0, 2250.0,    4500.0),
-             ("GB200",     "GB200", None, False,  80.0,  1250.0, 2500.0,    5000.0)]
+#             row          word     SMs   NVL     fp32   tf32    bf16/fp16  fp8      fp4
+_GPU_ROWS = [("A100",      "A100",  108,  False,  19.5,  156.0,  312.0,     None,     None),
+             ("A10",       "A10",   72,   False,  31.2,  62.5,   125.0,     None,     None),
+             ("L4",        "L4",    None, False,  30.3,  60.0,   121.0,     242.5,    None),
+             ("L40",       "L40",   None, False,  90.5,  90.5,   181.05,    362.0,    None),
+             ("L40S",      "L40S",  None, False,  91.6,  183.0,  366.5,     733.0,    None),
+             ("H100",      "H100",  132,  False,  66.9,  494.7,  989.4,     1978.9,   None),
+             ("H100 PCIe", "H100",  114,  False,  51.0,  378.0,  756.5,     1513.0,   None),
+             ("H100 NVL",  "H100",  None, True,   60.0,  417.5,  835.5,     1670.5,   None),
+             ("H200",      "H200",  132,  False,  66.9,  494.7,  989.4,     1978.9,   None),
+             ("H200 NVL",  "H200",  None, True,   60.0,  417.5,  835.5,     1670.5,   None),
+             ("GH200",     "GH200", 132,  False,  66.9,  494.7,  989.4,     1978.9,   None),
+             ("H800",      "H800",  132,  False,  66.9,  494.7,  989.4,     1978.9,   None),
+             ("H800 PCIe", "H800",  114,  False,  51.0,  378.0,  756.5,     1513.0,   None),
+             ("H20",       "H20",   None, False,  44.0,  74.0,   148.0,     296.0,    None),
+             ("B200",      "B200",  None, False,  75.0,  1125.0, 2250.0,    4500.0,   9000.0),
+             ("GB200",     "GB200", None, False,  80.0,  1250.0, 2500.0,    5000.0,   10000.0)]
 PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
-    row: {"fp32": fp32, "tf32": tf32, "bf16": half, "fp16": half, "fp8": fp8}
-    for row, _, _, _, fp32, tf32, half, fp8 in _GPU_ROWS}
+    row: {"fp32": fp32, "tf32": tf32, "bf16": half, "fp16": half, "fp8": fp8,
+          "mxfp8": fp4 and fp8, "mxfp4": fp4, "nvfp4": fp4}  # block-scaled formats: Blackwell only (see above)
+    for row, _, _, _, fp32, tf32, half, fp8, fp4 in _GPU_ROWS}
 GPU_RULES: dict[str, tuple[str, int | None, bool]] = {row: (word, sms, nvl) for row, word, sms, nvl, *_ in _GPU_ROWS}
 
 # Accept torch-style spellings too, so `detect_peak_flops(dev, "bfloat16", None)` works.

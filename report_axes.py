@@ -24,6 +24,8 @@ import torch.distributed as dist
 import context_parallel
 import fp8
 import fp8_scaling
+import format_flops
+import hardware
 import measure
 import memory
 import mfu
@@ -588,8 +590,8 @@ AXIS_LINES["pp"] = {"startup": pp_startup_lines, "end": pp_end_lines}
 # ---------------------------------------------------------------------------------------------------------
 
 def _fp8_startup(handle, run, steps: int) -> list:
-    """The recipe, which linears and GEMMs, the memory FP8 saves, the FP8 share of the FLOPs (the blended peak
-    MFU should use on GPUs) and the amax reductions per step (fp8.py's docstring, items 2 and 3)."""
+    """The recipe, which linears and GEMMs, the memory FP8 saves, the FP8 share of the FLOPs (the format-weighted
+    peak MFU should use on GPUs) and the amax reductions per step (fp8.py's docstring, items 2 and 3)."""
     facts = handle.facts()
     r, linears, weights = facts.recipe, facts.in_features, facts.weights
     gemm = "torch._scaled_mm" if facts.scaled_mm else "emulated (no FP8 tensor cores here)"
@@ -604,11 +606,10 @@ def _fp8_startup(handle, run, steps: int) -> list:
                  f" {mfu.format_bytes(saved['saved'])} less; FP8 weight copies {mfu.format_bytes(weights)}"
                  f" (autocast's were {mfu.format_bytes(weights * compute_bytes)}); scaling state"
                  f" {mfu.format_bytes(len(linears) * (3 * r.amax_history + 18) * 4)}")
-    peak = mfu.PEAK_TFLOPS["H100"]
-    f = mfu.block_linear_flops_fraction(memory.param_counts(run.config), run.config, run.seq_len)
-    lines.append(f"  MFU: {f:.0%} of model FLOPs run in FP8; on GPUs divide by the blended peak"
-                 f" 1/(f/P_fp8 + (1-f)/P_bf16) (H100: {mfu.blended_peak(f, peak['bf16'], peak['fp8']):.0f}"
-                 f" TFLOP/s from {peak['bf16']:g} bf16, {peak['fp8']:g} fp8 dense)")
+    compute = mfu.format_dtype(run.compute_dtype)
+    flops = format_flops.flops_by_format(run.config, run.seq_len, "fp8", "fp8", compute)
+    lines.append(f"  MFU: {flops['fp8'] / sum(flops.values()):.0%} of model FLOPs run in FP8; on GPUs divide by the"
+                 f" format-weighted peak " + format_flops.weighted_peak_line(flops, hardware.PRESETS["h100"], compute))
     for (op, group), (calls, payload) in handle.predicted_messages(run.layout).items():
         lines.append(f"  messages per step: {op} {group}: {calls} × {mfu.format_bytes(payload / calls)}"
                      f" (amax MAX reductions)")

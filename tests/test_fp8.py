@@ -30,8 +30,8 @@ import torch.nn as nn
 
 import fp8
 import fp8_scaling
+import format_flops
 import harness
-import memory
 import mfu
 import report_axes
 from harness import run_ranks
@@ -826,10 +826,10 @@ def test_one_process_predicts_no_messages(applied):
     assert applied[2].traced_prediction(None, 3) == {}
 
 
-def test_flops_fraction_and_blended_peak(applied):
-    fraction = mfu.block_linear_flops_fraction(memory.param_counts(applied[1].config), applied[1].config, SEQ)
-    assert 0.3 < fraction < 1
-    assert mfu.blended_peak(fraction, 1000.0, 2000.0) > 1000.0 and mfu.blended_peak(fraction, 1000.0, None) == 1000.0
+def test_flops_fraction_and_format_weighted_peak(applied):
+    flops = format_flops.flops_by_format(applied[1].config, SEQ, "fp8", "fp8", "bf16")
+    assert 0.3 < flops["fp8"] / sum(flops.values()) < 1
+    assert 1000.0 < format_flops.format_weighted_peak(flops, {"fp8": 2000.0, "bf16": 1000.0}) < 2000.0
 
 
 def test_the_fp8_share_of_flops_counts_the_linears_converted():

@@ -8,7 +8,11 @@ import types
 import pytest
 import torch
 
+import format_flops
+import hardware
+import memory
 import mfu
+import model
 
 # ---------------------------------------------------------------------------------------------------------
 # FLOPs and MFU
@@ -89,7 +93,8 @@ def measured(monkeypatch):
 def test_peak_table():
     peaks = mfu.PEAK_TFLOPS
     assert peaks["A100"]["bf16"] == 312.0 and peaks["A100"]["fp8"] is None
-    assert peaks["H100"] == {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9}
+    assert peaks["H100"] == {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9,
+                             "mxfp8": None, "mxfp4": None, "nvfp4": None}  # no block-scaled GEMM, no FP4
     assert peaks["H200"] == peaks["H800"] == peaks["GH200"] == peaks["H100"]  # the same GH100 configuration
     assert peaks["H800 PCIe"] == peaks["H100 PCIe"] and peaks["H200 NVL"] == peaks["H100 NVL"]
     assert peaks["H100 PCIe"]["bf16"] < peaks["H100 NVL"]["bf16"] < peaks["H100"]["bf16"]
@@ -97,6 +102,12 @@ def test_peak_table():
     for row, p in peaks.items():  # every row has both fp32 columns, and tensor cores beat the CUDA cores
         assert 0 < p["fp32"] <= p["tf32"] < p["bf16"] == p["fp16"], row
         assert p["fp8"] is None or p["fp8"] == pytest.approx(2 * p["bf16"], rel=0.01), row
+    # HGX B200's datasheet per GPU, dense (half of its sparse figures): FP8 and MXFP8 4.5 PF, FP4 (NVFP4, MXFP4) 9 PF
+    assert (peaks["B200"]["mxfp8"], peaks["B200"]["nvfp4"], peaks["B200"]["mxfp4"]) == (4500.0, 9000.0, 9000.0)
+    assert peaks["GB200"]["nvfp4"] == 10000.0  # GB200 NVL72: 1,440* PF FP4 for 72 GPUs
+    blackwell = {"B200", "GB200"}
+    for row, p in peaks.items():  # only Blackwell's tensor cores take block scales
+        assert all(p[fmt] is None for fmt in ("mxfp8", "mxfp4", "nvfp4")) == (row not in blackwell), row
 
 
 @pytest.mark.parametrize("name, sms, row", [
@@ -214,6 +225,56 @@ def test_matmul_loop_syncs_per_batch_not_per_matmul(monkeypatch):
     assert len(batches) >= 3 and max(len(b) for b in batches) > 1  # not one sync per matmul
     assert len(batches[-1]) == max(len(b) for b in batches)  # the timed one: calibration scaled it up to `seconds`
     assert flops > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FLOPs by format (format_flops.py)
+# ---------------------------------------------------------------------------------------------------------
+
+SMALL = model.config_from_preset("small")  # L = 6, h = 384, H = 6, V = 256, T = 256
+LINEARS = 12 * 384**2  # per block: c_attn 3h², attn.c_proj h², c_fc 4h², mlp.c_proj 4h²
+TOTAL = 6 * (6 * LINEARS + 256 * 384) + 12 * 6 * 384 * 256  # 6N (blocks and head) + 12·L·H·Q·T = 71,368,704
+
+
+def test_flops_by_format_puts_each_gemm_in_its_recipe_format():
+    """By hand: the forward GEMMs of the quantised blocks' linears are 2 FLOPs per weight, the two backward
+    GEMMs 4; the head, attention and the tail blocks stay in the compute dtype; every FLOP is counted once."""
+    assert format_flops.flops_by_format(SMALL, 256, "bf16", "bf16", "bf16") == {"bf16": TOTAL}
+    assert format_flops.flops_by_format(SMALL, 256, "nvfp4", "bf16", "bf16") == {
+        "nvfp4": 2 * 6 * LINEARS, "bf16": TOTAL - 2 * 6 * LINEARS}
+    tail = format_flops.flops_by_format(SMALL, 256, "nvfp4", "mxfp8", "bf16", tail_layers=1)  # ⌈0.15·6⌉ = 1 block
+    assert tail == {"nvfp4": 2 * 5 * LINEARS, "mxfp8": 4 * 5 * LINEARS, "bf16": TOTAL - 6 * 5 * LINEARS}
+    fp8 = format_flops.flops_by_format(SMALL, 256, "fp8", "fp8", "fp32")  # --fp8, an fp32 run: one narrow format
+    assert fp8 == {"fp8": 6 * 6 * LINEARS, "fp32": TOTAL - 6 * 6 * LINEARS}
+    assert sum(tail.values()) == TOTAL == mfu.flops_per_token(memory.param_counts(SMALL), SMALL, 256).model
+    with pytest.raises(ValueError, match="tail_layers"):
+        format_flops.flops_by_format(SMALL, 256, "nvfp4", "nvfp4", "bf16", tail_layers=7)
+
+
+def test_mfu_against_the_format_weighted_peak():
+    """One FLOP at 1000 and three at 4000 FLOP/s: ideal time 1/1000 + 3/4000 = 1.75 ms for 4 FLOPs, so
+    P_w = 4 / 1.75e-3; at 100 tokens/s over 2 devices MFU = 100/2 · 1.75e-3."""
+    flops, peaks = {"bf16": 1.0, "nvfp4": 3.0}, {"bf16": 1000.0, "nvfp4": 4000.0}
+    assert format_flops.format_weighted_peak(flops, peaks) == pytest.approx(4 / 1.75e-3)
+    assert format_flops.format_mfu(flops, 100.0, peaks, 2) == pytest.approx(100 / 2 * 1.75e-3)
+    assert format_flops.format_weighted_peak({"bf16": 5.0}, peaks) == 1000.0  # one format: its own peak
+
+
+def test_b200_preset_and_formats_a_part_has_no_gemm_for():
+    """The B200 row's figures (HGX B200 datasheet), and an H100 (no FP4, no block-scaled GEMM) that runs NVFP4 and
+    MXFP8 emulated, at the compute dtype's rate."""
+    b200 = hardware.PRESETS["b200"]
+    assert (b200.peak("bf16"), b200.peak("mxfp8"), b200.peak("nvfp4")) == (2250e12, 4500e12, 9000e12)
+    assert (b200.hbm_gbps, b200.memory_gib, b200.intra_gbps, b200.inter_gbps) == (8000, 180e9 / 2**30, 900, 50)
+    with pytest.raises(hardware.NoPeakKnown, match="h100 knows no nvfp4 matmul peak [(]no block-scaled GEMM, no FP4"):
+        hardware.PRESETS["h100"].peak("nvfp4")
+    flops = {"nvfp4": 2.0, "mxfp8": 4.0, "bf16": 1.0}
+    peaks, emulated = format_flops.format_peaks(hardware.PRESETS["h100"], flops, "bf16")
+    assert peaks == {"nvfp4": 989.4e12, "mxfp8": 989.4e12, "bf16": 989.4e12} and emulated == ["nvfp4", "mxfp8"]
+    peaks, emulated = format_flops.format_peaks(b200, flops, "bf16")
+    assert peaks == {"nvfp4": 9000e12, "mxfp8": 4500e12, "bf16": 2250e12} and emulated == []
+    line = format_flops.weighted_peak_line(flops, hardware.PRESETS["h100"], "bf16")
+    assert "989 TFLOP/s on h100" in line and "nvfp4, mxfp8: no such GEMM on h100, emulated at the bf16 rate" in line
 
 
 # ---------------------------------------------------------------------------------------------------------
