@@ -35,6 +35,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -144,6 +145,13 @@ def accounting(fwd: str, bwd: str, preset: str, seq_len: int) -> tuple:
     return narrow, format_flops.format_weighted_peak(flops, peaks) / b200.peak("bf16")
 
 
+def emulation_cost(row) -> int:
+    """A cell's rough cost in emulated quantisation, to start the dearest first (NVFP4's backward quantises
+    three operands of two GEMMs, each in float64; its forward two; MXFP8's are cheap)."""
+    _, fwd, bwd, _ = row
+    return 4 * bwd.startswith("nvfp4") + 2 * fwd.startswith("nvfp4") + fwd.startswith("mx")
+
+
 def print_table(results: list, rows: list, args) -> None:
     base = next((r for r in results if r["label"] == "bf16" and "error" not in r), None)
     print(f"{'cell':<33} {'val loss':>9} {'Δ vs bf16':>10} {'non-finite':>10} {'saturated':>10} {'s/step':>7}"
@@ -161,27 +169,35 @@ def print_table(results: list, rows: list, args) -> None:
 
 
 def print_verdict(results: list) -> None:
-    """Forward-only cells (backward bf16) against backward-only cells (forward bf16), next to the 430M figures."""
+    """Forward-only cells (backward bf16) against backward-only cells (forward bf16), next to the 430M figures;
+    then each NVIDIA part's own effect (w2d, rht), and fp32's drift from bf16: the size of noise here."""
     val = {r["label"]: r["val"] for r in results if "error" not in r}
     if "bf16" not in val:
         print("which half is the more sensitive: no bf16 baseline ran")
         return
-
-    def deltas(labels):
-        return [100 * (val[label] / val["bf16"] - 1) for label in labels if label in val]
-
-    forward = deltas(f"fwd {f} × bwd bf16" for f in FORWARD if f != "bf16")
-    backward = deltas(f"fwd bf16 × bwd {b}" for b in BACKWARD if b != "bf16")
+    delta = {label: 100 * (v / val["bf16"] - 1) for label, v in val.items()}
+    forward = [delta[f"fwd {f} × bwd bf16"] for f in FORWARD if f != "bf16" and f"fwd {f} × bwd bf16" in delta]
+    backward = [delta[f"fwd bf16 × bwd {b}"] for b in BACKWARD if b != "bf16" and f"fwd bf16 × bwd {b}" in delta]
     if not forward or not backward:
         print(f"which half is the more sensitive: needs a forward-only and a backward-only cell (ran"
               f" {len(forward)} and {len(backward)}); the {PAPER}")
         return
     span = lambda d: f"{min(d):+.2f}…{max(d):+.2f}%"  # noqa: E731
-    more = "forward" if sum(forward) / len(forward) > sum(backward) / len(backward) else "backward"
-    agrees = "as" if more == "forward" else "unlike"
+    mean = lambda d: sum(d) / len(d)  # noqa: E731
+    more = "forward" if mean(forward) > mean(backward) else "backward"
     print(f"which half is the more sensitive: quantising the forward alone {span(forward)}, the backward alone"
-          f" {span(backward)} over bf16 (mean {sum(forward) / len(forward):+.2f}% against"
-          f" {sum(backward) / len(backward):+.2f}%): the {more} here, {agrees} the {PAPER}")
+          f" {span(backward)} over bf16 (mean {mean(forward):+.2f}% against {mean(backward):+.2f}%): the {more}"
+          f" here, {'as' if more == 'forward' else 'unlike'} the {PAPER}")
+    parts = {"w2d (2-D weight scales)": [(f"fwd nvfp4+w2d × bwd {b}", f"fwd nvfp4 × bwd {b}") for b in BACKWARD],
+             "rht (Hadamard on dW)": [(f"fwd {f} × bwd nvfp4+sr+rht", f"fwd {f} × bwd nvfp4+sr") for f in FORWARD]}
+    for part, pairs in parts.items():
+        effects = [delta[a] - delta[b] for a, b in pairs if a in delta and b in delta]
+        if effects:
+            print(f"  {part}: {mean(effects):+.2f} percentage points of val-loss delta on average (from {min(effects):+.2f} to {max(effects):+.2f}, the"
+                  f" {len(effects)} cells that differ only by it; negative: it helps)")
+    if "fp32 (reference)" in delta:
+        print(f"  noise: fp32 lands {delta['fp32 (reference)']:+.2f}% from bf16 on the same init and batches;"
+              f" deltas of that size are not resolved by this run")
 
 
 def main():
@@ -192,7 +208,8 @@ def main():
     p.add_argument("--preset", default="small")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--sqnr-n", type=int, default=4096, help="the SQNR tensors are randn(n, n)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="OMP threads of each train.py run")
+    p.add_argument("--jobs", type=int, default=2, help="cells trained at once (after the bf16 baseline)")
+    p.add_argument("--threads", type=int, help="OMP threads of each train.py run (default: cores / jobs)")
     p.add_argument("--out-dir", default=os.path.join("out", "bench_precision"),
                    help="the token cache and each cell's metrics file (default under ./out)")
     p.add_argument("--only", default="", help="run only the cells whose label matches this regex (and bf16)")
@@ -201,18 +218,24 @@ def main():
     if args.smoke:
         args.steps, args.batch, args.eval_batches, args.preset, args.sqnr_n = 4, 2, 1, "tiny", 256
     args.out_dir = os.path.abspath(args.out_dir)
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     os.makedirs(args.out_dir, exist_ok=True)
     start = time.perf_counter()
     print_sqnr(args.sqnr_n)
     rows = [row for row in cells(args.smoke) if row[0] == "bf16" or re.search(args.only, row[0])]
     print(f"\nablation: `{args.preset}`, {args.steps} steps of {args.batch} sequences, one init (seed {args.seed}),"
           f" the same batches; val loss over {args.eval_batches} batches after the last step; bf16 compute;"
-          f" {args.threads} threads a run; {len(rows)} cells, one after the other")
-    results = []
-    for label, _, _, flags in rows:
-        results.append(run_cell(label, flags, args, args.out_dir))
-        r = results[-1]
-        print(f"  ran {label}: {r['seconds']:.0f} s" + (f" ({r['error']})" if "error" in r else ""), flush=True)
+          f" {len(rows)} cells, {args.jobs} at a time of {args.threads} threads")
+    def run(row):
+        r = run_cell(row[0], row[3], args, args.out_dir)
+        print(f"  ran {row[0]}: {r['seconds']:.0f} s" + (f" ({r['error']})" if "error" in r else ""), flush=True)
+        return r
+
+    done = {rows[0][0]: run(rows[0])}  # alone: it writes the token cache the others read
+    with ThreadPoolExecutor(args.jobs) as pool:  # threads that wait on train.py processes, the dearest first
+        futures = {row[0]: pool.submit(run, row) for row in sorted(rows[1:], key=lambda row: -emulation_cost(row))}
+        done.update({label: future.result() for label, future in futures.items()})
+    results = [done[row[0]] for row in rows]
     print()
     print_table(results, rows, args)
     print_verdict(results)
