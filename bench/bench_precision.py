@@ -193,8 +193,8 @@ def print_verdict(results: list) -> None:
     for part, pairs in parts.items():
         effects = [delta[a] - delta[b] for a, b in pairs if a in delta and b in delta]
         if effects:
-            print(f"  {part}: {mean(effects):+.2f} percentage points of val-loss delta on average (from {min(effects):+.2f} to {max(effects):+.2f}, the"
-                  f" {len(effects)} cells that differ only by it; negative: it helps)")
+            print(f"  {part}: {mean(effects):+.2f} points of the delta on average (from {min(effects):+.2f} to"
+                  f" {max(effects):+.2f} over the {len(effects)} pairs of cells that differ only by it; < 0: it helps)")
     if "fp32 (reference)" in delta:
         print(f"  noise: fp32 lands {delta['fp32 (reference)']:+.2f}% from bf16 on the same init and batches;"
               f" deltas of that size are not resolved by this run")
