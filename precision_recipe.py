@@ -53,6 +53,7 @@ import torch.nn as nn
 import context_parallel
 import microscaling
 from comm import Messages
+from fp8 import QuantizationObserver
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
@@ -276,6 +277,7 @@ class RecipeLinear(nn.Linear):
         self.out_index, self.amax_groups = out_index, dict(amax_groups)
         self.forwards = 0  # training forwards since the step began: the micro-batch index j of SR's draws
         self.weight_grad_store = None  # the pipeline's WeightGradStore under zb (set by its install)
+        self.observer = QuantizationObserver()  # told what each training quantisation cut (PrecisionHandle.observe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
@@ -295,15 +297,19 @@ class RecipeLinear(nn.Linear):
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return amax
 
-    def _fq(self, x: torch.Tensor, fmt: str, dtype, two_d: bool = False, tensor_amax=None, draws=None):
-        """x [R, C] quantised in blocks along C and dequantised, in `dtype`; fmt bf16: x in `dtype`."""
+    def _fq(self, x: torch.Tensor, fmt: str, dtype, role: int | None, two_d: bool = False, tensor_amax=None,
+            draws=None):
+        """x [R, C] quantised in blocks along C and dequantised, in `dtype`; fmt bf16: x in `dtype`. role (0 an
+        input, 1 the weight, 2 the output gradient; None: evaluation): the observer hears what the clamp cut."""
         if fmt == "bf16":
             return x.to(dtype)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        out = microscaling.fake_quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule, two_d=two_d,
-                                         tensor_amax=tensor_amax if fmt == "nvfp4" else None,
-                                         stochastic=draws)
-        return out.to(dtype)
+        q = microscaling.quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule, two_d=two_d,
+                                  tensor_amax=tensor_amax if fmt == "nvfp4" else None, stochastic=draws,
+                                  count_saturated=role is not None)
+        if role is not None:
+            self.observer.quantized(self, role, x.numel(), q.saturated)
+        return microscaling.dequantize(q, dtype)
 
     def forward_gemm(self, x2, weight, out_dtype, training: bool):
         """Y = fq(X)·fq(W)ᵀ in out_dtype (blocks along K)."""
@@ -311,8 +317,9 @@ class RecipeLinear(nn.Linear):
         if fmt == "bf16":
             return x2.to(out_dtype) @ weight.to(out_dtype).t()
         amax = self._reduced_amax([amax_of(x2), amax_of(weight)]) if fmt == "nvfp4" else (None, None)
-        xq = self._fq(x2, fmt, out_dtype, tensor_amax=amax[0])
-        wq = self._fq(weight, fmt, out_dtype, two_d=self.recipe.w2d and fmt == "nvfp4", tensor_amax=amax[1])
+        roles = (0, 1) if training else (None, None)
+        xq = self._fq(x2, fmt, out_dtype, roles[0], tensor_amax=amax[0])
+        wq = self._fq(weight, fmt, out_dtype, roles[1], two_d=self.recipe.w2d and fmt == "nvfp4", tensor_amax=amax[1])
         return xq @ wq.t()
 
     def _sr_draws(self, dy: torch.Tensor, token_shape: tuple, micro_batch: int, role: int, transposed: bool):
@@ -342,16 +349,16 @@ class RecipeLinear(nn.Linear):
         dx = dw = None
         if wants_dx:
             draws = self._sr_draws(dy, token_shape, micro_batch, 0, transposed=False)
-            dyq = self._fq(dy, fmt, out_dtype, tensor_amax=amax[0], draws=draws)
+            dyq = self._fq(dy, fmt, out_dtype, 2, tensor_amax=amax[0], draws=draws)
             if two_d:
-                wq = self._fq(weight, fmt, out_dtype, two_d=True, tensor_amax=amax[3])
+                wq = self._fq(weight, fmt, out_dtype, 1, two_d=True, tensor_amax=amax[3])
             else:
-                wq = self._fq(weight.t(), fmt, out_dtype, tensor_amax=amax[3]).t()
+                wq = self._fq(weight.t(), fmt, out_dtype, 1, tensor_amax=amax[3]).t()
             dx = dyq @ wq
         if wants_dw:
             draws = self._sr_draws(dy, token_shape, micro_batch, 1, transposed=True)
-            dw = (self._fq(dy_t, fmt, out_dtype, tensor_amax=amax[1], draws=draws),
-                  self._fq(x_t, fmt, out_dtype, tensor_amax=amax[2]))
+            dw = (self._fq(dy_t, fmt, out_dtype, 2, tensor_amax=amax[1], draws=draws),
+                  self._fq(x_t, fmt, out_dtype, 0, tensor_amax=amax[2]))
         return dx, dw
 
 
@@ -472,6 +479,13 @@ class PrecisionHandle(Axis):
         for linear in self.linears.values():
             linear.forwards = 0
         return 0
+
+    def observe(self, observer: QuantizationObserver) -> None:
+        """Every linear tells `observer` (the accounting's mfu.SaturationCount) what its quantisations cut, per
+        role (0 X, 1 W, 2 dY), in training."""
+        self.observer = observer
+        for linear in self.linears.values():
+            linear.observer = observer
 
     def state_pieces(self) -> list:
         """The step counter (docstring item 4), one logical tensor written by the rank at coordinate 0 of all."""

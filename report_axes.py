@@ -54,7 +54,7 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
 OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad,  # {handle name: what its section's lines read}
-             "fp8": mfu.SaturationCount, "pp": mfu.ActionClock}
+             "fp8": mfu.SaturationCount, "pp": mfu.ActionClock, "precision": mfu.SaturationCount}
 
 
 def observe(axis):
@@ -685,10 +685,26 @@ def _precision_startup(handle, run, steps: int) -> list:
     return lines
 
 
+def _precision_saturation(handle, run, steps: int) -> list:
+    """The share of values the recipe's clamps cut since the last line, per role over all its linears (this rank's
+    training quantisations: mfu.SaturationCount; MX's rceil cannot saturate, floor and NVFP4's rounded block
+    scale can)."""
+    counts = handle.observer
+    values = [0, 0, 0]
+    cut = [0.0, 0.0, 0.0]
+    for name in handle.linears:
+        seen = list(counts.values.get(name, [0, 0, 0]))
+        for role, (share, n) in enumerate(zip(counts.take(name), seen)):
+            values[role] += n
+            cut[role] += share * n / 100
+    shares = "  ".join(f"{role} {100 * c / max(1, n):.3f}%" for role, c, n in zip(("X", "W", "dY"), cut, values))
+    return [f"precision {handle.recipe.describe()}: saturated since the last line (this rank): {shares}"]
+
+
 def _precision_end(handle, run, steps: int) -> list:
     facts = handle.facts()
     return [f"precision recipe {facts.recipe.describe()}: steps {steps}, {len(facts.formats)} block linears"
             f" quantised, {len(facts.kept)} kept in the compute dtype"]
 
 
-AXIS_LINES["precision"] = {"startup": _precision_startup, "end": _precision_end}
+AXIS_LINES["precision"] = {"startup": _precision_startup, "step": _precision_saturation, "end": _precision_end}

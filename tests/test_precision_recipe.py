@@ -20,9 +20,10 @@ import torch.nn as nn
 
 import microscaling
 import precision_recipe as recipes
+import test_composition
 from harness import run_ranks
 from reference import global_batches, make_config, reference_run
-from test_composition import STEPS, SEQ, CLIP, TOL, _parse, _run_case
+from test_composition import STEPS, SEQ, CLIP, TOL, _parse
 
 PRESETS = ("mxfp8", "mxfp4", "nvfp4")
 
@@ -146,8 +147,26 @@ def _mesh_cases(preset):
             ([*recipe, "--pp", "2"], dict(H, n_layer=4), 4, 2)]
 
 
-MESH_CASES = [case for preset in PRESETS for case in _mesh_cases(preset)]
-MESH_IDS = [f"{case[0][1]}-" + "-".join(f.lstrip("-") for f in case[0][2:]) for case in MESH_CASES]
+LONG = 64  # CP's zig-zag pieces of s/2C = 16 tokens hold whole 16-token NVFP4 blocks and Hadamard blocks
+MESH_CASES = [case for preset in PRESETS for case in _mesh_cases(preset)] + [
+    (["--precision-recipe", "mxfp8", "--zero", "1"], H, 4, 2),
+    (["--precision-recipe", "nvfp4", "--pp", "2", "--pp-schedule", "zb"], dict(H, n_layer=4), 4, 2),  # its own W
+    (["--precision-recipe", "nvfp4,tail=0", "--cp", "2", "--seq-len", str(LONG)], H, 2, 1),  # SR draws at CP's
+]  # positions, the tensor amax MAX over cp
+MESH_IDS = ["-".join(f.lstrip("-") for f in case[0][1:]) for case in MESH_CASES]
+
+
+def _seq_len(flags) -> int:
+    return int(flags[flags.index("--seq-len") + 1]) if "--seq-len" in flags else SEQ
+
+
+def _run_case(rank, world, flags, *case, **kwargs):
+    """test_composition's run of a case, at the case's sequence length (its batches, flags and positions)."""
+    test_composition.SEQ = _seq_len(flags)
+    try:
+        return test_composition._run_case(rank, world, flags, *case, **kwargs)
+    finally:
+        test_composition.SEQ = SEQ
 SAVE_AT = 2
 RESHARD = [((["--precision-recipe", "nvfp4", "--tp", "2", "--sp"], H, 4, 2),
             (["--precision-recipe", "nvfp4", "--zero", "3"], H, 4, 2)),
@@ -172,7 +191,8 @@ def mesh_runs(tmp_path_factory):
 
 def _check(results, flags, config_kw, global_batch, micro):
     args = _parse(flags, global_batch, micro)
-    ref_losses, _, ref_params = reference_run(make_config(**config_kw), global_batches(STEPS, global_batch, SEQ),
+    seq = _seq_len(flags)
+    ref_losses, _, ref_params = reference_run(make_config(**config_kw), global_batches(STEPS, global_batch, seq),
                                               clip=CLIP, micro_batches=global_batch // micro,
                                               precision_recipe=args.precision_recipe)
     seen = set()
