@@ -226,14 +226,15 @@ class _RecipeLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, training, store, micro_batch):
-        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        x2 = x.reshape(-1, x.shape[-1]).to(out_dtype)  # [M, K] as autocast's linear would take it (TP's SP
+        # input arrives cast already: then x2 is a view of x, which TP's regathering hook recognises when saved)
         with torch.autocast(device, enabled=False):
             y = layer.forward_gemm(x2, weight, out_dtype, training)
             if bias is not None:
                 y = y + bias.to(out_dtype)
-        ctx.save_for_backward(x2, weight)  # x2 a view of x: TP's regathering hook still recognises it
+        ctx.save_for_backward(x2, weight)
         ctx.layer, ctx.store, ctx.out_dtype, ctx.x_dtype = layer, store, out_dtype, x.dtype
         ctx.token_shape = tuple(x.shape[:-1])  # (B, L): the tokens' logical rows (SR's coordinates)
         ctx.micro_batch = micro_batch  # j of this step's training forwards (SR's draws)

@@ -228,3 +228,38 @@ def test_a_resume_on_another_mesh_equals_the_uninterrupted_run(mesh_runs, index)
     per_rank = [rank_results[1][index] for rank_results in mesh_runs]
     assert all(sorted(losses) == list(range(SAVE_AT, STEPS)) for losses, _ in per_rank)
     _check(per_rank, *RESHARD[index][1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The printouts (report_axes.py's precision section), from a rank built as --plan builds it (meta)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_startup_lines_name_the_formats_bits_and_messages():
+    """Which linears run in which format and which stay in the compute dtype, bits per element with the scales
+    (MXFP8 8.25, NVFP4 4.5 + the tensor scale), the gathered weights under ZeRO-3, NVFP4's amax reductions."""
+    import flags
+    import mfu
+    import plan
+    import report_axes
+    import train
+
+    def startup(argv, world):
+        settings = plan.plan_settings(flags.validate(flags.build_parser().parse_args(
+            ["--preset", "tiny", "--global-batch", "4", "--micro-batch", "2", *argv]), world, axes=train.AXES))
+        with plan.fake_world(0, world):
+            run = plan.build_role(settings, 0)
+            handle = next(axis for axis in run.axes if axis.name == "precision")
+            return "\n".join(report_axes.axis_lines(handle, "startup", run)), handle
+
+    text, _ = startup(["--precision-recipe", "nvfp4", "--tp", "2", "--n-layer", "4"], 2)
+    assert "precision recipe fwd=nvfp4,bwd=nvfp4,sr,rht,w2d,tail=0.15,rule=rceil: 12 block linears" in text
+    assert "the last 4 block linears (tail 0.15)" in text
+    assert "bits per element with block scales: forward 4.5, backward 4.5 (+ a 32-bit tensor scale" in text
+    tokens = 2 * 64  # M = B_μ·s; per layer K_j: c_attn and c_fc h = 64, attention's c_proj h/T, the MLP's 4h/T
+    codes = tokens * (64 + 64 + 32 + 128) * 3 * 4.5 / 8 + 4 * 12  # Σ M·K_j·4.5/8 + a tensor scale per linear
+    assert f"a block-scaled kernel's {mfu.format_bytes(codes)}" in text
+    calls = 12 * 2 * 2  # 12 linears × m = 2 micro-batches × (forward [amax X, W] 8 bytes, backward 16 bytes)
+    assert f"all_reduce tp: {calls} × 12 B" in text
+    text, _ = startup(["--precision-recipe", "mxfp8", "--zero", "3"], 2)
+    assert "forward 8.25, backward 8.25;" in text and "ZeRO-3 gathers these" in text and "messages" not in text
