@@ -167,6 +167,9 @@ def _add_fp8_flags(parser) -> None:
     g.add_argument("--fp8-amax-history", type=int, default=16, help="delayed: amax history length L")
     g.add_argument("--fp8-amax-algo", choices=("max", "most_recent"), default="max", help="delayed: scale from")
     g.add_argument("--fp8-margin", type=int, default=0, help="scale = max/amax/2^margin")
+    g.add_argument("--precision-recipe", metavar="SPEC", help="microscaling block linears (precision_recipe.py):"
+                   " mxfp8 | mxfp4 | nvfp4, or parts fwd=F,bwd=F,sr,rht,w2d,tail=F,rule=rceil|floor"
+                   " (F: bf16 | mxfp8 | mxfp4 | nvfp4); not with --fp8")
 
 
 def _add_moe_flags(parser) -> None:

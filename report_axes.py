@@ -1,7 +1,7 @@
 """Each axis's accounting, printed: the lines a handle adds at start-up, with each logged step, and at the end.
 
 One section per handle name, registered as AXIS_LINES[name][when] = formatter(handle, run, steps) -> [str],
-with when "startup", "step" or "end": the layouts (ddp, zero), then moe, tp, cp, pp and fp8. report.py loops
+with when "startup", "step" or "end": the layouts (ddp, zero), then moe, tp, cp, pp, fp8 and precision. report.py loops
 over the run's handles (`axis_lines`) and the layout (`layout_lines`) and never asks which flags are on. A
 section formats what its concept file's docstring answers (what is split, what a device holds, which messages
 a step sends), with the axis's own prediction formulas next to what the run measured: the tracer's counts,
@@ -31,6 +31,7 @@ import memory
 import mfu
 import moe
 import pipeline
+import precision_recipe
 import schedules
 import tensor_parallel
 from comm import Count
@@ -55,7 +56,7 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
 OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad,  # {handle name: what its section's lines read}
-             "fp8": mfu.SaturationCount, "pp": mfu.ActionClock}
+             "fp8": mfu.SaturationCount, "pp": mfu.ActionClock, "precision": mfu.SaturationCount}
 
 
 def observe(axis):
@@ -643,3 +644,68 @@ def _fp8_end(handle, run, steps: int) -> list:
 
 
 AXIS_LINES["fp8"] = {"startup": _fp8_startup, "step": _fp8_scale_table, "end": _fp8_end}
+
+
+# --- precision (a microscaling recipe, precision_recipe.py) ---
+
+
+def _precision_startup(handle, run, steps: int) -> list:
+    """Which linears run in which format and which stay in the compute dtype, the bytes per element with the
+    scales (saved inputs, gathered weights) and the amax reductions per step (precision_recipe.py, items 2-3)."""
+    facts = handle.facts()
+    r, compute_bytes = facts.recipe, run.compute_dtype.itemsize
+    compute = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        run.compute_dtype, str(run.compute_dtype))
+
+    def fmt(name):
+        return compute if name == "bf16" else name.upper()
+
+    tail = f"; the last {len(facts.kept)} block linears (tail {r.tail:g})" if facts.kept else ""
+    lines = [f"precision recipe {r.describe()}: {len(facts.formats)} block linears with forward operands in"
+             f" {fmt(r.fwd)}, backward operands in {fmt(r.bwd)}" + (" (16×16 NVFP4 weight blocks)" if r.w2d else "")
+             + (", Hadamard on dW's operands" if r.rht else "") + (", stochastic rounding of dY" if r.sr else ""),
+             f"  in the compute dtype ({compute}): embedding, head, loss, routers, experts{tail}; GEMMs emulated"
+             f" (quantise → dequantise → {compute} GEMM): only Blackwell (B200) has block-scaled tensor cores"]
+    tokens = run.micro_batch_size * run.seq_len // run.mesh.size("cp")
+    bits = {name: precision_recipe.bits_per_element(name, compute_bytes) for name in (r.fwd, r.bwd)}
+    saved = precision_recipe.saved_input_bytes(facts.in_features.values(), tokens, r.bwd, compute_bytes)
+    lines.append(f"  memory: bits per element with block scales: forward {bits[r.fwd]:g}, backward {bits[r.bwd]:g}"
+                 + (" (+ a 32-bit tensor scale per tensor)" if "nvfp4" in (r.fwd, r.bwd) else "")
+                 + f"; saved inputs per micro-batch in flight (Σ M·K_j, M={tokens}): a block-scaled kernel's"
+                 f" {mfu.format_bytes(saved['codes'])}, this emulation's {mfu.format_bytes(saved['compute'])}"
+                 f" ({compute})")
+    if run.settings.args.zero == 3:
+        b_w = run.param_dtype.itemsize
+        lines.append(f"  ZeRO-3 gathers these {facts.weights:,} weight elements in the working dtype ({b_w} bytes"
+                     f" each, quantised after the gather): {mfu.format_bytes(facts.weights * b_w)} per gather of all;"
+                     f" in {fmt(r.fwd)} with scales it would be {mfu.format_bytes(facts.weights * bits[r.fwd] / 8)}"
+                     f" (not implemented)")
+    for (op, group), (calls, payload) in handle.predicted_messages(run.layout).items():
+        lines.append(f"  messages per step: {op} {group}: {calls} × {mfu.format_bytes(payload / calls)}"
+                     f" (NVFP4 tensor amax MAX reductions)")
+    return lines
+
+
+def _precision_saturation(handle, run, steps: int) -> list:
+    """The share of values the recipe's clamps cut since the last line, per role over all its linears (this rank's
+    training quantisations: mfu.SaturationCount; MX's rceil cannot saturate, floor and NVFP4's rounded block
+    scale can)."""
+    counts = handle.observer
+    values = [0, 0, 0]
+    cut = [0.0, 0.0, 0.0]
+    for name in handle.linears:
+        seen = list(counts.values.get(name, [0, 0, 0]))
+        for role, (share, n) in enumerate(zip(counts.take(name), seen)):
+            values[role] += n
+            cut[role] += share * n / 100
+    shares = "  ".join(f"{role} {100 * c / max(1, n):.3f}%" for role, c, n in zip(("X", "W", "dY"), cut, values))
+    return [f"precision {handle.recipe.describe()}: saturated since the last line (this rank): {shares}"]
+
+
+def _precision_end(handle, run, steps: int) -> list:
+    facts = handle.facts()
+    return [f"precision recipe {facts.recipe.describe()}: steps {steps}, {len(facts.formats)} block linears"
+            f" quantised, {len(facts.kept)} kept in the compute dtype"]
+
+
+AXIS_LINES["precision"] = {"startup": _precision_startup, "step": _precision_saturation, "end": _precision_end}

@@ -38,6 +38,7 @@ import hf
 import mfu
 import moe
 import pipeline
+import precision_recipe
 import report
 import tensor_parallel
 import time_model
@@ -53,11 +54,11 @@ from step import GradientAccumulation, train_step
 from zero import ZeroConfig, ZeroLayout
 from zero3 import Zero3Layout
 
-# The axes, in DESIGN.md's order of application (MoE/EP → TP → CP → PP → FP8). Each module has a
+# The axes, in DESIGN.md's order of application (MoE/EP → TP → CP → PP → FP8 or a microscaling recipe). Each has a
 # `config_from_flags(args, settings)` (flags.py calls it once, before any rank waits) and an
 # `apply(model, run, config)` that swaps modules of the model in place and returns its handle, a step.Axis.
 # Adding an axis adds a line here; the loop and the printouts only ever loop over the handles.
-AXES = (moe, tensor_parallel, context_parallel, pipeline, fp8)
+AXES = (moe, tensor_parallel, context_parallel, pipeline, fp8, precision_recipe)
 
 
 @dataclass

@@ -53,12 +53,13 @@ def add_squared_mean_aux(model, coef: float):
 
 
 def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch.float64, micro_batches: int = 1,
-                  aux_coef: float | None = None, fp8_recipe: str | None = None):
+                  aux_coef: float | None = None, fp8_recipe: str | None = None, precision_recipe: str | None = None):
     """Train the single-device model on the global batches; return (losses, grad_norms, final parameters).
 
     With auxiliary losses (aux_coef: add_squared_mean_aux) the objective is DESIGN.md's: Σ CE / tokens +
     coef · mean over the `micro_batches` (= D·m) micro-batches of aux, the global batch cut in rank order.
     fp8_recipe: the block linears in FP8 (fp8.py, one process), the delayed history rolled once per step.
+    precision_recipe: a --precision-recipe SPEC (precision_recipe.py, one process; its step closed per step).
     """
     model = GPT(config, seed=seed, dtype=dtype)
     if aux_coef is not None:
@@ -68,6 +69,11 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
         import fp8
 
         fp8_handle = fp8.convert(model, fp8.Recipe(fp8_recipe, 16, "max", 0))
+    if precision_recipe is not None:
+        import precision_recipe as recipes
+
+        fp8_handle = recipes.convert(model, recipes.parse_recipe(precision_recipe), seed=seed,
+                                     seq_len=batches[0][0].shape[1])
     optimizer = torch.optim.AdamW(adamw_param_groups(model.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"],
                                   betas=HYPER["betas"], eps=HYPER["eps"])
     losses, norms = [], []

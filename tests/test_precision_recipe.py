@@ -1,0 +1,265 @@
+"""precision_recipe.py: the --precision-recipe flag, the recipe linear's three GEMMs against their definition, and
+every preset on TP+SP, ZeRO-3 and PP (and a resume on another mesh) against the single process.
+
+The linear is checked bitwise in float64 against the recipe written out from the published semantics with
+microscaling.py's quantiser (fq = quantise → dequantise, blocks along each GEMM's contraction dimension; the
+Hadamard on both dW operands along the tokens; stochastic rounding of dY from the logical coordinates' draws).
+The mesh runs go through train.compose exactly as tests/test_composition.py's do (flags → the axes → the
+layout → step.train_step) and compare with tests/reference.py's single process converted with the same recipe,
+at the FP8 tests' tolerance: losses and parameters within 1e-10 in float64. That holds only if every element is
+quantised identically on both meshes: the same blocks (local to a rank's piece), the same NVFP4 tensor amax (MAX
+over tp) and the same stochastic-rounding draws (keyed by the logical coordinates, not by the rank), so a rank-keyed
+draw or a missing reduction fails it by orders of magnitude. All mesh runs share one 2-rank spawn.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import microscaling
+import precision_recipe as recipes
+import test_composition
+from harness import run_ranks
+from reference import global_batches, make_config, reference_run
+from test_composition import STEPS, SEQ, CLIP, TOL, _parse
+
+PRESETS = ("mxfp8", "mxfp4", "nvfp4")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny float64 models: OpenMP threads only contend on the shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The flag
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_presets_and_parts_parse_to_the_spec():
+    assert recipes.parse_recipe("nvfp4") == recipes.PrecisionRecipe(
+        "nvfp4", fwd="nvfp4", bwd="nvfp4", sr=True, rht=True, w2d=True, tail=0.15)
+    assert recipes.parse_recipe("mxfp8") == recipes.PrecisionRecipe("mxfp8", fwd="mxfp8", bwd="mxfp8")
+    assert recipes.parse_recipe("fwd=mxfp4,bwd=mxfp8,rule=floor,tail=0.5") == recipes.PrecisionRecipe(
+        "fwd=mxfp4,bwd=mxfp8,rule=floor,tail=0.5", fwd="mxfp4", bwd="mxfp8", rule="floor", tail=0.5)
+    assert recipes.parse_recipe("nvfp4,tail=0,sr").tail == 0  # a preset among parts: its parts, then the rest
+    assert recipes.parse_recipe("nvfp4").tail_layers(7) == 2 and recipes.parse_recipe("nvfp4").tail_layers(20) == 3
+
+
+BAD_RECIPES = [
+    (["--precision-recipe", "fwd=fp6"], "'fwd=fp6' is not a part"),
+    (["--precision-recipe", "mxfp8,hadamard"], "'hadamard' is not a part"),
+    (["--precision-recipe", "nvfp4,tail=1"], "tail=1 must be in [0, 1)"),
+    (["--precision-recipe", "fwd=mxfp8,sr"], "sr and rht act on the backward"),
+    (["--precision-recipe", "mxfp8", "--n-embd", "48", "--n-head", "4"], "is not a multiple of the 32-wide block"),
+    (["--precision-recipe", "nvfp4", "--tp", "2", "--n-embd", "48", "--n-head", "4"], "16-wide block"),
+    (["--precision-recipe", "mxfp8", "--fp8", "current"], "choose one recipe"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_RECIPES, ids=[" ".join(f[1:]) for f, _ in BAD_RECIPES])
+def test_a_bad_recipe_ends_in_one_line_naming_the_flag(flags, message, tmp_path, monkeypatch, capsys):
+    """flags.parse as every rank runs it: exit status 2, one line `error: --precision-recipe ...`."""
+    import flags as flags_lib
+    import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2" if "--tp" in flags else "1")
+    with pytest.raises(SystemExit) as stop:
+        flags_lib.parse(["--preset", "tiny", "--out-dir", str(tmp_path / "out"), *flags], train.AXES)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: --precision-recipe"), err
+    assert message in err, err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The linear against the recipe's definition (float64, bitwise)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_linear_computes_the_nvfp4_recipe_as_written():
+    """Y = fq(X)·fq₂(W)ᵀ + b, dX = fq(dY; SR)·fq₂(W), dW = fq(H·dYᵀ; SR)·fq(H·Xᵀ)ᵀ, db = Σ dY, with fq₂ NVFP4's
+    16×16 weight blocks and H the step's Hadamard (/4) along the tokens; the draws from the logical coordinates."""
+    M, K, N, f64 = 32, 64, 48, torch.float64
+    torch.manual_seed(0)
+    plain = nn.Linear(K, N, dtype=f64)
+    recipe = recipes.parse_recipe("nvfp4")
+    state = recipes.DrawState(seed=5, first_micro_batch=0, seq_len=M, positions=None)
+    layer = recipes.RecipeLinear(plain, recipe, state, "layer", layer_key=3, out_index=torch.arange(N), amax_groups={})
+    x, dy = torch.randn(1, M, K, dtype=f64), torch.randn(1, M, N, dtype=f64)
+    x_leaf = x.clone().requires_grad_()
+    y = layer(x_leaf)
+    y.backward(dy)
+
+    def fq(t, two_d=False, draws=None):
+        return microscaling.fake_quantize(t, microscaling.FORMATS["nvfp4"], two_d=two_d, stochastic=draws)
+
+    w, x2, dy2 = plain.weight.detach(), x[0], dy[0]
+    hadamard = recipes.hadamard_signs(state.key(-1, 3, 2), "cpu")
+    draws = recipes.uniform_draws(state.key(0, 3, 0), torch.arange(M), torch.arange(N))
+    draws_t = recipes.uniform_draws(state.key(0, 3, 1), torch.arange(N), torch.arange(M))
+    assert torch.equal(y[0], fq(x2) @ fq(w, two_d=True).t() + plain.bias)
+    assert torch.equal(x_leaf.grad[0], fq(dy2, draws=draws) @ fq(w, two_d=True))
+    dw = fq(microscaling.hadamard_blocks(dy2.t(), hadamard), draws=draws_t) \
+        @ fq(microscaling.hadamard_blocks(x2.t(), hadamard)).t()
+    assert torch.equal(plain.weight.grad, dw) and torch.equal(plain.bias.grad, dy2.sum(0))
+    assert not torch.equal(draws, recipes.uniform_draws(state.key(1, 3, 0), torch.arange(M), torch.arange(N)))
+
+
+def test_draws_of_a_piece_are_the_whole_tensors_draws_there():
+    """Any rank's piece (rows, columns of the logical tensor, in any order) draws what the whole draws there."""
+    key = recipes.draw_key(0, 3, 1, 17, 0)
+    whole = recipes.uniform_draws(key, torch.arange(64), torch.arange(96))
+    rows, cols = torch.tensor([40, 41, 7, 8]), torch.tensor([5, 90, 33])
+    assert torch.equal(recipes.uniform_draws(key, rows, cols), whole[rows][:, cols])
+    assert 0 <= float(whole.min()) and float(whole.max()) < 1 and abs(float(whole.mean()) - 0.5) < 0.01
+
+
+def test_the_tail_and_the_ends_stay_in_the_compute_dtype():
+    from model import GPT
+
+    model = GPT(make_config(n_layer=4, n_embd=64), seed=0)
+    handle = recipes.convert(model, recipes.parse_recipe("nvfp4,tail=0.3"), seq_len=SEQ)  # ⌈1.2⌉ = 2 blocks
+    assert sorted({name.split(".")[2] for name in handle.linears}) == ["0", "1"] and len(handle.kept) == 8
+    assert type(model.lm_head) is nn.Linear and type(model.transformer.h[3].mlp.c_fc) is nn.Linear
+    facts = handle.facts()
+    assert set(facts.formats.values()) == {("nvfp4", "nvfp4")} and facts.kept == handle.kept
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every preset on TP+SP, ZeRO-3 and PP, and a resume on another mesh, against the single process
+# ---------------------------------------------------------------------------------------------------------
+
+H = dict(n_embd=64)  # n_embd/T = 32: the MX blocks fit a TP shard; M = 2·16 tokens per micro-batch
+
+
+def _mesh_cases(preset):
+    recipe = ["--precision-recipe", preset]
+    return [([*recipe, "--tp", "2", "--sp"], H, 4, 2),
+            ([*recipe, "--zero", "3"], H, 4, 2),
+            ([*recipe, "--pp", "2"], dict(H, n_layer=4), 4, 2)]
+
+
+LONG = 64  # CP's zig-zag pieces of s/2C = 16 tokens hold whole 16-token NVFP4 blocks and Hadamard blocks
+MESH_CASES = [case for preset in PRESETS for case in _mesh_cases(preset)] + [
+    (["--precision-recipe", "mxfp8", "--zero", "1"], H, 4, 2),
+    (["--precision-recipe", "nvfp4", "--pp", "2", "--pp-schedule", "zb"], dict(H, n_layer=4), 4, 2),  # its own W
+    (["--precision-recipe", "nvfp4,tail=0", "--cp", "2", "--seq-len", str(LONG)], H, 2, 1),  # SR draws at CP's
+]  # positions, the tensor amax MAX over cp
+MESH_IDS = ["-".join(f.lstrip("-") for f in case[0][1:]) for case in MESH_CASES]
+
+
+def _seq_len(flags) -> int:
+    return int(flags[flags.index("--seq-len") + 1]) if "--seq-len" in flags else SEQ
+
+
+def _run_case(rank, world, flags, *case, **kwargs):
+    """test_composition's run of a case, at the case's sequence length (its batches, flags and positions)."""
+    test_composition.SEQ = _seq_len(flags)
+    try:
+        return test_composition._run_case(rank, world, flags, *case, **kwargs)
+    finally:
+        test_composition.SEQ = SEQ
+SAVE_AT = 2
+RESHARD = [((["--precision-recipe", "nvfp4", "--tp", "2", "--sp"], H, 4, 2),
+            (["--precision-recipe", "nvfp4", "--zero", "3"], H, 4, 2)),
+           ((["--precision-recipe", "mxfp4", "--pp", "2"], dict(H, n_layer=4), 4, 2),
+            (["--precision-recipe", "mxfp4", "--tp", "2"], dict(H, n_layer=4), 4, 2))]
+
+
+def _on_meshes(rank, world, root):
+    traced = [_run_case(rank, world, *case, trace=True) for case in MESH_CASES]
+    resumed = []
+    for index, (saving, resuming) in enumerate(RESHARD):
+        directory = os.path.join(root, str(index))
+        _run_case(rank, world, *saving, stop=SAVE_AT, save_root=directory)
+        resumed.append(_run_case(rank, world, *resuming, resume_root=directory))
+    return traced, resumed
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    return run_ranks(_on_meshes, 2, str(tmp_path_factory.mktemp("ckpt")), timeout=600)
+
+
+def _check(results, flags, config_kw, global_batch, micro):
+    args = _parse(flags, global_batch, micro)
+    seq = _seq_len(flags)
+    ref_losses, _, ref_params = reference_run(make_config(**config_kw), global_batches(STEPS, global_batch, seq),
+                                              clip=CLIP, micro_batches=global_batch // micro,
+                                              precision_recipe=args.precision_recipe)
+    seen = set()
+    for losses, params, *_ in results:
+        torch.testing.assert_close(torch.tensor(list(losses.values())),
+                                   torch.tensor([ref_losses[step] for step in losses]), rtol=TOL, atol=TOL)
+        for name, (local, info) in params.items():
+            torch.testing.assert_close(local, info.shard_of(ref_params[name]), rtol=TOL, atol=TOL, msg=name)
+            seen.add(name)
+    assert seen == set(ref_params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(MESH_CASES)), ids=MESH_IDS)
+def test_every_preset_on_a_mesh_follows_the_single_process(mesh_runs, index):
+    _check([rank_results[0][index][:2] for rank_results in mesh_runs], *MESH_CASES[index])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(MESH_CASES)), ids=MESH_IDS)
+def test_traced_messages_equal_the_prediction(mesh_runs, index):
+    """Every (collective, group) of the traced steps, NVFP4's amax reductions among them, as predicted."""
+    for rank_results in mesh_runs:
+        traced, predicted = rank_results[0][index][2]
+        assert set(traced) == set(predicted), set(traced) ^ set(predicted)
+        for key, (calls, payload) in predicted.items():
+            assert traced[key] == pytest.approx((calls, payload), abs=1e-9), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(RESHARD)), ids=["nvfp4-tp-sp-to-zero3", "mxfp4-pp-to-tp"])
+def test_a_resume_on_another_mesh_equals_the_uninterrupted_run(mesh_runs, index):
+    per_rank = [rank_results[1][index] for rank_results in mesh_runs]
+    assert all(sorted(losses) == list(range(SAVE_AT, STEPS)) for losses, _ in per_rank)
+    _check(per_rank, *RESHARD[index][1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The printouts (report_axes.py's precision section), from a rank built as --plan builds it (meta)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_startup_lines_name_the_formats_bits_and_messages():
+    """Which linears run in which format and which stay in the compute dtype, bits per element with the scales
+    (MXFP8 8.25, NVFP4 4.5 + the tensor scale), the gathered weights under ZeRO-3, NVFP4's amax reductions."""
+    import flags
+    import mfu
+    import plan
+    import report_axes
+    import train
+
+    def startup(argv, world):
+        settings = plan.plan_settings(flags.validate(flags.build_parser().parse_args(
+            ["--preset", "tiny", "--global-batch", "4", "--micro-batch", "2", *argv]), world, axes=train.AXES))
+        with plan.fake_world(0, world):
+            run = plan.build_role(settings, 0)
+            handle = next(axis for axis in run.axes if axis.name == "precision")
+            return "\n".join(report_axes.axis_lines(handle, "startup", run)), handle
+
+    text, _ = startup(["--precision-recipe", "nvfp4", "--tp", "2", "--n-layer", "4"], 2)
+    assert "precision recipe fwd=nvfp4,bwd=nvfp4,sr,rht,w2d,tail=0.15,rule=rceil: 12 block linears" in text
+    assert "the last 4 block linears (tail 0.15)" in text
+    assert "bits per element with block scales: forward 4.5, backward 4.5 (+ a 32-bit tensor scale" in text
+    tokens = 2 * 64  # M = B_μ·s; per layer K_j: c_attn and c_fc h = 64, attention's c_proj h/T, the MLP's 4h/T
+    codes = tokens * (64 + 64 + 32 + 128) * 3 * 4.5 / 8 + 4 * 12  # Σ M·K_j·4.5/8 + a tensor scale per linear
+    assert f"a block-scaled kernel's {mfu.format_bytes(codes)}" in text
+    calls = 12 * 2 * 2  # 12 linears × m = 2 micro-batches × (forward [amax X, W] 8 bytes, backward 16 bytes)
+    assert f"all_reduce tp: {calls} × 12 B" in text
+    text, _ = startup(["--precision-recipe", "mxfp8", "--zero", "3"], 2)
+    assert "forward 8.25, backward 8.25;" in text and "ZeRO-3 gathers these" in text and "messages" not in text
