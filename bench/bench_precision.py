@@ -108,7 +108,8 @@ def run_cell(label: str, flags: list, args, out_dir: str) -> dict:
     result = dict(label=label, seconds=time.perf_counter() - start, command=" ".join(cmd[1:]))
     if proc.returncode != 0:
         lines = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
-        return dict(result, error=f"exit {proc.returncode}: {lines[-1][:150]}")
+        said = [line for line in lines if re.search(r"Error\b|^error:", line.strip())] or lines
+        return dict(result, error=f"exit {proc.returncode}: {said[-1].strip()[:150]}")
     records = [json.loads(line) for line in open(metrics)]
     last = records[-1]
     nonfinite = sum(1 for r in records if r["skipped"] or not math.isfinite(r["loss"]))
@@ -118,19 +119,19 @@ def run_cell(label: str, flags: list, args, out_dir: str) -> dict:
 
 
 def saturated_share(stdout: str):
-    """The mean of the last saturation table's percentages (one per linear and role: the values its cast clamped
-    since the table before, as the run printed it), or None where the run printed no table (bf16, fp32)."""
-    tables, rows = [], None
-    for line in stdout.splitlines():
-        if re.search(r"\bsat\b|saturat", line) and not line.startswith("step"):
-            rows = []
-            tables.append(rows)
-        elif rows is not None and line.startswith("  ") and re.search(r"\d%", line):
-            rows.extend(float(p) for p in re.findall(r"(\d+(?:\.\d+)?)%", line))
-        else:
-            rows = None
-    shares = next((t for t in reversed(tables) if t), None)
-    return sum(shares) / len(shares) if shares else None
+    """(X, W, dY) percent of values the casts clamped over steps 1..N-1 (the run's last saturation printout: the
+    steps since the one of step 0), or None where the run prints none (bf16, fp32). A recipe prints one line per
+    logged step (each role over all its linears, count-weighted); --fp8 prints a table of its linears, here
+    averaged per role over the linears (unweighted)."""
+    recipe = re.findall(r"saturated since the last line.*: X ([\d.]+)%\s+W ([\d.]+)%\s+dY ([\d.]+)%", stdout)
+    if recipe:
+        return tuple(float(p) for p in recipe[-1])
+    tables = re.split(r"the saturated share since the last table", stdout)
+    if len(tables) < 2:
+        return None
+    rows = [[float(p) for p in re.findall(r"([\d.]+)%", line)] for line in tables[-1].splitlines()[2:]]
+    rows = [row for row in rows if len(row) == 3]  # a linear's row: input, weight, grad_output
+    return tuple(sum(column) / len(rows) for column in zip(*rows)) if rows else None
 
 
 def accounting(fwd: str, bwd: str, preset: str, seq_len: int) -> tuple:
@@ -154,7 +155,7 @@ def emulation_cost(row) -> int:
 
 def print_table(results: list, rows: list, args) -> None:
     base = next((r for r in results if r["label"] == "bf16" and "error" not in r), None)
-    print(f"{'cell':<33} {'val loss':>9} {'Δ vs bf16':>10} {'non-finite':>10} {'saturated':>10} {'s/step':>7}"
+    print(f"{'cell':<33} {'val loss':>9} {'Δ vs bf16':>10} {'non-finite':>10} {'sat X/W/dY':>16} {'s/step':>7}"
           f" {'narrow FLOPs':>12} {'B200 P_w/bf16':>13}")
     seq_len = config_from_preset(args.preset).block_size
     for r, (label, fwd, bwd, _) in zip(results, rows):
@@ -162,9 +163,9 @@ def print_table(results: list, rows: list, args) -> None:
             print(f"{label:<33} failed ({r['error']})")
             continue
         delta = f"{100 * (r['val'] / base['val'] - 1):+.2f}%" if base else "n/a"
-        sat = "—" if r["saturated"] is None else f"{r['saturated']:.3f}%"
+        sat = "—" if r["saturated"] is None else "/".join(f"{p:.2g}" for p in r["saturated"]) + "%"
         narrow, speedup = accounting(fwd, bwd, args.preset, seq_len)
-        print(f"{label:<33} {r['val']:9.4f} {delta:>10} {r['nonfinite']:>10} {sat:>10} {r['step_s']:7.2f}"
+        print(f"{label:<33} {r['val']:9.4f} {delta:>10} {r['nonfinite']:>10} {sat:>16} {r['step_s']:7.2f}"
               f" {narrow:>12.0%} {'—' if speedup is None else f'{speedup:.2f}×':>13}")
 
 
