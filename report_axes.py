@@ -680,6 +680,12 @@ def _precision_startup(handle, run, steps: int) -> list:
                      f" each, quantised after the gather): {mfu.format_bytes(facts.weights * b_w)} per gather of all;"
                      f" in {fmt(r.fwd)} with scales it would be {mfu.format_bytes(facts.weights * bits[r.fwd] / 8)}"
                      f" (not implemented)")
+    flops = format_flops.flops_by_format(run.config, run.seq_len, r.fwd, r.bwd, compute,
+                                         r.tail_layers(run.config.n_layer))
+    shares = ", ".join(f"{name} {f / sum(flops.values()):.1%}" for name, f in flops.items())
+    lines.append(f"  MFU: model FLOPs by format {shares}; the emulation runs them all at the {compute} rate (the step"
+                 f" line's MFU), a block-scaled kernel at the format-weighted peak "
+                 + format_flops.weighted_peak_line(flops, hardware.PRESETS["b200"], compute))
     for (op, group), (calls, payload) in handle.predicted_messages(run.layout).items():
         lines.append(f"  messages per step: {op} {group}: {calls} × {mfu.format_bytes(payload / calls)}"
                      f" (NVFP4 tensor amax MAX reductions)")

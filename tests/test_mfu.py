@@ -8,11 +8,15 @@ import types
 import pytest
 import torch
 
+import flags
 import format_flops
 import hardware
 import memory
 import mfu
 import model
+import plan
+import report_axes
+import train
 
 # ---------------------------------------------------------------------------------------------------------
 # FLOPs and MFU
@@ -275,6 +279,24 @@ def test_b200_preset_and_formats_a_part_has_no_gemm_for():
     assert peaks == {"nvfp4": 9000e12, "mxfp8": 4500e12, "bf16": 2250e12} and emulated == []
     line = format_flops.weighted_peak_line(flops, hardware.PRESETS["h100"], "bf16")
     assert "989 TFLOP/s on h100" in line and "nvfp4, mxfp8: no such GEMM on h100, emulated at the bf16 rate" in line
+
+
+def test_a_recipe_states_its_flops_by_format_and_the_b200_peak_at_start():
+    """--precision-recipe's start-up line: the model FLOPs by format (the tail block's linears in the compute dtype)
+    and the format-weighted peak a block-scaled kernel would run at on a B200. Built as --plan builds a rank."""
+    argv = ["--preset", "tiny", "--precision-recipe", "fwd=nvfp4,bwd=mxfp8,tail=0.5", "--dtype", "bf16",
+            "--global-batch", "1", "--micro-batch", "1"]
+    settings = plan.plan_settings(flags.validate(flags.build_parser().parse_args(argv), 1, axes=train.AXES))
+    with plan.fake_world(0, 1):
+        run = plan.build_role(settings, 0)
+        handle = next(axis for axis in run.axes if axis.name == "precision")
+        text = "\n".join(report_axes.axis_lines(handle, "startup", run))
+    h, total = 64, run.flops.model  # tiny: L = 2, h = 64; tail 0.5 keeps block 1 in bf16, block 0 is quantised
+    fwd, bwd = 2 * 12 * h * h, 4 * 12 * h * h
+    assert (f"model FLOPs by format nvfp4 {fwd / total:.1%}, mxfp8 {bwd / total:.1%},"
+            f" bf16 {(total - fwd - bwd) / total:.1%}") in text
+    p_w = total / (fwd / 9000 + bwd / 4500 + (total - fwd - bwd) / 2250)  # B200 dense TFLOP/s
+    assert f"P_w = ΣF / Σ F_f/P_f = {p_w:,.0f} TFLOP/s on b200" in text
 
 
 # ---------------------------------------------------------------------------------------------------------
