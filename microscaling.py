@@ -19,8 +19,11 @@ E8M0's range 2^-127..2^127. Edge cases: an all-zero block gets the smallest expo
 NaN); a block holding a NaN or an infinity gets E8M0's NaN code (255) and dequantises to NaN in every element, and
 NVFP4 does the same with an E4M3 NaN block scale (a non-finite tensor amax makes every block NaN): a non-finite
 value is never clamped into a finite one, so the trainer's non-finite count still sees it. NVFP4's block scale is
-rounded to E4M3 ONCE from the exact amax_block·S_enc/6 (computed in float64, exact before the division), and its
-elements from the exact x·S_enc/d (float64 too); a block whose d rounds to 0 dequantises to zeros.
+rounded to E4M3 ONCE from amax_block·S_enc/6, and its elements from x·S_enc/d: both products are exact in float64
+(two 24-bit significands), and the one float64 division lands exactly on a tie of the narrow format only when the
+exact quotient is one (a 48-bit numerator sits at least 2^-49 relatively from any other tie), so each rounds once
+(for inputs of float32 precision or less; float64 inputs get the same computation). A block whose d rounds to 0
+dequantises to zeros.
 
 Rounding: elements round to nearest, ties to even, after a clamp to ±max_elem (saturating), or stochastically
 (`stochastic`, a torch.Generator): up with probability equal to the distance from the lower neighbour divided by
@@ -50,6 +53,7 @@ Symbols: n elements of a tensor, b the block (32 MX, 16 NVFP4).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -176,20 +180,20 @@ def _to_block_units(x, fmt: BlockFormat, rule: str, two_d: bool, tensor_amax):
     amax = blocks.abs().amax(dim=(-3, -1) if two_d else -1, keepdim=True)
     if fmt.scale == "e8m0":
         block_scales = (e8m0_exponent(amax, element.max, rule) + 127).to(torch.uint8)
-        y = blocks * _power_of_two_table(wide, negate=True)[block_scales.long()]
+        y = blocks * _power_of_two_table(wide, x.device, negate=True)[block_scales.long()]
         return y, block_scales, None
-    tensor_amax = _amax(x) if tensor_amax is None else tensor_amax.float()
+    tensor_amax = _amax(x) if tensor_amax is None else torch.as_tensor(tensor_amax, device=x.device)
     tensor_scale = nvfp4_tensor_scale(tensor_amax)
     decoded = nvfp4_block_scale(amax, tensor_scale)  # float64 on E4M3's grid, NaN where not finite
-    usable = torch.isfinite(decoded) & (decoded > 0)
-    y = blocks * torch.where(usable, tensor_scale.double() / torch.where(usable, decoded, 1.0), 0.0)
+    usable = torch.isfinite(decoded) & (decoded > 0)  # else a zero block (finite x/inf = 0) or a NaN one
+    y = torch.mul(blocks, tensor_scale.double()).div_(torch.where(usable, decoded, math.inf))  # (x·S_enc exact)/d
     return y, decoded.to(torch.float8_e4m3fn), tensor_scale
 
 
 def _from_block_units(grid, block_scales, tensor_scale, fmt: BlockFormat):
     """grid values (blocked) times their block's scale: exact for E8M0; (q·d exact)/S_enc rounded once for NVFP4."""
     if fmt.scale == "e8m0":
-        return grid * _power_of_two_table(grid.dtype)[block_scales.long()]
+        return grid * _power_of_two_table(grid.dtype, grid.device)[block_scales.long()]
     return grid * block_scales.to(grid.dtype) / tensor_scale.to(grid.dtype)
 
 
@@ -267,6 +271,7 @@ def _encode(grid: torch.Tensor, element: Element) -> torch.Tensor:
     return index | ((byte & 0x80) >> 4)
 
 
+@functools.lru_cache(maxsize=None)
 def _e2m1_byte_table(dtype, device) -> torch.Tensor:
     nibble = torch.tensor(E2M1_VALUES, dtype=dtype)
     nibble = torch.cat([nibble, -nibble])  # sign<<3 | index
@@ -290,12 +295,13 @@ def _blocks(x: torch.Tensor, block: int, two_d: bool) -> torch.Tensor:
     return x.reshape(_blocked_shape(x.shape, block, two_d))
 
 
-def _power_of_two_table(dtype, negate: bool = False) -> torch.Tensor:
-    """2^(code - 127) for each E8M0 code (NaN at 255); negate: 2^(127 - code), what the quantiser multiplies by."""
-    exponent = torch.arange(256, dtype=torch.float64) - 127
-    table = torch.exp2(-exponent if negate else exponent)  # exact in float64, and in float32 (2^±127 fits)
-    table[E8M0_NAN] = float("nan")
-    return table.to(dtype)
+@functools.lru_cache(maxsize=None)
+def _power_of_two_table(dtype, device, negate: bool = False) -> torch.Tensor:
+    """2^(code - 127) for each E8M0 code (NaN at 255); negate: 2^(127 - code), what the quantiser multiplies by.
+    Exact in float32 too: 2^-127 is a float32 subnormal, 2^127 below its max."""
+    sign = -1 if negate else 1
+    table = [math.ldexp(1.0, sign * (code - 127)) for code in range(E8M0_NAN)] + [math.nan]
+    return torch.tensor(table, dtype=dtype, device=device)
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -320,10 +326,11 @@ def random_hadamard(size: int = 16, generator: torch.Generator | None = None) ->
     """H = Sylvester(size)·diag(s), s random ±1 from generator: H·Hᵀ = size·I (float32, entries ±1)."""
     if size < 1 or size & (size - 1):
         raise ValueError(f"Hadamard size {size}: expected a power of two")
-    sylvester = torch.ones(1, 1)
+    device = generator.device if generator is not None else "cpu"
+    sylvester = torch.ones(1, 1, device=device)
     while sylvester.shape[0] < size:
         sylvester = torch.cat([torch.cat([sylvester, sylvester], 1), torch.cat([sylvester, -sylvester], 1)], 0)
-    signs = torch.randint(0, 2, (size,), generator=generator).float().mul_(2).sub_(1)
+    signs = torch.randint(0, 2, (size,), generator=generator, device=device).float().mul_(2).sub_(1)
     return sylvester * signs
 
 
@@ -333,7 +340,7 @@ def hadamard_blocks(x: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
     size = hadamard.shape[0]
     if x.shape[-1] % size:
         raise ValueError(f"Hadamard transform of {size}: must divide the last dim, got shape {tuple(x.shape)}")
-    orthonormal = hadamard.to(x.dtype) / math.sqrt(size)  # exact for size 4^k (16: H/4)
+    orthonormal = hadamard.to(x.device, x.dtype) / math.sqrt(size)  # exact for size 4^k (16: H/4)
     return (x.reshape(*x.shape[:-1], -1, size) @ orthonormal).reshape(x.shape)
 
 

@@ -190,6 +190,92 @@ def test_e4m3_grid_rounding_matches_torch_cast():
     assert torch.equal(ms._round_to_grid(y.double(), ms.ELEMENTS["e4m3"], None), expected.double())
 
 
+# --- Against an exact reference written from the published rules (rational arithmetic) ----------------------------
+
+E4M3_MAGNITUDES = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).tolist()  # 0 .. 448, by code
+GRIDS = {"e4m3": [Fraction(v) for v in E4M3_MAGNITUDES], "e2m1": [Fraction(v) for v in ms.E2M1_VALUES]}
+
+
+def _reference_round(value: Fraction, grid) -> Fraction:
+    """Saturate, then round |value| to the nearest grid magnitude, a tie to the even code (codes count up the grid)."""
+    magnitude = min(abs(value), grid[-1])
+    upper = next(i for i, g in enumerate(grid) if g >= magnitude)
+    lower = upper if grid[upper] == magnitude else upper - 1
+    below, above = magnitude - grid[lower], grid[upper] - magnitude
+    index = lower if below < above or (below == above and lower % 2 == 0) else upper
+    return grid[index] if value >= 0 else -grid[index]
+
+
+def _reference_e8m0(amax: Fraction, element_max: float, rule: str) -> int:
+    if amax == 0:
+        return -127
+    floor_log2 = math.floor(math.log2(amax))  # then corrected, so it is exact
+    floor_log2 += (Fraction(2) ** (floor_log2 + 1) <= amax) - (Fraction(2) ** floor_log2 > amax)
+    if rule == "floor":
+        exponent = floor_log2 - (math.frexp(element_max)[1] - 1)
+    else:
+        exponent = floor_log2 - 20
+        while amax > Fraction(element_max) * Fraction(2) ** exponent:
+            exponent += 1
+    return max(-127, min(127, exponent))
+
+
+def _decoded_grid(q):
+    """The element values of q (before the block scales), from its codes."""
+    if q.codes.dtype == torch.float8_e4m3fn:
+        return q.codes.float()
+    nibbles = torch.stack([q.codes & 15, q.codes >> 4], dim=-1).flatten(-2)
+    values = torch.tensor(ms.E2M1_VALUES)[(nibbles & 7).long()]
+    return torch.where(nibbles >= 8, -values, values)
+
+
+def _tie_rich_input(rows, cols, dtype, seed):
+    """Values on a coarse grid (multiples of 1/16 times a power of two per row), so that many land on ties."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randint(-96, 97, (rows, cols), generator=generator).float() / 16
+    return (x * 2.0 ** torch.randint(-6, 7, (rows, 1), generator=generator)).to(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mx_against_an_exact_reference(fmt, rule, dtype):
+    x = _tie_rich_input(8, 64, dtype, seed=11)
+    x[1] = torch.randn(64, generator=torch.Generator().manual_seed(12)).to(dtype)  # and arbitrary values
+    fmt_ = ms.FORMATS[fmt]
+    q = quantize(x, fmt, rule=rule)
+    back = dequantize(q, torch.float32)
+    for row in range(x.shape[0]):
+        for start in range(0, x.shape[1], fmt_.block):
+            block = [Fraction(v) for v in x[row, start:start + fmt_.block].float().tolist()]
+            exponent = _reference_e8m0(max(abs(v) for v in block), fmt_.element_max, rule)
+            assert q.block_scales[row, start // fmt_.block].item() == exponent + 127
+            expected = [_reference_round(v / Fraction(2) ** exponent, GRIDS[fmt_.element]) * Fraction(2) ** exponent
+                        for v in block]
+            assert back[row, start:start + fmt_.block].tolist() == [float(v) for v in expected]
+
+
+@pytest.mark.parametrize("tensor_amax", [None, 42.0, 3.3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nvfp4_against_an_exact_reference(tensor_amax, dtype):
+    """S_enc is an fp32 number by definition (448·6/amax rounded once); from it on everything is exact rationals.
+    A tensor amax of 42 makes S_enc = 64, a power of two, so many elements land exactly on E2M1 ties."""
+    x = _tie_rich_input(8, 64, dtype, seed=13)
+    x[1] = torch.randn(64, generator=torch.Generator().manual_seed(14)).to(dtype)
+    amax = x.float().abs().max() if tensor_amax is None else torch.tensor(tensor_amax)
+    q = quantize(x, "nvfp4", tensor_amax=None if tensor_amax is None else amax)
+    tensor_scale = Fraction((torch.tensor(2688.0) / amax).item())
+    assert Fraction(q.tensor_scale.item()) == tensor_scale
+    grid = _decoded_grid(q)
+    for row in range(x.shape[0]):
+        for start in range(0, x.shape[1], 16):
+            block = [Fraction(v) for v in x[row, start:start + 16].float().tolist()]
+            decoded = _reference_round(max(abs(v) for v in block) * tensor_scale / 6, GRIDS["e4m3"])
+            assert Fraction(q.block_scales[row, start // 16].float().item()) == decoded
+            expected = [_reference_round(v * tensor_scale / decoded, GRIDS["e2m1"]) if decoded else 0 for v in block]
+            assert grid[row, start:start + 16].tolist() == [float(v) for v in expected]
+
+
 # --- Shapes, 2-D scaling, pieces, storage -------------------------------------------------------------------------
 
 
