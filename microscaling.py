@@ -67,17 +67,13 @@ NVFP4_TENSOR_SCALE_NUMERATOR = E4M3_MAX * E2M1_MAX  # S_enc = 448·6/amax: the l
 
 @dataclass(frozen=True)
 class Element:
-    """A narrow float as a grid: max_normal_exponent..min_exponent binades of 2^mantissa_bits steps, then subnormals."""
+    """A narrow float as a grid: binades [2^E, 2^(E+1)) of 2^m steps each from E = min_exponent up to max, and
+    below 2^min_exponent the subnormals, in the smallest binade's step 2^(min_exponent - m)."""
     name: str
-    mantissa_bits: int
-    min_exponent: int  # the smallest normal binade 2^min_exponent; below it the step stays 2^(min_exponent - m)
+    mantissa_bits: int  # m
+    min_exponent: int
     max: float  # the largest finite magnitude (saturation clamps here)
     code_bits: int  # the storage width of one element: sign + exponent + mantissa
-
-    @property
-    def max_exponent(self) -> int:
-        """emax_elem, the exponent of the top binade: ⌊log2 max⌋."""
-        return math.frexp(self.max)[1] - 1
 
 
 ELEMENTS = {"e4m3": Element("e4m3", 3, -6, E4M3_MAX, 8), "e2m1": Element("e2m1", 1, 0, E2M1_MAX, 4)}
@@ -159,15 +155,19 @@ def dequantize(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fake_quantize(x: torch.Tensor, fmt, rule: str = "rceil", two_d: bool = False,
-                  stochastic: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
-    """dequantize(quantize(x, ...), x.dtype), bit for bit, without the codes: what the emulated GEMMs multiply."""
+                  stochastic: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None,
+                  count_saturated: bool = False):
+    """dequantize(quantize(x, ...), x.dtype), bit for bit, without the codes: what the emulated GEMMs multiply.
+    With count_saturated, (that tensor, the number of elements the clamp cut) as `quantize` counts them."""
     fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
     element = ELEMENTS[fmt.element]
     y, block_scales, tensor_scale = _to_block_units(x, fmt, rule, two_d, tensor_amax)
+    saturated = (y.abs() > element.max).sum() if count_saturated else None
     grid = _round_to_grid(y.clamp_(-element.max, element.max), element, stochastic)
     if grid.dtype != x.dtype and x.dtype != torch.float64:
         grid = grid.float()  # NVFP4's grid values are exact in float32; dequantize multiplies there
-    return _from_block_units(grid, block_scales, tensor_scale, fmt).reshape(x.shape).to(x.dtype)
+    out = _from_block_units(grid, block_scales, tensor_scale, fmt).reshape(x.shape).to(x.dtype)
+    return (out, saturated) if count_saturated else out
 
 
 def _to_block_units(x, fmt: BlockFormat, rule: str, two_d: bool, tensor_amax):
@@ -229,8 +229,8 @@ def nvfp4_tensor_scale(tensor_amax: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_block_scale(block_amax: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
     """d = e4m3(amax_block·S_enc/6), saturating at 448, rounded once: the product of two fp32 numbers is exact in
-    float64 and the quotient by 6 is rounded there too far from any E4M3 tie to move it (its 48-bit numerator's
-    distance to a tie is at least 2^-50 relative). Float64 values on E4M3's grid; NaN where not finite."""
+    float64 and the quotient by 6 is rounded there too finely to reach an E4M3 tie it is not on (its 48-bit numerator
+    is at least 2^-49 relatively away from any other). Float64 values on E4M3's grid; NaN where not finite."""
     exact = block_amax.double() * tensor_scale.double() / E2M1_MAX
     decoded = _round_to_grid(exact.clamp(max=E4M3_MAX), ELEMENTS["e4m3"], None)
     return torch.where(torch.isfinite(exact), decoded, float("nan"))
@@ -245,8 +245,9 @@ def _round_to_grid(y: torch.Tensor, element: Element, stochastic: torch.Generato
     """y (float32/64, within ±element.max) rounded to the element's grid, its sign kept. The step between
     the neighbours of y is 2^(E - m), E = max(⌊log2|y|⌋, min_exponent), read exactly from y's exponent bits.
     To nearest, ties to even: adding and subtracting c = 1.5·2^(E + F - m) (F the float's fraction bits) makes the
-    float's own rounding-to-nearest-even round y at that step (y + c stays in c's binade, whose spacing is the
-    step, and c/step is even). Stochastic: up with probability (y - lower)/step, from the generator."""
+    float's own rounding-to-nearest-even round y at that step (|y| < 2^(E+1) ≪ c/2, so y + c stays in c's binade,
+    whose spacing is the step, and c/step is even). Stochastic: up with probability (y - lower)/step, from the
+    generator (on y's device)."""
     int_dtype, exponent_mask, fraction_bits = _EXPONENT_BITS[y.dtype]
     binade = (y.view(int_dtype) & exponent_mask).view(y.dtype).clamp_(min=2.0 ** element.min_exponent)  # 2^E
     if stochastic is None:
