@@ -121,6 +121,7 @@ class Quantized:
 # --- Quantise and dequantise -------------------------------------------------------------------------------------
 
 
+@torch.no_grad()
 def quantize(x: torch.Tensor, fmt, rule: str = "rceil", two_d: bool = False,
              stochastic: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None,
              count_saturated: bool = False) -> Quantized:
@@ -141,6 +142,7 @@ def quantize(x: torch.Tensor, fmt, rule: str = "rceil", two_d: bool = False,
                      fmt, two_d, saturated)
 
 
+@torch.no_grad()
 def dequantize(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
     """The values q stands for, in dtype: q·2^e (MX: exact), q·d/S_enc (NVFP4: one rounding, the division)."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -154,6 +156,7 @@ def dequantize(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
     return _from_block_units(grid, scales, q.tensor_scale, q.fmt).reshape(q.shape).to(dtype)
 
 
+@torch.no_grad()
 def fake_quantize(x: torch.Tensor, fmt, rule: str = "rceil", two_d: bool = False,
                   stochastic: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None,
                   count_saturated: bool = False):
@@ -176,13 +179,14 @@ def _to_block_units(x, fmt: BlockFormat, rule: str, two_d: bool, tensor_amax):
     _check(x, fmt, rule, two_d)
     element = ELEMENTS[fmt.element]
     wide = torch.float64 if x.dtype == torch.float64 or fmt.scale == "e4m3" else torch.float32
-    blocks = _blocks(x.to(wide), fmt.block, two_d)
-    amax = blocks.abs().amax(dim=(-3, -1) if two_d else -1, keepdim=True)
+    blocks = _blocks(x, fmt.block, two_d)
+    amax = blocks.abs().amax(dim=(-3, -1) if two_d else -1, keepdim=True).to(wide)  # exact in x's own dtype
+    blocks = blocks.to(wide)
     if fmt.scale == "e8m0":
         block_scales = (e8m0_exponent(amax, element.max, rule) + 127).to(torch.uint8)
         y = blocks * _power_of_two_table(wide, x.device, negate=True)[block_scales.long()]
         return y, block_scales, None
-    tensor_amax = _amax(x) if tensor_amax is None else torch.as_tensor(tensor_amax, device=x.device)
+    tensor_amax = amax.max() if tensor_amax is None else torch.as_tensor(tensor_amax, device=x.device)
     tensor_scale = nvfp4_tensor_scale(tensor_amax)
     decoded = nvfp4_block_scale(amax, tensor_scale)  # float64 on E4M3's grid, NaN where not finite
     usable = torch.isfinite(decoded) & (decoded > 0)  # else a zero block (finite x/inf = 0) or a NaN one
@@ -303,10 +307,6 @@ def _power_of_two_table(dtype, device, negate: bool = False) -> torch.Tensor:
     sign = -1 if negate else 1
     table = [math.ldexp(1.0, sign * (code - 127)) for code in range(E8M0_NAN)] + [math.nan]
     return torch.tensor(table, dtype=dtype, device=device)
-
-
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x, float("inf")).float()
 
 
 def _check(x: torch.Tensor, fmt: BlockFormat, rule: str, two_d: bool):

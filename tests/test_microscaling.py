@@ -309,6 +309,15 @@ def test_fake_quantize_is_dequantize_of_quantize(fmt, two_d, dtype, stochastic):
                                rtol=0, atol=0, equal_nan=True)
 
 
+def test_a_parameter_quantises_outside_autograd():
+    """The quantisers are not differentiable (a recipe's backward is its own): a parameter goes in, a plain tensor
+    comes out, as bitwise as its data's."""
+    weight = torch.nn.Parameter(torch.randn(32, 64))
+    for fmt in ms.FORMATS:
+        out = fake_quantize(weight, fmt)
+        assert not out.requires_grad and torch.equal(out, fake_quantize(weight.detach(), fmt))
+
+
 def test_pieces_with_the_tensor_amax_quantise_as_the_whole():
     """Blocks are local, NVFP4's S_enc is not: pieces cut at block boundaries (rows, or columns at multiples of 16),
     each given the whole tensor's amax, quantise exactly as the whole (what a TP or CP rank does after a MAX)."""
@@ -385,6 +394,8 @@ def _mean_error_z_scores(fmt, value, lower, upper, anchor, stochastic, draws=(10
         x[:, 0] = anchor
         values = fake_quantize(x, fmt, stochastic=generator, tensor_amax=torch.tensor(1.0) if fmt == "nvfp4" else None)
         drawn = values[:, 1:].flatten()[:n].double()
+        if stochastic:  # only ever the two neighbours, and both
+            assert drawn.unique().tolist() == pytest.approx([lower, upper], rel=1e-6)
         scores.append(abs(drawn.mean().item() - value) / (sigma / math.sqrt(n)))
     return scores
 
