@@ -144,7 +144,8 @@ def quantize(x: torch.Tensor, fmt, rule: str = "rceil", two_d: bool = False,
 
 @torch.no_grad()
 def dequantize(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
-    """The values q stands for, in dtype: q·2^e (MX: exact), q·d/S_enc (NVFP4: one rounding, the division)."""
+    """The values q stands for, in dtype: q·2^e (MX: exact), (q·d)/S_enc (NVFP4: q·d exact, the division rounded
+    once in float32, or float64 for a float64 dtype, then to dtype)."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     if q.codes.dtype == torch.float8_e4m3fn:
         grid = q.codes.to(wide)

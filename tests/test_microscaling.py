@@ -133,6 +133,8 @@ def test_a_non_finite_value_makes_its_block_nan(fmt, bad):
     assert back[0, :block].eq(1).all() and back[0, block:].isnan().all()
     assert torch.isnan(q.block_scales.float()[0, 1]) if fmt == "nvfp4" else q.block_scales[0, 1].item() == 255
     assert fake_quantize(x, fmt, tensor_amax=tensor_amax)[0, block:].isnan().all()
+    if fmt == "nvfp4":  # its own amax is not finite: S_enc is NaN, and so is every block
+        assert dequantize(quantize(x, fmt), torch.float32).isnan().all()
 
 
 def test_nvfp4_by_hand():
