@@ -689,16 +689,16 @@ def _precision_saturation(handle, run, steps: int) -> list:
     """The share of values the recipe's clamps cut since the last line, per role over all its linears (this rank's
     training quantisations: mfu.SaturationCount; MX's rceil cannot saturate, floor and NVFP4's rounded block
     scale can)."""
-    counts = handle.observer
+    counts, facts = handle.observer, handle.facts()
     values = [0, 0, 0]
     cut = [0.0, 0.0, 0.0]
-    for name in handle.linears:
+    for name in facts.formats:
         seen = list(counts.values.get(name, [0, 0, 0]))
         for role, (share, n) in enumerate(zip(counts.take(name), seen)):
             values[role] += n
             cut[role] += share * n / 100
     shares = "  ".join(f"{role} {100 * c / max(1, n):.3f}%" for role, c, n in zip(("X", "W", "dY"), cut, values))
-    return [f"precision {handle.recipe.describe()}: saturated since the last line (this rank): {shares}"]
+    return [f"precision {facts.recipe.describe()}: saturated since the last line (this rank): {shares}"]
 
 
 def _precision_end(handle, run, steps: int) -> list:
