@@ -674,11 +674,14 @@ def _precision_startup(handle, run, steps: int) -> list:
                  f" {mfu.format_bytes(saved['codes'])}, this emulation's {mfu.format_bytes(saved['compute'])}"
                  f" ({compute})")
     if run.settings.args.zero == 3:
-        b_w = run.param_dtype.itemsize
-        lines.append(f"  ZeRO-3 gathers these {facts.weights:,} weight elements in the working dtype ({b_w} bytes"
-                     f" each, quantised after the gather): {mfu.format_bytes(facts.weights * b_w)} per gather of all;"
-                     f" in {fmt(r.fwd)} with scales it would be {mfu.format_bytes(facts.weights * bits[r.fwd] / 8)}"
-                     f" (not implemented)")
+        b_w, n = run.param_dtype.itemsize, facts.weights
+        if facts.gathered_as_codes:
+            how = (f"as E2M1 codes, 1 byte each here ({mfu.format_bytes(n)}; 4.5 bits packed with the E4M3 tile"
+                   f" scales would be {mfu.format_bytes(n * 4.5 / 8)}), the 16×16 tiles' amaxes all-reduced first")
+        else:
+            how = (f"in the working dtype ({b_w} bytes each, {mfu.format_bytes(n * b_w)}), quantised after the gather:"
+                   f" W's two quantisations (along K for Y, along N for dX) would take 2 × {bits[r.fwd]:g} bits")
+        lines.append(f"  ZeRO-3 gathers these {n:,} weight elements per gather of all {how}")
     for (op, group), (calls, payload) in handle.predicted_messages(run.layout).items():
         lines.append(f"  messages per step: {op} {group}: {calls} × {mfu.format_bytes(payload / calls)}"
                      f" (NVFP4 tensor amax MAX reductions)")
