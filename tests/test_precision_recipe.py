@@ -150,10 +150,13 @@ def _mesh_cases(preset):
 LONG = 64  # CP's zig-zag pieces of s/2C = 16 tokens hold whole 16-token NVFP4 blocks and Hadamard blocks
 MESH_CASES = [case for preset in PRESETS for case in _mesh_cases(preset)] + [
     (["--precision-recipe", "mxfp8", "--zero", "1"], H, 4, 2),
+    (["--precision-recipe", "nvfp4,tail=0", "--tp", "2"], dict(H, activation_checkpointing=True), 4, 2),  # a recompute
+    # draws with its first forward's micro-batch and repeats the forward's amax reductions
     (["--precision-recipe", "nvfp4", "--pp", "2", "--pp-schedule", "zb"], dict(H, n_layer=4), 4, 2),  # its own W
     (["--precision-recipe", "nvfp4,tail=0", "--cp", "2", "--seq-len", str(LONG)], H, 2, 1),  # SR draws at CP's
 ]  # positions, the tensor amax MAX over cp
-MESH_IDS = ["-".join(f.lstrip("-") for f in case[0][1:]) for case in MESH_CASES]
+MESH_IDS = ["-".join(f.lstrip("-") for f in case[0][1:]) + ("-ckpt" if case[1].get("activation_checkpointing") else "")
+            for case in MESH_CASES]
 
 
 def _seq_len(flags) -> int:
