@@ -549,9 +549,10 @@ class ZeroWeightCodec:
             linear.weight.gather_codec = self
 
     @torch.no_grad()
-    def encode(self, weights: list, segments: list, group) -> tuple:
+    def encode(self, weights: list, segments: list, group, starts=None) -> tuple:
         """(uint8 codes of each segment, the scales and amaxes decode needs). Collective over `group` and the
-        linears' amax groups: every rank holding a piece of these weights calls it with the same weights."""
+        linears' amax groups: every rank holding a piece of these weights calls it with the same weights.
+        starts (each segment's flat offset in its weight): not needed, one scale serves the whole tensor."""
         linears = [self.linear_of[w] for w in weights]
         none = torch.zeros((), dtype=torch.float32, device=segments[0].device)  # a rank without a piece
         amax = torch.stack([amax_of(s) if s.numel() else none for s in segments])  # float32, as the linear's own

@@ -126,7 +126,8 @@ def quantize(x: torch.Tensor, fmt, rule: str = "rceil", two_d: bool = False,
              stochastic: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None,
              count_saturated: bool = False) -> Quantized:
     """x [..., K] (K a multiple of the block; two_d: [..., R, K] with R a multiple too) → `Quantized`.
-    rule: E8M0 exponents (MX formats only). stochastic: round the elements stochastically with this generator.
+    rule: E8M0 exponents (MX formats only). stochastic: round the elements stochastically with this generator, or
+    with these U[0, 1) draws (a tensor of x's shape: precision_recipe.py's, keyed by logical coordinates).
     tensor_amax: NVFP4's amax of the whole logical tensor (default: of x)."""
     fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
     element = ELEMENTS[fmt.element]
@@ -261,7 +262,8 @@ def _round_to_grid(y: torch.Tensor, element: Element, stochastic: torch.Generato
     step = binade.mul_(2.0 ** -element.mantissa_bits)
     steps = y / step  # exact: a power of two
     lower = steps.floor()
-    uniform = torch.rand(steps.shape, generator=stochastic, dtype=steps.dtype, device=steps.device)
+    uniform = (stochastic.reshape(steps.shape).to(steps.dtype) if torch.is_tensor(stochastic) else  # given draws
+               torch.rand(steps.shape, generator=stochastic, dtype=steps.dtype, device=steps.device))
     return lower.add_(uniform < steps.sub_(lower)).mul_(step).copysign_(y)
 
 

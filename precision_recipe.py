@@ -35,8 +35,11 @@ output widths, n the recipe's linears on this rank, β_f bits per element of for
 3. Messages (all_reduce MAX, float32, latency-bound, NVFP4 parts only; `predicted_messages`): per linear and
    micro-batch over tp and over cp (each when its size > 1): forward 8 bytes [amax X, amax W] when fwd=nvfp4
    (twice under activation checkpointing), backward 16 bytes [amax dY, amax dW's dY operand, amax dW's X
-   operand, amax W] when bwd=nvfp4. MX formats send nothing. ZeRO-3 gathers these weights in the working dtype
-   and each rank quantises after the gather (no narrow-format gather yet: b_w bytes per element, not β/8).
+   operand, amax W] when bwd=nvfp4. MX formats send nothing. ZeRO-3: under the nvfp4 preset (w2d, fwd = bwd =
+   nvfp4) one 16×16 quantisation of W serves both GEMMs, so it gathers W's E2M1 codes (1 byte per element here,
+   4 bits packed) after an all_reduce MAX of the tiles' amaxes (4 bytes per 256 elements) and the tensor amax
+   (`ZeroWeightCodec`, the last section); otherwise W is quantised along K for Y and along N for dX (two copies,
+   2·β ≥ b_w bits), so it is gathered in the working dtype (b_w bytes per element) and quantised after the gather.
 4. Restart state: the optimizer step the draws and Hadamard signs are keyed by ("precision/step", one float64,
    the same on every rank and mesh); nothing else: no amax history, no generator.
 """
@@ -279,6 +282,7 @@ class RecipeLinear(nn.Linear):
         self.forwards = 0  # training forwards since the step began: the micro-batch index j of SR's draws
         self.weight_grad_store = None  # the pipeline's WeightGradStore under zb (set by its install)
         self.observer = QuantizationObserver()  # told what each training quantisation cut (PrecisionHandle.observe)
+        self.gathered_weight_amax = None  # set by ZeRO-3 while it holds this weight gathered from NVFP4 codes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
@@ -290,6 +294,11 @@ class RecipeLinear(nn.Linear):
         if training and torch._C._current_autograd_node() is None:  # not activation checkpointing's recompute
             self.forwards += 1  # (whose backward reads the first forward's index; evaluation counts none)
         return _RecipeLinearFunction.apply(x, weight, bias, self, training, store, micro_batch)
+
+    def weight_amax(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight's amax: ZeRO-3's, while it holds this weight gathered from NVFP4 codes (their values'
+        own amax is not the tensor's: `ZeroWeightCodec`), else its own."""
+        return self.gathered_weight_amax if self.gathered_weight_amax is not None else amax_of(weight)
 
     def _reduced_amax(self, values: list) -> torch.Tensor:
         """The amaxes of the logical tensors: MAX over the ranks holding pieces of them (NaN kept: inf)."""
@@ -317,7 +326,7 @@ class RecipeLinear(nn.Linear):
         fmt = self.recipe.fwd
         if fmt == "bf16":
             return x2.to(out_dtype) @ weight.to(out_dtype).t()
-        amax = self._reduced_amax([amax_of(x2), amax_of(weight)]) if fmt == "nvfp4" else (None, None)
+        amax = self._reduced_amax([amax_of(x2), self.weight_amax(weight)]) if fmt == "nvfp4" else (None, None)
         roles = (0, 1) if training else (None, None)
         xq = self._fq(x2, fmt, out_dtype, roles[0], tensor_amax=amax[0])
         wq = self._fq(weight, fmt, out_dtype, roles[1], two_d=self.recipe.w2d and fmt == "nvfp4", tensor_amax=amax[1])
@@ -346,7 +355,7 @@ class RecipeLinear(nn.Linear):
             x_t = microscaling.hadamard_blocks(x_t.to(dy_t.dtype), signs)
         amax = [None] * 4
         if fmt == "nvfp4":
-            amax = self._reduced_amax([amax_of(dy), amax_of(dy_t), amax_of(x_t), amax_of(weight)])
+            amax = self._reduced_amax([amax_of(dy), amax_of(dy_t), amax_of(x_t), self.weight_amax(weight)])
         dx = dw = None
         if wants_dx:
             draws = self._sr_draws(dy, token_shape, micro_batch, 0, transposed=False)
@@ -414,6 +423,7 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
     state = DrawState(seed, first, seq_len, positions)
     n_layer, tail = model.config.n_layer, recipe.tail_layers(model.config.n_layer)
     linears, kept = {}, []
+    codec = ZeroWeightCodec() if recipe.fwd == recipe.bwd == "nvfp4" and recipe.w2d else None  # one quantisation
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
             leaf = path.rpartition(".")[2]
@@ -429,6 +439,8 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
                                   _out_index(info, module.out_features), groups)
             setattr(block.get_submodule(path.rpartition(".")[0]), leaf, linear)
             linears[name] = linear
+            if codec is not None:  # of W serves both its GEMMs: ZeRO-3 may gather it in NVFP4 (the last section)
+                codec.attach(linear)
     return PrecisionHandle(recipe, linears, kept, state, mesh, micro_batches, model.config.activation_checkpointing)
 
 
@@ -448,6 +460,7 @@ class PrecisionFacts:
     kept: list  # the block linears of the tail, in the compute dtype
     in_features: dict  # {linear's global name: K_j}
     weights: int  # Σ N_j·K_j of the recipe's linears
+    gathered_as_codes: bool  # ZeRO-3 gathers their weights as NVFP4 codes (ZeroWeightCodec)
 
 
 def bits_per_element(fmt: str, compute_bytes: int) -> float:
@@ -498,7 +511,8 @@ class PrecisionHandle(Axis):
         r = self.recipe
         return PrecisionFacts(r, {name: (r.fwd, r.bwd) for name in self.linears}, list(self.kept),
                               {name: linear.in_features for name, linear in self.linears.items()},
-                              sum(linear.weight.numel() for linear in self.linears.values()))
+                              sum(linear.weight.numel() for linear in self.linears.values()),
+                              any(hasattr(linear.weight, "gather_codec") for linear in self.linears.values()))
 
     def predicted_messages(self, layout=None) -> Messages:
         """NVFP4's amax MAX all-reduces of one optimizer step (docstring item 3)."""
@@ -512,3 +526,104 @@ class PrecisionHandle(Axis):
                 out.add("all_reduce", group, calls, 16 * calls)
         return out
 
+
+
+# --- The ZeRO-3 weight codec: NVFP4 weights with 16×16 blocks gathered as codes -------------------------------
+# Under w2d with fwd = bwd = nvfp4 one quantisation of W serves both its GEMMs, so ZeRO-3 can gather the codes
+# instead of the working weights. The blocks of W [N, K] are 16×16 tiles; a rank's flat shard of it cuts tiles
+# anywhere, so the tiles' amaxes are MAX-reduced over the gathering group (one float per 256 elements) and the
+# tensor amax over it and tp/cp; each rank then quantises its elements with their tile's scale (microscaling's
+# own rounding: a row [x, its tile's amax, 0…] quantises x as the whole tile would), the codes are gathered, one
+# byte per element here (an E2M1 code is 4 bits: two a byte on a real system), and decoded to d·q/S_enc. The
+# linear quantises the decoded weight again with the gathered tensor amax: the same tiles' scales (a tile's
+# decoded amax is 6·d/S_enc) and the same codes, so the step equals the working-dtype gather's bit for bit (a tile
+# whose amax is below 2^-6·amax/448·6 has a subnormal E4M3 scale and may requantise otherwise: stated, untested).
+
+TILE = TWO_D
+
+
+def _tile_index(weight: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """The 16×16 tile of each of `count` flat elements of W [N, K] from flat offset `start` (row-major)."""
+    k = weight.shape[1]
+    flat = torch.arange(start, start + count, device=weight.device)
+    return (flat // k // TILE) * (k // TILE) + (flat % k) // TILE
+
+
+class ZeroWeightCodec:
+    """How ZeRO-3 gathers the recipe's NVFP4 weights (zero3.py knows only `weight.gather_codec` and these methods,
+    as for fp8.ZeroWeightCodec)."""
+
+    def __init__(self):
+        self.linear_of = {}  # weight parameter → its RecipeLinear
+
+    def attach(self, linear: RecipeLinear) -> None:
+        self.linear_of[linear.weight] = linear
+        linear.weight.gather_codec = self
+
+    @staticmethod
+    def _amax_dtype(weights: list) -> torch.dtype:
+        return torch.float64 if weights[0].dtype == torch.float64 else torch.float32
+
+    @torch.no_grad()
+    def encode(self, weights: list, segments: list, group, starts: list) -> tuple:
+        """(uint8 codes of each segment, what decode needs). starts: each segment's flat offset in its weight.
+        Collective over `group` and the linears' amax groups (every rank holding a piece calls it alike)."""
+        wide = self._amax_dtype(weights)
+        tiles, tensor_amax = [], []
+        for weight, segment, start in zip(weights, segments, starts):
+            n, k = weight.shape
+            amax = torch.zeros((n // TILE) * (k // TILE), dtype=wide, device=segment.device)
+            index = _tile_index(weight, start, segment.numel())
+            tiles.append(amax.scatter_reduce_(0, index, segment.to(wide).abs(), "amax"))
+            tensor_amax.append(amax.max() if amax.numel() else amax.new_zeros(()))
+        sizes = [t.numel() for t in tiles]
+        reduced = torch.nan_to_num(torch.cat([*tiles, torch.stack(tensor_amax)]), nan=float("inf"))
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        tiles = list(reduced[:-len(weights)].split(sizes))
+        tensor_amax = reduced[-len(weights):].float()
+        for amax_group in self.linear_of[weights[0]].amax_groups.values():
+            dist.all_reduce(tensor_amax, op=dist.ReduceOp.MAX, group=amax_group)
+        codes = [self._codes(w, s, start, t, a) for w, s, start, t, a in zip(weights, segments, starts, tiles,
+                                                                               tensor_amax)]
+        return codes, (tiles, tensor_amax)
+
+    @staticmethod
+    def _codes(weight, segment, start: int, tile_amax, tensor_amax, chunk: int = 1 << 16) -> torch.Tensor:
+        """Each element's E2M1 code (sign<<3 | index into E2M1_VALUES) as its 16×16 tile quantises it."""
+        out = torch.empty(segment.numel(), dtype=torch.uint8, device=segment.device)
+        for lo in range(0, segment.numel(), chunk):
+            piece = segment[lo:lo + chunk].to(tile_amax.dtype)
+            rows = torch.zeros(piece.numel(), TILE, dtype=piece.dtype, device=piece.device)
+            rows[:, 0], rows[:, 1] = piece, tile_amax[_tile_index(weight, start + lo, piece.numel())]
+            q = microscaling.quantize(rows, microscaling.FORMATS["nvfp4"], tensor_amax=tensor_amax)
+            out[lo:lo + piece.numel()] = q.codes[:, 0] & 0xF  # element 0: the low nibble of the first byte
+        return out
+
+    @torch.no_grad()
+    def decode(self, weights: list, codes: list | None, into: list, decoding) -> None:
+        """Each weight's gathered codes → d·q/S_enc in `into` (its working weight, flat), and its linear told the
+        tensor amax. codes None: `into` was gathered exactly (full_parameters): the linears use its own amax."""
+        for i, (weight, target) in enumerate(zip(weights, into)):
+            linear = self.linear_of[weight]
+            linear.gathered_weight_amax = None
+            if codes is None:
+                continue
+            tiles, tensor_amax = decoding
+            values = torch.tensor(microscaling.E2M1_VALUES, dtype=torch.float64, device=target.device)
+            grid = torch.cat([values, -values])[codes[i].long()]
+            scale = microscaling.nvfp4_tensor_scale(tensor_amax[i])
+            block = microscaling.nvfp4_block_scale(tiles[i].double(), scale)
+            target.copy_(grid * block[_tile_index(weight, 0, target.numel())] / scale.double())
+            linear.gathered_weight_amax = tensor_amax[i].clone()  # a new tensor per gather
+
+    def encode_messages(self, weights: list, group_name: str | None) -> Messages:
+        """What one `encode` of `weights` sends: the tiles' and tensor amaxes over the gathering group (None: a
+        group of one rank), the tensor amaxes over the linears' amax groups."""
+        out, width = Messages(), self._amax_dtype(weights).itemsize
+        if group_name:
+            tiles = sum((w.shape[0] // TILE) * (w.shape[1] // TILE) for w in weights)
+            out.add("all_reduce", group_name, 1, width * (tiles + len(weights)))
+        for name in self.linear_of[weights[0]].amax_groups:
+            out.add("all_reduce", name, 1, 4 * len(weights))
+        return out

@@ -675,11 +675,14 @@ def _precision_startup(handle, run, steps: int) -> list:
                  f" {mfu.format_bytes(saved['codes'])}, this emulation's {mfu.format_bytes(saved['compute'])}"
                  f" ({compute})")
     if run.settings.args.zero == 3:
-        b_w = run.param_dtype.itemsize
-        lines.append(f"  ZeRO-3 gathers these {facts.weights:,} weight elements in the working dtype ({b_w} bytes"
-                     f" each, quantised after the gather): {mfu.format_bytes(facts.weights * b_w)} per gather of all;"
-                     f" in {fmt(r.fwd)} with scales it would be {mfu.format_bytes(facts.weights * bits[r.fwd] / 8)}"
-                     f" (not implemented)")
+        b_w, n = run.param_dtype.itemsize, facts.weights
+        if facts.gathered_as_codes:
+            how = (f"as E2M1 codes, 1 byte each here ({mfu.format_bytes(n)}; 4.5 bits packed with the E4M3 tile"
+                   f" scales would be {mfu.format_bytes(n * 4.5 / 8)}), the 16×16 tiles' amaxes all-reduced first")
+        else:
+            how = (f"in the working dtype ({b_w} bytes each, {mfu.format_bytes(n * b_w)}), quantised after the gather:"
+                   f" W's two quantisations (along K for Y, along N for dX) would take 2 × {bits[r.fwd]:g} bits")
+        lines.append(f"  ZeRO-3 gathers these {n:,} weight elements per gather of all {how}")
     flops = format_flops.flops_by_format(run.config, run.seq_len, r.fwd, r.bwd, compute,
                                          r.tail_layers(run.config.n_layer))
     shares = ", ".join(f"{name} {f / sum(flops.values()):.1%}" for name, f in flops.items())
@@ -696,16 +699,16 @@ def _precision_saturation(handle, run, steps: int) -> list:
     """The share of values the recipe's clamps cut since the last line, per role over all its linears (this rank's
     training quantisations: mfu.SaturationCount; MX's rceil cannot saturate, floor and NVFP4's rounded block
     scale can)."""
-    counts = handle.observer
+    counts, facts = handle.observer, handle.facts()
     values = [0, 0, 0]
     cut = [0.0, 0.0, 0.0]
-    for name in handle.linears:
+    for name in facts.formats:
         seen = list(counts.values.get(name, [0, 0, 0]))
         for role, (share, n) in enumerate(zip(counts.take(name), seen)):
             values[role] += n
             cut[role] += share * n / 100
     shares = "  ".join(f"{role} {100 * c / max(1, n):.3f}%" for role, c, n in zip(("X", "W", "dY"), cut, values))
-    return [f"precision {handle.recipe.describe()}: saturated since the last line (this rank): {shares}"]
+    return [f"precision {facts.recipe.describe()}: saturated since the last line (this rank): {shares}"]
 
 
 def _precision_end(handle, run, steps: int) -> list:

@@ -22,8 +22,9 @@ AccumulateGrad before any other ready node, so block i+1 is freed before block i
 i-1: at most two units are gathered at once (`peak_gathered_units`; tested, with the order of gathers). Under
 --compile the hooks stay eager (model.compile_blocks compiles each block's forward, not its call).
 
-FP8 weights. A parameter with a `gather_codec` (fp8.convert gives one to each FP8 weight) shares a unit with its
-codec's other weights and is gathered as uint8 codes, one byte per element: `codec.encode` before the all-gather,
+FP8 weights. A parameter with a `gather_codec` (fp8.convert gives one to each FP8 weight, precision_recipe.convert
+to each NVFP4 weight with 16×16 tiles) shares a unit with its codec's other weights and is gathered as uint8 codes,
+one byte per element: `codec.encode` (given each segment and its flat offset in its parameter) before the all-gather,
 `codec.decode` after (`_start_gather` / `_finish_gather`, the only two places that know of codecs besides the
 accounting).
 
@@ -187,7 +188,9 @@ class Zero3Layout(ZeroLayout):
         unit.weights.untyped_storage().resize_(unit.padded_numel * unit.weights.element_size())
         source, target = unit.weight_shard, unit.weights
         if unit.codec is not None and not exact:
-            codes, unit.decoding = unit.codec.encode(unit.params, [source[lo:hi] for lo, hi in unit.spans], unit.group)
+            starts = [unit.shard_start + lo - offset for (lo, _), offset in zip(unit.spans, unit.offsets)]
+            codes, unit.decoding = unit.codec.encode(unit.params, [source[lo:hi] for lo, hi in unit.spans], unit.group,
+                                                     starts)  # each segment's flat offset in its parameter
             source = torch.zeros(unit.shard_numel, dtype=torch.uint8, device=source.device)  # padding: 0
             for (lo, hi), piece in zip(unit.spans, codes):
                 source[lo:hi] = piece

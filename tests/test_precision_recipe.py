@@ -150,10 +150,13 @@ def _mesh_cases(preset):
 LONG = 64  # CP's zig-zag pieces of s/2C = 16 tokens hold whole 16-token NVFP4 blocks and Hadamard blocks
 MESH_CASES = [case for preset in PRESETS for case in _mesh_cases(preset)] + [
     (["--precision-recipe", "mxfp8", "--zero", "1"], H, 4, 2),
+    (["--precision-recipe", "nvfp4,tail=0", "--tp", "2"], dict(H, activation_checkpointing=True), 4, 2),  # a recompute
+    # draws with its first forward's micro-batch and repeats the forward's amax reductions
     (["--precision-recipe", "nvfp4", "--pp", "2", "--pp-schedule", "zb"], dict(H, n_layer=4), 4, 2),  # its own W
     (["--precision-recipe", "nvfp4,tail=0", "--cp", "2", "--seq-len", str(LONG)], H, 2, 1),  # SR draws at CP's
 ]  # positions, the tensor amax MAX over cp
-MESH_IDS = ["-".join(f.lstrip("-") for f in case[0][1:]) for case in MESH_CASES]
+MESH_IDS = ["-".join(f.lstrip("-") for f in case[0][1:]) + ("-ckpt" if case[1].get("activation_checkpointing") else "")
+            for case in MESH_CASES]
 
 
 def _seq_len(flags) -> int:
@@ -174,6 +177,30 @@ RESHARD = [((["--precision-recipe", "nvfp4", "--tp", "2", "--sp"], H, 4, 2),
             (["--precision-recipe", "mxfp4", "--tp", "2"], dict(H, n_layer=4), 4, 2))]
 
 
+def _codec_round_trip(rank, world):
+    """ZeRO-3's NVFP4 gather on two ranks whose flat shards of W [48, 64] cut its 16×16 tiles mid-row (at 1000
+    of 3072 elements): (the decoded weight, what the linear uses of it, the weight quantised whole)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    plain = nn.Linear(64, 48, dtype=torch.float64)
+    state = recipes.DrawState(seed=0, first_micro_batch=0, seq_len=16, positions=None)
+    linear = recipes.RecipeLinear(plain, recipes.parse_recipe("nvfp4"), state, "w", 0, torch.arange(48), {})
+    codec = recipes.ZeroWeightCodec()
+    codec.attach(linear)
+    weight, cut = plain.weight.detach(), 1000
+    lo, hi = (0, cut) if rank == 0 else (cut, weight.numel())
+    codes, decoding = codec.encode([plain.weight], [weight.reshape(-1)[lo:hi]], dist.group.WORLD, [lo])
+    longest = weight.numel() - cut  # gloo gathers equal sizes: pad
+    pieces = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(pieces, torch.cat([codes[0], torch.zeros(longest - codes[0].numel(), dtype=torch.uint8)]))
+    decoded = torch.empty(weight.numel(), dtype=torch.float64)
+    codec.decode([plain.weight], [torch.cat([pieces[0][:cut], pieces[1]])], [decoded], decoding)
+    fmt = microscaling.FORMATS["nvfp4"]
+    used = microscaling.fake_quantize(decoded.view(48, 64), fmt, two_d=True, tensor_amax=linear.weight_amax(weight))
+    return decoded.view(48, 64), used, microscaling.fake_quantize(weight, fmt, two_d=True)
+
+
 def _on_meshes(rank, world, root):
     traced = [_run_case(rank, world, *case, trace=True) for case in MESH_CASES]
     resumed = []
@@ -181,7 +208,7 @@ def _on_meshes(rank, world, root):
         directory = os.path.join(root, str(index))
         _run_case(rank, world, *saving, stop=SAVE_AT, save_root=directory)
         resumed.append(_run_case(rank, world, *resuming, resume_root=directory))
-    return traced, resumed
+    return traced, resumed, _codec_round_trip(rank, world)
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +247,14 @@ def test_traced_messages_equal_the_prediction(mesh_runs, index):
         assert set(traced) == set(predicted), set(traced) ^ set(predicted)
         for key, (calls, payload) in predicted.items():
             assert traced[key] == pytest.approx((calls, payload), abs=1e-9), key
+
+
+@pytest.mark.slow
+def test_zero3_gathers_nvfp4_tiles_cut_by_the_shards_as_the_whole_weight_quantises(mesh_runs):
+    """The decoded gather is the whole weight's NVFP4 (16×16) dequantisation bit for bit, and the linear's own
+    quantisation of it (with the gathered tensor amax) gives it back: the step is the working-dtype gather's."""
+    for _, _, (decoded, used, whole) in mesh_runs:
+        assert torch.equal(decoded, whole) and torch.equal(used, whole)
 
 
 @pytest.mark.slow
@@ -262,4 +297,7 @@ def test_startup_lines_name_the_formats_bits_and_messages():
     calls = 12 * 2 * 2  # 12 linears × m = 2 micro-batches × (forward [amax X, W] 8 bytes, backward 16 bytes)
     assert f"all_reduce tp: {calls} × 12 B" in text
     text, _ = startup(["--precision-recipe", "mxfp8", "--zero", "3"], 2)
-    assert "forward 8.25, backward 8.25;" in text and "ZeRO-3 gathers these" in text and "messages" not in text
+    assert "forward 8.25, backward 8.25;" in text and "messages" not in text
+    assert "ZeRO-3 gathers these 98,304 weight elements per gather of all in the working dtype" in text
+    text, _ = startup(["--precision-recipe", "nvfp4", "--zero", "3", "--n-layer", "4"], 2)
+    assert "ZeRO-3 gathers these 147,456 weight elements per gather of all as E2M1 codes, 1 byte each here" in text
