@@ -174,7 +174,9 @@ SAVE_AT = 2
 RESHARD = [((["--precision-recipe", "nvfp4", "--tp", "2", "--sp"], H, 4, 2),
             (["--precision-recipe", "nvfp4", "--zero", "3"], H, 4, 2)),
            ((["--precision-recipe", "mxfp4", "--pp", "2"], dict(H, n_layer=4), 4, 2),
-            (["--precision-recipe", "mxfp4", "--tp", "2"], dict(H, n_layer=4), 4, 2))]
+            (["--precision-recipe", "mxfp4", "--tp", "2"], dict(H, n_layer=4), 4, 2)),
+           ((["--precision-recipe", "mxfp8", "--zero", "3"], H, 4, 2),
+            (["--precision-recipe", "mxfp8", "--tp", "2", "--sp"], H, 4, 2))]
 
 
 def _codec_round_trip(rank, world):
@@ -258,7 +260,8 @@ def test_zero3_gathers_nvfp4_tiles_cut_by_the_shards_as_the_whole_weight_quantis
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(RESHARD)), ids=["nvfp4-tp-sp-to-zero3", "mxfp4-pp-to-tp"])
+@pytest.mark.parametrize("index", range(len(RESHARD)), ids=["nvfp4-tp-sp-to-zero3", "mxfp4-pp-to-tp",
+                                                             "mxfp8-zero3-to-tp-sp"])
 def test_a_resume_on_another_mesh_equals_the_uninterrupted_run(mesh_runs, index):
     per_rank = [rank_results[1][index] for rank_results in mesh_runs]
     assert all(sorted(losses) == list(range(SAVE_AT, STEPS)) for losses, _ in per_rank)
