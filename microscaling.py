@@ -19,8 +19,11 @@ E8M0's range 2^-127..2^127. Edge cases: an all-zero block gets the smallest expo
 NaN); a block holding a NaN or an infinity gets E8M0's NaN code (255) and dequantises to NaN in every element, and
 NVFP4 does the same with an E4M3 NaN block scale (a non-finite tensor amax makes every block NaN): a non-finite
 value is never clamped into a finite one, so the trainer's non-finite count still sees it. NVFP4's block scale is
-rounded to E4M3 ONCE from the exact amax_block·S_enc/6 (computed in float64, exact before the division), and its
-elements from the exact x·S_enc/d (float64 too); a block whose d rounds to 0 dequantises to zeros.
+rounded to E4M3 ONCE from amax_block·S_enc/6, and its elements from x·S_enc/d: both products are exact in float64
+(two 24-bit significands), and the one float64 division lands exactly on a tie of the narrow format only when the
+exact quotient is one (a 48-bit numerator sits at least 2^-49 relatively from any other tie), so each rounds once
+(for inputs of float32 precision or less; float64 inputs get the same computation). A block whose d rounds to 0
+dequantises to zeros.
 
 Rounding: elements round to nearest, ties to even, after a clamp to ±max_elem (saturating), or stochastically
 (`stochastic`, a torch.Generator): up with probability equal to the distance from the lower neighbour divided by
@@ -50,6 +53,7 @@ Symbols: n elements of a tensor, b the block (32 MX, 16 NVFP4).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -63,17 +67,13 @@ NVFP4_TENSOR_SCALE_NUMERATOR = E4M3_MAX * E2M1_MAX  # S_enc = 448·6/amax: the l
 
 @dataclass(frozen=True)
 class Element:
-    """A narrow float as a grid: max_normal_exponent..min_exponent binades of 2^mantissa_bits steps, then subnormals."""
+    """A narrow float as a grid: binades [2^E, 2^(E+1)) of 2^m steps each from E = min_exponent up to max, and
+    below 2^min_exponent the subnormals, in the smallest binade's step 2^(min_exponent - m)."""
     name: str
-    mantissa_bits: int
-    min_exponent: int  # the smallest normal binade 2^min_exponent; below it the step stays 2^(min_exponent - m)
+    mantissa_bits: int  # m
+    min_exponent: int
     max: float  # the largest finite magnitude (saturation clamps here)
     code_bits: int  # the storage width of one element: sign + exponent + mantissa
-
-    @property
-    def max_exponent(self) -> int:
-        """emax_elem, the exponent of the top binade: ⌊log2 max⌋."""
-        return math.frexp(self.max)[1] - 1
 
 
 ELEMENTS = {"e4m3": Element("e4m3", 3, -6, E4M3_MAX, 8), "e2m1": Element("e2m1", 1, 0, E2M1_MAX, 4)}
@@ -121,6 +121,7 @@ class Quantized:
 # --- Quantise and dequantise -------------------------------------------------------------------------------------
 
 
+@torch.no_grad()
 def quantize(x: torch.Tensor, fmt, rule: str = "rceil", two_d: bool = False,
              stochastic: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None,
              count_saturated: bool = False) -> Quantized:
@@ -142,8 +143,10 @@ def quantize(x: torch.Tensor, fmt, rule: str = "rceil", two_d: bool = False,
                      fmt, two_d, saturated)
 
 
+@torch.no_grad()
 def dequantize(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
-    """The values q stands for, in dtype: q·2^e (MX: exact), q·d/S_enc (NVFP4: one rounding, the division)."""
+    """The values q stands for, in dtype: q·2^e (MX: exact), (q·d)/S_enc (NVFP4: q·d exact, the division rounded
+    once in float32, or float64 for a float64 dtype, then to dtype)."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     if q.codes.dtype == torch.float8_e4m3fn:
         grid = q.codes.to(wide)
@@ -155,16 +158,21 @@ def dequantize(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
     return _from_block_units(grid, scales, q.tensor_scale, q.fmt).reshape(q.shape).to(dtype)
 
 
+@torch.no_grad()
 def fake_quantize(x: torch.Tensor, fmt, rule: str = "rceil", two_d: bool = False,
-                  stochastic: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
-    """dequantize(quantize(x, ...), x.dtype), bit for bit, without the codes: what the emulated GEMMs multiply."""
+                  stochastic: torch.Generator | None = None, tensor_amax: torch.Tensor | None = None,
+                  count_saturated: bool = False):
+    """dequantize(quantize(x, ...), x.dtype), bit for bit, without the codes: what the emulated GEMMs multiply.
+    With count_saturated, (that tensor, the number of elements the clamp cut) as `quantize` counts them."""
     fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
     element = ELEMENTS[fmt.element]
     y, block_scales, tensor_scale = _to_block_units(x, fmt, rule, two_d, tensor_amax)
+    saturated = (y.abs() > element.max).sum() if count_saturated else None
     grid = _round_to_grid(y.clamp_(-element.max, element.max), element, stochastic)
     if grid.dtype != x.dtype and x.dtype != torch.float64:
         grid = grid.float()  # NVFP4's grid values are exact in float32; dequantize multiplies there
-    return _from_block_units(grid, block_scales, tensor_scale, fmt).reshape(x.shape).to(x.dtype)
+    out = _from_block_units(grid, block_scales, tensor_scale, fmt).reshape(x.shape).to(x.dtype)
+    return (out, saturated) if count_saturated else out
 
 
 def _to_block_units(x, fmt: BlockFormat, rule: str, two_d: bool, tensor_amax):
@@ -173,24 +181,25 @@ def _to_block_units(x, fmt: BlockFormat, rule: str, two_d: bool, tensor_amax):
     _check(x, fmt, rule, two_d)
     element = ELEMENTS[fmt.element]
     wide = torch.float64 if x.dtype == torch.float64 or fmt.scale == "e4m3" else torch.float32
-    blocks = _blocks(x.to(wide), fmt.block, two_d)
-    amax = blocks.abs().amax(dim=(-3, -1) if two_d else -1, keepdim=True)
+    blocks = _blocks(x, fmt.block, two_d)
+    amax = blocks.abs().amax(dim=(-3, -1) if two_d else -1, keepdim=True).to(wide)  # exact in x's own dtype
+    blocks = blocks.to(wide)
     if fmt.scale == "e8m0":
         block_scales = (e8m0_exponent(amax, element.max, rule) + 127).to(torch.uint8)
-        y = blocks * _power_of_two_table(wide, negate=True)[block_scales.long()]
+        y = blocks * _power_of_two_table(wide, x.device, negate=True)[block_scales.long()]
         return y, block_scales, None
-    tensor_amax = _amax(x) if tensor_amax is None else tensor_amax.float()
+    tensor_amax = amax.max() if tensor_amax is None else torch.as_tensor(tensor_amax, device=x.device)
     tensor_scale = nvfp4_tensor_scale(tensor_amax)
     decoded = nvfp4_block_scale(amax, tensor_scale)  # float64 on E4M3's grid, NaN where not finite
-    usable = torch.isfinite(decoded) & (decoded > 0)
-    y = blocks * torch.where(usable, tensor_scale.double() / torch.where(usable, decoded, 1.0), 0.0)
+    usable = torch.isfinite(decoded) & (decoded > 0)  # else a zero block (finite x/inf = 0) or a NaN one
+    y = torch.mul(blocks, tensor_scale.double()).div_(torch.where(usable, decoded, math.inf))  # (x·S_enc exact)/d
     return y, decoded.to(torch.float8_e4m3fn), tensor_scale
 
 
 def _from_block_units(grid, block_scales, tensor_scale, fmt: BlockFormat):
     """grid values (blocked) times their block's scale: exact for E8M0; (q·d exact)/S_enc rounded once for NVFP4."""
     if fmt.scale == "e8m0":
-        return grid * _power_of_two_table(grid.dtype)[block_scales.long()]
+        return grid * _power_of_two_table(grid.dtype, grid.device)[block_scales.long()]
     return grid * block_scales.to(grid.dtype) / tensor_scale.to(grid.dtype)
 
 
@@ -226,8 +235,8 @@ def nvfp4_tensor_scale(tensor_amax: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_block_scale(block_amax: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
     """d = e4m3(amax_block·S_enc/6), saturating at 448, rounded once: the product of two fp32 numbers is exact in
-    float64 and the quotient by 6 is rounded there too far from any E4M3 tie to move it (its 48-bit numerator's
-    distance to a tie is at least 2^-50 relative). Float64 values on E4M3's grid; NaN where not finite."""
+    float64 and the quotient by 6 is rounded there too finely to reach an E4M3 tie it is not on (its 48-bit numerator
+    is at least 2^-49 relatively away from any other). Float64 values on E4M3's grid; NaN where not finite."""
     exact = block_amax.double() * tensor_scale.double() / E2M1_MAX
     decoded = _round_to_grid(exact.clamp(max=E4M3_MAX), ELEMENTS["e4m3"], None)
     return torch.where(torch.isfinite(exact), decoded, float("nan"))
@@ -242,8 +251,9 @@ def _round_to_grid(y: torch.Tensor, element: Element, stochastic: torch.Generato
     """y (float32/64, within ±element.max) rounded to the element's grid, its sign kept. The step between
     the neighbours of y is 2^(E - m), E = max(⌊log2|y|⌋, min_exponent), read exactly from y's exponent bits.
     To nearest, ties to even: adding and subtracting c = 1.5·2^(E + F - m) (F the float's fraction bits) makes the
-    float's own rounding-to-nearest-even round y at that step (y + c stays in c's binade, whose spacing is the
-    step, and c/step is even). Stochastic: up with probability (y - lower)/step, from the generator."""
+    float's own rounding-to-nearest-even round y at that step (|y| < 2^(E+1) ≪ c/2, so y + c stays in c's binade,
+    whose spacing is the step, and c/step is even). Stochastic: up with probability (y - lower)/step, from the
+    generator (on y's device)."""
     int_dtype, exponent_mask, fraction_bits = _EXPONENT_BITS[y.dtype]
     binade = (y.view(int_dtype) & exponent_mask).view(y.dtype).clamp_(min=2.0 ** element.min_exponent)  # 2^E
     if stochastic is None:
@@ -269,6 +279,7 @@ def _encode(grid: torch.Tensor, element: Element) -> torch.Tensor:
     return index | ((byte & 0x80) >> 4)
 
 
+@functools.lru_cache(maxsize=None)
 def _e2m1_byte_table(dtype, device) -> torch.Tensor:
     nibble = torch.tensor(E2M1_VALUES, dtype=dtype)
     nibble = torch.cat([nibble, -nibble])  # sign<<3 | index
@@ -292,16 +303,13 @@ def _blocks(x: torch.Tensor, block: int, two_d: bool) -> torch.Tensor:
     return x.reshape(_blocked_shape(x.shape, block, two_d))
 
 
-def _power_of_two_table(dtype, negate: bool = False) -> torch.Tensor:
-    """2^(code - 127) for each E8M0 code (NaN at 255); negate: 2^(127 - code), what the quantiser multiplies by."""
-    exponent = torch.arange(256, dtype=torch.float64) - 127
-    table = torch.exp2(-exponent if negate else exponent)  # exact in float64, and in float32 (2^±127 fits)
-    table[E8M0_NAN] = float("nan")
-    return table.to(dtype)
-
-
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x, float("inf")).float()
+@functools.lru_cache(maxsize=None)
+def _power_of_two_table(dtype, device, negate: bool = False) -> torch.Tensor:
+    """2^(code - 127) for each E8M0 code (NaN at 255); negate: 2^(127 - code), what the quantiser multiplies by.
+    Exact in float32 too: 2^-127 is a float32 subnormal, 2^127 below its max."""
+    sign = -1 if negate else 1
+    table = [math.ldexp(1.0, sign * (code - 127)) for code in range(E8M0_NAN)] + [math.nan]
+    return torch.tensor(table, dtype=dtype, device=device)
 
 
 def _check(x: torch.Tensor, fmt: BlockFormat, rule: str, two_d: bool):
@@ -322,10 +330,11 @@ def random_hadamard(size: int = 16, generator: torch.Generator | None = None) ->
     """H = Sylvester(size)·diag(s), s random ±1 from generator: H·Hᵀ = size·I (float32, entries ±1)."""
     if size < 1 or size & (size - 1):
         raise ValueError(f"Hadamard size {size}: expected a power of two")
-    sylvester = torch.ones(1, 1)
+    device = generator.device if generator is not None else "cpu"
+    sylvester = torch.ones(1, 1, device=device)
     while sylvester.shape[0] < size:
         sylvester = torch.cat([torch.cat([sylvester, sylvester], 1), torch.cat([sylvester, -sylvester], 1)], 0)
-    signs = torch.randint(0, 2, (size,), generator=generator).float().mul_(2).sub_(1)
+    signs = torch.randint(0, 2, (size,), generator=generator, device=device).float().mul_(2).sub_(1)
     return sylvester * signs
 
 
@@ -335,7 +344,7 @@ def hadamard_blocks(x: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
     size = hadamard.shape[0]
     if x.shape[-1] % size:
         raise ValueError(f"Hadamard transform of {size}: must divide the last dim, got shape {tuple(x.shape)}")
-    orthonormal = hadamard.to(x.dtype) / math.sqrt(size)  # exact for size 4^k (16: H/4)
+    orthonormal = hadamard.to(x.device, x.dtype) / math.sqrt(size)  # exact for size 4^k (16: H/4)
     return (x.reshape(*x.shape[:-1], -1, size) @ orthonormal).reshape(x.shape)
 
 
