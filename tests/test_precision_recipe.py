@@ -291,8 +291,8 @@ def test_startup_lines_name_the_formats_bits_and_messages():
             return "\n".join(report_axes.axis_lines(handle, "startup", run)), handle
 
     text, _ = startup(["--precision-recipe", "nvfp4", "--tp", "2", "--n-layer", "4"], 2)
-    assert "precision recipe fwd=nvfp4,bwd=nvfp4,sr,rht,w2d,tail=0.15,rule=rceil: 12 block linears" in text
-    assert "the last 4 block linears (tail 0.15)" in text
+    assert "precision recipe fwd=nvfp4,bwd=nvfp4,sr,rht,w2d,tail=0.15,rule=rceil: 12 block linears (blocks 0-2)" in text
+    assert "the last 4 block linears (block 3, tail 0.15)" in text
     assert "bits per element with block scales: forward 4.5, backward 4.5 (+ a 32-bit tensor scale" in text
     tokens = 2 * 64  # M = B_μ·s; per layer K_j: c_attn and c_fc h = 64, attention's c_proj h/T, the MLP's 4h/T
     codes = tokens * (64 + 64 + 32 + 128) * 3 * 4.5 / 8 + 4 * 12  # Σ M·K_j·4.5/8 + a tensor scale per linear
