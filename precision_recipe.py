@@ -265,9 +265,10 @@ class _RecipeLinearFunction(torch.autograd.Function):
 
 class RecipeLinear(nn.Linear):
     """A drop-in for a local nn.Linear (plain or a TP shard inside Column/RowParallelLinear): the SAME parameter
-    objects, its GEMMs on quantised operands. `coords` places it in the logical tensors (SR's draws): its global
-    output-feature index per local row of W (`out_index`), the layer and role keys; amax_groups: {name: process
-    group} of the ranks holding pieces of its tensors (tp, cp), for NVFP4's tensor amax."""
+    objects, its GEMMs on quantised operands. What places it in the logical tensors (SR's draws): the rank's
+    `DrawState`, the global output-feature index of each local row of W (`out_index`) and its layer and role
+    (`layer_key`); amax_groups: {name: process group} of the ranks holding pieces of its tensors (tp, cp), for
+    NVFP4's tensor amax."""
 
     defers_weight_grad = True  # under zb it hands its dW to the pipeline's store itself
 
@@ -406,9 +407,10 @@ def _out_index(info: ShardInfo | None, out_features: int) -> torch.Tensor:
     """The global output-feature index of each local row of a weight (TP's pieces, fused q/k/v segments)."""
     if info is None:
         return torch.arange(out_features)
-    n, k = info.global_shape
-    rows = torch.arange(n)[:, None].expand(n, k)
-    return info.shard_of(rows)[:, 0].contiguous()
+    rows = torch.arange(info.global_shape[0])
+    for split in info.splits:  # TP's column split (dim 0; c_attn's per q/k/v segment): the rows it keeps
+        rows = split.take(rows) if split.dim == 0 else rows
+    return rows.contiguous()
 
 
 def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches: int = 1, seed: int = 0,
