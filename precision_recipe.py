@@ -529,7 +529,6 @@ class PrecisionHandle(Axis):
         return out
 
 
-
 # --- The ZeRO-3 weight codec: NVFP4 weights with 16×16 blocks gathered as codes -------------------------------
 # Under w2d with fwd = bwd = nvfp4 one quantisation of W serves both its GEMMs, so ZeRO-3 can gather the codes
 # instead of the working weights. The blocks of W [N, K] are 16×16 tiles; a rank's flat shard of it cuts tiles
