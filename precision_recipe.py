@@ -205,8 +205,12 @@ def draw_key(*parts: int) -> int:
 
 def uniform_draws(key: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """U[0, 1) per element (rows[:, None], cols[None, :]), float32 with 24 random bits: a function of the key and
-    the element's logical coordinates only, so any piece of the tensor draws what the whole would."""
-    z = _splitmix64(rows.to(torch.int64)[:, None] * _MIX1 + cols.to(torch.int64)[None, :] + key)
+    the element's logical coordinates only, so any piece of the tensor draws what the whole would. Each row and
+    each column gets a SplitMix64 hash; an element's draw is the top 24 bits of (row hash XOR column hash) times
+    an odd constant: four int64 operations per element (a full hash per element cost 4× more)."""
+    row_hash = _splitmix64(rows.to(torch.int64) ^ key)
+    col_hash = _splitmix64(cols.to(torch.int64) ^ int(_splitmix64(torch.tensor(key ^ _MIX2))))
+    z = (row_hash[:, None] ^ col_hash[None, :]) * _MIX1
     return _shift_right(z, 40).to(torch.float32) * 2.0**-24
 
 
@@ -315,12 +319,13 @@ class RecipeLinear(nn.Linear):
         if fmt == "bf16":
             return x.to(dtype)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        q = microscaling.quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule, two_d=two_d,
-                                  tensor_amax=tensor_amax if fmt == "nvfp4" else None, stochastic=draws,
-                                  count_saturated=role is not None)
+        out = microscaling.fake_quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule, two_d=two_d,
+                                         tensor_amax=tensor_amax if fmt == "nvfp4" else None, stochastic=draws,
+                                         count_saturated=role is not None)
         if role is not None:
-            self.observer.quantized(self, role, x.numel(), q.saturated)
-        return microscaling.dequantize(q, dtype)
+            out, saturated = out
+            self.observer.quantized(self, role, x.numel(), saturated)
+        return out.to(dtype)
 
     def forward_gemm(self, x2, weight, out_dtype, training: bool):
         """Y = fq(X)·fq(W)ᵀ in out_dtype (blocks along K)."""
