@@ -304,3 +304,22 @@ def test_startup_lines_name_the_formats_bits_and_messages():
     assert "ZeRO-3 gathers these 98,304 weight elements per gather of all in the working dtype" in text
     text, _ = startup(["--precision-recipe", "nvfp4", "--zero", "3", "--n-layer", "4"], 2)
     assert "ZeRO-3 gathers these 147,456 weight elements per gather of all as E2M1 codes, 1 byte each here" in text
+
+
+TP_ZERO3 = (["--precision-recipe", "nvfp4", "--zero", "3", "--tp", "2"], H, 4, 2)  # D = 2 × T = 2
+
+
+def _tp_zero3(rank, world):
+    return _run_case(rank, world, *TP_ZERO3, trace=True)
+
+
+@pytest.mark.slow
+def test_zero3_nvfp4_gather_under_tp_follows_the_single_process_and_traces_as_predicted():
+    """ZeRO-3's NVFP4 gather of TP shards (the tensor amax MAX-reduced over tp too): the single process's update,
+    and every message of the traced steps (the codec's tile and tensor amaxes among them) as predicted."""
+    results = run_ranks(_tp_zero3, 4, timeout=600)
+    _check([result[:2] for result in results], *TP_ZERO3)
+    for _, _, (traced, predicted) in results:
+        assert set(traced) == set(predicted), set(traced) ^ set(predicted)
+        for key, (calls, payload) in predicted.items():
+            assert traced[key] == pytest.approx((calls, payload), abs=1e-9), key
