@@ -205,8 +205,12 @@ def draw_key(*parts: int) -> int:
 
 def uniform_draws(key: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """U[0, 1) per element (rows[:, None], cols[None, :]), float32 with 24 random bits: a function of the key and
-    the element's logical coordinates only, so any piece of the tensor draws what the whole would."""
-    z = _splitmix64(rows.to(torch.int64)[:, None] * _MIX1 + cols.to(torch.int64)[None, :] + key)
+    the element's logical coordinates only, so any piece of the tensor draws what the whole would. Each row and
+    each column gets a SplitMix64 hash; an element's draw is the top 24 bits of (row hash XOR column hash) times
+    an odd constant: four int64 operations per element (a full hash per element cost 4× more)."""
+    row_hash = _splitmix64(rows.to(torch.int64) ^ key)
+    col_hash = _splitmix64(cols.to(torch.int64) ^ int(_splitmix64(torch.tensor(key ^ _MIX2))))
+    z = (row_hash[:, None] ^ col_hash[None, :]) * _MIX1
     return _shift_right(z, 40).to(torch.float32) * 2.0**-24
 
 
@@ -265,9 +269,10 @@ class _RecipeLinearFunction(torch.autograd.Function):
 
 class RecipeLinear(nn.Linear):
     """A drop-in for a local nn.Linear (plain or a TP shard inside Column/RowParallelLinear): the SAME parameter
-    objects, its GEMMs on quantised operands. `coords` places it in the logical tensors (SR's draws): its global
-    output-feature index per local row of W (`out_index`), the layer and role keys; amax_groups: {name: process
-    group} of the ranks holding pieces of its tensors (tp, cp), for NVFP4's tensor amax."""
+    objects, its GEMMs on quantised operands. What places it in the logical tensors (SR's draws): the rank's
+    `DrawState`, the global output-feature index of each local row of W (`out_index`) and its layer and role
+    (`layer_key`); amax_groups: {name: process group} of the ranks holding pieces of its tensors (tp, cp), for
+    NVFP4's tensor amax."""
 
     defers_weight_grad = True  # under zb it hands its dW to the pipeline's store itself
 
@@ -314,12 +319,13 @@ class RecipeLinear(nn.Linear):
         if fmt == "bf16":
             return x.to(dtype)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        q = microscaling.quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule, two_d=two_d,
-                                  tensor_amax=tensor_amax if fmt == "nvfp4" else None, stochastic=draws,
-                                  count_saturated=role is not None)
+        out = microscaling.fake_quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule, two_d=two_d,
+                                         tensor_amax=tensor_amax if fmt == "nvfp4" else None, stochastic=draws,
+                                         count_saturated=role is not None)
         if role is not None:
-            self.observer.quantized(self, role, x.numel(), q.saturated)
-        return microscaling.dequantize(q, dtype)
+            out, saturated = out
+            self.observer.quantized(self, role, x.numel(), saturated)
+        return out.to(dtype)
 
     def forward_gemm(self, x2, weight, out_dtype, training: bool):
         """Y = fq(X)·fq(W)ᵀ in out_dtype (blocks along K)."""
@@ -406,9 +412,10 @@ def _out_index(info: ShardInfo | None, out_features: int) -> torch.Tensor:
     """The global output-feature index of each local row of a weight (TP's pieces, fused q/k/v segments)."""
     if info is None:
         return torch.arange(out_features)
-    n, k = info.global_shape
-    rows = torch.arange(n)[:, None].expand(n, k)
-    return info.shard_of(rows)[:, 0].contiguous()
+    rows = torch.arange(info.global_shape[0])
+    for split in info.splits:  # TP's column split (dim 0; c_attn's per q/k/v segment): the rows it keeps
+        rows = split.take(rows) if split.dim == 0 else rows
+    return rows.contiguous()
 
 
 def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches: int = 1, seed: int = 0,
@@ -525,7 +532,6 @@ class PrecisionHandle(Axis):
             if self.recipe.bwd == "nvfp4" and calls:
                 out.add("all_reduce", group, calls, 16 * calls)
         return out
-
 
 
 # --- The ZeRO-3 weight codec: NVFP4 weights with 16×16 blocks gathered as codes -------------------------------

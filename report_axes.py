@@ -660,8 +660,13 @@ def _precision_startup(handle, run, steps: int) -> list:
     def fmt(name):
         return compute if name == "bf16" else name.upper()
 
-    tail = f"; the last {len(facts.kept)} block linears (tail {r.tail:g})" if facts.kept else ""
-    lines = [f"precision recipe {r.describe()}: {len(facts.formats)} block linears with forward operands in"
+    def layers(names) -> str:  # "blocks 0-9" of this rank
+        ids = sorted({int(name.split(".")[2]) for name in names})
+        return f"block{'s' if len(ids) > 1 else ''} {ids[0]}" + (f"-{ids[-1]}" if len(ids) > 1 else "") if ids else ""
+
+    tail = f"; the last {len(facts.kept)} block linears ({layers(facts.kept)}, tail {r.tail:g})" if facts.kept else ""
+    where = f" ({layers(facts.formats)})" if facts.formats else ""
+    lines = [f"precision recipe {r.describe()}: {len(facts.formats)} block linears{where} with forward operands in"
              f" {fmt(r.fwd)}, backward operands in {fmt(r.bwd)}" + (" (16×16 NVFP4 weight blocks)" if r.w2d else "")
              + (", Hadamard on dW's operands" if r.rht else "") + (", stochastic rounding of dY" if r.sr else ""),
              f"  in the compute dtype ({compute}): embedding, head, loss, routers, experts{tail}; GEMMs emulated"

@@ -174,7 +174,9 @@ SAVE_AT = 2
 RESHARD = [((["--precision-recipe", "nvfp4", "--tp", "2", "--sp"], H, 4, 2),
             (["--precision-recipe", "nvfp4", "--zero", "3"], H, 4, 2)),
            ((["--precision-recipe", "mxfp4", "--pp", "2"], dict(H, n_layer=4), 4, 2),
-            (["--precision-recipe", "mxfp4", "--tp", "2"], dict(H, n_layer=4), 4, 2))]
+            (["--precision-recipe", "mxfp4", "--tp", "2"], dict(H, n_layer=4), 4, 2)),
+           ((["--precision-recipe", "mxfp8", "--zero", "3"], H, 4, 2),
+            (["--precision-recipe", "mxfp8", "--tp", "2", "--sp"], H, 4, 2))]
 
 
 def _codec_round_trip(rank, world):
@@ -258,7 +260,8 @@ def test_zero3_gathers_nvfp4_tiles_cut_by_the_shards_as_the_whole_weight_quantis
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(RESHARD)), ids=["nvfp4-tp-sp-to-zero3", "mxfp4-pp-to-tp"])
+@pytest.mark.parametrize("index", range(len(RESHARD)), ids=["nvfp4-tp-sp-to-zero3", "mxfp4-pp-to-tp",
+                                                             "mxfp8-zero3-to-tp-sp"])
 def test_a_resume_on_another_mesh_equals_the_uninterrupted_run(mesh_runs, index):
     per_rank = [rank_results[1][index] for rank_results in mesh_runs]
     assert all(sorted(losses) == list(range(SAVE_AT, STEPS)) for losses, _ in per_rank)
@@ -288,8 +291,8 @@ def test_startup_lines_name_the_formats_bits_and_messages():
             return "\n".join(report_axes.axis_lines(handle, "startup", run)), handle
 
     text, _ = startup(["--precision-recipe", "nvfp4", "--tp", "2", "--n-layer", "4"], 2)
-    assert "precision recipe fwd=nvfp4,bwd=nvfp4,sr,rht,w2d,tail=0.15,rule=rceil: 12 block linears" in text
-    assert "the last 4 block linears (tail 0.15)" in text
+    assert "precision recipe fwd=nvfp4,bwd=nvfp4,sr,rht,w2d,tail=0.15,rule=rceil: 12 block linears (blocks 0-2)" in text
+    assert "the last 4 block linears (block 3, tail 0.15)" in text
     assert "bits per element with block scales: forward 4.5, backward 4.5 (+ a 32-bit tensor scale" in text
     tokens = 2 * 64  # M = B_μ·s; per layer K_j: c_attn and c_fc h = 64, attention's c_proj h/T, the MLP's 4h/T
     codes = tokens * (64 + 64 + 32 + 128) * 3 * 4.5 / 8 + 4 * 12  # Σ M·K_j·4.5/8 + a tensor scale per linear
@@ -301,3 +304,22 @@ def test_startup_lines_name_the_formats_bits_and_messages():
     assert "ZeRO-3 gathers these 98,304 weight elements per gather of all in the working dtype" in text
     text, _ = startup(["--precision-recipe", "nvfp4", "--zero", "3", "--n-layer", "4"], 2)
     assert "ZeRO-3 gathers these 147,456 weight elements per gather of all as E2M1 codes, 1 byte each here" in text
+
+
+TP_ZERO3 = (["--precision-recipe", "nvfp4", "--zero", "3", "--tp", "2"], H, 4, 2)  # D = 2 × T = 2
+
+
+def _tp_zero3(rank, world):
+    return _run_case(rank, world, *TP_ZERO3, trace=True)
+
+
+@pytest.mark.slow
+def test_zero3_nvfp4_gather_under_tp_follows_the_single_process_and_traces_as_predicted():
+    """ZeRO-3's NVFP4 gather of TP shards (the tensor amax MAX-reduced over tp too): the single process's update,
+    and every message of the traced steps (the codec's tile and tensor amaxes among them) as predicted."""
+    results = run_ranks(_tp_zero3, 4, timeout=600)
+    _check([result[:2] for result in results], *TP_ZERO3)
+    for _, _, (traced, predicted) in results:
+        assert set(traced) == set(predicted), set(traced) ^ set(predicted)
+        for key, (calls, payload) in predicted.items():
+            assert traced[key] == pytest.approx((calls, payload), abs=1e-9), key
