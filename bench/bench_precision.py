@@ -20,10 +20,11 @@ It prints, in order:
   3. which half is the more sensitive here: the forward cells with a bf16 backward against the backward cells
      with a bf16 forward, next to the 430M figures (12.8B tokens: forward +0.94–1.22%, backward +0.32–0.72% over
      bf16).
-A measurement, not a timed test. Its size is set by the emulation's cost on a CPU: NVFP4's quantiser (float64,
-for the single rounding) took ~100 ns per element on this 2-core machine shared by a dozen jobs (load ~13), and
-a step quantises ~16 M elements per block in NVFP4's forward and backward at 4×256 tokens: ~18 s a step there,
-against 1.5 s in bf16 (measured with one thread; an idle machine is faster in proportion, not in the ratio).
+A measurement, not a timed test. Its size is set by the emulation's cost on a CPU. When the table was measured,
+NVFP4's quantiser (float64, for the single rounding) took ~100 ns per element on this 2-core machine shared by a
+dozen jobs (load ~13), and a step quantises ~16 M elements per block in NVFP4's forward and backward at 4×256
+tokens: ~18 s a step there, against 1.5 s in bf16 (one thread; the recipe has since moved to fake_quantize, 3-4×
+faster on `tiny`).
 Thirty steps leave the model early in training, where
 a delta is as much the optimiser's first steps as the format's bias; the fp32 row (the same run in fp32) shows
 how far two precisions drift apart anyway. On a GPU without block-scaled GEMMs (all before Blackwell) and on
