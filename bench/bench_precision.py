@@ -1,6 +1,6 @@
 """The precision-recipe ablation (issue 29): which part of a microscaling recipe costs loss, on a laptop.
 
-    python bench/bench_precision.py                # the whole table: `small`, 30 steps of 4×256 tokens (55 min here)
+    python bench/bench_precision.py                # the whole table: `small`, 30 steps of 4×256 tokens (12 min here)
     python bench/bench_precision.py --steps 300    # what the question deserves (hours here: see below)
     python bench/bench_precision.py --table-only   # the table again from what the last run left in out/
     python bench/bench_precision.py --smoke        # `tiny`, 4 steps, two cells, SQNR at 256²: checks it runs
