@@ -16,8 +16,9 @@ Each formula is closed-form, so a reader can check a number by hand, and each ha
    head's, a checkpointed block's and the hook-hidden terms, derived tensor by tensor from what this model's
    modules, autocast and torch's scaled_dot_product_attention dispatch (attention_kernel) keep for backward;
    tests/test_activations.py holds the sums against the measurement.
-4. Measurement: SavedActivations (saved_tensors_hooks, each storage once) and MemoryTimeline (the profiler's CPU
-   memory events, every allocation and free: the peak above the start, and the net).
+4. Measurement: SavedActivations (saved_tensors_hooks, each storage once), MemoryTimeline (the profiler's CPU
+   memory events, every allocation and free: the peak above the start, and the net), and LiveTensors (the
+   tensors a module's forward makes, alive together at its highest: moe_memory.py's dispatch buffers).
 
 Bytes are bytes (mfu.format_bytes prints them). s = sequence length, b = micro-batch size, h = hidden size,
 a = attention heads, t (T) = tensor-parallel size, D = data-parallel size, Psi = parameters.
@@ -32,6 +33,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. Persistent state per parameter
@@ -406,3 +410,83 @@ class MemoryTimeline:
             in_use += event.nbytes()  # negative for a free
             self.peak = max(self.peak, in_use)
         self.net = in_use
+
+
+@dataclass(frozen=True)
+class ModulePeak:
+    """One module forward as LiveTensors saw it: the bytes of the tensors it made, alive together at their highest."""
+
+    peak: int  # bytes alive at the highest point (the forward's own tensors: ops' outputs, each storage once)
+    saved: int  # of all the tensors the forward made, the bytes autograd saved for backward (alive at the end)
+    at: str  # the op whose output made the peak
+
+    @property
+    def above_saved(self) -> int:
+        """What the forward needs beyond what it leaves saved: the peak less every saved byte. A step adds this to
+        its activations (which count the saved bytes) while the module runs."""
+        return self.peak - self.saved
+
+
+class LiveTensors(TorchDispatchMode):
+    """Per forward of the watched modules: the bytes of the tensors it made that are alive together at its
+    highest, and those it leaves saved for backward (ModulePeak).
+
+        with LiveTensors({"mlp": block.mlp}) as live:
+            block(x)
+        live.peaks["mlp"]
+
+    A tensor is counted when an op returns it in a storage that none of the op's inputs had (views and
+    in-place ops make none), until that storage is freed (a weak reference); the bytes alive are summed after
+    every op, which is where a peak can be: an op allocates, and frees happen between ops. It counts the
+    tensors ops return, not an op's scratch inside its kernel, nor the allocator's rounding (CUDA rounds up to
+    512 bytes): the figure moe_memory.py predicts. Saved: storages packed by saved_tensors_hooks inside the
+    `with` (not those packed inside another hook, e.g. SP's regather) and still alive at the forward's end.
+    """
+
+    def __init__(self, modules: dict):
+        super().__init__()
+        self.modules, self.peaks = modules, {}
+        self.window = None  # {cdata: (weak ref, bytes)} of the watched forward running now, else None
+        self.saved = set()  # cdata of the storages autograd packed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.window is not None:
+            inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+                    continue
+                storage = t.untyped_storage()
+                known = self.window.get(storage._cdata)
+                if storage._cdata not in inputs and (known is None or known[0].expired()):  # an address reused
+                    self.window[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+            alive = sum(nbytes for ref, nbytes in self.window.values() if not ref.expired())
+            if alive > self.highest[0]:
+                self.highest = (alive, str(func))
+        return out
+
+    def _pack(self, tensor):
+        self.saved.add(tensor.untyped_storage()._cdata)
+        return tensor
+
+    def _start(self, module, args):
+        self.window, self.highest = {}, (0, "")
+
+    def _stop(self, module, args, output):
+        name = next(key for key, watched in self.modules.items() if watched is module)
+        saved = sum(nbytes for cdata, (ref, nbytes) in self.window.items() if cdata in self.saved and not ref.expired())
+        self.peaks[name] = ModulePeak(self.highest[0], saved, self.highest[1])
+        self.window = None
+
+    def __enter__(self):
+        self.hooks = [hook for module in self.modules.values() for hook in
+                      (module.register_forward_pre_hook(self._start), module.register_forward_hook(self._stop))]
+        self.packing = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self.packing.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.packing.__exit__(*exc)
+        for hook in self.hooks:
+            hook.remove()

@@ -30,6 +30,7 @@ import hardware
 import memory
 import mfu
 import moe
+import moe_memory
 import schedules
 import tensor_parallel
 import train
@@ -185,9 +186,8 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
         traffic = moe.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w))
         shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
         messages = messages + moe.step_messages(traffic, int(s.b_g * held["moe_replicated"] / shard) if sp else 0)
-        if E > 1:
-            temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * tokens * config.moe_topk * \
-                config.n_embd * s.b_c
+        peak = moe_memory.rank_peak(traffic, activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param))
+        temporaries[peak.temporary()] = peak.above_saved
     return messages
 
 

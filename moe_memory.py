@@ -1,0 +1,203 @@
+"""The MoE block's peak per device: the dispatch and combine buffers, tensor by tensor from moe.py's forward.
+
+A step's memory peaks inside some block's forward: everything saved so far, plus what that block holds at its
+highest and has not saved. For a MoE block that is the dispatch and combine (tokens·k rows, dropless), not
+attention. This file predicts, per MoE layer and micro-batch of one rank, the bytes of the tensors that
+moe.MoE.forward (dispatch_and_combine, run_local_experts) makes and holds at once, from their shapes; memory.
+LiveTensors measures the same figure (the tensors ops return; not a kernel's scratch nor the allocator's
+rounding), and on a CPU they agree to the byte for a given routing (tests/test_moe_memory.py).
+
+Symbols as moe.py's: T tokens this rank routes, N experts, k, h, E, S rows it sends (the kept slots), R rows
+its experts run (E = 1: R = S), e_c the rows' bytes (autocast's dtype), e_r the router's (fp32 or wider), e_x
+the block input's (LayerNorm's output: fp32 under CUDA autocast), e_w = max(e_c, e_r) the combine's, 8 an
+int64 index, m a dropout mask's bytes per element. In forward order, saved for backward (s) or not (t):
+    router     logits, probabilities T·N·e_r each (s); top-k T·k·e_r (s; k = 1: the weights, t) and T·k·8 (s);
+               k > 1: their sum T·e_r (s) and the weights T·k·e_r (t); the loads N·8 (t); statistics
+               e_r·(T + 4N + 3) (s), the aux values 2·e_r (t); cast to e_r when narrower: the input T·h·e_r, the
+               weight N·h·e_r (s)
+    capacity   f > 0, capacity_keep over the T_μ·k slots of the micro-batch: a one-hot T_μ·k·N·1, its cumsum
+               and their product T_μ·k·N·8 each (gone by dispatch); then the verdicts T·k·1, the slots' experts
+               T·k·8 (t)
+    dispatch   the sort's order T·k·8 (s), the counts (N+1)·8 (E > 1: N·8 received and the 2N·8 joined) (t),
+               each row's token S·8 (s), the tokens cast for the rows T·h·e_c (autocast with e_c ≠ e_x; t),
+               the sent rows S·h·e_c (s when E = 1, else t), E > 1 the received rows R·h·e_c (s)
+    experts    the hidden R·4h·e_c twice (s), each expert's output R·h·e_c together, then concatenated R·h·e_c
+               (E = 1: the rows back, s; E > 1: the combine's send buffer, t); autocast casts each of the N/E
+               experts' weights once (its cache keeps them for the forward), 8h²·e_c (s), and biases, 5h·e_c (t)
+    combine    E > 1 the rows back S·h·e_c (s); each row's gate S·e_r, token S·8 and weighted row S·h·e_w (s);
+               y's zeros and y, T·h·e_w each (t)
+    output     e_w ≠ e_x: y cast T·h·e_x (t); dropout: its output T·h·e_x (t) and mask T·h·m (s)
+Alive together (what each moment holds, from the code's order and its local variables), the peak is the largest:
+    P0  capacity's product: the router's tensors + 17·T_μ·k·N
+    P1  the experts' outputs concatenated: router, verdicts, dispatch, hidden, weight copies, 2·R·h·e_c
+    P2  the combine's index_add: P1's less the per-expert outputs, + the combine's
+    P3  the output's dropout (or cast), dispatch_and_combine returned: its locals gone (zeros, counts, cast
+        tokens, slots' experts, E > 1 the sent rows and the send buffer)
+E = 1, dropless, no autocast: P2 = 11·S·h·e + 2·T·h·e + small, of which 9·S·h·e saved. P1 wins when the
+experts run far more rows than the rank sends: R > 2S + 2T (E·k > 2k + 2 in the worst case).
+Uniform routing: S = R = T·k (at most this rank's share of capacity, N·C_μ/(C·T_sp)); worst case: S =
+min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this rank's experts).
+
+1. Replicated and split: nothing of its own (these are moe.py's tensors).
+2. Peak per device: what the step's peak adds to the activations (which count the saved bytes) while a MoE
+   block runs is `above_saved` = peak − saved; attention's is its output and the dropout's, s·b·h·e_c·(1 +
+   [dropout]) + autocast's bias copies (`attention_above_saved`: the fused and math paths save all else first). The
+   larger sets the peak (time_model.Role's temporaries; the plan's and the run's are the same formula). Under
+   CP or SP the capacity's gathered choices and the statistics' sums add small tensors not written here.
+3. Messages: none (moe.py's all-to-alls carry these rows).
+4. Restart state: none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import moe
+
+MOMENTS = {"P0": "capacity's one-hot product", "P1": "the experts' outputs concatenated",
+           "P2": "the combine's index_add", "P3": "the output's dropout"}
+
+
+@dataclass(frozen=True)
+class DispatchShape:
+    """What one MoE layer's forward holds depends on: the routing's rows and the dtypes (the module's symbols)."""
+
+    tokens: int  # T
+    sent: int  # S
+    received: int  # R
+    experts: int  # N
+    topk: int  # k
+    hidden: int  # h
+    ep: int = 1  # E
+    capacity_tokens: int = 0  # T_μ: the micro-batch's tokens capacity_keep orders (0: dropless)
+    e_c: int = 4
+    e_r: int = 4
+    e_x: int = 4
+    weight_bytes: int = 4  # the working weights' element (autocast casts them per call when e_c differs)
+    expert_params: int = 0  # Ψ_e
+    dropout_mask: int | None = None  # m, bytes per mask element; None without dropout
+
+
+@dataclass(frozen=True)
+class BlockPeak:
+    """The predicted peak of one MoE layer's forward: its moment, bytes alive, saved bytes, the buffers alive."""
+
+    moment: str  # P0..P3
+    peak: int
+    saved: int
+    buffers: dict  # {name: bytes} alive at the peak
+    shape: DispatchShape
+
+    @property
+    def above_saved(self) -> int:
+        return self.peak - self.saved
+
+
+def terms(x: DispatchShape) -> list:
+    """[(name, bytes, saved, moments alive)] of one forward (the module docstring's table)."""
+    T, S, R, N, k, h, E = x.tokens, x.sent, x.received, x.experts, x.topk, x.hidden, x.ep
+    e_c, e_r, e_x, e_w = x.e_c, x.e_r, x.e_x, max(x.e_c, x.e_r)
+    cast_rows = e_c != e_x  # autocast's rows from a wider input (without autocast e_c is the input's)
+    copies = N // E * e_c if e_c != x.weight_bytes else 0  # autocast casts each held expert's weights once (its cache)
+    out = [("router logits, probabilities [T, N]", 2 * T * N * e_r, True, "0123"),
+           ("router top-k choices", T * k * 8, True, "0123"),
+           ("router top-k values", T * k * e_r, k > 1, "0123"),  # k = 1: the weights themselves
+           ("router top-k sum", T * e_r if k > 1 else 0, True, "0123"),
+           ("router weights (renormalised)", T * k * e_r if k > 1 else 0, False, "0123"),
+           ("router loads", N * 8, False, "0123"), ("router statistics", e_r * (T + 4 * N + 3), True, "0123"),
+           ("aux values", 2 * e_r, False, "0123"),
+           ("router's input cast", T * h * e_r if e_x < e_r else 0, True, "0123"),
+           ("router's weight cast", N * h * e_r if x.weight_bytes < e_r else 0, True, "0123")]
+    if x.capacity_tokens:
+        out += [("capacity one-hot, cumsum, product", 17 * x.capacity_tokens * k * N, False, "0"),
+                ("capacity verdicts", T * k, False, "123"), ("slots' experts", T * k * 8, False, "12")]
+    counts = (N + 1) * 8 if E == 1 else 3 * N * 8
+    out += [("sort order", T * k * 8, True, "123"), ("counts", counts, False, "12"),
+            ("rows' tokens (gather)", S * 8, True, "123"),
+            ("tokens cast for the rows", T * h * e_c if cast_rows else 0, False, "12"),
+            ("sent rows [S, h]", S * h * e_c, E == 1, "123" if E == 1 else "12"),
+            ("received rows [R, h]", R * h * e_c if E > 1 else 0, True, "123"),
+            ("experts' hidden [R, 4h] ×2", 8 * R * h * e_c, True, "123"),
+            ("experts' weight copies (autocast)", copies * 8 * h * h, True, "123"),
+            ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, "123"),
+            ("experts' outputs, one per expert", R * h * e_c, False, "1"),
+            ("experts' outputs concatenated [R, h]", R * h * e_c, E == 1, "123" if E == 1 else "12"),
+            ("rows back [S, h]", S * h * e_c if E > 1 else 0, True, "23"),
+            ("rows' gates and tokens (index_add)", S * (e_r + 8), True, "23"),
+            ("weighted rows [S, h]", S * h * e_w, True, "23"),
+            ("combine's zeros [T, h]", T * h * e_w, False, "2"),
+            ("combine's output y [T, h]", T * h * e_w, False, "23"),
+            ("y cast to the input's dtype", T * h * e_x if e_w != e_x else 0, False, "3")]
+    if x.dropout_mask is not None:
+        out += [("dropout output", T * h * e_x, False, "3"), ("dropout mask", T * h * x.dropout_mask, True, "3")]
+    return out
+
+
+def block_peak(x: DispatchShape) -> BlockPeak:
+    """The largest of the moments this forward has (P0 with capacity, P3 with dropout or a cast y)."""
+    table = terms(x)
+    moments = ["P1", "P2"] + (["P0"] if x.capacity_tokens else [])
+    moments += ["P3"] if x.dropout_mask is not None or max(x.e_c, x.e_r) != x.e_x else []
+    alive = {m: sum(nbytes for _, nbytes, _, when in table if m[1] in when) for m in moments}
+    moment = max(moments, key=lambda m: (alive[m], m))
+    return BlockPeak(moment, alive[moment], sum(nbytes for _, nbytes, saved, _ in table if saved),
+                     {name: nbytes for name, nbytes, _, when in table if moment[1] in when and nbytes}, x)
+
+
+def attention_above_saved(x, bias: bool = True) -> int:
+    """What attention holds beyond what it saves, at its peak (memory.ActivationShape x, this rank's sequence):
+    its output projection's [b, s, h] and, with dropout, the dropout's output, s·b·h·e_c each (every tensor either
+    path saves is made before them), and autocast's copies of its biases, (3h/T + h)·e_c (a linear does not save
+    its bias). Checked on one device; under TP the output is [b, s, h] before its all-reduce, which is what
+    this counts."""
+    biases = (3 * x.h // x.t + x.h) * x.e_c if bias and x.e_c != x.e_r else 0
+    return x.s * x.b * x.h * x.e_c * (2 if x.dropout else 1) + biases
+
+
+def shape_of(traffic: moe.Traffic, x, routing: str = "uniform") -> DispatchShape:
+    """DispatchShape of one MoE layer and micro-batch from moe.Traffic and memory.ActivationShape x (dtypes, dropout
+    masks, autocast), for `routing` "uniform" (S = R = T·k, at most the capacity's share) or "worst" (the whole ep
+    group picks this rank's experts)."""
+    config, T, E = traffic.model, traffic.tokens, traffic.ep
+    n, k, h = config.moe_experts, config.moe_topk, config.n_embd
+    whole = T * traffic.cp * traffic.sp  # B_μ·s: capacity is decided on it
+    cap = moe.capacity(whole, k, n, config.moe_capacity_factor)
+    if routing == "uniform":
+        sent = received = T * k if cap is None else min(T * k, n * cap // (traffic.cp * traffic.sp))
+    else:
+        sent = T * k if cap is None else min(T * k, n * cap)
+        received = E * (T * k if cap is None else min(T * k, n // E * cap))
+    return DispatchShape(T, sent, received if E > 1 else sent, n, k, h, E, whole if cap else 0,
+                         e_c=x.e_c, e_r=traffic.router_bytes, e_x=x.e_n, weight_bytes=x.e_r,
+                         expert_params=8 * h * h + 5 * h * int(config.bias),
+                         dropout_mask=x.mask(x.e_n) if x.dropout else None)
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """Which block sets a rank's peak: a MoE layer's forward (uniform routing, and the worst case) or attention."""
+
+    uniform: BlockPeak
+    worst: BlockPeak
+    attention: int  # attention_above_saved
+
+    @property
+    def setter(self) -> str:
+        return "MoE" if self.uniform.above_saved >= self.attention else "attention"
+
+    @property
+    def above_saved(self) -> int:
+        """What the step's peak adds to the activations while the block that sets it runs (uniform routing)."""
+        return max(self.uniform.above_saved, self.attention)
+
+    def temporary(self) -> str:
+        """The name of this figure among a Role's temporaries (time_model.role_of, plan_search): it says which."""
+        return (f"the block that sets the peak, above what it saves: {self.setter} (MoE dispatch/combine"
+                f" {self.uniform.above_saved:,} B at {self.uniform.moment}, uniform routing; worst case"
+                f" {self.worst.above_saved:,} B; attention {self.attention:,} B)")
+
+
+def rank_peak(traffic: moe.Traffic, x) -> RankPeak:
+    """RankPeak of a rank routing moe.Traffic's tokens, with memory.ActivationShape x's dtypes and sequence."""
+    return RankPeak(block_peak(shape_of(traffic, x)), block_peak(shape_of(traffic, x, "worst")),
+                    attention_above_saved(x, traffic.model.bias))
