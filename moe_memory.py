@@ -148,10 +148,12 @@ def attention_above_saved(x, bias: bool = True) -> int:
     """What attention holds beyond what it saves, at its peak (memory.ActivationShape x, this rank's sequence):
     its output projection's [b, s, h] and, with dropout, the dropout's output, s·b·h·e_c each (every tensor either
     path saves is made before them), and autocast's copies of its biases, (3h/T + h)·e_c (a linear does not save
-    its bias). Checked on one device; under TP the output is [b, s, h] before its all-reduce, which is what
-    this counts."""
+    its bias). The math path with b > 1 also leaves c_attn's output unsaved, 3·s·b·h·e_c/T (it copies q, k, v
+    to batch the heads). Checked on one device: the fused path, and the math path without autocast (with it,
+    the math path's upcasts are not written here); under TP the output is [b, s, h] before its all-reduce."""
     biases = (3 * x.h // x.t + x.h) * x.e_c if bias and x.e_c != x.e_r else 0
-    return x.s * x.b * x.h * x.e_c * (2 if x.dropout else 1) + biases
+    c_attn = 3 * x.s * x.b * x.h * x.e_c // x.t if x.kernel == "math" and x.b > 1 else 0
+    return x.s * x.b * x.h * x.e_c * (2 if x.dropout else 1) + biases + c_attn
 
 
 def shape_of(traffic: moe.Traffic, x, routing: str = "uniform") -> DispatchShape:
