@@ -2,15 +2,18 @@
 
 The accounting prints each prediction next to a measurement of the same thing. Most measurements observe the
 training itself (the tracer in comm.py, the clocks in mfu.py, memory.py's saved-tensor hooks and memory
-timeline); the two here run work of their own at start-up, and leave the run as they found it:
+timeline); the three here run work of their own at start-up, and leave the run as they found it:
 
     measure_block(run)      one held block, forward and backward, under a CommTracer and memory.SavedActivations:
                             its messages by (phase, op, group) and the bytes it saves for backward, as the run runs
                             it (a deep copy under a forked RNG); the tp and cp sections print it (report_axes.py)
+    measure_moe_blocks(run) each held MoE block forward once (a copy, likewise) under memory.LiveTensors: its MoE
+                            layer's and its attention's peak, beside moe_memory.py's prediction for the rows it
+                            routed; every rank's, gathered (the moe section prints them)
     time_ring_alone(cp, …)  the ring's transfers of one layer with no compute between them, into its observer's clock,
                             so the end can say how much of them compute hid (context_parallel.py's item 3)
 
-Both are collective: every rank of the groups they talk on calls them, in the same order.
+All are collective: every rank of the groups they talk on calls them, in the same order.
 """
 
 from __future__ import annotations

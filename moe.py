@@ -46,7 +46,8 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    (e_r), S sent and R received rows, the experts' [R, 4h] hidden and R outputs, S combined and S weighted
    rows; with capacity under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward:
    `layer_activation_bytes` (tested against autograd). Uniform routing: S = R = T·k; worst case (the whole ep
-   group picks this rank): R = E·T·k dropless, R ≤ N·C_μ with capacity.
+   group picks this rank): R = E·T·k dropless, R ≤ N·C_μ with capacity. What the forward holds at once
+   (the dispatch and combine buffers, its peak, and which block sets the step's): moe_memory.py.
 3. Critical path (all synchronous), per MoE layer and micro-batch, group ep (payload = the input tensor):
        forward   all_to_all_single  counts 8N  +  dispatch S·h·e_c  +  combine R·h·e_c
        backward  all_to_all_single  combine's reverse S·h·e_c  +  dispatch's reverse R·h·e_c

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mfu
 import moe
 
 MOMENTS = {"P0": "capacity's one-hot product", "P1": "the experts' outputs concatenated",
@@ -194,9 +195,10 @@ class RankPeak:
 
     def temporary(self) -> str:
         """The name of this figure among a Role's temporaries (time_model.role_of, plan_search): it says which."""
+        f = mfu.format_bytes
         return (f"the block that sets the peak, above what it saves: {self.setter} (MoE dispatch/combine"
-                f" {self.uniform.above_saved:,} B at {self.uniform.moment}, uniform routing; worst case"
-                f" {self.worst.above_saved:,} B; attention {self.attention:,} B)")
+                f" {f(self.uniform.above_saved)} at {self.uniform.moment}, uniform routing; worst case"
+                f" {f(self.worst.above_saved)}; attention {f(self.attention)})")
 
 
 def rank_peak(traffic: moe.Traffic, x) -> RankPeak:

@@ -226,12 +226,18 @@ def moe_peak_lines(axis, run) -> list:
     x = activations.activation_shape(run)
     peak, f = moe_memory.rank_peak(traffic, x), mfu.format_bytes
     u, w = peak.uniform, peak.worst
+    persistent, saved = run.layout.predicted_persistent()["total"], activations.activation_estimate(run).peak
     biggest = sorted(u.buffers.items(), key=lambda kv: -kv[1])[:6]
     lines = [f"  peak per device (moe_memory.py): a MoE layer's forward holds {f(u.peak)} at {u.moment}"
              f" ({moe_memory.MOMENTS[u.moment]}), {f(u.saved)} of its tensors saved for backward (the activations):"
              f" {f(u.above_saved)} above them, uniform routing S = R = {u.shape.received}; worst case R ="
              f" {w.shape.received}:"
-             f" {f(w.above_saved)} at {w.moment}; attention's {f(peak.attention)}: {peak.setter} sets the peak",
+             f" {f(w.above_saved)} at {w.moment}; attention's {f(peak.attention)}: {peak.setter} sets the peak"
+             + (" (attention's math path under autocast upcasts: not written here; see its measurement below)"
+                if x.kernel == "math" and x.e_c < 4 else ""),
+             f"    step peak ≈ persistent {f(persistent)} + activations at the peak {f(saved)} + the {peak.setter}"
+             f" block above what it saves {f(peak.above_saved)} = {f(persistent + saved + peak.above_saved)}"
+             f" (worst-case routing: {f(persistent + saved + max(w.above_saved, peak.attention))})",
              "    largest at the peak: " + ", ".join(f"{name} {f(nbytes)}" for name, nbytes in biggest)]
     if run.measured_moe:
         lines.append("  measured at start-up (memory.LiveTensors: the tensors ops return, alive together, in bytes;"
