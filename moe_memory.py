@@ -196,9 +196,18 @@ class RankPeak:
     def temporary(self) -> str:
         """The name of this figure among a Role's temporaries (time_model.role_of, plan_search): it says which."""
         f = mfu.format_bytes
-        return (f"the block that sets the peak, above what it saves: {self.setter} (MoE dispatch/combine"
+        return (f"{PEAK_TEMPORARY}{self.setter} (MoE dispatch/combine"
                 f" {f(self.uniform.above_saved)} at {self.uniform.moment}, uniform routing; worst case"
                 f" {f(self.worst.above_saved)}; attention {f(self.attention)})")
+
+
+PEAK_TEMPORARY = "the block that sets the peak, above what it saves: "  # RankPeak.temporary's name begins so
+
+
+def peak_setter(temporaries: dict) -> str | None:
+    """"MoE" or "attention": the block a Role's temporaries say sets its peak (None without MoE layers)."""
+    return next((name[len(PEAK_TEMPORARY):].split(" ")[0] for name in temporaries if name.startswith(PEAK_TEMPORARY)),
+                None)
 
 
 def rank_peak(traffic: moe.Traffic, x) -> RankPeak:

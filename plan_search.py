@@ -308,7 +308,8 @@ def candidates(world: int, config, global_batch: int, gpus_per_node: int):
 
 
 def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10) -> tuple:
-    """([(prediction, peak, settings, limiting term)] best first, fitting in hw.memory_gib; dropped; tried)."""
+    """([(prediction, peak, settings, limiting term, the block that sets the peak with MoE: moe_memory.peak_setter)]
+    best first, fitting in hw.memory_gib; dropped; tried)."""
     results, dropped, smallest, facts_cache = [], 0, None, {}
     parsed = flags.build_parser().parse_args(base_argv)
     for c in candidates(world, flags.model_config(parsed), parsed.global_batch, hw.gpus_per_node):
@@ -330,7 +331,8 @@ def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10) ->
             continue
         facts = layout_facts(settings)
         prediction = max((predict(r, facts, hw) for r in roles), key=lambda x: x.step)
-        results.append((prediction, peak, settings, limiting_term(prediction)))
+        setter = moe_memory.peak_setter(max(roles, key=lambda r: r.peak).temporaries)
+        results.append((prediction, peak, settings, limiting_term(prediction), setter))
     results.sort(key=lambda r: r[0].step)
     return results[:top], dropped, smallest, len(results) + dropped
 
@@ -349,10 +351,11 @@ def run_search(argv: list, settings, hw: hardware.Hardware, out=print) -> list:
         f" not fit {hw.memory_gib:.1f} GiB; the best {len(best)} by predicted step time"
         f" ({time.perf_counter() - began:.1f} s):")
     out(hardware_line(hw, plan_dtypes(settings)[0]))
-    for i, (prediction, peak, s, limit) in enumerate(best, 1):
+    for i, (prediction, peak, s, limit, setter) in enumerate(best, 1):
         out(f"  {i:>2}. {layout_name(s):<52} step {prediction.step:8.3f} s  MFU {prediction.mfu:6.1%}  peak"
-            f" {peak / 2**30:6.1f} GiB  compute {prediction.compute:.3f} s, exposed comm"
-            f" {prediction.exposed_comm:.3f} s, bubble {prediction.bubble:.3f} s: limited by {limit}")
+            f" {peak / 2**30:6.1f} GiB" + (f" (set by {setter})" if setter else "")
+            + f"  compute {prediction.compute:.3f} s, exposed comm {prediction.exposed_comm:.3f} s, bubble"
+            f" {prediction.bubble:.3f} s: limited by {limit}")
     return best
 
 

@@ -210,7 +210,9 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
                      f" {mfu.format_bytes(per_layer * (traffic.ep - 1) / traffic.ep)}; per step {calls} calls,"
                      f" {mfu.format_bytes(payload)} (the startup table's figure; the end table predicts exactly,"
                      f" from the routed counts)")
-    return lines + moe_peak_lines(axis, run)
+    # The forward's peak, with what start-up measured of it (train.compose(measure=True)); a run built by hand
+    # without a start-up measurement (no run.measured_moe) prints none.
+    return lines + (moe_peak_lines(axis, run) if getattr(run, "measured_moe", None) is not None else [])
 
 
 MOE_PEAK_LINES = 16  # measured lines at most (one per held MoE layer and rank)
@@ -239,7 +241,7 @@ def moe_peak_lines(axis, run) -> list:
              f" block above what it saves {f(peak.above_saved)} = {f(persistent + saved + peak.above_saved)}"
              f" (worst-case routing: {f(persistent + saved + max(w.above_saved, peak.attention))})",
              "    largest at the peak: " + ", ".join(f"{name} {f(nbytes)}" for name, nbytes in biggest)]
-    if run.measured_moe:
+    if run.measured_moe is not None:
         lines.append("  measured at start-up (memory.LiveTensors: the tensors ops return, alive together, in bytes;"
                      " each held MoE block's copy on random input) vs predicted for the rows it routed:")
         for m in run.measured_moe[:MOE_PEAK_LINES]:

@@ -221,6 +221,7 @@ def test_the_start_up_measures_every_held_moe_block_as_predicted(ranks):
 
 
 def test_the_plans_step_peak_is_the_real_start_ups_byte_for_byte(ranks):
+    import moe_memory
     import plan
     import time_model
     from test_plan import _settings
@@ -229,7 +230,7 @@ def test_the_plans_step_peak_is_the_real_start_ups_byte_for_byte(ranks):
     for rank, got in enumerate(ranks):
         with plan.fake_world(rank, 4):
             role = time_model.role_of(plan.build_role(settings, rank))
-        block = [name for name in role.temporaries if name.startswith("the block that sets the peak")]
-        assert len(block) == 1 and "MoE dispatch/combine" in block[0], role.temporaries
+        block = [name for name in role.temporaries if name.startswith(moe_memory.PEAK_TEMPORARY)]
+        assert len(block) == 1 and moe_memory.peak_setter(role.temporaries) == "MoE", role.temporaries
         assert role.temporaries[block[0]] == got["run"]["temporaries"][block[0]]
         assert role.peak == got["run"]["peak"], (rank, role.temporaries, got["run"]["temporaries"])
