@@ -43,7 +43,8 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    block runs is `above_saved` = peak − saved; attention's is its output and the dropout's, s·b·h·e_c·(1 +
    [dropout]) + autocast's bias copies (`attention_above_saved`: the fused and math paths save all else first). The
    larger sets the peak (time_model.Role's temporaries; the plan's and the run's are the same formula). Under
-   CP or SP the capacity's gathered choices and the statistics' sums add small tensors not written here.
+   CP and SP the MoE figures hold as written (measured at P2); capacity's gathered choices there are freed
+   before dispatch, so only a P0 peak would differ (by the gathered T_μ·k choice bytes, not written).
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
 """
@@ -150,11 +151,15 @@ def attention_above_saved(x, bias: bool = True) -> int:
     its output projection's [b, s, h] and, with dropout, the dropout's output, s·b·h·e_c each (every tensor either
     path saves is made before them), and autocast's copies of its biases, (3h/T + h)·e_c (a linear does not save
     its bias). The math path with b > 1 also leaves c_attn's output unsaved, 3·s·b·h·e_c/T (it copies q, k, v
-    to batch the heads). Checked on one device: the fused path, and the math path without autocast (with it,
-    the math path's upcasts are not written here); under TP the output is [b, s, h] before its all-reduce."""
+    to batch the heads); TP without SP, its all-reduce's fresh output, s·b·h·e_c. Measured equal: one device
+    (the fused path; the math path without autocast) and TP without SP. Not written: the math path's upcasts
+    under autocast, SP's gathered input and reduce-scatter, CP's ring and Ulysses buffers (the start-up
+    prints attention's measurement beside this)."""
+    sbh = x.s * x.b * x.h
     biases = (3 * x.h // x.t + x.h) * x.e_c if bias and x.e_c != x.e_r else 0
-    c_attn = 3 * x.s * x.b * x.h * x.e_c // x.t if x.kernel == "math" and x.b > 1 else 0
-    return x.s * x.b * x.h * x.e_c * (2 if x.dropout else 1) + biases + c_attn
+    c_attn = 3 * sbh * x.e_c // x.t if x.kernel == "math" and x.b > 1 else 0
+    reduced = sbh * x.e_c if x.t > 1 and not x.sp else 0
+    return sbh * x.e_c * (2 if x.dropout else 1) + biases + c_attn + reduced
 
 
 def shape_of(traffic: moe.Traffic, x, routing: str = "uniform") -> DispatchShape:

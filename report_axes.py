@@ -251,6 +251,11 @@ def moe_peak_lines(axis, run) -> list:
                          f" saved {m.measured.saved:,} above {m.measured.above_saved:,} {same} predicted"
                          f" {p.peak:,} {p.saved:,} {p.above_saved:,} ({p.moment}); attention above saved"
                          f" {m.attention.above_saved:,}, predicted {m.attention_predicted:,}")
+        if run.measured_moe:
+            moe_most = max(m.measured.above_saved for m in run.measured_moe)
+            attention_most = max(m.attention.above_saved for m in run.measured_moe)
+            lines.append(f"    measured: {'MoE' if moe_most >= attention_most else 'attention'} sets the peak (above"
+                         f" saved, the most over layers and ranks: MoE {moe_most:,}, attention {attention_most:,})")
         if len(run.measured_moe) > MOE_PEAK_LINES:
             lines.append(f"    ... {len(run.measured_moe) - MOE_PEAK_LINES} more (layer, rank) pairs")
     return lines

@@ -9,7 +9,8 @@ the byte, on a CPU, for the routing the layer made (the rows it sent and receive
   with every token picking rank 0's experts, which equals the worst-case prediction and peaks at P1 (the
   experts' outputs concatenated), not the combine.
 - A real start-up (train.compose, E = 2 on 4 ranks) measures each held MoE block's peak equal to its prediction,
-  and its predicted step peak (time_model.Role) equals the plan's of the same layout, byte for byte.
+  and its predicted step peak (time_model.Role) equals the plan's of the same layout, byte for byte; under TP
+  (T = 2, capacity) the MoE's and attention's measurements equal their predictions too.
 """
 
 from contextlib import nullcontext
@@ -128,6 +129,7 @@ def test_uniform_and_worst_case_rows():
 
 EP_CASES = [(2, 0.0, "random"), (2, 1.0, "random"), (2, 0.0, "uniform"), (4, 0.0, "worst")]
 PLANNED = (["--moe-experts", "4", "--ep", "2"], 8, 1)  # tests/test_plan.py's MoE case: flags, global batch, B_μ
+UNDER_TP = (["--moe-experts", "4", "--tp", "2", "--moe-capacity-factor", "1.0"], 4, 1)  # experts whole on each tp rank
 
 
 def _route(layer, x, how):
@@ -180,6 +182,11 @@ def _ranks(rank, world):
     moe_axis = next(axis for axis in run.axes if axis.name == "moe")
     out["run"] = dict(peak=role.peak, temporaries=role.temporaries, measured_moe=run.measured_moe,
                       lines=report_axes.moe_peak_lines(moe_axis, run))
+    settings = _settings(*UNDER_TP)
+    run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
+                    device=torch.device("cpu"), seed=settings.args.seed, compute_dtype=compute, param_dtype=param,
+                    master_dtype=master)
+    out["tp"] = train.compose(run, measure=True).measured_moe
     dist.barrier()
     return out
 
@@ -218,6 +225,15 @@ def test_the_start_up_measures_every_held_moe_block_as_predicted(ranks):
         assert p.attention.above_saved == p.attention_predicted, p
     lines = ranks[0]["run"]["lines"]
     assert "MoE sets the peak" in lines[0] and sum(" = predicted " in line for line in lines) == len(peaks)
+
+
+def test_under_tp_the_start_up_measures_moe_and_attention_as_predicted(ranks):
+    """TP without SP: the MoE layer is whole on each tp rank; attention also holds its all-reduce's fresh output."""
+    peaks = ranks[0]["tp"]
+    assert len(peaks) == 2 * 4
+    for p in peaks:
+        assert (p.measured.peak, p.measured.saved) == (p.predicted.peak, p.predicted.saved), p
+        assert p.attention.above_saved == p.attention_predicted, p
 
 
 def test_the_plans_step_peak_is_the_real_start_ups_byte_for_byte(ranks):
