@@ -47,12 +47,17 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    before dispatch, so only a P0 peak would differ (by the gathered T_μ·k choice bytes, not written).
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
+
+    rank_peak(traffic, x)     a rank's RankPeak (uniform, worst, attention): time_model.Role's and plan_search's
+    block_peak(shape)         one forward's BlockPeak for given rows (the start-up's measurement is beside it)
+    startup_lines(traffic, run)   the moe section's start-up lines (report_axes.py prints them)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import activations
 import mfu
 import moe
 
@@ -219,3 +224,52 @@ def rank_peak(traffic: moe.Traffic, x) -> RankPeak:
     """RankPeak of a rank routing moe.Traffic's tokens, with memory.ActivationShape x's dtypes and sequence."""
     return RankPeak(block_peak(shape_of(traffic, x)), block_peak(shape_of(traffic, x, "worst")),
                     attention_above_saved(x, traffic.model.bias))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The start-up's lines (the moe section of report_axes.py prints them)
+# ---------------------------------------------------------------------------------------------------------
+
+MEASURED_LINES = 16  # measured lines at most (one per held MoE layer and rank)
+
+
+def startup_lines(traffic: moe.Traffic, run) -> list:
+    """The moe section's start-up lines (report_axes.py): which block sets the peak and what a MoE layer's forward
+    holds at it, predicted for uniform routing and the worst case; each held MoE layer's on each rank measured at
+    start-up (run.measured_moe: measure.measure_moe_blocks) next to the prediction for the rows it routed, in bytes."""
+    if not traffic.moe_layers:
+        return []
+    x = activations.activation_shape(run)
+    peak, f = rank_peak(traffic, x), mfu.format_bytes
+    u, w = peak.uniform, peak.worst
+    persistent, saved = run.layout.predicted_persistent()["total"], activations.activation_estimate(run).peak
+    biggest = sorted(u.buffers.items(), key=lambda kv: -kv[1])[:6]
+    lines = [f"  peak per device (moe_memory.py): a MoE layer's forward holds {f(u.peak)} at {u.moment}"
+             f" ({MOMENTS[u.moment]}), {f(u.saved)} of its tensors saved for backward (the activations):"
+             f" {f(u.above_saved)} above them, uniform routing S = R = {u.shape.received}; worst case R ="
+             f" {w.shape.received}:"
+             f" {f(w.above_saved)} at {w.moment}; attention's {f(peak.attention)}: {peak.setter} sets the peak"
+             + (" (attention's math path under autocast upcasts: not written here; see its measurement below)"
+                if x.kernel == "math" and x.e_c < 4 else ""),
+             f"    step peak ≈ persistent {f(persistent)} + activations at the peak {f(saved)} + the {peak.setter}"
+             f" block above what it saves {f(peak.above_saved)} = {f(persistent + saved + peak.above_saved)}"
+             f" (worst-case routing: {f(persistent + saved + max(w.above_saved, peak.attention))})",
+             "    largest at the peak: " + ", ".join(f"{name} {f(nbytes)}" for name, nbytes in biggest)]
+    if run.measured_moe is not None:
+        lines.append("  measured at start-up (memory.LiveTensors: the tensors ops return, alive together, in bytes;"
+                     " each held MoE block's copy on random input) vs predicted for the rows it routed:")
+        for m in run.measured_moe[:MEASURED_LINES]:
+            p = m.predicted
+            same = "=" if (m.measured.peak, m.measured.saved) == (p.peak, p.saved) else "differs from"
+            lines.append(f"    h.{m.layer_id} rank {m.rank}: S={m.sent} R={m.received}: peak {m.measured.peak:,}"
+                         f" saved {m.measured.saved:,} above {m.measured.above_saved:,} {same} predicted"
+                         f" {p.peak:,} {p.saved:,} {p.above_saved:,} ({p.moment}); attention above saved"
+                         f" {m.attention.above_saved:,}, predicted {m.attention_predicted:,}")
+        if run.measured_moe:
+            moe_most = max(m.measured.above_saved for m in run.measured_moe)
+            attention_most = max(m.attention.above_saved for m in run.measured_moe)
+            lines.append(f"    measured: {'MoE' if moe_most >= attention_most else 'attention'} sets the peak (above"
+                         f" saved, the most over layers and ranks: MoE {moe_most:,}, attention {attention_most:,})")
+        if len(run.measured_moe) > MEASURED_LINES:
+            lines.append(f"    ... {len(run.measured_moe) - MEASURED_LINES} more (layer, rank) pairs")
+    return lines

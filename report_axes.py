@@ -21,7 +21,6 @@ import os
 import torch
 import torch.distributed as dist
 
-import activations
 import context_parallel
 import fp8
 import fp8_scaling
@@ -210,55 +209,9 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
                      f" {mfu.format_bytes(per_layer * (traffic.ep - 1) / traffic.ep)}; per step {calls} calls,"
                      f" {mfu.format_bytes(payload)} (the startup table's figure; the end table predicts exactly,"
                      f" from the routed counts)")
-    # The forward's peak, with what start-up measured of it (train.compose(measure=True)); a run built by hand
-    # without a start-up measurement (no run.measured_moe) prints none.
-    return lines + (moe_peak_lines(axis, run) if getattr(run, "measured_moe", None) is not None else [])
-
-
-MOE_PEAK_LINES = 16  # measured lines at most (one per held MoE layer and rank)
-
-
-def moe_peak_lines(axis, run) -> list:
-    """Which block sets the peak and what a MoE layer's forward holds at it (moe_memory.py), predicted for uniform
-    routing and the worst case; each held MoE layer's on each rank measured at start-up (run.measured_moe) next to
-    the prediction for the rows it routed, in bytes."""
-    traffic = axis.facts().traffic
-    if not traffic.moe_layers:
-        return []
-    x = activations.activation_shape(run)
-    peak, f = moe_memory.rank_peak(traffic, x), mfu.format_bytes
-    u, w = peak.uniform, peak.worst
-    persistent, saved = run.layout.predicted_persistent()["total"], activations.activation_estimate(run).peak
-    biggest = sorted(u.buffers.items(), key=lambda kv: -kv[1])[:6]
-    lines = [f"  peak per device (moe_memory.py): a MoE layer's forward holds {f(u.peak)} at {u.moment}"
-             f" ({moe_memory.MOMENTS[u.moment]}), {f(u.saved)} of its tensors saved for backward (the activations):"
-             f" {f(u.above_saved)} above them, uniform routing S = R = {u.shape.received}; worst case R ="
-             f" {w.shape.received}:"
-             f" {f(w.above_saved)} at {w.moment}; attention's {f(peak.attention)}: {peak.setter} sets the peak"
-             + (" (attention's math path under autocast upcasts: not written here; see its measurement below)"
-                if x.kernel == "math" and x.e_c < 4 else ""),
-             f"    step peak ≈ persistent {f(persistent)} + activations at the peak {f(saved)} + the {peak.setter}"
-             f" block above what it saves {f(peak.above_saved)} = {f(persistent + saved + peak.above_saved)}"
-             f" (worst-case routing: {f(persistent + saved + max(w.above_saved, peak.attention))})",
-             "    largest at the peak: " + ", ".join(f"{name} {f(nbytes)}" for name, nbytes in biggest)]
-    if run.measured_moe is not None:
-        lines.append("  measured at start-up (memory.LiveTensors: the tensors ops return, alive together, in bytes;"
-                     " each held MoE block's copy on random input) vs predicted for the rows it routed:")
-        for m in run.measured_moe[:MOE_PEAK_LINES]:
-            p = m.predicted
-            same = "=" if (m.measured.peak, m.measured.saved) == (p.peak, p.saved) else "differs from"
-            lines.append(f"    h.{m.layer_id} rank {m.rank}: S={m.sent} R={m.received}: peak {m.measured.peak:,}"
-                         f" saved {m.measured.saved:,} above {m.measured.above_saved:,} {same} predicted"
-                         f" {p.peak:,} {p.saved:,} {p.above_saved:,} ({p.moment}); attention above saved"
-                         f" {m.attention.above_saved:,}, predicted {m.attention_predicted:,}")
-        if run.measured_moe:
-            moe_most = max(m.measured.above_saved for m in run.measured_moe)
-            attention_most = max(m.attention.above_saved for m in run.measured_moe)
-            lines.append(f"    measured: {'MoE' if moe_most >= attention_most else 'attention'} sets the peak (above"
-                         f" saved, the most over layers and ranks: MoE {moe_most:,}, attention {attention_most:,})")
-        if len(run.measured_moe) > MOE_PEAK_LINES:
-            lines.append(f"    ... {len(run.measured_moe) - MOE_PEAK_LINES} more (layer, rank) pairs")
-    return lines
+    # The forward's peak (moe_memory.py) beside what start-up measured (train.compose(measure=True); a run built by
+    # hand without that measurement, no run.measured_moe, prints none).
+    return lines + (moe_memory.startup_lines(traffic, run) if getattr(run, "measured_moe", None) is not None else [])
 
 
 def moe_step_lines(axis, run=None, steps: int = 0) -> list:
