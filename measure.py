@@ -105,6 +105,7 @@ class MoEPeak:
     predicted: moe_memory.BlockPeak
     attention: memory.ModulePeak  # its attention's, measured
     attention_predicted: int  # moe_memory.attention_above_saved
+    backward_rise: int  # its MoE layer's backward above its saved tensors (memory.BackwardRise; not predicted)
 
 
 class _Rows(moe.RoutingObserver):
@@ -131,14 +132,30 @@ def measure_moe_blocks(run) -> list:
                             dtype=run.param_dtype, generator=torch.Generator(device).manual_seed(0), requires_grad=True)
             with memory.LiveTensors({"attn": block.attn, "mlp": block.mlp}) as live, run.autocast:
                 block(x)
+            routed = rows.rows  # the block's pass's (S, R); the backward's own pass routes again
+            backward_rise = _moe_backward_rise(run, block.mlp, x.shape, device)
         traffic = replace(run_traffic(run), moe_layers=1)
-        shape = replace(moe_memory.shape_of(traffic, x_shape), sent=rows.rows[0], received=rows.rows[1])
-        mine.append(MoEPeak(original.layer_id, dist.get_rank(), *rows.rows, live.peaks["mlp"],
+        shape = replace(moe_memory.shape_of(traffic, x_shape), sent=routed[0], received=routed[1])
+        mine.append(MoEPeak(original.layer_id, dist.get_rank(), *routed, live.peaks["mlp"],
                             moe_memory.block_peak(shape), live.peaks["attn"],
-                            moe_memory.attention_above_saved(x_shape, run.config.bias)))
+                            moe_memory.attention_above_saved(x_shape, run.config.bias), backward_rise))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return [peak for peaks in every for peak in peaks]
+
+
+def _moe_backward_rise(run, layer, shape, device) -> int:
+    """The MoE layer's forward and backward on random input (its own pass, after the block's): how far its
+    backward rises above the forward's saved tensors, the parameters' gradients aside (memory.BackwardRise)."""
+    generator = torch.Generator(device).manual_seed(1)
+    x = torch.randn(shape, device=device, dtype=run.param_dtype, generator=generator, requires_grad=True)
+    with memory.LiveTensors({"mlp": layer}) as live, run.autocast:
+        y = layer(x)
+    rise = memory.BackwardRise(live.kept["mlp"])
+    grad = torch.randn(y.shape, device=device, dtype=y.dtype, generator=generator)
+    with rise:
+        y.backward(grad)
+    return rise.rise(p.grad.untyped_storage()._cdata for p in layer.parameters() if p.grad is not None)
 
 
 def run_traffic(run) -> moe.Traffic:

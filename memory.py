@@ -17,8 +17,9 @@ Each formula is closed-form, so a reader can check a number by hand, and each ha
    modules, autocast and torch's scaled_dot_product_attention dispatch (attention_kernel) keep for backward;
    tests/test_activations.py holds the sums against the measurement.
 4. Measurement: SavedActivations (saved_tensors_hooks, each storage once), MemoryTimeline (the profiler's CPU
-   memory events, every allocation and free: the peak above the start, and the net), and LiveTensors (the
-   tensors a module's forward makes, alive together at its highest: moe_memory.py's dispatch buffers).
+   memory events, every allocation and free: the peak above the start, and the net), LiveTensors (the
+   tensors a module's forward makes, alive together at its highest: moe_memory.py's dispatch buffers) and
+   BackwardRise (how far a backward's tensors rise above the forward's saved ones it frees).
 
 Bytes are bytes (mfu.format_bytes prints them). s = sequence length, b = micro-batch size, h = hidden size,
 a = attention heads, t (T) = tensor-parallel size, D = data-parallel size, Psi = parameters.
@@ -445,7 +446,7 @@ class LiveTensors(TorchDispatchMode):
 
     def __init__(self, modules: dict):
         super().__init__()
-        self.modules, self.peaks = modules, {}
+        self.modules, self.peaks, self.kept = modules, {}, {}
         self.window = None  # {cdata: (weak ref, bytes)} of the watched forward running now, else None
         self.saved = set()  # cdata of the storages autograd packed
 
@@ -474,8 +475,10 @@ class LiveTensors(TorchDispatchMode):
 
     def _stop(self, module, args, output):
         name = next(key for key, watched in self.modules.items() if watched is module)
-        saved = sum(nbytes for cdata, (ref, nbytes) in self.window.items() if cdata in self.saved and not ref.expired())
-        self.peaks[name] = ModulePeak(self.highest[0], saved, self.highest[1])
+        self.kept[name] = {cdata: (ref, nbytes) for cdata, (ref, nbytes) in self.window.items()
+                           if cdata in self.saved and not ref.expired()}  # what a BackwardRise watches being freed
+        self.peaks[name] = ModulePeak(self.highest[0], sum(nbytes for _, nbytes in self.kept[name].values()),
+                                      self.highest[1])
         self.window = None
 
     def __enter__(self):
@@ -490,3 +493,32 @@ class LiveTensors(TorchDispatchMode):
         self.packing.__exit__(*exc)
         for hook in self.hooks:
             hook.remove()
+
+
+class BackwardRise(TorchDispatchMode):
+    """How far the tensors a backward makes rise above where it began, less the forward's saved tensors it frees
+    on the way (`saved`: LiveTensors.kept of that forward). Counted as LiveTensors counts (the tensors ops return,
+    summed after every op); `rise(exclude)` leaves out the storages in `exclude` (the parameters' gradients,
+    which a layout holds anyway)."""
+
+    def __init__(self, saved: dict):
+        super().__init__()
+        self.saved, self.made, self.moments = saved, {}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                storage = t.untyped_storage()
+                known = self.made.get(storage._cdata)
+                if storage._cdata not in inputs and (known is None or known[0].expired()):
+                    self.made[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        alive = [(cdata, nbytes) for cdata, (ref, nbytes) in self.made.items() if not ref.expired()]
+        self.moments.append((alive, sum(nbytes for ref, nbytes in self.saved.values() if ref.expired())))
+        return out
+
+    def rise(self, exclude=()) -> int:
+        exclude = set(exclude)
+        return max((sum(nbytes for cdata, nbytes in alive if cdata not in exclude) - freed
+                    for alive, freed in self.moments), default=0)

@@ -45,6 +45,9 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    larger sets the peak (time_model.Role's temporaries; the plan's and the run's are the same formula). Under
    CP and SP the MoE figures hold as written (measured at P2); capacity's gathered choices there are freed
    before dispatch, so only a P0 peak would differ (by the gathered T_μ·k choice bytes, not written).
+   Not written either: the backward's rise above the saved tensors it frees (the combine's backward holds the
+   weighted rows' gradient and the mul's two, 3·S·h·e_w, before the weighted rows go; then each expert's GELU
+   backward), which can exceed the forward's: the start-up measures it (memory.BackwardRise) and prints it.
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
 
@@ -264,7 +267,8 @@ def startup_lines(traffic: moe.Traffic, run) -> list:
             lines.append(f"    h.{m.layer_id} rank {m.rank}: S={m.sent} R={m.received}: peak {m.measured.peak:,}"
                          f" saved {m.measured.saved:,} above {m.measured.above_saved:,} {same} predicted"
                          f" {p.peak:,} {p.saved:,} {p.above_saved:,} ({p.moment}); attention above saved"
-                         f" {m.attention.above_saved:,}, predicted {m.attention_predicted:,}")
+                         f" {m.attention.above_saved:,}, predicted {m.attention_predicted:,}; the MoE backward"
+                         f" rises {m.backward_rise:,} above its saved (measured, not predicted)")
         if run.measured_moe:
             moe_most = max(m.measured.above_saved for m in run.measured_moe)
             attention_most = max(m.attention.above_saved for m in run.measured_moe)

@@ -98,3 +98,18 @@ def test_live_tensors_counts_what_a_forward_makes_alive_together_and_what_it_sav
     assert peak.at.startswith("aten.sum")
     out.backward()  # the measured forward is an ordinary one
     assert torch.allclose(x.grad, 2 * torch.exp(2 * x.detach()))
+
+
+def test_backward_rise_counts_what_a_backward_makes_less_the_saved_it_frees():
+    """By hand: backward makes the seed gradient (4 bytes), b's gradient (grad·w, 128) and w's (grad·b: a
+    parameter's, left out), then a's (b's gradient · b, 128) while b is still saved: 260 above the start; then b
+    is freed and x's gradient (128) replaces a's, which never rises higher."""
+    chain = _Chain()
+    x = torch.randn(4, 8, requires_grad=True)
+    with memory.LiveTensors({"chain": chain}) as live:
+        out = chain(x)
+    rise = memory.BackwardRise(live.kept["chain"])
+    with rise:
+        out.backward()
+    assert rise.rise([chain.w.grad.untyped_storage()._cdata]) == 260
+    assert rise.rise() == 260 + 128  # with w's gradient

@@ -223,6 +223,7 @@ def test_the_start_up_measures_every_held_moe_block_as_predicted(ranks):
     for p in peaks:
         assert (p.measured.peak, p.measured.saved) == (p.predicted.peak, p.predicted.saved), p
         assert p.attention.above_saved == p.attention_predicted, p
+        assert p.backward_rise > 0, p  # measured only: printed beside the forward's
     lines = ranks[0]["run"]["lines"]
     assert any("MoE sets the peak" in line for line in lines) and any("measured: MoE sets" in line for line in lines)
     assert sum(" = predicted " in line for line in lines) == len(peaks)
