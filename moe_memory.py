@@ -1,7 +1,7 @@
 """The MoE block's peak per device: the dispatch and combine buffers, tensor by tensor from moe.py's forward.
 
-A step's memory peaks inside some block's forward: everything saved so far, plus what that block holds at its
-highest and has not saved. For a MoE block that is the dispatch and combine (tokens·k rows, dropless), not
+A step's memory peaks inside some block: everything saved so far, plus what that block holds at its highest
+and has not saved (here: in its forward; the backward's is measured, below). For a MoE block that is the dispatch and combine (tokens·k rows, dropless), not
 attention. This file predicts, per MoE layer and micro-batch of one rank, the bytes of the tensors that
 moe.MoE.forward (dispatch_and_combine, run_local_experts) makes and holds at once, from their shapes; memory.
 LiveTensors measures the same figure (the tensors ops return; not a kernel's scratch nor the allocator's
@@ -33,8 +33,9 @@ Alive together (what each moment holds, from the code's order and its local vari
     P2  the combine's index_add: P1's less the per-expert outputs, + the combine's
     P3  the output's dropout (or cast), dispatch_and_combine returned: its locals gone (zeros, counts, cast
         tokens, slots' experts, E > 1 the sent rows and the send buffer)
-E = 1, dropless, no autocast: P2 = 11·S·h·e + 2·T·h·e + small, of which 9·S·h·e saved. P1 wins when the
-experts run far more rows than the rank sends: R > 2S + 2T (E·k > 2k + 2 in the worst case).
+E = 1, dropless, no autocast: P2 = 11·S·h·e + 2·T·h·e + small, of which 9·S·h·e saved. P1 beats P2 when the
+experts run far more rows than the rank sends, R·h·e_c > S·h·(e_c + e_w) + S·(e_r + 8) + 2·T·h·e_w: with one
+dtype about R > 2S + 2T (the worst case at E·k > 2k + 2: E = 4, k = 2 in fp32 peaks at P1).
 Uniform routing: S = R = T·k (at most this rank's share of capacity, N·C_μ/(C·T_sp)); worst case: S =
 min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this rank's experts).
 
