@@ -1,8 +1,9 @@
 """The MoE block's peak per device: the dispatch and combine buffers, tensor by tensor from moe.py's forward.
 
 A step's memory peaks inside some block: everything saved so far, plus what that block holds at its highest
-and has not saved (here: in its forward; the backward's is measured, below). For a MoE block that is the dispatch and combine (tokens·k rows, dropless), not
-attention. This file predicts, per MoE layer and micro-batch of one rank, the bytes of the tensors that
+and has not saved (here: in its forward; the backward's is measured, below). For a MoE block that is the
+dispatch and combine (tokens·k rows, dropless), not attention. This file predicts, per MoE layer and
+micro-batch of one rank, the bytes of the tensors that
 moe.MoE.forward (dispatch_and_combine, run_local_experts) makes and holds at once, from their shapes; memory.
 LiveTensors measures the same figure (the tensors ops return; not a kernel's scratch nor the allocator's
 rounding), and on a CPU they agree to the byte for a given routing (tests/test_moe_memory.py).
