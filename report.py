@@ -30,7 +30,7 @@ import mfu
 import moe_memory
 from activations import ActivationEstimate, activation_estimate, activation_shape
 from comm import Messages
-from measure import measure_block, measure_moe_blocks, run_traffic
+from measure import measure_block, measure_moe_blocks
 from mesh import axis_groups
 from optim import update_messages
 from report_axes import MEASURES_BLOCK, axis_lines, layout_lines, observe
@@ -283,8 +283,8 @@ def _print_saved_activations(run, estimate) -> None:
 
 def block_peak(run) -> moe_memory.RankPeak | None:
     """With MoE layers on this rank: which block sets its peak and what it adds (uniform routing); else None."""
-    moe_axis = [axis for axis in run.axes if axis.name == "moe" and axis.facts().traffic.moe_layers]
-    return moe_memory.rank_peak(run_traffic(run), activation_shape(run)) if moe_axis else None
+    traffic = next((axis.facts().traffic for axis in run.axes if axis.name == "moe"), None)
+    return moe_memory.rank_peak(traffic, activation_shape(run)) if traffic is not None and traffic.moe_layers else None
 
 
 def _print_memory_peak(run, held: dict, expected: float, step_peak: StepPeak | None, block: str = "") -> None:
