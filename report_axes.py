@@ -28,6 +28,7 @@ import measure
 import memory
 import mfu
 import moe
+import moe_router
 import pipeline
 import schedules
 import tensor_parallel
@@ -236,6 +237,7 @@ def moe_end_lines(axis, run, steps: int) -> list:
                      f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"
                      f" (the startup table's)")
     routed = axis.observer
+    lines += [line for line in [moe_router.off_group_line(traffic, routed.off_group, steps)] if line]
     if routed.last_load is None:
         routed.take_load(traffic.micro_batches)  # no load line was printed: read the loads now
     if routed.last_load is not None:
