@@ -84,6 +84,19 @@ def check_flags(config, ep: int) -> None:
             raise ValueError(message)
 
 
+def describe(config) -> str:
+    """The router in words, for the start-up line (report_axes' moe section)."""
+    sigmoid, k = config.moe_score == "sigmoid", config.moe_topk
+    steps = ["fp32 router: sigmoid" + (f" + bias (γ={config.moe_bias_rate:g} per step)" if sigmoid else "")
+             if sigmoid else "fp32 router: softmax"]
+    if config.moe_groups:
+        steps.append(f"best {config.moe_group_limit} of {config.moe_groups} groups")
+    steps.append("top-k")
+    steps.append("renormalised" if sigmoid or k > 1 else "raw gate")
+    text = " → ".join(steps) + (f" ×{config.moe_route_scale:g}" if config.moe_route_scale != 1.0 else "")
+    return text + (f"; seq loss α={config.moe_seq_aux_coef:g}" if config.moe_seq_aux_coef else "")
+
+
 def top_k(values: torch.Tensor, k: int) -> torch.Tensor:
     """[..., k] indices of the k largest along the last dimension, ties to the LOWER index (a stable sort)."""
     return values.sort(dim=-1, descending=True, stable=True).indices[..., :k].contiguous()  # not a view of [.., N]

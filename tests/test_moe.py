@@ -1159,12 +1159,12 @@ def _reference_biases(case, monkeypatch):
     import reference
     import test_composition
 
-    seen = {}
+    seen = []
     update = reference.update_expert_bias
 
     def recording(model):
         update(model)
-        seen.update({i: block.mlp.load.bias.clone() for i, block in enumerate(model.transformer.h)})
+        seen.append({i: block.mlp.load.bias.clone() for i, block in enumerate(model.transformer.h)})
 
     flags, config_kw, global_batch, micro = case
     monkeypatch.setattr(reference, "update_expert_bias", recording)
@@ -1172,11 +1172,12 @@ def _reference_biases(case, monkeypatch):
     reference.reference_run(test_composition._config(args, config_kw),
                             global_batches(test_composition.STEPS, global_batch, test_composition.SEQ),
                             clip=test_composition.CLIP, micro_batches=global_batch // micro)
-    return seen
+    return seen  # after each step
 
 
 @pytest.mark.slow
 def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resumes_on_another_e(tmp_path, monkeypatch):
+    import hf
     import test_composition
 
     results = run_ranks(_deepseek_runs, 4, str(tmp_path), timeout=900)
@@ -1187,7 +1188,8 @@ def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resume
         if case is DS_RESHARD[1]:
             assert all(sorted(losses) == [test_composition.SAVE_AT] for losses, _, _ in per_rank)
         test_composition._check([(losses, params) for losses, params, _ in per_rank], *case)
-        expected = _reference_biases(case, monkeypatch)
+        after_each_step = _reference_biases(case, monkeypatch)
+        expected = after_each_step[-1]
         assert any(float(b.abs().max()) > 0 for b in expected.values())  # the bias moved
         for rank, (_, _, biases) in enumerate(per_rank):
             for layer_id, bias in biases.items():  # the same on every rank, and the single device's, exactly
@@ -1195,6 +1197,9 @@ def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resume
     manifest = results[0][2]
     stored = [key for key in manifest["tensors"] if key.startswith("moe/")]
     assert stored == [f"moe/transformer.h.{i}.mlp.expert_bias" for i in range(2)], stored
+    model, _ = hf.load_model(str(tmp_path / "reshard"))  # sample.py's load: it routes with the saved bias
+    for i, block in enumerate(model.transformer.h):
+        assert torch.equal(block.mlp.load.bias, after_each_step[test_composition.SAVE_AT - 1][i]), i
 
 
 def test_off_group_counts_rows_and_one_copy_per_token_and_group():
