@@ -1177,8 +1177,13 @@ def _reference_biases(case, monkeypatch):
 
 @pytest.mark.slow
 def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resumes_on_another_e(tmp_path, monkeypatch):
+    """The DS_4 meshes and DS_RESHARD (above): losses and parameters as test_composition._check, every rank's bias
+    equal to the single device's after each case (exactly: integer loads, the same sign steps), the checkpoint's
+    bias one logical tensor per layer, and what sampling loads of it (hf.load_model's pieces) the bias it saved."""
+    import ckpt
     import hf
     import test_composition
+    from model import GPT
 
     results = run_ranks(_deepseek_runs, 4, str(tmp_path), timeout=900)
     spans = [s for _, rank_spans, _ in results for s in rank_spans]
@@ -1197,8 +1202,10 @@ def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resume
     manifest = results[0][2]
     stored = [key for key in manifest["tensors"] if key.startswith("moe/")]
     assert stored == [f"moe/transformer.h.{i}.mlp.expert_bias" for i in range(2)], stored
-    model, _ = hf.load_model(str(tmp_path / "reshard"))  # sample.py's load: it routes with the saved bias
-    for i, block in enumerate(model.transformer.h):
+    step_dir, manifest = hf._newest_good_checkpoint(str(tmp_path / "reshard"))  # as hf.load_model (sample.py)
+    model = GPT(test_composition._config(test_composition._parse(*DS_RESHARD[1][:1], 8, 1), {}), dtype=DT)
+    ckpt.load_pieces(step_dir, manifest, hf._router_bias_pieces(model, manifest["tensors"], "cpu"))
+    for i, block in enumerate(model.transformer.h):  # sampling routes with the saved bias
         assert torch.equal(block.mlp.load.bias, after_each_step[test_composition.SAVE_AT - 1][i]), i
 
 
