@@ -1303,3 +1303,44 @@ def test_group_limited_routing_cuts_the_off_group_copies_as_predicted():
     assert rows[1] == pytest.approx(0.75, abs=0.15) and rows[4] == pytest.approx(0.75, abs=0.15)
     assert any(line.startswith("moe off-group dispatch (G=4, M=1; a group is 1 ranks)") for line in
                results[0][1]["lines"])
+
+
+GROUP_LIMITED_RUN = """
+import sys
+import moe_router
+import train
+route, steps = moe_router.route, []
+def checked(logits, topk, score="softmax", bias=None, groups=0, limit=0, scale=1.0):
+    out = route(logits, topk, score, bias, groups, limit, scale)
+    span = max(len(set(row)) for row in (out[2] // (logits.shape[1] // groups)).tolist())
+    assert span <= limit, (span, limit)
+    steps.append(span)
+    return out
+moe_router.route = checked
+train.main(sys.argv[1].split())
+print("GROUP SPANS", len(steps), max(steps))
+"""
+
+
+@pytest.mark.slow
+def test_every_step_of_a_train_py_run_keeps_each_tokens_experts_in_m_groups(tmp_path):
+    """train.main on one process, 4 steps with evaluation and sampling (every forward checked, the bias learning):
+    every token's experts lie in at most M = 1 of G = 4 groups; the run reaches its end lines."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(500)))
+    argv = (f"--preset tiny --steps 4 --global-batch 4 --eval-every 2 --eval-batches 1 --sample-tokens 8"
+            f" --log-every 1 --peak-tflops 1 --data {corpus} --out-dir {tmp_path} {' '.join(harness.backend_flags(1))}"
+            f" --moe-experts 8 --moe-score sigmoid --moe-bias-rate 1e-3 --moe-groups 4 --moe-group-limit 1"
+            f" --moe-seq-aux-coef 1e-4")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    run = subprocess.run([sys.executable, "-c", GROUP_LIMITED_RUN, argv], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    spans = next(line for line in run.stdout.splitlines() if line.startswith("GROUP SPANS")).split()
+    assert int(spans[2]) >= 4 * 2 and int(spans[3]) == 1, spans  # 4 steps × 2 MoE layers at least, one group each
+    assert "sigmoid + bias (γ=0.001 per step) → best 1 of 4 groups" in run.stdout
