@@ -454,7 +454,7 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     sp = mesh.size("tp") if config.sequence_parallel else 1
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
-                      max(4, next(model.parameters()).element_size()))
+                      max(4, next(model.parameters()).element_size()), run.micro_batch_size)
     load_groups = [name for name in ("dp_cp", "tp") if mesh.size(name) > 1 and (name != "tp" or sp > 1)]
     return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None, mesh, load_groups)
 
@@ -571,6 +571,7 @@ class Traffic:
     sp: int = 1  # T_tp with --sp, else 1
     compute_bytes: int = 2  # e_c of the rows
     router_bytes: int = 4  # e_r
+    sequences: int = 1  # B_μ: with the seq loss, its [B_μ, 2N+1] statistics join the pieces' all-reduce
 
 
 def layer_activation_bytes(config, tokens: int, compute_bytes: int = 2, router_bytes: int = 4,
@@ -631,9 +632,10 @@ def step_messages(traffic: Traffic, sp_grad_bytes: int = 0) -> Messages:
     out = all_to_all_messages(t, passes, passes * rows, passes * rows) if t.ep > 1 else Messages()
     forwards = passes * (2 if t.model.activation_checkpointing else 1)
     choice_bytes = 1 if n <= 256 else 4
+    statistics = 2 * n + 2 + (t.sequences * (2 * n + 1) if t.model.moe_seq_aux_coef > 0 else 0)  # moe_router's
     for group, size, gathered in (("cp", t.cp, whole), ("tp", t.sp, whole // t.cp)):
         if size > 1:
-            out.add("all_reduce", group, forwards, forwards * (2 * n + 2) * t.router_bytes)
+            out.add("all_reduce", group, forwards, forwards * statistics * t.router_bytes)
             if cap is not None:
                 out.add("all_gather_single", group, forwards, forwards * gathered * k * choice_bytes)
     if t.sp > 1 and sp_grad_bytes:

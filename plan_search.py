@@ -182,7 +182,7 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
             temporaries["ring CP: the K, V block in flight"] = 2 * 2 * micro * seq * config.n_embd // T * s.b_c
     if n_moe:
         tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
-        traffic = moe.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w))
+        traffic = moe.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro)
         shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
         messages = messages + moe.step_messages(traffic, int(s.b_g * held["moe_replicated"] / shard) if sp else 0)
         if E > 1:

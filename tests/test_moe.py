@@ -1245,7 +1245,7 @@ def _off_group_runs(rank, world):
     from step import train_step
 
     out, route = {}, moe_router.route
-    for limit in (4, 1):  # unlimited (M = G), then one group per token
+    for limit in (4, 1, "cp_sp"):  # unlimited (M = G), one group per token; CP × SP with the seq loss (B_μ = 2)
         chosen = []
 
         def recording(logits, topk, *args, **kwargs):
@@ -1254,15 +1254,20 @@ def _off_group_runs(rank, world):
             return result
 
         moe_router.route = recording
-        run = test_composition.composed_run(rank, world, [*OFF_GROUP_FLAGS, "--moe-group-limit", str(limit)], {}, 8, 1,
-                                            harness.device())
+        flags, batch, micro = [*OFF_GROUP_FLAGS, "--moe-group-limit", str(limit)], 8, 1
+        if limit == "cp_sp":
+            flags, batch, micro = [*OFF_GROUP_FLAGS[:6], "--moe-seq-aux-coef", "0.01", "--cp", "2", "--tp", "2",
+                                   "--sp"], 2, 2
+        run = test_composition.composed_run(rank, world, flags, {}, batch, micro, harness.device())
         axis = next(a for a in run.axes if a.name == "moe")
         tracer, steps = CommTracer(), 2
         run.tracer = tracer  # report.predicted_messages names the groups as the tracer does
         for name, group in run.mesh.groups.items():
             tracer.name_group(group, name)
-        for x, y in global_batches(steps, 8, SEQ):
-            batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.index("dp"), run.mesh.size("dp"), 1)]
+        for x, y in global_batches(steps, batch, SEQ):
+            batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.index("dp"), run.mesh.size("dp"), micro)]
+            for handle in run.axes:
+                batches = handle.shard_batches(batches)
             with tracer:
                 train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0,
                            nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.size("dp"))
@@ -1283,11 +1288,13 @@ def test_group_limited_routing_cuts_the_off_group_copies_as_predicted():
     """E = 4, G = 4 (a group is a rank's 2 experts), k = 2, M = 4 then 1, 2 steps: the off-group rows and copies
     counted by the layers equal a count by hand from the experts chosen; the copies fall from unlimited to M = 1
     (the uniform estimate: 3·7/16 → 3/4 per token) while the rows do not (3/4 per slot either way); every message
-    of the step, the bias's load all-reduce included, equals the prediction."""
+    of the step, the bias's load all-reduce included, equals the prediction; and on C = 2 × T = 2 with --sp and
+    the seq loss (its statistics ride the pieces' all-reduces over cp and tp, the loads are summed over both)."""
     results = run_ranks(_off_group_runs, 4, timeout=300)
-    for limit in (4, 1):
+    for limit in (4, 1, "cp_sp"):
         for rank, got in enumerate(results):
-            assert got[limit]["off_group"] == got[limit]["by_hand"], (limit, rank, got[limit])
+            if limit != "cp_sp":
+                assert got[limit]["off_group"] == got[limit]["by_hand"], (limit, rank, got[limit])
             traced, predicted = got[limit]["traced"], got[limit]["predicted"]
             assert set(traced) == set(predicted), (limit, rank, set(traced) ^ set(predicted))
             for key, value in predicted.items():
