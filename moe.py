@@ -535,7 +535,7 @@ class MoEAxis(Axis):
             pieces = layout.grad_pieces(self.params()) if layout is not None else self.params()
             sp_grad_bytes = sum(g.numel() * g.element_size() for g in pieces)
         out = step_messages(self.traffic, sp_grad_bytes)
-        if any(layer.load.rate > 0 for layer in self.layers):
+        if any(layer.load.reduce for layer in self.layers):
             for message in moe_router.load_messages(len(self.layers), self.traffic.model.moe_experts,
                                                     self.load_groups):
                 out.add(*message)
