@@ -31,8 +31,8 @@ leaving the sender's group, and the copies a dispatch sending each token once pe
    sort of the biased scores (e_r + 8 bytes per entry), and with the seq loss [T, N] of normalised scores.
 3. Messages. With γ > 0 (`ExpertLoad.reduce`), once per optimizer step: one all_reduce of the L_moe·N int64
    loads over dp_cp (every rank that saw tokens: EP's ranks are data ranks), and over tp with --sp; PP: each
-   stage its own layers. The seq loss adds B_μ·(2N+1)·e_r bytes to moe.py's statistics all-reduce under CP/SP (no call of its own).
-   No host sync: the update is sign arithmetic on the device.
+   stage its own layers. The seq loss adds B_μ·(2N+1)·e_r bytes to moe.py's statistics all-reduce under CP/SP
+   (no call of its own). No host sync: the update is sign arithmetic on the device.
 4. Restart state. The bias ("moe/<layer>.expert_bias", one logical copy, written by dp_cp and tp coordinate 0):
    it resumes on any E, P, C, T. The load of a step is zero between steps and not saved.
 """
