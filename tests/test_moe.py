@@ -1038,6 +1038,8 @@ def test_the_bias_update_rule():
 
 
 def test_the_layer_counts_training_forwards_only_and_routes_with_its_bias():
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
     import moe
     from model import AuxLosses
 
@@ -1048,6 +1050,9 @@ def test_the_layer_counts_training_forwards_only_and_routes_with_its_bias():
     with torch.no_grad():
         layer(x)  # evaluation: not counted
     assert int(layer.load.step.sum()) == 6
+    with set_checkpoint_early_stop(False):  # the recompute runs the whole forward, its routing included
+        checkpoint(layer, x.requires_grad_(), use_reentrant=False).sum().backward()  # the recompute: not counted
+    assert int(layer.load.step.sum()) == 12
     layer.load.bias[2] = 10.0  # a bias that large wins every token's one slot: selection reads s + b
     layer.load.step.zero_()
     layer(x)
