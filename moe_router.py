@@ -28,11 +28,14 @@ leaving the sender's group, and the copies a dispatch sending each token once pe
 1. Replicated and split. The bias: one logical [N] fp32 tensor per MoE layer, identical on every rank holding
    the layer (the loads it is updated from are all-reduced first). The loads: each rank's own, then global.
 2. Peak per device. b and the step's load: 12·N bytes per MoE layer. Per micro-batch the router adds the [T, N]
-   sort of the biased scores (e_r + 8 bytes per entry), and with the seq loss [T, N] of normalised scores.
+   sort of the biased scores (e_r + 8 bytes per entry, transient). Saved for backward beyond
+   moe.layer_activation_bytes (softmax's, not yet extended): sigmoid's Σ_j s_tj, T·e_r (measured 192 B at T = 24,
+   float64); the seq loss's few [B, N] statistics (560 B more at B = 2, N = 8).
 3. Messages. With γ > 0 (`ExpertLoad.reduce`), once per optimizer step: one all_reduce of the L_moe·N int64
    loads over dp_cp (every rank that saw tokens: EP's ranks are data ranks), and over tp with --sp; PP: each
    stage its own layers. The seq loss adds B_μ·(2N+1)·e_r bytes to moe.py's statistics all-reduce under CP/SP
-   (no call of its own). No host sync: the update is sign arithmetic on the device.
+   (no call of its own). No host sync: the update is sign arithmetic on the device, and it runs on a step the
+   update skips too (fp16 overflow: the loads were routed all the same), alike on every rank.
 4. Restart state. The bias ("moe/<layer>.expert_bias", one logical copy, written by dp_cp and tp coordinate 0):
    it resumes on any E, P, C, T. The load of a step is zero between steps and not saved.
 """
