@@ -7,6 +7,10 @@ or the model's dtype when wider; autocast off):
     z = x·W_rᵀ [T, N];  p = softmax(z) over all N;  (g, e) = top-k of p;  w = g / Σ_j g_j (k > 1), g (k = 1)
 For k > 1 this is Mixtral's softmax over the k chosen logits, weights summing to 1 (one dense MLP's scale
 whatever k and N); for k = 1 renormalising would give w = 1, so, as Switch, we keep the raw probability.
+DeepSeek-V3's router (moe_router.py: --moe-score sigmoid, the loss-free bias --moe-bias-rate, the seq loss
+--moe-seq-aux-coef, --moe-groups/--moe-group-limit, --moe-route-scale) replaces this line's choice and weights;
+each layer's per-expert load (slots routed, before capacity: the last step's in `layer.load.last`, global when the
+bias learns) is `moe_router.ExpertLoad`, the one place its readers go; the bias is updated in `after_grad_sync`.
 Auxiliary losses (`aux_losses.add(name, coef, value)`; the step divides by the D·m micro-batches, so each is
 defined on ONE data-parallel micro-batch, DESIGN.md), with fᵢ = (slots routed to i)/(T·k) before capacity:
     moe_balance = N · Σᵢ fᵢ·Pᵢ,  Pᵢ = mean of pᵢ (1 when balanced)    α = --moe-aux-coef
@@ -63,8 +67,9 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    Python ints; E = 1: the experts' row slicing), again in a recompute; no nonzero() (dropped slots sort
    last), no bincount (a scatter-add). Aux values, load and drops stay tensors until a line reads them
    (step.train_step once per step; the load line, through its observer's `take_load`, once per line).
-4. Restart state: nothing of its own; routing is deterministic (no RNG), and each expert is a whole logical
-   tensor named by its global index, so a checkpoint written with one E loads with another.
+4. Restart state: the sigmoid router's bias (`state_pieces`, moe_router item 4); routing is deterministic (no
+   RNG), and each expert is a whole logical tensor named by its global index, so a checkpoint written with one E
+   loads with another.
    FLOPs per token (MFU): mfu.flops_per_token, from the k experts a token visits, not the N.
 """
 
@@ -81,9 +86,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import moe_router
 from comm import Messages
 from context_parallel import positions
 from mesh import MeshShape
+from shard import ShardInfo, StatePiece, counts_here
 from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------
@@ -106,11 +113,9 @@ class Router(nn.Module):
 
 
 def route(logits: torch.Tensor, topk: int):
-    """(probabilities [T, N], weights [T, k], experts [T, k]): softmax over all N, top-k, renormalised (k>1)."""
-    probs = logits.softmax(dim=-1)
-    gate, expert = probs.topk(topk, dim=-1)
-    if topk > 1:
-        gate = gate / gate.sum(dim=-1, keepdim=True)
+    """(probabilities [T, N], weights [T, k], experts [T, k]): softmax over all N, top-k, renormalised (k>1).
+    moe_router.route with its defaults (ties to the lower expert); it also does sigmoid, bias and groups."""
+    probs, gate, expert, _ = moe_router.route(logits, topk)
     return probs, gate, expert
 
 
@@ -157,6 +162,10 @@ class MoE(nn.Module):
         self.n_experts, self.topk = config.moe_experts, config.moe_topk
         self.capacity_factor = config.moe_capacity_factor
         self.aux_coef, self.z_coef = config.moe_aux_coef, config.moe_z_coef
+        self.routing = dict(score=config.moe_score, groups=config.moe_groups, limit=config.moe_group_limit,
+                            scale=config.moe_route_scale)  # moe_router.route's options (DeepSeek-V3's gate)
+        self.seq_aux_coef = config.moe_seq_aux_coef
+        self.load = moe_router.ExpertLoad(config.moe_experts, config.moe_score == "sigmoid", config.moe_bias_rate)
         self.router = Router(config.n_embd, config.moe_experts)
         self.experts = nn.ModuleDict({str(i): Expert(config) for i in range(config.moe_experts)})
         self.dropout = nn.Dropout(config.dropout)
@@ -164,15 +173,23 @@ class MoE(nn.Module):
         self.ep_group, self.ep_size = None, 1
         self.pieces = ()  # Pieces: the ranks holding the other pieces of this rank's micro-batch (CP, SP)
         self.observer = RoutingObserver()  # who is told what each forward routed (the accounting, or nobody)
+        self.places, self.off_group = None, (0, 0)  # with groups under EP: moe_router.off_group's last record
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]: this rank's tokens (its CP/SP piece of the micro-batch)
         logits = self.router(tokens)  # [T, N]
-        probs, gate, expert = route(logits, self.topk)  # [T, N], [T, k], [T, k]
+        probs, gate, expert, scores = moe_router.route(logits, self.topk, bias=self.load.on(logits.device).bias,
+                                                       **self.routing)
         routed = count_per_expert(expert, self.n_experts)  # [N]
-        balance, z = router_losses(logits, probs, routed, self.topk, [piece.group for piece in self.pieces])
+        if moe_router.is_training_forward(self):
+            self.load.add(routed)  # the step's load: the bias update's, and every reader's (`layer.load`)
+        sequences = x.shape[0] if x.dim() == 3 else 1
+        seq = moe_router.sequence_stats(scores, probs, self.topk, sequences) if self.seq_aux_coef > 0 else None
+        balance, z, seq = router_losses(logits, probs, routed, self.topk, [piece.group for piece in self.pieces], seq)
         self.aux_losses.add("moe_balance", self.aux_coef, balance)
         self.aux_losses.add("moe_z", self.z_coef, z)
+        if seq is not None:
+            self.aux_losses.add("moe_seq_balance", self.seq_aux_coef, moe_router.sequence_loss(seq, self.topk))
         keep = self.keep_slots(expert.view(*x.shape[:-1], self.topk))
         y, rows_sent, rows_received = self.dispatch_and_combine(tokens, gate, expert, keep)
         self.observer.routed(self, routed, keep, rows_sent, rows_received)
@@ -220,6 +237,7 @@ class MoE(nn.Module):
             per_rank = n // self.ep_size
             send_splits = [sum(sizes[r * per_rank:(r + 1) * per_rank]) for r in range(self.ep_size)]
             recv_splits = [sum(sizes[n + r * per_rank:n + (r + 1) * per_rank]) for r in range(self.ep_size)]
+            self.off_group = moe_router.off_group(self.places, expert, keep, send_splits)  # the accounting's
             received = AllToAll.apply(sent, recv_splits, send_splits, self.ep_group)  # 3. dispatch
             out = self.run_local_experts(received, sizes[n:])  # 4.
             back, rows_received = AllToAll.apply(out, send_splits, recv_splits, self.ep_group), sum(recv_splits)  # 5.
@@ -290,18 +308,22 @@ class SumOverPieces(torch.autograd.Function):
         return grad, None
 
 
-def router_losses(logits: torch.Tensor, probs: torch.Tensor, routed: torch.Tensor, topk: int, groups=()):
-    """(balance, z): N·Σᵢ fᵢ·Pᵢ and mean (logsumexp z)², over the whole micro-batch (its pieces summed over
-    `groups`). routed: [N] slots routed to each expert by this rank (before capacity)."""
+def router_losses(logits: torch.Tensor, probs: torch.Tensor, routed: torch.Tensor, topk: int, groups=(),
+                  sequences: torch.Tensor | None = None):
+    """(balance, z, sequences): N·Σᵢ fᵢ·Pᵢ and mean (logsumexp z)², over the whole micro-batch (its pieces summed
+    over `groups`), and the seq loss's [B, 2N+1] statistics (moe_router.sequence_stats) summed alike in the same
+    all-reduce (None when off). routed: [N] slots routed to each expert by this rank (before capacity)."""
     n = probs.shape[-1]
     lse = torch.logsumexp(logits, dim=-1)
     stats = torch.cat([routed.to(probs.dtype), probs.sum(dim=0), (lse * lse).sum().view(1),
-                       torch.full((1,), logits.shape[0], dtype=probs.dtype, device=probs.device)])
+                       torch.full((1,), logits.shape[0], dtype=probs.dtype, device=probs.device),
+                       *([] if sequences is None else [sequences.to(probs.dtype).reshape(-1)])])
     for group in groups:
         stats = SumOverPieces.apply(stats, group)
-    tokens = stats[-1]
+    tokens = stats[2 * n + 1]
     f, p = stats[:n] / (tokens * topk), stats[n:2 * n] / tokens
-    return n * (f * p).sum(), stats[2 * n] / tokens
+    summed = None if sequences is None else stats[2 * n + 2:].view(sequences.shape)
+    return n * (f * p).sum(), stats[2 * n] / tokens, summed
 
 
 class Pieces(NamedTuple):
@@ -356,7 +378,7 @@ class RoutingObserver:
 # Flag → (GPTConfig field, default). --ep E is the mesh's.
 FLAGS = {"--moe-experts": ("moe_experts", 0), "--moe-topk": ("moe_topk", 2), "--moe-every": ("moe_every", 1),
          "--moe-capacity-factor": ("moe_capacity_factor", 0.0), "--moe-aux-coef": ("moe_aux_coef", 0.01),
-         "--moe-z-coef": ("moe_z_coef", 0.001)}
+         "--moe-z-coef": ("moe_z_coef", 0.001), **moe_router.FLAGS}
 
 
 def config_overrides(args) -> dict:
@@ -381,6 +403,8 @@ def check_flags(config, shape: MeshShape) -> None:
              f"--moe-every {every} must be between 1 and --n-layer {config.n_layer} (else no block is MoE)")):
         if broken:
             raise ValueError(message)
+    if n > 0:
+        moe_router.check_flags(config, ep)
 
 
 @dataclass(frozen=True)
@@ -425,11 +449,15 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     for layer in layers:
         shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         layer.pieces = pieces
+        layer.load.on(run.device)
+        layer.places = moe_router.group_places(layer.n_experts, model.config.moe_groups, ep, mesh.index("ep"),
+                                               run.device)
     sp = mesh.size("tp") if config.sequence_parallel else 1
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
-                      max(4, next(model.parameters()).element_size()))
-    return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None)
+                      max(4, next(model.parameters()).element_size()), run.micro_batch_size)
+    load_groups = [name for name in ("dp_cp", "tp") if mesh.size(name) > 1 and (name != "tp" or sp > 1)]
+    return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None, mesh, load_groups)
 
 
 @dataclass(frozen=True)
@@ -446,16 +474,32 @@ class MoEAxis(Axis):
 
     name = "moe"
 
-    def __init__(self, layers: list, traffic: Traffic, tp_group=None):
-        self.layers, self.traffic = layers, traffic
+    def __init__(self, layers: list, traffic: Traffic, tp_group=None, mesh=None, load_groups=()):
+        self.layers, self.traffic, self.mesh = layers, traffic, mesh
         self.tp_group = tp_group  # with --sp: the experts' and router's gradients are summed over it
+        self.load_groups = list(load_groups)  # names of the groups whose ranks saw the step's other tokens
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:
-        """With --sp each TP rank routed its sequence piece: sum the experts' and router's gradients over tp."""
+        """With --sp each TP rank routed its sequence piece: sum the experts' and router's gradients over tp.
+        Then each layer's step load, global (the bias on), updates its bias (moe_router.finish_step)."""
         if self.tp_group is not None:
             sum_in_place([g for g in layout.grad_pieces(self.params()) if g.numel()], self.tp_group)
+        moe_router.finish_step([layer.load for layer in self.layers],
+                               [self.mesh.group(name) for name in self.load_groups])
         return 0
+
+    def state_pieces(self) -> list:
+        """Each layer's selection bias, "moe/<layer>.expert_bias", one logical copy (moe_router item 4)."""
+        coords = self.mesh.coordinates() if self.mesh is not None else None
+        pieces = []
+        for layer in self.layers:
+            if layer.load.bias is not None:
+                info = ShardInfo(f"transformer.h.{layer.layer_id}.mlp.expert_bias", (layer.n_experts,),
+                                 replicated_over=("tp",))
+                pieces.append(StatePiece(f"moe/{info.global_name}", layer.load.bias, info,
+                                         primary=counts_here(info, coords, ("dp_cp",))))
+        return pieces
 
     @contextmanager
     def sampling(self):
@@ -491,7 +535,12 @@ class MoEAxis(Axis):
         if self.tp_group is not None:
             pieces = layout.grad_pieces(self.params()) if layout is not None else self.params()
             sp_grad_bytes = sum(g.numel() * g.element_size() for g in pieces)
-        return step_messages(self.traffic, sp_grad_bytes)
+        out = step_messages(self.traffic, sp_grad_bytes)
+        if any(layer.load.reduce for layer in self.layers):
+            for message in moe_router.load_messages(len(self.layers), self.traffic.model.moe_experts,
+                                                    self.load_groups):
+                out.add(*message)
+        return out
 
     def traced_prediction(self, layout, steps: int) -> Messages:
         """Per step of the `steps` traced training steps: the all-to-alls from the rows the training forwards
@@ -523,6 +572,7 @@ class Traffic:
     sp: int = 1  # T_tp with --sp, else 1
     compute_bytes: int = 2  # e_c of the rows
     router_bytes: int = 4  # e_r
+    sequences: int = 1  # B_μ: with the seq loss, its [B_μ, 2N+1] statistics join the pieces' all-reduce
 
 
 def layer_activation_bytes(config, tokens: int, compute_bytes: int = 2, router_bytes: int = 4,
@@ -583,9 +633,10 @@ def step_messages(traffic: Traffic, sp_grad_bytes: int = 0) -> Messages:
     out = all_to_all_messages(t, passes, passes * rows, passes * rows) if t.ep > 1 else Messages()
     forwards = passes * (2 if t.model.activation_checkpointing else 1)
     choice_bytes = 1 if n <= 256 else 4
+    statistics = 2 * n + 2 + (t.sequences * (2 * n + 1) if t.model.moe_seq_aux_coef > 0 else 0)  # moe_router's
     for group, size, gathered in (("cp", t.cp, whole), ("tp", t.sp, whole // t.cp)):
         if size > 1:
-            out.add("all_reduce", group, forwards, forwards * (2 * n + 2) * t.router_bytes)
+            out.add("all_reduce", group, forwards, forwards * statistics * t.router_bytes)
             if cap is not None:
                 out.add("all_gather_single", group, forwards, forwards * gathered * k * choice_bytes)
     if t.sp > 1 and sp_grad_bytes:

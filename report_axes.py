@@ -29,6 +29,7 @@ import memory
 import mfu
 import moe
 import moe_memory
+import moe_router
 import pipeline
 import schedules
 import tensor_parallel
@@ -187,7 +188,7 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
         f" micro-batch (B_μ·s = {whole} tokens, decided in its token order"
         + (f"; this rank routes T = {tokens} of them and gathers the others' choices" if tokens < whole else "") + ")")
     lines = [
-        f"moe: N={n} experts, top-{k} (fp32 router: softmax → top-k → {'renormalised' if k > 1 else 'raw gate'}),"
+        f"moe: N={n} experts, top-{k} ({moe_router.describe(config)}),"
         f" on {counts['moe_layers']} of {config.n_layer} blocks (every {config.moe_every}); {capacity_text}"
         f"; aux α={config.moe_aux_coef}, z β={config.moe_z_coef}",
         f"  parameters: total {counts['total']:,}, active per token {counts['active']:,}"
@@ -239,6 +240,7 @@ def moe_end_lines(axis, run, steps: int) -> list:
                      f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"
                      f" (the startup table's)")
     routed = axis.observer
+    lines += [line for line in [moe_router.off_group_line(traffic, routed.off_group, steps)] if line]
     if routed.last_load is None:
         routed.take_load(traffic.micro_batches)  # no load line was printed: read the loads now
     if routed.last_load is not None:
