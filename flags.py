@@ -178,6 +178,8 @@ def _add_moe_flags(parser) -> None:
                    help="capacity per expert ⌈B_μ·s·k/N·f⌉ of each micro-batch (0: dropless)")
     g.add_argument("--moe-aux-coef", type=float, default=0.01, help="load-balance loss coefficient α")
     g.add_argument("--moe-z-coef", type=float, default=0.001, help="router z-loss coefficient β")
+    g.add_argument("--moe-shared-experts", type=int, default=0,
+                   help="S always-on experts per MoE block, added ungated (moe_shared.py)")
 
 
 def _add_reporting_flags(parser) -> None:
@@ -220,7 +222,7 @@ _AT_LEAST_1 = ("steps", "log_every", "eval_batches", "micro_batch", "global_batc
                "seq_len", "pp_virtual", "fp8_amax_history", "moe_topk", "moe_every", "world", "gpus_per_node")
 _AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe_experts", "fp8_margin",
                "weight_decay", "grad_clip", "moe_capacity_factor", "moe_aux_coef", "moe_z_coef", "min_lr",
-               "hw_intra_latency_us", "hw_inter_latency_us")
+               "hw_intra_latency_us", "hw_inter_latency_us", "moe_shared_experts")
 _POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops", "hw_peak_tflops", "hw_hbm_gbps", "hw_memory_gib",
              "hw_intra_gbps", "hw_inter_gbps")
 _FRACTION = ("beta1", "beta2", "dropout")  # in [0, 1)
@@ -241,7 +243,8 @@ _ONLY_WITH = (
     *((flag, flag[2:].replace("-", "_"), "--fp8", lambda a: a.fp8 is not None)
       for flag in ("--fp8-amax-history", "--fp8-amax-algo", "--fp8-margin")),
     *((flag, flag[2:].replace("-", "_"), "--moe-experts > 0", lambda a: a.moe_experts > 0)
-      for flag in ("--moe-topk", "--moe-every", "--moe-capacity-factor", "--moe-aux-coef", "--moe-z-coef")),
+      for flag in ("--moe-topk", "--moe-every", "--moe-capacity-factor", "--moe-aux-coef", "--moe-z-coef",
+                   "--moe-shared-experts")),
     *((flag, flag[2:].replace("-", "_"), "--ckpt-dir", lambda a: a.ckpt_dir is not None)
       for flag in ("--ckpt-every", "--resume", "--async-ckpt", "--keep", "--mtbf-hours")),
 )

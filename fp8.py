@@ -357,6 +357,9 @@ def config_from_flags(args, settings) -> Recipe | None:
     tp, cp, micro, h = settings.shape.tp, settings.shape.cp, settings.micro_batch_size, settings.model.n_embd
     shapes = {"attn.c_attn": (h, 3 * h // tp), "attn.c_proj": (h // tp, h), "mlp.c_fc": (h, 4 * h // tp),
               "mlp.c_proj": (4 * h // tp, h)}  # local (K, N) under --tp
+    shared = settings.model.moe_shared_experts * 4 * h  # a MoE block's shared experts (moe_shared.py): FP8 too
+    if settings.model.moe_experts and shared:
+        shapes.update({"mlp.shared_experts.c_fc": (h, shared // tp), "mlp.shared_experts.c_proj": (shared // tp, h)})
     for name, (k, n) in shapes.items():
         errors = gemm_shape_errors(micro * settings.seq_len // cp, k, n)
         if errors:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import moe_shared
+
 # ----------------------------------------------------------------------------------------------------------
 # 1. Persistent state per parameter
 # ----------------------------------------------------------------------------------------------------------
@@ -112,35 +114,42 @@ def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool 
         attention   c_attn 3h² + 3h·b, c_proj's weight h²   split by TP     c_proj's bias h·b  replicated over tp
         LayerNorms  2h·(1 + b)                                               replicated over tp
         dense MLP   c_fc 4h² + 4h·b, c_proj's weight 4h²    split by TP     c_proj's bias h·b  replicated over tp
-        MoE MLP     router N·h; N experts of Ψ_e = 8h² + 5h·b, whole on every TP rank, N/E of them on a rank
+        MoE MLP     router N·h; N experts of Ψ_e = 8h² + 5h·b, whole on every TP rank, N/E of them on a rank;
+                    S shared experts (moe_shared.param_count): S·(8h² + 4h·b) split by TP, h·b replicated over tp
     The embedding: wte V·h (split by vocabulary), wpe block_size·h (replicated). The head: ln_f h·(1 + b), and,
     on a stage without the embedding, its own copy of the tied V·h (split).
     Keys, in elements: split (what TP splits, logical), replicated (over tp), router, experts (all N), expert
-    (Ψ_e), moe_layers; total (logical: every expert, the tied weight once per holder), active (a token's k
-    experts instead of N). The matmul weights of 6N (mfu.flops_per_token): active_matmul (the head's V·h when
-    held, the blocks' linears, the routers, k experts), block_matmul (the blocks' part: what activation
-    checkpointing recomputes), dense_linears (the blocks' nn.Linear weights outside experts and routers: what
-    --fp8 runs in FP8). What the rank holds, by the group that sums its gradients: dp_cp (split/T + replicated
-    + router), expert_dp (experts/E), and per_rank, their sum.
+    (Ψ_e), moe_layers, shared_experts (of all MoE layers, also inside split and replicated: dense parameters);
+    total (logical: every expert, the tied weight once per holder), active (a token's k experts instead of N).
+    The matmul weights of 6N (mfu.flops_per_token): active_matmul (the head's V·h when held, the blocks' linears
+    with the S shared experts, the routers, k routed experts), block_matmul (the blocks' part: what activation
+    checkpointing recomputes), dense_linears (the blocks' nn.Linear weights outside routed experts and routers:
+    what --fp8 runs in FP8; the shared experts among them). What the rank holds, by the group that sums its
+    gradients: dp_cp (split/T + replicated + router), expert_dp (experts/E), and per_rank, their sum.
     """
     h, V, b, n, k = config.n_embd, config.vocab_size, int(config.bias), config.moe_experts, config.moe_topk
     layers = list(range(config.n_layer) if layers is None else layers)
     moe_layers = sum(config.is_moe_layer(i) for i in layers)
     dense_layers = len(layers) - moe_layers
     expert = 8 * h * h + 5 * h * b
-    split = len(layers) * (4 * h * h + 3 * h * b) + dense_layers * (8 * h * h + 4 * h * b)
-    replicated = len(layers) * (2 * h * (1 + b) + h * b) + dense_layers * h * b
+    shared_experts = moe_shared.param_count(config)  # one MoE layer's
+    split = (len(layers) * (4 * h * h + 3 * h * b) + dense_layers * (8 * h * h + 4 * h * b)
+             + moe_layers * shared_experts["split"])
+    replicated = (len(layers) * (2 * h * (1 + b) + h * b) + dense_layers * h * b
+                  + moe_layers * shared_experts["replicated"])
     if embedding:
         split, replicated = split + V * h, replicated + config.block_size * h
     if head:  # the tied weight is the embedding's tensor where both are held, else the head's own copy
         split, replicated = split + (0 if embedding else V * h), replicated + h * (1 + b)
     router, experts = moe_layers * n * h, moe_layers * n * expert
-    shared = split + replicated + router
-    dense_linears = len(layers) * 4 * h * h + dense_layers * 8 * h * h
+    non_expert = split + replicated + router  # every token's (the shared experts among them)
+    dense_linears = len(layers) * 4 * h * h + dense_layers * 8 * h * h + moe_layers * shared_experts["matmul"]
     block_matmul = dense_linears + router + moe_layers * k * 8 * h * h
     dp_cp, expert_dp = split // tp + replicated + router, experts // ep
     return dict(split=split, replicated=replicated, router=router, experts=experts, expert=expert,
-                moe_layers=moe_layers, total=shared + experts, active=shared + moe_layers * k * expert,
+                moe_layers=moe_layers,
+                shared_experts=moe_layers * (shared_experts["split"] + shared_experts["replicated"]),
+                total=non_expert + experts, active=non_expert + moe_layers * k * expert,
                 active_matmul=block_matmul + (V * h if head else 0), block_matmul=block_matmul,
                 dense_linears=dense_linears, dp_cp=dp_cp, expert_dp=expert_dp, per_rank=dp_cp + expert_dp)
 

@@ -48,8 +48,9 @@ class FlopsPerToken:
 def flops_per_token(counts: dict, config, seq_len: int) -> FlopsPerToken:
     """Training FLOPs per token: model = 6N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT), N the
     matmul weights a token uses: counts["active_matmul"] of memory.param_counts(config) (the head, the blocks'
-    linears, a mixture of experts' router and the k experts a token visits, not the N − k idle ones, nor are
-    dropped slots subtracted: a convention, printed). L, H, Q: config's n_layer, n_head, head_dim.
+    linears, a mixture of experts' router, its S shared experts (S·8h² per MoE layer, moe_shared.py) and the k
+    routed experts a token visits, not the N − k idle ones, nor are dropped slots subtracted: a convention,
+    printed). L, H, Q: config's n_layer, n_head, head_dim.
 
     6N: each matmul weight is used once per token in a multiply-add (2 FLOPs) in the forward pass, and twice in
     the backward pass (gradient w.r.t. the input and w.r.t. the weight), so 2N + 4N = 6N.

@@ -194,6 +194,9 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
         f" routers L_moe·h·N = {counts['router']:,}",
         f"  FLOPs per token (model) 6·N_active + 12·L·H·Q·s = {mfu.format_flops(flops.model)},"
         f" N_active = {counts['active_matmul']:,} matmul weights (k experts + router, not N)",
+        *([f"  shared experts S={config.moe_shared_experts} per MoE layer, added ungated (one MLP of width S·4h ="
+           f" {config.moe_shared_experts * 4 * config.n_embd}): {counts['shared_experts']:,} dense params (split"
+           f" by TP like the MLP, grads over dp×cp), in N_active"] if config.moe_shared_experts else []),
         f"  expert parallel E={traffic.ep} (group ep), expert grads over expert_dp ({run.mesh.size('expert_dp')}"
         f" ranks), router over dp×cp, replicated over tp: this rank holds experts [{local.start}, {local.stop}) of"
         f" each MoE layer = {held:,} params = {mfu.format_bytes(held * next(run.model.parameters()).element_size())}"
