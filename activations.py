@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import fp8_experts
 import memory
 import moe
 import moe_shared
@@ -127,10 +128,11 @@ def moe_block_bytes(config, x: memory.ActivationShape, ep: int) -> tuple:
     whole_input = x.sp and not x.regather  # SP's c_fc keeps the gathered input (FP8, a recomputed block)
     shared = moe_shared.saved_bytes(config, tokens, x.t, x.e_c, router_bytes, tokens if whole_input else routed,
                                     True if whole_input else None, x.fp8)
-    copies = (config.moe_experts // ep * 8 * x.h * x.h * x.weight_copy
-              + (0 if x.fp8 else config.moe_shared_experts * 8 * x.h * x.h * x.weight_copy / x.t))
+    weights = config.moe_experts // ep + config.moe_shared_experts / x.t  # (held routed, TP's share of shared) 8h²
+    copies = 0 if x.fp8 else weights * 8 * x.h * x.h * x.weight_copy
+    fp8 = fp8_experts.saved_bytes_delta(routed, config.moe_topk, config.moe_experts, x.h, x.e_c) if x.fp8 else 0
     return (moe.layer_activation_bytes(config, routed, x.e_c, router_bytes,
-                                       mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)) + shared, copies)
+                                       mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)) + shared + fp8, copies)
 
 
 def block_bytes(x: memory.ActivationShape, experts: tuple) -> dict:

@@ -123,9 +123,10 @@ def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool 
     total (logical: every expert, the tied weight once per holder), active (a token's k experts instead of N).
     The matmul weights of 6N (mfu.flops_per_token): active_matmul (the head's V·h when held, the blocks' linears
     with the S shared experts, the routers, k routed experts), block_matmul (the blocks' part: what activation
-    checkpointing recomputes), dense_linears (the blocks' nn.Linear weights outside routed experts and routers:
-    what --fp8 runs in FP8; the shared experts among them). What the rank holds, by the group that sums its
-    gradients: dp_cp (split/T + replicated + router), expert_dp (experts/E), and per_rank, their sum.
+    checkpointing recomputes), dense_linears (the blocks' nn.Linear weights outside routed experts and routers;
+    the shared experts among them), fp8_matmul (those and a token's k routed experts: what --fp8 runs in FP8).
+    What the rank holds, by the group that sums its gradients: dp_cp (split/T + replicated + router), expert_dp
+    (experts/E), and per_rank, their sum.
     """
     h, V, b, n, k = config.n_embd, config.vocab_size, int(config.bias), config.moe_experts, config.moe_topk
     layers = list(range(config.n_layer) if layers is None else layers)
@@ -151,7 +152,8 @@ def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool 
                 shared_experts=moe_layers * (shared_experts["split"] + shared_experts["replicated"]),
                 total=non_expert + experts, active=non_expert + moe_layers * k * expert,
                 active_matmul=block_matmul + (V * h if head else 0), block_matmul=block_matmul,
-                dense_linears=dense_linears, dp_cp=dp_cp, expert_dp=expert_dp, per_rank=dp_cp + expert_dp)
+                dense_linears=dense_linears, fp8_matmul=dense_linears + moe_layers * k * 8 * h * h, dp_cp=dp_cp,
+                expert_dp=expert_dp, per_rank=dp_cp + expert_dp)
 
 
 # ----------------------------------------------------------------------------------------------------------

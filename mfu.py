@@ -101,9 +101,9 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops_per_device:
 
 
 def block_linear_flops_fraction(counts: dict, config, seq_len: int) -> float:
-    """Share of the model FLOPs per token (flops_per_token) in the blocks' linears that --fp8 runs in FP8 (not the
-    routers nor the experts): 6·counts["dense_linears"] of them, 6·12·L·h² of 6·(12·L·h² + V·h) + 12·L·h·s dense."""
-    return 6 * counts["dense_linears"] / flops_per_token(counts, config, seq_len).model
+    """Share of the model FLOPs per token in the blocks' linears that --fp8 runs in FP8 (not the routers; the k
+    experts a token visits): 6·counts["fp8_matmul"]; dense, 6·12·L·h² of 6·(12·L·h² + V·h) + 12·L·h·s."""
+    return 6 * counts["fp8_matmul"] / flops_per_token(counts, config, seq_len).model
 
 
 def blended_peak(fraction: float, base_peak: float, fast_peak: float | None) -> float:

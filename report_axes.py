@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import context_parallel
 import fp8
+import fp8_experts
 import fp8_scaling
 import measure
 import memory
@@ -53,7 +54,7 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
 OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad,  # {handle name: what its section's lines read}
-             "fp8": mfu.SaturationCount, "pp": mfu.ActionClock}
+             "fp8": fp8_experts.PaddingCount, "pp": mfu.ActionClock}
 
 
 def observe(axis):
@@ -636,12 +637,14 @@ def _fp8_scale_table(handle, run, steps: int) -> list:
 
 
 def _fp8_end(handle, run, steps: int) -> list:
-    """What only FP8 can say at the end: its amax reductions are in the message table (traced against every
-    axis's prediction, this one's `traced_prediction`), its scales in the last step's table."""
+    """FP8's skipped steps and its experts' padded rows (amax reductions: the message table; scales: the step's)."""
     facts = handle.facts()
     first = f"{facts.first_steps} scaled like current (empty history), " if facts.recipe.mode == "delayed" else ""
+    padding = [f"fp8 experts: MoE layer {i} padded {rows} rows to 16 per chunk in {steps} steps ="
+               f" {fp8_experts.padding_bytes(rows, run.config.n_embd, run.compute_dtype.itemsize)} bytes saved"
+               f" (5h FP8 + 4h·e_c per row)" for i, rows in sorted(handle.observer.rows.items())]
     return [f"fp8 {facts.recipe.mode}: steps {steps} ({first}{facts.nonfinite_steps} with a non-finite amax,"
-            f" skipped on every rank)"]
+            f" skipped on every rank)", *padding]
 
 
 AXIS_LINES["fp8"] = {"startup": _fp8_startup, "step": _fp8_scale_table, "end": _fp8_end}
