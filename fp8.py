@@ -282,6 +282,7 @@ class Fp8Linear(nn.Linear):
         self.recipe, self.name, self.amax_groups = recipe, name, dict(amax_groups)
         self.delayed_groups = tuple(delayed_groups)
         self.row_alignment = row_alignment  # an expert's: its input zero-padded to a multiple of 16 rows
+        self.row_share = 1.0  # a routed expert's: E·k/N of a micro-batch's rows (uniform routing; convert sets it)
         device = torch.device(device) if device is not None else linear.weight.device  # a meta weight: pass the run's
         self.fmt_max = torch.tensor([f.max for f in FORMATS], device=device)
         self.amax_history = torch.zeros(3, recipe.amax_history, device=device)  # [role, L], column 0 latest
@@ -419,6 +420,9 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1,
             codec.attach(fp8)
             parent = block.get_submodule(path.rpartition(".")[0])
             setattr(parent, leaf, fp8)
+            if expert:
+                ep = mesh.size("ep") if mesh is not None else 1
+                fp8.row_share = ep * model.config.moe_topk / model.config.moe_experts
             if getattr(parent, "regather", False):
                 parent.regather = False
             linears[name] = fp8
@@ -436,7 +440,8 @@ class Fp8Facts:
 
     recipe: Recipe
     scaled_mm: bool  # the per-tensor GEMMs run on torch._scaled_mm (else emulated on the same codes)
-    in_features: dict  # {linear's global name: K_j, its local input width} (saved_input_bytes)
+    in_features: dict  # {linear's global name: K_j, its local input width, × a routed expert's row share E·k/N
+    # (uniform routing: of the M tokens a rank routes, its held expert gets E·M·k/N rows)} (saved_input_bytes)
     weights: int  # Σ N_j·K_j: the elements of the step's FP8 weight copies
     scales: dict  # {linear's global name: its [3] scales in use (delayed: the step's; else the last used)}
     first_steps: int  # delayed steps that scaled like `current` (empty history)
@@ -497,7 +502,7 @@ class Fp8Handle(Axis):
     def facts(self) -> Fp8Facts:
         linears = self.linears.values()
         return Fp8Facts(self.recipe, any(linear.use_scaled_mm for linear in linears),
-                        {name: linear.in_features for name, linear in self.linears.items()},
+                        {name: linear.in_features * linear.row_share for name, linear in self.linears.items()},
                         sum(linear.weight.numel() for linear in linears),
                         {name: linear.scale if self.recipe.mode == "delayed" else linear.last_scale
                          for name, linear in self.linears.items()}, self.first_steps, self.nonfinite_steps)

@@ -132,6 +132,17 @@ def test_padded_rows_per_moe_layer_equal_a_hand_count_and_are_printed():
                f" {rows * (5 * 32 + 4 * 32 * 8)} bytes saved" in "\n".join(lines)
 
 
+def test_the_saved_input_estimate_counts_a_routed_experts_share_of_the_rows():
+    """fp8.saved_input_bytes (the start-up's memory line) gets each expert linear's width times k/N (E = 1,
+    uniform routing): its M·k/N rows, not the micro-batch's M; the dense linears their full width."""
+    model = _moe_layer()
+    facts = fp8.convert(model, fp8.Recipe("current")).facts()
+    assert facts.in_features["transformer.h.0.mlp.experts.3.c_proj"] == 4 * 64 * 2 / 4
+    assert facts.in_features["transformer.h.0.attn.c_proj"] == 64
+    saved = fp8.saved_input_bytes(facts.in_features.values(), 32, 2)["fp8"]
+    assert saved == 32 * (64 + 64) + 32 * 2 * (64 + 4 * 64)  # attention's two; the k experts' rows, c_fc and c_proj
+
+
 def test_the_uniform_padding_prediction():
     """P = N·((−T·k/N) mod 16): 4 experts of 24·2/4 = 12 rows pad 4 each; 32·2/4 = 16 pad none."""
     assert fp8_experts.uniform_padded_rows(24, 2, 4) == 16
