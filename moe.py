@@ -45,7 +45,8 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    c_fc.weight`), the routed rows. Replicated: the router, the dense parameters; each expert over expert_dp.
 2. Peak per device. Parameters Ψ_dense + L_moe·(h·N + (N/E)·Ψ_e), ×16 bytes with fp32 grads and AdamW
    (memory.param_counts). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
-   (e_r), S sent and R received rows, the experts' [R, 4h] hidden and R outputs, S combined and S weighted
+   (e_r), S sent and R received rows, the experts' [R, 4h] hidden and R outputs (under --fp8 their linears
+   run in FP8, each chunk's rows padded to 16: fp8.py, fp8_experts.py), S combined and S weighted
    rows; with capacity under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward:
    `layer_activation_bytes` (tested against autograd). Uniform routing: S = R = T·k; worst case (the whole ep
    group picks this rank): R = E·T·k dropless, R ≤ N·C_μ with capacity.
