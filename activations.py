@@ -109,7 +109,9 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
     terms = {what: blocks, "autocast weight copies": copies,
              "embeddings": memory.embedding_activation_bytes(x) if ends[0] else 0.0,
              "head and loss": memory.head_activation_bytes(x) if ends[1] else 0.0}
-    hidden = memory.hidden_from_hooks(x, 0 if config.activation_checkpointing else sum(held.values()), ends[1])
+    recomputing = config.activation_checkpointing
+    hidden = memory.hidden_from_hooks(x, 0 if recomputing else sum(held.values()), ends[1], 0 if recomputing else n_moe,
+                                      config.moe_shared_experts)
     in_flight, chunks = pipeline_flight
     how = (f"attention {x.kernel}" + (" (Ulysses)" if x.ulysses else "")
            + f", {x.e_r}-byte residual, {x.e_c}-byte compute" + (", FP8 linear inputs" if x.fp8 else "")

@@ -319,14 +319,19 @@ def block_input_bytes(x: ActivationShape) -> float:
     return x.s * x.b * x.h / (x.t if x.sp else 1) * x.e_r
 
 
-def hidden_from_hooks(x: ActivationShape, layers: int, head: bool) -> float:
+def hidden_from_hooks(x: ActivationShape, layers: int, head: bool, moe_layers: int = 0,
+                      shared_experts: int = 0) -> float:
     """Of the bytes above, what an outer saved_tensors_hooks (SavedActivations) cannot see: under SP, the tensors
     saved inside tensor_parallel's regather hook, per layer c_attn's and c_fc's input shards 2·sbh'·e_c and
-    their weight copies 7h²·w/T, and on the head its input shard sbh'·e_c and the tied weight's copy V·h·w/T."""
+    their weight copies 7h²·w/T, and on the head its input shard sbh'·e_c and the tied weight's copy V·h·w/T.
+    Of the `layers`, `moe_layers` are MoE blocks: c_attn's, and a c_fc only through their S `shared_experts`
+    (moe_shared.py; copy S·4h²·w/T, its input shard hidden only where it is not the router's input, e_c ≠ e_r)."""
     if not (x.sp and x.regather and x.t > 1):
         return 0.0
-    shard = x.s * x.b * x.h / x.t * x.e_c
-    return (layers * (2 * shard + (0 if x.fp8 else 7 * x.h * x.h * x.weight_copy / x.t))
+    shard, copy = x.s * x.b * x.h / x.t * x.e_c, 0 if x.fp8 else x.h * x.h * x.weight_copy / x.t
+    moe_layer = shard + 3 * copy + (shard * (x.e_c != max(4, x.e_r)) + shared_experts * 4 * copy
+                                    if shared_experts else 0)
+    return ((layers - moe_layers) * (2 * shard + 7 * copy) + moe_layers * moe_layer
             + (shard + x.vocab * x.h * x.weight_copy / x.t if head else 0))
 
 

@@ -33,7 +33,6 @@ import pipeline
 import schedules
 import tensor_parallel
 from comm import Count
-from model import MLP
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -267,7 +266,8 @@ def tp_startup_lines(axis, run, steps: int = 0) -> list:
     lines = [f"tensor parallel T={tp}{' + sequence parallel' if held.sequence_parallel else ''}: messages per block"
              f" and micro-batch (b={batch.micro}, s={batch.seq}, h={held.hidden}), on the critical path, group tp:"]
     blocks = list(run.model.transformer.h)
-    predicted = tensor_parallel.block_messages(batch, held, split_mlp=not blocks or isinstance(blocks[0].mlp, MLP))
+    split_mlp = not blocks or tensor_parallel.split_mlp_of(blocks[0].mlp) is not None  # a dense MLP, shared experts
+    predicted = tensor_parallel.block_messages(batch, held, split_mlp=split_mlp)
     measured = run.measured.on("tp") if run.measured is not None else None
     for phase, messages in predicted.items():
         for (op, _), (calls, payload) in messages.items():

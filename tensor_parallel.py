@@ -428,8 +428,8 @@ def _parallelize_block(block, ctx: TensorParallelContext, config, seed: int, rng
     attn.c_proj = _row(attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
     # The dense MLP, or a mixture of experts' shared experts (moe_shared.py): split alike. The routed experts
     # stay whole on every TP rank (moe.py).
-    dense = isinstance(mlp, MLP)
-    split_mlp, name = (mlp, f"{prefix}.mlp") if dense else (_shared_experts(mlp), f"{prefix}.mlp.shared_experts")
+    split_mlp = split_mlp_of(mlp)
+    name = f"{prefix}.mlp" if split_mlp is mlp else f"{prefix}.mlp.shared_experts"
     if split_mlp is not None:
         split_mlp.c_fc = _column(split_mlp.c_fc, f"{name}.c_fc", ctx, config, seed, 1, regather)
         split_mlp.c_proj = _row(split_mlp.c_proj, f"{name}.c_proj", ctx, config, seed)
@@ -440,9 +440,10 @@ def _parallelize_block(block, ctx: TensorParallelContext, config, seed: int, rng
     return [*block.ln_1.parameters(), *block.ln_2.parameters(), *(p for p in row_biases if p is not None)]
 
 
-def _shared_experts(mlp):
-    """A MoE block's shared experts (moe_shared.SharedExperts), or None: the MLP TP splits in a MoE block."""
-    return getattr(mlp, "shared_experts", None)
+def split_mlp_of(mlp):
+    """The c_fc → c_proj pair TP splits in a block's MLP: the dense MLP itself, a MoE block's shared experts
+    (moe_shared.SharedExperts), or None (routed experts alone, whole on every TP rank)."""
+    return mlp if isinstance(mlp, MLP) else getattr(mlp, "shared_experts", None)
 
 
 def _shard(name: str, shape, split_dim: int | None, ctx: TensorParallelContext, segments: int = 1) -> ShardInfo:
@@ -523,7 +524,7 @@ class TensorParallel(Axis):
         holds (FP8, applied later, may stop the regather)."""
         blocks, config = list(self.model.transformer.h), self.model.config
         return self.batch, Holding(config.n_embd, self.sequence_parallel, config.activation_checkpointing, len(blocks),
-                       sum(not isinstance(b.mlp, MLP) and _shared_experts(b.mlp) is None for b in blocks),
+                       sum(split_mlp_of(b.mlp) is None for b in blocks),
                        self.model.has_embedding,
                        self.model.has_head, all(b.attn.c_attn.regather for b in blocks))
 

@@ -173,13 +173,23 @@ MESHES_4 = [  # (flags, config overrides, global batch, B_μ)
 RESHARD = (([*SHARED, "--ep", "2", "--tp", "2", "--zero", "1"], {}, 4, 1), ([*SHARED, "--ep", "4"], {}, 4, 1))
 
 
+ACTIVATIONS = ([*SHARED, "--tp", "2", "--sp", "--global-batch", "4"], "bf16")  # D = 2 × T = 2
+
+
 def _meshes(rank, world, cases, root):
+    import activations
+    import test_activations
     import test_composition
 
     out = [test_composition._run_case(rank, world, *case, trace=True) for case in cases]
     saving, resuming = RESHARD
     test_composition._run_case(rank, world, *saving, stop=2, save_root=root)
     out.append(test_composition._run_case(rank, world, *resuming, resume_root=root))
+    run = test_activations.build_run(*ACTIVATIONS, world, rank, compose=True)
+    x, y, pos = test_activations.batch(run)
+    estimate = activations.activation_estimate(run)
+    out.append((test_activations.saved_by_forward(run, lambda: run.layout(x, y, pos)), estimate.forward,
+                estimate.hidden))
     return out
 
 
@@ -215,6 +225,15 @@ def test_shared_experts_resume_on_another_ep_and_tp(mesh_runs):
     the single device's uninterrupted run."""
     import test_composition
 
-    per_rank = [rank_results[-1] for rank_results in mesh_runs]
+    per_rank = [rank_results[-2] for rank_results in mesh_runs]
     assert all(sorted(losses) == [2] for losses, _ in per_rank)
     test_composition._check(per_rank, *RESHARD[1])
+
+
+@pytest.mark.slow
+def test_the_activation_estimate_under_tp_and_sp_is_exact(mesh_runs):
+    """Under bf16 autocast with TP 2 + SP, what one forward's hooks see equals the estimate less what SP's regather
+    hooks keep (the shared experts' c_fc input shard and its S·4h²/T weight copy among them), to the byte."""
+    for rank, rank_results in enumerate(mesh_runs):
+        saved, forward, hidden = rank_results[-1]
+        assert hidden > 0 and saved == forward - hidden, (rank, saved, forward, hidden)
