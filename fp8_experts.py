@@ -13,9 +13,10 @@ Symbols: h hidden, N experts, k top-k, T tokens this rank routes per micro-batch
 
 1. Replicated and split: nothing new (the padding is a temporary of each expert GEMM).
 2. Peak per device: + (5h + 4h·e_c)·P bytes saved per MoE layer and micro-batch in flight (`padding_bytes`;
-   `saved_bytes_delta` the experts' whole change from FP8, for activations.py's estimate); uniform routing
-   (`uniform_padded_rows`): every chunk holds T·k/N rows (this rank sends T·k/N to each expert; whatever E, a
-   rank runs N chunks), P = N·((−T·k/N) mod 16), at most 15·N rows.
+   `saved_bytes_delta` the experts' whole change from FP8, for activations.py's estimate). Whatever E, a rank runs
+   N chunks per MoE layer and micro-batch (N/E experts × E sources), so P ≤ 15·N; real routing is not uniform
+   (exactly T·k/N rows a chunk would pad (−T·k/N) mod 16 each), a chunk's row count mod 16 is about uniform,
+   and the estimate takes its mean, P ≈ 7.5·N (`expected_padded_rows`).
 3. Messages: none (the padding never travels: chunks are padded where they are run, after the all-to-all).
 4. Restart state: none.
 The end of a run prints P measured per MoE layer (`PaddingCount`, the fp8 observer of report_axes.py).
@@ -23,8 +24,9 @@ The end of a run prints P measured per MoE layer (`PaddingCount`, the fp8 observ
 
 from __future__ import annotations
 
-import math
 import re
+
+import torch
 
 import mfu
 from fp8_scaling import ROW_ALIGNMENT
@@ -40,22 +42,23 @@ def padding_bytes(rows: int, hidden: int, compute_bytes: int) -> int:
     return (5 * hidden + 4 * hidden * compute_bytes) * rows
 
 
-def saved_bytes_delta(tokens: int, topk: int, experts: int, hidden: int, compute_bytes: int) -> int:
-    """What FP8 changes in one MoE layer's saved bytes (moe.layer_activation_bytes, uniform routing: R = T·k rows,
-    P = uniform_padded_rows): c_fc's and c_proj's inputs, R·h and R·4h in e_c, become FP8 codes of R + P rows,
+def saved_bytes_delta(tokens: int, topk: int, experts: int, hidden: int, compute_bytes: int) -> float:
+    """What FP8 changes in one MoE layer's saved bytes (moe.layer_activation_bytes: R = T·k rows; P =
+    expected_padded_rows): c_fc's and c_proj's inputs, R·h and R·4h in e_c, become FP8 codes of R + P rows,
     and the padding keeps c_fc's output rows (4h·e_c each)."""
-    rows, padded = tokens * topk, uniform_padded_rows(tokens, topk, experts)
+    rows, padded = tokens * topk, expected_padded_rows(experts)
     return 5 * hidden * (rows + padded) - 5 * hidden * rows * compute_bytes + 4 * hidden * compute_bytes * padded
 
 
-def uniform_padded_rows(tokens: int, topk: int, experts: int) -> int:
-    """P for uniform routing: N chunks of T·k/N rows (rounded up when N does not divide T·k)."""
-    return padded_rows([math.ceil(tokens * topk / experts)] * experts)
+def expected_padded_rows(experts: int) -> float:
+    """P ≈ 7.5·N: N chunks, each padding the mean of (−m) mod 16 over residues m mod 16 alike, 15/2 rows."""
+    return experts * (ROW_ALIGNMENT - 1) / 2
 
 
 class PaddingCount(mfu.SaturationCount):
     """mfu.SaturationCount (the scale table's), plus the zero rows each expert's FP8 c_fc appended in training
-    forwards since start-up (fp8.QuantizationObserver.padded; c_proj pads the same rows), by MoE layer."""
+    forwards since start-up (fp8.QuantizationObserver.padded; c_proj pads the same rows), by MoE layer; not in
+    activation checkpointing's recompute (inside a backward), as mfu.RoutedLoad counts the routing."""
 
     EXPERT_INPUT = re.compile(r"transformer\.h\.(\d+)\.mlp\.experts\.\d+\.c_fc$")
 
@@ -65,5 +68,5 @@ class PaddingCount(mfu.SaturationCount):
 
     def padded(self, linear, rows: int) -> None:
         match = self.EXPERT_INPUT.match(linear.name)
-        if match:
+        if match and torch._C._current_graph_task_id() == -1:
             self.rows[int(match.group(1))] = self.rows.get(int(match.group(1)), 0) + rows

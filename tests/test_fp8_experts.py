@@ -143,11 +143,10 @@ def test_the_saved_input_estimate_counts_a_routed_experts_share_of_the_rows():
     assert saved == 32 * (64 + 64) + 32 * 2 * (64 + 4 * 64)  # attention's two; the k experts' rows, c_fc and c_proj
 
 
-def test_the_uniform_padding_prediction():
-    """P = N·((−T·k/N) mod 16): 4 experts of 24·2/4 = 12 rows pad 4 each; 32·2/4 = 16 pad none."""
-    assert fp8_experts.uniform_padded_rows(24, 2, 4) == 16
-    assert fp8_experts.uniform_padded_rows(32, 2, 4) == 0
+def test_the_padding_rule_and_its_expected_value():
+    """(−m) mod 16 per non-empty chunk; the estimate's P = 7.5·N is that rule's mean over the 16 residues."""
     assert fp8_experts.padded_rows([0, 1, 16, 17]) == 15 + 0 + 15
+    assert fp8_experts.expected_padded_rows(4) == 4 * fp8_experts.padded_rows(range(1, 17)) / 16 == 30
 
 
 # ---------------------------------------------------------------------------------------------------------
