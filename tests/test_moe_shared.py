@@ -170,7 +170,8 @@ MESHES_4 = [  # (flags, config overrides, global batch, B_μ)
     ([*SHARED, "--tp", "2", "--activation-checkpointing"], {}, 4, 1),  # TP without SP, recomputed blocks
     ([*SHARED, "--ep", "2", "--tp", "2", "--fp8", "delayed"], {}, 4, 1),  # FP8 like the dense MLP, amax over tp
 ]
-RESHARD = (([*SHARED, "--ep", "2", "--tp", "2", "--zero", "1"], {}, 4, 1), ([*SHARED, "--ep", "4"], {}, 4, 1))
+RESHARD = (([*SHARED, "--ep", "2", "--tp", "2", "--zero", "1"], {}, 4, 1),
+           ([*SHARED, "--ep", "4", "--zero", "3"], {}, 4, 1))  # ZeRO-3 gathers the shared experts as dense
 
 
 ACTIVATIONS = ([*SHARED, "--tp", "2", "--sp", "--global-batch", "4"], "bf16")  # D = 2 × T = 2
@@ -221,8 +222,8 @@ def test_shared_experts_traced_messages_equal_the_prediction(mesh_runs):
 
 @pytest.mark.slow
 def test_shared_experts_resume_on_another_ep_and_tp(mesh_runs):
-    """Saved after 2 steps on E = 2 × T = 2 (ZeRO-1), resumed on E = 4: the last step and the parameters equal
-    the single device's uninterrupted run."""
+    """Saved after 2 steps on E = 2 × T = 2 (ZeRO-1), resumed on E = 4 (ZeRO-3): the last step and the
+    parameters equal the single device's uninterrupted run."""
     import test_composition
 
     per_rank = [rank_results[-2] for rank_results in mesh_runs]
