@@ -159,6 +159,7 @@ MESHES_4 = [  # (flags, config overrides, global batch, B_μ)
     ([*MOE, "--ep", "2", "--fp8", "current", "--zero", "3"], {}, 8, 1),  # E = 2: each source's chunk its own
     ([*MOE, "--ep", "2", "--fp8", "delayed", "--zero", "1"], {}, 8, 1),  # GEMM; ZeRO-3 gathers expert codes;
     ([*MOE, "--ep", "4", "--fp8", "blockwise"], {}, 8, 2),  # delayed histories MAX over expert_dp
+    ([*MOE, "--ep", "2", "--pp", "2", "--pp-schedule", "zb", "--fp8", "delayed"], dict(n_layer=2), 8, 1),  # W deferred
 ]
 
 
