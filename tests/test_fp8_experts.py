@@ -164,14 +164,21 @@ MESHES_4 = [  # (flags, config overrides, global batch, B_μ)
 
 
 def _meshes(rank, world, cases):
+    import moe
     import test_composition
 
-    return [test_composition._run_case(rank, world, *case, trace=True) for case in cases]
+    out = [test_composition._run_case(rank, world, *case, trace=True) for case in cases]
+    run = test_composition.composed_run(rank, world, *cases[1], device=torch.device("cpu"))  # E = 2, as trained
+    experts = [m for m in run.model.modules() if isinstance(m, moe.Expert)]
+    return out, [(type(m.c_fc).__name__, m.c_fc.row_alignment, m.c_fc.amax_groups) for m in experts]
 
 
 @pytest.fixture(scope="module")
 def mesh_runs():
-    return run_ranks(_meshes, 4, MESHES_4, timeout=600)
+    results = run_ranks(_meshes, 4, MESHES_4, timeout=600)
+    for rank, (_, experts) in enumerate(results):  # each rank's N/E = 2 experts of each of the 2 MoE layers
+        assert experts == [("Fp8Linear", 16, {})] * 4, (rank, experts)
+    return [runs for runs, _ in results]
 
 
 @pytest.mark.slow
