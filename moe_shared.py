@@ -9,8 +9,9 @@ c_proj biases are only ever summed, so they are one parameter of h (as S separat
 gradient cannot tell apart). Checkpoint names: `transformer.h.<i>.mlp.shared_experts.c_fc.weight` [S·4h, h],
 `...c_fc.bias` [S·4h], `...c_proj.weight` [h, S·4h], `...c_proj.bias` [h]: whole logical tensors.
 
-Symbols: S shared experts, h hidden, b = 1 with biases, T tokens this rank's MoE layer routes (B_μ·s/C, /T_tp
-under SP), T_tp tensor-parallel size, e_c / e_r bytes of a compute / residual element, L_moe MoE layers.
+Symbols: S shared experts, h hidden, b = 1 with biases, M tokens the shared experts' region sees (B_μ·s/C: under
+SP the gathered sequence), M' those of c_fc's saved input (M/T_tp under SP, else M), T_tp tensor-parallel size,
+e_c bytes of a compute element, e_r of the router's input (fp32 or wider).
 
 1. Replicated and split. They are dense parameters of the layer: replicated over EP (every rank of an ep group
    holds them; the routed experts are the ones EP splits), gradients summed with the dense ones over dp×cp,
@@ -21,9 +22,9 @@ under SP), T_tp tensor-parallel size, e_c / e_r bytes of a compute / residual el
    experts are whole on every TP rank, these are not).
 2. Peak per device. Parameters per MoE layer S·(8h² + 4h·b) + h·b (memory.param_counts' `shared_experts`),
    /T_tp but the c_proj bias. Saved for backward per MoE layer and micro-batch (`saved_bytes`): GELU's input
-   and output 2·S·4h·M·e_c/T_tp (M = B_μ·s/C tokens: under SP the gathered sequence), and c_fc's input M'·h·e_c
-   only where it is a tensor of its own (autocast's cast, or an SP shard): without autocast it is the router's
-   input, saved once. FLOPs per token: 6·S·8h² more (memory.param_counts' active matmul weights).
+   and output 2·S·4h·M·e_c/T_tp, and c_fc's input M'·h·e_c only where it is a tensor of its own (e_c ≠ e_r:
+   autocast's cast, or a residual narrower than fp32; SP's gathered input where the block is recomputed):
+   otherwise it is the router's input, saved once. FLOPs per token: 6·S·8h² more (memory.param_counts' active matmul weights).
 3. Messages: none without TP; with TP the dense MLP's region per MoE block (tensor_parallel.block_messages:
    forward g / SP's all-gather and reduce-scatter of s·b·h, backward f / their reverses), nothing over ep.
 4. Restart state: nothing of its own: the four logical tensors above, cut by TP's records, so a checkpoint
