@@ -24,7 +24,8 @@ e_c bytes of a compute element, e_r of the router's input (fp32 or wider).
    /T_tp but the c_proj bias. Saved for backward per MoE layer and micro-batch (`saved_bytes`): GELU's input
    and output 2·S·4h·M·e_c/T_tp, and c_fc's input M'·h·e_c only where it is a tensor of its own (e_c ≠ e_r:
    autocast's cast, or a residual narrower than fp32; SP's gathered input where the block is recomputed):
-   otherwise it is the router's input, saved once. FLOPs per token: 6·S·8h² more (memory.param_counts' active matmul weights).
+   otherwise it is the router's input, saved once. FLOPs per token: 6·S·8h² more (memory.param_counts'
+   active matmul weights).
 3. Messages: none without TP; with TP the dense MLP's region per MoE block (tensor_parallel.block_messages:
    forward g / SP's all-gather and reduce-scatter of s·b·h, backward f / their reverses), nothing over ep.
 4. Restart state: nothing of its own: the four logical tensors above, cut by TP's records, so a checkpoint
