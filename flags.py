@@ -180,6 +180,8 @@ def _add_moe_flags(parser) -> None:
     g.add_argument("--moe-aux-coef", type=float, default=0.01, help="load-balance loss coefficient α")
     g.add_argument("--moe-z-coef", type=float, default=0.001, help="router z-loss coefficient β")
     moe_router.add_arguments(g)  # DeepSeek-V3's router: sigmoid scores, the bias, the seq loss, groups
+    g.add_argument("--moe-shared-experts", type=int, default=0,
+                   help="S always-on experts per MoE block, added ungated (moe_shared.py)")
 
 
 def _add_reporting_flags(parser) -> None:
@@ -223,7 +225,7 @@ _AT_LEAST_1 = ("steps", "log_every", "eval_batches", "micro_batch", "global_batc
 _AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe_experts", "fp8_margin",
                "weight_decay", "grad_clip", "moe_capacity_factor", "moe_aux_coef", "moe_z_coef", "min_lr",
                "hw_intra_latency_us", "hw_inter_latency_us", "moe_bias_rate", "moe_seq_aux_coef", "moe_groups",
-               "moe_group_limit")
+               "moe_group_limit", "moe_shared_experts")
 _POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops", "hw_peak_tflops", "hw_hbm_gbps", "hw_memory_gib",
              "hw_intra_gbps", "hw_inter_gbps", "moe_route_scale")
 _FRACTION = ("beta1", "beta2", "dropout")  # in [0, 1)
@@ -245,7 +247,7 @@ _ONLY_WITH = (
       for flag in ("--fp8-amax-history", "--fp8-amax-algo", "--fp8-margin")),
     *((flag, flag[2:].replace("-", "_"), "--moe-experts > 0", lambda a: a.moe_experts > 0)
       for flag in ("--moe-topk", "--moe-every", "--moe-capacity-factor", "--moe-aux-coef", "--moe-z-coef",
-                   *moe_router.FLAGS)),
+                   "--moe-shared-experts", *moe_router.FLAGS)),
     *((flag, flag[2:].replace("-", "_"), "--ckpt-dir", lambda a: a.ckpt_dir is not None)
       for flag in ("--ckpt-every", "--resume", "--async-ckpt", "--keep", "--mtbf-hours")),
 )

@@ -38,6 +38,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import moe_shared
+
 # ----------------------------------------------------------------------------------------------------------
 # 1. Persistent state per parameter
 # ----------------------------------------------------------------------------------------------------------
@@ -117,37 +119,46 @@ def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool 
         attention   c_attn 3h² + 3h·b, c_proj's weight h²   split by TP     c_proj's bias h·b  replicated over tp
         LayerNorms  2h·(1 + b)                                               replicated over tp
         dense MLP   c_fc 4h² + 4h·b, c_proj's weight 4h²    split by TP     c_proj's bias h·b  replicated over tp
-        MoE MLP     router N·h; N experts of Ψ_e = 8h² + 5h·b, whole on every TP rank, N/E of them on a rank
+        MoE MLP     router N·h; N experts of Ψ_e = 8h² + 5h·b, whole on every TP rank, N/E of them on a rank;
+                    S shared experts (moe_shared.param_count): S·(8h² + 4h·b) split by TP, h·b replicated over tp
     The embedding: wte V·h (split by vocabulary), wpe block_size·h (replicated). The head: ln_f h·(1 + b), and,
     on a stage without the embedding, its own copy of the tied V·h (split).
     Keys, in elements: split (what TP splits, logical), replicated (over tp), router, experts (all N), expert
-    (Ψ_e), moe_layers; total (logical: every expert, the tied weight once per holder), active (a token's k
-    experts instead of N). The matmul weights of 6N (mfu.flops_per_token): active_matmul (the head's V·h when
-    held, the blocks' linears, the routers, k experts), block_matmul (the blocks' part: what activation
-    checkpointing recomputes), dense_linears (the blocks' nn.Linear weights outside experts and routers: what
-    --fp8 runs in FP8). What the rank holds, by the group that sums its gradients: dp_cp (split/T + replicated
-    + router), expert_dp (experts/E), and per_rank, their sum.
+    (Ψ_e), moe_layers, shared_experts (of all MoE layers, also inside split and replicated: dense parameters);
+    total (logical: every expert, the tied weight once per holder), active (a token's k experts instead of N).
+    The matmul weights of 6N (mfu.flops_per_token): active_matmul (the head's V·h when held, the blocks' linears
+    with the S shared experts, the routers, k routed experts), block_matmul (the blocks' part: what activation
+    checkpointing recomputes), dense_linears (the blocks' nn.Linear weights outside routed experts and routers;
+    the shared experts among them), fp8_matmul (those and a token's k routed experts: what --fp8 runs in FP8).
+    What the rank holds, by the group that sums its gradients: dp_cp (split/T + replicated + router), expert_dp
+    (experts/E), and per_rank, their sum.
     """
     h, V, b, n, k = config.n_embd, config.vocab_size, int(config.bias), config.moe_experts, config.moe_topk
     layers = list(range(config.n_layer) if layers is None else layers)
     moe_layers = sum(config.is_moe_layer(i) for i in layers)
     dense_layers = len(layers) - moe_layers
     expert = 8 * h * h + 5 * h * b
-    split = len(layers) * (4 * h * h + 3 * h * b) + dense_layers * (8 * h * h + 4 * h * b)
-    replicated = len(layers) * (2 * h * (1 + b) + h * b) + dense_layers * h * b
+    shared_experts = moe_shared.param_count(config)  # one MoE layer's
+    split = (len(layers) * (4 * h * h + 3 * h * b) + dense_layers * (8 * h * h + 4 * h * b)
+             + moe_layers * shared_experts["split"])
+    replicated = (len(layers) * (2 * h * (1 + b) + h * b) + dense_layers * h * b
+                  + moe_layers * shared_experts["replicated"])
     if embedding:
         split, replicated = split + V * h, replicated + config.block_size * h
     if head:  # the tied weight is the embedding's tensor where both are held, else the head's own copy
         split, replicated = split + (0 if embedding else V * h), replicated + h * (1 + b)
     router, experts = moe_layers * n * h, moe_layers * n * expert
-    shared = split + replicated + router
-    dense_linears = len(layers) * 4 * h * h + dense_layers * 8 * h * h
+    non_expert = split + replicated + router  # every token's (the shared experts among them)
+    dense_linears = len(layers) * 4 * h * h + dense_layers * 8 * h * h + moe_layers * shared_experts["matmul"]
     block_matmul = dense_linears + router + moe_layers * k * 8 * h * h
     dp_cp, expert_dp = split // tp + replicated + router, experts // ep
     return dict(split=split, replicated=replicated, router=router, experts=experts, expert=expert,
-                moe_layers=moe_layers, total=shared + experts, active=shared + moe_layers * k * expert,
+                moe_layers=moe_layers,
+                shared_experts=moe_layers * (shared_experts["split"] + shared_experts["replicated"]),
+                total=non_expert + experts, active=non_expert + moe_layers * k * expert,
                 active_matmul=block_matmul + (V * h if head else 0), block_matmul=block_matmul,
-                dense_linears=dense_linears, dp_cp=dp_cp, expert_dp=expert_dp, per_rank=dp_cp + expert_dp)
+                dense_linears=dense_linears, fp8_matmul=dense_linears + moe_layers * k * 8 * h * h, dp_cp=dp_cp,
+                expert_dp=expert_dp, per_rank=dp_cp + expert_dp)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -313,14 +324,19 @@ def block_input_bytes(x: ActivationShape) -> float:
     return x.s * x.b * x.h / (x.t if x.sp else 1) * x.e_r
 
 
-def hidden_from_hooks(x: ActivationShape, layers: int, head: bool) -> float:
+def hidden_from_hooks(x: ActivationShape, layers: int, head: bool, moe_layers: int = 0,
+                      shared_experts: int = 0) -> float:
     """Of the bytes above, what an outer saved_tensors_hooks (SavedActivations) cannot see: under SP, the tensors
     saved inside tensor_parallel's regather hook, per layer c_attn's and c_fc's input shards 2·sbh'·e_c and
-    their weight copies 7h²·w/T, and on the head its input shard sbh'·e_c and the tied weight's copy V·h·w/T."""
+    their weight copies 7h²·w/T, and on the head its input shard sbh'·e_c and the tied weight's copy V·h·w/T.
+    Of the `layers`, `moe_layers` are MoE blocks: c_attn's, and a c_fc only through their S `shared_experts`
+    (moe_shared.py; copy S·4h²·w/T, its input shard hidden only where it is not the router's input, e_c ≠ e_r)."""
     if not (x.sp and x.regather and x.t > 1):
         return 0.0
-    shard = x.s * x.b * x.h / x.t * x.e_c
-    return (layers * (2 * shard + (0 if x.fp8 else 7 * x.h * x.h * x.weight_copy / x.t))
+    shard, copy = x.s * x.b * x.h / x.t * x.e_c, 0 if x.fp8 else x.h * x.h * x.weight_copy / x.t
+    moe_layer = shard + 3 * copy + (shard * (x.e_c != max(4, x.e_r)) + shared_experts * 4 * copy
+                                    if shared_experts else 0)
+    return ((layers - moe_layers) * (2 * shard + 7 * copy) + moe_layers * moe_layer
             + (shard + x.vocab * x.h * x.weight_copy / x.t if head else 0))
 
 

@@ -48,8 +48,9 @@ class FlopsPerToken:
 def flops_per_token(counts: dict, config, seq_len: int) -> FlopsPerToken:
     """Training FLOPs per token: model = 6N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT), N the
     matmul weights a token uses: counts["active_matmul"] of memory.param_counts(config) (the head, the blocks'
-    linears, a mixture of experts' router and the k experts a token visits, not the N − k idle ones, nor are
-    dropped slots subtracted: a convention, printed). L, H, Q: config's n_layer, n_head, head_dim.
+    linears, a mixture of experts' router, its S shared experts (S·8h² per MoE layer, moe_shared.py) and the k
+    routed experts a token visits, not the N − k idle ones, nor are dropped slots subtracted: a convention,
+    printed). L, H, Q: config's n_layer, n_head, head_dim.
 
     6N: each matmul weight is used once per token in a multiply-add (2 FLOPs) in the forward pass, and twice in
     the backward pass (gradient w.r.t. the input and w.r.t. the weight), so 2N + 4N = 6N.
@@ -100,9 +101,9 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops_per_device:
 
 
 def block_linear_flops_fraction(counts: dict, config, seq_len: int) -> float:
-    """Share of the model FLOPs per token (flops_per_token) in the blocks' linears that --fp8 runs in FP8 (not the
-    routers nor the experts): 6·counts["dense_linears"] of them, 6·12·L·h² of 6·(12·L·h² + V·h) + 12·L·h·s dense."""
-    return 6 * counts["dense_linears"] / flops_per_token(counts, config, seq_len).model
+    """Share of the model FLOPs per token in the blocks' linears that --fp8 runs in FP8 (not the routers; the k
+    experts a token visits): 6·counts["fp8_matmul"]; dense, 6·12·L·h² of 6·(12·L·h² + V·h) + 12·L·h·s."""
+    return 6 * counts["fp8_matmul"] / flops_per_token(counts, config, seq_len).model
 
 
 def blended_peak(fraction: float, base_peak: float, fast_peak: float | None) -> float:

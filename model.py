@@ -73,7 +73,8 @@ class GPTConfig:
     mlp: str = "dense"  # the block's MLP (build_mlp): "dense"
     gelu: str = "exact"  # the MLP's GELU: "exact" (erf, nanoGPT) or "tanh" (GPT-2's, Hugging Face's gelu_new)
     # Mixture of experts (moe.py): N experts (0: dense), top-k routing, on every n-th block (blocks n-1, 2n-1,
-    # ...), capacity factor f (0: dropless), load-balance and router z-loss coefficients.
+    # ...), capacity factor f (0: dropless), load-balance and router z-loss coefficients; S shared experts
+    # always on in every MoE block (moe_shared.py).
     moe_experts: int = 0
     moe_topk: int = 2
     moe_every: int = 1
@@ -88,6 +89,7 @@ class GPTConfig:
     moe_route_scale: float = 1.0
     moe_groups: int = 0
     moe_group_limit: int = 0
+    moe_shared_experts: int = 0
 
     def __post_init__(self):
         if self.n_embd % self.n_head:

@@ -11,6 +11,8 @@ DeepSeek-V3's router (moe_router.py: --moe-score sigmoid, the loss-free bias --m
 --moe-seq-aux-coef, --moe-groups/--moe-group-limit, --moe-route-scale) replaces this line's choice and weights;
 each layer's per-expert load (slots routed, before capacity: the last step's in `layer.load.last`, global when the
 bias learns) is `moe_router.ExpertLoad`, the one place its readers go; the bias is updated in `after_grad_sync`.
+With --moe-shared-experts S the block adds S always-on experts, ungated (DeepSeekMoE; moe_shared.py, whose
+docstring answers the four questions for them): y = Σ_s shared_s(x) + Σ_j w_j · expert_{e_j}(x).
 Auxiliary losses (`aux_losses.add(name, coef, value)`; the step divides by the D·m micro-batches, so each is
 defined on ONE data-parallel micro-batch, DESIGN.md), with fᵢ = (slots routed to i)/(T·k) before capacity:
     moe_balance = N · Σᵢ fᵢ·Pᵢ,  Pᵢ = mean of pᵢ (1 when balanced)    α = --moe-aux-coef
@@ -47,7 +49,8 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    c_fc.weight`), the routed rows. Replicated: the router, the dense parameters; each expert over expert_dp.
 2. Peak per device. Parameters Ψ_dense + L_moe·(h·N + (N/E)·Ψ_e), ×16 bytes with fp32 grads and AdamW
    (memory.param_counts). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
-   (e_r), S sent and R received rows, the experts' [R, 4h] hidden and R outputs, S combined and S weighted
+   (e_r), S sent and R received rows, the experts' [R, 4h] hidden and R outputs (under --fp8 their linears
+   run in FP8, each chunk's rows padded to 16: fp8.py, fp8_experts.py), S combined and S weighted
    rows; with capacity under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward:
    `layer_activation_bytes` (tested against autograd). Uniform routing: S = R = T·k; worst case (the whole ep
    group picks this rank): R = E·T·k dropless, R ≤ N·C_μ with capacity. What the forward holds at once
@@ -90,6 +93,7 @@ import moe_router
 from comm import Messages
 from context_parallel import positions
 from mesh import MeshShape
+from moe_shared import SharedExperts, saved_bytes
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis, sum_in_place
 
@@ -168,6 +172,8 @@ class MoE(nn.Module):
         self.load = moe_router.ExpertLoad(config.moe_experts, config.moe_score == "sigmoid", config.moe_bias_rate)
         self.router = Router(config.n_embd, config.moe_experts)
         self.experts = nn.ModuleDict({str(i): Expert(config) for i in range(config.moe_experts)})
+        # S always-on experts added ungated (moe_shared.py); dense parameters, built after the routed ones.
+        self.shared_experts = SharedExperts(config) if config.moe_shared_experts else None
         self.dropout = nn.Dropout(config.dropout)
         self.local = range(config.moe_experts)  # the experts this rank holds
         self.ep_group, self.ep_size = None, 1
@@ -193,7 +199,10 @@ class MoE(nn.Module):
         keep = self.keep_slots(expert.view(*x.shape[:-1], self.topk))
         y, rows_sent, rows_received = self.dispatch_and_combine(tokens, gate, expert, keep)
         self.observer.routed(self, routed, keep, rows_sent, rows_received)
-        return self.dropout(y.view(x.shape).to(x.dtype))  # the fp32 gate must not widen the residual stream
+        y = y.view(x.shape).to(x.dtype)  # the fp32 gate must not widen the residual stream
+        if self.shared_experts is not None:  # last: a recompute stops before its TP reduction, as the dense MLP's
+            y = y + self.shared_experts(x)
+        return self.dropout(y)
 
     @torch.no_grad()
     def keep_slots(self, expert: torch.Tensor) -> torch.Tensor | None:
@@ -378,7 +387,8 @@ class RoutingObserver:
 # Flag → (GPTConfig field, default). --ep E is the mesh's.
 FLAGS = {"--moe-experts": ("moe_experts", 0), "--moe-topk": ("moe_topk", 2), "--moe-every": ("moe_every", 1),
          "--moe-capacity-factor": ("moe_capacity_factor", 0.0), "--moe-aux-coef": ("moe_aux_coef", 0.01),
-         "--moe-z-coef": ("moe_z_coef", 0.001), **moe_router.FLAGS}
+         "--moe-z-coef": ("moe_z_coef", 0.001), "--moe-shared-experts": ("moe_shared_experts", 0),
+         **moe_router.FLAGS}
 
 
 def config_overrides(args) -> dict:
@@ -526,7 +536,8 @@ class MoEAxis(Axis):
         return MoEFacts(self.traffic, self.layers[0].local if self.layers else range(0), held)
 
     def params(self) -> list:
-        return [p for layer in self.layers for p in layer.parameters()]
+        """The routers and the routed experts (whole on every TP rank); not the shared experts, TP's to split."""
+        return [p for layer in self.layers for p in (*layer.router.parameters(), *layer.experts.parameters())]
 
     def predicted_messages(self, layout=None) -> Messages:
         """Per optimizer step, for UNIFORM routing (item 3). SP's sum covers the layout's gradient pieces of the
@@ -602,11 +613,13 @@ def activation_estimate_delta(config, moe_blocks: int, seq: int, micro: int, tp:
     16-bit, s = this rank's sequence, s/C under CP) for moe_blocks held MoE blocks: each one's own bytes
     (layer_activation_bytes at e_c = 2, e_r = 4, for its T = s·b tokens, /T_tp with SP: experts are whole on
     every TP rank) minus the dense MLP's share it replaces, 19·s·b·h ((3 + 16/t)·s·b·h under TP, 19·s·b·h/t
-    with SP: c_fc's input 2, GELU's input and output 16, the dropout mask 1)."""
+    with SP: c_fc's input 2, GELU's input and output 16, the dropout mask 1), plus the shared experts' own
+    (moe_shared.saved_bytes: S times the dense MLP's GELU terms, and c_fc's 16-bit input)."""
     sbh = seq * micro * config.n_embd
     dense_mlp = 19 * sbh / tp if sequence_parallel else (3 + 16 / tp) * sbh
     tokens = seq * micro // (tp if sequence_parallel else 1)
-    return moe_blocks * (layer_activation_bytes(config, tokens) - dense_mlp)
+    shared = saved_bytes(config, seq * micro, tp, input_tokens=tokens)
+    return moe_blocks * (layer_activation_bytes(config, tokens) + shared - dense_mlp)
 
 
 def all_to_all_messages(traffic: Traffic, forwards: int, sent: float, received: float) -> Messages:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import context_parallel
 import fp8
+import fp8_experts
 import fp8_scaling
 import measure
 import memory
@@ -34,7 +35,6 @@ import pipeline
 import schedules
 import tensor_parallel
 from comm import Count
-from model import MLP
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
 OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad,  # {handle name: what its section's lines read}
-             "fp8": mfu.SaturationCount, "pp": mfu.ActionClock}
+             "fp8": fp8_experts.PaddingCount, "pp": mfu.ActionClock}
 
 
 def observe(axis):
@@ -196,6 +196,9 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
         f" routers L_moe·h·N = {counts['router']:,}",
         f"  FLOPs per token (model) 6·N_active + 12·L·H·Q·s = {mfu.format_flops(flops.model)},"
         f" N_active = {counts['active_matmul']:,} matmul weights (k experts + router, not N)",
+        *([f"  shared experts S={config.moe_shared_experts} per MoE layer, added ungated (one MLP of width S·4h ="
+           f" {config.moe_shared_experts * 4 * config.n_embd}): {counts['shared_experts']:,} dense params (split"
+           f" by TP like the MLP, grads over dp×cp), in N_active"] if config.moe_shared_experts else []),
         f"  expert parallel E={traffic.ep} (group ep), expert grads over expert_dp ({run.mesh.size('expert_dp')}"
         f" ranks), router over dp×cp, replicated over tp: this rank holds experts [{local.start}, {local.stop}) of"
         f" each MoE layer = {held:,} params = {mfu.format_bytes(held * next(run.model.parameters()).element_size())}"
@@ -268,7 +271,8 @@ def tp_startup_lines(axis, run, steps: int = 0) -> list:
     lines = [f"tensor parallel T={tp}{' + sequence parallel' if held.sequence_parallel else ''}: messages per block"
              f" and micro-batch (b={batch.micro}, s={batch.seq}, h={held.hidden}), on the critical path, group tp:"]
     blocks = list(run.model.transformer.h)
-    predicted = tensor_parallel.block_messages(batch, held, split_mlp=not blocks or isinstance(blocks[0].mlp, MLP))
+    split_mlp = not blocks or tensor_parallel.split_mlp_of(blocks[0].mlp) is not None  # a dense MLP, shared experts
+    predicted = tensor_parallel.block_messages(batch, held, split_mlp=split_mlp)
     measured = run.measured.on("tp") if run.measured is not None else None
     for phase, messages in predicted.items():
         for (op, _), (calls, payload) in messages.items():
@@ -638,12 +642,14 @@ def _fp8_scale_table(handle, run, steps: int) -> list:
 
 
 def _fp8_end(handle, run, steps: int) -> list:
-    """What only FP8 can say at the end: its amax reductions are in the message table (traced against every
-    axis's prediction, this one's `traced_prediction`), its scales in the last step's table."""
+    """FP8's skipped steps and its experts' padded rows (amax reductions: the message table; scales: the step's)."""
     facts = handle.facts()
     first = f"{facts.first_steps} scaled like current (empty history), " if facts.recipe.mode == "delayed" else ""
+    padding = [f"fp8 experts: MoE layer {i} padded {rows} rows to 16 per chunk in {steps} steps ="
+               f" {fp8_experts.padding_bytes(rows, run.config.n_embd, run.compute_dtype.itemsize)} bytes saved"
+               f" (5h FP8 + 4h·e_c per row)" for i, rows in sorted(handle.observer.rows.items())]
     return [f"fp8 {facts.recipe.mode}: steps {steps} ({first}{facts.nonfinite_steps} with a non-finite amax,"
-            f" skipped on every rank)"]
+            f" skipped on every rank)", *padding]
 
 
 AXIS_LINES["fp8"] = {"startup": _fp8_startup, "step": _fp8_scale_table, "end": _fp8_end}
