@@ -53,6 +53,7 @@ bytes (4), n the re-plan interval, M_l the slots of layer l that move at a re-pl
 from __future__ import annotations
 
 import copy
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -228,9 +229,10 @@ class ReplicaFacts:
     slots: int  # R
     replans: int
     layer_id: int
-    phy2log: tuple  # of layer `layer_id`, slot by slot (rank r: [r·R/E, (r+1)·R/E))
-    balance: float | None  # max/mean rows received per EP rank over the window, all layers (None: no window)
-    in_place: float | None  # what plain EP (expert i on rank i·E/N) would have had for the same kept slots
+    phy2log: tuple  # of layer `layer_id` now, slot by slot (rank r: [r·R/E, (r+1)·R/E))
+    measured_under: tuple  # its phy2log during the window before the last re-plan (empty: none yet)
+    balance: float  # max/mean rows received per EP rank over that window, all layers (nan: no window yet)
+    in_place: float  # the same for plain EP (expert i on rank ⌊i·E/N⌋) on the same kept slots
 
 
 class RedundantExperts:
@@ -245,7 +247,7 @@ class RedundantExperts:
         first = layers[0].replicas if layers else None
         self.n, self.slots, self.ep = (first.n_experts, first.slots, first.ep_size) if first else (0, 0, 1)
         self.steps, self.replans, self.moved = 0, 0, [0, 0]  # moved: all_to_all calls, bytes this rank sent
-        self.balance = (None, None)
+        self.measured = ((), math.nan, math.nan)  # ReplicaFacts' measured_under, balance, in_place
 
     def expert_size(self) -> int:
         """Ψ_e: one slot's parameters."""
@@ -292,7 +294,8 @@ class RedundantExperts:
             dist.all_reduce(stats, group=group)
         rows = stats.tolist()  # the one host sync of a re-plan
         self.replans += 1
-        self.balance = window_balance([row[self.n:] for row in rows], self.n, self.ep)
+        self.measured = (tuple(self.layers[0].replicas.phy2log),
+                         *window_balance([row[self.n:] for row in rows], self.n, self.ep))
         old = [(layer.replicas.phy2log, layer.replicas.replica) for layer in self.layers]
         for layer, row in zip(self.layers, rows):
             layer.replicas.window.zero_()
@@ -350,7 +353,7 @@ class RedundantExperts:
 
     def facts(self) -> ReplicaFacts:
         first = self.layers[0]
-        return ReplicaFacts(self.slots, self.replans, first.layer_id, tuple(first.replicas.phy2log), *self.balance)
+        return ReplicaFacts(self.slots, self.replans, first.layer_id, tuple(first.replicas.phy2log), *self.measured)
 
     def predicted_messages(self) -> Messages:
         """Per optimizer step, for a uniform load (the plan never changes: nothing moves): the gradient sum
@@ -388,9 +391,9 @@ def expert_name(global_name: str, expert: int) -> str:
 
 def window_balance(windows: list, n: int, ep: int) -> tuple:
     """(max/mean rows per ep rank under the plans, max/mean had expert i sat on rank i·E/N), all layers summed,
-    from each layer's window (kept slots per expert [N], rows per ep rank [E]); (None, None) if nothing ran."""
+    from each layer's window (kept slots per expert [N], rows per ep rank [E]); nan if nothing ran."""
     rows = [sum(window[n + r] for window in windows) for r in range(ep)]
     in_place = [sum(sum(window[r * n // ep:(r + 1) * n // ep]) for window in windows) for r in range(ep)]
     if not sum(rows):
-        return None, None
+        return math.nan, math.nan
     return max(rows) * ep / sum(rows), max(in_place) * ep / sum(in_place)

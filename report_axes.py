@@ -244,6 +244,12 @@ def moe_end_lines(axis, run, steps: int) -> list:
             mean = sum(load) / len(load) if sum(load) else 1.0
             lines.append(f"moe load over the last {span} step{'s' if span != 1 else ''}, h.{layer_id}:"
                          f" |{moe_histogram(load)}| {load} imbalance {max(load) / mean:.2f}")
+    plan = axis.facts().replicas  # eplb.py: the placement, and the rows per EP rank measured under the last one
+    if plan is not None:
+        lines.append(f"moe replicas R={plan.slots}, {plan.replans} re-plans: h.{plan.layer_id} phy2log"
+                     f" {list(plan.phy2log)}; rows per EP rank max/mean {plan.balance:.3f} under"
+                     f" {list(plan.measured_under)}, experts in place {plan.in_place:.3f} (the window before the"
+                     f" last re-plan, all MoE layers)")
     return lines
 
 
