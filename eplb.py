@@ -1,5 +1,5 @@
 """Redundant experts for hot ones: DeepSeek's expert-parallel load balancer (EPLB, deepseek-ai/EPLB's eplb.py;
-DeepSeek-V3 §3.4) and what it takes to train with its placement.
+DeepSeek-V3 §3.4.1) and what it takes to train with its placement.
 
 The placement. N logical experts per MoE layer, their loads w (a moving average of the tokens routed to each),
 R ≥ N physical slots, R/E on each of the E expert-parallel ranks. Hierarchical (when the nodes divide the groups):
@@ -11,39 +11,43 @@ R ≥ N physical slots, R/E on each of the E expert-parallel ranks. Hierarchical
 Otherwise one global step: groups = nodes = 1. The result, per layer: phy2log [R] (the logical expert of each
 physical slot, rank r holding slots [r·R/E, (r+1)·R/E)), log2phy [N, max c] (each expert's slots, -1 padded),
 logcnt [N] (c_i). Loads in float32, ties broken as deepseek-ai/EPLB's eplb.py breaks them (torch.sort's order, the
-lower index), so its placements are reproduced exactly.
+lower index), so its placements are reproduced exactly. The trainer places over the E ranks of an ep group
+with the global policy (one group, one node).
 
 Training with it (`Replicas`, set up by moe.apply when --moe-replicas R is given):
 - Dispatch. A slot routed to logical expert i, the j-th of this rank's slots routed to i in token order (kept
   slots only), goes to replica j mod c_i (`Replicas.physical`); the all-to-all is by physical slot (moe.py
-  sorts and splits by slot: R bins instead of N). Which replica computes a row changes nothing but the rank.
+  sorts and splits by slot: R bins instead of N). The replica decides which rank computes a row, not its
+  value (up to the rounding of another matmul shape).
 - Gradients. Each slot is its own copy of the logical expert's tensors (named by the logical expert, so the
   init and the checkpoint see one logical tensor). After the layout's sum over expert_dp, `sum_replica_grads`
   adds, over ep, the gradients of the slots holding the same logical expert: every replica then holds the
-  logical expert's whole gradient, and the same AdamW update keeps the replicas bitwise equal (a SUM over
-  all-reduce gives every rank the same bits). The grad norm and the checkpoint count one copy (the replica in
-  the lowest physical slot: `ShardInfo.primary`).
-- Re-planning. Each layer sums the slots routed to each logical expert (before capacity) during training;
+  logical expert's whole gradient, and the same AdamW update keeps the replicas bitwise equal (the all-reduce
+  hands every rank the same sum). The grad norm and the checkpoint count one copy: replica 0 (`ShardInfo.
+  replica`; the layout recounts after a re-plan).
+- Re-planning. Each layer counts the kept slots routed to each logical expert in training (what loads it);
   once per step `after_grad_sync` folds them into a moving average, load ← d·load + (1 − d)·step's,
   d = --moe-load-decay; every n = --moe-replan-every steps the averages are summed over dp×cp (and tp with
   --sp: the ranks holding the same layers see different tokens), the placement recomputed (the same on every
   rank) and each slot whose logical expert changed receives its tensors, gradient and AdamW moments from the
   lowest old slot of that expert, by one all-to-all over ep (`move_slots`), before the optimizer step.
 
-Symbols: N, E, R as above, L_moe MoE layers this rank holds, Ψ_e one expert's parameters, e_g a gradient's
-bytes (4), n the re-plan interval, M_l the slots of layer l that move at a re-plan.
+Symbols: N, E, R as above, L_moe MoE layers this rank holds, Ψ_e one expert's parameters, e_p the bytes of a
+parameter, its gradient and moments (DDP: 4), n the re-plan interval, M_l the slots of layer l this rank sends
+at a re-plan.
 
 1. Replicated and split. Split E ways: the R physical slots (R/E per rank). Replicated: a hot expert's tensors
    on c_i slots, bitwise equal; the placement (phy2log, log2phy, logcnt) and the load average on every rank.
 2. Peak per device. Parameters L_moe·(R/E)·Ψ_e for the experts (R/N times plain EP's), ×16 bytes with fp32
-   gradients and AdamW. Temporaries: the replica sum's buffer, L_moe·(R − N)·Ψ_e·e_g; a re-plan's send and
-   receive buffers, at most L_moe·(R/E)·Ψ_e·16 bytes each. The dispatch's: plain EP's, with [R] counts.
+   gradients and AdamW. Temporaries: the replica sum's buffer, L_moe·(R − N)·Ψ_e·e_p; a re-plan's send and
+   receive buffers, at most L_moe·(R/E)·4·Ψ_e·e_p each. The dispatch's: plain EP's, with [R] counts.
 3. Messages, per optimizer step, on top of plain EP's (whose counts all-to-all carries 8R bytes, not 8N):
-       all_reduce  ep     L_moe·(R − N)·Ψ_e·e_g   the replicas' gradient sum (padded to R − N experts a
+       all_reduce  ep     L_moe·(R − N)·Ψ_e·e_p   the replicas' gradient sum (padded to R − N experts a
                                                  layer, so its size never depends on the plan)
-   and per re-plan (every n steps):
-       all_reduce        dp×cp (tp)  L_moe·N·8      the load averages (float64)
-       all_to_all_single ep          Σ_l M_l·Ψ_e·16 the moved slots' weights, gradients and two moments (fp32)
+   and per re-plan (every n steps; the startup table's 1/n calls a step, no move: a uniform load keeps the plan):
+       all_reduce        dp×cp (tp)  L_moe·(2N + E)·8   the load averages, the window's kept slots per expert
+                                                       and rows per ep rank (float64)
+       all_to_all_single ep          Σ_l M_l·4·Ψ_e·e_p  the moved slots' weights, gradients and two moments
    Host syncs: one `.tolist()` of the averages per re-plan.
 4. Restart state: none. The checkpoint holds each replica set as ONE logical expert (`...experts.<i>...`), so
    it loads with any R and E; a resumed run starts from the uniform placement and a fresh average (the
@@ -64,7 +68,7 @@ from comm import Messages
 from optim import ensure_adam_state
 
 # ---------------------------------------------------------------------------------------------------------
-# The placement (deepseek-ai/EPLB): pure, on host lists
+# The placement (deepseek-ai/EPLB): pure, on the host
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -236,16 +240,16 @@ class ReplicaFacts:
 
 
 class RedundantExperts:
-    """The step's work of the replicas over the MoE layers this rank holds (moe.MoEAxis.after_grad_sync calls
-    it after the layout's sum over expert_dp): the replicas' gradient sum, the load average, the re-plan."""
+    """The step's work of the replicas over the MoE layers this rank holds (at least one; moe.MoEAxis.
+    after_grad_sync calls it after the layout's sum over expert_dp): the replicas' gradient sum, the load
+    average, the re-plan. load_groups: {name: group} of the ranks whose tokens these layers route too."""
 
     def __init__(self, layers: list, replan_every: int, decay: float, ep_group, load_groups: dict):
         self.layers, self.replan_every, self.decay = layers, replan_every, decay
         self.ep_group = ep_group
-        self.load_groups = [group for group in load_groups.values() if dist.get_world_size(group) > 1]
-        self.load_group_names = [name for name, group in load_groups.items() if dist.get_world_size(group) > 1]
-        first = layers[0].replicas if layers else None
-        self.n, self.slots, self.ep = (first.n_experts, first.slots, first.ep_size) if first else (0, 0, 1)
+        self.load_groups = {name: group for name, group in load_groups.items() if dist.get_world_size(group) > 1}
+        first = layers[0].replicas
+        self.n, self.slots, self.ep = first.n_experts, first.slots, first.ep_size
         self.steps, self.replans, self.moved = 0, 0, [0, 0]  # moved: all_to_all calls, bytes this rank sent
         self.measured = ((), math.nan, math.nan)  # ReplicaFacts' measured_under, balance, in_place
 
@@ -268,10 +272,8 @@ class RedundantExperts:
     def sum_replica_grads(self) -> None:
         """Every slot of a replicated expert gets the sum of all its slots' gradients: one all-reduce over ep
         of R − N experts a layer (the replicated ones, in expert order, zeros past them and where absent)."""
-        psi = self.expert_size()
-        params = [next(iter(layer.experts.values())).parameters() for layer in self.layers]
-        buffer = torch.zeros(len(self.layers), self.slots - self.n, psi, dtype=next(params[0]).dtype,
-                             device=self.layers[0].replicas.step_load.device)
+        like = next(self.layers[0].experts.parameters())  # DDP: the gradients have the parameters' dtype
+        buffer = like.new_zeros((len(self.layers), self.slots - self.n, self.expert_size()))
         places = []  # (layer index, row, slot's params)
         for index, layer in enumerate(self.layers):
             r = layer.replicas
@@ -290,7 +292,7 @@ class RedundantExperts:
         """Sum the load averages and the window over the ranks that routed these layers' tokens, place anew
         (the same on every rank: the same bits in), move the slots whose expert changed, rename them."""
         stats = torch.stack([torch.cat([layer.replicas.average, layer.replicas.window]) for layer in self.layers])
-        for group in self.load_groups:
+        for group in self.load_groups.values():
             dist.all_reduce(stats, group=group)
         rows = stats.tolist()  # the one host sync of a re-plan
         self.replans += 1
@@ -370,7 +372,7 @@ class RedundantExperts:
         out = Messages()
         if self.slots > self.n:
             out.add("all_reduce", "ep", sums, sums * len(self.layers) * (self.slots - self.n) * psi * element)
-        for name in self.load_group_names:
+        for name in self.load_groups:
             out.add("all_reduce", name, replans, replans * len(self.layers) * (2 * self.n + self.ep) * 8)
         return out.add("all_to_all_single", "ep", *moved)
 

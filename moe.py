@@ -443,8 +443,10 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
                       max(4, next(model.parameters()).element_size()), config.replicas)
-    redundant = eplb.RedundantExperts(layers, config.replan_every, config.load_decay, mesh.group("ep"), {
-        name: mesh.group(name) for name in ("dp_cp", *(("tp",) if sp > 1 else ()))}) if config.replicas else None
+    redundant = None  # with --moe-replicas: the replicas' step work; their tokens' loads are summed over dp×cp (tp)
+    if config.replicas and layers:
+        redundant = eplb.RedundantExperts(layers, config.replan_every, config.load_decay, mesh.group("ep"),
+                                          {name: mesh.group(name) for name in ("dp_cp", "tp")[:1 + (sp > 1)]})
     return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None, redundant)
 
 
@@ -500,7 +502,7 @@ class MoEAxis(Axis):
     def facts(self) -> MoEFacts:
         held = sum(p.numel() for layer in self.layers for p in layer.experts.parameters())
         return MoEFacts(self.traffic, self.layers[0].local if self.layers else range(0), held,
-                        self.redundant.facts() if self.redundant is not None and self.layers else None)
+                        self.redundant.facts() if self.redundant is not None else None)
 
     def params(self) -> list:
         return [p for layer in self.layers for p in layer.parameters()]
@@ -508,7 +510,7 @@ class MoEAxis(Axis):
     def predicted_messages(self, layout=None) -> Messages:
         """Per optimizer step, for UNIFORM routing (item 3), and the replicas' for a uniform load (eplb.py)."""
         out = self.routing_messages(layout)
-        return out + self.redundant.predicted_messages() if self.redundant is not None and self.layers else out
+        return out + self.redundant.predicted_messages() if self.redundant is not None else out
 
     def routing_messages(self, layout=None) -> Messages:
         """Item 3 for UNIFORM routing. SP's sum covers the layout's gradient pieces of the experts and router
@@ -529,7 +531,7 @@ class MoEAxis(Axis):
         if self.traffic.ep > 1 and self.observer is not None:
             out.pop(ALL_TO_ALL, None)
             out = out + all_to_all_messages(self.traffic, *self.observer.rows()).times(1 / steps)
-        return out + self.redundant.traced_messages(steps) if self.redundant is not None and self.layers else out
+        return out + self.redundant.traced_messages(steps) if self.redundant is not None else out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """eplb.py: deepseek-ai/EPLB's placement on its README example, by hand on small cases; redundant experts in
 training against the single-device model (float64, 1e-10) through train.compose and step.train_step on 4 ranks
-(E = 2 and 4, re-planned every step so slots move), replicas bitwise equal, traced messages as predicted,
-checkpoints that resume on another E and R; the flags' bad inputs; and, through train.py (slow), the rows per
+(E = 2 and 4, with TP and SP, CP, PP; re-planned every step so slots move), replicas bitwise equal, traced
+messages as predicted, checkpoints that resume on another E and R (2 ranks, E = 2, in the quick suite); the flags' bad inputs; and, through train.py (slow), the rows per
 EP rank falling with replicas under a skewed load while the loss curve stays the one without replicas.
 """
 
@@ -77,6 +77,9 @@ REPLAN = ["--moe-replan-every", "1"]
 CASES = [
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", *REPLAN], {}, 8, 1),  # D = 4, E = 2, m = 2
     (["--moe-experts", "4", "--ep", "4", "--moe-replicas", "8", "--moe-capacity-factor", "1.0", *REPLAN], {}, 8, 2),
+    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--tp", "2", "--sp", *REPLAN], {}, 4, 1),  # loads
+    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--cp", "2", *REPLAN], {}, 4, 1),  # over tp too
+    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--pp", "2", *REPLAN], dict(n_layer=2), 8, 1),
 ]
 SAVE_AT = 2
 RESHARD = [  # (saves after SAVE_AT steps, resumes to STEPS): each replica set is one logical expert on disk
@@ -144,6 +147,45 @@ def _runs(rank, world):
     return out
 
 
+def _assert_replicas_equal_and_moved(per_rank):
+    """Every copy of an expert bitwise equal on every rank; a re-plan each step, and bytes moved across ranks."""
+    copies = {}
+    for r in per_rank:
+        for (layer_id, _), (expert, flat) in r["slots"].items():
+            copies.setdefault((layer_id, expert), []).append(flat)
+    assert any(len(flats) > 1 for flats in copies.values())  # some expert has replicas
+    for flats in copies.values():
+        assert all(torch.equal(flat, flats[0]) for flat in flats)
+    assert all(r["replans"] == STEPS for r in per_rank)
+    assert sum(r["moved"][1] for r in per_rank) > 0  # bytes sent by all_to_all_single at re-plans
+
+
+def _assert_traced_as_predicted(per_rank):
+    """Every (collective, group) of the traced steps: the replicas' gradient sum over ep, the loads' all-reduce,
+    the re-plans' moves (from what they sent) beside the layout's, the dispatch's and the step's."""
+    for rank, r in enumerate(per_rank):
+        traced, predicted = r["messages"]
+        assert set(traced) == set(predicted), (rank, set(traced) ^ set(predicted))
+        for key, (calls, payload) in predicted.items():
+            assert traced[key] == pytest.approx((calls, payload), abs=1e-9), (rank, key)
+
+
+QUICK = (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", *REPLAN], {}, 4, 1)  # D = E = 2, m = 2
+
+
+def _quick(rank, world):
+    return _run(rank, world, *QUICK)
+
+
+def test_two_ranks_with_replicas_train_as_one_device_keep_replicas_equal_and_trace_as_predicted():
+    """The quick suite's case: D = E = 2, N = 4 in R = 6 slots, re-planned after every step: the losses and
+    every held tensor within 1e-10 of the single device's, replicas bitwise equal, messages as predicted."""
+    per_rank = run_ranks(_quick, 2, timeout=300)
+    _check([(r["losses"], r["params"]) for r in per_rank], *QUICK)
+    _assert_replicas_equal_and_moved(per_rank)
+    _assert_traced_as_predicted(per_rank)
+
+
 @pytest.fixture(scope="module")
 def replica_runs():
     return run_ranks(_runs, 4, timeout=600)
@@ -160,27 +202,13 @@ def test_training_with_replicas_equals_the_single_device_model(replica_runs, ind
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_replicas_stay_bitwise_equal_and_the_re_plans_moved_slots_across_ranks(replica_runs, index):
-    copies = {}
-    for r in replica_runs:
-        for (layer_id, _), (expert, flat) in r[index]["slots"].items():
-            copies.setdefault((layer_id, expert), []).append(flat)
-    assert any(len(flats) > 1 for flats in copies.values())  # some expert has replicas
-    for flats in copies.values():
-        assert all(torch.equal(flat, flats[0]) for flat in flats)
-    assert all(r[index]["replans"] == STEPS for r in replica_runs)
-    assert sum(r[index]["moved"][1] for r in replica_runs) > 0  # bytes sent by all_to_all_single at re-plans
+    _assert_replicas_equal_and_moved([r[index] for r in replica_runs])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_traced_messages_equal_the_prediction(replica_runs, index):
-    """Every (collective, group) of the traced steps: the replicas' gradient sum over ep, the loads' all-reduce,
-    the re-plans' moves (from what they sent) beside the layout's, the dispatch's and the step's."""
-    for rank, r in enumerate(replica_runs):
-        traced, predicted = r[index]["messages"]
-        assert set(traced) == set(predicted), (rank, set(traced) ^ set(predicted))
-        for key, (calls, payload) in predicted.items():
-            assert traced[key] == pytest.approx((calls, payload), abs=1e-9), (rank, key)
+    _assert_traced_as_predicted([r[index] for r in replica_runs])
 
 
 @pytest.mark.slow
