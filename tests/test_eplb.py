@@ -111,9 +111,12 @@ def _run(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_ro
     for step, (x, y) in enumerate(global_batches(STEPS, global_batch, 16)):
         if start <= step < stop:
             batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.index("dp"), mesh.size("dp"), micro)]
+            for axis in run.axes:
+                batches = axis.shard_batches(batches)  # CP cuts the sequences
             with run.tracer:
                 losses[step] = train_step(run.layout, scaler, batches, mesh.group("dp_cp"), 0.05, run.autocast,
-                                          run.device, model=run.model, axes=run.axes, data_size=mesh.size("dp")).loss
+                                          run.device, model=run.model, schedule=run.schedule, axes=run.axes,
+                                          data_size=mesh.size("dp")).loss
     steps = len(losses)
     traced = {key: (r.calls / steps, r.payload_bytes / steps) for key, r in run.tracer.records.items()}
     if save_root:
