@@ -68,6 +68,23 @@ def test_the_slots_routed_to_a_replicated_expert_take_turns_over_its_replicas():
     assert replicas.step_load.tolist() == [3, 1, 1] and replicas.window.tolist() == [3, 1, 1, 3, 2]
 
 
+def test_each_step_folds_its_load_into_the_moving_average_with_the_stated_decay():
+    """load ← d·load + (1 − d)·the step's kept slots, d = --moe-load-decay, once per step (after_grad_sync);
+    one rank, E = 1 (R = N: nothing to sum, nothing to re-place)."""
+    from types import SimpleNamespace
+
+    import eplb
+
+    replicas = eplb.Replicas(4, 4, 1, 0, torch.device("cpu"))
+    replicas.set_plan([0, 1, 2, 3], [0, 0, 0, 0], [1, 1, 1, 1])
+    layer = SimpleNamespace(replicas=replicas, layer_id=0, experts=torch.nn.ModuleDict())
+    redundant = eplb.RedundantExperts([layer], replan_every=1, decay=0.75, ep_group=None, load_groups={})
+    for step_load, expected in (([4, 0, 0, 0], [1, 0, 0, 0]), ([0, 4, 0, 0], [0.75, 1, 0, 0])):
+        replicas.step_load += torch.tensor(step_load, dtype=torch.float64)
+        redundant.after_grad_sync(layout=None)
+        assert replicas.average.tolist() == expected and replicas.step_load.tolist() == [0, 0, 0, 0]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Training with replicas on 4 ranks, float64, against the single-device model
 # ---------------------------------------------------------------------------------------------------------
