@@ -195,7 +195,8 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
         f"  FLOPs per token (model) 6·N_active + 12·L·H·Q·s = {mfu.format_flops(flops.model)},"
         f" N_active = {counts['active_matmul']:,} matmul weights (k experts + router, not N)",
         f"  expert parallel E={traffic.ep} (group ep), expert grads over expert_dp ({run.mesh.size('expert_dp')}"
-        f" ranks), router over dp×cp, replicated over tp: this rank holds experts [{local.start}, {local.stop}) of"
+        f" ranks), router over dp×cp, replicated over tp: this rank holds {'slots' if facts.replicas else 'experts'}"
+        f" [{local.start}, {local.stop}) of"
         f" each MoE layer = {held:,} params = {mfu.format_bytes(held * next(run.model.parameters()).element_size())}"
         f" weights, {mfu.format_bytes(held * 16)} with fp32 grads + AdamW",
     ]
@@ -244,8 +245,7 @@ def moe_end_lines(axis, run, steps: int) -> list:
             mean = sum(load) / len(load) if sum(load) else 1.0
             lines.append(f"moe load over the last {span} step{'s' if span != 1 else ''}, h.{layer_id}:"
                          f" |{moe_histogram(load)}| {load} imbalance {max(load) / mean:.2f}")
-    plan = axis.facts().replicas  # eplb.py: the placement, and the rows per EP rank measured under the last one
-    if plan is not None:
+    if (plan := axis.facts().replicas) is not None:  # eplb.py: the placement, the rows per EP rank measured
         lines.append(f"moe replicas R={plan.slots}, {plan.replans} re-plans: h.{plan.layer_id} phy2log"
                      f" {list(plan.phy2log)}; rows per EP rank max/mean {plan.balance:.3f} under"
                      f" {list(plan.measured_under)}, experts in place {plan.in_place:.3f} (the window before the"

@@ -1,8 +1,9 @@
 """eplb.py: deepseek-ai/EPLB's placement on its README example, by hand on small cases; redundant experts in
-training against the single-device model (float64, 1e-10) through train.compose and step.train_step on 4 ranks
-(E = 2 and 4, with TP and SP, CP, PP; re-planned every step so slots move), replicas bitwise equal, traced
-messages as predicted, checkpoints that resume on another E and R (2 ranks, E = 2, in the quick suite); the flags' bad inputs; and, through train.py (slow), the rows per
-EP rank falling with replicas under a skewed load while the loss curve stays the one without replicas.
+training against the single-device model (float64, 1e-10) through train.compose and step.train_step: on 2 ranks
+(E = 2) in the quick suite, on 4 (slow: E = 2 and 4, with TP and SP, CP, PP), re-planned every step so slots
+move, replicas bitwise equal, traced messages as predicted, checkpoints that resume on another E and R; the
+flags' bad inputs; and, through train.py (slow), the rows per EP rank falling with replicas under a skewed load
+while the loss curve stays the one without replicas.
 """
 
 import json
