@@ -21,33 +21,40 @@ Training with it (`Replicas`, set up by moe.apply when --moe-replicas R is given
   value (up to the rounding of another matmul shape).
 - Gradients. Each slot is its own copy of the logical expert's tensors (named by the logical expert, so the
   init and the checkpoint see one logical tensor). After the layout's sum over expert_dp, `sum_replica_grads`
-  adds, over ep, the gradients of the slots holding the same logical expert: every replica then holds the
-  logical expert's whole gradient, and the same AdamW update keeps the replicas bitwise equal (the all-reduce
-  hands every rank the same sum). The grad norm and the checkpoint count one copy: replica 0 (`ShardInfo.
-  replica`; the layout recounts after a re-plan).
+  adds the gradients of the slots holding the same logical expert: every replica then holds the logical
+  expert's whole gradient, and the same AdamW update keeps the replicas bitwise equal (the all-reduce hands
+  every rank the same sum). Under DDP each ep rank holds its slots' gradients whole: the sum runs over ep.
+  Under ZeRO 1/2 each expert_dp rank holds a flat range of them (and of the master weights and moments, read
+  through the layout's state_pieces and grad_pieces): the sum runs over dp×cp, each element added by the one
+  rank holding it. The grad norm and the checkpoint count one copy: replica 0 (`ShardInfo.replica`; the
+  layout recounts after a re-plan).
 - Re-planning. Each layer counts the kept slots routed to each logical expert in training (what loads it);
   once per step `after_grad_sync` folds them into a moving average, load ← d·load + (1 − d)·step's,
   d = --moe-load-decay; every n = --moe-replan-every steps the averages are summed over dp×cp (and tp with
   --sp: the ranks holding the same layers see different tokens), the placement recomputed (the same on every
-  rank) and each slot whose logical expert changed receives its tensors, gradient and AdamW moments from the
-  lowest old slot of that expert, by one all-to-all over ep (`move_slots`), before the optimizer step.
+  rank), and each slot whose logical expert changed takes that expert's weights, gradient and AdamW state from
+  its lowest old slot, before the optimizer step (`move_slots`: one all-reduce of the moved experts' state over
+  the group of the gradient sum, each element added by one rank; an all-to-all of the moved slots would send
+  less, one collective for both layouts reads simpler).
 
-Symbols: N, E, R as above, L_moe MoE layers this rank holds, Ψ_e one expert's parameters, e_p the bytes of a
-parameter, its gradient and moments (DDP: 4), n the re-plan interval, M_l the slots of layer l this rank sends
-at a re-plan.
+Symbols: N, E, R as above, L_moe MoE layers this rank holds, Ψ_e one expert's parameters, e_g the bytes of a
+gradient element (DDP: the parameters'; ZeRO: its accumulation dtype's), e_o of the optimizer's (DDP: the
+parameters'; ZeRO: the master dtype's), K the kinds of state a slot carries (DDP 4: weights, gradient, two
+moments; ZeRO 5: and the master weights), n the re-plan interval, M the slots of all layers that move at a
+re-plan, g the gradient sum's group (ep under DDP, dp×cp under ZeRO 1/2).
 
 1. Replicated and split. Split E ways: the R physical slots (R/E per rank). Replicated: a hot expert's tensors
-   on c_i slots, bitwise equal; the placement (phy2log, log2phy, logcnt) and the load average on every rank.
+   on c_i slots, bitwise equal; the placement (phy2log, log2phy, logcnt) on every rank.
 2. Peak per device. Parameters L_moe·(R/E)·Ψ_e for the experts (R/N times plain EP's), ×16 bytes with fp32
-   gradients and AdamW. Temporaries: the replica sum's buffer, L_moe·(R − N)·Ψ_e·e_p; a re-plan's send and
-   receive buffers, at most L_moe·(R/E)·4·Ψ_e·e_p each. The dispatch's: plain EP's, with [R] counts.
+   gradients and AdamW under DDP (ZeRO shards the state as it does the rest). Temporaries: the replica sum's
+   buffer, L_moe·(R − N)·Ψ_e·e_g; a re-plan's, M·K·Ψ_e·e_o. The dispatch's: plain EP's, with [R] counts.
 3. Messages, per optimizer step, on top of plain EP's (whose counts all-to-all carries 8R bytes, not 8N):
-       all_reduce  ep     L_moe·(R − N)·Ψ_e·e_p   the replicas' gradient sum (padded to R − N experts a
+       all_reduce  g      L_moe·(R − N)·Ψ_e·e_g   the replicas' gradient sum (padded to R − N experts a
                                                  layer, so its size never depends on the plan)
    and per re-plan (every n steps; the startup table's 1/n calls a step, no move: a uniform load keeps the plan):
-       all_reduce        dp×cp (tp)  L_moe·(2N + E)·8   the load averages, the window's kept slots per expert
-                                                       and rows per ep rank (float64)
-       all_to_all_single ep          Σ_l M_l·4·Ψ_e·e_p  the moved slots' weights, gradients and two moments
+       all_reduce  dp×cp (tp)  L_moe·(2N + E)·8   the load averages, the window's kept slots per expert and
+                                                 rows per ep rank (float64)
+       all_reduce  g           M·K·Ψ_e·e_o        the moved slots' state (when a slot moves)
    Host syncs: one `.tolist()` of the averages per re-plan.
 4. Restart state: none. The checkpoint holds each replica set as ONE logical expert (`...experts.<i>...`), so
    it loads with any R and E; a resumed run starts from the uniform placement and a fresh average (the
@@ -65,7 +72,6 @@ import torch
 import torch.distributed as dist
 
 from comm import Messages
-from optim import ensure_adam_state
 
 # ---------------------------------------------------------------------------------------------------------
 # The placement (deepseek-ai/EPLB): pure, on the host
@@ -219,8 +225,8 @@ def check_flags(slots: int, n_experts: int, ep: int, zero: int) -> None:
             (slots > n_experts * ep, f"--moe-replicas {slots} is more replicas than slots: each of the {ep} ranks"
                                      f" would hold {slots // ep} slots for {n_experts} experts (at most N·E ="
                                      f" {n_experts * ep})"),
-            (zero > 0, f"--moe-replicas with --zero {zero}: the replicas' gradient sum and moves are written for"
-                       f" DDP (--zero 0) so far")):
+            (zero > 2, f"--moe-replicas with --zero {zero}: the replicas' gradient sum and moves read whole working"
+                       f" weights, which stage 3 gathers only around each block; use --zero 0, 1 or 2")):
         if broken:
             raise ValueError(message)
 
@@ -242,16 +248,17 @@ class ReplicaFacts:
 class RedundantExperts:
     """The step's work of the replicas over the MoE layers this rank holds (at least one; moe.MoEAxis.
     after_grad_sync calls it after the layout's sum over expert_dp): the replicas' gradient sum, the load
-    average, the re-plan. load_groups: {name: group} of the ranks whose tokens these layers route too."""
+    average, the re-plan. groups: {"ep", "dp_cp", "expert_dp"}; load_groups: {name: group} of the ranks whose
+    tokens these layers route too (dp×cp, and tp with --sp)."""
 
-    def __init__(self, layers: list, replan_every: int, decay: float, ep_group, load_groups: dict):
-        self.layers, self.replan_every, self.decay = layers, replan_every, decay
-        self.ep_group = ep_group
+    def __init__(self, layers: list, replan_every: int, decay: float, groups: dict, load_groups: dict):
+        self.layers, self.replan_every, self.decay, self.groups = layers, replan_every, decay, groups
         self.load_groups = {name: group for name, group in load_groups.items() if dist.get_world_size(group) > 1}
         first = layers[0].replicas
         self.n, self.slots, self.ep = first.n_experts, first.slots, first.ep_size
-        self.steps, self.replans, self.moved = 0, 0, [0, 0]  # moved: all_to_all calls, bytes this rank sent
+        self.steps, self.replans, self.moved = 0, 0, [0, 0]  # moved: all-reduce calls and bytes of the moves
         self.measured = ((), math.nan, math.nan)  # ReplicaFacts' measured_under, balance, in_place
+        self.pieces, self.sharded = None, False  # the layout's state of each slot parameter (`slot_state`)
 
     def expert_size(self) -> int:
         """Ψ_e: one slot's parameters."""
@@ -260,7 +267,7 @@ class RedundantExperts:
     @torch.no_grad()
     def after_grad_sync(self, layout) -> None:
         if self.slots > self.n:
-            self.sum_replica_grads()
+            self.sum_replica_grads(layout)
         for layer in self.layers:
             r = layer.replicas
             r.average.mul_(self.decay).add_(r.step_load, alpha=1 - self.decay)
@@ -269,24 +276,64 @@ class RedundantExperts:
         if self.ep > 1 and self.steps % self.replan_every == 0:
             self.replan(layout)
 
-    def sum_replica_grads(self) -> None:
-        """Every slot of a replicated expert gets the sum of all its slots' gradients: one all-reduce over ep
-        of R − N experts a layer (the replicated ones, in expert order, zeros past them and where absent)."""
-        like = next(self.layers[0].experts.parameters())  # DDP: the gradients have the parameters' dtype
+    def slot_state(self, layout) -> dict:
+        """{slot parameter: [(kind, this rank's tensor of it, (lo, hi) its place in the parameter's flat
+        elements)]}: its weights (whole), gradient and AdamW state, read through the layout's protocol
+        (state_pieces, grad_pieces): whole under DDP; under ZeRO 1/2 this rank's flat range of the gradient,
+        master weights and moments (`sharded`: those are then summed over dp×cp, not ep). Read once: a re-plan
+        moves values, never parameters or pieces."""
+        if self.pieces is None:
+            pieces = layout.state_pieces()
+            self.sharded = any(piece.key.startswith("master/") for piece in pieces)
+            by_record = {}
+            for piece in pieces:
+                by_record.setdefault(id(piece.shard), []).append(piece)
+            self.pieces = {}
+            for p in (p for layer in self.layers for p in layer.experts.parameters()):
+                state = []
+                for piece in by_record.get(id(p.shard_info), []):
+                    lo, hi = piece.flat_range or (0, p.numel())
+                    state.append((piece.key.split("/")[0], piece.tensor, (lo, hi)))
+                    if piece.key.startswith("exp_avg/"):  # the gradient piece is the moments' range
+                        state += [("grad", g, (lo, hi)) for g in layout.grad_pieces([p])]
+                self.pieces[p] = state
+        return self.pieces
+
+    def summed_over(self, kind: str) -> tuple:
+        """(the group a slot's `kind` is summed over, whether this rank adds its copy): ep when each ep rank holds
+        its slots whole (DDP); dp×cp when the layout shards them over expert_dp (ZeRO), the weights (whole on
+        every expert_dp rank) added by expert_dp rank 0 only."""
+        if not self.sharded:
+            return "ep", True
+        return "dp_cp", kind != "param" or dist.get_rank(self.groups["expert_dp"]) == 0
+
+    def sum_replica_grads(self, layout) -> None:
+        """Every slot of a replicated expert gets the sum of all its slots' gradients: one all-reduce of R − N
+        experts a layer (the replicated ones, in expert order, zeros past them and where absent) over
+        `summed_over("grad")`, each rank adding the pieces it holds at their place in the expert."""
+        state = self.slot_state(layout)
+        like = next(t for p in state for kind, t, _ in state[p] if kind == "grad")
         buffer = like.new_zeros((len(self.layers), self.slots - self.n, self.expert_size()))
-        places = []  # (layer index, row, slot's params)
+        places = []  # (layer index, row, slot)
         for index, layer in enumerate(self.layers):
             r = layer.replicas
             row = {e: j for j, e in enumerate(i for i, c in enumerate(r.logcnt) if c > 1)}
-            for q in r.local:
-                if r.phy2log[q] in row:
-                    slot = list(layer.experts[str(q)].parameters())
-                    buffer[index, row[r.phy2log[q]]] += torch.cat([p.grad.reshape(-1) for p in slot])
-                    places.append((index, row[r.phy2log[q]], slot))
-        dist.all_reduce(buffer, group=self.ep_group)
+            places += [(index, row[r.phy2log[q]], layer.experts[str(q)]) for q in r.local if r.phy2log[q] in row]
         for index, row, slot in places:
-            for p, summed in zip(slot, buffer[index, row].split([p.numel() for p in slot])):
-                p.grad.copy_(summed.view_as(p))
+            for kind, t, (lo, hi) in self.pieces_of(slot, "grad"):
+                buffer[index, row, lo:hi] += t.reshape(-1)
+        dist.all_reduce(buffer, group=self.groups[self.summed_over("grad")[0]])
+        for index, row, slot in places:
+            for kind, t, (lo, hi) in self.pieces_of(slot, "grad"):
+                t.copy_(buffer[index, row, lo:hi].view_as(t))
+
+    def pieces_of(self, slot, *kinds) -> list:
+        """[(kind, tensor, (lo, hi) in the expert's flat elements)] of a slot's state pieces of `kinds`."""
+        out, offset = [], 0
+        for p in slot.parameters():
+            out += [(kind, t, (offset + lo, offset + hi)) for kind, t, (lo, hi) in self.pieces[p] if kind in kinds]
+            offset += p.numel()
+        return out
 
     def replan(self, layout) -> None:
         """Sum the load averages and the window over the ranks that routed these layers' tokens, place anew
@@ -298,12 +345,12 @@ class RedundantExperts:
         self.replans += 1
         self.measured = (tuple(self.layers[0].replicas.phy2log),
                          *window_balance([row[self.n:] for row in rows], self.n, self.ep))
-        old = [(layer.replicas.phy2log, layer.replicas.replica) for layer in self.layers]
+        old = [layer.replicas.phy2log for layer in self.layers]
         for layer, row in zip(self.layers, rows):
             layer.replicas.window.zero_()
             layer.replicas.set_plan(*place_layer(torch.tensor(row[:self.n], dtype=torch.float32), self.slots, 1, 1,
                                                  self.ep))
-        self.move_slots(layout, [phy2log for phy2log, _ in old])
+        self.move_slots(layout, old)
         for layer in self.layers:
             r = layer.replicas
             for q in r.local:
@@ -312,54 +359,42 @@ class RedundantExperts:
                         p.shard_info.global_name, r.phy2log[q]))
         layout.recount()  # which copies count in the norm: the new replica-0 slots
 
-    def transfers(self, old: list) -> list:
-        """[(layer index, source slot, destination slot)] of a re-plan from the `old` phy2log of each layer, the
-        same list on every rank: each slot whose expert changed takes it from the lowest old slot of that
-        expert on its own rank, else from the lowest old slot anywhere."""
-        out, per_rank = [], self.slots // self.ep
-        for index, layer in enumerate(self.layers):
-            for q, expert in enumerate(layer.replicas.phy2log):
-                if old[index][q] != expert:
-                    here = [s for s in range(q - q % per_rank, q - q % per_rank + per_rank) if old[index][s] == expert]
-                    out.append((index, here[0] if here else old[index].index(expert), q))
-        return out
-
     def move_slots(self, layout, old: list) -> None:
-        """Each moved slot receives its expert's weights, gradient and AdamW moments (`transfers`): a copy on
-        its own rank, or one all_to_all_single over ep (when any move crosses ranks), each rank sending to
-        each destination in the list's order."""
-        ensure_adam_state(layout.optimizer)  # a re-plan before the first update moves zero moments
-        per_rank = self.slots // self.ep
-        me, moves = self.layers[0].replicas.local.start // per_rank, self.transfers(old)
-
-        def packed(index, q):  # a slot's tensors, flat (a copy: read before any slot is written)
-            return torch.cat([t.reshape(-1) for t in slot_tensors(layout, self.layers[index].experts[str(q)])])
-
-        arrived = [((i, q), packed(i, s)) for i, s, q in moves if s // per_rank == me and q // per_rank == me]
-        if any(s // per_rank != q // per_rank for _, s, q in moves):
-            sends = [[packed(i, s) for i, s, q in moves if s // per_rank == me and q // per_rank == rank != me]
-                     for rank in range(self.ep)]
-            receives = [[(i, q) for i, s, q in moves if q // per_rank == me and s // per_rank == rank != me]
-                        for rank in range(self.ep)]
-            unit, like = 4 * self.expert_size(), next(self.layers[0].experts.parameters())
-            sent = torch.cat([t for row in sends for t in row] or [like.new_zeros(0)])
-            received = sent.new_empty(unit * sum(map(len, receives)))
-            dist.all_to_all_single(received, sent, output_split_sizes=[unit * len(row) for row in receives],
-                                   input_split_sizes=[unit * len(row) for row in sends], group=self.ep_group)
-            self.moved = [self.moved[0] + 1, self.moved[1] + sent.numel() * sent.element_size()]
-            arrived += zip([place for row in receives for place in row], received.split(unit))
-        for (index, q), flat in arrived:
-            tensors = slot_tensors(layout, self.layers[index].experts[str(q)])
-            for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
-                t.copy_(piece.view_as(t))
+        """Each slot whose expert changed takes that expert's weights, gradient and AdamW state (the layout's:
+        `slot_state`) from its lowest old slot, through one all-reduce of the moved experts' state (each
+        element added by the one rank that holds it, `summed_over`), the same on every rank: the plans say
+        which slots move."""
+        moves = [(index, old[index].index(expert), q) for index, layer in enumerate(self.layers)
+                 for q, expert in enumerate(layer.replicas.phy2log) if old[index][q] != expert]
+        if not moves:
+            return
+        state, per_rank = self.slot_state(layout), self.slots // self.ep
+        kinds = sorted({kind for p in state for kind, _, _ in state[p]})  # the same on every rank of a layout
+        like = next(t for p in state for kind, t, _ in state[p] if kind == "exp_avg")  # the master dtype
+        buffer = like.new_zeros((len(moves), len(kinds), self.expert_size()))
+        local = self.layers[0].replicas.local
+        for m, (index, source, _) in enumerate(moves):
+            if source in local:
+                for kind, t, (lo, hi) in self.pieces_of(self.layers[index].experts[str(source)], *kinds):
+                    if self.summed_over(kind)[1]:
+                        buffer[m, kinds.index(kind), lo:hi] = t.reshape(-1)
+        group = self.summed_over("exp_avg")[0]
+        dist.all_reduce(buffer, group=self.groups[group])
+        self.moved = [self.moved[0] + 1, self.moved[1] + buffer.numel() * buffer.element_size()]
+        for m, (index, _, q) in enumerate(moves):
+            if q in local:
+                for kind, t, (lo, hi) in self.pieces_of(self.layers[index].experts[str(q)], *kinds):
+                    t.copy_(buffer[m, kinds.index(kind), lo:hi].view_as(t))
 
     def facts(self) -> ReplicaFacts:
         first = self.layers[0]
         return ReplicaFacts(self.slots, self.replans, first.layer_id, tuple(first.replicas.phy2log), *self.measured)
 
-    def predicted_messages(self) -> Messages:
+    def predicted_messages(self, layout=None) -> Messages:
         """Per optimizer step, for a uniform load (the plan never changes: nothing moves): the gradient sum
-        over ep every step, the load averages' all-reduce every n-th (docstring item 3)."""
+        every step, the load averages' all-reduce every n-th (docstring item 3). No layout: as under DDP."""
+        if layout is not None:
+            self.slot_state(layout)
         return self.messages(1.0, 1 / self.replan_every if self.ep > 1 else 0, (0, 0))
 
     def traced_messages(self, steps: int) -> Messages:
@@ -368,22 +403,18 @@ class RedundantExperts:
         return self.messages(self.steps / steps, self.replans / steps, [m / steps for m in self.moved])
 
     def messages(self, sums: float, replans: float, moved) -> Messages:
-        psi, element = self.expert_size(), next(self.layers[0].experts.parameters()).element_size()
-        out = Messages()
+        """The gradient sums' all-reduce (no layout seen yet: as DDP's, over ep, in the weights' dtype), the
+        loads', the moves'."""
+        like = next(self.layers[0].experts.parameters())
+        if self.pieces is not None:  # the gradient pieces' dtype (ZeRO: its accumulation dtype)
+            like = next(t for p in self.pieces for kind, t, _ in self.pieces[p] if kind == "grad")
+        group, out = self.summed_over("grad")[0], Messages()
         if self.slots > self.n:
-            out.add("all_reduce", "ep", sums, sums * len(self.layers) * (self.slots - self.n) * psi * element)
+            out.add("all_reduce", group, sums, sums * len(self.layers) * (self.slots - self.n) * self.expert_size()
+                    * like.element_size())
         for name in self.load_groups:
             out.add("all_reduce", name, replans, replans * len(self.layers) * (2 * self.n + self.ep) * 8)
-        return out.add("all_to_all_single", "ep", *moved)
-
-
-def slot_tensors(layout, slot) -> list:
-    """What a slot's move carries, per parameter: weights, gradient, AdamW's two moments (DDP: its optimizer)."""
-    out = []
-    for p in slot.parameters():
-        state = layout.optimizer.state[p]
-        out += [p.data, p.grad, state["exp_avg"], state["exp_avg_sq"]]
-    return out
+        return out.add("all_reduce", self.summed_over("exp_avg")[0], *moved)
 
 
 def expert_name(global_name: str, expert: int) -> str:

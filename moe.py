@@ -445,7 +445,8 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
                       max(4, next(model.parameters()).element_size()), config.replicas)
     redundant = None  # with --moe-replicas: the replicas' step work; their tokens' loads are summed over dp×cp (tp)
     if config.replicas and layers:
-        redundant = eplb.RedundantExperts(layers, config.replan_every, config.load_decay, mesh.group("ep"),
+        redundant = eplb.RedundantExperts(layers, config.replan_every, config.load_decay,
+                                          {name: mesh.group(name) for name in ("ep", "dp_cp", "expert_dp")},
                                           {name: mesh.group(name) for name in ("dp_cp", "tp")[:1 + (sp > 1)]})
     return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None, redundant)
 
@@ -510,7 +511,7 @@ class MoEAxis(Axis):
     def predicted_messages(self, layout=None) -> Messages:
         """Per optimizer step, for UNIFORM routing (item 3), and the replicas' for a uniform load (eplb.py)."""
         out = self.routing_messages(layout)
-        return out + self.redundant.predicted_messages() if self.redundant is not None else out
+        return out + self.redundant.predicted_messages(layout) if self.redundant is not None else out
 
     def routing_messages(self, layout=None) -> Messages:
         """Item 3 for UNIFORM routing. SP's sum covers the layout's gradient pieces of the experts and router

@@ -1,9 +1,9 @@
 """eplb.py: deepseek-ai/EPLB's placement on its README example, by hand on small cases; redundant experts in
 training against the single-device model (float64, 1e-10) through train.compose and step.train_step: on 2 ranks
-(E = 2) in the quick suite, on 4 (slow: E = 2 and 4, with TP and SP, CP, PP), re-planned every step so slots
-move, replicas bitwise equal, traced messages as predicted, checkpoints that resume on another E and R; the
-flags' bad inputs; and, through train.py (slow), the rows per EP rank falling with replicas under a skewed load
-while the loss curve stays the one without replicas.
+(E = 2) in the quick suite, on 4 (slow: E = 2 and 4, with TP and SP, CP, PP, ZeRO-1 and 2), re-planned every
+step so slots move, replicas bitwise equal, traced messages as predicted, checkpoints that resume on another E
+and R; the flags' bad inputs; and, through train.py (slow), the rows per EP rank falling with replicas under a
+skewed load while the loss curve stays the one without replicas.
 """
 
 import json
@@ -79,7 +79,7 @@ def test_each_step_folds_its_load_into_the_moving_average_with_the_stated_decay(
     replicas = eplb.Replicas(4, 4, 1, 0, torch.device("cpu"))
     replicas.set_plan([0, 1, 2, 3], [0, 0, 0, 0], [1, 1, 1, 1])
     layer = SimpleNamespace(replicas=replicas, layer_id=0, experts=torch.nn.ModuleDict())
-    redundant = eplb.RedundantExperts([layer], replan_every=1, decay=0.75, ep_group=None, load_groups={})
+    redundant = eplb.RedundantExperts([layer], replan_every=1, decay=0.75, groups={}, load_groups={})
     for step_load, expected in (([4, 0, 0, 0], [1, 0, 0, 0]), ([0, 4, 0, 0], [0.75, 1, 0, 0])):
         replicas.step_load += torch.tensor(step_load, dtype=torch.float64)
         redundant.after_grad_sync(layout=None)
@@ -98,11 +98,14 @@ CASES = [
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--tp", "2", "--sp", *REPLAN], {}, 4, 1),  # loads
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--cp", "2", *REPLAN], {}, 4, 1),  # over tp too
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--pp", "2", *REPLAN], dict(n_layer=2), 8, 1),
+    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--zero", "1", *REPLAN], {}, 8, 1),  # sharded state:
+    (["--moe-experts", "4", "--ep", "4", "--moe-replicas", "8", "--zero", "2", *REPLAN], {}, 8, 2),  # sums over dp×cp
 ]
 SAVE_AT = 2
 RESHARD = [  # (saves after SAVE_AT steps, resumes to STEPS): each replica set is one logical expert on disk
     (CASES[0], (["--moe-experts", "4", "--ep", "4", "--moe-replicas", "12", *REPLAN], {}, 8, 1)),
     ((["--moe-experts", "4", "--ep", "4"], {}, 8, 1), CASES[0]),
+    (CASES[5], (["--moe-experts", "4", "--ep", "2", "--zero", "2"], {}, 8, 1)),  # ZeRO-1 with replicas → ZeRO-2
 ]
 
 
@@ -236,7 +239,8 @@ def test_traced_messages_equal_the_prediction(replica_runs, index):
 @pytest.mark.parametrize("index", range(len(RESHARD)))
 def test_a_checkpoint_with_replicas_resumes_on_another_e_and_r(replica_runs, index):
     """Saved on E = 2 with R = 6, resumed on E = 4 with R = 12; saved on E = 4 without replicas, resumed on
-    E = 2 with R = 6: the resumed steps and tensors equal the single device's uninterrupted run."""
+    E = 2 with R = 6; saved under ZeRO-1 with R = 6, resumed under ZeRO-2 without replicas: the resumed steps
+    and tensors equal the single device's uninterrupted run."""
     per_rank = [r[("resumed", index)] for r in replica_runs]
     assert all(sorted(r["losses"]) == list(range(SAVE_AT, STEPS)) for r in per_rank)
     _check([(r["losses"], r["params"]) for r in per_rank], *RESHARD[index][1])
@@ -251,7 +255,7 @@ BAD = [
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "5"], "--moe-replicas 5 must be a multiple of --ep 2"),
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "10"], "--moe-replicas 10 is more replicas than slots"),
     (["--moe-replicas", "6"], "--moe-replicas needs --moe-experts > 0"),
-    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--zero", "1"], "--moe-replicas with --zero 1"),
+    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--zero", "3"], "--moe-replicas with --zero 3"),
     (["--moe-experts", "4", "--moe-replan-every", "5"], "--moe-replan-every needs --moe-replicas"),
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--moe-replan-every", "0"],
      "--moe-replan-every must be at least 1"),
