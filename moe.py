@@ -30,9 +30,9 @@ tokens; rank e holds experts [e·N/E, (e+1)·N/E) of every MoE layer, whole. `Mo
     6. y[t] = Σ_j w_tj · row(t, j) over the kept slots
 `AllToAll` (autograd) does 3 and 5; its backward is the reverse all-to-all. Expert gradients are summed over
 expert_dp (the D×C/E ranks holding the same experts), the router's with the dense ones over dp×cp; E = 1 is
-plain data parallel. With --moe-replicas R (eplb.py) rank e holds R/E physical slots instead, hot experts
-on several, and 1-5 run by slot. Under TP the experts and the router are REPLICATED over tp: without --sp each TP rank
-computes the same thing; with --sp each routes its sequence piece and their gradients are summed over tp
+plain data parallel. With --moe-replicas R (eplb.py) rank e holds R/E physical slots instead, a hot expert
+in several, and 1-5 run by slot. Under TP the experts and the router are REPLICATED over tp: without --sp each
+TP rank computes the same thing; with --sp each routes its sequence piece and their gradients are summed over tp
 once per step (`MoEAxis.after_grad_sync`). Under PP an ep group is one stage: one schedule, one order.
 
 Symbols: N experts, k top-k, E expert-parallel size, h hidden, L_moe MoE layers (L in all), T tokens of one
@@ -476,7 +476,7 @@ class MoEAxis(Axis):
         """With --sp each TP rank routed its sequence piece: sum the experts' and router's gradients over tp."""
         if self.tp_group is not None:
             sum_in_place([g for g in layout.grad_pieces(self.params()) if g.numel()], self.tp_group)
-        if self.redundant is not None:  # the replicas' gradient sum over ep, the load, the re-plan
+        if self.redundant is not None:  # the replicas' gradient sum, the load, the re-plan (eplb.py)
             self.redundant.after_grad_sync(layout)
         return 0
 

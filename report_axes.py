@@ -201,7 +201,7 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
         f" weights, {mfu.format_bytes(held * 16)} with fp32 grads + AdamW",
     ]
     if traffic.ep > 1:
-        per_layer = 4 * tokens * k * config.n_embd * traffic.compute_bytes + 8 * n
+        per_layer = 4 * tokens * k * config.n_embd * traffic.compute_bytes + 8 * (traffic.slots or n)
         calls, payload = axis.predicted_messages(run.layout).get(moe.ALL_TO_ALL, (0, 0))
         lines.append(f"  all_to_all_single per MoE layer and micro-batch (group ep), uniform-routing estimate"
                      f" S = R = T·k = {tokens * k}: fwd counts 8N + dispatch + combine, bwd both reversed ="
