@@ -36,8 +36,9 @@ tokens; rank e holds experts [e·N/E, (e+1)·N/E) of every MoE layer, whole. `Mo
     6. y[t] = Σ_j w_tj · row(t, j) over the kept slots
 `AllToAll` (autograd) does 3 and 5; its backward is the reverse all-to-all. Expert gradients are summed over
 expert_dp (the D×C/E ranks holding the same experts), the router's with the dense ones over dp×cp; E = 1 is
-plain data parallel. Under TP the experts and the router are REPLICATED over tp: without --sp each TP rank
-computes the same thing; with --sp each routes its sequence piece and their gradients are summed over tp
+plain data parallel. With --moe-replicas R (eplb.py) rank e holds R/E physical slots instead, a hot expert
+in several, and 1-5 run by slot. Under TP the experts and the router are REPLICATED over tp: without --sp each
+TP rank computes the same thing; with --sp each routes its sequence piece and their gradients are summed over tp
 once per step (`MoEAxis.after_grad_sync`). Under PP an ep group is one stage: one schedule, one order.
 
 Symbols: N experts, k top-k, E expert-parallel size, h hidden, L_moe MoE layers (L in all), T tokens of one
@@ -89,6 +90,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import eplb
 import moe_router
 from comm import Messages
 from context_parallel import positions
@@ -177,6 +179,7 @@ class MoE(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.local = range(config.moe_experts)  # the experts this rank holds
         self.ep_group, self.ep_size = None, 1
+        self.replicas = None  # eplb.Replicas with --moe-replicas: the physical slots the dispatch sends to
         self.pieces = ()  # Pieces: the ranks holding the other pieces of this rank's micro-batch (CP, SP)
         self.observer = RoutingObserver()  # who is told what each forward routed (the accounting, or nobody)
         self.places, self.off_group = None, (0, 0)  # with groups under EP: moe_router.off_group's last record
@@ -229,6 +232,8 @@ class MoE(nn.Module):
         slot_expert = expert.reshape(-1)  # [T·k], slot s is token s // k, its choice s % k
         if keep is not None:
             slot_expert = torch.where(keep.reshape(-1), slot_expert, n)  # a dropped slot sorts after every expert
+        if self.replicas is not None:  # each slot to one replica of its expert: by physical slot from here on
+            slot_expert, n = self.replicas.physical(slot_expert, self.training), self.replicas.slots
         order = torch.argsort(slot_expert, stable=True)  # 1. kept slots by expert (token order inside), dropped last
         counts = count_per_expert(slot_expert, n + 1)[:n]  # [N] rows per expert
         if self.ep_size > 1:  # 2. destination rank r gets this rank's counts for its experts; we get each source's
@@ -425,13 +430,20 @@ class MoEConfig:
     ep: int = 1
     sequence_parallel: bool = False
     cp_balance: str | None = None  # None without CP
+    replicas: int = 0  # R physical experts (eplb.py), --moe-replicas; 0: none, the N experts in place
+    replan_every: int = 50  # --moe-replan-every
+    load_decay: float = 0.9  # --moe-load-decay
 
 
 def config_from_flags(args, settings) -> MoEConfig | None:
     """The MoE layout on this mesh (its flags checked by flags.validate, check_flags); None when dense."""
     if settings.model.moe_experts == 0:
         return None
-    return MoEConfig(settings.shape.ep, settings.sequence_parallel, args.cp_balance if settings.shape.cp > 1 else None)
+    replicas = getattr(args, "moe_replicas", 0)
+    if replicas:
+        eplb.check_flags(replicas, settings.model.moe_experts, settings.shape.ep, args.zero)
+    return MoEConfig(settings.shape.ep, settings.sequence_parallel, args.cp_balance if settings.shape.cp > 1 else None,
+                     replicas, getattr(args, "moe_replan_every", 50), getattr(args, "moe_load_decay", 0.9))
 
 
 def shard_experts(layer: MoE, ep_group, ep_size: int, ep_index: int) -> None:
@@ -457,7 +469,10 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
                    for name, balance in levels)
     layers = [block.mlp for block in model.transformer.h if isinstance(block.mlp, MoE)]
     for layer in layers:
-        shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
+        if config.replicas:  # R/E physical slots (eplb.py), else experts [e·N/E, (e+1)·N/E)
+            eplb.place_slots(layer, config.replicas, mesh.group("ep"), ep, mesh.index("ep"), run.device)
+        else:
+            shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         layer.pieces = pieces
         layer.load.on(run.device)
         layer.places = moe_router.group_places(layer.n_experts, model.config.moe_groups, ep, mesh.index("ep"),
@@ -465,9 +480,15 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     sp = mesh.size("tp") if config.sequence_parallel else 1
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
-                      max(4, next(model.parameters()).element_size()), run.micro_batch_size)
+                      max(4, next(model.parameters()).element_size()), run.micro_batch_size, config.replicas)
+    redundant = None  # with --moe-replicas: the replicas' step work; their tokens' loads are summed over dp×cp (tp)
+    if config.replicas and layers:
+        redundant = eplb.RedundantExperts(layers, config.replan_every, config.load_decay,
+                                          {name: mesh.group(name) for name in ("ep", "dp_cp", "expert_dp")},
+                                          {name: mesh.group(name) for name in ("dp_cp", "tp")[:1 + (sp > 1)]})
     load_groups = [name for name in ("dp_cp", "tp") if mesh.size(name) > 1 and (name != "tp" or sp > 1)]
-    return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None, mesh, load_groups)
+    tp_group = mesh.group("tp") if config.sequence_parallel else None
+    return MoEAxis(layers, traffic, tp_group, mesh, load_groups, redundant)
 
 
 @dataclass(frozen=True)
@@ -475,8 +496,9 @@ class MoEFacts:
     """What the accounting reads of the MoE axis (`MoEAxis.facts`): report_axes.py's moe section, time_model.py."""
 
     traffic: Traffic
-    experts: range  # the experts this rank holds of every MoE layer, [e·N/E, (e+1)·N/E)
+    experts: range  # the experts this rank holds of every MoE layer, [e·N/E, (e+1)·N/E) (replicas: its slots)
     expert_params: int  # their parameters, all MoE layers
+    replicas: eplb.ReplicaFacts | None = None  # with --moe-replicas
 
 
 class MoEAxis(Axis):
@@ -484,10 +506,11 @@ class MoEAxis(Axis):
 
     name = "moe"
 
-    def __init__(self, layers: list, traffic: Traffic, tp_group=None, mesh=None, load_groups=()):
+    def __init__(self, layers: list, traffic: Traffic, tp_group=None, mesh=None, load_groups=(), redundant=None):
         self.layers, self.traffic, self.mesh = layers, traffic, mesh
         self.tp_group = tp_group  # with --sp: the experts' and router's gradients are summed over it
         self.load_groups = list(load_groups)  # names of the groups whose ranks saw the step's other tokens
+        self.redundant = redundant  # eplb.RedundantExperts with --moe-replicas
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:
@@ -495,6 +518,8 @@ class MoEAxis(Axis):
         Then each layer's step load, global (the bias on), updates its bias (moe_router.finish_step)."""
         if self.tp_group is not None:
             sum_in_place([g for g in layout.grad_pieces(self.params()) if g.numel()], self.tp_group)
+        if self.redundant is not None:  # the replicas' gradient sum, the load, the re-plan (eplb.py)
+            self.redundant.after_grad_sync(layout)
         moe_router.finish_step([layer.load for layer in self.layers],
                                [self.mesh.group(name) for name in self.load_groups])
         return 0
@@ -533,15 +558,21 @@ class MoEAxis(Axis):
 
     def facts(self) -> MoEFacts:
         held = sum(p.numel() for layer in self.layers for p in layer.experts.parameters())
-        return MoEFacts(self.traffic, self.layers[0].local if self.layers else range(0), held)
+        return MoEFacts(self.traffic, self.layers[0].local if self.layers else range(0), held,
+                        self.redundant.facts() if self.redundant is not None else None)
 
     def params(self) -> list:
         """The routers and the routed experts (whole on every TP rank); not the shared experts, TP's to split."""
         return [p for layer in self.layers for p in (*layer.router.parameters(), *layer.experts.parameters())]
 
     def predicted_messages(self, layout=None) -> Messages:
-        """Per optimizer step, for UNIFORM routing (item 3). SP's sum covers the layout's gradient pieces of the
-        experts and router (ZeRO: this rank's shard, in its accumulation dtype); no layout: the parameters."""
+        """Per optimizer step, for UNIFORM routing (item 3), and the replicas' for a uniform load (eplb.py)."""
+        out = self.routing_messages(layout)
+        return out + self.redundant.predicted_messages(layout) if self.redundant is not None else out
+
+    def routing_messages(self, layout=None) -> Messages:
+        """Item 3 for UNIFORM routing. SP's sum covers the layout's gradient pieces of the experts and router
+        (ZeRO: this rank's shard, in its accumulation dtype); no layout: the parameters."""
         sp_grad_bytes = 0
         if self.tp_group is not None:
             pieces = layout.grad_pieces(self.params()) if layout is not None else self.params()
@@ -555,12 +586,15 @@ class MoEAxis(Axis):
 
     def traced_prediction(self, layout, steps: int) -> Messages:
         """Per step of the `steps` traced training steps: the all-to-alls from the rows the training forwards
-        sent and received (exact: the observer's `rows()`), the rest as predicted_messages."""
-        out = self.predicted_messages(layout)
-        if self.traffic.ep > 1 and steps and self.observer is not None:
+        sent and received (exact: the observer's `rows()`), the replicas' from what their steps did, the rest
+        as predicted_messages."""
+        if not steps:
+            return self.predicted_messages(layout)
+        out = self.routing_messages(layout)
+        if self.traffic.ep > 1 and self.observer is not None:
             out.pop(ALL_TO_ALL, None)
             out = out + all_to_all_messages(self.traffic, *self.observer.rows()).times(1 / steps)
-        return out
+        return out + self.redundant.traced_messages(steps) if self.redundant is not None else out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -584,6 +618,7 @@ class Traffic:
     compute_bytes: int = 2  # e_c of the rows
     router_bytes: int = 4  # e_r
     sequences: int = 1  # B_μ: with the seq loss, its [B_μ, 2N+1] statistics join the pieces' all-reduce
+    slots: int = 0  # R physical experts with --moe-replicas (eplb.py): the counts all-to-all carries R, not N
 
 
 def layer_activation_bytes(config, tokens: int, compute_bytes: int = 2, router_bytes: int = 4,
@@ -629,7 +664,7 @@ def all_to_all_messages(traffic: Traffic, forwards: int, sent: float, received: 
     (the reverses, (S + R)·h·e_c)."""
     repeats = 2 if traffic.model.activation_checkpointing else 1
     row_bytes = traffic.model.n_embd * traffic.compute_bytes
-    counts = forwards * repeats * 8 * traffic.model.moe_experts  # the N int64 counts, each (re)computed forward
+    counts = forwards * repeats * 8 * (traffic.slots or traffic.model.moe_experts)  # N (R) int64 counts, each
     rows = (repeats + 1) * (sent + received) * row_bytes
     return Messages().add(*ALL_TO_ALL, forwards * (3 * repeats + 2), counts + rows)
 

@@ -200,12 +200,13 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
            f" {config.moe_shared_experts * 4 * config.n_embd}): {counts['shared_experts']:,} dense params (split"
            f" by TP like the MLP, grads over dp×cp), in N_active"] if config.moe_shared_experts else []),
         f"  expert parallel E={traffic.ep} (group ep), expert grads over expert_dp ({run.mesh.size('expert_dp')}"
-        f" ranks), router over dp×cp, replicated over tp: this rank holds experts [{local.start}, {local.stop}) of"
+        f" ranks), router over dp×cp, replicated over tp: this rank holds {'slots' if facts.replicas else 'experts'}"
+        f" [{local.start}, {local.stop}) of"
         f" each MoE layer = {held:,} params = {mfu.format_bytes(held * next(run.model.parameters()).element_size())}"
         f" weights, {mfu.format_bytes(held * 16)} with fp32 grads + AdamW",
     ]
     if traffic.ep > 1:
-        per_layer = 4 * tokens * k * config.n_embd * traffic.compute_bytes + 8 * n
+        per_layer = 4 * tokens * k * config.n_embd * traffic.compute_bytes + 8 * (traffic.slots or n)
         calls, payload = axis.predicted_messages(run.layout).get(moe.ALL_TO_ALL, (0, 0))
         lines.append(f"  all_to_all_single per MoE layer and micro-batch (group ep), uniform-routing estimate"
                      f" S = R = T·k = {tokens * k}: fwd counts 8N + dispatch + combine, bwd both reversed ="
@@ -252,6 +253,11 @@ def moe_end_lines(axis, run, steps: int) -> list:
             mean = sum(load) / len(load) if sum(load) else 1.0
             lines.append(f"moe load over the last {span} step{'s' if span != 1 else ''}, h.{layer_id}:"
                          f" |{moe_histogram(load)}| {load} imbalance {max(load) / mean:.2f}")
+    if (plan := axis.facts().replicas) is not None:  # eplb.py: the placement, the rows per EP rank measured
+        lines.append(f"moe replicas R={plan.slots}, {plan.replans} re-plans: h.{plan.layer_id} phy2log"
+                     f" {list(plan.phy2log)}; rows per EP rank max/mean {plan.balance:.3f} under"
+                     f" {list(plan.measured_under)}, experts in place {plan.in_place:.3f} (the window before the"
+                     f" last re-plan, all MoE layers)")
     return lines
 
 
