@@ -42,6 +42,7 @@ def _layer(n=4, k=2, factor=0.0, dropout=0.0, dtype=torch.float32, h=H):
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.2)
     layer.observer = _Rows()
+    layer.load.on("cpu")  # the step's load counts (and the bias): state moe.apply makes before any forward
     return config, layer
 
 
