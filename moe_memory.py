@@ -67,7 +67,8 @@ import mfu
 import moe
 
 MOMENTS = {"P0": "capacity's one-hot product", "P1": "the experts' outputs concatenated",
-           "P2": "the combine's index_add", "P3": "the output's dropout"}
+           "P2": "the combine's index_add", "P3": "the output's dropout", "P4": "y cast to the input's dtype",
+           "P5": "the shared experts' output added"}
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,9 @@ class DispatchShape:
     weight_bytes: int = 4  # the working weights' element (autocast casts them per call when e_c differs)
     expert_params: int = 0  # Ψ_e
     dropout_mask: int | None = None  # m, bytes per mask element; None without dropout
+    score: str = "softmax"  # the router's scores (moe_router.py): "sigmoid" keeps its normalised copy and sum
+    shared: int = 0  # Q shared experts (moe_shared.py): one MLP of width Q·4h on the block's input
+    slots: int = 0  # R_p physical expert slots with --moe-replicas (eplb.py); 0: the N experts in place
 
 
 @dataclass(frozen=True)
@@ -107,39 +111,54 @@ class BlockPeak:
 
 def terms(x: DispatchShape) -> list:
     """[(name, bytes, saved, moments alive)] of one forward (the module docstring's table)."""
-    T, S, R, N, k, h, E = x.tokens, x.sent, x.received, x.experts, x.topk, x.hidden, x.ep
+    T, S, R, N, k, h, E, Q = x.tokens, x.sent, x.received, x.experts, x.topk, x.hidden, x.ep, x.shared
     e_c, e_r, e_x, e_w = x.e_c, x.e_r, x.e_x, max(x.e_c, x.e_r)
+    slots = x.slots or N  # what the dispatch sorts by: experts, or with replicas their physical slots
+    sigmoid, cast_y = x.score == "sigmoid", e_w != e_x
     cast_rows = e_c != e_x  # autocast's rows from a wider input (without autocast e_c is the input's)
-    copies = N // E * e_c if e_c != x.weight_bytes else 0  # autocast casts each held expert's weights once (its cache)
-    out = [("router logits, probabilities [T, N]", 2 * T * N * e_r, True, "0123"),
-           ("router top-k choices", T * k * 8, True, "0123"),
-           ("router top-k values", T * k * e_r, k > 1, "0123"),  # k = 1: the weights themselves
-           ("router top-k sum", T * e_r if k > 1 else 0, True, "0123"),
-           ("router weights (renormalised)", T * k * e_r if k > 1 else 0, False, "0123"),
-           ("router loads", N * 8, False, "0123"), ("router statistics", e_r * (T + 4 * N + 3), True, "0123"),
-           ("aux values", 2 * e_r, False, "0123"),
-           ("router's input cast", T * h * e_r if e_x < e_r else 0, True, "0123"),
-           ("router's weight cast", N * h * e_r if x.weight_bytes < e_r else 0, True, "0123")]
+    copies = slots // E * e_c if e_c != x.weight_bytes else 0  # autocast casts each held expert's weights once
+    end = "12345"  # alive to the forward's end (P0 comes before the dispatch)
+    y_alive = "24" + ("" if cast_y else "5" if Q else "3")  # the combine's y, until cast or added to
+    out = [("router logits, scores [T, N]", 2 * T * N * e_r, True, "0" + end),
+           ("router scores normalised [T, N] (sigmoid)", T * N * e_r if sigmoid else 0, False, "0" + end),
+           ("router scores' sum [T] (sigmoid)", T * e_r if sigmoid else 0, True, "0" + end),
+           ("router top-k choices", T * k * 8, True, "0" + end),
+           ("router top-k values", T * k * e_r, k > 1 or sigmoid, "0" + end),  # softmax, k = 1: the weights
+           ("router top-k sum", T * e_r if k > 1 or sigmoid else 0, True, "0" + end),
+           ("router weights (renormalised)", T * k * e_r if k > 1 or sigmoid else 0, False, "0" + end),
+           ("router loads", N * 8, False, "0" + end),
+           ("router statistics", e_r * (T + 4 * N + 3), True, "0" + end), ("aux values", 2 * e_r, False, "0" + end),
+           ("router's input cast", T * h * e_r if e_x < e_r else 0, True, "0" + end),
+           ("router's weight cast", N * h * e_r if x.weight_bytes < e_r else 0, True, "0" + end)]
     if x.capacity_tokens:
         out += [("capacity one-hot, cumsum, product", 17 * x.capacity_tokens * k * N, False, "0"),
-                ("capacity verdicts", T * k, False, "123"), ("slots' experts", T * k * 8, False, "12")]
-    counts = (N + 1) * 8 if E == 1 else 3 * N * 8
-    out += [("sort order", T * k * 8, True, "123"), ("counts", counts, False, "12"),
-            ("rows' tokens (gather)", S * 8, True, "123"),
+                ("capacity verdicts", T * k, False, end)]
+    counts = (slots + 1) * 8 if E == 1 else 3 * slots * 8
+    out += [("slots' experts (or physical slots)", T * k * 8 if x.capacity_tokens or x.slots else 0, False, "12"),
+            ("sort order", T * k * 8, True, end), ("counts", counts, False, "12"),
+            ("rows' tokens (gather)", S * 8, True, end),
             ("tokens cast for the rows", T * h * e_c if cast_rows else 0, False, "12"),
-            ("sent rows [S, h]", S * h * e_c, E == 1, "123" if E == 1 else "12"),
-            ("received rows [R, h]", R * h * e_c if E > 1 else 0, True, "123"),
-            ("experts' hidden [R, 4h] ×2", 8 * R * h * e_c, True, "123"),
-            ("experts' weight copies (autocast)", copies * 8 * h * h, True, "123"),
-            ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, "123"),
+            ("sent rows [S, h]", S * h * e_c, E == 1, end if E == 1 else "12"),
+            ("received rows [R, h]", R * h * e_c if E > 1 else 0, True, end),
+            ("experts' hidden [R, 4h] ×2", 8 * R * h * e_c, True, end),
+            ("experts' weight copies (autocast)", copies * 8 * h * h, True, end),
+            ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, end),
             ("experts' outputs, one per expert", R * h * e_c, False, "1"),
-            ("experts' outputs concatenated [R, h]", R * h * e_c, E == 1, "123" if E == 1 else "12"),
-            ("rows back [S, h]", S * h * e_c if E > 1 else 0, True, "23"),
-            ("rows' gates and tokens (index_add)", S * (e_r + 8), True, "23"),
-            ("weighted rows [S, h]", S * h * e_w, True, "23"),
+            ("experts' outputs concatenated [R, h]", R * h * e_c, E == 1, end if E == 1 else "12"),
+            ("rows back [S, h]", S * h * e_c if E > 1 else 0, True, "2345"),
+            ("rows' gates and tokens (index_add)", S * (e_r + 8), True, "2345"),
+            ("weighted rows [S, h]", S * h * e_w, True, "2345"),
             ("combine's zeros [T, h]", T * h * e_w, False, "2"),
-            ("combine's output y [T, h]", T * h * e_w, False, "23"),
-            ("y cast to the input's dtype", T * h * e_x if e_w != e_x else 0, False, "3")]
+            ("combine's output y [T, h]", T * h * e_w, False, y_alive),
+            ("y cast to the input's dtype", T * h * e_x if cast_y else 0, False, "4" + ("5" if Q else "3"))]
+    if Q:  # the shared experts, one MLP of width Q·4h on the block's input, added to y (moe_shared.py)
+        out += [("shared experts' input cast", T * h * e_c if cast_rows else 0, True, "35"),
+                ("shared experts' weight copies (autocast)", Q * 8 * h * h * e_c if copies else 0, True, "35"),
+                ("shared experts' bias copies (autocast)",
+                 (Q * 4 * h + h) * e_c if copies and x.expert_params > 8 * h * h else 0, False, "35"),
+                ("shared experts' hidden [T, 4Qh] ×2", 8 * Q * T * h * e_c, True, "35"),
+                ("shared experts' output [T, h]", T * h * e_c, False, "5"),
+                ("y + the shared experts' output [T, h]", T * h * e_x, False, "35")]
     if x.dropout_mask is not None:
         out += [("dropout output", T * h * e_x, False, "3"), ("dropout mask", T * h * x.dropout_mask, True, "3")]
     return out
@@ -148,8 +167,8 @@ def terms(x: DispatchShape) -> list:
 def block_peak(x: DispatchShape) -> BlockPeak:
     """The largest of the moments this forward has (P0 with capacity, P3 with dropout or a cast y)."""
     table = terms(x)
-    moments = ["P1", "P2"] + (["P0"] if x.capacity_tokens else [])
-    moments += ["P3"] if x.dropout_mask is not None or max(x.e_c, x.e_r) != x.e_x else []
+    moments = ["P1", "P2"] + (["P0"] if x.capacity_tokens else []) + (["P3"] if x.dropout_mask is not None else [])
+    moments += (["P4"] if max(x.e_c, x.e_r) != x.e_x else []) + (["P5"] if x.shared else [])
     alive = {m: sum(nbytes for _, nbytes, _, when in table if m[1] in when) for m in moments}
     moment = max(moments, key=lambda m: (alive[m], m))
     return BlockPeak(moment, alive[moment], sum(nbytes for _, nbytes, saved, _ in table if saved),
@@ -188,7 +207,8 @@ def shape_of(traffic: moe.Traffic, x, routing: str = "uniform") -> DispatchShape
     return DispatchShape(T, sent, received if E > 1 else sent, n, k, h, E, whole if cap else 0,
                          e_c=x.e_c, e_r=traffic.router_bytes, e_x=x.e_n, weight_bytes=x.e_r,
                          expert_params=8 * h * h + 5 * h * int(config.bias),
-                         dropout_mask=x.mask(x.e_n) if x.dropout else None)
+                         dropout_mask=x.mask(x.e_n) if x.dropout else None, score=config.moe_score,
+                         shared=config.moe_shared_experts, slots=traffic.slots)
 
 
 @dataclass(frozen=True)

@@ -32,17 +32,20 @@ class _Rows:
         self.rows = (sent, received)
 
 
-def _layer(n=4, k=2, factor=0.0, dropout=0.0, dtype=torch.float32, h=H):
+def _layer(n=4, k=2, factor=0.0, dropout=0.0, dtype=torch.float32, h=H, **deepseek):
+    """One MoE layer; `deepseek`: GPTConfig's router (moe_router.py) and shared-expert (moe_shared.py) fields."""
     from model import GPT
 
     torch.manual_seed(0)
     config = make_config(n_layer=1, n_head=2, n_embd=h, moe_experts=n, moe_topk=k, moe_capacity_factor=factor,
-                         dropout=dropout)
+                         dropout=dropout, **deepseek)
     layer = GPT(config, seed=0, dtype=dtype).transformer.h[0].mlp
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.2)
     layer.observer = _Rows()
     layer.load.on("cpu")  # the step's load counts (and the bias): state moe.apply makes before any forward
+    if layer.load.bias is not None:  # a learned bias, so that it changes the selection
+        layer.load.bias.copy_(torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.3)
     return config, layer
 
 
@@ -56,7 +59,7 @@ def _measure(layer, x, autocast=False):
     return live.peaks["layer"]
 
 
-def _predict(config, rows, tokens, dtype, autocast, ep=1):
+def _predict(config, rows, tokens, dtype, autocast, ep=1, slots=0):
     """moe_memory.block_peak for the rows the forward routed, the dtypes written out as the test ran them."""
     import moe
     import moe_memory
@@ -66,7 +69,8 @@ def _predict(config, rows, tokens, dtype, autocast, ep=1):
     shape = moe_memory.DispatchShape(tokens, rows[0], rows[1], n, k, h, ep, tokens if cap else 0,
                                      e_c=2 if autocast else e_x, e_r=max(4, e_x), e_x=e_x, weight_bytes=e_x,
                                      expert_params=8 * h * h + 5 * h * int(config.bias),
-                                     dropout_mask=e_x if config.dropout else None)
+                                     dropout_mask=e_x if config.dropout else None, score=config.moe_score,
+                                     shared=config.moe_shared_experts, slots=slots)
     return moe_memory.block_peak(shape)
 
 
@@ -76,11 +80,21 @@ ONE_DEVICE = [  # (layer kwargs, autocast, the op at the peak)
     (dict(dropout=0.1), False, "aten.mul"), (dict(), True, "aten.index_add"),
     (dict(dtype=torch.bfloat16), True, "aten.index_add"), (dict(factor=0.5, dropout=0.1), True, "aten.mul"),
     (dict(n=64, h=8, factor=1.0), False, "aten.mul"),  # capacity's T·k·N one-hot product is the peak (P0)
+    (dict(dtype=torch.bfloat16, dropout=0.1), True, "aten.index_add"),  # y cast to bf16 before the dropout
+    # DeepSeek-V3's router: sigmoid scores, the selection bias, the group limit, the weights' scale
+    (dict(n=8, moe_score="sigmoid", moe_bias_rate=1e-3, moe_groups=4, moe_group_limit=2), False, "aten.index_add"),
+    (dict(n=8, k=1, factor=1.0, moe_score="sigmoid", moe_bias_rate=1e-3, moe_groups=2, moe_group_limit=1,
+          moe_route_scale=2.5), True, "aten.index_add"),
+    # shared experts (their hidden [T, 4Qh] is the largest: the shared sum sets the peak, P5)
+    (dict(moe_shared_experts=2), False, "aten.add"), (dict(moe_shared_experts=1, dropout=0.1), True, "aten.mul"),
+    (dict(dtype=torch.bfloat16, moe_shared_experts=1, dropout=0.1, moe_score="sigmoid"), True, "aten.add"),
 ]
-MOMENT_OPS = {"P0": "aten.mul", "P1": "aten.cat", "P2": "aten.index_add", "P3": "aten.mul"}
+MOMENT_OPS = {"P0": "aten.mul", "P1": "aten.cat", "P2": "aten.index_add", "P3": "aten.mul", "P4": "aten._to_copy",
+              "P5": "aten.add"}
 
 
-@pytest.mark.parametrize("kwargs, autocast, op", ONE_DEVICE, ids=[f"{c[0]}-autocast={c[1]}" for c in ONE_DEVICE])
+@pytest.mark.parametrize("kwargs, autocast, op", ONE_DEVICE, ids=[f"{c[0]}-autocast={c[1]}".replace("moe_", "")
+                                                                   for c in ONE_DEVICE])
 def test_one_device_peak_and_saved_bytes_equal_the_prediction(kwargs, autocast, op):
     config, layer = _layer(**kwargs)
     dtype = kwargs.get("dtype", torch.float32)
