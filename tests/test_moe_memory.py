@@ -143,6 +143,10 @@ def test_uniform_and_worst_case_rows():
 # ---------------------------------------------------------------------------------------------------------
 
 EP_CASES = [(2, 0.0, "random"), (2, 1.0, "random"), (2, 0.0, "uniform"), (4, 0.0, "worst")]
+DEEPSEEK = dict(moe_score="sigmoid", moe_bias_rate=1e-3, moe_groups=4, moe_group_limit=2, moe_shared_experts=1)
+DEEPSEEK_CASES = {  # name: (E, capacity factor, physical slots R (eplb.py; 0: none), GPTConfig's fields)
+    "replicas": (2, 0.0, 12, {}), "router-shared": (2, 1.0, 0, DEEPSEEK),
+    "replicas-router-shared": (2, 0.0, 12, dict(DEEPSEEK, moe_groups=0, moe_group_limit=0))}
 PLANNED = (["--moe-experts", "4", "--ep", "2"], 8, 1)  # tests/test_plan.py's MoE case: flags, global batch, B_μ
 UNDER_TP = (["--moe-experts", "4", "--tp", "2", "--moe-capacity-factor", "1.0"], 4, 1)  # experts whole on each tp rank
 
@@ -163,6 +167,7 @@ def _route(layer, x, how):
 
 
 def _ranks(rank, world):
+    import eplb
     import moe
     import moe_memory
     import memory
@@ -187,6 +192,15 @@ def _ranks(rank, world):
             measured=measured, rows=layer.observer.rows,
             routed=_predict(config, layer.observer.rows, B * S_LEN, torch.float32, False, ep),
             formula=moe_memory.block_peak(moe_memory.shape_of(traffic, shape, "worst" if how == "worst" else how)))
+    for name, (ep, factor, slots, deepseek) in DEEPSEEK_CASES.items():
+        config, layer = _layer(n=8, factor=factor, **deepseek)
+        if slots:  # R/E physical slots on each rank (eplb.py's placement for a uniform load)
+            eplb.place_slots(layer, slots, meshes[ep].group("ep"), ep, meshes[ep].index("ep"), torch.device("cpu"))
+        else:
+            moe.shard_experts(layer, meshes[ep].group("ep"), ep, meshes[ep].index("ep"))
+        x = torch.randn(B, S_LEN, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        out[name] = dict(measured=_measure(layer, x), rows=layer.observer.rows,
+                         routed=_predict(config, layer.observer.rows, B * S_LEN, torch.float32, False, ep, slots))
     settings = _settings(*PLANNED)
     _, compute, param, master = time_model.plan_dtypes(settings)
     run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
@@ -213,6 +227,14 @@ def ranks():
 
 @pytest.mark.parametrize("case", EP_CASES[:2], ids=["E2-dropless", "E2-capacity"])
 def test_expert_parallel_peak_equals_the_prediction_for_the_routed_rows(ranks, case):
+    for rank, got in enumerate(ranks):
+        measured, predicted = got[case]["measured"], got[case]["routed"]
+        assert (measured.peak, measured.saved) == (predicted.peak, predicted.saved), (rank, measured, predicted)
+
+
+@pytest.mark.parametrize("case", list(DEEPSEEK_CASES))
+def test_deepseek_options_under_expert_parallel_peak_as_predicted(ranks, case):
+    """Replicas (the dispatch by physical slot), DeepSeek-V3's router with the group limit, shared experts."""
     for rank, got in enumerate(ranks):
         measured, predicted = got[case]["measured"], got[case]["routed"]
         assert (measured.peak, measured.saved) == (predicted.peak, predicted.saved), (rank, measured, predicted)
