@@ -105,7 +105,8 @@ class MoEPeak:
     predicted: moe_memory.BlockPeak
     attention: memory.ModulePeak  # its attention's, measured
     attention_predicted: int  # moe_memory.attention_above_saved
-    backward_rise: int  # its MoE layer's backward above its saved tensors (memory.BackwardRise; not predicted)
+    backward_rise: int  # its MoE layer's backward above its saved tensors (memory.BackwardRise)
+    backward_predicted: tuple  # (moment, bytes): moe_memory.backward_rise for the rows the backward's pass routed
 
 
 class _Rows(moe.RoutingObserver):
@@ -136,9 +137,11 @@ def measure_moe_blocks(run) -> list:
             backward_rise = _moe_backward_rise(run, block.mlp, x.shape, device)
         traffic = replace(run_traffic(run), moe_layers=1)
         shape = replace(moe_memory.shape_of(traffic, x_shape), sent=routed[0], received=routed[1])
+        backward_shape = replace(shape, sent=rows.rows[0], received=rows.rows[1])  # its own pass's rows
         mine.append(MoEPeak(original.layer_id, dist.get_rank(), *routed, live.peaks["mlp"],
                             moe_memory.block_peak(shape), live.peaks["attn"],
-                            moe_memory.attention_above_saved(x_shape, run.config.bias), backward_rise))
+                            moe_memory.attention_above_saved(x_shape, run.config.bias), backward_rise,
+                            moe_memory.backward_rise(backward_shape)))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return [peak for peaks in every for peak in peaks]

@@ -1,7 +1,7 @@
 """The MoE block's peak per device: the dispatch and combine buffers, tensor by tensor from moe.py's forward.
 
 A step's memory peaks inside some block: everything saved so far, plus what that block holds at its highest
-and has not saved (here: in its forward; the backward's is measured, below). For a MoE block that is the
+and has not saved (in its forward, or its backward: `backward_rise`). For a MoE block that is the
 dispatch and combine (tokens·k rows, dropless), not attention. This file predicts, per MoE layer and
 micro-batch of one rank, the bytes of the tensors that
 moe.MoE.forward (dispatch_and_combine, run_local_experts) makes and holds at once, from their shapes; memory.
@@ -12,14 +12,17 @@ Symbols as moe.py's: T tokens this rank routes, N experts, k, h, E, S rows it se
 its experts run (E = 1: R = S), e_c the rows' bytes (autocast's dtype), e_r the router's (fp32 or wider), e_x
 the block input's (LayerNorm's output: fp32 under CUDA autocast), e_w = max(e_c, e_r) the combine's, 8 an
 int64 index, m a dropout mask's bytes per element. In forward order, saved for backward (s) or not (t):
-    router     logits, probabilities T·N·e_r each (s); top-k T·k·e_r (s; k = 1: the weights, t) and T·k·8 (s);
-               k > 1: their sum T·e_r (s) and the weights T·k·e_r (t); the loads N·8 (t); statistics
-               e_r·(T + 4N + 3) (s), the aux values 2·e_r (t); cast to e_r when narrower: the input T·h·e_r, the
-               weight N·h·e_r (s)
+    router     logits, scores T·N·e_r each (s); top-k T·k·e_r (s; softmax with k = 1: the weights, t) and T·k·8
+               (s); k > 1 or sigmoid: their sum T·e_r (s) and the weights T·k·e_r (t); sigmoid (moe_router.py):
+               the scores' sum T·e_r (s) and the normalised scores T·N·e_r (t; the balance loss's P); the loads
+               N·8 (t); statistics e_r·(T + 4N + 3) (s), the aux values 2·e_r (t); cast to e_r when narrower: the
+               input T·h·e_r, the weight N·h·e_r (s). The selection bias, the group limit's [T, G] scores and
+               mask, the top-k's [T, N] sort and the weights' scale are transient (freed before P0)
     capacity   f > 0, capacity_keep over the T_μ·k slots of the micro-batch: a one-hot T_μ·k·N·1, its cumsum
                and their product T_μ·k·N·8 each (gone by dispatch); then the verdicts T·k·1, the slots' experts
-               T·k·8 (t)
-    dispatch   the sort's order T·k·8 (s), the counts (N+1)·8 (E > 1: N·8 received and the 2N·8 joined) (t),
+               T·k·8 (t; also with replicas, eplb.py: each slot's physical slot)
+    dispatch   the sort's order T·k·8 (s), the counts (N_p+1)·8 (E > 1: N_p·8 received and the 2N_p·8 joined;
+               N_p = N, or the R_p physical slots with replicas) (t),
                each row's token S·8 (s), the tokens cast for the rows T·h·e_c (autocast with e_c ≠ e_x; t),
                the sent rows S·h·e_c (s when E = 1, else t), E > 1 the received rows R·h·e_c (s)
     experts    the hidden R·4h·e_c twice (s), each expert's output R·h·e_c together, then concatenated R·h·e_c
@@ -27,13 +30,18 @@ int64 index, m a dropout mask's bytes per element. In forward order, saved for b
                experts' weights once (its cache keeps them for the forward), 8h²·e_c (s), and biases, 5h·e_c (t)
     combine    E > 1 the rows back S·h·e_c (s); each row's gate S·e_r, token S·8 and weighted row S·h·e_w (s);
                y's zeros and y, T·h·e_w each (t)
-    output     e_w ≠ e_x: y cast T·h·e_x (t); dropout: its output T·h·e_x (t) and mask T·h·m (s)
+    output     e_w ≠ e_x: y cast T·h·e_x (t; y then freed); Q shared experts (moe_shared.py, one MLP of width
+               4Qh on the block's input): autocast's input cast T·h·e_c and weight copies 8Qh²·e_c (s), biases
+               (t), the hidden T·4Qh·e_c twice (s), the output T·h·e_c (t), y + it T·h·e_x (t, y then freed);
+               dropout: its output T·h·e_x (t) and mask T·h·m (s)
 Alive together (what each moment holds, from the code's order and its local variables), the peak is the largest:
     P0  capacity's product: the router's tensors + 17·T_μ·k·N
     P1  the experts' outputs concatenated: router, verdicts, dispatch, hidden, weight copies, 2·R·h·e_c
     P2  the combine's index_add: P1's less the per-expert outputs, + the combine's
-    P3  the output's dropout (or cast), dispatch_and_combine returned: its locals gone (zeros, counts, cast
-        tokens, slots' experts, E > 1 the sent rows and the send buffer)
+    P3  the output's dropout, dispatch_and_combine returned: its locals gone (zeros, counts, cast tokens,
+        slots' experts, E > 1 the sent rows and the send buffer)
+    P4  y cast to the input's dtype (e_w ≠ e_x): y and its cast
+    P5  the shared experts' output added: their hidden and output, y (or its cast), the sum
 E = 1, dropless, no autocast: P2 = 11·S·h·e + 2·T·h·e + small, of which 9·S·h·e saved. P1 beats P2 when the
 experts run far more rows than the rank sends, R·h·e_c > S·h·(e_c + e_w) + S·(e_r + 8) + 2·T·h·e_w: with one
 dtype about R > 2S + 2T (the worst case at E·k > 2k + 2: E = 4, k = 2 in fp32 peaks at P1).
@@ -47,14 +55,19 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    larger sets the peak (time_model.Role's temporaries; the plan's and the run's are the same formula). Under
    CP and SP the MoE figures hold as written (measured at P2); capacity's gathered choices there are freed
    before dispatch, so only a P0 peak would differ (by the gathered T_μ·k choice bytes, not written).
-   Not written either: the backward's rise above the saved tensors it frees (the combine's backward holds the
-   weighted rows' gradient and the mul's two, 3·S·h·e_w, before the weighted rows go; then each expert's GELU
-   backward), which can exceed the forward's: the start-up measures it (memory.BackwardRise) and prints it.
+   The backward rises above the saved tensors it frees (`backward_rise`: the combine's mul backward, B1, or
+   the shared experts', B0), and can exceed the forward: a BlockPeak's `above_saved` is the larger, which the
+   step's peak uses. Written and measured equal on one device (E = 1); under EP the backward rises further
+   (measured at start-up: each local expert runs one chunk per source, and autograd holds its partial weight
+   gradients between them, up to (N/E)·Ψ_e bytes; the reverse all-to-alls), and a router with N ≫ h rises in
+   its own backward ([T, N] gradients): not written. FP8 experts (fp8_experts.py): their quantised copies and
+   padded rows are not written here (fp8_experts.padding_bytes counts the padding's saved bytes).
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
 
     rank_peak(traffic, x)     a rank's RankPeak (uniform, worst, attention): time_model.Role's and plan_search's
-    block_peak(shape)         one forward's BlockPeak for given rows (the start-up's measurement is beside it)
+    block_peak(shape)         one layer's BlockPeak for given rows (the start-up's measurement is beside it)
+    backward_rise(shape)      (moment, bytes) its backward rises above the saved tensors it has freed
     startup_lines(traffic, run)   the moe section's start-up lines (report_axes.py prints them)
 """
 
@@ -98,15 +111,25 @@ class DispatchShape:
 class BlockPeak:
     """The predicted peak of one MoE layer's forward: its moment, bytes alive, saved bytes, the buffers alive."""
 
-    moment: str  # P0..P3
+    moment: str  # P0..P5
     peak: int
     saved: int
     buffers: dict  # {name: bytes} alive at the peak
     shape: DispatchShape
+    backward: tuple = ("", 0)  # (moment, bytes): the backward's rise above the saved tensors it frees
+
+    @property
+    def forward_above_saved(self) -> int:
+        return self.peak - self.saved
 
     @property
     def above_saved(self) -> int:
-        return self.peak - self.saved
+        """What the layer adds to the activations at its highest, forward or backward."""
+        return max(self.forward_above_saved, self.backward[1])
+
+    @property
+    def phase(self) -> str:
+        return "backward" if self.backward[1] > self.forward_above_saved else "forward"
 
 
 def terms(x: DispatchShape) -> list:
@@ -172,7 +195,36 @@ def block_peak(x: DispatchShape) -> BlockPeak:
     alive = {m: sum(nbytes for _, nbytes, _, when in table if m[1] in when) for m in moments}
     moment = max(moments, key=lambda m: (alive[m], m))
     return BlockPeak(moment, alive[moment], sum(nbytes for _, nbytes, saved, _ in table if saved),
-                     {name: nbytes for name, nbytes, _, when in table if moment[1] in when and nbytes}, x)
+                     {name: nbytes for name, nbytes, _, when in table if moment[1] in when and nbytes}, x,
+                     backward_rise(x))
+
+
+BACKWARD_MOMENTS = {"B0": "the shared experts' c_proj backward", "B1": "the combine's mul backward"}
+
+
+def backward_rise(x: DispatchShape) -> tuple:
+    """(moment, bytes): how far the layer's backward rises above the forward's saved tensors it has freed (what
+    memory.BackwardRise measures, the parameters' gradients aside), the larger of
+        B1  the combine's mul backward: the weighted rows' gradient and the mul's two, 2·S·h·e_w + S·h·e_c
+            (its row gradient cast to e_c; S·e_r, the gates' sum, when e_c = e_w), less what the combine's
+            index_add frees, S·8 of tokens (and the weighted rows, counted in the three), less the dropout's
+            mask T·h·m (the dropout's gradient is freed by then)
+        B0  shared experts (Q > 0; they run first, being added last): their hidden's gradient T·4Qh·e_c,
+            under autocast the output gradient's cast T·h·e_c and their c_proj weight and bias gradients in
+            e_c before the cast to the parameters' dtype, (4Qh² + h·b)·e_c; with dropout its gradient T·h·e_x
+            less its mask
+    Not written: each expert's backward (r·4h·e_c for its r rows, beside the gradient of all R rows: it can
+    set the rise when R ≫ S, the worst case's receiving rank) and, under EP, the reverse all-to-alls."""
+    T, S, h, Q = x.tokens, x.sent, x.hidden, x.shared
+    e_c, e_w = x.e_c, max(x.e_c, x.e_r)
+    mask = T * h * x.dropout_mask if x.dropout_mask is not None else 0
+    combine = 2 * S * h * e_w + (S * h * e_c if e_c != e_w else S * x.e_r) - 8 * S - mask
+    if not Q:
+        return "B1", combine
+    grads = (T * h * e_c if e_c != x.e_x else 0) + ((4 * Q * h * h + h * (x.expert_params > 8 * h * h)) * e_c
+                                                    if e_c != x.weight_bytes else 0)
+    shared = 4 * Q * T * h * e_c + grads + (T * h * x.e_x - mask if mask else 0)
+    return max(("B0", shared), ("B1", combine - 8 * Q * T * h * e_c + T * h * x.e_x), key=lambda m: m[1])
 
 
 def attention_above_saved(x, bias: bool = True) -> int:
@@ -231,8 +283,10 @@ class RankPeak:
     def temporary(self) -> str:
         """The name of this figure among a Role's temporaries (time_model.role_of, plan_search): it says which."""
         f = mfu.format_bytes
+        u = self.uniform
+        at = u.moment if u.phase == "forward" else f"{u.backward[0]} in backward"
         return (f"{PEAK_TEMPORARY}{self.setter} (MoE dispatch/combine"
-                f" {f(self.uniform.above_saved)} at {self.uniform.moment}, uniform routing; worst case"
+                f" {f(u.above_saved)} at {at}, uniform routing; worst case"
                 f" {f(self.worst.above_saved)}; attention {f(self.attention)})")
 
 
@@ -256,6 +310,7 @@ def rank_peak(traffic: moe.Traffic, x) -> RankPeak:
 # ---------------------------------------------------------------------------------------------------------
 
 MEASURED_LINES = 16  # measured lines at most (one per held MoE layer and rank)
+UNWRITTEN = ": not written, e.g. under EP the experts' partial weight gradients between their chunks"
 
 
 def startup_lines(traffic: moe.Traffic, run) -> list:
@@ -290,7 +345,9 @@ def startup_lines(traffic: moe.Traffic, run) -> list:
                          f" saved {m.measured.saved:,} above {m.measured.above_saved:,} {same} predicted"
                          f" {p.peak:,} {p.saved:,} {p.above_saved:,} ({p.moment}); attention above saved"
                          f" {m.attention.above_saved:,}, predicted {m.attention_predicted:,}; the MoE backward"
-                         f" rises {m.backward_rise:,} above its saved (measured, not predicted)")
+                         f" rises {m.backward_rise:,} above its saved, predicted {m.backward_predicted[1]:,}"
+                         f" ({m.backward_predicted[0]}{'' if m.backward_rise == m.backward_predicted[1] else
+                                                        UNWRITTEN})")
         if run.measured_moe:
             moe_most = max(m.measured.above_saved for m in run.measured_moe)
             attention_most = max(m.attention.above_saved for m in run.measured_moe)
