@@ -339,15 +339,14 @@ def startup_lines(traffic: moe.Traffic, run) -> list:
         lines.append("  measured at start-up (memory.LiveTensors: the tensors ops return, alive together, in bytes;"
                      " each held MoE block's copy on random input) vs predicted for the rows it routed:")
         for m in run.measured_moe[:MEASURED_LINES]:
-            p = m.predicted
+            p, gap = m.predicted, UNWRITTEN
             same = "=" if (m.measured.peak, m.measured.saved) == (p.peak, p.saved) else "differs from"
             lines.append(f"    h.{m.layer_id} rank {m.rank}: S={m.sent} R={m.received}: peak {m.measured.peak:,}"
                          f" saved {m.measured.saved:,} above {m.measured.above_saved:,} {same} predicted"
                          f" {p.peak:,} {p.saved:,} {p.above_saved:,} ({p.moment}); attention above saved"
                          f" {m.attention.above_saved:,}, predicted {m.attention_predicted:,}; the MoE backward"
                          f" rises {m.backward_rise:,} above its saved, predicted {m.backward_predicted[1]:,}"
-                         f" ({m.backward_predicted[0]}{'' if m.backward_rise == m.backward_predicted[1] else
-                                                        UNWRITTEN})")
+                         f" ({m.backward_predicted[0]}{'' if m.backward_rise == m.backward_predicted[1] else gap})")
         if run.measured_moe:
             moe_most = max(m.measured.above_saved for m in run.measured_moe)
             attention_most = max(m.attention.above_saved for m in run.measured_moe)
