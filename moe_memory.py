@@ -22,8 +22,8 @@ int64 index, m a dropout mask's bytes per element. In forward order, saved for b
                and their product T_μ·k·N·8 each (gone by dispatch); then the verdicts T·k·1, the slots' experts
                T·k·8 (t; also with replicas, eplb.py: each slot's physical slot)
     dispatch   the sort's order T·k·8 (s), the counts (N_p+1)·8 (E > 1: N_p·8 received and the 2N_p·8 joined;
-               N_p = N, or the R_p physical slots with replicas) (t),
-               each row's token S·8 (s), the tokens cast for the rows T·h·e_c (autocast with e_c ≠ e_x; t),
+               N_p = N, or the R_p physical slots with replicas) (t), each row's token S·8 (s), with groups under
+               EP the off-group count 8 (t), the tokens cast for the rows T·h·e_c (autocast with e_c ≠ e_x; t),
                the sent rows S·h·e_c (s when E = 1, else t), E > 1 the received rows R·h·e_c (s)
     experts    the hidden R·4h·e_c twice (s), each expert's output R·h·e_c together, then concatenated R·h·e_c
                (E = 1: the rows back, s; E > 1: the combine's send buffer, t); autocast casts each of the N/E
@@ -105,6 +105,7 @@ class DispatchShape:
     score: str = "softmax"  # the router's scores (moe_router.py): "sigmoid" keeps its normalised copy and sum
     shared: int = 0  # Q shared experts (moe_shared.py): one MLP of width Q·4h on the block's input
     slots: int = 0  # R_p physical expert slots with --moe-replicas (eplb.py); 0: the N experts in place
+    off_group: bool = False  # group-limited routing under EP: the layer keeps its off-group count (moe_router.py)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ def terms(x: DispatchShape) -> list:
     out += [("slots' experts (or physical slots)", T * k * 8 if x.capacity_tokens or x.slots else 0, False, "12"),
             ("sort order", T * k * 8, True, end), ("counts", counts, False, "12"),
             ("rows' tokens (gather)", S * 8, True, end),
+            ("off-group copies' count (kept on the layer)", 8 if x.off_group else 0, False, end),
             ("tokens cast for the rows", T * h * e_c if cast_rows else 0, False, "12"),
             ("sent rows [S, h]", S * h * e_c, E == 1, end if E == 1 else "12"),
             ("received rows [R, h]", R * h * e_c if E > 1 else 0, True, end),
@@ -260,7 +262,8 @@ def shape_of(traffic: moe.Traffic, x, routing: str = "uniform") -> DispatchShape
                          e_c=x.e_c, e_r=traffic.router_bytes, e_x=x.e_n, weight_bytes=x.e_r,
                          expert_params=8 * h * h + 5 * h * int(config.bias),
                          dropout_mask=x.mask(x.e_n) if x.dropout else None, score=config.moe_score,
-                         shared=config.moe_shared_experts, slots=traffic.slots)
+                         shared=config.moe_shared_experts, slots=traffic.slots,
+                         off_group=config.moe_groups > 0 and E > 1)
 
 
 @dataclass(frozen=True)
@@ -343,7 +346,7 @@ def startup_lines(traffic: moe.Traffic, run) -> list:
             same = "=" if (m.measured.peak, m.measured.saved) == (p.peak, p.saved) else "differs from"
             lines.append(f"    h.{m.layer_id} rank {m.rank}: S={m.sent} R={m.received}: peak {m.measured.peak:,}"
                          f" saved {m.measured.saved:,} above {m.measured.above_saved:,} {same} predicted"
-                         f" {p.peak:,} {p.saved:,} {p.above_saved:,} ({p.moment}); attention above saved"
+                         f" {p.peak:,} {p.saved:,} {p.forward_above_saved:,} ({p.moment}); attention above saved"
                          f" {m.attention.above_saved:,}, predicted {m.attention_predicted:,}; the MoE backward"
                          f" rises {m.backward_rise:,} above its saved, predicted {m.backward_predicted[1]:,}"
                          f" ({m.backward_predicted[0]}{'' if m.backward_rise == m.backward_predicted[1] else gap})")

@@ -78,7 +78,8 @@ def _predict(config, rows, tokens, dtype, autocast, ep=1, slots=0):
                                      e_c=2 if autocast else e_x, e_r=max(4, e_x), e_x=e_x, weight_bytes=e_x,
                                      expert_params=8 * h * h + 5 * h * int(config.bias),
                                      dropout_mask=e_x if config.dropout else None, score=config.moe_score,
-                                     shared=config.moe_shared_experts, slots=slots)
+                                     shared=config.moe_shared_experts, slots=slots,
+                                     off_group=config.moe_groups > 0 and ep > 1)
     return moe_memory.block_peak(shape)
 
 
@@ -179,6 +180,7 @@ def _route(layer, x, how):
 def _ranks(rank, world):
     import eplb
     import moe
+    import moe_router
     import moe_memory
     import memory
     import report_axes
@@ -208,6 +210,7 @@ def _ranks(rank, world):
             eplb.place_slots(layer, slots, meshes[ep].group("ep"), ep, meshes[ep].index("ep"), torch.device("cpu"))
         else:
             moe.shard_experts(layer, meshes[ep].group("ep"), ep, meshes[ep].index("ep"))
+        layer.places = moe_router.group_places(8, config.moe_groups, ep, meshes[ep].index("ep"), torch.device("cpu"))
         x = torch.randn(B, S_LEN, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
         out[name] = dict(measured=_measure(layer, x), rows=layer.observer.rows,
                          routed=_predict(config, layer.observer.rows, B * S_LEN, torch.float32, False, ep, slots))
