@@ -329,13 +329,15 @@ def startup_lines(traffic: moe.Traffic, run) -> list:
     biggest = sorted(u.buffers.items(), key=lambda kv: -kv[1])[:6]
     lines = [f"  peak per device (moe_memory.py): a MoE layer's forward holds {f(u.peak)} at {u.moment}"
              f" ({MOMENTS[u.moment]}), {f(u.saved)} of its tensors saved for backward (the activations):"
-             f" {f(u.above_saved)} above them, uniform routing S = R = {u.shape.received}; worst case R ="
-             f" {w.shape.received}:"
-             f" {f(w.above_saved)} at {w.moment}; attention's {f(peak.attention)}: {peak.setter} sets the peak"
+             f" {f(u.forward_above_saved)} above them, its backward {f(u.backward[1])} ({u.backward[0]}:"
+             f" {BACKWARD_MOMENTS[u.backward[0]]}), uniform routing S = R = {u.shape.received}; worst case R ="
+             f" {w.shape.received}: {f(w.above_saved)} ({w.phase}); attention's {f(peak.attention)}:"
+             f" {peak.setter} sets the peak"
              + (" (attention's math path under autocast upcasts: not written here; see its measurement below)"
                 if x.kernel == "math" and x.e_c < 4 else ""),
              f"    step peak ≈ persistent {f(persistent)} + activations at the peak {f(saved)} + the {peak.setter}"
-             f" block above what it saves {f(peak.above_saved)} = {f(persistent + saved + peak.above_saved)}"
+             f" block above what it saves ({u.phase if peak.setter == 'MoE' else 'forward'}) {f(peak.above_saved)}"
+             f" = {f(persistent + saved + peak.above_saved)}"
              f" (worst-case routing: {f(persistent + saved + max(w.above_saved, peak.attention))})",
              "    largest at the peak: " + ", ".join(f"{name} {f(nbytes)}" for name, nbytes in biggest)]
     if run.measured_moe is not None:
