@@ -622,24 +622,25 @@ class Traffic:
 
 
 def layer_activation_bytes(config, tokens: int, compute_bytes: int = 2, router_bytes: int = 4,
-                           mask_bytes: int = 1) -> int:
+                           mask_bytes: int = 1, sequences: int = 1) -> int:
     """Bytes ONE MoE layer saves for backward per micro-batch (weights and their autocast copies aside), for
     T = `tokens` routed by this rank, uniform routing without drops (S = R = T·k; exact for E = 1):
-        router    T·e_r·(h + 2N + 1 + [k > 1]·(k + 1)) + 8·T·k   its e_r input, logits, probabilities, lse,
-                                                               (k > 1: top-k values, their sum), indices
+        router    T·e_r·(h + 2N + 1 + [k > 1 or σ]·(k + 1) + [σ]) + 8·T·k   its e_r input, logits, scores, lse,
+                  (renormalised: the k weights, their sum), sigmoid's (σ) Σ_j s_tj, indices
         dispatch  S·(3·8 + e_r)        the sort's order, each row's token (gather, index_add), each row's gate
         rows      S·h·(2·e_c + e_w)    rows in, rows back, the weighted rows index_add keeps (e_w = max(e_c, e_r))
         experts   R·8h·e_c             GELU's input and output
-    + e_r·(4N + 3) of statistics, + T·h·mask_bytes with dropout (1 on GPUs; the element size on CPUs, whose
-    dropout keeps a scaled mask)."""
+    + e_r·(4N + 3) of statistics (×(1 + B_μ) with the seq loss, B_μ = `sequences`), + T·h·mask_bytes with dropout
+    (1 on GPUs; the element size on CPUs, whose dropout keeps a scaled mask)."""
     n, k, h = config.moe_experts, config.moe_topk, config.n_embd
-    slots = tokens * k
-    router = tokens * router_bytes * (h + 2 * n + 1 + (k + 1 if k > 1 else 0)) + 8 * slots
+    slots, sigmoid = tokens * k, config.moe_score == "sigmoid"
+    router = tokens * router_bytes * (h + 2 * n + 1 + (k + 1 if k > 1 or sigmoid else 0) + sigmoid) + 8 * slots
     dispatch = slots * (3 * 8 + router_bytes)
     rows = slots * h * (2 * compute_bytes + max(compute_bytes, router_bytes))
     experts = slots * 8 * h * compute_bytes
     mask = tokens * h * mask_bytes if config.dropout > 0 else 0
-    return router + dispatch + rows + experts + mask + router_bytes * (4 * n + 3)
+    statistics = router_bytes * (4 * n + 3) * (1 + (sequences if config.moe_seq_aux_coef > 0 else 0))
+    return router + dispatch + rows + experts + mask + statistics
 
 
 def activation_estimate_delta(config, moe_blocks: int, seq: int, micro: int, tp: int = 1,
@@ -654,7 +655,7 @@ def activation_estimate_delta(config, moe_blocks: int, seq: int, micro: int, tp:
     dense_mlp = 19 * sbh / tp if sequence_parallel else (3 + 16 / tp) * sbh
     tokens = seq * micro // (tp if sequence_parallel else 1)
     shared = saved_bytes(config, seq * micro, tp, input_tokens=tokens)
-    return moe_blocks * (layer_activation_bytes(config, tokens) + shared - dense_mlp)
+    return moe_blocks * (layer_activation_bytes(config, tokens, sequences=micro) + shared - dense_mlp)
 
 
 def all_to_all_messages(traffic: Traffic, forwards: int, sent: float, received: float) -> Messages:

@@ -28,9 +28,9 @@ leaving the sender's group, and the copies a dispatch sending each token once pe
 1. Replicated and split. The bias: one logical [N] fp32 tensor per MoE layer, identical on every rank holding
    the layer (the loads it is updated from are all-reduced first). The loads: each rank's own, then global.
 2. Peak per device. b and the step's load: 12·N bytes per MoE layer. Per micro-batch the router adds the [T, N]
-   sort of the biased scores (e_r + 8 bytes per entry, transient). Saved for backward beyond
-   moe.layer_activation_bytes (softmax's, not yet extended): sigmoid's Σ_j s_tj, T·e_r (measured 192 B at T = 24,
-   float64); the seq loss's few [B, N] statistics (560 B more at B = 2, N = 8).
+   sort of the biased scores (e_r + 8 bytes per entry, transient). Saved for backward (moe.layer_activation_bytes,
+   tested against autograd): sigmoid's Σ_j s_tj and its always renormalised weights, the seq loss's statistics
+   B_μ·(4N + 3)·e_r; group limiting saves nothing more (its masks are of detached scores).
 3. Messages. With γ > 0 (`ExpertLoad.reduce`), once per optimizer step: one all_reduce of the L_moe·N int64
    loads over dp_cp (every rank that saw tokens: EP's ranks are data ranks), and over tp with --sp; PP: each
    stage its own layers. The seq loss adds B_μ·(2N+1)·e_r bytes to moe.py's statistics all-reduce under CP/SP

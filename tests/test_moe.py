@@ -905,16 +905,21 @@ def test_the_load_line_counts_the_training_step_only(traced_and_sampled_runs):
             assert f"of the {got['slots']} slots" in got["load_line"], (flags, rank, got["load_line"])
 
 
+SIGMOID_SEQ = dict(moe_score="sigmoid", moe_bias_rate=1e-3, moe_seq_aux_coef=1e-4, moe_route_scale=2.0)
+
+
 def test_layer_activation_bytes_match_what_autograd_saves():
     """moe.layer_activation_bytes against memory.SavedActivations of one MoE layer's forward (E = 1, dropless: S =
     R = T·k exactly), in float64, float32 top-1 with dropout (a CPU mask in fp32) and bf16 autocast (whose saved
-    bf16 copies of the expert weights are weights, not activations: taken off)."""
+    bf16 copies of the expert weights are weights, not activations: taken off); DeepSeek-V3's router (sigmoid,
+    the seq loss over B_μ = 2 sequences, top-2, and top-1 with groups)."""
     import memory
     import moe
     from model import GPT
 
     for dtype, autocast, overrides in ((DT, False, {}), (torch.float32, False, dict(dropout=0.1, moe_topk=1)),
-                                       (torch.float32, True, {})):
+                                       (torch.float32, True, {}), (DT, False, SIGMOID_SEQ),
+                                       (DT, False, dict(SIGMOID_SEQ, moe_topk=1, moe_groups=2, moe_group_limit=1))):
         config = make_config(**{**LAYER, **overrides})
         model = GPT(config, seed=0, dtype=dtype)
         layer = model.transformer.h[0].mlp
@@ -924,7 +929,8 @@ def test_layer_activation_bytes_match_what_autograd_saves():
             layer(x)
         compute = 2 if autocast else dtype.itemsize
         weight_copies = config.moe_experts * 2 * 4 * 16 * 16 * 2 if autocast else 0
-        expected = moe.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize), mask_bytes=dtype.itemsize)
+        expected = moe.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize), mask_bytes=dtype.itemsize,
+                                              sequences=2)
         assert saved.bytes - weight_copies == expected, (dtype, autocast, saved.bytes, expected)
 
 
