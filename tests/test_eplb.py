@@ -8,6 +8,8 @@ skewed load while the loss curve stays the one without replicas.
 
 import json
 import math
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -72,8 +74,6 @@ def test_the_slots_routed_to_a_replicated_expert_take_turns_over_its_replicas():
 def test_each_step_folds_its_load_into_the_moving_average_with_the_stated_decay():
     """load ← d·load + (1 − d)·the step's kept slots, d = --moe-load-decay, once per step (after_grad_sync);
     one rank, E = 1 (R = N: nothing to sum, nothing to re-place)."""
-    from types import SimpleNamespace
-
     import eplb
 
     replicas = eplb.Replicas(4, 4, 1, 0, torch.device("cpu"))
@@ -154,18 +154,11 @@ def _run(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_ro
                 moved=redundant.moved if redundant else None, replans=redundant.replans if redundant else 0)
 
 
-def _runs(rank, world):
-    import os
-    import tempfile
-
+def _runs(rank, world, root):
+    """Every CASES run, then each RESHARD pair: saved under `root`, resumed from there."""
     out = {index: _run(rank, world, *case) for index, case in enumerate(CASES)}
-    root = tempfile.mkdtemp() if rank == 0 else None
-    import torch.distributed as dist
-
-    shared = [root]
-    dist.broadcast_object_list(shared, src=0)
     for index, (saving, resuming) in enumerate(RESHARD):
-        directory = os.path.join(shared[0], str(index))
+        directory = os.path.join(root, str(index))
         _run(rank, world, *saving, stop=SAVE_AT, save_root=directory)
         out[("resumed", index)] = _run(rank, world, *resuming, resume_root=directory)
     return out
@@ -211,8 +204,8 @@ def test_two_ranks_with_replicas_train_as_one_device_keep_replicas_equal_and_tra
 
 
 @pytest.fixture(scope="module")
-def replica_runs():
-    return run_ranks(_runs, 4, timeout=600)
+def replica_runs(tmp_path_factory):
+    return run_ranks(_runs, 4, str(tmp_path_factory.mktemp("replicas")), timeout=600)
 
 
 @pytest.mark.slow

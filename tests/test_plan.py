@@ -33,6 +33,7 @@ CASES = [  # (flags, global batch, B_μ)
     (["--cp", "2", "--cp-impl", "ulysses", "--zero", "3"], 4, 1),
     (["--moe-experts", "4", "--ep", "2"], 8, 1),
     (["--moe-experts", "4", "--ep", "2", "--zero", "3"], 8, 1),
+    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--zero", "1"], 8, 1),  # eplb.py's slots
     (["--fp8", "current", "--tp", "2"], 4, 1),
     (["--fp8", "delayed", "--zero", "3"], 8, 1),
 ]
