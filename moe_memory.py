@@ -57,9 +57,10 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    before dispatch, so only a P0 peak would differ (by the gathered T_μ·k choice bytes, not written).
    The backward rises above the saved tensors it frees (`backward_rise`: the combine's mul backward, B1, or
    the shared experts', B0), and can exceed the forward: a BlockPeak's `above_saved` is the larger, which the
-   step's peak uses. Written and measured equal on one device (E = 1); under EP the backward rises further
-   (measured at start-up: each local expert runs one chunk per source, and autograd holds its partial weight
-   gradients between them, up to (N/E)·Ψ_e bytes; the reverse all-to-alls), and a router with N ≫ h rises in
+   step's peak uses. Measured equal on one device and, where the combine sets it, under EP (the tiny preset,
+   E = 2); but under EP the backward can rise further (each local expert runs one chunk per source, and
+   autograd holds its partial weight gradients between them, up to (N/E)·Ψ_e elements; the reverse
+   all-to-alls: measured at start-up, tests/test_moe_memory.py's h = 16), and a router with N ≫ h rises in
    its own backward ([T, N] gradients): not written. FP8 experts (fp8_experts.py): their quantised copies and
    padded rows are not written here (fp8_experts.padding_bytes counts the padding's saved bytes).
 3. Messages: none (moe.py's all-to-alls carry these rows).
@@ -214,7 +215,8 @@ def backward_rise(x: DispatchShape) -> tuple:
         B0  shared experts (Q > 0; they run first, being added last): their hidden's gradient T·4Qh·e_c,
             under autocast the output gradient's cast T·h·e_c and their c_proj weight and bias gradients in
             e_c before the cast to the parameters' dtype, (4Qh² + h·b)·e_c; with dropout its gradient T·h·e_x
-            less its mask
+            less its mask; with them B1 is less their hidden, freed by then, plus their input's gradient,
+            8QTh·e_c − T·h·e_x (below B0 wherever tested: that form is not measured)
     Not written: each expert's backward (r·4h·e_c for its r rows, beside the gradient of all R rows: it can
     set the rise when R ≫ S, the worst case's receiving rank) and, under EP, the reverse all-to-alls."""
     T, S, h, Q = x.tokens, x.sent, x.hidden, x.shared
