@@ -216,7 +216,7 @@ def backward_rise(x: DispatchShape) -> tuple:
             under autocast the output gradient's cast T·h·e_c and their c_proj weight and bias gradients in
             e_c before the cast to the parameters' dtype, (4Qh² + h·b)·e_c; with dropout its gradient T·h·e_x
             less its mask; with them B1 is less their hidden, freed by then, plus their input's gradient,
-            8QTh·e_c − T·h·e_x (below B0 wherever tested: that form is not measured)
+            8QTh·e_c − T·h·e_x (it beats B0 at about k > 6Q in one dtype: measured with k = 8, Q = 1)
     Not written: each expert's backward (r·4h·e_c for its r rows, beside the gradient of all R rows: it can
     set the rise when R ≫ S, the worst case's receiving rank) and, under EP, the reverse all-to-alls."""
     T, S, h, Q = x.tokens, x.sent, x.hidden, x.shared

@@ -97,6 +97,7 @@ ONE_DEVICE = [  # (layer kwargs, autocast, the op at the peak)
     # shared experts (their hidden [T, 4Qh] is the largest: the shared sum sets the peak, P5)
     (dict(moe_shared_experts=2), False, "aten.add"), (dict(moe_shared_experts=1, dropout=0.1), True, "aten.mul"),
     (dict(dtype=torch.bfloat16, moe_shared_experts=1, dropout=0.1, moe_score="sigmoid"), True, "aten.add"),
+    (dict(n=8, k=8, moe_shared_experts=1, dropout=0.1), False, "aten.add"),  # the backward peaks at the combine (B1)
 ]
 MOMENT_OPS = {"P0": "aten.mul", "P1": "aten.cat", "P2": "aten.index_add", "P3": "aten.mul", "P4": "aten._to_copy",
               "P5": "aten.add"}
