@@ -150,6 +150,20 @@ def test_uniform_and_worst_case_rows():
         assert (rows["worst"].sent, rows["worst"].received) == worst, factor
 
 
+def test_the_step_peak_takes_the_backward_when_it_rises_higher():
+    """Uniform routing in fp32: the combine's backward (B1) rises above the forward's peak, so the block's figure
+    (time_model.Role's and plan_search's temporary) is the backward's."""
+    import memory
+    import moe
+    import moe_memory
+
+    x = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=256, e_c=4)
+    peak = moe_memory.rank_peak(moe.Traffic(make_config(n_embd=H, moe_experts=4), tokens=B * S_LEN), x)
+    u = peak.uniform
+    assert u.backward[1] > u.forward_above_saved and peak.above_saved == u.backward[1] and u.phase == "backward"
+    assert "at B1 in backward" in peak.temporary()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Four ranks: expert parallel, and a real start-up against its plan
 # ---------------------------------------------------------------------------------------------------------
