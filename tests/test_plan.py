@@ -167,8 +167,6 @@ SEARCHED = [  # layouts the search enumerates, on 8 ranks
     (["--moe-experts", "4", "--ep", "2", "--tp", "2", "--sp", "--zero", "1", "--pp", "2"], 8, 1),
     (["--moe-experts", "4", "--ep", "2", "--tp", "2", "--sp", "--cp", "2", "--moe-score", "sigmoid", "--moe-bias-rate",
       "1e-3", "--moe-seq-aux-coef", "1e-4", "--moe-groups", "2", "--moe-group-limit", "1"], 8, 2),  # DeepSeek's router
-    (["--moe-experts", "8", "--ep", "2", "--moe-shared-experts", "1", "--moe-score", "sigmoid"], 8, 1),  # shared
-    # experts: the MoE block's figure is their backward's (moe_memory.py's B0)
 ]
 
 
