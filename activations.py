@@ -9,9 +9,10 @@ part of the model a rank holds, as the run runs it:
     peak                 = forwards in flight (schedules.in_flight) × one forward
                            + under activation checkpointing the block backward rebuilds, less the head's bytes
 
-A MoE block's router and experts are moe.py's terms (uniform routing); under activation checkpointing a block
-keeps its input only. The start-up prints the estimate (report.py), the end compares it with what the first
-forward saved, and plan.py and plan_search.py size layouts with it, so a plan and a run print the same bytes.
+A MoE block's router and experts are moe.py's terms (uniform routing), its shared experts moe_shared.py's;
+under activation checkpointing a block keeps its input only. The start-up prints the estimate (report.py), the
+end compares it with what the first forward saved, and plan.py and plan_search.py size layouts with it, so a
+plan and a run print the same bytes.
 
 It is its own file, not memory.py, because it sits above the axes: it reads moe.py's expert terms and the
 pipeline's schedule, while the axes (pipeline.py, zero.py, ddp.py, step.py, through it moe.py) import memory.py.
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import fp8_experts
 import memory
 import moe
+import moe_shared
 import schedules
 
 
@@ -92,13 +95,11 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
     held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
     # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
     # (whole on every TP rank).
-    experts = (moe.layer_activation_bytes(config, x.s * x.b // (x.t if x.sp else 1), x.e_c, max(4, x.e_r),
-                                          mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)),
-               config.moe_experts // ep * 8 * x.h * x.h * x.weight_copy) if n_moe else (0, 0)
+    experts = moe_block_bytes(config, x, ep) if n_moe else (0, 0)
     recomputed = 0.0
     if config.activation_checkpointing:  # the inputs stay; backward rebuilds one block, its copies with it
         blocks, copies = memory.block_input_bytes(x) * sum(held.values()), 0.0
-        rebuilt = block_bytes(replace(x, regather=False), experts)
+        rebuilt = block_bytes(replace(x, regather=False), moe_block_bytes(config, replace(x, regather=False), ep))
         recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - memory.block_input_bytes(x)
         what = f"{sum(held.values())} block inputs"  # the rebuilt block's input is the one the checkpoint holds
     else:
@@ -108,7 +109,9 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
     terms = {what: blocks, "autocast weight copies": copies,
              "embeddings": memory.embedding_activation_bytes(x) if ends[0] else 0.0,
              "head and loss": memory.head_activation_bytes(x) if ends[1] else 0.0}
-    hidden = memory.hidden_from_hooks(x, 0 if config.activation_checkpointing else sum(held.values()), ends[1])
+    recomputing = config.activation_checkpointing
+    hidden = memory.hidden_from_hooks(x, 0 if recomputing else sum(held.values()), ends[1], 0 if recomputing else n_moe,
+                                      config.moe_shared_experts)
     in_flight, chunks = pipeline_flight
     how = (f"attention {x.kernel}" + (" (Ulysses)" if x.ulysses else "")
            + f", {x.e_r}-byte residual, {x.e_c}-byte compute" + (", FP8 linear inputs" if x.fp8 else "")
@@ -116,6 +119,22 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
     return ActivationEstimate(forward=sum(terms.values()) / chunks, terms=terms, hidden=hidden / chunks,
                               in_flight=in_flight, chunks=chunks, recomputed=recomputed,
                               korthikanti=korthikanti_estimate(config, x, len(layer_ids), n_moe), how=how)
+
+
+def moe_block_bytes(config, x: memory.ActivationShape, ep: int) -> tuple:
+    """(activations, autocast weight copies) of one MoE block's MLP: the router and routed experts (moe.py's
+    terms, uniform routing; the experts whole on every TP rank, N/E on this one) and the S shared experts
+    (moe_shared.py: split by TP, their c_fc input a shard under SP unless the block is recomputed)."""
+    tokens, router_bytes = x.s * x.b, max(4, x.e_r)
+    routed = x.s * x.b // (x.t if x.sp else 1)
+    whole_input = x.sp and not x.regather  # SP's c_fc keeps the gathered input (FP8, a recomputed block)
+    shared = moe_shared.saved_bytes(config, tokens, x.t, x.e_c, router_bytes, tokens if whole_input else routed,
+                                    True if whole_input else None, x.fp8)
+    weights = config.moe_experts // ep + config.moe_shared_experts / x.t  # (held routed, TP's share of shared) 8h²
+    copies = 0 if x.fp8 else weights * 8 * x.h * x.h * x.weight_copy
+    fp8 = fp8_experts.saved_bytes_delta(routed, config.moe_topk, config.moe_experts, x.h, x.e_c) if x.fp8 else 0
+    return (moe.layer_activation_bytes(config, routed, x.e_c, router_bytes,
+                                       mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)) + shared + fp8, copies)
 
 
 def block_bytes(x: memory.ActivationShape, experts: tuple) -> dict:

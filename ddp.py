@@ -262,8 +262,12 @@ class DDPLayout:
             if missing:
                 raise ValueError(f"{p.shard_info.global_name} is replicated over {sorted(missing)}: pass coords")
         self.coords = coords
-        # Which copy counts never changes: decided once, with the data-parallel group of each parameter.
-        self.counted = torch.tensor([counts_here(p.shard_info, coords, (grad_group(p),)) for p in self.params],
+        self.recount()
+
+    def recount(self) -> None:
+        """Which copy counts in the norm (shard.counts_here, with each parameter's data-parallel group): decided
+        at construction, and again when an axis moves copies between parameters (eplb.py's re-plan)."""
+        self.counted = torch.tensor([counts_here(p.shard_info, self.coords, (grad_group(p),)) for p in self.params],
                                     dtype=torch.bool, device=self.params[0].device)
 
     def __call__(self, *args, **kwargs):

@@ -32,16 +32,18 @@ import mfu
 NARROW = ("fp8", "mxfp8", "mxfp4", "nvfp4")  # formats with a GEMM of their own; any other part (bf16) is the compute
 
 
-def flops_by_format(config, seq_len: int, forward: str, backward: str, compute: str, tail_layers: int = 0) -> dict:
+def flops_by_format(config, seq_len: int, forward: str, backward: str, compute: str, tail_layers: int = 0,
+                    routed_experts: bool = False) -> dict:
     """Model FLOPs per token by format, {format: FLOPs}, summing to mfu.flops_per_token(...).model: the block
     linears of the first L − tail_layers blocks forward (2·N_q) in `forward`, backward (4·N_q) in `backward`,
     the rest in `compute`. A part that names no narrow format (the spec's bf16: not quantised) is the compute
-    dtype. --fp8 is forward = backward = "fp8", no tail (E4M3/E5M2 at the FP8 rate alike)."""
+    dtype. --fp8 is forward = backward = "fp8", no tail (E4M3/E5M2 at the FP8 rate alike), and its N_q counts
+    the k routed experts a token visits too (routed_experts: fp8_experts.py runs them in FP8)."""
     if not 0 <= tail_layers <= config.n_layer:
         raise ValueError(f"tail_layers must be in 0..{config.n_layer}, got {tail_layers}")
     total = mfu.flops_per_token(memory.param_counts(config), config, seq_len).model
     quantised = memory.param_counts(config, layers=range(config.n_layer - tail_layers), embedding=False,
-                                    head=False)["dense_linears"]
+                                    head=False)["fp8_matmul" if routed_experts else "dense_linears"]
     flops = {}
     for fmt, share in ((forward, 2 * quantised), (backward, 4 * quantised), (compute, total - 6 * quantised)):
         fmt = fmt if fmt in NARROW else compute

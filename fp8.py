@@ -15,10 +15,21 @@ GEMM is e4m3×e4m3, the backward ones (dX = dY·W, dW = dYᵀ·X) e5m2×e4m3. Th
   blockwise  DeepSeek-V3 (2024, section 3.3): all E4M3, one scale per 1×128 tile of activations and output
              gradients and per 128×128 block of weights (current scaling, tile by tile).
 
-Which layers: the block linears (c_attn, attention's and the MLP's c_proj, c_fc: ~2/3 of a GPT's FLOPs). The
-head stays in the compute dtype (the cross-entropy's gradient lives in small differences), the loss in fp32, MoE
-routers precise as in DeepSeek-V3 (a flipped top-k choice is not a small error), the experts' linears in the
-compute dtype (data-dependent row counts; the FP8 GEMM needs multiples of 16).
+Which layers: the block linears (c_attn, attention's and the MLP's c_proj, c_fc: ~2/3 of a GPT's FLOPs; a MoE
+block's shared and routed experts'). The head stays in the compute dtype (the cross-entropy's gradient lives in
+small differences), the loss in fp32, MoE routers precise as in DeepSeek-V3 (a flipped top-k choice is not a
+small error).
+Experts: a routed expert's rows depend on the data, and _scaled_mm needs every GEMM dimension a multiple of 16
+(fp8_scaling.ROW_ALIGNMENT, the rule on Hopper): its linears append zero rows up to the next multiple (the
+outputs of those rows dropped, their dY zero, so amaxes, Y, dX and dW are the unpadded ones). One logical
+tensor of an expert is the rows it gets from ONE source rank's micro-batch (piece): moe.py runs each
+[source][expert] chunk as its own GEMM, so the expert's current scale is the amax of those rows, with no
+reduction (the expert is whole on its EP rank), and E = 2 quantises exactly as E = 1 and one device. Under CP
+or SP a micro-batch's rows of an expert lie on several ranks: each piece is scaled alone there (a reduction
+would wait on ranks that may not call that expert at all), so those meshes follow one device within FP8's
+tolerance, not exactly. Delayed: a history per expert linear, its MAX over expert-dp and tp; blockwise: the
+chunk's own 128-tiles. Padding costs Σ_chunks (−m mod 16) rows, each 5h FP8 bytes of saved inputs (c_fc's h,
+c_proj's 4h) and 5h more of dY codes in backward (`padding_bytes`; measured per MoE layer at the end).
 
 One logical tensor, one scale, on any mesh: the ranks holding pieces of a tensor (TP shards of a weight, an
 activation or its gradient; CP pieces of a sequence) MAX-reduce its amax before quantising, so every element is
@@ -66,11 +77,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from comm import Messages
-from fp8_scaling import (E4M3, E5M2, FORMATS, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT, amax_of, dequantize,
-                         dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores, quantize, quantize_tiles,
-                         scale_from_amax, scaled_matmul, wide_dtype)
+from fp8_scaling import (E4M3, E5M2, FORMATS, ROW_ALIGNMENT, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT,
+                         amax_of, dequantize, dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores, pad_rows,
+                         quantize, quantize_tiles, scale_from_amax, scaled_matmul, wide_dtype)
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
@@ -119,6 +131,9 @@ class QuantizationObserver:
     def quantized(self, linear: Fp8Linear, role: int, values: int, saturated: torch.Tensor | None) -> None:
         pass
 
+    def padded(self, linear: Fp8Linear, rows: int) -> None:
+        """An expert's linear appended `rows` zero rows to a training forward's input (ROW_ALIGNMENT)."""
+
 
 def blockwise_weight_grad_operands(dy: torch.Tensor, qx: torch.Tensor, ix: torch.Tensor, wide: torch.dtype):
     """dW's operands in 128×1 tiles: (dY codes, grid [⌈M/128⌉, N], X codes, grid [⌈M/128⌉, K]); X re-tiled
@@ -148,6 +163,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, training, store):
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        rows, x2 = x2.shape[0], pad_rows(x2, layer.row_alignment)  # an expert's rows: zero rows up to 16k
+        if training and x2.shape[0] > rows:
+            layer.observer.padded(layer, x2.shape[0] - rows)
         errors = gemm_shape_errors(x2.shape[0], layer.in_features, layer.out_features, training)
         if errors:
             raise ValueError(f"FP8 linear {layer.name} [{layer.out_features}×{layer.in_features}]: "
@@ -186,13 +204,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(qx, ix)  # the input kept in FP8: the activation-memory saving
         ctx.layer, ctx.codes, ctx.store, ctx.out_dtype, ctx.x_dtype = layer, codes, store, out_dtype, x.dtype
         ctx.has_bias = layer.bias is not None
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y[:rows].view(*x.shape[:-1], y.shape[-1])  # the padding rows' outputs dropped
 
     @staticmethod
     def backward(ctx, grad):
         qx, ix = ctx.saved_tensors
         layer, codes, store, wide = ctx.layer, ctx.codes, ctx.store, wide_dtype(ctx.out_dtype)
-        dy = grad.reshape(-1, grad.shape[-1])  # [M, N]
+        dy = pad_rows(grad.reshape(-1, grad.shape[-1]), layer.row_alignment)  # [M, N]; padding rows get zero
         wants_dw = ctx.needs_input_grad[1] or store is not None
         dx = operands = None
         with torch.autocast(grad.device.type, enabled=False):
@@ -217,7 +235,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 operands = (qdy, idy, qx, ix)
             wants_db = ctx.has_bias and (ctx.needs_input_grad[2] or store is not None)
             db = dy.sum(0, dtype=layer.bias.dtype) if wants_db else None
-        dx = None if dx is None else dx.to(ctx.x_dtype).view(*grad.shape[:-1], qx.shape[1])
+        dx = None if dx is None else dx[:grad.numel() // grad.shape[-1]].to(ctx.x_dtype).view(*grad.shape[:-1],
+                                                                                           qx.shape[1])
         if store is not None:  # zb's I: dW (and db, summed now from the exact dY) wait for the W action
             store.defer(lambda: [(layer.weight, weight_gradient(layer, operands, wide))]
                         + ([(layer.bias, db)] if db is not None else []))
@@ -255,13 +274,15 @@ class Fp8Linear(nn.Linear):
     defers_weight_grad = True
 
     def __init__(self, linear: nn.Linear, recipe: Recipe, name: str = "", amax_groups=(), delayed_groups=(),
-                 gemm: str = "auto", device=None):
+                 gemm: str = "auto", device=None, row_alignment: int = 1):
         nn.Module.__init__(self)  # no new parameters: keep the wrapped linear's
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.recipe, self.name, self.amax_groups = recipe, name, dict(amax_groups)
         self.delayed_groups = tuple(delayed_groups)
+        self.row_alignment = row_alignment  # an expert's: its input zero-padded to a multiple of 16 rows
+        self.row_share = 1.0  # a routed expert's: E·k/N of a micro-batch's rows (uniform routing; convert sets it)
         device = torch.device(device) if device is not None else linear.weight.device  # a meta weight: pass the run's
         self.fmt_max = torch.tensor([f.max for f in FORMATS], device=device)
         self.amax_history = torch.zeros(3, recipe.amax_history, device=device)  # [role, L], column 0 latest
@@ -284,6 +305,8 @@ class Fp8Linear(nn.Linear):
         weight, bias = self.weight, self.bias
         if store is not None:  # zb: autograd reaches the parameters only through the store's W
             weight, bias = weight.detach(), None if bias is None else bias.detach()
+        if x.numel() == 0:  # an expert no row reached: nothing to quantise (its gradients are zero)
+            return F.linear(x, weight, bias)
         return _Fp8LinearFunction.apply(x, weight, bias, self, training, store)
 
     def _weight_source(self, weight: torch.Tensor) -> tuple:
@@ -357,6 +380,9 @@ def config_from_flags(args, settings) -> Recipe | None:
     tp, cp, micro, h = settings.shape.tp, settings.shape.cp, settings.micro_batch_size, settings.model.n_embd
     shapes = {"attn.c_attn": (h, 3 * h // tp), "attn.c_proj": (h // tp, h), "mlp.c_fc": (h, 4 * h // tp),
               "mlp.c_proj": (4 * h // tp, h)}  # local (K, N) under --tp
+    shared = settings.model.moe_shared_experts * 4 * h  # a MoE block's shared experts (moe_shared.py): FP8 too
+    if settings.model.moe_experts and shared:
+        shapes.update({"mlp.shared_experts.c_fc": (h, shared // tp), "mlp.shared_experts.c_proj": (shared // tp, h)})
     for name, (k, n) in shapes.items():
         errors = gemm_shape_errors(micro * settings.seq_len // cp, k, n)
         if errors:
@@ -369,7 +395,8 @@ def config_from_flags(args, settings) -> Recipe | None:
 
 
 def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1, device=None) -> Fp8Handle:
-    """Swap every nn.Linear of the blocks (routers, gates and experts aside) for an Fp8Linear, in place; a
+    """Swap every nn.Linear of the blocks (routers and gates aside) for an Fp8Linear, in place: a routed expert's
+    pads its rows and scales each call's rows alone (no amax groups; docstring, "Experts"); a
     ColumnParallelLinear stops re-gathering its input (docstring item 2). mesh None: one process; else the amax
     groups are cp and tp, the delayed roll's the gradient group and tp, each when larger than one rank. device:
     where the scaling state lives (default: the weights'; train.compose converts a meta model)."""
@@ -382,15 +409,20 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1,
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
             leaf = path.rpartition(".")[2]
-            if type(module) is not nn.Linear or leaf in ("router", "gate") or ".experts." in f".{path}":
-                continue  # routers stay precise; experts see data-dependent row counts (module docstring)
+            if type(module) is not nn.Linear or leaf in ("router", "gate"):
+                continue  # routers stay precise (module docstring)
+            expert = ".experts." in f".{path}"  # routed: data-dependent row counts, whole on their EP rank
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
-            fp8 = Fp8Linear(module, recipe, name, amax_groups, groups(info.grad_group if info else "dp_cp", "tp"),
-                            device=device)
+            fp8 = Fp8Linear(module, recipe, name, {} if expert else amax_groups,
+                            groups(info.grad_group if info else "dp_cp", "tp"), device=device,
+                            row_alignment=ROW_ALIGNMENT if expert else 1)
             codec.attach(fp8)
             parent = block.get_submodule(path.rpartition(".")[0])
             setattr(parent, leaf, fp8)
+            if expert:
+                ep = mesh.size("ep") if mesh is not None else 1
+                fp8.row_share = ep * model.config.moe_topk / model.config.moe_experts
             if getattr(parent, "regather", False):
                 parent.regather = False
             linears[name] = fp8
@@ -408,7 +440,8 @@ class Fp8Facts:
 
     recipe: Recipe
     scaled_mm: bool  # the per-tensor GEMMs run on torch._scaled_mm (else emulated on the same codes)
-    in_features: dict  # {linear's global name: K_j, its local input width} (saved_input_bytes)
+    in_features: dict  # {linear's global name: K_j, its local input width, × a routed expert's row share E·k/N
+    # (uniform routing: of the M tokens a rank routes, its held expert gets E·M·k/N rows)} (saved_input_bytes)
     weights: int  # Σ N_j·K_j: the elements of the step's FP8 weight copies
     scales: dict  # {linear's global name: its [3] scales in use (delayed: the step's; else the last used)}
     first_steps: int  # delayed steps that scaled like `current` (empty history)
@@ -469,7 +502,7 @@ class Fp8Handle(Axis):
     def facts(self) -> Fp8Facts:
         linears = self.linears.values()
         return Fp8Facts(self.recipe, any(linear.use_scaled_mm for linear in linears),
-                        {name: linear.in_features for name, linear in self.linears.items()},
+                        {name: linear.in_features * linear.row_share for name, linear in self.linears.items()},
                         sum(linear.weight.numel() for linear in linears),
                         {name: linear.scale if self.recipe.mode == "delayed" else linear.last_scale
                          for name, linear in self.linears.items()}, self.first_steps, self.nonfinite_steps)
@@ -496,7 +529,7 @@ class Fp8Handle(Axis):
         history), which also sends the current recipe's."""
         out = Messages()
         if self.recipe.mode == "current" or (self.recipe.mode == "delayed" and first_step):
-            calls = len(self.linears) * self.micro_batches
+            calls = sum(bool(linear.amax_groups) for linear in self.linears.values()) * self.micro_batches
             forwards = calls * (2 if self.recomputes else 1)
             for group in [g for g in ("cp", "tp") if self.mesh is not None and self.mesh.size(g) > 1]:
                 out.add("all_reduce", group, forwards, 8 * forwards)  # forward [amax_x, amax_w]

@@ -90,6 +90,17 @@ def dequantize_tiles(q: torch.Tensor, inverse_scale: torch.Tensor, tile, dtype: 
 # --- The GEMMs: torch._scaled_mm on FP8 tensor cores, emulated elsewhere, the same rules everywhere ----------
 
 
+# torch._scaled_mm (Hopper, Ada) needs every dimension of its GEMMs a multiple of 16 (`gemm_shape_errors`); rows
+# (tokens) vary with the data only in the experts, whose FP8 linears zero-pad them to this (fp8.Fp8Linear).
+ROW_ALIGNMENT = 16
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x [M, K] with zero rows appended up to a multiple of `multiple` (x itself when M already is one)."""
+    extra = -x.shape[0] % multiple
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
 def gemm_shape_errors(m: int, k: int, n: int, training: bool = True) -> list:
     """Why a linear of input width K, output width N, on M tokens cannot run on _scaled_mm (empty: it can).
     The GEMMs [M,K]·[K,N] (forward), [M,N]·[N,K] (dX), [N,M]·[M,K] (dW) need their inner dimension and output

@@ -16,8 +16,10 @@ Each formula is closed-form, so a reader can check a number by hand, and each ha
    head's, a checkpointed block's and the hook-hidden terms, derived tensor by tensor from what this model's
    modules, autocast and torch's scaled_dot_product_attention dispatch (attention_kernel) keep for backward;
    tests/test_activations.py holds the sums against the measurement.
-4. Measurement: SavedActivations (saved_tensors_hooks, each storage once) and MemoryTimeline (the profiler's CPU
-   memory events, every allocation and free: the peak above the start, and the net).
+4. Measurement: SavedActivations (saved_tensors_hooks, each storage once), MemoryTimeline (the profiler's CPU
+   memory events, every allocation and free: the peak above the start, and the net), LiveTensors (the
+   tensors a module's forward makes, alive together at its highest: moe_memory.py's dispatch buffers) and
+   BackwardRise (how far a backward's tensors rise above the forward's saved ones it frees).
 
 Bytes are bytes (mfu.format_bytes prints them). s = sequence length, b = micro-batch size, h = hidden size,
 a = attention heads, t (T) = tensor-parallel size, D = data-parallel size, Psi = parameters.
@@ -32,6 +34,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import moe_shared
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. Persistent state per parameter
@@ -112,37 +119,46 @@ def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool 
         attention   c_attn 3h² + 3h·b, c_proj's weight h²   split by TP     c_proj's bias h·b  replicated over tp
         LayerNorms  2h·(1 + b)                                               replicated over tp
         dense MLP   c_fc 4h² + 4h·b, c_proj's weight 4h²    split by TP     c_proj's bias h·b  replicated over tp
-        MoE MLP     router N·h; N experts of Ψ_e = 8h² + 5h·b, whole on every TP rank, N/E of them on a rank
+        MoE MLP     router N·h; N experts of Ψ_e = 8h² + 5h·b, whole on every TP rank, N/E of them on a rank;
+                    S shared experts (moe_shared.param_count): S·(8h² + 4h·b) split by TP, h·b replicated over tp
     The embedding: wte V·h (split by vocabulary), wpe block_size·h (replicated). The head: ln_f h·(1 + b), and,
     on a stage without the embedding, its own copy of the tied V·h (split).
     Keys, in elements: split (what TP splits, logical), replicated (over tp), router, experts (all N), expert
-    (Ψ_e), moe_layers; total (logical: every expert, the tied weight once per holder), active (a token's k
-    experts instead of N). The matmul weights of 6N (mfu.flops_per_token): active_matmul (the head's V·h when
-    held, the blocks' linears, the routers, k experts), block_matmul (the blocks' part: what activation
-    checkpointing recomputes), dense_linears (the blocks' nn.Linear weights outside experts and routers: what
-    --fp8 runs in FP8). What the rank holds, by the group that sums its gradients: dp_cp (split/T + replicated
-    + router), expert_dp (experts/E), and per_rank, their sum.
+    (Ψ_e), moe_layers, shared_experts (of all MoE layers, also inside split and replicated: dense parameters);
+    total (logical: every expert, the tied weight once per holder), active (a token's k experts instead of N).
+    The matmul weights of 6N (mfu.flops_per_token): active_matmul (the head's V·h when held, the blocks' linears
+    with the S shared experts, the routers, k routed experts), block_matmul (the blocks' part: what activation
+    checkpointing recomputes), dense_linears (the blocks' nn.Linear weights outside routed experts and routers;
+    the shared experts among them), fp8_matmul (those and a token's k routed experts: what --fp8 runs in FP8).
+    What the rank holds, by the group that sums its gradients: dp_cp (split/T + replicated + router), expert_dp
+    (experts/E), and per_rank, their sum.
     """
     h, V, b, n, k = config.n_embd, config.vocab_size, int(config.bias), config.moe_experts, config.moe_topk
     layers = list(range(config.n_layer) if layers is None else layers)
     moe_layers = sum(config.is_moe_layer(i) for i in layers)
     dense_layers = len(layers) - moe_layers
     expert = 8 * h * h + 5 * h * b
-    split = len(layers) * (4 * h * h + 3 * h * b) + dense_layers * (8 * h * h + 4 * h * b)
-    replicated = len(layers) * (2 * h * (1 + b) + h * b) + dense_layers * h * b
+    shared_experts = moe_shared.param_count(config)  # one MoE layer's
+    split = (len(layers) * (4 * h * h + 3 * h * b) + dense_layers * (8 * h * h + 4 * h * b)
+             + moe_layers * shared_experts["split"])
+    replicated = (len(layers) * (2 * h * (1 + b) + h * b) + dense_layers * h * b
+                  + moe_layers * shared_experts["replicated"])
     if embedding:
         split, replicated = split + V * h, replicated + config.block_size * h
     if head:  # the tied weight is the embedding's tensor where both are held, else the head's own copy
         split, replicated = split + (0 if embedding else V * h), replicated + h * (1 + b)
     router, experts = moe_layers * n * h, moe_layers * n * expert
-    shared = split + replicated + router
-    dense_linears = len(layers) * 4 * h * h + dense_layers * 8 * h * h
+    non_expert = split + replicated + router  # every token's (the shared experts among them)
+    dense_linears = len(layers) * 4 * h * h + dense_layers * 8 * h * h + moe_layers * shared_experts["matmul"]
     block_matmul = dense_linears + router + moe_layers * k * 8 * h * h
     dp_cp, expert_dp = split // tp + replicated + router, experts // ep
     return dict(split=split, replicated=replicated, router=router, experts=experts, expert=expert,
-                moe_layers=moe_layers, total=shared + experts, active=shared + moe_layers * k * expert,
+                moe_layers=moe_layers,
+                shared_experts=moe_layers * (shared_experts["split"] + shared_experts["replicated"]),
+                total=non_expert + experts, active=non_expert + moe_layers * k * expert,
                 active_matmul=block_matmul + (V * h if head else 0), block_matmul=block_matmul,
-                dense_linears=dense_linears, dp_cp=dp_cp, expert_dp=expert_dp, per_rank=dp_cp + expert_dp)
+                dense_linears=dense_linears, fp8_matmul=dense_linears + moe_layers * k * 8 * h * h, dp_cp=dp_cp,
+                expert_dp=expert_dp, per_rank=dp_cp + expert_dp)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -308,14 +324,19 @@ def block_input_bytes(x: ActivationShape) -> float:
     return x.s * x.b * x.h / (x.t if x.sp else 1) * x.e_r
 
 
-def hidden_from_hooks(x: ActivationShape, layers: int, head: bool) -> float:
+def hidden_from_hooks(x: ActivationShape, layers: int, head: bool, moe_layers: int = 0,
+                      shared_experts: int = 0) -> float:
     """Of the bytes above, what an outer saved_tensors_hooks (SavedActivations) cannot see: under SP, the tensors
     saved inside tensor_parallel's regather hook, per layer c_attn's and c_fc's input shards 2·sbh'·e_c and
-    their weight copies 7h²·w/T, and on the head its input shard sbh'·e_c and the tied weight's copy V·h·w/T."""
+    their weight copies 7h²·w/T, and on the head its input shard sbh'·e_c and the tied weight's copy V·h·w/T.
+    Of the `layers`, `moe_layers` are MoE blocks: c_attn's, and a c_fc only through their S `shared_experts`
+    (moe_shared.py; copy S·4h²·w/T, its input shard hidden only where it is not the router's input, e_c ≠ e_r)."""
     if not (x.sp and x.regather and x.t > 1):
         return 0.0
-    shard = x.s * x.b * x.h / x.t * x.e_c
-    return (layers * (2 * shard + (0 if x.fp8 else 7 * x.h * x.h * x.weight_copy / x.t))
+    shard, copy = x.s * x.b * x.h / x.t * x.e_c, 0 if x.fp8 else x.h * x.h * x.weight_copy / x.t
+    moe_layer = shard + 3 * copy + (shard * (x.e_c != max(4, x.e_r)) + shared_experts * 4 * copy
+                                    if shared_experts else 0)
+    return ((layers - moe_layers) * (2 * shard + 7 * copy) + moe_layers * moe_layer
             + (shard + x.vocab * x.h * x.weight_copy / x.t if head else 0))
 
 
@@ -406,3 +427,114 @@ class MemoryTimeline:
             in_use += event.nbytes()  # negative for a free
             self.peak = max(self.peak, in_use)
         self.net = in_use
+
+
+@dataclass(frozen=True)
+class ModulePeak:
+    """One module forward as LiveTensors saw it: the bytes of the tensors it made, alive together at their highest."""
+
+    peak: int  # bytes alive at the highest point (the forward's own tensors: ops' outputs, each storage once)
+    saved: int  # of all the tensors the forward made, the bytes autograd saved for backward (alive at the end)
+    at: str  # the op whose output made the peak
+
+    @property
+    def above_saved(self) -> int:
+        """What the forward needs beyond what it leaves saved: the peak less every saved byte. A step adds this to
+        its activations (which count the saved bytes) while the module runs."""
+        return self.peak - self.saved
+
+
+class LiveTensors(TorchDispatchMode):
+    """Per forward of the watched modules: the bytes of the tensors it made that are alive together at its
+    highest, and those it leaves saved for backward (ModulePeak).
+
+        with LiveTensors({"mlp": block.mlp}) as live:
+            block(x)
+        live.peaks["mlp"]
+
+    A tensor is counted when an op returns it in a storage that none of the op's inputs had (views and
+    in-place ops make none), until that storage is freed (a weak reference); the bytes alive are summed after
+    every op, which is where a peak can be: an op allocates, and frees happen between ops. It counts the
+    tensors ops return, not an op's scratch inside its kernel, nor the allocator's rounding (CUDA rounds up to
+    512 bytes): the figure moe_memory.py predicts. Saved: storages packed by saved_tensors_hooks inside the
+    `with` (not those packed inside another hook, e.g. SP's regather) and still alive at the forward's end.
+    """
+
+    def __init__(self, modules: dict):
+        super().__init__()
+        self.modules, self.peaks, self.kept = modules, {}, {}
+        self.window = None  # {cdata: (weak ref, bytes)} of the watched forward running now, else None
+        self.saved = set()  # cdata of the storages autograd packed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.window is not None:
+            inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+                    continue
+                storage = t.untyped_storage()
+                known = self.window.get(storage._cdata)
+                if storage._cdata not in inputs and (known is None or known[0].expired()):  # an address reused
+                    self.window[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+            alive = sum(nbytes for ref, nbytes in self.window.values() if not ref.expired())
+            if alive > self.highest[0]:
+                self.highest = (alive, str(func))
+        return out
+
+    def _pack(self, tensor):
+        self.saved.add(tensor.untyped_storage()._cdata)
+        return tensor
+
+    def _start(self, module, args):
+        self.window, self.highest = {}, (0, "")
+
+    def _stop(self, module, args, output):
+        name = next(key for key, watched in self.modules.items() if watched is module)
+        self.kept[name] = {cdata: (ref, nbytes) for cdata, (ref, nbytes) in self.window.items()
+                           if cdata in self.saved and not ref.expired()}  # what a BackwardRise watches being freed
+        self.peaks[name] = ModulePeak(self.highest[0], sum(nbytes for _, nbytes in self.kept[name].values()),
+                                      self.highest[1])
+        self.window = None
+
+    def __enter__(self):
+        self.hooks = [hook for module in self.modules.values() for hook in
+                      (module.register_forward_pre_hook(self._start), module.register_forward_hook(self._stop))]
+        self.packing = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self.packing.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.packing.__exit__(*exc)
+        for hook in self.hooks:
+            hook.remove()
+
+
+class BackwardRise(TorchDispatchMode):
+    """How far the tensors a backward makes rise above where it began, less the forward's saved tensors it frees
+    on the way (`saved`: LiveTensors.kept of that forward). Counted as LiveTensors counts (the tensors ops return,
+    summed after every op); `rise(exclude)` leaves out the storages in `exclude` (the parameters' gradients,
+    which a layout holds anyway)."""
+
+    def __init__(self, saved: dict):
+        super().__init__()
+        self.saved, self.made, self.moments = saved, {}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                storage = t.untyped_storage()
+                known = self.made.get(storage._cdata)
+                if storage._cdata not in inputs and (known is None or known[0].expired()):
+                    self.made[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        alive = [(cdata, nbytes) for cdata, (ref, nbytes) in self.made.items() if not ref.expired()]
+        self.moments.append((alive, sum(nbytes for ref, nbytes in self.saved.values() if ref.expired())))
+        return out
+
+    def rise(self, exclude=()) -> int:
+        exclude = set(exclude)
+        return max((sum(nbytes for cdata, nbytes in alive if cdata not in exclude) - freed
+                    for alive, freed in self.moments), default=0)

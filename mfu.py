@@ -48,8 +48,9 @@ class FlopsPerToken:
 def flops_per_token(counts: dict, config, seq_len: int) -> FlopsPerToken:
     """Training FLOPs per token: model = 6N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT), N the
     matmul weights a token uses: counts["active_matmul"] of memory.param_counts(config) (the head, the blocks'
-    linears, a mixture of experts' router and the k experts a token visits, not the N − k idle ones, nor are
-    dropped slots subtracted: a convention, printed). L, H, Q: config's n_layer, n_head, head_dim.
+    linears, a mixture of experts' router, its S shared experts (S·8h² per MoE layer, moe_shared.py) and the k
+    routed experts a token visits, not the N − k idle ones, nor are dropped slots subtracted: a convention,
+    printed). L, H, Q: config's n_layer, n_head, head_dim.
 
     6N: each matmul weight is used once per token in a multiply-add (2 FLOPs) in the forward pass, and twice in
     the backward pass (gradient w.r.t. the input and w.r.t. the weight), so 2N + 4N = 6N.
@@ -547,12 +548,13 @@ class RoutedLoad:
     def __init__(self):
         self.forwards, self.sent, self.received = 0, 0, 0  # of every training forward since the start
         self.loads, self.dropped, self.taken_forwards = {}, {}, {}  # {layer id: since the last take_load}
-        self.last_load = None  # the last take_load, for the end lines
+        self.last_load, self.off_group = None, [0, 0]  # the last take_load; moe_router.off_group's sums
 
     def routed(self, layer, load: torch.Tensor, keep, sent: int, received: int) -> None:
         if not (layer.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
             return  # evaluation, sampling (no grad, or eval mode), or a checkpointed block's recompute (in backward)
         self.forwards, self.sent, self.received = self.forwards + 1, self.sent + sent, self.received + received
+        self.off_group = [total + new for total, new in zip(self.off_group, layer.off_group)]
         key = layer.layer_id
         self.loads[key] = load if key not in self.loads else self.loads[key] + load
         self.taken_forwards[key] = self.taken_forwards.get(key, 0) + 1

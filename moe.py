@@ -7,6 +7,12 @@ or the model's dtype when wider; autocast off):
     z = x·W_rᵀ [T, N];  p = softmax(z) over all N;  (g, e) = top-k of p;  w = g / Σ_j g_j (k > 1), g (k = 1)
 For k > 1 this is Mixtral's softmax over the k chosen logits, weights summing to 1 (one dense MLP's scale
 whatever k and N); for k = 1 renormalising would give w = 1, so, as Switch, we keep the raw probability.
+DeepSeek-V3's router (moe_router.py: --moe-score sigmoid, the loss-free bias --moe-bias-rate, the seq loss
+--moe-seq-aux-coef, --moe-groups/--moe-group-limit, --moe-route-scale) replaces this line's choice and weights;
+each layer's per-expert load (slots routed, before capacity: the last step's in `layer.load.last`, global when the
+bias learns) is `moe_router.ExpertLoad`, the one place its readers go; the bias is updated in `after_grad_sync`.
+With --moe-shared-experts S the block adds S always-on experts, ungated (DeepSeekMoE; moe_shared.py, whose
+docstring answers the four questions for them): y = Σ_s shared_s(x) + Σ_j w_j · expert_{e_j}(x).
 Auxiliary losses (`aux_losses.add(name, coef, value)`; the step divides by the D·m micro-batches, so each is
 defined on ONE data-parallel micro-batch, DESIGN.md), with fᵢ = (slots routed to i)/(T·k) before capacity:
     moe_balance = N · Σᵢ fᵢ·Pᵢ,  Pᵢ = mean of pᵢ (1 when balanced)    α = --moe-aux-coef
@@ -30,8 +36,9 @@ tokens; rank e holds experts [e·N/E, (e+1)·N/E) of every MoE layer, whole. `Mo
     6. y[t] = Σ_j w_tj · row(t, j) over the kept slots
 `AllToAll` (autograd) does 3 and 5; its backward is the reverse all-to-all. Expert gradients are summed over
 expert_dp (the D×C/E ranks holding the same experts), the router's with the dense ones over dp×cp; E = 1 is
-plain data parallel. Under TP the experts and the router are REPLICATED over tp: without --sp each TP rank
-computes the same thing; with --sp each routes its sequence piece and their gradients are summed over tp
+plain data parallel. With --moe-replicas R (eplb.py) rank e holds R/E physical slots instead, a hot expert
+in several, and 1-5 run by slot. Under TP the experts and the router are REPLICATED over tp: without --sp each
+TP rank computes the same thing; with --sp each routes its sequence piece and their gradients are summed over tp
 once per step (`MoEAxis.after_grad_sync`). Under PP an ep group is one stage: one schedule, one order.
 
 Symbols: N experts, k top-k, E expert-parallel size, h hidden, L_moe MoE layers (L in all), T tokens of one
@@ -43,10 +50,12 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    c_fc.weight`), the routed rows. Replicated: the router, the dense parameters; each expert over expert_dp.
 2. Peak per device. Parameters Ψ_dense + L_moe·(h·N + (N/E)·Ψ_e), ×16 bytes with fp32 grads and AdamW
    (memory.param_counts). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
-   (e_r), S sent and R received rows, the experts' [R, 4h] hidden and R outputs, S combined and S weighted
+   (e_r), S sent and R received rows, the experts' [R, 4h] hidden and R outputs (under --fp8 their linears
+   run in FP8, each chunk's rows padded to 16: fp8.py, fp8_experts.py), S combined and S weighted
    rows; with capacity under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward:
    `layer_activation_bytes` (tested against autograd). Uniform routing: S = R = T·k; worst case (the whole ep
-   group picks this rank): R = E·T·k dropless, R ≤ N·C_μ with capacity.
+   group picks this rank): R = E·T·k dropless, R ≤ N·C_μ with capacity. What the forward holds at once
+   (the dispatch and combine buffers, its peak, and which block sets the step's): moe_memory.py.
 3. Critical path (all synchronous), per MoE layer and micro-batch, group ep (payload = the input tensor):
        forward   all_to_all_single  counts 8N  +  dispatch S·h·e_c  +  combine R·h·e_c
        backward  all_to_all_single  combine's reverse S·h·e_c  +  dispatch's reverse R·h·e_c
@@ -62,8 +71,9 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    Python ints; E = 1: the experts' row slicing), again in a recompute; no nonzero() (dropped slots sort
    last), no bincount (a scatter-add). Aux values, load and drops stay tensors until a line reads them
    (step.train_step once per step; the load line, through its observer's `take_load`, once per line).
-4. Restart state: nothing of its own; routing is deterministic (no RNG), and each expert is a whole logical
-   tensor named by its global index, so a checkpoint written with one E loads with another.
+4. Restart state: the sigmoid router's bias (`state_pieces`, moe_router item 4); routing is deterministic (no
+   RNG), and each expert is a whole logical tensor named by its global index, so a checkpoint written with one E
+   loads with another.
    FLOPs per token (MFU): mfu.flops_per_token, from the k experts a token visits, not the N.
 """
 
@@ -80,9 +90,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import eplb
+import moe_router
 from comm import Messages
 from context_parallel import positions
 from mesh import MeshShape
+from moe_shared import SharedExperts, saved_bytes
+from shard import ShardInfo, StatePiece, counts_here
 from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------
@@ -105,11 +119,9 @@ class Router(nn.Module):
 
 
 def route(logits: torch.Tensor, topk: int):
-    """(probabilities [T, N], weights [T, k], experts [T, k]): softmax over all N, top-k, renormalised (k>1)."""
-    probs = logits.softmax(dim=-1)
-    gate, expert = probs.topk(topk, dim=-1)
-    if topk > 1:
-        gate = gate / gate.sum(dim=-1, keepdim=True)
+    """(probabilities [T, N], weights [T, k], experts [T, k]): softmax over all N, top-k, renormalised (k>1).
+    moe_router.route with its defaults (ties to the lower expert); it also does sigmoid, bias and groups."""
+    probs, gate, expert, _ = moe_router.route(logits, topk)
     return probs, gate, expert
 
 
@@ -156,26 +168,44 @@ class MoE(nn.Module):
         self.n_experts, self.topk = config.moe_experts, config.moe_topk
         self.capacity_factor = config.moe_capacity_factor
         self.aux_coef, self.z_coef = config.moe_aux_coef, config.moe_z_coef
+        self.routing = dict(score=config.moe_score, groups=config.moe_groups, limit=config.moe_group_limit,
+                            scale=config.moe_route_scale)  # moe_router.route's options (DeepSeek-V3's gate)
+        self.seq_aux_coef = config.moe_seq_aux_coef
+        self.load = moe_router.ExpertLoad(config.moe_experts, config.moe_score == "sigmoid", config.moe_bias_rate)
         self.router = Router(config.n_embd, config.moe_experts)
         self.experts = nn.ModuleDict({str(i): Expert(config) for i in range(config.moe_experts)})
+        # S always-on experts added ungated (moe_shared.py); dense parameters, built after the routed ones.
+        self.shared_experts = SharedExperts(config) if config.moe_shared_experts else None
         self.dropout = nn.Dropout(config.dropout)
         self.local = range(config.moe_experts)  # the experts this rank holds
         self.ep_group, self.ep_size = None, 1
+        self.replicas = None  # eplb.Replicas with --moe-replicas: the physical slots the dispatch sends to
         self.pieces = ()  # Pieces: the ranks holding the other pieces of this rank's micro-batch (CP, SP)
         self.observer = RoutingObserver()  # who is told what each forward routed (the accounting, or nobody)
+        self.places, self.off_group = None, (0, 0)  # with groups under EP: moe_router.off_group's last record
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]: this rank's tokens (its CP/SP piece of the micro-batch)
         logits = self.router(tokens)  # [T, N]
-        probs, gate, expert = route(logits, self.topk)  # [T, N], [T, k], [T, k]
+        probs, gate, expert, scores = moe_router.route(logits, self.topk, bias=self.load.on(logits.device).bias,
+                                                       **self.routing)
         routed = count_per_expert(expert, self.n_experts)  # [N]
-        balance, z = router_losses(logits, probs, routed, self.topk, [piece.group for piece in self.pieces])
+        if moe_router.is_training_forward(self):
+            self.load.add(routed)  # the step's load: the bias update's, and every reader's (`layer.load`)
+        sequences = x.shape[0] if x.dim() == 3 else 1
+        seq = moe_router.sequence_stats(scores, probs, self.topk, sequences) if self.seq_aux_coef > 0 else None
+        balance, z, seq = router_losses(logits, probs, routed, self.topk, [piece.group for piece in self.pieces], seq)
         self.aux_losses.add("moe_balance", self.aux_coef, balance)
         self.aux_losses.add("moe_z", self.z_coef, z)
+        if seq is not None:
+            self.aux_losses.add("moe_seq_balance", self.seq_aux_coef, moe_router.sequence_loss(seq, self.topk))
         keep = self.keep_slots(expert.view(*x.shape[:-1], self.topk))
         y, rows_sent, rows_received = self.dispatch_and_combine(tokens, gate, expert, keep)
         self.observer.routed(self, routed, keep, rows_sent, rows_received)
-        return self.dropout(y.view(x.shape).to(x.dtype))  # the fp32 gate must not widen the residual stream
+        y = y.view(x.shape).to(x.dtype)  # the fp32 gate must not widen the residual stream
+        if self.shared_experts is not None:  # last: a recompute stops before its TP reduction, as the dense MLP's
+            y = y + self.shared_experts(x)
+        return self.dropout(y)
 
     @torch.no_grad()
     def keep_slots(self, expert: torch.Tensor) -> torch.Tensor | None:
@@ -202,6 +232,8 @@ class MoE(nn.Module):
         slot_expert = expert.reshape(-1)  # [T·k], slot s is token s // k, its choice s % k
         if keep is not None:
             slot_expert = torch.where(keep.reshape(-1), slot_expert, n)  # a dropped slot sorts after every expert
+        if self.replicas is not None:  # each slot to one replica of its expert: by physical slot from here on
+            slot_expert, n = self.replicas.physical(slot_expert, self.training), self.replicas.slots
         order = torch.argsort(slot_expert, stable=True)  # 1. kept slots by expert (token order inside), dropped last
         counts = count_per_expert(slot_expert, n + 1)[:n]  # [N] rows per expert
         if self.ep_size > 1:  # 2. destination rank r gets this rank's counts for its experts; we get each source's
@@ -219,6 +251,7 @@ class MoE(nn.Module):
             per_rank = n // self.ep_size
             send_splits = [sum(sizes[r * per_rank:(r + 1) * per_rank]) for r in range(self.ep_size)]
             recv_splits = [sum(sizes[n + r * per_rank:n + (r + 1) * per_rank]) for r in range(self.ep_size)]
+            self.off_group = moe_router.off_group(self.places, expert, keep, send_splits)  # the accounting's
             received = AllToAll.apply(sent, recv_splits, send_splits, self.ep_group)  # 3. dispatch
             out = self.run_local_experts(received, sizes[n:])  # 4.
             back, rows_received = AllToAll.apply(out, send_splits, recv_splits, self.ep_group), sum(recv_splits)  # 5.
@@ -289,18 +322,22 @@ class SumOverPieces(torch.autograd.Function):
         return grad, None
 
 
-def router_losses(logits: torch.Tensor, probs: torch.Tensor, routed: torch.Tensor, topk: int, groups=()):
-    """(balance, z): N·Σᵢ fᵢ·Pᵢ and mean (logsumexp z)², over the whole micro-batch (its pieces summed over
-    `groups`). routed: [N] slots routed to each expert by this rank (before capacity)."""
+def router_losses(logits: torch.Tensor, probs: torch.Tensor, routed: torch.Tensor, topk: int, groups=(),
+                  sequences: torch.Tensor | None = None):
+    """(balance, z, sequences): N·Σᵢ fᵢ·Pᵢ and mean (logsumexp z)², over the whole micro-batch (its pieces summed
+    over `groups`), and the seq loss's [B, 2N+1] statistics (moe_router.sequence_stats) summed alike in the same
+    all-reduce (None when off). routed: [N] slots routed to each expert by this rank (before capacity)."""
     n = probs.shape[-1]
     lse = torch.logsumexp(logits, dim=-1)
     stats = torch.cat([routed.to(probs.dtype), probs.sum(dim=0), (lse * lse).sum().view(1),
-                       torch.full((1,), logits.shape[0], dtype=probs.dtype, device=probs.device)])
+                       torch.full((1,), logits.shape[0], dtype=probs.dtype, device=probs.device),
+                       *([] if sequences is None else [sequences.to(probs.dtype).reshape(-1)])])
     for group in groups:
         stats = SumOverPieces.apply(stats, group)
-    tokens = stats[-1]
+    tokens = stats[2 * n + 1]
     f, p = stats[:n] / (tokens * topk), stats[n:2 * n] / tokens
-    return n * (f * p).sum(), stats[2 * n] / tokens
+    summed = None if sequences is None else stats[2 * n + 2:].view(sequences.shape)
+    return n * (f * p).sum(), stats[2 * n] / tokens, summed
 
 
 class Pieces(NamedTuple):
@@ -355,7 +392,8 @@ class RoutingObserver:
 # Flag → (GPTConfig field, default). --ep E is the mesh's.
 FLAGS = {"--moe-experts": ("moe_experts", 0), "--moe-topk": ("moe_topk", 2), "--moe-every": ("moe_every", 1),
          "--moe-capacity-factor": ("moe_capacity_factor", 0.0), "--moe-aux-coef": ("moe_aux_coef", 0.01),
-         "--moe-z-coef": ("moe_z_coef", 0.001)}
+         "--moe-z-coef": ("moe_z_coef", 0.001), "--moe-shared-experts": ("moe_shared_experts", 0),
+         **moe_router.FLAGS}
 
 
 def config_overrides(args) -> dict:
@@ -380,6 +418,8 @@ def check_flags(config, shape: MeshShape) -> None:
              f"--moe-every {every} must be between 1 and --n-layer {config.n_layer} (else no block is MoE)")):
         if broken:
             raise ValueError(message)
+    if n > 0:
+        moe_router.check_flags(config, ep)
 
 
 @dataclass(frozen=True)
@@ -390,13 +430,20 @@ class MoEConfig:
     ep: int = 1
     sequence_parallel: bool = False
     cp_balance: str | None = None  # None without CP
+    replicas: int = 0  # R physical experts (eplb.py), --moe-replicas; 0: none, the N experts in place
+    replan_every: int = 50  # --moe-replan-every
+    load_decay: float = 0.9  # --moe-load-decay
 
 
 def config_from_flags(args, settings) -> MoEConfig | None:
     """The MoE layout on this mesh (its flags checked by flags.validate, check_flags); None when dense."""
     if settings.model.moe_experts == 0:
         return None
-    return MoEConfig(settings.shape.ep, settings.sequence_parallel, args.cp_balance if settings.shape.cp > 1 else None)
+    replicas = getattr(args, "moe_replicas", 0)
+    if replicas:
+        eplb.check_flags(replicas, settings.model.moe_experts, settings.shape.ep, args.zero)
+    return MoEConfig(settings.shape.ep, settings.sequence_parallel, args.cp_balance if settings.shape.cp > 1 else None,
+                     replicas, getattr(args, "moe_replan_every", 50), getattr(args, "moe_load_decay", 0.9))
 
 
 def shard_experts(layer: MoE, ep_group, ep_size: int, ep_index: int) -> None:
@@ -422,13 +469,26 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
                    for name, balance in levels)
     layers = [block.mlp for block in model.transformer.h if isinstance(block.mlp, MoE)]
     for layer in layers:
-        shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
+        if config.replicas:  # R/E physical slots (eplb.py), else experts [e·N/E, (e+1)·N/E)
+            eplb.place_slots(layer, config.replicas, mesh.group("ep"), ep, mesh.index("ep"), run.device)
+        else:
+            shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         layer.pieces = pieces
+        layer.load.on(run.device)
+        layer.places = moe_router.group_places(layer.n_experts, model.config.moe_groups, ep, mesh.index("ep"),
+                                               run.device)
     sp = mesh.size("tp") if config.sequence_parallel else 1
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
-                      max(4, next(model.parameters()).element_size()))
-    return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None)
+                      max(4, next(model.parameters()).element_size()), run.micro_batch_size, config.replicas)
+    redundant = None  # with --moe-replicas: the replicas' step work; their tokens' loads are summed over dp×cp (tp)
+    if config.replicas and layers:
+        redundant = eplb.RedundantExperts(layers, config.replan_every, config.load_decay,
+                                          {name: mesh.group(name) for name in ("ep", "dp_cp", "expert_dp")},
+                                          {name: mesh.group(name) for name in ("dp_cp", "tp")[:1 + (sp > 1)]})
+    load_groups = [name for name in ("dp_cp", "tp") if mesh.size(name) > 1 and (name != "tp" or sp > 1)]
+    tp_group = mesh.group("tp") if config.sequence_parallel else None
+    return MoEAxis(layers, traffic, tp_group, mesh, load_groups, redundant)
 
 
 @dataclass(frozen=True)
@@ -436,8 +496,9 @@ class MoEFacts:
     """What the accounting reads of the MoE axis (`MoEAxis.facts`): report_axes.py's moe section, time_model.py."""
 
     traffic: Traffic
-    experts: range  # the experts this rank holds of every MoE layer, [e·N/E, (e+1)·N/E)
+    experts: range  # the experts this rank holds of every MoE layer, [e·N/E, (e+1)·N/E) (replicas: its slots)
     expert_params: int  # their parameters, all MoE layers
+    replicas: eplb.ReplicaFacts | None = None  # with --moe-replicas
 
 
 class MoEAxis(Axis):
@@ -445,16 +506,35 @@ class MoEAxis(Axis):
 
     name = "moe"
 
-    def __init__(self, layers: list, traffic: Traffic, tp_group=None):
-        self.layers, self.traffic = layers, traffic
+    def __init__(self, layers: list, traffic: Traffic, tp_group=None, mesh=None, load_groups=(), redundant=None):
+        self.layers, self.traffic, self.mesh = layers, traffic, mesh
         self.tp_group = tp_group  # with --sp: the experts' and router's gradients are summed over it
+        self.load_groups = list(load_groups)  # names of the groups whose ranks saw the step's other tokens
+        self.redundant = redundant  # eplb.RedundantExperts with --moe-replicas
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:
-        """With --sp each TP rank routed its sequence piece: sum the experts' and router's gradients over tp."""
+        """With --sp each TP rank routed its sequence piece: sum the experts' and router's gradients over tp.
+        Then each layer's step load, global (the bias on), updates its bias (moe_router.finish_step)."""
         if self.tp_group is not None:
             sum_in_place([g for g in layout.grad_pieces(self.params()) if g.numel()], self.tp_group)
+        if self.redundant is not None:  # the replicas' gradient sum, the load, the re-plan (eplb.py)
+            self.redundant.after_grad_sync(layout)
+        moe_router.finish_step([layer.load for layer in self.layers],
+                               [self.mesh.group(name) for name in self.load_groups])
         return 0
+
+    def state_pieces(self) -> list:
+        """Each layer's selection bias, "moe/<layer>.expert_bias", one logical copy (moe_router item 4)."""
+        coords = self.mesh.coordinates() if self.mesh is not None else None
+        pieces = []
+        for layer in self.layers:
+            if layer.load.bias is not None:
+                info = ShardInfo(f"transformer.h.{layer.layer_id}.mlp.expert_bias", (layer.n_experts,),
+                                 replicated_over=("tp",))
+                pieces.append(StatePiece(f"moe/{info.global_name}", layer.load.bias, info,
+                                         primary=counts_here(info, coords, ("dp_cp",))))
+        return pieces
 
     @contextmanager
     def sampling(self):
@@ -478,28 +558,43 @@ class MoEAxis(Axis):
 
     def facts(self) -> MoEFacts:
         held = sum(p.numel() for layer in self.layers for p in layer.experts.parameters())
-        return MoEFacts(self.traffic, self.layers[0].local if self.layers else range(0), held)
+        return MoEFacts(self.traffic, self.layers[0].local if self.layers else range(0), held,
+                        self.redundant.facts() if self.redundant is not None else None)
 
     def params(self) -> list:
-        return [p for layer in self.layers for p in layer.parameters()]
+        """The routers and the routed experts (whole on every TP rank); not the shared experts, TP's to split."""
+        return [p for layer in self.layers for p in (*layer.router.parameters(), *layer.experts.parameters())]
 
     def predicted_messages(self, layout=None) -> Messages:
-        """Per optimizer step, for UNIFORM routing (item 3). SP's sum covers the layout's gradient pieces of the
-        experts and router (ZeRO: this rank's shard, in its accumulation dtype); no layout: the parameters."""
+        """Per optimizer step, for UNIFORM routing (item 3), and the replicas' for a uniform load (eplb.py)."""
+        out = self.routing_messages(layout)
+        return out + self.redundant.predicted_messages(layout) if self.redundant is not None else out
+
+    def routing_messages(self, layout=None) -> Messages:
+        """Item 3 for UNIFORM routing. SP's sum covers the layout's gradient pieces of the experts and router
+        (ZeRO: this rank's shard, in its accumulation dtype); no layout: the parameters."""
         sp_grad_bytes = 0
         if self.tp_group is not None:
             pieces = layout.grad_pieces(self.params()) if layout is not None else self.params()
             sp_grad_bytes = sum(g.numel() * g.element_size() for g in pieces)
-        return step_messages(self.traffic, sp_grad_bytes)
+        out = step_messages(self.traffic, sp_grad_bytes)
+        if any(layer.load.reduce for layer in self.layers):
+            for message in moe_router.load_messages(len(self.layers), self.traffic.model.moe_experts,
+                                                    self.load_groups):
+                out.add(*message)
+        return out
 
     def traced_prediction(self, layout, steps: int) -> Messages:
         """Per step of the `steps` traced training steps: the all-to-alls from the rows the training forwards
-        sent and received (exact: the observer's `rows()`), the rest as predicted_messages."""
-        out = self.predicted_messages(layout)
-        if self.traffic.ep > 1 and steps and self.observer is not None:
+        sent and received (exact: the observer's `rows()`), the replicas' from what their steps did, the rest
+        as predicted_messages."""
+        if not steps:
+            return self.predicted_messages(layout)
+        out = self.routing_messages(layout)
+        if self.traffic.ep > 1 and self.observer is not None:
             out.pop(ALL_TO_ALL, None)
             out = out + all_to_all_messages(self.traffic, *self.observer.rows()).times(1 / steps)
-        return out
+        return out + self.redundant.traced_messages(steps) if self.redundant is not None else out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -522,27 +617,30 @@ class Traffic:
     sp: int = 1  # T_tp with --sp, else 1
     compute_bytes: int = 2  # e_c of the rows
     router_bytes: int = 4  # e_r
+    sequences: int = 1  # B_μ: with the seq loss, its [B_μ, 2N+1] statistics join the pieces' all-reduce
+    slots: int = 0  # R physical experts with --moe-replicas (eplb.py): the counts all-to-all carries R, not N
 
 
 def layer_activation_bytes(config, tokens: int, compute_bytes: int = 2, router_bytes: int = 4,
-                           mask_bytes: int = 1) -> int:
+                           mask_bytes: int = 1, sequences: int = 1) -> int:
     """Bytes ONE MoE layer saves for backward per micro-batch (weights and their autocast copies aside), for
     T = `tokens` routed by this rank, uniform routing without drops (S = R = T·k; exact for E = 1):
-        router    T·e_r·(h + 2N + 1 + [k > 1]·(k + 1)) + 8·T·k   its e_r input, logits, probabilities, lse,
-                                                               (k > 1: top-k values, their sum), indices
+        router    T·e_r·(h + 2N + 1 + [k > 1 or σ]·(k + 1) + [σ]) + 8·T·k   its e_r input, logits, scores, lse,
+                  (renormalised: the k weights, their sum), sigmoid's (σ) Σ_j s_tj, indices
         dispatch  S·(3·8 + e_r)        the sort's order, each row's token (gather, index_add), each row's gate
         rows      S·h·(2·e_c + e_w)    rows in, rows back, the weighted rows index_add keeps (e_w = max(e_c, e_r))
         experts   R·8h·e_c             GELU's input and output
-    + e_r·(4N + 3) of statistics, + T·h·mask_bytes with dropout (1 on GPUs; the element size on CPUs, whose
-    dropout keeps a scaled mask)."""
+    + e_r·(4N + 3) of statistics (×(1 + B_μ) with the seq loss, B_μ = `sequences`), + T·h·mask_bytes with dropout
+    (1 on GPUs; the element size on CPUs, whose dropout keeps a scaled mask)."""
     n, k, h = config.moe_experts, config.moe_topk, config.n_embd
-    slots = tokens * k
-    router = tokens * router_bytes * (h + 2 * n + 1 + (k + 1 if k > 1 else 0)) + 8 * slots
+    slots, sigmoid = tokens * k, config.moe_score == "sigmoid"
+    router = tokens * router_bytes * (h + 2 * n + 1 + (k + 1 if k > 1 or sigmoid else 0) + sigmoid) + 8 * slots
     dispatch = slots * (3 * 8 + router_bytes)
     rows = slots * h * (2 * compute_bytes + max(compute_bytes, router_bytes))
     experts = slots * 8 * h * compute_bytes
     mask = tokens * h * mask_bytes if config.dropout > 0 else 0
-    return router + dispatch + rows + experts + mask + router_bytes * (4 * n + 3)
+    statistics = router_bytes * (4 * n + 3) * (1 + (sequences if config.moe_seq_aux_coef > 0 else 0))
+    return router + dispatch + rows + experts + mask + statistics
 
 
 def activation_estimate_delta(config, moe_blocks: int, seq: int, micro: int, tp: int = 1,
@@ -551,11 +649,13 @@ def activation_estimate_delta(config, moe_blocks: int, seq: int, micro: int, tp:
     16-bit, s = this rank's sequence, s/C under CP) for moe_blocks held MoE blocks: each one's own bytes
     (layer_activation_bytes at e_c = 2, e_r = 4, for its T = s·b tokens, /T_tp with SP: experts are whole on
     every TP rank) minus the dense MLP's share it replaces, 19·s·b·h ((3 + 16/t)·s·b·h under TP, 19·s·b·h/t
-    with SP: c_fc's input 2, GELU's input and output 16, the dropout mask 1)."""
+    with SP: c_fc's input 2, GELU's input and output 16, the dropout mask 1), plus the shared experts' own
+    (moe_shared.saved_bytes: S times the dense MLP's GELU terms, and c_fc's 16-bit input)."""
     sbh = seq * micro * config.n_embd
     dense_mlp = 19 * sbh / tp if sequence_parallel else (3 + 16 / tp) * sbh
     tokens = seq * micro // (tp if sequence_parallel else 1)
-    return moe_blocks * (layer_activation_bytes(config, tokens) - dense_mlp)
+    shared = saved_bytes(config, seq * micro, tp, input_tokens=tokens)
+    return moe_blocks * (layer_activation_bytes(config, tokens, sequences=micro) + shared - dense_mlp)
 
 
 def all_to_all_messages(traffic: Traffic, forwards: int, sent: float, received: float) -> Messages:
@@ -565,7 +665,7 @@ def all_to_all_messages(traffic: Traffic, forwards: int, sent: float, received: 
     (the reverses, (S + R)·h·e_c)."""
     repeats = 2 if traffic.model.activation_checkpointing else 1
     row_bytes = traffic.model.n_embd * traffic.compute_bytes
-    counts = forwards * repeats * 8 * traffic.model.moe_experts  # the N int64 counts, each (re)computed forward
+    counts = forwards * repeats * 8 * (traffic.slots or traffic.model.moe_experts)  # N (R) int64 counts, each
     rows = (repeats + 1) * (sent + received) * row_bytes
     return Messages().add(*ALL_TO_ALL, forwards * (3 * repeats + 2), counts + rows)
 
@@ -582,9 +682,10 @@ def step_messages(traffic: Traffic, sp_grad_bytes: int = 0) -> Messages:
     out = all_to_all_messages(t, passes, passes * rows, passes * rows) if t.ep > 1 else Messages()
     forwards = passes * (2 if t.model.activation_checkpointing else 1)
     choice_bytes = 1 if n <= 256 else 4
+    statistics = 2 * n + 2 + (t.sequences * (2 * n + 1) if t.model.moe_seq_aux_coef > 0 else 0)  # moe_router's
     for group, size, gathered in (("cp", t.cp, whole), ("tp", t.sp, whole // t.cp)):
         if size > 1:
-            out.add("all_reduce", group, forwards, forwards * (2 * n + 2) * t.router_bytes)
+            out.add("all_reduce", group, forwards, forwards * statistics * t.router_bytes)
             if cap is not None:
                 out.add("all_gather_single", group, forwards, forwards * gathered * k * choice_bytes)
     if t.sp > 1 and sp_grad_bytes:

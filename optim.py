@@ -162,6 +162,10 @@ class Layout(Protocol):
     def state_pieces(self) -> list:
         """Every tensor of training state as shard.StatePiece (what ckpt.py saves and reslices)."""
 
+    def recount(self) -> None:
+        """Decide again which copies the norm counts (shard.counts_here), after an axis renamed its parameters
+        (eplb.py's re-plan moves experts between slots); the layout decides it once at construction."""
+
     optimizer_step_count: int  # Adam's t (skipped steps do not count); a checkpoint restores it
 
     def held_bytes(self) -> dict:

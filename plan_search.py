@@ -30,6 +30,8 @@ import hardware
 import memory
 import mfu
 import moe
+import moe_memory
+import moe_router
 import schedules
 import tensor_parallel
 import train
@@ -182,12 +184,15 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
             temporaries["ring CP: the K, V block in flight"] = 2 * 2 * micro * seq * config.n_embd // T * s.b_c
     if n_moe:
         tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
-        traffic = moe.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w))
+        traffic = moe.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro)
         shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
         messages = messages + moe.step_messages(traffic, int(s.b_g * held["moe_replicated"] / shard) if sp else 0)
-        if E > 1:
-            temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * tokens * config.moe_topk * \
-                config.n_embd * s.b_c
+        if config.moe_bias_rate > 0:  # the step's loads, summed over the batch's ranks (moe_router item 3)
+            groups = [name for name, size in (("dp_cp", shape.dp * C), ("tp", tp_sp)) if size > 1]
+            for message in moe_router.load_messages(n_moe, config.moe_experts, groups):
+                messages = messages + Messages().add(*message)
+        peak = moe_memory.rank_peak(traffic, activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param))
+        temporaries[peak.temporary()] = peak.above_saved
     return messages
 
 
@@ -308,7 +313,8 @@ def candidates(world: int, config, global_batch: int, gpus_per_node: int):
 
 
 def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10) -> tuple:
-    """([(prediction, peak, settings, limiting term)] best first, fitting in hw.memory_gib; dropped; tried)."""
+    """([(prediction, peak, settings, limiting term, the block that sets the peak with MoE: moe_memory.peak_setter)]
+    best first, fitting in hw.memory_gib; dropped; tried)."""
     results, dropped, smallest, facts_cache = [], 0, None, {}
     parsed = flags.build_parser().parse_args(base_argv)
     for c in candidates(world, flags.model_config(parsed), parsed.global_batch, hw.gpus_per_node):
@@ -330,7 +336,8 @@ def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10) ->
             continue
         facts = layout_facts(settings)
         prediction = max((predict(r, facts, hw) for r in roles), key=lambda x: x.step)
-        results.append((prediction, peak, settings, limiting_term(prediction)))
+        setter = moe_memory.peak_setter(max(roles, key=lambda r: r.peak).temporaries)
+        results.append((prediction, peak, settings, limiting_term(prediction), setter))
     results.sort(key=lambda r: r[0].step)
     return results[:top], dropped, smallest, len(results) + dropped
 
@@ -349,10 +356,11 @@ def run_search(argv: list, settings, hw: hardware.Hardware, out=print) -> list:
         f" not fit {hw.memory_gib:.1f} GiB; the best {len(best)} by predicted step time"
         f" ({time.perf_counter() - began:.1f} s):")
     out(hardware_line(hw, plan_dtypes(settings)[0]))
-    for i, (prediction, peak, s, limit) in enumerate(best, 1):
+    for i, (prediction, peak, s, limit, setter) in enumerate(best, 1):
         out(f"  {i:>2}. {layout_name(s):<52} step {prediction.step:8.3f} s  MFU {prediction.mfu:6.1%}  peak"
-            f" {peak / 2**30:6.1f} GiB  compute {prediction.compute:.3f} s, exposed comm"
-            f" {prediction.exposed_comm:.3f} s, bubble {prediction.bubble:.3f} s: limited by {limit}")
+            f" {peak / 2**30:6.1f} GiB" + (f" (set by {setter})" if setter else "")
+            + f"  compute {prediction.compute:.3f} s, exposed comm {prediction.exposed_comm:.3f} s, bubble"
+            f" {prediction.bubble:.3f} s: limited by {limit}")
     return best
 
 

@@ -27,9 +27,10 @@ import torch.distributed as dist
 
 import memory
 import mfu
-from activations import ActivationEstimate, activation_estimate
+import moe_memory
+from activations import ActivationEstimate, activation_estimate, activation_shape
 from comm import Messages
-from measure import measure_block
+from measure import measure_block, measure_moe_blocks
 from mesh import axis_groups
 from optim import update_messages
 from report_axes import MEASURES_BLOCK, axis_lines, layout_lines, observe
@@ -126,10 +127,13 @@ def print_step(record: dict, clock: Progress, axes=()):
 
 def measure_startup(run) -> None:
     """Measure block 0 once (measure.measure_block) when a section wants it (report_axes.MEASURES_BLOCK), into
-    run.measured: train.compose calls it after the axes and before the layout (its hooks, ZeRO's freed weights).
+    run.measured, and every held MoE block's forward peak (measure.measure_moe_blocks) into run.measured_moe:
+    train.compose calls it after the axes and before the layout (its hooks, ZeRO's freed weights).
     Collective, on every rank."""
     if any(axis.name in MEASURES_BLOCK for axis in run.axes) and len(run.model.transformer.h):
         run.measured = measure_block(run)
+    if any(axis.name == "moe" for axis in run.axes):  # every held MoE block's forward peak (the moe section)
+        run.measured_moe = measure_moe_blocks(run)
 
 
 def observe_axes(run) -> None:
@@ -245,7 +249,9 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int, step_peak: 
                f"   predicted {mfu.format_bytes(predicted[kind]):>12}")
     estimate = activation_estimate(run)
     _print_saved_activations(run, estimate)
-    _print_memory_peak(run, held, predicted["total"] + estimate.peak, step_peak)  # persistent + activations at the peak
+    block = block_peak(run)  # with MoE: the block that sets the peak, above what it saves (moe_memory.py)
+    _print_memory_peak(run, held, predicted["total"] + estimate.peak + (block.above_saved if block else 0), step_peak,
+                       f" + the {block.setter} block above what it saves" if block else "")
     for line in layout_lines(run, "end", steps_run):
         print0(line)
     for axis in run.axes:
@@ -275,19 +281,25 @@ def _print_saved_activations(run, estimate) -> None:
            + f"; Korthikanti {f(estimate.korthikanti)} (the paper's, 16-bit, unfused attention)")
 
 
-def _print_memory_peak(run, held: dict, expected: float, step_peak: StepPeak | None) -> None:
+def block_peak(run) -> moe_memory.RankPeak | None:
+    """With MoE layers on this rank: which block sets its peak and what it adds (uniform routing); else None."""
+    traffic = next((axis.facts().traffic for axis in run.axes if axis.name == "moe"), None)
+    return moe_memory.rank_peak(traffic, activation_shape(run)) if traffic is not None and traffic.moe_layers else None
+
+
+def _print_memory_peak(run, held: dict, expected: float, step_peak: StepPeak | None, block: str = "") -> None:
     """The measured peak (CUDA's allocator, or the CPU's profiled step) against expected = persistent +
-    activations at the schedule's peak."""
+    activations at the schedule's peak (+ `block`: with MoE, the block that sets the peak, above its saved)."""
     f = mfu.format_bytes
     if run.device.type == "cuda":  # since the loop began (the full model built before an axis split it is not in it)
         allocated, reserved, rank = memory.cuda_memory_peaks(run.device)
         print0(f"  CUDA allocator peak over the training steps, max over ranks: allocated"
-               f" {f(allocated)} (rank {rank}), reserved {f(reserved)}; persistent + activations at the peak"
+               f" {f(allocated)} (rank {rank}), reserved {f(reserved)}; persistent + activations at the peak{block}"
                f" {f(expected)} (allocated/that {allocated / expected:.2f}: the rest is temporaries)")
     elif step_peak is not None:  # the step began holding the persistent state (its second step: steady)
         peak = held["total"] + step_peak.rise
         print0(f"  peak of step {step_peak.step} (host memory, torch.profiler's allocation events): held"
-               f" {f(held['total'])} + {f(step_peak.rise)} = {f(peak)}; persistent + activations at the peak"
+               f" {f(held['total'])} + {f(step_peak.rise)} = {f(peak)}; persistent + activations at the peak{block}"
                f" {f(expected)} (measured/that {peak / expected:.2f}: the rest is temporaries, e.g. the logits and"
                f" the gradients of activations)")
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import context_parallel
 import fp8
+import fp8_experts
 import fp8_scaling
 import format_flops
 import hardware
@@ -30,12 +31,13 @@ import measure
 import memory
 import mfu
 import moe
+import moe_memory
+import moe_router
 import pipeline
 import precision_recipe
 import schedules
 import tensor_parallel
 from comm import Count
-from model import MLP
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -56,7 +58,7 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
 OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad,  # {handle name: what its section's lines read}
-             "fp8": mfu.SaturationCount, "pp": mfu.ActionClock, "precision": mfu.SaturationCount}
+             "fp8": fp8_experts.PaddingCount, "pp": mfu.ActionClock, "precision": mfu.SaturationCount}
 
 
 def observe(axis):
@@ -189,7 +191,7 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
         f" micro-batch (B_μ·s = {whole} tokens, decided in its token order"
         + (f"; this rank routes T = {tokens} of them and gathers the others' choices" if tokens < whole else "") + ")")
     lines = [
-        f"moe: N={n} experts, top-{k} (fp32 router: softmax → top-k → {'renormalised' if k > 1 else 'raw gate'}),"
+        f"moe: N={n} experts, top-{k} ({moe_router.describe(config)}),"
         f" on {counts['moe_layers']} of {config.n_layer} blocks (every {config.moe_every}); {capacity_text}"
         f"; aux α={config.moe_aux_coef}, z β={config.moe_z_coef}",
         f"  parameters: total {counts['total']:,}, active per token {counts['active']:,}"
@@ -197,13 +199,17 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
         f" routers L_moe·h·N = {counts['router']:,}",
         f"  FLOPs per token (model) 6·N_active + 12·L·H·Q·s = {mfu.format_flops(flops.model)},"
         f" N_active = {counts['active_matmul']:,} matmul weights (k experts + router, not N)",
+        *([f"  shared experts S={config.moe_shared_experts} per MoE layer, added ungated (one MLP of width S·4h ="
+           f" {config.moe_shared_experts * 4 * config.n_embd}): {counts['shared_experts']:,} dense params (split"
+           f" by TP like the MLP, grads over dp×cp), in N_active"] if config.moe_shared_experts else []),
         f"  expert parallel E={traffic.ep} (group ep), expert grads over expert_dp ({run.mesh.size('expert_dp')}"
-        f" ranks), router over dp×cp, replicated over tp: this rank holds experts [{local.start}, {local.stop}) of"
+        f" ranks), router over dp×cp, replicated over tp: this rank holds {'slots' if facts.replicas else 'experts'}"
+        f" [{local.start}, {local.stop}) of"
         f" each MoE layer = {held:,} params = {mfu.format_bytes(held * next(run.model.parameters()).element_size())}"
         f" weights, {mfu.format_bytes(held * 16)} with fp32 grads + AdamW",
     ]
     if traffic.ep > 1:
-        per_layer = 4 * tokens * k * config.n_embd * traffic.compute_bytes + 8 * n
+        per_layer = 4 * tokens * k * config.n_embd * traffic.compute_bytes + 8 * (traffic.slots or n)
         calls, payload = axis.predicted_messages(run.layout).get(moe.ALL_TO_ALL, (0, 0))
         lines.append(f"  all_to_all_single per MoE layer and micro-batch (group ep), uniform-routing estimate"
                      f" S = R = T·k = {tokens * k}: fwd counts 8N + dispatch + combine, bwd both reversed ="
@@ -211,7 +217,9 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
                      f" {mfu.format_bytes(per_layer * (traffic.ep - 1) / traffic.ep)}; per step {calls} calls,"
                      f" {mfu.format_bytes(payload)} (the startup table's figure; the end table predicts exactly,"
                      f" from the routed counts)")
-    return lines
+    # The forward's peak (moe_memory.py) beside what start-up measured (train.compose(measure=True); a run built by
+    # hand without that measurement, no run.measured_moe, prints none).
+    return lines + (moe_memory.startup_lines(traffic, run) if getattr(run, "measured_moe", None) is not None else [])
 
 
 def moe_step_lines(axis, run=None, steps: int = 0) -> list:
@@ -239,6 +247,7 @@ def moe_end_lines(axis, run, steps: int) -> list:
                      f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"
                      f" (the startup table's)")
     routed = axis.observer
+    lines += [line for line in [moe_router.off_group_line(traffic, routed.off_group, steps)] if line]
     if routed.last_load is None:
         routed.take_load(traffic.micro_batches)  # no load line was printed: read the loads now
     if routed.last_load is not None:
@@ -247,6 +256,11 @@ def moe_end_lines(axis, run, steps: int) -> list:
             mean = sum(load) / len(load) if sum(load) else 1.0
             lines.append(f"moe load over the last {span} step{'s' if span != 1 else ''}, h.{layer_id}:"
                          f" |{moe_histogram(load)}| {load} imbalance {max(load) / mean:.2f}")
+    if (plan := axis.facts().replicas) is not None:  # eplb.py: the placement, the rows per EP rank measured
+        lines.append(f"moe replicas R={plan.slots}, {plan.replans} re-plans: h.{plan.layer_id} phy2log"
+                     f" {list(plan.phy2log)}; rows per EP rank max/mean {plan.balance:.3f} under"
+                     f" {list(plan.measured_under)}, experts in place {plan.in_place:.3f} (the window before the"
+                     f" last re-plan, all MoE layers)")
     return lines
 
 
@@ -266,7 +280,8 @@ def tp_startup_lines(axis, run, steps: int = 0) -> list:
     lines = [f"tensor parallel T={tp}{' + sequence parallel' if held.sequence_parallel else ''}: messages per block"
              f" and micro-batch (b={batch.micro}, s={batch.seq}, h={held.hidden}), on the critical path, group tp:"]
     blocks = list(run.model.transformer.h)
-    predicted = tensor_parallel.block_messages(batch, held, split_mlp=not blocks or isinstance(blocks[0].mlp, MLP))
+    split_mlp = not blocks or tensor_parallel.split_mlp_of(blocks[0].mlp) is not None  # a dense MLP, shared experts
+    predicted = tensor_parallel.block_messages(batch, held, split_mlp=split_mlp)
     measured = run.measured.on("tp") if run.measured is not None else None
     for phase, messages in predicted.items():
         for (op, _), (calls, payload) in messages.items():
@@ -608,7 +623,8 @@ def _fp8_startup(handle, run, steps: int) -> list:
                  f" (autocast's were {mfu.format_bytes(weights * compute_bytes)}); scaling state"
                  f" {mfu.format_bytes(len(linears) * (3 * r.amax_history + 18) * 4)}")
     compute = mfu.format_dtype(run.compute_dtype)
-    flops = format_flops.flops_by_format(run.config, run.seq_len, "fp8", "fp8", compute)
+    flops = format_flops.flops_by_format(run.config, run.seq_len, "fp8", "fp8", compute,
+                                         routed_experts=True)
     lines.append(f"  MFU: {flops['fp8'] / sum(flops.values()):.0%} of model FLOPs run in FP8; on GPUs divide by the"
                  f" format-weighted peak " + format_flops.weighted_peak_line(flops, hardware.PRESETS["h100"], compute))
     for (op, group), (calls, payload) in handle.predicted_messages(run.layout).items():
@@ -635,12 +651,14 @@ def _fp8_scale_table(handle, run, steps: int) -> list:
 
 
 def _fp8_end(handle, run, steps: int) -> list:
-    """What only FP8 can say at the end: its amax reductions are in the message table (traced against every
-    axis's prediction, this one's `traced_prediction`), its scales in the last step's table."""
+    """FP8's skipped steps and its experts' padded rows (amax reductions: the message table; scales: the step's)."""
     facts = handle.facts()
     first = f"{facts.first_steps} scaled like current (empty history), " if facts.recipe.mode == "delayed" else ""
+    padding = [f"fp8 experts: MoE layer {i} padded {rows} rows to 16 per chunk in {steps} steps ="
+               f" {fp8_experts.padding_bytes(rows, run.config.n_embd, run.compute_dtype.itemsize)} bytes saved"
+               f" (5h FP8 + 4h·e_c per row)" for i, rows in sorted(handle.observer.rows.items())]
     return [f"fp8 {facts.recipe.mode}: steps {steps} ({first}{facts.nonfinite_steps} with a non-finite amax,"
-            f" skipped on every rank)"]
+            f" skipped on every rank)", *padding]
 
 
 AXIS_LINES["fp8"] = {"startup": _fp8_startup, "step": _fp8_scale_table, "end": _fp8_end}

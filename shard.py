@@ -61,6 +61,8 @@ class ShardInfo:
     (`counts_here`): the gradient norm adds it once and the checkpoint writes it once.
     `grad_group` is the mesh group over which data-parallel replicas of the tensor sum their gradients:
     "dp_cp" for dense parameters, "expert_dp" for experts (fewer replicas: the ranks holding the same experts).
+    `replica` > 0 marks a redundant copy of a hot expert in another physical slot (eplb.py): identical to the
+    replica-0 copy, which is the one that counts.
     """
 
     global_name: str
@@ -68,6 +70,7 @@ class ShardInfo:
     splits: tuple = ()
     replicated_over: tuple = ()
     grad_group: str = "dp_cp"
+    replica: int = 0
 
     @property
     def local_shape(self) -> tuple:
@@ -103,8 +106,11 @@ def counts_here(info: ShardInfo | None, coords: dict | None, replica_axes: tuple
 
     A tensor identical over the axes `info.replicated_over` (plus `replica_axes`, the data-parallel group of a
     layout that replicates it) counts on coordinate 0 of each of them. `coords` maps an axis or group name
-    to this rank's index in it (`Mesh.coordinates()`); None means one process (everything counts).
+    to this rank's index in it (`Mesh.coordinates()`); None means one process (everything counts). A redundant
+    expert's replica > 0 never counts.
     """
+    if info is not None and info.replica:
+        return False
     if info is None or coords is None:
         return True
     return all(coords.get(axis, 0) == 0 for axis in (*info.replicated_over, *replica_axes))

@@ -23,11 +23,11 @@ Symbols: s sequence length (s/C under context parallel), b micro-batch, h hidden
 L layers, T tensor-parallel size, e_w / e_c the bytes of a working-weight / compute-dtype element.
 
 1. Replicated and split. Split T ways: c_attn (by heads, q/k/v each), attn.c_proj (by input rows), mlp.c_fc
-   (by output columns), mlp.c_proj (by input rows), the tied embedding/head (by vocabulary rows), and the
-   activations inside the regions (heads, MLP columns, the logits' vocabulary). Replicated: LayerNorms, the
-   row-parallel biases (added once, after the sum), the position embedding. With --sp the activations between
-   regions are split along the sequence too, and the replicated parameters see only their tokens, so their
-   gradients are summed over the TP group once per step (`TensorParallel.after_grad_sync`).
+   (by output columns), mlp.c_proj (by input rows; a MoE block's shared experts alike), the tied embedding/head
+   (by vocabulary rows), and the activations inside the regions (heads, MLP columns, the logits' vocabulary).
+   Replicated: LayerNorms, the row-parallel biases (added once, after the sum), the position embedding. With
+   --sp the activations between regions are split along the sequence too, and the replicated parameters see
+   only their tokens, so their gradients are summed over the TP group once per step (`after_grad_sync`).
 2. Peak per device. Parameters Ψ_split/T + Ψ_repl (memory.param_counts: Ψ_split = V·h + 12·h²·L + biases,
    Ψ_repl = block_size·h + LayerNorms + row biases), 16 bytes each with fp32 grads and AdamW. Activations
    per layer (Korthikanti, 16-bit; `activation_estimates`): T = 1 s·b·h·(34 + 5·a·s/h); TP
@@ -425,14 +425,21 @@ def _parallelize_block(block, ctx: TensorParallelContext, config, seed: int, rng
     regather = not config.activation_checkpointing
     attn.c_attn = _column(attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, 3, regather)
     attn.c_proj = _row(attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
-    if isinstance(mlp, MLP):  # a mixture of experts stays whole on every TP rank (moe.py)
-        mlp.c_fc = _column(mlp.c_fc, f"{prefix}.mlp.c_fc", ctx, config, seed, 1, regather)
-        mlp.c_proj = _row(mlp.c_proj, f"{prefix}.mlp.c_proj", ctx, config, seed)
+    split_mlp = split_mlp_of(mlp)  # the dense MLP or a MoE block's shared experts; routed experts stay whole
+    name = f"{prefix}.mlp" if split_mlp is mlp else f"{prefix}.mlp.shared_experts"
+    if split_mlp is not None:
+        split_mlp.c_fc = _column(split_mlp.c_fc, f"{name}.c_fc", ctx, config, seed, 1, regather)
+        split_mlp.c_proj = _row(split_mlp.c_proj, f"{name}.c_proj", ctx, config, seed)
     attn.attention_fn = ForkedAttention(attn.attention_fn, rng)
     attn.resid_dropout = ForkedDropout(attn.resid_dropout, ctx, rng)
     mlp.dropout = ForkedDropout(mlp.dropout, ctx, rng)
-    row_biases = [attn.c_proj.bias] + ([mlp.c_proj.bias] if isinstance(mlp, MLP) else [])
+    row_biases = [attn.c_proj.bias] + ([split_mlp.c_proj.bias] if split_mlp is not None else [])
     return [*block.ln_1.parameters(), *block.ln_2.parameters(), *(p for p in row_biases if p is not None)]
+
+
+def split_mlp_of(mlp):
+    """The c_fc → c_proj pair TP splits in a block's MLP: the MLP, a MoE block's shared experts, or None."""
+    return mlp if isinstance(mlp, MLP) else getattr(mlp, "shared_experts", None)
 
 
 def _shard(name: str, shape, split_dim: int | None, ctx: TensorParallelContext, segments: int = 1) -> ShardInfo:
@@ -513,7 +520,7 @@ class TensorParallel(Axis):
         holds (FP8, applied later, may stop the regather)."""
         blocks, config = list(self.model.transformer.h), self.model.config
         return self.batch, Holding(config.n_embd, self.sequence_parallel, config.activation_checkpointing, len(blocks),
-                       sum(not isinstance(b.mlp, MLP) for b in blocks), self.model.has_embedding,
+                       sum(split_mlp_of(b.mlp) is None for b in blocks), self.model.has_embedding,
                        self.model.has_head, all(b.attn.c_attn.regather for b in blocks))
 
     def predicted_messages(self, layout) -> Messages:
@@ -583,7 +590,8 @@ class BatchShape:
 @dataclass(frozen=True)
 class Holding:
     """What a rank's TP model holds: width h, SP, recompute; its blocks (a pipeline stage: some, maybe one
-    end), `unsplit_mlp_blocks` of them with an MLP TP leaves whole (experts); whether SP re-gathers inputs."""
+    end), `unsplit_mlp_blocks` of them with an MLP TP leaves whole (routed experts alone: `split_mlp_of`);
+    whether SP re-gathers inputs."""
 
     hidden: int
     sequence_parallel: bool
@@ -600,7 +608,7 @@ def block_messages(batch: BatchShape, held: Holding, split_mlp: bool = True) -> 
     Without SP, f moves the gradient of the LayerNorm's output (e_w: autocast casts inside the linear, after
     f) and g a linear's output (e_c). With SP everything moves e_c data (the shard is cast before its
     all-gather); backward: ḡ's all-gather, the column layer's re-gather, g's reduce-scatter, per region."""
-    regions = 2 if split_mlp else 1  # attention and MLP; a mixture of experts: the attention only
+    regions = 2 if split_mlp else 1  # attention and MLP (or shared experts); routed experts alone: the attention
     activation = batch.micro * batch.seq * held.hidden
     message = activation * batch.compute_bytes
     if not held.sequence_parallel:

@@ -41,6 +41,7 @@ import hardware
 import memory
 import mfu
 import model as model_lib
+import moe_memory
 import report
 import schedules
 from comm import Messages
@@ -104,10 +105,9 @@ def role_of(run, device_type: str | None = None) -> Role:
             boundary = pp.message_bytes
             live = schedules.live_sends(pp.plan)  # sends not yet known received
             temporaries["pipeline p2p buffers (a receive, the sends alive)"] = (1 + live) * boundary
-        if axis.name == "moe" and mesh.size("ep") > 1:
-            t = axis.facts().traffic
-            temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * t.tokens * t.model.moe_topk * \
-                t.model.n_embd * t.compute_bytes
+        if axis.name == "moe" and axis.facts().traffic.moe_layers:  # the dispatch buffers (moe_memory.py)
+            peak = moe_memory.rank_peak(axis.facts().traffic, activations.activation_shape(run, device_type))
+            temporaries[peak.temporary()] = peak.above_saved
         if axis.name == "cp" and run.settings.args.cp_impl == "ring":
             kv = 2 * run.micro_batch_size * run.seq_len // mesh.size("cp") * run.config.n_embd // mesh.size("tp")
             temporaries["ring CP: the K, V block in flight"] = 2 * kv * run.compute_dtype.itemsize

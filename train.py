@@ -82,6 +82,7 @@ class Run:
     flops: mfu.FlopsPerToken | None = None
     peak: tuple = (0.0, "")  # (FLOP/s per device, where it came from)
     measured: object = None  # report.measure_startup's BlockMeasurement: block 0 under a tracer, at start-up
+    measured_moe: list | None = None  # report.measure_startup's [measure.MoEPeak]: each MoE block's forward peak
 
     @property
     def seq_len(self) -> int:

@@ -257,10 +257,22 @@ class ZeroLayout:
                 p.grad = unit.grad_sum[offset:offset + p.numel()].view(p.shape)  # autograd accumulates in place
             if hi > lo and p.dim() >= 2:
                 unit.decay_segments.append((lo, hi))
+        unit.decay_segments = _merge(unit.decay_segments)
+        self._count(unit)
+
+    def _count(self, unit: Unit):
+        """Which segments of the unit's shard the norm counts (shard.counts_here) and which it skips."""
+        unit.counted_segments, unit.uncounted_segments = [], []
+        for p, (lo, hi) in zip(unit.params, unit.spans):
             if hi > lo:
                 segments = unit.counted_segments if counts_here(p.shard_info, self.coords) else unit.uncounted_segments
                 segments.append((lo, hi))
-        unit.decay_segments, unit.counted_segments = _merge(unit.decay_segments), _merge(unit.counted_segments)
+        unit.counted_segments = _merge(unit.counted_segments)
+
+    def recount(self) -> None:
+        """Count again after an axis moved copies between parameters (eplb.py's re-plan renames them)."""
+        for unit in self.units:
+            self._count(unit)
 
     def _pack_weights(self, unit: Unit):
         """The parameters' initial values packed: the [n'] working weights, this rank's working slice (a view of

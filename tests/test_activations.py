@@ -127,6 +127,10 @@ SINGLE = {  # case: (flags, autocast dtype, the attention path the estimate must
     "moe every 2nd, fp32 dropout": (["--moe-experts", "4", "--moe-topk", "1", "--moe-every", "2", "--dropout",
                                      "0.1"], "fp32", "math"),
     "fp8 current bf16": (["--fp8", "current"], "bf16", "fused"),
+    "moe shared experts bf16": (["--moe-experts", "4", "--moe-shared-experts", "2"], "bf16", "fused"),
+    "moe shared experts fp32": (["--moe-experts", "4", "--moe-shared-experts", "2"], "fp32", "fused"),
+    "moe shared experts fp8": (["--moe-experts", "4", "--moe-shared-experts", "2", "--fp8", "current"], "bf16",
+                               "fused"),
 }
 
 

@@ -33,6 +33,7 @@ import fp8_scaling
 import format_flops
 import harness
 import mfu
+import moe
 import report_axes
 from harness import run_ranks
 from reference import HYPER, WholeGrads, global_batches, make_config, rank_micro_batches
@@ -833,8 +834,9 @@ def test_flops_fraction_and_format_weighted_peak(applied):
 
 
 def test_the_fp8_share_of_flops_counts_the_linears_converted():
-    """With a mixture of experts (experts and routers stay in the compute dtype) the printed share of the model
-    FLOPs in FP8 is 6·(the weights converted) / FLOPs per token. The rank is built as --plan builds it (meta)."""
+    """With a mixture of experts (routers stay in the compute dtype; the routed experts run in FP8, a token
+    visits k of them) the printed share of the model FLOPs in FP8 is 6·(the weights converted, k experts of the
+    N per MoE layer) / FLOPs per token. The rank is built as --plan builds it (meta)."""
     import flags
     import plan
     import train
@@ -846,7 +848,13 @@ def test_the_fp8_share_of_flops_counts_the_linears_converted():
         run = plan.build_role(settings, 0)
         handle = next(axis for axis in run.axes if axis.name == "fp8")
         text = "\n".join(report_axes.axis_lines(handle, "startup", run))
-    converted = sum(m.weight.numel() for m in run.model.modules() if isinstance(m, fp8.Fp8Linear))
+    converted = sum(m.weight.numel() for name, m in run.model.named_modules() if isinstance(m, fp8.Fp8Linear)
+                    and ".experts." not in name)
+    experts = [m for m in run.model.modules() if isinstance(m, moe.Expert)]
+    assert experts and all(isinstance(m.c_fc, fp8.Fp8Linear) for m in experts)
+    layers = len(experts) // run.config.moe_experts
+    weights = sum(p.numel() for p in experts[0].parameters() if p.dim() == 2)
+    converted += layers * run.config.moe_topk * weights
     assert f"MFU: {6 * converted / run.flops.model:.0%} of model FLOPs run in FP8" in text
 
 

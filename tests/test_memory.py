@@ -1,7 +1,9 @@
-"""Tests for memory.py: the ZeRO and Korthikanti formulas against numbers worked out by hand, and the CUDA
-memory peaks over ranks (what the kernels save is tested against autograd in test_activations.py)."""
+"""Tests for memory.py: the ZeRO and Korthikanti formulas against numbers worked out by hand, the CUDA
+memory peaks over ranks, LiveTensors on a forward worked out by hand (what the kernels save is tested against
+autograd in test_activations.py)."""
 
 import pytest
+import torch
 
 import memory
 from harness import run_ranks
@@ -67,3 +69,47 @@ def test_cuda_memory_peaks_are_the_max_over_ranks():
     values = [(100, 900), (300, 400)]
     for result in run_ranks(_memory_peaks, 2, values, timeout=60):
         assert result == (300, 900, 1)
+
+
+class _Chain(torch.nn.Module):
+    """a = 2x (nothing saved), b = exp(a) (saves b), c = b·w (saves b and w), d = c.sum(): then a is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4, 8))
+
+    def forward(self, x):
+        a = x * 2
+        b = a.exp()
+        del a
+        c = b * self.w
+        return c.sum()
+
+
+def test_live_tensors_counts_what_a_forward_makes_alive_together_and_what_it_saves():
+    """By hand, 4×8 fp32 tensors of 128 bytes: after exp, a and b alive (256); after the mul, b and c (a freed:
+    256); the sum adds 4 bytes: peak 260 at it. Saved and alive at the end: b (exp's output, the mul's input)."""
+    chain = _Chain()
+    x = torch.randn(4, 8, requires_grad=True)
+    with memory.LiveTensors({"chain": chain}) as live:
+        out = chain(x)
+    peak = live.peaks["chain"]
+    assert (peak.peak, peak.saved, peak.above_saved) == (260, 128, 132), peak
+    assert peak.at.startswith("aten.sum")
+    out.backward()  # the measured forward is an ordinary one
+    assert torch.allclose(x.grad, 2 * torch.exp(2 * x.detach()))
+
+
+def test_backward_rise_counts_what_a_backward_makes_less_the_saved_it_frees():
+    """By hand: backward makes the seed gradient (4 bytes), b's gradient (grad·w, 128) and w's (grad·b: a
+    parameter's, left out), then a's (b's gradient · b, 128) while b is still saved: 260 above the start; then b
+    is freed and x's gradient (128) replaces a's, which never rises higher."""
+    chain = _Chain()
+    x = torch.randn(4, 8, requires_grad=True)
+    with memory.LiveTensors({"chain": chain}) as live:
+        out = chain(x)
+    rise = memory.BackwardRise(live.kept["chain"])
+    with rise:
+        out.backward()
+    assert rise.rise([chain.w.grad.untyped_storage()._cdata]) == 260
+    assert rise.rise() == 260 + 128  # with w's gradient

@@ -69,7 +69,7 @@ def test_router_losses_match_hand_computation():
     for k in (1, 2, 3):
         probs, _, expert = moe.route(logits, k)
         chosen = [sorted(range(N), key=lambda i: -p[i])[:k] for p in probs_hand]
-        balance, z = moe.router_losses(logits, probs, torch.bincount(expert.reshape(-1), minlength=N), k)
+        balance, z, _ = moe.router_losses(logits, probs, torch.bincount(expert.reshape(-1), minlength=N), k)
         f = [sum(i in c for c in chosen) / (T * k) for i in range(N)]
         P = [sum(p[i] for p in probs_hand) / T for i in range(N)]
         lse = [math.log(sum(math.exp(v) for v in row)) for row in rows]
@@ -95,7 +95,7 @@ def test_the_layer_adds_both_aux_terms_with_their_coefficients():
     layer(x)
     logits = x.reshape(-1, config.n_embd) @ layer.router.weight.T
     probs, _, expert = moe.route(logits, 2)
-    balance, z = moe.router_losses(logits, probs, torch.bincount(expert.reshape(-1), minlength=4), 2)
+    balance, z, _ = moe.router_losses(logits, probs, torch.bincount(expert.reshape(-1), minlength=4), 2)
     assert [(n, c) for n, c, _ in model.aux_losses.terms] == [("moe_balance", 0.25), ("moe_z", 0.125)]
     assert abs(float(model.aux_losses.terms[0][2].detach() - balance.detach())) < 1e-14
     assert abs(float(model.aux_losses.terms[1][2].detach() - z.detach())) < 1e-14
@@ -905,16 +905,21 @@ def test_the_load_line_counts_the_training_step_only(traced_and_sampled_runs):
             assert f"of the {got['slots']} slots" in got["load_line"], (flags, rank, got["load_line"])
 
 
+SIGMOID_SEQ = dict(moe_score="sigmoid", moe_bias_rate=1e-3, moe_seq_aux_coef=1e-4, moe_route_scale=2.0)
+
+
 def test_layer_activation_bytes_match_what_autograd_saves():
     """moe.layer_activation_bytes against memory.SavedActivations of one MoE layer's forward (E = 1, dropless: S =
     R = T·k exactly), in float64, float32 top-1 with dropout (a CPU mask in fp32) and bf16 autocast (whose saved
-    bf16 copies of the expert weights are weights, not activations: taken off)."""
+    bf16 copies of the expert weights are weights, not activations: taken off); DeepSeek-V3's router (sigmoid,
+    the seq loss over B_μ = 2 sequences, top-2, and top-1 with groups)."""
     import memory
     import moe
     from model import GPT
 
     for dtype, autocast, overrides in ((DT, False, {}), (torch.float32, False, dict(dropout=0.1, moe_topk=1)),
-                                       (torch.float32, True, {})):
+                                       (torch.float32, True, {}), (DT, False, SIGMOID_SEQ),
+                                       (DT, False, dict(SIGMOID_SEQ, moe_topk=1, moe_groups=2, moe_group_limit=1))):
         config = make_config(**{**LAYER, **overrides})
         model = GPT(config, seed=0, dtype=dtype)
         layer = model.transformer.h[0].mlp
@@ -924,7 +929,8 @@ def test_layer_activation_bytes_match_what_autograd_saves():
             layer(x)
         compute = 2 if autocast else dtype.itemsize
         weight_copies = config.moe_experts * 2 * 4 * 16 * 16 * 2 if autocast else 0
-        expected = moe.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize), mask_bytes=dtype.itemsize)
+        expected = moe.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize), mask_bytes=dtype.itemsize,
+                                              sequences=2)
         assert saved.bytes - weight_copies == expected, (dtype, autocast, saved.bytes, expected)
 
 
@@ -937,3 +943,422 @@ def test_the_moe_aware_activation_estimate_replaces_the_dense_mlps_share():
     assert moe.activation_estimate_delta(config, 1, 64, 2, tp=2) == one - (3 + 8) * 64 * 2 * 16
     assert moe.activation_estimate_delta(config, 1, 64, 2, tp=2, sequence_parallel=True) == \
         moe.layer_activation_bytes(config, 64) - 19 * 64 * 2 * 16 / 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSeek-V3's router (moe_router.py): sigmoid scores, the loss-free bias, the seq loss, group-limited routing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _reference_gate(logits, bias, k, groups, limit, scale, score):
+    """DeepSeek-V3's gate (inference/model.py's Gate, the paper's §2.1.1-2.1.2) from its published semantics, in
+    float64 Python, one token at a time; ties go to the lower index (a group, an expert)."""
+    out_experts, out_weights = [], []
+    for row in logits.tolist():
+        if score == "sigmoid":
+            s = [1 / (1 + math.exp(-z)) for z in row]
+        else:
+            s = [math.exp(z) / sum(math.exp(u) for u in row) for z in row]
+        n = len(s)
+        biased = [s_i + b_i for s_i, b_i in zip(s, bias)]
+        allowed = range(n)
+        if groups:
+            per = n // groups
+            members = [biased[g * per:(g + 1) * per] for g in range(groups)]
+            group_score = [sum(sorted(m, reverse=True)[:2]) if score == "sigmoid" else max(m) for m in members]
+            chosen = sorted(range(groups), key=lambda g: (-group_score[g], g))[:limit]
+            allowed = [i for i in range(n) if i // per in chosen]
+        experts = sorted(allowed, key=lambda i: (-biased[i], i))[:k]
+        weights = [s[i] for i in experts]
+        if score == "sigmoid" or k > 1:
+            weights = [w / sum(weights) for w in weights]
+        out_experts.append(experts)
+        out_weights.append([w * scale for w in weights])
+    return out_experts, out_weights
+
+
+@pytest.mark.parametrize("score, k, groups, limit, with_bias", [
+    ("sigmoid", 4, 4, 2, True), ("sigmoid", 3, 8, 3, True), ("sigmoid", 2, 0, 0, True), ("sigmoid", 1, 4, 1, True),
+    ("sigmoid", 4, 4, 2, False), ("softmax", 3, 4, 2, False), ("softmax", 2, 0, 0, False)])
+def test_routing_equals_a_float64_reference_of_deepseek_v3s_gate_ties_included(score, k, groups, limit, with_bias):
+    """Integer logits in [-3, 3] tie often (equal scores within a token, equal group scores); the bias is a
+    multiple of 1/8, so biased scores tie too: the selected experts, in order, and the weights (× route scale 2.5)."""
+    import moe_router
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (256, 16), generator=generator).to(DT)
+    bias = (torch.randint(-2, 3, (16,), generator=generator) / 8).float() if with_bias else None
+    _, gate, expert, _ = moe_router.route(logits, k, score, bias, groups, limit, scale=2.5)
+    ref_experts, ref_weights = _reference_gate(logits, [0.0] * 16 if bias is None else bias.tolist(), k, groups,
+                                               limit, 2.5, score)
+    ties = sum(len(set(row)) < len(row) for row in logits.tolist())
+    assert ties == 256  # 16 values out of 7: every token has ties
+    assert expert.tolist() == ref_experts
+    torch.testing.assert_close(gate, torch.tensor(ref_weights, dtype=DT), rtol=1e-14, atol=1e-14)
+    if groups:
+        spans = (expert // (16 // groups)).tolist()
+        assert max(len(set(row)) for row in spans) <= limit
+
+
+def test_the_sequence_balance_loss_by_hand():
+    """eq. 17-20 per sequence: f_i = N/(k·T)·#{t: i in the unbiased top-k of s_t}, P_i = mean_t s_ti/Σ_j s_tj,
+    Σ_i f_i·P_i, then the mean over the micro-batch's sequences; its pieces' statistics add up (CP, SP)."""
+    import moe_router
+
+    torch.manual_seed(0)
+    batch, n_tok, n, k = 3, 5, 4, 2
+    logits = torch.randn(batch * n_tok, n, dtype=DT)
+    probs, _, _, s = moe_router.route(logits, k, "sigmoid")
+    got = moe_router.sequence_loss(moe_router.sequence_stats(s, probs, k, batch), k)
+    expected = 0.0
+    for b in range(batch):
+        rows = [[1 / (1 + math.exp(-z)) for z in row] for row in logits[b * n_tok:(b + 1) * n_tok].tolist()]
+        counts = [0] * n
+        for row in rows:
+            for i in sorted(range(n), key=lambda i: (-row[i], i))[:k]:
+                counts[i] += 1
+        f = [n / (k * n_tok) * c for c in counts]
+        p = [sum(row[i] / sum(row) for row in rows) / n_tok for i in range(n)]
+        expected += sum(fi * pi for fi, pi in zip(f, p)) / batch
+    assert abs(float(got) - expected) < 1e-14
+    halves = [moe_router.sequence_stats(s.view(batch, n_tok, n)[:, cut].reshape(-1, n),
+                                        probs.view(batch, n_tok, n)[:, cut].reshape(-1, n), k, batch)
+              for cut in (slice(0, 2), slice(2, None))]
+    assert abs(float(moe_router.sequence_loss(halves[0] + halves[1], k)) - expected) < 1e-14
+
+
+def test_the_bias_update_rule():
+    """b_i += γ·sign(mean − load_i) from the step's load; the load restarts; last keeps the step's."""
+    import moe_router
+
+    load = moe_router.ExpertLoad(4, sigmoid=True, rate=1e-3)
+    load.add(torch.tensor([5, 1, 3, 3]))
+    load.add(torch.tensor([1, 1, 1, 1]))  # a second micro-batch: [6, 2, 4, 4], mean 4
+    moe_router.finish_step([load])
+    assert load.bias.tolist() == torch.tensor([-1e-3, 1e-3, 0.0, 0.0], dtype=torch.float32).tolist()
+    assert load.last.tolist() == [6, 2, 4, 4] and load.step.tolist() == [0, 0, 0, 0]
+    off = moe_router.ExpertLoad(4, sigmoid=True, rate=0.0)
+    off.add(torch.tensor([5, 1, 3, 3]))
+    moe_router.finish_step([off])
+    assert off.bias.tolist() == [0.0] * 4 and off.last.tolist() == [5, 1, 3, 3]
+
+
+def test_the_layer_counts_training_forwards_only_and_routes_with_its_bias():
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    import moe
+    from model import AuxLosses
+
+    config = make_config(moe_experts=4, moe_topk=1, moe_score="sigmoid", moe_bias_rate=0.1)
+    layer = moe.MoE(config, 0, AuxLosses())
+    x = torch.randn(2, 3, config.n_embd)
+    layer(x)
+    with torch.no_grad():
+        layer(x)  # evaluation: not counted
+    assert int(layer.load.step.sum()) == 6
+    with set_checkpoint_early_stop(False):  # the recompute runs the whole forward, its routing included
+        checkpoint(layer, x.requires_grad_(), use_reentrant=False).sum().backward()  # the recompute: not counted
+    assert int(layer.load.step.sum()) == 12
+    layer.load.bias[2] = 10.0  # a bias that large wins every token's one slot: selection reads s + b
+    layer.load.step.zero_()
+    layer(x)
+    assert layer.load.step.tolist() == [0, 0, 6, 0]
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(moe_bias_rate=1e-3), "--moe-bias-rate 0.001 needs --moe-score sigmoid"),
+    (dict(moe_groups=3, moe_group_limit=1), "--moe-groups 3 must divide --moe-experts 8"),
+    (dict(moe_groups=4, moe_group_limit=5), "--moe-group-limit 5 must be between 1 and --moe-groups 4"),
+    (dict(moe_group_limit=2), "--moe-group-limit 2 needs --moe-groups"),
+    (dict(moe_groups=8, moe_group_limit=2, moe_score="sigmoid"), "--moe-groups 8: a group's score is its top 2"),
+    (dict(moe_groups=4, moe_group_limit=1, moe_topk=3), "--moe-topk 3 is more than the 2 experts"),
+])
+def test_router_flags_that_cannot_work_name_the_flag(overrides, flag):
+    with pytest.raises(ValueError, match=flag.replace("(", r"\(")):
+        _check(8, overrides.pop("moe_topk", 2), **overrides)
+
+
+def test_groups_must_divide_the_ep_ranks_or_be_a_multiple(capsys, monkeypatch):
+    """Through train.main's flag parsing: one line naming the flag, exit status 2, before any rank waits."""
+    import flags as flags_lib
+    import train
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: parse validates before any process group
+
+    with pytest.raises(SystemExit) as exit_info:
+        flags_lib.parse(["--preset", "tiny", "--moe-experts", "12", "--moe-groups", "3", "--moe-group-limit", "1",
+                         "--ep", "2"], train.AXES)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--moe-groups 3 must divide --ep 2 or be a multiple of it" in err[0], err
+    _check(12, 2, ep=2, dp=2, moe_groups=6, moe_group_limit=2)  # a rank holds 3 groups
+    _check(8, 2, ep=4, dp=4, moe_groups=2, moe_group_limit=1)  # a group is 2 ranks
+
+
+def test_a_router_flag_out_of_its_range_fails_in_flags_validate():
+    import flags as flags_lib
+    import train
+
+    for argv, message in ((["--moe-bias-rate", "-1"], "--moe-bias-rate must be at least 0"),
+                          (["--moe-route-scale", "0"], "--moe-route-scale must be positive"),
+                          (["--moe-seq-aux-coef", "nan"], "--moe-seq-aux-coef must be a finite number")):
+        with pytest.raises(flags_lib.FlagError, match=message):
+            flags_lib.validate(flags_lib.build_parser().parse_args(["--moe-experts", "4", *argv]), 1, axes=train.AXES)
+    with pytest.raises(flags_lib.FlagError, match="--moe-score needs --moe-experts > 0"):
+        flags_lib.validate(flags_lib.build_parser().parse_args(["--moe-score", "sigmoid"]), 1, axes=train.AXES)
+
+
+# Through train.py's composition (tests/test_composition.py's runs: 3 steps in float64 against the single-device
+# model, losses and parameters within 1e-10): the whole DeepSeek-V3 router on, N = 8 experts in G = 4 groups of
+# which a token reaches M = 2 (a group is one rank's experts at E = 4, a rank holds two groups at E = 2), the bias
+# at γ = 0.01 (it changes the routing within the 3 steps), the seq loss, a route scale. Every forward of every
+# step asserts that its tokens' experts span at most M groups. The last case saves on E = 2 with ZeRO-3 after 2
+# steps and resumes on E = 4: the bias comes back from the checkpoint (one logical copy, "moe/...").
+DS_FLAGS = ["--moe-experts", "8", "--moe-score", "sigmoid", "--moe-bias-rate", "0.01", "--moe-groups", "4",
+            "--moe-group-limit", "2", "--moe-seq-aux-coef", "0.01", "--moe-route-scale", "1.5", "--moe-aux-coef", "0"]
+DS_4 = [
+    ([*DS_FLAGS, "--ep", "2", "--zero", "1"], {}, 4, 1),
+    ([*DS_FLAGS, "--ep", "4", "--zero", "3"], {}, 8, 1),
+    ([*DS_FLAGS, "--ep", "2", "--tp", "2", "--sp"], {}, 4, 2),
+    ([*DS_FLAGS, "--ep", "2", "--pp", "2"], dict(n_layer=2), 8, 1),
+    ([*DS_FLAGS, "--ep", "2", "--cp", "2"], {}, 4, 1),
+]
+DS_RESHARD = (([*DS_FLAGS, "--ep", "2", "--zero", "3"], {}, 8, 1), ([*DS_FLAGS, "--ep", "4"], {}, 8, 1))
+
+
+def _deepseek_runs(rank, world, root):
+    import os
+
+    import moe
+    import moe_router
+    import test_composition
+
+    biases, spans = {}, []
+    after_grad_sync, route = moe.MoEAxis.after_grad_sync, moe_router.route
+
+    def recording(self, layout):  # each step's bias, after its update
+        out = after_grad_sync(self, layout)
+        biases.update({layer.layer_id: layer.load.bias.detach().cpu().clone() for layer in self.layers})
+        return out
+
+    def checked(logits, topk, score="softmax", bias=None, groups=0, limit=0, scale=1.0):
+        out = route(logits, topk, score, bias, groups, limit, scale)
+        spans.append(int(max(len(set(row)) for row in (out[2] // (logits.shape[1] // groups)).tolist())))
+        assert spans[-1] <= limit, (spans[-1], limit)
+        return out
+
+    moe.MoEAxis.after_grad_sync, moe_router.route = recording, checked
+    out = []
+    for case in DS_4:
+        biases.clear()
+        out.append((*test_composition._run_case(rank, world, *case), dict(biases)))
+    directory = os.path.join(root, "reshard")
+    test_composition._run_case(rank, world, *DS_RESHARD[0], stop=test_composition.SAVE_AT, save_root=directory)
+    biases.clear()
+    out.append((*test_composition._run_case(rank, world, *DS_RESHARD[1], resume_root=directory), dict(biases)))
+    manifest = None
+    if rank == 0:
+        import json
+        step_dir = next(os.path.join(directory, d) for d in sorted(os.listdir(directory)) if d.startswith("step-"))
+        with open(os.path.join(step_dir, "manifest.json")) as f:
+            manifest = json.load(f)
+    return out, spans, manifest
+
+
+def _reference_biases(case, monkeypatch):
+    """The single-device run of test_composition._check's reference, and its layers' biases after the 3 steps."""
+    import reference
+    import test_composition
+
+    seen = []
+    update = reference.update_expert_bias
+
+    def recording(model):
+        update(model)
+        seen.append({i: block.mlp.load.bias.clone() for i, block in enumerate(model.transformer.h)})
+
+    flags, config_kw, global_batch, micro = case
+    monkeypatch.setattr(reference, "update_expert_bias", recording)
+    args = test_composition._parse(flags, global_batch, micro)
+    reference.reference_run(test_composition._config(args, config_kw),
+                            global_batches(test_composition.STEPS, global_batch, test_composition.SEQ),
+                            clip=test_composition.CLIP, micro_batches=global_batch // micro)
+    return seen  # after each step
+
+
+@pytest.mark.slow
+def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resumes_on_another_e(tmp_path, monkeypatch):
+    """The DS_4 meshes and DS_RESHARD (above): losses and parameters as test_composition._check, every rank's bias
+    equal to the single device's after each case (exactly: integer loads, the same sign steps), the checkpoint's
+    bias one logical tensor per layer, and what sampling loads of it (hf.load_model's pieces) the bias it saved."""
+    import ckpt
+    import hf
+    import test_composition
+    from model import GPT
+
+    results = run_ranks(_deepseek_runs, 4, str(tmp_path), timeout=900)
+    spans = [s for _, rank_spans, _ in results for s in rank_spans]
+    assert spans and max(spans) <= 2, max(spans)  # asserted in every forward too
+    for index, case in enumerate([*DS_4, DS_RESHARD[1]]):
+        per_rank = [rank_results[index] for rank_results, _, _ in results]
+        if case is DS_RESHARD[1]:
+            assert all(sorted(losses) == [test_composition.SAVE_AT] for losses, _, _ in per_rank)
+        test_composition._check([(losses, params) for losses, params, _ in per_rank], *case)
+        after_each_step = _reference_biases(case, monkeypatch)
+        expected = after_each_step[-1]
+        assert any(float(b.abs().max()) > 0 for b in expected.values())  # the bias moved
+        for rank, (_, _, biases) in enumerate(per_rank):
+            for layer_id, bias in biases.items():  # the same on every rank, and the single device's, exactly
+                assert torch.equal(bias, expected[layer_id]), (case[0], rank, layer_id, bias, expected[layer_id])
+    manifest = results[0][2]
+    stored = [key for key in manifest["tensors"] if key.startswith("moe/")]
+    assert stored == [f"moe/transformer.h.{i}.mlp.expert_bias" for i in range(2)], stored
+    step_dir, manifest = hf._newest_good_checkpoint(str(tmp_path / "reshard"))  # as hf.load_model (sample.py)
+    model = GPT(test_composition._config(test_composition._parse(*DS_RESHARD[1][:1], 8, 1), {}), dtype=DT)
+    ckpt.load_pieces(step_dir, manifest, hf._router_bias_pieces(model, manifest["tensors"], "cpu"))
+    for i, block in enumerate(model.transformer.h):  # sampling routes with the saved bias
+        assert torch.equal(block.mlp.load.bias, after_each_step[test_composition.SAVE_AT - 1][i]), i
+
+
+def test_off_group_counts_rows_and_one_copy_per_token_and_group():
+    """E = 4 ranks in G = 2 groups of 2 ranks (8 experts, 2 per rank), this rank 1 (group 0): by hand."""
+    import moe_router
+
+    places = moe_router.group_places(8, 2, 4, 1, "cpu")
+    assert places.of_rank_list == [0, 0, 1, 1] and places.mine == 0
+    expert = torch.tensor([[0, 1], [4, 6], [2, 5], [7, 6]])  # groups: {0}, {1}, {0, 1}, {1}
+    keep = torch.tensor([[True, True], [True, True], [True, False], [True, True]])
+    rows, copies = moe_router.off_group(places, expert, keep, [2, 1, 2, 2])  # splits: 4 rows to ranks 2, 3
+    assert rows == 4 and int(copies) == 2  # token 2's slot to group 1 was dropped: tokens 1 and 3, once each
+
+
+def test_the_uniform_off_group_estimate():
+    """G = E = 4, k = 2: a slot leaves with 3/4 whatever M; M = 1 reaches one other group with 3/4, M = 4 each
+    of the 3 others with 1 − (3/4)² = 7/16."""
+    import moe_router
+
+    assert moe_router.off_group_estimate(2, 4, 1, 4) == (0.75, 0.75)
+    assert moe_router.off_group_estimate(2, 4, 4, 4) == (0.75, 3 * 7 / 16)
+    assert moe_router.off_group_estimate(2, 4, 2, 2)[1] == pytest.approx(2 / 3)  # hypergeometric j over 2 of 4
+
+
+OFF_GROUP_FLAGS = ["--moe-experts", "8", "--moe-score", "sigmoid", "--moe-bias-rate", "0.01", "--moe-groups", "4",
+                   "--ep", "4"]
+
+
+def _off_group_runs(rank, world):
+    import moe_router
+    import report
+    import report_axes
+    import test_composition
+    from comm import CommTracer
+    from optim import DynamicLossScaler
+    from step import train_step
+
+    out, route = {}, moe_router.route
+    for limit in (4, 1, "cp_sp"):  # unlimited (M = G), one group per token; CP × SP with the seq loss (B_μ = 2)
+        chosen = []
+
+        def recording(logits, topk, *args, **kwargs):
+            result = route(logits, topk, *args, **kwargs)
+            chosen.append(result[2].tolist())
+            return result
+
+        moe_router.route = recording
+        flags, batch, micro = [*OFF_GROUP_FLAGS, "--moe-group-limit", str(limit)], 8, 1
+        if limit == "cp_sp":
+            flags, batch, micro = [*OFF_GROUP_FLAGS[:6], "--moe-seq-aux-coef", "0.01", "--cp", "2", "--tp", "2",
+                                   "--sp"], 2, 2
+        run = test_composition.composed_run(rank, world, flags, {}, batch, micro, harness.device())
+        axis = next(a for a in run.axes if a.name == "moe")
+        tracer, steps = CommTracer(), 2
+        run.tracer = tracer  # report.predicted_messages names the groups as the tracer does
+        for name, group in run.mesh.groups.items():
+            tracer.name_group(group, name)
+        for x, y in global_batches(steps, batch, SEQ):
+            batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.index("dp"), run.mesh.size("dp"), micro)]
+            for handle in run.axes:
+                batches = handle.shard_batches(batches)
+            with tracer:
+                train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0,
+                           nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.size("dp"))
+        moe_router.route = route
+        mine = run.mesh.index("ep")  # G = E: a group is one rank, expert e on rank e // 2
+        by_hand = [sum(e // 2 != mine for e in row) for forward in chosen for row in forward]
+        copies = [len({e // 2 for e in row} - {mine}) for forward in chosen for row in forward]
+        out[limit] = dict(off_group=(axis.observer.off_group[0], int(axis.observer.off_group[1])),
+                          by_hand=(sum(by_hand), sum(copies)), tokens=sum(len(f) for f in chosen),
+                          traced={k: (r.calls / steps, r.payload_bytes / steps) for k, r in tracer.records.items()},
+                          predicted=report.predicted_messages(run, steps),
+                          lines=report_axes.axis_lines(axis, "end", run, steps))
+    return out
+
+
+@pytest.mark.slow
+def test_group_limited_routing_cuts_the_off_group_copies_as_predicted():
+    """E = 4, G = 4 (a group is a rank's 2 experts), k = 2, M = 4 then 1, 2 steps: the off-group rows and copies
+    counted by the layers equal a count by hand from the experts chosen; the copies fall from unlimited to M = 1
+    (the uniform estimate: 3·7/16 → 3/4 per token) while the rows do not (3/4 per slot either way); every message
+    of the step, the bias's load all-reduce included, equals the prediction; and on C = 2 × T = 2 with --sp and
+    the seq loss (its statistics ride the pieces' all-reduces over cp and tp, the loads are summed over both)."""
+    results = run_ranks(_off_group_runs, 4, timeout=300)
+    for limit in (4, 1, "cp_sp"):
+        for rank, got in enumerate(results):
+            if limit != "cp_sp":
+                assert got[limit]["off_group"] == got[limit]["by_hand"], (limit, rank, got[limit])
+            traced, predicted = got[limit]["traced"], got[limit]["predicted"]
+            assert set(traced) == set(predicted), (limit, rank, set(traced) ^ set(predicted))
+            for key, value in predicted.items():
+                assert traced[key] == pytest.approx(value, abs=1e-9), (limit, rank, key)
+            assert any(op == "all_reduce" and "dp_cp" in group.split("=") for op, group in traced), traced
+    copies = {limit: sum(r[limit]["off_group"][1] for r in results) / sum(r[limit]["tokens"] for r in results)
+              for limit in (4, 1)}
+    rows = {limit: sum(r[limit]["off_group"][0] for r in results) / (2 * sum(r[limit]["tokens"] for r in results))
+            for limit in (4, 1)}
+    print(f"\noff-group copies per token {copies}, rows per slot {rows}\n" + "\n".join(results[0][1]["lines"]))
+    assert copies[1] < copies[4]
+    assert copies[1] == pytest.approx(0.75, abs=0.15) and copies[4] == pytest.approx(3 * 7 / 16, abs=0.2)
+    assert rows[1] == pytest.approx(0.75, abs=0.15) and rows[4] == pytest.approx(0.75, abs=0.15)
+    assert any(line.startswith("moe off-group dispatch (G=4, M=1; a group is 1 ranks)") for line in
+               results[0][1]["lines"])
+
+
+GROUP_LIMITED_RUN = """
+import sys
+import moe_router
+import train
+route, steps = moe_router.route, []
+def checked(logits, topk, score="softmax", bias=None, groups=0, limit=0, scale=1.0):
+    out = route(logits, topk, score, bias, groups, limit, scale)
+    span = max(len(set(row)) for row in (out[2] // (logits.shape[1] // groups)).tolist())
+    assert span <= limit, (span, limit)
+    steps.append(span)
+    return out
+moe_router.route = checked
+train.main(sys.argv[1].split())
+print("GROUP SPANS", len(steps), max(steps))
+"""
+
+
+@pytest.mark.slow
+def test_every_step_of_a_train_py_run_keeps_each_tokens_experts_in_m_groups(tmp_path):
+    """train.main on one process, 4 steps with evaluation and sampling (every forward checked, the bias learning):
+    every token's experts lie in at most M = 1 of G = 4 groups; the run reaches its end lines."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(500)))
+    argv = (f"--preset tiny --steps 4 --global-batch 4 --eval-every 2 --eval-batches 1 --sample-tokens 8"
+            f" --log-every 1 --peak-tflops 1 --data {corpus} --out-dir {tmp_path} {' '.join(harness.backend_flags(1))}"
+            f" --moe-experts 8 --moe-score sigmoid --moe-bias-rate 1e-3 --moe-groups 4 --moe-group-limit 1"
+            f" --moe-seq-aux-coef 1e-4")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    run = subprocess.run([sys.executable, "-c", GROUP_LIMITED_RUN, argv], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    spans = next(line for line in run.stdout.splitlines() if line.startswith("GROUP SPANS")).split()
+    assert int(spans[2]) >= 4 * 2 and int(spans[3]) == 1, spans  # 4 steps × 2 MoE layers at least, one group each
+    assert "sigmoid + bias (γ=0.001 per step) → best 1 of 4 groups" in run.stdout

@@ -1,0 +1,364 @@
+"""The MoE block's peak per device: the dispatch and combine buffers, tensor by tensor from moe.py's forward.
+
+A step's memory peaks inside some block: everything saved so far, plus what that block holds at its highest
+and has not saved (in its forward, or its backward: `backward_rise`). For a MoE block that is the
+dispatch and combine (tokens·k rows, dropless), not attention. This file predicts, per MoE layer and
+micro-batch of one rank, the bytes of the tensors that
+moe.MoE.forward (dispatch_and_combine, run_local_experts) makes and holds at once, from their shapes; memory.
+LiveTensors measures the same figure (the tensors ops return; not a kernel's scratch nor the allocator's
+rounding), and on a CPU they agree to the byte for a given routing (tests/test_moe_memory.py).
+
+Symbols as moe.py's: T tokens this rank routes, N experts, k, h, E, S rows it sends (the kept slots), R rows
+its experts run (E = 1: R = S), e_c the rows' bytes (autocast's dtype), e_r the router's (fp32 or wider), e_x
+the block input's (LayerNorm's output: fp32 under CUDA autocast), e_w = max(e_c, e_r) the combine's, 8 an
+int64 index, m a dropout mask's bytes per element. In forward order, saved for backward (s) or not (t):
+    router     logits, scores T·N·e_r each (s); top-k T·k·e_r (s; softmax with k = 1: the weights, t) and T·k·8
+               (s); k > 1 or sigmoid: their sum T·e_r (s) and the weights T·k·e_r (t); sigmoid (moe_router.py):
+               the scores' sum T·e_r (s) and the normalised scores T·N·e_r (t; the balance loss's P); the loads
+               N·8 (t); statistics e_r·(T + 4N + 3) (s), the aux values 2·e_r (t); cast to e_r when narrower: the
+               input T·h·e_r, the weight N·h·e_r (s). The selection bias, the group limit's [T, G] scores and
+               mask, the top-k's [T, N] sort and the weights' scale are transient (freed before P0)
+    capacity   f > 0, capacity_keep over the T_μ·k slots of the micro-batch: a one-hot T_μ·k·N·1, its cumsum
+               and their product T_μ·k·N·8 each (gone by dispatch); then the verdicts T·k·1, the slots' experts
+               T·k·8 (t; also with replicas, eplb.py: each slot's physical slot)
+    dispatch   the sort's order T·k·8 (s), the counts (N_p+1)·8 (E > 1: N_p·8 received and the 2N_p·8 joined;
+               N_p = N, or the R_p physical slots with replicas) (t), each row's token S·8 (s), with groups under
+               EP the off-group count 8 (t), the tokens cast for the rows T·h·e_c (autocast with e_c ≠ e_x; t),
+               the sent rows S·h·e_c (s when E = 1, else t), E > 1 the received rows R·h·e_c (s)
+    experts    the hidden R·4h·e_c twice (s), each expert's output R·h·e_c together, then concatenated R·h·e_c
+               (E = 1: the rows back, s; E > 1: the combine's send buffer, t); autocast casts each of the N/E
+               experts' weights once (its cache keeps them for the forward), 8h²·e_c (s), and biases, 5h·e_c (t)
+    combine    E > 1 the rows back S·h·e_c (s); each row's gate S·e_r, token S·8 and weighted row S·h·e_w (s);
+               y's zeros and y, T·h·e_w each (t)
+    output     e_w ≠ e_x: y cast T·h·e_x (t; y then freed); Q shared experts (moe_shared.py, one MLP of width
+               4Qh on the block's input): autocast's input cast T·h·e_c and weight copies 8Qh²·e_c (s), biases
+               (t), the hidden T·4Qh·e_c twice (s), the output T·h·e_c (t), y + it T·h·e_x (t, y then freed);
+               dropout: its output T·h·e_x (t) and mask T·h·m (s)
+Alive together (what each moment holds, from the code's order and its local variables), the peak is the largest:
+    P0  capacity's product: the router's tensors + 17·T_μ·k·N
+    P1  the experts' outputs concatenated: router, verdicts, dispatch, hidden, weight copies, 2·R·h·e_c
+    P2  the combine's index_add: P1's less the per-expert outputs, + the combine's
+    P3  the output's dropout, dispatch_and_combine returned: its locals gone (zeros, counts, cast tokens,
+        slots' experts, E > 1 the sent rows and the send buffer)
+    P4  y cast to the input's dtype (e_w ≠ e_x): y and its cast
+    P5  the shared experts' output added: their hidden and output, y (or its cast), the sum
+E = 1, dropless, no autocast: P2 = 11·S·h·e + 2·T·h·e + small, of which 9·S·h·e saved. P1 beats P2 when the
+experts run far more rows than the rank sends, R·h·e_c > S·h·(e_c + e_w) + S·(e_r + 8) + 2·T·h·e_w: with one
+dtype about R > 2S + 2T (the worst case at E·k > 2k + 2: E = 4, k = 2 in fp32 peaks at P1).
+Uniform routing: S = R = T·k (at most this rank's share of capacity, N·C_μ/(C·T_sp)); worst case: S =
+min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this rank's experts).
+
+1. Replicated and split: nothing of its own (these are moe.py's tensors).
+2. Peak per device: what the step's peak adds to the activations (which count the saved bytes) while a MoE
+   block runs is `above_saved` = peak − saved; attention's is its output and the dropout's, s·b·h·e_c·(1 +
+   [dropout]) + autocast's bias copies (`attention_above_saved`: the fused and math paths save all else first). The
+   larger sets the peak (time_model.Role's temporaries; the plan's and the run's are the same formula). Under
+   CP and SP the MoE figures hold as written (measured at P2); capacity's gathered choices there are freed
+   before dispatch, so only a P0 peak would differ (by the gathered T_μ·k choice bytes, not written).
+   The backward rises above the saved tensors it frees (`backward_rise`: the combine's mul backward, B1, or
+   the shared experts', B0), and can exceed the forward: a BlockPeak's `above_saved` is the larger, which the
+   step's peak uses. Measured equal on one device and, where the combine sets it, under EP (the tiny preset,
+   E = 2); but under EP the backward can rise further (each local expert runs one chunk per source, and
+   autograd holds its partial weight gradients between them, up to (N/E)·Ψ_e elements; the reverse
+   all-to-alls: measured at start-up, tests/test_moe_memory.py's h = 16), and a router with N ≫ h rises in
+   its own backward ([T, N] gradients): not written. FP8 experts (fp8_experts.py): their quantised copies and
+   padded rows are not written here (fp8_experts.padding_bytes counts the padding's saved bytes).
+3. Messages: none (moe.py's all-to-alls carry these rows).
+4. Restart state: none.
+
+    rank_peak(traffic, x)     a rank's RankPeak (uniform, worst, attention): time_model.Role's and plan_search's
+    block_peak(shape)         one layer's BlockPeak for given rows (the start-up's measurement is beside it)
+    backward_rise(shape)      (moment, bytes) its backward rises above the saved tensors it has freed
+    startup_lines(traffic, run)   the moe section's start-up lines (report_axes.py prints them)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import activations
+import mfu
+import moe
+
+MOMENTS = {"P0": "capacity's one-hot product", "P1": "the experts' outputs concatenated",
+           "P2": "the combine's index_add", "P3": "the output's dropout", "P4": "y cast to the input's dtype",
+           "P5": "the shared experts' output added"}
+
+
+@dataclass(frozen=True)
+class DispatchShape:
+    """What one MoE layer's forward holds depends on: the routing's rows and the dtypes (the module's symbols)."""
+
+    tokens: int  # T
+    sent: int  # S
+    received: int  # R
+    experts: int  # N
+    topk: int  # k
+    hidden: int  # h
+    ep: int = 1  # E
+    capacity_tokens: int = 0  # T_μ: the micro-batch's tokens capacity_keep orders (0: dropless)
+    e_c: int = 4
+    e_r: int = 4
+    e_x: int = 4
+    weight_bytes: int = 4  # the working weights' element (autocast casts them per call when e_c differs)
+    expert_params: int = 0  # Ψ_e
+    dropout_mask: int | None = None  # m, bytes per mask element; None without dropout
+    score: str = "softmax"  # the router's scores (moe_router.py): "sigmoid" keeps its normalised copy and sum
+    shared: int = 0  # Q shared experts (moe_shared.py): one MLP of width Q·4h on the block's input
+    slots: int = 0  # R_p physical expert slots with --moe-replicas (eplb.py); 0: the N experts in place
+    off_group: bool = False  # group-limited routing under EP: the layer keeps its off-group count (moe_router.py)
+
+
+@dataclass(frozen=True)
+class BlockPeak:
+    """The predicted peak of one MoE layer's forward: its moment, bytes alive, saved bytes, the buffers alive."""
+
+    moment: str  # P0..P5
+    peak: int
+    saved: int
+    buffers: dict  # {name: bytes} alive at the peak
+    shape: DispatchShape
+    backward: tuple = ("", 0)  # (moment, bytes): the backward's rise above the saved tensors it frees
+
+    @property
+    def forward_above_saved(self) -> int:
+        return self.peak - self.saved
+
+    @property
+    def above_saved(self) -> int:
+        """What the layer adds to the activations at its highest, forward or backward."""
+        return max(self.forward_above_saved, self.backward[1])
+
+    @property
+    def phase(self) -> str:
+        return "backward" if self.backward[1] > self.forward_above_saved else "forward"
+
+
+def terms(x: DispatchShape) -> list:
+    """[(name, bytes, saved, moments alive)] of one forward (the module docstring's table)."""
+    T, S, R, N, k, h, E, Q = x.tokens, x.sent, x.received, x.experts, x.topk, x.hidden, x.ep, x.shared
+    e_c, e_r, e_x, e_w = x.e_c, x.e_r, x.e_x, max(x.e_c, x.e_r)
+    slots = x.slots or N  # what the dispatch sorts by: experts, or with replicas their physical slots
+    sigmoid, cast_y = x.score == "sigmoid", e_w != e_x
+    cast_rows = e_c != e_x  # autocast's rows from a wider input (without autocast e_c is the input's)
+    copies = slots // E * e_c if e_c != x.weight_bytes else 0  # autocast casts each held expert's weights once
+    end = "12345"  # alive to the forward's end (P0 comes before the dispatch)
+    y_alive = "24" + ("" if cast_y else "5" if Q else "3")  # the combine's y, until cast or added to
+    out = [("router logits, scores [T, N]", 2 * T * N * e_r, True, "0" + end),
+           ("router scores normalised [T, N] (sigmoid)", T * N * e_r if sigmoid else 0, False, "0" + end),
+           ("router scores' sum [T] (sigmoid)", T * e_r if sigmoid else 0, True, "0" + end),
+           ("router top-k choices", T * k * 8, True, "0" + end),
+           ("router top-k values", T * k * e_r, k > 1 or sigmoid, "0" + end),  # softmax, k = 1: the weights
+           ("router top-k sum", T * e_r if k > 1 or sigmoid else 0, True, "0" + end),
+           ("router weights (renormalised)", T * k * e_r if k > 1 or sigmoid else 0, False, "0" + end),
+           ("router loads", N * 8, False, "0" + end),
+           ("router statistics", e_r * (T + 4 * N + 3), True, "0" + end), ("aux values", 2 * e_r, False, "0" + end),
+           ("router's input cast", T * h * e_r if e_x < e_r else 0, True, "0" + end),
+           ("router's weight cast", N * h * e_r if x.weight_bytes < e_r else 0, True, "0" + end)]
+    if x.capacity_tokens:
+        out += [("capacity one-hot, cumsum, product", 17 * x.capacity_tokens * k * N, False, "0"),
+                ("capacity verdicts", T * k, False, end)]
+    counts = (slots + 1) * 8 if E == 1 else 3 * slots * 8
+    out += [("slots' experts (or physical slots)", T * k * 8 if x.capacity_tokens or x.slots else 0, False, "12"),
+            ("sort order", T * k * 8, True, end), ("counts", counts, False, "12"),
+            ("rows' tokens (gather)", S * 8, True, end),
+            ("off-group copies' count (kept on the layer)", 8 if x.off_group else 0, False, end),
+            ("tokens cast for the rows", T * h * e_c if cast_rows else 0, False, "12"),
+            ("sent rows [S, h]", S * h * e_c, E == 1, end if E == 1 else "12"),
+            ("received rows [R, h]", R * h * e_c if E > 1 else 0, True, end),
+            ("experts' hidden [R, 4h] ×2", 8 * R * h * e_c, True, end),
+            ("experts' weight copies (autocast)", copies * 8 * h * h, True, end),
+            ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, end),
+            ("experts' outputs, one per expert", R * h * e_c, False, "1"),
+            ("experts' outputs concatenated [R, h]", R * h * e_c, E == 1, end if E == 1 else "12"),
+            ("rows back [S, h]", S * h * e_c if E > 1 else 0, True, "2345"),
+            ("rows' gates and tokens (index_add)", S * (e_r + 8), True, "2345"),
+            ("weighted rows [S, h]", S * h * e_w, True, "2345"),
+            ("combine's zeros [T, h]", T * h * e_w, False, "2"),
+            ("combine's output y [T, h]", T * h * e_w, False, y_alive),
+            ("y cast to the input's dtype", T * h * e_x if cast_y else 0, False, "4" + ("5" if Q else "3"))]
+    if Q:  # the shared experts, one MLP of width Q·4h on the block's input, added to y (moe_shared.py)
+        out += [("shared experts' input cast", T * h * e_c if cast_rows else 0, True, "35"),
+                ("shared experts' weight copies (autocast)", Q * 8 * h * h * e_c if copies else 0, True, "35"),
+                ("shared experts' bias copies (autocast)",
+                 (Q * 4 * h + h) * e_c if copies and x.expert_params > 8 * h * h else 0, False, "35"),
+                ("shared experts' hidden [T, 4Qh] ×2", 8 * Q * T * h * e_c, True, "35"),
+                ("shared experts' output [T, h]", T * h * e_c, False, "5"),
+                ("y + the shared experts' output [T, h]", T * h * e_x, False, "35")]
+    if x.dropout_mask is not None:
+        out += [("dropout output", T * h * e_x, False, "3"), ("dropout mask", T * h * x.dropout_mask, True, "3")]
+    return out
+
+
+def block_peak(x: DispatchShape) -> BlockPeak:
+    """The largest of the moments this forward has (P0 with capacity, P3 with dropout or a cast y)."""
+    table = terms(x)
+    moments = ["P1", "P2"] + (["P0"] if x.capacity_tokens else []) + (["P3"] if x.dropout_mask is not None else [])
+    moments += (["P4"] if max(x.e_c, x.e_r) != x.e_x else []) + (["P5"] if x.shared else [])
+    alive = {m: sum(nbytes for _, nbytes, _, when in table if m[1] in when) for m in moments}
+    moment = max(moments, key=lambda m: (alive[m], m))
+    return BlockPeak(moment, alive[moment], sum(nbytes for _, nbytes, saved, _ in table if saved),
+                     {name: nbytes for name, nbytes, _, when in table if moment[1] in when and nbytes}, x,
+                     backward_rise(x))
+
+
+BACKWARD_MOMENTS = {"B0": "the shared experts' c_proj backward", "B1": "the combine's mul backward"}
+
+
+def backward_rise(x: DispatchShape) -> tuple:
+    """(moment, bytes): how far the layer's backward rises above the forward's saved tensors it has freed (what
+    memory.BackwardRise measures, the parameters' gradients aside), the larger of
+        B1  the combine's mul backward: the weighted rows' gradient and the mul's two, 2·S·h·e_w + S·h·e_c
+            (its row gradient cast to e_c; S·e_r, the gates' sum, when e_c = e_w), less what the combine's
+            index_add frees, S·8 of tokens (and the weighted rows, counted in the three), less the dropout's
+            mask T·h·m (the dropout's gradient is freed by then)
+        B0  shared experts (Q > 0; they run first, being added last): their hidden's gradient T·4Qh·e_c,
+            under autocast the output gradient's cast T·h·e_c and their c_proj weight and bias gradients in
+            e_c before the cast to the parameters' dtype, (4Qh² + h·b)·e_c; with dropout its gradient T·h·e_x
+            less its mask; with them B1 is less their hidden, freed by then, plus their input's gradient,
+            8QTh·e_c − T·h·e_x (it beats B0 at about k > 6Q in one dtype: measured with k = 8, Q = 1)
+    Not written: each expert's backward (r·4h·e_c for its r rows, beside the gradient of all R rows: it can
+    set the rise when R ≫ S, the worst case's receiving rank) and, under EP, the reverse all-to-alls."""
+    T, S, h, Q = x.tokens, x.sent, x.hidden, x.shared
+    e_c, e_w = x.e_c, max(x.e_c, x.e_r)
+    mask = T * h * x.dropout_mask if x.dropout_mask is not None else 0
+    combine = 2 * S * h * e_w + (S * h * e_c if e_c != e_w else S * x.e_r) - 8 * S - mask
+    if not Q:
+        return "B1", combine
+    grads = (T * h * e_c if e_c != x.e_x else 0) + ((4 * Q * h * h + h * (x.expert_params > 8 * h * h)) * e_c
+                                                    if e_c != x.weight_bytes else 0)
+    shared = 4 * Q * T * h * e_c + grads + (T * h * x.e_x - mask if mask else 0)
+    return max(("B0", shared), ("B1", combine - 8 * Q * T * h * e_c + T * h * x.e_x), key=lambda m: m[1])
+
+
+def attention_above_saved(x, bias: bool = True) -> int:
+    """What attention holds beyond what it saves, at its peak (memory.ActivationShape x, this rank's sequence):
+    its output projection's [b, s, h] and, with dropout, the dropout's output, s·b·h·e_c each (every tensor either
+    path saves is made before them), and autocast's copies of its biases, (3h/T + h)·e_c (a linear does not save
+    its bias). The math path with b > 1 also leaves c_attn's output unsaved, 3·s·b·h·e_c/T (it copies q, k, v
+    to batch the heads); TP without SP, its all-reduce's fresh output, s·b·h·e_c. Measured equal: one device
+    (the fused path; the math path without autocast) and TP without SP. Not written: the math path's upcasts
+    under autocast, SP's gathered input and reduce-scatter, CP's ring and Ulysses buffers (the start-up
+    prints attention's measurement beside this)."""
+    sbh = x.s * x.b * x.h
+    biases = (3 * x.h // x.t + x.h) * x.e_c if bias and x.e_c != x.e_r else 0
+    c_attn = 3 * sbh * x.e_c // x.t if x.kernel == "math" and x.b > 1 else 0
+    reduced = sbh * x.e_c if x.t > 1 and not x.sp else 0
+    return sbh * x.e_c * (2 if x.dropout else 1) + biases + c_attn + reduced
+
+
+def shape_of(traffic: moe.Traffic, x, routing: str = "uniform") -> DispatchShape:
+    """DispatchShape of one MoE layer and micro-batch from moe.Traffic and memory.ActivationShape x (dtypes, dropout
+    masks, autocast), for `routing` "uniform" (S = R = T·k, at most the capacity's share) or "worst" (the whole ep
+    group picks this rank's experts)."""
+    config, T, E = traffic.model, traffic.tokens, traffic.ep
+    n, k, h = config.moe_experts, config.moe_topk, config.n_embd
+    whole = T * traffic.cp * traffic.sp  # B_μ·s: capacity is decided on it
+    cap = moe.capacity(whole, k, n, config.moe_capacity_factor)
+    if routing == "uniform":
+        sent = received = T * k if cap is None else min(T * k, n * cap // (traffic.cp * traffic.sp))
+    else:
+        sent = T * k if cap is None else min(T * k, n * cap)
+        received = E * (T * k if cap is None else min(T * k, n // E * cap))
+    return DispatchShape(T, sent, received if E > 1 else sent, n, k, h, E, whole if cap else 0,
+                         e_c=x.e_c, e_r=traffic.router_bytes, e_x=x.e_n, weight_bytes=x.e_r,
+                         expert_params=8 * h * h + 5 * h * int(config.bias),
+                         dropout_mask=x.mask(x.e_n) if x.dropout else None, score=config.moe_score,
+                         shared=config.moe_shared_experts, slots=traffic.slots,
+                         off_group=config.moe_groups > 0 and E > 1)
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """Which block sets a rank's peak: a MoE layer's forward (uniform routing, and the worst case) or attention."""
+
+    uniform: BlockPeak
+    worst: BlockPeak
+    attention: int  # attention_above_saved
+
+    @property
+    def setter(self) -> str:
+        return "MoE" if self.uniform.above_saved >= self.attention else "attention"
+
+    @property
+    def above_saved(self) -> int:
+        """What the step's peak adds to the activations while the block that sets it runs (uniform routing)."""
+        return max(self.uniform.above_saved, self.attention)
+
+    def temporary(self) -> str:
+        """The name of this figure among a Role's temporaries (time_model.role_of, plan_search): it says which."""
+        f = mfu.format_bytes
+        u = self.uniform
+        at = u.moment if u.phase == "forward" else f"{u.backward[0]} in backward"
+        return (f"{PEAK_TEMPORARY}{self.setter} (MoE dispatch/combine"
+                f" {f(u.above_saved)} at {at}, uniform routing; worst case"
+                f" {f(self.worst.above_saved)}; attention {f(self.attention)})")
+
+
+PEAK_TEMPORARY = "the block that sets the peak, above what it saves: "  # RankPeak.temporary's name begins so
+
+
+def peak_setter(temporaries: dict) -> str | None:
+    """"MoE" or "attention": the block a Role's temporaries say sets its peak (None without MoE layers)."""
+    return next((name[len(PEAK_TEMPORARY):].split(" ")[0] for name in temporaries if name.startswith(PEAK_TEMPORARY)),
+                None)
+
+
+def rank_peak(traffic: moe.Traffic, x) -> RankPeak:
+    """RankPeak of a rank routing moe.Traffic's tokens, with memory.ActivationShape x's dtypes and sequence."""
+    return RankPeak(block_peak(shape_of(traffic, x)), block_peak(shape_of(traffic, x, "worst")),
+                    attention_above_saved(x, traffic.model.bias))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The start-up's lines (the moe section of report_axes.py prints them)
+# ---------------------------------------------------------------------------------------------------------
+
+MEASURED_LINES = 16  # measured lines at most (one per held MoE layer and rank)
+UNWRITTEN = ": not written, e.g. under EP the experts' partial weight gradients between their chunks"
+
+
+def startup_lines(traffic: moe.Traffic, run) -> list:
+    """The moe section's start-up lines (report_axes.py): which block sets the peak and what a MoE layer's forward
+    holds at it, predicted for uniform routing and the worst case; each held MoE layer's on each rank measured at
+    start-up (run.measured_moe: measure.measure_moe_blocks) next to the prediction for the rows it routed, in bytes."""
+    if not traffic.moe_layers:
+        return []
+    x = activations.activation_shape(run)
+    peak, f = rank_peak(traffic, x), mfu.format_bytes
+    u, w = peak.uniform, peak.worst
+    persistent, saved = run.layout.predicted_persistent()["total"], activations.activation_estimate(run).peak
+    biggest = sorted(u.buffers.items(), key=lambda kv: -kv[1])[:6]
+    lines = [f"  peak per device (moe_memory.py): a MoE layer's forward holds {f(u.peak)} at {u.moment}"
+             f" ({MOMENTS[u.moment]}), {f(u.saved)} of its tensors saved for backward (the activations):"
+             f" {f(u.forward_above_saved)} above them, its backward {f(u.backward[1])} ({u.backward[0]}:"
+             f" {BACKWARD_MOMENTS[u.backward[0]]}), uniform routing S = R = {u.shape.received}; worst case R ="
+             f" {w.shape.received}: {f(w.above_saved)} ({w.phase}); attention's {f(peak.attention)}:"
+             f" {peak.setter} sets the peak"
+             + (" (attention's math path under autocast upcasts: not written here; see its measurement below)"
+                if x.kernel == "math" and x.e_c < 4 else ""),
+             f"    step peak ≈ persistent {f(persistent)} + activations at the peak {f(saved)} + the {peak.setter}"
+             f" block above what it saves ({u.phase if peak.setter == 'MoE' else 'forward'}) {f(peak.above_saved)}"
+             f" = {f(persistent + saved + peak.above_saved)}"
+             f" (worst-case routing: {f(persistent + saved + max(w.above_saved, peak.attention))})",
+             "    largest at the peak: " + ", ".join(f"{name} {f(nbytes)}" for name, nbytes in biggest)]
+    if run.measured_moe is not None:
+        lines.append("  measured at start-up (memory.LiveTensors: the tensors ops return, alive together, in bytes;"
+                     " each held MoE block's copy on random input) vs predicted for the rows it routed:")
+        for m in run.measured_moe[:MEASURED_LINES]:
+            p, gap = m.predicted, UNWRITTEN
+            same = "=" if (m.measured.peak, m.measured.saved) == (p.peak, p.saved) else "differs from"
+            lines.append(f"    h.{m.layer_id} rank {m.rank}: S={m.sent} R={m.received}: peak {m.measured.peak:,}"
+                         f" saved {m.measured.saved:,} above {m.measured.above_saved:,} {same} predicted"
+                         f" {p.peak:,} {p.saved:,} {p.forward_above_saved:,} ({p.moment}); attention above saved"
+                         f" {m.attention.above_saved:,}, predicted {m.attention_predicted:,}; the MoE backward"
+                         f" rises {m.backward_rise:,} above its saved, predicted {m.backward_predicted[1]:,}"
+                         f" ({m.backward_predicted[0]}{'' if m.backward_rise == m.backward_predicted[1] else gap})")
+        if run.measured_moe:
+            moe_most = max(m.measured.above_saved for m in run.measured_moe)
+            attention_most = max(m.attention.above_saved for m in run.measured_moe)
+            lines.append(f"    measured: {'MoE' if moe_most >= attention_most else 'attention'} sets the peak (above"
+                         f" saved, the most over layers and ranks: MoE {moe_most:,}, attention {attention_most:,})")
+        if len(run.measured_moe) > MEASURED_LINES:
+            lines.append(f"    ... {len(run.measured_moe) - MEASURED_LINES} more (layer, rank) pairs")
+    return lines

@@ -1,0 +1,322 @@
+"""moe_memory.py: a MoE layer's forward peak predicted tensor by tensor equals memory.LiveTensors' measurement, to
+the byte, on a CPU, for the routing the layer made (the rows it sent and received).
+
+- One process (E = 1): dropless and with capacity, top-1 and top-2, fp32, bf16 autocast over fp32 weights, bf16
+  weights, with dropout; a case where capacity's one-hot product is the peak (P0). Attention's part likewise
+  (the fused kernel without dropout, the math path with it).
+- Four gloo ranks: E = 2 dropless and with capacity (the routing of random tokens); E = 2 routed exactly
+  uniformly, which equals the uniform-routing prediction (moe_memory.shape_of) with no rows given; E = 4
+  with every token picking rank 0's experts, which equals the worst-case prediction and peaks at P1 (the
+  experts' outputs concatenated), not the combine.
+- A real start-up (train.compose, E = 2 on 4 ranks) measures each held MoE block's peak equal to its prediction,
+  and its predicted step peak (time_model.Role) equals the plan's of the same layout, byte for byte; under TP
+  (T = 2, capacity) the MoE's and attention's measurements equal their predictions too.
+"""
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from reference import make_config
+
+H, B, S_LEN = 16, 2, 8  # hidden, sequences, their length: T = 16 tokens per rank
+
+
+class _Rows:
+    """A RoutingObserver recording the rows one forward sent and received (S, R)."""
+
+    def routed(self, layer, load, keep, sent, received):
+        self.rows = (sent, received)
+
+
+def _layer(n=4, k=2, factor=0.0, dropout=0.0, dtype=torch.float32, h=H, **deepseek):
+    """One MoE layer; `deepseek`: GPTConfig's router (moe_router.py) and shared-expert (moe_shared.py) fields."""
+    from model import GPT
+
+    torch.manual_seed(0)
+    config = make_config(n_layer=1, n_head=2, n_embd=h, moe_experts=n, moe_topk=k, moe_capacity_factor=factor,
+                         dropout=dropout, **deepseek)
+    layer = GPT(config, seed=0, dtype=dtype).transformer.h[0].mlp
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    layer.observer = _Rows()
+    layer.load.on("cpu")  # the step's load counts (and the bias): state moe.apply makes before any forward
+    if layer.load.bias is not None:  # a learned bias, so that it changes the selection
+        layer.load.bias.copy_(torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.3)
+    return config, layer
+
+
+def _measure(layer, x, autocast=False):
+    """memory.LiveTensors' ModulePeak of one training forward of `layer` on x, and memory.BackwardRise's rise of
+    its backward above the saved tensors it frees (the parameters' gradients aside), as the start-up measures."""
+    import memory
+
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext()
+    with memory.LiveTensors({"layer": layer}) as live, context:
+        y = layer(x)
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(y.dtype)  # made before the watch
+    rise = memory.BackwardRise(live.kept["layer"])
+    with rise:
+        y.backward(grad)
+    forward = live.peaks["layer"]
+    return SimpleNamespace(peak=forward.peak, saved=forward.saved, at=forward.at, backward_rise=rise.rise(
+        p.grad.untyped_storage()._cdata for p in layer.parameters() if p.grad is not None))
+
+
+def _predict(config, rows, tokens, dtype, autocast, ep=1, slots=0):
+    """moe_memory.block_peak for the rows the forward routed, the dtypes written out as the test ran them."""
+    import moe
+    import moe_memory
+
+    n, k, h, e_x = config.moe_experts, config.moe_topk, config.n_embd, dtype.itemsize
+    cap = moe.capacity(tokens, k, n, config.moe_capacity_factor)
+    shape = moe_memory.DispatchShape(tokens, rows[0], rows[1], n, k, h, ep, tokens if cap else 0,
+                                     e_c=2 if autocast else e_x, e_r=max(4, e_x), e_x=e_x, weight_bytes=e_x,
+                                     expert_params=8 * h * h + 5 * h * int(config.bias),
+                                     dropout_mask=e_x if config.dropout else None, score=config.moe_score,
+                                     shared=config.moe_shared_experts, slots=slots,
+                                     off_group=config.moe_groups > 0 and ep > 1)
+    return moe_memory.block_peak(shape)
+
+
+ONE_DEVICE = [  # (layer kwargs, autocast, the op at the peak)
+    (dict(), False, "aten.index_add"), (dict(k=1), False, "aten.index_add"),
+    (dict(factor=1.0), False, "aten.index_add"), (dict(factor=0.5, k=1), False, "aten.index_add"),
+    (dict(dropout=0.1), False, "aten.mul"), (dict(), True, "aten.index_add"),
+    (dict(dtype=torch.bfloat16), True, "aten.index_add"), (dict(factor=0.5, dropout=0.1), True, "aten.mul"),
+    (dict(n=64, h=8, factor=1.0), False, "aten.mul"),  # capacity's T·k·N one-hot product is the peak (P0)
+    (dict(dtype=torch.bfloat16, dropout=0.1), True, "aten.index_add"),  # y cast to bf16 before the dropout
+    # DeepSeek-V3's router: sigmoid scores, the selection bias, the group limit, the weights' scale
+    (dict(n=8, moe_score="sigmoid", moe_bias_rate=1e-3, moe_groups=4, moe_group_limit=2), False, "aten.index_add"),
+    (dict(n=8, k=1, factor=1.0, moe_score="sigmoid", moe_bias_rate=1e-3, moe_groups=2, moe_group_limit=1,
+          moe_route_scale=2.5), True, "aten.index_add"),
+    # shared experts (their hidden [T, 4Qh] is the largest: the shared sum sets the peak, P5)
+    (dict(moe_shared_experts=2), False, "aten.add"), (dict(moe_shared_experts=1, dropout=0.1), True, "aten.mul"),
+    (dict(dtype=torch.bfloat16, moe_shared_experts=1, dropout=0.1, moe_score="sigmoid"), True, "aten.add"),
+    (dict(n=8, k=8, moe_shared_experts=1, dropout=0.1), False, "aten.add"),  # the backward peaks at the combine (B1)
+]
+MOMENT_OPS = {"P0": "aten.mul", "P1": "aten.cat", "P2": "aten.index_add", "P3": "aten.mul", "P4": "aten._to_copy",
+              "P5": "aten.add"}
+
+
+@pytest.mark.parametrize("kwargs, autocast, op", ONE_DEVICE, ids=[f"{c[0]}-autocast={c[1]}".replace("moe_", "")
+                                                                   for c in ONE_DEVICE])
+def test_one_device_peak_and_saved_bytes_equal_the_prediction(kwargs, autocast, op):
+    config, layer = _layer(**kwargs)
+    dtype = kwargs.get("dtype", torch.float32)
+    x = torch.randn(B, S_LEN, config.n_embd, dtype=dtype, requires_grad=True)
+    measured = _measure(layer, x, autocast)
+    predicted = _predict(config, layer.observer.rows, B * S_LEN, dtype, autocast)
+    assert (measured.peak, measured.saved) == (predicted.peak, predicted.saved), (measured, predicted.buffers)
+    assert measured.at.startswith(op) and MOMENT_OPS[predicted.moment] == op, (measured.at, predicted.moment)
+    if kwargs.get("n", 4) < 64:  # not written: the router's backward, its [T, N] gradients (N ≫ h here)
+        assert measured.backward_rise == predicted.backward[1], (measured.backward_rise, predicted.backward)
+
+
+@pytest.mark.parametrize("dropout, autocast, batch", [(0.0, False, 2), (0.0, True, 2), (0.1, False, 1),
+                                                     (0.1, False, 2)])
+def test_attention_holds_its_output_and_bias_copies_above_what_it_saves(dropout, autocast, batch):
+    """The fused kernel (CPU, no dropout) and the math path (dropout, fp32): every saved tensor comes first."""
+    import memory
+    import model
+    import moe_memory
+
+    config = make_config(n_layer=1, n_head=2, n_embd=H, dropout=dropout)
+    attention = model.CausalSelfAttention(config)
+    x = torch.randn(batch, S_LEN, H, requires_grad=True)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext()
+    with memory.LiveTensors({"attn": attention}) as live, context:
+        attention(x)
+    shape = memory.ActivationShape(s=S_LEN, b=batch, h=H, a=2, vocab=config.vocab_size, e_r=4, e_c=2 if autocast else 4,
+                                   dropout=dropout > 0, kernel=memory.attention_kernel("cpu", torch.float32, dropout))
+    assert live.peaks["attn"].above_saved == moe_memory.attention_above_saved(shape, config.bias)
+
+
+def test_uniform_and_worst_case_rows():
+    """S = R = T·k uniformly (capped at the capacity's share); worst case R = E·T·k, or E·(N/E)·C_μ with capacity."""
+    import memory
+    import moe
+    import moe_memory
+
+    x = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=256)
+    for factor, uniform, worst in ((0.0, (32, 32), (32, 128)), (2.0, (32, 32), (32, 64)), (0.5, (16, 16), (16, 16))):
+        traffic = moe.Traffic(make_config(n_embd=H, moe_experts=8, moe_capacity_factor=factor), tokens=B * S_LEN, ep=4)
+        rows = {r: moe_memory.shape_of(traffic, x, r) for r in ("uniform", "worst")}
+        assert (rows["uniform"].sent, rows["uniform"].received) == uniform, factor
+        assert (rows["worst"].sent, rows["worst"].received) == worst, factor
+
+
+def test_the_step_peak_takes_the_backward_when_it_rises_higher():
+    """Uniform routing in fp32: the combine's backward (B1) rises above the forward's peak, so the block's figure
+    (time_model.Role's and plan_search's temporary) is the backward's."""
+    import memory
+    import moe
+    import moe_memory
+
+    x = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=256, e_c=4)
+    peak = moe_memory.rank_peak(moe.Traffic(make_config(n_embd=H, moe_experts=4), tokens=B * S_LEN), x)
+    u = peak.uniform
+    assert u.backward[1] > u.forward_above_saved and peak.above_saved == u.backward[1] and u.phase == "backward"
+    assert "at B1 in backward" in peak.temporary()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Four ranks: expert parallel, and a real start-up against its plan
+# ---------------------------------------------------------------------------------------------------------
+
+EP_CASES = [(2, 0.0, "random"), (2, 1.0, "random"), (2, 0.0, "uniform"), (4, 0.0, "worst")]
+DEEPSEEK = dict(moe_score="sigmoid", moe_bias_rate=1e-3, moe_groups=4, moe_group_limit=2, moe_shared_experts=1)
+DEEPSEEK_CASES = {  # name: (E, capacity factor, physical slots R (eplb.py; 0: none), GPTConfig's fields)
+    "replicas": (2, 0.0, 12, {}), "router-shared": (2, 1.0, 0, DEEPSEEK),
+    "replicas-router-shared": (2, 0.0, 12, dict(DEEPSEEK, moe_groups=0, moe_group_limit=0))}
+PLANNED = (["--moe-experts", "4", "--ep", "2"], 8, 1)  # tests/test_plan.py's MoE case: flags, global batch, B_μ
+UNDER_TP = (["--moe-experts", "4", "--tp", "2", "--moe-capacity-factor", "1.0"], 4, 1)  # experts whole on each tp rank
+
+
+def _route(layer, x, how):
+    """uniform: token t's top-2 are experts (2j, 2j+1), j = t mod 4, so each expert gets T/4 of every rank's tokens;
+    worst: every token picks experts 0 and 1 (rank 0's under E = 4)."""
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        x.zero_()
+        tokens = x.view(-1, x.shape[-1])
+        for t in range(tokens.shape[0]):
+            tokens[t, t % 4 if how == "uniform" else 0] = 1.0
+        for j in range(4):
+            layer.router.weight[2 * j:2 * j + 2, j] = 10.0 if how == "uniform" else 0.0
+        if how == "worst":
+            layer.router.weight[:2, 0] = 10.0
+
+
+def _ranks(rank, world):
+    import eplb
+    import moe
+    import moe_router
+    import moe_memory
+    import memory
+    import report_axes
+    import time_model
+    import train
+    from mesh import MeshShape, build_mesh
+    from test_plan import _settings
+
+    out = {}
+    meshes = {ep: build_mesh(MeshShape(dp=world, ep=ep)) for ep in (2, 4)}
+    for ep, factor, how in EP_CASES:
+        config, layer = _layer(n=8, factor=factor)
+        moe.shard_experts(layer, meshes[ep].group("ep"), ep, meshes[ep].index("ep"))
+        x = torch.randn(B, S_LEN, H, generator=torch.Generator().manual_seed(rank))
+        if how != "random":
+            _route(layer, x, how)
+        measured = _measure(layer, x.requires_grad_())
+        traffic = moe.Traffic(config, tokens=B * S_LEN, ep=ep)
+        shape = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=config.vocab_size)
+        out[(ep, factor, how)] = dict(
+            measured=measured, rows=layer.observer.rows,
+            routed=_predict(config, layer.observer.rows, B * S_LEN, torch.float32, False, ep),
+            formula=moe_memory.block_peak(moe_memory.shape_of(traffic, shape, "worst" if how == "worst" else how)))
+    for name, (ep, factor, slots, deepseek) in DEEPSEEK_CASES.items():
+        config, layer = _layer(n=8, factor=factor, **deepseek)
+        if slots:  # R/E physical slots on each rank (eplb.py's placement for a uniform load)
+            eplb.place_slots(layer, slots, meshes[ep].group("ep"), ep, meshes[ep].index("ep"), torch.device("cpu"))
+        else:
+            moe.shard_experts(layer, meshes[ep].group("ep"), ep, meshes[ep].index("ep"))
+        layer.places = moe_router.group_places(8, config.moe_groups, ep, meshes[ep].index("ep"), torch.device("cpu"))
+        x = torch.randn(B, S_LEN, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        out[name] = dict(measured=_measure(layer, x), rows=layer.observer.rows,
+                         routed=_predict(config, layer.observer.rows, B * S_LEN, torch.float32, False, ep, slots))
+    settings = _settings(*PLANNED)
+    _, compute, param, master = time_model.plan_dtypes(settings)
+    run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
+                    device=torch.device("cpu"), seed=settings.args.seed, compute_dtype=compute, param_dtype=param,
+                    master_dtype=master)
+    train.compose(run, measure=True)
+    role = time_model.role_of(run)
+    moe_axis = next(axis for axis in run.axes if axis.name == "moe")
+    out["run"] = dict(peak=role.peak, temporaries=role.temporaries, measured_moe=run.measured_moe,
+                      lines=report_axes.axis_lines(moe_axis, "startup", run))
+    settings = _settings(*UNDER_TP)
+    run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
+                    device=torch.device("cpu"), seed=settings.args.seed, compute_dtype=compute, param_dtype=param,
+                    master_dtype=master)
+    out["tp"] = train.compose(run, measure=True).measured_moe
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_ranks, 4, timeout=300, backend_name="gloo")
+
+
+@pytest.mark.parametrize("case", EP_CASES[:2], ids=["E2-dropless", "E2-capacity"])
+def test_expert_parallel_peak_equals_the_prediction_for_the_routed_rows(ranks, case):
+    for rank, got in enumerate(ranks):
+        measured, predicted = got[case]["measured"], got[case]["routed"]
+        assert (measured.peak, measured.saved) == (predicted.peak, predicted.saved), (rank, measured, predicted)
+        assert measured.backward_rise >= predicted.backward[1], (rank, measured, predicted.backward)  # E > 1: below
+
+
+@pytest.mark.parametrize("case", list(DEEPSEEK_CASES))
+def test_deepseek_options_under_expert_parallel_peak_as_predicted(ranks, case):
+    """Replicas (the dispatch by physical slot), DeepSeek-V3's router with the group limit, shared experts."""
+    for rank, got in enumerate(ranks):
+        measured, predicted = got[case]["measured"], got[case]["routed"]
+        assert (measured.peak, measured.saved) == (predicted.peak, predicted.saved), (rank, measured, predicted)
+        assert measured.backward_rise >= predicted.backward[1], (rank, measured, predicted.backward)  # E > 1: below
+
+
+def test_uniform_routing_is_the_uniform_prediction(ranks):
+    for rank, got in enumerate(ranks):
+        case = got[(2, 0.0, "uniform")]
+        assert case["rows"] == (B * S_LEN * 2, B * S_LEN * 2), rank
+        assert (case["measured"].peak, case["measured"].saved) == (case["formula"].peak, case["formula"].saved)
+
+
+def test_the_worst_case_is_every_rank_picking_one_ranks_experts_and_peaks_at_the_experts_outputs(ranks):
+    case = ranks[0][(4, 0.0, "worst")]
+    assert case["rows"] == (B * S_LEN * 2, 4 * B * S_LEN * 2)
+    assert (case["measured"].peak, case["measured"].saved) == (case["formula"].peak, case["formula"].saved)
+    assert case["formula"].moment == "P1" and case["measured"].at.startswith("aten.cat")
+
+
+def test_the_start_up_measures_every_held_moe_block_as_predicted(ranks):
+    peaks = ranks[0]["run"]["measured_moe"]
+    assert sorted((p.layer_id, p.rank) for p in peaks) == [(layer, rank) for layer in (0, 1) for rank in range(4)]
+    for p in peaks:
+        assert (p.measured.peak, p.measured.saved) == (p.predicted.peak, p.predicted.saved), p
+        assert p.attention.above_saved == p.attention_predicted, p
+        # E = 2: the combine's moment (B1) is passed; the experts' partial weight gradients are not written
+        assert p.backward_rise >= p.backward_predicted[1] > 0, p
+    lines = ranks[0]["run"]["lines"]
+    assert any("MoE sets the peak" in line for line in lines) and any("measured: MoE sets" in line for line in lines)
+    assert sum(" = predicted " in line for line in lines) == len(peaks)
+
+
+def test_under_tp_the_start_up_measures_moe_and_attention_as_predicted(ranks):
+    """TP without SP: the MoE layer is whole on each tp rank; attention also holds its all-reduce's fresh output."""
+    peaks = ranks[0]["tp"]
+    assert len(peaks) == 2 * 4
+    for p in peaks:
+        assert (p.measured.peak, p.measured.saved) == (p.predicted.peak, p.predicted.saved), p
+        assert p.attention.above_saved == p.attention_predicted, p
+
+
+def test_the_plans_step_peak_is_the_real_start_ups_byte_for_byte(ranks):
+    import moe_memory
+    import plan
+    import time_model
+    from test_plan import _settings
+
+    settings = _settings(*PLANNED)
+    for rank, got in enumerate(ranks):
+        with plan.fake_world(rank, 4):
+            role = time_model.role_of(plan.build_role(settings, rank))
+        block = [name for name in role.temporaries if name.startswith(moe_memory.PEAK_TEMPORARY)]
+        assert len(block) == 1 and moe_memory.peak_setter(role.temporaries) == "MoE", role.temporaries
+        assert role.temporaries[block[0]] == got["run"]["temporaries"][block[0]]
+        assert role.peak == got["run"]["peak"], (rank, role.temporaries, got["run"]["temporaries"])
