@@ -399,6 +399,8 @@ class Checkpointer:
         step, scalars = chosen.manifest["step"], chosen.scalars
         bytes_read = chosen.staged.commit()  # an axis derives what it recomputes from its loaded tensors
         layout.optimizer_step_count = scalars["adam_step"]
+        for axis in self.axes:
+            axis.after_load(layout, step)
         scaler.load_state_dict(scalars["scaler"])
         sampler.load_state_dict(scalars["data"])
         if chosen.same_mesh:  # deterministic replay: this rank's own generators, exactly
@@ -547,6 +549,8 @@ def plan_load(path: str, manifest: dict, pieces: list) -> list[_LoadPlan]:
         by_key.setdefault(piece.key, []).append(piece)
     plans = []
     for key, targets in by_key.items():
+        if key not in stored and all(t.optional for t in targets):
+            continue  # an axis's state its writer had not (eplb's load averages, written with replicas only)
         try:
             source = _source_key(key, stored)
         except CheckpointError as e:

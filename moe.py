@@ -447,7 +447,8 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     if config.replicas and layers:
         redundant = eplb.RedundantExperts(layers, config.replan_every, config.load_decay,
                                           {name: mesh.group(name) for name in ("ep", "dp_cp", "expert_dp")},
-                                          {name: mesh.group(name) for name in ("dp_cp", "tp")[:1 + (sp > 1)]})
+                                          {name: mesh.group(name) for name in ("dp_cp", "tp")[:1 + (sp > 1)]},
+                                          mesh.coordinates())
     return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None, redundant)
 
 
@@ -479,6 +480,15 @@ class MoEAxis(Axis):
         if self.redundant is not None:  # the replicas' gradient sum, the load, the re-plan (eplb.py)
             self.redundant.after_grad_sync(layout)
         return 0
+
+    def state_pieces(self) -> list:
+        """With --moe-replicas, the load averages the placement is made from (eplb.py item 4)."""
+        return self.redundant.state_pieces() if self.redundant is not None else []
+
+    def after_load(self, layout, step: int) -> None:
+        """With --moe-replicas, the placement of the loaded averages, its slots moved (eplb.py item 4)."""
+        if self.redundant is not None:
+            self.redundant.after_load(layout, step)
 
     @contextmanager
     def sampling(self):
