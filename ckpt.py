@@ -9,7 +9,7 @@ A checkpoint is one directory per step:
         COMMITTED           written last: {"step", "manifest_sha256"}; without it the directory does not count
 
 The manifest maps each LOGICAL tensor ("<kind>/<global name>", kind ∈ param | master | exp_avg | exp_avg_sq |
-fp8) to its global shape, dtype, and the pieces that hold it: per piece the file, the entry in it, the splits
+fp8 | moe) to its global shape, dtype, and the pieces that hold it: per piece the file, the entry in it, the splits
 (dim, num, index, fused segments: tensor and expert parallel) and the ZeRO flat range [start, end) of the
 flattened split. That is `shard.StatePiece`, the unit every layout (and an axis, for its own state) lists its
 state in, so a new axis joins by describing its pieces: this file never learns what ZeRO or TP are. The
@@ -43,11 +43,13 @@ checkpoint is one more bad candidate (`latest` reports it and tries the next old
 refused in one line naming it, the reason and what to do), and no parameter is left half-overwritten.
 `param/X` is filled from `master/X` when the checkpoint has it (what the 16-bit parameter was rounded from),
 a missing `master/X` from `param/X`, cast (DDP fp32: the parameters are the masters), anything else from its
-own key. On the same mesh (D, P, C, T, E) each rank gets back its own RNG states (torch CPU, CUDA, Python,
-numpy): replay is bitwise. On another mesh every generator is re-seeded from (seed, step, rank // T), and with
-dropout 0 the losses match the uninterrupted run to float tolerance (the data cursor makes it consume the same
-global batches). Replicated scalars (Adam step, LR position = the step, loss scaler, data cursor) come from
-the rank's own record on the same mesh, else from rank 0's.
+own key; an `optional` piece the checkpoint lacks keeps its live value. Once it is in, each axis's
+`after_load` derives what cannot wait (the redundant experts' placement, eplb.py). On the same mesh (D, P,
+C, T, E) each rank gets back its own RNG states (torch CPU, CUDA, Python, numpy): replay is bitwise. On
+another mesh every generator is re-seeded from (seed, step, rank // T), and with dropout 0 the losses match
+the uninterrupted run to float tolerance (the data cursor makes it consume the same global batches).
+Replicated scalars (Adam step, LR position = the step, loss scaler, data cursor) come from the rank's own
+record on the same mesh, else from rank 0's.
 
 Accounting for this file (Ψ parameters, b_w/b_m bytes per parameter/master element):
 1. Replicated: nothing is held between saves but reusable host snapshot buffers. Split: the files; each
@@ -59,8 +61,8 @@ Accounting for this file (Ψ parameters, b_w/b_m bytes per parameter/master elem
    of the candidate list and an all_gather of every rank's verdict per candidate tried; each save (and
    close, then a barrier) ends or begins with an all_gather of every rank's save outcome.
 4. Restart state: it IS the restart state: parameters, master parameters, Adam moments and step, LR
-   position, loss scaler, every rank's RNG states, the data cursor, and the FP8 scaling state (kind `fp8/`,
-   logical: it comes back on any mesh).
+   position, loss scaler, every rank's RNG states, the data cursor, the FP8 scaling state (kind `fp8/`,
+   logical: it comes back on any mesh), and the redundant experts' load averages (kind `moe/`, logical).
 """
 
 from __future__ import annotations

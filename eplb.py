@@ -29,13 +29,14 @@ Training with it (`Replicas`, set up by moe.apply when --moe-replicas R is given
   rank holding it. The grad norm and the checkpoint count one copy: replica 0 (`ShardInfo.replica`; the
   layout recounts after a re-plan).
 - Re-planning. Each layer counts the kept slots routed to each logical expert in training (what loads it);
-  once per step `after_grad_sync` folds them into a moving average, load ← d·load + (1 − d)·step's,
-  d = --moe-load-decay; every n = --moe-replan-every steps the averages are summed over dp×cp (and tp with
-  --sp: the ranks holding the same layers see different tokens), the placement recomputed (the same on every
-  rank), and each slot whose logical expert changed takes that expert's weights, gradient and AdamW state from
-  its lowest old slot, before the optimizer step (`move_slots`: one all-reduce of the moved experts' state over
-  the group of the gradient sum, each element added by one rank; an all-to-all of the moved slots would send
-  less, one collective for both layouts reads simpler).
+  once per step `after_grad_sync` sums them over dp×cp (and tp with --sp: the ranks holding the same layers
+  see different tokens) and folds them into a moving average, load ← d·load + (1 − d)·step's, d =
+  --moe-load-decay, the same on every rank; every n = --moe-replan-every training steps the placement is
+  recomputed from the average (kept as `planned`; the same on every rank: the same bits in), and each slot
+  whose logical expert changed takes that expert's weights, gradient and AdamW state from its lowest old slot,
+  before the optimizer step (`move_slots`: one all-reduce of the moved experts' state over the group of the
+  gradient sum, each element added by one rank; an all-to-all of the moved slots would send less, one
+  collective for both layouts reads simpler).
 
 Symbols: N, E, R as above, L_moe MoE layers this rank holds, Ψ_e one expert's parameters, e_g the bytes of a
 gradient element (DDP: the parameters'; ZeRO: its accumulation dtype's), e_o of the optimizer's (DDP: the
@@ -49,16 +50,23 @@ re-plan, g the gradient sum's group (ep under DDP, dp×cp under ZeRO 1/2).
    gradients and AdamW under DDP (ZeRO shards the state as it does the rest). Temporaries: the replica sum's
    buffer, L_moe·(R − N)·Ψ_e·e_g; a re-plan's, M·K·Ψ_e·e_o. The dispatch's: plain EP's, with [R] counts.
 3. Messages, per optimizer step, on top of plain EP's (whose counts all-to-all carries 8R bytes, not 8N):
-       all_reduce  g      L_moe·(R − N)·Ψ_e·e_g   the replicas' gradient sum (padded to R − N experts a
-                                                 layer, so its size never depends on the plan)
+       all_reduce  g           L_moe·(R − N)·Ψ_e·e_g   the replicas' gradient sum (padded to R − N experts a
+                                                      layer, so its size never depends on the plan)
+       all_reduce  dp×cp (tp)  L_moe·N·8               the step's kept slots per expert (float64)
    and per re-plan (every n steps; the startup table's 1/n calls a step, no move: a uniform load keeps the plan):
-       all_reduce  dp×cp (tp)  L_moe·(2N + E)·8   the load averages, the window's kept slots per expert and
-                                                 rows per ep rank (float64)
-       all_reduce  g           M·K·Ψ_e·e_o        the moved slots' state (when a slot moves)
-   Host syncs: one `.tolist()` of the averages per re-plan.
-4. Restart state: none. The checkpoint holds each replica set as ONE logical expert (`...experts.<i>...`), so
-   it loads with any R and E; a resumed run starts from the uniform placement and a fresh average (the
-   placement decides which rank computes a row, never its value).
+       all_reduce  dp×cp (tp)  L_moe·(N + E)·8         the window's kept slots per expert and rows per ep rank
+                                                      (float64: the measured balance)
+       all_reduce  g           M·K·Ψ_e·e_o             the moved slots' state (when a slot moves)
+   Host syncs per re-plan: one `.tolist()` of the windows, one copy of each layer's average to the host.
+4. Restart state: per MoE layer, the moving average and the average the placement was made from (`planned`),
+   N float64 each, logical and one copy (the same on every rank: "moe/<layer>.expert_load", "..._planned",
+   written by dp×cp and tp rank 0 of the stage). The checkpoint holds each replica set as ONE logical expert
+   (`...experts.<i>...`), so it loads with any R and E; then `after_load` places each layer from its loaded
+   `planned` on this run's R slots and E ranks, moves the slots as a re-plan does, and counts the steps from
+   the checkpoint's, so the re-plans fall on the same steps. The same mesh, R and n: the placement, hence the
+   run, is the uninterrupted one's bitwise. Another E or R: the saved average placed anew (the placement decides
+   which rank computes a row, never its value: float tolerance). A checkpoint without these pieces (written
+   without replicas): the uniform placement and a fresh average. The window (accounting only) starts afresh.
 """
 
 from __future__ import annotations
