@@ -2,8 +2,9 @@
 training against the single-device model (float64, 1e-10) through train.compose and step.train_step: on 2 ranks
 (E = 2) in the quick suite, on 4 (slow: E = 2 and 4, with TP and SP, CP, PP, ZeRO-1 and 2), re-planned every
 step so slots move, replicas bitwise equal, traced messages as predicted, checkpoints that resume on another E
-and R; the flags' bad inputs; and, through train.py (slow), the rows per EP rank falling with replicas under a
-skewed load while the loss curve stays the one without replicas.
+and R, and on the same mesh bitwise (the placement and the load average are restart state); the flags' bad
+inputs; and, through train.py (slow), the rows per EP rank falling with replicas under a skewed load while the
+loss curve stays the one without replicas.
 """
 
 import json
@@ -154,8 +155,10 @@ def _run(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_ro
                                          torch.cat([p.detach().reshape(-1) for p in expert.parameters()]))
              for layer in moe_axis.layers if layer.replicas is not None for q, expert in layer.experts.items()}
     redundant = moe_axis.redundant
+    averages = {layer.layer_id: layer.replicas.average.clone() for layer in moe_axis.layers if layer.replicas}
     return dict(losses=losses, params=params, messages=(traced, report.predicted_messages(run, steps)), slots=slots,
-                moved=redundant.moved if redundant else None, replans=redundant.replans if redundant else 0)
+                moved=redundant.moved if redundant else None, replans=redundant.replans if redundant else 0,
+                averages=averages)
 
 
 def _runs(rank, world, root):
@@ -183,6 +186,7 @@ def _assert_bitwise_replay(per_rank, save_at):
     re-plan, and its weights) bitwise the uninterrupted run's."""
     for whole, resumed in per_rank:
         assert sorted(resumed["losses"]) == list(range(save_at, STEPS))
+        assert all(torch.equal(a, whole["averages"][k]) for k, a in resumed["averages"].items())
         for step, loss in resumed["losses"].items():
             assert torch.equal(torch.as_tensor(loss), torch.as_tensor(whole["losses"][step])), step
         assert resumed["params"].keys() == whole["params"].keys()
@@ -234,6 +238,10 @@ def test_two_ranks_with_replicas_train_as_one_device_keep_replicas_equal_trace_a
     _assert_replicas_equal_and_moved(whole)
     _assert_traced_as_predicted(whole)
     _assert_bitwise_replay(per_rank, SAVE_AT)
+    averages = [w["averages"] for w in whole]  # the restart state is one logical copy: the same on every rank
+    assert all(float(a.sum()) > 0 for a in averages[0].values())
+    assert all(r.keys() == averages[0].keys() and all(torch.equal(r[k], averages[0][k]) for k in r)
+               for r in averages)
 
 
 @pytest.fixture(scope="module")
