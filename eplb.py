@@ -45,7 +45,8 @@ moments; ZeRO 5: and the master weights), n the re-plan interval, M the slots of
 re-plan, g the gradient sum's group (ep under DDP, dp×cp under ZeRO 1/2).
 
 1. Replicated and split. Split E ways: the R physical slots (R/E per rank). Replicated: a hot expert's tensors
-   on c_i slots, bitwise equal; the placement (phy2log, log2phy, logcnt) on every rank.
+   on c_i slots, bitwise equal; the placement (phy2log, log2phy, logcnt) and each layer's two load averages
+   (the running one and the planned one, N float64 each) on every rank, the same.
 2. Peak per device. Parameters L_moe·(R/E)·Ψ_e for the experts (R/N times plain EP's), ×16 bytes with fp32
    gradients and AdamW under DDP (ZeRO shards the state as it does the rest). Temporaries: the replica sum's
    buffer, L_moe·(R − N)·Ψ_e·e_g; a re-plan's, M·K·Ψ_e·e_o. The dispatch's: plain EP's, with [R] counts.

@@ -64,7 +64,8 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    last), no bincount (a scatter-add). Aux values, load and drops stay tensors until a line reads them
    (step.train_step once per step; the load line, through its observer's `take_load`, once per line).
 4. Restart state: nothing of its own; routing is deterministic (no RNG), and each expert is a whole logical
-   tensor named by its global index, so a checkpoint written with one E loads with another.
+   tensor named by its global index, so a checkpoint written with one E loads with another. With
+   --moe-replicas, the load averages that place the slots (`state_pieces`, `after_load`: eplb.py item 4).
    FLOPs per token (MFU): mfu.flops_per_token, from the k experts a token visits, not the N.
 """
 
