@@ -8,13 +8,12 @@ A checkpoint is one directory per step:
         manifest.json       what every file holds, the mesh, the step, a SHA-256 per file, every rank's scalars
         COMMITTED           written last: {"step", "manifest_sha256"}; without it the directory does not count
 
-The manifest maps each LOGICAL tensor ("<kind>/<global name>", kind ∈ param | master | exp_avg | exp_avg_sq |
-fp8) to its global shape, dtype, and the pieces that hold it: per piece the file, the entry in it, the splits
-(dim, num, index, fused segments: tensor and expert parallel) and the ZeRO flat range [start, end) of the
-flattened split. That is `shard.StatePiece`, the unit every layout (and an axis, for its own state) lists its
-state in, so a new axis joins by describing its pieces: this file never learns what ZeRO or TP are. The
-directory's side (durable writes, checksums, the untrusted manifest's checks, piece geometry, the random
-generators, pruning) is ckpt_files.py.
+The manifest maps each LOGICAL tensor ("<kind>/<global name>", kind ∈ param | master | exp_avg | exp_avg_sq | fp8 |
+moe) to its global shape, dtype, and the pieces that hold it: per piece the file, the entry in it, the splits (dim,
+num, index, fused segments: tensor and expert parallel) and the ZeRO flat range [start, end) of the flattened split.
+That is `shard.StatePiece`, the unit every layout (and an axis, for its own state) lists its state in, so a new axis
+joins by describing its pieces: this file never learns what ZeRO or TP are. The directory's side (durable writes,
+checksums, the untrusted manifest's checks, piece geometry, the random generators, pruning) is ckpt_files.py.
 
 Save, every rank at a step boundary: 1. snapshot this rank's primary pieces (`primary=False`: a replica whose
 twin elsewhere is written) and RNG states to host buffers: training blocks only for this copy (and for the
@@ -31,23 +30,22 @@ attempt's files out of a later commit. A synchronous save ends with an all-gathe
 (the barrier; a failure on one rank is raised on all); a background one's is gathered at the next save and
 at close.
 
-Resume: plan → read → reshard, all or nothing. Candidates are the `step-*` directories, newest first (or the
-step asked for). Each is verified (marker, manifest checksum, format, file names, sizes, SHA-256 hashed
-round-robin across ranks), planned against the live state before a byte of tensor data is read (`plan_load`:
-each logical tensor the model needs is there, with its global shape, a dtype of the same family, pieces that
-cover what this rank needs without overlapping), read into host memory and resliced (`StagedLoad`: each
-logical tensor assembled from only the stored pieces that overlap what this rank needs; the files are
-memory-mapped), and its scalars tried on copies of the sampler and loss scaler. Only when every rank has
-succeeded (the verdicts are all-gathered) is anything copied into the live state: a damaged or unfit
-checkpoint is one more bad candidate (`latest` reports it and tries the next older one; a step asked for is
-refused in one line naming it, the reason and what to do), and no parameter is left half-overwritten.
-`param/X` is filled from `master/X` when the checkpoint has it (what the 16-bit parameter was rounded from),
-a missing `master/X` from `param/X`, cast (DDP fp32: the parameters are the masters), anything else from its
-own key. On the same mesh (D, P, C, T, E) each rank gets back its own RNG states (torch CPU, CUDA, Python,
-numpy): replay is bitwise. On another mesh every generator is re-seeded from (seed, step, rank // T), and with
-dropout 0 the losses match the uninterrupted run to float tolerance (the data cursor makes it consume the same
-global batches). Replicated scalars (Adam step, LR position = the step, loss scaler, data cursor) come from
-the rank's own record on the same mesh, else from rank 0's.
+Resume: plan → read → reshard, all or nothing. Candidates are the `step-*` directories, newest first (or the step
+asked for). Each is verified (marker, manifest checksum, format, file names, sizes, SHA-256 hashed round-robin across
+ranks), planned against the live state before a byte of tensor data is read (`plan_load`: each logical tensor the
+model needs is there, with its global shape, a dtype of the same family, pieces that cover what this rank needs
+without overlapping), read into host memory and resliced (`StagedLoad`: each logical tensor assembled from only the
+stored pieces that overlap what this rank needs; the files are memory-mapped), and its scalars tried on copies of the
+sampler and loss scaler. Only when every rank has succeeded (the verdicts are all-gathered) is anything copied into
+the live state: a damaged or unfit checkpoint is one more bad candidate (`latest` reports it and tries the next older
+one; a step asked for is refused in one line naming it, the reason and what to do), and no parameter is left
+half-overwritten. `param/X` is filled from `master/X` when the checkpoint has it (what the 16-bit parameter was
+rounded from), a missing `master/X` from `param/X`, cast (DDP fp32: the parameters are the masters), anything else
+from its own key (an absent `optional` one keeps its live value); then `Axis.after_load`. On the same mesh (D, P, C,
+T, E) each rank gets back its own RNG states (torch CPU, CUDA, Python, numpy): replay is bitwise. On another mesh
+every generator is re-seeded from (seed, step, rank // T), and with dropout 0 the losses match the uninterrupted run
+to float tolerance (the data cursor makes it consume the same global batches). Replicated scalars (Adam step, LR
+position, loss scaler, data cursor) come from the rank's own record on the same mesh, else from rank 0's.
 
 Accounting for this file (Ψ parameters, b_w/b_m bytes per parameter/master element):
 1. Replicated: nothing is held between saves but reusable host snapshot buffers. Split: the files; each
@@ -59,8 +57,8 @@ Accounting for this file (Ψ parameters, b_w/b_m bytes per parameter/master elem
    of the candidate list and an all_gather of every rank's verdict per candidate tried; each save (and
    close, then a barrier) ends or begins with an all_gather of every rank's save outcome.
 4. Restart state: it IS the restart state: parameters, master parameters, Adam moments and step, LR
-   position, loss scaler, every rank's RNG states, the data cursor, and the FP8 scaling state (kind `fp8/`,
-   logical: it comes back on any mesh).
+   position, loss scaler, every rank's RNG states, the data cursor, the FP8 scaling state (kind `fp8/`,
+   logical: it comes back on any mesh), and the redundant experts' load averages (kind `moe/`, logical).
 """
 
 from __future__ import annotations
@@ -399,6 +397,8 @@ class Checkpointer:
         step, scalars = chosen.manifest["step"], chosen.scalars
         bytes_read = chosen.staged.commit()  # an axis derives what it recomputes from its loaded tensors
         layout.optimizer_step_count = scalars["adam_step"]
+        for axis in self.axes:
+            axis.after_load(layout, step)
         scaler.load_state_dict(scalars["scaler"])
         sampler.load_state_dict(scalars["data"])
         if chosen.same_mesh:  # deterministic replay: this rank's own generators, exactly
@@ -544,7 +544,8 @@ def plan_load(path: str, manifest: dict, pieces: list) -> list[_LoadPlan]:
         raise CheckpointError(f"{path}: the manifest lists no tensors")
     by_key: dict[str, list] = {}
     for piece in pieces:
-        by_key.setdefault(piece.key, []).append(piece)
+        if piece.key in stored or not piece.optional:  # optional: an axis's state its writer may not have had
+            by_key.setdefault(piece.key, []).append(piece)
     plans = []
     for key, targets in by_key.items():
         try:

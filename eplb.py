@@ -29,13 +29,14 @@ Training with it (`Replicas`, set up by moe.apply when --moe-replicas R is given
   rank holding it. The grad norm and the checkpoint count one copy: replica 0 (`ShardInfo.replica`; the
   layout recounts after a re-plan).
 - Re-planning. Each layer counts the kept slots routed to each logical expert in training (what loads it);
-  once per step `after_grad_sync` folds them into a moving average, load ← d·load + (1 − d)·step's,
-  d = --moe-load-decay; every n = --moe-replan-every steps the averages are summed over dp×cp (and tp with
-  --sp: the ranks holding the same layers see different tokens), the placement recomputed (the same on every
-  rank), and each slot whose logical expert changed takes that expert's weights, gradient and AdamW state from
-  its lowest old slot, before the optimizer step (`move_slots`: one all-reduce of the moved experts' state over
-  the group of the gradient sum, each element added by one rank; an all-to-all of the moved slots would send
-  less, one collective for both layouts reads simpler).
+  once per step `after_grad_sync` sums them over dp×cp (and tp with --sp: the ranks holding the same layers
+  see different tokens) and folds them into a moving average, load ← d·load + (1 − d)·step's, d =
+  --moe-load-decay, the same on every rank; every n = --moe-replan-every training steps the placement is
+  recomputed from the average (kept as `planned`; the same on every rank: the same bits in), and each slot
+  whose logical expert changed takes that expert's weights, gradient and AdamW state from its lowest old slot,
+  before the optimizer step (`move_slots`: one all-reduce of the moved experts' state over the group of the
+  gradient sum, each element added by one rank; an all-to-all of the moved slots would send less, one
+  collective for both layouts reads simpler).
 
 Symbols: N, E, R as above, L_moe MoE layers this rank holds, Ψ_e one expert's parameters, e_g the bytes of a
 gradient element (DDP: the parameters'; ZeRO: its accumulation dtype's), e_o of the optimizer's (DDP: the
@@ -44,21 +45,29 @@ moments; ZeRO 5: and the master weights), n the re-plan interval, M the slots of
 re-plan, g the gradient sum's group (ep under DDP, dp×cp under ZeRO 1/2).
 
 1. Replicated and split. Split E ways: the R physical slots (R/E per rank). Replicated: a hot expert's tensors
-   on c_i slots, bitwise equal; the placement (phy2log, log2phy, logcnt) on every rank.
+   on c_i slots, bitwise equal; the placement (phy2log, log2phy, logcnt) and each layer's two load averages
+   (the running one and the planned one, N float64 each) on every rank, the same.
 2. Peak per device. Parameters L_moe·(R/E)·Ψ_e for the experts (R/N times plain EP's), ×16 bytes with fp32
    gradients and AdamW under DDP (ZeRO shards the state as it does the rest). Temporaries: the replica sum's
    buffer, L_moe·(R − N)·Ψ_e·e_g; a re-plan's, M·K·Ψ_e·e_o. The dispatch's: plain EP's, with [R] counts.
 3. Messages, per optimizer step, on top of plain EP's (whose counts all-to-all carries 8R bytes, not 8N):
-       all_reduce  g      L_moe·(R − N)·Ψ_e·e_g   the replicas' gradient sum (padded to R − N experts a
-                                                 layer, so its size never depends on the plan)
+       all_reduce  g           L_moe·(R − N)·Ψ_e·e_g   the replicas' gradient sum (padded to R − N experts a
+                                                      layer, so its size never depends on the plan)
+       all_reduce  dp×cp (tp)  L_moe·N·8               the step's kept slots per expert (float64)
    and per re-plan (every n steps; the startup table's 1/n calls a step, no move: a uniform load keeps the plan):
-       all_reduce  dp×cp (tp)  L_moe·(2N + E)·8   the load averages, the window's kept slots per expert and
-                                                 rows per ep rank (float64)
-       all_reduce  g           M·K·Ψ_e·e_o        the moved slots' state (when a slot moves)
-   Host syncs: one `.tolist()` of the averages per re-plan.
-4. Restart state: none. The checkpoint holds each replica set as ONE logical expert (`...experts.<i>...`), so
-   it loads with any R and E; a resumed run starts from the uniform placement and a fresh average (the
-   placement decides which rank computes a row, never its value).
+       all_reduce  dp×cp (tp)  L_moe·(N + E)·8         the window's kept slots per expert and rows per ep rank
+                                                      (float64: the measured balance)
+       all_reduce  g           M·K·Ψ_e·e_o             the moved slots' state (when a slot moves)
+   Host syncs per re-plan: one `.tolist()` of the windows, one copy of each layer's average to the host.
+4. Restart state: per MoE layer, the moving average and the average the placement was made from (`planned`),
+   N float64 each, logical and one copy (the same on every rank: "moe/<layer>.expert_load", "..._planned",
+   written by dp×cp and tp rank 0 of the stage). The checkpoint holds each replica set as ONE logical expert
+   (`...experts.<i>...`), so it loads with any R and E; then `after_load` places each layer from its loaded
+   `planned` on this run's R slots and E ranks, moves the slots as a re-plan does, and counts the steps from
+   the checkpoint's, so the re-plans fall on the same steps. The same mesh, R and n: the placement, hence the
+   run, is the uninterrupted one's bitwise. Another E or R: the saved average placed anew (the placement decides
+   which rank computes a row, never its value: float tolerance). A checkpoint without these pieces (written
+   without replicas): the uniform placement and a fresh average. The window (accounting only) starts afresh.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ import torch
 import torch.distributed as dist
 
 from comm import Messages
+from shard import ShardInfo, StatePiece, counts_here
 
 # ---------------------------------------------------------------------------------------------------------
 # The placement (deepseek-ai/EPLB): pure, on the host
@@ -167,7 +177,8 @@ class Replicas:
         per_rank = slots // ep_size
         self.local = range(ep_index * per_rank, (ep_index + 1) * per_rank)  # the slots this rank holds
         self.step_load = torch.zeros(n_experts, dtype=torch.float64, device=device)  # this step's kept slots
-        self.average = torch.zeros_like(self.step_load)  # their moving average (this rank's)
+        self.average = torch.zeros_like(self.step_load)  # the moving average of the global step loads
+        self.planned = torch.ones_like(self.step_load)  # the average the plan was made from (uniform: ones)
         self.window = torch.zeros(n_experts + ep_size, dtype=torch.float64, device=device)  # since the last
         # re-plan: kept slots per expert, then the rows sent to each ep rank
 
@@ -178,6 +189,10 @@ class Replicas:
             table[expert][rank] = phy
         self.slot_of = torch.tensor(table, device=self.step_load.device)  # [N + 1, max c]: log2phy
         self.count_of = torch.tensor(logcnt + [1], device=self.step_load.device)  # [N + 1]
+
+    def plan(self) -> tuple:
+        """The placement of `planned` (one host sync): the same bits in, the same plan, on any rank, any run."""
+        return place_layer(self.planned.float().cpu(), self.slots, 1, 1, self.ep_size)
 
     def physical(self, slot_expert: torch.Tensor, training: bool) -> torch.Tensor:
         """[S] the physical slot of each slot (R: dropped) from its logical expert (N: dropped): the j-th slot
@@ -251,12 +266,15 @@ class RedundantExperts:
     average, the re-plan. groups: {"ep", "dp_cp", "expert_dp"}; load_groups: {name: group} of the ranks whose
     tokens these layers route too (dp×cp, and tp with --sp)."""
 
-    def __init__(self, layers: list, replan_every: int, decay: float, groups: dict, load_groups: dict):
+    def __init__(self, layers: list, replan_every: int, decay: float, groups: dict, load_groups: dict,
+                 coords: dict | None = None):
         self.layers, self.replan_every, self.decay, self.groups = layers, replan_every, decay, groups
         self.load_groups = {name: group for name, group in load_groups.items() if dist.get_world_size(group) > 1}
+        self.coords = coords  # mesh.coordinates(): which rank writes the one copy of the restart state
         first = layers[0].replicas
         self.n, self.slots, self.ep = first.n_experts, first.slots, first.ep_size
-        self.steps, self.replans, self.moved = 0, 0, [0, 0]  # moved: all-reduce calls and bytes of the moves
+        self.steps, self.replans, self.moved = 0, 0, [0, 0]  # since start-up; moved: the moves' calls and bytes
+        self.step = 0  # the training step (a resumed run starts at its checkpoint's): every n-th re-plans
         self.measured = ((), math.nan, math.nan)  # ReplicaFacts' measured_under, balance, in_place
         self.pieces, self.sharded = None, False  # the layout's state of each slot parameter (`slot_state`)
 
@@ -266,15 +284,47 @@ class RedundantExperts:
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> None:
+        """The replicas' gradient sum; the step's loads summed over the ranks that routed these layers' tokens
+        and folded into the average (so it is the same on every rank: one logical copy); every n-th step, the
+        re-plan."""
         if self.slots > self.n:
             self.sum_replica_grads(layout)
-        for layer in self.layers:
+        loads = torch.stack([layer.replicas.step_load for layer in self.layers])
+        for group in self.load_groups.values():
+            dist.all_reduce(loads, group=group)
+        for layer, load in zip(self.layers, loads):
             r = layer.replicas
-            r.average.mul_(self.decay).add_(r.step_load, alpha=1 - self.decay)
+            r.average.mul_(self.decay).add_(load, alpha=1 - self.decay)
             r.step_load.zero_()
-        self.steps += 1
-        if self.ep > 1 and self.steps % self.replan_every == 0:
+        self.steps, self.step = self.steps + 1, self.step + 1
+        if self.ep > 1 and self.step % self.replan_every == 0:
             self.replan(layout)
+
+    def state_pieces(self) -> list:
+        """The restart state (docstring item 4), per layer, one logical copy (the same on every rank of dp×cp
+        and tp): "moe/<layer>.expert_load", the moving average, and ".expert_load_planned", the average the
+        placement was made from. Optional: a checkpoint written without replicas resumes from the uniform
+        placement and a fresh average."""
+        pieces = []
+        for layer in self.layers:
+            for suffix, tensor in (("expert_load", layer.replicas.average),
+                                   ("expert_load_planned", layer.replicas.planned)):
+                info = ShardInfo(f"transformer.h.{layer.layer_id}.mlp.{suffix}", (self.n,), replicated_over=("tp",))
+                pieces.append(StatePiece(f"moe/{info.global_name}", tensor, info, optional=True,
+                                         primary=counts_here(info, self.coords, ("dp_cp",))))
+        return pieces
+
+    @torch.no_grad()
+    def after_load(self, layout, step: int) -> None:
+        """A checkpoint was loaded at `step` (its slots each hold their logical expert, by the plan in place):
+        place each layer from its loaded `planned` average, as the run that wrote it had (on another E or R:
+        that average placed on this run's slots), and move the slots, as a re-plan does; count the steps from
+        `step`, so the re-plans fall on the same steps."""
+        self.step = step
+        old = [layer.replicas.phy2log for layer in self.layers]
+        for layer in self.layers:
+            layer.replicas.set_plan(*layer.replicas.plan())
+        self.adopt(layout, old)
 
     def slot_state(self, layout) -> dict:
         """{slot parameter: [(kind, this rank's tensor of it, (lo, hi) its place in the parameter's flat
@@ -336,21 +386,25 @@ class RedundantExperts:
         return out
 
     def replan(self, layout) -> None:
-        """Sum the load averages and the window over the ranks that routed these layers' tokens, place anew
-        (the same on every rank: the same bits in), move the slots whose expert changed, rename them."""
-        stats = torch.stack([torch.cat([layer.replicas.average, layer.replicas.window]) for layer in self.layers])
+        """Place anew from the averages (the same on every rank: the same bits in), move the slots whose expert
+        changed, rename them; the window, summed over the ranks that routed these layers' tokens, measured."""
+        windows = torch.stack([layer.replicas.window for layer in self.layers])
         for group in self.load_groups.values():
-            dist.all_reduce(stats, group=group)
-        rows = stats.tolist()  # the one host sync of a re-plan
+            dist.all_reduce(windows, group=group)
         self.replans += 1
-        self.measured = (tuple(self.layers[0].replicas.phy2log),
-                         *window_balance([row[self.n:] for row in rows], self.n, self.ep))
+        self.measured = (tuple(self.layers[0].replicas.phy2log), *window_balance(windows.tolist(), self.n, self.ep))
         old = [layer.replicas.phy2log for layer in self.layers]
-        for layer, row in zip(self.layers, rows):
-            layer.replicas.window.zero_()
-            layer.replicas.set_plan(*place_layer(torch.tensor(row[:self.n], dtype=torch.float32), self.slots, 1, 1,
-                                                 self.ep))
-        self.move_slots(layout, old)
+        for layer in self.layers:
+            r = layer.replicas
+            r.window.zero_()
+            r.planned.copy_(r.average)
+            r.set_plan(*r.plan())
+        moved = self.adopt(layout, old)
+        self.moved = [self.moved[0] + bool(moved), self.moved[1] + moved]
+
+    def adopt(self, layout, old: list) -> int:
+        """The layers' new plans in place of `old`: move the slots, rename them, recount; the bytes moved."""
+        moved = self.move_slots(layout, old)
         for layer in self.layers:
             r = layer.replicas
             for q in r.local:
@@ -358,8 +412,9 @@ class RedundantExperts:
                     p.shard_info = replace(p.shard_info, replica=r.replica[q], global_name=expert_name(
                         p.shard_info.global_name, r.phy2log[q]))
         layout.recount()  # which copies count in the norm: the new replica-0 slots
+        return moved
 
-    def move_slots(self, layout, old: list) -> None:
+    def move_slots(self, layout, old: list) -> int:
         """Each slot whose expert changed takes that expert's weights, gradient and AdamW state (the layout's:
         `slot_state`) from its lowest old slot, through one all-reduce of the moved experts' state (each
         element added by the one rank that holds it, `summed_over`), the same on every rank: the plans say
@@ -367,7 +422,7 @@ class RedundantExperts:
         moves = [(index, old[index].index(expert), q) for index, layer in enumerate(self.layers)
                  for q, expert in enumerate(layer.replicas.phy2log) if old[index][q] != expert]
         if not moves:
-            return
+            return 0
         state, per_rank = self.slot_state(layout), self.slots // self.ep
         kinds = sorted({kind for p in state for kind, _, _ in state[p]})  # the same on every rank of a layout
         like = next(t for p in state for kind, t, _ in state[p] if kind == "exp_avg")  # the master dtype
@@ -380,40 +435,40 @@ class RedundantExperts:
                         buffer[m, kinds.index(kind), lo:hi] = t.reshape(-1)
         group = self.summed_over("exp_avg")[0]
         dist.all_reduce(buffer, group=self.groups[group])
-        self.moved = [self.moved[0] + 1, self.moved[1] + buffer.numel() * buffer.element_size()]
         for m, (index, _, q) in enumerate(moves):
             if q in local:
                 for kind, t, (lo, hi) in self.pieces_of(self.layers[index].experts[str(q)], *kinds):
                     t.copy_(buffer[m, kinds.index(kind), lo:hi].view_as(t))
+        return buffer.numel() * buffer.element_size()
 
     def facts(self) -> ReplicaFacts:
         first = self.layers[0]
         return ReplicaFacts(self.slots, self.replans, first.layer_id, tuple(first.replicas.phy2log), *self.measured)
 
     def predicted_messages(self, layout=None) -> Messages:
-        """Per optimizer step, for a uniform load (the plan never changes: nothing moves): the gradient sum
-        every step, the load averages' all-reduce every n-th (docstring item 3). No layout: as under DDP."""
+        """Per optimizer step, for a uniform load (the plan never changes: nothing moves): the gradient sum and
+        the step's loads every step, the window every n-th (docstring item 3). No layout: as under DDP."""
         if layout is not None:
             self.slot_state(layout)
         return self.messages(1.0, 1 / self.replan_every if self.ep > 1 else 0, (0, 0))
 
     def traced_messages(self, steps: int) -> Messages:
         """Per step of the `steps` traced ones: what the steps since start-up did (their re-plans, the slots
-        they moved)."""
+        they moved; not a resume's move, which the checkpoint's load did)."""
         return self.messages(self.steps / steps, self.replans / steps, [m / steps for m in self.moved])
 
-    def messages(self, sums: float, replans: float, moved) -> Messages:
+    def messages(self, steps: float, replans: float, moved) -> Messages:
         """The gradient sums' all-reduce (no layout seen yet: as DDP's, over ep, in the weights' dtype), the
-        loads', the moves'."""
+        loads', the moves', for `steps` steps and `replans` re-plans."""
         like = next(self.layers[0].experts.parameters())
         if self.pieces is not None:  # the gradient pieces' dtype (ZeRO: its accumulation dtype)
             like = next(t for p in self.pieces for kind, t, _ in self.pieces[p] if kind == "grad")
-        group, out = self.summed_over("grad")[0], Messages()
+        group, out, layers = self.summed_over("grad")[0], Messages(), len(self.layers)
         if self.slots > self.n:
-            out.add("all_reduce", group, sums, sums * len(self.layers) * (self.slots - self.n) * self.expert_size()
+            out.add("all_reduce", group, steps, steps * layers * (self.slots - self.n) * self.expert_size()
                     * like.element_size())
-        for name in self.load_groups:
-            out.add("all_reduce", name, replans, replans * len(self.layers) * (2 * self.n + self.ep) * 8)
+        for name in self.load_groups:  # the step's loads [N] every step, the window [N + E] per re-plan
+            out.add("all_reduce", name, steps + replans, (steps * self.n + replans * (self.n + self.ep)) * layers * 8)
         return out.add("all_reduce", self.summed_over("exp_avg")[0], *moved)
 
 

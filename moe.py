@@ -73,7 +73,8 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    (step.train_step once per step; the load line, through its observer's `take_load`, once per line).
 4. Restart state: the sigmoid router's bias (`state_pieces`, moe_router item 4); routing is deterministic (no
    RNG), and each expert is a whole logical tensor named by its global index, so a checkpoint written with one E
-   loads with another.
+   loads with another. With --moe-replicas, the load averages that place the slots (`state_pieces`, `after_load`:
+   eplb.py item 4).
    FLOPs per token (MFU): mfu.flops_per_token, from the k experts a token visits, not the N.
 """
 
@@ -485,7 +486,8 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     if config.replicas and layers:
         redundant = eplb.RedundantExperts(layers, config.replan_every, config.load_decay,
                                           {name: mesh.group(name) for name in ("ep", "dp_cp", "expert_dp")},
-                                          {name: mesh.group(name) for name in ("dp_cp", "tp")[:1 + (sp > 1)]})
+                                          {name: mesh.group(name) for name in ("dp_cp", "tp")[:1 + (sp > 1)]},
+                                          mesh.coordinates())
     load_groups = [name for name in ("dp_cp", "tp") if mesh.size(name) > 1 and (name != "tp" or sp > 1)]
     tp_group = mesh.group("tp") if config.sequence_parallel else None
     return MoEAxis(layers, traffic, tp_group, mesh, load_groups, redundant)
@@ -525,7 +527,8 @@ class MoEAxis(Axis):
         return 0
 
     def state_pieces(self) -> list:
-        """Each layer's selection bias, "moe/<layer>.expert_bias", one logical copy (moe_router item 4)."""
+        """Each layer's selection bias, "moe/<layer>.expert_bias", one logical copy (moe_router item 4),
+        and with --moe-replicas the load averages the placement is made from (eplb.py item 4)."""
         coords = self.mesh.coordinates() if self.mesh is not None else None
         pieces = []
         for layer in self.layers:
@@ -534,7 +537,12 @@ class MoEAxis(Axis):
                                  replicated_over=("tp",))
                 pieces.append(StatePiece(f"moe/{info.global_name}", layer.load.bias, info,
                                          primary=counts_here(info, coords, ("dp_cp",))))
-        return pieces
+        return pieces + (self.redundant.state_pieces() if self.redundant is not None else [])
+
+    def after_load(self, layout, step: int) -> None:
+        """With --moe-replicas, the placement of the loaded averages, its slots moved (eplb.py item 4)."""
+        if self.redundant is not None:
+            self.redundant.after_load(layout, step)
 
     @contextmanager
     def sampling(self):

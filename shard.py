@@ -131,6 +131,7 @@ class StatePiece:
     shard: ShardInfo
     flat_range: tuple | None = None
     primary: bool = True
+    optional: bool = False  # a checkpoint without it loads, the live value staying (an axis's state: eplb.py)
 
 
 def set_value(param: nn.Parameter, value: torch.Tensor) -> None:

@@ -37,8 +37,8 @@ from comm import Messages
 class Axis:
     """What an applied axis hands back to train.py (`apply(model, run, config)` returns one, or None when off).
 
-    Eight methods, the same for every axis, so that the step, the checkpoint and the printouts loop over handles
-    and never ask which axes are on. Four serve training, four accounting; every one has a default that does
+    Nine methods, the same for every axis, so that the step, the checkpoint and the printouts loop over handles
+    and never ask which axes are on. Five serve training, four accounting; every one has a default that does
     nothing, and an axis overrides what it needs. What an axis prints lives in its section of report_axes.py
     (report_axes.AXIS_LINES[name]), which reads the handle through these methods only (`facts` for its own
     figures); nothing is set on a handle from outside (`observe` is how the accounting subscribes).
@@ -67,8 +67,12 @@ class Axis:
 
     def state_pieces(self) -> list:
         """Its own training state as shard.StatePiece (FP8's amax histories), for ckpt.py. What the axis derives
-        from that state it derives from the tensors themselves after a load (there is no "loaded" hook)."""
+        from that state it derives from the tensors themselves after a load, or in `after_load`."""
         return []
+
+    def after_load(self, layout, step: int) -> None:
+        """A checkpoint of `step` was copied into the state pieces (every rank, before the next step): what
+        cannot wait for the next use is derived here (the redundant experts' placement moves slots)."""
 
     # --- accounting -----------------------------------------------------------------------------------------
 

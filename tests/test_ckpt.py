@@ -436,6 +436,24 @@ def test_master_is_filled_from_param_when_the_checkpoint_has_none(fused_qkv, tmp
         assert torch.equal(got.tensor, want.tensor)
 
 
+def test_an_optional_piece_the_checkpoint_lacks_keeps_its_live_value(fused_qkv):
+    """An axis's optional state (eplb.py's load averages, written with replicas only) absent from the checkpoint:
+    the rest loads, the optional tensor keeps its value; the same piece not optional is refused."""
+    from dataclasses import replace
+
+    import ckpt
+    from shard import ShardInfo, StatePiece
+
+    full, master, path = fused_qkv
+    live = torch.arange(4, dtype=torch.float64)
+    absent = StatePiece("moe/h.0.mlp.expert_load", live, ShardInfo("h.0.mlp.expert_load", (4,)), optional=True)
+    targets = _pieces("param", torch.zeros(36, 5, dtype=torch.float64), 1, 1)
+    ckpt.load_pieces(path, ckpt.verify_checkpoint(path), targets + [absent])
+    assert torch.equal(targets[0].tensor, master.double()) and live.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ckpt.CheckpointError, match="has no moe/h.0.mlp.expert_load"):
+        ckpt.load_pieces(path, ckpt.verify_checkpoint(path), targets + [replace(absent, optional=False)])
+
+
 def test_a_piece_written_twice_is_refused_at_commit(fused_qkv, tmp_path):
     """A layout bug (a `primary` wrong) is refused at commit, not discovered at the next resume."""
     import ckpt

@@ -2,8 +2,9 @@
 training against the single-device model (float64, 1e-10) through train.compose and step.train_step: on 2 ranks
 (E = 2) in the quick suite, on 4 (slow: E = 2 and 4, with TP and SP, CP, PP, ZeRO-1 and 2), re-planned every
 step so slots move, replicas bitwise equal, traced messages as predicted, checkpoints that resume on another E
-and R; the flags' bad inputs; and, through train.py (slow), the rows per EP rank falling with replicas under a
-skewed load while the loss curve stays the one without replicas.
+and R, and on the same mesh bitwise (the placement and the load average are restart state); the flags' bad
+inputs; and, through train.py (slow), the rows per EP rank falling with replicas under a skewed load while the
+loss curve stays the one without replicas.
 """
 
 import json
@@ -102,6 +103,10 @@ CASES = [
     (["--moe-experts", "4", "--ep", "4", "--moe-replicas", "8", "--zero", "2", *REPLAN], {}, 8, 2),  # sums over dp×cp
 ]
 SAVE_AT = 2
+SAME_MESH = [  # (a case, the step it saves at): resumed on the same mesh, bitwise the uninterrupted run
+    ((["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--zero", "1", "--moe-replan-every", "2"], {}, 8, 1),
+     1),  # saved before the re-plan of step 2: the resumed run re-plans on that step, from the loaded average
+]
 RESHARD = [  # (saves after SAVE_AT steps, resumes to STEPS): each replica set is one logical expert on disk
     (CASES[0], (["--moe-experts", "4", "--ep", "4", "--moe-replicas", "12", *REPLAN], {}, 8, 1)),
     ((["--moe-experts", "4", "--ep", "4"], {}, 8, 1), CASES[0]),
@@ -150,18 +155,46 @@ def _run(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_ro
                                          torch.cat([p.detach().reshape(-1) for p in expert.parameters()]))
              for layer in moe_axis.layers if layer.replicas is not None for q, expert in layer.experts.items()}
     redundant = moe_axis.redundant
+    averages = {layer.layer_id: layer.replicas.average.clone() for layer in moe_axis.layers if layer.replicas}
     return dict(losses=losses, params=params, messages=(traced, report.predicted_messages(run, steps)), slots=slots,
-                moved=redundant.moved if redundant else None, replans=redundant.replans if redundant else 0)
+                moved=redundant.moved if redundant else None, replans=redundant.replans if redundant else 0,
+                averages=averages)
 
 
 def _runs(rank, world, root):
-    """Every CASES run, then each RESHARD pair: saved under `root`, resumed from there."""
+    """Every CASES run, then each RESHARD pair: saved under `root`, resumed from there; each SAME_MESH case
+    uninterrupted, and saved and resumed on its mesh."""
     out = {index: _run(rank, world, *case) for index, case in enumerate(CASES)}
     for index, (saving, resuming) in enumerate(RESHARD):
         directory = os.path.join(root, str(index))
         _run(rank, world, *saving, stop=SAVE_AT, save_root=directory)
         out[("resumed", index)] = _run(rank, world, *resuming, resume_root=directory)
+    for index, (case, save_at) in enumerate(SAME_MESH):
+        out[("same mesh", index)] = _interrupted(rank, world, case, save_at, os.path.join(root, f"same-{index}"))
     return out
+
+
+def _interrupted(rank, world, case, save_at, directory):
+    """(the uninterrupted run, the run saved after `save_at` steps and resumed on the same mesh)."""
+    whole = _run(rank, world, *case)
+    _run(rank, world, *case, stop=save_at, save_root=directory)
+    return whole, _run(rank, world, *case, resume_root=directory)
+
+
+def _assert_bitwise_replay(per_rank, save_at):
+    """The resumed steps' losses, every held tensor, and every slot (its logical expert, after the last
+    re-plan, and its weights) bitwise the uninterrupted run's."""
+    for whole, resumed in per_rank:
+        assert sorted(resumed["losses"]) == list(range(save_at, STEPS))
+        assert all(torch.equal(a, whole["averages"][k]) for k, a in resumed["averages"].items())
+        for step, loss in resumed["losses"].items():
+            assert torch.equal(torch.as_tensor(loss), torch.as_tensor(whole["losses"][step])), step
+        assert resumed["params"].keys() == whole["params"].keys()
+        for name, (tensor, _) in resumed["params"].items():
+            assert torch.equal(tensor, whole["params"][name][0]), name
+        assert resumed["slots"].keys() == whole["slots"].keys()
+        for key, (expert, flat) in resumed["slots"].items():
+            assert expert == whole["slots"][key][0] and torch.equal(flat, whole["slots"][key][1]), key
 
 
 def _assert_replicas_equal_and_moved(per_rank):
@@ -190,17 +223,25 @@ def _assert_traced_as_predicted(per_rank):
 QUICK = (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", *REPLAN], {}, 4, 1)  # D = E = 2, m = 2
 
 
-def _quick(rank, world):
-    return _run(rank, world, *QUICK)
+def _quick(rank, world, root):
+    return _interrupted(rank, world, QUICK, SAVE_AT, root)
 
 
-def test_two_ranks_with_replicas_train_as_one_device_keep_replicas_equal_and_trace_as_predicted():
+def test_two_ranks_with_replicas_train_as_one_device_keep_replicas_equal_trace_as_predicted_and_replay(tmp_path):
     """The quick suite's case: D = E = 2, N = 4 in R = 6 slots, re-planned after every step: the losses and
-    every held tensor within 1e-10 of the single device's, replicas bitwise equal, messages as predicted."""
-    per_rank = run_ranks(_quick, 2, timeout=300)
-    _check([(r["losses"], r["params"]) for r in per_rank], *QUICK)
-    _assert_replicas_equal_and_moved(per_rank)
-    _assert_traced_as_predicted(per_rank)
+    every held tensor within 1e-10 of the single device's, replicas bitwise equal, messages as predicted; saved
+    after step 2 and resumed on the same mesh, bitwise the uninterrupted run (the placement of step 3 and the
+    one step 3's re-plan made from the loaded average)."""
+    per_rank = run_ranks(_quick, 2, str(tmp_path), timeout=300)
+    whole = [w for w, _ in per_rank]
+    _check([(r["losses"], r["params"]) for r in whole], *QUICK)
+    _assert_replicas_equal_and_moved(whole)
+    _assert_traced_as_predicted(whole)
+    _assert_bitwise_replay(per_rank, SAVE_AT)
+    averages = [w["averages"] for w in whole]  # the restart state is one logical copy: the same on every rank
+    assert all(float(a.sum()) > 0 for a in averages[0].values())
+    assert all(r.keys() == averages[0].keys() and all(torch.equal(r[k], averages[0][k]) for k in r)
+               for r in averages)
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +278,14 @@ def test_a_checkpoint_with_replicas_resumes_on_another_e_and_r(replica_runs, ind
     per_rank = [r[("resumed", index)] for r in replica_runs]
     assert all(sorted(r["losses"]) == list(range(SAVE_AT, STEPS)) for r in per_rank)
     _check([(r["losses"], r["params"]) for r in per_rank], *RESHARD[index][1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(SAME_MESH)))
+def test_a_checkpoint_with_replicas_replays_bitwise_on_the_same_mesh(replica_runs, index):
+    """ZeRO-1 with R = 6 on E = 2, re-planned every 2 steps, saved after step 1: the resumed run re-plans on
+    step 2 as the uninterrupted one did (the step count and the average restored) and ends bitwise equal."""
+    _assert_bitwise_replay([r[("same mesh", index)] for r in replica_runs], SAME_MESH[index][1])
 
 
 # ---------------------------------------------------------------------------------------------------------
