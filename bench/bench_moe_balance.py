@@ -1,0 +1,205 @@
+"""Expert load balance: no balancing, the auxiliary loss, and auxiliary-loss-free bias balancing, side by side on
+the default corpus (the standard library's source, byte tokens), one process.
+
+    python bench/bench_moe_balance.py                  # small preset, 8 experts top-2, 300 steps of 8×256 tokens
+    python bench/bench_moe_balance.py --steps 500 --experts 16
+    python bench/bench_moe_balance.py --rows none,aux  # some rows only
+    python bench/bench_moe_balance.py --smoke          # seconds: tiny preset, 4 experts, 8 steps of 4×32 tokens
+
+Each row is `python train.py` with the shared flags below plus its own (ROWS), run in this process through
+train.py's own start-up (`train.start_training`) and step (`step.train_step`), one row after the other; every
+row starts from the same init (the same --seed: each weight is drawn from (seed, its name)) and sees the same
+batches. Shared: --preset small --moe-experts 8 --moe-topk 2, dropless, --global-batch 8 (--seq-len the preset's
+256: 2,048 tokens, 4,096 routed slots per MoE layer and step), --lr and its schedule as train.py's defaults, the
+router z-loss at its default (β = 0.001) in every row, --dtype auto (bf16 autocast where the CPU has it; the
+router is fp32 either way).
+
+Measured per row, from the per-expert loads c_i of every MoE layer (slots routed to expert i, before capacity):
+    MaxVio = (max_i c_i − mean_i c_i) / mean_i c_i
+- batch MaxVio: over the global batch of each training step (one process: its batch is the global one), each
+  MoE layer's, averaged over the MoE layers; the table gives its mean over the last 50 steps (and the worst
+  layer's mean over those steps);
+- global MaxVio: the same over the loads of all --eval-batches validation batches of the final model, summed
+  per layer, averaged over the layers: the loss-free paper's MaxVio_global (its Table: 0.72 with the auxiliary
+  loss, 0.04 loss-free, at 1B; Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
+  Mixture-of-Experts");
+- the final val loss (train.evaluate: the first --eval-batches validation batches), the train loss averaged over
+  the last 50 steps, and the wall time of the steps and the eval (start-up not included).
+The loads are read from the layers' routing observer (moe.RoutingObserver, mfu.RoutedLoad), once per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import comm  # noqa: E402
+import flags  # noqa: E402
+import mfu  # noqa: E402
+import train  # noqa: E402
+from step import train_step  # noqa: E402
+
+# Row name -> (what it is, its own train.py flags). "none" keeps the z-loss (it bounds the logits, it does not
+# balance); the loss-free rows route by sigmoid scores with a per-expert bias updated from each step's load.
+ROWS = {
+    "none": ("no balancing (aux coef 0)", ["--moe-aux-coef", "0"]),
+    "aux": ("auxiliary loss α=0.01, softmax", ["--moe-aux-coef", "0.01"]),
+    "loss-free": ("loss-free bias γ=1e-3, sigmoid", ["--moe-aux-coef", "0", "--moe-score", "sigmoid",
+                                                      "--moe-bias-rate", "1e-3"]),
+    "loss-free+seq": ("loss-free γ=1e-3 + seq aux 1e-4", ["--moe-aux-coef", "0", "--moe-score", "sigmoid",
+                                                            "--moe-bias-rate", "1e-3", "--moe-seq-aux-coef", "1e-4"]),
+}
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+PAPER = {"aux": 0.72, "loss-free": 0.04}  # Wang et al. 2024, MaxVio_global at 1B (validation set)
+
+
+class BalanceRecord(mfu.RoutedLoad):
+    """mfu.RoutedLoad (the training forwards' loads, `take_load` once per step) that also sums the loads of the
+    evaluation forwards (eval mode or no grad; never a checkpointed recompute) per layer, for global MaxVio."""
+
+    def __init__(self):
+        super().__init__()
+        self.eval_loads = {}  # {layer id: [N] slots routed by the evaluation forwards}
+
+    def routed(self, layer, load, keep, sent: int, received: int) -> None:
+        if layer.training and torch.is_grad_enabled():
+            super().routed(layer, load, keep, sent, received)
+        else:
+            self.eval_loads[layer.layer_id] = self.eval_loads.get(layer.layer_id, 0) + load
+
+
+def max_violation(load: torch.Tensor) -> torch.Tensor:
+    """(max − mean)/mean over the last dimension (experts): 0 when balanced, N − 1 when one expert takes all."""
+    load = load.double()
+    mean = load.mean(dim=-1)
+    return (load.max(dim=-1).values - mean) / mean
+
+
+class RowResult(NamedTuple):
+    batch_maxvio: float  # mean over the last `window` steps of the per-step MaxVio averaged over the MoE layers
+    worst_layer: float  # the largest per-layer mean over those steps
+    global_maxvio: float  # over the validation batches' summed loads, averaged over the layers
+    val_loss: float
+    train_loss: float  # mean over the last `window` steps
+    seconds: float  # the steps and the final eval
+    steps: int
+
+
+def run_row(argv: list, window: int, log) -> RowResult:
+    """Train one row as `python train.py argv` would (its printouts to `log`), reading the per-expert loads of
+    every MoE layer after each step; then the val loss and the validation batches' loads."""
+    settings = flags.parse(argv, train.AXES)
+    with contextlib.redirect_stdout(log):
+        t = train.start_training(settings, comm.CommTracer())
+    run, args = t.run, settings.args
+    handle = next(axis for axis in run.axes if axis.name == "moe")
+    record = BalanceRecord()
+    handle.observe(record)
+    per_step, losses = [], []  # [steps][L_moe, N] loads, train losses
+    began = time.perf_counter()
+    for step in range(args.steps):
+        run.layout.set_lr(t.lr_schedule(step))
+        outcome = train_step(run.layout, t.scaler, train.local_batches(run, t.sampler, t.train_tokens, step),
+                             run.mesh.group("dp_cp"), args.grad_clip, run.autocast, run.device, model=run.model,
+                             schedule=run.schedule, axes=run.axes, data_size=run.mesh.size("dp"))
+        loads, _, _ = record.take_load(run.micro_batches)
+        per_step.append(torch.tensor([loads[i] for i in sorted(loads)]))
+        losses.append(outcome.loss)
+        if step % 50 == 0 or step == args.steps - 1:
+            print(f"  step {step}: loss {outcome.loss:.4f}, batch MaxVio {max_violation(per_step[-1]).mean():.3f}"
+                  f" ({time.perf_counter() - began:.0f} s)", file=log, flush=True)
+    val_loss = train.evaluate(run, t.val_tokens, t.val_sampler)
+    seconds = time.perf_counter() - began
+    dist.destroy_process_group()  # the next row joins a fresh one-process group
+    last = max_violation(torch.stack(per_step[-window:]))  # [window, L_moe]
+    eval_load = torch.stack([record.eval_loads[i] for i in sorted(record.eval_loads)])
+    return RowResult(float(last.mean()), float(last.mean(dim=0).max()), float(max_violation(eval_load).mean()),
+                     val_loss, statistics.fmean(losses[-window:]), seconds, args.steps)
+
+
+def print_table(results: dict, skipped: dict, shared: list, window: int, layers: int) -> None:
+    print(f"MoE load balance: train.py {' '.join(shared)}; one process, one row after another, the same init")
+    print(f"  MaxVio = (max load − mean load)/mean load per MoE layer, averaged over the {layers} MoE layers;"
+          f" batch: each step's global batch, mean of the last {window} steps (worst layer's beside it);"
+          f" global: the validation batches' loads together")
+    print(f"  {'row':<36} {'batch MaxVio':>12} {'worst layer':>11} {'global MaxVio':>13} {'paper (1B)':>10}"
+          f" {'val loss':>9} {'train loss':>10} {'wall s':>8} {'s/step':>7}")
+    for name, r in results.items():
+        paper = f"{PAPER[name]:.2f}" if name in PAPER else "-"
+        print(f"  {ROWS[name][0]:<36} {r.batch_maxvio:12.3f} {r.worst_layer:11.3f} {r.global_maxvio:13.3f}"
+              f" {paper:>10} {r.val_loss:9.4f} {r.train_loss:10.4f} {r.seconds:8.1f} {r.seconds / r.steps:7.2f}")
+    for name, missing in skipped.items():
+        print(f"  {ROWS[name][0]:<36} not run: {missing} is not a train.py flag in this checkout")
+    print("  paper: Wang et al. 2024 (arXiv 2408.15664), 1B MoE, MaxVio_global over its validation set: 0.72 with"
+          " the auxiliary loss, 0.04 loss-free")
+
+
+def train_flags(args) -> list:
+    """The flags every row shares."""
+    return ["--preset", args.preset, "--moe-experts", str(args.experts), "--moe-topk", str(args.topk),
+            "--steps", str(args.steps), "--global-batch", str(args.batch), "--eval-batches", str(args.eval_batches),
+            "--eval-every", "0", "--sample-tokens", "0", "--seed", str(args.seed), "--out-dir", args.out_dir,
+            *(["--seq-len", str(args.seq)] if args.seq else [])]
+
+
+def unknown_flag(row_flags: list) -> str | None:
+    """The first of a row's flags that train.py does not define (a row whose axis is not in this checkout)."""
+    known = {option for action in flags.build_parser()._actions for option in action.option_strings}
+    return next((f for f in row_flags if f.startswith("--") and f not in known), None)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=8, help="--global-batch: sequences per step")
+    p.add_argument("--seq", type=int, default=None, help="--seq-len (default: the preset's block size)")
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--window", type=int, default=50, help="batch MaxVio: the mean over this many last steps")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--out-dir", default="out", help="the token cache (train.py's) and each row's log go here")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, 8 steps: checks the bench runs")
+    args = p.parse_args()
+    if args.smoke:
+        args.preset, args.experts, args.steps, args.batch, args.seq, args.eval_batches = "tiny", 4, 8, 4, 32, 2
+    names = args.rows.split(",")
+    unknown = [name for name in names if name not in ROWS]
+    if unknown:
+        p.error(f"--rows: {unknown[0]!r} is not a row; choose from {', '.join(ROWS)}")
+    if "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1":
+        p.error("one process: run it with python, not torchrun (each row is its own one-process world)")
+    shared, window = train_flags(args), min(args.window, args.steps)
+    skipped = {name: unknown_flag(ROWS[name][1]) for name in names if unknown_flag(ROWS[name][1])}
+    rows = [name for name in names if name not in skipped]
+    for name in rows:  # every row's flags checked (one line, exit 2) before any row trains
+        flags.parse(shared + ROWS[name][1], train.AXES)
+    model = flags.parse(shared, train.AXES).model
+    layers = sum(model.is_moe_layer(i) for i in range(model.n_layer))
+    launcher_env = [var for var in LAUNCHER_ENV if var not in os.environ]  # what each row's start-up will set
+    os.makedirs(args.out_dir, exist_ok=True)
+    results = {}
+    for name in rows:
+        path = os.path.join(args.out_dir, f"bench_moe_balance_{name}.log")
+        print(f"row {name}: {ROWS[name][0]} ({path})", flush=True)
+        with open(path, "w") as log:
+            results[name] = run_row(shared + ROWS[name][1], window, log)
+        for var in launcher_env:  # mesh.init_distributed set them for its one-process world: the next row its own
+            os.environ.pop(var, None)
+    print_table(results, skipped, shared, window, layers)
+
+
+if __name__ == "__main__":
+    main()
