@@ -38,7 +38,7 @@ from shard import ShardInfo, Split
 FORMAT_VERSION = 2  # 2: a piece records a list of splits (1: one split as four fields; still read)
 MANIFEST, MARKER = "manifest.json", "COMMITTED"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
-KINDS = ("param", "master", "exp_avg", "exp_avg_sq", "fp8")  # fp8: an axis's scaling state (fp8.py)
+KINDS = ("param", "master", "exp_avg", "exp_avg_sq", "fp8", "moe")  # fp8, moe: axes' state (fp8.py, moe_router.py)
 FAULT_ENV = "CKPT_FAULT_PERSIST_SLEEP"  # "STEP:SECONDS": fault-injection tests sleep inside that step's persist
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,

@@ -27,6 +27,7 @@ import data
 import hardware
 import hf
 import moe
+import moe_router
 import paths
 from ckpt_files import CheckpointError, WriterLock
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
@@ -178,6 +179,7 @@ def _add_moe_flags(parser) -> None:
                    help="capacity per expert ⌈B_μ·s·k/N·f⌉ of each micro-batch (0: dropless)")
     g.add_argument("--moe-aux-coef", type=float, default=0.01, help="load-balance loss coefficient α")
     g.add_argument("--moe-z-coef", type=float, default=0.001, help="router z-loss coefficient β")
+    moe_router.add_arguments(g)  # DeepSeek-V3's router: sigmoid scores, the bias, the seq loss, groups
 
 
 def _add_reporting_flags(parser) -> None:
@@ -220,9 +222,10 @@ _AT_LEAST_1 = ("steps", "log_every", "eval_batches", "micro_batch", "global_batc
                "seq_len", "pp_virtual", "fp8_amax_history", "moe_topk", "moe_every", "world", "gpus_per_node")
 _AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe_experts", "fp8_margin",
                "weight_decay", "grad_clip", "moe_capacity_factor", "moe_aux_coef", "moe_z_coef", "min_lr",
-               "hw_intra_latency_us", "hw_inter_latency_us")
+               "hw_intra_latency_us", "hw_inter_latency_us", "moe_bias_rate", "moe_seq_aux_coef", "moe_groups",
+               "moe_group_limit")
 _POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops", "hw_peak_tflops", "hw_hbm_gbps", "hw_memory_gib",
-             "hw_intra_gbps", "hw_inter_gbps")
+             "hw_intra_gbps", "hw_inter_gbps", "moe_route_scale")
 _FRACTION = ("beta1", "beta2", "dropout")  # in [0, 1)
 # Upper bounds past which a value cannot be used: (attribute, highest, why).
 _AT_MOST = (
@@ -241,7 +244,8 @@ _ONLY_WITH = (
     *((flag, flag[2:].replace("-", "_"), "--fp8", lambda a: a.fp8 is not None)
       for flag in ("--fp8-amax-history", "--fp8-amax-algo", "--fp8-margin")),
     *((flag, flag[2:].replace("-", "_"), "--moe-experts > 0", lambda a: a.moe_experts > 0)
-      for flag in ("--moe-topk", "--moe-every", "--moe-capacity-factor", "--moe-aux-coef", "--moe-z-coef")),
+      for flag in ("--moe-topk", "--moe-every", "--moe-capacity-factor", "--moe-aux-coef", "--moe-z-coef",
+                   *moe_router.FLAGS)),
     *((flag, flag[2:].replace("-", "_"), "--ckpt-dir", lambda a: a.ckpt_dir is not None)
       for flag in ("--ckpt-every", "--resume", "--async-ckpt", "--keep", "--mtbf-hours")),
 )

@@ -80,6 +80,14 @@ class GPTConfig:
     moe_capacity_factor: float = 0.0
     moe_aux_coef: float = 0.01
     moe_z_coef: float = 0.001
+    # DeepSeek-V3's router (moe_router.py): scores, the bias's update rate γ, the seq loss's α, the weights'
+    # scale, G groups of which a token reaches M (0: no limit).
+    moe_score: str = "softmax"
+    moe_bias_rate: float = 0.0
+    moe_seq_aux_coef: float = 0.0
+    moe_route_scale: float = 1.0
+    moe_groups: int = 0
+    moe_group_limit: int = 0
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -105,7 +113,8 @@ class GPTConfig:
     def architecture(self) -> dict:
         """The fields that decide what the model computes, as plain values: saved with every checkpoint, so
         export_hf.py and sample.py rebuild the model without the flags (not how it trains: dropout, recompute)."""
-        skip = ("dropout", "activation_checkpointing", "moe_aux_coef", "moe_z_coef")
+        skip = ("dropout", "activation_checkpointing", "moe_aux_coef", "moe_z_coef", "moe_bias_rate",
+                "moe_seq_aux_coef")  # the bias itself exists with sigmoid scores; γ and α only train
         return {name: value for name, value in asdict(self).items() if name not in skip}
 
 

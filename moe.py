@@ -80,9 +80,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import moe_router
 from comm import Messages
 from context_parallel import positions
 from mesh import MeshShape
+from shard import ShardInfo, StatePiece, counts_here
 from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------
@@ -105,11 +107,9 @@ class Router(nn.Module):
 
 
 def route(logits: torch.Tensor, topk: int):
-    """(probabilities [T, N], weights [T, k], experts [T, k]): softmax over all N, top-k, renormalised (k>1)."""
-    probs = logits.softmax(dim=-1)
-    gate, expert = probs.topk(topk, dim=-1)
-    if topk > 1:
-        gate = gate / gate.sum(dim=-1, keepdim=True)
+    """(probabilities [T, N], weights [T, k], experts [T, k]): softmax over all N, top-k, renormalised (k>1).
+    moe_router.route with its defaults (ties to the lower expert); it also does sigmoid, bias and groups."""
+    probs, gate, expert, _ = moe_router.route(logits, topk)
     return probs, gate, expert
 
 
@@ -156,6 +156,10 @@ class MoE(nn.Module):
         self.n_experts, self.topk = config.moe_experts, config.moe_topk
         self.capacity_factor = config.moe_capacity_factor
         self.aux_coef, self.z_coef = config.moe_aux_coef, config.moe_z_coef
+        self.routing = dict(score=config.moe_score, groups=config.moe_groups, limit=config.moe_group_limit,
+                            scale=config.moe_route_scale)  # moe_router.route's options (DeepSeek-V3's gate)
+        self.seq_aux_coef = config.moe_seq_aux_coef
+        self.load = moe_router.ExpertLoad(config.moe_experts, config.moe_score == "sigmoid", config.moe_bias_rate)
         self.router = Router(config.n_embd, config.moe_experts)
         self.experts = nn.ModuleDict({str(i): Expert(config) for i in range(config.moe_experts)})
         self.dropout = nn.Dropout(config.dropout)
@@ -167,11 +171,18 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]: this rank's tokens (its CP/SP piece of the micro-batch)
         logits = self.router(tokens)  # [T, N]
-        probs, gate, expert = route(logits, self.topk)  # [T, N], [T, k], [T, k]
+        probs, gate, expert, scores = moe_router.route(logits, self.topk, bias=self.load.on(logits.device).bias,
+                                                       **self.routing)
         routed = count_per_expert(expert, self.n_experts)  # [N]
-        balance, z = router_losses(logits, probs, routed, self.topk, [piece.group for piece in self.pieces])
+        if moe_router.is_training_forward(self):
+            self.load.add(routed)  # the step's load: the bias update's, and every reader's (`layer.load`)
+        sequences = x.shape[0] if x.dim() == 3 else 1
+        seq = moe_router.sequence_stats(scores, probs, self.topk, sequences) if self.seq_aux_coef > 0 else None
+        balance, z, seq = router_losses(logits, probs, routed, self.topk, [piece.group for piece in self.pieces], seq)
         self.aux_losses.add("moe_balance", self.aux_coef, balance)
         self.aux_losses.add("moe_z", self.z_coef, z)
+        if seq is not None:
+            self.aux_losses.add("moe_seq_balance", self.seq_aux_coef, moe_router.sequence_loss(seq, self.topk))
         keep = self.keep_slots(expert.view(*x.shape[:-1], self.topk))
         y, rows_sent, rows_received = self.dispatch_and_combine(tokens, gate, expert, keep)
         self.observer.routed(self, routed, keep, rows_sent, rows_received)
@@ -289,18 +300,22 @@ class SumOverPieces(torch.autograd.Function):
         return grad, None
 
 
-def router_losses(logits: torch.Tensor, probs: torch.Tensor, routed: torch.Tensor, topk: int, groups=()):
-    """(balance, z): N·Σᵢ fᵢ·Pᵢ and mean (logsumexp z)², over the whole micro-batch (its pieces summed over
-    `groups`). routed: [N] slots routed to each expert by this rank (before capacity)."""
+def router_losses(logits: torch.Tensor, probs: torch.Tensor, routed: torch.Tensor, topk: int, groups=(),
+                  sequences: torch.Tensor | None = None):
+    """(balance, z, sequences): N·Σᵢ fᵢ·Pᵢ and mean (logsumexp z)², over the whole micro-batch (its pieces summed
+    over `groups`), and the seq loss's [B, 2N+1] statistics (moe_router.sequence_stats) summed alike in the same
+    all-reduce (None when off). routed: [N] slots routed to each expert by this rank (before capacity)."""
     n = probs.shape[-1]
     lse = torch.logsumexp(logits, dim=-1)
     stats = torch.cat([routed.to(probs.dtype), probs.sum(dim=0), (lse * lse).sum().view(1),
-                       torch.full((1,), logits.shape[0], dtype=probs.dtype, device=probs.device)])
+                       torch.full((1,), logits.shape[0], dtype=probs.dtype, device=probs.device),
+                       *([] if sequences is None else [sequences.to(probs.dtype).reshape(-1)])])
     for group in groups:
         stats = SumOverPieces.apply(stats, group)
-    tokens = stats[-1]
+    tokens = stats[2 * n + 1]
     f, p = stats[:n] / (tokens * topk), stats[n:2 * n] / tokens
-    return n * (f * p).sum(), stats[2 * n] / tokens
+    summed = None if sequences is None else stats[2 * n + 2:].view(sequences.shape)
+    return n * (f * p).sum(), stats[2 * n] / tokens, summed
 
 
 class Pieces(NamedTuple):
@@ -355,7 +370,7 @@ class RoutingObserver:
 # Flag → (GPTConfig field, default). --ep E is the mesh's.
 FLAGS = {"--moe-experts": ("moe_experts", 0), "--moe-topk": ("moe_topk", 2), "--moe-every": ("moe_every", 1),
          "--moe-capacity-factor": ("moe_capacity_factor", 0.0), "--moe-aux-coef": ("moe_aux_coef", 0.01),
-         "--moe-z-coef": ("moe_z_coef", 0.001)}
+         "--moe-z-coef": ("moe_z_coef", 0.001), **moe_router.FLAGS}
 
 
 def config_overrides(args) -> dict:
@@ -380,6 +395,8 @@ def check_flags(config, shape: MeshShape) -> None:
              f"--moe-every {every} must be between 1 and --n-layer {config.n_layer} (else no block is MoE)")):
         if broken:
             raise ValueError(message)
+    if n > 0:
+        moe_router.check_flags(config, ep)
 
 
 @dataclass(frozen=True)
@@ -424,11 +441,13 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     for layer in layers:
         shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         layer.pieces = pieces
+        layer.load.on(run.device)
     sp = mesh.size("tp") if config.sequence_parallel else 1
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
                       max(4, next(model.parameters()).element_size()))
-    return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None)
+    load_groups = [name for name in ("dp_cp", "tp") if mesh.size(name) > 1 and (name != "tp" or sp > 1)]
+    return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None, mesh, load_groups)
 
 
 @dataclass(frozen=True)
@@ -445,16 +464,32 @@ class MoEAxis(Axis):
 
     name = "moe"
 
-    def __init__(self, layers: list, traffic: Traffic, tp_group=None):
-        self.layers, self.traffic = layers, traffic
+    def __init__(self, layers: list, traffic: Traffic, tp_group=None, mesh=None, load_groups=()):
+        self.layers, self.traffic, self.mesh = layers, traffic, mesh
         self.tp_group = tp_group  # with --sp: the experts' and router's gradients are summed over it
+        self.load_groups = list(load_groups)  # names of the groups whose ranks saw the step's other tokens
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:
-        """With --sp each TP rank routed its sequence piece: sum the experts' and router's gradients over tp."""
+        """With --sp each TP rank routed its sequence piece: sum the experts' and router's gradients over tp.
+        Then each layer's step load, global (the bias on), updates its bias (moe_router.finish_step)."""
         if self.tp_group is not None:
             sum_in_place([g for g in layout.grad_pieces(self.params()) if g.numel()], self.tp_group)
+        moe_router.finish_step([layer.load for layer in self.layers],
+                               [self.mesh.group(name) for name in self.load_groups])
         return 0
+
+    def state_pieces(self) -> list:
+        """Each layer's selection bias, "moe/<layer>.expert_bias", one logical copy (moe_router item 4)."""
+        coords = self.mesh.coordinates() if self.mesh is not None else None
+        pieces = []
+        for layer in self.layers:
+            if layer.load.bias is not None:
+                info = ShardInfo(f"transformer.h.{layer.layer_id}.mlp.expert_bias", (layer.n_experts,),
+                                 replicated_over=("tp",))
+                pieces.append(StatePiece(f"moe/{info.global_name}", layer.load.bias, info,
+                                         primary=counts_here(info, coords, ("dp_cp",))))
+        return pieces
 
     @contextmanager
     def sampling(self):
@@ -490,7 +525,12 @@ class MoEAxis(Axis):
         if self.tp_group is not None:
             pieces = layout.grad_pieces(self.params()) if layout is not None else self.params()
             sp_grad_bytes = sum(g.numel() * g.element_size() for g in pieces)
-        return step_messages(self.traffic, sp_grad_bytes)
+        out = step_messages(self.traffic, sp_grad_bytes)
+        if any(layer.load.rate > 0 for layer in self.layers):
+            for message in moe_router.load_messages(len(self.layers), self.traffic.model.moe_experts,
+                                                    self.load_groups):
+                out.add(*message)
+        return out
 
     def traced_prediction(self, layout, steps: int) -> Messages:
         """Per step of the `steps` traced training steps: the all-to-alls from the rows the training forwards

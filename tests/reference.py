@@ -81,6 +81,7 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
             loss_sum = loss_sum + micro_loss_sum
             objective = objective + micro_loss_sum / count + (aux / micro_batches if aux is not None else 0.0)
         objective.backward()
+        update_expert_bias(model)
         if fp8_handle is not None:
             fp8_handle.after_grad_sync()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
@@ -88,6 +89,22 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
         losses.append(float(loss_sum.detach() / count))
         norms.append(float(norm))
     return losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def update_expert_bias(model):
+    """DeepSeek-V3's auxiliary-loss-free update, once per step, on each MoE layer whose bias learns (sigmoid scores,
+    γ = moe_bias_rate > 0): b_i += γ·sign(mean load − load_i), the load being the slots the step's training
+    forwards routed to each expert (the model's count, `layer.load.step`), which then restarts from zero."""
+    for block in model.transformer.h:
+        load = getattr(block.mlp, "load", None)
+        if load is None:
+            continue
+        if load.bias is not None and model.config.moe_bias_rate > 0:
+            counts = load.step.to(torch.float64)
+            load.bias += (model.config.moe_bias_rate * torch.sign(counts.mean() - counts)).to(load.bias.dtype)
+        load.last = load.step.clone()
+        load.step.zero_()
 
 
 class WholeGrads:

@@ -69,7 +69,7 @@ def test_router_losses_match_hand_computation():
     for k in (1, 2, 3):
         probs, _, expert = moe.route(logits, k)
         chosen = [sorted(range(N), key=lambda i: -p[i])[:k] for p in probs_hand]
-        balance, z = moe.router_losses(logits, probs, torch.bincount(expert.reshape(-1), minlength=N), k)
+        balance, z, _ = moe.router_losses(logits, probs, torch.bincount(expert.reshape(-1), minlength=N), k)
         f = [sum(i in c for c in chosen) / (T * k) for i in range(N)]
         P = [sum(p[i] for p in probs_hand) / T for i in range(N)]
         lse = [math.log(sum(math.exp(v) for v in row)) for row in rows]
@@ -95,7 +95,7 @@ def test_the_layer_adds_both_aux_terms_with_their_coefficients():
     layer(x)
     logits = x.reshape(-1, config.n_embd) @ layer.router.weight.T
     probs, _, expert = moe.route(logits, 2)
-    balance, z = moe.router_losses(logits, probs, torch.bincount(expert.reshape(-1), minlength=4), 2)
+    balance, z, _ = moe.router_losses(logits, probs, torch.bincount(expert.reshape(-1), minlength=4), 2)
     assert [(n, c) for n, c, _ in model.aux_losses.terms] == [("moe_balance", 0.25), ("moe_z", 0.125)]
     assert abs(float(model.aux_losses.terms[0][2].detach() - balance.detach())) < 1e-14
     assert abs(float(model.aux_losses.terms[1][2].detach() - z.detach())) < 1e-14
@@ -937,3 +937,161 @@ def test_the_moe_aware_activation_estimate_replaces_the_dense_mlps_share():
     assert moe.activation_estimate_delta(config, 1, 64, 2, tp=2) == one - (3 + 8) * 64 * 2 * 16
     assert moe.activation_estimate_delta(config, 1, 64, 2, tp=2, sequence_parallel=True) == \
         moe.layer_activation_bytes(config, 64) - 19 * 64 * 2 * 16 / 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSeek-V3's router (moe_router.py): sigmoid scores, the loss-free bias, the seq loss, group-limited routing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _reference_gate(logits, bias, k, groups, limit, scale, score):
+    """DeepSeek-V3's gate (inference/model.py's Gate, the paper's §2.1.1-2.1.2) from its published semantics, in
+    float64 Python, one token at a time; ties go to the lower index (a group, an expert)."""
+    out_experts, out_weights = [], []
+    for row in logits.tolist():
+        if score == "sigmoid":
+            s = [1 / (1 + math.exp(-z)) for z in row]
+        else:
+            s = [math.exp(z) / sum(math.exp(u) for u in row) for z in row]
+        n = len(s)
+        biased = [s_i + b_i for s_i, b_i in zip(s, bias)]
+        allowed = range(n)
+        if groups:
+            per = n // groups
+            members = [biased[g * per:(g + 1) * per] for g in range(groups)]
+            group_score = [sum(sorted(m, reverse=True)[:2]) if score == "sigmoid" else max(m) for m in members]
+            chosen = sorted(range(groups), key=lambda g: (-group_score[g], g))[:limit]
+            allowed = [i for i in range(n) if i // per in chosen]
+        experts = sorted(allowed, key=lambda i: (-biased[i], i))[:k]
+        weights = [s[i] for i in experts]
+        if score == "sigmoid" or k > 1:
+            weights = [w / sum(weights) for w in weights]
+        out_experts.append(experts)
+        out_weights.append([w * scale for w in weights])
+    return out_experts, out_weights
+
+
+@pytest.mark.parametrize("score, k, groups, limit, with_bias", [
+    ("sigmoid", 4, 4, 2, True), ("sigmoid", 3, 8, 3, True), ("sigmoid", 2, 0, 0, True), ("sigmoid", 1, 4, 1, True),
+    ("sigmoid", 4, 4, 2, False), ("softmax", 3, 4, 2, False), ("softmax", 2, 0, 0, False)])
+def test_routing_equals_a_float64_reference_of_deepseek_v3s_gate_ties_included(score, k, groups, limit, with_bias):
+    """Integer logits in [-3, 3] tie often (equal scores within a token, equal group scores); the bias is a
+    multiple of 1/8, so biased scores tie too: the selected experts, in order, and the weights (× route scale 2.5)."""
+    import moe_router
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (256, 16), generator=generator).to(DT)
+    bias = (torch.randint(-2, 3, (16,), generator=generator) / 8).float() if with_bias else None
+    _, gate, expert, _ = moe_router.route(logits, k, score, bias, groups, limit, scale=2.5)
+    ref_experts, ref_weights = _reference_gate(logits, [0.0] * 16 if bias is None else bias.tolist(), k, groups,
+                                               limit, 2.5, score)
+    ties = sum(len(set(row)) < len(row) for row in logits.tolist())
+    assert ties == 256  # 16 values out of 7: every token has ties
+    assert expert.tolist() == ref_experts
+    torch.testing.assert_close(gate, torch.tensor(ref_weights, dtype=DT), rtol=1e-14, atol=1e-14)
+    if groups:
+        spans = (expert // (16 // groups)).tolist()
+        assert max(len(set(row)) for row in spans) <= limit
+
+
+def test_the_sequence_balance_loss_by_hand():
+    """eq. 17-20 per sequence: f_i = N/(k·T)·#{t: i in the unbiased top-k of s_t}, P_i = mean_t s_ti/Σ_j s_tj,
+    Σ_i f_i·P_i, then the mean over the micro-batch's sequences; its pieces' statistics add up (CP, SP)."""
+    import moe_router
+
+    torch.manual_seed(0)
+    batch, n_tok, n, k = 3, 5, 4, 2
+    logits = torch.randn(batch * n_tok, n, dtype=DT)
+    probs, _, _, s = moe_router.route(logits, k, "sigmoid")
+    got = moe_router.sequence_loss(moe_router.sequence_stats(s, probs, k, batch), k)
+    expected = 0.0
+    for b in range(batch):
+        rows = [[1 / (1 + math.exp(-z)) for z in row] for row in logits[b * n_tok:(b + 1) * n_tok].tolist()]
+        counts = [0] * n
+        for row in rows:
+            for i in sorted(range(n), key=lambda i: (-row[i], i))[:k]:
+                counts[i] += 1
+        f = [n / (k * n_tok) * c for c in counts]
+        p = [sum(row[i] / sum(row) for row in rows) / n_tok for i in range(n)]
+        expected += sum(fi * pi for fi, pi in zip(f, p)) / batch
+    assert abs(float(got) - expected) < 1e-14
+    halves = [moe_router.sequence_stats(s.view(batch, n_tok, n)[:, cut].reshape(-1, n),
+                                        probs.view(batch, n_tok, n)[:, cut].reshape(-1, n), k, batch)
+              for cut in (slice(0, 2), slice(2, None))]
+    assert abs(float(moe_router.sequence_loss(halves[0] + halves[1], k)) - expected) < 1e-14
+
+
+def test_the_bias_update_rule():
+    """b_i += γ·sign(mean − load_i) from the step's load; the load restarts; last keeps the step's."""
+    import moe_router
+
+    load = moe_router.ExpertLoad(4, sigmoid=True, rate=1e-3)
+    load.add(torch.tensor([5, 1, 3, 3]))
+    load.add(torch.tensor([1, 1, 1, 1]))  # a second micro-batch: [6, 2, 4, 4], mean 4
+    moe_router.finish_step([load])
+    assert load.bias.tolist() == torch.tensor([-1e-3, 1e-3, 0.0, 0.0], dtype=torch.float32).tolist()
+    assert load.last.tolist() == [6, 2, 4, 4] and load.step.tolist() == [0, 0, 0, 0]
+    off = moe_router.ExpertLoad(4, sigmoid=True, rate=0.0)
+    off.add(torch.tensor([5, 1, 3, 3]))
+    moe_router.finish_step([off])
+    assert off.bias.tolist() == [0.0] * 4 and off.last.tolist() == [5, 1, 3, 3]
+
+
+def test_the_layer_counts_training_forwards_only_and_routes_with_its_bias():
+    import moe
+    from model import AuxLosses
+
+    config = make_config(moe_experts=4, moe_topk=1, moe_score="sigmoid", moe_bias_rate=0.1)
+    layer = moe.MoE(config, 0, AuxLosses())
+    x = torch.randn(2, 3, config.n_embd)
+    layer(x)
+    with torch.no_grad():
+        layer(x)  # evaluation: not counted
+    assert int(layer.load.step.sum()) == 6
+    layer.load.bias[2] = 10.0  # a bias that large wins every token's one slot: selection reads s + b
+    layer.load.step.zero_()
+    layer(x)
+    assert layer.load.step.tolist() == [0, 0, 6, 0]
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(moe_bias_rate=1e-3), "--moe-bias-rate 0.001 needs --moe-score sigmoid"),
+    (dict(moe_groups=3, moe_group_limit=1), "--moe-groups 3 must divide --moe-experts 8"),
+    (dict(moe_groups=4, moe_group_limit=5), "--moe-group-limit 5 must be between 1 and --moe-groups 4"),
+    (dict(moe_group_limit=2), "--moe-group-limit 2 needs --moe-groups"),
+    (dict(moe_groups=8, moe_group_limit=2, moe_score="sigmoid"), "--moe-groups 8: a group's score is its top 2"),
+    (dict(moe_groups=4, moe_group_limit=1, moe_topk=3), "--moe-topk 3 is more than the 2 experts"),
+])
+def test_router_flags_that_cannot_work_name_the_flag(overrides, flag):
+    with pytest.raises(ValueError, match=flag.replace("(", r"\(")):
+        _check(8, overrides.pop("moe_topk", 2), **overrides)
+
+
+def test_groups_must_divide_the_ep_ranks_or_be_a_multiple(capsys, monkeypatch):
+    """Through train.main's flag parsing: one line naming the flag, exit status 2, before any rank waits."""
+    import flags as flags_lib
+    import train
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: parse validates before any process group
+
+    with pytest.raises(SystemExit) as exit_info:
+        flags_lib.parse(["--preset", "tiny", "--moe-experts", "12", "--moe-groups", "3", "--moe-group-limit", "1",
+                         "--ep", "2"], train.AXES)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--moe-groups 3 must divide --ep 2 or be a multiple of it" in err[0], err
+    _check(12, 2, ep=2, dp=2, moe_groups=6, moe_group_limit=2)  # a rank holds 3 groups
+    _check(8, 2, ep=4, dp=4, moe_groups=2, moe_group_limit=1)  # a group is 2 ranks
+
+
+def test_a_router_flag_out_of_its_range_fails_in_flags_validate():
+    import flags as flags_lib
+    import train
+
+    for argv, message in ((["--moe-bias-rate", "-1"], "--moe-bias-rate must be at least 0"),
+                          (["--moe-route-scale", "0"], "--moe-route-scale must be positive"),
+                          (["--moe-seq-aux-coef", "nan"], "--moe-seq-aux-coef must be a finite number")):
+        with pytest.raises(flags_lib.FlagError, match=message):
+            flags_lib.validate(flags_lib.build_parser().parse_args(["--moe-experts", "4", *argv]), 1, axes=train.AXES)
+    with pytest.raises(flags_lib.FlagError, match="--moe-score needs --moe-experts > 0"):
+        flags_lib.validate(flags_lib.build_parser().parse_args(["--moe-score", "sigmoid"]), 1, axes=train.AXES)
