@@ -53,10 +53,11 @@ from step import train_step  # noqa: E402
 # balance); the loss-free rows route by sigmoid scores with a per-expert bias updated from each step's load.
 ROWS = {
     "none": ("no balancing (aux coef 0)", ["--moe-aux-coef", "0"]),
+    "sigmoid": ("sigmoid scores, no balancing", ["--moe-aux-coef", "0", "--moe-score", "sigmoid"]),
     "aux": ("auxiliary loss α=0.01, softmax", ["--moe-aux-coef", "0.01"]),
     "loss-free": ("loss-free bias γ=1e-3, sigmoid", ["--moe-aux-coef", "0", "--moe-score", "sigmoid",
                                                       "--moe-bias-rate", "1e-3"]),
-    "loss-free+seq": ("loss-free γ=1e-3 + seq aux 1e-4", ["--moe-aux-coef", "0", "--moe-score", "sigmoid",
+    "loss-free+seq": ("loss-free γ=1e-3, + seq aux 1e-4", ["--moe-aux-coef", "0", "--moe-score", "sigmoid",
                                                             "--moe-bias-rate", "1e-3", "--moe-seq-aux-coef", "1e-4"]),
 }
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -93,6 +94,7 @@ class RowResult(NamedTuple):
     train_loss: float  # mean over the last `window` steps
     seconds: float  # the steps and the final eval
     steps: int
+    loads_agree: bool  # the layers' step loads (`layer.load.last`) equal the routing observer's, every step
 
 
 def run_row(argv: list, window: int, log) -> RowResult:
@@ -105,15 +107,16 @@ def run_row(argv: list, window: int, log) -> RowResult:
     handle = next(axis for axis in run.axes if axis.name == "moe")
     record = BalanceRecord()
     handle.observe(record)
-    per_step, losses = [], []  # [steps][L_moe, N] loads, train losses
+    per_step, losses, agree = [], [], True  # [steps][L_moe, N] loads, train losses, layers = observer
     began = time.perf_counter()
     for step in range(args.steps):
         run.layout.set_lr(t.lr_schedule(step))
         outcome = train_step(run.layout, t.scaler, train.local_batches(run, t.sampler, t.train_tokens, step),
                              run.mesh.group("dp_cp"), args.grad_clip, run.autocast, run.device, model=run.model,
                              schedule=run.schedule, axes=run.axes, data_size=run.mesh.size("dp"))
-        loads, _, _ = record.take_load(run.micro_batches)
-        per_step.append(torch.tensor([loads[i] for i in sorted(loads)]))
+        per_step.append(torch.stack([layer.load.last for layer in handle.layers]).cpu())  # [L_moe, N], global
+        observed, _, _ = record.take_load(run.micro_batches)  # the same counts, as the routing observer saw them
+        agree &= per_step[-1].tolist() == [observed[layer.layer_id] for layer in handle.layers]
         losses.append(outcome.loss)
         if step % 50 == 0 or step == args.steps - 1:
             print(f"  step {step}: loss {outcome.loss:.4f}, batch MaxVio {max_violation(per_step[-1]).mean():.3f}"
@@ -124,24 +127,26 @@ def run_row(argv: list, window: int, log) -> RowResult:
     last = max_violation(torch.stack(per_step[-window:]))  # [window, L_moe]
     eval_load = torch.stack([record.eval_loads[i] for i in sorted(record.eval_loads)])
     return RowResult(float(last.mean()), float(last.mean(dim=0).max()), float(max_violation(eval_load).mean()),
-                     val_loss, statistics.fmean(losses[-window:]), seconds, args.steps)
+                     val_loss, statistics.fmean(losses[-window:]), seconds, args.steps, agree)
 
 
-def print_table(results: dict, skipped: dict, shared: list, window: int, layers: int) -> None:
-    print(f"MoE load balance: train.py {' '.join(shared)}; one process, one row after another, the same init")
+def print_table(results: dict, shared: list, window: int, layers: int, threads: int) -> None:
+    print(f"MoE load balance: train.py {' '.join(shared)}; one process, {threads} thread(s), one row after"
+          f" another, the same init")
     print(f"  MaxVio = (max load − mean load)/mean load per MoE layer, averaged over the {layers} MoE layers;"
-          f" batch: each step's global batch, mean of the last {window} steps (worst layer's beside it);"
-          f" global: the validation batches' loads together")
-    print(f"  {'row':<36} {'batch MaxVio':>12} {'worst layer':>11} {'global MaxVio':>13} {'paper (1B)':>10}"
+          f" batch: each step's global batch, mean of the last {window} steps (the worst layer's mean beside it);"
+          f" global: the validation batches' loads summed")
+    print(f"  {'row':<34} {'batch MaxVio':>12} {'worst layer':>11} {'global MaxVio':>13} {'paper (1B)':>10}"
           f" {'val loss':>9} {'train loss':>10} {'wall s':>8} {'s/step':>7}")
     for name, r in results.items():
         paper = f"{PAPER[name]:.2f}" if name in PAPER else "-"
-        print(f"  {ROWS[name][0]:<36} {r.batch_maxvio:12.3f} {r.worst_layer:11.3f} {r.global_maxvio:13.3f}"
+        print(f"  {ROWS[name][0]:<34} {r.batch_maxvio:12.3f} {r.worst_layer:11.3f} {r.global_maxvio:13.3f}"
               f" {paper:>10} {r.val_loss:9.4f} {r.train_loss:10.4f} {r.seconds:8.1f} {r.seconds / r.steps:7.2f}")
-    for name, missing in skipped.items():
-        print(f"  {ROWS[name][0]:<36} not run: {missing} is not a train.py flag in this checkout")
     print("  paper: Wang et al. 2024 (arXiv 2408.15664), 1B MoE, MaxVio_global over its validation set: 0.72 with"
           " the auxiliary loss, 0.04 loss-free")
+    wrong = [name for name, r in results.items() if not r.loads_agree]
+    print("  loads: WRONG, the layers' step load differs from the routing observer's in " + ", ".join(wrong) if wrong
+          else "  loads: each layer's step load (`layer.load.last`) equals the routing observer's at every step")
 
 
 def train_flags(args) -> list:
@@ -152,38 +157,33 @@ def train_flags(args) -> list:
             *(["--seq-len", str(args.seq)] if args.seq else [])]
 
 
-def unknown_flag(row_flags: list) -> str | None:
-    """The first of a row's flags that train.py does not define (a row whose axis is not in this checkout)."""
-    known = {option for action in flags.build_parser()._actions for option in action.option_strings}
-    return next((f for f in row_flags if f.startswith("--") and f not in known), None)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=8, help="--global-batch: sequences per step")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=4, help="--global-batch: sequences per step")
     p.add_argument("--seq", type=int, default=None, help="--seq-len (default: the preset's block size)")
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--window", type=int, default=50, help="batch MaxVio: the mean over this many last steps")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--rows", default="none,aux,loss-free,loss-free+seq", help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (1: the shared machine's other"
+                                                          " work makes a second thread wait more than it helps)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--out-dir", default="out", help="the token cache (train.py's) and each row's log go here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, 8 steps: checks the bench runs")
     args = p.parse_args()
     if args.smoke:
         args.preset, args.experts, args.steps, args.batch, args.seq, args.eval_batches = "tiny", 4, 8, 4, 32, 2
-    names = args.rows.split(",")
-    unknown = [name for name in names if name not in ROWS]
+    rows = args.rows.split(",")
+    unknown = [name for name in rows if name not in ROWS]
     if unknown:
         p.error(f"--rows: {unknown[0]!r} is not a row; choose from {', '.join(ROWS)}")
-    if "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1":
+    if os.environ.get("WORLD_SIZE", "1") != "1":
         p.error("one process: run it with python, not torchrun (each row is its own one-process world)")
+    torch.set_num_threads(args.threads)
     shared, window = train_flags(args), min(args.window, args.steps)
-    skipped = {name: unknown_flag(ROWS[name][1]) for name in names if unknown_flag(ROWS[name][1])}
-    rows = [name for name in names if name not in skipped]
     for name in rows:  # every row's flags checked (one line, exit 2) before any row trains
         flags.parse(shared + ROWS[name][1], train.AXES)
     model = flags.parse(shared, train.AXES).model
@@ -198,7 +198,7 @@ def main():
             results[name] = run_row(shared + ROWS[name][1], window, log)
         for var in launcher_env:  # mesh.init_distributed set them for its one-process world: the next row its own
             os.environ.pop(var, None)
-    print_table(results, skipped, shared, window, layers)
+    print_table(results, shared, window, layers, args.threads)
 
 
 if __name__ == "__main__":
