@@ -1,18 +1,20 @@
 """Expert load balance: no balancing, the auxiliary loss, and auxiliary-loss-free bias balancing, side by side on
 the default corpus (the standard library's source, byte tokens), one process.
 
-    python bench/bench_moe_balance.py                  # small preset, 8 experts top-2, 300 steps of 8×256 tokens
-    python bench/bench_moe_balance.py --steps 500 --experts 16
-    python bench/bench_moe_balance.py --rows none,aux  # some rows only
+    python bench/bench_moe_balance.py                  # small preset, 8 experts top-2, 200 steps of 4×256 tokens
+    python bench/bench_moe_balance.py --steps 500 --batch 8 --experts 16 --threads 2   # an idle machine
+    python bench/bench_moe_balance.py --rows none,sigmoid,aux   # some rows (ROWS), in this order
     python bench/bench_moe_balance.py --smoke          # seconds: tiny preset, 4 experts, 8 steps of 4×32 tokens
 
 Each row is `python train.py` with the shared flags below plus its own (ROWS), run in this process through
 train.py's own start-up (`train.start_training`) and step (`step.train_step`), one row after the other; every
 row starts from the same init (the same --seed: each weight is drawn from (seed, its name)) and sees the same
-batches. Shared: --preset small --moe-experts 8 --moe-topk 2, dropless, --global-batch 8 (--seq-len the preset's
-256: 2,048 tokens, 4,096 routed slots per MoE layer and step), --lr and its schedule as train.py's defaults, the
-router z-loss at its default (β = 0.001) in every row, --dtype auto (bf16 autocast where the CPU has it; the
-router is fp32 either way).
+batches. Shared: --preset small (6 layers, h = 384, every block MoE) --moe-experts 8 --moe-topk 2, dropless,
+--global-batch 4 (--seq-len the preset's 256: 1,024 tokens, 2,048 routed slots per MoE layer and step, 256 per
+expert when balanced), --lr and its schedule as train.py's defaults (2e-3, warm-up 5%, cosine to 2e-4), the router
+z-loss at its default (β = 0.001) in every row, --dtype auto (bf16 autocast where the CPU has it; the router is
+fp32 either way). The size is the issue's (a `small` MoE); the batch and the steps are what a 2-core machine
+shared with other work trains in well under an hour (one thread: a second one waits on the others' work).
 
 Measured per row, from the per-expert loads c_i of every MoE layer (slots routed to expert i, before capacity):
     MaxVio = (max_i c_i − mean_i c_i) / mean_i c_i
@@ -25,7 +27,9 @@ Measured per row, from the per-expert loads c_i of every MoE layer (slots routed
   Mixture-of-Experts");
 - the final val loss (train.evaluate: the first --eval-batches validation batches), the train loss averaged over
   the last 50 steps, and the wall time of the steps and the eval (start-up not included).
-The loads are read from the layers' routing observer (moe.RoutingObserver, mfu.RoutedLoad), once per step.
+Each step's loads are the layers' own (`layer.load.last`, moe_router.ExpertLoad: the global load the bias is
+updated from), checked against what the routing observer (moe.RoutingObserver, mfu.RoutedLoad) saw; the
+validation batches' loads come from the observer (the layers count training forwards only).
 """
 
 from __future__ import annotations
@@ -130,18 +134,25 @@ def run_row(argv: list, window: int, log) -> RowResult:
                      val_loss, statistics.fmean(losses[-window:]), seconds, args.steps, agree)
 
 
-def print_table(results: dict, shared: list, window: int, layers: int, threads: int) -> None:
+def print_header(shared: list, window: int, layers: int, threads: int, logs: str) -> None:
     print(f"MoE load balance: train.py {' '.join(shared)}; one process, {threads} thread(s), one row after"
-          f" another, the same init")
+          f" another, the same init (each row's train.py printout: {logs})")
     print(f"  MaxVio = (max load − mean load)/mean load per MoE layer, averaged over the {layers} MoE layers;"
           f" batch: each step's global batch, mean of the last {window} steps (the worst layer's mean beside it);"
           f" global: the validation batches' loads summed")
     print(f"  {'row':<34} {'batch MaxVio':>12} {'worst layer':>11} {'global MaxVio':>13} {'paper (1B)':>10}"
-          f" {'val loss':>9} {'train loss':>10} {'wall s':>8} {'s/step':>7}")
-    for name, r in results.items():
-        paper = f"{PAPER[name]:.2f}" if name in PAPER else "-"
-        print(f"  {ROWS[name][0]:<34} {r.batch_maxvio:12.3f} {r.worst_layer:11.3f} {r.global_maxvio:13.3f}"
-              f" {paper:>10} {r.val_loss:9.4f} {r.train_loss:10.4f} {r.seconds:8.1f} {r.seconds / r.steps:7.2f}")
+          f" {'val loss':>9} {'train loss':>10} {'wall s':>8} {'s/step':>7}", flush=True)
+
+
+def print_row(name: str, r: RowResult) -> None:
+    """A row's line, as soon as it has trained (a long run shows its rows as they finish)."""
+    paper = f"{PAPER[name]:.2f}" if name in PAPER else "-"
+    print(f"  {ROWS[name][0]:<34} {r.batch_maxvio:12.3f} {r.worst_layer:11.3f} {r.global_maxvio:13.3f}"
+          f" {paper:>10} {r.val_loss:9.4f} {r.train_loss:10.4f} {r.seconds:8.1f} {r.seconds / r.steps:7.2f}",
+          flush=True)
+
+
+def print_footer(results: dict) -> None:
     print("  paper: Wang et al. 2024 (arXiv 2408.15664), 1B MoE, MaxVio_global over its validation set: 0.72 with"
           " the auxiliary loss, 0.04 loss-free")
     wrong = [name for name, r in results.items() if not r.loads_agree]
@@ -190,16 +201,15 @@ def main():
     layers = sum(model.is_moe_layer(i) for i in range(model.n_layer))
     launcher_env = [var for var in LAUNCHER_ENV if var not in os.environ]  # what each row's start-up will set
     os.makedirs(args.out_dir, exist_ok=True)
+    print_header(shared, window, layers, args.threads, os.path.join(args.out_dir, "bench_moe_balance_<row>.log"))
     results = {}
     for name in rows:
-        path = os.path.join(args.out_dir, f"bench_moe_balance_{name}.log")
-        print(f"row {name}: {ROWS[name][0]} ({path})", flush=True)
-        with open(path, "w") as log:
+        with open(os.path.join(args.out_dir, f"bench_moe_balance_{name}.log"), "w") as log:
             results[name] = run_row(shared + ROWS[name][1], window, log)
+        print_row(name, results[name])
         for var in launcher_env:  # mesh.init_distributed set them for its one-process world: the next row its own
             os.environ.pop(var, None)
-    print_table(results, shared, window, layers, args.threads)
-
+    print_footer(results)
 
 if __name__ == "__main__":
     main()
