@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 import ckpt
 from ckpt_files import CheckpointError, fsync_path, list_checkpoints, verify_checkpoint
 from model import GPT, GPTConfig
-from shard import StatePiece
+from shard import ShardInfo, StatePiece
 
 # GPT-2's Conv1D weights, stored [in, out] (model.py's nn.Linear: [out, in]).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -419,7 +419,7 @@ def load_model(path: str, device="cpu") -> tuple[GPT, dict]:
     if wte is None:
         raise HFError(f"{step_dir} has no transformer.wte.weight: not a checkpoint of this trainer's GPT")
     model = GPT(config, dtype=getattr(torch, wte["dtype"]), device=device)
-    ckpt.load_pieces(step_dir, manifest, _whole_pieces(model))
+    ckpt.load_pieces(step_dir, manifest, _whole_pieces(model) + _router_bias_pieces(model, stored, device))
     return model, dict(record, step=manifest["step"], mesh=manifest["mesh"], path=step_dir)
 
 
@@ -432,6 +432,18 @@ def mesh_text(mesh: dict) -> str:
 def _whole_pieces(model: GPT) -> list:
     """The model's parameters as whole `param/` pieces (one process: nothing split)."""
     return [StatePiece(f"param/{p.shard_info.global_name}", p.data, p.shard_info) for p in model.parameters()]
+
+
+def _router_bias_pieces(model: GPT, stored: dict, device) -> list:
+    """The sigmoid routers' selection biases the checkpoint holds ("moe/" pieces, moe_router.py): sampling
+    selects experts with them as training did."""
+    pieces = []
+    for i, block in enumerate(model.transformer.h):
+        load, name = getattr(block.mlp, "load", None), f"transformer.h.{i}.mlp.expert_bias"
+        if load is not None and load.bias is not None and f"moe/{name}" in stored:
+            bias = load.on(device).bias
+            pieces.append(StatePiece(f"moe/{name}", bias, ShardInfo(name, tuple(bias.shape))))
+    return pieces
 
 
 def _newest_good_checkpoint(path: str) -> tuple[str, dict]:

@@ -553,12 +553,13 @@ class RoutedLoad:
     def __init__(self):
         self.forwards, self.sent, self.received = 0, 0, 0  # of every training forward since the start
         self.loads, self.dropped, self.taken_forwards = {}, {}, {}  # {layer id: since the last take_load}
-        self.last_load = None  # the last take_load, for the end lines
+        self.last_load, self.off_group = None, [0, 0]  # the last take_load; moe_router.off_group's sums
 
     def routed(self, layer, load: torch.Tensor, keep, sent: int, received: int) -> None:
         if not (layer.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
             return  # evaluation, sampling (no grad, or eval mode), or a checkpointed block's recompute (in backward)
         self.forwards, self.sent, self.received = self.forwards + 1, self.sent + sent, self.received + received
+        self.off_group = [total + new for total, new in zip(self.off_group, layer.off_group)]
         key = layer.layer_id
         self.loads[key] = load if key not in self.loads else self.loads[key] + load
         self.taken_forwards[key] = self.taken_forwards.get(key, 0) + 1

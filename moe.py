@@ -7,6 +7,10 @@ or the model's dtype when wider; autocast off):
     z = x·W_rᵀ [T, N];  p = softmax(z) over all N;  (g, e) = top-k of p;  w = g / Σ_j g_j (k > 1), g (k = 1)
 For k > 1 this is Mixtral's softmax over the k chosen logits, weights summing to 1 (one dense MLP's scale
 whatever k and N); for k = 1 renormalising would give w = 1, so, as Switch, we keep the raw probability.
+DeepSeek-V3's router (moe_router.py: --moe-score sigmoid, the loss-free bias --moe-bias-rate, the seq loss
+--moe-seq-aux-coef, --moe-groups/--moe-group-limit, --moe-route-scale) replaces this line's choice and weights;
+each layer's per-expert load (slots routed, before capacity: the last step's in `layer.load.last`, global when the
+bias learns) is `moe_router.ExpertLoad`, the one place its readers go; the bias is updated in `after_grad_sync`.
 Auxiliary losses (`aux_losses.add(name, coef, value)`; the step divides by the D·m micro-batches, so each is
 defined on ONE data-parallel micro-batch, DESIGN.md), with fᵢ = (slots routed to i)/(T·k) before capacity:
     moe_balance = N · Σᵢ fᵢ·Pᵢ,  Pᵢ = mean of pᵢ (1 when balanced)    α = --moe-aux-coef
@@ -62,8 +66,9 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    Python ints; E = 1: the experts' row slicing), again in a recompute; no nonzero() (dropped slots sort
    last), no bincount (a scatter-add). Aux values, load and drops stay tensors until a line reads them
    (step.train_step once per step; the load line, through its observer's `take_load`, once per line).
-4. Restart state: nothing of its own; routing is deterministic (no RNG), and each expert is a whole logical
-   tensor named by its global index, so a checkpoint written with one E loads with another.
+4. Restart state: the sigmoid router's bias (`state_pieces`, moe_router item 4); routing is deterministic (no
+   RNG), and each expert is a whole logical tensor named by its global index, so a checkpoint written with one E
+   loads with another.
    FLOPs per token (MFU): mfu.flops_per_token, from the k experts a token visits, not the N.
 """
 
@@ -167,6 +172,7 @@ class MoE(nn.Module):
         self.ep_group, self.ep_size = None, 1
         self.pieces = ()  # Pieces: the ranks holding the other pieces of this rank's micro-batch (CP, SP)
         self.observer = RoutingObserver()  # who is told what each forward routed (the accounting, or nobody)
+        self.places, self.off_group = None, (0, 0)  # with groups under EP: moe_router.off_group's last record
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]: this rank's tokens (its CP/SP piece of the micro-batch)
@@ -230,6 +236,7 @@ class MoE(nn.Module):
             per_rank = n // self.ep_size
             send_splits = [sum(sizes[r * per_rank:(r + 1) * per_rank]) for r in range(self.ep_size)]
             recv_splits = [sum(sizes[n + r * per_rank:n + (r + 1) * per_rank]) for r in range(self.ep_size)]
+            self.off_group = moe_router.off_group(self.places, expert, keep, send_splits)  # the accounting's
             received = AllToAll.apply(sent, recv_splits, send_splits, self.ep_group)  # 3. dispatch
             out = self.run_local_experts(received, sizes[n:])  # 4.
             back, rows_received = AllToAll.apply(out, send_splits, recv_splits, self.ep_group), sum(recv_splits)  # 5.
@@ -442,6 +449,8 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
         shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         layer.pieces = pieces
         layer.load.on(run.device)
+        layer.places = moe_router.group_places(layer.n_experts, model.config.moe_groups, ep, mesh.index("ep"),
+                                               run.device)
     sp = mesh.size("tp") if config.sequence_parallel else 1
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,

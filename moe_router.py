@@ -37,6 +37,9 @@ Groups and the EP ranks (E): G divides N, and either G divides E (a group is E/G
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -79,6 +82,19 @@ def check_flags(config, ep: int) -> None:
              f"--moe-topk {k} is more than the {m * (n // max(g, 1))} experts of --moe-group-limit {m} groups")):
         if broken:
             raise ValueError(message)
+
+
+def describe(config) -> str:
+    """The router in words, for the start-up line (report_axes' moe section)."""
+    sigmoid, k = config.moe_score == "sigmoid", config.moe_topk
+    steps = ["fp32 router: sigmoid" + (f" + bias (γ={config.moe_bias_rate:g} per step)" if sigmoid else "")
+             if sigmoid else "fp32 router: softmax"]
+    if config.moe_groups:
+        steps.append(f"best {config.moe_group_limit} of {config.moe_groups} groups")
+    steps.append("top-k")
+    steps.append("renormalised" if sigmoid or k > 1 else "raw gate")
+    text = " → ".join(steps) + (f" ×{config.moe_route_scale:g}" if config.moe_route_scale != 1.0 else "")
+    return text + (f"; seq loss α={config.moe_seq_aux_coef:g}" if config.moe_seq_aux_coef else "")
 
 
 def top_k(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -194,3 +210,79 @@ def load_messages(moe_layers: int, n_experts: int, groups: list) -> list:
     """(op, group, calls, bytes) of one optimizer step's load all-reduces (docstring item 3), for `groups`
     (the names of the groups of size > 1 the loads are summed over); [] when the bias is off."""
     return [("all_reduce", name, 1, 8 * moe_layers * n_experts) for name in groups]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What group-limited routing buys: the dispatch's rows that leave the sender's group
+# ---------------------------------------------------------------------------------------------------------
+
+
+class GroupPlaces(NamedTuple):
+    """Where the EP ranks sit among the routing groups: `of_rank[r]` the place of EP rank r (its group of E/G
+    ranks when G ≤ E; itself when a rank holds G/E groups), on the device and as host ints; `mine` this rank's."""
+
+    of_rank: torch.Tensor
+    of_rank_list: list
+    mine: int
+    experts_per_rank: int
+
+
+def group_places(n_experts: int, groups: int, ep: int, ep_index: int, device) -> GroupPlaces | None:
+    """The layer's GroupPlaces, or None without groups or EP (nothing leaves a rank)."""
+    if groups == 0 or ep == 1:
+        return None
+    ranks_per_place = max(1, ep // groups)
+    places = [r // ranks_per_place for r in range(ep)]
+    return GroupPlaces(torch.tensor(places, device=device), places, places[ep_index], n_experts // ep)
+
+
+def off_group(places: GroupPlaces | None, expert: torch.Tensor, keep, send_splits: list) -> tuple:
+    """(rows this dispatch sends to ranks outside this rank's group: a host int from the split sizes the
+    all-to-all takes; the copies a dispatch sending each token ONCE per destination group would send outside
+    it, DeepSeek-V3's over IB: a device tensor, read with the load). (0, 0) without groups or EP."""
+    if places is None:
+        return 0, 0
+    rows = sum(size for rank, size in enumerate(send_splits) if places.of_rank_list[rank] != places.mine)
+    place = places.of_rank[expert // places.experts_per_rank]  # [T, k]
+    if keep is not None:  # a dropped slot travels nowhere
+        place = torch.where(keep.view_as(place), place, places.mine)
+    hit = torch.zeros((place.shape[0], len(places.of_rank_list)), dtype=torch.bool, device=place.device)
+    hit.scatter_(1, place, True)
+    return rows, hit.sum() - hit[:, places.mine].sum()
+
+
+def off_group_estimate(topk: int, groups: int, limit: int, ep: int) -> tuple:
+    """Uniform routing's (rows per slot, copies per token) leaving the sender's group: each token's M groups
+    drawn uniformly from the G, its k slots uniformly over them. With P places (groups of ranks, or ranks), a
+    slot leaves with probability 1 − 1/P whatever M; another place q is reached with probability
+    1 − E_j[(1 − j/M)^k], j ~ hypergeometric (the chosen groups among q's G/P): the copies fall with M."""
+    places = ep // max(1, ep // groups)
+    in_place = groups // places
+    miss = sum(math.comb(in_place, j) * math.comb(groups - in_place, limit - j) / math.comb(groups, limit)
+               * (1 - j / limit) ** topk for j in range(min(in_place, limit) + 1))
+    return 1 - 1 / places, (places - 1) * (1 - miss)
+
+
+def off_group_line(traffic, off_group: list, steps: int) -> str | None:
+    """The end line (report_axes' moe section): per MoE layer and step, the dispatch bytes leaving the sender's
+    group, counted (mfu.RoutedLoad's sums of `off_group` over the training forwards) beside the uniform estimate,
+    per slot and one copy per (token, group); None without groups or EP. traffic: moe.Traffic."""
+    config = traffic.model
+    groups, limit, ep = config.moe_groups, config.moe_group_limit, traffic.ep
+    if groups == 0 or ep == 1 or not steps:
+        return None
+    row_bytes = config.n_embd * traffic.compute_bytes
+    per = steps * max(1, traffic.moe_layers)
+    tokens = traffic.micro_batches * traffic.tokens  # per MoE layer and step
+    rows, copies = off_group_estimate(config.moe_topk, groups, limit, ep)
+    _, unlimited = off_group_estimate(config.moe_topk, groups, groups, ep)
+    where = f"a group is {ep // groups} ranks" if ep >= groups else f"a rank holds {groups // ep} groups"
+
+    def kib(value):
+        return f"{value * row_bytes / per / 1024:.1f} KiB"
+
+    counted_rows, counted_copies = off_group[0], float(off_group[1])
+    return (f"moe off-group dispatch (G={groups}, M={limit}; {where}) per MoE layer and step: a row per slot"
+            f" counted {kib(counted_rows)}, uniform {kib(tokens * config.moe_topk * rows * per)} (any M); one copy"
+            f" per token and group counted {kib(counted_copies)}, uniform {kib(tokens * copies * per)}"
+            f" (unlimited M=G: {kib(tokens * unlimited * per)})")

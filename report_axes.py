@@ -28,6 +28,7 @@ import measure
 import memory
 import mfu
 import moe
+import moe_router
 import pipeline
 import schedules
 import tensor_parallel
@@ -186,7 +187,7 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
         f" micro-batch (B_μ·s = {whole} tokens, decided in its token order"
         + (f"; this rank routes T = {tokens} of them and gathers the others' choices" if tokens < whole else "") + ")")
     lines = [
-        f"moe: N={n} experts, top-{k} (fp32 router: softmax → top-k → {'renormalised' if k > 1 else 'raw gate'}),"
+        f"moe: N={n} experts, top-{k} ({moe_router.describe(config)}),"
         f" on {counts['moe_layers']} of {config.n_layer} blocks (every {config.moe_every}); {capacity_text}"
         f"; aux α={config.moe_aux_coef}, z β={config.moe_z_coef}",
         f"  parameters: total {counts['total']:,}, active per token {counts['active']:,}"
@@ -236,6 +237,7 @@ def moe_end_lines(axis, run, steps: int) -> list:
                      f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"
                      f" (the startup table's)")
     routed = axis.observer
+    lines += [line for line in [moe_router.off_group_line(traffic, routed.off_group, steps)] if line]
     if routed.last_load is None:
         routed.take_load(traffic.micro_batches)  # no load line was printed: read the loads now
     if routed.last_load is not None:

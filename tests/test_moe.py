@@ -1095,3 +1095,252 @@ def test_a_router_flag_out_of_its_range_fails_in_flags_validate():
             flags_lib.validate(flags_lib.build_parser().parse_args(["--moe-experts", "4", *argv]), 1, axes=train.AXES)
     with pytest.raises(flags_lib.FlagError, match="--moe-score needs --moe-experts > 0"):
         flags_lib.validate(flags_lib.build_parser().parse_args(["--moe-score", "sigmoid"]), 1, axes=train.AXES)
+
+
+# Through train.py's composition (tests/test_composition.py's runs: 3 steps in float64 against the single-device
+# model, losses and parameters within 1e-10): the whole DeepSeek-V3 router on, N = 8 experts in G = 4 groups of
+# which a token reaches M = 2 (a group is one rank's experts at E = 4, a rank holds two groups at E = 2), the bias
+# at γ = 0.01 (it changes the routing within the 3 steps), the seq loss, a route scale. Every forward of every
+# step asserts that its tokens' experts span at most M groups. The last case saves on E = 2 with ZeRO-3 after 2
+# steps and resumes on E = 4: the bias comes back from the checkpoint (one logical copy, "moe/...").
+DS_FLAGS = ["--moe-experts", "8", "--moe-score", "sigmoid", "--moe-bias-rate", "0.01", "--moe-groups", "4",
+            "--moe-group-limit", "2", "--moe-seq-aux-coef", "0.01", "--moe-route-scale", "1.5", "--moe-aux-coef", "0"]
+DS_4 = [
+    ([*DS_FLAGS, "--ep", "2", "--zero", "1"], {}, 4, 1),
+    ([*DS_FLAGS, "--ep", "4", "--zero", "3"], {}, 8, 1),
+    ([*DS_FLAGS, "--ep", "2", "--tp", "2", "--sp"], {}, 4, 2),
+    ([*DS_FLAGS, "--ep", "2", "--pp", "2"], dict(n_layer=2), 8, 1),
+    ([*DS_FLAGS, "--ep", "2", "--cp", "2"], {}, 4, 1),
+]
+DS_RESHARD = (([*DS_FLAGS, "--ep", "2", "--zero", "3"], {}, 8, 1), ([*DS_FLAGS, "--ep", "4"], {}, 8, 1))
+
+
+def _deepseek_runs(rank, world, root):
+    import os
+
+    import moe
+    import moe_router
+    import test_composition
+
+    biases, spans = {}, []
+    after_grad_sync, route = moe.MoEAxis.after_grad_sync, moe_router.route
+
+    def recording(self, layout):  # each step's bias, after its update
+        out = after_grad_sync(self, layout)
+        biases.update({layer.layer_id: layer.load.bias.detach().cpu().clone() for layer in self.layers})
+        return out
+
+    def checked(logits, topk, score="softmax", bias=None, groups=0, limit=0, scale=1.0):
+        out = route(logits, topk, score, bias, groups, limit, scale)
+        spans.append(int(max(len(set(row)) for row in (out[2] // (logits.shape[1] // groups)).tolist())))
+        assert spans[-1] <= limit, (spans[-1], limit)
+        return out
+
+    moe.MoEAxis.after_grad_sync, moe_router.route = recording, checked
+    out = []
+    for case in DS_4:
+        biases.clear()
+        out.append((*test_composition._run_case(rank, world, *case), dict(biases)))
+    directory = os.path.join(root, "reshard")
+    test_composition._run_case(rank, world, *DS_RESHARD[0], stop=test_composition.SAVE_AT, save_root=directory)
+    biases.clear()
+    out.append((*test_composition._run_case(rank, world, *DS_RESHARD[1], resume_root=directory), dict(biases)))
+    manifest = None
+    if rank == 0:
+        import json
+        step_dir = next(os.path.join(directory, d) for d in sorted(os.listdir(directory)) if d.startswith("step-"))
+        with open(os.path.join(step_dir, "manifest.json")) as f:
+            manifest = json.load(f)
+    return out, spans, manifest
+
+
+def _reference_biases(case, monkeypatch):
+    """The single-device run of test_composition._check's reference, and its layers' biases after the 3 steps."""
+    import reference
+    import test_composition
+
+    seen = []
+    update = reference.update_expert_bias
+
+    def recording(model):
+        update(model)
+        seen.append({i: block.mlp.load.bias.clone() for i, block in enumerate(model.transformer.h)})
+
+    flags, config_kw, global_batch, micro = case
+    monkeypatch.setattr(reference, "update_expert_bias", recording)
+    args = test_composition._parse(flags, global_batch, micro)
+    reference.reference_run(test_composition._config(args, config_kw),
+                            global_batches(test_composition.STEPS, global_batch, test_composition.SEQ),
+                            clip=test_composition.CLIP, micro_batches=global_batch // micro)
+    return seen  # after each step
+
+
+@pytest.mark.slow
+def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resumes_on_another_e(tmp_path, monkeypatch):
+    """The DS_4 meshes and DS_RESHARD (above): losses and parameters as test_composition._check, every rank's bias
+    equal to the single device's after each case (exactly: integer loads, the same sign steps), the checkpoint's
+    bias one logical tensor per layer, and what sampling loads of it (hf.load_model's pieces) the bias it saved."""
+    import ckpt
+    import hf
+    import test_composition
+    from model import GPT
+
+    results = run_ranks(_deepseek_runs, 4, str(tmp_path), timeout=900)
+    spans = [s for _, rank_spans, _ in results for s in rank_spans]
+    assert spans and max(spans) <= 2, max(spans)  # asserted in every forward too
+    for index, case in enumerate([*DS_4, DS_RESHARD[1]]):
+        per_rank = [rank_results[index] for rank_results, _, _ in results]
+        if case is DS_RESHARD[1]:
+            assert all(sorted(losses) == [test_composition.SAVE_AT] for losses, _, _ in per_rank)
+        test_composition._check([(losses, params) for losses, params, _ in per_rank], *case)
+        after_each_step = _reference_biases(case, monkeypatch)
+        expected = after_each_step[-1]
+        assert any(float(b.abs().max()) > 0 for b in expected.values())  # the bias moved
+        for rank, (_, _, biases) in enumerate(per_rank):
+            for layer_id, bias in biases.items():  # the same on every rank, and the single device's, exactly
+                assert torch.equal(bias, expected[layer_id]), (case[0], rank, layer_id, bias, expected[layer_id])
+    manifest = results[0][2]
+    stored = [key for key in manifest["tensors"] if key.startswith("moe/")]
+    assert stored == [f"moe/transformer.h.{i}.mlp.expert_bias" for i in range(2)], stored
+    step_dir, manifest = hf._newest_good_checkpoint(str(tmp_path / "reshard"))  # as hf.load_model (sample.py)
+    model = GPT(test_composition._config(test_composition._parse(*DS_RESHARD[1][:1], 8, 1), {}), dtype=DT)
+    ckpt.load_pieces(step_dir, manifest, hf._router_bias_pieces(model, manifest["tensors"], "cpu"))
+    for i, block in enumerate(model.transformer.h):  # sampling routes with the saved bias
+        assert torch.equal(block.mlp.load.bias, after_each_step[test_composition.SAVE_AT - 1][i]), i
+
+
+def test_off_group_counts_rows_and_one_copy_per_token_and_group():
+    """E = 4 ranks in G = 2 groups of 2 ranks (8 experts, 2 per rank), this rank 1 (group 0): by hand."""
+    import moe_router
+
+    places = moe_router.group_places(8, 2, 4, 1, "cpu")
+    assert places.of_rank_list == [0, 0, 1, 1] and places.mine == 0
+    expert = torch.tensor([[0, 1], [4, 6], [2, 5], [7, 6]])  # groups: {0}, {1}, {0, 1}, {1}
+    keep = torch.tensor([[True, True], [True, True], [True, False], [True, True]])
+    rows, copies = moe_router.off_group(places, expert, keep, [2, 1, 2, 2])  # splits: 4 rows to ranks 2, 3
+    assert rows == 4 and int(copies) == 2  # token 2's slot to group 1 was dropped: tokens 1 and 3, once each
+
+
+def test_the_uniform_off_group_estimate():
+    """G = E = 4, k = 2: a slot leaves with 3/4 whatever M; M = 1 reaches one other group with 3/4, M = 4 each
+    of the 3 others with 1 − (3/4)² = 7/16."""
+    import moe_router
+
+    assert moe_router.off_group_estimate(2, 4, 1, 4) == (0.75, 0.75)
+    assert moe_router.off_group_estimate(2, 4, 4, 4) == (0.75, 3 * 7 / 16)
+    assert moe_router.off_group_estimate(2, 4, 2, 2)[1] == pytest.approx(2 / 3)  # hypergeometric j over 2 of 4
+
+
+OFF_GROUP_FLAGS = ["--moe-experts", "8", "--moe-score", "sigmoid", "--moe-bias-rate", "0.01", "--moe-groups", "4",
+                   "--ep", "4"]
+
+
+def _off_group_runs(rank, world):
+    import moe_router
+    import report
+    import report_axes
+    import test_composition
+    from comm import CommTracer
+    from optim import DynamicLossScaler
+    from step import train_step
+
+    out, route = {}, moe_router.route
+    for limit in (4, 1):  # unlimited (M = G), then one group per token
+        chosen = []
+
+        def recording(logits, topk, *args, **kwargs):
+            result = route(logits, topk, *args, **kwargs)
+            chosen.append(result[2].tolist())
+            return result
+
+        moe_router.route = recording
+        run = test_composition.composed_run(rank, world, [*OFF_GROUP_FLAGS, "--moe-group-limit", str(limit)], {}, 8, 1,
+                                            harness.device())
+        axis = next(a for a in run.axes if a.name == "moe")
+        tracer, steps = CommTracer(), 2
+        run.tracer = tracer  # report.predicted_messages names the groups as the tracer does
+        for name, group in run.mesh.groups.items():
+            tracer.name_group(group, name)
+        for x, y in global_batches(steps, 8, SEQ):
+            batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.index("dp"), run.mesh.size("dp"), 1)]
+            with tracer:
+                train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0,
+                           nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.size("dp"))
+        moe_router.route = route
+        mine = run.mesh.index("ep")  # G = E: a group is one rank, expert e on rank e // 2
+        by_hand = [sum(e // 2 != mine for e in row) for forward in chosen for row in forward]
+        copies = [len({e // 2 for e in row} - {mine}) for forward in chosen for row in forward]
+        out[limit] = dict(off_group=(axis.observer.off_group[0], int(axis.observer.off_group[1])),
+                          by_hand=(sum(by_hand), sum(copies)), tokens=sum(len(f) for f in chosen),
+                          traced={k: (r.calls / steps, r.payload_bytes / steps) for k, r in tracer.records.items()},
+                          predicted=report.predicted_messages(run, steps),
+                          lines=report_axes.axis_lines(axis, "end", run, steps))
+    return out
+
+
+@pytest.mark.slow
+def test_group_limited_routing_cuts_the_off_group_copies_as_predicted():
+    """E = 4, G = 4 (a group is a rank's 2 experts), k = 2, M = 4 then 1, 2 steps: the off-group rows and copies
+    counted by the layers equal a count by hand from the experts chosen; the copies fall from unlimited to M = 1
+    (the uniform estimate: 3·7/16 → 3/4 per token) while the rows do not (3/4 per slot either way); every message
+    of the step, the bias's load all-reduce included, equals the prediction."""
+    results = run_ranks(_off_group_runs, 4, timeout=300)
+    for limit in (4, 1):
+        for rank, got in enumerate(results):
+            assert got[limit]["off_group"] == got[limit]["by_hand"], (limit, rank, got[limit])
+            traced, predicted = got[limit]["traced"], got[limit]["predicted"]
+            assert set(traced) == set(predicted), (limit, rank, set(traced) ^ set(predicted))
+            for key, value in predicted.items():
+                assert traced[key] == pytest.approx(value, abs=1e-9), (limit, rank, key)
+            assert any(op == "all_reduce" and "dp_cp" in group.split("=") for op, group in traced), traced
+    copies = {limit: sum(r[limit]["off_group"][1] for r in results) / sum(r[limit]["tokens"] for r in results)
+              for limit in (4, 1)}
+    rows = {limit: sum(r[limit]["off_group"][0] for r in results) / (2 * sum(r[limit]["tokens"] for r in results))
+            for limit in (4, 1)}
+    print(f"\noff-group copies per token {copies}, rows per slot {rows}\n" + "\n".join(results[0][1]["lines"]))
+    assert copies[1] < copies[4]
+    assert copies[1] == pytest.approx(0.75, abs=0.15) and copies[4] == pytest.approx(3 * 7 / 16, abs=0.2)
+    assert rows[1] == pytest.approx(0.75, abs=0.15) and rows[4] == pytest.approx(0.75, abs=0.15)
+    assert any(line.startswith("moe off-group dispatch (G=4, M=1; a group is 1 ranks)") for line in
+               results[0][1]["lines"])
+
+
+GROUP_LIMITED_RUN = """
+import sys
+import moe_router
+import train
+route, steps = moe_router.route, []
+def checked(logits, topk, score="softmax", bias=None, groups=0, limit=0, scale=1.0):
+    out = route(logits, topk, score, bias, groups, limit, scale)
+    span = max(len(set(row)) for row in (out[2] // (logits.shape[1] // groups)).tolist())
+    assert span <= limit, (span, limit)
+    steps.append(span)
+    return out
+moe_router.route = checked
+train.main(sys.argv[1].split())
+print("GROUP SPANS", len(steps), max(steps))
+"""
+
+
+@pytest.mark.slow
+def test_every_step_of_a_train_py_run_keeps_each_tokens_experts_in_m_groups(tmp_path):
+    """train.main on one process, 4 steps with evaluation and sampling (every forward checked, the bias learning):
+    every token's experts lie in at most M = 1 of G = 4 groups; the run reaches its end lines."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(500)))
+    argv = (f"--preset tiny --steps 4 --global-batch 4 --eval-every 2 --eval-batches 1 --sample-tokens 8"
+            f" --log-every 1 --peak-tflops 1 --data {corpus} --out-dir {tmp_path} {' '.join(harness.backend_flags(1))}"
+            f" --moe-experts 8 --moe-score sigmoid --moe-bias-rate 1e-3 --moe-groups 4 --moe-group-limit 1"
+            f" --moe-seq-aux-coef 1e-4")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    run = subprocess.run([sys.executable, "-c", GROUP_LIMITED_RUN, argv], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    spans = next(line for line in run.stdout.splitlines() if line.startswith("GROUP SPANS")).split()
+    assert int(spans[2]) >= 4 * 2 and int(spans[3]) == 1, spans  # 4 steps × 2 MoE layers at least, one group each
+    assert "sigmoid + bias (γ=0.001 per step) → best 1 of 4 groups" in run.stdout
