@@ -54,13 +54,17 @@ import train  # noqa: E402
 from step import train_step  # noqa: E402
 
 # Row name -> (what it is, its own train.py flags). "none" keeps the z-loss (it bounds the logits, it does not
-# balance); the loss-free rows route by sigmoid scores with a per-expert bias updated from each step's load.
+# balance); the loss-free rows route by sigmoid scores with a per-expert bias updated from each step's load:
+# γ = 1e-3 is the paper's (tuned for runs of many thousand steps: b moves at most γ per step, 0.2 in 200 steps,
+# while the router at lr 2e-3 spreads the scores faster), γ = 1e-2 what a few hundred steps need.
 ROWS = {
     "none": ("no balancing (aux coef 0)", ["--moe-aux-coef", "0"]),
     "sigmoid": ("sigmoid scores, no balancing", ["--moe-aux-coef", "0", "--moe-score", "sigmoid"]),
     "aux": ("auxiliary loss α=0.01, softmax", ["--moe-aux-coef", "0.01"]),
     "loss-free": ("loss-free bias γ=1e-3, sigmoid", ["--moe-aux-coef", "0", "--moe-score", "sigmoid",
                                                       "--moe-bias-rate", "1e-3"]),
+    "loss-free-1e-2": ("loss-free bias γ=1e-2, sigmoid", ["--moe-aux-coef", "0", "--moe-score", "sigmoid",
+                                                         "--moe-bias-rate", "1e-2"]),
     "loss-free+seq": ("loss-free γ=1e-3, + seq aux 1e-4", ["--moe-aux-coef", "0", "--moe-score", "sigmoid",
                                                             "--moe-bias-rate", "1e-3", "--moe-seq-aux-coef", "1e-4"]),
 }
@@ -178,7 +182,8 @@ def main():
     p.add_argument("--seq", type=int, default=None, help="--seq-len (default: the preset's block size)")
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--window", type=int, default=50, help="batch MaxVio: the mean over this many last steps")
-    p.add_argument("--rows", default="none,aux,loss-free,loss-free+seq", help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--rows", default="none,aux,loss-free,loss-free-1e-2,loss-free+seq",
+                   help=f"comma-separated, of {', '.join(ROWS)}")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (1: the shared machine's other"
                                                           " work makes a second thread wait more than it helps)")
     p.add_argument("--seed", type=int, default=1337)
