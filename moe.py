@@ -454,7 +454,7 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     sp = mesh.size("tp") if config.sequence_parallel else 1
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
-                      max(4, next(model.parameters()).element_size()))
+                      max(4, next(model.parameters()).element_size()), run.micro_batch_size)
     load_groups = [name for name in ("dp_cp", "tp") if mesh.size(name) > 1 and (name != "tp" or sp > 1)]
     return MoEAxis(layers, traffic, mesh.group("tp") if config.sequence_parallel else None, mesh, load_groups)
 
@@ -535,7 +535,7 @@ class MoEAxis(Axis):
             pieces = layout.grad_pieces(self.params()) if layout is not None else self.params()
             sp_grad_bytes = sum(g.numel() * g.element_size() for g in pieces)
         out = step_messages(self.traffic, sp_grad_bytes)
-        if any(layer.load.rate > 0 for layer in self.layers):
+        if any(layer.load.reduce for layer in self.layers):
             for message in moe_router.load_messages(len(self.layers), self.traffic.model.moe_experts,
                                                     self.load_groups):
                 out.add(*message)
@@ -571,27 +571,29 @@ class Traffic:
     sp: int = 1  # T_tp with --sp, else 1
     compute_bytes: int = 2  # e_c of the rows
     router_bytes: int = 4  # e_r
+    sequences: int = 1  # B_μ: with the seq loss, its [B_μ, 2N+1] statistics join the pieces' all-reduce
 
 
 def layer_activation_bytes(config, tokens: int, compute_bytes: int = 2, router_bytes: int = 4,
-                           mask_bytes: int = 1) -> int:
+                           mask_bytes: int = 1, sequences: int = 1) -> int:
     """Bytes ONE MoE layer saves for backward per micro-batch (weights and their autocast copies aside), for
     T = `tokens` routed by this rank, uniform routing without drops (S = R = T·k; exact for E = 1):
-        router    T·e_r·(h + 2N + 1 + [k > 1]·(k + 1)) + 8·T·k   its e_r input, logits, probabilities, lse,
-                                                               (k > 1: top-k values, their sum), indices
+        router    T·e_r·(h + 2N + 1 + [k > 1 or σ]·(k + 1) + [σ]) + 8·T·k   its e_r input, logits, scores, lse,
+                  (renormalised: the k weights, their sum), sigmoid's (σ) Σ_j s_tj, indices
         dispatch  S·(3·8 + e_r)        the sort's order, each row's token (gather, index_add), each row's gate
         rows      S·h·(2·e_c + e_w)    rows in, rows back, the weighted rows index_add keeps (e_w = max(e_c, e_r))
         experts   R·8h·e_c             GELU's input and output
-    + e_r·(4N + 3) of statistics, + T·h·mask_bytes with dropout (1 on GPUs; the element size on CPUs, whose
-    dropout keeps a scaled mask)."""
+    + e_r·(4N + 3) of statistics (×(1 + B_μ) with the seq loss, B_μ = `sequences`), + T·h·mask_bytes with dropout
+    (1 on GPUs; the element size on CPUs, whose dropout keeps a scaled mask)."""
     n, k, h = config.moe_experts, config.moe_topk, config.n_embd
-    slots = tokens * k
-    router = tokens * router_bytes * (h + 2 * n + 1 + (k + 1 if k > 1 else 0)) + 8 * slots
+    slots, sigmoid = tokens * k, config.moe_score == "sigmoid"
+    router = tokens * router_bytes * (h + 2 * n + 1 + (k + 1 if k > 1 or sigmoid else 0) + sigmoid) + 8 * slots
     dispatch = slots * (3 * 8 + router_bytes)
     rows = slots * h * (2 * compute_bytes + max(compute_bytes, router_bytes))
     experts = slots * 8 * h * compute_bytes
     mask = tokens * h * mask_bytes if config.dropout > 0 else 0
-    return router + dispatch + rows + experts + mask + router_bytes * (4 * n + 3)
+    statistics = router_bytes * (4 * n + 3) * (1 + (sequences if config.moe_seq_aux_coef > 0 else 0))
+    return router + dispatch + rows + experts + mask + statistics
 
 
 def activation_estimate_delta(config, moe_blocks: int, seq: int, micro: int, tp: int = 1,
@@ -604,7 +606,7 @@ def activation_estimate_delta(config, moe_blocks: int, seq: int, micro: int, tp:
     sbh = seq * micro * config.n_embd
     dense_mlp = 19 * sbh / tp if sequence_parallel else (3 + 16 / tp) * sbh
     tokens = seq * micro // (tp if sequence_parallel else 1)
-    return moe_blocks * (layer_activation_bytes(config, tokens) - dense_mlp)
+    return moe_blocks * (layer_activation_bytes(config, tokens, sequences=micro) - dense_mlp)
 
 
 def all_to_all_messages(traffic: Traffic, forwards: int, sent: float, received: float) -> Messages:
@@ -631,9 +633,10 @@ def step_messages(traffic: Traffic, sp_grad_bytes: int = 0) -> Messages:
     out = all_to_all_messages(t, passes, passes * rows, passes * rows) if t.ep > 1 else Messages()
     forwards = passes * (2 if t.model.activation_checkpointing else 1)
     choice_bytes = 1 if n <= 256 else 4
+    statistics = 2 * n + 2 + (t.sequences * (2 * n + 1) if t.model.moe_seq_aux_coef > 0 else 0)  # moe_router's
     for group, size, gathered in (("cp", t.cp, whole), ("tp", t.sp, whole // t.cp)):
         if size > 1:
-            out.add("all_reduce", group, forwards, forwards * (2 * n + 2) * t.router_bytes)
+            out.add("all_reduce", group, forwards, forwards * statistics * t.router_bytes)
             if cap is not None:
                 out.add("all_gather_single", group, forwards, forwards * gathered * k * choice_bytes)
     if t.sp > 1 and sp_grad_bytes:

@@ -20,17 +20,22 @@ loss only. The seq loss joins the aux channel as "moe_seq_balance" (moe.py: per 
 by D·m; a micro-batch's B_μ sequences are averaged, so the objective is the mean over the global batch's
 sequences); under CP/SP a sequence is in pieces: its [B, 2N+1] statistics ride moe.router_losses' all-reduce.
 
-Groups and the EP ranks (E): G divides N, and either G divides E (a group is E/G ranks: a node) or E divides G
-(a rank holds G/E groups); a token's rows then reach at most max(1, E/G)·M ranks.
+Groups and the EP ranks (E): G divides N, and either G divides E (a group is E/G ranks: with G = the ep group's
+nodes, DeepSeek-V3's node-limited routing) or E divides G (a rank holds G/E groups; G = E: device-limited); a
+token's rows then reach at most max(1, E/G)·M ranks. What it buys is counted (`off_group`): the dispatch's rows
+leaving the sender's group, and the copies a dispatch sending each token once per group would send.
 
 1. Replicated and split. The bias: one logical [N] fp32 tensor per MoE layer, identical on every rank holding
    the layer (the loads it is updated from are all-reduced first). The loads: each rank's own, then global.
 2. Peak per device. b and the step's load: 12·N bytes per MoE layer. Per micro-batch the router adds the [T, N]
-   sort of the biased scores (e_r + 8 bytes per entry), and with the seq loss [T, N] of normalised scores.
-3. Messages. With γ > 0, once per optimizer step: one all_reduce of the L_moe·N int64 loads over dp_cp (every
-   rank that saw tokens: EP's ranks are data ranks), and over tp with --sp; PP: each stage its own layers. The
-   seq loss adds B_μ·(2N+1)·e_r bytes to moe.py's statistics all-reduce under CP/SP (no call of its own).
-   No host sync: the update is sign arithmetic on the device.
+   sort of the biased scores (e_r + 8 bytes per entry, transient). Saved for backward (moe.layer_activation_bytes,
+   tested against autograd): sigmoid's Σ_j s_tj and its always renormalised weights, the seq loss's statistics
+   B_μ·(4N + 3)·e_r; group limiting saves nothing more (its masks are of detached scores).
+3. Messages. With γ > 0 (`ExpertLoad.reduce`), once per optimizer step: one all_reduce of the L_moe·N int64
+   loads over dp_cp (every rank that saw tokens: EP's ranks are data ranks), and over tp with --sp; PP: each
+   stage its own layers. The seq loss adds B_μ·(2N+1)·e_r bytes to moe.py's statistics all-reduce under CP/SP
+   (no call of its own). No host sync: the update is sign arithmetic on the device, and it runs on a step the
+   update skips too (fp16 overflow: the loads were routed all the same), alike on every rank.
 4. Restart state. The bias ("moe/<layer>.expert_bias", one logical copy, written by dp_cp and tp coordinate 0):
    it resumes on any E, P, C, T. The load of a step is zero between steps and not saved.
 """
@@ -161,11 +166,13 @@ def is_training_forward(layer) -> bool:
 class ExpertLoad:
     """One MoE layer's balancing state: the selection bias b ([N] fp32, sigmoid scores only, else None), this
     step's routed slots per expert on this rank (`step`, int64), and the last step's (`last`: global over the
-    batch when the bias updates, else this rank's; None before the first step). The one place every reader of
-    per-expert load goes: `layer.load.last` (the bench's MaxVio, a placement of hot experts)."""
+    batch when `reduce` (set with the bias; a reader that needs it global sets it at build, on every rank), else
+    this rank's; None before the first step). The one place every reader of per-expert load goes:
+    `layer.load.last` (the bench's MaxVio, a placement of hot experts)."""
 
     def __init__(self, n_experts: int, sigmoid: bool, rate: float):
         self.n_experts, self.rate = n_experts, rate
+        self.reduce = rate > 0  # sum the step's load over the batch's ranks: the bias needs it (another reader may)
         self.bias = torch.zeros(n_experts, dtype=torch.float32) if sigmoid else None
         self.step = torch.zeros(n_experts, dtype=torch.long)
         self.last = None
@@ -199,7 +206,7 @@ def finish_step(loads: list, groups=()) -> None:
     if not loads:
         return
     stacked = torch.stack([load.step for load in loads])
-    if any(load.rate > 0 for load in loads):
+    if any(load.reduce for load in loads):
         for group in groups:
             dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
     for load, total in zip(loads, stacked):

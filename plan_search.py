@@ -30,6 +30,7 @@ import hardware
 import memory
 import mfu
 import moe
+import moe_router
 import schedules
 import tensor_parallel
 import train
@@ -182,9 +183,13 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
             temporaries["ring CP: the K, V block in flight"] = 2 * 2 * micro * seq * config.n_embd // T * s.b_c
     if n_moe:
         tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
-        traffic = moe.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w))
+        traffic = moe.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro)
         shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
         messages = messages + moe.step_messages(traffic, int(s.b_g * held["moe_replicated"] / shard) if sp else 0)
+        if config.moe_bias_rate > 0:  # the step's loads, summed over the batch's ranks (moe_router item 3)
+            groups = [name for name, size in (("dp_cp", shape.dp * C), ("tp", tp_sp)) if size > 1]
+            for message in moe_router.load_messages(n_moe, config.moe_experts, groups):
+                messages = messages + Messages().add(*message)
         if E > 1:
             temporaries["MoE all-to-all buffers (dispatch out and in)"] = 2 * tokens * config.moe_topk * \
                 config.n_embd * s.b_c

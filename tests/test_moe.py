@@ -905,16 +905,21 @@ def test_the_load_line_counts_the_training_step_only(traced_and_sampled_runs):
             assert f"of the {got['slots']} slots" in got["load_line"], (flags, rank, got["load_line"])
 
 
+SIGMOID_SEQ = dict(moe_score="sigmoid", moe_bias_rate=1e-3, moe_seq_aux_coef=1e-4, moe_route_scale=2.0)
+
+
 def test_layer_activation_bytes_match_what_autograd_saves():
     """moe.layer_activation_bytes against memory.SavedActivations of one MoE layer's forward (E = 1, dropless: S =
     R = T·k exactly), in float64, float32 top-1 with dropout (a CPU mask in fp32) and bf16 autocast (whose saved
-    bf16 copies of the expert weights are weights, not activations: taken off)."""
+    bf16 copies of the expert weights are weights, not activations: taken off); DeepSeek-V3's router (sigmoid,
+    the seq loss over B_μ = 2 sequences, top-2, and top-1 with groups)."""
     import memory
     import moe
     from model import GPT
 
     for dtype, autocast, overrides in ((DT, False, {}), (torch.float32, False, dict(dropout=0.1, moe_topk=1)),
-                                       (torch.float32, True, {})):
+                                       (torch.float32, True, {}), (DT, False, SIGMOID_SEQ),
+                                       (DT, False, dict(SIGMOID_SEQ, moe_topk=1, moe_groups=2, moe_group_limit=1))):
         config = make_config(**{**LAYER, **overrides})
         model = GPT(config, seed=0, dtype=dtype)
         layer = model.transformer.h[0].mlp
@@ -924,7 +929,8 @@ def test_layer_activation_bytes_match_what_autograd_saves():
             layer(x)
         compute = 2 if autocast else dtype.itemsize
         weight_copies = config.moe_experts * 2 * 4 * 16 * 16 * 2 if autocast else 0
-        expected = moe.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize), mask_bytes=dtype.itemsize)
+        expected = moe.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize), mask_bytes=dtype.itemsize,
+                                              sequences=2)
         assert saved.bytes - weight_copies == expected, (dtype, autocast, saved.bytes, expected)
 
 
@@ -1038,6 +1044,8 @@ def test_the_bias_update_rule():
 
 
 def test_the_layer_counts_training_forwards_only_and_routes_with_its_bias():
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
     import moe
     from model import AuxLosses
 
@@ -1048,6 +1056,9 @@ def test_the_layer_counts_training_forwards_only_and_routes_with_its_bias():
     with torch.no_grad():
         layer(x)  # evaluation: not counted
     assert int(layer.load.step.sum()) == 6
+    with set_checkpoint_early_stop(False):  # the recompute runs the whole forward, its routing included
+        checkpoint(layer, x.requires_grad_(), use_reentrant=False).sum().backward()  # the recompute: not counted
+    assert int(layer.load.step.sum()) == 12
     layer.load.bias[2] = 10.0  # a bias that large wins every token's one slot: selection reads s + b
     layer.load.step.zero_()
     layer(x)
@@ -1245,7 +1256,7 @@ def _off_group_runs(rank, world):
     from step import train_step
 
     out, route = {}, moe_router.route
-    for limit in (4, 1):  # unlimited (M = G), then one group per token
+    for limit in (4, 1, "cp_sp"):  # unlimited (M = G), one group per token; CP × SP with the seq loss (B_μ = 2)
         chosen = []
 
         def recording(logits, topk, *args, **kwargs):
@@ -1254,15 +1265,20 @@ def _off_group_runs(rank, world):
             return result
 
         moe_router.route = recording
-        run = test_composition.composed_run(rank, world, [*OFF_GROUP_FLAGS, "--moe-group-limit", str(limit)], {}, 8, 1,
-                                            harness.device())
+        flags, batch, micro = [*OFF_GROUP_FLAGS, "--moe-group-limit", str(limit)], 8, 1
+        if limit == "cp_sp":
+            flags, batch, micro = [*OFF_GROUP_FLAGS[:6], "--moe-seq-aux-coef", "0.01", "--cp", "2", "--tp", "2",
+                                   "--sp"], 2, 2
+        run = test_composition.composed_run(rank, world, flags, {}, batch, micro, harness.device())
         axis = next(a for a in run.axes if a.name == "moe")
         tracer, steps = CommTracer(), 2
         run.tracer = tracer  # report.predicted_messages names the groups as the tracer does
         for name, group in run.mesh.groups.items():
             tracer.name_group(group, name)
-        for x, y in global_batches(steps, 8, SEQ):
-            batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.index("dp"), run.mesh.size("dp"), 1)]
+        for x, y in global_batches(steps, batch, SEQ):
+            batches = [(*b, None) for b in rank_micro_batches(x, y, run.mesh.index("dp"), run.mesh.size("dp"), micro)]
+            for handle in run.axes:
+                batches = handle.shard_batches(batches)
             with tracer:
                 train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0,
                            nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.size("dp"))
@@ -1283,11 +1299,13 @@ def test_group_limited_routing_cuts_the_off_group_copies_as_predicted():
     """E = 4, G = 4 (a group is a rank's 2 experts), k = 2, M = 4 then 1, 2 steps: the off-group rows and copies
     counted by the layers equal a count by hand from the experts chosen; the copies fall from unlimited to M = 1
     (the uniform estimate: 3·7/16 → 3/4 per token) while the rows do not (3/4 per slot either way); every message
-    of the step, the bias's load all-reduce included, equals the prediction."""
+    of the step, the bias's load all-reduce included, equals the prediction; and on C = 2 × T = 2 with --sp and
+    the seq loss (its statistics ride the pieces' all-reduces over cp and tp, the loads are summed over both)."""
     results = run_ranks(_off_group_runs, 4, timeout=300)
-    for limit in (4, 1):
+    for limit in (4, 1, "cp_sp"):
         for rank, got in enumerate(results):
-            assert got[limit]["off_group"] == got[limit]["by_hand"], (limit, rank, got[limit])
+            if limit != "cp_sp":
+                assert got[limit]["off_group"] == got[limit]["by_hand"], (limit, rank, got[limit])
             traced, predicted = got[limit]["traced"], got[limit]["predicted"]
             assert set(traced) == set(predicted), (limit, rank, set(traced) ^ set(predicted))
             for key, value in predicted.items():

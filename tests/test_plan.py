@@ -164,6 +164,8 @@ SEARCHED = [  # layouts the search enumerates, on 8 ranks
     (["--moe-experts", "4", "--ep", "2"], 8, 1), (["--moe-experts", "4", "--ep", "4", "--zero", "2"], 16, 2),
     (["--moe-experts", "4", "--moe-every", "2", "--ep", "2", "--cp", "2", "--zero", "3"], 8, 1),
     (["--moe-experts", "4", "--ep", "2", "--tp", "2", "--sp", "--zero", "1", "--pp", "2"], 8, 1),
+    (["--moe-experts", "4", "--ep", "2", "--tp", "2", "--sp", "--cp", "2", "--moe-score", "sigmoid", "--moe-bias-rate",
+      "1e-3", "--moe-seq-aux-coef", "1e-4", "--moe-groups", "2", "--moe-group-limit", "1"], 8, 2),  # DeepSeek's router
 ]
 
 
