@@ -10,11 +10,13 @@ harness's warm fork server); the others run here, each as its own process, as a 
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -26,6 +28,7 @@ SMOKE_PRINTS = {
     "bench_fp8": "× bf16",
     "bench_model": "bf16 speed-up over fp32",
     "bench_moe": "step-time ratio to E=1",
+    "bench_moe_balance": "global MaxVio",
     "bench_pipeline": "one executed step",
     "bench_precision": "Δ vs bf16",
     "bench_tp": "params/rank",
@@ -69,3 +72,15 @@ def test_bench_smoke_runs(name, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert SMOKE_PRINTS[name] in proc.stdout and "WRONG" not in proc.stdout, proc.stdout[-3000:]
+
+
+def test_max_violation_is_the_loss_free_papers():
+    """bench_moe_balance's MaxVio = (max load − mean load)/mean load over the experts (Wang et al. 2024), per row
+    of a [layers, N] load: 0 when balanced, N − 1 when one expert takes every slot."""
+    sys.path.insert(0, BENCH)
+    try:
+        max_violation = importlib.import_module("bench_moe_balance").max_violation
+    finally:
+        sys.path.remove(BENCH)
+    loads = torch.tensor([[1, 1, 1, 1], [4, 0, 0, 0], [3, 1, 2, 2], [0, 5, 1, 2]])
+    assert max_violation(loads).tolist() == [0.0, 3.0, 0.5, (5 - 2) / 2]
