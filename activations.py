@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import fp8_experts
 import memory
-import moe
+import moe_accounting
 import moe_shared
 import schedules
 
@@ -133,7 +133,7 @@ def moe_block_bytes(config, x: memory.ActivationShape, ep: int) -> tuple:
     weights = config.moe_experts // ep + config.moe_shared_experts / x.t  # (held routed, TP's share of shared) 8h²
     copies = 0 if x.fp8 else weights * 8 * x.h * x.h * x.weight_copy
     fp8 = fp8_experts.saved_bytes_delta(routed, config.moe_topk, config.moe_experts, x.h, x.e_c) if x.fp8 else 0
-    return (moe.layer_activation_bytes(config, routed, x.e_c, router_bytes,
+    return (moe_accounting.layer_activation_bytes(config, routed, x.e_c, router_bytes,
                                        mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)) + shared + fp8, copies)
 
 
@@ -149,11 +149,11 @@ def block_bytes(x: memory.ActivationShape, experts: tuple) -> dict:
 
 def korthikanti_estimate(config, x: memory.ActivationShape, blocks: int, n_moe: int) -> float:
     """Korthikanti et al. 2022 for this rank's blocks and micro-batch (16-bit; a MoE block's experts by
-    moe.activation_estimate_delta); under activation checkpointing the block inputs, 2·s·b·h each (/T with SP),
-    and one layer recomputed."""
+    moe_accounting.activation_estimate_delta); under activation checkpointing the block inputs, 2·s·b·h each
+    (/T with SP), and one layer recomputed."""
     checkpointing = config.activation_checkpointing
     per_layer = memory.activation_bytes_per_layer(x.s, x.b, x.h, x.a, t=x.t, sequence_parallel=x.sp)
-    experts = moe.activation_estimate_delta(config, min(1, n_moe) if checkpointing else n_moe, x.s, x.b, x.t,
+    experts = moe_accounting.activation_estimate_delta(config, min(1, n_moe) if checkpointing else n_moe, x.s, x.b, x.t,
                                             x.sp) if n_moe else 0
     if not checkpointing:
         return per_layer * blocks + experts

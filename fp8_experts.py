@@ -43,7 +43,7 @@ def padding_bytes(rows: int, hidden: int, compute_bytes: int) -> int:
 
 
 def saved_bytes_delta(tokens: int, topk: int, experts: int, hidden: int, compute_bytes: int) -> float:
-    """What FP8 changes in one MoE layer's saved bytes (moe.layer_activation_bytes: R = T·k rows; P =
+    """What FP8 changes in one MoE layer's saved bytes (moe_accounting.layer_activation_bytes: R = T·k rows; P =
     expected_padded_rows): c_fc's and c_proj's inputs, R·h and R·4h in e_c, become FP8 codes of R + P rows,
     and the padding keeps c_fc's output rows (4h·e_c each)."""
     rows, padded = tokens * topk, expected_padded_rows(experts)

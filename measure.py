@@ -28,6 +28,7 @@ import activations
 import context_parallel
 import memory
 import moe
+import moe_accounting
 import moe_memory
 from comm import CommTracer, Count
 from model import materialize
@@ -161,7 +162,7 @@ def _moe_backward_rise(run, layer, shape, device) -> int:
     return rise.rise(p.grad.untyped_storage()._cdata for p in layer.parameters() if p.grad is not None)
 
 
-def run_traffic(run) -> moe.Traffic:
+def run_traffic(run) -> moe_accounting.Traffic:
     """The MoE axis's Traffic (what one micro-batch routes on this rank)."""
     return next(axis.facts().traffic for axis in run.axes if axis.name == "moe")
 

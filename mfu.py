@@ -561,7 +561,8 @@ class RoutedLoad:
         self.dropped[key] = self.dropped.get(key, 0) + (0 if keep is None else (~keep).sum())
 
     def rows(self) -> tuple:
-        """(forwards, Σ S, Σ R) of the training forwards since start-up (moe.all_to_all_messages' arguments)."""
+        """(forwards, Σ S, Σ R) of the training forwards since start-up (moe_accounting.all_to_all_messages'
+        arguments)."""
         return self.forwards, self.sent, self.received
 
     def take_load(self, micro_batches: int):

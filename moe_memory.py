@@ -78,7 +78,7 @@ from dataclasses import dataclass
 
 import activations
 import mfu
-import moe
+import moe_accounting
 
 MOMENTS = {"P0": "capacity's one-hot product", "P1": "the experts' outputs concatenated",
            "P2": "the combine's index_add", "P3": "the output's dropout", "P4": "y cast to the input's dtype",
@@ -247,14 +247,14 @@ def attention_above_saved(x, bias: bool = True) -> int:
     return sbh * x.e_c * (2 if x.dropout else 1) + biases + c_attn + reduced
 
 
-def shape_of(traffic: moe.Traffic, x, routing: str = "uniform") -> DispatchShape:
-    """DispatchShape of one MoE layer and micro-batch from moe.Traffic and memory.ActivationShape x (dtypes, dropout
-    masks, autocast), for `routing` "uniform" (S = R = T·k, at most the capacity's share) or "worst" (the whole ep
-    group picks this rank's experts)."""
+def shape_of(traffic: moe_accounting.Traffic, x, routing: str = "uniform") -> DispatchShape:
+    """DispatchShape of one MoE layer and micro-batch from moe_accounting.Traffic and memory.ActivationShape x
+    (dtypes, dropout masks, autocast), for `routing` "uniform" (S = R = T·k, at most the capacity's share) or
+    "worst" (the whole ep group picks this rank's experts)."""
     config, T, E = traffic.model, traffic.tokens, traffic.ep
     n, k, h = config.moe_experts, config.moe_topk, config.n_embd
     whole = T * traffic.cp * traffic.sp  # B_μ·s: capacity is decided on it
-    cap = moe.capacity(whole, k, n, config.moe_capacity_factor)
+    cap = moe_accounting.capacity(whole, k, n, config.moe_capacity_factor)
     if routing == "uniform":
         sent = received = T * k if cap is None else min(T * k, n * cap // (traffic.cp * traffic.sp))
     else:
@@ -304,8 +304,9 @@ def peak_setter(temporaries: dict) -> str | None:
                 None)
 
 
-def rank_peak(traffic: moe.Traffic, x) -> RankPeak:
-    """RankPeak of a rank routing moe.Traffic's tokens, with memory.ActivationShape x's dtypes and sequence."""
+def rank_peak(traffic: moe_accounting.Traffic, x) -> RankPeak:
+    """RankPeak of a rank routing moe_accounting.Traffic's tokens, with memory.ActivationShape x's dtypes and
+    sequence."""
     return RankPeak(block_peak(shape_of(traffic, x)), block_peak(shape_of(traffic, x, "worst")),
                     attention_above_saved(x, traffic.model.bias))
 
@@ -318,7 +319,7 @@ MEASURED_LINES = 16  # measured lines at most (one per held MoE layer and rank)
 UNWRITTEN = ": not written, e.g. under EP the experts' partial weight gradients between their chunks"
 
 
-def startup_lines(traffic: moe.Traffic, run) -> list:
+def startup_lines(traffic: moe_accounting.Traffic, run) -> list:
     """The moe section's start-up lines (report_axes.py): which block sets the peak and what a MoE layer's forward
     holds at it, predicted for uniform routing and the worst case; each held MoE layer's on each rank measured at
     start-up (run.measured_moe: measure.measure_moe_blocks) next to the prediction for the rows it routed, in bytes."""

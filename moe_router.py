@@ -28,9 +28,10 @@ leaving the sender's group, and the copies a dispatch sending each token once pe
 1. Replicated and split. The bias: one logical [N] fp32 tensor per MoE layer, identical on every rank holding
    the layer (the loads it is updated from are all-reduced first). The loads: each rank's own, then global.
 2. Peak per device. b and the step's load: 12·N bytes per MoE layer. Per micro-batch the router adds the [T, N]
-   sort of the biased scores (e_r + 8 bytes per entry, transient). Saved for backward (moe.layer_activation_bytes,
-   tested against autograd): sigmoid's Σ_j s_tj and its always renormalised weights, the seq loss's statistics
-   B_μ·(4N + 3)·e_r; group limiting saves nothing more (its masks are of detached scores).
+   sort of the biased scores (e_r + 8 bytes per entry, transient). Saved for backward
+   (moe_accounting.layer_activation_bytes, tested against autograd): sigmoid's Σ_j s_tj and its always
+   renormalised weights, the seq loss's statistics B_μ·(4N + 3)·e_r; group limiting saves nothing more (its
+   masks are of detached scores).
 3. Messages. With γ > 0 (`ExpertLoad.reduce`), once per optimizer step: one all_reduce of the L_moe·N int64
    loads over dp_cp (every rank that saw tokens: EP's ranks are data ranks), and over tp with --sp; PP: each
    stage its own layers. The seq loss adds B_μ·(2N+1)·e_r bytes to moe.py's statistics all-reduce under CP/SP
@@ -273,7 +274,7 @@ def off_group_estimate(topk: int, groups: int, limit: int, ep: int) -> tuple:
 def off_group_line(traffic, off_group: list, steps: int) -> str | None:
     """The end line (report_axes' moe section): per MoE layer and step, the dispatch bytes leaving the sender's
     group, counted (mfu.RoutedLoad's sums of `off_group` over the training forwards) beside the uniform estimate,
-    per slot and one copy per (token, group); None without groups or EP. traffic: moe.Traffic."""
+    per slot and one copy per (token, group); None without groups or EP. traffic: moe_accounting.Traffic."""
     config = traffic.model
     groups, limit, ep = config.moe_groups, config.moe_group_limit, traffic.ep
     if groups == 0 or ep == 1 or not steps:

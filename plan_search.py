@@ -6,7 +6,7 @@ It enumerates the layouts (D, P, C ring, T with SP, E with --moe-experts, ZeRO s
 activation checkpointing) that flags.validate accepts, gives each pipeline stage's time_model.Role from the formulas
 the start-up prints (memory.persistent_bytes per data-parallel group, zero.ZeroLayout's units and transients as
 `grad_sync_messages` and `_formula_temporaries` count them, tensor_parallel.step_messages,
-context_parallel.layer_messages, moe.step_messages, activations.estimate_of, schedules.bubble_formula and
+context_parallel.layer_messages, moe_accounting.step_messages, activations.estimate_of, schedules.bubble_formula and
 p2p_counts, mfu.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
 ranks by step time and prints the best ten with the term that limits each. Building a role on meta takes
 about a second for a large model, too slow for thousands of layouts; tests/test_plan.py checks that these
@@ -29,7 +29,7 @@ import flags
 import hardware
 import memory
 import mfu
-import moe
+import moe_accounting
 import moe_memory
 import moe_router
 import schedules
@@ -63,7 +63,7 @@ def stage_params(config, shape: MeshShape, v: int, p: int) -> dict:
     per data-parallel group ("dp_cp": dense, "expert_dp": experts): "blocks" each held block's, "root" the
     embedding's (first chunk) and ln_f's and the head's tied copy (last chunk), "replicated" what TP replicates
     (the SP gradient sum's), "moe_replicated" the routers' and this rank's experts (MoE's own SP sum,
-    moe.step_messages). "runs": (group, elements) in registration order, adjacent tensors of one group
+    moe_accounting.step_messages). "runs": (group, elements) in registration order, adjacent tensors of one group
     together (a bucket or ZeRO unit never spans two groups)."""
     layer_ids, embedding, head = stage_holding(config, shape.pp, v, p)
 
@@ -184,9 +184,10 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
             temporaries["ring CP: the K, V block in flight"] = 2 * 2 * micro * seq * config.n_embd // T * s.b_c
     if n_moe:
         tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
-        traffic = moe.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro)
+        traffic = moe_accounting.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro)
         shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
-        messages = messages + moe.step_messages(traffic, int(s.b_g * held["moe_replicated"] / shard) if sp else 0)
+        sp_grad_bytes = int(s.b_g * held["moe_replicated"] / shard) if sp else 0
+        messages = messages + moe_accounting.step_messages(traffic, sp_grad_bytes)
         if config.moe_bias_rate > 0:  # the step's loads, summed over the batch's ranks (moe_router item 3)
             groups = [name for name, size in (("dp_cp", shape.dp * C), ("tp", tp_sp)) if size > 1]
             for message in moe_router.load_messages(n_moe, config.moe_experts, groups):

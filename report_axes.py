@@ -27,7 +27,7 @@ import fp8_experts
 import measure
 import memory
 import mfu
-import moe
+import moe_accounting
 import moe_memory
 import moe_router
 import pipeline
@@ -181,7 +181,7 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
     facts = axis.facts()
     traffic, config, local, held = facts.traffic, facts.traffic.model, facts.experts, facts.expert_params
     n, k, tokens, whole = config.moe_experts, config.moe_topk, traffic.tokens, run.micro_batch_size * run.seq_len
-    counts, cap = memory.param_counts(config), moe.capacity(whole, k, n, config.moe_capacity_factor)
+    counts, cap = memory.param_counts(config), moe_accounting.capacity(whole, k, n, config.moe_capacity_factor)
     flops = mfu.flops_per_token(counts, config, run.seq_len)
     capacity_text = "dropless" if cap is None else (
         f"capacity f={config.moe_capacity_factor}: C = ⌈B_μ·s·k/N·f⌉ = {cap} slots per expert of each"
@@ -207,7 +207,7 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
     ]
     if traffic.ep > 1:
         per_layer = 4 * tokens * k * config.n_embd * traffic.compute_bytes + 8 * (traffic.slots or n)
-        calls, payload = axis.predicted_messages(run.layout).get(moe.ALL_TO_ALL, (0, 0))
+        calls, payload = axis.predicted_messages(run.layout).get(moe_accounting.ALL_TO_ALL, (0, 0))
         lines.append(f"  all_to_all_single per MoE layer and micro-batch (group ep), uniform-routing estimate"
                      f" S = R = T·k = {tokens * k}: fwd counts 8N + dispatch + combine, bwd both reversed ="
                      f" 4·T·k·h·e_c + 8N = {mfu.format_bytes(per_layer)} payload, (E−1)/E on the wire ="
@@ -237,8 +237,8 @@ def moe_end_lines(axis, run, steps: int) -> list:
     lines, traffic = [], axis.facts().traffic
     layers = max(1, traffic.moe_layers)
     if traffic.ep > 1 and steps:
-        counted = axis.traced_prediction(run.layout, steps).get(moe.ALL_TO_ALL, (0, 0))
-        uniform = axis.predicted_messages(run.layout).get(moe.ALL_TO_ALL, (0, 0))
+        counted = axis.traced_prediction(run.layout, steps).get(moe_accounting.ALL_TO_ALL, (0, 0))
+        uniform = axis.predicted_messages(run.layout).get(moe_accounting.ALL_TO_ALL, (0, 0))
         lines.append(f"moe all_to_all_single (group ep) per MoE layer and step: predicted from this run's routed"
                      f" counts {mfu.format_bytes(counted[1] / layers)} ({counted[0] / layers:.1f} calls; the end"
                      f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"

@@ -102,10 +102,10 @@ def test_the_layer_adds_both_aux_terms_with_their_coefficients():
 
 
 def test_capacity_is_the_ceiling_of_the_fair_share_times_f():
-    import moe
+    import moe_accounting
 
-    assert moe.capacity(64, 2, 4, 1.25) == 40 and moe.capacity(7, 2, 4, 1.0) == 4
-    assert moe.capacity(10, 2, 4, 0.0) is None
+    assert moe_accounting.capacity(64, 2, 4, 1.25) == 40 and moe_accounting.capacity(7, 2, 4, 1.0) == 4
+    assert moe_accounting.capacity(10, 2, 4, 0.0) is None
 
 
 def test_capacity_keeps_each_experts_first_slots_in_token_order():
@@ -222,6 +222,7 @@ def _skew(layer, x):
 
 
 def _layer(rank, world):
+    import moe_accounting
     import moe
     from mesh import MeshShape, build_mesh
     from comm import CommTracer
@@ -258,8 +259,8 @@ def _layer(rank, world):
             y=y.detach(), dx=x.grad, grads=_reduce_grads(model, mesh), aux=model.aux_losses.values(),
             local=sorted(layer.experts.keys(), key=int), dropped=routed.dropped.get(0, 0),
             traced=(traced.calls, traced.payload_bytes),
-            counted=tuple(moe.all_to_all_messages(moe.Traffic(model.config, ep=ep, compute_bytes=8),
-                                                  *routed.rows())[moe.ALL_TO_ALL]),
+            counted=tuple(moe_accounting.all_to_all_messages(moe_accounting.Traffic(
+                model.config, ep=ep, compute_bytes=8), *routed.rows())[moe_accounting.ALL_TO_ALL]),
             expert_inputs=inputs.storages, cats=inputs.cats)
     # Under bf16 autocast (float32 model): the router still computes in fp32, the rows travel in bf16.
     model = GPT(make_config(**LAYER), seed=0, device=device)
@@ -442,6 +443,7 @@ MODEL_CASES = {  # E: config overrides
 
 
 def _model(rank, world):
+    import moe_accounting
     import moe
     import report_axes
     from mesh import MeshShape, build_mesh
@@ -470,8 +472,8 @@ def _model(rank, world):
                                                             global_tokens, 1.0, D * M, nullcontext(), run.device)
         traced = tracer.records[("all_to_all_single", "ep")]
         results[ep] = dict(grads=_reduce_grads(model, mesh), aux=micro.aux, traced=(traced.calls, traced.payload_bytes),
-                           counted=tuple(handle.traced_prediction(None, 1)[moe.ALL_TO_ALL]),
-                           uniform=handle.predicted_messages()[moe.ALL_TO_ALL],
+                           counted=tuple(handle.traced_prediction(None, 1)[moe_accounting.ALL_TO_ALL]),
+                           uniform=handle.predicted_messages()[moe_accounting.ALL_TO_ALL],
                            lines=[*startup, *report_axes.axis_lines(handle, "step", run),
                                   *report_axes.axis_lines(handle, "end", run, 1)])
     return results
@@ -649,13 +651,15 @@ def test_the_load_histogram_scales_to_the_largest():
 def test_uniform_step_messages():
     """5 all-to-alls per MoE layer and micro-batch, 4·T·k·h·e + 8N bytes; checkpointing +3 calls; CP's
     statistics all-reduce (2N + 2 fp32 values) once per forward."""
-    import moe
+    import moe_accounting
 
-    traffic = moe.Traffic(make_config(moe_experts=4, moe_topk=2), moe_layers=2, tokens=32, micro_batches=3, ep=2)
+    traffic = moe_accounting.Traffic(make_config(moe_experts=4, moe_topk=2), moe_layers=2, tokens=32, micro_batches=3,
+                                     ep=2)
     expected = {("all_to_all_single", "ep"): (2 * 3 * 5, 2 * 3 * (4 * 32 * 2 * 32 * 2 + 8 * 4))}
-    assert moe.step_messages(traffic) == expected
-    traffic = moe.Traffic(make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True), tokens=32, ep=2, cp=2)
-    msgs = moe.step_messages(traffic)
+    assert moe_accounting.step_messages(traffic) == expected
+    traffic = moe_accounting.Traffic(make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True), tokens=32,
+                                     ep=2, cp=2)
+    msgs = moe_accounting.step_messages(traffic)
     assert msgs[("all_to_all_single", "ep")] == (8, 6 * 32 * 2 * 32 * 2 + 2 * 8 * 4)
     assert msgs[("all_reduce", "cp")] == (2, 2 * 10 * 4)
 
@@ -909,12 +913,12 @@ SIGMOID_SEQ = dict(moe_score="sigmoid", moe_bias_rate=1e-3, moe_seq_aux_coef=1e-
 
 
 def test_layer_activation_bytes_match_what_autograd_saves():
-    """moe.layer_activation_bytes against memory.SavedActivations of one MoE layer's forward (E = 1, dropless: S =
-    R = T·k exactly), in float64, float32 top-1 with dropout (a CPU mask in fp32) and bf16 autocast (whose saved
-    bf16 copies of the expert weights are weights, not activations: taken off); DeepSeek-V3's router (sigmoid,
-    the seq loss over B_μ = 2 sequences, top-2, and top-1 with groups)."""
+    """moe_accounting.layer_activation_bytes against memory.SavedActivations of one MoE layer's forward (E = 1,
+    dropless: S = R = T·k exactly), in float64, float32 top-1 with dropout (a CPU mask in fp32) and bf16 autocast
+    (whose saved bf16 copies of the expert weights are weights, not activations: taken off); DeepSeek-V3's router
+    (sigmoid, the seq loss over B_μ = 2 sequences, top-2, and top-1 with groups)."""
+    import moe_accounting
     import memory
-    import moe
     from model import GPT
 
     for dtype, autocast, overrides in ((DT, False, {}), (torch.float32, False, dict(dropout=0.1, moe_topk=1)),
@@ -929,20 +933,20 @@ def test_layer_activation_bytes_match_what_autograd_saves():
             layer(x)
         compute = 2 if autocast else dtype.itemsize
         weight_copies = config.moe_experts * 2 * 4 * 16 * 16 * 2 if autocast else 0
-        expected = moe.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize), mask_bytes=dtype.itemsize,
-                                              sequences=2)
+        expected = moe_accounting.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize),
+                                                         mask_bytes=dtype.itemsize, sequences=2)
         assert saved.bytes - weight_copies == expected, (dtype, autocast, saved.bytes, expected)
 
 
 def test_the_moe_aware_activation_estimate_replaces_the_dense_mlps_share():
-    import moe
+    import moe_accounting
 
     config = make_config(**LAYER)
-    one = moe.layer_activation_bytes(config, 64 * 2)
-    assert moe.activation_estimate_delta(config, 3, 64, 2) == 3 * (one - 19 * 64 * 2 * 16)
-    assert moe.activation_estimate_delta(config, 1, 64, 2, tp=2) == one - (3 + 8) * 64 * 2 * 16
-    assert moe.activation_estimate_delta(config, 1, 64, 2, tp=2, sequence_parallel=True) == \
-        moe.layer_activation_bytes(config, 64) - 19 * 64 * 2 * 16 / 2
+    one = moe_accounting.layer_activation_bytes(config, 64 * 2)
+    assert moe_accounting.activation_estimate_delta(config, 3, 64, 2) == 3 * (one - 19 * 64 * 2 * 16)
+    assert moe_accounting.activation_estimate_delta(config, 1, 64, 2, tp=2) == one - (3 + 8) * 64 * 2 * 16
+    assert moe_accounting.activation_estimate_delta(config, 1, 64, 2, tp=2, sequence_parallel=True) == \
+        moe_accounting.layer_activation_bytes(config, 64) - 19 * 64 * 2 * 16 / 2
 
 
 # ---------------------------------------------------------------------------------------------------------

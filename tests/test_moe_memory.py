@@ -69,11 +69,11 @@ def _measure(layer, x, autocast=False):
 
 def _predict(config, rows, tokens, dtype, autocast, ep=1, slots=0):
     """moe_memory.block_peak for the rows the forward routed, the dtypes written out as the test ran them."""
-    import moe
+    import moe_accounting
     import moe_memory
 
     n, k, h, e_x = config.moe_experts, config.moe_topk, config.n_embd, dtype.itemsize
-    cap = moe.capacity(tokens, k, n, config.moe_capacity_factor)
+    cap = moe_accounting.capacity(tokens, k, n, config.moe_capacity_factor)
     shape = moe_memory.DispatchShape(tokens, rows[0], rows[1], n, k, h, ep, tokens if cap else 0,
                                      e_c=2 if autocast else e_x, e_r=max(4, e_x), e_x=e_x, weight_bytes=e_x,
                                      expert_params=8 * h * h + 5 * h * int(config.bias),
@@ -138,13 +138,14 @@ def test_attention_holds_its_output_and_bias_copies_above_what_it_saves(dropout,
 
 def test_uniform_and_worst_case_rows():
     """S = R = T·k uniformly (capped at the capacity's share); worst case R = E·T·k, or E·(N/E)·C_μ with capacity."""
+    import moe_accounting
     import memory
-    import moe
     import moe_memory
 
     x = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=256)
     for factor, uniform, worst in ((0.0, (32, 32), (32, 128)), (2.0, (32, 32), (32, 64)), (0.5, (16, 16), (16, 16))):
-        traffic = moe.Traffic(make_config(n_embd=H, moe_experts=8, moe_capacity_factor=factor), tokens=B * S_LEN, ep=4)
+        traffic = moe_accounting.Traffic(make_config(n_embd=H, moe_experts=8, moe_capacity_factor=factor),
+                                         tokens=B * S_LEN, ep=4)
         rows = {r: moe_memory.shape_of(traffic, x, r) for r in ("uniform", "worst")}
         assert (rows["uniform"].sent, rows["uniform"].received) == uniform, factor
         assert (rows["worst"].sent, rows["worst"].received) == worst, factor
@@ -153,12 +154,12 @@ def test_uniform_and_worst_case_rows():
 def test_the_step_peak_takes_the_backward_when_it_rises_higher():
     """Uniform routing in fp32: the combine's backward (B1) rises above the forward's peak, so the block's figure
     (time_model.Role's and plan_search's temporary) is the backward's."""
+    import moe_accounting
     import memory
-    import moe
     import moe_memory
 
     x = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=256, e_c=4)
-    peak = moe_memory.rank_peak(moe.Traffic(make_config(n_embd=H, moe_experts=4), tokens=B * S_LEN), x)
+    peak = moe_memory.rank_peak(moe_accounting.Traffic(make_config(n_embd=H, moe_experts=4), tokens=B * S_LEN), x)
     u = peak.uniform
     assert u.backward[1] > u.forward_above_saved and peak.above_saved == u.backward[1] and u.phase == "backward"
     assert "at B1 in backward" in peak.temporary()
@@ -193,6 +194,7 @@ def _route(layer, x, how):
 
 
 def _ranks(rank, world):
+    import moe_accounting
     import eplb
     import moe
     import moe_router
@@ -213,7 +215,7 @@ def _ranks(rank, world):
         if how != "random":
             _route(layer, x, how)
         measured = _measure(layer, x.requires_grad_())
-        traffic = moe.Traffic(config, tokens=B * S_LEN, ep=ep)
+        traffic = moe_accounting.Traffic(config, tokens=B * S_LEN, ep=ep)
         shape = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=config.vocab_size)
         out[(ep, factor, how)] = dict(
             measured=measured, rows=layer.observer.rows,

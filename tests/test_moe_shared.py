@@ -120,11 +120,11 @@ def test_a_bad_shared_experts_flag_is_one_line_naming_it(argv, message):
 
 
 def test_layer_activation_bytes_with_shared_experts_match_what_autograd_saves():
-    """moe.layer_activation_bytes + moe_shared.saved_bytes against memory.SavedActivations of one MoE layer's
+    """moe_accounting.layer_activation_bytes + moe_shared.saved_bytes against memory.SavedActivations of one MoE layer's
     forward (E = 1, dropless), in float64 (c_fc's input is the router's: saved once) and under bf16 autocast
     (its own bf16 copy; the weights' bf16 copies, routed and shared, are weights and taken off)."""
+    import moe_accounting
     import memory
-    import moe
     import moe_shared
     from model import GPT
 
@@ -139,21 +139,21 @@ def test_layer_activation_bytes_with_shared_experts_match_what_autograd_saves():
         compute, residual = (2 if autocast else dtype.itemsize), dtype.itemsize
         h, s = config.n_embd, config.moe_shared_experts
         weight_copies = (config.moe_experts + s) * 8 * h * h * 2 if autocast else 0
-        expected = (moe.layer_activation_bytes(config, 24, compute, max(4, residual), mask_bytes=residual)
+        expected = (moe_accounting.layer_activation_bytes(config, 24, compute, max(4, residual), mask_bytes=residual)
                     + moe_shared.saved_bytes(config, 24, 1, compute, max(4, residual)))
         assert saved.bytes - weight_copies == expected, (dtype, autocast, saved.bytes, expected)
 
 
 def test_the_korthikanti_delta_adds_the_shared_experts_16_bit_terms():
-    """moe.activation_estimate_delta with S shared experts: S·16·s·b·h/T (their GELU's input and output) and
+    """moe_accounting.activation_estimate_delta with S shared experts: S·16·s·b·h/T (their GELU's input and output) and
     c_fc's 16-bit input 2·s·b·h (/T with SP) more per MoE block than without them."""
-    import moe
+    import moe_accounting
 
     config, without = make_config(**LAYER), make_config(**{**LAYER, "moe_shared_experts": 0})
     sbh = 64 * 2 * 16
     for tp, sp in ((1, False), (2, False), (2, True)):
-        extra = (moe.activation_estimate_delta(config, 3, 64, 2, tp, sp)
-                 - moe.activation_estimate_delta(without, 3, 64, 2, tp, sp))
+        extra = (moe_accounting.activation_estimate_delta(config, 3, 64, 2, tp, sp)
+                 - moe_accounting.activation_estimate_delta(without, 3, 64, 2, tp, sp))
         assert extra == 3 * (2 * 16 * sbh / tp + 2 * sbh / (tp if sp else 1)), (tp, sp)
 
 
