@@ -231,9 +231,12 @@ def place_slots(layer, slots: int, ep_group, ep_size: int, ep_index: int, device
     layer.ep_group, layer.ep_size = (ep_group, ep_size) if ep_size > 1 else (None, 1)
 
 
-def check_flags(slots: int, n_experts: int, ep: int, zero: int) -> None:
+def check_flags(slots: int, n_experts: int, ep: int, zero: int, groups: int = 0) -> None:
     """Raise ValueError naming --moe-replicas when R cannot be placed (run by moe.config_from_flags)."""
     for broken, message in (
+            (groups > 0, f"--moe-replicas with --moe-groups {groups}: a replica's slot may lie outside its expert's"
+                         f" group, which group-limited routing's accounting (moe_router.off_group) does not follow"
+                         f" yet; use one of the two"),
             (slots < n_experts, f"--moe-replicas {slots} must be at least --moe-experts {n_experts} (every expert"
                                 f" needs a slot)"),
             (slots % ep, f"--moe-replicas {slots} must be a multiple of --ep {ep} (R/E slots on each rank)"),
