@@ -264,6 +264,18 @@ class WeightCodes:
         return self.q.t().contiguous().t()
 
 
+def forward_operands(layer, x: torch.Tensor) -> tuple:
+    """(training, store, weight, bias) of a quantising linear's forward (this file's and precision_recipe.py's):
+    whether autograd will run its backward, the pipeline's WeightGradStore under zb (autograd then reaches the
+    parameters only through the store's W, so the GEMM sees them detached), and the weight and bias to use."""
+    training = torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)
+    store = layer.weight_grad_store if training and x.requires_grad else None
+    weight, bias = layer.weight, layer.bias
+    if store is not None:
+        weight, bias = weight.detach(), None if bias is None else bias.detach()
+    return training, store, weight, bias
+
+
 class Fp8Linear(nn.Linear):
     """A drop-in for a local nn.Linear (plain or a TP shard inside Column/RowParallelLinear): the SAME parameter
     objects, its GEMMs in FP8, and its scaling state (per role: history, scale). amax_groups: {mesh group name:
@@ -300,11 +312,7 @@ class Fp8Linear(nn.Linear):
             and not blockwise_or_double
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        store = self.weight_grad_store if training and x.requires_grad else None
-        weight, bias = self.weight, self.bias
-        if store is not None:  # zb: autograd reaches the parameters only through the store's W
-            weight, bias = weight.detach(), None if bias is None else bias.detach()
+        training, store, weight, bias = forward_operands(self, x)
         if x.numel() == 0:  # an expert no row reached: nothing to quantise (its gradients are zero)
             return F.linear(x, weight, bias)
         return _Fp8LinearFunction.apply(x, weight, bias, self, training, store)

@@ -56,7 +56,7 @@ import torch.nn as nn
 import context_parallel
 import microscaling
 from comm import Messages
-from fp8 import QuantizationObserver
+from fp8 import QuantizationObserver, forward_operands
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
@@ -290,11 +290,7 @@ class RecipeLinear(nn.Linear):
         self.gathered_weight_amax = None  # set by ZeRO-3 while it holds this weight gathered from NVFP4 codes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        store = self.weight_grad_store if training and x.requires_grad else None
-        weight, bias = self.weight, self.bias
-        if store is not None:  # zb: autograd reaches the parameters only through the store's W
-            weight, bias = weight.detach(), None if bias is None else bias.detach()
+        training, store, weight, bias = forward_operands(self, x)
         micro_batch = self.forwards
         if training and torch._C._current_autograd_node() is None:  # not activation checkpointing's recompute
             self.forwards += 1  # (whose backward reads the first forward's index; evaluation counts none)

@@ -174,3 +174,19 @@ def run_bench(name: str, argv: list) -> None:
         importlib.import_module(name).main(argv)
     finally:
         sys.path.remove(bench)
+
+
+def assert_runs_follow(results, ref_losses, ref_params: dict, tol: float) -> None:
+    """Every rank's run (losses {step: loss}, params {name: (local, ShardInfo)}) equals the single-device
+    reference within `tol`: each loss, each local piece against the reference tensor cut as its record says,
+    and every logical tensor held by some rank."""
+    import torch  # torch loads in the ranks' processes, not when the harness is imported
+
+    seen = set()
+    for losses, params, *_ in results:
+        torch.testing.assert_close(torch.tensor(list(losses.values())),
+                                   torch.tensor([ref_losses[step] for step in losses]), rtol=tol, atol=tol)
+        for name, (local, info) in params.items():
+            torch.testing.assert_close(local, info.shard_of(ref_params[name]), rtol=tol, atol=tol, msg=name)
+            seen.add(name)
+    assert seen == set(ref_params), set(ref_params) ^ seen  # every logical tensor is held somewhere

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import harness
-from harness import run_ranks
+from harness import assert_runs_follow, run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
 STEPS, SEQ, CLIP, TOL = 3, 16, 0.05, 1e-10
@@ -119,14 +119,7 @@ def _check(results, flags, config_kw, global_batch, micro):
                                                       global_batches(STEPS, global_batch, SEQ), clip=CLIP,
                                                       micro_batches=micro_batches_total, fp8_recipe=args.fp8)
     assert min(ref_norms) > CLIP  # clipping is active
-    seen = set()
-    for losses, params, *_ in results:
-        torch.testing.assert_close(torch.tensor(list(losses.values())),
-                                   torch.tensor([ref_losses[step] for step in losses]), rtol=TOL, atol=TOL)
-        for name, (local, info) in params.items():
-            torch.testing.assert_close(local, info.shard_of(ref_params[name]), rtol=TOL, atol=TOL, msg=name)
-            seen.add(name)
-    assert seen == set(ref_params), set(ref_params) ^ seen  # every logical tensor is held somewhere
+    assert_runs_follow(results, ref_losses, ref_params, TOL)
 
 
 def _cases(rank, world, cases):

@@ -32,7 +32,6 @@ import fp8
 import fp8_scaling
 import format_flops
 import harness
-import mfu
 import moe
 import report_axes
 from harness import run_ranks
@@ -42,13 +41,7 @@ STEPS, SEQ, GLOBAL_BATCH, MICRO = 3, 16, 8, 2
 TOL = 1e-10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 models: OpenMP threads only contend (20× slower on the shared 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run on one thread
 
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:

@@ -11,24 +11,15 @@ import fp8
 import fp8_experts
 import fp8_scaling
 from harness import run_ranks
+from microscaling import sqnr_db as sqnr
 from reference import make_config
 
 DT = torch.float64
 TOL = 1e-10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: OpenMP threads only contend on the shared 2-core machine (tests/test_fp8.py's fixture)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run on one thread
 
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.detach().double(), x.detach().double()
-    return float(10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum()))
 
 
 class _Padding(fp8.QuantizationObserver):

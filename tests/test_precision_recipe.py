@@ -21,20 +21,14 @@ import torch.nn as nn
 import microscaling
 import precision_recipe as recipes
 import test_composition
-from harness import run_ranks
+from harness import assert_runs_follow, run_ranks
 from reference import global_batches, make_config, reference_run
 from test_composition import STEPS, SEQ, CLIP, TOL, _parse
 
 PRESETS = ("mxfp8", "mxfp4", "nvfp4")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 models: OpenMP threads only contend on the shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run on one thread
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -224,14 +218,7 @@ def _check(results, flags, config_kw, global_batch, micro):
     ref_losses, _, ref_params = reference_run(make_config(**config_kw), global_batches(STEPS, global_batch, seq),
                                               clip=CLIP, micro_batches=global_batch // micro,
                                               precision_recipe=args.precision_recipe)
-    seen = set()
-    for losses, params, *_ in results:
-        torch.testing.assert_close(torch.tensor(list(losses.values())),
-                                   torch.tensor([ref_losses[step] for step in losses]), rtol=TOL, atol=TOL)
-        for name, (local, info) in params.items():
-            torch.testing.assert_close(local, info.shard_of(ref_params[name]), rtol=TOL, atol=TOL, msg=name)
-            seen.add(name)
-    assert seen == set(ref_params)
+    assert_runs_follow(results, ref_losses, ref_params, TOL)
 
 
 @pytest.mark.slow
