@@ -25,9 +25,11 @@ node per linear.
 
 The loss each micro-batch backpropagates is loss_scale·(loss_sum/global_tokens + Σ coef·aux/(D·m)), as in
 step.GradientAccumulation: nothing is rescaled afterwards. A chunk's aux-loss terms are backpropagated with
-its output. Data parallel wraps the rank's stage model (DDP or ZeRO-1): every backward runs under
+its output. Data parallel wraps the rank's stage model (DDP or ZeRO): every backward runs under
 `layout.no_sync()` except each chunk's last B (zb: last I and last W), so every gradient reaches the
-reduction once, overlapped with the cool-down. ZeRO-2/3 are refused (`config_from_flags` says why).
+reduction once, overlapped with the cool-down. ZeRO-2/3 (zero_pipeline.py) keep that contract: a chunk's
+gradients are summed over the step and reduce-scattered once, at its last backward; at stage 3 the layout's
+`chunk_weights(chunk, next chunk)` is entered around each action (gather, prefetch the next action's, free).
 
 Symbols: L layers, P stages, v chunks per rank, m micro-batches, b micro-batch size, s tokens per row on a
 rank (÷C under CP, ÷T under SP), h hidden, V vocabulary, e bytes per activation element (the parameter
@@ -48,7 +50,7 @@ dtype: the residual stream stays in it under autocast), A = activation bytes a l
    zb (P−1)·max(t_F, t_F+t_I−t_W) / (m·(t_F+t_I+t_W) + (P−1)·max(t_F, t_F+t_I−t_W)).
    Messages per step: at each of the v·P−1 chunk boundaries m activations forward and m gradients back,
    b·s·h·e bytes each (`send`/`recv` over pp; `schedules.p2p_counts` per stage pair); all_reduce 8 B over
-   pp (the loss sum); all_reduce V·h·e (÷T under TP, the shard under ZeRO-1) over pp_tied, first and last
+   pp (the loss sum); all_reduce V·h·e (÷T under TP, the shard under ZeRO) over pp_tied, first and last
    stage (`Pipeline.predicted_messages`).
 4. Restart state: nothing of its own. Parameters carry global names (`transformer.h.<i>`), so a checkpoint
    reslices onto another P; the tied copy counts on pp coordinate 0 and is written once.
@@ -128,15 +130,19 @@ class PipelineSchedule:
         synced = last_backwards(steps)  # every other backward accumulates under no_sync: each gradient syncs once
         state = _StepState(model, batches, global_tokens, loss_scale, aux_divisor, autocast)
         mail = _Mailbox(self, state)
+        weights = getattr(layout, "chunk_weights", None)  # ZeRO-3 gathers each action's chunk (zero_pipeline.py)
         with self.observer.step(device):
-            for step in steps:
+            for j, step in enumerate(steps):
                 action = step.action
+                following = steps[j + 1].action.chunk if j + 1 < len(steps) else None  # prefetched during this one
+                gathered = weights(action.chunk, following) if weights else nullcontext()
                 mail.post(step.recvs)  # then the previous action's send: one batch
                 incoming = mail.take(needs(action, self.n_chunks))
                 mail.release(step.release)  # a message taken shows their receives posted: frees the buffers
                 measuring = self.measure_activations and action.kind == "F"
                 saved = memory.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
-                with self.observer.action(action), nullcontext() if action in synced else layout.no_sync(), saved:
+                with self.observer.action(action), nullcontext() if action in synced else layout.no_sync(), saved, \
+                        gathered:
                     outgoing = self._compute(state, action, incoming)
                 if measuring:
                     self.saved_activation_bytes, self.measure_activations = saved.bytes, False
@@ -444,11 +450,6 @@ def config_from_flags(args, settings) -> PipelineConfig | None:
     P, schedule, m, n_layer = args.pp, args.pp_schedule, settings.micro_batches, settings.model.n_layer
     if P == 1:
         return None
-    if args.zero >= 2:
-        raise ValueError(f"--zero {args.zero} with --pp {P}: refused. Stage 2 reduces each backward's gradient"
-                         f" bucket, but a pipeline backward brings one chunk's gradients of one micro-batch at a time,"
-                         f" interleaved with other micro-batches; stage 3 gathers weights in the layout's forward,"
-                         f" which the schedule bypasses. Use --zero 1 (or 0)")
     v = args.pp_virtual if schedule == "interleaved" else 1
     if schedule == "interleaved" and v < 2:
         raise ValueError(f"--pp-virtual {v}: interleaved 1F1B needs at least 2 chunks per rank (one chunk per rank"
@@ -548,7 +549,7 @@ class Pipeline(Axis):
         """Sum the tied embedding's gradient over {first, last} stage (after the data-parallel reduction)."""
         copies = tied_copies(self.model, self.schedule.n_chunks)
         if self.tied_group is not None and copies:
-            # Whole under DDP. Under ZeRO-1, this rank's segments: the layout must give the first and the last
+            # Whole under DDP. Under ZeRO, this rank's segments: the layout must give the first and the last
             # stage the same element ranges of this tensor (e.g. a unit of its own), or the sum adds unrelated
             # elements.
             sum_in_place(layout.grad_pieces(copies), self.tied_group)
@@ -590,7 +591,7 @@ class Pipeline(Axis):
 
     def predicted_messages(self, layout) -> Messages:
         """This rank's messages per step: its plan's sends and receives over pp, the loss sum, and the tied
-        sum over pp_tied, whose payload is the layout's grad_pieces of the copy (a ZeRO-1 shard: maybe none)."""
+        sum over pp_tied, whose payload is the layout's grad_pieces of the copy (a ZeRO shard: maybe none)."""
         steps, size = self.schedule.plan(self.m), self.message_bytes()
         sends, recvs = sum(s.send is not None for s in steps), sum(len(s.recvs) for s in steps)
         out = Messages().add("all_reduce", "pp", 1, 8).add("send", "pp", sends, sends * size)

@@ -125,19 +125,30 @@ def zero_startup_lines(layout, run, steps: int) -> list:
                      f" {mfu.format_bytes(held[kind]):>12}")
     lines.append(f"peak lower bound per rank (persistent + transient buffers, activations apart):"
                  f" {mfu.format_bytes(facts.peak_lower_bound)}")
+    if facts.pipeline_note:  # zero_pipeline.py: what the schedule's reductions (and gathers) hold and send
+        lines.append(f"{facts.pipeline_note}; the step's gathered chunks and gradient buffers at most"
+                     f" {mfu.format_bytes(facts.step_transient_predicted)}")
     lines.append("messages: reduce_scatter of the gradients overlaps backward; the all_gather of unit k"
                  " overlaps the update of unit k+1" if stage < 3 else
+                 "messages: each chunk's all_gather is prefetched behind the previous action's compute; exposed:"
+                 " the first action's chunk" if facts.pipeline_note else
                  "messages: each block's all_gather is prefetched behind the previous block's compute;"
                  " exposed: the root and block 0 at the start of forward, the root's reduce_scatter at the end")
     return lines
 
 
 def zero_end_lines(layout, run, steps: int) -> list:
-    """The peak bound again, and at stage 3 how many gathered blocks the schedule held at once (bound: 2)."""
-    facts = layout.facts()
-    return [f"  ZeRO-{facts.stage} peak lower bound {mfu.format_bytes(facts.peak_lower_bound)}"
-            + (f"; gathered blocks alive at once: {facts.peak_gathered_units} (bound: 2, in use + prefetched)"
-               if facts.stage == 3 else "")]
+    """The peak bound again, at stage 3 how many gathered blocks (chunks under a pipeline) the schedule held at
+    once, and under a pipeline the step's transient buffers measured against predicted."""
+    facts, f = layout.facts(), mfu.format_bytes
+    what = "chunks" if facts.pipeline_note else "blocks"
+    lines = [f"  ZeRO-{facts.stage} peak lower bound {f(facts.peak_lower_bound)}"
+             + (f"; gathered {what} alive at once: {facts.peak_gathered_units} (bound: {facts.gathered_bound}, in use"
+                f" + prefetched)" if facts.stage == 3 else "")]
+    if facts.pipeline_note:  # zero_pipeline.py: its own buffers' peak against the action list's
+        lines.append(f"  ZeRO-{facts.stage} under the pipeline: gathered chunks + gradient buffers at once measured"
+                     f" {f(facts.step_transient_measured)}, predicted {f(facts.step_transient_predicted)}")
+    return lines
 
 
 AXIS_LINES["zero"] = {"startup": zero_startup_lines, "end": zero_end_lines}

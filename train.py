@@ -53,6 +53,7 @@ from report import print0
 from step import GradientAccumulation, train_step
 from zero import ZeroConfig, ZeroLayout
 from zero3 import Zero3Layout
+from zero_pipeline import pipeline_layout
 
 # The axes, in DESIGN.md's order of application (MoE/EP → TP → CP → PP → FP8 or a microscaling recipe). Each has a
 # `config_from_flags(args, settings)` (flags.py calls it once, before any rank waits) and an
@@ -137,9 +138,13 @@ def build_layout(model: GPT, run: Run, materialize: bool = True):
         config = ZeroConfig(args.zero, lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2),
                             param_dtype=run.param_dtype, master_dtype=run.master_dtype, bucket_mb=args.bucket_mb,
                             micro_batches=run.micro_batches)  # m > 1: gradients summed in master_dtype
+        device = run.device if materialize else None  # stage 3 fills its shards of a meta model on it
+        pp_config = run.settings.axes.get("pipeline")
+        if args.zero >= 2 and pp_config is not None:  # units per chunk, gathers and reductions by the schedule
+            return pipeline_layout(model, config, groups, coords, device, pp_config, run.config.n_layer,
+                                   run.mesh.index("pp"), run.micro_batches)
         if args.zero < 3:
             return ZeroLayout(model, config, groups, coords)
-        device = run.device if materialize else None  # stage 3 fills its shards of a meta model on it
         return Zero3Layout(model, config, groups, coords, device)  # FP8 weights carry their codec (fp8.convert)
     ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))

@@ -35,7 +35,9 @@ micro-batch's bf16 bucket, added into the fp32 shard (as DeepSpeed: one rounding
 
 Stage 3 (zero3.py, `Zero3Layout`: this layout plus module hooks) gathers each block's weights just before use
 and frees them after, prefetching the next block behind the current one's compute; FP8 weights travel as one byte
-per element through their gather codec. Stages 1 and 2 are this file alone.
+per element through their gather codec. Stages 1 and 2 are this file alone. Under a pipeline, stages 2 and 3
+are zero_pipeline.py's subclasses: units per chunk, each chunk's step sum reduce-scattered once at its last backward,
+stage 3's gathers driven by the schedule's actions.
 
 Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_o bytes per parameter for working
 weights / persistent gradients / optimizer state, m micro-batches per step, U the largest unit):
@@ -118,6 +120,10 @@ class ZeroFacts:
     last_reduce_numel: int  # the elements reduce-scattered after backward: the last unit (stage 3: the root's)
     first_gather_numel: int  # stage 3: the root's and block 0's, gathered before the first compute; else 0
     peak_gathered_units: int = 0  # stage 3: the most blocks gathered at once so far
+    gathered_bound: int = 2  # stage 3: the most the schedule may hold (in use + prefetched)
+    pipeline_note: str = ""  # under a pipeline (zero_pipeline.py): how its gradients are reduced, what that holds
+    step_transient_predicted: float = 0.0  # under a pipeline: gathered chunks + accumulating gradients (bytes)
+    step_transient_measured: float = 0.0  # the same, the most the layout's buffers held at once so far
 
 
 class Unit:
@@ -308,7 +314,7 @@ class ZeroLayout:
         """Reduce-scatter the unit's gradients (async), in unit order: the same order on every rank."""
         full = unit.grad_sum if self.stage == 1 else unit.bucket
         if full is None:  # its parameters took no part in this backward: reduce zeros
-            full = torch.zeros(unit.padded_numel, dtype=self.param_dtype, device=unit.grad_shard.device)
+            full = torch.zeros(unit.padded_numel, dtype=self.reduce_dtype, device=unit.grad_shard.device)
         if unit.dp_size == 1:  # a group of one (experts held whole, D = 1): the full gradient is the sum
             out, work = full, None
         else:

@@ -20,7 +20,9 @@ a unit's gradients are in its bucket (post-accumulate-grad hooks), it is reduce-
 freed: every node reading a weight has run before autograd accumulates its gradient. Autograd runs a ready
 AccumulateGrad before any other ready node, so block i+1 is freed before block i's backward hook prefetches block
 i-1: at most two units are gathered at once (`peak_gathered_units`; tested, with the order of gathers). Under
---compile the hooks stay eager (model.compile_blocks compiles each block's forward, not its call).
+--compile the hooks stay eager (model.compile_blocks compiles each block's forward, not its call). Under a pipeline
+the interpreter calls the stage's pieces itself, in its schedule's order: zero_pipeline.PipelineZero3Layout replaces
+these hooks (`_register_schedule_hooks`) with gathers per chunk around each action.
 
 FP8 weights. A parameter with a `gather_codec` (fp8.convert gives one to each FP8 weight, precision_recipe.convert
 to each NVFP4 weight with 16×16 tiles) shares a unit with its codec's other weights and is gathered as uint8 codes,
@@ -68,6 +70,11 @@ class Zero3Layout(ZeroLayout):
         self.device = device  # a meta module (train.compose): where its shards are filled from the init
         self.peak_gathered_units = 0  # the most units gathered at once by the forward/backward schedule
         super().__init__(module, config, groups, coords)  # builds the units (below) and the gradient hooks
+        self._register_schedule_hooks()
+
+    def _register_schedule_hooks(self):
+        """The schedule of gathers and frees as module hooks (below). Under a pipeline the interpreter drives it
+        instead (zero_pipeline.py)."""
         self.module.register_forward_pre_hook(self._forward_start)
         self.module.register_forward_hook(self._forward_end)
         for i, block in enumerate(self.blocks):
@@ -81,7 +88,7 @@ class Zero3Layout(ZeroLayout):
         """Per block, one unit per data-parallel group and codec (`block_units[i]`), last block first, then the
         root's (the rest)."""
         def units(members: list) -> list:
-            return [Unit(ps, self.groups, codec) for (_, codec), ps in _by_group_and_codec(members).items()]
+            return [Unit(ps, self.groups, codec) for (_, codec), ps in by_group_and_codec(members).items()]
 
         self.blocks = list(module.transformer.h)
         if not self.blocks:
@@ -284,7 +291,7 @@ class Zero3Layout(ZeroLayout):
         return out
 
 
-def _by_group_and_codec(params: list) -> dict:
+def by_group_and_codec(params: list) -> dict:
     """{(data-parallel group, gather codec): parameters}, in first-seen order (a MoE block with FP8 linears:
     dense, FP8 weights, experts)."""
     out = {}
