@@ -290,7 +290,7 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
         raise FlagError(str(e)) from None
-    if args.zero == 3 and args.activation_checkpointing:
+    if args.zero == 3 and args.activation_checkpointing and args.pp == 1:  # a pipeline gathers per action: no hooks
         raise FlagError("--zero 3 with --activation-checkpointing: recomputing a block in backward reruns its"
                         " forward hooks, which would gather and free its weights out of schedule; use --zero 1 or 2")
     config = model_config(args, given)

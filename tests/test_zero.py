@@ -496,7 +496,9 @@ def test_valid_zero_flags():
     import train
 
     for stage in (0, 1, 2, 3):
-        for extra in ([], ["--compile"], ["--pp", "2", "--micro-batch", "1"]):  # per-block compile and pipelines compose with every stage
+        # Per-block compile and pipelines compose with every stage; under a pipeline, so does recompute (ZeRO-3's
+        # gathers follow the schedule's actions, not the forward's hooks).
+        for extra in ([], ["--compile"], ["--pp", "2", "--micro-batch", "1", "--activation-checkpointing"]):
             args = train.flags.build_parser().parse_args(["--zero", str(stage), "--global-batch", "4", *extra])
             train.flags.validate(args, 2, axes=train.AXES)
 

@@ -5,7 +5,8 @@ One spawn of 4 ranks (P = 2 × D = 2, the tied embedding across the stages) runs
 builds it (tests/test_composition.py's `composed_run`: flags → mesh → stage → axes → layout → schedule) in float64,
 and trained STEPS steps with step.train_step on tests/reference.py's batches (clipping active):
 1. losses and every parameter (ZeRO-3's gathered exactly) equal torch's AdamW on one device (1e-10), for gpipe, 1f1b,
-   interleaved (v = 2) and zb at stages 2 and 3;
+   interleaved (v = 2) and zb at stages 2 and 3, and ZeRO-3 with activation checkpointing (interleaved: the
+   recompute runs inside the chunk's B, while the schedule holds it gathered);
 2. every traced (collective, group) of a step equals report.predicted_messages: the layout's one reduce_scatter per
    unit, stage 2's update all_gather, stage 3's all_gather per run of a chunk's actions, the pipeline's p2p and
    tied sum (calls and payload);
@@ -25,7 +26,10 @@ from harness import run_ranks
 from test_composition import STEPS, _check, composed_run
 
 CASES = [(["--pp", "2", "--pp-schedule", schedule, "--zero", str(stage)], dict(n_layer=n_layer), 8, 1)
-         for stage in (2, 3) for schedule, n_layer in (("gpipe", 2), ("1f1b", 2), ("interleaved", 4), ("zb", 2))]
+         for stage in (2, 3) for schedule, n_layer in (("gpipe", 2), ("1f1b", 2), ("interleaved", 4), ("zb", 2))] + [
+    (["--pp", "2", "--pp-schedule", "interleaved", "--zero", "3", "--activation-checkpointing"],
+     dict(n_layer=4, activation_checkpointing=True), 8, 1),  # the recompute runs inside B, its chunk gathered
+]
 SAVE_AT = 2
 RESHARD = [
     ((["--pp", "2", "--pp-schedule", "interleaved", "--zero", "3"], dict(n_layer=4), 8, 1),
