@@ -18,9 +18,9 @@ and reduce-scattered once, at the chunk's last backward (its last B; zb: its las
 gradients of each chunk from its first backward to its last, b_a·n'_c (so ZeRO-2's peak under a pipeline is
 ZeRO-1's; its saving is between steps). The alternative, reduce-scattering every micro-batch's chunk gradients
 into the fp32 shard, holds one chunk's bucket at a time but sends m times the bytes over dp: under a pipeline
-m ≥ P, and the dp group is the slow, inter-node one (DeepSpeed refuses ZeRO-2 with pipelines for this;
-torch.distributed.pipelining with FSDP accumulates unsharded gradients and reduce-scatters at the last backward,
-as here).
+m ≥ P, and the dp group is the slow, inter-node one. torch.distributed.pipelining does as here with FSDP2: every
+backward but the last runs with set_requires_gradient_sync(False) (unsharded gradients accumulate), and one
+reduce-scatter follows the last (its REDUCE_GRAD action); DeepSpeed's pipeline engine refuses ZeRO-2/3.
 
 Weights (stage 3). `chunk_weights(chunk, following)`, a context the interpreter enters around each action: the
 action's chunk gathered (waited), the next action's chunk prefetched (its all-gather launched before this one
@@ -90,7 +90,7 @@ class _ChunkGradients:
     def _build_units(self, module: nn.Module, params: list) -> list:
         """Per local chunk, its units by data-parallel group (stage 3: and codec), then the tied copy alone;
         last chunk first. `chunk_units[c]`: chunk c's."""
-        wanted, owner = {id(p) for p in params}, {}
+        owner = {}  # id(parameter) → its chunk: the blocks' by layer; the embeddings the first, the rest the last
         for chunk, layers in self.chunk_layers.items():
             for layer in layers:
                 owner.update((id(p), chunk) for p in module.transformer.h[layer].parameters())
@@ -99,8 +99,7 @@ class _ChunkGradients:
         first, last = min(self.chunk_layers), max(self.chunk_layers)
         self.chunk_units = {}
         for chunk in self.chunk_layers:
-            members = [p for p in params if owner.get(id(p), first if id(p) in embedding else last) == chunk
-                       and id(p) in wanted]
+            members = [p for p in params if owner.get(id(p), first if id(p) in embedding else last) == chunk]
             tied = [p for p in members if "pp" in p.shard_info.replicated_over]
             rest = [p for p in members if "pp" not in p.shard_info.replicated_over]
             self.chunk_units[chunk] = [Unit(ps, self.groups, codec if self.stage == 3 else None)
@@ -134,6 +133,8 @@ class _ChunkGradients:
         ZeroLayout._launch(self, unit)
 
     def _note_transient(self):
+        """The most bytes the gathered chunks' working buffers (stage 3; a codec's codes aside) and the gradient
+        buffers held at once: called after every gather and allocation, where the total rises."""
         gathered = sum(u.weights.untyped_storage().nbytes() for u in self.units if self.stage == 3)
         buckets = sum(u.bucket.nbytes for u in self.units if u.bucket is not None)
         self.peak_transient_bytes = max(self.peak_transient_bytes, gathered + buckets)
