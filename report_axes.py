@@ -126,7 +126,8 @@ def zero_startup_lines(layout, run, steps: int) -> list:
     lines.append(f"peak lower bound per rank (persistent + transient buffers, activations apart):"
                  f" {mfu.format_bytes(facts.peak_lower_bound)}")
     if facts.pipeline_note:  # zero_pipeline.py: what the schedule's reductions (and gathers) hold and send
-        lines.append(f"{facts.pipeline_note}; the step's gathered chunks and gradient buffers at most"
+        held = "gathered chunks and gradient buffers" if stage == 3 else "gradient buffers"
+        lines.append(f"{facts.pipeline_note}; the step's {held} at most"
                      f" {mfu.format_bytes(facts.step_transient_predicted)}")
     lines.append("messages: reduce_scatter of the gradients overlaps backward; the all_gather of unit k"
                  " overlaps the update of unit k+1" if stage < 3 else
@@ -146,7 +147,8 @@ def zero_end_lines(layout, run, steps: int) -> list:
              + (f"; gathered {what} alive at once: {facts.peak_gathered_units} (bound: {facts.gathered_bound}, in use"
                 f" + prefetched)" if facts.stage == 3 else "")]
     if facts.pipeline_note:  # zero_pipeline.py: its own buffers' peak against the action list's
-        lines.append(f"  ZeRO-{facts.stage} under the pipeline: gathered chunks + gradient buffers at once measured"
+        held = "gathered chunks + gradient buffers" if facts.stage == 3 else "gradient buffers"
+        lines.append(f"  ZeRO-{facts.stage} under the pipeline: {held} at once measured"
                      f" {f(facts.step_transient_measured)}, predicted {f(facts.step_transient_predicted)}")
     return lines
 

@@ -105,6 +105,7 @@ class _ChunkGradients:
             self.chunk_units[chunk] = [Unit(ps, self.groups, codec if self.stage == 3 else None)
                                        for (_, codec), ps in by_group_and_codec(rest).items()]
             self.chunk_units[chunk] += [Unit([p], self.groups) for p in tied]
+        self._same_chunk = {id(u): units for units in self.chunk_units.values() for u in units}
         return [u for chunk in sorted(self.chunk_units, reverse=True) for u in self.chunk_units[chunk]]
 
     def _on_grad_ready(self, param: torch.Tensor):
@@ -112,7 +113,7 @@ class _ChunkGradients:
         step); in a synchronised backward (the chunk's last) count it, and launch the units complete, in order."""
         unit = self._unit_of[param]
         if unit.bucket is None:
-            for other in self._chunk_of_unit[id(unit)]:
+            for other in (u for u in self._same_chunk[id(unit)] if u.bucket is None):
                 other.bucket = torch.zeros(other.padded_numel, dtype=self.accumulate_dtype, device=param.device)
             self._note_transient()
         offset = self._offset_of[param]
@@ -183,7 +184,6 @@ class PipelineZero2Layout(_ChunkGradients, ZeroLayout):
         self._setup(chunk_layers, n_chunks, program)
         super().__init__(module, config, groups, coords)
         self.reduce_dtype = self.accumulate_dtype  # the step's sum is sent, once
-        self._chunk_of_unit = {id(u): units for units in self.chunk_units.values() for u in units}
 
     def peak_lower_bound(self) -> float:
         """Persistent + the larger of the step's accumulating gradients and the update's all-gather inputs."""
@@ -217,7 +217,6 @@ class PipelineZero3Layout(_ChunkGradients, Zero3Layout):
         self._scheduled = False  # inside an action of the interpreter's step
         super().__init__(module, config, groups, coords, device)
         self.reduce_dtype = self.accumulate_dtype
-        self._chunk_of_unit = {id(u): units for units in self.chunk_units.values() for u in units}
 
     def _build_units(self, module: nn.Module, params: list) -> list:
         units = super()._build_units(module, params)
