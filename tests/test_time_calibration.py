@@ -78,3 +78,22 @@ def test_a_constant_given_is_the_one_the_model_uses():
                            train.AXES, prog="plan.py")
     hw = hardware.from_flags(settings.args, "bf16")
     assert hw.calibration == replace(time_calibration.CALIBRATED, gemm_fraction=0.5)
+
+
+def test_the_plan_sizes_the_vocabulary_given():
+    """--vocab-size V: the embedding and the head the plan builds have V rows, as given (Megatron pads its own)."""
+    settings = time_model.plan_settings(flags.parse(bench_calibration.row_argv(bench_calibration.ROWS[0]),
+                                                    train.AXES, prog="plan.py"))
+    role = plan.plan_roles(settings)[0]
+    assert settings.model.vocab_size == 51200 and role.logical["transformer.wte.weight"] == 51200 * 2304
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--plan", "--world", "8", "--vocab-size", "0"], "error: --vocab-size must be at least 1, got 0"),
+    (["--vocab-size", "512"], "error: --vocab-size needs --plan or --plan-search"),
+])
+def test_a_bad_vocabulary_is_one_line(argv, expected, capsys):
+    with pytest.raises(SystemExit) as stop:
+        flags.parse(["--preset", "tiny", *argv], train.AXES)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(expected), err
