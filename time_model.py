@@ -214,17 +214,20 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
                       link=link, mfu=role.flops.model * layout["tokens"] / (layout["world"] * peak * step))
 
 
-def layout_facts(settings, device_type: str | None = None, attention_kernel: str | None = None) -> dict:
+def layout_facts(settings, device_type: str | None = None, attention_kernel: str | None = None,
+                 x: memory.ActivationShape | None = None) -> dict:
     """What the time model reads of a layout (predict's `layout`): gemms, time_calibration.gemms' classes;
     memory_bytes, what a rank of the mean stage's memory-bound ops move in a step (its s/C tokens of each
-    sequence, its L/P layers), the attention kernel that of `device_type`."""
+    sequence, its L/P layers), the attention kernel that of `device_type` (default the plan's, PLANNED_DEVICE)
+    or `attention_kernel` ("math": the unfused path that Megatron's 2021 runs took, bench/bench_calibration.py).
+    x: a built run's activation shape (activations.activation_shape: its dtypes as resolved), else the plan's."""
     args, config, shape = settings.args, settings.model, settings.shape
     seq = settings.seq_len
     attention = 12 * config.n_layer * config.n_embd * seq  # 12·L·H·Q·s of the FLOPs per token
     counts = memory.param_counts(config)
     flops = mfu.flops_per_token(counts, config, seq)
     name, compute, param, _ = plan_dtypes(settings)
-    x = activations.shape_of(settings, config, device_type or PLANNED_DEVICE, compute, param)
+    x = x or activations.shape_of(settings, config, device_type or PLANNED_DEVICE, compute, param)
     recompute = config.activation_checkpointing
     per_token_layer = time_calibration.memory_bytes_per_token_layer(
         config, x.s, shape.tp, settings.sequence_parallel, attention_kernel or x.kernel, x.dropout, x.e_c, recompute)
@@ -294,7 +297,7 @@ def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
     if not steps:
         return "hardware model: no step timed (the first is left out), nothing to check it against"
     settings = run.settings
-    facts = dict(layout_facts(settings, run.device.type), dtype=settings.dtype)
+    facts = dict(layout_facts(settings, x=activations.activation_shape(run)), dtype=settings.dtype)
     prediction = predict(role_of(run), facts, hw)
     measured = seconds / steps
     link = (f"link {hw.intra_gbps:.2f} GB/s, α {hw.intra_latency_us:.0f} µs" if run.mesh.shape.world_size > 1
