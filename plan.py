@@ -233,6 +233,7 @@ def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
     began = time.perf_counter()
     settings = plan_settings(settings)
     roles = plan_roles(settings)
+    shapes = len({stage_shape(settings, p) for p in range(settings.shape.pp)})
     facts = layout_facts(settings)
     predictions = [predict(role, facts, hw) for role in roles]
     psi = logical_psi(settings, roles)
@@ -251,8 +252,8 @@ def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
     worst = max(roles, key=lambda r: r.peak)
     out(f"predicted: step {predictions[slowest].step:.3f} s (rank {roles[slowest].rank} sets the pace), MFU"
         f" {predictions[slowest].mfu:.1%}, {facts['tokens'] / predictions[slowest].step:,.0f} tok/s; peak memory"
-        f" {mfu.format_bytes(worst.peak)} (rank {worst.rank}); {len(roles)} roles built on meta in"
-        f" {time.perf_counter() - began:.1f} s")
+        f" {mfu.format_bytes(worst.peak)} (rank {worst.rank}); {len(roles)} roles planned in"
+        f" {time.perf_counter() - began:.1f} s (one stage of each of the {shapes} stage shapes built on meta)")
     out("=" * 100)
     return roles, predictions
 

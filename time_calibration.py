@@ -93,7 +93,9 @@ def from_flags(args) -> Calibration:
 def gemms(config, counts: dict, tokens_per_micro_batch: int, seq: int, t: int, recompute: bool) -> list:
     """[(hardware FLOPs per token of the whole model, smallest dimension)] of each GEMM class (the module
     docstring's shapes): the blocks' linears (6N_block, + 2N_block recomputed), attention's matmuls
-    (12·L·s·h, + 4·L·s·h recomputed), and the rest of the matmul weights (the head: 6·(N − N_block))."""
+    (12·L·s·h, + 4·L·s·h recomputed), and the rest of the matmul weights (the head: 6·(N − N_block)). The
+    blocks' weights split 3 : 1 : 4 : 4 over QKV, proj, fc1, fc2 (a dense block's; a MoE block's experts and
+    router are counted in the same shares, an approximation)."""
     h, L, m = config.n_embd, config.n_layer, tokens_per_micro_batch
     passes = 6 + (2 if recompute else 0)  # FLOPs per weight per token: forward 2, backward 4, recompute 2
     block = counts["block_matmul"] * passes
