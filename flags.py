@@ -29,6 +29,7 @@ import hf
 import moe
 import moe_router
 import paths
+import time_calibration
 from ckpt_files import CheckpointError, WriterLock
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
 from model import PRESETS, GPTConfig, config_from_preset
@@ -223,6 +224,8 @@ def add_plan_arguments(parser) -> None:
     one.add_argument("--plan-search", action="store_true", help="rank the layouts of --world ranks that fit"
                    " --hw-memory-gib by predicted step time; print the best ten")
     g.add_argument("--world", type=int, help="ranks to plan for (--plan, --plan-search)")
+    g.add_argument("--vocab-size", type=int, help="rows of the embedding and the head the plan sizes, as given (no"
+                   " padding; default: --tokenizer's padded, or a gpt3-* preset's 50304); --plan, --plan-search")
     hardware.add_arguments(parser)
 
 
@@ -230,7 +233,7 @@ def add_plan_arguments(parser) -> None:
 # also be finite: NaN passes every comparison, so `nan < 0` would let it through.
 _AT_LEAST_1 = ("steps", "log_every", "eval_batches", "micro_batch", "global_batch", "n_layer", "n_head", "n_embd",
                "seq_len", "pp_virtual", "fp8_amax_history", "moe_topk", "moe_every", "world", "gpus_per_node",
-               "moe_replan_every")
+               "moe_replan_every", "vocab_size")
 _AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe_experts", "moe_replicas", "fp8_margin",
                "weight_decay", "grad_clip", "moe_capacity_factor", "moe_aux_coef", "moe_z_coef", "min_lr",
                "hw_intra_latency_us", "hw_inter_latency_us", "moe_bias_rate", "moe_seq_aux_coef", "moe_groups",
@@ -246,6 +249,8 @@ _AT_MOST = (
 # Flags that only mean something with another one: (flag, attribute, what it needs, whether that is on).
 _ONLY_WITH = (
     ("--world", "world", "--plan or --plan-search (a run's world is its launcher's)",
+     lambda a: a.plan or a.plan_search),
+    ("--vocab-size", "vocab_size", "--plan or --plan-search (a run's vocabulary is its tokenizer's)",
      lambda a: a.plan or a.plan_search),
     ("--pp-schedule", "pp_schedule", "--pp > 1", lambda a: a.pp > 1),
     ("--pp-virtual", "pp_virtual", "--pp-schedule interleaved", lambda a: a.pp_schedule == "interleaved"),
@@ -283,6 +288,10 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
         defaults = vars(build_parser().parse_args([]))
         given = {name for name, value in vars(args).items() if name in defaults and value != defaults[name]}
     check_ranges(args)
+    try:
+        time_calibration.check_flags(args)  # each --calib-* constant in its range
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     for flag, name, needs, on in _ONLY_WITH:
         if name in given and not on(args):
             raise FlagError(f"{flag} needs {needs}; without it the flag would be ignored")
@@ -510,7 +519,8 @@ def parse(argv=None, axes=(), prog: str = "train.py") -> Settings:
 def check_no_hardware_flags(given) -> None:
     """The hardware model's flags (--hw, --hw-*, --gpus-per-node) describe a GPU: the one --plan and
     --plan-search size for, or a GPU run's (its end line checks the model); a CPU run measures its own."""
-    stated = sorted(name for name in given if name == "hw" or name.startswith("hw_") or name == "gpus_per_node")
+    stated = sorted(name for name in given
+                    if name == "hw" or name.startswith(("hw_", "calib_")) or name == "gpus_per_node")
     if stated:
         flag = "--" + stated[0].replace("_", "-")
         raise FlagError(f"{flag} describes the GPU of --plan / --plan-search or of a GPU run; this run is on the"

@@ -21,6 +21,9 @@ rate, as the emulation runs them). Latencies are round figures of NCCL's per-ste
 (a few µs), stated, not measured. `cpu` is this machine, measured (`measure_cpu`): the bf16/fp32 matmul loop
 of mfu.py and a timed gloo all-reduce, so every real run's end line checks the model against its own steps.
 
+A preset carries time_calibration.CALIBRATED (what real runs reach of these figures: GEMM efficiency by shape,
+HBM and link fractions; `--calib-*` override it); a measured CPU the datasheet set.
+
 Accounting for this file: it holds and sends nothing; `measure_cpu` times one all-reduce over the world.
 """
 
@@ -33,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 import mfu
+import time_calibration
+from time_calibration import Calibration
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class Hardware:
     intra_latency_us: float = 5.0  # α of one ring step inside a node
     inter_latency_us: float = 10.0  # α across nodes
     gpus_per_node: int = 8
+    calibration: Calibration = time_calibration.DATASHEET  # what real runs reach of these figures
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of a matmul in `dtype`: its own entry, else (fp16 only) the bf16 one, the same tensor-core
@@ -71,7 +77,8 @@ _BLOCK_SCALED = ("mxfp8", "mxfp4", "nvfp4")  # microscaling formats: a peak on B
 
 def _gpu(row: str, hbm_gbps: float, memory_gib: float, intra_gbps: float, inter_gbps: float) -> Hardware:
     peaks = {k: v for k, v in mfu.PEAK_TFLOPS[row].items() if v}
-    return Hardware(row.lower(), peaks, hbm_gbps, memory_gib, intra_gbps, inter_gbps)
+    return Hardware(row.lower(), peaks, hbm_gbps, memory_gib, intra_gbps, inter_gbps,
+                    calibration=time_calibration.CALIBRATED)
 
 
 PRESETS = {
@@ -106,6 +113,7 @@ def collective_seconds(op: str, calls: float, payload: float, ranks, hardware: H
     inter = crosses_nodes(ranks, hardware)
     alpha = 1e-6 * (hardware.inter_latency_us if inter else hardware.intra_latency_us)
     beta = 1e9 * (hardware.inter_gbps if inter else hardware.intra_gbps)
+    beta *= hardware.calibration.link_fraction  # what collectives reach of the link (time_calibration.py)
     return calls * ring_steps(op, n) * alpha + mfu.wire_bytes(op, payload, n) / beta
 
 
@@ -121,6 +129,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--hw-inter-gbps", type=float, help="per-GPU bandwidth across nodes, GB/s")
     g.add_argument("--hw-intra-latency-us", type=float, help="latency of one ring step inside a node, µs")
     g.add_argument("--hw-inter-latency-us", type=float, help="latency of one ring step across nodes, µs")
+    time_calibration.add_arguments(g)
 
 
 def from_flags(args, dtype: str) -> Hardware:
@@ -133,7 +142,7 @@ def from_flags(args, dtype: str) -> Hardware:
         overrides["gpus_per_node"] = args.gpus_per_node
     if args.hw_peak_tflops is not None:
         overrides["peak_tflops"] = {**hw.peak_tflops, dtype: args.hw_peak_tflops}  # the figure peak(dtype) reads
-    return replace(hw, **overrides)
+    return replace(hw, calibration=time_calibration.from_flags(args), **overrides)
 
 
 def hardware_line(hw: Hardware, dtype: str) -> str:

@@ -11,9 +11,12 @@ It takes train.py's flags (--plan is implied; `python train.py --plan ...` and `
 (layout.predicted_persistent, report.predicted_messages, activations.activation_estimate, the schedule's bubble):
 one source of truth, so a real run's printed predictions and the plan of the same layout are the same numbers.
 Roles: ranks that differ only by their data-parallel index d hold the same shapes and send the same messages.
-The plan builds every pipeline stage (d, c, t) = (0, 0, 0) and the corner (0, C−1, T−1): every TP and CP
-split is even (flags.py checks the divisibility), so the others equal their stage's role; when the corner
-does not, every (p, c, t) is built. Start-up figures that a real run gets from a collective come from formulas
+The plan builds stage 0's (d, c, t) = (0, 0, 0) and the corner (0, C−1, T−1): every TP and CP split is
+even (flags.py checks the divisibility), so the others equal their stage's role; when the corner does not,
+every (p, c, t) is built. Of the pipeline stages, one per distinct shape is built (its layers' count and
+kinds, its ends: the embedding, the head) and the others of that shape are derived from it (restage: the
+schedule's per-stage figures put in), so a plan of P = 64 builds three stages, not 64, with the same figures.
+Start-up figures that a real run gets from a collective come from formulas
 here (the fake group reduces nothing): Ψ is the sum of the logical tensors' sizes over the roles' records;
 every rank is built from the same seed, so DDP's same-init check holds by construction.
 
@@ -30,6 +33,7 @@ Accounting for this file: it allocates nothing (meta tensors) and sends nothing 
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -44,12 +48,15 @@ import hardware
 import memory
 import mfu
 import plan_search
+import schedules
 import train
+from comm import Messages
 from flags import FlagError, fail
 from hardware import hardware_line
-from mesh import MeshShape, build_mesh
-from time_model import (PLANNED_DEVICE, Prediction, Role, layout_facts, layout_name, limiting_term, plan_dtypes,
-                        plan_settings, predict, role_of)
+from mesh import build_mesh, groups_of
+from pipeline import stage_kwargs
+from time_model import (P2P_BUFFERS, PLANNED_DEVICE, Prediction, Role, layout_facts, layout_name, limiting_term,
+                        plan_dtypes, plan_settings, predict, role_of)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -79,34 +86,91 @@ def build_role(settings, rank: int):
     return run
 
 
-def role_ranks(shape: MeshShape, every: bool = False) -> list:
-    """Ranks of the roles to build: d = 0 and every stage p with (c, t) = (0, 0), plus the corner (0, C−1, T−1)
-    (or, `every`, each (p, c, t))."""
-    if every:
-        return [shape.rank_of(0, p, c, t) for p in range(shape.pp) for c in range(shape.cp) for t in range(shape.tp)]
-    ranks = [shape.rank_of(0, p, 0, 0) for p in range(shape.pp)]
-    corner = shape.rank_of(0, 0, shape.cp - 1, shape.tp - 1)
-    return ranks + ([corner] if corner not in ranks else [])
-
-
 def _same_figures(a: Role, b: Role) -> bool:
     return (a.persistent == b.persistent and a.activations == b.activations and a.temporaries == b.temporaries
             and dict(a.messages) == dict(b.messages))
 
 
-def plan_roles(settings) -> list:
-    """Every distinct role's Role (see role_ranks: the corner checks that TP/CP indices change nothing)."""
-    world = settings.world_size
+def plan_roles(settings, reuse: bool = True) -> list:
+    """Every distinct role's Role (see role_ranks: the corner checks that TP/CP indices change nothing).
+    reuse: a stage whose shape (stage_shape) an earlier stage has is not built but derived from that one's
+    Role (restage), with the same figures: P stages cost as many builds as distinct shapes (3 at most for
+    an even split: the embedding's, the middle's, the head's; one more per layer count of an uneven one)."""
+    world, shape = settings.world_size, settings.shape
 
     def one(rank):
         with fake_world(rank, world):
             return role_of(build_role(settings, rank), PLANNED_DEVICE)
 
-    roles = [one(rank) for rank in role_ranks(settings.shape)]
-    if len(roles) > settings.shape.pp:  # the corner (0, C−1, T−1): equal to stage 0's, or build them all
-        roles = roles[:-1] if _same_figures(roles[0], roles[-1]) else \
-            [one(rank) for rank in role_ranks(settings.shape, every=True)]
+    def stages(c: int, t: int) -> list:
+        if not reuse or shape.pp == 1:
+            return [one(shape.rank_of(0, p, c, t)) for p in range(shape.pp)]
+        pipeline = pipeline_plan(settings)
+        built, out = {}, []
+        for p in range(shape.pp):
+            key = stage_shape(settings, p)
+            if key not in built:
+                built[key] = (p, one(shape.rank_of(0, p, c, t)))
+                out.append(built[key][1])
+            else:
+                out.append(restage(built[key][1], settings, pipeline, built[key][0], p, c, t))
+        return out
+
+    roles = stages(0, 0)
+    corner = shape.rank_of(0, 0, shape.cp - 1, shape.tp - 1)
+    if corner != roles[0].rank:  # the corner (0, C−1, T−1): equal to stage 0's, or build them all
+        if not _same_figures(roles[0], one(corner)):
+            roles = [role for c in range(shape.cp) for t in range(shape.tp) for role in stages(c, t)]
+            roles.sort(key=lambda role: role.rank)
     return roles
+
+
+def stage_shape(settings, p: int) -> tuple:
+    """What a stage's build depends on besides its index: its layers' count and kinds (dense or MoE, in
+    order) and its ends (embedding, head). Stages of one shape hold the same tensors and send the same
+    messages; only what their place in the schedule sets differs (restage)."""
+    args, config = settings.args, settings.model
+    v = args.pp_virtual if args.pp_schedule == "interleaved" else 1
+    kw = stage_kwargs(config.n_layer, p, settings.shape.pp, v)
+    return tuple(config.is_moe_layer(layer) for layer in kw["layers"]), kw["embedding"], kw["head"]
+
+
+def pipeline_plan(settings) -> tuple:
+    """(every pp rank's program, every pp rank's communication plan) for the step's m micro-batches: what
+    the schedule sets per stage, computed once for all stages."""
+    args, shape = settings.args, settings.shape
+    v = args.pp_virtual if args.pp_schedule == "interleaved" else 1
+    programs = schedules.build_programs(args.pp_schedule, shape.pp, settings.micro_batches, v)
+    return programs, schedules.communication_plan(programs, shape.pp * v)
+
+
+def restage(role: Role, settings, pipeline: tuple, p0: int, p: int, c: int, t: int) -> Role:
+    """Stage p's Role from stage p0's of the same shape: the place-dependent figures replaced by stage p's
+    own, as role_of reads them (its coordinates and groups, its logical tensors' layer indices, its
+    chunk-micro-batches in flight, its sends alive and its send/receive counts), the rest the same."""
+    programs, plans = pipeline
+    shape, n_layer = settings.shape, settings.model.n_layer
+    rank = shape.rank_of(0, p, c, t)
+    args = settings.args
+    v = args.pp_virtual if args.pp_schedule == "interleaved" else 1
+    moved = dict(zip(stage_kwargs(n_layer, p0, shape.pp, v)["layers"], stage_kwargs(n_layer, p, shape.pp, v)["layers"]))
+
+    def renamed(name: str) -> str:  # transformer.h.<layer of p0>.… → transformer.h.<layer of p>.…
+        match = re.match(r"transformer\.h\.(\d+)\.", name)
+        return f"transformer.h.{moved[int(match.group(1))]}.{name[match.end():]}" if match else name
+
+    messages = Messages(role.messages)
+    size = role.boundary_bytes
+    sends, recvs = sum(s.send is not None for s in plans[p]), sum(len(s.recvs) for s in plans[p])
+    for op, count in (("send", sends), ("recv", recvs)):
+        messages.pop((op, "pp"), None)  # as Pipeline.predicted_messages counts them (no row for no call)
+        messages.add(op, "pp", count, count * size)
+    temporaries = dict(role.temporaries)
+    temporaries[P2P_BUFFERS] = (1 + schedules.live_sends(plans[p])) * size
+    ranks = dict(groups_of(shape, rank), world=role.group_ranks["world"])
+    return replace(role, rank=rank, coords=shape.coords(rank), group_ranks=ranks, messages=messages,
+                   logical={renamed(name): n for name, n in role.logical.items()}, temporaries=temporaries,
+                   activations=replace(role.activations, in_flight=schedules.in_flight(programs[p])[0]))
 
 
 def logical_psi(settings, roles: list) -> int:
@@ -169,6 +233,7 @@ def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
     began = time.perf_counter()
     settings = plan_settings(settings)
     roles = plan_roles(settings)
+    shapes = len({stage_shape(settings, p) for p in range(settings.shape.pp)})
     facts = layout_facts(settings)
     predictions = [predict(role, facts, hw) for role in roles]
     psi = logical_psi(settings, roles)
@@ -187,8 +252,8 @@ def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
     worst = max(roles, key=lambda r: r.peak)
     out(f"predicted: step {predictions[slowest].step:.3f} s (rank {roles[slowest].rank} sets the pace), MFU"
         f" {predictions[slowest].mfu:.1%}, {facts['tokens'] / predictions[slowest].step:,.0f} tok/s; peak memory"
-        f" {mfu.format_bytes(worst.peak)} (rank {worst.rank}); {len(roles)} roles built on meta in"
-        f" {time.perf_counter() - began:.1f} s")
+        f" {mfu.format_bytes(worst.peak)} (rank {worst.rank}); {len(roles)} roles planned in"
+        f" {time.perf_counter() - began:.1f} s (one stage of each of the {shapes} stage shapes built on meta)")
     out("=" * 100)
     return roles, predictions
 

@@ -34,6 +34,7 @@ The closed forms the plans are checked against (pipeline.py's docstring, answers
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict, deque
 from typing import NamedTuple
 
@@ -222,12 +223,18 @@ UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # backward = 2 forwards, spl
 
 def communication_plan(programs: list, n_chunks: int) -> list:
     """Per rank, [Step]: each action with the receives to post before it, the send after it and the sends to
-    wait on before it.
+    wait on before it. Memoized on the programs (a plan builds several stages of one schedule, each asking for
+    it: seconds apiece at P = 64, m = 512); the lists are shared, read-only.
 
     A receive is posted before the first action that starts after its message was sent in the uniform-cost
     simulation (so its transfer overlaps compute, and it always precedes the action that needs it). Sends on
     a channel happen in order, so the receives are posted in the order the peer sends them; and a message
     posted early was sent, in the simulation, before anything this rank sends later: it cannot wait on it."""
+    return list(_communication_plan(tuple(tuple(program) for program in programs), n_chunks))
+
+
+@functools.lru_cache(maxsize=4)
+def _communication_plan(programs: tuple, n_chunks: int) -> tuple:
     P = len(programs)
     timelines = simulate(programs, UNIFORM)
     channel = defaultdict(list)  # (src, dst) -> [(send time, message)] in send order
@@ -236,21 +243,36 @@ def communication_plan(programs: list, n_chunks: int) -> list:
             if (msg := produces(action, n_chunks)) is not None:
                 channel[src, msg.dst(P)].append((end, msg))
     plan = []
+    sources = defaultdict(list)  # dst -> the ranks sending to it, ascending (a neighbour or two, not all P)
+    for src, dst in sorted(channel):
+        sources[dst].append(src)
     for rank, timeline in enumerate(timelines):
         posted, steps = defaultdict(int), []
         for action, start, end in timeline:
             recvs = []
-            for src in range(P):
+            for src in sources[rank]:
                 queue = channel[src, rank]
                 while posted[src] < len(queue) and queue[posted[src]][0] <= start:
                     recvs.append(queue[posted[src]][1])
                     posted[src] += 1
             steps.append(Step(recvs, action, produces(action, n_chunks)))
         plan.append(steps)
-    return [_with_release_points(steps, plan, n_chunks) for steps in plan]
+    batches = _batches(plan)  # once for all ranks (per rank, they made the plan O(P²·m))
+    return tuple(_with_release_points(steps, plan, n_chunks, batches) for steps in plan)
 
 
-def _with_release_points(steps: list, plan: list, n_chunks: int) -> list:
+def _batches(plan: list) -> tuple:
+    """({message: index of the batch posting its receive}, {message: index of the batch posting its send})."""
+    batch_of_recv, batch_of_send = {}, {}  # message -> index of the batch posting it (batch j precedes action j)
+    for program in plan:
+        for j, step in enumerate(program):
+            batch_of_recv.update((msg, j) for msg in step.recvs)
+            if step.send is not None:
+                batch_of_send[step.send] = j + 1  # with the next action's receives (or alone at the end)
+    return batch_of_recv, batch_of_send
+
+
+def _with_release_points(steps: list, plan: list, n_chunks: int, batches: tuple) -> list:
     """The rank's steps with their release points: a send is waited (its buffer freed) at the first step whose
     action follows the arrival of a message its receiver sent after posting the receive. A batch posts its
     receives before its send, so batch k of the receiver holds that receive once the rank has taken a
@@ -262,12 +284,7 @@ def _with_release_points(steps: list, plan: list, n_chunks: int) -> list:
     such wait follows, in the rank's own list, a take that already implies it, so the waits add no
     dependency and no cycle to the receives', under gloo's and under NCCL's (in-order stream) rules."""
     P = len(plan)
-    batch_of_recv, batch_of_send = {}, {}  # message -> index of the batch posting it (batch j precedes action j)
-    for program in plan:
-        for j, step in enumerate(program):
-            batch_of_recv.update((msg, j) for msg in step.recvs)
-            if step.send is not None:
-                batch_of_send[step.send] = j + 1  # with the next action's receives (or alone at the end)
+    batch_of_recv, batch_of_send = batches
     known = defaultdict(lambda: -1)  # peer -> the latest of its batches a taken message shows posted
     unreleased, out = deque(), []
     for j, step in enumerate(steps):

@@ -7,9 +7,13 @@ plan.py builds each role on meta in a fake process group and plan_search.py give
 real run checks the model against its own steps (check_line, on hardware.machine_model: this machine).
 
 The time model (hardware.py states the hardware): per role and step
-    compute    t_c = FLOPs_hardware/token · tokens/step / world / peak(dtype)   (an even split over the ranks)
-    update     2 · persistent bytes / HBM bandwidth                                 (memory-bound, exposed)
-    each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds), then
+    compute    t_c = Σ_GEMM classes FLOPs/token · tokens/step / world / (peak(dtype) · e(d))   (an even split)
+                     + the memory-bound ops' bytes of this rank's tokens and layers / (HBM · hbm_fraction)
+               (time_calibration.py: e(d) the fraction of the peak a GEMM of smallest dimension d reaches; the
+               datasheet set, e = 1 and no loss but the memory-bound bytes, on a measured CPU)
+    update     2 · persistent bytes / (HBM bandwidth · hbm_fraction)                (memory-bound, exposed)
+    each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds, the
+    bandwidth times the calibration's link_fraction), then
     on the critical path by these rules (Megatron, ZeRO and ring-attention's own overlap claims):
       exposed: TP/SP (every f, g inside a layer waits on it), EP's and Ulysses' all-to-alls, the update's and
                the step's scalar all-reduces, FP8's amax reductions, the pipeline's loss and tied sums;
@@ -44,6 +48,7 @@ import model as model_lib
 import moe_memory
 import report
 import schedules
+import time_calibration
 from comm import Messages
 from flags import DTYPES
 
@@ -51,6 +56,9 @@ from flags import DTYPES
 # ---------------------------------------------------------------------------------------------------------
 # One role: what a rank holds and sends per step
 # ---------------------------------------------------------------------------------------------------------
+
+
+P2P_BUFFERS = "pipeline p2p buffers (a receive, the sends alive)"  # a temporary's name (plan.restage sets it)
 
 
 @dataclass
@@ -104,7 +112,7 @@ def role_of(run, device_type: str | None = None) -> Role:
             bubble = schedules.bubble_formula(pp.schedule, pp.P, pp.m, pp.v)
             boundary = pp.message_bytes
             live = schedules.live_sends(pp.plan)  # sends not yet known received
-            temporaries["pipeline p2p buffers (a receive, the sends alive)"] = (1 + live) * boundary
+            temporaries[P2P_BUFFERS] = (1 + live) * boundary
         if axis.name == "moe" and axis.facts().traffic.moe_layers:  # the dispatch buffers (moe_memory.py)
             peak = moe_memory.rank_peak(axis.facts().traffic, activations.activation_shape(run, device_type))
             temporaries[peak.temporary()] = peak.above_saved
@@ -163,10 +171,13 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
     """The role's step time by the rules of the docstring. layout: world, tokens (per step), m, zero, P, dtype,
     cp_impl, attention_share (of the compute: attention's score and value matmuls)."""
     m, stage, P = layout["m"], layout["zero"], layout["P"]
-    peak = hw.peak(layout["dtype"])
-    compute = role.flops.hardware * layout["tokens"] / layout["world"] / peak * role.layer_share
+    peak, hbm = hw.peak(layout["dtype"]), hw.hbm_gbps * 1e9
+    # The GEMMs by shape and the memory-bound ops (time_calibration.py), this rank's layers' share of both.
+    compute = time_calibration.compute_seconds(
+        layout["gemms"], layout["tokens"] / layout["world"] * role.layer_share, peak,
+        layout["memory_bytes"] * role.layer_share, hbm, hw.calibration)
     backward_mb = compute * 2 / 3 / m  # one micro-batch's backward: 4 of its 6·N FLOPs
-    update = 2 * role.persistent["total"] / (hw.hbm_gbps * 1e9)
+    update = 2 * role.persistent["total"] / (hbm * hw.calibration.hbm_fraction)
     exposed, total, link, in_layer = {}, {}, {}, 0.0
     for (op, group), (calls, payload) in role.messages.items():
         ranks = _group_ranks(group, role.group_ranks)
@@ -203,15 +214,29 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
                       link=link, mfu=role.flops.model * layout["tokens"] / (layout["world"] * peak * step))
 
 
-def layout_facts(settings) -> dict:
-    """What the time model reads of a layout (predict's `layout`)."""
-    args, config = settings.args, settings.model
+def layout_facts(settings, device_type: str | None = None, attention_kernel: str | None = None,
+                 x: memory.ActivationShape | None = None) -> dict:
+    """What the time model reads of a layout (predict's `layout`): gemms, time_calibration.gemms' classes;
+    memory_bytes, what a rank of the mean stage's memory-bound ops move in a step (its s/C tokens of each
+    sequence, its L/P layers), the attention kernel that of `device_type` (default the plan's, PLANNED_DEVICE)
+    or `attention_kernel` ("math": the unfused path that Megatron's 2021 runs took, bench/bench_calibration.py).
+    x: a built run's activation shape (activations.activation_shape: its dtypes as resolved), else the plan's."""
+    args, config, shape = settings.args, settings.model, settings.shape
     seq = settings.seq_len
     attention = 12 * config.n_layer * config.n_embd * seq  # 12·L·H·Q·s of the FLOPs per token
-    flops = mfu.flops_per_token(memory.param_counts(config), config, seq)
-    return dict(world=settings.world_size, tokens=args.global_batch * seq, m=settings.micro_batches,
-                zero=args.zero, P=settings.shape.pp, dtype=plan_dtypes(settings)[0], cp_impl=args.cp_impl,
-                attention_share=attention / flops.hardware)
+    counts = memory.param_counts(config)
+    flops = mfu.flops_per_token(counts, config, seq)
+    name, compute, param, _ = plan_dtypes(settings)
+    x = x or activations.shape_of(settings, config, device_type or PLANNED_DEVICE, compute, param)
+    recompute = config.activation_checkpointing
+    per_token_layer = time_calibration.memory_bytes_per_token_layer(
+        config, x.s, shape.tp, settings.sequence_parallel, attention_kernel or x.kernel, x.dropout, x.e_c, recompute)
+    tokens = args.global_batch * seq
+    return dict(world=settings.world_size, tokens=tokens, m=settings.micro_batches,
+                zero=args.zero, P=shape.pp, dtype=name, cp_impl=args.cp_impl,
+                attention_share=attention / flops.hardware,
+                gemms=time_calibration.gemms(config, counts, settings.micro_batch_size * x.s, x.s, shape.tp, recompute),
+                memory_bytes=per_token_layer * tokens / (shape.dp * shape.cp) * config.n_layer / shape.pp)
 
 
 def limiting_term(prediction: Prediction) -> str:
@@ -240,10 +265,13 @@ def plan_dtypes(settings) -> tuple:
 
 
 def plan_settings(settings):
-    """The model's vocabulary as the plan sizes it: --tokenizer's, or a gpt3-* preset's own (50304) when
-    --tokenizer is not given (a real run takes the corpus's: the plan cannot read one)."""
+    """The model's vocabulary as the plan sizes it: --vocab-size as given (Megatron's runs pad theirs:
+    Narayanan et al.'s V = 51,200), else --tokenizer's, or a gpt3-* preset's own (50304) when --tokenizer is
+    not given (a real run takes the corpus's: the plan cannot read one)."""
     args = settings.args
-    if "tokenizer" not in settings.given and args.preset.startswith("gpt3-"):
+    if getattr(args, "vocab_size", None):
+        settings.model.vocab_size, settings.model.real_vocab_size = args.vocab_size, None
+    elif "tokenizer" not in settings.given and args.preset.startswith("gpt3-"):
         settings.model.vocab_size = model_lib.PRESETS[args.preset].vocab_size
     return settings
 
@@ -269,7 +297,7 @@ def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
     if not steps:
         return "hardware model: no step timed (the first is left out), nothing to check it against"
     settings = run.settings
-    facts = dict(layout_facts(settings), dtype=settings.dtype)
+    facts = dict(layout_facts(settings, x=activations.activation_shape(run)), dtype=settings.dtype)
     prediction = predict(role_of(run), facts, hw)
     measured = seconds / steps
     link = (f"link {hw.intra_gbps:.2f} GB/s, α {hw.intra_latency_us:.0f} µs" if run.mesh.shape.world_size > 1

@@ -24,6 +24,7 @@ BENCH = os.path.join(ROOT, "bench")
 # bench script -> a line fragment its --smoke output must contain (its table or its ratios were printed)
 SMOKE_PRINTS = {
     "bench_context_parallel": "C=2",
+    "bench_calibration": "rows within ±15%",
     "bench_ddp": "ratio",
     "bench_fp8": "× bf16",
     "bench_model": "bf16 speed-up over fp32",
