@@ -1,7 +1,8 @@
 """elastic.py: two torchrun agents on this machine (`--nnodes 1:2`, c10d rendezvous on localhost), one node each.
 
-One run serves the launcher tests (a module-scoped fixture): agent A starts alone (world 1); agent B joins, so
-A's agent restarts its worker and both resume the newest checkpoint in world 2 (the world grows); then agent B
+One run serves the launcher tests (a module-scoped fixture): agent A starts alone (world 1); agent B joins (A's
+worker is paused meanwhile, so that the run is still going when B arrives), so A's agent restarts its worker and
+both resume the newest checkpoint in world 2 (the world grows); then agent B
 and its worker are SIGKILLed (a lost node), A's worker fails at its next all-reduce, A's agent restarts it, and
 it resumes in world 1 again (the world shrinks) and finishes. The reference is the uninterrupted run in one
 process. B_global = 4 and B_μ = 1 throughout: world 1 is D 1 × m 4, world 2 is D 2 × m 2.
@@ -28,7 +29,8 @@ RUN_FLAGS = ["--backend", "gloo", "--preset", "tiny", "--steps", str(STEPS), "--
              "1", "--seq-len", "32", "--dtype", "fp32", "--eval-every", "0", "--sample-tokens", "0", "--log-every", "1"]
 ELASTIC_FLAGS = ["--elastic", "1:2", "--ckpt-every", "1", "--async-ckpt", "--resume", "latest"]
 # float32 losses of worlds 1 and 2 differ by the order of their sums (D·m partial sums, one all-reduce), and the
-# difference grows over the steps through AdamW; measured here at most ~1e-6 relative. The test allows 1e-5.
+# difference grows over the steps through AdamW; measured here: at most 9e-8 relative over the 40 steps. The
+# test allows 1e-5 relative.
 RTOL = 1e-5
 
 
@@ -69,7 +71,7 @@ def start_agent(run_dir: str, name: str, port: int, hosts_store: bool):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                LOGLEVEL="INFO")  # the agent logs the membership changes it sees
     # A lost node is dropped after 5 s without a heartbeat (with fewer, a loaded machine drops live ones).
-    rdzv_conf = (f"join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,"
+    rdzv_conf = (f"join_timeout=600,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5,"
                  f"is_host={int(hosts_store)}")
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "elastic-test",
@@ -95,7 +97,7 @@ def logs(run_dir: str) -> str:
                    if os.path.exists(os.path.join(run_dir, f"{name}.log")))
 
 
-def wait_for(condition, what: str, agents, timeout: float = 150.0) -> None:
+def wait_for(condition, what: str, agents, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline or agents[0].poll() is not None:
@@ -132,29 +134,23 @@ def elastic_run(tmp_path_factory):
         grown_at = len(metrics(str(run_dir)))
         wait_for(lambda: len(metrics(str(run_dir))) >= grown_at + 3, "world 2's steps", agents)
         kill_agent(agents[1])
-        assert agents[0].wait(timeout=150) == 0, logs(str(run_dir))[-3000:]
+        assert agents[0].wait(timeout=300) == 0, logs(str(run_dir))[-3000:]
     finally:
         for agent in agents:
             if agent.poll() is None:
                 kill_agent(agent)
-    out, _ = reference.communicate(timeout=150)
+    out, _ = reference.communicate(timeout=300)
     assert reference.returncode == 0, out[-3000:]
     expected = {r["step"]: r["loss"] for r in metrics(str(reference_dir))}
     return dict(records=metrics(str(run_dir)), log=logs(str(run_dir)), expected=expected)
 
 
 def restarts(log: str) -> list[tuple[str, int]]:
-    """(line, step) of each elastic restart line, in order."""
+    """(line, step) of each elastic restart line, in order. Besides the grow and the shrink there may be a
+    "same size" one: when an agent rejoins the rendezvous later than its last-call wait (a loaded machine),
+    the other closes a round alone and then restarts again for it."""
     lines = [line for line in log.splitlines() if line.startswith("elastic restart")]
     return [(line, int(line.split(" at step ")[1].split(":")[0])) for line in lines]
-
-
-def worlds(records: list[dict], steps: list[int]) -> list[list[dict]]:
-    """The metrics records cut into the worlds that wrote them. Each world appends from the step it resumed at
-    (the one its restart line names); steps its predecessor trained past that checkpoint are replayed, so a
-    world begins at the last record of its first step (the restart steps grow: no later world rewrites it)."""
-    bounds = [0] + [max(i for i, r in enumerate(records) if r["step"] == step) for step in steps] + [len(records)]
-    return [records[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def check_losses(records: list[dict], expected: dict) -> None:
@@ -164,24 +160,23 @@ def check_losses(records: list[dict], expected: dict) -> None:
 
 @pytest.mark.slow
 def test_a_joining_node_grows_the_world_and_the_losses_follow_the_uninterrupted_run(elastic_run):
-    lines = restarts(elastic_run["log"])
-    grow, grown_at = lines[0]  # (a membership change seen twice in one rendezvous adds a "same size" restart)
+    grow, grown_at = next((line, step) for line, step in restarts(elastic_run["log"]) if "(grow)" in line)
     assert grow.startswith(f"elastic restart (grow): world 1 → 2 at step {grown_at}: D 1 → 2, m 4 → 2"), grow
-    first, *grown, _ = worlds(elastic_run["records"], [step for _, step in lines])
-    assert [r["step"] for r in first][:grown_at] == list(range(grown_at))
-    assert grown and grown[0][0]["step"] == grown_at  # world 2 trained from the checkpoint world 1 wrote
-    check_losses(first + sum(grown, []), elastic_run["expected"])
+    records = elastic_run["records"]
+    world_2 = [r for r in records if r["world"] == 2]
+    assert len(world_2) >= 3 and world_2[0]["step"] == grown_at  # from the checkpoint world 1 wrote
+    check_losses(records[:records.index(world_2[-1]) + 1], elastic_run["expected"])
 
 
 @pytest.mark.slow
 def test_a_lost_node_shrinks_the_world_and_the_run_finishes_on_the_survivor(elastic_run):
-    lines = restarts(elastic_run["log"])
-    shrink, shrunk_at = lines[-1]
+    shrink, shrunk_at = restarts(elastic_run["log"])[-1]
     assert shrink.startswith(f"elastic restart (shrink): world 2 → 1 at step {shrunk_at}: D 2 → 1, m 2 → 4")
-    assert len(lines) >= 2 and lines[0][1] < shrunk_at
-    *_, last = worlds(elastic_run["records"], [step for _, step in lines])
-    assert [r["step"] for r in last] == list(range(shrunk_at, STEPS))  # the survivor trained to the end
-    check_losses(last, elastic_run["expected"])
+    records = elastic_run["records"]
+    last_of_world_2 = max(i for i, r in enumerate(records) if r["world"] == 2)
+    survivor = records[last_of_world_2 + 1:]
+    assert [(r["step"], r["world"]) for r in survivor] == [(s, 1) for s in range(shrunk_at, STEPS)]
+    check_losses(survivor, elastic_run["expected"])
 
 
 # ---------------------------------------------------------------------------------------------------------
