@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import elastic
 import hardware
 import hf
 import moe
@@ -213,6 +214,7 @@ def _add_checkpoint_flags(parser) -> None:
     g.add_argument("--async-ckpt", action="store_true", help="persist checkpoints on a background thread")
     g.add_argument("--mtbf-hours", type=float, default=24.0,
                    help="mean time between interruptions, for the suggested interval sqrt(2·C·M)")
+    elastic.add_arguments(g)  # --elastic MIN:MAX: the worlds torchrun may restart this run in
 
 
 def add_plan_arguments(parser) -> None:
@@ -295,7 +297,8 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
     for flag, name, needs, on in _ONLY_WITH:
         if name in given and not on(args):
             raise FlagError(f"{flag} needs {needs}; without it the flag would be ignored")
-    try:
+    try:  # --elastic: every world of the range, before this one's shape names a flag of its own
+        elastic.check_flags(args, world_size)
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
     except ValueError as e:
         raise FlagError(str(e)) from None

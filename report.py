@@ -92,6 +92,7 @@ def step_record(run, step: int, lr: float, outcome, step_time: float, scaler) ->
     tokens_per_s = run.tokens_per_step / step_time
     record = dict(step=step, loss=outcome.loss, lr=lr, grad_norm=outcome.grad_norm, tokens=run.tokens_per_step,
                   step_time_s=step_time, tokens_per_s=tokens_per_s, skipped=outcome.skipped,
+                  world=run.mesh.shape.world_size,  # which world trained it (an elastic run changes it)
                   mfu=mfu.mfu(run.flops.model, tokens_per_s, run.peak[0], run.mesh.shape.world_size))
     record.update({f"aux_{name}": value for name, value in outcome.aux.items()})
     if scaler.enabled:

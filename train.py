@@ -31,6 +31,7 @@ import ckpt_files
 import comm
 import context_parallel
 import data
+import elastic
 import flags
 import fp8
 import hardware
@@ -249,6 +250,9 @@ def open_checkpointer(t: Training) -> None:
                                            on_save=lambda stats: report.print_save(stats, args.mtbf_hours))
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
             t.start_step = t.checkpointer.resume(args.resume, run.layout, t.scaler, t.sampler, args.seed)
+        if args.elastic and t.start_step:  # a restarted world: the one that wrote the checkpoint, and this one
+            print0(elastic.restart_line(elastic.saved_mesh(args.ckpt_dir, t.start_step), run.mesh.shape,
+                                        t.start_step, args.global_batch, run.micro_batch_size))
     except ckpt.CheckpointError as e:
         fail(str(e))
     if t.start_step >= args.steps:
