@@ -25,6 +25,7 @@ BENCH = os.path.join(ROOT, "bench")
 SMOKE_PRINTS = {
     "bench_context_parallel": "C=2",
     "bench_ddp": "ratio",
+    "bench_diloco": "DiLoCo R=2, H=2",
     "bench_fp8": "× bf16",
     "bench_model": "bf16 speed-up over fp32",
     "bench_moe": "step-time ratio to E=1",
