@@ -135,7 +135,7 @@ class Checkpointer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         shape = mesh.shape if mesh is not None else MeshShape(dp=self.world)  # the layout record
         self.mesh_record = dict(world_size=self.world, dp=shape.dp, pp=shape.pp, cp=shape.cp, tp=shape.tp,
-                                ep=shape.ep)
+                                ep=shape.ep, **({"replicas": shape.replicas} if shape.replicas else {}))
         self.coords = shape.coords(self.rank)
         self._lock = None
         self.nonce = self._start()

@@ -251,8 +251,9 @@ class DDPLayout:
 
     name = "ddp"  # its lines: report_axes.AXIS_LINES["ddp"]
 
-    def __init__(self, ddp: DistributedDataParallel, optimizer, coords: dict | None = None):
+    def __init__(self, ddp: DistributedDataParallel, optimizer, coords: dict | None = None, update_group=None):
         self.ddp, self.optimizer, self.module = ddp, optimizer, ddp.module
+        self.update_group = update_group  # the norm's all-reduce: the world (None) or a DiLoCo replica
         self.params = [p for p in ddp.parameters() if p.requires_grad]
         coords = dict(coords or {})
         for name, group in ddp.groups.items():  # data-parallel replicas: their rank 0's copy counts
@@ -285,7 +286,7 @@ class DDPLayout:
     def step(self, scaler, clip: float, extra_nonfinite=None):
         grads = [p.grad for p in self.params]
         return update(grads, self.counted, scaler, clip, self.optimizer.step, grads[0].device,
-                      extra_nonfinite=extra_nonfinite)
+                      extra_nonfinite=extra_nonfinite, group=self.update_group)
 
     def zero_grad(self):
         self.ddp.zero_grad()

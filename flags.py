@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import diloco
 import elastic
 import hardware
 import hf
@@ -32,6 +33,7 @@ import moe_router
 import paths
 import time_calibration
 from ckpt_files import CheckpointError, WriterLock
+from diloco import DiLoCoConfig
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
 from model import PRESETS, GPTConfig, config_from_preset
 
@@ -59,6 +61,7 @@ class Settings:
     dtype: str = "fp32"  # the autocast dtype (--dtype auto resolved)
     dtype_reason: str = "--dtype"  # why: what was asked, or what auto found
     ckpt_lock: WriterLock | None = None  # rank 0's hold on --ckpt-dir for the run (claim_checkpoint_directory)
+    diloco: DiLoCoConfig | None = None  # --diloco-h: the replicas' outer step (diloco.py), wrapping the layout
 
     @property
     def world_size(self) -> int:
@@ -152,6 +155,10 @@ def _add_parallelism_flags(parser) -> None:
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size E")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0: plain DDP)")
     g.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    g.add_argument("--diloco-h", type=int, help="DiLoCo (diloco.py): H inner AdamW steps per outer step")
+    g.add_argument("--diloco-replicas", type=int, help="DiLoCo replicas R (a divisor of D; default 1)")
+    g.add_argument("--diloco-outer-lr", type=float, default=0.7, help="DiLoCo outer Nesterov SGD learning rate")
+    g.add_argument("--diloco-outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB")
     g.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
     g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
@@ -299,7 +306,9 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
             raise FlagError(f"{flag} needs {needs}; without it the flag would be ignored")
     try:  # --elastic: every world of the range, before this one's shape names a flag of its own
         elastic.check_flags(args, world_size)
-        shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+        diloco_config = diloco.config_from_flags(args)  # H ≥ 1, the outer lr and momentum; R checked by the mesh
+        shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                                 replicas=diloco_config.replicas if diloco_config else None)
     except ValueError as e:
         raise FlagError(str(e)) from None
     if args.zero == 3 and args.activation_checkpointing and args.pp == 1:  # a pipeline gathers per action: no hooks
@@ -322,7 +331,7 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
     _set_vocabulary(args, config)
     settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
                         seq_len=args.seq_len or config.block_size, micro_batch_size=micro,
-                        micro_batches=args.global_batch // (shape.dp * micro))
+                        micro_batches=args.global_batch // (shape.dp * micro), diloco=diloco_config)
     return replace(settings, axes=_axis_configs(args, settings, axes))
 
 

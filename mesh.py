@@ -13,6 +13,13 @@ parameters are replicated over those D·C ranks and sync over the `dp_cp` group;
 of them, which sync its gradients over the `expert_dp` group; tokens travel between expert holders over
 the `ep` group (E consecutive members of the D·C slice).
 
+DiLoCo (diloco.py, `--diloco-replicas R`) splits D into R replicas of D/R data ranks each, the outermost cut:
+replica r = d // (D/R), so a replica is a contiguous block of N/R ranks and the rank formula is unchanged
+(d = r·D/R + d_r). The `dp` axis still spans all D data ranks (they split the global batch between them), but
+every gradient group (`dp_cp`, `ep`, `expert_dp`) stays inside a replica; `replica` is a replica's N/R ranks
+(its update's norm all-reduce) and `diloco` the R ranks at the same place in each replica (the outer
+all-reduce of the pseudo-gradient). Without DiLoCo (R = None) neither group exists.
+
 Accounting for this file:
 1. Nothing is held; it only names who talks to whom.
 2. Memory: none beyond the communicators.
@@ -41,6 +48,12 @@ class MeshShape:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    replicas: int | None = None  # DiLoCo's R (a divisor of dp); None: no DiLoCo, no replica groups
+
+    @property
+    def replica_dp(self) -> int:
+        """D/R: the data ranks of one DiLoCo replica (D without DiLoCo), over which gradients are reduced."""
+        return self.dp // (self.replicas or 1)
 
     @property
     def world_size(self) -> int:
@@ -58,7 +71,8 @@ class MeshShape:
         return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
 
-def infer_mesh_shape(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> MeshShape:
+def infer_mesh_shape(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                     replicas: int | None = None) -> MeshShape:
     """Validate the parallel flags against the world size; raise before any process group is awaited."""
     for flag, value in (("--tp", tp), ("--pp", pp), ("--cp", cp), ("--ep", ep)):
         if not isinstance(value, int) or value < 1:
@@ -70,12 +84,17 @@ def infer_mesh_shape(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep:
             f"launch a multiple of {model_parallel} processes (torchrun --nproc_per_node)"
         )
     dp = world_size // model_parallel
-    if (dp * cp) % ep:
+    if replicas is not None and (not isinstance(replicas, int) or replicas < 1 or dp % replicas):
+        raise ValueError(f"--diloco-replicas {replicas!r} must be a positive divisor of the data-parallel degree"
+                         f" D = world {world_size} / (T·P·C = {model_parallel}) = {dp} (each replica holds D/R"
+                         f" data ranks)")
+    replica_dp = dp // (replicas or 1)
+    if (replica_dp * cp) % ep:
         raise ValueError(
-            f"--ep {ep} must divide the data × context ranks D·C = {dp}·{cp} = {dp * cp} "
-            f"(expert parallel is carved out of them)"
+            f"--ep {ep} must divide the data × context ranks D·C = {replica_dp}·{cp} = {replica_dp * cp} "
+            f"(expert parallel is carved out of them{', in each DiLoCo replica' if replicas else ''})"
         )
-    return MeshShape(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep)
+    return MeshShape(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep, replicas=replicas)
 
 
 @dataclass
@@ -127,16 +146,27 @@ def axis_groups(shape: MeshShape) -> dict:
         return out
 
     groups = {axis: groups_varying((axis,)) for axis in AXES}
-    groups["dp_cp"] = groups_varying(("dp", "cp"))  # dense gradient sync: everyone holding the same shard
+    # Dense gradient sync: everyone holding the same shard (in one DiLoCo replica: d // (D/R) alike).
+    groups["dp_cp"] = [part for s in groups_varying(("dp", "cp")) for part in _by_replica(shape, s)]
     # Expert parallel inside each D·C slice: E consecutive members share tokens, members i, i+E, i+2E...
     # hold the same experts and sync their gradients.
-    ep, dp_cp_size = shape.ep, shape.dp * shape.cp
+    ep, dp_cp_size = shape.ep, shape.replica_dp * shape.cp
     groups["ep"] = [s[i:i + ep] for s in groups["dp_cp"] for i in range(0, dp_cp_size, ep)]
     groups["expert_dp"] = [s[i::ep] for s in groups["dp_cp"] for i in range(ep)]
     # The embedding tied to the head lives on the first and the last pipeline stage: they sum its gradient.
     # The stages between hold no copy; each is a group of its own (every rank is in one group per name).
     groups["pp_tied"] = [sorted({s[0], s[-1]}) for s in groups["pp"]] + [[r] for s in groups["pp"] for r in s[1:-1]]
+    if shape.replicas is not None:  # DiLoCo: a replica's N/R contiguous ranks; the R ranks alike in each
+        size = shape.world_size // shape.replicas
+        groups["replica"] = [list(range(r * size, (r + 1) * size)) for r in range(shape.replicas)]
+        groups["diloco"] = [list(range(i, shape.world_size, size)) for i in range(size)]
     return groups
+
+
+def _by_replica(shape: MeshShape, ranks: list) -> list:
+    """`ranks` (sorted) cut into DiLoCo's R contiguous replicas (one list without DiLoCo)."""
+    size = len(ranks) // (shape.replicas or 1)
+    return [ranks[i:i + size] for i in range(0, len(ranks), size)]
 
 
 def groups_of(shape: MeshShape, rank: int) -> dict:
@@ -154,11 +184,15 @@ def groups_of(shape: MeshShape, rank: int) -> dict:
         return ranks
 
     groups = {axis: varying((axis,)) for axis in AXES}
-    dp_cp, ep = varying(("dp", "cp")), shape.ep
+    dp_cp, ep = next(s for s in _by_replica(shape, varying(("dp", "cp"))) if rank in s), shape.ep
     at = dp_cp.index(rank)
     groups.update(dp_cp=dp_cp, ep=dp_cp[at - at % ep:at - at % ep + ep], expert_dp=dp_cp[at % ep::ep])
     pp = groups["pp"]
     groups["pp_tied"] = sorted({pp[0], pp[-1]}) if rank in (pp[0], pp[-1]) else [rank]
+    if shape.replicas is not None:
+        size = shape.world_size // shape.replicas
+        groups["replica"] = list(range(rank - rank % size, rank - rank % size + size))
+        groups["diloco"] = list(range(rank % size, shape.world_size, size))
     return groups
 
 

@@ -190,7 +190,7 @@ class StepResult:
 
 @torch.no_grad()
 def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, apply_step: Callable[[], None],
-           device, counted_pieces=(), extra_nonfinite: torch.Tensor | None = None) -> StepResult:
+           device, counted_pieces=(), extra_nonfinite: torch.Tensor | None = None, group=None) -> StepResult:
     """DESIGN.md's update order after the gradient reduction, identical on every rank (the one implementation).
 
     grads: every reduced gradient tensor this rank holds (unscaled and clipped in place);
@@ -200,7 +200,9 @@ def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, a
         data-parallel replicas included), so that one SUM over the world gives the global norm;
     counted_pieces: further views to count (ZeRO: the parts of a shard that are not replicas);
     apply_step(): the optimizer step, run only when every rank's gradients are finite;
-    extra_nonfinite: a local count of other non-finite values that must skip the step (FP8 amaxes).
+    extra_nonfinite: a local count of other non-finite values that must skip the step (FP8 amaxes);
+    group: the ranks that make one update together: the world (None), or one DiLoCo replica (diloco.py), whose
+        norm and skip are its own.
 
         unscale (fp16) → [Σ counted g², #non-finite] summed over the world → all finite? → ‖g‖ = √Σ →
         clip by clip/(‖g‖ + 1e-6) (torch.nn.utils.clip_grad_norm_'s coefficient) → step, or skip everywhere
@@ -221,7 +223,7 @@ def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, a
     if extra_nonfinite is not None:
         stats[1] += torch.as_tensor(extra_nonfinite, dtype=torch.float64).to(stats.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM)  # the world: every rank, every axis
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)  # the world (or a replica): every axis
     sq_sum, nonfinite = stats.tolist()  # the step's one host synchronisation
     if nonfinite or not math.isfinite(sq_sum):
         scaler.update(found_nonfinite=True)
@@ -234,6 +236,6 @@ def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, a
     return StepResult(grad_norm=grad_norm, skipped=False)
 
 
-def update_messages() -> dict:
-    """The update's own message per step: one 16-byte float64 SUM all-reduce over the world."""
-    return {("all_reduce", "world"): (1, 16)}
+def update_messages(group: str = "world") -> dict:
+    """The update's own message per step: one 16-byte float64 SUM all-reduce over the world (DiLoCo: "replica")."""
+    return {("all_reduce", group): (1, 16)}

@@ -155,8 +155,8 @@ def predicted_messages(run, traced_steps: int = 0) -> Messages:
                      else axis.predicted_messages(run.layout))
     if run.mesh.size("dp_cp") > 1:  # step.py: the global token count and the logged loss, float64 each
         out.add("all_reduce", "dp_cp", 2, 16)
-    if run.mesh.shape.world_size > 1:
-        out = out + update_messages()
+    if run.mesh.shape.world_size > 1:  # the update's norm: over the world, or one DiLoCo replica (diloco.py)
+        out = out + update_messages("replica" if run.settings.diloco else "world")
     return out.named(run.tracer.alias)  # names that share one communicator are one row (mesh.py)
 
 

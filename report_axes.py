@@ -49,8 +49,11 @@ def axis_lines(axis, when: str, run, steps: int = 0) -> list:
 
 
 def layout_lines(run, when: str, steps: int = 0) -> list:
-    """The layout's lines at `when`: its section's formatters (AXIS_LINES[layout.name]: DDP's, ZeRO's)."""
-    return axis_lines(run.layout, when, run, steps)
+    """The layout's lines at `when`: its section's formatters (AXIS_LINES[layout.name]: DDP's, ZeRO's), then a
+    wrapping layout's own (AXIS_LINES[layout.wrapper]: DiLoCo's)."""
+    wrapper = AXIS_LINES.get(getattr(run.layout, "wrapper", None), {}).get(when)
+    inner = getattr(run.layout, "inner", run.layout)  # the wrapped layout's section reads its own figures
+    return axis_lines(inner, when, run, steps) + (wrapper(run.layout, run, steps) if wrapper else [])
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
@@ -98,6 +101,26 @@ def ddp_startup_lines(layout, run=None, steps: int = 0) -> list:
 
 
 AXIS_LINES["ddp"] = {"startup": ddp_startup_lines}
+
+
+def diloco_startup_lines(layout, run, steps: int = 0) -> list:
+    """DiLoCo's replicas, its outer step, its state and its cross-replica bytes against DDP's (diloco.py's
+    docstring, answers 1-3)."""
+    c, shape, b = layout.config, run.mesh.shape, layout.outer_bytes()
+    return [f"diloco: R={c.replicas} replicas of D/R={shape.replica_dp} data ranks (replica = d // (D/R)), each"
+            f" {run.settings.args.global_batch // c.replicas} sequences a step; H={c.inner_steps} inner AdamW steps,"
+            f" then Δ averaged over `diloco` (N={c.replicas}) and outer Nesterov SGD (lr {c.outer_lr}, momentum"
+            f" {c.outer_momentum})",
+            f"  outer state θ_start + momentum {mfu.format_bytes(2 * b)} (in the optimizer row); Δ all-reduce"
+            f" payload {mfu.format_bytes(b)} every {c.inner_steps} steps = {mfu.format_bytes(b / c.inner_steps)}"
+            f" a step (1/{c.inner_steps} of a DDP gradient all-reduce of the same parameters)"]
+
+
+def diloco_end_lines(layout, run, steps: int = 0) -> list:
+    return [f"diloco: {layout.outer_steps} outer steps taken this run (every {layout.config.inner_steps} steps)"]
+
+
+AXIS_LINES["diloco"] = {"startup": diloco_startup_lines, "end": diloco_end_lines}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ import report
 import tensor_parallel
 import time_model
 from ddp import DDPLayout, DistributedDataParallel
+from diloco import DiLoCoLayout
 from flags import DTYPES, Settings, fail
 from memory import MemoryTimeline, param_counts
 from mesh import Mesh, build_mesh, init_distributed
@@ -135,6 +136,15 @@ def build_layout(model: GPT, run: Run, materialize: bool = True):
     if args.compile:
         compile_blocks(model)  # per block: its gradient hooks fire when its backward ends (model.compile_blocks)
     groups = {name: run.mesh.group(name) for name in ("dp_cp", "expert_dp")}  # dense, experts
+    layout = build_data_parallel(model, run, groups, coords, materialize)
+    # DiLoCo (diloco.py): the layout above runs inside one replica; every H steps the replicas' outer step
+    return DiLoCoLayout(layout, run.settings.diloco, run.mesh) if run.settings.diloco else layout
+
+
+def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materialize: bool):
+    """DDP or ZeRO 1/2/3 over `groups`; the update's norm over the world, or over one DiLoCo replica."""
+    args = run.settings.args
+    update_group = run.mesh.group("replica") if run.settings.diloco else None
     if args.zero:  # shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
         config = ZeroConfig(args.zero, lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2),
                             param_dtype=run.param_dtype, master_dtype=run.master_dtype, bucket_mb=args.bucket_mb,
@@ -145,11 +155,11 @@ def build_layout(model: GPT, run: Run, materialize: bool = True):
             return pipeline_layout(model, config, groups, coords, device, pp_config, run.config.n_layer,
                                    run.mesh.index("pp"), run.micro_batches)
         if args.zero < 3:
-            return ZeroLayout(model, config, groups, coords)
+            return ZeroLayout(model, config, groups, coords, update_group)
         return Zero3Layout(model, config, groups, coords, device)  # FP8 weights carry their codec (fp8.convert)
     ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
-    return DDPLayout(ddp, optimizer, coords)
+    return DDPLayout(ddp, optimizer, coords, update_group)
 
 
 def main(argv=None):
@@ -304,7 +314,7 @@ def timed_step(t: Training, step: int, prefetched, profiled: bool, peak_in_mean:
     with MemoryTimeline() if profiled else nullcontext() as memory:
         outcome = train_step(run.layout, t.scaler, batches, run.mesh.group("dp_cp"), args.grad_clip,
                              run.autocast, run.device, model=run.model, schedule=run.schedule, axes=run.axes,
-                             data_size=run.mesh.size("dp"))
+                             data_size=run.mesh.shape.replica_dp)
     if run.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
@@ -446,6 +456,8 @@ def evaluate(run: Run, tokens, sampler) -> float:
                                                         run.device))
     if run.mesh.size("dp_cp") > 1:
         dist.all_reduce(totals, group=run.mesh.group("dp_cp"))
+    if run.settings.diloco:  # each replica read its D/R ranks' slices: the whole eval batch over the replicas
+        dist.all_reduce(totals, group=run.mesh.group("diloco"))
     run.model.train()
     return float(totals[0] / totals[1])
 

@@ -191,11 +191,13 @@ class ZeroLayout:
     name = "zero"  # its lines are report_axes.py's section of that name
     stages = (1, 2)  # the stages this class runs
 
-    def __init__(self, module: nn.Module, config: ZeroConfig, groups: dict | None = None, coords: dict | None = None):
+    def __init__(self, module: nn.Module, config: ZeroConfig, groups: dict | None = None, coords: dict | None = None,
+                 update_group=None):
         if config.stage not in self.stages:
             raise ValueError(f"{type(self).__name__} runs ZeRO stage {' or '.join(map(str, self.stages))}, got"
                              f" {config.stage} (stages 1/2: zero.ZeroLayout, stage 3: zero3.Zero3Layout)")
         self.module, self.config, self.stage = module, config, config.stage
+        self.update_group = update_group  # the norm's all-reduce: the world (None) or a DiLoCo replica
         self.groups = {"dp_cp": None, **(groups or {})}  # name → process group (None: the world)
         self.dp_size = dist.get_world_size(self.groups["dp_cp"])
         self.coords = dict(coords or {})
@@ -367,7 +369,7 @@ class ZeroLayout:
                 work.wait()
 
         return update(grads, counted, scaler, clip, adamw_and_publish, grads[0].device, counted_pieces=pieces,
-                      extra_nonfinite=extra_nonfinite)
+                      extra_nonfinite=extra_nonfinite, group=self.update_group)
 
     def _adamw(self, unit: Unit, grad: torch.Tensor):
         """torch.optim.AdamW (amsgrad off) on one shard: decoupled decay, moments, bias-corrected update."""
