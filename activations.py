@@ -51,9 +51,12 @@ class ActivationEstimate:
     @property
     def peak(self) -> float:
         """Bytes alive at once: every forward in flight, and under activation checkpointing the block that
-        backward rebuilds (by then the head's and the loss's tensors of that micro-batch are freed)."""
+        backward rebuilds (by then the head's and the loss's tensors of that micro-batch are freed); ZeRO-3's
+        gathered weights apart (the layout's transients)."""
         rebuilt = max(0.0, self.recomputed - self.terms["head and loss"] / self.chunks)
-        return self.in_flight * self.forward + rebuilt
+        # ZeRO-3's gathered units are the layout's transients (zero3.peak_lower_bound, the plan's temporaries):
+        # what the saved tensors reference of them is counted there, once, not once per forward in flight.
+        return self.in_flight * (self.forward - self.terms["ZeRO-3 gathered weights"] / self.chunks) + rebuilt
 
 
 def activation_shape(run, device_type: str | None = None) -> memory.ActivationShape:
