@@ -12,9 +12,9 @@ part of the model a rank holds, as the run runs it:
 A MoE block's router and experts are moe.py's terms (uniform routing), its shared experts moe_shared.py's;
 under activation checkpointing a block keeps its input only, under selective recompute its input and its GEMM
 outputs (memory.selective_block_terms). Under ZeRO-3 a weight autograd saves is a view of its gathered unit: the
-units still gathered when the forward ends count (zero3_saved_weights). The start-up prints the estimate (report.py), the
-end compares it with what the first forward saved, and plan.py and plan_search.py size layouts with it, so a
-plan and a run print the same bytes.
+units still gathered when the forward ends count (zero3_saved_weights). The start-up prints the estimate
+(report.py), the end compares it with what the first forward saved, and plan.py and plan_search.py size layouts
+with it, so a plan and a run print the same bytes.
 
 It is its own file, not memory.py, because it sits above the axes: it reads moe.py's expert terms and the
 pipeline's schedule, while the axes (pipeline.py, zero.py, ddp.py, step.py, through it moe.py) import memory.py.

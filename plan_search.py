@@ -137,7 +137,8 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
                 persistent=_formula_persistent(s),
                 activations=activations.estimate_of(config, x, s.held["layer_ids"], ends, shape.ep, flight, gathered),
                 temporaries=temporaries, messages=messages.named(lambda name: alias.get(name, name)),
-                group_ranks=ranks, flops=mfu.flops_per_token(memory.param_counts(config), config, settings.seq_len, x.kernel),
+                group_ranks=ranks,
+                flops=mfu.flops_per_token(memory.param_counts(config), config, settings.seq_len, x.kernel),
                 bubble=bubble, last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
                 layer_share=s.held["layers"] * shape.pp / config.n_layer)
 
