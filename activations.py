@@ -4,15 +4,17 @@ memory.py writes what one block, the embeddings and the head save, tensor by ten
 layer_activation_terms, ...), and Korthikanti et al. 2022's per-layer reference. This file adds them up for the
 part of the model a rank holds, as the run runs it:
 
-    bytes of one forward = Σ over its blocks (dense or MoE) + autocast's weight copies + embeddings + head,
-                           ÷ v under a pipeline of v chunks per rank
+    bytes of one forward = Σ over its blocks (dense or MoE) + autocast's weight copies + ZeRO-3's gathered weights
+                           + embeddings + head, ÷ v under a pipeline of v chunks per rank
     peak                 = forwards in flight (schedules.in_flight) × one forward
                            + under activation checkpointing the block backward rebuilds, less the head's bytes
 
 A MoE block's router and experts are moe.py's terms (uniform routing), its shared experts moe_shared.py's;
-under activation checkpointing a block keeps its input only. The start-up prints the estimate (report.py), the
-end compares it with what the first forward saved, and plan.py and plan_search.py size layouts with it, so a
-plan and a run print the same bytes.
+under activation checkpointing a block keeps its input only, under selective recompute its input and its GEMM
+outputs (memory.selective_block_terms). Under ZeRO-3 a weight autograd saves is a view of its gathered unit: the
+units still gathered when the forward ends count (zero3_saved_weights). The start-up prints the estimate
+(report.py), the end compares it with what the first forward saved, and plan.py and plan_search.py size layouts
+with it, so a plan and a run print the same bytes.
 
 It is its own file, not memory.py, because it sits above the axes: it reads moe.py's expert terms and the
 pipeline's schedule, while the axes (pipeline.py, zero.py, ddp.py, step.py, through it moe.py) import memory.py.
@@ -49,9 +51,12 @@ class ActivationEstimate:
     @property
     def peak(self) -> float:
         """Bytes alive at once: every forward in flight, and under activation checkpointing the block that
-        backward rebuilds (by then the head's and the loss's tensors of that micro-batch are freed)."""
+        backward rebuilds (by then the head's and the loss's tensors of that micro-batch are freed); ZeRO-3's
+        gathered weights apart (the layout's transients)."""
         rebuilt = max(0.0, self.recomputed - self.terms["head and loss"] / self.chunks)
-        return self.in_flight * self.forward + rebuilt
+        # ZeRO-3's gathered units are the layout's transients (zero3.peak_lower_bound, the plan's temporaries):
+        # what the saved tensors reference of them is counted there, once, not once per forward in flight.
+        return self.in_flight * (self.forward - self.terms["ZeRO-3 gathered weights"] / self.chunks) + rebuilt
 
 
 def activation_shape(run, device_type: str | None = None) -> memory.ActivationShape:
@@ -77,48 +82,80 @@ def shape_of(settings, config, device_type: str, compute_dtype, param_dtype) -> 
 def activation_estimate(run, device_type: str | None = None) -> ActivationEstimate:
     """This rank's activations per micro-batch: its blocks, the embeddings and the head where it holds them,
     autocast's weight copies apart. Under activation checkpointing a block keeps its input only and backward
-    rebuilds one block at a time; under PP the schedule keeps `schedules.in_flight` chunk-micro-batches of this
-    rank's program alive, each counted as 1/v of the stage (exact for v = 1)."""
+    rebuilds one block at a time (selective recompute: its input and GEMM outputs); under PP the schedule keeps
+    `schedules.in_flight` chunk-micro-batches of this rank's program alive, each counted as 1/v of the stage
+    (exact for v = 1); under ZeRO-3 the units the forward leaves gathered (zero3_saved_weights)."""
     model, layer_ids = run.model, [block.layer_id for block in run.model.transformer.h]
     in_flight, chunks = 1, 1
     for pp in (axis.facts() for axis in run.axes if axis.name == "pp"):
         in_flight, chunks = schedules.in_flight(pp.programs[pp.rank])[0], pp.v
-    return estimate_of(run.config, activation_shape(run, device_type), layer_ids, (model.has_embedding, model.has_head),
-                       run.settings.shape.ep, (in_flight, chunks))
+    x, ends, shape = activation_shape(run, device_type), (model.has_embedding, model.has_head), run.settings.shape
+    gathered = (zero3_saved_weights(run.config, x, layer_ids, ends, shape.ep, shape.dp * shape.cp)
+                if run.settings.args.zero == 3 else 0.0)
+    return estimate_of(run.config, x, layer_ids, ends, shape.ep, (in_flight, chunks), gathered)
 
 
 def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int,
-                pipeline_flight: tuple = (1, 1)) -> ActivationEstimate:
+                pipeline_flight: tuple = (1, 1), gathered: float = 0.0) -> ActivationEstimate:
     """activation_estimate from the shapes: the blocks `layer_ids`, ends = (has embedding, has head), the
-    expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v)."""
+    expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v), `gathered` ZeRO-3's units the
+    forward leaves saved (zero3_saved_weights; 0 for other layouts)."""
     n_moe = sum(config.is_moe_layer(layer_id) for layer_id in layer_ids)
     held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
+    n_blocks = sum(held.values())
     # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
     # (whole on every TP rank).
     experts = moe_block_bytes(config, x, ep) if n_moe else (0, 0)
-    recomputed = 0.0
+    recomputed, recomputing = 0.0, config.activation_checkpointing or config.selective_recompute
     if config.activation_checkpointing:  # the inputs stay; backward rebuilds one block, its copies with it
-        blocks, copies = memory.block_input_bytes(x) * sum(held.values()), 0.0
+        blocks = {f"{n_blocks} block inputs": memory.block_input_bytes(x) * n_blocks}
         rebuilt = block_bytes(replace(x, regather=False), moe_block_bytes(config, replace(x, regather=False), ep))
         recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - memory.block_input_bytes(x)
-        what = f"{sum(held.values())} block inputs"  # the rebuilt block's input is the one the checkpoint holds
+    elif config.selective_recompute:  # the inputs and GEMM outputs stay (dense blocks only: recompute.check_flags)
+        blocks = {f"{n_blocks} {name}": value * n_blocks for name, value in memory.selective_block_terms(x).items()}
+        recomputed = (sum(block_bytes(x, experts)["dense"]) - memory.block_input_bytes(x)
+                      - memory.selective_rebuild_shared(x))  # what the rebuild adds to the cache it reads
     else:
         each = block_bytes(x, experts)
-        blocks, copies = (sum(held[kind] * each[kind][i] for kind in held) for i in (0, 1))
-        what = f"{sum(held.values())} blocks" + (f" ({n_moe} MoE)" if n_moe else "")
-    terms = {what: blocks, "autocast weight copies": copies,
+        blocks = {f"{n_blocks} blocks" + (f" ({n_moe} MoE)" if n_moe else ""):
+                  sum(held[kind] * each[kind][0] for kind in held),
+                  "autocast weight copies": sum(held[kind] * each[kind][1] for kind in held)}
+    terms = {**blocks, "ZeRO-3 gathered weights": gathered,
              "embeddings": memory.embedding_activation_bytes(x) if ends[0] else 0.0,
              "head and loss": memory.head_activation_bytes(x) if ends[1] else 0.0}
-    recomputing = config.activation_checkpointing
-    hidden = memory.hidden_from_hooks(x, 0 if recomputing else sum(held.values()), ends[1], 0 if recomputing else n_moe,
+    hidden = memory.hidden_from_hooks(x, 0 if recomputing else n_blocks, ends[1], 0 if recomputing else n_moe,
                                       config.moe_shared_experts)
     in_flight, chunks = pipeline_flight
     how = (f"attention {x.kernel}" + (" (Ulysses)" if x.ulysses else "")
            + f", {x.e_r}-byte residual, {x.e_c}-byte compute" + (", FP8 linear inputs" if x.fp8 else "")
-           + (f", {x.mask(x.e_c)}-byte dropout masks" if x.dropout else ", no dropout"))
+           + (f", {x.mask(x.e_c)}-byte dropout masks" if x.dropout else ", no dropout")
+           + (", full recompute" if config.activation_checkpointing else "")
+           + (", selective recompute" if config.selective_recompute else ""))
     return ActivationEstimate(forward=sum(terms.values()) / chunks, terms=terms, hidden=hidden / chunks,
                               in_flight=in_flight, chunks=chunks, recomputed=recomputed,
                               korthikanti=korthikanti_estimate(config, x, len(layer_ids), n_moe), how=how)
+
+
+def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int,
+                        dp_cp: int) -> float:
+    """ZeRO-3's gathered weights that a forward's saved tensors still reference when it ends, b_w = e_r bytes per
+    element of each unit, padded to n' = ⌈n/D⌉·D (zero3.py): the root's (embeddings, ln_f, the tied head: the
+    head gathered it again) and, without recompute, the last block's, which the schedule keeps gathered into
+    backward (a checkpointed block saves no weight: its recompute does, inside backward). Every other block's
+    saved weights are views of a unit freed after its forward (0 bytes until backward gathers it again).
+    Dense units sync over dp_cp (D·C ranks), experts over expert_dp (D·C/E)."""
+    def padded(numel: int, ranks: int) -> int:
+        return -(-numel // ranks) * ranks
+
+    def unit_bytes(counts: dict) -> float:
+        experts = padded(counts["expert_dp"], max(1, dp_cp // ep)) if counts["expert_dp"] else 0
+        return (padded(counts["dp_cp"], dp_cp) + experts) * x.e_r
+
+    root = unit_bytes(memory.param_counts(config, x.t, ep, layers=[], embedding=ends[0], head=ends[1]))
+    recomputing = config.activation_checkpointing or config.selective_recompute
+    last = 0.0 if recomputing or not layer_ids else unit_bytes(
+        memory.param_counts(config, x.t, ep, layers=layer_ids[-1:], embedding=False, head=False))
+    return root + last
 
 
 def moe_block_bytes(config, x: memory.ActivationShape, ep: int) -> tuple:

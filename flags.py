@@ -31,6 +31,7 @@ import hf
 import moe
 import moe_router
 import paths
+import recompute
 import time_calibration
 from ckpt_files import CheckpointError, WriterLock
 from diloco import DiLoCoConfig
@@ -38,6 +39,8 @@ from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
 from model import PRESETS, GPTConfig, config_from_preset
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# --activation-checkpointing's modes → the GPTConfig field each one sets (none sets neither)
+RECOMPUTE_FIELDS = {"full": "activation_checkpointing", "selective": "selective_recompute"}
 
 
 class FlagError(ValueError):
@@ -106,7 +109,9 @@ def _add_model_flags(parser) -> None:
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's block size)")
     g.add_argument("--dropout", type=float)
     g.add_argument("--no-bias", action="store_true", help="no biases in linears and LayerNorms")
-    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    g.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=recompute.MODES,
+                   help="recompute in backward: none, full (each block from its input; the bare flag) or selective"
+                   " (keep the GEMMs' outputs, recompute the LayerNorms, GELU, dropouts: recompute.py)")
     g.add_argument("--gelu", choices=["exact", "tanh"], help="the MLP's GELU: exact (erf; the default) or GPT-2's"
                    " tanh approximation (the default with --init-from GPT-2 weights)")
     g.add_argument("--init-from", metavar="DIR", help="start from a local Hugging Face GPT-2 directory (config.json +"
@@ -311,9 +316,10 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
                                  replicas=diloco_config.replicas if diloco_config else None)
     except ValueError as e:
         raise FlagError(str(e)) from None
-    if args.zero == 3 and args.activation_checkpointing and args.pp == 1:  # a pipeline gathers per action: no hooks
-        raise FlagError("--zero 3 with --activation-checkpointing: recomputing a block in backward reruns its"
-                        " forward hooks, which would gather and free its weights out of schedule; use --zero 1 or 2")
+    try:
+        recompute.check_flags(args, shape)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     config = model_config(args, given)
     try:  # the experts' split before the batch arithmetic, which takes the mesh as given: --ep 3 of 4 experts
         moe.check_flags(config, shape)  # is a wrong --ep, not a global batch that D = 3 does not divide
@@ -416,8 +422,8 @@ def model_config(args, given=frozenset()):
                      gelu=args.gelu, **moe.config_overrides(args))
     if args.no_bias:
         overrides["bias"] = False
-    if args.activation_checkpointing:
-        overrides["activation_checkpointing"] = True
+    if args.activation_checkpointing != "none":
+        overrides[RECOMPUTE_FIELDS[args.activation_checkpointing]] = True
     try:
         return config_from_preset(args.preset, **overrides)
     except ValueError as e:
@@ -452,7 +458,8 @@ def init_from_config(args, given) -> GPTConfig:
         raise FlagError(f"--moe-experts with {flag}: GPT-2's MLPs are dense, the experts would have no weights")
     return GPTConfig(block_size=shape.block_size, vocab_size=shape.vocab_size, real_vocab_size=shape.vocab_size,
                      n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd, gelu=shape.gelu,
-                     dropout=args.dropout or 0.0, activation_checkpointing=args.activation_checkpointing)
+                     dropout=args.dropout or 0.0,
+                     **{RECOMPUTE_FIELDS[mode]: args.activation_checkpointing == mode for mode in RECOMPUTE_FIELDS})
 
 
 def tokenizer_vocab(tokenizer: str) -> int:

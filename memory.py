@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -324,6 +324,31 @@ def block_input_bytes(x: ActivationShape) -> float:
     return x.s * x.b * x.h / (x.t if x.sp else 1) * x.e_r
 
 
+def selective_block_terms(x: ActivationShape) -> dict[str, float]:
+    """What a block under selective recompute (recompute.py) keeps for backward per micro-batch, by what keeps it
+    (the policy runs without TP or CP: recompute.check_flags):
+        block input                  sbh·e_r             the checkpoint's input (the recompute starts from it)
+        GEMM outputs                 9·sbh·e_c           c_attn's [q|k|v] 3, attention's c_proj 1, c_fc 4, the
+                                                         MLP's c_proj 1 (only the residual add reads it: kept all
+                                                         the same, as torchtitan's policy keeps every matmul's)
+        fused attention's output     sbh·e_c + s·b·a·max(e_c, 4)   its output and log-sum-exp (fused kernel only:
+                                                         the math path's core attention is recomputed)
+    Recomputed from those: the LayerNorms' outputs and statistics, the GELU's output, the dropouts and their
+    masks, autocast's weight copies."""
+    sbh = x.s * x.b * x.h
+    fused = x.kernel == "fused"
+    return {"block inputs": sbh * x.e_r, "GEMM outputs": 9 * sbh * x.e_c,
+            "fused attention outputs": (sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) if fused else 0.0}
+
+
+def selective_rebuild_shared(x: ActivationShape) -> float:
+    """Of the block a selective recompute rebuilds in backward (layer_activation_terms), the bytes that are the
+    cache's own tensors, not new ones: GELU's input (c_fc's output) 4·sbh·e_c, and with a fused kernel its
+    q, k, v (views of c_attn's output) and its output and log-sum-exp, 4·sbh·e_c + s·b·a·max(e_c, 4)."""
+    sbh = x.s * x.b * x.h
+    return 4 * sbh * x.e_c + ((4 * sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) if x.kernel == "fused" else 0.0)
+
+
 def hidden_from_hooks(x: ActivationShape, layers: int, head: bool, moe_layers: int = 0,
                       shared_experts: int = 0) -> float:
     """Of the bytes above, what an outer saved_tensors_hooks (SavedActivations) cannot see: under SP, the tensors
@@ -355,12 +380,21 @@ class SavedActivations:
     Storages of `exclude` (the parameters: weights are not activations) are left out. The storages are held
     until the object is dropped, so an address cannot be freed and reused within one measurement. Under
     non-reentrant activation checkpointing the checkpoint's own hooks take the saved tensors instead (only
-    the block inputs stay), which this does not see.
+    the block inputs stay), which the hooks do not see; under selective recompute the outputs its policy keeps
+    are no saved tensors either: `policy` (a recompute.SelectiveRecompute, `of(model)` finds the model's) shows
+    them. A ZeRO-3 weight is a view of a unit whose storage is gathered and freed, so its address is not the one
+    `exclude` took: a unit still gathered when a forward ends counts (activations.py names it).
     """
 
-    def __init__(self, exclude=()):
+    def __init__(self, exclude=(), policy=None):
         self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
         self.storages = {}
+        self.policy = policy
+
+    @classmethod
+    def of(cls, model):
+        """The measurement of a model's forward: its parameters left out, its recompute policy watched."""
+        return cls(exclude=list(model.parameters()), policy=getattr(model, "recompute", None))
 
     def _pack(self, tensor):
         storage = tensor.untyped_storage()
@@ -371,9 +405,12 @@ class SavedActivations:
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
         self._hooks.__enter__()
+        self._watch = self.policy.watch(self._pack) if self.policy is not None else nullcontext()
+        self._watch.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self._watch.__exit__(*exc)
         self._hooks.__exit__(*exc)
 
     @property

@@ -45,7 +45,7 @@ class FlopsPerToken:
     convention: str  # how these were counted, for printouts
 
 
-def flops_per_token(counts: dict, config, seq_len: int) -> FlopsPerToken:
+def flops_per_token(counts: dict, config, seq_len: int, attention_kernel: str = "fused") -> FlopsPerToken:
     """Training FLOPs per token: model = 6N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT), N the
     matmul weights a token uses: counts["active_matmul"] of memory.param_counts(config) (the head, the blocks'
     linears, a mixture of experts' router, its S shared experts (S·8h² per MoE layer, moe_shared.py) and the k
@@ -63,6 +63,10 @@ def flops_per_token(counts: dict, config, seq_len: int) -> FlopsPerToken:
     With activation checkpointing (config.activation_checkpointing) the forward of every block runs a second
     time during backward, so the hardware does 2*N_r + 4*L*H*Q*T more FLOPs per token, N_r being the matmul
     weights whose forward is recomputed: the blocks' (counts["block_matmul"]; the head is not recomputed).
+    Selective recompute (config.selective_recompute, recompute.py) keeps every GEMM's output and recomputes
+    no matmul of weights: with a fused attention (`attention_kernel`, memory.attention_kernel) hardware = model
+    (the LayerNorms, GELU and dropouts it reruns are outside the 6N convention); on the unfused (math) path it
+    reruns the core attention, 4*L*H*Q*T more.
     """
     n_matmul_params = counts["active_matmul"]
     n_layer, n_head, head_dim = config.n_layer, config.n_head, config.head_dim
@@ -79,6 +83,11 @@ def flops_per_token(counts: dict, config, seq_len: int) -> FlopsPerToken:
         n_r = counts["block_matmul"]
         hardware = model + 2 * n_r + attention_fwd
         convention += f"; hardware adds the recomputed forward 2*N_r + 4*L*H*Q*T (N_r = {n_r:,})"
+    elif config.selective_recompute and attention_kernel == "math":
+        hardware = model + attention_fwd
+        convention += "; hardware adds the core attention selective recompute reruns, 4*L*H*Q*T"
+    elif config.selective_recompute:
+        convention += "; hardware = model (selective recompute reruns no matmul: elementwise ops only)"
     else:
         convention += "; hardware = model (no recomputation)"
     return FlopsPerToken(model=float(model), hardware=float(hardware), convention=convention)

@@ -38,7 +38,8 @@ Accounting for this file (one device, nothing split):
 1. Everything is replicated (there is one device).
 2. Persistent: Ψ parameters, Ψ gradients, 2Ψ Adam moments (fp32: 16 bytes/param). Activations per layer
    and micro-batch: about s·b·h·(34 + 5·a·s/h) bytes at 16 bits (Korthikanti et al. 2022), or only the
-   block inputs when `activation_checkpointing` recomputes each block in backward.
+   block inputs when `activation_checkpointing` recomputes each block in backward, and the block inputs and
+   GEMM outputs under `selective_recompute` (recompute.py).
 3. No messages.
 4. Restart state: parameters (the optimizer state lives in the trainer).
 """
@@ -56,6 +57,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import moe
+import recompute
 from shard import ShardInfo, set_value
 
 
@@ -69,7 +71,8 @@ class GPTConfig:
     n_embd: int = 384
     dropout: float = 0.0
     bias: bool = True  # biases in linears and LayerNorms, like GPT-2
-    activation_checkpointing: bool = False  # recompute each block's forward in backward
+    activation_checkpointing: bool = False  # recompute each block's forward in backward (full recompute)
+    selective_recompute: bool = False  # keep each block's GEMM outputs, recompute the rest (recompute.py)
     mlp: str = "dense"  # the block's MLP (build_mlp): "dense"
     gelu: str = "exact"  # the MLP's GELU: "exact" (erf, nanoGPT) or "tanh" (GPT-2's, Hugging Face's gelu_new)
     # Mixture of experts (moe.py): N experts (0: dense), top-k routing, on every n-th block (blocks n-1, 2n-1,
@@ -115,8 +118,8 @@ class GPTConfig:
     def architecture(self) -> dict:
         """The fields that decide what the model computes, as plain values: saved with every checkpoint, so
         export_hf.py and sample.py rebuild the model without the flags (not how it trains: dropout, recompute)."""
-        skip = ("dropout", "activation_checkpointing", "moe_aux_coef", "moe_z_coef", "moe_bias_rate",
-                "moe_seq_aux_coef")  # the bias itself exists with sigmoid scores; γ and α only train
+        skip = ("dropout", "activation_checkpointing", "selective_recompute", "moe_aux_coef", "moe_z_coef",
+                "moe_bias_rate", "moe_seq_aux_coef")  # the bias itself exists with sigmoid scores; γ and α only train
         return {name: value for name, value in asdict(self).items() if name not in skip}
 
 
@@ -336,6 +339,7 @@ class GPT(nn.Module):
         if layers != sorted(set(layers)) or not all(0 <= i < config.n_layer for i in layers):
             raise ValueError(f"layers {layers} are not increasing layer ids of the model's {config.n_layer} layers")
         self.aux_losses = AuxLosses()
+        self.recompute = recompute.SelectiveRecompute() if config.selective_recompute else None
         with torch.device("meta"):  # shapes only: `materialize` gives each tensor its value, one at a time
             parts = {}  # in nanoGPT's order: wte, wpe, drop, h, ln_f
             if embedding:
@@ -391,8 +395,11 @@ class GPT(nn.Module):
         """Run the held blocks (or the contiguous `layers` of them: one pipeline chunk) on hidden states x."""
         for layer_id in layers if layers is not None else self.transformer.h.layer_ids:
             block = self.transformer.h[layer_id]
-            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+            training = self.training and torch.is_grad_enabled()
+            if self.config.activation_checkpointing and training:
                 x = checkpoint(block, x, use_reentrant=False)
+            elif self.recompute is not None and training:  # the GEMMs' outputs kept, the rest recomputed
+                x = checkpoint(block, x, use_reentrant=False, context_fn=self.recompute.contexts)
             else:
                 x = block(x)
         return x

@@ -140,7 +140,7 @@ class PipelineSchedule:
                 incoming = mail.take(needs(action, self.n_chunks))
                 mail.release(step.release)  # a message taken shows their receives posted: frees the buffers
                 measuring = self.measure_activations and action.kind == "F"
-                saved = memory.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
+                saved = memory.SavedActivations.of(model) if measuring else nullcontext()
                 with self.observer.action(action), nullcontext() if action in synced else layout.no_sync(), saved, \
                         gathered:
                     outgoing = self._compute(state, action, incoming)

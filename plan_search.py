@@ -32,6 +32,7 @@ import mfu
 import moe_accounting
 import moe_memory
 import moe_router
+import recompute
 import schedules
 import tensor_parallel
 import train
@@ -129,12 +130,15 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     messages.add("all_reduce", "world", 1, 16)
     rank, ranks, alias = _formula_groups(shape, p)
     x = activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param)
+    ends = (s.held["embedding"], s.held["head"])
+    gathered = (activations.zero3_saved_weights(config, x, s.held["layer_ids"], ends, shape.ep, shape.dp * shape.cp)
+                if settings.args.zero == 3 else 0.0)
     return Role(rank=rank, coords=shape.coords(rank), local_params=s.held["total"], logical={},
                 persistent=_formula_persistent(s),
-                activations=activations.estimate_of(config, x, s.held["layer_ids"],
-                                                    (s.held["embedding"], s.held["head"]), shape.ep, flight),
+                activations=activations.estimate_of(config, x, s.held["layer_ids"], ends, shape.ep, flight, gathered),
                 temporaries=temporaries, messages=messages.named(lambda name: alias.get(name, name)),
-                group_ranks=ranks, flops=mfu.flops_per_token(memory.param_counts(config), config, settings.seq_len),
+                group_ranks=ranks,
+                flops=mfu.flops_per_token(memory.param_counts(config), config, settings.seq_len, x.kernel),
                 bubble=bubble, last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
                 layer_share=s.held["layers"] * shape.pp / config.n_layer)
 
@@ -293,7 +297,7 @@ def search_argv(c: dict) -> list:
     argv += ["--pp-schedule", c["schedule"]] if c["P"] > 1 else []
     argv += ["--cp", str(c["C"]), "--cp-impl", "ring"] if c["C"] > 1 else []
     argv += ["--ep", str(c["E"])] if c["E"] > 1 else []
-    return argv + (["--sp"] if c["T"] > 1 else []) + (["--activation-checkpointing"] if c["ac"] else [])
+    return argv + (["--sp"] if c["T"] > 1 else []) + ["--activation-checkpointing", c["ac"]]
 
 
 def candidates(world: int, config, global_batch: int, gpus_per_node: int):
@@ -308,8 +312,8 @@ def candidates(world: int, config, global_batch: int, gpus_per_node: int):
             continue
         for zero_stage, micro, schedule, ac in product((0, 1, 2, 3) if P == 1 else (0, 1), (1, 2, 4, 8),
                                                        ("1f1b", "interleaved") if P > 1 else ("1f1b",),
-                                                       (False, True)):
-            if (global_batch // D) % micro == 0 and not (ac and zero_stage == 3):
+                                                       recompute.MODES):
+            if (global_batch // D) % micro == 0:  # selective's refusals (TP, CP, MoE): flags.validate's
                 yield dict(T=T, C=C, P=P, D=D, E=E, zero=zero_stage, micro=micro, schedule=schedule, ac=ac)
 
 
@@ -372,14 +376,19 @@ _LAYOUT_FLAGS = {"--tp": 1, "--pp": 1, "--zero": 1, "--micro-batch": 1, "--pp-sc
 
 def _without_layout_flags(argv: list) -> list:
     """The command line less what the search chooses itself (and the plan flags)."""
-    out, skip = [], 0
+    out, skip, optional = [], 0, False
     for arg in argv:
+        if optional:  # --activation-checkpointing's value is optional (the bare flag is full)
+            optional = False
+            if arg in recompute.MODES:
+                continue
         if skip:
             skip -= 1
             continue
         name = arg.split("=")[0]
         if name in _LAYOUT_FLAGS:
             skip = _LAYOUT_FLAGS[name] if "=" not in arg else 0
+            optional = name == "--activation-checkpointing" and "=" not in arg
             continue
         out.append(arg)
     return out

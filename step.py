@@ -156,7 +156,7 @@ class GradientAccumulation:
             x, y, pos = (*batch, None)[:3]  # (x, y) or (x, y, pos): pos, the global positions (context parallel)
             last = index == len(batches) - 1
             measuring = self.measure_activations and index == 0
-            saved = memory.SavedActivations(exclude=list(model.parameters())) if measuring else nullcontext()
+            saved = memory.SavedActivations.of(model) if measuring else nullcontext()
             with nullcontext() if last else layout.no_sync():
                 with autocast, saved:
                     _, micro_loss_sum, _ = layout(x.to(device, non_blocking=True), y.to(device, non_blocking=True),

@@ -283,7 +283,8 @@ def layout_name(settings) -> str:
     if s.pp > 1:
         name += f" {a.pp_schedule}" + (f"(v={a.pp_virtual})" if a.pp_schedule == "interleaved" else "")
     name += " SP" if settings.sequence_parallel else ""
-    return name + (" AC" if settings.model.activation_checkpointing else "")
+    return name + (" AC" if settings.model.activation_checkpointing else "") + (
+        " SAC" if settings.model.selective_recompute else "")  # full / selective recompute
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ import precision_recipe
 import report
 import tensor_parallel
 import time_model
+from activations import activation_shape
 from ddp import DDPLayout, DistributedDataParallel
 from diloco import DiLoCoLayout
 from flags import DTYPES, Settings, fail
@@ -116,7 +117,8 @@ def compose(run: Run, measure: bool = False, materialize: bool = True) -> Run:
     configs = run.settings.axes
     run.model = GPT(run.config, seed=run.seed, dtype=run.master_dtype, device="meta",
                     **pipeline.stage_of(configs.get("pipeline"), run))  # a pipeline rank builds its stage only
-    run.flops = mfu.flops_per_token(param_counts(run.config), run.config, run.seq_len)
+    run.flops = mfu.flops_per_token(param_counts(run.config), run.config, run.seq_len,
+                                    activation_shape(run).kernel)  # selective recomputes an unfused attention
     for axis in AXES:  # each swaps modules in place; its handle is what the rest of the run talks to
         if configs.get(axis.__name__) is not None:
             run.axes.append(axis.apply(run.model, run, configs[axis.__name__]))

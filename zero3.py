@@ -20,6 +20,10 @@ a unit's gradients are in its bucket (post-accumulate-grad hooks), it is reduce-
 freed: every node reading a weight has run before autograd accumulates its gradient. Autograd runs a ready
 AccumulateGrad before any other ready node, so block i+1 is freed before block i's backward hook prefetches block
 i-1: at most two units are gathered at once (`peak_gathered_units`; tested, with the order of gathers). Under
+activation checkpointing (full or selective) backward reruns block i's forward, hooks included, after block i's
+backward hook gathered it: those hooks see that they run inside a backward (`_recomputing`) and neither free nor
+prefetch, so the recompute reads the unit gathered for block i's backward, and the peak stays two gathered units
+(between its forward and its recompute a checkpointed block holds no weights: freed as without recompute). Under
 --compile the hooks stay eager (model.compile_blocks compiles each block's forward, not its call). Under a pipeline
 the interpreter calls the stage's pieces itself, in its schedule's order: zero_pipeline.PipelineZero3Layout replaces
 these hooks (`_register_schedule_hooks`) with gathers per chunk around each action.
@@ -135,11 +139,15 @@ class Zero3Layout(ZeroLayout):
 
     def _before_block(self, i: int):
         self._wait(self.block_units[i])
+        if _recomputing():  # activation checkpointing reruns the forward in backward: block i is gathered
+            return  # already (its backward hook waited for it, and prefetched block i-1); nothing else moves
         if i == 0:
             self._free(self.root)  # the embedding lookups are done; the head regathers it
         self._gather(self.block_units[i + 1] if i + 1 < len(self.blocks) else self.root)  # prefetch
 
     def _after_block(self, i: int, out):
+        if _recomputing():  # its backward, about to run, reads the weights: _launch frees them after
+            return
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad, i=i: self._before_block_backward(i))
             if i == len(self.blocks) - 1:
@@ -289,6 +297,12 @@ class Zero3Layout(ZeroLayout):
                     out.add("all_gather_single", name, gathers, gathers * b_gather * unit.padded_numel)
                     out.add("reduce_scatter_single", name, m, m * b_r * unit.padded_numel)
         return out
+
+
+def _recomputing() -> bool:
+    """Whether a block's forward runs inside a backward: activation checkpointing's recompute (full or
+    selective), which autograd runs from a node of the backward graph."""
+    return torch._C._current_autograd_node() is not None
 
 
 def by_group_and_codec(params: list) -> dict:

@@ -67,7 +67,7 @@ def saved_by_forward(run, forward) -> int:
     """Bytes autograd saves while `forward()` runs under the run's autocast (parameters left out)."""
     import memory
 
-    with memory.SavedActivations(exclude=list(run.model.parameters())) as saved, run.autocast:
+    with memory.SavedActivations.of(run.model) as saved, run.autocast:
         forward()
     return saved.bytes
 
@@ -177,6 +177,36 @@ def test_checkpointing_keeps_the_block_inputs_and_rebuilds_one_block():
     assert within(rebuilt, estimate.recomputed), (rebuilt, estimate.recomputed)
 
 
+RECOMPUTE = {  # case: (flags, autocast dtype), the fused path and the math one
+    "selective fp32": (["--activation-checkpointing", "selective"], "fp32"),
+    "selective bf16": (["--activation-checkpointing", "selective"], "bf16"),
+    "selective dropout bf16": (["--activation-checkpointing", "selective", "--dropout", "0.1"], "bf16"),  # math path
+}
+
+
+@pytest.mark.parametrize("case", RECOMPUTE)
+def test_recompute_estimate_matches_what_one_forward_keeps(case):
+    """Selective recompute (the outputs its policy keeps seen through its watch; none and full: above)."""
+    import activations
+
+    flags, dtype = RECOMPUTE[case]
+    run = build_run(flags, dtype)
+    x, y, pos = batch(run)
+    measured = saved_by_forward(run, lambda: run.model(x, y, pos))
+    estimate = activations.activation_estimate(run)
+    assert within(measured, estimate.forward), (case, measured, estimate.forward, estimate.terms)
+
+
+def test_selective_recompute_keeps_less_than_none_and_more_than_full():
+    """The policy is not a no-op either way: measured, full < selective < none (fp32, fused attention)."""
+    saved = {}
+    for mode in ("none", "full", "selective"):
+        run = build_run(["--activation-checkpointing", mode], "fp32")
+        x, y, pos = batch(run)
+        saved[mode] = saved_by_forward(run, lambda: run.model(x, y, pos))
+    assert saved["full"] < saved["selective"] < 0.8 * saved["none"], saved
+
+
 def test_korthikanti_formulas_come_back_under_the_papers_assumptions():
     """Korthikanti et al. 2022, Table 2, for GPT-3 175B's layer (s = 2048, h = 12288, a = 96, so 5·a·s/h = 80:
     114·s·b·h unsplit, s·b·h·(10 + 24/8 + 80/8) = 23·s·b·h at T = 8, 114/8·s·b·h with SP) from memory.py's
@@ -216,6 +246,9 @@ MULTI = {  # case: (flags, autocast dtype)
     "tp+sp": (["--tp", "2", "--sp", "--global-batch", "2"], "fp32"),
     "cp ring": (["--cp", "2", "--global-batch", "2"], "bf16"),
     "cp ulysses": (["--cp", "2", "--cp-impl", "ulysses", "--global-batch", "2"], "fp32"),
+    # ZeRO-3: the units a forward leaves gathered (the root; the last block unless recomputed) count
+    "zero3 bf16": (["--zero", "3", "--global-batch", "4"], "bf16"),
+    "zero3 fp32 selective": (["--zero", "3", "--global-batch", "4", "--activation-checkpointing", "selective"], "fp32"),
 }
 
 
@@ -293,7 +326,7 @@ def ranks():
 
 
 @pytest.mark.parametrize("case", MULTI)
-def test_estimate_matches_what_the_hooks_see_under_tp_and_cp(ranks, case):
+def test_estimate_matches_what_the_hooks_see_under_tp_cp_and_zero3(ranks, case):
     for rank, out in enumerate(ranks):
         got = out[case]
         seen = got["estimate"].forward - got["estimate"].hidden

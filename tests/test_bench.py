@@ -23,6 +23,7 @@ BENCH = os.path.join(ROOT, "bench")
 
 # bench script -> a line fragment its --smoke output must contain (its table or its ratios were printed)
 SMOKE_PRINTS = {
+    "bench_activations": "ratio",
     "bench_context_parallel": "C=2",
     "bench_calibration": "rows within ±15%",
     "bench_ddp": "ratio",

@@ -41,12 +41,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, SAVE_AT, GLOBAL_BATCH, MICRO, SEQ, CLIP = 6, 3, 8, 1, 16, 0.05
 TOL = 1e-10
 
-LAYOUTS = {  # name -> (D, T, ZeRO stage); world = D·T
+LAYOUTS = {  # name -> (D, T, ZeRO stage, and GPTConfig overrides); world = D·T
     "D1": dict(dp=1, tp=1, zero=0),
     "D2": dict(dp=2, tp=1, zero=0),
     "D4": dict(dp=4, tp=1, zero=0),
     "D2-Z1": dict(dp=2, tp=1, zero=1),
     "D2-Z3": dict(dp=2, tp=1, zero=3),
+    "D2-Z3-AC": dict(dp=2, tp=1, zero=3, config=dict(activation_checkpointing=True)),  # recompute gathers too
     "D4-Z2": dict(dp=4, tp=1, zero=2),
     "T2": dict(dp=1, tp=2, zero=0),
     "T2-D2": dict(dp=2, tp=2, zero=0),
@@ -107,7 +108,8 @@ def _run(rank, world, spec, root, stop, save_every, resume=None, dropout=0.0, as
     mesh = build_mesh(MeshShape(dp=spec["dp"], tp=spec["tp"]))
     # A stream per data rank, as train.py: dropout differs across data ranks; a TP group draws alike.
     torch.manual_seed(100 + mesh.index("dp"))  # the CPU generator and every GPU's
-    model, layout = build_layout(spec, mesh, make_config(dropout=dropout), torch.float64, device)
+    model, layout = build_layout(spec, mesh, make_config(dropout=dropout, **spec.get("config", {})), torch.float64,
+                                 device)
     scaler = DynamicLossScaler(enabled=False)
     sampler = BatchSampler(10_000, SEQ, GLOBAL_BATCH, seed=0)  # only its cursor is used: batches come below
     checkpointer = _checkpointer(root, mesh, device, keep=keep, async_save=async_save)
@@ -202,7 +204,7 @@ def test_replay_needs_every_ranks_rng_state(name, replay):
 # Resharding: save on one mesh, load on another, continue; compare with the single-device reference
 # ---------------------------------------------------------------------------------------------------------
 
-MATRIX = [("D2", "D1"), ("D1", "D2"), ("D2", "D4"), ("T2-D2-Z1", "D2-Z3")] + [
+MATRIX = [("D2", "D1"), ("D1", "D2"), ("D2", "D4"), ("T2-D2-Z1", "D2-Z3"), ("T2-D2-Z1", "D2-Z3-AC")] + [
     (save, load) for save in ("D2-Z1", "D2-Z3", "T2-D2") for load in ("D1", "D4-Z2", "T2", "D2")]
 MATRIX_IDS = [f"{s}-to-{l}" for s, l in MATRIX]
 SAVERS = sorted({save for save, _ in MATRIX})

@@ -27,8 +27,18 @@ import train
 COUNTS = {"active_matmul": 1000, "block_matmul": 900}
 
 
-def _config(recompute: bool = False):
-    return types.SimpleNamespace(n_layer=2, n_head=4, head_dim=8, activation_checkpointing=recompute)
+def _config(recompute: bool = False, selective: bool = False):
+    return types.SimpleNamespace(n_layer=2, n_head=4, head_dim=8, activation_checkpointing=recompute,
+                                 selective_recompute=selective)
+
+
+def test_hfu_of_selective_recompute_adds_the_core_attention_on_the_math_path_only():
+    """Selective recompute keeps every GEMM's output: the fused path reruns no counted FLOP; the math path reruns
+    q·kᵀ and ·v, 4*L*H*Q*T = 4*2*4*8*16 = 4096."""
+    fused = mfu.flops_per_token(COUNTS, _config(selective=True), 16, "fused")
+    math_path = mfu.flops_per_token(COUNTS, _config(selective=True), 16, "math")
+    assert fused.hardware == fused.model == math_path.model
+    assert math_path.hardware - math_path.model == 4096
 
 
 def test_flops_per_token_small_config():

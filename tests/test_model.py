@@ -2,6 +2,7 @@
 and per-block compile (gradient hooks still fire block by block; the same gradients as eager)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -98,6 +99,53 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
         loss_sum.backward()
     for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_selective_recompute_follows_the_plain_models_loss_curve():
+    """Selective recompute (recompute.py) keeps the GEMM outputs and recomputes the rest, dropout masks
+    included (checkpoint replays the RNG): 4 AdamW steps from the same init, batches and dropout draws give
+    the plain model's losses and parameters in float64 to 1e-10, on the fused (no dropout) and math paths."""
+    for dropout in (0.0, 0.1):
+        runs = []
+        for selective in (False, True):
+            model = GPT(tiny(dropout=dropout, selective_recompute=selective), seed=2, dtype=torch.float64)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            generator, losses = torch.Generator().manual_seed(0), []
+            torch.manual_seed(7)  # the dropout draws
+            for _ in range(4):
+                idx = torch.randint(0, 256, (2, 32), generator=generator)
+                _, loss_sum, count = model(idx, idx.roll(1, 1))
+                (loss_sum / count).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss_sum.item())
+            runs.append((losses, [p.detach() for p in model.parameters()]))
+        (plain, plain_params), (selective, selective_params) = runs
+        assert plain == pytest.approx(selective, rel=1e-10, abs=1e-10), dropout
+        for a, b in zip(plain_params, selective_params):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("flags,flag", [(["--tp", "2"], "--tp > 1"), (["--cp", "2"], "--cp > 1"),
+                                        (["--moe-experts", "4"], "--moe-experts"), (["--fp8", "current"], "--fp8")])
+def test_selective_recompute_refuses_the_layouts_it_cannot_serve(flags, flag):
+    import flags as flags_lib
+    import train
+
+    args = flags_lib.build_parser().parse_args(["--activation-checkpointing", "selective", "--global-batch", "2",
+                                                *flags])
+    with pytest.raises(flags_lib.FlagError, match=f"--activation-checkpointing selective with {re.escape(flag)}"):
+        flags_lib.validate(args, 2, axes=train.AXES)
+
+
+def test_the_bare_recompute_flag_is_full_and_an_unknown_mode_is_a_flag_error():
+    import flags as flags_lib
+
+    parser = flags_lib.build_parser()
+    assert parser.parse_args(["--activation-checkpointing"]).activation_checkpointing == "full"
+    assert parser.parse_args([]).activation_checkpointing == "none"
+    with pytest.raises(flags_lib.FlagError, match="argument --activation-checkpointing: invalid choice: 'some'"):
+        parser.parse_args(["--activation-checkpointing", "some"])
 
 
 def test_global_positions_hook():

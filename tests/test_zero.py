@@ -105,7 +105,10 @@ CLIP = 0.05
 # makes unit sizes odd; without biases the parameter count itself is odd. Small buckets: many units.
 STAGE_CASES = {
     2: [(1, dict(n_embd=33, n_head=3, bias=False), 1, 0.01), (2, dict(n_embd=33, n_head=3), 1, 0.01),
-        (3, dict(n_embd=33, n_head=3, bias=False), 1, 25.0)],
+        (3, dict(n_embd=33, n_head=3, bias=False), 1, 25.0),
+        # stage 3 under recompute: backward reruns each block's forward (hooks included) on the unit it gathered
+        (3, dict(n_embd=33, n_head=3, activation_checkpointing=True), 1, 25.0),
+        (3, dict(n_embd=33, n_head=3, selective_recompute=True), 1, 25.0)],
     4: [(1, dict(n_embd=33, n_head=3), 1, 0.02), (2, dict(n_embd=33, n_head=3, bias=False), 1, 0.02),
         (3, dict(n_embd=33, n_head=3), 1, 25.0)],
 }
@@ -479,7 +482,6 @@ def test_mixed_precision_holds_2_2_12_bytes(two_rank_checks):
 
 
 @pytest.mark.parametrize("flags,world,message", [
-    (["--zero", "3", "--activation-checkpointing"], 2, "--activation-checkpointing"),
     (["--zero", "3", "--n-layer", "0"], 2, "--n-layer must be at least 1"),
 ])
 def test_invalid_zero_flags(flags, world, message):
@@ -496,10 +498,11 @@ def test_valid_zero_flags():
     import train
 
     for stage in (0, 1, 2, 3):
-        # Per-block compile and pipelines compose with every stage; under a pipeline, so does recompute (ZeRO-3's
-        # gathers follow the schedule's actions, not the forward's hooks).
-        for extra in ([], ["--compile"], ["--pp", "2", "--micro-batch", "1", "--activation-checkpointing"]):
-            args = train.flags.build_parser().parse_args(["--zero", str(stage), "--global-batch", "4", *extra])
+        # Per-block compile, recompute (full, selective) and pipelines compose with every stage (under a pipeline
+        # ZeRO-3's gathers follow the schedule's actions, not the forward's hooks).
+        for more in ([], ["--compile"], ["--activation-checkpointing"], ["--activation-checkpointing", "selective"],
+                     ["--pp", "2", "--micro-batch", "1", "--activation-checkpointing"]):
+            args = train.flags.build_parser().parse_args(["--zero", str(stage), "--global-batch", "4", *more])
             train.flags.validate(args, 2, axes=train.AXES)
 
 

@@ -1,0 +1,116 @@
+"""The activation estimate against the bytes a step's first forward really saves, for every layout and recompute.
+
+    python bench/bench_activations.py            # 7 layouts × {fp32, bf16} × {none, full, selective}, 2 ranks
+    python bench/bench_activations.py --layers 4 --width 256
+    python bench/bench_activations.py --smoke    # seconds: DDP and ZeRO-3, fp32, the three recompute modes
+
+Each row composes a run from train.py's flags on 2 gloo ranks (DDP D=2, ZeRO-1 D=2, ZeRO-3 D=2, TP T=2, TP+SP,
+CP C=2 ring, PP P=2 1F1B), trains one step with the schedule measuring its first forward as train.py's end line
+does (memory.SavedActivations.of: saved_tensors_hooks, each storage once, parameters aside, the selective policy's
+kept outputs watched), and prints rank 0's estimate (activations.activation_estimate, less what SP's regather hooks
+hide from the measurement) and the measurement. A ratio outside 1 ± 10% prints WRONG. Selective recompute under
+TP or CP is refused by flags.validate (recompute.check_flags): those rows say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import torch  # noqa: E402
+
+from harness import run_ranks  # noqa: E402
+
+LAYOUTS = {
+    "DDP D2": [],
+    "ZeRO-1 D2": ["--zero", "1"],
+    "ZeRO-3 D2": ["--zero", "3"],
+    "TP T2": ["--tp", "2"],
+    "TP+SP T2": ["--tp", "2", "--sp"],
+    "CP C2 ring": ["--cp", "2"],
+    "PP P2 1F1B": ["--pp", "2"],
+}
+TOLERANCE = 0.10
+
+
+def _measure(rank, world, cases, shape):
+    import activations
+    import flags
+    import train
+    from mesh import build_mesh
+    from optim import DynamicLossScaler
+    from reference import global_batches, rank_micro_batches
+    from step import train_step
+
+    layers, width, seq, micro = shape
+    out = {}
+    for name, dtype, mode in cases:
+        argv = ["--preset", "tiny", "--n-layer", str(layers), "--n-embd", str(width), "--seq-len", str(seq),
+                "--micro-batch", str(micro), "--global-batch", str(4 * micro), "--activation-checkpointing", mode,
+                "--dtype", dtype, *LAYOUTS[name]]
+        try:
+            settings = flags.validate(flags.build_parser().parse_args(argv), world, axes=train.AXES)
+        except flags.FlagError as e:
+            out[(name, dtype, mode)] = str(e)
+            continue
+        compute = flags.DTYPES[dtype]
+        run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
+                        device=torch.device("cpu"), seed=0, compute_dtype=compute,
+                        param_dtype=compute if settings.args.zero else torch.float32,  # as train.py: ZeRO's working
+                        autocast=torch.autocast("cpu", dtype=compute) if dtype == "bf16" else nullcontext())
+        torch.manual_seed(rank // run.mesh.size("tp"))
+        train.compose(run)
+        (gx, gy), = global_batches(1, 4 * micro, seq)
+        batches = [(*b, None) for b in rank_micro_batches(gx, gy, run.mesh.index("dp"), run.mesh.size("dp"), micro)]
+        for axis in run.axes:
+            batches = axis.shard_batches(batches)
+        run.schedule.measure_activations = True
+        train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0, run.autocast,
+                   run.device, model=run.model, schedule=run.schedule, axes=run.axes, data_size=run.mesh.size("dp"))
+        estimate = activations.activation_estimate(run)
+        out[(name, dtype, mode)] = (estimate.forward - estimate.hidden, run.schedule.saved_activation_bytes,
+                                    {k: v for k, v in estimate.terms.items() if v})
+    return out
+
+
+def main(argv=None):
+    import mfu
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="DDP and ZeRO-3, fp32, 2 layers of 64: checks it runs")
+    args = parser.parse_args(argv)
+    layouts, dtypes = list(LAYOUTS), ["fp32", "bf16"]
+    if args.smoke:
+        layouts, dtypes, args.layers, args.width, args.seq = ["DDP D2", "ZeRO-3 D2"], ["fp32"], 2, 64, 32
+    cases = [(name, dtype, mode) for name in layouts for dtype in dtypes for mode in ("none", "full", "selective")]
+    start = time.time()
+    rank0 = run_ranks(_measure, 2, cases, (args.layers, args.width, args.seq, args.micro), timeout=900)[0]
+    print(f"Activations saved for backward by one micro-batch's forward, rank 0 of 2 gloo ranks: tiny preset with"
+          f" n_layer={args.layers} n_embd={args.width}, s={args.seq}, B_μ={args.micro} ({time.time() - start:.0f} s)")
+    f = mfu.format_bytes
+    print(f"{'layout':<13}{'dtype':<6}{'recompute':<11}{'estimated':>12}{'measured':>12}{'ratio':>8}")
+    for key in cases:
+        name, dtype, mode = key
+        got = rank0[key]
+        if isinstance(got, str):
+            print(f"{name:<13}{dtype:<6}{mode:<11}  refused: {got}")
+            continue
+        estimated, measured, _ = got
+        ratio = estimated / measured
+        print(f"{name:<13}{dtype:<6}{mode:<11}{f(estimated):>12}{f(measured):>12}{ratio:>8.3f}"
+              + ("  WRONG" if abs(ratio - 1) > TOLERANCE else ""))
+
+
+if __name__ == "__main__":
+    main()
