@@ -55,6 +55,7 @@ import torch.nn as nn
 
 import context_parallel
 import microscaling
+import microscaling_fast
 from comm import Messages
 from fp8 import QuantizationObserver, forward_operands
 from shard import ShardInfo, StatePiece, counts_here
@@ -315,9 +316,9 @@ class RecipeLinear(nn.Linear):
         if fmt == "bf16":
             return x.to(dtype)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        out = microscaling.fake_quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule, two_d=two_d,
-                                         tensor_amax=tensor_amax if fmt == "nvfp4" else None, stochastic=draws,
-                                         count_saturated=role is not None)
+        out = microscaling_fast.fake_quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule,
+                                              two_d=two_d, tensor_amax=tensor_amax, draws=draws,
+                                              count_saturated=role is not None)
         if role is not None:
             out, saturated = out
             self.observer.quantized(self, role, x.numel(), saturated)
@@ -352,9 +353,9 @@ class RecipeLinear(nn.Linear):
         dy_t, x_t = dy.t(), x2.t()
         if recipe.rht:
             signs = hadamard_signs(self.state.key(-1, self.layer_key, 2), dy.device)
-            dy_t = microscaling.hadamard_blocks(dy_t.to(torch.float64 if dy.dtype == torch.float64 else
-                                                        torch.float32), signs)
-            x_t = microscaling.hadamard_blocks(x_t.to(dy_t.dtype), signs)
+            wide = torch.float64 if dy.dtype == torch.float64 else torch.float32  # along the tokens, dim 0 of dY, X
+            dy_t = microscaling.hadamard_blocks(dy.to(wide), signs, dim=0).t().contiguous()
+            x_t = microscaling.hadamard_blocks(x2.to(wide), signs, dim=0).t().contiguous()
         amax = [None] * 4
         if fmt == "nvfp4":
             amax = self._reduced_amax([amax_of(dy), amax_of(dy_t), amax_of(x_t), self.weight_amax(weight)])
