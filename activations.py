@@ -83,14 +83,19 @@ def activation_estimate(run, device_type: str | None = None) -> ActivationEstima
     in_flight, chunks = 1, 1
     for pp in (axis.facts() for axis in run.axes if axis.name == "pp"):
         in_flight, chunks = schedules.in_flight(pp.programs[pp.rank])[0], pp.v
+    # A precision recipe's linears (precision_recipe.RecipeLinear) save the weight parameter itself: no copy.
+    recipe = next((axis for axis in run.axes if axis.name == "precision"), None)
+    copy_free = len({int(name.split(".")[2]) for name in recipe.linears} & set(layer_ids)) if recipe else 0
     return estimate_of(run.config, activation_shape(run, device_type), layer_ids, (model.has_embedding, model.has_head),
-                       run.settings.shape.ep, (in_flight, chunks))
+                       run.settings.shape.ep, (in_flight, chunks), copy_free)
 
 
 def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int,
-                pipeline_flight: tuple = (1, 1)) -> ActivationEstimate:
+                pipeline_flight: tuple = (1, 1), copy_free: int = 0) -> ActivationEstimate:
     """activation_estimate from the shapes: the blocks `layer_ids`, ends = (has embedding, has head), the
-    expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v)."""
+    expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v), copy_free: how many of the dense
+    blocks run their linears without autocast's weight copies (a precision recipe's: it quantises the weight
+    itself and saves the parameter, so 12h²·w/T fewer bytes each)."""
     n_moe = sum(config.is_moe_layer(layer_id) for layer_id in layer_ids)
     held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
     # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
@@ -100,11 +105,14 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
     if config.activation_checkpointing:  # the inputs stay; backward rebuilds one block, its copies with it
         blocks, copies = memory.block_input_bytes(x) * sum(held.values()), 0.0
         rebuilt = block_bytes(replace(x, regather=False), moe_block_bytes(config, replace(x, regather=False), ep))
+        if held["dense"] and copy_free >= held["dense"]:  # every dense block rebuilt without copies
+            rebuilt["dense"] = (rebuilt["dense"][0], 0.0)
         recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - memory.block_input_bytes(x)
         what = f"{sum(held.values())} block inputs"  # the rebuilt block's input is the one the checkpoint holds
     else:
         each = block_bytes(x, experts)
         blocks, copies = (sum(held[kind] * each[kind][i] for kind in held) for i in (0, 1))
+        copies -= copy_free * each["dense"][1]
         what = f"{sum(held.values())} blocks" + (f" ({n_moe} MoE)" if n_moe else "")
     terms = {what: blocks, "autocast weight copies": copies,
              "embeddings": memory.embedding_activation_bytes(x) if ends[0] else 0.0,

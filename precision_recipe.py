@@ -14,7 +14,9 @@ formats). With fq = quantise → dequantise in the part's format, blocks along e
         step, micro-batch, layer, the element's place in the LOGICAL tensor), so every mesh draws what one
         device draws, a resumed run replays them, and no generator state is saved;
   tail  the last ⌈F·n_layer⌉ blocks stay in the compute dtype (NVIDIA's NVFP4 recipe keeps ~15%).
-The embedding, the head, the loss, MoE routers and experts stay in the compute dtype (as under --fp8). This is an
+The embedding, the head and the loss stay in the compute dtype; MoE models are refused (`config_from_flags`:
+the routed experts' row counts are data-dependent, so the blocks along the tokens would need per-chunk padding
+and SR keys per routed row, not built; --fp8 pads its experts' rows, fp8_experts.py). This is an
 emulation: the GEMMs run in the compute dtype (float64 models: float64) on the dequantised values. Only
 Blackwell (B200) has block-scaled MX/NVFP4 tensor cores; an H100/H200 has none, so there too it is emulated.
 
@@ -144,6 +146,10 @@ def config_from_flags(args, settings) -> PrecisionRecipe | None:
     recipe = parse_recipe(spec)
     if args.fp8 is not None:
         raise ValueError(f"--precision-recipe {spec} with --fp8 {args.fp8}: choose one recipe for the block linears")
+    if settings.model.moe_experts:  # refused rather than leaving the experts silently in the compute dtype
+        raise ValueError(f"--precision-recipe {spec} with --moe-experts {settings.model.moe_experts}: the routed"
+                         f" experts' GEMMs see data-dependent row counts, which the recipe's blocks along the tokens"
+                         f" (16/32 rows, the Hadamard's 16) would straddle; not supported (--fp8 runs experts)")
     tp, cp, h = settings.shape.tp, settings.shape.cp, settings.model.n_embd
     tokens = settings.micro_batch_size * settings.seq_len // cp
     piece = settings.seq_len // cp // (2 if cp > 1 and args.cp_balance == "zigzag" else 1)

@@ -54,6 +54,7 @@ BAD_RECIPES = [
     (["--precision-recipe", "mxfp8", "--n-embd", "48", "--n-head", "4"], "is not a multiple of the 32-wide block"),
     (["--precision-recipe", "nvfp4", "--tp", "2", "--n-embd", "48", "--n-head", "4"], "16-wide block"),
     (["--precision-recipe", "mxfp8", "--fp8", "current"], "choose one recipe"),
+    (["--precision-recipe", "mxfp8", "--moe-experts", "4"], "routed experts' GEMMs see data-dependent row counts"),
 ]
 
 
