@@ -25,6 +25,8 @@ Accounting for this file (it is accounting): 1. it holds nothing; 2. no memory; 
 
 from __future__ import annotations
 
+import torch
+
 import hardware
 import memory
 import mfu
@@ -83,3 +85,44 @@ def weighted_peak_line(flops: dict, hw: hardware.Hardware, compute: str) -> str:
     note = f"; {', '.join(emulated)}: no such GEMM on {hw.name}, emulated at the {compute} rate" if emulated else ""
     return (f"P_w = ΣF / Σ F_f/P_f = {format_weighted_peak(flops, peaks) / 1e12:,.0f} TFLOP/s on {hw.name}"
             f" (dense TFLOP/s: {at}{note})")
+
+
+def device_peaks(device, formats, compute: str, compute_peak: float) -> tuple[dict, list]:
+    """({format: FLOP/s}, [the formats emulated]) on this run's device: a GPU's PEAK_TFLOPS row in each format's
+    column (mfu.gpu_row); the compute dtype's peak as the run measured or was told it (`compute_peak`) for the
+    compute dtype and for every format the device has no GEMM for (a CPU, a GPU before Blackwell, no row)."""
+    row = None
+    if torch.device(device).type == "cuda":
+        row = mfu.gpu_row(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device)
+                          .multi_processor_count)
+    peaks, emulated = {}, []
+    for fmt in formats:
+        tflops = mfu.PEAK_TFLOPS[row].get(fmt) if row and fmt != compute else None
+        peaks[fmt] = tflops * 1e12 if tflops else compute_peak
+        emulated += [fmt] if fmt != compute and not tflops else []
+    return peaks, emulated
+
+
+def recipe_peak(flops: dict, peaks: dict, emulated: list, compute: str, peak: tuple) -> tuple[float, str]:
+    """The step line's MFU peak under a precision recipe: (P_w, how), P_w the format-weighted peak of this
+    step's FLOPs by format (the docstring's formula) on `peaks`, with peak = (the compute dtype's FLOP/s, how it
+    was found). Where every narrow format is emulated P_w is the compute dtype's peak itself, and it says so."""
+    weighted = format_weighted_peak(flops, peaks)
+    shares = ", ".join(f"{fmt} {f / sum(flops.values()):.1%}" for fmt, f in flops.items())
+    native = [f"{fmt} at {peaks[fmt] / 1e12:g} TFLOP/s" for fmt in flops if fmt not in emulated and fmt != compute]
+    at = "; ".join(native + ([f"{', '.join(emulated)} emulated at the {compute} rate"] if emulated else []))
+    return weighted, (f"format-weighted P_w = ΣF / Σ F_f/P_f over the model FLOPs by format ({shares}): {at};"
+                      f" the step line's MFU divides by it; {compute}: {peak[1]}")
+
+
+def run_peak(run, peak: tuple) -> tuple[float, str]:
+    """run.peak under --precision-recipe: `recipe_peak` of its FLOPs by format on the run's device; `peak`
+    (the compute dtype's) unchanged without one."""
+    handle = next((axis for axis in run.axes if axis.name == "precision"), None)
+    if handle is None:
+        return peak
+    recipe, compute = handle.recipe, mfu.format_dtype(run.compute_dtype)
+    flops = flops_by_format(run.config, run.seq_len, recipe.fwd, recipe.bwd, compute,
+                            recipe.tail_layers(run.config.n_layer))
+    peaks, emulated = device_peaks(run.device, flops, compute, peak[0])
+    return recipe_peak(flops, peaks, emulated, compute, peak)

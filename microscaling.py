@@ -326,26 +326,50 @@ def _check(x: torch.Tensor, fmt: BlockFormat, rule: str, two_d: bool):
 # --- The random Hadamard transform and the error measure ---------------------------------------------------------
 
 
-def random_hadamard(size: int = 16, generator: torch.Generator | None = None) -> torch.Tensor:
-    """H = Sylvester(size)·diag(s), s random ±1 from generator: H·Hᵀ = size·I (float32, entries ±1)."""
+def sylvester(size: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of a power-of-two size: [[S, S], [S, -S]] from [1] (entries ±1, symmetric)."""
     if size < 1 or size & (size - 1):
         raise ValueError(f"Hadamard size {size}: expected a power of two")
+    matrix = torch.ones(1, 1, device=device, dtype=dtype)
+    while matrix.shape[0] < size:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+    return matrix
+
+
+def random_hadamard(size: int = 16, generator: torch.Generator | None = None) -> torch.Tensor:
+    """H = Sylvester(size)·diag(s), s random ±1 from generator: H·Hᵀ = size·I (float32, entries ±1)."""
     device = generator.device if generator is not None else "cpu"
-    sylvester = torch.ones(1, 1, device=device)
-    while sylvester.shape[0] < size:
-        sylvester = torch.cat([torch.cat([sylvester, sylvester], 1), torch.cat([sylvester, -sylvester], 1)], 0)
+    matrix = sylvester(size, device)
     signs = torch.randint(0, 2, (size,), generator=generator, device=device).float().mul_(2).sub_(1)
-    return sylvester * signs
+    return matrix * signs
 
 
-def hadamard_blocks(x: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
-    """x [..., K] with each size-wide block of the last dim multiplied by H/√size (orthonormal): both operands of a
-    GEMM transformed along their contraction dim give the same product."""
+def hadamard_blocks(x: torch.Tensor, hadamard: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """x with each size-wide block of `dim` multiplied by H/√size (orthonormal): both operands of a GEMM
+    transformed along their contraction dim give the same product. H = Sylvester(size)·diag(s) (`random_hadamard`)
+    is applied as the fast Walsh-Hadamard butterfly, log2(size) stages of (a + b, a - b) over halves, then times
+    s/√size (exact for size 4^k: 16 gives ±1/4): a fixed order of additions, so the result is the same bits in any
+    memory layout (a GEMM's summation order is its library's), and n·log2(size) additions instead of n·size."""
     size = hadamard.shape[0]
-    if x.shape[-1] % size:
-        raise ValueError(f"Hadamard transform of {size}: must divide the last dim, got shape {tuple(x.shape)}")
-    orthonormal = hadamard.to(x.device, x.dtype) / math.sqrt(size)  # exact for size 4^k (16: H/4)
-    return (x.reshape(*x.shape[:-1], -1, size) @ orthonormal).reshape(x.shape)
+    dim = dim % x.dim()
+    if x.shape[dim] % size:
+        raise ValueError(f"Hadamard transform of {size}: must divide dim {dim}, got shape {tuple(x.shape)}")
+    signs = hadamard[0].to(x.device, x.dtype)  # Sylvester's first row is all ones: H's is s
+    if not torch.equal(hadamard.to(x.device, x.dtype), sylvester(size, x.device, x.dtype) * signs):
+        raise ValueError("hadamard_blocks: expected Sylvester(size)·diag(±1), as random_hadamard makes")
+    v = x.unflatten(dim, (-1, size))  # the block's axis is dim + 1
+    buffers = [torch.empty(v.shape, dtype=v.dtype, device=v.device) for _ in range(2)]
+    half, stage = size // 2, 0
+    while half:  # each stage reads the last one's result and writes the other buffer: no temporaries
+        pairs = v.unflatten(dim + 1, (size // (2 * half), 2, half))
+        v = buffers[stage % 2]
+        out = v.unflatten(dim + 1, (size // (2 * half), 2, half))
+        a, b = pairs.select(dim + 2, 0), pairs.select(dim + 2, 1)
+        torch.add(a, b, out=out.select(dim + 2, 0))
+        torch.sub(a, b, out=out.select(dim + 2, 1))
+        half, stage = half // 2, stage + 1
+    scale = (signs / math.sqrt(size)).view(size, *[1] * (x.dim() - 1 - dim))
+    return v.mul_(scale).flatten(dim, dim + 1)
 
 
 def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:

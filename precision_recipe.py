@@ -14,7 +14,9 @@ formats). With fq = quantise → dequantise in the part's format, blocks along e
         step, micro-batch, layer, the element's place in the LOGICAL tensor), so every mesh draws what one
         device draws, a resumed run replays them, and no generator state is saved;
   tail  the last ⌈F·n_layer⌉ blocks stay in the compute dtype (NVIDIA's NVFP4 recipe keeps ~15%).
-The embedding, the head, the loss, MoE routers and experts stay in the compute dtype (as under --fp8). This is an
+The embedding, the head and the loss stay in the compute dtype; MoE models are refused (`config_from_flags`:
+the routed experts' row counts are data-dependent, so the blocks along the tokens would need per-chunk padding
+and SR keys per routed row, not built; --fp8 pads its experts' rows, fp8_experts.py). This is an
 emulation: the GEMMs run in the compute dtype (float64 models: float64) on the dequantised values. Only
 Blackwell (B200) has block-scaled MX/NVFP4 tensor cores; an H100/H200 has none, so there too it is emulated.
 
@@ -55,6 +57,7 @@ import torch.nn as nn
 
 import context_parallel
 import microscaling
+import microscaling_fast
 from comm import Messages
 from fp8 import QuantizationObserver, forward_operands
 from shard import ShardInfo, StatePiece, counts_here
@@ -143,6 +146,10 @@ def config_from_flags(args, settings) -> PrecisionRecipe | None:
     recipe = parse_recipe(spec)
     if args.fp8 is not None:
         raise ValueError(f"--precision-recipe {spec} with --fp8 {args.fp8}: choose one recipe for the block linears")
+    if settings.model.moe_experts:  # refused rather than leaving the experts silently in the compute dtype
+        raise ValueError(f"--precision-recipe {spec} with --moe-experts {settings.model.moe_experts}: the routed"
+                         f" experts' GEMMs see data-dependent row counts, which the recipe's blocks along the tokens"
+                         f" (16/32 rows, the Hadamard's 16) would straddle; not supported (--fp8 runs experts)")
     tp, cp, h = settings.shape.tp, settings.shape.cp, settings.model.n_embd
     tokens = settings.micro_batch_size * settings.seq_len // cp
     piece = settings.seq_len // cp // (2 if cp > 1 and args.cp_balance == "zigzag" else 1)
@@ -315,9 +322,9 @@ class RecipeLinear(nn.Linear):
         if fmt == "bf16":
             return x.to(dtype)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        out = microscaling.fake_quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule, two_d=two_d,
-                                         tensor_amax=tensor_amax if fmt == "nvfp4" else None, stochastic=draws,
-                                         count_saturated=role is not None)
+        out = microscaling_fast.fake_quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule,
+                                              two_d=two_d, tensor_amax=tensor_amax, draws=draws,
+                                              count_saturated=role is not None)
         if role is not None:
             out, saturated = out
             self.observer.quantized(self, role, x.numel(), saturated)
@@ -352,9 +359,9 @@ class RecipeLinear(nn.Linear):
         dy_t, x_t = dy.t(), x2.t()
         if recipe.rht:
             signs = hadamard_signs(self.state.key(-1, self.layer_key, 2), dy.device)
-            dy_t = microscaling.hadamard_blocks(dy_t.to(torch.float64 if dy.dtype == torch.float64 else
-                                                        torch.float32), signs)
-            x_t = microscaling.hadamard_blocks(x_t.to(dy_t.dtype), signs)
+            wide = torch.float64 if dy.dtype == torch.float64 else torch.float32  # along the tokens, dim 0 of dY, X
+            dy_t = microscaling.hadamard_blocks(dy.to(wide), signs, dim=0).t().contiguous()
+            x_t = microscaling.hadamard_blocks(x2.to(wide), signs, dim=0).t().contiguous()
         amax = [None] * 4
         if fmt == "nvfp4":
             amax = self._reduced_amax([amax_of(dy), amax_of(dy_t), amax_of(x_t), self.weight_amax(weight)])

@@ -108,7 +108,7 @@ def _precision_startup(handle, run, steps: int) -> list:
     lines = [f"precision recipe {r.describe()}: {len(facts.formats)} block linears{where} with forward operands in"
              f" {fmt(r.fwd)}, backward operands in {fmt(r.bwd)}" + (" (16×16 NVFP4 weight blocks)" if r.w2d else "")
              + (", Hadamard on dW's operands" if r.rht else "") + (", stochastic rounding of dY" if r.sr else ""),
-             f"  in the compute dtype ({compute}): embedding, head, loss, routers, experts{tail}; GEMMs emulated"
+             f"  in the compute dtype ({compute}): embedding, head, loss{tail}; GEMMs emulated"
              f" (quantise → dequantise → {compute} GEMM): only Blackwell (B200) has block-scaled tensor cores"]
     tokens = run.micro_batch_size * run.seq_len // run.mesh.size("cp")
     bits = {name: precision_recipe.bits_per_element(name, compute_bytes) for name in (r.fwd, r.bwd)}
@@ -130,8 +130,9 @@ def _precision_startup(handle, run, steps: int) -> list:
     flops = format_flops.flops_by_format(run.config, run.seq_len, r.fwd, r.bwd, compute,
                                          r.tail_layers(run.config.n_layer))
     shares = ", ".join(f"{name} {f / sum(flops.values()):.1%}" for name, f in flops.items())
-    lines.append(f"  MFU: model FLOPs by format {shares}; the emulation runs them all at the {compute} rate (the step"
-                 f" line's MFU), a block-scaled kernel at the format-weighted peak "
+    lines.append(f"  MFU: model FLOPs by format {shares}; the step line's MFU divides by their format-weighted peak on"
+                 f" this device ('peak assumed'; a format without a GEMM here at the {compute} rate, which the"
+                 f" emulation runs them all at), a block-scaled kernel's "
                  + format_flops.weighted_peak_line(flops, hardware.PRESETS["b200"], compute))
     for (op, group), (calls, payload) in handle.predicted_messages(run.layout).items():
         lines.append(f"  messages per step: {op} {group}: {calls} × {mfu.format_bytes(payload / calls)}"

@@ -33,6 +33,7 @@ import context_parallel
 import data
 import elastic
 import flags
+import format_flops
 import fp8
 import hardware
 import hf
@@ -234,6 +235,7 @@ def start_training(settings: Settings, tracer: comm.CommTracer) -> Training:
     if args.init_from:  # the weights of step 0, read as a resharding resume reads (a checkpoint overrides them)
         init_from(run, args.init_from)
     run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
+    run.peak = format_flops.run_peak(run, run.peak)  # a precision recipe: the format-weighted peak P_w
     machine = hardware.machine_model(run, args)  # the time model of this machine (CPU: measured, collective)
     for name, group in run.mesh.groups.items():
         tracer.name_group(group, name)

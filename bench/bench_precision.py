@@ -51,13 +51,16 @@ import torch  # noqa: E402
 import format_flops  # noqa: E402
 import hardware  # noqa: E402
 import microscaling  # noqa: E402
-from model import config_from_preset  # noqa: E402
+import microscaling_fast  # noqa: E402
+import precision_recipe  # noqa: E402
+from model import GPT, config_from_preset  # noqa: E402
 
 # The ablation's axes: a name in the table -> the parts of --precision-recipe it adds (recipe_spec.md's spelling).
 FORWARD = {"bf16": (), "mxfp8": ("fwd=mxfp8",), "nvfp4": ("fwd=nvfp4",), "nvfp4+w2d": ("fwd=nvfp4", "w2d")}
 BACKWARD = {"bf16": (), "nvfp4+sr": ("bwd=nvfp4", "sr"), "nvfp4+sr+rht": ("bwd=nvfp4", "sr", "rht")}
 FP8_ROWS = ("current", "blockwise")  # today's --fp8 recipes
 THRESHOLDS_DB = {"mxfp8": 18.0, "mxfp4": 13.0, "nvfp4": 8.0, "nvfp4 GEMM": 16.0}  # torchao's tests
+NOISE_CELL = ("nvfp4", "nvfp4+sr")  # rerun with other seeds: the spread of its delta is the table's noise
 PAPER = "430M model, 12.8B tokens: forward +0.94–1.22%, backward +0.32–0.72% over bf16"
 
 
@@ -83,19 +86,94 @@ def print_sqnr(n: int) -> None:
         print(f"  {name:<11} {db:6.2f} dB   (torchao's threshold ≥ {threshold:g} dB: {verdict})")
 
 
+# --- 1b. What the emulation costs a step: the reference quantiser against the fast one -------------------------
+
+def _reference_fake_quantize(x, fmt, rule="rceil", two_d=False, draws=None, tensor_amax=None, count_saturated=False):
+    """microscaling.fake_quantize behind microscaling_fast's signature: the quantiser the recipe used before."""
+    fmt = microscaling.FORMATS[fmt] if isinstance(fmt, str) else fmt
+    return microscaling.fake_quantize(x, fmt, rule, two_d, draws, tensor_amax if fmt.scale == "e4m3" else None,
+                                      count_saturated)
+
+
+def _gemm_hadamard(x, hadamard, dim=-1):
+    """The Hadamard as the recipe ran it before: a GEMM with H/4 on 16-wide blocks of the last dim (transposed)."""
+    moved = x.movedim(dim, -1)
+    out = (moved.reshape(*moved.shape[:-1], -1, 16) @ (hadamard.to(x.dtype) / 4)).reshape(moved.shape)
+    return out.movedim(-1, dim)
+
+
+def step_seconds(preset: str, spec: str | None, batch: int, steps: int, reference: bool) -> float:
+    """The mean wall seconds of `steps` forward + backward passes (after one warm-up) of `preset` in fp32 with
+    --precision-recipe `spec` (None: none), on random tokens; reference: with the quantiser and Hadamard the
+    recipe used before microscaling_fast.py (float64 NVFP4, a new tensor per operation; the Hadamard as a GEMM)."""
+    config = config_from_preset(preset)
+    torch.manual_seed(0)
+    model = GPT(config)
+    if spec:
+        precision_recipe.convert(model, precision_recipe.parse_recipe(spec))
+    tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1))
+    saved = microscaling_fast.fake_quantize, microscaling.hadamard_blocks
+    if reference:
+        microscaling_fast.fake_quantize, microscaling.hadamard_blocks = _reference_fake_quantize, _gemm_hadamard
+    try:
+        times = []
+        for _ in range(steps + 1):
+            start = time.perf_counter()
+            _, loss, count = model(tokens[:, :-1], tokens[:, 1:])
+            (loss / count).backward()
+            times.append(time.perf_counter() - start)
+    finally:
+        microscaling_fast.fake_quantize, microscaling.hadamard_blocks = saved
+    return sum(times[1:]) / steps
+
+
+def print_speed(preset: str, batch: int, steps: int) -> None:
+    """s/step of each forward × backward cell, the quantiser before (reference) and after (fast), alternated so
+    that a loaded machine slows both alike; the unquantised run for scale."""
+    print(f"the emulation's cost: `{preset}`, {batch}×{config_from_preset(preset).block_size} tokens, fp32,"
+          f" forward + backward, mean of {steps} steps after a warm-up, one thread")
+    plain = step_seconds(preset, None, batch, steps, reference=False)
+    print(f"  {'unquantised':<36} {plain:7.2f} s/step")
+    for fwd in FORWARD:
+        for bwd in BACKWARD:
+            if (fwd, bwd) == ("bf16", "bf16"):
+                continue
+            spec = ",".join(FORWARD[fwd] + BACKWARD[bwd])
+            before = step_seconds(preset, spec, batch, steps, reference=True)
+            after = step_seconds(preset, spec, batch, steps, reference=False)
+            print(f"  {cell_label(fwd, bwd, 'fp32'):<36} before {before:7.2f} s/step, after {after:7.2f} s/step"
+                  f" ({before / after:.1f}× faster)", flush=True)
+
+
 # --- 2. The ablation: one train.py process per cell ------------------------------------------------------------
 
-def cells(smoke: bool) -> list:
-    """[(label, forward, backward, train.py flags)], bf16 × bf16 first: the baseline every delta is against."""
+def cell_label(fwd: str, bwd: str, dtype: str) -> str:
+    """A cell's name in the table: the unquantised side is named by the compute dtype."""
+    return f"fwd {dtype if fwd == 'bf16' else fwd} × bwd {dtype if bwd == 'bf16' else bwd}"
+
+
+def seed_label(label: str, seed: int) -> str:
+    return f"{label} (seed {seed})"
+
+
+def cells(smoke: bool, dtype: str = "bf16", seed: int = 0, noise_seeds: int = 0) -> list:
+    """[(label, forward, backward, train.py flags)], the plain run first: the baseline every delta is against
+    (bf16 × bf16 is the plain run in the compute dtype); then the noise runs: the baseline and NOISE_CELL again
+    with seeds seed+1..seed+noise_seeds (another init, other batches, other SR draws)."""
     grid = [("nvfp4+w2d", "nvfp4+sr+rht")] if smoke else [(f, b) for f in FORWARD for b in BACKWARD]
-    rows = [("bf16", "bf16", "bf16", [])]
+    rows = [(dtype, "bf16", "bf16", [])]
     for fwd, bwd in grid:
         if (fwd, bwd) != ("bf16", "bf16"):
             parts = FORWARD[fwd] + BACKWARD[bwd]
-            rows.append((f"fwd {fwd} × bwd {bwd}", fwd, bwd, ["--precision-recipe", ",".join(parts)]))
+            rows.append((cell_label(fwd, bwd, dtype), fwd, bwd, ["--precision-recipe", ",".join(parts)]))
     if not smoke:
         rows += [(f"--fp8 {mode}", "fp8", "fp8", ["--fp8", mode]) for mode in FP8_ROWS]
-        rows.append(("fp32 (reference)", "fp32", "fp32", ["--dtype", "fp32"]))
+        if dtype != "fp32":
+            rows.append(("fp32 (reference)", "fp32", "fp32", ["--dtype", "fp32"]))
+    noisy = next(row for row in rows if row[0] == cell_label(*NOISE_CELL, dtype)) if not smoke else rows[-1]
+    for extra in range(1, noise_seeds + 1):
+        for label, fwd, bwd, flags in (rows[0], noisy):
+            rows.append((seed_label(label, seed + extra), fwd, bwd, flags + ["--seed", str(seed + extra)]))
     return rows
 
 
@@ -108,11 +186,13 @@ def run_cell(label: str, flags: list, args) -> dict:
            "--global-batch", str(args.batch), "--micro-batch", str(args.batch), "--seed", str(args.seed),
            "--eval-every", "0", "--eval-batches", str(args.eval_batches), "--log-every", str(args.steps),
            "--sample-tokens", "0", "--out-dir", args.out_dir, "--metrics-file", metrics]
-    cmd += flags if "--dtype" in flags else ["--dtype", "bf16", *flags]
+    cmd += flags if "--dtype" in flags else ["--dtype", args.dtype, *flags]
     start = time.perf_counter()
     if not args.table_only:
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        # its own session: Linux's autogroup scheduler shares the CPU per session, so cells in one session
+        # would split one share between them
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, start_new_session=True)
         with open(log, "w") as f:
             f.write(proc.stdout + proc.stderr)
         if proc.returncode != 0:
@@ -167,32 +247,57 @@ def emulation_cost(row) -> int:
     return 4 * bwd.startswith("nvfp4") + 2 * fwd.startswith("nvfp4") + fwd.startswith("mx")
 
 
-def print_table(results: list, rows: list, args) -> None:
-    base = next((r for r in results if r["label"] == "bf16" and "error" not in r), None)
-    print(f"{'cell':<33} {'val loss':>9} {'Δ vs bf16':>10} {'non-finite':>10} {'sat X/W/dY':>16} {'s/step':>7}"
-          f" {'narrow FLOPs':>12} {'B200 P_w/bf16':>13}")
+def noise_estimate(results: list, args) -> dict | None:
+    """From the runs with other seeds: the baseline's val loss spread and the paired delta of NOISE_CELL (its run
+    against the baseline of the same seed) per seed; σ_Δ, the standard deviation of that paired delta in points,
+    is what a cell's delta must exceed (twice) to be told from noise. None without noise runs."""
+    val = {r["label"]: r["val"] for r in results if "error" not in r}
+    base, cell = args.dtype, cell_label(*NOISE_CELL, args.dtype)
+    seeds = [args.seed] + [args.seed + k for k in range(1, args.noise_seeds + 1)]
+    names = [(base, cell)] + [(seed_label(base, k), seed_label(cell, k)) for k in seeds[1:]]
+    pairs = [(val[b], val[c]) for b, c in names if b in val and c in val]
+    if len(pairs) < 2:
+        return None
+    deltas = [100 * (c / b - 1) for b, c in pairs]
+    bases = [b for b, _ in pairs]
+    std = lambda v: math.sqrt(sum((x - sum(v) / len(v)) ** 2 for x in v) / (len(v) - 1))  # noqa: E731
+    return dict(seeds=len(pairs), deltas=deltas, sigma=std(deltas), base_mean=sum(bases) / len(bases),
+                base_spread=100 * std(bases) / (sum(bases) / len(bases)), cell=cell)
+
+
+def print_table(results: list, rows: list, args, noise: dict | None) -> None:
+    base = next((r for r in results if r["label"] == args.dtype and "error" not in r), None)
+    print(f"{'cell':<36} {'val loss':>9} {f'Δ vs {args.dtype}':>10} {'> 2σ_Δ':>6} {'non-finite':>10}"
+          f" {'sat X/W/dY':>16} {'s/step':>7} {'narrow FLOPs':>12} {'B200 P_w/bf16':>13}")
     seq_len = config_from_preset(args.preset).block_size
     for r, (label, fwd, bwd, _) in zip(results, rows):
         if "error" in r:
-            print(f"{label:<33} failed ({r['error']})")
+            print(f"{label:<36} failed ({r['error']})")
             continue
-        delta = f"{100 * (r['val'] / base['val'] - 1):+.2f}%" if base else "n/a"
+        change = 100 * (r["val"] / base["val"] - 1) if base else None
+        delta = "n/a" if change is None else f"{change:+.2f}%"
+        above = "—" if noise is None or change is None or label == args.dtype or "(seed" in label else \
+            ("yes" if abs(change) > 2 * noise["sigma"] else "no")
         sat = "—" if r["saturated"] is None else "/".join(f"{p:.2g}" for p in r["saturated"]) + "%"
         narrow, speedup = accounting(fwd, bwd, args.preset, seq_len)
-        print(f"{label:<33} {r['val']:9.4f} {delta:>10} {r['nonfinite']:>10} {sat:>16} {r['step_s']:7.2f}"
+        print(f"{label:<36} {r['val']:9.4f} {delta:>10} {above:>6} {r['nonfinite']:>10} {sat:>16} {r['step_s']:7.2f}"
               f" {narrow:>12.0%} {'—' if speedup is None else f'{speedup:.2f}×':>13}")
 
 
-def print_verdict(results: list) -> None:
-    """Forward-only cells (backward bf16) against backward-only cells (forward bf16), next to the 430M figures;
-    then each NVIDIA part's own effect (w2d, rht), and fp32's drift from bf16: the size of noise here."""
+def print_verdict(results: list, args, noise: dict | None) -> None:
+    """Forward-only cells (backward unquantised) against backward-only cells (forward unquantised), next to the
+    430M figures; then each NVIDIA part's own effect (w2d, rht), and the noise: the seeds' spread (or, without
+    noise runs, fp32's drift from bf16)."""
     val = {r["label"]: r["val"] for r in results if "error" not in r}
-    if "bf16" not in val:
-        print("which half is the more sensitive: no bf16 baseline ran")
+    plain = args.dtype
+    if plain not in val:
+        print(f"which half is the more sensitive: no {plain} baseline ran")
         return
-    delta = {label: 100 * (v / val["bf16"] - 1) for label, v in val.items()}
-    forward = [delta[f"fwd {f} × bwd bf16"] for f in FORWARD if f != "bf16" and f"fwd {f} × bwd bf16" in delta]
-    backward = [delta[f"fwd bf16 × bwd {b}"] for b in BACKWARD if b != "bf16" and f"fwd bf16 × bwd {b}" in delta]
+    delta = {label: 100 * (v / val[plain] - 1) for label, v in val.items()}
+    forward = [delta[cell_label(f, "bf16", plain)] for f in FORWARD
+               if f != "bf16" and cell_label(f, "bf16", plain) in delta]
+    backward = [delta[cell_label("bf16", b, plain)] for b in BACKWARD
+                if b != "bf16" and cell_label("bf16", b, plain) in delta]
     if not forward or not backward:
         print(f"which half is the more sensitive: needs a forward-only and a backward-only cell (ran"
               f" {len(forward)} and {len(backward)}); the {PAPER}")
@@ -200,24 +305,35 @@ def print_verdict(results: list) -> None:
     span = lambda d: f"{min(d):+.2f}…{max(d):+.2f}%"  # noqa: E731
     mean = lambda d: sum(d) / len(d)  # noqa: E731
     more = "forward" if mean(forward) > mean(backward) else "backward"
-    noise = abs(delta.get("fp32 (reference)", 0.0))
-    if abs(mean(forward) - mean(backward)) < noise:  # the two halves differ by less than two precisions drift
+    if noise is not None:
+        noise_size, what = 2 * noise["sigma"], f"2σ_Δ = {2 * noise['sigma']:.2f} points (the seeds' noise)"
+    else:
+        noise_size = abs(delta.get("fp32 (reference)", 0.0))
+        what = f"fp32's {noise_size:.2f}% drift from bf16"
+    if abs(mean(forward) - mean(backward)) < noise_size:
         answer = (f"not resolved here (they differ by {abs(mean(forward) - mean(backward)):.2f} points, less than"
-                  f" fp32's {noise:.2f}% drift from bf16; the {more} costs more on its face), against the {PAPER}")
+                  f" {what}; the {more} costs more on its face), against the {PAPER}")
     else:
         answer = f"the {more} here, {'as' if more == 'forward' else 'unlike'} the {PAPER}"
     print(f"which half is the more sensitive: quantising the forward alone {span(forward)}, the backward alone"
-          f" {span(backward)} over bf16 (mean {mean(forward):+.2f}% against {mean(backward):+.2f}%): {answer}")
-    parts = {"w2d (2-D weight scales)": [(f"fwd nvfp4+w2d × bwd {b}", f"fwd nvfp4 × bwd {b}") for b in BACKWARD],
-             "rht (Hadamard on dW)": [(f"fwd {f} × bwd nvfp4+sr+rht", f"fwd {f} × bwd nvfp4+sr") for f in FORWARD]}
+          f" {span(backward)} over {plain} (mean {mean(forward):+.2f}% against {mean(backward):+.2f}%): {answer}")
+    parts = {"w2d (2-D weight scales)": [(cell_label("nvfp4+w2d", b, plain), cell_label("nvfp4", b, plain))
+                                         for b in BACKWARD],
+             "rht (Hadamard on dW)": [(cell_label(f, "nvfp4+sr+rht", plain), cell_label(f, "nvfp4+sr", plain))
+                                      for f in FORWARD]}
     for part, pairs in parts.items():
         effects = [delta[a] - delta[b] for a, b in pairs if a in delta and b in delta]
         if effects:
             print(f"  {part}: {mean(effects):+.2f} points of the delta on average (from {min(effects):+.2f} to"
                   f" {max(effects):+.2f} over the {len(effects)} pairs of cells that differ only by it; < 0: it helps)")
+    if noise is not None:
+        print(f"  noise, from {noise['seeds']} seeds (init, batches and SR draws all change with --seed): {plain}'s"
+              f" val loss {noise['base_mean']:.4f} ± {noise['base_spread']:.2f}% (std) across seeds; {noise['cell']}'s"
+              f" delta against the same seed's {plain} {', '.join(f'{d:+.2f}%' for d in noise['deltas'])}, σ_Δ ="
+              f" {noise['sigma']:.2f} points: a delta beyond 2σ_Δ = {2 * noise['sigma']:.2f} points is marked"
+              f" above noise")
     if "fp32 (reference)" in delta:
-        print(f"  noise: fp32 lands {delta['fp32 (reference)']:+.2f}% from bf16 on the same init and batches;"
-              f" deltas of that size are not resolved by this run")
+        print(f"  fp32 lands {delta['fp32 (reference)']:+.2f}% from bf16 on the same init and batches")
 
 
 def main():
@@ -228,39 +344,56 @@ def main():
     p.add_argument("--preset", default="small")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--sqnr-n", type=int, default=4096, help="the SQNR tensors are randn(n, n)")
-    p.add_argument("--jobs", type=int, default=2, help="cells trained at once (after the bf16 baseline)")
+    p.add_argument("--jobs", type=int, default=2, help="cells trained at once (after the baseline, unless the"
+                   " token cache is there already)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="the compute dtype (the baseline and"
+                   " what the recipes dequantise to); fp32 where the CPU has no fast bf16 GEMM")
+    p.add_argument("--noise-seeds", type=int, default=0, help="rerun the baseline and the NVFP4 SR cell with this"
+                   " many other seeds: the spread of the paired delta says which deltas are above noise")
     p.add_argument("--threads", type=int, help="OMP threads of each train.py run (default: cores / jobs)")
     p.add_argument("--out-dir", default=os.path.join("out", "bench_precision"),
                    help="the token cache and each cell's metrics file (default under ./out)")
     p.add_argument("--table-only", action="store_true", help="print the table of what an earlier run left in"
                    " --out-dir (the same flags), training nothing")
-    p.add_argument("--only", default="", help="run only the cells whose label matches this regex (and bf16)")
+    p.add_argument("--only", default="", help="run only the cells whose label matches this regex (and the baseline)")
+    p.add_argument("--speed-steps", type=int, default=3, help="steps per cell of the before/after cost (0: skip)")
+    p.add_argument("--speed-only", action="store_true", help="print the SQNR and the before/after cost only")
     p.add_argument("--smoke", action="store_true", help="`tiny`, 4 steps, two cells, SQNR at 256²")
     args = p.parse_args()
     if args.smoke:
         args.steps, args.batch, args.eval_batches, args.preset, args.sqnr_n = 4, 2, 1, "tiny", 256
+        args.speed_steps = 1
     args.out_dir = os.path.abspath(args.out_dir)
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     os.makedirs(args.out_dir, exist_ok=True)
     start = time.perf_counter()
     print_sqnr(args.sqnr_n)
-    rows = [row for row in cells(args.smoke) if row[0] == "bf16" or re.search(args.only, row[0])]
+    if args.speed_steps:
+        print()
+        print_speed(args.preset, args.batch, args.speed_steps)
+    if args.speed_only:
+        return
+    rows = [row for row in cells(args.smoke, args.dtype, args.seed, args.noise_seeds)
+            if row[0] == args.dtype or re.search(args.only, row[0])]
     print(f"\nablation: `{args.preset}`, {args.steps} steps of {args.batch} sequences, one init (seed {args.seed}),"
-          f" the same batches; val loss over {args.eval_batches} batches after the last step; bf16 compute;"
+          f" the same batches; val loss over {args.eval_batches} batches after the last step; {args.dtype} compute;"
           f" {len(rows)} cells, {args.jobs} at a time of {args.threads} threads")
     def run(row):
         r = run_cell(row[0], row[3], args)
         print(f"  ran {row[0]}: {r['seconds']:.0f} s" + (f" ({r['error']})" if "error" in r else ""), flush=True)
         return r
 
-    done = {rows[0][0]: run(rows[0])}  # alone: it writes the token cache the others read
+    cached = os.path.isdir(os.path.join(args.out_dir, "data")) and os.listdir(os.path.join(args.out_dir, "data"))
+    done = {} if cached and not args.table_only else {rows[0][0]: run(rows[0])}  # alone: it writes the token cache
     with ThreadPoolExecutor(args.jobs) as pool:  # threads that wait on train.py processes, the dearest first
-        futures = {row[0]: pool.submit(run, row) for row in sorted(rows[1:], key=lambda row: -emulation_cost(row))}
+        futures = {row[0]: pool.submit(run, row) for row in sorted([r for r in rows if r[0] not in done],
+                                                                    key=lambda row: -emulation_cost(row))}
         done.update({label: future.result() for label, future in futures.items()})
     results = [done[row[0]] for row in rows]
     print()
-    print_table(results, rows, args)
-    print_verdict(results)
+    noise = noise_estimate(results, args)
+    print_table(results, rows, args, noise)
+    print_verdict(results, args, noise)
     print(f"wall time {time.perf_counter() - start:.0f} s (python bench/bench_precision.py {' '.join(sys.argv[1:])})")
     failed = [r["label"] for r in results if "error" in r]
     if failed:

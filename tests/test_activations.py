@@ -50,6 +50,10 @@ def build_run(flags: list, dtype: str, world: int = 1, rank: int = 0, compose: b
         import fp8
 
         fp8.convert(run.model, settings.axes["fp8"])
+    if settings.axes.get("precision_recipe") is not None:  # its handle tells the estimate which linears it swapped
+        import precision_recipe
+
+        run.axes = [precision_recipe.convert(run.model, settings.axes["precision_recipe"])]
     return run
 
 
@@ -131,6 +135,8 @@ SINGLE = {  # case: (flags, autocast dtype, the attention path the estimate must
     "moe shared experts fp32": (["--moe-experts", "4", "--moe-shared-experts", "2"], "fp32", "fused"),
     "moe shared experts fp8": (["--moe-experts", "4", "--moe-shared-experts", "2", "--fp8", "current"], "bf16",
                                "fused"),
+    "recipe nvfp4 bf16": (["--precision-recipe", "fwd=nvfp4,bwd=nvfp4,sr,rht,w2d"], "bf16", "fused"),
+    "recipe mxfp8 with a tail, bf16": (["--precision-recipe", "mxfp8,tail=0.5"], "bf16", "fused"),
 }
 
 

@@ -340,3 +340,31 @@ def test_formatting():
     assert mfu.format_bytes(80 * 2**30) == "80.00 GiB"
     assert mfu.format_flops(312e12) == "312.00 TFLOP"
     assert mfu.format_flops(1.5e9) == "1.50 GFLOP"
+
+
+def test_a_recipes_step_mfu_divides_by_the_format_weighted_peak():
+    """With --precision-recipe run.peak is P_w of the run's FLOPs by format on its device (train.start_training):
+    on a B200 row each format at its datasheet peak (P_w by hand from the same FLOPs); here, a CPU, every narrow
+    format emulated, so P_w is the compute dtype's peak itself, and the peak line says which."""
+    argv = ["--preset", "tiny", "--precision-recipe", "fwd=nvfp4,bwd=mxfp8,tail=0.5", "--dtype", "bf16",
+            "--global-batch", "1", "--micro-batch", "1"]
+    def role(argv):
+        return plan.build_role(plan.plan_settings(flags.validate(flags.build_parser().parse_args(argv), 1,
+                                                                 axes=train.AXES)), 0)
+
+    with plan.fake_world(0, 1):
+        run = role(argv)
+        peak, how = format_flops.run_peak(run, (1.8e9, "measured: a matmul loop"))
+        plain = format_flops.run_peak(role(argv[:2] + argv[4:]), (1.8e9, "measured"))
+    assert plain == (1.8e9, "measured")  # no recipe: the compute dtype's peak, as it was
+    assert peak == pytest.approx(1.8e9, rel=1e-12)
+    assert "format-weighted P_w" in how and "nvfp4, mxfp8 emulated at the bf16 rate" in how
+    assert "the step line's MFU divides by it; bf16: measured: a matmul loop" in how
+    h, total = 64, run.flops.model
+    flops = {"nvfp4": 2 * 12 * h * h, "mxfp8": 4 * 12 * h * h}
+    flops["bf16"] = total - flops["nvfp4"] - flops["mxfp8"]
+    b200 = {fmt: mfu.PEAK_TFLOPS["B200"][fmt] * 1e12 for fmt in flops}
+    p_w, how = format_flops.recipe_peak(flops, b200, [], "bf16", (b200["bf16"], "table"))
+    assert p_w == pytest.approx(total / (flops["nvfp4"] / 9000e12 + flops["mxfp8"] / 4500e12
+                                         + flops["bf16"] / 2250e12), rel=1e-12)
+    assert "nvfp4 at 9000 TFLOP/s; mxfp8 at 4500 TFLOP/s" in how and "emulated" not in how

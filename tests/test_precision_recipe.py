@@ -54,6 +54,7 @@ BAD_RECIPES = [
     (["--precision-recipe", "mxfp8", "--n-embd", "48", "--n-head", "4"], "is not a multiple of the 32-wide block"),
     (["--precision-recipe", "nvfp4", "--tp", "2", "--n-embd", "48", "--n-head", "4"], "16-wide block"),
     (["--precision-recipe", "mxfp8", "--fp8", "current"], "choose one recipe"),
+    (["--precision-recipe", "mxfp8", "--moe-experts", "4"], "routed experts' GEMMs see data-dependent row counts"),
 ]
 
 
@@ -310,3 +311,24 @@ def test_zero3_nvfp4_gather_under_tp_follows_the_single_process_and_traces_as_pr
         assert set(traced) == set(predicted), set(traced) ^ set(predicted)
         for key, (calls, payload) in predicted.items():
             assert traced[key] == pytest.approx((calls, payload), abs=1e-9), key
+
+
+def test_stochastic_rounding_with_the_recipes_draws_is_unbiased_across_seeds():
+    """The recipe's SR (draws hashed from the run seed and the coordinates, microscaling_fast's rounding): one
+    element, 2.4 between E2M1's 2 and 3 in a block scaled by 1, rounded under n run seeds; the mean error stays
+    within 5·σ/√n (σ = √(p(1-p)), p = 0.4) for n = 10², 10³, 4·10³; round-to-nearest's does not at 4·10³."""
+    import microscaling_fast
+
+    value, p = 2.4, 0.4
+    sigma = (p * (1 - p)) ** 0.5
+    x = torch.full((4_000, 32), value)
+    x[:, 0] = 6.0  # the block's amax: E8M0 scale 2^0 under rceil
+    keys = [recipes.draw_key(seed, 0, 0, 3, 2) for seed in range(x.shape[0])]
+    draws = torch.cat([recipes.uniform_draws(key, torch.arange(1), torch.arange(32)) for key in keys])
+    rounded = microscaling_fast.fake_quantize(x, "mxfp4", draws=draws)[:, 1].double()
+    nearest = microscaling_fast.fake_quantize(x, "mxfp4")[:, 1].double()
+    assert set(rounded.unique().tolist()) == {2.0, 3.0}
+    for n in (100, 1_000, 4_000):
+        z = abs(rounded[:n].mean().item() - value) / (sigma / n ** 0.5)
+        assert z <= 5.0, (n, z)
+    assert abs(nearest.mean().item() - value) / (sigma / 4_000 ** 0.5) > 5.0  # the bound tells RNE's bias apart
