@@ -148,7 +148,9 @@ def build_layout(model: GPT, run: Run, materialize: bool = True):
 
 
 def main(argv=None):
-    clock = goodput.Clock()  # the job's wall time by cause (goodput.py); this process's start-up has begun
+    # The job's wall time by cause (goodput.py), from the process's creation (run as a program) or from this call
+    # (argv given: a caller that runs several in one process, as the tests do).
+    clock = goodput.Clock(started=None if argv is None else time.time())
     settings = flags.parse(argv, AXES)  # a bad flag: one line, exit status 2, before any rank waits
     if settings.args.plan or settings.args.plan_search:  # size the layout on meta in a fake process group
         run_plan_py(sys.argv[1:] if argv is None else list(argv))
