@@ -123,8 +123,8 @@ class Checkpointer:
 
     Every rank constructs one (rank 0 draws the nonce and broadcasts it) and calls `save`/`resume`/`close` at
     the same points. The layout provides `state_pieces()` and an `optimizer_step_count` property (Adam's t,
-    settable); `axes` (step.Axis handles) add their own logical state as pieces (`state_pieces()`: FP8's
-    amax histories and scales, kind "fp8"). `on_save(stats)` hears every finished save, on every rank;
+    settable); `axes` (step.Axis handles; goodput.Clock) add their own logical state as pieces (`state_pieces()`:
+    FP8's amax histories and scales, kind "fp8"). `on_save(stats)` hears every finished save, on every rank;
     `log` gets the resume's lines (on every rank: train.py passes print0).
     """
 

@@ -35,6 +35,7 @@ import elastic
 import flags
 import format_flops
 import fp8
+import goodput
 import hardware
 import hf
 import mfu
@@ -166,13 +167,16 @@ def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materi
 
 
 def main(argv=None):
+    # The job's wall time by cause (goodput.py), from the process's creation (run as a program) or from this call
+    # (argv given: a caller that runs several in one process, as the tests do).
+    clock = goodput.Clock(started=None if argv is None else time.time())
     settings = flags.parse(argv, AXES)  # a bad flag: one line, exit status 2, before any rank waits
     if settings.args.plan or settings.args.plan_search:  # size the layout on meta in a fake process group
         run_plan_py(sys.argv[1:] if argv is None else list(argv))
     # Every collective the run issues is traced, filed by phase: startup, step (the default), eval, ckpt, sample,
     # end; the table at the end shows them all, and checks the step's against the axes' predictions.
     with comm.CommTracer() as tracer:
-        train(settings, tracer)
+        train(settings, tracer, clock)
 
 
 def run_plan_py(argv: list) -> NoReturn:
@@ -197,6 +201,7 @@ class Training:
     lr_schedule: LRSchedule
     scaler: DynamicLossScaler
     machine: object  # hardware.machine_model: the time model of this machine
+    clock: goodput.Clock  # the goodput ledger: train.py names the phases, the clock times them
     checkpointer: ckpt.Checkpointer | None = None
     start_step: int = 0  # a resumed run starts at its checkpoint's step
     step: int = 0  # the step the loop is at (an interrupt reports it)
@@ -204,16 +209,16 @@ class Training:
     step_peak: report.StepPeak | None = None  # on a CPU, the profiled step's memory
 
 
-def train(settings: Settings, tracer: comm.CommTracer):
-    """Start-up, the checkpointer (and a resume), the loop, the end's measured-vs-predicted table."""
-    args = settings.args
-    with tracer.phase("startup"):
-        t = start_training(settings, tracer)
+def train(settings: Settings, tracer: comm.CommTracer, clock: goodput.Clock | None = None):
+    """Start-up, the checkpointer (and a resume), the loop, the end's measured-vs-predicted and goodput tables."""
+    args, clock = settings.args, clock or goodput.Clock()
+    with tracer.phase("startup"), clock.phase("startup"):
+        t = start_training(settings, tracer, clock)
     if args.ckpt_dir:
-        with tracer.phase("ckpt"):
+        with tracer.phase("ckpt"), clock.phase("restore"):
             open_checkpointer(t)
     if args.init_from and t.start_step == 0:  # where fine-tuning starts from: the imported model's val loss
-        with tracer.phase("eval"):
+        with tracer.phase("eval"), clock.phase("eval"):
             print0(f"init-from: val loss {evaluate(t.run, t.val_tokens, t.val_sampler):.6f} before training (the"
                    f" first {min(args.eval_batches, t.val_sampler.num_batches)} validation batches, as every eval)")
     train_loop(t, tracer)
@@ -222,10 +227,13 @@ def train(settings: Settings, tracer: comm.CommTracer):
         progress = t.progress
         print0(time_model.check_line(t.run, t.machine, progress.seconds, progress.steps))
         report.print_end(t.run, max(0, args.steps - t.start_step), progress.seconds, progress.steps, t.step_peak)
+        step_rate = t.run.tokens_per_step * progress.steps / progress.seconds if progress.steps else 0.0
+        print0("\n".join(clock.lines(t.run.tokens_per_step * max(args.steps, t.start_step), step_rate,
+                                      t.run.flops.model, t.run.peak[0], t.run.mesh.shape.world_size)))
     dist.destroy_process_group()
 
 
-def start_training(settings: Settings, tracer: comm.CommTracer) -> Training:
+def start_training(settings: Settings, tracer: comm.CommTracer, clock: goodput.Clock) -> Training:
     """The run composed (init-from's weights in it), the peak FLOP/s, the start-up printout, the schedules and
     the samplers."""
     args = settings.args
@@ -248,7 +256,7 @@ def start_training(settings: Settings, tracer: comm.CommTracer) -> Training:
         val_sampler = data.EvalSampler(len(val_tokens), run.seq_len, args.global_batch)
     except ValueError as e:
         fail(f"{e} (--data {args.data or 'the built-in corpus'})")
-    return Training(run, corpus, train_tokens, val_tokens, sampler, val_sampler, lr_schedule, scaler, machine)
+    return Training(run, corpus, train_tokens, val_tokens, sampler, val_sampler, lr_schedule, scaler, machine, clock)
 
 
 def open_checkpointer(t: Training) -> None:
@@ -260,7 +268,7 @@ def open_checkpointer(t: Training) -> None:
     try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
         config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
                                        lock=run.settings.ckpt_lock, run_record=run_record)  # flags.parse took it
-        t.checkpointer = ckpt.Checkpointer(config, run.mesh, run.axes, run.device, log=print0,
+        t.checkpointer = ckpt.Checkpointer(config, run.mesh, [*run.axes, t.clock], run.device, log=print0,
                                            on_save=lambda stats: report.print_save(stats, args.mtbf_hours))
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
             t.start_step = t.checkpointer.resume(args.resume, run.layout, t.scaler, t.sampler, args.seed)
@@ -301,10 +309,10 @@ def train_loop(t: Training, tracer: comm.CommTracer) -> None:
         if metrics:
             metrics.close()
         if t.checkpointer:
-            with tracer.phase("ckpt"):
+            with tracer.phase("ckpt"), t.clock.phase("ckpt"):
                 t.checkpointer.close()
         if args.sample_tokens:
-            with tracer.phase("sample"):
+            with tracer.phase("sample"), t.clock.phase("eval"):
                 sample(run, t.val_tokens, t.corpus.tokenizer_name)
 
 
@@ -313,14 +321,15 @@ def timed_step(t: Training, step: int, prefetched, profiled: bool, peak_in_mean:
     run, args = t.run, t.run.settings.args
     lr = t.lr_schedule(step)
     run.layout.set_lr(lr)
-    batches = prefetched.get(step)
+    with t.clock.phase("input"):
+        batches = prefetched.get(step)
     began = time.perf_counter()
-    with MemoryTimeline() if profiled else nullcontext() as memory:
+    with MemoryTimeline() if profiled else nullcontext() as memory, t.clock.phase("train"):
         outcome = train_step(run.layout, t.scaler, batches, run.mesh.group("dp_cp"), args.grad_clip,
                              run.autocast, run.device, model=run.model, schedule=run.schedule, axes=run.axes,
                              data_size=run.mesh.shape.replica_dp)
-    if run.device.type == "cuda":
-        torch.cuda.synchronize()
+        if run.device.type == "cuda":
+            torch.cuda.synchronize()
     seconds = time.perf_counter() - began
     if profiled:
         t.step_peak = report.StepPeak(step, memory.peak, peak_in_mean)
@@ -334,7 +343,7 @@ def after_step(t: Training, step: int, record: dict, metrics, tracer: comm.CommT
     run, args = t.run, t.run.settings.args
     last = step == args.steps - 1
     if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
-        with tracer.phase("eval"):
+        with tracer.phase("eval"), t.clock.phase("eval"):
             record["val_loss"] = evaluate(run, t.val_tokens, t.val_sampler)
     if step % args.log_every == 0 or last or "val_loss" in record or t.progress.silent_too_long():
         report.print_step(record, t.progress, run.axes)
@@ -342,7 +351,7 @@ def after_step(t: Training, step: int, record: dict, metrics, tracer: comm.CommT
         metrics.write(json.dumps(record) + "\n")
         metrics.flush()
     if t.checkpointer:
-        with tracer.phase("ckpt"):
+        with tracer.phase("ckpt"), t.clock.phase("ckpt"):
             t.checkpointer.step_end(step + 1, args.ckpt_every, last, run.layout, t.scaler, t.sampler)
 
 

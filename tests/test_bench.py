@@ -36,6 +36,7 @@ SMOKE_PRINTS = {
     "bench_precision": "Δ vs bf16",
     "bench_tp": "params/rank",
     "fault_ckpt": "resumed correctly",
+    "goodput": "every final state bitwise equal to the uninterrupted run's",
 }
 RUN_ELSEWHERE = {  # script -> the test that runs its --smoke in-process
     "bench_ckpt": "tests/test_ckpt.py::test_bench_ckpt_smoke_runs",
@@ -69,8 +70,8 @@ def test_every_bench_has_a_smoke_that_the_suite_runs():
 @pytest.mark.parametrize("name", sorted(SMOKE_PRINTS))
 def test_bench_smoke_runs(name, tmp_path):
     cmd = [sys.executable, os.path.join(BENCH, name + ".py"), "--smoke"]
-    if name == "fault_ckpt":
-        cmd += ["--root", str(tmp_path / "fault")]
+    if name in ("fault_ckpt", "goodput"):
+        cmd += ["--root", str(tmp_path / name)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
