@@ -207,6 +207,7 @@ class CommTracer:
         self._phase = self.STEP
         self._aliases: dict[str, str] = {}  # any name of a group -> the name it is reported under
         self._outer = None  # the record of the traced call in progress (its inner calls add to it)
+        self._sent_to: dict[tuple[str, str, str], list] = {}  # all_to_all_single's bytes per destination rank
 
     # --- naming groups and phases --------------------------------------------------------------------------
 
@@ -228,6 +229,8 @@ class CommTracer:
             for (phase, op, group_name) in [k for k in self._stats if k[2] == old]:
                 stat = self._stats.pop((phase, op, group_name))
                 _add(self._stats.setdefault((phase, op, name), CommStat()), stat)
+            for (phase, op, group_name) in [k for k in self._sent_to if k[2] == old]:
+                self._sent_to[(phase, op, name)] = self._sent_to.pop((phase, op, group_name))
 
     def alias(self, name: str) -> str:
         """The name a group is reported under, given any of its names ("expert_dp" -> "dp_cp=expert_dp")."""
@@ -272,7 +275,7 @@ class CommTracer:
         return list(dict.fromkeys(p for p, _, _ in self._stats))
 
     def reset(self) -> None:
-        self._stats = {}
+        self._stats, self._sent_to = {}, {}
 
     def total(self, group_name: str | None = None, phase: str | None = STEP) -> CommStat:
         """The records of a phase (None: all phases) summed, or only those of one group."""
@@ -318,6 +321,22 @@ class CommTracer:
         stat.wire_bytes += wire_bytes(op, payload, group_size)
         return key
 
+    def _record_destinations(self, key, bound: dict) -> None:
+        """An all_to_all_single's bytes per destination (its group's ranks, in group order): its input split
+        sizes' rows, or equal pieces without them (`sent_to`)."""
+        tensor, splits = bound["input"], bound.get("input_split_sizes")
+        size = dist.get_world_size(bound.get("group"))
+        row = tensor.element_size() * (tensor[0].numel() if tensor.dim() and len(tensor) else 0)
+        pieces = [rows * row for rows in splits] if splits else [_tensor_bytes(tensor) // size] * size
+        into = self._sent_to.setdefault(key, [0] * size)
+        for destination, nbytes in enumerate(pieces):
+            into[destination] += nbytes
+
+    def sent_to(self, op: str, group_name: str, phase: str = STEP) -> list:
+        """The bytes this rank's `op` calls on `group_name` sent to each rank of the group (group order): traced
+        for all_to_all_single only (the MoE exchange's bytes leaving a group, moe_accounting.off_group_bytes)."""
+        return list(self._sent_to.get((phase, op, self.alias(group_name)), []))
+
     def _charge(self, keys: list, seconds: float) -> None:
         """Add `seconds` to the records in `keys`, shared equally (a batch's ops cannot be timed apart)."""
         keys = [k for k in keys if k is not None]
@@ -347,6 +366,8 @@ class CommTracer:
                     self._record(name, bound.get("group"), payload, key=self._outer)  # collective: not at all)
                 return original(*args, **kwargs)
             key = self._record(name, bound.get("group"), payload)
+            if name == "all_to_all_single" and key is not None:
+                self._record_destinations(key, bound)
             self._outer = key
             try:
                 return self._timed_call(original, [key], args, kwargs)

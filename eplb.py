@@ -231,12 +231,11 @@ def place_slots(layer, slots: int, ep_group, ep_size: int, ep_index: int, device
     layer.ep_group, layer.ep_size = (ep_group, ep_size) if ep_size > 1 else (None, 1)
 
 
-def check_flags(slots: int, n_experts: int, ep: int, zero: int, groups: int = 0) -> None:
-    """Raise ValueError naming --moe-replicas when R cannot be placed (run by moe.config_from_flags)."""
+def check_flags(slots: int, n_experts: int, ep: int, zero: int) -> None:
+    """Raise ValueError naming --moe-replicas when R cannot be placed (run by moe.config_from_flags). With
+    --moe-groups a replica may lie outside its expert's group: the exchange sends to the ranks of the PHYSICAL
+    slots, and moe_router.off_group counts what leaves a group from them (tests/test_moe.py's off-group run)."""
     for broken, message in (
-            (groups > 0, f"--moe-replicas with --moe-groups {groups}: a replica's slot may lie outside its expert's"
-                         f" group, which group-limited routing's accounting (moe_router.off_group) does not follow"
-                         f" yet; use one of the two"),
             (slots < n_experts, f"--moe-replicas {slots} must be at least --moe-experts {n_experts} (every expert"
                                 f" needs a slot)"),
             (slots % ep, f"--moe-replicas {slots} must be a multiple of --ep {ep} (R/E slots on each rank)"),
@@ -280,22 +279,29 @@ class RedundantExperts:
         self.step = 0  # the training step (a resumed run starts at its checkpoint's): every n-th re-plans
         self.measured = ((), math.nan, math.nan)  # ReplicaFacts' measured_under, balance, in_place
         self.pieces, self.sharded = None, False  # the layout's state of each slot parameter (`slot_state`)
+        self.shared_load_reduce = False  # the step's loads ride the router's all-reduce (set by moe.MoEAxis)
 
     def expert_size(self) -> int:
         """Ψ_e: one slot's parameters."""
         return sum(p.numel() for p in next(iter(self.layers[0].experts.values())).parameters())
 
+    def step_loads(self) -> torch.Tensor:
+        """[L, N] int64: this rank's kept slots per expert of the step, per layer (what `after_grad_sync` folds,
+        summed: moe_router.finish_step sums them in the router's load all-reduce, one call for both)."""
+        return torch.stack([layer.replicas.step_load for layer in self.layers]).long()
+
     @torch.no_grad()
-    def after_grad_sync(self, layout) -> None:
+    def after_grad_sync(self, layout, loads: torch.Tensor | None = None) -> None:
         """The replicas' gradient sum; the step's loads summed over the ranks that routed these layers' tokens
-        and folded into the average (so it is the same on every rank: one logical copy); every n-th step, the
-        re-plan."""
+        (`loads`, summed by the caller; None: summed here) and folded into the average (so it is the same on
+        every rank: one logical copy); every n-th step, the re-plan."""
         if self.slots > self.n:
             self.sum_replica_grads(layout)
-        loads = torch.stack([layer.replicas.step_load for layer in self.layers])
-        for group in self.load_groups.values():
-            dist.all_reduce(loads, group=group)
-        for layer, load in zip(self.layers, loads):
+        if loads is None:
+            loads = self.step_loads()
+            for group in self.load_groups.values():
+                dist.all_reduce(loads, group=group)
+        for layer, load in zip(self.layers, loads.to(torch.float64)):
             r = layer.replicas
             r.average.mul_(self.decay).add_(load, alpha=1 - self.decay)
             r.step_load.zero_()
@@ -470,8 +476,10 @@ class RedundantExperts:
         if self.slots > self.n:
             out.add("all_reduce", group, steps, steps * layers * (self.slots - self.n) * self.expert_size()
                     * like.element_size())
-        for name in self.load_groups:  # the step's loads [N] every step, the window [N + E] per re-plan
-            out.add("all_reduce", name, steps + replans, (steps * self.n + replans * (self.n + self.ep)) * layers * 8)
+        for name in self.load_groups:  # the step's loads [N] every step (in the router's call when it reduces
+            # too: moe_router.finish_step), the window [N + E] per re-plan
+            calls = replans + (0 if self.shared_load_reduce else steps)
+            out.add("all_reduce", name, calls, (steps * self.n + replans * (self.n + self.ep)) * layers * 8)
         return out.add("all_reduce", self.summed_over("exp_avg")[0], *moved)
 
 

@@ -112,7 +112,7 @@ class MoEPeak:
 
 class _Rows(moe.RoutingObserver):
     def routed(self, layer, load, keep, sent: int, received: int) -> None:
-        self.rows = (sent, received)
+        self.rows = (sent, received, layer.exchanged.expert_rows if layer.ep_size > 1 else 0)  # E > 1: R_e
 
 
 def measure_moe_blocks(run) -> list:
@@ -137,9 +137,10 @@ def measure_moe_blocks(run) -> list:
             routed = rows.rows  # the block's pass's (S, R); the backward's own pass routes again
             backward_rise = _moe_backward_rise(run, block.mlp, x.shape, device)
         traffic = replace(run_traffic(run), moe_layers=1)
-        shape = replace(moe_memory.shape_of(traffic, x_shape), sent=routed[0], received=routed[1])
-        backward_shape = replace(shape, sent=rows.rows[0], received=rows.rows[1])  # its own pass's rows
-        mine.append(MoEPeak(original.layer_id, dist.get_rank(), *routed, live.peaks["mlp"],
+        shape = replace(moe_memory.shape_of(traffic, x_shape), sent=routed[0], received=routed[1],
+                        expert_rows=routed[2])
+        backward_shape = replace(shape, sent=rows.rows[0], received=rows.rows[1], expert_rows=rows.rows[2])
+        mine.append(MoEPeak(original.layer_id, dist.get_rank(), *routed[:2], live.peaks["mlp"],
                             moe_memory.block_peak(shape), live.peaks["attn"],
                             moe_memory.attention_above_saved(x_shape, run.config.bias), backward_rise,
                             moe_memory.backward_rise(backward_shape)))

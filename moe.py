@@ -27,14 +27,15 @@ T_tp, so a resume on another mesh trains the same model.
 
 Expert parallel (--ep E): the E ranks of an ep group (carved from the D×C data ranks, mesh.py) share their
 tokens; rank e holds experts [e·N/E, (e+1)·N/E) of every MoE layer, whole. `MoE.dispatch_and_combine`:
-    1. route; sort the slots by expert (token order inside, dropped last); gather the kept rows: the one copy
-    2. all_to_all_single of the N per-expert counts: each rank learns how many rows each peer sends it
-    3. all_to_all_single of the rows, split by destination / by source rank (uneven)            (dispatch)
-    4. each [source rank][local expert] chunk runs through its expert where it lies (a view), the outputs
-       written once, in arrival order, into the combine's send buffer (E = 1: the sorted rows' slices)
-    5. the inverse all_to_all_single returns each row to the rank it came from                   (combine)
-    6. y[t] = Σ_j w_tj · row(t, j) over the kept slots
-`AllToAll` (autograd) does 3 and 5; its backward is the reverse all-to-all. Expert gradients are summed over
+    E = 1: sort the kept slots by expert (token order inside, dropped last), gather their rows (the one copy),
+    run each expert on its slice, weight each output row by its gate and index_add it into y[t].
+    E > 1: moe_dispatch.exchange, DEDUPLICATED as DeepSeek-V3's: a token goes ONCE to each rank holding any
+    of its kept slots' experts, with its k gates and local slot indices (metadata); the receiver fans it out
+    to its experts, sums the gate-weighted outputs per (token, source) and sends ONE row back; y[t] = Σ of
+    t's rows back. Counts, rows, metadata and combine are four all_to_all_single calls (moe_dispatch.py).
+Capacity is decided per expert before either (`keep_slots`, on the whole micro-batch): a dropped slot travels
+nowhere, a token with no kept slot on a rank is not sent there. `moe_dispatch.AllToAll` (autograd): its
+backward is the reverse all-to-all. Expert gradients are summed over
 expert_dp (the D×C/E ranks holding the same experts), the router's with the dense ones over dp×cp; E = 1 is
 plain data parallel. With --moe-replicas R (eplb.py) rank e holds R/E physical slots instead, a hot expert
 in several, and 1-5 run by slot. Under TP the experts and the router are REPLICATED over tp: without --sp each
@@ -50,17 +51,20 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    c_fc.weight`), the routed rows. Replicated: the router, the dense parameters; each expert over expert_dp.
 2. Peak per device. Parameters Ψ_dense + L_moe·(h·N + (N/E)·Ψ_e), ×16 bytes with fp32 grads and AdamW
    (memory.param_counts). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
-   (e_r), S sent and R received rows, the experts' [R, 4h] hidden and R outputs (under --fp8 their linears
-   run in FP8, each chunk's rows padded to 16: fp8.py, fp8_experts.py), S combined and S weighted
-   rows; with capacity under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward:
-   `layer_activation_bytes` (tested against autograd). Uniform routing: S = R = T·k; worst case (the whole ep
-   group picks this rank): R = E·T·k dropless, R ≤ N·C_μ with capacity. What the forward holds at once
+   (e_r), S sent and R received rows (E > 1: pairs, with their metadata), the R_e rows the experts run (E = 1:
+   the S slots; E > 1 the fan-out), their [R_e, 4h] hidden and R_e outputs (under --fp8 their linears run in
+   FP8, each expert's rows padded to 16: fp8.py, fp8_experts.py), the weighted and summed rows; with capacity
+   under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward: `layer_activation_bytes` (tested against
+   autograd for E = 1). Uniform routing: R_e = T·k, S = R = T·ρ; worst case (the whole ep group picks this
+   rank): R = E·T, R_e = E·T·k dropless, ≤ N·C_μ with capacity. What the forward holds at once
    (the dispatch and combine buffers, its peak, and which block sets the step's): moe_memory.py.
-3. Critical path (all synchronous), per MoE layer and micro-batch, group ep (payload = the input tensor):
-       forward   all_to_all_single  counts 8N  +  dispatch S·h·e_c  +  combine R·h·e_c
-       backward  all_to_all_single  combine's reverse S·h·e_c  +  dispatch's reverse R·h·e_c
-   Uniform routing: 5 calls, 4·T·k·h·e_c + 8N, (E−1)/E of it on the wire; with capacity S ≤ min(T·k, N·C_μ)
-   (uniformly N·C_μ/(C·T_sp)); activation checkpointing repeats the 3 forward calls. With CP/SP, per MoE layer
+3. Critical path (all synchronous), per MoE layer and micro-batch, group ep (payload = the input tensor; S
+   and R here the (token, rank) rows sent and received, moe_dispatch.py's):
+       forward   all_to_all_single  counts 8(N + E)  +  rows S·h·e_c  +  metadata S·2k·e_r  +  combine R·h·e_c
+       backward  all_to_all_single  combine's reverse S·h·e_c  +  metadata's R·2k·e_r  +  rows' reverse R·h·e_c
+   Uniform routing: 7 calls, S = R = T·ρ (moe_router.rows_per_token: ranks a token reaches, ≤ k), (E−1)/E of
+   it on the wire; with capacity S ≤ the kept slots, min(T·k, N·C_μ)
+   (uniformly N·C_μ/(C·T_sp)); activation checkpointing repeats the 4 forward calls. With CP/SP, per MoE layer
    and forward: one all_reduce of (2N+2) e_r values on cp (and tp) and, with capacity, one all_gather_single of
    the choices (its output: B_μ·s·k·e_i on cp, B_μ·(s/C)·k·e_i on tp). Per step: the gradients over
    expert_dp and dp×cp (the layout), with --sp one all_reduce of the experts' and router's over tp.
@@ -92,6 +96,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import eplb
+import moe_dispatch
 import moe_router
 from comm import Messages
 from context_parallel import positions
@@ -180,6 +185,7 @@ class MoE(nn.Module):
         self.pieces = ()  # Pieces: the ranks holding the other pieces of this rank's micro-batch (CP, SP)
         self.observer = RoutingObserver()  # who is told what each forward routed (the accounting, or nobody)
         self.places, self.off_group = None, (0, 0)  # with groups under EP: moe_router.off_group's last record
+        self.exchanged = None  # under EP: the last exchange's rows per rank (moe_dispatch.Exchange)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]: this rank's tokens (its CP/SP piece of the micro-batch)
@@ -223,38 +229,30 @@ class MoE(nn.Module):
         return keep[:, mine].reshape(-1, k)
 
     def dispatch_and_combine(self, tokens, gate, expert, keep) -> tuple[torch.Tensor, int, int]:
-        """Steps 1-6 of the module docstring: send each kept slot's row to its expert's owner and back.
-        Returns (y [T, h], S rows sent, R rows received); with E = 1 both are the kept slots."""
+        """Steps 1-6 of the module docstring. Returns (y [T, h], S rows sent, R rows received): E = 1 both the
+        kept slots; E > 1 the (token, rank) pairs of the deduplicated exchange (moe_dispatch.py)."""
         k, n = self.topk, self.n_experts
         slot_expert = expert.reshape(-1)  # [T·k], slot s is token s // k, its choice s % k
         if keep is not None:
             slot_expert = torch.where(keep.reshape(-1), slot_expert, n)  # a dropped slot sorts after every expert
         if self.replicas is not None:  # each slot to one replica of its expert: by physical slot from here on
             slot_expert, n = self.replicas.physical(slot_expert, self.training), self.replicas.slots
-        order = torch.argsort(slot_expert, stable=True)  # 1. kept slots by expert (token order inside), dropped last
-        counts = count_per_expert(slot_expert, n + 1)[:n]  # [N] rows per expert
-        if self.ep_size > 1:  # 2. destination rank r gets this rank's counts for its experts; we get each source's
-            counts_in = torch.empty_like(counts)
-            dist.all_to_all_single(counts_in, counts, group=self.ep_group)
-            counts = torch.cat([counts, counts_in])  # [N sent per expert, then received per (source, local expert)]
-        sizes = counts.tolist()  # the one host sync: the split sizes (E = 1: the experts' row slicing)
-        order = order[:sum(sizes[:n])]  # the kept slots
         autocast = torch.is_autocast_enabled(tokens.device.type)  # the rows travel in the dtype c_fc will cast to
         rows = tokens.to(torch.get_autocast_dtype(tokens.device.type)) if autocast else tokens
-        sent = rows[order // k]  # [S, h] by expert, hence by destination: the one copy in
-        if self.ep_size == 1:
-            back, rows_received = self.run_local_experts(sent, sizes), len(order)  # 4.
-        else:
-            per_rank = n // self.ep_size
-            send_splits = [sum(sizes[r * per_rank:(r + 1) * per_rank]) for r in range(self.ep_size)]
-            recv_splits = [sum(sizes[n + r * per_rank:n + (r + 1) * per_rank]) for r in range(self.ep_size)]
-            self.off_group = moe_router.off_group(self.places, expert, keep, send_splits)  # the accounting's
-            received = AllToAll.apply(sent, recv_splits, send_splits, self.ep_group)  # 3. dispatch
-            out = self.run_local_experts(received, sizes[n:])  # 4.
-            back, rows_received = AllToAll.apply(out, send_splits, recv_splits, self.ep_group), sum(recv_splits)  # 5.
+        if self.ep_size > 1:
+            y, self.exchanged = moe_dispatch.exchange(rows, gate, slot_expert, n, self.ep_group, self.ep_size,
+                                                      lambda i, chunk: self.experts[str(self.local[i])](chunk))
+            self.off_group = moe_router.off_group(self.places, self.exchanged)  # the accounting's
+            return y, sum(self.exchanged.sent), sum(self.exchanged.received)
+        order = torch.argsort(slot_expert, stable=True)  # 1. kept slots by expert (token order inside), dropped last
+        counts = count_per_expert(slot_expert, n + 1)[:n]  # [N] rows per expert
+        sizes = counts.tolist()  # the one host sync: the experts' row slicing
+        order = order[:sum(sizes)]  # the kept slots
+        sent = rows[order // k]  # [S, h] by expert: the one copy in
+        back = self.run_local_experts(sent, sizes)  # 4.
         weighted = back * gate.reshape(-1)[order].unsqueeze(1)  # 6. [S, h]
         y = torch.zeros((tokens.shape[0], tokens.shape[1]), dtype=weighted.dtype, device=tokens.device)
-        return y.index_add(0, order // k, weighted), len(order), rows_received
+        return y.index_add(0, order // k, weighted), len(order), len(order)
 
     def run_local_experts(self, rows: torch.Tensor, sizes: list) -> torch.Tensor:
         """rows arrive in chunks of `sizes` rows, [source rank][local expert] (one source when E = 1); each
@@ -276,27 +274,6 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.gelu(self.c_fc(x)))
-
-
-class AllToAll(torch.autograd.Function):
-    """Rows [Σ input_splits, ...] → [Σ output_splits, ...]: rank r's i-th chunk goes to rank i, which puts it
-    in its r-th chunk. Backward is the reverse all-to-all (splits swapped). Dispatch and combine both use it."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits: list, input_splits: list, group):
-        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
-        return AllToAll.exchange(x, output_splits, input_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return AllToAll.exchange(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
-
-    @staticmethod
-    def exchange(x, output_splits: list, input_splits: list, group) -> torch.Tensor:
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=output_splits,
-                               input_split_sizes=input_splits, group=group)
-        return out
 
 
 # A micro-batch in pieces (CP, SP): the aux statistics summed, the capacity decided on the whole.
@@ -438,8 +415,7 @@ def config_from_flags(args, settings) -> MoEConfig | None:
         return None
     replicas = getattr(args, "moe_replicas", 0)
     if replicas:
-        eplb.check_flags(replicas, settings.model.moe_experts, settings.shape.ep, args.zero,
-                         settings.model.moe_groups)
+        eplb.check_flags(replicas, settings.model.moe_experts, settings.shape.ep, args.zero)
     return MoEConfig(settings.shape.ep, settings.sequence_parallel, args.cp_balance if settings.shape.cp > 1 else None,
                      replicas, getattr(args, "moe_replan_every", 50), getattr(args, "moe_load_decay", 0.9))
 
@@ -473,8 +449,7 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
             shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         layer.pieces = pieces
         layer.load.on(run.device)
-        layer.places = moe_router.group_places(layer.n_experts, model.config.moe_groups, ep, mesh.index("ep"),
-                                               run.device)
+        layer.places = moe_router.group_places(model.config.moe_groups, ep, mesh.index("ep"))
     sp = mesh.size("tp") if config.sequence_parallel else 1
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
@@ -510,17 +485,21 @@ class MoEAxis(Axis):
         self.tp_group = tp_group  # with --sp: the experts' and router's gradients are summed over it
         self.load_groups = list(load_groups)  # names of the groups whose ranks saw the step's other tokens
         self.redundant = redundant  # eplb.RedundantExperts with --moe-replicas
+        if redundant is not None:  # its loads ride the router's all-reduce when that one runs (one call, two users)
+            redundant.shared_load_reduce = any(layer.load.reduce for layer in layers)
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:
         """With --sp each TP rank routed its sequence piece: sum the experts' and router's gradients over tp.
-        Then each layer's step load, global (the bias on), updates its bias (moe_router.finish_step)."""
+        Then each layer's step load, global (the bias on), updates its bias (moe_router.finish_step), and with
+        --moe-replicas eplb's kept-slot loads, summed in the same all-reduce, feed its average."""
         if self.tp_group is not None:
             sum_in_place([g for g in layout.grad_pieces(self.params()) if g.numel()], self.tp_group)
-        if self.redundant is not None:  # the replicas' gradient sum, the load, the re-plan (eplb.py)
-            self.redundant.after_grad_sync(layout)
-        moe_router.finish_step([layer.load for layer in self.layers],
-                               [self.mesh.group(name) for name in self.load_groups])
+        riders = self.redundant.step_loads() if self.redundant is not None else None
+        summed = moe_router.finish_step([layer.load for layer in self.layers],  # ONE load all-reduce per group
+                                        [self.mesh.group(name) for name in self.load_groups], riders)
+        if self.redundant is not None:  # the replicas' gradient sum, the load average, the re-plan (eplb.py)
+            self.redundant.after_grad_sync(layout, summed)
         return 0
 
     def state_pieces(self) -> list:

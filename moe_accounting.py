@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from comm import Messages
+from moe_router import rows_per_token
 from moe_shared import saved_bytes
 
 
@@ -83,24 +84,65 @@ def activation_estimate_delta(config, moe_blocks: int, seq: int, micro: int, tp:
 
 def all_to_all_messages(traffic: Traffic, forwards: int, sent: float, received: float) -> Messages:
     """The all_to_all_single calls on ep of `forwards` training forwards of MoE layers (each with its backward,
-    and its recompute under activation checkpointing) that sent Σ S = `sent` and received Σ R = `received`
-    rows: per forward 3 calls (counts 8N, dispatch S·h·e_c, combine R·h·e_c), ×2 recomputed, + 2 in backward
-    (the reverses, (S + R)·h·e_c)."""
+    and its recompute under activation checkpointing) whose deduplicated exchanges (moe_dispatch.py) sent Σ S =
+    `sent` and received Σ R = `received` rows (one per token and rank): per forward 4 calls (counts
+    8·(N_p + E), rows S·h·e_c, metadata S·2k·e_r, combine R·h·e_c), ×2 recomputed, + 3 in backward (the
+    reverses, (S + R)·h·e_c + R·2k·e_r). N_p: N, or the R physical slots with replicas."""
     repeats = 2 if traffic.model.activation_checkpointing else 1
     row_bytes = traffic.model.n_embd * traffic.compute_bytes
-    counts = forwards * repeats * 8 * (traffic.slots or traffic.model.moe_experts)  # N (R) int64 counts, each
-    rows = (repeats + 1) * (sent + received) * row_bytes
-    return Messages().add(*ALL_TO_ALL, forwards * (3 * repeats + 2), counts + rows)
+    meta_bytes = 2 * traffic.model.moe_topk * traffic.router_bytes  # k gates and k local slots per row
+    counts = forwards * repeats * 8 * ((traffic.slots or traffic.model.moe_experts) + traffic.ep)
+    rows = (repeats + 1) * (sent + received) * row_bytes + (repeats * sent + received) * meta_bytes
+    return Messages().add(*ALL_TO_ALL, forwards * (4 * repeats + 3), counts + rows)
+
+
+def off_group_bytes(traffic: Traffic, forwards: int, sent: float, received: float) -> float:
+    """The bytes this rank's ep all-to-alls send to ranks outside its place (moe_router.GroupPlaces) over
+    `forwards` training forwards whose exchanges sent `sent` rows to, and received `received` rows from, such
+    ranks (moe_router.off_group's sums): all_to_all_messages' terms, each to its destination (the counts go
+    to every rank alike, 8·(N_p/E + 1) bytes each). The CommTracer counts the same (comm.CommTracer.sent_to)."""
+    config, ep = traffic.model, traffic.ep
+    repeats = 2 if config.activation_checkpointing else 1
+    row_bytes, meta_bytes = config.n_embd * traffic.compute_bytes, 2 * config.moe_topk * traffic.router_bytes
+    far_ranks = ep - max(1, ep // config.moe_groups) if config.moe_groups else ep - 1
+    counts = forwards * repeats * 8 * ((traffic.slots or config.moe_experts) // ep + 1) * far_ranks
+    return counts + (repeats + 1) * (sent + received) * row_bytes + (repeats * sent + received) * meta_bytes
+
+
+def off_group_line(traffic: Traffic, off_group: list, forwards: int, steps: int, traced=None) -> str | None:
+    """The end line (report_axes' moe section): per MoE layer and step, the ep all-to-all bytes leaving the
+    sender's group, predicted from the exchanges (mfu.RoutedLoad's sums of moe_router.off_group over the
+    `forwards` training forwards of `steps` steps), the CommTracer's (`traced` bytes over the same steps, when
+    traced), and the uniform estimate for this M and for M = G; None without groups or EP."""
+    config = traffic.model
+    groups, limit, ep = config.moe_groups, config.moe_group_limit, traffic.ep
+    if groups == 0 or ep == 1 or not steps:
+        return None
+    per_step = max(1, traffic.moe_layers) * traffic.micro_batches  # forwards per step, uniform
+    layers = steps * max(1, traffic.moe_layers)
+
+    def uniform(m):
+        rows = per_step * traffic.tokens * rows_per_token(config.moe_experts, config.moe_topk, groups, m, ep)[1]
+        return off_group_bytes(traffic, per_step, rows, rows) / max(1, traffic.moe_layers) / 1024
+
+    where = f"a group is {ep // groups} ranks" if ep >= groups else f"a rank holds {groups // ep} groups"
+    counted = off_group_bytes(traffic, forwards, *off_group) / layers / 1024
+    traced_text = "" if traced is None else f", traced {traced / layers / 1024:.1f} KiB"
+    return (f"moe off-group all-to-all (G={groups}, M={limit}; {where}; one row per token and rank) per MoE layer"
+            f" and step: predicted from the routed rows {counted:.1f} KiB{traced_text}, uniform {uniform(limit):.1f}"
+            f" KiB (unlimited M=G: {uniform(groups):.1f} KiB)")
 
 
 def step_messages(traffic: Traffic, sp_grad_bytes: int = 0) -> Messages:
-    """Predicted messages of one optimizer step for UNIFORM routing (docstring item 3): S = R = T·k rows per MoE
-    layer and micro-batch (at most N·C_μ/(C·T_sp), this rank's share of what capacity keeps); CP's and SP's
+    """Predicted messages of one optimizer step for UNIFORM routing (docstring item 3): S = R = T·ρ rows per MoE
+    layer and micro-batch, ρ = moe_router.rows_per_token (one row per token and rank it reaches), at most the
+    slots T·k, or N·C_μ/(C·T_sp), this rank's share of what capacity keeps; CP's and SP's
     statistics all-reduces and choice gathers; SP's gradient sum over tp of `sp_grad_bytes` (the layout's)."""
     t, n, k = traffic, traffic.model.moe_experts, traffic.model.moe_topk
     whole = t.tokens * t.cp * t.sp  # B_μ·s
     cap = capacity(whole, k, n, t.model.moe_capacity_factor)
-    rows = t.tokens * k if cap is None else min(t.tokens * k, n * cap / (t.cp * t.sp))
+    slots = t.tokens * k if cap is None else min(t.tokens * k, n * cap / (t.cp * t.sp))
+    rows = min(slots, t.tokens * rows_per_token(n, k, t.model.moe_groups, t.model.moe_group_limit, t.ep)[0])
     passes = t.moe_layers * t.micro_batches
     out = all_to_all_messages(t, passes, passes * rows, passes * rows) if t.ep > 1 else Messages()
     forwards = passes * (2 if t.model.activation_checkpointing else 1)

@@ -21,15 +21,21 @@ int64 index, m a dropout mask's bytes per element. In forward order, saved for b
     capacity   f > 0, capacity_keep over the T_μ·k slots of the micro-batch: a one-hot T_μ·k·N·1, its cumsum
                and their product T_μ·k·N·8 each (gone by dispatch); then the verdicts T·k·1, the slots' experts
                T·k·8 (t; also with replicas, eplb.py: each slot's physical slot)
-    dispatch   the sort's order T·k·8 (s), the counts (N_p+1)·8 (E > 1: N_p·8 received and the 2N_p·8 joined;
-               N_p = N, or the R_p physical slots with replicas) (t), each row's token S·8 (s), with groups under
-               EP the off-group count 8 (t), the tokens cast for the rows T·h·e_c (autocast with e_c ≠ e_x; t),
-               the sent rows S·h·e_c (s when E = 1, else t), E > 1 the received rows R·h·e_c (s)
+    dispatch   E = 1: the sort's order T·k·8 (s), the counts (N_p+1)·8 (t; N_p = N, or the R_p physical slots
+               with replicas), each row's token S·8 (s), the tokens cast for the rows T·h·e_c (autocast with
+               e_c ≠ e_x; t), the sent rows S·h·e_c (s)
     experts    the hidden R·4h·e_c twice (s), each expert's output R·h·e_c together, then concatenated R·h·e_c
-               (E = 1: the rows back, s; E > 1: the combine's send buffer, t); autocast casts each of the N/E
-               experts' weights once (its cache keeps them for the forward), 8h²·e_c (s), and biases, 5h·e_c (t)
-    combine    E > 1 the rows back S·h·e_c (s); each row's gate S·e_r, token S·8 and weighted row S·h·e_w (s);
-               y's zeros and y, T·h·e_w each (t)
+               (s); autocast casts each of the N_p/E experts' weights once (its cache keeps them for the
+               forward), 8h²·e_c (s), and biases, 5h·e_c (t)
+    combine    each row's gate S·e_r, token S·8 and weighted row S·h·e_w (s); y's zeros and y, T·h·e_w each (t)
+    E > 1      the deduplicated exchange (moe_dispatch.py; S, R its pairs, R_e the rows its experts run, p =
+               N_p/E), `exchange_terms`: the slots' ranks T·k·8, the hit mask (E+1)·T, the pairs' order E·T·8,
+               the kept slots (N_p+1)·8, the counts 2·(N_p+E)·8, the pairs' ranks S·8 and local slots S·k·8,
+               the metadata S·2k·e_r and R·2k·e_r, the rows received R·h·e_c, the sum's zeros and the summed rows
+               R·h·e_w each (t); the pairs' tokens S·8, their slots-here mask S·k, the fan-out's order R·k·8 and
+               arrival R_e·8, its rows R_e·h·e_c, the experts' hidden and outputs as above with R_e rows, the
+               slots' gates R_e·e_r, the weighted outputs R_e·h·e_w and the rows back S·h·e_c (s); y's zeros
+               and y T·h·e_c (t; y sums e_c rows)
     output     e_w ≠ e_x: y cast T·h·e_x (t; y then freed); Q shared experts (moe_shared.py, one MLP of width
                4Qh on the block's input): autocast's input cast T·h·e_c and weight copies 8Qh²·e_c (s), biases
                (t), the hidden T·4Qh·e_c twice (s), the output T·h·e_c (t), y + it T·h·e_x (t, y then freed);
@@ -42,6 +48,8 @@ Alive together (what each moment holds, from the code's order and its local vari
         slots' experts, E > 1 the sent rows and the send buffer)
     P4  y cast to the input's dtype (e_w ≠ e_x): y and its cast
     P5  the shared experts' output added: their hidden and output, y (or its cast), the sum
+    P6  E > 1: the rows back summed into y (index_add): the exchange's locals, y's zeros and y (P2 is then the
+        receiver's index_add of its weighted outputs; the worst case, E·T·k rows on one rank, peaks there)
 E = 1, dropless, no autocast: P2 = 11·S·h·e + 2·T·h·e + small, of which 9·S·h·e saved. P1 beats P2 when the
 experts run far more rows than the rank sends, R·h·e_c > S·h·(e_c + e_w) + S·(e_r + 8) + 2·T·h·e_w: with one
 dtype about R > 2S + 2T (the worst case at E·k > 2k + 2: E = 4, k = 2 in fp32 peaks at P1).
@@ -57,11 +65,10 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    before dispatch, so only a P0 peak would differ (by the gathered T_μ·k choice bytes, not written).
    The backward rises above the saved tensors it frees (`backward_rise`: the combine's mul backward, B1, or
    the shared experts', B0), and can exceed the forward: a BlockPeak's `above_saved` is the larger, which the
-   step's peak uses. Measured equal on one device and, where the combine sets it, under EP (the tiny preset,
-   E = 2); but under EP the backward can rise further (each local expert runs one chunk per source, and
-   autograd holds its partial weight gradients between them, up to (N/E)·Ψ_e elements; the reverse
-   all-to-alls: measured at start-up, tests/test_moe_memory.py's h = 16), and a router with N ≫ h rises in
-   its own backward ([T, N] gradients): not written. FP8 experts (fp8_experts.py): their quantised copies and
+   step's peak uses. Measured equal on one device and, where the receiver's mul sets it, under EP (E = 2;
+   each local expert runs one chunk, all sources at once, so no partial weight gradients wait between chunks);
+   a lower bound where another moment of the EP backward rises higher (seen with capacity, by 32 bytes), and a
+   router with N ≫ h rises in its own backward ([T, N] gradients): not written. FP8 experts (fp8_experts.py): their quantised copies and
    padded rows are not written here (fp8_experts.padding_bytes counts the padding's saved bytes).
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
@@ -79,10 +86,11 @@ from dataclasses import dataclass
 import activations
 import mfu
 import moe_accounting
+from moe_router import rows_per_token
 
 MOMENTS = {"P0": "capacity's one-hot product", "P1": "the experts' outputs concatenated",
            "P2": "the combine's index_add", "P3": "the output's dropout", "P4": "y cast to the input's dtype",
-           "P5": "the shared experts' output added"}
+           "P5": "the shared experts' output added", "P6": "the rows back summed into y (E > 1)"}
 
 
 @dataclass(frozen=True)
@@ -106,7 +114,7 @@ class DispatchShape:
     score: str = "softmax"  # the router's scores (moe_router.py): "sigmoid" keeps its normalised copy and sum
     shared: int = 0  # Q shared experts (moe_shared.py): one MLP of width Q·4h on the block's input
     slots: int = 0  # R_p physical expert slots with --moe-replicas (eplb.py); 0: the N experts in place
-    off_group: bool = False  # group-limited routing under EP: the layer keeps its off-group count (moe_router.py)
+    expert_rows: float = 0  # R_e: E > 1, the slots this rank's experts run (the fan-out, moe_dispatch.py)
 
 
 @dataclass(frozen=True)
@@ -139,11 +147,11 @@ def terms(x: DispatchShape) -> list:
     T, S, R, N, k, h, E, Q = x.tokens, x.sent, x.received, x.experts, x.topk, x.hidden, x.ep, x.shared
     e_c, e_r, e_x, e_w = x.e_c, x.e_r, x.e_x, max(x.e_c, x.e_r)
     slots = x.slots or N  # what the dispatch sorts by: experts, or with replicas their physical slots
-    sigmoid, cast_y = x.score == "sigmoid", e_w != e_x
+    sigmoid, cast_y = x.score == "sigmoid", (e_w if E == 1 else e_c) != e_x  # E > 1: y sums e_c rows
     cast_rows = e_c != e_x  # autocast's rows from a wider input (without autocast e_c is the input's)
     copies = slots // E * e_c if e_c != x.weight_bytes else 0  # autocast casts each held expert's weights once
-    end = "12345"  # alive to the forward's end (P0 comes before the dispatch)
-    y_alive = "24" + ("" if cast_y else "5" if Q else "3")  # the combine's y, until cast or added to
+    end = END  # alive to the forward's end (P0 comes before the dispatch)
+    y_alive = ("2" if E == 1 else "6") + "4" + ("" if cast_y else "5" if Q else "3")  # y, until cast or added to
     out = [("router logits, scores [T, N]", 2 * T * N * e_r, True, "0" + end),
            ("router scores normalised [T, N] (sigmoid)", T * N * e_r if sigmoid else 0, False, "0" + end),
            ("router scores' sum [T] (sigmoid)", T * e_r if sigmoid else 0, True, "0" + end),
@@ -158,25 +166,24 @@ def terms(x: DispatchShape) -> list:
     if x.capacity_tokens:
         out += [("capacity one-hot, cumsum, product", 17 * x.capacity_tokens * k * N, False, "0"),
                 ("capacity verdicts", T * k, False, end)]
-    counts = (slots + 1) * 8 if E == 1 else 3 * slots * 8
-    out += [("slots' experts (or physical slots)", T * k * 8 if x.capacity_tokens or x.slots else 0, False, "12"),
-            ("sort order", T * k * 8, True, end), ("counts", counts, False, "12"),
-            ("rows' tokens (gather)", S * 8, True, end),
-            ("off-group copies' count (kept on the layer)", 8 if x.off_group else 0, False, end),
-            ("tokens cast for the rows", T * h * e_c if cast_rows else 0, False, "12"),
-            ("sent rows [S, h]", S * h * e_c, E == 1, end if E == 1 else "12"),
-            ("received rows [R, h]", R * h * e_c if E > 1 else 0, True, end),
-            ("experts' hidden [R, 4h] ×2", 8 * R * h * e_c, True, end),
-            ("experts' weight copies (autocast)", copies * 8 * h * h, True, end),
-            ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, end),
-            ("experts' outputs, one per expert", R * h * e_c, False, "1"),
-            ("experts' outputs concatenated [R, h]", R * h * e_c, E == 1, end if E == 1 else "12"),
-            ("rows back [S, h]", S * h * e_c if E > 1 else 0, True, "2345"),
-            ("rows' gates and tokens (index_add)", S * (e_r + 8), True, "2345"),
-            ("weighted rows [S, h]", S * h * e_w, True, "2345"),
-            ("combine's zeros [T, h]", T * h * e_w, False, "2"),
-            ("combine's output y [T, h]", T * h * e_w, False, y_alive),
-            ("y cast to the input's dtype", T * h * e_x if cast_y else 0, False, "4" + ("5" if Q else "3"))]
+    if E == 1:
+        out += [("slots' experts (or physical slots)", T * k * 8 if x.capacity_tokens or x.slots else 0, False, "12"),
+                ("sort order", T * k * 8, True, end), ("counts", (slots + 1) * 8, False, "12"),
+                ("rows' tokens (gather)", S * 8, True, end),
+                ("tokens cast for the rows", T * h * e_c if cast_rows else 0, False, "12"),
+                ("sent rows [S, h]", S * h * e_c, True, end),
+                ("experts' hidden [R, 4h] ×2", 8 * R * h * e_c, True, end),
+                ("experts' weight copies (autocast)", copies * 8 * h * h, True, end),
+                ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, end),
+                ("experts' outputs, one per expert", R * h * e_c, False, "1"),
+                ("experts' outputs concatenated [R, h]", R * h * e_c, True, end),
+                ("rows' gates and tokens (index_add)", S * (e_r + 8), True, "2345"),
+                ("weighted rows [S, h]", S * h * e_w, True, "2345"),
+                ("combine's zeros [T, h]", T * h * e_w, False, "2"),
+                ("combine's output y [T, h]", T * h * e_w, False, y_alive)]
+    else:
+        out += exchange_terms(x, cast_rows, copies, y_alive)
+    out += [("y cast to the input's dtype", T * h * e_x if cast_y else 0, False, "4" + ("5" if Q else "3"))]
     if Q:  # the shared experts, one MLP of width Q·4h on the block's input, added to y (moe_shared.py)
         out += [("shared experts' input cast", T * h * e_c if cast_rows else 0, True, "35"),
                 ("shared experts' weight copies (autocast)", Q * 8 * h * h * e_c if copies else 0, True, "35"),
@@ -190,11 +197,46 @@ def terms(x: DispatchShape) -> list:
     return out
 
 
+END = "123456"  # the moments after the dispatch began: alive to the forward's end
+
+
+def exchange_terms(x: DispatchShape, cast_rows: bool, copies: int, y_alive: str) -> list:
+    """E > 1: the deduplicated exchange's tensors (moe_dispatch.py, in its order; p = N_p/E slots a rank holds),
+    alive until `exchange` returns ("126") or saved to the end; P1 its experts' outputs concatenated, P2 the
+    receiver's index_add of the weighted outputs, P6 the sender's index_add of the rows back into y."""
+    T, S, R, Re, k, h, E = x.tokens, x.sent, x.received, x.expert_rows, x.topk, x.hidden, x.ep
+    e_c, e_r, e_w = x.e_c, x.e_r, max(x.e_c, x.e_r)
+    slots = x.slots or x.experts
+    return [("slots' experts (or physical slots)", T * k * 8 if x.capacity_tokens or x.slots else 0, False, "126"),
+            ("tokens cast for the rows", T * h * e_c if cast_rows else 0, False, "126"),
+            ("slots' destination ranks", T * k * 8, False, "126"), ("pairs' hit mask [E+1, T]", (E + 1) * T, False,
+                                                                    "126"),
+            ("pairs' order [E·T]", E * T * 8, False, "126"), ("slots kept per slot", (slots + 1) * 8, False, "126"),
+            ("counts sent and received", 2 * (slots + E) * 8, False, "126"),
+            ("pairs' tokens", S * 8, True, END), ("pairs' ranks", S * 8, False, "126"),
+            ("pairs' slots on their rank [S, k]", S * k, True, END), ("pairs' local slots", S * k * 8, False, "126"),
+            ("metadata sent [S, 2k]", S * 2 * k * e_r, False, "126"),
+            ("rows received [R, h]", R * h * e_c, False, "126"), ("metadata received [R, 2k]", R * 2 * k * e_r,
+                                                                  False, "126"),
+            ("fan-out order [R·k]", R * k * 8, True, END), ("fan-out rows' arrival", Re * 8, True, END),
+            ("fan-out rows [R_e, h]", Re * h * e_c, True, END),
+            ("experts' hidden [R_e, 4h] ×2", 8 * Re * h * e_c, True, END),
+            ("experts' weight copies (autocast)", copies * 8 * h * h, True, END),
+            ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, END),
+            ("experts' outputs, one per expert", Re * h * e_c, False, "1"),
+            ("experts' outputs concatenated [R_e, h]", Re * h * e_c, True, END),
+            ("slots' gates [R_e]", Re * e_r, True, "23456"), ("weighted outputs [R_e, h]", Re * h * e_w, True, "23456"),
+            ("sum's zeros [R, h]", R * h * e_w, False, "2"), ("rows summed [R, h]", R * h * e_w, False, "26"),
+            ("rows back [S, h]", S * h * e_c, True, "3456"), ("y's zeros [T, h]", T * h * e_c, False, "6"),
+            ("y [T, h]", T * h * e_c, False, y_alive)]
+
+
 def block_peak(x: DispatchShape) -> BlockPeak:
     """The largest of the moments this forward has (P0 with capacity, P3 with dropout or a cast y)."""
     table = terms(x)
     moments = ["P1", "P2"] + (["P0"] if x.capacity_tokens else []) + (["P3"] if x.dropout_mask is not None else [])
-    moments += (["P4"] if max(x.e_c, x.e_r) != x.e_x else []) + (["P5"] if x.shared else [])
+    moments += (["P4"] if (max(x.e_c, x.e_r) if x.ep == 1 else x.e_c) != x.e_x else []) + (["P5"] if x.shared else [])
+    moments += ["P6"] if x.ep > 1 else []
     alive = {m: sum(nbytes for _, nbytes, _, when in table if m[1] in when) for m in moments}
     moment = max(moments, key=lambda m: (alive[m], m))
     return BlockPeak(moment, alive[moment], sum(nbytes for _, nbytes, saved, _ in table if saved),
@@ -217,12 +259,18 @@ def backward_rise(x: DispatchShape) -> tuple:
             e_c before the cast to the parameters' dtype, (4Qh² + h·b)·e_c; with dropout its gradient T·h·e_x
             less its mask; with them B1 is less their hidden, freed by then, plus their input's gradient,
             8QTh·e_c − T·h·e_x (it beats B0 at about k > 6Q in one dtype: measured with k = 8, Q = 1)
+    E > 1 (moe_dispatch.py) B1 is the receiver's mul backward on its R_e rows: 2·R_e·h·e_w + (R_e·h·e_c, or
+    R_e·e_r in one dtype) less the weighted outputs and the rows back it frees, S·h·e_c, and the mask.
     Not written: each expert's backward (r·4h·e_c for its r rows, beside the gradient of all R rows: it can
     set the rise when R ≫ S, the worst case's receiving rank) and, under EP, the reverse all-to-alls."""
     T, S, h, Q = x.tokens, x.sent, x.hidden, x.shared
     e_c, e_w = x.e_c, max(x.e_c, x.e_r)
     mask = T * h * x.dropout_mask if x.dropout_mask is not None else 0
-    combine = 2 * S * h * e_w + (S * h * e_c if e_c != e_w else S * x.e_r) - 8 * S - mask
+    if x.ep == 1:
+        combine = 2 * S * h * e_w + (S * h * e_c if e_c != e_w else S * x.e_r) - 8 * S - mask
+    else:  # the receiver's mul backward, R_e rows; freed: the weighted outputs and the rows back
+        rows = x.expert_rows
+        combine = 2 * rows * h * e_w + (rows * h * e_c if e_c != e_w else rows * x.e_r) - S * h * e_c - mask
     if not Q:
         return "B1", combine
     grads = (T * h * e_c if e_c != x.e_x else 0) + ((4 * Q * h * h + h * (x.expert_params > 8 * h * h)) * e_c
@@ -249,23 +297,29 @@ def attention_above_saved(x, bias: bool = True) -> int:
 
 def shape_of(traffic: moe_accounting.Traffic, x, routing: str = "uniform") -> DispatchShape:
     """DispatchShape of one MoE layer and micro-batch from moe_accounting.Traffic and memory.ActivationShape x
-    (dtypes, dropout masks, autocast), for `routing` "uniform" (S = R = T·k, at most the capacity's share) or
-    "worst" (the whole ep group picks this rank's experts)."""
+    (dtypes, dropout masks, autocast), for `routing` "uniform" (E = 1: S = R = T·k, at most the capacity's share;
+    E > 1: R_e = that, S = R = T·ρ pairs at most, ρ = moe_router.rows_per_token, a float) or "worst" (the whole
+    ep group picks this rank's experts: each token's k on the fewest ranks, ⌈k·E/N⌉, this one among them)."""
     config, T, E = traffic.model, traffic.tokens, traffic.ep
     n, k, h = config.moe_experts, config.moe_topk, config.n_embd
     whole = T * traffic.cp * traffic.sp  # B_μ·s: capacity is decided on it
     cap = moe_accounting.capacity(whole, k, n, config.moe_capacity_factor)
     if routing == "uniform":
-        sent = received = T * k if cap is None else min(T * k, n * cap // (traffic.cp * traffic.sp))
+        slots = T * k if cap is None else min(T * k, n * cap // (traffic.cp * traffic.sp))
+        pairs = min(slots, T * rows_per_token(n, k, config.moe_groups, config.moe_group_limit, E)[0])
+        sent, received, expert_rows = (pairs, pairs, slots) if E > 1 else (slots, slots, 0)
+    elif E == 1:
+        sent = received = T * k if cap is None else min(T * k, n * cap)
+        expert_rows = 0
     else:
-        sent = T * k if cap is None else min(T * k, n * cap)
-        received = E * (T * k if cap is None else min(T * k, n // E * cap))
-    return DispatchShape(T, sent, received if E > 1 else sent, n, k, h, E, whole if cap else 0,
+        here = min(k, n // E)  # of a token's k slots, on this rank
+        sent, received = T * -(-k * E // n), E * T
+        expert_rows = E * (T * here if cap is None else min(T * here, n // E * cap))
+    return DispatchShape(T, sent, received, n, k, h, E, whole if cap else 0,
                          e_c=x.e_c, e_r=traffic.router_bytes, e_x=x.e_n, weight_bytes=x.e_r,
                          expert_params=8 * h * h + 5 * h * int(config.bias),
                          dropout_mask=x.mask(x.e_n) if x.dropout else None, score=config.moe_score,
-                         shared=config.moe_shared_experts, slots=traffic.slots,
-                         off_group=config.moe_groups > 0 and E > 1)
+                         shared=config.moe_shared_experts, slots=traffic.slots, expert_rows=expert_rows)
 
 
 @dataclass(frozen=True)

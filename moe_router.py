@@ -22,8 +22,10 @@ sequences); under CP/SP a sequence is in pieces: its [B, 2N+1] statistics ride m
 
 Groups and the EP ranks (E): G divides N, and either G divides E (a group is E/G ranks: with G = the ep group's
 nodes, DeepSeek-V3's node-limited routing) or E divides G (a rank holds G/E groups; G = E: device-limited); a
-token's rows then reach at most max(1, E/G)·M ranks. What it buys is counted (`off_group`): the dispatch's rows
-leaving the sender's group, and the copies a dispatch sending each token once per group would send.
+token's rows then reach at most max(1, E/G)·M ranks. What it buys: the EP exchange sends a token once per
+destination rank (moe_dispatch.py), so the rows leaving the sender's group fall with M (`rows_per_token`, the
+uniform count; `off_group`, the exchange's own, from the ranks of the physical slots: with --moe-replicas a
+replica may sit outside its expert's group and is counted where it is).
 
 1. Replicated and split. The bias: one logical [N] fp32 tensor per MoE layer, identical on every rank holding
    the layer (the loads it is updated from are all-reduced first). The loads: each rank's own, then global.
@@ -34,7 +36,7 @@ leaving the sender's group, and the copies a dispatch sending each token once pe
    masks are of detached scores).
 3. Messages. With γ > 0 (`ExpertLoad.reduce`), once per optimizer step: one all_reduce of the L_moe·N int64
    loads over dp_cp (every rank that saw tokens: EP's ranks are data ranks), and over tp with --sp; PP: each
-   stage its own layers. The seq loss adds B_μ·(2N+1)·e_r bytes to moe.py's statistics all-reduce under CP/SP
+   stage its own layers. With --moe-replicas eplb's kept-slot loads (L_moe·N more) ride the same call. The seq loss adds B_μ·(2N+1)·e_r bytes to moe.py's statistics all-reduce under CP/SP
    (no call of its own). No host sync: the update is sign arithmetic on the device, and it runs on a step the
    update skips too (fp16 overflow: the loads were routed all the same), alike on every rank.
 4. Restart state. The bias ("moe/<layer>.expert_bias", one logical copy, written by dp_cp and tp coordinate 0):
@@ -200,18 +202,25 @@ class ExpertLoad:
 
 
 @torch.no_grad()
-def finish_step(loads: list, groups=()) -> None:
+def finish_step(loads: list, groups=(), riders: torch.Tensor | None = None) -> torch.Tensor | None:
     """End the optimizer step of every MoE layer's ExpertLoad in `loads` (one stage's, same order on every rank):
     with the bias on, their counts summed over `groups` in one flat all-reduce per group (dp_cp, and tp with
-    --sp), so every rank applies the same update; otherwise each keeps its own count."""
+    --sp), so every rank applies the same update; otherwise each keeps its own count. `riders` ([L, N] int64,
+    eplb's kept slots per expert) ride the same all-reduce: ONE reduction per group, two users; returned
+    summed (None without)."""
     if not loads:
-        return
+        return riders
     stacked = torch.stack([load.step for load in loads])
-    if any(load.reduce for load in loads):
+    parts = ([stacked] if any(load.reduce for load in loads) else []) + ([riders] if riders is not None else [])
+    if parts and groups:
+        joined = torch.cat(parts)
         for group in groups:
-            dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(joined, op=dist.ReduceOp.SUM, group=group)
+        stacked = joined[:len(loads)] if len(parts) == 2 or riders is None else stacked
+        riders = joined[-len(loads):] if riders is not None else None
     for load, total in zip(loads, stacked):
         load.finish_step(total)
+    return riders
 
 
 def load_messages(moe_layers: int, n_experts: int, groups: list) -> list:
@@ -227,70 +236,44 @@ def load_messages(moe_layers: int, n_experts: int, groups: list) -> list:
 
 class GroupPlaces(NamedTuple):
     """Where the EP ranks sit among the routing groups: `of_rank[r]` the place of EP rank r (its group of E/G
-    ranks when G ≤ E; itself when a rank holds G/E groups), on the device and as host ints; `mine` this rank's."""
+    ranks when G ≤ E; itself when a rank holds G/E groups), host ints; `mine` this rank's."""
 
-    of_rank: torch.Tensor
-    of_rank_list: list
+    of_rank: list
     mine: int
-    experts_per_rank: int
 
 
-def group_places(n_experts: int, groups: int, ep: int, ep_index: int, device) -> GroupPlaces | None:
+def group_places(groups: int, ep: int, ep_index: int) -> GroupPlaces | None:
     """The layer's GroupPlaces, or None without groups or EP (nothing leaves a rank)."""
     if groups == 0 or ep == 1:
         return None
     ranks_per_place = max(1, ep // groups)
     places = [r // ranks_per_place for r in range(ep)]
-    return GroupPlaces(torch.tensor(places, device=device), places, places[ep_index], n_experts // ep)
+    return GroupPlaces(places, places[ep_index])
 
 
-def off_group(places: GroupPlaces | None, expert: torch.Tensor, keep, send_splits: list) -> tuple:
-    """(rows this dispatch sends to ranks outside this rank's group: a host int from the split sizes the
-    all-to-all takes; the copies a dispatch sending each token ONCE per destination group would send outside
-    it, DeepSeek-V3's over IB: a device tensor, read with the load). (0, 0) without groups or EP."""
+def off_group(places: GroupPlaces | None, exchanged) -> tuple:
+    """(rows this rank's deduplicated dispatch sent to ranks outside its place, rows it received from them (its
+    combine sends as many back)): host ints from moe_dispatch.Exchange, whose ranks are those of the PHYSICAL
+    slots (with --moe-replicas a replica may lie outside its expert's group). (0, 0) without groups or EP."""
     if places is None:
         return 0, 0
-    rows = sum(size for rank, size in enumerate(send_splits) if places.of_rank_list[rank] != places.mine)
-    place = places.of_rank[expert // places.experts_per_rank]  # [T, k]
-    if keep is not None:  # a dropped slot travels nowhere
-        place = torch.where(keep.view_as(place), place, places.mine)
-    hit = torch.zeros((place.shape[0], len(places.of_rank_list)), dtype=torch.bool, device=place.device)
-    hit.scatter_(1, place, True)
-    return rows, hit.sum() - hit[:, places.mine].sum()
+    away = [place != places.mine for place in places.of_rank]
+    return (sum(rows for rows, far in zip(exchanged.sent, away) if far),
+            sum(rows for rows, far in zip(exchanged.received, away) if far))
 
 
-def off_group_estimate(topk: int, groups: int, limit: int, ep: int) -> tuple:
-    """Uniform routing's (rows per slot, copies per token) leaving the sender's group: each token's M groups
-    drawn uniformly from the G, its k slots uniformly over them. With P places (groups of ranks, or ranks), a
-    slot leaves with probability 1 − 1/P whatever M; another place q is reached with probability
-    1 − E_j[(1 − j/M)^k], j ~ hypergeometric (the chosen groups among q's G/P): the copies fall with M."""
-    places = ep // max(1, ep // groups)
-    in_place = groups // places
-    miss = sum(math.comb(in_place, j) * math.comb(groups - in_place, limit - j) / math.comb(groups, limit)
-               * (1 - j / limit) ** topk for j in range(min(in_place, limit) + 1))
-    return 1 - 1 / places, (places - 1) * (1 - miss)
-
-
-def off_group_line(traffic, off_group: list, steps: int) -> str | None:
-    """The end line (report_axes' moe section): per MoE layer and step, the dispatch bytes leaving the sender's
-    group, counted (mfu.RoutedLoad's sums of `off_group` over the training forwards) beside the uniform estimate,
-    per slot and one copy per (token, group); None without groups or EP. traffic: moe_accounting.Traffic."""
-    config = traffic.model
-    groups, limit, ep = config.moe_groups, config.moe_group_limit, traffic.ep
-    if groups == 0 or ep == 1 or not steps:
-        return None
-    row_bytes = config.n_embd * traffic.compute_bytes
-    per = steps * max(1, traffic.moe_layers)
-    tokens = traffic.micro_batches * traffic.tokens  # per MoE layer and step
-    rows, copies = off_group_estimate(config.moe_topk, groups, limit, ep)
-    _, unlimited = off_group_estimate(config.moe_topk, groups, groups, ep)
-    where = f"a group is {ep // groups} ranks" if ep >= groups else f"a rank holds {groups // ep} groups"
-
-    def kib(value):
-        return f"{value * row_bytes / per / 1024:.1f} KiB"
-
-    counted_rows, counted_copies = off_group[0], float(off_group[1])
-    return (f"moe off-group dispatch (G={groups}, M={limit}; {where}) per MoE layer and step: a row per slot"
-            f" counted {kib(counted_rows)}, uniform {kib(tokens * config.moe_topk * rows * per)} (any M); one copy"
-            f" per token and group counted {kib(counted_copies)}, uniform {kib(tokens * copies * per)}"
-            f" (unlimited M=G: {kib(tokens * unlimited * per)})")
+def rows_per_token(n_experts: int, topk: int, groups: int, limit: int, ep: int) -> tuple:
+    """Uniform routing's (rows per token, of them to ranks outside the sender's place) of the deduplicated
+    exchange (one row per token and rank, moe_dispatch.py): each token's M groups drawn uniformly from the G,
+    its k experts uniformly without repeats among the A = M·N/G allowed (no groups: G = M = E). A rank q holds
+    c experts in each of u groups (G ≤ E: u = 1, c = N/E; else u = G/E, c = N/G); j ~ hypergeometric, q's u
+    groups among the M chosen; q gets a row unless all k experts miss it:
+        rows = E·(1 − miss),  off = (E − E/P)·(1 − miss),  miss = E_j[C(A − j·c, k) / C(A, k)]
+    P the places (of E/G ranks each, or one rank each)."""
+    groups, limit = (groups, limit) if groups else (ep, ep)
+    per_place = max(1, ep // groups)
+    u, c = max(1, groups // ep), n_experts // max(ep, groups)
+    allowed = limit * n_experts // groups
+    miss = sum(math.comb(u, j) * math.comb(groups - u, limit - j) / math.comb(groups, limit)
+               * math.comb(allowed - j * c, topk) / math.comb(allowed, topk) for j in range(min(u, limit) + 1))
+    return ep * (1 - miss), (ep - per_place) * (1 - miss)

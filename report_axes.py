@@ -242,11 +242,13 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
         f" weights, {mfu.format_bytes(held * 16)} with fp32 grads + AdamW",
     ]
     if traffic.ep > 1:
-        per_layer = 4 * tokens * k * config.n_embd * traffic.compute_bytes + 8 * (traffic.slots or n)
+        rows = tokens * moe_router.rows_per_token(n, k, config.moe_groups, config.moe_group_limit, traffic.ep)[0]
+        per_layer = moe_accounting.all_to_all_messages(traffic, 1, rows, rows)[moe_accounting.ALL_TO_ALL][1]
         calls, payload = axis.predicted_messages(run.layout).get(moe_accounting.ALL_TO_ALL, (0, 0))
         lines.append(f"  all_to_all_single per MoE layer and micro-batch (group ep), uniform-routing estimate"
-                     f" S = R = T·k = {tokens * k}: fwd counts 8N + dispatch + combine, bwd both reversed ="
-                     f" 4·T·k·h·e_c + 8N = {mfu.format_bytes(per_layer)} payload, (E−1)/E on the wire ="
+                     f" S = R = T·ρ = {rows:.1f} (token, rank) rows, ρ ranks a token reaches (moe_dispatch.py: one"
+                     f" copy each): fwd counts 8(N+E) + rows + metadata (2k) + combine, bwd the 3 reverses ="
+                     f" {mfu.format_bytes(per_layer)} payload, (E−1)/E on the wire ="
                      f" {mfu.format_bytes(per_layer * (traffic.ep - 1) / traffic.ep)}; per step {calls} calls,"
                      f" {mfu.format_bytes(payload)} (the startup table's figure; the end table predicts exactly,"
                      f" from the routed counts)")
@@ -280,7 +282,14 @@ def moe_end_lines(axis, run, steps: int) -> list:
                      f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"
                      f" (the startup table's)")
     routed = axis.observer
-    lines += [line for line in [moe_router.off_group_line(traffic, routed.off_group, steps)] if line]
+    places = axis.layers[0].places if axis.layers else None
+    tracer = getattr(run, "tracer", None)
+    traced = None  # the CommTracer's bytes to ranks of other places (all_to_all_single on ep, its step phase)
+    if places is not None and tracer is not None and tracer.sent_to("all_to_all_single", "ep"):
+        sent_to = tracer.sent_to("all_to_all_single", "ep")
+        traced = sum(nbytes for nbytes, place in zip(sent_to, places.of_rank) if place != places.mine)
+    lines += [line for line in [moe_accounting.off_group_line(traffic, routed.off_group, routed.forwards, steps,
+                                                              traced)] if line]
     if routed.last_load is None:
         routed.take_load(traffic.micro_batches)  # no load line was printed: read the loads now
     if routed.last_load is not None:

@@ -303,8 +303,6 @@ BAD = [
      "--moe-replan-every must be at least 1"),
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--moe-load-decay", "1"],
      "--moe-load-decay must be in [0, 1)"),
-    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--moe-score", "sigmoid", "--moe-groups", "2",
-      "--moe-group-limit", "1"], "--moe-replicas with --moe-groups 2"),
 ]
 
 

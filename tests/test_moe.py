@@ -260,7 +260,7 @@ def _layer(rank, world):
             local=sorted(layer.experts.keys(), key=int), dropped=routed.dropped.get(0, 0),
             traced=(traced.calls, traced.payload_bytes),
             counted=tuple(moe_accounting.all_to_all_messages(moe_accounting.Traffic(
-                model.config, ep=ep, compute_bytes=8), *routed.rows())[moe_accounting.ALL_TO_ALL]),
+                model.config, ep=ep, compute_bytes=8, router_bytes=8), *routed.rows())[moe_accounting.ALL_TO_ALL]),
             expert_inputs=inputs.storages, cats=inputs.cats)
     # Under bf16 autocast (float32 model): the router still computes in fp32, the rows travel in bf16.
     model = GPT(make_config(**LAYER), seed=0, device=device)
@@ -274,7 +274,8 @@ def _layer(rank, world):
         y.float().sum().backward()
         router_dtype = layer.router(x).dtype
     results["bf16"] = dict(router=router_dtype, traced=tracer.records[("all_to_all_single", "ep")].payload_bytes,
-                           finite=bool(torch.isfinite(layer.router.weight.grad).all()))
+                           finite=bool(torch.isfinite(layer.router.weight.grad).all()),
+                           rows=(sum(layer.exchanged.sent), sum(layer.exchanged.received)))
     return results
 
 
@@ -284,11 +285,13 @@ class _ExpertInputs:
 
     def __init__(self, layer):
         self.layer, self.storages, self.cats = layer, set(), 0
+        self.width = layer.router.weight.shape[1]  # h: a row of tokens
         outer = self
 
         class Cats(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                outer.cats += str(func).startswith("aten.cat") and args[0][0].dim() == 2  # rows, not statistics
+                if str(func).startswith("aten.cat"):  # of rows [., h]: not statistics, counts or metadata
+                    outer.cats += args[0][0].dim() == 2 and args[0][0].shape[-1] == outer.width
                 return func(*args, **(kwargs or {}))
 
         self.mode = Cats()
@@ -396,10 +399,10 @@ def test_expert_parallel_layer_gradients_equal_single_device(layer_runs):
 
 
 def test_traced_all_to_alls_equal_the_prediction_from_the_routed_rows(layer_runs):
-    """5 calls (counts, dispatch, combine and the 2 reverses), bytes from the routing record's S and R."""
+    """7 calls (counts, rows, metadata, combine and the 3 reverses), bytes from the routing record's S and R."""
     for case, got, _, _ in layer_runs[0]:
         assert got["traced"] == got["counted"], case
-        assert got["traced"][0] == 5, case
+        assert got["traced"][0] == 7, case
 
 
 def test_experts_read_the_received_buffer_and_write_one_output_under_ep(layer_runs):
@@ -414,19 +417,22 @@ def test_capacity_drops_slots_under_expert_parallel(layer_runs):
 
 
 def test_a_rank_whose_experts_nobody_picks_receives_nothing(layer_runs):
-    """Skew: nothing comes in on rank 0 of each ep group: 8N of counts, S = T·k rows out and back (forward),
-    and the same in backward; its experts' gradients are zero."""
+    """Skew: nothing comes in on rank 0 of each ep group: 8(N + E) of counts, S = T rows out (both slots of each
+    token lie on rank 1: one copy) with their metadata (2k gates and indices) forward, the rows' gradients back
+    in backward; its experts' gradients are zero."""
     for (ep, factor, mode, rank), got, _, _ in layer_runs[0]:
         if mode == "skew" and rank % ep == 0:
-            assert got["traced"][1] == 8 * 8 + 2 * (2 * 12 * 2) * 16 * 8, got["traced"]
+            assert got["traced"][1] == 8 * (8 + 2) + 2 * 12 * (2 * 16 + 4) * 8, got["traced"]
             assert all(float(grad.abs().max()) == 0 for name, grad in got["grads"].items() if ".experts." in name)
 
 
 def test_under_bf16_autocast_the_router_is_fp32_and_the_rows_travel_in_bf16(layer_runs):
-    """Σ over ranks of the payload = W·8N + 4·Σ S·h·2 bytes (Σ R = Σ S within each ep group), S = T·k."""
+    """Per rank the payload = 8(N + E) + (S + R)·(2·h·2 + 2k·4) bytes: the rows in bf16 (twice: forward and
+    backward), the metadata (k gates, k indices) in the router's fp32."""
     bf16 = layer_runs[1]
     assert all(r["router"] == torch.float32 and r["finite"] for r in bf16)
-    assert sum(r["traced"] for r in bf16) == 4 * 8 * 8 + 4 * 4 * (2 * 12 * 2) * 16 * 2
+    for r in bf16:
+        assert r["traced"] == 8 * (8 + 2) + sum(r["rows"]) * (2 * 16 * 2 + 4 * 4), r
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -649,18 +655,24 @@ def test_the_load_histogram_scales_to_the_largest():
 
 
 def test_uniform_step_messages():
-    """5 all-to-alls per MoE layer and micro-batch, 4·T·k·h·e + 8N bytes; checkpointing +3 calls; CP's
-    statistics all-reduce (2N + 2 fp32 values) once per forward."""
+    """7 all-to-alls per MoE layer and micro-batch (counts 8(N + E); rows out and back, forward and backward,
+    4·S·h·e_c; metadata forward and its gradient backward, 2·S·2k·e_r), S = T·ρ, ρ = 2·(1 − C(2,2)/C(4,2)) = 5/3
+    ranks a token reaches (N = 4 on E = 2, k = 2); checkpointing +4 calls; CP's statistics all-reduce (2N + 2
+    fp32 values) once per forward."""
     import moe_accounting
 
     traffic = moe_accounting.Traffic(make_config(moe_experts=4, moe_topk=2), moe_layers=2, tokens=32, micro_batches=3,
                                      ep=2)
-    expected = {("all_to_all_single", "ep"): (2 * 3 * 5, 2 * 3 * (4 * 32 * 2 * 32 * 2 + 8 * 4))}
-    assert moe_accounting.step_messages(traffic) == expected
+    rows = 32 * 5 / 3
+    one = 8 * (4 + 2) + 4 * rows * 32 * 2 + 2 * rows * 4 * 4
+    got = moe_accounting.step_messages(traffic)[("all_to_all_single", "ep")]
+    assert got[0] == 2 * 3 * 7 and got[1] == pytest.approx(2 * 3 * one, rel=1e-12)
     traffic = moe_accounting.Traffic(make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True), tokens=32,
                                      ep=2, cp=2)
     msgs = moe_accounting.step_messages(traffic)
-    assert msgs[("all_to_all_single", "ep")] == (8, 6 * 32 * 2 * 32 * 2 + 2 * 8 * 4)
+    checkpointed = 2 * 8 * (4 + 2) + 6 * rows * 32 * 2 + 3 * rows * 4 * 4
+    assert msgs[("all_to_all_single", "ep")][0] == 11
+    assert msgs[("all_to_all_single", "ep")][1] == pytest.approx(checkpointed, rel=1e-12)
     assert msgs[("all_reduce", "cp")] == (2, 2 * 10 * 4)
 
 
@@ -1047,6 +1059,31 @@ def test_the_bias_update_rule():
     assert off.bias.tolist() == [0.0] * 4 and off.last.tolist() == [5, 1, 3, 3]
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_router_and_the_replicas_loads_share_one_all_reduce_per_group(monkeypatch, bias):
+    """moe_router.finish_step with eplb's kept-slot loads riding along: ONE all_reduce per group, whose sum both
+    users read (a stand-in all_reduce doubles its tensor: two ranks that routed alike); without the bias the
+    router keeps its own count and the riders are still summed, in one call."""
+    import moe_router
+
+    calls = []
+
+    def all_reduce(tensor, op=None, group=None):
+        calls.append((group, tuple(tensor.shape)))
+        tensor.mul_(2)
+
+    monkeypatch.setattr(moe_router.dist, "all_reduce", all_reduce)
+    loads = [moe_router.ExpertLoad(4, sigmoid=True, rate=1e-3 if bias else 0.0) for _ in range(2)]
+    for load, step in zip(loads, ([6, 2, 4, 4], [1, 1, 1, 5])):
+        load.add(torch.tensor(step))
+    riders = torch.tensor([[5, 2, 4, 4], [1, 1, 1, 4]])  # capacity dropped some: the kept slots
+    summed = moe_router.finish_step(loads, ["dp_cp"], riders.clone())
+    assert calls == [("dp_cp", (4 if bias else 2, 4))]
+    assert summed.tolist() == (2 * riders).tolist()
+    assert loads[0].last.tolist() == ([12, 4, 8, 8] if bias else [6, 2, 4, 4])
+    assert loads[1].last.tolist() == ([2, 2, 2, 10] if bias else [1, 1, 1, 5])
+
+
 def test_the_layer_counts_training_forwards_only_and_routes_with_its_bias():
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
@@ -1224,26 +1261,29 @@ def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resume
         assert torch.equal(block.mlp.load.bias, after_each_step[test_composition.SAVE_AT - 1][i]), i
 
 
-def test_off_group_counts_rows_and_one_copy_per_token_and_group():
-    """E = 4 ranks in G = 2 groups of 2 ranks (8 experts, 2 per rank), this rank 1 (group 0): by hand."""
+def test_off_group_counts_the_exchanges_rows_to_and_from_ranks_of_other_places():
+    """E = 4 ranks in G = 2 groups of 2 ranks, this rank 1 (place 0): rows sent to and received from ranks 2, 3."""
+    import moe_dispatch
     import moe_router
 
-    places = moe_router.group_places(8, 2, 4, 1, "cpu")
-    assert places.of_rank_list == [0, 0, 1, 1] and places.mine == 0
-    expert = torch.tensor([[0, 1], [4, 6], [2, 5], [7, 6]])  # groups: {0}, {1}, {0, 1}, {1}
-    keep = torch.tensor([[True, True], [True, True], [True, False], [True, True]])
-    rows, copies = moe_router.off_group(places, expert, keep, [2, 1, 2, 2])  # splits: 4 rows to ranks 2, 3
-    assert rows == 4 and int(copies) == 2  # token 2's slot to group 1 was dropped: tokens 1 and 3, once each
+    places = moe_router.group_places(2, 4, 1)
+    assert places.of_rank == [0, 0, 1, 1] and places.mine == 0
+    assert moe_router.off_group(places, moe_dispatch.Exchange([2, 1, 3, 4], [5, 0, 6, 7], 0)) == (7, 13)
+    assert moe_router.off_group(None, moe_dispatch.Exchange([2, 1, 3, 4], [5, 0, 6, 7], 0)) == (0, 0)
 
 
-def test_the_uniform_off_group_estimate():
-    """G = E = 4, k = 2: a slot leaves with 3/4 whatever M; M = 1 reaches one other group with 3/4, M = 4 each
-    of the 3 others with 1 − (3/4)² = 7/16."""
+def test_the_uniform_rows_per_token():
+    """N = 8, G = E = 4, k = 2: M = 1 keeps both experts on one rank, another in 3 of 4 tokens (3/4 off the
+    sender's rank); M = 4, each of the 3 others is missed with C(6,2)/C(8,2) = 15/28; no groups is M = G = E;
+    G = 2 groups of 2 ranks, M = 1: both experts in one group, on 1 or 2 of its ranks, the other group's half
+    the time."""
     import moe_router
 
-    assert moe_router.off_group_estimate(2, 4, 1, 4) == (0.75, 0.75)
-    assert moe_router.off_group_estimate(2, 4, 4, 4) == (0.75, 3 * 7 / 16)
-    assert moe_router.off_group_estimate(2, 4, 2, 2)[1] == pytest.approx(2 / 3)  # hypergeometric j over 2 of 4
+    assert moe_router.rows_per_token(8, 2, 4, 1, 4) == (1.0, 0.75)
+    assert moe_router.rows_per_token(8, 2, 4, 4, 4) == pytest.approx((4 * 13 / 28, 3 * 13 / 28))
+    assert moe_router.rows_per_token(8, 2, 0, 0, 4) == moe_router.rows_per_token(8, 2, 4, 4, 4)
+    one_group = 1 * 2 / 6 + 2 * 4 / 6  # 2 of its 4 experts: on one rank (2 of the 6 pairs) or on both
+    assert moe_router.rows_per_token(8, 2, 2, 1, 4) == pytest.approx((one_group, one_group / 2))  # other group: 1/2
 
 
 OFF_GROUP_FLAGS = ["--moe-experts", "8", "--moe-score", "sigmoid", "--moe-bias-rate", "0.01", "--moe-groups", "4",
@@ -1251,6 +1291,7 @@ OFF_GROUP_FLAGS = ["--moe-experts", "8", "--moe-score", "sigmoid", "--moe-bias-r
 
 
 def _off_group_runs(rank, world):
+    import moe_accounting
     import moe_router
     import report
     import report_axes
@@ -1260,16 +1301,21 @@ def _off_group_runs(rank, world):
     from step import train_step
 
     out, route = {}, moe_router.route
-    for limit in (4, 1, "cp_sp"):  # unlimited (M = G), one group per token; CP × SP with the seq loss (B_μ = 2)
+    cases = [(4, []), (1, []), (1, ["--moe-replicas", "12"]), ("cp_sp", [])]  # M = G, M = 1, M = 1 with replicas
+    for limit, extra in cases:  # and CP × SP with the seq loss (B_μ = 2)
         chosen = []
 
         def recording(logits, topk, *args, **kwargs):
             result = route(logits, topk, *args, **kwargs)
+            groups, m = kwargs.get("groups", 0), kwargs.get("limit", 0)
+            if groups:  # every forward of every step: a token's experts lie in at most M groups
+                span = max(len(set(row)) for row in (result[2] // (logits.shape[1] // groups)).tolist())
+                assert span <= m, (span, m)
             chosen.append(result[2].tolist())
             return result
 
         moe_router.route = recording
-        flags, batch, micro = [*OFF_GROUP_FLAGS, "--moe-group-limit", str(limit)], 8, 1
+        flags, batch, micro = [*OFF_GROUP_FLAGS, "--moe-group-limit", str(limit), *extra], 8, 1
         if limit == "cp_sp":
             flags, batch, micro = [*OFF_GROUP_FLAGS[:6], "--moe-seq-aux-coef", "0.01", "--cp", "2", "--tp", "2",
                                    "--sp"], 2, 2
@@ -1287,43 +1333,52 @@ def _off_group_runs(rank, world):
                 train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0,
                            nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.size("dp"))
         moe_router.route = route
-        mine = run.mesh.index("ep")  # G = E: a group is one rank, expert e on rank e // 2
-        by_hand = [sum(e // 2 != mine for e in row) for forward in chosen for row in forward]
-        copies = [len({e // 2 for e in row} - {mine}) for forward in chosen for row in forward]
-        out[limit] = dict(off_group=(axis.observer.off_group[0], int(axis.observer.off_group[1])),
-                          by_hand=(sum(by_hand), sum(copies)), tokens=sum(len(f) for f in chosen),
-                          traced={k: (r.calls / steps, r.payload_bytes / steps) for k, r in tracer.records.items()},
-                          predicted=report.predicted_messages(run, steps),
-                          lines=report_axes.axis_lines(axis, "end", run, steps))
+        mine = run.mesh.index("ep")  # G = E: a group is one rank, expert e on rank e // 2 (without replicas)
+        sent_to = tracer.sent_to("all_to_all_single", "ep")
+        observer = axis.observer
+        out[limit if not extra else "replicas"] = dict(
+            off_group=tuple(observer.off_group), tokens=sum(len(f) for f in chosen),
+            by_hand=sum(len({e // 2 for e in row} - {mine}) for forward in chosen for row in forward),
+            off_bytes=(moe_accounting.off_group_bytes(axis.traffic, observer.forwards, *observer.off_group),
+                       sum(sent_to) - sent_to[mine] if sent_to else 0),
+            traced={k: (r.calls / steps, r.payload_bytes / steps) for k, r in tracer.records.items()},
+            predicted=report.predicted_messages(run, steps),
+            lines=report_axes.axis_lines(axis, "end", run, steps))
     return out
 
 
 @pytest.mark.slow
-def test_group_limited_routing_cuts_the_off_group_copies_as_predicted():
-    """E = 4, G = 4 (a group is a rank's 2 experts), k = 2, M = 4 then 1, 2 steps: the off-group rows and copies
-    counted by the layers equal a count by hand from the experts chosen; the copies fall from unlimited to M = 1
-    (the uniform estimate: 3·7/16 → 3/4 per token) while the rows do not (3/4 per slot either way); every message
-    of the step, the bias's load all-reduce included, equals the prediction; and on C = 2 × T = 2 with --sp and
-    the seq loss (its statistics ride the pieces' all-reduces over cp and tp, the loads are summed over both)."""
+def test_group_limited_routing_cuts_the_off_group_bytes_as_predicted():
+    """E = 4, G = 4 (a group is a rank's 2 experts), k = 2, 2 steps, every token's experts in ≤ M groups (asserted
+    in every forward): the deduplicated exchange (moe_dispatch.py) sends one row per token and other rank, so
+    the rows leaving a rank equal a count by hand from the experts chosen, and the ep all-to-alls' bytes to the
+    other ranks predicted from them (moe_accounting.off_group_bytes) equal the CommTracer's per destination,
+    exactly; from M = G to M = 1 they fall as the uniform estimate says (rows per token 3·13/28 → 3/4, within
+    0.15 on 64 tokens a rank and step); with --moe-replicas the ranks are the physical slots' (traced =
+    predicted); every message of the step equals the prediction; and on C = 2 × T = 2 with --sp and the seq loss."""
+    import moe_router
+
     results = run_ranks(_off_group_runs, 4, timeout=300)
-    for limit in (4, 1, "cp_sp"):
+    for limit in (4, 1, "replicas", "cp_sp"):
         for rank, got in enumerate(results):
-            if limit != "cp_sp":
-                assert got[limit]["off_group"] == got[limit]["by_hand"], (limit, rank, got[limit])
+            if limit in (4, 1):
+                assert got[limit]["off_group"][0] == got[limit]["by_hand"], (limit, rank, got[limit])
+            predicted_bytes, traced_bytes = got[limit]["off_bytes"]
+            assert predicted_bytes == traced_bytes, (limit, rank, got[limit]["off_bytes"])
             traced, predicted = got[limit]["traced"], got[limit]["predicted"]
             assert set(traced) == set(predicted), (limit, rank, set(traced) ^ set(predicted))
             for key, value in predicted.items():
                 assert traced[key] == pytest.approx(value, abs=1e-9), (limit, rank, key)
             assert any(op == "all_reduce" and "dp_cp" in group.split("=") for op, group in traced), traced
-    copies = {limit: sum(r[limit]["off_group"][1] for r in results) / sum(r[limit]["tokens"] for r in results)
-              for limit in (4, 1)}
-    rows = {limit: sum(r[limit]["off_group"][0] for r in results) / (2 * sum(r[limit]["tokens"] for r in results))
+    rows = {limit: sum(r[limit]["off_group"][0] for r in results) / sum(r[limit]["tokens"] for r in results)
             for limit in (4, 1)}
-    print(f"\noff-group copies per token {copies}, rows per slot {rows}\n" + "\n".join(results[0][1]["lines"]))
-    assert copies[1] < copies[4]
-    assert copies[1] == pytest.approx(0.75, abs=0.15) and copies[4] == pytest.approx(3 * 7 / 16, abs=0.2)
-    assert rows[1] == pytest.approx(0.75, abs=0.15) and rows[4] == pytest.approx(0.75, abs=0.15)
-    assert any(line.startswith("moe off-group dispatch (G=4, M=1; a group is 1 ranks)") for line in
+    off_bytes = {limit: sum(r[limit]["off_bytes"][1] for r in results) for limit in (4, 1)}
+    print(f"\noff-group rows per token {rows}, bytes (all ranks, 2 steps) {off_bytes}\n"
+          + "\n".join(results[0][1]["lines"]))
+    assert off_bytes[1] < off_bytes[4] and rows[1] < rows[4]
+    assert rows[1] == pytest.approx(moe_router.rows_per_token(8, 2, 4, 1, 4)[1], abs=0.15)
+    assert rows[4] == pytest.approx(moe_router.rows_per_token(8, 2, 4, 4, 4)[1], abs=0.15)
+    assert any(line.startswith("moe off-group all-to-all (G=4, M=1; a group is 1 ranks") for line in
                results[0][1]["lines"])
 
 

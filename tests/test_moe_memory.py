@@ -5,15 +5,16 @@ the byte, on a CPU, for the routing the layer made (the rows it sent and receive
   weights, with dropout; a case where capacity's one-hot product is the peak (P0). Attention's part likewise
   (the fused kernel without dropout, the math path with it).
 - Four gloo ranks: E = 2 dropless and with capacity (the routing of random tokens); E = 2 routed exactly
-  uniformly, which equals the uniform-routing prediction (moe_memory.shape_of) with no rows given; E = 4
-  with every token picking rank 0's experts, which equals the worst-case prediction and peaks at P1 (the
-  experts' outputs concatenated), not the combine.
+  uniformly over the experts (R_e the uniform prediction's, the pairs S = R given); E = 4 with every token
+  picking rank 0's experts, which equals the worst-case prediction and peaks at P2 (the receiver's sum of its
+  experts' weighted outputs).
 - A real start-up (train.compose, E = 2 on 4 ranks) measures each held MoE block's peak equal to its prediction,
   and its predicted step peak (time_model.Role) equals the plan's of the same layout, byte for byte; under TP
   (T = 2, capacity) the MoE's and attention's measurements equal their predictions too.
 """
 
 from contextlib import nullcontext
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +31,7 @@ class _Rows:
     """A RoutingObserver recording the rows one forward sent and received (S, R)."""
 
     def routed(self, layer, load, keep, sent, received):
-        self.rows = (sent, received)
+        self.rows = (sent, received, layer.exchanged.expert_rows if layer.ep_size > 1 else 0)
 
 
 def _layer(n=4, k=2, factor=0.0, dropout=0.0, dtype=torch.float32, h=H, **deepseek):
@@ -78,8 +79,7 @@ def _predict(config, rows, tokens, dtype, autocast, ep=1, slots=0):
                                      e_c=2 if autocast else e_x, e_r=max(4, e_x), e_x=e_x, weight_bytes=e_x,
                                      expert_params=8 * h * h + 5 * h * int(config.bias),
                                      dropout_mask=e_x if config.dropout else None, score=config.moe_score,
-                                     shared=config.moe_shared_experts, slots=slots,
-                                     off_group=config.moe_groups > 0 and ep > 1)
+                                     shared=config.moe_shared_experts, slots=slots, expert_rows=rows[2])
     return moe_memory.block_peak(shape)
 
 
@@ -137,18 +137,22 @@ def test_attention_holds_its_output_and_bias_copies_above_what_it_saves(dropout,
 
 
 def test_uniform_and_worst_case_rows():
-    """S = R = T·k uniformly (capped at the capacity's share); worst case R = E·T·k, or E·(N/E)·C_μ with capacity."""
+    """E = 4, N = 8, k = 2, T = 16: uniformly R_e = T·k slots (capped at the capacity's share) and S = R = T·ρ
+    pairs, ρ = 4·(1 − C(6,2)/C(8,2)) = 4·13/28 ranks a token reaches, at most the slots; worst case (every token
+    on rank 0's 2 experts): S = T, R = E·T, R_e = E·T·k, or E·(N/E)·C_μ with capacity."""
     import moe_accounting
     import memory
     import moe_memory
 
     x = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=256)
-    for factor, uniform, worst in ((0.0, (32, 32), (32, 128)), (2.0, (32, 32), (32, 64)), (0.5, (16, 16), (16, 16))):
+    pairs = 16 * 4 * 13 / 28
+    for factor, uniform, worst in ((0.0, (pairs, pairs, 32), (16, 64, 128)), (2.0, (pairs, pairs, 32), (16, 64, 64)),
+                                   (0.5, (16, 16, 16), (16, 64, 16))):
         traffic = moe_accounting.Traffic(make_config(n_embd=H, moe_experts=8, moe_capacity_factor=factor),
                                          tokens=B * S_LEN, ep=4)
         rows = {r: moe_memory.shape_of(traffic, x, r) for r in ("uniform", "worst")}
-        assert (rows["uniform"].sent, rows["uniform"].received) == uniform, factor
-        assert (rows["worst"].sent, rows["worst"].received) == worst, factor
+        got = {r: (rows[r].sent, rows[r].received, rows[r].expert_rows) for r in rows}
+        assert got["uniform"] == pytest.approx(uniform) and got["worst"] == worst, (factor, got)
 
 
 def test_the_step_peak_takes_the_backward_when_it_rises_higher():
@@ -227,7 +231,7 @@ def _ranks(rank, world):
             eplb.place_slots(layer, slots, meshes[ep].group("ep"), ep, meshes[ep].index("ep"), torch.device("cpu"))
         else:
             moe.shard_experts(layer, meshes[ep].group("ep"), ep, meshes[ep].index("ep"))
-        layer.places = moe_router.group_places(8, config.moe_groups, ep, meshes[ep].index("ep"), torch.device("cpu"))
+        layer.places = moe_router.group_places(config.moe_groups, ep, meshes[ep].index("ep"))
         x = torch.randn(B, S_LEN, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
         out[name] = dict(measured=_measure(layer, x), rows=layer.observer.rows,
                          routed=_predict(config, layer.observer.rows, B * S_LEN, torch.float32, False, ep, slots))
@@ -284,17 +288,25 @@ def test_deepseek_options_under_expert_parallel_peak_as_predicted(ranks, case):
 
 
 def test_uniform_routing_is_the_uniform_prediction(ranks):
+    """Each expert gets T/4 of every rank's tokens (the uniform R_e = T·k), a token's two on one rank: one row
+    per token (S = R = T, fewer than the uniform T·ρ of independent choices); predicted from those rows."""
+    import moe_memory
+
     for rank, got in enumerate(ranks):
         case = got[(2, 0.0, "uniform")]
-        assert case["rows"] == (B * S_LEN * 2, B * S_LEN * 2), rank
-        assert (case["measured"].peak, case["measured"].saved) == (case["formula"].peak, case["formula"].saved)
+        assert case["rows"] == (B * S_LEN, B * S_LEN, B * S_LEN * 2), rank
+        assert case["formula"].shape.expert_rows == B * S_LEN * 2
+        formula = moe_memory.block_peak(replace(case["formula"].shape, sent=B * S_LEN, received=B * S_LEN))
+        assert (case["measured"].peak, case["measured"].saved) == (formula.peak, formula.saved)
 
 
-def test_the_worst_case_is_every_rank_picking_one_ranks_experts_and_peaks_at_the_experts_outputs(ranks):
+def test_the_worst_case_is_every_rank_picking_one_ranks_experts_and_peaks_at_the_receivers_sum(ranks):
+    """The hot rank's experts run E·T·k rows; their weighted outputs, summed per (token, source) by index_add
+    (P2: weighted R_e rows, the sum's zeros and result, R rows each), set its peak."""
     case = ranks[0][(4, 0.0, "worst")]
-    assert case["rows"] == (B * S_LEN * 2, 4 * B * S_LEN * 2)
+    assert case["rows"] == (B * S_LEN, 4 * B * S_LEN, 4 * B * S_LEN * 2)
     assert (case["measured"].peak, case["measured"].saved) == (case["formula"].peak, case["formula"].saved)
-    assert case["formula"].moment == "P1" and case["measured"].at.startswith("aten.cat")
+    assert case["formula"].moment == "P2" and case["measured"].at.startswith("aten.index_add")
 
 
 def test_the_start_up_measures_every_held_moe_block_as_predicted(ranks):
