@@ -432,7 +432,7 @@ class RedundantExperts:
                  for q, expert in enumerate(layer.replicas.phy2log) if old[index][q] != expert]
         if not moves:
             return 0
-        state, per_rank = self.slot_state(layout), self.slots // self.ep
+        state = self.slot_state(layout)
         kinds = sorted({kind for p in state for kind, _, _ in state[p]})  # the same on every rank of a layout
         like = next(t for p in state for kind, t, _ in state[p] if kind == "exp_avg")  # the master dtype
         buffer = like.new_zeros((len(moves), len(kinds), self.expert_size()))

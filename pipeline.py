@@ -69,7 +69,7 @@ import torch.nn.functional as F
 
 import memory
 from comm import Messages
-from model import GPT, GPTConfig
+from model import GPT
 from schedules import (BUBBLE_TEXT, Action, Message, bubble_formula, build_programs, communication_plan,
                        last_backwards, needs, rank_chunks, split_layers, stage_layers)
 from step import Axis, MicroBatchLoss, sum_in_place
