@@ -176,8 +176,7 @@ def moe_block_bytes(config, x: memory.ActivationShape, ep: int) -> tuple:
                                     True if whole_input else None, x.fp8)
     weights = config.moe_experts // ep + config.moe_shared_experts / x.t  # (held routed, TP's share of shared) 8h²
     copies = 0 if x.fp8 else weights * 8 * x.h * x.h * x.weight_copy
-    held = config.moe_experts // ep  # one chunk per held expert (moe_dispatch.py: all sources' rows at once)
-    fp8 = fp8_experts.saved_bytes_delta(routed, config.moe_topk, held, x.h, x.e_c) if x.fp8 else 0
+    fp8 = fp8_experts.saved_bytes_delta(routed, config.moe_topk, config.moe_experts, x.h, x.e_c) if x.fp8 else 0
     return (moe_accounting.layer_activation_bytes(config, routed, x.e_c, router_bytes,
                                        mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)) + shared + fp8, copies)
 

@@ -1,8 +1,7 @@
 """FP8 routed experts: the rows their GEMMs pad to the FP8 alignment, predicted and counted.
 
 Under --fp8 a routed expert's linears run in FP8 (fp8.py's docstring, "Experts"): moe.py runs each chunk of rows
-(the m rows of the expert: E = 1 the micro-batch's own; E > 1 every source's at once, the fan-out of
-moe_dispatch.py) as one GEMM, and
+(the m rows one source rank's micro-batch sends the expert; E = 1: the micro-batch's own) as one GEMM, and
 torch._scaled_mm needs its row count a multiple of 16 (fp8_scaling.ROW_ALIGNMENT, the rule on Hopper), so
 fp8.Fp8Linear appends zero rows (an empty chunk pads nothing: it runs no GEMM):
     padded rows of a chunk = (−m) mod 16,      P = Σ over this rank's chunks of one MoE layer and micro-batch
@@ -14,8 +13,8 @@ Symbols: h hidden, N experts, k top-k, T tokens this rank routes per micro-batch
 
 1. Replicated and split: nothing new (the padding is a temporary of each expert GEMM).
 2. Peak per device: + (5h + 4h·e_c)·P bytes saved per MoE layer and micro-batch in flight (`padding_bytes`;
-   `saved_bytes_delta` the experts' whole change from FP8, for activations.py's estimate). A rank runs N/E
-   chunks per MoE layer and micro-batch (one per held expert), so P ≤ 15·N/E; real routing is not uniform
+   `saved_bytes_delta` the experts' whole change from FP8, for activations.py's estimate). Whatever E, a rank runs
+   N chunks per MoE layer and micro-batch (N/E experts × E sources), so P ≤ 15·N; real routing is not uniform
    (exactly T·k/N rows a chunk would pad (−T·k/N) mod 16 each), a chunk's row count mod 16 is about uniform,
    and the estimate takes its mean, P ≈ 7.5·N (`expected_padded_rows`).
 3. Messages: none (the padding never travels: chunks are padded where they are run, after the all-to-all).
@@ -45,8 +44,7 @@ def padding_bytes(rows: int, hidden: int, compute_bytes: int) -> int:
 
 def saved_bytes_delta(tokens: int, topk: int, experts: int, hidden: int, compute_bytes: int) -> float:
     """What FP8 changes in one MoE layer's saved bytes (moe_accounting.layer_activation_bytes: R = T·k rows; P =
-    expected_padded_rows of the `experts` this rank holds, N/E): c_fc's and c_proj's inputs, R·h and R·4h in e_c,
-    become FP8 codes of R + P rows,
+    expected_padded_rows): c_fc's and c_proj's inputs, R·h and R·4h in e_c, become FP8 codes of R + P rows,
     and the padding keeps c_fc's output rows (4h·e_c each)."""
     rows, padded = tokens * topk, expected_padded_rows(experts)
     return 5 * hidden * (rows + padded) - 5 * hidden * rows * compute_bytes + 4 * hidden * compute_bytes * padded

@@ -13,7 +13,7 @@ replica; `slots`, i.e. N or R, for a slot capacity dropped). A slot goes to rank
                  all_to_all_single calls (AllToAll: autograd; the metadata's carries the gates' gradient back)
     4. fan-out   the receiver sorts its R rows' slots by local slot (arrival order inside, foreign ones last),
                  gathers the rows they name ([R_e, h], R_e the slots it runs), runs each local slot's expert
-                 on one chunk (all sources at once), weights each output by its gate, and sums a row's
+                 on each source's rows (one GEMM per source: FP8's scale per chunk), weights each output by its gate, and sums a row's
                  outputs by index_add: [R, h] in e_w = max(e_c, e_r), cast to e_c for the wire
     5. combine   the inverse all_to_all_single returns one row per pair: [S, h] (e_c)
     6. y         y[t] = Σ over t's pairs of the row back (index_add, e_c)
@@ -102,8 +102,12 @@ def exchange(rows: torch.Tensor, gate: torch.Tensor, slot: torch.Tensor, slots: 
     meta_in = AllToAll.apply(meta, received, sent, group)  # [R, 2k]
     fan = torch.argsort(meta_in[:, k:].detach().reshape(-1), stable=True)[:sum(per_slot)]  # 4. by local slot
     row_of = torch.div(fan, k, rounding_mode="floor")
-    chunks = arrived[row_of].split(per_slot)  # [R_e, h]: the fan-out, one chunk per local slot
-    out = torch.cat([run_expert(i, chunk) for i, chunk in enumerate(chunks)])
+    chunks = arrived[row_of].split(per_slot)  # [R_e, h]: the fan-out, one chunk per local slot, sources in order
+    # Each source's rows run as a GEMM of their own (as without dedup): an FP8 expert scales the rows one source's
+    # micro-batch sends it alone (fp8_experts.py), so E = 2 quantises exactly as E = 1 does; other experts are
+    # row-wise and give the same rows either way.
+    out = torch.cat([run_expert(i, piece) for i, chunk in enumerate(chunks)
+                     for piece in chunk.split([sizes[1][source][i] for source in range(ep)])])
     weighted = out * meta_in[:, :k].reshape(-1)[fan].unsqueeze(1)  # e_w
     summed = weighted.new_zeros((len(arrived), rows.shape[1])).index_add(0, row_of, weighted)
     back = AllToAll.apply(summed.to(rows.dtype), sent, received, group)  # 5. [S, h]
