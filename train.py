@@ -30,10 +30,10 @@ import ckpt
 import ckpt_files
 import comm
 import context_parallel
+import cpu_probe
 import data
 import flags
 import fp8
-import hardware
 import hf
 import mfu
 import moe
@@ -182,7 +182,7 @@ class Training:
     val_sampler: data.EvalSampler
     lr_schedule: LRSchedule
     scaler: DynamicLossScaler
-    machine: object  # hardware.machine_model: the time model of this machine
+    machine: object  # cpu_probe.machine_model: the time model of this machine
     checkpointer: ckpt.Checkpointer | None = None
     start_step: int = 0  # a resumed run starts at its checkpoint's step
     step: int = 0  # the step the loop is at (an interrupt reports it)
@@ -221,7 +221,7 @@ def start_training(settings: Settings, tracer: comm.CommTracer) -> Training:
     if args.init_from:  # the weights of step 0, read as a resharding resume reads (a checkpoint overrides them)
         init_from(run, args.init_from)
     run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
-    machine = hardware.machine_model(run, args)  # the time model of this machine (CPU: measured, collective)
+    machine = cpu_probe.machine_model(run, args)  # the time model of this machine (CPU: measured, collective)
     for name, group in run.mesh.groups.items():
         tracer.name_group(group, name)
     report.print_startup(run)
