@@ -4,10 +4,11 @@
     python bench/bench_endline.py --smoke        # one layout (DDP), 3 steps: seconds
 
 Each layout is one `torchrun --nproc_per_node 2 train.py --preset tiny --dtype fp32` run (OMP_NUM_THREADS=1), as a
-user starts it; its end line (time_model.check_line, on cpu_probe.machine_model: the matmul peak, the link's α
-and β, this rank's block rate and the compute/transfer overlap φ, all measured at start-up) is parsed and
-printed as layout, predicted, measured, ratio (measured / predicted), with the 1-minute load average read when
-the run ended: on a shared 2-core machine the load is the noise, so read a ratio next to its load.
+user starts it (no eval, no sample: only the steps and the start-up matter here); its end line
+(time_model.check_line, on cpu_probe.machine_model: the matmul peak, the link's α and β, this rank's block rate
+and the compute/transfer overlap φ, all measured at start-up) is parsed and printed as layout, predicted,
+measured, ratio (measured / predicted), with the 1-minute load average read when the run ended: on a shared
+2-core machine the load is the noise, so read a ratio next to its load.
 """
 
 import argparse
@@ -15,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,11 +31,15 @@ END_LINE = re.compile(r"hardware model: step time measured ([\d,.]+) ms .* vs pr
                       r"overlap φ ([\d.]+)\): compute ([\d,.]+), exposed comm ([\d,.]+) \(of ([\d,.]+)\)")
 
 
-def run_layout(name: str, steps: int) -> dict:
+def run_layout(name: str, steps: int, workdir: str) -> dict:
+    corpus = os.path.join(workdir, "corpus.txt")  # tokenized in a blink, unlike the built-in corpus
+    with open(corpus, "w") as f:
+        f.write("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(500)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", os.path.join(ROOT, "train.py"),
-           "--preset", "tiny", "--dtype", "fp32", "--steps", str(steps), *LAYOUTS[name]]
+           "--preset", "tiny", "--dtype", "fp32", "--steps", str(steps), "--eval-every", "0", "--eval-batches", "1",
+           "--sample-tokens", "0", "--data", corpus, "--out-dir", workdir, *LAYOUTS[name]]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=workdir, env=env)
     load = os.getloadavg()[0]
     match = END_LINE.search(proc.stdout)
     if proc.returncode or not match:
@@ -55,7 +61,8 @@ def main() -> None:
         parser.exit(2, f"--layouts: unknown {', '.join(unknown)} (expected some of {', '.join(LAYOUTS)})\n")
     print(f"{'layout':8} {'predicted ms':>12} {'measured ms':>12} {'ratio':>6} {'φ':>5} {'compute':>8}"
           f" {'exposed':>8} {'comm':>8} {'load 1 min':>10}")
-    rows = [run_layout(name, steps) for name in names]
+    with tempfile.TemporaryDirectory() as workdir:
+        rows = [run_layout(name, steps, workdir) for name in names]
     for r in rows:
         print(f"{r['layout']:8} {r['predicted']:12.1f} {r['measured']:12.1f} {r['ratio']:6.2f} {r['phi']:5.2f}"
               f" {r['compute']:8.1f} {r['exposed']:8.1f} {r['comm']:8.1f} {r['load']:10.2f}")
