@@ -1,13 +1,17 @@
 """cpu_probe.py's formulas (and hardware.alpha_beta, the link's fit they feed): each checked against the model it
 inverts, on figures built from known constants, so a wrong algebra cannot pass."""
 
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 
 import hardware
 import mfu
 import time_calibration
+import time_model
+from comm import Messages
 from cpu_probe import gemm_fraction, overlap_fraction
 
 
@@ -48,3 +52,24 @@ def test_overlap_fraction_of_hidden_serial_and_partial_transfers():
     assert overlap_fraction(10.0, 4.0, 14.0) == 0.0
     assert overlap_fraction(10.0, 4.0, 12.0) == 0.5
     assert overlap_fraction(10.0, 4.0, 20.0) == 0.0 and overlap_fraction(10.0, 4.0, 8.0) == 1.0
+
+
+def test_the_overlap_share_exposes_what_each_rule_would_hide():
+    """time_model.predict on one DDP role (its gradient all-reduce overlaps the backward): φ = 1 is the rules'
+    own exposure, φ = 0 exposes every transfer whole (step = compute + update + Σ transfers), φ = ½ exposes
+    half of what φ = 1 hides; a message no rule hides (the step's scalars) is whole under every φ."""
+    role = time_model.Role(
+        rank=0, coords={}, local_params=0, logical={}, persistent={"total": 4e6}, activations=None, temporaries={},
+        messages=Messages({("all_reduce", "dp_cp"): (3, 3e6), ("all_reduce", "world"): (1, 16)}),
+        group_ranks={"dp_cp": [0, 1], "world": [0, 1]}, flops=SimpleNamespace(model=1.0), bubble=0.0,
+        last_bucket=1e6, first_gather=0.0)
+    layout = dict(world=2, tokens=1024, m=1, zero=0, P=1, dtype="fp32", gemms=[(3e5, 64)], memory_bytes=1e6)
+    hw = hardware.Hardware("cpu", {"fp32": 0.05}, 20.0, 0.0, 0.5, 0.5, 200.0, 200.0, gpus_per_node=2)
+    by_phi = {phi: time_model.predict(role, layout, dataclasses.replace(hw, overlap=phi)) for phi in (1.0, 0.5, 0.0)}
+    grads, scalars = ("all_reduce", "dp_cp"), ("all_reduce", "world")
+    full, whole = by_phi[1.0], by_phi[0.0]
+    assert full.exposed[grads] < full.total[grads]  # the rule hides part of it behind the backward
+    assert whole.exposed == whole.total and whole.total == full.total
+    assert math.isclose(by_phi[0.5].exposed[grads], (full.exposed[grads] + full.total[grads]) / 2)
+    assert all(p.exposed[scalars] == p.total[scalars] for p in by_phi.values())
+    assert math.isclose(whole.step, whole.compute + whole.update + sum(whole.total.values()))
