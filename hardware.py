@@ -19,7 +19,9 @@ node) at 8 TB/s, NVLink 5 1.8 TB/s per GPU both directions together; H100, H200 
 GEMM and no FP4 (their rows have no MX/NVFP4 figure: format_flops.py counts those FLOPs at the compute dtype's
 rate, as the emulation runs them). Latencies are round figures of NCCL's per-step cost on such links
 (a few µs), stated, not measured. `cpu` is this machine, measured (`measure_cpu`): the bf16/fp32 matmul loop
-of mfu.py and a timed gloo all-reduce, so every real run's end line checks the model against its own steps.
+of mfu.py and a gloo all-reduce timed at two sizes (alpha_beta), and cpu_probe.py adds what a run's own block
+reaches of that peak and how much of a transfer hides behind compute, so every real run's end line checks the
+model against its own steps.
 
 A preset carries time_calibration.CALIBRATED (what real runs reach of these figures: GEMM efficiency by shape,
 HBM and link fractions; `--calib-*` override it); a measured CPU the datasheet set.
@@ -52,6 +54,7 @@ class Hardware:
     inter_latency_us: float = 10.0  # α across nodes
     gpus_per_node: int = 8
     calibration: Calibration = time_calibration.DATASHEET  # what real runs reach of these figures
+    overlap: float = 1.0  # φ: the share of an overlappable transfer that hides behind compute (cpu_probe.py)
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of a matmul in `dtype`: its own entry, else (fp16 only) the bf16 one, the same tensor-core
@@ -117,6 +120,17 @@ def collective_seconds(op: str, calls: float, payload: float, ranks, hardware: H
     return calls * ring_steps(op, n) * alpha + mfu.wire_bytes(op, payload, n) / beta
 
 
+def alpha_beta(op: str, sizes: tuple, seconds: tuple, world: int) -> tuple[float, float]:
+    """(α s per ring step, β bytes/s) of t(M) = steps·α + wire(M)/β through the two measured (size, seconds);
+    α ≥ 0 and β finite and positive even when noise makes the larger size look no slower."""
+    steps = ring_steps(op, world)
+    wire = [mfu.wire_bytes(op, m, world) for m in sizes]
+    slope = (seconds[1] - seconds[0]) / max(wire[1] - wire[0], 1e-12)  # s per wire byte: 1/β
+    beta = 1.0 / slope if slope > 0 else wire[1] / max(seconds[1], 1e-9)
+    alpha = max(0.0, (seconds[0] - wire[0] / beta) / max(steps, 1))
+    return alpha, beta
+
+
 def add_arguments(parser) -> None:
     """--hw PRESET and one flag per figure (train.py --plan)."""
     g = parser.add_argument_group("hardware model (hardware.py, for --plan)")
@@ -166,17 +180,7 @@ def measure_cpu(peak_flops: float, dtype: str, device, sizes=(1 << 12, 1 << 22))
             for _ in range(3):
                 dist.all_reduce(x)
             times.append((time.perf_counter() - start) / 3)
-        steps = ring_steps("all_reduce", world)
-        alpha = max(times[0] / steps, 0.0)
-        beta = mfu.wire_bytes("all_reduce", sizes[1], world) / max(times[1] - steps * alpha, 1e-9)
+        alpha, beta = alpha_beta("all_reduce", sizes, tuple(times), world)
     return Hardware("cpu (measured)", {dtype: peak_flops / 1e12}, hbm_gbps=20.0, memory_gib=0.0,
                     intra_gbps=beta / 1e9, inter_gbps=beta / 1e9, intra_latency_us=alpha * 1e6,
                     inter_latency_us=alpha * 1e6, gpus_per_node=max(world, 1))
-
-
-def machine_model(run, args) -> Hardware:
-    """This machine as the time model sees it: on CPU measured (the matmul peak train.py measured, a timed
-    gloo all-reduce: collective, every rank calls it); on a GPU the preset's datasheet row (--hw, --hw-*)."""
-    if run.device.type == "cpu":
-        return measure_cpu(run.peak[0], run.settings.dtype, run.device)
-    return from_flags(args, run.settings.dtype)

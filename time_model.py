@@ -4,7 +4,7 @@ A Role is read from a built run exactly where a real run's start-up reads its pr
 layout.predicted_persistent, report.predicted_messages, activations.activation_estimate, the schedule's
 bubble).
 plan.py builds each role on meta in a fake process group and plan_search.py gives roles from formulas; every
-real run checks the model against its own steps (check_line, on hardware.machine_model: this machine).
+real run checks the model against its own steps (check_line, on cpu_probe.machine_model: this machine).
 
 The time model (hardware.py states the hardware): per role and step
     compute    t_c = Σ_GEMM classes FLOPs/token · tokens/step / world / (peak(dtype) · e(d))   (an even split)
@@ -25,6 +25,9 @@ The time model (hardware.py states the hardware): per role and step
                exposed = m · [t(first) + max(0, t/m − t_compute/m)];
       ring CP: each hop's transfer hides behind its block's attention: exposed = max(0, t − t_attention);
       pipeline p2p: overlapped except in fill and drain: exposed = 2(P−1) · t(one message).
+    then of what a rule hides, only the share φ = hw.overlap hides: exposed += (1 − φ)(t − exposed) (φ = 1 on
+    the GPU presets: copy engines and NCCL's own SMs; a CPU measures it, cpu_probe.py: its ranks' gloo threads
+    compete with their compute for the same cores)
     bubble     b = pipeline's bubble_formula(schedule, P, m, v); the busy part (compute + the exposed
                in-layer communication) stretches by 1/(1 − b)
     step       (t_c + in-layer exposed) / (1 − b) + the exposed rest;  MFU = FLOPs_model · tokens / (world ·
@@ -205,7 +208,8 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
         else:  # TP/SP, EP, Ulysses, the update's and the step's scalars, amaxes, ZeRO-1/2's gather, pp sums
             e = t
             in_layer += t if names & {"tp", "ep", "cp"} else 0.0
-        exposed[(op, group)], total[(op, group)] = min(e, t), t
+        e = min(e, t)
+        exposed[(op, group)], total[(op, group)] = e + (1 - hw.overlap) * (t - e), t  # φ of the hidden hides
         link[(op, group)] = "inter" if hardware.crosses_nodes(ranks, hw) else "intra"
     busy = compute + in_layer
     bubble = busy * role.bubble / (1 - role.bubble)
@@ -301,11 +305,11 @@ def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
     facts = dict(layout_facts(settings, x=activations.activation_shape(run)), dtype=settings.dtype)
     prediction = predict(role_of(run), facts, hw)
     measured = seconds / steps
-    link = (f"link {hw.intra_gbps:.2f} GB/s, α {hw.intra_latency_us:.0f} µs" if run.mesh.shape.world_size > 1
-            else "one process: no link")
+    link = (f"link {hw.intra_gbps:.2f} GB/s, α {hw.intra_latency_us:.0f} µs, overlap φ {hw.overlap:.2f}"
+            if run.mesh.shape.world_size > 1 else "one process: no link")
     return (f"hardware model: step time measured {measured * 1e3:,.1f} ms (mean of {steps})"
             f" vs predicted {prediction.step * 1e3:,.1f} ms ({measured / prediction.step:.2f}×) by the hardware"
             f" model of this machine ({hw.name}: {hw.peak(settings.dtype) / 1e9:,.1f} GFLOP/s {settings.dtype},"
-            f" {link}): compute {prediction.compute * 1e3:,.1f}, exposed comm"
-            f" {prediction.exposed_comm * 1e3:,.1f}, bubble {prediction.bubble * 1e3:,.1f}, update"
-            f" {prediction.update * 1e3:,.1f} ms")
+            f" GEMMs at e {hw.calibration.gemm_fraction:.2f} of it, {link}): compute {prediction.compute * 1e3:,.1f},"
+            f" exposed comm {prediction.exposed_comm * 1e3:,.1f} (of {sum(prediction.total.values()) * 1e3:,.1f}),"
+            f" bubble {prediction.bubble * 1e3:,.1f}, update {prediction.update * 1e3:,.1f} ms")

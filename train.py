@@ -30,13 +30,13 @@ import ckpt
 import ckpt_files
 import comm
 import context_parallel
+import cpu_probe
 import data
 import elastic
 import flags
 import format_flops
 import fp8
 import goodput
-import hardware
 import hf
 import mfu
 import moe
@@ -200,7 +200,7 @@ class Training:
     val_sampler: data.EvalSampler
     lr_schedule: LRSchedule
     scaler: DynamicLossScaler
-    machine: object  # hardware.machine_model: the time model of this machine
+    machine: object  # cpu_probe.machine_model: the time model of this machine
     clock: goodput.Clock  # the goodput ledger: train.py names the phases, the clock times them
     checkpointer: ckpt.Checkpointer | None = None
     start_step: int = 0  # a resumed run starts at its checkpoint's step
@@ -244,7 +244,7 @@ def start_training(settings: Settings, tracer: comm.CommTracer, clock: goodput.C
         init_from(run, args.init_from)
     run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
     run.peak = format_flops.run_peak(run, run.peak)  # a precision recipe: the format-weighted peak P_w
-    machine = hardware.machine_model(run, args)  # the time model of this machine (CPU: measured, collective)
+    machine = cpu_probe.machine_model(run, args)  # the time model of this machine (CPU: measured, collective)
     for name, group in run.mesh.groups.items():
         tracer.name_group(group, name)
     report.print_startup(run)

@@ -28,6 +28,7 @@ SMOKE_PRINTS = {
     "bench_calibration": "rows within ±15%",
     "bench_ddp": "ratio",
     "bench_diloco": "DiLoCo R=2, H=2",
+    "bench_endline": "layouts within ±25%",
     "bench_fp8": "× bf16",
     "bench_model": "bf16 speed-up over fp32",
     "bench_moe": "step-time ratio to E=1",

@@ -1,0 +1,75 @@
+"""cpu_probe.py's formulas (and hardware.alpha_beta, the link's fit they feed): each checked against the model it
+inverts, on figures built from known constants, so a wrong algebra cannot pass."""
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+
+import hardware
+import mfu
+import time_calibration
+import time_model
+from comm import Messages
+from cpu_probe import gemm_fraction, overlap_fraction
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_alpha_beta_recovers_the_link_that_made_the_times(world):
+    """t(M) = 2(N−1)·α + wire(M)/β at two sizes, from α = 300 µs and β = 0.8 GB/s: the fit returns them
+    (to 1e-9 relative), and hardware.collective_seconds with them reproduces both times."""
+    alpha, beta, sizes = 300e-6, 0.8e9, (4096, 4 << 20)
+    steps = hardware.ring_steps("all_reduce", world)
+    times = tuple(steps * alpha + mfu.wire_bytes("all_reduce", m, world) / beta for m in sizes)
+    fit_alpha, fit_beta = hardware.alpha_beta("all_reduce", sizes, times, world)
+    assert math.isclose(fit_alpha, alpha, rel_tol=1e-9) and math.isclose(fit_beta, beta, rel_tol=1e-9)
+    hw = hardware.Hardware("fit", {"fp32": 1.0}, 20.0, 0.0, fit_beta / 1e9, fit_beta / 1e9, fit_alpha * 1e6,
+                           fit_alpha * 1e6, gpus_per_node=world)
+    for m, t in zip(sizes, times):
+        assert math.isclose(hardware.collective_seconds("all_reduce", 1, m, list(range(world)), hw), t, rel_tol=1e-9)
+
+
+def test_alpha_beta_stays_finite_when_noise_inverts_the_sizes():
+    """The larger size timed faster (a preempted small one): β from the large one alone, α ≥ 0, both finite."""
+    alpha, beta = hardware.alpha_beta("all_reduce", (4096, 4 << 20), (5e-3, 4e-3), 2)
+    assert alpha >= 0 and math.isfinite(beta) and math.isclose(beta, (4 << 20) / 4e-3)
+
+
+def test_gemm_fraction_prices_the_measured_block_at_its_time():
+    """e = F / (peak·(t − bytes/HBM)): time_calibration.compute_seconds with e gives back t exactly."""
+
+    flops, seconds, nbytes, hbm, peak = 3.2e8, 0.02, 4e7, 20e9, 60e9
+    e = gemm_fraction(flops, seconds, nbytes, hbm, peak)
+    calib = time_calibration.Calibration(gemm_fraction=e, gemm_half_dim=0.0, hbm_fraction=1.0, link_fraction=1.0)
+    assert math.isclose(time_calibration.compute_seconds([(flops, 64)], 1.0, peak, nbytes, hbm, calib), seconds)
+    assert gemm_fraction(flops, 1e-3, nbytes, hbm, peak) == flops / (peak * 1e-4)  # bytes' time > t: a tenth left
+
+
+def test_overlap_fraction_of_hidden_serial_and_partial_transfers():
+    """Fully hidden (t_both = max): 1; taking turns (t_both = sum): 0; half the shorter hidden: 0.5; clamped."""
+    assert overlap_fraction(10.0, 4.0, 10.0) == 1.0
+    assert overlap_fraction(10.0, 4.0, 14.0) == 0.0
+    assert overlap_fraction(10.0, 4.0, 12.0) == 0.5
+    assert overlap_fraction(10.0, 4.0, 20.0) == 0.0 and overlap_fraction(10.0, 4.0, 8.0) == 1.0
+
+
+def test_the_overlap_share_exposes_what_each_rule_would_hide():
+    """time_model.predict on one DDP role (its gradient all-reduce overlaps the backward): φ = 1 is the rules'
+    own exposure, φ = 0 exposes every transfer whole (step = compute + update + Σ transfers), φ = ½ exposes
+    half of what φ = 1 hides; a message no rule hides (the step's scalars) is whole under every φ."""
+    role = time_model.Role(
+        rank=0, coords={}, local_params=0, logical={}, persistent={"total": 4e6}, activations=None, temporaries={},
+        messages=Messages({("all_reduce", "dp_cp"): (3, 3e6), ("all_reduce", "world"): (1, 16)}),
+        group_ranks={"dp_cp": [0, 1], "world": [0, 1]}, flops=SimpleNamespace(model=1.0), bubble=0.0,
+        last_bucket=1e6, first_gather=0.0)
+    layout = dict(world=2, tokens=1024, m=1, zero=0, P=1, dtype="fp32", gemms=[(3e5, 64)], memory_bytes=1e6)
+    hw = hardware.Hardware("cpu", {"fp32": 0.05}, 20.0, 0.0, 0.5, 0.5, 200.0, 200.0, gpus_per_node=2)
+    by_phi = {phi: time_model.predict(role, layout, dataclasses.replace(hw, overlap=phi)) for phi in (1.0, 0.5, 0.0)}
+    grads, scalars = ("all_reduce", "dp_cp"), ("all_reduce", "world")
+    full, whole = by_phi[1.0], by_phi[0.0]
+    assert full.exposed[grads] < full.total[grads]  # the rule hides part of it behind the backward
+    assert whole.exposed == whole.total and whole.total == full.total
+    assert math.isclose(by_phi[0.5].exposed[grads], (full.exposed[grads] + full.total[grads]) / 2)
+    assert all(p.exposed[scalars] == p.total[scalars] for p in by_phi.values())
+    assert math.isclose(whole.step, whole.compute + whole.update + sum(whole.total.values()))
