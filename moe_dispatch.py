@@ -13,8 +13,9 @@ replica; `slots`, i.e. N or R, for a slot capacity dropped). A slot goes to rank
                  all_to_all_single calls (AllToAll: autograd; the metadata's carries the gates' gradient back)
     4. fan-out   the receiver sorts its R rows' slots by local slot (arrival order inside, foreign ones last),
                  gathers the rows they name ([R_e, h], R_e the slots it runs), runs each local slot's expert
-                 on each source's rows (one GEMM per source: FP8's scale per chunk), weights each output by its gate, and sums a row's
-                 outputs by index_add: [R, h] in e_w = max(e_c, e_r), cast to e_c for the wire
+                 on each source's rows (one GEMM per source: FP8's scale per chunk), weights each output by
+                 its gate, and sums a row's outputs by index_add: [R, h] in e_w = max(e_c, e_r), cast to e_c
+                 for the wire
     5. combine   the inverse all_to_all_single returns one row per pair: [S, h] (e_c)
     6. y         y[t] = Σ over t's pairs of the row back (index_add, e_c)
 Capacity is unchanged: it is decided per expert on the whole micro-batch before the exchange (moe.keep_slots),

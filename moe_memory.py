@@ -66,10 +66,10 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    The backward rises above the saved tensors it frees (`backward_rise`: the combine's mul backward, B1, or
    the shared experts', B0), and can exceed the forward: a BlockPeak's `above_saved` is the larger, which the
    step's peak uses. Measured equal on one device and, where the receiver's mul sets it, under EP (E = 2;
-   each local expert runs one chunk, all sources at once, so no partial weight gradients wait between chunks);
-   a lower bound where another moment of the EP backward rises higher (seen with capacity, by 32 bytes), and a
-   router with N ≫ h rises in its own backward ([T, N] gradients): not written. FP8 experts (fp8_experts.py): their quantised copies and
-   padded rows are not written here (fp8_experts.padding_bytes counts the padding's saved bytes).
+   each source's rows a GEMM of their own after the fan-out); a lower bound where another moment of the EP
+   backward rises higher (seen with capacity, by 32 bytes), and a router with N ≫ h rises in its own backward
+   ([T, N] gradients): not written. FP8 experts (fp8_experts.py): their quantised copies and padded rows are
+   not written here (fp8_experts.padding_bytes counts the padding's saved bytes).
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
 

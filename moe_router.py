@@ -36,8 +36,9 @@ replica may sit outside its expert's group and is counted where it is).
    masks are of detached scores).
 3. Messages. With γ > 0 (`ExpertLoad.reduce`), once per optimizer step: one all_reduce of the L_moe·N int64
    loads over dp_cp (every rank that saw tokens: EP's ranks are data ranks), and over tp with --sp; PP: each
-   stage its own layers. With --moe-replicas eplb's kept-slot loads (L_moe·N more) ride the same call. The seq loss adds B_μ·(2N+1)·e_r bytes to moe.py's statistics all-reduce under CP/SP
-   (no call of its own). No host sync: the update is sign arithmetic on the device, and it runs on a step the
+   stage its own layers. With --moe-replicas eplb's kept-slot loads (L_moe·N more) ride the same call. The
+   seq loss adds B_μ·(2N+1)·e_r bytes to moe.py's statistics all-reduce under CP/SP (no call of its own). No
+   host sync: the update is sign arithmetic on the device, and it runs on a step the
    update skips too (fp16 overflow: the loads were routed all the same), alike on every rank.
 4. Restart state. The bias ("moe/<layer>.expert_bias", one logical copy, written by dp_cp and tp coordinate 0):
    it resumes on any E, P, C, T. The load of a step is zero between steps and not saved.
