@@ -79,11 +79,20 @@ def config_from_flags(args) -> DiLoCoConfig | None:
     return DiLoCoConfig(args.diloco_replicas or 1, args.diloco_h, args.diloco_outer_lr, args.diloco_outer_momentum)
 
 
+@dataclass(frozen=True)
+class DiLoCoFacts:
+    """What DiLoCo's report section reads (`DiLoCoLayout.wrapper_facts`)."""
+
+    config: DiLoCoConfig
+    outer_bytes: int  # one copy of the outer state, the payload of one Δ all-reduce
+    outer_steps: int  # outer steps taken by this process
+
+
 class DiLoCoLayout:
     """An optim.Layout around the replica's own layout (`inner`: DDP or ZeRO-1/2 over the replica's groups): it
     forwards every method to it, and adds the outer step after every H-th inner step, the outer state, and their
     bytes and messages. `name` and `facts()` are the inner layout's (its printouts and time model); `wrapper`
-    names DiLoCo's own printouts (report_axes.AXIS_LINES["diloco"])."""
+    names DiLoCo's own printouts (report_axes.AXIS_LINES["diloco"]), `wrapper_facts()` their figures."""
 
     wrapper = "diloco"
 
@@ -180,6 +189,9 @@ class DiLoCoLayout:
 
     def facts(self):
         return self.inner.facts()
+
+    def wrapper_facts(self) -> DiLoCoFacts:
+        return DiLoCoFacts(self.config, self.outer_bytes(), self.outer_steps)
 
     def __getattr__(self, name):  # what else a layout offers (recount, full_parameters, ...): the inner one's
         return getattr(self.__dict__["inner"], name)

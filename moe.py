@@ -473,6 +473,7 @@ class MoEFacts:
     experts: range  # the experts this rank holds of every MoE layer, [e·N/E, (e+1)·N/E) (replicas: its slots)
     expert_params: int  # their parameters, all MoE layers
     replicas: eplb.ReplicaFacts | None = None  # with --moe-replicas
+    places: object = None  # with --moe-groups under EP: moe_router.group_places (which ranks share a group)
 
 
 class MoEAxis(Axis):
@@ -543,7 +544,8 @@ class MoEAxis(Axis):
     def facts(self) -> MoEFacts:
         held = sum(p.numel() for layer in self.layers for p in layer.experts.parameters())
         return MoEFacts(self.traffic, self.layers[0].local if self.layers else range(0), held,
-                        self.redundant.facts() if self.redundant is not None else None)
+                        self.redundant.facts() if self.redundant is not None else None,
+                        self.layers[0].places if self.layers else None)
 
     def params(self) -> list:
         """The routers and the routed experts (whole on every TP rank); not the shared experts, TP's to split."""

@@ -181,6 +181,11 @@ class Layout(Protocol):
         """What the accounting reads of the layout besides these methods (its report_axes.py section,
         time_model.py): a frozen record of its own figures (ddp.DDPFacts, zero.ZeroFacts)."""
 
+    # A layout that wraps another (diloco.DiLoCoLayout) also names its own section and figures:
+    # wrapper: str  -- its report_axes.AXIS_LINES key ("diloco"); absent on a plain layout
+    def wrapper_facts(self):
+        """A wrapping layout's own figures for its section (diloco.DiLoCoFacts); a plain layout has none."""
+
 
 @dataclass
 class StepResult:

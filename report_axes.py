@@ -106,7 +106,8 @@ AXIS_LINES["ddp"] = {"startup": ddp_startup_lines}
 def diloco_startup_lines(layout, run, steps: int = 0) -> list:
     """DiLoCo's replicas, its outer step, its state and its cross-replica bytes against DDP's (diloco.py's
     docstring, answers 1-3)."""
-    c, shape, b = layout.config, run.mesh.shape, layout.outer_bytes()
+    facts, shape = layout.wrapper_facts(), run.mesh.shape
+    c, b = facts.config, facts.outer_bytes
     return [f"diloco: R={c.replicas} replicas of D/R={shape.replica_dp} data ranks (replica = d // (D/R)), each"
             f" {run.settings.args.global_batch // c.replicas} sequences a step; H={c.inner_steps} inner AdamW steps,"
             f" then Δ averaged over `diloco` (N={c.replicas}) and outer Nesterov SGD (lr {c.outer_lr}, momentum"
@@ -117,7 +118,8 @@ def diloco_startup_lines(layout, run, steps: int = 0) -> list:
 
 
 def diloco_end_lines(layout, run, steps: int = 0) -> list:
-    return [f"diloco: {layout.outer_steps} outer steps taken this run (every {layout.config.inner_steps} steps)"]
+    facts = layout.wrapper_facts()
+    return [f"diloco: {facts.outer_steps} outer steps taken this run (every {facts.config.inner_steps} steps)"]
 
 
 AXIS_LINES["diloco"] = {"startup": diloco_startup_lines, "end": diloco_end_lines}
@@ -282,7 +284,7 @@ def moe_end_lines(axis, run, steps: int) -> list:
                      f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"
                      f" (the startup table's)")
     routed = axis.observer
-    places = axis.layers[0].places if axis.layers else None
+    places = axis.facts().places
     tracer = getattr(run, "tracer", None)
     traced = None  # the CommTracer's bytes to ranks of other places (all_to_all_single on ep, its step phase)
     if places is not None and tracer is not None and tracer.sent_to("all_to_all_single", "ep"):

@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import comm  # noqa: E402
 import flags  # noqa: E402
+import goodput  # noqa: E402
 import mfu  # noqa: E402
 import train  # noqa: E402
 from step import train_step  # noqa: E402
@@ -110,7 +111,7 @@ def run_row(argv: list, window: int, log) -> RowResult:
     every MoE layer after each step; then the val loss and the validation batches' loads."""
     settings = flags.parse(argv, train.AXES)
     with contextlib.redirect_stdout(log):
-        t = train.start_training(settings, comm.CommTracer())
+        t = train.start_training(settings, comm.CommTracer(), goodput.Clock())
     run, args = t.run, settings.args
     handle = next(axis for axis in run.axes if axis.name == "moe")
     record = BalanceRecord()

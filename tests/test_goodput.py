@@ -168,7 +168,7 @@ def test_dalys_goodput_tends_to_the_first_order_model_when_failures_are_rare():
 
 def test_the_bench_flags_are_checked_in_one_line(capsys):
     bench = _bench_module()
-    for argv, message in ((["--mtbf", "0"], "--mtbf 0.0: a positive number of seconds"),
+    for argv, message in ((["--kills", "2"], "--kills 2.0: at least 3 expected kills per run"),
                           (["--factors", "0.5", "1", "2"], "--factors [0.5, 1.0, 2.0]: at least four"),
                           (["--steps", "3"], "--steps 3: at least 8")):
         with pytest.raises(SystemExit) as e:
