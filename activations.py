@@ -178,7 +178,8 @@ def moe_block_bytes(config, x: memory.ActivationShape, ep: int) -> tuple:
     copies = 0 if x.fp8 else weights * 8 * x.h * x.h * x.weight_copy
     fp8 = fp8_experts.saved_bytes_delta(routed, config.moe_topk, config.moe_experts, x.h, x.e_c) if x.fp8 else 0
     return (moe_accounting.layer_activation_bytes(config, routed, x.e_c, router_bytes,
-                                       mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r)) + shared + fp8, copies)
+                                       mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r), ep=ep) + shared + fp8,
+            copies)
 
 
 def block_bytes(x: memory.ActivationShape, experts: tuple) -> dict:

@@ -36,8 +36,9 @@ class Messages(dict):
         super().__init__({key: Count(*value) for key, value in dict(*args, **kwargs).items()})
 
     def add(self, op: str, group: str, calls: float = 1, payload: float = 0) -> Messages:
-        """Count `calls` more calls of `op` on `group` moving `payload` bytes in all; returns self."""
-        if calls:
+        """Count `calls` more calls of `op` on `group` moving `payload` bytes in all; returns self. Bytes without
+        calls count too: they ride another user's call (eplb's loads in the router's all-reduce)."""
+        if calls or payload:
             old = self.get((op, group), Count(0, 0))
             self[(op, group)] = Count(old.calls + calls, old.payload + payload)
         return self

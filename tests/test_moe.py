@@ -1368,7 +1368,7 @@ def test_group_limited_routing_cuts_the_off_group_bytes_as_predicted():
             traced, predicted = got[limit]["traced"], got[limit]["predicted"]
             assert set(traced) == set(predicted), (limit, rank, set(traced) ^ set(predicted))
             for key, value in predicted.items():
-                assert traced[key] == pytest.approx(value, abs=1e-9), (limit, rank, key)
+                assert traced[key] == pytest.approx(value, abs=1e-9), (limit, rank, key, tuple(value), traced[key])
             assert any(op == "all_reduce" and "dp_cp" in group.split("=") for op, group in traced), traced
     rows = {limit: sum(r[limit]["off_group"][0] for r in results) / sum(r[limit]["tokens"] for r in results)
             for limit in (4, 1)}
