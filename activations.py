@@ -35,6 +35,9 @@ import moe_shared
 import schedules
 
 
+ZERO3_GATHERED = "ZeRO-3 gathered weights"  # the names of zero3_saved_weights's terms begin so
+
+
 @dataclass(frozen=True)
 class ActivationEstimate:
     """What this rank's forwards save for backward, by memory.py's formulas (what the kernels save)."""
@@ -56,7 +59,12 @@ class ActivationEstimate:
         rebuilt = max(0.0, self.recomputed - self.terms["head and loss"] / self.chunks)
         # ZeRO-3's gathered units are the layout's transients (zero3.peak_lower_bound, the plan's temporaries):
         # what the saved tensors reference of them is counted there, once, not once per forward in flight.
-        return self.in_flight * (self.forward - self.terms["ZeRO-3 gathered weights"] / self.chunks) + rebuilt
+        return self.in_flight * (self.forward - self.gathered / self.chunks) + rebuilt
+
+    @property
+    def gathered(self) -> float:
+        """ZeRO-3's gathered weights among the terms (all v chunks: zero3_saved_weights's names)."""
+        return sum(value for name, value in self.terms.items() if name.startswith(ZERO3_GATHERED))
 
 
 def activation_shape(run, device_type: str | None = None) -> memory.ActivationShape:
@@ -86,12 +94,13 @@ def activation_estimate(run, device_type: str | None = None) -> ActivationEstima
     `schedules.in_flight` chunk-micro-batches of this rank's program alive, each counted as 1/v of the stage
     (exact for v = 1); under ZeRO-3 the units the forward leaves gathered (zero3_saved_weights)."""
     model, layer_ids = run.model, [block.layer_id for block in run.model.transformer.h]
-    in_flight, chunks = 1, 1
+    in_flight, chunks, local_chunks = 1, 1, None
     for pp in (axis.facts() for axis in run.axes if axis.name == "pp"):
         in_flight, chunks = schedules.in_flight(pp.programs[pp.rank])[0], pp.v
+        local_chunks = pipeline_chunks(run.config.n_layer, pp.P, pp.v, pp.rank)
     x, ends, shape = activation_shape(run, device_type), (model.has_embedding, model.has_head), run.settings.shape
-    gathered = (zero3_saved_weights(run.config, x, layer_ids, ends, shape.ep, shape.dp * shape.cp)
-                if run.settings.args.zero == 3 else 0.0)
+    gathered = (zero3_saved_weights(run.config, x, layer_ids, ends, shape.ep, shape.dp * shape.cp, local_chunks)
+                if run.settings.args.zero == 3 else {})
     # A precision recipe's linears (precision_recipe.RecipeLinear) save the weight parameter itself: no copy.
     recipe = next((axis for axis in run.axes if axis.name == "precision"), None)
     copy_free = len({int(name.split(".")[2]) for name in recipe.linears} & set(layer_ids)) if recipe else 0
@@ -99,12 +108,13 @@ def activation_estimate(run, device_type: str | None = None) -> ActivationEstima
 
 
 def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int,
-                pipeline_flight: tuple = (1, 1), gathered: float = 0.0, copy_free: int = 0) -> ActivationEstimate:
+                pipeline_flight: tuple = (1, 1), gathered: dict | None = None,
+                copy_free: int = 0) -> ActivationEstimate:
     """activation_estimate from the shapes: the blocks `layer_ids`, ends = (has embedding, has head), the
     expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v), `gathered` ZeRO-3's units the
-    forward leaves saved (zero3_saved_weights; 0 for other layouts), copy_free: how many of the dense blocks run
-    their linears without autocast's weight copies (a precision recipe's: it quantises the weight itself and saves
-    the parameter, so 12h²·w/T fewer bytes each)."""
+    forward leaves saved, by name (zero3_saved_weights; none for other layouts), copy_free: how many of the dense
+    blocks run their linears without autocast's weight copies (a precision recipe's: it quantises the weight itself
+    and saves the parameter, so 12h²·w/T fewer bytes each)."""
     n_moe = sum(config.is_moe_layer(layer_id) for layer_id in layer_ids)
     held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
     n_blocks = sum(held.values())
@@ -127,7 +137,7 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
         copies = sum(held[kind] * each[kind][1] for kind in held) - copy_free * each["dense"][1]
         blocks = {f"{n_blocks} blocks" + (f" ({n_moe} MoE)" if n_moe else ""):
                   sum(held[kind] * each[kind][0] for kind in held), "autocast weight copies": copies}
-    terms = {**blocks, "ZeRO-3 gathered weights": gathered,
+    terms = {**blocks, **(gathered or {ZERO3_GATHERED: 0.0}),
              "embeddings": memory.embedding_activation_bytes(x) if ends[0] else 0.0,
              "head and loss": memory.head_activation_bytes(x) if ends[1] else 0.0}
     hidden = memory.hidden_from_hooks(x, 0 if recomputing else n_blocks, ends[1], 0 if recomputing else n_moe,
@@ -143,14 +153,32 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
                               korthikanti=korthikanti_estimate(config, x, len(layer_ids), n_moe), how=how)
 
 
-def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int,
-                        dp_cp: int) -> float:
-    """ZeRO-3's gathered weights that a forward's saved tensors still reference when it ends, b_w = e_r bytes per
-    element of each unit, padded to n' = ⌈n/D⌉·D (zero3.py): the root's (embeddings, ln_f, the tied head: the
-    head gathered it again) and, without recompute, the last block's, which the schedule keeps gathered into
-    backward (a checkpointed block saves no weight: its recompute does, inside backward). Every other block's
-    saved weights are views of a unit freed after its forward (0 bytes until backward gathers it again).
-    Dense units sync over dp_cp (D·C ranks), experts over expert_dp (D·C/E)."""
+def pipeline_chunks(n_layer: int, P: int, v: int, pp_rank: int) -> list:
+    """[(layer ids, has the embedding, has the head)] of each chunk pp rank p holds (schedules.rank_chunks)."""
+    return [(list(schedules.stage_layers(n_layer, P, v, c)), c == 0, c == P * v - 1)
+            for c in schedules.rank_chunks(pp_rank, P, v)]
+
+
+def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int, dp_cp: int,
+                        chunks: list | None = None) -> dict:
+    """ZeRO-3's gathered weights that a forward's saved tensors still reference when it ends, by name: b_w = e_r
+    bytes per element of each unit, padded to n' = ⌈n/D⌉·D (zero3.py); a saved weight is a view of its unit's
+    storage, so the whole unit counts once. Dense units sync over dp_cp (D·C ranks), experts over expert_dp (D·C/E).
+    A checkpointed block (full or selective) saves no weight: its recompute does, inside backward.
+
+    Without a pipeline (zero3.py: a unit per block, one for the root): the root's (embeddings, ln_f, the tied head:
+    the head gathered it again) and, without recompute, the last block's, which the schedule keeps gathered into
+    backward. Every other block's saved weights are views of a unit freed after its forward (0 bytes until
+    backward gathers it again).
+
+    Under a pipeline (`chunks`: pipeline_chunks, zero_pipeline.py: one unit per chunk and group, the tied V·h/T
+    copy a unit of its own) a chunk's forward runs with the chunk gathered, so its saved weights reference the
+    chunk's whole unit — every block of it, not the last one only (the estimate counted only the last block:
+    +25% at 2 blocks a chunk, +66% at 4 on the tiny preset in bf16, measured): per chunk, its dense unit (its
+    blocks, wpe on the first chunk, ln_f on the last) unless every block is recomputed and it has no ln_f, its
+    expert unit unless recomputed, and the tied copy on the last chunk only (the head's GEMM saves its weight;
+    the first chunk's embedding saves the token ids, not the table). Named by what they hold; the total over the
+    rank's v chunks (a forward is 1/v of it, as the other terms)."""
     def padded(numel: int, ranks: int) -> int:
         return -(-numel // ranks) * ranks
 
@@ -158,11 +186,24 @@ def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends
         experts = padded(counts["expert_dp"], max(1, dp_cp // ep)) if counts["expert_dp"] else 0
         return (padded(counts["dp_cp"], dp_cp) + experts) * x.e_r
 
-    root = unit_bytes(memory.param_counts(config, x.t, ep, layers=[], embedding=ends[0], head=ends[1]))
     recomputing = config.activation_checkpointing or config.selective_recompute
-    last = 0.0 if recomputing or not layer_ids else unit_bytes(
-        memory.param_counts(config, x.t, ep, layers=layer_ids[-1:], embedding=False, head=False))
-    return root + last
+    if chunks is None or len(chunks) == 1 and chunks[0][1] and chunks[0][2]:  # no pipeline: zero3.py's units
+        root = unit_bytes(memory.param_counts(config, x.t, ep, layers=[], embedding=ends[0], head=ends[1]))
+        last = 0.0 if recomputing or not layer_ids else unit_bytes(
+            memory.param_counts(config, x.t, ep, layers=layer_ids[-1:], embedding=False, head=False))
+        return {ZERO3_GATHERED: root + last}
+    tied = config.vocab_size * x.h // x.t
+    blocks, head = 0.0, 0.0
+    for layers, embedding, has_head in chunks:
+        counts = memory.param_counts(config, x.t, ep, layers, embedding, has_head)
+        if not recomputing or has_head:  # the dense unit: its blocks' weights, or ln_f's
+            blocks += padded(counts["dp_cp"] - tied * (embedding + has_head), dp_cp) * x.e_r
+        if counts["expert_dp"] and not recomputing:
+            blocks += padded(counts["expert_dp"], max(1, dp_cp // ep)) * x.e_r
+        head += padded(tied, dp_cp) * x.e_r if has_head else 0.0
+    units = "the last chunk's unit (ln_f saves)" if recomputing else "each chunk's unit"
+    return {f"{ZERO3_GATHERED}: {units}": blocks,
+            f"{ZERO3_GATHERED}: the head's tied copy": head}
 
 
 def moe_block_bytes(config, x: memory.ActivationShape, ep: int) -> tuple:

@@ -33,6 +33,7 @@ Accounting for this file: it allocates nothing (meta tensors) and sends nothing 
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import time
@@ -50,6 +51,7 @@ import mfu
 import plan_search
 import schedules
 import train
+import zero_pipeline
 from comm import Messages
 from flags import FlagError, fail
 from hardware import hardware_line
@@ -127,12 +129,26 @@ def plan_roles(settings, reuse: bool = True) -> list:
 
 def stage_shape(settings, p: int) -> tuple:
     """What a stage's build depends on besides its index: its layers' count and kinds (dense or MoE, in
-    order) and its ends (embedding, head). Stages of one shape hold the same tensors and send the same
-    messages; only what their place in the schedule sets differs (restage)."""
-    args, config = settings.args, settings.model
+    order) and its ends (embedding, head); under ZeRO-2/3 also what its action list sets of zero_pipeline.py's
+    figures, by local chunk index (which chunks are gathered and accumulating together, each chunk's gathers,
+    the first action's chunk). Stages of one shape hold the same tensors and send the same messages; only what
+    their place in the schedule sets differs (restage)."""
+    args, config, P = settings.args, settings.model, settings.shape.pp
     v = args.pp_virtual if args.pp_schedule == "interleaved" else 1
-    kw = stage_kwargs(config.n_layer, p, settings.shape.pp, v)
-    return tuple(config.is_moe_layer(layer) for layer in kw["layers"]), kw["embedding"], kw["head"]
+    kw = stage_kwargs(config.n_layer, p, P, v)
+    shape = tuple(config.is_moe_layer(layer) for layer in kw["layers"]), kw["embedding"], kw["head"]
+    if args.zero < 2 or P == 1:
+        return shape
+    program = _programs(args.pp_schedule, P, settings.micro_batches, v)[p]
+    local = {c: k for k, c in enumerate(schedules.rank_chunks(p, P, v))}
+    alive = frozenset((frozenset(local[c] for c in held), frozenset(local[c] for c in grads))
+                      for held, grads in zero_pipeline.alive_chunks(program, args.zero))
+    return (*shape, alive, tuple(zero_pipeline.gather_runs(program, c) for c in local), local[program[0].chunk])
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(schedule: str, P: int, m: int, v: int) -> list:
+    return schedules.build_programs(schedule, P, m, v)
 
 
 def pipeline_plan(settings) -> tuple:
@@ -140,7 +156,7 @@ def pipeline_plan(settings) -> tuple:
     the schedule sets per stage, computed once for all stages."""
     args, shape = settings.args, settings.shape
     v = args.pp_virtual if args.pp_schedule == "interleaved" else 1
-    programs = schedules.build_programs(args.pp_schedule, shape.pp, settings.micro_batches, v)
+    programs = _programs(args.pp_schedule, shape.pp, settings.micro_batches, v)
     return programs, schedules.communication_plan(programs, shape.pp * v)
 
 

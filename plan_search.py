@@ -36,6 +36,7 @@ import recompute
 import schedules
 import tensor_parallel
 import train
+import zero_pipeline
 from comm import Messages
 from flags import FlagError
 from hardware import hardware_line
@@ -46,10 +47,10 @@ from time_model import (PLANNED_DEVICE, Role, layout_facts, layout_name, limitin
 
 def _programs_facts(schedule: str, P: int, m: int, v: int) -> tuple:
     """({(src, dst): messages per step}, [chunk-micro-batches in flight per pp rank], [sent buffers alive at
-    once per pp rank]) of a schedule."""
+    once per pp rank], [each pp rank's action list]) of a schedule."""
     programs = schedules.build_programs(schedule, P, m, v)
     live = [schedules.live_sends(steps) for steps in schedules.communication_plan(programs, P * v)]
-    return schedules.p2p_counts(programs, P * v), [schedules.in_flight(p)[0] for p in programs], live
+    return schedules.p2p_counts(programs, P * v), [schedules.in_flight(p)[0] for p in programs], live, programs
 
 
 def stage_holding(config, P: int, v: int, p: int) -> tuple:
@@ -114,9 +115,10 @@ def _stage_of(settings, p: int) -> _Stage:
     _, compute, param, master = plan_dtypes(settings)
     b_w, b_m = param.itemsize, master.itemsize
     b_g = b_w if m == 1 or stage == 0 else b_m
+    summed_once = stage == 1 or stage >= 2 and shape.pp > 1  # zero_pipeline.py sends the step's sum, once
     return _Stage(settings, p, v, held=stage_params(settings.model, shape, v, p),
                   sizes={"dp_cp": shape.dp * C, "expert_dp": shape.dp * C // shape.ep}, compute=compute, param=param,
-                  b_w=b_w, b_c=compute.itemsize, b_m=b_m, b_g=b_g, b_r=b_g if stage == 1 else b_w)
+                  b_w=b_w, b_c=compute.itemsize, b_m=b_m, b_g=b_g, b_r=b_g if summed_once else b_w)
 
 
 def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
@@ -124,17 +126,25 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     the persistent bytes, the messages (the data-parallel ones, each axis's, the pipeline's), the activations,
     and the figures the time model reads (bubble, last bucket, first gather, boundary)."""
     config, shape, s = settings.model, settings.shape, _stage_of(settings, p)
-    messages, temporaries, last_bucket, first_gather = _formula_data_parallel(s)
+    if shape.pp > 1:
+        facts = facts or _programs_facts(settings.args.pp_schedule, shape.pp, settings.micro_batches, s.v)
+    chunked = shape.pp > 1 and settings.args.zero >= 2  # zero_pipeline.py's units per chunk
+    persistent = _formula_persistent(s)
+    if chunked:
+        messages, temporaries, last_bucket, first_gather, persistent = _formula_zero_pipeline(s, facts[3][p])
+    else:
+        messages, temporaries, last_bucket, first_gather = _formula_data_parallel(s)
     messages = _formula_axis_messages(s, messages, temporaries)
     flight, bubble, boundary = _formula_pipeline(s, messages, temporaries, facts)
     messages.add("all_reduce", "world", 1, 16)
     rank, ranks, alias = _formula_groups(shape, p)
     x = activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param)
     ends = (s.held["embedding"], s.held["head"])
-    gathered = (activations.zero3_saved_weights(config, x, s.held["layer_ids"], ends, shape.ep, shape.dp * shape.cp)
-                if settings.args.zero == 3 else 0.0)
+    chunks = activations.pipeline_chunks(config.n_layer, shape.pp, s.v, p) if shape.pp > 1 else None
+    gathered = (activations.zero3_saved_weights(config, x, s.held["layer_ids"], ends, shape.ep, shape.dp * shape.cp,
+                                                chunks) if settings.args.zero == 3 else {})
     return Role(rank=rank, coords=shape.coords(rank), local_params=s.held["total"], logical={},
-                persistent=_formula_persistent(s),
+                persistent=persistent,
                 activations=activations.estimate_of(config, x, s.held["layer_ids"], ends, shape.ep, flight, gathered),
                 temporaries=temporaries, messages=messages.named(lambda name: alias.get(name, name)),
                 group_ranks=ranks,
@@ -165,6 +175,53 @@ def _formula_data_parallel(s: _Stage) -> tuple:
     largest = max(4 * config.n_embd ** 2 // T, config.vocab_size * config.n_embd // T if held["root"] else 0)
     temporaries = _formula_temporaries(stage, held, s.sizes, (b_w, s.b_r), max(bucket, 4 * largest))
     return messages, temporaries, last_bucket, first_gather
+
+
+def chunk_units(s: _Stage) -> dict:
+    """{global chunk: [(group, n')]} of pp rank p under ZeRO-2/3 with a pipeline (zero_pipeline._build_units): per
+    local chunk its dense unit (its blocks, wpe on chunk 0, ln_f on the last), its experts' unit, and the tied
+    V·h/T copy alone where the chunk holds the embedding or the head; each padded to n' = ⌈n/D_g⌉·D_g."""
+    config, shape = s.settings.model, s.settings.shape
+    tied = config.vocab_size * config.n_embd // shape.tp
+    out = {}
+    for chunk, (layers, embedding, head) in zip(schedules.rank_chunks(s.p, shape.pp, s.v),
+                                                 activations.pipeline_chunks(config.n_layer, shape.pp, s.v, s.p)):
+        counts = memory.param_counts(config, shape.tp, shape.ep, layers, embedding, head)
+        units = [("dp_cp", counts["dp_cp"] - tied * (embedding + head)), ("expert_dp", counts["expert_dp"]),
+                 ("dp_cp", tied if embedding or head else 0)]
+        out[chunk] = [(g, -(-n // s.sizes[g]) * s.sizes[g]) for g, n in units if n]
+    return out
+
+
+def _formula_zero_pipeline(s: _Stage, program: list) -> tuple:
+    """(messages, temporaries, last bucket, first gather, persistent) of ZeRO-2/3 under a pipeline
+    (zero_pipeline.py, from pp rank p's action list): per unit one reduce_scatter of the step's sum (b_g·n'),
+    stage 2 one all_gather of the update (b_w·n'), stage 3 one all_gather per run of the chunk's actions
+    (zero_pipeline.gather_runs); the transient of zero_pipeline.step_transient_bytes (stage 2: or the update's
+    all-gather inputs, the larger); the last piece reduced is the first local chunk's, the first gathered the first
+    action's chunk (stage 3)."""
+    stage, b_w, b_a = s.settings.args.zero, s.b_w, s.b_g
+    units = chunk_units(s)
+    messages = Messages()
+    for chunk, pieces in units.items():
+        runs = zero_pipeline.gather_runs(program, chunk) if stage == 3 else 1
+        for group, n in (piece for piece in pieces if s.sizes[piece[0]] > 1):
+            messages.add("all_gather_single", group, runs, runs * b_w * n)
+            messages.add("reduce_scatter_single", group, 1, s.b_r * n)
+    if s.sizes["dp_cp"] > 1:
+        messages.add("all_reduce", "dp_cp", 2, 16)
+    numel = {chunk: sum(n for _, n in pieces) for chunk, pieces in units.items()}
+    transient = zero_pipeline.step_transient_bytes(program, stage, {c: b_w * n for c, n in numel.items()},
+                                                   {c: b_a * n for c, n in numel.items()})
+    if stage == 2:
+        transient = max(transient, b_w * sum(n // s.sizes[g] for pieces in units.values() for g, n in pieces))
+    bpp = memory.BytesPerParam(b_w, b_a, 2 * s.b_m + (0 if b_w == s.b_m else s.b_m))
+    parts = [memory.persistent_bytes(sum(n for pieces in units.values() for g, n in pieces if g == group), bpp, stage,
+                                     size) for group, size in s.sizes.items()]
+    persistent = {kind: sum(part[kind] for part in parts) for kind in parts[0]}
+    temporaries = {f"ZeRO-{stage} transients (zero_pipeline.step_transient)": transient}
+    first_gather = b_w * numel[program[0].chunk] if stage == 3 else 0.0
+    return messages, temporaries, s.b_r * numel[min(numel)], first_gather, persistent
 
 
 def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
@@ -208,7 +265,7 @@ def _formula_pipeline(s: _Stage, messages, temporaries: dict, facts: tuple | Non
     args, P, T, m = settings.args, settings.shape.pp, settings.shape.tp, settings.micro_batches
     if P == 1:
         return (1, 1), 0.0, 0.0
-    pairs, flights, live = facts or _programs_facts(args.pp_schedule, P, m, v)
+    pairs, flights, live, _ = facts or _programs_facts(args.pp_schedule, P, m, v)
     seq = settings.seq_len // settings.shape.cp
     boundary = settings.micro_batch_size * seq // (T if settings.sequence_parallel else 1) * config.n_embd * s.b_w
     sends = sum(n for (src, _), n in pairs.items() if src == p)
@@ -310,7 +367,7 @@ def candidates(world: int, config, global_batch: int, gpus_per_node: int):
         D = world // (T * C * P)
         if world % (T * C * P) or T > gpus_per_node or config.n_head % T or global_batch % D or (D * C) % E:
             continue
-        for zero_stage, micro, schedule, ac in product((0, 1, 2, 3) if P == 1 else (0, 1), (1, 2, 4, 8),
+        for zero_stage, micro, schedule, ac in product((0, 1, 2, 3), (1, 2, 4, 8),
                                                        ("1f1b", "interleaved") if P > 1 else ("1f1b",),
                                                        recompute.MODES):
             if (global_batch // D) % micro == 0:  # selective's refusals (TP, CP, MoE): flags.validate's

@@ -20,9 +20,13 @@ The time model (hardware.py states the hardware): per role and step
       DDP, ZeRO-1: the gradient reduction overlaps the last micro-batch's backward (≈ 2/3 of its compute)
                except its last bucket: exposed = t(last bucket) + max(0, t − t_backward);
       ZeRO-2/3: each micro-batch's reduce-scatter overlaps that micro-batch's backward, same rule, m times;
+               under a pipeline (zero_pipeline.py) each chunk's step sum is reduced once, at its last
+               backward: DDP's rule (the last piece: the first local chunk's);
       ZeRO-1/2's all-gather after the update: exposed (it overlaps only the next unit's update);
       ZeRO-3's gathers are prefetched behind compute except the first (root + block 0) of each pass:
-               exposed = m · [t(first) + max(0, t/m − t_compute/m)];
+               exposed = m · [t(first) + max(0, t/m − t_compute/m)]; under a pipeline the schedule prefetches
+               the next action's chunk during this one, so only the step's first gather waits:
+               exposed = t(first) + max(0, t − t_first − t_compute);
       ring CP: each hop's transfer hides behind its block's attention: exposed = max(0, t − t_attention);
       pipeline p2p: overlapped except in fill and drain: exposed = 2(P−1) · t(one message).
     then of what a rule hides, only the share φ = hw.overlap hides: exposed += (1 − φ)(t − exposed) (φ = 1 on
@@ -192,7 +196,7 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
 
         grads = (names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single")
                  and payload > 16 * calls)
-        if grads and stage <= 1:  # DDP, ZeRO-1: once per step, over the last micro-batch's backward
+        if grads and (stage <= 1 or P > 1):  # DDP, ZeRO-1, ZeRO-2/3 under PP: once a step, over the last backward
             last = piece(role.last_bucket)
             e = last + max(0.0, t - last - backward_mb)
         elif grads:  # ZeRO-2/3: every micro-batch's, over its own backward
@@ -200,7 +204,8 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
             e = m * (last + max(0.0, t / m - last - backward_mb))
         elif stage == 3 and op == "all_gather_single" and names & {"dp_cp", "expert_dp"}:
             first = piece(role.first_gather)
-            e = m * (first + max(0.0, t / m - first - compute / m))
+            passes = 1 if P > 1 else m  # under PP: the step's first gather; the rest prefetched an action ahead
+            e = passes * (first + max(0.0, t / passes - first - compute / passes))
         elif "pp" in names and op == "send":
             e = 2 * (P - 1) * piece(role.boundary_bytes) if role.boundary_bytes else t
         elif "cp" in names and op in ("send", "isend", "batch_isend_irecv") and layout.get("cp_impl") == "ring":

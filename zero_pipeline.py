@@ -79,6 +79,31 @@ def pipeline_layout(module: nn.Module, config: ZeroConfig, groups: dict, coords:
                                program=program)
 
 
+def gather_runs(program: list, chunk: int) -> int:
+    """Runs of consecutive actions on `chunk` in a rank's action list: stage 3 gathers the chunk once per run."""
+    chunks = [a.chunk for a in program]
+    return sum(c == chunk and (j == 0 or chunks[j - 1] != c) for j, c in enumerate(chunks))
+
+
+def alive_chunks(program: list, stage: int) -> set:
+    """{(chunks gathered, chunks accumulating gradients)} over the actions j of a rank's list: gathered (stage 3)
+    j's chunk and the next action's (prefetched); accumulating, each chunk from its first backward to its last.
+    Docstring item 2's transient is the most bytes of one of these pairs; a plan reads the pairs by local chunk
+    index (stages of one shape with the same pairs have the same transient)."""
+    chunks = [a.chunk for a in program]
+    backward = {c: [j for j, a in enumerate(program) if a.chunk == c and a.kind != "F"] for c in set(chunks)}
+    return {(frozenset({chunk, *chunks[j + 1:j + 2]} if stage == 3 else ()),
+             frozenset(c for c, js in backward.items() if js and js[0] <= j <= js[-1]))
+            for j, chunk in enumerate(chunks)}
+
+
+def step_transient_bytes(program: list, stage: int, gathered: dict, accumulating: dict) -> float:
+    """max over actions of Σ gathered[c] over the chunks gathered + Σ accumulating[c] over those accumulating
+    (alive_chunks): b_w·n'_c and b_a·n'_c per chunk c."""
+    return max((sum(gathered[c] for c in held) + sum(accumulating[c] for c in grads)
+                for held, grads in alive_chunks(program, stage)), default=0)
+
+
 class _ChunkGradients:
     """What stages 2 and 3 share under a pipeline (the first base of both layouts below): units per chunk, and
     gradients accumulated over the step and reduce-scattered once at the chunk's last backward."""
@@ -147,20 +172,14 @@ class _ChunkGradients:
 
     def gathers_per_step(self, chunk: int) -> int:
         """Runs of consecutive actions on `chunk` in this rank's list: stage 3 gathers it once per run."""
-        chunks = [a.chunk for a in self.program]
-        return sum(c == chunk and (j == 0 or chunks[j - 1] != c) for j, c in enumerate(chunks))
+        return gather_runs(self.program, chunk)
 
     def step_transient(self) -> float:
         """Docstring item 2: the most bytes of gathered chunks (stage 3) and accumulating gradients at once."""
-        chunks, b_w, b_a = [a.chunk for a in self.program], self.param_dtype.itemsize, self.accumulate_dtype.itemsize
-        backward = {c: [j for j, a in enumerate(self.program) if a.chunk == c and a.kind != "F"] for c in set(chunks)}
-        peak = 0
-        for j, chunk in enumerate(chunks):
-            gathered = {chunk, *chunks[j + 1:j + 2]} if self.stage == 3 else set()
-            accumulating = [c for c, js in backward.items() if js and js[0] <= j <= js[-1]]
-            peak = max(peak, sum(b_w * self._chunk_numel(c) for c in gathered)
-                       + sum(b_a * self._chunk_numel(c) for c in accumulating))
-        return peak
+        b_w, b_a = self.param_dtype.itemsize, self.accumulate_dtype.itemsize
+        numel = {c: self._chunk_numel(c) for c in self.chunk_units}
+        return step_transient_bytes(self.program, self.stage, {c: b_w * n for c, n in numel.items()},
+                                    {c: b_a * n for c, n in numel.items()})
 
     def pipeline_facts(self, facts: ZeroFacts) -> ZeroFacts:
         b_a = self.accumulate_dtype.itemsize

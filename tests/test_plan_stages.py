@@ -16,6 +16,11 @@ CASES = [  # (flags, world): P = 4 has a first, a last and two middle stages of 
     (["--pp", "4", "--n-layer", "8", "--pp-schedule", "interleaved", "--global-batch", "8"], 4),
     (["--pp", "4", "--n-layer", "8", "--pp-schedule", "zb", "--global-batch", "4", "--zero", "1"], 4),
     (["--pp", "4", "--n-layer", "8", "--global-batch", "8", "--moe-experts", "4", "--moe-every", "2"], 4),
+    (["--pp", "4", "--n-layer", "8", "--global-batch", "16", "--zero", "2"], 8),  # zero_pipeline.py: D = 2
+    (["--pp", "4", "--n-layer", "8", "--global-batch", "16", "--zero", "3"], 8),
+    # interleaved ZeRO-3: each stage's action list regathers its chunks a different number of times (its
+    # all-gathers differ), so every stage is its own shape and built
+    (["--pp", "4", "--n-layer", "8", "--pp-schedule", "interleaved", "--global-batch", "16", "--zero", "3"], 8),
 ]
 
 
@@ -28,4 +33,5 @@ def test_a_reused_stage_has_the_figures_of_its_own_build(argv, world):
     for a, b in zip(reused, built):
         assert a == b, a.rank
     shapes = {plan.stage_shape(settings, p) for p in range(settings.shape.pp)}
-    assert len(shapes) < settings.shape.pp  # some stage was derived, not built
+    every_stage_differs = settings.args.zero == 3 and settings.args.pp_schedule == "interleaved"
+    assert len(shapes) < settings.shape.pp or every_stage_differs  # some stage was derived, not built
