@@ -226,6 +226,7 @@ def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware) -> lis
              f" {fmt(a.korthikanti / a.chunks)} a forward)"]
     for what, nbytes in role.temporaries.items():
         lines.append(f"  temporary: {what}: {fmt(nbytes)}")
+    lines += [f"  {note.strip()}" for note in role.notes]  # DiLoCo's outer state and Δ all-reduce
     fits = "fits" if role.peak <= hw.memory_gib * 2**30 else "DOES NOT FIT"
     lines.append(f"  peak ≈ {fmt(role.peak)} of {hw.memory_gib:.1f} GiB: {fits}")
     lines.append(f"  FLOPs/token: model {role.flops.model:,.0f}, hardware {role.flops.hardware:,.0f}; bubble"

@@ -33,6 +33,7 @@ import moe_accounting
 import moe_memory
 import moe_router
 import recompute
+import report_axes
 import schedules
 import tensor_parallel
 import train
@@ -116,8 +117,9 @@ def _stage_of(settings, p: int) -> _Stage:
     b_w, b_m = param.itemsize, master.itemsize
     b_g = b_w if m == 1 or stage == 0 else b_m
     summed_once = stage == 1 or stage >= 2 and shape.pp > 1  # zero_pipeline.py sends the step's sum, once
+    D = shape.replica_dp  # DiLoCo: the layout's groups stay inside a replica of D/R data ranks
     return _Stage(settings, p, v, held=stage_params(settings.model, shape, v, p),
-                  sizes={"dp_cp": shape.dp * C, "expert_dp": shape.dp * C // shape.ep}, compute=compute, param=param,
+                  sizes={"dp_cp": D * C, "expert_dp": D * C // shape.ep}, compute=compute, param=param,
                   b_w=b_w, b_c=compute.itemsize, b_m=b_m, b_g=b_g, b_r=b_g if summed_once else b_w)
 
 
@@ -136,7 +138,7 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
         messages, temporaries, last_bucket, first_gather = _formula_data_parallel(s)
     messages = _formula_axis_messages(s, messages, temporaries)
     flight, bubble, boundary = _formula_pipeline(s, messages, temporaries, facts)
-    messages.add("all_reduce", "world", 1, 16)
+    persistent, notes = _formula_diloco(s, messages, persistent)
     rank, ranks, alias = _formula_groups(shape, p)
     x = activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param)
     ends = (s.held["embedding"], s.held["head"])
@@ -147,7 +149,7 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
                 persistent=persistent,
                 activations=activations.estimate_of(config, x, s.held["layer_ids"], ends, shape.ep, flight, gathered),
                 temporaries=temporaries, messages=messages.named(lambda name: alias.get(name, name)),
-                group_ranks=ranks,
+                group_ranks=ranks, notes=notes,
                 flops=mfu.flops_per_token(memory.param_counts(config), config, settings.seq_len, x.kernel),
                 bubble=bubble, last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
                 layer_share=s.held["layers"] * shape.pp / config.n_layer)
@@ -250,7 +252,7 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
         sp_grad_bytes = int(s.b_g * held["moe_replicated"] / shard) if sp else 0
         messages = messages + moe_accounting.step_messages(traffic, sp_grad_bytes)
         if config.moe_bias_rate > 0:  # the step's loads, summed over the batch's ranks (moe_router item 3)
-            groups = [name for name, size in (("dp_cp", shape.dp * C), ("tp", tp_sp)) if size > 1]
+            groups = [name for name, size in (("dp_cp", shape.replica_dp * C), ("tp", tp_sp)) if size > 1]
             for message in moe_router.load_messages(n_moe, config.moe_experts, groups):
                 messages = messages + Messages().add(*message)
         peak = moe_memory.rank_peak(traffic, activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param))
@@ -277,6 +279,22 @@ def _formula_pipeline(s: _Stage, messages, temporaries: dict, facts: tuple | Non
         messages.add("all_reduce", "pp_tied", 1, tied_bytes)
     temporaries["pipeline p2p buffers (a receive, the sends alive)"] = (1 + live[p]) * boundary
     return (flights[p], v), schedules.bubble_formula(args.pp_schedule, P, m, v), boundary
+
+
+def _formula_diloco(s: _Stage, messages, persistent: dict) -> tuple:
+    """(persistent, notes): the update's norm all-reduce joins messages, over the world, or with DiLoCo over the
+    replica (diloco.py), which then adds its outer state θ_start + b to the optimizer row, 2·Ψ_rank·b_o with b_o
+    the parameters' dtype promoted to fp32, and its Δ all-reduce over `diloco`, Ψ_rank·b_o once per H steps."""
+    config = s.settings.diloco
+    if config is None:
+        messages.add("all_reduce", "world", 1, 16)
+        return persistent, ()
+    messages.add("all_reduce", "replica", 1, 16)
+    outer = s.held["total"] * max(s.b_w, 4)  # torch.promote_types(working dtype, fp32)
+    messages.add("all_reduce", "diloco", 1 / config.inner_steps, outer / config.inner_steps)
+    persistent = dict(persistent, optimizer=persistent["optimizer"] + 2 * outer, total=persistent["total"] + 2 * outer)
+    shape = s.settings.shape
+    return persistent, tuple(report_axes.diloco_lines(config, outer, shape.replica_dp, s.settings.args.global_batch))
 
 
 def _formula_groups(shape: MeshShape, p: int) -> tuple:

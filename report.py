@@ -162,10 +162,11 @@ def predicted_messages(run, traced_steps: int = 0) -> Messages:
 
 def parameter_counts(run) -> tuple[int, int]:
     """(Ψ of the logical model, parameters this rank holds). Ψ adds, over the world, the copies that count
-    (shard.counts_here, with each parameter's data-parallel group as a replica axis): each logical element once."""
+    (shard.counts_here, with each parameter's data-parallel group as a replica axis, and DiLoCo's `diloco`: the R
+    replicas hold the same parameters): each logical element once."""
     coords = run.mesh.coordinates()
     params = list(run.model.parameters())
-    counted = sum(p.numel() for p in params if counts_here(p.shard_info, coords, (p.shard_info.grad_group,)))
+    counted = sum(p.numel() for p in params if counts_here(p.shard_info, coords, (p.shard_info.grad_group, "diloco")))
     psi = torch.tensor([counted], dtype=torch.float64, device=run.device)
     if dist.get_world_size() > 1:
         dist.all_reduce(psi)

@@ -106,10 +106,15 @@ AXIS_LINES["ddp"] = {"startup": ddp_startup_lines}
 def diloco_startup_lines(layout, run, steps: int = 0) -> list:
     """DiLoCo's replicas, its outer step, its state and its cross-replica bytes against DDP's (diloco.py's
     docstring, answers 1-3)."""
-    facts, shape = layout.wrapper_facts(), run.mesh.shape
-    c, b = facts.config, facts.outer_bytes
-    return [f"diloco: R={c.replicas} replicas of D/R={shape.replica_dp} data ranks (replica = d // (D/R)), each"
-            f" {run.settings.args.global_batch // c.replicas} sequences a step; H={c.inner_steps} inner AdamW steps,"
+    facts = layout.wrapper_facts()
+    return diloco_lines(facts.config, facts.outer_bytes, run.mesh.shape.replica_dp, run.settings.args.global_batch)
+
+
+def diloco_lines(c, b: float, replica_dp: int, global_batch: int) -> list:
+    """diloco_startup_lines from the figures (c: diloco.DiLoCoConfig, b: one copy of the outer state, the Δ
+    all-reduce's payload): what plan_search prints for a layout it never builds."""
+    return [f"diloco: R={c.replicas} replicas of D/R={replica_dp} data ranks (replica = d // (D/R)), each"
+            f" {global_batch // c.replicas} sequences a step; H={c.inner_steps} inner AdamW steps,"
             f" then Δ averaged over `diloco` (N={c.replicas}) and outer Nesterov SGD (lr {c.outer_lr}, momentum"
             f" {c.outer_momentum})",
             f"  outer state θ_start + momentum {mfu.format_bytes(2 * b)} (in the optimizer row); Δ all-reduce"

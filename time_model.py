@@ -54,6 +54,7 @@ import mfu
 import model as model_lib
 import moe_memory
 import report
+import report_axes
 import schedules
 import time_calibration
 from comm import Messages
@@ -87,6 +88,7 @@ class Role:
     first_gather: float  # ZeRO-3: bytes gathered before the first block can start (root + block 0)
     boundary_bytes: float = 0.0  # one pipeline message
     layer_share: float = 1.0  # this rank's layers over the mean (L/P): an uneven pipeline split's slow stage
+    notes: tuple = ()  # a wrapping layout's start-up lines (DiLoCo's outer state and Δ all-reduce), as a run prints
 
     @property
     def peak(self) -> float:
@@ -127,6 +129,8 @@ def role_of(run, device_type: str | None = None) -> Role:
             kv = 2 * run.micro_batch_size * run.seq_len // mesh.size("cp") * run.config.n_embd // mesh.size("tp")
             temporaries["ring CP: the K, V block in flight"] = 2 * kv * run.compute_dtype.itemsize
     params = list(run.model.parameters())
+    wrapper = getattr(layout, "wrapper", None)  # DiLoCo's (report_axes.AXIS_LINES names its printouts)
+    notes = tuple(report_axes.AXIS_LINES[wrapper]["startup"](layout, run)) if wrapper else ()
     ranks = {name: members for name, members in mesh.members.items()}
     ranks["world"] = list(range(mesh.shape.world_size))
     return Role(rank=mesh.rank, coords=mesh.shape.coords(mesh.rank), local_params=sum(p.numel() for p in params),
@@ -134,7 +138,7 @@ def role_of(run, device_type: str | None = None) -> Role:
                 persistent=persistent, activations=estimate,
                 temporaries=temporaries, messages=report.predicted_messages(run), group_ranks=ranks,
                 flops=run.flops, bubble=bubble, last_bucket=last_bucket, first_gather=first_gather,
-                boundary_bytes=boundary,
+                boundary_bytes=boundary, notes=notes,
                 layer_share=len(run.model.transformer.h) * mesh.shape.pp / run.config.n_layer)
 
 

@@ -42,6 +42,7 @@ CASES = [  # (flags, global batch, B_μ)
     (["--pp", "2", "--pp-schedule", "1f1b", "--n-layer", "4", "--zero", "3"], 8, 1),
     (["--pp", "2", "--pp-schedule", "interleaved", "--n-layer", "4", "--zero", "3"], 8, 1),
     (["--pp", "2", "--pp-schedule", "1f1b", "--n-layer", "4", "--zero", "3", "--dtype", "bf16"], 8, 1),
+    (["--diloco-h", "2", "--diloco-replicas", "2", "--zero", "1"], 8, 1),  # diloco.py: the outer state, Δ
 ]
 
 
@@ -57,7 +58,8 @@ def _settings(flags_list, global_batch, micro, world=WORLD, extra=()):
 def _figures(role, psi):
     return dict(psi=psi, params=role.local_params, persistent=role.persistent, activations=role.activations,
                 temporaries=role.temporaries, bubble=role.bubble,
-                messages={key: tuple(count) for key, count in role.messages.items()}, flops=role.flops.hardware)
+                messages={key: tuple(count) for key, count in role.messages.items()}, flops=role.flops.hardware,
+                notes=role.notes)
 
 
 def _real_startups(rank, world, cases):
@@ -231,6 +233,7 @@ def test_search_formulas_give_the_plans_figures(case):
         formula = plan_search.formula_role(settings, p)
         assert formula.local_params == built.local_params
         assert formula.persistent == built.persistent
+        assert formula.notes == built.notes  # DiLoCo's lines
         assert (formula.activations, formula.bubble) == (built.activations, built.bubble)
         assert sum(formula.temporaries.values()) == pytest.approx(sum(built.temporaries.values()), rel=1e-12)
         assert set(formula.messages) == set(built.messages)
@@ -245,6 +248,34 @@ def test_search_formulas_give_the_plans_figures(case):
         facts = time_model.layout_facts(settings)
         assert time_model.predict(formula, facts, hw).step == pytest.approx(time_model.predict(built, facts, hw).step,
                                                                             rel=0.01)
+
+
+def test_plan_prints_diloco_outer_state_and_delta(capsys):
+    """--plan with DiLoCo prints what a real start-up prints (report_axes.diloco_startup_lines): the outer state
+    θ_start + b, 2·Ψ_rank·4 bytes in the optimizer row, and the Δ all-reduce over `diloco`, Ψ_rank·4 bytes every
+    H steps: 1/H of DDP's gradient all-reduce of the same parameters (its row, less the step's scalars)."""
+    import plan
+
+    H = 10
+    plan.main(["--world", "8", "--preset", "tiny", "--global-batch", "16", "--micro-batch", "1", "--diloco-h", str(H),
+               "--diloco-replicas", "2"])
+    printed = capsys.readouterr().out
+    settings = _settings(["--plan", "--world", "8", "--diloco-h", str(H), "--diloco-replicas", "2"], 16, 1, world=8)
+    ddp = _settings(["--plan", "--world", "8"], 16, 1, world=8)
+    (role,), (plain,) = plan.plan_roles(settings), plan.plan_roles(ddp)
+    delta, grads = role.messages[("all_reduce", "diloco")], 4 * role.local_params  # Ψ_rank·4 bytes
+    assert (delta.calls, delta.payload * H) == (1 / H, grads)
+    assert 0 <= plain.messages[("all_reduce", "dp=dp_cp=expert_dp")].payload - grads <= 32  # + the step's scalars
+    assert role.persistent["optimizer"] - plain.persistent["optimizer"] == 2 * grads  # θ_start and b, fp32
+    assert "diloco: R=2 replicas of D/R=4 data ranks" in printed
+    assert f"outer state θ_start + momentum {mfu_bytes(2 * grads)} (in the optimizer row); Δ all-reduce payload" \
+           f" {mfu_bytes(grads)} every {H} steps = {mfu_bytes(grads / H)} a step" in printed
+
+
+def mfu_bytes(n):
+    import mfu
+
+    return mfu.format_bytes(n)
 
 
 def test_zero_paper_figure_1():
