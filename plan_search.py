@@ -5,12 +5,14 @@
 It enumerates the layouts (D, P, C ring, T with SP, E with --moe-experts, ZeRO stage, B_μ and m, schedule,
 activation checkpointing) that flags.validate accepts, gives each pipeline stage's time_model.Role from the formulas
 the start-up prints (memory.persistent_bytes per data-parallel group, zero.ZeroLayout's units and transients as
-`grad_sync_messages` and `_formula_temporaries` count them, tensor_parallel.step_messages,
+`grad_sync_messages` and `_formula_temporaries` count them, under a pipeline zero_pipeline.py's units per chunk
+(`chunk_units`, `_formula_zero_pipeline`: the action list's gathers and transient by zero_pipeline's own functions),
+DiLoCo's outer state and Δ all-reduce (`_formula_diloco`), tensor_parallel.step_messages,
 context_parallel.layer_messages, moe_accounting.step_messages, activations.estimate_of, schedules.bubble_formula and
 p2p_counts, mfu.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
 ranks by step time and prints the best ten with the term that limits each. Building a role on meta takes
 about a second for a large model, too slow for thousands of layouts; tests/test_plan.py checks that these
-figures equal --plan's built ones (dense, CP and EP layouts).
+figures equal --plan's built ones (dense, CP and EP layouts, ZeRO-2/3 under 1F1B and interleaving, DiLoCo).
 
 Accounting for this file: it allocates nothing and sends nothing (shapes and formulas only).
 """
