@@ -24,10 +24,11 @@ Training with it (`Replicas`, set up by moe.apply when --moe-replicas R is given
   adds the gradients of the slots holding the same logical expert: every replica then holds the logical
   expert's whole gradient, and the same AdamW update keeps the replicas bitwise equal (the all-reduce hands
   every rank the same sum). Under DDP each ep rank holds its slots' gradients whole: the sum runs over ep.
-  Under ZeRO 1/2 each expert_dp rank holds a flat range of them (and of the master weights and moments, read
-  through the layout's state_pieces and grad_pieces): the sum runs over dp×cp, each element added by the one
-  rank holding it. The grad norm and the checkpoint count one copy: replica 0 (`ShardInfo.replica`; the
-  layout recounts after a re-plan).
+  Under ZeRO each expert_dp rank holds a flat range of them (and of the master weights and moments; at stage 3
+  of the working weights too, which it gathers only around each block: the sum and the moves read and write
+  the shards, never a gathered weight), read through the layout's state_pieces and grad_pieces: the sum runs
+  over dp×cp, each element added by the one rank holding it. The grad norm and the checkpoint count one copy:
+  replica 0 (`ShardInfo.replica`; the layout recounts after a re-plan).
 - Re-planning. Each layer counts the kept slots routed to each logical expert in training (what loads it);
   once per step `after_grad_sync` sums them over dp×cp (and tp with --sp: the ranks holding the same layers
   see different tokens) and folds them into a moving average, load ← d·load + (1 − d)·step's, d =
@@ -42,7 +43,7 @@ Symbols: N, E, R as above, L_moe MoE layers this rank holds, Ψ_e one expert's p
 gradient element (DDP: the parameters'; ZeRO: its accumulation dtype's), e_o of the optimizer's (DDP: the
 parameters'; ZeRO: the master dtype's), K the kinds of state a slot carries (DDP 4: weights, gradient, two
 moments; ZeRO 5: and the master weights), n the re-plan interval, M the slots of all layers that move at a
-re-plan, g the gradient sum's group (ep under DDP, dp×cp under ZeRO 1/2).
+re-plan, g the gradient sum's group (ep under DDP, dp×cp under ZeRO 1/2/3).
 
 1. Replicated and split. Split E ways: the R physical slots (R/E per rank). Replicated: a hot expert's tensors
    on c_i slots, bitwise equal; the placement (phy2log, log2phy, logcnt) and each layer's two load averages
@@ -231,7 +232,7 @@ def place_slots(layer, slots: int, ep_group, ep_size: int, ep_index: int, device
     layer.ep_group, layer.ep_size = (ep_group, ep_size) if ep_size > 1 else (None, 1)
 
 
-def check_flags(slots: int, n_experts: int, ep: int, zero: int) -> None:
+def check_flags(slots: int, n_experts: int, ep: int) -> None:
     """Raise ValueError naming --moe-replicas when R cannot be placed (run by moe.config_from_flags). With
     --moe-groups a replica may lie outside its expert's group: the exchange sends to the ranks of the PHYSICAL
     slots, and moe_router.off_group counts what leaves a group from them (tests/test_moe.py's off-group run)."""
@@ -241,9 +242,7 @@ def check_flags(slots: int, n_experts: int, ep: int, zero: int) -> None:
             (slots % ep, f"--moe-replicas {slots} must be a multiple of --ep {ep} (R/E slots on each rank)"),
             (slots > n_experts * ep, f"--moe-replicas {slots} is more replicas than slots: each of the {ep} ranks"
                                      f" would hold {slots // ep} slots for {n_experts} experts (at most N·E ="
-                                     f" {n_experts * ep})"),
-            (zero > 2, f"--moe-replicas with --zero {zero}: the replicas' gradient sum and moves read whole working"
-                       f" weights, which stage 3 gathers only around each block; use --zero 0, 1 or 2")):
+                                     f" {n_experts * ep})")):
         if broken:
             raise ValueError(message)
 
@@ -279,6 +278,7 @@ class RedundantExperts:
         self.step = 0  # the training step (a resumed run starts at its checkpoint's): every n-th re-plans
         self.measured = ((), math.nan, math.nan)  # ReplicaFacts' measured_under, balance, in_place
         self.pieces, self.sharded = None, False  # the layout's state of each slot parameter (`slot_state`)
+        self.sharded_weights = False  # ZeRO-3: the weights too are each expert_dp rank's flat range
         self.shared_load_reduce = False  # the step's loads ride the router's all-reduce (set by moe.MoEAxis)
 
     def expert_size(self) -> int:
@@ -337,13 +337,15 @@ class RedundantExperts:
 
     def slot_state(self, layout) -> dict:
         """{slot parameter: [(kind, this rank's tensor of it, (lo, hi) its place in the parameter's flat
-        elements)]}: its weights (whole), gradient and AdamW state, read through the layout's protocol
-        (state_pieces, grad_pieces): whole under DDP; under ZeRO 1/2 this rank's flat range of the gradient,
-        master weights and moments (`sharded`: those are then summed over dp×cp, not ep). Read once: a re-plan
+        elements)]}: its weights, gradient and AdamW state, read through the layout's protocol (state_pieces,
+        grad_pieces): whole under DDP; under ZeRO this rank's flat range of the gradient, master weights and
+        moments (`sharded`: those are then summed over dp×cp, not ep), the weights whole at stages 1/2, a flat
+        range at stage 3 (`sharded_weights`; the next forward gathers the moved range). Read once: a re-plan
         moves values, never parameters or pieces."""
         if self.pieces is None:
             pieces = layout.state_pieces()
             self.sharded = any(piece.key.startswith("master/") for piece in pieces)
+            self.sharded_weights = any(piece.key.startswith("param/") and piece.flat_range for piece in pieces)
             by_record = {}
             for piece in pieces:
                 by_record.setdefault(id(piece.shard), []).append(piece)
@@ -361,10 +363,11 @@ class RedundantExperts:
     def summed_over(self, kind: str) -> tuple:
         """(the group a slot's `kind` is summed over, whether this rank adds its copy): ep when each ep rank holds
         its slots whole (DDP); dp×cp when the layout shards them over expert_dp (ZeRO), the weights (whole on
-        every expert_dp rank) added by expert_dp rank 0 only."""
+        every expert_dp rank at stages 1/2) added by expert_dp rank 0 only (stage 3: each rank its flat range)."""
         if not self.sharded:
             return "ep", True
-        return "dp_cp", kind != "param" or dist.get_rank(self.groups["expert_dp"]) == 0
+        whole = kind == "param" and not self.sharded_weights
+        return "dp_cp", not whole or dist.get_rank(self.groups["expert_dp"]) == 0
 
     def sum_replica_grads(self, layout) -> None:
         """Every slot of a replicated expert gets the sum of all its slots' gradients: one all-reduce of R − N
