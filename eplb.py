@@ -470,20 +470,30 @@ class RedundantExperts:
         return self.messages(self.steps / steps, self.replans / steps, [m / steps for m in self.moved])
 
     def messages(self, steps: float, replans: float, moved) -> Messages:
-        """The gradient sums' all-reduce (no layout seen yet: as DDP's, over ep, in the weights' dtype), the
-        loads', the moves', for `steps` steps and `replans` re-plans."""
+        """`step_messages` of these layers: the gradient pieces' dtype (no layout seen yet: as DDP's, over ep, in
+        the weights' dtype; ZeRO: its accumulation dtype)."""
         like = next(self.layers[0].experts.parameters())
-        if self.pieces is not None:  # the gradient pieces' dtype (ZeRO: its accumulation dtype)
+        if self.pieces is not None:
             like = next(t for p in self.pieces for kind, t, _ in self.pieces[p] if kind == "grad")
-        group, out, layers = self.summed_over("grad")[0], Messages(), len(self.layers)
-        if self.slots > self.n:
-            out.add("all_reduce", group, steps, steps * layers * (self.slots - self.n) * self.expert_size()
-                    * like.element_size())
-        for name in self.load_groups:  # the step's loads [N] every step (in the router's call when it reduces
-            # too: moe_router.finish_step), the window [N + E] per re-plan
-            calls = replans + (0 if self.shared_load_reduce else steps)
-            out.add("all_reduce", name, calls, (steps * self.n + replans * (self.n + self.ep)) * layers * 8)
-        return out.add("all_reduce", self.summed_over("exp_avg")[0], *moved)
+        return step_messages(len(self.layers), self.n, self.slots, self.ep, self.expert_size() * like.element_size(),
+                             self.summed_over("grad")[0], list(self.load_groups), steps, replans, moved,
+                             self.shared_load_reduce)
+
+
+def step_messages(moe_layers: int, n: int, slots: int, ep: int, expert_bytes: int, sum_group: str, load_groups: list,
+                  steps: float = 1.0, replans: float = 0.0, moved=(0, 0), shared_load_reduce: bool = False) -> Messages:
+    """Docstring item 3 for `steps` steps and `replans` re-plans, pure (plan_search.py sizes a layout from it):
+    the gradient sum over `sum_group` (g: ep under DDP, dp_cp under ZeRO), L_moe·(R − N)·Ψ_e·e_g a step
+    (expert_bytes = Ψ_e·e_g); over each of `load_groups` (the names of size > 1) the step's loads [N] (in the
+    router's call when it reduces too: moe_router.finish_step) and the window [N + E] per re-plan; the moves
+    (calls, bytes) over g."""
+    out = Messages()
+    if slots > n:
+        out.add("all_reduce", sum_group, steps, steps * moe_layers * (slots - n) * expert_bytes)
+    for name in load_groups:
+        calls = replans + (0 if shared_load_reduce else steps)
+        out.add("all_reduce", name, calls, (steps * n + replans * (n + ep)) * moe_layers * 8)
+    return out.add("all_reduce", sum_group, *moved)
 
 
 def expert_name(global_name: str, expert: int) -> str:
