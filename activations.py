@@ -99,32 +99,34 @@ def activation_estimate(run, device_type: str | None = None) -> ActivationEstima
         in_flight, chunks = schedules.in_flight(pp.programs[pp.rank])[0], pp.v
         local_chunks = pipeline_chunks(run.config.n_layer, pp.P, pp.v, pp.rank)
     x, ends, shape = activation_shape(run, device_type), (model.has_embedding, model.has_head), run.settings.shape
-    gathered = (zero3_saved_weights(run.config, x, layer_ids, ends, shape.ep, shape.dp * shape.cp, local_chunks)
-                if run.settings.args.zero == 3 else {})
+    slots = getattr(run.settings.args, "moe_replicas", 0)  # R/E physical experts a rank holds (eplb.py)
+    gathered = (zero3_saved_weights(run.config, x, layer_ids, ends, shape.ep, shape.dp * shape.cp, local_chunks,
+                                    slots) if run.settings.args.zero == 3 else {})
     # A precision recipe's linears (precision_recipe.RecipeLinear) save the weight parameter itself: no copy.
     recipe = next((axis for axis in run.axes if axis.name == "precision"), None)
     copy_free = len({int(name.split(".")[2]) for name in recipe.linears} & set(layer_ids)) if recipe else 0
-    return estimate_of(run.config, x, layer_ids, ends, shape.ep, (in_flight, chunks), gathered, copy_free)
+    return estimate_of(run.config, x, layer_ids, ends, shape.ep, (in_flight, chunks), gathered, copy_free, slots)
 
 
 def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int,
                 pipeline_flight: tuple = (1, 1), gathered: dict | None = None,
-                copy_free: int = 0) -> ActivationEstimate:
+                copy_free: int = 0, slots: int = 0) -> ActivationEstimate:
     """activation_estimate from the shapes: the blocks `layer_ids`, ends = (has embedding, has head), the
     expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v), `gathered` ZeRO-3's units the
     forward leaves saved, by name (zero3_saved_weights; none for other layouts), copy_free: how many of the dense
     blocks run their linears without autocast's weight copies (a precision recipe's: it quantises the weight itself
-    and saves the parameter, so 12h²·w/T fewer bytes each)."""
+    and saves the parameter, so 12h²·w/T fewer bytes each); slots: R with --moe-replicas (R/E experts a rank holds)."""
     n_moe = sum(config.is_moe_layer(layer_id) for layer_id in layer_ids)
     held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
     n_blocks = sum(held.values())
     # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
     # (whole on every TP rank).
-    experts = moe_block_bytes(config, x, ep) if n_moe else (0, 0)
+    experts = moe_block_bytes(config, x, ep, slots) if n_moe else (0, 0)
     recomputed, recomputing = 0.0, config.activation_checkpointing or config.selective_recompute
     if config.activation_checkpointing:  # the inputs stay; backward rebuilds one block, its copies with it
         blocks = {f"{n_blocks} block inputs": memory.block_input_bytes(x) * n_blocks}
-        rebuilt = block_bytes(replace(x, regather=False), moe_block_bytes(config, replace(x, regather=False), ep))
+        rebuilt_x = replace(x, regather=False)
+        rebuilt = block_bytes(rebuilt_x, moe_block_bytes(config, rebuilt_x, ep, slots))
         if held["dense"] and copy_free >= held["dense"]:  # every dense block rebuilt without copies
             rebuilt["dense"] = (rebuilt["dense"][0], 0.0)
         recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - memory.block_input_bytes(x)
@@ -160,7 +162,7 @@ def pipeline_chunks(n_layer: int, P: int, v: int, pp_rank: int) -> list:
 
 
 def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int, dp_cp: int,
-                        chunks: list | None = None) -> dict:
+                        chunks: list | None = None, slots: int = 0) -> dict:
     """ZeRO-3's gathered weights that a forward's saved tensors still reference when it ends, by name: b_w = e_r
     bytes per element of each unit, padded to n' = ⌈n/D⌉·D (zero3.py); a saved weight is a view of its unit's
     storage, so the whole unit counts once. Dense units sync over dp_cp (D·C ranks), experts over expert_dp (D·C/E).
@@ -188,14 +190,16 @@ def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends
 
     recomputing = config.activation_checkpointing or config.selective_recompute
     if chunks is None or len(chunks) == 1 and chunks[0][1] and chunks[0][2]:  # no pipeline: zero3.py's units
-        root = unit_bytes(memory.param_counts(config, x.t, ep, layers=[], embedding=ends[0], head=ends[1]))
+        root = unit_bytes(memory.param_counts(config, x.t, ep, layers=[], embedding=ends[0], head=ends[1],
+                                              slots=slots))
         last = 0.0 if recomputing or not layer_ids else unit_bytes(
-            memory.param_counts(config, x.t, ep, layers=layer_ids[-1:], embedding=False, head=False))
+            memory.param_counts(config, x.t, ep, layers=layer_ids[-1:], embedding=False, head=False,
+                                 slots=slots))
         return {ZERO3_GATHERED: root + last}
     tied = config.vocab_size * x.h // x.t
     blocks, head = 0.0, 0.0
     for layers, embedding, has_head in chunks:
-        counts = memory.param_counts(config, x.t, ep, layers, embedding, has_head)
+        counts = memory.param_counts(config, x.t, ep, layers, embedding, has_head, slots=slots)
         if not recomputing or has_head:  # the dense unit: its blocks' weights, or ln_f's
             blocks += padded(counts["dp_cp"] - tied * (embedding + has_head), dp_cp) * x.e_r
         if counts["expert_dp"] and not recomputing:
@@ -206,16 +210,17 @@ def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends
             f"{ZERO3_GATHERED}: the head's tied copy": head}
 
 
-def moe_block_bytes(config, x: memory.ActivationShape, ep: int) -> tuple:
+def moe_block_bytes(config, x: memory.ActivationShape, ep: int, slots: int = 0) -> tuple:
     """(activations, autocast weight copies) of one MoE block's MLP: the router and routed experts (moe.py's
-    terms, uniform routing; the experts whole on every TP rank, N/E on this one) and the S shared experts
-    (moe_shared.py: split by TP, their c_fc input a shard under SP unless the block is recomputed)."""
+    terms, uniform routing; the experts whole on every TP rank, N/E on this one, R/E with R = `slots`) and the S
+    shared experts (moe_shared.py: split by TP, their c_fc input a shard under SP unless the block is recomputed)."""
     tokens, router_bytes = x.s * x.b, max(4, x.e_r)
     routed = x.s * x.b // (x.t if x.sp else 1)
     whole_input = x.sp and not x.regather  # SP's c_fc keeps the gathered input (FP8, a recomputed block)
     shared = moe_shared.saved_bytes(config, tokens, x.t, x.e_c, router_bytes, tokens if whole_input else routed,
                                     True if whole_input else None, x.fp8)
-    weights = config.moe_experts // ep + config.moe_shared_experts / x.t  # (held routed, TP's share of shared) 8h²
+    # (held routed, TP's share of shared) 8h²
+    weights = (slots or config.moe_experts) // ep + config.moe_shared_experts / x.t
     copies = 0 if x.fp8 else weights * 8 * x.h * x.h * x.weight_copy
     fp8 = fp8_experts.saved_bytes_delta(routed, config.moe_topk, config.moe_experts, x.h, x.e_c) if x.fp8 else 0
     return (moe_accounting.layer_activation_bytes(config, routed, x.e_c, router_bytes,

@@ -24,10 +24,11 @@ Training with it (`Replicas`, set up by moe.apply when --moe-replicas R is given
   adds the gradients of the slots holding the same logical expert: every replica then holds the logical
   expert's whole gradient, and the same AdamW update keeps the replicas bitwise equal (the all-reduce hands
   every rank the same sum). Under DDP each ep rank holds its slots' gradients whole: the sum runs over ep.
-  Under ZeRO 1/2 each expert_dp rank holds a flat range of them (and of the master weights and moments, read
-  through the layout's state_pieces and grad_pieces): the sum runs over dp×cp, each element added by the one
-  rank holding it. The grad norm and the checkpoint count one copy: replica 0 (`ShardInfo.replica`; the
-  layout recounts after a re-plan).
+  Under ZeRO each expert_dp rank holds a flat range of them (and of the master weights and moments; at stage 3
+  of the working weights too, which it gathers only around each block: the sum and the moves read and write
+  the shards, never a gathered weight), read through the layout's state_pieces and grad_pieces: the sum runs
+  over dp×cp, each element added by the one rank holding it. The grad norm and the checkpoint count one copy:
+  replica 0 (`ShardInfo.replica`; the layout recounts after a re-plan).
 - Re-planning. Each layer counts the kept slots routed to each logical expert in training (what loads it);
   once per step `after_grad_sync` sums them over dp×cp (and tp with --sp: the ranks holding the same layers
   see different tokens) and folds them into a moving average, load ← d·load + (1 − d)·step's, d =
@@ -42,7 +43,7 @@ Symbols: N, E, R as above, L_moe MoE layers this rank holds, Ψ_e one expert's p
 gradient element (DDP: the parameters'; ZeRO: its accumulation dtype's), e_o of the optimizer's (DDP: the
 parameters'; ZeRO: the master dtype's), K the kinds of state a slot carries (DDP 4: weights, gradient, two
 moments; ZeRO 5: and the master weights), n the re-plan interval, M the slots of all layers that move at a
-re-plan, g the gradient sum's group (ep under DDP, dp×cp under ZeRO 1/2).
+re-plan, g the gradient sum's group (ep under DDP, dp×cp under ZeRO 1/2/3).
 
 1. Replicated and split. Split E ways: the R physical slots (R/E per rank). Replicated: a hot expert's tensors
    on c_i slots, bitwise equal; the placement (phy2log, log2phy, logcnt) and each layer's two load averages
@@ -231,7 +232,7 @@ def place_slots(layer, slots: int, ep_group, ep_size: int, ep_index: int, device
     layer.ep_group, layer.ep_size = (ep_group, ep_size) if ep_size > 1 else (None, 1)
 
 
-def check_flags(slots: int, n_experts: int, ep: int, zero: int) -> None:
+def check_flags(slots: int, n_experts: int, ep: int) -> None:
     """Raise ValueError naming --moe-replicas when R cannot be placed (run by moe.config_from_flags). With
     --moe-groups a replica may lie outside its expert's group: the exchange sends to the ranks of the PHYSICAL
     slots, and moe_router.off_group counts what leaves a group from them (tests/test_moe.py's off-group run)."""
@@ -241,9 +242,7 @@ def check_flags(slots: int, n_experts: int, ep: int, zero: int) -> None:
             (slots % ep, f"--moe-replicas {slots} must be a multiple of --ep {ep} (R/E slots on each rank)"),
             (slots > n_experts * ep, f"--moe-replicas {slots} is more replicas than slots: each of the {ep} ranks"
                                      f" would hold {slots // ep} slots for {n_experts} experts (at most N·E ="
-                                     f" {n_experts * ep})"),
-            (zero > 2, f"--moe-replicas with --zero {zero}: the replicas' gradient sum and moves read whole working"
-                       f" weights, which stage 3 gathers only around each block; use --zero 0, 1 or 2")):
+                                     f" {n_experts * ep})")):
         if broken:
             raise ValueError(message)
 
@@ -279,6 +278,7 @@ class RedundantExperts:
         self.step = 0  # the training step (a resumed run starts at its checkpoint's): every n-th re-plans
         self.measured = ((), math.nan, math.nan)  # ReplicaFacts' measured_under, balance, in_place
         self.pieces, self.sharded = None, False  # the layout's state of each slot parameter (`slot_state`)
+        self.sharded_weights = False  # ZeRO-3: the weights too are each expert_dp rank's flat range
         self.shared_load_reduce = False  # the step's loads ride the router's all-reduce (set by moe.MoEAxis)
 
     def expert_size(self) -> int:
@@ -337,13 +337,15 @@ class RedundantExperts:
 
     def slot_state(self, layout) -> dict:
         """{slot parameter: [(kind, this rank's tensor of it, (lo, hi) its place in the parameter's flat
-        elements)]}: its weights (whole), gradient and AdamW state, read through the layout's protocol
-        (state_pieces, grad_pieces): whole under DDP; under ZeRO 1/2 this rank's flat range of the gradient,
-        master weights and moments (`sharded`: those are then summed over dp×cp, not ep). Read once: a re-plan
+        elements)]}: its weights, gradient and AdamW state, read through the layout's protocol (state_pieces,
+        grad_pieces): whole under DDP; under ZeRO this rank's flat range of the gradient, master weights and
+        moments (`sharded`: those are then summed over dp×cp, not ep), the weights whole at stages 1/2, a flat
+        range at stage 3 (`sharded_weights`; the next forward gathers the moved range). Read once: a re-plan
         moves values, never parameters or pieces."""
         if self.pieces is None:
             pieces = layout.state_pieces()
             self.sharded = any(piece.key.startswith("master/") for piece in pieces)
+            self.sharded_weights = any(piece.key.startswith("param/") and piece.flat_range for piece in pieces)
             by_record = {}
             for piece in pieces:
                 by_record.setdefault(id(piece.shard), []).append(piece)
@@ -361,10 +363,11 @@ class RedundantExperts:
     def summed_over(self, kind: str) -> tuple:
         """(the group a slot's `kind` is summed over, whether this rank adds its copy): ep when each ep rank holds
         its slots whole (DDP); dp×cp when the layout shards them over expert_dp (ZeRO), the weights (whole on
-        every expert_dp rank) added by expert_dp rank 0 only."""
+        every expert_dp rank at stages 1/2) added by expert_dp rank 0 only (stage 3: each rank its flat range)."""
         if not self.sharded:
             return "ep", True
-        return "dp_cp", kind != "param" or dist.get_rank(self.groups["expert_dp"]) == 0
+        whole = kind == "param" and not self.sharded_weights
+        return "dp_cp", not whole or dist.get_rank(self.groups["expert_dp"]) == 0
 
     def sum_replica_grads(self, layout) -> None:
         """Every slot of a replicated expert gets the sum of all its slots' gradients: one all-reduce of R − N
@@ -467,20 +470,30 @@ class RedundantExperts:
         return self.messages(self.steps / steps, self.replans / steps, [m / steps for m in self.moved])
 
     def messages(self, steps: float, replans: float, moved) -> Messages:
-        """The gradient sums' all-reduce (no layout seen yet: as DDP's, over ep, in the weights' dtype), the
-        loads', the moves', for `steps` steps and `replans` re-plans."""
+        """`step_messages` of these layers: the gradient pieces' dtype (no layout seen yet: as DDP's, over ep, in
+        the weights' dtype; ZeRO: its accumulation dtype)."""
         like = next(self.layers[0].experts.parameters())
-        if self.pieces is not None:  # the gradient pieces' dtype (ZeRO: its accumulation dtype)
+        if self.pieces is not None:
             like = next(t for p in self.pieces for kind, t, _ in self.pieces[p] if kind == "grad")
-        group, out, layers = self.summed_over("grad")[0], Messages(), len(self.layers)
-        if self.slots > self.n:
-            out.add("all_reduce", group, steps, steps * layers * (self.slots - self.n) * self.expert_size()
-                    * like.element_size())
-        for name in self.load_groups:  # the step's loads [N] every step (in the router's call when it reduces
-            # too: moe_router.finish_step), the window [N + E] per re-plan
-            calls = replans + (0 if self.shared_load_reduce else steps)
-            out.add("all_reduce", name, calls, (steps * self.n + replans * (self.n + self.ep)) * layers * 8)
-        return out.add("all_reduce", self.summed_over("exp_avg")[0], *moved)
+        return step_messages(len(self.layers), self.n, self.slots, self.ep, self.expert_size() * like.element_size(),
+                             self.summed_over("grad")[0], list(self.load_groups), steps, replans, moved,
+                             self.shared_load_reduce)
+
+
+def step_messages(moe_layers: int, n: int, slots: int, ep: int, expert_bytes: int, sum_group: str, load_groups: list,
+                  steps: float = 1.0, replans: float = 0.0, moved=(0, 0), shared_load_reduce: bool = False) -> Messages:
+    """Docstring item 3 for `steps` steps and `replans` re-plans, pure (plan_search.py sizes a layout from it):
+    the gradient sum over `sum_group` (g: ep under DDP, dp_cp under ZeRO), L_moe·(R − N)·Ψ_e·e_g a step
+    (expert_bytes = Ψ_e·e_g); over each of `load_groups` (the names of size > 1) the step's loads [N] (in the
+    router's call when it reduces too: moe_router.finish_step) and the window [N + E] per re-plan; the moves
+    (calls, bytes) over g."""
+    out = Messages()
+    if slots > n:
+        out.add("all_reduce", sum_group, steps, steps * moe_layers * (slots - n) * expert_bytes)
+    for name in load_groups:
+        calls = replans + (0 if shared_load_reduce else steps)
+        out.add("all_reduce", name, calls, (steps * n + replans * (n + ep)) * moe_layers * 8)
+    return out.add("all_reduce", sum_group, *moved)
 
 
 def expert_name(global_name: str, expert: int) -> str:

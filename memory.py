@@ -112,7 +112,8 @@ def persistent_bytes(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool = True, head: bool = True) -> dict:
+def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool = True, head: bool = True,
+                 slots: int = 0) -> dict:
     """Parameters by the shapes, no model built: the logical model's by default, or what one rank holds (`layers`,
     `embedding`, `head`: a pipeline stage, as model.GPT takes them; its 1/T of what tensor parallel splits; its
     N/E experts of each MoE block). h = n_embd, b = 1 with biases, V = vocab_size, N experts, top-k. Per block:
@@ -131,7 +132,7 @@ def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool 
     checkpointing recomputes), dense_linears (the blocks' nn.Linear weights outside routed experts and routers;
     the shared experts among them), fp8_matmul (those and a token's k routed experts: what --fp8 runs in FP8).
     What the rank holds, by the group that sums its gradients: dp_cp (split/T + replicated + router), expert_dp
-    (experts/E), and per_rank, their sum.
+    (experts/E; with R = `slots` physical slots, --moe-replicas (eplb.py): L_moe·(R/E)·Ψ_e), and per_rank, their sum.
     """
     h, V, b, n, k = config.n_embd, config.vocab_size, int(config.bias), config.moe_experts, config.moe_topk
     layers = list(range(config.n_layer) if layers is None else layers)
@@ -151,7 +152,8 @@ def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool 
     non_expert = split + replicated + router  # every token's (the shared experts among them)
     dense_linears = len(layers) * 4 * h * h + dense_layers * 8 * h * h + moe_layers * shared_experts["matmul"]
     block_matmul = dense_linears + router + moe_layers * k * 8 * h * h
-    dp_cp, expert_dp = split // tp + replicated + router, experts // ep
+    expert_dp = moe_layers * slots // ep * expert if slots else experts // ep
+    dp_cp = split // tp + replicated + router
     return dict(split=split, replicated=replicated, router=router, experts=experts, expert=expert,
                 moe_layers=moe_layers,
                 shared_experts=moe_layers * (shared_experts["split"] + shared_experts["replicated"]),

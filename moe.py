@@ -415,7 +415,7 @@ def config_from_flags(args, settings) -> MoEConfig | None:
         return None
     replicas = getattr(args, "moe_replicas", 0)
     if replicas:
-        eplb.check_flags(replicas, settings.model.moe_experts, settings.shape.ep, args.zero)
+        eplb.check_flags(replicas, settings.model.moe_experts, settings.shape.ep)
     return MoEConfig(settings.shape.ep, settings.sequence_parallel, args.cp_balance if settings.shape.cp > 1 else None,
                      replicas, getattr(args, "moe_replan_every", 50), getattr(args, "moe_load_decay", 0.9))
 

@@ -67,9 +67,10 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    the shared experts', B0), and can exceed the forward: a BlockPeak's `above_saved` is the larger, which the
    step's peak uses. Measured equal on one device and, where the receiver's mul sets it, under EP (E = 2;
    each source's rows a GEMM of their own after the fan-out); a lower bound where another moment of the EP
-   backward rises higher (seen with capacity, by 32 bytes), and a router with N ≫ h rises in its own backward
-   ([T, N] gradients): not written. FP8 experts (fp8_experts.py): their quantised copies and padded rows are
-   not written here (fp8_experts.padding_bytes counts the padding's saved bytes).
+   backward rises higher (seen with capacity, by 32 bytes). A router with N ≫ h rises in its own backward,
+   its [T, N] gradients (B2, `router_rise`; the aux losses' own [T, N] gradients in a step: not written).
+   FP8 experts (fp8_experts.py): their quantised copies and padded rows are not written here
+   (fp8_experts.padding_bytes counts the padding's saved bytes).
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
 
@@ -244,7 +245,8 @@ def block_peak(x: DispatchShape) -> BlockPeak:
                      backward_rise(x))
 
 
-BACKWARD_MOMENTS = {"B0": "the shared experts' c_proj backward", "B1": "the combine's mul backward"}
+BACKWARD_MOMENTS = {"B0": "the shared experts' c_proj backward", "B1": "the combine's mul backward",
+                    "B2": "the router's top-k gather backward"}
 
 
 def backward_rise(x: DispatchShape) -> tuple:
@@ -272,11 +274,27 @@ def backward_rise(x: DispatchShape) -> tuple:
         rows = x.expert_rows
         combine = 2 * rows * h * e_w + (rows * h * e_c if e_c != e_w else rows * x.e_r) - S * h * e_c - mask
     if not Q:
-        return "B1", combine
+        return max(("B1", combine), ("B2", router_rise(x)), key=lambda m: m[1])
     grads = (T * h * e_c if e_c != x.e_x else 0) + ((4 * Q * h * h + h * (x.expert_params > 8 * h * h)) * e_c
                                                     if e_c != x.weight_bytes else 0)
     shared = 4 * Q * T * h * e_c + grads + (T * h * x.e_x - mask if mask else 0)
-    return max(("B0", shared), ("B1", combine - 8 * Q * T * h * e_c + T * h * x.e_x), key=lambda m: m[1])
+    return max(("B0", shared), ("B1", combine - 8 * Q * T * h * e_c + T * h * x.e_x), ("B2", router_rise(x)),
+               key=lambda m: m[1])
+
+
+def router_rise(x: DispatchShape) -> int:
+    """B2, the router's backward at the top-k gather's (scatter_add into zeros [T, N]), the layer's last:
+    made by then, the tokens' gradient T·h·e_x (and the shared experts' input's, Q > 0), the weights' T·k·e_r
+    and the zeros and scatter's [T, N]·e_r each; every saved tensor freed but the router's own, its logits and
+    scores 2·T·N·e_r, top-k choices T·k·8, statistics e_r·(T + 4N + 3), sigmoid's scores' sum T·e_r and the
+    input's and weight's casts. Measured equal at E = 1 (it rises above B1 when N ≫ h: N = 64, h = 8) with
+    the block's output gradient alone: a step's aux losses add their own [T, N] gradients (not written)."""
+    T, N, k, h, e_r = x.tokens, x.experts, x.topk, x.hidden, x.e_r
+    saved = sum(nbytes for _, nbytes, kept, _ in terms(x) if kept)
+    held = (2 * T * N * e_r + T * k * 8 + e_r * (T + 4 * N + 3) + (T * e_r if x.score == "sigmoid" else 0)
+            + (T * h * e_r if x.e_x < e_r else 0) + (N * h * e_r if x.weight_bytes < e_r else 0))
+    made = T * h * x.e_x * (1 + bool(x.shared)) + T * k * e_r + 2 * T * N * e_r
+    return made - (saved - held)
 
 
 def attention_above_saved(x, bias: bool = True) -> int:

@@ -10,9 +10,12 @@ the start-up prints (memory.persistent_bytes per data-parallel group, zero.ZeroL
 DiLoCo's outer state and Δ all-reduce (`_formula_diloco`), tensor_parallel.step_messages,
 context_parallel.layer_messages, moe_accounting.step_messages, activations.estimate_of, schedules.bubble_formula and
 p2p_counts, mfu.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
-ranks by step time and prints the best ten with the term that limits each. Building a role on meta takes
-about a second for a large model, too slow for thousands of layouts; tests/test_plan.py checks that these
-figures equal --plan's built ones (dense, CP and EP layouts, ZeRO-2/3 under 1F1B and interleaving, DiLoCo).
+ranks by step time and prints the best ten with the term that limits each. --moe-replicas R is kept as given
+(the E that R/E slots fit: eplb.check_flags): R/E experts a block, eplb.step_messages' gradient sum, loads and
+re-plan windows. R itself is not searched: at the uniform load the time model assumes, replicas add memory and
+messages and balance nothing. Building a role on meta takes about a second for a large model, too slow for
+thousands of layouts; tests/test_plan.py checks that these figures equal --plan's built ones (dense, CP, EP and
+replicas layouts, ZeRO-2/3 under 1F1B and interleaving, DiLoCo).
 
 Accounting for this file: it allocates nothing and sends nothing (shapes and formulas only).
 """
@@ -27,6 +30,7 @@ from itertools import product
 import activations
 import context_parallel
 import ddp
+import eplb
 import flags
 import hardware
 import memory
@@ -63,17 +67,17 @@ def stage_holding(config, P: int, v: int, p: int) -> tuple:
     return layer_ids, 0 in chunks, P * v - 1 in chunks
 
 
-def stage_params(config, shape: MeshShape, v: int, p: int) -> dict:
+def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0) -> dict:
     """pp rank p's parameters by the shapes (memory.param_counts of what it holds, T and E as the shape says),
     per data-parallel group ("dp_cp": dense, "expert_dp": experts): "blocks" each held block's, "root" the
     embedding's (first chunk) and ln_f's and the head's tied copy (last chunk), "replicated" what TP replicates
     (the SP gradient sum's), "moe_replicated" the routers' and this rank's experts (MoE's own SP sum,
     moe_accounting.step_messages). "runs": (group, elements) in registration order, adjacent tensors of one group
-    together (a bucket or ZeRO unit never spans two groups)."""
+    together (a bucket or ZeRO unit never spans two groups). slots: R with --moe-replicas (R/E experts a block)."""
     layer_ids, embedding, head = stage_holding(config, shape.pp, v, p)
 
     def held(layers, embedding: bool = False, head: bool = False) -> dict:
-        return memory.param_counts(config, shape.tp, shape.ep, layers, embedding, head)
+        return memory.param_counts(config, shape.tp, shape.ep, layers, embedding, head, slots)
 
     whole = held(layer_ids, embedding, head)
     first = held([], embedding)["dp_cp"]
@@ -120,7 +124,7 @@ def _stage_of(settings, p: int) -> _Stage:
     b_g = b_w if m == 1 or stage == 0 else b_m
     summed_once = stage == 1 or stage >= 2 and shape.pp > 1  # zero_pipeline.py sends the step's sum, once
     D = shape.replica_dp  # DiLoCo: the layout's groups stay inside a replica of D/R data ranks
-    return _Stage(settings, p, v, held=stage_params(settings.model, shape, v, p),
+    return _Stage(settings, p, v, held=stage_params(settings.model, shape, v, p, args.moe_replicas),
                   sizes={"dp_cp": D * C, "expert_dp": D * C // shape.ep}, compute=compute, param=param,
                   b_w=b_w, b_c=compute.itemsize, b_m=b_m, b_g=b_g, b_r=b_g if summed_once else b_w)
 
@@ -145,11 +149,13 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     x = activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param)
     ends = (s.held["embedding"], s.held["head"])
     chunks = activations.pipeline_chunks(config.n_layer, shape.pp, s.v, p) if shape.pp > 1 else None
+    slots = settings.args.moe_replicas
     gathered = (activations.zero3_saved_weights(config, x, s.held["layer_ids"], ends, shape.ep, shape.dp * shape.cp,
-                                                chunks) if settings.args.zero == 3 else {})
+                                                chunks, slots) if settings.args.zero == 3 else {})
     return Role(rank=rank, coords=shape.coords(rank), local_params=s.held["total"], logical={},
                 persistent=persistent,
-                activations=activations.estimate_of(config, x, s.held["layer_ids"], ends, shape.ep, flight, gathered),
+                activations=activations.estimate_of(config, x, s.held["layer_ids"], ends, shape.ep, flight, gathered,
+                                                    slots=slots),
                 temporaries=temporaries, messages=messages.named(lambda name: alias.get(name, name)),
                 group_ranks=ranks, notes=notes,
                 flops=mfu.flops_per_token(memory.param_counts(config), config, settings.seq_len, x.kernel),
@@ -249,14 +255,21 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
             temporaries["ring CP: the K, V block in flight"] = 2 * 2 * micro * seq * config.n_embd // T * s.b_c
     if n_moe:
         tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
-        traffic = moe_accounting.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro)
+        replicas = settings.args.moe_replicas  # R physical slots (eplb.py), 0: none
+        traffic = moe_accounting.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro, replicas)
         shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
         sp_grad_bytes = int(s.b_g * held["moe_replicated"] / shard) if sp else 0
         messages = messages + moe_accounting.step_messages(traffic, sp_grad_bytes)
+        groups = [name for name, size in (("dp_cp", shape.replica_dp * C), ("tp", tp_sp)) if size > 1]
         if config.moe_bias_rate > 0:  # the step's loads, summed over the batch's ranks (moe_router item 3)
-            groups = [name for name, size in (("dp_cp", shape.replica_dp * C), ("tp", tp_sp)) if size > 1]
             for message in moe_router.load_messages(n_moe, config.moe_experts, groups):
                 messages = messages + Messages().add(*message)
+        if replicas:  # their gradient sum (ZeRO: the shards, in the accumulation dtype), loads, re-plans' windows
+            expert_bytes = (s.b_g if stage else s.b_w) * memory.param_counts(config)["expert"]
+            messages = messages + eplb.step_messages(
+                n_moe, config.moe_experts, replicas, E, expert_bytes, "dp_cp" if stage else "ep", groups,
+                replans=1 / settings.args.moe_replan_every if E > 1 else 0,
+                shared_load_reduce=config.moe_bias_rate > 0)
         peak = moe_memory.rank_peak(traffic, activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param))
         temporaries[peak.temporary()] = peak.above_saved
     return messages

@@ -49,6 +49,7 @@ Accounting (zero.py's symbols; its docstring gives all three stages side by side
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -247,12 +248,24 @@ class Zero3Layout(ZeroLayout):
         exactly (a unit with a codec too), copied and freed again, outside the schedule's peak (for tests)."""
         out = {}
         for unit in self.units:
-            self._free([unit])
-            self._start_gather(unit, exact=True)
-            self._finish_gather(unit)
-            out.update({p.shard_info.global_name: p.detach().clone() for p in unit.params})
-            self._free([unit])
+            with self.gathered([unit]):
+                out.update({p.shard_info.global_name: p.detach().clone() for p in unit.params})
         return out
+
+    @contextmanager
+    def gathered(self, units: list | None = None):
+        """Between steps, the parameters of `units` (all: None) readable in place, gathered exactly, then freed
+        (a collective; outside the schedule's peak: for tests, which read replicas sharing a global name)."""
+        units = self.units if units is None else units
+        self._free(units)
+        with torch.no_grad():
+            for unit in units:
+                self._start_gather(unit, exact=True)
+                self._finish_gather(unit)
+        try:
+            yield
+        finally:
+            self._free(units)
 
     # --- Accounting (zero3's docstring, answers 2 and 3)
 

@@ -1091,7 +1091,10 @@ def test_the_layer_counts_training_forwards_only_and_routes_with_its_bias():
     from model import AuxLosses
 
     config = make_config(moe_experts=4, moe_topk=1, moe_score="sigmoid", moe_bias_rate=0.1)
+    torch.manual_seed(0)
     layer = moe.MoE(config, 0, AuxLosses())
+    for p in layer.parameters():  # built alone, not by model.GPT: the router's weight is torch.empty's bits (NaN
+        torch.nn.init.normal_(p, std=0.02)  # among them: then s + b sorts NaN first and the bias cannot win)
     x = torch.randn(2, 3, config.n_embd)
     layer(x)
     with torch.no_grad():

@@ -35,6 +35,7 @@ CASES = [  # (flags, global batch, B_μ)
     (["--moe-experts", "4", "--ep", "2"], 8, 1),
     (["--moe-experts", "4", "--ep", "2", "--zero", "3"], 8, 1),
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--zero", "1"], 8, 1),  # eplb.py's slots
+    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--zero", "3"], 8, 1),  # and their gathered blocks
     (["--fp8", "current", "--tp", "2"], 4, 1),
     (["--fp8", "delayed", "--zero", "3"], 8, 1),
     (["--pp", "2", "--pp-schedule", "1f1b", "--zero", "2"], 8, 1),  # zero_pipeline.py: units per chunk
@@ -82,7 +83,7 @@ def _real_startups(rank, world, cases):
             run.tracer.name_group(group, name)
         figures = _figures(time_model.role_of(run), report.parameter_counts(run)[0])
         first = _saved_by_the_first_forward(run) if settings.shape.pp > 1 else None
-        out.append(dict(figures, saved=_saved_in_a_step(run), first=first))
+        out.append(dict(figures, saved=_saved_in_a_step(run), first=first, gathered=_left_gathered(run)))
     return out
 
 
@@ -98,6 +99,16 @@ class LiveSavedBesidesWeights(LiveSaved):
         if tensor.untyped_storage().data_ptr() in {p.untyped_storage().data_ptr() for p in self.params}:
             return tensor
         return super().pack(tensor)
+
+
+def _left_gathered(run) -> int | None:
+    """ZeRO-3 without a pipeline: the bytes of the units a forward leaves gathered (the root, the last block:
+    zero3.py's schedule), from the layout's own buffers; None for other layouts (zero_pipeline.py's chunks are
+    checked by the first forward's measurement)."""
+    if run.settings.args.zero != 3 or run.settings.shape.pp > 1:
+        return None
+    layout = run.layout
+    return sum(u.padded_numel * u.weights.element_size() for u in [*layout.root, *layout.block_units[-1]])
 
 
 def _step(run, hooks=nullcontext()):
@@ -178,6 +189,8 @@ def test_plan_activations_within_10_percent_of_a_real_step(real, index):
         a, measured = role.activations, real[rank][index]["saved"]
         seen = a.peak - a.hidden * a.in_flight
         assert abs(seen / measured - 1) < 0.10, (rank, seen, measured, a.terms)
+        if real[rank][index]["gathered"] is not None:  # ZeRO-3's units left gathered: exactly the layout's
+            assert a.terms["ZeRO-3 gathered weights"] == real[rank][index]["gathered"], rank
 
 
 FIRST_FORWARD = [i for i, case in enumerate(CASES) if "--pp" in case[0] and "interleaved" not in case[0]]
@@ -210,6 +223,10 @@ SEARCHED = [  # layouts the search enumerates, on 8 ranks
      8, 1),
     (["--moe-experts", "4", "--ep", "2", "--tp", "2", "--sp", "--cp", "2", "--moe-score", "sigmoid", "--moe-bias-rate",
       "1e-3", "--moe-seq-aux-coef", "1e-4", "--moe-groups", "2", "--moe-group-limit", "1"], 8, 2),  # DeepSeek's router
+    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6"], 8, 1),  # eplb.py: R/E slots, the sum over ep
+    (["--moe-experts", "4", "--ep", "4", "--moe-replicas", "8", "--zero", "3", "--moe-replan-every", "4"], 16, 2),
+    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--tp", "2", "--sp", "--zero", "1", "--pp", "2",
+      "--moe-score", "sigmoid", "--moe-bias-rate", "1e-3"], 8, 1),  # the loads in the router's call, dp×cp and tp
 ]
 
 
