@@ -41,15 +41,19 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import collective_ops
+
 MODES = ("none", "full", "selective")
 
 # The ops whose outputs a selectively recomputed block keeps: the linears' GEMMs (nn.Linear dispatches addmm
 # with a bias, mm without) and the fused attention kernels. Not bmm: on the math path it is the core
 # attention's q·kᵀ (a·s² scores) and probabilities·v, which are recomputed.
+# And every collective a block sends in its forward (collective_ops.SAVED: TP's g and SP's all-gather and
+# reduce-scatter, Ulysses' all-to-alls): kept, so that the recompute sends nothing.
 SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-    if hasattr(torch.ops.aten, name))
+    if hasattr(torch.ops.aten, name)) | collective_ops.SAVED
 
 
 class SelectiveRecompute:
@@ -88,7 +92,7 @@ def check_flags(args, shape) -> None:
     raises ValueError naming the flag."""
     if args.activation_checkpointing != "selective":
         return
-    refused = [(shape.tp > 1, "--tp > 1"), (shape.cp > 1, "--cp > 1"), (args.moe_experts > 0, "--moe-experts"),
+    refused = [(shape.cp > 1, "--cp > 1"), (args.moe_experts > 0, "--moe-experts"),
                (args.fp8 is not None, "--fp8"), (getattr(args, "precision_recipe", None), "--precision-recipe")]
     for on, flag in refused:
         if on:

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import collective_ops
 from comm import Messages
 from memory import activation_bytes_per_layer
 from model import GPT, MLP, GPTConfig, initial_local
@@ -110,41 +111,42 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
-    """Megatron's g: all-reduce forward, identity backward. Leaves a region: sums the row shards' partials."""
+    """Megatron's g: all-reduce forward, identity backward. Leaves a region: sums the row shards' partials.
+    `operators`: through collective_ops (a selectively recomputed block keeps the sum, never sends it again)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, group, operators=False):
+        return collective_ops.all_reduce(x, group) if operators else _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
     """Sequence parallel's g: all-gather the sequence forward, reduce-scatter backward. Enters a region."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, operators=False):
         ctx.group = group
-        return _all_gather(x, 1, group).contiguous()
+        return collective_ops.all_gather(x, 1, group) if operators else _all_gather(x, 1, group).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, 1, ctx.group), None
+        return _reduce_scatter(grad, 1, ctx.group), None, None
 
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """Sequence parallel's ḡ: reduce-scatter the sequence forward, all-gather backward. Leaves a region."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, operators=False):
         ctx.group = group
-        return _reduce_scatter(x, 1, group)
+        return collective_ops.reduce_scatter(x, 1, group) if operators else _reduce_scatter(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group), None
+        return _all_gather(grad, 1, ctx.group), None, None
 
 
 def _autocast_input(x: torch.Tensor) -> torch.Tensor:
@@ -162,18 +164,19 @@ class TensorParallelContext:
     size: int
     rank: int
     sequence_parallel: bool = False
+    operators: bool = False  # forward collectives as collective_ops operators (under selective recompute)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a region: f, or with SP the all-gather of the sequence (of 16-bit data under autocast)."""
         if self.sequence_parallel:
-            return GatherFromSequenceParallelRegion.apply(_autocast_input(x), self.group)
+            return GatherFromSequenceParallelRegion.apply(_autocast_input(x), self.group, self.operators)
         return CopyToTensorParallelRegion.apply(x, self.group)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
         """Out of a region: g, or with SP the reduce-scatter of the sequence."""
         if self.sequence_parallel:
-            return ReduceScatterToSequenceParallelRegion.apply(x, self.group)
-        return ReduceFromTensorParallelRegion.apply(x, self.group)
+            return ReduceScatterToSequenceParallelRegion.apply(x, self.group, self.operators)
+        return ReduceFromTensorParallelRegion.apply(x, self.group, self.operators)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -386,7 +389,8 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
     (TensorParallelRNG, on `device`: the model's unless meta). `batch`: a step's input (`predicted_messages`).
     """
     config = model.config
-    ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel)
+    ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel,
+                                config.selective_recompute)
     rng = TensorParallelRNG(ctx.rank, device if device is not None else next(model.parameters()).device)
     untouched = set(model.parameters())  # holds them: an id() of a freed tensor could be reused
     sp_params = []  # replicated over TP, summed over it under SP
@@ -422,7 +426,7 @@ def _parallelize_block(block, ctx: TensorParallelContext, config, seed: int, rng
     """One block in place: attention's and the MLP's column → row pairs, dropout forked per TP rank. Returns
     the block's parameters that stay replicated (its LayerNorms and the row layers' biases)."""
     prefix, attn, mlp = f"transformer.h.{block.layer_id}", block.attn, block.mlp
-    regather = not config.activation_checkpointing
+    regather = not (config.activation_checkpointing or config.selective_recompute)  # a recompute keeps it
     attn.c_attn = _column(attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, 3, regather)
     attn.c_proj = _row(attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
     split_mlp = split_mlp_of(mlp)  # the dense MLP or a MoE block's shared experts; routed experts stay whole
