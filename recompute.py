@@ -59,23 +59,31 @@ SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
 class SelectiveRecompute:
     """The selective policy of one model, and who watches what it keeps (memory.SavedActivations: the outputs
     it caches are no saved tensors, so saved_tensors_hooks cannot see them). `contexts` is checkpoint's
-    `context_fn`: a fresh cache per block call."""
+    `context_fn`: a fresh cache per block call. What a watcher returns for a kept tensor lives as long as that
+    block's cache (until its backward has run): a watcher can count the cache's bytes alive, as
+    tests/test_activations.LiveSaved counts saved tensors."""
 
     def __init__(self):
         self.watchers = []  # callables given each tensor the policy keeps in a forward (not in a recompute)
 
-    def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    def policy(self, ctx, op, *args, kept: list | None = None, **kwargs) -> CheckpointPolicy:
         if op not in SAVED_OPS:
             return CheckpointPolicy.PREFER_RECOMPUTE
         if not ctx.is_recompute:
             for watch in self.watchers:
                 for tensor in tree_leaves(ctx.op_output):
                     if isinstance(tensor, torch.Tensor):
-                        watch(tensor)
+                        held = watch(tensor)
+                        if kept is not None:
+                            kept.append(held)
         return CheckpointPolicy.MUST_SAVE
 
     def contexts(self):
-        return create_selective_checkpoint_contexts(self.policy)
+        kept = []  # the watchers' returns: held by the recompute's context, which the block's checkpoint holds
+        caching, cached = create_selective_checkpoint_contexts(
+            lambda ctx, op, *args, **kwargs: self.policy(ctx, op, *args, kept=kept, **kwargs))
+        cached.watched = kept
+        return caching, cached
 
     @contextmanager
     def watch(self, callback):

@@ -255,6 +255,12 @@ MULTI = {  # case: (flags, autocast dtype)
     # ZeRO-3: the units a forward leaves gathered (the root; the last block unless recomputed) count
     "zero3 bf16": (["--zero", "3", "--global-batch", "4"], "bf16"),
     "zero3 fp32 selective": (["--zero", "3", "--global-batch", "4", "--activation-checkpointing", "selective"], "fp32"),
+    # selective recompute keeps the collectives' outputs too (memory.selective_block_terms)
+    "tp selective": (["--tp", "2", "--global-batch", "2", "--activation-checkpointing", "selective"], "bf16"),
+    "tp+sp selective": (["--tp", "2", "--sp", "--global-batch", "2", "--activation-checkpointing", "selective"],
+                        "fp32"),
+    "tp selective dropout": (["--tp", "2", "--dropout", "0.1", "--global-batch", "2", "--activation-checkpointing",
+                              "selective"], "bf16"),  # the math path
 }
 
 
