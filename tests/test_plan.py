@@ -10,6 +10,7 @@
 """
 
 import functools
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -36,6 +37,8 @@ CASES = [  # (flags, global batch, B_μ)
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--zero", "1"], 8, 1),  # eplb.py's slots
     (["--fp8", "current", "--tp", "2"], 4, 1),
     (["--fp8", "delayed", "--zero", "3"], 8, 1),
+    (["--tp", "2", "--activation-checkpointing", "selective"], 4, 1),  # the kept collective outputs
+    (["--tp", "2", "--sp", "--activation-checkpointing", "selective", "--zero", "1"], 4, 1),
 ]
 
 
@@ -103,7 +106,9 @@ def _saved_in_a_step(run) -> int:
     for axis in run.axes:
         batches = axis.shard_batches(batches)
     live = LiveSavedBesidesWeights(run.model.parameters())
-    with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+    policy = run.model.recompute  # selective recompute's kept outputs: its watch (their holders die with the cache)
+    with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack), \
+            policy.watch(live.pack) if policy is not None else nullcontext():
         train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0, run.autocast,
                    run.device, model=run.model, schedule=run.schedule, axes=run.axes, data_size=run.mesh.size("dp"))
     return live.peak
@@ -160,6 +165,7 @@ def test_plan_activations_within_10_percent_of_a_real_step(real, index):
 SEARCHED = [  # layouts the search enumerates, on 8 ranks
     ([], 8, 1), (["--zero", "1"], 8, 1), (["--zero", "3"], 16, 1), (["--tp", "2", "--sp"], 8, 1),
     (["--tp", "2", "--zero", "2"], 8, 2), (["--pp", "2", "--pp-schedule", "1f1b"], 8, 1),
+    (["--tp", "2", "--sp", "--activation-checkpointing", "selective"], 8, 1),
     (["--pp", "2", "--tp", "2", "--sp", "--zero", "1", "--pp-schedule", "interleaved", "--n-layer", "4"], 8, 1),
     (["--cp", "2"], 8, 1), (["--cp", "2", "--tp", "2", "--sp", "--zero", "3"], 8, 2),
     (["--moe-experts", "4", "--ep", "2"], 8, 1), (["--moe-experts", "4", "--ep", "4", "--zero", "2"], 16, 2),
@@ -204,6 +210,28 @@ def test_search_formulas_give_the_plans_figures(case):
         facts = time_model.layout_facts(settings)
         assert time_model.predict(formula, facts, hw).step == pytest.approx(time_model.predict(built, facts, hw).step,
                                                                             rel=0.01)
+
+
+def test_search_enumerates_selective_recompute_with_tensor_parallel():
+    """Of the search's selective candidates, flags.validate (which the search asks) now accepts TP (with SP, as
+    the search runs it); those with CP are still refused, as a run would refuse them (experts: test_model.py)."""
+    import flags
+    import plan_search
+    import train
+    from flags import FlagError
+
+    base = [*TINY, "--global-batch", "8"]
+    config = flags.model_config(flags.build_parser().parse_args(base))
+    accepted = []
+    for c in plan_search.candidates(8, config, 8, 8):
+        if c["ac"] == "selective" and c["P"] == 1 and not c["zero"] and c["micro"] == 1:
+            try:
+                flags.validate(flags.build_parser().parse_args([*base, *plan_search.search_argv(c)]), 8,
+                               axes=train.AXES)
+                accepted.append((c["T"], c["C"]))
+            except FlagError as e:
+                assert c["C"] > 1 and "--cp > 1" in str(e), (c, e)
+    assert {(2, 1), (4, 1)} <= set(accepted) and all(cp == 1 for _, cp in accepted), accepted
 
 
 def test_zero_paper_figure_1():
