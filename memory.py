@@ -336,13 +336,15 @@ def selective_block_terms(x: ActivationShape) -> dict[str, float]:
         collective outputs           TP 2·sbh·e_c        g's sums (collective_ops.py), whole on every rank;
                                      SP (2 + 2/T)·sbh·e_c  the all-gathered LayerNorm outputs (c_attn's and c_fc's
                                                          whole inputs) and the reduce-scattered sums
+                                     Ulysses + 4·sbh·e_c/T   q, k, v head-split and the output back (s = s/C)
         fused attention's output     (sbh·e_c + s·b·a·max(e_c, 4))/T   its output and log-sum-exp (fused kernel
                                                          only: the math path's core attention is recomputed)
     Recomputed from those: the LayerNorms' outputs and statistics, the GELU's output, the dropouts and their
     masks, autocast's weight copies. T = 1: 9·sbh·e_c of GEMM outputs, no collective."""
     sbh, t = x.s * x.b * x.h, x.t
     fused = x.kernel == "fused"
-    collectives = 0.0 if t == 1 else (2 + 2 / t if x.sp else 2) * sbh * x.e_c
+    collectives = (0.0 if t == 1 else (2 + 2 / t if x.sp else 2) * sbh * x.e_c) + (4 * sbh * x.e_c / t if x.ulysses
+                                                                                      else 0.0)
     return {"block inputs": sbh / (t if x.sp else 1) * x.e_r, "GEMM outputs": (7 / t + 2) * sbh * x.e_c,
             "collective outputs": collectives,
             "fused attention outputs": (sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) / t if fused else 0.0}
@@ -351,10 +353,11 @@ def selective_block_terms(x: ActivationShape) -> dict[str, float]:
 def selective_rebuild_shared(x: ActivationShape) -> float:
     """Of the block a selective recompute rebuilds in backward (layer_activation_terms), the bytes that are the
     cache's own tensors, not new ones: GELU's input (c_fc's output) 4·sbh·e_c/T, with a fused kernel its q, k, v
-    (views of c_attn's output) and its output and log-sum-exp, (4·sbh·e_c + s·b·a·max(e_c, 4))/T, and under SP
-    c_attn's and c_fc's gathered inputs, 2·sbh·e_c."""
+    (views of c_attn's output; under Ulysses copies of what the all-to-all received, not shared) and its output
+    and log-sum-exp, (4·sbh·e_c + s·b·a·max(e_c, 4))/T, and under SP c_attn's and c_fc's gathered inputs,
+    2·sbh·e_c."""
     sbh, t = x.s * x.b * x.h, x.t
-    fused = (4 * sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) if x.kernel == "fused" else 0.0
+    fused = ((1 if x.ulysses else 4) * sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) if x.kernel == "fused" else 0.0
     return (4 * sbh * x.e_c + fused) / t + (2 * sbh * x.e_c if x.sp and t > 1 else 0.0)
 
 

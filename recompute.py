@@ -100,7 +100,7 @@ def check_flags(args, shape) -> None:
     raises ValueError naming the flag."""
     if args.activation_checkpointing != "selective":
         return
-    refused = [(shape.cp > 1, "--cp > 1"), (args.moe_experts > 0, "--moe-experts"),
+    refused = [(shape.cp > 1 and args.cp_impl == "ring", "--cp-impl ring"), (args.moe_experts > 0, "--moe-experts"),
                (args.fp8 is not None, "--fp8"), (getattr(args, "precision_recipe", None), "--precision-recipe")]
     for on, flag in refused:
         if on:

@@ -261,6 +261,8 @@ MULTI = {  # case: (flags, autocast dtype)
                         "fp32"),
     "tp selective dropout": (["--tp", "2", "--dropout", "0.1", "--global-batch", "2", "--activation-checkpointing",
                               "selective"], "bf16"),  # the math path
+    "cp ulysses selective": (["--cp", "2", "--cp-impl", "ulysses", "--global-batch", "2", "--activation-checkpointing",
+                              "selective"], "fp32"),
 }
 
 

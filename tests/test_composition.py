@@ -216,6 +216,7 @@ SELECTIVE = ["--activation-checkpointing", "selective"]
 SELECTIVE_2 = [
     (["--tp", "2", *SELECTIVE], dict(selective_recompute=True), 2, 1),
     (["--tp", "2", "--sp", *SELECTIVE], dict(selective_recompute=True), 2, 1),
+    (["--cp", "2", "--cp-impl", "ulysses", *SELECTIVE], dict(selective_recompute=True), 2, 1),
 ]
 
 
