@@ -45,8 +45,9 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
                     2·(s/C)·b·(h/T)·e_a each; the last one brings this rank's own dK,dV home and is exposed.
      Ulysses:       forward 4 × all_to_all_single of (s/C)·b·(h/T)·e_c (q, k, v, then the output);
                     backward 4 × the same (d output, then dq, dk, dv). Blocking: nothing is hidden.
-   Activation checkpointing repeats the forward's messages in backward. Per step: × L × m. How much ring time
-   was hidden is measured over the training passes by whoever observes the ring (`RingObserver`: the
+   Activation checkpointing repeats the forward's messages in backward; selective recompute (Ulysses only:
+   recompute.py) does not: its all-to-alls run as collective_ops operators it keeps. Per step: × L × m. How
+   much ring time was hidden is measured over the training passes by whoever observes the ring (`RingObserver`: the
    accounting's clock, time blocked in wait() against the same transfers timed alone; report_axes.py prints
    it). It is a lower bound: a wait also lasts while a slower peer computes.
 4. Restart state: nothing of its own. Parameters are replicated over cp and a rank's positions depend only on

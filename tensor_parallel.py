@@ -39,13 +39,14 @@ L layers, T tensor-parallel size, e_w / e_c the bytes of a working-weight / comp
                          backward 2 × all_reduce s·b·h·e_w   (before c_attn and c_fc: f)
        per block, SP:    forward  2 × all_gather s·b·h·e_c + 2 × reduce_scatter s·b·h·e_c
                          backward 2 × reduce_scatter s·b·h·e_c + 4 × all_gather s·b·h·e_c (two of them
-                         re-gather c_attn's and c_fc's inputs; not under activation checkpointing or FP8)
+                         re-gather c_attn's and c_fc's inputs; not under recompute, full or selective, or FP8)
        embedding: all_reduce (SP: reduce_scatter forward, all_gather backward) s·b·h·e_w
        head:      all_reduce backward s·b·h·e_w (SP: all_gather forward, all_gather + reduce_scatter
                   backward, s·b·h·e_c)
        loss:      all_reduce MAX b·s·e_l and all_reduce SUM 2·b·s·e_l (e_l = 4, or 8 for float64 logits)
    Activation checkpointing repeats each block's forward messages in backward, all but the last (torch's
-   checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none). Per step,
+   checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none); selective
+   recompute repeats none (the forward's run as collective_ops operators, whose outputs it keeps). Per step,
    with SP: one all_reduce of the sequence-parallel parameters' gradients (`after_grad_sync`).
    `step_messages` computes all of this; the tests check it against the CommTracer byte for byte.
 4. Restart state: nothing of its own; each parameter's `shard_info` names its global slice (any T reloads it).
@@ -189,7 +190,7 @@ class ColumnParallelLinear(nn.Module):
 
     The input enters the region through f (or SP's all-gather); the output stays split for the next row-parallel
     layer unless `gather_output` (sampling's full logits, under no_grad). `regather` (SP): keep the sequence
-    shard for backward, not the gathered input (`_forward_regathering`); off under activation checkpointing.
+    shard for backward, not the gathered input (`_forward_regathering`); off under recompute (full, selective).
     """
 
     def __init__(self, linear: nn.Linear, ctx: TensorParallelContext, gather_output: bool = False,
