@@ -220,6 +220,7 @@ SELECTIVE_2 = [
 ]
 
 
+@pytest.mark.slow
 def test_selective_recompute_composes_and_traces_as_predicted():
     """TP and TP + SP under selective recompute: float64 updates equal the plain single-device model's (1e-10),
     and every traced message equals report.predicted_messages (no collective sent again in backward)."""
