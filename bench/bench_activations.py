@@ -5,13 +5,13 @@
     python bench/bench_activations.py --smoke    # seconds: DDP and ZeRO-3, fp32, the three recompute modes
     python bench/bench_activations.py --preset small --layouts "TP+SP T2" --seq 256 --micro 1  # small's shape
 
-Each row composes a run from train.py's flags on 2 gloo ranks (DDP D=2, ZeRO-1 D=2, ZeRO-3 D=2, TP T=2, TP+SP,
-CP C=2 ring and Ulysses, PP P=2 1F1B), trains one step with the schedule measuring its first forward as train.py's
-end line does (memory.SavedActivations.of: saved_tensors_hooks, each storage once, parameters aside, the selective policy's
-kept outputs watched), and prints rank 0's estimate (activations.activation_estimate, less what SP's regather hooks
-hide from the measurement) and the measurement. A ratio outside 1 ± 10% prints WRONG. Selective recompute with
-the ring is refused by flags.validate (recompute.check_flags): that row says so. --preset: the model's width,
-heads and layers (--layers, --width override them).
+Each row composes a run from train.py's flags on 2 gloo ranks (DDP D=2, ZeRO-1 D=2, ZeRO-3 D=2, TP T=2, TP+SP, CP
+C=2 ring and Ulysses, PP P=2 1F1B), trains one step with the schedule measuring its first forward as train.py's end
+line does (memory.SavedActivations.of: saved_tensors_hooks, each storage once, parameters aside, the selective
+policy's kept outputs watched), and prints rank 0's estimate (activations.activation_estimate, less what SP's
+regather hooks hide from the measurement) and the measurement. A ratio outside 1 ± 10% prints WRONG. Selective
+recompute with the ring is refused by flags.validate (recompute.check_flags): that row says so. --preset: the
+model's width, heads and layers (--layers, --width override them).
 """
 
 from __future__ import annotations
