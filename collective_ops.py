@@ -26,29 +26,43 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 
+def sum_raw(x: torch.Tensor, group) -> torch.Tensor:
+    """Σ over `group` of x by dist.all_reduce, into a fresh buffer (never mutate autograd's tensors)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def gather_raw(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The group's pieces along `dim` by all_gather_single (which works on dim 0: `dim` moves to the front)."""
+    local = x.movedim(dim, 0).contiguous()
+    out = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
+    dist.all_gather_single(out, local, group=group)
+    return out.movedim(0, dim)
+
+
+def scatter_raw(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Σ over `group`, this rank's 1/N along `dim`, by reduce_scatter_single (on dim 0, as gather_raw)."""
+    size = dist.get_world_size(group)
+    full = x.movedim(dim, 0).contiguous()
+    out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
+    dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
+    return out.movedim(0, dim)
+
+
 @torch.library.custom_op("collectives::all_reduce", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)  # a fresh buffer: never mutate autograd's tensors
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
-    return out
+    return sum_raw(x, _resolve_process_group(group_name))
 
 
 @torch.library.custom_op("collectives::all_gather", mutates_args=())
 def _all_gather_op(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    group = _resolve_process_group(group_name)
-    local = x.movedim(dim, 0).contiguous()
-    out = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
-    dist.all_gather_single(out, local, group=group)
-    return out.movedim(0, dim).contiguous()
+    return gather_raw(x, dim, _resolve_process_group(group_name)).contiguous()
 
 
 @torch.library.custom_op("collectives::reduce_scatter", mutates_args=())
 def _reduce_scatter_op(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    group = _resolve_process_group(group_name)
-    full = x.movedim(dim, 0).contiguous()
-    out = full.new_empty((full.shape[0] // dist.get_world_size(group), *full.shape[1:]))
-    dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
-    return out.movedim(0, dim).contiguous()
+    return scatter_raw(x, dim, _resolve_process_group(group_name)).contiguous()
 
 
 @torch.library.custom_op("collectives::all_to_all", mutates_args=())

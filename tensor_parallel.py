@@ -72,30 +72,10 @@ from step import Axis, sum_in_place
 # ---------------------------------------------------------------------------------------------------------
 # Collectives along the sequence (dim 1 of [batch, seq, ...]) and the vocabulary (last dim); the conjugate operators
 # ---------------------------------------------------------------------------------------------------------
-# all_gather_single / reduce_scatter_single work on dim 0, so the sequence is moved to the front for the
-# collective and back after. (Megatron keeps activations [s, b, h] throughout so this is free; model.py is
-# batch-first like nanoGPT, so we pay one copy per collective.)
-
-
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)  # a fresh buffer: never mutate autograd's tensors
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
-
-
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    local = x.movedim(dim, 0).contiguous()
-    out = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
-    dist.all_gather_single(out, local, group=group)
-    return out.movedim(0, dim)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size = dist.get_world_size(group)  # the sequence splits into T pieces (config_from_flags)
-    full = x.movedim(dim, 0).contiguous()
-    out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
-    dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
-    return out.movedim(0, dim)
+# The raw collectives (collective_ops.py: all_gather_single / reduce_scatter_single work on dim 0, so the sequence
+# is moved to the front and back; Megatron keeps activations [s, b, h], model.py is batch-first like nanoGPT).
+_all_reduce, _all_gather = collective_ops.sum_raw, collective_ops.gather_raw
+_reduce_scatter = collective_ops.scatter_raw
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
