@@ -130,9 +130,10 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
         if held["dense"] and copy_free >= held["dense"]:  # every dense block rebuilt without copies
             rebuilt["dense"] = (rebuilt["dense"][0], 0.0)
         recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - memory.block_input_bytes(x)
-    elif config.selective_recompute:  # the inputs and GEMM outputs stay (dense blocks only: recompute.check_flags)
+    elif config.selective_recompute:  # the inputs, GEMM and collective outputs stay (dense blocks: check_flags)
         blocks = {f"{n_blocks} {name}": value * n_blocks for name, value in memory.selective_block_terms(x).items()}
-        recomputed = (sum(block_bytes(x, experts)["dense"]) - memory.block_input_bytes(x)
+        whole = replace(x, regather=False)  # SP's column layers keep their gathered input, the cache's
+        recomputed = (sum(block_bytes(whole, experts)["dense"]) - memory.block_input_bytes(x)
                       - memory.selective_rebuild_shared(x))  # what the rebuild adds to the cache it reads
     else:
         each = block_bytes(x, experts)

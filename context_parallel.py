@@ -45,8 +45,9 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
                     2·(s/C)·b·(h/T)·e_a each; the last one brings this rank's own dK,dV home and is exposed.
      Ulysses:       forward 4 × all_to_all_single of (s/C)·b·(h/T)·e_c (q, k, v, then the output);
                     backward 4 × the same (d output, then dq, dk, dv). Blocking: nothing is hidden.
-   Activation checkpointing repeats the forward's messages in backward. Per step: × L × m. How much ring time
-   was hidden is measured over the training passes by whoever observes the ring (`RingObserver`: the
+   Activation checkpointing repeats the forward's messages in backward; selective recompute (Ulysses only:
+   recompute.py) does not: its all-to-alls run as collective_ops operators it keeps. Per step: × L × m. How
+   much ring time was hidden is measured over the training passes by whoever observes the ring (`RingObserver`: the
    accounting's clock, time blocked in wait() against the same transfers timed alone; report_axes.py prints
    it). It is a lower bound: a wait also lasts while a slower peer computes.
 4. Restart state: nothing of its own. Parameters are replicated over cp and a rank's positions depend only on
@@ -67,6 +68,8 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+
+import collective_ops
 
 from comm import Messages
 from step import Axis
@@ -298,61 +301,70 @@ class RingAttention(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _seq_to_head(x, group, reorder):
+def _seq_to_head(x, group, reorder, operators=False):
     """[B, H, L, D] (L of this rank's tokens, all heads) → [B, H/C, C·L, D] (all tokens, heads of this rank).
 
     Piece j of the heads goes to rank j; piece j received holds rank j's tokens. `reorder` (zig-zag) sorts
     the gathered tokens, which come in rank order, into sequence order, so the causal mask is the plain one.
+    `operators`: the exchange through collective_ops (selective recompute keeps what it received).
     """
     size = dist.get_world_size(group)
     B, H, L, D = x.shape
     send = x.reshape(B, size, H // size, L, D).transpose(0, 1).contiguous()  # [C, B, H/C, L, D]
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    received = _exchange(send, group, operators)
     full = received.permute(1, 2, 0, 3, 4).reshape(B, H // size, size * L, D)
     return full if reorder is None else full[:, :, reorder[0]]
 
 
-def _head_to_seq(y, group, reorder):
+def _exchange(send, group, operators: bool):
+    """all_to_all_single of `send` into a new buffer: the raw call, or collective_ops' operator."""
+    if operators:
+        return collective_ops.all_to_all(send, group)
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received
+
+
+def _head_to_seq(y, group, reorder, operators=False):
     """The inverse of _seq_to_head: [B, H/C, s, D] → [B, H, s/C, D]."""
     size = dist.get_world_size(group)
     B, Hc, S, D = y.shape
     if reorder is not None:
         y = y[:, :, reorder[1]]  # back into rank order
     send = y.reshape(B, Hc, size, S // size, D).permute(2, 0, 1, 3, 4).contiguous()  # piece j: rank j's tokens
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    received = _exchange(send, group, operators)
     # Heads of rank j come j-th; stored token-major, as the ring's output is.
     return received.permute(1, 3, 0, 2, 4).reshape(B, S // size, size * Hc, D).transpose(1, 2)
 
 
 class SeqToHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, reorder):
+    def forward(ctx, x, group, reorder, operators=False):
         ctx.group, ctx.reorder = group, reorder
-        return _seq_to_head(x, group, reorder)
+        return _seq_to_head(x, group, reorder, operators)
 
     @staticmethod
     def backward(ctx, grad):
-        return _head_to_seq(grad, ctx.group, ctx.reorder), None, None
+        return _head_to_seq(grad, ctx.group, ctx.reorder), None, None, None
 
 
 class HeadToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, group, reorder):
+    def forward(ctx, y, group, reorder, operators=False):
         ctx.group, ctx.reorder = group, reorder
-        return _head_to_seq(y, group, reorder)
+        return _head_to_seq(y, group, reorder, operators)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_head(grad, ctx.group, ctx.reorder), None, None
+        return _seq_to_head(grad, ctx.group, ctx.reorder), None, None, None
 
 
-def ulysses_attention(q, k, v, group, reorder, inner):
+def ulysses_attention(q, k, v, group, reorder, inner, operators=False):
     """4 all-to-alls forward (q, k, v in, the output back), 4 backward; `inner` is ordinary causal attention,
-    without dropout, on whole sequences of the a/(T·C) heads (config_from_flags checked that they divide)."""
-    q, k, v = (SeqToHead.apply(t, group, reorder) for t in (q, k, v))
-    return HeadToSeq.apply(inner(q, k, v, 0.0), group, reorder)
+    without dropout, on whole sequences of the a/(T·C) heads (config_from_flags checked that they divide).
+    `operators`: the forward's through collective_ops (under selective recompute)."""
+    q, k, v = (SeqToHead.apply(t, group, reorder, operators) for t in (q, k, v))
+    return HeadToSeq.apply(inner(q, k, v, 0.0), group, reorder, operators)
 
 
 def zigzag_reorder(seq_len: int, cp: int, device=None):
@@ -371,8 +383,8 @@ class ContextParallelAttention:
     tensor_parallel's ForkedAttention around it): Ulysses calls it on whole sequences; the ring does not.
     dropout_p is 0 (`parallelize` refused a model with attention dropout)."""
 
-    def __init__(self, inner, ring: Ring, impl: str, balance: str):
-        self.inner, self.ring, self.impl, self.balance = inner, ring, impl, balance
+    def __init__(self, inner, ring: Ring, impl: str, balance: str, operators: bool = False):
+        self.inner, self.ring, self.impl, self.balance, self.operators = inner, ring, impl, balance, operators
         self._reorder = {}
 
     @torch.compiler.disable  # p2p and all-to-all inside: never traced into a compiled graph
@@ -382,7 +394,8 @@ class ContextParallelAttention:
             out = RingAttention.apply(q, k, v, self.ring, self.balance)
             self.ring.observer.end("forward")
             return out
-        return ulysses_attention(q, k, v, self.ring.group, self._reorder_for(q.shape[2], q.device), self.inner)
+        return ulysses_attention(q, k, v, self.ring.group, self._reorder_for(q.shape[2], q.device), self.inner,
+                                 self.operators)
 
     def _reorder_for(self, local_len: int, device):
         if self.balance == "contiguous" or self.ring.size == 1:
@@ -400,7 +413,8 @@ def parallelize(model, group, impl: str = "ring", balance: str = "zigzag") -> Ri
                          f" build the model with --dropout 0")
     ring = Ring(group)
     for block in model.transformer.h:
-        block.attn.attention_fn = ContextParallelAttention(block.attn.attention_fn, ring, impl, balance)
+        block.attn.attention_fn = ContextParallelAttention(block.attn.attention_fn, ring, impl, balance,
+                                                           model.config.selective_recompute)
     return ring
 
 

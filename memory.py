@@ -328,27 +328,39 @@ def block_input_bytes(x: ActivationShape) -> float:
 
 def selective_block_terms(x: ActivationShape) -> dict[str, float]:
     """What a block under selective recompute (recompute.py) keeps for backward per micro-batch, by what keeps it
-    (the policy runs without TP or CP: recompute.check_flags):
-        block input                  sbh·e_r             the checkpoint's input (the recompute starts from it)
-        GEMM outputs                 9·sbh·e_c           c_attn's [q|k|v] 3, attention's c_proj 1, c_fc 4, the
-                                                         MLP's c_proj 1 (only the residual add reads it: kept all
-                                                         the same, as torchtitan's policy keeps every matmul's)
-        fused attention's output     sbh·e_c + s·b·a·max(e_c, 4)   its output and log-sum-exp (fused kernel only:
-                                                         the math path's core attention is recomputed)
+    (T = x.t; T' = T with SP, else 1):
+        block input                  sbh·e_r/T'          the checkpoint's input (the recompute starts from it)
+        GEMM outputs                 (7/T + 2)·sbh·e_c   c_attn's [q|k|v] 3/T, c_fc's 4/T, and the row layers'
+                                                         (attention's and the MLP's c_proj) 1 each: whole under
+                                                         TP too, the partial sums before their reduction (the
+                                                         MLP's only the residual add reads: kept all the same,
+                                                         as torchtitan's policy keeps every matmul's)
+        collective outputs           TP 2·sbh·e_c        g's sums (collective_ops.py), whole on every rank;
+                                     SP (2 + 2/T)·sbh·e_c  the all-gathered LayerNorm outputs (c_attn's and c_fc's
+                                                         whole inputs) and the reduce-scattered sums
+                                     Ulysses + 4·sbh·e_c/T   q, k, v head-split and the output back (s = s/C)
+        fused attention's output     (sbh·e_c + s·b·a·max(e_c, 4))/T   its output and log-sum-exp (fused kernel
+                                                         only: the math path's core attention is recomputed)
     Recomputed from those: the LayerNorms' outputs and statistics, the GELU's output, the dropouts and their
-    masks, autocast's weight copies."""
-    sbh = x.s * x.b * x.h
+    masks, autocast's weight copies. T = 1: 9·sbh·e_c of GEMM outputs, no collective."""
+    sbh, t = x.s * x.b * x.h, x.t
     fused = x.kernel == "fused"
-    return {"block inputs": sbh * x.e_r, "GEMM outputs": 9 * sbh * x.e_c,
-            "fused attention outputs": (sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) if fused else 0.0}
+    collectives = (0.0 if t == 1 else (2 + 2 / t if x.sp else 2) * sbh * x.e_c) + (4 * sbh * x.e_c / t if x.ulysses
+                                                                                      else 0.0)
+    return {"block inputs": sbh / (t if x.sp else 1) * x.e_r, "GEMM outputs": (7 / t + 2) * sbh * x.e_c,
+            "collective outputs": collectives,
+            "fused attention outputs": (sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) / t if fused else 0.0}
 
 
 def selective_rebuild_shared(x: ActivationShape) -> float:
     """Of the block a selective recompute rebuilds in backward (layer_activation_terms), the bytes that are the
-    cache's own tensors, not new ones: GELU's input (c_fc's output) 4·sbh·e_c, and with a fused kernel its
-    q, k, v (views of c_attn's output) and its output and log-sum-exp, 4·sbh·e_c + s·b·a·max(e_c, 4)."""
-    sbh = x.s * x.b * x.h
-    return 4 * sbh * x.e_c + ((4 * sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) if x.kernel == "fused" else 0.0)
+    cache's own tensors, not new ones: GELU's input (c_fc's output) 4·sbh·e_c/T, with a fused kernel its q, k, v
+    (views of c_attn's output; under Ulysses copies of what the all-to-all received, not shared) and its output
+    and log-sum-exp, (4·sbh·e_c + s·b·a·max(e_c, 4))/T, and under SP c_attn's and c_fc's gathered inputs,
+    2·sbh·e_c."""
+    sbh, t = x.s * x.b * x.h, x.t
+    fused = ((1 if x.ulysses else 4) * sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) if x.kernel == "fused" else 0.0
+    return (4 * sbh * x.e_c + fused) / t + (2 * sbh * x.e_c if x.sp and t > 1 else 0.0)
 
 
 def hidden_from_hooks(x: ActivationShape, layers: int, head: bool, moe_layers: int = 0,

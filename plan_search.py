@@ -242,8 +242,9 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
     n_moe = sum(map(bool, held["blocks"]["expert_dp"]))
     if T > 1:
         batch = tensor_parallel.BatchShape(micro, seq, m, s.b_w, s.b_c)
+        regather = not (ac or config.selective_recompute or settings.args.fp8)  # as the built model's blocks
         holding = tensor_parallel.Holding(config.n_embd, sp, ac, held["layers"], n_moe, held["embedding"],
-                                          held["head"])
+                                          held["head"], regather)
         shard = s.sizes["dp_cp"] if stage else 1  # ZeRO: a shard, on average
         sp_bytes = s.b_g * held["replicated"] / shard if sp else 0
         messages = messages + tensor_parallel.step_messages(batch, holding, int(sp_bytes))
@@ -403,7 +404,7 @@ def candidates(world: int, config, global_batch: int, gpus_per_node: int):
         for zero_stage, micro, schedule, ac in product((0, 1, 2, 3), (1, 2, 4, 8),
                                                        ("1f1b", "interleaved") if P > 1 else ("1f1b",),
                                                        recompute.MODES):
-            if (global_batch // D) % micro == 0:  # selective's refusals (TP, CP, MoE): flags.validate's
+            if (global_batch // D) % micro == 0:  # selective's refusals (CP, MoE): flags.validate's
                 yield dict(T=T, C=C, P=P, D=D, E=E, zero=zero_stage, micro=micro, schedule=schedule, ac=ac)
 
 

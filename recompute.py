@@ -18,19 +18,42 @@ anyway). Recomputing the kernel would save the log-sum-exp alone, s·b·a·4 byt
 block at s = 1024), and cost the attention's 4·s²·h forward FLOPs again. The memory sits in the elementwise
 ops around the GEMMs, which is what this policy recomputes.
 
-Accounting (s, b, h, a, e_r the residual's and e_c the compute's bytes per element, memory.py's symbols):
+Accounting (s, b, h, a, e_r the residual's and e_c the compute's bytes per element, memory.py's symbols; T the
+tensor-parallel size, s = s/C under context parallel):
 1. Nothing is split by this file; it changes what a block keeps between its forward and its backward.
-2. Per block and micro-batch (memory.selective_block_terms): the block input s·b·h·e_r, the GEMM outputs
-   9·s·b·h·e_c (3 + 1 + 4 + 1), and with a fused kernel its output s·b·h·e_c and the log-sum-exp
-   s·b·a·max(e_c, 4): about 11·s·b·h·e_c against none's ≈ 16·s·b·h·e_c (fp32, fused). During a block's
-   backward its recompute rebuilds the rest (the full block's bytes, less what the cache already holds).
-3. No messages of its own. Recomputed FLOPs (mfu.flops_per_token): no GEMM; on the math path the core
-   attention, 4·s·h per token per layer forward (its two batched matmuls), once more in backward.
-4. No state: the policy is a function of the op; checkpoint replays the RNG, so dropout masks come back equal.
+2. Per block and micro-batch (memory.selective_block_terms): the block input s·b·h·e_r (/T with SP), the GEMM
+   outputs (7/T + 2)·s·b·h·e_c (c_attn 3/T, c_fc 4/T, the two row layers' outputs whole: 9 at T = 1), with a
+   fused kernel its output and log-sum-exp (s·b·h·e_c + s·b·a·max(e_c, 4))/T, and the collectives' outputs:
+   TP 2·s·b·h·e_c (g's sums), SP (2 + 2/T)·s·b·h·e_c (the gathered LayerNorm outputs, the scattered sums),
+   Ulysses 4·s·b·h·e_c/T. At T = 1, about 11·s·b·h·e_c against none's ≈ 16·s·b·h·e_c (fp32, fused). Under
+   SP the cache holds c_attn's and c_fc's whole inputs where a run without recompute keeps their shards and
+   all-gathers them again in backward (tensor_parallel's regather): at T = 2 selective keeps more than none.
+   During a block's backward its recompute rebuilds the rest (the full block's bytes, less what the cache holds).
+3. No messages of its own: a collective inside a block is an operator the policy keeps (collective_ops.py), so
+   the recompute sends nothing and a step's messages are those of the same layout without recompute (SP's
+   column layers keep their gathered input: no backward re-gather). Recomputed FLOPs (mfu.flops_per_token): no
+   GEMM; on the math path the core attention, 4·s·h per token per layer forward, once more in backward.
+4. No state: the policy is a function of the op; checkpoint replays the RNG, so dropout masks come back equal
+   (TP's forked generator included: tensor_parallel.TensorParallelRNG).
 
-Which layouts it serves: DDP, ZeRO-1/2/3 (zero3.py gathers a block for its recompute as for its forward) and
-pipelines. Tensor and context parallel, MoE, FP8 and the precision recipes are refused (`check_flags`): their
-collectives and quantising casts inside a block would be recomputed or cached op by op, unaccounted.
+Which layouts it serves: DDP, ZeRO-1/2/3 (zero3.py gathers a block for its recompute as for its forward),
+pipelines, tensor parallel with and without SP, and Ulysses context parallel. Refused (`check_flags`), because
+the policy cannot keep what they do inside a block exactly and accounted:
+- the ring (--cp-impl ring): its attention is one autograd node whose forward interleaves point-to-point
+  transfers with block-wise compute; the transfers are in-place receives into fresh buffers that a cache cannot
+  give back, so the recompute would send the K, V blocks round the ring again. Keeping it would need the whole
+  ring forward as one operator (its observer, which times the ring's waits, is a Python object it cannot take).
+- --moe-experts: the dispatch (moe_dispatch.py) sends counts, rows, metadata and the combine through
+  all_to_all_single calls whose split sizes are host integers read from the counts (`.tolist()`), into buffers
+  sized by them: in-place receives the cache cannot give back, so the recompute would route and send again
+  (full recompute does, and moe.py counts it); keeping them would need each exchange, its sizes included, as an
+  operator with a data-dependent output shape. (The load counters are safe: moe_router.is_training_forward
+  leaves a recompute out.)
+- --fp8 and --precision-recipe: the quantising casts reduce their amaxes with in-place all-reduces over tp and
+  cp, which the recompute would send again (fp8.Fp8Handle counts them twice under full recompute), the
+  delayed recipe records each forward's amax for its history, and on a GPU the FP8 GEMM is torch._scaled_mm,
+  not a saved op: the policy would recompute the GEMM and re-record the amaxes. Keeping them would need the
+  cast-and-reduce as operators the policy keeps and the scaled GEMM in SAVED_OPS.
 """
 
 from __future__ import annotations
@@ -41,37 +64,49 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import collective_ops
+
 MODES = ("none", "full", "selective")
 
 # The ops whose outputs a selectively recomputed block keeps: the linears' GEMMs (nn.Linear dispatches addmm
 # with a bias, mm without) and the fused attention kernels. Not bmm: on the math path it is the core
 # attention's q·kᵀ (a·s² scores) and probabilities·v, which are recomputed.
+# And every collective a block sends in its forward (collective_ops.SAVED: TP's g and SP's all-gather and
+# reduce-scatter, Ulysses' all-to-alls): kept, so that the recompute sends nothing.
 SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-    if hasattr(torch.ops.aten, name))
+    if hasattr(torch.ops.aten, name)) | collective_ops.SAVED
 
 
 class SelectiveRecompute:
     """The selective policy of one model, and who watches what it keeps (memory.SavedActivations: the outputs
     it caches are no saved tensors, so saved_tensors_hooks cannot see them). `contexts` is checkpoint's
-    `context_fn`: a fresh cache per block call."""
+    `context_fn`: a fresh cache per block call. What a watcher returns for a kept tensor lives as long as that
+    block's cache (until its backward has run): a watcher can count the cache's bytes alive, as
+    tests/test_activations.LiveSaved counts saved tensors."""
 
     def __init__(self):
         self.watchers = []  # callables given each tensor the policy keeps in a forward (not in a recompute)
 
-    def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    def policy(self, ctx, op, *args, kept: list | None = None, **kwargs) -> CheckpointPolicy:
         if op not in SAVED_OPS:
             return CheckpointPolicy.PREFER_RECOMPUTE
         if not ctx.is_recompute:
             for watch in self.watchers:
                 for tensor in tree_leaves(ctx.op_output):
                     if isinstance(tensor, torch.Tensor):
-                        watch(tensor)
+                        held = watch(tensor)
+                        if kept is not None:
+                            kept.append(held)
         return CheckpointPolicy.MUST_SAVE
 
     def contexts(self):
-        return create_selective_checkpoint_contexts(self.policy)
+        kept = []  # the watchers' returns: held by the recompute's context, which the block's checkpoint holds
+        caching, cached = create_selective_checkpoint_contexts(
+            lambda ctx, op, *args, **kwargs: self.policy(ctx, op, *args, kept=kept, **kwargs))
+        cached.watched = kept
+        return caching, cached
 
     @contextmanager
     def watch(self, callback):
@@ -88,9 +123,12 @@ def check_flags(args, shape) -> None:
     raises ValueError naming the flag."""
     if args.activation_checkpointing != "selective":
         return
-    refused = [(shape.tp > 1, "--tp > 1"), (shape.cp > 1, "--cp > 1"), (args.moe_experts > 0, "--moe-experts"),
-               (args.fp8 is not None, "--fp8"), (getattr(args, "precision_recipe", None), "--precision-recipe")]
-    for on, flag in refused:
+    refused = [(shape.cp > 1 and args.cp_impl == "ring", "--cp-impl ring", "the ring's transfers would run again"
+                " in the recompute (use --cp-impl ulysses)"),
+               (args.moe_experts > 0, "--moe-experts", "the routing and its all-to-alls would run again"),
+               (args.fp8 is not None, "--fp8", "the amax reductions and history would run again"),
+               (getattr(args, "precision_recipe", None), "--precision-recipe", "its casts would run again")]
+    for on, flag, why in refused:
         if on:
-            raise ValueError(f"--activation-checkpointing selective with {flag}: the policy would recompute or cache"
-                             f" that layout's collectives and casts op by op; use --activation-checkpointing full")
+            raise ValueError(f"--activation-checkpointing selective with {flag}: {why} (recompute.py);"
+                             f" use --activation-checkpointing full")

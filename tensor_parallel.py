@@ -39,13 +39,14 @@ L layers, T tensor-parallel size, e_w / e_c the bytes of a working-weight / comp
                          backward 2 × all_reduce s·b·h·e_w   (before c_attn and c_fc: f)
        per block, SP:    forward  2 × all_gather s·b·h·e_c + 2 × reduce_scatter s·b·h·e_c
                          backward 2 × reduce_scatter s·b·h·e_c + 4 × all_gather s·b·h·e_c (two of them
-                         re-gather c_attn's and c_fc's inputs; not under activation checkpointing or FP8)
+                         re-gather c_attn's and c_fc's inputs; not under recompute, full or selective, or FP8)
        embedding: all_reduce (SP: reduce_scatter forward, all_gather backward) s·b·h·e_w
        head:      all_reduce backward s·b·h·e_w (SP: all_gather forward, all_gather + reduce_scatter
                   backward, s·b·h·e_c)
        loss:      all_reduce MAX b·s·e_l and all_reduce SUM 2·b·s·e_l (e_l = 4, or 8 for float64 logits)
    Activation checkpointing repeats each block's forward messages in backward, all but the last (torch's
-   checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none). Per step,
+   checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none); selective
+   recompute repeats none (the forward's run as collective_ops operators, whose outputs it keeps). Per step,
    with SP: one all_reduce of the sequence-parallel parameters' gradients (`after_grad_sync`).
    `step_messages` computes all of this; the tests check it against the CommTracer byte for byte.
 4. Restart state: nothing of its own; each parameter's `shard_info` names its global slice (any T reloads it).
@@ -61,6 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import collective_ops
 from comm import Messages
 from memory import activation_bytes_per_layer
 from model import GPT, MLP, GPTConfig, initial_local
@@ -70,30 +72,10 @@ from step import Axis, sum_in_place
 # ---------------------------------------------------------------------------------------------------------
 # Collectives along the sequence (dim 1 of [batch, seq, ...]) and the vocabulary (last dim); the conjugate operators
 # ---------------------------------------------------------------------------------------------------------
-# all_gather_single / reduce_scatter_single work on dim 0, so the sequence is moved to the front for the
-# collective and back after. (Megatron keeps activations [s, b, h] throughout so this is free; model.py is
-# batch-first like nanoGPT, so we pay one copy per collective.)
-
-
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)  # a fresh buffer: never mutate autograd's tensors
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
-
-
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    local = x.movedim(dim, 0).contiguous()
-    out = local.new_empty((local.shape[0] * dist.get_world_size(group), *local.shape[1:]))
-    dist.all_gather_single(out, local, group=group)
-    return out.movedim(0, dim)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size = dist.get_world_size(group)  # the sequence splits into T pieces (config_from_flags)
-    full = x.movedim(dim, 0).contiguous()
-    out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
-    dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
-    return out.movedim(0, dim)
+# The raw collectives (collective_ops.py: all_gather_single / reduce_scatter_single work on dim 0, so the sequence
+# is moved to the front and back; Megatron keeps activations [s, b, h], model.py is batch-first like nanoGPT).
+_all_reduce, _all_gather = collective_ops.sum_raw, collective_ops.gather_raw
+_reduce_scatter = collective_ops.scatter_raw
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -110,41 +92,42 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
-    """Megatron's g: all-reduce forward, identity backward. Leaves a region: sums the row shards' partials."""
+    """Megatron's g: all-reduce forward, identity backward. Leaves a region: sums the row shards' partials.
+    `operators`: through collective_ops (a selectively recomputed block keeps the sum, never sends it again)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, group, operators=False):
+        return collective_ops.all_reduce(x, group) if operators else _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
     """Sequence parallel's g: all-gather the sequence forward, reduce-scatter backward. Enters a region."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, operators=False):
         ctx.group = group
-        return _all_gather(x, 1, group).contiguous()
+        return collective_ops.all_gather(x, 1, group) if operators else _all_gather(x, 1, group).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, 1, ctx.group), None
+        return _reduce_scatter(grad, 1, ctx.group), None, None
 
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """Sequence parallel's ḡ: reduce-scatter the sequence forward, all-gather backward. Leaves a region."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, operators=False):
         ctx.group = group
-        return _reduce_scatter(x, 1, group)
+        return collective_ops.reduce_scatter(x, 1, group) if operators else _reduce_scatter(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group), None
+        return _all_gather(grad, 1, ctx.group), None, None
 
 
 def _autocast_input(x: torch.Tensor) -> torch.Tensor:
@@ -162,18 +145,19 @@ class TensorParallelContext:
     size: int
     rank: int
     sequence_parallel: bool = False
+    operators: bool = False  # forward collectives as collective_ops operators (under selective recompute)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a region: f, or with SP the all-gather of the sequence (of 16-bit data under autocast)."""
         if self.sequence_parallel:
-            return GatherFromSequenceParallelRegion.apply(_autocast_input(x), self.group)
+            return GatherFromSequenceParallelRegion.apply(_autocast_input(x), self.group, self.operators)
         return CopyToTensorParallelRegion.apply(x, self.group)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
         """Out of a region: g, or with SP the reduce-scatter of the sequence."""
         if self.sequence_parallel:
-            return ReduceScatterToSequenceParallelRegion.apply(x, self.group)
-        return ReduceFromTensorParallelRegion.apply(x, self.group)
+            return ReduceScatterToSequenceParallelRegion.apply(x, self.group, self.operators)
+        return ReduceFromTensorParallelRegion.apply(x, self.group, self.operators)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -186,7 +170,7 @@ class ColumnParallelLinear(nn.Module):
 
     The input enters the region through f (or SP's all-gather); the output stays split for the next row-parallel
     layer unless `gather_output` (sampling's full logits, under no_grad). `regather` (SP): keep the sequence
-    shard for backward, not the gathered input (`_forward_regathering`); off under activation checkpointing.
+    shard for backward, not the gathered input (`_forward_regathering`); off under recompute (full, selective).
     """
 
     def __init__(self, linear: nn.Linear, ctx: TensorParallelContext, gather_output: bool = False,
@@ -386,7 +370,8 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
     (TensorParallelRNG, on `device`: the model's unless meta). `batch`: a step's input (`predicted_messages`).
     """
     config = model.config
-    ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel)
+    ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel,
+                                config.selective_recompute)
     rng = TensorParallelRNG(ctx.rank, device if device is not None else next(model.parameters()).device)
     untouched = set(model.parameters())  # holds them: an id() of a freed tensor could be reused
     sp_params = []  # replicated over TP, summed over it under SP
@@ -422,7 +407,7 @@ def _parallelize_block(block, ctx: TensorParallelContext, config, seed: int, rng
     """One block in place: attention's and the MLP's column → row pairs, dropout forked per TP rank. Returns
     the block's parameters that stay replicated (its LayerNorms and the row layers' biases)."""
     prefix, attn, mlp = f"transformer.h.{block.layer_id}", block.attn, block.mlp
-    regather = not config.activation_checkpointing
+    regather = not (config.activation_checkpointing or config.selective_recompute)  # a recompute keeps it
     attn.c_attn = _column(attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, 3, regather)
     attn.c_proj = _row(attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
     split_mlp = split_mlp_of(mlp)  # the dense MLP or a MoE block's shared experts; routed experts stay whole

@@ -209,6 +209,32 @@ def test_pipeline_with_experts_matches_single_device_and_traces_as_predicted():
                 assert traced[key] == pytest.approx((calls, payload), abs=1e-9), (case, rank, key)
 
 
+# Selective recompute (recompute.py) with the layouts whose forward sends messages inside a block: the policy
+# keeps each collective's output (collective_ops.py), so the recompute sends nothing and the traced messages are
+# those of a run without recompute; the reference is the plain single-device model (no recompute).
+SELECTIVE = ["--activation-checkpointing", "selective"]
+SELECTIVE_2 = [
+    (["--tp", "2", *SELECTIVE], dict(selective_recompute=True), 2, 1),
+    (["--tp", "2", "--sp", *SELECTIVE], dict(selective_recompute=True), 2, 1),
+    (["--cp", "2", "--cp-impl", "ulysses", *SELECTIVE], dict(selective_recompute=True), 2, 1),
+]
+
+
+@pytest.mark.slow
+def test_selective_recompute_composes_and_traces_as_predicted():
+    """TP and TP + SP under selective recompute: float64 updates equal the plain single-device model's (1e-10),
+    and every traced message equals report.predicted_messages (no collective sent again in backward)."""
+    results = run_ranks(_traced_cases, 2, SELECTIVE_2, timeout=300)
+    for index, (flags, config_kw, global_batch, micro) in enumerate(SELECTIVE_2):
+        per_rank = [rank_results[index] for rank_results in results]
+        plain = {k: v for k, v in config_kw.items() if k != "selective_recompute"}
+        _check(per_rank, flags, plain, global_batch, micro)
+        for rank, (_, _, (traced, predicted)) in enumerate(per_rank):
+            assert set(traced) == set(predicted), (flags, rank, set(traced) ^ set(predicted))
+            for key, (calls, payload) in predicted.items():
+                assert traced[key] == pytest.approx((calls, payload), abs=1e-9), (flags, rank, key, traced[key])
+
+
 # Resharding: (the mesh that saves after SAVE_AT steps, the mesh that resumes and trains to the end).
 SAVE_AT = 2
 RESHARD_4 = [

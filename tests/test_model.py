@@ -126,7 +126,7 @@ def test_selective_recompute_follows_the_plain_models_loss_curve():
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("flags,flag", [(["--tp", "2"], "--tp > 1"), (["--cp", "2"], "--cp > 1"),
+@pytest.mark.parametrize("flags,flag", [(["--cp", "2"], "--cp-impl ring"),
                                         (["--moe-experts", "4"], "--moe-experts"), (["--fp8", "current"], "--fp8")])
 def test_selective_recompute_refuses_the_layouts_it_cannot_serve(flags, flag):
     import flags as flags_lib

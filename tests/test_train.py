@@ -421,12 +421,14 @@ def test_two_torchrun_agents_without_a_shared_filesystem_match_one_agent(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,flags", [(2, ("--tp", "2", "--sp", "--moe-experts", "4", "--zero", "2")),
-                                         (2, ("--pp", "2", "--zero", "1")), (1, ("--zero", "3", "--fp8", "current"))],
-                         ids=["tp-sp-experts-zero2", "pp-zero1", "zero3-fp8-alone"])
+                                         (2, ("--pp", "2", "--zero", "1")), (1, ("--zero", "3", "--fp8", "current")),
+                                         (2, ("--tp", "2", "--sp", "--activation-checkpointing", "selective"))],
+                         ids=["tp-sp-experts-zero2", "pp-zero1", "zero3-fp8-alone", "tp-sp-selective"])
 def test_messages_are_as_predicted_with_fp32_gradient_accumulation(nproc, flags, tmp_path):
     """bf16 ZeRO with m = 4 accumulates in fp32: the gradient sums the axes add after the reduction (SP's over
     TP for the experts, the tied embedding's over its two stages) move those fp32 shards, as predicted; and a
-    ZeRO group of one (D = 1) sends nothing, FP8 weight gathers included."""
+    ZeRO group of one (D = 1) sends nothing, FP8 weight gathers included. Selective recompute under TP + SP
+    sends nothing again in backward (its collectives kept: collective_ops.py)."""
     run = launch(nproc, "--preset", "tiny", "--dtype", "bf16", *flags, "--steps", "2", "--global-batch", "4",
                  "--micro-batch", "1",
                  "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path), timeout=240)
