@@ -60,6 +60,7 @@ import microscaling
 import microscaling_fast
 from comm import Messages
 from fp8 import QuantizationObserver, forward_operands
+from fp8_scaling import pad_rows
 from recipe_codec import ZeroWeightCodec
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
@@ -147,10 +148,12 @@ def config_from_flags(args, settings) -> PrecisionRecipe | None:
     recipe = parse_recipe(spec)
     if args.fp8 is not None:
         raise ValueError(f"--precision-recipe {spec} with --fp8 {args.fp8}: choose one recipe for the block linears")
-    if settings.model.moe_experts:  # refused rather than leaving the experts silently in the compute dtype
-        raise ValueError(f"--precision-recipe {spec} with --moe-experts {settings.model.moe_experts}: the routed"
-                         f" experts' GEMMs see data-dependent row counts, which the recipe's blocks along the tokens"
-                         f" (16/32 rows, the Hadamard's 16) would straddle; not supported (--fp8 runs experts)")
+    moe = settings.model.moe_experts
+    if moe and (settings.shape.cp > 1 or settings.sequence_parallel or args.moe_replicas):
+        what = "--cp" if settings.shape.cp > 1 else "--sp" if settings.sequence_parallel else "--moe-replicas"
+        raise ValueError(f"--precision-recipe {spec} with --moe-experts {moe} and {what}: a routed expert's rows of"
+                         f" one micro-batch would be split over pieces or slots, each quantised alone (not the single"
+                         f" device's quantisation); without {what}")
     tp, cp, h = settings.shape.tp, settings.shape.cp, settings.model.n_embd
     tokens = settings.micro_batch_size * settings.seq_len // cp
     piece = settings.seq_len // cp // (2 if cp > 1 and args.cp_balance == "zigzag" else 1)
@@ -285,7 +288,7 @@ class RecipeLinear(nn.Linear):
     defers_weight_grad = True  # under zb it hands its dW to the pipeline's store itself
 
     def __init__(self, linear: nn.Linear, recipe: PrecisionRecipe, handle_state, name: str, layer_key: int,
-                 out_index: torch.Tensor, amax_groups: dict):
+                 out_index: torch.Tensor, amax_groups: dict, sources: list | None = None, token_block: int = 1):
         nn.Module.__init__(self)  # no new parameters: keep the wrapped linear's
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
@@ -296,13 +299,26 @@ class RecipeLinear(nn.Linear):
         self.weight_grad_store = None  # the pipeline's WeightGradStore under zb (set by its install)
         self.observer = QuantizationObserver()  # told what each training quantisation cut (PrecisionHandle.observe)
         self.gathered_weight_amax = None  # set by ZeRO-3 while it holds this weight gathered from NVFP4 codes
+        # A routed expert's: the first global micro-batch of each EP source rank (moe_dispatch.exchange runs one
+        # GEMM per source's rows, every source in order, so call c is source c mod E's micro-batch c // E), and
+        # the token block its dW operands' rows are zero-padded to (recipe_experts.py); None, 1 for the others.
+        self.sources, self.token_block = sources, token_block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         training, store, weight, bias = forward_operands(self, x)
-        micro_batch = self.forwards
-        if training and torch._C._current_autograd_node() is None:  # not activation checkpointing's recompute
-            self.forwards += 1  # (whose backward reads the first forward's index; evaluation counts none)
-        return _RecipeLinearFunction.apply(x, weight, bias, self, training, store, micro_batch)
+        calls, counted = self.forwards, training and torch._C._current_autograd_node() is None
+        if counted:  # not activation checkpointing's recompute (whose backward reads the first forward's index;
+            self.forwards += 1  # evaluation counts none)
+        if self.sources is None:  # the global micro-batch index of SR's draws
+            return _RecipeLinearFunction.apply(x, weight, bias, self, training, store,
+                                               self.state.first_micro_batch + calls)
+        rows = x.numel() // x.shape[-1]  # a routed expert's chunk: one source's rows
+        if counted and rows:
+            self.observer.padded(self, -rows % self.token_block)
+        if rows == 0:  # no row reached it from this source: nothing to quantise (its gradients are zero)
+            return nn.functional.linear(x, weight, bias)
+        index = self.sources[calls % len(self.sources)] + calls // len(self.sources)
+        return _RecipeLinearFunction.apply(x, weight, bias, self, training, store, index)
 
     def weight_amax(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight's amax: ZeRO-3's, while it holds this weight gathered from NVFP4 codes (their values'
@@ -346,7 +362,8 @@ class RecipeLinear(nn.Linear):
         """SR's U[0,1) for dY (or dYᵀ) from the logical coordinates (token row, output feature)."""
         if not self.recipe.sr:
             return None
-        rows = self.state.token_rows(token_shape, dy.device)
+        rows = (self.state.token_rows(token_shape, dy.device) if self.sources is None  # a routed expert's chunk:
+                else torch.arange(dy.shape[0 if not transposed else 1], device=dy.device))  # its rows, padded
         key = self.state.key(micro_batch, self.layer_key, role)
         cols = self.out_index.to(dy.device)
         return uniform_draws(key, cols, rows) if transposed else uniform_draws(key, rows, cols)
@@ -357,12 +374,15 @@ class RecipeLinear(nn.Linear):
         fq(H·X)ᵀ [K, M]) in the compute dtype, or None)."""
         recipe, fmt = self.recipe, self.recipe.bwd
         two_d = recipe.w2d and fmt == "nvfp4"
-        dy_t, x_t = dy.t(), x2.t()
+        # dW's operands: a routed expert's chunk gets zero rows up to the token block (blocks along the tokens;
+        # a zero row changes no block's amax, so the padding is exact)
+        dy_w, x_w = (pad_rows(dy, self.token_block), pad_rows(x2, self.token_block)) if wants_dw else (dy, x2)
+        dy_t, x_t = dy_w.t(), x_w.t()
         if recipe.rht:
             signs = hadamard_signs(self.state.key(-1, self.layer_key, 2), dy.device)
             wide = torch.float64 if dy.dtype == torch.float64 else torch.float32  # along the tokens, dim 0 of dY, X
-            dy_t = microscaling.hadamard_blocks(dy.to(wide), signs, dim=0).t().contiguous()
-            x_t = microscaling.hadamard_blocks(x2.to(wide), signs, dim=0).t().contiguous()
+            dy_t = microscaling.hadamard_blocks(dy_w.to(wide), signs, dim=0).t().contiguous()
+            x_t = microscaling.hadamard_blocks(x_w.to(wide), signs, dim=0).t().contiguous()
         amax = [None] * 4
         if fmt == "nvfp4":
             amax = self._reduced_amax([amax_of(dy), amax_of(dy_t), amax_of(x_t), self.weight_amax(weight)])
@@ -376,7 +396,7 @@ class RecipeLinear(nn.Linear):
                 wq = self._fq(weight.t(), fmt, out_dtype, 1, tensor_amax=amax[3]).t()
             dx = dyq @ wq
         if wants_dw:
-            draws = self._sr_draws(dy, token_shape, micro_batch, 1, transposed=True)
+            draws = self._sr_draws(dy_t, token_shape, micro_batch, 1, transposed=True)
             dw = (self._fq(dy_t, fmt, out_dtype, 2, tensor_amax=amax[1], draws=draws),
                   self._fq(x_t, fmt, out_dtype, 0, tensor_amax=amax[2]))
         return dx, dw
@@ -384,7 +404,8 @@ class RecipeLinear(nn.Linear):
 
 # --- Wiring into the trainer ---------------------------------------------------------------------------------
 
-ROLES = {"attn.c_attn": 0, "attn.c_proj": 1, "mlp.c_fc": 2, "mlp.c_proj": 3}
+ROLES = {"attn.c_attn": 0, "attn.c_proj": 1, "mlp.c_fc": 2, "mlp.c_proj": 3, "shared_experts.c_fc": 4,
+         "shared_experts.c_proj": 5, "c_fc": 6, "c_proj": 7}  # the last two: a routed expert's (the first match)
 
 
 @dataclass
@@ -399,9 +420,9 @@ class DrawState:
     positions: torch.Tensor | None
     step: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.float64))
 
-    def key(self, micro_batch: int, layer: int, role: int) -> int:
-        """micro-batch -1: the step's (the Hadamard signs, the same for all its micro-batches)."""
-        index = -1 if micro_batch < 0 else self.first_micro_batch + micro_batch
+    def key(self, index: int, layer: int, role: int) -> int:
+        """index: the global micro-batch (rank d's j-th: d·m + j); -1 the step's (the Hadamard signs, the same for
+        all its micro-batches)."""
         return draw_key(self.seed, int(self.step.item()), index, layer, role)
 
     def token_rows(self, shape: tuple, device) -> torch.Tensor:
@@ -424,13 +445,20 @@ def _out_index(info: ShardInfo | None, out_features: int) -> torch.Tensor:
 
 def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches: int = 1, seed: int = 0,
             seq_len: int | None = None, cp_balance: str = "zigzag") -> PrecisionHandle:
-    """Swap every nn.Linear of the blocks outside the tail (routers, gates and experts aside) for a RecipeLinear,
-    in place. mesh None: one process; else NVFP4's amax groups are cp and tp (each when larger than one rank)."""
+    """Swap every nn.Linear of the blocks outside the tail for a RecipeLinear, in place: the dense ones and the
+    shared experts' with NVFP4's amax groups cp and tp (each when larger than one rank; mesh None: one process),
+    a routed expert's with none (its logical tensor is one source's chunk, whole here: recipe_experts.py), its
+    sources' first micro-batches and the token block. The router is no nn.Linear: it stays in high precision,
+    as DeepSeek-V3 keeps its gate (a flipped top-k choice is not a small error)."""
     groups = {n: mesh.group(n) for n in ("cp", "tp") if mesh is not None and mesh.size(n) > 1}
     cp = mesh.size("cp") if mesh is not None else 1
     seq_len = seq_len or model.config.block_size
     positions = context_parallel.positions(seq_len, cp, mesh.index("cp"), cp_balance) if cp > 1 else None
     first = mesh.index("dp") * micro_batches if mesh is not None else 0
+    ep = mesh.size("ep") if mesh is not None else 1  # the EP group: consecutive data ranks (C = 1: flags)
+    first_source = mesh.index("dp") - mesh.index("ep") if mesh is not None else 0
+    sources = [(first_source + s) * micro_batches for s in range(ep)]
+    token_block = max(block_of(recipe.bwd), HADAMARD if recipe.rht else 1)
     state = DrawState(seed, first, seq_len, positions)
     n_layer, tail = model.config.n_layer, recipe.tail_layers(model.config.n_layer)
     linears, kept = {}, []
@@ -438,16 +466,19 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
             leaf = path.rpartition(".")[2]
-            if type(module) is not nn.Linear or leaf in ("router", "gate") or ".experts." in f".{path}":
-                continue  # routers stay precise; experts see data-dependent row counts (as under --fp8)
+            if type(module) is not nn.Linear or leaf in ("router", "gate"):
+                continue  # routers stay precise
+            routed = ".experts." in f".{path}"  # mlp.experts.<i>.c_fc: data-dependent rows, whole on its EP rank
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
             if block.layer_id >= n_layer - tail:
                 kept.append(name)
                 continue
             role = next((r for suffix, r in ROLES.items() if name.endswith(suffix)), len(ROLES))
-            linear = RecipeLinear(module, recipe, state, name, block.layer_id * 8 + role,
-                                  _out_index(info, module.out_features), groups)
+            key = block.layer_id * 9 + role + (9 * n_layer * (1 + int(path.split(".")[-2])) if routed else 0)
+            linear = RecipeLinear(module, recipe, state, name, key, _out_index(info, module.out_features),
+                                  {} if routed else groups, sources if routed else None,
+                                  token_block if routed else 1)
             setattr(block.get_submodule(path.rpartition(".")[0]), leaf, linear)
             linears[name] = linear
             if codec is not None:  # of W serves both its GEMMs: ZeRO-3 may gather it in NVFP4 (recipe_codec.py)
@@ -528,7 +559,8 @@ class PrecisionHandle(Axis):
     def predicted_messages(self, layout=None) -> Messages:
         """NVFP4's amax MAX all-reduces of one optimizer step (docstring item 3)."""
         out = Messages()
-        calls = len(self.linears) * self.micro_batches
+        calls = sum(linear.sources is None for linear in self.linears.values()) * self.micro_batches  # routed
+        # experts reduce no amax (their logical tensor is whole on their rank)
         for group in [g for g in ("cp", "tp") if self.mesh is not None and self.mesh.size(g) > 1]:
             if self.recipe.fwd == "nvfp4" and calls:
                 forwards = calls * (2 if self.recomputes else 1)

@@ -20,6 +20,7 @@ import format_flops
 import hardware
 import mfu
 import precision_recipe
+import recipe_experts
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -157,9 +158,18 @@ def _precision_saturation(handle, run, steps: int) -> list:
 
 
 def _precision_end(handle, run, steps: int) -> list:
-    facts = handle.facts()
+    """The linears quantised and kept; the routed experts' padded rows counted per MoE layer against the estimate
+    (recipe_experts.py), with what a block-scaled kernel would keep saved for them."""
+    facts, r = handle.facts(), handle.facts().recipe
+    block = max(precision_recipe.block_of(r.bwd), precision_recipe.HADAMARD if r.rht else 1)
+    bits = precision_recipe.bits_per_element(r.bwd, run.compute_dtype.itemsize)
+    expected = recipe_experts.expected_padded_rows(run.config.moe_experts, block) * run.micro_batches * steps
+    padding = [f"precision experts: MoE layer {i} padded {rows} rows to {block} per chunk in {steps} steps"
+               f" (estimate {expected:g}) = {recipe_experts.padding_bytes(rows, run.config.n_embd, bits):g} bytes of"
+               f" backward codes a block-scaled kernel saves (5h·β/8 per row)"
+               for i, rows in sorted(getattr(handle.observer, "rows", {}).items())]
     return [f"precision recipe {facts.recipe.describe()}: steps {steps}, {len(facts.formats)} block linears"
-            f" quantised, {len(facts.kept)} kept in the compute dtype"]
+            f" quantised, {len(facts.kept)} kept in the compute dtype", *padding]
 
 
 PRECISION_LINES = {"startup": _precision_startup, "step": _precision_saturation, "end": _precision_end}
