@@ -14,9 +14,13 @@ formats). With fq = quantise → dequantise in the part's format, blocks along e
         step, micro-batch, layer, the element's place in the LOGICAL tensor), so every mesh draws what one
         device draws, a resumed run replays them, and no generator state is saved;
   tail  the last ⌈F·n_layer⌉ blocks stay in the compute dtype (NVIDIA's NVFP4 recipe keeps ~15%).
-The embedding, the head and the loss stay in the compute dtype; MoE models are refused (`config_from_flags`:
-the routed experts' row counts are data-dependent, so the blocks along the tokens would need per-chunk padding
-and SR keys per routed row, not built; --fp8 pads its experts' rows, fp8_experts.py). This is an
+The embedding, the head and the loss stay in the compute dtype. A MoE block: its router stays in high precision
+(no nn.Linear; DeepSeek-V3 keeps its gate precise: a flipped top-k choice is not a small error), its shared
+experts are dense layers here (TP shards, amax over tp), and a routed expert's logical tensor is the chunk of
+rows one source rank's micro-batch sends it (moe_dispatch.exchange runs one GEMM per source): quantised alone,
+no amax reduction, SR keyed by (the source's global micro-batch, the expert, the row in the chunk), its dW
+operands zero-padded to the token block (recipe_experts.py), so E = 2 equals E = 1 and one device. --cp, --sp
+and --moe-replicas would split a chunk over ranks or slots: refused with MoE (`config_from_flags`). This is an
 emulation: the GEMMs run in the compute dtype (float64 models: float64) on the dequantised values. Only
 Blackwell (B200) has block-scaled MX/NVFP4 tensor cores; an H100/H200 has none, so there too it is emulated.
 
@@ -37,11 +41,11 @@ output widths, n the recipe's linears on this rank, β_f bits per element of for
 3. Messages (all_reduce MAX, float32, latency-bound, NVFP4 parts only; `predicted_messages`): per linear and
    micro-batch over tp and over cp (each when its size > 1): forward 8 bytes [amax X, amax W] when fwd=nvfp4
    (twice under activation checkpointing), backward 16 bytes [amax dY, amax dW's dY operand, amax dW's X
-   operand, amax W] when bwd=nvfp4. MX formats send nothing. ZeRO-3: under the nvfp4 preset (w2d, fwd = bwd =
-   nvfp4) one 16×16 quantisation of W serves both GEMMs, so it gathers W's E2M1 codes (1 byte per element here,
+   operand, amax W] when bwd=nvfp4. MX formats and routed experts send nothing. ZeRO-3: under the nvfp4 preset (w2d, fwd
+   = bwd = nvfp4) one 16×16 quantisation of W serves both GEMMs, so it gathers W's E2M1 codes (1 byte per element here,
    4 bits packed) after an all_reduce MAX of the tiles' amaxes (4 bytes per 256 elements) and the tensor amax
-   (`ZeroWeightCodec`, recipe_codec.py); otherwise W is quantised along K for Y and along N for dX (two copies,
-   2·β ≥ b_w bits), so it is gathered in the working dtype (b_w bytes per element) and quantised after the gather.
+   (`ZeroWeightCodec`, recipe_codec.py); otherwise W is quantised along K for Y and along N for dX (two copies, 2·β ≥
+   b_w bits), so it is gathered in the working dtype (b_w bytes per element) and quantised after the gather.
 4. Restart state: the optimizer step the draws and Hadamard signs are keyed by ("precision/step", one float64,
    the same on every rank and mesh); nothing else: no amax history, no generator.
 """
@@ -303,6 +307,7 @@ class RecipeLinear(nn.Linear):
         # GEMM per source's rows, every source in order, so call c is source c mod E's micro-batch c // E), and
         # the token block its dW operands' rows are zero-padded to (recipe_experts.py); None, 1 for the others.
         self.sources, self.token_block = sources, token_block
+        self.row_share = 1.0  # a routed expert's: E·k/N of a micro-batch's M rows (convert sets it; accounting)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         training, store, weight, bias = forward_operands(self, x)
@@ -479,6 +484,8 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
             linear = RecipeLinear(module, recipe, state, name, key, _out_index(info, module.out_features),
                                   {} if routed else groups, sources if routed else None,
                                   token_block if routed else 1)
+            if routed:  # of the M tokens a rank routes, its held expert gets E·M·k/N rows (uniform routing)
+                linear.row_share = ep * model.config.moe_topk / model.config.moe_experts
             setattr(block.get_submodule(path.rpartition(".")[0]), leaf, linear)
             linears[name] = linear
             if codec is not None:  # of W serves both its GEMMs: ZeRO-3 may gather it in NVFP4 (recipe_codec.py)
@@ -500,7 +507,7 @@ class PrecisionFacts:
     recipe: PrecisionRecipe
     formats: dict  # {linear's global name: (forward format, backward format)}: the recipe's linears
     kept: list  # the block linears of the tail, in the compute dtype
-    in_features: dict  # {linear's global name: K_j}
+    in_features: dict  # {linear's global name: K_j, × a routed expert's row share E·k/N} (saved_input_bytes)
     weights: int  # Σ N_j·K_j of the recipe's linears
     gathered_as_codes: bool  # ZeRO-3 gathers their weights as NVFP4 codes (ZeroWeightCodec)
 
@@ -552,7 +559,7 @@ class PrecisionHandle(Axis):
     def facts(self) -> PrecisionFacts:
         r = self.recipe
         return PrecisionFacts(r, {name: (r.fwd, r.bwd) for name in self.linears}, list(self.kept),
-                              {name: linear.in_features for name, linear in self.linears.items()},
+                              {name: linear.in_features * linear.row_share for name, linear in self.linears.items()},
                               sum(linear.weight.numel() for linear in self.linears.values()),
                               any(hasattr(linear.weight, "gather_codec") for linear in self.linears.values()))
 

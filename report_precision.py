@@ -129,7 +129,7 @@ def _precision_startup(handle, run, steps: int) -> list:
                    f" W's two quantisations (along K for Y, along N for dX) would take 2 × {bits[r.fwd]:g} bits")
         lines.append(f"  ZeRO-3 gathers these {n:,} weight elements per gather of all {how}")
     flops = format_flops.flops_by_format(run.config, run.seq_len, r.fwd, r.bwd, compute,
-                                         r.tail_layers(run.config.n_layer))
+                                         r.tail_layers(run.config.n_layer), routed_experts=True)
     shares = ", ".join(f"{name} {f / sum(flops.values()):.1%}" for name, f in flops.items())
     lines.append(f"  MFU: model FLOPs by format {shares}; the step line's MFU divides by their format-weighted peak on"
                  f" this device ('peak assumed'; a format without a GEMM here at the {compute} rate, which the"

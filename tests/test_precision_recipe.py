@@ -149,6 +149,44 @@ def test_a_routed_experts_chunk_computes_the_recipe_on_its_rows_padded_to_the_to
     assert torch.equal(plain.weight.grad, fq(dyp_t, draws_t) @ fq(xp_t).t())
 
 
+def test_routed_experts_padded_rows_per_moe_layer_equal_a_hand_count_and_are_printed():
+    """Training forwards of a 2-MoE-layer model under nvfp4: the rows the accounting's observer counts per layer
+    (report_axes.OBSERVERS["precision"]) equal Σ over micro-batches and experts of (−m) mod 16 for the m rows the
+    router sent each expert (E = 1: a chunk is a micro-batch's rows of one expert; an empty one pads nothing); the
+    end line prints them beside the estimate N·15/2 per layer and micro-batch, and their bytes, 5h·4.5/8 each."""
+    from types import SimpleNamespace
+
+    import moe
+    import report_axes
+    from model import GPT
+
+    config = make_config(n_layer=2, n_head=2, n_embd=64, moe_experts=4, moe_topk=2)
+    model = GPT(config, seed=0, dtype=torch.float64)
+    handle = recipes.convert(model, recipes.parse_recipe("nvfp4,tail=0"), seq_len=16)
+    report_axes.observe(handle)
+    hand = {0: 0, 1: 0}
+    for block in model.transformer.h:
+        def count(router, args, logits, layer_id=block.layer_id):
+            _, _, expert = moe.route(logits, config.moe_topk)
+            counts = moe.count_per_expert(expert, config.moe_experts).tolist()
+            hand[layer_id] += sum(-m % 16 for m in counts if m) if torch.is_grad_enabled() else 0
+        block.mlp.router.register_forward_hook(count)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):  # micro-batches of 2 × 16 tokens
+        idx = torch.randint(0, 256, (2, 16), generator=generator)
+        _, loss, _ = model(idx, idx)
+        loss.backward()
+        handle.after_grad_sync()
+    with torch.no_grad():
+        model(idx)  # evaluation is not counted
+    assert handle.observer.rows == hand and all(hand.values())
+    run = SimpleNamespace(config=config, compute_dtype=torch.float64, micro_batches=1)
+    lines = "\n".join(report_axes.axis_lines(handle, "end", run, 3))
+    for layer_id, rows in hand.items():
+        assert f"precision experts: MoE layer {layer_id} padded {rows} rows to 16 per chunk in 3 steps (estimate" \
+               f" 90) = {rows * 5 * 64 * 4.5 / 8:g} bytes" in lines, lines
+
+
 def test_draws_of_a_piece_are_the_whole_tensors_draws_there():
     """Any rank's piece (rows, columns of the logical tensor, in any order) draws what the whole draws there."""
     key = recipes.draw_key(0, 3, 1, 17, 0)
@@ -264,7 +302,8 @@ def mesh_runs(tmp_path_factory):
 def _check(results, flags, config_kw, global_batch, micro):
     args = _parse(flags, global_batch, micro)
     seq = _seq_len(flags)
-    ref_losses, _, ref_params = reference_run(test_composition._config(args, config_kw), global_batches(STEPS, global_batch, seq),
+    ref_losses, _, ref_params = reference_run(test_composition._config(args, config_kw),
+                                              global_batches(STEPS, global_batch, seq),
                                               clip=CLIP, micro_batches=global_batch // micro,
                                               precision_recipe=args.precision_recipe)
     assert_runs_follow(results, ref_losses, ref_params, TOL)
