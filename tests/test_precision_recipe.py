@@ -234,8 +234,10 @@ MESH_CASES = [case for preset in PRESETS for case in _mesh_cases(preset)] + [
     (["--precision-recipe", "nvfp4,tail=0", *MOE], H, 4, 2),
     (["--precision-recipe", "nvfp4,tail=0", *MOE, "--ep", "2"], H, 4, 2),
     (["--precision-recipe", "mxfp8", *MOE, "--ep", "2", "--moe-shared-experts", "1", "--zero", "1"], H, 4, 2),
+    (["--precision-recipe", "nvfp4", *MOE, "--ep", "2", "--zero", "3"], dict(H, n_layer=2), 4, 2),  # expert codes
+    (["--precision-recipe", "nvfp4,tail=0", *MOE, "--tp", "2"], H, 4, 2),  # experts whole on each TP rank
 ]
-EP1, EP2 = len(MESH_CASES) - 3, len(MESH_CASES) - 2
+EP1, EP2 = len(MESH_CASES) - 5, len(MESH_CASES) - 4
 MESH_IDS = ["-".join(f.lstrip("-") for f in case[0][1:]) + ("-ckpt" if case[1].get("activation_checkpointing") else "")
             for case in MESH_CASES]
 
