@@ -55,6 +55,9 @@ BAD_RECIPES = [
     (["--precision-recipe", "nvfp4", "--tp", "2", "--n-embd", "48", "--n-head", "4"], "16-wide block"),
     (["--precision-recipe", "mxfp8", "--fp8", "current"], "choose one recipe"),
     (["--precision-recipe", "mxfp8", "--moe-experts", "4", "--tp", "2", "--sp"], "and --sp: a routed expert's rows"),
+    (["--precision-recipe", "mxfp8", "--moe-experts", "4", "--cp", "2"], "and --cp: a routed expert's rows"),
+    (["--precision-recipe", "mxfp8", "--moe-experts", "4", "--ep", "2", "--moe-replicas", "6"],
+     "and --moe-replicas: a routed expert's rows"),
 ]
 
 
@@ -66,7 +69,7 @@ def test_a_bad_recipe_ends_in_one_line_naming_the_flag(flags, message, tmp_path,
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2" if "--tp" in flags else "1")
+    monkeypatch.setenv("WORLD_SIZE", "2" if {"--tp", "--cp", "--ep"} & set(flags) else "1")
     with pytest.raises(SystemExit) as stop:
         flags_lib.parse(["--preset", "tiny", "--out-dir", str(tmp_path / "out"), *flags], train.AXES)
     err = capsys.readouterr().err
