@@ -9,7 +9,10 @@ layout → step.train_step) and compare with tests/reference.py's single process
 at the FP8 tests' tolerance: losses and parameters within 1e-10 in float64. That holds only if every element is
 quantised identically on both meshes: the same blocks (local to a rank's piece), the same NVFP4 tensor amax (MAX
 over tp) and the same stochastic-rounding draws (keyed by the logical coordinates, not by the rank), so a rank-keyed
-draw or a missing reduction fails it by orders of magnitude. All mesh runs share one 2-rank spawn.
+draw or a missing reduction fails it by orders of magnitude. MoE (recipe_experts.py): a routed expert's chunk is
+checked bitwise against the recipe on its zero-padded rows, and E = 1, E = 2 (ZeRO-1 with shared experts, ZeRO-3)
+and TP follow the single process at the same tolerance, E = 2 equal to E = 1 (a draw keyed by the receiving rank
+instead of the source's micro-batch fails it by 2e-2). All mesh runs share one 2-rank spawn.
 """
 
 import os
