@@ -104,18 +104,22 @@ def activation_estimate(run, device_type: str | None = None) -> ActivationEstima
                                     slots) if run.settings.args.zero == 3 else {})
     # A precision recipe's linears (precision_recipe.RecipeLinear) save the weight parameter itself: no copy.
     recipe = next((axis for axis in run.axes if axis.name == "precision"), None)
-    copy_free = len({int(name.split(".")[2]) for name in recipe.linears} & set(layer_ids)) if recipe else 0
+    ids = {int(name.split(".")[2]) for name in recipe.linears} & set(layer_ids) if recipe else set()
+    moe_ids = [i for i in ids if run.config.is_moe_layer(i)]
+    copy_free = {"dense": len(ids) - len(moe_ids), "moe": len(moe_ids)}
     return estimate_of(run.config, x, layer_ids, ends, shape.ep, (in_flight, chunks), gathered, copy_free, slots)
 
 
 def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int,
-                pipeline_flight: tuple = (1, 1), gathered: dict | None = None,
-                copy_free: int = 0, slots: int = 0) -> ActivationEstimate:
+                pipeline_flight: tuple = (1, 1), gathered: dict | None = None, copy_free=None,
+                slots: int = 0) -> ActivationEstimate:
     """activation_estimate from the shapes: the blocks `layer_ids`, ends = (has embedding, has head), the
     expert-parallel size, pipeline_flight = (chunk-micro-batches in flight, v), `gathered` ZeRO-3's units the
-    forward leaves saved, by name (zero3_saved_weights; none for other layouts), copy_free: how many of the dense
-    blocks run their linears without autocast's weight copies (a precision recipe's: it quantises the weight itself
-    and saves the parameter, so 12h²·w/T fewer bytes each); slots: R with --moe-replicas (R/E experts a rank holds)."""
+    forward leaves saved, by name (zero3_saved_weights; none for other layouts), copy_free: {"dense" | "moe": how
+    many of those blocks run their linears without autocast's weight copies} (a precision recipe's: it quantises
+    the weight itself and saves the parameter, so 12h²·w/T fewer bytes a dense block, (N/E + S/T)·8h²·w a MoE
+    block); slots: R with --moe-replicas (R/E experts a rank holds)."""
+    copy_free = copy_free or {"dense": 0, "moe": 0}
     n_moe = sum(config.is_moe_layer(layer_id) for layer_id in layer_ids)
     held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
     n_blocks = sum(held.values())
@@ -127,8 +131,9 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
         blocks = {f"{n_blocks} block inputs": memory.block_input_bytes(x) * n_blocks}
         rebuilt_x = replace(x, regather=False)
         rebuilt = block_bytes(rebuilt_x, moe_block_bytes(config, rebuilt_x, ep, slots))
-        if held["dense"] and copy_free >= held["dense"]:  # every dense block rebuilt without copies
-            rebuilt["dense"] = (rebuilt["dense"][0], 0.0)
+        for kind in ("dense", "moe"):  # every block of a kind rebuilt without copies
+            if held[kind] and copy_free[kind] >= held[kind]:
+                rebuilt[kind] = (rebuilt[kind][0], 0.0)
         recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - memory.block_input_bytes(x)
     elif config.selective_recompute:  # the inputs, GEMM and collective outputs stay (dense blocks: check_flags)
         blocks = {f"{n_blocks} {name}": value * n_blocks for name, value in memory.selective_block_terms(x).items()}
@@ -137,7 +142,7 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
                       - memory.selective_rebuild_shared(x))  # what the rebuild adds to the cache it reads
     else:
         each = block_bytes(x, experts)
-        copies = sum(held[kind] * each[kind][1] for kind in held) - copy_free * each["dense"][1]
+        copies = sum((held[kind] - copy_free[kind]) * each[kind][1] for kind in held)
         blocks = {f"{n_blocks} blocks" + (f" ({n_moe} MoE)" if n_moe else ""):
                   sum(held[kind] * each[kind][0] for kind in held), "autocast weight copies": copies}
     terms = {**blocks, **(gathered or {ZERO3_GATHERED: 0.0}),

@@ -5,11 +5,12 @@ FLOPs (mfu.flops_per_token's model count, 6N + 12·L·H·Q·T per token) split b
 
     F_fwd   = 2·N_q        the forward GEMM Y = X·Wᵀ of the quantised linears, in the forward format
     F_bwd   = 4·N_q        dX = dY·W and dW = dYᵀ·X, in the backward format
-    F_c     = F − 6·N_q    the rest in the compute dtype: the head (6·V·h), attention's 12·L·H·Q·T, the routers and
-                           experts, and the blocks a recipe keeps out (NVFP4's tail: the last ⌈F_tail·L⌉ blocks)
+    F_c     = F − 6·N_q    the rest in the compute dtype: the head (6·V·h), attention's 12·L·H·Q·T, the routers,
+                           and the blocks a recipe keeps out (NVFP4's tail: the last ⌈F_tail·L⌉ blocks)
 
 with N_q the linear weights of the blocks the recipe quantises (memory.param_counts' dense_linears of those
-blocks: the attention's and the dense MLP's nn.Linear weights; 12·h² per dense block). Each format runs at its
+blocks: the attention's and the dense MLP's nn.Linear weights, 12·h² per dense block; a MoE block's shared
+experts and the k·8h² of the routed experts a token visits: memory.param_counts' fp8_matmul). Each format runs at its
 own peak P_f, so the ideal time of a token's FLOPs is Σ_f F_f / P_f, and
 
     MFU = (tokens/s / n_devices) · Σ_f F_f / P_f  =  tokens/s · F / (n_devices · P_w),
@@ -39,8 +40,8 @@ def flops_by_format(config, seq_len: int, forward: str, backward: str, compute: 
     """Model FLOPs per token by format, {format: FLOPs}, summing to mfu.flops_per_token(...).model: the block
     linears of the first L − tail_layers blocks forward (2·N_q) in `forward`, backward (4·N_q) in `backward`,
     the rest in `compute`. A part that names no narrow format (the spec's bf16: not quantised) is the compute
-    dtype. --fp8 is forward = backward = "fp8", no tail (E4M3/E5M2 at the FP8 rate alike), and its N_q counts
-    the k routed experts a token visits too (routed_experts: fp8_experts.py runs them in FP8)."""
+    dtype. --fp8 is forward = backward = "fp8", no tail (E4M3/E5M2 at the FP8 rate alike). routed_experts: N_q
+    counts the k routed experts a token visits too (--fp8 and a precision recipe quantise them)."""
     if not 0 <= tail_layers <= config.n_layer:
         raise ValueError(f"tail_layers must be in 0..{config.n_layer}, got {tail_layers}")
     total = mfu.flops_per_token(memory.param_counts(config), config, seq_len).model
@@ -123,6 +124,6 @@ def run_peak(run, peak: tuple) -> tuple[float, str]:
         return peak
     recipe, compute = handle.recipe, mfu.format_dtype(run.compute_dtype)
     flops = flops_by_format(run.config, run.seq_len, recipe.fwd, recipe.bwd, compute,
-                            recipe.tail_layers(run.config.n_layer))
+                            recipe.tail_layers(run.config.n_layer), routed_experts=True)
     peaks, emulated = device_peaks(run.device, flops, compute, peak[0])
     return recipe_peak(flops, peaks, emulated, compute, peak)

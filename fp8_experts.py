@@ -56,8 +56,9 @@ def expected_padded_rows(experts: int) -> float:
 
 
 class PaddingCount(mfu.SaturationCount):
-    """mfu.SaturationCount (the scale table's), plus the zero rows each expert's FP8 c_fc appended in training
-    forwards since start-up (fp8.QuantizationObserver.padded; c_proj pads the same rows), by MoE layer; not in
+    """mfu.SaturationCount (the scale table's), plus the zero rows each expert's c_fc appended (FP8: its
+    GEMMs; a precision recipe: its dW operands, recipe_experts.py) in training forwards since start-up
+    (fp8.QuantizationObserver.padded; c_proj pads the same rows), by MoE layer; not in
     activation checkpointing's recompute (inside a backward), as mfu.RoutedLoad counts the routing."""
 
     EXPERT_INPUT = re.compile(r"transformer\.h\.(\d+)\.mlp\.experts\.\d+\.c_fc$")

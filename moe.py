@@ -53,7 +53,8 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    (memory.param_counts). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
    (e_r), S sent and R received rows (E > 1: pairs, with their metadata), the R_e rows the experts run (E = 1:
    the S slots; E > 1 the fan-out), their [R_e, 4h] hidden and R_e outputs (under --fp8 their linears run in
-   FP8, each expert's rows padded to 16: fp8.py, fp8_experts.py), the weighted and summed rows; with capacity
+   FP8, each expert's rows padded to 16: fp8.py, fp8_experts.py; under a precision recipe each chunk's dW
+   operands padded to its token block: recipe_experts.py), the weighted and summed rows; with capacity
    under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward: `layer_activation_bytes` (tested against
    autograd for E = 1). Uniform routing: R_e = T·k, S = R = T·ρ; worst case (the whole ep group picks this
    rank): R = E·T, R_e = E·T·k dropless, ≤ N·C_μ with capacity. What the forward holds at once

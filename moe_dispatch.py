@@ -104,9 +104,10 @@ def exchange(rows: torch.Tensor, gate: torch.Tensor, slot: torch.Tensor, slots: 
     fan = torch.argsort(meta_in[:, k:].detach().reshape(-1), stable=True)[:sum(per_slot)]  # 4. by local slot
     row_of = torch.div(fan, k, rounding_mode="floor")
     chunks = arrived[row_of].split(per_slot)  # [R_e, h]: the fan-out, one chunk per local slot, sources in order
-    # Each source's rows run as a GEMM of their own (as without dedup): an FP8 expert scales the rows one source's
-    # micro-batch sends it alone (fp8_experts.py), so E = 2 quantises exactly as E = 1 does; other experts are
-    # row-wise and give the same rows either way.
+    # Each source's rows run as a GEMM of their own (as without dedup), every source in order, even with no rows:
+    # an FP8 or a precision recipe's expert scales the rows one source's micro-batch sends it alone (fp8_experts.py,
+    # recipe_experts.py), so E = 2 quantises exactly as E = 1 does; other experts are row-wise and give the same
+    # rows either way.
     out = torch.cat([run_expert(i, piece) for i, chunk in enumerate(chunks)
                      for piece in chunk.split([sizes[1][source][i] for source in range(ep)])])
     weighted = out * meta_in[:, :k].reshape(-1)[fan].unsqueeze(1)  # e_w

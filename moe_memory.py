@@ -70,7 +70,8 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    backward rises higher (seen with capacity, by 32 bytes). A router with N ≫ h rises in its own backward,
    its [T, N] gradients (B2, `router_rise`; the aux losses' own [T, N] gradients in a step: not written).
    FP8 experts (fp8_experts.py): their quantised copies and padded rows are not written here
-   (fp8_experts.padding_bytes counts the padding's saved bytes).
+   (fp8_experts.padding_bytes counts the padding's saved bytes); nor a precision recipe's (recipe_experts.py):
+   its emulation's fp32 quantisation temporaries, and the weight copies it does not make.
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
 

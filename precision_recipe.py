@@ -14,9 +14,13 @@ formats). With fq = quantise → dequantise in the part's format, blocks along e
         step, micro-batch, layer, the element's place in the LOGICAL tensor), so every mesh draws what one
         device draws, a resumed run replays them, and no generator state is saved;
   tail  the last ⌈F·n_layer⌉ blocks stay in the compute dtype (NVIDIA's NVFP4 recipe keeps ~15%).
-The embedding, the head and the loss stay in the compute dtype; MoE models are refused (`config_from_flags`:
-the routed experts' row counts are data-dependent, so the blocks along the tokens would need per-chunk padding
-and SR keys per routed row, not built; --fp8 pads its experts' rows, fp8_experts.py). This is an
+The embedding, the head and the loss stay in the compute dtype. A MoE block: its router stays in high precision
+(no nn.Linear; DeepSeek-V3 keeps its gate precise: a flipped top-k choice is not a small error), its shared
+experts are dense layers here (TP shards, amax over tp), and a routed expert's logical tensor is the chunk of
+rows one source rank's micro-batch sends it (moe_dispatch.exchange runs one GEMM per source): quantised alone,
+no amax reduction, SR keyed by (the source's global micro-batch, the expert, the row in the chunk), its dW
+operands zero-padded to the token block (recipe_experts.py), so E = 2 equals E = 1 and one device. --cp, --sp
+and --moe-replicas would split a chunk over ranks or slots: refused with MoE (`config_from_flags`). This is an
 emulation: the GEMMs run in the compute dtype (float64 models: float64) on the dequantised values. Only
 Blackwell (B200) has block-scaled MX/NVFP4 tensor cores; an H100/H200 has none, so there too it is emulated.
 
@@ -37,11 +41,11 @@ output widths, n the recipe's linears on this rank, β_f bits per element of for
 3. Messages (all_reduce MAX, float32, latency-bound, NVFP4 parts only; `predicted_messages`): per linear and
    micro-batch over tp and over cp (each when its size > 1): forward 8 bytes [amax X, amax W] when fwd=nvfp4
    (twice under activation checkpointing), backward 16 bytes [amax dY, amax dW's dY operand, amax dW's X
-   operand, amax W] when bwd=nvfp4. MX formats send nothing. ZeRO-3: under the nvfp4 preset (w2d, fwd = bwd =
-   nvfp4) one 16×16 quantisation of W serves both GEMMs, so it gathers W's E2M1 codes (1 byte per element here,
+   operand, amax W] when bwd=nvfp4. MX formats and routed experts send nothing. ZeRO-3: under the nvfp4 preset (w2d, fwd
+   = bwd = nvfp4) one 16×16 quantisation of W serves both GEMMs, so it gathers W's E2M1 codes (1 byte per element here,
    4 bits packed) after an all_reduce MAX of the tiles' amaxes (4 bytes per 256 elements) and the tensor amax
-   (`ZeroWeightCodec`, the last section); otherwise W is quantised along K for Y and along N for dX (two copies,
-   2·β ≥ b_w bits), so it is gathered in the working dtype (b_w bytes per element) and quantised after the gather.
+   (`ZeroWeightCodec`, recipe_codec.py); otherwise W is quantised along K for Y and along N for dX (two copies, 2·β ≥
+   b_w bits), so it is gathered in the working dtype (b_w bytes per element) and quantised after the gather.
 4. Restart state: the optimizer step the draws and Hadamard signs are keyed by ("precision/step", one float64,
    the same on every rank and mesh); nothing else: no amax history, no generator.
 """
@@ -60,6 +64,8 @@ import microscaling
 import microscaling_fast
 from comm import Messages
 from fp8 import QuantizationObserver, forward_operands
+from fp8_scaling import pad_rows
+from recipe_codec import ZeroWeightCodec
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
@@ -146,10 +152,12 @@ def config_from_flags(args, settings) -> PrecisionRecipe | None:
     recipe = parse_recipe(spec)
     if args.fp8 is not None:
         raise ValueError(f"--precision-recipe {spec} with --fp8 {args.fp8}: choose one recipe for the block linears")
-    if settings.model.moe_experts:  # refused rather than leaving the experts silently in the compute dtype
-        raise ValueError(f"--precision-recipe {spec} with --moe-experts {settings.model.moe_experts}: the routed"
-                         f" experts' GEMMs see data-dependent row counts, which the recipe's blocks along the tokens"
-                         f" (16/32 rows, the Hadamard's 16) would straddle; not supported (--fp8 runs experts)")
+    moe = settings.model.moe_experts
+    if moe and (settings.shape.cp > 1 or settings.sequence_parallel or args.moe_replicas):
+        what = "--cp" if settings.shape.cp > 1 else "--sp" if settings.sequence_parallel else "--moe-replicas"
+        raise ValueError(f"--precision-recipe {spec} with --moe-experts {moe} and {what}: a routed expert's rows of"
+                         f" one micro-batch would be split over pieces or slots, each quantised alone (not the single"
+                         f" device's quantisation); without {what}")
     tp, cp, h = settings.shape.tp, settings.shape.cp, settings.model.n_embd
     tokens = settings.micro_batch_size * settings.seq_len // cp
     piece = settings.seq_len // cp // (2 if cp > 1 and args.cp_balance == "zigzag" else 1)
@@ -284,7 +292,7 @@ class RecipeLinear(nn.Linear):
     defers_weight_grad = True  # under zb it hands its dW to the pipeline's store itself
 
     def __init__(self, linear: nn.Linear, recipe: PrecisionRecipe, handle_state, name: str, layer_key: int,
-                 out_index: torch.Tensor, amax_groups: dict):
+                 out_index: torch.Tensor, amax_groups: dict, sources: list | None = None, token_block: int = 1):
         nn.Module.__init__(self)  # no new parameters: keep the wrapped linear's
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
@@ -295,13 +303,27 @@ class RecipeLinear(nn.Linear):
         self.weight_grad_store = None  # the pipeline's WeightGradStore under zb (set by its install)
         self.observer = QuantizationObserver()  # told what each training quantisation cut (PrecisionHandle.observe)
         self.gathered_weight_amax = None  # set by ZeRO-3 while it holds this weight gathered from NVFP4 codes
+        # A routed expert's: the first global micro-batch of each EP source rank (moe_dispatch.exchange runs one
+        # GEMM per source's rows, every source in order, so call c is source c mod E's micro-batch c // E), and
+        # the token block its dW operands' rows are zero-padded to (recipe_experts.py); None, 1 for the others.
+        self.sources, self.token_block = sources, token_block
+        self.row_share = 1.0  # a routed expert's: E·k/N of a micro-batch's M rows (convert sets it; accounting)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         training, store, weight, bias = forward_operands(self, x)
-        micro_batch = self.forwards
-        if training and torch._C._current_autograd_node() is None:  # not activation checkpointing's recompute
-            self.forwards += 1  # (whose backward reads the first forward's index; evaluation counts none)
-        return _RecipeLinearFunction.apply(x, weight, bias, self, training, store, micro_batch)
+        calls, counted = self.forwards, training and torch._C._current_autograd_node() is None
+        if counted:  # not activation checkpointing's recompute (whose backward reads the first forward's index;
+            self.forwards += 1  # evaluation counts none)
+        if self.sources is None:  # the global micro-batch index of SR's draws
+            return _RecipeLinearFunction.apply(x, weight, bias, self, training, store,
+                                               self.state.first_micro_batch + calls)
+        rows = x.numel() // x.shape[-1]  # a routed expert's chunk: one source's rows
+        if counted and rows:
+            self.observer.padded(self, -rows % self.token_block)
+        if rows == 0:  # no row reached it from this source: nothing to quantise (its gradients are zero)
+            return nn.functional.linear(x, weight, bias)
+        index = self.sources[calls % len(self.sources)] + calls // len(self.sources)
+        return _RecipeLinearFunction.apply(x, weight, bias, self, training, store, index)
 
     def weight_amax(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight's amax: ZeRO-3's, while it holds this weight gathered from NVFP4 codes (their values'
@@ -345,7 +367,8 @@ class RecipeLinear(nn.Linear):
         """SR's U[0,1) for dY (or dYᵀ) from the logical coordinates (token row, output feature)."""
         if not self.recipe.sr:
             return None
-        rows = self.state.token_rows(token_shape, dy.device)
+        rows = (self.state.token_rows(token_shape, dy.device) if self.sources is None  # a routed expert's chunk:
+                else torch.arange(dy.shape[0 if not transposed else 1], device=dy.device))  # its rows, padded
         key = self.state.key(micro_batch, self.layer_key, role)
         cols = self.out_index.to(dy.device)
         return uniform_draws(key, cols, rows) if transposed else uniform_draws(key, rows, cols)
@@ -356,12 +379,15 @@ class RecipeLinear(nn.Linear):
         fq(H·X)ᵀ [K, M]) in the compute dtype, or None)."""
         recipe, fmt = self.recipe, self.recipe.bwd
         two_d = recipe.w2d and fmt == "nvfp4"
-        dy_t, x_t = dy.t(), x2.t()
+        # dW's operands: a routed expert's chunk gets zero rows up to the token block (blocks along the tokens;
+        # a zero row changes no block's amax, so the padding is exact)
+        dy_w, x_w = (pad_rows(dy, self.token_block), pad_rows(x2, self.token_block)) if wants_dw else (dy, x2)
+        dy_t, x_t = dy_w.t(), x_w.t()
         if recipe.rht:
             signs = hadamard_signs(self.state.key(-1, self.layer_key, 2), dy.device)
             wide = torch.float64 if dy.dtype == torch.float64 else torch.float32  # along the tokens, dim 0 of dY, X
-            dy_t = microscaling.hadamard_blocks(dy.to(wide), signs, dim=0).t().contiguous()
-            x_t = microscaling.hadamard_blocks(x2.to(wide), signs, dim=0).t().contiguous()
+            dy_t = microscaling.hadamard_blocks(dy_w.to(wide), signs, dim=0).t().contiguous()
+            x_t = microscaling.hadamard_blocks(x_w.to(wide), signs, dim=0).t().contiguous()
         amax = [None] * 4
         if fmt == "nvfp4":
             amax = self._reduced_amax([amax_of(dy), amax_of(dy_t), amax_of(x_t), self.weight_amax(weight)])
@@ -375,7 +401,7 @@ class RecipeLinear(nn.Linear):
                 wq = self._fq(weight.t(), fmt, out_dtype, 1, tensor_amax=amax[3]).t()
             dx = dyq @ wq
         if wants_dw:
-            draws = self._sr_draws(dy, token_shape, micro_batch, 1, transposed=True)
+            draws = self._sr_draws(dy_t, token_shape, micro_batch, 1, transposed=True)
             dw = (self._fq(dy_t, fmt, out_dtype, 2, tensor_amax=amax[1], draws=draws),
                   self._fq(x_t, fmt, out_dtype, 0, tensor_amax=amax[2]))
         return dx, dw
@@ -383,7 +409,8 @@ class RecipeLinear(nn.Linear):
 
 # --- Wiring into the trainer ---------------------------------------------------------------------------------
 
-ROLES = {"attn.c_attn": 0, "attn.c_proj": 1, "mlp.c_fc": 2, "mlp.c_proj": 3}
+ROLES = {"attn.c_attn": 0, "attn.c_proj": 1, "mlp.c_fc": 2, "mlp.c_proj": 3, "shared_experts.c_fc": 4,
+         "shared_experts.c_proj": 5, "c_fc": 6, "c_proj": 7}  # the last two: a routed expert's (the first match)
 
 
 @dataclass
@@ -398,9 +425,9 @@ class DrawState:
     positions: torch.Tensor | None
     step: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.float64))
 
-    def key(self, micro_batch: int, layer: int, role: int) -> int:
-        """micro-batch -1: the step's (the Hadamard signs, the same for all its micro-batches)."""
-        index = -1 if micro_batch < 0 else self.first_micro_batch + micro_batch
+    def key(self, index: int, layer: int, role: int) -> int:
+        """index: the global micro-batch (rank d's j-th: d·m + j); -1 the step's (the Hadamard signs, the same for
+        all its micro-batches)."""
         return draw_key(self.seed, int(self.step.item()), index, layer, role)
 
     def token_rows(self, shape: tuple, device) -> torch.Tensor:
@@ -423,13 +450,20 @@ def _out_index(info: ShardInfo | None, out_features: int) -> torch.Tensor:
 
 def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches: int = 1, seed: int = 0,
             seq_len: int | None = None, cp_balance: str = "zigzag") -> PrecisionHandle:
-    """Swap every nn.Linear of the blocks outside the tail (routers, gates and experts aside) for a RecipeLinear,
-    in place. mesh None: one process; else NVFP4's amax groups are cp and tp (each when larger than one rank)."""
+    """Swap every nn.Linear of the blocks outside the tail for a RecipeLinear, in place: the dense ones and the
+    shared experts' with NVFP4's amax groups cp and tp (each when larger than one rank; mesh None: one process),
+    a routed expert's with none (its logical tensor is one source's chunk, whole here: recipe_experts.py), its
+    sources' first micro-batches and the token block. The router is no nn.Linear: it stays in high precision,
+    as DeepSeek-V3 keeps its gate (a flipped top-k choice is not a small error)."""
     groups = {n: mesh.group(n) for n in ("cp", "tp") if mesh is not None and mesh.size(n) > 1}
     cp = mesh.size("cp") if mesh is not None else 1
     seq_len = seq_len or model.config.block_size
     positions = context_parallel.positions(seq_len, cp, mesh.index("cp"), cp_balance) if cp > 1 else None
     first = mesh.index("dp") * micro_batches if mesh is not None else 0
+    ep = mesh.size("ep") if mesh is not None else 1  # the EP group: consecutive data ranks (C = 1: flags)
+    first_source = mesh.index("dp") - mesh.index("ep") if mesh is not None else 0
+    sources = [(first_source + s) * micro_batches for s in range(ep)]
+    token_block = max(block_of(recipe.bwd), HADAMARD if recipe.rht else 1)
     state = DrawState(seed, first, seq_len, positions)
     n_layer, tail = model.config.n_layer, recipe.tail_layers(model.config.n_layer)
     linears, kept = {}, []
@@ -437,19 +471,24 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
             leaf = path.rpartition(".")[2]
-            if type(module) is not nn.Linear or leaf in ("router", "gate") or ".experts." in f".{path}":
-                continue  # routers stay precise; experts see data-dependent row counts (as under --fp8)
+            if type(module) is not nn.Linear or leaf in ("router", "gate"):
+                continue  # routers stay precise
+            routed = ".experts." in f".{path}"  # mlp.experts.<i>.c_fc: data-dependent rows, whole on its EP rank
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
             if block.layer_id >= n_layer - tail:
                 kept.append(name)
                 continue
             role = next((r for suffix, r in ROLES.items() if name.endswith(suffix)), len(ROLES))
-            linear = RecipeLinear(module, recipe, state, name, block.layer_id * 8 + role,
-                                  _out_index(info, module.out_features), groups)
+            key = block.layer_id * 9 + role + (9 * n_layer * (1 + int(path.split(".")[-2])) if routed else 0)
+            linear = RecipeLinear(module, recipe, state, name, key, _out_index(info, module.out_features),
+                                  {} if routed else groups, sources if routed else None,
+                                  token_block if routed else 1)
+            if routed:  # of the M tokens a rank routes, its held expert gets E·M·k/N rows (uniform routing)
+                linear.row_share = ep * model.config.moe_topk / model.config.moe_experts
             setattr(block.get_submodule(path.rpartition(".")[0]), leaf, linear)
             linears[name] = linear
-            if codec is not None:  # of W serves both its GEMMs: ZeRO-3 may gather it in NVFP4 (the last section)
+            if codec is not None:  # of W serves both its GEMMs: ZeRO-3 may gather it in NVFP4 (recipe_codec.py)
                 codec.attach(linear)
     return PrecisionHandle(recipe, linears, kept, state, mesh, micro_batches, model.config.activation_checkpointing)
 
@@ -468,7 +507,7 @@ class PrecisionFacts:
     recipe: PrecisionRecipe
     formats: dict  # {linear's global name: (forward format, backward format)}: the recipe's linears
     kept: list  # the block linears of the tail, in the compute dtype
-    in_features: dict  # {linear's global name: K_j}
+    in_features: dict  # {linear's global name: K_j, × a routed expert's row share E·k/N} (saved_input_bytes)
     weights: int  # Σ N_j·K_j of the recipe's linears
     gathered_as_codes: bool  # ZeRO-3 gathers their weights as NVFP4 codes (ZeroWeightCodec)
 
@@ -520,119 +559,19 @@ class PrecisionHandle(Axis):
     def facts(self) -> PrecisionFacts:
         r = self.recipe
         return PrecisionFacts(r, {name: (r.fwd, r.bwd) for name in self.linears}, list(self.kept),
-                              {name: linear.in_features for name, linear in self.linears.items()},
+                              {name: linear.in_features * linear.row_share for name, linear in self.linears.items()},
                               sum(linear.weight.numel() for linear in self.linears.values()),
                               any(hasattr(linear.weight, "gather_codec") for linear in self.linears.values()))
 
     def predicted_messages(self, layout=None) -> Messages:
         """NVFP4's amax MAX all-reduces of one optimizer step (docstring item 3)."""
         out = Messages()
-        calls = len(self.linears) * self.micro_batches
+        calls = sum(linear.sources is None for linear in self.linears.values()) * self.micro_batches  # routed
+        # experts reduce no amax (their logical tensor is whole on their rank)
         for group in [g for g in ("cp", "tp") if self.mesh is not None and self.mesh.size(g) > 1]:
             if self.recipe.fwd == "nvfp4" and calls:
                 forwards = calls * (2 if self.recomputes else 1)
                 out.add("all_reduce", group, forwards, 8 * forwards)
             if self.recipe.bwd == "nvfp4" and calls:
                 out.add("all_reduce", group, calls, 16 * calls)
-        return out
-
-
-# --- The ZeRO-3 weight codec: NVFP4 weights with 16×16 blocks gathered as codes -------------------------------
-# Under w2d with fwd = bwd = nvfp4 one quantisation of W serves both its GEMMs, so ZeRO-3 can gather the codes
-# instead of the working weights. The blocks of W [N, K] are 16×16 tiles; a rank's flat shard of it cuts tiles
-# anywhere, so the tiles' amaxes are MAX-reduced over the gathering group (one float per 256 elements) and the
-# tensor amax over it and tp/cp; each rank then quantises its elements with their tile's scale (microscaling's
-# own rounding: a row [x, its tile's amax, 0…] quantises x as the whole tile would), the codes are gathered, one
-# byte per element here (an E2M1 code is 4 bits: two a byte on a real system), and decoded to d·q/S_enc. The
-# linear quantises the decoded weight again with the gathered tensor amax: the same tiles' scales (a tile's
-# decoded amax is 6·d/S_enc) and the same codes, so the step equals the working-dtype gather's bit for bit (a tile
-# whose amax is below 2^-6·amax/448·6 has a subnormal E4M3 scale and may requantise otherwise: stated, untested).
-
-TILE = TWO_D
-
-
-def _tile_index(weight: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    """The 16×16 tile of each of `count` flat elements of W [N, K] from flat offset `start` (row-major)."""
-    k = weight.shape[1]
-    flat = torch.arange(start, start + count, device=weight.device)
-    return (flat // k // TILE) * (k // TILE) + (flat % k) // TILE
-
-
-class ZeroWeightCodec:
-    """How ZeRO-3 gathers the recipe's NVFP4 weights (zero3.py knows only `weight.gather_codec` and these methods,
-    as for fp8.ZeroWeightCodec)."""
-
-    def __init__(self):
-        self.linear_of = {}  # weight parameter → its RecipeLinear
-
-    def attach(self, linear: RecipeLinear) -> None:
-        self.linear_of[linear.weight] = linear
-        linear.weight.gather_codec = self
-
-    @staticmethod
-    def _amax_dtype(weights: list) -> torch.dtype:
-        return torch.float64 if weights[0].dtype == torch.float64 else torch.float32
-
-    @torch.no_grad()
-    def encode(self, weights: list, segments: list, group, starts: list) -> tuple:
-        """(uint8 codes of each segment, what decode needs). starts: each segment's flat offset in its weight.
-        Collective over `group` and the linears' amax groups (every rank holding a piece calls it alike)."""
-        wide = self._amax_dtype(weights)
-        tiles, tensor_amax = [], []
-        for weight, segment, start in zip(weights, segments, starts):
-            n, k = weight.shape
-            amax = torch.zeros((n // TILE) * (k // TILE), dtype=wide, device=segment.device)
-            index = _tile_index(weight, start, segment.numel())
-            tiles.append(amax.scatter_reduce_(0, index, segment.to(wide).abs(), "amax"))
-            tensor_amax.append(amax.max() if amax.numel() else amax.new_zeros(()))
-        sizes = [t.numel() for t in tiles]
-        reduced = torch.nan_to_num(torch.cat([*tiles, torch.stack(tensor_amax)]), nan=float("inf"))
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-        tiles = list(reduced[:-len(weights)].split(sizes))
-        tensor_amax = reduced[-len(weights):].float()
-        for amax_group in self.linear_of[weights[0]].amax_groups.values():
-            dist.all_reduce(tensor_amax, op=dist.ReduceOp.MAX, group=amax_group)
-        codes = [self._codes(w, s, start, t, a) for w, s, start, t, a in zip(weights, segments, starts, tiles,
-                                                                               tensor_amax)]
-        return codes, (tiles, tensor_amax)
-
-    @staticmethod
-    def _codes(weight, segment, start: int, tile_amax, tensor_amax, chunk: int = 1 << 16) -> torch.Tensor:
-        """Each element's E2M1 code (sign<<3 | index into E2M1_VALUES) as its 16×16 tile quantises it."""
-        out = torch.empty(segment.numel(), dtype=torch.uint8, device=segment.device)
-        for lo in range(0, segment.numel(), chunk):
-            piece = segment[lo:lo + chunk].to(tile_amax.dtype)
-            rows = torch.zeros(piece.numel(), TILE, dtype=piece.dtype, device=piece.device)
-            rows[:, 0], rows[:, 1] = piece, tile_amax[_tile_index(weight, start + lo, piece.numel())]
-            q = microscaling.quantize(rows, microscaling.FORMATS["nvfp4"], tensor_amax=tensor_amax)
-            out[lo:lo + piece.numel()] = q.codes[:, 0] & 0xF  # element 0: the low nibble of the first byte
-        return out
-
-    @torch.no_grad()
-    def decode(self, weights: list, codes: list | None, into: list, decoding) -> None:
-        """Each weight's gathered codes → d·q/S_enc in `into` (its working weight, flat), and its linear told the
-        tensor amax. codes None: `into` was gathered exactly (full_parameters): the linears use its own amax."""
-        for i, (weight, target) in enumerate(zip(weights, into)):
-            linear = self.linear_of[weight]
-            linear.gathered_weight_amax = None
-            if codes is None:
-                continue
-            tiles, tensor_amax = decoding
-            values = torch.tensor(microscaling.E2M1_VALUES, dtype=torch.float64, device=target.device)
-            grid = torch.cat([values, -values])[codes[i].long()]
-            scale = microscaling.nvfp4_tensor_scale(tensor_amax[i])
-            block = microscaling.nvfp4_block_scale(tiles[i].double(), scale)
-            target.copy_(grid * block[_tile_index(weight, 0, target.numel())] / scale.double())
-            linear.gathered_weight_amax = tensor_amax[i].clone()  # a new tensor per gather
-
-    def encode_messages(self, weights: list, group_name: str | None) -> Messages:
-        """What one `encode` of `weights` sends: the tiles' and tensor amaxes over the gathering group (None: a
-        group of one rank), the tensor amaxes over the linears' amax groups."""
-        out, width = Messages(), self._amax_dtype(weights).itemsize
-        if group_name:
-            tiles = sum((w.shape[0] // TILE) * (w.shape[1] // TILE) for w in weights)
-            out.add("all_reduce", group_name, 1, width * (tiles + len(weights)))
-        for name in self.linear_of[weights[0]].amax_groups:
-            out.add("all_reduce", name, 1, 4 * len(weights))
         return out

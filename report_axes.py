@@ -58,7 +58,7 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
 OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad,  # {handle name: what its section's lines read}
-             "fp8": fp8_experts.PaddingCount, "pp": mfu.ActionClock, "precision": mfu.SaturationCount}
+             "fp8": fp8_experts.PaddingCount, "pp": mfu.ActionClock, "precision": fp8_experts.PaddingCount}
 
 
 def observe(axis):

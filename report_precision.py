@@ -20,6 +20,7 @@ import format_flops
 import hardware
 import mfu
 import precision_recipe
+import recipe_experts
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,7 +129,7 @@ def _precision_startup(handle, run, steps: int) -> list:
                    f" W's two quantisations (along K for Y, along N for dX) would take 2 × {bits[r.fwd]:g} bits")
         lines.append(f"  ZeRO-3 gathers these {n:,} weight elements per gather of all {how}")
     flops = format_flops.flops_by_format(run.config, run.seq_len, r.fwd, r.bwd, compute,
-                                         r.tail_layers(run.config.n_layer))
+                                         r.tail_layers(run.config.n_layer), routed_experts=True)
     shares = ", ".join(f"{name} {f / sum(flops.values()):.1%}" for name, f in flops.items())
     lines.append(f"  MFU: model FLOPs by format {shares}; the step line's MFU divides by their format-weighted peak on"
                  f" this device ('peak assumed'; a format without a GEMM here at the {compute} rate, which the"
@@ -157,9 +158,18 @@ def _precision_saturation(handle, run, steps: int) -> list:
 
 
 def _precision_end(handle, run, steps: int) -> list:
-    facts = handle.facts()
+    """The linears quantised and kept; the routed experts' padded rows counted per MoE layer against the estimate
+    (recipe_experts.py), with what a block-scaled kernel would keep saved for them."""
+    facts, r = handle.facts(), handle.facts().recipe
+    block = max(precision_recipe.block_of(r.bwd), precision_recipe.HADAMARD if r.rht else 1)
+    bits = precision_recipe.bits_per_element(r.bwd, run.compute_dtype.itemsize)
+    expected = recipe_experts.expected_padded_rows(run.config.moe_experts, block) * run.micro_batches * steps
+    padding = [f"precision experts: MoE layer {i} padded {rows} rows to {block} per chunk in {steps} steps"
+               f" (estimate {expected:g}) = {recipe_experts.padding_bytes(rows, run.config.n_embd, bits):g} bytes of"
+               f" backward codes a block-scaled kernel saves (5h·β/8 per row)"
+               for i, rows in sorted(getattr(handle.observer, "rows", {}).items())]
     return [f"precision recipe {facts.recipe.describe()}: steps {steps}, {len(facts.formats)} block linears"
-            f" quantised, {len(facts.kept)} kept in the compute dtype"]
+            f" quantised, {len(facts.kept)} kept in the compute dtype", *padding]
 
 
 PRECISION_LINES = {"startup": _precision_startup, "step": _precision_saturation, "end": _precision_end}

@@ -137,6 +137,8 @@ SINGLE = {  # case: (flags, autocast dtype, the attention path the estimate must
                                "fused"),
     "recipe nvfp4 bf16": (["--precision-recipe", "fwd=nvfp4,bwd=nvfp4,sr,rht,w2d"], "bf16", "fused"),
     "recipe mxfp8 with a tail, bf16": (["--precision-recipe", "mxfp8,tail=0.5"], "bf16", "fused"),
+    "recipe nvfp4 moe shared experts bf16": (["--precision-recipe", "nvfp4,tail=0", "--moe-experts", "4",
+                                              "--moe-shared-experts", "1"], "bf16", "fused"),  # no copies
 }
 
 

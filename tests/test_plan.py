@@ -288,7 +288,6 @@ def test_search_formulas_give_the_plans_figures(case):
                                                                             rel=0.01)
 
 
-<<<<<<< HEAD
 def test_plan_prints_diloco_outer_state_and_delta(capsys):
     """--plan with DiLoCo prints what a real start-up prints (report_axes.diloco_startup_lines): the outer state
     θ_start + b, 2·Ψ_rank·4 bytes in the optimizer row, and the Δ all-reduce over `diloco`, Ψ_rank·4 bytes every
@@ -315,7 +314,8 @@ def mfu_bytes(n):
     import mfu
 
     return mfu.format_bytes(n)
-=======
+
+
 def test_search_enumerates_selective_recompute_with_tensor_parallel():
     """Of the search's selective candidates, flags.validate (which the search asks) now accepts TP (with SP, as
     the search runs it); those with CP are still refused: the search's CP is the ring (experts: test_model.py)."""
@@ -336,7 +336,6 @@ def test_search_enumerates_selective_recompute_with_tensor_parallel():
             except FlagError as e:
                 assert c["C"] > 1 and "--cp-impl ring" in str(e), (c, e)
     assert {(2, 1), (4, 1)} <= set(accepted) and all(cp == 1 for _, cp in accepted), accepted
->>>>>>> selective-compose
 
 
 def test_zero_paper_figure_1():

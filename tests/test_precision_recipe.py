@@ -9,7 +9,10 @@ layout → step.train_step) and compare with tests/reference.py's single process
 at the FP8 tests' tolerance: losses and parameters within 1e-10 in float64. That holds only if every element is
 quantised identically on both meshes: the same blocks (local to a rank's piece), the same NVFP4 tensor amax (MAX
 over tp) and the same stochastic-rounding draws (keyed by the logical coordinates, not by the rank), so a rank-keyed
-draw or a missing reduction fails it by orders of magnitude. All mesh runs share one 2-rank spawn.
+draw or a missing reduction fails it by orders of magnitude. MoE (recipe_experts.py): a routed expert's chunk is
+checked bitwise against the recipe on its zero-padded rows, and E = 1, E = 2 (ZeRO-1 with shared experts, ZeRO-3)
+and TP follow the single process at the same tolerance, E = 2 equal to E = 1 (a draw keyed by the receiving rank
+instead of the source's micro-batch fails it by 2e-2). All mesh runs share one 2-rank spawn.
 """
 
 import os
@@ -54,7 +57,10 @@ BAD_RECIPES = [
     (["--precision-recipe", "mxfp8", "--n-embd", "48", "--n-head", "4"], "is not a multiple of the 32-wide block"),
     (["--precision-recipe", "nvfp4", "--tp", "2", "--n-embd", "48", "--n-head", "4"], "16-wide block"),
     (["--precision-recipe", "mxfp8", "--fp8", "current"], "choose one recipe"),
-    (["--precision-recipe", "mxfp8", "--moe-experts", "4"], "routed experts' GEMMs see data-dependent row counts"),
+    (["--precision-recipe", "mxfp8", "--moe-experts", "4", "--tp", "2", "--sp"], "and --sp: a routed expert's rows"),
+    (["--precision-recipe", "mxfp8", "--moe-experts", "4", "--cp", "2"], "and --cp: a routed expert's rows"),
+    (["--precision-recipe", "mxfp8", "--moe-experts", "4", "--ep", "2", "--moe-replicas", "6"],
+     "and --moe-replicas: a routed expert's rows"),
 ]
 
 
@@ -66,7 +72,7 @@ def test_a_bad_recipe_ends_in_one_line_naming_the_flag(flags, message, tmp_path,
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2" if "--tp" in flags else "1")
+    monkeypatch.setenv("WORLD_SIZE", "2" if {"--tp", "--cp", "--ep"} & set(flags) else "1")
     with pytest.raises(SystemExit) as stop:
         flags_lib.parse(["--preset", "tiny", "--out-dir", str(tmp_path / "out"), *flags], train.AXES)
     err = capsys.readouterr().err
@@ -108,6 +114,85 @@ def test_linear_computes_the_nvfp4_recipe_as_written():
     assert not torch.equal(draws, recipes.uniform_draws(state.key(1, 3, 0), torch.arange(M), torch.arange(N)))
 
 
+@pytest.mark.parametrize("spec,block", [("nvfp4", 16), ("mxfp8", 32)])
+def test_a_routed_experts_chunk_computes_the_recipe_on_its_rows_padded_to_the_token_block(spec, block):
+    """A routed expert's linear (EP source 1 of 2, whose rank's first micro-batch is 6) on a chunk of 5 rows, its
+    second call (source 1, micro-batch 0): Y and dX are the dense recipe's on the 5 rows, dW's operands are the 5
+    rows with block − 5 zero rows appended (Hadamard, SR on them), SR keyed by micro-batch 6 + 0 and the row in
+    the chunk; bitwise in float64. The observer hears block − 5 padded rows; an empty chunk runs plain."""
+    K, N, f64 = 64, 32, torch.float64
+    torch.manual_seed(1)
+    plain = nn.Linear(K, N, dtype=f64)
+    recipe = recipes.parse_recipe(spec)
+    state = recipes.DrawState(seed=5, first_micro_batch=2, seq_len=16, positions=None)
+    layer = recipes.RecipeLinear(plain, recipe, state, "transformer.h.0.mlp.experts.1.c_fc", 7, torch.arange(N), {},
+                                 sources=[2, 6], token_block=block)
+    pads = []
+    layer.observer.padded = lambda linear, rows: pads.append(rows)
+    layer(torch.zeros(0, K, dtype=f64, requires_grad=True)).sum().backward()  # call 0: source 0, nothing reached it
+    x, dy = torch.randn(5, K, dtype=f64), torch.randn(5, N, dtype=f64)
+    x_leaf = x.clone().requires_grad_()
+    plain.weight.grad = None
+    layer(x_leaf).backward(dy)
+    fmt = microscaling.FORMATS[spec]
+    sr, two_d = recipe.sr, recipe.w2d
+
+    def fq(t, draws=None, w=False):
+        return microscaling.fake_quantize(t, fmt, two_d=w and two_d, stochastic=draws if sr else None)
+
+    w = plain.weight.detach()
+    y = fq(x) @ (fq(w, w=True) if two_d else fq(w)).t() + plain.bias
+    assert torch.equal(layer(x), y) and pads == [block - 5, block - 5]
+    draws = recipes.uniform_draws(state.key(6, 7, 0), torch.arange(5), torch.arange(N))
+    w_dx = fq(w, w=True) if two_d else fq(w.t()).t()
+    assert torch.equal(x_leaf.grad, fq(dy, draws) @ w_dx)
+    pad = torch.zeros(block - 5, K, dtype=f64), torch.zeros(block - 5, N, dtype=f64)
+    xp_t, dyp_t = torch.cat([x, pad[0]]).t(), torch.cat([dy, pad[1]]).t()  # along the tokens, padded
+    if recipe.rht:
+        signs = recipes.hadamard_signs(state.key(-1, 7, 2), "cpu")
+        xp_t, dyp_t = microscaling.hadamard_blocks(xp_t, signs), microscaling.hadamard_blocks(dyp_t, signs)
+    draws_t = recipes.uniform_draws(state.key(6, 7, 1), torch.arange(N), torch.arange(block))
+    assert torch.equal(plain.weight.grad, fq(dyp_t, draws_t) @ fq(xp_t).t())
+
+
+def test_routed_experts_padded_rows_per_moe_layer_equal_a_hand_count_and_are_printed():
+    """Training forwards of a 2-MoE-layer model under nvfp4: the rows the accounting's observer counts per layer
+    (report_axes.OBSERVERS["precision"]) equal Σ over micro-batches and experts of (−m) mod 16 for the m rows the
+    router sent each expert (E = 1: a chunk is a micro-batch's rows of one expert; an empty one pads nothing); the
+    end line prints them beside the estimate N·15/2 per layer and micro-batch, and their bytes, 5h·4.5/8 each."""
+    from types import SimpleNamespace
+
+    import moe
+    import report_axes
+    from model import GPT
+
+    config = make_config(n_layer=2, n_head=2, n_embd=64, moe_experts=4, moe_topk=2)
+    model = GPT(config, seed=0, dtype=torch.float64)
+    handle = recipes.convert(model, recipes.parse_recipe("nvfp4,tail=0"), seq_len=16)
+    report_axes.observe(handle)
+    hand = {0: 0, 1: 0}
+    for block in model.transformer.h:
+        def count(router, args, logits, layer_id=block.layer_id):
+            _, _, expert = moe.route(logits, config.moe_topk)
+            counts = moe.count_per_expert(expert, config.moe_experts).tolist()
+            hand[layer_id] += sum(-m % 16 for m in counts if m) if torch.is_grad_enabled() else 0
+        block.mlp.router.register_forward_hook(count)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):  # micro-batches of 2 × 16 tokens
+        idx = torch.randint(0, 256, (2, 16), generator=generator)
+        _, loss, _ = model(idx, idx)
+        loss.backward()
+        handle.after_grad_sync()
+    with torch.no_grad():
+        model(idx)  # evaluation is not counted
+    assert handle.observer.rows == hand and all(hand.values())
+    run = SimpleNamespace(config=config, compute_dtype=torch.float64, micro_batches=1)
+    lines = "\n".join(report_axes.axis_lines(handle, "end", run, 3))
+    for layer_id, rows in hand.items():
+        assert f"precision experts: MoE layer {layer_id} padded {rows} rows to 16 per chunk in 3 steps (estimate" \
+               f" 90) = {rows * 5 * 64 * 4.5 / 8:g} bytes" in lines, lines
+
+
 def test_draws_of_a_piece_are_the_whole_tensors_draws_there():
     """Any rank's piece (rows, columns of the logical tensor, in any order) draws what the whole draws there."""
     key = recipes.draw_key(0, 3, 1, 17, 0)
@@ -142,6 +227,7 @@ def _mesh_cases(preset):
             ([*recipe, "--pp", "2"], dict(H, n_layer=4), 4, 2)]
 
 
+MOE = ["--moe-experts", "4", "--moe-topk", "2"]
 LONG = 64  # CP's zig-zag pieces of s/2C = 16 tokens hold whole 16-token NVFP4 blocks and Hadamard blocks
 MESH_CASES = [case for preset in PRESETS for case in _mesh_cases(preset)] + [
     (["--precision-recipe", "mxfp8", "--zero", "1"], H, 4, 2),
@@ -149,7 +235,15 @@ MESH_CASES = [case for preset in PRESETS for case in _mesh_cases(preset)] + [
     # draws with its first forward's micro-batch and repeats the forward's amax reductions
     (["--precision-recipe", "nvfp4", "--pp", "2", "--pp-schedule", "zb"], dict(H, n_layer=4), 4, 2),  # its own W
     (["--precision-recipe", "nvfp4,tail=0", "--cp", "2", "--seq-len", str(LONG)], H, 2, 1),  # SR draws at CP's
-]  # positions, the tensor amax MAX over cp
+    # positions, the tensor amax MAX over cp; MoE (recipe_experts.py): E = 1, then E = 2 (each source's chunk
+    # scaled alone, SR keyed by the source's micro-batch), the shared experts as dense layers
+    (["--precision-recipe", "nvfp4,tail=0", *MOE], H, 4, 2),
+    (["--precision-recipe", "nvfp4,tail=0", *MOE, "--ep", "2"], H, 4, 2),
+    (["--precision-recipe", "mxfp8", *MOE, "--ep", "2", "--moe-shared-experts", "1", "--zero", "1"], H, 4, 2),
+    (["--precision-recipe", "nvfp4", *MOE, "--ep", "2", "--zero", "3"], dict(H, n_layer=2), 4, 2),  # expert codes
+    (["--precision-recipe", "nvfp4,tail=0", *MOE, "--tp", "2"], H, 4, 2),  # experts whole on each TP rank
+]
+EP1, EP2 = len(MESH_CASES) - 5, len(MESH_CASES) - 4
 MESH_IDS = ["-".join(f.lstrip("-") for f in case[0][1:]) + ("-ckpt" if case[1].get("activation_checkpointing") else "")
             for case in MESH_CASES]
 
@@ -216,7 +310,8 @@ def mesh_runs(tmp_path_factory):
 def _check(results, flags, config_kw, global_batch, micro):
     args = _parse(flags, global_batch, micro)
     seq = _seq_len(flags)
-    ref_losses, _, ref_params = reference_run(make_config(**config_kw), global_batches(STEPS, global_batch, seq),
+    ref_losses, _, ref_params = reference_run(test_composition._config(args, config_kw),
+                                              global_batches(STEPS, global_batch, seq),
                                               clip=CLIP, micro_batches=global_batch // micro,
                                               precision_recipe=args.precision_recipe)
     assert_runs_follow(results, ref_losses, ref_params, TOL)
@@ -237,6 +332,18 @@ def test_traced_messages_equal_the_prediction(mesh_runs, index):
         assert set(traced) == set(predicted), set(traced) ^ set(predicted)
         for key, (calls, payload) in predicted.items():
             assert traced[key] == pytest.approx((calls, payload), abs=1e-9), key
+
+
+@pytest.mark.slow
+def test_routed_experts_quantise_alike_on_e2_and_e1(mesh_runs):
+    """E = 2 trains what E = 1 trains (float64, 1e-10): each expert quantises the same chunks (one source's rows)
+    with the same scales, blocks and draws whether the rows came over the all-to-all or not."""
+    for rank_results in mesh_runs:
+        (loss1, params1), (loss2, params2) = (rank_results[0][i][:2] for i in (EP1, EP2))
+        torch.testing.assert_close(torch.tensor(list(loss2.values())), torch.tensor(list(loss1.values())),
+                                   rtol=TOL, atol=TOL)
+        for name in set(params1) & set(params2):
+            torch.testing.assert_close(params2[name][0], params1[name][0], rtol=TOL, atol=TOL, msg=name)
 
 
 @pytest.mark.slow
