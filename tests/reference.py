@@ -137,3 +137,31 @@ def fused_adamw_tolerance(param: torch.Tensor, lr: float, steps: int) -> torch.T
     p's own rounding, so |fused − foreach| ≤ steps · 2ε · (lr + |p|), ε of p's dtype (measured in float32 on
     CPU, torch 2.13: ≤ 1.4ε·(lr + |p|) after one step, ≤ 2.5ε·(lr + |p|) after five)."""
     return steps * 2 * torch.finfo(param.dtype).eps * (lr + param.abs())
+
+
+def train_counting_expert_padding(model, config, multiple: int = 16, after_backward=lambda: None) -> tuple:
+    """Three training micro-batches of 2 × 16 tokens (seed 0), then one evaluation forward, on a MoE `model`;
+    returns ({layer: Σ over training micro-batches and experts of (−m) mod `multiple`} for the m rows the router
+    sent each expert (E = 1: a chunk is a micro-batch's rows of one expert, an empty one pads nothing; the
+    evaluation is not counted), the last micro-batch). The hand count the FP8 and recipe experts' observers
+    are checked against."""
+    import moe
+
+    hand = {block.layer_id: 0 for block in model.transformer.h if config.is_moe_layer(block.layer_id)}
+    for block in model.transformer.h:
+        def count(router, args, logits, layer_id=block.layer_id):
+            _, _, expert = moe.route(logits, config.moe_topk)
+            counts = moe.count_per_expert(expert, config.moe_experts).tolist()
+            hand[layer_id] += sum(-m % multiple for m in counts if m) if torch.is_grad_enabled() else 0
+        if block.layer_id in hand:
+            block.mlp.router.register_forward_hook(count)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        idx = torch.randint(0, 256, (2, 16), generator=generator)
+        _, loss, _ = model(idx, idx)
+        loss.backward()
+        after_backward()
+    with torch.no_grad():
+        model(idx)  # evaluation pads too, and is not counted
+    return hand, idx
+

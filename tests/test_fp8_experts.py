@@ -12,7 +12,7 @@ import fp8_experts
 import fp8_scaling
 from harness import run_ranks
 from microscaling import sqnr_db as sqnr
-from reference import make_config
+from reference import make_config, train_counting_expert_padding
 
 DT = torch.float64
 TOL = 1e-10
@@ -93,7 +93,6 @@ def test_padded_rows_per_moe_layer_equal_a_hand_count_and_are_printed():
     and the end line prints them with their bytes, (5h + 4h·e_c) each."""
     from types import SimpleNamespace
 
-    import moe
     import report_axes
     from model import GPT
 
@@ -101,20 +100,7 @@ def test_padded_rows_per_moe_layer_equal_a_hand_count_and_are_printed():
     model = GPT(config, seed=0, dtype=DT)
     handle = fp8.convert(model, fp8.Recipe("current"))
     report_axes.observe(handle)
-    hand = {0: 0, 1: 0}
-    for block in model.transformer.h:
-        def count(router, args, logits, layer_id=block.layer_id):
-            _, _, expert = moe.route(logits, config.moe_topk)
-            counts = moe.count_per_expert(expert, config.moe_experts).tolist()
-            hand[layer_id] += sum(-m % 16 for m in counts if m) if torch.is_grad_enabled() else 0
-        block.mlp.router.register_forward_hook(count)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(3):  # micro-batches of 2 × 16 tokens (the dense linears need 16k)
-        idx = torch.randint(0, 256, (2, 16), generator=generator)
-        _, loss, _ = model(idx, idx)
-        loss.backward()
-    with torch.no_grad():
-        model(idx)  # evaluation pads too, and is not counted
+    hand, _ = train_counting_expert_padding(model, config, 16)
     assert handle.observer.rows == hand and all(hand.values())
     run = SimpleNamespace(config=config, compute_dtype=DT)
     lines = report_axes.axis_lines(handle, "end", run, 3)

@@ -25,7 +25,7 @@ import microscaling
 import precision_recipe as recipes
 import test_composition
 from harness import assert_runs_follow, run_ranks
-from reference import global_batches, make_config, reference_run
+from reference import global_batches, make_config, reference_run, train_counting_expert_padding
 from test_composition import STEPS, SEQ, CLIP, TOL, _parse
 
 PRESETS = ("mxfp8", "mxfp4", "nvfp4")
@@ -162,7 +162,6 @@ def test_routed_experts_padded_rows_per_moe_layer_equal_a_hand_count_and_are_pri
     end line prints them beside the estimate N·15/2 per layer and micro-batch, and their bytes, 5h·4.5/8 each."""
     from types import SimpleNamespace
 
-    import moe
     import report_axes
     from model import GPT
 
@@ -170,21 +169,7 @@ def test_routed_experts_padded_rows_per_moe_layer_equal_a_hand_count_and_are_pri
     model = GPT(config, seed=0, dtype=torch.float64)
     handle = recipes.convert(model, recipes.parse_recipe("nvfp4,tail=0"), seq_len=16)
     report_axes.observe(handle)
-    hand = {0: 0, 1: 0}
-    for block in model.transformer.h:
-        def count(router, args, logits, layer_id=block.layer_id):
-            _, _, expert = moe.route(logits, config.moe_topk)
-            counts = moe.count_per_expert(expert, config.moe_experts).tolist()
-            hand[layer_id] += sum(-m % 16 for m in counts if m) if torch.is_grad_enabled() else 0
-        block.mlp.router.register_forward_hook(count)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(3):  # micro-batches of 2 × 16 tokens
-        idx = torch.randint(0, 256, (2, 16), generator=generator)
-        _, loss, _ = model(idx, idx)
-        loss.backward()
-        handle.after_grad_sync()
-    with torch.no_grad():
-        model(idx)  # evaluation is not counted
+    hand, _ = train_counting_expert_padding(model, config, 16, handle.after_grad_sync)
     assert handle.observer.rows == hand and all(hand.values())
     run = SimpleNamespace(config=config, compute_dtype=torch.float64, micro_batches=1)
     lines = "\n".join(report_axes.axis_lines(handle, "end", run, 3))
