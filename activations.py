@@ -135,11 +135,8 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
             if held[kind] and copy_free[kind] >= held[kind]:
                 rebuilt[kind] = (rebuilt[kind][0], 0.0)
         recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - memory.block_input_bytes(x)
-    elif config.selective_recompute:  # the inputs, GEMM and collective outputs stay (dense blocks: check_flags)
-        blocks = {f"{n_blocks} {name}": value * n_blocks for name, value in memory.selective_block_terms(x).items()}
-        whole = replace(x, regather=False)  # SP's column layers keep their gathered input, the cache's
-        recomputed = (sum(block_bytes(whole, experts)["dense"]) - memory.block_input_bytes(x)
-                      - memory.selective_rebuild_shared(x))  # what the rebuild adds to the cache it reads
+    elif config.selective_recompute:  # the inputs, GEMM and collective outputs stay; a MoE block by halves
+        blocks, recomputed = selective_blocks(config, x, held, ep, slots)
     else:
         each = block_bytes(x, experts)
         copies = sum((held[kind] - copy_free[kind]) * each[kind][1] for kind in held)
@@ -159,6 +156,34 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
     return ActivationEstimate(forward=sum(terms.values()) / chunks, terms=terms, hidden=hidden / chunks,
                               in_flight=in_flight, chunks=chunks, recomputed=recomputed,
                               korthikanti=korthikanti_estimate(config, x, len(layer_ids), n_moe), how=how)
+
+
+def selective_blocks(config, x: memory.ActivationShape, held: dict, ep: int, slots: int = 0) -> tuple:
+    """(terms, the block backward rebuilds) under selective recompute: a dense block keeps its input and its GEMM
+    and collective outputs (memory.selective_block_terms); a MoE block (model.Block) its attention side's alike
+    (mlp=False) and its MoE side as without recompute, ln_2's input and statistics sbh'·e_n + 2·sb'·e_n and the
+    router's and experts' bytes with autocast's copies of their weights, less every GELU output, recomputed
+    (moe_act: R_e·4h·e_c routed, S·4h·M·e_c/T shared). SP's column layers keep their gathered input under
+    recompute (no regather). The rebuild: a dense block, or a MoE block's attention side, less its input and
+    what it reads of the cache (memory.selective_rebuild_shared)."""
+    whole = replace(x, regather=False)  # SP's column layers keep their gathered input (the cache's, or saved)
+    terms, every = memory.layer_activation_terms(whole), memory.layer_activation_terms(x)
+    blocks, rebuilt = {}, []
+    if held["dense"]:
+        blocks.update({f"{held['dense']} {name}": value * held["dense"]
+                       for name, value in memory.selective_block_terms(x).items()})
+        rebuilt.append(sum(block_bytes(whole, (0, 0))["dense"]) - memory.selective_rebuild_shared(x))
+    if held["moe"]:
+        n = held["moe"]
+        blocks.update({f"{n} MoE attention sides' {name}": value * n
+                       for name, value in memory.selective_block_terms(x, mlp=False).items()})
+        routed, copies = moe_block_bytes(config, whole, ep, slots, gelu_outputs=False)
+        blocks[f"{n} MoE sides (ln_2, router, experts; GELU outputs recomputed)"] = n * (every["layernorms"] / 2
+                                                                                         + routed)
+        blocks["autocast weight copies"] = n * copies
+        rebuilt.append(terms["layernorms"] / 2 + terms["attention"] + terms["attention weight copies"]
+                       - memory.selective_rebuild_shared(x, mlp=False))
+    return blocks, max(rebuilt) - memory.block_input_bytes(x)
 
 
 def pipeline_chunks(n_layer: int, P: int, v: int, pp_rank: int) -> list:
@@ -216,21 +241,23 @@ def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends
             f"{ZERO3_GATHERED}: the head's tied copy": head}
 
 
-def moe_block_bytes(config, x: memory.ActivationShape, ep: int, slots: int = 0) -> tuple:
+def moe_block_bytes(config, x: memory.ActivationShape, ep: int, slots: int = 0, gelu_outputs: bool = True) -> tuple:
     """(activations, autocast weight copies) of one MoE block's MLP: the router and routed experts (moe.py's
     terms, uniform routing; the experts whole on every TP rank, N/E on this one, R/E with R = `slots`) and the S
-    shared experts (moe_shared.py: split by TP, their c_fc input a shard under SP unless the block is recomputed)."""
+    shared experts (moe_shared.py: split by TP, their c_fc input a shard under SP unless the block is recomputed);
+    without `gelu_outputs` (selective recompute's moe_act) no GELU output is kept."""
     tokens, router_bytes = x.s * x.b, max(4, x.e_r)
     routed = x.s * x.b // (x.t if x.sp else 1)
     whole_input = x.sp and not x.regather  # SP's c_fc keeps the gathered input (FP8, a recomputed block)
     shared = moe_shared.saved_bytes(config, tokens, x.t, x.e_c, router_bytes, tokens if whole_input else routed,
-                                    True if whole_input else None, x.fp8)
+                                    True if whole_input else None, x.fp8, gelu_outputs)
     # (held routed, TP's share of shared) 8h²
     weights = (slots or config.moe_experts) // ep + config.moe_shared_experts / x.t
     copies = 0 if x.fp8 else weights * 8 * x.h * x.h * x.weight_copy
     fp8 = fp8_experts.saved_bytes_delta(routed, config.moe_topk, config.moe_experts, x.h, x.e_c) if x.fp8 else 0
     return (moe_accounting.layer_activation_bytes(config, routed, x.e_c, router_bytes,
-                                       mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r), ep=ep) + shared + fp8,
+                                       mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r), ep=ep,
+                                       gelu_outputs=gelu_outputs) + shared + fp8,
             copies)
 
 

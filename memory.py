@@ -326,9 +326,10 @@ def block_input_bytes(x: ActivationShape) -> float:
     return x.s * x.b * x.h / (x.t if x.sp else 1) * x.e_r
 
 
-def selective_block_terms(x: ActivationShape) -> dict[str, float]:
+def selective_block_terms(x: ActivationShape, mlp: bool = True) -> dict[str, float]:
     """What a block under selective recompute (recompute.py) keeps for backward per micro-batch, by what keeps it
-    (T = x.t; T' = T with SP, else 1):
+    (T = x.t; T' = T with SP, else 1; `mlp` False: the attention side alone, a MoE block's checkpoint
+    (model.Block): c_attn's 3/T and c_proj's 1, TP's one sum, SP's one gather and one scatter, Ulysses'):
         block input                  sbh·e_r/T'          the checkpoint's input (the recompute starts from it)
         GEMM outputs                 (7/T + 2)·sbh·e_c   c_attn's [q|k|v] 3/T, c_fc's 4/T, and the row layers'
                                                          (attention's and the MLP's c_proj) 1 each: whole under
@@ -343,24 +344,25 @@ def selective_block_terms(x: ActivationShape) -> dict[str, float]:
                                                          only: the math path's core attention is recomputed)
     Recomputed from those: the LayerNorms' outputs and statistics, the GELU's output, the dropouts and their
     masks, autocast's weight copies. T = 1: 9·sbh·e_c of GEMM outputs, no collective."""
-    sbh, t = x.s * x.b * x.h, x.t
+    sbh, t, sides = x.s * x.b * x.h, x.t, 1 + mlp
     fused = x.kernel == "fused"
-    collectives = (0.0 if t == 1 else (2 + 2 / t if x.sp else 2) * sbh * x.e_c) + (4 * sbh * x.e_c / t if x.ulysses
-                                                                                      else 0.0)
-    return {"block inputs": sbh / (t if x.sp else 1) * x.e_r, "GEMM outputs": (7 / t + 2) * sbh * x.e_c,
+    collectives = (0.0 if t == 1 else sides * (1 + 1 / t if x.sp else 1) * sbh * x.e_c) + (
+        4 * sbh * x.e_c / t if x.ulysses else 0.0)
+    gemms = 3 / t + 1 + (4 / t + 1 if mlp else 0)
+    return {"block inputs": sbh / (t if x.sp else 1) * x.e_r, "GEMM outputs": gemms * sbh * x.e_c,
             "collective outputs": collectives,
             "fused attention outputs": (sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) / t if fused else 0.0}
 
 
-def selective_rebuild_shared(x: ActivationShape) -> float:
+def selective_rebuild_shared(x: ActivationShape, mlp: bool = True) -> float:
     """Of the block a selective recompute rebuilds in backward (layer_activation_terms), the bytes that are the
     cache's own tensors, not new ones: GELU's input (c_fc's output) 4·sbh·e_c/T, with a fused kernel its q, k, v
     (views of c_attn's output; under Ulysses copies of what the all-to-all received, not shared) and its output
     and log-sum-exp, (4·sbh·e_c + s·b·a·max(e_c, 4))/T, and under SP c_attn's and c_fc's gathered inputs,
-    2·sbh·e_c."""
+    2·sbh·e_c (`mlp` False, a MoE block's attention side: neither GELU's input nor c_fc's, 1·sbh·e_c under SP)."""
     sbh, t = x.s * x.b * x.h, x.t
     fused = ((1 if x.ulysses else 4) * sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) if x.kernel == "fused" else 0.0
-    return (4 * sbh * x.e_c + fused) / t + (2 * sbh * x.e_c if x.sp and t > 1 else 0.0)
+    return (4 * sbh * x.e_c * mlp + fused) / t + ((1 + mlp) * sbh * x.e_c if x.sp and t > 1 else 0.0)
 
 
 def hidden_from_hooks(x: ActivationShape, layers: int, head: bool, moe_layers: int = 0,

@@ -297,17 +297,31 @@ def build_mlp(config: GPTConfig, layer_id: int, aux_losses: AuxLosses) -> nn.Mod
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, layer_id: int = 0, aux_losses: AuxLosses | None = None):
+    """Pre-LayerNorm: x + attn(ln_1(x)), then + mlp(ln_2(·)). A MoE block under selective recompute (`recompute`,
+    the model's policy) recomputes by halves, as Megatron's selective recompute of a MoE layer: the attention
+    side one checkpoint under the policy, the MoE side run once (its routing, dispatch and all-to-alls are never
+    run again), its experts' GELU outputs recomputed (recompute.SelectiveRecompute.activations_recomputed)."""
+
+    def __init__(self, config: GPTConfig, layer_id: int = 0, aux_losses: AuxLosses | None = None,
+                 recompute: recompute.SelectiveRecompute | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = build_mlp(config, layer_id, aux_losses if aux_losses is not None else AuxLosses())
+        self.recompute = recompute if isinstance(self.mlp, moe.MoE) else None  # by halves (MoE blocks only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+        if self.recompute is not None and self.training and torch.is_grad_enabled():
+            x = checkpoint(self.attention_side, x, use_reentrant=False, context_fn=self.recompute.contexts)
+            with self.recompute.activations_recomputed():
+                return x + self.mlp(self.ln_2(x))
+        x = self.attention_side(x)
         return x + self.mlp(self.ln_2(x))
+
+    def attention_side(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.ln_1(x))
 
 
 class Blocks(nn.ModuleDict):
@@ -345,7 +359,7 @@ class GPT(nn.Module):
             if embedding:
                 parts.update(wte=nn.Embedding(config.vocab_size, config.n_embd),
                              wpe=nn.Embedding(config.block_size, config.n_embd), drop=nn.Dropout(config.dropout))
-            parts.update(h=Blocks({str(i): Block(config, i, self.aux_losses) for i in layers}))
+            parts.update(h=Blocks({str(i): Block(config, i, self.aux_losses, self.recompute) for i in layers}))
             if head:
                 parts.update(ln_f=nn.LayerNorm(config.n_embd, bias=config.bias))
             self.transformer = nn.ModuleDict(parts)
@@ -398,7 +412,7 @@ class GPT(nn.Module):
             training = self.training and torch.is_grad_enabled()
             if self.config.activation_checkpointing and training:
                 x = checkpoint(block, x, use_reentrant=False)
-            elif self.recompute is not None and training:  # the GEMMs' outputs kept, the rest recomputed
+            elif self.recompute is not None and training and block.recompute is None:  # MoE: by halves (Block)
                 x = checkpoint(block, x, use_reentrant=False, context_fn=self.recompute.contexts)
             else:
                 x = block(x)

@@ -46,14 +46,15 @@ class Traffic:
 
 
 def layer_activation_bytes(config, tokens: int, compute_bytes: int = 2, router_bytes: int = 4,
-                           mask_bytes: int = 1, sequences: int = 1, ep: int = 1) -> int:
+                           mask_bytes: int = 1, sequences: int = 1, ep: int = 1, gelu_outputs: bool = True) -> int:
     """Bytes ONE MoE layer saves for backward per micro-batch (weights and their autocast copies aside), for
     T = `tokens` routed by this rank, uniform routing without drops (S = R = T·k; exact for E = 1):
         router    T·e_r·(h + 2N + 1 + [k > 1 or σ]·(k + 1) + [σ]) + 8·T·k   its e_r input, logits, scores, lse,
                   (renormalised: the k weights, their sum), sigmoid's (σ) Σ_j s_tj, indices
         dispatch  S·(3·8 + e_r)        the sort's order, each row's token (gather, index_add), each row's gate
         rows      S·h·(2·e_c + e_w)    rows in, rows back, the weighted rows index_add keeps (e_w = max(e_c, e_r))
-        experts   R·8h·e_c             GELU's input and output
+        experts   R·8h·e_c             GELU's input and output (R·4h·e_c without `gelu_outputs`: selective
+                                       recompute's moe_act, recompute.SelectiveRecompute.activations_recomputed)
     + e_r·(4N + 3) of statistics (×(1 + B_μ) with the seq loss, B_μ = `sequences`), + T·h·mask_bytes with dropout
     (1 on GPUs; the element size on CPUs, whose dropout keeps a scaled mask). E = `ep` > 1, the deduplicated
     exchange (moe_dispatch.py) with P = T·rows_per_token pairs sent (and, uniform, received):
@@ -69,7 +70,7 @@ def layer_activation_bytes(config, tokens: int, compute_bytes: int = 2, router_b
         pairs = tokens * rows_per_token(n, k, config.moe_groups, config.moe_group_limit, ep)[0]
         dispatch = pairs * (8 + k + 8 * k) + slots * (8 + router_bytes)
         rows += pairs * h * compute_bytes
-    experts = slots * 8 * h * compute_bytes
+    experts = slots * (4 + 4 * gelu_outputs) * h * compute_bytes
     mask = tokens * h * mask_bytes if config.dropout > 0 else 0
     statistics = router_bytes * (4 * n + 3) * (1 + (sequences if config.moe_seq_aux_coef > 0 else 0))
     return router + dispatch + rows + experts + mask + statistics

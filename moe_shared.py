@@ -66,14 +66,16 @@ def param_count(config) -> dict:
 
 
 def saved_bytes(config, tokens: int, tp: int = 1, compute_bytes: int = 2, router_bytes: int = 4,
-                input_tokens: int | None = None, own_input: bool | None = None, fp8: bool = False) -> float:
+                input_tokens: int | None = None, own_input: bool | None = None, fp8: bool = False,
+                gelu_output: bool = True) -> float:
     """Bytes one MoE layer's shared experts save for backward per micro-batch: GELU's input and output
     2·S·4h·M·e_c/T_tp over the M = `tokens` the region sees (the gathered sequence under SP), and c_fc's input,
     `input_tokens`·h·e_c (default M; this rank's shard under SP), where it is a tensor of its own: when autocast
     casts it, or the residual is narrower than the router's dtype (e_c ≠ e_r; `own_input` True: SP's gathered
     input, kept whole where the block is recomputed); otherwise it IS the router's input, saved once. Under
     FP8 the linears keep their inputs as 1-byte codes of their own (c_fc's M·h, the gathered input; c_proj's
-    S·4h·M/T_tp, so GELU's output is not kept)."""
+    S·4h·M/T_tp, so GELU's output is not kept). Without `gelu_output` (selective recompute's moe_act) GELU's
+    output is recomputed in backward, not kept: S·4h·M·e_c/T_tp fewer."""
     h, s = config.n_embd, config.moe_shared_experts
     if not s:
         return 0
@@ -81,4 +83,4 @@ def saved_bytes(config, tokens: int, tp: int = 1, compute_bytes: int = 2, router
         return tokens * h + s * 4 * h * tokens * (compute_bytes + 1) / tp
     own_input = compute_bytes != router_bytes if own_input is None else own_input
     kept_input = (tokens if input_tokens is None else input_tokens) * h * compute_bytes if own_input else 0
-    return kept_input + 2 * s * 4 * h * tokens * compute_bytes / tp
+    return kept_input + (1 + gelu_output) * s * 4 * h * tokens * compute_bytes / tp

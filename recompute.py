@@ -59,8 +59,10 @@ the policy cannot keep what they do inside a block exactly and accounted:
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -109,6 +111,30 @@ class SelectiveRecompute:
         return caching, cached
 
     @contextmanager
+    def activations_recomputed(self):
+        """Megatron's `moe_act` recompute, for the MLP side of a MoE block (model.Block): inside the `with`, a
+        GELU's output that a later op saves for backward (an expert's c_proj input, [R_e, 4h]) is not kept; its
+        backward gets GELU(input) again, from the input the GELU saved itself (autograd's `_saved_self`, c_fc's
+        output, kept anyway): 4h·e_c bytes fewer per expert row, one elementwise op more, no message. Every other
+        tensor is saved as it would be, seen by the watchers (these hooks hide it from an outer saved_tensors_hooks).
+        A view of the output (a 3-D input's linear saves it 2-D) comes back as the same view of the new one."""
+        def pack(tensor):
+            source = tensor if tensor._base is None else tensor._base
+            if type(source.grad_fn).__name__ == "GeluBackward0":
+                return _GeluOutput(source.grad_fn._saved_self, source.grad_fn._saved_approximate, tensor.size(),
+                                   tensor.stride(), tensor.storage_offset())
+            return tensor, [watch(tensor) for watch in self.watchers]
+
+        def unpack(packed):
+            if isinstance(packed, _GeluOutput):
+                return F.gelu(packed.input, approximate=packed.approximate).as_strided(packed.size, packed.stride,
+                                                                                         packed.offset)
+            return packed[0]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    @contextmanager
     def watch(self, callback):
         """Call `callback(tensor)` for each tensor the policy keeps while the `with` runs."""
         self.watchers.append(callback)
@@ -118,6 +144,16 @@ class SelectiveRecompute:
             self.watchers.remove(callback)
 
 
+class _GeluOutput(NamedTuple):
+    """What activations_recomputed keeps of a GELU's output: its input and the view to give back."""
+
+    input: torch.Tensor
+    approximate: str
+    size: torch.Size
+    stride: tuple
+    offset: int
+
+
 def check_flags(args, shape) -> None:
     """--activation-checkpointing selective only where the policy is exact and accounted (the docstring's list);
     raises ValueError naming the flag."""
@@ -125,7 +161,6 @@ def check_flags(args, shape) -> None:
         return
     refused = [(shape.cp > 1 and args.cp_impl == "ring", "--cp-impl ring", "the ring's transfers would run again"
                 " in the recompute (use --cp-impl ulysses)"),
-               (args.moe_experts > 0, "--moe-experts", "the routing and its all-to-alls would run again"),
                (args.fp8 is not None, "--fp8", "the amax reductions and history would run again"),
                (getattr(args, "precision_recipe", None), "--precision-recipe", "its casts would run again")]
     for on, flag, why in refused:

@@ -189,6 +189,12 @@ RECOMPUTE = {  # case: (flags, autocast dtype), the fused path and the math one
     "selective fp32": (["--activation-checkpointing", "selective"], "fp32"),
     "selective bf16": (["--activation-checkpointing", "selective"], "bf16"),
     "selective dropout bf16": (["--activation-checkpointing", "selective", "--dropout", "0.1"], "bf16"),  # math path
+    # A MoE block by halves (model.Block): its attention side's cache, its MoE side less the GELU outputs
+    "selective moe shared experts fp32": (["--activation-checkpointing", "selective", "--moe-experts", "4",
+                                           "--moe-shared-experts", "1"], "fp32"),
+    "selective moe every 2nd, sigmoid, dropout bf16": (["--activation-checkpointing", "selective", "--moe-experts",
+                                                        "4", "--moe-every", "2", "--moe-score", "sigmoid",
+                                                        "--moe-bias-rate", "0.01", "--dropout", "0.1"], "bf16"),
 }
 
 

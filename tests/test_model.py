@@ -104,30 +104,36 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
 def test_selective_recompute_follows_the_plain_models_loss_curve():
     """Selective recompute (recompute.py) keeps the GEMM outputs and recomputes the rest, dropout masks
     included (checkpoint replays the RNG): 4 AdamW steps from the same init, batches and dropout draws give
-    the plain model's losses and parameters in float64 to 1e-10, on the fused (no dropout) and math paths."""
-    for dropout in (0.0, 0.1):
+    the plain model's losses and parameters in float64 to 1e-10, on the fused (no dropout) and math paths, and
+    with MoE blocks (by halves, model.Block: their experts' GELU outputs recomputed; the aux losses in the
+    objective) whose load counters count each routed slot once, as the plain model's."""
+    moe = dict(moe_experts=4, moe_shared_experts=1, moe_score="sigmoid", moe_bias_rate=0.01, moe_every=2)
+    for dropout, extra in ((0.0, {}), (0.1, {}), (0.1, moe)):
         runs = []
         for selective in (False, True):
-            model = GPT(tiny(dropout=dropout, selective_recompute=selective), seed=2, dtype=torch.float64)
+            model = GPT(tiny(dropout=dropout, selective_recompute=selective, **extra), seed=2, dtype=torch.float64)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             generator, losses = torch.Generator().manual_seed(0), []
             torch.manual_seed(7)  # the dropout draws
             for _ in range(4):
                 idx = torch.randint(0, 256, (2, 32), generator=generator)
                 _, loss_sum, count = model(idx, idx.roll(1, 1))
-                (loss_sum / count).backward()
+                aux = model.aux_losses.weighted_sum()
+                (loss_sum / count + (aux if aux is not None else 0)).backward()
                 optimizer.step()
                 optimizer.zero_grad()
                 losses.append(loss_sum.item())
-            runs.append((losses, [p.detach() for p in model.parameters()]))
-        (plain, plain_params), (selective, selective_params) = runs
+            loads = [block.mlp.load.step.tolist() for block in model.transformer.h if extra and block.layer_id % 2]
+            runs.append((losses, [p.detach() for p in model.parameters()], loads))
+        (plain, plain_params, plain_loads), (selective, selective_params, selective_loads) = runs
         assert plain == pytest.approx(selective, rel=1e-10, abs=1e-10), dropout
+        assert plain_loads == selective_loads and (not extra or sum(plain_loads[0]) == 4 * 2 * 32 * 2), plain_loads
         for a, b in zip(plain_params, selective_params):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("flags,flag", [(["--cp", "2"], "--cp-impl ring"),
-                                        (["--moe-experts", "4"], "--moe-experts"), (["--fp8", "current"], "--fp8")])
+@pytest.mark.parametrize("flags,flag", [(["--cp", "2"], "--cp-impl ring"), (["--fp8", "current"], "--fp8"),
+                                        (["--precision-recipe", "mxfp8"], "--precision-recipe")])
 def test_selective_recompute_refuses_the_layouts_it_cannot_serve(flags, flag):
     import flags as flags_lib
     import train
