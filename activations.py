@@ -197,7 +197,8 @@ def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends
     """ZeRO-3's gathered weights that a forward's saved tensors still reference when it ends, by name: b_w = e_r
     bytes per element of each unit, padded to n' = ⌈n/D⌉·D (zero3.py); a saved weight is a view of its unit's
     storage, so the whole unit counts once. Dense units sync over dp_cp (D·C ranks), experts over expert_dp (D·C/E).
-    A checkpointed block (full or selective) saves no weight: its recompute does, inside backward.
+    A checkpointed block (full or selective) saves no weight: its recompute does, inside backward; but a MoE block
+    under selective recompute runs its MoE side once (model.Block), and that side's ops save their weights.
 
     Without a pipeline (zero3.py: a unit per block, one for the root): the root's (embeddings, ln_f, the tied head:
     the head gathered it again) and, without recompute, the last block's, which the schedule keeps gathered into
@@ -220,10 +221,14 @@ def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends
         return (padded(counts["dp_cp"], dp_cp) + experts) * x.e_r
 
     recomputing = config.activation_checkpointing or config.selective_recompute
+
+    def saves_weights(layers) -> bool:  # some block of `layers` keeps weights for backward
+        return not recomputing or config.selective_recompute and any(config.is_moe_layer(i) for i in layers)
+
     if chunks is None or len(chunks) == 1 and chunks[0][1] and chunks[0][2]:  # no pipeline: zero3.py's units
         root = unit_bytes(memory.param_counts(config, x.t, ep, layers=[], embedding=ends[0], head=ends[1],
                                               slots=slots))
-        last = 0.0 if recomputing or not layer_ids else unit_bytes(
+        last = 0.0 if not saves_weights(layer_ids[-1:]) else unit_bytes(
             memory.param_counts(config, x.t, ep, layers=layer_ids[-1:], embedding=False, head=False,
                                  slots=slots))
         return {ZERO3_GATHERED: root + last}
@@ -231,12 +236,12 @@ def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends
     blocks, head = 0.0, 0.0
     for layers, embedding, has_head in chunks:
         counts = memory.param_counts(config, x.t, ep, layers, embedding, has_head, slots=slots)
-        if not recomputing or has_head:  # the dense unit: its blocks' weights, or ln_f's
+        if saves_weights(layers) or has_head:  # the dense unit: its blocks' weights, or ln_f's
             blocks += padded(counts["dp_cp"] - tied * (embedding + has_head), dp_cp) * x.e_r
-        if counts["expert_dp"] and not recomputing:
+        if counts["expert_dp"] and saves_weights(layers):
             blocks += padded(counts["expert_dp"], max(1, dp_cp // ep)) * x.e_r
         head += padded(tied, dp_cp) * x.e_r if has_head else 0.0
-    units = "the last chunk's unit (ln_f saves)" if recomputing else "each chunk's unit"
+    units = "each chunk's unit" if saves_weights(layer_ids) else "the last chunk's unit (ln_f saves)"
     return {f"{ZERO3_GATHERED}: {units}": blocks,
             f"{ZERO3_GATHERED}: the head's tied copy": head}
 

@@ -271,6 +271,15 @@ MULTI = {  # case: (flags, autocast dtype)
                               "selective"], "bf16"),  # the math path
     "cp ulysses selective": (["--cp", "2", "--cp-impl", "ulysses", "--global-batch", "2", "--activation-checkpointing",
                               "selective"], "fp32"),
+    # MoE by halves (model.Block): the attention side's cache, the MoE side as without recompute less the GELU
+    # outputs; under SP its shared experts' c_fc keeps the gathered input (no regather under recompute)
+    "ep selective": (["--moe-experts", "4", "--ep", "2", "--moe-shared-experts", "1", "--global-batch", "4",
+                      "--activation-checkpointing", "selective"], "fp32"),
+    "tp+sp moe selective": (["--tp", "2", "--sp", "--moe-experts", "4", "--moe-shared-experts", "1", "--global-batch",
+                             "2", "--activation-checkpointing", "selective"], "bf16"),
+    # ZeRO-3: the MoE side of the last block saves its weights (views of its unit, gathered into backward)
+    "zero3 moe selective": (["--zero", "3", "--moe-experts", "4", "--moe-every", "2", "--global-batch", "4",
+                             "--activation-checkpointing", "selective"], "fp32"),
 }
 
 

@@ -217,13 +217,23 @@ SELECTIVE_2 = [
     (["--tp", "2", *SELECTIVE], dict(selective_recompute=True), 2, 1),
     (["--tp", "2", "--sp", *SELECTIVE], dict(selective_recompute=True), 2, 1),
     (["--cp", "2", "--cp-impl", "ulysses", *SELECTIVE], dict(selective_recompute=True), 2, 1),
+    # MoE blocks by halves (model.Block): the routing, the dispatch and its all-to-alls run once; DeepSeek-V3's
+    # router (sigmoid scores, the learned bias, the seq loss, groups) and a shared expert
+    (["--moe-experts", "4", "--ep", "2", "--moe-shared-experts", "1", "--moe-score", "sigmoid", "--moe-bias-rate",
+      "0.01", "--moe-seq-aux-coef", "0.01", "--moe-groups", "2", "--moe-group-limit", "1", *AUX, *SELECTIVE],
+     dict(selective_recompute=True), 4, 1),
+    (["--tp", "2", "--sp", "--moe-experts", "4", "--moe-capacity-factor", "1.0", "--moe-shared-experts", "1", *AUX,
+      *SELECTIVE], dict(selective_recompute=True), 2, 1),  # capacity decided on the whole micro-batch
+    (["--zero", "3", "--moe-experts", "4", "--ep", "2", "--moe-every", "2", *AUX, *SELECTIVE],
+     dict(selective_recompute=True), 4, 1),  # the attention side's recompute reads the unit gathered for backward
 ]
 
 
 @pytest.mark.slow
 def test_selective_recompute_composes_and_traces_as_predicted():
-    """TP and TP + SP under selective recompute: float64 updates equal the plain single-device model's (1e-10),
-    and every traced message equals report.predicted_messages (no collective sent again in backward)."""
+    """TP, TP + SP, Ulysses and MoE (EP, TP + SP) under selective recompute: float64 updates equal the plain
+    single-device model's (1e-10), and every traced message equals report.predicted_messages (no collective sent
+    again in backward: no all-to-all of a MoE block, whose routing runs once)."""
     results = run_ranks(_traced_cases, 2, SELECTIVE_2, timeout=300)
     for index, (flags, config_kw, global_batch, micro) in enumerate(SELECTIVE_2):
         per_rank = [rank_results[index] for rank_results in results]
