@@ -41,6 +41,30 @@ def test_hfu_of_selective_recompute_adds_the_core_attention_on_the_math_path_onl
     assert math_path.hardware - math_path.model == 4096
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])  # the fused path, the math one
+def test_selective_recompute_of_moe_blocks_reruns_the_flops_hfu_counts(dropout):
+    """What a training step of MoE blocks under selective recompute really computes more than without recompute
+    (torch's FlopCounterMode: the GEMMs and the attention kernels, recompute included) is hardware − model
+    per token: no GEMM (the attention side keeps them, the MoE side, its router and experts run once), and on the
+    math path the core attention, 4*L*H*Q*T."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counted = {}
+    for selective in (False, True):
+        config = model.config_from_preset("tiny", dropout=dropout, moe_experts=4, moe_shared_experts=1,
+                                          selective_recompute=selective)
+        gpt = model.GPT(config, seed=0, dtype=torch.float64)
+        idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+        with FlopCounterMode(display=False) as counter:
+            _, loss, _ = gpt(idx, idx)
+            loss.backward()
+        counted[selective] = counter.get_total_flops()
+    kernel = "math" if dropout else "fused"
+    flops = mfu.flops_per_token({"active_matmul": 0, "block_matmul": 0}, config, 32, kernel)
+    assert counted[True] - counted[False] == (flops.hardware - flops.model) * 2 * 32, counted
+    assert (counted[True] > counted[False]) == (kernel == "math"), counted
+
+
 def test_flops_per_token_small_config():
     # T = 16 tokens: 6N = 6000; 12*L*H*Q*T = 12*2*4*8*16 = 12288; total 18288.
     f = mfu.flops_per_token(COUNTS, _config(), seq_len=16)
