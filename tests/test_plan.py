@@ -316,26 +316,33 @@ def mfu_bytes(n):
     return mfu.format_bytes(n)
 
 
-def test_search_enumerates_selective_recompute_with_tensor_parallel():
+def test_search_enumerates_selective_recompute_with_tensor_parallel_and_experts():
     """Of the search's selective candidates, flags.validate (which the search asks) now accepts TP (with SP, as
-    the search runs it); those with CP are still refused: the search's CP is the ring (experts: test_model.py)."""
+    the search runs it) and MoE (with EP, and ZeRO-3: model.Block runs a MoE block by halves); those with CP are
+    still refused: the search's CP is the ring. The search prints a selective MoE layout it fits."""
     import flags
+    import hardware
     import plan_search
     import train
     from flags import FlagError
 
-    base = [*TINY, "--global-batch", "8"]
-    config = flags.model_config(flags.build_parser().parse_args(base))
-    accepted = []
-    for c in plan_search.candidates(8, config, 8, 8):
-        if c["ac"] == "selective" and c["P"] == 1 and not c["zero"] and c["micro"] == 1:
-            try:
-                flags.validate(flags.build_parser().parse_args([*base, *plan_search.search_argv(c)]), 8,
-                               axes=train.AXES)
-                accepted.append((c["T"], c["C"]))
-            except FlagError as e:
-                assert c["C"] > 1 and "--cp-impl ring" in str(e), (c, e)
-    assert {(2, 1), (4, 1)} <= set(accepted) and all(cp == 1 for _, cp in accepted), accepted
+    for extra in ([], ["--moe-experts", "4"]):
+        base = [*TINY, "--global-batch", "8", *extra]
+        config = flags.model_config(flags.build_parser().parse_args(base))
+        accepted = []
+        for c in plan_search.candidates(8, config, 8, 8):
+            if c["ac"] == "selective" and c["P"] == 1 and c["zero"] in (0, 3) and c["micro"] == 1:
+                try:
+                    flags.validate(flags.build_parser().parse_args([*base, *plan_search.search_argv(c)]), 8,
+                                   axes=train.AXES)
+                    accepted.append((c["T"], c["C"], c["E"], c["zero"]))
+                except FlagError as e:
+                    assert c["C"] > 1 and "--cp-impl ring" in str(e), (c, e)
+        assert {(2, 1, 1, 0), (4, 1, 1, 3)} <= set(accepted) and all(a[1] == 1 for a in accepted), accepted
+        assert not extra or {(1, 1, 2, 0), (2, 1, 4, 3)} <= set(accepted), accepted
+    ranked = plan_search.search([*TINY, "--global-batch", "8", "--moe-experts", "4"], 4, hardware.PRESETS["h100"],
+                                top=10_000)[0]
+    assert any(r[2].model.selective_recompute and r[2].shape.ep > 1 for r in ranked)
 
 
 def test_zero_paper_figure_1():
