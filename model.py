@@ -39,7 +39,7 @@ Accounting for this file (one device, nothing split):
 2. Persistent: Ψ parameters, Ψ gradients, 2Ψ Adam moments (fp32: 16 bytes/param). Activations per layer
    and micro-batch: about s·b·h·(34 + 5·a·s/h) bytes at 16 bits (Korthikanti et al. 2022), or only the
    block inputs when `activation_checkpointing` recomputes each block in backward, and the block inputs and
-   GEMM outputs under `selective_recompute` (recompute.py).
+   GEMM outputs under `selective_recompute` (recompute.py; a MoE block by halves, `Block`).
 3. No messages.
 4. Restart state: parameters (the optimizer state lives in the trainer).
 """

@@ -29,26 +29,41 @@ tensor-parallel size, s = s/C under context parallel):
    SP the cache holds c_attn's and c_fc's whole inputs where a run without recompute keeps their shards and
    all-gathers them again in backward (tensor_parallel's regather): at T = 2 selective keeps more than none.
    During a block's backward its recompute rebuilds the rest (the full block's bytes, less what the cache holds).
-3. No messages of its own: a collective inside a block is an operator the policy keeps (collective_ops.py), so
-   the recompute sends nothing and a step's messages are those of the same layout without recompute (SP's
-   column layers keep their gathered input: no backward re-gather). Recomputed FLOPs (mfu.flops_per_token): no
-   GEMM; on the math path the core attention, 4·s·h per token per layer forward, once more in backward.
+3. No messages of its own: a collective inside a block is an operator the policy keeps (collective_ops.py), or
+   outside the checkpoint (a MoE block's MoE side, below), so the recompute sends nothing and a step's messages
+   are those of the same layout without recompute (SP's column layers keep their gathered input: no backward
+   re-gather). Recomputed FLOPs (mfu.flops_per_token): no GEMM; on the math path the core attention, 4·s·h per
+   token per layer forward, once more in backward.
 4. No state: the policy is a function of the op; checkpoint replays the RNG, so dropout masks come back equal
    (TP's forked generator included: tensor_parallel.TensorParallelRNG).
 
+A MoE block (model.Block) recomputes by halves, as Megatron-LM's `--recompute-granularity selective` with its
+moe_act module (core_attn, moe_act; not `moe`, which recomputes the whole layer, dispatch included): its
+attention side, x + attn(ln_1(x)), is one checkpoint under this policy; its MoE side, ln_2, the router, the
+dispatch with its all-to-alls, the experts and the combine, runs once, outside any checkpoint, so the routing
+never runs again, nothing is sent twice and the load counters count each slot once (a recompute would not
+count anyway: moe_router.is_training_forward). Inside it only the experts' activation is recomputed
+(`activations_recomputed`): a GELU's output that c_proj saves is replaced by GELU(c_fc's output), which the GELU
+keeps as its input anyway (Megatron's CheckpointWithoutOutput around the activation does the same: discard the
+output, recompute it when fc2's backward needs it). Why not the whole MoE block in one checkpoint: the dispatch's
+all_to_all_single calls take split sizes read on the host (`.tolist()`) into buffers sized by them, in-place
+receives a cache cannot give back, and the router's top-k would run again; and keeping the MoE side's other
+tensors (its rows, ln_2's output, which the router saves) is what a run without recompute keeps.
+Accounting of a MoE block (activations.selective_blocks): its attention side's input, GEMM outputs (3/T + 1) and
+collectives' (memory.selective_block_terms with mlp=False), ln_2's input and statistics, and the MoE side's terms
+(moe_accounting.layer_activation_bytes, moe_shared.saved_bytes) less every GELU output, R_e·4h·e_c routed and
+S·4h·M·e_c/T shared; its messages are those without recompute (its all-to-alls once: moe_accounting's
+`repeats` is 1); recomputed FLOPs as a dense block's (the attention side's; GELU is elementwise). Under ZeRO-3 the
+MoE side saves its weights, views of the block's unit (activations.zero3_saved_weights).
+
 Which layouts it serves: DDP, ZeRO-1/2/3 (zero3.py gathers a block for its recompute as for its forward),
-pipelines, tensor parallel with and without SP, and Ulysses context parallel. Refused (`check_flags`), because
-the policy cannot keep what they do inside a block exactly and accounted:
+pipelines, tensor parallel with and without SP, Ulysses context parallel, and MoE (EP, shared experts,
+capacity, DeepSeek-V3's router options, MoE layers by halves as above). Refused (`check_flags`), because the
+policy cannot keep what they do inside a block exactly and accounted:
 - the ring (--cp-impl ring): its attention is one autograd node whose forward interleaves point-to-point
   transfers with block-wise compute; the transfers are in-place receives into fresh buffers that a cache cannot
   give back, so the recompute would send the K, V blocks round the ring again. Keeping it would need the whole
   ring forward as one operator (its observer, which times the ring's waits, is a Python object it cannot take).
-- --moe-experts: the dispatch (moe_dispatch.py) sends counts, rows, metadata and the combine through
-  all_to_all_single calls whose split sizes are host integers read from the counts (`.tolist()`), into buffers
-  sized by them: in-place receives the cache cannot give back, so the recompute would route and send again
-  (full recompute does, and moe.py counts it); keeping them would need each exchange, its sizes included, as an
-  operator with a data-dependent output shape. (The load counters are safe: moe_router.is_training_forward
-  leaves a recompute out.)
 - --fp8 and --precision-recipe: the quantising casts reduce their amaxes with in-place all-reduces over tp and
   cp, which the recompute would send again (fp8.Fp8Handle counts them twice under full recompute), the
   delayed recipe records each forward's amax for its history, and on a GPU the FP8 GEMM is torch._scaled_mm,
@@ -112,9 +127,9 @@ class SelectiveRecompute:
 
     @contextmanager
     def activations_recomputed(self):
-        """Megatron's `moe_act` recompute, for the MLP side of a MoE block (model.Block): inside the `with`, a
+        """Megatron's moe_act recompute, for the MLP side of a MoE block (model.Block): inside the `with`, a
         GELU's output that a later op saves for backward (an expert's c_proj input, [R_e, 4h]) is not kept; its
-        backward gets GELU(input) again, from the input the GELU saved itself (autograd's `_saved_self`, c_fc's
+        backward gets GELU(input) again, from the input the GELU saved itself (autograd's _saved_self, c_fc's
         output, kept anyway): 4h·e_c bytes fewer per expert row, one elementwise op more, no message. Every other
         tensor is saved as it would be, seen by the watchers (these hooks hide it from an outer saved_tensors_hooks).
         A view of the output (a 3-D input's linear saves it 2-D) comes back as the same view of the new one."""
