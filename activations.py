@@ -84,7 +84,9 @@ def shape_of(settings, config, device_type: str, compute_dtype, param_dtype) -> 
         e_r=param_dtype.itemsize, e_c=compute_dtype.itemsize, dropout=config.dropout > 0,
         bool_masks=device_type == "cuda", fp32_norms=device_type == "cuda" and compute_dtype.itemsize < 4,
         kernel=kernel, ulysses=cp_impl == "ulysses", fp8=settings.args.fp8 is not None,
-        regather=settings.args.fp8 is None)  # FP8 keeps the gathered input (fp8.convert)
+        regather=settings.args.fp8 is None,  # FP8 keeps the gathered input (fp8.convert)
+        e_g=max(compute_dtype.itemsize, 4) if settings.args.fp8 and (device_type != "cuda" or settings.args.fp8
+                                                                     == "blockwise") else 0)  # emulated
 
 
 def activation_estimate(run, device_type: str | None = None) -> ActivationEstimate:
@@ -164,7 +166,8 @@ def selective_blocks(config, x: memory.ActivationShape, held: dict, ep: int, slo
     (mlp=False) and its MoE side as without recompute, ln_2's input and statistics sbh'·e_n + 2·sb'·e_n and the
     router's and experts' bytes with autocast's copies of their weights, less every GELU output, recomputed
     (moe_act: R_e·4h·e_c routed, S·4h·M·e_c/T shared). SP's column layers keep their gathered input under
-    recompute (no regather). The rebuild: a dense block, or a MoE block's attention side, less its input and
+    recompute (no regather). Under FP8 the experts' c_proj keeps its input's codes, never the GELU output, as
+    without recompute (fp8_experts.py). The rebuild: a dense block, or a MoE block's attention side, less its input and
     what it reads of the cache (memory.selective_rebuild_shared)."""
     whole = replace(x, regather=False)  # SP's column layers keep their gathered input (the cache's, or saved)
     terms, every = memory.layer_activation_terms(whole), memory.layer_activation_terms(x)
@@ -177,7 +180,7 @@ def selective_blocks(config, x: memory.ActivationShape, held: dict, ep: int, slo
         n = held["moe"]
         blocks.update({f"{n} MoE attention sides' {name}": value * n
                        for name, value in memory.selective_block_terms(x, mlp=False).items()})
-        routed, copies = moe_block_bytes(config, whole, ep, slots, gelu_outputs=False)
+        routed, copies = moe_block_bytes(config, whole, ep, slots, gelu_outputs=x.fp8)  # FP8 keeps codes instead
         blocks[f"{n} MoE sides (ln_2, router, experts; GELU outputs recomputed)"] = n * (every["layernorms"] / 2
                                                                                          + routed)
         blocks["autocast weight copies"] = n * copies

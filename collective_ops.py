@@ -9,7 +9,7 @@ Wrapped as one out-of-place operator each (`collectives::all_reduce`, ...), a co
 the policy: it runs once in the forward, its output is kept (`SAVED`), and the recompute reads the kept tensor
 instead of sending anything. The layouts' autograd Functions call these in their forward where the model
 recomputes selectively (tensor_parallel.TensorParallelContext.operators, context_parallel's Ulysses
-exchange); their backward collectives are no recompute and stay raw calls (`sum_raw`, `gather_raw`,
+exchange, FP8's amax MAX over tp and cp: fp8.Fp8Linear.operators); their backward collectives are no recompute and stay raw calls (`sum_raw`, `gather_raw`,
 `scatter_raw`: tensor_parallel's, and what the operators run).
 
 Accounting (memory.py's symbols):
@@ -31,6 +31,13 @@ def sum_raw(x: torch.Tensor, group) -> torch.Tensor:
     """Σ over `group` of x by dist.all_reduce, into a fresh buffer (never mutate autograd's tensors)."""
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def max_raw(x: torch.Tensor, group) -> torch.Tensor:
+    """MAX over `group` of x by dist.all_reduce, into a fresh buffer (FP8's amaxes, fp8.Fp8Linear.scales)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
 
 
@@ -56,6 +63,11 @@ def _all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return sum_raw(x, _resolve_process_group(group_name))
 
 
+@torch.library.custom_op("collectives::all_reduce_max", mutates_args=())
+def _all_reduce_max_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return max_raw(x, _resolve_process_group(group_name))
+
+
 @torch.library.custom_op("collectives::all_gather", mutates_args=())
 def _all_gather_op(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     return gather_raw(x, dim, _resolve_process_group(group_name)).contiguous()
@@ -74,6 +86,11 @@ def _all_to_all_op(send: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 @_all_reduce_op.register_fake
+def _(x, group_name):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_all_reduce_max_op.register_fake
 def _(x, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -97,13 +114,19 @@ def _(send, group_name):
     return torch.empty_like(send, memory_format=torch.contiguous_format)
 
 
-SAVED = frozenset({torch.ops.collectives.all_reduce.default, torch.ops.collectives.all_gather.default,
+SAVED = frozenset({torch.ops.collectives.all_reduce.default, torch.ops.collectives.all_reduce_max.default,
+                   torch.ops.collectives.all_gather.default,
                    torch.ops.collectives.reduce_scatter.default, torch.ops.collectives.all_to_all.default})
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Σ over `group` of x, a new tensor (tensor_parallel's g)."""
     return torch.ops.collectives.all_reduce(x, group.group_name)
+
+
+def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+    """MAX over `group` of x, a new tensor (FP8's amax reduction under selective recompute)."""
+    return torch.ops.collectives.all_reduce_max(x, group.group_name)
 
 
 def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -79,6 +79,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import collective_ops
 from comm import Messages
 from fp8_scaling import (E4M3, E5M2, FORMATS, ROW_ALIGNMENT, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT,
                          amax_of, dequantize, dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores, pad_rows,
@@ -164,7 +165,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, layer, training, store):
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         rows, x2 = x2.shape[0], pad_rows(x2, layer.row_alignment)  # an expert's rows: zero rows up to 16k
-        if training and x2.shape[0] > rows:
+        # A selective recompute (inside a backward) runs this forward again on the kept GEMM output and amaxes:
+        # it records nothing (the amaxes and casts are the forward's) and sends nothing (collective_ops).
+        recording = training and not (layer.operators and torch._C._current_graph_task_id() != -1)
+        if recording and x2.shape[0] > rows:
             layer.observer.padded(layer, x2.shape[0] - rows)
         errors = gemm_shape_errors(x2.shape[0], layer.in_features, layer.out_features, training)
         if errors:
@@ -181,7 +185,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     codes = layer.cache_weight_codes(weight, qw, amax_w, inverse_scales=iw)
                 qx, ix, amax_x = quantize_tiles(x2, TILE_ACTIVATION)
                 smallest = torch.stack([ix.max(), codes.inverse_scales.max()]).reciprocal()  # largest-amax tiles
-                layer.record(FORWARD, torch.stack([amax_x, codes.amax]), smallest, training=training)
+                layer.record(FORWARD, torch.stack([amax_x, codes.amax]), smallest, training=recording)
                 y = (dequantize_tiles(qx, ix, TILE_ACTIVATION, wide)
                      @ dequantize_tiles(codes.q, codes.inverse_scales, TILE_WEIGHT, wide).t()).to(out_dtype)
             else:
@@ -196,7 +200,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     qw, sat_w = quantize(weight, E4M3, scale[1], layer.counts_saturation)
                     codes = layer.cache_weight_codes(weight, qw, amax_w, scale=scale[1], saturated=sat_w)
                 layer.record(FORWARD, amax, scale, (sat_x, codes.saturated), (qx.numel(), codes.q.numel()),
-                              training)
+                              recording)
                 ix, iw = scale[0].to(wide).reciprocal(), codes.scale.to(wide).reciprocal()
                 y = scaled_matmul(qx, ix, codes.q.t(), iw, out_dtype, layer.use_scaled_mm, "forward Y = X·Wᵀ")
             if bias is not None:
@@ -286,7 +290,7 @@ class Fp8Linear(nn.Linear):
     defers_weight_grad = True
 
     def __init__(self, linear: nn.Linear, recipe: Recipe, name: str = "", amax_groups=(), delayed_groups=(),
-                 gemm: str = "auto", device=None, row_alignment: int = 1):
+                 gemm: str = "auto", device=None, row_alignment: int = 1, operators: bool = False):
         nn.Module.__init__(self)  # no new parameters: keep the wrapped linear's
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
@@ -295,6 +299,7 @@ class Fp8Linear(nn.Linear):
         self.delayed_groups = tuple(delayed_groups)
         self.row_alignment = row_alignment  # an expert's: its input zero-padded to a multiple of 16 rows
         self.row_share = 1.0  # a routed expert's: E·k/N of a micro-batch's rows (uniform routing; convert sets it)
+        self.operators = operators  # selective recompute: the amax MAX through collective_ops (kept, not resent)
         device = torch.device(device) if device is not None else linear.weight.device  # a meta weight: pass the run's
         self.fmt_max = torch.tensor([f.max for f in FORMATS], device=device)
         self.amax_history = torch.zeros(3, recipe.amax_history, device=device)  # [role, L], column 0 latest
@@ -343,7 +348,10 @@ class Fp8Linear(nn.Linear):
             return self.scale[roles].clone()
         amax = torch.nan_to_num(amax, nan=float("inf"))  # MAX must not drop a NaN
         for group in () if reduced else self.amax_groups.values():
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            if self.operators:
+                amax = collective_ops.all_reduce_max(amax, group)
+            else:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return scale_from_amax(amax, self.fmt_max[roles], self.recipe.margin)
 
     def record(self, roles: slice, amax, scale, saturated=(), values=(), training: bool = True) -> None:
@@ -424,7 +432,8 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1,
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
             fp8 = Fp8Linear(module, recipe, name, {} if expert else amax_groups,
                             groups(info.grad_group if info else "dp_cp", "tp"), device=device,
-                            row_alignment=ROW_ALIGNMENT if expert else 1)
+                            row_alignment=ROW_ALIGNMENT if expert else 1,
+                            operators=model.config.selective_recompute)
             codec.attach(fp8)
             parent = block.get_submodule(path.rpartition(".")[0])
             setattr(parent, leaf, fp8)

@@ -223,6 +223,7 @@ class ActivationShape:
     sp: bool = False  # sequence parallel: LayerNorms and dropouts see s/T tokens
     e_r: int = 4  # bytes of a residual-stream element: the working weights' dtype
     e_c: int = 4  # bytes of a compute element: autocast's dtype (e_r without autocast)
+    e_g: int = 0  # bytes of a GEMM output selective recompute keeps, if not e_c: FP8's emulated GEMM's, fp32 or wider
     dropout: bool = False  # --dropout > 0 (training)
     bool_masks: bool = False  # dropout masks are 1-byte bools (CUDA's fused dropout; a CPU keeps a scaled copy)
     fp32_norms: bool = False  # LayerNorm saves its input and statistics in fp32 (CUDA autocast casts them)
@@ -331,7 +332,7 @@ def selective_block_terms(x: ActivationShape, mlp: bool = True) -> dict[str, flo
     (T = x.t; T' = T with SP, else 1; `mlp` False: the attention side alone, a MoE block's checkpoint
     (model.Block): c_attn's 3/T and c_proj's 1, TP's one sum, SP's one gather and one scatter, Ulysses'):
         block input                  sbh·e_r/T'          the checkpoint's input (the recompute starts from it)
-        GEMM outputs                 (7/T + 2)·sbh·e_c   c_attn's [q|k|v] 3/T, c_fc's 4/T, and the row layers'
+        GEMM outputs                 (7/T + 2)·sbh·e_g   c_attn's [q|k|v] 3/T, c_fc's 4/T, and the row layers'
                                                          (attention's and the MLP's c_proj) 1 each: whole under
                                                          TP too, the partial sums before their reduction (the
                                                          MLP's only the residual add reads: kept all the same,
@@ -348,8 +349,8 @@ def selective_block_terms(x: ActivationShape, mlp: bool = True) -> dict[str, flo
     fused = x.kernel == "fused"
     collectives = (0.0 if t == 1 else sides * (1 + 1 / t if x.sp else 1) * sbh * x.e_c) + (
         4 * sbh * x.e_c / t if x.ulysses else 0.0)
-    gemms = 3 / t + 1 + (4 / t + 1 if mlp else 0)
-    return {"block inputs": sbh / (t if x.sp else 1) * x.e_r, "GEMM outputs": gemms * sbh * x.e_c,
+    gemms = 3 / t + 1 + (4 / t + 1 if mlp else 0)  # e_g = e_c, or FP8's emulated GEMM's fp32 (its mm's output)
+    return {"block inputs": sbh / (t if x.sp else 1) * x.e_r, "GEMM outputs": gemms * sbh * (x.e_g or x.e_c),
             "collective outputs": collectives,
             "fused attention outputs": (sbh * x.e_c + x.s * x.b * x.a * max(x.e_c, 4)) / t if fused else 0.0}
 

@@ -86,13 +86,13 @@ import collective_ops
 MODES = ("none", "full", "selective")
 
 # The ops whose outputs a selectively recomputed block keeps: the linears' GEMMs (nn.Linear dispatches addmm
-# with a bias, mm without) and the fused attention kernels. Not bmm: on the math path it is the core
+# with a bias, mm without; FP8's _scaled_mm, or its emulation's mm) and the fused attention kernels. Not bmm: on the math path it is the core
 # attention's q·kᵀ (a·s² scores) and probabilities·v, which are recomputed.
 # And every collective a block sends in its forward (collective_ops.SAVED: TP's g and SP's all-gather and
 # reduce-scatter, Ulysses' all-to-alls): kept, so that the recompute sends nothing.
 SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "_scaled_mm")
     if hasattr(torch.ops.aten, name)) | collective_ops.SAVED
 
 
@@ -176,7 +176,6 @@ def check_flags(args, shape) -> None:
         return
     refused = [(shape.cp > 1 and args.cp_impl == "ring", "--cp-impl ring", "the ring's transfers would run again"
                 " in the recompute (use --cp-impl ulysses)"),
-               (args.fp8 is not None, "--fp8", "the amax reductions and history would run again"),
                (getattr(args, "precision_recipe", None), "--precision-recipe", "its casts would run again")]
     for on, flag, why in refused:
         if on:

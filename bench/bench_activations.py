@@ -4,9 +4,10 @@
     python bench/bench_activations.py --layers 4 --width 256
     python bench/bench_activations.py --smoke    # seconds: DDP and ZeRO-3, fp32, the three recompute modes
     python bench/bench_activations.py --preset small --layouts "TP+SP T2" --seq 256 --micro 1  # small's shape
+    python bench/bench_activations.py --preset small --layouts "MoE EP2" --seq 256 --micro 1  # 8 experts, top-2
 
 Each row composes a run from train.py's flags on 2 gloo ranks (DDP D=2, ZeRO-1 D=2, ZeRO-3 D=2, TP T=2, TP+SP, CP
-C=2 ring and Ulysses, PP P=2 1F1B), trains one step with the schedule measuring its first forward as train.py's end
+C=2 ring and Ulysses, PP P=2 1F1B, MoE of 8 experts top-2 with D=2 and EP=2), trains one step with the schedule measuring its first forward as train.py's end
 line does (memory.SavedActivations.of: saved_tensors_hooks, each storage once, parameters aside, the selective
 policy's kept outputs watched), and prints rank 0's estimate (activations.activation_estimate, less what SP's
 regather hooks hide from the measurement) and the measurement. A ratio outside 1 ± 10% prints WRONG. Selective
@@ -39,6 +40,8 @@ LAYOUTS = {
     "CP C2 ring": ["--cp", "2"],
     "CP C2 Ulysses": ["--cp", "2", "--cp-impl", "ulysses"],
     "PP P2 1F1B": ["--pp", "2"],
+    "MoE D2": ["--moe-experts", "8", "--moe-topk", "2"],  # every block MoE, top-2 of 8 (selective: by halves)
+    "MoE EP2": ["--moe-experts", "8", "--moe-topk", "2", "--ep", "2"],
 }
 TOLERANCE = 0.10
 
@@ -110,7 +113,7 @@ def main(argv=None):
           f" with n_layer={args.layers or 'its'} n_embd={args.width or 'its'}, s={args.seq}, B_μ={args.micro}"
           f" ({time.time() - start:.0f} s)")
     f = mfu.format_bytes
-    print(f"{'layout':<15}{'dtype':<6}{'recompute':<11}{'estimated':>12}{'measured':>12}{'ratio':>8}")
+    print(f"{'layout':<15}{'dtype':<6}{'recompute':<11}{'estimated':>12}{'measured':>12}{'ratio':>8}")  # per forward
     for key in cases:
         name, dtype, mode = key
         got = rank0[key]

@@ -195,6 +195,12 @@ RECOMPUTE = {  # case: (flags, autocast dtype), the fused path and the math one
     "selective moe every 2nd, sigmoid, dropout bf16": (["--activation-checkpointing", "selective", "--moe-experts",
                                                         "4", "--moe-every", "2", "--moe-score", "sigmoid",
                                                         "--moe-bias-rate", "0.01", "--dropout", "0.1"], "bf16"),
+    # FP8: the GEMM outputs kept as its emulated GEMM returns them, in fp32 (e_g; torch._scaled_mm's: e_c), the
+    # inputs' codes recomputed; a MoE block's experts keep their codes as without recompute
+    "selective fp8 current bf16": (["--activation-checkpointing", "selective", "--fp8", "current"], "bf16"),
+    "selective fp8 blockwise bf16": (["--activation-checkpointing", "selective", "--fp8", "blockwise"], "bf16"),
+    "selective fp8 delayed moe bf16": (["--activation-checkpointing", "selective", "--fp8", "delayed", "--moe-experts",
+                                        "4", "--moe-shared-experts", "1"], "bf16"),
 }
 
 

@@ -226,14 +226,21 @@ SELECTIVE_2 = [
       *SELECTIVE], dict(selective_recompute=True), 2, 1),  # capacity decided on the whole micro-batch
     (["--zero", "3", "--moe-experts", "4", "--ep", "2", "--moe-every", "2", *AUX, *SELECTIVE],
      dict(selective_recompute=True), 4, 1),  # the attention side's recompute reads the unit gathered for backward
+    # FP8: the amax MAX over tp (and cp) an operator the policy keeps (collective_ops), the GEMM output kept;
+    # the recompute records no amax (delayed: the history is the forward's) and sends nothing
+    (["--fp8", "current", "--tp", "2", "--moe-experts", "4", *AUX, *SELECTIVE], dict(selective_recompute=True), 4,
+     1),
+    (["--fp8", "delayed", "--tp", "2", "--sp", *SELECTIVE], dict(selective_recompute=True), 4, 1),
+    (["--fp8", "blockwise", *SELECTIVE], dict(selective_recompute=True), 4, 1),
 ]
 
 
 @pytest.mark.slow
 def test_selective_recompute_composes_and_traces_as_predicted():
-    """TP, TP + SP, Ulysses and MoE (EP, TP + SP) under selective recompute: float64 updates equal the plain
-    single-device model's (1e-10), and every traced message equals report.predicted_messages (no collective sent
-    again in backward: no all-to-all of a MoE block, whose routing runs once)."""
+    """TP, TP + SP, Ulysses, MoE (EP, TP + SP, ZeRO-3) and FP8 (its three recipes) under selective recompute:
+    float64 updates equal the plain single-device model's (1e-10; FP8: the single device's FP8 run), and every
+    traced message equals report.predicted_messages (no collective sent again in backward: no all-to-all of a MoE
+    block, whose routing runs once, no second amax all-reduce)."""
     results = run_ranks(_traced_cases, 2, SELECTIVE_2, timeout=300)
     for index, (flags, config_kw, global_batch, micro) in enumerate(SELECTIVE_2):
         per_rank = [rank_results[index] for rank_results in results]

@@ -132,7 +132,7 @@ def test_selective_recompute_follows_the_plain_models_loss_curve():
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("flags,flag", [(["--cp", "2"], "--cp-impl ring"), (["--fp8", "current"], "--fp8"),
+@pytest.mark.parametrize("flags,flag", [(["--cp", "2"], "--cp-impl ring"),
                                         (["--precision-recipe", "mxfp8"], "--precision-recipe")])
 def test_selective_recompute_refuses_the_layouts_it_cannot_serve(flags, flag):
     import flags as flags_lib
