@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import collective_ops
 import context_parallel
 import microscaling
 import microscaling_fast
@@ -308,6 +309,7 @@ class RecipeLinear(nn.Linear):
         # the token block its dW operands' rows are zero-padded to (recipe_experts.py); None, 1 for the others.
         self.sources, self.token_block = sources, token_block
         self.row_share = 1.0  # a routed expert's: E·k/N of a micro-batch's M rows (convert sets it; accounting)
+        self.operators = False  # selective recompute: the amax MAX through collective_ops, a recompute unrecorded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         training, store, weight, bias = forward_operands(self, x)
@@ -334,7 +336,10 @@ class RecipeLinear(nn.Linear):
         """The amaxes of the logical tensors: MAX over the ranks holding pieces of them (NaN kept: inf)."""
         amax = torch.nan_to_num(torch.stack(values), nan=float("inf"))
         for group in self.amax_groups.values():
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            if self.operators:  # kept by selective recompute's policy: its recompute sends nothing
+                amax = collective_ops.all_reduce_max(amax, group)
+            else:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return amax
 
     def _fq(self, x: torch.Tensor, fmt: str, dtype, role: int | None, two_d: bool = False, tensor_amax=None,
@@ -358,7 +363,8 @@ class RecipeLinear(nn.Linear):
         if fmt == "bf16":
             return x2.to(out_dtype) @ weight.to(out_dtype).t()
         amax = self._reduced_amax([amax_of(x2), self.weight_amax(weight)]) if fmt == "nvfp4" else (None, None)
-        roles = (0, 1) if training else (None, None)
+        recomputing = self.operators and torch._C._current_graph_task_id() != -1  # selective: the observer heard it
+        roles = (0, 1) if training and not recomputing else (None, None)
         xq = self._fq(x2, fmt, out_dtype, roles[0], tensor_amax=amax[0])
         wq = self._fq(weight, fmt, out_dtype, roles[1], two_d=self.recipe.w2d and fmt == "nvfp4", tensor_amax=amax[1])
         return xq @ wq.t()
@@ -486,6 +492,7 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
                                   token_block if routed else 1)
             if routed:  # of the M tokens a rank routes, its held expert gets E·M·k/N rows (uniform routing)
                 linear.row_share = ep * model.config.moe_topk / model.config.moe_experts
+            linear.operators = model.config.selective_recompute
             setattr(block.get_submodule(path.rpartition(".")[0]), leaf, linear)
             linears[name] = linear
             if codec is not None:  # of W serves both its GEMMs: ZeRO-3 may gather it in NVFP4 (recipe_codec.py)

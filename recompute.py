@@ -174,10 +174,7 @@ def check_flags(args, shape) -> None:
     raises ValueError naming the flag."""
     if args.activation_checkpointing != "selective":
         return
-    refused = [(shape.cp > 1 and args.cp_impl == "ring", "--cp-impl ring", "the ring's transfers would run again"
-                " in the recompute (use --cp-impl ulysses)"),
-               (getattr(args, "precision_recipe", None), "--precision-recipe", "its casts would run again")]
-    for on, flag, why in refused:
-        if on:
-            raise ValueError(f"--activation-checkpointing selective with {flag}: {why} (recompute.py);"
-                             f" use --activation-checkpointing full")
+    if shape.cp > 1 and args.cp_impl == "ring":
+        raise ValueError("--activation-checkpointing selective with --cp-impl ring: the ring's transfers would run"
+                         " again in the recompute (recompute.py); use --cp-impl ulysses or --activation-checkpointing"
+                         " full")

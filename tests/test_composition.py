@@ -117,7 +117,8 @@ def _check(results, flags, config_kw, global_batch, micro):
     args = _parse(flags, global_batch, micro)
     ref_losses, ref_norms, ref_params = reference_run(_config(args, config_kw),
                                                       global_batches(STEPS, global_batch, SEQ), clip=CLIP,
-                                                      micro_batches=micro_batches_total, fp8_recipe=args.fp8)
+                                                      micro_batches=micro_batches_total, fp8_recipe=args.fp8,
+                                                      precision_recipe=args.precision_recipe)
     assert min(ref_norms) > CLIP  # clipping is active
     assert_runs_follow(results, ref_losses, ref_params, TOL)
 
@@ -232,13 +233,17 @@ SELECTIVE_2 = [
      1),
     (["--fp8", "delayed", "--tp", "2", "--sp", *SELECTIVE], dict(selective_recompute=True), 4, 1),
     (["--fp8", "blockwise", *SELECTIVE], dict(selective_recompute=True), 4, 1),
+    # a precision recipe alike: NVFP4's tensor amax MAX over tp kept, SR's draws keyed by the forward's micro-batch
+    (["--precision-recipe", "nvfp4,tail=0", "--tp", "2", *SELECTIVE], dict(n_embd=64, selective_recompute=True), 4,
+     2),
 ]
 
 
 @pytest.mark.slow
 def test_selective_recompute_composes_and_traces_as_predicted():
-    """TP, TP + SP, Ulysses, MoE (EP, TP + SP, ZeRO-3) and FP8 (its three recipes) under selective recompute:
-    float64 updates equal the plain single-device model's (1e-10; FP8: the single device's FP8 run), and every
+    """TP, TP + SP, Ulysses, MoE (EP, TP + SP, ZeRO-3), FP8 (its three recipes) and NVFP4 under selective
+    recompute: float64 updates equal the plain single-device model's (1e-10; FP8, NVFP4: its single-device run,
+    without recompute), and every
     traced message equals report.predicted_messages (no collective sent again in backward: no all-to-all of a MoE
     block, whose routing runs once, no second amax all-reduce)."""
     results = run_ranks(_traced_cases, 2, SELECTIVE_2, timeout=300)
