@@ -160,7 +160,8 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
                               korthikanti=korthikanti_estimate(config, x, len(layer_ids), n_moe), how=how)
 
 
-def selective_blocks(config, x: memory.ActivationShape, held: dict, ep: int, slots: int = 0, copy_free: int = 0) -> tuple:
+def selective_blocks(config, x: memory.ActivationShape, held: dict, ep: int, slots: int = 0,
+                     copy_free: int = 0) -> tuple:
     """(terms, the block backward rebuilds) under selective recompute: a dense block keeps its input and its GEMM
     and collective outputs (memory.selective_block_terms); a MoE block (model.Block) its attention side's alike
     (mlp=False) and its MoE side as without recompute, ln_2's input and statistics sbh'·e_n + 2·sb'·e_n and the

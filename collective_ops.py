@@ -9,8 +9,9 @@ Wrapped as one out-of-place operator each (`collectives::all_reduce`, ...), a co
 the policy: it runs once in the forward, its output is kept (`SAVED`), and the recompute reads the kept tensor
 instead of sending anything. The layouts' autograd Functions call these in their forward where the model
 recomputes selectively (tensor_parallel.TensorParallelContext.operators, context_parallel's Ulysses
-exchange, FP8's amax MAX over tp and cp: fp8.Fp8Linear.operators); their backward collectives are no recompute and stay raw calls (`sum_raw`, `gather_raw`,
-`scatter_raw`: tensor_parallel's, and what the operators run).
+exchange, the amax MAX over tp and cp of fp8.Fp8Linear and precision_recipe.RecipeLinear); their backward
+collectives are no recompute and stay raw calls (`sum_raw`, `gather_raw`, `scatter_raw`, `max_raw`:
+tensor_parallel's, and what the operators run).
 
 Accounting (memory.py's symbols):
 1. Nothing split: each operator is the raw collective on a fresh buffer, the same bytes, the same call.

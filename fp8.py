@@ -55,7 +55,8 @@ T tensor parallel, L history length, n FP8 linears on this rank, e_c bytes of a 
    (M·(N_j + K_j) bytes) and db from I to W.
 3. Messages (all_reduce MAX, float32, on the critical path, tiny and latency-bound; `predicted_messages`):
      current:   per linear and micro-batch: forward 8 bytes ([amax_x, amax_w]), backward 4 bytes (amax_dY), over
-                cp and over tp (each when its size > 1); activation checkpointing repeats the forward's.
+                cp and over tp (each when its size > 1); activation checkpointing repeats the forward's;
+                selective recompute does not (the amax MAX an operator its policy keeps: recompute.py).
      delayed:   per optimizer step, in `after_grad_sync`: one 12·n-byte all_reduce over the linears' gradient
                 group (dp_cp; expert_dp for experts) and one over tp (each when its size > 1); the first step
                 (empty history) also sends the current recipe's messages.

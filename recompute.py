@@ -56,19 +56,29 @@ S·4h·M·e_c/T shared; its messages are those without recompute (its all-to-all
 `repeats` is 1); recomputed FLOPs as a dense block's (the attention side's; GELU is elementwise). Under ZeRO-3 the
 MoE side saves its weights, views of the block's unit (activations.zero3_saved_weights).
 
+FP8 (--fp8 current, delayed, blockwise) and the precision recipes (--precision-recipe) inside a checkpointed
+block: a quantising linear is an autograd Function whose forward the recompute runs again, so what it does once
+per forward is kept or skipped there. The amax MAX over tp and cp is `collectives::all_reduce_max`, an operator
+the policy keeps (fp8.Fp8Linear.operators, precision_recipe.RecipeLinear.operators): the recompute reads the
+forward's reduced amaxes and sends nothing (fp8.Fp8Handle's messages are those without recompute); the GEMM is
+kept (mm when emulated, `_scaled_mm` on FP8 tensor cores) and not run again; the quantising casts (elementwise)
+are recomputed from the kept or recomputed inputs, on the same amaxes, so the codes are the forward's, bit for
+bit; and a recompute records nothing (inside a backward: no amax into the step's maximum, so the delayed
+history is the forward's, no cast counted twice by the observer; SR's draws keyed by the forward's micro-batch).
+What a block keeps changes: the linears' inputs are not kept as codes (recomputed), their GEMM outputs are, in
+the GEMM's output dtype: fp32 where it is emulated (memory.ActivationShape.e_g), so on a CPU selective recompute
+under FP8 keeps MORE than FP8 without recompute (which keeps 1-byte codes); on FP8 tensor cores e_c.
+
 Which layouts it serves: DDP, ZeRO-1/2/3 (zero3.py gathers a block for its recompute as for its forward),
-pipelines, tensor parallel with and without SP, Ulysses context parallel, and MoE (EP, shared experts,
-capacity, DeepSeek-V3's router options, MoE layers by halves as above). Refused (`check_flags`), because the
-policy cannot keep what they do inside a block exactly and accounted:
-- the ring (--cp-impl ring): its attention is one autograd node whose forward interleaves point-to-point
-  transfers with block-wise compute; the transfers are in-place receives into fresh buffers that a cache cannot
-  give back, so the recompute would send the K, V blocks round the ring again. Keeping it would need the whole
-  ring forward as one operator (its observer, which times the ring's waits, is a Python object it cannot take).
-- --fp8 and --precision-recipe: the quantising casts reduce their amaxes with in-place all-reduces over tp and
-  cp, which the recompute would send again (fp8.Fp8Handle counts them twice under full recompute), the
-  delayed recipe records each forward's amax for its history, and on a GPU the FP8 GEMM is torch._scaled_mm,
-  not a saved op: the policy would recompute the GEMM and re-record the amaxes. Keeping them would need the
-  cast-and-reduce as operators the policy keeps and the scaled GEMM in SAVED_OPS.
+pipelines, tensor parallel with and without SP, Ulysses context parallel, MoE (EP, shared experts, capacity,
+DeepSeek-V3's router options, MoE layers by halves as above), FP8's three recipes and the precision recipes.
+Refused (`check_flags`), because the policy cannot keep what it does inside a block exactly and accounted:
+the ring (--cp-impl ring): its attention is one autograd node whose forward interleaves point-to-point transfers
+with block-wise compute; the transfers are in-place receives into fresh buffers that a cache cannot give back,
+so the recompute would send the K, V blocks round the ring again. Keeping it would need the whole ring forward
+as one operator (its observer, which times the ring's waits, is a Python object an operator cannot take), and
+its output and log-sum-exp kept: the recompute would then rebuild only the LayerNorm and the projections around
+it, the cache holding what a ring without recompute keeps of the attention.
 """
 
 from __future__ import annotations
@@ -86,8 +96,8 @@ import collective_ops
 MODES = ("none", "full", "selective")
 
 # The ops whose outputs a selectively recomputed block keeps: the linears' GEMMs (nn.Linear dispatches addmm
-# with a bias, mm without; FP8's _scaled_mm, or its emulation's mm) and the fused attention kernels. Not bmm: on the math path it is the core
-# attention's q·kᵀ (a·s² scores) and probabilities·v, which are recomputed.
+# with a bias, mm without; FP8's _scaled_mm, or its emulation's mm) and the fused attention kernels. Not bmm:
+# on the math path it is the core attention's q·kᵀ (a·s² scores) and probabilities·v, which are recomputed.
 # And every collective a block sends in its forward (collective_ops.SAVED: TP's g and SP's all-gather and
 # reduce-scatter, Ulysses' all-to-alls): kept, so that the recompute sends nothing.
 SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (

@@ -7,7 +7,8 @@
     python bench/bench_activations.py --preset small --layouts "MoE EP2" --seq 256 --micro 1  # 8 experts, top-2
 
 Each row composes a run from train.py's flags on 2 gloo ranks (DDP D=2, ZeRO-1 D=2, ZeRO-3 D=2, TP T=2, TP+SP, CP
-C=2 ring and Ulysses, PP P=2 1F1B, MoE of 8 experts top-2 with D=2 and EP=2), trains one step with the schedule measuring its first forward as train.py's end
+C=2 ring and Ulysses, PP P=2 1F1B, MoE of 8 experts top-2 with D=2 and EP=2, FP8 current alone and with
+EP=2), trains one step with the schedule measuring its first forward as train.py's end
 line does (memory.SavedActivations.of: saved_tensors_hooks, each storage once, parameters aside, the selective
 policy's kept outputs watched), and prints rank 0's estimate (activations.activation_estimate, less what SP's
 regather hooks hide from the measurement) and the measurement. A ratio outside 1 ± 10% prints WRONG. Selective
@@ -42,6 +43,8 @@ LAYOUTS = {
     "PP P2 1F1B": ["--pp", "2"],
     "MoE D2": ["--moe-experts", "8", "--moe-topk", "2"],  # every block MoE, top-2 of 8 (selective: by halves)
     "MoE EP2": ["--moe-experts", "8", "--moe-topk", "2", "--ep", "2"],
+    "FP8 D2": ["--fp8", "current"],  # selective keeps the GEMM outputs (fp32 where the GEMM is emulated)
+    "FP8 MoE EP2": ["--fp8", "current", "--moe-experts", "8", "--moe-topk", "2", "--ep", "2"],
 }
 TOLERANCE = 0.10
 

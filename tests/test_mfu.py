@@ -41,19 +41,23 @@ def test_hfu_of_selective_recompute_adds_the_core_attention_on_the_math_path_onl
     assert math_path.hardware - math_path.model == 4096
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])  # the fused path, the math one
-def test_selective_recompute_of_moe_blocks_reruns_the_flops_hfu_counts(dropout):
+@pytest.mark.parametrize("dropout,fp8", [(0.0, None), (0.1, None), (0.0, "current")])  # fused, math, FP8
+def test_selective_recompute_of_moe_blocks_reruns_the_flops_hfu_counts(dropout, fp8):
     """What a training step of MoE blocks under selective recompute really computes more than without recompute
     (torch's FlopCounterMode: the GEMMs and the attention kernels, recompute included) is hardware − model
-    per token: no GEMM (the attention side keeps them, the MoE side, its router and experts run once), and on the
-    math path the core attention, 4*L*H*Q*T."""
+    per token: no GEMM (the attention side keeps them, FP8's emulated one too; the MoE side, its router and
+    experts run once), and on the math path the core attention, 4*L*H*Q*T."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    import fp8 as fp8_lib
 
     counted = {}
     for selective in (False, True):
         config = model.config_from_preset("tiny", dropout=dropout, moe_experts=4, moe_shared_experts=1,
                                           selective_recompute=selective)
         gpt = model.GPT(config, seed=0, dtype=torch.float64)
+        if fp8:
+            fp8_lib.convert(gpt, fp8_lib.Recipe(fp8))
         idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
         with FlopCounterMode(display=False) as counter:
             _, loss, _ = gpt(idx, idx)
