@@ -138,7 +138,7 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
                 rebuilt[kind] = (rebuilt[kind][0], 0.0)
         recomputed = max(sum(rebuilt[kind]) for kind in held if held[kind]) - memory.block_input_bytes(x)
     elif config.selective_recompute:  # the inputs, GEMM and collective outputs stay; a MoE block by halves
-        blocks, recomputed = selective_blocks(config, x, held, ep, slots, copy_free["moe"])
+        blocks, recomputed = selective_blocks(config, x, held, ep, slots)
     else:
         each = block_bytes(x, experts)
         copies = sum((held[kind] - copy_free[kind]) * each[kind][1] for kind in held)
@@ -160,13 +160,12 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
                               korthikanti=korthikanti_estimate(config, x, len(layer_ids), n_moe), how=how)
 
 
-def selective_blocks(config, x: memory.ActivationShape, held: dict, ep: int, slots: int = 0,
-                     copy_free: int = 0) -> tuple:
+def selective_blocks(config, x: memory.ActivationShape, held: dict, ep: int, slots: int = 0) -> tuple:
     """(terms, the block backward rebuilds) under selective recompute: a dense block keeps its input and its GEMM
     and collective outputs (memory.selective_block_terms); a MoE block (model.Block) its attention side's alike
     (mlp=False) and its MoE side as without recompute, ln_2's input and statistics sbh'·e_n + 2·sb'·e_n and the
-    router's and experts' bytes with autocast's copies of their weights, less every GELU output, recomputed
-    (moe_act: R_e·4h·e_c routed, S·4h·M·e_c/T shared). SP's column layers keep their gathered input under
+    router's and experts' bytes, less every GELU output and autocast's copies of their weights, recomputed
+    (moe_act: R_e·4h·e_c routed, S·4h·M·e_c/T shared; the copies (N/E + S/T)·8h²·w: recompute.py). SP's column layers keep their gathered input under
     recompute (no regather). Under FP8 the experts' c_proj keeps its input's codes, never the GELU output, as
     without recompute (fp8_experts.py). The rebuild: a dense block, or a MoE block's attention side, less its input and
     what it reads of the cache (memory.selective_rebuild_shared)."""
@@ -181,10 +180,9 @@ def selective_blocks(config, x: memory.ActivationShape, held: dict, ep: int, slo
         n = held["moe"]
         blocks.update({f"{n} MoE attention sides' {name}": value * n
                        for name, value in memory.selective_block_terms(x, mlp=False).items()})
-        routed, copies = moe_block_bytes(config, whole, ep, slots, gelu_outputs=x.fp8)  # FP8 keeps codes instead
+        routed, _ = moe_block_bytes(config, whole, ep, slots, gelu_outputs=x.fp8)  # FP8 keeps codes instead
         blocks[f"{n} MoE sides (ln_2, router, experts; GELU outputs recomputed)"] = n * (every["layernorms"] / 2
                                                                                          + routed)
-        blocks["autocast weight copies"] = (n - copy_free) * copies  # none where a precision recipe quantises
         rebuilt.append(terms["layernorms"] / 2 + terms["attention"] + terms["attention weight copies"]
                        - memory.selective_rebuild_shared(x, mlp=False))
     return blocks, max(rebuilt) - memory.block_input_bytes(x)

@@ -142,18 +142,22 @@ class SelectiveRecompute:
         backward gets GELU(input) again, from the input the GELU saved itself (autograd's _saved_self, c_fc's
         output, kept anyway): 4h·e_c bytes fewer per expert row, one elementwise op more, no message. Every other
         tensor is saved as it would be, seen by the watchers (these hooks hide it from an outer saved_tensors_hooks).
-        A view of the output (a 3-D input's linear saves it 2-D) comes back as the same view of the new one."""
+        Autocast's copy of a weight that a linear saves is not kept either: its backward casts the parameter
+        again (as the attention side's policy recomputes its copies), 8h²·e_c per expert the rank holds. A view
+        (a 3-D input's linear saves it 2-D, a weight transposed) comes back as the same view of the new tensor."""
         def pack(tensor):
             source = tensor if tensor._base is None else tensor._base
-            if type(source.grad_fn).__name__ == "GeluBackward0":
-                return _GeluOutput(source.grad_fn._saved_self, source.grad_fn._saved_approximate, tensor.size(),
-                                   tensor.stride(), tensor.storage_offset())
+            node, view = source.grad_fn, (tensor.size(), tensor.stride(), tensor.storage_offset())
+            if type(node).__name__ == "GeluBackward0":
+                return _Recomputed(F.gelu, node._saved_self, dict(approximate=node._saved_approximate), *view)
+            parameter = getattr(node.next_functions[0][0], "variable", None) if node is not None else None
+            if type(node).__name__ == "ToCopyBackward0" and isinstance(parameter, torch.nn.Parameter):
+                return _Recomputed(torch.Tensor.to, parameter, dict(dtype=source.dtype), *view)
             return tensor, [watch(tensor) for watch in self.watchers]
 
         def unpack(packed):
-            if isinstance(packed, _GeluOutput):
-                return F.gelu(packed.input, approximate=packed.approximate).as_strided(packed.size, packed.stride,
-                                                                                         packed.offset)
+            if isinstance(packed, _Recomputed):
+                return packed.fn(packed.input, **packed.kwargs).as_strided(packed.size, packed.stride, packed.offset)
             return packed[0]
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -169,11 +173,12 @@ class SelectiveRecompute:
             self.watchers.remove(callback)
 
 
-class _GeluOutput(NamedTuple):
-    """What activations_recomputed keeps of a GELU's output: its input and the view to give back."""
+class _Recomputed(NamedTuple):
+    """What activations_recomputed keeps of a tensor it recomputes: fn(input, **kwargs), and the view to give."""
 
+    fn: object
     input: torch.Tensor
-    approximate: str
+    kwargs: dict
     size: torch.Size
     stride: tuple
     offset: int
