@@ -161,14 +161,14 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
 
 
 def selective_blocks(config, x: memory.ActivationShape, held: dict, ep: int, slots: int = 0) -> tuple:
-    """(terms, the block backward rebuilds) under selective recompute: a dense block keeps its input and its GEMM
-    and collective outputs (memory.selective_block_terms); a MoE block (model.Block) its attention side's alike
+    """(terms, the block backward rebuilds) under selective recompute: a dense block keeps its input and its GEMM and
+    collective outputs (memory.selective_block_terms); a MoE block (model.Block) its attention side's alike
     (mlp=False) and its MoE side as without recompute, ln_2's input and statistics sbh'·e_n + 2·sb'·e_n and the
-    router's and experts' bytes, less every GELU output and autocast's copies of their weights, recomputed
-    (moe_act: R_e·4h·e_c routed, S·4h·M·e_c/T shared; the copies (N/E + S/T)·8h²·w: recompute.py). SP's column layers keep their gathered input under
-    recompute (no regather). Under FP8 the experts' c_proj keeps its input's codes, never the GELU output, as
-    without recompute (fp8_experts.py). The rebuild: a dense block, or a MoE block's attention side, less its input and
-    what it reads of the cache (memory.selective_rebuild_shared)."""
+    router's and experts' bytes, less every GELU output and autocast's copies of their weights, recomputed (moe_act:
+    R_e·4h·e_c routed, S·4h·M·e_c/T shared; the copies (N/E + S/T)·8h²·w: recompute.py). SP's column layers keep
+    their gathered input under recompute (no regather). Under FP8 the experts' c_proj keeps its input's codes, never
+    the GELU output, as without recompute (fp8_experts.py). The rebuild: a dense block, or a MoE block's attention
+    side, less its input and what it reads of the cache (memory.selective_rebuild_shared)."""
     whole = replace(x, regather=False)  # SP's column layers keep their gathered input (the cache's, or saved)
     terms, every = memory.layer_activation_terms(whole), memory.layer_activation_terms(x)
     blocks, rebuilt = {}, []

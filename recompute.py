@@ -38,24 +38,25 @@ tensor-parallel size, s = s/C under context parallel):
    (TP's forked generator included: tensor_parallel.TensorParallelRNG).
 
 A MoE block (model.Block) recomputes by halves, as Megatron-LM's `--recompute-granularity selective` with its
-moe_act module (core_attn, moe_act; not `moe`, which recomputes the whole layer, dispatch included): its
-attention side, x + attn(ln_1(x)), is one checkpoint under this policy; its MoE side, ln_2, the router, the
-dispatch with its all-to-alls, the experts and the combine, runs once, outside any checkpoint, so the routing
-never runs again, nothing is sent twice and the load counters count each slot once (a recompute would not
-count anyway: moe_router.is_training_forward). Inside it only local elementwise work is recomputed
-(`activations_recomputed`): a GELU's output that c_proj saves is replaced by GELU(c_fc's output), which the GELU
-keeps as its input anyway (Megatron's CheckpointWithoutOutput around the activation does the same: discard the
-output, recompute it when fc2's backward needs it), and autocast's copy of a weight by a cast of the parameter
-(as this policy recomputes the attention side's copies; Megatron keeps bf16 weights and has none). Why not the whole MoE block in one checkpoint: the dispatch's
-all_to_all_single calls take split sizes read on the host (`.tolist()`) into buffers sized by them, in-place
-receives a cache cannot give back, and the router's top-k would run again; and keeping the MoE side's other
-tensors (its rows, ln_2's output, which the router saves) is what a run without recompute keeps.
+moe_act module (core_attn, moe_act; not `moe`, which recomputes the whole layer, dispatch included): its attention
+side, x + attn(ln_1(x)), is one checkpoint under this policy; its MoE side, ln_2, the router, the dispatch with its
+all-to-alls, the experts and the combine, runs once, outside any checkpoint, so the routing never runs again,
+nothing is sent twice and the load counters count each slot once (a recompute would not count anyway:
+moe_router.is_training_forward). Inside it only local elementwise work is recomputed (`activations_recomputed`): a
+GELU's output that c_proj saves is replaced by GELU(c_fc's output), which the GELU keeps as its input anyway
+(Megatron's CheckpointWithoutOutput around the activation does the same: discard the output, recompute it when
+fc2's backward needs it), and autocast's copy of a weight by a cast of the parameter (as this policy recomputes the
+attention side's copies; Megatron keeps bf16 weights and has none). Why not the whole MoE block in one checkpoint:
+the dispatch's all_to_all_single calls take split sizes read on the host (`.tolist()`) into buffers sized by them,
+in-place receives a cache cannot give back, and the router's top-k would run again; and keeping the MoE side's
+other tensors (its rows, ln_2's output, which the router saves) is what a run without recompute keeps.
 Accounting of a MoE block (activations.selective_blocks): its attention side's input, GEMM outputs (3/T + 1) and
 collectives' (memory.selective_block_terms with mlp=False), ln_2's input and statistics, and the MoE side's terms
 (moe_accounting.layer_activation_bytes, moe_shared.saved_bytes) less every GELU output, R_e·4h·e_c routed and
-S·4h·M·e_c/T shared, and less the experts' weight copies, (N/E + S/T)·8h²·e_c under autocast; its messages are those without recompute (its all-to-alls once: moe_accounting's
-`repeats` is 1); recomputed FLOPs as a dense block's (the attention side's; GELU is elementwise). Under ZeRO-3 the
-MoE side saves its weights, views of the block's unit (activations.zero3_saved_weights).
+S·4h·M·e_c/T shared, and less the experts' weight copies, (N/E + S/T)·8h²·e_c under autocast; its messages are
+those without recompute (its all-to-alls once: moe_accounting's `repeats` is 1); recomputed FLOPs as a dense
+block's (the attention side's; GELU is elementwise). Under ZeRO-3 the MoE side saves its weights, views of the
+block's unit (activations.zero3_saved_weights).
 
 FP8 (--fp8 current, delayed, blockwise) and the precision recipes (--precision-recipe) inside a checkpointed
 block: a quantising linear is an autograd Function whose forward the recompute runs again, so what it does once
