@@ -314,11 +314,15 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute is not None and self.training and torch.is_grad_enabled():
-            x = checkpoint(self.attention_side, x, use_reentrant=False, context_fn=self.recompute.contexts)
-            with self.recompute.activations_recomputed():
-                return x + self.mlp(self.ln_2(x))
+            return self.forward_by_halves(x)
         x = self.attention_side(x)
         return x + self.mlp(self.ln_2(x))
+
+    @torch.compiler.disable  # eager under --compile: dynamo takes no policy object as checkpoint's context_fn
+    def forward_by_halves(self, x: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(self.attention_side, x, use_reentrant=False, context_fn=self.recompute.contexts)
+        with self.recompute.activations_recomputed():
+            return x + self.mlp(self.ln_2(x))
 
     def attention_side(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.attn(self.ln_1(x))

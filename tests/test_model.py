@@ -153,6 +153,23 @@ def test_selective_recompute_of_a_moe_block_under_autocast_gives_the_same_gradie
     assert saved_bytes < plain_bytes - copies, (plain_bytes, saved_bytes)
 
 
+def test_selective_recompute_of_a_moe_block_runs_under_per_block_compile():
+    """compile_blocks (dynamo, eager backend: the graph capture, not inductor's kernels) around a MoE block under
+    selective recompute: its halves run eagerly (Block.forward_by_halves), the gradients are the plain model's."""
+    grads = []
+    for selective in (False, True):
+        model = GPT(tiny(moe_experts=4, moe_shared_experts=1, selective_recompute=selective), seed=2,
+                    dtype=torch.float64)
+        if selective:
+            compile_blocks(model, backend="eager")
+        idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+        _, loss_sum, count = model(idx, idx.roll(1, 1))
+        (loss_sum / count + model.aux_losses.weighted_sum()).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("flags,flag", [(["--cp", "2"], "--cp-impl ring")])  # the one layout refused
 def test_selective_recompute_refuses_the_layouts_it_cannot_serve(flags, flag):
     import flags as flags_lib
