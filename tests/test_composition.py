@@ -227,6 +227,8 @@ SELECTIVE_2 = [
       *SELECTIVE], dict(selective_recompute=True), 2, 1),  # capacity decided on the whole micro-batch
     (["--zero", "3", "--moe-experts", "4", "--ep", "2", "--moe-every", "2", *AUX, *SELECTIVE],
      dict(selective_recompute=True), 4, 1),  # the attention side's recompute reads the unit gathered for backward
+]
+SELECTIVE_QUANTISED_2 = [
     # FP8: the amax MAX over tp (and cp) an operator the policy keeps (collective_ops), the GEMM output kept;
     # the recompute records no amax (delayed: the history is the forward's) and sends nothing
     (["--fp8", "current", "--tp", "2", "--moe-experts", "4", *AUX, *SELECTIVE], dict(selective_recompute=True), 4,
@@ -239,15 +241,9 @@ SELECTIVE_2 = [
 ]
 
 
-@pytest.mark.slow
-def test_selective_recompute_composes_and_traces_as_predicted():
-    """TP, TP + SP, Ulysses, MoE (EP, TP + SP, ZeRO-3), FP8 (its three recipes) and NVFP4 under selective
-    recompute: float64 updates equal the plain single-device model's (1e-10; FP8, NVFP4: its single-device run,
-    without recompute), and every
-    traced message equals report.predicted_messages (no collective sent again in backward: no all-to-all of a MoE
-    block, whose routing runs once, no second amax all-reduce)."""
-    results = run_ranks(_traced_cases, 2, SELECTIVE_2, timeout=300)
-    for index, (flags, config_kw, global_batch, micro) in enumerate(SELECTIVE_2):
+def _check_selective(cases):
+    results = run_ranks(_traced_cases, 2, cases, timeout=300)
+    for index, (flags, config_kw, global_batch, micro) in enumerate(cases):
         per_rank = [rank_results[index] for rank_results in results]
         plain = {k: v for k, v in config_kw.items() if k != "selective_recompute"}
         _check(per_rank, flags, plain, global_batch, micro)
@@ -255,6 +251,22 @@ def test_selective_recompute_composes_and_traces_as_predicted():
             assert set(traced) == set(predicted), (flags, rank, set(traced) ^ set(predicted))
             for key, (calls, payload) in predicted.items():
                 assert traced[key] == pytest.approx((calls, payload), abs=1e-9), (flags, rank, key, traced[key])
+
+
+@pytest.mark.slow
+def test_selective_recompute_composes_and_traces_as_predicted():
+    """TP, TP + SP, Ulysses and MoE (EP, TP + SP, ZeRO-3) under selective recompute: float64 updates equal the
+    plain single-device model's (1e-10), and every traced message equals report.predicted_messages (no collective
+    sent again in backward: no all-to-all of a MoE block, whose routing runs once)."""
+    _check_selective(SELECTIVE_2)
+
+
+@pytest.mark.slow
+def test_selective_recompute_with_fp8_and_a_precision_recipe_composes_and_traces_as_predicted():
+    """FP8 (its three recipes) and NVFP4 under selective recompute: float64 updates equal the single device's
+    run of the same recipe without recompute (1e-10), and every traced message equals the prediction (no second
+    amax all-reduce: the recompute reads the kept one)."""
+    _check_selective(SELECTIVE_QUANTISED_2)
 
 
 # Resharding: (the mesh that saves after SAVE_AT steps, the mesh that resumes and trains to the end).
