@@ -65,7 +65,8 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
        backward  all_to_all_single  combine's reverse S·h·e_c  +  metadata's R·2k·e_r  +  rows' reverse R·h·e_c
    Uniform routing: 7 calls, S = R = T·ρ (moe_router.rows_per_token: ranks a token reaches, ≤ k), (E−1)/E of
    it on the wire; with capacity S ≤ the kept slots, min(T·k, N·C_μ)
-   (uniformly N·C_μ/(C·T_sp)); activation checkpointing repeats the 4 forward calls. With CP/SP, per MoE layer
+   (uniformly N·C_μ/(C·T_sp)); activation checkpointing repeats the 4 forward calls (selective recompute does not:
+   a MoE block's MoE side runs once, model.Block). With CP/SP, per MoE layer
    and forward: one all_reduce of (2N+2) e_r values on cp (and tp) and, with capacity, one all_gather_single of
    the choices (its output: B_μ·s·k·e_i on cp, B_μ·(s/C)·k·e_i on tp). Per step: the gradients over
    expert_dp and dp×cp (the layout), with --sp one all_reduce of the experts' and router's over tp.

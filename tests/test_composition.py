@@ -227,6 +227,7 @@ SELECTIVE_2 = [
       *SELECTIVE], dict(selective_recompute=True), 2, 1),  # capacity decided on the whole micro-batch
     (["--zero", "3", "--moe-experts", "4", "--ep", "2", "--moe-every", "2", *AUX, *SELECTIVE],
      dict(selective_recompute=True), 4, 1),  # the attention side's recompute reads the unit gathered for backward
+    (["--pp", "2", "--moe-experts", "4", *AUX, *SELECTIVE], dict(n_layer=2, selective_recompute=True), 4, 1),
 ]
 SELECTIVE_QUANTISED_2 = [
     # FP8: the amax MAX over tp (and cp) an operator the policy keeps (collective_ops), the GEMM output kept;
@@ -235,6 +236,7 @@ SELECTIVE_QUANTISED_2 = [
      1),
     (["--fp8", "delayed", "--tp", "2", "--sp", *SELECTIVE], dict(selective_recompute=True), 4, 1),
     (["--fp8", "blockwise", *SELECTIVE], dict(selective_recompute=True), 4, 1),
+    (["--fp8", "current", "--zero", "3", *SELECTIVE], dict(selective_recompute=True), 8, 1),  # E4M3 gathers
     # a precision recipe alike: NVFP4's tensor amax MAX over tp kept, SR's draws keyed by the forward's micro-batch
     (["--precision-recipe", "nvfp4,tail=0", "--tp", "2", *SELECTIVE], dict(n_embd=64, selective_recompute=True), 4,
      2),
@@ -255,7 +257,7 @@ def _check_selective(cases):
 
 @pytest.mark.slow
 def test_selective_recompute_composes_and_traces_as_predicted():
-    """TP, TP + SP, Ulysses and MoE (EP, TP + SP, ZeRO-3) under selective recompute: float64 updates equal the
+    """TP, TP + SP, Ulysses and MoE (EP, TP + SP, ZeRO-3, PP) under selective recompute: float64 updates equal the
     plain single-device model's (1e-10), and every traced message equals report.predicted_messages (no collective
     sent again in backward: no all-to-all of a MoE block, whose routing runs once)."""
     _check_selective(SELECTIVE_2)
