@@ -234,6 +234,7 @@ SEARCHED = [  # layouts the search enumerates, on 8 ranks
     (["--tp", "2", "--sp", "--activation-checkpointing", "selective"], 8, 1),
     (["--pp", "2", "--tp", "2", "--sp", "--zero", "1", "--pp-schedule", "interleaved", "--n-layer", "4"], 8, 1),
     (["--cp", "2"], 8, 1), (["--cp", "2", "--tp", "2", "--sp", "--zero", "3"], 8, 2),
+    (["--cp", "2", "--tp", "2", "--sp", "--dtype", "bf16"], 8, 1),  # the ring's [K; V] in e_c, [dK; dV] in fp32
     (["--moe-experts", "4", "--ep", "2"], 8, 1), (["--moe-experts", "4", "--ep", "4", "--zero", "2"], 16, 2),
     (["--moe-experts", "4", "--moe-every", "2", "--ep", "2", "--cp", "2", "--zero", "3"], 8, 1),
     (["--moe-experts", "4", "--ep", "2", "--tp", "2", "--sp", "--zero", "1", "--pp", "2"], 8, 1),
