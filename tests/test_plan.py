@@ -249,6 +249,12 @@ SEARCHED = [  # layouts the search enumerates, on 8 ranks
     (["--moe-experts", "4", "--ep", "4", "--moe-replicas", "8", "--zero", "3", "--moe-replan-every", "4"], 16, 2),
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--tp", "2", "--sp", "--zero", "1", "--pp", "2",
       "--moe-score", "sigmoid", "--moe-bias-rate", "1e-3"], 8, 1),  # the loads in the router's call, dp×cp and tp
+    (["--fp8", "current", "--zero", "3"], 16, 1),  # FP8 weights gathered as E4M3 codes, units of their own
+    (["--fp8", "current", "--pp", "2", "--pp-schedule", "1f1b", "--n-layer", "4", "--zero", "3"], 8, 1),
+    (["--fp8", "current", "--zero", "3", "--tp", "2", "--sp", "--cp", "2"], 8, 2),  # the scales' MAX over cp, tp
+    (["--fp8", "delayed", "--pp", "2", "--pp-schedule", "interleaved", "--n-layer", "4", "--zero", "2"], 16, 2),
+    (["--fp8", "delayed", "--moe-experts", "4", "--ep", "2", "--moe-shared-experts", "1", "--pp", "2", "--n-layer",
+      "4", "--zero", "3"], 8, 1),  # the experts' codes and histories over expert_dp
 ]
 
 
