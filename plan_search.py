@@ -8,7 +8,7 @@ the start-up prints (memory.persistent_bytes per data-parallel group, zero.ZeroL
 `grad_sync_messages` and `_formula_temporaries` count them, under a pipeline zero_pipeline.py's units per chunk
 (`chunk_units`, `_formula_zero_pipeline`: the action list's gathers and transient by zero_pipeline's own functions),
 DiLoCo's outer state and Δ all-reduce (`_formula_diloco`), --fp8's amax all-reduces (`_formula_fp8`) and, under
-ZeRO-3, its weights gathered as E4M3 codes in units of their own with each gather's scale agreement (`fp8_weights`,
+ZeRO-3, its weights gathered as E4M3 codes in units of their own with each gather's scale agreement (memory.fp8_weights,
 `codec_messages`; a precision recipe's NVFP4 gather codec is not written), tensor_parallel.step_messages,
 context_parallel.layer_messages, moe_accounting.step_messages, activations.estimate_of, schedules.bubble_formula and
 p2p_counts, mfu.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
@@ -78,7 +78,7 @@ def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0, fp8: 
     (the SP gradient sum's), "moe_replicated" the routers' and this rank's experts (MoE's own SP sum,
     moe_accounting.step_messages). "runs": (group, elements) in registration order, adjacent tensors of one group
     together (a bucket or ZeRO unit never spans two groups). slots: R with --moe-replicas (R/E experts a block).
-    fp8: "fp8_blocks", each held block's FP8 weights per group (`fp8_weights`: ZeRO-3's units of codes)."""
+    fp8: "fp8_blocks", each held block's FP8 weights per group (memory.fp8_weights: ZeRO-3's units of codes)."""
     layer_ids, embedding, head = stage_holding(config, shape.pp, v, p)
 
     def held(layers, embedding: bool = False, head: bool = False) -> dict:
@@ -96,7 +96,7 @@ def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0, fp8: 
         runs += [["expert_dp", block["expert_dp"]], ["dp_cp", 0]] if block["expert_dp"] else []
     runs[-1][1] += last
     local = {"dp_cp": whole["dp_cp"], "expert_dp": whole["expert_dp"]}
-    fp8_blocks = {group: [fp8_weights(config, shape.tp, shape.ep, [layer], slots)[group] for layer in layer_ids]
+    fp8_blocks = {group: [memory.fp8_weights(config, shape.tp, shape.ep, [layer], slots)[group] for layer in layer_ids]
                   for group in local} if fp8 else None
     return dict(layer_ids=layer_ids, fp8_blocks=fp8_blocks, embedding=embedding, head=head, layers=len(layer_ids),
                 blocks=blocks, root=first + last, local=local, total=whole["per_rank"], runs=[r for r in runs if r[1]],
@@ -161,7 +161,7 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     chunks = activations.pipeline_chunks(config.n_layer, shape.pp, s.v, p) if shape.pp > 1 else None
     slots = settings.args.moe_replicas
     gathered = (activations.zero3_saved_weights(config, x, s.held["layer_ids"], ends, shape.ep, shape.dp * shape.cp,
-                                                chunks, slots) if settings.args.zero == 3 else {})
+                                                chunks, slots, s.fp8 is not None) if settings.args.zero == 3 else {})
     return Role(rank=rank, coords=shape.coords(rank), local_params=s.held["total"], logical={},
                 persistent=persistent,
                 activations=activations.estimate_of(config, x, s.held["layer_ids"], ends, shape.ep, flight, gathered,
@@ -212,7 +212,7 @@ def chunk_units(s: _Stage) -> dict:
     for chunk, (layers, embedding, head) in zip(schedules.rank_chunks(s.p, shape.pp, s.v),
                                                  activations.pipeline_chunks(config.n_layer, shape.pp, s.v, s.p)):
         counts = memory.param_counts(config, shape.tp, shape.ep, layers, embedding, head, slots)
-        fp8 = fp8_weights(config, shape.tp, shape.ep, layers, slots) if s.fp8 else {}
+        fp8 = memory.fp8_weights(config, shape.tp, shape.ep, layers, slots) if s.fp8 else {}
         (dense, dense_w), (experts, experts_w) = fp8.get("dp_cp", (0, 0)), fp8.get("expert_dp", (0, 0))
         units = [("dp_cp", counts["dp_cp"] - tied * (embedding + head) - dense, 0), ("dp_cp", dense, dense_w),
                  ("expert_dp", counts["expert_dp"] - experts, 0), ("expert_dp", experts, experts_w),
@@ -230,21 +230,6 @@ def codec_messages(s: _Stage, group: str, weights: int) -> Messages:
     for name in ([group] if s.sizes[group] > 1 else []) + amax_groups:
         out.add("all_reduce", name, 1, 4 * weights)
     return out
-
-
-def fp8_weights(config, tp: int, ep: int, layers, slots: int = 0) -> dict:
-    """{group: (elements, tensors)} of the FP8 linears' weights (fp8.convert: every block nn.Linear but the router)
-    in `layers`, which ZeRO-3 gathers as E4M3 codes in units of their own (zero3.by_group_and_codec): dp_cp,
-    attention's c_attn 3h²/T and c_proj h²/T, the MLP's c_fc and c_proj 4h²/T each (a MoE block: its S shared
-    experts', 8S·h²/T as two linears); expert_dp, each held routed expert's two, 8h² (N/E, or R/E slots, a block)."""
-    h, shared, held = config.n_embd, config.moe_shared_experts, (slots or config.moe_experts) // ep
-    dense, experts = [0, 0], [0, 0]
-    for layer in layers:
-        moe = config.is_moe_layer(layer)
-        mlp = (8 * shared * h * h // tp, 2 * bool(shared)) if moe else (8 * h * h // tp, 2)
-        dense = [dense[0] + 4 * h * h // tp + mlp[0], dense[1] + 2 + mlp[1]]
-        experts = [experts[0] + moe * held * 8 * h * h, experts[1] + moe * 2 * held]
-    return {"dp_cp": tuple(dense), "expert_dp": tuple(experts)}
 
 
 def _formula_zero_pipeline(s: _Stage, program: list) -> tuple:
@@ -327,7 +312,7 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
 
 
 def _formula_fp8(s: _Stage) -> Messages:
-    """fp8.Fp8Handle.predicted_messages from the held linears' counts (`fp8_weights`' tensors): current, per
+    """fp8.Fp8Handle.predicted_messages from the held linears' counts (memory.fp8_weights' tensors): current, per
     dense linear and micro-batch over cp and tp a forward MAX all_reduce of 8 bytes (twice under activation
     checkpointing) and a backward one of 4; delayed, per step 12 bytes a linear over its gradient group and tp, in one
     call per set of groups (the dense linears' dp_cp, the routed experts' expert_dp; each of size > 1)."""
