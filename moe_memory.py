@@ -77,8 +77,12 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    GEMM, where a CPU's emulation peaks (its fp32 operands and product: 52,648 bytes measured against P2's
    31,932 in the first test case; _scaled_mm's on a GPU not measured), the step's first forward making the
    weight codes (N/E·8h² bytes and scalars, kept to the step's end), the backward under FP8, and E > 1 (the
-   table there is the unquantised one). Nor a precision recipe's (recipe_experts.py): its emulation's fp32
-   quantisation temporaries, and the weight copies it does not make.
+   table there is the unquantised one). A precision recipe (recipe_experts.py, `recipe`): its linears save the
+   weight parameter itself, so the table drops autocast's copies (the shared experts' too) and its saved bytes and
+   P1, P2 are measured equal (nvfp4 with and without autocast, mxfp8 under autocast; with the copies, 30,668
+   saved predicted against 14,284 measured); not written: the emulation's fake-quantisation temporaries, where its
+   CPU forward peaks (38,312 measured against P2's 26,780, nvfp4 in fp32), a recipe's tail layers (which keep
+   autocast's copies: the plan's table is the quantised layers'), and its backward.
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
 
@@ -126,6 +130,7 @@ class DispatchShape:
     slots: int = 0  # R_p physical expert slots with --moe-replicas (eplb.py); 0: the N experts in place
     expert_rows: float = 0  # R_e: E > 1, the slots this rank's experts run (the fan-out, moe_dispatch.py)
     fp8: tuple | None = None  # --fp8 (fp8_experts.py), E = 1: (P padded rows, c chunks run, e_s an inverse scale's)
+    recipe: bool = False  # a precision recipe's linears on the experts (recipe_experts.py): no autocast weight copies
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,8 @@ def terms(x: DispatchShape) -> list:
     slots = x.slots or N  # what the dispatch sorts by: experts, or with replicas their physical slots
     sigmoid, cast_y = x.score == "sigmoid", (e_w if E == 1 else e_c) != e_x  # E > 1: y sums e_c rows
     cast_rows = e_c != e_x  # autocast's rows from a wider input (without autocast e_c is the input's)
-    copies = slots // E * e_c if e_c != x.weight_bytes else 0  # autocast casts each held expert's weights once
+    copies = slots // E * e_c if e_c != x.weight_bytes and not x.recipe else 0  # autocast casts each held expert's
+    # weights once (a precision recipe's linears quantise the weight parameter itself)
     end = END  # alive to the forward's end (P0 comes before the dispatch)
     y_alive = ("2" if E == 1 else "6") + "4" + ("" if cast_y else "5" if Q else "3")  # y, until cast or added to
     out = [("router logits, scores [T, N]", 2 * T * N * e_r, True, "0" + end),
@@ -367,7 +373,8 @@ def shape_of(traffic: moe_accounting.Traffic, x, routing: str = "uniform") -> Di
                          e_c=x.e_c, e_r=traffic.router_bytes, e_x=x.e_n, weight_bytes=x.e_r,
                          expert_params=8 * h * h + 5 * h * int(config.bias),
                          dropout_mask=x.mask(x.e_n) if x.dropout else None, score=config.moe_score,
-                         shared=config.moe_shared_experts, slots=traffic.slots, expert_rows=expert_rows, fp8=fp8)
+                         shared=config.moe_shared_experts, slots=traffic.slots, expert_rows=expert_rows, fp8=fp8,
+                         recipe=traffic.recipe_experts)
 
 
 @dataclass(frozen=True)
