@@ -18,8 +18,7 @@ re-plan windows. R itself is not searched: at the uniform load the time model as
 messages and balance nothing. Building a role on meta takes about a second for a large model, too slow for
 thousands of layouts; tests/test_plan.py checks that these figures equal --plan's built ones (dense, CP, EP and
 replicas layouts, ZeRO-2/3 under 1F1B and interleaving, FP8 under ZeRO-2/3 with and without a pipeline, DiLoCo).
-Not written: --fp8 delayed with --moe-replicas: two slots of one expert on a rank are one entry of the FP8 handle's
-linears (keyed by the global name), whose step all-reduce then carries fewer rows than the slots this counts.
+--fp8 delayed with --moe-replicas is refused (fp8.config_from_flags); under current the slots reduce no amax.
 
 Accounting for this file: it allocates nothing and sends nothing (shapes and formulas only).
 """
