@@ -31,8 +31,9 @@ tolerance, not exactly. Delayed: a history per expert linear, its MAX over exper
 chunk's own 128-tiles. With --moe-replicas (eplb.py) each physical slot is its own FP8 linear, named by its
 slot's path (two slots on a rank may hold one logical expert), E·k/R of the rows; an expert's chunk is split
 over its replicas, each part scaled alone (FP8's tolerance, as under CP); delayed is refused there (one
-expert's history would need a MAX over all its slots, on other ep ranks too, and to move with them). Padding costs Σ_chunks (−m mod 16) rows, each 5h FP8 bytes of saved inputs (c_fc's h,
-c_proj's 4h) and 5h more of dY codes in backward (`padding_bytes`; measured per MoE layer at the end).
+expert's history would need a MAX over all its slots, on other ep ranks too, and to move with them).
+Padding costs Σ_chunks (−m mod 16) rows, each 5h FP8 bytes of saved inputs (c_fc's h, c_proj's 4h) and 5h more
+of dY codes in backward (`padding_bytes`; measured per MoE layer at the end).
 
 One logical tensor, one scale, on any mesh: the ranks holding pieces of a tensor (TP shards of a weight, an
 activation or its gradient; CP pieces of a sequence) MAX-reduce its amax before quantising, so every element is

@@ -9,7 +9,8 @@ the start-up prints (memory.persistent_bytes per data-parallel group, zero.ZeroL
 (`chunk_units`, `_formula_zero_pipeline`: the action list's gathers and transient by zero_pipeline's own functions),
 DiLoCo's outer state and Δ all-reduce (`_formula_diloco`), --fp8's amax all-reduces (`_formula_fp8`) and, under
 ZeRO-3, its weights gathered as E4M3 codes in units of their own with each gather's scale agreement (memory.fp8_weights,
-`codec_messages`; a precision recipe's NVFP4 gather codec is not written), tensor_parallel.step_messages,
+`codec_messages`; a precision recipe's NVFP4 weights likewise as E2M1 codes with their tiles' amaxes, `codec_weights`),
+tensor_parallel.step_messages,
 context_parallel.layer_messages, moe_accounting.step_messages, activations.estimate_of, schedules.bubble_formula and
 p2p_counts, mfu.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
 ranks by step time and prints the best ten with the term that limits each. --moe-replicas R is kept as given
@@ -41,6 +42,7 @@ import mfu
 import moe_accounting
 import moe_memory
 import moe_router
+import precision_recipe
 import recompute
 import report_axes
 import schedules
@@ -70,14 +72,15 @@ def stage_holding(config, P: int, v: int, p: int) -> tuple:
     return layer_ids, 0 in chunks, P * v - 1 in chunks
 
 
-def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0, fp8: bool = False) -> dict:
+def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0, codes=None) -> dict:
     """pp rank p's parameters by the shapes (memory.param_counts of what it holds, T and E as the shape says),
     per data-parallel group ("dp_cp": dense, "expert_dp": experts): "blocks" each held block's, "root" the
     embedding's (first chunk) and ln_f's and the head's tied copy (last chunk), "replicated" what TP replicates
     (the SP gradient sum's), "moe_replicated" the routers' and this rank's experts (MoE's own SP sum,
     moe_accounting.step_messages). "runs": (group, elements) in registration order, adjacent tensors of one group
     together (a bucket or ZeRO unit never spans two groups). slots: R with --moe-replicas (R/E experts a block).
-    fp8: "fp8_blocks", each held block's FP8 weights per group (memory.fp8_weights: ZeRO-3's units of codes)."""
+    codes: `codec_weights`' settings (None: no gather codec): "codec_blocks", each held block's weights ZeRO-3
+    gathers as codes, (elements, tensors) per group (under --fp8 also the FP8 linears _formula_fp8 counts)."""
     layer_ids, embedding, head = stage_holding(config, shape.pp, v, p)
 
     def held(layers, embedding: bool = False, head: bool = False) -> dict:
@@ -95,9 +98,9 @@ def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0, fp8: 
         runs += [["expert_dp", block["expert_dp"]], ["dp_cp", 0]] if block["expert_dp"] else []
     runs[-1][1] += last
     local = {"dp_cp": whole["dp_cp"], "expert_dp": whole["expert_dp"]}
-    fp8_blocks = {group: [memory.fp8_weights(config, shape.tp, shape.ep, [layer], slots)[group] for layer in layer_ids]
-                  for group in local} if fp8 else None
-    return dict(layer_ids=layer_ids, fp8_blocks=fp8_blocks, embedding=embedding, head=head, layers=len(layer_ids),
+    codec_blocks = {group: [codec_weights(codes, [layer])[group] for layer in layer_ids]
+                    for group in local} if codes is not None else None
+    return dict(layer_ids=layer_ids, codec_blocks=codec_blocks, embedding=embedding, head=head, layers=len(layer_ids),
                 blocks=blocks, root=first + last, local=local, total=whole["per_rank"], runs=[r for r in runs if r[1]],
                 replicated=whole["replicated"], moe_replicated=whole["router"] + whole["expert_dp"],
                 block=max((sum(x) for x in zip(*blocks.values())), default=0))
@@ -120,6 +123,7 @@ class _Stage:
     b_g: int  # of a held gradient: ZeRO with m > 1 sums the micro-batches in the master dtype
     b_r: int  # of what the gradient reduction sends
     fp8: str | None = None  # --fp8: its linears' weights are units of their own under ZeRO-3 (ZeRO-2/3 × PP)
+    codec: str | None = None  # ZeRO-3's gather codec: "e4m3" (--fp8 current, delayed), "nvfp4" (a recipe's)
 
 
 def _stage_of(settings, p: int) -> _Stage:
@@ -131,11 +135,53 @@ def _stage_of(settings, p: int) -> _Stage:
     b_g = b_w if m == 1 or stage == 0 else b_m
     summed_once = stage == 1 or stage >= 2 and shape.pp > 1  # zero_pipeline.py sends the step's sum, once
     D = shape.replica_dp  # DiLoCo: the layout's groups stay inside a replica of D/R data ranks
-    codec = args.fp8 in ("current", "delayed")  # blockwise: no gather codec (fp8.ZeroWeightCodec)
-    return _Stage(settings, p, v, held=stage_params(settings.model, shape, v, p, args.moe_replicas, codec),
+    codec = gather_codec(settings)
+    return _Stage(settings, p, v, held=stage_params(settings.model, shape, v, p, args.moe_replicas,
+                                                    settings if codec else None),
                   sizes={"dp_cp": D * C, "expert_dp": D * C // shape.ep}, compute=compute, param=param,
                   b_w=b_w, b_c=compute.itemsize, b_m=b_m, b_g=b_g, b_r=b_g if summed_once else b_w,
-                  fp8=args.fp8 if codec else None)
+                  fp8=args.fp8 if codec == "e4m3" else None, codec=codec)
+
+
+def gather_codec(settings) -> str | None:
+    """ZeRO-3's gather codec of the block linears' weights: "e4m3" under --fp8 current or delayed
+    (fp8.ZeroWeightCodec; blockwise has none), "nvfp4" under a precision recipe whose one 16×16 NVFP4 quantisation
+    serves both GEMMs (recipe_codec.ZeroWeightCodec), else None."""
+    args = settings.args
+    if args.fp8 in ("current", "delayed"):
+        return "e4m3"
+    recipe = args.precision_recipe and precision_recipe.parse_recipe(args.precision_recipe)
+    return "nvfp4" if recipe and recipe.gathers_codes else None
+
+
+def codec_weights(settings, layers) -> dict:
+    """{group: (elements, tensors)} of the weights in `layers` that ZeRO-3 gathers as 1-byte codes in units of their
+    own (zero3.by_group_and_codec): the block linears' (memory.fp8_weights: every nn.Linear but the router), under a
+    precision recipe only the blocks before its tail (precision_recipe.convert keeps the last ⌈F·n_layer⌉ precise)."""
+    config, shape, slots = settings.model, settings.shape, settings.args.moe_replicas
+    if gather_codec(settings) == "nvfp4":
+        first_kept = config.n_layer - precision_recipe.parse_recipe(settings.args.precision_recipe).tail_layers(
+            config.n_layer)
+        layers = [layer for layer in layers if layer < first_kept]
+    return memory.fp8_weights(config, shape.tp, shape.ep, layers, slots)
+
+
+def _formula_precision(s: _Stage) -> Messages:
+    """precision_recipe.PrecisionHandle.predicted_messages from the held blocks before the recipe's tail: per dense
+    linear (memory.fp8_weights' dp_cp tensors; routed experts reduce none) and micro-batch over cp and tp (each of
+    size > 1), forward 8 bytes when fwd = nvfp4 (twice under activation checkpointing), backward 16 when bwd = nvfp4."""
+    settings, out = s.settings, Messages()
+    recipe = precision_recipe.parse_recipe(settings.args.precision_recipe)
+    config, shape = settings.model, settings.shape
+    held = [layer for layer in s.held["layer_ids"] if layer < config.n_layer - recipe.tail_layers(config.n_layer)]
+    calls = memory.fp8_weights(config, shape.tp, shape.ep, held)["dp_cp"][1] * settings.micro_batches
+    for group in [name for name, size in (("cp", shape.cp), ("tp", shape.tp)) if size > 1 and calls]:
+        if recipe.fwd == "nvfp4":
+            forwards = calls * (2 if config.activation_checkpointing else 1)
+            out.add("all_reduce", group, forwards, 8 * forwards)
+        if recipe.bwd == "nvfp4":
+            out.add("all_reduce", group, calls, 16 * calls)
+    return out
 
 
 def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
@@ -187,11 +233,11 @@ def _formula_data_parallel(s: _Stage) -> tuple:
     T, P = s.settings.shape.tp, s.settings.shape.pp
     bucket = args.bucket_mb * 2**20
     tied = P * s.v > 1 and (held["embedding"] or held["head"])  # the tied copy: a unit of its own at ZeRO-1
-    m, codecs = s.settings.micro_batches, held["fp8_blocks"] if stage == 3 else None
+    m, codecs = s.settings.micro_batches, held["codec_blocks"] if stage == 3 else None
     messages = grad_sync_messages(held, s.sizes, stage, m, (b_w, s.b_r), bucket, tied, codecs)
     for group, blocks in (codecs or {}).items():  # each gather's scale agreement (the last block gathered once)
-        for i, (_, weights) in enumerate(blocks):
-            if weights:
+        for i, weights in enumerate(blocks):
+            if weights[1]:
                 messages = messages + codec_messages(s, group, weights).times(m * (2 - (i == len(blocks) - 1)))
     last_bucket = s.b_r * (held["root"] if stage == 3 else min(held["total"], bucket / b_w)) if stage else \
         min(ddp.TAPER_BYTES, 4 * held["total"])  # DDP: the taper's last bucket
@@ -211,23 +257,28 @@ def chunk_units(s: _Stage) -> dict:
     for chunk, (layers, embedding, head) in zip(schedules.rank_chunks(s.p, shape.pp, s.v),
                                                  activations.pipeline_chunks(config.n_layer, shape.pp, s.v, s.p)):
         counts = memory.param_counts(config, shape.tp, shape.ep, layers, embedding, head, slots)
-        fp8 = memory.fp8_weights(config, shape.tp, shape.ep, layers, slots) if s.fp8 else {}
-        (dense, dense_w), (experts, experts_w) = fp8.get("dp_cp", (0, 0)), fp8.get("expert_dp", (0, 0))
-        units = [("dp_cp", counts["dp_cp"] - tied * (embedding + head) - dense, 0), ("dp_cp", dense, dense_w),
-                 ("expert_dp", counts["expert_dp"] - experts, 0), ("expert_dp", experts, experts_w),
-                 ("dp_cp", tied if embedding or head else 0, 0)]
+        codes = codec_weights(s.settings, layers) if s.codec else {}
+        dense, experts = codes.get("dp_cp", (0, 0)), codes.get("expert_dp", (0, 0))
+        units = [("dp_cp", counts["dp_cp"] - tied * (embedding + head) - dense[0], (0, 0)), ("dp_cp", dense[0], dense),
+                 ("expert_dp", counts["expert_dp"] - experts[0], (0, 0)), ("expert_dp", experts[0], experts),
+                 ("dp_cp", tied if embedding or head else 0, (0, 0))]
         out[chunk] = [(g, -(-n // s.sizes[g]) * s.sizes[g], w) for g, n, w in units if n]
     return out
 
 
-def codec_messages(s: _Stage, group: str, weights: int) -> Messages:
-    """One gather's scale agreement of `weights` FP8 weights (fp8.ZeroWeightCodec.encode_messages): a MAX
-    all_reduce of 4 bytes per weight over the gathering group (D_g > 1) and, for the dense linears, their amax
-    groups cp and tp (each of size > 1; a routed expert is whole on its rank: none)."""
-    shape, out = s.settings.shape, Messages()
+def codec_messages(s: _Stage, group: str, weights: tuple) -> Messages:
+    """One gather's scale agreement of `weights` (elements, tensors) (the codecs' encode_messages): a MAX
+    all_reduce over the gathering group (D_g > 1) of 4 bytes per tensor (FP8's amaxes) or, NVFP4, of its tiles'
+    and tensor amaxes, elements/256 + tensors values of 8 bytes (float64 weights) or 4 (the widths are multiples
+    of 16: precision_recipe.config_from_flags); then, for the dense linears, 4 bytes per tensor over
+    their amax groups cp and tp (each of size > 1; a routed expert is whole on its rank: none)."""
+    shape, out, (elements, tensors) = s.settings.shape, Messages(), weights
     amax_groups = [name for name, size in (("cp", shape.cp), ("tp", shape.tp)) if size > 1 and group == "dp_cp"]
-    for name in ([group] if s.sizes[group] > 1 else []) + amax_groups:
-        out.add("all_reduce", name, 1, 4 * weights)
+    if s.sizes[group] > 1:
+        width = 8 if s.b_w == 8 else 4
+        out.add("all_reduce", group, 1, width * (elements // 256 + tensors) if s.codec == "nvfp4" else 4 * tensors)
+    for name in amax_groups:
+        out.add("all_reduce", name, 1, 4 * tensors)
     return out
 
 
@@ -244,7 +295,7 @@ def _formula_zero_pipeline(s: _Stage, program: list) -> tuple:
     for chunk, pieces in units.items():
         runs = zero_pipeline.gather_runs(program, chunk) if stage == 3 else 1
         for group, n, weights in pieces:
-            codec = stage == 3 and weights  # FP8 weights: 1-byte codes, one scale agreement per gather
+            codec = stage == 3 and weights[1]  # weights with a codec: 1-byte codes, one scale agreement per gather
             if codec:
                 messages = messages + codec_messages(s, group, weights).times(runs)
             if s.sizes[group] > 1:
@@ -288,6 +339,8 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
             temporaries["ring CP: the K, V block in flight"] = 2 * 2 * micro * seq * config.n_embd // T * s.b_c
     if s.fp8:
         messages = messages + _formula_fp8(s)
+    if settings.args.precision_recipe:
+        messages = messages + _formula_precision(s)
     if n_moe:
         tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
         replicas = settings.args.moe_replicas  # R physical slots (eplb.py), 0: none
@@ -317,7 +370,7 @@ def _formula_fp8(s: _Stage) -> Messages:
     checkpointing) and a backward one of 4; delayed, per step 12 bytes a linear over its gradient group and tp, in one
     call per set of groups (the dense linears' dp_cp, the routed experts' expert_dp; each of size > 1)."""
     shape, m, out = s.settings.shape, s.settings.micro_batches, Messages()
-    linears = {group: sum(n for _, n in blocks) for group, blocks in s.held["fp8_blocks"].items()}
+    linears = {group: sum(n for _, n in blocks) for group, blocks in s.held["codec_blocks"].items()}
     if s.fp8 == "current":
         calls = linears["dp_cp"] * m
         forwards = calls * (2 if s.settings.model.activation_checkpointing else 1)
