@@ -461,7 +461,8 @@ class Fp8Facts:
     recipe: Recipe
     scaled_mm: bool  # the per-tensor GEMMs run on torch._scaled_mm (else emulated on the same codes)
     in_features: dict  # {linear's global name: K_j, its local input width, × a routed expert's row share E·k/N
-    # (uniform routing: of the M tokens a rank routes, its held expert gets E·M·k/N rows)} (saved_input_bytes)
+    # (uniform routing: of the M tokens a rank routes, its held expert gets E·M·k/N rows; a replica slot E·M·k/R,
+    # keyed by its slot's path)} (saved_input_bytes)
     weights: int  # Σ N_j·K_j: the elements of the step's FP8 weight copies
     scales: dict  # {linear's global name: its [3] scales in use (delayed: the step's; else the last used)}
     first_steps: int  # delayed steps that scaled like `current` (empty history)

@@ -233,7 +233,8 @@ def _quick(rank, world, root):
 
 def _fp8_slots(rank, world, case):
     """Under --fp8 current: (every expert slot's FP8 linear, those the FP8 handle holds, each slot's logical
-    expert per MoE layer) on this rank. Two slots of one expert on a rank share its logical name: both count."""
+    expert per MoE layer, the slots' row shares) on this rank. Two slots of one expert on a rank share its logical
+    name: both count."""
     import fp8
     import moe
 
@@ -243,8 +244,9 @@ def _fp8_slots(rank, world, case):
     slots = [m for m in run.model.modules() if isinstance(m, fp8.Fp8Linear) and m.row_alignment > 1]
     held = {id(linear) for linear in handle.linears.values()}
     layers = [block.mlp for block in run.model.transformer.h if isinstance(block.mlp, moe.MoE)]
-    return len(slots), sum(id(m) in held for m in slots), [[r.phy2log[q] for q in r.local]
-                                                           for r in (layer.replicas for layer in layers)]
+    return (len(slots), sum(id(m) in held for m in slots),
+            [[r.phy2log[q] for q in r.local] for r in (layer.replicas for layer in layers)],
+            {m.row_share for m in slots}, run.model.config.moe_topk)
 
 
 def test_two_ranks_with_replicas_train_as_one_device_keep_replicas_equal_trace_as_predicted_and_replay(tmp_path):
@@ -263,9 +265,10 @@ def test_two_ranks_with_replicas_train_as_one_device_keep_replicas_equal_trace_a
     assert all(float(a.sum()) > 0 for a in averages[0].values())
     assert all(r.keys() == averages[0].keys() and all(torch.equal(r[k], averages[0][k]) for k in r)
                for r in averages)
-    for slots, held, experts in (fp8_slots for _, fp8_slots in results):  # --fp8 current: every slot's linears
+    for slots, held, experts, shares, k in (fp8_slots for _, fp8_slots in results):  # --fp8 current: every slot
         assert any(len(set(e)) < len(e) for e in experts)  # some rank holds two slots of one expert
         assert slots == held == 2 * sum(len(e) for e in experts), (slots, held, experts)
+        assert shares == {2 * k / 6}  # E·k/R of a rank's routed rows per slot (uniform routing), not E·k/N
 
 
 @pytest.fixture(scope="module")
