@@ -102,8 +102,9 @@ def activation_estimate(run, device_type: str | None = None) -> ActivationEstima
         local_chunks = pipeline_chunks(run.config.n_layer, pp.P, pp.v, pp.rank)
     x, ends, shape = activation_shape(run, device_type), (model.has_embedding, model.has_head), run.settings.shape
     slots = getattr(run.settings.args, "moe_replicas", 0)  # R/E physical experts a rank holds (eplb.py)
+    codes = getattr(run.settings.args, "fp8", None) in ("current", "delayed")  # fp8.ZeroWeightCodec's units
     gathered = (zero3_saved_weights(run.config, x, layer_ids, ends, shape.ep, shape.dp * shape.cp, local_chunks,
-                                    slots) if run.settings.args.zero == 3 else {})
+                                    slots, codes) if run.settings.args.zero == 3 else {})
     # A precision recipe's linears (precision_recipe.RecipeLinear) save the weight parameter itself: no copy.
     recipe = next((axis for axis in run.axes if axis.name == "precision"), None)
     ids = {int(name.split(".")[2]) for name in recipe.linears} & set(layer_ids) if recipe else set()
@@ -195,7 +196,7 @@ def pipeline_chunks(n_layer: int, P: int, v: int, pp_rank: int) -> list:
 
 
 def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends: tuple, ep: int, dp_cp: int,
-                        chunks: list | None = None, slots: int = 0) -> dict:
+                        chunks: list | None = None, slots: int = 0, fp8_codes: bool = False) -> dict:
     """ZeRO-3's gathered weights that a forward's saved tensors still reference when it ends, by name: b_w = e_r
     bytes per element of each unit, padded to n' = ⌈n/D⌉·D (zero3.py); a saved weight is a view of its unit's
     storage, so the whole unit counts once. Dense units sync over dp_cp (D·C ranks), experts over expert_dp (D·C/E).
@@ -214,7 +215,10 @@ def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends
     blocks, wpe on the first chunk, ln_f on the last) unless every block is recomputed and it has no ln_f, its
     expert unit unless recomputed, and the tied copy on the last chunk only (the head's GEMM saves its weight;
     the first chunk's embedding saves the token ids, not the table). Named by what they hold; the total over the
-    rank's v chunks (a forward is 1/v of it, as the other terms)."""
+    rank's v chunks (a forward is 1/v of it, as the other terms). fp8_codes (--fp8 current or delayed): the FP8
+    linears' weights are units of their own (memory.fp8_weights) that no saved tensor references (a linear saves
+    its weight's FP8 codes), so a chunk's dense and expert units count without them (counted with them: 2.8× the
+    first forward's measured saved bytes on the tiny preset, P = 2, 2 blocks a chunk)."""
     def padded(numel: int, ranks: int) -> int:
         return -(-numel // ranks) * ranks
 
@@ -238,10 +242,12 @@ def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends
     blocks, head = 0.0, 0.0
     for layers, embedding, has_head in chunks:
         counts = memory.param_counts(config, x.t, ep, layers, embedding, has_head, slots=slots)
+        codes = memory.fp8_weights(config, x.t, ep, layers, slots) if fp8_codes else {}
+        dense, experts = (counts[g] - codes.get(g, (0, 0))[0] for g in ("dp_cp", "expert_dp"))
         if saves_weights(layers) or has_head:  # the dense unit: its blocks' weights, or ln_f's
-            blocks += padded(counts["dp_cp"] - tied * (embedding + has_head), dp_cp) * x.e_r
-        if counts["expert_dp"] and saves_weights(layers):
-            blocks += padded(counts["expert_dp"], max(1, dp_cp // ep)) * x.e_r
+            blocks += padded(dense - tied * (embedding + has_head), dp_cp) * x.e_r
+        if experts and saves_weights(layers):
+            blocks += padded(experts, max(1, dp_cp // ep)) * x.e_r
         head += padded(tied, dp_cp) * x.e_r if has_head else 0.0
     units = "each chunk's unit" if saves_weights(layer_ids) else "the last chunk's unit (ln_f saves)"
     return {f"{ZERO3_GATHERED}: {units}": blocks,

@@ -469,11 +469,10 @@ class LayerShape:
 
 def apply(model, run, config: CPConfig) -> ContextParallel:
     """The axis for train.py: after tensor_parallel (DESIGN's order), before PP/FP8/layout."""
-    probe = torch.zeros(1, 1, dtype=next(model.parameters()).dtype, device=run.device)  # on the run's device, not
-    with run.autocast:  # the parameters' (meta before they are filled: autocast ignores meta) -- e_c: the dtype
-        compute_bytes = torch.nn.functional.linear(probe, probe).element_size()  # c_attn's q, k, v will have
-    shape = LayerShape(run.micro_batch_size, run.seq_len, run.config.n_embd // run.mesh.size("tp"), compute_bytes,
-                       run.config.activation_checkpointing)
+    # e_c: the dtype c_attn's q, k, v will have, autocast's (run.compute_dtype, as TP's and MoE's), not a probe of
+    # the parameters: they are meta before they are filled and under --plan, where autocast does nothing
+    shape = LayerShape(run.micro_batch_size, run.seq_len, run.config.n_embd // run.mesh.size("tp"),
+                       run.compute_dtype.itemsize, run.config.activation_checkpointing)
     ring = parallelize(model, run.mesh.group("cp"), config.impl, config.balance)
     return ContextParallel(model, ring, config, shape, run.micro_batches)
 

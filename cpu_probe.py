@@ -16,8 +16,11 @@ its memory-bound bytes (time_calibration.memory_bytes_per_token_layer), so that 
 exactly its measured time and every other block, the head and recompute at the same rate. The ranks measure at
 once on a shared machine: e is their mean (one figure for the world, as train.shared_peak's peak).
 
-The link: hardware.measure_cpu times a world all-reduce at two sizes; hardware.alpha_beta fits α (the per-step latency)
-and β (the wire's bytes per second) to them: t(M) = 2(N−1)·α + wire(M)/β through both points.
+The link: hardware.measure_cpu times a world all-reduce 40 times at 4 KiB and 9 times at 4 MiB; hardware.link_fit
+fits α (the per-step latency, the calls' scheduler tail included: from the small calls' mean) and β (the wire's
+bytes per second: from the slope between the two medians), t(M) = 2(N−1)·α + wire(M)/β. The overlap φ is the
+median of five interleaved samples of each of its three times (a block, a transfer, both): one preempted sample
+moves neither. Both are the world's averages, so every rank prices the step alike.
 
 Accounting for this file: it holds nothing; calibration_of all-reduces one float64 over the world (collective).
 """
@@ -69,34 +72,38 @@ def shaped_block(config, t: int) -> nn.Module:
     return block
 
 
+def block_pass(block: nn.Module, x: torch.Tensor, autocast) -> float:
+    """One forward+backward pass of `block` on x: its seconds."""
+    start = time.perf_counter()
+    with autocast:
+        y = block(x)
+    y.float().sum().backward()
+    return time.perf_counter() - start
+
+
 def block_seconds(block: nn.Module, x: torch.Tensor, autocast, repeats: int = 2) -> float:
     """The best of `repeats` timed forward+backward passes of `block` on x, after one untimed (allocations)."""
-    best = float("inf")
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        with autocast:
-            y = block(x)
-        y.float().sum().backward()
-        if i:
-            best = min(best, time.perf_counter() - start)
-    return best
+    block_pass(block, x, autocast)
+    return min(block_pass(block, x, autocast) for _ in range(repeats))
 
 
-def measured_overlap(block: nn.Module, x: torch.Tensor, autocast, compute: float, nbytes: int = 1 << 20) -> float:
+def measured_overlap(block: nn.Module, x: torch.Tensor, autocast, nbytes: int = 1 << 20, repeats: int = 5) -> float:
     """overlap_fraction of this rank's block pass and a world all-reduce of nbytes started asynchronously
-    before it (best of two each). Collective: every rank calls it."""
+    before it: the three times (block alone, transfer alone, both) interleaved `repeats` times and each the
+    median of its samples, so one preempted sample moves none of them. Collective: every rank calls it."""
     buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=x.device)
-    transfer, both = float("inf"), float("inf")
-    for _ in range(2):
+    compute, transfer, both = [], [], []
+    for _ in range(repeats):
+        compute.append(block_pass(block, x, autocast))
         start = time.perf_counter()
         dist.all_reduce(buffer)
-        transfer = min(transfer, time.perf_counter() - start)
+        transfer.append(time.perf_counter() - start)
         start = time.perf_counter()
         work = dist.all_reduce(buffer, async_op=True)
-        block_seconds(block, x, autocast, repeats=0)
+        block_pass(block, x, autocast)
         work.wait()
-        both = min(both, time.perf_counter() - start)
-    return overlap_fraction(compute, transfer, both)
+        both.append(time.perf_counter() - start)
+    return overlap_fraction(*(hardware.median(samples) for samples in (compute, transfer, both)))
 
 
 def calibration_of(run, peak: float, hbm_bytes_per_s: float) -> tuple[Calibration, float]:
@@ -111,7 +118,7 @@ def calibration_of(run, peak: float, hbm_bytes_per_s: float) -> tuple[Calibratio
     compute = block_seconds(block, x, run.autocast)
     seconds = torch.tensor([compute, 1.0], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        seconds[1] = measured_overlap(block, x, run.autocast, compute)
+        seconds[1] = measured_overlap(block, x, run.autocast)
         dist.all_reduce(seconds)
         seconds /= dist.get_world_size()
     tokens = x_shape.b * x_shape.s

@@ -28,8 +28,12 @@ reduction (the expert is whole on its EP rank), and E = 2 quantises exactly as E
 or SP a micro-batch's rows of an expert lie on several ranks: each piece is scaled alone there (a reduction
 would wait on ranks that may not call that expert at all), so those meshes follow one device within FP8's
 tolerance, not exactly. Delayed: a history per expert linear, its MAX over expert-dp and tp; blockwise: the
-chunk's own 128-tiles. Padding costs Σ_chunks (−m mod 16) rows, each 5h FP8 bytes of saved inputs (c_fc's h,
-c_proj's 4h) and 5h more of dY codes in backward (`padding_bytes`; measured per MoE layer at the end).
+chunk's own 128-tiles. With --moe-replicas (eplb.py) each physical slot is its own FP8 linear, named by its
+slot's path (two slots on a rank may hold one logical expert), E·k/R of the rows; an expert's chunk is split
+over its replicas, each part scaled alone (FP8's tolerance, as under CP); delayed is refused there (one
+expert's history would need a MAX over all its slots, on other ep ranks too, and to move with them).
+Padding costs Σ_chunks (−m mod 16) rows, each 5h FP8 bytes of saved inputs (c_fc's h, c_proj's 4h) and 5h more
+of dY codes in backward (`padding_bytes`; measured per MoE layer at the end).
 
 One logical tensor, one scale, on any mesh: the ranks holding pieces of a tensor (TP shards of a weight, an
 activation or its gradient; CP pieces of a sequence) MAX-reduce its amax before quantising, so every element is
@@ -405,6 +409,11 @@ def config_from_flags(args, settings) -> Recipe | None:
         if errors:
             raise ValueError(f"--fp8 {mode} with --tp {tp}, --cp {cp}, --micro-batch {micro}, --n-embd {h}:"
                              f" {name} [{n}×{k}] per rank: " + "; ".join(errors))
+    replicas = getattr(args, "moe_replicas", 0)
+    if mode == "delayed" and replicas:
+        raise ValueError(f"--fp8 delayed with --moe-replicas {replicas}: a replicated expert's amax history would"
+                         f" need a MAX over all its slots (on other ep ranks too) and to move with them at a"
+                         f" re-plan (not written); use --fp8 current or blockwise, or no replicas")
     if mode == "blockwise" and tp > 1 and (h // tp) % 128:
         raise ValueError(f"--fp8 blockwise with --tp {tp}: the TP shards of width n_embd/T = {h // tp} must be"
                          f" multiples of 128, or the 128-wide tiles would straddle ranks")
@@ -431,6 +440,9 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1,
             expert = ".experts." in f".{path}"  # routed: data-dependent row counts, whole on their EP rank
             info = getattr(module.weight, "shard_info", None)
             name = info.global_name.removesuffix(".weight") if info else f"transformer.h.{block.layer_id}.{path}"
+            slots = getattr(block.mlp, "replicas", None)  # eplb.Replicas: two slots may hold one logical expert
+            if expert and slots is not None:
+                name = f"transformer.h.{block.layer_id}.{path}"  # its physical slot's path (experts.<slot>)
             fp8 = Fp8Linear(module, recipe, name, {} if expert else amax_groups,
                             groups(info.grad_group if info else "dp_cp", "tp"), device=device,
                             row_alignment=ROW_ALIGNMENT if expert else 1,
@@ -440,7 +452,7 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1,
             setattr(parent, leaf, fp8)
             if expert:
                 ep = mesh.size("ep") if mesh is not None else 1
-                fp8.row_share = ep * model.config.moe_topk / model.config.moe_experts
+                fp8.row_share = ep * model.config.moe_topk / (slots.slots if slots else model.config.moe_experts)
             if getattr(parent, "regather", False):
                 parent.regather = False
             linears[name] = fp8
@@ -459,7 +471,8 @@ class Fp8Facts:
     recipe: Recipe
     scaled_mm: bool  # the per-tensor GEMMs run on torch._scaled_mm (else emulated on the same codes)
     in_features: dict  # {linear's global name: K_j, its local input width, × a routed expert's row share E·k/N
-    # (uniform routing: of the M tokens a rank routes, its held expert gets E·M·k/N rows)} (saved_input_bytes)
+    # (uniform routing: of the M tokens a rank routes, its held expert gets E·M·k/N rows; a replica slot E·M·k/R,
+    # keyed by its slot's path)} (saved_input_bytes)
     weights: int  # Σ N_j·K_j: the elements of the step's FP8 weight copies
     scales: dict  # {linear's global name: its [3] scales in use (delayed: the step's; else the last used)}
     first_steps: int  # delayed steps that scaled like `current` (empty history)

@@ -19,7 +19,9 @@ Symbols: h hidden, N experts, k top-k, T tokens this rank routes per micro-batch
    and the estimate takes its mean, P ≈ 7.5·N (`expected_padded_rows`).
 3. Messages: none (the padding never travels: chunks are padded where they are run, after the all-to-all).
 4. Restart state: none.
-The end of a run prints P measured per MoE layer (`PaddingCount`, the fp8 observer of report_axes.py).
+The end of a run prints P measured per MoE layer (`PaddingCount`, the fp8 observer of report_axes.py); the MoE
+block's peak table (moe_memory.fp8_expert_terms, E = 1) holds the padded rows' tensors, with the forward's own
+chunk counts at start-up and P ≈ 7.5·N in the plan.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ node) at 8 TB/s, NVLink 5 1.8 TB/s per GPU both directions together; H100, H200 
 GEMM and no FP4 (their rows have no MX/NVFP4 figure: format_flops.py counts those FLOPs at the compute dtype's
 rate, as the emulation runs them). Latencies are round figures of NCCL's per-step cost on such links
 (a few µs), stated, not measured. `cpu` is this machine, measured (`measure_cpu`): the bf16/fp32 matmul loop
-of mfu.py and a gloo all-reduce timed at two sizes (alpha_beta), and cpu_probe.py adds what a run's own block
+of mfu.py and a gloo all-reduce timed many times at two sizes (link_fit), and cpu_probe.py adds what a run's own block
 reaches of that peak and how much of a transfer hides behind compute, so every real run's end line checks the
 model against its own steps.
 
@@ -165,22 +165,45 @@ def hardware_line(hw: Hardware, dtype: str) -> str:
             f" α {hw.intra_latency_us:g} µs; inter-node {hw.inter_gbps:g} GB/s per GPU, α {hw.inter_latency_us:g} µs")
 
 
-def measure_cpu(peak_flops: float, dtype: str, device, sizes=(1 << 12, 1 << 22)) -> Hardware:
+def median(samples) -> float:
+    return sorted(samples)[len(samples) // 2]
+
+
+def link_fit(op: str, sizes: tuple, mean_small: float, median_small: float, median_large: float,
+             world: int) -> tuple[float, float]:
+    """(α, β) of a link whose calls are heavy-tailed, from the statistics of many timed calls at two sizes.
+
+    On a shared CPU most gloo calls take ~0.2 ms and some wait a scheduler slice (1-6 ms) for a thread to
+    wake; a step's calls pay that tail, and it is per call, not per byte. So β comes from the slope between the
+    MEDIANS of the two sizes (alpha_beta through them: the tail cancels), and α from the MEAN of the small
+    calls less their wire time, α = (mean t_small − wire(M_small)/β) / steps: the tail included."""
+    _, beta = alpha_beta(op, sizes, (median_small, median_large), world)
+    alpha = max(0.0, (mean_small - mfu.wire_bytes(op, sizes[0], world) / beta) / max(ring_steps(op, world), 1))
+    return alpha, beta
+
+
+def measure_cpu(peak_flops: float, dtype: str, device, sizes=(1 << 12, 1 << 22), calls=(40, 9)) -> Hardware:
     """This machine as a Hardware: the measured matmul peak (train.py measured it at start) and a world
-    all-reduce timed at two sizes, which give α (the small one) and β (the large one) of the ranks' link.
+    all-reduce timed `calls` times at each of two sizes, fitted by link_fit. The ranks start each size together
+    (a warm-up all-reduce first) and average their statistics, so every rank fits the same α and β.
     Collective: every rank calls it. One node: every group is 'intra'."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     alpha, beta = 0.0, float("inf")
     if world > 1:
-        times = []
-        for nbytes in sizes:
+        samples = []
+        for nbytes, count in zip(sizes, calls):
             x = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-            dist.all_reduce(x)  # warm-up: connections, buffers
-            start = time.perf_counter()
-            for _ in range(3):
+            dist.all_reduce(x)  # warm-up (connections, buffers) and a common start
+            times = []
+            for _ in range(count):
+                start = time.perf_counter()
                 dist.all_reduce(x)
-            times.append((time.perf_counter() - start) / 3)
-        alpha, beta = alpha_beta("all_reduce", sizes, tuple(times), world)
+                times.append(time.perf_counter() - start)
+            samples.append(times)
+        small, large = samples
+        stats = torch.tensor([sum(small) / len(small), median(small), median(large)], dtype=torch.float64)
+        dist.all_reduce(stats)
+        alpha, beta = link_fit("all_reduce", sizes, *(float(v) / world for v in stats), world)
     return Hardware("cpu (measured)", {dtype: peak_flops / 1e12}, hbm_gbps=20.0, memory_gib=0.0,
                     intra_gbps=beta / 1e9, inter_gbps=beta / 1e9, intra_latency_us=alpha * 1e6,
                     inter_latency_us=alpha * 1e6, gpus_per_node=max(world, 1))

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import activations
 import context_parallel
+import fp8_experts
 import memory
 import moe
 import moe_accounting
@@ -113,6 +114,8 @@ class MoEPeak:
 class _Rows(moe.RoutingObserver):
     def routed(self, layer, load, keep, sent: int, received: int) -> None:
         self.rows = (sent, received, layer.exchanged.expert_rows if layer.ep_size > 1 else 0)  # E > 1: R_e
+        chunks = [int(m) for m in load.reshape(-1).tolist()]  # E = 1: each expert's rows, one FP8 GEMM each
+        self.fp8 = (fp8_experts.padded_rows(chunks), sum(map(bool, chunks)))  # (P, c) as the run padded them
 
 
 def measure_moe_blocks(run) -> list:
@@ -134,11 +137,13 @@ def measure_moe_blocks(run) -> list:
                             dtype=run.param_dtype, generator=torch.Generator(device).manual_seed(0), requires_grad=True)
             with memory.LiveTensors({"attn": block.attn, "mlp": block.mlp}) as live, run.autocast:
                 block(x)
-            routed = rows.rows  # the block's pass's (S, R); the backward's own pass routes again
+            routed, routed_fp8 = rows.rows, rows.fp8  # the block's pass's (S, R); the backward's own pass routes again
             backward_rise = _moe_backward_rise(run, block.mlp, x.shape, device)
         traffic = replace(run_traffic(run), moe_layers=1)
         shape = replace(moe_memory.shape_of(traffic, x_shape), sent=routed[0], received=routed[1],
                         expert_rows=routed[2])
+        if shape.fp8 is not None:  # the padding of the chunks this forward ran
+            shape = replace(shape, fp8=(*routed_fp8, shape.fp8[2]))
         backward_shape = replace(shape, sent=rows.rows[0], received=rows.rows[1], expert_rows=rows.rows[2])
         mine.append(MoEPeak(original.layer_id, dist.get_rank(), *routed[:2], live.peaks["mlp"],
                             moe_memory.block_peak(shape), live.peaks["attn"],

@@ -163,6 +163,21 @@ def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool 
                 expert_dp=expert_dp, per_rank=dp_cp + expert_dp)
 
 
+def fp8_weights(config, tp: int, ep: int, layers, slots: int = 0) -> dict:
+    """{group: (elements, tensors)} of the FP8 linears' weights (fp8.convert: every block nn.Linear but the router)
+    in `layers`, which ZeRO-3 gathers as E4M3 codes in units of their own (zero3.by_group_and_codec): dp_cp,
+    attention's c_attn 3h²/T and c_proj h²/T, the MLP's c_fc and c_proj 4h²/T each (a MoE block: its S shared
+    experts', 8S·h²/T as two linears); expert_dp, each held routed expert's two, 8h² (N/E, or R/E slots, a block)."""
+    h, shared, held = config.n_embd, config.moe_shared_experts, (slots or config.moe_experts) // ep
+    dense, experts = [0, 0], [0, 0]
+    for layer in layers:
+        moe = config.is_moe_layer(layer)
+        mlp = (8 * shared * h * h // tp, 2 * bool(shared)) if moe else (8 * h * h // tp, 2)
+        dense = [dense[0] + 4 * h * h // tp + mlp[0], dense[1] + 2 + mlp[1]]
+        experts = [experts[0] + moe * held * 8 * h * h, experts[1] + moe * 2 * held]
+    return {"dp_cp": tuple(dense), "expert_dp": tuple(experts)}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 2. Activations: Korthikanti et al.'s reference
 # ----------------------------------------------------------------------------------------------------------

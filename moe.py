@@ -455,7 +455,9 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     sp = mesh.size("tp") if config.sequence_parallel else 1
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
-                      max(4, next(model.parameters()).element_size()), run.micro_batch_size, config.replicas)
+                      max(4, next(model.parameters()).element_size()), run.micro_batch_size, config.replicas,
+                      getattr(run.settings.args, "fp8", None) in ("current", "delayed"),
+                      getattr(run.settings.args, "precision_recipe", None) is not None)
     redundant = None  # with --moe-replicas: the replicas' step work; their tokens' loads are summed over dp×cp (tp)
     if config.replicas and layers:
         redundant = eplb.RedundantExperts(layers, config.replan_every, config.load_decay,

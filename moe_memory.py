@@ -69,9 +69,20 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    each source's rows a GEMM of their own after the fan-out); a lower bound where another moment of the EP
    backward rises higher (seen with capacity, by 32 bytes). A router with N ≫ h rises in its own backward,
    its [T, N] gradients (B2, `router_rise`; the aux losses' own [T, N] gradients in a step: not written).
-   FP8 experts (fp8_experts.py): their quantised copies and padded rows are not written here
-   (fp8_experts.padding_bytes counts the padding's saved bytes); nor a precision recipe's (recipe_experts.py):
-   its emulation's fp32 quantisation temporaries, and the weight copies it does not make.
+   FP8 experts (fp8_experts.py, --fp8 current or delayed), E = 1: `fp8_expert_terms` replace the experts' rows
+   (each of the c chunks padded to 16 rows, P in all: their FP8 input codes, scales, c_fc's padded output);
+   with the forward's own chunk counts the saved bytes and the bytes alive at P1 and P2 are measured equal
+   (tests/test_moe_memory.py, six recipes and dtypes). The plan takes P = N·15/2 and c = N (uniform routing,
+   each chunk's row count mod 16 alike: fp8_experts.expected_padded_rows). Not written: inside each expert's
+   GEMM, where a CPU's emulation peaks (its fp32 operands and product: 52,648 bytes measured against P2's
+   31,932 in the first test case; _scaled_mm's on a GPU not measured), the step's first forward making the
+   weight codes (N/E·8h² bytes and scalars, kept to the step's end), the backward under FP8, and E > 1 (the
+   table there is the unquantised one). A precision recipe (recipe_experts.py, `recipe`): its linears save the
+   weight parameter itself, so the table drops autocast's copies (the shared experts' too) and its saved bytes and
+   P1, P2 are measured equal (nvfp4 with and without autocast, mxfp8 under autocast; with the copies, 30,668
+   saved predicted against 14,284 measured); not written: the emulation's fake-quantisation temporaries, where its
+   CPU forward peaks (38,312 measured against P2's 26,780, nvfp4 in fp32), a recipe's tail layers (which keep
+   autocast's copies: the plan's table is the quantised layers'), and its backward.
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
 
@@ -86,6 +97,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import activations
+import fp8_experts
 import mfu
 import moe_accounting
 from moe_router import rows_per_token
@@ -117,6 +129,8 @@ class DispatchShape:
     shared: int = 0  # Q shared experts (moe_shared.py): one MLP of width Q·4h on the block's input
     slots: int = 0  # R_p physical expert slots with --moe-replicas (eplb.py); 0: the N experts in place
     expert_rows: float = 0  # R_e: E > 1, the slots this rank's experts run (the fan-out, moe_dispatch.py)
+    fp8: tuple | None = None  # --fp8 (fp8_experts.py), E = 1: (P padded rows, c chunks run, e_s an inverse scale's)
+    recipe: bool = False  # a precision recipe's linears on the experts (recipe_experts.py): no autocast weight copies
 
 
 @dataclass(frozen=True)
@@ -151,7 +165,8 @@ def terms(x: DispatchShape) -> list:
     slots = x.slots or N  # what the dispatch sorts by: experts, or with replicas their physical slots
     sigmoid, cast_y = x.score == "sigmoid", (e_w if E == 1 else e_c) != e_x  # E > 1: y sums e_c rows
     cast_rows = e_c != e_x  # autocast's rows from a wider input (without autocast e_c is the input's)
-    copies = slots // E * e_c if e_c != x.weight_bytes else 0  # autocast casts each held expert's weights once
+    copies = slots // E * e_c if e_c != x.weight_bytes and not x.recipe else 0  # autocast casts each held expert's
+    # weights once (a precision recipe's linears quantise the weight parameter itself)
     end = END  # alive to the forward's end (P0 comes before the dispatch)
     y_alive = ("2" if E == 1 else "6") + "4" + ("" if cast_y else "5" if Q else "3")  # y, until cast or added to
     out = [("router logits, scores [T, N]", 2 * T * N * e_r, True, "0" + end),
@@ -172,13 +187,13 @@ def terms(x: DispatchShape) -> list:
         out += [("slots' experts (or physical slots)", T * k * 8 if x.capacity_tokens or x.slots else 0, False, "12"),
                 ("sort order", T * k * 8, True, end), ("counts", (slots + 1) * 8, False, "12"),
                 ("rows' tokens (gather)", S * 8, True, end),
-                ("tokens cast for the rows", T * h * e_c if cast_rows else 0, False, "12"),
-                ("sent rows [S, h]", S * h * e_c, True, end),
-                ("experts' hidden [R, 4h] ×2", 8 * R * h * e_c, True, end),
-                ("experts' weight copies (autocast)", copies * 8 * h * h, True, end),
-                ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, end),
-                ("experts' outputs, one per expert", R * h * e_c, False, "1"),
-                ("experts' outputs concatenated [R, h]", R * h * e_c, True, end),
+                ("tokens cast for the rows", T * h * e_c if cast_rows else 0, False, "12")]
+        out += fp8_expert_terms(x) if x.fp8 else [
+            ("sent rows [S, h]", S * h * e_c, True, end), ("experts' hidden [R, 4h] ×2", 8 * R * h * e_c, True, end),
+            ("experts' weight copies (autocast)", copies * 8 * h * h, True, end),
+            ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, end),
+            ("experts' outputs, one per expert", R * h * e_c, False, "1")]
+        out += [("experts' outputs concatenated [R, h]", R * h * e_c, True, end),
                 ("rows' gates and tokens (index_add)", S * (e_r + 8), True, "2345"),
                 ("weighted rows [S, h]", S * h * e_w, True, "2345"),
                 ("combine's zeros [T, h]", T * h * e_w, False, "2"),
@@ -200,6 +215,23 @@ def terms(x: DispatchShape) -> list:
 
 
 END = "123456"  # the moments after the dispatch began: alive to the forward's end
+
+
+def fp8_expert_terms(x: DispatchShape) -> list:
+    """E = 1 under --fp8 (fp8.Fp8Linear on the routed experts, fp8_experts.py): each of the c chunks (an expert's
+    rows) is padded to a multiple of 16, P rows in all, and its linears save their inputs as FP8 codes with a 0-d
+    inverse scale (e_s: fp32, fp64 for fp64 inputs), so the sent rows are no longer saved (c_fc keeps their codes)
+    and of the hidden only c_fc's padded output is (GELU's input; its output is c_proj's input, kept as codes):
+    saved (R + P)·h + (R + P)·4h codes, 2c·e_s scales, (R + P)·4h·e_c; each expert's output is a view of its
+    padded [r + p, h]. No autocast weight copies (the FP8 GEMMs run with autocast off)."""
+    S, R, h, e_c = x.sent, x.received, x.hidden, x.e_c
+    padded, chunks, e_s = x.fp8
+    rows = R + padded
+    return [("sent rows [S, h]", S * h * e_c, False, "12"),
+            ("FP8 codes of c_fc's and c_proj's inputs [R + P, 5h]", rows * 5 * h, True, END),
+            ("FP8 inputs' inverse scales", 2 * chunks * e_s, True, END),
+            ("experts' hidden, padded [R + P, 4h] (GELU's input)", rows * 4 * h * e_c, True, END),
+            ("experts' outputs, one per expert, padded", rows * h * e_c, False, "1")]
 
 
 def exchange_terms(x: DispatchShape, cast_rows: bool, copies: int, y_alive: str) -> list:
@@ -334,11 +366,15 @@ def shape_of(traffic: moe_accounting.Traffic, x, routing: str = "uniform") -> Di
         here = min(k, n // E)  # of a token's k slots, on this rank
         sent, received = T * -(-k * E // n), E * T
         expert_rows = E * (T * here if cap is None else min(T * here, n // E * cap))
+    chunks = traffic.slots or n  # E = 1: a chunk per expert (or physical slot), all reached
+    fp8 = ((fp8_experts.expected_padded_rows(chunks), chunks, 8 if x.e_c == 8 else 4)
+           if traffic.fp8_experts and E == 1 else None)
     return DispatchShape(T, sent, received, n, k, h, E, whole if cap else 0,
                          e_c=x.e_c, e_r=traffic.router_bytes, e_x=x.e_n, weight_bytes=x.e_r,
                          expert_params=8 * h * h + 5 * h * int(config.bias),
                          dropout_mask=x.mask(x.e_n) if x.dropout else None, score=config.moe_score,
-                         shared=config.moe_shared_experts, slots=traffic.slots, expert_rows=expert_rows)
+                         shared=config.moe_shared_experts, slots=traffic.slots, expert_rows=expert_rows, fp8=fp8,
+                         recipe=traffic.recipe_experts)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,10 @@ activation checkpointing) that flags.validate accepts, gives each pipeline stage
 the start-up prints (memory.persistent_bytes per data-parallel group, zero.ZeroLayout's units and transients as
 `grad_sync_messages` and `_formula_temporaries` count them, under a pipeline zero_pipeline.py's units per chunk
 (`chunk_units`, `_formula_zero_pipeline`: the action list's gathers and transient by zero_pipeline's own functions),
-DiLoCo's outer state and Δ all-reduce (`_formula_diloco`), tensor_parallel.step_messages,
+DiLoCo's outer state and Δ all-reduce (`_formula_diloco`), --fp8's amax all-reduces (`_formula_fp8`) and, under
+ZeRO-3, its weights gathered as E4M3 codes in units of their own with each gather's scale agreement (memory.fp8_weights,
+`codec_messages`; a precision recipe's NVFP4 weights likewise as E2M1 codes with their tiles' amaxes, `codec_weights`),
+tensor_parallel.step_messages,
 context_parallel.layer_messages, moe_accounting.step_messages, activations.estimate_of, schedules.bubble_formula and
 p2p_counts, mfu.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
 ranks by step time and prints the best ten with the term that limits each. --moe-replicas R is kept as given
@@ -15,7 +18,8 @@ ranks by step time and prints the best ten with the term that limits each. --moe
 re-plan windows. R itself is not searched: at the uniform load the time model assumes, replicas add memory and
 messages and balance nothing. Building a role on meta takes about a second for a large model, too slow for
 thousands of layouts; tests/test_plan.py checks that these figures equal --plan's built ones (dense, CP, EP and
-replicas layouts, ZeRO-2/3 under 1F1B and interleaving, DiLoCo).
+replicas layouts, ZeRO-2/3 under 1F1B and interleaving, FP8 under ZeRO-2/3 with and without a pipeline, DiLoCo).
+--fp8 delayed with --moe-replicas is refused (fp8.config_from_flags); under current the slots reduce no amax.
 
 Accounting for this file: it allocates nothing and sends nothing (shapes and formulas only).
 """
@@ -38,6 +42,7 @@ import mfu
 import moe_accounting
 import moe_memory
 import moe_router
+import precision_recipe
 import recompute
 import report_axes
 import schedules
@@ -67,13 +72,15 @@ def stage_holding(config, P: int, v: int, p: int) -> tuple:
     return layer_ids, 0 in chunks, P * v - 1 in chunks
 
 
-def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0) -> dict:
+def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0, codes=None) -> dict:
     """pp rank p's parameters by the shapes (memory.param_counts of what it holds, T and E as the shape says),
     per data-parallel group ("dp_cp": dense, "expert_dp": experts): "blocks" each held block's, "root" the
     embedding's (first chunk) and ln_f's and the head's tied copy (last chunk), "replicated" what TP replicates
     (the SP gradient sum's), "moe_replicated" the routers' and this rank's experts (MoE's own SP sum,
     moe_accounting.step_messages). "runs": (group, elements) in registration order, adjacent tensors of one group
-    together (a bucket or ZeRO unit never spans two groups). slots: R with --moe-replicas (R/E experts a block)."""
+    together (a bucket or ZeRO unit never spans two groups). slots: R with --moe-replicas (R/E experts a block).
+    codes: `codec_weights`' settings (None: no gather codec): "codec_blocks", each held block's weights ZeRO-3
+    gathers as codes, (elements, tensors) per group (under --fp8 also the FP8 linears _formula_fp8 counts)."""
     layer_ids, embedding, head = stage_holding(config, shape.pp, v, p)
 
     def held(layers, embedding: bool = False, head: bool = False) -> dict:
@@ -91,8 +98,10 @@ def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0) -> di
         runs += [["expert_dp", block["expert_dp"]], ["dp_cp", 0]] if block["expert_dp"] else []
     runs[-1][1] += last
     local = {"dp_cp": whole["dp_cp"], "expert_dp": whole["expert_dp"]}
-    return dict(layer_ids=layer_ids, embedding=embedding, head=head, layers=len(layer_ids), blocks=blocks,
-                root=first + last, local=local, total=whole["per_rank"], runs=[r for r in runs if r[1]],
+    codec_blocks = {group: [codec_weights(codes, [layer])[group] for layer in layer_ids]
+                    for group in local} if codes is not None else None
+    return dict(layer_ids=layer_ids, codec_blocks=codec_blocks, embedding=embedding, head=head, layers=len(layer_ids),
+                blocks=blocks, root=first + last, local=local, total=whole["per_rank"], runs=[r for r in runs if r[1]],
                 replicated=whole["replicated"], moe_replicated=whole["router"] + whole["expert_dp"],
                 block=max((sum(x) for x in zip(*blocks.values())), default=0))
 
@@ -113,6 +122,8 @@ class _Stage:
     b_m: int  # of a master weight or an Adam moment
     b_g: int  # of a held gradient: ZeRO with m > 1 sums the micro-batches in the master dtype
     b_r: int  # of what the gradient reduction sends
+    fp8: str | None = None  # --fp8: its linears' weights are units of their own under ZeRO-3 (ZeRO-2/3 × PP)
+    codec: str | None = None  # ZeRO-3's gather codec: "e4m3" (--fp8 current, delayed), "nvfp4" (a recipe's)
 
 
 def _stage_of(settings, p: int) -> _Stage:
@@ -124,9 +135,53 @@ def _stage_of(settings, p: int) -> _Stage:
     b_g = b_w if m == 1 or stage == 0 else b_m
     summed_once = stage == 1 or stage >= 2 and shape.pp > 1  # zero_pipeline.py sends the step's sum, once
     D = shape.replica_dp  # DiLoCo: the layout's groups stay inside a replica of D/R data ranks
-    return _Stage(settings, p, v, held=stage_params(settings.model, shape, v, p, args.moe_replicas),
+    codec = gather_codec(settings)
+    return _Stage(settings, p, v, held=stage_params(settings.model, shape, v, p, args.moe_replicas,
+                                                    settings if codec else None),
                   sizes={"dp_cp": D * C, "expert_dp": D * C // shape.ep}, compute=compute, param=param,
-                  b_w=b_w, b_c=compute.itemsize, b_m=b_m, b_g=b_g, b_r=b_g if summed_once else b_w)
+                  b_w=b_w, b_c=compute.itemsize, b_m=b_m, b_g=b_g, b_r=b_g if summed_once else b_w,
+                  fp8=args.fp8 if codec == "e4m3" else None, codec=codec)
+
+
+def gather_codec(settings) -> str | None:
+    """ZeRO-3's gather codec of the block linears' weights: "e4m3" under --fp8 current or delayed
+    (fp8.ZeroWeightCodec; blockwise has none), "nvfp4" under a precision recipe whose one 16×16 NVFP4 quantisation
+    serves both GEMMs (recipe_codec.ZeroWeightCodec), else None."""
+    args = settings.args
+    if args.fp8 in ("current", "delayed"):
+        return "e4m3"
+    recipe = args.precision_recipe and precision_recipe.parse_recipe(args.precision_recipe)
+    return "nvfp4" if recipe and recipe.gathers_codes else None
+
+
+def codec_weights(settings, layers) -> dict:
+    """{group: (elements, tensors)} of the weights in `layers` that ZeRO-3 gathers as 1-byte codes in units of their
+    own (zero3.by_group_and_codec): the block linears' (memory.fp8_weights: every nn.Linear but the router), under a
+    precision recipe only the blocks before its tail (precision_recipe.convert keeps the last ⌈F·n_layer⌉ precise)."""
+    config, shape, slots = settings.model, settings.shape, settings.args.moe_replicas
+    if gather_codec(settings) == "nvfp4":
+        first_kept = config.n_layer - precision_recipe.parse_recipe(settings.args.precision_recipe).tail_layers(
+            config.n_layer)
+        layers = [layer for layer in layers if layer < first_kept]
+    return memory.fp8_weights(config, shape.tp, shape.ep, layers, slots)
+
+
+def _formula_precision(s: _Stage) -> Messages:
+    """precision_recipe.PrecisionHandle.predicted_messages from the held blocks before the recipe's tail: per dense
+    linear (memory.fp8_weights' dp_cp tensors; routed experts reduce none) and micro-batch over cp and tp (each of
+    size > 1), forward 8 bytes when fwd = nvfp4 (twice under activation checkpointing), backward 16 when bwd = nvfp4."""
+    settings, out = s.settings, Messages()
+    recipe = precision_recipe.parse_recipe(settings.args.precision_recipe)
+    config, shape = settings.model, settings.shape
+    held = [layer for layer in s.held["layer_ids"] if layer < config.n_layer - recipe.tail_layers(config.n_layer)]
+    calls = memory.fp8_weights(config, shape.tp, shape.ep, held)["dp_cp"][1] * settings.micro_batches
+    for group in [name for name, size in (("cp", shape.cp), ("tp", shape.tp)) if size > 1 and calls]:
+        if recipe.fwd == "nvfp4":
+            forwards = calls * (2 if config.activation_checkpointing else 1)
+            out.add("all_reduce", group, forwards, 8 * forwards)
+        if recipe.bwd == "nvfp4":
+            out.add("all_reduce", group, calls, 16 * calls)
+    return out
 
 
 def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
@@ -151,7 +206,7 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
     chunks = activations.pipeline_chunks(config.n_layer, shape.pp, s.v, p) if shape.pp > 1 else None
     slots = settings.args.moe_replicas
     gathered = (activations.zero3_saved_weights(config, x, s.held["layer_ids"], ends, shape.ep, shape.dp * shape.cp,
-                                                chunks, slots) if settings.args.zero == 3 else {})
+                                                chunks, slots, s.fp8 is not None) if settings.args.zero == 3 else {})
     return Role(rank=rank, coords=shape.coords(rank), local_params=s.held["total"], logical={},
                 persistent=persistent,
                 activations=activations.estimate_of(config, x, s.held["layer_ids"], ends, shape.ep, flight, gathered,
@@ -178,7 +233,12 @@ def _formula_data_parallel(s: _Stage) -> tuple:
     T, P = s.settings.shape.tp, s.settings.shape.pp
     bucket = args.bucket_mb * 2**20
     tied = P * s.v > 1 and (held["embedding"] or held["head"])  # the tied copy: a unit of its own at ZeRO-1
-    messages = grad_sync_messages(held, s.sizes, stage, s.settings.micro_batches, (b_w, s.b_r), bucket, tied)
+    m, codecs = s.settings.micro_batches, held["codec_blocks"] if stage == 3 else None
+    messages = grad_sync_messages(held, s.sizes, stage, m, (b_w, s.b_r), bucket, tied, codecs)
+    for group, blocks in (codecs or {}).items():  # each gather's scale agreement (the last block gathered once)
+        for i, weights in enumerate(blocks):
+            if weights[1]:
+                messages = messages + codec_messages(s, group, weights).times(m * (2 - (i == len(blocks) - 1)))
     last_bucket = s.b_r * (held["root"] if stage == 3 else min(held["total"], bucket / b_w)) if stage else \
         min(ddp.TAPER_BYTES, 4 * held["total"])  # DDP: the taper's last bucket
     first_gather = b_w * (held["root"] + held["block"]) if stage == 3 else 0.0
@@ -191,15 +251,34 @@ def chunk_units(s: _Stage) -> dict:
     """{global chunk: [(group, n')]} of pp rank p under ZeRO-2/3 with a pipeline (zero_pipeline._build_units): per
     local chunk its dense unit (its blocks, wpe on chunk 0, ln_f on the last), its experts' unit, and the tied
     V·h/T copy alone where the chunk holds the embedding or the head; each padded to n' = ⌈n/D_g⌉·D_g."""
-    config, shape = s.settings.model, s.settings.shape
+    config, shape, slots = s.settings.model, s.settings.shape, s.settings.args.moe_replicas
     tied = config.vocab_size * config.n_embd // shape.tp
     out = {}
     for chunk, (layers, embedding, head) in zip(schedules.rank_chunks(s.p, shape.pp, s.v),
                                                  activations.pipeline_chunks(config.n_layer, shape.pp, s.v, s.p)):
-        counts = memory.param_counts(config, shape.tp, shape.ep, layers, embedding, head)
-        units = [("dp_cp", counts["dp_cp"] - tied * (embedding + head)), ("expert_dp", counts["expert_dp"]),
-                 ("dp_cp", tied if embedding or head else 0)]
-        out[chunk] = [(g, -(-n // s.sizes[g]) * s.sizes[g]) for g, n in units if n]
+        counts = memory.param_counts(config, shape.tp, shape.ep, layers, embedding, head, slots)
+        codes = codec_weights(s.settings, layers) if s.codec else {}
+        dense, experts = codes.get("dp_cp", (0, 0)), codes.get("expert_dp", (0, 0))
+        units = [("dp_cp", counts["dp_cp"] - tied * (embedding + head) - dense[0], (0, 0)), ("dp_cp", dense[0], dense),
+                 ("expert_dp", counts["expert_dp"] - experts[0], (0, 0)), ("expert_dp", experts[0], experts),
+                 ("dp_cp", tied if embedding or head else 0, (0, 0))]
+        out[chunk] = [(g, -(-n // s.sizes[g]) * s.sizes[g], w) for g, n, w in units if n]
+    return out
+
+
+def codec_messages(s: _Stage, group: str, weights: tuple) -> Messages:
+    """One gather's scale agreement of `weights` (elements, tensors) (the codecs' encode_messages): a MAX
+    all_reduce over the gathering group (D_g > 1) of 4 bytes per tensor (FP8's amaxes) or, NVFP4, of its tiles'
+    and tensor amaxes, elements/256 + tensors values of 8 bytes (float64 weights) or 4 (the widths are multiples
+    of 16: precision_recipe.config_from_flags); then, for the dense linears, 4 bytes per tensor over
+    their amax groups cp and tp (each of size > 1; a routed expert is whole on its rank: none)."""
+    shape, out, (elements, tensors) = s.settings.shape, Messages(), weights
+    amax_groups = [name for name, size in (("cp", shape.cp), ("tp", shape.tp)) if size > 1 and group == "dp_cp"]
+    if s.sizes[group] > 1:
+        width = 8 if s.b_w == 8 else 4
+        out.add("all_reduce", group, 1, width * (elements // 256 + tensors) if s.codec == "nvfp4" else 4 * tensors)
+    for name in amax_groups:
+        out.add("all_reduce", name, 1, 4 * tensors)
     return out
 
 
@@ -215,19 +294,23 @@ def _formula_zero_pipeline(s: _Stage, program: list) -> tuple:
     messages = Messages()
     for chunk, pieces in units.items():
         runs = zero_pipeline.gather_runs(program, chunk) if stage == 3 else 1
-        for group, n in (piece for piece in pieces if s.sizes[piece[0]] > 1):
-            messages.add("all_gather_single", group, runs, runs * b_w * n)
-            messages.add("reduce_scatter_single", group, 1, s.b_r * n)
+        for group, n, weights in pieces:
+            codec = stage == 3 and weights[1]  # weights with a codec: 1-byte codes, one scale agreement per gather
+            if codec:
+                messages = messages + codec_messages(s, group, weights).times(runs)
+            if s.sizes[group] > 1:
+                messages.add("all_gather_single", group, runs, runs * (1 if codec else b_w) * n)
+                messages.add("reduce_scatter_single", group, 1, s.b_r * n)
     if s.sizes["dp_cp"] > 1:
         messages.add("all_reduce", "dp_cp", 2, 16)
-    numel = {chunk: sum(n for _, n in pieces) for chunk, pieces in units.items()}
+    numel = {chunk: sum(n for _, n, _ in pieces) for chunk, pieces in units.items()}
     transient = zero_pipeline.step_transient_bytes(program, stage, {c: b_w * n for c, n in numel.items()},
                                                    {c: b_a * n for c, n in numel.items()})
     if stage == 2:
-        transient = max(transient, b_w * sum(n // s.sizes[g] for pieces in units.values() for g, n in pieces))
+        transient = max(transient, b_w * sum(n // s.sizes[g] for pieces in units.values() for g, n, _ in pieces))
     bpp = memory.BytesPerParam(b_w, b_a, 2 * s.b_m + (0 if b_w == s.b_m else s.b_m))
-    parts = [memory.persistent_bytes(sum(n for pieces in units.values() for g, n in pieces if g == group), bpp, stage,
-                                     size) for group, size in s.sizes.items()]
+    held = {group: sum(n for pieces in units.values() for g, n, _ in pieces if g == group) for group in s.sizes}
+    parts = [memory.persistent_bytes(held[group], bpp, stage, size) for group, size in s.sizes.items()]
     persistent = {kind: sum(part[kind] for part in parts) for kind in parts[0]}
     temporaries = {f"ZeRO-{stage} transients (zero_pipeline.step_transient)": transient}
     first_gather = b_w * numel[program[0].chunk] if stage == 3 else 0.0
@@ -254,10 +337,15 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
         messages = messages + (per_layer["forward"] + per_layer["backward"]).times(held["layers"] * m)
         if settings.args.cp_impl == "ring":
             temporaries["ring CP: the K, V block in flight"] = 2 * 2 * micro * seq * config.n_embd // T * s.b_c
+    if s.fp8:
+        messages = messages + _formula_fp8(s)
+    if settings.args.precision_recipe:
+        messages = messages + _formula_precision(s)
     if n_moe:
         tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
         replicas = settings.args.moe_replicas  # R physical slots (eplb.py), 0: none
-        traffic = moe_accounting.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro, replicas)
+        traffic = moe_accounting.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro, replicas,
+                                         s.fp8 is not None, settings.args.precision_recipe is not None)
         shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
         sp_grad_bytes = int(s.b_g * held["moe_replicated"] / shard) if sp else 0
         messages = messages + moe_accounting.step_messages(traffic, sp_grad_bytes)
@@ -274,6 +362,29 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
         peak = moe_memory.rank_peak(traffic, activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param))
         temporaries[peak.temporary()] = peak.above_saved
     return messages
+
+
+def _formula_fp8(s: _Stage) -> Messages:
+    """fp8.Fp8Handle.predicted_messages from the held linears' counts (memory.fp8_weights' tensors): current, per
+    dense linear and micro-batch over cp and tp a forward MAX all_reduce of 8 bytes (twice under activation
+    checkpointing) and a backward one of 4; delayed, per step 12 bytes a linear over its gradient group and tp, in one
+    call per set of groups (the dense linears' dp_cp, the routed experts' expert_dp; each of size > 1)."""
+    shape, m, out = s.settings.shape, s.settings.micro_batches, Messages()
+    linears = {group: sum(n for _, n in blocks) for group, blocks in s.held["codec_blocks"].items()}
+    if s.fp8 == "current":
+        calls = linears["dp_cp"] * m
+        forwards = calls * (2 if s.settings.model.activation_checkpointing else 1)
+        for group in [name for name, size in (("cp", shape.cp), ("tp", shape.tp)) if size > 1]:
+            out.add("all_reduce", group, forwards, 8 * forwards).add("all_reduce", group, calls, 4 * calls)
+        return out
+    buckets = {}  # fp8.Fp8Handle.buckets: the linears' reduction groups → how many
+    for group, count in linears.items():
+        names = tuple(name for name, size in ((group, s.sizes[group]), ("tp", shape.tp)) if size > 1)
+        buckets[names] = buckets.get(names, 0) + count
+    for names, count in buckets.items():
+        for name in names if count else ():
+            out.add("all_reduce", name, 1, 12 * count)
+    return out
 
 
 def _formula_pipeline(s: _Stage, messages, temporaries: dict, facts: tuple | None) -> tuple:
@@ -328,12 +439,13 @@ def _formula_groups(shape: MeshShape, p: int) -> tuple:
 
 
 def grad_sync_messages(held: dict, sizes: dict, stage: int, m: int, bytes_wr: tuple, bucket: float,
-                       tied: bool) -> Messages:
+                       tied: bool, codecs: dict | None = None) -> Messages:
     """The layout's gradient reduction (and ZeRO's gathers) per step over each group of size > 1 (sizes:
     {group: D_g}; bytes_wr: (b_w, b_r)): DDP's tapered buckets (ddp.reverse_order_buckets), ZeRO-1/2's
     units of about `bucket` bytes (+ the tied copy's own), ZeRO-3's per block and the root
-    (zero.ZeroLayout._gathers: a block twice per micro-batch, the last one once, the root twice); plus the
-    step's two scalars over dp_cp."""
+    (zero.ZeroLayout._gathers: a block twice per micro-batch, the last one once, the root twice; codecs, under
+    --fp8: {group: [(elements, tensors) of each block's FP8 weights]}, a unit of their own gathered as 1-byte
+    codes, zero3.by_group_and_codec); plus the step's two scalars over dp_cp."""
     (b_w, b_r), out, cut = bytes_wr, Messages(), 0
     for group, nbytes in held["runs"]:
         if stage == 0 and sizes[group] > 1:
@@ -347,10 +459,16 @@ def grad_sync_messages(held: dict, sizes: dict, stage: int, m: int, bytes_wr: tu
             units = sum(max(1, math.ceil(b_w * n / bucket)) for g, n in held["runs"] if g == group)
             units += tied and group == "dp_cp"
             out.add("all_gather_single", group, units, b_w * local)
-        else:
-            per_block, root = held["blocks"][group], held["root"] if group == "dp_cp" else 0
-            units, last = sum(map(bool, per_block)) + bool(root), per_block[-1] if per_block else 0
-            out.add("all_gather_single", group, m * (2 * units - bool(last)), m * b_w * (2 * local - last))
+        else:  # per block a unit per codec (the FP8 weights' apart: 1-byte codes), gathered twice (the last once)
+            blocks, root = held["blocks"][group], held["root"] if group == "dp_cp" else 0
+            fp8 = codecs[group] if codecs else [(0, 0)] * len(blocks)
+            gathers = [2] * (len(blocks) - 1) + [1]
+            pieces = [piece for (n, (codes, _)), g in zip(zip(blocks, fp8), gathers)
+                      for piece in ((n - codes, b_w, g), (codes, 1, g))]  # (elements, bytes each, gathers)
+            pieces = [piece for piece in pieces + [(root, b_w, 2)] if piece[0]]
+            units = len(pieces)
+            out.add("all_gather_single", group, m * sum(g for _, _, g in pieces),
+                    m * sum(n * b * g for n, b, g in pieces))
         reduces = m if stage >= 2 else 1
         out.add("reduce_scatter_single", group, units * reduces, reduces * b_r * local)
     if sizes["dp_cp"] > 1:

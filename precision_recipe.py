@@ -99,6 +99,12 @@ class PrecisionRecipe:
         """How many of the last blocks stay in the compute dtype: ⌈F·n_layer⌉."""
         return math.ceil(self.tail * n_layer - 1e-9)
 
+    @property
+    def gathers_codes(self) -> bool:
+        """Whether ZeRO-3 gathers its weights as E2M1 codes (recipe_codec.py): fwd = bwd = nvfp4 under w2d, one
+        16×16 quantisation of W serving both GEMMs."""
+        return self.fwd == self.bwd == "nvfp4" and self.w2d
+
     def describe(self) -> str:
         parts = [f"fwd={self.fwd}", f"bwd={self.bwd}"] + [p for p in ("sr", "rht", "w2d") if getattr(self, p)]
         return ",".join(parts + ([f"tail={self.tail:g}"] if self.tail else []) + [f"rule={self.rule}"])
@@ -473,7 +479,7 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
     state = DrawState(seed, first, seq_len, positions)
     n_layer, tail = model.config.n_layer, recipe.tail_layers(model.config.n_layer)
     linears, kept = {}, []
-    codec = ZeroWeightCodec() if recipe.fwd == recipe.bwd == "nvfp4" and recipe.w2d else None  # one quantisation
+    codec = ZeroWeightCodec() if recipe.gathers_codes else None  # one quantisation
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
             leaf = path.rpartition(".")[2]

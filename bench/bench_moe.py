@@ -52,7 +52,8 @@ class Variant:
         self.model = GPT(config, seed=args.seed, device=device)
         self.run = SimpleNamespace(mesh=self.mesh, config=config, seq_len=args.seq, micro_batch_size=args.batch,
                                    micro_batches=1, device=device, autocast=nullcontext(),
-                                   compute_dtype=torch.float32, seed=args.seed, model=self.model, layout=None)
+                                   compute_dtype=torch.float32, seed=args.seed, model=self.model, layout=None,
+                                   settings=SimpleNamespace(args=SimpleNamespace()))  # no --fp8, no recipe
         self.handle = moe.apply(self.model, self.run, moe.MoEConfig(ep))
         self.optimizer = build_adamw(self.model.parameters(), 1e-4)
         params = list(self.model.parameters())

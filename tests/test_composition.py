@@ -210,6 +210,29 @@ def test_pipeline_with_experts_matches_single_device_and_traces_as_predicted():
                 assert traced[key] == pytest.approx((calls, payload), abs=1e-9), (case, rank, key)
 
 
+# FP8 under ZeRO-3 × PP (zero_pipeline.py): each chunk's FP8 weights are a unit of their own, gathered as E4M3
+# codes once per run of the chunk's actions, each gather adding its scale agreement (a MAX all_reduce of 4 bytes a
+# weight over dp_cp): what --plan and --plan-search count (tests/test_plan.py).
+FP8_ZERO3_PIPELINE_4 = [
+    (["--fp8", "current", "--pp", "2", "--zero", "3"], dict(n_layer=2), 8, 1),
+    (["--fp8", "delayed", "--pp", "2", "--pp-schedule", "interleaved", "--zero", "3"], dict(n_layer=4), 8, 2),
+]
+
+
+@pytest.mark.slow
+def test_fp8_zero3_under_a_pipeline_matches_single_device_and_traces_as_predicted():
+    """The update equals the single device's under the same recipe (1e-10, float64: the gathered codes decode to
+    the weights' own FP8 values), and every traced message equals report.predicted_messages."""
+    results = run_ranks(_traced_cases, 4, FP8_ZERO3_PIPELINE_4, timeout=300)
+    for index, case in enumerate(FP8_ZERO3_PIPELINE_4):
+        per_rank = [rank_results[index] for rank_results in results]
+        _check(per_rank, *case)
+        for rank, (_, _, (traced, predicted)) in enumerate(per_rank):
+            assert set(traced) == set(predicted), (case, rank, set(traced) ^ set(predicted))
+            for key, (calls, payload) in predicted.items():
+                assert traced[key] == pytest.approx((calls, payload), abs=1e-9), (case, rank, key)
+
+
 # Selective recompute (recompute.py) with the layouts whose forward sends messages inside a block: the policy
 # keeps each collective's output (collective_ops.py), so the recompute sends nothing and the traced messages are
 # those of a run without recompute; the reference is the plain single-device model (no recompute).

@@ -418,10 +418,10 @@ def test_bf16_bound_catches_a_ring_with_bf16_accumulators(attention_ranks):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _run(mesh, config, device, autocast=None, micro=2):
-    """The slice of train.py's Run that context_parallel.apply reads."""
+def _run(mesh, config, device, autocast=None, micro=2, compute_dtype=torch.float64):
+    """The slice of train.py's Run that context_parallel.apply reads (compute_dtype: autocast's, or the model's)."""
     return SimpleNamespace(mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=micro, micro_batches=1,
-                           device=device, autocast=autocast or nullcontext())
+                           device=device, autocast=autocast or nullcontext(), compute_dtype=compute_dtype)
 
 
 def _model(rank, world, cp_size, tp_size, variants):
@@ -451,7 +451,8 @@ def _model_variant(mesh, tp_size, impl, balance, sp, checkpointing, bf16):
     model = GPT(config, seed=0, dtype=dtype, device=device)
     tp_handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0) if tp_size > 1 else None
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-    handle = cp.apply(model, _run(mesh, config, device, autocast), cp.CPConfig(mesh.size("cp"), impl, balance))
+    handle = cp.apply(model, _run(mesh, config, device, autocast, compute_dtype=torch.bfloat16 if bf16 else dtype),
+                      cp.CPConfig(mesh.size("cp"), impl, balance))
     (x_local, y_local, pos), = handle.shard_batches([(x, y)])
     group = mesh.group("cp")
     count = (y_local != -1).sum().double()

@@ -36,6 +36,26 @@ def test_alpha_beta_stays_finite_when_noise_inverts_the_sizes():
     assert alpha >= 0 and math.isfinite(beta) and math.isclose(beta, (4 << 20) / 4e-3)
 
 
+def test_link_fit_charges_the_tail_per_call_and_takes_beta_from_the_medians():
+    """Calls at 4 KiB and 4 MiB from α = 100 µs, β = 2 GB/s, where a quarter of the calls at each size wait a
+    4 ms scheduler slice more: β comes back exactly (the medians miss the tail), α carries the small calls'
+    mean tail per ring step (α + ¼·4 ms / steps), and collective_seconds with them prices a small call at its
+    mean time, the tail included."""
+    alpha, beta, sizes, world, tail = 100e-6, 2e9, (4096, 4 << 20), 2, 4e-3
+    steps = hardware.ring_steps("all_reduce", world)
+    clean = [steps * alpha + mfu.wire_bytes("all_reduce", m, world) / beta for m in sizes]
+    small = [clean[0] + (tail if i % 4 == 0 else 0.0) for i in range(40)]
+    large = [clean[1] + (tail if i % 4 == 0 else 0.0) for i in range(9)]
+    mean_small = sum(small) / len(small)
+    fit_alpha, fit_beta = hardware.link_fit("all_reduce", sizes, mean_small, hardware.median(small),
+                                            hardware.median(large), world)
+    assert math.isclose(fit_beta, beta, rel_tol=1e-9)
+    assert math.isclose(fit_alpha, alpha + tail / 4 / steps, rel_tol=1e-9)
+    hw = hardware.Hardware("fit", {"fp32": 1.0}, 20.0, 0.0, fit_beta / 1e9, fit_beta / 1e9, fit_alpha * 1e6,
+                           fit_alpha * 1e6, gpus_per_node=world)
+    assert math.isclose(hardware.collective_seconds("all_reduce", 1, sizes[0], [0, 1], hw), mean_small, rel_tol=1e-9)
+
+
 def test_gemm_fraction_prices_the_measured_block_at_its_time():
     """e = F / (peak·(t − bytes/HBM)): time_calibration.compute_seconds with e gives back t exactly."""
 

@@ -228,7 +228,25 @@ QUICK = (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", *REPLAN], {}
 
 
 def _quick(rank, world, root):
-    return _interrupted(rank, world, QUICK, SAVE_AT, root)
+    return _interrupted(rank, world, QUICK, SAVE_AT, root), _fp8_slots(rank, world, QUICK)
+
+
+def _fp8_slots(rank, world, case):
+    """Under --fp8 current: (every expert slot's FP8 linear, those the FP8 handle holds, each slot's logical
+    expert per MoE layer, the slots' row shares) on this rank. Two slots of one expert on a rank share its logical
+    name: both count."""
+    import fp8
+    import moe
+
+    flags, config_kw, global_batch, micro = case
+    run = composed_run(rank, world, [*flags, "--fp8", "current"], config_kw, global_batch, micro, torch.device("cpu"))
+    handle = next(axis for axis in run.axes if axis.name == "fp8")
+    slots = [m for m in run.model.modules() if isinstance(m, fp8.Fp8Linear) and m.row_alignment > 1]
+    held = {id(linear) for linear in handle.linears.values()}
+    layers = [block.mlp for block in run.model.transformer.h if isinstance(block.mlp, moe.MoE)]
+    return (len(slots), sum(id(m) in held for m in slots),
+            [[r.phy2log[q] for q in r.local] for r in (layer.replicas for layer in layers)],
+            {m.row_share for m in slots}, run.model.config.moe_topk)
 
 
 def test_two_ranks_with_replicas_train_as_one_device_keep_replicas_equal_trace_as_predicted_and_replay(tmp_path):
@@ -236,7 +254,8 @@ def test_two_ranks_with_replicas_train_as_one_device_keep_replicas_equal_trace_a
     every held tensor within 1e-10 of the single device's, replicas bitwise equal, messages as predicted; saved
     after step 2 and resumed on the same mesh, bitwise the uninterrupted run (the placement of step 3 and the
     one step 3's re-plan made from the loaded average)."""
-    per_rank = run_ranks(_quick, 2, str(tmp_path), timeout=300)
+    results = run_ranks(_quick, 2, str(tmp_path), timeout=300)
+    per_rank = [interrupted for interrupted, _ in results]
     whole = [w for w, _ in per_rank]
     _check([(r["losses"], r["params"]) for r in whole], *QUICK)
     _assert_replicas_equal_and_moved(whole)
@@ -246,6 +265,10 @@ def test_two_ranks_with_replicas_train_as_one_device_keep_replicas_equal_trace_a
     assert all(float(a.sum()) > 0 for a in averages[0].values())
     assert all(r.keys() == averages[0].keys() and all(torch.equal(r[k], averages[0][k]) for k in r)
                for r in averages)
+    for slots, held, experts, shares, k in (fp8_slots for _, fp8_slots in results):  # --fp8 current: every slot
+        assert any(len(set(e)) < len(e) for e in experts)  # some rank holds two slots of one expert
+        assert slots == held == 2 * sum(len(e) for e in experts), (slots, held, experts)
+        assert shares == {2 * k / 6}  # E·k/R of a rank's routed rows per slot (uniform routing), not E·k/N
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +329,8 @@ BAD = [
      "--moe-replan-every must be at least 1"),
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--moe-load-decay", "1"],
      "--moe-load-decay must be in [0, 1)"),
+    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--fp8", "delayed"],
+     "--fp8 delayed with --moe-replicas 6"),
 ]
 
 

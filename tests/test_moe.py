@@ -466,7 +466,8 @@ def _model(rank, world):
         mesh = build_mesh(MeshShape(dp=world, ep=ep))
         model = GPT(config, seed=0, dtype=DT, device=device)
         run = SimpleNamespace(mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=1, micro_batches=M,
-                              device=device, autocast=nullcontext(), compute_dtype=DT, seed=0, model=model, layout=None)
+                              device=device, autocast=nullcontext(), compute_dtype=DT, seed=0, model=model, layout=None,
+                              settings=SimpleNamespace(args=SimpleNamespace()))  # no --fp8, no recipe
         handle = moe.apply(model, run, moe.MoEConfig(ep))
         report_axes.observe(handle)  # as train.compose does: the routed load the lines and the end table read
         startup = report_axes.axis_lines(handle, "startup", run)

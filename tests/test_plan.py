@@ -43,6 +43,8 @@ CASES = [  # (flags, global batch, B_μ)
     (["--pp", "2", "--pp-schedule", "1f1b", "--n-layer", "4", "--zero", "3"], 8, 1),
     (["--pp", "2", "--pp-schedule", "interleaved", "--n-layer", "4", "--zero", "3"], 8, 1),
     (["--pp", "2", "--pp-schedule", "1f1b", "--n-layer", "4", "--zero", "3", "--dtype", "bf16"], 8, 1),
+    (["--pp", "2", "--pp-schedule", "1f1b", "--n-layer", "4", "--zero", "3", "--fp8", "current"], 8, 1),  # codes
+    (["--cp", "2", "--cp-impl", "ring", "--dtype", "bf16"], 4, 1),  # the ring's [K; V] in autocast's dtype
     (["--diloco-h", "2", "--diloco-replicas", "2", "--zero", "1"], 8, 1),  # diloco.py: the outer state, Δ
     (["--tp", "2", "--activation-checkpointing", "selective"], 4, 1),  # the kept collective outputs
     (["--tp", "2", "--sp", "--activation-checkpointing", "selective", "--zero", "1"], 4, 1),
@@ -221,7 +223,8 @@ def test_plan_forward_within_10_percent_of_the_first_forward(real, index):
     """One forward's estimate (ActivationEstimate.forward, less the SP-hidden part) against what the run's end line
     measures of its first forward (v = 1: a forward is the stage's; interleaving averages its v chunks). Under
     ZeRO-3 the chunk's gathered unit counts whole, each of its blocks (activations.zero3_saved_weights): counting
-    the last block only read +25% (p 0) and +33% (p 1) at 2 blocks a stage, bf16."""
+    the last block only read +25% (p 0) and +33% (p 1) at 2 blocks a stage, bf16; under --fp8 its FP8 weights
+    are a unit no saved tensor references: counting them read 2.78 (p 0) and 2.23 (p 1) of the measured bytes."""
     for rank, role in enumerate(_planned(index)):
         a, measured = role.activations, real[rank][index]["first"]
         seen = a.forward - a.hidden
@@ -234,6 +237,7 @@ SEARCHED = [  # layouts the search enumerates, on 8 ranks
     (["--tp", "2", "--sp", "--activation-checkpointing", "selective"], 8, 1),
     (["--pp", "2", "--tp", "2", "--sp", "--zero", "1", "--pp-schedule", "interleaved", "--n-layer", "4"], 8, 1),
     (["--cp", "2"], 8, 1), (["--cp", "2", "--tp", "2", "--sp", "--zero", "3"], 8, 2),
+    (["--cp", "2", "--tp", "2", "--sp", "--dtype", "bf16"], 8, 1),  # the ring's [K; V] in e_c, [dK; dV] in fp32
     (["--moe-experts", "4", "--ep", "2"], 8, 1), (["--moe-experts", "4", "--ep", "4", "--zero", "2"], 16, 2),
     (["--moe-experts", "4", "--moe-every", "2", "--ep", "2", "--cp", "2", "--zero", "3"], 8, 1),
     (["--moe-experts", "4", "--ep", "2", "--tp", "2", "--sp", "--zero", "1", "--pp", "2"], 8, 1),
@@ -248,6 +252,17 @@ SEARCHED = [  # layouts the search enumerates, on 8 ranks
     (["--moe-experts", "4", "--ep", "4", "--moe-replicas", "8", "--zero", "3", "--moe-replan-every", "4"], 16, 2),
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--tp", "2", "--sp", "--zero", "1", "--pp", "2",
       "--moe-score", "sigmoid", "--moe-bias-rate", "1e-3"], 8, 1),  # the loads in the router's call, dp×cp and tp
+    (["--fp8", "current", "--zero", "3"], 16, 1),  # FP8 weights gathered as E4M3 codes, units of their own
+    (["--fp8", "current", "--pp", "2", "--pp-schedule", "1f1b", "--n-layer", "4", "--zero", "3"], 8, 1),
+    (["--fp8", "current", "--zero", "3", "--tp", "2", "--sp", "--cp", "2"], 8, 2),  # the scales' MAX over cp, tp
+    (["--fp8", "delayed", "--pp", "2", "--pp-schedule", "interleaved", "--n-layer", "4", "--zero", "2"], 16, 2),
+    (["--fp8", "delayed", "--moe-experts", "4", "--ep", "2", "--moe-shared-experts", "1", "--pp", "2", "--n-layer",
+      "4", "--zero", "3"], 8, 1),  # the experts' codes and histories over expert_dp
+    (["--fp8", "current", "--moe-experts", "4", "--zero", "1"], 8, 1),  # E = 1: moe_memory's FP8 table, padded rows
+    (["--precision-recipe", "nvfp4", "--zero", "3"], 16, 1),  # NVFP4 weights gathered as E2M1 codes, tile amaxes
+    (["--precision-recipe", "nvfp4", "--zero", "3", "--tp", "2", "--sp", "--n-layer", "8"], 8, 1),  # tail, tp
+    (["--precision-recipe", "nvfp4", "--moe-experts", "4", "--ep", "2", "--zero", "3"], 8, 1),  # experts' codes
+    (["--precision-recipe", "nvfp4", "--pp", "2", "--pp-schedule", "1f1b", "--n-layer", "4", "--zero", "3"], 8, 1),
 ]
 
 
