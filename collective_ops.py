@@ -9,9 +9,9 @@ Wrapped as one out-of-place operator each (`collectives::all_reduce`, ...), a co
 the policy: it runs once in the forward, its output is kept (`SAVED`), and the recompute reads the kept tensor
 instead of sending anything. The layouts' autograd Functions call these in their forward where the model
 recomputes selectively (tensor_parallel.TensorParallelContext.operators, context_parallel's Ulysses
-exchange, the amax MAX over tp and cp of fp8.Fp8Linear and precision_recipe.RecipeLinear); their backward
-collectives are no recompute and stay raw calls (`sum_raw`, `gather_raw`, `scatter_raw`, `max_raw`:
-tensor_parallel's, and what the operators run).
+exchange, the amax MAX over tp and cp of fp8.Fp8Linear and precision_recipe.RecipeLinear: `amax_max`); their
+backward collectives are no recompute and stay raw calls (`sum_raw`, `gather_raw`, `scatter_raw`: tensor_parallel's;
+they and `max_raw` are what the operators run).
 
 Accounting (memory.py's symbols):
 1. Nothing split: each operator is the raw collective on a fresh buffer, the same bytes, the same call.
@@ -36,7 +36,7 @@ def sum_raw(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def max_raw(x: torch.Tensor, group) -> torch.Tensor:
-    """MAX over `group` of x by dist.all_reduce, into a fresh buffer (FP8's amaxes, fp8.Fp8Linear.scales)."""
+    """MAX over `group` of x by dist.all_reduce, into a fresh buffer (what `collectives::all_reduce_max` runs)."""
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
@@ -126,8 +126,22 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
-    """MAX over `group` of x, a new tensor (FP8's amax reduction under selective recompute)."""
+    """MAX over `group` of x, a new tensor (an amax reduction under selective recompute: `amax_max`)."""
     return torch.ops.collectives.all_reduce_max(x, group.group_name)
+
+
+def amax_max(amax: torch.Tensor, groups, operator: bool) -> torch.Tensor:
+    """The amaxes of logical tensors whose pieces lie on several ranks: NaN made inf (a MAX must not drop it), then
+    MAX over each of `groups` in turn (fp8.Fp8Linear.scales, precision_recipe.RecipeLinear's NVFP4 amaxes). Where
+    `operator` (the block is recomputed selectively) by `all_reduce_max`, an op the policy keeps, so the recompute
+    sends nothing; else in place by dist.all_reduce: the same calls and bytes."""
+    amax = torch.nan_to_num(amax, nan=float("inf"))
+    for group in groups:
+        if operator:
+            amax = all_reduce_max(amax, group)
+        else:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
 
 
 def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:

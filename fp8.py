@@ -351,12 +351,7 @@ class Fp8Linear(nn.Linear):
         reduced: the caller has reduced them (ZeRO-3's codec, all weights of a unit in one all-reduce)."""
         if self.recipe.mode == "delayed" and self.history_ready:
             return self.scale[roles].clone()
-        amax = torch.nan_to_num(amax, nan=float("inf"))  # MAX must not drop a NaN
-        for group in () if reduced else self.amax_groups.values():
-            if self.operators:
-                amax = collective_ops.all_reduce_max(amax, group)
-            else:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        amax = collective_ops.amax_max(amax, () if reduced else self.amax_groups.values(), self.operators)
         return scale_from_amax(amax, self.fmt_max[roles], self.recipe.margin)
 
     def record(self, roles: slice, amax, scale, saturated=(), values=(), training: bool = True) -> None:

@@ -56,7 +56,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import collective_ops
@@ -340,13 +339,7 @@ class RecipeLinear(nn.Linear):
 
     def _reduced_amax(self, values: list) -> torch.Tensor:
         """The amaxes of the logical tensors: MAX over the ranks holding pieces of them (NaN kept: inf)."""
-        amax = torch.nan_to_num(torch.stack(values), nan=float("inf"))
-        for group in self.amax_groups.values():
-            if self.operators:  # kept by selective recompute's policy: its recompute sends nothing
-                amax = collective_ops.all_reduce_max(amax, group)
-            else:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        return amax
+        return collective_ops.amax_max(torch.stack(values), self.amax_groups.values(), self.operators)
 
     def _fq(self, x: torch.Tensor, fmt: str, dtype, role: int | None, two_d: bool = False, tensor_amax=None,
             draws=None):
