@@ -122,7 +122,7 @@ class _Stage:
     b_m: int  # of a master weight or an Adam moment
     b_g: int  # of a held gradient: ZeRO with m > 1 sums the micro-batches in the master dtype
     b_r: int  # of what the gradient reduction sends
-    fp8: str | None = None  # --fp8: its linears' weights are units of their own under ZeRO-3 (ZeRO-2/3 × PP)
+    fp8: str | None = None  # --fp8 current or delayed (_formula_fp8's; their weights: units of their own, ZeRO-3)
     codec: str | None = None  # ZeRO-3's gather codec: "e4m3" (--fp8 current, delayed), "nvfp4" (a recipe's)
 
 
@@ -159,11 +159,22 @@ def codec_weights(settings, layers) -> dict:
     own (zero3.by_group_and_codec): the block linears' (memory.fp8_weights: every nn.Linear but the router), under a
     precision recipe only the blocks before its tail (precision_recipe.convert keeps the last ⌈F·n_layer⌉ precise)."""
     config, shape, slots = settings.model, settings.shape, settings.args.moe_replicas
-    if gather_codec(settings) == "nvfp4":
-        first_kept = config.n_layer - precision_recipe.parse_recipe(settings.args.precision_recipe).tail_layers(
-            config.n_layer)
-        layers = [layer for layer in layers if layer < first_kept]
+    layers = recipe_layers(settings, layers) if gather_codec(settings) == "nvfp4" else layers
     return memory.fp8_weights(config, shape.tp, shape.ep, layers, slots)
+
+
+def recipe_layers(settings, layers) -> list:
+    """Of `layers`, those a precision recipe quantises: the blocks before its tail (precision_recipe.convert keeps
+    the last ⌈F·n_layer⌉ in the compute dtype)."""
+    n_layer = settings.model.n_layer
+    first_kept = n_layer - precision_recipe.parse_recipe(settings.args.precision_recipe).tail_layers(n_layer)
+    return [layer for layer in layers if layer < first_kept]
+
+
+def amax_groups(shape: MeshShape) -> list:
+    """The groups an amax is MAX-reduced over (the ranks holding pieces of one logical tensor): cp and tp, each
+    of size > 1 (fp8.Fp8Linear's and precision_recipe.RecipeLinear's amax_groups)."""
+    return [name for name, size in (("cp", shape.cp), ("tp", shape.tp)) if size > 1]
 
 
 def _formula_precision(s: _Stage) -> Messages:
@@ -173,9 +184,9 @@ def _formula_precision(s: _Stage) -> Messages:
     settings, out = s.settings, Messages()
     recipe = precision_recipe.parse_recipe(settings.args.precision_recipe)
     config, shape = settings.model, settings.shape
-    held = [layer for layer in s.held["layer_ids"] if layer < config.n_layer - recipe.tail_layers(config.n_layer)]
+    held = recipe_layers(settings, s.held["layer_ids"])
     calls = memory.fp8_weights(config, shape.tp, shape.ep, held)["dp_cp"][1] * settings.micro_batches
-    for group in [name for name, size in (("cp", shape.cp), ("tp", shape.tp)) if size > 1 and calls]:
+    for group in amax_groups(shape) if calls else []:
         if recipe.fwd == "nvfp4":
             forwards = calls * (2 if config.activation_checkpointing else 1)
             out.add("all_reduce", group, forwards, 8 * forwards)
@@ -273,11 +284,10 @@ def codec_messages(s: _Stage, group: str, weights: tuple) -> Messages:
     of 16: precision_recipe.config_from_flags); then, for the dense linears, 4 bytes per tensor over
     their amax groups cp and tp (each of size > 1; a routed expert is whole on its rank: none)."""
     shape, out, (elements, tensors) = s.settings.shape, Messages(), weights
-    amax_groups = [name for name, size in (("cp", shape.cp), ("tp", shape.tp)) if size > 1 and group == "dp_cp"]
     if s.sizes[group] > 1:
         width = 8 if s.b_w == 8 else 4
         out.add("all_reduce", group, 1, width * (elements // 256 + tensors) if s.codec == "nvfp4" else 4 * tensors)
-    for name in amax_groups:
+    for name in amax_groups(shape) if group == "dp_cp" else []:
         out.add("all_reduce", name, 1, 4 * tensors)
     return out
 
@@ -374,7 +384,7 @@ def _formula_fp8(s: _Stage) -> Messages:
     if s.fp8 == "current":
         calls = linears["dp_cp"] * m
         forwards = calls * (2 if s.settings.model.activation_checkpointing else 1)
-        for group in [name for name, size in (("cp", shape.cp), ("tp", shape.tp)) if size > 1]:
+        for group in amax_groups(shape):
             out.add("all_reduce", group, forwards, 8 * forwards).add("all_reduce", group, calls, 4 * calls)
         return out
     buckets = {}  # fp8.Fp8Handle.buckets: the linears' reduction groups → how many
@@ -444,8 +454,8 @@ def grad_sync_messages(held: dict, sizes: dict, stage: int, m: int, bytes_wr: tu
     {group: D_g}; bytes_wr: (b_w, b_r)): DDP's tapered buckets (ddp.reverse_order_buckets), ZeRO-1/2's
     units of about `bucket` bytes (+ the tied copy's own), ZeRO-3's per block and the root
     (zero.ZeroLayout._gathers: a block twice per micro-batch, the last one once, the root twice; codecs, under
-    --fp8: {group: [(elements, tensors) of each block's FP8 weights]}, a unit of their own gathered as 1-byte
-    codes, zero3.by_group_and_codec); plus the step's two scalars over dp_cp."""
+    gather_codec's e4m3 or nvfp4: {group: [(elements, tensors) of each block's coded weights]}, a unit of their own
+    gathered as 1-byte codes, zero3.by_group_and_codec); plus the step's two scalars over dp_cp."""
     (b_w, b_r), out, cut = bytes_wr, Messages(), 0
     for group, nbytes in held["runs"]:
         if stage == 0 and sizes[group] > 1:
@@ -522,7 +532,7 @@ def candidates(world: int, config, global_batch: int, gpus_per_node: int):
         for zero_stage, micro, schedule, ac in product((0, 1, 2, 3), (1, 2, 4, 8),
                                                        ("1f1b", "interleaved") if P > 1 else ("1f1b",),
                                                        recompute.MODES):
-            if (global_batch // D) % micro == 0:  # selective's refusals (CP, MoE): flags.validate's
+            if (global_batch // D) % micro == 0:  # selective's one refusal (the ring): flags.validate's
                 yield dict(T=T, C=C, P=P, D=D, E=E, zero=zero_stage, micro=micro, schedule=schedule, ac=ac)
 
 
