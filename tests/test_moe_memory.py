@@ -188,6 +188,22 @@ def _alive_after_each_op(modules):
     return live
 
 
+def _assert_saved_and_moments_equal_the_table(layer, x, autocast, measured, predicted):
+    """The step's saved bytes are the table's (moe_memory.block_peak), and in a second forward the bytes alive
+    after the experts' outputs are concatenated (P1) and after the combine's index_add (P2) are the table's terms
+    alive at those moments, to the byte."""
+    import moe_memory
+
+    assert measured.saved == predicted.saved, (measured, predicted.buffers)
+    live = _alive_after_each_op({"layer": layer})
+    with live, torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
+        layer(x)
+    table = moe_memory.terms(predicted.shape)
+    for op, moment in (("aten.cat", "1"), ("aten.index_add", "2")):
+        alive = [nbytes for name, nbytes in live.after if name.startswith(op)][-1]
+        assert alive == sum(nbytes for _, nbytes, _, when in table if moment in when), (op, alive)
+
+
 FP8_ONE_DEVICE = [  # (recipe, layer kwargs, autocast)
     ("current", dict(), False), ("current", dict(k=1), False), ("current", dict(), True),
     ("current", dict(dtype=torch.bfloat16), True), ("delayed", dict(n=8), False), ("current", dict(dtype=torch.float64),
@@ -223,14 +239,7 @@ def test_fp8_experts_saved_bytes_and_moments_equal_the_prediction_for_the_rows_t
     shape = _predict(config, layer.observer.rows, B * S_LEN, dtype, autocast).shape
     padded = (fp8_experts.padded_rows(chunks), sum(map(bool, chunks)), 8 if dtype == torch.float64 else 4)
     predicted = moe_memory.block_peak(moe_memory.DispatchShape(**{**shape.__dict__, "fp8": padded}))
-    assert measured.saved == predicted.saved, (measured, predicted.buffers)
-    live = _alive_after_each_op({"layer": layer})
-    with live, torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
-        layer(x)
-    table = moe_memory.terms(predicted.shape)
-    for op, moment in (("aten.cat", "1"), ("aten.index_add", "2")):
-        alive = [nbytes for name, nbytes in live.after if name.startswith(op)][-1]
-        assert alive == sum(nbytes for _, nbytes, _, when in table if moment in when), (op, alive)
+    _assert_saved_and_moments_equal_the_table(layer, x, autocast, measured, predicted)
     assert measured.peak > predicted.peak and measured.at.startswith("aten.mm")  # the emulated GEMM (not written)
 
 
@@ -258,14 +267,7 @@ def test_recipe_experts_saved_bytes_and_moments_equal_the_table_without_weight_c
     measured = _measure(layer, x, autocast)
     shape = _predict(config, layer.observer.rows, B * S_LEN, torch.float32, autocast).shape
     predicted = moe_memory.block_peak(moe_memory.DispatchShape(**{**shape.__dict__, "recipe": True}))
-    assert measured.saved == predicted.saved, (measured, predicted.buffers)
-    live = _alive_after_each_op({"layer": layer})
-    with live, torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
-        layer(x)
-    table = moe_memory.terms(predicted.shape)
-    for op, moment in (("aten.cat", "1"), ("aten.index_add", "2")):
-        alive = [nbytes for name, nbytes in live.after if name.startswith(op)][-1]
-        assert alive == sum(nbytes for _, nbytes, _, when in table if moment in when), (op, alive)
+    _assert_saved_and_moments_equal_the_table(layer, x, autocast, measured, predicted)
 
 
 def test_the_plan_pads_each_expert_by_the_mean():
