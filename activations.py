@@ -11,10 +11,10 @@ part of the model a rank holds, as the run runs it:
 
 A MoE block's router and experts are moe.py's terms (uniform routing), its shared experts moe_shared.py's;
 under activation checkpointing a block keeps its input only, under selective recompute its input and its GEMM
-outputs (memory.selective_block_terms). Under ZeRO-3 a weight autograd saves is a view of its gathered unit: the
-units still gathered when the forward ends count (zero3_saved_weights). The start-up prints the estimate
-(report.py), the end compares it with what the first forward saved, and plan.py and plan_search.py size layouts
-with it, so a plan and a run print the same bytes.
+outputs (memory.selective_block_terms; a MoE block by halves, `selective_blocks`). Under ZeRO-3 a weight autograd
+saves is a view of its gathered unit: the units still gathered when the forward ends count (zero3_saved_weights).
+The start-up prints the estimate (report.py), the end compares it with what the first forward saved, and plan.py
+and plan_search.py size layouts with it, so a plan and a run print the same bytes.
 
 It is its own file, not memory.py, because it sits above the axes: it reads moe.py's expert terms and the
 pipeline's schedule, while the axes (pipeline.py, zero.py, ddp.py, step.py, through it moe.py) import memory.py.
@@ -78,15 +78,16 @@ def shape_of(settings, config, device_type: str, compute_dtype, param_dtype) -> 
     cp_impl = settings.args.cp_impl if settings.shape.cp > 1 else None
     # CP's attention (the ring, or SDPA on whole sequences inside Ulysses) runs without dropout (refused).
     kernel = "fused" if cp_impl else memory.attention_kernel(device_type, compute_dtype, config.dropout)
+    fp8 = settings.args.fp8
+    emulated = fp8 is not None and (device_type != "cuda" or fp8 == "blockwise")  # FP8's GEMM: an mm in fp32 or wider
     return memory.ActivationShape(
         s=settings.seq_len // settings.shape.cp, b=settings.micro_batch_size, h=config.n_embd, a=config.n_head,
         vocab=config.vocab_size, t=settings.shape.tp, sp=settings.sequence_parallel,
         e_r=param_dtype.itemsize, e_c=compute_dtype.itemsize, dropout=config.dropout > 0,
         bool_masks=device_type == "cuda", fp32_norms=device_type == "cuda" and compute_dtype.itemsize < 4,
-        kernel=kernel, ulysses=cp_impl == "ulysses", fp8=settings.args.fp8 is not None,
-        regather=settings.args.fp8 is None,  # FP8 keeps the gathered input (fp8.convert)
-        e_g=max(compute_dtype.itemsize, 4) if settings.args.fp8 and (device_type != "cuda" or settings.args.fp8
-                                                                     == "blockwise") else 0)  # emulated
+        kernel=kernel, ulysses=cp_impl == "ulysses", fp8=fp8 is not None,
+        regather=fp8 is None,  # FP8 keeps the gathered input (fp8.convert)
+        e_g=max(compute_dtype.itemsize, 4) if emulated else 0)
 
 
 def activation_estimate(run, device_type: str | None = None) -> ActivationEstimate:

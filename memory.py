@@ -359,7 +359,8 @@ def selective_block_terms(x: ActivationShape, mlp: bool = True) -> dict[str, flo
         fused attention's output     (sbh·e_c + s·b·a·max(e_c, 4))/T   its output and log-sum-exp (fused kernel
                                                          only: the math path's core attention is recomputed)
     Recomputed from those: the LayerNorms' outputs and statistics, the GELU's output, the dropouts and their
-    masks, autocast's weight copies. T = 1: 9·sbh·e_c of GEMM outputs, no collective."""
+    masks, autocast's weight copies. T = 1: 9·sbh·e_g of GEMM outputs, no collective. e_g is the kept GEMM output's
+    element: e_c, or fp32 or wider where FP8's GEMM is emulated (ActivationShape.e_g; 1-byte codes are not kept)."""
     sbh, t, sides = x.s * x.b * x.h, x.t, 1 + mlp
     fused = x.kernel == "fused"
     collectives = (0.0 if t == 1 else sides * (1 + 1 / t if x.sp else 1) * sbh * x.e_c) + (
