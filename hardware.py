@@ -166,6 +166,7 @@ def hardware_line(hw: Hardware, dtype: str) -> str:
 
 
 def median(samples) -> float:
+    """The middle of the sorted samples (the upper one of an even count): one slow sample cannot move it."""
     return sorted(samples)[len(samples) // 2]
 
 
