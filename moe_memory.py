@@ -76,13 +76,14 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    each chunk's row count mod 16 alike: fp8_experts.expected_padded_rows). Not written: inside each expert's
    GEMM, where a CPU's emulation peaks (its fp32 operands and product: 52,648 bytes measured against P2's
    31,932 in the first test case; _scaled_mm's on a GPU not measured), the step's first forward making the
-   weight codes (N/E·8h² bytes and scalars, kept to the step's end), the backward under FP8, and E > 1 (the
-   table there is the unquantised one). A precision recipe (recipe_experts.py, `recipe`): its linears save the
-   weight parameter itself, so the table drops autocast's copies (the shared experts' too) and its saved bytes and
-   P1, P2 are measured equal (nvfp4 with and without autocast, mxfp8 under autocast; with the copies, 30,668
-   saved predicted against 14,284 measured); not written: the emulation's fake-quantisation temporaries, where its
-   CPU forward peaks (38,312 measured against P2's 26,780, nvfp4 in fp32), a recipe's tail layers (which keep
-   autocast's copies: the plan's table is the quantised layers'), and its backward.
+   weight codes (N/E·8h² bytes and scalars, kept to the step's end), the backward under FP8, and E > 1 and
+   --fp8 blockwise (its tiles' scales; the table there is the unquantised one). A precision recipe
+   (recipe_experts.py, `recipe`): its linears save the weight parameter itself, so the table drops autocast's copies
+   (the shared experts' too) and its saved bytes and P1, P2 are measured equal (nvfp4 with and without autocast,
+   mxfp8 under autocast; with the copies, 30,668 saved predicted against 14,284 measured); not written: the
+   emulation's fake-quantisation temporaries, where its CPU forward peaks (38,312 measured against P2's 26,780, nvfp4
+   in fp32), a recipe's tail layers (which keep autocast's copies: the plan's table is the quantised layers'), and
+   its backward.
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
 
