@@ -72,15 +72,16 @@ def stage_holding(config, P: int, v: int, p: int) -> tuple:
     return layer_ids, 0 in chunks, P * v - 1 in chunks
 
 
-def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0, codes=None) -> dict:
+def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0, codec_settings=None) -> dict:
     """pp rank p's parameters by the shapes (memory.param_counts of what it holds, T and E as the shape says),
     per data-parallel group ("dp_cp": dense, "expert_dp": experts): "blocks" each held block's, "root" the
     embedding's (first chunk) and ln_f's and the head's tied copy (last chunk), "replicated" what TP replicates
     (the SP gradient sum's), "moe_replicated" the routers' and this rank's experts (MoE's own SP sum,
     moe_accounting.step_messages). "runs": (group, elements) in registration order, adjacent tensors of one group
     together (a bucket or ZeRO unit never spans two groups). slots: R with --moe-replicas (R/E experts a block).
-    codes: `codec_weights`' settings (None: no gather codec): "codec_blocks", each held block's weights ZeRO-3
-    gathers as codes, (elements, tensors) per group (under --fp8 also the FP8 linears _formula_fp8 counts)."""
+    codec_settings: the run's settings where it has a gather codec (None: none): "codec_blocks", each held block's
+    weights ZeRO-3 gathers as codes, (elements, tensors) per group (under --fp8 also the FP8 linears _formula_fp8
+    counts)."""
     layer_ids, embedding, head = stage_holding(config, shape.pp, v, p)
 
     def held(layers, embedding: bool = False, head: bool = False) -> dict:
@@ -98,8 +99,8 @@ def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0, codes
         runs += [["expert_dp", block["expert_dp"]], ["dp_cp", 0]] if block["expert_dp"] else []
     runs[-1][1] += last
     local = {"dp_cp": whole["dp_cp"], "expert_dp": whole["expert_dp"]}
-    codec_blocks = {group: [codec_weights(codes, [layer])[group] for layer in layer_ids]
-                    for group in local} if codes is not None else None
+    codec_blocks = {group: [codec_weights(codec_settings, [layer])[group] for layer in layer_ids]
+                    for group in local} if codec_settings is not None else None
     return dict(layer_ids=layer_ids, codec_blocks=codec_blocks, embedding=embedding, head=head, layers=len(layer_ids),
                 blocks=blocks, root=first + last, local=local, total=whole["per_rank"], runs=[r for r in runs if r[1]],
                 replicated=whole["replicated"], moe_replicated=whole["router"] + whole["expert_dp"],
