@@ -233,8 +233,8 @@ def _quick(rank, world, root):
 
 def _fp8_slots(rank, world, case):
     """Under --fp8 current: (every expert slot's FP8 linear, those the FP8 handle holds, each slot's logical
-    expert per MoE layer, the slots' row shares) on this rank. Two slots of one expert on a rank share its logical
-    name: both count."""
+    expert per MoE layer, the slots' row shares) on this rank. Two slots of one expert on a rank are two FP8
+    linears, each named by its slot's path (by the logical name they would collide): both count."""
     import fp8
     import moe
 
