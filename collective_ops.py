@@ -9,7 +9,7 @@ Wrapped as one out-of-place operator each (`collectives::all_reduce`, ...), a co
 the policy: it runs once in the forward, its output is kept (`SAVED`), and the recompute reads the kept tensor
 instead of sending anything. The layouts' autograd Functions call these in their forward where the model
 recomputes selectively (tensor_parallel.TensorParallelContext.operators, context_parallel's Ulysses
-exchange, the amax MAX over tp and cp of fp8.Fp8Linear and precision_recipe.RecipeLinear: `amax_max`); their
+exchange, the amax MAX over tp and cp of fp8.Fp8Linear and precision_recipe.RecipeLinear: `reduce_amax`); their
 backward collectives are no recompute and stay raw calls (`sum_raw`, `gather_raw`, `scatter_raw`: tensor_parallel's;
 they and `max_raw` are what the operators run).
 
@@ -126,11 +126,11 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
-    """MAX over `group` of x, a new tensor (an amax reduction under selective recompute: `amax_max`)."""
+    """MAX over `group` of x, a new tensor (an amax reduction under selective recompute: `reduce_amax`)."""
     return torch.ops.collectives.all_reduce_max(x, group.group_name)
 
 
-def amax_max(amax: torch.Tensor, groups, operator: bool) -> torch.Tensor:
+def reduce_amax(amax: torch.Tensor, groups, operator: bool) -> torch.Tensor:
     """The amaxes of logical tensors whose pieces lie on several ranks: NaN made inf (a MAX must not drop it), then
     MAX over each of `groups` in turn (fp8.Fp8Linear.scales, precision_recipe.RecipeLinear's NVFP4 amaxes). Where
     `operator` (the block is recomputed selectively) by `all_reduce_max`, an op the policy keeps, so the recompute

@@ -351,7 +351,7 @@ class Fp8Linear(nn.Linear):
         reduced: the caller has reduced them (ZeRO-3's codec, all weights of a unit in one all-reduce)."""
         if self.recipe.mode == "delayed" and self.history_ready:
             return self.scale[roles].clone()
-        amax = collective_ops.amax_max(amax, () if reduced else self.amax_groups.values(), self.operators)
+        amax = collective_ops.reduce_amax(amax, () if reduced else self.amax_groups.values(), self.operators)
         return scale_from_amax(amax, self.fmt_max[roles], self.recipe.margin)
 
     def record(self, roles: slice, amax, scale, saturated=(), values=(), training: bool = True) -> None:

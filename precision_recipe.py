@@ -339,7 +339,7 @@ class RecipeLinear(nn.Linear):
 
     def _reduced_amax(self, values: list) -> torch.Tensor:
         """The amaxes of the logical tensors: MAX over the ranks holding pieces of them (NaN kept: inf)."""
-        return collective_ops.amax_max(torch.stack(values), self.amax_groups.values(), self.operators)
+        return collective_ops.reduce_amax(torch.stack(values), self.amax_groups.values(), self.operators)
 
     def _fq(self, x: torch.Tensor, fmt: str, dtype, role: int | None, two_d: bool = False, tensor_amax=None,
             draws=None):
