@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import fp8_experts
+import fp8_scaling
 import memory
 import moe_accounting
 import moe_shared
@@ -69,17 +70,25 @@ class ActivationEstimate:
 
 def activation_shape(run, device_type: str | None = None) -> memory.ActivationShape:
     """The symbols of memory.py's activation formulas for this rank: its sequence (s/C), its dtypes, the kernel (of
-    `device_type`'s attention, default the run's device: plan.py sizes a GPU from a meta build)."""
-    return shape_of(run.settings, run.config, device_type or run.device.type, run.compute_dtype, run.param_dtype)
+    `device_type`'s attention, default the run's device: plan.py sizes a GPU from a meta build). FP8's GEMM runs
+    on torch._scaled_mm where the run's device has FP8 tensor cores (compute capability >= 8.9, as fp8.py decides),
+    emulated elsewhere (an A100 too); a plan's GPU is a preset that has them."""
+    if device_type is None:
+        return shape_of(run.settings, run.config, run.device.type, run.compute_dtype, run.param_dtype,
+                        fp8_tensor_cores=fp8_scaling.has_fp8_tensor_cores(run.device))
+    return shape_of(run.settings, run.config, device_type, run.compute_dtype, run.param_dtype)
 
 
-def shape_of(settings, config, device_type: str, compute_dtype, param_dtype) -> memory.ActivationShape:
-    """activation_shape without a run (plan.py's search sizes layouts it never builds)."""
+def shape_of(settings, config, device_type: str, compute_dtype, param_dtype,
+             fp8_tensor_cores: bool | None = None) -> memory.ActivationShape:
+    """activation_shape without a run (plan.py's search sizes layouts it never builds; a "cuda" device there is a
+    GPU preset with FP8 tensor cores unless fp8_tensor_cores says otherwise)."""
     cp_impl = settings.args.cp_impl if settings.shape.cp > 1 else None
     # CP's attention (the ring, or SDPA on whole sequences inside Ulysses) runs without dropout (refused).
     kernel = "fused" if cp_impl else memory.attention_kernel(device_type, compute_dtype, config.dropout)
     fp8 = settings.args.fp8
-    emulated = fp8 is not None and (device_type != "cuda" or fp8 == "blockwise")  # FP8's GEMM: an mm in fp32 or wider
+    tensor_cores = device_type == "cuda" if fp8_tensor_cores is None else fp8_tensor_cores
+    emulated = fp8 is not None and (not tensor_cores or fp8 == "blockwise")  # FP8's GEMM: an mm in fp32 or wider
     return memory.ActivationShape(
         s=settings.seq_len // settings.shape.cp, b=settings.micro_batch_size, h=config.n_embd, a=config.n_head,
         vocab=config.vocab_size, t=settings.shape.tp, sp=settings.sequence_parallel,

@@ -402,3 +402,25 @@ def test_step_peak_is_persistent_plus_activations_and_temporaries(ranks):
         got = out["ddp"]
         floor = got["persistent"] + got["estimate"].peak
         assert floor <= got["peak"] <= PEAK_FACTOR * floor, (rank, got["peak"], floor)
+
+
+def test_fp8_gemm_outputs_are_sized_by_whether_the_device_has_fp8_tensor_cores():
+    """Under --fp8 current a GEMM on torch._scaled_mm outputs the compute dtype (e_g = 0: nothing extra), an
+    emulated one (a CPU, or a GPU below compute capability 8.9 such as an A100) fp32 (e_g = 4); a "cuda" plan
+    assumes a preset with FP8 tensor cores unless told otherwise; blockwise is emulated everywhere."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from activations import shape_of
+    from model import config_from_preset
+
+    def e_g(fp8, device_type, tensor_cores=None):
+        settings = SimpleNamespace(args=SimpleNamespace(fp8=fp8, cp_impl=None), shape=SimpleNamespace(cp=1, tp=1),
+                                   seq_len=64, micro_batch_size=2, sequence_parallel=False)
+        return shape_of(settings, config_from_preset("tiny"), device_type, torch.bfloat16, torch.float32,
+                        fp8_tensor_cores=tensor_cores).e_g
+
+    assert e_g("current", "cuda") == 0 and e_g("current", "cuda", True) == 0
+    assert e_g("current", "cuda", False) == 4 and e_g("current", "cpu") == 4
+    assert e_g("blockwise", "cuda", True) == 4 and e_g(None, "cuda", False) == 0
