@@ -114,8 +114,8 @@ class MoEPeak:
 class _Rows(moe.RoutingObserver):
     def routed(self, layer, load, keep, sent: int, received: int) -> None:
         self.rows = (sent, received, layer.exchanged.expert_rows if layer.ep_size > 1 else 0)  # E > 1: R_e
-        chunks = [int(m) for m in load.reshape(-1).tolist()]  # E = 1: each expert's rows, one FP8 GEMM each
-        self.fp8 = (fp8_experts.padded_rows(chunks), sum(map(bool, chunks)))  # (P, c) as the run padded them
+        chunks = layer.local_rows  # E = 1: each expert's kept rows (after capacity drops), one FP8 GEMM each
+        self.fp8 = None if chunks is None else (fp8_experts.padded_rows(chunks), sum(map(bool, chunks)))  # (P, c)
 
 
 def measure_moe_blocks(run) -> list:

@@ -188,6 +188,7 @@ class MoE(nn.Module):
         self.observer = RoutingObserver()  # who is told what each forward routed (the accounting, or nobody)
         self.places, self.off_group = None, (0, 0)  # with groups under EP: moe_router.off_group's last record
         self.exchanged = None  # under EP: the last exchange's rows per rank (moe_dispatch.Exchange)
+        self.local_rows = None  # E = 1: the rows each expert ran in the last forward, capacity drops excluded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]: this rank's tokens (its CP/SP piece of the micro-batch)
@@ -248,7 +249,7 @@ class MoE(nn.Module):
             return y, sum(self.exchanged.sent), sum(self.exchanged.received)
         order = torch.argsort(slot_expert, stable=True)  # 1. kept slots by expert (token order inside), dropped last
         counts = count_per_expert(slot_expert, n + 1)[:n]  # [N] rows per expert
-        sizes = counts.tolist()  # the one host sync: the experts' row slicing
+        sizes = self.local_rows = counts.tolist()  # the one host sync: the experts' row slicing
         order = order[:sum(sizes)]  # the kept slots
         sent = rows[order // k]  # [S, h] by expert: the one copy in
         back = self.run_local_experts(sent, sizes)  # 4.
