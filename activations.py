@@ -73,10 +73,9 @@ def activation_shape(run, device_type: str | None = None) -> memory.ActivationSh
     `device_type`'s attention, default the run's device: plan.py sizes a GPU from a meta build). FP8's GEMM runs
     on torch._scaled_mm where the run's device has FP8 tensor cores (compute capability >= 8.9, as fp8.py decides),
     emulated elsewhere (an A100 too); a plan's GPU is a preset that has them."""
-    if device_type is None:
-        return shape_of(run.settings, run.config, run.device.type, run.compute_dtype, run.param_dtype,
-                        fp8_tensor_cores=fp8_scaling.has_fp8_tensor_cores(run.device))
-    return shape_of(run.settings, run.config, device_type, run.compute_dtype, run.param_dtype)
+    tensor_cores = fp8_scaling.has_fp8_tensor_cores(run.device) if device_type is None else None
+    return shape_of(run.settings, run.config, device_type or run.device.type, run.compute_dtype, run.param_dtype,
+                    fp8_tensor_cores=tensor_cores)
 
 
 def shape_of(settings, config, device_type: str, compute_dtype, param_dtype,
@@ -112,7 +111,7 @@ def activation_estimate(run, device_type: str | None = None) -> ActivationEstima
         local_chunks = pipeline_chunks(run.config.n_layer, pp.P, pp.v, pp.rank)
     x, ends, shape = activation_shape(run, device_type), (model.has_embedding, model.has_head), run.settings.shape
     slots = getattr(run.settings.args, "moe_replicas", 0)  # R/E physical experts a rank holds (eplb.py)
-    codes = getattr(run.settings.args, "fp8", None) in ("current", "delayed")  # fp8.ZeroWeightCodec's units
+    codes = fp8_scaling.per_tensor(getattr(run.settings.args, "fp8", None))  # fp8.ZeroWeightCodec's units
     gathered = (zero3_saved_weights(run.config, x, layer_ids, ends, shape.ep, shape.dp * shape.cp, local_chunks,
                                     slots, codes) if run.settings.args.zero == 3 else {})
     # A precision recipe's linears (precision_recipe.RecipeLinear) save the weight parameter itself: no copy.

@@ -132,6 +132,12 @@ def scaled_matmul(a, a_inverse_scale, b, b_inverse_scale, out_dtype, use_scaled_
     return ((a.to(wide) @ b.to(wide)) * (a_inverse_scale * b_inverse_scale).to(wide)).to(out_dtype)
 
 
+def per_tensor(mode: str | None) -> bool:
+    """--fp8 current or delayed: one scale per tensor, so a weight is one E4M3 tensor of codes (what ZeRO-3 gathers
+    as codes, fp8.ZeroWeightCodec, and what the routed experts run, fp8_experts.py); blockwise's scales are tiles."""
+    return mode in ("current", "delayed")
+
+
 def has_fp8_tensor_cores(device) -> bool:
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

@@ -36,6 +36,7 @@ import context_parallel
 import ddp
 import eplb
 import flags
+import fp8_scaling
 import hardware
 import memory
 import mfu
@@ -149,7 +150,7 @@ def gather_codec(settings) -> str | None:
     (fp8.ZeroWeightCodec; blockwise has none), "nvfp4" under a precision recipe whose one 16×16 NVFP4 quantisation
     serves both GEMMs (recipe_codec.ZeroWeightCodec), else None."""
     args = settings.args
-    if args.fp8 in ("current", "delayed"):
+    if fp8_scaling.per_tensor(args.fp8):
         return "e4m3"
     recipe = args.precision_recipe and precision_recipe.parse_recipe(args.precision_recipe)
     return "nvfp4" if recipe and recipe.gathers_codes else None
