@@ -1,20 +1,27 @@
 """What a measured CPU's time model needs that one big matmul does not say: measured at start-up, in < 1 s.
 
 The time model (time_model.py) prices a step as FLOPs / (peak · e) + memory-bound bytes / bandwidth + α-β
-collectives. On a CPU the peak is a 2048² matmul loop (mfu.py); a run's own block reaches far less of it: its
-GEMMs are thin (a tiny block's are 512 × 64 × 192), and every op pays a fixed cost (Python, the dispatcher,
-autograd's engine: tens of µs each, a block's forward and backward run ~100 of them) and the elementwise ops
-with transcendentals (GELU's erf and its backward) are compute-, not memory-bound here. So the CPU's e is
-measured on the run's own block shape, not assumed:
+collectives + the update. On a CPU the peak is a 2048² matmul loop (mfu.py); a run's own block reaches far less
+of it: its GEMMs are thin (a tiny block's are 512 × 64 × 192), and every op pays a fixed cost (Python, the
+dispatcher, autograd's engine: tens of µs each, a block's forward and backward run ~100 of them) and the
+elementwise ops with transcendentals (GELU's erf and its backward) are compute-, not memory-bound here. So the
+CPU's rates are measured on the run's own shapes, not assumed, each as the fraction of the peak that prices the
+measured pass at exactly its time (F its hardware FLOPs: time_calibration.gemms' classes, per layer for a block,
+divided by T for this rank's shard of every width; bytes its memory-bound bytes):
 
-    e = F_block / (peak · (t_block − bytes_block / HBM))          (gemm_fraction; d½ = 0: one shape, measured)
+    e      = F_block / (peak · (t_block − bytes_block / HBM))      (gemm_fraction; d½ = 0: one shape, measured)
+    e_ends = F_head / (peak · t_ends)                               (ends_fraction: the head class's rate)
 
 t_block the best of two timed forward+backward passes of one fresh block shaped as this rank's (its B_μ·s/C
 tokens, its T-sharded widths: QKV h → 3h/T, proj h/T → h, fc1 h → 4h/T, fc2 4h/T → h, in the run's autocast
-dtype), F_block its hardware FLOPs (time_calibration.gemms' block and attention classes for one layer), bytes_block
-its memory-bound bytes (time_calibration.memory_bytes_per_token_layer), so that the model prices that block at
-exactly its measured time and every other block, the head and recompute at the same rate. The ranks measure at
-once on a shared machine: e is their mean (one figure for the world, as train.shared_peak's peak).
+dtype); t_ends the same of the model's ends (token and position embeddings, final LayerNorm, the head's V/T
+columns and the loss on them), whose embedding lookups, LayerNorm and softmax over the vocabulary cost per op
+and per byte what their one GEMM's FLOPs do not say: the model prices the head class at e_ends, every block and
+recompute at e. The update (optim.update's local work: the norms, the clip, AdamW's step, zeroing the
+gradients) runs ~10 ops per tensor it steps, a cost per op that 2 · persistent bytes / HBM misses on a small
+model: update_seconds times it on fresh tensors shaped as this rank's master tensors (update_tensors). The ranks
+measure at once on a shared machine: each figure is the world's mean (one figure for the world, as
+train.shared_peak's peak).
 
 The link: hardware.measure_cpu times a world all-reduce 40 times at 4 KiB and 9 times at 4 MiB; hardware.link_fit
 fits α (the per-step latency, the calls' scheduler tail included: from the small calls' mean) and β (the wire's
@@ -22,7 +29,10 @@ bytes per second: from the slope between the two medians), t(M) = 2(N−1)·α +
 median of five interleaved samples of each of its three times (a block, a transfer, both): one preempted sample
 moves neither. Both are the world's averages, so every rank prices the step alike.
 
-Accounting for this file: it holds nothing; calibration_of all-reduces one float64 over the world (collective).
+Accounting for this file: it holds nothing after start-up; while it measures, the probe's block and ends (fresh
+weights, one micro-batch's activations) and update_seconds' four tensors per master tensor (weights, gradients,
+two moments: 4 × the master bytes, at most PROBE_ELEMENTS elements each; CPU memory, freed on return).
+calibration_of all-reduces four float64 over the world (collective).
 """
 
 from __future__ import annotations
@@ -106,29 +116,110 @@ def measured_overlap(block: nn.Module, x: torch.Tensor, autocast, nbytes: int = 
     return overlap_fraction(*(hardware.median(samples) for samples in (compute, transfer, both)))
 
 
+class ShapedEnds(nn.Module):
+    """The model's ends as one rank runs them, fresh: token and position embeddings (the token table's V/T rows),
+    the final LayerNorm, the head's V/T columns and the summed cross-entropy on them (the next token as target;
+    TP's vocabulary-parallel loss adds collectives, which the messages price). forward(idx) → the loss."""
+
+    def __init__(self, config, t: int):
+        super().__init__()
+        self.vocab = config.vocab_size // t
+        self.wte, self.wpe = nn.Embedding(self.vocab, config.n_embd), nn.Embedding(config.block_size, config.n_embd)
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, self.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        logits = self.lm_head(self.ln_f(x))
+        targets = idx.roll(-1, dims=1)
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def probe_flops(config, tokens: int, seq: int, t: int) -> tuple[float, float]:
+    """(F_block, F_ends): the hardware FLOPs of one forward+backward of this rank's block and of its ends on
+    `tokens` tokens of sequences of `seq`: time_calibration.gemms' classes (FLOPs per token of the whole model's
+    full widths) per layer for the block (its four linears and attention), the head class for the ends, each
+    divided by T: the rank's shard of every width."""
+    classes = time_calibration.gemms(config, memory.param_counts(config), tokens, seq, t, recompute=False)
+    block = sum(flops for flops, _ in classes[:5]) / config.n_layer
+    return block * tokens / t, classes[5][0] * tokens / t
+
+
+PROBE_ELEMENTS = 1 << 24  # update_seconds times at most this many elements per tensor kind (64 MiB in fp32)
+
+
+def update_tensors(layout) -> list:
+    """The tensors this rank's update steps: ZeRO's master shards (one flat tensor per unit), else the optimizer's
+    parameters (DDP's; a wrapping layout's, DiLoCo's, are its inner layout's)."""
+    inner = getattr(layout, "inner", layout)
+    units = getattr(inner, "units", None)
+    if units is not None:
+        return [unit.master for unit in units]
+    return [p for group in inner.optimizer.param_groups for p in group["params"]]
+
+
+def update_seconds(tensors: list, repeats: int = 2) -> float:
+    """optim.update's local work on fresh tensors shaped as `tensors` (their dtypes, their device): the norms of
+    the gradients, the clip's multiply, torch's foreach AdamW step (ZeRO's own AdamW runs the same ~8 ops per
+    flat shard) and zeroing the gradients: the best of `repeats` timed after one untimed (AdamW's state). Past
+    PROBE_ELEMENTS elements the rest is left out and the time scaled by total / timed elements (the update's
+    per-op cost is in the timed part, its bytes scale)."""
+    shapes, budget = [], PROBE_ELEMENTS
+    for tensor in tensors:
+        if budget <= 0:
+            break
+        shapes.append((min(tensor.numel(), budget), tensor.dtype, tensor.device))
+        budget -= shapes[-1][0]
+    if not shapes:
+        return 0.0
+    params = [torch.zeros(n, dtype=dtype, device=device, requires_grad=True) for n, dtype, device in shapes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    grads = [p.grad for p in params]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+    def once() -> float:
+        start = time.perf_counter()
+        norms = torch.stack(torch._foreach_norm(grads)).double()
+        norms.pow(2).sum().item()  # the update's host synchronisation
+        torch._foreach_mul_(grads, 1.0)  # the clip
+        optimizer.step()
+        torch._foreach_zero_(grads)
+        torch._foreach_add_(grads, 1e-3)  # the next pass's gradients (not timed as the update's)
+        return time.perf_counter() - start
+
+    once()
+    best = min(once() for _ in range(repeats))
+    timed = sum(n for n, _, _ in shapes)
+    return best * sum(t.numel() for t in tensors) / timed
+
+
 def calibration_of(run, peak: float, hbm_bytes_per_s: float) -> tuple[Calibration, float]:
-    """The measured CPU's calibration: e of this rank's block (the module docstring), links at their measured
-    β (fraction 1), memory-bound ops at the stated bandwidth (fraction 1). Collective: every rank calls it."""
+    """The measured CPU's calibration: e of this rank's block and e_ends of its ends, the update's seconds (the
+    module docstring), links at their measured β (fraction 1), memory-bound ops at the stated bandwidth
+    (fraction 1). Collective: every rank calls it."""
     settings, config = run.settings, run.config
     x_shape = activations.activation_shape(run)
     t = run.mesh.shape.tp
     torch.manual_seed(0)  # the probe's weights: not the run's generator's business, but reproducible
-    block = shaped_block(config, t).to(run.device)
+    block, ends = shaped_block(config, t).to(run.device), ShapedEnds(config, t).to(run.device)
     x = torch.randn(x_shape.b, x_shape.s, config.n_embd, device=run.device, requires_grad=True)
-    compute = block_seconds(block, x, run.autocast)
-    seconds = torch.tensor([compute, 1.0], dtype=torch.float64)
+    idx = torch.randint(ends.vocab, (x_shape.b, x_shape.s), device=run.device)
+    seconds = torch.tensor([block_seconds(block, x, run.autocast), block_seconds(ends, idx, run.autocast),
+                            update_seconds(update_tensors(run.layout)), 1.0], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        seconds[1] = measured_overlap(block, x, run.autocast)
+        seconds[3] = measured_overlap(block, x, run.autocast)
         dist.all_reduce(seconds)
         seconds /= dist.get_world_size()
+    t_block, t_ends, t_update, overlap = (float(v) for v in seconds)
     tokens = x_shape.b * x_shape.s
-    counts = memory.param_counts(config)
-    classes = time_calibration.gemms(config, counts, tokens, x_shape.s, t, recompute=False)
-    flops = sum(f for f, _ in classes[:5]) / config.n_layer * tokens  # the block's linears and attention
+    block_flops, ends_flops = probe_flops(config, tokens, x_shape.s, t)
     nbytes = tokens * time_calibration.memory_bytes_per_token_layer(
         config, x_shape.s, t, settings.sequence_parallel, x_shape.kernel, x_shape.dropout, x_shape.e_c, False)
-    e = gemm_fraction(flops, float(seconds[0]), nbytes, hbm_bytes_per_s, peak)
-    return Calibration(gemm_fraction=e, gemm_half_dim=0.0, hbm_fraction=1.0, link_fraction=1.0), float(seconds[1])
+    e = gemm_fraction(block_flops, t_block, nbytes, hbm_bytes_per_s, peak)
+    e_ends = gemm_fraction(ends_flops, t_ends, 0.0, hbm_bytes_per_s, peak)
+    return Calibration(gemm_fraction=e, gemm_half_dim=0.0, hbm_fraction=1.0, link_fraction=1.0,
+                       ends_fraction=e_ends, update_seconds=t_update), overlap
 
 
 def machine_model(run, args) -> hardware.Hardware:

@@ -40,6 +40,9 @@ class Calibration:
     gemm_half_dim: float  # d½: the smallest dimension at which a GEMM reaches e_max / 2
     hbm_fraction: float  # of the HBM bandwidth, the memory-bound ops
     link_fraction: float  # of a link's bandwidth, collectives and p2p
+    # A measured CPU's own (cpu_probe.py; None on the presets and from flags: the formulas above):
+    ends_fraction: float | None = None  # the head class's e: the ends' (embeddings, LayerNorm, head, loss) rate
+    update_seconds: float | None = None  # the update's local work per step, timed on this rank's tensor shapes
 
     def gemm_efficiency(self, smallest_dim: float) -> float:
         """e(d) = e_max · d / (d + d½)."""
@@ -90,6 +93,9 @@ def from_flags(args) -> Calibration:
 # ---------------------------------------------------------------------------------------------------------
 
 
+HEAD_CLASS = 5  # gemms' classes: QKV, proj, fc1, fc2, attention, the head
+
+
 def gemms(config, counts: dict, tokens_per_micro_batch: int, seq: int, t: int, recompute: bool) -> list:
     """[(hardware FLOPs per token of the whole model, smallest dimension)] of each GEMM class (the module
     docstring's shapes): the blocks' linears (6N_block, + 2N_block recomputed), attention's matmuls
@@ -120,6 +126,10 @@ def memory_bytes_per_token_layer(config, seq: int, t: int, sequence_parallel: bo
 
 def compute_seconds(gemm_classes: list, flops_scale: float, peak: float, memory_bytes: float, hbm_bytes_per_s: float,
                     calibration: Calibration) -> float:
-    """Σ_classes FLOPs · flops_scale / (peak · e(d)) + memory bytes / (HBM · hbm_fraction)."""
-    gemm = sum(flops * flops_scale / (peak * calibration.gemm_efficiency(dim)) for flops, dim in gemm_classes)
+    """Σ_classes FLOPs · flops_scale / (peak · e(d)) + memory bytes / (HBM · hbm_fraction); the head class (the
+    last of gemms') at calibration.ends_fraction where one was measured."""
+    gemm = 0.0
+    for i, (flops, dim) in enumerate(gemm_classes):
+        head = i == HEAD_CLASS and calibration.ends_fraction is not None
+        gemm += flops * flops_scale / (peak * (calibration.ends_fraction if head else calibration.gemm_efficiency(dim)))
     return gemm + memory_bytes / (hbm_bytes_per_s * calibration.hbm_fraction)

@@ -12,6 +12,7 @@ The time model (hardware.py states the hardware): per role and step
                (time_calibration.py: e(d) the fraction of the peak a GEMM of smallest dimension d reaches; the
                datasheet set, e = 1 and no loss but the memory-bound bytes, on a measured CPU)
     update     2 · persistent bytes / (HBM bandwidth · hbm_fraction)                (memory-bound, exposed)
+               (a measured CPU: its update's local work timed at start-up, cpu_probe.update_seconds)
     each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds, the
     bandwidth times the calibration's link_fraction), then
     on the critical path by these rules (Megatron, ZeRO and ring-attention's own overlap claims):
@@ -188,7 +189,9 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
         layout["gemms"], layout["tokens"] / layout["world"] * role.layer_share, peak,
         layout["memory_bytes"] * role.layer_share, hbm, hw.calibration)
     backward_mb = compute * 2 / 3 / m  # one micro-batch's backward: 4 of its 6·N FLOPs
-    update = 2 * role.persistent["total"] / (hbm * hw.calibration.hbm_fraction)
+    update = hw.calibration.update_seconds  # a measured CPU's; else memory-bound bytes:
+    if update is None:
+        update = 2 * role.persistent["total"] / (hbm * hw.calibration.hbm_fraction)
     exposed, total, link, in_layer = {}, {}, {}, 0.0
     for (op, group), (calls, payload) in role.messages.items():
         ranks = _group_ranks(group, role.group_ranks)
@@ -314,11 +317,14 @@ def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
     facts = dict(layout_facts(settings, x=activations.activation_shape(run)), dtype=settings.dtype)
     prediction = predict(role_of(run), facts, hw)
     measured = seconds / steps
+    ends = hw.calibration.ends_fraction
+    ends = f" (the ends at {ends:.2f})" if ends is not None else ""
     link = (f"link {hw.intra_gbps:.2f} GB/s, α {hw.intra_latency_us:.0f} µs, overlap φ {hw.overlap:.2f}"
             if run.mesh.shape.world_size > 1 else "one process: no link")
     return (f"hardware model: step time measured {measured * 1e3:,.1f} ms (mean of {steps})"
             f" vs predicted {prediction.step * 1e3:,.1f} ms ({measured / prediction.step:.2f}×) by the hardware"
             f" model of this machine ({hw.name}: {hw.peak(settings.dtype) / 1e9:,.1f} GFLOP/s {settings.dtype},"
-            f" GEMMs at e {hw.calibration.gemm_fraction:.2f} of it, {link}): compute {prediction.compute * 1e3:,.1f},"
+            f" GEMMs at e {hw.calibration.gemm_fraction:.2f} of it{ends}, {link}):"
+            f" compute {prediction.compute * 1e3:,.1f},"
             f" exposed comm {prediction.exposed_comm * 1e3:,.1f} (of {sum(prediction.total.values()) * 1e3:,.1f}),"
             f" bubble {prediction.bubble * 1e3:,.1f}, update {prediction.update * 1e3:,.1f} ms")

@@ -6,12 +6,17 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import hardware
+import memory
 import mfu
 import time_calibration
 import time_model
 from comm import Messages
+import cpu_probe
+import model as model_lib
 from cpu_probe import gemm_fraction, overlap_fraction
 
 
@@ -93,3 +98,47 @@ def test_the_overlap_share_exposes_what_each_rule_would_hide():
     assert math.isclose(by_phi[0.5].exposed[grads], (full.exposed[grads] + full.total[grads]) / 2)
     assert all(p.exposed[scalars] == p.total[scalars] for p in by_phi.values())
     assert math.isclose(whole.step, whole.compute + whole.update + sum(whole.total.values()))
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_probe_flops_are_what_the_probes_run(t):
+    """probe_flops counts one forward+backward of this rank's shard: torch's FLOP counter on the shaped block's
+    linears (attention's CPU kernel is not counted by it: its 12·s·h/T per token added) and on the ends' head
+    (6·h·V/T per token) gives the same figures. Before, the block's FLOPs were the full widths' at T = 2: twice
+    what the shard runs, so e read twice too high and TP's compute was predicted at half its time."""
+    config, b, s = model_lib.PRESETS["tiny"], 4, 64
+    block, ends = cpu_probe.shaped_block(config, t), cpu_probe.ShapedEnds(config, t)
+    with FlopCounterMode(display=False) as counter:
+        block(torch.randn(b, s, config.n_embd, requires_grad=True)).sum().backward()
+    linears = counter.get_total_flops()
+    with FlopCounterMode(display=False) as counter:
+        ends(torch.randint(ends.vocab, (b, s))).backward()
+    block_flops, ends_flops = cpu_probe.probe_flops(config, b * s, s, t)
+    assert block_flops == linears + 12 * s * config.n_embd * b * s / t
+    assert ends_flops == counter.get_total_flops()
+
+
+def test_the_head_class_runs_at_the_ends_rate():
+    """compute_seconds with a measured ends_fraction: the blocks' classes at e give L·t_block, the head class at
+    e_ends gives t_ends, so the pass is priced at L·t_block + t_ends (each fraction from gemm_fraction)."""
+    config, tokens, peak, hbm = model_lib.PRESETS["tiny"], 256, 60e9, 20e9
+    t_block, t_ends = 4e-3, 1.5e-3
+    block_flops, ends_flops = cpu_probe.probe_flops(config, tokens, 64, 1)
+    calib = time_calibration.Calibration(
+        gemm_fraction=gemm_fraction(block_flops, t_block, 0.0, hbm, peak), gemm_half_dim=0.0, hbm_fraction=1.0,
+        link_fraction=1.0, ends_fraction=gemm_fraction(ends_flops, t_ends, 0.0, hbm, peak))
+    classes = time_calibration.gemms(config, memory.param_counts(config), tokens, 64, 1, recompute=False)
+    seconds = time_calibration.compute_seconds(classes, tokens, peak, 0.0, hbm, calib)
+    assert math.isclose(seconds, config.n_layer * t_block + t_ends, rel_tol=1e-12)
+
+
+def test_update_seconds_steps_fresh_tensors_and_leaves_the_run_s_alone(monkeypatch):
+    """update_seconds times fresh tensors shaped as the ones given: those are left bitwise as they were; past
+    PROBE_ELEMENTS it times a prefix and scales by elements (here 20 of 50: the figure is ×2.5 the timed one)."""
+    tensors = [torch.randn(30), torch.randn(20)]
+    before = [t.clone() for t in tensors]
+    assert cpu_probe.update_seconds(tensors) > 0
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    monkeypatch.setattr(cpu_probe, "PROBE_ELEMENTS", 20)
+    monkeypatch.setattr(cpu_probe.time, "perf_counter", iter(range(0, 100, 1)).__next__)  # every pass: 1 s
+    assert cpu_probe.update_seconds(tensors) == 2.5

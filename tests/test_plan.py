@@ -70,6 +70,7 @@ def _figures(role, psi):
 
 def _real_startups(rank, world, cases):
     """Each case's real start-up on gloo (train.compose on CPU tensors, as train.main builds it)."""
+    import cpu_probe
     import report
     import time_model
     import train
@@ -88,7 +89,9 @@ def _real_startups(rank, world, cases):
             run.tracer.name_group(group, name)
         figures = _figures(time_model.role_of(run), report.parameter_counts(run)[0])
         first = _saved_by_the_first_forward(run) if settings.shape.pp > 1 else None
-        out.append(dict(figures, saved=_saved_in_a_step(run), first=first, gathered=_left_gathered(run)))
+        stepped = sum(t.numel() for t in cpu_probe.update_tensors(run.layout))  # what the probe times
+        out.append(dict(figures, saved=_saved_in_a_step(run), first=first, gathered=_left_gathered(run),
+                        stepped=stepped))
     return out
 
 
@@ -182,6 +185,18 @@ def _planned(index: int) -> list:
 
 
 IDS = [" ".join(c[0]) or "ddp" for c in CASES]
+
+
+def test_the_update_probe_times_every_element_the_optimizer_steps(real):
+    """cpu_probe.update_tensors (the shapes whose update the CPU's time model times) hold every element this rank's
+    AdamW keeps moments for: the predicted optimizer bytes are 8 per element (two fp32 moments), plus 4 where the
+    master weights are a separate fp32 copy, on every rank of every layout (DiLoCo's also hold its outer state)."""
+    for index, case in enumerate(CASES):
+        if "--diloco-h" in case[0]:
+            continue
+        for rank, figures in enumerate(r[index] for r in real):
+            optimizer, stepped = figures["persistent"]["optimizer"], figures["stepped"]
+            assert stepped and optimizer in (8 * stepped, 12 * stepped), (IDS[index], rank, optimizer, stepped)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
