@@ -12,7 +12,7 @@ divided by T for this rank's shard of every width; bytes its memory-bound bytes)
     e      = F_block / (peak · (t_block − bytes_block / HBM))      (gemm_fraction; d½ = 0: one shape, measured)
     e_ends = F_head / (peak · t_ends)                               (ends_fraction: the head class's rate)
 
-t_block the best of two timed forward+backward passes of one fresh block shaped as this rank's (its B_μ·s/C
+t_block the median of five timed forward+backward passes of one fresh block shaped as this rank's (its B_μ·s/C
 tokens, its T-sharded widths: QKV h → 3h/T, proj h/T → h, fc1 h → 4h/T, fc2 4h/T → h, in the run's autocast
 dtype); t_ends the same of the model's ends (token and position embeddings, final LayerNorm, the head's V/T
 columns and the loss on them), whose embedding lookups, LayerNorm and softmax over the vocabulary cost per op
@@ -91,10 +91,12 @@ def block_pass(block: nn.Module, x: torch.Tensor, autocast) -> float:
     return time.perf_counter() - start
 
 
-def block_seconds(block: nn.Module, x: torch.Tensor, autocast, repeats: int = 2) -> float:
-    """The best of `repeats` timed forward+backward passes of `block` on x, after one untimed (allocations)."""
+def block_seconds(block: nn.Module, x: torch.Tensor, autocast, repeats: int = 5) -> float:
+    """The median of `repeats` timed forward+backward passes of `block` on x, after one untimed (allocations): a
+    typical pass (the best of them would price a step that never preempts, the mean weighs a start-up's cold or
+    preempted pass that the run's later steps do not have)."""
     block_pass(block, x, autocast)
-    return min(block_pass(block, x, autocast) for _ in range(repeats))
+    return hardware.median([block_pass(block, x, autocast) for _ in range(repeats)])
 
 
 def measured_overlap(block: nn.Module, x: torch.Tensor, autocast, nbytes: int = 1 << 20, repeats: int = 5) -> float:
@@ -158,10 +160,10 @@ def update_tensors(layout) -> list:
     return [p for group in inner.optimizer.param_groups for p in group["params"]]
 
 
-def update_seconds(tensors: list, repeats: int = 2) -> float:
+def update_seconds(tensors: list, repeats: int = 5) -> float:
     """optim.update's local work on fresh tensors shaped as `tensors` (their dtypes, their device): the norms of
     the gradients, the clip's multiply, torch's foreach AdamW step (ZeRO's own AdamW runs the same ~8 ops per
-    flat shard) and zeroing the gradients: the best of `repeats` timed after one untimed (AdamW's state). Past
+    flat shard) and zeroing the gradients: the median of `repeats` timed after one untimed (AdamW's state). Past
     PROBE_ELEMENTS elements the rest is left out and the time scaled by total / timed elements (the update's
     per-op cost is in the timed part, its bytes scale)."""
     shapes, budget = [], PROBE_ELEMENTS
@@ -189,9 +191,9 @@ def update_seconds(tensors: list, repeats: int = 2) -> float:
         return time.perf_counter() - start
 
     once()
-    best = min(once() for _ in range(repeats))
+    typical = hardware.median([once() for _ in range(repeats)])
     timed = sum(n for n, _, _ in shapes)
-    return best * sum(t.numel() for t in tensors) / timed
+    return typical * sum(t.numel() for t in tensors) / timed
 
 
 def calibration_of(run, peak: float, hbm_bytes_per_s: float) -> tuple[Calibration, float]:
