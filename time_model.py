@@ -232,7 +232,8 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
 
 def layout_facts(settings, device_type: str | None = None, attention_kernel: str | None = None,
                  x: memory.ActivationShape | None = None) -> dict:
-    """What the time model reads of a layout (predict's `layout`): gemms, time_calibration.gemms' classes;
+    """What the time model reads of a layout (predict's `layout`): gemms, time_calibration.gemms' classes (their
+    dimensions at a rank's B_μ·s/C tokens, attention's FLOPs at the whole s: a rank's queries meet all s keys);
     memory_bytes, what a rank of the mean stage's memory-bound ops move in a step (its s/C tokens of each
     sequence, its L/P layers), the attention kernel that of `device_type` (default the plan's, PLANNED_DEVICE)
     or `attention_kernel` ("math": the unfused path that Megatron's 2021 runs took, bench/bench_calibration.py).
@@ -251,7 +252,7 @@ def layout_facts(settings, device_type: str | None = None, attention_kernel: str
     return dict(world=settings.world_size, tokens=tokens, m=settings.micro_batches,
                 zero=args.zero, P=shape.pp, dtype=name, cp_impl=args.cp_impl,
                 attention_share=attention / flops.hardware,
-                gemms=time_calibration.gemms(config, counts, settings.micro_batch_size * x.s, x.s, shape.tp, recompute),
+                gemms=time_calibration.gemms(config, counts, settings.micro_batch_size * x.s, seq, shape.tp, recompute),
                 memory_bytes=per_token_layer * tokens / (shape.dp * shape.cp) * config.n_layer / shape.pp)
 
 

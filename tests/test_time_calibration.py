@@ -16,6 +16,8 @@ import pytest
 
 import flags
 import hardware
+import memory
+import mfu
 import plan
 import plan_search
 import time_calibration
@@ -97,3 +99,18 @@ def test_a_bad_vocabulary_is_one_line(argv, expected, capsys):
         flags.parse(["--preset", "tiny", *argv], train.AXES)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(expected), err
+
+
+@pytest.mark.parametrize("layout", [[], ["--cp", "2", "--cp-impl", "ring"], ["--cp", "4", "--cp-impl", "ulysses"],
+                                    ["--tp", "2", "--activation-checkpointing"]])
+def test_the_gemm_classes_sum_to_the_hardware_flops_mfu_counts(layout):
+    """time_model.layout_facts' GEMM classes per token add up to mfu's hardware FLOPs per token (the same count
+    MFU and HFU divide by), on every layout: under CP a rank's s/C queries meet all s keys (the ring's C blocks,
+    Ulysses' whole sequences), so attention's class is 12·L·s·h, not 12·L·(s/C)·h (which it was: 14% of the
+    tiny block's compute left out at C = 2)."""
+    settings = time_model.plan_settings(flags.parse(["--plan", "--world", "8", "--preset", "tiny", *layout],
+                                                    train.AXES, prog="plan.py"))
+    facts = time_model.layout_facts(settings)
+    counts = memory.param_counts(settings.model)
+    hardware_flops = mfu.flops_per_token(counts, settings.model, settings.seq_len).hardware
+    assert sum(flops for flops, _ in facts["gemms"]) == pytest.approx(hardware_flops, rel=1e-12)
