@@ -198,7 +198,7 @@ class Replicas:
     def physical(self, slot_expert: torch.Tensor, training: bool) -> torch.Tensor:
         """[S] the physical slot of each slot (R: dropped) from its logical expert (N: dropped): the j-th slot
         routed to expert i (token order) goes to replica j mod c_i. No host sync. A training forward (train
-        mode, grad on, not a recompute inside backward, as mfu.RoutedLoad decides) adds to the load."""
+        mode, grad on, not a recompute inside backward, as observers.RoutedLoad decides) adds to the load."""
         order = torch.argsort(slot_expert, stable=True)  # by expert, token order inside
         ones = torch.ones_like(slot_expert)
         per_expert = torch.zeros(self.n_experts + 1, dtype=torch.long, device=ones.device).scatter_add_(

@@ -132,7 +132,7 @@ class QuantizationObserver:
     """Who watches the casts: told, per role of each training quantisation (a forward with autograd, every
     backward), the values cast and how many the clamp cut (an int64 tensor on the device; None where the recipe
     scales from the amax now and cannot saturate: current, blockwise). Nobody by default; the accounting
-    subscribes its counter (`Fp8Handle.observe`, mfu.SaturationCount), which the scale table reads."""
+    subscribes its counter (`Fp8Handle.observe`, observers.SaturationCount), which the scale table reads."""
 
     def quantized(self, linear: Fp8Linear, role: int, values: int, saturated: torch.Tensor | None) -> None:
         pass
@@ -520,7 +520,7 @@ class Fp8Handle(Axis):
         return nonfinite
 
     def observe(self, observer: QuantizationObserver) -> None:
-        """Every linear tells `observer` (the accounting's mfu.SaturationCount) what its casts cut."""
+        """Every linear tells `observer` (the accounting's observers.SaturationCount) what its casts cut."""
         self.observer = observer
         for linear in self.linears.values():
             linear.observer = observer

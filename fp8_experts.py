@@ -30,7 +30,7 @@ import re
 
 import torch
 
-import mfu
+import observers
 from fp8_scaling import ROW_ALIGNMENT
 
 
@@ -57,11 +57,11 @@ def expected_padded_rows(experts: int) -> float:
     return experts * (ROW_ALIGNMENT - 1) / 2
 
 
-class PaddingCount(mfu.SaturationCount):
-    """mfu.SaturationCount (the scale table's), plus the zero rows each expert's c_fc appended (FP8: its
+class PaddingCount(observers.SaturationCount):
+    """observers.SaturationCount (the scale table's), plus the zero rows each expert's c_fc appended (FP8: its
     GEMMs; a precision recipe: its dW operands, recipe_experts.py) in training forwards since start-up
     (fp8.QuantizationObserver.padded; c_proj pads the same rows), by MoE layer; not in
-    activation checkpointing's recompute (inside a backward), as mfu.RoutedLoad counts the routing."""
+    activation checkpointing's recompute (inside a backward), as observers.RoutedLoad counts the routing."""
 
     EXPERT_INPUT = re.compile(r"transformer\.h\.(\d+)\.mlp\.experts\.\d+\.c_fc$")
 

@@ -550,7 +550,7 @@ class PrecisionHandle(Axis):
         return 0
 
     def observe(self, observer: QuantizationObserver) -> None:
-        """Every linear tells `observer` (the accounting's mfu.SaturationCount) what its quantisations cut, per
+        """Every linear tells `observer` (the accounting's observers.SaturationCount) what its quantisations cut, per
         role (0 X, 1 W, 2 dY), in training."""
         self.observer = observer
         for linear in self.linears.values():

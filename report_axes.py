@@ -30,6 +30,7 @@ import mfu
 import moe_accounting
 import moe_memory
 import moe_router
+import observers
 import pipeline
 import report_precision
 import schedules
@@ -57,8 +58,8 @@ def layout_lines(run, when: str, steps: int = 0) -> list:
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
-OBSERVERS = {"cp": mfu.WaitClock, "moe": mfu.RoutedLoad,  # {handle name: what its section's lines read}
-             "fp8": fp8_experts.PaddingCount, "pp": mfu.ActionClock, "precision": fp8_experts.PaddingCount}
+OBSERVERS = {"cp": observers.WaitClock, "moe": observers.RoutedLoad,  # {handle name: what its section's lines read}
+             "fp8": fp8_experts.PaddingCount, "pp": observers.ActionClock, "precision": fp8_experts.PaddingCount}
 
 
 def observe(axis):
@@ -267,7 +268,7 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
 def moe_step_lines(axis, run=None, steps: int = 0) -> list:
     """With each logged step: this rank's routed slots per expert, summed over its MoE layers, micro-batches
     and the training steps since the previous line (which it says), read in one `.tolist()` (its observer's
-    take_load: mfu.RoutedLoad)."""
+    take_load: observers.RoutedLoad)."""
     traffic = axis.facts().traffic
     load = axis.observer.take_load(traffic.micro_batches)
     if load is None:
@@ -451,7 +452,7 @@ def cp_end_lines(axis, run, steps: int) -> list:
 
 def cp_hidden_lines(clock, on_cpu: bool = False) -> list:
     """How much of the ring's transfer time compute hid, per phase: at least 1 − waited / (the transfers alone),
-    both per pass (clock: the mfu.WaitClock observing the ring). A lower bound: wait() also blocks on a peer that
+    both per pass (clock: the observers.WaitClock observing the ring). A lower bound: wait() also blocks on a peer that
     has not sent yet (imbalance; on a shared host, a peer that was descheduled), so the waits can outlast the transfers
     even when each one overlapped. on_cpu: also the CPU cores a rank kept busy while it computed (process CPU /
     (wall − waited); a gloo wait sleeps), next to its torch threads: a one-thread rank with less than one core
@@ -537,7 +538,7 @@ def pp_end_lines(axis, run=None, steps: int = 0) -> list:
     """The bubble predicted, simulated with the measured action costs and measured; the mean action times;
     the last step's timeline (and its Chrome trace on pp rank 0, with a trace file). COLLECTIVE over the pp
     group (it gathers every rank's timings): print_end calls it on every rank. The timings are the clock's that
-    observes the interpreter (report_axes.OBSERVERS["pp"], mfu.ActionClock)."""
+    observes the interpreter (report_axes.OBSERVERS["pp"], observers.ActionClock)."""
     f, clock = axis.facts(), axis.observer
     timed = [t for t in clock.timings if not t[3]] or list(clock.timings)  # the first step warms up
     durations = {}

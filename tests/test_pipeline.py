@@ -24,7 +24,7 @@ tests read.
    of batches per rank); a release waits only on a receive a message already taken shows posted, so under
    gloo's rule with costs unlike the plan's every action starts when schedules.simulate starts it; a real
    2-rank step holds exactly the plan's count of sent buffers; evaluation and sampling leave no MoE aux term
-   behind; on CUDA the actions are timed by events (mfu.ActionClock, with a fake torch.cuda.Event here) and
+   behind; on CUDA the actions are timed by events (observers.ActionClock, with a fake torch.cuda.Event here) and
    nothing synchronizes the device inside the step; the end line says why a measured bubble differs from the
    formula; the handle speaks the axis protocol (after_grad_sync returns 0, predicted_messages a
    comm.Messages, no printing of its own). The interpreter keeps no clock: nobody watches it by default, and
@@ -995,7 +995,7 @@ class _Recorder(pp.PipelineObserver):
 
 
 def _lifetime_checks(rank, world):
-    import mfu
+    import observers
     from mesh import build_mesh, infer_mesh_shape
 
     device = harness.device()
@@ -1032,7 +1032,7 @@ def _lifetime_checks(rank, world):
 
     _FakeCudaEvent.log.clear()
     stages, handle = handle_for("zb", 3, make_config(n_layer=2))
-    handle.observe(mfu.ActionClock(cuda=True))  # what a step on a CUDA device gets
+    handle.observe(observers.ActionClock(cuda=True))  # what a step on a CUDA device gets
     torch.cuda.Event, torch.cuda.synchronize = _FakeCudaEvent, device_wide
     try:
         step(stages, handle, 3)
