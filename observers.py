@@ -6,7 +6,7 @@ subscribes one of these in its place, so the loop a reader came for holds no tim
 * WaitClock, told by the ring: wall time per pass and the part blocked in wait(), next to the same transfers
   timed alone; compute hid at least 1 − waited / alone of them (report_axes.py's cp section);
 * ActionClock, told by the pipeline's interpreter: each step's wall time and the time of each action and p2p
-  call; measured bubble = 1 − Σ busy / wall per rank (report_axes.py's pp section);
+  call; measured bubble = 1 − Σ busy / wall per rank (report_pipeline.py);
 * RoutedLoad, told by every MoE layer: the slots routed to each expert and those dropped, and the rows
   S (sent) and R (received) each forward exchanged (the exact all-to-all prediction; report_axes.py's moe
   section);
@@ -103,7 +103,7 @@ class WaitClock:
 
 class ActionClock:
     """Times one pipeline step's actions and p2p calls, for the measured bubble, the timeline and the trace
-    (report_axes.py's pp section). It observes the interpreter (pipeline.PipelineObserver's protocol, subscribed
+    (report_pipeline.py). It observes the interpreter (pipeline.PipelineObserver's protocol, subscribed
     by pipeline.Pipeline.observe): `with step(device)` around a step's actions, `with action(action)` around each
     action's compute, `with p2p(name, nbytes)` around each host p2p call.
 

@@ -512,7 +512,7 @@ def apply(model: GPT, run, config: PipelineConfig):
 
 @dataclass(frozen=True)
 class PPFacts:
-    """What the accounting reads of the pipeline (`Pipeline.facts`): report_axes.py's pp section, activations.py,
+    """What the accounting reads of the pipeline (`Pipeline.facts`): report_pipeline.py, activations.py,
     time_model.py. programs: every pp rank's actions for the run's m micro-batches (schedules.build_programs);
     plan: this rank's [schedules.Step] (the receives it posts, its sends and their release points);
     message_bytes: one stage-boundary message, b·s·h·e; group: pp's, which the end lines gather over;
@@ -542,7 +542,7 @@ class Pipeline(Axis):
         self.model, self.schedule, self.config = model, schedule, model.config
         self.m, self.boundary_elements = micro_batches, boundary_elements
         self.tied_group = tied_group  # the {first, last} stage group, None at P = 1
-        self.trace_file = trace_file  # where report_axes.py writes the Chrome trace (one rank per pp group)
+        self.trace_file = trace_file  # where report_pipeline.py writes the Chrome trace (one rank per pp group)
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:
