@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 
 from comm import Messages
+from recompute import in_backward
 from shard import ShardInfo, StatePiece, counts_here
 
 # ---------------------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ class Replicas:
         place = torch.empty_like(slot_expert)
         place[order] = torch.arange(len(order), device=ones.device) - first[slot_expert[order]]
         physical = self.slot_of[slot_expert, place % self.count_of[slot_expert]]
-        if training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if training and torch.is_grad_enabled() and not in_backward():
             per_slot = torch.zeros(self.slots + 1, dtype=torch.long, device=ones.device).scatter_add_(
                 0, physical, ones)[:self.slots]
             self.step_load += per_expert[:self.n_experts]

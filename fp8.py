@@ -89,6 +89,7 @@ from comm import Messages
 from fp8_scaling import (E4M3, E5M2, FORMATS, ROW_ALIGNMENT, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT,
                          amax_of, dequantize, dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores, pad_rows,
                          quantize, quantize_tiles, scale_from_amax, scaled_matmul, wide_dtype)
+from recompute import in_backward
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
@@ -172,7 +173,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         rows, x2 = x2.shape[0], pad_rows(x2, layer.row_alignment)  # an expert's rows: zero rows up to 16k
         # A selective recompute (inside a backward) runs this forward again on the kept GEMM output and amaxes:
         # it records nothing (the amaxes and casts are the forward's) and sends nothing (collective_ops).
-        recording = training and not (layer.operators and torch._C._current_graph_task_id() != -1)
+        recording = training and not (layer.operators and in_backward())
         if recording and x2.shape[0] > rows:
             layer.observer.padded(layer, x2.shape[0] - rows)
         errors = gemm_shape_errors(x2.shape[0], layer.in_features, layer.out_features, training)

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 import observers
 from fp8_scaling import ROW_ALIGNMENT
+from recompute import in_backward
 
 
 def padded_rows(chunk_rows) -> int:
@@ -71,5 +70,5 @@ class PaddingCount(observers.SaturationCount):
 
     def padded(self, linear, rows: int) -> None:
         match = self.EXPERT_INPUT.match(linear.name)
-        if match and torch._C._current_graph_task_id() == -1:
+        if match and not in_backward():
             self.rows[int(match.group(1))] = self.rows.get(int(match.group(1)), 0) + rows

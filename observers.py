@@ -14,10 +14,10 @@ subscribes one of these in its place, so the loop a reader came for holds no tim
   cut, reported as 100·cut / cast percent (report_precision.py's scale table).
 What is training is decided once, here or in the linear that tells: RoutedLoad counts (and the FP8 and
 microscaling linears tell SaturationCount) only a training forward, in train mode with grad on and not a
-recompute (activation checkpointing reruns a forward inside the backward: counted again it would count one
-step's routing or casts twice); WaitClock charges every training pass's time, the recompute inside a backward
-included (it is time the step spends), and no forward under no_grad. Nothing here changes what the trainer
-computes.
+recompute (activation checkpointing reruns a forward inside the backward, recompute.in_backward: counted again
+it would count one step's routing or casts twice); WaitClock charges every training pass's time, the recompute
+inside a backward included (it is time the step spends), and no forward under no_grad. Nothing here changes
+what the trainer computes.
 
 Accounting for this file (it is accounting): 1. it holds nothing of the model; 2. memory: a few host numbers
 per layer or linear, a MoE layer's [N] routed loads and a linear's [3] cut counts on the device until read,
@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from recompute import in_backward
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -189,7 +191,7 @@ class RoutedLoad:
         self.last_load, self.off_group = None, [0, 0]  # the last take_load; moe_router.off_group's sums
 
     def routed(self, layer, load: torch.Tensor, keep, sent: int, received: int) -> None:
-        if not (layer.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
+        if not (layer.training and torch.is_grad_enabled()) or in_backward():
             return  # evaluation, sampling (no grad, or eval mode), or a checkpointed block's recompute (in backward)
         self.forwards, self.sent, self.received = self.forwards + 1, self.sent + sent, self.received + received
         self.off_group = [total + new for total, new in zip(self.off_group, layer.off_group)]
