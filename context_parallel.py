@@ -151,7 +151,7 @@ def _block_backward(dout, q_hat, k, v, lse, delta, mask):
 class RingObserver:
     """Who watches the ring: told when a pass begins and ends (phase "forward" or "backward") and when the ring
     blocks on its transfers (phase "wait"). Nobody by default; the accounting subscribes its clock
-    (`ContextParallel.observe`, mfu.WaitClock), which decides which passes belong to training."""
+    (`ContextParallel.observe`, observers.WaitClock), which decides which passes belong to training."""
 
     def begin(self, phase: str) -> None:
         pass
@@ -527,7 +527,7 @@ class ContextParallel(Axis):
         return CPFacts(self.config, self.shape, self.ring)
 
     def observe(self, observer: RingObserver) -> None:
-        """The ring tells `observer` (the accounting's mfu.WaitClock) its passes and its waits."""
+        """The ring tells `observer` (the accounting's observers.WaitClock) its passes and its waits."""
         self.observer = self.ring.observer = observer
 
     def layer_messages(self) -> dict:

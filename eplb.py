@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 
 from comm import Messages
+from recompute import in_backward
 from shard import ShardInfo, StatePiece, counts_here
 
 # ---------------------------------------------------------------------------------------------------------
@@ -198,7 +199,7 @@ class Replicas:
     def physical(self, slot_expert: torch.Tensor, training: bool) -> torch.Tensor:
         """[S] the physical slot of each slot (R: dropped) from its logical expert (N: dropped): the j-th slot
         routed to expert i (token order) goes to replica j mod c_i. No host sync. A training forward (train
-        mode, grad on, not a recompute inside backward, as mfu.RoutedLoad decides) adds to the load."""
+        mode, grad on, not a recompute inside backward, as observers.RoutedLoad decides) adds to the load."""
         order = torch.argsort(slot_expert, stable=True)  # by expert, token order inside
         ones = torch.ones_like(slot_expert)
         per_expert = torch.zeros(self.n_experts + 1, dtype=torch.long, device=ones.device).scatter_add_(
@@ -207,7 +208,7 @@ class Replicas:
         place = torch.empty_like(slot_expert)
         place[order] = torch.arange(len(order), device=ones.device) - first[slot_expert[order]]
         physical = self.slot_of[slot_expert, place % self.count_of[slot_expert]]
-        if training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if training and torch.is_grad_enabled() and not in_backward():
             per_slot = torch.zeros(self.slots + 1, dtype=torch.long, device=ones.device).scatter_add_(
                 0, physical, ones)[:self.slots]
             self.step_load += per_expert[:self.n_experts]

@@ -89,6 +89,7 @@ from comm import Messages
 from fp8_scaling import (E4M3, E5M2, FORMATS, ROW_ALIGNMENT, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT,
                          amax_of, dequantize, dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores, pad_rows,
                          quantize, quantize_tiles, scale_from_amax, scaled_matmul, wide_dtype)
+from recompute import in_backward
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
@@ -132,7 +133,7 @@ class QuantizationObserver:
     """Who watches the casts: told, per role of each training quantisation (a forward with autograd, every
     backward), the values cast and how many the clamp cut (an int64 tensor on the device; None where the recipe
     scales from the amax now and cannot saturate: current, blockwise). Nobody by default; the accounting
-    subscribes its counter (`Fp8Handle.observe`, mfu.SaturationCount), which the scale table reads."""
+    subscribes its counter (`Fp8Handle.observe`, observers.SaturationCount), which the scale table reads."""
 
     def quantized(self, linear: Fp8Linear, role: int, values: int, saturated: torch.Tensor | None) -> None:
         pass
@@ -172,7 +173,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         rows, x2 = x2.shape[0], pad_rows(x2, layer.row_alignment)  # an expert's rows: zero rows up to 16k
         # A selective recompute (inside a backward) runs this forward again on the kept GEMM output and amaxes:
         # it records nothing (the amaxes and casts are the forward's) and sends nothing (collective_ops).
-        recording = training and not (layer.operators and torch._C._current_graph_task_id() != -1)
+        recording = training and not (layer.operators and in_backward())
         if recording and x2.shape[0] > rows:
             layer.observer.padded(layer, x2.shape[0] - rows)
         errors = gemm_shape_errors(x2.shape[0], layer.in_features, layer.out_features, training)
@@ -520,7 +521,7 @@ class Fp8Handle(Axis):
         return nonfinite
 
     def observe(self, observer: QuantizationObserver) -> None:
-        """Every linear tells `observer` (the accounting's mfu.SaturationCount) what its casts cut."""
+        """Every linear tells `observer` (the accounting's observers.SaturationCount) what its casts cut."""
         self.observer = observer
         for linear in self.linears.values():
             linear.observer = observer

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import re
 
-import torch
-
-import mfu
+import observers
 from fp8_scaling import ROW_ALIGNMENT
+from recompute import in_backward
 
 
 def padded_rows(chunk_rows) -> int:
@@ -57,11 +56,11 @@ def expected_padded_rows(experts: int) -> float:
     return experts * (ROW_ALIGNMENT - 1) / 2
 
 
-class PaddingCount(mfu.SaturationCount):
-    """mfu.SaturationCount (the scale table's), plus the zero rows each expert's c_fc appended (FP8: its
+class PaddingCount(observers.SaturationCount):
+    """observers.SaturationCount (the scale table's), plus the zero rows each expert's c_fc appended (FP8: its
     GEMMs; a precision recipe: its dW operands, recipe_experts.py) in training forwards since start-up
     (fp8.QuantizationObserver.padded; c_proj pads the same rows), by MoE layer; not in
-    activation checkpointing's recompute (inside a backward), as mfu.RoutedLoad counts the routing."""
+    activation checkpointing's recompute (inside a backward), as observers.RoutedLoad counts the routing."""
 
     EXPERT_INPUT = re.compile(r"transformer\.h\.(\d+)\.mlp\.experts\.\d+\.c_fc$")
 
@@ -71,5 +70,5 @@ class PaddingCount(mfu.SaturationCount):
 
     def padded(self, linear, rows: int) -> None:
         match = self.EXPERT_INPUT.match(linear.name)
-        if match and torch._C._current_graph_task_id() == -1:
+        if match and not in_backward():
             self.rows[int(match.group(1))] = self.rows.get(int(match.group(1)), 0) + rows

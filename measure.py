@@ -175,7 +175,7 @@ def run_traffic(run) -> moe_accounting.Traffic:
 
 def time_ring_alone(cp, clock, device) -> dict:
     """Seconds per layer of one micro-batch's ring transfers with no compute between them, into `clock` (the
-    mfu.WaitClock observing the ring), on `device` (collective over cp; cp: context_parallel.CPFacts): forward
+    observers.WaitClock observing the ring), on `device` (collective over cp; cp: context_parallel.CPFacts): forward
     (C−1) hops of [K; V]; backward (C−1) of [K; V] and C of [dK; dV]."""
     ring, shape = cp.ring, cp.shape
     dtypes = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}

@@ -356,7 +356,7 @@ def whole_micro_batch(expert: torch.Tensor, pieces: tuple) -> tuple:
 class RoutingObserver:
     """Who watches the routing: told, once per forward of a layer, the slots it routed to each expert ([N],
     before capacity), which it kept ([T, k] bool, None when dropless), and the rows it sent and received (S, R:
-    host ints). Nobody by default; the accounting subscribes its record (`MoEAxis.observe`, mfu.RoutedLoad),
+    host ints). Nobody by default; the accounting subscribes its record (`MoEAxis.observe`, observers.RoutedLoad),
     which decides which forwards belong to training (not evaluation, sampling, or a checkpointed recompute)."""
 
     def routed(self, layer: MoE, load: torch.Tensor, keep: torch.Tensor | None, sent: int, received: int) -> None:
@@ -541,7 +541,7 @@ class MoEAxis(Axis):
                 layer.pieces = kept
 
     def observe(self, observer) -> None:
-        """Every layer tells `observer` (a RoutingObserver that also counts `rows()`: mfu.RoutedLoad) what it
+        """Every layer tells `observer` (a RoutingObserver that also counts `rows()`: observers.RoutedLoad) what it
         routed; traced_prediction reads its rows."""
         self.observer = observer
         for layer in self.layers:

@@ -122,7 +122,7 @@ def off_group_bytes(traffic: Traffic, forwards: int, sent: float, received: floa
 
 def off_group_line(traffic: Traffic, off_group: list, forwards: int, steps: int, traced=None) -> str | None:
     """The end line (report_axes' moe section): per MoE layer and step, the ep all-to-all bytes leaving the
-    sender's group, predicted from the exchanges (mfu.RoutedLoad's sums of moe_router.off_group over the
+    sender's group, predicted from the exchanges (observers.RoutedLoad's sums of moe_router.off_group over the
     `forwards` training forwards of `steps` steps), the CommTracer's (`traced` bytes over the same steps, when
     traced), and the uniform estimate for this M and for M = G; None without groups or EP."""
     config = traffic.model

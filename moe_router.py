@@ -52,6 +52,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from recompute import in_backward
+
 SCORES = ("softmax", "sigmoid")
 # Flag → (GPTConfig field, default): joined to moe.FLAGS.
 FLAGS = {"--moe-score": ("moe_score", "softmax"), "--moe-bias-rate": ("moe_bias_rate", 0.0),
@@ -164,7 +166,7 @@ def sequence_loss(stats: torch.Tensor, topk: int) -> torch.Tensor:
 def is_training_forward(layer) -> bool:
     """A layer's forward that trains: train mode, grad on, outside a backward (a checkpointed block's
     recompute runs inside one). Evaluation, sampling and recomputes route tokens the step must not count."""
-    return layer.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+    return layer.training and torch.is_grad_enabled() and not in_backward()
 
 
 class ExpertLoad:

@@ -10,7 +10,7 @@ buffer is released. ONE interpreter here, `PipelineSchedule.forward_backward`, r
 the listed receives and the previous action's send in one `dist.batch_isend_irecv`, wait for the action's
 input, wait on the sends the plan releases (their receives are known posted), compute. It keeps no clock: it
 tells an observer (`PipelineObserver`, nobody by default) where the step, each action and each p2p call
-begin and end, and the accounting subscribes its clock (mfu.ActionClock, through `Pipeline.observe`).
+begin and end, and the accounting subscribes its clock (observers.ActionClock, through `Pipeline.observe`).
 
 How zb defers W: every nn.Linear of a chunk (the head, and the inner linears of tensor_parallel's
 Column/RowParallelLinear alike) runs with its parameters detached, so its backward returns dL/dx = dL/dy·A
@@ -83,7 +83,7 @@ TIED = "transformer.wte.weight"
 
 class PipelineObserver:
     """Who watches the interpreter: each method returns a context around what it names, and does nothing here.
-    The accounting subscribes its clock (`Pipeline.observe`; mfu.ActionClock times what it is told).
+    The accounting subscribes its clock (`Pipeline.observe`; observers.ActionClock times what it is told).
         step(device)          one forward_backward's actions, computed on `device`
         action(action)        one action's compute (a schedules.Action: F, B, I or W of a micro-batch and chunk)
         p2p(name, nbytes)     one host p2p call: "post recv act 3.1, send grad 2.1" (nbytes: the batch's
@@ -512,7 +512,7 @@ def apply(model: GPT, run, config: PipelineConfig):
 
 @dataclass(frozen=True)
 class PPFacts:
-    """What the accounting reads of the pipeline (`Pipeline.facts`): report_axes.py's pp section, activations.py,
+    """What the accounting reads of the pipeline (`Pipeline.facts`): report_pipeline.py, activations.py,
     time_model.py. programs: every pp rank's actions for the run's m micro-batches (schedules.build_programs);
     plan: this rank's [schedules.Step] (the receives it posts, its sends and their release points);
     message_bytes: one stage-boundary message, b·s·h·e; group: pp's, which the end lines gather over;
@@ -542,7 +542,7 @@ class Pipeline(Axis):
         self.model, self.schedule, self.config = model, schedule, model.config
         self.m, self.boundary_elements = micro_batches, boundary_elements
         self.tied_group = tied_group  # the {first, last} stage group, None at P = 1
-        self.trace_file = trace_file  # where report_axes.py writes the Chrome trace (one rank per pp group)
+        self.trace_file = trace_file  # where report_pipeline.py writes the Chrome trace (one rank per pp group)
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:
@@ -577,7 +577,7 @@ class Pipeline(Axis):
             del model.forward
 
     def observe(self, observer: PipelineObserver) -> None:
-        """The interpreter tells `observer` (the accounting's mfu.ActionClock) each step, action and p2p call."""
+        """The interpreter tells `observer` (the accounting's observers.ActionClock) each step, action and p2p call."""
         self.observer = self.schedule.observer = observer
 
     def facts(self) -> PPFacts:

@@ -66,6 +66,7 @@ from comm import Messages
 from fp8 import QuantizationObserver, forward_operands
 from fp8_scaling import pad_rows
 from recipe_codec import ZeroWeightCodec
+from recompute import in_backward
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
@@ -362,7 +363,7 @@ class RecipeLinear(nn.Linear):
         if fmt == "bf16":
             return x2.to(out_dtype) @ weight.to(out_dtype).t()
         amax = self._reduced_amax([amax_of(x2), self.weight_amax(weight)]) if fmt == "nvfp4" else (None, None)
-        recomputing = self.operators and torch._C._current_graph_task_id() != -1  # selective: the observer heard it
+        recomputing = self.operators and in_backward()  # selective: the observer heard it
         roles = (0, 1) if training and not recomputing else (None, None)
         xq = self._fq(x2, fmt, out_dtype, roles[0], tensor_amax=amax[0])
         wq = self._fq(weight, fmt, out_dtype, roles[1], two_d=self.recipe.w2d and fmt == "nvfp4", tensor_amax=amax[1])
@@ -550,7 +551,7 @@ class PrecisionHandle(Axis):
         return 0
 
     def observe(self, observer: QuantizationObserver) -> None:
-        """Every linear tells `observer` (the accounting's mfu.SaturationCount) what its quantisations cut, per
+        """Every linear tells `observer` (the accounting's observers.SaturationCount) what its quantisations cut, per
         role (0 X, 1 W, 2 dY), in training."""
         self.observer = observer
         for linear in self.linears.values():

@@ -186,6 +186,18 @@ class _Recomputed(NamedTuple):
     offset: int
 
 
+def in_backward() -> bool:
+    """Whether the code calling it runs inside autograd's backward (a backward function, or a forward that full or
+    selective recompute reruns there), i.e. whether autograd has a graph task running on this thread.
+
+    Why it is needed: activation checkpointing runs a block's forward twice, once in the forward pass and once
+    inside the backward to rebuild what it did not keep. What a forward records for the step (FP8 amaxes and
+    casts, routed loads, padded rows, saturation counts) must be recorded once, so the recorders skip the rerun; the
+    rerun sees the same grad mode and train mode, so only autograd's state tells the two apart. torch has no
+    public call for it: `torch._C._current_graph_task_id` is -1 outside a backward. Every caller asks here."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def check_flags(args, shape) -> None:
     """--activation-checkpointing selective only where the policy is exact and accounted (the docstring's list);
     raises ValueError naming the flag."""

@@ -57,7 +57,7 @@ def _fp8_startup(handle, run, steps: int) -> list:
 
 def _fp8_scale_table(handle, run, steps: int) -> list:
     """Per layer and linear: the scales in use and the share of saturated values since the last table (this
-    rank's tensors, counted by its observer, mfu.SaturationCount). Blockwise shows the smallest tile scale (the
+    rank's tensors, counted by its observer, observers.SaturationCount). Blockwise shows the smallest tile scale (the
     tile with the largest amax)."""
     facts = handle.facts()
     names = {name: name.removeprefix("transformer.h.") for name in facts.scales}
@@ -143,7 +143,7 @@ def _precision_startup(handle, run, steps: int) -> list:
 
 def _precision_saturation(handle, run, steps: int) -> list:
     """The share of values the recipe's clamps cut since the last line, per role over all its linears (this rank's
-    training quantisations: mfu.SaturationCount; MX's rceil cannot saturate, floor and NVFP4's rounded block
+    training quantisations: observers.SaturationCount; MX's rceil cannot saturate, floor and NVFP4's rounded block
     scale can)."""
     counts, facts = handle.observer, handle.facts()
     values = [0, 0, 0]

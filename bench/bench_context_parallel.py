@@ -111,7 +111,7 @@ def _measure(rank, world, args, device):
             shape = context_parallel.LayerShape(args.micro, args.seq_len, config.n_embd, compute_bytes)
             cp_config = context_parallel.CPConfig(world, impl, balance)
             handles[name] = context_parallel.ContextParallel(model, ring, cp_config, shape)
-            report_axes.observe(handles[name])  # the clock the ring reports to (mfu.WaitClock)
+            report_axes.observe(handles[name])  # the clock the ring reports to (observers.WaitClock)
             batch = handles[name].shard_batches(batch)
         xs, ys, pos = batch[0]
         params = list(model.parameters())

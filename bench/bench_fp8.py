@@ -32,7 +32,7 @@ import torch.nn as nn  # noqa: E402
 
 import fp8  # noqa: E402
 import fp8_scaling  # noqa: E402
-import mfu  # noqa: E402
+import observers  # noqa: E402
 import report_axes  # noqa: E402
 from common import add_device_argument, alternate  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
@@ -59,7 +59,7 @@ def numerics(device, n: int = 1024) -> None:
         reference.load_state_dict(plain.state_dict())
         layer = fp8.Fp8Linear(plain, fp8.Recipe(mode), "bench")
         handle = fp8.Fp8Handle(fp8.Recipe(mode), {"bench": layer})
-        handle.observe(mfu.SaturationCount())  # what the clamps cut, as the trainer's accounting counts it
+        handle.observe(observers.SaturationCount())  # what the clamps cut, as the trainer's accounting counts it
         for step in range(3):  # delayed: steps 2 and 3 use the history; step 3's input is 2× larger
             x = torch.randn(8, n // 8, n, device=device) * (2.0 if step == 2 else 1.0)
             x = x.requires_grad_()

@@ -92,7 +92,7 @@ def _rank(rank, world, args):
         tracer = CommTracer()
         for group in ("ep", "dp_cp", "expert_dp"):
             tracer.name_group(v.mesh.group(group), group)
-        report_axes.observe(v.handle)  # a fresh mfu.RoutedLoad on every layer
+        report_axes.observe(v.handle)  # a fresh observers.RoutedLoad on every layer
         with tracer:
             v.step(x, y)
         traced[name] = (tracer.records, v.handle.traced_prediction(None, 1), v.handle.predicted_messages())

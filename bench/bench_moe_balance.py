@@ -28,7 +28,7 @@ Measured per row, from the per-expert loads c_i of every MoE layer (slots routed
 - the final val loss (train.evaluate: the first --eval-batches validation batches), the train loss averaged over
   the last 50 steps, and the wall time of the steps and the eval (start-up not included).
 Each step's loads are the layers' own (`layer.load.last`, moe_router.ExpertLoad: the global load the bias is
-updated from), checked against what the routing observer (moe.RoutingObserver, mfu.RoutedLoad) saw; the
+updated from), checked against what the routing observer (moe.RoutingObserver, observers.RoutedLoad) saw; the
 validation batches' loads come from the observer (the layers count training forwards only).
 """
 
@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comm  # noqa: E402
 import flags  # noqa: E402
 import goodput  # noqa: E402
-import mfu  # noqa: E402
+import observers  # noqa: E402
 import train  # noqa: E402
 from step import train_step  # noqa: E402
 
@@ -73,8 +73,8 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 PAPER = {"aux": 0.72, "loss-free": 0.04}  # Wang et al. 2024, MaxVio_global at 1B (validation set)
 
 
-class BalanceRecord(mfu.RoutedLoad):
-    """mfu.RoutedLoad (the training forwards' loads, `take_load` once per step) that also sums the loads of the
+class BalanceRecord(observers.RoutedLoad):
+    """observers.RoutedLoad (the training forwards' loads, `take_load` once per step) that also sums the loads of the
     evaluation forwards (eval mode or no grad; never a checkpointed recompute) per layer, for global MaxVio."""
 
     def __init__(self):

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pipeline as pp  # noqa: E402
 import report_axes  # noqa: E402
+import report_pipeline  # noqa: E402
 import schedules  # noqa: E402
 from bench.common import add_device_argument, launch, rank_device, synchronize  # noqa: E402
 from mesh import build_mesh, infer_mesh_shape  # noqa: E402
@@ -140,8 +141,8 @@ def _bench(rank, world, args):
             if round_index >= args.warmup:
                 times[key].append(time.perf_counter() - start)
     medians = {key: statistics.median(values) for key, values in times.items()}
-    # report_axes.py's end lines of each of ours (collective over pp: every rank calls them, rank 0 prints).
-    lines = [(name, report_axes.pp_end_lines(handle)) for name, handle in ours.items()]
+    # report_pipeline.py's end lines of each of ours (collective over pp: every rank calls them, rank 0 prints).
+    lines = [(name, report_pipeline.pp_end_lines(handle)) for name, handle in ours.items()]
     latency = _message_latency(rank, group, batches[0][0].shape + (config.n_embd,), device)
     delays = {name: _message_delays(handle) for name, handle in ours.items()}
     with_latency = {name: [_bubbles_with_latency(handle, seconds) for seconds in (latency, delays[name][1])]

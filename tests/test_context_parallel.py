@@ -16,8 +16,8 @@ estimate in the form this attention implies, 32·(s/C)·b·h scaled from 16-bit 
 no score matrix (no 5as/h term) and dropout is 0 (no 1-byte masks: 34 − 2); what is left over is the fp64
 log-sum-exp and the LayerNorm statistics (1.6% here). C = 2 saves half of C = 1 at the same global sequence.
 Printouts: a run composed as train.py composes it (`train.compose`, block 0 measured at start-up), its cp
-start-up lines, one training step and one evaluation pass, its end lines (the clock observing the ring, mfu.WaitClock,
-counts the step's passes only).
+start-up lines, one training step and one evaluation pass, its end lines (the clock observing the ring,
+observers.WaitClock, counts the step's passes only).
 Each spawned run is a module-scoped fixture shared by one test per property. The rank bodies build on
 harness.device() (each rank's GPU under nccl); the whole-sequence tensors every rank must hold alike are drawn
 on the CPU and moved there.
@@ -366,7 +366,7 @@ def test_ring_posts_the_next_block_before_computing_this_one(attention_ranks):
 
 def test_ring_tells_its_observer_each_pass_and_each_wait(attention_ranks):
     """The ring keeps no clock: it tells its observer where each pass begins and ends and around each wait,
-    and the observer (the accounting's mfu.WaitClock in a run) does the timing."""
+    and the observer (the accounting's observers.WaitClock in a run) does the timing."""
     for result in attention_ranks:
         forward, backward, forward_told, backward_told = result["events"]
         waited = ["begin wait", "end wait"]

@@ -208,6 +208,15 @@ def test_design_says_where_every_file_is_tested():
         assert os.path.isfile(os.path.join(ROOT, "tests", f"test_{name}.py")), name
 
 
+def test_every_top_level_file_fits_one_sitting():
+    """A concept file is read in one sitting: at most 650 lines, its docstring included. One that outgrows it
+    splits along a concept (what a shard is, what a printout is) rather than compressing its prose."""
+    top_level = [path for path in SOURCES if os.path.dirname(path) == ROOT]
+    too_long = [f"{os.path.basename(path)} ({count})" for path in top_level
+                if (count := len(open(path, encoding="utf-8").read().splitlines())) > 650]
+    assert not too_long, "files over 650 lines: " + ", ".join(too_long)
+
+
 def test_every_line_of_the_sources_fits_120_columns():
     """The 120-column convention, counted in characters (Σ, ←, × are one each): a file that needs more room
     splits along a concept rather than packing long lines."""

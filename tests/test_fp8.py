@@ -872,7 +872,7 @@ def test_step_and_end_lines(applied):
 
 def test_the_accounting_counts_what_the_clamp_cut():
     """Delayed scaling saturates when a tensor outgrows its history. The counter the accounting subscribes
-    (report_axes.observe: mfu.SaturationCount) is told every training cast, not an evaluation's, and the scale
+    (report_axes.observe: observers.SaturationCount) is told every training cast, not an evaluation's, and the scale
     table prints, per role, 100·cut/cast since the last table, then restarts."""
     torch.manual_seed(0)
     recipe = fp8.Recipe("delayed")

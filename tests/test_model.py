@@ -132,6 +132,45 @@ def test_selective_recompute_follows_the_plain_models_loss_curve():
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_in_backward_tells_a_recompute_from_the_forward_and_is_the_one_place_that_asks_autograd():
+    """recompute.in_backward is False in a forward, True in a backward and in the forward that full or
+    selective recompute reruns inside it; no other file asks torch's private graph-task id itself."""
+    import os
+
+    import recompute
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+
+    def block(x):  # records, per call, whether it runs inside a backward
+        seen.append(recompute.in_backward())
+        return (x * 2).sin()
+
+    class Backward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(recompute.in_backward())
+            return grad
+
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    assert not recompute.in_backward()
+    Backward.apply(block(x)).sum().backward()
+    assert seen == [False, True]  # the forward, then the backward
+    for context_fn in (None, recompute.SelectiveRecompute().contexts):  # full, selective
+        seen.clear()
+        kwargs = {} if context_fn is None else dict(context_fn=context_fn)
+        checkpoint(block, x, use_reentrant=False, **kwargs).sum().backward()
+        assert seen == [False, True], context_fn  # the forward, then its recompute inside the backward
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    asking = [f for f in os.listdir(root) if f.endswith(".py") and f != "recompute.py"
+              and "_current_graph_task_id" in open(os.path.join(root, f)).read()]
+    assert not asking, asking
+
+
 def test_selective_recompute_of_a_moe_block_under_autocast_gives_the_same_gradients_bit_for_bit():
     """A MoE block's recomputed GELU outputs and autocast's weight copies (recompute.SelectiveRecompute.
     activations_recomputed) are the forward's own bits: bf16 gradients equal the plain model's exactly, and

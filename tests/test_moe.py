@@ -122,7 +122,7 @@ def test_capacity_keeps_each_experts_first_slots_in_token_order():
 def test_a_dropped_slot_adds_nothing_and_is_counted():
     """Every token prefers expert 0 (top-1, C = ⌈8·1/4·1⌉ = 2): tokens 0 and 1 get expert 0's output times
     their gate, the 6 later ones nothing (their residual carries them); the layer's observer is told 6."""
-    from mfu import RoutedLoad
+    from observers import RoutedLoad
     from model import GPT
 
     config = make_config(n_layer=1, moe_experts=4, moe_topk=1, moe_capacity_factor=1.0)
@@ -143,11 +143,11 @@ def test_a_dropped_slot_adds_nothing_and_is_counted():
 
 def test_the_layer_tells_its_observer_every_forward_and_the_load_counts_training_only():
     """The layer keeps no record: it tells its observer what each forward routed, whatever the pass (the
-    forward and, under activation checkpointing, its recompute inside backward); mfu.RoutedLoad, the
+    forward and, under activation checkpointing, its recompute inside backward); observers.RoutedLoad, the
     accounting's observer, counts the training forward only."""
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-    from mfu import RoutedLoad
+    from observers import RoutedLoad
     from model import GPT
 
     class Told:
@@ -170,8 +170,8 @@ def test_the_layer_tells_its_observer_every_forward_and_the_load_counts_training
 
 def test_evaluation_and_sampling_forwards_record_no_routing():
     """Only a training forward records (the load line and the exact message prediction count training
-    steps): not one under no_grad (evaluation, sampling), not one in eval mode (mfu.RoutedLoad decides)."""
-    from mfu import RoutedLoad
+    steps): not one under no_grad (evaluation, sampling), not one in eval mode (observers.RoutedLoad decides)."""
+    from observers import RoutedLoad
     from model import GPT
 
     model = GPT(make_config(n_layer=1, moe_experts=4, moe_topk=2), seed=0, dtype=DT)
@@ -226,7 +226,7 @@ def _layer(rank, world):
     import moe
     from mesh import MeshShape, build_mesh
     from comm import CommTracer
-    from mfu import RoutedLoad
+    from observers import RoutedLoad
     from model import GPT
 
     device = harness.device()

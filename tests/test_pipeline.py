@@ -16,7 +16,7 @@ tests read.
    Cases add an auxiliary loss, (x, y, pos) batches, an uneven split and loss scaling; with TP (2 × 2,
    with and without SP) the zb weight-gradient deferral runs through tensor_parallel's inner linears.
 3. Every traced message (send/recv over pp, the loss and tied-embedding all-reduces) equals the handle's
-   prediction, calls and bytes; report_axes.py's pp lines draw the timeline and write a Chrome trace.
+   prediction, calls and bytes; report_pipeline.py's lines draw the timeline and write a Chrome trace.
 4. FP8 under the pipeline: zb with every recipe equals the single-device FP8 model (fp8.Fp8Linear defers its
    own weight gradient to the W action).
 5. Sent buffers are freed at the plan's release points: the host programs of every plan run to the end
@@ -24,7 +24,7 @@ tests read.
    of batches per rank); a release waits only on a receive a message already taken shows posted, so under
    gloo's rule with costs unlike the plan's every action starts when schedules.simulate starts it; a real
    2-rank step holds exactly the plan's count of sent buffers; evaluation and sampling leave no MoE aux term
-   behind; on CUDA the actions are timed by events (mfu.ActionClock, with a fake torch.cuda.Event here) and
+   behind; on CUDA the actions are timed by events (observers.ActionClock, with a fake torch.cuda.Event here) and
    nothing synchronizes the device inside the step; the end line says why a measured bubble differs from the
    formula; the handle speaks the axis protocol (after_grad_sync returns 0, predicted_messages a
    comm.Messages, no printing of its own). The interpreter keeps no clock: nobody watches it by default, and
@@ -47,6 +47,7 @@ import torch
 
 import pipeline as pp
 import report_axes
+import report_pipeline
 import schedules as sch
 from comm import Messages
 import harness
@@ -333,9 +334,9 @@ def test_layers_split_into_contiguous_chunks_dealt_round_robin():
 
 
 def test_an_uneven_split_warns():
-    lines = report_axes.pp_split_lines(make_config(n_layer=7), 4)
+    lines = report_pipeline.pp_split_lines(make_config(n_layer=7), 4)
     assert any("WARNING uneven split" in line and "chunks [0, 1, 2]" in line for line in lines)
-    assert not any("WARNING" in line for line in report_axes.pp_split_lines(make_config(n_layer=8), 4))
+    assert not any("WARNING" in line for line in report_pipeline.pp_split_lines(make_config(n_layer=8), 4))
 
 
 def test_the_split_prints_what_each_stage_builds():
@@ -346,7 +347,7 @@ def test_the_split_prints_what_each_stage_builds():
             built = [sum(p.numel() for p in build_stages(config, 0, torch.float32, "meta", r, P, v).parameters())
                      for r in range(P)]
             printed = [int(line.rsplit(": ", 1)[1].split()[0].replace(",", ""))
-                       for line in report_axes.pp_split_lines(config, P, v) if line.startswith("  stage ")]
+                       for line in report_pipeline.pp_split_lines(config, P, v) if line.startswith("  stage ")]
             assert printed == built, (config, P, v)
 
 
@@ -440,10 +441,11 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
         grads = {p.shard_info.global_name: (p.grad.detach().clone() / loss_scale, p.shard_info)
                  for p in stages.parameters()}
         synced_arrivals = dict(layout.arrivals)
-        lines = report_axes.pp_end_lines(handle, run, 1) if "lines" in extra else None  # collective over pp
+        lines = report_pipeline.pp_end_lines(handle, run, 1) if "lines" in extra else None  # collective over pp
         results[case] = dict(loss=float(out.loss_sum), aux=out.aux, grads=grads, traced=traced,
                              predicted=handle.predicted_messages(layout).named(tracer.alias),
-                             arrivals=synced_arrivals, startup=report_axes.pp_startup_lines(handle, run), lines=lines)
+                             arrivals=synced_arrivals, startup=report_pipeline.pp_startup_lines(handle, run),
+                             lines=lines)
     return results
 
 
@@ -995,7 +997,7 @@ class _Recorder(pp.PipelineObserver):
 
 
 def _lifetime_checks(rank, world):
-    import mfu
+    import observers
     from mesh import build_mesh, infer_mesh_shape
 
     device = harness.device()
@@ -1032,7 +1034,7 @@ def _lifetime_checks(rank, world):
 
     _FakeCudaEvent.log.clear()
     stages, handle = handle_for("zb", 3, make_config(n_layer=2))
-    handle.observe(mfu.ActionClock(cuda=True))  # what a step on a CUDA device gets
+    handle.observe(observers.ActionClock(cuda=True))  # what a step on a CUDA device gets
     torch.cuda.Event, torch.cuda.synchronize = _FakeCudaEvent, device_wide
     try:
         step(stages, handle, 3)
@@ -1127,9 +1129,9 @@ def test_nobody_watches_the_interpreter_by_default_and_an_observer_is_told_each_
 
 
 def test_the_accounting_reads_the_pipeline_handle_through_facts_and_its_observer_only():
-    """report_axes.py's pp section, activations.py, time_model.py's pp branch and the bench read the pp handle
-    (a variable `axis` or `handle`) through step.Axis's methods, `facts()` and `observer` (the clock the
-    accounting subscribed), never its schedule; report.py reads nothing of a schedule beyond
+    """report_pipeline.py (the pp section), report_axes.py's observe, activations.py, time_model.py's pp branch
+    and the bench read the pp handle (a variable `axis` or `handle`) through step.Axis's methods, `facts()` and
+    `observer` (the clock the accounting subscribed), never its schedule; report.py reads nothing of a schedule beyond
     step.GradientAccumulation's protocol; pipeline.py imports no accounting file (measure.py reads no pp)."""
     import ast
 
@@ -1141,12 +1143,12 @@ def test_the_accounting_reads_the_pipeline_handle_through_facts_and_its_observer
     protocol = {name for name in vars(step.GradientAccumulation) if not name.startswith("_")}
     protocol |= {"measure_activations", "saved_activation_bytes"}  # set in its __init__
     read, of_schedule = set(), set()
-    for path in ("report_axes.py", "report.py", "activations.py", "time_model.py", "bench/bench_pipeline.py"):
+    for path in ("report_pipeline.py", "report_axes.py", "report.py", "activations.py", "time_model.py",
+                 "bench/bench_pipeline.py"):
         tree = ast.parse(open(os.path.join(root, path)).read())
         scopes = [tree]
-        if path == "report_axes.py":  # the pp section only: the other axes' sections read their own handles
-            scopes = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
-                      and (node.name.startswith("pp_") or node.name == "observe")]
+        if path == "report_axes.py":  # observe only: the other axes' sections read their own handles
+            scopes = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "observe"]
         if path == "time_model.py":  # the pp branch of role_of
             scopes = [node for node in ast.walk(tree) if isinstance(node, ast.If)
                       and ast.unparse(node.test) == "axis.name == 'pp'"]
@@ -1161,7 +1163,7 @@ def test_the_accounting_reads_the_pipeline_handle_through_facts_and_its_observer
     tree = ast.parse(open(os.path.join(root, "pipeline.py")).read())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert not {"mfu", "report", "report_axes", "time"} & imported, imported
+    assert not {"mfu", "observers", "report", "report_axes", "report_pipeline", "time"} & imported, imported
 
 
 def test_evaluation_and_sampling_leave_no_aux_term_behind(lifetime_run):
@@ -1177,26 +1179,27 @@ UNIFORM_COSTS = [{"F": 1.0, "B": 2.0}] * 2
 
 
 def test_bubble_note_is_empty_when_nothing_the_run_sees_explains_a_difference():
-    assert report_axes.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=2, threads=1, cores=2) == ""
+    assert report_pipeline.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=2, threads=1, cores=2) == ""
     # GPUs: elsewhere
-    assert report_axes.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=4, threads=8, cores=2, cpu=False) == ""
+    assert report_pipeline.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=4, threads=8, cores=2, cpu=False) == ""
 
 
 def test_bubble_note_names_ranks_sharing_cores():
-    shared = report_axes.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=4, threads=1, cores=2)
+    shared = report_pipeline.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=4, threads=1, cores=2)
     assert "4 ranks × 1 thread share 2 cores" in shared and "costs" not in shared.split(".")[0]
     assert shared.endswith("simulation with the measured costs, 25.0%")
 
 
 def test_bubble_note_names_other_processes_loading_the_cores():
-    loaded = report_axes.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=10.3)
+    loaded = report_pipeline.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=10.3)
     assert "load average is 10.3 on 2 cores" in loaded and "2 ranks" not in loaded
-    assert report_axes.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=1.9) == ""
+    assert report_pipeline.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=1.9) == ""
 
 
 def test_bubble_note_names_costs_that_are_not_uniform():
-    slower = report_axes.pp_bubble_note([{"F": 1.0, "B": 2.9}, {"F": 1.5, "B": 3.0}], 0.31, ranks=2, threads=1, cores=2)
+    slower = report_pipeline.pp_bubble_note([{"F": 1.0, "B": 2.9}, {"F": 1.5, "B": 3.0}], 0.31, ranks=2, threads=1,
+                                            cores=2)
     assert "F differs 1.50× between stages" in slower and "B/F 2.00..2.90, uniform 2" in slower
     assert "wait on slower peers" in slower and "cores" not in slower and slower.endswith("costs, 31.0%")
-    zb = report_axes.pp_bubble_note([{"F": 1.0, "I": 1.05, "W": 0.5}], 0.1, ranks=1, threads=1, cores=2)
+    zb = report_pipeline.pp_bubble_note([{"F": 1.0, "I": 1.05, "W": 0.5}], 0.1, ranks=1, threads=1, cores=2)
     assert "W/F 0.50..0.50, uniform 1" in zb and "I/F" not in zb

@@ -591,7 +591,7 @@ def test_the_axis_protocol_is_nine_methods_and_no_handle_brings_back_a_removed_h
     (the accounting's clock or counter subscribes to the algorithm) and `facts` (what the printouts read).
     A handle may have helpers of its own, but none of the hooks that left the protocol (printing moved to
     report_axes.py's sections, per-step hooks into after_grad_sync, "loaded" into the loaded tensors, the
-    routed-load record into mfu.RoutedLoad, TP's `holding` into its facts)."""
+    routed-load record into observers.RoutedLoad, TP's `holding` into its facts)."""
     import inspect
 
     import step
