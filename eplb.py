@@ -82,7 +82,7 @@ import torch
 import torch.distributed as dist
 
 from comm import Messages
-from recompute import in_backward
+from recompute import is_training_forward
 from shard import ShardInfo, StatePiece, counts_here
 
 # ---------------------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ class Replicas:
         place = torch.empty_like(slot_expert)
         place[order] = torch.arange(len(order), device=ones.device) - first[slot_expert[order]]
         physical = self.slot_of[slot_expert, place % self.count_of[slot_expert]]
-        if training and torch.is_grad_enabled() and not in_backward():
+        if is_training_forward(training):
             per_slot = torch.zeros(self.slots + 1, dtype=torch.long, device=ones.device).scatter_add_(
                 0, physical, ones)[:self.slots]
             self.step_load += per_expert[:self.n_experts]

@@ -106,6 +106,7 @@ from context_parallel import positions
 from mesh import MeshShape
 from moe_accounting import ALL_TO_ALL, Traffic, all_to_all_messages, capacity, step_messages
 from moe_shared import SharedExperts
+from recompute import is_training_forward
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis, sum_in_place
 
@@ -197,7 +198,7 @@ class MoE(nn.Module):
         probs, gate, expert, scores = moe_router.route(logits, self.topk, bias=self.load.on(logits.device).bias,
                                                        **self.routing)
         routed = count_per_expert(expert, self.n_experts)  # [N]
-        if moe_router.is_training_forward(self):
+        if is_training_forward(self.training):
             self.load.add(routed)  # the step's load: the bias update's, and every reader's (`layer.load`)
         sequences = x.shape[0] if x.dim() == 3 else 1
         seq = moe_router.sequence_stats(scores, probs, self.topk, sequences) if self.seq_aux_coef > 0 else None

@@ -52,7 +52,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from recompute import in_backward
 
 SCORES = ("softmax", "sigmoid")
 # Flag → (GPTConfig field, default): joined to moe.FLAGS.
@@ -161,12 +160,6 @@ def sequence_loss(stats: torch.Tensor, topk: int) -> torch.Tensor:
     f = stats[:, :n] * (n / (topk * tokens))
     p = stats[:, n:2 * n] / tokens
     return (f * p).sum(dim=1).mean()
-
-
-def is_training_forward(layer) -> bool:
-    """A layer's forward that trains: train mode, grad on, outside a backward (a checkpointed block's
-    recompute runs inside one). Evaluation, sampling and recomputes route tokens the step must not count."""
-    return layer.training and torch.is_grad_enabled() and not in_backward()
 
 
 class ExpertLoad:

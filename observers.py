@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recompute import in_backward
+from recompute import is_training_forward
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ class RoutedLoad:
         self.last_load, self.off_group = None, [0, 0]  # the last take_load; moe_router.off_group's sums
 
     def routed(self, layer, load: torch.Tensor, keep, sent: int, received: int) -> None:
-        if not (layer.training and torch.is_grad_enabled()) or in_backward():
+        if not is_training_forward(layer.training):
             return  # evaluation, sampling (no grad, or eval mode), or a checkpointed block's recompute (in backward)
         self.forwards, self.sent, self.received = self.forwards + 1, self.sent + sent, self.received + received
         self.off_group = [total + new for total, new in zip(self.off_group, layer.off_group)]

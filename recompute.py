@@ -42,7 +42,7 @@ moe_act module (core_attn, moe_act; not `moe`, which recomputes the whole layer,
 side, x + attn(ln_1(x)), is one checkpoint under this policy; its MoE side, ln_2, the router, the dispatch with its
 all-to-alls, the experts and the combine, runs once, outside any checkpoint, so the routing never runs again,
 nothing is sent twice and the load counters count each slot once (a recompute would not count anyway:
-moe_router.is_training_forward). Inside it only local elementwise work is recomputed (`activations_recomputed`): a
+is_training_forward). Inside it only local elementwise work is recomputed (`activations_recomputed`): a
 GELU's output that c_proj saves is replaced by GELU(c_fc's output), which the GELU keeps as its input anyway
 (Megatron's CheckpointWithoutOutput around the activation does the same: discard the output, recompute it when
 fc2's backward needs it), and autocast's copy of a weight by a cast of the parameter (as this policy recomputes the
@@ -196,6 +196,13 @@ def in_backward() -> bool:
     rerun sees the same grad mode and train mode, so only autograd's state tells the two apart. torch has no
     public call for it: `torch._C._current_graph_task_id` is -1 outside a backward. Every caller asks here."""
     return torch._C._current_graph_task_id() != -1
+
+
+def is_training_forward(training: bool) -> bool:
+    """A forward that trains: train mode (`training`, the layer's), grad on, outside a backward (a checkpointed
+    block's recompute runs inside one). Evaluation, sampling and recomputes route tokens the step must not count
+    (moe.py's aux statistics, observers.RoutedLoad's loads, eplb's slot loads)."""
+    return training and torch.is_grad_enabled() and not in_backward()
 
 
 def check_flags(args, shape) -> None:
