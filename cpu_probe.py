@@ -23,11 +23,11 @@ model: update_seconds times it on fresh tensors shaped as this rank's master ten
 measure at once on a shared machine: each figure is the world's mean (one figure for the world, as
 train.shared_peak's peak).
 
-The link: hardware.measure_cpu times a world all-reduce 40 times at 4 KiB and 9 times at 4 MiB; hardware.link_fit
+The link: hardware.measure_cpu times a world all-reduce 100 times at 4 KiB and 9 times at 4 MiB; hardware.link_fit
 fits α (the per-step latency, the calls' scheduler tail included: from the small calls' mean) and β (the wire's
-bytes per second: from the slope between the two medians), t(M) = 2(N−1)·α + wire(M)/β. The overlap φ is the
-median of five interleaved samples of each of its three times (a block, a transfer, both): one preempted sample
-moves neither. Both are the world's averages, so every rank prices the step alike.
+bytes per second: from the slope between the two medians), t(M) = 2(N−1)·α + wire(M)/β, each call after 1 ms of
+compute, as a step's calls come. The overlap φ is from the means of ten interleaved samples of each of its three
+times (a block, a transfer, both). Both are the world's averages, so every rank prices the step alike.
 
 Accounting for this file: it holds nothing after start-up; while it measures, the probe's block and ends (fresh
 weights, one micro-batch's activations) and update_seconds' four tensors per master tensor (weights, gradients,
@@ -49,6 +49,7 @@ import hardware
 import memory
 import model as model_lib
 import time_calibration
+import time_model
 from time_calibration import Calibration
 
 
@@ -99,10 +100,13 @@ def block_seconds(block: nn.Module, x: torch.Tensor, autocast, repeats: int = 5)
     return hardware.median([block_pass(block, x, autocast) for _ in range(repeats)])
 
 
-def measured_overlap(block: nn.Module, x: torch.Tensor, autocast, nbytes: int = 1 << 20, repeats: int = 5) -> float:
+def measured_overlap(block: nn.Module, x: torch.Tensor, autocast, nbytes: int = 1 << 20, repeats: int = 10) -> float:
     """overlap_fraction of this rank's block pass and a world all-reduce of nbytes started asynchronously
     before it: the three times (block alone, transfer alone, both) interleaved `repeats` times and each the
-    median of its samples, so one preempted sample moves none of them. Collective: every rank calls it."""
+    mean of its samples, as a step's time is a sum. A difference of three noisy times is noisy: on the 2-core
+    test VM, four rounds of 15 samples gave φ 0.01-0.61 from medians (the 1 MiB transfer's median read 1.1 to 4.0
+    ms) and 0.21-0.39 from means; five samples' medians gave −0.37 (clamped to 0) to 1.
+    Collective: every rank calls it."""
     buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=x.device)
     compute, transfer, both = [], [], []
     for _ in range(repeats):
@@ -115,7 +119,7 @@ def measured_overlap(block: nn.Module, x: torch.Tensor, autocast, nbytes: int = 
         block_pass(block, x, autocast)
         work.wait()
         both.append(time.perf_counter() - start)
-    return overlap_fraction(*(hardware.median(samples) for samples in (compute, transfer, both)))
+    return overlap_fraction(*(sum(samples) / repeats for samples in (compute, transfer, both)))
 
 
 class ShapedEnds(nn.Module):
@@ -224,12 +228,41 @@ def calibration_of(run, peak: float, hbm_bytes_per_s: float) -> tuple[Calibratio
                        ends_fraction=e_ends, update_seconds=t_update), overlap
 
 
-def machine_model(run, args) -> hardware.Hardware:
+def forward_pass_seconds(run, batches: list, passes: int = 3) -> float:
+    """This rank's time in one forward-only pass of the run's own layout over `batches` (the schedule's
+    forward_only: evaluation's path, in eval mode without grad, so nothing the step keeps changes) less the seconds
+    the tracer saw inside collectives meanwhile (their waits are the link's, priced apart): the median of `passes`
+    after one untimed. Collective: every rank calls it."""
+    run.model.eval()
+    samples = []
+    with torch.no_grad():
+        for _ in range(passes + 1):
+            in_calls = run.tracer.total(phase=None).seconds
+            start = time.perf_counter()
+            run.schedule.forward_only(run.layout, run.model, batches, run.autocast, run.device)
+            samples.append(time.perf_counter() - start - (run.tracer.total(phase=None).seconds - in_calls))
+    run.model.train()
+    return hardware.median(samples[1:])
+
+
+def machine_model(run, args, batches: list | None = None) -> hardware.Hardware:
     """This machine as the time model sees it: on CPU measured (the matmul peak train.py measured, a timed gloo
-    all-reduce at two sizes, this rank's block: collective, every rank calls it); on a GPU the preset's
-    datasheet row (--hw, --hw-*)."""
+    all-reduce at two sizes, this rank's block, its ends and its update; with `batches`, this rank's micro-batches
+    of one step, the layout factor ρ = the run's own forward-only pass over what the model prices it at: the
+    wrappers', hooks' and copies' per-op costs that a bare block does not run, e.g. TP's vocabulary-parallel loss,
+    ZeRO-3's unit views, the ring's merges; the world's mean; collective, every rank calls it); on a GPU the
+    preset's datasheet row (--hw, --hw-*)."""
     if run.device.type != "cpu":
         return hardware.from_flags(args, run.settings.dtype)
     hw = hardware.measure_cpu(run.peak[0], run.settings.dtype, run.device)
     calibration, overlap = calibration_of(run, hw.peak(run.settings.dtype), hw.hbm_gbps * 1e9)
-    return dataclasses.replace(hw, calibration=calibration, overlap=overlap)
+    hw = dataclasses.replace(hw, calibration=calibration, overlap=overlap)
+    if batches is None:
+        return hw
+    facts = dict(time_model.layout_facts(run.settings, x=activations.activation_shape(run)), dtype=run.settings.dtype)
+    priced = time_model.forward_compute(time_model.role_of(run), facts, hw, run.config.activation_checkpointing)
+    factor = torch.tensor([forward_pass_seconds(run, batches) / priced], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(factor)
+        factor /= dist.get_world_size()
+    return dataclasses.replace(hw, calibration=dataclasses.replace(calibration, layout_factor=float(factor)))

@@ -183,10 +183,23 @@ def link_fit(op: str, sizes: tuple, mean_small: float, median_small: float, medi
     return alpha, beta
 
 
-def measure_cpu(peak_flops: float, dtype: str, device, sizes=(1 << 12, 1 << 22), calls=(40, 9)) -> Hardware:
+def busy(seconds: float, device) -> None:
+    """Compute (small matmuls) for `seconds`: what a step runs between two collectives, so that the next call
+    meets the peer's and its own communication threads parked, as a step's calls do, not spinning from the last."""
+    a = torch.ones(64, 64, device=device)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ a
+
+
+def measure_cpu(peak_flops: float, dtype: str, device, sizes=(1 << 12, 1 << 22), calls=(100, 9),
+                compute_between: float = 1e-3) -> Hardware:
     """This machine as a Hardware: the measured matmul peak (train.py measured it at start) and a world
-    all-reduce timed `calls` times at each of two sizes, fitted by link_fit. The ranks start each size together
-    (a warm-up all-reduce first) and average their statistics, so every rank fits the same α and β.
+    all-reduce timed `calls` times at each of two sizes, each call after `compute_between` seconds of compute
+    (busy), fitted by link_fit. The ranks start each size together (a warm-up all-reduce first) and average their
+    statistics, so every rank fits the same α and β. On the 2-core test VM a call right after another is not a
+    step's: back to back, a 4 KiB all-reduce's mean over 100 calls read 0.5 to 2.0 ms from one run to the next,
+    while after 1-2 ms of compute it read 1.5-2.0 ms, as a TP step's own calls (1.7-1.9 ms each, 214 KB, traced).
     Collective: every rank calls it. One node: every group is 'intra'."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     alpha, beta = 0.0, float("inf")
@@ -197,6 +210,7 @@ def measure_cpu(peak_flops: float, dtype: str, device, sizes=(1 << 12, 1 << 22),
             dist.all_reduce(x)  # warm-up (connections, buffers) and a common start
             times = []
             for _ in range(count):
+                busy(compute_between, device)
                 start = time.perf_counter()
                 dist.all_reduce(x)
                 times.append(time.perf_counter() - start)

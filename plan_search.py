@@ -47,6 +47,7 @@ import precision_recipe
 import recompute
 import report_axes
 import schedules
+import step
 import tensor_parallel
 import train
 import zero_pipeline
@@ -314,7 +315,7 @@ def _formula_zero_pipeline(s: _Stage, program: list) -> tuple:
                 messages.add("all_gather_single", group, runs, runs * (1 if codec else b_w) * n)
                 messages.add("reduce_scatter_single", group, 1, s.b_r * n)
     if s.sizes["dp_cp"] > 1:
-        messages.add("all_reduce", "dp_cp", 2, 16)
+        messages = messages + step.scalar_messages()
     numel = {chunk: sum(n for _, n, _ in pieces) for chunk, pieces in units.items()}
     transient = zero_pipeline.step_transient_bytes(program, stage, {c: b_w * n for c, n in numel.items()},
                                                    {c: b_a * n for c, n in numel.items()})
@@ -484,7 +485,7 @@ def grad_sync_messages(held: dict, sizes: dict, stage: int, m: int, bytes_wr: tu
         reduces = m if stage >= 2 else 1
         out.add("reduce_scatter_single", group, units * reduces, reduces * b_r * local)
     if sizes["dp_cp"] > 1:
-        out.add("all_reduce", "dp_cp", 2, 16)
+        out = out + step.scalar_messages()
     return out
 
 

@@ -35,6 +35,7 @@ from mesh import axis_groups
 from optim import update_messages
 from report_axes import MEASURES_BLOCK, axis_lines, layout_lines, observe
 from shard import counts_here
+from step import scalar_messages
 
 
 def print0(*args, **kwargs):
@@ -154,7 +155,7 @@ def predicted_messages(run, traced_steps: int = 0) -> Messages:
         out = out + (axis.traced_prediction(run.layout, traced_steps) if traced_steps
                      else axis.predicted_messages(run.layout))
     if run.mesh.size("dp_cp") > 1:  # step.py: the global token count and the logged loss, float64 each
-        out.add("all_reduce", "dp_cp", 2, 16)
+        out = out + scalar_messages()
     if run.mesh.shape.world_size > 1:  # the update's norm: over the world, or one DiLoCo replica (diloco.py)
         out = out + update_messages("replica" if run.settings.diloco else "world")
     return out.named(run.tracer.alias)  # names that share one communicator are one row (mesh.py)

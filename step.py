@@ -113,6 +113,13 @@ def sum_in_place(tensors: list, group) -> None:
         offset += t.numel()
 
 
+def scalar_messages() -> dict:
+    """The step's own two messages over the data-parallel group (dp_cp, when it has more than one rank), each one
+    float64 SUM all-reduce: count_global_tokens before the first forward and the logged loss after the update.
+    Both block the step (nothing runs beside them), though they share their (op, group) with DDP's gradients."""
+    return {("all_reduce", "dp_cp"): (2, 16)}
+
+
 def count_global_tokens(batches, group, device) -> torch.Tensor:
     """Target tokens (≠ -1) in the whole global batch: the denominator of the loss on every rank."""
     local = sum((batch[1] != -1).sum() for batch in batches).to(device=device, dtype=torch.float64)

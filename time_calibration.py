@@ -43,6 +43,7 @@ class Calibration:
     # A measured CPU's own (cpu_probe.py; None on the presets and from flags: the formulas above):
     ends_fraction: float | None = None  # the head class's e: the ends' (embeddings, LayerNorm, head, loss) rate
     update_seconds: float | None = None  # the update's local work per step, timed on this rank's tensor shapes
+    layout_factor: float | None = None  # ρ: the run's own forward over its price (its layout's per-op costs)
 
     def gemm_efficiency(self, smallest_dim: float) -> float:
         """e(d) = e_max · d / (d + d½)."""

@@ -10,14 +10,16 @@ The time model (hardware.py states the hardware): per role and step
     compute    t_c = Σ_GEMM classes FLOPs/token · tokens/step / world / (peak(dtype) · e(d))   (an even split)
                      + the memory-bound ops' bytes of this rank's tokens and layers / (HBM · hbm_fraction)
                (time_calibration.py: e(d) the fraction of the peak a GEMM of smallest dimension d reaches; the
-               datasheet set, e = 1 and no loss but the memory-bound bytes, on a measured CPU)
+               datasheet set, e = 1 and no loss but the memory-bound bytes, on a measured CPU, whose e, the
+               head's and the layout factor ρ (× t_c: the run's own forward over its price) cpu_probe.py measures)
     update     2 · persistent bytes / (HBM bandwidth · hbm_fraction)                (memory-bound, exposed)
                (a measured CPU: its update's local work timed at start-up, cpu_probe.update_seconds)
     each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds, the
     bandwidth times the calibration's link_fraction), then
     on the critical path by these rules (Megatron, ZeRO and ring-attention's own overlap claims):
       exposed: TP/SP (every f, g inside a layer waits on it), EP's and Ulysses' all-to-alls, the update's and
-               the step's scalar all-reduces, FP8's amax reductions, the pipeline's loss and tied sums;
+               the step's scalar all-reduces (scalar_messages: DDP's gradient key holds them too, taken out),
+               FP8's amax reductions, the pipeline's loss and tied sums;
       DDP, ZeRO-1: the gradient reduction overlaps the last micro-batch's backward (≈ 2/3 of its compute)
                except its last bucket: exposed = t(last bucket) + max(0, t − t_backward);
       ZeRO-2/3: each micro-batch's reduce-scatter overlaps that micro-batch's backward, same rule, m times;
@@ -60,6 +62,7 @@ import schedules
 import time_calibration
 from comm import Messages
 from flags import DTYPES
+from step import scalar_messages
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
     # The GEMMs by shape and the memory-bound ops (time_calibration.py), this rank's layers' share of both.
     compute = time_calibration.compute_seconds(
         layout["gemms"], layout["tokens"] / layout["world"] * role.layer_share, peak,
-        layout["memory_bytes"] * role.layer_share, hbm, hw.calibration)
+        layout["memory_bytes"] * role.layer_share, hbm, hw.calibration) * (hw.calibration.layout_factor or 1.0)
     backward_mb = compute * 2 / 3 / m  # one micro-batch's backward: 4 of its 6·N FLOPs
     update = hw.calibration.update_seconds  # a measured CPU's; else memory-bound bytes:
     if update is None:
@@ -203,6 +206,11 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
 
         grads = (names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single")
                  and payload > 16 * calls)
+        scalars = 0.0  # DDP's gradients share their key with the step's two scalars, which block: taken out
+        if grads and (op, "dp_cp") in scalar_messages() and "dp_cp" in names:
+            scalar_calls, scalar_bytes = scalar_messages()[(op, "dp_cp")]
+            scalars = piece(scalar_bytes / scalar_calls) * scalar_calls
+            t = hardware.collective_seconds(op, calls - scalar_calls, payload - scalar_bytes, ranks, hw)
         if grads and (stage <= 1 or P > 1):  # DDP, ZeRO-1, ZeRO-2/3 under PP: once a step, over the last backward
             last = piece(role.last_bucket)
             e = last + max(0.0, t - last - backward_mb)
@@ -221,13 +229,26 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
             e = t
             in_layer += t if names & {"tp", "ep", "cp"} else 0.0
         e = min(e, t)
-        exposed[(op, group)], total[(op, group)] = e + (1 - hw.overlap) * (t - e), t  # φ of the hidden hides
+        exposed[(op, group)] = e + (1 - hw.overlap) * (t - e) + scalars  # φ of the hidden hides
+        total[(op, group)] = t + scalars
         link[(op, group)] = "inter" if hardware.crosses_nodes(ranks, hw) else "intra"
     busy = compute + in_layer
     bubble = busy * role.bubble / (1 - role.bubble)
     step = busy + bubble + update + sum(exposed.values()) - in_layer
     return Prediction(compute=compute, update=update, bubble=bubble, step=step, exposed=exposed, total=total,
                       link=link, mfu=role.flops.model * layout["tokens"] / (layout["world"] * peak * step))
+
+
+def forward_compute(role: Role, layout: dict, hw: hardware.Hardware, recompute: bool) -> float:
+    """What predict prices one forward-only pass over the step's micro-batches at (evaluation's: no backward, no
+    recompute, the layout factor left out): of every block and attention class 1/(3 + recompute) (forward 2
+    FLOPs per weight of 6, + 2 recomputed), of the head 1/3, of the memory-bound bytes 1/(3 + recompute)."""
+    share = 1 / (3 + recompute)
+    classes = [(flops * (1 / 3 if i == time_calibration.HEAD_CLASS else share), dim)
+               for i, (flops, dim) in enumerate(layout["gemms"])]
+    return time_calibration.compute_seconds(
+        classes, layout["tokens"] / layout["world"] * role.layer_share, hw.peak(layout["dtype"]),
+        layout["memory_bytes"] * role.layer_share * share, hw.hbm_gbps * 1e9, hw.calibration)
 
 
 def layout_facts(settings, device_type: str | None = None, attention_kernel: str | None = None,
@@ -318,8 +339,9 @@ def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
     facts = dict(layout_facts(settings, x=activations.activation_shape(run)), dtype=settings.dtype)
     prediction = predict(role_of(run), facts, hw)
     measured = seconds / steps
-    ends = hw.calibration.ends_fraction
+    ends, factor = hw.calibration.ends_fraction, hw.calibration.layout_factor
     ends = f" (the ends at {ends:.2f})" if ends is not None else ""
+    ends += f", the layout's own ops ×{factor:.2f}" if factor is not None else ""
     link = (f"link {hw.intra_gbps:.2f} GB/s, α {hw.intra_latency_us:.0f} µs, overlap φ {hw.overlap:.2f}"
             if run.mesh.shape.world_size > 1 else "one process: no link")
     return (f"hardware model: step time measured {measured * 1e3:,.1f} ms (mean of {steps})"

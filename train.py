@@ -244,7 +244,6 @@ def start_training(settings: Settings, tracer: comm.CommTracer, clock: goodput.C
         init_from(run, args.init_from)
     run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
     run.peak = format_flops.run_peak(run, run.peak)  # a precision recipe: the format-weighted peak P_w
-    machine = cpu_probe.machine_model(run, args)  # the time model of this machine (CPU: measured, collective)
     for name, group in run.mesh.groups.items():
         tracer.name_group(group, name)
     report.print_startup(run)
@@ -256,6 +255,8 @@ def start_training(settings: Settings, tracer: comm.CommTracer, clock: goodput.C
         val_sampler = data.EvalSampler(len(val_tokens), run.seq_len, args.global_batch)
     except ValueError as e:
         fail(f"{e} (--data {args.data or 'the built-in corpus'})")
+    # The time model of this machine (CPU: measured, with one forward-only pass over a validation batch; collective)
+    machine = cpu_probe.machine_model(run, args, local_batches(run, val_sampler, val_tokens, 0))
     return Training(run, corpus, train_tokens, val_tokens, sampler, val_sampler, lr_schedule, scaler, machine, clock)
 
 

@@ -9,11 +9,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import flags
 import hardware
 import memory
 import mfu
 import time_calibration
 import time_model
+import train
 from comm import Messages
 import cpu_probe
 import model as model_lib
@@ -142,3 +144,47 @@ def test_update_seconds_steps_fresh_tensors_and_leaves_the_run_s_alone(monkeypat
     monkeypatch.setattr(cpu_probe, "PROBE_ELEMENTS", 20)
     monkeypatch.setattr(cpu_probe.time, "perf_counter", iter(range(0, 100, 1)).__next__)  # every pass: 1 s
     assert cpu_probe.update_seconds(tensors) == 2.5
+
+
+def test_the_step_scalars_block_though_they_share_ddp_s_gradient_key():
+    """DDP's gradient buckets and the step's two scalars (the token count, the logged loss: step.scalar_messages)
+    are one (all_reduce, dp_cp) row. With a backward long enough to hide every bucket but the last, the exposed
+    time is the last bucket plus both scalars whole (before, the scalars hid behind the backward with the buckets)."""
+    buckets, bucket = 3, 1e6
+    role = time_model.Role(
+        rank=0, coords={}, local_params=0, logical={}, persistent={"total": 4e6}, activations=None, temporaries={},
+        messages=Messages({("all_reduce", "dp_cp"): (buckets + 2, buckets * bucket + 16)}),
+        group_ranks={"dp_cp": [0, 1]}, flops=SimpleNamespace(model=1.0), bubble=0.0, last_bucket=bucket,
+        first_gather=0.0)
+    layout = dict(world=2, tokens=1024, m=1, zero=0, P=1, dtype="fp32", gemms=[(3e9, 64)], memory_bytes=0.0)
+    hw = hardware.Hardware("cpu", {"fp32": 0.05}, 20.0, 0.0, 0.5, 0.5, 200.0, 200.0, gpus_per_node=2)
+    prediction = time_model.predict(role, layout, hw)
+
+    def one(nbytes):
+        return hardware.collective_seconds("all_reduce", 1, nbytes, [0, 1], hw)
+
+    assert prediction.compute * 2 / 3 > buckets * one(bucket)  # the backward could hide every bucket
+    assert math.isclose(prediction.exposed[("all_reduce", "dp_cp")], one(bucket) + 2 * one(8), rel_tol=1e-12)
+    assert math.isclose(prediction.total[("all_reduce", "dp_cp")], buckets * one(bucket) + 2 * one(8), rel_tol=1e-12)
+
+
+def test_a_forward_is_priced_at_a_third_of_the_step_s_compute_with_or_without_recompute():
+    """time_model.forward_compute (the price the layout factor ρ divides the run's own forward by): without recompute
+    a third of predict's compute; with it, of the recomputing layout's classes the share 1/4 (its block and attention
+    classes hold 8 of 6 FLOPs per weight) and of the head 1/3, the same forward; ρ multiplies predict's compute."""
+    settings = time_model.plan_settings(flags.parse(["--plan", "--world", "2", "--preset", "tiny"], train.AXES,
+                                                    prog="plan.py"))
+    role = time_model.Role(
+        rank=0, coords={}, local_params=0, logical={}, persistent={"total": 4e6}, activations=None, temporaries={},
+        messages=Messages(), group_ranks={}, flops=SimpleNamespace(model=1.0), bubble=0.0, last_bucket=0.0,
+        first_gather=0.0)
+    hw = hardware.Hardware("cpu", {"bf16": 0.05}, 20.0, 0.0, 0.5, 0.5, 200.0, 200.0, gpus_per_node=2)
+    plain = time_model.layout_facts(settings)
+    settings.model.activation_checkpointing = True
+    recomputing = time_model.layout_facts(settings)
+    compute = time_model.predict(role, plain, hw).compute
+    forward = time_model.forward_compute(role, plain, hw, recompute=False)
+    assert math.isclose(forward, compute / 3, rel_tol=1e-12)
+    assert math.isclose(time_model.forward_compute(role, recomputing, hw, recompute=True), forward, rel_tol=1e-12)
+    factor = dataclasses.replace(hw, calibration=dataclasses.replace(hw.calibration, layout_factor=1.5))
+    assert math.isclose(time_model.predict(role, plain, factor).compute, 1.5 * compute, rel_tol=1e-12)
