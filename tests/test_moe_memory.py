@@ -285,6 +285,96 @@ def test_the_plan_pads_each_expert_by_the_mean():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Two ranks: FP8 experts under expert parallel (E = 2)
+# ---------------------------------------------------------------------------------------------------------
+
+FP8_EP_CASES = [  # (recipe, layer kwargs, autocast): N = 8, 4 experts a rank, each run once per source rank
+    ("current", dict(), False), ("current", dict(), True), ("current", dict(dtype=torch.bfloat16), True),
+    ("delayed", dict(), False), ("delayed", dict(dtype=torch.bfloat16), True), ("current", dict(factor=1.0), False)]
+
+
+def _fp8_ep_ranks(rank, world):
+    """Each FP8_EP_CASES layer sharded over E = 2 (moe.shard_experts) and converted (fp8.convert): one training
+    forward and backward measured (_measure), a second forward's bytes alive after each op, the chunks its
+    experts' c_fc ran and padded counted by an fp8.QuantizationObserver, the start-up's record of them
+    (measure._Rows), and the table's prediction for those rows and chunks."""
+    import fp8
+    import measure
+    import moe
+    import moe_memory
+    from mesh import MeshShape, build_mesh
+    from model import GPT
+
+    class Chunks(fp8.QuantizationObserver):
+        """The GEMMs the experts' c_fc ran in training forwards (its input's cast) and the zero rows it padded."""
+
+        def __init__(self):
+            self.chunks = self.padded_rows = 0
+
+        def quantized(self, linear, role, values, saturated):
+            self.chunks += role == 0 and self.counts(linear)
+
+        def padded(self, linear, rows):
+            self.padded_rows += rows if self.counts(linear) else 0
+
+        @staticmethod
+        def counts(linear):
+            return ".experts." in linear.name and linear.name.endswith("c_fc") \
+                and torch._C._current_graph_task_id() == -1
+
+    mesh = build_mesh(MeshShape(dp=world, ep=world))
+    out = []
+    for recipe, kwargs, autocast in FP8_EP_CASES:
+        config, layer = _layer(n=8, **kwargs)
+        dtype = kwargs.get("dtype", torch.float32)
+        moe.shard_experts(layer, mesh.group("ep"), world, mesh.index("ep"))
+        model = GPT(config, seed=0, dtype=dtype)
+        model.transformer.h[0].mlp = layer
+        handle = fp8.convert(model, fp8.Recipe(recipe, 4, "max", 0), mesh)
+        handle.observe(counted := Chunks())
+        layer.observer = rows = measure._Rows()
+        x = torch.randn(B, S_LEN, H, generator=torch.Generator().manual_seed(rank)).to(dtype).requires_grad_()
+        measured = _measure(layer, x, autocast)
+        chunks = (counted.padded_rows, counted.chunks)
+        live = _alive_after_each_op({"layer": layer})
+        with live, torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
+            layer(x)
+        shape = _predict(config, rows.rows, B * S_LEN, dtype, autocast, world).shape
+        predicted = moe_memory.block_peak(replace(shape, fp8=(*chunks, 4)))
+        out.append(dict(measured=measured, chunks=chunks, recorded=rows.fp8, alive=live.after, predicted=predicted,
+                        rows=rows.rows))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_ep():
+    return run_ranks(_fp8_ep_ranks, 2, timeout=120, backend_name="gloo")
+
+
+@pytest.mark.parametrize("case", range(len(FP8_EP_CASES)),
+                         ids=[f"{c[0]}-{c[1]}-autocast={c[2]}" for c in FP8_EP_CASES])
+def test_fp8_experts_under_expert_parallel_save_and_hold_what_the_table_says(fp8_ep, case):
+    """--fp8 (current, delayed; fp32, bf16 autocast, bf16 weights; a capacity), E = 2: each local expert runs
+    each source's rows as a GEMM of its own (moe_dispatch.py), padded to 16 rows; with the chunks the forward ran
+    (P padded rows, c GEMMs, counted by the FP8 observer and recorded alike by the start-up's measure._Rows) the
+    saved bytes and the bytes alive at P1 (the experts' outputs concatenated), P2 (the receiver's index_add) and
+    P6 (the rows back summed into y, the last index_add) equal moe_memory's table to the byte, on both ranks."""
+    import moe_memory
+
+    for rank, got in enumerate(fp8_ep):
+        case_got = got[case]
+        predicted, measured, alive = case_got["predicted"], case_got["measured"], case_got["alive"]
+        table = moe_memory.terms(predicted.shape)
+        assert measured.saved == predicted.saved, (rank, measured, predicted.buffers)
+        index_adds = [nbytes for name, nbytes in alive if name.startswith("aten.index_add")]
+        at = {"1": [nbytes for name, nbytes in alive if name.startswith("aten.cat")][-1], "2": index_adds[-2],
+              "6": index_adds[-1]}
+        for moment, nbytes in at.items():
+            assert nbytes == sum(n for _, n, _, when in table if moment in when), (rank, moment, nbytes)
+        assert case_got["recorded"] == case_got["chunks"], rank  # the start-up reads the same chunks
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Four ranks: expert parallel, and a real start-up against its plan
 # ---------------------------------------------------------------------------------------------------------
 
