@@ -271,17 +271,18 @@ def test_recipe_experts_saved_bytes_and_moments_equal_the_table_without_weight_c
 
 
 def test_the_plan_pads_each_expert_by_the_mean():
-    """The plan's FP8 table (uniform routing, E = 1) takes every expert's chunk run and padded by the mean of
-    (−m) mod 16, P = N·15/2 rows a micro-batch (fp8_experts.expected_padded_rows), fp32 inverse scales."""
+    """The plan's FP8 table (uniform routing) takes every chunk run and padded by the mean of (−m) mod 16, P = 15/2
+    rows a chunk (fp8_experts.expected_padded_rows), fp32 inverse scales: N chunks a micro-batch whatever E (E = 1
+    one per expert; E = 2, N/E experts × E sources), R_p with replicas (R_p/E slots × E sources)."""
     import moe_accounting
     import memory
     import moe_memory
 
     x = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=256, e_c=2, fp8=True)
-    traffic = moe_accounting.Traffic(make_config(n_embd=H, moe_experts=8), tokens=B * S_LEN, fp8_experts=True)
-    assert moe_memory.shape_of(traffic, x).fp8 == (8 * 15 / 2, 8, 4)
-    assert moe_memory.shape_of(moe_accounting.Traffic(make_config(n_embd=H, moe_experts=8), tokens=B * S_LEN,
-                                                      ep=2, fp8_experts=True), x).fp8 is None  # E > 1: not written
+    config = make_config(n_embd=H, moe_experts=8)
+    for ep, slots, chunks in ((1, 0, 8), (2, 0, 8), (2, 12, 12)):
+        traffic = moe_accounting.Traffic(config, tokens=B * S_LEN, ep=ep, slots=slots, fp8_experts=True)
+        assert moe_memory.shape_of(traffic, x).fp8 == (chunks * 15 / 2, chunks, 4), (ep, slots)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -291,6 +292,7 @@ def test_the_plan_pads_each_expert_by_the_mean():
 FP8_EP_CASES = [  # (recipe, layer kwargs, autocast): N = 8, 4 experts a rank, each run once per source rank
     ("current", dict(), False), ("current", dict(), True), ("current", dict(dtype=torch.bfloat16), True),
     ("delayed", dict(), False), ("delayed", dict(dtype=torch.bfloat16), True), ("current", dict(factor=1.0), False)]
+FP8_STARTUP = (["--moe-experts", "4", "--ep", "2", "--fp8", "current"], 4, 1)  # a real start-up's, on the same 2 ranks
 
 
 def _fp8_ep_ranks(rank, world):
@@ -302,8 +304,11 @@ def _fp8_ep_ranks(rank, world):
     import measure
     import moe
     import moe_memory
+    import time_model
+    import train
     from mesh import MeshShape, build_mesh
     from model import GPT
+    from test_plan import _settings
 
     class Chunks(fp8.QuantizationObserver):
         """The GEMMs the experts' c_fc ran in training forwards (its input's cast) and the zero rows it padded."""
@@ -343,7 +348,12 @@ def _fp8_ep_ranks(rank, world):
         predicted = moe_memory.block_peak(replace(shape, fp8=(*chunks, 4)))
         out.append(dict(measured=measured, chunks=chunks, recorded=rows.fp8, alive=live.after, predicted=predicted,
                         rows=rows.rows))
-    return out
+    settings = _settings(*FP8_STARTUP, world=world)
+    _, compute, param, master = time_model.plan_dtypes(settings)
+    run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
+                    device=torch.device("cpu"), seed=settings.args.seed, compute_dtype=compute, param_dtype=param,
+                    master_dtype=master)
+    return out, train.compose(run, measure=True).measured_moe
 
 
 @pytest.fixture(scope="module")
@@ -361,7 +371,7 @@ def test_fp8_experts_under_expert_parallel_save_and_hold_what_the_table_says(fp8
     P6 (the rows back summed into y, the last index_add) equal moe_memory's table to the byte, on both ranks."""
     import moe_memory
 
-    for rank, got in enumerate(fp8_ep):
+    for rank, (got, _) in enumerate(fp8_ep):
         case_got = got[case]
         predicted, measured, alive = case_got["predicted"], case_got["measured"], case_got["alive"]
         table = moe_memory.terms(predicted.shape)
@@ -372,6 +382,16 @@ def test_fp8_experts_under_expert_parallel_save_and_hold_what_the_table_says(fp8
         for moment, nbytes in at.items():
             assert nbytes == sum(n for _, n, _, when in table if moment in when), (rank, moment, nbytes)
         assert case_got["recorded"] == case_got["chunks"], rank  # the start-up reads the same chunks
+        assert measured.peak > predicted.peak and measured.at.startswith("aten.mm")  # the emulated GEMM (not written)
+
+
+def test_fp8_experts_under_expert_parallel_the_start_up_measures_the_saved_bytes_predicted(fp8_ep):
+    """A real start-up (train.compose, --fp8 current, E = 2 on 2 ranks) predicts each held MoE block for the chunks
+    its forward ran (measure._Rows): the saved bytes equal the measured ones (its peak is the emulated GEMM's)."""
+    peaks = fp8_ep[0][1]
+    assert sorted((p.layer_id, p.rank) for p in peaks) == [(layer, rank) for layer in (0, 1) for rank in range(2)]
+    for p in peaks:
+        assert p.measured.saved == p.predicted.saved and p.predicted.shape.fp8 is not None, p
 
 
 # ---------------------------------------------------------------------------------------------------------
