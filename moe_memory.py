@@ -69,15 +69,19 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    each source's rows a GEMM of their own after the fan-out); a lower bound where another moment of the EP
    backward rises higher (seen with capacity, by 32 bytes). A router with N ≫ h rises in its own backward,
    its [T, N] gradients (B2, `router_rise`; the aux losses' own [T, N] gradients in a step: not written).
-   FP8 experts (fp8_experts.py, --fp8 current or delayed), E = 1: `fp8_expert_terms` replace the experts' rows
-   (each of the c chunks padded to 16 rows, P in all: their FP8 input codes, scales, c_fc's padded output);
-   with the forward's own chunk counts the saved bytes and the bytes alive at P1 and P2 are measured equal
-   (tests/test_moe_memory.py, six recipes and dtypes). The plan takes P = N·15/2 and c = N (uniform routing,
-   each chunk's row count mod 16 alike: fp8_experts.expected_padded_rows). Not written: inside each expert's
-   GEMM, where a CPU's emulation peaks (its fp32 operands and product: 52,648 bytes measured against P2's
-   31,932 in the first test case; _scaled_mm's on a GPU not measured), the step's first forward making the
-   weight codes (N/E·8h² bytes and scalars, kept to the step's end), the backward under FP8, and E > 1 and
-   --fp8 blockwise (its tiles' scales; the table there is the unquantised one). A precision recipe
+   FP8 experts (fp8_experts.py, --fp8 current or delayed): `fp8_expert_terms` replace the experts' rows (E = 1
+   the sent S, E > 1 the fan-out's R_e; each of the c chunks, an expert's rows at E = 1 and one source's rows
+   for a local slot at E > 1, padded to 16 rows, P in all: their FP8 input codes, scales, c_fc's padded
+   output); with the forward's own chunk counts (moe.MoE.local_rows) the saved bytes and the bytes alive at P1
+   and P2 (E > 1 also P6, the peak under bf16 autocast) are measured equal (tests/test_moe_memory.py: E = 1 six
+   recipes and dtypes, E = 2 six on 2 ranks, and a start-up's saved bytes at E = 2). The plan takes P = N_p·15/2
+   and c = N_p, whatever E (N_p/E slots × E sources; uniform routing, each chunk's row count mod 16 alike:
+   fp8_experts.expected_padded_rows), the worst case the same chunks. Not written: inside each expert's GEMM,
+   where a CPU's emulation peaks (its fp32 operands and product: 52,648 bytes measured against P2's 31,932 in
+   the first E = 1 test case, 81,624 against P1's 61,540 in the first E = 2 one; _scaled_mm's on a GPU not
+   measured), the step's first forward making the weight codes (N/E·8h² bytes and scalars, kept to the step's
+   end), the backward under FP8, and --fp8 blockwise (its tiles' scales; the table there is the unquantised
+   one). A precision recipe
    (recipe_experts.py, `recipe`): its linears save the weight parameter itself, so the table drops autocast's copies
    (the shared experts' too) and its saved bytes and P1, P2 are measured equal (nvfp4 with and without autocast,
    mxfp8 under autocast; with the copies, 30,668 saved predicted against 14,284 measured); not written: the
@@ -260,7 +264,8 @@ def exchange_terms(x: DispatchShape, cast_rows: bool, copies: int, y_alive: str)
         ("metadata received [R, 2k]", R * 2 * k * e_r, False, "126"),
         ("fan-out order [R·k]", R * k * 8, True, END), ("fan-out rows' arrival", Re * 8, True, END)]
     experts = fp8_expert_terms(x) if x.fp8 else [
-        ("fan-out rows [R_e, h]", Re * h * e_c, True, END), ("experts' hidden [R_e, 4h] ×2", 8 * Re * h * e_c, True, END),
+        ("fan-out rows [R_e, h]", Re * h * e_c, True, END),
+        ("experts' hidden [R_e, 4h] ×2", 8 * Re * h * e_c, True, END),
         ("experts' weight copies (autocast)", copies * 8 * h * h, True, END),
         ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, END),
         ("experts' outputs, one per expert", Re * h * e_c, False, "1")]

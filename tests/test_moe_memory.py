@@ -6,6 +6,8 @@ the byte, on a CPU, for the routing the layer made (the rows it sent and receive
   (the fused kernel without dropout, the math path with it). Under --fp8 (current and delayed; fp32, bf16,
   fp64) the saved bytes and those alive at P1 and P2 for the chunks' padded row counts; the plan's mean padding;
   likewise under a precision recipe (nvfp4, mxfp8; its linears make no autocast weight copies).
+- Two gloo ranks, E = 2 under --fp8 (current, delayed; fp32, bf16): the saved bytes and those alive at P1, P2
+  and P6 for the (local slot, source) chunks' padded row counts; a real start-up's saved bytes likewise.
 - Four gloo ranks: E = 2 dropless and with capacity (the routing of random tokens); E = 2 routed exactly
   uniformly over the experts (R_e the uniform prediction's, the pairs S = R given); E = 4 with every token
   picking rank 0's experts, which equals the worst-case prediction and peaks at P2 (the receiver's sum of its
