@@ -313,7 +313,7 @@ def _fp8_ep_ranks(rank, world):
     from test_plan import _settings
 
     class Chunks(fp8.QuantizationObserver):
-        """The GEMMs the experts' c_fc ran in training forwards (its input's cast) and the zero rows it padded."""
+        """The GEMMs the experts' c_fc ran in training forwards (its input's cast, role 0) and the rows it padded."""
 
         def __init__(self):
             self.chunks = self.padded_rows = 0
@@ -325,9 +325,8 @@ def _fp8_ep_ranks(rank, world):
             self.padded_rows += rows if self.counts(linear) else 0
 
         @staticmethod
-        def counts(linear):
-            return ".experts." in linear.name and linear.name.endswith("c_fc") \
-                and torch._C._current_graph_task_id() == -1
+        def counts(linear):  # role 0 and padding are forward-only; nothing here recomputes
+            return ".experts." in linear.name and linear.name.endswith("c_fc")
 
     mesh = build_mesh(MeshShape(dp=world, ep=world))
     out = []
