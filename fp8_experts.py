@@ -20,8 +20,8 @@ Symbols: h hidden, N experts, k top-k, T tokens this rank routes per micro-batch
 3. Messages: none (the padding never travels: chunks are padded where they are run, after the all-to-all).
 4. Restart state: none.
 The end of a run prints P measured per MoE layer (`PaddingCount`, the fp8 observer of report_axes.py); the MoE
-block's peak table (moe_memory.fp8_expert_terms, E = 1) holds the padded rows' tensors, with the forward's own
-chunk counts at start-up and P ≈ 7.5·N in the plan.
+block's peak table (moe_memory.fp8_expert_terms, any E) holds the padded rows' tensors, with the forward's own
+chunk counts at start-up (moe.MoE.local_rows; E > 1 moe_dispatch.Exchange.chunks) and P ≈ 7.5·N in the plan.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def saved_bytes_delta(tokens: int, topk: int, experts: int, hidden: int, compute
 
 
 def expected_padded_rows(experts: int) -> float:
-    """P ≈ 7.5·N: N chunks, each padding the mean of (−m) mod 16 over residues m mod 16 alike, 15/2 rows."""
+    """P ≈ 7.5·N: N chunks (E = 1 one per expert; E > 1 N/E local experts × E sources, each source's rows a GEMM
+    of their own), each padding the mean of (−m) mod 16 over residues m mod 16 alike, 15/2 rows."""
     return experts * (ROW_ALIGNMENT - 1) / 2
 
 

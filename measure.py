@@ -114,7 +114,7 @@ class MoEPeak:
 class _Rows(moe.RoutingObserver):
     def routed(self, layer, load, keep, sent: int, received: int) -> None:
         self.rows = (sent, received, layer.exchanged.expert_rows if layer.ep_size > 1 else 0)  # E > 1: R_e
-        chunks = layer.local_rows  # E = 1: each expert's kept rows (after capacity drops), one FP8 GEMM each
+        chunks = layer.local_rows  # the rows of each expert GEMM (after capacity drops; E > 1 per source too)
         self.fp8 = None if chunks is None else (fp8_experts.padded_rows(chunks), sum(map(bool, chunks)))  # (P, c)
 
 

@@ -190,7 +190,8 @@ class MoE(nn.Module):
         self.observer = RoutingObserver()  # who is told what each forward routed (the accounting, or nobody)
         self.places, self.off_group = None, (0, 0)  # with groups under EP: moe_router.off_group's last record
         self.exchanged = None  # under EP: the last exchange's rows per rank (moe_dispatch.Exchange)
-        self.local_rows = None  # E = 1: the rows each expert ran in the last forward, capacity drops excluded
+        self.local_rows = None  # the rows of each expert GEMM of the last forward (E = 1 one per expert; E > 1
+        # one per local slot and source rank), capacity drops excluded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]: this rank's tokens (its CP/SP piece of the micro-batch)
@@ -248,6 +249,7 @@ class MoE(nn.Module):
             y, self.exchanged = moe_dispatch.exchange(rows, gate, slot_expert, n, self.ep_group, self.ep_size,
                                                       lambda i, chunk: self.experts[str(self.local[i])](chunk))
             self.off_group = moe_router.off_group(self.places, self.exchanged)  # the accounting's
+            self.local_rows = self.exchanged.chunks
             return y, sum(self.exchanged.sent), sum(self.exchanged.received)
         order = torch.argsort(slot_expert, stable=True)  # 1. kept slots by expert (token order inside), dropped last
         counts = count_per_expert(slot_expert, n + 1)[:n]  # [N] rows per expert

@@ -48,11 +48,13 @@ import torch.distributed as dist
 
 class Exchange(NamedTuple):
     """The rows of one exchange, host ints: per EP rank r, the pairs this rank sent r (dispatch) and the pairs
-    r sent it (so the combine rows it sent back); the slots its experts ran."""
+    r sent it (so the combine rows it sent back); the slots its experts ran; the rows of each GEMM they ran, per
+    local slot, per source rank (what an FP8 expert pads: fp8_experts.py)."""
 
     sent: list
     received: list
     expert_rows: int
+    chunks: tuple = ()
 
 
 class AllToAll(torch.autograd.Function):
@@ -108,10 +110,10 @@ def exchange(rows: torch.Tensor, gate: torch.Tensor, slot: torch.Tensor, slots: 
     # an FP8 or a precision recipe's expert scales the rows one source's micro-batch sends it alone (fp8_experts.py,
     # recipe_experts.py), so E = 2 quantises exactly as E = 1 does; other experts are row-wise and give the same
     # rows either way.
-    out = torch.cat([run_expert(i, piece) for i, chunk in enumerate(chunks)
-                     for piece in chunk.split([sizes[1][source][i] for source in range(ep)])])
+    pieces = [[sizes[1][source][i] for source in range(ep)] for i in range(per_rank)]  # [local slot][source]
+    out = torch.cat([run_expert(i, piece) for i, chunk in enumerate(chunks) for piece in chunk.split(pieces[i])])
     weighted = out * meta_in[:, :k].reshape(-1)[fan].unsqueeze(1)  # e_w
     summed = weighted.new_zeros((len(arrived), rows.shape[1])).index_add(0, row_of, weighted)
     back = AllToAll.apply(summed.to(rows.dtype), sent, received, group)  # 5. [S, h]
     y = rows.new_zeros(rows.shape).index_add(0, token, back)  # 6.
-    return y, Exchange(sent, received, len(fan))
+    return y, Exchange(sent, received, len(fan), tuple(rows for slot in pieces for rows in slot))

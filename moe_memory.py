@@ -69,15 +69,19 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    each source's rows a GEMM of their own after the fan-out); a lower bound where another moment of the EP
    backward rises higher (seen with capacity, by 32 bytes). A router with N ≫ h rises in its own backward,
    its [T, N] gradients (B2, `router_rise`; the aux losses' own [T, N] gradients in a step: not written).
-   FP8 experts (fp8_experts.py, --fp8 current or delayed), E = 1: `fp8_expert_terms` replace the experts' rows
-   (each of the c chunks padded to 16 rows, P in all: their FP8 input codes, scales, c_fc's padded output);
-   with the forward's own chunk counts the saved bytes and the bytes alive at P1 and P2 are measured equal
-   (tests/test_moe_memory.py, six recipes and dtypes). The plan takes P = N·15/2 and c = N (uniform routing,
-   each chunk's row count mod 16 alike: fp8_experts.expected_padded_rows). Not written: inside each expert's
-   GEMM, where a CPU's emulation peaks (its fp32 operands and product: 52,648 bytes measured against P2's
-   31,932 in the first test case; _scaled_mm's on a GPU not measured), the step's first forward making the
-   weight codes (N/E·8h² bytes and scalars, kept to the step's end), the backward under FP8, and E > 1 and
-   --fp8 blockwise (its tiles' scales; the table there is the unquantised one). A precision recipe
+   FP8 experts (fp8_experts.py, --fp8 current or delayed): `fp8_expert_terms` replace the experts' rows (E = 1
+   the sent S, E > 1 the fan-out's R_e; each of the c chunks, an expert's rows at E = 1 and one source's rows
+   for a local slot at E > 1, padded to 16 rows, P in all: their FP8 input codes, scales, c_fc's padded
+   output); with the forward's own chunk counts (moe.MoE.local_rows) the saved bytes and the bytes alive at P1
+   and P2 (E > 1 also P6, the peak under bf16 autocast) are measured equal (tests/test_moe_memory.py: E = 1 six
+   recipes and dtypes, E = 2 six on 2 ranks, and a start-up's saved bytes at E = 2). The plan takes P = N_p·15/2
+   and c = N_p, whatever E (N_p/E slots × E sources; uniform routing, each chunk's row count mod 16 alike:
+   fp8_experts.expected_padded_rows), the worst case the same chunks. Not written: inside each expert's GEMM,
+   where a CPU's emulation peaks (its fp32 operands and product: 52,648 bytes measured against P2's 31,932 in
+   the first E = 1 test case, 81,624 against P1's 61,540 in the first E = 2 one; _scaled_mm's on a GPU not
+   measured), the step's first forward making the weight codes (N/E·8h² bytes and scalars, kept to the step's
+   end), the backward under FP8, and --fp8 blockwise (its tiles' scales; the table there is the unquantised
+   one). A precision recipe
    (recipe_experts.py, `recipe`): its linears save the weight parameter itself, so the table drops autocast's copies
    (the shared experts' too) and its saved bytes and P1, P2 are measured equal (nvfp4 with and without autocast,
    mxfp8 under autocast; with the copies, 30,668 saved predicted against 14,284 measured); not written: the
@@ -130,7 +134,7 @@ class DispatchShape:
     shared: int = 0  # Q shared experts (moe_shared.py): one MLP of width Q·4h on the block's input
     slots: int = 0  # R_p physical expert slots with --moe-replicas (eplb.py); 0: the N experts in place
     expert_rows: float = 0  # R_e: E > 1, the slots this rank's experts run (the fan-out, moe_dispatch.py)
-    fp8: tuple | None = None  # --fp8 (fp8_experts.py), E = 1: (P padded rows, c chunks run, e_s an inverse scale's)
+    fp8: tuple | None = None  # --fp8 (fp8_experts.py): (P padded rows, c chunks run, e_s an inverse scale's)
     recipe: bool = False  # a precision recipe's linears on the experts (recipe_experts.py): no autocast weight copies
 
 
@@ -219,20 +223,25 @@ END = "123456"  # the moments after the dispatch began: alive to the forward's e
 
 
 def fp8_expert_terms(x: DispatchShape) -> list:
-    """E = 1 under --fp8 (fp8.Fp8Linear on the routed experts, fp8_experts.py): each of the c chunks (an expert's
-    rows) is padded to a multiple of 16, P rows in all, and its linears save their inputs as FP8 codes with a 0-d
-    inverse scale (e_s: fp32, fp64 for fp64 inputs), so the sent rows are no longer saved (c_fc keeps their codes)
-    and of the hidden only c_fc's padded output is (GELU's input; its output is c_proj's input, kept as codes):
-    saved (R + P)·h + (R + P)·4h codes, 2c·e_s scales, (R + P)·4h·e_c; each expert's output is a view of its
-    padded [r + p, h]. No autocast weight copies (the FP8 GEMMs run with autocast off)."""
-    S, R, h, e_c = x.sent, x.received, x.hidden, x.e_c
+    """Under --fp8 (fp8.Fp8Linear on the routed experts, fp8_experts.py) each of the c chunks (E = 1 an expert's
+    rows; E > 1 the rows one source sent a local slot, each its own GEMM) is padded to a multiple of 16, P rows
+    in all, and its linears save their inputs as FP8 codes with a 0-d inverse scale (e_s: fp32, fp64 for fp64
+    inputs), so the rows in are no longer saved (c_fc keeps their codes: E = 1 the sent rows [S, h], alive in
+    dispatch_and_combine; E > 1 the fan-out's [R_e, h], alive in moe_dispatch.exchange) and of the hidden only
+    c_fc's padded output is (GELU's input; its output is c_proj's input, kept as codes). With r = R (E = 1) or
+    R_e the rows the experts run: saved (r + P)·h + (r + P)·4h codes, 2c·e_s scales, (r + P)·4h·e_c; each
+    chunk's output is a view of its padded [m + p, h]. No autocast weight copies (the GEMMs run with autocast off)."""
+    h, e_c = x.hidden, x.e_c
     padded, chunks, e_s = x.fp8
-    rows = R + padded
-    return [("sent rows [S, h]", S * h * e_c, False, "12"),
-            ("FP8 codes of c_fc's and c_proj's inputs [R + P, 5h]", rows * 5 * h, True, END),
+    if x.ep == 1:
+        run, rows_in = x.received, ("sent rows [S, h]", x.sent * h * e_c, False, "12")
+    else:
+        run, rows_in = x.expert_rows, ("fan-out rows [R_e, h]", x.expert_rows * h * e_c, False, "126")
+    rows = run + padded
+    return [rows_in, ("FP8 codes of c_fc's and c_proj's inputs [r + P, 5h]", rows * 5 * h, True, END),
             ("FP8 inputs' inverse scales", 2 * chunks * e_s, True, END),
-            ("experts' hidden, padded [R + P, 4h] (GELU's input)", rows * 4 * h * e_c, True, END),
-            ("experts' outputs, one per expert, padded", rows * h * e_c, False, "1")]
+            ("experts' hidden, padded [r + P, 4h] (GELU's input)", rows * 4 * h * e_c, True, END),
+            ("experts' outputs, one per chunk, padded", rows * h * e_c, False, "1")]
 
 
 def exchange_terms(x: DispatchShape, cast_rows: bool, copies: int, y_alive: str) -> list:
@@ -242,28 +251,30 @@ def exchange_terms(x: DispatchShape, cast_rows: bool, copies: int, y_alive: str)
     T, S, R, Re, k, h, E = x.tokens, x.sent, x.received, x.expert_rows, x.topk, x.hidden, x.ep
     e_c, e_r, e_w = x.e_c, x.e_r, max(x.e_c, x.e_r)
     slots = x.slots or x.experts
-    return [("slots' experts (or physical slots)", T * k * 8 if x.capacity_tokens or x.slots else 0, False, "126"),
-            ("tokens cast for the rows", T * h * e_c if cast_rows else 0, False, "126"),
-            ("slots' destination ranks", T * k * 8, False, "126"), ("pairs' hit mask [E+1, T]", (E + 1) * T, False,
-                                                                    "126"),
-            ("pairs' order [E·T]", E * T * 8, False, "126"), ("slots kept per slot", (slots + 1) * 8, False, "126"),
-            ("counts sent and received", 2 * (slots + E) * 8, False, "126"),
-            ("pairs' tokens", S * 8, True, END), ("pairs' ranks", S * 8, False, "126"),
-            ("pairs' slots on their rank [S, k]", S * k, True, END), ("pairs' local slots", S * k * 8, False, "126"),
-            ("metadata sent [S, 2k]", S * 2 * k * e_r, False, "126"),
-            ("rows received [R, h]", R * h * e_c, False, "126"), ("metadata received [R, 2k]", R * 2 * k * e_r,
-                                                                  False, "126"),
-            ("fan-out order [R·k]", R * k * 8, True, END), ("fan-out rows' arrival", Re * 8, True, END),
-            ("fan-out rows [R_e, h]", Re * h * e_c, True, END),
-            ("experts' hidden [R_e, 4h] ×2", 8 * Re * h * e_c, True, END),
-            ("experts' weight copies (autocast)", copies * 8 * h * h, True, END),
-            ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, END),
-            ("experts' outputs, one per expert", Re * h * e_c, False, "1"),
-            ("experts' outputs concatenated [R_e, h]", Re * h * e_c, True, END),
-            ("slots' gates [R_e]", Re * e_r, True, "23456"), ("weighted outputs [R_e, h]", Re * h * e_w, True, "23456"),
-            ("sum's zeros [R, h]", R * h * e_w, False, "2"), ("rows summed [R, h]", R * h * e_w, False, "26"),
-            ("rows back [S, h]", S * h * e_c, True, "3456"), ("y's zeros [T, h]", T * h * e_c, False, "6"),
-            ("y [T, h]", T * h * e_c, False, y_alive)]
+    exchange = [
+        ("slots' experts (or physical slots)", T * k * 8 if x.capacity_tokens or x.slots else 0, False, "126"),
+        ("tokens cast for the rows", T * h * e_c if cast_rows else 0, False, "126"),
+        ("slots' destination ranks", T * k * 8, False, "126"), ("pairs' hit mask [E+1, T]", (E + 1) * T, False, "126"),
+        ("pairs' order [E·T]", E * T * 8, False, "126"), ("slots kept per slot", (slots + 1) * 8, False, "126"),
+        ("counts sent and received", 2 * (slots + E) * 8, False, "126"),
+        ("pairs' tokens", S * 8, True, END), ("pairs' ranks", S * 8, False, "126"),
+        ("pairs' slots on their rank [S, k]", S * k, True, END), ("pairs' local slots", S * k * 8, False, "126"),
+        ("metadata sent [S, 2k]", S * 2 * k * e_r, False, "126"),
+        ("rows received [R, h]", R * h * e_c, False, "126"),
+        ("metadata received [R, 2k]", R * 2 * k * e_r, False, "126"),
+        ("fan-out order [R·k]", R * k * 8, True, END), ("fan-out rows' arrival", Re * 8, True, END)]
+    experts = fp8_expert_terms(x) if x.fp8 else [
+        ("fan-out rows [R_e, h]", Re * h * e_c, True, END),
+        ("experts' hidden [R_e, 4h] ×2", 8 * Re * h * e_c, True, END),
+        ("experts' weight copies (autocast)", copies * 8 * h * h, True, END),
+        ("experts' bias copies (autocast)", copies * (x.expert_params - 8 * h * h), False, END),
+        ("experts' outputs, one per expert", Re * h * e_c, False, "1")]
+    return exchange + experts + [
+        ("experts' outputs concatenated [R_e, h]", Re * h * e_c, True, END),
+        ("slots' gates [R_e]", Re * e_r, True, "23456"), ("weighted outputs [R_e, h]", Re * h * e_w, True, "23456"),
+        ("sum's zeros [R, h]", R * h * e_w, False, "2"), ("rows summed [R, h]", R * h * e_w, False, "26"),
+        ("rows back [S, h]", S * h * e_c, True, "3456"), ("y's zeros [T, h]", T * h * e_c, False, "6"),
+        ("y [T, h]", T * h * e_c, False, y_alive)]
 
 
 def block_peak(x: DispatchShape) -> BlockPeak:
@@ -367,9 +378,9 @@ def shape_of(traffic: moe_accounting.Traffic, x, routing: str = "uniform") -> Di
         here = min(k, n // E)  # of a token's k slots, on this rank
         sent, received = T * -(-k * E // n), E * T
         expert_rows = E * (T * here if cap is None else min(T * here, n // E * cap))
-    chunks = traffic.slots or n  # E = 1: a chunk per expert (or physical slot), all reached
+    chunks = traffic.slots or n  # a chunk per expert (or physical slot), all reached; E > 1: N_p/E slots × E sources
     fp8 = ((fp8_experts.expected_padded_rows(chunks), chunks, 8 if x.e_c == 8 else 4)
-           if traffic.fp8_experts and E == 1 else None)
+           if traffic.fp8_experts else None)
     return DispatchShape(T, sent, received, n, k, h, E, whole if cap else 0,
                          e_c=x.e_c, e_r=traffic.router_bytes, e_x=x.e_n, weight_bytes=x.e_r,
                          expert_params=8 * h * h + 5 * h * int(config.bias),

@@ -6,6 +6,8 @@ the byte, on a CPU, for the routing the layer made (the rows it sent and receive
   (the fused kernel without dropout, the math path with it). Under --fp8 (current and delayed; fp32, bf16,
   fp64) the saved bytes and those alive at P1 and P2 for the chunks' padded row counts; the plan's mean padding;
   likewise under a precision recipe (nvfp4, mxfp8; its linears make no autocast weight copies).
+- Two gloo ranks, E = 2 under --fp8 (current, delayed; fp32, bf16): the saved bytes and those alive at P1, P2
+  and P6 for the (local slot, source) chunks' padded row counts; a real start-up's saved bytes likewise.
 - Four gloo ranks: E = 2 dropless and with capacity (the routing of random tokens); E = 2 routed exactly
   uniformly over the experts (R_e the uniform prediction's, the pairs S = R given); E = 4 with every token
   picking rank 0's experts, which equals the worst-case prediction and peaks at P2 (the receiver's sum of its
@@ -271,17 +273,126 @@ def test_recipe_experts_saved_bytes_and_moments_equal_the_table_without_weight_c
 
 
 def test_the_plan_pads_each_expert_by_the_mean():
-    """The plan's FP8 table (uniform routing, E = 1) takes every expert's chunk run and padded by the mean of
-    (−m) mod 16, P = N·15/2 rows a micro-batch (fp8_experts.expected_padded_rows), fp32 inverse scales."""
+    """The plan's FP8 table (uniform routing) takes every chunk run and padded by the mean of (−m) mod 16, P = 15/2
+    rows a chunk (fp8_experts.expected_padded_rows), fp32 inverse scales: N chunks a micro-batch whatever E (E = 1
+    one per expert; E = 2, N/E experts × E sources), R_p with replicas (R_p/E slots × E sources)."""
     import moe_accounting
     import memory
     import moe_memory
 
     x = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=256, e_c=2, fp8=True)
-    traffic = moe_accounting.Traffic(make_config(n_embd=H, moe_experts=8), tokens=B * S_LEN, fp8_experts=True)
-    assert moe_memory.shape_of(traffic, x).fp8 == (8 * 15 / 2, 8, 4)
-    assert moe_memory.shape_of(moe_accounting.Traffic(make_config(n_embd=H, moe_experts=8), tokens=B * S_LEN,
-                                                      ep=2, fp8_experts=True), x).fp8 is None  # E > 1: not written
+    config = make_config(n_embd=H, moe_experts=8)
+    for ep, slots, chunks in ((1, 0, 8), (2, 0, 8), (2, 12, 12)):
+        traffic = moe_accounting.Traffic(config, tokens=B * S_LEN, ep=ep, slots=slots, fp8_experts=True)
+        assert moe_memory.shape_of(traffic, x).fp8 == (chunks * 15 / 2, chunks, 4), (ep, slots)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two ranks: FP8 experts under expert parallel (E = 2)
+# ---------------------------------------------------------------------------------------------------------
+
+FP8_EP_CASES = [  # (recipe, layer kwargs, autocast): N = 8, 4 experts a rank, each run once per source rank
+    ("current", dict(), False), ("current", dict(), True), ("current", dict(dtype=torch.bfloat16), True),
+    ("delayed", dict(), False), ("delayed", dict(dtype=torch.bfloat16), True), ("current", dict(factor=1.0), False)]
+FP8_STARTUP = (["--moe-experts", "4", "--ep", "2", "--fp8", "current"], 4, 1)  # a real start-up's, on the same 2 ranks
+
+
+def _fp8_ep_ranks(rank, world):
+    """Each FP8_EP_CASES layer sharded over E = 2 (moe.shard_experts) and converted (fp8.convert): one training
+    forward and backward measured (_measure), a second forward's bytes alive after each op, the chunks its
+    experts' c_fc ran and padded counted by an fp8.QuantizationObserver, the start-up's record of them
+    (measure._Rows), and the table's prediction for those rows and chunks."""
+    import fp8
+    import measure
+    import moe
+    import moe_memory
+    import time_model
+    import train
+    from mesh import MeshShape, build_mesh
+    from model import GPT
+    from test_plan import _settings
+
+    class Chunks(fp8.QuantizationObserver):
+        """The GEMMs the experts' c_fc ran in training forwards (its input's cast, role 0) and the rows it padded."""
+
+        def __init__(self):
+            self.chunks = self.padded_rows = 0
+
+        def quantized(self, linear, role, values, saturated):
+            self.chunks += role == 0 and self.counts(linear)
+
+        def padded(self, linear, rows):
+            self.padded_rows += rows if self.counts(linear) else 0
+
+        @staticmethod
+        def counts(linear):  # role 0 and padding are forward-only; nothing here recomputes
+            return ".experts." in linear.name and linear.name.endswith("c_fc")
+
+    mesh = build_mesh(MeshShape(dp=world, ep=world))
+    out = []
+    for recipe, kwargs, autocast in FP8_EP_CASES:
+        config, layer = _layer(n=8, **kwargs)
+        dtype = kwargs.get("dtype", torch.float32)
+        moe.shard_experts(layer, mesh.group("ep"), world, mesh.index("ep"))
+        model = GPT(config, seed=0, dtype=dtype)
+        model.transformer.h[0].mlp = layer
+        handle = fp8.convert(model, fp8.Recipe(recipe, 4, "max", 0), mesh)
+        handle.observe(counted := Chunks())
+        layer.observer = rows = measure._Rows()
+        x = torch.randn(B, S_LEN, H, generator=torch.Generator().manual_seed(rank)).to(dtype).requires_grad_()
+        measured = _measure(layer, x, autocast)
+        chunks = (counted.padded_rows, counted.chunks)
+        live = _alive_after_each_op({"layer": layer})
+        with live, torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
+            layer(x)
+        shape = _predict(config, rows.rows, B * S_LEN, dtype, autocast, world).shape
+        predicted = moe_memory.block_peak(replace(shape, fp8=(*chunks, 4)))
+        out.append(dict(measured=measured, chunks=chunks, recorded=rows.fp8, alive=live.after, predicted=predicted,
+                        rows=rows.rows))
+    settings = _settings(*FP8_STARTUP, world=world)
+    _, compute, param, master = time_model.plan_dtypes(settings)
+    run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
+                    device=torch.device("cpu"), seed=settings.args.seed, compute_dtype=compute, param_dtype=param,
+                    master_dtype=master)
+    return out, train.compose(run, measure=True).measured_moe
+
+
+@pytest.fixture(scope="module")
+def fp8_ep():
+    return run_ranks(_fp8_ep_ranks, 2, timeout=120, backend_name="gloo")
+
+
+@pytest.mark.parametrize("case", range(len(FP8_EP_CASES)),
+                         ids=[f"{c[0]}-{c[1]}-autocast={c[2]}" for c in FP8_EP_CASES])
+def test_fp8_experts_under_expert_parallel_save_and_hold_what_the_table_says(fp8_ep, case):
+    """--fp8 (current, delayed; fp32, bf16 autocast, bf16 weights; a capacity), E = 2: each local expert runs
+    each source's rows as a GEMM of its own (moe_dispatch.py), padded to 16 rows; with the chunks the forward ran
+    (P padded rows, c GEMMs, counted by the FP8 observer and recorded alike by the start-up's measure._Rows) the
+    saved bytes and the bytes alive at P1 (the experts' outputs concatenated), P2 (the receiver's index_add) and
+    P6 (the rows back summed into y, the last index_add) equal moe_memory's table to the byte, on both ranks."""
+    import moe_memory
+
+    for rank, (got, _) in enumerate(fp8_ep):
+        case_got = got[case]
+        predicted, measured, alive = case_got["predicted"], case_got["measured"], case_got["alive"]
+        table = moe_memory.terms(predicted.shape)
+        assert measured.saved == predicted.saved, (rank, measured, predicted.buffers)
+        index_adds = [nbytes for name, nbytes in alive if name.startswith("aten.index_add")]
+        at = {"1": [nbytes for name, nbytes in alive if name.startswith("aten.cat")][-1], "2": index_adds[-2],
+              "6": index_adds[-1]}
+        for moment, nbytes in at.items():
+            assert nbytes == sum(n for _, n, _, when in table if moment in when), (rank, moment, nbytes)
+        assert case_got["recorded"] == case_got["chunks"], rank  # the start-up reads the same chunks
+        assert measured.peak > predicted.peak and measured.at.startswith("aten.mm")  # the emulated GEMM (not written)
+
+
+def test_fp8_experts_under_expert_parallel_the_start_up_measures_the_saved_bytes_predicted(fp8_ep):
+    """A real start-up (train.compose, --fp8 current, E = 2 on 2 ranks) predicts each held MoE block for the chunks
+    its forward ran (measure._Rows): the saved bytes equal the measured ones (its peak is the emulated GEMM's)."""
+    peaks = fp8_ep[0][1]
+    assert sorted((p.layer_id, p.rank) for p in peaks) == [(layer, rank) for layer in (0, 1) for rank in range(2)]
+    for p in peaks:
+        assert p.measured.saved == p.predicted.saved and p.predicted.shape.fp8 is not None, p
 
 
 # ---------------------------------------------------------------------------------------------------------
