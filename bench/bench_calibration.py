@@ -88,6 +88,11 @@ def predicted_tflops(row, predictions) -> float:
     return paper_flops(row) / (row[6] * step) / 1e12
 
 
+def constants(calibration) -> str:
+    """The calibration's flag constants (time_calibration.RANGES), as `--calib-*` sets them."""
+    return ", ".join(f"{name} {getattr(calibration, name):g}" for name, *_ in time_calibration.RANGES)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the 1.7B row only")
@@ -96,7 +101,7 @@ def main(argv=None) -> None:
     calibration = time_calibration.DATASHEET if args.datasheet else None
     rows = ROWS[:1] if args.smoke else ROWS
     print(f"Narayanan et al. 2021, Table 1 on the {'datasheet' if args.datasheet else 'calibrated'} time model"
-          f" ({time_calibration.DATASHEET if args.datasheet else time_calibration.CALIBRATED})")
+          f" ({constants(time_calibration.DATASHEET if args.datasheet else time_calibration.CALIBRATED)})")
     print(f"{'row':>8} {'GPUs':>5} {'T':>2} {'P':>3} {'v':>2} {'B_μ':>3} {'published':>9} {'predicted':>9}"
           f" {'ratio':>6} {'plan s':>7} {'CPU s':>6}")
     ratios = []
