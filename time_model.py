@@ -206,11 +206,10 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
 
         grads = (names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single")
                  and payload > 16 * calls)
-        scalars = 0.0  # DDP's gradients share their key with the step's two scalars, which block: taken out
-        if grads and (op, "dp_cp") in scalar_messages() and "dp_cp" in names:
-            scalar_calls, scalar_bytes = scalar_messages()[(op, "dp_cp")]
-            scalars = piece(scalar_bytes / scalar_calls) * scalar_calls
-            t = hardware.collective_seconds(op, calls - scalar_calls, payload - scalar_bytes, ranks, hw)
+        # DDP's gradients share their row with the step's two scalars, which block: taken out, exposed whole.
+        n, nbytes = scalar_messages().get((op, "dp_cp"), (0, 0)) if grads and "dp_cp" in names else (0, 0)
+        scalars = n * piece(nbytes / n) if n else 0.0
+        t = hardware.collective_seconds(op, calls - n, payload - nbytes, ranks, hw) if n else t
         if grads and (stage <= 1 or P > 1):  # DDP, ZeRO-1, ZeRO-2/3 under PP: once a step, over the last backward
             last = piece(role.last_bucket)
             e = last + max(0.0, t - last - backward_mb)
