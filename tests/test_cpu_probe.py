@@ -16,6 +16,7 @@ import mfu
 import time_calibration
 import time_model
 import train
+from harness import run_ranks
 from comm import Messages
 import cpu_probe
 import model as model_lib
@@ -188,3 +189,59 @@ def test_a_forward_is_priced_at_a_third_of_the_step_s_compute_with_or_without_re
     assert math.isclose(time_model.forward_compute(role, recomputing, hw, recompute=True), forward, rel_tol=1e-12)
     factor = dataclasses.replace(hw, calibration=dataclasses.replace(hw.calibration, layout_factor=1.5))
     assert math.isclose(time_model.predict(role, plain, factor).compute, 1.5 * compute, rel_tol=1e-12)
+
+
+PROBED = [["--fp8", "delayed"], ["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6"],
+          ["--moe-experts", "4", "--ep", "2", "--moe-score", "sigmoid", "--moe-bias-rate", "0.001"], ["--tp", "2"],
+          ["--dropout", "0.1"]]
+
+
+def _step_after_the_forward_probe(rank, world, cases):
+    """For each case: two fresh runs from the same seed take one training step on the same batch, the second after
+    cpu_probe.forward_pass_seconds (the layout factor's start-up pass); whether every checkpointed tensor (the
+    layout's and the axes' state pieces) ends bitwise equal."""
+    from contextlib import nullcontext
+
+    import cpu_probe
+    import time_model
+    from mesh import build_mesh
+    from optim import DynamicLossScaler
+    from reference import global_batches, rank_micro_batches
+    from step import train_step
+
+    out = []
+    for case in cases:
+        argv = ["--preset", "tiny", "--dtype", "fp32", "--seq-len", "32", "--global-batch", "4", "--micro-batch", "1",
+                *case]
+        finals = []
+        for probe in (False, True):
+            settings = time_model.plan_settings(flags.validate(flags.build_parser().parse_args(argv), world,
+                                                               axes=train.AXES))
+            torch.manual_seed(0)
+            run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
+                            device=torch.device("cpu"), seed=0, compute_dtype=torch.float32, autocast=nullcontext())
+            train.compose(run)
+            step_batches, probe_batches = (
+                [(*b, None) for b in rank_micro_batches(x, y, run.mesh.index("dp"), run.mesh.size("dp"),
+                                                        run.micro_batch_size)]
+                for x, y in global_batches(2, 4, run.seq_len, run.config.vocab_size))
+            for axis in run.axes:
+                step_batches, probe_batches = axis.shard_batches(step_batches), axis.shard_batches(probe_batches)
+            if probe:  # another batch, as the start-up's validation batch is
+                cpu_probe.forward_pass_seconds(run, probe_batches, passes=1)
+            train_step(run.layout, DynamicLossScaler(enabled=False), step_batches, run.mesh.group("dp_cp"), 1.0,
+                       run.autocast, run.device, model=run.model, schedule=run.schedule, axes=run.axes,
+                       data_size=run.mesh.size("dp"))
+            finals.append([p.tensor.detach().clone() for p in run.layout.state_pieces()
+                           + [q for axis in run.axes for q in axis.state_pieces()]])
+        out.append(len(finals[0]) == len(finals[1]) and all(torch.equal(a, b) for a, b in zip(*finals)))
+    return out
+
+
+def test_the_forward_probe_leaves_the_next_step_as_it_was():
+    """A step after the start-up's forward-only pass ends bitwise where it ends without it: FP8 delayed (its amaxes
+    recorded in a training forward only), the replicas' and the router bias's routed loads, TP, and dropout (the
+    pass runs in eval mode: a training forward would draw masks from the generator and move the step's own; so it
+    fails when the pass runs in train mode). 2 gloo ranks."""
+    results = run_ranks(_step_after_the_forward_probe, 2, PROBED)
+    assert all(all(r) for r in results), list(zip(map(" ".join, PROBED), *results))
