@@ -3,11 +3,11 @@ the byte, on a CPU, for the routing the layer made (the rows it sent and receive
 
 - One process (E = 1): dropless and with capacity, top-1 and top-2, fp32, bf16 autocast over fp32 weights, bf16
   weights, with dropout; a case where capacity's one-hot product is the peak (P0). Attention's part likewise
-  (the fused kernel without dropout, the math path with it). Under --fp8 (current and delayed; fp32, bf16,
-  fp64) the saved bytes and those alive at P1 and P2 for the chunks' padded row counts; the plan's mean padding;
+  (the fused kernel without dropout, the math path with it). Under --fp8 (current, delayed, blockwise; fp32,
+  bf16, fp64) the saved bytes and those alive at P1 and P2 for the chunks' padded row counts; the plan's mean padding;
   likewise under a precision recipe (nvfp4, mxfp8; its linears make no autocast weight copies).
-- Two gloo ranks, E = 2 under --fp8 (current, delayed; fp32, bf16): the saved bytes and those alive at P1, P2
-  and P6 for the (local slot, source) chunks' padded row counts; a real start-up's saved bytes likewise.
+- Two gloo ranks, E = 2 under --fp8 (current, delayed, blockwise; fp32, bf16): the saved bytes and those alive at
+  P1, P2 and P6 for the (local slot, source) chunks' padded row counts; real start-ups' saved bytes likewise.
 - Four gloo ranks: E = 2 dropless and with capacity (the routing of random tokens); E = 2 routed exactly
   uniformly over the experts (R_e the uniform prediction's, the pairs S = R given); E = 4 with every token
   picking rank 0's experts, which equals the worst-case prediction and peaks at P2 (the receiver's sum of its
@@ -281,7 +281,8 @@ def test_recipe_experts_saved_bytes_and_moments_equal_the_table_without_weight_c
 def test_the_plan_pads_each_expert_by_the_mean():
     """The plan's FP8 table (uniform routing) takes every chunk run and padded by the mean of (−m) mod 16, P = 15/2
     rows a chunk (fp8_experts.expected_padded_rows), fp32 inverse scales: N chunks a micro-batch whatever E (E = 1
-    one per expert; E = 2, N/E experts × E sources), R_p with replicas (R_p/E slots × E sources)."""
+    one per expert; E = 2, N/E experts × E sources), R_p with replicas (R_p/E slots × E sources); under blockwise
+    the same rows, each with its 1×128 tiles' scales."""
     import moe_accounting
     import memory
     import moe_memory
@@ -289,8 +290,10 @@ def test_the_plan_pads_each_expert_by_the_mean():
     x = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=256, e_c=2, fp8=True)
     config = make_config(n_embd=H, moe_experts=8)
     for ep, slots, chunks in ((1, 0, 8), (2, 0, 8), (2, 12, 12)):
-        traffic = moe_accounting.Traffic(config, tokens=B * S_LEN, ep=ep, slots=slots, fp8_experts=True)
-        assert moe_memory.shape_of(traffic, x).fp8 == (chunks * 15 / 2, chunks, 4), (ep, slots)
+        for recipe in ("current", "blockwise"):  # blockwise: the same rows, each with its tiles' scales
+            traffic = moe_accounting.Traffic(config, tokens=B * S_LEN, ep=ep, slots=slots, fp8_experts=recipe)
+            shape = moe_memory.shape_of(traffic, x)
+            assert (shape.fp8, shape.fp8_blockwise) == ((chunks * 15 / 2, chunks, 4), recipe == "blockwise"), ep
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -301,7 +304,8 @@ FP8_EP_CASES = [  # (recipe, layer kwargs, autocast): N = 8, 4 experts a rank, e
     ("current", dict(), False), ("current", dict(), True), ("current", dict(dtype=torch.bfloat16), True),
     ("delayed", dict(), False), ("delayed", dict(dtype=torch.bfloat16), True), ("current", dict(factor=1.0), False),
     ("blockwise", dict(), False), ("blockwise", dict(dtype=torch.bfloat16), True), ("blockwise", dict(h=48), True)]
-FP8_STARTUP = (["--moe-experts", "4", "--ep", "2", "--fp8", "current"], 4, 1)  # a real start-up's, on the same 2 ranks
+FP8_STARTUPS = {recipe: (["--moe-experts", "4", "--ep", "2", "--fp8", recipe], 4, 1)  # real start-ups', same 2 ranks
+                for recipe in ("current", "blockwise")}
 
 
 def _fp8_ep_ranks(rank, world):
@@ -357,12 +361,15 @@ def _fp8_ep_ranks(rank, world):
         predicted = moe_memory.block_peak(replace(shape, fp8=(*chunks, 4), fp8_blockwise=recipe == "blockwise"))
         out.append(dict(measured=measured, chunks=chunks, recorded=rows.fp8, alive=live.after, predicted=predicted,
                         rows=rows.rows))
-    settings = _settings(*FP8_STARTUP, world=world)
-    _, compute, param, master = time_model.plan_dtypes(settings)
-    run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
-                    device=torch.device("cpu"), seed=settings.args.seed, compute_dtype=compute, param_dtype=param,
-                    master_dtype=master)
-    return out, train.compose(run, measure=True).measured_moe
+    startups = {}
+    for recipe, startup in FP8_STARTUPS.items():
+        settings = _settings(*startup, world=world)
+        _, compute, param, master = time_model.plan_dtypes(settings)
+        run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
+                        device=torch.device("cpu"), seed=settings.args.seed, compute_dtype=compute, param_dtype=param,
+                        master_dtype=master)
+        startups[recipe] = train.compose(run, measure=True).measured_moe
+    return out, startups
 
 
 @pytest.fixture(scope="module")
@@ -396,13 +403,16 @@ def test_fp8_experts_under_expert_parallel_save_and_hold_what_the_table_says(fp8
         assert measured.peak > predicted.peak and measured.at.startswith(EMULATION_PEAK[recipe])  # not written
 
 
-def test_fp8_experts_under_expert_parallel_the_start_up_measures_the_saved_bytes_predicted(fp8_ep):
-    """A real start-up (train.compose, --fp8 current, E = 2 on 2 ranks) predicts each held MoE block for the chunks
-    its forward ran (measure._Rows): the saved bytes equal the measured ones (its peak is the emulated GEMM's)."""
-    peaks = fp8_ep[0][1]
+@pytest.mark.parametrize("recipe", list(FP8_STARTUPS))
+def test_fp8_experts_under_expert_parallel_the_start_up_measures_the_saved_bytes_predicted(fp8_ep, recipe):
+    """A real start-up (train.compose, --fp8 current or blockwise, E = 2 on 2 ranks) predicts each held MoE block
+    for the chunks its forward ran (measure._Rows; blockwise: its tiles' scales): the saved bytes equal the
+    measured ones (its peak is the emulation's)."""
+    peaks = fp8_ep[0][1][recipe]
     assert sorted((p.layer_id, p.rank) for p in peaks) == [(layer, rank) for layer in (0, 1) for rank in range(2)]
     for p in peaks:
         assert p.measured.saved == p.predicted.saved and p.predicted.shape.fp8 is not None, p
+        assert p.predicted.shape.fp8_blockwise == (recipe == "blockwise"), p
 
 
 # ---------------------------------------------------------------------------------------------------------
