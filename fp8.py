@@ -191,7 +191,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     codes = layer.cache_weight_codes(weight, qw, amax_w, inverse_scales=iw)
                 qx, ix, amax_x = quantize_tiles(x2, TILE_ACTIVATION)
                 smallest = torch.stack([ix.max(), codes.inverse_scales.max()]).reciprocal()  # largest-amax tiles
-                layer.record(FORWARD, torch.stack([amax_x, codes.amax]), smallest, training=recording)
+                layer.record(FORWARD, torch.stack([amax_x, codes.amax]), smallest, (None, None),
+                             (qx.numel(), codes.q.numel()), recording)  # cast from the amax now: no clamp cuts
                 y = (dequantize_tiles(qx, ix, TILE_ACTIVATION, wide)
                      @ dequantize_tiles(codes.q, codes.inverse_scales, TILE_WEIGHT, wide).t()).to(out_dtype)
             else:
@@ -226,7 +227,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         with torch.autocast(grad.device.type, enabled=False):
             if layer.recipe.mode == "blockwise":
                 amax = amax_of(dy)
-                layer.record(BACKWARD, amax.view(1), scale_from_amax(amax, E4M3.max).view(1))
+                layer.record(BACKWARD, amax.view(1), scale_from_amax(amax, E4M3.max).view(1), (None,), (dy.numel(),))
                 if ctx.needs_input_grad[0]:
                     qdy, idy, _ = quantize_tiles(dy, TILE_ACTIVATION)
                     dx = (dequantize_tiles(qdy, idy, TILE_ACTIVATION, wide)

@@ -6,8 +6,9 @@ torch._scaled_mm needs its row count a multiple of 16 (fp8_scaling.ROW_ALIGNMENT
 fp8.Fp8Linear appends zero rows (an empty chunk pads nothing: it runs no GEMM):
     padded rows of a chunk = (−m) mod 16,      P = Σ over this rank's chunks of one MoE layer and micro-batch
 Each padded row costs, saved for backward: c_fc's and c_proj's FP8 inputs (h + 4h bytes) and c_fc's output row
-(4h·e_c: the GELU saves its input, a view of the padded output); transient: 5h of dY codes in backward and
-c_proj's discarded output row (h·e_c).
+(4h·e_c: the GELU saves its input, a view of the padded output), and under blockwise its inputs' 1×128 tiles'
+inverse scales, (⌈h/128⌉ + ⌈4h/128⌉)·e_s (fp32; not in `padding_bytes`: moe_memory.fp8_expert_terms has them);
+transient: 5h of dY codes in backward and c_proj's discarded output row (h·e_c).
 
 Symbols: h hidden, N experts, k top-k, T tokens this rank routes per micro-batch, e_c compute bytes.
 
@@ -53,7 +54,8 @@ def saved_bytes_delta(tokens: int, topk: int, experts: int, hidden: int, compute
 
 def expected_padded_rows(experts: int) -> float:
     """P ≈ 7.5·N: N chunks (E = 1 one per expert; E > 1 N/E local experts × E sources, each source's rows a GEMM
-    of their own), each padding the mean of (−m) mod 16 over residues m mod 16 alike, 15/2 rows."""
+    of their own), each padding the mean of (−m) mod 16 over residues m mod 16 alike, 15/2 rows (any recipe:
+    blockwise pads the same rows, its scales then follow the R + P rows, moe_memory.fp8_expert_terms)."""
     return experts * (ROW_ALIGNMENT - 1) / 2
 
 

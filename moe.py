@@ -98,7 +98,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import eplb
-import fp8_scaling
 import moe_dispatch
 import moe_router
 from comm import Messages
@@ -461,7 +460,7 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
                       max(4, next(model.parameters()).element_size()), run.micro_batch_size, config.replicas,
-                      fp8_scaling.per_tensor(getattr(run.settings.args, "fp8", None)),
+                      getattr(run.settings.args, "fp8", None),
                       getattr(run.settings.args, "precision_recipe", None) is not None)
     redundant = None  # with --moe-replicas: the replicas' step work; their tokens' loads are summed over dp×cp (tp)
     if config.replicas and layers:

@@ -43,7 +43,7 @@ class Traffic:
     router_bytes: int = 4  # e_r
     sequences: int = 1  # B_μ: with the seq loss, its [B_μ, 2N+1] statistics join the pieces' all-reduce
     slots: int = 0  # R physical experts with --moe-replicas (eplb.py): the counts all-to-all carries R, not N
-    fp8_experts: bool = False  # --fp8 current or delayed: the routed experts pad their rows (moe_memory's table)
+    fp8_experts: str | None = None  # --fp8's recipe: the routed experts pad their rows (moe_memory's table)
     recipe_experts: bool = False  # --precision-recipe: the experts' linears make no autocast weight copies
 
 

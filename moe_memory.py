@@ -69,19 +69,20 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    each source's rows a GEMM of their own after the fan-out); a lower bound where another moment of the EP
    backward rises higher (seen with capacity, by 32 bytes). A router with N ≫ h rises in its own backward,
    its [T, N] gradients (B2, `router_rise`; the aux losses' own [T, N] gradients in a step: not written).
-   FP8 experts (fp8_experts.py, --fp8 current or delayed): `fp8_expert_terms` replace the experts' rows (E = 1
+   FP8 experts (fp8_experts.py, any --fp8 recipe): `fp8_expert_terms` replace the experts' rows (E = 1
    the sent S, E > 1 the fan-out's R_e; each of the c chunks, an expert's rows at E = 1 and one source's rows
    for a local slot at E > 1, padded to 16 rows, P in all: their FP8 input codes, scales, c_fc's padded
-   output); with the forward's own chunk counts (moe.MoE.local_rows) the saved bytes and the bytes alive at P1
-   and P2 (E > 1 also P6, the peak under bf16 autocast) are measured equal (tests/test_moe_memory.py: E = 1 six
-   recipes and dtypes, E = 2 six on 2 ranks, and a start-up's saved bytes at E = 2). The plan takes P = N_p·15/2
-   and c = N_p, whatever E (N_p/E slots × E sources; uniform routing, each chunk's row count mod 16 alike:
-   fp8_experts.expected_padded_rows), the worst case the same chunks. Not written: inside each expert's GEMM,
-   where a CPU's emulation peaks (its fp32 operands and product: 52,648 bytes measured against P2's 31,932 in
-   the first E = 1 test case, 81,624 against P1's 61,540 in the first E = 2 one; _scaled_mm's on a GPU not
-   measured), the step's first forward making the weight codes (N/E·8h² bytes and scalars, kept to the step's
-   end), the backward under FP8, and --fp8 blockwise (its tiles' scales; the table there is the unquantised
-   one). A precision recipe
+   output; blockwise's scales one per 1×128 tile of each padded row, `fp8_blockwise`); with the forward's own
+   chunk counts (moe.MoE.local_rows) the saved bytes and the bytes alive at P1 and P2 (E > 1 also P6, the peak
+   under bf16 autocast) are measured equal (tests/test_moe_memory.py: E = 1 ten recipes and dtypes, E = 2 nine
+   on 2 ranks, blockwise with one and two tiles a row, and a start-up's saved bytes at E = 2). The plan takes
+   P = N_p·15/2 and c = N_p, whatever E (N_p/E slots × E sources; uniform routing, each chunk's row count mod 16
+   alike: fp8_experts.expected_padded_rows), the worst case the same chunks. Not written: inside each expert's
+   GEMM, where a CPU's emulation peaks (its fp32 operands and product: 52,648 bytes measured against P2's 31,932
+   in the first E = 1 test case, 81,624 against P1's 61,540 in the first E = 2 one; blockwise's operands
+   dequantised in whole 128-column tiles, 188,188 against P2's 32,412 at h = 16; _scaled_mm's on a GPU not
+   measured), the step's first forward making the weight codes (N/E·8h² bytes and scalars, or blockwise a scale
+   per 128×128 block, kept to the step's end), and the backward under FP8. A precision recipe
    (recipe_experts.py, `recipe`): its linears save the weight parameter itself, so the table drops autocast's copies
    (the shared experts' too) and its saved bytes and P1, P2 are measured equal (nvfp4 with and without autocast,
    mxfp8 under autocast; with the copies, 30,668 saved predicted against 14,284 measured); not written: the
@@ -105,6 +106,7 @@ import activations
 import fp8_experts
 import mfu
 import moe_accounting
+from fp8_scaling import TILE_ACTIVATION
 from moe_router import rows_per_token
 
 MOMENTS = {"P0": "capacity's one-hot product", "P1": "the experts' outputs concatenated",
@@ -135,6 +137,7 @@ class DispatchShape:
     slots: int = 0  # R_p physical expert slots with --moe-replicas (eplb.py); 0: the N experts in place
     expert_rows: float = 0  # R_e: E > 1, the slots this rank's experts run (the fan-out, moe_dispatch.py)
     fp8: tuple | None = None  # --fp8 (fp8_experts.py): (P padded rows, c chunks run, e_s an inverse scale's)
+    fp8_blockwise: bool = False  # --fp8 blockwise: an inverse scale per 1×128 tile of each padded row, not per chunk
     recipe: bool = False  # a precision recipe's linears on the experts (recipe_experts.py): no autocast weight copies
 
 
@@ -220,17 +223,20 @@ def terms(x: DispatchShape) -> list:
 
 
 END = "123456"  # the moments after the dispatch began: alive to the forward's end
+TILE = TILE_ACTIVATION[1]  # --fp8 blockwise: the columns one input scale covers (1×128 tiles)
 
 
 def fp8_expert_terms(x: DispatchShape) -> list:
     """Under --fp8 (fp8.Fp8Linear on the routed experts, fp8_experts.py) each of the c chunks (E = 1 an expert's
     rows; E > 1 the rows one source sent a local slot, each its own GEMM) is padded to a multiple of 16, P rows
-    in all, and its linears save their inputs as FP8 codes with a 0-d inverse scale (e_s: fp32, fp64 for fp64
+    in all, and its linears save their inputs as FP8 codes with their inverse scales (e_s: fp32, fp64 for fp64
     inputs), so the rows in are no longer saved (c_fc keeps their codes: E = 1 the sent rows [S, h], alive in
     dispatch_and_combine; E > 1 the fan-out's [R_e, h], alive in moe_dispatch.exchange) and of the hidden only
     c_fc's padded output is (GELU's input; its output is c_proj's input, kept as codes). With r = R (E = 1) or
-    R_e the rows the experts run: saved (r + P)·h + (r + P)·4h codes, 2c·e_s scales, (r + P)·4h·e_c; each
-    chunk's output is a view of its padded [m + p, h]. No autocast weight copies (the GEMMs run with autocast off)."""
+    R_e the rows the experts run: saved (r + P)·h + (r + P)·4h codes, (r + P)·4h·e_c, and the scales: per tensor
+    (current, delayed) a 0-d one per linear and chunk, 2c·e_s; blockwise one per 1×128 tile of each padded row
+    (fp8_scaling.quantize_tiles, edge tiles partial), (r + P)·(⌈h/128⌉ + ⌈4h/128⌉)·e_s. Each chunk's output is
+    a view of its padded [m + p, h]. No autocast weight copies (the GEMMs run with autocast off)."""
     h, e_c = x.hidden, x.e_c
     padded, chunks, e_s = x.fp8
     if x.ep == 1:
@@ -238,8 +244,10 @@ def fp8_expert_terms(x: DispatchShape) -> list:
     else:
         run, rows_in = x.expert_rows, ("fan-out rows [R_e, h]", x.expert_rows * h * e_c, False, "126")
     rows = run + padded
+    tiles = -(-h // TILE) - (-4 * h // TILE)  # a padded row's 1×128 tiles in c_fc's input and c_proj's
+    scales = rows * tiles * e_s if x.fp8_blockwise else 2 * chunks * e_s
     return [rows_in, ("FP8 codes of c_fc's and c_proj's inputs [r + P, 5h]", rows * 5 * h, True, END),
-            ("FP8 inputs' inverse scales", 2 * chunks * e_s, True, END),
+            ("FP8 inputs' inverse scales", scales, True, END),
             ("experts' hidden, padded [r + P, 4h] (GELU's input)", rows * 4 * h * e_c, True, END),
             ("experts' outputs, one per chunk, padded", rows * h * e_c, False, "1")]
 
@@ -386,7 +394,7 @@ def shape_of(traffic: moe_accounting.Traffic, x, routing: str = "uniform") -> Di
                          expert_params=8 * h * h + 5 * h * int(config.bias),
                          dropout_mask=x.mask(x.e_n) if x.dropout else None, score=config.moe_score,
                          shared=config.moe_shared_experts, slots=traffic.slots, expert_rows=expert_rows, fp8=fp8,
-                         recipe=traffic.recipe_experts)
+                         fp8_blockwise=traffic.fp8_experts == "blockwise", recipe=traffic.recipe_experts)
 
 
 @dataclass(frozen=True)

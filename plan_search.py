@@ -358,7 +358,7 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
         tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
         replicas = settings.args.moe_replicas  # R physical slots (eplb.py), 0: none
         traffic = moe_accounting.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro, replicas,
-                                         s.fp8 is not None, settings.args.precision_recipe is not None)
+                                         settings.args.fp8, settings.args.precision_recipe is not None)
         shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
         sp_grad_bytes = int(s.b_g * held["moe_replicated"] / shard) if sp else 0
         messages = messages + moe_accounting.step_messages(traffic, sp_grad_bytes)

@@ -3,11 +3,11 @@ the byte, on a CPU, for the routing the layer made (the rows it sent and receive
 
 - One process (E = 1): dropless and with capacity, top-1 and top-2, fp32, bf16 autocast over fp32 weights, bf16
   weights, with dropout; a case where capacity's one-hot product is the peak (P0). Attention's part likewise
-  (the fused kernel without dropout, the math path with it). Under --fp8 (current and delayed; fp32, bf16,
-  fp64) the saved bytes and those alive at P1 and P2 for the chunks' padded row counts; the plan's mean padding;
+  (the fused kernel without dropout, the math path with it). Under --fp8 (current, delayed, blockwise; fp32,
+  bf16, fp64) the saved bytes and those alive at P1 and P2 for the chunks' padded row counts; the plan's mean padding;
   likewise under a precision recipe (nvfp4, mxfp8; its linears make no autocast weight copies).
-- Two gloo ranks, E = 2 under --fp8 (current, delayed; fp32, bf16): the saved bytes and those alive at P1, P2
-  and P6 for the (local slot, source) chunks' padded row counts; a real start-up's saved bytes likewise.
+- Two gloo ranks, E = 2 under --fp8 (current, delayed, blockwise; fp32, bf16): the saved bytes and those alive at
+  P1, P2 and P6 for the (local slot, source) chunks' padded row counts; real start-ups' saved bytes likewise.
 - Four gloo ranks: E = 2 dropless and with capacity (the routing of random tokens); E = 2 routed exactly
   uniformly over the experts (R_e the uniform prediction's, the pairs S = R given); E = 4 with every token
   picking rank 0's experts, which equals the worst-case prediction and peaks at P2 (the receiver's sum of its
@@ -210,7 +210,12 @@ FP8_ONE_DEVICE = [  # (recipe, layer kwargs, autocast)
     ("current", dict(), False), ("current", dict(k=1), False), ("current", dict(), True),
     ("current", dict(dtype=torch.bfloat16), True), ("delayed", dict(n=8), False), ("current", dict(dtype=torch.float64),
                                                                                    False),
-    ("current", dict(factor=1.0), False)]  # capacity drops: the experts run (and pad) the kept rows
+    ("current", dict(factor=1.0), False),  # capacity drops: the experts run (and pad) the kept rows
+    # blockwise: each padded row's 1×128 tiles' scales; h = 48: c_proj's 4h = 192 columns are two tiles a row
+    ("blockwise", dict(), False), ("blockwise", dict(), True), ("blockwise", dict(dtype=torch.bfloat16, h=48), True)]
+
+EMULATION_PEAK = {"current": "aten.mm", "delayed": "aten.mm",  # the CPU's peak op: the emulated GEMM's product,
+                  "blockwise": ("aten._to_copy", "aten.mul")}  # blockwise's: its whole 128-column tiles (de)scaled
 
 
 @pytest.mark.parametrize("recipe, kwargs, autocast", FP8_ONE_DEVICE,
@@ -240,9 +245,10 @@ def test_fp8_experts_saved_bytes_and_moments_equal_the_prediction_for_the_rows_t
     padded = (*rows.fp8, 8 if dtype == torch.float64 else 4)
     chunks = layer.local_rows  # kept rows: under a capacity, fewer than the routed load
     assert rows.fp8 == (sum(-m % 16 for m in chunks), sum(m > 0 for m in chunks)) and sum(chunks) == rows.rows[0]
-    predicted = moe_memory.block_peak(moe_memory.DispatchShape(**{**shape.__dict__, "fp8": padded}))
+    predicted = moe_memory.block_peak(moe_memory.DispatchShape(**{**shape.__dict__, "fp8": padded,
+                                                                  "fp8_blockwise": recipe == "blockwise"}))
     _assert_saved_and_moments_equal_the_table(layer, x, autocast, measured, predicted)
-    assert measured.peak > predicted.peak and measured.at.startswith("aten.mm")  # the emulated GEMM (not written)
+    assert measured.peak > predicted.peak and measured.at.startswith(EMULATION_PEAK[recipe])  # not written
 
 
 RECIPE_ONE_DEVICE = [  # (recipe, layer kwargs, autocast)
@@ -275,7 +281,8 @@ def test_recipe_experts_saved_bytes_and_moments_equal_the_table_without_weight_c
 def test_the_plan_pads_each_expert_by_the_mean():
     """The plan's FP8 table (uniform routing) takes every chunk run and padded by the mean of (−m) mod 16, P = 15/2
     rows a chunk (fp8_experts.expected_padded_rows), fp32 inverse scales: N chunks a micro-batch whatever E (E = 1
-    one per expert; E = 2, N/E experts × E sources), R_p with replicas (R_p/E slots × E sources)."""
+    one per expert; E = 2, N/E experts × E sources), R_p with replicas (R_p/E slots × E sources); under blockwise
+    the same rows, each with its 1×128 tiles' scales."""
     import moe_accounting
     import memory
     import moe_memory
@@ -283,8 +290,10 @@ def test_the_plan_pads_each_expert_by_the_mean():
     x = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=256, e_c=2, fp8=True)
     config = make_config(n_embd=H, moe_experts=8)
     for ep, slots, chunks in ((1, 0, 8), (2, 0, 8), (2, 12, 12)):
-        traffic = moe_accounting.Traffic(config, tokens=B * S_LEN, ep=ep, slots=slots, fp8_experts=True)
-        assert moe_memory.shape_of(traffic, x).fp8 == (chunks * 15 / 2, chunks, 4), (ep, slots)
+        for recipe in ("current", "blockwise"):  # blockwise: the same rows, each with its tiles' scales
+            traffic = moe_accounting.Traffic(config, tokens=B * S_LEN, ep=ep, slots=slots, fp8_experts=recipe)
+            shape = moe_memory.shape_of(traffic, x)
+            assert (shape.fp8, shape.fp8_blockwise) == ((chunks * 15 / 2, chunks, 4), recipe == "blockwise"), ep
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -293,8 +302,10 @@ def test_the_plan_pads_each_expert_by_the_mean():
 
 FP8_EP_CASES = [  # (recipe, layer kwargs, autocast): N = 8, 4 experts a rank, each run once per source rank
     ("current", dict(), False), ("current", dict(), True), ("current", dict(dtype=torch.bfloat16), True),
-    ("delayed", dict(), False), ("delayed", dict(dtype=torch.bfloat16), True), ("current", dict(factor=1.0), False)]
-FP8_STARTUP = (["--moe-experts", "4", "--ep", "2", "--fp8", "current"], 4, 1)  # a real start-up's, on the same 2 ranks
+    ("delayed", dict(), False), ("delayed", dict(dtype=torch.bfloat16), True), ("current", dict(factor=1.0), False),
+    ("blockwise", dict(), False), ("blockwise", dict(dtype=torch.bfloat16), True), ("blockwise", dict(h=48), True)]
+FP8_STARTUPS = {recipe: (["--moe-experts", "4", "--ep", "2", "--fp8", recipe], 4, 1)  # real start-ups', same 2 ranks
+                for recipe in ("current", "blockwise")}
 
 
 def _fp8_ep_ranks(rank, world):
@@ -339,22 +350,26 @@ def _fp8_ep_ranks(rank, world):
         handle = fp8.convert(model, fp8.Recipe(recipe, 4, "max", 0), mesh)
         handle.observe(counted := Chunks())
         layer.observer = rows = measure._Rows()
-        x = torch.randn(B, S_LEN, H, generator=torch.Generator().manual_seed(rank)).to(dtype).requires_grad_()
+        x = torch.randn(B, S_LEN, config.n_embd, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        x.requires_grad_()
         measured = _measure(layer, x, autocast)
         chunks = (counted.padded_rows, counted.chunks)
         live = _alive_after_each_op({"layer": layer})
         with live, torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
             layer(x)
         shape = _predict(config, rows.rows, B * S_LEN, dtype, autocast, world).shape
-        predicted = moe_memory.block_peak(replace(shape, fp8=(*chunks, 4)))
+        predicted = moe_memory.block_peak(replace(shape, fp8=(*chunks, 4), fp8_blockwise=recipe == "blockwise"))
         out.append(dict(measured=measured, chunks=chunks, recorded=rows.fp8, alive=live.after, predicted=predicted,
                         rows=rows.rows))
-    settings = _settings(*FP8_STARTUP, world=world)
-    _, compute, param, master = time_model.plan_dtypes(settings)
-    run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
-                    device=torch.device("cpu"), seed=settings.args.seed, compute_dtype=compute, param_dtype=param,
-                    master_dtype=master)
-    return out, train.compose(run, measure=True).measured_moe
+    startups = {}
+    for recipe, startup in FP8_STARTUPS.items():
+        settings = _settings(*startup, world=world)
+        _, compute, param, master = time_model.plan_dtypes(settings)
+        run = train.Run(settings=settings, mesh=build_mesh(settings.shape, rank), config=settings.model,
+                        device=torch.device("cpu"), seed=settings.args.seed, compute_dtype=compute, param_dtype=param,
+                        master_dtype=master)
+        startups[recipe] = train.compose(run, measure=True).measured_moe
+    return out, startups
 
 
 @pytest.fixture(scope="module")
@@ -365,13 +380,15 @@ def fp8_ep():
 @pytest.mark.parametrize("case", range(len(FP8_EP_CASES)),
                          ids=[f"{c[0]}-{c[1]}-autocast={c[2]}" for c in FP8_EP_CASES])
 def test_fp8_experts_under_expert_parallel_save_and_hold_what_the_table_says(fp8_ep, case):
-    """--fp8 (current, delayed; fp32, bf16 autocast, bf16 weights; a capacity), E = 2: each local expert runs
-    each source's rows as a GEMM of its own (moe_dispatch.py), padded to 16 rows; with the chunks the forward ran
+    """--fp8 (current, delayed, blockwise; fp32, bf16 autocast, bf16 weights; a capacity; h = 48), E = 2: each
+    local expert runs each source's rows as a GEMM of its own (moe_dispatch.py), padded to 16 rows (blockwise: each
+    row's 1×128 tiles scaled, c_proj's 4h = 192 two a row at h = 48); with the chunks the forward ran
     (P padded rows, c GEMMs, counted by the FP8 observer and recorded alike by the start-up's measure._Rows) the
     saved bytes and the bytes alive at P1 (the experts' outputs concatenated), P2 (the receiver's index_add) and
     P6 (the rows back summed into y, the last index_add) equal moe_memory's table to the byte, on both ranks."""
     import moe_memory
 
+    recipe = FP8_EP_CASES[case][0]
     for rank, (got, _) in enumerate(fp8_ep):
         case_got = got[case]
         predicted, measured, alive = case_got["predicted"], case_got["measured"], case_got["alive"]
@@ -383,16 +400,19 @@ def test_fp8_experts_under_expert_parallel_save_and_hold_what_the_table_says(fp8
         for moment, nbytes in at.items():
             assert nbytes == sum(n for _, n, _, when in table if moment in when), (rank, moment, nbytes)
         assert case_got["recorded"] == case_got["chunks"], rank  # the start-up reads the same chunks
-        assert measured.peak > predicted.peak and measured.at.startswith("aten.mm")  # the emulated GEMM (not written)
+        assert measured.peak > predicted.peak and measured.at.startswith(EMULATION_PEAK[recipe])  # not written
 
 
-def test_fp8_experts_under_expert_parallel_the_start_up_measures_the_saved_bytes_predicted(fp8_ep):
-    """A real start-up (train.compose, --fp8 current, E = 2 on 2 ranks) predicts each held MoE block for the chunks
-    its forward ran (measure._Rows): the saved bytes equal the measured ones (its peak is the emulated GEMM's)."""
-    peaks = fp8_ep[0][1]
+@pytest.mark.parametrize("recipe", list(FP8_STARTUPS))
+def test_fp8_experts_under_expert_parallel_the_start_up_measures_the_saved_bytes_predicted(fp8_ep, recipe):
+    """A real start-up (train.compose, --fp8 current or blockwise, E = 2 on 2 ranks) predicts each held MoE block
+    for the chunks its forward ran (measure._Rows; blockwise: its tiles' scales): the saved bytes equal the
+    measured ones (its peak is the emulation's)."""
+    peaks = fp8_ep[0][1][recipe]
     assert sorted((p.layer_id, p.rank) for p in peaks) == [(layer, rank) for layer in (0, 1) for rank in range(2)]
     for p in peaks:
         assert p.measured.saved == p.predicted.saved and p.predicted.shape.fp8 is not None, p
+        assert p.predicted.shape.fp8_blockwise == (recipe == "blockwise"), p
 
 
 # ---------------------------------------------------------------------------------------------------------
