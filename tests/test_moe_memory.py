@@ -385,7 +385,8 @@ def test_fp8_experts_under_expert_parallel_save_and_hold_what_the_table_says(fp8
     row's 1×128 tiles scaled, c_proj's 4h = 192 two a row at h = 48); with the chunks the forward ran
     (P padded rows, c GEMMs, counted by the FP8 observer and recorded alike by the start-up's measure._Rows) the
     saved bytes and the bytes alive at P1 (the experts' outputs concatenated), P2 (the receiver's index_add) and
-    P6 (the rows back summed into y, the last index_add) equal moe_memory's table to the byte, on both ranks."""
+    P6 (the rows back summed into y, the last index_add) equal moe_memory's table to the byte, on both ranks (the
+    moments, or above it by one all-to-all's input that gloo frees late: seen in about 1 of 6 runs under load)."""
     import moe_memory
 
     recipe = FP8_EP_CASES[case][0]
@@ -397,8 +398,9 @@ def test_fp8_experts_under_expert_parallel_save_and_hold_what_the_table_says(fp8
         index_adds = [nbytes for name, nbytes in alive if name.startswith("aten.index_add")]
         at = {"1": [nbytes for name, nbytes in alive if name.startswith("aten.cat")][-1], "2": index_adds[-2],
               "6": index_adds[-1]}
-        for moment, nbytes in at.items():
-            assert nbytes == sum(n for _, n, _, when in table if moment in when), (rank, moment, nbytes)
+        for moment, nbytes in at.items():  # exactly, or an all-to-all's input late (gloo: _assert_peak_as_predicted)
+            expected = sum(n for _, n, _, when in table if moment in when)
+            assert expected <= nbytes <= expected + late_free(predicted.shape), (rank, moment, nbytes, expected)
         assert case_got["recorded"] == case_got["chunks"], rank  # the start-up reads the same chunks
         assert measured.peak > predicted.peak and measured.at.startswith(EMULATION_PEAK[recipe])  # not written
 
@@ -506,9 +508,13 @@ def _assert_peak_as_predicted(rank, measured, predicted):
     input for a moment after wait() returns (seen in about one of ten runs of this spawn under load), so that
     buffer may be freed an op late. Quiet runs measure the prediction exactly."""
     assert measured.saved == predicted.saved, (rank, measured, predicted)
-    shape = predicted.shape
-    late = max(shape.sent, shape.received) * shape.hidden * shape.e_c + 8 * shape.experts
-    assert predicted.peak <= measured.peak <= predicted.peak + late, (rank, measured, predicted)
+    assert predicted.peak <= measured.peak <= predicted.peak + late_free(predicted.shape), (rank, measured, predicted)
+
+
+def late_free(shape) -> int:
+    """The most bytes gloo's worker thread may still hold after an all-to-all's wait() returns: one input (the
+    dispatch's S or the combine's R rows) or the 8N-byte counts."""
+    return max(shape.sent, shape.received) * shape.hidden * shape.e_c + 8 * shape.experts
 
 
 @pytest.fixture(scope="module")
