@@ -3,7 +3,7 @@ One spawn of 2 ranks (E = 2, N = 4 experts in R = 6 slots, re-planned after ever
 the run follows delayed without replicas within FP8's tolerance, traces the messages predicted, holds the same
 logical histories on every rank with every slot reading its expert's; resumed from a checkpoint written WITHOUT
 replicas it equals the run without replicas resumed alike (the same scales: the quantisation cannot differ), and
-resumed from its own on the same mesh it replays bitwise.
+resumed from its own on the same mesh it replays bitwise, and its histories load without replicas and on another R.
 """
 
 import os
@@ -72,12 +72,15 @@ def _run(rank, world, flags, stop=STEPS, save_root=None, resume_root=None):
 
 def _runs(rank, world, root):
     plain_dir, replicas_dir = os.path.join(root, "plain"), os.path.join(root, "replicas")
-    out = dict(plain=_run(rank, world, PLAIN_EP), replicated=_run(rank, world, WITH_REPLICAS))
+    out = dict(plain=_run(rank, world, PLAIN_EP), replicated=_run(rank, world, WITH_REPLICAS),
+               zero3=_run(rank, world, [*WITH_REPLICAS, "--zero", "3"]))
     _run(rank, world, PLAIN_EP, stop=SAVE_AT, save_root=plain_dir)
     out["plain resumed"] = _run(rank, world, PLAIN_EP, resume_root=plain_dir)
     out["replicated from plain"] = _run(rank, world, WITH_REPLICAS, resume_root=plain_dir)
-    _run(rank, world, WITH_REPLICAS, stop=SAVE_AT, save_root=replicas_dir)
+    out["replicated saved"] = _run(rank, world, WITH_REPLICAS, stop=SAVE_AT, save_root=replicas_dir)
     out["replicated resumed"] = _run(rank, world, WITH_REPLICAS, resume_root=replicas_dir)
+    for name, flags in (("loaded without replicas", PLAIN_EP), ("loaded on R = 8", [*PLAIN_EP, "--moe-replicas", "8"])):
+        out[name] = _run(rank, world, flags, stop=SAVE_AT, resume_root=replicas_dir)  # loaded, no step taken
     return out
 
 
@@ -93,7 +96,9 @@ def test_fp8_delayed_with_replicas_follows_delayed_without_them_traces_as_predic
        alike (measured: equal). Every scale now comes from the logical histories (restored under the
        logical keys) and step 1's MAX over the slots (across both ranks) of each expert, which is the amax of
        all of its rows: nothing can quantise differently, and the rows' GEMMs are the same in float64.
-    3. Resumed from its own checkpoint on the same mesh: bitwise the uninterrupted run (re-plans and all).
+    3. Under ZeRO-3 (the slots' weights gathered as E4M3 codes, scaled by their experts' histories): bitwise
+       the DDP run. Resumed from its own checkpoint on the same mesh: bitwise the uninterrupted run (re-plans and
+       all); loaded without replicas and on R = 8, the logical histories are the saved ones.
     4. Every run's traced messages equal report.predicted_messages (the logical experts' 12·N·2·L_moe bytes join
        the dense linears' MAX all-reduce over dp×cp; no slot reduces its own); the logical histories are the
        same on both ranks, and every slot reads (is) the history of the expert it now holds."""
@@ -103,8 +108,9 @@ def test_fp8_delayed_with_replicas_follows_delayed_without_them_traces_as_predic
                                    msg=f"rank {rank}")
         assert sorted(r["replicated from plain"]["losses"]) == list(range(SAVE_AT, STEPS))
         assert torch.equal(_losses(r["replicated from plain"]), _losses(r["plain resumed"])), rank
+        assert r["zero3"]["losses"] == r["replicated"]["losses"]  # ZeRO-3 gathers the slots' codes with those scales
         assert r["replicated resumed"]["losses"] == {s: r["replicated"]["losses"][s] for s in range(SAVE_AT, STEPS)}
-        for name, run in r.items():
+        for name, run in ((name, run) for name, run in r.items() if run["losses"]):  # those that took steps
             traced, predicted = run["messages"]
             assert set(traced) == set(predicted), (rank, name, set(traced) ^ set(predicted))
             for key, (calls, payload) in predicted.items():
@@ -115,3 +121,8 @@ def test_fp8_delayed_with_replicas_follows_delayed_without_them_traces_as_predic
         assert all(torch.equal(h, results[0]["replicated"]["histories"][k]) for k, h in histories.items())
         assert all(float(h[0].max()) > 0 for h in histories.values())  # every expert saw rows somewhere
         assert r["replicated"]["reading"] and all(is_its_expert for is_its_expert, _ in r["replicated"]["reading"])
+        saved = r["replicated saved"]["histories"]  # 5. the logical histories load without replicas and on R = 8
+        for name in ("loaded without replicas", "loaded on R = 8"):
+            loaded = r[name]["histories"]
+            assert loaded and loaded.keys() <= saved.keys() and all(torch.equal(h, saved[k]) for k, h in loaded.items())
+        assert len(r["loaded without replicas"]["histories"]) == 2 * 2 * 2  # this rank's N/E = 2 experts a layer
