@@ -30,8 +30,9 @@ would wait on ranks that may not call that expert at all), so those meshes follo
 tolerance, not exactly. Delayed: a history per expert linear, its MAX over expert-dp and tp; blockwise: the
 chunk's own 128-tiles. With --moe-replicas (eplb.py) each physical slot is its own FP8 linear, named by its
 slot's path (two slots on a rank may hold one logical expert), E·k/R of the rows; an expert's chunk is split
-over its replicas, each part scaled alone (FP8's tolerance, as under CP); delayed is refused there (one
-expert's history would need a MAX over all its slots, on other ep ranks too, and to move with them).
+over its replicas, each part scaled alone (FP8's tolerance, as under CP); delayed keeps one history per LOGICAL
+expert on every rank, its amax the MAX over all the expert's slots, in the dense linears' dp×cp all-reduce
+(fp8_replicas.py: a slot reads its expert's history, so a re-plan or a resume moves nothing).
 Padding costs Σ_chunks (−m mod 16) rows, each 5h FP8 bytes of saved inputs (c_fc's h, c_proj's 4h) and 5h more
 of dY codes in backward (`padding_bytes`; measured per MoE layer at the end).
 
@@ -62,16 +63,16 @@ T tensor parallel, L history length, n FP8 linears on this rank, e_c bytes of a 
                 cp and over tp (each when its size > 1); activation checkpointing repeats the forward's;
                 selective recompute does not (the amax MAX an operator its policy keeps: recompute.py).
      delayed:   per optimizer step, in `after_grad_sync`: one 12·n-byte all_reduce over the linears' gradient
-                group (dp_cp; expert_dp for experts) and one over tp (each when its size > 1); the first step
-                (empty history) also sends the current recipe's messages.
+                group (dp_cp; expert_dp for experts, dp_cp for replicas' logical ones) and one over tp (each
+                when its size > 1); the first step (empty history) also sends the current recipe's messages.
      blockwise: none: the tiles are local (`config_from_flags` requires TP-split widths that are multiples of
                 128; under CP dW's 128-token tiles are this rank's tokens, so blockwise equals the single device
                 only when its sequence pieces hold whole tiles).
    ZeRO-3 gathers these weights as E4M3 bytes, each gather adding a MAX all_reduce of 4 bytes per weight over
    the gathering group and the amax groups (`ZeroWeightCodec`, the last section).
 4. Restart state: per linear and role the amax history and scale (delayed; current and blockwise have none),
-   keyed by the linear's global name (`state_pieces`): the same on every rank holding the linear, so a
-   checkpoint writes them once and any mesh restores them; a restored run replays bitwise.
+   keyed by the linear's global name (`state_pieces`; a replicated expert's logical one): the same on every rank
+   holding the linear, so a checkpoint writes them once and any mesh restores them; a restored run replays bitwise.
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ import torch.nn.functional as F
 
 import collective_ops
 from comm import Messages
+from fp8_replicas import ReplicaHistories
 from fp8_scaling import (E4M3, E5M2, FORMATS, ROW_ALIGNMENT, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT,
                          amax_of, dequantize, dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores, pad_rows,
-                         quantize, quantize_tiles, scale_from_amax, scaled_matmul, wide_dtype)
+                         quantize, quantize_tiles, roll_history, scale_from_amax, scaled_matmul, wide_dtype)
 from recompute import in_backward
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
@@ -104,18 +106,6 @@ class Recipe:
     amax_history: int = 16  # L
     amax_algo: str = "max"  # max | most_recent
     margin: int = 0
-
-
-def roll_history(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fmt_max, recipe: Recipe):
-    """One step of delayed scaling on histories [..., L] (index 0 the latest): (new history, new scale). A finite
-    amax enters (the oldest leaves); a non-finite one leaves that role's history and scale as they were. s =
-    max_format / (the history's max, or its latest entry) / 2^margin, kept while that is 0 (nothing seen yet)."""
-    finite = torch.isfinite(amax)
-    rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
-    history = torch.where(finite.unsqueeze(-1), rolled, history)
-    reference = history.amax(dim=-1) if recipe.amax_algo == "max" else history[..., 0]
-    new = scale_from_amax(reference, fmt_max, recipe.margin)
-    return history, torch.where(finite & (reference > 0), new, scale)
 
 
 # --- The FP8 linear ------------------------------------------------------------------------------------------
@@ -406,11 +396,6 @@ def config_from_flags(args, settings) -> Recipe | None:
         if errors:
             raise ValueError(f"--fp8 {mode} with --tp {tp}, --cp {cp}, --micro-batch {micro}, --n-embd {h}:"
                              f" {name} [{n}×{k}] per rank: " + "; ".join(errors))
-    replicas = getattr(args, "moe_replicas", 0)
-    if mode == "delayed" and replicas:
-        raise ValueError(f"--fp8 delayed with --moe-replicas {replicas}: a replicated expert's amax history would"
-                         f" need a MAX over all its slots (on other ep ranks too) and to move with them at a"
-                         f" re-plan (not written); use --fp8 current or blockwise, or no replicas")
     if mode == "blockwise" and tp > 1 and (h // tp) % 128:
         raise ValueError(f"--fp8 blockwise with --tp {tp}: the TP shards of width n_embd/T = {h // tp} must be"
                          f" multiples of 128, or the 128-wide tiles would straddle ranks")
@@ -428,7 +413,7 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1,
         return tuple(n for n in names if mesh is not None and mesh.size(n) > 1)
 
     amax_groups = {name: mesh.group(name) for name in groups("cp", "tp")}
-    linears, codec = {}, ZeroWeightCodec()  # how ZeRO-3 gathers these weights (the section at the end)
+    linears, codec, replica_slots = {}, ZeroWeightCodec(), []  # codec: how ZeRO-3 gathers these weights (the end)
     for block in model.transformer.h:
         for path, module in list(block.named_modules()):
             leaf = path.rpartition(".")[2]
@@ -450,10 +435,14 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1,
             if expert:
                 ep = mesh.size("ep") if mesh is not None else 1
                 fp8.row_share = ep * model.config.moe_topk / (slots.slots if slots else model.config.moe_experts)
+                if slots is not None and recipe.mode == "delayed":  # one history per logical expert: fp8_replicas
+                    replica_slots.append((fp8, slots, int(path.split(".")[-2]), block.layer_id, leaf))
             if getattr(parent, "regather", False):
                 parent.regather = False
             linears[name] = fp8
-    return Fp8Handle(recipe, linears, mesh, micro_batches, model.config.activation_checkpointing)
+    histories = replica_slots and ReplicaHistories(replica_slots, model.config.moe_experts, recipe,
+                                                   groups("dp_cp", "tp"), device or replica_slots[0][0].fmt_max.device)
+    return Fp8Handle(recipe, linears, mesh, micro_batches, model.config.activation_checkpointing, histories or None)
 
 
 def apply(model: nn.Module, run, recipe: Recipe) -> Fp8Handle:
@@ -479,17 +468,22 @@ class Fp8Facts:
 class Fp8Handle(Axis):
     """The axis handle. linears: {global name: Fp8Linear}; micro_batches: m; recomputes: activation
     checkpointing (a block's forward, and its amax reductions, run twice); `observe` subscribes the accounting
-    to every linear's casts."""
+    to every linear's casts; histories: delayed with redundant experts, the logical experts' (fp8_replicas.py),
+    rolled in place of their slots'."""
 
     name = "fp8"
 
-    def __init__(self, recipe: Recipe, linears: dict, mesh=None, micro_batches: int = 1, recomputes: bool = False):
-        self.recipe, self.linears, self.mesh = recipe, linears, mesh
+    def __init__(self, recipe: Recipe, linears: dict, mesh=None, micro_batches: int = 1, recomputes: bool = False,
+                 histories: ReplicaHistories | None = None):
+        self.recipe, self.linears, self.mesh, self.histories = recipe, linears, mesh, histories
         self.micro_batches, self.recomputes = micro_batches, recomputes
         self.first_steps = 0  # delayed steps that scaled like `current` (empty history)
         self.nonfinite_steps = 0  # steps in which some FP8 tensor had a non-finite amax (skipped everywhere)
+        slots = {id(slot[0]) for slot in histories.slots} if histories else set()
+        self.rolled = {name: linear for name, linear in linears.items() if id(linear) not in slots}  # and by name:
+        self.rolled.update(histories.histories if histories else {})  # the logical experts' histories
         buckets = {}  # delayed_groups → the rows of those linears in after_grad_sync's [n, 3] amaxes
-        for row, linear in enumerate(linears.values()):
+        for row, linear in enumerate(self.rolled.values()):
             buckets.setdefault(linear.delayed_groups, []).append(row)
         self.buckets = sorted(buckets.items())  # the same order on every rank
 
@@ -500,7 +494,9 @@ class Fp8Handle(Axis):
         then skips everywhere). A step skipped for another reason (fp16 overflow) still records, as in TE."""
         if not self.linears:
             return 0
-        linears = list(self.linears.values())
+        if self.histories:
+            self.histories.gather()  # each logical expert's amax: the MAX of this rank's slots holding it
+        linears = list(self.rolled.values())
         amax = torch.stack([linear.step_amax for linear in linears])  # [n, 3]
         amax = torch.nan_to_num(amax, nan=float("inf"), posinf=float("inf"))  # MAX must not drop a NaN
         delayed = self.recipe.mode == "delayed"
@@ -515,11 +511,19 @@ class Fp8Handle(Axis):
         for linear, row_amax, row_finite in zip(linears, amax, finite):
             if delayed:
                 linear.roll(row_amax, row_finite)
+        for linear in self.linears.values():
             linear.step_amax.zero_()
             linear.weight_codes = None
+        if self.histories:  # after a re-plan (moe's after_grad_sync ran first): the slots' experts' histories
+            self.histories.point()
         nonfinite = len(finite) - sum(finite)
         self.nonfinite_steps += nonfinite > 0
         return nonfinite
+
+    def after_load(self, layout, step) -> None:
+        """Redundant experts under delayed: each slot reads its expert's history (moe's after_load placed them)."""
+        if self.histories:
+            self.histories.point()
 
     def observe(self, observer: QuantizationObserver) -> None:
         """Every linear tells `observer` (the accounting's observers.SaturationCount) what its casts cut."""
@@ -542,8 +546,9 @@ class Fp8Handle(Axis):
             return []
         coords = self.mesh.coordinates() if self.mesh is not None else None
         pieces = []
-        for name, linear in self.linears.items():
-            grad_group = linear.weight.shard_info.grad_group if hasattr(linear.weight, "shard_info") else "dp_cp"
+        for name, linear in self.rolled.items():  # a logical expert's history: every rank of dp_cp holds it
+            grad_group = linear.weight.shard_info.grad_group if hasattr(linear, "weight") and hasattr(
+                linear.weight, "shard_info") else "dp_cp"
             for suffix, tensor in (("amax_history", linear.amax_history), ("scale", linear.scale)):
                 info = ShardInfo(f"{name}.{suffix}", tuple(tensor.shape), replicated_over=("tp", "cp"))
                 pieces.append(StatePiece(f"fp8/{name}.{suffix}", tensor, info,

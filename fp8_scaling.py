@@ -6,7 +6,7 @@ What fp8.py's linear computes with (its docstring has the formulas and the recip
 
 per tensor (`quantize`), or one s per 1×128 / 128×1 tile or 128×128 block (`quantize_tiles`, blockwise); the
 FP8 GEMM by `torch._scaled_mm`'s rules, on FP8 tensor cores or emulated on the same codes (`scaled_matmul`).
-Which amax each recipe scales from (now, or a history: `fp8.roll_history`) is fp8.py's. Pure tensor functions:
+Which amax each recipe scales from (now, or a history: `roll_history`) is fp8.py's. Pure tensor functions:
 they talk over nothing, hold no state and keep nothing between calls.
 """
 
@@ -52,6 +52,18 @@ def scale_from_amax(amax: torch.Tensor, fmt_max, margin: float = 0) -> torch.Ten
     usable = torch.isfinite(amax) & (amax > 0)
     scale = fmt_max / torch.where(usable, amax, 1.0) / 2.0**margin
     return torch.where(usable, scale, 1.0).clamp(max=torch.finfo(torch.float32).max)
+
+
+def roll_history(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fmt_max, recipe):
+    """One step of delayed scaling on histories [..., L] (index 0 the latest): (new history, new scale). A finite
+    amax enters (the oldest leaves); a non-finite one leaves that role's history and scale as they were. s =
+    max_format / (the history's max, or its latest entry) / 2^margin, kept while that is 0 (nothing seen yet)."""
+    finite = torch.isfinite(amax)
+    rolled = torch.cat([amax.unsqueeze(-1), history[..., :-1]], dim=-1)
+    history = torch.where(finite.unsqueeze(-1), rolled, history)
+    reference = history.amax(dim=-1) if recipe.amax_algo == "max" else history[..., 0]
+    new = scale_from_amax(reference, fmt_max, recipe.margin)
+    return history, torch.where(finite & (reference > 0), new, scale)
 
 
 def quantize(x: torch.Tensor, fmt: Format, scale: torch.Tensor, count_saturated: bool = True):

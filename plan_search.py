@@ -19,7 +19,8 @@ re-plan windows. R itself is not searched: at the uniform load the time model as
 messages and balance nothing. Building a role on meta takes about a second for a large model, too slow for
 thousands of layouts; tests/test_plan.py checks that these figures equal --plan's built ones (dense, CP, EP and
 replicas layouts, ZeRO-2/3 under 1F1B and interleaving, FP8 under ZeRO-2/3 with and without a pipeline, DiLoCo).
---fp8 delayed with --moe-replicas is refused (fp8.config_from_flags); under current the slots reduce no amax.
+Under --fp8 current the slots reduce no amax; under delayed each logical expert's history rolls over dp×cp
+(fp8_replicas.py).
 
 Accounting for this file: it allocates nothing and sends nothing (shapes and formulas only).
 """
@@ -381,7 +382,8 @@ def _formula_fp8(s: _Stage) -> Messages:
     """fp8.Fp8Handle.predicted_messages from the held linears' counts (memory.fp8_weights' tensors): current, per
     dense linear and micro-batch over cp and tp a forward MAX all_reduce of 8 bytes (twice under activation
     checkpointing) and a backward one of 4; delayed, per step 12 bytes a linear over its gradient group and tp, in one
-    call per set of groups (the dense linears' dp_cp, the routed experts' expert_dp; each of size > 1)."""
+    call per set of groups (the dense linears' dp_cp, the routed experts' expert_dp; each of size > 1); with
+    --moe-replicas 12 bytes a logical expert linear (2N a MoE layer) over dp_cp instead of the slots'."""
     shape, m, out = s.settings.shape, s.settings.micro_batches, Messages()
     linears = {group: sum(n for _, n in blocks) for group, blocks in s.held["codec_blocks"].items()}
     if s.fp8 == "current":
@@ -390,6 +392,9 @@ def _formula_fp8(s: _Stage) -> Messages:
         for group in amax_groups(shape):
             out.add("all_reduce", group, forwards, 8 * forwards).add("all_reduce", group, calls, 4 * calls)
         return out
+    slots, config = s.settings.args.moe_replicas, s.settings.model
+    if slots and linears.get("expert_dp"):  # fp8_replicas: a history per logical expert, 2N a layer, over dp_cp
+        linears["dp_cp"] += linears.pop("expert_dp") * config.moe_experts * shape.ep // slots
     buckets = {}  # fp8.Fp8Handle.buckets: the linears' reduction groups → how many
     for group, count in linears.items():
         names = tuple(name for name, size in ((group, s.sizes[group]), ("tp", shape.tp)) if size > 1)

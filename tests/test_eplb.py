@@ -329,8 +329,6 @@ BAD = [
      "--moe-replan-every must be at least 1"),
     (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--moe-load-decay", "1"],
      "--moe-load-decay must be in [0, 1)"),
-    (["--moe-experts", "4", "--ep", "2", "--moe-replicas", "6", "--fp8", "delayed"],
-     "--fp8 delayed with --moe-replicas 6"),
 ]
 
 

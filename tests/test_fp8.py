@@ -805,8 +805,8 @@ def test_handle_keeps_to_the_axis_protocol():
     """The handle overrides only step.Axis's protocol: the old hooks and printers are
     gone (ZeRO-3's codec rides on each FP8 weight, `gather_codec`), and train.py sets nothing on it."""
     own = {name for name, value in vars(fp8.Fp8Handle).items() if callable(value) and not name.startswith("__")}
-    assert own <= {"after_grad_sync", "state_pieces", "observe", "facts", "predicted_messages",
-                   "traced_prediction"}, own
+    assert own <= {"after_grad_sync", "state_pieces", "after_load", "observe", "facts", "predicted_messages",
+                   "traced_prediction"}, own  # after_load: the redundant experts' slots re-read their histories
 
 
 def test_saved_input_bytes_formula(applied):

@@ -1,6 +1,8 @@
 """FP8 routed experts (fp8.py's "Experts", fp8_experts.py): the row padding is invisible to the numbers, a MoE
 layer in FP8 stays within FP8's tolerance of the compute-dtype layer, the padded rows counted equal a hand count
-from the routing, and on meshes E = 2 equals E = 1 and the single device under the same recipe (float64).
+from the routing, and on meshes E = 2 equals E = 1 and the single device under the same recipe (float64); with
+redundant experts (--moe-replicas) --fp8 current follows the run without them: bitwise where a row's quantisation
+cannot differ, within FP8's own error where a replicated expert's rows are split and scaled apart.
 """
 
 import pytest
@@ -201,3 +203,87 @@ def test_fp8_experts_under_cp_follow_the_single_device_within_fp8_noise(mesh_run
         losses = torch.tensor(list(rank_results[-1][0].values()))
         torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=5e-4, atol=0, msg=f"rank {rank}")
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --fp8 current with redundant experts (eplb.py): one spawn of 2 ranks, E = 2, N = 4 experts in R = 6 slots
+# ---------------------------------------------------------------------------------------------------------
+
+PLAIN_EP = ["--moe-experts", "4", "--ep", "2", "--fp8", "current"]
+WITH_REPLICAS = [*PLAIN_EP, "--moe-replicas", "6", "--moe-replan-every", "1"]  # slots move after every step
+
+
+def _replica_run(rank, world, flags, steps=3, mis_map=False):
+    """(losses per step, the first MoE layer's output [T, h] on this rank's first micro-batch of each step, its
+    top-k logical experts [T, k], each slot's logical expert at the start) of `steps` steps of train.compose's
+    run (float64, test_composition's batches, D = 2, m = 2). mis_map: before any step, a second replica's slot
+    takes the weights of another expert's slot (a slot holding the wrong logical expert)."""
+    import moe
+    from optim import DynamicLossScaler
+    from step import train_step
+    from reference import global_batches, rank_micro_batches
+    from test_composition import CLIP, SEQ, composed_run
+
+    run = composed_run(rank, world, flags, {}, 4, 1, torch.device("cpu"))
+    layer = next(block.mlp for block in run.model.transformer.h if isinstance(block.mlp, moe.MoE))
+    seen = {"logits": [], "y": []}  # list.append returns None: the hooks observe, never replace an output
+    layer.router.register_forward_hook(lambda m, i, out: seen["logits"].append(out.detach().clone()))
+    layer.register_forward_hook(lambda m, i, out: seen["y"].append(out.detach().clone()))
+    phy2log = list(layer.replicas.phy2log) if layer.replicas is not None else None
+    if mis_map:
+        slot = next(q for q in layer.local if layer.replicas.replica[q] > 0)
+        other = next(q for q in layer.local if phy2log[q] != phy2log[slot])
+        with torch.no_grad():
+            for wrong, right in zip(layer.experts[str(slot)].parameters(), layer.experts[str(other)].parameters()):
+                wrong.copy_(right)
+    scaler, mesh, losses = DynamicLossScaler(enabled=False), run.mesh, []
+    for x, y in global_batches(steps, 4, SEQ):
+        batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.index("dp"), mesh.size("dp"), 1)]
+        losses.append(train_step(run.layout, scaler, batches, mesh.group("dp_cp"), CLIP, run.autocast, run.device,
+                                 model=run.model, schedule=run.schedule, axes=run.axes,
+                                 data_size=mesh.size("dp")).loss)
+    firsts = len(seen["y"]) // steps  # the micro-batches of a step: each step's first forward
+    experts = [logits.topk(run.model.config.moe_topk, dim=-1).indices for logits in seen["logits"][::firsts]]
+    return losses, [y.reshape(-1, y.shape[-1]) for y in seen["y"][::firsts]], experts, phy2log
+
+
+def _fp8_replica_runs(rank, world):
+    """FP8 current without and with replicas (3 steps); with a mis-mapped slot and without FP8 (1 step)."""
+    return (_replica_run(rank, world, PLAIN_EP), _replica_run(rank, world, WITH_REPLICAS),
+            _replica_run(rank, world, WITH_REPLICAS, steps=1, mis_map=True),
+            _replica_run(rank, world, PLAIN_EP[:-2], steps=1))
+
+
+def _row_error(rows, reference):
+    """Each row's largest |difference| from `reference`'s row [T]."""
+    return (rows - reference).abs().max(dim=-1).values
+
+
+def test_fp8_current_with_replicas_follows_the_run_without_them():
+    """--fp8 current, E = 2, N = 4 experts in R = 6 slots (experts 0 and 1 have two), against the same run
+    without replicas (same init and batches). A replicated expert's chunk of a source's rows is split over its
+    replicas and each part quantised with its own amax (fp8.py's Experts), so not bitwise; the weights are the
+    same tensors (the same codes), so a row can only differ by its input's (and dY's) rounding in e4m3.
+    Step 0 (same weights, same routing: the attention before the first MoE layer is identical):
+    - the first MoE layer's output rows of tokens routed only to unreplicated experts: bitwise (the same rows of
+      the same chunk, the same amax);
+    - the other rows: each within 2× that row's own FP8 error (|FP8 row − fp64 row| without replicas; measured
+      ≤ 1.11×, 0.045-0.063 of the row's max magnitude), and not all bitwise (the split happened);
+    - a second replica's slot holding another expert's weights breaks that bound (measured 20×).
+    The losses of 3 steps (re-planned after each: slots move) within 5e-4 relative (measured ≤ 2.2e-4; FP8
+    itself moves them up to 4.9e-4 from fp64 here); the mis-mapped slot's step-0 loss is also caught by the
+    row bound only (its loss moves 5.2e-4: a few steps of losses alone cannot tell FP8 noise from a wrong slot)."""
+    results = run_ranks(_fp8_replica_runs, 2, timeout=300)
+    for rank, (plain, replicated, mis_mapped, precise) in enumerate(results):
+        doubled = {e for e in replicated[3] if replicated[3].count(e) > 1}
+        assert doubled == {0, 1}, replicated[3]
+        assert torch.equal(plain[2][0], replicated[2][0]) and torch.equal(plain[2][0], precise[2][0])
+        alone = torch.tensor([not set(row.tolist()) & doubled for row in plain[2][0]])
+        assert alone.any() and not alone.all(), alone  # both kinds of rows on this rank's micro-batch
+        assert torch.equal(replicated[1][0][alone], plain[1][0][alone]), rank
+        fp8_error = _row_error(precise[1][0], plain[1][0])[~alone]
+        split_error = _row_error(replicated[1][0], plain[1][0])[~alone]
+        assert (split_error <= 2 * fp8_error).all() and split_error.max() > 0, (rank, split_error / fp8_error)
+        assert (_row_error(mis_mapped[1][0], plain[1][0]) > 2 * _row_error(precise[1][0], plain[1][0])).any()
+        torch.testing.assert_close(torch.tensor(replicated[0]), torch.tensor(plain[0]), rtol=5e-4, atol=0,
+                                   msg=f"rank {rank}")

@@ -273,6 +273,7 @@ SEARCHED = [  # layouts the search enumerates, on 8 ranks
     (["--fp8", "delayed", "--pp", "2", "--pp-schedule", "interleaved", "--n-layer", "4", "--zero", "2"], 16, 2),
     (["--fp8", "delayed", "--moe-experts", "4", "--ep", "2", "--moe-shared-experts", "1", "--pp", "2", "--n-layer",
       "4", "--zero", "3"], 8, 1),  # the experts' codes and histories over expert_dp
+    (["--fp8", "delayed", "--moe-experts", "4", "--ep", "2", "--moe-replicas", "6"], 8, 1),  # logical histories
     (["--fp8", "current", "--moe-experts", "4", "--zero", "1"], 8, 1),  # E = 1: moe_memory's FP8 table, padded rows
     (["--fp8", "blockwise", "--moe-experts", "4", "--ep", "2"], 8, 1),  # its rows' 1×128 tiles' scales, E = 2
     (["--precision-recipe", "nvfp4", "--zero", "3"], 16, 1),  # NVFP4 weights gathered as E2M1 codes, tile amaxes
