@@ -190,3 +190,43 @@ def assert_runs_follow(results, ref_losses, ref_params: dict, tol: float) -> Non
             torch.testing.assert_close(local, info.shard_of(ref_params[name]), rtol=tol, atol=tol, msg=name)
             seen.add(name)
     assert seen == set(ref_params), set(ref_params) ^ seen  # every logical tensor is held somewhere
+
+
+def traced_steps(run, total_steps: int, global_batch: int, seq: int, micro: int, clip: float, stop: int,
+                 save_root=None, resume_root=None) -> tuple[dict, dict]:
+    """Steps [start, stop) of a composed run on reference.global_batches(total_steps, global_batch, seq): each
+    rank's micro-batches of B_μ = micro, cut by the axes (CP), traced by a fresh CommTracer naming the mesh's groups.
+    start = 0, or the step of resume_root's latest checkpoint, loaded first; with save_root a checkpoint is written
+    after `stop`. Returns (losses by step, {(op, group): (calls, bytes) per step, traced})."""
+    import ckpt
+    from comm import CommTracer
+    from data import BatchSampler
+    from optim import DynamicLossScaler
+    from reference import global_batches, rank_micro_batches
+    from step import train_step
+
+    mesh, scaler, sampler = run.mesh, DynamicLossScaler(enabled=False), BatchSampler(10_000, seq, global_batch, 0)
+    start = 0
+    if resume_root:
+        loader = ckpt.Checkpointer(ckpt.CheckpointConfig(resume_root), mesh, run.axes, run.device, log=lambda *a: 0)
+        start = loader.resume("latest", run.layout, scaler, sampler, 0)
+    run.tracer, losses = CommTracer(), {}
+    for name, group in mesh.groups.items():
+        if group is not None:
+            run.tracer.name_group(group, name)
+    for step, (x, y) in enumerate(global_batches(total_steps, global_batch, seq)):
+        if start <= step < stop:
+            batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.index("dp"), mesh.size("dp"), micro)]
+            for axis in run.axes:
+                batches = axis.shard_batches(batches)  # CP cuts the sequences
+            with run.tracer:
+                losses[step] = train_step(run.layout, scaler, batches, mesh.group("dp_cp"), clip, run.autocast,
+                                          run.device, model=run.model, schedule=run.schedule, axes=run.axes,
+                                          data_size=mesh.size("dp")).loss
+    steps = len(losses)
+    traced = {key: (r.calls / steps, r.payload_bytes / steps) for key, r in run.tracer.records.items()}
+    if save_root:
+        saver = ckpt.Checkpointer(ckpt.CheckpointConfig(save_root), mesh, run.axes, run.device, log=lambda *a: 0)
+        saver.save(stop, run.layout, scaler, sampler)
+        saver.close()
+    return losses, traced

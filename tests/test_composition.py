@@ -13,14 +13,12 @@ harness.device() (its GPU under nccl) and the step moves the CPU batches there, 
 """
 
 
-from contextlib import nullcontext
-
 import pytest
 import torch
 
 import harness
 from harness import assert_runs_follow, run_ranks
-from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
+from reference import HYPER, global_batches, make_config, reference_run
 
 STEPS, SEQ, CLIP, TOL = 3, 16, 0.05, 1e-10
 
@@ -66,43 +64,11 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
     """Train steps [start, stop) on the mesh the flags give; save a checkpoint at `stop` into save_root, or
     start from the newest one in resume_root (saved on another mesh: the checkpoint reslices). With `trace`,
     also ({(op, group): (calls, payload)} traced per step, train.predicted_messages of the traced steps)."""
-    import ckpt
     import report
-    from comm import CommTracer
-    from data import BatchSampler
-    from optim import DynamicLossScaler
-    from step import train_step
 
-    device = harness.device()
-    run = composed_run(rank, world, flags, config_kw, global_batch, micro, device)
-    mesh, shape = run.mesh, run.settings.shape
-    scaler = DynamicLossScaler(enabled=False)
-    sampler = BatchSampler(10_000, SEQ, global_batch, 0)  # the cursor only: the batches are the reference's
-    start = 0
-    if resume_root:
-        loader = ckpt.Checkpointer(ckpt.CheckpointConfig(resume_root), mesh, run.axes, device, log=lambda *a: None)
-        start = loader.resume("latest", run.layout, scaler, sampler, 0)
-    losses, run.tracer = {}, CommTracer()
-    for name, group in mesh.groups.items():
-        if group is not None:  # named as train.py names them
-            run.tracer.name_group(group, name)
-    for step, (x, y) in enumerate(global_batches(STEPS, global_batch, SEQ)):
-        if not start <= step < stop:
-            continue
-        batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.index("dp"), mesh.size("dp"), micro)]
-        for axis in run.axes:
-            batches = axis.shard_batches(batches)
-        with run.tracer if trace else nullcontext():
-            outcome = train_step(run.layout, scaler, batches, mesh.group("dp_cp"), CLIP, run.autocast, device,
-                                 model=run.model, schedule=run.schedule, axes=run.axes, data_size=shape.dp)
-        losses[step] = outcome.loss
-    steps = len(losses)
-    messages = ({key: (r.calls / steps, r.payload_bytes / steps) for key, r in run.tracer.records.items()},
-                report.predicted_messages(run, steps)) if trace else None
-    if save_root:
-        saver = ckpt.Checkpointer(ckpt.CheckpointConfig(save_root), mesh, run.axes, device, log=lambda *a: None)
-        saver.save(stop, run.layout, scaler, sampler)
-        saver.close()
+    run = composed_run(rank, world, flags, config_kw, global_batch, micro, harness.device())
+    losses, traced = harness.traced_steps(run, STEPS, global_batch, SEQ, micro, CLIP, stop, save_root, resume_root)
+    messages = (traced, report.predicted_messages(run, len(losses))) if trace else None
     infos = {p.shard_info.global_name: p.shard_info for p in run.model.parameters()}
     if hasattr(run.layout, "full_parameters"):  # ZeRO: the working weights (at stage 3 gathered back)
         held = run.layout.full_parameters()

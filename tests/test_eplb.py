@@ -16,10 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import run_ranks
+from harness import run_ranks, traced_steps
 from test_composition import STEPS, _check, composed_run
 from test_train import launch
-from reference import global_batches, rank_micro_batches
 
 # ---------------------------------------------------------------------------------------------------------
 # The placement, one process
@@ -120,38 +119,11 @@ RESHARD = [  # (saves after SAVE_AT steps, resumes to STEPS): each replica set i
 def _run(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_root=None, resume_root=None):
     """test_composition._run_case, traced, plus what the replicas did: the losses, {global name: (tensor, info)},
     (traced, predicted) messages per step, every slot's logical expert and flat weights, the moves."""
-    import ckpt
     import report
-    from comm import CommTracer
-    from data import BatchSampler
-    from optim import DynamicLossScaler
-    from step import train_step
 
     run = composed_run(rank, world, flags, config_kw, global_batch, micro, torch.device("cpu"))
-    mesh, scaler, sampler = run.mesh, DynamicLossScaler(enabled=False), BatchSampler(10_000, 16, global_batch, 0)
-    start = 0
-    if resume_root:
-        loader = ckpt.Checkpointer(ckpt.CheckpointConfig(resume_root), mesh, run.axes, run.device, log=lambda *a: 0)
-        start = loader.resume("latest", run.layout, scaler, sampler, 0)
-    run.tracer, losses = CommTracer(), {}
-    for name, group in mesh.groups.items():
-        if group is not None:
-            run.tracer.name_group(group, name)
-    for step, (x, y) in enumerate(global_batches(STEPS, global_batch, 16)):
-        if start <= step < stop:
-            batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.index("dp"), mesh.size("dp"), micro)]
-            for axis in run.axes:
-                batches = axis.shard_batches(batches)  # CP cuts the sequences
-            with run.tracer:
-                losses[step] = train_step(run.layout, scaler, batches, mesh.group("dp_cp"), 0.05, run.autocast,
-                                          run.device, model=run.model, schedule=run.schedule, axes=run.axes,
-                                          data_size=mesh.size("dp")).loss
+    losses, traced = traced_steps(run, STEPS, global_batch, 16, micro, 0.05, stop, save_root, resume_root)
     steps = len(losses)
-    traced = {key: (r.calls / steps, r.payload_bytes / steps) for key, r in run.tracer.records.items()}
-    if save_root:
-        saver = ckpt.Checkpointer(ckpt.CheckpointConfig(save_root), mesh, run.axes, run.device, log=lambda *a: 0)
-        saver.save(stop, run.layout, scaler, sampler)
-        saver.close()
     moe_axis = next(axis for axis in run.axes if axis.name == "moe")
     with getattr(run.layout, "gathered", nullcontext)():  # ZeRO-3: the working weights gathered back to be read
         params = {p.shard_info.global_name: (p.detach().clone(), p.shard_info) for p in run.model.parameters()}

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from harness import run_ranks
+from harness import run_ranks, traced_steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run on one thread
 
@@ -25,39 +25,13 @@ def _run(rank, world, flags, stop=STEPS, save_root=None, resume_root=None):
     """Steps [start, stop) of train.compose's run (test_composition's batches, D = 2, m = 2), traced: (losses by
     step, {(op, group): (calls, bytes)} traced and predicted per step, {logical name: amax history} of the
     experts, [(slot's history is its expert's, slot's name)] under replicas)."""
-    import ckpt
     import fp8
     import report
-    from comm import CommTracer
-    from data import BatchSampler
-    from optim import DynamicLossScaler
-    from reference import global_batches, rank_micro_batches
-    from step import train_step
     from test_composition import CLIP, SEQ, composed_run
 
     run = composed_run(rank, world, flags, {}, 4, 1, torch.device("cpu"))
-    mesh, scaler, sampler = run.mesh, DynamicLossScaler(enabled=False), BatchSampler(10_000, SEQ, 4, 0)
-    start = 0
-    if resume_root:
-        loader = ckpt.Checkpointer(ckpt.CheckpointConfig(resume_root), mesh, run.axes, run.device, log=lambda *a: 0)
-        start = loader.resume("latest", run.layout, scaler, sampler, 0)
-    run.tracer, losses = CommTracer(), {}
-    for name, group in mesh.groups.items():
-        if group is not None:
-            run.tracer.name_group(group, name)
-    for step, (x, y) in enumerate(global_batches(STEPS, 4, SEQ)):
-        if start <= step < stop:
-            batches = [(*b, None) for b in rank_micro_batches(x, y, mesh.index("dp"), mesh.size("dp"), 1)]
-            with run.tracer:
-                losses[step] = train_step(run.layout, scaler, batches, mesh.group("dp_cp"), CLIP, run.autocast,
-                                          run.device, model=run.model, schedule=run.schedule, axes=run.axes,
-                                          data_size=mesh.size("dp")).loss
+    losses, traced = traced_steps(run, STEPS, 4, SEQ, 1, CLIP, stop, save_root, resume_root)
     steps = len(losses)
-    traced = {key: (r.calls / steps, r.payload_bytes / steps) for key, r in run.tracer.records.items()}
-    if save_root:
-        saver = ckpt.Checkpointer(ckpt.CheckpointConfig(save_root), mesh, run.axes, run.device, log=lambda *a: 0)
-        saver.save(stop, run.layout, scaler, sampler)
-        saver.close()
     handle = next(axis for axis in run.axes if axis.name == "fp8")
     histories = {piece.key.removeprefix("fp8/").removesuffix(".amax_history"): piece.tensor.clone()
                  for piece in handle.state_pieces() if ".experts." in piece.key and "amax_history" in piece.key}
