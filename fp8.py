@@ -49,7 +49,7 @@ T tensor parallel, L history length, n FP8 linears on this rank, e_c bytes of a 
 
 1. Replicated and split: nothing new is split. Each FP8 linear keeps its parameters (TP shards as they were) and
    adds, per role (input, weight, grad_output), a scale and an L-long amax history, replicated.
-2. Peak per device: the scaling state, n·(3L + 18)·4 bytes. Each FP8 linear saves its input for backward in FP8:
+2. Peak per device: the scaling state, n·(3L + 12)·4 bytes. Each FP8 linear saves its input for backward in FP8:
    Σ_j M·K_j·(e_c - 1) bytes less per micro-batch in flight (`saved_input_bytes`; K_j its local input width; per
    GPT layer M·h·(2 + 5/T)·(e_c - 1); blockwise adds a float32 scale per 128 values, +3%). The weight is
    quantised once per optimizer step (`WeightCodes`) for every micro-batch in flight: Σ_j N_j·K_j bytes, twice

@@ -24,7 +24,8 @@ Symbols: N logical experts, L_moe MoE layers this rank holds, L history length.
 1. Replicated and split: the N·2·L_moe histories and scales on every rank of dp×cp and tp (without replicas: each
    on the ep rank of its expert only).
 2. Peak per device: N·2·L_moe·(3L + 3 + 3)·4 bytes (history, scale, the step's gathered amax), instead of the
-   slots' (R/E)·2·L_moe·(3L + 3)·4; each slot keeps its own step amax and last scale (6·4 bytes).
+   slots' (R/E)·2·L_moe·(3L + 3)·4; each slot keeps its own step amax and last scale (6·4 bytes), and its format
+   maxima (3·4): `scaling_state_bytes`, the start-up's figure.
 3. Messages: per optimizer step, 12·N·2·L_moe bytes more in the delayed recipe's all-reduce over dp×cp (and tp),
    the slots' own rows (12·(R/E)·2·L_moe over expert_dp) no longer sent; the first step (empty histories) scales
    like current, which sends nothing for experts.
@@ -98,3 +99,13 @@ class ReplicaHistories:
         for linear, *_ in self.slots:
             history = self.histories[self.reading[id(linear)]]
             history.step_amax.copy_(torch.maximum(history.step_amax, linear.step_amax))
+
+
+def scaling_state_bytes(linears: int, histories: ReplicaHistories | None, history_length: int) -> int:
+    """The FP8 scaling state this rank holds, float32 (fp8.py's item 2): each of its `linears` FP8 linears its
+    format maxima, step amax and last scale (3 + 3 + 3) and, unless it is a redundant slot reading its expert's,
+    its history and scale (3L + 3); each logical expert's history, scale and step amax (3L + 3 + 3; its format
+    maxima a slot's)."""
+    slots, logical = (len(histories.slots), len(histories.histories)) if histories else (0, 0)
+    per_history = 3 * history_length + 3
+    return 4 * (9 * linears + (linears - slots) * per_history + logical * (per_history + 3))

@@ -21,6 +21,7 @@ import hardware
 import mfu
 import precision_recipe
 import recipe_experts
+from fp8_replicas import scaling_state_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -43,7 +44,7 @@ def _fp8_startup(handle, run, steps: int) -> list:
                  f" {mfu.format_bytes(saved['compute'])} per micro-batch in flight (Σ M·K_j, M={tokens}):"
                  f" {mfu.format_bytes(saved['saved'])} less; FP8 weight copies {mfu.format_bytes(weights)}"
                  f" (autocast's were {mfu.format_bytes(weights * compute_bytes)}); scaling state"
-                 f" {mfu.format_bytes(len(linears) * (3 * r.amax_history + 18) * 4)}")
+                 f" {mfu.format_bytes(scaling_state_bytes(len(handle.linears), handle.histories, r.amax_history))}")
     compute = mfu.format_dtype(run.compute_dtype)
     flops = format_flops.flops_by_format(run.config, run.seq_len, "fp8", "fp8", compute,
                                          routed_experts=True)

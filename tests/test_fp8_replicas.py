@@ -27,6 +27,7 @@ def _run(rank, world, flags, stop=STEPS, save_root=None, resume_root=None):
     experts, [(slot's history is its expert's, slot's name)] under replicas)."""
     import fp8
     import report
+    from fp8_replicas import scaling_state_bytes
     from test_composition import CLIP, SEQ, composed_run
 
     run = composed_run(rank, world, flags, {}, 4, 1, torch.device("cpu"))
@@ -41,8 +42,14 @@ def _run(rank, world, flags, stop=STEPS, save_root=None, resume_root=None):
             name = handle.histories.name(layer_id, replicas.phy2log[q], leaf)
             reading.append((linear.amax_history is handle.histories.histories[name].amax_history, name))
     assert all(isinstance(linear, fp8.Fp8Linear) for linear in handle.linears.values())
+    owners = [*handle.linears.values(), *(handle.histories.histories.values() if handle.histories else ())]
+    held = {t.data_ptr(): t.nbytes for owner in owners  # each tensor once: a slot's history and scale are its expert's
+            for t in (owner.fmt_max, owner.amax_history, owner.scale, owner.step_amax, getattr(owner, "last_scale", None))
+            if t is not None}
+    state = (scaling_state_bytes(len(handle.linears), handle.histories, handle.recipe.amax_history),
+             sum(held.values()))
     return dict(losses=losses, messages=(traced, report.predicted_messages(run, steps)), histories=histories,
-                reading=reading)
+                reading=reading, state=state)
 
 
 def _runs(rank, world, root):
@@ -76,7 +83,9 @@ def test_fp8_delayed_with_replicas_follows_delayed_without_them_traces_as_predic
        all); loaded without replicas and on R = 8, the logical histories are the saved ones.
     4. Every run's traced messages equal report.predicted_messages (the logical experts' 12·N·2·L_moe bytes join
        the dense linears' MAX all-reduce over dp×cp; no slot reduces its own); the logical histories are the
-       same on both ranks, and every slot reads (is) the history of the expert it now holds."""
+       same on both ranks, and every slot reads (is) the history of the expert it now holds.
+    6. fp8_replicas.scaling_state_bytes (the start-up's figure) equals the bytes of the distinct scaling tensors
+       held, with and without replicas (it counted every slot's own history before)."""
     results = run_ranks(_runs, 2, str(tmp_path), timeout=300)
     for rank, r in enumerate(results):
         torch.testing.assert_close(_losses(r["replicated"]), _losses(r["plain"]), rtol=1e-3, atol=0,
@@ -101,6 +110,8 @@ def test_fp8_delayed_with_replicas_follows_delayed_without_them_traces_as_predic
             loaded = r[name]["histories"]
             assert loaded and loaded.keys() <= saved.keys() and all(torch.equal(h, saved[k]) for k, h in loaded.items())
         assert len(r["loaded without replicas"]["histories"]) == 2 * 2 * 2  # this rank's N/E = 2 experts a layer
+        for name in ("plain", "replicated"):  # 6. the start-up's scaling state: each tensor held once, counted
+            assert r[name]["state"][0] == r[name]["state"][1], (rank, name, r[name]["state"])
 
 
 MESHES_4 = [["--pp", "2"], ["--tp", "2", "--sp"]]  # D = E = 2 on 4 ranks: a stage's own layers; TP-replicated slots
