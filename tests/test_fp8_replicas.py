@@ -43,9 +43,10 @@ def _run(rank, world, flags, stop=STEPS, save_root=None, resume_root=None):
             reading.append((linear.amax_history is handle.histories.histories[name].amax_history, name))
     assert all(isinstance(linear, fp8.Fp8Linear) for linear in handle.linears.values())
     owners = [*handle.linears.values(), *(handle.histories.histories.values() if handle.histories else ())]
-    held = {t.data_ptr(): t.nbytes for owner in owners  # each tensor once: a slot's history and scale are its expert's
-            for t in (owner.fmt_max, owner.amax_history, owner.scale, owner.step_amax, getattr(owner, "last_scale", None))
-            if t is not None}
+    # each tensor once: a slot's history and scale are its expert's
+    held = {t.data_ptr(): t.nbytes for owner in owners
+            for t in (owner.fmt_max, owner.amax_history, owner.scale, owner.step_amax,
+                      getattr(owner, "last_scale", None)) if t is not None}
     state = (scaling_state_bytes(len(handle.linears), handle.histories, handle.recipe.amax_history),
              sum(held.values()))
     return dict(losses=losses, messages=(traced, report.predicted_messages(run, steps)), histories=histories,
