@@ -89,8 +89,8 @@ import collective_ops
 from comm import Messages
 from fp8_replicas import ReplicaHistories
 from fp8_scaling import (E4M3, E5M2, FORMATS, ROW_ALIGNMENT, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT,
-                         amax_of, dequantize, dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores, pad_rows,
-                         quantize, quantize_tiles, roll_history, scale_from_amax, scaled_matmul, wide_dtype)
+                         DelayedHistory, amax_of, dequantize, dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores,
+                         pad_rows, quantize, quantize_tiles, scale_from_amax, scaled_matmul, wide_dtype)
 from recompute import in_backward
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
@@ -277,7 +277,7 @@ def forward_operands(layer, x: torch.Tensor) -> tuple:
     return training, store, weight, bias
 
 
-class Fp8Linear(nn.Linear):
+class Fp8Linear(DelayedHistory, nn.Linear):
     """A drop-in for a local nn.Linear (plain or a TP shard inside Column/RowParallelLinear): the SAME parameter
     objects, its GEMMs in FP8, and its scaling state (per role: history, scale). amax_groups: {mesh group name:
     process group} over which pieces of its tensors are spread (cp, tp), for current scaling; delayed_groups:
@@ -357,23 +357,6 @@ class Fp8Linear(nn.Linear):
         for role, count, n in zip(range(roles.start, roles.stop), saturated, values):
             self.observer.quantized(self, role, n, count)
 
-    def roll(self, amax: torch.Tensor, finite: bool) -> None:
-        """End of a step (delayed): the reduced amaxes [3] enter the history; in place (state is live)."""
-        history, scale = roll_history(self.amax_history, self.scale, amax, self.fmt_max, self.recipe)
-        ready = self.history_ready or finite
-        self.amax_history.copy_(history)
-        self.scale.copy_(scale)
-        self._history_ready, self._history_version = ready, self.amax_history._version
-
-    @property
-    def history_ready(self) -> bool:
-        """Delayed: whether a step's amaxes entered the history (until then the linear scales like `current`).
-        After a write from elsewhere (a checkpoint restoring the history: its tensor version changed) it is
-        read from the history itself: ready when some amax in it is > 0."""
-        if self.amax_history._version != self._history_version:
-            self._history_ready = bool((self.amax_history > 0).any())
-            self._history_version = self.amax_history._version
-        return self._history_ready
 
 
 # --- Wiring into the trainer ---------------------------------------------------------------------------------

@@ -38,33 +38,19 @@ from __future__ import annotations
 
 import torch
 
-from fp8_scaling import roll_history
+from fp8_scaling import DelayedHistory
 
 
-class ExpertHistory:
+class ExpertHistory(DelayedHistory):
     """One logical expert linear's delayed state: history [3, L] (column 0 the latest), scale [3], and this step's
-    amax [3] (`ReplicaHistories.gather`); rolled as fp8.Fp8Linear.roll rolls a linear's (duck-typed for it)."""
+    amax [3] (`ReplicaHistories.gather`); rolled as fp8.Fp8Linear rolls a linear's (fp8_scaling.DelayedHistory)."""
 
     def __init__(self, name: str, recipe, fmt_max: torch.Tensor, delayed_groups: tuple, device):
         self.name, self.recipe, self.fmt_max, self.delayed_groups = name, recipe, fmt_max, delayed_groups
         self.amax_history = torch.zeros(3, recipe.amax_history, device=device)
         self.scale = torch.ones(3, device=device)
         self.step_amax = torch.zeros(3, device=device)
-        self._ready, self._version = False, self.amax_history._version
-
-    @property
-    def history_ready(self) -> bool:
-        """As fp8.Fp8Linear.history_ready: ready once a step rolled in, or (after a load) some amax is > 0."""
-        if self.amax_history._version != self._version:
-            self._ready, self._version = bool((self.amax_history > 0).any()), self.amax_history._version
-        return self._ready
-
-    def roll(self, amax: torch.Tensor, finite: bool) -> None:
-        history, scale = roll_history(self.amax_history, self.scale, amax, self.fmt_max, self.recipe)
-        ready = self.history_ready or finite
-        self.amax_history.copy_(history)
-        self.scale.copy_(scale)
-        self._ready, self._version = ready, self.amax_history._version
+        self._history_ready, self._history_version = False, self.amax_history._version
 
 
 class ReplicaHistories:

@@ -66,6 +66,30 @@ def roll_history(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     return history, torch.where(finite & (reference > 0), new, scale)
 
 
+class DelayedHistory:
+    """Delayed scaling's state and its step (fp8.Fp8Linear's, fp8_replicas.ExpertHistory's): amax_history [3, L]
+    (column 0 the latest) and scale [3], per role; fmt_max and recipe; `_history_ready`, `_history_version`
+    (set by the owner's __init__: False and the history's version)."""
+
+    def roll(self, amax: torch.Tensor, finite: bool) -> None:
+        """End of a step (delayed): the reduced amaxes [3] enter the history; in place (state is live)."""
+        history, scale = roll_history(self.amax_history, self.scale, amax, self.fmt_max, self.recipe)
+        ready = self.history_ready or finite
+        self.amax_history.copy_(history)
+        self.scale.copy_(scale)
+        self._history_ready, self._history_version = ready, self.amax_history._version
+
+    @property
+    def history_ready(self) -> bool:
+        """Whether a step's amaxes entered the history (until then the linear scales like `current`). After a
+        write from elsewhere (a checkpoint restoring the history: its tensor version changed) it is read from the
+        history itself: ready when some amax in it is > 0."""
+        if self.amax_history._version != self._history_version:
+            self._history_ready = bool((self.amax_history > 0).any())
+            self._history_version = self.amax_history._version
+        return self._history_ready
+
+
 def quantize(x: torch.Tensor, fmt: Format, scale: torch.Tensor, count_saturated: bool = True):
     """q = cast(clamp(x·scale, ±max)): (q in fmt.dtype, number of elements the clamp cut, or None)."""
     scaled = x.to(wide_dtype(x.dtype)) * scale.to(wide_dtype(x.dtype))

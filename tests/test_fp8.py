@@ -225,13 +225,13 @@ def test_roll_history_by_hand():
         recipe = fp8.Recipe("delayed", amax_history=3, amax_algo=algo, margin=1)
         history, scale = torch.zeros(2, 3), torch.ones(2)
         for amax, expected_history, expected_amax in zip(amaxes, histories, used):
-            history, scale = fp8.roll_history(history, scale, torch.tensor([amax, amax]),
+            history, scale = fp8_scaling.roll_history(history, scale, torch.tensor([amax, amax]),
                                               torch.tensor([448.0, 57344.0]), recipe)
             assert history.tolist() == [expected_history] * 2
             assert scale.tolist() == [448.0 / expected_amax / 2, 57344.0 / expected_amax / 2], (algo, amax)
     # An amax of 0 (an all-zero tensor) enters, but most_recent keeps the previous scale rather than divide by 0.
     recipe = fp8.Recipe("delayed", amax_history=2, amax_algo="most_recent")
-    history, scale = fp8.roll_history(torch.tensor([[4.0, 0]]), torch.tensor([112.0]), torch.tensor([0.0]),
+    history, scale = fp8_scaling.roll_history(torch.tensor([[4.0, 0]]), torch.tensor([112.0]), torch.tensor([0.0]),
                                       torch.tensor([448.0]), recipe)
     assert history.tolist() == [[0.0, 4.0]] and scale.tolist() == [112.0]
 
