@@ -13,7 +13,7 @@ moe) to its global shape, dtype, and the pieces that hold it: per piece the file
 num, index, fused segments: tensor and expert parallel) and the ZeRO flat range [start, end) of the flattened split.
 That is `shard.StatePiece`, the unit every layout (and an axis, for its own state) lists its state in, so a new axis
 joins by describing its pieces: this file never learns what ZeRO or TP are. The directory's side (durable writes,
-checksums, the untrusted manifest's checks, piece geometry, the random generators, pruning) is ckpt_files.py.
+checksums, the untrusted manifest's checks, piece geometry, the random generators, pruning) is resilience/ckpt_files.py.
 
 Save, every rank at a step boundary: 1. snapshot this rank's primary pieces (`primary=False`: a replica whose
 twin elsewhere is written) and RNG states to host buffers: training blocks only for this copy (and for the
@@ -24,7 +24,7 @@ record, merge them into manifest.json, check that the pieces of each logical ten
 fsync, rename the directory to `step-<step>`, fsync the parent, write COMMITTED durably; prune to the newest
 `keep`. The filesystem is the rendezvous, not a collective: the persist thread runs while the main thread is
 inside training collectives, and a second collective stream from another thread would interleave with them
-(and be counted by comm.CommTracer as training traffic). A rank whose persist fails writes
+(and be counted by tracer.CommTracer as training traffic). A rank whose persist fails writes
 `rank-<rank>.failed`, so the commit gives up at once; the nonce (rank 0's, broadcast at start-up) keeps a dead
 attempt's files out of a later commit. A synchronous save ends with an all-gather of every rank's outcome
 (the barrier; a failure on one rank is raised on all); a background one's is gathered at the next save and
@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 
 import mfu
-from ckpt_files import (FORMAT_VERSION, KINDS, MANIFEST, MARKER, CheckpointError, HashingWriter, ShardFiles,
+from resilience.ckpt_files import (FORMAT_VERSION, KINDS, MANIFEST, MARKER, CheckpointError, HashingWriter, ShardFiles,
                         WriterLock, capture_rng_state, check_coverage, delete_checkpoint, dtype_named, extract,
                         fsync_path, gist, injected_fault, list_checkpoints, mark, piece_numel,
                         piece_record, place, prune, region, remove_leftovers, reseed_rng, restore_rng_state,
@@ -104,7 +104,7 @@ class CheckpointConfig:
 
 @dataclass
 class SaveStats:
-    """One save, measured: what train.py's on_save callback hears (report.print_save formats it)."""
+    """One save, measured: what train.py's on_save callback hears (report.run.print_save formats it)."""
 
     step: int
     path: str
@@ -594,7 +594,7 @@ class StagedLoad:
     All or nothing: a tensor found unreadable halfway (a shard weights_only refuses, a piece of the wrong size)
     abandons the load with the live state untouched. The price: this rank's state in host memory.
     `files` reads the stored pieces (`tensor(file, name)`): the checkpoint's shard files, or another source
-    described by a manifest of the same form (hf.py: a Hugging Face directory).
+    described by a manifest of the same form (interop/hf.py: a Hugging Face directory).
     """
 
     def __init__(self, path: str, manifest: dict, pieces: list, files=None):

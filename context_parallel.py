@@ -46,9 +46,9 @@ autocast), e_a bytes of an accumulator element (4; 8 for fp64 inputs).
      Ulysses:       forward 4 × all_to_all_single of (s/C)·b·(h/T)·e_c (q, k, v, then the output);
                     backward 4 × the same (d output, then dq, dk, dv). Blocking: nothing is hidden.
    Activation checkpointing repeats the forward's messages in backward; selective recompute (Ulysses only:
-   recompute.py) does not: its all-to-alls run as collective_ops operators it keeps. Per step: × L × m. How
+   parallel/recompute.py) does not: its all-to-alls run as collective_ops operators it keeps. Per step: × L × m. How
    much ring time was hidden is measured over the training passes by whoever observes the ring (`RingObserver`: the
-   accounting's clock, time blocked in wait() against the same transfers timed alone; report_axes.py prints
+   accounting's clock, time blocked in wait() against the same transfers timed alone; report/axes.py prints
    it). It is a lower bound: a wait also lasts while a slower peer computes.
 4. Restart state: nothing of its own. Parameters are replicated over cp and a rank's positions depend only on
    (s, C, c), so a checkpoint resumes on any C.
@@ -69,9 +69,8 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-import collective_ops
-
-from comm import Messages
+from parallel import collectives
+from accounting.tracer import Messages
 from step import Axis
 
 IMPLS, BALANCES = ("ring", "ulysses"), ("zigzag", "contiguous")
@@ -319,7 +318,7 @@ def _seq_to_head(x, group, reorder, operators=False):
 def _exchange(send, group, operators: bool):
     """all_to_all_single of `send` into a new buffer: the raw call, or collective_ops' operator."""
     if operators:
-        return collective_ops.all_to_all(send, group)
+        return collectives.all_to_all(send, group)
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
     return received
@@ -479,7 +478,7 @@ def apply(model, run, config: CPConfig) -> ContextParallel:
 
 @dataclass(frozen=True)
 class CPFacts:
-    """What the accounting reads of the CP axis (`ContextParallel.facts`): report_axes.py's cp section and
+    """What the accounting reads of the CP axis (`ContextParallel.facts`): report/axes.py's cp section and
     measure.time_ring_alone, which posts the transfers of one layer on the ring with no compute between them."""
 
     config: CPConfig
@@ -490,7 +489,7 @@ class CPFacts:
 @dataclass
 class ContextParallel(Axis):
     """The handle: cuts batches into this rank's tokens, gives sampling whole-sequence attention back, predicts
-    the cp messages (report_axes.py's cp section prints them with the causal work, the activations, the ring's time)."""
+    the cp messages (report/axes.py's cp section prints them with the causal work, the activations, the ring's time)."""
 
     model: object
     ring: Ring

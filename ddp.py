@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import memory
-from comm import Messages
+from accounting import memory
+from accounting.tracer import Messages
 from shard import StatePiece, counts_here
 from optim import ensure_adam_state, update
 
@@ -232,7 +232,7 @@ def assert_same_across_ranks(params: list, group=None):
 
 @dataclass(frozen=True)
 class DDPFacts:
-    """What the accounting reads of a DDP layout (`DDPLayout.facts`): report_axes.py's ddp section, time_model.py."""
+    """What the accounting reads of a DDP layout (`DDPLayout.facts`): report/axes.py's ddp section, planner/time_model.py."""
 
     bucket_bytes: tuple  # each bucket's bytes, in launch order (the last one is sent after backward)
     group_sizes: dict  # {data-parallel group name: its ranks N}
@@ -242,14 +242,14 @@ class DDPFacts:
 class DDPLayout:
     """ZeRO stage 0, the optim.Layout protocol: ddp.py sums the gradients, then every rank runs the same
     torch AdamW on the whole model (its parameters are the fp32 masters: b_w = b_g = 4, b_o = 8). Its
-    start-up lines are report_axes.py's (`ddp_startup_lines`, under its name).
+    start-up lines are report/axes.py's (`ddp_startup_lines`, under its name).
 
     coords: this rank's index along every mesh axis (`Mesh.coordinates()`), for shard.counts_here: a tensor
     replicated over TP or PP is counted in the norm and written once. Without a mesh (tests on one group),
     the axes a parameter says it is replicated over must be given here.
     """
 
-    name = "ddp"  # its lines: report_axes.AXIS_LINES["ddp"]
+    name = "ddp"  # its lines: report.axes.AXIS_LINES["ddp"]
 
     def __init__(self, ddp: DistributedDataParallel, optimizer, coords: dict | None = None, update_group=None):
         self.ddp, self.optimizer, self.module = ddp, optimizer, ddp.module
@@ -267,7 +267,7 @@ class DDPLayout:
 
     def recount(self) -> None:
         """Which copy counts in the norm (shard.counts_here, with each parameter's data-parallel group): decided
-        at construction, and again when an axis moves copies between parameters (eplb.py's re-plan)."""
+        at construction, and again when an axis moves copies between parameters (experts/eplb.py's re-plan)."""
         self.counted = torch.tensor([counts_here(p.shard_info, self.coords, (grad_group(p),)) for p in self.params],
                                     dtype=torch.bool, device=self.params[0].device)
 

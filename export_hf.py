@@ -5,7 +5,7 @@
 
 Whatever mesh saved it (D, T, P, C, any ZeRO stage), the checkpoint's logical tensors are read whole through
 ckpt's resharding path (the weights only: from the fp32 masters where it has them, never the Adam moments),
-and written in GPT-2's layout (hf.py): Conv1D weights transposed, the padding rows of the vocabulary
+and written in GPT-2's layout (interop/hf.py): Conv1D weights transposed, the padding rows of the vocabulary
 stripped, the head left tied. The directory holds config.json and model.safetensors, as save_pretrained
 writes it (--bin: also pytorch_model.bin), so that `transformers.GPT2LMHeadModel.from_pretrained(DIR)` loads
 it, and so does `train.py --init-from DIR`. A mixture-of-experts model has no GPT-2 layout and is refused; a
@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 import sys
 
-import hf
-from ckpt_files import CheckpointError
-from flags import FlagError, OneLineParser
-from paths import check_writable
+from interop import hf
+from resilience.ckpt_files import CheckpointError
+from cli.flags import FlagError, OneLineParser
+from cli.paths import check_writable
 
 
 def build_parser() -> OneLineParser:

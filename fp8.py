@@ -28,11 +28,11 @@ reduction (the expert is whole on its EP rank), and E = 2 quantises exactly as E
 or SP a micro-batch's rows of an expert lie on several ranks: each piece is scaled alone there (a reduction
 would wait on ranks that may not call that expert at all), so those meshes follow one device within FP8's
 tolerance, not exactly. Delayed: a history per expert linear, its MAX over expert-dp and tp; blockwise: the
-chunk's own 128-tiles. With --moe-replicas (eplb.py) each physical slot is its own FP8 linear, named by its
+chunk's own 128-tiles. With --moe-replicas (experts/eplb.py) each physical slot is its own FP8 linear, named by its
 slot's path (two slots on a rank may hold one logical expert), E·k/R of the rows; an expert's chunk is split
 over its replicas, each part scaled alone (FP8's tolerance, as under CP); delayed keeps one history per LOGICAL
 expert on every rank, its amax the MAX over all the expert's slots, in the dense linears' dp×cp all-reduce
-(fp8_replicas.py: a slot reads its expert's history, so a re-plan or a resume moves nothing).
+(precision/fp8_replicas.py: a slot reads its expert's history, so a re-plan or a resume moves nothing).
 Padding costs Σ_chunks (−m mod 16) rows, each 5h FP8 bytes of saved inputs (c_fc's h, c_proj's 4h) and 5h more
 of dY codes in backward (`padding_bytes`; measured per MoE layer at the end).
 
@@ -61,7 +61,7 @@ T tensor parallel, L history length, n FP8 linears on this rank, e_c bytes of a 
 3. Messages (all_reduce MAX, float32, on the critical path, tiny and latency-bound; `predicted_messages`):
      current:   per linear and micro-batch: forward 8 bytes ([amax_x, amax_w]), backward 4 bytes (amax_dY), over
                 cp and over tp (each when its size > 1); activation checkpointing repeats the forward's;
-                selective recompute does not (the amax MAX an operator its policy keeps: recompute.py).
+                selective recompute does not (the amax MAX an operator its policy keeps: parallel/recompute.py).
      delayed:   per optimizer step, in `after_grad_sync`: one 12·n-byte all_reduce over the linears' gradient
                 group (dp_cp; expert_dp for experts, dp_cp for replicas' logical ones) and one over tp (each
                 when its size > 1); the first step (empty history) also sends the current recipe's messages.
@@ -85,13 +85,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import collective_ops
-from comm import Messages
-from fp8_replicas import ReplicaHistories
-from fp8_scaling import (E4M3, E5M2, FORMATS, ROW_ALIGNMENT, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT,
+from parallel import collectives
+from accounting.tracer import Messages
+from precision.fp8_replicas import ReplicaHistories
+from precision.fp8_scaling import (E4M3, E5M2, FORMATS, ROW_ALIGNMENT, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT,
                          DelayedHistory, amax_of, dequantize, dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores,
                          pad_rows, quantize, quantize_tiles, scale_from_amax, scaled_matmul, wide_dtype)
-from recompute import in_backward
+from parallel.recompute import in_backward
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
@@ -266,7 +266,7 @@ class WeightCodes:
 
 
 def forward_operands(layer, x: torch.Tensor) -> tuple:
-    """(training, store, weight, bias) of a quantising linear's forward (this file's and precision_recipe.py's):
+    """(training, store, weight, bias) of a quantising linear's forward (this file's and precision/recipe.py's):
     whether autograd will run its backward, the pipeline's WeightGradStore under zb (autograd then reaches the
     parameters only through the store's W, so the GEMM sees them detached), and the weight and bias to use."""
     training = torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)
@@ -343,7 +343,7 @@ class Fp8Linear(DelayedHistory, nn.Linear):
         reduced: the caller has reduced them (ZeRO-3's codec, all weights of a unit in one all-reduce)."""
         if self.recipe.mode == "delayed" and self.history_ready:
             return self.scale[roles].clone()
-        amax = collective_ops.reduce_amax(amax, () if reduced else self.amax_groups.values(), self.operators)
+        amax = collectives.reduce_amax(amax, () if reduced else self.amax_groups.values(), self.operators)
         return scale_from_amax(amax, self.fmt_max[roles], self.recipe.margin)
 
     def record(self, roles: slice, amax, scale, saturated=(), values=(), training: bool = True) -> None:
@@ -371,7 +371,7 @@ def config_from_flags(args, settings) -> Recipe | None:
     tp, cp, micro, h = settings.shape.tp, settings.shape.cp, settings.micro_batch_size, settings.model.n_embd
     shapes = {"attn.c_attn": (h, 3 * h // tp), "attn.c_proj": (h // tp, h), "mlp.c_fc": (h, 4 * h // tp),
               "mlp.c_proj": (4 * h // tp, h)}  # local (K, N) under --tp
-    shared = settings.model.moe_shared_experts * 4 * h  # a MoE block's shared experts (moe_shared.py): FP8 too
+    shared = settings.model.moe_shared_experts * 4 * h  # a MoE block's shared experts (experts/shared.py): FP8 too
     if settings.model.moe_experts and shared:
         shapes.update({"mlp.shared_experts.c_fc": (h, shared // tp), "mlp.shared_experts.c_proj": (shared // tp, h)})
     for name, (k, n) in shapes.items():
@@ -435,7 +435,7 @@ def apply(model: nn.Module, run, recipe: Recipe) -> Fp8Handle:
 
 @dataclass(frozen=True)
 class Fp8Facts:
-    """What the accounting reads of the FP8 axis (`Fp8Handle.facts`): report_axes.py's fp8 section."""
+    """What the accounting reads of the FP8 axis (`Fp8Handle.facts`): report/axes.py's fp8 section."""
 
     recipe: Recipe
     scaled_mm: bool  # the per-tensor GEMMs run on torch._scaled_mm (else emulated on the same codes)
@@ -451,7 +451,7 @@ class Fp8Facts:
 class Fp8Handle(Axis):
     """The axis handle. linears: {global name: Fp8Linear}; micro_batches: m; recomputes: activation
     checkpointing (a block's forward, and its amax reductions, run twice); `observe` subscribes the accounting
-    to every linear's casts; histories: delayed with redundant experts, the logical experts' (fp8_replicas.py),
+    to every linear's casts; histories: delayed with redundant experts, the logical experts' (precision/fp8_replicas.py),
     rolled in place of their slots'."""
 
     name = "fp8"

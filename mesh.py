@@ -13,7 +13,7 @@ parameters are replicated over those D·C ranks and sync over the `dp_cp` group;
 of them, which sync its gradients over the `expert_dp` group; tokens travel between expert holders over
 the `ep` group (E consecutive members of the D·C slice).
 
-DiLoCo (diloco.py, `--diloco-replicas R`) splits D into R replicas of D/R data ranks each, the outermost cut:
+DiLoCo (resilience/diloco.py, `--diloco-replicas R`) splits D into R replicas of D/R data ranks each, the outermost cut:
 replica r = d // (D/R), so a replica is a contiguous block of N/R ranks and the rank formula is unchanged
 (d = r·D/R + d_r). The `dp` axis still spans all D data ranks (they split the global batch between them), but
 every gradient group (`dp_cp`, `ep`, `expert_dp`) stays inside a replica; `replica` is a replica's N/R ranks

@@ -1,9 +1,9 @@
-"""The accounting's formulas: FLOPs, MFU/HFU, peaks, communication volume (memory is memory.py; the clocks and
-counters that observe the algorithms are observers.py).
+"""The accounting's formulas: FLOPs, MFU/HFU, peaks, communication volume (memory is accounting/memory.py; the clocks and
+counters that observe the algorithms are accounting/observers.py).
 
 This file talks over nothing; it observes. Everything here is either a closed-form formula from a paper (so a
 reader can check a number by hand) or a measurement (a matmul loop; the bytes each `torch.distributed` call
-moves are counted by comm.CommTracer, against the formulas of section 4). Nothing in it changes what the
+moves are counted by tracer.CommTracer, against the formulas of section 4). Nothing in it changes what the
 trainer computes.
 
 Conventions used throughout:
@@ -47,7 +47,7 @@ class FlopsPerToken:
 def flops_per_token(counts: dict, config, seq_len: int, attention_kernel: str = "fused") -> FlopsPerToken:
     """Training FLOPs per token: model = 6N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, appendix B; nanoGPT), N the
     matmul weights a token uses: counts["active_matmul"] of memory.param_counts(config) (the head, the blocks'
-    linears, a mixture of experts' router, its S shared experts (S·8h² per MoE layer, moe_shared.py) and the k
+    linears, a mixture of experts' router, its S shared experts (S·8h² per MoE layer, experts/shared.py) and the k
     routed experts a token visits, not the N − k idle ones, nor are dropped slots subtracted: a convention,
     printed). L, H, Q: config's n_layer, n_head, head_dim.
 
@@ -62,7 +62,7 @@ def flops_per_token(counts: dict, config, seq_len: int, attention_kernel: str = 
     With activation checkpointing (config.activation_checkpointing) the forward of every block runs a second
     time during backward, so the hardware does 2*N_r + 4*L*H*Q*T more FLOPs per token, N_r being the matmul
     weights whose forward is recomputed: the blocks' (counts["block_matmul"]; the head is not recomputed).
-    Selective recompute (config.selective_recompute, recompute.py) keeps every GEMM's output and recomputes
+    Selective recompute (config.selective_recompute, parallel/recompute.py) keeps every GEMM's output and recomputes
     no matmul of weights: with a fused attention (`attention_kernel`, memory.attention_kernel) hardware = model
     (the LayerNorms, GELU and dropouts it reruns are outside the 6N convention); on the unfused (math) path it
     reruns the core attention, 4*L*H*Q*T more.
@@ -109,7 +109,7 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops_per_device:
 
 
 # A recipe that runs some GEMMs in narrow formats (--fp8, microscaling) divides by the format-weighted peak instead:
-# format_flops.py (the FLOPs by format, each at its own peak).
+# accounting/format_flops.py (the FLOPs by format, each at its own peak).
 
 # ----------------------------------------------------------------------------------------------------------
 # 3. Peak FLOP/s
@@ -134,7 +134,7 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops_per_device:
 #   HGX B200 datasheet (8 GPUs, per GPU): 75 FP32, 2.25* PF TF32 (18* PF for 8), 4.5* PF BF16/FP16, 9* PF FP8/FP6,
 #     18* PF FP4 (144* PF for 8).
 #   GB200 NVL72 datasheet (per GPU): 80 FP32, 2.5* PF TF32, 5* PF BF16/FP16, 10* PF FP8, 20* PF FP4 (1,440* for 72).
-# The microscaling formats (microscaling.py) have a peak only where the tensor cores take block scales: Blackwell's
+# The microscaling formats (precision/microscaling.py) have a peak only where the tensor cores take block scales: Blackwell's
 # (the rows with an FP4 column) run MXFP8 at the FP8 rate and MXFP4 and NVFP4 at the FP4 rate. Hopper, Ada and
 # Ampere have no block-scaled GEMM (Hopper's and Ada's FP8 is per-tensor scaled) and no FP4 at all: no figure.
 # A row is chosen by gpu_row: the model word of the device name, whether it says NVL, and the SM count where a

@@ -1,7 +1,7 @@
 """A GPT-2 style Transformer, single device: the model every parallel layout must reproduce.
 
 nanoGPT's names and shapes (learned positions, pre-LayerNorm blocks, GELU MLP, tied embedding and head,
-optional biases), which are also Hugging Face's GPT-2 names (hf.py reads and writes that layout). The GELU is
+optional biases), which are also Hugging Face's GPT-2 names (interop/hf.py reads and writes that layout). The GELU is
 exact (erf, as nanoGPT) or GPT-2's tanh approximation (`GPTConfig.gelu`; tanh for GPT-2's weights). The
 vocabulary may be padded (`real_vocab_size` < `vocab_size`, e.g. 50257 → 50304 for friendlier matmul shapes):
 padding rows start at zero and are cut off before every softmax, in the loss and the sampler, so they are
@@ -39,7 +39,7 @@ Accounting for this file (one device, nothing split):
 2. Persistent: Ψ parameters, Ψ gradients, 2Ψ Adam moments (fp32: 16 bytes/param). Activations per layer
    and micro-batch: about s·b·h·(34 + 5·a·s/h) bytes at 16 bits (Korthikanti et al. 2022), or only the
    block inputs when `activation_checkpointing` recomputes each block in backward, and the block inputs and
-   GEMM outputs under `selective_recompute` (recompute.py; a MoE block by halves, `Block`).
+   GEMM outputs under `selective_recompute` (parallel/recompute.py; a MoE block by halves, `Block`).
 3. No messages.
 4. Restart state: parameters (the optimizer state lives in the trainer).
 """
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import moe
-import recompute
+from parallel import recompute
 from shard import ShardInfo, set_value
 
 
@@ -72,19 +72,19 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in linears and LayerNorms, like GPT-2
     activation_checkpointing: bool = False  # recompute each block's forward in backward (full recompute)
-    selective_recompute: bool = False  # keep each block's GEMM outputs, recompute the rest (recompute.py)
+    selective_recompute: bool = False  # keep each block's GEMM outputs, recompute the rest (parallel/recompute.py)
     mlp: str = "dense"  # the block's MLP (build_mlp): "dense"
     gelu: str = "exact"  # the MLP's GELU: "exact" (erf, nanoGPT) or "tanh" (GPT-2's, Hugging Face's gelu_new)
     # Mixture of experts (moe.py): N experts (0: dense), top-k routing, on every n-th block (blocks n-1, 2n-1,
     # ...), capacity factor f (0: dropless), load-balance and router z-loss coefficients; S shared experts
-    # always on in every MoE block (moe_shared.py).
+    # always on in every MoE block (experts/shared.py).
     moe_experts: int = 0
     moe_topk: int = 2
     moe_every: int = 1
     moe_capacity_factor: float = 0.0
     moe_aux_coef: float = 0.01
     moe_z_coef: float = 0.001
-    # DeepSeek-V3's router (moe_router.py): scores, the bias's update rate γ, the seq loss's α, the weights'
+    # DeepSeek-V3's router (experts/router.py): scores, the bias's update rate γ, the seq loss's α, the weights'
     # scale, G groups of which a token reaches M (0: no limit).
     moe_score: str = "softmax"
     moe_bias_rate: float = 0.0

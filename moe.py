@@ -7,11 +7,11 @@ or the model's dtype when wider; autocast off):
     z = x·W_rᵀ [T, N];  p = softmax(z) over all N;  (g, e) = top-k of p;  w = g / Σ_j g_j (k > 1), g (k = 1)
 For k > 1 this is Mixtral's softmax over the k chosen logits, weights summing to 1 (one dense MLP's scale
 whatever k and N); for k = 1 renormalising would give w = 1, so, as Switch, we keep the raw probability.
-DeepSeek-V3's router (moe_router.py: --moe-score sigmoid, the loss-free bias --moe-bias-rate, the seq loss
+DeepSeek-V3's router (experts/router.py: --moe-score sigmoid, the loss-free bias --moe-bias-rate, the seq loss
 --moe-seq-aux-coef, --moe-groups/--moe-group-limit, --moe-route-scale) replaces this line's choice and weights;
 each layer's per-expert load (slots routed, before capacity: the last step's in `layer.load.last`, global when the
-bias learns) is `moe_router.ExpertLoad`, the one place its readers go; the bias is updated in `after_grad_sync`.
-With --moe-shared-experts S the block adds S always-on experts, ungated (DeepSeekMoE; moe_shared.py, whose
+bias learns) is `router.ExpertLoad`, the one place its readers go; the bias is updated in `after_grad_sync`.
+With --moe-shared-experts S the block adds S always-on experts, ungated (DeepSeekMoE; experts/shared.py, whose
 docstring answers the four questions for them): y = Σ_s shared_s(x) + Σ_j w_j · expert_{e_j}(x).
 Auxiliary losses (`aux_losses.add(name, coef, value)`; the step divides by the D·m micro-batches, so each is
 defined on ONE data-parallel micro-batch, DESIGN.md), with fᵢ = (slots routed to i)/(T·k) before capacity:
@@ -29,15 +29,15 @@ Expert parallel (--ep E): the E ranks of an ep group (carved from the D×C data 
 tokens; rank e holds experts [e·N/E, (e+1)·N/E) of every MoE layer, whole. `MoE.dispatch_and_combine`:
     E = 1: sort the kept slots by expert (token order inside, dropped last), gather their rows (the one copy),
     run each expert on its slice, weight each output row by its gate and index_add it into y[t].
-    E > 1: moe_dispatch.exchange, DEDUPLICATED as DeepSeek-V3's: a token goes ONCE to each rank holding any
+    E > 1: dispatch.exchange, DEDUPLICATED as DeepSeek-V3's: a token goes ONCE to each rank holding any
     of its kept slots' experts, with its k gates and local slot indices (metadata); the receiver fans it out
     to its experts, sums the gate-weighted outputs per (token, source) and sends ONE row back; y[t] = Σ of
-    t's rows back. Counts, rows, metadata and combine are four all_to_all_single calls (moe_dispatch.py).
+    t's rows back. Counts, rows, metadata and combine are four all_to_all_single calls (experts/dispatch.py).
 Capacity is decided per expert before either (`keep_slots`, on the whole micro-batch): a dropped slot travels
-nowhere, a token with no kept slot on a rank is not sent there. `moe_dispatch.AllToAll` (autograd): its
+nowhere, a token with no kept slot on a rank is not sent there. `dispatch.AllToAll` (autograd): its
 backward is the reverse all-to-all. Expert gradients are summed over
 expert_dp (the D×C/E ranks holding the same experts), the router's with the dense ones over dp×cp; E = 1 is
-plain data parallel. With --moe-replicas R (eplb.py) rank e holds R/E physical slots instead, a hot expert
+plain data parallel. With --moe-replicas R (experts/eplb.py) rank e holds R/E physical slots instead, a hot expert
 in several, and 1-5 run by slot. Under TP the experts and the router are REPLICATED over tp: without --sp each
 TP rank computes the same thing; with --sp each routes its sequence piece and their gradients are summed over tp
 once per step (`MoEAxis.after_grad_sync`). Under PP an ep group is one stage: one schedule, one order.
@@ -53,17 +53,17 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    (memory.param_counts). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
    (e_r), S sent and R received rows (E > 1: pairs, with their metadata), the R_e rows the experts run (E = 1:
    the S slots; E > 1 the fan-out), their [R_e, 4h] hidden and R_e outputs (under --fp8 their linears run in
-   FP8, each expert's rows padded to 16: fp8.py, fp8_experts.py; under a precision recipe each chunk's dW
-   operands padded to its token block: recipe_experts.py), the weighted and summed rows; with capacity
+   FP8, each expert's rows padded to 16: fp8.py, precision/fp8_experts.py; under a precision recipe each chunk's dW
+   operands padded to its token block: precision/recipe_experts.py), the weighted and summed rows; with capacity
    under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward: `layer_activation_bytes` (tested against
    autograd for E = 1). Uniform routing: R_e = T·k, S = R = T·ρ; worst case (the whole ep group picks this
    rank): R = E·T, R_e = E·T·k dropless, ≤ N·C_μ with capacity. What the forward holds at once
-   (the dispatch and combine buffers, its peak, and which block sets the step's): moe_memory.py.
+   (the dispatch and combine buffers, its peak, and which block sets the step's): accounting/moe_memory.py.
 3. Critical path (all synchronous), per MoE layer and micro-batch, group ep (payload = the input tensor; S
-   and R here the (token, rank) rows sent and received, moe_dispatch.py's):
+   and R here the (token, rank) rows sent and received, experts/dispatch.py's):
        forward   all_to_all_single  counts 8(N + E)  +  rows S·h·e_c  +  metadata S·2k·e_r  +  combine R·h·e_c
        backward  all_to_all_single  combine's reverse S·h·e_c  +  metadata's R·2k·e_r  +  rows' reverse R·h·e_c
-   Uniform routing: 7 calls, S = R = T·ρ (moe_router.rows_per_token: ranks a token reaches, ≤ k), (E−1)/E of
+   Uniform routing: 7 calls, S = R = T·ρ (router.rows_per_token: ranks a token reaches, ≤ k), (E−1)/E of
    it on the wire; with capacity S ≤ the kept slots, min(T·k, N·C_μ)
    (uniformly N·C_μ/(C·T_sp)); activation checkpointing repeats the 4 forward calls (selective recompute does not:
    a MoE block's MoE side runs once, model.Block). With CP/SP, per MoE layer
@@ -80,7 +80,7 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
 4. Restart state: the sigmoid router's bias (`state_pieces`, moe_router item 4); routing is deterministic (no
    RNG), and each expert is a whole logical tensor named by its global index, so a checkpoint written with one E
    loads with another. With --moe-replicas, the load averages that place the slots (`state_pieces`, `after_load`:
-   eplb.py item 4).
+   experts/eplb.py item 4).
    FLOPs per token (MFU): mfu.flops_per_token, from the k experts a token visits, not the N.
 """
 
@@ -97,15 +97,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import eplb
-import moe_dispatch
-import moe_router
-from comm import Messages
+from experts import eplb
+from experts import dispatch
+from experts import router
+from accounting.tracer import Messages
 from context_parallel import positions
 from mesh import MeshShape
-from moe_accounting import ALL_TO_ALL, Traffic, all_to_all_messages, capacity, step_messages
-from moe_shared import SharedExperts
-from recompute import is_training_forward
+from accounting.moe_costs import ALL_TO_ALL, Traffic, all_to_all_messages, capacity, step_messages
+from experts.shared import SharedExperts
+from parallel.recompute import is_training_forward
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis, sum_in_place
 
@@ -130,8 +130,8 @@ class Router(nn.Module):
 
 def route(logits: torch.Tensor, topk: int):
     """(probabilities [T, N], weights [T, k], experts [T, k]): softmax over all N, top-k, renormalised (k>1).
-    moe_router.route with its defaults (ties to the lower expert); it also does sigmoid, bias and groups."""
-    probs, gate, expert, _ = moe_router.route(logits, topk)
+    router.route with its defaults (ties to the lower expert); it also does sigmoid, bias and groups."""
+    probs, gate, expert, _ = router.route(logits, topk)
     return probs, gate, expert
 
 
@@ -174,12 +174,12 @@ class MoE(nn.Module):
         self.capacity_factor = config.moe_capacity_factor
         self.aux_coef, self.z_coef = config.moe_aux_coef, config.moe_z_coef
         self.routing = dict(score=config.moe_score, groups=config.moe_groups, limit=config.moe_group_limit,
-                            scale=config.moe_route_scale)  # moe_router.route's options (DeepSeek-V3's gate)
+                            scale=config.moe_route_scale)  # router.route's options (DeepSeek-V3's gate)
         self.seq_aux_coef = config.moe_seq_aux_coef
-        self.load = moe_router.ExpertLoad(config.moe_experts, config.moe_score == "sigmoid", config.moe_bias_rate)
+        self.load = router.ExpertLoad(config.moe_experts, config.moe_score == "sigmoid", config.moe_bias_rate)
         self.router = Router(config.n_embd, config.moe_experts)
         self.experts = nn.ModuleDict({str(i): Expert(config) for i in range(config.moe_experts)})
-        # S always-on experts added ungated (moe_shared.py); dense parameters, built after the routed ones.
+        # S always-on experts added ungated (experts/shared.py); dense parameters, built after the routed ones.
         self.shared_experts = SharedExperts(config) if config.moe_shared_experts else None
         self.dropout = nn.Dropout(config.dropout)
         self.local = range(config.moe_experts)  # the experts this rank holds
@@ -187,26 +187,26 @@ class MoE(nn.Module):
         self.replicas = None  # eplb.Replicas with --moe-replicas: the physical slots the dispatch sends to
         self.pieces = ()  # Pieces: the ranks holding the other pieces of this rank's micro-batch (CP, SP)
         self.observer = RoutingObserver()  # who is told what each forward routed (the accounting, or nobody)
-        self.places, self.off_group = None, (0, 0)  # with groups under EP: moe_router.off_group's last record
-        self.exchanged = None  # under EP: the last exchange's rows per rank (moe_dispatch.Exchange)
+        self.places, self.off_group = None, (0, 0)  # with groups under EP: router.off_group's last record
+        self.exchanged = None  # under EP: the last exchange's rows per rank (dispatch.Exchange)
         self.local_rows = None  # the rows of each expert GEMM of the last forward (E = 1 one per expert; E > 1
         # one per local slot and source rank), capacity drops excluded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]: this rank's tokens (its CP/SP piece of the micro-batch)
         logits = self.router(tokens)  # [T, N]
-        probs, gate, expert, scores = moe_router.route(logits, self.topk, bias=self.load.on(logits.device).bias,
+        probs, gate, expert, scores = router.route(logits, self.topk, bias=self.load.on(logits.device).bias,
                                                        **self.routing)
         routed = count_per_expert(expert, self.n_experts)  # [N]
         if is_training_forward(self.training):
             self.load.add(routed)  # the step's load: the bias update's, and every reader's (`layer.load`)
         sequences = x.shape[0] if x.dim() == 3 else 1
-        seq = moe_router.sequence_stats(scores, probs, self.topk, sequences) if self.seq_aux_coef > 0 else None
+        seq = router.sequence_stats(scores, probs, self.topk, sequences) if self.seq_aux_coef > 0 else None
         balance, z, seq = router_losses(logits, probs, routed, self.topk, [piece.group for piece in self.pieces], seq)
         self.aux_losses.add("moe_balance", self.aux_coef, balance)
         self.aux_losses.add("moe_z", self.z_coef, z)
         if seq is not None:
-            self.aux_losses.add("moe_seq_balance", self.seq_aux_coef, moe_router.sequence_loss(seq, self.topk))
+            self.aux_losses.add("moe_seq_balance", self.seq_aux_coef, router.sequence_loss(seq, self.topk))
         keep = self.keep_slots(expert.view(*x.shape[:-1], self.topk))
         y, rows_sent, rows_received = self.dispatch_and_combine(tokens, gate, expert, keep)
         self.observer.routed(self, routed, keep, rows_sent, rows_received)
@@ -235,7 +235,7 @@ class MoE(nn.Module):
 
     def dispatch_and_combine(self, tokens, gate, expert, keep) -> tuple[torch.Tensor, int, int]:
         """Steps 1-6 of the module docstring. Returns (y [T, h], S rows sent, R rows received): E = 1 both the
-        kept slots; E > 1 the (token, rank) pairs of the deduplicated exchange (moe_dispatch.py)."""
+        kept slots; E > 1 the (token, rank) pairs of the deduplicated exchange (experts/dispatch.py)."""
         k, n = self.topk, self.n_experts
         slot_expert = expert.reshape(-1)  # [T·k], slot s is token s // k, its choice s % k
         if keep is not None:
@@ -245,9 +245,9 @@ class MoE(nn.Module):
         autocast = torch.is_autocast_enabled(tokens.device.type)  # the rows travel in the dtype c_fc will cast to
         rows = tokens.to(torch.get_autocast_dtype(tokens.device.type)) if autocast else tokens
         if self.ep_size > 1:
-            y, self.exchanged = moe_dispatch.exchange(rows, gate, slot_expert, n, self.ep_group, self.ep_size,
+            y, self.exchanged = dispatch.exchange(rows, gate, slot_expert, n, self.ep_group, self.ep_size,
                                                       lambda i, chunk: self.experts[str(self.local[i])](chunk))
-            self.off_group = moe_router.off_group(self.places, self.exchanged)  # the accounting's
+            self.off_group = router.off_group(self.places, self.exchanged)  # the accounting's
             self.local_rows = self.exchanged.chunks
             return y, sum(self.exchanged.sent), sum(self.exchanged.received)
         order = torch.argsort(slot_expert, stable=True)  # 1. kept slots by expert (token order inside), dropped last
@@ -305,7 +305,7 @@ class SumOverPieces(torch.autograd.Function):
 def router_losses(logits: torch.Tensor, probs: torch.Tensor, routed: torch.Tensor, topk: int, groups=(),
                   sequences: torch.Tensor | None = None):
     """(balance, z, sequences): N·Σᵢ fᵢ·Pᵢ and mean (logsumexp z)², over the whole micro-batch (its pieces summed
-    over `groups`), and the seq loss's [B, 2N+1] statistics (moe_router.sequence_stats) summed alike in the same
+    over `groups`), and the seq loss's [B, 2N+1] statistics (router.sequence_stats) summed alike in the same
     all-reduce (None when off). routed: [N] slots routed to each expert by this rank (before capacity)."""
     n = probs.shape[-1]
     lse = torch.logsumexp(logits, dim=-1)
@@ -373,7 +373,7 @@ class RoutingObserver:
 FLAGS = {"--moe-experts": ("moe_experts", 0), "--moe-topk": ("moe_topk", 2), "--moe-every": ("moe_every", 1),
          "--moe-capacity-factor": ("moe_capacity_factor", 0.0), "--moe-aux-coef": ("moe_aux_coef", 0.01),
          "--moe-z-coef": ("moe_z_coef", 0.001), "--moe-shared-experts": ("moe_shared_experts", 0),
-         **moe_router.FLAGS}
+         **router.FLAGS}
 
 
 def config_overrides(args) -> dict:
@@ -399,7 +399,7 @@ def check_flags(config, shape: MeshShape) -> None:
         if broken:
             raise ValueError(message)
     if n > 0:
-        moe_router.check_flags(config, ep)
+        router.check_flags(config, ep)
 
 
 @dataclass(frozen=True)
@@ -410,7 +410,7 @@ class MoEConfig:
     ep: int = 1
     sequence_parallel: bool = False
     cp_balance: str | None = None  # None without CP
-    replicas: int = 0  # R physical experts (eplb.py), --moe-replicas; 0: none, the N experts in place
+    replicas: int = 0  # R physical experts (experts/eplb.py), --moe-replicas; 0: none, the N experts in place
     replan_every: int = 50  # --moe-replan-every
     load_decay: float = 0.9  # --moe-load-decay
 
@@ -449,13 +449,13 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
                    for name, balance in levels)
     layers = [block.mlp for block in model.transformer.h if isinstance(block.mlp, MoE)]
     for layer in layers:
-        if config.replicas:  # R/E physical slots (eplb.py), else experts [e·N/E, (e+1)·N/E)
+        if config.replicas:  # R/E physical slots (experts/eplb.py), else experts [e·N/E, (e+1)·N/E)
             eplb.place_slots(layer, config.replicas, mesh.group("ep"), ep, mesh.index("ep"), run.device)
         else:
             shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         layer.pieces = pieces
         layer.load.on(run.device)
-        layer.places = moe_router.group_places(model.config.moe_groups, ep, mesh.index("ep"))
+        layer.places = router.group_places(model.config.moe_groups, ep, mesh.index("ep"))
     sp = mesh.size("tp") if config.sequence_parallel else 1
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
@@ -475,13 +475,13 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
 
 @dataclass(frozen=True)
 class MoEFacts:
-    """What the accounting reads of the MoE axis (`MoEAxis.facts`): report_axes.py's moe section, time_model.py."""
+    """What the accounting reads of the MoE axis (`MoEAxis.facts`): report/axes.py's moe section, planner/time_model.py."""
 
     traffic: Traffic
     experts: range  # the experts this rank holds of every MoE layer, [e·N/E, (e+1)·N/E) (replicas: its slots)
     expert_params: int  # their parameters, all MoE layers
     replicas: eplb.ReplicaFacts | None = None  # with --moe-replicas
-    places: object = None  # with --moe-groups under EP: moe_router.group_places (which ranks share a group)
+    places: object = None  # with --moe-groups under EP: router.group_places (which ranks share a group)
 
 
 class MoEAxis(Axis):
@@ -500,20 +500,20 @@ class MoEAxis(Axis):
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:
         """With --sp each TP rank routed its sequence piece: sum the experts' and router's gradients over tp.
-        Then each layer's step load, global (the bias on), updates its bias (moe_router.finish_step), and with
+        Then each layer's step load, global (the bias on), updates its bias (router.finish_step), and with
         --moe-replicas eplb's kept-slot loads, summed in the same all-reduce, feed its average."""
         if self.tp_group is not None:
             sum_in_place([g for g in layout.grad_pieces(self.params()) if g.numel()], self.tp_group)
         riders = self.redundant.step_loads() if self.redundant is not None else None
-        summed = moe_router.finish_step([layer.load for layer in self.layers],  # ONE load all-reduce per group
+        summed = router.finish_step([layer.load for layer in self.layers],  # ONE load all-reduce per group
                                         [self.mesh.group(name) for name in self.load_groups], riders)
-        if self.redundant is not None:  # the replicas' gradient sum, the load average, the re-plan (eplb.py)
+        if self.redundant is not None:  # the replicas' gradient sum, the load average, the re-plan (experts/eplb.py)
             self.redundant.after_grad_sync(layout, summed)
         return 0
 
     def state_pieces(self) -> list:
         """Each layer's selection bias, "moe/<layer>.expert_bias", one logical copy (moe_router item 4),
-        and with --moe-replicas the load averages the placement is made from (eplb.py item 4)."""
+        and with --moe-replicas the load averages the placement is made from (experts/eplb.py item 4)."""
         coords = self.mesh.coordinates() if self.mesh is not None else None
         pieces = []
         for layer in self.layers:
@@ -525,7 +525,7 @@ class MoEAxis(Axis):
         return pieces + (self.redundant.state_pieces() if self.redundant is not None else [])
 
     def after_load(self, layout, step: int) -> None:
-        """With --moe-replicas, the placement of the loaded averages, its slots moved (eplb.py item 4)."""
+        """With --moe-replicas, the placement of the loaded averages, its slots moved (experts/eplb.py item 4)."""
         if self.redundant is not None:
             self.redundant.after_load(layout, step)
 
@@ -560,7 +560,7 @@ class MoEAxis(Axis):
         return [p for layer in self.layers for p in (*layer.router.parameters(), *layer.experts.parameters())]
 
     def predicted_messages(self, layout=None) -> Messages:
-        """Per optimizer step, for UNIFORM routing (item 3), and the replicas' for a uniform load (eplb.py)."""
+        """Per optimizer step, for UNIFORM routing (item 3), and the replicas' for a uniform load (experts/eplb.py)."""
         out = self.routing_messages(layout)
         return out + self.redundant.predicted_messages(layout) if self.redundant is not None else out
 
@@ -573,7 +573,7 @@ class MoEAxis(Axis):
             sp_grad_bytes = sum(g.numel() * g.element_size() for g in pieces)
         out = step_messages(self.traffic, sp_grad_bytes)
         if any(layer.load.reduce for layer in self.layers):
-            for message in moe_router.load_messages(len(self.layers), self.traffic.model.moe_experts,
+            for message in router.load_messages(len(self.layers), self.traffic.model.moe_experts,
                                                     self.load_groups):
                 out.add(*message)
         return out

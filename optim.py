@@ -136,7 +136,7 @@ class Layout(Protocol):
     `shard_info.grad_group`, "dp_cp" for dense parameters, "expert_dp" for experts) and the optimizer state.
     """
 
-    name: str  # "ddp" or "zero": its printouts are report_axes.AXIS_LINES[name]
+    name: str  # "ddp" or "zero": its printouts are report.axes.AXIS_LINES[name]
     module: nn.Module  # the model it wraps
 
     def __call__(self, idx, targets=None, pos=None):
@@ -164,7 +164,7 @@ class Layout(Protocol):
 
     def recount(self) -> None:
         """Decide again which copies the norm counts (shard.counts_here), after an axis renamed its parameters
-        (eplb.py's re-plan moves experts between slots); the layout decides it once at construction."""
+        (experts/eplb.py's re-plan moves experts between slots); the layout decides it once at construction."""
 
     optimizer_step_count: int  # Adam's t (skipped steps do not count); a checkpoint restores it
 
@@ -175,14 +175,14 @@ class Layout(Protocol):
         """The same keys, from the layout's formula (memory.persistent_bytes)."""
 
     def predicted_messages(self, micro_batches: int):
-        """Its comm.Messages of one optimizer step of m micro-batches, by (op, group), from its formulas."""
+        """Its tracer.Messages of one optimizer step of m micro-batches, by (op, group), from its formulas."""
 
     def facts(self):
-        """What the accounting reads of the layout besides these methods (its report_axes.py section,
-        time_model.py): a frozen record of its own figures (ddp.DDPFacts, zero.ZeroFacts)."""
+        """What the accounting reads of the layout besides these methods (its report/axes.py section,
+        planner/time_model.py): a frozen record of its own figures (ddp.DDPFacts, zero.ZeroFacts)."""
 
     # A layout that wraps another (diloco.DiLoCoLayout) also names its own section and figures:
-    # wrapper: str  -- its report_axes.AXIS_LINES key ("diloco"); absent on a plain layout
+    # wrapper: str  -- its report.axes.AXIS_LINES key ("diloco"); absent on a plain layout
     def wrapper_facts(self):
         """A wrapping layout's own figures for its section (diloco.DiLoCoFacts); a plain layout has none."""
 
@@ -206,7 +206,7 @@ def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, a
     counted_pieces: further views to count (ZeRO: the parts of a shard that are not replicas);
     apply_step(): the optimizer step, run only when every rank's gradients are finite;
     extra_nonfinite: a local count of other non-finite values that must skip the step (FP8 amaxes);
-    group: the ranks that make one update together: the world (None), or one DiLoCo replica (diloco.py), whose
+    group: the ranks that make one update together: the world (None), or one DiLoCo replica (resilience/diloco.py), whose
         norm and skip are its own.
 
         unscale (fp16) → [Σ counted g², #non-finite] summed over the world → all finite? → ‖g‖ = √Σ →

@@ -3,7 +3,7 @@
 P ranks (the `pp` group) each hold a contiguous range of layers, a stage; the first also the embeddings,
 the last ln_f, the head and the loss. A micro-batch's hidden states go forward stage to stage, their
 gradient comes back. With `interleaved` the layers are cut into v·P chunks and rank r holds chunks r, r+P,
-... (Narayanan et al. 2021). The schedules (gpipe, 1f1b, interleaved, zb) are pure data in `schedules.py`:
+... (Narayanan et al. 2021). The schedules (gpipe, 1f1b, interleaved, zb) are pure data in `parallel/schedules.py`:
 one list of actions per rank (F forward, B backward, I its input-gradient half, W its weight-gradient
 half) and a communication plan saying which receives to post before each action and where each send's
 buffer is released. ONE interpreter here, `PipelineSchedule.forward_backward`, runs a rank's plan: post
@@ -27,7 +27,7 @@ The loss each micro-batch backpropagates is loss_scale·(loss_sum/global_tokens 
 step.GradientAccumulation: nothing is rescaled afterwards. A chunk's aux-loss terms are backpropagated with
 its output. Data parallel wraps the rank's stage model (DDP or ZeRO): every backward runs under
 `layout.no_sync()` except each chunk's last B (zb: last I and last W), so every gradient reaches the
-reduction once, overlapped with the cool-down. ZeRO-2/3 (zero_pipeline.py) keep that contract: a chunk's
+reduction once, overlapped with the cool-down. ZeRO-2/3 (parallel/zero_pipeline.py) keep that contract: a chunk's
 gradients are summed over the step and reduce-scattered once, at its last backward; at stage 3 the layout's
 `chunk_weights(chunk, next chunk)` is entered around each action (gather, prefetch the next action's, free).
 
@@ -67,10 +67,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import memory
-from comm import Messages
+from accounting import memory
+from accounting.tracer import Messages
 from model import GPT
-from schedules import (BUBBLE_TEXT, Action, Message, bubble_formula, build_programs, communication_plan,
+from parallel.schedules import (BUBBLE_TEXT, Action, Message, bubble_formula, build_programs, communication_plan,
                        last_backwards, needs, rank_chunks, split_layers, stage_layers)
 from step import Axis, MicroBatchLoss, sum_in_place
 
@@ -130,7 +130,7 @@ class PipelineSchedule:
         synced = last_backwards(steps)  # every other backward accumulates under no_sync: each gradient syncs once
         state = _StepState(model, batches, global_tokens, loss_scale, aux_divisor, autocast)
         mail = _Mailbox(self, state)
-        weights = getattr(layout, "chunk_weights", None)  # ZeRO-3 gathers each action's chunk (zero_pipeline.py)
+        weights = getattr(layout, "chunk_weights", None)  # ZeRO-3 gathers each action's chunk (parallel/zero_pipeline.py)
         with self.observer.step(device):
             for j, step in enumerate(steps):
                 action = step.action
@@ -512,8 +512,8 @@ def apply(model: GPT, run, config: PipelineConfig):
 
 @dataclass(frozen=True)
 class PPFacts:
-    """What the accounting reads of the pipeline (`Pipeline.facts`): report_pipeline.py, activations.py,
-    time_model.py. programs: every pp rank's actions for the run's m micro-batches (schedules.build_programs);
+    """What the accounting reads of the pipeline (`Pipeline.facts`): report/pipeline.py, accounting/activations.py,
+    planner/time_model.py. programs: every pp rank's actions for the run's m micro-batches (schedules.build_programs);
     plan: this rank's [schedules.Step] (the receives it posts, its sends and their release points);
     message_bytes: one stage-boundary message, b·s·h·e; group: pp's, which the end lines gather over;
     trace_file: where the end lines write the Chrome trace (one rank per pp group has one)."""
@@ -542,7 +542,7 @@ class Pipeline(Axis):
         self.model, self.schedule, self.config = model, schedule, model.config
         self.m, self.boundary_elements = micro_batches, boundary_elements
         self.tied_group = tied_group  # the {first, last} stage group, None at P = 1
-        self.trace_file = trace_file  # where report_pipeline.py writes the Chrome trace (one rank per pp group)
+        self.trace_file = trace_file  # where report/pipeline.py writes the Chrome trace (one rank per pp group)
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:

@@ -8,11 +8,11 @@ It takes train.py's flags (--plan is implied; `python train.py --plan ...` and `
 --plan runs the real start-up of each distinct rank ROLE inside a fake process group
 (torch.testing._internal.distributed.fake_pg: collectives return at once and move nothing) on meta tensors
 (nothing allocated), then reads that role's predictions exactly where a real run's start-up reads them
-(layout.predicted_persistent, report.predicted_messages, activations.activation_estimate, the schedule's bubble):
+(layout.predicted_persistent, report.run.predicted_messages, activations.activation_estimate, the schedule's bubble):
 one source of truth, so a real run's printed predictions and the plan of the same layout are the same numbers.
 Roles: ranks that differ only by their data-parallel index d hold the same shapes and send the same messages.
 The plan builds stage 0's (d, c, t) = (0, 0, 0) and the corner (0, C−1, T−1): every TP and CP split is
-even (flags.py checks the divisibility), so the others equal their stage's role; when the corner does not,
+even (cli/flags.py checks the divisibility), so the others equal their stage's role; when the corner does not,
 every (p, c, t) is built. Of the pipeline stages, one per distinct shape is built (its layers' count and
 kinds, its ends: the embedding, the head) and the others of that shape are derived from it (restage: the
 schedule's per-stage figures put in), so a plan of P = 64 builds three stages, not 64, with the same figures.
@@ -23,10 +23,10 @@ every rank is built from the same seed, so DDP's same-init check holds by constr
 Building on meta: train.compose(run, materialize=False), the real start-up with the model built on meta, every
 axis cutting it there and the layout sized over it, no value ever computed.
 
-Each role's figures become a step time and MFU by time_model.py's time model (its rules are in its docstring),
-on hardware.py's statement of the hardware.
+Each role's figures become a step time and MFU by planner/time_model.py's time model (its rules are in its docstring),
+on planner/hardware.py's statement of the hardware.
 
---plan-search (plan_search.py) sizes layouts from the same formulas without building them.
+--plan-search (planner/search.py) sizes layouts from the same formulas without building them.
 
 Accounting for this file: it allocates nothing (meta tensors) and sends nothing (a fake process group).
 """
@@ -44,20 +44,20 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import flags
-import hardware
-import memory
+from cli import flags
+from planner import hardware
+from accounting import memory
 import mfu
-import plan_search
-import schedules
+import planner.search
+from parallel import schedules
 import train
-import zero_pipeline
-from comm import Messages
-from flags import FlagError, fail
-from hardware import hardware_line
+from parallel import zero_pipeline
+from accounting.tracer import Messages
+from cli.flags import FlagError, fail
+from planner.hardware import hardware_line
 from mesh import build_mesh, groups_of
 from pipeline import stage_kwargs
-from time_model import (P2P_BUFFERS, PLANNED_DEVICE, Prediction, Role, layout_facts, layout_name, limiting_term,
+from planner.time_model import (P2P_BUFFERS, PLANNED_DEVICE, Prediction, Role, layout_facts, layout_name, limiting_term,
                         plan_dtypes, plan_settings, predict, role_of)
 
 
@@ -129,7 +129,7 @@ def plan_roles(settings, reuse: bool = True) -> list:
 
 def stage_shape(settings, p: int) -> tuple:
     """What a stage's build depends on besides its index: its layers' count and kinds (dense or MoE, in
-    order) and its ends (embedding, head); under ZeRO-2/3 also what its action list sets of zero_pipeline.py's
+    order) and its ends (embedding, head); under ZeRO-2/3 also what its action list sets of parallel/zero_pipeline.py's
     figures, by local chunk index (which chunks are gathered and accumulating together, each chunk's gathers,
     the first action's chunk). Stages of one shape hold the same tensors and send the same messages; only what
     their place in the schedule sets differs (restage)."""
@@ -282,7 +282,7 @@ def main(argv=None) -> None:
     hw = hardware.from_flags(settings.args, plan_dtypes(settings)[0])
     try:
         if settings.args.plan_search:
-            plan_search.run_search(argv, settings, hw)
+            planner.search.run_search(argv, settings, hw)
         else:
             run_plan(settings, hw)
     except FlagError as e:

@@ -25,11 +25,11 @@ import sys
 import torch
 
 import data
-import flags
-import hf
-import paths
-from ckpt_files import CheckpointError
-from flags import FlagError
+from cli import flags
+from interop import hf
+from cli import paths
+from resilience.ckpt_files import CheckpointError
+from cli.flags import FlagError
 
 TOP_K = 200  # --top-k's default (nanoGPT's), or the whole vocabulary where it is smaller
 

@@ -61,7 +61,7 @@ class ShardInfo:
     (`counts_here`): the gradient norm adds it once and the checkpoint writes it once.
     `grad_group` is the mesh group over which data-parallel replicas of the tensor sum their gradients:
     "dp_cp" for dense parameters, "expert_dp" for experts (fewer replicas: the ranks holding the same experts).
-    `replica` > 0 marks a redundant copy of a hot expert in another physical slot (eplb.py): identical to the
+    `replica` > 0 marks a redundant copy of a hot expert in another physical slot (experts/eplb.py): identical to the
     replica-0 copy, which is the one that counts.
     """
 
@@ -131,7 +131,7 @@ class StatePiece:
     shard: ShardInfo
     flat_range: tuple | None = None
     primary: bool = True
-    optional: bool = False  # a checkpoint without it loads, the live value staying (an axis's state: eplb.py)
+    optional: bool = False  # a checkpoint without it loads, the live value staying (an axis's state: experts/eplb.py)
 
 
 def set_value(param: nn.Parameter, value: torch.Tensor) -> None:

@@ -30,8 +30,8 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-import memory
-from comm import Messages
+from accounting import memory
+from accounting.tracer import Messages
 
 
 class Axis:
@@ -39,8 +39,8 @@ class Axis:
 
     Nine methods, the same for every axis, so that the step, the checkpoint and the printouts loop over handles
     and never ask which axes are on. Five serve training, four accounting; every one has a default that does
-    nothing, and an axis overrides what it needs. What an axis prints lives in its section of report_axes.py
-    (report_axes.AXIS_LINES[name]), which reads the handle through these methods only (`facts` for its own
+    nothing, and an axis overrides what it needs. What an axis prints lives in its section of report/axes.py
+    (report.axes.AXIS_LINES[name]), which reads the handle through these methods only (`facts` for its own
     figures); nothing is set on a handle from outside (`observe` is how the accounting subscribes).
     """
 
@@ -79,11 +79,11 @@ class Axis:
     def observe(self, observer) -> None:
         """Subscribe the accounting's `observer` to the axis's algorithm, which then tells it what happened
         (the ring its passes and waits, each MoE layer what it routed) and never times or counts itself.
-        report.observe_axes calls it once, at start-up; an axis with nothing to observe keeps the default."""
+        report.run.observe_axes calls it once, at start-up; an axis with nothing to observe keeps the default."""
         self.observer = observer
 
     def facts(self):
-        """What the accounting reads of the axis (its report_axes.py section, time_model.py, measure.py): a
+        """What the accounting reads of the axis (its report/axes.py section, planner/time_model.py, accounting/measure.py): a
         frozen record of its own (context_parallel.CPFacts, moe.MoEFacts, ...), or None; the rest they read of
         the run. The one door into a handle besides these methods."""
         return None

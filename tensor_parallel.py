@@ -62,9 +62,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import collective_ops
-from comm import Messages
-from memory import activation_bytes_per_layer
+from parallel import collectives
+from accounting.tracer import Messages
+from accounting.memory import activation_bytes_per_layer
 from model import GPT, MLP, GPTConfig, initial_local
 from shard import ShardInfo, Split
 from step import Axis, sum_in_place
@@ -72,10 +72,10 @@ from step import Axis, sum_in_place
 # ---------------------------------------------------------------------------------------------------------
 # Collectives along the sequence (dim 1 of [batch, seq, ...]) and the vocabulary (last dim); the conjugate operators
 # ---------------------------------------------------------------------------------------------------------
-# The raw collectives (collective_ops.py: all_gather_single / reduce_scatter_single work on dim 0, so the sequence
+# The raw collectives (parallel/collectives.py: all_gather_single / reduce_scatter_single work on dim 0, so the sequence
 # is moved to the front and back; Megatron keeps activations [s, b, h], model.py is batch-first like nanoGPT).
-_all_reduce, _all_gather = collective_ops.sum_raw, collective_ops.gather_raw
-_reduce_scatter = collective_ops.scatter_raw
+_all_reduce, _all_gather = collectives.sum_raw, collectives.gather_raw
+_reduce_scatter = collectives.scatter_raw
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -97,7 +97,7 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, operators=False):
-        return collective_ops.all_reduce(x, group) if operators else _all_reduce(x, group)
+        return collectives.all_reduce(x, group) if operators else _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -110,7 +110,7 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, operators=False):
         ctx.group = group
-        return collective_ops.all_gather(x, 1, group) if operators else _all_gather(x, 1, group).contiguous()
+        return collectives.all_gather(x, 1, group) if operators else _all_gather(x, 1, group).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
@@ -123,7 +123,7 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, operators=False):
         ctx.group = group
-        return collective_ops.reduce_scatter(x, 1, group) if operators else _reduce_scatter(x, 1, group)
+        return collectives.reduce_scatter(x, 1, group) if operators else _reduce_scatter(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -501,7 +501,7 @@ class TensorParallel(Axis):
                 head.gather_output = False
 
     def facts(self) -> tuple[BatchShape | None, Holding]:
-        """What the formulas (and report_axes.py's tp section) read: the step's batch and what this rank's model
+        """What the formulas (and report/axes.py's tp section) read: the step's batch and what this rank's model
         holds (FP8, applied later, may stop the regather)."""
         blocks, config = list(self.model.transformer.h), self.model.config
         return self.batch, Holding(config.n_embd, self.sequence_parallel, config.activation_checkpointing, len(blocks),

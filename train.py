@@ -9,7 +9,7 @@ gradient reductions are sums and the update equals the single-device one on the 
 
 `compose(run)` is the whole composition in one short function, in DESIGN.md's order: the model (a pipeline
 rank builds its stage only) → each axis's `apply(model, run, config)` → the layout (DDP or ZeRO) → the step's
-schedule. The flags were checked before any of it (flags.py); the printouts are report.py's.
+schedule. The flags were checked before any of it (cli/flags.py); the printouts are report/run.py's.
 """
 
 from __future__ import annotations
@@ -27,44 +27,44 @@ import torch
 import torch.distributed as dist
 
 import ckpt
-import ckpt_files
-import comm
+from resilience import ckpt_files
+from accounting.tracer import CommTracer
 import context_parallel
-import cpu_probe
+from planner import cpu_probe
 import data
-import elastic
-import flags
-import format_flops
+from resilience import elastic
+from cli import flags
+from accounting import format_flops
 import fp8
-import goodput
-import hf
+from resilience import goodput
+from interop import hf
 import mfu
 import moe
 import pipeline
-import precision_recipe
-import report
+import precision.recipe
+import report.run
 import tensor_parallel
-import time_model
-from activations import activation_shape
+from planner import time_model
+from accounting.activations import activation_shape
 from ddp import DDPLayout, DistributedDataParallel
-from diloco import DiLoCoLayout
-from flags import DTYPES, Settings, fail
-from memory import MemoryTimeline, param_counts
+from resilience.diloco import DiLoCoLayout
+from cli.flags import DTYPES, Settings, fail
+from accounting.memory import MemoryTimeline, param_counts
 from mesh import Mesh, build_mesh, init_distributed
 import model as model_lib
 from model import GPT, GPTConfig, compile_blocks
 from optim import DynamicLossScaler, LRSchedule, build_adamw
-from report import print0
+from report.run import print0
 from step import GradientAccumulation, train_step
 from zero import ZeroConfig, ZeroLayout
-from zero3 import Zero3Layout
-from zero_pipeline import pipeline_layout
+from parallel.zero3 import Zero3Layout
+from parallel.zero_pipeline import pipeline_layout
 
 # The axes, in DESIGN.md's order of application (MoE/EP → TP → CP → PP → FP8 or a microscaling recipe). Each has a
-# `config_from_flags(args, settings)` (flags.py calls it once, before any rank waits) and an
+# `config_from_flags(args, settings)` (cli/flags.py calls it once, before any rank waits) and an
 # `apply(model, run, config)` that swaps modules of the model in place and returns its handle, a step.Axis.
 # Adding an axis adds a line here; the loop and the printouts only ever loop over the handles.
-AXES = (moe, tensor_parallel, context_parallel, pipeline, fp8, precision_recipe)
+AXES = (moe, tensor_parallel, context_parallel, pipeline, fp8, precision.recipe)
 
 
 @dataclass
@@ -84,11 +84,11 @@ class Run:
     axes: list = field(default_factory=list)
     layout: object = None
     schedule: object = None
-    tracer: comm.CommTracer = field(default_factory=comm.CommTracer)
+    tracer: CommTracer = field(default_factory=CommTracer)
     flops: mfu.FlopsPerToken | None = None
     peak: tuple = (0.0, "")  # (FLOP/s per device, where it came from)
-    measured: object = None  # report.measure_startup's BlockMeasurement: block 0 under a tracer, at start-up
-    measured_moe: list | None = None  # report.measure_startup's [measure.MoEPeak]: each MoE block's forward peak
+    measured: object = None  # report.run.measure_startup's BlockMeasurement: block 0 under a tracer, at start-up
+    measured_moe: list | None = None  # report.run.measure_startup's [measure.MoEPeak]: each MoE block's forward peak
 
     @property
     def seq_len(self) -> int:
@@ -115,7 +115,7 @@ def compose(run: Run, measure: bool = False, materialize: bool = True) -> Run:
     then model.materialize gives the kept tensors their values, one logical tensor at a time. ZeRO-3 instead
     fills its flat shards parameter by parameter (never a full working copy). materialize=False leaves
     everything on meta, layout included (--plan: the start-up's accounting without allocating the model).
-    measure: block 0 is measured for the start-up printout (report.measure_startup), before the layout."""
+    measure: block 0 is measured for the start-up printout (report.run.measure_startup), before the layout."""
     configs = run.settings.axes
     run.model = GPT(run.config, seed=run.seed, dtype=run.master_dtype, device="meta",
                     **pipeline.stage_of(configs.get("pipeline"), run))  # a pipeline rank builds its stage only
@@ -127,8 +127,8 @@ def compose(run: Run, measure: bool = False, materialize: bool = True) -> Run:
     if materialize and run.settings.args.zero != 3:  # ZeRO-3 fills its shards itself (build_layout)
         model_lib.materialize(run.model, run.device)
     if measure:
-        report.measure_startup(run)
-    report.observe_axes(run)  # the accounting's clocks and counters subscribe to the algorithms
+        report.run.measure_startup(run)
+    report.run.observe_axes(run)  # the accounting's clocks and counters subscribe to the algorithms
     run.layout = build_layout(run.model, run, materialize)
     run.schedule = next((a.schedule for a in run.axes if a.schedule is not None), GradientAccumulation())
     return run
@@ -141,7 +141,7 @@ def build_layout(model: GPT, run: Run, materialize: bool = True):
         compile_blocks(model)  # per block: its gradient hooks fire when its backward ends (model.compile_blocks)
     groups = {name: run.mesh.group(name) for name in ("dp_cp", "expert_dp")}  # dense, experts
     layout = build_data_parallel(model, run, groups, coords, materialize)
-    # DiLoCo (diloco.py): the layout above runs inside one replica; every H steps the replicas' outer step
+    # DiLoCo (resilience/diloco.py): the layout above runs inside one replica; every H steps the replicas' outer step
     return DiLoCoLayout(layout, run.settings.diloco, run.mesh) if run.settings.diloco else layout
 
 
@@ -167,7 +167,7 @@ def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materi
 
 
 def main(argv=None):
-    # The job's wall time by cause (goodput.py), from the process's creation (run as a program) or from this call
+    # The job's wall time by cause (resilience/goodput.py), from the process's creation (run as a program) or from this call
     # (argv given: a caller that runs several in one process, as the tests do).
     clock = goodput.Clock(started=None if argv is None else time.time())
     settings = flags.parse(argv, AXES)  # a bad flag: one line, exit status 2, before any rank waits
@@ -175,7 +175,7 @@ def main(argv=None):
         run_plan_py(sys.argv[1:] if argv is None else list(argv))
     # Every collective the run issues is traced, filed by phase: startup, step (the default), eval, ckpt, sample,
     # end; the table at the end shows them all, and checks the step's against the axes' predictions.
-    with comm.CommTracer() as tracer:
+    with CommTracer() as tracer:
         train(settings, tracer, clock)
 
 
@@ -205,11 +205,11 @@ class Training:
     checkpointer: ckpt.Checkpointer | None = None
     start_step: int = 0  # a resumed run starts at its checkpoint's step
     step: int = 0  # the step the loop is at (an interrupt reports it)
-    progress: report.Progress | None = None
-    step_peak: report.StepPeak | None = None  # on a CPU, the profiled step's memory
+    progress: report.run.Progress | None = None
+    step_peak: report.run.StepPeak | None = None  # on a CPU, the profiled step's memory
 
 
-def train(settings: Settings, tracer: comm.CommTracer, clock: goodput.Clock | None = None):
+def train(settings: Settings, tracer: CommTracer, clock: goodput.Clock | None = None):
     """Start-up, the checkpointer (and a resume), the loop, the end's measured-vs-predicted and goodput tables."""
     args, clock = settings.args, clock or goodput.Clock()
     with tracer.phase("startup"), clock.phase("startup"):
@@ -226,14 +226,14 @@ def train(settings: Settings, tracer: comm.CommTracer, clock: goodput.Clock | No
         dist.barrier()  # every rank is done: the table below is complete
         progress = t.progress
         print0(time_model.check_line(t.run, t.machine, progress.seconds, progress.steps))
-        report.print_end(t.run, max(0, args.steps - t.start_step), progress.seconds, progress.steps, t.step_peak)
+        report.run.print_end(t.run, max(0, args.steps - t.start_step), progress.seconds, progress.steps, t.step_peak)
         step_rate = t.run.tokens_per_step * progress.steps / progress.seconds if progress.steps else 0.0
         print0("\n".join(clock.lines(t.run.tokens_per_step * max(args.steps, t.start_step), step_rate,
                                       t.run.flops.model, t.run.peak[0], t.run.mesh.shape.world_size)))
     dist.destroy_process_group()
 
 
-def start_training(settings: Settings, tracer: comm.CommTracer, clock: goodput.Clock) -> Training:
+def start_training(settings: Settings, tracer: CommTracer, clock: goodput.Clock) -> Training:
     """The run composed (init-from's weights in it), the peak FLOP/s, the start-up printout, the schedules and
     the samplers."""
     args = settings.args
@@ -246,7 +246,7 @@ def start_training(settings: Settings, tracer: comm.CommTracer, clock: goodput.C
     run.peak = format_flops.run_peak(run, run.peak)  # a precision recipe: the format-weighted peak P_w
     for name, group in run.mesh.groups.items():
         tracer.name_group(group, name)
-    report.print_startup(run)
+    report.run.print_startup(run)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20)
     lr_schedule = LRSchedule(args.lr, warmup, args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
     scaler = DynamicLossScaler(enabled=settings.dtype == "fp16")
@@ -270,7 +270,7 @@ def open_checkpointer(t: Training) -> None:
         config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
                                        lock=run.settings.ckpt_lock, run_record=run_record)  # flags.parse took it
         t.checkpointer = ckpt.Checkpointer(config, run.mesh, [*run.axes, t.clock], run.device, log=print0,
-                                           on_save=lambda stats: report.print_save(stats, args.mtbf_hours))
+                                           on_save=lambda stats: report.run.print_save(stats, args.mtbf_hours))
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
             t.start_step = t.checkpointer.resume(args.resume, run.layout, t.scaler, t.sampler, args.seed)
         if args.elastic and t.start_step:  # a restarted world: the one that wrote the checkpoint, and this one
@@ -283,13 +283,13 @@ def open_checkpointer(t: Training) -> None:
                f" (raise --steps to train on); sampling only")
 
 
-def train_loop(t: Training, tracer: comm.CommTracer) -> None:
+def train_loop(t: Training, tracer: CommTracer) -> None:
     """Steps start_step .. --steps - 1, then the files closed and the sample; a signal ends it in one line."""
     run, args = t.run, t.run.settings.args
     # A resumed run appends: the replayed steps then sit next to the originals in one file.
     writes_metrics = args.metrics_file and run.mesh.rank == 0
     metrics = open(args.metrics_file, "a" if t.start_step else "w") if writes_metrics else None
-    t.progress = report.Progress(t.start_step, args.steps)
+    t.progress = report.run.Progress(t.start_step, args.steps)
     run.schedule.measure_activations = True  # the first step counts the bytes saved for backward
     if run.device.type == "cuda":  # the peak of training, not of start-up
         torch.cuda.reset_peak_memory_stats(run.device)
@@ -318,7 +318,7 @@ def train_loop(t: Training, tracer: comm.CommTracer) -> None:
 
 
 def timed_step(t: Training, step: int, prefetched, profiled: bool, peak_in_mean: bool) -> dict:
-    """One optimizer step, timed (and its host memory profiled when `profiled`): its report.step_record."""
+    """One optimizer step, timed (and its host memory profiled when `profiled`): its report.run.step_record."""
     run, args = t.run, t.run.settings.args
     lr = t.lr_schedule(step)
     run.layout.set_lr(lr)
@@ -333,12 +333,12 @@ def timed_step(t: Training, step: int, prefetched, profiled: bool, peak_in_mean:
             torch.cuda.synchronize()
     seconds = time.perf_counter() - began
     if profiled:
-        t.step_peak = report.StepPeak(step, memory.peak, peak_in_mean)
-    return report.step_record(run, step, lr, outcome,
+        t.step_peak = report.run.StepPeak(step, memory.peak, peak_in_mean)
+    return report.run.step_record(run, step, lr, outcome,
                               t.progress.tick(step, seconds, timed=not profiled or peak_in_mean), t.scaler)
 
 
-def after_step(t: Training, step: int, record: dict, metrics, tracer: comm.CommTracer) -> None:
+def after_step(t: Training, step: int, record: dict, metrics, tracer: CommTracer) -> None:
     """The eval (every --eval-every steps and after the last), the printed line, the metrics file's line, the
     checkpoint (every --ckpt-every steps and after the last)."""
     run, args = t.run, t.run.settings.args
@@ -347,7 +347,7 @@ def after_step(t: Training, step: int, record: dict, metrics, tracer: comm.CommT
         with tracer.phase("eval"), t.clock.phase("eval"):
             record["val_loss"] = evaluate(run, t.val_tokens, t.val_sampler)
     if step % args.log_every == 0 or last or "val_loss" in record or t.progress.silent_too_long():
-        report.print_step(record, t.progress, run.axes)
+        report.run.print_step(record, t.progress, run.axes)
     if metrics:
         metrics.write(json.dumps(record) + "\n")
         metrics.flush()
@@ -356,7 +356,7 @@ def after_step(t: Training, step: int, record: dict, metrics, tracer: comm.CommT
             t.checkpointer.step_end(step + 1, args.ckpt_every, last, run.layout, t.scaler, t.sampler)
 
 
-def start_run(settings: Settings, tracer: comm.CommTracer) -> tuple[Run, data.Corpus]:
+def start_run(settings: Settings, tracer: CommTracer) -> tuple[Run, data.Corpus]:
     """Join the process group, build the mesh, seed, and make the token cache (each node's local rank 0
     builds, the others wait)."""
     args, device = settings.args, settings.device  # chosen with the flags: a wrong one fails before any rank waits
@@ -381,7 +381,7 @@ def start_run(settings: Settings, tracer: comm.CommTracer) -> tuple[Run, data.Co
         fail(errors[0])
     if local_rank != 0:
         corpus = data.prepare_corpus(args.data, args.tokenizer, cache_dir, log=lambda *a, **k: None)
-    config = settings.model  # its vocabulary: the tokenizer's (the corpus's) or --init-from's, padded (flags.py)
+    config = settings.model  # its vocabulary: the tokenizer's (the corpus's) or --init-from's, padded (cli/flags.py)
     compute = DTYPES[settings.dtype]
     # ZeRO's working weights and gradients are the compute dtype; the masters and Adam moments stay fp32. fp16
     # is Micikevicius et al. 2018's recipe: fp16 weights and gradients, fp32 masters, dynamic loss scaling.

@@ -33,10 +33,10 @@ main_grad): a bf16 sum of m terms rounds m times and its error grows with m (ben
 nothing is summed. On the wire (`reduce_dtype`): stage 1 sends its fp32 sum once per step; stages 2/3 each
 micro-batch's bf16 bucket, added into the fp32 shard (as DeepSpeed: one rounding per term, none on the running sum).
 
-Stage 3 (zero3.py, `Zero3Layout`: this layout plus module hooks) gathers each block's weights just before use
+Stage 3 (parallel/zero3.py, `Zero3Layout`: this layout plus module hooks) gathers each block's weights just before use
 and frees them after, prefetching the next block behind the current one's compute; FP8 weights travel as one byte
 per element through their gather codec. Stages 1 and 2 are this file alone. Under a pipeline, stages 2 and 3
-are zero_pipeline.py's subclasses: units per chunk, each chunk's step sum reduce-scattered once at its last backward,
+are parallel/zero_pipeline.py's subclasses: units per chunk, each chunk's step sum reduce-scattered once at its last backward,
 stage 3's gathers driven by the schedule's actions.
 
 Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_o bytes per parameter for working
@@ -76,8 +76,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import memory
-from comm import Messages
+from accounting import memory
+from accounting.tracer import Messages
 from ddp import assert_same_across_groups, grad_group, reverse_order_buckets
 from optim import StepResult, update
 from shard import ShardInfo, StatePiece, counts_here, set_value
@@ -105,8 +105,8 @@ class ZeroConfig:
 
 @dataclass(frozen=True)
 class ZeroFacts:
-    """What the accounting reads of a ZeRO layout (`ZeroLayout.facts`): report_axes.py's zero section and
-    time_model.py. Ψ, Ψ', b and D as in the docstring."""
+    """What the accounting reads of a ZeRO layout (`ZeroLayout.facts`): report/axes.py's zero section and
+    planner/time_model.py. Ψ, Ψ', b and D as in the docstring."""
 
     stage: int
     dp_size: int  # D, the ranks of the dense parameters' group (dp×cp)
@@ -121,7 +121,7 @@ class ZeroFacts:
     first_gather_numel: int  # stage 3: the root's and block 0's, gathered before the first compute; else 0
     peak_gathered_units: int = 0  # stage 3: the most blocks gathered at once so far
     gathered_bound: int = 2  # stage 3: the most the schedule may hold (in use + prefetched)
-    pipeline_note: str = ""  # under a pipeline (zero_pipeline.py): how its gradients are reduced, what that holds
+    pipeline_note: str = ""  # under a pipeline (parallel/zero_pipeline.py): how its gradients are reduced, what that holds
     step_transient_predicted: float = 0.0  # under a pipeline: gathered chunks + accumulating gradients (bytes)
     step_transient_measured: float = 0.0  # the same, the most the layout's buffers held at once so far
 
@@ -188,7 +188,7 @@ class ZeroLayout:
     (Mesh.coordinates()): this rank's index along the model axes (which replicated copies count: TP rank 0's
     LayerNorms, ...)."""
 
-    name = "zero"  # its lines are report_axes.py's section of that name
+    name = "zero"  # its lines are report/axes.py's section of that name
     stages = (1, 2)  # the stages this class runs
 
     def __init__(self, module: nn.Module, config: ZeroConfig, groups: dict | None = None, coords: dict | None = None,
@@ -278,7 +278,7 @@ class ZeroLayout:
         unit.counted_segments = _merge(unit.counted_segments)
 
     def recount(self) -> None:
-        """Count again after an axis moved copies between parameters (eplb.py's re-plan renames them)."""
+        """Count again after an axis moved copies between parameters (experts/eplb.py's re-plan renames them)."""
         for unit in self.units:
             self._count(unit)
 
@@ -439,7 +439,7 @@ class ZeroLayout:
         """{global name: a copy of the full local working tensor}, between steps (for tests)."""
         return {p.shard_info.global_name: p.detach().clone() for unit in self.units for p in unit.params}
 
-    # --- Accounting: the docstring's formulas (report.py prints them next to what was measured)
+    # --- Accounting: the docstring's formulas (report/run.py prints them next to what was measured)
 
     @property
     def padded_numel(self) -> int:

@@ -50,8 +50,8 @@ TOLERANCE = 0.10
 
 
 def _measure(rank, world, cases, shape):
-    import activations
-    import flags
+    from accounting import activations
+    from cli import flags
     import train
     from mesh import build_mesh
     from optim import DynamicLossScaler

@@ -2,7 +2,7 @@
 
     python bench/bench_calibration.py            # all ten rows (the 1T row builds P = 64 stages: seconds)
     python bench/bench_calibration.py --smoke    # the 1.7B row only
-    python bench/bench_calibration.py --datasheet  # the uncalibrated model (time_calibration.DATASHEET)
+    python bench/bench_calibration.py --datasheet  # the uncalibrated model (planner/calibration.py: DATASHEET)
 
 Each row is GPT on A100-80GB (hardware.PRESETS["a100"]), s = 2048, V = 51,200, fp16, full recompute, the
 tensor/pipeline sizes, micro-batch and virtual stages of NVIDIA's examples/sc21/run_table_1.sh (Megatron-LM,
@@ -27,11 +27,11 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import flags  # noqa: E402
-import hardware  # noqa: E402
+from cli import flags  # noqa: E402
+from planner import hardware  # noqa: E402
 import plan  # noqa: E402
-import time_calibration  # noqa: E402
-import time_model  # noqa: E402
+from planner.calibration import CALIBRATED, DATASHEET, RANGES  # noqa: E402
+from planner import time_model  # noqa: E402
 import train  # noqa: E402
 
 SEQ, VOCAB = 2048, 51200
@@ -89,8 +89,8 @@ def predicted_tflops(row, predictions) -> float:
 
 
 def constants(calibration) -> str:
-    """The calibration's flag constants (time_calibration.RANGES), as `--calib-*` sets them."""
-    return ", ".join(f"{name} {getattr(calibration, name):g}" for name, *_ in time_calibration.RANGES)
+    """The calibration's flag constants (`RANGES` of planner/calibration.py), as `--calib-*` sets them."""
+    return ", ".join(f"{name} {getattr(calibration, name):g}" for name, *_ in RANGES)
 
 
 def main(argv=None) -> None:
@@ -98,10 +98,10 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="the 1.7B row only")
     parser.add_argument("--datasheet", action="store_true", help="the uncalibrated model (every fraction 1)")
     args = parser.parse_args(argv)
-    calibration = time_calibration.DATASHEET if args.datasheet else None
+    calibration = DATASHEET if args.datasheet else None
     rows = ROWS[:1] if args.smoke else ROWS
     print(f"Narayanan et al. 2021, Table 1 on the {'datasheet' if args.datasheet else 'calibrated'} time model"
-          f" ({constants(time_calibration.DATASHEET if args.datasheet else time_calibration.CALIBRATED)})")
+          f" ({constants(DATASHEET if args.datasheet else CALIBRATED)})")
     print(f"{'row':>8} {'GPUs':>5} {'T':>2} {'P':>3} {'v':>2} {'B_μ':>3} {'published':>9} {'predicted':>9}"
           f" {'ratio':>6} {'plan s':>7} {'CPU s':>6}")
     ratios = []

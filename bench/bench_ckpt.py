@@ -35,7 +35,7 @@ def _bench(rank, world, root, saves, between, preset):
     import torch
 
     import ckpt
-    from ckpt_files import verify_checkpoint
+    from resilience.ckpt_files import verify_checkpoint
     from common import synchronize
     from harness import device as rank_device
     from data import BatchSampler

@@ -24,7 +24,7 @@ contiguous, per C: the attention's per-rank wall time (not blocked) and its CPU 
 its slowest rank, so with a core per rank the step follows the busiest rank's work, but when C ranks × their
 torch threads outnumber the cores (C = 4 on 2 cores) they time-share them and the step follows the TOTAL work,
 which both cuts share (the same (query, key) pairs): zig-zag cannot win there, and its waits are peers'
-descheduled compute, which is why the ring's "hidden" share reads 0% (a lower bound; see report_axes.cp_hidden_lines).
+descheduled compute, which is why the ring's "hidden" share reads 0% (a lower bound; see report.axes.cp_hidden_lines).
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import context_parallel  # noqa: E402
-import measure  # noqa: E402
-import report_axes  # noqa: E402
+from accounting import measure  # noqa: E402
+import report.axes  # noqa: E402
 from common import add_device_argument, alternate, check_gpus, init_rank  # noqa: E402
-from memory import SavedActivations, activation_bytes_per_layer  # noqa: E402
+from accounting.memory import SavedActivations, activation_bytes_per_layer  # noqa: E402
 from mfu import format_bytes  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 
@@ -111,7 +111,7 @@ def _measure(rank, world, args, device):
             shape = context_parallel.LayerShape(args.micro, args.seq_len, config.n_embd, compute_bytes)
             cp_config = context_parallel.CPConfig(world, impl, balance)
             handles[name] = context_parallel.ContextParallel(model, ring, cp_config, shape)
-            report_axes.observe(handles[name])  # the clock the ring reports to (observers.WaitClock)
+            report.axes.observe(handles[name])  # the clock the ring reports to (observers.WaitClock)
             batch = handles[name].shard_batches(batch)
         xs, ys, pos = batch[0]
         params = list(model.parameters())
@@ -148,7 +148,7 @@ def _measure(rank, world, args, device):
             dist.all_reduce(mine, group=group)
             compute[name] = {"wall": mine[0].tolist(), "cpu": mine[1].tolist(), "threads": torch.get_num_threads()}
             measure.time_ring_alone(handle.facts(), handle.observer, device)  # into the clock's `alone`
-            hidden[name] = report_axes.cp_hidden_lines(handle.observer, on_cpu=device.type == "cpu")
+            hidden[name] = report.axes.cp_hidden_lines(handle.observer, on_cpu=device.type == "cpu")
     worst = {}
     for name, seconds in times.items():  # the step ends when the slowest rank finishes
         t = torch.tensor(seconds, dtype=torch.float64)

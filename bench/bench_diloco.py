@@ -1,4 +1,4 @@
-"""DiLoCo (diloco.py) against DDP on the default corpus: validation loss and the bytes each sent.
+"""DiLoCo (resilience/diloco.py) against DDP on the default corpus: validation loss and the bytes each sent.
 
     python bench/bench_diloco.py [--preset mini] [--steps 500] [--global-batch 16] [--hs 10,50]
     python bench/bench_diloco.py --smoke                  # seconds: tiny, 2 ranks, 2 steps, H = 2

@@ -31,9 +31,9 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import fp8  # noqa: E402
-import fp8_scaling  # noqa: E402
-import observers  # noqa: E402
-import report_axes  # noqa: E402
+from precision import fp8_scaling  # noqa: E402
+from accounting import observers  # noqa: E402
+import report.axes  # noqa: E402
 from common import add_device_argument, alternate  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 
@@ -235,7 +235,7 @@ def train_small(device, steps: int, batch: int, seq: int, eval_batches: int, lr:
               f"  {seconds:.2f} s/step"
               f"{f', {skipped} steps skipped' if skipped else ''}")
         if handle is not None:
-            print("    " + "\n    ".join(report_axes.axis_lines(handle, "step", None)))
+            print("    " + "\n    ".join(report.axes.axis_lines(handle, "step", None)))
 
 
 def main():

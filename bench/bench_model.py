@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-import memory  # noqa: E402
+from accounting import memory  # noqa: E402
 import mfu  # noqa: E402
 from common import add_device_argument, alternate  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402

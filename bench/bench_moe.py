@@ -30,12 +30,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import memory  # noqa: E402
+from accounting import memory  # noqa: E402
 import moe  # noqa: E402
-import report_axes  # noqa: E402
+import report.axes  # noqa: E402
 from common import add_device_argument, alternate, launch, rank_device  # noqa: E402
 from mesh import MeshShape, build_mesh  # noqa: E402
-from comm import CommTracer  # noqa: E402
+from accounting.tracer import CommTracer  # noqa: E402
 from mfu import format_bytes  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 from optim import build_adamw  # noqa: E402
@@ -92,11 +92,11 @@ def _rank(rank, world, args):
         tracer = CommTracer()
         for group in ("ep", "dp_cp", "expert_dp"):
             tracer.name_group(v.mesh.group(group), group)
-        report_axes.observe(v.handle)  # a fresh observers.RoutedLoad on every layer
+        report.axes.observe(v.handle)  # a fresh observers.RoutedLoad on every layer
         with tracer:
             v.step(x, y)
         traced[name] = (tracer.records, v.handle.traced_prediction(None, 1), v.handle.predicted_messages())
-        report_axes.observe(v.handle)  # the load line below covers the timed steps
+        report.axes.observe(v.handle)  # the load line below covers the timed steps
     times = alternate({name: (lambda v=v: v.step(x, y)) for name, v in variants.items()}, args.steps,
                       warmup=args.warmup)
     if rank == 0:
@@ -140,7 +140,7 @@ def _print_table(config, args, device, variants: dict, traced: dict, times: dict
     print("  a2a = all_to_all_single payload on the ep group per step (input bytes, all MoE layers; uniform:"
           " 4·T·k·h·4 + 8N per layer), wire = (E−1)/E of it; AR = the gradient all-reduce payload per step")
     for name, v in variants.items():  # the same data and model each step: the load of the timed steps together
-        print(f"  {name} rank 0, timed steps: " + report_axes.moe_step_lines(v.handle)[0])
+        print(f"  {name} rank 0, timed steps: " + report.axes.moe_step_lines(v.handle)[0])
 
 
 def main():

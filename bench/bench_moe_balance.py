@@ -27,7 +27,7 @@ Measured per row, from the per-expert loads c_i of every MoE layer (slots routed
   Mixture-of-Experts");
 - the final val loss (train.evaluate: the first --eval-batches validation batches), the train loss averaged over
   the last 50 steps, and the wall time of the steps and the eval (start-up not included).
-Each step's loads are the layers' own (`layer.load.last`, moe_router.ExpertLoad: the global load the bias is
+Each step's loads are the layers' own (`layer.load.last`, router.ExpertLoad: the global load the bias is
 updated from), checked against what the routing observer (moe.RoutingObserver, observers.RoutedLoad) saw; the
 validation batches' loads come from the observer (the layers count training forwards only).
 """
@@ -47,10 +47,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import comm  # noqa: E402
-import flags  # noqa: E402
-import goodput  # noqa: E402
-import observers  # noqa: E402
+from accounting.tracer import CommTracer  # noqa: E402
+from cli import flags  # noqa: E402
+from resilience import goodput  # noqa: E402
+from accounting import observers  # noqa: E402
 import train  # noqa: E402
 from step import train_step  # noqa: E402
 
@@ -111,7 +111,7 @@ def run_row(argv: list, window: int, log) -> RowResult:
     every MoE layer after each step; then the val loss and the validation batches' loads."""
     settings = flags.parse(argv, train.AXES)
     with contextlib.redirect_stdout(log):
-        t = train.start_training(settings, comm.CommTracer(), goodput.Clock())
+        t = train.start_training(settings, CommTracer(), goodput.Clock())
     run, args = t.run, settings.args
     handle = next(axis for axis in run.axes if axis.name == "moe")
     record = BalanceRecord()

@@ -38,9 +38,9 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pipeline as pp  # noqa: E402
-import report_axes  # noqa: E402
-import report_pipeline  # noqa: E402
-import schedules  # noqa: E402
+import report.axes  # noqa: E402
+import report.pipeline  # noqa: E402
+from parallel import schedules  # noqa: E402
 from bench.common import add_device_argument, launch, rank_device, synchronize  # noqa: E402
 from mesh import build_mesh, infer_mesh_shape  # noqa: E402
 from model import GPT, GPTConfig, cross_entropy_sum  # noqa: E402
@@ -89,7 +89,7 @@ def _bench(rank, world, args):
         stages = GPT(config, 0, torch.float32, device, **pp.stage_kwargs(config.n_layer, rank, P, v))  # its chunks
         schedule = pp.PipelineSchedule(pp.PipelineConfig(P, name, v), mesh, config.n_layer)
         handle = pp.Pipeline(stages, schedule, m, args.micro * args.seq * config.n_embd)
-        report_axes.observe(handle)  # the clock the end lines read, as train.compose subscribes it
+        report.axes.observe(handle)  # the clock the end lines read, as train.compose subscribes it
 
         def ours_step(stages=stages, schedule=schedule):
             stages.zero_grad(set_to_none=True)
@@ -141,8 +141,8 @@ def _bench(rank, world, args):
             if round_index >= args.warmup:
                 times[key].append(time.perf_counter() - start)
     medians = {key: statistics.median(values) for key, values in times.items()}
-    # report_pipeline.py's end lines of each of ours (collective over pp: every rank calls them, rank 0 prints).
-    lines = [(name, report_pipeline.pp_end_lines(handle)) for name, handle in ours.items()]
+    # report/pipeline.py's end lines of each of ours (collective over pp: every rank calls them, rank 0 prints).
+    lines = [(name, report.pipeline.pp_end_lines(handle)) for name, handle in ours.items()]
     latency = _message_latency(rank, group, batches[0][0].shape + (config.n_embd,), device)
     delays = {name: _message_delays(handle) for name, handle in ours.items()}
     with_latency = {name: [_bubbles_with_latency(handle, seconds) for seconds in (latency, delays[name][1])]

@@ -16,12 +16,12 @@ It prints, in order:
      its delta against bf16 in %, the non-finite (skipped) steps, the saturated share per role (X, W, dY: the
      values the casts clamped over steps 1..N-1, as the run printed them), s/step, and what the accounting says
      of the recipe: the share of its FLOPs in narrow formats and the format-weighted peak on a
-     B200 (format_flops.py) against bf16's;
+     B200 (accounting/format_flops.py) against bf16's;
   3. which half is the more sensitive here: the forward cells with a bf16 backward against the backward cells
      with a bf16 forward, next to the 430M figures (12.8B tokens: forward +0.94–1.22%, backward +0.32–0.72% over
      bf16).
 A measurement, not a timed test. Its size is set by the emulation's cost on a CPU: with the float32 fake
-quantiser (microscaling_fast.py), one thread a cell and two cells at once on this 2-core machine beside other
+quantiser (precision/microscaling_fast.py), one thread a cell and two cells at once on this 2-core machine beside other
 jobs (load 2-7), a step of 4×256 tokens took 0.38 s in bf16, 0.5 s with an MXFP8 forward, 1.1 s with an NVFP4
 forward, 1.5 s with an NVFP4 backward and 2.8-3.4 s with both. Thirty steps leave the model early in training,
 where a delta is as much the optimiser's first steps as the format's bias; the fp32 row (the same run in fp32)
@@ -49,11 +49,11 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import format_flops  # noqa: E402
-import hardware  # noqa: E402
-import microscaling  # noqa: E402
-import microscaling_fast  # noqa: E402
-import precision_recipe  # noqa: E402
+from accounting import format_flops  # noqa: E402
+from planner import hardware  # noqa: E402
+from precision import microscaling  # noqa: E402
+from precision import microscaling_fast  # noqa: E402
+import precision.recipe  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 
 # The ablation's axes: a name in the table -> the parts of --precision-recipe it adds (recipe_spec.md's spelling).
@@ -106,12 +106,12 @@ def _gemm_hadamard(x, hadamard, dim=-1):
 def step_seconds(preset: str, spec: str | None, batch: int, steps: int, reference: bool) -> float:
     """The mean wall seconds of `steps` forward + backward passes (after one warm-up) of `preset` in fp32 with
     --precision-recipe `spec` (None: none), on random tokens; reference: with the quantiser and Hadamard the
-    recipe used before microscaling_fast.py (float64 NVFP4, a new tensor per operation; the Hadamard as a GEMM)."""
+    recipe used before precision/microscaling_fast.py (float64 NVFP4, a new tensor per operation; the Hadamard as a GEMM)."""
     config = config_from_preset(preset)
     torch.manual_seed(0)
     model = GPT(config)
     if spec:
-        precision_recipe.convert(model, precision_recipe.parse_recipe(spec))
+        precision.recipe.convert(model, precision.recipe.parse_recipe(spec))
     tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1))
     saved = microscaling_fast.fake_quantize, microscaling.hadamard_blocks
     if reference:

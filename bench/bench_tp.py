@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import memory  # noqa: E402
+from accounting import memory  # noqa: E402
 import tensor_parallel  # noqa: E402
 from common import add_device_argument, check_gpus, init_rank, synchronize  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402

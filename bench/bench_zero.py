@@ -98,7 +98,7 @@ def _compare(rank, world, preset, config_kw, micro, seq, steps, bucket_mb):
     from optim import DynamicLossScaler, adamw_param_groups, build_adamw
     from step import train_step
     from zero import ZeroConfig, ZeroLayout
-    from zero3 import Zero3Layout
+    from parallel.zero3 import Zero3Layout
 
     device = rank_device()
     config = config_from_preset(preset, **config_kw)
@@ -207,13 +207,13 @@ def _collectives(rank, world, megabytes, repeats=7):
 
 def _persistent(rank, world, recipe, preset="small"):
     """held_bytes() of every stage's layout for `preset` on this D, next to memory.persistent_bytes."""
-    import memory
+    from accounting import memory
     from ddp import DistributedDataParallel
     from model import GPT, config_from_preset
     from optim import build_adamw
     from ddp import DDPLayout
     from zero import ZeroConfig, ZeroLayout
-    from zero3 import Zero3Layout
+    from parallel.zero3 import Zero3Layout
 
     config = config_from_preset(preset)
     dtypes = {"fp32": (torch.float32, torch.float32), "mixed": (torch.bfloat16, torch.float32)}[recipe]
@@ -240,7 +240,7 @@ def _persistent(rank, world, recipe, preset="small"):
 
 
 def main(argv=None):
-    import memory
+    from accounting import memory
     import mfu
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

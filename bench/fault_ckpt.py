@@ -37,7 +37,7 @@ def main():
         args.trials = 1
 
     import ckpt
-    from ckpt_files import FAULT_ENV
+    from resilience.ckpt_files import FAULT_ENV
     from test_ckpt import (FAULT_STEPS, check_fault_run, kill_a_worker_when, launch_training, metrics_lines,
                            run_to_completion)
 

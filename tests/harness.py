@@ -199,7 +199,7 @@ def traced_steps(run, total_steps: int, global_batch: int, seq: int, micro: int,
     start = 0, or the step of resume_root's latest checkpoint, loaded first; with save_root a checkpoint is written
     after `stop`. Returns (losses by step, {(op, group): (calls, bytes) per step, traced})."""
     import ckpt
-    from comm import CommTracer
+    from accounting.tracer import CommTracer
     from data import BatchSampler
     from optim import DynamicLossScaler
     from reference import global_batches, rank_micro_batches

@@ -59,7 +59,7 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
     With auxiliary losses (aux_coef: add_squared_mean_aux) the objective is DESIGN.md's: Σ CE / tokens +
     coef · mean over the `micro_batches` (= D·m) micro-batches of aux, the global batch cut in rank order.
     fp8_recipe: the block linears in FP8 (fp8.py, one process), the delayed history rolled once per step.
-    precision_recipe: a --precision-recipe SPEC (precision_recipe.py, one process; its step closed per step).
+    precision_recipe: a --precision-recipe SPEC (precision/recipe.py, one process; its step closed per step).
     """
     model = GPT(config, seed=seed, dtype=dtype)
     if aux_coef is not None:
@@ -70,7 +70,7 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
 
         fp8_handle = fp8.convert(model, fp8.Recipe(fp8_recipe, 16, "max", 0))
     if precision_recipe is not None:
-        import precision_recipe as recipes
+        from precision import recipe as recipes
 
         fp8_handle = recipes.convert(model, recipes.parse_recipe(precision_recipe), seed=seed,
                                      seq_len=batches[0][0].shape[1])

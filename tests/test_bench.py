@@ -41,7 +41,7 @@ SMOKE_PRINTS = {
 }
 RUN_ELSEWHERE = {  # script -> the test that runs its --smoke in-process
     "bench_ckpt": "tests/test_ckpt.py::test_bench_ckpt_smoke_runs",
-    "bench_hf": "tests/test_hf.py::test_bench_hf_smoke_runs",  # needs transformers: skipped without it
+    "bench_hf": "tests/interop/test_hf.py::test_bench_hf_smoke_runs",  # needs transformers: skipped without it
     "bench_zero": "tests/test_zero.py::test_bench_zero_smoke_runs",
     "bench_zero_accum": "tests/test_zero.py::test_bench_zero_accum_smoke_runs",
 }

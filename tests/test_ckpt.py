@@ -67,7 +67,7 @@ def _checkpointer(root, mesh=None, device="cpu", log=lambda *a: None, on_save=No
 
 
 def build_layout(spec: dict, mesh, config, dtype, device):
-    """(model, layout) for a layout spec on `device`: the one place that builds zero.py, zero3.py and
+    """(model, layout) for a layout spec on `device`: the one place that builds zero.py, parallel/zero3.py and
     tensor_parallel.py layouts."""
     from ddp import DDPLayout, DistributedDataParallel
     from model import GPT
@@ -80,7 +80,7 @@ def build_layout(spec: dict, mesh, config, dtype, device):
         tensor_parallel.parallelize(model, mesh.group("tp"), seed=0)  # swaps the modules in place
     if spec["zero"]:
         import zero
-        import zero3
+        from parallel import zero3
 
         config = zero.ZeroConfig(spec["zero"], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
                                  betas=HYPER["betas"], eps=HYPER["eps"], param_dtype=dtype, master_dtype=dtype)
@@ -439,7 +439,7 @@ def test_master_is_filled_from_param_when_the_checkpoint_has_none(fused_qkv, tmp
 
 
 def test_an_optional_piece_the_checkpoint_lacks_keeps_its_live_value(fused_qkv):
-    """An axis's optional state (eplb.py's load averages, written with replicas only) absent from the checkpoint:
+    """An axis's optional state (experts/eplb.py's load averages, written with replicas only) absent from the checkpoint:
     the rest loads, the optional tensor keeps its value; the same piece not optional is refused."""
     from dataclasses import replace
 
@@ -581,16 +581,15 @@ def test_the_save_line_gives_youngs_interval_in_seconds_and_steps():
     """C = 0.5 s blocked, M = 24 h: sqrt(2·C·M) = sqrt(86,400) ≈ 294 s, at 10 s per step ≈ every 29 steps; an
     async save also names its persist time (the interval cannot be shorter)."""
     import ckpt
-    import report
-
+    import report.run
     stats = ckpt.SaveStats(8, "/ck/step-00000008", async_save=True, rank_bytes=1 << 20, blocked_s=0.5,
                            waited_s=0.1, persist_s=2.0, total_bytes=2 << 20, num_files=2, seconds_per_step=10.0)
-    first, young = report.save_line(stats, mtbf_hours=24).splitlines()
+    first, young = report.run.save_line(stats, mtbf_hours=24).splitlines()
     assert first == ("ckpt step 8 → /ck/step-00000008: 2.00 MiB in 2 files; training blocked 500 ms (waited 100 ms"
                      " for the previous save); persist 2000 ms (async)")
     assert young == ("ckpt Young interval sqrt(2·C·M) = 294 s ≈ every 29 steps (C = 0.500 s blocked,"
                      " M = MTBF 24 h); async: also ≥ the persist time 2.00 s")
-    assert "\n" not in report.save_line(stats, mtbf_hours=None)
+    assert "\n" not in report.run.save_line(stats, mtbf_hours=None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -648,7 +647,7 @@ def _flip_byte(path):
 def _unpicklable(path):
     """A shard holding a pickled object that is not a tensor (torch.load(weights_only=True) must refuse it),
     with sizes and checksums made consistent so only the weights_only check stands in the way."""
-    from ckpt_files import sha256_file
+    from resilience.ckpt_files import sha256_file
 
     shard = os.path.join(path, "shard-00000.pt")
     torch.save({"param/transformer.wte.weight": torch.zeros(1), "evil": _Evil()}, shard)
@@ -815,7 +814,7 @@ def test_an_empty_directory_resumes_nothing(tmp_path):
     (["--ckpt-dir", "x", "--mtbf-hours", "0"], "--mtbf-hours must be positive"),
 ], ids=["keep", "resume-without-dir", "async-without-dir", "resume-word", "ckpt-every", "mtbf"])
 def test_a_checkpoint_flag_is_validated(argv, message):
-    from flags import FlagError, build_parser, validate
+    from cli.flags import FlagError, build_parser, validate
 
     with pytest.raises(FlagError, match=message):
         validate(build_parser().parse_args(argv), 2)
@@ -1013,7 +1012,7 @@ def _rank_of(pid: int) -> int | None:
 
 def launch_training(run_dir: str, corpus: str, log_name: str, extra=(), env=None):
     """torchrun, 2 workers, tiny preset, dropout on, a checkpoint every 2 steps, --resume latest."""
-    from ckpt_files import FAULT_ENV
+    from resilience.ckpt_files import FAULT_ENV
 
     os.makedirs(run_dir, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -1135,7 +1134,7 @@ def killed_in_persist(fault_runs):
     its shard), then relaunched. Rank 0, not a random one: when rank 1 dies, torchrun SIGTERMs rank 0, whose
     signal handler abandons the save (train.interrupted removes its temporary directory), and the half-written
     save this case is about would be gone before the relaunch."""
-    from ckpt_files import FAULT_ENV
+    from resilience.ckpt_files import FAULT_ENV
 
     run_dir = str(fault_runs["base"] / "in-persist")
     ck = os.path.join(run_dir, "ck")
@@ -1215,11 +1214,11 @@ def test_closing_a_writer_frees_the_directory(tmp_path):
 
 
 def test_a_sigkilled_writer_leaves_no_stale_lock(tmp_path):
-    from ckpt_files import CheckpointError, WriterLock
+    from resilience.ckpt_files import CheckpointError, WriterLock
 
     root = str(tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); import ckpt_files,"
-                               f" time; lock = ckpt_files.WriterLock({root!r}); print('held', flush=True);"
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); import time;"
+                               f" from resilience import ckpt_files; lock = ckpt_files.WriterLock({root!r}); print('held', flush=True);"
                                f" time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(CheckpointError):

@@ -24,7 +24,7 @@ STEPS, SEQ, CLIP, TOL = 3, 16, 0.05, 1e-10
 
 
 def _parse(flags, global_batch, micro):
-    import flags as flags_lib
+    from cli import flags as flags_lib
 
     return flags_lib.build_parser().parse_args(["--global-batch", str(global_batch), "--micro-batch", str(micro),
                                                 "--seq-len", str(SEQ), "--lr", str(HYPER["lr"]), "--weight-decay",
@@ -42,7 +42,7 @@ def composed_run(rank, world, flags, config_kw, global_batch, micro, device):
     """train.compose on the flags, as train.main builds a run, in float64 on this test's model config."""
     from dataclasses import replace
 
-    import flags as flags_lib
+    from cli import flags as flags_lib
     import train
     from mesh import build_mesh
 
@@ -64,11 +64,10 @@ def _run_case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, sa
     """Train steps [start, stop) on the mesh the flags give; save a checkpoint at `stop` into save_root, or
     start from the newest one in resume_root (saved on another mesh: the checkpoint reslices). With `trace`,
     also ({(op, group): (calls, payload)} traced per step, train.predicted_messages of the traced steps)."""
-    import report
-
+    import report.run
     run = composed_run(rank, world, flags, config_kw, global_batch, micro, harness.device())
     losses, traced = harness.traced_steps(run, STEPS, global_batch, SEQ, micro, CLIP, stop, save_root, resume_root)
-    messages = (traced, report.predicted_messages(run, len(losses))) if trace else None
+    messages = (traced, report.run.predicted_messages(run, len(losses))) if trace else None
     infos = {p.shard_info.global_name: p.shard_info for p in run.model.parameters()}
     if hasattr(run.layout, "full_parameters"):  # ZeRO: the working weights (at stage 3 gathered back)
         held = run.layout.full_parameters()
@@ -162,7 +161,7 @@ def _traced_cases(rank, world, cases):
 @pytest.mark.slow
 def test_pipeline_with_experts_matches_single_device_and_traces_as_predicted():
     """PP + MoE: the update equals the single device's (1e-10, float64), and every message of the traced steps
-    (p2p and loss over pp, the all-to-alls over ep, the layout's, the update's) equals report.predicted_messages."""
+    (p2p and loss over pp, the all-to-alls over ep, the layout's, the update's) equals report.run.predicted_messages."""
     results = run_ranks(_traced_cases, 4, PIPELINE_EXPERTS_4, timeout=600)
     for index, case in enumerate(PIPELINE_EXPERTS_4):
         per_rank = [rank_results[index] for rank_results in results]
@@ -176,9 +175,9 @@ def test_pipeline_with_experts_matches_single_device_and_traces_as_predicted():
                 assert traced[key] == pytest.approx((calls, payload), abs=1e-9), (case, rank, key)
 
 
-# FP8 under ZeRO-3 × PP (zero_pipeline.py): each chunk's FP8 weights are a unit of their own, gathered as E4M3
+# FP8 under ZeRO-3 × PP (parallel/zero_pipeline.py): each chunk's FP8 weights are a unit of their own, gathered as E4M3
 # codes once per run of the chunk's actions, each gather adding its scale agreement (a MAX all_reduce of 4 bytes a
-# weight over dp_cp): what --plan and --plan-search count (tests/test_plan.py).
+# weight over dp_cp): what --plan and --plan-search count (tests/planner/test_plan.py).
 FP8_ZERO3_PIPELINE_4 = [
     (["--fp8", "current", "--pp", "2", "--zero", "3"], dict(n_layer=2), 8, 1),
     (["--fp8", "delayed", "--pp", "2", "--pp-schedule", "interleaved", "--zero", "3"], dict(n_layer=4), 8, 2),
@@ -188,7 +187,7 @@ FP8_ZERO3_PIPELINE_4 = [
 @pytest.mark.slow
 def test_fp8_zero3_under_a_pipeline_matches_single_device_and_traces_as_predicted():
     """The update equals the single device's under the same recipe (1e-10, float64: the gathered codes decode to
-    the weights' own FP8 values), and every traced message equals report.predicted_messages."""
+    the weights' own FP8 values), and every traced message equals report.run.predicted_messages."""
     results = run_ranks(_traced_cases, 4, FP8_ZERO3_PIPELINE_4, timeout=300)
     for index, case in enumerate(FP8_ZERO3_PIPELINE_4):
         per_rank = [rank_results[index] for rank_results in results]
@@ -199,8 +198,8 @@ def test_fp8_zero3_under_a_pipeline_matches_single_device_and_traces_as_predicte
                 assert traced[key] == pytest.approx((calls, payload), abs=1e-9), (case, rank, key)
 
 
-# Selective recompute (recompute.py) with the layouts whose forward sends messages inside a block: the policy
-# keeps each collective's output (collective_ops.py), so the recompute sends nothing and the traced messages are
+# Selective recompute (parallel/recompute.py) with the layouts whose forward sends messages inside a block: the policy
+# keeps each collective's output (parallel/collectives.py), so the recompute sends nothing and the traced messages are
 # those of a run without recompute; the reference is the plain single-device model (no recompute).
 SELECTIVE = ["--activation-checkpointing", "selective"]
 SELECTIVE_2 = [
@@ -247,7 +246,7 @@ def _check_selective(cases):
 @pytest.mark.slow
 def test_selective_recompute_composes_and_traces_as_predicted():
     """TP, TP + SP, Ulysses and MoE (EP, TP + SP, ZeRO-3, PP) under selective recompute: float64 updates equal the
-    plain single-device model's (1e-10), and every traced message equals report.predicted_messages (no collective
+    plain single-device model's (1e-10), and every traced message equals report.run.predicted_messages (no collective
     sent again in backward: no all-to-all of a MoE block, whose routing runs once)."""
     _check_selective(SELECTIVE_2)
 

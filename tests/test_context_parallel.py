@@ -10,7 +10,7 @@ autocast, and a ring with bf16 accumulators caught; and it counts the ring's cas
 Whole model: `context_parallel.apply` on model.GPT in float64 (alone, and after tensor_parallel on a 2×2
 mesh); each rank backpropagates its loss_sum / the global token count, gradients are summed over the cp group
 (what the layout's dp×cp reduction does); they equal the single-device gradients on the whole batch, 1e-10.
-Every cp-group message traced by comm.CommTracer equals the prediction, calls and bytes.
+Every cp-group message traced by tracer.CommTracer equals the prediction, calls and bytes.
 Activations: the bytes saved for backward by one block (saved_tensors_hooks) are within 5% of Korthikanti's
 estimate in the form this attention implies, 32·(s/C)·b·h scaled from 16-bit to float64: the attention keeps
 no score matrix (no 5as/h term) and dropout is 0 (no 1-byte masks: 34 − 2); what is left over is the fp64
@@ -436,7 +436,7 @@ def _model(rank, world, cp_size, tp_size, variants):
 def _model_variant(mesh, tp_size, impl, balance, sp, checkpointing, bf16):
     import context_parallel as cp
     import tensor_parallel as tp
-    from comm import CommTracer
+    from accounting.tracer import CommTracer
     from model import GPT
 
     device = harness.device()
@@ -530,7 +530,7 @@ def _composed_cp_run(rank, world, device):
     the test's model."""
     from dataclasses import replace
 
-    import flags
+    from cli import flags
     import train
     from mesh import build_mesh
 
@@ -548,9 +548,9 @@ def _activations(rank, world):
     """Block 0's saved bytes at C = 1 (a ring of one) and C = 2, same global sequence; then a composed run: what
     start-up measured, its cp lines, one training step and one evaluation pass, the end lines."""
     import context_parallel as cp
-    import report_axes
+    import report.axes
     from mesh import build_mesh, infer_mesh_shape
-    from memory import SavedActivations
+    from accounting.memory import SavedActivations
     from model import GPT
     from optim import DynamicLossScaler
     from step import train_step
@@ -576,13 +576,13 @@ def _activations(rank, world):
                layer_messages={(phase, op): count for phase, messages in axis.layer_messages().items()
                                for (op, _), count in messages.items()},
                phases_after_startup=dict(axis.observer.phases))
-    out["startup"] = report_axes.cp_startup_lines(axis, run)
+    out["startup"] = report.axes.cp_startup_lines(axis, run)
     batches = axis.shard_batches(rank_micro_batches(*global_batches(1, 2, SEQ)[0], dp_rank=0, dp_size=1, micro=2))
     train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 0.0, run.autocast,
                device, model=run.model, schedule=run.schedule, axes=run.axes, data_size=run.mesh.size("dp"))
     run.schedule.forward_only(run.layout, run.model, batches, run.autocast, device)  # evaluation: not charged
     out["passes"] = {phase: stat.passes for phase, stat in axis.observer.phases.items()}
-    out["end"] = report_axes.cp_end_lines(axis, run, 1)
+    out["end"] = report.axes.cp_end_lines(axis, run, 1)
     return out
 
 

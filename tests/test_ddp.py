@@ -24,9 +24,9 @@ TOL = 1e-10
 
 
 def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
-    import report_axes
+    import report.axes
     from ddp import DistributedDataParallel
-    from comm import CommTracer
+    from accounting.tracer import CommTracer
     from model import GPT
     from optim import DynamicLossScaler, build_adamw
     from ddp import DDPLayout
@@ -54,7 +54,7 @@ def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     return dict(losses=losses, norms=norms, params=params, buckets=len(ddp.buckets), calls=calls,
                 predicted=dict(layout.predicted_messages()), bucket_bytes=sum(ddp.bucket_sizes_bytes()),
-                startup=report_axes.ddp_startup_lines(layout))
+                startup=report.axes.ddp_startup_lines(layout))
 
 
 CASES = {  # (world, global batch, B_μ, clip, bucket MiB)

@@ -50,7 +50,7 @@ def build_run(rank, world, flags, config_kw, global_batch, micro, dtype, device,
               measure=False):
     """train.compose on the flags, as train.main builds a run, in `dtype` (master weights; the working weights
     too unless `param_dtype`)."""
-    import flags as flags_lib
+    from cli import flags as flags_lib
     import train
     from mesh import build_mesh
 
@@ -73,10 +73,9 @@ def build_run(rank, world, flags, config_kw, global_batch, micro, dtype, device,
 
 def accounting(run) -> dict:
     """What a plan prints of a layout: its predicted persistent bytes, its held bytes, every predicted message."""
-    import report
-
+    import report.run
     return {"persistent": run.layout.predicted_persistent(), "held": run.layout.held_bytes(),
-            "messages": dict(report.predicted_messages(run))}
+            "messages": dict(report.run.predicted_messages(run))}
 
 
 def start_values(run) -> list:

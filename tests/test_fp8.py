@@ -29,11 +29,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fp8
-import fp8_scaling
-import format_flops
+from precision import fp8_scaling
+from accounting import format_flops
 import harness
 import moe
-import report_axes
+import report.axes
 from harness import run_ranks
 from reference import HYPER, WholeGrads, global_batches, make_config, rank_micro_batches
 
@@ -461,7 +461,7 @@ def cached_and_uncached(request):
     for cached in (True, False):
         model = GPT(make_config(), seed=0, dtype=torch.float64)
         handle = fp8.convert(model, fp8.Recipe(mode))
-        report_axes.observe(handle)  # as train.compose does: the saturation counts the tables read
+        report.axes.observe(handle)  # as train.compose does: the saturation counts the tables read
         counter.register(handle.linears, "cached" if cached else "uncached")
         if not cached:
             for linear in handle.linears.values():
@@ -479,7 +479,7 @@ def cached_and_uncached(request):
                 losses.append(loss_sum.detach())
             handle.after_grad_sync()
             counts.append(counter.take())
-            tables.append(report_axes.axis_lines(handle, "step", None))
+            tables.append(report.axes.axis_lines(handle, "step", None))
             optimizer.step()
             optimizer.zero_grad()
         runs[cached] = dict(losses=losses, params=list(model.parameters()), state=fp8_state(handle), tables=tables,
@@ -673,7 +673,7 @@ def _nonfinite_amax_skips_every_rank(rank, mesh, device):
 
 def _on_meshes(rank, world):
     import tensor_parallel
-    from comm import CommTracer
+    from accounting.tracer import CommTracer
     from mesh import MeshShape, build_mesh
     from model import GPT
 
@@ -764,12 +764,12 @@ def test_a_nonfinite_amax_on_one_rank_skips_the_step_on_every_rank(mesh_runs):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The trainer's entry points: flags, apply, the protocol, the printouts (report_axes.py's fp8 section)
+# The trainer's entry points: flags, apply, the protocol, the printouts (report/axes.py's fp8 section)
 # ---------------------------------------------------------------------------------------------------------
 
 
 def test_flags_defaults_and_recipe():
-    import flags
+    from cli import flags
 
     parser = flags.build_parser()
     defaults = parser.parse_args([])
@@ -830,7 +830,7 @@ def test_the_fp8_share_of_flops_counts_the_linears_converted():
     """With a mixture of experts (routers stay in the compute dtype; the routed experts run in FP8, a token
     visits k of them) the printed share of the model FLOPs in FP8 is 6·(the weights converted, k experts of the
     N per MoE layer) / FLOPs per token. The rank is built as --plan builds it (meta)."""
-    import flags
+    from cli import flags
     import plan
     import train
 
@@ -840,7 +840,7 @@ def test_the_fp8_share_of_flops_counts_the_linears_converted():
     with plan.fake_world(0, 1):
         run = plan.build_role(settings, 0)
         handle = next(axis for axis in run.axes if axis.name == "fp8")
-        text = "\n".join(report_axes.axis_lines(handle, "startup", run))
+        text = "\n".join(report.axes.axis_lines(handle, "startup", run))
     converted = sum(m.weight.numel() for name, m in run.model.named_modules() if isinstance(m, fp8.Fp8Linear)
                     and ".experts." not in name)
     experts = [m for m in run.model.modules() if isinstance(m, moe.Expert)]
@@ -853,32 +853,32 @@ def test_the_fp8_share_of_flops_counts_the_linears_converted():
 
 def test_startup_lines_name_the_recipe_memory_and_mfu(applied):
     _, run, handle = applied
-    lines = "\n".join(report_axes.axis_lines(handle, "startup", run))
+    lines = "\n".join(report.axes.axis_lines(handle, "startup", run))
     assert "fp8 delayed, history L=4, max, margin 0: 8 block linears in FP8" in lines
     assert "memory: saved inputs in FP8" in lines and "MFU:" in lines and "messages per step" not in lines
 
 
 def test_step_and_end_lines(applied):
     """The scale table with each logged step; at the end one line of counts (the amax reductions are in
-    report.print_end's message table, the scales in the last step's table: not repeated)."""
+    report.run.print_end's message table, the scales in the last step's table: not repeated)."""
     _, run, handle = applied
-    report_axes.observe(handle)  # as train.compose does: the saturation counts the table reads
+    report.axes.observe(handle)  # as train.compose does: the saturation counts the table reads
     handle.after_grad_sync()
-    table = report_axes.axis_lines(handle, "step", None)
+    table = report.axes.axis_lines(handle, "step", None)
     assert table[0].startswith("fp8 delayed: the scales in use") and len(table) == 2 + len(handle.linears)
-    assert report_axes.axis_lines(handle, "end", run, 1) == [
+    assert report.axes.axis_lines(handle, "end", run, 1) == [
         "fp8 delayed: steps 1 (1 scaled like current (empty history), 0 with a non-finite amax, skipped on every rank)"]
 
 
 def test_the_accounting_counts_what_the_clamp_cut():
     """Delayed scaling saturates when a tensor outgrows its history. The counter the accounting subscribes
-    (report_axes.observe: observers.SaturationCount) is told every training cast, not an evaluation's, and the scale
+    (report.axes.observe: observers.SaturationCount) is told every training cast, not an evaluation's, and the scale
     table prints, per role, 100·cut/cast since the last table, then restarts."""
     torch.manual_seed(0)
     recipe = fp8.Recipe("delayed")
     layer = fp8.Fp8Linear(nn.Linear(64, 32, dtype=torch.float64), recipe, "layer")
     handle = fp8.Fp8Handle(recipe, {"layer": layer})
-    counter = report_axes.observe(handle)
+    counter = report.axes.observe(handle)
     x = torch.randn(16, 64, dtype=torch.float64)
     layer(x.requires_grad_()).sum().backward()
     handle.after_grad_sync()  # the history now holds this step's amaxes: the next step scales from them
@@ -889,6 +889,6 @@ def test_the_accounting_counts_what_the_clamp_cut():
     layer(big).sum().backward()
     cut = int((big.detach() * layer.scale[0].double()).abs().gt(fp8_scaling.E4M3.max * (1 + 2**-20)).sum())
     assert cut > 0
-    row = report_axes.axis_lines(handle, "step", None)[2]
+    row = report.axes.axis_lines(handle, "step", None)[2]
     assert row.split()[2::2] == [f"{100 * cut / big.numel():.2f}%", "0.00%", "0.00%"], row
     assert counter.take("layer") == [0.0, 0.0, 0.0]  # the table restarted the count

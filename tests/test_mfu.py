@@ -1,5 +1,5 @@
 """Tests for mfu.py: every formula against numbers worked out by hand and the peak table (the tracer that
-measures the messages is tested in test_comm.py; the memory formulas in test_memory.py)."""
+measures the messages is tested in test_tracer.py; the memory formulas in test_memory.py)."""
 
 import math
 import time
@@ -8,14 +8,14 @@ import types
 import pytest
 import torch
 
-import flags
-import format_flops
-import hardware
-import memory
+from cli import flags
+from accounting import format_flops
+from planner import hardware
+from accounting import memory
 import mfu
 import model
 import plan
-import report_axes
+import report.axes
 import train
 
 # ---------------------------------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def test_matmul_loop_syncs_per_batch_not_per_matmul(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# FLOPs by format (format_flops.py)
+# FLOPs by format (accounting/format_flops.py)
 # ---------------------------------------------------------------------------------------------------------
 
 SMALL = model.config_from_preset("small")  # L = 6, h = 384, H = 6, V = 256, T = 256
@@ -328,7 +328,7 @@ def test_a_recipe_states_its_flops_by_format_and_the_b200_peak_at_start():
     with plan.fake_world(0, 1):
         run = plan.build_role(settings, 0)
         handle = next(axis for axis in run.axes if axis.name == "precision")
-        text = "\n".join(report_axes.axis_lines(handle, "startup", run))
+        text = "\n".join(report.axes.axis_lines(handle, "startup", run))
     h, total = 64, run.flops.model  # tiny: L = 2, h = 64; tail 0.5 keeps block 1 in bf16, block 0 is quantised
     fwd, bwd = 2 * 12 * h * h, 4 * 12 * h * h
     assert (f"model FLOPs by format nvfp4 {fwd / total:.1%}, mxfp8 {bwd / total:.1%},"

@@ -102,7 +102,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
 
 
 def test_selective_recompute_follows_the_plain_models_loss_curve():
-    """Selective recompute (recompute.py) keeps the GEMM outputs and recomputes the rest, dropout masks
+    """Selective recompute (parallel/recompute.py) keeps the GEMM outputs and recomputes the rest, dropout masks
     included (checkpoint replays the RNG): 4 AdamW steps from the same init, batches and dropout draws give
     the plain model's losses and parameters in float64 to 1e-10, on the fused (no dropout) and math paths, and
     with MoE blocks (by halves, model.Block: their experts' GELU outputs recomputed; the aux losses in the
@@ -135,9 +135,10 @@ def test_selective_recompute_follows_the_plain_models_loss_curve():
 def test_in_backward_tells_a_recompute_from_the_forward_and_is_the_one_place_that_asks_autograd():
     """recompute.in_backward is False in a forward, True in a backward and in the forward that full or
     selective recompute reruns inside it; no other file asks torch's private graph-task id itself."""
+    import glob
     import os
 
-    import recompute
+    from parallel import recompute
     from torch.utils.checkpoint import checkpoint
 
     seen = []
@@ -166,8 +167,9 @@ def test_in_backward_tells_a_recompute_from_the_forward_and_is_the_one_place_tha
         checkpoint(block, x, use_reentrant=False, **kwargs).sum().backward()
         assert seen == [False, True], context_fn  # the forward, then its recompute inside the backward
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    asking = [f for f in os.listdir(root) if f.endswith(".py") and f != "recompute.py"
-              and "_current_graph_task_id" in open(os.path.join(root, f)).read()]
+    asking = [path for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+              if "/tests/" not in path and not path.endswith("parallel/recompute.py")
+              and "_current_graph_task_id" in open(path).read()]
     assert not asking, asking
 
 
@@ -175,7 +177,7 @@ def test_selective_recompute_of_a_moe_block_under_autocast_gives_the_same_gradie
     """A MoE block's recomputed GELU outputs and autocast's weight copies (recompute.SelectiveRecompute.
     activations_recomputed) are the forward's own bits: bf16 gradients equal the plain model's exactly, and
     fewer bytes are saved (memory.SavedActivations: the copies of 4 + 1 experts' weights and the GELU outputs)."""
-    import memory
+    from accounting import memory
 
     runs = []
     for selective in (False, True):
@@ -211,7 +213,7 @@ def test_selective_recompute_of_a_moe_block_runs_under_per_block_compile():
 
 @pytest.mark.parametrize("flags,flag", [(["--cp", "2"], "--cp-impl ring")])  # the one layout refused
 def test_selective_recompute_refuses_the_layouts_it_cannot_serve(flags, flag):
-    import flags as flags_lib
+    from cli import flags as flags_lib
     import train
 
     args = flags_lib.build_parser().parse_args(["--activation-checkpointing", "selective", "--global-batch", "2",
@@ -221,7 +223,7 @@ def test_selective_recompute_refuses_the_layouts_it_cannot_serve(flags, flag):
 
 
 def test_the_bare_recompute_flag_is_full_and_an_unknown_mode_is_a_flag_error():
-    import flags as flags_lib
+    from cli import flags as flags_lib
 
     parser = flags_lib.build_parser()
     assert parser.parse_args(["--activation-checkpointing"]).activation_checkpointing == "full"

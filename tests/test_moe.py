@@ -102,10 +102,9 @@ def test_the_layer_adds_both_aux_terms_with_their_coefficients():
 
 
 def test_capacity_is_the_ceiling_of_the_fair_share_times_f():
-    import moe_accounting
-
-    assert moe_accounting.capacity(64, 2, 4, 1.25) == 40 and moe_accounting.capacity(7, 2, 4, 1.0) == 4
-    assert moe_accounting.capacity(10, 2, 4, 0.0) is None
+    from accounting import moe_costs
+    assert moe_costs.capacity(64, 2, 4, 1.25) == 40 and moe_costs.capacity(7, 2, 4, 1.0) == 4
+    assert moe_costs.capacity(10, 2, 4, 0.0) is None
 
 
 def test_capacity_keeps_each_experts_first_slots_in_token_order():
@@ -122,7 +121,7 @@ def test_capacity_keeps_each_experts_first_slots_in_token_order():
 def test_a_dropped_slot_adds_nothing_and_is_counted():
     """Every token prefers expert 0 (top-1, C = ⌈8·1/4·1⌉ = 2): tokens 0 and 1 get expert 0's output times
     their gate, the 6 later ones nothing (their residual carries them); the layer's observer is told 6."""
-    from observers import RoutedLoad
+    from accounting.observers import RoutedLoad
     from model import GPT
 
     config = make_config(n_layer=1, moe_experts=4, moe_topk=1, moe_capacity_factor=1.0)
@@ -147,7 +146,7 @@ def test_the_layer_tells_its_observer_every_forward_and_the_load_counts_training
     accounting's observer, counts the training forward only."""
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-    from observers import RoutedLoad
+    from accounting.observers import RoutedLoad
     from model import GPT
 
     class Told:
@@ -171,7 +170,7 @@ def test_the_layer_tells_its_observer_every_forward_and_the_load_counts_training
 def test_evaluation_and_sampling_forwards_record_no_routing():
     """Only a training forward records (the load line and the exact message prediction count training
     steps): not one under no_grad (evaluation, sampling), not one in eval mode (observers.RoutedLoad decides)."""
-    from observers import RoutedLoad
+    from accounting.observers import RoutedLoad
     from model import GPT
 
     model = GPT(make_config(n_layer=1, moe_experts=4, moe_topk=2), seed=0, dtype=DT)
@@ -222,11 +221,11 @@ def _skew(layer, x):
 
 
 def _layer(rank, world):
-    import moe_accounting
+    from accounting import moe_costs
     import moe
     from mesh import MeshShape, build_mesh
-    from comm import CommTracer
-    from observers import RoutedLoad
+    from accounting.tracer import CommTracer
+    from accounting.observers import RoutedLoad
     from model import GPT
 
     device = harness.device()
@@ -259,8 +258,8 @@ def _layer(rank, world):
             y=y.detach(), dx=x.grad, grads=_reduce_grads(model, mesh), aux=model.aux_losses.values(),
             local=sorted(layer.experts.keys(), key=int), dropped=routed.dropped.get(0, 0),
             traced=(traced.calls, traced.payload_bytes),
-            counted=tuple(moe_accounting.all_to_all_messages(moe_accounting.Traffic(
-                model.config, ep=ep, compute_bytes=8, router_bytes=8), *routed.rows())[moe_accounting.ALL_TO_ALL]),
+            counted=tuple(moe_costs.all_to_all_messages(moe_costs.Traffic(
+                model.config, ep=ep, compute_bytes=8, router_bytes=8), *routed.rows())[moe_costs.ALL_TO_ALL]),
             expert_inputs=inputs.storages, cats=inputs.cats)
     # Under bf16 autocast (float32 model): the router still computes in fp32, the rows travel in bf16.
     model = GPT(make_config(**LAYER), seed=0, device=device)
@@ -449,11 +448,11 @@ MODEL_CASES = {  # E: config overrides
 
 
 def _model(rank, world):
-    import moe_accounting
+    from accounting import moe_costs
     import moe
-    import report_axes
+    import report.axes
     from mesh import MeshShape, build_mesh
-    from comm import CommTracer
+    from accounting.tracer import CommTracer
     from model import GPT
     from step import GradientAccumulation
 
@@ -469,8 +468,8 @@ def _model(rank, world):
                               device=device, autocast=nullcontext(), compute_dtype=DT, seed=0, model=model, layout=None,
                               settings=SimpleNamespace(args=SimpleNamespace()))  # no --fp8, no recipe
         handle = moe.apply(model, run, moe.MoEConfig(ep))
-        report_axes.observe(handle)  # as train.compose does: the routed load the lines and the end table read
-        startup = report_axes.axis_lines(handle, "startup", run)
+        report.axes.observe(handle)  # as train.compose does: the routed load the lines and the end table read
+        startup = report.axes.axis_lines(handle, "startup", run)
         layout = _Layout(model)
         tracer = CommTracer()
         tracer.name_group(mesh.group("ep"), "ep")
@@ -479,10 +478,10 @@ def _model(rank, world):
                                                             global_tokens, 1.0, D * M, nullcontext(), run.device)
         traced = tracer.records[("all_to_all_single", "ep")]
         results[ep] = dict(grads=_reduce_grads(model, mesh), aux=micro.aux, traced=(traced.calls, traced.payload_bytes),
-                           counted=tuple(handle.traced_prediction(None, 1)[moe_accounting.ALL_TO_ALL]),
-                           uniform=handle.predicted_messages()[moe_accounting.ALL_TO_ALL],
-                           lines=[*startup, *report_axes.axis_lines(handle, "step", run),
-                                  *report_axes.axis_lines(handle, "end", run, 1)])
+                           counted=tuple(handle.traced_prediction(None, 1)[moe_costs.ALL_TO_ALL]),
+                           uniform=handle.predicted_messages()[moe_costs.ALL_TO_ALL],
+                           lines=[*startup, *report.axes.axis_lines(handle, "step", run),
+                                  *report.axes.axis_lines(handle, "end", run, 1)])
     return results
 
 
@@ -597,7 +596,7 @@ def test_check_flags_names_the_flag(kwargs, flag):
 ])
 def test_a_moe_flag_out_of_its_range_fails_once_in_flags_validate(flags, message):
     """Each flag's own range is flags.check_ranges' (once, for every flag alike), not check_flags'."""
-    import flags as flags_lib
+    from cli import flags as flags_lib
     import train
 
     with pytest.raises(flags_lib.FlagError, match=message):
@@ -615,7 +614,7 @@ ACCOUNTING_CONFIGS = (dict(moe_experts=4, moe_topk=2), dict(moe_experts=8, moe_t
 
 @pytest.mark.parametrize("overrides", ACCOUNTING_CONFIGS)
 def test_param_counts_match_the_model(overrides):
-    import memory
+    from accounting import memory
     from model import GPT
 
     config = make_config(**overrides)
@@ -631,7 +630,7 @@ def test_param_counts_match_the_model(overrides):
 @pytest.mark.parametrize("overrides", ACCOUNTING_CONFIGS)
 def test_flops_count_the_matmul_weights_a_token_touches(overrides):
     """The head (tied), attention, k experts' and the router's: not the N − k idle experts."""
-    import memory
+    from accounting import memory
     import mfu
     from model import GPT
 
@@ -650,9 +649,8 @@ def test_flops_count_the_matmul_weights_a_token_touches(overrides):
 
 
 def test_the_load_histogram_scales_to_the_largest():
-    import report_axes
-
-    assert report_axes.moe_histogram([0, 1, 4, 8]) == " ▁▄█"
+    import report.axes
+    assert report.axes.moe_histogram([0, 1, 4, 8]) == " ▁▄█"
 
 
 def test_uniform_step_messages():
@@ -660,17 +658,16 @@ def test_uniform_step_messages():
     4·S·h·e_c; metadata forward and its gradient backward, 2·S·2k·e_r), S = T·ρ, ρ = 2·(1 − C(2,2)/C(4,2)) = 5/3
     ranks a token reaches (N = 4 on E = 2, k = 2); checkpointing +4 calls; CP's statistics all-reduce (2N + 2
     fp32 values) once per forward."""
-    import moe_accounting
-
-    traffic = moe_accounting.Traffic(make_config(moe_experts=4, moe_topk=2), moe_layers=2, tokens=32, micro_batches=3,
+    from accounting import moe_costs
+    traffic = moe_costs.Traffic(make_config(moe_experts=4, moe_topk=2), moe_layers=2, tokens=32, micro_batches=3,
                                      ep=2)
     rows = 32 * 5 / 3
     one = 8 * (4 + 2) + 4 * rows * 32 * 2 + 2 * rows * 4 * 4
-    got = moe_accounting.step_messages(traffic)[("all_to_all_single", "ep")]
+    got = moe_costs.step_messages(traffic)[("all_to_all_single", "ep")]
     assert got[0] == 2 * 3 * 7 and got[1] == pytest.approx(2 * 3 * one, rel=1e-12)
-    traffic = moe_accounting.Traffic(make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True), tokens=32,
+    traffic = moe_costs.Traffic(make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True), tokens=32,
                                      ep=2, cp=2)
-    msgs = moe_accounting.step_messages(traffic)
+    msgs = moe_costs.step_messages(traffic)
     checkpointed = 2 * 8 * (4 + 2) + 6 * rows * 32 * 2 + 3 * rows * 4 * 4
     assert msgs[("all_to_all_single", "ep")][0] == 11
     assert msgs[("all_to_all_single", "ep")][1] == pytest.approx(checkpointed, rel=1e-12)
@@ -774,7 +771,7 @@ SYNC_CASES = [
 
 
 def _host_syncs(rank, world):
-    import report_axes
+    import report.axes
     from optim import DynamicLossScaler
     from step import train_step
 
@@ -800,7 +797,7 @@ def _host_syncs(rank, world):
                                      1.0, nullcontext(), run.device, model=run.model, axes=run.axes,
                                      data_size=run.mesh.size("dp"))
             with HostSyncs() as lines:
-                text = report_axes.axis_lines(moe_axis, "step", run) if moe_axis is not None and index == 1 else []
+                text = report.axes.axis_lines(moe_axis, "step", run) if moe_axis is not None and index == 1 else []
             counts.append((list(counter.seen), list(lines.seen), text))
         out.append(dict(counts=counts, aux=outcome.aux, loss=outcome.loss))
     return out
@@ -842,19 +839,18 @@ def test_the_step_logs_floats_and_the_moe_aux_terms(host_sync_runs):
 
 def _traced_and_sampled(rank, world, cases):
     """Per case: the last-position logits of a whole-sequence forward in the axes' sampling contexts (as
-    train.sample runs model.generate) at init, then one training step traced against report.predicted_messages."""
-    from comm import CommTracer
+    train.sample runs model.generate) at init, then one training step traced against report.run.predicted_messages."""
+    from accounting.tracer import CommTracer
     from contextlib import ExitStack
     from optim import DynamicLossScaler
     from step import train_step
-    import report
-    import report_axes
-
+    import report.run
+    import report.axes
     out = []
     for flags, config_kw, global_batch, micro in cases:
         run = _composed(rank, world, flags, config_kw, global_batch, micro)
         moe_axis = next(axis for axis in run.axes if axis.name == "moe")
-        report_axes.axis_lines(moe_axis, "startup", run)  # as train.py prints it, after start-up's own forwards
+        report.axes.axis_lines(moe_axis, "startup", run)  # as train.py prints it, after start-up's own forwards
         prompt = global_batches(1, 1, SEQ, seed=5)[0][0].to(run.device)
         run.model.eval()
         with torch.no_grad(), ExitStack() as stack:
@@ -873,8 +869,8 @@ def _traced_and_sampled(rank, world, cases):
             train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0,
                        nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.size("dp"))
         traced = {key: (r.calls, r.payload_bytes) for key, r in run.tracer.records.items()}
-        predicted = report.predicted_messages(run, 1)
-        load_line = report_axes.axis_lines(moe_axis, "step", run)[0]
+        predicted = report.run.predicted_messages(run, 1)
+        load_line = report.axes.axis_lines(moe_axis, "step", run)[0]
         out.append(dict(logits=logits, traced=traced, predicted=predicted, load_line=load_line,
                         slots=run.micro_batches * 2 * micro * SEQ // run.mesh.size("cp")
                         // (run.mesh.size("tp") if run.settings.sequence_parallel else 1) * run.config.moe_topk))
@@ -902,7 +898,7 @@ def test_sampling_under_cp_and_sp_gives_the_single_device_logits(traced_and_samp
 
 def test_capacity_gathers_under_cp_and_sp_are_traced_as_predicted(traced_and_sampled_runs):
     """One step's traced messages (the choices' all-gathers on cp, and on tp with --sp, the exact all-to-alls)
-    equal report.predicted_messages, call for call and byte for byte."""
+    equal report.run.predicted_messages, call for call and byte for byte."""
     for index, (flags, _, _, _) in enumerate(CAPACITY_4):
         for rank, by_case in enumerate(traced_and_sampled_runs):
             got = by_case[index]
@@ -926,12 +922,12 @@ SIGMOID_SEQ = dict(moe_score="sigmoid", moe_bias_rate=1e-3, moe_seq_aux_coef=1e-
 
 
 def test_layer_activation_bytes_match_what_autograd_saves():
-    """moe_accounting.layer_activation_bytes against memory.SavedActivations of one MoE layer's forward (E = 1,
+    """moe_costs.layer_activation_bytes against memory.SavedActivations of one MoE layer's forward (E = 1,
     dropless: S = R = T·k exactly), in float64, float32 top-1 with dropout (a CPU mask in fp32) and bf16 autocast
     (whose saved bf16 copies of the expert weights are weights, not activations: taken off); DeepSeek-V3's router
     (sigmoid, the seq loss over B_μ = 2 sequences, top-2, and top-1 with groups)."""
-    import moe_accounting
-    import memory
+    from accounting import moe_costs
+    from accounting import memory
     from model import GPT
 
     for dtype, autocast, overrides in ((DT, False, {}), (torch.float32, False, dict(dropout=0.1, moe_topk=1)),
@@ -946,24 +942,23 @@ def test_layer_activation_bytes_match_what_autograd_saves():
             layer(x)
         compute = 2 if autocast else dtype.itemsize
         weight_copies = config.moe_experts * 2 * 4 * 16 * 16 * 2 if autocast else 0
-        expected = moe_accounting.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize),
+        expected = moe_costs.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize),
                                                          mask_bytes=dtype.itemsize, sequences=2)
         assert saved.bytes - weight_copies == expected, (dtype, autocast, saved.bytes, expected)
 
 
 def test_the_moe_aware_activation_estimate_replaces_the_dense_mlps_share():
-    import moe_accounting
-
+    from accounting import moe_costs
     config = make_config(**LAYER)
-    one = moe_accounting.layer_activation_bytes(config, 64 * 2)
-    assert moe_accounting.activation_estimate_delta(config, 3, 64, 2) == 3 * (one - 19 * 64 * 2 * 16)
-    assert moe_accounting.activation_estimate_delta(config, 1, 64, 2, tp=2) == one - (3 + 8) * 64 * 2 * 16
-    assert moe_accounting.activation_estimate_delta(config, 1, 64, 2, tp=2, sequence_parallel=True) == \
-        moe_accounting.layer_activation_bytes(config, 64) - 19 * 64 * 2 * 16 / 2
+    one = moe_costs.layer_activation_bytes(config, 64 * 2)
+    assert moe_costs.activation_estimate_delta(config, 3, 64, 2) == 3 * (one - 19 * 64 * 2 * 16)
+    assert moe_costs.activation_estimate_delta(config, 1, 64, 2, tp=2) == one - (3 + 8) * 64 * 2 * 16
+    assert moe_costs.activation_estimate_delta(config, 1, 64, 2, tp=2, sequence_parallel=True) == \
+        moe_costs.layer_activation_bytes(config, 64) - 19 * 64 * 2 * 16 / 2
 
 
 # ---------------------------------------------------------------------------------------------------------
-# DeepSeek-V3's router (moe_router.py): sigmoid scores, the loss-free bias, the seq loss, group-limited routing
+# DeepSeek-V3's router (experts/router.py): sigmoid scores, the loss-free bias, the seq loss, group-limited routing
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -1000,12 +995,11 @@ def _reference_gate(logits, bias, k, groups, limit, scale, score):
 def test_routing_equals_a_float64_reference_of_deepseek_v3s_gate_ties_included(score, k, groups, limit, with_bias):
     """Integer logits in [-3, 3] tie often (equal scores within a token, equal group scores); the bias is a
     multiple of 1/8, so biased scores tie too: the selected experts, in order, and the weights (× route scale 2.5)."""
-    import moe_router
-
+    from experts import router
     generator = torch.Generator().manual_seed(0)
     logits = torch.randint(-3, 4, (256, 16), generator=generator).to(DT)
     bias = (torch.randint(-2, 3, (16,), generator=generator) / 8).float() if with_bias else None
-    _, gate, expert, _ = moe_router.route(logits, k, score, bias, groups, limit, scale=2.5)
+    _, gate, expert, _ = router.route(logits, k, score, bias, groups, limit, scale=2.5)
     ref_experts, ref_weights = _reference_gate(logits, [0.0] * 16 if bias is None else bias.tolist(), k, groups,
                                                limit, 2.5, score)
     ties = sum(len(set(row)) < len(row) for row in logits.tolist())
@@ -1020,13 +1014,12 @@ def test_routing_equals_a_float64_reference_of_deepseek_v3s_gate_ties_included(s
 def test_the_sequence_balance_loss_by_hand():
     """eq. 17-20 per sequence: f_i = N/(k·T)·#{t: i in the unbiased top-k of s_t}, P_i = mean_t s_ti/Σ_j s_tj,
     Σ_i f_i·P_i, then the mean over the micro-batch's sequences; its pieces' statistics add up (CP, SP)."""
-    import moe_router
-
+    from experts import router
     torch.manual_seed(0)
     batch, n_tok, n, k = 3, 5, 4, 2
     logits = torch.randn(batch * n_tok, n, dtype=DT)
-    probs, _, _, s = moe_router.route(logits, k, "sigmoid")
-    got = moe_router.sequence_loss(moe_router.sequence_stats(s, probs, k, batch), k)
+    probs, _, _, s = router.route(logits, k, "sigmoid")
+    got = router.sequence_loss(router.sequence_stats(s, probs, k, batch), k)
     expected = 0.0
     for b in range(batch):
         rows = [[1 / (1 + math.exp(-z)) for z in row] for row in logits[b * n_tok:(b + 1) * n_tok].tolist()]
@@ -1038,47 +1031,45 @@ def test_the_sequence_balance_loss_by_hand():
         p = [sum(row[i] / sum(row) for row in rows) / n_tok for i in range(n)]
         expected += sum(fi * pi for fi, pi in zip(f, p)) / batch
     assert abs(float(got) - expected) < 1e-14
-    halves = [moe_router.sequence_stats(s.view(batch, n_tok, n)[:, cut].reshape(-1, n),
+    halves = [router.sequence_stats(s.view(batch, n_tok, n)[:, cut].reshape(-1, n),
                                         probs.view(batch, n_tok, n)[:, cut].reshape(-1, n), k, batch)
               for cut in (slice(0, 2), slice(2, None))]
-    assert abs(float(moe_router.sequence_loss(halves[0] + halves[1], k)) - expected) < 1e-14
+    assert abs(float(router.sequence_loss(halves[0] + halves[1], k)) - expected) < 1e-14
 
 
 def test_the_bias_update_rule():
     """b_i += γ·sign(mean − load_i) from the step's load; the load restarts; last keeps the step's."""
-    import moe_router
-
-    load = moe_router.ExpertLoad(4, sigmoid=True, rate=1e-3)
+    from experts import router
+    load = router.ExpertLoad(4, sigmoid=True, rate=1e-3)
     load.add(torch.tensor([5, 1, 3, 3]))
     load.add(torch.tensor([1, 1, 1, 1]))  # a second micro-batch: [6, 2, 4, 4], mean 4
-    moe_router.finish_step([load])
+    router.finish_step([load])
     assert load.bias.tolist() == torch.tensor([-1e-3, 1e-3, 0.0, 0.0], dtype=torch.float32).tolist()
     assert load.last.tolist() == [6, 2, 4, 4] and load.step.tolist() == [0, 0, 0, 0]
-    off = moe_router.ExpertLoad(4, sigmoid=True, rate=0.0)
+    off = router.ExpertLoad(4, sigmoid=True, rate=0.0)
     off.add(torch.tensor([5, 1, 3, 3]))
-    moe_router.finish_step([off])
+    router.finish_step([off])
     assert off.bias.tolist() == [0.0] * 4 and off.last.tolist() == [5, 1, 3, 3]
 
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_router_and_the_replicas_loads_share_one_all_reduce_per_group(monkeypatch, bias):
-    """moe_router.finish_step with eplb's kept-slot loads riding along: ONE all_reduce per group, whose sum both
+    """router.finish_step with eplb's kept-slot loads riding along: ONE all_reduce per group, whose sum both
     users read (a stand-in all_reduce doubles its tensor: two ranks that routed alike); without the bias the
     router keeps its own count and the riders are still summed, in one call."""
-    import moe_router
-
+    from experts import router
     calls = []
 
     def all_reduce(tensor, op=None, group=None):
         calls.append((group, tuple(tensor.shape)))
         tensor.mul_(2)
 
-    monkeypatch.setattr(moe_router.dist, "all_reduce", all_reduce)
-    loads = [moe_router.ExpertLoad(4, sigmoid=True, rate=1e-3 if bias else 0.0) for _ in range(2)]
+    monkeypatch.setattr(router.dist, "all_reduce", all_reduce)
+    loads = [router.ExpertLoad(4, sigmoid=True, rate=1e-3 if bias else 0.0) for _ in range(2)]
     for load, step in zip(loads, ([6, 2, 4, 4], [1, 1, 1, 5])):
         load.add(torch.tensor(step))
     riders = torch.tensor([[5, 2, 4, 4], [1, 1, 1, 4]])  # capacity dropped some: the kept slots
-    summed = moe_router.finish_step(loads, ["dp_cp"], riders.clone())
+    summed = router.finish_step(loads, ["dp_cp"], riders.clone())
     assert calls == [("dp_cp", (4 if bias else 2, 4))]
     assert summed.tolist() == (2 * riders).tolist()
     assert loads[0].last.tolist() == ([12, 4, 8, 8] if bias else [6, 2, 4, 4])
@@ -1125,7 +1116,7 @@ def test_router_flags_that_cannot_work_name_the_flag(overrides, flag):
 
 def test_groups_must_divide_the_ep_ranks_or_be_a_multiple(capsys, monkeypatch):
     """Through train.main's flag parsing: one line naming the flag, exit status 2, before any rank waits."""
-    import flags as flags_lib
+    from cli import flags as flags_lib
     import train
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: parse validates before any process group
@@ -1141,7 +1132,7 @@ def test_groups_must_divide_the_ep_ranks_or_be_a_multiple(capsys, monkeypatch):
 
 
 def test_a_router_flag_out_of_its_range_fails_in_flags_validate():
-    import flags as flags_lib
+    from cli import flags as flags_lib
     import train
 
     for argv, message in ((["--moe-bias-rate", "-1"], "--moe-bias-rate must be at least 0"),
@@ -1175,11 +1166,11 @@ def _deepseek_runs(rank, world, root):
     import os
 
     import moe
-    import moe_router
+    from experts import router
     import test_composition
 
     biases, spans = {}, []
-    after_grad_sync, route = moe.MoEAxis.after_grad_sync, moe_router.route
+    after_grad_sync, route = moe.MoEAxis.after_grad_sync, router.route
 
     def recording(self, layout):  # each step's bias, after its update
         out = after_grad_sync(self, layout)
@@ -1192,7 +1183,7 @@ def _deepseek_runs(rank, world, root):
         assert spans[-1] <= limit, (spans[-1], limit)
         return out
 
-    moe.MoEAxis.after_grad_sync, moe_router.route = recording, checked
+    moe.MoEAxis.after_grad_sync, router.route = recording, checked
     out = []
     for case in DS_4:
         biases.clear()
@@ -1237,7 +1228,7 @@ def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resume
     equal to the single device's after each case (exactly: integer loads, the same sign steps), the checkpoint's
     bias one logical tensor per layer, and what sampling loads of it (hf.load_model's pieces) the bias it saved."""
     import ckpt
-    import hf
+    from interop import hf
     import test_composition
     from model import GPT
 
@@ -1267,13 +1258,12 @@ def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resume
 
 def test_off_group_counts_the_exchanges_rows_to_and_from_ranks_of_other_places():
     """E = 4 ranks in G = 2 groups of 2 ranks, this rank 1 (place 0): rows sent to and received from ranks 2, 3."""
-    import moe_dispatch
-    import moe_router
-
-    places = moe_router.group_places(2, 4, 1)
+    from experts import dispatch
+    from experts import router
+    places = router.group_places(2, 4, 1)
     assert places.of_rank == [0, 0, 1, 1] and places.mine == 0
-    assert moe_router.off_group(places, moe_dispatch.Exchange([2, 1, 3, 4], [5, 0, 6, 7], 0)) == (7, 13)
-    assert moe_router.off_group(None, moe_dispatch.Exchange([2, 1, 3, 4], [5, 0, 6, 7], 0)) == (0, 0)
+    assert router.off_group(places, dispatch.Exchange([2, 1, 3, 4], [5, 0, 6, 7], 0)) == (7, 13)
+    assert router.off_group(None, dispatch.Exchange([2, 1, 3, 4], [5, 0, 6, 7], 0)) == (0, 0)
 
 
 def test_the_uniform_rows_per_token():
@@ -1281,13 +1271,12 @@ def test_the_uniform_rows_per_token():
     sender's rank); M = 4, each of the 3 others is missed with C(6,2)/C(8,2) = 15/28; no groups is M = G = E;
     G = 2 groups of 2 ranks, M = 1: both experts in one group, on 1 or 2 of its ranks, the other group's half
     the time."""
-    import moe_router
-
-    assert moe_router.rows_per_token(8, 2, 4, 1, 4) == (1.0, 0.75)
-    assert moe_router.rows_per_token(8, 2, 4, 4, 4) == pytest.approx((4 * 13 / 28, 3 * 13 / 28))
-    assert moe_router.rows_per_token(8, 2, 0, 0, 4) == moe_router.rows_per_token(8, 2, 4, 4, 4)
+    from experts import router
+    assert router.rows_per_token(8, 2, 4, 1, 4) == (1.0, 0.75)
+    assert router.rows_per_token(8, 2, 4, 4, 4) == pytest.approx((4 * 13 / 28, 3 * 13 / 28))
+    assert router.rows_per_token(8, 2, 0, 0, 4) == router.rows_per_token(8, 2, 4, 4, 4)
     one_group = 1 * 2 / 6 + 2 * 4 / 6  # 2 of its 4 experts: on one rank (2 of the 6 pairs) or on both
-    assert moe_router.rows_per_token(8, 2, 2, 1, 4) == pytest.approx((one_group, one_group / 2))  # other group: 1/2
+    assert router.rows_per_token(8, 2, 2, 1, 4) == pytest.approx((one_group, one_group / 2))  # other group: 1/2
 
 
 OFF_GROUP_FLAGS = ["--moe-experts", "8", "--moe-score", "sigmoid", "--moe-bias-rate", "0.01", "--moe-groups", "4",
@@ -1295,16 +1284,16 @@ OFF_GROUP_FLAGS = ["--moe-experts", "8", "--moe-score", "sigmoid", "--moe-bias-r
 
 
 def _off_group_runs(rank, world):
-    import moe_accounting
-    import moe_router
-    import report
-    import report_axes
+    from accounting import moe_costs
+    from experts import router
+    import report.run
+    import report.axes
     import test_composition
-    from comm import CommTracer
+    from accounting.tracer import CommTracer
     from optim import DynamicLossScaler
     from step import train_step
 
-    out, route = {}, moe_router.route
+    out, route = {}, router.route
     cases = [(4, []), (1, []), (1, ["--moe-replicas", "12"]), ("cp_sp", [])]  # M = G, M = 1, M = 1 with replicas
     for limit, extra in cases:  # and CP × SP with the seq loss (B_μ = 2)
         chosen = []
@@ -1318,7 +1307,7 @@ def _off_group_runs(rank, world):
             chosen.append(result[2].tolist())
             return result
 
-        moe_router.route = recording
+        router.route = recording
         flags, batch, micro = [*OFF_GROUP_FLAGS, "--moe-group-limit", str(limit), *extra], 8, 1
         if limit == "cp_sp":
             flags, batch, micro = [*OFF_GROUP_FLAGS[:6], "--moe-seq-aux-coef", "0.01", "--cp", "2", "--tp", "2",
@@ -1326,7 +1315,7 @@ def _off_group_runs(rank, world):
         run = test_composition.composed_run(rank, world, flags, {}, batch, micro, harness.device())
         axis = next(a for a in run.axes if a.name == "moe")
         tracer, steps = CommTracer(), 2
-        run.tracer = tracer  # report.predicted_messages names the groups as the tracer does
+        run.tracer = tracer  # report.run.predicted_messages names the groups as the tracer does
         for name, group in run.mesh.groups.items():
             tracer.name_group(group, name)
         for x, y in global_batches(steps, batch, SEQ):
@@ -1336,32 +1325,31 @@ def _off_group_runs(rank, world):
             with tracer:
                 train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0,
                            nullcontext(), run.device, model=run.model, axes=run.axes, data_size=run.mesh.size("dp"))
-        moe_router.route = route
+        router.route = route
         mine = run.mesh.index("ep")  # G = E: a group is one rank, expert e on rank e // 2 (without replicas)
         sent_to = tracer.sent_to("all_to_all_single", "ep")
         observer = axis.observer
         out[limit if not extra else "replicas"] = dict(
             off_group=tuple(observer.off_group), tokens=sum(len(f) for f in chosen),
             by_hand=sum(len({e // 2 for e in row} - {mine}) for forward in chosen for row in forward),
-            off_bytes=(moe_accounting.off_group_bytes(axis.traffic, observer.forwards, *observer.off_group),
+            off_bytes=(moe_costs.off_group_bytes(axis.traffic, observer.forwards, *observer.off_group),
                        sum(sent_to) - sent_to[mine] if sent_to else 0),
             traced={k: (r.calls / steps, r.payload_bytes / steps) for k, r in tracer.records.items()},
-            predicted=report.predicted_messages(run, steps),
-            lines=report_axes.axis_lines(axis, "end", run, steps))
+            predicted=report.run.predicted_messages(run, steps),
+            lines=report.axes.axis_lines(axis, "end", run, steps))
     return out
 
 
 @pytest.mark.slow
 def test_group_limited_routing_cuts_the_off_group_bytes_as_predicted():
     """E = 4, G = 4 (a group is a rank's 2 experts), k = 2, 2 steps, every token's experts in ≤ M groups (asserted
-    in every forward): the deduplicated exchange (moe_dispatch.py) sends one row per token and other rank, so
+    in every forward): the deduplicated exchange (experts/dispatch.py) sends one row per token and other rank, so
     the rows leaving a rank equal a count by hand from the experts chosen, and the ep all-to-alls' bytes to the
-    other ranks predicted from them (moe_accounting.off_group_bytes) equal the CommTracer's per destination,
+    other ranks predicted from them (moe_costs.off_group_bytes) equal the CommTracer's per destination,
     exactly; from M = G to M = 1 they fall as the uniform estimate says (rows per token 3·13/28 → 3/4, within
     0.15 on 64 tokens a rank and step); with --moe-replicas the ranks are the physical slots' (traced =
     predicted); every message of the step equals the prediction; and on C = 2 × T = 2 with --sp and the seq loss."""
-    import moe_router
-
+    from experts import router
     results = run_ranks(_off_group_runs, 4, timeout=300)
     for limit in (4, 1, "replicas", "cp_sp"):
         for rank, got in enumerate(results):
@@ -1380,24 +1368,24 @@ def test_group_limited_routing_cuts_the_off_group_bytes_as_predicted():
     print(f"\noff-group rows per token {rows}, bytes (all ranks, 2 steps) {off_bytes}\n"
           + "\n".join(results[0][1]["lines"]))
     assert off_bytes[1] < off_bytes[4] and rows[1] < rows[4]
-    assert rows[1] == pytest.approx(moe_router.rows_per_token(8, 2, 4, 1, 4)[1], abs=0.15)
-    assert rows[4] == pytest.approx(moe_router.rows_per_token(8, 2, 4, 4, 4)[1], abs=0.15)
+    assert rows[1] == pytest.approx(router.rows_per_token(8, 2, 4, 1, 4)[1], abs=0.15)
+    assert rows[4] == pytest.approx(router.rows_per_token(8, 2, 4, 4, 4)[1], abs=0.15)
     assert any(line.startswith("moe off-group all-to-all (G=4, M=1; a group is 1 ranks") for line in
                results[0][1]["lines"])
 
 
 GROUP_LIMITED_RUN = """
 import sys
-import moe_router
+from experts import router
 import train
-route, steps = moe_router.route, []
+route, steps = router.route, []
 def checked(logits, topk, score="softmax", bias=None, groups=0, limit=0, scale=1.0):
     out = route(logits, topk, score, bias, groups, limit, scale)
     span = max(len(set(row)) for row in (out[2] // (logits.shape[1] // groups)).tolist())
     assert span <= limit, (span, limit)
     steps.append(span)
     return out
-moe_router.route = checked
+router.route = checked
 train.main(sys.argv[1].split())
 print("GROUP SPANS", len(steps), max(steps))
 """

@@ -1,4 +1,4 @@
-"""pipeline.py and schedules.py: the schedules as pure Python, gradient equivalence on 2 and 4 ranks, traced
+"""pipeline.py and parallel/schedules.py: the schedules as pure Python, gradient equivalence on 2 and 4 ranks, traced
 p2p bytes, flags. Each test names one property; the spawned runs are module-scoped fixtures that several
 tests read.
 
@@ -16,7 +16,7 @@ tests read.
    Cases add an auxiliary loss, (x, y, pos) batches, an uneven split and loss scaling; with TP (2 × 2,
    with and without SP) the zb weight-gradient deferral runs through tensor_parallel's inner linears.
 3. Every traced message (send/recv over pp, the loss and tied-embedding all-reduces) equals the handle's
-   prediction, calls and bytes; report_pipeline.py's lines draw the timeline and write a Chrome trace.
+   prediction, calls and bytes; report/pipeline.py's lines draw the timeline and write a Chrome trace.
 4. FP8 under the pipeline: zb with every recipe equals the single-device FP8 model (fp8.Fp8Linear defers its
    own weight gradient to the W action).
 5. Sent buffers are freed at the plan's release points: the host programs of every plan run to the end
@@ -27,7 +27,7 @@ tests read.
    behind; on CUDA the actions are timed by events (observers.ActionClock, with a fake torch.cuda.Event here) and
    nothing synchronizes the device inside the step; the end line says why a measured bubble differs from the
    formula; the handle speaks the axis protocol (after_grad_sync returns 0, predicted_messages a
-   comm.Messages, no printing of its own). The interpreter keeps no clock: nobody watches it by default, and
+   tracer.Messages, no printing of its own). The interpreter keeps no clock: nobody watches it by default, and
    an observer it is given is told the step, each action in the plan's order and each p2p call; the
    accounting reads the handle through `facts()` and the observer it subscribed only.
 The ranks build their stages on harness.device() (each rank's GPU under nccl, where the p2p goes over NCCL);
@@ -46,10 +46,10 @@ import pytest
 import torch
 
 import pipeline as pp
-import report_axes
-import report_pipeline
-import schedules as sch
-from comm import Messages
+import report.axes
+import report.pipeline
+from parallel import schedules as sch
+from accounting.tracer import Messages
 import harness
 from harness import run_ranks
 from model import GPT
@@ -72,7 +72,7 @@ def build(run, config, dtype=torch.float32, transform=None):
     if transform is not None:
         transform(model)
     handle = pp.apply(model, run, config)
-    report_axes.observe(handle)
+    report.axes.observe(handle)
     return model, handle
 
 
@@ -297,7 +297,7 @@ def test_deferred_weight_gradients_equal_autograd_under_bf16_autocast():
 
 def _validate(n_layer, P, m, schedule="1f1b", v=2, zero=0):
     """flags.validate as every rank runs it before the process group: D = 1, m micro-batches of one sequence."""
-    import flags
+    from cli import flags
 
     args = flags.build_parser().parse_args(["--preset", "tiny", "--n-layer", str(n_layer), "--pp", str(P),
                                             "--pp-schedule", schedule, "--pp-virtual", str(v), "--global-batch",
@@ -312,7 +312,7 @@ def _validate(n_layer, P, m, schedule="1f1b", v=2, zero=0):
     ((8, 2, 4, "interleaved", 1), ["--pp-virtual 1"]),
 ])
 def test_impossible_shapes_are_clear_errors(args, expected):
-    import flags
+    from cli import flags
 
     with pytest.raises(flags.FlagError) as error:
         _validate(*args)
@@ -324,7 +324,7 @@ def test_valid_flags_give_the_config():
     assert _validate(7, 4, 4, "1f1b") == pp.PipelineConfig(4, "1f1b", 1)  # v only for interleaved; uneven allowed
     assert _validate(8, 2, 3, "interleaved", 2) == pp.PipelineConfig(2, "interleaved", 2)  # m not a multiple of P
     assert _validate(2, 1, 1, "1f1b") is None  # no pipeline
-    assert _validate(8, 2, 4, "zb", 2, 3) == pp.PipelineConfig(2, "zb", 1)  # ZeRO-2/3 too (zero_pipeline.py)
+    assert _validate(8, 2, 4, "zb", 2, 3) == pp.PipelineConfig(2, "zb", 1)  # ZeRO-2/3 too (parallel/zero_pipeline.py)
 
 
 def test_layers_split_into_contiguous_chunks_dealt_round_robin():
@@ -334,9 +334,9 @@ def test_layers_split_into_contiguous_chunks_dealt_round_robin():
 
 
 def test_an_uneven_split_warns():
-    lines = report_pipeline.pp_split_lines(make_config(n_layer=7), 4)
+    lines = report.pipeline.pp_split_lines(make_config(n_layer=7), 4)
     assert any("WARNING uneven split" in line and "chunks [0, 1, 2]" in line for line in lines)
-    assert not any("WARNING" in line for line in report_pipeline.pp_split_lines(make_config(n_layer=8), 4))
+    assert not any("WARNING" in line for line in report.pipeline.pp_split_lines(make_config(n_layer=8), 4))
 
 
 def test_the_split_prints_what_each_stage_builds():
@@ -347,7 +347,7 @@ def test_the_split_prints_what_each_stage_builds():
             built = [sum(p.numel() for p in build_stages(config, 0, torch.float32, "meta", r, P, v).parameters())
                      for r in range(P)]
             printed = [int(line.rsplit(": ", 1)[1].split()[0].replace(",", ""))
-                       for line in report_pipeline.pp_split_lines(config, P, v) if line.startswith("  stage ")]
+                       for line in report.pipeline.pp_split_lines(config, P, v) if line.startswith("  stage ")]
             assert printed == built, (config, P, v)
 
 
@@ -399,7 +399,7 @@ def _case_batches(m, with_pos):
 def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
     import tensor_parallel as tp_lib
     from mesh import build_mesh, infer_mesh_shape
-    from comm import CommTracer
+    from accounting.tracer import CommTracer
 
     device = harness.device()
     mesh = build_mesh(infer_mesh_shape(world, pp=world // tp_size, tp=tp_size), rank)
@@ -441,10 +441,10 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
         grads = {p.shard_info.global_name: (p.grad.detach().clone() / loss_scale, p.shard_info)
                  for p in stages.parameters()}
         synced_arrivals = dict(layout.arrivals)
-        lines = report_pipeline.pp_end_lines(handle, run, 1) if "lines" in extra else None  # collective over pp
+        lines = report.pipeline.pp_end_lines(handle, run, 1) if "lines" in extra else None  # collective over pp
         results[case] = dict(loss=float(out.loss_sum), aux=out.aux, grads=grads, traced=traced,
                              predicted=handle.predicted_messages(layout).named(tracer.alias),
-                             arrivals=synced_arrivals, startup=report_pipeline.pp_startup_lines(handle, run),
+                             arrivals=synced_arrivals, startup=report.pipeline.pp_startup_lines(handle, run),
                              lines=lines)
     return results
 
@@ -997,7 +997,7 @@ class _Recorder(pp.PipelineObserver):
 
 
 def _lifetime_checks(rank, world):
-    import observers
+    from accounting import observers
     from mesh import build_mesh, infer_mesh_shape
 
     device = harness.device()
@@ -1021,7 +1021,7 @@ def _lifetime_checks(rank, world):
         step(stages, handle, 16)
     out["live"], out["bound"] = max(counts), sch.live_sends(handle.schedule.plan(16))
     # The handle's protocol: after_grad_sync's count of non-finite values, the type of its prediction, and none
-    # of the hooks that moved to report_axes.py or left the protocol.
+    # of the hooks that moved to report/axes.py or left the protocol.
     layout = StandInLayout(stages)
     out["protocol"] = dict(nonfinite=handle.after_grad_sync(layout), predicted=type(handle.predicted_messages(layout)),
                            own=set(vars(pp.Pipeline)))
@@ -1129,10 +1129,10 @@ def test_nobody_watches_the_interpreter_by_default_and_an_observer_is_told_each_
 
 
 def test_the_accounting_reads_the_pipeline_handle_through_facts_and_its_observer_only():
-    """report_pipeline.py (the pp section), report_axes.py's observe, activations.py, time_model.py's pp branch
+    """report/pipeline.py (the pp section), report/axes.py's observe, accounting/activations.py, planner/time_model.py's pp branch
     and the bench read the pp handle (a variable `axis` or `handle`) through step.Axis's methods, `facts()` and
-    `observer` (the clock the accounting subscribed), never its schedule; report.py reads nothing of a schedule beyond
-    step.GradientAccumulation's protocol; pipeline.py imports no accounting file (measure.py reads no pp)."""
+    `observer` (the clock the accounting subscribed), never its schedule; report/run.py reads nothing of a schedule beyond
+    step.GradientAccumulation's protocol; pipeline.py imports no accounting file (accounting/measure.py reads no pp)."""
     import ast
 
     import step
@@ -1143,13 +1143,13 @@ def test_the_accounting_reads_the_pipeline_handle_through_facts_and_its_observer
     protocol = {name for name in vars(step.GradientAccumulation) if not name.startswith("_")}
     protocol |= {"measure_activations", "saved_activation_bytes"}  # set in its __init__
     read, of_schedule = set(), set()
-    for path in ("report_pipeline.py", "report_axes.py", "report.py", "activations.py", "time_model.py",
+    for path in ("report/pipeline.py", "report/axes.py", "report/run.py", "accounting/activations.py", "planner/time_model.py",
                  "bench/bench_pipeline.py"):
         tree = ast.parse(open(os.path.join(root, path)).read())
         scopes = [tree]
-        if path == "report_axes.py":  # observe only: the other axes' sections read their own handles
+        if path == "report/axes.py":  # observe only: the other axes' sections read their own handles
             scopes = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "observe"]
-        if path == "time_model.py":  # the pp branch of role_of
+        if path == "planner/time_model.py":  # the pp branch of role_of
             scopes = [node for node in ast.walk(tree) if isinstance(node, ast.If)
                       and ast.unparse(node.test) == "axis.name == 'pp'"]
             assert len(scopes) == 1
@@ -1179,27 +1179,27 @@ UNIFORM_COSTS = [{"F": 1.0, "B": 2.0}] * 2
 
 
 def test_bubble_note_is_empty_when_nothing_the_run_sees_explains_a_difference():
-    assert report_pipeline.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=2, threads=1, cores=2) == ""
+    assert report.pipeline.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=2, threads=1, cores=2) == ""
     # GPUs: elsewhere
-    assert report_pipeline.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=4, threads=8, cores=2, cpu=False) == ""
+    assert report.pipeline.pp_bubble_note(UNIFORM_COSTS, 0.2, ranks=4, threads=8, cores=2, cpu=False) == ""
 
 
 def test_bubble_note_names_ranks_sharing_cores():
-    shared = report_pipeline.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=4, threads=1, cores=2)
+    shared = report.pipeline.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=4, threads=1, cores=2)
     assert "4 ranks × 1 thread share 2 cores" in shared and "costs" not in shared.split(".")[0]
     assert shared.endswith("simulation with the measured costs, 25.0%")
 
 
 def test_bubble_note_names_other_processes_loading_the_cores():
-    loaded = report_pipeline.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=10.3)
+    loaded = report.pipeline.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=10.3)
     assert "load average is 10.3 on 2 cores" in loaded and "2 ranks" not in loaded
-    assert report_pipeline.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=1.9) == ""
+    assert report.pipeline.pp_bubble_note(UNIFORM_COSTS, 0.25, ranks=2, threads=1, cores=2, load=1.9) == ""
 
 
 def test_bubble_note_names_costs_that_are_not_uniform():
-    slower = report_pipeline.pp_bubble_note([{"F": 1.0, "B": 2.9}, {"F": 1.5, "B": 3.0}], 0.31, ranks=2, threads=1,
+    slower = report.pipeline.pp_bubble_note([{"F": 1.0, "B": 2.9}, {"F": 1.5, "B": 3.0}], 0.31, ranks=2, threads=1,
                                             cores=2)
     assert "F differs 1.50× between stages" in slower and "B/F 2.00..2.90, uniform 2" in slower
     assert "wait on slower peers" in slower and "cores" not in slower and slower.endswith("costs, 31.0%")
-    zb = report_pipeline.pp_bubble_note([{"F": 1.0, "I": 1.05, "W": 0.5}], 0.1, ranks=1, threads=1, cores=2)
+    zb = report.pipeline.pp_bubble_note([{"F": 1.0, "I": 1.05, "W": 0.5}], 0.1, ranks=1, threads=1, cores=2)
     assert "W/F 0.50..0.50, uniform 1" in zb and "I/F" not in zb

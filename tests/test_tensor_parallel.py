@@ -46,7 +46,7 @@ def _layers(rank, world):
 
 def _layer_checks(rank, world, group, sp):
     import tensor_parallel as tp
-    from comm import CommTracer
+    from accounting.tracer import CommTracer
     from model import GPT
     from shard import ShardInfo, Split
 
@@ -217,7 +217,7 @@ def _ddp_layout(model, mesh):
 def _zero_layout(stage):
     def build(model, mesh):
         from zero import ZeroConfig, ZeroLayout
-        from zero3 import Zero3Layout
+        from parallel.zero3 import Zero3Layout
 
         # The flat ZeRO buffers hold this rank's TP shards; the norm counts TP-replicated copies on tp rank 0.
         config = ZeroConfig(stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], betas=HYPER["betas"],
@@ -244,7 +244,7 @@ def _train_tp(rank, world, tp_size, layout_name, global_batch, micro, clip, vari
 
 def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip, sp, checkpointing):
     import tensor_parallel as tp
-    from comm import CommTracer
+    from accounting.tracer import CommTracer
     from mesh import build_mesh, infer_mesh_shape
     from model import GPT
     from optim import DynamicLossScaler
@@ -363,7 +363,7 @@ def test_tp_messages_are_as_predicted_every_step(trained):
 
 
 def test_tp_rank_holds_param_counts_per_rank(trained):
-    import memory
+    from accounting import memory
 
     for variant, results in trained[2].items():
         for r in results:
@@ -374,9 +374,9 @@ def test_tp_rank_holds_param_counts_per_rank(trained):
 def test_the_startup_prints_the_parameters_each_rank_holds(flags_list):
     """The start-up's "parameters per rank" is the numel of the rank as built (on meta, in a fake group of 4, as
     --plan builds it): a pipeline stage's blocks only; whole experts, N/E of them, on every TP rank."""
-    import flags
+    from cli import flags
     import plan
-    import report_axes
+    import report.axes
     import train
 
     argv = ["--preset", "tiny", "--dtype", "fp32", *flags_list, "--global-batch", "4", "--micro-batch", "1"]
@@ -384,7 +384,7 @@ def test_the_startup_prints_the_parameters_each_rank_holds(flags_list):
     for rank in range(4):
         with plan.fake_world(rank, 4):
             run = plan.build_role(settings, rank)
-            lines = [line for axis in run.axes if axis.name == "tp" for line in report_axes.tp_startup_lines(axis, run)]
+            lines = [line for axis in run.axes if axis.name == "tp" for line in report.axes.tp_startup_lines(axis, run)]
         printed = next(line for line in lines if "parameters per rank" in line).split(": ")[1].split()[0]
         assert int(printed.replace(",", "")) == sum(p.numel() for p in run.model.parameters()), (flags_list, rank)
 
@@ -429,7 +429,7 @@ def _composed(rank, world, flags, measure):
     """train.compose on the flags in float64, as train.main builds a run (the measurement included)."""
     from dataclasses import replace
 
-    import flags as flags_lib
+    from cli import flags as flags_lib
     import train
     from mesh import build_mesh
 
@@ -459,9 +459,9 @@ def _trained_losses(run, steps=2):
 
 
 def _measured(rank):
-    """Block 0 measured by report.measure_startup in composed runs: what it saw, the lines printed with it,
+    """Block 0 measured by report.run.measure_startup in composed runs: what it saw, the lines printed with it,
     and whether measuring changed anything (FP8's delayed amaxes would, were the block not a copy)."""
-    import report_axes
+    import report.axes
     import tensor_parallel
 
     out = {}
@@ -470,7 +470,7 @@ def _measured(rank):
         tp = next(axis for axis in run.axes if axis.name == "tp")
         out[sp] = dict(measured=run.measured.on("tp"), saved=run.measured.saved_bytes,
                        predicted=tensor_parallel.block_messages(*tp.facts()),
-                       lines=report_axes.tp_startup_lines(tp, run))
+                       lines=report.axes.tp_startup_lines(tp, run))
     fp8 = ["--tp", "2", "--sp", "--fp8", "delayed"]
     out["fp8"] = {measure: _trained_losses(_composed(rank, 2, fp8, measure)) for measure in (True, False)}
     return out
@@ -573,7 +573,7 @@ def test_measuring_block_zero_leaves_the_run_as_it_was(two_ranks):
     ],
 )
 def test_invalid_tp_flags_are_clear_errors(argv, world, expected):
-    from flags import FlagError, build_parser, validate
+    from cli.flags import FlagError, build_parser, validate
     from train import AXES
 
     with pytest.raises(FlagError) as error:
@@ -583,7 +583,7 @@ def test_invalid_tp_flags_are_clear_errors(argv, world, expected):
 
 
 def test_valid_tp_flags_give_a_2d_mesh():
-    from flags import build_parser, validate
+    from cli.flags import build_parser, validate
     from train import AXES
 
     settings = validate(build_parser().parse_args(["--preset", "tiny", "--tp", "2", "--sp"]), 4, axes=AXES)

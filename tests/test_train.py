@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from harness import backend_flags
-from flags import FlagError, build_parser, validate
+from cli.flags import FlagError, build_parser, validate
 from train import AXES
 
 
@@ -59,8 +59,8 @@ def test_the_default_run_is_minutes_of_work_and_the_readme_names_it(tmp_path, mo
     machine runs the default's 14 TFLOP in 162 s of wall time, so 20 TFLOP stays within the 5 minutes a
     newcomer waits; the `small` preset's 150 steps, the default before, were 44 TFLOP and ~13 minutes.
     The README's line for the run names its preset and its number of steps."""
-    import flags as flags_lib
-    import memory
+    from cli import flags as flags_lib
+    from accounting import memory
     import mfu
     import train
 
@@ -100,7 +100,7 @@ def test_bad_inputs_end_in_one_line_exactly_once_through_torchrun(tmp_path):
     agent's store on who prints), and a corpus too small for the batch (found after the process group exists,
     by the ranks that build the token cache, and agreed by all); a --ckpt-dir another run writes (rank 0 is
     refused its lock before any process group and the other rank hears it through the store: no start-up)."""
-    from ckpt_files import WriterLock
+    from resilience.ckpt_files import WriterLock
 
     late_rank0 = tmp_path / "late_rank0.py"
     late_rank0.write_text(f"import os, runpy, sys, time\nsys.path.insert(0, {ROOT!r})\n"
@@ -205,7 +205,7 @@ def test_a_bad_input_ends_in_one_line_before_any_process_group(flags, world, mes
                                                               capsys):
     """flags.parse, as every rank runs it before the process group exists: exit status 2 and one line,
     `error: ...`, naming the flag and what it must be; nothing else on stderr (no usage text, no traceback)."""
-    import flags as flags_lib
+    from cli import flags as flags_lib
     import train
 
     paths = dict(FILE=tmp_path / "a-file", DIR=tmp_path / "a-dir", BINARY=tmp_path / "data.bin",
@@ -275,12 +275,12 @@ def test_a_second_run_on_a_ckpt_dir_is_refused_before_any_process_group_and_a_de
     directory: the kernel dropped the dead holder's flock."""
     import torch.distributed as dist
 
-    import flags as flags_lib
+    from cli import flags as flags_lib
     import train
 
     root = tmp_path / "ck"
     root.mkdir()
-    hold = (f"import sys, time; sys.path.insert(0, {ROOT!r}); import ckpt_files; lock = ckpt_files.WriterLock("
+    hold = (f"import sys, time; sys.path.insert(0, {ROOT!r}); from resilience import ckpt_files; lock = ckpt_files.WriterLock("
             f"{str(root)!r}); print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -428,7 +428,7 @@ def test_messages_are_as_predicted_with_fp32_gradient_accumulation(nproc, flags,
     """bf16 ZeRO with m = 4 accumulates in fp32: the gradient sums the axes add after the reduction (SP's over
     TP for the experts, the tied embedding's over its two stages) move those fp32 shards, as predicted; and a
     ZeRO group of one (D = 1) sends nothing, FP8 weight gathers included. Selective recompute under TP + SP
-    sends nothing again in backward (its collectives kept: collective_ops.py)."""
+    sends nothing again in backward (its collectives kept: parallel/collectives.py)."""
     run = launch(nproc, "--preset", "tiny", "--dtype", "bf16", *flags, "--steps", "2", "--global-batch", "4",
                  "--micro-batch", "1",
                  "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path), timeout=240)
@@ -548,7 +548,7 @@ def test_every_dtype_the_flags_accept_reaches_the_end_of_a_run_on_cpu(tmp_path):
     the hardware model's check line compares the steps with the model of this machine, whose peak is the one
     measured in the run's dtype (fp16 must not look up a bf16 peak the measured CPU does not have: KeyError).
     Two steps, so one is timed and the check line predicts; one process runs the four, importing torch once."""
-    import flags as flags_lib
+    from cli import flags as flags_lib
 
     dtypes = ["auto", *flags_lib.DTYPES]
     assert set(dtypes) == set(build_parser()._option_string_actions["--dtype"].choices)  # every one the flag takes
@@ -574,13 +574,12 @@ def test_every_dtype_the_flags_accept_reaches_the_end_of_a_run_on_cpu(tmp_path):
 
 def test_an_mfu_above_100_percent_is_flagged_once(capsys):
     """A step line whose MFU exceeds 100% marks it and says once, why: the peak assumed is too low."""
-    import report
-
-    clock = report.Progress(0, 10)
+    import report.run
+    clock = report.run.Progress(0, 10)
     record = dict(step=0, loss=1.0, lr=1e-3, grad_norm=0.5, skipped=False, tokens_per_s=10.0, mfu=2.23,
                   step_time_s=0.1)
     for step in (0, 1):
-        report.print_step(dict(record, step=step), clock)
+        report.run.print_step(dict(record, step=step), clock)
     out = capsys.readouterr().out
     assert out.count("MFU 223.00%!") == 2 and out.count("MFU above 100% cannot be") == 1, out
 
@@ -590,7 +589,7 @@ def test_the_axis_protocol_is_nine_methods_and_no_handle_brings_back_a_removed_h
     accounting ones: the predicted and traced messages, `observe`
     (the accounting's clock or counter subscribes to the algorithm) and `facts` (what the printouts read).
     A handle may have helpers of its own, but none of the hooks that left the protocol (printing moved to
-    report_axes.py's sections, per-step hooks into after_grad_sync, "loaded" into the loaded tensors, the
+    report/axes.py's sections, per-step hooks into after_grad_sync, "loaded" into the loaded tensors, the
     routed-load record into observers.RoutedLoad, TP's `holding` into its facts)."""
     import inspect
 
@@ -609,7 +608,7 @@ def test_the_axis_protocol_is_nine_methods_and_no_handle_brings_back_a_removed_h
         assert not removed & set(vars(cls)), (cls, removed & set(vars(cls)))
 
 
-ACCOUNTING = ("report.py", "report_axes.py", "measure.py", "activations.py", "time_model.py")
+ACCOUNTING = ("report/run.py", "report/axes.py", "accounting/measure.py", "accounting/activations.py", "planner/time_model.py")
 # What the accounting files still read of a handle beyond step.Axis: nothing.
 STILL_READ = set()
 # ... and of a layout beyond optim.Layout: `get` is time_model.predict's `layout`, the plan's dict of sizes.
@@ -634,7 +633,7 @@ def _accounting_reads(variables: tuple) -> dict:
 
 
 def test_the_accounting_reads_a_handle_only_through_the_protocol():
-    """report.py, report_axes.py, measure.py, activations.py, time_model.py: every attribute read on a handle (a
+    """report/run.py, report/axes.py, accounting/measure.py, accounting/activations.py, planner/time_model.py: every attribute read on a handle (a
     variable `axis` or `handle`) is a step.Axis method or attribute (`facts()` for the axis's own figures,
     `observer` for what the accounting subscribed), apart from STILL_READ."""
     import step

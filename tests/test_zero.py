@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from comm import CommTracer
+from accounting.tracer import CommTracer
 from harness import backend_flags, run_bench, run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
@@ -44,7 +44,7 @@ def zero_layout(model, stage, group=None, coords=None, **config):
     """zero.ZeroLayout (stages 1/2) or zero3.Zero3Layout (stage 3) of (model, ZeroConfig(stage, **config)) over
     `group` (None: the world) as dp_cp."""
     from zero import ZeroConfig, ZeroLayout
-    from zero3 import Zero3Layout
+    from parallel.zero3 import Zero3Layout
 
     return (Zero3Layout if stage == 3 else ZeroLayout)(model, ZeroConfig(stage, **config), {"dp_cp": group}, coords)
 
@@ -454,7 +454,7 @@ def test_after_a_step_the_zero3_fp8_forward_is_the_fp8_models(two_rank_checks):
 
 
 def _mixed_bytes(rank, world):
-    import memory
+    from accounting import memory
     from model import GPT
 
     out = {}
@@ -487,7 +487,7 @@ def test_mixed_precision_holds_2_2_12_bytes(two_rank_checks):
 def test_invalid_zero_flags(flags, world, message):
     import train
 
-    import flags as flags_lib
+    from cli import flags as flags_lib
 
     args = flags_lib.build_parser().parse_args(flags)
     with pytest.raises(flags_lib.FlagError, match=re.escape(message)):
@@ -512,7 +512,7 @@ def test_each_layout_class_refuses_the_other_stages(stage, cls, message):
     """The caller picks the class by stage (train.build_layout); a mismatch names the right one, before any
     collective (no process group here)."""
     import zero
-    import zero3
+    from parallel import zero3
 
     layout_class = {"ZeroLayout": zero.ZeroLayout, "Zero3Layout": zero3.Zero3Layout}[cls]
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -726,7 +726,7 @@ def test_fp32_accumulation_bytes_are_the_formulas(accumulation_runs):
     """With m > 1 under bf16, b_g = 4: held == memory.persistent_bytes(Ψ', 2 + 4 + 12, stage, D), and the traced
     messages of the step are the predicted ones: stage 1 reduce-scatters its fp32 accumulator once (4Ψ'),
     stages 2/3 each micro-batch's bf16 bucket (m·2Ψ'). At m = 1 nothing changes (2 + 2 + 12, 2Ψ')."""
-    import memory
+    from accounting import memory
 
     for r in accumulation_runs:
         for (stage, m, forced), result in r.items():

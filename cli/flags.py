@@ -1,0 +1,644 @@
+"""The command line: flags → one frozen `Settings`, every rule checked once, before any rank waits on another.
+
+`parse(argv, axes)` is all train.py calls: argparse, then the run's own rules (ranges, paths, the batch
+arithmetic B_global = D·m·B_μ, flags that need another), then each axis's `config_from_flags(args, settings)`,
+which returns that axis's frozen config (None when the axis is off) or raises ValueError naming the flag. The
+axes never see the flags again: `apply(model, run, config)` gets its config, validated.
+
+An error is one line, `error: ...`, printed exactly once however many ranks hit it, exit status 2 (`fail`).
+
+Accounting for this file: nothing is held or sent, except one error line through torchrun's agent store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+import data
+from resilience import diloco
+from resilience import elastic
+from planner import hardware
+from interop import hf
+import moe
+from experts import router
+from cli import paths
+from parallel import recompute
+from planner import calibration
+from resilience.ckpt_files import CheckpointError, WriterLock
+from resilience.diloco import DiLoCoConfig
+from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
+from model import PRESETS, GPTConfig, config_from_preset
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# --activation-checkpointing's modes → the GPTConfig field each one sets (none sets neither)
+RECOMPUTE_FIELDS = {"full": "activation_checkpointing", "selective": "selective_recompute"}
+
+
+class FlagError(ValueError):
+    """A flag combination that cannot run; raised before any rank waits on another."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the flags decide, validated: what train.py builds the run from."""
+
+    args: argparse.Namespace  # the parsed flags (read, never written)
+    given: frozenset  # the flags the command line set itself (explicit_flags)
+    shape: MeshShape  # D, P, C, T, E
+    model: GPTConfig  # the logical model (its vocabulary: the tokenizer's or --init-from's, padded: padded_vocab)
+    seq_len: int
+    micro_batch_size: int  # B_μ: sequences per micro-batch per data rank
+    micro_batches: int  # m = B_global / (D·B_μ)
+    axes: dict = field(default_factory=dict)  # {axis module name: its config, None when off}, in train.AXES order
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str = "gloo"
+    dtype: str = "fp32"  # the autocast dtype (--dtype auto resolved)
+    dtype_reason: str = "--dtype"  # why: what was asked, or what auto found
+    ckpt_lock: WriterLock | None = None  # rank 0's hold on --ckpt-dir for the run (claim_checkpoint_directory)
+    diloco: DiLoCoConfig | None = None  # --diloco-h: the replicas' outer step (resilience/diloco.py), wrapping the layout
+
+    @property
+    def world_size(self) -> int:
+        return self.shape.world_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """--sp: the residual stream between TP regions is cut along the sequence too (s/T tokens a rank),
+        which the pipeline's boundary messages, the experts' routing and FP8's token counts follow."""
+        return bool(self.args.sp) and self.shape.tp > 1
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of one sequence that a rank holds between TP regions: s/C under CP, ÷T more under SP."""
+        return self.seq_len // self.shape.cp // (self.shape.tp if self.sequence_parallel else 1)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown flag, a choice not offered) are FlagErrors: like every other flag
+    error they end the run with one line, printed once, not with argparse's usage text on every rank."""
+
+    def error(self, message: str) -> NoReturn:
+        raise FlagError(message)
+
+
+def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
+    """Every flag; `prog` names the program in usage and errors (plan.py takes the same flags)."""
+    p = OneLineParser(prog=prog, description="Train the GPT on a mesh of devices (see README.md).")
+    for add_group in (_add_model_flags, _add_data_flags, _add_optimization_flags, _add_parallelism_flags,
+                      _add_fp8_flags, _add_moe_flags, _add_reporting_flags, _add_checkpoint_flags):
+        add_group(p)  # --help lists the groups in this order
+    add_plan_arguments(p)
+    return p
+
+
+def _add_model_flags(parser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--preset", default="mini", help=" | ".join(PRESETS))
+    g.add_argument("--n-layer", type=int)
+    g.add_argument("--n-head", type=int)
+    g.add_argument("--n-embd", type=int)
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's block size)")
+    g.add_argument("--dropout", type=float)
+    g.add_argument("--no-bias", action="store_true", help="no biases in linears and LayerNorms")
+    g.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=recompute.MODES,
+                   help="recompute in backward: none, full (each block from its input; the bare flag) or selective"
+                   " (keep the GEMMs' outputs, recompute the LayerNorms, GELU, dropouts: parallel/recompute.py)")
+    g.add_argument("--gelu", choices=["exact", "tanh"], help="the MLP's GELU: exact (erf; the default) or GPT-2's"
+                   " tanh approximation (the default with --init-from GPT-2 weights)")
+    g.add_argument("--init-from", metavar="DIR", help="start from a local Hugging Face GPT-2 directory (config.json +"
+                   " model.safetensors or pytorch_model.bin; nothing is downloaded): its config.json sets the shape")
+
+
+def _add_data_flags(parser) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument("--data", help="a text file to train on (default: the Python standard library's source)")
+    g.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2"])
+    g.add_argument("--out-dir", default="out", help="token cache, metrics and checkpoints go here")
+
+
+def _add_optimization_flags(parser) -> None:
+    g = parser.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=1200)
+    g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (B_global)")
+    g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (B_μ)")
+    g.add_argument("--lr", type=float, default=2e-3)
+    g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
+    g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.95)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="autocast compute dtype; auto: bf16 where the device has bf16 matrix units (CUDA, CPUs with"
+                        " AMX or AVX512-BF16), else fp32 (a CPU without them emulates bf16, several times slower)")
+    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--tf32", action="store_true",
+                   help="fp32 matmuls on TF32 tensor cores (Ampere and newer: ~8x the FP32 peak, 10-bit mantissa"
+                        " products); default off: --dtype fp32 means full FP32 (the peak for MFU follows)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="bitwise-reproducible CUDA kernels (torch.use_deterministic_algorithms, cuBLAS workspace"
+                        " :4096:8): slower attention backward and scatter-adds; CPU runs are deterministic anyway")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (GPU speed): per block, gradient hooks still fire block"
+                        " by block in backward, so DDP/ZeRO communication keeps overlapping it")
+
+
+def _add_parallelism_flags(parser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size T")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size P")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel size C")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size E")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0: plain DDP)")
+    g.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    g.add_argument("--diloco-h", type=int, help="DiLoCo (resilience/diloco.py): H inner AdamW steps per outer step")
+    g.add_argument("--diloco-replicas", type=int, help="DiLoCo replicas R (a divisor of D; default 1)")
+    g.add_argument("--diloco-outer-lr", type=float, default=0.7, help="DiLoCo outer Nesterov SGD learning rate")
+    g.add_argument("--diloco-outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
+    g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB")
+    g.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
+    g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
+                   help="pipeline schedule (pipeline.py)")
+    g.add_argument("--pp-virtual", type=int, default=2, help="model chunks per rank for --pp-schedule interleaved")
+    g.add_argument("--trace-file", help="write one executed pipeline step as Chrome-trace JSON (Perfetto)")
+    g.add_argument("--cp-impl", default="ring", choices=["ring", "ulysses"], help="context parallel attention")
+    g.add_argument("--cp-balance", default="zigzag", choices=["zigzag", "contiguous"],
+                   help="how the sequence is cut over the C ranks (zig-zag balances causal work)")
+
+
+def _add_fp8_flags(parser) -> None:
+    g = parser.add_argument_group("FP8 (fp8.py)")
+    g.add_argument("--fp8", choices=("current", "delayed", "blockwise"), default=None,
+                   help="FP8 block linears: current | delayed | blockwise")
+    g.add_argument("--fp8-amax-history", type=int, default=16, help="delayed: amax history length L")
+    g.add_argument("--fp8-amax-algo", choices=("max", "most_recent"), default="max", help="delayed: scale from")
+    g.add_argument("--fp8-margin", type=int, default=0, help="scale = max/amax/2^margin")
+    g.add_argument("--precision-recipe", metavar="SPEC", help="microscaling block linears (precision/recipe.py):"
+                   " mxfp8 | mxfp4 | nvfp4, or parts fwd=F,bwd=F,sr,rht,w2d,tail=F,rule=rceil|floor"
+                   " (F: bf16 | mxfp8 | mxfp4 | nvfp4); not with --fp8")
+
+
+def _add_moe_flags(parser) -> None:
+    g = parser.add_argument_group("mixture of experts (moe.py)")
+    g.add_argument("--moe-experts", type=int, default=0, help="experts N per MoE block (0: dense MLP)")
+    g.add_argument("--moe-topk", type=int, default=2, help="experts per token k")
+    g.add_argument("--moe-every", type=int, default=1, help="every n-th block is MoE")
+    g.add_argument("--moe-capacity-factor", type=float, default=0.0,
+                   help="capacity per expert ⌈B_μ·s·k/N·f⌉ of each micro-batch (0: dropless)")
+    g.add_argument("--moe-aux-coef", type=float, default=0.01, help="load-balance loss coefficient α")
+    g.add_argument("--moe-z-coef", type=float, default=0.001, help="router z-loss coefficient β")
+    router.add_arguments(g)  # DeepSeek-V3's router: sigmoid scores, the bias, the seq loss, groups
+    g.add_argument("--moe-shared-experts", type=int, default=0,
+                   help="S always-on experts per MoE block, added ungated (experts/shared.py)")
+    g.add_argument("--moe-replicas", type=int, default=0, help="physical experts R ≥ N, R/E per EP rank, the hot"
+                   " ones replicated (experts/eplb.py; 0: the N experts in place)")
+    g.add_argument("--moe-replan-every", type=int, default=50, help="re-place the replicas every n steps")
+    g.add_argument("--moe-load-decay", type=float, default=0.9, help="the expert loads' moving average: load ←"
+                   " d·load + (1 − d)·the step's")
+
+
+def _add_reporting_flags(parser) -> None:
+    g = parser.add_argument_group("evaluation and reporting")
+    g.add_argument("--eval-every", type=int, default=100, help="val loss every N steps (0: only at the end)")
+    g.add_argument("--eval-batches", type=int, default=4)
+    g.add_argument("--log-every", type=int, default=25)
+    g.add_argument("--sample-tokens", type=int, default=300, help="tokens sampled at the end (0: none)")
+    g.add_argument("--metrics-file", help="write one JSON object per step to this file")
+    g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: table or measured)")
+
+
+def _add_checkpoint_flags(parser) -> None:
+    g = parser.add_argument_group("checkpoints (ckpt.py)")
+    g.add_argument("--ckpt-dir", help="save sharded checkpoints under this directory (one step-XXXXXXXX per save)")
+    g.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only after the last step)")
+    g.add_argument("--keep", type=int, default=2, help="keep the newest K committed checkpoints (K >= 2)")
+    g.add_argument("--resume", nargs="?", const="latest",
+                   help="'latest' (the newest good checkpoint, if any; the default with no value) or a step number")
+    g.add_argument("--async-ckpt", action="store_true", help="persist checkpoints on a background thread")
+    g.add_argument("--mtbf-hours", type=float, default=24.0,
+                   help="mean time between interruptions, for the suggested interval sqrt(2·C·M)")
+    elastic.add_arguments(g)  # --elastic MIN:MAX: the worlds torchrun may restart this run in
+
+
+def add_plan_arguments(parser) -> None:
+    """--plan, --plan-search, --world and the hardware model's flags (plan.py, planner/hardware.py)."""
+    g = parser.add_argument_group("plan (plan.py): size a layout without its hardware")
+    one = g.add_mutually_exclusive_group()  # argparse refuses both: "argument --plan-search: not allowed with --plan"
+    one.add_argument("--plan", action="store_true", help="print every rank role's memory, messages and predicted"
+                   " step time for --world ranks, built on meta in a fake process group; trains nothing")
+    one.add_argument("--plan-search", action="store_true", help="rank the layouts of --world ranks that fit"
+                   " --hw-memory-gib by predicted step time; print the best ten")
+    g.add_argument("--world", type=int, help="ranks to plan for (--plan, --plan-search)")
+    g.add_argument("--vocab-size", type=int, help="rows of the embedding and the head the plan sizes, as given (no"
+                   " padding; default: --tokenizer's padded, or a gpt3-* preset's 50304); --plan, --plan-search")
+    hardware.add_arguments(parser)
+
+
+# Ranges of the numeric flags: (flag, attribute, lowest, exclusive lowest?, highest or None). Every float must
+# also be finite: NaN passes every comparison, so `nan < 0` would let it through.
+_AT_LEAST_1 = ("steps", "log_every", "eval_batches", "micro_batch", "global_batch", "n_layer", "n_head", "n_embd",
+               "seq_len", "pp_virtual", "fp8_amax_history", "moe_topk", "moe_every", "world", "gpus_per_node",
+               "moe_replan_every", "vocab_size")
+_AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe_experts", "moe_replicas", "fp8_margin",
+               "weight_decay", "grad_clip", "moe_capacity_factor", "moe_aux_coef", "moe_z_coef", "min_lr",
+               "hw_intra_latency_us", "hw_inter_latency_us", "moe_bias_rate", "moe_seq_aux_coef", "moe_groups",
+               "moe_group_limit", "moe_shared_experts")
+_POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops", "hw_peak_tflops", "hw_hbm_gbps", "hw_memory_gib",
+             "hw_intra_gbps", "hw_inter_gbps", "moe_route_scale")
+_FRACTION = ("beta1", "beta2", "dropout", "moe_load_decay")  # in [0, 1)
+# Upper bounds past which a value cannot be used: (attribute, highest, why).
+_AT_MOST = (
+    ("bucket_mb", 2.0**20, "a bucket of at most 1 TiB (its byte count must be an integer)"),
+    ("fp8_margin", 127, "a power of two that float32 holds (the scale is max/amax/2^margin)"),
+)
+# Flags that only mean something with another one: (flag, attribute, what it needs, whether that is on).
+_ONLY_WITH = (
+    ("--world", "world", "--plan or --plan-search (a run's world is its launcher's)",
+     lambda a: a.plan or a.plan_search),
+    ("--vocab-size", "vocab_size", "--plan or --plan-search (a run's vocabulary is its tokenizer's)",
+     lambda a: a.plan or a.plan_search),
+    ("--pp-schedule", "pp_schedule", "--pp > 1", lambda a: a.pp > 1),
+    ("--pp-virtual", "pp_virtual", "--pp-schedule interleaved", lambda a: a.pp_schedule == "interleaved"),
+    ("--trace-file", "trace_file", "--pp > 1 (it draws the pipeline schedule)", lambda a: a.pp > 1),
+    ("--cp-impl", "cp_impl", "--cp > 1", lambda a: a.cp > 1),
+    ("--cp-balance", "cp_balance", "--cp > 1", lambda a: a.cp > 1),
+    *((flag, flag[2:].replace("-", "_"), "--fp8", lambda a: a.fp8 is not None)
+      for flag in ("--fp8-amax-history", "--fp8-amax-algo", "--fp8-margin")),
+    *((flag, flag[2:].replace("-", "_"), "--moe-experts > 0", lambda a: a.moe_experts > 0)
+      for flag in ("--moe-topk", "--moe-every", "--moe-capacity-factor", "--moe-aux-coef", "--moe-z-coef",
+                   "--moe-shared-experts", "--moe-replicas",
+                   *router.FLAGS)),
+    *((flag, flag[2:].replace("-", "_"), "--moe-replicas", lambda a: a.moe_replicas > 0)
+      for flag in ("--moe-replan-every", "--moe-load-decay")),
+    *((flag, flag[2:].replace("-", "_"), "--ckpt-dir", lambda a: a.ckpt_dir is not None)
+      for flag in ("--ckpt-every", "--resume", "--async-ckpt", "--keep", "--mtbf-hours")),
+)
+
+
+def explicit_flags(argv) -> set:
+    """The attributes the command line sets itself (not left at their defaults): argparse fills in a default
+    only for attributes missing from the namespace it is given, so parse again into one where all are set."""
+    parser, unset = build_parser(), object()
+    names = vars(parser.parse_args(argv))
+    given = vars(parser.parse_args(argv, namespace=argparse.Namespace(**{name: unset for name in names})))
+    return {name for name, value in given.items() if value is not unset}
+
+
+def validate(args, world_size: int, given=None, axes=()) -> Settings:
+    """Check every flag before any process group exists: the run's own rules here, then each axis module's
+    `config_from_flags(args, settings)` (in `axes`, train.AXES' order). Returns the Settings (device and dtype
+    not chosen yet: parse does that). given: the flags the command line set (explicit_flags), for the rules
+    about flags that only mean something with another one; default: those whose value is not the default."""
+    if given is None:
+        defaults = vars(build_parser().parse_args([]))
+        given = {name for name, value in vars(args).items() if name in defaults and value != defaults[name]}
+    check_ranges(args)
+    try:
+        calibration.check_flags(args)  # each --calib-* constant in its range
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    for flag, name, needs, on in _ONLY_WITH:
+        if name in given and not on(args):
+            raise FlagError(f"{flag} needs {needs}; without it the flag would be ignored")
+    try:  # --elastic: every world of the range, before this one's shape names a flag of its own
+        elastic.check_flags(args, world_size)
+        diloco_config = diloco.config_from_flags(args)  # H ≥ 1, the outer lr and momentum; R checked by the mesh
+        shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                                 replicas=diloco_config.replicas if diloco_config else None)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    try:
+        recompute.check_flags(args, shape)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    config = model_config(args, given)
+    try:  # the experts' split before the batch arithmetic, which takes the mesh as given: --ep 3 of 4 experts
+        moe.check_flags(config, shape)  # is a wrong --ep, not a global batch that D = 3 does not divide
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    if args.min_lr is not None and args.min_lr > args.lr:
+        raise FlagError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the cosine schedule decays from --lr"
+                        f" down to --min-lr")
+    micro = _micro_batch_size(args, shape.dp)
+    try:
+        paths.check_paths(args)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    _check_sequence_and_checkpoint_flags(args, config)
+    _set_vocabulary(args, config)
+    settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
+                        seq_len=args.seq_len or config.block_size, micro_batch_size=micro,
+                        micro_batches=args.global_batch // (shape.dp * micro), diloco=diloco_config)
+    return replace(settings, axes=_axis_configs(args, settings, axes))
+
+
+def _micro_batch_size(args, dp: int) -> int:
+    """B_μ: --micro-batch, or B_global / D (one micro-batch per step); B_global must be D·m·B_μ."""
+    micro = args.micro_batch if args.micro_batch is not None else args.global_batch // dp
+    if micro < 1:
+        raise FlagError(f"--global-batch {args.global_batch} must give each of D={dp} data ranks a sequence")
+    if args.global_batch % (dp * micro):
+        raise FlagError(
+            f"--global-batch {args.global_batch} must be divisible by D × --micro-batch = {dp} × {micro}"
+            f" (B_global = D·m·B_μ)"
+        )
+    return micro
+
+
+def _check_sequence_and_checkpoint_flags(args, config) -> None:
+    if args.seq_len is not None and args.seq_len > config.block_size:
+        raise FlagError(f"--seq-len {args.seq_len} must be between 1 and the model's block size {config.block_size}")
+    if args.ckpt_dir is not None and args.keep < 2:
+        raise FlagError(f"--keep must be at least 2 (a good checkpoint must survive while the next is written),"
+                        f" got {args.keep}")
+    if args.resume is not None and args.resume != "latest" and not args.resume.isdigit():
+        raise FlagError(f"--resume must be 'latest' or a step number, got {args.resume!r}")
+
+
+def _set_vocabulary(args, config) -> None:
+    """The tokenizer's vocabulary (or --init-from's config.json's), padded: it must fit the tokenizer."""
+    real_vocab = config.real_vocab_size if args.init_from else tokenizer_vocab(args.tokenizer)
+    check_tokenizer(args.tokenizer, real_vocab, f"--init-from {args.init_from}" if args.init_from else None)
+    config.vocab_size = padded_vocab(real_vocab)  # rows past real_vocab are padding, never predicted (model.py)
+    config.real_vocab_size = real_vocab if config.vocab_size > real_vocab else None
+
+
+def _axis_configs(args, settings: Settings, axes) -> dict:
+    """Each axis module's frozen config (None: the axis is off), in `axes`' order; its ValueError names a flag."""
+    configs = {}
+    for axis in axes:
+        try:
+            configs[axis.__name__] = axis.config_from_flags(args, settings)
+        except ValueError as e:
+            raise FlagError(str(e)) from None
+    return configs
+
+
+def check_ranges(args) -> None:
+    """Each numeric flag is finite and in its range (the tables above), naming the flag and what it must be."""
+
+    def bad(name, must):
+        flag = "--" + name.replace("_", "-")
+        return FlagError(f"{flag} must be {must}, got {getattr(args, name)}")
+
+    for name in (*_AT_LEAST_0, *_POSITIVE, *_FRACTION):
+        value = getattr(args, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad(name, "a finite number")
+    for name in _AT_LEAST_1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise bad(name, "at least 1")
+    for name in _AT_LEAST_0:
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise bad(name, "at least 0")
+    for name in _POSITIVE:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise bad(name, "positive")
+    for name in _FRACTION:
+        if getattr(args, name) is not None and not 0.0 <= getattr(args, name) < 1.0:
+            raise bad(name, "in [0, 1)")
+    if abs(args.seed) > 2**63 - 1:
+        raise bad("seed", "a 63-bit integer, |seed| < 2^63 (torch.manual_seed takes seed + rank)")
+    for name, highest, why in _AT_MOST:
+        if getattr(args, name) is not None and getattr(args, name) > highest:
+            raise bad(name, f"at most {highest:g}: {why}")
+
+
+def model_config(args, given=frozenset()):
+    """The GPTConfig of the flags: the preset with its overrides, or --init-from's config.json (init_from_config).
+    The vocabulary is set by validate (the tokenizer's, or config.json's, padded)."""
+    if args.init_from is not None:
+        return init_from_config(args, given)
+    overrides = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
+                     gelu=args.gelu, **moe.config_overrides(args))
+    if args.no_bias:
+        overrides["bias"] = False
+    if args.activation_checkpointing != "none":
+        overrides[RECOMPUTE_FIELDS[args.activation_checkpointing]] = True
+    try:
+        return config_from_preset(args.preset, **overrides)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+
+
+def init_from_config(args, given) -> GPTConfig:
+    """--init-from DIR: the shape and GELU from its config.json (hf.HFDirectory checks the directory: every
+    GPT-2 tensor there, with its shape); a flag that says otherwise is an error, not a silent override."""
+    flag = f"--init-from {args.init_from}"
+    if not args.init_from:
+        raise FlagError("--init-from '' names nothing; give a Hugging Face GPT-2 directory")
+    try:
+        shape = hf.HFDirectory(args.init_from).shape
+    except hf.HFError as e:
+        raise FlagError(f"{flag}: {e}") from None
+    fixed = dict(n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd, gelu=shape.gelu)
+    for name, value in fixed.items():
+        if name in given and getattr(args, name) != value:
+            raise FlagError(f"--{name.replace('_', '-')} {getattr(args, name)} contradicts {flag}, whose config.json"
+                            f" has {name}={value}; leave the flag out")
+    if "preset" in given:
+        preset = config_from_preset(args.preset) if args.preset in PRESETS else None
+        if preset is None or (preset.n_layer, preset.n_head, preset.n_embd, preset.block_size) != (
+                shape.n_layer, shape.n_head, shape.n_embd, shape.block_size):
+            raise FlagError(f"--preset {args.preset} contradicts {flag}, whose config.json has n_layer={shape.n_layer}"
+                            f" n_head={shape.n_head} n_embd={shape.n_embd} n_positions={shape.block_size}; leave"
+                            f" --preset out")
+    if args.no_bias:
+        raise FlagError(f"--no-bias contradicts {flag}: GPT-2 has biases")
+    if args.moe_experts:
+        raise FlagError(f"--moe-experts with {flag}: GPT-2's MLPs are dense, the experts would have no weights")
+    return GPTConfig(block_size=shape.block_size, vocab_size=shape.vocab_size, real_vocab_size=shape.vocab_size,
+                     n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd, gelu=shape.gelu,
+                     dropout=args.dropout or 0.0,
+                     **{RECOMPUTE_FIELDS[mode]: args.activation_checkpointing == mode for mode in RECOMPUTE_FIELDS})
+
+
+def tokenizer_vocab(tokenizer: str) -> int:
+    """The real vocabulary of a tokenizer: 256 bytes, or GPT-2's 50257 BPE tokens."""
+    return data.ByteTokenizer.vocab_size if tokenizer == "byte" else data.GPT2Tokenizer.vocab_size
+
+
+def tokenizer_of_vocab(vocab: int) -> str:
+    """The tokenizer of a model's real vocabulary: GPT-2's BPE for its 50257 rows, else bytes."""
+    return "gpt2" if vocab == data.GPT2Tokenizer.vocab_size else "byte"
+
+
+def check_tokenizer(tokenizer: str, vocab: int, source: str | None) -> None:
+    """--tokenizer is the one of the real vocabulary of the model `source` gives (None: the tokenizer's own):
+    one row per token, so that every row the model can predict can be decoded."""
+    if source is None or vocab == tokenizer_vocab(tokenizer):
+        return
+    if tokenizer == "byte" and vocab == data.GPT2Tokenizer.vocab_size:
+        raise FlagError(f"{source} has GPT-2's BPE vocabulary ({vocab} rows): add --tokenizer gpt2")
+    raise FlagError(f"--tokenizer {tokenizer} has {tokenizer_vocab(tokenizer)} tokens, but {source} has {vocab} rows:"
+                    f" the tokenizers are bytes (256 tokens) and GPT-2's BPE (50257)")
+
+
+def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """The padded vocabulary's rule: round the rows up to a multiple of 64 (50257 → 50304; 256 stays), so the
+    head's matmul has friendly shapes and splits T ways for tensor parallel. The padding rows are never
+    predicted (model.py), so the rule changes no loss and no sample."""
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def check_world(args) -> None:
+    """--plan/--plan-search's own rules: --world given, filling whole nodes of G GPUs (rank // G is the node:
+    at most G, or a multiple), and divisible by the layout (before any build)."""
+    if args.world is None:
+        raise FlagError("--plan and --plan-search need --world N (the number of ranks to plan for)")
+    gpus = args.gpus_per_node or hardware.PRESETS[args.hw].gpus_per_node
+    if args.world > gpus and args.world % gpus:
+        raise FlagError(f"--world {args.world} does not fill whole nodes of {gpus} GPUs (--gpus-per-node, or --hw"
+                        f" {args.hw}'s): give a multiple of {gpus}, or at most {gpus} ranks")
+    model_parallel = args.tp * args.pp * args.cp
+    if args.plan and args.world % model_parallel:
+        raise FlagError(f"--world {args.world} is not divisible by --tp {args.tp} × --pp {args.pp} × --cp {args.cp}"
+                        f" = {model_parallel}: the layout needs a multiple of {model_parallel} ranks")
+
+
+def parse(argv=None, axes=(), prog: str = "train.py") -> Settings:
+    """The flags of this process (sys.argv) as Settings, or one error line and exit status 2 (fail).
+
+    Every rank validates the same flags and fails alike before any of them waits on a peer; the device,
+    the backend and the --dtype auto choice are made here too, so a wrong one fails as early, and rank 0
+    takes --ckpt-dir's writer lock (claim_checkpoint_directory), so a directory another run writes does too."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser(prog).parse_args(argv)
+        planning = args.plan or args.plan_search
+        if planning:
+            check_world(args)
+        given = explicit_flags(argv)
+        settings = validate(args, args.world if planning else int(os.environ.get("WORLD_SIZE", "1")), given, axes)
+        if not planning:  # a plan reads no corpus
+            data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
+        try:
+            device, backend = choose_device_and_backend(args.backend)
+        except ValueError as e:
+            raise FlagError(str(e)) from None
+        dtype, reason = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(device)
+        if not planning and device.type != "cuda":
+            check_no_hardware_flags(given)
+        lock = claim_checkpoint_directory(args.ckpt_dir) if args.ckpt_dir and not planning else None  # last: the
+        # only check that creates something (the directory and its lock), once every other one has passed
+    except (FlagError, RuntimeError) as e:
+        fail(str(e))
+    return replace(settings, device=device, backend=backend, dtype=dtype, dtype_reason=reason, ckpt_lock=lock)
+
+
+def check_no_hardware_flags(given) -> None:
+    """The hardware model's flags (--hw, --hw-*, --gpus-per-node) describe a GPU: the one --plan and
+    --plan-search size for, or a GPU run's (its end line checks the model); a CPU run measures its own."""
+    stated = sorted(name for name in given
+                    if name == "hw" or name.startswith(("hw_", "calib_")) or name == "gpus_per_node")
+    if stated:
+        flag = "--" + stated[0].replace("_", "-")
+        raise FlagError(f"{flag} describes the GPU of --plan / --plan-search or of a GPU run; this run is on the"
+                        f" CPU, whose hardware model is measured: add --plan (or --plan-search) --world N, or leave"
+                        f" {flag} out")
+
+
+def claim_checkpoint_directory(path: str, timeout_s: float = 300.0) -> WriterLock | None:
+    """--ckpt-dir's writer lock (ckpt_files.WriterLock), taken now by the process that will be rank 0 and held
+    for the whole run (the Checkpointer is handed it: Settings.ckpt_lock), so a second run writing the same
+    directory is refused at start-up, before any process group, with one line naming the holder (pid, host).
+
+    An flock, not a lock file made with O_CREAT|O_EXCL: the kernel drops it when its holder dies however it
+    dies (SIGKILL, OOM), so a stale lock never blocks and no pid has to be judged alive (pids are reused, and
+    a pid on another host cannot be checked at all); the file only names the holder for the refusal.
+    Under torchrun the other workers hear rank 0's verdict through the agent's store, so all of them end now,
+    alike, instead of waiting in init_process_group for a rank 0 that is gone; a rank other than 0 returns
+    None (it writes no commit)."""
+    rank, store, key = int(os.environ.get("RANK", "0")), _launcher_store(timeout_s), _launcher_key("ckpt-dir")
+    if rank != 0:
+        if store is not None:
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+            verdict = store.get(key).decode()
+            if verdict:
+                raise FlagError(verdict)
+        return None  # without torchrun's store, rank 0 alone refuses (and its launcher stops the others)
+    lock, verdict = None, ""
+    try:
+        os.makedirs(path, exist_ok=True)
+        lock = WriterLock(path)
+    except CheckpointError as e:
+        verdict = str(e)
+    except OSError as e:  # paths.check_paths found it can be made: a race, or a filesystem that refuses locks
+        verdict = f"--ckpt-dir {path}: cannot create it or its lock file: {e.strerror or e}"
+    if store is not None:
+        store.set(key, verdict)
+    if verdict:
+        raise FlagError(verdict)
+    return lock
+
+
+def auto_dtype(device: torch.device) -> tuple[str, str]:
+    """(dtype, why) for --dtype auto: bf16 where the device multiplies bf16 natively, else fp32."""
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return ("bf16", "--dtype auto: bf16 tensor cores") if ok else ("fp32", "--dtype auto: no bf16 tensor cores")
+    if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
+        return "bf16", "--dtype auto: this CPU has bf16 matrix units (AMX or AVX512-BF16)"
+    return "fp32", ("--dtype auto: this CPU has no bf16 matrix units (no AMX, no AVX512-BF16): bf16 would be"
+                    " emulated, several times slower than fp32")
+
+
+def fail(message: str) -> NoReturn:
+    """End the run on an error that every rank has reached: one line, printed exactly once, exit status 2.
+
+    Printed once, and always: torchrun kills the other workers as soon as one exits, so no rank may exit
+    before the line is out. With a process group, rank 0 prints and then every rank meets at a barrier.
+    Before one exists (a flag error), the ranks agree through the launcher's store (torchrun's agent holds
+    one: TORCHELASTIC_USE_AGENT_STORE): the first rank to claim the error prints it, the others wait until it
+    has. Without torchrun, the process started as RANK 0 prints."""
+    line = f"error: {' '.join(message.split())}"
+    if dist.is_initialized():
+        if dist.get_rank() == 0:
+            print(line, file=sys.stderr, flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+    elif not _print_once_through_launcher_store(line) and int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _launcher_store(timeout_s: float):
+    """torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE), which every worker can reach before any process
+    group exists; None for one process, or without torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _launcher_key(what: str) -> str:
+    """A key of this attempt of this run in the launcher's store (a restarted attempt starts afresh)."""
+    return f"train.py/{what}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+
+
+def _print_once_through_launcher_store(line: str, timeout_s: float = 30.0) -> bool:
+    """Print `line` on exactly one of torchrun's workers (the first to get here): True when that is settled."""
+    key = _launcher_key("error")
+    try:
+        store = _launcher_store(timeout_s)
+        if store is None:
+            return False
+        if store.add(f"{key}/claimed", 1) == 1:
+            print(line, file=sys.stderr, flush=True)
+            store.set(f"{key}/printed", "1")
+        else:
+            store.wait([f"{key}/printed"], datetime.timedelta(seconds=timeout_s))
+        return True
+    except (RuntimeError, OSError, KeyError, ValueError):  # no store to be reached: rank 0 prints
+        return False
+
+

@@ -1,0 +1,352 @@
+"""The time model: one rank role's figures (what it holds, what it sends per step) and its predicted step time.
+
+A Role is read from a built run exactly where a real run's start-up reads its predictions (role_of:
+layout.predicted_persistent, report.run.predicted_messages, activations.activation_estimate, the schedule's
+bubble).
+plan.py builds each role on meta in a fake process group and planner/search.py gives roles from formulas; every
+real run checks the model against its own steps (check_line, on cpu_probe.machine_model: this machine).
+
+The time model (planner/hardware.py states the hardware): per role and step
+    compute    t_c = Σ_GEMM classes FLOPs/token · tokens/step / world / (peak(dtype) · e(d))   (an even split)
+                     + the memory-bound ops' bytes of this rank's tokens and layers / (HBM · hbm_fraction)
+               (planner/calibration.py: e(d) the fraction of the peak a GEMM of smallest dimension d reaches; the
+               datasheet set, e = 1 and no loss but the memory-bound bytes, on a measured CPU, whose e, the
+               head's and the layout factor ρ (× t_c: the run's own forward over its price) planner/cpu_probe.py measures)
+    update     2 · persistent bytes / (HBM bandwidth · hbm_fraction)                (memory-bound, exposed)
+               (a measured CPU: its update's local work timed at start-up, cpu_probe.update_seconds)
+    each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds, the
+    bandwidth times the calibration's link_fraction), then
+    on the critical path by these rules (Megatron, ZeRO and ring-attention's own overlap claims):
+      exposed: TP/SP (every f, g inside a layer waits on it), EP's and Ulysses' all-to-alls, the update's and
+               the step's scalar all-reduces (scalar_messages: DDP's gradient key holds them too, taken out),
+               FP8's amax reductions, the pipeline's loss and tied sums;
+      DDP, ZeRO-1: the gradient reduction overlaps the last micro-batch's backward (≈ 2/3 of its compute)
+               except its last bucket: exposed = t(last bucket) + max(0, t − t_backward);
+      ZeRO-2/3: each micro-batch's reduce-scatter overlaps that micro-batch's backward, same rule, m times;
+               under a pipeline (parallel/zero_pipeline.py) each chunk's step sum is reduced once, at its last
+               backward: DDP's rule (the last piece: the first local chunk's);
+      ZeRO-1/2's all-gather after the update: exposed (it overlaps only the next unit's update);
+      ZeRO-3's gathers are prefetched behind compute except the first (root + block 0) of each pass:
+               exposed = m · [t(first) + max(0, t/m − t_compute/m)]; under a pipeline the schedule prefetches
+               the next action's chunk during this one, so only the step's first gather waits:
+               exposed = t(first) + max(0, t − t_first − t_compute);
+      ring CP: each hop's transfer hides behind its block's attention: exposed = max(0, t − t_attention);
+      pipeline p2p: overlapped except in fill and drain: exposed = 2(P−1) · t(one message).
+    then of what a rule hides, only the share φ = hw.overlap hides: exposed += (1 − φ)(t − exposed) (φ = 1 on
+    the GPU presets: copy engines and NCCL's own SMs; a CPU measures it, planner/cpu_probe.py: its ranks' gloo threads
+    compete with their compute for the same cores)
+    bubble     b = pipeline's bubble_formula(schedule, P, m, v); the busy part (compute + the exposed
+               in-layer communication) stretches by 1/(1 − b)
+    step       (t_c + in-layer exposed) / (1 − b) + the exposed rest;  MFU = FLOPs_model · tokens / (world ·
+               peak · step). The slowest role sets the pace.
+
+Accounting for this file: it holds and sends nothing (it reads a built run's figures).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from accounting import activations
+from planner import hardware
+from accounting import memory
+import mfu
+import model as model_lib
+from accounting import moe_memory
+import report.run
+import report.axes
+from parallel import schedules
+from planner import calibration
+from accounting.tracer import Messages
+from cli.flags import DTYPES
+from step import scalar_messages
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One role: what a rank holds and sends per step
+# ---------------------------------------------------------------------------------------------------------
+
+
+P2P_BUFFERS = "pipeline p2p buffers (a receive, the sends alive)"  # a temporary's name (plan.restage sets it)
+
+
+@dataclass
+class Role:
+    """What one rank holds and sends per step: the figures a real start-up prints."""
+
+    rank: int
+    coords: dict  # {"dp", "pp", "cp", "tp"}
+    local_params: int
+    logical: dict  # {global name: elements of the logical tensor}: Ψ is their sum over the roles
+    persistent: dict  # {"weights", "grads", "optimizer", "total"} bytes
+    activations: object  # activations.ActivationEstimate: one forward's bytes, how many in flight, their peak
+    temporaries: dict  # {what: bytes}
+    messages: Messages  # per step, (op, group as the tracer names it): (calls, payload)
+    group_ranks: dict  # {group name: global ranks of this rank's group}
+    flops: mfu.FlopsPerToken
+    bubble: float
+    last_bucket: float  # bytes of the gradient reduction's last piece (sent after backward)
+    first_gather: float  # ZeRO-3: bytes gathered before the first block can start (root + block 0)
+    boundary_bytes: float = 0.0  # one pipeline message
+    layer_share: float = 1.0  # this rank's layers over the mean (L/P): an uneven pipeline split's slow stage
+    notes: tuple = ()  # a wrapping layout's start-up lines (DiLoCo's outer state and Δ all-reduce), as a run prints
+
+    @property
+    def peak(self) -> float:
+        return self.persistent["total"] + self.activations.peak + sum(self.temporaries.values())
+
+
+def role_of(run, device_type: str | None = None) -> Role:
+    """The Role of a built run: every figure read from the code a real start-up prints it with; the
+    activations as the kernels of `device_type` save them (the plan's: "cuda"; default the run's device)."""
+    layout, mesh = run.layout, run.mesh
+    persistent = dict(layout.predicted_persistent())
+    estimate = activations.activation_estimate(run, device_type)
+    temporaries, last_bucket, first_gather = {}, 0.0, 0.0
+    facts = layout.facts()
+    if layout.name == "zero":
+        extra = facts.peak_lower_bound - persistent["total"]
+        what = ("gathered units (in use + prefetched) and gradient buckets" if facts.stage == 3
+                else "reduce-scatter outputs / all-gather inputs, gradient buckets")
+        temporaries[f"ZeRO-{facts.stage} {what}"] = extra
+        last_bucket = facts.dtypes["reduce"].itemsize * facts.last_reduce_numel
+        first_gather = facts.dtypes["param"].itemsize * facts.first_gather_numel  # 0 below stage 3
+    else:
+        sizes = facts.bucket_bytes
+        temporaries["DDP: one bucket in flight (the backend's staging)"] = max(sizes)
+        last_bucket = sizes[-1]
+    bubble, boundary = 0.0, 0.0
+    for axis in run.axes:
+        if axis.name == "pp":  # the pipeline: its bubble, its messages' buffers
+            pp = axis.facts()
+            bubble = schedules.bubble_formula(pp.schedule, pp.P, pp.m, pp.v)
+            boundary = pp.message_bytes
+            live = schedules.live_sends(pp.plan)  # sends not yet known received
+            temporaries[P2P_BUFFERS] = (1 + live) * boundary
+        if axis.name == "moe" and axis.facts().traffic.moe_layers:  # the dispatch buffers (accounting/moe_memory.py)
+            peak = moe_memory.rank_peak(axis.facts().traffic, activations.activation_shape(run, device_type))
+            temporaries[peak.temporary()] = peak.above_saved
+        if axis.name == "cp" and run.settings.args.cp_impl == "ring":
+            kv = 2 * run.micro_batch_size * run.seq_len // mesh.size("cp") * run.config.n_embd // mesh.size("tp")
+            temporaries["ring CP: the K, V block in flight"] = 2 * kv * run.compute_dtype.itemsize
+    params = list(run.model.parameters())
+    wrapper = getattr(layout, "wrapper", None)  # DiLoCo's (report.axes.AXIS_LINES names its printouts)
+    notes = tuple(report.axes.AXIS_LINES[wrapper]["startup"](layout, run)) if wrapper else ()
+    ranks = {name: members for name, members in mesh.members.items()}
+    ranks["world"] = list(range(mesh.shape.world_size))
+    return Role(rank=mesh.rank, coords=mesh.shape.coords(mesh.rank), local_params=sum(p.numel() for p in params),
+                logical={p.shard_info.global_name: math.prod(p.shard_info.global_shape) for p in params},
+                persistent=persistent, activations=estimate,
+                temporaries=temporaries, messages=report.run.predicted_messages(run), group_ranks=ranks,
+                flops=run.flops, bubble=bubble, last_bucket=last_bucket, first_gather=first_gather,
+                boundary_bytes=boundary, notes=notes,
+                layer_share=len(run.model.transformer.h) * mesh.shape.pp / run.config.n_layer)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The time model
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prediction:
+    compute: float
+    update: float
+    bubble: float  # seconds idle in the pipeline's fill and drain
+    step: float
+    mfu: float
+    exposed: dict = field(default_factory=dict)  # {(op, group): seconds on the critical path}
+    total: dict = field(default_factory=dict)  # {(op, group): seconds if nothing overlapped}
+    link: dict = field(default_factory=dict)  # {(op, group): "intra" | "inter"}
+
+    def by_link(self, exposed: bool = True) -> dict:
+        out = {"intra": 0.0, "inter": 0.0}
+        for key, t in (self.exposed if exposed else self.total).items():
+            out[self.link[key]] += t
+        return out
+
+    @property
+    def exposed_comm(self) -> float:
+        return sum(self.exposed.values())
+
+
+def _group_ranks(group: str, ranks: dict) -> list:
+    names = [name for name in group.split("=") if name in ranks]  # "dp=dp_cp=expert_dp": one communicator
+    return ranks[names[0]] if names else [0]
+
+
+def _names(group: str) -> set:
+    return set(group.split("="))
+
+
+def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
+    """The role's step time by the rules of the docstring. layout: world, tokens (per step), m, zero, P, dtype,
+    cp_impl, attention_share (of the compute: attention's score and value matmuls)."""
+    m, stage, P = layout["m"], layout["zero"], layout["P"]
+    peak, hbm = hw.peak(layout["dtype"]), hw.hbm_gbps * 1e9
+    # The GEMMs by shape and the memory-bound ops (planner/calibration.py), this rank's layers' share of both.
+    compute = calibration.compute_seconds(
+        layout["gemms"], layout["tokens"] / layout["world"] * role.layer_share, peak,
+        layout["memory_bytes"] * role.layer_share, hbm, hw.calibration) * (hw.calibration.layout_factor or 1.0)
+    backward_mb = compute * 2 / 3 / m  # one micro-batch's backward: 4 of its 6·N FLOPs
+    update = hw.calibration.update_seconds  # a measured CPU's; else memory-bound bytes:
+    if update is None:
+        update = 2 * role.persistent["total"] / (hbm * hw.calibration.hbm_fraction)
+    exposed, total, link, in_layer = {}, {}, {}, 0.0
+    for (op, group), (calls, payload) in role.messages.items():
+        ranks = _group_ranks(group, role.group_ranks)
+        t = hardware.collective_seconds(op, calls, payload, ranks, hw)
+        names = _names(group)
+
+        def piece(nbytes):  # one call of `op` moving nbytes
+            return hardware.collective_seconds(op, 1, nbytes, ranks, hw)
+
+        grads = (names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single")
+                 and payload > 16 * calls)
+        # DDP's gradients share their row with the step's two scalars, which block: taken out, exposed whole.
+        n, nbytes = scalar_messages().get((op, "dp_cp"), (0, 0)) if grads and "dp_cp" in names else (0, 0)
+        scalars = n * piece(nbytes / n) if n else 0.0
+        t = hardware.collective_seconds(op, calls - n, payload - nbytes, ranks, hw) if n else t
+        if grads and (stage <= 1 or P > 1):  # DDP, ZeRO-1, ZeRO-2/3 under PP: once a step, over the last backward
+            last = piece(role.last_bucket)
+            e = last + max(0.0, t - last - backward_mb)
+        elif grads:  # ZeRO-2/3: every micro-batch's, over its own backward
+            last = piece(role.last_bucket)
+            e = m * (last + max(0.0, t / m - last - backward_mb))
+        elif stage == 3 and op == "all_gather_single" and names & {"dp_cp", "expert_dp"}:
+            first = piece(role.first_gather)
+            passes = 1 if P > 1 else m  # under PP: the step's first gather; the rest prefetched an action ahead
+            e = passes * (first + max(0.0, t / passes - first - compute / passes))
+        elif "pp" in names and op == "send":
+            e = 2 * (P - 1) * piece(role.boundary_bytes) if role.boundary_bytes else t
+        elif "cp" in names and op in ("send", "isend", "batch_isend_irecv") and layout.get("cp_impl") == "ring":
+            e = max(0.0, t - compute * layout.get("attention_share", 0.0))
+        else:  # TP/SP, EP, Ulysses, the update's and the step's scalars, amaxes, ZeRO-1/2's gather, pp sums
+            e = t
+            in_layer += t if names & {"tp", "ep", "cp"} else 0.0
+        e = min(e, t)
+        exposed[(op, group)] = e + (1 - hw.overlap) * (t - e) + scalars  # φ of the hidden hides
+        total[(op, group)] = t + scalars
+        link[(op, group)] = "inter" if hardware.crosses_nodes(ranks, hw) else "intra"
+    busy = compute + in_layer
+    bubble = busy * role.bubble / (1 - role.bubble)
+    step = busy + bubble + update + sum(exposed.values()) - in_layer
+    return Prediction(compute=compute, update=update, bubble=bubble, step=step, exposed=exposed, total=total,
+                      link=link, mfu=role.flops.model * layout["tokens"] / (layout["world"] * peak * step))
+
+
+def forward_compute(role: Role, layout: dict, hw: hardware.Hardware, recompute: bool) -> float:
+    """What predict prices one forward-only pass over the step's micro-batches at (evaluation's: no backward, no
+    recompute, the layout factor left out): of every block and attention class 1/(3 + recompute) (forward 2
+    FLOPs per weight of 6, + 2 recomputed), of the head 1/3, of the memory-bound bytes 1/(3 + recompute)."""
+    share = 1 / (3 + recompute)
+    classes = [(flops * (1 / 3 if i == calibration.HEAD_CLASS else share), dim)
+               for i, (flops, dim) in enumerate(layout["gemms"])]
+    return calibration.compute_seconds(
+        classes, layout["tokens"] / layout["world"] * role.layer_share, hw.peak(layout["dtype"]),
+        layout["memory_bytes"] * role.layer_share * share, hw.hbm_gbps * 1e9, hw.calibration)
+
+
+def layout_facts(settings, device_type: str | None = None, attention_kernel: str | None = None,
+                 x: memory.ActivationShape | None = None) -> dict:
+    """What the time model reads of a layout (predict's `layout`): gemms, calibration.gemms' classes (their
+    dimensions at a rank's B_μ·s/C tokens, attention's FLOPs at the whole s: a rank's queries meet all s keys);
+    memory_bytes, what a rank of the mean stage's memory-bound ops move in a step (its s/C tokens of each
+    sequence, its L/P layers), the attention kernel that of `device_type` (default the plan's, PLANNED_DEVICE)
+    or `attention_kernel` ("math": the unfused path that Megatron's 2021 runs took, bench/bench_calibration.py).
+    x: a built run's activation shape (activations.activation_shape: its dtypes as resolved), else the plan's."""
+    args, config, shape = settings.args, settings.model, settings.shape
+    seq = settings.seq_len
+    attention = 12 * config.n_layer * config.n_embd * seq  # 12·L·H·Q·s of the FLOPs per token
+    counts = memory.param_counts(config)
+    flops = mfu.flops_per_token(counts, config, seq)
+    name, compute, param, _ = plan_dtypes(settings)
+    x = x or activations.shape_of(settings, config, device_type or PLANNED_DEVICE, compute, param)
+    recompute = config.activation_checkpointing
+    per_token_layer = calibration.memory_bytes_per_token_layer(
+        config, x.s, shape.tp, settings.sequence_parallel, attention_kernel or x.kernel, x.dropout, x.e_c, recompute)
+    tokens = args.global_batch * seq
+    return dict(world=settings.world_size, tokens=tokens, m=settings.micro_batches,
+                zero=args.zero, P=shape.pp, dtype=name, cp_impl=args.cp_impl,
+                attention_share=attention / flops.hardware,
+                gemms=calibration.gemms(config, counts, settings.micro_batch_size * x.s, seq, shape.tp, recompute),
+                memory_bytes=per_token_layer * tokens / (shape.dp * shape.cp) * config.n_layer / shape.pp)
+
+
+def limiting_term(prediction: Prediction) -> str:
+    """The largest term of the step, and when that is compute, the largest of what is lost besides it."""
+    losses = {"exposed communication": prediction.exposed_comm, "bubble": prediction.bubble,
+              "update (HBM)": prediction.update}
+    worst = max(losses, key=losses.get)
+    if prediction.compute >= losses[worst]:
+        return f"compute; most lost to {worst} ({losses[worst] / prediction.step:.0%} of the step)"
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A layout as the plan sizes it (plan.py, planner/search.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+PLANNED_DEVICE = "cuda"  # the hardware model's presets are GPUs: their attention kernels and dropout masks
+
+
+def plan_dtypes(settings) -> tuple:
+    """(compute, param, master) dtypes as train.start_run chooses them; --dtype auto plans for a GPU: bf16."""
+    name = settings.args.dtype if settings.args.dtype != "auto" else "bf16"
+    compute = DTYPES[name]
+    return name, compute, (compute if settings.args.zero else torch.float32), torch.float32
+
+
+def plan_settings(settings):
+    """The model's vocabulary as the plan sizes it: --vocab-size as given (Megatron's runs pad theirs:
+    Narayanan et al.'s V = 51,200), else --tokenizer's, or a gpt3-* preset's own (50304) when --tokenizer is
+    not given (a real run takes the corpus's: the plan cannot read one)."""
+    args = settings.args
+    if getattr(args, "vocab_size", None):
+        settings.model.vocab_size, settings.model.real_vocab_size = args.vocab_size, None
+    elif "tokenizer" not in settings.given and args.preset.startswith("gpt3-"):
+        settings.model.vocab_size = model_lib.PRESETS[args.preset].vocab_size
+    return settings
+
+
+def layout_name(settings) -> str:
+    a, s = settings.args, settings.shape
+    name = f"D{s.dp}·P{s.pp}·C{s.cp}·T{s.tp}" + (f"·E{s.ep}" if s.ep > 1 else "")
+    name += f" ZeRO-{a.zero} B_μ={settings.micro_batch_size} m={settings.micro_batches}"
+    if s.pp > 1:
+        name += f" {a.pp_schedule}" + (f"(v={a.pp_virtual})" if a.pp_schedule == "interleaved" else "")
+    name += " SP" if settings.sequence_parallel else ""
+    return name + (" AC" if settings.model.activation_checkpointing else "") + (
+        " SAC" if settings.model.selective_recompute else "")  # full / selective recompute
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every real run: its measured step time next to the hardware model's prediction for this machine
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
+    """'hardware model: step time measured ... vs predicted ...': the model checked against the run it describes
+    (not a line starting with "step ": those are the step lines)."""
+    if not steps:
+        return "hardware model: no step timed (the first is left out), nothing to check it against"
+    settings = run.settings
+    facts = dict(layout_facts(settings, x=activations.activation_shape(run)), dtype=settings.dtype)
+    prediction = predict(role_of(run), facts, hw)
+    measured = seconds / steps
+    ends, factor = hw.calibration.ends_fraction, hw.calibration.layout_factor
+    ends = f" (the ends at {ends:.2f})" if ends is not None else ""
+    ends += f", the layout's own ops ×{factor:.2f}" if factor is not None else ""
+    link = (f"link {hw.intra_gbps:.2f} GB/s, α {hw.intra_latency_us:.0f} µs, overlap φ {hw.overlap:.2f}"
+            if run.mesh.shape.world_size > 1 else "one process: no link")
+    return (f"hardware model: step time measured {measured * 1e3:,.1f} ms (mean of {steps})"
+            f" vs predicted {prediction.step * 1e3:,.1f} ms ({measured / prediction.step:.2f}×) by the hardware"
+            f" model of this machine ({hw.name}: {hw.peak(settings.dtype) / 1e9:,.1f} GFLOP/s {settings.dtype},"
+            f" GEMMs at e {hw.calibration.gemm_fraction:.2f} of it{ends}, {link}):"
+            f" compute {prediction.compute * 1e3:,.1f},"
+            f" exposed comm {prediction.exposed_comm * 1e3:,.1f} (of {sum(prediction.total.values()) * 1e3:,.1f}),"
+            f" bubble {prediction.bubble * 1e3:,.1f}, update {prediction.update * 1e3:,.1f} ms")
