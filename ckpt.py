@@ -74,7 +74,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-import mfu
 from resilience.ckpt_files import (FORMAT_VERSION, KINDS, MANIFEST, MARKER, CheckpointError, HashingWriter, ShardFiles,
                         WriterLock, capture_rng_state, check_coverage, delete_checkpoint, dtype_named, extract,
                         fsync_path, gist, injected_fault, list_checkpoints, mark, piece_numel,
@@ -416,7 +415,7 @@ class Checkpointer:
         how = "same mesh: every rank's RNG restored" if chosen.same_mesh else (
             f"resharded from mesh {chosen.manifest['mesh']} (RNG re-seeded from seed, step, rank // T)")
         self.log(f"ckpt: resumed from {chosen.path} at step {step} ({how}); loaded in"
-                 f" {(time.perf_counter() - start) * 1e3:.0f} ms, rank 0 read {mfu.format_bytes(bytes_read)}")
+                 f" {(time.perf_counter() - start) * 1e3:.0f} ms, rank 0 read {bytes_read / 2**20:.2f} MiB")
         self._clock = (time.perf_counter(), step)
         return step
 

@@ -70,25 +70,13 @@ import torch
 import torch.distributed as dist
 
 from parallel import collectives
-from accounting.tracer import Messages
-from step import Axis
+from shard import positions
+from step import Axis, Messages
 
 IMPLS, BALANCES = ("ring", "ulysses"), ("zigzag", "contiguous")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The layout: which tokens a rank holds
-# ---------------------------------------------------------------------------------------------------------
-
-
-def positions(seq_len: int, cp: int, rank: int, balance: str = "zigzag") -> torch.Tensor:
-    """Global positions of rank `rank`'s tokens, in the order it holds them (ascending)."""
-    if balance == "contiguous":
-        piece = seq_len // cp
-        return torch.arange(rank * piece, (rank + 1) * piece)
-    n = seq_len // (2 * cp)  # zig-zag: chunks `rank` and 2C−1−rank of 2C
-    early, late = rank, 2 * cp - 1 - rank
-    return torch.cat([torch.arange(early * n, (early + 1) * n), torch.arange(late * n, (late + 1) * n)])
+# Which tokens a rank holds: shard.positions (zig-zag by default, or contiguous).
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -39,10 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from accounting import memory
-from accounting.tracer import Messages
-from shard import StatePiece, counts_here
 from optim import ensure_adam_state, update
+from shard import StatePiece, counts_here, describe
+from step import Messages
 
 TAPER_BYTES = 2**20  # the size the last buckets start from (reverse_order_buckets' taper), torch DDP's first bucket
 
@@ -70,7 +69,7 @@ class DistributedDataParallel(nn.Module):
         """group: the dense parameters' data-parallel group (dp×cp); groups: {grad_group name: ProcessGroup}
         when parameters name other groups in their record (experts: "expert_dp")."""
         super().__init__()
-        self.module = module
+        self.module = describe(module)  # the parameters' records (shard.py), whole tensors unless an axis cut them
         self.groups = dict(groups or {})
         self.groups.setdefault("dp_cp", group)
         self.group = self.groups["dp_cp"]
@@ -316,9 +315,10 @@ class DDPLayout:
         return {"weights": weights, "grads": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
 
     def predicted_persistent(self) -> dict:
-        b = self.params[0].element_size()
-        return memory.persistent_bytes(sum(p.numel() for p in self.params),
-                                    memory.BytesPerParam(weights=b, grads=b, optimizer=2 * b), 0, 1)
+        """(b_w + b_g + b_o)·Ψ with b_w = b_g = b (the fp32 master weights and their gradients) and b_o = 2b (the
+        two moments): everything replicated, ZeRO's formula at stage 0 (zero.persistent_bytes)."""
+        psi, b = sum(p.numel() for p in self.params), self.params[0].element_size()
+        return {"weights": b * psi, "grads": b * psi, "optimizer": 2 * b * psi, "total": 4 * b * psi}
 
     def facts(self) -> DDPFacts:
         return DDPFacts(tuple(self.ddp.bucket_sizes_bytes()),

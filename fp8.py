@@ -86,12 +86,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel import collectives
-from accounting.tracer import Messages
+from step import Messages
 from precision.fp8_replicas import ReplicaHistories
 from precision.fp8_scaling import (E4M3, E5M2, FORMATS, ROW_ALIGNMENT, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT,
                          DelayedHistory, amax_of, dequantize, dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores,
                          pad_rows, quantize, quantize_tiles, scale_from_amax, scaled_matmul, wide_dtype)
-from parallel.recompute import in_backward
+from step import in_backward
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
@@ -371,8 +371,9 @@ def config_from_flags(args, settings) -> Recipe | None:
     tp, cp, micro, h = settings.shape.tp, settings.shape.cp, settings.micro_batch_size, settings.model.n_embd
     shapes = {"attn.c_attn": (h, 3 * h // tp), "attn.c_proj": (h // tp, h), "mlp.c_fc": (h, 4 * h // tp),
               "mlp.c_proj": (4 * h // tp, h)}  # local (K, N) under --tp
-    shared = settings.model.moe_shared_experts * 4 * h  # a MoE block's shared experts (experts/shared.py): FP8 too
-    if settings.model.moe_experts and shared:
+    experts = settings.model.moe  # moe.ExpertsConfig, None when dense
+    shared = experts.shared_experts * 4 * h if experts else 0  # a MoE block's shared experts: FP8 too
+    if shared:
         shapes.update({"mlp.shared_experts.c_fc": (h, shared // tp), "mlp.shared_experts.c_proj": (shared // tp, h)})
     for name, (k, n) in shapes.items():
         errors = gemm_shape_errors(micro * settings.seq_len // cp, k, n)
@@ -417,13 +418,13 @@ def convert(model: nn.Module, recipe: Recipe, mesh=None, micro_batches: int = 1,
             setattr(parent, leaf, fp8)
             if expert:
                 ep = mesh.size("ep") if mesh is not None else 1
-                fp8.row_share = ep * model.config.moe_topk / (slots.slots if slots else model.config.moe_experts)
+                fp8.row_share = ep * model.config.moe.topk / (slots.slots if slots else model.config.moe.experts)
                 if slots is not None and recipe.mode == "delayed":  # one history per logical expert: fp8_replicas
                     replica_slots.append((fp8, slots, int(path.split(".")[-2]), block.layer_id, leaf))
             if getattr(parent, "regather", False):
                 parent.regather = False
             linears[name] = fp8
-    histories = replica_slots and ReplicaHistories(replica_slots, model.config.moe_experts, recipe,
+    histories = replica_slots and ReplicaHistories(replica_slots, model.config.moe.experts, recipe,
                                                    groups("dp_cp", "tp"), device or replica_slots[0][0].fmt_max.device)
     return Fp8Handle(recipe, linears, mesh, micro_batches, model.config.activation_checkpointing, histories or None)
 

@@ -16,12 +16,11 @@ except these hooks the parallel files rely on:
   reduction is a plain sum.
 - Every parameter is initialised from its own generator seeded by (seed, parameter name). Any rank can
   therefore build one full parameter at a time and keep its slice, bitwise equal to the single-device
-  model's; equivalence tests and checkpoint resharding depend on it. `GPT(..., device="meta")` builds shapes
-  and records only: the axes cut it there (train.compose), then `materialize` gives each kept tensor its value
-  (`initial_local`: its logical tensor, then its piece), so a rank never holds more than it keeps plus one
-  logical tensor. Each parameter also carries a
-  `ShardInfo` record (shard.py) saying where its local tensor sits in the global logical tensor, and over which
-  mesh axes identical copies of it exist (`counts_here` there is the one rule that picks the copy that counts).
+  model's; equivalence tests and checkpoint resharding depend on it (`initial_value`, the logical tensor of a
+  name). `GPT(..., device="meta")` builds shapes only: the axes cut it there (train.compose), then
+  shard.materialize gives each kept tensor its value (the logical tensor, then its piece), so a rank never holds
+  more than it keeps plus one logical tensor. `global_name` names a tensor in the logical model (the head's tied
+  copy is the embedding's): shard.py's records, which say where each local tensor sits in it, start from it.
 - A model may be a pipeline STAGE: `GPT(config, layers=range(a, b), embedding=..., head=...)` builds only
   blocks a..b-1 (named by their global index, `transformer.h.<i>`; an interleaved pipeline rank holds several
   such ranges, `layers=[0, 1, 4, 5]`) and, optionally, the embeddings and the final LayerNorm + head. The
@@ -30,16 +29,20 @@ except these hooks the parallel files rely on:
 - `compile_blocks(model)` compiles each block's `forward` as its own region (not the whole model), so that
   each block's backward is its own graph and its parameters' gradient hooks, where DDP and ZeRO launch their
   collectives, fire as soon as that block's backward is done: communication still overlaps backward.
-- The MLP of a block is chosen by the config (`build_mlp`), and a layer may add auxiliary losses (MoE load
-  balance, router z-loss) to `model.aux_losses`, which the training step backpropagates with DESIGN.md's
+- A block's MLP is the dense one. moe.py swaps in a mixture of experts where the config's `moe` (a record this
+  file carries and never reads) asks for one, as tensor parallel swaps linears; a layer may add auxiliary losses
+  (MoE load balance, router z-loss) to `model.aux_losses`, which the training step backpropagates with DESIGN.md's
   normalisation: Σ coef·aux averaged over the D·m micro-batches of the step.
+- Activation checkpointing: full (`activation_checkpointing`) reruns each block in backward; selective keeps
+  what a policy object says (`model.recompute`, given by parallel/recompute.py: its `contexts` for a block's
+  checkpoint; a block whose MLP must run once, a MoE block, recomputes by halves: `Block.recompute`).
 
 Accounting for this file (one device, nothing split):
 1. Everything is replicated (there is one device).
 2. Persistent: Ψ parameters, Ψ gradients, 2Ψ Adam moments (fp32: 16 bytes/param). Activations per layer
    and micro-batch: about s·b·h·(34 + 5·a·s/h) bytes at 16 bits (Korthikanti et al. 2022), or only the
    block inputs when `activation_checkpointing` recomputes each block in backward, and the block inputs and
-   GEMM outputs under `selective_recompute` (parallel/recompute.py; a MoE block by halves, `Block`).
+   GEMM outputs under selective recompute (parallel/recompute.py; a MoE block by halves, `Block`).
 3. No messages.
 4. Restart state: parameters (the optimizer state lives in the trainer).
 """
@@ -56,10 +59,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import moe
-from parallel import recompute
-from shard import ShardInfo, set_value
-
 
 @dataclass
 class GPTConfig:
@@ -72,27 +71,9 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in linears and LayerNorms, like GPT-2
     activation_checkpointing: bool = False  # recompute each block's forward in backward (full recompute)
-    selective_recompute: bool = False  # keep each block's GEMM outputs, recompute the rest (parallel/recompute.py)
-    mlp: str = "dense"  # the block's MLP (build_mlp): "dense"
+    selective_recompute: bool = False  # keep GEMM outputs, recompute the rest (parallel/recompute.py's policy)
     gelu: str = "exact"  # the MLP's GELU: "exact" (erf, nanoGPT) or "tanh" (GPT-2's, Hugging Face's gelu_new)
-    # Mixture of experts (moe.py): N experts (0: dense), top-k routing, on every n-th block (blocks n-1, 2n-1,
-    # ...), capacity factor f (0: dropless), load-balance and router z-loss coefficients; S shared experts
-    # always on in every MoE block (experts/shared.py).
-    moe_experts: int = 0
-    moe_topk: int = 2
-    moe_every: int = 1
-    moe_capacity_factor: float = 0.0
-    moe_aux_coef: float = 0.01
-    moe_z_coef: float = 0.001
-    # DeepSeek-V3's router (experts/router.py): scores, the bias's update rate γ, the seq loss's α, the weights'
-    # scale, G groups of which a token reaches M (0: no limit).
-    moe_score: str = "softmax"
-    moe_bias_rate: float = 0.0
-    moe_seq_aux_coef: float = 0.0
-    moe_route_scale: float = 1.0
-    moe_groups: int = 0
-    moe_group_limit: int = 0
-    moe_shared_experts: int = 0
+    moe: object = None  # the experts (moe.ExpertsConfig): moe.py's to read and to swap in; None: dense
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -106,10 +87,6 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
-    def is_moe_layer(self, layer_id: int) -> bool:
-        """Every n-th block is MoE (--moe-every n): blocks n-1, 2n-1, ... (all of them for n = 1)."""
-        return self.moe_experts > 0 and (layer_id + 1) % self.moe_every == 0
-
     @property
     def gelu_approximate(self) -> str:
         """nn.GELU's `approximate` for this config's GELU."""
@@ -117,9 +94,9 @@ class GPTConfig:
 
     def architecture(self) -> dict:
         """The fields that decide what the model computes, as plain values: saved with every checkpoint, so
-        export_hf.py and sample.py rebuild the model without the flags (not how it trains: dropout, recompute)."""
-        skip = ("dropout", "activation_checkpointing", "selective_recompute", "moe_aux_coef", "moe_z_coef",
-                "moe_bias_rate", "moe_seq_aux_coef")  # the bias itself exists with sigmoid scores; γ and α only train
+        export_hf.py and sample.py rebuild the model without the flags (not how it trains: dropout, recompute).
+        The experts' record is moe.py's (its fields as a dict, None when dense)."""
+        skip = ("dropout", "activation_checkpointing", "selective_recompute")
         return {name: value for name, value in asdict(self).items() if name not in skip}
 
 
@@ -177,29 +154,6 @@ def init_full_parameter(name: str, shape, config: GPTConfig, seed: int, dtype=to
     if name == "transformer.wte.weight":
         value[config.real_vocab_size or shape[0]:] = 0.0  # padding rows: zero, and no gradient ever reaches them
     return value
-
-
-def initial_local(info: ShardInfo, config: GPTConfig, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """The initial value of the local tensor `info` describes: its logical tensor's (init_full_parameter), cut by
-    its splits, in its own storage (a view would keep the whole logical tensor alive). Transient: that one
-    logical tensor plus the piece."""
-    full = init_full_parameter(info.global_name, info.global_shape, config, seed, dtype)
-    return info.shard_of(full).clone(memory_format=torch.contiguous_format)
-
-
-@torch.no_grad()
-def materialize(module: nn.Module, device, config: GPTConfig | None = None, seed: int | None = None) -> nn.Module:
-    """Give every meta parameter of `module` (a GPT, or a part of one: a block) its initial value on `device`,
-    one at a time, from its ShardInfo: what a rank keeps after the axes cut the model on meta, bitwise equal to
-    slicing the single-device model. The parameter objects stay the same (torch.utils.swap_tensors), so ties
-    and whatever the axes hold on to (FP8's linears, TP's SP list, the layout) see the values. config and seed:
-    the model's (a GPT knows its own). Peak: what is kept plus one logical tensor and its piece."""
-    config = config or module.config
-    seed = module.seed if seed is None else seed
-    for param in module.parameters():  # each tensor once (a tied one too)
-        if param.is_meta:
-            set_value(param, initial_local(param.shard_info, config, seed, param.dtype).to(device))
-    return module
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -287,30 +241,20 @@ class AuxLosses:
         return out
 
 
-def build_mlp(config: GPTConfig, layer_id: int, aux_losses: AuxLosses) -> nn.Module:
-    """The MLP of block `layer_id`, as the config chooses (the one place a new MLP kind plugs in)."""
-    if config.is_moe_layer(layer_id):
-        return moe.MoE(config, layer_id, aux_losses)
-    if config.mlp == "dense":
-        return MLP(config)
-    raise ValueError(f"unknown MLP kind {config.mlp!r} (expected 'dense')")
-
-
 class Block(nn.Module):
-    """Pre-LayerNorm: x + attn(ln_1(x)), then + mlp(ln_2(·)). A MoE block under selective recompute (`recompute`,
-    the model's policy) recomputes by halves, as Megatron's selective recompute of a MoE layer: the attention
-    side one checkpoint under the policy, the MoE side run once (its routing, dispatch and all-to-alls are never
-    run again), its experts' GELU outputs recomputed (recompute.SelectiveRecompute.activations_recomputed)."""
+    """Pre-LayerNorm: x + attn(ln_1(x)), then + mlp(ln_2(·)). A block given a selective policy of its own
+    (`recompute`: a MoE block's, whose MLP must run once) recomputes by halves, as Megatron's selective recompute
+    of a MoE layer: the attention side one checkpoint under the policy, the MLP side run once (its routing,
+    dispatch and all-to-alls are never run again), inside the policy's `activations_recomputed`."""
 
-    def __init__(self, config: GPTConfig, layer_id: int = 0, aux_losses: AuxLosses | None = None,
-                 recompute: recompute.SelectiveRecompute | None = None):
+    def __init__(self, config: GPTConfig, layer_id: int = 0):
         super().__init__()
         self.layer_id = layer_id
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = build_mlp(config, layer_id, aux_losses if aux_losses is not None else AuxLosses())
-        self.recompute = recompute if isinstance(self.mlp, moe.MoE) else None  # by halves (MoE blocks only)
+        self.mlp = MLP(config)
+        self.recompute = None  # a policy (parallel/recompute.py) when this block recomputes by halves
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute is not None and self.training and torch.is_grad_enabled():
@@ -356,14 +300,14 @@ class GPT(nn.Module):
         layers = list(range(config.n_layer) if layers is None else layers)
         if layers != sorted(set(layers)) or not all(0 <= i < config.n_layer for i in layers):
             raise ValueError(f"layers {layers} are not increasing layer ids of the model's {config.n_layer} layers")
-        self.aux_losses = AuxLosses()
-        self.recompute = recompute.SelectiveRecompute() if config.selective_recompute else None
-        with torch.device("meta"):  # shapes only: `materialize` gives each tensor its value, one at a time
+        self.aux_losses = AuxLosses()  # what a layer adds during a forward (a MoE layer's balance losses)
+        self.recompute = None  # the selective policy, given by parallel/recompute.py (--activation-checkpointing)
+        with torch.device("meta"):  # shapes only: init_weights, or shard.materialize for what a rank keeps
             parts = {}  # in nanoGPT's order: wte, wpe, drop, h, ln_f
             if embedding:
                 parts.update(wte=nn.Embedding(config.vocab_size, config.n_embd),
                              wpe=nn.Embedding(config.block_size, config.n_embd), drop=nn.Dropout(config.dropout))
-            parts.update(h=Blocks({str(i): Block(config, i, self.aux_losses, self.recompute) for i in layers}))
+            parts.update(h=Blocks({str(i): Block(config, i) for i in layers}))
             if head:
                 parts.update(ln_f=nn.LayerNorm(config.n_embd, bias=config.bias))
             self.transformer = nn.ModuleDict(parts)
@@ -373,11 +317,21 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, named transformer.wte.weight
         # Tensor parallel swaps in a vocab-parallel loss (which leaves the padding rows out alike).
         self.loss_fn = functools.partial(cross_entropy_sum, real_vocab_size=config.real_vocab_size)
-        for name, param in self.named_parameters():  # the whole logical tensor; an axis may cut it (on meta)
-            name = self.global_name(name)
-            param.shard_info = ShardInfo(global_name=name, global_shape=tuple(param.shape))
         if torch.device(device or "cpu").type != "meta":  # device="meta": the axes cut first (train.compose)
-            materialize(self, device or "cpu")
+            self.init_weights(device or "cpu")
+
+    @torch.no_grad()
+    def init_weights(self, device) -> None:
+        """Every parameter its initial value (`initial_value` of its global name) on `device`, one at a time. The
+        parameter objects stay (torch.utils.swap_tensors takes a meta tensor's place), so the tie stays too."""
+        for name, param in self.named_parameters():  # each tensor once (the tied one too)
+            value = self.initial_value(self.global_name(name), param.shape, param.dtype).to(device)
+            torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+
+    def initial_value(self, name: str, shape, dtype=torch.float32) -> torch.Tensor:
+        """The logical tensor `name` at initialisation (init_full_parameter with this model's config and seed):
+        what any rank slices its piece from (shard.materialize)."""
+        return init_full_parameter(name, shape, self.config, self.seed, dtype)
 
     @property
     def has_embedding(self) -> bool:
@@ -416,7 +370,7 @@ class GPT(nn.Module):
             training = self.training and torch.is_grad_enabled()
             if self.config.activation_checkpointing and training:
                 x = checkpoint(block, x, use_reentrant=False)
-            elif self.recompute is not None and training and block.recompute is None:  # MoE: by halves (Block)
+            elif self.recompute is not None and training and block.recompute is None:  # by halves: Block
                 x = checkpoint(block, x, use_reentrant=False, context_fn=self.recompute.contexts)
             else:
                 x = block(x)

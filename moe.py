@@ -97,17 +97,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from experts import eplb
-from experts import dispatch
-from experts import router
-from accounting.tracer import Messages
-from context_parallel import positions
-from mesh import MeshShape
-from accounting.moe_costs import ALL_TO_ALL, Traffic, all_to_all_messages, capacity, step_messages
+from experts import dispatch, router
+from experts.dispatch import ALL_TO_ALL, Traffic, all_to_all_messages, step_messages
+from experts.router import capacity
 from experts.shared import SharedExperts
-from parallel.recompute import is_training_forward
-from shard import ShardInfo, StatePiece, counts_here
-from step import Axis, sum_in_place
+from shard import ShardInfo, StatePiece, counts_here, describe, materialize, positions
+from step import Axis, Messages, is_training_forward, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------
 # The router, the routing, the capacity
@@ -165,26 +160,30 @@ def count_per_expert(expert: torch.Tensor, bins: int) -> torch.Tensor:
 
 class MoE(nn.Module):
     """The MoE MLP of one block: router, experts (keyed by GLOBAL index: this rank may hold only some), and
-    the expert-parallel exchange when ep_group is set (`shard_experts`)."""
+    the expert-parallel exchange when ep_group is set (`shard_experts`). `swap_in` puts it in a block."""
+
+    recompute_by_halves = True  # its routing and all-to-alls run once: selective recompute splits the block
 
     def __init__(self, config, layer_id: int, aux_losses):
         super().__init__()
         self.layer_id, self.aux_losses = layer_id, aux_losses  # the model's aux-loss channel
-        self.n_experts, self.topk = config.moe_experts, config.moe_topk
-        self.capacity_factor = config.moe_capacity_factor
-        self.aux_coef, self.z_coef = config.moe_aux_coef, config.moe_z_coef
-        self.routing = dict(score=config.moe_score, groups=config.moe_groups, limit=config.moe_group_limit,
-                            scale=config.moe_route_scale)  # router.route's options (DeepSeek-V3's gate)
-        self.seq_aux_coef = config.moe_seq_aux_coef
-        self.load = router.ExpertLoad(config.moe_experts, config.moe_score == "sigmoid", config.moe_bias_rate)
-        self.router = Router(config.n_embd, config.moe_experts)
-        self.experts = nn.ModuleDict({str(i): Expert(config) for i in range(config.moe_experts)})
+        self.n_experts, self.topk = config.moe.experts, config.moe.topk
+        self.capacity_factor = config.moe.capacity_factor
+        self.aux_coef, self.z_coef = config.moe.aux_coef, config.moe.z_coef
+        self.routing = dict(score=config.moe.score, groups=config.moe.groups, limit=config.moe.group_limit,
+                            scale=config.moe.route_scale)  # router.route's options (DeepSeek-V3's gate)
+        self.seq_aux_coef = config.moe.seq_aux_coef
+        self.load = router.ExpertLoad(config.moe.experts, config.moe.score == "sigmoid", config.moe.bias_rate)
+        self.router = Router(config.n_embd, config.moe.experts)
+        self.experts = nn.ModuleDict({str(i): Expert(config) for i in range(config.moe.experts)})
         # S always-on experts added ungated (experts/shared.py); dense parameters, built after the routed ones.
-        self.shared_experts = SharedExperts(config) if config.moe_shared_experts else None
+        self.shared_experts = SharedExperts(config) if config.moe.shared_experts else None
         self.dropout = nn.Dropout(config.dropout)
-        self.local = range(config.moe_experts)  # the experts this rank holds
+        self.local = range(config.moe.experts)  # the experts this rank holds
         self.ep_group, self.ep_size = None, 1
-        self.replicas = None  # eplb.Replicas with --moe-replicas: the physical slots the dispatch sends to
+        self.replicas = None  # experts/eplb.py's Replicas with --moe-replicas: the physical slots the dispatch
+        # sends to (`physical`, `slots`), and the step's kept slots per expert (`step_load`, summed over the load
+        # groups in the router's all-reduce: MoEAxis.after_grad_sync)
         self.pieces = ()  # Pieces: the ranks holding the other pieces of this rank's micro-batch (CP, SP)
         self.observer = RoutingObserver()  # who is told what each forward routed (the accounting, or nobody)
         self.places, self.off_group = None, (0, 0)  # with groups under EP: router.off_group's last record
@@ -369,24 +368,66 @@ class RoutingObserver:
 # Wiring: which blocks, the flags, the expert-parallel split, the handle train.py talks to
 # ---------------------------------------------------------------------------------------------------------
 
-# Flag → (GPTConfig field, default). --ep E is the mesh's.
-FLAGS = {"--moe-experts": ("moe_experts", 0), "--moe-topk": ("moe_topk", 2), "--moe-every": ("moe_every", 1),
-         "--moe-capacity-factor": ("moe_capacity_factor", 0.0), "--moe-aux-coef": ("moe_aux_coef", 0.01),
-         "--moe-z-coef": ("moe_z_coef", 0.001), "--moe-shared-experts": ("moe_shared_experts", 0),
-         **router.FLAGS}
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """The experts of a MoE model, as the --moe-* flags set them: what GPTConfig.moe carries (model.py never
+    reads it; `swap_in` does). Every n-th block is MoE (blocks n-1, 2n-1, ...)."""
+
+    experts: int  # N
+    topk: int = 2  # k
+    every: int = 1  # n
+    capacity_factor: float = 0.0  # f (0: dropless)
+    aux_coef: float = 0.01  # α, the load-balance loss
+    z_coef: float = 0.001  # β, the router z-loss
+    shared_experts: int = 0  # S always-on experts (experts/shared.py)
+    # DeepSeek-V3's router (experts/router.py): scores, the bias's update rate γ, the seq loss's α, the weights'
+    # scale, G groups of which a token reaches M (0: no limit).
+    score: str = "softmax"
+    bias_rate: float = 0.0
+    seq_aux_coef: float = 0.0
+    route_scale: float = 1.0
+    groups: int = 0
+    group_limit: int = 0
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.experts > 0 and (layer_id + 1) % self.every == 0
 
 
-def config_overrides(args) -> dict:
-    """The GPTConfig fields from parsed flags (argparse's names: args.moe_experts, ...), defaults if absent."""
-    return {field: getattr(args, field, default) for field, default in FLAGS.values()}
+DENSE = ExpertsConfig(experts=0)  # what a dense model's blocks are: no expert, no MoE layer
 
 
-def check_flags(config, shape: MeshShape) -> None:
-    """Raise ValueError naming the flag when the MoE flags (config's moe_* fields, --ep in shape) cannot work
-    together on this mesh; pure, run once before any process group (flags.validate, before the batch
+def experts_of(config) -> ExpertsConfig:
+    """The experts of a GPTConfig: its `moe`, or DENSE when it has none (what the accounting's formulas read)."""
+    return config.moe or DENSE
+
+
+# Flag → ExpertsConfig field. --ep E is the mesh's; --moe-replicas R, experts/eplb.py's.
+FLAGS = {"--moe-experts": "experts", "--moe-topk": "topk", "--moe-every": "every",
+         "--moe-capacity-factor": "capacity_factor", "--moe-aux-coef": "aux_coef", "--moe-z-coef": "z_coef",
+         "--moe-shared-experts": "shared_experts", **router.FLAGS}
+
+
+def experts_config(args) -> ExpertsConfig | None:
+    """GPTConfig.moe from parsed flags (argparse's names: args.moe_experts, ...; defaults where absent), None
+    when --moe-experts is 0: a dense model."""
+    defaults = ExpertsConfig(experts=0)
+    values = {field: getattr(args, flag[2:].replace("-", "_"), getattr(defaults, field))
+              for flag, field in FLAGS.items()}
+    return ExpertsConfig(**values) if values["experts"] else None
+
+
+def experts_from_record(record) -> ExpertsConfig | None:
+    """GPTConfig.moe from a checkpoint's model record (GPTConfig.architecture: the fields as a dict, or None)."""
+    return ExpertsConfig(**record) if record else None
+
+
+def check_flags(config, shape) -> None:
+    """Raise ValueError naming the flag when the MoE flags (config.moe, --ep in `shape`, a mesh.MeshShape)
+    cannot work together on this mesh; pure, run once before any process group (flags.validate, before the batch
     arithmetic). Each flag's own range (N, f, α, β ≥ 0; k, --moe-every, E ≥ 1) is checked once, in
     flags.check_ranges, infer_mesh_shape."""
-    n, k, ep, every = config.moe_experts, config.moe_topk, shape.ep, config.moe_every
+    experts = experts_of(config)
+    n, k, ep, every = experts.experts, experts.topk, shape.ep, experts.every
     for broken, message in (
             (n == 0 and ep > 1, f"--ep {ep} needs experts to split: set --moe-experts N (a multiple of {ep})"),
             (n > 0 and not 1 <= k <= n, f"--moe-topk {k} must be between 1 and --moe-experts {n}"),
@@ -399,31 +440,45 @@ def check_flags(config, shape: MeshShape) -> None:
         if broken:
             raise ValueError(message)
     if n > 0:
-        router.check_flags(config, ep)
+        router.check_flags(experts, ep)
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """The expert-parallel layout of a MoE model (the experts themselves are GPTConfig's moe_* fields):
-    E = --ep, whether the micro-batch is cut over TP too (--sp), and how CP cut it (its pieces' positions)."""
+    """The expert-parallel layout of a MoE model (the experts themselves are GPTConfig.moe's): E = --ep, whether
+    the micro-batch is cut over TP too (--sp), how CP cut it (its pieces' positions), and R physical slots with
+    --moe-replicas (experts/eplb.py places them; the exchange sends by slot)."""
 
     ep: int = 1
     sequence_parallel: bool = False
     cp_balance: str | None = None  # None without CP
-    replicas: int = 0  # R physical experts (experts/eplb.py), --moe-replicas; 0: none, the N experts in place
-    replan_every: int = 50  # --moe-replan-every
-    load_decay: float = 0.9  # --moe-load-decay
+    replicas: int = 0  # R, --moe-replicas; 0: none, the N experts in place
 
 
 def config_from_flags(args, settings) -> MoEConfig | None:
     """The MoE layout on this mesh (its flags checked by flags.validate, check_flags); None when dense."""
-    if settings.model.moe_experts == 0:
+    if settings.model.moe is None:
         return None
-    replicas = getattr(args, "moe_replicas", 0)
-    if replicas:
-        eplb.check_flags(replicas, settings.model.moe_experts, settings.shape.ep)
     return MoEConfig(settings.shape.ep, settings.sequence_parallel, args.cp_balance if settings.shape.cp > 1 else None,
-                     replicas, getattr(args, "moe_replan_every", 50), getattr(args, "moe_load_decay", 0.9))
+                     getattr(args, "moe_replicas", 0))
+
+
+def swap_in(model) -> list:
+    """Replace the dense MLP of each block its config's `moe` makes MoE (`ExpertsConfig.is_moe_layer`) by a MoE
+    layer, in place, as tensor parallel swaps linears: the plain model (model.py) is dense, and this is where
+    its experts come from. The new tensors are named under the block's `mlp` (`transformer.h.<i>.mlp.experts.
+    <e>.c_fc.weight`, ...) and take their per-parameter init (shard.materialize), or stay shapes on a meta
+    model (train.compose builds on meta, the axes cut, then one materialize). A pipeline stage swaps the
+    blocks it holds. Returns the MoE layers; a block already swapped stays (idempotent)."""
+    like = next(model.parameters())
+    for block in model.transformer.h:
+        if experts_of(model.config).is_moe_layer(block.layer_id) and not isinstance(block.mlp, MoE):
+            with torch.device("meta"):
+                block.mlp = MoE(model.config, block.layer_id, model.aux_losses).to(like.dtype)
+    describe(model)
+    if not like.is_meta:
+        materialize(model, like.device, model.initial_value)
+    return [block.mlp for block in model.transformer.h if isinstance(block.mlp, MoE)]
 
 
 def shard_experts(layer: MoE, ep_group, ep_size: int, ep_index: int) -> None:
@@ -440,37 +495,31 @@ def shard_experts(layer: MoE, ep_group, ep_size: int, ep_index: int) -> None:
 
 
 def apply(model, run, config: MoEConfig) -> MoEAxis:
-    """Keep this rank's experts of every MoE block of `model` (first of the axes, DESIGN.md); tell each layer
-    the ranks holding the other pieces of its micro-batches (`Pieces`: cp as --cp-balance cut it; tp with --sp)."""
+    """Swap in the MoE blocks (`swap_in`) and keep this rank's experts of each (first of the axes, DESIGN.md;
+    with --moe-replicas the experts stay whole here and experts/eplb.py, applied next, places the slots); tell
+    each layer the ranks holding the other pieces of its micro-batches (`Pieces`: cp as --cp-balance cut it; tp
+    with --sp)."""
     mesh, ep = run.mesh, config.ep
     levels = [("cp", config.cp_balance)] if config.cp_balance is not None else []
     levels += [("tp", "contiguous")] if config.sequence_parallel else []
     pieces = tuple(Pieces(mesh.group(name), mesh.size(name), dist.get_rank(mesh.group(name)), balance)
                    for name, balance in levels)
-    layers = [block.mlp for block in model.transformer.h if isinstance(block.mlp, MoE)]
+    layers = swap_in(model)
     for layer in layers:
-        if config.replicas:  # R/E physical slots (experts/eplb.py), else experts [e·N/E, (e+1)·N/E)
-            eplb.place_slots(layer, config.replicas, mesh.group("ep"), ep, mesh.index("ep"), run.device)
-        else:
+        if not config.replicas:  # experts [e·N/E, (e+1)·N/E)
             shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         layer.pieces = pieces
         layer.load.on(run.device)
-        layer.places = router.group_places(model.config.moe_groups, ep, mesh.index("ep"))
+        layer.places = router.group_places(model.config.moe.groups, ep, mesh.index("ep"))
     sp = mesh.size("tp") if config.sequence_parallel else 1
     traffic = Traffic(model.config, len(layers), run.micro_batch_size * run.seq_len // (mesh.size("cp") * sp),
                       run.micro_batches, ep, mesh.size("cp"), sp, run.compute_dtype.itemsize,
                       max(4, next(model.parameters()).element_size()), run.micro_batch_size, config.replicas,
                       getattr(run.settings.args, "fp8", None),
                       getattr(run.settings.args, "precision_recipe", None) is not None)
-    redundant = None  # with --moe-replicas: the replicas' step work; their tokens' loads are summed over dp×cp (tp)
-    if config.replicas and layers:
-        redundant = eplb.RedundantExperts(layers, config.replan_every, config.load_decay,
-                                          {name: mesh.group(name) for name in ("ep", "dp_cp", "expert_dp")},
-                                          {name: mesh.group(name) for name in ("dp_cp", "tp")[:1 + (sp > 1)]},
-                                          mesh.coordinates())
     load_groups = [name for name in ("dp_cp", "tp") if mesh.size(name) > 1 and (name != "tp" or sp > 1)]
     tp_group = mesh.group("tp") if config.sequence_parallel else None
-    return MoEAxis(layers, traffic, tp_group, mesh, load_groups, redundant)
+    return MoEAxis(layers, traffic, tp_group, mesh, load_groups)
 
 
 @dataclass(frozen=True)
@@ -480,7 +529,6 @@ class MoEFacts:
     traffic: Traffic
     experts: range  # the experts this rank holds of every MoE layer, [e·N/E, (e+1)·N/E) (replicas: its slots)
     expert_params: int  # their parameters, all MoE layers
-    replicas: eplb.ReplicaFacts | None = None  # with --moe-replicas
     places: object = None  # with --moe-groups under EP: router.group_places (which ranks share a group)
 
 
@@ -489,31 +537,29 @@ class MoEAxis(Axis):
 
     name = "moe"
 
-    def __init__(self, layers: list, traffic: Traffic, tp_group=None, mesh=None, load_groups=(), redundant=None):
+    def __init__(self, layers: list, traffic: Traffic, tp_group=None, mesh=None, load_groups=()):
         self.layers, self.traffic, self.mesh = layers, traffic, mesh
         self.tp_group = tp_group  # with --sp: the experts' and router's gradients are summed over it
         self.load_groups = list(load_groups)  # names of the groups whose ranks saw the step's other tokens
-        self.redundant = redundant  # eplb.RedundantExperts with --moe-replicas
-        if redundant is not None:  # its loads ride the router's all-reduce when that one runs (one call, two users)
-            redundant.shared_load_reduce = any(layer.load.reduce for layer in layers)
 
     @torch.no_grad()
     def after_grad_sync(self, layout) -> int:
         """With --sp each TP rank routed its sequence piece: sum the experts' and router's gradients over tp.
-        Then each layer's step load, global (the bias on), updates its bias (router.finish_step), and with
-        --moe-replicas eplb's kept-slot loads, summed in the same all-reduce, feed its average."""
+        Then each layer's step load, global (the bias on), updates its bias (router.finish_step); with
+        --moe-replicas the replicas' kept slots per expert ride the same all-reduce (one call, two users) and are
+        written back summed, for experts/eplb.py's handle, next, to fold into its average."""
         if self.tp_group is not None:
             sum_in_place([g for g in layout.grad_pieces(self.params()) if g.numel()], self.tp_group)
-        riders = self.redundant.step_loads() if self.redundant is not None else None
+        replicas = [layer.replicas for layer in self.layers if layer.replicas is not None]
+        riders = torch.stack([r.step_load for r in replicas]).long() if replicas else None
         summed = router.finish_step([layer.load for layer in self.layers],  # ONE load all-reduce per group
-                                        [self.mesh.group(name) for name in self.load_groups], riders)
-        if self.redundant is not None:  # the replicas' gradient sum, the load average, the re-plan (experts/eplb.py)
-            self.redundant.after_grad_sync(layout, summed)
+                                    [self.mesh.group(name) for name in self.load_groups], riders)
+        for slots, total in zip(replicas, summed if replicas else ()):
+            slots.step_load.copy_(total)
         return 0
 
     def state_pieces(self) -> list:
-        """Each layer's selection bias, "moe/<layer>.expert_bias", one logical copy (moe_router item 4),
-        and with --moe-replicas the load averages the placement is made from (experts/eplb.py item 4)."""
+        """Each layer's selection bias, "moe/<layer>.expert_bias", one logical copy (experts/router.py item 4)."""
         coords = self.mesh.coordinates() if self.mesh is not None else None
         pieces = []
         for layer in self.layers:
@@ -522,12 +568,7 @@ class MoEAxis(Axis):
                                  replicated_over=("tp",))
                 pieces.append(StatePiece(f"moe/{info.global_name}", layer.load.bias, info,
                                          primary=counts_here(info, coords, ("dp_cp",))))
-        return pieces + (self.redundant.state_pieces() if self.redundant is not None else [])
-
-    def after_load(self, layout, step: int) -> None:
-        """With --moe-replicas, the placement of the loaded averages, its slots moved (experts/eplb.py item 4)."""
-        if self.redundant is not None:
-            self.redundant.after_load(layout, step)
+        return pieces
 
     @contextmanager
     def sampling(self):
@@ -552,7 +593,6 @@ class MoEAxis(Axis):
     def facts(self) -> MoEFacts:
         held = sum(p.numel() for layer in self.layers for p in layer.experts.parameters())
         return MoEFacts(self.traffic, self.layers[0].local if self.layers else range(0), held,
-                        self.redundant.facts() if self.redundant is not None else None,
                         self.layers[0].places if self.layers else None)
 
     def params(self) -> list:
@@ -560,12 +600,7 @@ class MoEAxis(Axis):
         return [p for layer in self.layers for p in (*layer.router.parameters(), *layer.experts.parameters())]
 
     def predicted_messages(self, layout=None) -> Messages:
-        """Per optimizer step, for UNIFORM routing (item 3), and the replicas' for a uniform load (experts/eplb.py)."""
-        out = self.routing_messages(layout)
-        return out + self.redundant.predicted_messages(layout) if self.redundant is not None else out
-
-    def routing_messages(self, layout=None) -> Messages:
-        """Item 3 for UNIFORM routing. SP's sum covers the layout's gradient pieces of the experts and router
+        """Item 3 per optimizer step for UNIFORM routing. SP's sum covers the layout's gradient pieces of the experts and router
         (ZeRO: this rank's shard, in its accumulation dtype); no layout: the parameters."""
         sp_grad_bytes = 0
         if self.tp_group is not None:
@@ -573,19 +608,15 @@ class MoEAxis(Axis):
             sp_grad_bytes = sum(g.numel() * g.element_size() for g in pieces)
         out = step_messages(self.traffic, sp_grad_bytes)
         if any(layer.load.reduce for layer in self.layers):
-            for message in router.load_messages(len(self.layers), self.traffic.model.moe_experts,
-                                                    self.load_groups):
+            for message in router.load_messages(len(self.layers), self.traffic.model.moe.experts, self.load_groups):
                 out.add(*message)
         return out
 
     def traced_prediction(self, layout, steps: int) -> Messages:
         """Per step of the `steps` traced training steps: the all-to-alls from the rows the training forwards
-        sent and received (exact: the observer's `rows()`), the replicas' from what their steps did, the rest
-        as predicted_messages."""
-        if not steps:
-            return self.predicted_messages(layout)
-        out = self.routing_messages(layout)
-        if self.traffic.ep > 1 and self.observer is not None:
+        sent and received (exact: the observer's `rows()`), the rest as predicted_messages."""
+        out = self.predicted_messages(layout)
+        if steps and self.traffic.ep > 1 and self.observer is not None:
             out.pop(ALL_TO_ALL, None)
             out = out + all_to_all_messages(self.traffic, *self.observer.rows()).times(1 / steps)
-        return out + self.redundant.traced_messages(steps) if self.redundant is not None else out
+        return out

@@ -67,12 +67,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from accounting import memory
-from accounting.tracer import Messages
 from model import GPT
 from parallel.schedules import (BUBBLE_TEXT, Action, Message, bubble_formula, build_programs, communication_plan,
                        last_backwards, needs, rank_chunks, split_layers, stage_layers)
-from step import Axis, MicroBatchLoss, sum_in_place
+from step import Axis, ForwardObserver, Messages, MicroBatchLoss, sum_in_place
 
 TIED = "transformer.wte.weight"
 
@@ -106,7 +104,7 @@ class PipelineSchedule:
     seq_divisor: T under sequence parallel (a stage boundary then carries s/T tokens); observer: who is told
     what the interpreter does (a PipelineObserver: nobody, unless the accounting subscribed)."""
 
-    measured_forward = "one (micro-batch, chunk) forward on this stage"  # what saved_activation_bytes covers
+    measured_forward = "one (micro-batch, chunk) forward on this stage"  # what a ForwardObserver surrounds
 
     def __init__(self, config: PipelineConfig, mesh, n_layer: int, seq_divisor: int = 1):
         self.name, self.P, self.v = config.schedule, config.size, config.virtual
@@ -116,9 +114,11 @@ class PipelineSchedule:
         self.seq_divisor = seq_divisor
         self.observer = PipelineObserver()
         self.store = WeightGradStore() if self.name == "zb" else None
-        self.measure_activations = False  # set it: the next step measures its first forward's saved bytes
-        self.saved_activation_bytes = None  # bytes autograd saved for one (micro-batch, chunk) forward
+        self.forward_observer = ForwardObserver()  # told of each F action's compute (step.ForwardObserver)
         self._plans = {}
+
+    def observe_forwards(self, observer: ForwardObserver) -> None:
+        self.forward_observer = observer
 
     def forward_backward(self, layout, model, batches, global_tokens, loss_scale: float, aux_divisor: int,
                          autocast, device) -> MicroBatchLoss:
@@ -139,13 +139,10 @@ class PipelineSchedule:
                 mail.post(step.recvs)  # then the previous action's send: one batch
                 incoming = mail.take(needs(action, self.n_chunks))
                 mail.release(step.release)  # a message taken shows their receives posted: frees the buffers
-                measuring = self.measure_activations and action.kind == "F"
-                saved = memory.SavedActivations.of(model) if measuring else nullcontext()
-                with self.observer.action(action), nullcontext() if action in synced else layout.no_sync(), saved, \
+                forward = self.forward_observer.forward(model) if action.kind == "F" else nullcontext()
+                with self.observer.action(action), nullcontext() if action in synced else layout.no_sync(), forward, \
                         gathered:
                     outgoing = self._compute(state, action, incoming)
-                if measuring:
-                    self.saved_activation_bytes, self.measure_activations = saved.bytes, False
                 mail.send(step.send, outgoing)  # posted with the next step's receives
                 outgoing = incoming = None  # a sent buffer lives in its op and work only, until its release
             mail.close()

@@ -46,13 +46,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cli import flags
 from planner import hardware
-from accounting import memory
+import zero
 import mfu
+from moe import experts_of
 import planner.search
 from parallel import schedules
 import train
 from parallel import zero_pipeline
-from accounting.tracer import Messages
+from step import Messages
 from cli.flags import FlagError, fail
 from planner.hardware import hardware_line
 from mesh import build_mesh, groups_of
@@ -136,7 +137,7 @@ def stage_shape(settings, p: int) -> tuple:
     args, config, P = settings.args, settings.model, settings.shape.pp
     v = args.pp_virtual if args.pp_schedule == "interleaved" else 1
     kw = stage_kwargs(config.n_layer, p, P, v)
-    shape = tuple(config.is_moe_layer(layer) for layer in kw["layers"]), kw["embedding"], kw["head"]
+    shape = tuple(experts_of(config).is_moe_layer(layer) for layer in kw["layers"]), kw["embedding"], kw["head"]
     if args.zero < 2 or P == 1:
         return shape
     program = _programs(args.pp_schedule, P, settings.micro_batches, v)[p]
@@ -208,8 +209,8 @@ def logical_psi(settings, roles: list) -> int:
 
 
 def zero_table(psi: int, D: int) -> str:
-    """The ZeRO paper's Figure 1 at this Ψ and D (16-bit mixed precision, K = 12: memory.persistent_bytes)."""
-    cells = [f"{memory.persistent_bytes(psi, 'mixed', s, D)['total'] / 1e9:.1f}" for s in range(4)]
+    """The ZeRO paper's Figure 1 at this Ψ and D (16-bit mixed precision, K = 12: zero.persistent_bytes)."""
+    cells = [f"{zero.persistent_bytes(psi, 'mixed', s, D)['total'] / 1e9:.1f}" for s in range(4)]
     return f"ZeRO stages 0/1/2/3 at Ψ = {psi / 1e9:.2f}B, D = {D}, K = 12: " + " / ".join(cells) + " GB per device"
 
 

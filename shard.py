@@ -10,8 +10,10 @@ one record; none of them special-cases an axis. `StatePiece` is one local tensor
 record: what the layouts hand the checkpoint. `set_value` gives a parameter a new value (a shard, a view into
 a flat buffer) without replacing the object the axes and the layouts hold on to.
 
-The initial value of a local tensor (`model.initial_local`: the logical tensor's init, then its piece) stays
-with the model's init in model.py: it needs the init, and the model needs these records.
+The model knows nothing of records: `describe` gives each of its parameters the record of the whole logical
+tensor (named by `GPT.global_name`), which the axes then cut; `materialize` gives each kept local tensor its
+value from the logical tensor's initial value (`GPT.initial_value`), then its piece (`initial_local`).
+`positions` says the same of a sequence: which tokens a context-parallel (or sequence-parallel) piece holds.
 
 Accounting for this file: it holds no tensors of its own and sends nothing; a record is a few Python values
 per parameter. Restart state: none of its own (the checkpoint writes each record's global name, shape and
@@ -132,6 +134,51 @@ class StatePiece:
     flat_range: tuple | None = None
     primary: bool = True
     optional: bool = False  # a checkpoint without it loads, the live value staying (an axis's state: experts/eplb.py)
+
+
+def describe(module: nn.Module) -> nn.Module:
+    """Give every parameter of `module` that has no record one: the whole logical tensor, named by the module's
+    `global_name` (a GPT's: the head's tied copy is the embedding's), else by its own name. Idempotent: the axes
+    and layouts that read records call it on what they are handed; a record an axis has cut stays. Returns it."""
+    global_name = getattr(module, "global_name", lambda name: name)
+    for name, param in module.named_parameters():
+        if getattr(param, "shard_info", None) is None:
+            param.shard_info = ShardInfo(global_name=global_name(name), global_shape=tuple(param.shape))
+    return module
+
+
+def initial_local(info: ShardInfo, initial_value, dtype: torch.dtype) -> torch.Tensor:
+    """The initial value of the local tensor `info` describes: its logical tensor's (`initial_value(name, shape,
+    dtype)`, GPT.initial_value), cut by its splits, in its own storage (a view would keep the whole logical tensor
+    alive). Transient: that one logical tensor plus the piece."""
+    full = initial_value(info.global_name, info.global_shape, dtype)
+    return info.shard_of(full).clone(memory_format=torch.contiguous_format)
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device, initial_value) -> nn.Module:
+    """Give every meta parameter of `module` (a GPT, or a part of one: a block) its initial value on `device`,
+    one at a time, from its record: what a rank keeps after the axes cut the model on meta, bitwise equal to
+    slicing the single-device model. `initial_value`: the model's (GPT.initial_value). The parameter objects
+    stay the same (`set_value`), so ties and whatever the axes hold on to (FP8's linears, TP's SP list, the
+    layout) see the values. Peak: what is kept plus one logical tensor and its piece."""
+    describe(module)
+    for param in module.parameters():  # each tensor once (a tied one too)
+        if param.is_meta:
+            set_value(param, initial_local(param.shard_info, initial_value, param.dtype).to(device))
+    return module
+
+
+def positions(seq_len: int, pieces: int, index: int, balance: str = "zigzag") -> torch.Tensor:
+    """The global positions of piece `index` of `pieces` of a sequence of `seq_len` tokens, in the order that
+    piece holds them (ascending): context parallel's cut, zig-zag (chunks index and 2C−1−index of 2C: every piece
+    gets as much causal work) or contiguous (sequence parallel's, and CP's other cut)."""
+    if balance == "contiguous":
+        piece = seq_len // pieces
+        return torch.arange(index * piece, (index + 1) * piece)
+    n = seq_len // (2 * pieces)
+    early, late = index, 2 * pieces - 1 - index
+    return torch.cat([torch.arange(early * n, (early + 1) * n), torch.arange(late * n, (late + 1) * n)])
 
 
 def set_value(param: nn.Parameter, value: torch.Tensor) -> None:

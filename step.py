@@ -25,13 +25,51 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from accounting import memory
-from accounting.tracer import Messages
+
+
+class Count(NamedTuple):
+    calls: float
+    payload: float  # bytes: the sum of the messages M (mfu.py, section 4)
+
+
+class Messages(dict):
+    """Predicted messages: {(op, group name): Count(calls, payload bytes)}, what one optimizer step sends,
+    named as CommTracer names what it traced. The one type every prediction returns: a layout's, an axis's,
+    the step's own, so they add up and compare with the tracer's records without conversion."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__({key: Count(*value) for key, value in dict(*args, **kwargs).items()})
+
+    def add(self, op: str, group: str, calls: float = 1, payload: float = 0) -> Messages:
+        """Count `calls` more calls of `op` on `group` moving `payload` bytes in all; returns self. Bytes without
+        calls count too: they ride another user's call (eplb's loads in the router's all-reduce)."""
+        if calls or payload:
+            old = self.get((op, group), Count(0, 0))
+            self[(op, group)] = Count(old.calls + calls, old.payload + payload)
+        return self
+
+    def __add__(self, other: dict) -> Messages:
+        out = Messages(self)
+        for (op, group), (calls, payload) in other.items():
+            out.add(op, group, calls, payload)
+        return out
+
+    def times(self, factor: float) -> Messages:
+        """Every count multiplied by `factor` (per layer → per step, per step → per run)."""
+        return Messages({key: Count(c.calls * factor, c.payload * factor) for key, c in self.items()})
+
+    def named(self, alias) -> Messages:
+        """The same counts under the names a tracer reports their groups by (`CommTracer.alias`): names that
+        share one communicator ("dp_cp" and "expert_dp" when E = 1) become one row."""
+        out = Messages()
+        for (op, group), (calls, payload) in self.items():
+            out.add(op, alias(group), calls, payload)
+        return out
 
 
 class Axis:
@@ -98,6 +136,25 @@ class Axis:
         return self.predicted_messages(layout)
 
 
+def in_backward() -> bool:
+    """Whether the code calling it runs inside autograd's backward (a backward function, or a forward that full or
+    selective recompute reruns there), i.e. whether autograd has a graph task running on this thread.
+
+    Why it is needed: activation checkpointing runs a block's forward twice, once in the forward pass and once
+    inside the backward to rebuild what it did not keep. What a forward records for the step (FP8 amaxes and
+    casts, routed loads, padded rows, saturation counts) must be recorded once, so the recorders skip the rerun; the
+    rerun sees the same grad mode and train mode, so only autograd's state tells the two apart. torch has no
+    public call for it: `torch._C._current_graph_task_id` is -1 outside a backward. Every caller asks here."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def is_training_forward(training: bool) -> bool:
+    """A forward that trains: train mode (`training`, the layer's), grad on, outside a backward (a checkpointed
+    block's recompute runs inside one). Evaluation, sampling and recomputes route tokens the step must not count
+    (moe.py's aux statistics, observers.RoutedLoad's loads, eplb's slot loads)."""
+    return training and torch.is_grad_enabled() and not in_backward()
+
+
 @torch.no_grad()
 def sum_in_place(tensors: list, group) -> None:
     """All-reduce (SUM) `tensors` over `group` as one flat message and write the sums back in place (they are
@@ -137,6 +194,15 @@ class MicroBatchLoss:
     aux: dict = field(default_factory=dict)
 
 
+class ForwardObserver:
+    """Who watches a schedule's forwards: `forward(model)` is a context around one forward of a micro-batch (under
+    PP, of one micro-batch through one chunk), and does nothing here. The accounting subscribes its probe of the
+    bytes saved for backward (observers.SavedByFirstForward) through the schedule's `observe_forwards`."""
+
+    def forward(self, model):
+        return nullcontext()
+
+
 class GradientAccumulation:
     """The default schedule: forward and backward each micro-batch in turn; gradients sync on the last one.
 
@@ -144,11 +210,13 @@ class GradientAccumulation:
     the earlier ones run inside `layout.no_sync()` and only accumulate.
     """
 
-    measured_forward = "one micro-batch's forward"  # what saved_activation_bytes covers
+    measured_forward = "one micro-batch's forward"  # what a ForwardObserver's `forward` surrounds
 
     def __init__(self):
-        self.measure_activations = False  # set it: the next step measures its first micro-batch's saved bytes
-        self.saved_activation_bytes = None  # bytes autograd saved for backward in one micro-batch's forward
+        self.forward_observer = ForwardObserver()
+
+    def observe_forwards(self, observer: ForwardObserver) -> None:
+        self.forward_observer = observer
 
     def describe(self, micro_batches: int) -> str:
         return f"gradient accumulation over m={micro_batches} micro-batches (no pipeline: no bubble)"
@@ -162,14 +230,10 @@ class GradientAccumulation:
         for index, batch in enumerate(batches):
             x, y, pos = (*batch, None)[:3]  # (x, y) or (x, y, pos): pos, the global positions (context parallel)
             last = index == len(batches) - 1
-            measuring = self.measure_activations and index == 0
-            saved = memory.SavedActivations.of(model) if measuring else nullcontext()
             with nullcontext() if last else layout.no_sync():
-                with autocast, saved:
+                with autocast, self.forward_observer.forward(model):
                     _, micro_loss_sum, _ = layout(x.to(device, non_blocking=True), y.to(device, non_blocking=True),
                                                   None if pos is None else pos.to(device))
-                if measuring:
-                    self.saved_activation_bytes, self.measure_activations = saved.bytes, False
                 objective = micro_loss_sum / global_tokens
                 aux = model.aux_losses.weighted_sum()
                 if aux is not None:

@@ -15,7 +15,7 @@ LayerNorms and dropouts between regions work on 1/T of the sequence instead of r
     ḡ  (leave): reduce-scatter along the sequence forward, all-gather backward
 An all-reduce IS a reduce-scatter then an all-gather: the same bytes, and nothing outside the regions repeats.
 
-Weights are the per-parameter init sliced by ShardInfo.shard_of (model.initial_local): a TP run starts from
+Weights are the per-parameter init sliced by ShardInfo.shard_of (shard.initial_local): a TP run starts from
 exactly the single-device weights; c_attn's [q | k | v] is cut with `segments=3` (rank t holds its heads of each).
 Dropout: a replicated activation needs one mask on every TP rank, a split one its own (TensorParallelRNG).
 
@@ -30,7 +30,7 @@ L layers, T tensor-parallel size, e_w / e_c the bytes of a working-weight / comp
    only their tokens, so their gradients are summed over the TP group once per step (`after_grad_sync`).
 2. Peak per device. Parameters Ψ_split/T + Ψ_repl (memory.param_counts: Ψ_split = V·h + 12·h²·L + biases,
    Ψ_repl = block_size·h + LayerNorms + row biases), 16 bytes each with fp32 grads and AdamW. Activations
-   per layer (Korthikanti, 16-bit; `activation_estimates`): T = 1 s·b·h·(34 + 5·a·s/h); TP
+   per layer (Korthikanti, 16-bit; accounting/memory.py's `tp_activation_estimates`): T = 1 s·b·h·(34 + 5·a·s/h); TP
    s·b·h·(10 + 24/T + 5·a·s/(h·T)); TP + SP s·b·h/T·(34 + 5·a·s/h), as c_attn and c_fc keep only their input's
    sequence shard for backward and all-gather it again there (as Megatron). Temporary: one gathered
    [b, s, h] input at a time, and the loss's softmax [b·s, V/T] in fp32 (never [b·s, V]).
@@ -63,10 +63,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel import collectives
-from accounting.tracer import Messages
-from accounting.memory import activation_bytes_per_layer
-from model import GPT, MLP, GPTConfig, initial_local
-from shard import ShardInfo, Split
+from step import Messages
+from model import GPT, MLP
+from shard import ShardInfo, Split, describe, initial_local
 from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------
@@ -360,27 +359,28 @@ class ForkedAttention:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 0,
-                batch: BatchShape | None = None, device=None) -> TensorParallel:
+def parallelize(model: GPT, group, sequence_parallel: bool = False, batch: BatchShape | None = None,
+                device=None) -> TensorParallel:
     """Swap the plain GPT's linears, embedding and head for their tensor-parallel versions, in place.
 
-    Every rank of `group` calls it with the same config and seed: rank t keeps slice t of every split parameter
-    (the per-parameter init; on a meta model only shapes and records, which model.materialize fills later);
+    Every rank of `group` calls it on the same model: rank t keeps slice t of every split parameter (the
+    per-parameter init, GPT.initial_value; on a meta model only shapes and records, which shard.materialize fills);
     replicated ones stay. With dropout the caller seeds the default generator alike across the TP group
     (TensorParallelRNG, on `device`: the model's unless meta). `batch`: a step's input (`predicted_messages`).
     """
-    config = model.config
+    config, init = model.config, model.initial_value
+    describe(model)  # the whole tensors' records, which the splits below cut
     ctx = TensorParallelContext(group, dist.get_world_size(group), dist.get_rank(group), sequence_parallel,
                                 config.selective_recompute)
     rng = TensorParallelRNG(ctx.rank, device if device is not None else next(model.parameters()).device)
     untouched = set(model.parameters())  # holds them: an id() of a freed tensor could be reused
     sp_params = []  # replicated over TP, summed over it under SP
     for block in model.transformer.h:  # the blocks this model (or pipeline stage) holds
-        sp_params += _parallelize_block(block, ctx, config, seed, rng)
+        sp_params += _parallelize_block(block, ctx, config, init, rng)
     # Tied embedding and head: ONE vocabulary-split parameter, used by both (a pipeline stage holding only
     # one of them has its own copy, named transformer.wte.weight as well).
-    vocab_weight = _param(_shard("transformer.wte.weight", (config.vocab_size, config.n_embd), 0, ctx), config,
-                          seed, next(model.parameters()))
+    vocab_weight = _param(_shard("transformer.wte.weight", (config.vocab_size, config.n_embd), 0, ctx), init,
+                          next(model.parameters()))
     vocab_start = ctx.rank * (config.vocab_size // ctx.size)
     with torch.device("meta"):
         embedding = nn.Embedding(config.vocab_size // ctx.size, config.n_embd)
@@ -403,18 +403,18 @@ def parallelize(model: GPT, group, sequence_parallel: bool = False, seed: int = 
     return TensorParallel(model, ctx, sp_params if sequence_parallel else [], rng, batch)
 
 
-def _parallelize_block(block, ctx: TensorParallelContext, config, seed: int, rng) -> list:
+def _parallelize_block(block, ctx: TensorParallelContext, config, init, rng) -> list:
     """One block in place: attention's and the MLP's column → row pairs, dropout forked per TP rank. Returns
     the block's parameters that stay replicated (its LayerNorms and the row layers' biases)."""
     prefix, attn, mlp = f"transformer.h.{block.layer_id}", block.attn, block.mlp
     regather = not (config.activation_checkpointing or config.selective_recompute)  # a recompute keeps it
-    attn.c_attn = _column(attn.c_attn, f"{prefix}.attn.c_attn", ctx, config, seed, 3, regather)
-    attn.c_proj = _row(attn.c_proj, f"{prefix}.attn.c_proj", ctx, config, seed)
+    attn.c_attn = _column(attn.c_attn, f"{prefix}.attn.c_attn", ctx, init, 3, regather)
+    attn.c_proj = _row(attn.c_proj, f"{prefix}.attn.c_proj", ctx, init)
     split_mlp = split_mlp_of(mlp)  # the dense MLP or a MoE block's shared experts; routed experts stay whole
     name = f"{prefix}.mlp" if split_mlp is mlp else f"{prefix}.mlp.shared_experts"
     if split_mlp is not None:
-        split_mlp.c_fc = _column(split_mlp.c_fc, f"{name}.c_fc", ctx, config, seed, 1, regather)
-        split_mlp.c_proj = _row(split_mlp.c_proj, f"{name}.c_proj", ctx, config, seed)
+        split_mlp.c_fc = _column(split_mlp.c_fc, f"{name}.c_fc", ctx, init, 1, regather)
+        split_mlp.c_proj = _row(split_mlp.c_proj, f"{name}.c_proj", ctx, init)
     attn.attention_fn = ForkedAttention(attn.attention_fn, rng)
     attn.resid_dropout = ForkedDropout(attn.resid_dropout, ctx, rng)
     mlp.dropout = ForkedDropout(mlp.dropout, ctx, rng)
@@ -435,31 +435,31 @@ def _shard(name: str, shape, split_dim: int | None, ctx: TensorParallelContext, 
                      splits=(Split(split_dim, ctx.size, ctx.rank, segments),))
 
 
-def _param(shard: ShardInfo, config, seed, like: torch.Tensor) -> nn.Parameter:
+def _param(shard: ShardInfo, init, like: torch.Tensor) -> nn.Parameter:
     """This rank's slice of the parameter's deterministic init, with its shard record (on meta: its shape)."""
     value = (torch.empty(shard.local_shape, dtype=like.dtype, device="meta") if like.is_meta
-             else initial_local(shard, config, seed, like.dtype).to(like.device))
+             else initial_local(shard, init, like.dtype).to(like.device))
     param = nn.Parameter(value)
     param.shard_info = shard
     return param
 
 
-def _column(linear: nn.Linear, name: str, ctx, config, seed, segments: int, regather: bool):
+def _column(linear: nn.Linear, name: str, ctx, init, segments: int, regather: bool):
     with torch.device("meta"):  # shapes only; the values come from the deterministic init
         local = nn.Linear(linear.in_features, linear.out_features // ctx.size, bias=linear.bias is not None)
     for kind in ("weight", "bias") if linear.bias is not None else ("weight",):
         full = getattr(linear, kind)
-        setattr(local, kind, _param(_shard(f"{name}.{kind}", full.shape, 0, ctx, segments), config, seed, full))
+        setattr(local, kind, _param(_shard(f"{name}.{kind}", full.shape, 0, ctx, segments), init, full))
     return ColumnParallelLinear(local, ctx, regather=regather)
 
 
-def _row(linear: nn.Linear, name: str, ctx, config, seed):
+def _row(linear: nn.Linear, name: str, ctx, init):
     with torch.device("meta"):
         local = nn.Linear(linear.in_features // ctx.size, linear.out_features, bias=False)
-    local.weight = _param(_shard(f"{name}.weight", linear.weight.shape, 1, ctx), config, seed, linear.weight)
+    local.weight = _param(_shard(f"{name}.weight", linear.weight.shape, 1, ctx), init, linear.weight)
     bias = linear.bias  # replicated: added once, after the sum
     if bias is not None:
-        bias = _param(_shard(f"{name}.bias", bias.shape, None, ctx), config, seed, bias)
+        bias = _param(_shard(f"{name}.bias", bias.shape, None, ctx), init, bias)
     return RowParallelLinear(local, bias, ctx)
 
 
@@ -546,19 +546,12 @@ def apply(model: GPT, run, config: TPConfig) -> TensorParallel:
     applied after TP, cuts the batch) and the layout's working weights (e_w: ZeRO's bf16 ones)."""
     batch = BatchShape(run.micro_batch_size, run.seq_len // run.mesh.size("cp"), run.micro_batches,
                        run.param_dtype.itemsize, run.compute_dtype.itemsize)
-    return parallelize(model, run.mesh.group("tp"), config.sequence_parallel, run.seed, batch, run.device)
+    return parallelize(model, run.mesh.group("tp"), config.sequence_parallel, batch, run.device)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Prediction formulas (docstring items 2 and 3)
 # ---------------------------------------------------------------------------------------------------------
-
-
-def activation_estimates(config: GPTConfig, micro: int, seq: int, tp: int) -> dict:
-    """Korthikanti et al. 2022 activation bytes per layer (16-bit): unsplit, TP, TP + SP."""
-    args = (seq, micro, config.n_embd, config.n_head)
-    return {"none": activation_bytes_per_layer(*args), "tp": activation_bytes_per_layer(*args, t=tp),
-            "tp_sp": activation_bytes_per_layer(*args, t=tp, sequence_parallel=True)}
 
 
 @dataclass(frozen=True)

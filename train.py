@@ -37,6 +37,7 @@ from cli import flags
 from accounting import format_flops
 import fp8
 from resilience import goodput
+from experts import eplb
 from interop import hf
 import mfu
 import moe
@@ -51,8 +52,9 @@ from resilience.diloco import DiLoCoLayout
 from cli.flags import DTYPES, Settings, fail
 from accounting.memory import MemoryTimeline, param_counts
 from mesh import Mesh, build_mesh, init_distributed
-import model as model_lib
 from model import GPT, GPTConfig, compile_blocks
+from parallel import recompute
+import shard
 from optim import DynamicLossScaler, LRSchedule, build_adamw
 from report.run import print0
 from step import GradientAccumulation, train_step
@@ -60,11 +62,12 @@ from zero import ZeroConfig, ZeroLayout
 from parallel.zero3 import Zero3Layout
 from parallel.zero_pipeline import pipeline_layout
 
-# The axes, in DESIGN.md's order of application (MoE/EP → TP → CP → PP → FP8 or a microscaling recipe). Each has a
+# The axes, in DESIGN.md's order of application (MoE/EP and its replicas → TP → CP → PP → FP8 or a microscaling
+# recipe). Each has a
 # `config_from_flags(args, settings)` (cli/flags.py calls it once, before any rank waits) and an
 # `apply(model, run, config)` that swaps modules of the model in place and returns its handle, a step.Axis.
 # Adding an axis adds a line here; the loop and the printouts only ever loop over the handles.
-AXES = (moe, tensor_parallel, context_parallel, pipeline, fp8, precision.recipe)
+AXES = (moe, eplb, tensor_parallel, context_parallel, pipeline, fp8, precision.recipe)
 
 
 @dataclass
@@ -89,6 +92,7 @@ class Run:
     peak: tuple = (0.0, "")  # (FLOP/s per device, where it came from)
     measured: object = None  # report.run.measure_startup's BlockMeasurement: block 0 under a tracer, at start-up
     measured_moe: list | None = None  # report.run.measure_startup's [measure.MoEPeak]: each MoE block's forward peak
+    saved_activations: object = None  # report.run.watch_saved_activations' probe: the first step's saved bytes
 
     @property
     def seq_len(self) -> int:
@@ -110,22 +114,25 @@ class Run:
 def compose(run: Run, measure: bool = False, materialize: bool = True) -> Run:
     """The model, the axes in order, the layout, the schedule: the run as train.main and the tests build it.
 
-    Each rank builds only what it keeps: the model is built on the meta device (shapes and ShardInfo records),
-    every axis cuts it there (TP's slices, this rank's experts; a pipeline rank builds its stage only), and
-    then model.materialize gives the kept tensors their values, one logical tensor at a time. ZeRO-3 instead
+    Each rank builds only what it keeps: the model is built on the meta device (shapes, and the ShardInfo records
+    shard.describe gives them), every axis cuts it there (this rank's experts, TP's slices; a pipeline rank builds
+    its stage only), and then shard.materialize gives the kept tensors their values, one logical tensor at a
+    time. With --activation-checkpointing selective the model gets its policy (parallel/recompute.py). ZeRO-3 instead
     fills its flat shards parameter by parameter (never a full working copy). materialize=False leaves
     everything on meta, layout included (--plan: the start-up's accounting without allocating the model).
     measure: block 0 is measured for the start-up printout (report.run.measure_startup), before the layout."""
     configs = run.settings.axes
-    run.model = GPT(run.config, seed=run.seed, dtype=run.master_dtype, device="meta",
-                    **pipeline.stage_of(configs.get("pipeline"), run))  # a pipeline rank builds its stage only
+    run.model = shard.describe(GPT(run.config, seed=run.seed, dtype=run.master_dtype, device="meta",
+                             **pipeline.stage_of(configs.get("pipeline"), run)))  # a pipeline rank: its stage only
     run.flops = mfu.flops_per_token(param_counts(run.config), run.config, run.seq_len,
                                     activation_shape(run).kernel)  # selective recomputes an unfused attention
     for axis in AXES:  # each swaps modules in place; its handle is what the rest of the run talks to
         if configs.get(axis.__name__) is not None:
             run.axes.append(axis.apply(run.model, run, configs[axis.__name__]))
+    if run.config.selective_recompute:
+        recompute.apply(run.model)
     if materialize and run.settings.args.zero != 3:  # ZeRO-3 fills its shards itself (build_layout)
-        model_lib.materialize(run.model, run.device)
+        shard.materialize(run.model, run.device, run.model.initial_value)
     if measure:
         report.run.measure_startup(run)
     report.run.observe_axes(run)  # the accounting's clocks and counters subscribe to the algorithms
@@ -290,7 +297,7 @@ def train_loop(t: Training, tracer: CommTracer) -> None:
     writes_metrics = args.metrics_file and run.mesh.rank == 0
     metrics = open(args.metrics_file, "a" if t.start_step else "w") if writes_metrics else None
     t.progress = report.run.Progress(t.start_step, args.steps)
-    run.schedule.measure_activations = True  # the first step counts the bytes saved for backward
+    report.run.watch_saved_activations(run)  # the first step counts the bytes saved for backward
     if run.device.type == "cuda":  # the peak of training, not of start-up
         torch.cuda.reset_peak_memory_stats(run.device)
     # On a CPU, the second step's host memory is profiled (memory.MemoryTimeline; the first allocates AdamW's moments

@@ -43,7 +43,7 @@ Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_
 weights / persistent gradients / optimizer state, m micro-batches per step, U the largest unit):
 1. Replicated vs split. Stage 1: weights and gradients replicated, optimizer state split in D. Stage 2:
    weights replicated; gradients and optimizer state split. Stage 3: everything split. The batch is split.
-2. Persistent bytes per rank (memory.persistent_bytes, `predicted_persistent()`; `held_bytes()` measures it):
+2. Persistent bytes per rank (persistent_bytes, `predicted_persistent()`; `held_bytes()` measures it):
      stage 1: (b_w + b_g)·Ψ' + b_o·Ψ'/D;  stage 2: b_w·Ψ' + (b_g + b_o)·Ψ'/D;  stage 3: (b_w + b_g + b_o)·Ψ'/D.
    Transient on top (`peak_lower_bound()`, activations apart): stage 1 max(b_g, b_w)·Ψ'/D (the reduce-scatter
    outputs, then the all-gather inputs); stage 2 max(b_w·2U, b_w·Ψ'/D) (2 buckets in flight, or the all-gather
@@ -76,11 +76,62 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from accounting import memory
-from accounting.tracer import Messages
+from step import Messages
 from ddp import assert_same_across_groups, grad_group, reverse_order_buckets
 from optim import StepResult, update
-from shard import ShardInfo, StatePiece, counts_here, set_value
+from shard import StatePiece, counts_here, describe, set_value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The partition formula (docstring item 2): what each rank keeps of b_w + b_g + b_o bytes per parameter
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    weights: int  # b_w
+    grads: int  # b_g
+    optimizer: int  # b_o: everything Adam keeps per parameter (moments, and any fp32 master copy)
+
+
+BYTES_PER_PARAM: dict[str, BytesPerParam] = {
+    # fp32 weights and grads plus Adam's two fp32 moments. bf16 autocast also lands here: it casts weights to
+    # bf16 on the fly inside each op, but the stored weights and their gradients stay fp32.
+    "fp32": BytesPerParam(weights=4, grads=4, optimizer=8),
+    # Mixed precision as in the ZeRO paper (Rajbhandari et al. 2020, K = 12): bf16/fp16 working weights and
+    # gradients, and the optimizer keeps an fp32 master copy of the weights plus two fp32 moments (4 + 4 + 4).
+    "mixed": BytesPerParam(weights=2, grads=2, optimizer=12),
+}
+
+
+def persistent_bytes(
+    psi: int, recipe: str | BytesPerParam, zero_stage: int, dp_size: int
+) -> dict[str, float]:
+    """Bytes per rank of the state that lives for the whole run, for Psi parameters, under ZeRO stage 0..3.
+
+    ZeRO partitions state across the D data-parallel ranks, one more kind per stage:
+        stage 0 (plain DDP): (b_w + b_g + b_o) * Psi
+        stage 1 (optimizer): (b_w + b_g) * Psi + b_o * Psi / D
+        stage 2 (+ grads):   b_w * Psi + (b_g + b_o) * Psi / D
+        stage 3 (+ weights): (b_w + b_g + b_o) * Psi / D
+    Activations, temporary buffers and fragmentation are extra (see activation_bytes_per_layer).
+    """
+    bpp = BYTES_PER_PARAM[recipe] if isinstance(recipe, str) else recipe
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    # Which kinds are split across the D ranks: optimizer from stage 1, grads from stage 2, weights at stage 3.
+    weights_div = dp_size if zero_stage >= 3 else 1
+    grads_div = dp_size if zero_stage >= 2 else 1
+    optimizer_div = dp_size if zero_stage >= 1 else 1
+    out = {
+        "weights": bpp.weights * psi / weights_div,
+        "grads": bpp.grads * psi / grads_div,
+        "optimizer": bpp.optimizer * psi / optimizer_div,
+    }
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"]
+    return out
 
 
 @dataclass(frozen=True)
@@ -114,7 +165,7 @@ class ZeroFacts:
     units: int  # the flat units (stages 1/2: gradient buckets; stage 3: the root's and each block's)
     numel: int  # Ψ
     padded_numel: int  # Ψ', every unit padded to a multiple of its D_g
-    bytes_per_param: memory.BytesPerParam  # b_w, b_g, b_o
+    bytes_per_param: BytesPerParam  # b_w, b_g, b_o
     dtypes: dict  # {"param" | "accumulate" | "reduce" | "master": torch.dtype}
     peak_lower_bound: float  # persistent + the transient buffers (bytes, activations apart)
     last_reduce_numel: int  # the elements reduce-scattered after backward: the last unit (stage 3: the root's)
@@ -227,10 +278,8 @@ class ZeroLayout:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     def _check_records(self, module: nn.Module, params: list):
-        names = {id(p): n for n, p in module.named_parameters()}
+        describe(module)  # a plain module's parameters: whole tensors, named as the module names them
         for p in params:
-            if not hasattr(p, "shard_info"):
-                p.shard_info = ShardInfo(global_name=names[id(p)], global_shape=tuple(p.shape))
             if p.shard_info.grad_group not in self.groups:
                 raise ValueError(f"{p.shard_info.global_name} reduces over {p.shard_info.grad_group!r}, which was"
                                  f" not given to ZeroLayout")
@@ -453,21 +502,21 @@ class ZeroLayout:
     def units_of(self, group_name: str) -> list:
         return [u for u in self.units if u.group_name == group_name]
 
-    def bytes_per_param(self) -> memory.BytesPerParam:
+    def bytes_per_param(self) -> BytesPerParam:
         """b_w, b_g, b_o of this layout (b_g: the persistent gradient, in accumulate_dtype; b_o: two moments,
         plus the master unless it aliases the weights)."""
         b_w, b_g, b_m = (dtype.itemsize for dtype in (self.param_dtype, self.accumulate_dtype, self.master_dtype))
-        return memory.BytesPerParam(weights=b_w, grads=b_g,
+        return BytesPerParam(weights=b_w, grads=b_g,
                                  optimizer=2 * b_m + (0 if self.param_dtype == self.master_dtype else b_m))
 
     def predicted_persistent(self, padded: bool = True) -> dict:
-        """memory.persistent_bytes of each data-parallel group's units (Ψ'_g over D_g), added up."""
+        """persistent_bytes of each data-parallel group's units (Ψ'_g over D_g), added up."""
         out = {"weights": 0.0, "grads": 0.0, "optimizer": 0.0, "total": 0.0}
         for name, group in self.groups.items():
             units = self.units_of(name)
             if units:
                 psi = sum(u.padded_numel if padded else u.numel for u in units)
-                part = memory.persistent_bytes(psi, self.bytes_per_param(), self.stage, dist.get_world_size(group))
+                part = persistent_bytes(psi, self.bytes_per_param(), self.stage, dist.get_world_size(group))
                 out = {kind: out[kind] + part[kind] for kind in out}
         return out
 

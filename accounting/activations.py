@@ -32,6 +32,7 @@ from precision import fp8_experts
 from precision import fp8_scaling
 from accounting import memory
 from accounting import moe_costs
+from moe import experts_of
 from experts import shared
 from parallel import schedules
 
@@ -117,7 +118,7 @@ def activation_estimate(run, device_type: str | None = None) -> ActivationEstima
     # A precision recipe's linears (precision.recipe.RecipeLinear) save the weight parameter itself: no copy.
     recipe = next((axis for axis in run.axes if axis.name == "precision"), None)
     ids = {int(name.split(".")[2]) for name in recipe.linears} & set(layer_ids) if recipe else set()
-    moe_ids = [i for i in ids if run.config.is_moe_layer(i)]
+    moe_ids = [i for i in ids if experts_of(run.config).is_moe_layer(i)]
     copy_free = {"dense": len(ids) - len(moe_ids), "moe": len(moe_ids)}
     return estimate_of(run.config, x, layer_ids, ends, shape.ep, (in_flight, chunks), gathered, copy_free, slots)
 
@@ -132,7 +133,7 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
     the weight itself and saves the parameter, so 12h²·w/T fewer bytes a dense block, (N/E + S/T)·8h²·w a MoE
     block); slots: R with --moe-replicas (R/E experts a rank holds)."""
     copy_free = copy_free or {"dense": 0, "moe": 0}
-    n_moe = sum(config.is_moe_layer(layer_id) for layer_id in layer_ids)
+    n_moe = sum(experts_of(config).is_moe_layer(layer_id) for layer_id in layer_ids)
     held = {"dense": len(layer_ids) - n_moe, "moe": n_moe}  # blocks of each kind on this rank
     n_blocks = sum(held.values())
     # A MoE layer's router and experts (uniform routing), and autocast's copies of the experts this rank holds
@@ -142,7 +143,7 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
     if config.activation_checkpointing:  # the inputs stay; backward rebuilds one block, its copies with it
         blocks = {f"{n_blocks} block inputs": memory.block_input_bytes(x) * n_blocks}
         rebuilt_x = replace(x, regather=False)
-        rebuilt = block_bytes(rebuilt_x, moe_block_bytes(config, rebuilt_x, ep, slots))
+        rebuilt = block_bytes(rebuilt_x, moe_block_bytes(config, rebuilt_x, ep, slots) if n_moe else (0, 0))
         for kind in ("dense", "moe"):  # every block of a kind rebuilt without copies
             if held[kind] and copy_free[kind] >= held[kind]:
                 rebuilt[kind] = (rebuilt[kind][0], 0.0)
@@ -158,7 +159,7 @@ def estimate_of(config, x: memory.ActivationShape, layer_ids: list, ends: tuple,
              "embeddings": memory.embedding_activation_bytes(x) if ends[0] else 0.0,
              "head and loss": memory.head_activation_bytes(x) if ends[1] else 0.0}
     hidden = memory.hidden_from_hooks(x, 0 if recomputing else n_blocks, ends[1], 0 if recomputing else n_moe,
-                                      config.moe_shared_experts)
+                                      experts_of(config).shared_experts)
     in_flight, chunks = pipeline_flight
     how = (f"attention {x.kernel}" + (" (Ulysses)" if x.ulysses else "")
            + f", {x.e_r}-byte residual, {x.e_c}-byte compute" + (", FP8 linear inputs" if x.fp8 else "")
@@ -238,7 +239,7 @@ def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends
     recomputing = config.activation_checkpointing or config.selective_recompute
 
     def saves_weights(layers) -> bool:  # some block of `layers` keeps weights for backward
-        return not recomputing or config.selective_recompute and any(config.is_moe_layer(i) for i in layers)
+        return not recomputing or config.selective_recompute and any(experts_of(config).is_moe_layer(i) for i in layers)
 
     if chunks is None or len(chunks) == 1 and chunks[0][1] and chunks[0][2]:  # no pipeline: parallel/zero3.py's units
         root = unit_bytes(memory.param_counts(config, x.t, ep, layers=[], embedding=ends[0], head=ends[1],
@@ -274,9 +275,9 @@ def moe_block_bytes(config, x: memory.ActivationShape, ep: int, slots: int = 0, 
     shared_bytes = shared.saved_bytes(config, tokens, x.t, x.e_c, router_bytes, tokens if whole_input else routed,
                                     True if whole_input else None, x.fp8, gelu_outputs)
     # (held routed, TP's share of shared) 8h²
-    weights = (slots or config.moe_experts) // ep + config.moe_shared_experts / x.t
+    weights = (slots or config.moe.experts) // ep + config.moe.shared_experts / x.t
     copies = 0 if x.fp8 else weights * 8 * x.h * x.h * x.weight_copy
-    fp8 = fp8_experts.saved_bytes_delta(routed, config.moe_topk, config.moe_experts, x.h, x.e_c) if x.fp8 else 0
+    fp8 = fp8_experts.saved_bytes_delta(routed, config.moe.topk, config.moe.experts, x.h, x.e_c) if x.fp8 else 0
     return (moe_costs.layer_activation_bytes(config, routed, x.e_c, router_bytes,
                                        mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r), ep=ep,
                                        gelu_outputs=gelu_outputs) + shared_bytes + fp8,

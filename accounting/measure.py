@@ -25,14 +25,15 @@ import torch
 import torch.distributed as dist
 
 from accounting import activations
+from experts import dispatch
 import context_parallel
 from precision import fp8_experts
 from accounting import memory
 import moe
-from accounting import moe_costs
 from accounting import moe_memory
-from accounting.tracer import CommTracer, Count
-from model import materialize
+from accounting.tracer import CommTracer
+from step import Count
+from shard import materialize
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def _copy_block(run, block_index: int):
     block = deepcopy(original, memo=dict(shared))
     for source, copy in zip(original.parameters(), block.parameters()):
         copy.shard_info = source.shard_info  # a meta Parameter's deepcopy drops its attributes
-    materialize(block, run.device, run.config, run.seed)
+    materialize(block, run.device, run.model.initial_value)
     for p in block.parameters():
         p.data = p.data.to(run.param_dtype)
     return block
@@ -168,7 +169,7 @@ def _moe_backward_rise(run, layer, shape, device) -> int:
     return rise.rise(p.grad.untyped_storage()._cdata for p in layer.parameters() if p.grad is not None)
 
 
-def run_traffic(run) -> moe_costs.Traffic:
+def run_traffic(run) -> dispatch.Traffic:
     """The MoE axis's Traffic (what one micro-batch routes on this rank)."""
     return next(axis.facts().traffic for axis in run.axes if axis.name == "moe")
 

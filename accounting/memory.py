@@ -3,9 +3,8 @@
 This file talks over nothing but one all-gather (cuda_memory_peaks takes the maximum over ranks); it observes.
 Each formula is closed-form, so a reader can check a number by hand, and each has a measurement beside it:
 
-1. Persistent state: b_w + b_g + b_o bytes per parameter (BytesPerParam), partitioned over the D data-parallel
-   ranks one kind per ZeRO stage: persistent_bytes, from Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
-   Toward Training Trillion Parameter Models", section 3 and Figure 1 (K = 12 for mixed precision). Measured
+1. Persistent state: b_w + b_g + b_o bytes per parameter, partitioned over the D data-parallel ranks one kind
+   per ZeRO stage: zero.persistent_bytes (ZeRO's own formula, with its paper's Figure 1, lives with ZeRO). Measured
    by each layout's held_bytes() and, on CUDA, by the caching allocator's peaks (cuda_memory_peaks). Psi
    itself, by the shapes: param_counts, the one count of the model's, a pipeline stage's or a rank's parameters
    (each axis its own terms: TP divides what it splits, PP picks the stage's layers, MoE adds its experts).
@@ -39,26 +38,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from experts import shared
+from moe import experts_of
+
+
 # ----------------------------------------------------------------------------------------------------------
-# 1. Persistent state per parameter
+# 1. Persistent state: measured on CUDA (the formula is zero.persistent_bytes)
 # ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BytesPerParam:
-    weights: int  # b_w
-    grads: int  # b_g
-    optimizer: int  # b_o: everything Adam keeps per parameter (moments, and any fp32 master copy)
-
-
-BYTES_PER_PARAM: dict[str, BytesPerParam] = {
-    # fp32 weights and grads plus Adam's two fp32 moments. bf16 autocast also lands here: it casts weights to
-    # bf16 on the fly inside each op, but the stored weights and their gradients stay fp32.
-    "fp32": BytesPerParam(weights=4, grads=4, optimizer=8),
-    # Mixed precision as in the ZeRO paper (Rajbhandari et al. 2020, K = 12): bf16/fp16 working weights and
-    # gradients, and the optimizer keeps an fp32 master copy of the weights plus two fp32 moments (4 + 4 + 4).
-    "mixed": BytesPerParam(weights=2, grads=2, optimizer=12),
-}
 
 
 def cuda_memory_peaks(device, group=None) -> tuple[int, int, int]:
@@ -74,36 +59,6 @@ def cuda_memory_peaks(device, group=None) -> tuple[int, int, int]:
     dist.all_gather_into_tensor(every, local, group=group)
     every = every.view(-1, 2)  # row r: rank r's (allocated, reserved)
     return int(every[:, 0].max()), int(every[:, 1].max()), int(every[:, 0].argmax())
-
-
-def persistent_bytes(
-    psi: int, recipe: str | BytesPerParam, zero_stage: int, dp_size: int
-) -> dict[str, float]:
-    """Bytes per rank of the state that lives for the whole run, for Psi parameters, under ZeRO stage 0..3.
-
-    ZeRO partitions state across the D data-parallel ranks, one more kind per stage:
-        stage 0 (plain DDP): (b_w + b_g + b_o) * Psi
-        stage 1 (optimizer): (b_w + b_g) * Psi + b_o * Psi / D
-        stage 2 (+ grads):   b_w * Psi + (b_g + b_o) * Psi / D
-        stage 3 (+ weights): (b_w + b_g + b_o) * Psi / D
-    Activations, temporary buffers and fragmentation are extra (see activation_bytes_per_layer).
-    """
-    bpp = BYTES_PER_PARAM[recipe] if isinstance(recipe, str) else recipe
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    # Which kinds are split across the D ranks: optimizer from stage 1, grads from stage 2, weights at stage 3.
-    weights_div = dp_size if zero_stage >= 3 else 1
-    grads_div = dp_size if zero_stage >= 2 else 1
-    optimizer_div = dp_size if zero_stage >= 1 else 1
-    out = {
-        "weights": bpp.weights * psi / weights_div,
-        "grads": bpp.grads * psi / grads_div,
-        "optimizer": bpp.optimizer * psi / optimizer_div,
-    }
-    out["total"] = out["weights"] + out["grads"] + out["optimizer"]
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -133,9 +88,10 @@ def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool 
     What the rank holds, by the group that sums its gradients: dp_cp (split/T + replicated + router), expert_dp
     (experts/E; with R = `slots` physical slots, --moe-replicas (experts/eplb.py): L_moe·(R/E)·Ψ_e), and per_rank, their sum.
     """
-    h, V, b, n, k = config.n_embd, config.vocab_size, int(config.bias), config.moe_experts, config.moe_topk
+    experts_config = experts_of(config)
+    h, V, b, n, k = config.n_embd, config.vocab_size, int(config.bias), experts_config.experts, experts_config.topk
     layers = list(range(config.n_layer) if layers is None else layers)
-    moe_layers = sum(config.is_moe_layer(i) for i in layers)
+    moe_layers = sum(experts_config.is_moe_layer(i) for i in layers)
     dense_layers = len(layers) - moe_layers
     expert = 8 * h * h + 5 * h * b
     shared_experts = shared.param_count(config)  # one MoE layer's
@@ -167,10 +123,11 @@ def fp8_weights(config, tp: int, ep: int, layers, slots: int = 0) -> dict:
     in `layers`, which ZeRO-3 gathers as E4M3 codes in units of their own (zero3.by_group_and_codec): dp_cp,
     attention's c_attn 3h²/T and c_proj h²/T, the MLP's c_fc and c_proj 4h²/T each (a MoE block: its S shared
     experts', 8S·h²/T as two linears); expert_dp, each held routed expert's two, 8h² (N/E, or R/E slots, a block)."""
-    h, shared, held = config.n_embd, config.moe_shared_experts, (slots or config.moe_experts) // ep
+    experts_config = experts_of(config)
+    h, shared, held = config.n_embd, experts_config.shared_experts, (slots or experts_config.experts) // ep
     dense, experts = [0, 0], [0, 0]
     for layer in layers:
-        moe = config.is_moe_layer(layer)
+        moe = experts_config.is_moe_layer(layer)
         mlp = (8 * shared * h * h // tp, 2 * bool(shared)) if moe else (8 * h * h // tp, 2)
         dense = [dense[0] + 4 * h * h // tp + mlp[0], dense[1] + 2 + mlp[1]]
         experts = [experts[0] + moe * held * 8 * h * h, experts[1] + moe * 2 * held]
@@ -204,6 +161,14 @@ def activation_bytes_per_layer(
         return sbh / t * (34 + 5 * a * s / h)
     return sbh * (10 + 24 / t + 5 * a * s / (h * t))
 
+
+
+def tp_activation_estimates(config, micro: int, seq: int, tp: int) -> dict:
+    """Korthikanti et al. 2022's activation bytes per layer (16-bit) of tensor_parallel.py's table: unsplit, TP,
+    TP + SP."""
+    args = (seq, micro, config.n_embd, config.n_head)
+    return {"none": activation_bytes_per_layer(*args), "tp": activation_bytes_per_layer(*args, t=tp),
+            "tp_sp": activation_bytes_per_layer(*args, t=tp, sequence_parallel=True)}
 
 # ----------------------------------------------------------------------------------------------------------
 # 3. Activations: what the kernels save (the estimate the run prints; section 2 is the paper's reference)

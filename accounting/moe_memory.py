@@ -103,9 +103,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from accounting import activations
+from experts import dispatch
+from experts import router
 from precision import fp8_experts
 import mfu
-from accounting import moe_costs
 from precision.fp8_scaling import TILE_ACTIVATION
 from experts.router import rows_per_token
 
@@ -366,18 +367,18 @@ def attention_above_saved(x, bias: bool = True) -> int:
     return sbh * x.e_c * (2 if x.dropout else 1) + biases + c_attn + reduced
 
 
-def shape_of(traffic: moe_costs.Traffic, x, routing: str = "uniform") -> DispatchShape:
-    """DispatchShape of one MoE layer and micro-batch from moe_costs.Traffic and memory.ActivationShape x
+def shape_of(traffic: dispatch.Traffic, x, routing: str = "uniform") -> DispatchShape:
+    """DispatchShape of one MoE layer and micro-batch from dispatch.Traffic and memory.ActivationShape x
     (dtypes, dropout masks, autocast), for `routing` "uniform" (E = 1: S = R = T·k, at most the capacity's share;
     E > 1: R_e = that, S = R = T·ρ pairs at most, ρ = router.rows_per_token, a float) or "worst" (the whole
     ep group picks this rank's experts: each token's k on the fewest ranks, ⌈k·E/N⌉, this one among them)."""
     config, T, E = traffic.model, traffic.tokens, traffic.ep
-    n, k, h = config.moe_experts, config.moe_topk, config.n_embd
+    n, k, h = config.moe.experts, config.moe.topk, config.n_embd
     whole = T * traffic.cp * traffic.sp  # B_μ·s: capacity is decided on it
-    cap = moe_costs.capacity(whole, k, n, config.moe_capacity_factor)
+    cap = router.capacity(whole, k, n, config.moe.capacity_factor)
     if routing == "uniform":
         slots = T * k if cap is None else min(T * k, n * cap // (traffic.cp * traffic.sp))
-        pairs = min(slots, T * rows_per_token(n, k, config.moe_groups, config.moe_group_limit, E)[0])
+        pairs = min(slots, T * rows_per_token(n, k, config.moe.groups, config.moe.group_limit, E)[0])
         sent, received, expert_rows = (pairs, pairs, slots) if E > 1 else (slots, slots, 0)
     elif E == 1:
         sent = received = T * k if cap is None else min(T * k, n * cap)
@@ -392,8 +393,8 @@ def shape_of(traffic: moe_costs.Traffic, x, routing: str = "uniform") -> Dispatc
     return DispatchShape(T, sent, received, n, k, h, E, whole if cap else 0,
                          e_c=x.e_c, e_r=traffic.router_bytes, e_x=x.e_n, weight_bytes=x.e_r,
                          expert_params=8 * h * h + 5 * h * int(config.bias),
-                         dropout_mask=x.mask(x.e_n) if x.dropout else None, score=config.moe_score,
-                         shared=config.moe_shared_experts, slots=traffic.slots, expert_rows=expert_rows, fp8=fp8,
+                         dropout_mask=x.mask(x.e_n) if x.dropout else None, score=config.moe.score,
+                         shared=config.moe.shared_experts, slots=traffic.slots, expert_rows=expert_rows, fp8=fp8,
                          fp8_blockwise=traffic.fp8_experts == "blockwise", recipe=traffic.recipe_experts)
 
 
@@ -433,8 +434,8 @@ def peak_setter(temporaries: dict) -> str | None:
                 None)
 
 
-def rank_peak(traffic: moe_costs.Traffic, x) -> RankPeak:
-    """RankPeak of a rank routing moe_costs.Traffic's tokens, with memory.ActivationShape x's dtypes and
+def rank_peak(traffic: dispatch.Traffic, x) -> RankPeak:
+    """RankPeak of a rank routing dispatch.Traffic's tokens, with memory.ActivationShape x's dtypes and
     sequence."""
     return RankPeak(block_peak(shape_of(traffic, x)), block_peak(shape_of(traffic, x, "worst")),
                     attention_above_saved(x, traffic.model.bias))
@@ -448,7 +449,7 @@ MEASURED_LINES = 16  # measured lines at most (one per held MoE layer and rank)
 UNWRITTEN = ": not written, e.g. under EP the experts' partial weight gradients between their chunks"
 
 
-def startup_lines(traffic: moe_costs.Traffic, run) -> list:
+def startup_lines(traffic: dispatch.Traffic, run) -> list:
     """The moe section's start-up lines (report/axes.py): which block sets the peak and what a MoE layer's forward
     holds at it, predicted for uniform routing and the worst case; each held MoE layer's on each rank measured at
     start-up (run.measured_moe: measure.measure_moe_blocks) next to the prediction for the rows it routed, in bytes."""

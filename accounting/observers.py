@@ -14,7 +14,7 @@ subscribes one of these in its place, so the loop a reader came for holds no tim
   cut, reported as 100·cut / cast percent (report/precision.py's scale table).
 What is training is decided once, here or in the linear that tells: RoutedLoad counts (and the FP8 and
 microscaling linears tell SaturationCount) only a training forward, in train mode with grad on and not a
-recompute (activation checkpointing reruns a forward inside the backward, recompute.in_backward: counted again
+recompute (activation checkpointing reruns a forward inside the backward, step.in_backward: counted again
 it would count one step's routing or casts twice); WaitClock charges every training pass's time, the recompute
 inside a backward included (it is time the step spends), and no forward under no_grad. Nothing here changes
 what the trainer computes.
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.recompute import is_training_forward
+from accounting import memory
+from step import is_training_forward
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -201,7 +202,7 @@ class RoutedLoad:
         self.dropped[key] = self.dropped.get(key, 0) + (0 if keep is None else (~keep).sum())
 
     def rows(self) -> tuple:
-        """(forwards, Σ S, Σ R) of the training forwards since start-up (moe_costs.all_to_all_messages'
+        """(forwards, Σ S, Σ R) of the training forwards since start-up (dispatch.all_to_all_messages'
         arguments)."""
         return self.forwards, self.sent, self.received
 
@@ -242,3 +243,27 @@ class SaturationCount:
         """Per role, 100·cut / cast (percent) of linear `name` since the last take; its counts restart."""
         cut = self.saturated.pop(name).tolist() if name in self.saturated else [0, 0, 0]
         return [100 * c / max(1, n) for c, n in zip(cut, self.values.pop(name, [0, 0, 0]))]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. Saved activations: what the first training forward kept for backward (step.py, pipeline.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class SavedByFirstForward:
+    """The bytes autograd saved for backward in the first forward a schedule tells it of (memory.SavedActivations:
+    saved_tensors_hooks, each storage once, parameters aside, the selective policy's cache watched), once; later
+    forwards run unwatched. It observes a schedule (step.ForwardObserver's protocol, subscribed through
+    `observe_forwards` when training starts, report.run.watch_saved_activations); `bytes` is None until then."""
+
+    def __init__(self):
+        self.bytes = None
+
+    @contextmanager
+    def forward(self, model):
+        if self.bytes is not None:
+            yield
+            return
+        with memory.SavedActivations.of(model) as saved:
+            yield
+        self.bytes = saved.bytes

@@ -13,53 +13,12 @@ import functools
 import inspect
 import time
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from mfu import format_bytes, wire_bytes
-
-
-class Count(NamedTuple):
-    calls: float
-    payload: float  # bytes: the sum of the messages M (mfu.py, section 4)
-
-
-class Messages(dict):
-    """Predicted messages: {(op, group name): Count(calls, payload bytes)}, what one optimizer step sends,
-    named as CommTracer names what it traced. The one type every prediction returns: a layout's, an axis's,
-    the step's own, so they add up and compare with the tracer's records without conversion."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__({key: Count(*value) for key, value in dict(*args, **kwargs).items()})
-
-    def add(self, op: str, group: str, calls: float = 1, payload: float = 0) -> Messages:
-        """Count `calls` more calls of `op` on `group` moving `payload` bytes in all; returns self. Bytes without
-        calls count too: they ride another user's call (eplb's loads in the router's all-reduce)."""
-        if calls or payload:
-            old = self.get((op, group), Count(0, 0))
-            self[(op, group)] = Count(old.calls + calls, old.payload + payload)
-        return self
-
-    def __add__(self, other: dict) -> Messages:
-        out = Messages(self)
-        for (op, group), (calls, payload) in other.items():
-            out.add(op, group, calls, payload)
-        return out
-
-    def times(self, factor: float) -> Messages:
-        """Every count multiplied by `factor` (per layer → per step, per step → per run)."""
-        return Messages({key: Count(c.calls * factor, c.payload * factor) for key, c in self.items()})
-
-    def named(self, alias) -> Messages:
-        """The same counts under the names a tracer reports their groups by (`CommTracer.alias`): names that
-        share one communicator ("dp_cp" and "expert_dp" when E = 1) become one row."""
-        out = Messages()
-        for (op, group), (calls, payload) in self.items():
-            out.add(op, alias(group), calls, payload)
-        return out
 
 
 @dataclass

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import torch  # noqa: E402
 
 from harness import run_ranks  # noqa: E402
+import report.run  # noqa: E402
 
 LAYOUTS = {
     "DDP D2": [],
@@ -81,11 +82,11 @@ def _measure(rank, world, cases, shape):
         batches = [(*b, None) for b in rank_micro_batches(gx, gy, run.mesh.index("dp"), run.mesh.size("dp"), micro)]
         for axis in run.axes:
             batches = axis.shard_batches(batches)
-        run.schedule.measure_activations = True
+        report.run.watch_saved_activations(run)
         train_step(run.layout, DynamicLossScaler(enabled=False), batches, run.mesh.group("dp_cp"), 1.0, run.autocast,
                    run.device, model=run.model, schedule=run.schedule, axes=run.axes, data_size=run.mesh.size("dp"))
         estimate = activations.activation_estimate(run)
-        out[(name, dtype, mode)] = (estimate.forward - estimate.hidden, run.schedule.saved_activation_bytes,
+        out[(name, dtype, mode)] = (estimate.forward - estimate.hidden, run.saved_activations.bytes,
                                     {k: v for k, v in estimate.terms.items() if v})
     return out
 

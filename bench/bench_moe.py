@@ -82,7 +82,7 @@ def _rank(rank, world, args):
     torch.set_num_threads(args.threads)
     device = rank_device()
     config = config_from_preset("tiny", n_layer=args.layers, n_embd=args.embd, n_head=4, block_size=args.seq,
-                                moe_experts=args.experts, moe_topk=args.topk)
+                                moe=moe.ExpertsConfig(experts=args.experts, topk=args.topk))
     variants = {f"E={ep}": Variant(ep, config, args, world, device) for ep in EPS}
     generator = torch.Generator().manual_seed(args.seed + rank)  # each rank its own batch
     x = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
@@ -160,7 +160,8 @@ def main():
     args = p.parse_args()
     if args.smoke:
         args.layers, args.embd, args.experts, args.batch, args.seq, args.steps, args.warmup = 1, 32, 4, 2, 8, 1, 0
-    moe.check_flags(config_from_preset("tiny", n_layer=args.layers, moe_experts=args.experts, moe_topk=args.topk),
+    moe.check_flags(config_from_preset("tiny", n_layer=args.layers,
+                                       moe=moe.ExpertsConfig(experts=args.experts, topk=args.topk)),
                     MeshShape(dp=4, ep=max(EPS)))
     launch(_rank, 4, args, device=args.device)
 

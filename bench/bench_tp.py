@@ -84,7 +84,7 @@ def _rank(rank, world, store, args, results):
     config = config_from_preset(args.preset, n_layer=args.n_layer)
     group = dist.new_group(list(range(world)))
     ours = GPT(config, seed=args.seed, device=device)
-    tensor_parallel.parallelize(ours, group, seed=args.seed)
+    tensor_parallel.parallelize(ours, group)
     theirs = _dtensor_model(config, args.seed, world, rank, device)
     opt_ours = build_adamw(ours.parameters(), 1e-4)
     # torch's foreach AdamW cannot mix DTensor and plain tensors in one group: split each group by kind.
@@ -118,7 +118,7 @@ def print_accounting(preset: str, batch: int, seq: int):
           f"  {'act (SP)':>10}  {'act ×L (SP)':>12}")
     for t in (1, 2, 4):
         counts = memory.param_counts(config, t)
-        act = tensor_parallel.activation_estimates(config, batch, seq, t)
+        act = memory.tp_activation_estimates(config, batch, seq, t)
         no_sp = act["none"] if t == 1 else act["tp"]
         sp = act["none"] if t == 1 else act["tp_sp"]
         print(f"  {t:>2}  {counts['per_rank']:>12,}  {format_bytes(4 * counts['per_rank']):>10}"

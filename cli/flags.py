@@ -419,7 +419,7 @@ def model_config(args, given=frozenset()):
     if args.init_from is not None:
         return init_from_config(args, given)
     overrides = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout,
-                     gelu=args.gelu, **moe.config_overrides(args))
+                     gelu=args.gelu, moe=moe.experts_config(args))
     if args.no_bias:
         overrides["bias"] = False
     if args.activation_checkpointing != "none":

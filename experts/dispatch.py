@@ -30,7 +30,7 @@ receives, R_e ≤ k·R the slots its experts run.
    sent rows S·h·e_c, metadata S·2k·e_r in and R·2k·e_r out, the fan-out's order R·k·8 and rows R_e·8, its
    gathered rows R_e·h·e_c (saved for backward as the experts' input), the weighted outputs R_e·h·e_w and
    their sum R·h·e_w (then cast), y T·h·e_c: accounting/moe_memory.py writes them tensor by tensor.
-3. Messages, per MoE layer and forward (payload = the input, moe_costs.all_to_all_messages):
+3. Messages, per MoE layer and forward (payload = the input, dispatch.all_to_all_messages):
        forward   counts 8·(slots + E)  +  rows S·h·e_c  +  metadata S·2k·e_r  +  combine R·h·e_c
        backward  combine's reverse S·h·e_c  +  metadata's reverse R·2k·e_r  +  rows' reverse R·h·e_c
    What goes to each rank is known per call (`Exchange`): the bytes leaving this rank's group are
@@ -40,10 +40,14 @@ receives, R_e ≤ k·R the slots its experts run.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from experts.router import capacity, rows_per_token
+from step import Messages
 
 
 class Exchange(NamedTuple):
@@ -117,3 +121,70 @@ def exchange(rows: torch.Tensor, gate: torch.Tensor, slot: torch.Tensor, slots: 
     back = AllToAll.apply(summed.to(rows.dtype), sent, received, group)  # 5. [S, h]
     y = rows.new_zeros(rows.shape).index_add(0, token, back)  # 6.
     return y, Exchange(sent, received, len(fan), tuple(rows for slot in pieces for rows in slot))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a MoE layer sends in a step (moe.py's docstring, item 3): uniform (the start-up table) or from the rows
+# the forwards exchanged (the end table, exact)
+# ---------------------------------------------------------------------------------------------------------
+
+
+ALL_TO_ALL = ("all_to_all_single", "ep")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What the message formulas read: the model's MoE shape and what one micro-batch routes on this rank."""
+
+    model: object  # the GPTConfig: N, k, h, the capacity factor, activation checkpointing
+    moe_layers: int = 1  # L_moe this rank holds (a pipeline stage holds some)
+    tokens: int = 0  # T: tokens this rank routes per micro-batch, B_μ·s/(C·T_sp)
+    micro_batches: int = 1  # m
+    ep: int = 1  # E
+    cp: int = 1  # C
+    sp: int = 1  # T_tp with --sp, else 1
+    compute_bytes: int = 2  # e_c of the rows
+    router_bytes: int = 4  # e_r
+    sequences: int = 1  # B_μ: with the seq loss, its [B_μ, 2N+1] statistics join the pieces' all-reduce
+    slots: int = 0  # R physical experts with --moe-replicas (experts/eplb.py): the counts all-to-all carries R, not N
+    fp8_experts: str | None = None  # --fp8's recipe: the routed experts pad their rows (moe_memory's table)
+    recipe_experts: bool = False  # --precision-recipe: the experts' linears make no autocast weight copies
+
+
+def step_messages(traffic: Traffic, sp_grad_bytes: int = 0) -> Messages:
+    """Predicted messages of one optimizer step for UNIFORM routing (docstring item 3): S = R = T·ρ rows per MoE
+    layer and micro-batch, ρ = router.rows_per_token (one row per token and rank it reaches), at most the
+    slots T·k, or N·C_μ/(C·T_sp), this rank's share of what capacity keeps; CP's and SP's
+    statistics all-reduces and choice gathers; SP's gradient sum over tp of `sp_grad_bytes` (the layout's)."""
+    t, n, k = traffic, traffic.model.moe.experts, traffic.model.moe.topk
+    whole = t.tokens * t.cp * t.sp  # B_μ·s
+    cap = capacity(whole, k, n, t.model.moe.capacity_factor)
+    slots = t.tokens * k if cap is None else min(t.tokens * k, n * cap / (t.cp * t.sp))
+    rows = min(slots, t.tokens * rows_per_token(n, k, t.model.moe.groups, t.model.moe.group_limit, t.ep)[0])
+    passes = t.moe_layers * t.micro_batches
+    out = all_to_all_messages(t, passes, passes * rows, passes * rows) if t.ep > 1 else Messages()
+    forwards = passes * (2 if t.model.activation_checkpointing else 1)
+    choice_bytes = 1 if n <= 256 else 4
+    statistics = 2 * n + 2 + (t.sequences * (2 * n + 1) if t.model.moe.seq_aux_coef > 0 else 0)  # moe_router's
+    for group, size, gathered in (("cp", t.cp, whole), ("tp", t.sp, whole // t.cp)):
+        if size > 1:
+            out.add("all_reduce", group, forwards, forwards * statistics * t.router_bytes)
+            if cap is not None:
+                out.add("all_gather_single", group, forwards, forwards * gathered * k * choice_bytes)
+    if t.sp > 1 and sp_grad_bytes:
+        out.add("all_reduce", "tp", 1, sp_grad_bytes)
+    return out
+
+
+def all_to_all_messages(traffic: Traffic, forwards: int, sent: float, received: float) -> Messages:
+    """The all_to_all_single calls on ep of `forwards` training forwards of MoE layers (each with its backward,
+    and its recompute under activation checkpointing) whose deduplicated exchanges (experts/dispatch.py) sent Σ S =
+    `sent` and received Σ R = `received` rows (one per token and rank): per forward 4 calls (counts
+    8·(N_p + E), rows S·h·e_c, metadata S·2k·e_r, combine R·h·e_c), ×2 recomputed, + 3 in backward (the
+    reverses, (S + R)·h·e_c + R·2k·e_r). N_p: N, or the R physical slots with replicas."""
+    repeats = 2 if traffic.model.activation_checkpointing else 1
+    row_bytes = traffic.model.n_embd * traffic.compute_bytes
+    meta_bytes = 2 * traffic.model.moe.topk * traffic.router_bytes  # k gates and k local slots per row
+    counts = forwards * repeats * 8 * ((traffic.slots or traffic.model.moe.experts) + traffic.ep)
+    rows = (repeats + 1) * (sent + received) * row_bytes + (repeats * sent + received) * meta_bytes
+    return Messages().add(*ALL_TO_ALL, forwards * (4 * repeats + 3), counts + rows)

@@ -14,7 +14,7 @@ logcnt [N] (c_i). Loads in float32, ties broken as deepseek-ai/EPLB's experts/ep
 lower index), so its placements are reproduced exactly. The trainer places over the E ranks of an ep group
 with the global policy (one group, one node).
 
-Training with it (`Replicas`, set up by moe.apply when --moe-replicas R is given):
+Training with it (`Replicas`; `apply`, the axis of --moe-replicas R, places them right after moe.py's):
 - Dispatch. A slot routed to logical expert i, the j-th of this rank's slots routed to i in token order (kept
   slots only), goes to replica j mod c_i (`Replicas.physical`); the all-to-all is by physical slot (moe.py
   sorts and splits by slot: R bins instead of N). The replica decides which rank computes a row, not its
@@ -81,9 +81,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from accounting.tracer import Messages
-from parallel.recompute import is_training_forward
+from moe import MoE
 from shard import ShardInfo, StatePiece, counts_here
+from step import Axis, Messages, is_training_forward
 
 # ---------------------------------------------------------------------------------------------------------
 # The placement (deepseek-ai/EPLB): pure, on the host
@@ -250,7 +250,7 @@ def check_flags(slots: int, n_experts: int, ep: int) -> None:
 
 @dataclass(frozen=True)
 class ReplicaFacts:
-    """What the accounting reads of the replicas (moe.MoEFacts.replicas): the plan of the first MoE layer this
+    """What the accounting reads of the replicas (`ReplicaAxis.facts`): the plan of the first MoE layer this
     rank holds, and the rows per EP rank measured over the last re-plan's window."""
 
     slots: int  # R
@@ -280,7 +280,9 @@ class RedundantExperts:
         self.measured = ((), math.nan, math.nan)  # ReplicaFacts' measured_under, balance, in_place
         self.pieces, self.sharded = None, False  # the layout's state of each slot parameter (`slot_state`)
         self.sharded_weights = False  # ZeRO-3: the weights too are each expert_dp rank's flat range
-        self.shared_load_reduce = False  # the step's loads ride the router's all-reduce (set by moe.MoEAxis)
+        # The step's loads ride the routers' load all-reduce when theirs reduce (moe.MoEAxis.after_grad_sync
+        # sums them there in any case: one call per group, counted here or with the routers' messages).
+        self.shared_load_reduce = any(layer.load.reduce for layer in layers)
 
     def expert_size(self) -> int:
         """Ψ_e: one slot's parameters."""
@@ -288,7 +290,7 @@ class RedundantExperts:
 
     def step_loads(self) -> torch.Tensor:
         """[L, N] int64: this rank's kept slots per expert of the step, per layer (what `after_grad_sync` folds,
-        summed: router.finish_step sums them in the router's load all-reduce, one call for both)."""
+        summed once moe.MoEAxis.after_grad_sync has run: it sums them in the router's load all-reduce)."""
         return torch.stack([layer.replicas.step_load for layer in self.layers]).long()
 
     @torch.no_grad()
@@ -479,6 +481,81 @@ class RedundantExperts:
         return step_messages(len(self.layers), self.n, self.slots, self.ep, self.expert_size() * like.element_size(),
                              self.summed_over("grad")[0], list(self.load_groups), steps, replans, moved,
                              self.shared_load_reduce)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The axis: --moe-replicas R, applied right after moe.py's (train.AXES), its handle
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """--moe-replicas R on E expert-parallel ranks, the re-plan interval n and the loads' decay d; `load_tp`: the
+    ranks of a TP group route different tokens (--sp), so the loads are summed over tp too."""
+
+    slots: int  # R
+    ep: int  # E
+    replan_every: int = 50
+    load_decay: float = 0.9
+    load_tp: bool = False
+
+
+def config_from_flags(args, settings) -> ReplicaConfig | None:
+    """--moe-replicas R (None without it), placeable on this mesh (`check_flags`)."""
+    slots = getattr(args, "moe_replicas", 0)
+    if not slots or settings.model.moe is None:
+        return None
+    check_flags(slots, settings.model.moe.experts, settings.shape.ep)
+    return ReplicaConfig(slots, settings.shape.ep, getattr(args, "moe_replan_every", 50),
+                         getattr(args, "moe_load_decay", 0.9), settings.sequence_parallel and settings.shape.tp > 1)
+
+
+def apply(model, run, config: ReplicaConfig) -> ReplicaAxis:
+    """R/E physical slots on this rank for every MoE layer the model holds (moe.apply, just before, kept their
+    experts whole), under the plan of a uniform load (`place_slots`); the handle does the replicas' step work."""
+    mesh = run.mesh
+    layers = [block.mlp for block in model.transformer.h if isinstance(block.mlp, MoE)]
+    for layer in layers:
+        place_slots(layer, config.slots, mesh.group("ep"), config.ep, mesh.index("ep"), run.device)
+    load_groups = ("dp_cp", "tp") if config.load_tp else ("dp_cp",)  # the ranks whose tokens these layers route
+    redundant = RedundantExperts(layers, config.replan_every, config.load_decay,
+                                 {name: mesh.group(name) for name in ("ep", "dp_cp", "expert_dp")},
+                                 {name: mesh.group(name) for name in load_groups}, mesh.coordinates()) if layers else None
+    return ReplicaAxis(redundant)
+
+
+class ReplicaAxis(Axis):
+    """The handle train.py talks to (step.Axis): after the layout's sum (and moe.MoEAxis's, which summed the
+    step's loads), the replicas' gradient sum, the load average and every n-th step the re-plan; the averages as
+    restart state; the placement re-made after a load. A pipeline stage without MoE layers has nothing to do."""
+
+    name = "eplb"
+
+    def __init__(self, redundant: RedundantExperts | None):
+        self.redundant = redundant
+
+    def after_grad_sync(self, layout) -> int:
+        if self.redundant is not None:
+            self.redundant.after_grad_sync(layout, self.redundant.step_loads())
+        return 0
+
+    def state_pieces(self) -> list:
+        return self.redundant.state_pieces() if self.redundant is not None else []
+
+    def after_load(self, layout, step: int) -> None:
+        if self.redundant is not None:
+            self.redundant.after_load(layout, step)
+
+    def facts(self) -> ReplicaFacts | None:
+        return self.redundant.facts() if self.redundant is not None else None
+
+    def predicted_messages(self, layout=None) -> Messages:
+        return self.redundant.predicted_messages(layout) if self.redundant is not None else Messages()
+
+    def traced_prediction(self, layout, steps: int) -> Messages:
+        if self.redundant is None or not steps:
+            return self.predicted_messages(layout)
+        return self.redundant.traced_messages(steps)
 
 
 def step_messages(moe_layers: int, n: int, slots: int, ep: int, expert_bytes: int, sum_group: str, load_groups: list,

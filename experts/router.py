@@ -54,10 +54,9 @@ import torch.distributed as dist
 
 
 SCORES = ("softmax", "sigmoid")
-# Flag → (GPTConfig field, default): joined to moe.FLAGS.
-FLAGS = {"--moe-score": ("moe_score", "softmax"), "--moe-bias-rate": ("moe_bias_rate", 0.0),
-         "--moe-seq-aux-coef": ("moe_seq_aux_coef", 0.0), "--moe-route-scale": ("moe_route_scale", 1.0),
-         "--moe-groups": ("moe_groups", 0), "--moe-group-limit": ("moe_group_limit", 0)}
+# Flag → moe.ExpertsConfig field: joined to moe.FLAGS.
+FLAGS = {"--moe-score": "score", "--moe-bias-rate": "bias_rate", "--moe-seq-aux-coef": "seq_aux_coef",
+         "--moe-route-scale": "route_scale", "--moe-groups": "groups", "--moe-group-limit": "group_limit"}
 
 
 def add_arguments(group) -> None:
@@ -73,13 +72,13 @@ def add_arguments(group) -> None:
 
 
 def check_flags(config, ep: int) -> None:
-    """Raise ValueError naming the flag when the router's flags (config's moe_* fields) cannot work together
+    """Raise ValueError naming the flag when the router's flags (`config`: moe.ExpertsConfig) cannot work together
     (moe.check_flags calls it; their ranges are flags.check_ranges')."""
-    n, k, g, m = config.moe_experts, config.moe_topk, config.moe_groups, config.moe_group_limit
-    sigmoid = config.moe_score == "sigmoid"
+    n, k, g, m = config.experts, config.topk, config.groups, config.group_limit
+    sigmoid = config.score == "sigmoid"
     for broken, message in (
-            (config.moe_bias_rate > 0 and not sigmoid,
-             f"--moe-bias-rate {config.moe_bias_rate} needs --moe-score sigmoid (a bias on softmax scores is"
+            (config.bias_rate > 0 and not sigmoid,
+             f"--moe-bias-rate {config.bias_rate} needs --moe-score sigmoid (a bias on softmax scores is"
              f" refused, as Megatron does)"),
             (g == 0 and m > 0, f"--moe-group-limit {m} needs --moe-groups G"),
             (g > 0 and n % g, f"--moe-groups {g} must divide --moe-experts {n}"),
@@ -96,15 +95,15 @@ def check_flags(config, ep: int) -> None:
 
 def describe(config) -> str:
     """The router in words, for the start-up line (report_axes' moe section)."""
-    sigmoid, k = config.moe_score == "sigmoid", config.moe_topk
-    steps = ["fp32 router: sigmoid" + (f" + bias (γ={config.moe_bias_rate:g} per step)" if sigmoid else "")
+    sigmoid, k = config.moe.score == "sigmoid", config.moe.topk
+    steps = ["fp32 router: sigmoid" + (f" + bias (γ={config.moe.bias_rate:g} per step)" if sigmoid else "")
              if sigmoid else "fp32 router: softmax"]
-    if config.moe_groups:
-        steps.append(f"best {config.moe_group_limit} of {config.moe_groups} groups")
+    if config.moe.groups:
+        steps.append(f"best {config.moe.group_limit} of {config.moe.groups} groups")
     steps.append("top-k")
     steps.append("renormalised" if sigmoid or k > 1 else "raw gate")
-    text = " → ".join(steps) + (f" ×{config.moe_route_scale:g}" if config.moe_route_scale != 1.0 else "")
-    return text + (f"; seq loss α={config.moe_seq_aux_coef:g}" if config.moe_seq_aux_coef else "")
+    text = " → ".join(steps) + (f" ×{config.moe.route_scale:g}" if config.moe.route_scale != 1.0 else "")
+    return text + (f"; seq loss α={config.moe.seq_aux_coef:g}" if config.moe.seq_aux_coef else "")
 
 
 def top_k(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -273,3 +272,10 @@ def rows_per_token(n_experts: int, topk: int, groups: int, limit: int, ep: int) 
     miss = sum(math.comb(u, j) * math.comb(groups - u, limit - j) / math.comb(groups, limit)
                * math.comb(allowed - j * c, topk) / math.comb(allowed, topk) for j in range(min(u, limit) + 1))
     return ep * (1 - miss), (ep - per_place) * (1 - miss)
+
+
+def capacity(tokens: int, topk: int, n_experts: int, factor: float) -> int | None:
+    """C_μ = ⌈T_μ·k/N · f⌉ slots per expert of a micro-batch of T_μ = B_μ·s tokens, or None when dropless."""
+    if factor <= 0:
+        return None
+    return math.ceil(round(tokens * topk * factor / n_experts, 9))  # round: 35.000000001 is 35

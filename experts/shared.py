@@ -44,7 +44,7 @@ class SharedExperts(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        width = config.moe_shared_experts * 4 * config.n_embd
+        width = config.moe.shared_experts * 4 * config.n_embd
         self.c_fc = nn.Linear(config.n_embd, width, bias=config.bias)
         self.gelu = nn.GELU(approximate=config.gelu_approximate)
         self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
@@ -61,7 +61,7 @@ class SharedExperts(nn.Module):
 def param_count(config) -> dict:
     """One MoE layer's shared-expert parameters, by what TP does with them: split (c_fc's weight and bias,
     c_proj's weight) and replicated over tp (c_proj's bias); matmul, the weights of 6N (mfu.flops_per_token)."""
-    h, b, s = config.n_embd, int(config.bias), config.moe_shared_experts
+    h, b, s = config.n_embd, int(config.bias), config.moe.shared_experts if config.moe else 0
     return dict(split=s * (8 * h * h + 4 * h * b), replicated=h * b if s else 0, matmul=s * 8 * h * h)
 
 
@@ -76,7 +76,7 @@ def saved_bytes(config, tokens: int, tp: int = 1, compute_bytes: int = 2, router
     FP8 the linears keep their inputs as 1-byte codes of their own (c_fc's M·h, the gathered input; c_proj's
     S·4h·M/T_tp, so GELU's output is not kept). Without `gelu_output` (selective recompute's moe_act) GELU's
     output is recomputed in backward, not kept: S·4h·M·e_c/T_tp fewer."""
-    h, s = config.n_embd, config.moe_shared_experts
+    h, s = config.n_embd, config.moe.shared_experts if config.moe else 0
     if not s:
         return 0
     if fp8:

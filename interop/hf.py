@@ -47,8 +47,9 @@ from safetensors.torch import save_file
 
 import ckpt
 from resilience.ckpt_files import CheckpointError, fsync_path, list_checkpoints, verify_checkpoint
+import moe
 from model import GPT, GPTConfig
-from shard import ShardInfo, StatePiece
+from shard import ShardInfo, StatePiece, describe
 
 # GPT-2's Conv1D weights, stored [in, out] (model.py's nn.Linear: [out, in]).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -346,7 +347,7 @@ def write_directory(weights: dict, config, out_dir: str, pytorch_bin: bool = Fal
     directory: the files are written and fsynced in a directory beside it (`.NAME.partial-*`) and renamed to
     `out_dir` last, so a killed export leaves no `out_dir` that --init-from or from_pretrained would read, only
     that partial directory (safe to delete)."""
-    if config.moe_experts:
+    if config.moe is not None:
         raise HFError("a mixture-of-experts model is not a GPT-2: its experts have no place in GPT-2's layout")
     shape = GPT2Shape(config.n_layer, config.n_head, config.n_embd, config.block_size,
                       config.real_vocab_size or config.vocab_size, config.gelu)
@@ -404,7 +405,7 @@ def load_model(path: str, device="cpu") -> tuple[GPT, dict]:
         shape = directory.shape
         config = GPTConfig(block_size=shape.block_size, vocab_size=shape.vocab_size, n_layer=shape.n_layer,
                            n_head=shape.n_head, n_embd=shape.n_embd, gelu=shape.gelu)
-        model = GPT(config, dtype=directory._stored_shape_dtype("transformer.wte.weight")[1], device=device)
+        model = describe(GPT(config, dtype=directory._stored_shape_dtype("transformer.wte.weight")[1], device=device))
         load_into(directory, _whole_pieces(model))
         return model, {}
     step_dir, manifest = _newest_good_checkpoint(path)
@@ -413,12 +414,15 @@ def load_model(path: str, device="cpu") -> tuple[GPT, dict]:
         raise HFError(f"{step_dir} does not record its model (saved before checkpoints did): n_head and the GELU"
                       f" cannot be read off its tensors")
     fields = {f for f in GPTConfig.__dataclass_fields__}
-    config = GPTConfig(**{k: v for k, v in record["model"].items() if k in fields})
+    saved = record["model"]
+    config = GPTConfig(**{k: v for k, v in saved.items() if k in fields and k != "moe"},
+                       moe=moe.experts_from_record(saved.get("moe")))
     stored = manifest["tensors"]
     wte = stored.get("master/transformer.wte.weight", stored.get("param/transformer.wte.weight"))
     if wte is None:
         raise HFError(f"{step_dir} has no transformer.wte.weight: not a checkpoint of this trainer's GPT")
-    model = GPT(config, dtype=getattr(torch, wte["dtype"]), device=device)
+    model = describe(GPT(config, dtype=getattr(torch, wte["dtype"]), device=device))
+    moe.swap_in(model)  # a MoE checkpoint's experts (none when dense)
     ckpt.load_pieces(step_dir, manifest, _whole_pieces(model) + _router_bias_pieces(model, stored, device))
     return model, dict(record, step=manifest["step"], mesh=manifest["mesh"], path=step_dir)
 

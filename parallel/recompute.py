@@ -174,6 +174,17 @@ class SelectiveRecompute:
             self.watchers.remove(callback)
 
 
+def apply(model) -> SelectiveRecompute:
+    """--activation-checkpointing selective: give `model` (a GPT, experts swapped in) its policy. Each block is then
+    checkpointed under it (model.GPT.forward_blocks), and a block whose MLP must run once (a MoE layer: its
+    `recompute_by_halves`) recomputes by halves (model.Block). Returns the policy."""
+    policy = SelectiveRecompute()
+    model.recompute = policy
+    for block in model.transformer.h:
+        block.recompute = policy if getattr(block.mlp, "recompute_by_halves", False) else None
+    return policy
+
+
 class _Recomputed(NamedTuple):
     """What activations_recomputed keeps of a tensor it recomputes: fn(input, **kwargs), and the view to give."""
 
@@ -183,25 +194,6 @@ class _Recomputed(NamedTuple):
     size: torch.Size
     stride: tuple
     offset: int
-
-
-def in_backward() -> bool:
-    """Whether the code calling it runs inside autograd's backward (a backward function, or a forward that full or
-    selective recompute reruns there), i.e. whether autograd has a graph task running on this thread.
-
-    Why it is needed: activation checkpointing runs a block's forward twice, once in the forward pass and once
-    inside the backward to rebuild what it did not keep. What a forward records for the step (FP8 amaxes and
-    casts, routed loads, padded rows, saturation counts) must be recorded once, so the recorders skip the rerun; the
-    rerun sees the same grad mode and train mode, so only autograd's state tells the two apart. torch has no
-    public call for it: `torch._C._current_graph_task_id` is -1 outside a backward. Every caller asks here."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def is_training_forward(training: bool) -> bool:
-    """A forward that trains: train mode (`training`, the layer's), grad on, outside a backward (a checkpointed
-    block's recompute runs inside one). Evaluation, sampling and recomputes route tokens the step must not count
-    (moe.py's aux statistics, observers.RoutedLoad's loads, eplb's slot loads)."""
-    return training and torch.is_grad_enabled() and not in_backward()
 
 
 def check_flags(args, shape) -> None:

@@ -9,7 +9,7 @@ Units. Each transformer block is one unit per data-parallel group and gather cod
 last. Each unit's full [n'] buffer is allocated once and every parameter's `.data` is a view into it; "free"
 shrinks its storage to 0 bytes, "gather" grows it back and all-gathers this rank's [S] working slice into it, so the
 views (and the tensors autograd saved) stay valid. A meta model (train.compose) is filled shard by shard from the
-per-parameter init (model.initial_local): no rank ever holds a whole logical model.
+per-parameter init (shard.initial_local): no rank ever holds a whole logical model.
 
 The schedule (module hooks). Forward: the model's pre-hook gathers the root (embeddings) and prefetches block 0;
 block i's pre-hook waits for block i, frees the root after the embedding (i = 0) and launches block i+1's gather
@@ -56,10 +56,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from accounting.tracer import Messages
+from step import Messages
 from ddp import grad_group
-from model import initial_local
-from shard import counts_here
+from shard import counts_here, initial_local
 from zero import Unit, ZeroConfig, ZeroFacts, ZeroLayout
 
 
@@ -123,12 +122,12 @@ class Zero3Layout(ZeroLayout):
 
     def _fill_shard(self, unit: Unit, device) -> torch.Tensor:
         """This rank's [S] master slice of a unit whose parameters are still meta, from each one's initial value
-        (model.initial_local, cut by its ShardInfo): the transient is one logical tensor; the padding is zero."""
+        (shard.initial_local, cut by its ShardInfo): the transient is one logical tensor; the padding is zero."""
         shard = torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
         for p, offset, (lo, hi) in zip(unit.params, unit.offsets, unit.spans):
             if hi > lo:
                 start = unit.shard_start + lo - offset  # the slice's first element, within p
-                value = initial_local(p.shard_info, self.module.config, self.module.seed, p.dtype).reshape(-1)
+                value = initial_local(p.shard_info, self.module.initial_value, p.dtype).reshape(-1)
                 shard[lo:hi] = value[start:start + hi - lo]
         return shard
 

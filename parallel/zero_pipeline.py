@@ -55,7 +55,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from accounting.tracer import Messages
+from step import Messages
 from parallel.schedules import build_programs, rank_chunks, stage_layers
 from zero import Unit, ZeroConfig, ZeroFacts, ZeroLayout
 from parallel.zero3 import Zero3Layout, by_group_and_codec

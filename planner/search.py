@@ -4,14 +4,14 @@
 
 It enumerates the layouts (D, P, C ring, T with SP, E with --moe-experts, ZeRO stage, B_μ and m, schedule,
 activation checkpointing) that flags.validate accepts, gives each pipeline stage's time_model.Role from the formulas
-the start-up prints (memory.persistent_bytes per data-parallel group, zero.ZeroLayout's units and transients as
+the start-up prints (zero.persistent_bytes per data-parallel group, zero.ZeroLayout's units and transients as
 `grad_sync_messages` and `_formula_temporaries` count them, under a pipeline parallel/zero_pipeline.py's units per chunk
 (`chunk_units`, `_formula_zero_pipeline`: the action list's gathers and transient by zero_pipeline's own functions),
 DiLoCo's outer state and Δ all-reduce (`_formula_diloco`), --fp8's amax all-reduces (`_formula_fp8`) and, under
 ZeRO-3, its weights gathered as E4M3 codes in units of their own with each gather's scale agreement (memory.fp8_weights,
 `codec_messages`; a precision recipe's NVFP4 weights likewise as E2M1 codes with their tiles' amaxes, `codec_weights`),
 tensor_parallel.step_messages,
-context_parallel.layer_messages, moe_costs.step_messages, activations.estimate_of, schedules.bubble_formula and
+context_parallel.layer_messages, dispatch.step_messages, activations.estimate_of, schedules.bubble_formula and
 p2p_counts, mfu.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
 ranks by step time and prints the best ten with the term that limits each. --moe-replicas R is kept as given
 (the E that R/E slots fit: eplb.check_flags): R/E experts a block, eplb.step_messages' gradient sum, loads and
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from itertools import product
 
 from accounting import activations
+from experts import dispatch
 import context_parallel
 import ddp
 from experts import eplb
@@ -40,8 +41,9 @@ from cli import flags
 from precision import fp8_scaling
 from planner import hardware
 from accounting import memory
+import zero
 import mfu
-from accounting import moe_costs
+from moe import experts_of
 from accounting import moe_memory
 from experts import router
 import precision.recipe
@@ -52,7 +54,7 @@ import step
 import tensor_parallel
 import train
 from parallel import zero_pipeline
-from accounting.tracer import Messages
+from step import Messages
 from cli.flags import FlagError
 from planner.hardware import hardware_line
 from mesh import MeshShape, groups_of
@@ -80,7 +82,7 @@ def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0, codec
     per data-parallel group ("dp_cp": dense, "expert_dp": experts): "blocks" each held block's, "root" the
     embedding's (first chunk) and ln_f's and the head's tied copy (last chunk), "replicated" what TP replicates
     (the SP gradient sum's), "moe_replicated" the routers' and this rank's experts (MoE's own SP sum,
-    moe_costs.step_messages). "runs": (group, elements) in registration order, adjacent tensors of one group
+    dispatch.step_messages). "runs": (group, elements) in registration order, adjacent tensors of one group
     together (a bucket or ZeRO unit never spans two groups). slots: R with --moe-replicas (R/E experts a block).
     codec_settings: the run's settings where it has a gather codec (None: none): "codec_blocks", each held block's
     weights ZeRO-3 gathers as codes, (elements, tensors) per group (under --fp8 also the FP8 linears _formula_fp8
@@ -235,9 +237,9 @@ def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
 
 def _formula_persistent(s: _Stage) -> dict:
     """DDPLayout's (fp32 params, grads, moments) or ZeroLayout.bytes_per_param's persistent bytes, per group."""
-    bpp = memory.BytesPerParam(s.b_w, s.b_g, 2 * s.b_m + (0 if s.b_w == s.b_m else s.b_m))
+    bpp = zero.BytesPerParam(s.b_w, s.b_g, 2 * s.b_m + (0 if s.b_w == s.b_m else s.b_m))
     stage = s.settings.args.zero
-    parts = [memory.persistent_bytes(n, bpp, stage, s.sizes[g]) for g, n in s.held["local"].items() if n]
+    parts = [zero.persistent_bytes(n, bpp, stage, s.sizes[g]) for g, n in s.held["local"].items() if n]
     return {kind: sum(part[kind] for part in parts) for kind in parts[0]}
 
 
@@ -322,9 +324,9 @@ def _formula_zero_pipeline(s: _Stage, program: list) -> tuple:
                                                    {c: b_a * n for c, n in numel.items()})
     if stage == 2:
         transient = max(transient, b_w * sum(n // s.sizes[g] for pieces in units.values() for g, n, _ in pieces))
-    bpp = memory.BytesPerParam(b_w, b_a, 2 * s.b_m + (0 if b_w == s.b_m else s.b_m))
+    bpp = zero.BytesPerParam(b_w, b_a, 2 * s.b_m + (0 if b_w == s.b_m else s.b_m))
     held = {group: sum(n for pieces in units.values() for g, n, _ in pieces if g == group) for group in s.sizes}
-    parts = [memory.persistent_bytes(held[group], bpp, stage, size) for group, size in s.sizes.items()]
+    parts = [zero.persistent_bytes(held[group], bpp, stage, size) for group, size in s.sizes.items()]
     persistent = {kind: sum(part[kind] for part in parts) for kind in parts[0]}
     temporaries = {f"ZeRO-{stage} transients (zero_pipeline.step_transient)": transient}
     first_gather = b_w * numel[program[0].chunk] if stage == 3 else 0.0
@@ -358,21 +360,21 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
     if n_moe:
         tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
         replicas = settings.args.moe_replicas  # R physical slots (experts/eplb.py), 0: none
-        traffic = moe_costs.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro, replicas,
+        traffic = dispatch.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro, replicas,
                                          settings.args.fp8, settings.args.precision_recipe is not None)
         shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
         sp_grad_bytes = int(s.b_g * held["moe_replicated"] / shard) if sp else 0
-        messages = messages + moe_costs.step_messages(traffic, sp_grad_bytes)
+        messages = messages + dispatch.step_messages(traffic, sp_grad_bytes)
         groups = [name for name, size in (("dp_cp", shape.replica_dp * C), ("tp", tp_sp)) if size > 1]
-        if config.moe_bias_rate > 0:  # the step's loads, summed over the batch's ranks (moe_router item 3)
-            for message in router.load_messages(n_moe, config.moe_experts, groups):
+        if config.moe.bias_rate > 0:  # the step's loads, summed over the batch's ranks (moe_router item 3)
+            for message in router.load_messages(n_moe, config.moe.experts, groups):
                 messages = messages + Messages().add(*message)
         if replicas:  # their gradient sum (ZeRO: the shards, in the accumulation dtype), loads, re-plans' windows
             expert_bytes = (s.b_g if stage else s.b_w) * memory.param_counts(config)["expert"]
             messages = messages + eplb.step_messages(
-                n_moe, config.moe_experts, replicas, E, expert_bytes, "dp_cp" if stage else "ep", groups,
+                n_moe, config.moe.experts, replicas, E, expert_bytes, "dp_cp" if stage else "ep", groups,
                 replans=1 / settings.args.moe_replan_every if E > 1 else 0,
-                shared_load_reduce=config.moe_bias_rate > 0)
+                shared_load_reduce=config.moe.bias_rate > 0)
         peak = moe_memory.rank_peak(traffic, activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param))
         temporaries[peak.temporary()] = peak.above_saved
     return messages
@@ -394,7 +396,7 @@ def _formula_fp8(s: _Stage) -> Messages:
         return out
     slots, config = s.settings.args.moe_replicas, s.settings.model
     if slots and linears.get("expert_dp"):  # fp8_replicas: a history per logical expert, 2N a layer, over dp_cp
-        linears["dp_cp"] += linears.pop("expert_dp") * config.moe_experts * shape.ep // slots
+        linears["dp_cp"] += linears.pop("expert_dp") * config.moe.experts * shape.ep // slots
     buckets = {}  # fp8.Fp8Handle.buckets: the linears' reduction groups → how many
     for group, count in linears.items():
         names = tuple(name for name, size in ((group, s.sizes[group]), ("tp", shape.tp)) if size > 1)
@@ -531,7 +533,8 @@ def candidates(world: int, config, global_batch: int, gpus_per_node: int):
     """Every (T, C, P, D, E, ZeRO, B_μ, schedule, checkpointing) of `world` ranks: T inside a node, T | heads;
     ring CP, C ≤ 8; E | N (with --moe-experts) and E | D·C. flags.validate refuses the rest as a run would."""
     powers = [2**i for i in range(world.bit_length()) if world % 2**i == 0]
-    experts = [e for e in powers if config.moe_experts % e == 0] if config.moe_experts else [1]
+    n = experts_of(config).experts
+    experts = [e for e in powers if n % e == 0] if n else [1]
     pipelines = [p for p in range(1, config.n_layer + 1) if world % p == 0]
     for T, C, P, E in product(powers, [c for c in powers if c <= 8], pipelines, experts):
         D = world // (T * C * P)

@@ -60,7 +60,7 @@ import report.run
 import report.axes
 from parallel import schedules
 from planner import calibration
-from accounting.tracer import Messages
+from step import Messages
 from cli.flags import DTYPES
 from step import scalar_messages
 

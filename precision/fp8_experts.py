@@ -31,7 +31,7 @@ import re
 
 from accounting import observers
 from precision.fp8_scaling import ROW_ALIGNMENT
-from parallel.recompute import in_backward
+from step import in_backward
 
 
 def padded_rows(chunk_rows) -> int:

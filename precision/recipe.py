@@ -62,11 +62,11 @@ from parallel import collectives
 import context_parallel
 from precision import microscaling
 from precision import microscaling_fast
-from accounting.tracer import Messages
+from step import Messages
 from fp8 import QuantizationObserver, forward_operands
 from precision.fp8_scaling import pad_rows
 from precision.recipe_codec import ZeroWeightCodec
-from parallel.recompute import in_backward
+from step import in_backward
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis
 
@@ -159,7 +159,7 @@ def config_from_flags(args, settings) -> PrecisionRecipe | None:
     recipe = parse_recipe(spec)
     if args.fp8 is not None:
         raise ValueError(f"--precision-recipe {spec} with --fp8 {args.fp8}: choose one recipe for the block linears")
-    moe = settings.model.moe_experts
+    moe = settings.model.moe and settings.model.moe.experts
     if moe and (settings.shape.cp > 1 or settings.sequence_parallel or args.moe_replicas):
         what = "--cp" if settings.shape.cp > 1 else "--sp" if settings.sequence_parallel else "--moe-replicas"
         raise ValueError(f"--precision-recipe {spec} with --moe-experts {moe} and {what}: a routed expert's rows of"
@@ -491,7 +491,7 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
                                   {} if routed else groups, sources if routed else None,
                                   token_block if routed else 1)
             if routed:  # of the M tokens a rank routes, its held expert gets E·M·k/N rows (uniform routing)
-                linear.row_share = ep * model.config.moe_topk / model.config.moe_experts
+                linear.row_share = ep * model.config.moe.topk / model.config.moe.experts
             linear.operators = model.config.selective_recompute
             setattr(block.get_submodule(path.rpartition(".")[0]), leaf, linear)
             linears[name] = linear

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from precision import microscaling
-from accounting.tracer import Messages
+from step import Messages
 
 TILE = 16  # NVFP4's block, w2d's 16×16 weight tiles (precision.recipe.TWO_D)
 

@@ -23,7 +23,9 @@ import torch
 import context_parallel
 from precision import fp8_experts
 from accounting import measure
+from experts import dispatch
 from accounting import memory
+import zero
 import mfu
 from accounting import moe_costs
 from accounting import moe_memory
@@ -32,7 +34,7 @@ from accounting import observers
 import report.pipeline
 import report.precision
 import tensor_parallel
-from accounting.tracer import Count
+from step import Count
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ def zero_startup_lines(layout, run, steps: int) -> list:
     facts = layout.facts()
     b, D, psi, stage, dtype = facts.bytes_per_param, facts.dp_size, facts.numel, facts.stage, facts.dtypes
     formula = {1: "(b_w+b_g)Ψ + b_oΨ/D", 2: "b_wΨ + (b_g+b_o)Ψ/D", 3: "(b_w+b_g+b_o)Ψ/D"}[stage]
-    exact = memory.persistent_bytes(psi, b, stage, D)
+    exact = zero.persistent_bytes(psi, b, stage, D)
     padded, held = layout.predicted_persistent(), layout.held_bytes()
     sizes = ", ".join(f"{name} D={size}" for name, size in facts.group_sizes.items())
     name, units = mfu.format_dtype, facts.units
@@ -221,35 +223,35 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
     """The router, capacity, parameters (total and active), FLOPs, this rank's experts, the all-to-all estimate."""
     facts = axis.facts()
     traffic, config, local, held = facts.traffic, facts.traffic.model, facts.experts, facts.expert_params
-    n, k, tokens, whole = config.moe_experts, config.moe_topk, traffic.tokens, run.micro_batch_size * run.seq_len
-    counts, cap = memory.param_counts(config), moe_costs.capacity(whole, k, n, config.moe_capacity_factor)
+    n, k, tokens, whole = config.moe.experts, config.moe.topk, traffic.tokens, run.micro_batch_size * run.seq_len
+    counts, cap = memory.param_counts(config), router.capacity(whole, k, n, config.moe.capacity_factor)
     flops = mfu.flops_per_token(counts, config, run.seq_len)
     capacity_text = "dropless" if cap is None else (
-        f"capacity f={config.moe_capacity_factor}: C = ⌈B_μ·s·k/N·f⌉ = {cap} slots per expert of each"
+        f"capacity f={config.moe.capacity_factor}: C = ⌈B_μ·s·k/N·f⌉ = {cap} slots per expert of each"
         f" micro-batch (B_μ·s = {whole} tokens, decided in its token order"
         + (f"; this rank routes T = {tokens} of them and gathers the others' choices" if tokens < whole else "") + ")")
     lines = [
         f"moe: N={n} experts, top-{k} ({router.describe(config)}),"
-        f" on {counts['moe_layers']} of {config.n_layer} blocks (every {config.moe_every}); {capacity_text}"
-        f"; aux α={config.moe_aux_coef}, z β={config.moe_z_coef}",
+        f" on {counts['moe_layers']} of {config.n_layer} blocks (every {config.moe.every}); {capacity_text}"
+        f"; aux α={config.moe.aux_coef}, z β={config.moe.z_coef}",
         f"  parameters: total {counts['total']:,}, active per token {counts['active']:,}"
         f" (= total − L_moe·(N−k)·Ψ_e, Ψ_e = 8h²+5h = {counts['expert']:,});"
         f" routers L_moe·h·N = {counts['router']:,}",
         f"  FLOPs per token (model) 6·N_active + 12·L·H·Q·s = {mfu.format_flops(flops.model)},"
         f" N_active = {counts['active_matmul']:,} matmul weights (k experts + router, not N)",
-        *([f"  shared experts S={config.moe_shared_experts} per MoE layer, added ungated (one MLP of width S·4h ="
-           f" {config.moe_shared_experts * 4 * config.n_embd}): {counts['shared_experts']:,} dense params (split"
-           f" by TP like the MLP, grads over dp×cp), in N_active"] if config.moe_shared_experts else []),
+        *([f"  shared experts S={config.moe.shared_experts} per MoE layer, added ungated (one MLP of width S·4h ="
+           f" {config.moe.shared_experts * 4 * config.n_embd}): {counts['shared_experts']:,} dense params (split"
+           f" by TP like the MLP, grads over dp×cp), in N_active"] if config.moe.shared_experts else []),
         f"  expert parallel E={traffic.ep} (group ep), expert grads over expert_dp ({run.mesh.size('expert_dp')}"
-        f" ranks), router over dp×cp, replicated over tp: this rank holds {'slots' if facts.replicas else 'experts'}"
+        f" ranks), router over dp×cp, replicated over tp: this rank holds {'slots' if traffic.slots else 'experts'}"
         f" [{local.start}, {local.stop}) of"
         f" each MoE layer = {held:,} params = {mfu.format_bytes(held * next(run.model.parameters()).element_size())}"
         f" weights, {mfu.format_bytes(held * 16)} with fp32 grads + AdamW",
     ]
     if traffic.ep > 1:
-        rows = tokens * router.rows_per_token(n, k, config.moe_groups, config.moe_group_limit, traffic.ep)[0]
-        per_layer = moe_costs.all_to_all_messages(traffic, 1, rows, rows)[moe_costs.ALL_TO_ALL][1]
-        calls, payload = axis.predicted_messages(run.layout).get(moe_costs.ALL_TO_ALL, (0, 0))
+        rows = tokens * router.rows_per_token(n, k, config.moe.groups, config.moe.group_limit, traffic.ep)[0]
+        per_layer = dispatch.all_to_all_messages(traffic, 1, rows, rows)[dispatch.ALL_TO_ALL][1]
+        calls, payload = axis.predicted_messages(run.layout).get(dispatch.ALL_TO_ALL, (0, 0))
         lines.append(f"  all_to_all_single per MoE layer and micro-batch (group ep), uniform-routing estimate"
                      f" S = R = T·ρ = {rows:.1f} (token, rank) rows, ρ ranks a token reaches (experts/dispatch.py: one"
                      f" copy each): fwd counts 8(N+E) + rows + metadata (2k) + combine, bwd the 3 reverses ="
@@ -271,7 +273,7 @@ def moe_step_lines(axis, run=None, steps: int = 0) -> list:
     if load is None:
         return []
     loads, dropped, span = load
-    return [moe_load_line(list(loads.values()), dropped, span, traffic.model.moe_capacity_factor > 0)]
+    return [moe_load_line(list(loads.values()), dropped, span, traffic.model.moe.capacity_factor > 0)]
 
 
 def moe_end_lines(axis, run, steps: int) -> list:
@@ -280,8 +282,8 @@ def moe_end_lines(axis, run, steps: int) -> list:
     lines, traffic = [], axis.facts().traffic
     layers = max(1, traffic.moe_layers)
     if traffic.ep > 1 and steps:
-        counted = axis.traced_prediction(run.layout, steps).get(moe_costs.ALL_TO_ALL, (0, 0))
-        uniform = axis.predicted_messages(run.layout).get(moe_costs.ALL_TO_ALL, (0, 0))
+        counted = axis.traced_prediction(run.layout, steps).get(dispatch.ALL_TO_ALL, (0, 0))
+        uniform = axis.predicted_messages(run.layout).get(dispatch.ALL_TO_ALL, (0, 0))
         lines.append(f"moe all_to_all_single (group ep) per MoE layer and step: predicted from this run's routed"
                      f" counts {mfu.format_bytes(counted[1] / layers)} ({counted[0] / layers:.1f} calls; the end"
                      f" table's prediction); uniform-routing estimate {mfu.format_bytes(uniform[1] / layers)}"
@@ -303,15 +305,22 @@ def moe_end_lines(axis, run, steps: int) -> list:
             mean = sum(load) / len(load) if sum(load) else 1.0
             lines.append(f"moe load over the last {span} step{'s' if span != 1 else ''}, h.{layer_id}:"
                          f" |{moe_histogram(load)}| {load} imbalance {max(load) / mean:.2f}")
-    if (plan := axis.facts().replicas) is not None:  # experts/eplb.py: the placement, the rows per EP rank measured
-        lines.append(f"moe replicas R={plan.slots}, {plan.replans} re-plans: h.{plan.layer_id} phy2log"
-                     f" {list(plan.phy2log)}; rows per EP rank max/mean {plan.balance:.3f} under"
-                     f" {list(plan.measured_under)}, experts in place {plan.in_place:.3f} (the window before the"
-                     f" last re-plan, all MoE layers)")
     return lines
 
 
+def eplb_end_lines(axis, run, steps: int) -> list:
+    """experts/eplb.py's placement now, and the rows per EP rank it measured against the experts in place."""
+    plan = axis.facts()
+    if plan is None:  # a pipeline stage without MoE layers
+        return []
+    return [f"moe replicas R={plan.slots}, {plan.replans} re-plans: h.{plan.layer_id} phy2log"
+            f" {list(plan.phy2log)}; rows per EP rank max/mean {plan.balance:.3f} under"
+            f" {list(plan.measured_under)}, experts in place {plan.in_place:.3f} (the window before the"
+            f" last re-plan, all MoE layers)"]
+
+
 AXIS_LINES["moe"] = {"startup": moe_startup_lines, "step": moe_step_lines, "end": moe_end_lines}
+AXIS_LINES["eplb"] = {"end": eplb_end_lines}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -347,7 +356,7 @@ def tp_startup_lines(axis, run, steps: int = 0) -> list:
     model = run.model  # what this rank holds: a pipeline stage's blocks, N/E experts of a MoE block
     counts = memory.param_counts(config, tp, run.mesh.size("ep"), model.transformer.h.layer_ids,
                                  model.has_embedding, model.has_head)
-    act = tensor_parallel.activation_estimates(config, batch.micro, batch.seq, tp)
+    act = memory.tp_activation_estimates(config, batch.micro, batch.seq, tp)
     lines.append(f"  parameters per rank: {counts['per_rank']:,} of {memory.param_counts(config)['total']:,}"
                  f" ({counts['split']:,} split /T + {counts['per_rank'] - counts['split'] // tp:,} replicated) ="
                  f" {format_bytes(counts['per_rank'] * batch.param_bytes)} weights,"

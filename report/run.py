@@ -28,8 +28,9 @@ import torch.distributed as dist
 from accounting import memory
 import mfu
 from accounting import moe_memory
+from accounting import observers
 from accounting.activations import ActivationEstimate, activation_estimate, activation_shape
-from accounting.tracer import Messages
+from step import Messages
 from accounting.measure import measure_block, measure_moe_blocks
 from mesh import axis_groups
 from optim import update_messages
@@ -144,6 +145,14 @@ def observe_axes(run) -> None:
     passes, not start-up's."""
     for axis in run.axes:
         observe(axis)
+
+
+def watch_saved_activations(run) -> observers.SavedByFirstForward:
+    """Subscribe the probe of the bytes saved for backward to the run's schedule (`run.saved_activations`): the next
+    training forward is measured (train.py calls it as training starts, after start-up's own forwards)."""
+    run.saved_activations = observers.SavedByFirstForward()
+    run.schedule.observe_forwards(run.saved_activations)
+    return run.saved_activations
 
 
 def predicted_messages(run, traced_steps: int = 0) -> Messages:
@@ -272,8 +281,8 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int, step_peak: 
 
 
 def _print_saved_activations(run, estimate) -> None:
-    """The bytes the first step saved for backward (when its schedule measured them) against the estimate."""
-    f, saved = mfu.format_bytes, run.schedule.saved_activation_bytes
+    """The bytes the first step saved for backward (when the probe watched it) against the estimate."""
+    f, saved = mfu.format_bytes, run.saved_activations and run.saved_activations.bytes
     if saved is None:
         return
     seen = estimate.forward - estimate.hidden  # what the hooks can see of the estimate

@@ -32,7 +32,6 @@ import time
 import numpy as np
 import torch
 
-from model import parameter_seed
 from shard import ShardInfo, Split
 
 FORMAT_VERSION = 2  # 2: a piece records a list of splits (1: one split as four fields; still read)
@@ -452,7 +451,7 @@ def reseed_rng(seed: int, step: int, stream: int) -> None:
     `stream` is the rank's position outside its tensor-parallel group (rank // T), as train.py seeds at
     start: the ranks of one TP group hold copies of the same activations and must draw the same dropout
     masks on them (tensor_parallel.TensorParallelRNG forks the generator for the split regions)."""
-    mixed = parameter_seed(seed, f"rng/step{step}/stream{stream}")
+    mixed = int(np.random.SeedSequence([seed % 2**63, step, stream]).generate_state(1, np.uint64)[0]) % (2**63 - 1)
     torch.manual_seed(mixed)  # seeds CUDA devices too
     random.seed(mixed)
     np.random.seed(mixed % 2**32)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from accounting.tracer import Messages
+from step import Messages
 from shard import ShardInfo, StatePiece
 
 

@@ -9,14 +9,21 @@ batches to harness.device() (or leaves that to step.train_step), so the referenc
 
 import torch
 
+import moe
 from model import GPT, config_from_preset
 from optim import adamw_param_groups
+from parallel import recompute
 
 HYPER = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
 
 def make_config(**overrides):
+    """The tests' small GPTConfig; `moe_experts=N, moe_topk=k, ...` (the --moe-* flags' names) make its experts
+    (GPTConfig.moe, a moe.ExpertsConfig; none when N is 0)."""
     defaults = dict(n_layer=2, n_head=4, n_embd=32)
+    experts = {name.removeprefix("moe_"): overrides.pop(name) for name in list(overrides) if name.startswith("moe_")}
+    if experts.get("experts"):
+        defaults["moe"] = moe.ExpertsConfig(**experts)
     defaults.update(overrides)
     return config_from_preset("tiny", **defaults)
 
@@ -52,6 +59,16 @@ def add_squared_mean_aux(model, coef: float):
                                                                                    out.mean().pow(2)))
 
 
+def build_model(config, *args, **kwargs) -> GPT:
+    """The single-device GPT of `config` with what the config swaps in, as train.compose has it: the experts
+    (moe.swap_in) and selective recompute's policy (parallel/recompute.py). model.GPT's arguments."""
+    model = GPT(config, *args, **kwargs)
+    moe.swap_in(model)
+    if config.selective_recompute:
+        recompute.apply(model)
+    return model
+
+
 def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch.float64, micro_batches: int = 1,
                   aux_coef: float | None = None, fp8_recipe: str | None = None, precision_recipe: str | None = None):
     """Train the single-device model on the global batches; return (losses, grad_norms, final parameters).
@@ -61,7 +78,7 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
     fp8_recipe: the block linears in FP8 (fp8.py, one process), the delayed history rolled once per step.
     precision_recipe: a --precision-recipe SPEC (precision/recipe.py, one process; its step closed per step).
     """
-    model = GPT(config, seed=seed, dtype=dtype)
+    model = build_model(config, seed=seed, dtype=dtype)
     if aux_coef is not None:
         add_squared_mean_aux(model, aux_coef)
     fp8_handle = None
@@ -106,9 +123,9 @@ def update_expert_bias(model):
         load = getattr(block.mlp, "load", None)
         if load is None:
             continue
-        if load.bias is not None and model.config.moe_bias_rate > 0:
+        if load.bias is not None and model.config.moe.bias_rate > 0:
             counts = load.step.to(torch.float64)
-            load.bias += (model.config.moe_bias_rate * torch.sign(counts.mean() - counts)).to(load.bias.dtype)
+            load.bias += (model.config.moe.bias_rate * torch.sign(counts.mean() - counts)).to(load.bias.dtype)
         load.last = load.step.clone()
         load.step.zero_()
 
@@ -147,11 +164,11 @@ def train_counting_expert_padding(model, config, multiple: int = 16, after_backw
     are checked against."""
     import moe
 
-    hand = {block.layer_id: 0 for block in model.transformer.h if config.is_moe_layer(block.layer_id)}
+    hand = {block.layer_id: 0 for block in model.transformer.h if config.moe.is_moe_layer(block.layer_id)}
     for block in model.transformer.h:
         def count(router, args, logits, layer_id=block.layer_id):
-            _, _, expert = moe.route(logits, config.moe_topk)
-            counts = moe.count_per_expert(expert, config.moe_experts).tolist()
+            _, _, expert = moe.route(logits, config.moe.topk)
+            counts = moe.count_per_expert(expert, config.moe.experts).tolist()
             hand[layer_id] += sum(-m % multiple for m in counts if m) if torch.is_grad_enabled() else 0
         if block.layer_id in hand:
             block.mlp.router.register_forward_hook(count)

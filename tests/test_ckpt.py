@@ -70,14 +70,14 @@ def build_layout(spec: dict, mesh, config, dtype, device):
     """(model, layout) for a layout spec on `device`: the one place that builds zero.py, parallel/zero3.py and
     tensor_parallel.py layouts."""
     from ddp import DDPLayout, DistributedDataParallel
-    from model import GPT
+    from reference import build_model
     from optim import build_adamw
 
-    model = GPT(config, seed=0, dtype=dtype, device=device)
+    model = build_model(config, seed=0, dtype=dtype, device=device)
     if spec["tp"] > 1:
         import tensor_parallel
 
-        tensor_parallel.parallelize(model, mesh.group("tp"), seed=0)  # swaps the modules in place
+        tensor_parallel.parallelize(model, mesh.group("tp"))  # swaps the modules in place
     if spec["zero"]:
         import zero
         from parallel import zero3
@@ -496,10 +496,10 @@ class _OneProcessLayout:
 
 def _one_rank_checkpoints(root, steps=(2, 4), **config):
     """A tiny model and AdamW in this process (no process group), checkpointed at `steps` (keep 3)."""
-    from model import GPT
+    from reference import build_model
     from optim import build_adamw
 
-    model = GPT(make_config(n_layer=1), seed=0)
+    model = build_model(make_config(n_layer=1), seed=0)
     layout = _OneProcessLayout(model, build_adamw(model.parameters(), 1e-3))
     scaler, sampler = _scaler_and_sampler()
     config.setdefault("keep", 3)
@@ -853,10 +853,10 @@ def _state_differences(model, layout, other_model, other_layout) -> list:
 
 
 def _fused_or_foreach(fused: bool, seed: int):
-    from model import GPT
+    from reference import build_model
     from optim import build_adamw
 
-    model = GPT(make_config(n_layer=1), seed=seed)
+    model = build_model(make_config(n_layer=1), seed=seed)
     return model, _OneProcessLayout(model, build_adamw(model.parameters(), FUSED_LR, fused=fused))
 
 

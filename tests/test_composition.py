@@ -35,7 +35,7 @@ def _parse(flags, global_batch, micro):
 def _config(args, config_kw):
     import moe
 
-    return make_config(**config_kw, **moe.config_overrides(args))  # the MoE flags, as flags.model_config
+    return make_config(**config_kw, moe=moe.experts_config(args))  # the MoE flags, as flags.model_config
 
 
 def composed_run(rank, world, flags, config_kw, global_batch, micro, device):

@@ -130,9 +130,10 @@ def test_parallelize_refuses_a_model_with_attention_dropout():
     """The ring has no attention dropout: a model built with it is refused before anything is swapped (no
     process group needed: nothing talks before the check)."""
     import context_parallel as cp
-    from model import GPT, causal_attention
+    from model import causal_attention
+    from reference import build_model
 
-    model = GPT(make_config(dropout=0.1), seed=0)
+    model = build_model(make_config(dropout=0.1), seed=0)
     with pytest.raises(ValueError, match="--dropout 0.1"):
         cp.parallelize(model, group=None)
     assert all(block.attn.attention_fn is causal_attention for block in model.transformer.h)
@@ -437,19 +438,19 @@ def _model_variant(mesh, tp_size, impl, balance, sp, checkpointing, bf16):
     import context_parallel as cp
     import tensor_parallel as tp
     from accounting.tracer import CommTracer
-    from model import GPT
+    from reference import build_model
 
     device = harness.device()
     config = make_config(activation_checkpointing=checkpointing)
     x, y = (t.to(device) for t in global_batches(1, 2, SEQ)[0])
     dtype = torch.float32 if bf16 else torch.float64
-    reference = GPT(config, seed=0, dtype=dtype, device=device)
+    reference = build_model(config, seed=0, dtype=dtype, device=device)
     _, ref_loss, ref_count = reference(x, y)
     (ref_loss / ref_count).backward()
     ref_grads = {p.shard_info.global_name: p.grad for p in reference.parameters()}
 
-    model = GPT(config, seed=0, dtype=dtype, device=device)
-    tp_handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0) if tp_size > 1 else None
+    model = build_model(config, seed=0, dtype=dtype, device=device)
+    tp_handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp) if tp_size > 1 else None
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     handle = cp.apply(model, _run(mesh, config, device, autocast, compute_dtype=torch.bfloat16 if bf16 else dtype),
                       cp.CPConfig(mesh.size("cp"), impl, balance))
@@ -551,7 +552,7 @@ def _activations(rank, world):
     import report.axes
     from mesh import build_mesh, infer_mesh_shape
     from accounting.memory import SavedActivations
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler
     from step import train_step
 
@@ -563,7 +564,7 @@ def _activations(rank, world):
     x = torch.randn(2, SEQ, config.n_embd, dtype=torch.float64).to(device)  # the same on every rank
     saved = {}
     for C, group in ((1, singletons[rank]), (world, mesh.group("cp"))):
-        model = GPT(config, seed=0, dtype=torch.float64, device=device)
+        model = build_model(config, seed=0, dtype=torch.float64, device=device)
         cp.parallelize(model, group, "ring", "zigzag")
         local = x[:, cp.positions(SEQ, C, dist.get_rank(group)).to(device)].requires_grad_()
         with SavedActivations(exclude=model.parameters()) as block_saved:

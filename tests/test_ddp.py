@@ -27,14 +27,14 @@ def _train_ddp(rank, world, global_batch, micro, clip, bucket_mb):
     import report.axes
     from ddp import DistributedDataParallel
     from accounting.tracer import CommTracer
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler, build_adamw
     from ddp import DDPLayout
     from step import train_step
 
     device = harness.device()
     config = make_config()
-    model = GPT(config, seed=0, dtype=torch.float64, device=device)
+    model = build_model(config, seed=0, dtype=torch.float64, device=device)
     group = dist.new_group(list(range(world)))
     ddp = DistributedDataParallel(model, group=group, bucket_mb=bucket_mb)
     optimizer = build_adamw(model.parameters(), HYPER["lr"], HYPER["weight_decay"], HYPER["betas"], HYPER["eps"])
@@ -115,9 +115,9 @@ def test_startup_line_names_the_bucket_count(ddp_case):
 
 def _different_init(rank, world):
     from ddp import DistributedDataParallel
-    from model import GPT
+    from reference import build_model
 
-    model = GPT(make_config(), seed=rank, device=harness.device())  # a bug: each rank a different seed
+    model = build_model(make_config(), seed=rank, device=harness.device())  # a bug: each rank a different seed
     try:
         DistributedDataParallel(model)
     except RuntimeError as e:
@@ -135,9 +135,10 @@ def test_buckets_taper_towards_the_end_of_backward():
     over K; counted from the end of backward, bucket j holds at most 2^j MiB (or one larger parameter), so the
     one all-reduce left once backward ends is ≤ 1 MiB. Without the taper the last bucket is ~16 MiB."""
     from ddp import TAPER_BYTES, reverse_order_buckets
-    from model import GPT, config_from_preset
+    from model import config_from_preset
+    from reference import build_model
 
-    params = list(GPT(config_from_preset("small"), device="meta").parameters())
+    params = list(build_model(config_from_preset("small"), device="meta").parameters())
     limit = 25 * 2**20
     buckets = reverse_order_buckets(params, limit, taper=True)
     assert [p for bucket in buckets for p in bucket] == params[::-1]  # launch order = reverse registration
@@ -152,10 +153,11 @@ def test_buckets_taper_towards_the_end_of_backward():
 def _overlap_order(rank, world):
     """Buckets are launched during backward (before finish_grad_sync), in index order."""
     from ddp import DistributedDataParallel
-    from model import GPT, config_from_preset
+    from model import config_from_preset
+    from reference import build_model
 
     device = harness.device()
-    model = GPT(make_config(), seed=0, device=device)
+    model = build_model(make_config(), seed=0, device=device)
     ddp = DistributedDataParallel(model, bucket_mb=0.01)
     launched = []
     original = ddp._launch
@@ -165,7 +167,7 @@ def _overlap_order(rank, world):
     loss_sum.backward()
     launched_in_backward = list(launched)
     ddp.finish_grad_sync()
-    small = DistributedDataParallel(GPT(config_from_preset("small"), device=device), bucket_mb=25)
+    small = DistributedDataParallel(build_model(config_from_preset("small"), device=device), bucket_mb=25)
     return launched_in_backward, len(ddp.buckets), small.bucket_sizes_bytes()
 
 
@@ -191,7 +193,8 @@ def _compiled_blocks(rank, world):
     gradients, and how many buckets were launched when block 0's backward started (a hook on its output's
     gradient: module hooks stay eager around a compiled block)."""
     from ddp import DistributedDataParallel
-    from model import GPT, compile_blocks
+    from model import compile_blocks
+    from reference import build_model
 
     device = harness.device()
     x, y = global_batches(1, 4, SEQ)[0]
@@ -199,7 +202,7 @@ def _compiled_blocks(rank, world):
     xs, ys = xs.to(device), ys.to(device)
     out = {}
     for compiled in (False, True):
-        model = GPT(make_config(n_layer=3), seed=0, dtype=torch.float64, device=device)
+        model = build_model(make_config(n_layer=3), seed=0, dtype=torch.float64, device=device)
         if compiled:
             compile_blocks(model, backend="aot_eager")
         ddp = DistributedDataParallel(model, bucket_mb=0.01)
@@ -240,13 +243,13 @@ def test_per_block_compiled_ddp_overlaps_as_eager(compiled_ranks):
 
 def _train_with_aux(rank, world, global_batch, micro, coef):
     from ddp import DDPLayout, DistributedDataParallel
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler, build_adamw
     from reference import add_squared_mean_aux
     from step import train_step
 
     device = harness.device()
-    model = GPT(make_config(), seed=0, dtype=torch.float64, device=device)
+    model = build_model(make_config(), seed=0, dtype=torch.float64, device=device)
     add_squared_mean_aux(model, coef)
     group = dist.new_group(list(range(world)))
     layout = DDPLayout(DistributedDataParallel(model, group=group),
@@ -276,12 +279,12 @@ def test_auxiliary_loss_reaches_the_gradients_with_the_design_normalisation():
 
 def _nccl_smoke(rank, world):
     from ddp import DDPLayout, DistributedDataParallel
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler, build_adamw
     from step import train_step
 
     device = harness.device()  # cuda:rank: this test forces nccl
-    model = GPT(make_config(), seed=0, dtype=torch.float64, device=device)  # float64 collectives on NCCL
+    model = build_model(make_config(), seed=0, dtype=torch.float64, device=device)  # float64 collectives on NCCL
     group = dist.new_group(list(range(world)))
     layout = DDPLayout(DistributedDataParallel(model, group=group), build_adamw(model.parameters(), HYPER["lr"]))
     x, y = global_batches(1, 4, SEQ)[0]

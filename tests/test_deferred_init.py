@@ -196,12 +196,12 @@ def real_builds():
                          ids=lambda v: str(v).removeprefix("torch."))
 def test_shards_built_on_meta_equal_the_single_device_init_bitwise(real_builds, name, dtype):
     """dtype bfloat16: fp32 masters, bf16 working weights (the masters cast, as the packed path casts them)."""
-    from model import GPT
+    from reference import build_model
 
     flags, config_kw, *_ = BUILD_CASES[name]
     master = torch.float32 if dtype == torch.bfloat16 else dtype
     reference = {p.shard_info.global_name: p.detach() for p in
-                 GPT(_config(_parse(flags, 8, 1), config_kw), seed=0, dtype=master).parameters()}
+                 build_model(_config(_parse(flags, 8, 1), config_kw), seed=0, dtype=master).parameters()}
     seen = set()
     for rank, results in enumerate(real_builds):
         for key, tensor, info, flat_range in results["bitwise"][(name, dtype)]:
@@ -254,14 +254,14 @@ def test_the_end_of_run_sample_runs_through_the_layout_and_frees_every_block(rea
     units at once) and frees them after it; the tokens are the single-device model's (D = 4 alone: the same
     weights, the same ops)."""
     import data
-    from model import GPT
+    from reference import build_model
 
     for rank, results in enumerate(real_builds):
         out = results["sample"][name]
         assert out["gathered_bytes"] == 0 and 0 < out["peak_gathered_units"] <= 2, (rank, out)
     if name == "zero3":
         flags, config_kw, *_ = BUILD_CASES[name]
-        model = GPT(_config(_parse(flags, 8, 1), config_kw), seed=0).eval()
+        model = build_model(_config(_parse(flags, 8, 1), config_kw), seed=0).eval()
         tokens = model.generate(torch.tensor([PROMPT]), 12, temperature=0.8, top_k=50,
                                 generator=torch.Generator().manual_seed(0))
         text = data.get_tokenizer("byte").decode(tokens[0].tolist())

@@ -94,7 +94,7 @@ def _top_level(path) -> set:
 
 
 OWN = {name: _top_level(path) for name, path in MODULE_PATHS.items()}
-# A folder's module may be named by its file's name alone where that is unique ("memory.persistent_bytes"); a
+# A folder's module may be named by its file's name alone where that is unique ("zero.persistent_bytes"); a
 # top-level module keeps its name ("pipeline" is pipeline.py, report/pipeline.py is "report.pipeline").
 BY_BASENAME = {}
 for _name in sorted(OWN, key=lambda n: n.count(".")):

@@ -310,14 +310,14 @@ def test_state_pieces_restore_on_a_fresh_model_and_replay_bitwise():
     """Three delayed steps, the state saved as ckpt.py does (model, optimizer, the handle's state_pieces),
     copied into a fresh model's tensors: the restored linears read `history_ready` from the loaded histories
     (no hook tells them), and the fourth step is bitwise the uninterrupted one."""
-    from model import GPT
+    from reference import build_model
 
     config = make_config()
     batches = global_batches(4, 4, SEQ)
     recipe = fp8.Recipe("delayed", amax_history=3)
 
     def build():
-        model = GPT(config, seed=0, dtype=torch.float64)
+        model = build_model(config, seed=0, dtype=torch.float64)
         return model, fp8.convert(model, recipe), torch.optim.AdamW(model.parameters(), lr=HYPER["lr"])
 
     def step(model, handle, optimizer, x, y):
@@ -388,13 +388,13 @@ def test_inputs_saved_in_fp8_and_counted():
     input in FP8 (+ a float32 scale per linear), its FP8 weight being the step's cache on the linear (not an
     activation: one copy per step, whatever the micro-batches in flight). The measured difference is
     fp8.saved_input_bytes."""
-    from model import GPT
+    from reference import build_model
 
     config = make_config(n_embd=64)
     x = torch.randn(2, SEQ, config.n_embd)
     measured = {}
     for use_fp8 in (False, True):
-        model = GPT(config, seed=0)
+        model = build_model(config, seed=0)
         handle = fp8.convert(model, fp8.Recipe("current")) if use_fp8 else None
         with torch.autocast("cpu", torch.bfloat16):
             measured[use_fp8], _ = _saved_bytes(lambda: model.transformer.h[0](x.requires_grad_()))
@@ -451,7 +451,7 @@ def cached_and_uncached(request):
     """m = 4 micro-batches, two steps, with an evaluation forward before the second (whose FP8 weight the
     step may reuse: the weight is the same), once with the step's weight cache and once quantising afresh in
     every forward. Per run: losses, parameters, FP8 state, the step tables, the weight quantisations per step."""
-    from model import GPT
+    from reference import build_model
     from optim import adamw_param_groups
 
     mode, m, steps = request.param, 4, 2
@@ -459,7 +459,7 @@ def cached_and_uncached(request):
     counter = _WeightQuantisations(monkeypatch)
     runs = {}
     for cached in (True, False):
-        model = GPT(make_config(), seed=0, dtype=torch.float64)
+        model = build_model(make_config(), seed=0, dtype=torch.float64)
         handle = fp8.convert(model, fp8.Recipe(mode))
         report.axes.observe(handle)  # as train.compose does: the saturation counts the tables read
         counter.register(handle.linears, "cached" if cached else "uncached")
@@ -566,11 +566,11 @@ def test_cached_weight_is_made_again_when_the_weight_changes():
 
 @pytest.mark.parametrize("mode", fp8.MODES)
 def test_activation_checkpointing_recomputes_the_same_quantisation(mode):
-    from model import GPT
+    from reference import build_model
 
     grads = []
     for checkpointing in (False, True):
-        model = GPT(make_config(activation_checkpointing=checkpointing), seed=0, dtype=torch.float64)
+        model = build_model(make_config(activation_checkpointing=checkpointing), seed=0, dtype=torch.float64)
         handle = fp8.convert(model, fp8.Recipe(mode))
         for x, y in global_batches(2, 2, SEQ):
             model.zero_grad()
@@ -636,9 +636,9 @@ def _train(model, handle, dp_group, dp_rank, dp_size, tracer=None, finish_grad_s
 
 
 def _single_device(mode, n_embd):
-    from model import GPT
+    from reference import build_model
 
-    model = GPT(make_config(n_embd=n_embd), seed=0, dtype=torch.float64)
+    model = build_model(make_config(n_embd=n_embd), seed=0, dtype=torch.float64)
     handle = fp8.convert(model, fp8.Recipe(mode))
     losses, _ = _train(model, handle, None, 0, 1)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, fp8_state(handle)
@@ -649,11 +649,11 @@ def _nonfinite_amax_skips_every_rank(rank, mesh, device):
     1's first linear sees a NaN amax, its after_grad_sync counts it, the update's world check skips the step on
     both ranks. Returns (skipped, parameters unchanged)."""
     from ddp import DDPLayout, DistributedDataParallel
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler, build_adamw
     from step import train_step
 
-    model = GPT(make_config(), seed=0, dtype=torch.float64, device=device)
+    model = build_model(make_config(), seed=0, dtype=torch.float64, device=device)
     handle = fp8.convert(model, fp8.Recipe("current"), mesh, micro_batches=GLOBAL_BATCH // (2 * MICRO))
     def nan_amax(module, args, out):
         module.step_amax.fill_(float("nan"))  # returns None: the output stays
@@ -675,7 +675,7 @@ def _on_meshes(rank, world):
     import tensor_parallel
     from accounting.tracer import CommTracer
     from mesh import MeshShape, build_mesh
-    from model import GPT
+    from reference import build_model
 
     device = harness.device()
     out = {}
@@ -686,10 +686,10 @@ def _on_meshes(rank, world):
         micro_batches = GLOBAL_BATCH // (mesh.size("dp") * MICRO)
         for mode, n_embd, sp, checkpointing in variants:
             config = make_config(n_embd=n_embd, activation_checkpointing=checkpointing)
-            model = GPT(config, seed=0, dtype=torch.float64, device=device)
+            model = build_model(config, seed=0, dtype=torch.float64, device=device)
             finish = None
             if kind == "tp":
-                tp_handle = tensor_parallel.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0)
+                tp_handle = tensor_parallel.parallelize(model, mesh.group("tp"), sequence_parallel=sp)
                 finish = functools.partial(tp_handle.after_grad_sync, WholeGrads())
             handle = fp8.convert(model, fp8.Recipe(mode), fp8_mesh, micro_batches=micro_batches)
             tracer = CommTracer()
@@ -785,13 +785,13 @@ def test_flags_defaults_and_recipe():
 def applied():
     """fp8.apply on a one-process run (delayed, L = 4), as train.compose calls it: (model, run, handle)."""
     from mesh import MeshShape, build_mesh
-    from model import GPT
+    from reference import build_model
 
     config = make_config()
     run = SimpleNamespace(mesh=build_mesh(MeshShape(dp=1), rank=0), config=config, seq_len=SEQ, micro_batch_size=2,
                           micro_batches=2, device=torch.device("cpu"), compute_dtype=torch.bfloat16, seed=0,
                           layout=None)
-    model = GPT(config, seed=0)
+    model = build_model(config, seed=0)
     return model, run, fp8.apply(model, run, fp8.Recipe("delayed", 4, "max", 0))
 
 
@@ -845,9 +845,9 @@ def test_the_fp8_share_of_flops_counts_the_linears_converted():
                     and ".experts." not in name)
     experts = [m for m in run.model.modules() if isinstance(m, moe.Expert)]
     assert experts and all(isinstance(m.c_fc, fp8.Fp8Linear) for m in experts)
-    layers = len(experts) // run.config.moe_experts
+    layers = len(experts) // run.config.moe.experts
     weights = sum(p.numel() for p in experts[0].parameters() if p.dim() == 2)
-    converted += layers * run.config.moe_topk * weights
+    converted += layers * run.config.moe.topk * weights
     assert f"MFU: {6 * converted / run.flops.model:.0%} of model FLOPs run in FP8" in text
 
 

@@ -14,6 +14,7 @@ from planner import hardware
 from accounting import memory
 import mfu
 import model
+from reference import build_model, make_config
 import plan
 import report.axes
 import train
@@ -53,9 +54,9 @@ def test_selective_recompute_of_moe_blocks_reruns_the_flops_hfu_counts(dropout, 
 
     counted = {}
     for selective in (False, True):
-        config = model.config_from_preset("tiny", dropout=dropout, moe_experts=4, moe_shared_experts=1,
-                                          selective_recompute=selective)
-        gpt = model.GPT(config, seed=0, dtype=torch.float64)
+        config = make_config(n_layer=2, n_head=4, n_embd=64, dropout=dropout, moe_experts=4, moe_shared_experts=1,
+                             selective_recompute=selective)
+        gpt = build_model(config, seed=0, dtype=torch.float64)
         if fp8:
             fp8_lib.convert(gpt, fp8_lib.Recipe(fp8))
         idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

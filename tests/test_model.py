@@ -8,15 +8,17 @@ import pytest
 import torch
 
 from model import GPT, PRESETS, compile_blocks, config_from_preset, init_full_parameter
+
+from reference import build_model, make_config
 from shard import ShardInfo, Split
 
 
 def tiny(**overrides):
-    return config_from_preset("tiny", **overrides)
+    return make_config(**{"n_layer": 2, "n_head": 4, "n_embd": 64, **overrides})
 
 
 def test_shapes_and_tied_head():
-    model = GPT(tiny(), seed=0)
+    model = build_model(tiny(), seed=0)
     idx = torch.randint(0, 256, (3, 17))
     logits, loss_sum, count = model(idx, idx)
     assert logits.shape == (3, 17, 256)
@@ -29,7 +31,7 @@ def test_shapes_and_tied_head():
 
 
 def test_init_loss_is_near_log_vocab():
-    model = GPT(tiny(), seed=0)
+    model = build_model(tiny(), seed=0)
     generator = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 256, (8, 64), generator=generator)
     targets = torch.randint(0, 256, (8, 64), generator=generator)
@@ -38,7 +40,7 @@ def test_init_loss_is_near_log_vocab():
 
 
 def test_loss_is_sum_over_targets_and_ignores_minus_one():
-    model = GPT(tiny(), seed=3)
+    model = build_model(tiny(), seed=3)
     idx = torch.randint(0, 256, (2, 10))
     targets = torch.randint(0, 256, (2, 10))
     targets[0, :4] = -1
@@ -51,10 +53,10 @@ def test_loss_is_sum_over_targets_and_ignores_minus_one():
 
 def test_init_is_per_parameter_and_independent_of_global_rng():
     torch.manual_seed(123)
-    a = GPT(tiny(), seed=7)
+    a = build_model(tiny(), seed=7)
     torch.manual_seed(456)
-    b = GPT(tiny(), seed=7)
-    c = GPT(tiny(), seed=8)
+    b = build_model(tiny(), seed=7)
+    c = build_model(tiny(), seed=8)
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
         assert torch.equal(pa, init_full_parameter(name, pa.shape, a.config, 7)), name
@@ -66,8 +68,8 @@ def test_init_is_per_parameter_and_independent_of_global_rng():
 
 
 def test_float64_model_starts_from_the_float32_values():
-    a = GPT(tiny(), seed=1)
-    b = GPT(tiny(), seed=1, dtype=torch.float64)
+    a = build_model(tiny(), seed=1)
+    b = build_model(tiny(), seed=1, dtype=torch.float64)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert pb.dtype == torch.float64 and torch.equal(pa.double(), pb)
 
@@ -91,8 +93,8 @@ def test_shard_pieces_tile_the_full_parameter(dim, pieces, segments):
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients():
-    plain = GPT(tiny(dropout=0.0), seed=2, dtype=torch.float64)
-    ckpt = GPT(tiny(dropout=0.0, activation_checkpointing=True), seed=2, dtype=torch.float64)
+    plain = build_model(tiny(dropout=0.0), seed=2, dtype=torch.float64)
+    ckpt = build_model(tiny(dropout=0.0, activation_checkpointing=True), seed=2, dtype=torch.float64)
     idx = torch.randint(0, 256, (2, 32))
     for model in (plain, ckpt):
         _, loss_sum, _ = model(idx, idx.roll(1, 1))
@@ -111,7 +113,7 @@ def test_selective_recompute_follows_the_plain_models_loss_curve():
     for dropout, extra in ((0.0, {}), (0.1, {}), (0.1, moe)):
         runs = []
         for selective in (False, True):
-            model = GPT(tiny(dropout=dropout, selective_recompute=selective, **extra), seed=2, dtype=torch.float64)
+            model = build_model(tiny(dropout=dropout, selective_recompute=selective, **extra), seed=2, dtype=torch.float64)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             generator, losses = torch.Generator().manual_seed(0), []
             torch.manual_seed(7)  # the dropout draws
@@ -133,18 +135,19 @@ def test_selective_recompute_follows_the_plain_models_loss_curve():
 
 
 def test_in_backward_tells_a_recompute_from_the_forward_and_is_the_one_place_that_asks_autograd():
-    """recompute.in_backward is False in a forward, True in a backward and in the forward that full or
+    """step.in_backward is False in a forward, True in a backward and in the forward that full or
     selective recompute reruns inside it; no other file asks torch's private graph-task id itself."""
     import glob
     import os
 
+    import step
     from parallel import recompute
     from torch.utils.checkpoint import checkpoint
 
     seen = []
 
     def block(x):  # records, per call, whether it runs inside a backward
-        seen.append(recompute.in_backward())
+        seen.append(step.in_backward())
         return (x * 2).sin()
 
     class Backward(torch.autograd.Function):
@@ -154,11 +157,11 @@ def test_in_backward_tells_a_recompute_from_the_forward_and_is_the_one_place_tha
 
         @staticmethod
         def backward(ctx, grad):
-            seen.append(recompute.in_backward())
+            seen.append(step.in_backward())
             return grad
 
     x = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    assert not recompute.in_backward()
+    assert not step.in_backward()
     Backward.apply(block(x)).sum().backward()
     assert seen == [False, True]  # the forward, then the backward
     for context_fn in (None, recompute.SelectiveRecompute().contexts):  # full, selective
@@ -168,7 +171,7 @@ def test_in_backward_tells_a_recompute_from_the_forward_and_is_the_one_place_tha
         assert seen == [False, True], context_fn  # the forward, then its recompute inside the backward
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     asking = [path for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-              if "/tests/" not in path and not path.endswith("parallel/recompute.py")
+              if "/tests/" not in path and path != os.path.join(root, "step.py")
               and "_current_graph_task_id" in open(path).read()]
     assert not asking, asking
 
@@ -181,7 +184,7 @@ def test_selective_recompute_of_a_moe_block_under_autocast_gives_the_same_gradie
 
     runs = []
     for selective in (False, True):
-        model = GPT(tiny(moe_experts=4, moe_shared_experts=1, selective_recompute=selective), seed=2)
+        model = build_model(tiny(moe_experts=4, moe_shared_experts=1, selective_recompute=selective), seed=2)
         idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
         with torch.autocast("cpu", dtype=torch.bfloat16), memory.SavedActivations.of(model) as saved:
             _, loss_sum, count = model(idx, idx.roll(1, 1))
@@ -199,7 +202,7 @@ def test_selective_recompute_of_a_moe_block_runs_under_per_block_compile():
     selective recompute: its halves run eagerly (Block.forward_by_halves), the gradients are the plain model's."""
     grads = []
     for selective in (False, True):
-        model = GPT(tiny(moe_experts=4, moe_shared_experts=1, selective_recompute=selective), seed=2,
+        model = build_model(tiny(moe_experts=4, moe_shared_experts=1, selective_recompute=selective), seed=2,
                     dtype=torch.float64)
         if selective:
             compile_blocks(model, backend="eager")
@@ -233,7 +236,7 @@ def test_the_bare_recompute_flag_is_full_and_an_unknown_mode_is_a_flag_error():
 
 
 def test_global_positions_hook():
-    model = GPT(tiny(), seed=0)
+    model = build_model(tiny(), seed=0)
     idx = torch.randint(0, 256, (1, 16))
     full, _, _ = model(idx, idx)
     # The first half of the sequence with explicit positions equals the causal prefix of the full pass.
@@ -242,11 +245,11 @@ def test_global_positions_hook():
 
 
 def test_generate_and_presets():
-    model = GPT(tiny(), seed=0)
+    model = build_model(tiny(), seed=0)
     out = model.generate(torch.zeros(2, 3, dtype=torch.long), 5, top_k=10, generator=torch.Generator().manual_seed(0))
     assert out.shape == (2, 8) and out.max() < 256
     assert set(PRESETS) >= {"tiny", "small", "gpt2"}
-    assert GPT(config_from_preset("small"), seed=0).num_params() > 10_000_000
+    assert build_model(config_from_preset("small"), seed=0).num_params() > 10_000_000
     with pytest.raises(ValueError, match="--preset"):
         config_from_preset("huge")
     with pytest.raises(ValueError, match="divisible"):
@@ -256,10 +259,10 @@ def test_generate_and_presets():
 def test_a_stage_built_alone_equals_the_same_blocks_of_the_full_model():
     """A pipeline stage builds only its layers (named by global index), bitwise equal to the full model's."""
     config = tiny(n_layer=4)
-    full = GPT(config, seed=3)
-    first = GPT(config, seed=3, layers=range(0, 1), head=False)
-    middle = GPT(config, seed=3, layers=range(1, 3), embedding=False, head=False)
-    last = GPT(config, seed=3, layers=range(3, 4), embedding=False)
+    full = build_model(config, seed=3)
+    first = build_model(config, seed=3, layers=range(0, 1), head=False)
+    middle = build_model(config, seed=3, layers=range(1, 3), embedding=False, head=False)
+    last = build_model(config, seed=3, layers=range(3, 4), embedding=False)
     full_params = dict(full.named_parameters())
     for stage in (first, middle, last):
         for name, p in stage.named_parameters():
@@ -280,14 +283,14 @@ def test_a_stage_built_alone_equals_the_same_blocks_of_the_full_model():
     h = full.embed(idx)
     assert torch.equal(full.forward_blocks(full.forward_blocks(h, range(0, 2)), range(2, 4)), full.forward_blocks(h))
     with pytest.raises(ValueError, match="increasing layer ids"):
-        GPT(config, layers=range(2, 6))
-    interleaved = GPT(config, seed=3, layers=[0, 2], head=False)  # an interleaved pipeline rank: chunks 0 and 2
+        build_model(config, layers=range(2, 6))
+    interleaved = build_model(config, seed=3, layers=[0, 2], head=False)  # an interleaved pipeline rank: chunks 0 and 2
     assert interleaved.transformer.h.layer_ids == [0, 2]
     assert torch.equal(interleaved.forward_blocks(h, range(2, 3)), full.forward_blocks(h, range(2, 3)))
 
 
 def test_auxiliary_losses_are_collected_per_forward():
-    model = GPT(tiny(), seed=0)
+    model = build_model(tiny(), seed=0)
     block = next(iter(model.transformer.h))
     block.mlp.register_forward_hook(lambda mod, args, out: model.aux_losses.add("act_l2", 0.5, out.pow(2).mean()))
     idx = torch.randint(0, 256, (2, 8))
@@ -337,12 +340,12 @@ def test_per_block_compile_keeps_gradient_hooks_per_block(activation_checkpointi
     and ZeRO send them while backward goes on); compiled whole, no gradient is ready before all of backward,
     block 0's included, has run in its one graph."""
     config = tiny(n_layer=3, activation_checkpointing=activation_checkpointing)
-    per_block = len(list(GPT(config).transformer.h[0].parameters()))  # 12 with biases
-    model = compile_blocks(GPT(config, seed=0), backend="aot_eager")
+    per_block = len(list(build_model(config).transformer.h[0].parameters()))  # 12 with biases
+    model = compile_blocks(build_model(config, seed=0), backend="aot_eager")
     after = backward_timeline(model, model)
     assert after == ["graph", *[2] * per_block, "graph", *[1] * per_block, "graph", *[0] * per_block]
 
-    model = GPT(config, seed=0)
+    model = build_model(config, seed=0)
     before = backward_timeline(model, torch.compile(model, backend="aot_eager"))
     assert before[0] == "graph" and "graph" not in before[1:]  # one graph, block 0's backward inside it
     assert sorted(before[1:]) == [0] * per_block + [1] * per_block + [2] * per_block  # every hook after it
@@ -351,8 +354,8 @@ def test_per_block_compile_keeps_gradient_hooks_per_block(activation_checkpointi
 @pytest.mark.parametrize("activation_checkpointing", [False, True])
 def test_per_block_compile_gives_eager_loss_and_gradients(activation_checkpointing):
     config = tiny(n_layer=3, dropout=0.0, activation_checkpointing=activation_checkpointing)
-    eager = GPT(config, seed=4, dtype=torch.float64)
-    compiled = compile_blocks(GPT(config, seed=4, dtype=torch.float64), backend="aot_eager")
+    eager = build_model(config, seed=4, dtype=torch.float64)
+    compiled = compile_blocks(build_model(config, seed=4, dtype=torch.float64), backend="aot_eager")
     idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     losses = []
     for model in (eager, compiled):

@@ -86,10 +86,10 @@ def test_balanced_routing_has_balance_loss_one():
 
 def test_the_layer_adds_both_aux_terms_with_their_coefficients():
     import moe
-    from model import GPT
+    from reference import build_model
 
     config = make_config(n_layer=1, moe_experts=4, moe_topk=2, moe_aux_coef=0.25, moe_z_coef=0.125)
-    model = GPT(config, seed=0, dtype=DT)
+    model = build_model(config, seed=0, dtype=DT)
     layer = model.transformer.h[0].mlp
     x = torch.randn(2, 5, config.n_embd, dtype=DT)
     layer(x)
@@ -102,9 +102,9 @@ def test_the_layer_adds_both_aux_terms_with_their_coefficients():
 
 
 def test_capacity_is_the_ceiling_of_the_fair_share_times_f():
-    from accounting import moe_costs
-    assert moe_costs.capacity(64, 2, 4, 1.25) == 40 and moe_costs.capacity(7, 2, 4, 1.0) == 4
-    assert moe_costs.capacity(10, 2, 4, 0.0) is None
+    from experts import router
+    assert router.capacity(64, 2, 4, 1.25) == 40 and router.capacity(7, 2, 4, 1.0) == 4
+    assert router.capacity(10, 2, 4, 0.0) is None
 
 
 def test_capacity_keeps_each_experts_first_slots_in_token_order():
@@ -122,10 +122,10 @@ def test_a_dropped_slot_adds_nothing_and_is_counted():
     """Every token prefers expert 0 (top-1, C = ⌈8·1/4·1⌉ = 2): tokens 0 and 1 get expert 0's output times
     their gate, the 6 later ones nothing (their residual carries them); the layer's observer is told 6."""
     from accounting.observers import RoutedLoad
-    from model import GPT
+    from reference import build_model
 
     config = make_config(n_layer=1, moe_experts=4, moe_topk=1, moe_capacity_factor=1.0)
-    model = GPT(config, seed=0, dtype=DT)
+    model = build_model(config, seed=0, dtype=DT)
     layer = model.transformer.h[0].mlp
     layer.observer = routed = RoutedLoad()
     with torch.no_grad():
@@ -147,7 +147,7 @@ def test_the_layer_tells_its_observer_every_forward_and_the_load_counts_training
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
     from accounting.observers import RoutedLoad
-    from model import GPT
+    from reference import build_model
 
     class Told:
         def __init__(self):
@@ -156,7 +156,7 @@ def test_the_layer_tells_its_observer_every_forward_and_the_load_counts_training
         def routed(self, layer, load, keep, sent, received):
             self.calls.append((layer.layer_id, int(load.sum()), keep, sent, received))
 
-    model = GPT(make_config(n_layer=1, moe_experts=4, moe_topk=2), seed=0, dtype=DT)
+    model = build_model(make_config(n_layer=1, moe_experts=4, moe_topk=2), seed=0, dtype=DT)
     layer, told, routed = model.transformer.h[0].mlp, Told(), RoutedLoad()
     x = torch.randn(1, 8, model.config.n_embd, dtype=DT, requires_grad=True)
     for observer in (told, routed):
@@ -171,9 +171,9 @@ def test_evaluation_and_sampling_forwards_record_no_routing():
     """Only a training forward records (the load line and the exact message prediction count training
     steps): not one under no_grad (evaluation, sampling), not one in eval mode (observers.RoutedLoad decides)."""
     from accounting.observers import RoutedLoad
-    from model import GPT
+    from reference import build_model
 
-    model = GPT(make_config(n_layer=1, moe_experts=4, moe_topk=2), seed=0, dtype=DT)
+    model = build_model(make_config(n_layer=1, moe_experts=4, moe_topk=2), seed=0, dtype=DT)
     layer = model.transformer.h[0].mlp
     layer.observer = routed = RoutedLoad()
     x = torch.randn(1, 8, model.config.n_embd, dtype=DT)
@@ -221,12 +221,12 @@ def _skew(layer, x):
 
 
 def _layer(rank, world):
-    from accounting import moe_costs
+    from experts import dispatch
     import moe
     from mesh import MeshShape, build_mesh
     from accounting.tracer import CommTracer
     from accounting.observers import RoutedLoad
-    from model import GPT
+    from reference import build_model
 
     device = harness.device()
     results = {}
@@ -234,7 +234,7 @@ def _layer(rank, world):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # ranks holding pieces of one micro-batch
     for ep, factor, mode in LAYER_CASES:
         mesh = meshes[ep]
-        model = GPT(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT, device=device)
+        model = build_model(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT, device=device)
         layer = model.transformer.h[0].mlp
         moe.shard_experts(layer, mesh.group("ep"), ep, mesh.index("ep"))
         layer.observer = routed = RoutedLoad()
@@ -258,11 +258,11 @@ def _layer(rank, world):
             y=y.detach(), dx=x.grad, grads=_reduce_grads(model, mesh), aux=model.aux_losses.values(),
             local=sorted(layer.experts.keys(), key=int), dropped=routed.dropped.get(0, 0),
             traced=(traced.calls, traced.payload_bytes),
-            counted=tuple(moe_costs.all_to_all_messages(moe_costs.Traffic(
-                model.config, ep=ep, compute_bytes=8, router_bytes=8), *routed.rows())[moe_costs.ALL_TO_ALL]),
+            counted=tuple(dispatch.all_to_all_messages(dispatch.Traffic(
+                model.config, ep=ep, compute_bytes=8, router_bytes=8), *routed.rows())[dispatch.ALL_TO_ALL]),
             expert_inputs=inputs.storages, cats=inputs.cats)
     # Under bf16 autocast (float32 model): the router still computes in fp32, the rows travel in bf16.
-    model = GPT(make_config(**LAYER), seed=0, device=device)
+    model = build_model(make_config(**LAYER), seed=0, device=device)
     layer = model.transformer.h[0].mlp
     moe.shard_experts(layer, meshes[2].group("ep"), 2, meshes[2].index("ep"))
     x = _layer_inputs(rank, (2, 12), 16)[0].float().to(device).requires_grad_()
@@ -312,10 +312,10 @@ class _ExpertInputs:
 def test_experts_run_in_the_sorted_buffer_and_write_one_output():
     """E = 1: every expert reads its rows from the one buffer the sort made (views), and the forward
     concatenates once (the experts' outputs): no copy of the tokens per expert."""
-    from model import GPT
+    from reference import build_model
 
     for factor in CAPACITIES:
-        model = GPT(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT)
+        model = build_model(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT)
         layer = model.transformer.h[0].mlp
         x = _layer_inputs(0, (2, 12), 16)[0]
         with _ExpertInputs(layer) as inputs:
@@ -325,9 +325,9 @@ def test_experts_run_in_the_sorted_buffer_and_write_one_output():
 
 def _layer_reference(factor, inputs, skew=False):
     """The single-device layer on each input in turn: outputs, input grads, aux values; grads summed."""
-    from model import GPT
+    from reference import build_model
 
-    model = GPT(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT)
+    model = build_model(make_config(**LAYER, moe_capacity_factor=factor), seed=0, dtype=DT)
     layer = model.transformer.h[0].mlp
     outs = []
     for x, g in inputs:
@@ -448,12 +448,12 @@ MODEL_CASES = {  # E: config overrides
 
 
 def _model(rank, world):
-    from accounting import moe_costs
+    from experts import dispatch
     import moe
     import report.axes
     from mesh import MeshShape, build_mesh
     from accounting.tracer import CommTracer
-    from model import GPT
+    from reference import build_model
     from step import GradientAccumulation
 
     device = harness.device()
@@ -463,7 +463,7 @@ def _model(rank, world):
     for ep, overrides in MODEL_CASES.items():
         config = make_config(**overrides)
         mesh = build_mesh(MeshShape(dp=world, ep=ep))
-        model = GPT(config, seed=0, dtype=DT, device=device)
+        model = build_model(config, seed=0, dtype=DT, device=device)
         run = SimpleNamespace(mesh=mesh, config=config, seq_len=SEQ, micro_batch_size=1, micro_batches=M,
                               device=device, autocast=nullcontext(), compute_dtype=DT, seed=0, model=model, layout=None,
                               settings=SimpleNamespace(args=SimpleNamespace()))  # no --fp8, no recipe
@@ -478,8 +478,8 @@ def _model(rank, world):
                                                             global_tokens, 1.0, D * M, nullcontext(), run.device)
         traced = tracer.records[("all_to_all_single", "ep")]
         results[ep] = dict(grads=_reduce_grads(model, mesh), aux=micro.aux, traced=(traced.calls, traced.payload_bytes),
-                           counted=tuple(handle.traced_prediction(None, 1)[moe_costs.ALL_TO_ALL]),
-                           uniform=handle.predicted_messages()[moe_costs.ALL_TO_ALL],
+                           counted=tuple(handle.traced_prediction(None, 1)[dispatch.ALL_TO_ALL]),
+                           uniform=handle.predicted_messages()[dispatch.ALL_TO_ALL],
                            lines=[*startup, *report.axes.axis_lines(handle, "step", run),
                                   *report.axes.axis_lines(handle, "end", run, 1)])
     return results
@@ -502,14 +502,14 @@ class _Layout:
 def model_runs():
     """What each of the D ranks got for each E of MODEL_CASES, beside the single-device model's gradients and
     aux values of the D·m micro-batches: {E: (per-rank results, reference grads, aux per micro-batch)}."""
-    from model import GPT
+    from reference import build_model
 
     results = run_ranks(_model, D, timeout=120)
     (x, y), = global_batches(1, D * M, SEQ)
     global_tokens = (y != -1).sum().to(DT)
     out = {}
     for ep, overrides in MODEL_CASES.items():
-        model = GPT(make_config(**overrides), seed=0, dtype=DT)
+        model = build_model(make_config(**overrides), seed=0, dtype=DT)
         aux_totals = []
         for i in range(D * M):  # the D·m micro-batches, in the trainer's order (rank d: d·m .. d·m + m - 1)
             _, loss_sum, _ = model(x[i:i + 1], y[i:i + 1])
@@ -615,15 +615,15 @@ ACCOUNTING_CONFIGS = (dict(moe_experts=4, moe_topk=2), dict(moe_experts=8, moe_t
 @pytest.mark.parametrize("overrides", ACCOUNTING_CONFIGS)
 def test_param_counts_match_the_model(overrides):
     from accounting import memory
-    from model import GPT
+    from reference import build_model
 
     config = make_config(**overrides)
-    model = GPT(config, seed=0)
+    model = build_model(config, seed=0)
     counts = memory.param_counts(config)
     assert counts["total"] == model.num_params()
-    expert = sum(p.numel() for p in model.transformer.h[config.moe_every - 1].mlp.experts["0"].parameters())
+    expert = sum(p.numel() for p in model.transformer.h[config.moe.every - 1].mlp.experts["0"].parameters())
     assert counts["expert"] == expert
-    idle = counts["moe_layers"] * (config.moe_experts - config.moe_topk) * expert
+    idle = counts["moe_layers"] * (config.moe.experts - config.moe.topk) * expert
     assert counts["active"] == counts["total"] - idle
 
 
@@ -632,15 +632,15 @@ def test_flops_count_the_matmul_weights_a_token_touches(overrides):
     """The head (tied), attention, k experts' and the router's: not the N − k idle experts."""
     from accounting import memory
     import mfu
-    from model import GPT
+    from reference import build_model
 
     config = make_config(**overrides)
-    model = GPT(config, seed=0)
-    moe_block = model.transformer.h[config.moe_every - 1].mlp
+    model = build_model(config, seed=0)
+    moe_block = model.transformer.h[config.moe.every - 1].mlp
     counts = memory.param_counts(config)
     matmul = config.vocab_size * config.n_embd + sum(
         p.numel() for name, p in model.named_parameters() if name.endswith("weight") and p.dim() == 2
-        and ".h." in name and ".experts." not in name) + counts["moe_layers"] * config.moe_topk * sum(
+        and ".h." in name and ".experts." not in name) + counts["moe_layers"] * config.moe.topk * sum(
         p.numel() for name, p in moe_block.experts["0"].named_parameters() if name.endswith("weight"))
     assert counts["active_matmul"] == matmul
     assert counts["block_matmul"] == matmul - config.vocab_size * config.n_embd  # what a recompute repeats
@@ -658,16 +658,16 @@ def test_uniform_step_messages():
     4·S·h·e_c; metadata forward and its gradient backward, 2·S·2k·e_r), S = T·ρ, ρ = 2·(1 − C(2,2)/C(4,2)) = 5/3
     ranks a token reaches (N = 4 on E = 2, k = 2); checkpointing +4 calls; CP's statistics all-reduce (2N + 2
     fp32 values) once per forward."""
-    from accounting import moe_costs
-    traffic = moe_costs.Traffic(make_config(moe_experts=4, moe_topk=2), moe_layers=2, tokens=32, micro_batches=3,
+    from experts import dispatch
+    traffic = dispatch.Traffic(make_config(moe_experts=4, moe_topk=2), moe_layers=2, tokens=32, micro_batches=3,
                                      ep=2)
     rows = 32 * 5 / 3
     one = 8 * (4 + 2) + 4 * rows * 32 * 2 + 2 * rows * 4 * 4
-    got = moe_costs.step_messages(traffic)[("all_to_all_single", "ep")]
+    got = dispatch.step_messages(traffic)[("all_to_all_single", "ep")]
     assert got[0] == 2 * 3 * 7 and got[1] == pytest.approx(2 * 3 * one, rel=1e-12)
-    traffic = moe_costs.Traffic(make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True), tokens=32,
+    traffic = dispatch.Traffic(make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True), tokens=32,
                                      ep=2, cp=2)
-    msgs = moe_costs.step_messages(traffic)
+    msgs = dispatch.step_messages(traffic)
     checkpointed = 2 * 8 * (4 + 2) + 6 * rows * 32 * 2 + 3 * rows * 4 * 4
     assert msgs[("all_to_all_single", "ep")][0] == 11
     assert msgs[("all_to_all_single", "ep")][1] == pytest.approx(checkpointed, rel=1e-12)
@@ -873,7 +873,7 @@ def _traced_and_sampled(rank, world, cases):
         load_line = report.axes.axis_lines(moe_axis, "step", run)[0]
         out.append(dict(logits=logits, traced=traced, predicted=predicted, load_line=load_line,
                         slots=run.micro_batches * 2 * micro * SEQ // run.mesh.size("cp")
-                        // (run.mesh.size("tp") if run.settings.sequence_parallel else 1) * run.config.moe_topk))
+                        // (run.mesh.size("tp") if run.settings.sequence_parallel else 1) * run.config.moe.topk))
     return out
 
 
@@ -885,11 +885,11 @@ def traced_and_sampled_runs():
 def test_sampling_under_cp_and_sp_gives_the_single_device_logits(traced_and_sampled_runs):
     """Sampling runs whole sequences on every rank: the layer gathers over no group then (1e-10)."""
     import test_composition
-    from model import GPT
+    from reference import build_model
 
     for index, (flags, config_kw, _, _) in enumerate(CAPACITY_4):
         args = test_composition._parse(flags, 4, 1)
-        reference = GPT(test_composition._config(args, config_kw), seed=0, dtype=DT).eval()
+        reference = build_model(test_composition._config(args, config_kw), seed=0, dtype=DT).eval()
         with torch.no_grad():
             expected = reference(global_batches(1, 1, SEQ, seed=5)[0][0])[0]
         for rank, by_case in enumerate(traced_and_sampled_runs):
@@ -928,20 +928,20 @@ def test_layer_activation_bytes_match_what_autograd_saves():
     (sigmoid, the seq loss over B_μ = 2 sequences, top-2, and top-1 with groups)."""
     from accounting import moe_costs
     from accounting import memory
-    from model import GPT
+    from reference import build_model
 
     for dtype, autocast, overrides in ((DT, False, {}), (torch.float32, False, dict(dropout=0.1, moe_topk=1)),
                                        (torch.float32, True, {}), (DT, False, SIGMOID_SEQ),
                                        (DT, False, dict(SIGMOID_SEQ, moe_topk=1, moe_groups=2, moe_group_limit=1))):
         config = make_config(**{**LAYER, **overrides})
-        model = GPT(config, seed=0, dtype=dtype)
+        model = build_model(config, seed=0, dtype=dtype)
         layer = model.transformer.h[0].mlp
         x = _layer_inputs(0, (2, 12), 16)[0].to(dtype).requires_grad_()
         with memory.SavedActivations(exclude=list(model.parameters())) as saved, \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             layer(x)
         compute = 2 if autocast else dtype.itemsize
-        weight_copies = config.moe_experts * 2 * 4 * 16 * 16 * 2 if autocast else 0
+        weight_copies = config.moe.experts * 2 * 4 * 16 * 16 * 2 if autocast else 0
         expected = moe_costs.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize),
                                                          mask_bytes=dtype.itemsize, sequences=2)
         assert saved.bytes - weight_copies == expected, (dtype, autocast, saved.bytes, expected)
@@ -1230,7 +1230,7 @@ def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resume
     import ckpt
     from interop import hf
     import test_composition
-    from model import GPT
+    from reference import build_model
 
     results = run_ranks(_deepseek_runs, 4, str(tmp_path), timeout=900)
     spans = [s for _, rank_spans, _ in results for s in rank_spans]
@@ -1250,7 +1250,7 @@ def test_deepseek_routing_follows_the_single_device_run_on_every_mesh_and_resume
     stored = [key for key in manifest["tensors"] if key.startswith("moe/")]
     assert stored == [f"moe/transformer.h.{i}.mlp.expert_bias" for i in range(2)], stored
     step_dir, manifest = hf._newest_good_checkpoint(str(tmp_path / "reshard"))  # as hf.load_model (sample.py)
-    model = GPT(test_composition._config(test_composition._parse(*DS_RESHARD[1][:1], 8, 1), {}), dtype=DT)
+    model = build_model(test_composition._config(test_composition._parse(*DS_RESHARD[1][:1], 8, 1), {}), dtype=DT)
     ckpt.load_pieces(step_dir, manifest, hf._router_bias_pieces(model, manifest["tensors"], "cpu"))
     for i, block in enumerate(model.transformer.h):  # sampling routes with the saved bias
         assert torch.equal(block.mlp.load.bias, after_each_step[test_composition.SAVE_AT - 1][i]), i

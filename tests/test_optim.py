@@ -115,13 +115,13 @@ def test_fused_and_foreach_adamw_agree_to_rounding():
     a small GPT stay within reference.fused_adamw_tolerance of each other. They are not bitwise: the fused
     kernel rounds in another order. lr 1e-2 puts a real difference far outside it (weight decay lr·wd·|p|
     = 1e-3·|p| per step, a bias correction at the wrong step ~lr: 10⁴ ε and more)."""
-    from model import GPT
+    from reference import build_model
     from reference import fused_adamw_tolerance, make_config, seeded_adamw_step
 
     lr, steps = 1e-2, 5
     runs = []
     for fused in (False, True):
-        model = GPT(make_config(n_layer=1), seed=0)
+        model = build_model(make_config(n_layer=1), seed=0)
         optimizer = build_adamw(model.parameters(), lr, fused=fused)
         assert all(bool(g["fused"]) == fused and bool(g["foreach"]) != fused for g in optimizer.param_groups)
         runs.append((model, optimizer))

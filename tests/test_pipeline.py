@@ -49,10 +49,10 @@ import pipeline as pp
 import report.axes
 import report.pipeline
 from parallel import schedules as sch
-from accounting.tracer import Messages
+from step import Messages
 import harness
 from harness import run_ranks
-from model import GPT
+from reference import build_model
 from reference import global_batches, make_config, rank_micro_batches
 
 TOL = 1e-10
@@ -62,13 +62,13 @@ SEQ, MICRO = 8, 2
 def build_stages(config, seed=0, dtype=torch.float32, device=None, pp_rank=0, P=1, v=1):
     """Pipeline rank `pp_rank`'s model: one model.GPT holding its chunks' blocks (first chunk: + embeddings,
     last: + ln_f and head), built alone."""
-    return GPT(config, seed, dtype, device, **pp.stage_kwargs(config.n_layer, pp_rank, P, v))
+    return build_model(config, seed, dtype, device, **pp.stage_kwargs(config.n_layer, pp_rank, P, v))
 
 
 def build(run, config, dtype=torch.float32, transform=None):
     """(stage model, Pipeline) as train.compose makes them: build this rank's stage, `transform(model)` (TP's
     parallelize, CP's swap: the axes before PP), then apply, and the accounting's clock subscribes."""
-    model = GPT(run.config, run.seed, dtype, run.device, **pp.stage_of(config, run))
+    model = build_model(run.config, run.seed, dtype, run.device, **pp.stage_of(config, run))
     if transform is not None:
         transform(model)
     handle = pp.apply(model, run, config)
@@ -414,7 +414,7 @@ def _run_pipeline(rank, world, cases, tp_size=1, sp=False, trace_dir=None):
 
         def transform(chunk):
             if tp_size > 1:
-                tp_handles.append(tp_lib.parallelize(chunk, mesh.group("tp"), sequence_parallel=sp, seed=0))
+                tp_handles.append(tp_lib.parallelize(chunk, mesh.group("tp"), sequence_parallel=sp))
             if "aux" in extra:
                 for layer_id in chunk.transformer.h.layer_ids:
                     if layer_id in (0, n_layer - 1):
@@ -462,7 +462,7 @@ def _reference(n_layer, m, extra):
 
 def _reference_run(n_layer, m, aux_on):
     config = make_config(n_layer=n_layer)
-    model = GPT(config, seed=0, dtype=torch.float64)
+    model = build_model(config, seed=0, dtype=torch.float64)
     if aux_on:
         for layer_id in (0, n_layer - 1):
             _add_aux_loss(model, layer_id, 0.3)
@@ -1141,7 +1141,7 @@ def test_the_accounting_reads_the_pipeline_handle_through_facts_and_its_observer
     allowed = {name for name, value in vars(step.Axis).items() if callable(value) and not name.startswith("_")}
     allowed |= {"name", "facts", "observer", "observe"}
     protocol = {name for name in vars(step.GradientAccumulation) if not name.startswith("_")}
-    protocol |= {"measure_activations", "saved_activation_bytes"}  # set in its __init__
+    protocol |= {"forward_observer"}  # set in its __init__
     read, of_schedule = set(), set()
     for path in ("report/pipeline.py", "report/axes.py", "report/run.py", "accounting/activations.py", "planner/time_model.py",
                  "bench/bench_pipeline.py"):

@@ -47,7 +47,7 @@ def _layers(rank, world):
 def _layer_checks(rank, world, group, sp):
     import tensor_parallel as tp
     from accounting.tracer import CommTracer
-    from model import GPT
+    from reference import build_model
     from shard import ShardInfo, Split
 
     device = harness.device()
@@ -133,8 +133,8 @@ def _layer_checks(rank, world, group, sp):
 
     # The messages of one block, forward and backward.
     config = make_config(n_head=4)
-    model = GPT(config, seed=0, dtype=dt, device=device)
-    tp.parallelize(model, group, sequence_parallel=sp, seed=0)
+    model = build_model(config, seed=0, dtype=dt, device=device)
+    tp.parallelize(model, group, sequence_parallel=sp)
     block = model.transformer.h[0]
     x = randn(2, SEQ // world if sp else SEQ, config.n_embd).requires_grad_()
     tracer = CommTracer()
@@ -246,17 +246,17 @@ def _train_variant(rank, world, tp_size, layout_name, global_batch, micro, clip,
     import tensor_parallel as tp
     from accounting.tracer import CommTracer
     from mesh import build_mesh, infer_mesh_shape
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler
     from step import train_step
 
     device = harness.device()
     mesh = build_mesh(infer_mesh_shape(world, tp=tp_size), rank)
     config = make_config(activation_checkpointing=checkpointing)
-    model = GPT(config, seed=0, dtype=torch.float64, device=device)
+    model = build_model(config, seed=0, dtype=torch.float64, device=device)
     micro_batches = global_batch // (mesh.size("dp") * micro)
     batch = tp.BatchShape(micro, SEQ, micro_batches, param_bytes=8, compute_bytes=8)
-    handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0, batch=batch)
+    handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, batch=batch)
     init = _pieces(model)
     layout = LAYOUTS[layout_name](model, mesh)
     scaler = DynamicLossScaler(enabled=False)
@@ -320,9 +320,9 @@ def trained(request):
 
 
 def test_tp_starts_from_exactly_the_single_device_weights(trained):
-    from model import GPT
+    from reference import build_model
 
-    plain = dict(GPT(make_config(), seed=0, dtype=torch.float64).named_parameters())
+    plain = dict(build_model(make_config(), seed=0, dtype=torch.float64).named_parameters())
     for variant, results in trained[2].items():
         init = _assemble([r["init"] for r in results])  # replicated copies agree (checked inside)
         assert init.keys() == plain.keys(), variant
@@ -396,7 +396,7 @@ def test_the_startup_prints_the_parameters_each_rank_holds(flags_list):
 
 def _dropout(mesh, device):
     import tensor_parallel as tp
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler
     from step import train_step
 
@@ -412,8 +412,8 @@ def _dropout(mesh, device):
         for checkpointing in (False, True):
             torch.manual_seed(0)  # as train.py: the same default seed on every rank of a TP group
             config = make_config(dropout=0.2, activation_checkpointing=checkpointing)
-            model = GPT(config, seed=0, dtype=torch.float64, device=device)
-            handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp, seed=0)
+            model = build_model(config, seed=0, dtype=torch.float64, device=device)
+            handle = tp.parallelize(model, mesh.group("tp"), sequence_parallel=sp)
             layout = _ddp_layout(model, mesh)
             losses = []
             for x, y in global_batches(2, 4, SEQ):

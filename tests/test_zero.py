@@ -33,6 +33,7 @@ import torch.distributed as dist
 import harness
 from accounting.tracer import CommTracer
 from harness import backend_flags, run_bench, run_ranks
+import zero
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
 STEPS, SEQ = 3, 16
@@ -58,13 +59,13 @@ F64 = dict(param_dtype=torch.float64, master_dtype=torch.float64)
 
 
 def _train_zero(rank, world, stage, config_kw, global_batch, micro, clip, bucket_mb):
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler
     from step import train_step
 
     device = harness.device()
     config = make_config(**config_kw)
-    model = GPT(config, seed=0, dtype=torch.float64, device=device)
+    model = build_model(config, seed=0, dtype=torch.float64, device=device)
     group = dist.new_group(list(range(world)))
     layout = zero_layout(model, stage, group, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"],
                          betas=HYPER["betas"], eps=HYPER["eps"], bucket_mb=bucket_mb, **F64)
@@ -245,12 +246,12 @@ def _check_pieces_reassemble(results, ref_params):
 
 
 def _nonfinite_skip(rank, world):
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler
     device = harness.device()
     out = {}
     for stage in (1, 2, 3):
-        model = GPT(make_config(n_embd=33, n_head=3), seed=0, dtype=torch.float64, device=device)
+        model = build_model(make_config(n_embd=33, n_head=3), seed=0, dtype=torch.float64, device=device)
         layout = zero_layout(model, stage, lr=1e-2, bucket_mb=0.02, **F64)
         before = layout.full_parameters()
         x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(rank)).to(device)
@@ -269,17 +270,17 @@ def _nonfinite_skip(rank, world):
 def _tp_replicated_norm(rank, world):
     """On tp_rank 1, tensors marked tp_replicated are left out of the norm (tp_rank 0 counts them): the norm
     of the sharded gradient must equal the single-device norm over the other tensors, whatever the shard cuts."""
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler
     device = harness.device()
     config = make_config(n_embd=33, n_head=3)
     x, y = (t.to(device) for t in global_batches(1, 4, SEQ)[0])
-    reference = GPT(config, seed=0, dtype=torch.float64, device=device)
+    reference = build_model(config, seed=0, dtype=torch.float64, device=device)
     _, loss_sum, count = reference(x, y)
     (loss_sum / count).backward()
     expected = {}
     for stage in (1, 2, 3):
-        model = GPT(config, seed=0, dtype=torch.float64, device=device)
+        model = build_model(config, seed=0, dtype=torch.float64, device=device)
         for name, p in model.named_parameters():
             if ".ln_" in name or "ln_f" in name:  # LayerNorms, as under TP
                 p.shard_info = p.shard_info.replicated_also_over("tp")
@@ -319,10 +320,11 @@ def test_nonfinite_gradient_on_one_rank_skips_on_all(two_rank_checks):
 def _prefetch_order(rank, world, compiled=False):
     """Event log of one stage-3 step: which gathers are launched while which block computes; and the gradient
     shards. compiled: each block compiled (model.compile_blocks, aot_eager), its hooks eager around it."""
-    from model import GPT, compile_blocks
+    from model import compile_blocks
+    from reference import build_model
 
     device = harness.device()
-    model = GPT(make_config(n_layer=3), seed=0, dtype=torch.float64, device=device)
+    model = build_model(make_config(n_layer=3), seed=0, dtype=torch.float64, device=device)
     if compiled:
         compile_blocks(model, backend="aot_eager")
     layout = zero_layout(model, 3, lr=1e-3, **F64)
@@ -375,13 +377,13 @@ def _fp8_gathers(rank, world):
     model without ZeRO: one micro-batch traced (forward, backward, reduction), its loss, full_parameters at
     init, then a step, full_parameters and a forward against the FP8 model holding the same stepped weights."""
     import fp8
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler
 
     device = harness.device()
 
     def fp8_model():
-        model = GPT(make_config(), seed=0, dtype=torch.float64, device=device)
+        model = build_model(make_config(), seed=0, dtype=torch.float64, device=device)
         return model, fp8.convert(model, fp8.Recipe("current"))
 
     (plain, _), (model, handle) = fp8_model(), fp8_model()
@@ -454,16 +456,15 @@ def test_after_a_step_the_zero3_fp8_forward_is_the_fp8_models(two_rank_checks):
 
 
 def _mixed_bytes(rank, world):
-    from accounting import memory
-    from model import GPT
+    from reference import build_model
 
     out = {}
     for stage in (1, 2, 3):
-        model = GPT(make_config(n_embd=33, n_head=3), seed=0, device=harness.device())
+        model = build_model(make_config(n_embd=33, n_head=3), seed=0, device=harness.device())
         layout = zero_layout(model, stage, lr=1e-3, param_dtype=torch.bfloat16, master_dtype=torch.float32,
                              bucket_mb=0.02)
         psi = layout.padded_numel
-        expected = memory.persistent_bytes(psi, "mixed", stage, world)
+        expected = zero.persistent_bytes(psi, "mixed", stage, world)
         out[stage] = (layout.held_bytes(), expected, {p.dtype for p in model.parameters()},
                       {u.master.dtype for u in layout.units})
     return out
@@ -547,7 +548,7 @@ def test_torchrun_zero3_smoke(tmp_path):
 def _fp16_zero(rank, world, stage):
     """The same 3 steps with fp32 and with fp16 working weights (fp32 masters, loss scale 2^12); then an
     overflow on one rank: every rank skips, the scale halves, no master weight moves."""
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler
     from step import train_step
 
@@ -555,7 +556,7 @@ def _fp16_zero(rank, world, stage):
     out = {}
     for name, dtype, autocast in (("fp32", torch.float32, nullcontext()),
                                   ("fp16", torch.float16, torch.autocast(device.type, dtype=torch.float16))):
-        model = GPT(make_config(), seed=0, device=device)
+        model = build_model(make_config(), seed=0, device=device)
         layout = zero_layout(model, stage, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], betas=HYPER["betas"],
                              eps=HYPER["eps"], param_dtype=dtype, master_dtype=torch.float32,
                              micro_batches=2)  # fp16: the scaled gradients are summed in fp32, unscaled there
@@ -603,9 +604,9 @@ def test_units_are_sized_in_the_working_dtype():
     """--bucket-mb is the size of a unit as ZeRO holds it: bf16 units of an fp32-built model hold twice the
     parameters of fp32 ones (reverse_order_buckets counts the bytes the buckets will have)."""
     from ddp import reverse_order_buckets
-    from model import GPT
+    from reference import build_model
 
-    params = list(GPT(make_config(n_layer=4), seed=0).parameters())  # fp32
+    params = list(build_model(make_config(n_layer=4), seed=0).parameters())  # fp32
     limit = 64 * 1024
     for element_size in (4, 2):
         units = reverse_order_buckets(params, limit, element_size=element_size)
@@ -633,7 +634,7 @@ def accumulated_grad_errors(rank, world, stages=(1, 2, 3), ms=(1, 8, 32), forced
     over its shards (padding included, zero in both), plus the step's traced and predicted messages and the held
     and predicted persistent bytes. The forced bf16 runs are the old behaviour: the same step with the sum kept
     in bf16. Also imported by bench/bench_zero_accum.py."""
-    from model import GPT
+    from reference import build_model
     from optim import DynamicLossScaler
     from step import GradientAccumulation, count_global_tokens
 
@@ -641,9 +642,9 @@ def accumulated_grad_errors(rank, world, stages=(1, 2, 3), ms=(1, 8, 32), forced
     config = make_config(**ACCUM_CONFIG)
     x, y = global_batches(1, ACCUM_BATCH, SEQ)[0]  # on the CPU: forward_backward moves each micro-batch
     # float64 on the bf16 working weights: the reference isolates the step's arithmetic from the weights' rounding
-    reference = GPT(config, seed=0, dtype=torch.float64, device=device)
+    reference = build_model(config, seed=0, dtype=torch.float64, device=device)
     with torch.no_grad():
-        for p, q in zip(reference.parameters(), GPT(config, seed=0, device=device).parameters()):
+        for p, q in zip(reference.parameters(), build_model(config, seed=0, device=device).parameters()):
             p.copy_(q.to(torch.bfloat16))
     _, loss_sum, count = reference(x.to(device), y.to(device))
     (loss_sum / count).backward()
@@ -657,7 +658,7 @@ def accumulated_grad_errors(rank, world, stages=(1, 2, 3), ms=(1, 8, 32), forced
     for stage in stages:
         for m in ms:
             for accumulate_dtype in forced if m > 1 else (None,):
-                model = GPT(config, seed=0, device=device)
+                model = build_model(config, seed=0, device=device)
                 layout = zero_layout(model, stage, group, lr=HYPER["lr"], param_dtype=torch.bfloat16,
                                      master_dtype=torch.float32, bucket_mb=0.02, micro_batches=m,
                                      accumulate_dtype=accumulate_dtype)
@@ -723,17 +724,16 @@ def test_bf16_gradient_error_does_not_grow_with_micro_batches(accumulation_runs)
 
 
 def test_fp32_accumulation_bytes_are_the_formulas(accumulation_runs):
-    """With m > 1 under bf16, b_g = 4: held == memory.persistent_bytes(Ψ', 2 + 4 + 12, stage, D), and the traced
+    """With m > 1 under bf16, b_g = 4: held == zero.persistent_bytes(Ψ', 2 + 4 + 12, stage, D), and the traced
     messages of the step are the predicted ones: stage 1 reduce-scatters its fp32 accumulator once (4Ψ'),
     stages 2/3 each micro-batch's bf16 bucket (m·2Ψ'). At m = 1 nothing changes (2 + 2 + 12, 2Ψ')."""
-    from accounting import memory
 
     for r in accumulation_runs:
         for (stage, m, forced), result in r.items():
             psi = result["padded_numel"]
             b_g = 4 if m > 1 and forced is None else 2
-            assert result["bytes"] == memory.BytesPerParam(weights=2, grads=b_g, optimizer=12)
-            assert result["held"] == result["predicted"] == memory.persistent_bytes(psi, result["bytes"], stage, 2)
+            assert result["bytes"] == zero.BytesPerParam(weights=2, grads=b_g, optimizer=12)
+            assert result["held"] == result["predicted"] == zero.persistent_bytes(psi, result["bytes"], stage, 2)
             assert result["comm"] == result["predicted_comm"], (stage, m, forced)
             reduced = {1: b_g * psi, 2: m * 2 * psi, 3: m * 2 * psi}[stage]
             assert result["comm"]["reduce_scatter_single"] == reduced, (stage, m, forced)

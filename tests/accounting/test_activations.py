@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from harness import run_ranks
+import report.run
 
 SEQ, MICRO = 64, 2
 TOL = 0.10  # the estimate's relative error against the measured bytes
@@ -32,7 +33,7 @@ def build_run(flags: list, dtype: str, world: int = 1, rank: int = 0, compose: b
     from cli import flags as flags_lib
     import train
     from mesh import build_mesh
-    from model import GPT
+    from reference import build_model
     from step import GradientAccumulation
 
     args = flags_lib.build_parser().parse_args(["--preset", "tiny", "--seq-len", str(SEQ), "--micro-batch",
@@ -45,14 +46,14 @@ def build_run(flags: list, dtype: str, world: int = 1, rank: int = 0, compose: b
     if compose:
         torch.manual_seed(rank // run.mesh.size("tp"))
         return train.compose(run)
-    run.model, run.schedule = GPT(run.config, seed=0), GradientAccumulation()
+    run.model, run.schedule = build_model(run.config, seed=0), GradientAccumulation()
     if settings.axes.get("fp8") is not None:
         import fp8
 
         fp8.convert(run.model, settings.axes["fp8"])
-    if settings.axes.get("precision_recipe") is not None:  # its handle tells the estimate which linears it swapped
+    if settings.axes.get("precision.recipe") is not None:  # its handle tells the estimate which linears it swapped
         import precision.recipe
-        run.axes = [precision.recipe.convert(run.model, settings.axes["precision_recipe"])]
+        run.axes = [precision.recipe.convert(run.model, settings.axes["precision.recipe"])]
     return run
 
 
@@ -337,11 +338,11 @@ def _ranks(rank, world):
     # most saved bytes alive at once over the next step.
     run = build_run(["--pp", "2", "--global-batch", "8"], "fp32", world, rank, compose=True)
     first, second = steps(run, 2)
-    run.schedule.measure_activations = True
+    report.run.watch_saved_activations(run)
     train(run, first)
     live = LiveSaved(run.model.parameters())
     train(run, second, torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack))
-    out["pp"] = dict(saved=run.schedule.saved_activation_bytes, live_peak=live.peak,
+    out["pp"] = dict(saved=run.saved_activations.bytes, live_peak=live.peak,
                      estimate=activations.activation_estimate(run))
 
     # DDP over 2 ranks: the second step's host memory (the first allocates AdamW's moments), as train.py.

@@ -40,12 +40,12 @@ class _Rows:
 
 def _layer(n=4, k=2, factor=0.0, dropout=0.0, dtype=torch.float32, h=H, **deepseek):
     """One MoE layer; `deepseek`: GPTConfig's router (experts/router.py) and shared-expert (experts/shared.py) fields."""
-    from model import GPT
+    from reference import build_model
 
     torch.manual_seed(0)
     config = make_config(n_layer=1, n_head=2, n_embd=h, moe_experts=n, moe_topk=k, moe_capacity_factor=factor,
                          dropout=dropout, **deepseek)
-    layer = GPT(config, seed=0, dtype=dtype).transformer.h[0].mlp
+    layer = build_model(config, seed=0, dtype=dtype).transformer.h[0].mlp
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.2)
     layer.observer = _Rows()
@@ -74,16 +74,16 @@ def _measure(layer, x, autocast=False):
 
 def _predict(config, rows, tokens, dtype, autocast, ep=1, slots=0):
     """moe_memory.block_peak for the rows the forward routed, the dtypes written out as the test ran them."""
-    from accounting import moe_costs
+    from experts import router
     from accounting import moe_memory
 
-    n, k, h, e_x = config.moe_experts, config.moe_topk, config.n_embd, dtype.itemsize
-    cap = moe_costs.capacity(tokens, k, n, config.moe_capacity_factor)
+    n, k, h, e_x = config.moe.experts, config.moe.topk, config.n_embd, dtype.itemsize
+    cap = router.capacity(tokens, k, n, config.moe.capacity_factor)
     shape = moe_memory.DispatchShape(tokens, rows[0], rows[1], n, k, h, ep, tokens if cap else 0,
                                      e_c=2 if autocast else e_x, e_r=max(4, e_x), e_x=e_x, weight_bytes=e_x,
                                      expert_params=8 * h * h + 5 * h * int(config.bias),
-                                     dropout_mask=e_x if config.dropout else None, score=config.moe_score,
-                                     shared=config.moe_shared_experts, slots=slots, expert_rows=rows[2])
+                                     dropout_mask=e_x if config.dropout else None, score=config.moe.score,
+                                     shared=config.moe.shared_experts, slots=slots, expert_rows=rows[2])
     return moe_memory.block_peak(shape)
 
 
@@ -145,7 +145,7 @@ def test_uniform_and_worst_case_rows():
     """E = 4, N = 8, k = 2, T = 16: uniformly R_e = T·k slots (capped at the capacity's share) and S = R = T·ρ
     pairs, ρ = 4·(1 − C(6,2)/C(8,2)) = 4·13/28 ranks a token reaches, at most the slots; worst case (every token
     on rank 0's 2 experts): S = T, R = E·T, R_e = E·T·k, or E·(N/E)·C_μ with capacity."""
-    from accounting import moe_costs
+    from experts import dispatch
     from accounting import memory
     from accounting import moe_memory
 
@@ -153,7 +153,7 @@ def test_uniform_and_worst_case_rows():
     pairs = 16 * 4 * 13 / 28
     for factor, uniform, worst in ((0.0, (pairs, pairs, 32), (16, 64, 128)), (2.0, (pairs, pairs, 32), (16, 64, 64)),
                                    (0.5, (16, 16, 16), (16, 64, 16))):
-        traffic = moe_costs.Traffic(make_config(n_embd=H, moe_experts=8, moe_capacity_factor=factor),
+        traffic = dispatch.Traffic(make_config(n_embd=H, moe_experts=8, moe_capacity_factor=factor),
                                          tokens=B * S_LEN, ep=4)
         rows = {r: moe_memory.shape_of(traffic, x, r) for r in ("uniform", "worst")}
         got = {r: (rows[r].sent, rows[r].received, rows[r].expert_rows) for r in rows}
@@ -163,12 +163,12 @@ def test_uniform_and_worst_case_rows():
 def test_the_step_peak_takes_the_backward_when_it_rises_higher():
     """Uniform routing in fp32: the combine's backward (B1) rises above the forward's peak, so the block's figure
     (time_model.Role's and plan_search's temporary) is the backward's."""
-    from accounting import moe_costs
+    from experts import dispatch
     from accounting import memory
     from accounting import moe_memory
 
     x = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=256, e_c=4)
-    peak = moe_memory.rank_peak(moe_costs.Traffic(make_config(n_embd=H, moe_experts=4), tokens=B * S_LEN), x)
+    peak = moe_memory.rank_peak(dispatch.Traffic(make_config(n_embd=H, moe_experts=4), tokens=B * S_LEN), x)
     u = peak.uniform
     assert u.backward[1] > u.forward_above_saved and peak.above_saved == u.backward[1] and u.phase == "backward"
     assert "at B1 in backward" in peak.temporary()
@@ -231,11 +231,11 @@ def test_fp8_experts_saved_bytes_and_moments_equal_the_prediction_for_the_rows_t
     import fp8
     from accounting import measure
     from accounting import moe_memory
-    from model import GPT
+    from reference import build_model
 
     config, layer = _layer(**kwargs)
     dtype = kwargs.get("dtype", torch.float32)
-    model = GPT(config, seed=0, dtype=dtype)
+    model = build_model(config, seed=0, dtype=dtype)
     model.transformer.h[0].mlp = layer
     fp8.convert(model, fp8.Recipe(recipe, 4, "max", 0))
     layer.observer = rows = measure._Rows()  # what the run's start-up reads: (P, c) of the chunks the experts ran
@@ -265,10 +265,10 @@ def test_recipe_experts_saved_bytes_and_moments_equal_the_table_without_weight_c
     Its CPU forward peaks inside the emulation's fake quantisation (not written)."""
     from accounting import moe_memory
     import precision.recipe
-    from model import GPT
+    from reference import build_model
 
     config, layer = _layer(**kwargs)
-    model = GPT(config, seed=0)
+    model = build_model(config, seed=0)
     model.transformer.h[0].mlp = layer
     precision.recipe.convert(model, precision.recipe.parse_recipe(recipe), seq_len=S_LEN)
     x = torch.randn(B, S_LEN, config.n_embd, requires_grad=True)
@@ -283,7 +283,7 @@ def test_the_plan_pads_each_expert_by_the_mean():
     rows a chunk (fp8_experts.expected_padded_rows), fp32 inverse scales: N chunks a micro-batch whatever E (E = 1
     one per expert; E = 2, N/E experts × E sources), R_p with replicas (R_p/E slots × E sources); under blockwise
     the same rows, each with its 1×128 tiles' scales."""
-    from accounting import moe_costs
+    from experts import dispatch
     from accounting import memory
     from accounting import moe_memory
 
@@ -291,7 +291,7 @@ def test_the_plan_pads_each_expert_by_the_mean():
     config = make_config(n_embd=H, moe_experts=8)
     for ep, slots, chunks in ((1, 0, 8), (2, 0, 8), (2, 12, 12)):
         for recipe in ("current", "blockwise"):  # blockwise: the same rows, each with its tiles' scales
-            traffic = moe_costs.Traffic(config, tokens=B * S_LEN, ep=ep, slots=slots, fp8_experts=recipe)
+            traffic = dispatch.Traffic(config, tokens=B * S_LEN, ep=ep, slots=slots, fp8_experts=recipe)
             shape = moe_memory.shape_of(traffic, x)
             assert (shape.fp8, shape.fp8_blockwise) == ((chunks * 15 / 2, chunks, 4), recipe == "blockwise"), ep
 
@@ -320,7 +320,7 @@ def _fp8_ep_ranks(rank, world):
     from planner import time_model
     import train
     from mesh import MeshShape, build_mesh
-    from model import GPT
+    from reference import build_model
     from test_plan import _settings
 
     class Chunks(fp8.QuantizationObserver):
@@ -345,7 +345,7 @@ def _fp8_ep_ranks(rank, world):
         config, layer = _layer(n=8, **kwargs)
         dtype = kwargs.get("dtype", torch.float32)
         moe.shard_experts(layer, mesh.group("ep"), world, mesh.index("ep"))
-        model = GPT(config, seed=0, dtype=dtype)
+        model = build_model(config, seed=0, dtype=dtype)
         model.transformer.h[0].mlp = layer
         handle = fp8.convert(model, fp8.Recipe(recipe, 4, "max", 0), mesh)
         handle.observe(counted := Chunks())
@@ -446,10 +446,9 @@ def _route(layer, x, how):
 
 
 def _ranks(rank, world):
-    from accounting import moe_costs
+    from experts import dispatch, router
     from experts import eplb
     import moe
-    from experts import router
     from accounting import moe_memory
     from accounting import memory
     import report.axes
@@ -467,7 +466,7 @@ def _ranks(rank, world):
         if how != "random":
             _route(layer, x, how)
         measured = _measure(layer, x.requires_grad_())
-        traffic = moe_costs.Traffic(config, tokens=B * S_LEN, ep=ep)
+        traffic = dispatch.Traffic(config, tokens=B * S_LEN, ep=ep)
         shape = memory.ActivationShape(s=S_LEN, b=B, h=H, a=2, vocab=config.vocab_size)
         out[(ep, factor, how)] = dict(
             measured=measured, rows=layer.observer.rows,
@@ -479,7 +478,7 @@ def _ranks(rank, world):
             eplb.place_slots(layer, slots, meshes[ep].group("ep"), ep, meshes[ep].index("ep"), torch.device("cpu"))
         else:
             moe.shard_experts(layer, meshes[ep].group("ep"), ep, meshes[ep].index("ep"))
-        layer.places = router.group_places(config.moe_groups, ep, meshes[ep].index("ep"))
+        layer.places = router.group_places(config.moe.groups, ep, meshes[ep].index("ep"))
         x = torch.randn(B, S_LEN, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
         out[name] = dict(measured=_measure(layer, x), rows=layer.observer.rows,
                          routed=_predict(config, layer.observer.rows, B * S_LEN, torch.float32, False, ep, slots))

@@ -79,7 +79,7 @@ def test_each_step_folds_its_load_into_the_moving_average_with_the_stated_decay(
 
     replicas = eplb.Replicas(4, 4, 1, 0, torch.device("cpu"))
     replicas.set_plan([0, 1, 2, 3], [0, 0, 0, 0], [1, 1, 1, 1])
-    layer = SimpleNamespace(replicas=replicas, layer_id=0, experts=torch.nn.ModuleDict())
+    layer = SimpleNamespace(replicas=replicas, layer_id=0, experts=torch.nn.ModuleDict(), load=SimpleNamespace(reduce=False))
     redundant = eplb.RedundantExperts([layer], replan_every=1, decay=0.75, groups={}, load_groups={})
     for step_load, expected in (([4, 0, 0, 0], [1, 0, 0, 0]), ([0, 4, 0, 0], [0.75, 1, 0, 0])):
         replicas.step_load += torch.tensor(step_load, dtype=torch.float64)
@@ -129,7 +129,7 @@ def _run(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_ro
         slots = {(layer.layer_id, int(q)): (layer.replicas.phy2log[int(q)],
                                              torch.cat([p.detach().reshape(-1) for p in expert.parameters()]))
                  for layer in moe_axis.layers if layer.replicas is not None for q, expert in layer.experts.items()}
-    redundant = moe_axis.redundant
+    redundant = next(axis for axis in run.axes if axis.name == "eplb").redundant
     averages = {layer.layer_id: layer.replicas.average.clone() for layer in moe_axis.layers if layer.replicas}
     return dict(losses=losses, params=params, messages=(traced, report.run.predicted_messages(run, steps)), slots=slots,
                 moved=redundant.moved if redundant else None, replans=redundant.replans if redundant else 0,
@@ -217,7 +217,7 @@ def _fp8_slots(rank, world, case):
     layers = [block.mlp for block in run.model.transformer.h if isinstance(block.mlp, moe.MoE)]
     return (len(slots), sum(id(m) in held for m in slots),
             [[r.phy2log[q] for q in r.local] for r in (layer.replicas for layer in layers)],
-            {m.row_share for m in slots}, run.model.config.moe_topk)
+            {m.row_share for m in slots}, run.model.config.moe.topk)
 
 
 def test_two_ranks_with_replicas_train_as_one_device_keep_replicas_equal_trace_as_predicted_and_replay(tmp_path):

@@ -42,10 +42,10 @@ def _formula(layer, u: torch.Tensor, shared: int, topk: int) -> torch.Tensor:
 
 def test_shared_experts_add_ungated_to_the_routed_sum_in_float64():
     """The layer's output and its gradients (input and every parameter) equal the formula's, to 1e-10."""
-    from model import GPT
+    from reference import build_model
 
     config = make_config(**LAYER)
-    model = GPT(config, seed=0, dtype=DT)
+    model = build_model(config, seed=0, dtype=DT)
     layer = model.transformer.h[0].mlp
     assert layer.shared_experts.c_fc.weight.shape == (2 * 4 * 16, 16)
     with torch.no_grad():  # biases start at zero: give them values, or the test could not see them misplaced
@@ -68,9 +68,9 @@ def test_shared_experts_are_dense_parameters_named_under_the_mlp():
     """Named `...mlp.shared_experts.*`, whole logical tensors summed over dp×cp even under expert parallel (the
     layer's experts only move to expert_dp), and the routed-expert sums over tp leave them to TP."""
     import moe
-    from model import GPT
+    from reference import build_model
 
-    model = GPT(make_config(**LAYER), seed=0, dtype=DT, device="meta")
+    model = build_model(make_config(**LAYER), seed=0, dtype=DT, device="meta")
     layer = model.transformer.h[0].mlp
     moe.shard_experts(layer, None, 1, 0)
     names = {p.shard_info.global_name: p.shard_info.grad_group for p in layer.parameters()}
@@ -88,18 +88,18 @@ def test_param_counts_and_flops_count_the_shared_experts(overrides):
     token: 6·(S·8h² per MoE layer) more than without them (every token visits the S shared experts)."""
     from accounting import memory
     import mfu
-    from model import GPT
+    from reference import build_model
 
     config = make_config(**overrides)
-    model = GPT(config, seed=0)
+    model = build_model(config, seed=0)
     counts = memory.param_counts(config)
     assert counts["total"] == model.num_params()
     held = sum(p.numel() for name, p in model.named_parameters() if ".shared_experts." in name)
     assert counts["shared_experts"] == held > 0
     expert = counts["expert"]
-    assert counts["active"] == counts["total"] - counts["moe_layers"] * (config.moe_experts - config.moe_topk) * expert
+    assert counts["active"] == counts["total"] - counts["moe_layers"] * (config.moe.experts - config.moe.topk) * expert
     without = memory.param_counts(make_config(**{**overrides, "moe_shared_experts": 0}))
-    h, s = config.n_embd, config.moe_shared_experts
+    h, s = config.n_embd, config.moe.shared_experts
     assert counts["active_matmul"] - without["active_matmul"] == counts["moe_layers"] * s * 8 * h * h
     assert counts["dense_linears"] - without["dense_linears"] == counts["moe_layers"] * s * 8 * h * h  # FP8's
     flops, flops_without = (mfu.flops_per_token(c, config, 16).model for c in (counts, without))
@@ -126,19 +126,19 @@ def test_layer_activation_bytes_with_shared_experts_match_what_autograd_saves():
     from accounting import moe_costs
     from accounting import memory
     from experts import shared
-    from model import GPT
+    from reference import build_model
 
     for dtype, autocast in ((DT, False), (torch.float32, True)):
         config = make_config(**LAYER)
-        model = GPT(config, seed=0, dtype=dtype)
+        model = build_model(config, seed=0, dtype=dtype)
         layer = model.transformer.h[0].mlp
         x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(3), dtype=dtype).requires_grad_()
         with memory.SavedActivations(exclude=list(model.parameters())) as saved, \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             layer(x)
         compute, residual = (2 if autocast else dtype.itemsize), dtype.itemsize
-        h, s = config.n_embd, config.moe_shared_experts
-        weight_copies = (config.moe_experts + s) * 8 * h * h * 2 if autocast else 0
+        h, s = config.n_embd, config.moe.shared_experts
+        weight_copies = (config.moe.experts + s) * 8 * h * h * 2 if autocast else 0
         expected = (moe_costs.layer_activation_bytes(config, 24, compute, max(4, residual), mask_bytes=residual)
                     + shared.saved_bytes(config, 24, 1, compute, max(4, residual)))
         assert saved.bytes - weight_copies == expected, (dtype, autocast, saved.bytes, expected)

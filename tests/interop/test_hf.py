@@ -25,7 +25,9 @@ import torch
 
 import harness
 from harness import run_bench, run_ranks
-from model import GPT, GPTConfig
+import moe
+from model import GPTConfig
+from reference import build_model
 from reference import HYPER, global_batches
 
 SEQ, GLOBAL_BATCH, STEPS, CLIP, TOL = 16, 4, 3, 0.05, 1e-12
@@ -54,19 +56,19 @@ def test_tanh_gelu_is_gpt2s_formula():
 
     x = torch.linspace(-8, 8, 10001, dtype=torch.float64)
     formula = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
-    config = replace(gpt2_config(), moe_experts=2)
-    for module in (GPT(gpt2_config()).transformer.h[0].mlp.gelu, Expert(config).gelu):
+    config = replace(gpt2_config(), moe=moe.ExpertsConfig(experts=2))
+    for module in (build_model(gpt2_config()).transformer.h[0].mlp.gelu, Expert(config).gelu):
         assert module.approximate == "tanh"
         assert (module(x) - formula).abs().max() < 1e-15
-    exact = GPT(gpt2_config(gelu="exact")).transformer.h[0].mlp.gelu(x)
+    exact = build_model(gpt2_config(gelu="exact")).transformer.h[0].mlp.gelu(x)
     assert (exact - formula).abs().max() > 1e-4
 
 
 def _padded_and_unpadded(junk: float):
     """A padded model whose padding rows hold `junk` (not the zeros they start with), and the same model
     without padding rows, float64."""
-    padded = GPT(gpt2_config(), seed=3, dtype=torch.float64)
-    unpadded = GPT(gpt2_config(vocab_size=VOCAB, real_vocab_size=None), seed=3, dtype=torch.float64)
+    padded = build_model(gpt2_config(), seed=3, dtype=torch.float64)
+    unpadded = build_model(gpt2_config(vocab_size=VOCAB, real_vocab_size=None), seed=3, dtype=torch.float64)
     assert torch.equal(padded.transformer.wte.weight[VOCAB:], torch.zeros(ROWS - VOCAB, 32, dtype=torch.float64))
     unpadded.load_state_dict({k: v[:VOCAB] if k == "transformer.wte.weight" else v
                               for k, v in padded.state_dict().items() if k != "lm_head.weight"}, strict=False)
@@ -369,7 +371,7 @@ def test_a_transformers_directory_loads_with_init_from_and_gives_the_same_logits
         settings = flags.validate(flags.build_parser().parse_args(["--init-from", str(directory), "--tokenizer",
                                                                    "gpt2"]), 1, axes=train.AXES)
         assert (settings.model.vocab_size, settings.model.real_vocab_size, settings.model.gelu) == (ROWS, VOCAB, "tanh")
-        ours = GPT(settings.model, dtype=torch.float64).eval()
+        ours = build_model(settings.model, dtype=torch.float64).eval()
         hf.load_into(hf.HFDirectory(str(directory), ROWS), hf._whole_pieces(ours))
         with torch.no_grad():
             our_logits, our_loss, _ = ours(x, y)

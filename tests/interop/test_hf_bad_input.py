@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness import run_ranks
-from model import GPT, GPTConfig
+from model import GPTConfig
+from reference import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = dict(block_size=64, n_layer=2, n_head=4, n_embd=32, gelu="tanh", vocab_size=256)
@@ -35,7 +36,7 @@ def _write_hf(directory, vocab=256, bin_only=False):
     from interop import hf
 
     config = GPTConfig(**{**BASE, "vocab_size": vocab})
-    weights = {p.shard_info.global_name: p.detach() for p in GPT(config, seed=1).parameters()}
+    weights = {p.shard_info.global_name: p.detach() for p in build_model(config, seed=1).parameters()}
     hf.write_directory(weights, config, str(directory), pytorch_bin=bin_only)
     if bin_only:
         os.remove(directory / "model.safetensors")
@@ -248,7 +249,7 @@ def test_a_nan_weight_is_refused_when_read(fmt, sources, tmp_path):
     _state(lambda s: s["transformer.h.1.mlp.c_proj.weight"].__setitem__((0, 0), float("nan")))(directory)
     opened = hf.HFDirectory(str(directory))  # the flags' check passes
     with pytest.raises(hf.HFError, match="transformer.h.1.mlp.c_proj.weight holds NaN or inf values"):
-        hf.load_into(opened, hf._whole_pieces(GPT(GPTConfig(**BASE))))
+        hf.load_into(opened, hf._whole_pieces(build_model(GPTConfig(**BASE))))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -403,7 +404,7 @@ def test_a_bad_sample_ends_in_one_line_and_writes_nothing(what, checkpoint, flag
 
 def test_temperature_0_is_greedy():
     """sample.py --temperature 0 (its --help says so): each new token is the argmax of the logits, no draw."""
-    model = GPT(GPTConfig(**BASE), seed=2).eval()
+    model = build_model(GPTConfig(**BASE), seed=2).eval()
     prompt = torch.tensor([[1, 2, 3]])
     greedy = prompt
     with torch.no_grad():

@@ -17,7 +17,7 @@ from planner import calibration
 from planner import time_model
 import train
 from harness import run_ranks
-from accounting.tracer import Messages
+from step import Messages
 from planner import cpu_probe
 import model as model_lib
 from planner.cpu_probe import gemm_fraction, overlap_fraction

@@ -17,6 +17,7 @@ import torch
 
 from harness import run_ranks
 from test_activations import LiveSaved
+import report.run
 
 WORLD = 4
 TINY = ["--preset", "tiny", "--dtype", "fp32", "--seq-len", "32", "--bucket-mb", "0.05"]
@@ -139,9 +140,9 @@ def _step(run, hooks=nullcontext()):
 def _saved_by_the_first_forward(run) -> int:
     """What the run's end line measures: the bytes one (micro-batch, chunk) forward saves (memory.SavedActivations,
     parameters aside as their storages are before the action: a ZeRO-3 chunk gathered for it counts)."""
-    run.schedule.measure_activations = True
+    report.run.watch_saved_activations(run)
     _step(run)
-    return run.schedule.saved_activation_bytes
+    return run.saved_activations.bytes
 
 
 def _saved_in_a_step(run) -> int:

@@ -56,10 +56,10 @@ def test_padded_rows_change_nothing_but_the_gemm_shape(mode):
 
 
 def _moe_layer(dtype=torch.float32):
-    from model import GPT
+    from reference import build_model
 
     config = make_config(n_layer=1, n_head=2, n_embd=64, moe_experts=4, moe_topk=2)
-    return GPT(config, seed=0, dtype=dtype)
+    return build_model(config, seed=0, dtype=dtype)
 
 
 @pytest.mark.parametrize("mode", ["current", "delayed", "blockwise"])
@@ -96,10 +96,10 @@ def test_padded_rows_per_moe_layer_equal_a_hand_count_and_are_printed():
     from types import SimpleNamespace
 
     import report.axes
-    from model import GPT
+    from reference import build_model
 
     config = make_config(n_layer=2, n_head=2, n_embd=32, moe_experts=4, moe_topk=2)
-    model = GPT(config, seed=0, dtype=DT)
+    model = build_model(config, seed=0, dtype=DT)
     handle = fp8.convert(model, fp8.Recipe("current"))
     report.axes.observe(handle)
     hand, _ = train_counting_expert_padding(model, config, 16)
@@ -243,7 +243,7 @@ def _replica_run(rank, world, flags, steps=3, mis_map=False):
                                  model=run.model, schedule=run.schedule, axes=run.axes,
                                  data_size=mesh.size("dp")).loss)
     firsts = len(seen["y"]) // steps  # the micro-batches of a step: each step's first forward
-    experts = [logits.topk(run.model.config.moe_topk, dim=-1).indices for logits in seen["logits"][::firsts]]
+    experts = [logits.topk(run.model.config.moe.topk, dim=-1).indices for logits in seen["logits"][::firsts]]
     return losses, [y.reshape(-1, y.shape[-1]) for y in seen["y"][::firsts]], experts, phy2log
 
 

@@ -163,10 +163,10 @@ def test_routed_experts_padded_rows_per_moe_layer_equal_a_hand_count_and_are_pri
     from types import SimpleNamespace
 
     import report.axes
-    from model import GPT
+    from reference import build_model
 
     config = make_config(n_layer=2, n_head=2, n_embd=64, moe_experts=4, moe_topk=2)
-    model = GPT(config, seed=0, dtype=torch.float64)
+    model = build_model(config, seed=0, dtype=torch.float64)
     handle = recipes.convert(model, recipes.parse_recipe("nvfp4,tail=0"), seq_len=16)
     report.axes.observe(handle)
     hand, _ = train_counting_expert_padding(model, config, 16, handle.after_grad_sync)
@@ -188,9 +188,9 @@ def test_draws_of_a_piece_are_the_whole_tensors_draws_there():
 
 
 def test_the_tail_and_the_ends_stay_in_the_compute_dtype():
-    from model import GPT
+    from reference import build_model
 
-    model = GPT(make_config(n_layer=4, n_embd=64), seed=0)
+    model = build_model(make_config(n_layer=4, n_embd=64), seed=0)
     handle = recipes.convert(model, recipes.parse_recipe("nvfp4,tail=0.3"), seq_len=SEQ)  # ⌈1.2⌉ = 2 blocks
     assert sorted({name.split(".")[2] for name in handle.linears}) == ["0", "1"] and len(handle.kept) == 8
     assert type(model.lm_head) is nn.Linear and type(model.transformer.h[3].mlp.c_fc) is nn.Linear

@@ -27,7 +27,7 @@ from test_composition import SEQ, composed_run
 from cli import flags as flags_lib
 import train
 from mesh import MeshShape, axis_groups, groups_of, infer_mesh_shape
-from model import GPT
+from reference import build_model
 from optim import adamw_param_groups
 
 DILOCO_STEPS, CLIP, TOL = 4, 0.05, 1e-10
@@ -47,7 +47,7 @@ def diloco_reference(batches, replicas: int, h: int, outer_lr: float, momentum: 
     clipped by its own norm); after every H steps the outer gradient (1/R) Σ_r (θ − θ_r) takes one step of
     torch's SGD with Nesterov momentum on θ, and every replica restarts from θ. Returns (replica 0's losses,
     θ's parameters)."""
-    outer_model = GPT(make_config(), seed=0, dtype=torch.float64)
+    outer_model = build_model(make_config(), seed=0, dtype=torch.float64)
     outer = torch.optim.SGD(outer_model.parameters(), lr=outer_lr, momentum=momentum, nesterov=True)
     models = [copy.deepcopy(outer_model) for _ in range(replicas)]
     inner = [torch.optim.AdamW(adamw_param_groups(m.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"],
