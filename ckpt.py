@@ -74,13 +74,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from resilience.ckpt_files import (FORMAT_VERSION, KINDS, MANIFEST, MARKER, CheckpointError, HashingWriter, ShardFiles,
-                        WriterLock, capture_rng_state, check_coverage, delete_checkpoint, dtype_named, extract,
-                        fsync_path, gist, injected_fault, list_checkpoints, mark, piece_numel,
-                        piece_record, place, prune, region, remove_leftovers, reseed_rng, restore_rng_state,
-                        set_aside_newer_than, shard_from_record, step_dir_name, verify_checkpoint,
-                        wait_for_rank_records, write_durably)
 from mesh import MeshShape
+from resilience.ckpt_files import (FORMAT_VERSION, KINDS, MANIFEST, MARKER, CheckpointError, HashingWriter, ShardFiles,
+                                   WriterLock, capture_rng_state, check_coverage, delete_checkpoint, dtype_named,
+                                   extract, fsync_path, gist, injected_fault, list_checkpoints, mark, piece_numel,
+                                   piece_record, place, prune, region, remove_leftovers, reseed_rng, restore_rng_state,
+                                   set_aside_newer_than, shard_from_record, step_dir_name, verify_checkpoint,
+                                   wait_for_rank_records, write_durably)
 from shard import ShardInfo, StatePiece
 
 

@@ -61,7 +61,33 @@ class _Bucket:
         self.work = None
 
 
-class DistributedDataParallel(nn.Module):
+class OrderedReductions:
+    """What DDP's buckets and ZeRO's units share: accumulation micro-steps that launch nothing (`no_sync`), and
+    reductions launched strictly in index order as their gradients arrive (`arrived`): collectives on a group must
+    be issued in the same order on every rank, and index order is the same everywhere even where readiness order
+    is not. A user sets `require_grad_sync` and `_next_to_launch`, and has a `_launch(item)` that advances it."""
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulation micro-steps: gradients add up locally, nothing is sent (ZeRO-2/3 hold no full gradient:
+        they reduce anyway, ZeroLayout._on_grad_ready)."""
+        previous, self.require_grad_sync = self.require_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_grad_sync = previous
+
+    def arrived(self, item, items: list, hint: str) -> None:
+        """One more gradient of reduction `item` (of `items`, in launch order) is in: launch every complete one
+        whose predecessors are launched. `hint`: what to do when a gradient arrives twice."""
+        item.pending -= 1
+        if item.pending < 0:
+            raise RuntimeError(f"a gradient arrived twice in one synchronised backward: {hint}")
+        while self._next_to_launch < len(items) and items[self._next_to_launch].pending == 0:
+            self._launch(items[self._next_to_launch])
+
+
+class DistributedDataParallel(nn.Module, OrderedReductions):
     """Wraps a module; `forward` is the module's. Call `finish_grad_sync()` after the last backward of a step."""
 
     def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25.0, check_same_init: bool = True,
@@ -102,26 +128,10 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    @contextmanager
-    def no_sync(self):
-        """Accumulation micro-steps: gradients add up locally, nothing is sent."""
-        previous, self.require_grad_sync = self.require_grad_sync, False
-        try:
-            yield
-        finally:
-            self.require_grad_sync = previous
-
     def _on_grad_ready(self, param: torch.Tensor):
-        if not self.require_grad_sync:
-            return
-        bucket = self._bucket_of[param]
-        bucket.pending -= 1
-        if bucket.pending < 0:
-            raise RuntimeError("a gradient arrived twice in one synchronised backward: run the backward of "
-                               "accumulation micro-steps inside no_sync(), and call finish_grad_sync() each step")
-        # Launch every bucket that is complete and whose predecessors are launched: same order on all ranks.
-        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].pending == 0:
-            self._launch(self.buckets[self._next_to_launch])
+        if self.require_grad_sync:
+            self.arrived(self._bucket_of[param], self.buckets, "run the backward of accumulation micro-steps inside"
+                                                               " no_sync(), and call finish_grad_sync() each step")
 
     def _launch(self, bucket: _Bucket):
         if dist.get_world_size(bucket.group) > 1:  # a group of one has nothing to sum
@@ -231,7 +241,8 @@ def assert_same_across_ranks(params: list, group=None):
 
 @dataclass(frozen=True)
 class DDPFacts:
-    """What the accounting reads of a DDP layout (`DDPLayout.facts`): report/axes.py's ddp section, planner/time_model.py."""
+    """What the accounting reads of a DDP layout (`DDPLayout.facts`): report/axes.py's ddp section,
+    planner/time_model.py."""
 
     bucket_bytes: tuple  # each bucket's bytes, in launch order (the last one is sent after backward)
     group_sizes: dict  # {data-parallel group name: its ranks N}

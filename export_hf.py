@@ -24,9 +24,9 @@ import os
 import sys
 
 from interop import hf
-from resilience.ckpt_files import CheckpointError
 from cli.flags import FlagError, OneLineParser
 from cli.paths import check_writable
+from resilience.ckpt_files import CheckpointError
 
 
 def build_parser() -> OneLineParser:

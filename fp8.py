@@ -86,13 +86,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel import collectives
-from step import Messages
 from precision.fp8_replicas import ReplicaHistories
 from precision.fp8_scaling import (E4M3, E5M2, FORMATS, ROW_ALIGNMENT, TILE_ACTIVATION, TILE_ACTIVATION_T, TILE_WEIGHT,
-                         DelayedHistory, amax_of, dequantize, dequantize_tiles, gemm_shape_errors, has_fp8_tensor_cores,
-                         pad_rows, quantize, quantize_tiles, scale_from_amax, scaled_matmul, wide_dtype)
-from step import in_backward
+                                   DelayedHistory, amax_of, dequantize, dequantize_tiles, gemm_shape_errors,
+                                   has_fp8_tensor_cores, pad_rows, quantize, quantize_tiles, scale_from_amax,
+                                   scaled_matmul, wide_dtype)
 from shard import ShardInfo, StatePiece, counts_here
+from step import Messages
+from step import in_backward
 from step import Axis
 
 # --- The scaling rule (Transformer Engine's DelayedScaling) --------------------------------------------------
@@ -452,8 +453,8 @@ class Fp8Facts:
 class Fp8Handle(Axis):
     """The axis handle. linears: {global name: Fp8Linear}; micro_batches: m; recomputes: activation
     checkpointing (a block's forward, and its amax reductions, run twice); `observe` subscribes the accounting
-    to every linear's casts; histories: delayed with redundant experts, the logical experts' (precision/fp8_replicas.py),
-    rolled in place of their slots'."""
+    to every linear's casts; histories: delayed with redundant experts, the logical experts'
+    (precision/fp8_replicas.py), rolled in place of their slots'."""
 
     name = "fp8"
 

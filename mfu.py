@@ -1,5 +1,5 @@
-"""The accounting's formulas: FLOPs, MFU/HFU, peaks, communication volume (memory is accounting/memory.py; the clocks and
-counters that observe the algorithms are accounting/observers.py).
+"""The accounting's formulas: FLOPs, MFU/HFU, peaks, communication volume (memory is accounting/memory.py; the clocks
+and counters that observe the algorithms are accounting/observers.py).
 
 This file talks over nothing; it observes. Everything here is either a closed-form formula from a paper (so a
 reader can check a number by hand) or a measurement (a matmul loop; the bytes each `torch.distributed` call
@@ -134,9 +134,9 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops_per_device:
 #   HGX B200 datasheet (8 GPUs, per GPU): 75 FP32, 2.25* PF TF32 (18* PF for 8), 4.5* PF BF16/FP16, 9* PF FP8/FP6,
 #     18* PF FP4 (144* PF for 8).
 #   GB200 NVL72 datasheet (per GPU): 80 FP32, 2.5* PF TF32, 5* PF BF16/FP16, 10* PF FP8, 20* PF FP4 (1,440* for 72).
-# The microscaling formats (precision/microscaling.py) have a peak only where the tensor cores take block scales: Blackwell's
-# (the rows with an FP4 column) run MXFP8 at the FP8 rate and MXFP4 and NVFP4 at the FP4 rate. Hopper, Ada and
-# Ampere have no block-scaled GEMM (Hopper's and Ada's FP8 is per-tensor scaled) and no FP4 at all: no figure.
+# The microscaling formats (precision/microscaling.py) have a peak only where the tensor cores take block scales:
+# Blackwell's (the rows with an FP4 column) run MXFP8 at the FP8 rate and MXFP4 and NVFP4 at the FP4 rate. Hopper, Ada
+# and Ampere have no block-scaled GEMM (Hopper's and Ada's FP8 is per-tensor scaled) and no FP4 at all: no figure.
 # A row is chosen by gpu_row: the model word of the device name, whether it says NVL, and the SM count where a
 # row gives one (H100 SXM5 has 132, H100 PCIe 114: the same name word). The bare names are the SXM parts.
 #             row          word     SMs   NVL     fp32   tf32    bf16/fp16  fp8      fp4

@@ -53,8 +53,8 @@ router-dtype one (fp32 or wider), e_i = 1 of a gathered choice (4 when N > 256),
    (memory.param_counts). Temporaries per MoE layer and micro-batch: the router's [T, N] logits and probabilities
    (e_r), S sent and R received rows (E > 1: pairs, with their metadata), the R_e rows the experts run (E = 1:
    the S slots; E > 1 the fan-out), their [R_e, 4h] hidden and R_e outputs (under --fp8 their linears run in
-   FP8, each expert's rows padded to 16: fp8.py, precision/fp8_experts.py; under a precision recipe each chunk's dW
-   operands padded to its token block: precision/recipe_experts.py), the weighted and summed rows; with capacity
+   FP8, each expert's rows padded to 16: fp8.py, accounting/fp8_experts.py; under a precision recipe each chunk's dW
+   operands padded to its token block: accounting/recipe_experts.py), the weighted and summed rows; with capacity
    under CP/SP the gathered choices, B_μ·s·k·e_i. Kept for backward: `layer_activation_bytes` (tested against
    autograd for E = 1). Uniform routing: R_e = T·k, S = R = T·ρ; worst case (the whole ep group picks this
    rank): R = E·T, R_e = E·T·k dropless, ≤ N·C_μ with capacity. What the forward holds at once
@@ -195,7 +195,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])  # [T, h]: this rank's tokens (its CP/SP piece of the micro-batch)
         logits = self.router(tokens)  # [T, N]
         probs, gate, expert, scores = router.route(logits, self.topk, bias=self.load.on(logits.device).bias,
-                                                       **self.routing)
+                                                   **self.routing)
         routed = count_per_expert(expert, self.n_experts)  # [N]
         if is_training_forward(self.training):
             self.load.add(routed)  # the step's load: the bias update's, and every reader's (`layer.load`)
@@ -245,7 +245,7 @@ class MoE(nn.Module):
         rows = tokens.to(torch.get_autocast_dtype(tokens.device.type)) if autocast else tokens
         if self.ep_size > 1:
             y, self.exchanged = dispatch.exchange(rows, gate, slot_expert, n, self.ep_group, self.ep_size,
-                                                      lambda i, chunk: self.experts[str(self.local[i])](chunk))
+                                                  lambda i, chunk: self.experts[str(self.local[i])](chunk))
             self.off_group = router.off_group(self.places, self.exchanged)  # the accounting's
             self.local_rows = self.exchanged.chunks
             return y, sum(self.exchanged.sent), sum(self.exchanged.received)
@@ -524,7 +524,8 @@ def apply(model, run, config: MoEConfig) -> MoEAxis:
 
 @dataclass(frozen=True)
 class MoEFacts:
-    """What the accounting reads of the MoE axis (`MoEAxis.facts`): report/axes.py's moe section, planner/time_model.py."""
+    """What the accounting reads of the MoE axis (`MoEAxis.facts`): report/axes.py's moe section,
+    planner/time_model.py."""
 
     traffic: Traffic
     experts: range  # the experts this rank holds of every MoE layer, [e·N/E, (e+1)·N/E) (replicas: its slots)
@@ -600,8 +601,8 @@ class MoEAxis(Axis):
         return [p for layer in self.layers for p in (*layer.router.parameters(), *layer.experts.parameters())]
 
     def predicted_messages(self, layout=None) -> Messages:
-        """Item 3 per optimizer step for UNIFORM routing. SP's sum covers the layout's gradient pieces of the experts and router
-        (ZeRO: this rank's shard, in its accumulation dtype); no layout: the parameters."""
+        """Item 3 per optimizer step for UNIFORM routing. SP's sum covers the layout's gradient pieces of the experts
+        and router (ZeRO: this rank's shard, in its accumulation dtype); no layout: the parameters."""
         sp_grad_bytes = 0
         if self.tp_group is not None:
             pieces = layout.grad_pieces(self.params()) if layout is not None else self.params()

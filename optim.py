@@ -206,7 +206,8 @@ def update(grads: list, counted: list, scaler: DynamicLossScaler, clip: float, a
     counted_pieces: further views to count (ZeRO: the parts of a shard that are not replicas);
     apply_step(): the optimizer step, run only when every rank's gradients are finite;
     extra_nonfinite: a local count of other non-finite values that must skip the step (FP8 amaxes);
-    group: the ranks that make one update together: the world (None), or one DiLoCo replica (resilience/diloco.py), whose
+    group: the ranks that make one update together: the world (None), or one DiLoCo replica (resilience/diloco.py),
+    whose
         norm and skip are its own.
 
         unscale (fp16) → [Σ counted g², #non-finite] summed over the world → all finite? → ‖g‖ = √Σ →

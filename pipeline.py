@@ -69,7 +69,7 @@ import torch.nn.functional as F
 
 from model import GPT
 from parallel.schedules import (BUBBLE_TEXT, Action, Message, bubble_formula, build_programs, communication_plan,
-                       last_backwards, needs, rank_chunks, split_layers, stage_layers)
+                                last_backwards, needs, rank_chunks, split_layers, stage_layers)
 from step import Axis, ForwardObserver, Messages, MicroBatchLoss, sum_in_place
 
 TIED = "transformer.wte.weight"
@@ -130,7 +130,7 @@ class PipelineSchedule:
         synced = last_backwards(steps)  # every other backward accumulates under no_sync: each gradient syncs once
         state = _StepState(model, batches, global_tokens, loss_scale, aux_divisor, autocast)
         mail = _Mailbox(self, state)
-        weights = getattr(layout, "chunk_weights", None)  # ZeRO-3 gathers each action's chunk (parallel/zero_pipeline.py)
+        weights = getattr(layout, "chunk_weights", None)  # ZeRO-3 gathers an action's chunk (zero_pipeline)
         with self.observer.step(device):
             for j, step in enumerate(steps):
                 action = step.action

@@ -45,21 +45,20 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cli import flags
-from planner import hardware
-import zero
 import mfu
-from moe import experts_of
+from parallel import schedules, zero_pipeline
+from planner import hardware
 import planner.search
-from parallel import schedules
 import train
-from parallel import zero_pipeline
-from step import Messages
+import zero
 from cli.flags import FlagError, fail
-from planner.hardware import hardware_line
 from mesh import build_mesh, groups_of
+from moe import experts_of
 from pipeline import stage_kwargs
+from planner.hardware import hardware_line
 from planner.time_model import (P2P_BUFFERS, PLANNED_DEVICE, Prediction, Role, layout_facts, layout_name, limiting_term,
-                        plan_dtypes, plan_settings, predict, role_of)
+                                plan_dtypes, plan_settings, predict, role_of)
+from step import Messages
 
 
 # ---------------------------------------------------------------------------------------------------------

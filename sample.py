@@ -24,12 +24,11 @@ import sys
 
 import torch
 
+from cli import flags, paths
 import data
-from cli import flags
 from interop import hf
-from cli import paths
-from resilience.ckpt_files import CheckpointError
 from cli.flags import FlagError
+from resilience.ckpt_files import CheckpointError
 
 TOP_K = 200  # --top-k's default (nanoGPT's), or the whole vocabulary where it is smaller
 

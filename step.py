@@ -121,9 +121,9 @@ class Axis:
         self.observer = observer
 
     def facts(self):
-        """What the accounting reads of the axis (its report/axes.py section, planner/time_model.py, accounting/measure.py): a
-        frozen record of its own (context_parallel.CPFacts, moe.MoEFacts, ...), or None; the rest they read of
-        the run. The one door into a handle besides these methods."""
+        """What the accounting reads of the axis (its report/axes.py section, planner/time_model.py,
+        accounting/measure.py): a frozen record of its own (context_parallel.CPFacts, moe.MoEFacts, ...), or None; the
+        rest they read of the run. The one door into a handle besides these methods."""
         return None
 
     def predicted_messages(self, layout) -> Messages:

@@ -63,9 +63,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel import collectives
-from step import Messages
 from model import GPT, MLP
 from shard import ShardInfo, Split, describe, initial_local
+from step import Messages
 from step import Axis, sum_in_place
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,41 +26,38 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-import ckpt
-from resilience import ckpt_files
-from accounting.tracer import CommTracer
-import context_parallel
-from planner import cpu_probe
-import data
-from resilience import elastic
-from cli import flags
 from accounting import format_flops
-import fp8
-from resilience import goodput
+import ckpt
+from cli import flags
+import context_parallel
+import data
 from experts import eplb
+import fp8
 from interop import hf
 import mfu
 import moe
+from parallel import recompute
 import pipeline
+from planner import cpu_probe, time_model
 import precision.recipe
 import report.run
+from resilience import ckpt_files, elastic, goodput
+import shard
 import tensor_parallel
-from planner import time_model
 from accounting.activations import activation_shape
-from ddp import DDPLayout, DistributedDataParallel
-from resilience.diloco import DiLoCoLayout
-from cli.flags import DTYPES, Settings, fail
 from accounting.memory import MemoryTimeline, param_counts
+from accounting.tracer import CommTracer
+from cli.flags import DTYPES, Settings, fail
+from ddp import DDPLayout, DistributedDataParallel
 from mesh import Mesh, build_mesh, init_distributed
 from model import GPT, GPTConfig, compile_blocks
-from parallel import recompute
-import shard
 from optim import DynamicLossScaler, LRSchedule, build_adamw
-from report.run import print0
-from step import GradientAccumulation, train_step
-from zero import ZeroConfig, ZeroLayout
 from parallel.zero3 import Zero3Layout
 from parallel.zero_pipeline import pipeline_layout
+from report.run import print0
+from resilience.diloco import DiLoCoLayout
+from step import GradientAccumulation, train_step
+from zero import ZeroConfig, ZeroLayout
 
 # The axes, in DESIGN.md's order of application (MoE/EP and its replicas → TP → CP → PP → FP8 or a microscaling
 # recipe). Each has a
@@ -123,7 +120,7 @@ def compose(run: Run, measure: bool = False, materialize: bool = True) -> Run:
     measure: block 0 is measured for the start-up printout (report.run.measure_startup), before the layout."""
     configs = run.settings.axes
     run.model = shard.describe(GPT(run.config, seed=run.seed, dtype=run.master_dtype, device="meta",
-                             **pipeline.stage_of(configs.get("pipeline"), run)))  # a pipeline rank: its stage only
+                                   **pipeline.stage_of(configs.get("pipeline"), run)))  # a stage: its own blocks
     run.flops = mfu.flops_per_token(param_counts(run.config), run.config, run.seq_len,
                                     activation_shape(run).kernel)  # selective recomputes an unfused attention
     for axis in AXES:  # each swaps modules in place; its handle is what the rest of the run talks to
@@ -174,8 +171,8 @@ def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materi
 
 
 def main(argv=None):
-    # The job's wall time by cause (resilience/goodput.py), from the process's creation (run as a program) or from this call
-    # (argv given: a caller that runs several in one process, as the tests do).
+    # The job's wall time by cause (resilience/goodput.py), from the process's creation (run as a program) or from this
+    # call (argv given: a caller that runs several in one process, as the tests do).
     clock = goodput.Clock(started=None if argv is None else time.time())
     settings = flags.parse(argv, AXES)  # a bad flag: one line, exit status 2, before any rank waits
     if settings.args.plan or settings.args.plan_search:  # size the layout on meta in a fake process group
@@ -342,7 +339,7 @@ def timed_step(t: Training, step: int, prefetched, profiled: bool, peak_in_mean:
     if profiled:
         t.step_peak = report.run.StepPeak(step, memory.peak, peak_in_mean)
     return report.run.step_record(run, step, lr, outcome,
-                              t.progress.tick(step, seconds, timed=not profiled or peak_in_mean), t.scaler)
+                                  t.progress.tick(step, seconds, timed=not profiled or peak_in_mean), t.scaler)
 
 
 def after_step(t: Training, step: int, record: dict, metrics, tracer: CommTracer) -> None:

@@ -36,8 +36,8 @@ micro-batch's bf16 bucket, added into the fp32 shard (as DeepSpeed: one rounding
 Stage 3 (parallel/zero3.py, `Zero3Layout`: this layout plus module hooks) gathers each block's weights just before use
 and frees them after, prefetching the next block behind the current one's compute; FP8 weights travel as one byte
 per element through their gather codec. Stages 1 and 2 are this file alone. Under a pipeline, stages 2 and 3
-are parallel/zero_pipeline.py's subclasses: units per chunk, each chunk's step sum reduce-scattered once at its last backward,
-stage 3's gathers driven by the schedule's actions.
+are parallel/zero_pipeline.py's subclasses: units per chunk, each chunk's step sum reduce-scattered once at its last
+backward, stage 3's gathers driven by the schedule's actions.
 
 Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_o bytes per parameter for working
 weights / persistent gradients / optimizer state, m micro-batches per step, U the largest unit):
@@ -69,17 +69,16 @@ weights / persistent gradients / optimizer state, m micro-batches per step, U th
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from step import Messages
-from ddp import assert_same_across_groups, grad_group, reverse_order_buckets
+from ddp import OrderedReductions, assert_same_across_groups, grad_group, reverse_order_buckets
 from optim import StepResult, update
 from shard import StatePiece, counts_here, describe, set_value
+from step import Messages
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -172,7 +171,7 @@ class ZeroFacts:
     first_gather_numel: int  # stage 3: the root's and block 0's, gathered before the first compute; else 0
     peak_gathered_units: int = 0  # stage 3: the most blocks gathered at once so far
     gathered_bound: int = 2  # stage 3: the most the schedule may hold (in use + prefetched)
-    pipeline_note: str = ""  # under a pipeline (parallel/zero_pipeline.py): how its gradients are reduced, what that holds
+    pipeline_note: str = ""  # under a pipeline (zero_pipeline.py): how its gradients are reduced, what that holds
     step_transient_predicted: float = 0.0  # under a pipeline: gathered chunks + accumulating gradients (bytes)
     step_transient_measured: float = 0.0  # the same, the most the layout's buffers held at once so far
 
@@ -231,7 +230,7 @@ class Unit:
                            primary=primary) for kind, tensor in kinds if hi > lo]
 
 
-class ZeroLayout:
+class ZeroLayout(OrderedReductions):
     """ZeRO stage 1 or 2 (`config.stage`; stage 3 is the subclass zero3.Zero3Layout) over each parameter's
     data-parallel group: `groups` {"dp_cp": ..., "expert_dp": ...} (default: the world for dp_cp). step.train_step
     drives it (optim.Layout's protocol). `module` must hold the same initial values on every rank (checked).
@@ -354,12 +353,8 @@ class ZeroLayout:
                 unit.bucket = torch.zeros(unit.padded_numel, dtype=self.param_dtype, device=param.device)
             unit.bucket[offset:offset + n].copy_(param.grad.reshape(-1))
             param.grad = None
-        unit.pending -= 1
-        if unit.pending < 0:
-            raise RuntimeError("a gradient arrived twice in one synchronised backward: at stage 1 run the backward "
-                               "of accumulation micro-steps inside no_sync(), and call finish_grad_sync() each step")
-        while self._next_to_launch < len(self.units) and self.units[self._next_to_launch].pending == 0:
-            self._launch(self.units[self._next_to_launch])
+        self.arrived(unit, self.units, "at stage 1 run the backward of accumulation micro-steps inside no_sync(),"
+                                       " and call finish_grad_sync() each step")
 
     def _launch(self, unit: Unit):
         """Reduce-scatter the unit's gradients (async), in unit order: the same order on every rank."""
@@ -447,15 +442,6 @@ class ZeroLayout:
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    @contextmanager
-    def no_sync(self):
-        """Stage 1: accumulate full gradients locally. Stages 2/3 hold no full gradient: they reduce anyway."""
-        previous, self.require_grad_sync = self.require_grad_sync, False
-        try:
-            yield
-        finally:
-            self.require_grad_sync = previous
 
     def grad_pieces(self, params) -> list:
         """The segments of this rank's gradient shards that belong to `params` (views, in unit order), alike on every

@@ -17,7 +17,8 @@ The start-up prints the estimate (report/run.py), the end compares it with what 
 and planner/search.py size layouts with it, so a plan and a run print the same bytes.
 
 It is its own file, not accounting/memory.py, because it sits above the axes: it reads moe.py's expert terms and the
-pipeline's schedule, while the axes (pipeline.py, zero.py, ddp.py, step.py, through it moe.py) import accounting/memory.py.
+pipeline's schedule, while the axes (pipeline.py, zero.py, ddp.py, step.py, through it moe.py) import
+accounting/memory.py.
 
     activation_estimate(run)   this rank's ActivationEstimate (shape_of's symbols, the schedule's forwards in flight)
     estimate_of(config, x, …)  the same from the shapes alone (plan_search sizes layouts it never builds)
@@ -28,13 +29,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from precision import fp8_experts
-from precision import fp8_scaling
-from accounting import memory
-from accounting import moe_costs
-from moe import experts_of
+from accounting import fp8_experts, memory, moe_costs
 from experts import shared
 from parallel import schedules
+from precision import fp8_scaling
+from moe import experts_of
 
 
 ZERO3_GATHERED = "ZeRO-3 gathered weights"  # the names of zero3_saved_weights's terms begin so
@@ -70,9 +69,9 @@ class ActivationEstimate:
 
 
 def activation_shape(run, device_type: str | None = None) -> memory.ActivationShape:
-    """The symbols of accounting/memory.py's activation formulas for this rank: its sequence (s/C), its dtypes, the kernel (of
-    `device_type`'s attention, default the run's device: plan.py sizes a GPU from a meta build). FP8's GEMM runs
-    on torch._scaled_mm where the run's device has FP8 tensor cores (compute capability >= 8.9, as fp8.py decides),
+    """The symbols of accounting/memory.py's activation formulas for this rank: its sequence (s/C), its dtypes, the
+    kernel (of `device_type`'s attention, default the run's device: plan.py sizes a GPU from a meta build). FP8's GEMM
+    runs on torch._scaled_mm where the run's device has FP8 tensor cores (compute capability >= 8.9, as fp8.py decides),
     emulated elsewhere (an A100 too); a plan's GPU is a preset that has them."""
     tensor_cores = fp8_scaling.has_fp8_tensor_cores(run.device) if device_type is None else None
     return shape_of(run.settings, run.config, device_type or run.device.type, run.compute_dtype, run.param_dtype,
@@ -176,10 +175,10 @@ def selective_blocks(config, x: memory.ActivationShape, held: dict, ep: int, slo
     collective outputs (memory.selective_block_terms); a MoE block (model.Block) its attention side's alike
     (mlp=False) and its MoE side as without recompute, ln_2's input and statistics sbh'·e_n + 2·sb'·e_n and the
     router's and experts' bytes, less every GELU output and autocast's copies of their weights, recomputed (moe_act:
-    R_e·4h·e_c routed, S·4h·M·e_c/T shared; the copies (N/E + S/T)·8h²·w: parallel/recompute.py). SP's column layers keep
-    their gathered input under recompute (no regather). Under FP8 the experts' c_proj keeps its input's codes, never
-    the GELU output, as without recompute (precision/fp8_experts.py). The rebuild: a dense block, or a MoE block's attention
-    side, less its input and what it reads of the cache (memory.selective_rebuild_shared)."""
+    R_e·4h·e_c routed, S·4h·M·e_c/T shared; the copies (N/E + S/T)·8h²·w: parallel/recompute.py). SP's column layers
+    keep their gathered input under recompute (no regather). Under FP8 the experts' c_proj keeps its input's codes,
+    never the GELU output, as without recompute (accounting/fp8_experts.py). The rebuild: a dense block, or a MoE
+    block's attention side, less its input and what it reads of the cache (memory.selective_rebuild_shared)."""
     whole = replace(x, regather=False)  # SP's column layers keep their gathered input (the cache's, or saved)
     terms, every = memory.layer_activation_terms(whole), memory.layer_activation_terms(x)
     blocks, rebuilt = {}, []
@@ -213,8 +212,8 @@ def zero3_saved_weights(config, x: memory.ActivationShape, layer_ids: list, ends
     A checkpointed block (full or selective) saves no weight: its recompute does, inside backward; but a MoE block
     under selective recompute runs its MoE side once (model.Block), and that side's ops save their weights.
 
-    Without a pipeline (parallel/zero3.py: a unit per block, one for the root): the root's (embeddings, ln_f, the tied head:
-    the head gathered it again) and, without recompute, the last block's, which the schedule keeps gathered into
+    Without a pipeline (parallel/zero3.py: a unit per block, one for the root): the root's (embeddings, ln_f, the tied
+    head: the head gathered it again) and, without recompute, the last block's, which the schedule keeps gathered into
     backward. Every other block's saved weights are views of a unit freed after its forward (0 bytes until
     backward gathers it again).
 
@@ -273,14 +272,14 @@ def moe_block_bytes(config, x: memory.ActivationShape, ep: int, slots: int = 0, 
     routed = x.s * x.b // (x.t if x.sp else 1)
     whole_input = x.sp and not x.regather  # SP's c_fc keeps the gathered input (FP8, a recomputed block)
     shared_bytes = shared.saved_bytes(config, tokens, x.t, x.e_c, router_bytes, tokens if whole_input else routed,
-                                    True if whole_input else None, x.fp8, gelu_outputs)
+                                      True if whole_input else None, x.fp8, gelu_outputs)
     # (held routed, TP's share of shared) 8h²
     weights = (slots or config.moe.experts) // ep + config.moe.shared_experts / x.t
     copies = 0 if x.fp8 else weights * 8 * x.h * x.h * x.weight_copy
     fp8 = fp8_experts.saved_bytes_delta(routed, config.moe.topk, config.moe.experts, x.h, x.e_c) if x.fp8 else 0
     return (moe_costs.layer_activation_bytes(config, routed, x.e_c, router_bytes,
                                        mask_bytes=1 if x.bool_masks else max(x.e_c, x.e_r), ep=ep,
-                                       gelu_outputs=gelu_outputs) + shared_bytes + fp8,
+                                             gelu_outputs=gelu_outputs) + shared_bytes + fp8,
             copies)
 
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from planner import hardware
 from accounting import memory
 import mfu
+from planner import hardware
 
 NARROW = ("fp8", "mxfp8", "mxfp4", "nvfp4")  # formats with a GEMM of their own; any other part (bf16) is the compute
 

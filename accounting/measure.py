@@ -1,15 +1,15 @@
 """Measurements that run torch work for the printouts: a block forward and backward, the ring's transfers alone.
 
 The accounting prints each prediction next to a measurement of the same thing. Most measurements observe the
-training itself (the tracer in accounting/tracer.py, the clocks in mfu.py, accounting/memory.py's saved-tensor hooks and memory
-timeline); the three here run work of their own at start-up, and leave the run as they found it:
+training itself (the tracer in accounting/tracer.py, the clocks in mfu.py, accounting/memory.py's saved-tensor hooks and
+memory timeline); the three here run work of their own at start-up, and leave the run as they found it:
 
     measure_block(run)      one held block, forward and backward, under a CommTracer and memory.SavedActivations:
                             its messages by (phase, op, group) and the bytes it saves for backward, as the run runs
                             it (a deep copy under a forked RNG); the tp and cp sections print it (report/axes.py)
     measure_moe_blocks(run) each held MoE block forward once (a copy, likewise) under memory.LiveTensors: its MoE
-                            layer's and its attention's peak, beside accounting/moe_memory.py's prediction for the rows it
-                            routed; every rank's, gathered (the moe section prints them)
+                            layer's and its attention's peak, beside accounting/moe_memory.py's prediction for the rows
+                            it routed; every rank's, gathered (the moe section prints them)
     time_ring_alone(cp, …)  the ring's transfers of one layer with no compute between them, into its observer's clock,
                             so the end can say how much of them compute hid (context_parallel.py's item 3)
 
@@ -24,16 +24,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from accounting import activations
-from experts import dispatch
+from accounting import activations, fp8_experts, memory, moe_memory
 import context_parallel
-from precision import fp8_experts
-from accounting import memory
+from experts import dispatch
 import moe
-from accounting import moe_memory
 from accounting.tracer import CommTracer
-from step import Count
 from shard import materialize
+from step import Count
 
 
 @dataclass(frozen=True)
@@ -97,8 +94,8 @@ def _copy_block(run, block_index: int):
 
 @dataclass(frozen=True)
 class MoEPeak:
-    """One held MoE block's forward on one rank, measured (memory.LiveTensors) and predicted (accounting/moe_memory.py) for
-    the rows it routed."""
+    """One held MoE block's forward on one rank, measured (memory.LiveTensors) and predicted (accounting/moe_memory.py)
+    for the rows it routed."""
 
     layer_id: int
     rank: int

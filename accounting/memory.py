@@ -86,7 +86,8 @@ def param_counts(config, tp: int = 1, ep: int = 1, layers=None, embedding: bool 
     checkpointing recomputes), dense_linears (the blocks' nn.Linear weights outside routed experts and routers;
     the shared experts among them), fp8_matmul (those and a token's k routed experts: what --fp8 runs in FP8).
     What the rank holds, by the group that sums its gradients: dp_cp (split/T + replicated + router), expert_dp
-    (experts/E; with R = `slots` physical slots, --moe-replicas (experts/eplb.py): L_moe·(R/E)·Ψ_e), and per_rank, their sum.
+    (experts/E; with R = `slots` physical slots, --moe-replicas (experts/eplb.py): L_moe·(R/E)·Ψ_e), and per_rank, their
+    sum.
     """
     experts_config = experts_of(config)
     h, V, b, n, k = config.n_embd, config.vocab_size, int(config.bias), experts_config.experts, experts_config.topk
@@ -307,8 +308,8 @@ def block_input_bytes(x: ActivationShape) -> float:
 
 
 def selective_block_terms(x: ActivationShape, mlp: bool = True) -> dict[str, float]:
-    """What a block under selective recompute (parallel/recompute.py) keeps for backward per micro-batch, by what keeps it
-    (T = x.t; T' = T with SP, else 1; `mlp` False: the attention side alone, a MoE block's checkpoint
+    """What a block under selective recompute (parallel/recompute.py) keeps for backward per micro-batch, by what keeps
+    it (T = x.t; T' = T with SP, else 1; `mlp` False: the attention side alone, a MoE block's checkpoint
     (model.Block): c_attn's 3/T and c_proj's 1, TP's one sum, SP's one gather and one scatter, Ulysses'):
         block input                  sbh·e_r/T'          the checkpoint's input (the recompute starts from it)
         GEMM outputs                 (7/T + 2)·sbh·e_g   c_attn's [q|k|v] 3/T, c_fc's 4/T, and the row layers'

@@ -69,13 +69,13 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    each source's rows a GEMM of their own after the fan-out); a lower bound where another moment of the EP
    backward rises higher (seen with capacity, by 32 bytes). A router with N ≫ h rises in its own backward,
    its [T, N] gradients (B2, `router_rise`; the aux losses' own [T, N] gradients in a step: not written).
-   FP8 experts (precision/fp8_experts.py, any --fp8 recipe): `fp8_expert_terms` replace the experts' rows (E = 1
+   FP8 experts (accounting/fp8_experts.py, any --fp8 recipe): `fp8_expert_terms` replace the experts' rows (E = 1
    the sent S, E > 1 the fan-out's R_e; each of the c chunks, an expert's rows at E = 1 and one source's rows
    for a local slot at E > 1, padded to 16 rows, P in all: their FP8 input codes, scales, c_fc's padded
    output; blockwise's scales one per 1×128 tile of each padded row, `fp8_blockwise`); with the forward's own
    chunk counts (moe.MoE.local_rows) the saved bytes and the bytes alive at P1 and P2 (E > 1 also P6, the peak
-   under bf16 autocast) are measured equal (tests/accounting/test_moe_memory.py: E = 1 ten recipes and dtypes, E = 2 nine
-   on 2 ranks, blockwise with one and two tiles a row, and a start-up's saved bytes at E = 2). The plan takes
+   under bf16 autocast) are measured equal (tests/accounting/test_moe_memory.py: E = 1 ten recipes and dtypes, E = 2
+   nine on 2 ranks, blockwise with one and two tiles a row, and a start-up's saved bytes at E = 2). The plan takes
    P = N_p·15/2 and c = N_p, whatever E (N_p/E slots × E sources; uniform routing, each chunk's row count mod 16
    alike: fp8_experts.expected_padded_rows), the worst case the same chunks. Not written: inside each expert's
    GEMM, where a CPU's emulation peaks (its fp32 operands and product: 52,648 bytes measured against P2's 31,932
@@ -83,8 +83,8 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    dequantised in whole 128-column tiles, 188,188 against P2's 32,412 at h = 16; _scaled_mm's on a GPU not
    measured), the step's first forward making the weight codes (N/E·8h² bytes and scalars, or blockwise a scale
    per 128×128 block, kept to the step's end), and the backward under FP8. A precision recipe
-   (precision/recipe_experts.py, `recipe`): its linears save the weight parameter itself, so the table drops autocast's copies
-   (the shared experts' too) and its saved bytes and P1, P2 are measured equal (nvfp4 with and without autocast,
+   (accounting/recipe_experts.py, `recipe`): its linears save the weight parameter itself, so the table drops autocast's
+   copies (the shared experts' too) and its saved bytes and P1, P2 are measured equal (nvfp4 with and without autocast,
    mxfp8 under autocast; with the copies, 30,668 saved predicted against 14,284 measured); not written: the
    emulation's fake-quantisation temporaries, where its CPU forward peaks (38,312 measured against P2's 26,780, nvfp4
    in fp32), a recipe's tail layers (which keep autocast's copies: the plan's table is the quantised layers'), and
@@ -102,13 +102,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from accounting import activations
-from experts import dispatch
-from experts import router
-from precision import fp8_experts
+from accounting import activations, fp8_experts
+from experts import dispatch, router
 import mfu
-from precision.fp8_scaling import TILE_ACTIVATION
 from experts.router import rows_per_token
+from precision.fp8_scaling import TILE_ACTIVATION
 
 MOMENTS = {"P0": "capacity's one-hot product", "P1": "the experts' outputs concatenated",
            "P2": "the combine's index_add", "P3": "the output's dropout", "P4": "y cast to the input's dtype",
@@ -137,9 +135,9 @@ class DispatchShape:
     shared: int = 0  # Q shared experts (experts/shared.py): one MLP of width Q·4h on the block's input
     slots: int = 0  # R_p physical expert slots with --moe-replicas (experts/eplb.py); 0: the N experts in place
     expert_rows: float = 0  # R_e: E > 1, the slots this rank's experts run (the fan-out, experts/dispatch.py)
-    fp8: tuple | None = None  # --fp8 (precision/fp8_experts.py): (P padded rows, c chunks run, e_s an inverse scale's)
+    fp8: tuple | None = None  # --fp8 (accounting/fp8_experts.py): (P padded rows, c chunks run, e_s an inverse scale's)
     fp8_blockwise: bool = False  # --fp8 blockwise: an inverse scale per 1×128 tile of each padded row, not per chunk
-    recipe: bool = False  # a precision recipe's linears on the experts (precision/recipe_experts.py): no autocast weight copies
+    recipe: bool = False  # a precision recipe's experts (accounting/recipe_experts.py): no autocast weight copies
 
 
 @dataclass(frozen=True)
@@ -228,8 +226,8 @@ TILE = TILE_ACTIVATION[1]  # --fp8 blockwise: the columns one input scale covers
 
 
 def fp8_expert_terms(x: DispatchShape) -> list:
-    """Under --fp8 (fp8.Fp8Linear on the routed experts, precision/fp8_experts.py) each of the c chunks (E = 1 an expert's
-    rows; E > 1 the rows one source sent a local slot, each its own GEMM) is padded to a multiple of 16, P rows
+    """Under --fp8 (fp8.Fp8Linear on the routed experts, accounting/fp8_experts.py) each of the c chunks (E = 1 an
+    expert's rows; E > 1 the rows one source sent a local slot, each its own GEMM) is padded to a multiple of 16, P rows
     in all, and its linears save their inputs as FP8 codes with their inverse scales (e_s: fp32, fp64 for fp64
     inputs), so the rows in are no longer saved (c_fc keeps their codes: E = 1 the sent rows [S, h], alive in
     dispatch_and_combine; E > 1 the fan-out's [R_e, h], alive in dispatch.exchange) and of the hidden only

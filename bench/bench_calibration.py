@@ -28,11 +28,10 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cli import flags  # noqa: E402
-from planner import hardware  # noqa: E402
 import plan  # noqa: E402
-from planner.calibration import CALIBRATED, DATASHEET, RANGES  # noqa: E402
-from planner import time_model  # noqa: E402
+from planner import hardware, time_model  # noqa: E402
 import train  # noqa: E402
+from planner.calibration import CALIBRATED, DATASHEET, RANGES  # noqa: E402
 
 SEQ, VOCAB = 2048, 51200
 ATTENTION_KERNEL = "math"  # Megatron 2021: softmax and dropout on the s×s scores through HBM (unfused)

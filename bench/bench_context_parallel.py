@@ -42,8 +42,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import context_parallel  # noqa: E402
 from accounting import measure  # noqa: E402
+import context_parallel  # noqa: E402
 import report.axes  # noqa: E402
 from common import add_device_argument, alternate, check_gpus, init_rank  # noqa: E402
 from accounting.memory import SavedActivations, activation_bytes_per_layer  # noqa: E402

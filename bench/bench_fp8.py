@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+from accounting import observers  # noqa: E402
 import fp8  # noqa: E402
 from precision import fp8_scaling  # noqa: E402
-from accounting import observers  # noqa: E402
 import report.axes  # noqa: E402
 from common import add_device_argument, alternate  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402

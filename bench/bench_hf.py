@@ -2,7 +2,8 @@
 
     python bench/bench_hf.py                 # GPT-2 124M's shape (12 × 768, 12 heads, 50257 tokens), float64
     python bench/bench_hf.py --small         # 2 × 64, for a quick look
-    python bench/bench_hf.py --smoke         # 2 × 64 and 16 tokens: tests/interop/test_hf.py runs it where transformers is
+    python bench/bench_hf.py --smoke         # 2 × 64 and 16 tokens: tests/interop/test_hf.py runs it where transformers
+    is
 
 A randomly initialised GPT2LMHeadModel (nothing is downloaded) is saved with save_pretrained and read with
 `--init-from`'s path (flags.validate, then hf.load_into: Conv1D weights transposed, the vocabulary padded to

@@ -34,8 +34,8 @@ from accounting import memory  # noqa: E402
 import moe  # noqa: E402
 import report.axes  # noqa: E402
 from common import add_device_argument, alternate, launch, rank_device  # noqa: E402
-from mesh import MeshShape, build_mesh  # noqa: E402
 from accounting.tracer import CommTracer  # noqa: E402
+from mesh import MeshShape, build_mesh  # noqa: E402
 from mfu import format_bytes  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 from optim import build_adamw  # noqa: E402

@@ -47,11 +47,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from accounting.tracer import CommTracer  # noqa: E402
+from accounting import observers  # noqa: E402
 from cli import flags  # noqa: E402
 from resilience import goodput  # noqa: E402
-from accounting import observers  # noqa: E402
 import train  # noqa: E402
+from accounting.tracer import CommTracer  # noqa: E402
 from step import train_step  # noqa: E402
 
 # Row name -> (what it is, its own train.py flags). "none" keeps the z-loss (it bounds the logits, it does not

@@ -37,10 +37,10 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from parallel import schedules  # noqa: E402
 import pipeline as pp  # noqa: E402
 import report.axes  # noqa: E402
 import report.pipeline  # noqa: E402
-from parallel import schedules  # noqa: E402
 from bench.common import add_device_argument, launch, rank_device, synchronize  # noqa: E402
 from mesh import build_mesh, infer_mesh_shape  # noqa: E402
 from model import GPT, GPTConfig, cross_entropy_sum  # noqa: E402

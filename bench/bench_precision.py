@@ -51,8 +51,7 @@ import torch  # noqa: E402
 
 from accounting import format_flops  # noqa: E402
 from planner import hardware  # noqa: E402
-from precision import microscaling  # noqa: E402
-from precision import microscaling_fast  # noqa: E402
+from precision import microscaling, microscaling_fast  # noqa: E402
 import precision.recipe  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 
@@ -106,7 +105,8 @@ def _gemm_hadamard(x, hadamard, dim=-1):
 def step_seconds(preset: str, spec: str | None, batch: int, steps: int, reference: bool) -> float:
     """The mean wall seconds of `steps` forward + backward passes (after one warm-up) of `preset` in fp32 with
     --precision-recipe `spec` (None: none), on random tokens; reference: with the quantiser and Hadamard the
-    recipe used before precision/microscaling_fast.py (float64 NVFP4, a new tensor per operation; the Hadamard as a GEMM)."""
+    recipe used before precision/microscaling_fast.py (float64 NVFP4, a new tensor per operation; the Hadamard as a
+    GEMM)."""
     config = config_from_preset(preset)
     torch.manual_seed(0)
     model = GPT(config)

@@ -38,10 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from accounting import memory  # noqa: E402
 import tensor_parallel  # noqa: E402
 from common import add_device_argument, check_gpus, init_rank, synchronize  # noqa: E402
-from model import GPT, config_from_preset  # noqa: E402
-from shard import ShardInfo, Split  # noqa: E402
 from mfu import format_bytes  # noqa: E402
+from model import GPT, config_from_preset  # noqa: E402
 from optim import adamw_param_groups, build_adamw  # noqa: E402
+from shard import ShardInfo, Split  # noqa: E402
 
 
 def _dtensor_model(config, seed, world, rank, device):

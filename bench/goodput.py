@@ -23,8 +23,8 @@ run sees the same draws, and about --kills of them (≥ 3) land in it.
    attempt's workers have written the next draw's number of step lines since the attempt's first (the draws from
    random.Random(seed), the same for every τ; the default seed 1 draws 4 kills in the first 3.75·M_steps, the
    5th at 4.43). Measured goodput = train / (wall − the first start-up − eval − other), from the trainer's own
-   goodput table of the job (resilience/goodput.py: the predecessors' time comes from the checkpoint; after a kill before the
-   first checkpoint no ledger carries it, and the job's wall is the supervisor's). The prediction for
+   goodput table of the job (resilience/goodput.py: the predecessors' time comes from the checkpoint; after a kill
+   before the first checkpoint no ledger carries it, and the job's wall is the supervisor's). The prediction for
    the run is re-measured from the run itself, so a change of machine speed between runs moves both: T_s its
    median step line, C scaled by T_s / the uninterrupted run's T_s, R its mean restart (the kill → the
    restarted workers' first step line, less one step: the relaunch, start-up, restore), M its training time per

@@ -23,20 +23,18 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from cli import paths
 import data
-from resilience import diloco
-from resilience import elastic
-from planner import hardware
+from experts import router
 from interop import hf
 import moe
-from experts import router
-from cli import paths
 from parallel import recompute
-from planner import calibration
-from resilience.ckpt_files import CheckpointError, WriterLock
-from resilience.diloco import DiLoCoConfig
+from planner import calibration, hardware
+from resilience import diloco, elastic
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
 from model import PRESETS, GPTConfig, config_from_preset
+from resilience.ckpt_files import CheckpointError, WriterLock
+from resilience.diloco import DiLoCoConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --activation-checkpointing's modes → the GPTConfig field each one sets (none sets neither)
@@ -64,7 +62,7 @@ class Settings:
     dtype: str = "fp32"  # the autocast dtype (--dtype auto resolved)
     dtype_reason: str = "--dtype"  # why: what was asked, or what auto found
     ckpt_lock: WriterLock | None = None  # rank 0's hold on --ckpt-dir for the run (claim_checkpoint_directory)
-    diloco: DiLoCoConfig | None = None  # --diloco-h: the replicas' outer step (resilience/diloco.py), wrapping the layout
+    diloco: DiLoCoConfig | None = None  # --diloco-h: the replicas' outer step (resilience/diloco.py)
 
     @property
     def world_size(self) -> int:

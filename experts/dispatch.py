@@ -53,7 +53,7 @@ from step import Messages
 class Exchange(NamedTuple):
     """The rows of one exchange, host ints: per EP rank r, the pairs this rank sent r (dispatch) and the pairs
     r sent it (so the combine rows it sent back); the slots its experts ran; the rows of each GEMM they ran, per
-    local slot, per source rank (what an FP8 expert pads: precision/fp8_experts.py)."""
+    local slot, per source rank (what an FP8 expert pads: accounting/fp8_experts.py)."""
 
     sent: list
     received: list
@@ -111,9 +111,9 @@ def exchange(rows: torch.Tensor, gate: torch.Tensor, slot: torch.Tensor, slots: 
     row_of = torch.div(fan, k, rounding_mode="floor")
     chunks = arrived[row_of].split(per_slot)  # [R_e, h]: the fan-out, one chunk per local slot, sources in order
     # Each source's rows run as a GEMM of their own (as without dedup), every source in order, even with no rows:
-    # an FP8 or a precision recipe's expert scales the rows one source's micro-batch sends it alone (precision/fp8_experts.py,
-    # precision/recipe_experts.py), so E = 2 quantises exactly as E = 1 does; other experts are row-wise and give the same
-    # rows either way.
+    # an FP8 or a precision recipe's expert scales the rows one source's micro-batch sends it alone
+    # (accounting/fp8_experts.py, accounting/recipe_experts.py), so E = 2 quantises exactly as E = 1 does; other experts
+    # are row-wise and give the same rows either way.
     pieces = [[sizes[1][source][i] for source in range(ep)] for i in range(per_rank)]  # [local slot][source]
     out = torch.cat([run_expert(i, piece) for i, chunk in enumerate(chunks) for piece in chunk.split(pieces[i])])
     weighted = out * meta_in[:, :k].reshape(-1)[fan].unsqueeze(1)  # e_w

@@ -10,8 +10,8 @@ R ≥ N physical slots, R/E on each of the E expert-parallel ranks. Hierarchical
     3. pack each node's replicas, of load w_i / c_i each, onto its ranks, R/E per rank (`balanced_packing`).
 Otherwise one global step: groups = nodes = 1. The result, per layer: phy2log [R] (the logical expert of each
 physical slot, rank r holding slots [r·R/E, (r+1)·R/E)), log2phy [N, max c] (each expert's slots, -1 padded),
-logcnt [N] (c_i). Loads in float32, ties broken as deepseek-ai/EPLB's experts/eplb.py breaks them (torch.sort's order, the
-lower index), so its placements are reproduced exactly. The trainer places over the E ranks of an ep group
+logcnt [N] (c_i). Loads in float32, ties broken as deepseek-ai/EPLB's experts/eplb.py breaks them (torch.sort's order,
+the lower index), so its placements are reproduced exactly. The trainer places over the E ranks of an ep group
 with the global policy (one group, one node).
 
 Training with it (`Replicas`; `apply`, the axis of --moe-replicas R, places them right after moe.py's):
@@ -518,10 +518,11 @@ def apply(model, run, config: ReplicaConfig) -> ReplicaAxis:
     for layer in layers:
         place_slots(layer, config.slots, mesh.group("ep"), config.ep, mesh.index("ep"), run.device)
     load_groups = ("dp_cp", "tp") if config.load_tp else ("dp_cp",)  # the ranks whose tokens these layers route
-    redundant = RedundantExperts(layers, config.replan_every, config.load_decay,
-                                 {name: mesh.group(name) for name in ("ep", "dp_cp", "expert_dp")},
-                                 {name: mesh.group(name) for name in load_groups}, mesh.coordinates()) if layers else None
-    return ReplicaAxis(redundant)
+    if not layers:
+        return ReplicaAxis(None)
+    return ReplicaAxis(RedundantExperts(layers, config.replan_every, config.load_decay,
+                                        {name: mesh.group(name) for name in ("ep", "dp_cp", "expert_dp")},
+                                        {name: mesh.group(name) for name in load_groups}, mesh.coordinates()))
 
 
 class ReplicaAxis(Axis):

@@ -46,9 +46,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import ckpt
-from resilience.ckpt_files import CheckpointError, fsync_path, list_checkpoints, verify_checkpoint
 import moe
 from model import GPT, GPTConfig
+from resilience.ckpt_files import CheckpointError, fsync_path, list_checkpoints, verify_checkpoint
 from shard import ShardInfo, StatePiece, describe
 
 # GPT-2's Conv1D weights, stored [in, out] (model.py's nn.Linear: [out, in]).

@@ -1,9 +1,9 @@
 """Collectives as torch operators: what selective recompute's policy sees of a layout's messages, and saves.
 
-Selective recompute (parallel/recompute.py) decides op by op, below autograd (torch.utils.checkpoint's TorchDispatchMode),
-what a block keeps: an op it does not keep runs again in the block's recompute. A raw `dist.all_reduce` is seen
-there as an in-place c10d op on a buffer allocated just before it (its result is that buffer, which the cache
-cannot give back), so a policy could neither keep it nor leave it to the recompute without running the
+Selective recompute (parallel/recompute.py) decides op by op, below autograd (torch.utils.checkpoint's
+TorchDispatchMode), what a block keeps: an op it does not keep runs again in the block's recompute. A raw
+`dist.all_reduce` is seen there as an in-place c10d op on a buffer allocated just before it (its result is that buffer,
+which the cache cannot give back), so a policy could neither keep it nor leave it to the recompute without running the
 collective again inside backward: messages the accounting does not predict, and on an uneven schedule a hang.
 Wrapped as one out-of-place operator each (`collectives::all_reduce`, ...), a collective is a single op to
 the policy: it runs once in the forward, its output is kept (`SAVED`), and the recompute reads the kept tensor

@@ -18,8 +18,8 @@ anyway). Recomputing the kernel would save the log-sum-exp alone, s·b·a·4 byt
 block at s = 1024), and cost the attention's 4·s²·h forward FLOPs again. The memory sits in the elementwise
 ops around the GEMMs, which is what this policy recomputes.
 
-Accounting (s, b, h, a, e_r the residual's and e_c the compute's bytes per element, accounting/memory.py's symbols; T the
-tensor-parallel size, s = s/C under context parallel):
+Accounting (s, b, h, a, e_r the residual's and e_c the compute's bytes per element, accounting/memory.py's symbols; T
+the tensor-parallel size, s = s/C under context parallel):
 1. Nothing is split by this file; it changes what a block keeps between its forward and its backward.
 2. Per block and micro-batch (memory.selective_block_terms): the block input s·b·h·e_r (/T with SP), the GEMM
    outputs (7/T + 2)·s·b·h·e_c (c_attn 3/T, c_fc 4/T, the two row layers' outputs whole: 9 at T = 1), with a
@@ -203,5 +203,5 @@ def check_flags(args, shape) -> None:
         return
     if shape.cp > 1 and args.cp_impl == "ring":
         raise ValueError("--activation-checkpointing selective with --cp-impl ring: the ring's transfers would run"
-                         " again in the recompute (parallel/recompute.py); use --cp-impl ulysses or --activation-checkpointing"
-                         " full")
+                         " again in the recompute (parallel/recompute.py); use --cp-impl ulysses or"
+                         " --activation-checkpointing full")

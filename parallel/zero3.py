@@ -56,9 +56,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from step import Messages
 from ddp import grad_group
 from shard import counts_here, initial_local
+from step import Messages
 from zero import Unit, ZeroConfig, ZeroFacts, ZeroLayout
 
 

@@ -1,7 +1,7 @@
 """ZeRO-2 and ZeRO-3 under a pipeline: units per chunk, gradients reduced once a step, weights gathered by the schedule.
 
-Without a pipeline, zero.py's stage 2 reduce-scatters each backward's gradient buckets and parallel/zero3.py gathers a block
-in module hooks around the model's forward. A pipeline breaks both: a rank's backward brings one chunk's gradients
+Without a pipeline, zero.py's stage 2 reduce-scatters each backward's gradient buckets and parallel/zero3.py gathers a
+block in module hooks around the model's forward. A pipeline breaks both: a rank's backward brings one chunk's gradients
 of one micro-batch at a time, interleaved with other micro-batches' forwards (and, under zb, split into I and W),
 and the interpreter calls the stage's pieces (embed, forward_blocks, head_loss) itself, in the schedule's order.
 So here the layout follows the schedule (`parallel/schedules.py`'s action list of this rank):
@@ -55,10 +55,10 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from step import Messages
 from parallel.schedules import build_programs, rank_chunks, stage_layers
-from zero import Unit, ZeroConfig, ZeroFacts, ZeroLayout
 from parallel.zero3 import Zero3Layout, by_group_and_codec
+from step import Messages
+from zero import Unit, ZeroConfig, ZeroFacts, ZeroLayout
 
 NOTE = ("under the pipeline: units per chunk; gradients summed over the step's micro-batches in full buffers "
         "({acc}, held from a chunk's first backward to its last: {grads}), one reduce_scatter per unit at the "
@@ -146,12 +146,8 @@ class _ChunkGradients:
         param.grad = None
         if not self.require_grad_sync:
             return
-        unit.pending -= 1
-        if unit.pending < 0:
-            raise RuntimeError("a gradient arrived twice in the synchronised backwards of one step: only each chunk's"
-                               " last backward (zb: last I and last W) may run outside no_sync()")
-        while self._next_to_launch < len(self.units) and self.units[self._next_to_launch].pending == 0:
-            self._launch(self.units[self._next_to_launch])
+        self.arrived(unit, self.units, "only each chunk's last backward (zb: last I and last W) may run outside"
+                                       " no_sync()")
 
     def _launch(self, unit: Unit):
         """zero.py's reduce-scatter of the unit's full buffer (its step's sum); the weights stay (the schedule

@@ -45,12 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accounting import activations
-from planner import hardware
-from accounting import memory
+from accounting import activations, memory
 import model as model_lib
-from planner import calibration
-from planner import time_model
+from planner import calibration, hardware, time_model
 from planner.calibration import Calibration
 
 

@@ -16,11 +16,11 @@ and one NDR 400 Gb/s (HDR 200 for A100) InfiniBand port per GPU. A preset's peak
 dtype and per microscaling format where the datasheet gives one: B200 (HGX B200 datasheet, per GPU, dense = half
 its sparse figures) 2,250 BF16, 4,500 FP8 and MXFP8, 9,000 FP4 (MXFP4, NVFP4) TFLOP/s, 180 GB HBM3e (1,440 GB a
 node) at 8 TB/s, NVLink 5 1.8 TB/s per GPU both directions together; H100, H200 and A100 have no block-scaled
-GEMM and no FP4 (their rows have no MX/NVFP4 figure: accounting/format_flops.py counts those FLOPs at the compute dtype's
-rate, as the emulation runs them). Latencies are round figures of NCCL's per-step cost on such links
+GEMM and no FP4 (their rows have no MX/NVFP4 figure: accounting/format_flops.py counts those FLOPs at the compute
+dtype's rate, as the emulation runs them). Latencies are round figures of NCCL's per-step cost on such links
 (a few µs), stated, not measured. `cpu` is this machine, measured (`measure_cpu`): the bf16/fp32 matmul loop
-of mfu.py and a gloo all-reduce timed many times at two sizes (link_fit), and planner/cpu_probe.py adds what a run's own block
-reaches of that peak and how much of a transfer hides behind compute, so every real run's end line checks the
+of mfu.py and a gloo all-reduce timed many times at two sizes (link_fit), and planner/cpu_probe.py adds what a run's own
+block reaches of that peak and how much of a transfer hides behind compute, so every real run's end line checks the
 model against its own steps.
 
 A preset carries calibration.CALIBRATED (what real runs reach of these figures: GEMM efficiency by shape,

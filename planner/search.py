@@ -32,34 +32,28 @@ import time
 from dataclasses import dataclass
 from itertools import product
 
-from accounting import activations
-from experts import dispatch
+from accounting import activations, memory, moe_memory
+from cli import flags
 import context_parallel
 import ddp
-from experts import eplb
-from cli import flags
-from precision import fp8_scaling
-from planner import hardware
-from accounting import memory
-import zero
+from experts import dispatch, eplb, router
 import mfu
-from moe import experts_of
-from accounting import moe_memory
-from experts import router
+from parallel import recompute, schedules, zero_pipeline
+from planner import hardware
+from precision import fp8_scaling
 import precision.recipe
-from parallel import recompute
 import report.axes
-from parallel import schedules
 import step
 import tensor_parallel
 import train
-from parallel import zero_pipeline
-from step import Messages
+import zero
 from cli.flags import FlagError
-from planner.hardware import hardware_line
 from mesh import MeshShape, groups_of
-from planner.time_model import (PLANNED_DEVICE, Role, layout_facts, layout_name, limiting_term, plan_dtypes, plan_settings,
-                        predict)
+from moe import experts_of
+from planner.hardware import hardware_line
+from planner.time_model import (PLANNED_DEVICE, Role, layout_facts, layout_name, limiting_term, plan_dtypes,
+                                plan_settings, predict)
+from step import Messages
 
 
 def _programs_facts(schedule: str, P: int, m: int, v: int) -> tuple:
@@ -361,7 +355,7 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
         tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
         replicas = settings.args.moe_replicas  # R physical slots (experts/eplb.py), 0: none
         traffic = dispatch.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro, replicas,
-                                         settings.args.fp8, settings.args.precision_recipe is not None)
+                                   settings.args.fp8, settings.args.precision_recipe is not None)
         shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
         sp_grad_bytes = int(s.b_g * held["moe_replicated"] / shard) if sp else 0
         messages = messages + dispatch.step_messages(traffic, sp_grad_bytes)
@@ -430,8 +424,8 @@ def _formula_pipeline(s: _Stage, messages, temporaries: dict, facts: tuple | Non
 
 def _formula_diloco(s: _Stage, messages, persistent: dict) -> tuple:
     """(persistent, notes): the update's norm all-reduce joins messages, over the world, or with DiLoCo over the
-    replica (resilience/diloco.py), which then adds its outer state θ_start + b to the optimizer row, 2·Ψ_rank·b_o with b_o
-    the parameters' dtype promoted to fp32, and its Δ all-reduce over `diloco`, Ψ_rank·b_o once per H steps."""
+    replica (resilience/diloco.py), which then adds its outer state θ_start + b to the optimizer row, 2·Ψ_rank·b_o with
+    b_o the parameters' dtype promoted to fp32, and its Δ all-reduce over `diloco`, Ψ_rank·b_o once per H steps."""
     config = s.settings.diloco
     if config is None:
         messages.add("all_reduce", "world", 1, 16)

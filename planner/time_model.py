@@ -11,7 +11,8 @@ The time model (planner/hardware.py states the hardware): per role and step
                      + the memory-bound ops' bytes of this rank's tokens and layers / (HBM · hbm_fraction)
                (planner/calibration.py: e(d) the fraction of the peak a GEMM of smallest dimension d reaches; the
                datasheet set, e = 1 and no loss but the memory-bound bytes, on a measured CPU, whose e, the
-               head's and the layout factor ρ (× t_c: the run's own forward over its price) planner/cpu_probe.py measures)
+               head's and the layout factor ρ (× t_c: the run's own forward over its price) planner/cpu_probe.py
+               measures)
     update     2 · persistent bytes / (HBM bandwidth · hbm_fraction)                (memory-bound, exposed)
                (a measured CPU: its update's local work timed at start-up, cpu_probe.update_seconds)
     each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds, the
@@ -50,18 +51,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accounting import activations
-from planner import hardware
-from accounting import memory
+from accounting import activations, memory, moe_memory
 import mfu
 import model as model_lib
-from accounting import moe_memory
-import report.run
-import report.axes
 from parallel import schedules
-from planner import calibration
-from step import Messages
+from planner import calibration, hardware
+import report.axes
+import report.run
 from cli.flags import DTYPES
+from step import Messages
 from step import scalar_messages
 
 

@@ -1,8 +1,8 @@
 """FP8 delayed scaling with redundant experts (--fp8 delayed --moe-replicas R): one amax history per LOGICAL expert
 linear, whichever slots hold it, wherever they are.
 
-experts/eplb.py places N logical experts in R physical slots, R/E on each ep rank, a hot expert in c_i of them, and moves
-slots at a re-plan; fp8.convert makes each slot its own FP8 linear (fp8.py's Experts). A logical expert linear
+experts/eplb.py places N logical experts in R physical slots, R/E on each ep rank, a hot expert in c_i of them, and
+moves slots at a re-plan; fp8.convert makes each slot its own FP8 linear (fp8.py's Experts). A logical expert linear
 (`transformer.h.<l>.mlp.experts.<i>.c_fc`, `.c_proj`) is one tensor in c_i copies: as without replicas, one
 history per role (input, weight, grad_output) and one scale, so it is kept once per logical expert, on EVERY rank
 (`ExpertHistory`, N·2 per MoE layer), and each slot reads the history of the expert it holds this step (its

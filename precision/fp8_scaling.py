@@ -170,7 +170,8 @@ def scaled_matmul(a, a_inverse_scale, b, b_inverse_scale, out_dtype, use_scaled_
 
 def per_tensor(mode: str | None) -> bool:
     """--fp8 current or delayed: one scale per tensor, so a weight is one E4M3 tensor of codes (what ZeRO-3 gathers
-    as codes, fp8.ZeroWeightCodec, and what the routed experts run, precision/fp8_experts.py); blockwise's scales are tiles."""
+    as codes, fp8.ZeroWeightCodec, and what the routed experts run, accounting/fp8_experts.py); blockwise's scales are
+    tiles."""
     return mode in ("current", "delayed")
 
 

@@ -20,8 +20,8 @@ computed by precision/microscaling.py's own functions. The result is the same bi
         float64, elsewhere the decision and the neighbours are v's.
 Inputs other than float32 (float64 models, a float8 weight) go to microscaling.fake_quantize itself.
 
-Symbols: n elements, b the block. 1. Replicated and split: as precision/microscaling.py (pure). 2. Peak: one float32 copy of
-the tensor (4n bytes) plus one int32 or bool temporary at a time (≤ 4n), and the redone elements in float64.
+Symbols: n elements, b the block. 1. Replicated and split: as precision/microscaling.py (pure). 2. Peak: one float32
+copy of the tensor (4n bytes) plus one int32 or bool temporary at a time (≤ 4n), and the redone elements in float64.
 3. Messages: none. 4. Restart state: none.
 """
 

@@ -19,7 +19,7 @@ The embedding, the head and the loss stay in the compute dtype. A MoE block: its
 experts are dense layers here (TP shards, amax over tp), and a routed expert's logical tensor is the chunk of
 rows one source rank's micro-batch sends it (dispatch.exchange runs one GEMM per source): quantised alone,
 no amax reduction, SR keyed by (the source's global micro-batch, the expert, the row in the chunk), its dW
-operands zero-padded to the token block (precision/recipe_experts.py), so E = 2 equals E = 1 and one device. --cp, --sp
+operands zero-padded to the token block (accounting/recipe_experts.py), so E = 2 equals E = 1 and one device. --cp, --sp
 and --moe-replicas would split a chunk over ranks or slots: refused with MoE (`config_from_flags`). This is an
 emulation: the GEMMs run in the compute dtype (float64 models: float64) on the dequantised values. Only
 Blackwell (B200) has block-scaled MX/NVFP4 tensor cores; an H100/H200 has none, so there too it is emulated.
@@ -44,8 +44,9 @@ output widths, n the recipe's linears on this rank, β_f bits per element of for
    operand, amax W] when bwd=nvfp4. MX formats and routed experts send nothing. ZeRO-3: under the nvfp4 preset (w2d, fwd
    = bwd = nvfp4) one 16×16 quantisation of W serves both GEMMs, so it gathers W's E2M1 codes (1 byte per element here,
    4 bits packed) after an all_reduce MAX of the tiles' amaxes (4 bytes per 256 elements) and the tensor amax
-   (`ZeroWeightCodec`, precision/recipe_codec.py); otherwise W is quantised along K for Y and along N for dX (two copies, 2·β ≥
-   b_w bits), so it is gathered in the working dtype (b_w bytes per element) and quantised after the gather.
+   (`ZeroWeightCodec`, precision/recipe_codec.py); otherwise W is quantised along K for Y and along N for dX (two
+   copies, 2·β ≥ b_w bits), so it is gathered in the working dtype (b_w bytes per element) and quantised after the
+   gather.
 4. Restart state: the optimizer step the draws and Hadamard signs are keyed by ("precision/step", one float64,
    the same on every rank and mesh); nothing else: no amax history, no generator.
 """
@@ -58,16 +59,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from parallel import collectives
 import context_parallel
-from precision import microscaling
-from precision import microscaling_fast
-from step import Messages
+from parallel import collectives
+from precision import microscaling, microscaling_fast
 from fp8 import QuantizationObserver, forward_operands
 from precision.fp8_scaling import pad_rows
 from precision.recipe_codec import ZeroWeightCodec
-from step import in_backward
 from shard import ShardInfo, StatePiece, counts_here
+from step import Messages
+from step import in_backward
 from step import Axis
 
 # --- The recipe: its parts, presets and checks ---------------------------------------------------------------
@@ -101,8 +101,8 @@ class PrecisionRecipe:
 
     @property
     def gathers_codes(self) -> bool:
-        """Whether ZeRO-3 gathers its weights as E2M1 codes (precision/recipe_codec.py): fwd = bwd = nvfp4 under w2d, one
-        16×16 quantisation of W serving both GEMMs."""
+        """Whether ZeRO-3 gathers its weights as E2M1 codes (precision/recipe_codec.py): fwd = bwd = nvfp4 under w2d,
+        one 16×16 quantisation of W serving both GEMMs."""
         return self.fwd == self.bwd == "nvfp4" and self.w2d
 
     def describe(self) -> str:
@@ -312,7 +312,8 @@ class RecipeLinear(nn.Linear):
         self.gathered_weight_amax = None  # set by ZeRO-3 while it holds this weight gathered from NVFP4 codes
         # A routed expert's: the first global micro-batch of each EP source rank (dispatch.exchange runs one
         # GEMM per source's rows, every source in order, so call c is source c mod E's micro-batch c // E), and
-        # the token block its dW operands' rows are zero-padded to (precision/recipe_experts.py); None, 1 for the others.
+        # the token block its dW operands' rows are zero-padded to (accounting/recipe_experts.py); None, 1 for the
+        # others.
         self.sources, self.token_block = sources, token_block
         self.row_share = 1.0  # a routed expert's: E·k/N of a micro-batch's M rows (convert sets it; accounting)
         self.operators = False  # selective recompute: the amax MAX through collective_ops, a recompute unrecorded
@@ -458,8 +459,8 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
             seq_len: int | None = None, cp_balance: str = "zigzag") -> PrecisionHandle:
     """Swap every nn.Linear of the blocks outside the tail for a RecipeLinear, in place: the dense ones and the
     shared experts' with NVFP4's amax groups cp and tp (each when larger than one rank; mesh None: one process),
-    a routed expert's with none (its logical tensor is one source's chunk, whole here: precision/recipe_experts.py), its
-    sources' first micro-batches and the token block. The router is no nn.Linear: it stays in high precision,
+    a routed expert's with none (its logical tensor is one source's chunk, whole here: accounting/recipe_experts.py),
+    its sources' first micro-batches and the token block. The router is no nn.Linear: it stays in high precision,
     as DeepSeek-V3 keeps its gate (a flipped top-k choice is not a small error)."""
     groups = {n: mesh.group(n) for n in ("cp", "tp") if mesh is not None and mesh.size(n) > 1}
     cp = mesh.size("cp") if mesh is not None else 1
@@ -495,7 +496,7 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
             linear.operators = model.config.selective_recompute
             setattr(block.get_submodule(path.rpartition(".")[0]), leaf, linear)
             linears[name] = linear
-            if codec is not None:  # of W serves both its GEMMs: ZeRO-3 may gather it in NVFP4 (precision/recipe_codec.py)
+            if codec is not None:  # of W serves both its GEMMs: ZeRO-3 may gather it in NVFP4 (recipe_codec)
                 codec.attach(linear)
     return PrecisionHandle(recipe, linears, kept, state, mesh, micro_batches, model.config.activation_checkpointing)
 

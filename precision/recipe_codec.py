@@ -38,8 +38,8 @@ def _tile_index(weight: torch.Tensor, start: int, count: int) -> torch.Tensor:
 
 
 class ZeroWeightCodec:
-    """How ZeRO-3 gathers the recipe's NVFP4 weights (parallel/zero3.py knows only `weight.gather_codec` and these methods,
-    as for fp8.ZeroWeightCodec)."""
+    """How ZeRO-3 gathers the recipe's NVFP4 weights (parallel/zero3.py knows only `weight.gather_codec` and these
+    methods, as for fp8.ZeroWeightCodec)."""
 
     def __init__(self):
         self.linear_of = {}  # weight parameter → its RecipeLinear

@@ -20,20 +20,14 @@ import os
 
 import torch
 
+from accounting import fp8_experts, measure, memory, moe_costs, moe_memory, observers
 import context_parallel
-from precision import fp8_experts
-from accounting import measure
-from experts import dispatch
-from accounting import memory
-import zero
+from experts import dispatch, router
 import mfu
-from accounting import moe_costs
-from accounting import moe_memory
-from experts import router
-from accounting import observers
 import report.pipeline
 import report.precision
 import tensor_parallel
+import zero
 from step import Count
 
 
@@ -259,8 +253,8 @@ def moe_startup_lines(axis, run, steps: int = 0) -> list:
                      f" {mfu.format_bytes(per_layer * (traffic.ep - 1) / traffic.ep)}; per step {calls} calls,"
                      f" {mfu.format_bytes(payload)} (the startup table's figure; the end table predicts exactly,"
                      f" from the routed counts)")
-    # The forward's peak (accounting/moe_memory.py) beside what start-up measured (train.compose(measure=True); a run built by
-    # hand without that measurement, no run.measured_moe, prints none).
+    # The forward's peak (accounting/moe_memory.py) beside what start-up measured (train.compose(measure=True); a run
+    # built by hand without that measurement, no run.measured_moe, prints none).
     return lines + (moe_memory.startup_lines(traffic, run) if getattr(run, "measured_moe", None) is not None else [])
 
 
@@ -296,7 +290,7 @@ def moe_end_lines(axis, run, steps: int) -> list:
         sent_to = tracer.sent_to("all_to_all_single", "ep")
         traced = sum(nbytes for nbytes, place in zip(sent_to, places.of_rank) if place != places.mine)
     lines += [line for line in [moe_costs.off_group_line(traffic, routed.off_group, routed.forwards, steps,
-                                                              traced)] if line]
+                                                         traced)] if line]
     if routed.last_load is None:
         routed.take_load(traffic.micro_batches)  # no load line was printed: read the loads now
     if routed.last_load is not None:

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from accounting import memory
 import mfu
-import pipeline
 from parallel import schedules
+import pipeline
 
 PP_IN_FLIGHT_TEXT = {"gpipe": "m", "1f1b": "min(P−r, m)", "zb": "min(P−r, m)",
                      "interleaved": "min(2(P−r−1) + (v−1)(P + m mod P) + 1, v·m)"}

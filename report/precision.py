@@ -3,8 +3,8 @@ and at the end (report/axes.py registers them as AXIS_LINES["fp8"] and AXIS_LINE
 
 --fp8 (fp8.py): which linears and GEMMs, the memory FP8 saves, the FP8 share of the FLOPs and the format-weighted
 peak, the amax reductions; per logged step the scales in use and the share of saturated values; at the end the
-routed experts' padded rows (precision/fp8_experts.py). --precision-recipe (precision/recipe.py): which blocks run in which
-block-scaled format, the bits per element with their scales, the saved inputs and ZeRO-3's gathered weights, the
+routed experts' padded rows (accounting/fp8_experts.py). --precision-recipe (precision/recipe.py): which blocks run in
+which block-scaled format, the bits per element with their scales, the saved inputs and ZeRO-3's gathered weights, the
 FLOPs by format and the format-weighted peak (accounting/format_flops.py), NVFP4's amax reductions; per logged step the
 saturated share by role. Nothing here changes what the trainer computes.
 """
@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from accounting import format_flops, fp8_experts, recipe_experts
 import fp8
-from precision import fp8_experts
-from precision import fp8_scaling
-from accounting import format_flops
-from planner import hardware
 import mfu
+from planner import hardware
+from precision import fp8_scaling
 import precision.recipe
-from precision import recipe_experts
 from precision.fp8_replicas import scaling_state_bytes
 
 
@@ -160,7 +158,7 @@ def _precision_saturation(handle, run, steps: int) -> list:
 
 def _precision_end(handle, run, steps: int) -> list:
     """The linears quantised and kept; the routed experts' padded rows counted per MoE layer against the estimate
-    (precision/recipe_experts.py), with what a block-scaled kernel would keep saved for them."""
+    (accounting/recipe_experts.py), with what a block-scaled kernel would keep saved for them."""
     facts, r = handle.facts(), handle.facts().recipe
     block = max(precision.recipe.block_of(r.bwd), precision.recipe.HADAMARD if r.rht else 1)
     bits = precision.recipe.bits_per_element(r.bwd, run.compute_dtype.itemsize)

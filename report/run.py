@@ -1,11 +1,11 @@
 """The run's accounting printed: what the start-up predicts, each step's line, the end's measured vs predicted.
 
 This file only prints; what it prints is computed elsewhere: mfu.py (FLOPs, peaks, wire bytes, the clocks),
-accounting/memory.py (what a device holds, the per-layer activation formulas, the memory measurements), accounting/activations.py
-(what a rank's forwards save), accounting/tracer.py (the tracer, the `Messages` type), accounting/measure.py (the start-up's
-measurements that run work of their own), and each axis's lines are its section in report/axes.py. The concept
-files keep their algorithms and their pure prediction formulas, which these call. It reads the run
-(train.Run), the layout and the axes' handles, and never changes what the trainer computes.
+accounting/memory.py (what a device holds, the per-layer activation formulas, the memory measurements),
+accounting/activations.py (what a rank's forwards save), accounting/tracer.py (the tracer, the `Messages` type),
+accounting/measure.py (the start-up's measurements that run work of their own), and each axis's lines are its section in
+report/axes.py. The concept files keep their algorithms and their pure prediction formulas, which these call. It reads
+the run (train.Run), the layout and the axes' handles, and never changes what the trainer computes.
 
     print_startup(run)            the mesh, parameters, memory, FLOPs, peak, every axis, predicted messages
     print_step(record, progress)  step i/N, losses, lr, grad norm, tok/s, MFU, step time, ETA (+ axis lines)
@@ -25,17 +25,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from accounting import memory
+from accounting import memory, moe_memory, observers
 import mfu
-from accounting import moe_memory
-from accounting import observers
 from accounting.activations import ActivationEstimate, activation_estimate, activation_shape
-from step import Messages
 from accounting.measure import measure_block, measure_moe_blocks
 from mesh import axis_groups
 from optim import update_messages
 from report.axes import MEASURES_BLOCK, axis_lines, layout_lines, observe
 from shard import counts_here
+from step import Messages
 from step import scalar_messages
 
 

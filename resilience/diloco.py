@@ -40,8 +40,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from step import Messages
 from shard import ShardInfo, StatePiece
+from step import Messages
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from resilience.ckpt_files import MANIFEST, step_dir_name
 from mesh import MeshShape, infer_mesh_shape
+from resilience.ckpt_files import MANIFEST, step_dir_name
 
 SHARED_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # set by torchrun's agent: "True" while its store is shared
 OPT_OUT_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torchrun's opt-out of that sharing (dynamic_rendezvous.py)

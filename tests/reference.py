@@ -10,9 +10,9 @@ batches to harness.device() (or leaves that to step.train_step), so the referenc
 import torch
 
 import moe
+from parallel import recompute
 from model import GPT, config_from_preset
 from optim import adamw_param_groups
-from parallel import recompute
 
 HYPER = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 

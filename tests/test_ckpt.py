@@ -439,8 +439,8 @@ def test_master_is_filled_from_param_when_the_checkpoint_has_none(fused_qkv, tmp
 
 
 def test_an_optional_piece_the_checkpoint_lacks_keeps_its_live_value(fused_qkv):
-    """An axis's optional state (experts/eplb.py's load averages, written with replicas only) absent from the checkpoint:
-    the rest loads, the optional tensor keeps its value; the same piece not optional is refused."""
+    """An axis's optional state (experts/eplb.py's load averages, written with replicas only) absent from the
+    checkpoint: the rest loads, the optional tensor keeps its value; the same piece not optional is refused."""
     from dataclasses import replace
 
     import ckpt
@@ -1218,8 +1218,8 @@ def test_a_sigkilled_writer_leaves_no_stale_lock(tmp_path):
 
     root = str(tmp_path)
     holder = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); import time;"
-                               f" from resilience import ckpt_files; lock = ckpt_files.WriterLock({root!r}); print('held', flush=True);"
-                               f" time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+                               f" from resilience import ckpt_files; lock = ckpt_files.WriterLock({root!r});"
+                               f" print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(CheckpointError):
         WriterLock(root)

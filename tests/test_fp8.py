@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from accounting import format_flops
 import fp8
 from precision import fp8_scaling
-from accounting import format_flops
 import harness
 import moe
 import report.axes

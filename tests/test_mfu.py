@@ -8,12 +8,11 @@ import types
 import pytest
 import torch
 
+from accounting import format_flops, memory
 from cli import flags
-from accounting import format_flops
-from planner import hardware
-from accounting import memory
 import mfu
 import model
+from planner import hardware
 from reference import build_model, make_config
 import plan
 import report.axes

@@ -113,7 +113,8 @@ def test_selective_recompute_follows_the_plain_models_loss_curve():
     for dropout, extra in ((0.0, {}), (0.1, {}), (0.1, moe)):
         runs = []
         for selective in (False, True):
-            model = build_model(tiny(dropout=dropout, selective_recompute=selective, **extra), seed=2, dtype=torch.float64)
+            model = build_model(tiny(dropout=dropout, selective_recompute=selective, **extra), seed=2,
+                                dtype=torch.float64)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             generator, losses = torch.Generator().manual_seed(0), []
             torch.manual_seed(7)  # the dropout draws
@@ -203,7 +204,7 @@ def test_selective_recompute_of_a_moe_block_runs_under_per_block_compile():
     grads = []
     for selective in (False, True):
         model = build_model(tiny(moe_experts=4, moe_shared_experts=1, selective_recompute=selective), seed=2,
-                    dtype=torch.float64)
+                            dtype=torch.float64)
         if selective:
             compile_blocks(model, backend="eager")
         idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

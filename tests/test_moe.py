@@ -660,13 +660,13 @@ def test_uniform_step_messages():
     fp32 values) once per forward."""
     from experts import dispatch
     traffic = dispatch.Traffic(make_config(moe_experts=4, moe_topk=2), moe_layers=2, tokens=32, micro_batches=3,
-                                     ep=2)
+                               ep=2)
     rows = 32 * 5 / 3
     one = 8 * (4 + 2) + 4 * rows * 32 * 2 + 2 * rows * 4 * 4
     got = dispatch.step_messages(traffic)[("all_to_all_single", "ep")]
     assert got[0] == 2 * 3 * 7 and got[1] == pytest.approx(2 * 3 * one, rel=1e-12)
     traffic = dispatch.Traffic(make_config(moe_experts=4, moe_topk=2, activation_checkpointing=True), tokens=32,
-                                     ep=2, cp=2)
+                               ep=2, cp=2)
     msgs = dispatch.step_messages(traffic)
     checkpointed = 2 * 8 * (4 + 2) + 6 * rows * 32 * 2 + 3 * rows * 4 * 4
     assert msgs[("all_to_all_single", "ep")][0] == 11
@@ -943,7 +943,7 @@ def test_layer_activation_bytes_match_what_autograd_saves():
         compute = 2 if autocast else dtype.itemsize
         weight_copies = config.moe.experts * 2 * 4 * 16 * 16 * 2 if autocast else 0
         expected = moe_costs.layer_activation_bytes(config, 24, compute, max(4, dtype.itemsize),
-                                                         mask_bytes=dtype.itemsize, sequences=2)
+                                                    mask_bytes=dtype.itemsize, sequences=2)
         assert saved.bytes - weight_copies == expected, (dtype, autocast, saved.bytes, expected)
 
 
@@ -1032,7 +1032,7 @@ def test_the_sequence_balance_loss_by_hand():
         expected += sum(fi * pi for fi, pi in zip(f, p)) / batch
     assert abs(float(got) - expected) < 1e-14
     halves = [router.sequence_stats(s.view(batch, n_tok, n)[:, cut].reshape(-1, n),
-                                        probs.view(batch, n_tok, n)[:, cut].reshape(-1, n), k, batch)
+                                    probs.view(batch, n_tok, n)[:, cut].reshape(-1, n), k, batch)
               for cut in (slice(0, 2), slice(2, None))]
     assert abs(float(router.sequence_loss(halves[0] + halves[1], k)) - expected) < 1e-14
 

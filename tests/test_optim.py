@@ -7,8 +7,8 @@ import torch
 
 import harness
 from harness import run_ranks
-from shard import ShardInfo, Split, counts_here
 from optim import DynamicLossScaler, LRSchedule, build_adamw, update
+from shard import ShardInfo, Split, counts_here
 
 
 def test_lr_schedule_warmup_cosine_floor():

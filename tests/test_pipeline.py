@@ -45,10 +45,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from parallel import schedules as sch
 import pipeline as pp
 import report.axes
 import report.pipeline
-from parallel import schedules as sch
 from step import Messages
 import harness
 from harness import run_ranks
@@ -1129,10 +1129,11 @@ def test_nobody_watches_the_interpreter_by_default_and_an_observer_is_told_each_
 
 
 def test_the_accounting_reads_the_pipeline_handle_through_facts_and_its_observer_only():
-    """report/pipeline.py (the pp section), report/axes.py's observe, accounting/activations.py, planner/time_model.py's pp branch
-    and the bench read the pp handle (a variable `axis` or `handle`) through step.Axis's methods, `facts()` and
-    `observer` (the clock the accounting subscribed), never its schedule; report/run.py reads nothing of a schedule beyond
-    step.GradientAccumulation's protocol; pipeline.py imports no accounting file (accounting/measure.py reads no pp)."""
+    """report/pipeline.py (the pp section), report/axes.py's observe, accounting/activations.py, planner/time_model.py's
+    pp branch and the bench read the pp handle (a variable `axis` or `handle`) through step.Axis's methods, `facts()`
+    and `observer` (the clock the accounting subscribed), never its schedule; report/run.py reads nothing of a schedule
+    beyond step.GradientAccumulation's protocol; pipeline.py imports no accounting file (accounting/measure.py reads no
+    pp)."""
     import ast
 
     import step
@@ -1143,8 +1144,8 @@ def test_the_accounting_reads_the_pipeline_handle_through_facts_and_its_observer
     protocol = {name for name in vars(step.GradientAccumulation) if not name.startswith("_")}
     protocol |= {"forward_observer"}  # set in its __init__
     read, of_schedule = set(), set()
-    for path in ("report/pipeline.py", "report/axes.py", "report/run.py", "accounting/activations.py", "planner/time_model.py",
-                 "bench/bench_pipeline.py"):
+    for path in ("report/pipeline.py", "report/axes.py", "report/run.py", "accounting/activations.py",
+                 "planner/time_model.py", "bench/bench_pipeline.py"):
         tree = ast.parse(open(os.path.join(root, path)).read())
         scopes = [tree]
         if path == "report/axes.py":  # observe only: the other axes' sections read their own handles

@@ -280,8 +280,8 @@ def test_a_second_run_on_a_ckpt_dir_is_refused_before_any_process_group_and_a_de
 
     root = tmp_path / "ck"
     root.mkdir()
-    hold = (f"import sys, time; sys.path.insert(0, {ROOT!r}); from resilience import ckpt_files; lock = ckpt_files.WriterLock("
-            f"{str(root)!r}); print('held', flush=True); time.sleep(120)")
+    hold = (f"import sys, time; sys.path.insert(0, {ROOT!r}); from resilience import ckpt_files;"
+            f" lock = ckpt_files.WriterLock({str(root)!r}); print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -608,7 +608,8 @@ def test_the_axis_protocol_is_nine_methods_and_no_handle_brings_back_a_removed_h
         assert not removed & set(vars(cls)), (cls, removed & set(vars(cls)))
 
 
-ACCOUNTING = ("report/run.py", "report/axes.py", "accounting/measure.py", "accounting/activations.py", "planner/time_model.py")
+ACCOUNTING = ("report/run.py", "report/axes.py", "accounting/measure.py", "accounting/activations.py",
+              "planner/time_model.py")
 # What the accounting files still read of a handle beyond step.Axis: nothing.
 STILL_READ = set()
 # ... and of a layout beyond optim.Layout: `get` is time_model.predict's `layout`, the plan's dict of sizes.
@@ -633,9 +634,9 @@ def _accounting_reads(variables: tuple) -> dict:
 
 
 def test_the_accounting_reads_a_handle_only_through_the_protocol():
-    """report/run.py, report/axes.py, accounting/measure.py, accounting/activations.py, planner/time_model.py: every attribute read on a handle (a
-    variable `axis` or `handle`) is a step.Axis method or attribute (`facts()` for the axis's own figures,
-    `observer` for what the accounting subscribed), apart from STILL_READ."""
+    """report/run.py, report/axes.py, accounting/measure.py, accounting/activations.py, planner/time_model.py: every
+    attribute read on a handle (a variable `axis` or `handle`) is a step.Axis method or attribute (`facts()` for the
+    axis's own figures, `observer` for what the accounting subscribed), apart from STILL_READ."""
     import step
 
     protocol = {name for name in vars(step.Axis) if not name.startswith("_")}

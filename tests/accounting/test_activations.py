@@ -1,5 +1,5 @@
-"""The activation estimate the run prints (activations.activation_estimate, accounting/memory.py's formulas of what the kernels
-save) against what autograd really saves, and the measured peak of a step.
+"""The activation estimate the run prints (activations.activation_estimate, accounting/memory.py's formulas of what the
+kernels save) against what autograd really saves, and the measured peak of a step.
 
 Each case builds the run from flags as train.py does and measures one micro-batch's forward with
 memory.SavedActivations (saved_tensors_hooks, each storage once). The estimate must be within TOL of it:

@@ -1,5 +1,5 @@
-"""accounting/moe_memory.py: a MoE layer's forward peak predicted tensor by tensor equals memory.LiveTensors' measurement, to
-the byte, on a CPU, for the routing the layer made (the rows it sent and received).
+"""accounting/moe_memory.py: a MoE layer's forward peak predicted tensor by tensor equals memory.LiveTensors'
+measurement, to the byte, on a CPU, for the routing the layer made (the rows it sent and received).
 
 - One process (E = 1): dropless and with capacity, top-1 and top-2, fp32, bf16 autocast over fp32 weights, bf16
   weights, with dropout; a case where capacity's one-hot product is the peak (P0). Attention's part likewise
@@ -39,7 +39,8 @@ class _Rows:
 
 
 def _layer(n=4, k=2, factor=0.0, dropout=0.0, dtype=torch.float32, h=H, **deepseek):
-    """One MoE layer; `deepseek`: GPTConfig's router (experts/router.py) and shared-expert (experts/shared.py) fields."""
+    """One MoE layer; `deepseek`: GPTConfig's router (experts/router.py) and shared-expert (experts/shared.py)
+    fields."""
     from reference import build_model
 
     torch.manual_seed(0)
@@ -154,7 +155,7 @@ def test_uniform_and_worst_case_rows():
     for factor, uniform, worst in ((0.0, (pairs, pairs, 32), (16, 64, 128)), (2.0, (pairs, pairs, 32), (16, 64, 64)),
                                    (0.5, (16, 16, 16), (16, 64, 16))):
         traffic = dispatch.Traffic(make_config(n_embd=H, moe_experts=8, moe_capacity_factor=factor),
-                                         tokens=B * S_LEN, ep=4)
+                                   tokens=B * S_LEN, ep=4)
         rows = {r: moe_memory.shape_of(traffic, x, r) for r in ("uniform", "worst")}
         got = {r: (rows[r].sent, rows[r].received, rows[r].expert_rows) for r in rows}
         assert got["uniform"] == pytest.approx(uniform) and got["worst"] == worst, (factor, got)
@@ -221,8 +222,8 @@ EMULATION_PEAK = {"current": "aten.mm", "delayed": "aten.mm",  # the CPU's peak 
 @pytest.mark.parametrize("recipe, kwargs, autocast", FP8_ONE_DEVICE,
                          ids=[f"{c[0]}-{c[1]}-autocast={c[2]}" for c in FP8_ONE_DEVICE])
 def test_fp8_experts_saved_bytes_and_moments_equal_the_prediction_for_the_rows_they_padded(recipe, kwargs, autocast):
-    """--fp8 (precision/fp8_experts.py), E = 1: with the chunks' row counts of the forward (P padded rows, c chunks), the
-    saved bytes and the bytes alive at P1 (the experts' outputs concatenated) and P2 (the combine's index_add)
+    """--fp8 (accounting/fp8_experts.py), E = 1: with the chunks' row counts of the forward (P padded rows, c chunks),
+    the saved bytes and the bytes alive at P1 (the experts' outputs concatenated) and P2 (the combine's index_add)
     equal moe_memory's FP8 table to the byte (P2 alive: the second forward of the step, the weight codes made by
     the first). The peak itself lies inside an emulated FP8 GEMM on a CPU (its fp32 operands and product: not
     written), e.g. 52,648 measured against P2's 31,932 for the first case. Before the table, saved read 24,524
@@ -259,7 +260,7 @@ RECIPE_ONE_DEVICE = [  # (recipe, layer kwargs, autocast)
 @pytest.mark.parametrize("recipe, kwargs, autocast", RECIPE_ONE_DEVICE,
                          ids=[f"{c[0]}-{c[1]}-autocast={c[2]}" for c in RECIPE_ONE_DEVICE])
 def test_recipe_experts_saved_bytes_and_moments_equal_the_table_without_weight_copies(recipe, kwargs, autocast):
-    """--precision-recipe (precision/recipe_experts.py), E = 1: its linears save the weight parameter itself, so with
+    """--precision-recipe (accounting/recipe_experts.py), E = 1: its linears save the weight parameter itself, so with
     moe_memory's `recipe` (no autocast weight copies) the saved bytes and the bytes alive at P1 and P2 are the
     table's to the byte (with the copies, the second case read 30,668 saved predicted against 14,284 measured).
     Its CPU forward peaks inside the emulation's fake quantisation (not written)."""

@@ -1,5 +1,5 @@
-"""Tests for accounting/tracer.py: the CommTracer on real ranks (their tensors on harness.device(): each rank's GPU under
-nccl, where the tensor collectives go over NCCL): calls, payloads and wire bytes per (phase, collective, group),
+"""Tests for accounting/tracer.py: the CommTracer on real ranks (their tensors on harness.device(): each rank's GPU
+under nccl, where the tensor collectives go over NCCL): calls, payloads and wire bytes per (phase, collective, group),
 object collectives sized by what they move, nesting, and restoring torch.distributed afterwards."""
 
 import pytest

@@ -79,7 +79,8 @@ def test_each_step_folds_its_load_into_the_moving_average_with_the_stated_decay(
 
     replicas = eplb.Replicas(4, 4, 1, 0, torch.device("cpu"))
     replicas.set_plan([0, 1, 2, 3], [0, 0, 0, 0], [1, 1, 1, 1])
-    layer = SimpleNamespace(replicas=replicas, layer_id=0, experts=torch.nn.ModuleDict(), load=SimpleNamespace(reduce=False))
+    layer = SimpleNamespace(replicas=replicas, layer_id=0, experts=torch.nn.ModuleDict(),
+                            load=SimpleNamespace(reduce=False))
     redundant = eplb.RedundantExperts([layer], replan_every=1, decay=0.75, groups={}, load_groups={})
     for step_load, expected in (([4, 0, 0, 0], [1, 0, 0, 0]), ([0, 4, 0, 0], [0.75, 1, 0, 0])):
         replicas.step_load += torch.tensor(step_load, dtype=torch.float64)

@@ -1,4 +1,5 @@
-"""Bad input to `--init-from` (interop/hf.py through cli/flags.py), export_hf.py and sample.py, as a careless user gives it.
+"""Bad input to `--init-from` (interop/hf.py through cli/flags.py), export_hf.py and sample.py, as a careless user gives
+it.
 
 Every case must end in one line naming the flag or file and what was expected (its fragment is in the table),
 exit status 2, no traceback, and nothing written or changed (the case's directory and the sources are hashed

@@ -1,5 +1,5 @@
-"""parallel/zero_pipeline.py: ZeRO-2 and ZeRO-3 under every pipeline schedule follow the single-device model, send and hold
-what they predict, and resume on another mesh.
+"""parallel/zero_pipeline.py: ZeRO-2 and ZeRO-3 under every pipeline schedule follow the single-device model, send and
+hold what they predict, and resume on another mesh.
 
 One spawn of 4 ranks (P = 2 × D = 2, the tied embedding across the stages) runs every case, each built as train.main
 builds it (tests/test_composition.py's `composed_run`: flags → mesh → stage → axes → layout → schedule) in float64,

@@ -14,13 +14,12 @@ from dataclasses import replace
 
 import pytest
 
-from cli import flags
-from planner import hardware
 from accounting import memory
+from cli import flags
 import mfu
 import plan
+from planner import calibration, hardware
 import planner.search
-from planner import calibration
 from planner import time_model
 import train
 

@@ -1,5 +1,5 @@
-"""planner/cpu_probe.py's formulas (and hardware.alpha_beta, the link's fit they feed): each checked against the model it
-inverts, on figures built from known constants, so a wrong algebra cannot pass."""
+"""planner/cpu_probe.py's formulas (and hardware.alpha_beta, the link's fit they feed): each checked against the model
+it inverts, on figures built from known constants, so a wrong algebra cannot pass."""
 
 import dataclasses
 import math
@@ -9,18 +9,16 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from cli import flags
-from planner import hardware
 from accounting import memory
+from cli import flags
 import mfu
-from planner import calibration
-from planner import time_model
+from planner import calibration, hardware, time_model
 import train
 from harness import run_ranks
-from step import Messages
-from planner import cpu_probe
 import model as model_lib
+from planner import cpu_probe
 from planner.cpu_probe import gemm_fraction, overlap_fraction
+from step import Messages
 
 
 @pytest.mark.parametrize("world", [2, 4])

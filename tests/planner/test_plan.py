@@ -112,8 +112,8 @@ class LiveSavedBesidesWeights(LiveSaved):
 
 def _left_gathered(run) -> int | None:
     """ZeRO-3 without a pipeline: the bytes of the units a forward leaves gathered (the root, the last block:
-    parallel/zero3.py's schedule), from the layout's own buffers; None for other layouts (parallel/zero_pipeline.py's chunks are
-    checked by the first forward's measurement)."""
+    parallel/zero3.py's schedule), from the layout's own buffers; None for other layouts (parallel/zero_pipeline.py's
+    chunks are checked by the first forward's measurement)."""
     if run.settings.args.zero != 3 or run.settings.shape.pp > 1:
         return None
     layout = run.layout
@@ -374,7 +374,7 @@ def test_search_enumerates_selective_recompute_with_tensor_parallel_and_experts(
         assert {(2, 1, 1, 0), (4, 1, 1, 3)} <= set(accepted) and all(a[1] == 1 for a in accepted), accepted
         assert not extra or {(1, 1, 2, 0), (2, 1, 4, 3)} <= set(accepted), accepted
     ranked = planner.search.search([*TINY, "--global-batch", "8", "--moe-experts", "4"], 4, hardware.PRESETS["h100"],
-                                top=10_000)[0]
+                                   top=10_000)[0]
     assert any(r[2].model.selective_recompute and r[2].shape.ep > 1 for r in ranked)
 
 

@@ -1,5 +1,5 @@
-"""precision/fp8_replicas.py: --fp8 delayed with redundant experts (--moe-replicas) keeps one amax history per logical expert.
-One spawn of 2 ranks (E = 2, N = 4 experts in R = 6 slots, re-planned after every step so slots move), float64:
+"""precision/fp8_replicas.py: --fp8 delayed with redundant experts (--moe-replicas) keeps one amax history per logical
+expert. One spawn of 2 ranks (E = 2, N = 4 experts in R = 6 slots, re-planned after every step so slots move), float64:
 the run follows delayed without replicas within FP8's tolerance, traces the messages predicted, holds the same
 logical histories on every rank with every slot reading its expert's; resumed from a checkpoint written WITHOUT
 replicas it equals the run without replicas resumed alike (the same scales: the quantisation cannot differ), and

@@ -9,8 +9,8 @@ layout → step.train_step) and compare with tests/reference.py's single process
 at the FP8 tests' tolerance: losses and parameters within 1e-10 in float64. That holds only if every element is
 quantised identically on both meshes: the same blocks (local to a rank's piece), the same NVFP4 tensor amax (MAX
 over tp) and the same stochastic-rounding draws (keyed by the logical coordinates, not by the rank), so a rank-keyed
-draw or a missing reduction fails it by orders of magnitude. MoE (precision/recipe_experts.py): a routed expert's chunk is
-checked bitwise against the recipe on its zero-padded rows, and E = 1, E = 2 (ZeRO-1 with shared experts, ZeRO-3)
+draw or a missing reduction fails it by orders of magnitude. MoE (accounting/recipe_experts.py): a routed expert's chunk
+is checked bitwise against the recipe on its zero-padded rows, and E = 1, E = 2 (ZeRO-1 with shared experts, ZeRO-3)
 and TP follow the single process at the same tolerance, E = 2 equal to E = 1 (a draw keyed by the receiving rank
 instead of the source's micro-batch fails it by 2e-2). All mesh runs share one 2-rank spawn.
 """
@@ -220,7 +220,7 @@ MESH_CASES = [case for preset in PRESETS for case in _mesh_cases(preset)] + [
     # draws with its first forward's micro-batch and repeats the forward's amax reductions
     (["--precision-recipe", "nvfp4", "--pp", "2", "--pp-schedule", "zb"], dict(H, n_layer=4), 4, 2),  # its own W
     (["--precision-recipe", "nvfp4,tail=0", "--cp", "2", "--seq-len", str(LONG)], H, 2, 1),  # SR draws at CP's
-    # positions, the tensor amax MAX over cp; MoE (precision/recipe_experts.py): E = 1, then E = 2 (each source's chunk
+    # positions, the tensor amax MAX over cp; MoE (accounting/recipe_experts.py): E = 1, then E = 2 (each source's chunk
     # scaled alone, SR keyed by the source's micro-batch), the shared experts as dense layers
     (["--precision-recipe", "nvfp4,tail=0", *MOE], H, 4, 2),
     (["--precision-recipe", "nvfp4,tail=0", *MOE, "--ep", "2"], H, 4, 2),

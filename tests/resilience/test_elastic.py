@@ -1,4 +1,5 @@
-"""resilience/elastic.py: two torchrun agents on this machine (`--nnodes 1:2`, c10d rendezvous on localhost), one node each.
+"""resilience/elastic.py: two torchrun agents on this machine (`--nnodes 1:2`, c10d rendezvous on localhost), one node
+each.
 
 One run serves the launcher tests (a module-scoped fixture): agent A starts alone (world 1); agent B joins (A's
 worker is paused meanwhile, so that the run is still going when B arrives), so A's agent restarts its worker and

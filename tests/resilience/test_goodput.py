@@ -1,6 +1,6 @@
-"""resilience/goodput.py: the clock's causes add up to the wall time, a resumed run carries its predecessors' time, the ledger
-is untrusted input, and the checkpoint-interval formulas against their definitions (bench/goodput.py measures them
-under failures; its flags are checked here)."""
+"""resilience/goodput.py: the clock's causes add up to the wall time, a resumed run carries its predecessors' time, the
+ledger is untrusted input, and the checkpoint-interval formulas against their definitions (bench/goodput.py measures
+them under failures; its flags are checked here)."""
 
 import importlib.util
 import math

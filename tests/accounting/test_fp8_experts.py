@@ -1,5 +1,5 @@
-"""FP8 routed experts (fp8.py's "Experts", precision/fp8_experts.py): the row padding is invisible to the numbers, a MoE
-layer in FP8 stays within FP8's tolerance of the compute-dtype layer, the padded rows counted equal a hand count
+"""FP8 routed experts (fp8.py's "Experts", accounting/fp8_experts.py): the row padding is invisible to the numbers, a
+MoE layer in FP8 stays within FP8's tolerance of the compute-dtype layer, the padded rows counted equal a hand count
 from the routing, and on meshes E = 2 equals E = 1 and the single device under the same recipe (float64); with
 redundant experts (--moe-replicas) --fp8 current follows the run without them: bitwise where a row's quantisation
 cannot differ, within FP8's own error where a replicated expert's rows are split and scaled apart.
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from accounting import fp8_experts
 import fp8
-from precision import fp8_experts
 from precision import fp8_scaling
 from harness import run_ranks
 from precision.microscaling import sqnr_db as sqnr

@@ -14,8 +14,8 @@ Symbols: h hidden, N experts, k top-k, T tokens this rank routes per micro-batch
 
 1. Replicated and split: nothing new (the padding is a temporary of each expert GEMM).
 2. Peak per device: + (5h + 4h·e_c)·P bytes saved per MoE layer and micro-batch in flight (`padding_bytes`;
-   `saved_bytes_delta` the experts' whole change from FP8, for accounting/activations.py's estimate). Whatever E, a rank runs
-   N chunks per MoE layer and micro-batch (N/E experts × E sources), so P ≤ 15·N; real routing is not uniform
+   `saved_bytes_delta` the experts' whole change from FP8, for accounting/activations.py's estimate). Whatever E, a rank
+   runs N chunks per MoE layer and micro-batch (N/E experts × E sources), so P ≤ 15·N; real routing is not uniform
    (exactly T·k/N rows a chunk would pad (−T·k/N) mod 16 each), a chunk's row count mod 16 is about uniform,
    and the estimate takes its mean, P ≈ 7.5·N (`expected_padded_rows`).
 3. Messages: none (the padding never travels: chunks are padded where they are run, after the all-to-all).
@@ -61,7 +61,7 @@ def expected_padded_rows(experts: int) -> float:
 
 class PaddingCount(observers.SaturationCount):
     """observers.SaturationCount (the scale table's), plus the zero rows each expert's c_fc appended (FP8: its
-    GEMMs; a precision recipe: its dW operands, precision/recipe_experts.py) in training forwards since start-up
+    GEMMs; a precision recipe: its dW operands, accounting/recipe_experts.py) in training forwards since start-up
     (fp8.QuantizationObserver.padded; c_proj pads the same rows), by MoE layer; not in
     activation checkpointing's recompute (inside a backward), as observers.RoutedLoad counts the routing."""
 
