@@ -487,7 +487,6 @@ class Checkpointer:
                 f" -- repair or move them aside, or start without --resume")
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # Plan → read → reshard: a checkpoint's pieces into any layout's pieces, all or nothing
 # ---------------------------------------------------------------------------------------------------------

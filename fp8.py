@@ -359,7 +359,6 @@ class Fp8Linear(DelayedHistory, nn.Linear):
             self.observer.quantized(self, role, n, count)
 
 
-
 # --- Wiring into the trainer ---------------------------------------------------------------------------------
 
 

@@ -130,8 +130,6 @@ def route(logits: torch.Tensor, topk: int):
     return probs, gate, expert
 
 
-
-
 def capacity_keep(expert: torch.Tensor, n_experts: int, cap: int | None) -> torch.Tensor:
     """[T, k] bool: slot (t, j) keeps its place if fewer than `cap` earlier tokens chose the same expert.
 

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 
-
 class Count(NamedTuple):
     calls: float
     payload: float  # bytes: the sum of the messages M (mfu.py, section 4)

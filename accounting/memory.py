@@ -163,7 +163,6 @@ def activation_bytes_per_layer(
     return sbh * (10 + 24 / t + 5 * a * s / (h * t))
 
 
-
 def tp_activation_estimates(config, micro: int, seq: int, tp: int) -> dict:
     """Korthikanti et al. 2022's activation bytes per layer (16-bit) of tensor_parallel.py's table: unsplit, TP,
     TP + SP."""

@@ -70,25 +70,15 @@ min(T·k, N·C_μ), R = E·min(T·k, (N/E)·C_μ) (the whole ep group picks this
    backward rises higher (seen with capacity, by 32 bytes). A router with N ≫ h rises in its own backward,
    its [T, N] gradients (B2, `router_rise`; the aux losses' own [T, N] gradients in a step: not written).
    FP8 experts (accounting/fp8_experts.py, any --fp8 recipe): `fp8_expert_terms` replace the experts' rows (E = 1
-   the sent S, E > 1 the fan-out's R_e; each of the c chunks, an expert's rows at E = 1 and one source's rows
-   for a local slot at E > 1, padded to 16 rows, P in all: their FP8 input codes, scales, c_fc's padded
-   output; blockwise's scales one per 1×128 tile of each padded row, `fp8_blockwise`); with the forward's own
-   chunk counts (moe.MoE.local_rows) the saved bytes and the bytes alive at P1 and P2 (E > 1 also P6, the peak
-   under bf16 autocast) are measured equal (tests/accounting/test_moe_memory.py: E = 1 ten recipes and dtypes, E = 2
-   nine on 2 ranks, blockwise with one and two tiles a row, and a start-up's saved bytes at E = 2). The plan takes
-   P = N_p·15/2 and c = N_p, whatever E (N_p/E slots × E sources; uniform routing, each chunk's row count mod 16
-   alike: fp8_experts.expected_padded_rows), the worst case the same chunks. Not written: inside each expert's
-   GEMM, where a CPU's emulation peaks (its fp32 operands and product: 52,648 bytes measured against P2's 31,932
-   in the first E = 1 test case, 81,624 against P1's 61,540 in the first E = 2 one; blockwise's operands
-   dequantised in whole 128-column tiles, 188,188 against P2's 32,412 at h = 16; _scaled_mm's on a GPU not
-   measured), the step's first forward making the weight codes (N/E·8h² bytes and scalars, or blockwise a scale
-   per 128×128 block, kept to the step's end), and the backward under FP8. A precision recipe
-   (accounting/recipe_experts.py, `recipe`): its linears save the weight parameter itself, so the table drops autocast's
-   copies (the shared experts' too) and its saved bytes and P1, P2 are measured equal (nvfp4 with and without autocast,
-   mxfp8 under autocast; with the copies, 30,668 saved predicted against 14,284 measured); not written: the
-   emulation's fake-quantisation temporaries, where its CPU forward peaks (38,312 measured against P2's 26,780, nvfp4
-   in fp32), a recipe's tail layers (which keep autocast's copies: the plan's table is the quantised layers'), and
-   its backward.
+   the sent S, E > 1 the fan-out's R_e), each of the c chunks (an expert's rows, or one source's rows for a local
+   slot) padded to 16 rows, P in all: their FP8 codes, scales (blockwise: one per 1×128 tile of a padded row,
+   `fp8_blockwise`) and c_fc's padded output. With the forward's own chunk counts (moe.MoE.local_rows) the saved
+   bytes and P1, P2 (E > 1 also P6) are measured equal (tests/accounting/test_moe_memory.py); the plan takes
+   P = N_p·15/2 and c = N_p (fp8_experts.expected_padded_rows). A precision recipe (`recipe`,
+   accounting/recipe_experts.py) saves the weight parameter itself: no autocast copies in the table; its saved
+   bytes and P1, P2 are measured equal. Not written: the CPU emulation's temporaries inside an expert's GEMM or
+   fake quantisation (where a CPU forward peaks), the first forward's weight codes, a recipe's tail layers, and
+   the backward under FP8 or a recipe.
 3. Messages: none (moe.py's all-to-alls carry these rows).
 4. Restart state: none.
 

@@ -17,6 +17,7 @@ import datetime
 import math
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
@@ -43,6 +44,16 @@ RECOMPUTE_FIELDS = {"full": "activation_checkpointing", "selective": "selective_
 
 class FlagError(ValueError):
     """A flag combination that cannot run; raised before any rank waits on another."""
+
+
+@contextmanager
+def flag_errors():
+    """A rule's ValueError (each names its flag, as every `check_flags` and `config_from_flags` does) as a
+    FlagError: one line, exit status 2."""
+    try:
+        yield
+    except ValueError as e:
+        raise FlagError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -300,37 +311,25 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
         defaults = vars(build_parser().parse_args([]))
         given = {name for name, value in vars(args).items() if name in defaults and value != defaults[name]}
     check_ranges(args)
-    try:
-        calibration.check_flags(args)  # each --calib-* constant in its range
-    except ValueError as e:
-        raise FlagError(str(e)) from None
     for flag, name, needs, on in _ONLY_WITH:
         if name in given and not on(args):
             raise FlagError(f"{flag} needs {needs}; without it the flag would be ignored")
-    try:  # --elastic: every world of the range, before this one's shape names a flag of its own
-        elastic.check_flags(args, world_size)
+    with flag_errors():  # each rule's ValueError names its flag
+        calibration.check_flags(args)  # each --calib-* constant in its range
+        elastic.check_flags(args, world_size)  # every world of the range, before this one's shape names a flag
         diloco_config = diloco.config_from_flags(args)  # H ≥ 1, the outer lr and momentum; R checked by the mesh
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                                  replicas=diloco_config.replicas if diloco_config else None)
-    except ValueError as e:
-        raise FlagError(str(e)) from None
-    try:
         recompute.check_flags(args, shape)
-    except ValueError as e:
-        raise FlagError(str(e)) from None
-    config = model_config(args, given)
-    try:  # the experts' split before the batch arithmetic, which takes the mesh as given: --ep 3 of 4 experts
-        moe.check_flags(config, shape)  # is a wrong --ep, not a global batch that D = 3 does not divide
-    except ValueError as e:
-        raise FlagError(str(e)) from None
+        config = model_config(args, given)
+        # The experts' split before the batch arithmetic, which takes the mesh as given: --ep 3 of 4 experts is a
+        # wrong --ep, not a global batch that D = 3 does not divide.
+        moe.check_flags(config, shape)
+        paths.check_paths(args)
     if args.min_lr is not None and args.min_lr > args.lr:
         raise FlagError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the cosine schedule decays from --lr"
                         f" down to --min-lr")
     micro = _micro_batch_size(args, shape.dp)
-    try:
-        paths.check_paths(args)
-    except ValueError as e:
-        raise FlagError(str(e)) from None
     _check_sequence_and_checkpoint_flags(args, config)
     _set_vocabulary(args, config)
     settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
@@ -374,10 +373,8 @@ def _axis_configs(args, settings: Settings, axes) -> dict:
     """Each axis module's frozen config (None: the axis is off), in `axes`' order; its ValueError names a flag."""
     configs = {}
     for axis in axes:
-        try:
+        with flag_errors():
             configs[axis.__name__] = axis.config_from_flags(args, settings)
-        except ValueError as e:
-            raise FlagError(str(e)) from None
     return configs
 
 
@@ -422,10 +419,8 @@ def model_config(args, given=frozenset()):
         overrides["bias"] = False
     if args.activation_checkpointing != "none":
         overrides[RECOMPUTE_FIELDS[args.activation_checkpointing]] = True
-    try:
+    with flag_errors():
         return config_from_preset(args.preset, **overrides)
-    except ValueError as e:
-        raise FlagError(str(e)) from None
 
 
 def init_from_config(args, given) -> GPTConfig:
@@ -519,10 +514,8 @@ def parse(argv=None, axes=(), prog: str = "train.py") -> Settings:
         settings = validate(args, args.world if planning else int(os.environ.get("WORLD_SIZE", "1")), given, axes)
         if not planning:  # a plan reads no corpus
             data.get_tokenizer(args.tokenizer)  # --tokenizer gpt2 without its files fails here, on every rank
-        try:
+        with flag_errors():
             device, backend = choose_device_and_backend(args.backend)
-        except ValueError as e:
-            raise FlagError(str(e)) from None
         dtype, reason = (args.dtype, "--dtype") if args.dtype != "auto" else auto_dtype(device)
         if not planning and device.type != "cuda":
             check_no_hardware_flags(given)

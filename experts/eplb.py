@@ -250,7 +250,7 @@ def check_flags(slots: int, n_experts: int, ep: int) -> None:
 
 @dataclass(frozen=True)
 class ReplicaFacts:
-    """What the accounting reads of the replicas (`ReplicaAxis.facts`): the plan of the first MoE layer this
+    """What the accounting reads of the replicas (`RedundantExperts.facts`): the plan of the first MoE layer this
     rank holds, and the rows per EP rank measured over the last re-plan's window."""
 
     slots: int  # R
@@ -262,11 +262,14 @@ class ReplicaFacts:
     in_place: float  # the same for plain EP (expert i on rank ⌊i·E/N⌋) on the same kept slots
 
 
-class RedundantExperts:
-    """The step's work of the replicas over the MoE layers this rank holds (at least one; moe.MoEAxis.
-    after_grad_sync calls it after the layout's sum over expert_dp): the replicas' gradient sum, the load
-    average, the re-plan. groups: {"ep", "dp_cp", "expert_dp"}; load_groups: {name: group} of the ranks whose
-    tokens these layers route too (dp×cp, and tp with --sp)."""
+class RedundantExperts(Axis):
+    """The handle of --moe-replicas (step.Axis), over the MoE layers this rank holds (at least one): after the
+    layout's sum over expert_dp and moe.MoEAxis's (which summed the step's loads), the replicas' gradient sum, the
+    load average and every n-th step the re-plan; the averages as restart state; the placement re-made after a
+    load. groups: {"ep", "dp_cp", "expert_dp"}; load_groups: {name: group} of the ranks whose tokens these layers
+    route too (dp×cp, and tp with --sp)."""
+
+    name = "eplb"
 
     def __init__(self, layers: list, replan_every: int, decay: float, groups: dict, load_groups: dict,
                  coords: dict | None = None):
@@ -294,23 +297,20 @@ class RedundantExperts:
         return torch.stack([layer.replicas.step_load for layer in self.layers]).long()
 
     @torch.no_grad()
-    def after_grad_sync(self, layout, loads: torch.Tensor | None = None) -> None:
-        """The replicas' gradient sum; the step's loads summed over the ranks that routed these layers' tokens
-        (`loads`, summed by the caller; None: summed here) and folded into the average (so it is the same on
-        every rank: one logical copy); every n-th step, the re-plan."""
+    def after_grad_sync(self, layout) -> int:
+        """The replicas' gradient sum; the step's loads, summed over the ranks that routed these layers' tokens
+        (moe.MoEAxis.after_grad_sync did, in the routers' all-reduce), folded into the average (so it is the same
+        on every rank: one logical copy); every n-th step, the re-plan."""
         if self.slots > self.n:
             self.sum_replica_grads(layout)
-        if loads is None:
-            loads = self.step_loads()
-            for group in self.load_groups.values():
-                dist.all_reduce(loads, group=group)
-        for layer, load in zip(self.layers, loads.to(torch.float64)):
+        for layer, load in zip(self.layers, self.step_loads().to(torch.float64)):
             r = layer.replicas
             r.average.mul_(self.decay).add_(load, alpha=1 - self.decay)
             r.step_load.zero_()
         self.steps, self.step = self.steps + 1, self.step + 1
         if self.ep > 1 and self.step % self.replan_every == 0:
             self.replan(layout)
+        return 0
 
     def state_pieces(self) -> list:
         """The restart state (docstring item 4), per layer, one logical copy (the same on every rank of dp×cp
@@ -467,9 +467,11 @@ class RedundantExperts:
             self.slot_state(layout)
         return self.messages(1.0, 1 / self.replan_every if self.ep > 1 else 0, (0, 0))
 
-    def traced_messages(self, steps: int) -> Messages:
+    def traced_prediction(self, layout, steps: int) -> Messages:
         """Per step of the `steps` traced ones: what the steps since start-up did (their re-plans, the slots
         they moved; not a resume's move, which the checkpoint's load did)."""
+        if not steps:
+            return self.predicted_messages(layout)
         return self.messages(self.steps / steps, self.replans / steps, [m / steps for m in self.moved])
 
     def messages(self, steps: float, replans: float, moved) -> Messages:
@@ -510,53 +512,20 @@ def config_from_flags(args, settings) -> ReplicaConfig | None:
                          getattr(args, "moe_load_decay", 0.9), settings.sequence_parallel and settings.shape.tp > 1)
 
 
-def apply(model, run, config: ReplicaConfig) -> ReplicaAxis:
+def apply(model, run, config: ReplicaConfig) -> Axis:
     """R/E physical slots on this rank for every MoE layer the model holds (moe.apply, just before, kept their
-    experts whole), under the plan of a uniform load (`place_slots`); the handle does the replicas' step work."""
+    experts whole), under the plan of a uniform load (`place_slots`), and the handle that does the replicas' step
+    work; a pipeline stage without MoE layers has none to do (a bare step.Axis)."""
     mesh = run.mesh
     layers = [block.mlp for block in model.transformer.h if isinstance(block.mlp, MoE)]
     for layer in layers:
         place_slots(layer, config.slots, mesh.group("ep"), config.ep, mesh.index("ep"), run.device)
     load_groups = ("dp_cp", "tp") if config.load_tp else ("dp_cp",)  # the ranks whose tokens these layers route
     if not layers:
-        return ReplicaAxis(None)
-    return ReplicaAxis(RedundantExperts(layers, config.replan_every, config.load_decay,
-                                        {name: mesh.group(name) for name in ("ep", "dp_cp", "expert_dp")},
-                                        {name: mesh.group(name) for name in load_groups}, mesh.coordinates()))
-
-
-class ReplicaAxis(Axis):
-    """The handle train.py talks to (step.Axis): after the layout's sum (and moe.MoEAxis's, which summed the
-    step's loads), the replicas' gradient sum, the load average and every n-th step the re-plan; the averages as
-    restart state; the placement re-made after a load. A pipeline stage without MoE layers has nothing to do."""
-
-    name = "eplb"
-
-    def __init__(self, redundant: RedundantExperts | None):
-        self.redundant = redundant
-
-    def after_grad_sync(self, layout) -> int:
-        if self.redundant is not None:
-            self.redundant.after_grad_sync(layout, self.redundant.step_loads())
-        return 0
-
-    def state_pieces(self) -> list:
-        return self.redundant.state_pieces() if self.redundant is not None else []
-
-    def after_load(self, layout, step: int) -> None:
-        if self.redundant is not None:
-            self.redundant.after_load(layout, step)
-
-    def facts(self) -> ReplicaFacts | None:
-        return self.redundant.facts() if self.redundant is not None else None
-
-    def predicted_messages(self, layout=None) -> Messages:
-        return self.redundant.predicted_messages(layout) if self.redundant is not None else Messages()
-
-    def traced_prediction(self, layout, steps: int) -> Messages:
-        if self.redundant is None or not steps:
-            return self.predicted_messages(layout)
-        return self.redundant.traced_messages(steps)
+        return Axis()
+    return RedundantExperts(layers, config.replan_every, config.load_decay,
+                            {name: mesh.group(name) for name in ("ep", "dp_cp", "expert_dp")},
+                            {name: mesh.group(name) for name in load_groups}, mesh.coordinates())
 
 
 def step_messages(moe_layers: int, n: int, slots: int, ep: int, expert_bytes: int, sum_group: str, load_groups: list,

@@ -4,10 +4,13 @@ import sys
 import pytest
 import torch
 
-# Tests import the trainer's files (model.py, ddp.py, ...) and the harness from the repository root.
+# Tests import the trainer's files (model.py, experts/eplb.py as `experts.eplb`, ...) from the repository root, and
+# the harness and each other (test_composition's runs) by file name from every folder of tests/, which mirrors the
+# repository's. The spawned ranks inherit this path.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [ROOT] + [os.path.join(TESTS, d) for d in sorted(os.listdir(TESTS))
+                         if os.path.isdir(os.path.join(TESTS, d)) and not d.startswith(("_", "."))] + [TESTS]
 
 
 def pytest_addoption(parser):

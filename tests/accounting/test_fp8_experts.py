@@ -23,7 +23,6 @@ TOL = 1e-10
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run on one thread
 
 
-
 class _Padding(fp8.QuantizationObserver):
     def __init__(self):
         self.rows = 0
@@ -202,7 +201,6 @@ def test_fp8_experts_under_cp_follow_the_single_device_within_fp8_noise(mesh_run
     for rank, rank_results in enumerate(mesh_runs):
         losses = torch.tensor(list(rank_results[-1][0].values()))
         torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=5e-4, atol=0, msg=f"rank {rank}")
-
 
 
 # ---------------------------------------------------------------------------------------------------------
