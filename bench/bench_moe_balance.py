@@ -204,7 +204,7 @@ def main():
     for name in rows:  # every row's flags checked (one line, exit 2) before any row trains
         flags.parse(shared + ROWS[name][1], train.AXES)
     model = flags.parse(shared, train.AXES).model
-    layers = sum(model.is_moe_layer(i) for i in range(model.n_layer))
+    layers = sum(model.moe.is_moe_layer(i) for i in range(model.n_layer))
     launcher_env = [var for var in LAUNCHER_ENV if var not in os.environ]  # what each row's start-up will set
     os.makedirs(args.out_dir, exist_ok=True)
     print_header(shared, window, layers, args.threads, os.path.join(args.out_dir, "bench_moe_balance_<row>.log"))

@@ -16,6 +16,7 @@ import torch
 from accounting import format_flops, fp8_experts, recipe_experts
 import fp8
 import mfu
+from moe import experts_of
 from planner import hardware
 from precision import fp8_scaling
 import precision.recipe
@@ -162,7 +163,7 @@ def _precision_end(handle, run, steps: int) -> list:
     facts, r = handle.facts(), handle.facts().recipe
     block = max(precision.recipe.block_of(r.bwd), precision.recipe.HADAMARD if r.rht else 1)
     bits = precision.recipe.bits_per_element(r.bwd, run.compute_dtype.itemsize)
-    expected = recipe_experts.expected_padded_rows(run.config.moe.experts, block) * run.micro_batches * steps
+    expected = recipe_experts.expected_padded_rows(experts_of(run.config).experts, block) * run.micro_batches * steps
     padding = [f"precision experts: MoE layer {i} padded {rows} rows to {block} per chunk in {steps} steps"
                f" (estimate {expected:g}) = {recipe_experts.padding_bytes(rows, run.config.n_embd, bits):g} bytes of"
                f" backward codes a block-scaled kernel saves (5h·β/8 per row)"

@@ -130,7 +130,7 @@ def _run(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_ro
         slots = {(layer.layer_id, int(q)): (layer.replicas.phy2log[int(q)],
                                              torch.cat([p.detach().reshape(-1) for p in expert.parameters()]))
                  for layer in moe_axis.layers if layer.replicas is not None for q, expert in layer.experts.items()}
-    redundant = next(axis for axis in run.axes if axis.name == "eplb")
+    redundant = next((axis for axis in run.axes if axis.name == "eplb"), None)  # a stage without MoE: none
     averages = {layer.layer_id: layer.replicas.average.clone() for layer in moe_axis.layers if layer.replicas}
     return dict(losses=losses, params=params, messages=(traced, report.run.predicted_messages(run, steps)), slots=slots,
                 moved=redundant.moved if redundant else None, replans=redundant.replans if redundant else 0,
