@@ -36,7 +36,7 @@ import fp8
 from interop import hf
 import mfu
 import moe
-from parallel import recompute
+from parallel import lowbit, recompute
 import pipeline
 from planner import cpu_probe, time_model
 import precision.recipe
@@ -59,12 +59,12 @@ from resilience.diloco import DiLoCoLayout
 from step import GradientAccumulation, train_step
 from zero import ZeroConfig, ZeroLayout
 
-# The axes, in DESIGN.md's order of application (MoE/EP and its replicas → TP → CP → PP → FP8 or a microscaling
-# recipe). Each has a
+# The axes, in DESIGN.md's order of application (MoE/EP and its replicas → TP and its 4-bit all-reduce → CP → PP →
+# FP8 or a microscaling recipe). Each has a
 # `config_from_flags(args, settings)` (cli/flags.py calls it once, before any rank waits) and an
 # `apply(model, run, config)` that swaps modules of the model in place and returns its handle, a step.Axis.
 # Adding an axis adds a line here; the loop and the printouts only ever loop over the handles.
-AXES = (moe, eplb, tensor_parallel, context_parallel, pipeline, fp8, precision.recipe)
+AXES = (moe, eplb, tensor_parallel, lowbit, context_parallel, pipeline, fp8, precision.recipe)
 
 
 @dataclass
@@ -165,7 +165,8 @@ def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materi
         if args.zero < 3:
             return ZeroLayout(model, config, groups, coords, update_group)
         return Zero3Layout(model, config, groups, coords, device)  # FP8 weights carry their codec (fp8.convert)
-    ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb)
+    reduction = lowbit.gradient_reduction(run.settings.axes.get(lowbit.__name__), run.mesh)  # --dp-comm-bits 4
+    ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb, reduction=reduction)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
     return DDPLayout(ddp, optimizer, coords, update_group)
 
