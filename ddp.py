@@ -121,7 +121,8 @@ class DistributedDataParallel(nn.Module, OrderedReductions):
         """Group the parameters into buckets (reverse_order_buckets) and make their grads buffer views."""
         self._bucket_of = {}
         result = []
-        for index, bucket_params in enumerate(reverse_order_buckets(params, bucket_bytes, taper=True)):
+        cuts = reverse_order_buckets(params, bucket_bytes, taper=True, by_copies=self.reduction is not None)
+        for index, bucket_params in enumerate(cuts):
             bucket = _Bucket(index, bucket_params, bucket_params[0].device, bucket_params[0].dtype,
                              self.groups[grad_group(bucket_params[0])], self.reduction)
             offset = 0
@@ -173,7 +174,7 @@ def grad_group(param) -> str:
 
 
 def reverse_order_buckets(params: list, bucket_bytes: int, element_size: int | None = None,
-                          taper: bool = False) -> list:
+                          taper: bool = False, by_copies: bool = False) -> list:
     """Parameters in reverse registration order (≈ the order backward produces their gradients), cut into
     buckets of about `bucket_bytes` (a bucket closes once it reaches the size), of one dtype and one
     data-parallel group each. element_size: the bytes of an element in the buckets, when they will hold
@@ -185,12 +186,17 @@ def reverse_order_buckets(params: list, bucket_bytes: int, element_size: int | N
     bucket_bytes, closing a bucket before a parameter would overflow it. What is left to send after backward
     is then ~1 MiB (or the one parameter that is larger), not up to bucket_bytes, for ~log2(bucket_bytes/1 MiB)
     more all-reduces; the buckets before it are each launched while the layers below still compute.
+
+    by_copies (a quantised reduction, --dp-comm-bits 4): a bucket also closes where the axes a parameter is replicated
+    over change, so a bucket of TP-replicated parameters (LayerNorms, row biases) holds the same values on every TP
+    rank, its codes are the same, and the copies stay equal (a block scale shared with split tensors would differ).
     """
     def size(param):
         return param.numel() * (element_size or param.element_size())
 
     def other_kind(param, bucket):
-        return param.dtype != bucket[0].dtype or grad_group(param) != grad_group(bucket[0])
+        copies = by_copies and param.shard_info.replicated_over != bucket[0].shard_info.replicated_over
+        return copies or param.dtype != bucket[0].dtype or grad_group(param) != grad_group(bucket[0])
 
     buckets, current, current_bytes = [], [], 0
     if taper:
