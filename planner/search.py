@@ -10,7 +10,7 @@ the start-up prints (zero.persistent_bytes per data-parallel group, zero.ZeroLay
 DiLoCo's outer state and Δ all-reduce (`_formula_diloco`), --fp8's amax all-reduces (`_formula_fp8`) and, under
 ZeRO-3, its weights gathered as E4M3 codes in units of their own with each gather's scale agreement (memory.fp8_weights,
 `codec_messages`; a precision recipe's NVFP4 weights likewise as E2M1 codes with their tiles' amaxes, `codec_weights`),
-tensor_parallel.step_messages,
+tensor_parallel.step_messages (--tp-comm-bits 4: its f and g as parallel/lowbit.py's calls; the layouts without SP),
 context_parallel.layer_messages, dispatch.step_messages, activations.estimate_of, schedules.bubble_formula and
 p2p_counts, mfu.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
 ranks by step time and prints the best ten with the term that limits each. --moe-replicas R is kept as given
@@ -38,7 +38,7 @@ import context_parallel
 import ddp
 from experts import dispatch, eplb, router
 import mfu
-from parallel import recompute, schedules, zero_pipeline
+from parallel import lowbit, recompute, schedules, zero_pipeline
 from planner import hardware
 from precision import fp8_scaling
 import precision.recipe
@@ -336,8 +336,11 @@ def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
     if T > 1:
         batch = tensor_parallel.BatchShape(micro, seq, m, s.b_w, s.b_c)
         regather = not (ac or config.selective_recompute or settings.args.fp8)  # as the built model's blocks
+        quantised = settings.axes.get(lowbit.__name__)  # --tp-comm-bits 4: f and g as lowbit's two calls
+        reduction = (lowbit.TensorParallelReduction(lowbit.CODECS[quantised.codec], T, quantised.feedback)
+                     if quantised and quantised.tp_bits == 4 else None)
         holding = tensor_parallel.Holding(config.n_embd, sp, ac, held["layers"], n_moe, held["embedding"],
-                                          held["head"], regather)
+                                          held["head"], regather, reduction)
         shard = s.sizes["dp_cp"] if stage else 1  # ZeRO: a shard, on average
         sp_bytes = s.b_g * held["replicated"] / shard if sp else 0
         messages = messages + tensor_parallel.step_messages(batch, holding, int(sp_bytes))
@@ -515,12 +518,13 @@ def _formula_temporaries(stage: int, held: dict, sizes: dict, bytes_wr: tuple, b
     return {f"ZeRO-{stage} transients (zero.peak_lower_bound)": extra}
 
 
-def search_argv(c: dict) -> list:
+def search_argv(c: dict, sp: bool = True) -> list:
+    """The flags of candidate c; sp: TP with --sp (not under --tp-comm-bits 4, which quantises TP's all-reduces)."""
     argv = ["--tp", str(c["T"]), "--pp", str(c["P"]), "--zero", str(c["zero"]), "--micro-batch", str(c["micro"])]
     argv += ["--pp-schedule", c["schedule"]] if c["P"] > 1 else []
     argv += ["--cp", str(c["C"]), "--cp-impl", "ring"] if c["C"] > 1 else []
     argv += ["--ep", str(c["E"])] if c["E"] > 1 else []
-    return argv + (["--sp"] if c["T"] > 1 else []) + ["--activation-checkpointing", c["ac"]]
+    return argv + (["--sp"] if c["T"] > 1 and sp else []) + ["--activation-checkpointing", c["ac"]]
 
 
 def candidates(world: int, config, global_batch: int, gpus_per_node: int):
@@ -546,10 +550,13 @@ def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10) ->
     best first, fitting in hw.memory_gib; dropped; tried)."""
     results, dropped, smallest, facts_cache = [], 0, None, {}
     parsed = flags.build_parser().parse_args(base_argv)
+    if parsed.dp_comm_bits == 4:  # its buckets' cuts (replicated tensors apart) are the built layout's: --plan
+        raise FlagError("--dp-comm-bits 4 with --plan-search: the search prices --tp-comm-bits 4; plan a layout with"
+                        " 4-bit buckets with --plan, which builds them")
     for c in candidates(world, flags.model_config(parsed), parsed.global_batch, hw.gpus_per_node):
         try:
-            settings = flags.validate(flags.build_parser().parse_args([*base_argv, *search_argv(c)]), world,
-                                      axes=train.AXES)
+            argv = [*base_argv, *search_argv(c, sp=parsed.tp_comm_bits != 4)]
+            settings = flags.validate(flags.build_parser().parse_args(argv), world, axes=train.AXES)
         except FlagError:
             continue  # the trainer refuses it (heads, vocabulary, m < P, ...): so does the search
         settings = plan_settings(settings)

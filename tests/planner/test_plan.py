@@ -50,6 +50,7 @@ CASES = [  # (flags, global batch, B_μ)
     (["--tp", "2", "--activation-checkpointing", "selective"], 4, 1),  # the kept collective outputs
     (["--tp", "2", "--sp", "--activation-checkpointing", "selective", "--zero", "1"], 4, 1),
     (["--cp", "2", "--cp-impl", "ulysses", "--activation-checkpointing", "selective"], 4, 1),
+    (["--tp", "2", "--tp-comm-bits", "4", "--dp-comm-bits", "4"], 4, 1),  # parallel/lowbit.py: codes, the feedback
 ]
 
 
@@ -281,6 +282,7 @@ SEARCHED = [  # layouts the search enumerates, on 8 ranks
     (["--precision-recipe", "nvfp4", "--zero", "3", "--tp", "2", "--sp", "--n-layer", "8"], 8, 1),  # tail, tp
     (["--precision-recipe", "nvfp4", "--moe-experts", "4", "--ep", "2", "--zero", "3"], 8, 1),  # experts' codes
     (["--precision-recipe", "nvfp4", "--pp", "2", "--pp-schedule", "1f1b", "--n-layer", "4", "--zero", "3"], 8, 1),
+    (["--tp", "2", "--tp-comm-bits", "4", "--dtype", "bf16"], 8, 1),  # f and g as parallel/lowbit.py's two calls
 ]
 
 
@@ -319,6 +321,33 @@ def test_search_formulas_give_the_plans_figures(case):
         facts = time_model.layout_facts(settings)
         assert time_model.predict(formula, facts, hw).step == pytest.approx(time_model.predict(built, facts, hw).step,
                                                                             rel=0.01)
+
+
+def test_the_plan_prices_4bit_tp_across_nodes_by_its_bytes_and_its_codec():
+    """T = 16 over two 8-GPU nodes: --tp-comm-bits 4 sends its f and g as NVFP4 codes (≈ 0.28 of bf16's bytes, 0.14
+    of fp32's for f's gradients), each call's encode and decode priced at the HBM's rate on its all-gather's row,
+    and the step is shorter; the exact plan has neither row."""
+    from planner import hardware
+    import plan
+    from planner import time_model
+
+    hw, out = hardware.PRESETS["h100"], {}
+    for name, extra in (("exact", []), ("4-bit", ["--tp-comm-bits", "4"])):
+        settings = _settings(["--tp", "16", "--n-head", "16", "--n-embd", "256", "--dtype", "bf16", *extra], 16, 1,
+                             world=16)
+        with plan.fake_world(0, 16):
+            role = time_model.role_of(plan.build_role(settings, 0))
+        out[name] = (role, time_model.predict(role, time_model.layout_facts(settings), hw))
+    (exact, slow), (quantised, fast) = out["exact"], out["4-bit"]
+    rows = {name: {op: payload for (op, group), (_, payload) in role.messages.items() if group == "tp"}
+            for name, (role, _) in out.items()}
+    assert set(rows["exact"]) == {"all_reduce"}  # f, g and the loss's
+    assert set(rows["4-bit"]) == {"all_reduce", "all_to_all_single", "all_gather_single"}  # the loss's stays exact
+    f_and_g = rows["exact"]["all_reduce"] - rows["4-bit"]["all_reduce"]
+    assert 0.14 < rows["4-bit"]["all_gather_single"] / f_and_g < 0.3
+    assert set(fast.link.values()) == {"inter"} and fast.step < slow.step
+    gather, scatter = (fast.total[(op, "tp")] for op in ("all_gather_single", "all_to_all_single"))
+    assert gather > scatter  # the same wire bytes, and the codec's work on the gather's row
 
 
 def test_plan_prints_diloco_outer_state_and_delta(capsys):
