@@ -152,11 +152,12 @@ def _stream(group, calls: int, n: int) -> dict:
 
 def depth_table(depths: list, batch: int, seq: int, device: str) -> None:
     rows = _spawn(_depth, 2, device, depths, batch, seq)
-    print(f"depth: T=2 {'GPUs' if device == 'cuda' else 'gloo ranks'}, `tiny` widths (h=64, 4 heads) with n_layer = L, GPT-2 init, {batch}×{seq} random"
-          f" tokens, against the exact all-reduce: forward, the stream before ln_f (2L + 1 g's); backward, the")
-    print("  gradient at the embedding's output (2L f's, a fixed random direction at the top); stream: 2L random addends"
-          " of b·s·h each summed, no model between the calls. Each: ‖error‖/‖exact‖, then ×: ‖error‖ over its")
-    print(f"  value at L = {rows[0][0]} (the growth with depth). 4-bit: no feedback; fb: with feedback")
+    print(f"depth: T=2 {'GPUs' if device == 'cuda' else 'gloo ranks'}, `tiny` widths (h=64, 4 heads) with"
+          f" n_layer = L, GPT-2 init, {batch}×{seq} random tokens, against the exact all-reduce: forward, the")
+    print("  stream before ln_f (2L + 1 g's); backward, the gradient at the embedding's output (2L f's, a fixed random"
+          " direction at the top); stream: 2L random addends of b·s·h each summed, no model between the calls.")
+    print(f"  Each: ‖error‖/‖exact‖, then ×: ‖error‖ over its value at L = {rows[0][0]} (the growth with depth)."
+          " 4-bit: no feedback; fb: with feedback")
     heads = [f"{where} {mode}" for where in ("fwd", "bwd", "stream") for mode in ("4-bit", "fb")]
     print(f"  {'L':>3}  " + "  ".join(f"{head:>16}" for head in heads))
     first = rows[0]

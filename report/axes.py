@@ -92,7 +92,8 @@ def ddp_startup_lines(layout, run=None, steps: int = 0) -> list:
                      f" bucket{'' if calls == 1 else 's'}, sent per"
                      f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} ({formula})")
     if layout.ddp.reduction is not None and facts.dp_size > 1:
-        lines.append("critical path: each bucket's 4-bit sum runs when the bucket fills, blocking backward (no overlap)")
+        lines.append("critical path: each bucket's 4-bit sum runs when the bucket fills, blocking backward"
+                     " (no overlap)")
     elif len(sizes) > 1 and facts.dp_size > 1:
         lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"
                      f" last one ({mfu.format_bytes(sizes[-1])}, the first layers' grads) is sent after it")
