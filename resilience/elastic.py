@@ -54,7 +54,8 @@ def add_arguments(group) -> None:
     """--elastic, in cli/flags.py's checkpoint group (an elastic run is a run that resumes itself)."""
     group.add_argument("--elastic", metavar="MIN:MAX", help="torchrun's --nnodes MIN:MAX: every world of MIN to MAX"
                        " nodes must hold the layout and the batch (checked at start); a restarted world resumes"
-                       " the newest checkpoint with B_global and B_μ kept (resilience/elastic.py)")
+                       " the newest checkpoint with B_global and B_μ kept (resilience/elastic.py; default: a fixed"
+                       " world)")
 
 
 @dataclass(frozen=True)
