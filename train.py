@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -174,6 +175,8 @@ def main(argv=None):
     # The job's wall time by cause (resilience/goodput.py), from the process's creation (run as a program) or from this
     # call (argv given: a caller that runs several in one process, as the tests do).
     clock = goodput.Clock(started=None if argv is None else time.time())
+    if argv is None and LAUNCHER_ENV in os.environ:  # a worker torchrun started: it ends with its launcher
+        stop_with_the_launcher()
     settings = flags.parse(argv, AXES)  # a bad flag: one line, exit status 2, before any rank waits
     if settings.args.plan or settings.args.plan_search:  # size the layout on meta in a fake process group
         run_plan_py(sys.argv[1:] if argv is None else list(argv))
@@ -524,6 +527,29 @@ def ending_cleanly_on_signals(report_stop):
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every worker it starts
+
+
+def stop_with_the_launcher(poll_s: float = 0.5, grace_s: float = 20.0) -> None:
+    """End this worker when the torchrun agent that started it is gone. The agent starts its workers in process
+    groups of their own (setsid), so a SIGKILL to the launcher's process group (or to the agent) does not reach
+    them: they would train on as orphans, writing checkpoints. A daemon thread watches the parent; once the
+    worker has been reparented it sends itself SIGTERM, which ends the run as Ctrl-C does
+    (`ending_cleanly_on_signals`: one line, a background save abandoned, never half-committed: a checkpoint is
+    committed by a rename); if the process still lives `grace_s` later (blocked where no signal is seen), it
+    exits. Every worker does it, so the peers it would wait on stop too."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def interrupted(checkpointer, step: int) -> None:

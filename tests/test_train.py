@@ -6,8 +6,10 @@ that do not need a launch call `flags.validate` directly.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -655,3 +657,53 @@ def test_the_accounting_reads_a_layout_only_through_the_protocol():
     beyond = {name: paths for name, paths in _accounting_reads(("layout",)).items()
               if name not in protocol | STILL_READ_OF_LAYOUTS}
     assert not beyond, beyond
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (/proc, Linux)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass  # it ended while we looked
+    return out
+
+
+@pytest.mark.slow
+def test_workers_stop_with_a_killed_launcher_and_the_newest_checkpoint_survives(tmp_path):
+    """SIGKILL to torchrun's process group reaches torchrun alone: its agent started the workers with setsid.
+    Each worker watches its parent (train.stop_with_the_launcher) and ends once it is gone, within seconds, and
+    the newest committed checkpoint verifies (nothing half-committed: a save in flight is abandoned)."""
+    from resilience import ckpt_files
+
+    ck = tmp_path / "ck"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    launcher = subprocess.Popen([*TORCHRUN, "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *backend_flags(2),
+                                 "--preset", "tiny", "--steps", "100000", "--global-batch", "4", "--eval-every", "0",
+                                 "--out-dir", str(tmp_path), "--ckpt-dir", str(ck), "--ckpt-every", "3",
+                                 "--async-ckpt"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 150
+        while ckpt_files.newest_committed(str(ck)) is None or len(_children(launcher.pid)) < 2:
+            assert time.time() < deadline and launcher.poll() is None, "no checkpoint was committed"
+            time.sleep(0.5)
+        time.sleep(1.0)  # into the middle of some step, or of a background save
+        workers = _children(launcher.pid)
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's group: torchrun, not its workers' sessions
+        launcher.wait()
+    deadline = time.time() + 30
+    while [w for w in workers if os.path.exists(f"/proc/{w}")] and time.time() < deadline:
+        time.sleep(0.5)
+    alive = [w for w in workers if os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+    for orphan in alive:  # the failure is reported, not left running
+        os.kill(orphan, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their launcher by 30 s"
+    step, path = ckpt_files.newest_committed(str(ck))
+    ckpt_files.verify_checkpoint(path)  # raises CheckpointError if anything in it is missing or damaged
+    assert step >= 3 and step % 3 == 0, step
