@@ -142,6 +142,7 @@ class Checkpointer:
         self._host: dict[str, torch.Tensor] = {}  # snapshot buffers, reused (pinned on CUDA)
         self._clock = (time.perf_counter(), None)  # (time, step) of the last save or the resume
         self.history: list[SaveStats] = []
+        self.resumed_run: dict = {}  # the run record of the checkpoint `resume` loaded (its flags, its --steps)
 
     # -- save: snapshot → persist → commit ---------------------------------------------------------------
 
@@ -404,11 +405,14 @@ class Checkpointer:
             restore_rng_state(chosen.rng, scalars["rng"], self.device)
         else:  # another mesh: old streams mean nothing here; fresh deterministic ones, alike within TP groups
             reseed_rng(seed, step, self.rank // self.mesh_record["tp"])
-        saved_run = scalars.get("run", {})
+        saved_run = self.resumed_run = scalars.get("run", {})
         changed = {k: (saved_run[k], v) for k, v in self.config.run_record.items()
                    if k in saved_run and saved_run[k] != v}
         if changed:  # e.g. extending --steps: legitimate, but the LR schedule is then not the saved run's
-            self.log("ckpt: this run's flags differ from the checkpoint's (LR schedule and batch follow this run):"
+            trained_otherwise = sorted(set(changed) & {"global_batch", "seq_len", "data", "model"})
+            self.log(("ckpt: WARNING: the checkpoint was trained with another " + ", ".join(trained_otherwise)
+                      + "; this run goes on with its own. " if trained_otherwise else "ckpt: ")
+                     + "this run's flags differ from the checkpoint's (LR schedule and batch follow this run):"
                      + ", ".join(f" {k} {old}→{new}" for k, (old, new) in changed.items()))
         if self.rank == 0:
             set_aside_newer_than(self.root, step, self.nonce, self.log)

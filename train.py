@@ -272,7 +272,8 @@ def open_checkpointer(t: Training) -> None:
     run, args = t.run, t.run.settings.args
     run_record = dict(steps=args.steps, lr=args.lr, min_lr=t.lr_schedule.min_lr, seed=args.seed,
                       warmup_steps=t.lr_schedule.warmup_steps, global_batch=args.global_batch,
-                      seq_len=run.seq_len, model=run.config.architecture())  # read by export_hf.py, sample.py
+                      seq_len=run.seq_len, model=run.config.architecture(),  # read by export_hf.py, sample.py
+                      data=os.path.basename(os.path.dirname(t.corpus.train_path)))  # the corpus and tokenizer
     try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
         config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
                                        lock=run.settings.ckpt_lock, run_record=run_record)  # flags.parse took it
@@ -280,7 +281,11 @@ def open_checkpointer(t: Training) -> None:
                                            on_save=lambda stats: report.run.print_save(stats, args.mtbf_hours))
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
             t.start_step = t.checkpointer.resume(args.resume, run.layout, t.scaler, t.sampler, args.seed)
-        if args.elastic and t.start_step:  # a restarted world: the one that wrote the checkpoint, and this one
+        finished = t.start_step and t.checkpointer.resumed_run.get("steps") == t.start_step
+        if finished:  # a new leg after a finished run (its last step): no failure, nothing lost, no restart
+            t.clock.continues_a_finished_run()
+            print0(f"resumed the last step ({t.start_step}) of a run that had finished: a new job goes on from it")
+        elif args.elastic and t.start_step:  # a restarted world: the one that wrote the checkpoint, and this one
             print0(elastic.restart_line(elastic.saved_mesh(args.ckpt_dir, t.start_step), run.mesh.shape,
                                         t.start_step, args.global_batch, run.micro_batch_size))
     except ckpt.CheckpointError as e:

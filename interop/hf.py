@@ -416,7 +416,7 @@ def load_model(path: str, device="cpu") -> tuple[GPT, dict]:
     fields = {f for f in GPTConfig.__dataclass_fields__}
     saved = record["model"]
     config = GPTConfig(**{k: v for k, v in saved.items() if k in fields and k != "moe"},
-                       moe=moe.experts_from_record(saved.get("moe")))
+                       moe=moe.experts_from_record(saved))
     stored = manifest["tensors"]
     wte = stored.get("master/transformer.wte.weight", stored.get("param/transformer.wte.weight"))
     if wte is None:

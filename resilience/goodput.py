@@ -167,6 +167,11 @@ class Clock:
         self.lost = max(0.0, self.started - values[SAVED_AT])  # clocks of other nodes may disagree a little
         self.resumes = int(values[RESUMES]) + 1
 
+    def continues_a_finished_run(self) -> None:
+        """The loaded checkpoint is its run's last step (the run had finished, not failed): the time since its
+        snapshot was no failure's and nothing was lost; this process's start-up is a start-up, not a restart."""
+        self.lost, self.resumes = 0.0, max(0, self.resumes - 1)
+
     # -- the end's table ------------------------------------------------------------------------------------
 
     def lines(self, useful_tokens: int, step_tokens_per_s: float, flops_per_token: float, peak: float,
