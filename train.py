@@ -15,6 +15,7 @@ schedule. The flags were checked before any of it (cli/flags.py); the printouts 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -276,7 +277,7 @@ def open_checkpointer(t: Training) -> None:
                       data=os.path.basename(os.path.dirname(t.corpus.train_path)))  # the corpus and tokenizer
     try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
         config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
-                                       lock=run.settings.ckpt_lock, run_record=run_record)  # flags.parse took it
+                                       lock=run.settings.ckpt_lock, run_record=run_record, drop_state=args.drop_state)  # flags.parse took it
         t.checkpointer = ckpt.Checkpointer(config, run.mesh, [*run.axes, t.clock], run.device, log=print0,
                                            on_save=lambda stats: report.run.print_save(stats, args.mtbf_hours))
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
@@ -317,6 +318,8 @@ def train_loop(t: Training, tracer: CommTracer) -> None:
         for step in range(t.start_step, args.steps):
             t.step = step
             record = timed_step(t, step, prefetched, step == peak_step, peak_in_mean)
+            if not (math.isfinite(record["loss"]) and not record["skipped"]) and t.scaler.scale <= 1.0:
+                stop_at_non_finite(t, step, record, prefetched)  # before this step's line, metrics or save
             after_step(t, step, record, metrics, tracer)
         prefetched.close()
         if metrics:
@@ -532,6 +535,25 @@ def ending_cleanly_on_signals(report_stop):
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def stop_at_non_finite(t: Training, step: int, record: dict, prefetched) -> NoReturn:
+    """A step whose loss or gradient is not finite, once the loss scaler has nothing left to try (fp16 halves its
+    scale at each skipped step, down to 1; without one, at once): the run stops here with one line, on every rank
+    alike (the loss and the skip are the world's), exit status 1. No checkpoint of this step or later is written:
+    the newest committed one, the last good state, stays the newest (a background save of it is finished)."""
+    what = "loss" if not math.isfinite(record["loss"]) else "gradients"
+    prefetched.close()
+    if t.checkpointer is not None:
+        t.checkpointer.close()
+    if dist.get_rank() == 0:
+        committed = ckpt_files.newest_committed(t.checkpointer.root) if t.checkpointer else None
+        print(f"non-finite {what} at step {step} (loss {record['loss']}, grad norm {record['grad_norm']}): stopping;"
+              f" a learning rate or a scale too large for this run? (--lr, --moe-route-scale, --diloco-outer-lr)"
+              + (f"; the newest committed checkpoint is step {committed[0]} ({committed[1]})" if committed else ""),
+              file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+    sys.exit(1)
 
 
 LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every worker it starts

@@ -190,6 +190,9 @@ def _add_checkpoint_flags(parser) -> None:
     g.add_argument("--resume", nargs="?", const="latest",
                    help="'latest' (the newest good checkpoint, if any; the default with no value) or a step number")
     g.add_argument("--async-ckpt", action="store_true", help="persist checkpoints on a background thread")
+    g.add_argument("--drop-state", action="store_true", help="let --resume leave state of the checkpoint unread that"
+                   " this run's flags have no place for (a DiLoCo replica's, shared experts, a router's bias, FP8's"
+                   " histories): refused otherwise, naming it")
     g.add_argument("--mtbf-hours", type=float, default=24.0,
                    help="mean time between interruptions, for the suggested interval sqrt(2·C·M)")
     elastic.add_arguments(g)  # --elastic MIN:MAX: the worlds torchrun may restart this run in

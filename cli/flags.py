@@ -116,6 +116,9 @@ _ONLY_WITH = (
     ("--pp-virtual", "pp_virtual", "--pp-schedule interleaved", lambda a: a.pp_schedule == "interleaved"),
     ("--trace-file", "trace_file", "--pp > 1 (it draws the pipeline schedule)", lambda a: a.pp > 1),
     ("--cp-impl", "cp_impl", "--cp > 1", lambda a: a.cp > 1),
+    *((flag, flag[2:].replace("-", "_"), "--diloco-h H (the inner steps between outer steps)",
+       lambda a: a.diloco_h is not None)
+      for flag in ("--diloco-replicas", "--diloco-outer-lr", "--diloco-outer-momentum")),
     ("--cp-balance", "cp_balance", "--cp > 1", lambda a: a.cp > 1),
     *((flag, flag[2:].replace("-", "_"), "--fp8", lambda a: a.fp8 is not None)
       for flag in ("--fp8-amax-history", "--fp8-amax-algo", "--fp8-margin")),
@@ -126,7 +129,7 @@ _ONLY_WITH = (
     *((flag, flag[2:].replace("-", "_"), "--moe-replicas", lambda a: a.moe_replicas > 0)
       for flag in ("--moe-replan-every", "--moe-load-decay")),
     *((flag, flag[2:].replace("-", "_"), "--ckpt-dir", lambda a: a.ckpt_dir is not None)
-      for flag in ("--ckpt-every", "--resume", "--async-ckpt", "--keep", "--mtbf-hours")),
+      for flag in ("--ckpt-every", "--resume", "--async-ckpt", "--keep", "--mtbf-hours", "--drop-state")),
 )
 
 

@@ -17,7 +17,7 @@ tanh approximation: model.py's `gelu="tanh"`).
 
 In (`--init-from DIR`): `HFDirectory` checks the directory (every tensor there with GPT-2's shape, nothing
 else), and `load_into` fills a layout's `param/` and `master/` pieces through ckpt's own resharding path:
-ckpt.StagedLoad (its checks: ckpt.plan_load) over a manifest-like description of the directory, in which each
+ckpt.StagedLoad (its checks: ckpt_files.plan_load) over a manifest-like description of the directory, in which each
 logical tensor is one whole stored piece and the directory is the reader, `files=` (it transposes and pads as
 it reads). So any mesh works as a resharding resume does, all or nothing: each rank reads (memory-mapped)
 only the tensors it holds a piece of, and keeps its slices. Out (export_hf.py): `write_directory` from the
