@@ -32,11 +32,11 @@ at close.
 
 Resume: plan → read → reshard, all or nothing. Candidates are the `step-*` directories, newest first (or the step
 asked for). Each is verified (marker, manifest checksum, format, file names, sizes, SHA-256 hashed round-robin across
-ranks), planned against the live state before a byte of tensor data is read (`ckpt_files.plan_load`: each logical tensor the
-model needs is there, with its global shape, a dtype of the same family, pieces that cover what this rank needs
-without overlapping), read into host memory and resliced (`StagedLoad`: each logical tensor assembled from only the
-stored pieces that overlap what this rank needs; the files are memory-mapped), and its scalars tried on copies of the
-sampler and loss scaler. Only when every rank has succeeded (the verdicts are all-gathered) is anything copied into
+ranks), planned against the live state before a byte of tensor data is read (`ckpt_files.plan_load`: each logical
+tensor the model needs is there, with its global shape, a dtype of the same family, pieces that cover what this rank
+needs without overlapping), read into host memory and resliced (`StagedLoad`: each logical tensor assembled from only
+the stored pieces that overlap what this rank needs; the files are memory-mapped), and its scalars tried on copies of
+the sampler and loss scaler. Only when every rank has succeeded (the verdicts are all-gathered) is anything copied into
 the live state: a damaged or unfit checkpoint is one more bad candidate (`latest` reports it and tries the next older
 one; a step asked for is refused in one line naming it, the reason and what to do), and no parameter is left
 half-overwritten. `param/X` is filled from `master/X` when the checkpoint has it (what the 16-bit parameter was

@@ -277,7 +277,8 @@ def open_checkpointer(t: Training) -> None:
                       data=os.path.basename(os.path.dirname(t.corpus.train_path)))  # the corpus and tokenizer
     try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
         config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
-                                       lock=run.settings.ckpt_lock, run_record=run_record, drop_state=args.drop_state)  # flags.parse took it
+                                       lock=run.settings.ckpt_lock, run_record=run_record,  # flags.parse took it
+                                       drop_state=args.drop_state)
         t.checkpointer = ckpt.Checkpointer(config, run.mesh, [*run.axes, t.clock], run.device, log=print0,
                                            on_save=lambda stats: report.run.print_save(stats, args.mtbf_hours))
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor

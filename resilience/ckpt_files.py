@@ -545,13 +545,16 @@ def _needed_pieces(path: str, source: str, entry: dict, global_shape: tuple, tar
 
 
 def dropped_state(stored: dict, read: set) -> str:
-    """The stored logical tensors no rank reads ("" when none), grouped by kind and block: "param/...
-    mlp.shared_experts.* (4 tensors)". A parameter read through its master reads both; the goodput ledger is
-    accounting, not training state."""
+    """The stored logical tensors no rank reads ("" when none), grouped by kind, layer and module: "param/...
+    h.*.mlp.shared_experts.* (4 tensors)", "moe/transformer.h.*.mlp.expert_bias (2 tensors)" (a parameter's
+    weight and bias are one module; other state keeps its own name). A parameter read through its master reads
+    both; the goodput ledger is accounting, not training state."""
     read = read | {f"param/{key.split('/', 1)[1]}" for key in read if key.startswith("master/")}
     groups: dict[str, int] = {}
     for key in sorted(set(stored) - read):
         if not key.startswith("goodput/"):
-            group = re.sub(r"\.h\.\d+\.", ".h.*.", key.rsplit(".", 1)[0]) + ".*"
+            group = re.sub(r"\.h\.\d+\.", ".h.*.", key)
+            if group.split("/", 1)[0] in ("param", "master", "optim"):
+                group = group.rsplit(".", 1)[0] + ".*"
             groups[group] = groups.get(group, 0) + 1
     return ", ".join(f"{group} ({n} tensor{'s' if n > 1 else ''})" for group, n in groups.items())
