@@ -37,7 +37,7 @@ from mfu import format_bytes, wire_bytes  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 from parallel import lowbit  # noqa: E402
 
-STEP = re.compile(r"^step (\d+)/\d+ \| loss ([\d.]+) (?:\| val ([\d.]+) )?\|")
+STEP = re.compile(r"^step +(\d+)/\d+ \| loss ([\d.]+) (?:\| val ([\d.]+) )?\|")
 DEPTHS = (1, 2, 4, 8, 16, 32, 64, 96)
 PAPER_GAP = 0.009  # Echo's final loss over 16-bit's after 10B tokens: < 0.9%
 
