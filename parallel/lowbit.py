@@ -47,8 +47,9 @@ Accounting (n elements of a call, N the group's ranks, c = ⌈n/(16N)⌉·16, B 
    TP's are on the critical path as before; DDP's run synchronously as each bucket fills (they no longer overlap
    backward: the planner prices them exposed, planner/time_model.py).
 4. Restart state: TP's chains none (a pass never spans a checkpoint). DDP's errors are checkpointed per rank, under a
-   key naming the mesh, the rank, the bucket and its length (`state_pieces`): the same mesh resumes bitwise; on another
-   mesh the key is absent and the feedback starts from zero (one step's error dropped, the bound unchanged).
+   key naming the mesh, the rank, the bucket and its length (`state_pieces`): the same mesh resumes bitwise; a resume
+   that leaves the stored errors unread (another mesh, or without --dp-comm-bits 4) is refused by ckpt.py unless
+   --drop-state, and then the feedback starts from zero (one step's error dropped, the bound unchanged).
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ class GradientReduction:
 
     def state_pieces(self, feedbacks: list) -> list:
         """Each bucket's error as a piece of its own (docstring item 4): this rank's, under a key that names the mesh,
-        the rank, the bucket and its length; optional, so a checkpoint without it (or of another mesh) loads."""
+        the rank, the bucket and its length; optional, so a checkpoint without it loads (one that has it, read by no
+        rank: ckpt.py's --drop-state rule)."""
         pieces = []
         for index, tensor in enumerate(feedbacks):
             if tensor is not None:
