@@ -15,7 +15,8 @@ layout's time-model facts (time_model.layout_facts: its GEMM classes and memory-
 Every layout gets its bound from a draft of its settings (the first layout validated, its layout fields replaced:
 `draft`); they are then sized in the order of their bounds, each validated when its turn comes, and once the next
 bound exceeds the tenth best step that fits, none left can enter the ten: the search stops there. The ten are the
-exhaustive search's (search(..., bound=False) sizes everything: tests/planner/test_search.py compares them).
+exhaustive search's (search(..., bound=False) bounds no layout before sizing it, each still left at the first
+look that puts it out: tests/planner/test_search.py compares the two).
 What layouts share is computed once: the schedule's facts per (schedule, P, m, v) (formulas.schedule_facts) and
 the time-model facts per (recompute, T, C, P, B_μ). A line every few seconds says how far it is.
 
@@ -136,7 +137,7 @@ class Searched:
 def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10, bound: bool = True,
            out=None) -> Searched:
     """The best `top` layouts of `world` ranks that fit (see the module docstring), a progress line to `out`
-    every PROGRESS_SECONDS. bound=False sizes every layout (the exhaustive search the bound must agree with)."""
+    every PROGRESS_SECONDS. bound=False bounds no layout before sizing it (the search the bound must agree with)."""
     began = last = time.perf_counter()
     parser = flags.build_parser()
     base = vars(parser.parse_args(base_argv))
