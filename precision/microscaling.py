@@ -225,10 +225,12 @@ def e8m0_exponent(amax: torch.Tensor, element_max: float, rule: str = "rceil") -
 
 
 def nvfp4_tensor_scale(tensor_amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = 448·6/amax in fp32 (one rounding); 1 for an all-zero tensor, capped at fp32's max for a tiny amax,
-    NaN for a non-finite amax."""
+    """S_enc = 448·6/amax in fp32, one true division (rounded once, as TransformerEngine's; torch computes a
+    Python number over a tensor as a reciprocal times the number, two roundings, one ulp off for about a quarter of
+    amaxes); 1 for an all-zero tensor, capped at fp32's max for a tiny amax, NaN for a non-finite amax."""
     tensor_amax = tensor_amax.float()
-    scale = (NVFP4_TENSOR_SCALE_NUMERATOR / tensor_amax).clamp(max=torch.finfo(torch.float32).max)
+    numerator = torch.tensor(NVFP4_TENSOR_SCALE_NUMERATOR, device=tensor_amax.device)
+    scale = torch.div(numerator, tensor_amax).clamp(max=torch.finfo(torch.float32).max)
     scale = torch.where(tensor_amax == 0, 1.0, scale)
     return torch.where(torch.isfinite(tensor_amax), scale, float("nan"))
 
