@@ -29,9 +29,9 @@ Rounding: elements round to nearest, ties to even, after a clamp to ±max_elem (
 (`stochastic`, a torch.Generator): up with probability equal to the distance from the lower neighbour divided by
 the gap between the two neighbouring representable values, so E[q] = x exactly (for E2M1 and E4M3 alike).
 The random Hadamard transform (`random_hadamard`, `hadamard_blocks`) multiplies each 16-wide block of the last dim
-by H/4, H = Sylvester(16)·diag(random ±1): orthonormal, so applied to both operands of a GEMM along its contraction
-dim (the weight-gradient GEMM dW = dYᵀ·X contracts over tokens) it changes nothing in exact arithmetic while it
-spreads outliers across the block before quantisation.
+by H/4, H = diag(random ±1)·Sylvester(16) (the signs first): orthonormal, so applied to both operands of a GEMM
+along its contraction dim (the weight-gradient GEMM dW = dYᵀ·X contracts over tokens) it changes nothing in exact
+arithmetic while it spreads outliers across the block before quantisation, differently for each draw of the signs.
 
 Hardware: H100/H200 (sm_90) have no block-scaled GEMM; here and on them a recipe quantises, dequantises and runs the
 GEMM in bf16 (`fake_quantize`), which equals the real block-scaled GEMM's operands exactly for MX formats (q·2^e is
@@ -339,39 +339,43 @@ def sylvester(size: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
 
 
 def random_hadamard(size: int = 16, generator: torch.Generator | None = None) -> torch.Tensor:
-    """H = Sylvester(size)·diag(s), s random ±1 from generator: H·Hᵀ = size·I (float32, entries ±1)."""
+    """H = diag(s)·Sylvester(size), s random ±1 from generator: H·Hᵀ = size·I (float32, entries ±1). A block
+    (a row vector b) becomes b·H = (b·diag(s))·Sylvester: the signs flip elements BEFORE the mixing, as
+    TransformerEngine's and torchao's random Hadamard transforms do. (After it, b·Sylvester·diag(s), a sign flip
+    of each output commutes with any sign-symmetric quantiser and cancels between a GEMM's two operands: the
+    quantised product would not depend on the draw at all.)"""
     device = generator.device if generator is not None else "cpu"
-    matrix = sylvester(size, device)
     signs = torch.randint(0, 2, (size,), generator=generator, device=device).float().mul_(2).sub_(1)
-    return matrix * signs
+    return signs[:, None] * sylvester(size, device)
 
 
 def hadamard_blocks(x: torch.Tensor, hadamard: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """x with each size-wide block of `dim` multiplied by H/√size (orthonormal): both operands of a GEMM
-    transformed along their contraction dim give the same product. H = Sylvester(size)·diag(s) (`random_hadamard`)
-    is applied as the fast Walsh-Hadamard butterfly, log2(size) stages of (a + b, a - b) over halves, then times
-    s/√size (exact for size 4^k: 16 gives ±1/4): a fixed order of additions, so the result is the same bits in any
-    memory layout (a GEMM's summation order is its library's), and n·log2(size) additions instead of n·size."""
+    """x with each size-wide block of `dim` (a row vector b) multiplied by H/√size (orthonormal): both operands of
+    a GEMM transformed along their contraction dim give the same product. H = diag(s)·Sylvester(size)
+    (`random_hadamard`) is applied as b·diag(s) (exact), then the fast Walsh-Hadamard butterfly, log2(size) stages
+    of (a + b, a - b) over halves, then /√size (exact for size 4^k: 16 gives 1/4): a fixed order of additions, so
+    the result is the same bits in any memory layout (a GEMM's summation order is its library's), and
+    n·log2(size) additions instead of n·size."""
     size = hadamard.shape[0]
     dim = dim % x.dim()
     if x.shape[dim] % size:
         raise ValueError(f"Hadamard transform of {size}: must divide dim {dim}, got shape {tuple(x.shape)}")
-    signs = hadamard[0].to(x.device, x.dtype)  # Sylvester's first row is all ones: H's is s
-    if not torch.equal(hadamard.to(x.device, x.dtype), sylvester(size, x.device, x.dtype) * signs):
-        raise ValueError("hadamard_blocks: expected Sylvester(size)·diag(±1), as random_hadamard makes")
-    v = x.unflatten(dim, (-1, size))  # the block's axis is dim + 1
-    buffers = [torch.empty(v.shape, dtype=v.dtype, device=v.device) for _ in range(2)]
+    signs = hadamard[:, 0].to(x.device, x.dtype)  # Sylvester's first column is all ones: H's is s
+    if not torch.equal(hadamard.to(x.device, x.dtype), signs[:, None] * sylvester(size, x.device, x.dtype)):
+        raise ValueError("hadamard_blocks: expected diag(±1)·Sylvester(size), as random_hadamard makes")
+    trailing = [1] * (x.dim() - 1 - dim)
+    v = x.unflatten(dim, (-1, size)) * signs.view(size, *trailing)  # the block's axis is dim + 1
+    buffers = [v, torch.empty(v.shape, dtype=v.dtype, device=v.device)]
     half, stage = size // 2, 0
     while half:  # each stage reads the last one's result and writes the other buffer: no temporaries
         pairs = v.unflatten(dim + 1, (size // (2 * half), 2, half))
-        v = buffers[stage % 2]
+        v = buffers[(stage + 1) % 2]
         out = v.unflatten(dim + 1, (size // (2 * half), 2, half))
         a, b = pairs.select(dim + 2, 0), pairs.select(dim + 2, 1)
         torch.add(a, b, out=out.select(dim + 2, 0))
         torch.sub(a, b, out=out.select(dim + 2, 1))
         half, stage = half // 2, stage + 1
-    scale = (signs / math.sqrt(size)).view(size, *[1] * (x.dim() - 1 - dim))
-    return v.mul_(scale).flatten(dim, dim + 1)
+    return v.mul_(1 / math.sqrt(size)).flatten(dim, dim + 1)
 
 
 def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:

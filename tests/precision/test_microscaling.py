@@ -463,3 +463,31 @@ def test_hadamard_on_both_wgrad_operands_leaves_the_gemm_unchanged():
     assert not torch.allclose(x_t, x.t())
     assert (grad_output_t @ x_t.t() - grad_output.t() @ x).abs().max().item() <= 1e-12
 
+
+def test_the_random_signs_change_the_quantised_wgrad_and_never_the_exact_one():
+    """diag(s) goes BEFORE H: x·diag(s)·H/4. After H the signs commute with a sign-symmetric quantiser (a block's
+    amax and each |element| unchanged) and cancel in dYᵀ·X, so every draw gave the same quantised weight gradient
+    bit for bit. Before H they change what is quantised: four draws, four different NVFP4 wgrads (both operands
+    to nearest), while each draw's exact product stays dYᵀ·X in float64 (1e-12)."""
+    generator = torch.Generator().manual_seed(11)
+    grad_output = torch.randn(64, 48, generator=generator, dtype=torch.float64)
+    x = torch.randn(64, 32, generator=generator, dtype=torch.float64)
+    exact = grad_output.t() @ x
+    quantised = []
+    for seed in range(4):
+        h = ms.random_hadamard(16, torch.Generator().manual_seed(100 + seed))
+        grad_output_t, x_t = ms.hadamard_blocks(grad_output.t(), h), ms.hadamard_blocks(x.t(), h)
+        assert (grad_output_t @ x_t.t() - exact).abs().max().item() <= 1e-12
+        quantised.append(fake_quantize(grad_output_t, "nvfp4") @ fake_quantize(x_t, "nvfp4").t())
+    assert all(not torch.equal(quantised[i], quantised[j]) for i in range(4) for j in range(i))
+
+
+def test_hadamard_blocks_is_the_block_times_the_matrix():
+    """hadamard_blocks(x, H) multiplies each 16-wide block (a row vector) by H/4, H = diag(s)·Sylvester(16): the
+    butterfly equals the GEMM with the matrix (float64, 1e-14), along any dim."""
+    generator = torch.Generator().manual_seed(12)
+    h = ms.random_hadamard(16, generator).double()
+    assert torch.equal(h, torch.diag(h[:, 0]) @ ms.sylvester(16, dtype=torch.float64))
+    x = torch.randn(3, 64, 5, generator=generator, dtype=torch.float64)
+    by_gemm = (x.movedim(1, -1).reshape(3, 5, 4, 16) @ (h / 4)).reshape(3, 5, 64).movedim(-1, 1)
+    assert (ms.hadamard_blocks(x, h, dim=1) - by_gemm).abs().max().item() <= 1e-14
