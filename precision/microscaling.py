@@ -364,8 +364,9 @@ def hadamard_blocks(x: torch.Tensor, hadamard: torch.Tensor, dim: int = -1) -> t
     if not torch.equal(hadamard.to(x.device, x.dtype), signs[:, None] * sylvester(size, x.device, x.dtype)):
         raise ValueError("hadamard_blocks: expected diag(±1)·Sylvester(size), as random_hadamard makes")
     trailing = [1] * (x.dim() - 1 - dim)
-    v = x.unflatten(dim, (-1, size)) * signs.view(size, *trailing)  # the block's axis is dim + 1
-    buffers = [v, torch.empty(v.shape, dtype=v.dtype, device=v.device)]
+    blocks = x.unflatten(dim, (-1, size))  # the block's axis is dim + 1
+    buffers = [torch.empty(blocks.shape, dtype=x.dtype, device=x.device) for _ in range(2)]  # contiguous
+    v = torch.mul(blocks, signs.view(size, *trailing), out=buffers[0])
     half, stage = size // 2, 0
     while half:  # each stage reads the last one's result and writes the other buffer: no temporaries
         pairs = v.unflatten(dim + 1, (size // (2 * half), 2, half))
