@@ -224,22 +224,24 @@ def e8m0_exponent(amax: torch.Tensor, element_max: float, rule: str = "rceil") -
     return torch.where(torch.isfinite(amax), e, E8M0_NAN - 127).to(torch.int32)
 
 
-def nvfp4_tensor_scale(tensor_amax: torch.Tensor) -> torch.Tensor:
+def nvfp4_tensor_scale(tensor_amax: torch.Tensor, numerator: float = NVFP4_TENSOR_SCALE_NUMERATOR) -> torch.Tensor:
     """S_enc = 448·6/amax in fp32, one true division (rounded once, as TransformerEngine's; torch computes a
     Python number over a tensor as a reciprocal times the number, two roundings, one ulp off for about a quarter of
-    amaxes); 1 for an all-zero tensor, capped at fp32's max for a tiny amax, NaN for a non-finite amax."""
+    amaxes); 1 for an all-zero tensor, capped at fp32's max for a tiny amax, NaN for a non-finite amax.
+    numerator: the block scales' ceiling times the element's top (precision/quartet.py's 256·6 and 256·v)."""
     tensor_amax = tensor_amax.float()
-    numerator = torch.tensor(NVFP4_TENSOR_SCALE_NUMERATOR, device=tensor_amax.device)
-    scale = torch.div(numerator, tensor_amax).clamp(max=torch.finfo(torch.float32).max)
+    scale = torch.div(torch.tensor(numerator, device=tensor_amax.device), tensor_amax)
+    scale = scale.clamp(max=torch.finfo(torch.float32).max)
     scale = torch.where(tensor_amax == 0, 1.0, scale)
     return torch.where(torch.isfinite(tensor_amax), scale, float("nan"))
 
 
-def nvfp4_block_scale(block_amax: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+def nvfp4_block_scale(block_amax: torch.Tensor, tensor_scale: torch.Tensor, top: float = E2M1_MAX) -> torch.Tensor:
     """d = e4m3(amax_block·S_enc/6), saturating at 448, rounded once: the product of two fp32 numbers is exact in
     float64 and the quotient by 6 is rounded there too finely to reach an E4M3 tie it is not on (its 48-bit numerator
-    is at least 2^-49 relatively away from any other). Float64 values on E4M3's grid; NaN where not finite."""
-    exact = block_amax.double() * tensor_scale.double() / E2M1_MAX
+    is at least 2^-49 relatively away from any other). Float64 values on E4M3's grid; NaN where not finite.
+    top: the value the block's amax maps to (6; Four Over Six's second candidate 4, precision/quartet.py)."""
+    exact = block_amax.double() * tensor_scale.double() / top
     decoded = _round_to_grid(exact.clamp(max=E4M3_MAX), ELEMENTS["e4m3"], None)
     return torch.where(torch.isfinite(exact), decoded, float("nan"))
 
