@@ -54,16 +54,17 @@ output widths, n the recipe's linears on this rank, β_f bits per element of for
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 import context_parallel
 from parallel import collectives
-from precision import microscaling, microscaling_fast
+from precision import microscaling, microscaling_fast, randomness
 from fp8 import QuantizationObserver, forward_operands
 from precision.fp8_scaling import pad_rows
+from precision.randomness import DrawState, hadamard_signs, uniform_draws
 from precision.recipe_codec import ZeroWeightCodec
 from shard import ShardInfo, StatePiece, counts_here
 from step import Messages
@@ -189,57 +190,6 @@ def config_from_flags(args, settings) -> PrecisionRecipe | None:
                              f" {settings.micro_batch_size}, --n-embd {h}: {what} is not a multiple of the"
                              f" {block}-wide block (a block must lie inside one rank's piece)")
     return recipe
-
-
-# --- Stochastic rounding's draws and the Hadamard signs: functions of the logical coordinates ---------------
-
-_MASK64 = (1 << 64) - 1
-
-
-def _signed(value: int) -> int:
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _splitmix64(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser on int64 tensors (multiplication wraps modulo 2^64)."""
-    z = z + _GOLDEN
-    z = (z ^ _shift_right(z, 30)) * _MIX1
-    z = (z ^ _shift_right(z, 27)) * _MIX2
-    return z ^ _shift_right(z, 31)
-
-
-def draw_key(*parts: int) -> int:
-    """One 64-bit key from integers (run seed, step, micro-batch, layer, role), order-sensitive."""
-    key = torch.zeros((), dtype=torch.int64)
-    for part in parts:
-        key = _splitmix64(key ^ _signed(int(part)))
-    return int(key)
-
-
-def uniform_draws(key: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """U[0, 1) per element (rows[:, None], cols[None, :]), float32 with 24 random bits: a function of the key and
-    the element's logical coordinates only, so any piece of the tensor draws what the whole would. Each row and
-    each column gets a SplitMix64 hash; an element's draw is the top 24 bits of (row hash XOR column hash) times
-    an odd constant: four int64 operations per element (a full hash per element cost 4× more)."""
-    row_hash = _splitmix64(rows.to(torch.int64) ^ key)
-    col_hash = _splitmix64(cols.to(torch.int64) ^ int(_splitmix64(torch.tensor(key ^ _MIX2))))
-    z = (row_hash[:, None] ^ col_hash[None, :]) * _MIX1
-    return _shift_right(z, 40).to(torch.float32) * 2.0**-24
-
-
-def hadamard_signs(key: int, device) -> torch.Tensor:
-    """rht's 16×16 random-sign Hadamard for this key (microscaling.random_hadamard from a seeded generator)."""
-    generator = torch.Generator().manual_seed(key & ((1 << 63) - 1))
-    return microscaling.random_hadamard(HADAMARD, generator).to(device)
 
 
 # --- The recipe linear ---------------------------------------------------------------------------------------
@@ -420,41 +370,6 @@ ROLES = {"attn.c_attn": 0, "attn.c_proj": 1, "mlp.c_fc": 2, "mlp.c_proj": 3, "sh
          "shared_experts.c_proj": 5, "c_fc": 6, "c_proj": 7}  # the last two: a routed expert's (the first match)
 
 
-@dataclass
-class DrawState:
-    """What SR's draws and the Hadamard signs are keyed by, shared by a rank's recipe linears: the run seed, the
-    optimizer step (`step`, restart state), this rank's first global micro-batch (d·m), and where its tokens sit
-    in their sequences (CP's positions; None: all of them)."""
-
-    seed: int
-    first_micro_batch: int
-    seq_len: int
-    positions: torch.Tensor | None
-    step: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.float64))
-
-    def key(self, index: int, layer: int, role: int) -> int:
-        """index: the global micro-batch (rank d's j-th: d·m + j); -1 the step's (the Hadamard signs, the same for
-        all its micro-batches)."""
-        return draw_key(self.seed, int(self.step.item()), index, layer, role)
-
-    def token_rows(self, shape: tuple, device) -> torch.Tensor:
-        """The logical row (sequence·s + position) of each of a micro-batch's local tokens, flattened as the
-        linear flattens them ((B, L) → B·L)."""
-        batch, length = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
-        pos = self.positions if self.positions is not None else torch.arange(length)
-        return (torch.arange(batch)[:, None] * self.seq_len + pos[None, :length]).reshape(-1).to(device)
-
-
-def _out_index(info: ShardInfo | None, out_features: int) -> torch.Tensor:
-    """The global output-feature index of each local row of a weight (TP's pieces, fused q/k/v segments)."""
-    if info is None:
-        return torch.arange(out_features)
-    rows = torch.arange(info.global_shape[0])
-    for split in info.splits:  # TP's column split (dim 0; c_attn's per q/k/v segment): the rows it keeps
-        rows = split.take(rows) if split.dim == 0 else rows
-    return rows.contiguous()
-
-
 def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches: int = 1, seed: int = 0,
             seq_len: int | None = None, cp_balance: str = "zigzag") -> PrecisionHandle:
     """Swap every nn.Linear of the blocks outside the tail for a RecipeLinear, in place: the dense ones and the
@@ -488,7 +403,7 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
                 continue
             role = next((r for suffix, r in ROLES.items() if name.endswith(suffix)), len(ROLES))
             key = block.layer_id * 9 + role + (9 * n_layer * (1 + int(path.split(".")[-2])) if routed else 0)
-            linear = RecipeLinear(module, recipe, state, name, key, _out_index(info, module.out_features),
+            linear = RecipeLinear(module, recipe, state, name, key, randomness.out_index(info, module.out_features),
                                   {} if routed else groups, sources if routed else None,
                                   token_block if routed else 1)
             if routed:  # of the M tokens a rank routes, its held expert gets E·M·k/N rows (uniform routing)

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from precision import microscaling
+from precision import randomness
 from precision import recipe as recipes
 import test_composition
 from harness import assert_runs_follow, run_ranks
@@ -92,7 +93,7 @@ def test_linear_computes_the_nvfp4_recipe_as_written():
     torch.manual_seed(0)
     plain = nn.Linear(K, N, dtype=f64)
     recipe = recipes.parse_recipe("nvfp4")
-    state = recipes.DrawState(seed=5, first_micro_batch=0, seq_len=M, positions=None)
+    state = randomness.DrawState(seed=5, first_micro_batch=0, seq_len=M, positions=None)
     layer = recipes.RecipeLinear(plain, recipe, state, "layer", layer_key=3, out_index=torch.arange(N), amax_groups={})
     x, dy = torch.randn(1, M, K, dtype=f64), torch.randn(1, M, N, dtype=f64)
     x_leaf = x.clone().requires_grad_()
@@ -103,15 +104,15 @@ def test_linear_computes_the_nvfp4_recipe_as_written():
         return microscaling.fake_quantize(t, microscaling.FORMATS["nvfp4"], two_d=two_d, stochastic=draws)
 
     w, x2, dy2 = plain.weight.detach(), x[0], dy[0]
-    hadamard = recipes.hadamard_signs(state.key(-1, 3, 2), "cpu")
-    draws = recipes.uniform_draws(state.key(0, 3, 0), torch.arange(M), torch.arange(N))
-    draws_t = recipes.uniform_draws(state.key(0, 3, 1), torch.arange(N), torch.arange(M))
+    hadamard = randomness.hadamard_signs(state.key(-1, 3, 2), "cpu")
+    draws = randomness.uniform_draws(state.key(0, 3, 0), torch.arange(M), torch.arange(N))
+    draws_t = randomness.uniform_draws(state.key(0, 3, 1), torch.arange(N), torch.arange(M))
     assert torch.equal(y[0], fq(x2) @ fq(w, two_d=True).t() + plain.bias)
     assert torch.equal(x_leaf.grad[0], fq(dy2, draws=draws) @ fq(w, two_d=True))
     dw = fq(microscaling.hadamard_blocks(dy2.t(), hadamard), draws=draws_t) \
         @ fq(microscaling.hadamard_blocks(x2.t(), hadamard)).t()
     assert torch.equal(plain.weight.grad, dw) and torch.equal(plain.bias.grad, dy2.sum(0))
-    assert not torch.equal(draws, recipes.uniform_draws(state.key(1, 3, 0), torch.arange(M), torch.arange(N)))
+    assert not torch.equal(draws, randomness.uniform_draws(state.key(1, 3, 0), torch.arange(M), torch.arange(N)))
 
 
 @pytest.mark.parametrize("spec,block", [("nvfp4", 16), ("mxfp8", 32)])
@@ -124,7 +125,7 @@ def test_a_routed_experts_chunk_computes_the_recipe_on_its_rows_padded_to_the_to
     torch.manual_seed(1)
     plain = nn.Linear(K, N, dtype=f64)
     recipe = recipes.parse_recipe(spec)
-    state = recipes.DrawState(seed=5, first_micro_batch=2, seq_len=16, positions=None)
+    state = randomness.DrawState(seed=5, first_micro_batch=2, seq_len=16, positions=None)
     layer = recipes.RecipeLinear(plain, recipe, state, "transformer.h.0.mlp.experts.1.c_fc", 7, torch.arange(N), {},
                                  sources=[2, 6], token_block=block)
     pads = []
@@ -143,15 +144,15 @@ def test_a_routed_experts_chunk_computes_the_recipe_on_its_rows_padded_to_the_to
     w = plain.weight.detach()
     y = fq(x) @ (fq(w, w=True) if two_d else fq(w)).t() + plain.bias
     assert torch.equal(layer(x), y) and pads == [block - 5, block - 5]
-    draws = recipes.uniform_draws(state.key(6, 7, 0), torch.arange(5), torch.arange(N))
+    draws = randomness.uniform_draws(state.key(6, 7, 0), torch.arange(5), torch.arange(N))
     w_dx = fq(w, w=True) if two_d else fq(w.t()).t()
     assert torch.equal(x_leaf.grad, fq(dy, draws) @ w_dx)
     pad = torch.zeros(block - 5, K, dtype=f64), torch.zeros(block - 5, N, dtype=f64)
     xp_t, dyp_t = torch.cat([x, pad[0]]).t(), torch.cat([dy, pad[1]]).t()  # along the tokens, padded
     if recipe.rht:
-        signs = recipes.hadamard_signs(state.key(-1, 7, 2), "cpu")
+        signs = randomness.hadamard_signs(state.key(-1, 7, 2), "cpu")
         xp_t, dyp_t = microscaling.hadamard_blocks(xp_t, signs), microscaling.hadamard_blocks(dyp_t, signs)
-    draws_t = recipes.uniform_draws(state.key(6, 7, 1), torch.arange(N), torch.arange(block))
+    draws_t = randomness.uniform_draws(state.key(6, 7, 1), torch.arange(N), torch.arange(block))
     assert torch.equal(plain.weight.grad, fq(dyp_t, draws_t) @ fq(xp_t).t())
 
 
@@ -180,10 +181,10 @@ def test_routed_experts_padded_rows_per_moe_layer_equal_a_hand_count_and_are_pri
 
 def test_draws_of_a_piece_are_the_whole_tensors_draws_there():
     """Any rank's piece (rows, columns of the logical tensor, in any order) draws what the whole draws there."""
-    key = recipes.draw_key(0, 3, 1, 17, 0)
-    whole = recipes.uniform_draws(key, torch.arange(64), torch.arange(96))
+    key = randomness.draw_key(0, 3, 1, 17, 0)
+    whole = randomness.uniform_draws(key, torch.arange(64), torch.arange(96))
     rows, cols = torch.tensor([40, 41, 7, 8]), torch.tensor([5, 90, 33])
-    assert torch.equal(recipes.uniform_draws(key, rows, cols), whole[rows][:, cols])
+    assert torch.equal(randomness.uniform_draws(key, rows, cols), whole[rows][:, cols])
     assert 0 <= float(whole.min()) and float(whole.max()) < 1 and abs(float(whole.mean()) - 0.5) < 0.01
 
 
@@ -260,7 +261,7 @@ def _codec_round_trip(rank, world):
 
     torch.manual_seed(0)
     plain = nn.Linear(64, 48, dtype=torch.float64)
-    state = recipes.DrawState(seed=0, first_micro_batch=0, seq_len=16, positions=None)
+    state = randomness.DrawState(seed=0, first_micro_batch=0, seq_len=16, positions=None)
     linear = recipes.RecipeLinear(plain, recipes.parse_recipe("nvfp4"), state, "w", 0, torch.arange(48), {})
     codec = recipes.ZeroWeightCodec()
     codec.attach(linear)
@@ -415,8 +416,8 @@ def test_stochastic_rounding_with_the_recipes_draws_is_unbiased_across_seeds():
     sigma = (p * (1 - p)) ** 0.5
     x = torch.full((4_000, 32), value)
     x[:, 0] = 6.0  # the block's amax: E8M0 scale 2^0 under rceil
-    keys = [recipes.draw_key(seed, 0, 0, 3, 2) for seed in range(x.shape[0])]
-    draws = torch.cat([recipes.uniform_draws(key, torch.arange(1), torch.arange(32)) for key in keys])
+    keys = [randomness.draw_key(seed, 0, 0, 3, 2) for seed in range(x.shape[0])]
+    draws = torch.cat([randomness.uniform_draws(key, torch.arange(1), torch.arange(32)) for key in keys])
     rounded = microscaling_fast.fake_quantize(x, "mxfp4", draws=draws)[:, 1].double()
     nearest = microscaling_fast.fake_quantize(x, "mxfp4")[:, 1].double()
     assert set(rounded.unique().tolist()) == {2.0, 3.0}
