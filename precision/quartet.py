@@ -129,27 +129,28 @@ def eden_rotated(r: torch.Tensor, group: int, draws: torch.Tensor, tensor_amax: 
     if group % BLOCK:
         raise ValueError(f"MS-EDEN: the rotation group {group} must be a multiple of the {BLOCK}-element block")
     shape, dtype = r.shape, dtype or r.dtype
-    blocks = r.reshape(*shape[:-1], -1, BLOCK).double()
+    blocks = r.reshape(*shape[:-1], -1, BLOCK).to(torch.float64, copy=True)
     amax = blocks.abs().amax(-1, keepdim=True)
     tensor_amax = amax.max() if tensor_amax is None else torch.as_tensor(tensor_amax, device=r.device)
     top = ms.E2M1_MAX / EDEN_SCALE_OVERRIDE
     scale = ms.nvfp4_tensor_scale(tensor_amax, EDEN_BLOCK_SCALE_MAX * top).double()
     d = ms.nvfp4_block_scale(amax, scale, top)
     usable = torch.isfinite(d) & (d > 0)
-    y = blocks * scale / torch.where(usable, d, math.inf)
+    target = blocks.mul_(scale)  # r·S, exact (blocks is a float64 copy)
+    y = target / torch.where(usable, d, math.inf)
     saturated = (y.abs() > top).sum()
     q = ms._round_to_grid(y.clamp_(-ms.E2M1_MAX, ms.E2M1_MAX), _E2M1, None)
     # c = ⟨r, r⟩/⟨r, q·d/S⟩ per group of G/16 blocks: in S·r's units, Σ(r·S)² / Σ(r·S)(q·d)
     per_group = (-1, group // BLOCK)
-    target, grid_times_d = (blocks * scale).unflatten(-2, per_group), (q * d).unflatten(-2, per_group)
-    numerator = target.square().sum((-2, -1), keepdim=True)
-    denominator = (target * grid_times_d).sum((-2, -1), keepdim=True)
+    grid_times_d = (q * d).unflatten(-2, per_group)
+    numerator = torch.linalg.vector_norm(target.unflatten(-2, per_group), dim=(-2, -1), keepdim=True).square_()
+    denominator = (target.unflatten(-2, per_group) * grid_times_d).sum((-2, -1), keepdim=True)
     correction = torch.where(denominator > 0, numerator / denominator, 1.0)
     corrected = (d.unflatten(-2, per_group) * correction).flatten(-3, -2).clamp_(max=ms.E4M3_MAX)
     d_sr = ms._round_to_grid(corrected, _E4M3, draws.reshape(corrected.shape))
     d_sr = torch.where(usable, d_sr, d)  # a zero block stays zero, a NaN one NaN
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    out = ((q * d_sr).to(wide) / scale.to(wide)).reshape(shape).to(dtype)
+    out = (q.mul_(d_sr).to(wide) / scale.to(wide)).reshape(shape).to(dtype)
     return QuantizedEden(out, correction.reshape(*shape[:-1], -1), saturated)
 
 
