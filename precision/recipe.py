@@ -13,7 +13,15 @@ formats). With fq = quantise → dequantise in the part's format, blocks along e
   sr    dY (in both backward GEMMs) rounded stochastically: unbiased, its draws a hash of (run seed, optimizer
         step, micro-batch, layer, the element's place in the LOGICAL tensor), so every mesh draws what one
         device draws, a resumed run replays them, and no generator state is saved;
-  tail  the last ⌈F·n_layer⌉ blocks stay in the compute dtype (NVIDIA's NVFP4 recipe keeps ~15%).
+  tail  the last ⌈F·n_layer⌉ blocks stay in the compute dtype (NVIDIA's NVFP4 recipe keeps ~15%);
+  4over6  Four Over Six (precision/quartet.py) on the forward's 1×16 NVFP4 operands: each block keeps the better
+        (lower MSE) of its max scaled to 6 and to 4;
+  eden  Quartet II's backward (precision/quartet.py): the operands the forward multiplied, fq(X) and fq(W), and dY,
+        each rotated along its GEMM's contraction dim by a G×G random-sign Hadamard R (rotation=G, 128 by
+        default; one R per micro-batch and layer, from the logical keys), then quantised by MS-EDEN (round to
+        nearest, EDEN's correction folded into the block scales, which round stochastically with draws keyed by
+        each block's logical coordinates): dX = E(dY·R)·E(fq(W)ᵀ·R)ᵀ, dW = E(dYᵀ·R)·E(fq(X)ᵀ·R)ᵀ, an unbiased
+        estimate of the gradient of the forward the model ran. The preset quartet2 is fwd=nvfp4,bwd=nvfp4,4over6,eden.
 The embedding, the head and the loss stay in the compute dtype. A MoE block: its router stays in high precision
 (no nn.Linear; DeepSeek-V3 keeps its gate precise: a flipped top-k choice is not a small error), its shared
 experts are dense layers here (TP shards, amax over tp), and a routed expert's logical tensor is the chunk of
@@ -41,14 +49,15 @@ output widths, n the recipe's linears on this rank, β_f bits per element of for
 3. Messages (all_reduce MAX, float32, latency-bound, NVFP4 parts only; `predicted_messages`): per linear and
    micro-batch over tp and over cp (each when its size > 1): forward 8 bytes [amax X, amax W] when fwd=nvfp4
    (twice under activation checkpointing), backward 16 bytes [amax dY, amax dW's dY operand, amax dW's X
-   operand, amax W] when bwd=nvfp4. MX formats and routed experts send nothing. ZeRO-3: under the nvfp4 preset (w2d, fwd
+   operand, amax W] when bwd=nvfp4 (under eden the four rotated operands' amaxes; its re-quantisation of X and W
+   reuses the forward's). MX formats and routed experts send nothing. ZeRO-3: under the nvfp4 preset (w2d, fwd
    = bwd = nvfp4) one 16×16 quantisation of W serves both GEMMs, so it gathers W's E2M1 codes (1 byte per element here,
    4 bits packed) after an all_reduce MAX of the tiles' amaxes (4 bytes per 256 elements) and the tensor amax
    (`ZeroWeightCodec`, precision/recipe_codec.py); otherwise W is quantised along K for Y and along N for dX (two
    copies, 2·β ≥ b_w bits), so it is gathered in the working dtype (b_w bytes per element) and quantised after the
    gather.
 4. Restart state: the optimizer step the draws and Hadamard signs are keyed by ("precision/step", one float64,
-   the same on every rank and mesh); nothing else: no amax history, no generator.
+   the same on every rank and mesh; precision/randomness.py); nothing else: no amax history, no generator.
 """
 
 from __future__ import annotations
