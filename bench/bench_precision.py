@@ -2,7 +2,7 @@
 RHT + SR, SR}, several seeds per cell, with the noise of every cell's delta measured.
 
     python bench/bench_precision.py --dtype fp32                       # the grid, `mini` with 2 layers, 3 seeds
-    python bench/bench_precision.py --dtype fp32 --steps 60 --seeds 2  # what 40 minutes allowed here (see README)
+    python bench/bench_precision.py --dtype fp32 --steps 40 --seeds 2  # what 28 minutes allowed here (see README)
     python bench/bench_precision.py --table-only ...                   # the table again from what out/ holds
     python bench/bench_precision.py --smoke                            # `tiny`, 2 steps, two cells: checks it runs
 
