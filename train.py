@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 import torch
@@ -41,7 +41,7 @@ import pipeline
 from planner import cpu_probe, time_model
 import precision.recipe
 import report.run
-from resilience import ckpt_files, elastic, goodput
+from resilience import ckpt_files, elastic, goodput, redundancy
 import shard
 import tensor_parallel
 from accounting.activations import activation_shape
@@ -64,7 +64,7 @@ from zero import ZeroConfig, ZeroLayout
 # `config_from_flags(args, settings)` (cli/flags.py calls it once, before any rank waits) and an
 # `apply(model, run, config)` that swaps modules of the model in place and returns its handle, a step.Axis.
 # Adding an axis adds a line here; the loop and the printouts only ever loop over the handles.
-AXES = (moe, eplb, tensor_parallel, context_parallel, pipeline, fp8, precision.recipe)
+AXES = (moe, eplb, tensor_parallel, context_parallel, pipeline, redundancy, fp8, precision.recipe)
 
 
 @dataclass
@@ -145,6 +145,9 @@ def build_layout(model: GPT, run: Run, materialize: bool = True):
         compile_blocks(model)  # per block: its gradient hooks fire when its backward ends (model.compile_blocks)
     groups = {name: run.mesh.group(name) for name in ("dp_cp", "expert_dp")}  # dense, experts
     layout = build_data_parallel(model, run, groups, coords, materialize)
+    shadow = next((axis for axis in run.axes if axis.name == "redundancy"), None)
+    if shadow is not None:  # --pp-redundant: the successor's shadow is updated after the stage
+        return redundancy.RedundantLayout(layout, shadow)
     # DiLoCo (resilience/diloco.py): the layout above runs inside one replica; every H steps the replicas' outer step
     return DiLoCoLayout(layout, run.settings.diloco, run.mesh) if run.settings.diloco else layout
 
@@ -209,6 +212,7 @@ class Training:
     checkpointer: ckpt.Checkpointer | None = None
     start_step: int = 0  # a resumed run starts at its checkpoint's step
     step: int = 0  # the step the loop is at (an interrupt reports it)
+    completed: int = 0  # optimizer steps done (a takeover agrees on it)
     progress: report.run.Progress | None = None
     step_peak: report.run.StepPeak | None = None  # on a CPU, the profiled step's memory
 
@@ -264,7 +268,7 @@ def start_training(settings: Settings, tracer: CommTracer, clock: goodput.Clock)
     return Training(run, corpus, train_tokens, val_tokens, sampler, val_sampler, lr_schedule, scaler, machine, clock)
 
 
-def open_checkpointer(t: Training) -> None:
+def open_checkpointer(t: Training, resume: bool = True) -> None:
     """--ckpt-dir's Checkpointer, and --resume's step, layout, scaler and sampler cursor read from it."""
     run, args = t.run, t.run.settings.args
     run_record = dict(steps=args.steps, lr=args.lr, min_lr=t.lr_schedule.min_lr, seed=args.seed,
@@ -275,7 +279,7 @@ def open_checkpointer(t: Training) -> None:
                                        lock=run.settings.ckpt_lock, run_record=run_record)  # flags.parse took it
         t.checkpointer = ckpt.Checkpointer(config, run.mesh, [*run.axes, t.clock], run.device, log=print0,
                                            on_save=lambda stats: report.run.print_save(stats, args.mtbf_hours))
-        if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
+        if args.resume and resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
             t.start_step = t.checkpointer.resume(args.resume, run.layout, t.scaler, t.sampler, args.seed)
         if args.elastic and t.start_step:  # a restarted world: the one that wrote the checkpoint, and this one
             print0(elastic.restart_line(elastic.saved_mesh(args.ckpt_dir, t.start_step), run.mesh.shape,
@@ -304,12 +308,21 @@ def train_loop(t: Training, tracer: CommTracer) -> None:
     peak_in_mean = args.steps - t.start_step < 3  # no other timed step would remain
     # Step s + 1's micro-batches are read (pinned, on CUDA) while step s trains, then copied without blocking.
     prefetched = data.Prefetcher(lambda s: local_batches(run, t.sampler, t.train_tokens, s), run.device, args.steps - 1)
-    t.step = t.start_step
+    t.step = t.completed = step = t.start_step
     with ending_cleanly_on_signals(lambda: interrupted(t.checkpointer, t.step)):
-        for step in range(t.start_step, args.steps):
+        while step < args.steps:
             t.step = step
-            record = timed_step(t, step, prefetched, step == peak_step, peak_in_mean)
-            after_step(t, step, record, metrics, tracer)
+            try:
+                record = timed_step(t, step, prefetched, step == peak_step, peak_in_mean)
+                t.completed = step + 1
+                after_step(t, step, record, metrics, tracer)
+                step += 1
+            except RuntimeError as error:  # --pp-redundant: a lost stage's predecessor takes it over
+                if not any(axis.name == "redundancy" for axis in run.axes):
+                    raise
+                step = take_over(t, error, tracer)  # the step to run next: the interrupted one, replayed
+                if args.metrics_file and run.mesh.rank == 0 and metrics is None:
+                    metrics = open(args.metrics_file, "a")
         prefetched.close()
         if metrics:
             metrics.close()
@@ -319,6 +332,53 @@ def train_loop(t: Training, tracer: CommTracer) -> None:
         if args.sample_tokens:
             with tracer.phase("sample"), t.clock.phase("eval"):
                 sample(run, t.val_tokens, t.corpus.tokenizer_name)
+
+
+def take_over(t: Training, error: RuntimeError, tracer: CommTracer) -> int:
+    """--pp-redundant lost a stage (resilience/redundancy.py, the takeover): the survivors meet again, the run is
+    composed on P − 1 stages and filled from this process's memory (its stage and its shadow), the shadows are
+    synced, and the survivors agree on the steps done: the loop replays the interrupted one. One line; a loss
+    that redundancy cannot absorb ends the run, naming the newest committed checkpoint (never touched here)."""
+    run, began = t.run, time.perf_counter()
+    handle = next(axis for axis in run.axes if axis.name == "redundancy")
+    memory = {piece.key: piece.tensor for piece in [*run.layout.state_pieces(), *handle.state_pieces()]}
+    adam_steps, old_world = run.layout.optimizer_step_count, run.mesh.shape.world_size
+    pp_config = run.settings.axes["pipeline"]
+    bounds = pp_config.bounds or tuple(r.start for r in pipeline.chunk_layers(pp_config, run.config.n_layer)) + (
+        run.config.n_layer,)
+    try:
+        with t.clock.phase("restart"), tracer.phase("startup"):
+            plan = redundancy.lose_peer(handle, run.mesh, bounds, run.settings.backend)
+            if t.checkpointer:
+                t.checkpointer.abandon()  # a save cut short is never committed; the committed ones stay
+            pp = replace(pp_config, size=plan.P, bounds=plan.bounds) if plan.P > 1 else None
+            config = replace(run.settings.axes[redundancy.__name__], token=handle.token, takeovers=handle.takeovers + 1)
+            settings = replace(run.settings, shape=replace(run.settings.shape, pp=plan.P), axes={
+                **run.settings.axes, "pipeline": pp, redundancy.__name__: config if plan.P > 1 else None})
+            rebuilt = compose(replace(run, settings=settings, mesh=build_mesh(settings.shape), axes=[], layout=None))
+            pieces = rebuilt.layout.state_pieces()
+            moved = redundancy.fill_from_memory(pieces, memory)
+            rebuilt.layout.optimizer_step_count = adam_steps
+            shadow = next((axis for axis in rebuilt.axes if axis.name == "redundancy"), None)
+            synced = redundancy.resync_shadows(shadow, pieces) if shadow else 0
+            if len(set(agree(str(t.completed)) if dist.get_world_size() > 1 else [t.completed])) > 1:
+                raise redundancy.TakeoverError("the survivors disagree on the steps done (a loss inside the update)")
+            for name, group in rebuilt.mesh.groups.items():
+                tracer.name_group(group, name)
+            vars(run).update(vars(rebuilt))
+            if t.checkpointer:
+                open_checkpointer(t, resume=False)
+    except redundancy.TakeoverError as e:
+        committed = ckpt_files.newest_committed(run.settings.args.ckpt_dir) if run.settings.args.ckpt_dir else None
+        print(f"error: takeover impossible after `{str(error).splitlines()[0][:100]}`: {e}; " + (
+            f"the newest committed checkpoint is step {committed[0]} ({committed[1]}): --resume latest continues from"
+            f" it" if committed else "no checkpoint was committed"), file=sys.stderr, flush=True)
+        sys.exit(1)  # every survivor says it: no group is left to agree which one prints
+    print0(f"takeover: stage {plan.lost} lost at step {t.step}; stage {plan.taker} took it over from its shadow"
+           f" (world {old_world} → {plan.P}, layer bounds {list(plan.bounds)}): {mfu.format_bytes(moved)} from memory,"
+           f" {mfu.format_bytes(synced)} to the new shadows, {time.perf_counter() - began:.2f} s; replaying step"
+           f" {t.completed}")
+    return t.completed
 
 
 def timed_step(t: Training, step: int, prefetched, profiled: bool, peak_in_mean: bool) -> dict:

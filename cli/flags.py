@@ -179,6 +179,10 @@ def _add_parallelism_flags(parser) -> None:
                    help="pipeline schedule (pipeline.py)")
     g.add_argument("--pp-virtual", type=int, default=2, help="model chunks per rank for --pp-schedule interleaved")
     g.add_argument("--trace-file", help="write one executed pipeline step as Chrome-trace JSON (Perfetto)")
+    g.add_argument("--pp-redundant", action="store_true",
+                   help="Bamboo's pipeline redundancy (resilience/redundancy.py): each stage shadows its successor"
+                        " (forwards in the bubble, the same update) and takes over a lost one without a checkpoint;"
+                        " off by default")
     g.add_argument("--cp-impl", default="ring", choices=["ring", "ulysses"], help="context parallel attention")
     g.add_argument("--cp-balance", default="zigzag", choices=["zigzag", "contiguous"],
                    help="how the sequence is cut over the C ranks (zig-zag balances causal work)")
