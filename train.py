@@ -355,7 +355,8 @@ def take_over(t: Training, error: RuntimeError, tracer: CommTracer) -> int:
             config = replace(run.settings.axes[redundancy.__name__], token=handle.token, takeovers=handle.takeovers + 1)
             settings = replace(run.settings, shape=replace(run.settings.shape, pp=plan.P), axes={
                 **run.settings.axes, "pipeline": pp, redundancy.__name__: config if plan.P > 1 else None})
-            rebuilt = compose(replace(run, settings=settings, mesh=build_mesh(settings.shape), axes=[], layout=None))
+            mesh = build_mesh(settings.shape, timeout=redundancy.short_timeout(handle))  # a loss now fails soon
+            rebuilt = compose(replace(run, settings=settings, mesh=mesh, axes=[], layout=None))
             pieces = rebuilt.layout.state_pieces()
             moved = redundancy.fill_from_memory(pieces, memory)
             rebuilt.layout.optimizer_step_count = adam_steps
@@ -365,10 +366,11 @@ def take_over(t: Training, error: RuntimeError, tracer: CommTracer) -> int:
                 raise redundancy.TakeoverError("the survivors disagree on the steps done (a loss inside the update)")
             for name, group in rebuilt.mesh.groups.items():
                 tracer.name_group(group, name)
+            redundancy.restore_timeouts(rebuilt.mesh)
             vars(run).update(vars(rebuilt))
             if t.checkpointer:
                 open_checkpointer(t, resume=False)
-    except redundancy.TakeoverError as e:
+    except RuntimeError as e:  # a TakeoverError, or another loss during the takeover (a peer's p2p or store)
         committed = ckpt_files.newest_committed(run.settings.args.ckpt_dir) if run.settings.args.ckpt_dir else None
         print(f"error: takeover impossible after `{str(error).splitlines()[0][:100]}`: {e}; " + (
             f"the newest committed checkpoint is step {committed[0]} ({committed[1]}): --resume latest continues from"

@@ -67,6 +67,7 @@ from step import Axis, Messages
 
 SCHEDULES = ("gpipe", "1f1b")  # v = 1 and B whole: parallel/schedules.py places R in their lists
 TIMEOUT_ENV = "PP_REDUNDANT_TIMEOUT_S"  # the rendezvous's wait for the survivors (default 60 s)
+CLOSING_TAG = 0x7A4E  # close_connections' receive: a tag no message of the run carries
 
 
 @dataclass(frozen=True)
@@ -334,14 +335,13 @@ def close_connections(groups) -> None:
     me = dist.get_rank()
     for group in groups:
         for peer in dist.get_process_group_ranks(group):
-            if peer == me:
-                continue
-            for _ in range(3):  # a message in flight from the peer may complete the receive: try again
+            if peer != me:  # a tag nobody sends: a message in flight (of any size) cannot match this receive
                 try:
-                    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.empty(1), peer, group)]):
+                    op = dist.P2POp(dist.irecv, torch.empty(1), peer, group, tag=CLOSING_TAG)
+                    for work in dist.batch_isend_irecv([op]):
                         work.wait(timeout=datetime.timedelta(milliseconds=1))
                 except RuntimeError:
-                    break
+                    pass
 
 
 def rendezvous(directory: str, old_rank: int, P: int, timeout_s: float) -> list:
@@ -369,12 +369,26 @@ def lose_peer(handle: Redundancy, mesh, bounds: tuple, backend: str) -> Takeover
     if len(alive) != P - 1:
         raise TakeoverError(f"{len(alive)} of the {P - 1} survivors of a lost stage arrived within"
                             f" {handle.config.timeout_s:.0f} s (old ranks {alive}): more than one stage is lost")
-    lost = next(r for r in range(P) if r not in alive)
-    plan = takeover_plan(P, lost, bounds)
+    if len(alive) == P or old not in alive:
+        raise TakeoverError(f"old ranks {alive} met: no stage was lost (the step's error was another)")
+    plan = takeover_plan(P, next(r for r in range(P) if r not in alive), bounds)
     os.environ.update(RANK=str(plan.new_rank[old]), WORLD_SIZE=str(plan.P))
+    # The store's wait for the P − 1 is bounded like the rendezvous (a survivor lost now fails it soon); the
+    # group's collectives then get mesh.init_distributed's 600 s.
     dist.init_process_group(backend, store=dist.FileStore(os.path.join(directory, "store"), plan.P),
-                            rank=plan.new_rank[old], world_size=plan.P, timeout=datetime.timedelta(seconds=600))
+                            rank=plan.new_rank[old], world_size=plan.P, timeout=short_timeout(handle))
     return plan
+
+
+def short_timeout(handle: Redundancy) -> datetime.timedelta:
+    """The takeover's groups wait for their members as long as the rendezvous does: a survivor lost while they
+    form fails them soon (`restore_timeouts` gives them mesh.init_distributed's 600 s once the run is rebuilt)."""
+    return datetime.timedelta(seconds=handle.config.timeout_s)
+
+
+def restore_timeouts(mesh, seconds: float = 600) -> None:
+    for group in [dist.group.WORLD, *{id(g): g for g in mesh.groups.values()}.values()]:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 def fill_from_memory(pieces: list, memory: dict) -> int:

@@ -10,6 +10,7 @@ continues on 2 stages without reading a checkpoint, and its losses follow the un
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -126,3 +127,131 @@ def test_a_pipeline_with_data_parallel_replicas_is_refused():
                                                 "--pp-redundant"])
     with pytest.raises(flags.FlagError, match="pure pipeline"):
         flags.validate(args, 4, axes=AXES)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The live takeover: P = 3 workers of train.py, spawned as a launcher would, one (or two) SIGKILLed
+# ---------------------------------------------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LIVE_STEPS = 24
+LIVE_FLAGS = ["--backend", "gloo", "--preset", "tiny", "--n-layer", "3", "--pp", "3", "--pp-redundant", "--steps",
+              str(LIVE_STEPS), "--global-batch", "6", "--micro-batch", "1", "--seq-len", "32", "--dtype", "fp32",
+              "--eval-every", "0", "--sample-tokens", "0", "--log-every", "1", "--peak-tflops", "1"]
+
+
+def launch_workers(run_dir: str, corpus: str, extra=(), env=None, world: int = 3) -> list:
+    """`world` train.py processes with the environment torchrun gives its workers, and no agent: nobody stops the
+    survivors when one dies (resilience/redundancy.py, the takeover)."""
+    os.makedirs(run_dir, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        worker_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        log = open(os.path.join(run_dir, f"rank{rank}.log"), "a")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *LIVE_FLAGS, "--data", corpus,
+                                       "--out-dir", run_dir, "--metrics-file", os.path.join(run_dir, "metrics.jsonl"),
+                                       *extra], stdout=log, stderr=subprocess.STDOUT, env=worker_env, cwd=run_dir))
+    return procs
+
+
+def losses_of(run_dir: str) -> dict:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    out = {}
+    for line in open(path):
+        if line.strip():
+            record = json.loads(line)
+            out[record["step"]] = (record["loss"], record["world"])
+    return out
+
+
+def wait_until(condition, procs, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline or all(p.poll() is not None for p in procs):
+            raise AssertionError("the condition never held")
+        time.sleep(0.02)
+
+
+def finish(procs, timeout: float = 600) -> list:
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append("hung")
+    return codes
+
+
+def logs(run_dir: str) -> str:
+    return "".join(open(os.path.join(run_dir, name)).read() for name in sorted(os.listdir(run_dir))
+                   if name.startswith("rank") and name.endswith(".log"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("redundancy")
+    corpus = str(root / "corpus.txt")
+    rng = random.Random(0)
+    with open(corpus, "w") as f:
+        f.write("".join(rng.choice("abcdefgh ijklmnop\n") for _ in range(50_000)))
+    procs = launch_workers(str(root / "uninterrupted"), corpus)
+    assert finish(procs) == [0, 0, 0], logs(str(root / "uninterrupted"))
+    return root, corpus, losses_of(str(root / "uninterrupted"))
+
+
+@pytest.mark.slow
+def test_a_killed_stage_is_taken_over_without_a_checkpoint_and_the_losses_follow(uninterrupted):
+    """Stage 2 SIGKILLed after 8 steps: stage 1 takes it over from its shadow, the run ends on 2 stages, no
+    checkpoint exists to read, and every loss equals the uninterrupted run's (fp32; measured: bitwise)."""
+    root, corpus, reference = uninterrupted
+    run_dir = str(root / "killed")
+    procs = launch_workers(run_dir, corpus)
+    wait_until(lambda: len(losses_of(run_dir)) >= 8, procs)
+    procs[2].send_signal(signal.SIGKILL)
+    codes = finish(procs)
+    text = logs(run_dir)
+    assert codes[:2] == [0, 0] and codes[2] == -signal.SIGKILL, text[-3000:]
+    assert "takeover: stage 2 lost at step" in text and "stage 1 took it over from its shadow" in text, text[-3000:]
+    losses = losses_of(run_dir)
+    assert sorted(losses) == list(range(LIVE_STEPS)) and losses[LIVE_STEPS - 1][1] == 2
+    for step, (loss, _) in losses.items():
+        assert loss == pytest.approx(reference[step][0], rel=1e-6), step
+
+
+@pytest.mark.slow
+def test_a_second_loss_during_the_takeover_keeps_the_newest_checkpoint(uninterrupted):
+    """Stage 1 SIGKILLed, then stage 2 while the survivors meet: the last survivor ends in one line naming the
+    newest committed checkpoint, which a fresh launch resumes to the uninterrupted run's losses; and stage 0's
+    loss, which this takeover does not serve, ends the same way."""
+    root, corpus, reference = uninterrupted
+    run_dir = str(root / "twice")
+    flags_ = ["--ckpt-dir", os.path.join(run_dir, "ck"), "--ckpt-every", "3", "--async-ckpt"]
+    procs = launch_workers(run_dir, corpus, flags_, env={redundancy.TIMEOUT_ENV: "10"})
+    wait_until(lambda: len(losses_of(run_dir)) >= 8, procs)
+    procs[1].send_signal(signal.SIGKILL)
+    meeting = os.path.join(run_dir, "takeover")
+    wait_until(lambda: any(n.startswith("alive-") for _, _, names in os.walk(meeting) for n in names), procs)
+    procs[2].send_signal(signal.SIGKILL)
+    codes, text = finish(procs), logs(run_dir)
+    assert codes[0] == 1 and "error: takeover impossible" in text, text[-3000:]
+    named = int(text.split("the newest committed checkpoint is step ")[1].split()[0])
+    assert named >= 6 and named % 3 == 0
+    procs = launch_workers(run_dir, corpus, [*flags_, "--resume", "latest"])  # appends to the metrics file
+    assert finish(procs) == [0, 0, 0], logs(run_dir)[-3000:]
+    assert "ckpt: resumed from" in logs(run_dir) and f"at step {named} " in logs(run_dir)
+    for step, (loss, _) in losses_of(run_dir).items():
+        assert loss == pytest.approx(reference[step][0], rel=1e-6), step
+    first = str(root / "first")
+    procs = launch_workers(first, corpus)
+    wait_until(lambda: len(losses_of(first)) >= 4, procs)
+    procs[0].send_signal(signal.SIGKILL)
+    codes, text = finish(procs), logs(first)
+    assert codes[1:] == [1, 1] and "stage 0 was lost" in text, text[-3000:]
