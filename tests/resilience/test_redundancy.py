@@ -123,8 +123,8 @@ def test_bad_redundancy_flags_are_one_line(argv, words):
 
 
 def test_a_pipeline_with_data_parallel_replicas_is_refused():
-    args = flags.build_parser().parse_args(["--preset", "tiny", "--global-batch", "8", "--micro-batch", "1", "--pp", "2",
-                                                "--pp-redundant"])
+    args = flags.build_parser().parse_args(["--preset", "tiny", "--global-batch", "8", "--micro-batch", "1",
+                                            "--pp", "2", "--pp-redundant"])
     with pytest.raises(flags.FlagError, match="pure pipeline"):
         flags.validate(args, 4, axes=AXES)
 
