@@ -52,6 +52,7 @@ from ddp import DDPLayout, DistributedDataParallel
 from mesh import Mesh, build_mesh, init_distributed
 from model import GPT, GPTConfig, compile_blocks
 from optim import DynamicLossScaler, LRSchedule, build_adamw
+from parallel.offload import OffloadConfig, OffloadZeroLayout
 from parallel.zero3 import Zero3Layout
 from parallel.zero_pipeline import pipeline_layout
 from report.run import print0
@@ -165,6 +166,8 @@ def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materi
         if args.zero >= 2 and pp_config is not None:  # units per chunk, gathers and reductions by the schedule
             return pipeline_layout(model, config, groups, coords, device, pp_config, run.config.n_layer,
                                    run.mesh.index("pp"), run.micro_batches)
+        if args.offload:  # the optimizer's shard in host memory, the update on the host (parallel/offload.py)
+            return OffloadZeroLayout(model, config, groups, coords, update_group, OffloadConfig(args.offload))
         if args.zero < 3:
             return ZeroLayout(model, config, groups, coords, update_group)
         return Zero3Layout(model, config, groups, coords, device)  # FP8 weights carry their codec (fp8.convert)

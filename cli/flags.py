@@ -29,7 +29,7 @@ import data
 from experts import router
 from interop import hf
 import moe
-from parallel import recompute
+from parallel import offload, recompute
 from planner import calibration, hardware
 from resilience import diloco, elastic
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
@@ -169,6 +169,9 @@ def _add_parallelism_flags(parser) -> None:
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size E")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0: plain DDP)")
     g.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    g.add_argument("--offload", choices=offload.MODES, help="with --zero 1/2: Adam's moments (optimizer), and the"
+                   " fp32 masters (optimizer+master), in host memory, the update on the host (parallel/offload.py);"
+                   " default: none")
     g.add_argument("--diloco-h", type=int, help="DiLoCo (resilience/diloco.py): H inner AdamW steps per outer step")
     g.add_argument("--diloco-replicas", type=int, help="DiLoCo replicas R (a divisor of D; default 1)")
     g.add_argument("--diloco-outer-lr", type=float, default=0.7, help="DiLoCo outer Nesterov SGD learning rate")
@@ -325,6 +328,7 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                                  replicas=diloco_config.replicas if diloco_config else None)
         recompute.check_flags(args, shape)
+        offload.check_flags(args)  # --zero 1/2 and a layout it serves
         config = model_config(args, given)
         # The experts' split before the batch arithmetic, which takes the mesh as given: --ep 3 of 4 experts is a
         # wrong --ep, not a global batch that D = 3 does not divide.
