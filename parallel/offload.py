@@ -112,7 +112,8 @@ class OffloadZeroLayout(ZeroLayout):
     def _complete_oldest(self):
         unit, synced = self._in_flight[0][0], self._synced.popleft()
         super()._complete_oldest()
-        if synced and unit not in self._late:  # the shard is final (stage 2 reduces every micro-batch; the synchronised one is the last)
+        if synced and unit not in self._late:  # the shard is final (stage 2 reduces every micro-batch; the
+            # synchronised one is the last)
             self._copy(unit.host_grad, unit.grad_shard, "d2h")
             self._copies[unit] = True
 

@@ -53,15 +53,17 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from ddp import set_adam_step
+from mfu import format_bytes
 from model import GPT
 from optim import build_adamw, ensure_adam_state
 from pipeline import chunk_layers
+from resilience import ckpt_files
 from shard import StatePiece, describe, materialize
 from step import Axis, Messages
 
@@ -355,6 +357,45 @@ def rendezvous(directory: str, old_rank: int, P: int, timeout_s: float) -> list:
         if len(alive) >= P - 1 or time.monotonic() > deadline:
             return alive
         time.sleep(0.01)
+
+
+def stage_bounds(pp_config, n_layer: int) -> tuple:
+    """The pipeline's layer bounds: each stage's first layer, then n_layer (what `takeover_plan` merges)."""
+    return pp_config.bounds or tuple(r.start for r in chunk_layers(pp_config, n_layer)) + (n_layer,)
+
+
+def settings_after(settings, plan: TakeoverPlan, handle: Redundancy):
+    """cli/flags.py's Settings on the plan's P − 1 stages: the merged bounds, one more takeover counted (at P = 1
+    neither a pipeline nor redundancy is left)."""
+    pp = replace(settings.axes["pipeline"], size=plan.P, bounds=plan.bounds) if plan.P > 1 else None
+    config = replace(settings.axes[__name__], token=handle.token, takeovers=handle.takeovers + 1)
+    return replace(settings, shape=replace(settings.shape, pp=plan.P),
+                   axes={**settings.axes, "pipeline": pp, __name__: config if plan.P > 1 else None})
+
+
+def impossible_line(error: Exception, reason: Exception, ckpt_dir: str | None) -> str:
+    """The one line of a loss the takeover cannot absorb: what failed, why, and the newest committed checkpoint."""
+    committed = ckpt_files.newest_committed(ckpt_dir) if ckpt_dir else None
+    return (f"error: takeover impossible after `{str(error).splitlines()[0][:100]}`: {reason}; " + (
+        f"the newest committed checkpoint is step {committed[0]} ({committed[1]}): --resume latest continues from"
+        f" it" if committed else "no checkpoint was committed"))
+
+
+def refill(rebuilt, memory: dict, adam_steps: int) -> tuple:
+    """The run composed on P − 1 stages, filled from `memory` (`fill_from_memory`) at the old Adam step, the new
+    shadows synced (`resync_shadows`); returns (bytes from memory, bytes to the new shadows)."""
+    pieces = rebuilt.layout.state_pieces()
+    moved = fill_from_memory(pieces, memory)
+    rebuilt.layout.optimizer_step_count = adam_steps
+    shadow = next((axis for axis in rebuilt.axes if axis.name == "redundancy"), None)
+    return moved, resync_shadows(shadow, pieces) if shadow else 0
+
+
+def takeover_line(plan: TakeoverPlan, step: int, old_world: int, copied: tuple, seconds: float, replay: int) -> str:
+    moved, synced = copied
+    return (f"takeover: stage {plan.lost} lost at step {step}; stage {plan.taker} took it over from its shadow"
+            f" (world {old_world} → {plan.P}, layer bounds {list(plan.bounds)}): {format_bytes(moved)} from memory,"
+            f" {format_bytes(synced)} to the new shadows, {seconds:.2f} s; replaying step {replay}")
 
 
 def lose_peer(handle: Redundancy, mesh, bounds: tuple, backend: str) -> TakeoverPlan:
