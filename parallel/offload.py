@@ -64,6 +64,9 @@ def check_flags(args) -> OffloadConfig | None:
         return None
     if not args.zero:
         raise ValueError(f"--offload {args.offload} needs --zero 1 or 2: the offloaded state is ZeRO's shard of it")
+    if getattr(args, "plan", False) or getattr(args, "plan_search", False):  # meta tensors have no host copy
+        raise ValueError(f"--offload {args.offload} is not priced by --plan or --plan-search (the planner has no"
+                         f" host-memory model yet)")
     refused = [(args.zero == 3, "--zero 3 (its gathers read the working shard on the device)"),
                (args.zero == 2 and args.pp > 1, "--zero 2 under --pp (parallel/zero_pipeline.py's layouts)"),
                (args.diloco_h, "--diloco-h"), (getattr(args, "moe_replicas", None), "--moe-replicas")]
