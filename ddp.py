@@ -262,6 +262,8 @@ class DDPFacts:
     bucket_bytes: tuple  # each bucket's bytes, in launch order (the last one is sent after backward)
     group_sizes: dict  # {data-parallel group name: its ranks N}
     dp_size: int  # the ranks of the dense parameters' group (dp×cp)
+    buckets: tuple = ()  # each bucket's (group name, elements, element bytes, its group's ranks N), in launch order
+    quantized: bool = False  # each bucket is summed by a given reduction (--dp-comm-bits 4), not an all-reduce
 
 
 class DDPLayout:
@@ -357,9 +359,11 @@ class DDPLayout:
         return dict(out, feedback=feedback, total=out["total"] + feedback)
 
     def facts(self) -> DDPFacts:
+        buckets = tuple((b.group_name, b.buffer.numel(), b.buffer.element_size(), dist.get_world_size(b.group))
+                        for b in self.ddp.buckets)
         return DDPFacts(tuple(self.ddp.bucket_sizes_bytes()),
                         {name: dist.get_world_size(group) for name, group in self.ddp.groups.items()},
-                        dist.get_world_size(self.ddp.group))
+                        dist.get_world_size(self.ddp.group), buckets, self.ddp.reduction is not None)
 
     def predicted_messages(self, micro_batches: int = 1) -> Messages:
         """One all-reduce per bucket over its group (or what the reduction sends for it), plus nothing else (the

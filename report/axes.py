@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from accounting import fp8_experts, measure, memory, moe_costs, moe_memory, observers
 import context_parallel
@@ -91,7 +90,7 @@ def ddp_startup_lines(layout, run=None, steps: int = 0) -> list:
         lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls}"
                      f" bucket{'' if calls == 1 else 's'}, sent per"
                      f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} ({formula})")
-    if layout.ddp.reduction is not None and facts.dp_size > 1:
+    if facts.quantized and facts.dp_size > 1:
         lines.append("critical path: each bucket's 4-bit sum runs when the bucket fills, blocking backward"
                      " (no overlap)")
     elif len(sizes) > 1 and facts.dp_size > 1:
@@ -397,11 +396,10 @@ def lowbit_startup_lines(axis, run, steps: int = 0) -> list:
         n = batch.micro * batch.seq * held.hidden
         sites.append(("tp", "each f and g, n = b·s·h", n, batch.compute_bytes, axis.facts().tp_size))
     if config.dp_bits == 4:
-        for bucket in run.layout.ddp.buckets if run.layout.name == "ddp" else []:
-            size = dist.get_world_size(bucket.group)
+        buckets = run.layout.facts().buckets if run.layout.name == "ddp" else ()
+        for index, (group, elements, element_bytes, size) in enumerate(buckets):
             if size > 1:
-                sites.append((bucket.group_name, f"bucket {bucket.index}", bucket.buffer.numel(),
-                              bucket.buffer.element_size(), size))
+                sites.append((group, f"bucket {index}", elements, element_bytes, size))
     for group, what, n, e, size in sites:
         c = lowbit.chunk_elements(n, size)
         sent, codes = 2 * (size - 1) * lowbit.NVFP4.row_bytes(c, e), 2 * (size - 1) * c // 2
