@@ -269,7 +269,8 @@ def open_checkpointer(t: Training) -> None:
     run, args = t.run, t.run.settings.args
     run_record = dict(steps=args.steps, lr=args.lr, min_lr=t.lr_schedule.min_lr, seed=args.seed,
                       warmup_steps=t.lr_schedule.warmup_steps, global_batch=args.global_batch,
-                      seq_len=run.seq_len, model=run.config.architecture())  # read by export_hf.py, sample.py
+                      seq_len=run.seq_len, model=run.config.architecture(),  # read by export_hf.py, sample.py
+                      dropout=run.config.dropout)  # how it trained: export_hf.py's config.json says it
     try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
         config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
                                        lock=run.settings.ckpt_lock, run_record=run_record)  # flags.parse took it
