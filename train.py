@@ -294,7 +294,7 @@ def train_loop(t: Training, tracer: CommTracer) -> None:
     # A resumed run appends: the replayed steps then sit next to the originals in one file.
     writes_metrics = args.metrics_file and run.mesh.rank == 0
     metrics = open(args.metrics_file, "a" if t.start_step else "w") if writes_metrics else None
-    t.progress = report.run.Progress(t.start_step, args.steps)
+    t.progress = report.run.Progress(t.start_step, args.steps, mfu.peak_under_load(run.peak[1]))
     report.run.watch_saved_activations(run)  # the first step counts the bytes saved for backward
     if run.device.type == "cuda":  # the peak of training, not of start-up
         torch.cuda.reset_peak_memory_stats(run.device)
@@ -433,9 +433,11 @@ def shared_peak(device, flops: float, source: str) -> tuple[float, str]:
     a shared machine); a datasheet or --peak-tflops figure is the same everywhere already."""
     if not source.startswith("measured") or dist.get_world_size() == 1:
         return flops, source
-    total = torch.tensor([flops], dtype=torch.float64, device=device)
-    dist.all_reduce(total)
-    return float(total) / dist.get_world_size(), f"{source}; mean over the {dist.get_world_size()} ranks"
+    total = torch.tensor([flops, mfu.peak_under_load(source)], dtype=torch.float64, device=device)
+    dist.all_reduce(total)  # the peaks' sum, and how many ranks measured theirs under load
+    loaded = int(total[1])
+    return float(total[0]) / dist.get_world_size(), f"{source}; mean over the {dist.get_world_size()} ranks" + (
+        f", {loaded} of them {mfu.UNDER_LOAD}" if loaded and not mfu.peak_under_load(source) else "")
 
 
 def set_numerics(tf32: bool, deterministic: bool) -> None:
