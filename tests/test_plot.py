@@ -11,9 +11,11 @@ import struct
 
 import pytest
 
+from cli.flags import FlagError, build_parser, validate
 import plot
 import report.run
 from report import metrics
+import train
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -115,3 +117,13 @@ def test_without_the_tensorboard_package_the_run_says_so_once_and_goes_on(tmp_pa
     assert records(tmp_path / "m.jsonl") == [dict(step=0, loss=1.0)] and not (tmp_path / "tb").exists()
     other = metrics.Metrics(str(tmp_path / "r1.jsonl"), str(tmp_path / "tb1"), rank=1)  # only rank 0 writes
     assert other.wanted and other.file is None and other.board is None and not (tmp_path / "r1.jsonl").exists()
+
+
+@pytest.mark.parametrize("where,said", [("a-file", "is a file, not a directory"), ("/proc/tb", "cannot be written")])
+def test_a_tensorboard_directory_that_cannot_be_made_is_a_flag_error(tmp_path, where, said):
+    """--tensorboard DIR is checked with the other paths, before any process group: one error naming the flag."""
+    (tmp_path / "a-file").write_text("taken")
+    path = where if where.startswith("/") else str(tmp_path / where)
+    with pytest.raises(FlagError) as error:
+        validate(build_parser().parse_args(["--preset", "tiny", "--tensorboard", path]), 1, axes=train.AXES)
+    assert str(error.value).startswith("--tensorboard ") and said in str(error.value), error.value
