@@ -133,7 +133,7 @@ def step_time_png(steps: list, startup: dict | None, end: dict | None, path: str
         bars.bar("predicted", height, bottom=bottom, label=label)
         bottom += height
     bars.bar("measured", mean, color="0.4", label="measured (mean)" if end else "measured (median)")
-    bars.set(ylabel="ms per step", title="step time by part")
+    bars.set(ylabel="ms per step", title="step time by part", ylim=(0, max(bottom, mean) * 1.7))  # room: legend
     bars.legend(fontsize="small", loc="upper right")
     line.plot([r["step"] for r in steps if r.get("step_time_s") is not None], times, linewidth=1, label="measured")
     if predicted:
