@@ -239,7 +239,8 @@ def train(settings: Settings, tracer: CommTracer, clock: goodput.Clock | None = 
         report.run.print_end(t.run, max(0, args.steps - t.start_step), progress.seconds, progress.steps, t.step_peak)
         step_rate = t.run.tokens_per_step * progress.steps / progress.seconds if progress.steps else 0.0
         print0("\n".join(clock.lines(t.run.tokens_per_step * max(args.steps, t.start_step), step_rate,
-                                      t.run.flops.model, t.run.peak[0], t.run.mesh.shape.world_size)))
+                                      t.run.flops.model, t.run.peak[0], t.run.mesh.shape.world_size,
+                                      under_load=mfu.peak_under_load(t.run.peak[1]))))
     t.metrics.text("end", printed.getvalue())
     t.metrics.close()
     dist.destroy_process_group()
