@@ -88,11 +88,11 @@ def _add_data_flags(parser) -> None:
 
 def _add_optimization_flags(parser) -> None:
     g = parser.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=1200, help="optimizer steps to train")
+    g.add_argument("--steps", type=int, default=600, help="optimizer steps to train")
     g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (B_global)")
     g.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per rank per micro-step (B_μ; default: B_global / D, one micro-batch a step)")
-    g.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
     g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
     g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
     g.add_argument("--weight-decay", type=float, default=0.1,
