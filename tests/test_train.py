@@ -723,7 +723,7 @@ def _at_a_tenth(argv: list, tmp) -> list:
         out = [sys.executable, *out[1:]]
     if "train.py" in " ".join(out):
         out += ["--out-dir", str(tmp / "out"), "--eval-every", "0", "--sample-tokens", "8"]
-        out += [] if "--steps" in out else ["--steps", "3"]  # the default run: its own 1200 → 3
+        out += [] if "--steps" in out else ["--steps", "3"]  # the default run: its own 600 → 3
     return out
 
 
