@@ -212,4 +212,8 @@ def add_plan_arguments(parser) -> None:
     g.add_argument("--world", type=int, help="ranks to plan for (--plan, --plan-search; no default: required)")
     g.add_argument("--vocab-size", type=int, help="rows of the embedding and the head the plan sizes, as given (no"
                    " padding; default: --tokenizer's padded, or a gpt3-* preset's 50304); --plan, --plan-search")
+    g.add_argument("--attention-kernel", choices=("fused", "math"), help="the attention kernel the plan prices and"
+                   " sizes: fused (flash-style, the s×s scores never reach HBM; default: what the trainer's"
+                   " scaled_dot_product_attention takes on a GPU) or math (the softmax and its dropout read and write"
+                   " the scores through HBM and save them, as Megatron's 2021-22 runs did); --plan, --plan-search")
     hardware.add_arguments(parser)
