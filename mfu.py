@@ -288,6 +288,18 @@ def load_note(cpu_seconds: float, wall_seconds: float, threads: int) -> str:
             f" MFU against it high: it cannot be trusted (--peak-tflops sets a peak)")
 
 
+def shared_peak(device, flops: float, source: str) -> tuple[float, str]:
+    """One peak for every rank: the mean of what each measured (they measured at once, each on its share of
+    a shared machine); a datasheet or --peak-tflops figure is the same everywhere already."""
+    if not source.startswith("measured") or dist.get_world_size() == 1:
+        return flops, source
+    total = torch.tensor([flops, peak_under_load(source)], dtype=torch.float64, device=device)
+    dist.all_reduce(total)  # the peaks' sum, and how many ranks measured theirs under load
+    loaded = int(total[1])
+    return float(total[0]) / dist.get_world_size(), f"{source}; mean over the {dist.get_world_size()} ranks" + (
+        f", {loaded} of them {UNDER_LOAD}" if loaded and not peak_under_load(source) else "")
+
+
 def peak_under_load(source: str) -> bool:
     """Whether a peak's source (detect_peak_flops' second value) says its measurement shared the cores."""
     return UNDER_LOAD in source
