@@ -196,6 +196,9 @@ def _add_reporting_flags(parser) -> None:
     g.add_argument("--log-every", type=int, default=25, help="print a step line every N steps")
     g.add_argument("--sample-tokens", type=int, default=300, help="tokens sampled at the end (0: none)")
     g.add_argument("--metrics-file", help="write one JSON object per step to this file (default: none)")
+    g.add_argument("--tensorboard", metavar="DIR", help="also log the step line's figures, the memory by kind and the"
+                   " start-up's and the end's printouts to TensorBoard event files in DIR (default: none; needs the"
+                   " tensorboard package, else the run says so and goes on)")
     g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: table or measured)")
 
 

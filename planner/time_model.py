@@ -372,14 +372,20 @@ def layout_name(settings) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def predicted_step(run, hw: hardware.Hardware) -> Prediction:
+    """One step of a built run as the hardware model `hw` predicts it (check_line's; the metrics file's start-up
+    figures, report.run.startup_figures)."""
+    facts = dict(layout_facts(run.settings, x=activations.activation_shape(run)), dtype=run.settings.dtype)
+    return predict(role_of(run), facts, hw)
+
+
 def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
     """'hardware model: step time measured ... vs predicted ...': the model checked against the run it describes
     (not a line starting with "step ": those are the step lines)."""
     if not steps:
         return "hardware model: no step timed (the first is left out), nothing to check it against"
     settings = run.settings
-    facts = dict(layout_facts(settings, x=activations.activation_shape(run)), dtype=settings.dtype)
-    prediction = predict(role_of(run), facts, hw)
+    prediction = predicted_step(run, hw)
     measured = seconds / steps
     ends, factor = hw.calibration.ends_fraction, hw.calibration.layout_factor
     ends = f" (the ends at {ends:.2f})" if ends is not None else ""

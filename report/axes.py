@@ -340,19 +340,22 @@ def tp_startup_lines(axis, run, steps: int = 0) -> list:
     blocks = list(run.model.transformer.h)
     split_mlp = not blocks or tensor_parallel.split_mlp_of(blocks[0].mlp) is not None  # a dense MLP, shared experts
     predicted = tensor_parallel.block_messages(batch, held, split_mlp=split_mlp)
-    measured = run.measured.on("tp") if run.measured is not None else None
+    measured = run.measured.sizes_on("tp") if run.measured is not None else None  # {(phase, op): {bytes: calls}}
+    sizes = {(phase, op): payload / calls for phase, messages in predicted.items()
+             for (op, _), (calls, payload) in messages.items()}  # TP's message of each (phase, op)
     for phase, messages in predicted.items():
         for (op, _), (calls, payload) in messages.items():
             line = f"  {phase:<8} {op:<22} predicted {calls} × {format_bytes(payload / calls):>10}"
-            if measured is not None:
-                got = measured.get((phase, op), Count(0, 0))
-                line += f"   measured {got.calls} × {format_bytes(got.payload / max(1, got.calls)):>10}"
+            if measured is not None:  # the calls of TP's size: another axis's on tp are rows of their own below
+                got = measured.get((phase, op), {}).get(payload / calls, 0)
+                line += f"   measured {got} × {format_bytes(payload / calls):>10}"
             lines.append(line)
-    for (phase, op), got in (measured or {}).items():
-        if (op, "tp") not in predicted[phase]:  # another axis's (FP8's amaxes), or a surprise
-            lines.append(f"  {phase:<8} {op:<22} predicted 0   measured {got.calls} × {format_bytes(got.payload)}")
-    if measured is not None and measured != {(phase, op): count for phase, messages in predicted.items()
-                                             for (op, _), count in messages.items()}:
+    others = [(phase, op, size, calls) for (phase, op), by_size in (measured or {}).items()
+              for size, calls in sorted(by_size.items()) if sizes.get((phase, op)) != size]
+    for phase, op, size, calls in others:  # another axis's (FP8's amax MAX, a few bytes each), or a surprise
+        lines.append(f"  {phase:<8} {op:<22} predicted 0 × {format_bytes(size):>10}   measured {calls} ×"
+                     f" {format_bytes(size):>10}   (not TP's size: another axis's on tp)")
+    if others:
         lines.append("  (measured: block 0 as the run runs it, every axis's messages on tp included; the end's table"
                      " checks each axis's prediction)")
     model = run.model  # what this rank holds: a pipeline stage's blocks, N/E experts of a MoE block
