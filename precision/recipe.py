@@ -248,7 +248,8 @@ class _RecipeLinearFunction(torch.autograd.Function):
         ctx.layer, ctx.store, ctx.out_dtype, ctx.x_dtype = layer, store, out_dtype, x.dtype
         ctx.token_shape = tuple(x.shape[:-1])  # (B, L): the tokens' logical rows (SR's coordinates)
         ctx.micro_batch = micro_batch  # j of this step's training forwards (SR's draws)
-        ctx.forward_amax = amax  # the forward's reduced tensor amaxes: eden re-quantises X and W as it did
+        # eden re-quantises X and W as the forward did: its reduced tensor amaxes kept (a few bytes, eden only)
+        ctx.forward_amax = amax if layer.recipe.eden else None
         ctx.has_bias = bias is not None or (store is not None and layer.bias is not None)
         return y.view(*x.shape[:-1], y.shape[-1])
 
