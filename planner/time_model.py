@@ -16,7 +16,8 @@ The time model (planner/hardware.py states the hardware): per role and step
     update     2 · persistent bytes / (HBM bandwidth · hbm_fraction)                (memory-bound, exposed)
                (a measured CPU: its update's local work timed at start-up, cpu_probe.update_seconds)
     each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds, the
-    bandwidth times the calibration's link_fraction), then
+    bandwidth times the calibration's link_fraction); with --moe-local-hit h, EP's all-to-alls move (1 − h) of
+    their payload, split over the intra- and inter-node links by the ep group's ranks (dispatch_seconds); then
     on the critical path by these rules (Megatron, ZeRO and ring-attention's own overlap claims):
       exposed: TP/SP (every f, g inside a layer waits on it), EP's and Ulysses' all-to-alls, the update's and
                the step's scalar all-reduces (scalar_messages: DDP's gradient key holds them too, taken out),
@@ -198,6 +199,8 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
         ranks = _group_ranks(group, role.group_ranks)
         t = hardware.collective_seconds(op, calls, payload, ranks, hw)
         names = _names(group)
+        if op == "all_to_all_single" and "ep" in names and layout.get("local_hit") is not None:  # --moe-local-hit
+            t = hardware.dispatch_seconds(calls, payload, ranks, hw, layout["local_hit"])
 
         def piece(nbytes):  # one call of `op` moving nbytes
             return hardware.collective_seconds(op, 1, nbytes, ranks, hw)
@@ -269,6 +272,7 @@ def layout_facts(settings, device_type: str | None = None, attention_kernel: str
     tokens = args.global_batch * seq
     return dict(world=settings.world_size, tokens=tokens, m=settings.micro_batches,
                 zero=args.zero, P=shape.pp, dtype=name, cp_impl=args.cp_impl,
+                local_hit=getattr(args, "moe_local_hit", None),
                 attention_share=attention / flops.hardware,
                 gemms=calibration.gemms(config, counts, settings.micro_batch_size * x.s, seq, shape.tp, recompute),
                 memory_bytes=per_token_layer * tokens / (shape.dp * shape.cp) * config.n_layer / shape.pp)
