@@ -19,9 +19,10 @@ The placement (`partition`, `coselect_plan`): a balanced graph partition of A in
 part one rank's slots. The rows a top-2 token costs are 2 minus whether its pair shares a rank, so the rows of a
 placement are 2·T − Σ_{i<j on one rank} A[i][j]: maximising the weight inside the parts (minimising the cut) is
 minimising the rows. Algorithm: greedy growth (experts by their total co-selection, heaviest first, each into the
-part with room it shares the most with; ties the lower part), then Kernighan–Lin pair swaps: the swap of two
-experts in different parts with the largest positive gain (ext − int of both, less 2·A[i][j]) is made, until
-none gains (each swap raises the inside weight, so it ends). Loads are not balanced by it (a hot pair lands on
+part with room it shares the most with; ties the lower part), then Kernighan–Lin passes (1970) between every two
+parts, repeated until none gains: a pass swaps, one pair at a time, the two unlocked experts of largest gain
+(their weight to the other part less their weight to their own, each, less 2·A[i][j]; negative gains too, so it
+climbs out of a local optimum) and keeps the swaps up to the largest positive sum of gains. Loads are not balanced by it (a hot pair lands on
 one rank): experts/eplb.py's placement does that, experts/transport.py's with the links' costs.
 With k > 2 the pair weight is the proxy the paper uses (a token's rows are the ranks its k experts span).
 
@@ -163,7 +164,7 @@ def dispatch_rows(sets: dict, rank_of: list, k: int) -> tuple:
 
 def partition(pairs, parts: int) -> list:
     """part[e] for each of the N experts: N/parts in each part, the weight of `pairs` ([N][N], symmetric) inside
-    the parts made large by greedy growth then Kernighan–Lin pair swaps (the module docstring)."""
+    the parts made large by greedy growth then Kernighan–Lin passes (the module docstring)."""
     weight = [[float(x) for x in row] for row in (pairs.tolist() if torch.is_tensor(pairs) else pairs)]
     n = len(weight)
     size = n // parts
@@ -173,26 +174,41 @@ def partition(pairs, parts: int) -> list:
                    key=lambda p: (sum(weight[e][f] for f in members_of[p]), -p))
         part[e] = best
         members_of[best].append(e)
-    for _ in range(n * n):  # each swap raises the inside weight: it ends long before
-        # to[e][p]: e's weight to the experts of part p
-        to = [[sum(weight[e][f] for f in members_of[p]) for p in range(parts)] for e in range(n)]
-        gain, swap = 0.0, None
-        for a in range(n):
-            for b in range(a + 1, n):
-                pa, pb = part[a], part[b]
-                if pa != pb:
-                    g = to[a][pb] - to[a][pa] + to[b][pa] - to[b][pb] - 2 * weight[a][b]
-                    if g > gain + 1e-12:
-                        gain, swap = g, (a, b)
-        if swap is None:
-            break
-        a, b = swap
-        members_of[part[a]].remove(a)
-        members_of[part[b]].remove(b)
-        part[a], part[b] = part[b], part[a]
-        members_of[part[a]].append(a)
-        members_of[part[b]].append(b)
+    improved = True
+    while improved:  # Kernighan–Lin passes over each pair of parts until no pass gains
+        improved = False
+        for p in range(parts):
+            for q in range(p + 1, parts):
+                improved |= _kernighan_lin_pass(weight, part, p, q)
     return part
+
+
+def _kernighan_lin_pass(weight: list, part: list, p: int, q: int) -> bool:
+    """One Kernighan–Lin pass between parts p and q (in place): swap the unlocked pair (a in p, b in q) of the largest
+    gain, g = D_a + D_b − 2·A[a][b] with D = (weight to the other part) − (weight to its own), even a negative one,
+    lock both, |p| times; then keep the swaps up to the largest positive sum of gains and undo the rest. Whether it
+    gained."""
+    side = {e: part[e] for e in range(len(part)) if part[e] in (p, q)}
+    free = set(side)
+    swaps, total, best, best_at = [], 0.0, 0.0, 0
+    for _ in range(len(side) // 2):
+        d = {e: sum(weight[e][f] for f in side if side[f] != side[e]) - sum(weight[e][f] for f in side
+                                                                            if side[f] == side[e] and f != e)
+             for e in free}
+        pick = max(((d[a] + d[b] - 2 * weight[a][b], -a, -b) for a in free for b in free
+                    if side[a] == p and side[b] == q), default=None)
+        if pick is None:
+            break
+        gain, a, b = pick[0], -pick[1], -pick[2]
+        side[a], side[b] = q, p
+        free -= {a, b}
+        swaps.append((a, b))
+        total += gain
+        if total > best + 1e-9:
+            best, best_at = total, len(swaps)
+    for a, b in swaps[:best_at]:
+        part[a], part[b] = q, p
+    return best_at > 0
 
 
 def coselect_plan(pairs, ep: int) -> tuple:

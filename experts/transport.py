@@ -8,16 +8,15 @@ unit of load moved from rank a to rank b: 0 on the diagonal; the caller builds i
 intra- and inter-node links or the --moe-placement-cost matrix):
     home        expert i lives on rank h(i) = ⌊i·E/N⌋ (plain EP's place: its first slot, replica 0); each rank
                 has N/E home slots and G = (R − N)/E guest slots
-    excess      L_r = Σ_{h(i)=r} w_i, L̄ = Σ w / E;  o_r = max(L_r − L̄, 0) to give, s_r = max(L̄ − L_r, 0) room
+    excess      L_r = Σ over rank r's slots of w_i/c_i (c_i the replicas of i so far; at first the homes'),
+                L̄ = Σ w / E;  o_r = max(L_r − L̄, 0) to give, s_r = max(L̄ − L_r, 0) room (0 without a free slot)
     transport   F = argmin_F Σ F_ab·C_ab − ε·H(F) with rows Σ_b F_ab = o_a and columns Σ_a F_ab = s_b:
                 Sinkhorn–Knopp, K = exp(−C/(ε·max C)), u ← o / (K v), v ← s / (Kᵀ u) until the marginals hold
                 (1e-9 relative, at most 1,000 rounds); F = diag(u)·K·diag(v)
-    matching    while some flow F_ab > 0 has a guest slot free on b: the largest such flow takes a replica of the
-                expert homed on a with the largest load per replica w_i/c_i (not yet on b); that replica carries
-                w_i/(c_i + 1) (the dispatch splits an expert's slots evenly over its replicas,
-                experts/eplb.py's `Replicas.physical`), which is taken off F_ab
-    the rest    a guest slot the flows left free takes, of the experts not on its rank, the one homed over the
-                cheapest link, the largest w_i/c_i among those
+    matching    one guest slot at a time, each on the loads so far (the dispatch splits an expert's tokens evenly
+                over its replicas, experts/eplb.py's `Replicas.physical`): F anew, then a replica of the hottest
+                expert of the hottest rank a (one some free rank lacks) on the free rank b of the largest F_ab
+                (ties: the cheaper link, the lighter rank, the lower rank)
 Integer matching and the even token split are this trainer's (TAOT splits the tokens of an expert unevenly); the
 plan is in experts/eplb.py's form (phy2log, replica, logcnt), so the slots move, train and checkpoint as EPLB's do.
 
@@ -66,42 +65,36 @@ def home_of(expert: int, n: int, ep: int) -> int:
 
 def place(load, slots: int, ep: int, cost: list) -> tuple:
     """(phy2log [R], replica [R], logcnt [N]) of one layer (the module docstring's steps): each expert's first
-    slot on its home rank, the R − N guest slots given by the transport of the ranks' excess load over `cost`."""
+    slot on its home rank; each of the R − N guest slots, one at a time, a replica of the hottest rank's hottest
+    expert on the free rank the transport of the ranks' excess load over `cost` sends most of that rank's to."""
     w = [float(x) for x in (load.tolist() if torch.is_tensor(load) else load)]
-    n = len(w)
-    per_home, guests = n // ep, (slots - n) // ep
-    homes = [[e for e in range(n) if home_of(e, n, ep) == r] for r in range(ep)]
-    held = [list(homes[r]) for r in range(ep)]  # the experts on each rank's slots, homes first
+    n, per_rank = len(w), slots // ep
+    held = [[e for e in range(n) if home_of(e, n, ep) == r] for r in range(ep)]  # each rank's slots, homes first
     count = [1] * n
-    home_load = [sum(w[e] for e in homes[r]) for r in range(ep)]
-    mean = sum(w) / ep
-    over = [max(x - mean, 0.0) for x in home_load]
-    room = [max(mean - x, 0.0) for x in home_load]
-    givers, takers = [r for r in range(ep) if over[r] > 0], [r for r in range(ep) if room[r] > 0]
-    flow = sinkhorn([over[r] for r in givers], [room[r] for r in takers],
-                    [[cost[a][b] for b in takers] for a in givers])
-    flows = {(a, b): flow[i][j] for i, a in enumerate(givers) for j, b in enumerate(takers)}
-    while True:  # the largest flow with a free guest slot on its taker and an expert of its giver to replicate
-        best = None
-        for (a, b), f in sorted(flows.items(), key=lambda kv: (-kv[1], kv[0])):
-            if f <= 0 or len(held[b]) >= per_home + guests:
-                continue
-            candidates = [e for e in homes[a] if e not in held[b]]
-            if candidates:
-                best = (a, b, max(candidates, key=lambda e: (w[e] / count[e], -e)))
+    for _ in range(slots - n):
+        share = [w[e] / count[e] for e in range(n)]  # what each replica of e serves
+        loads = [sum(share[e] for e in held[r]) for r in range(ep)]
+        mean = sum(loads) / ep
+        free = [r for r in range(ep) if len(held[r]) < per_rank]
+        over = [max(x - mean, 0.0) for x in loads]
+        room = [max(mean - loads[r], 0.0) if r in free else 0.0 for r in range(ep)]
+        flow = (sinkhorn(over, [x * sum(over) / sum(room) for x in room], cost) if sum(room) > 0 and sum(over) > 0
+                else [[0.0] * ep for _ in range(ep)])
+        pick = None
+        for a in sorted(range(ep), key=lambda r: (-loads[r], r)):  # the hottest rank with an expert to share
+            for e in sorted(held[a], key=lambda e: (-share[e], e)):
+                options = [b for b in free if e not in held[b]]
+                if options:
+                    pick = (e, max(options, key=lambda b: (flow[a][b], -cost[a][b], -loads[b], -b)))
+                    break
+            if pick:
                 break
-        if best is None:
-            break
-        a, b, e = best
+        if pick is None:  # every free rank holds every expert its hotter ranks hold: any expert not yet there
+            b = free[0]
+            pick = (max((e for e in range(n) if e not in held[b]), key=lambda e: (share[e], -e)), b)
+        e, b = pick
         held[b].append(e)
         count[e] += 1
-        flows[(a, b)] -= w[e] / count[e]
-    for b in range(ep):  # guest slots the flows left free: the cheapest link's hottest expert per replica
-        while len(held[b]) < per_home + guests:
-            e = min((e for e in range(n) if e not in held[b]),
-                    key=lambda e: (cost[home_of(e, n, ep)][b], -w[e] / count[e], e))
-            held[b].append(e)
-            count[e] += 1
     phy2log, replica, seen = [], [], [0] * n
     for r in range(ep):
         for e in held[r]:
