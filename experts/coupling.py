@@ -163,10 +163,11 @@ def dispatch_rows(sets: dict, rank_of: list, k: int) -> tuple:
 
 
 def partition(pairs, parts: int) -> list:
-    """part[e] for each of the N experts: N/parts in each part, the weight of `pairs` ([N][N], symmetric) inside
+    """part[e] for each of the N experts: N/parts in each part, the weight of `pairs` ([N][N], made symmetric) inside
     the parts made large by greedy growth then Kernighan–Lin passes (the module docstring)."""
-    weight = [[float(x) for x in row] for row in (pairs.tolist() if torch.is_tensor(pairs) else pairs)]
-    n = len(weight)
+    given = pairs.tolist() if torch.is_tensor(pairs) else pairs
+    n = len(given)
+    weight = [[(float(given[i][j]) + float(given[j][i])) / 2 for j in range(n)] for i in range(n)]  # symmetric
     size = n // parts
     part, members_of = [None] * n, [[] for _ in range(parts)]
     for e in sorted(range(n), key=lambda e: (-sum(weight[e]), e)):

@@ -95,12 +95,12 @@ def place(load, slots: int, ep: int, cost: list) -> tuple:
         e, b = pick
         held[b].append(e)
         count[e] += 1
-    phy2log, replica, seen = [], [], [0] * n
+    phy2log, replica, guests = [], [], [0] * n  # the home slot is replica 0, the guests 1, 2, ... in rank order
     for r in range(ep):
-        for e in held[r]:
+        for place, e in enumerate(held[r]):
             phy2log.append(e)
-            replica.append(seen[e])
-            seen[e] += 1
+            guests[e] += place >= n // ep
+            replica.append(guests[e] if place >= n // ep else 0)
     return phy2log, replica, count
 
 
