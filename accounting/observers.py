@@ -252,7 +252,8 @@ class RoutedLoad:
         keys = coupling.set_keys(chosen)
         c.pending.setdefault(layer.layer_id, []).append(keys)
         if self.previous is not None and self.previous[0] < layer.layer_id and len(self.previous[1]) == len(keys):
-            c.pending.setdefault((self.previous[0], layer.layer_id), []).append(torch.stack([self.previous[1], keys], 1))
+            pair = (self.previous[0], layer.layer_id)
+            c.pending.setdefault(pair, []).append(torch.stack([self.previous[1], keys], 1))
         self.previous = (layer.layer_id, keys)
         for name, keys in c.pending.items():
             if len(keys) >= 32:

@@ -22,8 +22,9 @@ minimising the rows. Algorithm: greedy growth (experts by their total co-selecti
 part with room it shares the most with; ties the lower part), then Kernighan–Lin passes (1970) between every two
 parts, repeated until none gains: a pass swaps, one pair at a time, the two unlocked experts of largest gain
 (their weight to the other part less their weight to their own, each, less 2·A[i][j]; negative gains too, so it
-climbs out of a local optimum) and keeps the swaps up to the largest positive sum of gains. Loads are not balanced by it (a hot pair lands on
-one rank): experts/eplb.py's placement does that, experts/transport.py's with the links' costs.
+climbs out of a local optimum) and keeps the swaps up to the largest positive sum of gains. Loads are not
+balanced by it (a hot pair lands on one rank): experts/eplb.py's placement does that, experts/transport.py's
+with the links' costs.
 With k > 2 the pair weight is the proxy the paper uses (a token's rows are the ranks its k experts span).
 
 Symbols: N experts, k top-k, E EP ranks, T tokens, L_moe MoE layers.
@@ -69,7 +70,8 @@ def fold(counted: tuple | None, keys: list) -> tuple:
     weights = torch.cat(([counted[1]] if counted else []) + [torch.ones(len(k), dtype=torch.long, device=k.device)
                                                              for k in keys])
     distinct, inverse = torch.unique(values, dim=0 if values.dim() > 1 else None, return_inverse=True)
-    return distinct, torch.zeros(len(distinct), dtype=torch.long, device=values.device).scatter_add_(0, inverse, weights)
+    counts = torch.zeros(len(distinct), dtype=torch.long, device=values.device)
+    return distinct, counts.scatter_add_(0, inverse, weights)
 
 
 def histogram(counted: tuple | None) -> dict:

@@ -135,7 +135,8 @@ def test_the_routing_observer_counts_the_sets_the_layers_chose_and_their_next_la
         model(torch.randint(0, 256, (2, 16), generator=generator))
     counts = record.take_coupling()
     assert counts.sets == {0: expected_sets[0], 1: expected_sets[1]}
-    assert counts.joint == {(0, 1): expected_joint} and counts.kept == 2 * 2 * (2 * 16) * 2  # forwards × layers × tokens × k
+    assert counts.joint == {(0, 1): expected_joint}
+    assert counts.kept == 2 * 2 * (2 * 16) * 2  # forwards × layers × tokens × k
     assert record.take_coupling() is counts  # nothing new: the last window again
 
 
