@@ -162,16 +162,18 @@ def _rows_by_hand(layer):
     return [sum(r in token for token in ranks) for r in range(layer.ep_size)], layer.chosen.numel()
 
 
-def _train(rank, world, case, stop=3, save_root=None, resume_root=None):
+def _train(rank, world, case, stop=3, save_root=None, resume_root=None, drop_state=False):
     """test_eplb._run's record of a run (losses, tensors, messages, moves), plus each MoE layer's last exchange (its
-    rows sent per rank beside `_rows_by_hand`) and its placement."""
+    rows sent per rank beside `_rows_by_hand`) and its placement; drop_state: the resume leaves the replicas' loads
+    and pairs unread (--drop-state)."""
     import moe
     import report.run
     from harness import traced_steps
     from test_composition import STEPS, composed_run
 
     run = composed_run(rank, world, *case, torch.device("cpu"))
-    losses, traced = traced_steps(run, STEPS, case[2], 16, case[3], 0.05, stop, save_root, resume_root)
+    losses, traced = traced_steps(run, STEPS, case[2], 16, case[3], 0.05, stop, save_root, resume_root,
+                                  drop_state)
     layers = [block.mlp for block in run.model.transformer.h if isinstance(block.mlp, moe.MoE)]
     redundant = next((axis for axis in run.axes if axis.name == "eplb"), None)
     return dict(losses=losses, messages=(traced, report.run.predicted_messages(run, len(losses))),
@@ -184,7 +186,7 @@ def _train(rank, world, case, stop=3, save_root=None, resume_root=None):
 def _placement_runs(rank, world, root):
     out = {"in place": _train(rank, world, IN_PLACE), "coselect": _train(rank, world, COSELECT)}
     _train(rank, world, COSELECT, stop=SAVE_AT, save_root=f"{root}/a")
-    out["resumed in place"] = _train(rank, world, IN_PLACE, resume_root=f"{root}/a")
+    out["resumed in place"] = _train(rank, world, IN_PLACE, resume_root=f"{root}/a", drop_state=True)  # no replicas
     _train(rank, world, IN_PLACE, stop=SAVE_AT, save_root=f"{root}/b")
     out["resumed coselect"] = _train(rank, world, COSELECT, resume_root=f"{root}/b")
     return out
@@ -228,8 +230,9 @@ def test_the_coselect_placement_trains_bitwise_as_the_experts_in_place_and_as_on
 
 
 def test_a_checkpoint_moves_between_the_coselect_placement_and_the_experts_in_place(placement_runs):
-    """Saved under coselect after 2 steps, resumed in place; saved in place, resumed under coselect (placed from
-    the uniform start: no pairs saved): the resumed steps equal the single device's uninterrupted run."""
+    """Saved under coselect after 2 steps, resumed in place (--drop-state: the replicas' loads and pairs have no
+    place there); saved in place, resumed under coselect (placed from the uniform start: no pairs saved): the
+    resumed steps equal the single device's uninterrupted run."""
     for name, case in (("resumed in place", IN_PLACE), ("resumed coselect", COSELECT)):
         per_rank = [r[name] for r in placement_runs]
         assert all(sorted(r["losses"]) == [SAVE_AT] for r in per_rank)
