@@ -199,7 +199,8 @@ def worker(argv: list, out: str) -> None:
 def run_variant(args, name: str, extra: list, out_dir: str) -> dict:
     out = os.path.join(out_dir, f"{name}.json")
     argv = train_flags(args, args.ep_experts, args.ep_steps) + ["--ep", str(args.ep), *extra]
-    command = ["torchrun", "--nproc_per_node", str(args.ep), "--master_port", str(args.port), os.path.abspath(__file__),
+    rendezvous = ["--master_port", str(args.port)] if args.port else ["--standalone"]  # standalone: a free port
+    command = ["torchrun", "--nproc_per_node", str(args.ep), *rendezvous, os.path.abspath(__file__),
                "--worker", out, "--", *argv]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
@@ -287,7 +288,7 @@ def main():
     p.add_argument("--replan-every", type=int, default=50)
     p.add_argument("--replica-ep", type=int, default=8, help="part 4's E (E = 2 for fewer experts)")
     p.add_argument("--parts", default="1,2,3,4")
-    p.add_argument("--port", type=int, default=29517)
+    p.add_argument("--port", type=int, default=0, help="part 3's torchrun port (0: a free one, --standalone)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--out-dir", default="out")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, a few steps: checks the bench runs")
