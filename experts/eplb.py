@@ -204,8 +204,9 @@ class Replicas:
     def plan(self) -> tuple:
         """The placement of `planned` by the policy (one host sync): the same bits in, the same plan, on any rank,
         any run. From the uniform start (loads of ones, pairs of ones): EPLB's uniform plan, Sinkhorn's homes,
-        coselect's experts in place (expert i on rank ⌊i·E/N⌋)."""
-        n, planned = self.n_experts, self.planned.cpu()
+        coselect's experts in place (expert i on rank ⌊i·E/N⌋). On meta (plan.py's roles) the uniform start."""
+        meta = self.planned.is_meta
+        n, planned = self.n_experts, torch.ones(self.planned.shape, dtype=torch.float64) if meta else self.planned.cpu()
         if self.policy == "coselect":
             return coupling.coselect_plan(planned[n:].view(n, n), self.ep_size)
         if self.policy == "sinkhorn":
