@@ -9,7 +9,7 @@ from typing import NoReturn
 
 from experts import router
 from model import PRESETS
-from parallel import recompute
+from parallel import offload, recompute
 from planner import hardware
 from resilience import elastic
 
@@ -123,6 +123,9 @@ def _add_parallelism_flags(parser) -> None:
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size E")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0: plain DDP)")
     g.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    g.add_argument("--offload", choices=offload.MODES, help="with --zero 1/2: Adam's moments (optimizer), and the"
+                   " fp32 masters (optimizer+master), in host memory, the update on the host (parallel/offload.py);"
+                   " default: none")
     g.add_argument("--diloco-h", type=int, help="DiLoCo (resilience/diloco.py): H inner AdamW steps per"
                    " outer step (default: none, plain data parallel)")
     g.add_argument("--diloco-replicas", type=int, help="DiLoCo replicas R (a divisor of D; default 1)")
@@ -133,6 +136,10 @@ def _add_parallelism_flags(parser) -> None:
     g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
                    help="pipeline schedule (pipeline.py)")
     g.add_argument("--pp-virtual", type=int, default=2, help="model chunks per rank for --pp-schedule interleaved")
+    g.add_argument("--pp-redundant", action="store_true",
+                   help="Bamboo's pipeline redundancy (resilience/redundancy.py): each stage shadows its successor"
+                        " (forwards in the bubble, the same update) and takes over a lost one without a checkpoint;"
+                        " off by default")
     g.add_argument("--trace-file", help="write one executed pipeline step as Chrome-trace JSON (Perfetto;"
                    " default: none)")
     g.add_argument("--cp-impl", default="ring", choices=["ring", "ulysses"], help="context parallel attention")
@@ -147,9 +154,14 @@ def _add_fp8_flags(parser) -> None:
     g.add_argument("--fp8-amax-history", type=int, default=16, help="delayed: amax history length L")
     g.add_argument("--fp8-amax-algo", choices=("max", "most_recent"), default="max", help="delayed: scale from")
     g.add_argument("--fp8-margin", type=int, default=0, help="scale = max/amax/2^margin")
-    g.add_argument("--precision-recipe", metavar="SPEC", help="microscaling block linears (precision/recipe.py):"
-                   " mxfp8 | mxfp4 | nvfp4, or parts fwd=F,bwd=F,sr,rht,w2d,tail=F,rule=rceil|floor"
-                   " (F: bf16 | mxfp8 | mxfp4 | nvfp4); not with --fp8 (default: none)")
+    g.add_argument("--precision-recipe", metavar="SPEC", help="microscaling block linears (precision/recipe.py;"
+                   " default: none, the compute dtype): a preset mxfp8 | mxfp4 | nvfp4 | quartet2"
+                   " (= fwd=nvfp4,bwd=nvfp4,4over6,eden), or comma-separated parts: fwd=F, bwd=F (F: bf16 | mxfp8"
+                   " | mxfp4 | nvfp4; default bf16), sr (stochastic rounding of dY), rht (random Hadamard on dW's"
+                   " operands), w2d (16×16 NVFP4 weight blocks), 4over6 (Four Over Six: each forward NVFP4 block"
+                   " scaled to 6 or 4, the lower MSE), eden (MS-EDEN backward, precision/quartet.py), rotation=G"
+                   " (its rotation group: 16 | 32 | 64 | 128 | 256; default 128), tail=F (the last share of blocks"
+                   " in the compute dtype; default 0), rule=rceil|floor (MX scales; default rceil); not with --fp8")
 
 
 def _add_moe_flags(parser) -> None:

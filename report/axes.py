@@ -24,6 +24,7 @@ from accounting import fp8_experts, measure, memory, moe_costs, moe_memory, obse
 import context_parallel
 from experts import coupling, dispatch, router
 import mfu
+from parallel import schedules
 import report.pipeline
 import report.precision
 import tensor_parallel
@@ -519,6 +520,34 @@ MEASURES_BLOCK.add("cp")
 
 
 AXIS_LINES["pp"] = report.pipeline.PP_LINES  # the pipeline's section: report/pipeline.py
+
+
+def redundancy_startup_lines(axis, run, steps: int = 0) -> list:
+    """--pp-redundant (resilience/redundancy.py's docstring, answers 1-3): the shadow's bytes predicted and held,
+    the R actions' place in the bubble (the uniform-cost simulation with and without them), the exchange."""
+    f, pp = axis.facts(), next(a for a in run.axes if a.name == "pp").facts()
+    plain = schedules.build_programs(pp.schedule, pp.P, pp.m)
+    idle, filled = (schedules.simulate(programs, schedules.UNIFORM) for programs in (plain, pp.programs))
+    span = [max(end for timeline in t for _, _, end in timeline) for t in (idle, filled)]
+    late = sum(1 for a in pp.programs[f.rank][-pp.m:] if a.kind == "R")
+    return [f"redundancy (Bamboo): pp rank {f.rank} shadows stage {f.shadowed} ({f.shadow_params:,} parameters):"
+            f" weights, gradient, Adam moments 4·b·Ψ_s = {mfu.format_bytes(f.shadow_bytes)} predicted,"
+            f" {mfu.format_bytes(f.shadow_held)} held; its {pp.m} R forwards keep their graphs until the update",
+            f"  bubble (uniform costs, R = F): idle {sum(schedules.bubble_of(idle)) / pp.P:.1%} without R,"
+            f" {sum(schedules.bubble_of(filled)) / pp.P:.1%} with R; step {span[0]:g} → {span[1]:g} slots"
+            f" (+{span[1] / span[0] - 1:.1%}); {late} of this rank's R after its last action",
+            f"  per step over pp: send {mfu.format_bytes(4 * f.own_params)} (this stage's gradients, to stage"
+            f" {(f.rank - 1) % f.P}), recv {mfu.format_bytes(4 * f.shadow_params)} (stage {f.shadowed}'s), before"
+            f" the update"]
+
+
+def redundancy_end_lines(axis, run, steps: int = 0) -> list:
+    f = axis.facts()
+    return [f"redundancy: {f.takeovers} takeover{'s' * (f.takeovers != 1)} in this run; pp rank {f.rank} shadows"
+            f" stage {f.shadowed}, {mfu.format_bytes(f.shadow_held)} held"]
+
+
+AXIS_LINES["redundancy"] = {"startup": redundancy_startup_lines, "end": redundancy_end_lines}
 
 
 AXIS_LINES["fp8"] = report.precision.FP8_LINES  # the recipes' sections: report/precision.py
