@@ -8,8 +8,10 @@ ckpt's resharding path (the weights only: from the fp32 masters where it has the
 and written in GPT-2's layout (interop/hf.py): Conv1D weights transposed, the padding rows of the vocabulary
 stripped, the head left tied. The directory holds config.json and model.safetensors, as save_pretrained
 writes it (--bin: also pytorch_model.bin), so that `transformers.GPT2LMHeadModel.from_pretrained(DIR)` loads
-it, and so does `train.py --init-from DIR`. A mixture-of-experts model has no GPT-2 layout and is refused; a
-model without biases is written with zero biases (the same function).
+it, and so does `train.py --init-from DIR`; the directory is 0755 and its files 0644 under the usual umask (as
+save_pretrained's), and config.json's resid_pdrop, embd_pdrop and attn_pdrop are the run's dropout (its
+record). A mixture-of-experts model has no GPT-2 layout and is refused; a model without biases is written with
+zero biases (the same function).
 Nothing is overwritten: OUT_DIR must not exist (or be an empty directory) and must not lie inside the
 checkpoint. It appears whole or not at all: the files are written beside it and renamed to OUT_DIR last (a
 killed export leaves only a `.OUT_DIR.partial-*` directory). Any error is one line, exit status 2.
@@ -43,7 +45,8 @@ def main(argv=None) -> None:
         check_destination(args.out_dir, args.checkpoint)
         model, record = hf.load_model(args.checkpoint)
         weights = {p.shard_info.global_name: p.detach() for p in model.parameters()}
-        written = hf.write_directory(weights, model.config, args.out_dir, pytorch_bin=args.bin)
+        dropout = record.get("dropout")  # the run's (train.py records it); None: a checkpoint from before it did
+        written = hf.write_directory(weights, model.config, args.out_dir, pytorch_bin=args.bin, dropout=dropout)
     except (ValueError, hf.HFError, CheckpointError, OSError) as e:  # FlagError and paths' checks: ValueErrors
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
@@ -52,9 +55,11 @@ def main(argv=None) -> None:
               if record else args.checkpoint)
     stripped = (f"; the {config.vocab_size - config.real_vocab_size} padding rows of the vocabulary stripped"
                 f" ({config.vocab_size} → {config.real_vocab_size})" if config.real_vocab_size else "")
+    trained = (f"dropout {dropout:g} as trained" if dropout is not None else f"dropout {config.dropout:g} (the"
+               f" trainer's default: {'the checkpoint does not record it' if record else 'not read from config.json'})")
     print(f"exported {source} → {args.out_dir}: {', '.join(w.rsplit('/', 1)[-1] for w in written)}"
           f" (GPT-2 n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd}, GELU {config.gelu}"
-          f" = {hf.EXPORTED_GELU[config.gelu]}{stripped})")
+          f" = {hf.EXPORTED_GELU[config.gelu]}, {trained}{stripped})")
 
 
 def check_destination(out_dir: str, checkpoint: str) -> None:

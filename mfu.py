@@ -259,15 +259,50 @@ def _measured_peak(device: torch.device, dtype: str) -> tuple[float, str]:
     if measured == "fp32" and device.type == "cuda":
         note = f" (TF32 {'on' if fp32_matmul_column()[0] == 'tf32' else 'off'})"
     best = (0.0, sizes[0])
+    began = (time.process_time(), time.perf_counter())  # this process's CPU time against the wall's: was it alone?
     for n in sizes:  # every size whose matmul fits in half a batch, each the best of `repeats` batches
         if best[0] and 2 * n**3 / best[0] > seconds / 2:
             break
         best = max(best, (measure_matmul_peak(_TORCH_DTYPES[measured], n=n, seconds=seconds, device=device,
                                               repeats=repeats), n))
     how = f", best of {repeats} × {seconds}s" if repeats > 1 else f" for {seconds}s"
+    loaded = "" if device.type == "cuda" else load_note(time.process_time() - began[0],
+                                                          time.perf_counter() - began[1], torch.get_num_threads())
     return best[0], (f"{best[1]}x{best[1]} {measured} matmul loop on {device.type}{how}"
                      + (f" (the fastest of the sizes {'/'.join(map(str, sizes))} that fit)" if len(sizes) > 1 else "")
-                     + f", not a datasheet peak{note}")
+                     + f", not a datasheet peak{note}{loaded}")
+
+
+UNDER_LOAD = "measured under load"  # in a peak's source (run.peak[1]): MFU against it cannot be trusted
+LOADED_SHARE = 0.8  # below this share of the CPU time its threads asked for, a measuring process was not alone
+
+
+def load_note(cpu_seconds: float, wall_seconds: float, threads: int) -> str:
+    """"" when a CPU peak's measurement ran alone: the process's CPU time was at least LOADED_SHARE of wall
+    time × its threads; else the words saying it was not, and what follows (the peak reads low, an MFU high)."""
+    share = cpu_seconds / max(wall_seconds * threads, 1e-9)
+    if share >= LOADED_SHARE:
+        return ""
+    return (f"; {UNDER_LOAD}: this process ran {share:.0%} of the time its {threads} thread{'s' * (threads > 1)}"
+            f" asked for (other processes on these cores, or more ranks than cores), so the peak reads low and an"
+            f" MFU against it high: it cannot be trusted (--peak-tflops sets a peak)")
+
+
+def shared_peak(device, flops: float, source: str) -> tuple[float, str]:
+    """One peak for every rank: the mean of what each measured (they measured at once, each on its share of
+    a shared machine); a datasheet or --peak-tflops figure is the same everywhere already."""
+    if not source.startswith("measured") or dist.get_world_size() == 1:
+        return flops, source
+    total = torch.tensor([flops, peak_under_load(source)], dtype=torch.float64, device=device)
+    dist.all_reduce(total)  # the peaks' sum, and how many ranks measured theirs under load
+    loaded = int(total[1])
+    return float(total[0]) / dist.get_world_size(), f"{source}; mean over the {dist.get_world_size()} ranks" + (
+        f", {loaded} of them {UNDER_LOAD}" if loaded and not peak_under_load(source) else "")
+
+
+def peak_under_load(source: str) -> bool:
+    """Whether a peak's source (detect_peak_flops' second value) says its measurement shared the cores."""
+    return UNDER_LOAD in source
 
 
 def _warn(message: str) -> None:

@@ -14,7 +14,6 @@ schedule. The flags were checked before any of it (cli/flags.py); the printouts 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -38,10 +37,11 @@ import fp8
 from interop import hf
 import mfu
 import moe
-from parallel import recompute
+from parallel import lowbit, recompute
 import pipeline
 from planner import cpu_probe, time_model
 import precision.recipe
+import report.metrics
 import report.run
 from resilience import ckpt_files, elastic, goodput, redundancy
 import shard
@@ -62,12 +62,11 @@ from resilience.diloco import DiLoCoLayout
 from step import GradientAccumulation, train_step
 from zero import ZeroConfig, ZeroLayout
 
-# The axes, in DESIGN.md's order of application (MoE/EP and its replicas → TP → CP → PP → FP8 or a microscaling
-# recipe). Each has a
-# `config_from_flags(args, settings)` (cli/flags.py calls it once, before any rank waits) and an
-# `apply(model, run, config)` that swaps modules of the model in place and returns its handle, a step.Axis.
+# The axes, in DESIGN.md's order of application (MoE/EP and its replicas → TP and its 4-bit all-reduce → CP → PP →
+# FP8 or a microscaling recipe). Each has a `config_from_flags(args, settings)` (cli/flags.py calls it once, before
+# any rank waits) and an `apply(model, run, config)` that swaps modules of the model in place and returns its handle.
 # Adding an axis adds a line here; the loop and the printouts only ever loop over the handles.
-AXES = (moe, eplb, tensor_parallel, context_parallel, pipeline, redundancy, fp8, precision.recipe)
+AXES = (moe, eplb, tensor_parallel, lowbit, context_parallel, pipeline, redundancy, fp8, precision.recipe)
 
 
 @dataclass
@@ -173,7 +172,8 @@ def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materi
         if args.zero < 3:
             return ZeroLayout(model, config, groups, coords, update_group)
         return Zero3Layout(model, config, groups, coords, device)  # FP8 weights carry their codec (fp8.convert)
-    ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb)
+    reduction = lowbit.gradient_reduction(run.settings.axes.get(lowbit.__name__), run.mesh)  # --dp-comm-bits 4
+    ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb, reduction=reduction)
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
     return DDPLayout(ddp, optimizer, coords, update_group)
 
@@ -222,6 +222,8 @@ class Training:
     completed: int = 0  # optimizer steps done (a takeover agrees on it)
     progress: report.run.Progress | None = None
     step_peak: report.run.StepPeak | None = None  # on a CPU, the profiled step's memory
+    printed_startup: str = ""  # the start-up's printout (--tensorboard shows it as text)
+    metrics: report.metrics.Metrics | None = None  # --metrics-file and --tensorboard (rank 0 writes)
 
 
 def train(settings: Settings, tracer: CommTracer, clock: goodput.Clock | None = None):
@@ -237,14 +239,17 @@ def train(settings: Settings, tracer: CommTracer, clock: goodput.Clock | None = 
             print0(f"init-from: val loss {evaluate(t.run, t.val_tokens, t.val_sampler):.6f} before training (the"
                    f" first {min(args.eval_batches, t.val_sampler.num_batches)} validation batches, as every eval)")
     train_loop(t, tracer)
-    with tracer.phase("end"):
+    with tracer.phase("end"), report.metrics.captured() as printed:  # the end's printout: TensorBoard's text too
         dist.barrier()  # every rank is done: the table below is complete
         progress = t.progress
         print0(time_model.check_line(t.run, t.machine, progress.seconds, progress.steps))
         report.run.print_end(t.run, max(0, args.steps - t.start_step), progress.seconds, progress.steps, t.step_peak)
         step_rate = t.run.tokens_per_step * progress.steps / progress.seconds if progress.steps else 0.0
         print0("\n".join(clock.lines(t.run.tokens_per_step * max(args.steps, t.start_step), step_rate,
-                                      t.run.flops.model, t.run.peak[0], t.run.mesh.shape.world_size)))
+                                      t.run.flops.model, t.run.peak[0], t.run.mesh.shape.world_size,
+                                      under_load=mfu.peak_under_load(t.run.peak[1]))))
+    t.metrics.text("end", printed.getvalue())
+    t.metrics.close()
     dist.destroy_process_group()
 
 
@@ -257,11 +262,12 @@ def start_training(settings: Settings, tracer: CommTracer, clock: goodput.Clock)
     compose(run, measure=True)
     if args.init_from:  # the weights of step 0, read as a resharding resume reads (a checkpoint overrides them)
         init_from(run, args.init_from)
-    run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
+    run.peak = mfu.shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
     run.peak = format_flops.run_peak(run, run.peak)  # a precision recipe: the format-weighted peak P_w
     for name, group in run.mesh.groups.items():
         tracer.name_group(group, name)
-    report.run.print_startup(run)
+    with report.metrics.captured() as printed:  # --tensorboard shows it as text
+        report.run.print_startup(run)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20)
     lr_schedule = LRSchedule(args.lr, warmup, args.steps, args.min_lr if args.min_lr is not None else args.lr / 10)
     scaler = DynamicLossScaler(enabled=settings.dtype == "fp16")
@@ -272,7 +278,8 @@ def start_training(settings: Settings, tracer: CommTracer, clock: goodput.Clock)
         fail(f"{e} (--data {args.data or 'the built-in corpus'})")
     # The time model of this machine (CPU: measured, with one forward-only pass over a validation batch; collective)
     machine = cpu_probe.machine_model(run, args, local_batches(run, val_sampler, val_tokens, 0))
-    return Training(run, corpus, train_tokens, val_tokens, sampler, val_sampler, lr_schedule, scaler, machine, clock)
+    return Training(run, corpus, train_tokens, val_tokens, sampler, val_sampler, lr_schedule, scaler, machine, clock,
+                    printed_startup=printed.getvalue())
 
 
 def open_checkpointer(t: Training, resume: bool = True) -> None:
@@ -281,6 +288,7 @@ def open_checkpointer(t: Training, resume: bool = True) -> None:
     run_record = dict(steps=args.steps, lr=args.lr, min_lr=t.lr_schedule.min_lr, seed=args.seed,
                       warmup_steps=t.lr_schedule.warmup_steps, global_batch=args.global_batch,
                       seq_len=run.seq_len, model=run.config.architecture(),  # read by export_hf.py, sample.py
+                      dropout=run.config.dropout,  # how it trained: export_hf.py's config.json says it
                       data=os.path.basename(os.path.dirname(t.corpus.train_path)))  # the corpus and tokenizer
     try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
         config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
@@ -309,10 +317,9 @@ def open_checkpointer(t: Training, resume: bool = True) -> None:
 def train_loop(t: Training, tracer: CommTracer) -> None:
     """Steps start_step .. --steps - 1, then the files closed and the sample; a signal ends it in one line."""
     run, args = t.run, t.run.settings.args
-    # A resumed run appends: the replayed steps then sit next to the originals in one file.
-    writes_metrics = args.metrics_file and run.mesh.rank == 0
-    metrics = open(args.metrics_file, "a" if t.start_step else "w") if writes_metrics else None
-    t.progress = report.run.Progress(t.start_step, args.steps)
+    t.metrics = report.metrics.Metrics(args.metrics_file, args.tensorboard, run.mesh.rank, append=t.start_step > 0)
+    t.metrics.text("startup", t.printed_startup)
+    t.progress = report.run.Progress(t.start_step, args.steps, mfu.peak_under_load(run.peak[1]))
     report.run.watch_saved_activations(run)  # the first step counts the bytes saved for backward
     if run.device.type == "cuda":  # the peak of training, not of start-up
         torch.cuda.reset_peak_memory_stats(run.device)
@@ -332,17 +339,15 @@ def train_loop(t: Training, tracer: CommTracer) -> None:
                 if not (math.isfinite(record["loss"]) and not record["skipped"]) and t.scaler.scale <= 1.0:
                     stop_at_non_finite(t, step, record, prefetched)  # before this step's line, metrics or save
                 t.completed = step + 1
-                after_step(t, step, record, metrics, tracer)
+                after_step(t, step, record, tracer)
                 step += 1
             except RuntimeError as error:  # --pp-redundant: a lost stage's predecessor takes it over
                 if not any(axis.name == "redundancy" for axis in run.axes):
                     raise
                 step = take_over(t, error, tracer)  # the step to run next: the interrupted one, replayed
-                if args.metrics_file and run.mesh.rank == 0 and metrics is None:
-                    metrics = open(args.metrics_file, "a")
+                if run.mesh.rank == 0 and t.metrics.wanted and t.metrics.file is t.metrics.board is None:
+                    t.metrics = report.metrics.Metrics(args.metrics_file, args.tensorboard, 0, append=True)
         prefetched.close()
-        if metrics:
-            metrics.close()
         if t.checkpointer:
             with tracer.phase("ckpt"), t.clock.phase("ckpt"):
                 t.checkpointer.close()
@@ -406,9 +411,10 @@ def timed_step(t: Training, step: int, prefetched, profiled: bool, peak_in_mean:
                                   t.progress.tick(step, seconds, timed=not profiled or peak_in_mean), t.scaler)
 
 
-def after_step(t: Training, step: int, record: dict, metrics, tracer: CommTracer) -> None:
-    """The eval (every --eval-every steps and after the last), the printed line, the metrics file's line, the
-    checkpoint (every --ckpt-every steps and after the last)."""
+def after_step(t: Training, step: int, record: dict, tracer: CommTracer) -> None:
+    """The eval (every --eval-every steps and after the last), the printed line, the metrics file's line (the
+    first step's with the start-up's figures, the last one's with the end's: report/metrics.py), the checkpoint
+    (every --ckpt-every steps and after the last)."""
     run, args = t.run, t.run.settings.args
     last = step == args.steps - 1
     if (args.eval_every and step > 0 and step % args.eval_every == 0) or last:
@@ -416,9 +422,11 @@ def after_step(t: Training, step: int, record: dict, metrics, tracer: CommTracer
             record["val_loss"] = evaluate(run, t.val_tokens, t.val_sampler)
     if step % args.log_every == 0 or last or "val_loss" in record or t.progress.silent_too_long():
         report.run.print_step(record, t.progress, run.axes)
-    if metrics:
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
+    if t.metrics.wanted and step == t.start_step:  # the time model's step and the memory by kind, predicted
+        record["startup"] = report.run.startup_figures(run, time_model.predicted_step(run, t.machine))
+    if t.metrics.wanted and last:  # measured (CUDA's peak: collective, every rank)
+        record["end"] = report.run.end_figures(run, t.progress.seconds, t.progress.steps, t.step_peak)
+    t.metrics.step(record)
     if t.checkpointer:
         with tracer.phase("ckpt"), t.clock.phase("ckpt"):
             t.checkpointer.step_end(step + 1, args.ckpt_every, last, run.layout, t.scaler, t.sampler)
@@ -489,16 +497,6 @@ def agree(error: str | None) -> list:
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     return [e for e in errors if e is not None]
-
-
-def shared_peak(device, flops: float, source: str) -> tuple[float, str]:
-    """One peak for every rank: the mean of what each measured (they measured at once, each on its share of
-    a shared machine); a datasheet or --peak-tflops figure is the same everywhere already."""
-    if not source.startswith("measured") or dist.get_world_size() == 1:
-        return flops, source
-    total = torch.tensor([flops], dtype=torch.float64, device=device)
-    dist.all_reduce(total)
-    return float(total) / dist.get_world_size(), f"{source}; mean over the {dist.get_world_size()} ranks"
 
 
 def set_numerics(tf32: bool, deterministic: bool) -> None:
@@ -597,6 +595,7 @@ def stop_at_non_finite(t: Training, step: int, record: dict, prefetched) -> NoRe
     the newest committed one, the last good state, stays the newest (a background save of it is finished)."""
     what = "loss" if not math.isfinite(record["loss"]) else "gradients"
     prefetched.close()
+    t.metrics.close()  # the steps before it stay in the metrics file and the event files
     if t.checkpointer is not None:
         t.checkpointer.close()
     if dist.get_rank() == 0:

@@ -39,10 +39,15 @@ class BlockMeasurement:
 
     messages: dict  # {(phase, op, group as the tracer reports it): Count}, phase "forward" or "backward"
     saved_bytes: int  # the distinct storages autograd saved in the forward, parameters aside
+    sizes: dict  # {(phase, op, group): {message bytes: calls}}: the same calls by size (TP's apart from FP8's amaxes)
 
     def on(self, group: str) -> dict:
         """{(phase, op): Count} on one mesh group, found by any of its names ("dp_cp" in "dp_cp=expert_dp")."""
         return {(phase, op): count for (phase, op, name), count in self.messages.items() if group in name.split("=")}
+
+    def sizes_on(self, group: str) -> dict:
+        """{(phase, op): {message bytes: calls}} on one mesh group, found by any of its names."""
+        return {(phase, op): sizes for (phase, op, name), sizes in self.sizes.items() if group in name.split("=")}
 
 
 def measure_block(run, block_index: int = 0) -> BlockMeasurement:
@@ -58,23 +63,25 @@ def measure_block(run, block_index: int = 0) -> BlockMeasurement:
     block = _copy_block(run, block_index)
     params = list(block.parameters())
     device = params[0].device
-    tracer = CommTracer()
+    tracer = CommTracer(by_size=True)
     for name, group in groups.items():
         tracer.name_group(group, name)
-    seen, cuda = {}, device.type == "cuda"
+    seen, sizes, cuda = {}, {}, device.type == "cuda"
     with torch.random.fork_rng(devices=[device.index if device.index is not None else torch.cuda.current_device()]
                                if cuda else []):
         x = torch.randn(run.micro_batch_size, run.settings.local_seq_len, run.config.n_embd, device=device,
                         dtype=run.param_dtype, generator=torch.Generator(device).manual_seed(0), requires_grad=True)
         with tracer, memory.SavedActivations(exclude=params) as saved, run.autocast:
             out = block(x)
-        seen["forward"] = tracer.records
+        seen["forward"], sizes["forward"] = tracer.records, tracer.sizes_of()
         tracer.reset()
         with tracer:
             out.float().sum().backward()
-        seen["backward"] = tracer.records
+        seen["backward"], sizes["backward"] = tracer.records, tracer.sizes_of()
     return BlockMeasurement({(phase, op, group): Count(stat.calls, stat.payload_bytes) for phase, records in
-                             seen.items() for (op, group), stat in records.items()}, saved.bytes)
+                             seen.items() for (op, group), stat in records.items()}, saved.bytes,
+                            {(phase, op, group): by_size for phase, found in sizes.items()
+                             for (op, group), by_size in found.items()})
 
 
 def _copy_block(run, block_index: int):

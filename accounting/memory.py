@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -429,6 +430,32 @@ def _quiet_stderr():
         os.close(devnull)
 
 
+# What torch's CPU allocator logs (CPUAllocator.cpp, one line per process) when a profiled region frees a block
+# allocated before profiling began: expected here (a step frees the previous step's tensors), so not printed.
+PROFILER_NOISE = ("Memory block of unknown size was allocated before the profiling started",)
+
+
+@contextmanager
+def _stderr_without(noise: tuple):
+    """Standard error (file descriptor 2, where C++ logs) held in a temporary file inside the `with`, then written
+    out in order without the lines that contain one of `noise`: every other warning still reaches the user."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().splitlines(keepends=True)
+                    if not any(text.encode() in line for text in noise)]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 class MemoryTimeline:
     """The host memory a stretch of code allocates, from torch.profiler's memory events (profile_memory=True):
     every allocation and free of a CPU tensor inside the `with`, in time order.
@@ -440,7 +467,9 @@ class MemoryTimeline:
     `peak` is the most the bytes in use rose above where they stood at the start (temporaries included), `net`
     where they ended. It sees every tensor, those that saved_tensors_hooks cannot (tensors saved inside another
     hook, a recomputed block's), and nothing that is not a tensor. It cannot see the free of a block allocated
-    before it started (torch warns), so a region that frees older tensors reads high by those. The events
+    before it started, so a region that frees older tensors reads high by those (torch's allocator logs that
+    once per process, PROFILER_NOISE: expected, so that line is held back; every other line on standard error
+    inside the `with` is written out at its end). The events
     are read from the profiler's raw results (its kineto_results), where each one carries its size and time;
     the profiler slows the code it watches, so a timed step should not be the one measured.
     """
@@ -449,9 +478,12 @@ class MemoryTimeline:
         self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         with _quiet_stderr():  # the profiler's back end logs its start and stop there
             self._profile.__enter__()
+        self._stderr = _stderr_without(PROFILER_NOISE)
+        self._stderr.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self._stderr.__exit__(*exc)
         with _quiet_stderr():
             self._profile.__exit__(*exc)
         events = [e for e in self._profile.profiler.kineto_results.events()

@@ -151,7 +151,8 @@ class CommTracer:
     "world" for the default group, else "group0", "group1", ... in the order the tracer first sees them.
 
     `records` (the default phase's: what a step sends, the figure the predictions are checked against) and
-    `total` read one phase; `table()` shows every phase.
+    `total` read one phase; `table()` shows every phase. With by_size, `sizes_of` also gives each record's calls
+    by message size (block 0's measurement: TP's messages told apart from FP8's amaxes on the same group).
 
     Seconds are host time. With gloo that is the real communication time; with NCCL a synchronous call only
     enqueues a kernel on the stream, so the time is a lower bound unless the caller synchronizes.
@@ -159,8 +160,9 @@ class CommTracer:
 
     STEP = "step"  # the default phase
 
-    def __init__(self):
+    def __init__(self, by_size: bool = False):
         self._stats: dict[tuple[str, str, str], CommStat] = {}  # (phase, op, group name) -> stat
+        self._sizes: dict | None = {} if by_size else None  # (phase, op, group name) -> {message bytes: calls}
         self._names: list[tuple[object, str]] = []  # (process group, name); a list because we compare with `is`
         self._unnamed = 0
         self._originals: dict[tuple[object, str], object] | None = None  # (module, name) -> original, while active
@@ -191,6 +193,8 @@ class CommTracer:
                 _add(self._stats.setdefault((phase, op, name), CommStat()), stat)
             for (phase, op, group_name) in [k for k in self._sent_to if k[2] == old]:
                 self._sent_to[(phase, op, name)] = self._sent_to.pop((phase, op, group_name))
+            for (phase, op, group_name) in [k for k in self._sizes or {} if k[2] == old]:
+                self._sizes[(phase, op, name)] = self._sizes.pop((phase, op, group_name))
 
     def alias(self, name: str) -> str:
         """The name a group is reported under, given any of its names ("expert_dp" -> "dp_cp=expert_dp")."""
@@ -234,8 +238,14 @@ class CommTracer:
         """The phases that recorded a call, in the order first seen."""
         return list(dict.fromkeys(p for p, _, _ in self._stats))
 
+    def sizes_of(self, phase: str = STEP) -> dict:
+        """With by_size: {(op, group name): {message bytes: calls}} of one phase (a message M as `records` counts
+        it); empty without."""
+        return {(op, group): dict(sizes) for (p, op, group), sizes in (self._sizes or {}).items() if p == phase}
+
     def reset(self) -> None:
         self._stats, self._sent_to = {}, {}
+        self._sizes = {} if self._sizes is not None else None
 
     def total(self, group_name: str | None = None, phase: str | None = STEP) -> CommStat:
         """The records of a phase (None: all phases) summed, or only those of one group."""
@@ -279,6 +289,9 @@ class CommTracer:
         stat.calls += 0 if inner else 1
         stat.payload_bytes += payload
         stat.wire_bytes += wire_bytes(op, payload, group_size)
+        if self._sizes is not None and not inner:
+            sizes = self._sizes.setdefault(key, {})
+            sizes[payload] = sizes.get(payload, 0) + 1
         return key
 
     def _record_destinations(self, key, bound: dict) -> None:

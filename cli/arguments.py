@@ -132,6 +132,12 @@ def _add_parallelism_flags(parser) -> None:
     g.add_argument("--diloco-outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD learning rate")
     g.add_argument("--diloco-outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB")
+    g.add_argument("--tp-comm-bits", type=int, default=16, help="TP's all-reduces (f, g): 4 = NVFP4 codes summed in"
+                   " fp32, with error feedback (parallel/lowbit.py); 16 (default) = the exact all-reduce")
+    g.add_argument("--dp-comm-bits", type=int, default=16, help="DDP's gradient buckets: 4 = NVFP4 codes summed in"
+                   " fp32, with error feedback (parallel/lowbit.py); 16 (default) = the exact all-reduce")
+    g.add_argument("--comm-feedback", default="on", help="with a 4-bit all-reduce: on (default) feeds each call's"
+                   " error into a later call, off drops it (the ablation)")
     g.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
     g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
                    help="pipeline schedule (pipeline.py)")
@@ -194,6 +200,9 @@ def _add_reporting_flags(parser) -> None:
     g.add_argument("--log-every", type=int, default=25, help="print a step line every N steps")
     g.add_argument("--sample-tokens", type=int, default=300, help="tokens sampled at the end (0: none)")
     g.add_argument("--metrics-file", help="write one JSON object per step to this file (default: none)")
+    g.add_argument("--tensorboard", metavar="DIR", help="also log the step line's figures, the memory by kind and the"
+                   " start-up's and the end's printouts to TensorBoard event files in DIR (default: none; needs the"
+                   " tensorboard package, else the run says so and goes on)")
     g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: table or measured)")
 
 

@@ -16,7 +16,8 @@ def check_paths(args) -> None:
     at the first write (a trace file is written after all the training)."""
     if args.data is not None:
         check_text_file("--data", args.data)
-    for flag, path in (("--out-dir", args.out_dir), ("--ckpt-dir", args.ckpt_dir)):
+    for flag, path in (("--out-dir", args.out_dir), ("--ckpt-dir", args.ckpt_dir),
+                       ("--tensorboard", args.tensorboard)):
         if path is not None:
             check_writable(flag, path, directory=True)
     for flag, path in (("--metrics-file", args.metrics_file), ("--trace-file", args.trace_file)):

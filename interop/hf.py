@@ -157,16 +157,18 @@ def shape_from_hf_config(hf: dict) -> GPT2Shape:
                      GELU_OF[activation])
 
 
-def hf_config(config) -> dict:
-    """config.json for model.py's GPTConfig `config` (the real vocabulary; GPT-2's BPE gets its token ids)."""
-    vocab = config.real_vocab_size or config.vocab_size
+def hf_config(config, dropout: float | None = None) -> dict:
+    """config.json for model.py's GPTConfig `config` (the real vocabulary; GPT-2's BPE gets its token ids) trained
+    with `dropout` (the run's record; None: the config's own). model.py drops out at one rate in the three places
+    GPT-2's config names: the embeddings' sum, the attention weights and each residual branch."""
+    vocab, dropout = config.real_vocab_size or config.vocab_size, config.dropout if dropout is None else dropout
     bpe_end = 50256 if vocab >= 50257 else None  # <|endoftext|>: GPT-2's bos and eos
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
             "n_positions": config.block_size, "n_ctx": config.block_size, "n_embd": config.n_embd,
             "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
             "activation_function": EXPORTED_GELU[config.gelu], "layer_norm_epsilon": LAYER_NORM_EPSILON,
-            # Dropout is a training choice, not the model: GPT-2's own (Hugging Face's training reads it).
-            "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "initializer_range": 0.02,
+            # Dropout is a training choice, not the model: the run's (Hugging Face's training reads it).
+            "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout, "initializer_range": 0.02,
             "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True,
             "bos_token_id": bpe_end, "eos_token_id": bpe_end, "dtype": "float32"}
 
@@ -339,14 +341,17 @@ def _first_line(error: Exception) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def write_directory(weights: dict, config, out_dir: str, pytorch_bin: bool = False) -> list:
-    """Write `weights` ({model.py name: logical tensor}, every one of a dense GPT of `config`) as a Hugging
-    Face GPT-2 directory: config.json and model.safetensors (save_pretrained's format), + pytorch_model.bin with
-    `pytorch_bin` (for readers without safetensors). Returns the files written. A model without biases
-    (--no-bias) is GPT-2 with zero biases: they are written as zeros. `out_dir` must not exist or be an empty
-    directory: the files are written and fsynced in a directory beside it (`.NAME.partial-*`) and renamed to
-    `out_dir` last, so a killed export leaves no `out_dir` that --init-from or from_pretrained would read, only
-    that partial directory (safe to delete)."""
+def write_directory(weights: dict, config, out_dir: str, pytorch_bin: bool = False,
+                    dropout: float | None = None) -> list:
+    """Write `weights` ({model.py name: logical tensor}, every one of a dense GPT of `config`, trained with
+    `dropout`: hf_config) as a Hugging Face GPT-2 directory: config.json and model.safetensors (save_pretrained's
+    format), + pytorch_model.bin with `pytorch_bin` (for readers without safetensors). Returns the files written.
+    A model without biases (--no-bias) is GPT-2 with zero biases: they are written as zeros. `out_dir` must not
+    exist or be an empty directory: the files are written and fsynced in a directory beside it
+    (`.NAME.partial-*`) and renamed to `out_dir` last, so a killed export leaves no `out_dir` that --init-from or
+    from_pretrained would read, only that partial directory (safe to delete). The directory and its files get
+    the modes save_pretrained's would, 0755 and 0644 under the process's umask (`shared_modes`): mkdtemp makes
+    0700 and safetensors writes 0600, for a file meant to be shared."""
     if config.moe is not None:
         raise HFError("a mixture-of-experts model is not a GPT-2: its experts have no place in GPT-2's layout")
     shape = GPT2Shape(config.n_layer, config.n_head, config.n_embd, config.block_size,
@@ -366,12 +371,13 @@ def write_directory(weights: dict, config, out_dir: str, pytorch_bin: bool = Fal
     names = ["config.json", "model.safetensors", *(["pytorch_model.bin"] if pytorch_bin else [])]
     try:
         with open(os.path.join(partial, names[0]), "w") as f:
-            json.dump({**hf_config(config), "dtype": str(state["transformer.wte.weight"].dtype).removeprefix("torch.")},
-                      f, indent=2)
+            dtype = str(state["transformer.wte.weight"].dtype).removeprefix("torch.")
+            json.dump({**hf_config(config, dropout), "dtype": dtype}, f, indent=2)
             f.write("\n")
         save_file(state, os.path.join(partial, names[1]), metadata={"format": "pt"})
         if pytorch_bin:
             torch.save(state, os.path.join(partial, names[2]))
+        shared_modes(partial, names)
         for name in names:
             fsync_path(os.path.join(partial, name))  # whole files before the rename commits them
         os.rename(partial, out_dir)  # atomic; replaces an empty directory, refuses a non-empty one (ENOTEMPTY)
@@ -380,6 +386,16 @@ def write_directory(weights: dict, config, out_dir: str, pytorch_bin: bool = Fal
         shutil.rmtree(created or partial, ignore_errors=True)
         raise
     return [os.path.join(out_dir, name) for name in names]
+
+
+def shared_modes(directory: str, names: list) -> None:
+    """Give `directory` mode 0777 and its files `names` 0666, less the process's umask (0755 and 0644 under the
+    usual 022), as a directory and files made with os.makedirs and open() get them."""
+    umask = os.umask(0)  # read it: the only way is to set it, and it is put back at once
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for name in names:
+        os.chmod(os.path.join(directory, name), 0o666 & ~umask)
 
 
 def _first_missing(path: str) -> str | None:

@@ -22,7 +22,7 @@ recompute at e. The update (optim.update's local work: the norms, the clip, Adam
 gradients) runs ~10 ops per tensor it steps, a cost per op that 2 · persistent bytes / HBM misses on a small
 model: update_seconds times it on fresh tensors shaped as this rank's master tensors (update_tensors). The ranks
 measure at once on a shared machine: each figure is the world's mean (one figure for the world, as
-train.shared_peak's peak).
+mfu.shared_peak's peak).
 
 The link: hardware.measure_cpu times a world all-reduce 100 times at 4 KiB and 9 times at 4 MiB; hardware.link_fit
 fits α (the per-step latency, the calls' scheduler tail included: from the small calls' mean) and β (the wire's

@@ -18,10 +18,14 @@ The time model (planner/hardware.py states the hardware): per role and step
     update     2 · persistent bytes / (HBM bandwidth · hbm_fraction)                (memory-bound, exposed)
                (a measured CPU: its update's local work timed at start-up, cpu_probe.update_seconds)
     each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds, the
-    bandwidth times the calibration's link_fraction); with --moe-local-hit h, EP's all-to-alls move (1 − h) of
-    their payload, split over the intra- and inter-node links by the ep group's ranks (dispatch_seconds); then
+    bandwidth times the calibration's link_fraction), plus, for a 4-bit all-reduce's all-gather (--tp-comm-bits 4
+    on tp, --dp-comm-bits 4 on dp_cp / expert_dp: parallel/lowbit.py), its calls' encode and decode as memory-bound
+    work, lowbit.codec_bytes of the elements it sums / (HBM · hbm_fraction); with --moe-local-hit h, EP's
+    all-to-alls move (1 − h) of their payload, split over the intra- and inter-node links by the ep group's
+    ranks (dispatch_seconds); then
     on the critical path by these rules (Megatron, ZeRO and ring-attention's own overlap claims):
-      exposed: TP/SP (every f, g inside a layer waits on it), EP's and Ulysses' all-to-alls, the update's and
+      exposed: TP/SP (every f, g inside a layer waits on it, 4-bit or not), DDP's 4-bit buckets (summed
+               synchronously as they fill), EP's and Ulysses' all-to-alls, the update's and
                the step's scalar all-reduces (scalar_messages: DDP's gradient key holds them too, taken out),
                FP8's amax reductions, the pipeline's loss and tied sums;
       DDP, ZeRO-1: the gradient reduction overlaps the last micro-batch's backward (≈ 2/3 of its compute)
@@ -57,7 +61,7 @@ import torch
 from accounting import activations, memory, moe_memory
 import mfu
 import model as model_lib
-from parallel import schedules
+from parallel import lowbit, schedules
 from planner import calibration, hardware
 import report.axes
 import report.run
@@ -205,6 +209,7 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
         def piece(nbytes):  # one call of `op` moving nbytes
             return hardware.collective_seconds(op, 1, nbytes, ranks, hw)
 
+        t += _codec_seconds(op, names, calls, payload, ranks, layout, hw)  # a 4-bit all-reduce's encode, decode
         grads = (names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single")
                  and payload > 16 * calls)
         # DDP's gradients share their row with the step's two scalars, which block: taken out, exposed whole.
@@ -237,6 +242,21 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
     step = busy + bubble + update + sum(exposed.values()) - in_layer
     return Prediction(compute=compute, update=update, bubble=bubble, step=step, exposed=exposed, total=total,
                       link=link, mfu=role.flops.model * layout["tokens"] / (layout["world"] * peak * step))
+
+
+def _codec_seconds(op: str, names: set, calls: float, payload: float, ranks: list, layout: dict,
+                   hw: hardware.Hardware) -> float:
+    """The encode and decode of a 4-bit all-reduce's calls, priced on its all_gather_single row (each call has one):
+    the elements it sums from the payload (N rows of 4 + 9c/16 bytes, c elements each), lowbit.codec_bytes of them
+    (a fused kernel's traffic) at the HBM's rate; 0 for every other message."""
+    config = layout.get("lowbit")
+    quantised = config is not None and op == "all_gather_single" and calls and (
+        config.tp_bits == 4 and "tp" in names or config.dp_bits == 4 and names & {"dp_cp", "expert_dp"})
+    if not quantised:
+        return 0.0
+    elements = calls * len(ranks) * (payload / calls / len(ranks) - 4) * 16 / 9
+    work = lowbit.codec_bytes(elements, DTYPES[layout["dtype"]].itemsize, config.feedback)
+    return work / (hw.hbm_gbps * 1e9 * hw.calibration.hbm_fraction)
 
 
 def stage_compute(layer_share: float, head_share: float, layout: dict, hw: hardware.Hardware) -> float:
@@ -298,7 +318,7 @@ def layout_facts(settings, device_type: str | None = None, x: memory.ActivationS
     gemms = calibration.gemms(config, counts, settings.micro_batch_size * x.s, seq, shape.tp, full,
                               full or selective and x.kernel == "math")
     return dict(world=settings.world_size, tokens=tokens, m=settings.micro_batches,
-                zero=args.zero, P=shape.pp, dtype=name, cp_impl=args.cp_impl,
+                zero=args.zero, P=shape.pp, dtype=name, cp_impl=args.cp_impl, lowbit=settings.axes.get(lowbit.__name__),
                 local_hit=getattr(args, "moe_local_hit", None),
                 attention_share=attention / flops.hardware, gemms=gemms,
                 memory_bytes=per_token_layer * tokens / (shape.dp * shape.cp) * config.n_layer / shape.pp)
@@ -357,14 +377,20 @@ def layout_name(settings) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def predicted_step(run, hw: hardware.Hardware) -> Prediction:
+    """One step of a built run as the hardware model `hw` predicts it (check_line's; the metrics file's start-up
+    figures, report.run.startup_figures)."""
+    facts = dict(layout_facts(run.settings, x=activations.activation_shape(run)), dtype=run.settings.dtype)
+    return predict(role_of(run), facts, hw)
+
+
 def check_line(run, hw: hardware.Hardware, seconds: float, steps: int) -> str:
     """'hardware model: step time measured ... vs predicted ...': the model checked against the run it describes
     (not a line starting with "step ": those are the step lines)."""
     if not steps:
         return "hardware model: no step timed (the first is left out), nothing to check it against"
     settings = run.settings
-    facts = dict(layout_facts(settings, x=activations.activation_shape(run)), dtype=settings.dtype)
-    prediction = predict(role_of(run), facts, hw)
+    prediction = predicted_step(run, hw)
     measured = seconds / steps
     ends, factor = hw.calibration.ends_fraction, hw.calibration.layout_factor
     ends = f" (the ends at {ends:.2f})" if ends is not None else ""

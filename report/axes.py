@@ -24,7 +24,7 @@ from accounting import fp8_experts, measure, memory, moe_costs, moe_memory, obse
 import context_parallel
 from experts import coupling, dispatch, router
 import mfu
-from parallel import schedules
+from parallel import lowbit, schedules
 import report.pipeline
 import report.precision
 import tensor_parallel
@@ -81,12 +81,19 @@ def ddp_startup_lines(layout, run=None, steps: int = 0) -> list:
              f"  grads     {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)",
              f"  AdamW m,v {mfu.format_bytes(persistent['optimizer'])}",
              f"  total     {mfu.format_bytes(persistent['total'])}"]
+    if "feedback" in persistent:
+        lines.insert(-1, f"  feedback  {mfu.format_bytes(persistent['feedback'])}  (--dp-comm-bits 4: each bucket's"
+                         f" error, fp32, this rank's; checkpointed)")
     for (op, group), (calls, payload) in layout.predicted_messages().items():
         n = facts.group_sizes[group]
+        formula = "2(N-1)/N·M, ring" if op == "all_reduce" else "(N-1)/N·M: 4-bit codes, parallel/lowbit.py"
         lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls}"
                      f" bucket{'' if calls == 1 else 's'}, sent per"
-                     f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} (2(N-1)/N·M, ring)")
-    if len(sizes) > 1 and facts.dp_size > 1:
+                     f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} ({formula})")
+    if facts.quantized and facts.dp_size > 1:
+        lines.append("critical path: each bucket's 4-bit sum runs when the bucket fills, blocking backward"
+                     " (no overlap)")
+    elif len(sizes) > 1 and facts.dp_size > 1:
         lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"
                      f" last one ({mfu.format_bytes(sizes[-1])}, the first layers' grads) is sent after it")
     elif facts.dp_size > 1:
@@ -366,19 +373,22 @@ def tp_startup_lines(axis, run, steps: int = 0) -> list:
     blocks = list(run.model.transformer.h)
     split_mlp = not blocks or tensor_parallel.split_mlp_of(blocks[0].mlp) is not None  # a dense MLP, shared experts
     predicted = tensor_parallel.block_messages(batch, held, split_mlp=split_mlp)
-    measured = run.measured.on("tp") if run.measured is not None else None
+    measured = run.measured.sizes_on("tp") if run.measured is not None else None  # {(phase, op): {bytes: calls}}
+    sizes = {(phase, op): payload / calls for phase, messages in predicted.items()
+             for (op, _), (calls, payload) in messages.items()}  # TP's message of each (phase, op)
     for phase, messages in predicted.items():
         for (op, _), (calls, payload) in messages.items():
             line = f"  {phase:<8} {op:<22} predicted {calls} × {format_bytes(payload / calls):>10}"
-            if measured is not None:
-                got = measured.get((phase, op), Count(0, 0))
-                line += f"   measured {got.calls} × {format_bytes(got.payload / max(1, got.calls)):>10}"
+            if measured is not None:  # the calls of TP's size: another axis's on tp are rows of their own below
+                got = measured.get((phase, op), {}).get(payload / calls, 0)
+                line += f"   measured {got} × {format_bytes(payload / calls):>10}"
             lines.append(line)
-    for (phase, op), got in (measured or {}).items():
-        if (op, "tp") not in predicted[phase]:  # another axis's (FP8's amaxes), or a surprise
-            lines.append(f"  {phase:<8} {op:<22} predicted 0   measured {got.calls} × {format_bytes(got.payload)}")
-    if measured is not None and measured != {(phase, op): count for phase, messages in predicted.items()
-                                             for (op, _), count in messages.items()}:
+    others = [(phase, op, size, calls) for (phase, op), by_size in (measured or {}).items()
+              for size, calls in sorted(by_size.items()) if sizes.get((phase, op)) != size]
+    for phase, op, size, calls in others:  # another axis's (FP8's amax MAX, a few bytes each), or a surprise
+        lines.append(f"  {phase:<8} {op:<22} predicted 0 × {format_bytes(size):>10}   measured {calls} ×"
+                     f" {format_bytes(size):>10}   (not TP's size: another axis's on tp)")
+    if others:
         lines.append("  (measured: block 0 as the run runs it, every axis's messages on tp included; the end's table"
                      " checks each axis's prediction)")
     model = run.model  # what this rank holds: a pipeline stage's blocks, N/E experts of a MoE block
@@ -398,6 +408,49 @@ def tp_startup_lines(axis, run, steps: int = 0) -> list:
 
 
 AXIS_LINES["tp"] = {"startup": tp_startup_lines}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --- lowbit --- (the 4-bit all-reduce of TP's f and g and of DDP's buckets)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def lowbit_startup_lines(axis, run, steps: int = 0) -> list:
+    """parallel/lowbit.py's format and feedback, and per call site the bytes a rank sends, codes and scales apart,
+    against the exact all_reduce's in the run's dtype and in bf16 (the traced ones are in the end's table)."""
+    config, f = axis.facts().config, mfu.format_bytes
+    where = {"tp": "tp: the next call of the same pass (forward g's, backward f's)",
+             "dp": "dp: each bucket's next step"}
+    lines = [f"4-bit all-reduce (parallel/lowbit.py, Echo): NVFP4 codes (E2M1 two a byte, an E4M3 scale per"
+             f" {lowbit.BLOCK} elements, an fp32 scale per chunk), summed in fp32, each value quantised at most twice;"
+             f" error feedback {'on, into ' if config.feedback else 'off'}"
+             + "; ".join(where[k] for k, bits in (("tp", config.tp_bits), ("dp", config.dp_bits))
+                         if bits == 4 and config.feedback)]
+    sites = []  # (group, what, elements, element bytes, N)
+    if config.tp_bits == 4:
+        batch, held = next(a for a in run.axes if a.name == "tp").facts()
+        n = batch.micro * batch.seq * held.hidden
+        sites.append(("tp", "each f and g, n = b·s·h", n, batch.compute_bytes, axis.facts().tp_size))
+    if config.dp_bits == 4:
+        buckets = run.layout.facts().buckets if run.layout.name == "ddp" else ()
+        for index, (group, elements, element_bytes, size) in enumerate(buckets):
+            if size > 1:
+                sites.append((group, f"bucket {index}", elements, element_bytes, size))
+    for group, what, n, e, size in sites:
+        c = lowbit.chunk_elements(n, size)
+        sent, codes = 2 * (size - 1) * lowbit.NVFP4.row_bytes(c, e), 2 * (size - 1) * c // 2
+        exact, bf16 = mfu.wire_bytes("all_reduce", n * e, size), mfu.wire_bytes("all_reduce", 2 * n, size)
+        lines.append(f"  {group} (N={size}) {what} = {n:,}: sent per rank {f(sent)} (codes {f(codes)} + scales"
+                     f" {f(sent - codes)}) vs the exact all_reduce's {f(exact)} ({sent / exact:.3f}×), bf16's"
+                     f" {f(bf16)} ({sent / bf16:.3f}×)")
+    if config.tp_bits == 4 and config.feedback:
+        n, size = sites[0][2], sites[0][4]
+        lines.append(f"  tp feedback held through a pass: 2 chains × {f(4 * size * lowbit.chunk_elements(n, size))}"
+                     f" (fp32; transient, never checkpointed)")
+    return lines
+
+
+AXIS_LINES["lowbit"] = {"startup": lowbit_startup_lines}
 MEASURES_BLOCK.add("tp")
 
 

@@ -53,11 +53,12 @@ class Progress:
     """Step times for the throughput, the step line's ETA and the log cadence. The first step of a run pays
     one-off costs (allocation, compilation) and is left out of the mean."""
 
-    def __init__(self, start_step: int, steps: int):
+    def __init__(self, start_step: int, steps: int, peak_under_load: bool = False):
         self.start_step, self.total = start_step, steps
         self.seconds, self.steps, self.first = 0.0, 0, None
         self.last_line = time.perf_counter()
         self.warned_mfu = False
+        self.peak_under_load = peak_under_load  # mfu.peak_under_load: the step lines' MFU cannot be trusted
 
     def tick(self, step: int, seconds: float, timed: bool = True) -> float:
         """Count the step's time; timed=False leaves it out of the mean (a profiled step)."""
@@ -105,19 +106,22 @@ def print_step(record: dict, clock: Progress, axes=()):
     val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
     aux = "".join(f" | {key[4:]} {value:.4f}" for key, value in record.items() if key.startswith("aux_"))
     scale = f" | loss scale {record['loss_scale']:g}" if "loss_scale" in record else ""
-    over = "!" if record["mfu"] > 1 else ""  # explained once, below
+    # "?": the peak was measured under load (every MFU against it is suspect); "!": above 100%, which cannot be.
+    mark = "?" if clock.peak_under_load else "!" if record["mfu"] > 1 else ""  # each explained once, below
     print0(f"step {record['step']:>{len(str(clock.total))}d}/{clock.total} | loss {record['loss']:.4f}{val}{aux}"
            f" | lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f}{' (skipped)' if record['skipped'] else ''}"
-           f"{scale} | {record['tokens_per_s']:,.0f} tok/s | MFU {record['mfu']:.2%}{over}"
+           f"{scale} | {record['tokens_per_s']:,.0f} tok/s | MFU {record['mfu']:.2%}{mark}"
            f" | {record['step_time_s'] * 1000:.0f} ms | eta {format_duration(clock.eta(record['step']))}")
     for axis in axes:
         for line in axis_lines(axis, "step", None):
             print0(f"  {line}")
-    if over and not clock.warned_mfu:
+    if mark and not clock.warned_mfu:
         clock.warned_mfu = True
-        print0("  ! MFU above 100% cannot be: the peak assumed (see 'peak assumed' above) is too low for this"
-               " device; on a CPU it is measured at start-up and other jobs on the machine lower it; set"
-               " --peak-tflops")
+        print0("  ? MFU against a peak measured under load (see 'peak assumed' above): other work shared the cores"
+               " while it was measured, so the peak reads low and the MFU high, above 100% or not; it cannot be"
+               " trusted: --peak-tflops sets a peak" if mark == "?" else
+               "  ! MFU above 100% cannot be: the peak assumed (see 'peak assumed' above) is too low for this"
+               " device; set --peak-tflops")
     clock.printed()
 
 
@@ -254,7 +258,7 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int, step_peak: 
     held, predicted = run.layout.held_bytes(), run.layout.predicted_persistent()
     print0("=" * 100)
     print0("measured vs predicted (per rank, rank 0):")
-    for kind in ("weights", "grads", "optimizer", "total"):
+    for kind in ("weights", "grads", "optimizer", *(["feedback"] if "feedback" in predicted else []), "total"):
         print0(f"  {kind:<9} held {mfu.format_bytes(held[kind]):>12}"
                f"   predicted {mfu.format_bytes(predicted[kind]):>12}")
     estimate = activation_estimate(run)
@@ -335,11 +339,13 @@ def _print_messages(run, steps_run: int) -> None:
 def _print_throughput(run, seconds: float, steps_timed: int, step_peak: StepPeak | None) -> None:
     tokens_per_s = run.tokens_per_step * steps_timed / seconds
     world, peak = run.mesh.shape.world_size, run.peak[0]
-    print0(f"throughput {tokens_per_s:,.0f} tok/s, MFU {mfu.mfu(run.flops.model, tokens_per_s, peak, world):.2%},"
-           f" HFU {mfu.mfu(run.flops.hardware, tokens_per_s, peak, world):.2%}"
+    loaded = "?" if mfu.peak_under_load(run.peak[1]) else ""  # the step lines' mark: the peak was measured under load
+    print0(f"throughput {tokens_per_s:,.0f} tok/s, MFU {mfu.mfu(run.flops.model, tokens_per_s, peak, world):.2%}"
+           f"{loaded}, HFU {mfu.mfu(run.flops.hardware, tokens_per_s, peak, world):.2%}{loaded}"
            f" (mean over {steps_timed} steps, the first one of the run excluded"
            + ("" if step_peak is None else f", step {step_peak.step}, profiled for its memory, "
-              + ("included: its time has the profiler's" if step_peak.in_mean else "too") + ")"))
+              + ("included: its time has the profiler's" if step_peak.in_mean else "too")) + ")"
+           + ("; against a peak measured under load: they cannot be trusted" if loaded else ""))
 
 
 def mesh_description(mesh) -> str:
@@ -356,6 +362,49 @@ def mesh_description(mesh) -> str:
     if aliases:
         lines.append(f"  one communicator each for {'; '.join(aliases)} (the same ranks)")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The figures a picture needs: on the metrics file's first and last step records (report/metrics.py; plot.py)
+# ---------------------------------------------------------------------------------------------------------
+
+MEMORY_KINDS = ("weights", "grads", "optimizer", "activations", "step_peak")  # the memory figures, by kind
+
+
+def startup_figures(run, prediction) -> dict:
+    """What start-up predicts, as numbers: `prediction` (time_model.predicted_step: one step's compute, exposed
+    communication, pipeline bubble and update, seconds), the memory by kind (`predicted_memory`), the peak."""
+    return dict(world=run.mesh.shape.world_size, tokens_per_step=run.tokens_per_step,
+                flops_per_token=run.flops.model, peak_flops=run.peak[0], peak_source=run.peak[1],
+                peak_under_load=mfu.peak_under_load(run.peak[1]),
+                time_predicted_s=dict(compute=prediction.compute, exposed_comm=prediction.exposed_comm,
+                                      bubble=prediction.bubble, update=prediction.update, step=prediction.step),
+                memory_predicted=predicted_memory(run))
+
+
+def predicted_memory(run) -> dict:
+    """Bytes by kind (MEMORY_KINDS), as the end compares them: the layout's persistent weights, gradients and
+    optimizer state; what one forward saves for backward as the hooks can see it; the step's peak (persistent +
+    activations at the schedule's peak + the MoE or attention block above what it saves)."""
+    persistent, estimate, block = run.layout.predicted_persistent(), activation_estimate(run), block_peak(run)
+    return dict({kind: persistent[kind] for kind in MEMORY_KINDS[:3]}, activations=estimate.forward - estimate.hidden,
+                step_peak=persistent["total"] + estimate.peak + (block.above_saved if block else 0))
+
+
+def end_figures(run, seconds: float, steps_timed: int, step_peak: StepPeak | None) -> dict:
+    """What the end measures, as numbers: the mean step time over the timed steps; the memory by kind
+    (MEMORY_KINDS) held or measured (the layout's bytes, the first training forward's saved activations, the step's
+    peak: CUDA's allocator over the training steps, max over ranks, or the CPU's profiled step; None where not
+    measured) beside `predicted_memory`. Collective on CUDA (its peak): every rank calls it."""
+    held, saved = run.layout.held_bytes(), run.saved_activations and run.saved_activations.bytes
+    if run.device.type == "cuda":
+        peak = memory.cuda_memory_peaks(run.device)[0]
+    else:
+        peak = held["total"] + step_peak.rise if step_peak is not None else None
+    return dict(steps_timed=steps_timed, step_time_s=seconds / steps_timed if steps_timed else None,
+                memory_measured=dict({kind: held[kind] for kind in MEMORY_KINDS[:3]}, activations=saved,
+                                     step_peak=peak),
+                memory_predicted=predicted_memory(run))
 
 
 # ---------------------------------------------------------------------------------------------------------

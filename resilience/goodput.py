@@ -178,9 +178,10 @@ class Clock:
     # -- the end's table ------------------------------------------------------------------------------------
 
     def lines(self, useful_tokens: int, step_tokens_per_s: float, flops_per_token: float, peak: float,
-              world: int) -> list[str]:
+              world: int, under_load: bool = False) -> list[str]:
         """The end's table: each cause's seconds and share of the job's wall time, and useful tokens per wall
-        second beside the steps' own throughput and MFU."""
+        second beside the steps' own throughput and MFU (marked "?", as the step lines mark them, where the peak
+        was measured under load: `mfu.peak_under_load`)."""
         totals, wall = self.totals(), self.wall()
         runs = f"this process {self.now() - self.started:.1f} s" + (
             f" + {self.resumes} earlier {'processes' if self.resumes > 1 else 'process'} and the gaps"
@@ -189,10 +190,11 @@ class Clock:
         for cause in CAUSES:
             out.append(f"  {cause:<8} {totals[cause]:>10.2f} s {totals[cause] / wall:>7.1%}  {WHAT[cause]}")
         useful = useful_tokens / wall
-        in_steps = mfu.mfu(flops_per_token, step_tokens_per_s, peak, world)
+        in_steps, mark = mfu.mfu(flops_per_token, step_tokens_per_s, peak, world), "?" if under_load else ""
         out.append(f"  useful tokens per wall second {useful:,.0f} ({useful_tokens:,} tokens / {wall:.1f} s): MFU"
-                   f" {mfu.mfu(flops_per_token, useful, peak, world):.2%} of the job's wall time, against"
-                   f" {step_tokens_per_s:,.0f} tok/s and MFU {in_steps:.2%} in the steps")
+                   f" {mfu.mfu(flops_per_token, useful, peak, world):.2%}{mark} of the job's wall time, against"
+                   f" {step_tokens_per_s:,.0f} tok/s and MFU {in_steps:.2%}{mark} in the steps"
+                   + ("; against a peak measured under load: they cannot be trusted" if under_load else ""))
         return out
 
 

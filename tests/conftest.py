@@ -32,3 +32,43 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+END_OF_RUN = """
+import sys, traceback
+import torch.distributed as dist
+import train
+for dtype in sys.argv[3:]:
+    print("=== --dtype", dtype, flush=True)
+    out = f"{sys.argv[2]}/{dtype}"
+    try:
+        train.main([*sys.argv[1].split(), "--dtype", dtype, "--metrics-file", f"{out}.jsonl", "--tensorboard", out])
+    except BaseException:  # noqa: BLE001 - the test reads it; the next dtype still runs
+        traceback.print_exc(file=sys.stdout)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+"""
+
+
+@pytest.fixture(scope="session")
+def one_process_runs(tmp_path_factory):
+    """`train.py` on one process (tiny, two steps, --peak-tflops 1) once for each --dtype the flags accept, in one
+    Python process (torch imported once): {"dtypes", "run" (its CompletedProcess), "dir"}, where each dtype wrote
+    DTYPE.jsonl (--metrics-file) and the TensorBoard directory DTYPE. tests/test_train.py reads the printouts'
+    ends, tests/test_plot.py draws the metrics files: one run serves both."""
+    import subprocess
+
+    from cli import flags as flags_lib
+    from harness import backend_flags
+
+    out = tmp_path_factory.mktemp("one_process_runs")
+    dtypes = ["auto", *flags_lib.DTYPES]
+    corpus = out / "corpus.txt"  # tokenized in a blink, unlike the built-in corpus
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(500)))
+    argv = (f"--preset tiny --steps 2 --global-batch 2 --eval-every 0 --eval-batches 1 --sample-tokens 0"
+            f" --peak-tflops 1 --data {corpus} --out-dir {out} {' '.join(backend_flags(1))}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    run = subprocess.run([sys.executable, "-c", END_OF_RUN, argv, str(out), *dtypes], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=240)
+    return dict(dtypes=dtypes, run=run, dir=out)

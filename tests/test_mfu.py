@@ -396,3 +396,35 @@ def test_a_recipes_step_mfu_divides_by_the_format_weighted_peak():
     assert p_w == pytest.approx(total / (flops["nvfp4"] / 9000e12 + flops["mxfp8"] / 4500e12
                                          + flops["bf16"] / 2250e12), rel=1e-12)
     assert "nvfp4 at 9000 TFLOP/s; mxfp8 at 4500 TFLOP/s" in how and "emulated" not in how
+
+
+def test_a_cpu_peak_measured_while_other_work_shared_the_cores_says_so():
+    """The matmul loop's process had less CPU time than wall time × its threads (load_note: below LOADED_SHARE):
+    its source says it was measured under load, and why an MFU against it cannot be trusted; alone, nothing."""
+    assert mfu.load_note(0.95, 1.0, 1) == "" and mfu.load_note(1.7, 1.0, 2) == ""
+    note = mfu.load_note(0.4, 1.0, 1)
+    assert mfu.peak_under_load(note) and "ran 40% of the time its 1 thread asked for" in note, note
+    assert mfu.peak_under_load(mfu.load_note(1.5, 1.0, 2))  # 75% of 2 threads
+
+
+def test_the_measured_peaks_source_carries_the_load(monkeypatch):
+    """detect_peak_flops on a CPU whose measuring process got no CPU time (process_time frozen): under load."""
+    flops, source = mfu.detect_peak_flops(torch.device("cpu"), "fp32", None)
+    monkeypatch.setattr(mfu.time, "process_time", lambda: 0.0)
+    _, loaded = mfu.detect_peak_flops(torch.device("cpu"), "fp32", None)
+    assert mfu.peak_under_load(loaded) and "measured: " in loaded, loaded
+
+
+def test_an_mfu_against_a_peak_measured_under_load_is_marked_not_alarmed(capsys):
+    """The issue's "MFU 248.69%!": against a peak measured under load every step line's MFU is marked "?" (not
+    capped: it is what it is against that peak), and one line says what it is and why it cannot be trusted."""
+    import report.run
+
+    clock = report.run.Progress(0, 10, peak_under_load=True)
+    record = dict(step=0, loss=1.0, lr=1e-3, grad_norm=0.5, skipped=False, tokens_per_s=10.0, mfu=2.4869,
+                  step_time_s=0.1)
+    for step, value in ((0, 2.4869), (1, 0.3)):
+        report.run.print_step(dict(record, step=step, mfu=value), clock)
+    out = capsys.readouterr().out
+    assert "MFU 248.69%? |" in out and "MFU 30.00%? |" in out and "!" not in out, out
+    assert out.count("MFU against a peak measured under load") == 1 and "cannot be trusted" in out, out

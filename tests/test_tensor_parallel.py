@@ -473,6 +473,8 @@ def _measured(rank):
                        lines=report.axes.tp_startup_lines(tp, run))
     fp8 = ["--tp", "2", "--sp", "--fp8", "delayed"]
     out["fp8"] = {measure: _trained_losses(_composed(rank, 2, fp8, measure)) for measure in (True, False)}
+    run = _composed(rank, 2, ["--tp", "2", "--fp8", "current"], measure=True)  # amax MAX reductions in block 0
+    out["fp8_lines"] = report.axes.tp_startup_lines(next(axis for axis in run.axes if axis.name == "tp"), run)
     return out
 
 
@@ -546,6 +548,21 @@ def test_startup_lines_print_block_zero_measured_next_to_predicted(two_ranks, sp
         predicted, measured = row.split("predicted ")[1].split("   measured ")
         assert predicted == measured, row
     assert any(line.startswith("  parameters per rank") for line in lines)
+
+
+def test_fp8s_amax_reductions_on_tp_are_rows_of_their_own_and_tps_rows_match(two_ranks):
+    """--tp 2 --fp8 current: block 0 also sends FP8's amax MAX all-reduces (a few bytes each) over tp. They are
+    rows of their own, by message size, so TP's rows read predicted = measured (the issue's "predicted 2 ×
+    256.00 KiB measured 6 × 85.34 KiB" averaged the amaxes in)."""
+    lines = two_ranks[0]["measured"]["fp8_lines"]
+    rows = [line for line in lines if " predicted " in line and "   measured " in line]
+    tp_rows = [row for row in rows if "not TP's" not in row]
+    assert len(tp_rows) == 2, lines
+    for row in tp_rows:
+        predicted, measured = row.split("predicted ")[1].split("   measured ")
+        assert predicted == measured, row
+    amax = [row for row in rows if "not TP's" in row]
+    assert amax and all(" predicted 0 × " in row and " B   measured " in row for row in amax), lines
 
 
 def test_measuring_block_zero_leaves_the_run_as_it_was(two_ranks):

@@ -532,38 +532,16 @@ def test_one_process_prints_no_empty_tables_and_a_resume_at_the_last_step_is_an_
     assert not [line for line in again.stdout.splitlines() if line.startswith("step ")]
 
 
-END_OF_RUN = """
-import sys, traceback
-import torch.distributed as dist
-import train
-for dtype in sys.argv[2:]:
-    print("=== --dtype", dtype, flush=True)
-    try:
-        train.main([*sys.argv[1].split(), "--dtype", dtype])
-    except BaseException:  # noqa: BLE001 - the test reads it; the next dtype still runs
-        traceback.print_exc(file=sys.stdout)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.stdout.flush()
-"""
-
-
-def test_every_dtype_the_flags_accept_reaches_the_end_of_a_run_on_cpu(tmp_path):
+def test_every_dtype_the_flags_accept_reaches_the_end_of_a_run_on_cpu(one_process_runs):
     """--dtype fp32, bf16, fp16 and auto on one CPU process, each to the last line of the end's accounting:
     the hardware model's check line compares the steps with the model of this machine, whose peak is the one
     measured in the run's dtype (fp16 must not look up a bf16 peak the measured CPU does not have: KeyError).
-    Two steps, so one is timed and the check line predicts; one process runs the four, importing torch once."""
+    Two steps, so one is timed and the check line predicts; one process runs the four, importing torch once
+    (conftest.one_process_runs, whose metrics files tests/test_plot.py draws)."""
     from cli import flags as flags_lib
 
-    dtypes = ["auto", *flags_lib.DTYPES]
+    dtypes, run = one_process_runs["dtypes"], one_process_runs["run"]
     assert set(dtypes) == set(build_parser()._option_string_actions["--dtype"].choices)  # every one the flag takes
-    corpus = tmp_path / "corpus.txt"  # tokenized in a blink, unlike the built-in corpus
-    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(500)))
-    argv = (f"--preset tiny --steps 2 --global-batch 2 --eval-every 0 --eval-batches 1 --sample-tokens 0"
-            f" --peak-tflops 1 --data {corpus} --out-dir {tmp_path} {' '.join(backend_flags(1))}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    run = subprocess.run([sys.executable, "-c", END_OF_RUN, argv, *dtypes], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=240)
     sections = run.stdout.split("=== --dtype ")[1:]
     assert [section.split()[0] for section in sections] == dtypes, run.stdout[-3000:] + run.stderr[-3000:]
     for dtype, section in zip(dtypes, sections):

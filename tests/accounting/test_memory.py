@@ -115,3 +115,41 @@ def test_backward_rise_counts_what_a_backward_makes_less_the_saved_it_frees():
         out.backward()
     assert rise.rise([chain.w.grad.untyped_storage()._cdata]) == 260
     assert rise.rise() == 260 + 128  # with w's gradient
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MemoryTimeline: torch.profiler's allocation events, and what the profiler prints
+# ---------------------------------------------------------------------------------------------------------
+
+PROFILED_STEP = """
+import os, sys
+import torch
+sys.path.insert(0, {root!r})
+from accounting.memory import MemoryTimeline
+older = torch.randn(1000, 1000)  # allocated before the profiler starts, freed inside it: the allocator logs that
+with {profiler}:
+    del older
+    os.write(2, b"a warning of its own\\n")
+"""
+
+
+def test_memory_timeline_holds_back_the_allocators_line_and_no_other():
+    """A profiled step frees the previous step's tensors, and torch's CPU allocator logs one line per process for
+    that (CPUAllocator.cpp: "Memory block of unknown size ..."), on every rank. Under MemoryTimeline that line is
+    not printed; another line written to standard error inside it still is. The bare profiler prints the line,
+    so its absence is MemoryTimeline's doing (each in a fresh process: torch logs it once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    bare = "torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)"
+    runs = {name: subprocess.Popen([sys.executable, "-c", PROFILED_STEP.format(root=root, profiler=profiler)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+            for name, profiler in (("timeline", "MemoryTimeline()"), ("bare", bare))}  # both at once
+    errors = {name: run.communicate(timeout=120)[1] for name, run in runs.items()}
+    assert all(run.returncode == 0 for run in runs.values()), errors
+    assert memory.PROFILER_NOISE[0] in errors["bare"], errors["bare"]
+    assert memory.PROFILER_NOISE[0] not in errors["timeline"], errors["timeline"]
+    assert "a warning of its own" in errors["timeline"], errors["timeline"]

@@ -17,6 +17,7 @@ measurement, to the byte, on a CPU, for the routing the layer made (the rows it 
   (T = 2, capacity) the MoE's and attention's measurements equal their predictions too.
 """
 
+import re
 from contextlib import nullcontext
 from dataclasses import replace
 from types import SimpleNamespace
@@ -513,8 +514,38 @@ def _assert_peak_as_predicted(rank, measured, predicted):
 
 def late_free(shape) -> int:
     """The most bytes gloo's worker thread may still hold after an all-to-all's wait() returns: one input (the
-    dispatch's S or the combine's R rows) or the 8N-byte counts."""
-    return max(shape.sent, shape.received) * shape.hidden * shape.e_c + 8 * shape.experts
+    dispatch's S or the combine's R rows) or the 8N-byte counts (moe_memory.late_free_bytes, which the start-up's
+    lines read too)."""
+    from accounting import moe_memory
+
+    return moe_memory.late_free_bytes(shape)
+
+
+def test_a_measured_peak_within_one_late_freed_input_reads_as_the_prediction():
+    """The start-up's line per MoE layer (fixed figures): equal bytes print "=", a peak a few hundred bytes above
+    (gloo's thread freed an all-to-all input an op late; the issue's "differs from predicted" by 564 bytes) "≈"
+    with the tolerance stated, the FP8 emulation's extra peak says what it is, and anything else still differs."""
+    from accounting import memory, moe_memory
+
+    shape = moe_memory.DispatchShape(tokens=512, sent=560, received=560, experts=4, topk=2, hidden=64)
+    predicted = moe_memory.block_peak(shape)
+    tolerance = moe_memory.late_free_bytes(shape)
+    assert tolerance == 560 * 64 * 4 + 8 * 4
+
+    def measured(above, saved=0):
+        return memory.ModulePeak(predicted.peak + above, predicted.saved + saved, "aten.mm")
+
+    assert moe_memory.measured_verdict(measured(0), predicted) == ("=", "")
+    sign, note = moe_memory.measured_verdict(measured(564), predicted)
+    assert sign == "≈" and note == f"; peak +564 B, within one all-to-all input ({tolerance:,} B)", note
+    assert moe_memory.measured_verdict(measured(tolerance + 1), predicted)[0] == "differs from"
+    assert moe_memory.measured_verdict(measured(0, saved=8), predicted)[0] == "differs from"
+    assert moe_memory.measured_verdict(measured(-8), predicted)[0] == "differs from"
+    fp8 = replace(predicted, shape=replace(shape, fp8=(576, 2, 4)))  # the emulation's +65,584 B, seen under --fp8
+    for above in (65_584, tolerance + 1):
+        assert moe_memory.measured_verdict(measured(above), fp8) == (
+            "vs", f"; peak {above:+,} B: the FP8 emulation's own temporaries, not predicted")
+    assert moe_memory.rows_text(853.3333333333334) == "853.3" and moe_memory.rows_text(1024) == "1,024"
 
 
 @pytest.fixture(scope="module")
@@ -571,7 +602,9 @@ def test_the_start_up_measures_every_held_moe_block_as_predicted(ranks):
         assert p.backward_rise >= p.backward_predicted[1] > 0, p
     lines = ranks[0]["run"]["lines"]
     assert any("MoE sets the peak" in line for line in lines) and any("measured: MoE sets" in line for line in lines)
-    assert sum(" = predicted " in line for line in lines) == len(peaks)
+    assert sum(" = predicted " in line or " ≈ predicted " in line for line in lines) == len(peaks)
+    uniform = next(line for line in lines if "uniform routing S = R = " in line)  # T·ρ, a mean: to one decimal
+    assert re.search(r"uniform routing S = R = [0-9,]+\.[0-9]; worst case R = [0-9,]+:", uniform), uniform
 
 
 def test_under_tp_the_start_up_measures_moe_and_attention_as_predicted(ranks):

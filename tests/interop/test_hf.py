@@ -379,6 +379,54 @@ def test_a_transformers_directory_loads_with_init_from_and_gives_the_same_logits
         assert abs(our_loss.item() - loss.item()) <= TOL * loss.item(), directory
 
 
+def _saved_with_dropout(rank, world, root, dropout):
+    """A 1-rank tiny run with --dropout, saved at step 1 with the run record train.py writes (its model, its
+    dropout: train.open_checkpointer)."""
+    import ckpt
+    from data import BatchSampler
+    from optim import DynamicLossScaler
+
+    run = _run(rank, world, ["--preset", "tiny", "--dropout", str(dropout), *_flags()])
+    record = dict(model=run.config.architecture(), dropout=run.config.dropout, global_batch=GLOBAL_BATCH, seq_len=SEQ)
+    saver = ckpt.Checkpointer(ckpt.CheckpointConfig(root, run_record=record), run.mesh, run.axes, log=lambda *a: None)
+    saver.save(1, run.layout, DynamicLossScaler(enabled=False), BatchSampler(10_000, SEQ, GLOBAL_BATCH, 0))
+    saver.close()
+
+
+def test_config_json_says_the_dropout_the_run_recorded(round_trip, tmp_path, capsys):
+    """config.json's resid_pdrop, embd_pdrop and attn_pdrop are the dropout of the run's record (GPT-2's 0.1
+    was written for every model before); a checkpoint whose record predates it gets the trainer's default, 0,
+    and the export's line says the checkpoint does not record it."""
+    import export_hf
+
+    run_ranks(_saved_with_dropout, 1, str(tmp_path / "ck"), 0.25)
+    export_hf.main([str(tmp_path / "ck"), str(tmp_path / "hf")])
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert [config[k] for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")] == [0.25] * 3, config
+    assert "dropout 0.25 as trained" in capsys.readouterr().out
+    export_hf.main([str(round_trip["source_ckpt"]), str(tmp_path / "hf-old")])  # its record has no dropout
+    config = json.loads((tmp_path / "hf-old" / "config.json").read_text())
+    assert [config[k] for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")] == [0.0] * 3, config
+    assert "dropout 0 (the trainer's default: the checkpoint does not record it)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("umask,directory,files", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_an_export_has_the_modes_save_pretrained_gives(round_trip, tmp_path, umask, directory, files):
+    """The directory and its files get 0777 and 0666 less the umask, as save_pretrained's (os.makedirs, open):
+    not mkdtemp's 0700 directory nor safetensors' 0600 file, which others could not read."""
+    import export_hf
+
+    previous = os.umask(umask)
+    try:
+        export_hf.main([str(round_trip["source_ckpt"]), str(tmp_path / "hf"), "--bin"])
+    finally:
+        os.umask(previous)
+    out = tmp_path / "hf"
+    assert os.stat(out).st_mode & 0o777 == directory, oct(os.stat(out).st_mode)
+    modes = {name: oct(os.stat(out / name).st_mode & 0o777) for name in os.listdir(out)}
+    assert modes == {name: oct(files) for name in ("config.json", "model.safetensors", "pytorch_model.bin")}, modes
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Through torchrun: fine-tuning from an export starts where the source run ended
 # ---------------------------------------------------------------------------------------------------------
@@ -408,6 +456,8 @@ def test_fine_tuning_from_an_export_starts_at_the_source_runs_last_val_loss(tmp_
            "--metrics-file", str(tmp_path / "source.jsonl"))
     source_val = json.loads((tmp_path / "source.jsonl").read_text().splitlines()[-1])["val_loss"]
     export_hf.main([str(tmp_path / "ck"), str(tmp_path / "hf")])
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())  # train.py's record: trained without dropout
+    assert [config[k] for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")] == [0.0] * 3, config
     sample.main([str(tmp_path / "ck"), "--eval-batches", "2", "--max-new-tokens", "8", "--out-dir", str(tmp_path)])
     sampled = capsys.readouterr().out
     sample_val = float(re.search(r"val loss ([0-9.]+) over the first 2 val batches of 4 × 64", sampled).group(1))

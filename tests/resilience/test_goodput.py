@@ -65,6 +65,14 @@ def test_the_causes_add_up_to_the_wall_time_exactly():
     assert clock.wall() == 14.5 == sum(totals.values())
 
 
+@pytest.mark.parametrize("under_load", [False, True])
+def test_the_tables_mfu_is_marked_where_the_peak_was_measured_under_load(under_load):
+    """As the step lines: an MFU against a peak that shared the cores is "?", and the line says why, once."""
+    last = _a_run(FakeTime(1000.0), started=998.0).lines(1450, 200.0, 1e6, 1e9, 1, under_load=under_load)[-1]
+    assert "MFU 10.00%" in last and "MFU 20.00%" in last, last  # 100 useful tok/s, 200 in the steps: × 1e6 / 1e9
+    assert last.count("%?") == (2 if under_load else 0) and ("cannot be trusted" in last) == under_load, last
+
+
 def test_an_open_phase_counts_up_to_now():
     now = FakeTime(0.0)
     clock = goodput.Clock(started=0.0, now=now)
