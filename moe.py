@@ -186,6 +186,7 @@ class MoE(nn.Module):
         self.observer = RoutingObserver()  # who is told what each forward routed (the accounting, or nobody)
         self.places, self.off_group = None, (0, 0)  # with groups under EP: router.off_group's last record
         self.exchanged = None  # under EP: the last exchange's rows per rank (dispatch.Exchange)
+        self.chosen = None  # the last forward's routed experts [T, k] (its observer reads the co-selection)
         self.local_rows = None  # the rows of each expert GEMM of the last forward (E = 1 one per expert; E > 1
         # one per local slot and source rank), capacity drops excluded
 
@@ -204,7 +205,7 @@ class MoE(nn.Module):
         self.aux_losses.add("moe_z", self.z_coef, z)
         if seq is not None:
             self.aux_losses.add("moe_seq_balance", self.seq_aux_coef, router.sequence_loss(seq, self.topk))
-        keep = self.keep_slots(expert.view(*x.shape[:-1], self.topk))
+        keep, self.chosen = self.keep_slots(expert.view(*x.shape[:-1], self.topk)), expert
         y, rows_sent, rows_received = self.dispatch_and_combine(tokens, gate, expert, keep)
         self.observer.routed(self, routed, keep, rows_sent, rows_received)
         y = y.view(x.shape).to(x.dtype)  # the fp32 gate must not widen the residual stream
@@ -355,8 +356,9 @@ def whole_micro_batch(expert: torch.Tensor, pieces: tuple) -> tuple:
 class RoutingObserver:
     """Who watches the routing: told, once per forward of a layer, the slots it routed to each expert ([N],
     before capacity), which it kept ([T, k] bool, None when dropless), and the rows it sent and received (S, R:
-    host ints). Nobody by default; the accounting subscribes its record (`MoEAxis.observe`, observers.RoutedLoad),
-    which decides which forwards belong to training (not evaluation, sampling, or a checkpointed recompute)."""
+    host ints); the layer's `exchanged` and `chosen` (its experts [T, k]) are the same forward's. Nobody by default;
+    the accounting subscribes its record (`MoEAxis.observe`, observers.RoutedLoad), which decides which forwards
+    belong to training (not evaluation, sampling, or a checkpointed recompute)."""
 
     def routed(self, layer: MoE, load: torch.Tensor, keep: torch.Tensor | None, sent: int, received: int) -> None:
         pass

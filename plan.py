@@ -213,7 +213,7 @@ def zero_table(psi: int, D: int) -> str:
     return f"ZeRO stages 0/1/2/3 at Ψ = {psi / 1e9:.2f}B, D = {D}, K = 12: " + " / ".join(cells) + " GB per device"
 
 
-def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware) -> list:
+def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware, local_hit: float | None = None) -> list:
     fmt = mfu.format_bytes
     c = role.coords
     p, a = role.persistent, role.activations
@@ -236,6 +236,7 @@ def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware) -> lis
         key = (op, group)
         lines.append(f"    {op:<22} {group:<20} {calls:>8g} calls {fmt(payload):>12}  {prediction.link[key]:<5}"
                      f" {prediction.total[key] * 1e3:10.2f} ms, exposed {prediction.exposed[key] * 1e3:10.2f} ms")
+    lines += dispatch_lines(role, hw, local_hit)
     exposed, total = prediction.by_link(True), prediction.by_link(False)
     lines.append(f"  step {prediction.step * 1e3:,.1f} ms = compute {prediction.compute * 1e3:,.1f} + exposed comm"
                  f" {prediction.exposed_comm * 1e3:,.1f} (intra {exposed['intra'] * 1e3:,.1f} of"
@@ -243,6 +244,23 @@ def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware) -> lis
                  f" + bubble {prediction.bubble * 1e3:,.1f} + update {prediction.update * 1e3:,.1f};"
                  f" MFU {prediction.mfu:.1%}; limited by {limiting_term(prediction)}")
     return lines
+
+
+def dispatch_lines(role: Role, hw: hardware.Hardware, local_hit: float | None) -> list:
+    """With --moe-local-hit h: the EP exchange's time a step at h beside the uniform 1/E's (hardware.dispatch_seconds,
+    the same split over the links): what a placement that keeps h of the rows at home buys."""
+    ranks = role.group_ranks.get("ep", [])
+    key = next((key for key in role.messages if key[0] == "all_to_all_single" and "ep" in key[1].split("=")), None)
+    if local_hit is None or key is None or len(ranks) < 2:
+        return []
+    calls, payload = role.messages[key]
+    e = len(ranks)
+    t, uniform = (hardware.dispatch_seconds(calls, payload, ranks, hw, h) for h in (local_hit, 1 / e))
+    near = sum(hardware.node_of(r, hw) == hardware.node_of(ranks[0], hw) for r in ranks) - 1
+    return [f"  EP dispatch (all_to_all_single on ep, {near} of the other {e - 1} ep ranks in this node): local-hit"
+            f" {local_hit:.1%} (--moe-local-hit) {t * 1e3:,.2f} ms a step, uniform 1/E = {1 / e:.1%}"
+            f" {uniform * 1e3:,.2f} ms: the placement saves {(uniform - t) * 1e3:,.2f} ms"
+            f" ({1 - t / uniform if uniform else 0:.0%} of the exchange)"]
 
 
 def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
@@ -263,7 +281,7 @@ def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
     out(hardware_line(hw, facts["dtype"]))
     out(zero_table(psi, s.dp * s.cp))
     for role, prediction in zip(roles, predictions):
-        for line in role_lines(role, prediction, hw):
+        for line in role_lines(role, prediction, hw, facts["local_hit"]):
             out(line)
     slowest = max(range(len(roles)), key=lambda i: predictions[i].step)
     worst = max(roles, key=lambda r: r.peak)

@@ -9,7 +9,8 @@ subscribes one of these in its place, so the loop a reader came for holds no tim
   call; measured bubble = 1 − Σ busy / wall per rank (report/pipeline.py);
 * RoutedLoad, told by every MoE layer: the slots routed to each expert and those dropped, and the rows
   S (sent) and R (received) each forward exchanged (the exact all-to-all prediction; report/axes.py's moe
-  section);
+  section); the experts each token chose, counted as sets and as consecutive layers' pairs of sets, and the rows
+  and slots that stayed on their rank (experts/coupling.py's co-selection statistics, the moe section's end);
 * SaturationCount, told by every FP8 or microscaling linear: per role the values cast and those the clamp
   cut, reported as 100·cut / cast percent (report/precision.py's scale table).
 What is training is decided once, here or in the linear that tells: RoutedLoad counts (and the FP8 and
@@ -20,7 +21,8 @@ inside a backward included (it is time the step spends), and no forward under no
 what the trainer computes.
 
 Accounting for this file (it is accounting): 1. it holds nothing of the model; 2. memory: a few host numbers
-per layer or linear, a MoE layer's [N] routed loads and a linear's [3] cut counts on the device until read,
+per layer or linear, a MoE layer's [N] routed loads and a linear's [3] cut counts on the device until read, its
+tokens' set keys (8 bytes a token, ×2 for the next layer's pairs; folded to the distinct sets every 32 forwards),
 ActionClock's last `keep` steps; 3. no messages; 4. no state (a resumed run starts its clocks and counters
 afresh).
 """
@@ -30,11 +32,14 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from accounting import memory
+from experts import coupling
 from step import is_training_forward
 
 
@@ -176,6 +181,31 @@ class ActionClock:
 # ----------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class Coupling:
+    """RoutedLoad's co-selection counts being gathered: per layer id (and per (layer, next MoE layer)) the key tensors
+    not yet folded and the folded (keys, tokens); the kept slots (a device tensor), and under EP the slots this rank's
+    experts ran of its own tokens and the rows [to itself, in all] its exchanges sent (host ints)."""
+
+    pending: dict = field(default_factory=dict)
+    counted: dict = field(default_factory=dict)
+    kept: object = None
+    own_slots: int = 0
+    rows: list = field(default_factory=lambda: [0, 0])
+
+
+class CouplingCounts(NamedTuple):
+    """A window's co-selection counts: {layer id: {set key: tokens}}, {(layer id, next layer id): {(key, next key):
+    tokens}}, the kept slots, of them those this rank's own experts ran (EP), the rows it sent itself and in all."""
+
+    sets: dict
+    joint: dict
+    kept: int
+    own_slots: int
+    own_rows: int
+    rows: int
+
+
 class RoutedLoad:
     """What the MoE layers' training forwards routed, for the load lines and the exact all-to-all prediction.
     It observes every layer (moe.RoutingObserver, subscribed by report.run.observe_axes through MoEAxis.observe) and
@@ -190,6 +220,8 @@ class RoutedLoad:
         self.forwards, self.sent, self.received = 0, 0, 0  # of every training forward since the start
         self.loads, self.dropped, self.taken_forwards = {}, {}, {}  # {layer id: since the last take_load}
         self.last_load, self.off_group = None, [0, 0]  # the last take_load; router.off_group's sums
+        self.coupling = Coupling()  # since the last take_coupling; `last_coupling` the last one taken
+        self.last_coupling, self.previous = None, None  # previous: (layer id, set keys) of the last forward
 
     def routed(self, layer, load: torch.Tensor, keep, sent: int, received: int) -> None:
         if not is_training_forward(layer.training):
@@ -199,7 +231,47 @@ class RoutedLoad:
         key = layer.layer_id
         self.loads[key] = load if key not in self.loads else self.loads[key] + load
         self.taken_forwards[key] = self.taken_forwards.get(key, 0) + 1
-        self.dropped[key] = self.dropped.get(key, 0) + (0 if keep is None else (~keep).sum())
+        dropped = 0 if keep is None else (~keep).sum()
+        self.dropped[key] = self.dropped.get(key, 0) + dropped
+        self.count_coupling(layer, load.sum() - dropped)
+
+    def count_coupling(self, layer, kept) -> None:
+        """The co-selection counts of one training forward (experts/coupling.py's statistics, `Coupling`): its
+        tokens' sets (the layer's `chosen`), paired with the previous forward's when that was an earlier MoE layer
+        of the same tokens (a micro-batch runs its layers in order; under an interleaved pipeline a chunk's first
+        layer meets another micro-batch's last: the pair is miscounted there); under EP the rows and slots that
+        stayed on this rank (the layer's `exchanged`). Keys fold on the device every 32 forwards (`coupling.fold`)."""
+        c, chosen = self.coupling, getattr(layer, "chosen", None)
+        c.kept = kept if c.kept is None else c.kept + kept
+        if layer.exchanged is not None:
+            own, ep = dist.get_rank(layer.ep_group), layer.ep_size
+            c.rows = [c.rows[0] + layer.exchanged.sent[own], c.rows[1] + sum(layer.exchanged.sent)]
+            c.own_slots += sum(layer.exchanged.chunks[own::ep])  # chunks: [local slot][source rank]
+        if chosen is None or layer.n_experts > coupling.MAX_KEYED:
+            return
+        keys = coupling.set_keys(chosen)
+        c.pending.setdefault(layer.layer_id, []).append(keys)
+        if self.previous is not None and self.previous[0] < layer.layer_id and len(self.previous[1]) == len(keys):
+            pair = (self.previous[0], layer.layer_id)
+            c.pending.setdefault(pair, []).append(torch.stack([self.previous[1], keys], 1))
+        self.previous = (layer.layer_id, keys)
+        for name, keys in c.pending.items():
+            if len(keys) >= 32:
+                c.counted[name], c.pending[name] = coupling.fold(c.counted.get(name), keys), []
+
+    def take_coupling(self):
+        """The co-selection counts since the last take, on the host (`CouplingCounts`; None: nothing routed), read
+        once per log line (report/axes.py's moe step lines) and at the end; the counts restart."""
+        c = self.coupling
+        if c.kept is None:
+            return self.last_coupling
+        counted = {name: coupling.fold(c.counted.get(name), keys) if keys else c.counted[name]
+                   for name, keys in c.pending.items()}
+        sets = {name: coupling.histogram(v) for name, v in counted.items() if not isinstance(name, tuple)}
+        joint = {name: coupling.histogram(v) for name, v in counted.items() if isinstance(name, tuple)}
+        self.last_coupling = CouplingCounts(sets, joint, int(c.kept), c.own_slots, *c.rows)
+        self.coupling, self.previous = Coupling(), None
+        return self.last_coupling
 
     def rows(self) -> tuple:
         """(forwards, Σ S, Σ R) of the training forwards since start-up (dispatch.all_to_all_messages'

@@ -187,6 +187,10 @@ def _add_moe_flags(parser) -> None:
     g.add_argument("--moe-replan-every", type=int, default=50, help="re-place the replicas every n steps")
     g.add_argument("--moe-load-decay", type=float, default=0.9, help="the expert loads' moving average: load ←"
                    " d·load + (1 − d)·the step's")
+    g.add_argument("--moe-placement", default="eplb", help="how the R slots are placed: eplb (default), sinkhorn"
+                   " (experts/transport.py), coselect (R = N, experts/coupling.py), or the R slots' experts as a list")
+    g.add_argument("--moe-placement-cost", help="sinkhorn's E×E link costs 'c00,c01,..;c10,..' (default: the"
+                   " hardware model's, 1/GB/s of the intra- or inter-node link, --hw and --gpus-per-node)")
 
 
 def _add_reporting_flags(parser) -> None:

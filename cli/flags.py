@@ -72,6 +72,7 @@ class Settings:
     dtype_reason: str = "--dtype"  # why: what was asked, or what auto found
     ckpt_lock: WriterLock | None = None  # rank 0's hold on --ckpt-dir for the run (claim_checkpoint_directory)
     diloco: DiLoCoConfig | None = None  # --diloco-h: the replicas' outer step (resilience/diloco.py)
+    placement_cost: tuple | None = None  # the EP ranks' link costs by the hardware model (experts/transport.py's)
 
     @property
     def world_size(self) -> int:
@@ -100,7 +101,7 @@ _AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe
                "moe_group_limit", "moe_shared_experts")
 _POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops", "hw_peak_tflops", "hw_hbm_gbps", "hw_memory_gib",
              "hw_intra_gbps", "hw_inter_gbps", "moe_route_scale")
-_FRACTION = ("beta1", "beta2", "dropout", "moe_load_decay")  # in [0, 1)
+_FRACTION = ("beta1", "beta2", "dropout", "moe_load_decay", "moe_local_hit")  # in [0, 1)
 # Upper bounds past which a value cannot be used: (attribute, highest, why).
 _AT_MOST = (
     ("bucket_mb", 2.0**20, "a bucket of at most 1 TiB (its byte count must be an integer)"),
@@ -129,7 +130,10 @@ _ONLY_WITH = (
                    "--moe-shared-experts", "--moe-replicas",
                    *router.FLAGS)),
     *((flag, flag[2:].replace("-", "_"), "--moe-replicas", lambda a: a.moe_replicas > 0)
-      for flag in ("--moe-replan-every", "--moe-load-decay")),
+      for flag in ("--moe-replan-every", "--moe-load-decay", "--moe-placement")),
+    ("--moe-placement-cost", "moe_placement_cost", "--moe-placement sinkhorn", lambda a: a.moe_placement == "sinkhorn"),
+    ("--moe-local-hit", "moe_local_hit", "--ep > 1 and --plan or --plan-search",
+     lambda a: a.ep > 1 and (a.plan or a.plan_search)),
     *((flag, flag[2:].replace("-", "_"), "--ckpt-dir", lambda a: a.ckpt_dir is not None)
       for flag in ("--ckpt-every", "--resume", "--async-ckpt", "--keep", "--mtbf-hours", "--drop-state")),
 )
@@ -179,7 +183,8 @@ def validate(args, world_size: int, given=None, axes=(), check_files: bool = Tru
     _set_vocabulary(args, config)
     settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
                         seq_len=args.seq_len or config.block_size, micro_batch_size=micro,
-                        micro_batches=args.global_batch // (shape.dp * micro), diloco=diloco_config)
+                        micro_batches=args.global_batch // (shape.dp * micro), diloco=diloco_config,
+                        placement_cost=hardware.ep_link_costs(args, shape))
     return replace(settings, axes=_axis_configs(args, settings, axes))
 
 

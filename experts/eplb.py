@@ -12,7 +12,10 @@ Otherwise one global step: groups = nodes = 1. The result, per layer: phy2log [R
 physical slot, rank r holding slots [r·R/E, (r+1)·R/E)), log2phy [N, max c] (each expert's slots, -1 padded),
 logcnt [N] (c_i). Loads in float32, ties broken as deepseek-ai/EPLB's experts/eplb.py breaks them (torch.sort's order,
 the lower index), so its placements are reproduced exactly. The trainer places over the E ranks of an ep group
-with the global policy (one group, one node).
+with the global policy (one group, one node). `--moe-placement` chooses the policy: eplb (this one, the
+default), sinkhorn (experts/transport.py: the replicas over the links' costs, TAOT), coselect (experts/coupling.py:
+R = N, a permutation putting co-chosen experts on one rank; each step's kept pairs [N, N] are averaged with the
+loads and placed from), or a fixed list of the R slots' experts (every plan, re-plans and resumes included).
 
 Training with it (`Replicas`; `apply`, the axis of --moe-replicas R, places them right after moe.py's):
 - Dispatch. A slot routed to logical expert i, the j-th of this rank's slots routed to i in token order (kept
@@ -81,6 +84,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from experts import coupling, transport
 from moe import MoE
 from shard import ShardInfo, StatePiece, counts_here
 from step import Axis, Messages, is_training_forward
@@ -172,13 +176,18 @@ def rebalance_experts(load: torch.Tensor, slots: int, groups: int, nodes: int, r
 
 class Replicas:
     """One MoE layer's physical slots: the plan (phy2log, replica rank, logcnt: host lists), the tables its
-    dispatch reads (on the device), and the kept slots this rank's training forwards routed."""
+    dispatch reads (on the device), and the kept slots this rank's training forwards routed. `policy` places
+    them (`plan`): "eplb", "sinkhorn" (over `cost`), "coselect" (then the step's load carries the step's kept
+    pairs too, [N + N²]: the averages the same width) or a fixed phy2log tuple."""
 
-    def __init__(self, n_experts: int, slots: int, ep_size: int, ep_index: int, device):
+    def __init__(self, n_experts: int, slots: int, ep_size: int, ep_index: int, device, policy="eplb",
+                 cost=None, topk: int = 1):
         self.n_experts, self.slots, self.ep_size = n_experts, slots, ep_size
+        self.policy, self.cost, self.topk = policy, cost, topk
         per_rank = slots // ep_size
         self.local = range(ep_index * per_rank, (ep_index + 1) * per_rank)  # the slots this rank holds
-        self.step_load = torch.zeros(n_experts, dtype=torch.float64, device=device)  # this step's kept slots
+        width = n_experts + (n_experts * n_experts if policy == "coselect" else 0)
+        self.step_load = torch.zeros(width, dtype=torch.float64, device=device)  # this step's kept slots (pairs)
         self.average = torch.zeros_like(self.step_load)  # the moving average of the global step loads
         self.planned = torch.ones_like(self.step_load)  # the average the plan was made from (uniform: ones)
         self.window = torch.zeros(n_experts + ep_size, dtype=torch.float64, device=device)  # since the last
@@ -193,8 +202,19 @@ class Replicas:
         self.count_of = torch.tensor(logcnt + [1], device=self.step_load.device)  # [N + 1]
 
     def plan(self) -> tuple:
-        """The placement of `planned` (one host sync): the same bits in, the same plan, on any rank, any run."""
-        return place_layer(self.planned.float().cpu(), self.slots, 1, 1, self.ep_size)
+        """The placement of `planned` by the policy (one host sync): the same bits in, the same plan, on any rank,
+        any run. From the uniform start (loads of ones, pairs of ones): EPLB's uniform plan, Sinkhorn's homes,
+        coselect's experts in place (expert i on rank ⌊i·E/N⌋). On meta (plan.py's roles) the uniform start."""
+        meta = self.planned.is_meta
+        n, planned = self.n_experts, torch.ones(self.planned.shape, dtype=torch.float64) if meta else self.planned.cpu()
+        if self.policy == "coselect":
+            return coupling.coselect_plan(planned[n:].view(n, n), self.ep_size)
+        if self.policy == "sinkhorn":
+            return transport.place(planned[:n], self.slots, self.ep_size, self.cost)
+        if isinstance(self.policy, tuple):  # --moe-placement as a list: that plan, always
+            replica = [self.policy[:q].count(e) for q, e in enumerate(self.policy)]
+            return list(self.policy), replica, [self.policy.count(e) for e in range(n)]
+        return place_layer(planned[:n].float(), self.slots, 1, 1, self.ep_size)
 
     def physical(self, slot_expert: torch.Tensor, training: bool) -> torch.Tensor:
         """[S] the physical slot of each slot (R: dropped) from its logical expert (N: dropped): the j-th slot
@@ -211,17 +231,19 @@ class Replicas:
         if is_training_forward(training):
             per_slot = torch.zeros(self.slots + 1, dtype=torch.long, device=ones.device).scatter_add_(
                 0, physical, ones)[:self.slots]
-            self.step_load += per_expert[:self.n_experts]
+            self.step_load[:self.n_experts] += per_expert[:self.n_experts]
+            if self.policy == "coselect":
+                self.step_load[self.n_experts:] += coupling.pair_counts(slot_expert, self.n_experts, self.topk).view(-1)
             self.window += torch.cat([per_expert[:self.n_experts], per_slot.view(self.ep_size, -1).sum(dim=1)])
         return physical
 
 
-def place_slots(layer, slots: int, ep_group, ep_size: int, ep_index: int, device) -> None:
-    """Give `layer` (a moe.MoE, its N experts whole) its R/E physical slots [e·R/E, (e+1)·R/E) under the plan
-    of a uniform load: slot q a copy of expert phy2log[q] (named by that logical expert, so the init and the
+def place_slots(layer, slots: int, ep_group, ep_size: int, ep_index: int, device, policy="eplb", cost=None) -> None:
+    """Give `layer` (a moe.MoE, its N experts whole) its R/E physical slots [e·R/E, (e+1)·R/E) under the policy's
+    plan of a uniform load: slot q a copy of expert phy2log[q] (named by that logical expert, so the init and the
     checkpoint see one tensor), its gradient summed over expert_dp; the other experts dropped."""
-    replicas = Replicas(layer.n_experts, slots, ep_size, ep_index, device)
-    replicas.set_plan(*place_layer(torch.ones(layer.n_experts), slots, 1, 1, ep_size))
+    replicas = Replicas(layer.n_experts, slots, ep_size, ep_index, device, policy, cost, layer.topk)
+    replicas.set_plan(*replicas.plan())
     kept = {}
     for q in replicas.local:
         expert = copy.deepcopy(layer.experts[str(replicas.phy2log[q])])  # on meta in train.compose: no values
@@ -260,6 +282,7 @@ class ReplicaFacts:
     measured_under: tuple  # its phy2log during the window before the last re-plan (empty: none yet)
     balance: float  # max/mean rows received per EP rank over that window, all layers (nan: no window yet)
     in_place: float  # the same for plain EP (expert i on rank ⌊i·E/N⌋) on the same kept slots
+    policy: str = "eplb"  # --moe-placement's (a fixed list: "fixed")
 
 
 class RedundantExperts(Axis):
@@ -315,13 +338,17 @@ class RedundantExperts(Axis):
     def state_pieces(self) -> list:
         """The restart state (docstring item 4), per layer, one logical copy (the same on every rank of dp×cp
         and tp): "moe/<layer>.expert_load", the moving average, and ".expert_load_planned", the average the
-        placement was made from. Optional: a checkpoint written without replicas resumes from the uniform
-        placement and a fresh average."""
-        pieces = []
+        placement was made from; with --moe-placement coselect ".expert_pairs" and ".expert_pairs_planned", the
+        [N²] pairs' (flat). Optional: a checkpoint written without them resumes from the uniform placement and a
+        fresh average."""
+        pieces, n = [], self.n
         for layer in self.layers:
-            for suffix, tensor in (("expert_load", layer.replicas.average),
-                                   ("expert_load_planned", layer.replicas.planned)):
-                info = ShardInfo(f"transformer.h.{layer.layer_id}.mlp.{suffix}", (self.n,), replicated_over=("tp",))
+            r = layer.replicas
+            for suffix, tensor in (("expert_load", r.average[:n]), ("expert_load_planned", r.planned[:n]),
+                                   *((("expert_pairs", r.average[n:]), ("expert_pairs_planned", r.planned[n:]))
+                                     if r.policy == "coselect" else ())):  # coselect's [N, N] pairs
+                info = ShardInfo(f"transformer.h.{layer.layer_id}.mlp.{suffix}", tuple(tensor.shape),
+                                 replicated_over=("tp",))
                 pieces.append(StatePiece(f"moe/{info.global_name}", tensor, info, optional=True,
                                          primary=counts_here(info, self.coords, ("dp_cp",))))
         return pieces
@@ -458,7 +485,9 @@ class RedundantExperts(Axis):
 
     def facts(self) -> ReplicaFacts:
         first = self.layers[0]
-        return ReplicaFacts(self.slots, self.replans, first.layer_id, tuple(first.replicas.phy2log), *self.measured)
+        policy = first.replicas.policy
+        return ReplicaFacts(self.slots, self.replans, first.layer_id, tuple(first.replicas.phy2log), *self.measured,
+                            policy if isinstance(policy, str) else "fixed")
 
     def predicted_messages(self, layout=None) -> Messages:
         """Per optimizer step, for a uniform load (the plan never changes: nothing moves): the gradient sum and
@@ -482,7 +511,7 @@ class RedundantExperts(Axis):
             like = next(t for p in self.pieces for kind, t, _ in self.pieces[p] if kind == "grad")
         return step_messages(len(self.layers), self.n, self.slots, self.ep, self.expert_size() * like.element_size(),
                              self.summed_over("grad")[0], list(self.load_groups), steps, replans, moved,
-                             self.shared_load_reduce)
+                             self.shared_load_reduce, len(self.layers[0].replicas.step_load))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -500,16 +529,53 @@ class ReplicaConfig:
     replan_every: int = 50
     load_decay: float = 0.9
     load_tp: bool = False
+    policy: object = "eplb"  # --moe-placement: eplb, sinkhorn, coselect, or a fixed phy2log (a tuple)
+    cost: tuple | None = None  # sinkhorn's [E][E] link costs: --moe-placement-cost, or the CLI's hardware model's
 
 
 def config_from_flags(args, settings) -> ReplicaConfig | None:
-    """--moe-replicas R (None without it), placeable on this mesh (`check_flags`)."""
+    """--moe-replicas R (None without it), placeable on this mesh (`check_flags`) by --moe-placement's policy
+    (`placement_policy`), Sinkhorn's cost matrix --moe-placement-cost or, without it, the one the command line
+    built from the hardware model (`settings.placement_cost`)."""
     slots = getattr(args, "moe_replicas", 0)
     if not slots or settings.model.moe is None:
         return None
-    check_flags(slots, settings.model.moe.experts, settings.shape.ep)
-    return ReplicaConfig(slots, settings.shape.ep, getattr(args, "moe_replan_every", 50),
-                         getattr(args, "moe_load_decay", 0.9), settings.sequence_parallel and settings.shape.tp > 1)
+    n, ep = settings.model.moe.experts, settings.shape.ep
+    check_flags(slots, n, ep)
+    policy = placement_policy(getattr(args, "moe_placement", "eplb"), n, slots, ep)
+    text = getattr(args, "moe_placement_cost", None)
+    cost = transport.parse_cost(text, ep) if text else getattr(settings, "placement_cost", None)
+    return ReplicaConfig(slots, ep, getattr(args, "moe_replan_every", 50), getattr(args, "moe_load_decay", 0.9),
+                         settings.sequence_parallel and settings.shape.tp > 1, policy,
+                         cost if policy == "sinkhorn" else None)
+
+
+POLICIES = ("eplb", "sinkhorn", "coselect")
+
+
+def placement_policy(text: str, n: int, slots: int, ep: int):
+    """--moe-placement as ReplicaConfig.policy (a name, or a fixed phy2log tuple), or ValueError naming the flag:
+    a policy other than EPLB's places over EP ranks (E > 1); coselect places each expert once (R = N); a list names
+    R experts, each < N, every expert at least once."""
+    flag = f"--moe-placement {text}"
+    if text in POLICIES:
+        if text != "eplb" and ep == 1:
+            raise ValueError(f"{flag} places experts over the EP ranks: it needs --ep > 1")
+        if text == "coselect" and slots != n:
+            raise ValueError(f"{flag} places each expert once (a permutation over the ranks): it needs"
+                             f" --moe-replicas {n} (= --moe-experts), got {slots}")
+        return text
+    try:
+        phy2log = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}: one of {', '.join(POLICIES)}, or the {slots} slots' experts as a comma list")
+    missing = sorted(set(range(n)) - set(phy2log))
+    for broken, message in ((len(phy2log) != slots, f"lists {len(phy2log)} slots, --moe-replicas has {slots}"),
+                            (any(not 0 <= e < n for e in phy2log), f"names an expert outside [0, {n})"),
+                            (bool(missing), f"places no slot of expert {(missing or [0])[0]}: every expert needs one")):
+        if broken:
+            raise ValueError(f"{flag} {message}")
+    return phy2log
 
 
 def apply(model, run, config: ReplicaConfig) -> Axis:
@@ -519,7 +585,8 @@ def apply(model, run, config: ReplicaConfig) -> Axis:
     mesh = run.mesh
     layers = [block.mlp for block in model.transformer.h if isinstance(block.mlp, MoE)]
     for layer in layers:
-        place_slots(layer, config.slots, mesh.group("ep"), config.ep, mesh.index("ep"), run.device)
+        place_slots(layer, config.slots, mesh.group("ep"), config.ep, mesh.index("ep"), run.device, config.policy,
+                    config.cost)
     load_groups = ("dp_cp", "tp") if config.load_tp else ("dp_cp",)  # the ranks whose tokens these layers route
     if not layers:
         return Axis()
@@ -529,18 +596,19 @@ def apply(model, run, config: ReplicaConfig) -> Axis:
 
 
 def step_messages(moe_layers: int, n: int, slots: int, ep: int, expert_bytes: int, sum_group: str, load_groups: list,
-                  steps: float = 1.0, replans: float = 0.0, moved=(0, 0), shared_load_reduce: bool = False) -> Messages:
+                  steps: float = 1.0, replans: float = 0.0, moved=(0, 0), shared_load_reduce: bool = False,
+                  width: int | None = None) -> Messages:
     """Docstring item 3 for `steps` steps and `replans` re-plans, pure (planner/search.py sizes a layout from it):
     the gradient sum over `sum_group` (g: ep under DDP, dp_cp under ZeRO), L_moe·(R − N)·Ψ_e·e_g a step
-    (expert_bytes = Ψ_e·e_g); over each of `load_groups` (the names of size > 1) the step's loads [N] (in the
-    router's call when it reduces too: router.finish_step) and the window [N + E] per re-plan; the moves
-    (calls, bytes) over g."""
+    (expert_bytes = Ψ_e·e_g); over each of `load_groups` (the names of size > 1) the step's loads [N] (`width`
+    N + N² with coselect's pairs; in the router's call when it reduces too: router.finish_step) and the window
+    [N + E] per re-plan; the moves (calls, bytes) over g."""
     out = Messages()
     if slots > n:
         out.add("all_reduce", sum_group, steps, steps * moe_layers * (slots - n) * expert_bytes)
     for name in load_groups:
         calls = replans + (0 if shared_load_reduce else steps)
-        out.add("all_reduce", name, calls, (steps * n + replans * (n + ep)) * moe_layers * 8)
+        out.add("all_reduce", name, calls, (steps * (width or n) + replans * (n + ep)) * moe_layers * 8)
     return out.add("all_reduce", sum_group, *moved)
 
 

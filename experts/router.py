@@ -201,18 +201,18 @@ def finish_step(loads: list, groups=(), riders: torch.Tensor | None = None) -> t
     """End the optimizer step of every MoE layer's ExpertLoad in `loads` (one stage's, same order on every rank):
     with the bias on, their counts summed over `groups` in one flat all-reduce per group (dp_cp, and tp with
     --sp), so every rank applies the same update; otherwise each keeps its own count. `riders` ([L, N] int64,
-    eplb's kept slots per expert) ride the same all-reduce: ONE reduction per group, two users; returned
-    summed (None without)."""
+    eplb's kept slots per expert, and with its coselect placement [L, N + N²] the kept pairs too) ride the same
+    all-reduce: ONE reduction per group, two users; returned summed (None without)."""
     if not loads:
         return riders
     stacked = torch.stack([load.step for load in loads])
     parts = ([stacked] if any(load.reduce for load in loads) else []) + ([riders] if riders is not None else [])
     if parts and groups:
-        joined = torch.cat(parts)
+        joined = torch.cat([part.reshape(-1) for part in parts])  # riders may be wider ([L, N + N²]: coselect)
         for group in groups:
             dist.all_reduce(joined, op=dist.ReduceOp.SUM, group=group)
-        stacked = joined[:len(loads)] if len(parts) == 2 or riders is None else stacked
-        riders = joined[-len(loads):] if riders is not None else None
+        stacked = joined[:stacked.numel()].view(stacked.shape) if len(parts) == 2 or riders is None else stacked
+        riders = joined[joined.numel() - riders.numel():].view(riders.shape) if riders is not None else None
     for load, total in zip(loads, stacked):
         load.finish_step(total)
     return riders

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from mesh import groups_of
 import mfu
 from planner import calibration
 from planner.calibration import Calibration
@@ -120,6 +121,34 @@ def collective_seconds(op: str, calls: float, payload: float, ranks, hardware: H
     return calls * ring_steps(op, n) * alpha + mfu.wire_bytes(op, payload, n) / beta
 
 
+def dispatch_seconds(calls: float, payload: float, ranks, hardware: Hardware, local_hit: float) -> float:
+    """The EP exchange's α-β time when a share `local_hit` of its rows stays on the sender's rank (--moe-local-hit):
+    the other rows spread evenly over the group's other ranks, those in the sender's node (ranks[0]'s) over the
+    intra-node link and the rest over the inter-node one, both links at once (the slower sets the time).
+    local_hit = 1/E moves (E − 1)/E of the payload, as `collective_seconds`' all-to-all does."""
+    n = len(ranks)
+    if n <= 1:
+        return 0.0
+    near = sum(node_of(r, hardware) == node_of(ranks[0], hardware) for r in ranks) - 1
+    far = n - 1 - near
+    moved = payload * (1 - local_hit) / (n - 1) / hardware.calibration.link_fraction
+    alpha = 1e-6 * (hardware.inter_latency_us if far else hardware.intra_latency_us)
+    return calls * ring_steps("all_to_all_single", n) * alpha + max(moved * near / (1e9 * hardware.intra_gbps),
+                                                                     moved * far / (1e9 * hardware.inter_gbps))
+
+
+def ep_link_costs(args, shape) -> tuple:
+    """[E][E] costs of a unit moved between EP ranks a and b, for experts/transport.py's replicas: 1/GB/s of the
+    intra-node link between ranks of one node, of the inter-node one across, 0 to itself; of rank 0's ep group
+    (every group places alike: their ranks hold the same experts over expert_dp), nodes of G = --gpus-per-node
+    (or --hw's) ranks."""
+    hw = PRESETS[args.hw]
+    g = args.gpus_per_node or hw.gpus_per_node
+    intra, inter = args.hw_intra_gbps or hw.intra_gbps, args.hw_inter_gbps or hw.inter_gbps
+    ranks = groups_of(shape, 0)["ep"]
+    return tuple(tuple(0.0 if a == b else 1 / (intra if a // g == b // g else inter) for b in ranks) for a in ranks)
+
+
 def alpha_beta(op: str, sizes: tuple, seconds: tuple, world: int) -> tuple[float, float]:
     """(α s per ring step, β bytes/s) of t(M) = steps·α + wire(M)/β through the two measured (size, seconds);
     α ≥ 0 and β finite and positive even when noise makes the larger size look no slower."""
@@ -143,6 +172,9 @@ def add_arguments(parser) -> None:
                        ("--hw-intra-latency-us", "latency of one ring step inside a node, µs"),
                        ("--hw-inter-latency-us", "latency of one ring step across nodes, µs")):
         g.add_argument(flag, type=float, help=f"{what} (default: --hw's)")
+    g.add_argument("--moe-local-hit", type=float, help="the share h of the EP dispatch's rows that stay on their rank"
+                   " (measured: bench/bench_coupling.py; default: none, the exchange priced whole on the ep group's"
+                   " slowest link): the rest over the intra- and inter-node links by their ranks' shares")
     calibration.add_arguments(g)
 
 

@@ -20,7 +20,9 @@ The time model (planner/hardware.py states the hardware): per role and step
     each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds, the
     bandwidth times the calibration's link_fraction), plus, for a 4-bit all-reduce's all-gather (--tp-comm-bits 4
     on tp, --dp-comm-bits 4 on dp_cp / expert_dp: parallel/lowbit.py), its calls' encode and decode as memory-bound
-    work, lowbit.codec_bytes of the elements it sums / (HBM · hbm_fraction); then
+    work, lowbit.codec_bytes of the elements it sums / (HBM · hbm_fraction); with --moe-local-hit h, EP's
+    all-to-alls move (1 − h) of their payload, split over the intra- and inter-node links by the ep group's
+    ranks (dispatch_seconds); then
     on the critical path by these rules (Megatron, ZeRO and ring-attention's own overlap claims):
       exposed: TP/SP (every f, g inside a layer waits on it, 4-bit or not), DDP's 4-bit buckets (summed
                synchronously as they fill), EP's and Ulysses' all-to-alls, the update's and
@@ -201,6 +203,8 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
         ranks = _group_ranks(group, role.group_ranks)
         t = hardware.collective_seconds(op, calls, payload, ranks, hw)
         names = _names(group)
+        if op == "all_to_all_single" and "ep" in names and layout.get("local_hit") is not None:  # --moe-local-hit
+            t = hardware.dispatch_seconds(calls, payload, ranks, hw, layout["local_hit"])
 
         def piece(nbytes):  # one call of `op` moving nbytes
             return hardware.collective_seconds(op, 1, nbytes, ranks, hw)
@@ -315,6 +319,7 @@ def layout_facts(settings, device_type: str | None = None, x: memory.ActivationS
                               full or selective and x.kernel == "math")
     return dict(world=settings.world_size, tokens=tokens, m=settings.micro_batches,
                 zero=args.zero, P=shape.pp, dtype=name, cp_impl=args.cp_impl, lowbit=settings.axes.get(lowbit.__name__),
+                local_hit=getattr(args, "moe_local_hit", None),
                 attention_share=attention / flops.hardware, gemms=gemms,
                 memory_bytes=per_token_layer * tokens / (shape.dp * shape.cp) * config.n_layer / shape.pp)
 

@@ -22,7 +22,7 @@ import torch
 
 from accounting import fp8_experts, measure, memory, moe_costs, moe_memory, observers
 import context_parallel
-from experts import dispatch, router
+from experts import coupling, dispatch, router
 import mfu
 from parallel import lowbit, schedules
 import report.pipeline
@@ -272,6 +272,7 @@ def moe_step_lines(axis, run=None, steps: int = 0) -> list:
     take_load: observers.RoutedLoad)."""
     traffic = axis.facts().traffic
     load = axis.observer.take_load(traffic.micro_batches)
+    axis.observer.take_coupling()  # the co-selection window restarts with each line: the end prints the last one
     if load is None:
         return []
     loads, dropped, span = load
@@ -299,6 +300,7 @@ def moe_end_lines(axis, run, steps: int) -> list:
         traced = sum(nbytes for nbytes, place in zip(sent_to, places.of_rank) if place != places.mine)
     lines += [line for line in [moe_costs.off_group_line(traffic, routed.off_group, routed.forwards, steps,
                                                          traced)] if line]
+    lines += coupling_lines(routed.take_coupling(), traffic.model.moe.experts, traffic.model.moe.topk)
     if routed.last_load is None:
         routed.take_load(traffic.micro_batches)  # no load line was printed: read the loads now
     if routed.last_load is not None:
@@ -310,12 +312,43 @@ def moe_end_lines(axis, run, steps: int) -> list:
     return lines
 
 
+def coupling_lines(counts, n: int, k: int) -> list:
+    """experts/coupling.py's statistics of the last window (observers.RoutedLoad.take_coupling): per MoE layer the
+    top 1% of the pairs' share of the tokens, the pairs 42% of the tokens take, the next layer's predictability,
+    and its pair matrix (N ≤ 16); under EP the slots and rows that stayed on this rank."""
+    if counts is None or not counts.sets:
+        return []
+    tokens = sum(next(iter(counts.sets.values())).values())
+    lines = [f"moe co-selection over the last window ({tokens:,} tokens a layer on this rank; experts/coupling.py;"
+             f" Expert Coupling, top-2: 0.8% of the pairs chosen together by 42% of the tokens):"]
+    for layer_id, sets in sorted(counts.sets.items()):
+        take, pairs, share = coupling.top_pair_coverage(sets, n)
+        uniform = f" (uniform routing: {take / pairs:.1%})" if k == 2 else ""
+        line = (f"  h.{layer_id}: the top 1% of the pairs ({take} of {pairs}) chosen by {share:.1%} of the tokens"
+                f"{uniform}; 42% of the tokens take {coupling.pairs_to_cover(sets, n):.1%} of the pairs")
+        nexts = [joint for (here, _), joint in counts.joint.items() if here == layer_id]
+        if nexts:
+            given, alone = coupling.next_layer_predictability(nexts[0])
+            line += f"; the next layer's set is its most frequent given this one's {given:.1%} (given none {alone:.1%})"
+        lines.append(line)
+        if n <= 16:
+            matrix = coupling.pair_matrix(sets, n)
+            lines.append(f"  h.{layer_id} pairs, ‰ of the tokens choosing both: " + "; ".join(
+                " ".join(f"{1000 * x / max(1, tokens):.0f}" if i != j else "-" for j, x in enumerate(row))
+                for i, row in enumerate(matrix)))
+    if counts.rows:
+        lines.append(f"moe local hits (EP, this rank, the last window): {counts.own_slots / max(1, counts.kept):.1%} of"
+                     f" its kept slots ran on its own experts, {counts.own_rows / counts.rows:.1%} of its dispatch rows"
+                     f" went to itself ({counts.rows:,} rows for {counts.kept:,} slots)")
+    return lines
+
+
 def eplb_end_lines(axis, run, steps: int) -> list:
     """experts/eplb.py's placement now, and the rows per EP rank it measured against the experts in place."""
     plan = axis.facts()
     if plan is None:  # a pipeline stage without MoE layers
         return []
-    return [f"moe replicas R={plan.slots}, {plan.replans} re-plans: h.{plan.layer_id} phy2log"
+    return [f"moe replicas R={plan.slots} placed by {plan.policy}, {plan.replans} re-plans: h.{plan.layer_id} phy2log"
             f" {list(plan.phy2log)}; rows per EP rank max/mean {plan.balance:.3f} under"
             f" {list(plan.measured_under)}, experts in place {plan.in_place:.3f} (the window before the"
             f" last re-plan, all MoE layers)"]

@@ -25,6 +25,7 @@ BENCH = os.path.join(ROOT, "bench")
 SMOKE_PRINTS = {
     "bench_activations": "ratio",
     "bench_context_parallel": "C=2",
+    "bench_coupling": "loss curve coselect vs in place",
     "bench_calibration": "rows within ±15%",
     "bench_ddp": "ratio",
     "bench_diloco": "DiLoCo R=2, H=2",

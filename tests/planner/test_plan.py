@@ -436,6 +436,10 @@ def test_korthikanti_per_layer_activations():
     (["--plan-search", "--world", "8", "--preset", "tiny", "--dp-comm-bits", "4"],
      "error: --dp-comm-bits 4 with --plan-search: the search does not price the 4-bit all-reduce"),
     (["--plan", "--world", "12", "--preset", "tiny"], "error: --world 12 does not fill whole nodes of 8 GPUs"),
+    (["--plan", "--world", "8", "--preset", "tiny", "--moe-experts", "8", "--ep", "8", "--moe-local-hit", "1.5"],
+     "error: --moe-local-hit must be in [0, 1), got 1.5"),
+    (["--plan", "--world", "8", "--preset", "tiny", "--moe-experts", "8", "--moe-local-hit", "0.5"],
+     "error: --moe-local-hit needs --ep > 1 and --plan or --plan-search"),
     (["--plan-search", "--world", "12", "--gpus-per-node", "5", "--preset", "tiny"],
      "error: --world 12 does not fill whole nodes of 5 GPUs"),
     *(([f"--plan{search}", "--world", "8", flag, value, "--preset", "tiny"], f"error: {flag} must be {must}")
@@ -453,6 +457,33 @@ def test_bad_plan_input_ends_in_one_line(argv, expected, capsys):
         plan.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(expected), err
+
+
+def test_the_local_hit_rate_prices_the_ep_exchange_over_both_links(capsys):
+    """hardware.dispatch_seconds: at h = 1/E inside one node, the all-to-all's own α-β time; over 2 nodes of 8 (E = 16)
+    at h: (1 − h) of the payload to the 15 others, 7 of them over the intra-node link, 8 over the inter-node one,
+    both at once. --plan with experts over 2 nodes (E = 16) and --moe-local-hit prints the exchange at h and at the
+    uniform 1/E, and a higher h predicts more tokens a second (the tiny preset's step rounds to the same ms)."""
+    import plan
+    from planner import hardware
+
+    hw = hardware.PRESETS["h100"]
+    f = hw.calibration.link_fraction
+    one_node = list(range(8))
+    assert hardware.dispatch_seconds(3, 8e6, one_node, hw, 1 / 8) == pytest.approx(
+        hardware.collective_seconds("all_to_all_single", 3, 8e6, one_node, hw), rel=1e-12)
+    moved = 16e6 * (1 - 0.5) / 15 / f
+    assert hardware.dispatch_seconds(2, 16e6, list(range(16)), hw, 0.5) == pytest.approx(
+        2 * 15 * hw.inter_latency_us * 1e-6 + max(7 * moved / (hw.intra_gbps * 1e9), 8 * moved / (hw.inter_gbps * 1e9)))
+    argv = ["--world", "16", "--preset", "tiny", "--moe-experts", "16", "--ep", "16", "--global-batch", "1024"]
+    rates = []
+    for h in ("0.0625", "0.59"):
+        plan.main([*argv, "--moe-local-hit", h])
+        out = capsys.readouterr().out
+        line = next(line for line in out.splitlines() if "EP dispatch" in line)
+        assert f"local-hit {float(h):.1%} (--moe-local-hit)" in line and "uniform 1/E = 6.2%" in line, line
+        rates.append(int(out.split("predicted: step ")[1].split(" tok/s")[0].split(", ")[-1].replace(",", "")))
+    assert rates[1] > rates[0]
 
 
 def test_train_py_plan_runs_plan_py_with_the_same_flags(monkeypatch):
