@@ -247,6 +247,7 @@ class DDPFacts:
     bucket_bytes: tuple  # each bucket's bytes, in launch order (the last one is sent after backward)
     group_sizes: dict  # {data-parallel group name: its ranks N}
     dp_size: int  # the ranks of the dense parameters' group (dp×cp)
+    muon: object = None  # Muon's figures (optimizers/muon.py's MuonFacts), or None
 
 
 class DDPLayout:
@@ -350,7 +351,8 @@ class DDPLayout:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict | None = None) -> list:
+def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict | None = None,
+                            other_state: dict | None = None) -> list:
     """StatePieces of a layout where data-parallel ranks hold the same parameters and torch AdamW state (DDP).
 
     The parameters are the fp32 master weights here, so there are no `master/` pieces. Each logical piece is
@@ -358,7 +360,9 @@ def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict |
     LayerNorm on TP rank 0, the tied embedding on the first pipeline stage), and of the identical replicas in
     a parameter's data-parallel group (`coords[grad_group]` is this rank's index in it, `group_sizes` its
     size), by one member chosen so that each writes about 1/D of the bytes (greedy: the largest tensors
-    first, each to the least-loaded member; the same on every rank as it only reads shapes).
+    first, each to the least-loaded member; the same on every rank as it only reads shapes). other_state:
+    {parameter: [(kind, tensor)]} of the parameters another optimizer steps (Muon's momentum,
+    optimizers/muon.py), listed instead of AdamW's moments.
     """
     ensure_adam_state(optimizer)
     params = [p for p in params if p.requires_grad]
@@ -373,9 +377,8 @@ def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict |
     for index, p in enumerate(params):
         info = p.shard_info
         primary = writer[index] == coords.get(info.grad_group, 0) and counts_here(info, coords)
-        state = optimizer.state[p]
-        for kind, tensor in (("param", p.detach()), ("exp_avg", state["exp_avg"]),
-                             ("exp_avg_sq", state["exp_avg_sq"])):
+        state = (other_state or {}).get(p) or [(kind, optimizer.state[p][kind]) for kind in ("exp_avg", "exp_avg_sq")]
+        for kind, tensor in (("param", p.detach()), *state):
             pieces.append(StatePiece(f"{kind}/{info.global_name}", tensor, info, primary=primary))
     return pieces
 
