@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 import torch
@@ -52,6 +52,8 @@ from ddp import DDPLayout, DistributedDataParallel
 from mesh import Mesh, build_mesh, init_distributed
 from model import GPT, GPTConfig, compile_blocks
 from optim import DynamicLossScaler, LRSchedule, build_adamw
+from optimizers.muon import MuonDDPLayout
+from optimizers.zero_muon import ZeroMuon
 from parallel.zero3 import Zero3Layout
 from parallel.zero_pipeline import pipeline_layout
 from report.run import print0
@@ -150,13 +152,16 @@ def build_layout(model: GPT, run: Run, materialize: bool = True):
 
 
 def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materialize: bool):
-    """DDP or ZeRO 1/2/3 over `groups`; the update's norm over the world, or over one DiLoCo replica."""
+    """DDP or ZeRO 1/2/3 over `groups`; the update's norm over the world, or over one DiLoCo replica. With
+    --optimizer muon the blocks' matrices take Muon (optimizers/), its Newton-Schulz in the compute dtype."""
     args = run.settings.args
     update_group = run.mesh.group("replica") if run.settings.diloco else None
+    muon = replace(run.settings.muon, ns_dtype=run.compute_dtype) if run.settings.muon else None
     if args.zero:  # shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
         config = ZeroConfig(args.zero, lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2),
                             param_dtype=run.param_dtype, master_dtype=run.master_dtype, bucket_mb=args.bucket_mb,
-                            micro_batches=run.micro_batches)  # m > 1: gradients summed in master_dtype
+                            micro_batches=run.micro_batches,  # m > 1: gradients summed in master_dtype
+                            matrices=ZeroMuon(muon, run.mesh.group("tp")) if muon else None)
         device = run.device if materialize else None  # stage 3 fills its shards of a meta model on it
         pp_config = run.settings.axes.get("pipeline")
         if args.zero >= 2 and pp_config is not None:  # units per chunk, gathers and reductions by the schedule
@@ -166,6 +171,9 @@ def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materi
             return ZeroLayout(model, config, groups, coords, update_group)
         return Zero3Layout(model, config, groups, coords, device)  # FP8 weights carry their codec (fp8.convert)
     ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb)
+    if muon:
+        adamw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2))
+        return MuonDDPLayout(ddp, muon, adamw, coords, update_group, run.mesh.group("tp"))
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
     return DDPLayout(ddp, optimizer, coords, update_group)
 

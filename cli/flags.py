@@ -35,6 +35,8 @@ from resilience import diloco, elastic
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
 from model import PRESETS, GPTConfig, config_from_preset
 from resilience.ckpt_files import CheckpointError, WriterLock
+from optimizers import muon
+from optimizers.muon import MuonConfig
 from resilience.diloco import DiLoCoConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,6 +76,7 @@ class Settings:
     dtype_reason: str = "--dtype"  # why: what was asked, or what auto found
     ckpt_lock: WriterLock | None = None  # rank 0's hold on --ckpt-dir for the run (claim_checkpoint_directory)
     diloco: DiLoCoConfig | None = None  # --diloco-h: the replicas' outer step (resilience/diloco.py)
+    muon: MuonConfig | None = None  # --optimizer muon: Muon on the blocks' matrices (optimizers/muon.py)
 
     @property
     def world_size(self) -> int:
@@ -159,6 +162,7 @@ def _add_optimization_flags(parser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (GPU speed): per block, gradient hooks still fire block"
                         " by block in backward, so DDP/ZeRO communication keeps overlapping it")
+    muon.add_arguments(g)  # --optimizer adamw|muon, --muon-lr, --muon-momentum, --muon-owner
 
 
 def _add_parallelism_flags(parser) -> None:
@@ -318,6 +322,7 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
         calibration.check_flags(args)  # each --calib-* constant in its range
         elastic.check_flags(args, world_size)  # every world of the range, before this one's shape names a flag
         diloco_config = diloco.config_from_flags(args)  # H ≥ 1, the outer lr and momentum; R checked by the mesh
+        muon_config = muon.config_from_flags(args)  # its ranges, and the layouts and recipes Muon cannot serve
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                                  replicas=diloco_config.replicas if diloco_config else None)
         recompute.check_flags(args, shape)
@@ -334,7 +339,7 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
     _set_vocabulary(args, config)
     settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
                         seq_len=args.seq_len or config.block_size, micro_batch_size=micro,
-                        micro_batches=args.global_batch // (shape.dp * micro), diloco=diloco_config)
+                        micro_batches=args.global_batch // (shape.dp * micro), diloco=diloco_config, muon=muon_config)
     return replace(settings, axes=_axis_configs(args, settings, axes))
 
 
