@@ -49,6 +49,7 @@ import mfu
 from parallel import schedules, zero_pipeline
 from planner import hardware
 import planner.search
+import report.muon
 import train
 import zero
 from cli.flags import FlagError, fail
@@ -227,6 +228,7 @@ def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware) -> lis
     for what, nbytes in role.temporaries.items():
         lines.append(f"  temporary: {what}: {fmt(nbytes)}")
     lines += [f"  {note.strip()}" for note in role.notes]  # DiLoCo's outer state and Δ all-reduce
+    lines += [f"  {line.strip()}" for line in report.muon.startup_lines(role.muon)]  # --optimizer muon
     fits = "fits" if role.peak <= hw.memory_gib * 2**30 else "DOES NOT FIT"
     lines.append(f"  peak ≈ {fmt(role.peak)} of {hw.memory_gib:.1f} GiB: {fits}")
     lines.append(f"  FLOPs/token: model {role.flops.model:,.0f}, hardware {role.flops.hardware:,.0f}; bubble"

@@ -40,6 +40,7 @@ from parallel import recompute
 import pipeline
 from planner import cpu_probe, time_model
 import precision.recipe
+import report.muon
 import report.run
 from resilience import ckpt_files, elastic, goodput
 import shard
@@ -256,6 +257,7 @@ def start_training(settings: Settings, tracer: CommTracer, clock: goodput.Clock)
         init_from(run, args.init_from)
     run.peak = shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
     run.peak = format_flops.run_peak(run, run.peak)  # a precision recipe: the format-weighted peak P_w
+    run.flops = report.muon.with_newton_schulz(run)  # --optimizer muon: the hardware does NS too (one all_reduce)
     for name, group in run.mesh.groups.items():
         tracer.name_group(group, name)
     report.run.print_startup(run)

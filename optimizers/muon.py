@@ -216,10 +216,10 @@ class MuonDDPLayout(DDPLayout):
         return replace(super().facts(), muon=self.muon_facts())
 
     def muon_facts(self) -> MuonFacts:
-        flops = sum(newton_schulz_flops(p.shard_info.global_shape, self.config.ns_steps) for p in self.matrices)
-        momentum = sum(b.nbytes for b in self.momenta)
-        held = self.predicted_persistent()["total"]
-        return MuonFacts("ddp", len(self.matrices), flops, flops, momentum, (held,), (flops,), self.config)
+        gemms = tuple(ns_gemm(p.shard_info.global_shape, self.config.ns_steps) for p in self.matrices)
+        return MuonFacts("ddp", len(self.matrices), sum(f for f, _ in gemms), sum(b.nbytes for b in self.momenta),
+                         (self.predicted_persistent()["total"],), (gemms,), 0,
+                         tp_messages(self.matrices, self.tp_group, self.config), self.config)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -229,22 +229,37 @@ class MuonDDPLayout(DDPLayout):
 
 @dataclass(frozen=True)
 class MuonFacts:
-    """What the accounting reads of a Muon layout (`muon_facts()`): report/muon.py, planner/time_model.py."""
+    """What the accounting reads of a Muon layout (its facts().muon): report/muon.py, planner/time_model.py."""
 
     way: str  # "ddp" | "gather" | "owner"
     matrices: int  # the matrices of this rank's stage (its TP pieces count once each)
-    ns_flops: float  # NS FLOPs this rank runs per step
     ns_flops_stage: float  # NS FLOPs of every matrix of the stage once (the work if each were computed once)
     momentum_bytes: float  # Muon's state this rank holds
     held_by_rank: tuple  # the persistent bytes each rank of the data-parallel group holds (owner: uneven)
-    ns_flops_by_rank: tuple  # the NS FLOPs each rank of the data-parallel group runs per step
+    ns_gemms_by_rank: tuple  # per rank of that group: ((NS FLOPs per step, smallest dim) of each matrix it runs)
+    rank: int  # this rank's index in the data-parallel group (DDP: 0, every rank alike)
+    messages: Messages  # the update's own messages per step (exposed: the update waits on them)
     config: MuonConfig
+
+    @property
+    def ns_flops_by_rank(self) -> tuple:
+        return tuple(sum(flops for flops, _ in gemms) for gemms in self.ns_gemms_by_rank)
+
+    @property
+    def ns_flops(self) -> float:
+        """NS FLOPs this rank runs per step."""
+        return self.ns_flops_by_rank[self.rank]
 
 
 def newton_schulz_flops(shape: tuple, steps: int = 5) -> float:
     """NS's matmul FLOPs on an m×n matrix, per iteration: X·Xᵀ 2m'²n', c·A·A + b·A 2m'³, (…)·X 2m'²n'."""
     small, large = sorted(shape[:2])
     return steps * (4 * small * small * large + 2 * small ** 3)
+
+
+def ns_gemm(shape: tuple, steps: int = 5) -> tuple:
+    """(NS FLOPs, the smallest dimension) of a logical matrix: the time model prices the GEMMs by that dimension."""
+    return newton_schulz_flops(shape, steps), min(shape[:2])
 
 
 def tp_messages(matrices: list, tp_group, config: MuonConfig) -> Messages:

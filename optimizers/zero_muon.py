@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from ddp import grad_group
 from optimizers.muon import (MuonConfig, MuonFacts, apply_update, is_matrix, nesterov_input, newton_schulz_flops,
-                             orthogonalized)
+                             ns_gemm, orthogonalized)
 from step import Messages
 from zero import Unit
 
@@ -226,17 +226,15 @@ class ZeroMuon:
         return out
 
     def facts(self, layout) -> MuonFacts:
-        """This rank's NS FLOPs and Muon state, and every rank of the data-parallel group's (their max/mean is the
-        owner imbalance; gather: the slices' boundaries' redundancy)."""
-        units = self._matrix_units(layout)
+        """This rank's NS work and Muon state, and every rank's of the data-parallel group (owner: their max/mean
+        is the imbalance; gather: what the slices' boundaries repeat)."""
+        units, steps = self._matrix_units(layout), self.config.ns_steps
         D = max([u.dp_size for u in units], default=1)
-        flops = [sum(newton_schulz_flops(p.shard_info.global_shape, self.config.ns_steps)
-                     for u in units for p in self._touched(u, rank)) for rank in range(D)]
-        held = [sum(self._bytes_of(layout, u, rank)["total"] - self._bytes_of(layout, u, u.dp_rank)["total"]
-                    for u in units) + layout.predicted_persistent()["total"] for rank in range(D)]
-        stage_flops = sum(newton_schulz_flops(p.shard_info.global_shape, self.config.ns_steps)
-                          for u in units for p in u.params)
-        momentum = sum(u.momentum.nbytes for u in units)
-        rank = units[0].dp_rank if units else 0
-        return MuonFacts(self.way, sum(len(u.params) for u in units), flops[rank], stage_flops, momentum,
-                         tuple(held), tuple(flops), self.config)
+        gemms = tuple(tuple(ns_gemm(p.shard_info.global_shape, steps) for u in units for p in self._touched(u, rank))
+                      for rank in range(D))
+        held = tuple(sum(self._bytes_of(layout, u, rank)["total"] - self._bytes_of(layout, u, u.dp_rank)["total"]
+                         for u in units) + layout.predicted_persistent()["total"] for rank in range(D))
+        stage_flops = sum(newton_schulz_flops(p.shard_info.global_shape, steps) for u in units for p in u.params)
+        return MuonFacts(self.way, sum(len(u.params) for u in units), stage_flops,
+                         sum(u.momentum.nbytes for u in units), held, gemms, units[0].dp_rank if units else 0,
+                         self.messages(layout), self.config)

@@ -24,6 +24,7 @@ from accounting import fp8_experts, measure, memory, moe_costs, moe_memory, obse
 import context_parallel
 from experts import dispatch, router
 import mfu
+import report.muon
 import report.pipeline
 import report.precision
 import tensor_parallel
@@ -43,11 +44,12 @@ def axis_lines(axis, when: str, run, steps: int = 0) -> list:
 
 
 def layout_lines(run, when: str, steps: int = 0) -> list:
-    """The layout's lines at `when`: its section's formatters (AXIS_LINES[layout.name]: DDP's, ZeRO's), then a
-    wrapping layout's own (AXIS_LINES[layout.wrapper]: DiLoCo's)."""
+    """The layout's lines at `when`: its section's formatters (AXIS_LINES[layout.name]: DDP's, ZeRO's), Muon's when it
+    steps the matrices (report/muon.py), then a wrapping layout's own (AXIS_LINES[layout.wrapper]: DiLoCo's)."""
     wrapper = AXIS_LINES.get(getattr(run.layout, "wrapper", None), {}).get(when)
     inner = getattr(run.layout, "inner", run.layout)  # the wrapped layout's section reads its own figures
-    return axis_lines(inner, when, run, steps) + (wrapper(run.layout, run, steps) if wrapper else [])
+    muon = report.muon.startup_lines(inner.facts().muon) if when == "startup" else []
+    return axis_lines(inner, when, run, steps) + muon + (wrapper(run.layout, run, steps) if wrapper else [])
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}

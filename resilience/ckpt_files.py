@@ -38,7 +38,8 @@ FORMAT_VERSION = 2  # 2: a piece records a list of splits (1: one split as four 
 MANIFEST, MARKER = "manifest.json", "COMMITTED"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq", "momentum", "fp8", "precision", "moe", "diloco", "goodput")
-# momentum: Muon's buffer of a matrix (optimizers/muon.py). An axis's own state: fp8.py's scaling, precision/recipe.py's step (what its stochastic rounding is keyed by),
+# momentum: Muon's buffer of a matrix (optimizers/muon.py). An axis's own state: fp8.py's scaling,
+# precision/recipe.py's step (what its stochastic rounding is keyed by),
 # experts/router.py's bias, resilience/diloco.py's outer state and the inner state of its replicas r ≥ 1,
 # resilience/goodput.py's ledger (the job's seconds by cause: accounting, not training state)
 FAULT_ENV = "CKPT_FAULT_PERSIST_SLEEP"  # "STEP:SECONDS": fault-injection tests sleep inside that step's persist

@@ -4,8 +4,9 @@
 and ranks hold different numbers of target tokens), and `reference_run(...)` trains the plain model.py GPT on
 them with torch's own AdamW and `clip_grad_norm_`: nothing in it comes from the code under test except the
 model and the AdamW parameter grouping. With `muon_lr` the blocks' 2-D weights take torch.optim.Muon instead,
-its Newton-Schulz in `ns_dtype` (`muon_newton_schulz`: torch's iteration with bf16 replaced by that dtype). Both run in the pytest process, on the CPU: a rank body moves the
-batches to harness.device() (or leaves that to step.train_step), so the reference is the same under every backend.
+its Newton-Schulz in `ns_dtype` (`muon_newton_schulz`: torch's iteration with bf16 replaced by that dtype).
+Both run in the pytest process, on the CPU: a rank body moves the batches to harness.device() (or leaves that
+to step.train_step), so the reference is the same under every backend.
 """
 
 from contextlib import contextmanager
@@ -139,7 +140,7 @@ def adamw_and_muon(model, muon_lr: float | None = None) -> tuple:
 @contextmanager
 def muon_newton_schulz(dtype):
     """torch.optim.Muon with its Newton-Schulz run in `dtype` (torch's own when bf16): the iteration of
-    torch.optim._muon._zeropower_via_newtonschulz, with `grad.bfloat16()` replaced by a cast to `dtype`."""
+    torch.optim._muon._zeropower_via_newtonschulz, with its cast of the input to bf16 replaced by one to `dtype`."""
     original = torch.optim._muon._zeropower_via_newtonschulz
 
     def in_dtype(grad, ns_coefficients, ns_steps, eps):

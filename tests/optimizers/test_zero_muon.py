@@ -29,14 +29,17 @@ OWNER = ["--muon-owner"]
 def _case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_root=None, resume_root=None):
     import torch.distributed as dist
 
+    import report.muon
     import report.run
 
     run = composed_run(rank, world, [*MUON_FLAGS, *flags], config_kw, global_batch, micro, harness.device())
     losses, traced = harness.traced_steps(run, STEPS, global_batch, SEQ, micro, CLIP, stop, save_root, resume_root)
     infos = {p.shard_info.global_name: p.shard_info for p in run.model.parameters()}
-    held = run.layout.full_parameters()  # the working weights, stage 3's gathered back (a collective)
+    held = (run.layout.full_parameters() if hasattr(run.layout, "full_parameters")  # ZeRO (stage 3: gathered)
+            else {p.shard_info.global_name: p.detach().clone() for p in run.model.parameters()})
     predicted = report.run.predicted_messages(run, len(losses))
-    return dict(losses=losses, params={name: (held[name], infos[name]) for name in held}, traced=traced,
+    flops = (run.flops.hardware, report.muon.with_newton_schulz(run).hardware, run.tokens_per_step)
+    return dict(lines=report.muon.startup_lines(run.layout.facts().muon), flops=flops, losses=losses, params={name: (held[name], infos[name]) for name in held}, traced=traced,
                 predicted={key: tuple(count) for key, count in predicted.items()}, held=run.layout.held_bytes(),
                 persistent=run.layout.predicted_persistent(), facts=run.layout.facts().muon,
                 dp_rank=dist.get_rank(run.mesh.group("dp_cp")))
@@ -94,6 +97,28 @@ def test_the_owner_holds_whole_matrices_and_says_its_imbalance(quick_runs):
         assert [f.ns_flops for f in facts] == list(facts[0].ns_flops_by_rank)
     gather = quick_runs[0][0]["facts"]
     assert sum(gather.ns_flops_by_rank) >= gather.ns_flops_stage
+
+
+def test_the_startup_lines_say_the_way_the_imbalance_and_the_update_messages(quick_runs):
+    """report/muon.py's lines: the way, NS FLOPs by rank, the persistent bytes' max/mean (owner: uneven, printed
+    to 3 places from the same figures every rank has), and the gather way's U all-gather as the update's own."""
+    from optimizers.muon import imbalance
+
+    gather, owner = (quick_runs[0][i]["lines"] for i in (0, 1))
+    assert "ZeRO, gather" in gather[1] and "ZeRO, owner-shaped" in owner[1]
+    held = quick_runs[0][1]["facts"].held_by_rank
+    assert any(f"owner imbalance max/mean {imbalance(held):.3f}" in line for line in owner)
+    assert any("the update's own all_gather_single dp_cp" in line for line in gather)
+    assert not any("the update's own" in line for line in owner)  # one rank per TP group: nothing of its own
+
+
+def test_the_hardware_flops_add_the_worlds_newton_schulz(quick_runs):
+    """HFU's FLOPs per token gain every rank's NS FLOPs of a step over the step's tokens; MFU's are untouched."""
+    for index in (0, 1):
+        world_ns = sum(r[index]["facts"].ns_flops for r in quick_runs)
+        for r in quick_runs:
+            before, after, tokens = r[index]["flops"]
+            assert after - before == pytest.approx(world_ns / tokens, rel=1e-12) and world_ns > 0
 
 
 def test_assign_owners_balances_newton_schulz_cost_then_bytes():
