@@ -20,6 +20,8 @@ dim ≥ 2 (kept as [start, end) segments of the shard), then m ← β1·m + (1-�
 p ← p - lr/(1-β1^t) · m / (√v/√(1-β2^t) + ε). The rest follows DESIGN.md's order, through optim.update: reduce →
 unscale → all ranks finite? → global norm = √(Σ_world Σ_shard g²) (the padding is zero; a tensor replicated over a model
 axis, such as TP's LayerNorms, counts on coordinate 0 of that axis: shard.counts_here) → clip → all step or all skip.
+A matrix optimizer (`ZeroConfig.matrices`: Muon, optimizers/zero_muon.py) puts the blocks' 2-D weights in units of
+its own and steps them in that order; their bytes and messages are its docstring's, added to the formulas below.
 
 Mixed precision. Working parameters and each backward's gradients are `param_dtype` (bf16 under --dtype bf16:
 b_w = 2), the optimizer keeps `master_dtype` master weights and moments (fp32: b_o = 4 + 4 + 4 = 12): at m = 1

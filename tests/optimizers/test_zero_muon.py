@@ -39,7 +39,8 @@ def _case(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_r
             else {p.shard_info.global_name: p.detach().clone() for p in run.model.parameters()})
     predicted = report.run.predicted_messages(run, len(losses))
     flops = (run.flops.hardware, report.muon.with_newton_schulz(run).hardware, run.tokens_per_step)
-    return dict(lines=report.muon.startup_lines(run.layout.facts().muon), flops=flops, losses=losses, params={name: (held[name], infos[name]) for name in held}, traced=traced,
+    return dict(lines=report.muon.startup_lines(run.layout.facts().muon), flops=flops, losses=losses,
+                params={name: (held[name], infos[name]) for name in held}, traced=traced,
                 predicted={key: tuple(count) for key, count in predicted.items()}, held=run.layout.held_bytes(),
                 persistent=run.layout.predicted_persistent(), facts=run.layout.facts().muon,
                 dp_rank=dist.get_rank(run.mesh.group("dp_cp")))
