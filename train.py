@@ -154,10 +154,12 @@ def build_layout(model: GPT, run: Run, materialize: bool = True):
 
 def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materialize: bool):
     """DDP or ZeRO 1/2/3 over `groups`; the update's norm over the world, or over one DiLoCo replica. With
-    --optimizer muon the blocks' matrices take Muon (optimizers/), its Newton-Schulz in the compute dtype."""
+    --optimizer muon the blocks' matrices take Muon (optimizers/), its Newton-Schulz in the compute dtype (fp32
+    under fp16, whose range NS's polynomial does not need but whose 11-bit precision it would lose)."""
     args = run.settings.args
     update_group = run.mesh.group("replica") if run.settings.diloco else None
-    muon = replace(run.settings.muon, ns_dtype=run.compute_dtype) if run.settings.muon else None
+    ns_dtype = torch.float32 if run.compute_dtype == torch.float16 else run.compute_dtype
+    muon = replace(run.settings.muon, ns_dtype=ns_dtype) if run.settings.muon else None
     if args.zero:  # shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
         config = ZeroConfig(args.zero, lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2),
                             param_dtype=run.param_dtype, master_dtype=run.master_dtype, bucket_mb=args.bucket_mb,

@@ -15,8 +15,8 @@ embeddings, the (tied) head, the LayerNorms and the biases. Muon's lr is `--muon
 the one schedule (Muon's scaled by --muon-lr / --lr), and both decay by --weight-decay.
 
 NS runs in `MuonConfig.ns_dtype`: torch casts to bf16 always; here a run's compute dtype (bf16 under --dtype
-bf16; fp32 under fp32, more exact than torch; float64 in the equivalence tests), and bf16 when asked, which is
-torch.optim.Muon bit for bit (tests/optimizers/test_muon.py, 1e-12). A TP-split matrix is orthogonalised whole:
+bf16; fp32 under fp32 and fp16, more exact than torch; float64 in the equivalence tests), and bf16 when asked,
+which is torch.optim.Muon bit for bit (tests/optimizers/test_muon.py, 1e-12). A TP-split matrix is orthogonalised whole:
 its pieces are all-gathered over the TP group (one call for all of a step's matrices, in ns_dtype, the cast NS
 makes first anyway), assembled as the logical matrix by their records (`shard.ShardInfo.place_into`), and every
 TP rank runs NS on it and keeps its own piece (`orthogonalized`): as Moonlight's distributed Muon, exact, T×
@@ -319,6 +319,8 @@ def config_from_flags(args) -> MuonConfig | None:
         raise ValueError(f"--muon-momentum must be in [0, 1), got {args.muon_momentum}")
     if args.muon_owner and not args.zero:
         raise ValueError("--muon-owner needs --zero 1, 2 or 3: under DDP every rank holds every matrix already")
+    if args.plan_search:
+        raise ValueError("--optimizer muon with --plan-search: the search's formulas are AdamW's; --plan each layout")
     refused = (("--moe-experts", args.moe_experts, "the experts' matrices are not assigned to Muon's updates"),
                ("--fp8", args.fp8, "ZeRO-3 gathers FP8 weights as codes, which Muon's units do not carry"),
                ("--precision-recipe", args.precision_recipe, "its NVFP4 weights travel as codes under ZeRO-3"),

@@ -40,6 +40,9 @@ def startup_lines(facts) -> list:
              f" {mfu.format_flops(facts.ns_flops_stage)}"
              + (f"; over the {len(flops)} ranks of the data-parallel group {mfu.format_flops(sum(flops))}"
                 f" (max/mean {imbalance(flops):.2f})" if len(flops) > 1 else "")]
+    if facts.way != "ddp":
+        lines.append("  (the ZeRO lines' formula column counts AdamW's b_o on every parameter; its Ψ'_g and held"
+                     " columns count Muon's units as they are: master + momentum)")
     if len(held) > 1:
         lines.append(f"  persistent bytes per data-parallel rank: max {f(max(held))}, mean {f(sum(held) / len(held))},"
                      f" min {f(min(held))}: {facts.way} imbalance max/mean {imbalance(held):.3f}")

@@ -212,6 +212,7 @@ BAD_INPUTS = [  # (flags, world size, what the one line must say); FILE, DIR: a 
     (["--optimizer", "muon", "--precision-recipe", "mxfp8"], 1, "--optimizer muon with --precision-recipe: not served"),
     (["--optimizer", "muon", "--diloco-h", "2", "--steps", "4", "--global-batch", "4"], 2,
      "--optimizer muon with --diloco-h: not served"),
+    (["--optimizer", "muon", "--plan-search", "--world", "8"], 1, "--optimizer muon with --plan-search"),
 ]
 
 
