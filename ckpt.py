@@ -8,7 +8,7 @@ A checkpoint is one directory per step:
         manifest.json       what every file holds, the mesh, the step, a SHA-256 per file, every rank's scalars
         COMMITTED           written last: {"step", "manifest_sha256"}; without it the directory does not count
 
-The manifest maps each LOGICAL tensor ("<kind>/<global name>", kind ∈ param | master | exp_avg | exp_avg_sq | fp8 |
+The manifest maps each LOGICAL tensor ("<kind>/<global name>", kind ∈ param | master | exp_avg | exp_avg_sq | momentum | fp8 |
 moe) to its global shape, dtype, and the pieces that hold it: per piece the file, the entry in it, the splits (dim,
 num, index, fused segments: tensor and expert parallel) and the ZeRO flat range [start, end) of the flattened split.
 That is `shard.StatePiece`, the unit every layout (and an axis, for its own state) lists its state in, so a new axis
@@ -32,11 +32,11 @@ at close.
 
 Resume: plan → read → reshard, all or nothing. Candidates are the `step-*` directories, newest first (or the step
 asked for). Each is verified (marker, manifest checksum, format, file names, sizes, SHA-256 hashed round-robin across
-ranks), planned against the live state before a byte of tensor data is read (`plan_load`: each logical tensor the
-model needs is there, with its global shape, a dtype of the same family, pieces that cover what this rank needs
-without overlapping), read into host memory and resliced (`StagedLoad`: each logical tensor assembled from only the
-stored pieces that overlap what this rank needs; the files are memory-mapped), and its scalars tried on copies of the
-sampler and loss scaler. Only when every rank has succeeded (the verdicts are all-gathered) is anything copied into
+ranks), planned against the live state before a byte of tensor data is read (`ckpt_files.plan_load`: each logical
+tensor the model needs is there, with its global shape, a dtype of the same family, pieces that cover what this rank
+needs without overlapping), read into host memory and resliced (`StagedLoad`: each logical tensor assembled from only
+the stored pieces that overlap what this rank needs; the files are memory-mapped), and its scalars tried on copies of
+the sampler and loss scaler. Only when every rank has succeeded (the verdicts are all-gathered) is anything copied into
 the live state: a damaged or unfit checkpoint is one more bad candidate (`latest` reports it and tries the next older
 one; a step asked for is refused in one line naming it, the reason and what to do), and no parameter is left
 half-overwritten. `param/X` is filled from `master/X` when the checkpoint has it (what the 16-bit parameter was
@@ -75,12 +75,13 @@ import torch
 import torch.distributed as dist
 
 from mesh import MeshShape
-from resilience.ckpt_files import (FORMAT_VERSION, KINDS, MANIFEST, MARKER, CheckpointError, HashingWriter, ShardFiles,
-                                   WriterLock, capture_rng_state, check_coverage, delete_checkpoint, dtype_named,
-                                   extract, fsync_path, gist, injected_fault, list_checkpoints, mark, piece_numel,
-                                   piece_record, place, prune, region, remove_leftovers, reseed_rng, restore_rng_state,
-                                   set_aside_newer_than, shard_from_record, step_dir_name, verify_checkpoint,
-                                   wait_for_rank_records, write_durably)
+from resilience.ckpt_files import (CheckpointError, FORMAT_VERSION, HashingWriter, KINDS, LoadPlan, MANIFEST, MARKER,
+                                   ShardFiles, WriterLock, capture_rng_state, check_coverage, delete_checkpoint,
+                                   dropped_state, dtype_named, extract, fsync_path, gist, injected_fault,
+                                   list_checkpoints, piece_numel, piece_record, place, plan_load, prune,
+                                   remove_leftovers, reseed_rng, restore_rng_state, set_aside_newer_than,
+                                   shard_from_record, step_dir_name, verify_checkpoint, wait_for_rank_records,
+                                   write_durably)
 from shard import ShardInfo, StatePiece
 
 
@@ -95,6 +96,7 @@ class CheckpointConfig:
     lock: WriterLock | None = None  # that lock, already taken by this process (train.py: with the flags); rank 0's
     commit_timeout_s: float = 600.0  # how long rank 0's commit waits for every rank's record
     run_record: dict = field(default_factory=dict)  # flags that shape the trajectory: saved, compared on resume
+    drop_state: bool = False  # --drop-state: a resume may leave state of the checkpoint unread (`dropped_state`)
 
     def __post_init__(self):
         if self.keep < 2:
@@ -142,6 +144,7 @@ class Checkpointer:
         self._host: dict[str, torch.Tensor] = {}  # snapshot buffers, reused (pinned on CUDA)
         self._clock = (time.perf_counter(), None)  # (time, step) of the last save or the resume
         self.history: list[SaveStats] = []
+        self.resumed_run: dict = {}  # the run record of the checkpoint `resume` loaded (its flags, its --steps)
 
     # -- save: snapshot → persist → commit ---------------------------------------------------------------
 
@@ -404,11 +407,14 @@ class Checkpointer:
             restore_rng_state(chosen.rng, scalars["rng"], self.device)
         else:  # another mesh: old streams mean nothing here; fresh deterministic ones, alike within TP groups
             reseed_rng(seed, step, self.rank // self.mesh_record["tp"])
-        saved_run = scalars.get("run", {})
+        saved_run = self.resumed_run = scalars.get("run", {})
         changed = {k: (saved_run[k], v) for k, v in self.config.run_record.items()
                    if k in saved_run and saved_run[k] != v}
         if changed:  # e.g. extending --steps: legitimate, but the LR schedule is then not the saved run's
-            self.log("ckpt: this run's flags differ from the checkpoint's (LR schedule and batch follow this run):"
+            trained_otherwise = sorted(set(changed) & {"global_batch", "seq_len", "data", "model"})
+            self.log(("ckpt: WARNING: the checkpoint was trained with another " + ", ".join(trained_otherwise)
+                      + "; this run goes on with its own. " if trained_otherwise else "ckpt: ")
+                     + "this run's flags differ from the checkpoint's (LR schedule and batch follow this run):"
                      + ", ".join(f" {k} {old}→{new}" for k, (old, new) in changed.items()))
         if self.rank == 0:
             set_aside_newer_than(self.root, step, self.nonce, self.log)
@@ -434,6 +440,7 @@ class Checkpointer:
                 error = f"{path}: {error}"  # every reason names the checkpoint it is about
             errors = self._agree(error)
             if not errors:
+                self._refuse_dropping(staged)
                 return staged
             rejected.append(errors[0] + (f" (and on {len(errors) - 1} more ranks)" if len(errors) > 1 else ""))
             if which == "latest":  # (a checkpoint asked for by step is refused by the error itself)
@@ -441,6 +448,23 @@ class Checkpointer:
         if rejected:
             raise CheckpointError(self._refusal(which, rejected))
         return None
+
+    def _refuse_dropping(self, staged: _Staged) -> None:
+        """A resume that leaves trained state of the checkpoint unread (a DiLoCo replica's, the outer momentum,
+        shared experts, a router's bias, FP8's histories: what this run's flags have no place for) would throw
+        it away in silence: refused, on every rank alike, unless --drop-state says so."""
+        read = set(staged.staged.sources)
+        gathered = [None] * self.world
+        if self.world > 1:
+            dist.all_gather_object(gathered, sorted(read))
+            read = read.union(*map(set, gathered))
+        dropped = dropped_state(staged.manifest["tensors"], read)
+        if dropped and not self.config.drop_state:
+            raise CheckpointError(f"{staged.path}: this run would drop state the checkpoint holds: {dropped}; resume"
+                                  f" with the flags of the run that wrote it, or pass --drop-state to go on without"
+                                  f" it")
+        if dropped:
+            self.log(f"ckpt: --drop-state: left unread: {dropped}")
 
     def _stage(self, path: str, pieces: list, scaler, sampler) -> _Staged:
         """Verify the checkpoint at `path`, check that it fits this run, and read it into host memory; the live
@@ -504,87 +528,6 @@ class _Staged:
     rng: dict | None  # this rank's generator states (same mesh only)
 
 
-@dataclass
-class _LoadPlan:
-    """How one logical tensor fills this rank's targets: the stored entry it comes from and the stored pieces
-    that overlap what this rank needs."""
-
-    key: str
-    source: str
-    global_shape: tuple
-    dtype: torch.dtype
-    targets: list
-    records: list  # [(ShardInfo, flat range, manifest record)] of the stored pieces this rank reads
-
-
-def _source_key(key: str, tensors: dict) -> str:
-    """The stored logical tensor that fills `key` (see the module docstring's "Which stored tensor")."""
-    kind, name = key.split("/", 1)
-    if kind == "param" and f"master/{name}" in tensors:
-        return f"master/{name}"  # the fp32 master is what the parameter was rounded from: prefer it
-    if key in tensors:
-        return key
-    if kind == "master" and f"param/{name}" in tensors:
-        return f"param/{name}"  # params were the master weights (e.g. DDP fp32): cast them
-    raise CheckpointError(f"the checkpoint has no {key}" + (f" (nor param/{name} to derive it from)"
-                                                            if kind == "master" else ""))
-
-
-def plan_load(path: str, manifest: dict, pieces: list) -> list[_LoadPlan]:
-    """Check that the checkpoint fits the live state before a byte of it is read, or raise CheckpointError.
-
-    For every logical tensor the targets need: a stored source exists (see _source_key), its global shape is
-    the model's, its dtype is known and of the same family (floating or not) as the target's, its stored
-    pieces are well formed, do not overlap, and cover every element this rank needs.
-    """
-    stored = manifest.get("tensors")
-    if not isinstance(stored, dict):
-        raise CheckpointError(f"{path}: the manifest lists no tensors")
-    by_key: dict[str, list] = {}
-    for piece in pieces:
-        if piece.key in stored or not piece.optional:  # optional: an axis's state its writer may not have had
-            by_key.setdefault(piece.key, []).append(piece)
-    plans = []
-    for key, targets in by_key.items():
-        try:
-            source = _source_key(key, stored)
-        except CheckpointError as e:
-            raise CheckpointError(f"{path}: {e}, which the model has") from None
-        entry = stored[source]
-        global_shape = tuple(targets[0].shard.global_shape)
-        if tuple(entry.get("global_shape", ())) != global_shape:
-            raise CheckpointError(f"{path}: {source} has global shape {list(entry.get('global_shape', ()))} in the"
-                                  f" manifest, but the model's {key} is {list(global_shape)}")
-        dtype = dtype_named(entry.get("dtype"))
-        if any(dtype.is_floating_point != t.tensor.dtype.is_floating_point for t in targets):
-            raise CheckpointError(f"{path}: {source} is stored as {dtype}, the model's {key} is"
-                                  f" {targets[0].tensor.dtype}")
-        records = _needed_pieces(path, source, entry, global_shape, targets)
-        plans.append(_LoadPlan(key, source, global_shape, dtype, targets, records))
-    return plans
-
-
-def _needed_pieces(path: str, source: str, entry: dict, global_shape: tuple, targets: list) -> list:
-    """[(ShardInfo, flat range, record)] of the stored pieces of `source` that overlap what the targets need;
-    raises if any two stored pieces overlap or if they leave a needed element uncovered."""
-    need = torch.zeros(global_shape, dtype=torch.bool)
-    for target in targets:
-        mark(need, target.shard, target.flat_range)
-    covered = torch.zeros(global_shape, dtype=torch.bool)
-    records = []
-    for record in entry.get("pieces", ()):
-        shard, flat = shard_from_record(source, global_shape, record)
-        stored = region(global_shape, shard, flat)
-        if bool((stored & covered).any()):
-            raise CheckpointError(f"{path}: {source} has overlapping pieces in the manifest")
-        covered |= stored
-        if bool((stored & need).any()):  # pieces nobody here needs are never read
-            records.append((shard, flat, record))
-    if bool((need & ~covered).any()):
-        raise CheckpointError(f"{path}: the pieces of {source} do not cover the part this rank needs")
-    return records
-
-
 class StagedLoad:
     """A checkpoint read into host memory and resliced into the targets' shapes, not yet in the live state:
     `commit()` copies it in.
@@ -599,11 +542,13 @@ class StagedLoad:
         self.path, self.manifest, self.bytes_read = path, manifest, 0
         self.files = files if files is not None else ShardFiles(path)
         self.staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, its values in host memory)
+        plans = plan_load(path, manifest, pieces)
+        self.sources = [plan.source for plan in plans]  # the stored tensors this rank reads
         with torch.no_grad():
-            for plan in plan_load(path, manifest, pieces):
+            for plan in plans:
                 self._read(plan)
 
-    def _read(self, plan: _LoadPlan) -> None:
+    def _read(self, plan: LoadPlan) -> None:
         """Read: the stored pieces this rank needs, placed into one full logical tensor; reshard: each target's
         part sliced out of it, in the target's shape and dtype."""
         full = torch.empty(plan.global_shape, dtype=plan.dtype)

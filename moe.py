@@ -414,9 +414,13 @@ def experts_config(args) -> ExpertsConfig | None:
     return ExpertsConfig(**values) if values["experts"] else None
 
 
-def experts_from_record(record) -> ExpertsConfig | None:
-    """GPTConfig.moe from a checkpoint's model record (GPTConfig.architecture: the fields as a dict, or None)."""
-    return ExpertsConfig(**record) if record else None
+def experts_from_record(model: dict) -> ExpertsConfig | None:
+    """GPTConfig.moe from a checkpoint's model record (GPTConfig.architecture: "moe", the fields as a dict or
+    None; a checkpoint written before the experts had a record of their own has them as moe_* fields)."""
+    if "moe" in model:
+        return ExpertsConfig(**model["moe"]) if model["moe"] else None
+    fields = {name.removeprefix("moe_"): value for name, value in model.items() if name.startswith("moe_")}
+    return ExpertsConfig(**fields) if fields.get("experts") else None
 
 
 def check_flags(config, shape) -> None:

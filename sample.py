@@ -136,7 +136,7 @@ def val_loss_line(model, args, record: dict, tokenizer_name: str) -> str:
         raise ValueError(f"--micro-batch {args.micro_batch} must divide the global batch {global_batch}")
     try:
         corpus = data.prepare_corpus(args.data, tokenizer_name, os.path.join(args.out_dir, "data"),
-                                     log=lambda line: None)
+                                     log=lambda line: print(line, flush=True))  # a first tokenization takes a while
     except OSError as e:  # --data was checked: what fails here is writing the cache (os.access trusts root)
         raise FlagError(f"--out-dir {args.out_dir!r}: the token cache cannot be written there ({e.strerror}:"
                         f" {e.filename})") from None

@@ -15,9 +15,11 @@ schedule. The flags were checked before any of it (cli/flags.py); the printouts 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
+import threading
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -185,6 +187,8 @@ def main(argv=None):
     # The job's wall time by cause (resilience/goodput.py), from the process's creation (run as a program) or from this
     # call (argv given: a caller that runs several in one process, as the tests do).
     clock = goodput.Clock(started=None if argv is None else time.time())
+    if argv is None and LAUNCHER_ENV in os.environ:  # a worker torchrun started: it ends with its launcher
+        stop_with_the_launcher()
     settings = flags.parse(argv, AXES)  # a bad flag: one line, exit status 2, before any rank waits
     if settings.args.plan or settings.args.plan_search:  # size the layout on meta in a fake process group
         run_plan_py(sys.argv[1:] if argv is None else list(argv))
@@ -281,15 +285,21 @@ def open_checkpointer(t: Training) -> None:
     run, args = t.run, t.run.settings.args
     run_record = dict(steps=args.steps, lr=args.lr, min_lr=t.lr_schedule.min_lr, seed=args.seed,
                       warmup_steps=t.lr_schedule.warmup_steps, global_batch=args.global_batch,
-                      seq_len=run.seq_len, model=run.config.architecture())  # read by export_hf.py, sample.py
+                      seq_len=run.seq_len, model=run.config.architecture(),  # read by export_hf.py, sample.py
+                      data=os.path.basename(os.path.dirname(t.corpus.train_path)))  # the corpus and tokenizer
     try:  # every rank raises a CheckpointError together (the verdicts are all-gathered)
         config = ckpt.CheckpointConfig(args.ckpt_dir, args.keep, args.async_ckpt, exclusive=True,
-                                       lock=run.settings.ckpt_lock, run_record=run_record)  # flags.parse took it
+                                       lock=run.settings.ckpt_lock, run_record=run_record,  # flags.parse took it
+                                       drop_state=args.drop_state)
         t.checkpointer = ckpt.Checkpointer(config, run.mesh, [*run.axes, t.clock], run.device, log=print0,
                                            on_save=lambda stats: report.run.print_save(stats, args.mtbf_hours))
         if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
             t.start_step = t.checkpointer.resume(args.resume, run.layout, t.scaler, t.sampler, args.seed)
-        if args.elastic and t.start_step:  # a restarted world: the one that wrote the checkpoint, and this one
+        finished = t.start_step and t.checkpointer.resumed_run.get("steps") == t.start_step
+        if finished:  # a new leg after a finished run (its last step): no failure, nothing lost, no restart
+            t.clock.continues_a_finished_run()
+            print0(f"resumed the last step ({t.start_step}) of a run that had finished: a new job goes on from it")
+        elif args.elastic and t.start_step:  # a restarted world: the one that wrote the checkpoint, and this one
             print0(elastic.restart_line(elastic.saved_mesh(args.ckpt_dir, t.start_step), run.mesh.shape,
                                         t.start_step, args.global_batch, run.micro_batch_size))
     except ckpt.CheckpointError as e:
@@ -321,6 +331,8 @@ def train_loop(t: Training, tracer: CommTracer) -> None:
         for step in range(t.start_step, args.steps):
             t.step = step
             record = timed_step(t, step, prefetched, step == peak_step, peak_in_mean)
+            if not (math.isfinite(record["loss"]) and not record["skipped"]) and t.scaler.scale <= 1.0:
+                stop_at_non_finite(t, step, record, prefetched)  # before this step's line, metrics or save
             after_step(t, step, record, metrics, tracer)
         prefetched.close()
         if metrics:
@@ -536,6 +548,48 @@ def ending_cleanly_on_signals(report_stop):
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def stop_at_non_finite(t: Training, step: int, record: dict, prefetched) -> NoReturn:
+    """A step whose loss or gradient is not finite, once the loss scaler has nothing left to try (fp16 halves its
+    scale at each skipped step, down to 1; without one, at once): the run stops here with one line, on every rank
+    alike (the loss and the skip are the world's), exit status 1. No checkpoint of this step or later is written:
+    the newest committed one, the last good state, stays the newest (a background save of it is finished)."""
+    what = "loss" if not math.isfinite(record["loss"]) else "gradients"
+    prefetched.close()
+    if t.checkpointer is not None:
+        t.checkpointer.close()
+    if dist.get_rank() == 0:
+        committed = ckpt_files.newest_committed(t.checkpointer.root) if t.checkpointer else None
+        print(f"non-finite {what} at step {step} (loss {record['loss']}, grad norm {record['grad_norm']}): stopping;"
+              f" a learning rate or a scale too large for this run? (--lr, --moe-route-scale, --diloco-outer-lr)"
+              + (f"; the newest committed checkpoint is step {committed[0]} ({committed[1]})" if committed else ""),
+              file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+    sys.exit(1)
+
+
+LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every worker it starts
+
+
+def stop_with_the_launcher(poll_s: float = 0.5, grace_s: float = 20.0) -> None:
+    """End this worker when the torchrun agent that started it is gone. The agent starts its workers in process
+    groups of their own (setsid), so a SIGKILL to the launcher's process group (or to the agent) does not reach
+    them: they would train on as orphans, writing checkpoints. A daemon thread watches the parent; once the
+    worker has been reparented it sends itself SIGTERM, which ends the run as Ctrl-C does
+    (`ending_cleanly_on_signals`: one line, a background save abandoned, never half-committed: a checkpoint is
+    committed by a rename); if the process still lives `grace_s` later (blocked where no signal is seen), it
+    exits. Every worker does it, so the peers it would wait on stop too."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def interrupted(checkpointer, step: int) -> None:

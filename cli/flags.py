@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from cli import paths
+# The command line itself (its flags and --help) is cli/arguments.py's; callers reach it through this module.
+from cli.arguments import FlagError, OneLineParser, add_plan_arguments, build_parser  # noqa: F401
 import data
 from experts import router
 from interop import hf
@@ -42,10 +44,6 @@ from resilience.diloco import DiLoCoConfig
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --activation-checkpointing's modes → the GPTConfig field each one sets (none sets neither)
 RECOMPUTE_FIELDS = {"full": "activation_checkpointing", "selective": "selective_recompute"}
-
-
-class FlagError(ValueError):
-    """A flag combination that cannot run; raised before any rank waits on another."""
 
 
 @contextmanager
@@ -94,168 +92,6 @@ class Settings:
         return self.seq_len // self.shape.cp // (self.shape.tp if self.sequence_parallel else 1)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors (an unknown flag, a choice not offered) are FlagErrors: like every other flag
-    error they end the run with one line, printed once, not with argparse's usage text on every rank."""
-
-    def error(self, message: str) -> NoReturn:
-        raise FlagError(message)
-
-
-def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
-    """Every flag; `prog` names the program in usage and errors (plan.py takes the same flags)."""
-    p = OneLineParser(prog=prog, description="Train the GPT on a mesh of devices (see README.md).")
-    for add_group in (_add_model_flags, _add_data_flags, _add_optimization_flags, _add_parallelism_flags,
-                      _add_fp8_flags, _add_moe_flags, _add_reporting_flags, _add_checkpoint_flags):
-        add_group(p)  # --help lists the groups in this order
-    add_plan_arguments(p)
-    return p
-
-
-def _add_model_flags(parser) -> None:
-    g = parser.add_argument_group("model")
-    g.add_argument("--preset", default="mini", help=" | ".join(PRESETS))
-    g.add_argument("--n-layer", type=int)
-    g.add_argument("--n-head", type=int)
-    g.add_argument("--n-embd", type=int)
-    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's block size)")
-    g.add_argument("--dropout", type=float)
-    g.add_argument("--no-bias", action="store_true", help="no biases in linears and LayerNorms")
-    g.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=recompute.MODES,
-                   help="recompute in backward: none, full (each block from its input; the bare flag) or selective"
-                   " (keep the GEMMs' outputs, recompute the LayerNorms, GELU, dropouts: parallel/recompute.py)")
-    g.add_argument("--gelu", choices=["exact", "tanh"], help="the MLP's GELU: exact (erf; the default) or GPT-2's"
-                   " tanh approximation (the default with --init-from GPT-2 weights)")
-    g.add_argument("--init-from", metavar="DIR", help="start from a local Hugging Face GPT-2 directory (config.json +"
-                   " model.safetensors or pytorch_model.bin; nothing is downloaded): its config.json sets the shape")
-
-
-def _add_data_flags(parser) -> None:
-    g = parser.add_argument_group("data")
-    g.add_argument("--data", help="a text file to train on (default: the Python standard library's source)")
-    g.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2"])
-    g.add_argument("--out-dir", default="out", help="token cache, metrics and checkpoints go here")
-
-
-def _add_optimization_flags(parser) -> None:
-    g = parser.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=1200)
-    g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (B_global)")
-    g.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per micro-step (B_μ)")
-    g.add_argument("--lr", type=float, default=2e-3)
-    g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
-    g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.95)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
-    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="autocast compute dtype; auto: bf16 where the device has bf16 matrix units (CUDA, CPUs with"
-                        " AMX or AVX512-BF16), else fp32 (a CPU without them emulates bf16, several times slower)")
-    g.add_argument("--seed", type=int, default=1337)
-    g.add_argument("--tf32", action="store_true",
-                   help="fp32 matmuls on TF32 tensor cores (Ampere and newer: ~8x the FP32 peak, 10-bit mantissa"
-                        " products); default off: --dtype fp32 means full FP32 (the peak for MFU follows)")
-    g.add_argument("--deterministic", action="store_true",
-                   help="bitwise-reproducible CUDA kernels (torch.use_deterministic_algorithms, cuBLAS workspace"
-                        " :4096:8): slower attention backward and scatter-adds; CPU runs are deterministic anyway")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile each transformer block (GPU speed): per block, gradient hooks still fire block"
-                        " by block in backward, so DDP/ZeRO communication keeps overlapping it")
-    muon.add_arguments(g)  # --optimizer adamw|muon, --muon-lr, --muon-momentum, --muon-owner
-
-
-def _add_parallelism_flags(parser) -> None:
-    g = parser.add_argument_group("parallelism")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size T")
-    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size P")
-    g.add_argument("--cp", type=int, default=1, help="context-parallel size C")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel size E")
-    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0: plain DDP)")
-    g.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
-    g.add_argument("--diloco-h", type=int, help="DiLoCo (resilience/diloco.py): H inner AdamW steps per outer step")
-    g.add_argument("--diloco-replicas", type=int, help="DiLoCo replicas R (a divisor of D; default 1)")
-    g.add_argument("--diloco-outer-lr", type=float, default=0.7, help="DiLoCo outer Nesterov SGD learning rate")
-    g.add_argument("--diloco-outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
-    g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB")
-    g.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
-    g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
-                   help="pipeline schedule (pipeline.py)")
-    g.add_argument("--pp-virtual", type=int, default=2, help="model chunks per rank for --pp-schedule interleaved")
-    g.add_argument("--trace-file", help="write one executed pipeline step as Chrome-trace JSON (Perfetto)")
-    g.add_argument("--cp-impl", default="ring", choices=["ring", "ulysses"], help="context parallel attention")
-    g.add_argument("--cp-balance", default="zigzag", choices=["zigzag", "contiguous"],
-                   help="how the sequence is cut over the C ranks (zig-zag balances causal work)")
-
-
-def _add_fp8_flags(parser) -> None:
-    g = parser.add_argument_group("FP8 (fp8.py)")
-    g.add_argument("--fp8", choices=("current", "delayed", "blockwise"), default=None,
-                   help="FP8 block linears: current | delayed | blockwise")
-    g.add_argument("--fp8-amax-history", type=int, default=16, help="delayed: amax history length L")
-    g.add_argument("--fp8-amax-algo", choices=("max", "most_recent"), default="max", help="delayed: scale from")
-    g.add_argument("--fp8-margin", type=int, default=0, help="scale = max/amax/2^margin")
-    g.add_argument("--precision-recipe", metavar="SPEC", help="microscaling block linears (precision/recipe.py):"
-                   " mxfp8 | mxfp4 | nvfp4, or parts fwd=F,bwd=F,sr,rht,w2d,tail=F,rule=rceil|floor"
-                   " (F: bf16 | mxfp8 | mxfp4 | nvfp4); not with --fp8")
-
-
-def _add_moe_flags(parser) -> None:
-    g = parser.add_argument_group("mixture of experts (moe.py)")
-    g.add_argument("--moe-experts", type=int, default=0, help="experts N per MoE block (0: dense MLP)")
-    g.add_argument("--moe-topk", type=int, default=2, help="experts per token k")
-    g.add_argument("--moe-every", type=int, default=1, help="every n-th block is MoE")
-    g.add_argument("--moe-capacity-factor", type=float, default=0.0,
-                   help="capacity per expert ⌈B_μ·s·k/N·f⌉ of each micro-batch (0: dropless)")
-    g.add_argument("--moe-aux-coef", type=float, default=0.01, help="load-balance loss coefficient α")
-    g.add_argument("--moe-z-coef", type=float, default=0.001, help="router z-loss coefficient β")
-    router.add_arguments(g)  # DeepSeek-V3's router: sigmoid scores, the bias, the seq loss, groups
-    g.add_argument("--moe-shared-experts", type=int, default=0,
-                   help="S always-on experts per MoE block, added ungated (experts/shared.py)")
-    g.add_argument("--moe-replicas", type=int, default=0, help="physical experts R ≥ N, R/E per EP rank, the hot"
-                   " ones replicated (experts/eplb.py; 0: the N experts in place)")
-    g.add_argument("--moe-replan-every", type=int, default=50, help="re-place the replicas every n steps")
-    g.add_argument("--moe-load-decay", type=float, default=0.9, help="the expert loads' moving average: load ←"
-                   " d·load + (1 − d)·the step's")
-
-
-def _add_reporting_flags(parser) -> None:
-    g = parser.add_argument_group("evaluation and reporting")
-    g.add_argument("--eval-every", type=int, default=100, help="val loss every N steps (0: only at the end)")
-    g.add_argument("--eval-batches", type=int, default=4)
-    g.add_argument("--log-every", type=int, default=25)
-    g.add_argument("--sample-tokens", type=int, default=300, help="tokens sampled at the end (0: none)")
-    g.add_argument("--metrics-file", help="write one JSON object per step to this file")
-    g.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: table or measured)")
-
-
-def _add_checkpoint_flags(parser) -> None:
-    g = parser.add_argument_group("checkpoints (ckpt.py)")
-    g.add_argument("--ckpt-dir", help="save sharded checkpoints under this directory (one step-XXXXXXXX per save)")
-    g.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only after the last step)")
-    g.add_argument("--keep", type=int, default=2, help="keep the newest K committed checkpoints (K >= 2)")
-    g.add_argument("--resume", nargs="?", const="latest",
-                   help="'latest' (the newest good checkpoint, if any; the default with no value) or a step number")
-    g.add_argument("--async-ckpt", action="store_true", help="persist checkpoints on a background thread")
-    g.add_argument("--mtbf-hours", type=float, default=24.0,
-                   help="mean time between interruptions, for the suggested interval sqrt(2·C·M)")
-    elastic.add_arguments(g)  # --elastic MIN:MAX: the worlds torchrun may restart this run in
-
-
-def add_plan_arguments(parser) -> None:
-    """--plan, --plan-search, --world and the hardware model's flags (plan.py, planner/hardware.py)."""
-    g = parser.add_argument_group("plan (plan.py): size a layout without its hardware")
-    one = g.add_mutually_exclusive_group()  # argparse refuses both: "argument --plan-search: not allowed with --plan"
-    one.add_argument("--plan", action="store_true", help="print every rank role's memory, messages and predicted"
-                   " step time for --world ranks, built on meta in a fake process group; trains nothing")
-    one.add_argument("--plan-search", action="store_true", help="rank the layouts of --world ranks that fit"
-                   " --hw-memory-gib by predicted step time; print the best ten")
-    g.add_argument("--world", type=int, help="ranks to plan for (--plan, --plan-search)")
-    g.add_argument("--vocab-size", type=int, help="rows of the embedding and the head the plan sizes, as given (no"
-                   " padding; default: --tokenizer's padded, or a gpt3-* preset's 50304); --plan, --plan-search")
-    hardware.add_arguments(parser)
-
-
 # Ranges of the numeric flags: (flag, attribute, lowest, exclusive lowest?, highest or None). Every float must
 # also be finite: NaN passes every comparison, so `nan < 0` would let it through.
 _AT_LEAST_1 = ("steps", "log_every", "eval_batches", "micro_batch", "global_batch", "n_layer", "n_head", "n_embd",
@@ -283,6 +119,9 @@ _ONLY_WITH = (
     ("--pp-virtual", "pp_virtual", "--pp-schedule interleaved", lambda a: a.pp_schedule == "interleaved"),
     ("--trace-file", "trace_file", "--pp > 1 (it draws the pipeline schedule)", lambda a: a.pp > 1),
     ("--cp-impl", "cp_impl", "--cp > 1", lambda a: a.cp > 1),
+    *((flag, flag[2:].replace("-", "_"), "--diloco-h H (the inner steps between outer steps)",
+       lambda a: a.diloco_h is not None)
+      for flag in ("--diloco-replicas", "--diloco-outer-lr", "--diloco-outer-momentum")),
     ("--cp-balance", "cp_balance", "--cp > 1", lambda a: a.cp > 1),
     *((flag, flag[2:].replace("-", "_"), "--fp8", lambda a: a.fp8 is not None)
       for flag in ("--fp8-amax-history", "--fp8-amax-algo", "--fp8-margin")),
@@ -293,7 +132,7 @@ _ONLY_WITH = (
     *((flag, flag[2:].replace("-", "_"), "--moe-replicas", lambda a: a.moe_replicas > 0)
       for flag in ("--moe-replan-every", "--moe-load-decay")),
     *((flag, flag[2:].replace("-", "_"), "--ckpt-dir", lambda a: a.ckpt_dir is not None)
-      for flag in ("--ckpt-every", "--resume", "--async-ckpt", "--keep", "--mtbf-hours")),
+      for flag in ("--ckpt-every", "--resume", "--async-ckpt", "--keep", "--mtbf-hours", "--drop-state")),
 )
 
 

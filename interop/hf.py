@@ -17,7 +17,7 @@ tanh approximation: model.py's `gelu="tanh"`).
 
 In (`--init-from DIR`): `HFDirectory` checks the directory (every tensor there with GPT-2's shape, nothing
 else), and `load_into` fills a layout's `param/` and `master/` pieces through ckpt's own resharding path:
-ckpt.StagedLoad (its checks: ckpt.plan_load) over a manifest-like description of the directory, in which each
+ckpt.StagedLoad (its checks: ckpt_files.plan_load) over a manifest-like description of the directory, in which each
 logical tensor is one whole stored piece and the directory is the reader, `files=` (it transposes and pads as
 it reads). So any mesh works as a resharding resume does, all or nothing: each rank reads (memory-mapped)
 only the tensors it holds a piece of, and keeps its slices. Out (export_hf.py): `write_directory` from the
@@ -416,7 +416,7 @@ def load_model(path: str, device="cpu") -> tuple[GPT, dict]:
     fields = {f for f in GPTConfig.__dataclass_fields__}
     saved = record["model"]
     config = GPTConfig(**{k: v for k, v in saved.items() if k in fields and k != "moe"},
-                       moe=moe.experts_from_record(saved.get("moe")))
+                       moe=moe.experts_from_record(saved))
     stored = manifest["tensors"]
     wte = stored.get("master/transformer.wte.weight", stored.get("param/transformer.wte.weight"))
     if wte is None:

@@ -288,7 +288,7 @@ OPTIMIZERS = ("adamw", "muon")
 
 
 def add_arguments(group) -> None:
-    """--optimizer and Muon's flags, in cli/flags.py's optimization group."""
+    """--optimizer and Muon's flags, in cli/arguments.py's optimization group."""
     group.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                        help="adamw: AdamW on every parameter; muon: Muon (momentum, Nesterov, 5 quintic Newton-Schulz"
                             " steps, lr·sqrt(max(1, rows/cols))) on the transformer blocks' 2-D weights (attention's"

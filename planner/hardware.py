@@ -136,13 +136,13 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("hardware model (planner/hardware.py, for --plan)")
     g.add_argument("--hw", default="h100", choices=sorted(PRESETS), help="8-GPU node preset (default h100)")
     g.add_argument("--gpus-per-node", type=int, help="GPUs per node G (default: the preset's, 8)")
-    g.add_argument("--hw-peak-tflops", type=float, help="dense matmul peak of the run's dtype, TFLOP/s")
-    g.add_argument("--hw-hbm-gbps", type=float, help="device memory bandwidth, GB/s")
-    g.add_argument("--hw-memory-gib", type=float, help="device memory, GiB")
-    g.add_argument("--hw-intra-gbps", type=float, help="per-GPU bandwidth inside a node, GB/s")
-    g.add_argument("--hw-inter-gbps", type=float, help="per-GPU bandwidth across nodes, GB/s")
-    g.add_argument("--hw-intra-latency-us", type=float, help="latency of one ring step inside a node, µs")
-    g.add_argument("--hw-inter-latency-us", type=float, help="latency of one ring step across nodes, µs")
+    for flag, what in (("--hw-peak-tflops", "dense matmul peak of the run's dtype, TFLOP/s"),
+                       ("--hw-hbm-gbps", "device memory bandwidth, GB/s"), ("--hw-memory-gib", "device memory, GiB"),
+                       ("--hw-intra-gbps", "per-GPU bandwidth inside a node, GB/s"),
+                       ("--hw-inter-gbps", "per-GPU bandwidth across nodes, GB/s"),
+                       ("--hw-intra-latency-us", "latency of one ring step inside a node, µs"),
+                       ("--hw-inter-latency-us", "latency of one ring step across nodes, µs")):
+        g.add_argument(flag, type=float, help=f"{what} (default: --hw's)")
     calibration.add_arguments(g)
 
 

@@ -28,6 +28,7 @@ import random
 import re
 import shutil
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -456,3 +457,105 @@ def reseed_rng(seed: int, step: int, stream: int) -> None:
     torch.manual_seed(mixed)  # seeds CUDA devices too
     random.seed(mixed)
     np.random.seed(mixed % 2**32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading: which stored pieces fill which live ones, checked against the untrusted manifest first
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadPlan:
+    """How one logical tensor fills this rank's targets: the stored entry it comes from and the stored pieces
+    that overlap what this rank needs."""
+
+    key: str
+    source: str
+    global_shape: tuple
+    dtype: torch.dtype
+    targets: list
+    records: list  # [(ShardInfo, flat range, manifest record)] of the stored pieces this rank reads
+
+
+def _source_key(key: str, tensors: dict) -> str:
+    """The stored logical tensor that fills `key` (see the module docstring's "Which stored tensor")."""
+    kind, name = key.split("/", 1)
+    if kind == "param" and f"master/{name}" in tensors:
+        return f"master/{name}"  # the fp32 master is what the parameter was rounded from: prefer it
+    if key in tensors:
+        return key
+    if kind == "master" and f"param/{name}" in tensors:
+        return f"param/{name}"  # params were the master weights (e.g. DDP fp32): cast them
+    raise CheckpointError(f"the checkpoint has no {key}" + (f" (nor param/{name} to derive it from)"
+                                                            if kind == "master" else ""))
+
+
+def plan_load(path: str, manifest: dict, pieces: list) -> list[LoadPlan]:
+    """Check that the checkpoint fits the live state before a byte of it is read, or raise CheckpointError.
+
+    For every logical tensor the targets need: a stored source exists (see _source_key), its global shape is
+    the model's, its dtype is known and of the same family (floating or not) as the target's, its stored
+    pieces are well formed, do not overlap, and cover every element this rank needs.
+    """
+    stored = manifest.get("tensors")
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{path}: the manifest lists no tensors")
+    by_key: dict[str, list] = {}
+    for piece in pieces:
+        if piece.key in stored or not piece.optional:  # optional: an axis's state its writer may not have had
+            by_key.setdefault(piece.key, []).append(piece)
+    plans = []
+    for key, targets in by_key.items():
+        try:
+            source = _source_key(key, stored)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}, which the model has") from None
+        entry = stored[source]
+        global_shape = tuple(targets[0].shard.global_shape)
+        if tuple(entry.get("global_shape", ())) != global_shape:
+            raise CheckpointError(f"{path}: {source} has global shape {list(entry.get('global_shape', ()))} in the"
+                                  f" manifest, but the model's {key} is {list(global_shape)}")
+        dtype = dtype_named(entry.get("dtype"))
+        if any(dtype.is_floating_point != t.tensor.dtype.is_floating_point for t in targets):
+            raise CheckpointError(f"{path}: {source} is stored as {dtype}, the model's {key} is"
+                                  f" {targets[0].tensor.dtype}")
+        records = _needed_pieces(path, source, entry, global_shape, targets)
+        plans.append(LoadPlan(key, source, global_shape, dtype, targets, records))
+    return plans
+
+
+def _needed_pieces(path: str, source: str, entry: dict, global_shape: tuple, targets: list) -> list:
+    """[(ShardInfo, flat range, record)] of the stored pieces of `source` that overlap what the targets need;
+    raises if any two stored pieces overlap or if they leave a needed element uncovered."""
+    need = torch.zeros(global_shape, dtype=torch.bool)
+    for target in targets:
+        mark(need, target.shard, target.flat_range)
+    covered = torch.zeros(global_shape, dtype=torch.bool)
+    records = []
+    for record in entry.get("pieces", ()):
+        shard, flat = shard_from_record(source, global_shape, record)
+        stored = region(global_shape, shard, flat)
+        if bool((stored & covered).any()):
+            raise CheckpointError(f"{path}: {source} has overlapping pieces in the manifest")
+        covered |= stored
+        if bool((stored & need).any()):  # pieces nobody here needs are never read
+            records.append((shard, flat, record))
+    if bool((need & ~covered).any()):
+        raise CheckpointError(f"{path}: the pieces of {source} do not cover the part this rank needs")
+    return records
+
+
+def dropped_state(stored: dict, read: set) -> str:
+    """The stored logical tensors no rank reads ("" when none), grouped by kind, layer and module: "param/...
+    h.*.mlp.shared_experts.* (4 tensors)", "moe/transformer.h.*.mlp.expert_bias (2 tensors)" (a parameter's
+    weight and bias are one module; other state keeps its own name). A parameter read through its master reads
+    both; the goodput ledger is accounting, not training state."""
+    read = read | {f"param/{key.split('/', 1)[1]}" for key in read if key.startswith("master/")}
+    groups: dict[str, int] = {}
+    for key in sorted(set(stored) - read):
+        if not key.startswith("goodput/"):
+            group = re.sub(r"\.h\.\d+\.", ".h.*.", key)
+            if group.split("/", 1)[0] in ("param", "master", "optim"):
+                group = group.rsplit(".", 1)[0] + ".*"
+            groups[group] = groups.get(group, 0) + 1
+    return ", ".join(f"{group} ({n} tensor{'s' if n > 1 else ''})" for group, n in groups.items())

@@ -53,16 +53,15 @@ class DiLoCoConfig:
 
 
 def config_from_flags(args) -> DiLoCoConfig | None:
-    """--diloco-h H turns DiLoCo on (R = --diloco-replicas, default 1); the mesh checks that R divides D."""
-    given_without_h = [flag for flag, value, default in (
-        ("--diloco-replicas", args.diloco_replicas, None), ("--diloco-outer-lr", args.diloco_outer_lr, 0.7),
-        ("--diloco-outer-momentum", args.diloco_outer_momentum, 0.9)) if value != default]
+    """--diloco-h H turns DiLoCo on (R = --diloco-replicas, default 1); the mesh checks that R divides D. The
+    other DiLoCo flags mean something only with it: cli/flags.py refuses them alone (given, whatever their value)."""
     if args.diloco_h is None:
-        if given_without_h:
-            raise ValueError(f"{given_without_h[0]} needs --diloco-h H (the inner steps between outer steps)")
         return None
     if args.diloco_h < 1:
         raise ValueError(f"--diloco-h must be at least 1 (inner steps per outer step), got {args.diloco_h}")
+    if args.diloco_replicas is not None and args.diloco_replicas < 1:
+        raise ValueError(f"--diloco-replicas must be at least 1 (replicas of D/R data ranks), got"
+                         f" {args.diloco_replicas}")
     if not (math.isfinite(args.diloco_outer_lr) and args.diloco_outer_lr > 0):
         raise ValueError(f"--diloco-outer-lr must be a positive number, got {args.diloco_outer_lr}")
     if not (math.isfinite(args.diloco_outer_momentum) and 0 <= args.diloco_outer_momentum < 1):

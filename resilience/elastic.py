@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 from mesh import MeshShape, infer_mesh_shape
@@ -54,7 +55,8 @@ def add_arguments(group) -> None:
     """--elastic, in cli/flags.py's checkpoint group (an elastic run is a run that resumes itself)."""
     group.add_argument("--elastic", metavar="MIN:MAX", help="torchrun's --nnodes MIN:MAX: every world of MIN to MAX"
                        " nodes must hold the layout and the batch (checked at start); a restarted world resumes"
-                       " the newest checkpoint with B_global and B_μ kept (resilience/elastic.py)")
+                       " the newest checkpoint with B_global and B_μ kept (resilience/elastic.py; default: a fixed"
+                       " world)")
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def parse_range(text: str) -> tuple[int, int]:
     parts = text.split(":")
     if len(parts) == 1:
         parts = parts * 2
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+    if len(parts) != 2 or not all(re.fullmatch(r"[0-9]+", p.strip()) for p in parts):  # ASCII digits: not "²"
         raise ValueError(f"--elastic must be MIN:MAX node counts (torchrun's --nnodes), got {text!r}")
     low, high = (int(p) for p in parts)
     if not 1 <= low <= high:
@@ -104,17 +106,20 @@ def check_flags(args, world_size: int, environ=os.environ) -> ElasticRange | Non
     if rest or not low <= nodes <= high:
         raise ValueError(f"{flag}: this world of {world_size} ranks is not {low} to {high} nodes of"
                          f" {per_node} (LOCAL_WORLD_SIZE); launch torchrun with --nnodes {args.elastic}")
-    shapes = {}
+    if args.micro_batch is None:
+        largest = (high * per_node) // (args.tp * args.pp * args.cp)
+        raise ValueError(f"{flag} needs --micro-batch: B_μ stays fixed while the world changes and m grows (e.g."
+                         f" --micro-batch {max(1, args.global_batch // max(1, largest))}: one micro-batch at MAX"
+                         f" nodes)")
+    # Every world n·L of the range, in one pass that stops at the first that fails. It is short whatever MAX is:
+    # D·B_μ must divide B_global, and D grows with n, so no world beyond n·L/(T·P·C)·B_μ > B_global passes.
+    replicas = (args.diloco_replicas or 1) if args.diloco_h is not None else None
     for n in range(low, high + 1):
         try:
-            shapes[n] = infer_mesh_shape(n * per_node, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+            shape = infer_mesh_shape(n * per_node, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                                     replicas=replicas)
         except ValueError as e:
             raise ValueError(f"{_where(flag, n, per_node)}, {e}") from None
-    if args.micro_batch is None:
-        raise ValueError(f"{flag} needs --micro-batch: B_μ stays fixed while the world changes and m grows (e.g."
-                         f" --micro-batch {max(1, args.global_batch // shapes[high].dp)}: one micro-batch at MAX"
-                         f" nodes)")
-    for n, shape in shapes.items():
         if args.global_batch % (shape.dp * args.micro_batch):
             raise ValueError(f"{_where(flag, n, per_node)}, --global-batch {args.global_batch} is not divisible by"
                              f" D × --micro-batch = {shape.dp} × {args.micro_batch}: B_global is kept in every"

@@ -7,7 +7,8 @@ failure (or a stop). Its wall time W_job is split into causes that add up to it 
               its first computation is in `lost`)
     startup   the first process's start-up: interpreter and imports, flags, process groups, the model built
               and measured, the start-up printout (from the process's creation, read from /proc)
-    restart   the same start-up in a resumed process (it is part of a failure's cost R)
+    restart   the same start-up in a process resumed after a failure (part of a failure's cost R); a process that
+              goes on from a finished run's last checkpoint starts a new leg: its start-up is start-up, nothing lost
     restore   opening the checkpoint directory and loading the checkpoint (`--resume`)
     ckpt      checkpoint time that blocked training: a synchronous save whole; an async save only its
               snapshot (and any wait for the previous persist), the persist runs beside training
@@ -58,7 +59,7 @@ CAUSES = ("train", "startup", "restart", "restore", "ckpt", "lost", "eval", "inp
 WHAT = {
     "train": "productive training (optimizer steps)",
     "startup": "start-up of the first process (imports, process groups, model build)",
-    "restart": "start-up of the resumed processes",
+    "restart": "start-up of the processes resumed after a failure",
     "restore": "checkpoint restore",
     "ckpt": "checkpoint saves, the part that blocked training",
     "lost": "after the last checkpoint until the restart began (work lost, relaunch)",
@@ -67,7 +68,8 @@ WHAT = {
     "other": "the rest (step lines, metrics, the end's report)",
 }
 LEDGER_KEY = "goodput/job"
-# The ledger tensor: [wall clock of the snapshot (s since the epoch), resumes so far, seconds per cause...]
+# The ledger tensor: [wall clock of the snapshot (s since the epoch), processes before the snapshot's, seconds per
+# cause...]
 SAVED_AT, RESUMES, FIRST_CAUSE = 0, 1, 2
 
 
@@ -101,7 +103,8 @@ class Clock:
         self._open: list[list] = []  # [cause, since]: the innermost phase takes the time
         self.predecessors = torch.zeros(len(CAUSES), dtype=torch.float64)  # the loaded ledger's seconds
         self.lost = 0.0  # the loaded checkpoint's snapshot → this process's creation
-        self.resumes = 0
+        self.resumes = 0  # the processes before this one (the ledger's count)
+        self.restarted = False  # this process resumed after a failure: its start-up is part of the restart
         self.ledger = torch.zeros(FIRST_CAUSE + len(CAUSES), dtype=torch.float64)  # what a checkpoint saves
         self._written = None  # the ledger as state_pieces() last filled it (a load that brought nothing leaves it)
 
@@ -130,7 +133,7 @@ class Clock:
         mine = dict(self.seconds)
         if self._open:
             mine[self._open[-1][0]] += now - self._open[-1][1]
-        if self.resumes:  # a resumed process's start-up is part of the restart
+        if self.restarted:  # a restarted process's start-up is part of the restart
             mine["restart"], mine["startup"] = mine["restart"] + mine["startup"], 0.0
         mine["other"] += (now - self.started) - sum(mine.values())
         job = {cause: float(self.predecessors[i]) + mine[cause] for i, cause in enumerate(CAUSES)}
@@ -165,7 +168,12 @@ class Clock:
                                   f" and >= 0")
         self.predecessors = self.ledger[FIRST_CAUSE:].clone()
         self.lost = max(0.0, self.started - values[SAVED_AT])  # clocks of other nodes may disagree a little
-        self.resumes = int(values[RESUMES]) + 1
+        self.resumes, self.restarted = int(values[RESUMES]) + 1, True
+
+    def continues_a_finished_run(self) -> None:
+        """The loaded checkpoint is its run's last step (the run had finished, not failed): the time since its
+        snapshot was no failure's and nothing was lost; this process's start-up is a start-up, not a restart."""
+        self.lost, self.restarted = 0.0, False
 
     # -- the end's table ------------------------------------------------------------------------------------
 

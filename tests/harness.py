@@ -193,11 +193,12 @@ def assert_runs_follow(results, ref_losses, ref_params: dict, tol: float) -> Non
 
 
 def traced_steps(run, total_steps: int, global_batch: int, seq: int, micro: int, clip: float, stop: int,
-                 save_root=None, resume_root=None) -> tuple[dict, dict]:
+                 save_root=None, resume_root=None, drop_state: bool = False) -> tuple[dict, dict]:
     """Steps [start, stop) of a composed run on reference.global_batches(total_steps, global_batch, seq): each
     rank's micro-batches of B_μ = micro, cut by the axes (CP), traced by a fresh CommTracer naming the mesh's groups.
     start = 0, or the step of resume_root's latest checkpoint, loaded first; with save_root a checkpoint is written
-    after `stop`. Returns (losses by step, {(op, group): (calls, bytes) per step, traced})."""
+    after `stop` (drop_state: the load may leave state of the checkpoint unread, --drop-state). Returns (losses by
+    step, {(op, group): (calls, bytes) per step, traced})."""
     import ckpt
     from accounting.tracer import CommTracer
     from data import BatchSampler
@@ -208,7 +209,8 @@ def traced_steps(run, total_steps: int, global_batch: int, seq: int, micro: int,
     mesh, scaler, sampler = run.mesh, DynamicLossScaler(enabled=False), BatchSampler(10_000, seq, global_batch, 0)
     start = 0
     if resume_root:
-        loader = ckpt.Checkpointer(ckpt.CheckpointConfig(resume_root), mesh, run.axes, run.device, log=lambda *a: 0)
+        loader = ckpt.Checkpointer(ckpt.CheckpointConfig(resume_root, drop_state=drop_state), mesh, run.axes,
+                                   run.device, log=lambda *a: 0)
         start = loader.resume("latest", run.layout, scaler, sampler, 0)
     run.tracer, losses = CommTracer(), {}
     for name, group in mesh.groups.items():

@@ -1239,3 +1239,46 @@ def test_bench_ckpt_smoke_runs(tmp_path, capsys):
     run_bench("bench_ckpt", ["--smoke", "--root", str(tmp_path)])
     out = capsys.readouterr().out
     assert "ratios (side by side, same run):" in out and " D=2: " in out, out
+
+
+def _dropping(rank, world, root):
+    """Each case: a checkpoint written by the first flags, resumed by the second (what it would throw away),
+    refused with the state named, then resumed with --drop-state."""
+    import ckpt
+    from harness import traced_steps
+    from test_composition import CLIP, SEQ, composed_run
+
+    cases = {  # name: (the writer's flags, the reader's flags)
+        "diloco mid-round": (["--diloco-h", "2", "--diloco-replicas", "2", "--steps", "4"], []),
+        "shared experts": (["--moe-experts", "2", "--moe-shared-experts", "1"], ["--moe-experts", "2"]),
+        "router bias": (["--moe-experts", "2", "--moe-score", "sigmoid", "--moe-bias-rate", "0.01"],
+                        ["--moe-experts", "2"]),
+    }
+    out = {}
+    for name, (written, read) in cases.items():
+        directory = os.path.join(root, name.replace(" ", "-"))
+        traced_steps(composed_run(rank, world, written, {}, 4, 1, torch.device("cpu")), 4, 4, SEQ, 1, CLIP, 1,
+                     save_root=directory)  # one step: DiLoCo's round (H = 2) is half done
+        try:
+            traced_steps(composed_run(rank, world, read, {}, 4, 1, torch.device("cpu")), 4, 4, SEQ, 1, CLIP, 2,
+                         resume_root=directory)
+            out[name] = None
+        except ckpt.CheckpointError as e:
+            out[name] = str(e)
+        losses, _ = traced_steps(composed_run(rank, world, read, {}, 4, 1, torch.device("cpu")), 4, 4, SEQ, 1, CLIP,
+                                 2, resume_root=directory, drop_state=True)
+        out[name + " dropped"] = sorted(losses)
+    return out
+
+
+def test_a_resume_that_would_drop_trained_state_is_refused_unless_told(tmp_path):
+    """The checkpoint holds state this run's flags have no place for (the other DiLoCo replica's work and the outer
+    momentum, shared experts, a router's bias): refused, on every rank, naming it; --drop-state goes on (step 1)."""
+    results = run_ranks(_dropping, 2, str(tmp_path), timeout=240)
+    for got in results:
+        assert "diloco/" in got["diloco mid-round"], got["diloco mid-round"]
+        assert "shared_experts" in got["shared experts"], got["shared experts"]
+        assert "expert_bias" in got["router bias"], got["router bias"]
+        for name in ("diloco mid-round", "shared experts", "router bias"):
+            assert "this run would drop state the checkpoint holds" in got[name] and "--drop-state" in got[name]
+            assert got[name + " dropped"] == [1], got[name + " dropped"]

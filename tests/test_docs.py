@@ -252,3 +252,23 @@ def test_every_line_of_the_sources_fits_120_columns():
                   for number, line in enumerate(open(path, encoding="utf-8").read().splitlines(), 1)
                   if len(line) > 120]
     assert not long_lines, "lines over 120 columns: " + ", ".join(long_lines)
+
+
+def test_every_flag_says_its_default_and_has_its_row_in_the_readme():
+    """--help states each flag's default (cli/flags.py's HelpWithDefaults, or the help's own words when the default
+    is derived), and README.md's Flags table names every flag and every choice a flag offers."""
+    from cli import flags
+
+    parser = flags.build_parser()
+    formatter = parser._get_formatter()
+    actions = [a for a in parser._actions if a.option_strings and a.option_strings[0] != "-h"]
+    silent = [a.option_strings[0] for a in actions if "default" not in formatter._get_help_string(a)]
+    assert not silent, f"flags whose --help does not say their default: {silent}"
+    table = open(os.path.join(ROOT, "README.md")).read().split("## Flags")[1].split("\n## ")[0]
+    named = set(re.findall(r"--[a-z0-9][a-z0-9-]*", table))
+    assert not [a.option_strings[0] for a in actions if a.option_strings[0] not in named]
+    choices = [(a.option_strings[0], c) for a in actions for c in a.choices or ()
+               if not re.search(rf"(?<![\w-]){re.escape(str(c))}(?![\w-])", table)]
+    presets = [(name, "--preset") for name in __import__("model").PRESETS if name not in table]
+    assert not choices and not presets, (choices, presets)
+

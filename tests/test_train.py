@@ -6,8 +6,10 @@ that do not need a launch call `flags.validate` directly.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -357,7 +359,7 @@ def test_preset_help_lists_every_preset():
     from model import PRESETS
 
     help_text = next(action.help for action in build_parser()._actions if action.dest == "preset")
-    assert help_text.split(" | ") == list(PRESETS), help_text
+    assert help_text.removeprefix("model size: ").split(" | ") == list(PRESETS), help_text
 
 
 def test_batch_arithmetic():
@@ -671,3 +673,107 @@ def test_the_accounting_reads_a_layout_only_through_the_protocol():
     beyond = {name: paths for name, paths in _accounting_reads(("layout",)).items()
               if name not in protocol | STILL_READ_OF_LAYOUTS}
     assert not beyond, beyond
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (/proc, Linux)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass  # it ended while we looked
+    return out
+
+
+@pytest.mark.slow
+def test_workers_stop_with_a_killed_launcher_and_the_newest_checkpoint_survives(tmp_path):
+    """SIGKILL to torchrun's process group reaches torchrun alone: its agent started the workers with setsid.
+    Each worker watches its parent (train.stop_with_the_launcher) and ends once it is gone, within seconds, and
+    the newest committed checkpoint verifies (nothing half-committed: a save in flight is abandoned)."""
+    from resilience import ckpt_files
+
+    ck = tmp_path / "ck"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    launcher = subprocess.Popen([*TORCHRUN, "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *backend_flags(2),
+                                 "--preset", "tiny", "--steps", "100000", "--global-batch", "4", "--eval-every", "0",
+                                 "--out-dir", str(tmp_path), "--ckpt-dir", str(ck), "--ckpt-every", "3",
+                                 "--async-ckpt"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 150
+        while ckpt_files.newest_committed(str(ck)) is None or len(_children(launcher.pid)) < 2:
+            assert time.time() < deadline and launcher.poll() is None, "no checkpoint was committed"
+            time.sleep(0.5)
+        time.sleep(1.0)  # into the middle of some step, or of a background save
+        workers = _children(launcher.pid)
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's group: torchrun, not its workers' sessions
+        launcher.wait()
+    deadline = time.time() + 30
+    while [w for w in workers if os.path.exists(f"/proc/{w}")] and time.time() < deadline:
+        time.sleep(0.5)
+    alive = [w for w in workers if os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+    for orphan in alive:  # the failure is reported, not left running
+        os.kill(orphan, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their launcher by 30 s"
+    step, path = ckpt_files.newest_committed(str(ck))
+    ckpt_files.verify_checkpoint(path)  # raises CheckpointError if anything in it is missing or damaged
+    assert step >= 3 and step % 3 == 0, step
+
+
+def _readme_examples() -> list:
+    """The commands of README.md's "Train" block, then its first plan.py example: what a newcomer types."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    train_block = readme.split("## Train")[1].split("```bash")[1].split("```")[0]
+    plan_block = readme.split("## Sizing a layout")[1].split("```bash")[1].split("```")[0]
+    return [line.split("#")[0].split() for line in [*train_block.splitlines(), plan_block.strip().splitlines()[0]]
+            if line.strip()]
+
+
+def _at_a_tenth(argv: list, tmp) -> list:
+    """One README command at a tenth of its steps (and checkpoint interval), its directories under `tmp`, no
+    evals and a short sample: what it does, not how long it takes."""
+    out, i = [], 0
+    while i < len(argv):
+        flag = argv[i]
+        if flag in ("--steps", "--ckpt-every", "--diloco-h"):  # a tenth: DiLoCo's steps stay a multiple of H
+            out += [flag, str(max(2 if flag == "--steps" else 1, int(argv[i + 1]) // 10))]
+            i += 2
+            continue
+        if flag in ("--ckpt-dir", "--trace-file"):
+            out += [flag, str(tmp / argv[i + 1])]
+            i += 2
+            continue
+        out.append(flag)
+        i += 1
+    if out[0] == "torchrun":  # the suite's launcher and backend (a GPU suite passes nccl)
+        nproc = next(int(a.split("=")[1]) if "=" in a else int(out[out.index(a) + 1]) for a in out
+                     if a.startswith("--nproc_per_node"))
+        out = [*TORCHRUN, *out[1:], *backend_flags(nproc)]
+    else:
+        out = [sys.executable, *out[1:]]
+    if "train.py" in " ".join(out):
+        out += ["--out-dir", str(tmp / "out"), "--eval-every", "0", "--sample-tokens", "8"]
+        out += [] if "--steps" in out else ["--steps", "3"]  # the default run: its own 1200 → 3
+    return out
+
+
+@pytest.mark.slow
+def test_every_readme_example_runs_as_written_in_order(tmp_path):
+    """README.md's Train examples, in their order, from nothing (a fresh out-dir and checkpoint directories):
+    each ends with status 0, trains what it says (the resume continues, it does not find nothing to train), and
+    none trips on another's files."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    (tmp_path / "out").mkdir()
+    commands = _readme_examples()
+    assert len(commands) >= 15, commands
+    for argv in commands:
+        run = subprocess.run(_at_a_tenth(argv, tmp_path), capture_output=True, text=True, env=env, cwd=ROOT,
+                             timeout=300)
+        assert run.returncode == 0, (" ".join(argv), run.stderr[-3000:])
+        assert "nothing to train" not in run.stdout, " ".join(argv)
+        assert "WARNING" not in run.stdout + run.stderr.replace("W1", ""), (" ".join(argv), run.stdout[-2000:])

@@ -117,12 +117,14 @@ RESHARD = [  # (saves after SAVE_AT steps, resumes to STEPS): each replica set i
 ]
 
 
-def _run(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_root=None, resume_root=None):
+def _run(rank, world, flags, config_kw, global_batch, micro, stop=STEPS, save_root=None, resume_root=None,
+         drop_state=False):
     """test_composition._run_case, traced, plus what the replicas did: the losses, {global name: (tensor, info)},
     (traced, predicted) messages per step, every slot's logical expert and flat weights, the moves."""
     import report.run
     run = composed_run(rank, world, flags, config_kw, global_batch, micro, torch.device("cpu"))
-    losses, traced = traced_steps(run, STEPS, global_batch, 16, micro, 0.05, stop, save_root, resume_root)
+    losses, traced = traced_steps(run, STEPS, global_batch, 16, micro, 0.05, stop, save_root, resume_root,
+                                  drop_state)
     steps = len(losses)
     moe_axis = next(axis for axis in run.axes if axis.name == "moe")
     with getattr(run.layout, "gathered", nullcontext)():  # ZeRO-3: the working weights gathered back to be read
@@ -144,7 +146,8 @@ def _runs(rank, world, root):
     for index, (saving, resuming) in enumerate(RESHARD):
         directory = os.path.join(root, str(index))
         _run(rank, world, *saving, stop=SAVE_AT, save_root=directory)
-        out[("resumed", index)] = _run(rank, world, *resuming, resume_root=directory)
+        dropping_replicas = "--moe-replicas" in saving[0] and "--moe-replicas" not in resuming[0]  # their loads
+        out[("resumed", index)] = _run(rank, world, *resuming, resume_root=directory, drop_state=dropping_replicas)
     for index, (case, save_at) in enumerate(SAME_MESH):
         out[("same mesh", index)] = _interrupted(rank, world, case, save_at, os.path.join(root, f"same-{index}"))
     return out

@@ -201,6 +201,9 @@ BAD = [
     (["--diloco-h", "2", "--diloco-replicas", "3"], 4, "--diloco-replicas 3 must be a positive divisor"),
     (["--diloco-h", "2", "--diloco-replicas", "4", "--tp", "2"], 4, "data-parallel degree D = world 4"),
     (["--diloco-replicas", "2"], 4, "--diloco-replicas needs --diloco-h"),
+    (["--diloco-h", "2", "--diloco-replicas", "0"], 4, "--diloco-replicas must be at least 1"),  # was: R = 1
+    (["--diloco-outer-lr", "0.7"], 4, "--diloco-outer-lr needs --diloco-h"),  # its default, but given: ignored before
+    (["--diloco-outer-momentum", "0.5"], 4, "--diloco-outer-momentum needs --diloco-h"),
     (["--diloco-h", "2", "--diloco-outer-momentum", "1"], 4, "--diloco-outer-momentum must be in [0, 1)"),
     (["--diloco-h", "2", "--zero", "3"], 4, "--diloco-h with --zero 3"),
     (["--diloco-h", "7", "--steps", "20"], 4, "--steps 20 must be a multiple of --diloco-h 7"),

@@ -221,6 +221,13 @@ GOOD = ["--elastic", "1:2", "--micro-batch", "1", "--async-ckpt", "--resume", "l
     (GOOD, dict(RANK="0", WORLD_SIZE="3", LOCAL_WORLD_SIZE="1"), "--elastic 1:2: this world of 3 ranks is not 1 to 2"),
     (["--elastic", "2:1", *GOOD[2:]], WORLD_2, "--elastic 2:1: need 1 <= MIN <= MAX nodes"),
     (["--elastic", "two", *GOOD[2:]], WORLD_2, "--elastic must be MIN:MAX node counts"),
+    (["--elastic", "1:²", *GOOD[2:]], WORLD_2, "--elastic must be MIN:MAX node counts"),  # a digit, not ASCII's
+    # a huge MAX: the first world that fails is found at once (B_global bounds D), not after a loop over MAX
+    (["--elastic", f"1:{10**15}", *GOOD[2:]], WORLD_2, "--elastic 1:1000000000000000: on 3 nodes of 1 (world 3),"
+     " --global-batch 4 is not divisible"),
+    # DiLoCo's R = 2 replicas must divide D in every world: one node holds D = 1
+    ([*GOOD, "--diloco-h", "2", "--diloco-replicas", "2", "--steps", "10"], WORLD_2,
+     "--elastic 1:2: on 1 node of 1 (world 1), --diloco-replicas 2 must be a positive divisor"),
 ])
 def test_an_elastic_range_the_layout_cannot_hold_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path, extra, env,
                                                                         expected):

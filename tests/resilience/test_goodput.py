@@ -5,6 +5,7 @@ them under failures; its flags are checked here)."""
 import importlib.util
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -192,17 +193,23 @@ def _bench_module():
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """`python train.py` for 4 steps with checkpoints, then again with --resume to 6: each timed from outside; the
-    ledger of the checkpoint the second one loads."""
+    """`python train.py` for 6 steps with checkpoints, its step-6 checkpoint removed (as if it had failed after
+    step 4's save), then again with --resume to 6 (a restart after a failure), then with --resume to 8 (a new leg
+    of a finished run): each timed from outside; the ledgers of the checkpoints the resumed ones load."""
     tmp = tmp_path_factory.mktemp("goodput")
     common = [sys.executable, os.path.join(ROOT, "train.py"), "--preset", "tiny", "--global-batch", "2",
               "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp), "--ckpt-dir", str(tmp / "ck"),
               "--ckpt-every", "2", "--peak-tflops", "1", *backend_flags(1)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     out = {}
-    for name, extra in (("first", ["--steps", "4"]), ("second", ["--steps", "6", "--resume"])):
+    legs = (("first", ["--steps", "6"]), ("second", ["--steps", "6", "--resume"]),
+            ("third", ["--steps", "8", "--resume"]))
+    for name, extra in legs:
         if name == "second":
+            shutil.rmtree(tmp / "ck" / "step-00000006")  # the first run's last save never happened
             out["ledger"] = ckpt.read_logical(str(tmp / "ck" / "step-00000004"))[goodput.LEDGER_KEY].tolist()
+        if name == "third":
+            out["finished ledger"] = ckpt.read_logical(str(tmp / "ck" / "step-00000006"))[goodput.LEDGER_KEY].tolist()
         began = time.time()
         run = subprocess.run([*common, *extra], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
         out[name] = dict(run=run, began=began, seconds=time.time() - began)
@@ -233,3 +240,19 @@ def test_a_resumed_run_reports_its_predecessors_time_from_the_checkpoint(resumed
     assert this_process <= second["seconds"] + 0.1  # from its creation: inside the outside timer
     assert table["wall"] == pytest.approx(sum(saved.values()) + table["lost"] + this_process, abs=0.15)
     assert "+ 1 earlier process and the gaps" in second["run"].stdout
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_is_a_new_leg_that_lost_nothing(resumed):
+    """The checkpoint of a run's last step: the time since it was no failure's (lost stays the saved one, no
+    restart is added) and the new process's start-up is a start-up."""
+    saved = dict(zip(goodput.CAUSES, resumed["finished ledger"][goodput.FIRST_CAUSE:]))
+    third = resumed["third"]["run"].stdout
+    table = goodput.parse_table(third)
+    assert "a run that had finished" in third
+    assert table["lost"] == pytest.approx(saved["lost"], abs=0.006)
+    assert table["restart"] == pytest.approx(saved["restart"], abs=0.006)
+    assert table["startup"] > saved["startup"] + 0.1  # this process's start-up joins the first one's
+    this_process = float(third.split("(this process ")[-1].split(" s")[0])
+    assert table["wall"] == pytest.approx(sum(saved.values()) + this_process, abs=0.15)
+    assert "+ 2 earlier processes and the gaps" in third
