@@ -106,7 +106,7 @@ GELU_APPROXIMATIONS = {"exact": "none", "tanh": "tanh"}
 
 PRESETS = {
     "tiny": GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64),  # tests
-    # The default run (`python train.py`): ~0.86M parameters, a few minutes on 2 CPU cores (README, Train).
+    # The default run (`python train.py`): ~0.86M parameters, 600 steps in a few minutes on 2 CPU cores (README).
     "mini": GPTConfig(block_size=128, vocab_size=256, n_layer=4, n_head=4, n_embd=128),
     "small": GPTConfig(block_size=256, vocab_size=256, n_layer=6, n_head=6, n_embd=384),  # CPU demo, ~10.7M
     "gpt2": GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768),  # 124M

@@ -269,8 +269,10 @@ def run_plan(settings, hw: hardware.Hardware, out=print) -> tuple:
             out(line)
     slowest = max(range(len(roles)), key=lambda i: predictions[i].step)
     worst = max(roles, key=lambda r: r.peak)
-    out(f"predicted: step {predictions[slowest].step:.3f} s (rank {roles[slowest].rank} sets the pace), MFU"
-        f" {predictions[slowest].mfu:.1%}, {facts['tokens'] / predictions[slowest].step:,.0f} tok/s; peak memory"
+    step = predictions[slowest].step
+    achieved = roles[slowest].flops.hardware * facts["tokens"] / (s.world_size * step) / 1e12  # Narayanan's eq. 3
+    out(f"predicted: step {step:.3f} s (rank {roles[slowest].rank} sets the pace), MFU {predictions[slowest].mfu:.1%},"
+        f" {achieved:.1f} TFLOP/s per GPU (hardware FLOPs), {facts['tokens'] / step:,.0f} tok/s; peak memory"
         f" {mfu.format_bytes(worst.peak)} (rank {worst.rank}); {len(roles)} roles planned in"
         f" {time.perf_counter() - began:.1f} s (one stage of each of the {shapes} stage shapes built on meta)")
     out("=" * 100)

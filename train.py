@@ -304,9 +304,11 @@ def open_checkpointer(t: Training) -> None:
                                         t.start_step, args.global_batch, run.micro_batch_size))
     except ckpt.CheckpointError as e:
         fail(str(e))
-    if t.start_step >= args.steps:
-        print0(f"nothing to train: the checkpoint is at step {t.start_step} and --steps is {args.steps}"
-               f" (raise --steps to train on); sampling only")
+    if t.start_step >= args.steps:  # every rank loaded the same step: they fail together
+        fail(f"nothing to train: the checkpoint in --ckpt-dir {args.ckpt_dir} is at step {t.start_step} and --steps is"
+             f" {args.steps}; raise --steps to train on (sample.py samples a checkpoint)")
+    if args.init_from and t.start_step:  # a restarted fine-tune: its checkpoint, not the import, is where it stands
+        print0(f"init-from {args.init_from}: its weights replaced by the checkpoint of step {t.start_step}")
 
 
 def train_loop(t: Training, tracer: CommTracer) -> None:

@@ -83,8 +83,10 @@ def shape_of(settings, config, device_type: str, compute_dtype, param_dtype,
     """activation_shape without a run (plan.py's search sizes layouts it never builds; a "cuda" device there is a
     GPU preset with FP8 tensor cores unless fp8_tensor_cores says otherwise)."""
     cp_impl = settings.args.cp_impl if settings.shape.cp > 1 else None
-    # CP's attention (the ring, or SDPA on whole sequences inside Ulysses) runs without dropout (refused).
-    kernel = "fused" if cp_impl else memory.attention_kernel(device_type, compute_dtype, config.dropout)
+    # CP's attention (the ring, or SDPA on whole sequences inside Ulysses) runs without dropout (refused); a plan's
+    # --attention-kernel is the kernel it assumes (math: Megatron's unfused softmax and dropout, bench_calibration).
+    planned = getattr(settings.args, "attention_kernel", None)
+    kernel = "fused" if cp_impl else planned or memory.attention_kernel(device_type, compute_dtype, config.dropout)
     fp8 = settings.args.fp8
     tensor_cores = device_type == "cuda" if fp8_tensor_cores is None else fp8_tensor_cores
     emulated = fp8 is not None and (not tensor_cores or fp8 == "blockwise")  # FP8's GEMM: an mm in fp32 or wider

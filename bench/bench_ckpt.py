@@ -100,14 +100,16 @@ def main(argv=None):
     parser.add_argument("--dims", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--between", type=int, default=2, help="training steps between two saves")
-    parser.add_argument("--root", default="/tmp/bench-ckpt")
+    parser.add_argument("--root", default="/tmp/bench-ckpt",
+                        help="a new or empty directory (or one this bench made): it is cleared run by run")
     parser.add_argument("--preset", default="small")
     parser.add_argument("--smoke", action="store_true",
                         help="seconds, to check the bench runs: --preset tiny --dims 2 --saves 1 --between 1")
-    from common import add_device_argument, check_gpus
+    from common import add_device_argument, check_gpus, own_root
 
     add_device_argument(parser)
     args = parser.parse_args(argv)
+    own_root(parser, args.root)
     if args.smoke:
         args.preset, args.dims, args.saves, args.between = "tiny", [2], 1, 1
     check_gpus(max(args.dims), args.device)

@@ -1,9 +1,11 @@
-"""Helpers shared by the benchmark scripts: the --device flag, alternating timing that waits for the GPU, and a
-multi-rank launcher (gloo on CPU; one GPU per rank and NCCL with --device cuda)."""
+"""Helpers shared by the benchmark scripts: the --device flag, alternating timing that waits for the GPU, a
+working directory a bench may clear (`own_root`), and a multi-rank launcher (gloo on CPU; one GPU per rank and NCCL
+with --device cuda)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -48,6 +50,30 @@ def alternate(candidates: dict, steps: int, warmup: int = 2) -> dict:
             if round_index >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+OWNER_MARK = ".written-by-a-bench"  # in a --root the bench created: what it may delete and rewrite
+
+
+def own_root(parser, path: str, flag: str = "--root", clear: bool = False) -> str:
+    """The directory a bench writes into (and clears between runs): one it created before (it holds the mark)
+    or an empty or new one, which it marks now. Anything else (a file, a directory with other files, a path that
+    cannot be created) is a parser error naming the flag: a bench never deletes or overwrites what it did not
+    write. clear: empty it first (what an earlier run of the bench left)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        parser.error(f"{flag} {path}: a file; expected a new or empty directory (the bench clears it)")
+    if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, OWNER_MARK)):
+        parser.error(f"{flag} {path}: holds files this bench did not write; give a new or empty directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(path) if clear else ():
+            entry = os.path.join(path, name)
+            shutil.rmtree(entry) if os.path.isdir(entry) and not os.path.islink(entry) else os.remove(entry)
+        with open(os.path.join(path, OWNER_MARK), "w") as f:
+            f.write("created by a bench script of this repository: it may clear this directory\n")
+    except OSError as e:
+        parser.error(f"{flag} {path}: cannot be written ({e.strerror})")
+    return path
 
 
 def check_gpus(world: int, device: str) -> None:

@@ -23,18 +23,22 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")]
+
+from common import own_root  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--root", default="/tmp/fault-ckpt")
+    parser.add_argument("--root", default="/tmp/fault-ckpt",
+                        help="a new or empty directory (or one this bench made): it is cleared run by run")
     parser.add_argument("--smoke", action="store_true", help="one trial, to check the bench runs (--trials 1)")
     args = parser.parse_args()
     if args.smoke:
         args.trials = 1
+    own_root(parser, args.root, clear=True)  # the runs below resume from what they find there
 
     import ckpt
     from resilience.ckpt_files import FAULT_ENV
@@ -42,8 +46,6 @@ def main():
                            run_to_completion)
 
     rng = random.Random(args.seed)
-    shutil.rmtree(args.root, ignore_errors=True)
-    os.makedirs(args.root)
     corpus = os.path.join(args.root, "corpus.txt")
     with open(corpus, "w") as f:
         f.write("".join(rng.choice("abcdefgh ijklmnop\n") for _ in range(50_000)))

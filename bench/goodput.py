@@ -55,9 +55,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
 import ckpt  # noqa: E402
+from common import own_root  # noqa: E402
 from resilience import goodput  # noqa: E402
 
 CALIBRATION_STEPS = 400  # the calibration run's length at most (its C per save needs only enough saves)
@@ -72,7 +73,8 @@ def parse_args(argv=None):
     parser.add_argument("--factors", type=float, nargs="+", default=[0.5, 1, 2, 4], help="τ / τ*")
     parser.add_argument("--calibration-every", type=int, default=5, help="k: the calibration run's interval")
     parser.add_argument("--seed", type=int, default=1, help="the kill schedule's and the victims' seed")
-    parser.add_argument("--root", default="/tmp/goodput-bench")
+    parser.add_argument("--root", default="/tmp/goodput-bench",
+                        help="a new or empty directory (or one this bench made): it is cleared run by run")
     parser.add_argument("--smoke", action="store_true", help="one τ, one kill, the bitwise check")
     args = parser.parse_args(argv)
     if args.steps < 8:
@@ -85,6 +87,7 @@ def parse_args(argv=None):
         parser.error(f"--calibration-every {args.calibration_every}: at least 1 step")
     if args.smoke:
         args.steps, args.calibration_every = 16, 4
+    own_root(parser, args.root)
     return args
 
 
@@ -256,7 +259,6 @@ def kill_intervals(seed: int, mtbf_steps: float, horizon_steps: float) -> list:
 def main(argv=None):
     args = parse_args(argv)
     rng = random.Random(args.seed)
-    os.makedirs(args.root, exist_ok=True)
     corpus = os.path.join(args.root, "corpus.txt")
     with open(corpus, "w") as f:
         f.write("".join(rng.choice("abcdefgh ijklmnop\n") for _ in range(50_000)))

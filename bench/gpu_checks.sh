@@ -44,14 +44,17 @@ check() {  # check NAME GPUS_NEEDED MAX_SECONDS COMMAND...
     local left=$((BUDGET_S - ($(date +%s) - START)))
     if ((GPUS < need)); then SUMMARY+=("SKIP     $name: needs $need GPUs, $GPUS visible"); return; fi
     if [[ $DRY_RUN == 1 ]]; then  # the flags only: from the script (train.py under torchrun too), or pytest's
-        local args=("$@")
+        local args=("$@") t0 line
+        t0=$(date +%s)
         while ((${#args[@]})) && [[ ${args[0]} != *.py ]]; do args=("${args[@]:1}"); done
         if ((${#args[@]})); then
-            argcheck python3 "${args[@]}" && SUMMARY+=("flags ok $name") || SUMMARY+=("FLAGS?   $name: $*")
+            argcheck python3 "${args[@]}" && line="flags ok $name" || line="FLAGS?   $name: $*"
         elif [[ $* == *pytest* ]]; then
-            python3 -m pytest --collect-only -q "${@:4}" >/dev/null && SUMMARY+=("flags ok $name") ||
-                SUMMARY+=("FLAGS?   $name: $*")
-        else SUMMARY+=("unparsed $name: $*"); fi
+            python3 -m pytest --collect-only -q "${@:4}" >/dev/null && line="flags ok $name" ||
+                line="FLAGS?   $name: $*"
+        else line="unparsed $name: $*"; fi
+        SUMMARY+=("$line")
+        echo "$line ($(($(date +%s) - t0)) s: each command's imports, its parser)"  # progress: ~20 of them
         return
     fi
     if ((left < 20)); then SUMMARY+=("SKIP     $name: the ${BUDGET_S} s budget is spent"); return; fi
@@ -119,7 +122,10 @@ check bench_pipeline 2 120 python3 bench/bench_pipeline.py --device cuda --pp $S
 check bench_moe 4 120 python3 bench/bench_moe.py --device cuda --embd 512 --seq 512 --steps 4
 
 echo
-echo "=== summary: $GPUS GPU(s), $(($(date +%s) - START)) s of a ${BUDGET_S} s budget; logs in $LOGS"
+if [[ $DRY_RUN == 1 ]]; then
+    echo "=== summary: DRY_RUN, the flags of every command parsed in $(($(date +%s) - START)) s (nothing ran, so no" \
+        "budget was spent; a real run has ${BUDGET_S} s)"
+else echo "=== summary: $GPUS GPU(s), $(($(date +%s) - START)) s of a ${BUDGET_S} s budget; logs in $LOGS"; fi
 printf '%s\n' "${SUMMARY[@]}"
 [[ $DRY_RUN == 1 ]] && exit 0
 echo "=== the numbers"

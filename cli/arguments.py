@@ -89,11 +89,11 @@ def _add_data_flags(parser) -> None:
 
 def _add_optimization_flags(parser) -> None:
     g = parser.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=1200, help="optimizer steps to train")
+    g.add_argument("--steps", type=int, default=600, help="optimizer steps to train")
     g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step (B_global)")
     g.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per rank per micro-step (B_μ; default: B_global / D, one micro-batch a step)")
-    g.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
     g.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
     g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
     g.add_argument("--weight-decay", type=float, default=0.1,
@@ -211,4 +211,8 @@ def add_plan_arguments(parser) -> None:
     g.add_argument("--world", type=int, help="ranks to plan for (--plan, --plan-search; no default: required)")
     g.add_argument("--vocab-size", type=int, help="rows of the embedding and the head the plan sizes, as given (no"
                    " padding; default: --tokenizer's padded, or a gpt3-* preset's 50304); --plan, --plan-search")
+    g.add_argument("--attention-kernel", choices=("fused", "math"), help="the attention kernel the plan prices and"
+                   " sizes: fused (flash-style, the s×s scores never reach HBM; default: what the trainer's"
+                   " scaled_dot_product_attention takes on a GPU) or math (the softmax and its dropout read and write"
+                   " the scores through HBM and save them, as Megatron's 2021-22 runs did); --plan, --plan-search")
     hardware.add_arguments(parser)

@@ -115,6 +115,8 @@ _ONLY_WITH = (
      lambda a: a.plan or a.plan_search),
     ("--vocab-size", "vocab_size", "--plan or --plan-search (a run's vocabulary is its tokenizer's)",
      lambda a: a.plan or a.plan_search),
+    ("--attention-kernel", "attention_kernel", "--plan or --plan-search (a run's kernel is the one its device"
+     " dispatches)", lambda a: a.plan or a.plan_search),
     ("--pp-schedule", "pp_schedule", "--pp > 1", lambda a: a.pp > 1),
     ("--pp-virtual", "pp_virtual", "--pp-schedule interleaved", lambda a: a.pp_schedule == "interleaved"),
     ("--trace-file", "trace_file", "--pp > 1 (it draws the pipeline schedule)", lambda a: a.pp > 1),
@@ -145,11 +147,12 @@ def explicit_flags(argv) -> set:
     return {name for name, value in given.items() if value is not unset}
 
 
-def validate(args, world_size: int, given=None, axes=()) -> Settings:
+def validate(args, world_size: int, given=None, axes=(), check_files: bool = True) -> Settings:
     """Check every flag before any process group exists: the run's own rules here, then each axis module's
     `config_from_flags(args, settings)` (in `axes`, train.AXES' order). Returns the Settings (device and dtype
     not chosen yet: parse does that). given: the flags the command line set (explicit_flags), for the rules
-    about flags that only mean something with another one; default: those whose value is not the default."""
+    about flags that only mean something with another one; default: those whose value is not the default.
+    check_files=False leaves out cli/paths.py's checks (the plan search makes them once, not per layout)."""
     if given is None:
         defaults = vars(build_parser().parse_args([]))
         given = {name for name, value in vars(args).items() if name in defaults and value != defaults[name]}
@@ -169,7 +172,8 @@ def validate(args, world_size: int, given=None, axes=()) -> Settings:
         # The experts' split before the batch arithmetic, which takes the mesh as given: --ep 3 of 4 experts is a
         # wrong --ep, not a global batch that D = 3 does not divide.
         moe.check_flags(config, shape)
-        paths.check_paths(args)
+        if check_files:
+            paths.check_paths(args)
     if args.min_lr is not None and args.min_lr > args.lr:
         raise FlagError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the cosine schedule decays from --lr"
                         f" down to --min-lr")
@@ -329,13 +333,16 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 
 def check_world(args) -> None:
     """--plan/--plan-search's own rules: --world given, filling whole nodes of G GPUs (rank // G is the node:
-    at most G, or a multiple), and divisible by the layout (before any build)."""
+    at most G, or a multiple), divisible by the layout (before any build), the math attention kernel without CP."""
     if args.world is None:
         raise FlagError("--plan and --plan-search need --world N (the number of ranks to plan for)")
     gpus = args.gpus_per_node or hardware.PRESETS[args.hw].gpus_per_node
     if args.world > gpus and args.world % gpus:
         raise FlagError(f"--world {args.world} does not fill whole nodes of {gpus} GPUs (--gpus-per-node, or --hw"
                         f" {args.hw}'s): give a multiple of {gpus}, or at most {gpus} ranks")
+    if args.attention_kernel == "math" and args.cp > 1:
+        raise FlagError("--attention-kernel math needs --cp 1: context parallel's attention (the ring's blocks,"
+                        " Ulysses' heads) runs the fused kernel, without dropout")
     model_parallel = args.tp * args.pp * args.cp
     if args.plan and args.world % model_parallel:
         raise FlagError(f"--world {args.world} is not divisible by --tp {args.tp} × --pp {args.pp} × --cp {args.cp}"

@@ -100,8 +100,13 @@ def alive_chunks(program: list, stage: int) -> set:
 def step_transient_bytes(program: list, stage: int, gathered: dict, accumulating: dict) -> float:
     """max over actions of Σ gathered[c] over the chunks gathered + Σ accumulating[c] over those accumulating
     (alive_chunks): b_w·n'_c and b_a·n'_c per chunk c."""
-    return max((sum(gathered[c] for c in held) + sum(accumulating[c] for c in grads)
-                for held, grads in alive_chunks(program, stage)), default=0)
+    return transient_of(alive_chunks(program, stage), gathered, accumulating)
+
+
+def transient_of(alive: set, gathered: dict, accumulating: dict) -> float:
+    """step_transient_bytes of a list's alive_chunks (the plan's search computes those once per action list)."""
+    return max((sum(gathered[c] for c in held) + sum(accumulating[c] for c in grads) for held, grads in alive),
+               default=0)
 
 
 class _ChunkGradients:

@@ -15,8 +15,9 @@ checked range (check_flags: one line naming the flag, exit 2):
                   two LayerNorms 2 · 2h/σ, two bias-dropout-residual adds 2 · 3h/σ, the bias-GELU 2 · 4h/T,
                   and with the unfused ("math") attention the softmax's 2·a·s/T (and its dropout's 2·a·s/T);
               backward moves twice the forward's bytes (the saved input, the incoming and the outgoing
-              gradient), a recomputed block once more: (3 + recompute) × forward. The optimizer's update
-              (2 × persistent bytes) runs at the same fraction.
+              gradient), a recomputed block once more: (3 + recompute) × forward, recompute full or selective
+              (parallel/recompute.py's policy reruns every one of these ops, the math path's softmax and dropout
+              with the core attention). The optimizer's update (2 × persistent bytes) runs at the same fraction.
     links     every collective and p2p at --calib-link-fraction of the link's bandwidth (NCCL's bus
               bandwidth against the link's: ≈ 0.8 on NVLink and InfiniBand), its α unchanged.
 
@@ -97,19 +98,21 @@ def from_flags(args) -> Calibration:
 HEAD_CLASS = 5  # gemms' classes: QKV, proj, fc1, fc2, attention, the head
 
 
-def gemms(config, counts: dict, tokens_per_micro_batch: int, seq: int, t: int, recompute: bool) -> list:
+def gemms(config, counts: dict, tokens_per_micro_batch: int, seq: int, t: int, recompute: bool,
+          attention_recompute: bool) -> list:
     """[(hardware FLOPs per token of the whole model, smallest dimension)] of each GEMM class (the module
-    docstring's shapes): the blocks' linears (6N_block, + 2N_block recomputed), attention's matmuls
-    (12·L·s·h, + 4·L·s·h recomputed), and the rest of the matmul weights (the head: 6·(N − N_block)). The
-    blocks' weights split 3 : 1 : 4 : 4 over QKV, proj, fc1, fc2 (a dense block's; a MoE block's experts and
-    router are counted in the same shares, an approximation)."""
+    docstring's shapes): the blocks' linears (6N_block, + 2N_block under full recompute), attention's matmuls
+    (12·L·s·h, + 4·L·s·h where the core attention is rerun: full recompute, or selective on the math path), and
+    the rest of the matmul weights (the head: 6·(N − N_block)). The blocks' weights split 3 : 1 : 4 : 4 over QKV,
+    proj, fc1, fc2 (a dense block's; a MoE block's experts and router are counted in the same shares, an
+    approximation)."""
     h, L, m = config.n_embd, config.n_layer, tokens_per_micro_batch
     passes = 6 + (2 if recompute else 0)  # FLOPs per weight per token: forward 2, backward 4, recompute 2
     block = counts["block_matmul"] * passes
     out = []
     for share, k, n in ((3, h, 3 * h / t), (1, h / t, h), (4, h, 4 * h / t), (4, 4 * h / t, h)):
         out.append((block * share / 12, min(m, k, n)))
-    out.append(((12 + (4 if recompute else 0)) * L * seq * h, config.head_dim))
+    out.append(((12 + (4 if attention_recompute else 0)) * L * seq * h, config.head_dim))
     out.append((6 * (counts["active_matmul"] - counts["block_matmul"]), min(m, h, config.vocab_size / t)))
     return out
 

@@ -144,7 +144,7 @@ def probe_flops(config, tokens: int, seq: int, t: int) -> tuple[float, float]:
     `tokens` tokens of sequences of `seq`: calibration.gemms' classes (FLOPs per token of the whole model's
     full widths) per layer for the block (its four linears and attention), the head class for the ends, each
     divided by T: the rank's shard of every width."""
-    classes = calibration.gemms(config, memory.param_counts(config), tokens, seq, t, recompute=False)
+    classes = calibration.gemms(config, memory.param_counts(config), tokens, seq, t, False, False)
     block = sum(flops for flops, _ in classes[:5]) / config.n_layer
     return block * tokens / t, classes[5][0] * tokens / t
 

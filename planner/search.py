@@ -1,521 +1,54 @@
-"""--plan-search: every layout of a world size sized from the start-up's own pure formulas, without building.
+"""--plan-search: every layout of a world size ranked by predicted step time, each sized from the formulas.
 
     python plan.py --plan-search --world 64 --preset gpt3-13b --global-batch 512 --hw-memory-gib 80
 
 It enumerates the layouts (D, P, C ring, T with SP, E with --moe-experts, ZeRO stage, B_μ and m, schedule,
-activation checkpointing) that flags.validate accepts, gives each pipeline stage's time_model.Role from the formulas
-the start-up prints (zero.persistent_bytes per data-parallel group, zero.ZeroLayout's units and transients as
-`grad_sync_messages` and `_formula_temporaries` count them, under a pipeline parallel/zero_pipeline.py's units per chunk
-(`chunk_units`, `_formula_zero_pipeline`: the action list's gathers and transient by zero_pipeline's own functions),
-DiLoCo's outer state and Δ all-reduce (`_formula_diloco`), --fp8's amax all-reduces (`_formula_fp8`) and, under
-ZeRO-3, its weights gathered as E4M3 codes in units of their own with each gather's scale agreement (memory.fp8_weights,
-`codec_messages`; a precision recipe's NVFP4 weights likewise as E2M1 codes with their tiles' amaxes, `codec_weights`),
-tensor_parallel.step_messages,
-context_parallel.layer_messages, dispatch.step_messages, activations.estimate_of, schedules.bubble_formula and
-p2p_counts, mfu.flops_per_token) and time_model.predict's time model, drops what does not fit the device memory,
-ranks by step time and prints the best ten with the term that limits each. --moe-replicas R is kept as given
-(the E that R/E slots fit: eplb.check_flags): R/E experts a block, eplb.step_messages' gradient sum, loads and
-re-plan windows. R itself is not searched: at the uniform load the time model assumes, replicas add memory and
-messages and balance nothing. Building a role on meta takes about a second for a large model, too slow for
-thousands of layouts; tests/planner/test_plan.py checks that these figures equal --plan's built ones (dense, CP, EP and
-replicas layouts, ZeRO-2/3 under 1F1B and interleaving, FP8 under ZeRO-2/3 with and without a pipeline, DiLoCo).
-Under --fp8 current the slots reduce no amax; under delayed each logical expert's history rolls over dp×cp
-(precision/fp8_replicas.py).
+activation checkpointing), sizes those flags.validate accepts from the start-up's own formulas (planner/formulas.py:
+each pipeline stage's time_model.Role) and time_model.predict's time model, drops what does not fit the device memory,
+ranks by step time and prints the best ten with the term that limits each. --moe-replicas R is kept as given; R is
+not searched: at the uniform load the time model assumes, replicas add memory and messages and balance nothing.
+
+Branch and bound. Sizing a layout costs its P stages' roles (P = 64: 64 of them), and most layouts cannot be among
+the best ten: time_model.step_bound says which without building a role. A stage's predicted step is at least its
+compute / (1 − bubble) (the rest, exposed communication and the update, is never negative), and that needs only the
+layout's time-model facts (time_model.layout_facts: its GEMM classes and memory-bound bytes) and the bubble formula.
+Every layout gets its bound from a draft of its settings (the first layout validated, its layout fields replaced:
+`draft`); they are then sized in the order of their bounds, each validated when its turn comes, and once the next
+bound exceeds the tenth best step that fits, none left can enter the ten: the search stops there. The ten are the
+exhaustive search's (search(..., bound=False) bounds no layout before sizing it, each still left at the first
+look that puts it out: tests/planner/test_search.py compares the two).
+What layouts share is computed once: the schedule's facts per (schedule, P, m, v) (formulas.schedule_facts) and
+the time-model facts per (recompute, T, C, P, B_μ). A line every few seconds says how far it is.
 
 Accounting for this file: it allocates nothing and sends nothing (shapes and formulas only).
 """
 
 from __future__ import annotations
 
-import math
+import argparse
+import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from itertools import product
 
-from accounting import activations, memory, moe_memory
+from accounting import moe_memory
 from cli import flags
-import context_parallel
-import ddp
-from experts import dispatch, eplb, router
 import mfu
-from parallel import recompute, schedules, zero_pipeline
+from parallel import recompute, schedules
 from planner import hardware
-from precision import fp8_scaling
-import precision.recipe
-import report.axes
-import step
-import tensor_parallel
 import train
-import zero
 from cli.flags import FlagError
-from mesh import MeshShape, groups_of
+from mesh import infer_mesh_shape
 from moe import experts_of
+from planner.formulas import formula_role, schedule_facts, stage_roles, with_sends_alive
 from planner.hardware import hardware_line
-from planner.time_model import (PLANNED_DEVICE, Role, layout_facts, layout_name, limiting_term, plan_dtypes,
-                                plan_settings, predict)
-from step import Messages
+from planner.time_model import layout_facts, layout_name, limiting_term, plan_dtypes, plan_settings, predict, step_bound
 
-
-def _programs_facts(schedule: str, P: int, m: int, v: int) -> tuple:
-    """({(src, dst): messages per step}, [chunk-micro-batches in flight per pp rank], [sent buffers alive at
-    once per pp rank], [each pp rank's action list]) of a schedule."""
-    programs = schedules.build_programs(schedule, P, m, v)
-    live = [schedules.live_sends(steps) for steps in schedules.communication_plan(programs, P * v)]
-    return schedules.p2p_counts(programs, P * v), [schedules.in_flight(p)[0] for p in programs], live, programs
-
-
-def stage_holding(config, P: int, v: int, p: int) -> tuple:
-    """([layer ids], has embedding, has head) of pp rank p (pipeline.stage_kwargs's split)."""
-    chunks = schedules.rank_chunks(p, P, v)
-    layer_ids = [i for c in chunks for i in schedules.stage_layers(config.n_layer, P, v, c)]
-    return layer_ids, 0 in chunks, P * v - 1 in chunks
-
-
-def stage_params(config, shape: MeshShape, v: int, p: int, slots: int = 0, codec_settings=None) -> dict:
-    """pp rank p's parameters by the shapes (memory.param_counts of what it holds, T and E as the shape says),
-    per data-parallel group ("dp_cp": dense, "expert_dp": experts): "blocks" each held block's, "root" the
-    embedding's (first chunk) and ln_f's and the head's tied copy (last chunk), "replicated" what TP replicates
-    (the SP gradient sum's), "moe_replicated" the routers' and this rank's experts (MoE's own SP sum,
-    dispatch.step_messages). "runs": (group, elements) in registration order, adjacent tensors of one group
-    together (a bucket or ZeRO unit never spans two groups). slots: R with --moe-replicas (R/E experts a block).
-    codec_settings: the run's settings where it has a gather codec (None: none): "codec_blocks", each held block's
-    weights ZeRO-3 gathers as codes, (elements, tensors) per group (under --fp8 also the FP8 linears _formula_fp8
-    counts)."""
-    layer_ids, embedding, head = stage_holding(config, shape.pp, v, p)
-
-    def held(layers, embedding: bool = False, head: bool = False) -> dict:
-        return memory.param_counts(config, shape.tp, shape.ep, layers, embedding, head, slots)
-
-    whole = held(layer_ids, embedding, head)
-    first = held([], embedding)["dp_cp"]
-    last = held([], embedding, head)["dp_cp"] - first
-    blocks, runs = {"dp_cp": [], "expert_dp": []}, [["dp_cp", first]]
-    for layer_id in layer_ids:
-        block = held([layer_id])
-        blocks["dp_cp"].append(block["dp_cp"])
-        blocks["expert_dp"].append(block["expert_dp"])
-        runs[-1][1] += block["dp_cp"]
-        runs += [["expert_dp", block["expert_dp"]], ["dp_cp", 0]] if block["expert_dp"] else []
-    runs[-1][1] += last
-    local = {"dp_cp": whole["dp_cp"], "expert_dp": whole["expert_dp"]}
-    codec_blocks = {group: [codec_weights(codec_settings, [layer])[group] for layer in layer_ids]
-                    for group in local} if codec_settings is not None else None
-    return dict(layer_ids=layer_ids, codec_blocks=codec_blocks, embedding=embedding, head=head, layers=len(layer_ids),
-                blocks=blocks, root=first + last, local=local, total=whole["per_rank"], runs=[r for r in runs if r[1]],
-                replicated=whole["replicated"], moe_replicated=whole["router"] + whole["expert_dp"],
-                block=max((sum(x) for x in zip(*blocks.values())), default=0))
-
-
-@dataclass(frozen=True)
-class _Stage:
-    """What the formulas of pp rank p (d, c, t = 0) share: the flags, its parameters, the bytes per element."""
-
-    settings: object
-    p: int
-    v: int  # model chunks per pp rank (--pp-virtual under the interleaved schedule, else 1)
-    held: dict  # stage_params: this rank's parameters, per data-parallel group
-    sizes: dict  # {group: D_g}: "dp_cp" (dense), "expert_dp" (experts)
-    compute: object  # the dtypes of the activations and of the working weights (plan_dtypes)
-    param: object
-    b_w: int  # bytes of a working weight
-    b_c: int  # of an activation
-    b_m: int  # of a master weight or an Adam moment
-    b_g: int  # of a held gradient: ZeRO with m > 1 sums the micro-batches in the master dtype
-    b_r: int  # of what the gradient reduction sends
-    fp8: str | None = None  # --fp8 current or delayed (_formula_fp8's; their weights: units of their own, ZeRO-3)
-    codec: str | None = None  # ZeRO-3's gather codec: "e4m3" (--fp8 current, delayed), "nvfp4" (a recipe's)
-
-
-def _stage_of(settings, p: int) -> _Stage:
-    args, shape, m = settings.args, settings.shape, settings.micro_batches
-    C, stage = shape.cp, args.zero
-    v = args.pp_virtual if args.pp_schedule == "interleaved" and shape.pp > 1 else 1
-    _, compute, param, master = plan_dtypes(settings)
-    b_w, b_m = param.itemsize, master.itemsize
-    b_g = b_w if m == 1 or stage == 0 else b_m
-    summed_once = stage == 1 or stage >= 2 and shape.pp > 1  # parallel/zero_pipeline.py sends the step's sum, once
-    D = shape.replica_dp  # DiLoCo: the layout's groups stay inside a replica of D/R data ranks
-    codec = gather_codec(settings)
-    return _Stage(settings, p, v, held=stage_params(settings.model, shape, v, p, args.moe_replicas,
-                                                    settings if codec else None),
-                  sizes={"dp_cp": D * C, "expert_dp": D * C // shape.ep}, compute=compute, param=param,
-                  b_w=b_w, b_c=compute.itemsize, b_m=b_m, b_g=b_g, b_r=b_g if summed_once else b_w,
-                  fp8=args.fp8 if codec == "e4m3" else None, codec=codec)
-
-
-def gather_codec(settings) -> str | None:
-    """ZeRO-3's gather codec of the block linears' weights: "e4m3" under --fp8 current or delayed
-    (fp8.ZeroWeightCodec; blockwise has none), "nvfp4" under a precision recipe whose one 16×16 NVFP4 quantisation
-    serves both GEMMs (recipe_codec.ZeroWeightCodec), else None."""
-    args = settings.args
-    if fp8_scaling.per_tensor(args.fp8):
-        return "e4m3"
-    recipe = args.precision_recipe and precision.recipe.parse_recipe(args.precision_recipe)
-    return "nvfp4" if recipe and recipe.gathers_codes else None
-
-
-def codec_weights(settings, layers) -> dict:
-    """{group: (elements, tensors)} of the weights in `layers` that ZeRO-3 gathers as 1-byte codes in units of their
-    own (zero3.by_group_and_codec): the block linears' (memory.fp8_weights: every nn.Linear but the router), under a
-    precision recipe only the blocks before its tail (precision.recipe.convert keeps the last ⌈F·n_layer⌉ precise)."""
-    config, shape, slots = settings.model, settings.shape, settings.args.moe_replicas
-    layers = recipe_layers(settings, layers) if gather_codec(settings) == "nvfp4" else layers
-    return memory.fp8_weights(config, shape.tp, shape.ep, layers, slots)
-
-
-def recipe_layers(settings, layers) -> list:
-    """Of `layers`, those a precision recipe quantises: the blocks before its tail (precision.recipe.convert keeps
-    the last ⌈F·n_layer⌉ in the compute dtype)."""
-    n_layer = settings.model.n_layer
-    first_kept = n_layer - precision.recipe.parse_recipe(settings.args.precision_recipe).tail_layers(n_layer)
-    return [layer for layer in layers if layer < first_kept]
-
-
-def amax_groups(shape: MeshShape) -> list:
-    """The groups an amax is MAX-reduced over (the ranks holding pieces of one logical tensor): cp and tp, each
-    of size > 1 (fp8.Fp8Linear's and precision.recipe.RecipeLinear's amax_groups)."""
-    return [name for name, size in (("cp", shape.cp), ("tp", shape.tp)) if size > 1]
-
-
-def _formula_precision(s: _Stage) -> Messages:
-    """precision.recipe.PrecisionHandle.predicted_messages from the held blocks before the recipe's tail: per dense
-    linear (memory.fp8_weights' dp_cp tensors; routed experts reduce none) and micro-batch over cp and tp (each of
-    size > 1), forward 8 bytes when fwd = nvfp4 (twice under activation checkpointing), backward 16 when bwd = nvfp4."""
-    settings, out = s.settings, Messages()
-    recipe = precision.recipe.parse_recipe(settings.args.precision_recipe)
-    config, shape = settings.model, settings.shape
-    held = recipe_layers(settings, s.held["layer_ids"])
-    calls = memory.fp8_weights(config, shape.tp, shape.ep, held)["dp_cp"][1] * settings.micro_batches
-    for group in amax_groups(shape) if calls else []:
-        if recipe.fwd == "nvfp4":
-            forwards = calls * (2 if config.activation_checkpointing else 1)
-            out.add("all_reduce", group, forwards, 8 * forwards)
-        if recipe.bwd == "nvfp4":
-            out.add("all_reduce", group, calls, 16 * calls)
-    return out
-
-
-def formula_role(settings, p: int, facts: tuple | None = None) -> Role:
-    """pp rank p's (d, c, t = 0) Role from the formulas the start-up prints (facts: _programs_facts, cached):
-    the persistent bytes, the messages (the data-parallel ones, each axis's, the pipeline's), the activations,
-    and the figures the time model reads (bubble, last bucket, first gather, boundary)."""
-    config, shape, s = settings.model, settings.shape, _stage_of(settings, p)
-    if shape.pp > 1:
-        facts = facts or _programs_facts(settings.args.pp_schedule, shape.pp, settings.micro_batches, s.v)
-    chunked = shape.pp > 1 and settings.args.zero >= 2  # parallel/zero_pipeline.py's units per chunk
-    persistent = _formula_persistent(s)
-    if chunked:
-        messages, temporaries, last_bucket, first_gather, persistent = _formula_zero_pipeline(s, facts[3][p])
-    else:
-        messages, temporaries, last_bucket, first_gather = _formula_data_parallel(s)
-    messages = _formula_axis_messages(s, messages, temporaries)
-    flight, bubble, boundary = _formula_pipeline(s, messages, temporaries, facts)
-    persistent, notes = _formula_diloco(s, messages, persistent)
-    rank, ranks, alias = _formula_groups(shape, p)
-    x = activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param)
-    ends = (s.held["embedding"], s.held["head"])
-    chunks = activations.pipeline_chunks(config.n_layer, shape.pp, s.v, p) if shape.pp > 1 else None
-    slots = settings.args.moe_replicas
-    gathered = (activations.zero3_saved_weights(config, x, s.held["layer_ids"], ends, shape.ep, shape.dp * shape.cp,
-                                                chunks, slots, s.fp8 is not None) if settings.args.zero == 3 else {})
-    return Role(rank=rank, coords=shape.coords(rank), local_params=s.held["total"], logical={},
-                persistent=persistent,
-                activations=activations.estimate_of(config, x, s.held["layer_ids"], ends, shape.ep, flight, gathered,
-                                                    slots=slots),
-                temporaries=temporaries, messages=messages.named(lambda name: alias.get(name, name)),
-                group_ranks=ranks, notes=notes,
-                flops=mfu.flops_per_token(memory.param_counts(config), config, settings.seq_len, x.kernel),
-                bubble=bubble, last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
-                layer_share=s.held["layers"] * shape.pp / config.n_layer)
-
-
-def _formula_persistent(s: _Stage) -> dict:
-    """DDPLayout's (fp32 params, grads, moments) or ZeroLayout.bytes_per_param's persistent bytes, per group."""
-    bpp = zero.BytesPerParam(s.b_w, s.b_g, 2 * s.b_m + (0 if s.b_w == s.b_m else s.b_m))
-    stage = s.settings.args.zero
-    parts = [zero.persistent_bytes(n, bpp, stage, s.sizes[g]) for g, n in s.held["local"].items() if n]
-    return {kind: sum(part[kind] for part in parts) for kind in parts[0]}
-
-
-def _formula_data_parallel(s: _Stage) -> tuple:
-    """(messages, temporaries, last bucket, first gather) of the layout: DDP's or ZeRO's gradient reduction
-    and gathers, its transients, the piece sent after backward, what ZeRO-3 gathers before block 0 starts."""
-    args, config, held, stage, b_w = s.settings.args, s.settings.model, s.held, s.settings.args.zero, s.b_w
-    T, P = s.settings.shape.tp, s.settings.shape.pp
-    bucket = args.bucket_mb * 2**20
-    tied = P * s.v > 1 and (held["embedding"] or held["head"])  # the tied copy: a unit of its own at ZeRO-1
-    m, codecs = s.settings.micro_batches, held["codec_blocks"] if stage == 3 else None
-    messages = grad_sync_messages(held, s.sizes, stage, m, (b_w, s.b_r), bucket, tied, codecs)
-    for group, blocks in (codecs or {}).items():  # each gather's scale agreement (the last block gathered once)
-        for i, weights in enumerate(blocks):
-            if weights[1]:
-                messages = messages + codec_messages(s, group, weights).times(m * (2 - (i == len(blocks) - 1)))
-    last_bucket = s.b_r * (held["root"] if stage == 3 else min(held["total"], bucket / b_w)) if stage else \
-        min(ddp.TAPER_BYTES, 4 * held["total"])  # DDP: the taper's last bucket
-    first_gather = b_w * (held["root"] + held["block"]) if stage == 3 else 0.0
-    largest = max(4 * config.n_embd ** 2 // T, config.vocab_size * config.n_embd // T if held["root"] else 0)
-    temporaries = _formula_temporaries(stage, held, s.sizes, (b_w, s.b_r), max(bucket, 4 * largest))
-    return messages, temporaries, last_bucket, first_gather
-
-
-def chunk_units(s: _Stage) -> dict:
-    """{global chunk: [(group, n')]} of pp rank p under ZeRO-2/3 with a pipeline (zero_pipeline._build_units): per
-    local chunk its dense unit (its blocks, wpe on chunk 0, ln_f on the last), its experts' unit, and the tied
-    V·h/T copy alone where the chunk holds the embedding or the head; each padded to n' = ⌈n/D_g⌉·D_g."""
-    config, shape, slots = s.settings.model, s.settings.shape, s.settings.args.moe_replicas
-    tied = config.vocab_size * config.n_embd // shape.tp
-    out = {}
-    for chunk, (layers, embedding, head) in zip(schedules.rank_chunks(s.p, shape.pp, s.v),
-                                                 activations.pipeline_chunks(config.n_layer, shape.pp, s.v, s.p)):
-        counts = memory.param_counts(config, shape.tp, shape.ep, layers, embedding, head, slots)
-        codes = codec_weights(s.settings, layers) if s.codec else {}
-        dense, experts = codes.get("dp_cp", (0, 0)), codes.get("expert_dp", (0, 0))
-        units = [("dp_cp", counts["dp_cp"] - tied * (embedding + head) - dense[0], (0, 0)), ("dp_cp", dense[0], dense),
-                 ("expert_dp", counts["expert_dp"] - experts[0], (0, 0)), ("expert_dp", experts[0], experts),
-                 ("dp_cp", tied if embedding or head else 0, (0, 0))]
-        out[chunk] = [(g, -(-n // s.sizes[g]) * s.sizes[g], w) for g, n, w in units if n]
-    return out
-
-
-def codec_messages(s: _Stage, group: str, weights: tuple) -> Messages:
-    """One gather's scale agreement of `weights` (elements, tensors) (the codecs' encode_messages): a MAX
-    all_reduce over the gathering group (D_g > 1) of 4 bytes per tensor (FP8's amaxes) or, NVFP4, of its tiles'
-    and tensor amaxes, elements/256 + tensors values of 8 bytes (float64 weights) or 4 (the widths are multiples
-    of 16: precision.recipe.config_from_flags); then, for the dense linears, 4 bytes per tensor over
-    their amax groups cp and tp (each of size > 1; a routed expert is whole on its rank: none)."""
-    shape, out, (elements, tensors) = s.settings.shape, Messages(), weights
-    if s.sizes[group] > 1:
-        width = 8 if s.b_w == 8 else 4
-        out.add("all_reduce", group, 1, width * (elements // 256 + tensors) if s.codec == "nvfp4" else 4 * tensors)
-    for name in amax_groups(shape) if group == "dp_cp" else []:
-        out.add("all_reduce", name, 1, 4 * tensors)
-    return out
-
-
-def _formula_zero_pipeline(s: _Stage, program: list) -> tuple:
-    """(messages, temporaries, last bucket, first gather, persistent) of ZeRO-2/3 under a pipeline
-    (parallel/zero_pipeline.py, from pp rank p's action list): per unit one reduce_scatter of the step's sum (b_g·n'),
-    stage 2 one all_gather of the update (b_w·n'), stage 3 one all_gather per run of the chunk's actions
-    (zero_pipeline.gather_runs); the transient of zero_pipeline.step_transient_bytes (stage 2: or the update's
-    all-gather inputs, the larger); the last piece reduced is the first local chunk's, the first gathered the first
-    action's chunk (stage 3)."""
-    stage, b_w, b_a = s.settings.args.zero, s.b_w, s.b_g
-    units = chunk_units(s)
-    messages = Messages()
-    for chunk, pieces in units.items():
-        runs = zero_pipeline.gather_runs(program, chunk) if stage == 3 else 1
-        for group, n, weights in pieces:
-            codec = stage == 3 and weights[1]  # weights with a codec: 1-byte codes, one scale agreement per gather
-            if codec:
-                messages = messages + codec_messages(s, group, weights).times(runs)
-            if s.sizes[group] > 1:
-                messages.add("all_gather_single", group, runs, runs * (1 if codec else b_w) * n)
-                messages.add("reduce_scatter_single", group, 1, s.b_r * n)
-    if s.sizes["dp_cp"] > 1:
-        messages = messages + step.scalar_messages()
-    numel = {chunk: sum(n for _, n, _ in pieces) for chunk, pieces in units.items()}
-    transient = zero_pipeline.step_transient_bytes(program, stage, {c: b_w * n for c, n in numel.items()},
-                                                   {c: b_a * n for c, n in numel.items()})
-    if stage == 2:
-        transient = max(transient, b_w * sum(n // s.sizes[g] for pieces in units.values() for g, n, _ in pieces))
-    bpp = zero.BytesPerParam(b_w, b_a, 2 * s.b_m + (0 if b_w == s.b_m else s.b_m))
-    held = {group: sum(n for pieces in units.values() for g, n, _ in pieces if g == group) for group in s.sizes}
-    parts = [zero.persistent_bytes(held[group], bpp, stage, size) for group, size in s.sizes.items()]
-    persistent = {kind: sum(part[kind] for part in parts) for kind in parts[0]}
-    temporaries = {f"ZeRO-{stage} transients (zero_pipeline.step_transient)": transient}
-    first_gather = b_w * numel[program[0].chunk] if stage == 3 else 0.0
-    return messages, temporaries, s.b_r * numel[min(numel)], first_gather, persistent
-
-
-def _formula_axis_messages(s: _Stage, messages, temporaries: dict):
-    """messages + TP's, CP's and MoE's per step; their buffers join temporaries."""
-    settings, config, held, stage = s.settings, s.settings.model, s.held, s.settings.args.zero
-    shape, m, micro, sp = settings.shape, settings.micro_batches, settings.micro_batch_size, settings.sequence_parallel
-    C, T, E, ac, seq = shape.cp, shape.tp, shape.ep, config.activation_checkpointing, settings.seq_len // shape.cp
-    n_moe = sum(map(bool, held["blocks"]["expert_dp"]))
-    if T > 1:
-        batch = tensor_parallel.BatchShape(micro, seq, m, s.b_w, s.b_c)
-        regather = not (ac or config.selective_recompute or settings.args.fp8)  # as the built model's blocks
-        holding = tensor_parallel.Holding(config.n_embd, sp, ac, held["layers"], n_moe, held["embedding"],
-                                          held["head"], regather)
-        shard = s.sizes["dp_cp"] if stage else 1  # ZeRO: a shard, on average
-        sp_bytes = s.b_g * held["replicated"] / shard if sp else 0
-        messages = messages + tensor_parallel.step_messages(batch, holding, int(sp_bytes))
-    if C > 1:
-        layer = context_parallel.LayerShape(micro, settings.seq_len, config.n_embd // T, s.b_c, ac)
-        per_layer = context_parallel.layer_messages(settings.args.cp_impl, C, layer)
-        messages = messages + (per_layer["forward"] + per_layer["backward"]).times(held["layers"] * m)
-        if settings.args.cp_impl == "ring":
-            temporaries["ring CP: the K, V block in flight"] = 2 * 2 * micro * seq * config.n_embd // T * s.b_c
-    if s.fp8:
-        messages = messages + _formula_fp8(s)
-    if settings.args.precision_recipe:
-        messages = messages + _formula_precision(s)
-    if n_moe:
-        tokens, tp_sp = micro * settings.seq_len // (C * (T if sp else 1)), T if sp else 1
-        replicas = settings.args.moe_replicas  # R physical slots (experts/eplb.py), 0: none
-        traffic = dispatch.Traffic(config, n_moe, tokens, m, E, C, tp_sp, s.b_c, max(4, s.b_w), micro, replicas,
-                                   settings.args.fp8, settings.args.precision_recipe is not None)
-        shard = (s.sizes["expert_dp"] if stage else 1)  # ZeRO: this rank's shard of the experts' gradients
-        sp_grad_bytes = int(s.b_g * held["moe_replicated"] / shard) if sp else 0
-        messages = messages + dispatch.step_messages(traffic, sp_grad_bytes)
-        groups = [name for name, size in (("dp_cp", shape.replica_dp * C), ("tp", tp_sp)) if size > 1]
-        if config.moe.bias_rate > 0:  # the step's loads, summed over the batch's ranks (moe_router item 3)
-            for message in router.load_messages(n_moe, config.moe.experts, groups):
-                messages = messages + Messages().add(*message)
-        if replicas:  # their gradient sum (ZeRO: the shards, in the accumulation dtype), loads, re-plans' windows
-            expert_bytes = (s.b_g if stage else s.b_w) * memory.param_counts(config)["expert"]
-            messages = messages + eplb.step_messages(
-                n_moe, config.moe.experts, replicas, E, expert_bytes, "dp_cp" if stage else "ep", groups,
-                replans=1 / settings.args.moe_replan_every if E > 1 else 0,
-                shared_load_reduce=config.moe.bias_rate > 0)
-        peak = moe_memory.rank_peak(traffic, activations.shape_of(settings, config, PLANNED_DEVICE, s.compute, s.param))
-        temporaries[peak.temporary()] = peak.above_saved
-    return messages
-
-
-def _formula_fp8(s: _Stage) -> Messages:
-    """fp8.Fp8Handle.predicted_messages from the held linears' counts (memory.fp8_weights' tensors): current, per
-    dense linear and micro-batch over cp and tp a forward MAX all_reduce of 8 bytes (twice under activation
-    checkpointing) and a backward one of 4; delayed, per step 12 bytes a linear over its gradient group and tp, in one
-    call per set of groups (the dense linears' dp_cp, the routed experts' expert_dp; each of size > 1); with
-    --moe-replicas 12 bytes a logical expert linear (2N a MoE layer) over dp_cp instead of the slots'."""
-    shape, m, out = s.settings.shape, s.settings.micro_batches, Messages()
-    linears = {group: sum(n for _, n in blocks) for group, blocks in s.held["codec_blocks"].items()}
-    if s.fp8 == "current":
-        calls = linears["dp_cp"] * m
-        forwards = calls * (2 if s.settings.model.activation_checkpointing else 1)
-        for group in amax_groups(shape):
-            out.add("all_reduce", group, forwards, 8 * forwards).add("all_reduce", group, calls, 4 * calls)
-        return out
-    slots, config = s.settings.args.moe_replicas, s.settings.model
-    if slots and linears.get("expert_dp"):  # fp8_replicas: a history per logical expert, 2N a layer, over dp_cp
-        linears["dp_cp"] += linears.pop("expert_dp") * config.moe.experts * shape.ep // slots
-    buckets = {}  # fp8.Fp8Handle.buckets: the linears' reduction groups → how many
-    for group, count in linears.items():
-        names = tuple(name for name, size in ((group, s.sizes[group]), ("tp", shape.tp)) if size > 1)
-        buckets[names] = buckets.get(names, 0) + count
-    for names, count in buckets.items():
-        for name in names if count else ():
-            out.add("all_reduce", name, 1, 12 * count)
-    return out
-
-
-def _formula_pipeline(s: _Stage, messages, temporaries: dict, facts: tuple | None) -> tuple:
-    """(in flight, bubble, boundary bytes) of pp rank p; its sends, receives and tied-embedding sum join
-    messages, its p2p buffers temporaries. Without a pipeline: one micro-batch of one chunk in flight."""
-    settings, config, held, p, v = s.settings, s.settings.model, s.held, s.p, s.v
-    args, P, T, m = settings.args, settings.shape.pp, settings.shape.tp, settings.micro_batches
-    if P == 1:
-        return (1, 1), 0.0, 0.0
-    pairs, flights, live, _ = facts or _programs_facts(args.pp_schedule, P, m, v)
-    seq = settings.seq_len // settings.shape.cp
-    boundary = settings.micro_batch_size * seq // (T if settings.sequence_parallel else 1) * config.n_embd * s.b_w
-    sends = sum(n for (src, _), n in pairs.items() if src == p)
-    recvs = sum(n for (_, dst), n in pairs.items() if dst == p)
-    messages.add("send", "pp", sends, sends * boundary).add("recv", "pp", recvs, recvs * boundary)
-    messages.add("all_reduce", "pp", 1, 8)
-    if held["embedding"] or held["head"]:
-        tied_bytes = s.b_g * config.vocab_size * config.n_embd // T // (s.sizes["dp_cp"] if args.zero else 1)
-        messages.add("all_reduce", "pp_tied", 1, tied_bytes)
-    temporaries["pipeline p2p buffers (a receive, the sends alive)"] = (1 + live[p]) * boundary
-    return (flights[p], v), schedules.bubble_formula(args.pp_schedule, P, m, v), boundary
-
-
-def _formula_diloco(s: _Stage, messages, persistent: dict) -> tuple:
-    """(persistent, notes): the update's norm all-reduce joins messages, over the world, or with DiLoCo over the
-    replica (resilience/diloco.py), which then adds its outer state θ_start + b to the optimizer row, 2·Ψ_rank·b_o with
-    b_o the parameters' dtype promoted to fp32, and its Δ all-reduce over `diloco`, Ψ_rank·b_o once per H steps."""
-    config = s.settings.diloco
-    if config is None:
-        messages.add("all_reduce", "world", 1, 16)
-        return persistent, ()
-    messages.add("all_reduce", "replica", 1, 16)
-    outer = s.held["total"] * max(s.b_w, 4)  # torch.promote_types(working dtype, fp32)
-    messages.add("all_reduce", "diloco", 1 / config.inner_steps, outer / config.inner_steps)
-    persistent = dict(persistent, optimizer=persistent["optimizer"] + 2 * outer, total=persistent["total"] + 2 * outer)
-    shape = s.settings.shape
-    return persistent, tuple(report.axes.diloco_lines(config, outer, shape.replica_dp, s.settings.args.global_batch))
-
-
-def _formula_groups(shape: MeshShape, p: int) -> tuple:
-    """(global rank, {group: its ranks}, {group: its row name}) of pp rank p at d = c = t = 0: names of one
-    communicator (the same ranks) are one row, as the tracer reports them (mesh.py)."""
-    rank = shape.rank_of(0, p, 0, 0)
-    ranks = groups_of(shape, rank)
-    aliases = {}
-    for name, members in ranks.items():
-        if len(members) > 1:
-            aliases.setdefault(tuple(members), []).append(name)
-    alias = {name: "=".join(names) for names in aliases.values() for name in names}
-    ranks["world"] = list(range(shape.world_size))
-    return rank, ranks, alias
-
-
-def grad_sync_messages(held: dict, sizes: dict, stage: int, m: int, bytes_wr: tuple, bucket: float,
-                       tied: bool, codecs: dict | None = None) -> Messages:
-    """The layout's gradient reduction (and ZeRO's gathers) per step over each group of size > 1 (sizes:
-    {group: D_g}; bytes_wr: (b_w, b_r)): DDP's tapered buckets (ddp.reverse_order_buckets), ZeRO-1/2's
-    units of about `bucket` bytes (+ the tied copy's own), ZeRO-3's per block and the root
-    (zero.ZeroLayout._gathers: a block twice per micro-batch, the last one once, the root twice; codecs, under
-    gather_codec's e4m3 or nvfp4: {group: [(elements, tensors) of each block's coded weights]}, a unit of their own
-    gathered as 1-byte codes, zero3.by_group_and_codec); plus the step's two scalars over dp_cp."""
-    (b_w, b_r), out, cut = bytes_wr, Messages(), 0
-    for group, nbytes in held["runs"]:
-        if stage == 0 and sizes[group] > 1:
-            count = _tapered_buckets(4 * nbytes, bucket, cut)
-            out.add("all_reduce", group, count, 4 * nbytes)
-            cut += count
-    for group, local in held["local"].items():
-        if stage == 0 or sizes[group] == 1 or not local:
-            continue
-        if stage < 3:
-            units = sum(max(1, math.ceil(b_w * n / bucket)) for g, n in held["runs"] if g == group)
-            units += tied and group == "dp_cp"
-            out.add("all_gather_single", group, units, b_w * local)
-        else:  # per block a unit per codec (the FP8 weights' apart: 1-byte codes), gathered twice (the last once)
-            blocks, root = held["blocks"][group], held["root"] if group == "dp_cp" else 0
-            fp8 = codecs[group] if codecs else [(0, 0)] * len(blocks)
-            gathers = [2] * (len(blocks) - 1) + [1]
-            pieces = [piece for (n, (codes, _)), g in zip(zip(blocks, fp8), gathers)
-                      for piece in ((n - codes, b_w, g), (codes, 1, g))]  # (elements, bytes each, gathers)
-            pieces = [piece for piece in pieces + [(root, b_w, 2)] if piece[0]]
-            units = len(pieces)
-            out.add("all_gather_single", group, m * sum(g for _, _, g in pieces),
-                    m * sum(n * b * g for n, b, g in pieces))
-        reduces = m if stage >= 2 else 1
-        out.add("reduce_scatter_single", group, units * reduces, reduces * b_r * local)
-    if sizes["dp_cp"] > 1:
-        out = out + step.scalar_messages()
-    return out
-
-
-def _tapered_buckets(nbytes: float, bucket: float, cut: int = 0) -> int:
-    """How many buckets ddp.reverse_order_buckets cuts nbytes into after `cut` others: caps 1, 2, 4, ... MiB
-    up to `bucket`."""
-    count, covered = 0, 0.0
-    while covered < nbytes:
-        covered += min(bucket, ddp.TAPER_BYTES * 2**(cut + count))
-        count += 1
-    return max(count, 1)
-
-
-def _formula_temporaries(stage: int, held: dict, sizes: dict, bytes_wr: tuple, bucket: float) -> dict:
-    """zero.ZeroLayout.peak_lower_bound's transients (or DDP's one bucket in flight), from the shapes."""
-    (b_w, b_r), largest_run = bytes_wr, max(n for _, n in held["runs"])
-    if stage == 0:
-        return {"DDP: one bucket in flight (the backend's staging)": min(bucket, 4 * largest_run)}
-    shards = sum(n / sizes[g] for g, n in held["local"].items())
-    if stage == 1:
-        extra = max(b_r, b_w) * shards
-    elif stage == 2:
-        extra = max(2 * b_r * min(largest_run, bucket / b_w), b_w * shards)
-    else:
-        extra = 2 * b_w * held["block"] + b_r * (held["root"] + 2 * held["block"])
-    return {f"ZeRO-{stage} transients (zero.peak_lower_bound)": extra}
+PROGRESS_SECONDS = 3.0  # a progress line at most this often (a search that ends sooner prints none)
 
 
 def search_argv(c: dict) -> list:
+    """A layout as the command line that asks for it."""
     argv = ["--tp", str(c["T"]), "--pp", str(c["P"]), "--zero", str(c["zero"]), "--micro-batch", str(c["micro"])]
     argv += ["--pp-schedule", c["schedule"]] if c["P"] > 1 else []
     argv += ["--cp", str(c["C"]), "--cp-impl", "ring"] if c["C"] > 1 else []
@@ -523,14 +56,28 @@ def search_argv(c: dict) -> list:
     return argv + (["--sp"] if c["T"] > 1 else []) + ["--activation-checkpointing", c["ac"]]
 
 
-def candidates(world: int, config, global_batch: int, gpus_per_node: int):
+def candidate_args(base: dict, c: dict) -> argparse.Namespace:
+    """What parse_args([*base argv, *search_argv(c)]) gives, without parsing: the base's values, the layout's
+    fields put in (tests/planner/test_search.py checks they are equal)."""
+    args = argparse.Namespace(**base)
+    args.tp, args.pp, args.zero, args.micro_batch, args.activation_checkpointing = (
+        c["T"], c["P"], c["zero"], c["micro"], c["ac"])
+    args.pp_schedule = c["schedule"] if c["P"] > 1 else base["pp_schedule"]
+    args.cp, args.cp_impl = (c["C"], "ring") if c["C"] > 1 else (base["cp"], base["cp_impl"])
+    args.ep = c["E"] if c["E"] > 1 else base["ep"]
+    args.sp = True if c["T"] > 1 else base["sp"]
+    return args
+
+
+def candidates(world: int, config, global_batch: int, gpus_per_node: int, cp: bool = True):
     """Every (T, C, P, D, E, ZeRO, B_μ, schedule, checkpointing) of `world` ranks: T inside a node, T | heads;
-    ring CP, C ≤ 8; E | N (with --moe-experts) and E | D·C. flags.validate refuses the rest as a run would."""
+    ring CP, C ≤ 8 (none with cp=False: --attention-kernel math); E | N (with --moe-experts) and E | D·C.
+    flags.validate refuses the rest as a run would."""
     powers = [2**i for i in range(world.bit_length()) if world % 2**i == 0]
     n = experts_of(config).experts
     experts = [e for e in powers if n % e == 0] if n else [1]
     pipelines = [p for p in range(1, config.n_layer + 1) if world % p == 0]
-    for T, C, P, E in product(powers, [c for c in powers if c <= 8], pipelines, experts):
+    for T, C, P, E in product(powers, [c for c in powers if c <= (8 if cp else 1)], pipelines, experts):
         D = world // (T * C * P)
         if world % (T * C * P) or T > gpus_per_node or config.n_head % T or global_batch % D or (D * C) % E:
             continue
@@ -541,56 +88,173 @@ def candidates(world: int, config, global_batch: int, gpus_per_node: int):
                 yield dict(T=T, C=C, P=P, D=D, E=E, zero=zero_stage, micro=micro, schedule=schedule, ac=ac)
 
 
-def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10) -> tuple:
-    """([(prediction, peak, settings, limiting term, the block that sets the peak with MoE: moe_memory.peak_setter)]
-    best first, fitting in hw.memory_gib; dropped; tried)."""
-    results, dropped, smallest, facts_cache = [], 0, None, {}
-    parsed = flags.build_parser().parse_args(base_argv)
-    for c in candidates(world, flags.model_config(parsed), parsed.global_batch, hw.gpus_per_node):
-        try:
-            settings = flags.validate(flags.build_parser().parse_args([*base_argv, *search_argv(c)]), world,
-                                      axes=train.AXES)
+def draft(template, args: argparse.Namespace, c: dict):
+    """A layout's settings as flags.validate would give them, for its bound only: the template's (a validated
+    layout of the same command line) with the layout's mesh, batch split, arguments and recompute fields put in.
+    ValueError where the mesh cannot hold it (validate refuses it too)."""
+    replicas = template.diloco.replicas if template.diloco else None
+    shape = infer_mesh_shape(template.world_size, tp=c["T"], pp=c["P"], cp=c["C"], ep=c["E"], replicas=replicas)
+    model = replace(template.model, activation_checkpointing=c["ac"] == "full",
+                    selective_recompute=c["ac"] == "selective")
+    return replace(template, args=args, shape=shape, model=model, micro_batch_size=c["micro"],
+                   micro_batches=args.global_batch // (shape.dp * c["micro"]))
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_shares(n_layer: int, P: int, v: int) -> frozenset:
+    """{(layer share, head share)} of the pp ranks (formulas.stage_holding's split: the head on rank P − 1)."""
+    out = set()
+    for p in range(P):
+        layers = sum(len(schedules.stage_layers(n_layer, P, v, c)) for c in schedules.rank_chunks(p, P, v))
+        out.add((layers * P / n_layer, P if p == P - 1 else 0.0))
+    return frozenset(out)
+
+
+def bound_of(settings, facts: dict, hw: hardware.Hardware) -> float:
+    """time_model.step_bound of a layout: its stages' shares, its schedule's bubble (formulas._formula_pipeline's)."""
+    args, P = settings.args, settings.shape.pp
+    v = args.pp_virtual if args.pp_schedule == "interleaved" and P > 1 else 1
+    bubble = schedules.bubble_formula(args.pp_schedule, P, settings.micro_batches, v) if P > 1 else 0.0
+    return step_bound(stage_shares(settings.model.n_layer, P, v), bubble, facts, hw)
+
+
+@dataclass
+class Searched:
+    """The search's outcome: the best layouts that fit, best first, [(prediction, peak, settings, limiting term,
+    the block that sets the peak with MoE: moe_memory.peak_setter)], and what it did with the others."""
+
+    best: list
+    dropped: int = 0  # sized, and their peak does not fit hw.memory_gib
+    smallest: tuple | None = None  # (peak, settings) of the smallest that does not fit, when none fits
+    sized: int = 0  # validated and sized (their roles built)
+    refused: int = 0  # refused by flags.validate (as a run would be)
+    bounded: int = 0  # never sized: their bound exceeds the top-th best step
+    total: int = 0  # enumerated
+    seconds: float = 0.0  # the search's own wall time
+    progress: list = field(default_factory=list)  # the progress lines printed
+
+
+def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10, bound: bool = True,
+           out=None) -> Searched:
+    """The best `top` layouts of `world` ranks that fit (see the module docstring), a progress line to `out`
+    every PROGRESS_SECONDS. bound=False bounds no layout before sizing it (the search the bound must agree with)."""
+    began = last = time.perf_counter()
+    parser = flags.build_parser()
+    base = vars(parser.parse_args(base_argv))
+    defaults = vars(parser.parse_args([]))
+    config = flags.model_config(argparse.Namespace(**base))
+    cp = base.get("attention_kernel") != "math"  # the math kernel is refused under CP (flags.check_world)
+    layouts = [(c, candidate_args(base, c)) for c in candidates(world, config, base["global_batch"],
+                                                                 hw.gpus_per_node, cp)]
+    done = Searched(best=[], total=len(layouts))
+
+    def validated(args):
+        given = {name for name, value in vars(args).items() if name in defaults and value != defaults[name]}
+        try:  # the trainer refuses it (heads, vocabulary, m < P, ...): so does the search; the files once
+            return plan_settings(flags.validate(args, world, given, axes=train.AXES, check_files=template is None))
         except FlagError:
-            continue  # the trainer refuses it (heads, vocabulary, m < P, ...): so does the search
-        settings = plan_settings(settings)
-        v = settings.args.pp_virtual if c["P"] > 1 and c["schedule"] == "interleaved" else 1
-        key = (c["schedule"], c["P"], settings.micro_batches, v)
-        if c["P"] > 1 and key not in facts_cache:
-            facts_cache[key] = _programs_facts(*key)
-        roles = [formula_role(settings, p, facts_cache.get(key)) for p in range(c["P"])]
-        peak = max(r.peak for r in roles)
-        if peak > hw.memory_gib * 2**30:
-            dropped += 1
-            smallest = min(smallest or (peak, settings), (peak, settings), key=lambda x: x[0])
+            done.refused += 1
+            return None
+
+    order, template, facts_cache = [], None, {}
+    for index, (c, args) in enumerate(layouts):  # every layout's bound, from a draft of its settings
+        if template is None:
+            template = validated(args)
+            if template is None:
+                continue
+        try:
+            settings = draft(template, args, c) if bound else None
+        except ValueError:
+            done.refused += 1
             continue
-        facts = layout_facts(settings)
-        prediction = max((predict(r, facts, hw) for r in roles), key=lambda x: x.step)
-        setter = moe_memory.peak_setter(max(roles, key=lambda r: r.peak).temporaries)
-        results.append((prediction, peak, settings, limiting_term(prediction), setter))
-    results.sort(key=lambda r: r[0].step)
-    return results[:top], dropped, smallest, len(results) + dropped
+        key = (c["ac"], c["T"], c["C"], c["P"], c["micro"])
+        if bound and key not in facts_cache:
+            facts_cache[key] = layout_facts(settings)
+        order.append((bound_of(settings, facts_cache[key], hw) if bound else 0.0, index))
+    order.sort()
+    results, steps, unfit = [], [], []  # steps: the best `top` predicted steps that fit, sorted
+    for position, (lower, index) in enumerate(order):
+        if len(steps) >= top and lower > steps[top - 1]:
+            done.bounded += len(order) - position  # no layout left can enter the best `top`
+            break
+        settings = validated(layouts[index][1])
+        if settings is not None:
+            entry = _sized(settings, hw, done, steps[top - 1] if len(steps) >= top else float("inf"), unfit, index)
+            if entry is not None:
+                results.append((entry[0].step, index, entry))
+                steps = sorted([*steps, entry[0].step])[:top]
+        if out is not None and time.perf_counter() - last >= PROGRESS_SECONDS:
+            last = time.perf_counter()
+            best = min(results)[2] if results else None
+            line = (f"  plan-search: {position + 1:,} of {len(order):,} layouts done ({done.sized:,} sized),"
+                    + (f" best so far {best[0].step:.3f} s a step ({layout_name(best[2])})" if best else
+                       " none fits yet") + f"; {last - began:.0f} s")
+            done.progress.append(line)
+            out(line)
+    results.sort(key=lambda r: r[:2])  # by step; ties in enumeration order, as the exhaustive search ranks them
+    done.best = [entry for *_, entry in results[:top]]
+    if not results and unfit:  # the smallest peak, exactly: the full peaks in the order of their first stage's
+        for first, _, settings in sorted(unfit, key=lambda u: u[:2]):
+            if done.smallest is not None and first >= done.smallest[0]:
+                break
+            peak = max(role.peak for role in stage_roles(settings))
+            done.smallest = min(done.smallest or (peak, settings), (peak, settings), key=lambda x: x[0])
+    done.seconds = time.perf_counter() - began
+    return done
+
+
+def _sized(settings, hw: hardware.Hardware, done: Searched, kth: float, unfit: list, index: int) -> tuple | None:
+    """(prediction, peak, settings, limiting term, peak setter) of a validated layout; None where it does not fit
+    (done counts it, `unfit` keeps (a lower bound of its peak, index, settings)) or cannot beat `kth`, the top-th
+    best step so far. Sized in three looks, each stopping where the layout is out: its first stage (the layout's
+    step and peak are at least that stage's), its every stage without the pipeline's sends alive (the step exact,
+    the peak a lower bound: formula_role's sends_alive), and, for a layout that enters the best, the sends alive
+    (the communication plan's simulation, once per schedule) for its exact peak."""
+    args, shape = settings.args, settings.shape
+    v = args.pp_virtual if args.pp_schedule == "interleaved" and shape.pp > 1 else 1
+    schedule = schedule_facts(args.pp_schedule, shape.pp, settings.micro_batches, v) if shape.pp > 1 else None
+    facts, memory = layout_facts(settings), hw.memory_gib * 2**30
+    roles, prediction = [formula_role(settings, 0, schedule, sends_alive=False)], None
+    for look in ("first stage", "every stage", "sends alive"):
+        if max(r.peak for r in roles) > memory:
+            done.dropped += 1
+            unfit.append((max(r.peak for r in roles), index, settings))
+            return None
+        step = max(predict(r, facts, hw).step for r in roles) if look == "first stage" else prediction.step
+        if step > kth:
+            done.bounded += 1  # its first stage, or its step, is slower than the top-th best
+            return None
+        if look == "first stage":
+            roles += [formula_role(settings, p, schedule, sends_alive=False) for p in range(1, shape.pp)]
+            prediction = max((predict(r, facts, hw) for r in roles), key=lambda x: x.step)
+        elif look == "every stage" and schedule is not None:
+            roles = [with_sends_alive(role, schedule, p) for p, role in enumerate(roles)]
+    done.sized += 1
+    setter = moe_memory.peak_setter(max(roles, key=lambda r: r.peak).temporaries)
+    return prediction, max(r.peak for r in roles), settings, limiting_term(prediction), setter
 
 
 def run_search(argv: list, settings, hw: hardware.Hardware, out=print) -> list:
     """--plan-search: the best ten layouts that fit, by predicted step time, with what limits each."""
-    began = time.perf_counter()
-    base = _without_layout_flags(argv)
-    best, dropped, smallest, tried = search(base, settings.args.world, hw)
-    if not best:
-        detail = (f"; the smallest peak is {mfu.format_bytes(smallest[0])} ({layout_name(smallest[1])})"
-                  if smallest else "")
+    done = search(_without_layout_flags(argv), settings.args.world, hw, out=out)
+    if not done.best:
+        detail = (f"; the smallest peak is {mfu.format_bytes(done.smallest[0])} ({layout_name(done.smallest[1])})"
+                  if done.smallest else "")
         raise FlagError(f"--hw-memory-gib {hw.memory_gib:g}: no layout of {settings.args.preset} on --world"
                         f" {settings.args.world} fits in it{detail}")
-    out(f"plan-search: {tried} valid layouts of {settings.args.preset} on {settings.args.world} GPUs, {dropped} do"
-        f" not fit {hw.memory_gib:.1f} GiB; the best {len(best)} by predicted step time"
-        f" ({time.perf_counter() - began:.1f} s):")
+    out(f"plan-search: {done.total:,} layouts of {settings.args.preset} on {settings.args.world} GPUs, searched in"
+        f" {done.seconds:.1f} s (the search's own wall time, not a step time): {done.refused:,} refused by the flags'"
+        f" rules, {done.bounded:,} bounded out (a bound on their step, their compute or their first stage's, is"
+        f" slower than the best {len(done.best)}), {done.dropped:,} do not fit {hw.memory_gib:.1f} GiB,"
+        f" {done.sized:,} sized in full")
+    out(f"the best {len(done.best)} by predicted step time:")
     out(hardware_line(hw, plan_dtypes(settings)[0]))
-    for i, (prediction, peak, s, limit, setter) in enumerate(best, 1):
+    for i, (prediction, peak, s, limit, setter) in enumerate(done.best, 1):
         out(f"  {i:>2}. {layout_name(s):<52} step {prediction.step:8.3f} s  MFU {prediction.mfu:6.1%}  peak"
             f" {peak / 2**30:6.1f} GiB" + (f" (set by {setter})" if setter else "")
             + f"  compute {prediction.compute:.3f} s, exposed comm {prediction.exposed_comm:.3f} s, bubble"
             f" {prediction.bubble:.3f} s: limited by {limit}")
-    return best
+    return done.best
 
 
 _LAYOUT_FLAGS = {"--tp": 1, "--pp": 1, "--zero": 1, "--micro-batch": 1, "--pp-schedule": 1, "--sp": 0,

@@ -7,8 +7,10 @@ plan.py builds each role on meta in a fake process group and planner/search.py g
 real run checks the model against its own steps (check_line, on cpu_probe.machine_model: this machine).
 
 The time model (planner/hardware.py states the hardware): per role and step
-    compute    t_c = Σ_GEMM classes FLOPs/token · tokens/step / world / (peak(dtype) · e(d))   (an even split)
+    compute    t_c = Σ_GEMM classes FLOPs/token · tokens/step / world · share / (peak(dtype) · e(d))
                      + the memory-bound ops' bytes of this rank's tokens and layers / (HBM · hbm_fraction)
+               (share: of a block class the rank's layers over L/P, of the head P on the stage holding it, 0 on
+               the others, 1 without a pipeline: a large vocabulary's last stage is the slow one)
                (planner/calibration.py: e(d) the fraction of the peak a GEMM of smallest dimension d reaches; the
                datasheet set, e = 1 and no loss but the memory-bound bytes, on a measured CPU, whose e, the
                head's and the layout factor ρ (× t_c: the run's own forward over its price) planner/cpu_probe.py
@@ -99,6 +101,7 @@ class Role:
     muon: object = None  # optimizers/muon.py's MuonFacts: Newton-Schulz's GEMMs by rank (None: AdamW only)
     update_messages: Messages = field(default_factory=Messages)  # Muon's own, named as `messages` is
     layer_share: float = 1.0  # this rank's layers over the mean (L/P): an uneven pipeline split's slow stage
+    head_share: float = 1.0  # this rank's share of the head's GEMM over an even split: P on the stage holding it
     notes: tuple = ()  # a wrapping layout's start-up lines (DiLoCo's outer state and Δ all-reduce), as a run prints
 
     @property
@@ -152,6 +155,7 @@ def role_of(run, device_type: str | None = None) -> Role:
                 temporaries=temporaries, messages=report.run.predicted_messages(run), group_ranks=ranks,
                 flops=run.flops, bubble=bubble, last_bucket=last_bucket, first_gather=first_gather,
                 boundary_bytes=boundary, notes=notes, muon=muon, update_messages=update_messages,
+                head_share=mesh.shape.pp if run.model.has_head else 0.0,
                 layer_share=len(run.model.transformer.h) * mesh.shape.pp / run.config.n_layer)
 
 
@@ -196,10 +200,7 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
     cp_impl, attention_share (of the compute: attention's score and value matmuls)."""
     m, stage, P = layout["m"], layout["zero"], layout["P"]
     peak, hbm = hw.peak(layout["dtype"]), hw.hbm_gbps * 1e9
-    # The GEMMs by shape and the memory-bound ops (planner/calibration.py), this rank's layers' share of both.
-    compute = calibration.compute_seconds(
-        layout["gemms"], layout["tokens"] / layout["world"] * role.layer_share, peak,
-        layout["memory_bytes"] * role.layer_share, hbm, hw.calibration) * (hw.calibration.layout_factor or 1.0)
+    compute = stage_compute(role.layer_share, role.head_share, layout, hw)
     backward_mb = compute * 2 / 3 / m  # one micro-batch's backward: 4 of its 6·N FLOPs
     update = hw.calibration.update_seconds  # a measured CPU's; else memory-bound bytes:
     if update is None:
@@ -255,41 +256,67 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
                       link=link, mfu=role.flops.model * layout["tokens"] / (layout["world"] * peak * step))
 
 
+def stage_compute(layer_share: float, head_share: float, layout: dict, hw: hardware.Hardware) -> float:
+    """predict's compute of a rank: the GEMMs by shape and the memory-bound ops (planner/calibration.py), its
+    layers' share of the blocks', the head's on the stage that holds it (a large vocabulary's last stage is the
+    slow one); × the layout factor a measured CPU found."""
+    return calibration.compute_seconds(
+        _rank_classes(layer_share, head_share, layout["gemms"]), layout["tokens"] / layout["world"],
+        hw.peak(layout["dtype"]), layout["memory_bytes"] * layer_share, hw.hbm_gbps * 1e9,
+        hw.calibration) * (hw.calibration.layout_factor or 1.0)
+
+
+def step_bound(shares, bubble: float, layout: dict, hw: hardware.Hardware) -> float:
+    """A lower bound of predict's step over the stages, from the layout alone (planner/search.py prunes with it):
+    predict's step is (compute + in-layer exposed) / (1 − b) + update + the rest exposed, each term ≥ 0, so it is
+    at least compute / (1 − b) of any stage. shares: each stage's (layer share, head share)."""
+    compute = max(stage_compute(layers, head, layout, hw) for layers, head in shares)
+    return (compute + compute * bubble / (1 - bubble)) * (1 - 1e-9)  # predict's sum; rounding on the bound's side
+
+
+def _rank_classes(layer_share: float, head_share: float, gemms: list) -> list:
+    """calibration.gemms' classes as a rank computes them, over an even split of the step's tokens: the blocks'
+    × its layer share, the head's × its head share."""
+    return [(flops * (head_share if i == calibration.HEAD_CLASS else layer_share), dim)
+            for i, (flops, dim) in enumerate(gemms)]
+
+
 def forward_compute(role: Role, layout: dict, hw: hardware.Hardware, recompute: bool) -> float:
     """What predict prices one forward-only pass over the step's micro-batches at (evaluation's: no backward, no
     recompute, the layout factor left out): of every block and attention class 1/(3 + recompute) (forward 2
     FLOPs per weight of 6, + 2 recomputed), of the head 1/3, of the memory-bound bytes 1/(3 + recompute)."""
     share = 1 / (3 + recompute)
     classes = [(flops * (1 / 3 if i == calibration.HEAD_CLASS else share), dim)
-               for i, (flops, dim) in enumerate(layout["gemms"])]
+               for i, (flops, dim) in enumerate(_rank_classes(role.layer_share, role.head_share, layout["gemms"]))]
     return calibration.compute_seconds(
-        classes, layout["tokens"] / layout["world"] * role.layer_share, hw.peak(layout["dtype"]),
+        classes, layout["tokens"] / layout["world"], hw.peak(layout["dtype"]),
         layout["memory_bytes"] * role.layer_share * share, hw.hbm_gbps * 1e9, hw.calibration)
 
 
-def layout_facts(settings, device_type: str | None = None, attention_kernel: str | None = None,
-                 x: memory.ActivationShape | None = None) -> dict:
+def layout_facts(settings, device_type: str | None = None, x: memory.ActivationShape | None = None) -> dict:
     """What the time model reads of a layout (predict's `layout`): gemms, calibration.gemms' classes (their
     dimensions at a rank's B_μ·s/C tokens, attention's FLOPs at the whole s: a rank's queries meet all s keys);
     memory_bytes, what a rank of the mean stage's memory-bound ops move in a step (its s/C tokens of each
     sequence, its L/P layers), the attention kernel that of `device_type` (default the plan's, PLANNED_DEVICE)
-    or `attention_kernel` ("math": the unfused path that Megatron's 2021 runs took, bench/bench_calibration.py).
-    x: a built run's activation shape (activations.activation_shape: its dtypes as resolved), else the plan's."""
+    or --attention-kernel's (activations.shape_of; "math": the unfused path of Megatron's 2021-22 runs, whose
+    core attention selective recompute reruns). x: a built run's activation shape (activations.activation_shape:
+    its dtypes as resolved), else the plan's."""
     args, config, shape = settings.args, settings.model, settings.shape
     seq = settings.seq_len
     attention = 12 * config.n_layer * config.n_embd * seq  # 12·L·H·Q·s of the FLOPs per token
     counts = memory.param_counts(config)
-    flops = mfu.flops_per_token(counts, config, seq)
     name, compute, param, _ = plan_dtypes(settings)
     x = x or activations.shape_of(settings, config, device_type or PLANNED_DEVICE, compute, param)
-    recompute = config.activation_checkpointing
+    flops = mfu.flops_per_token(counts, config, seq, x.kernel)
+    full, selective = config.activation_checkpointing, config.selective_recompute
     per_token_layer = calibration.memory_bytes_per_token_layer(
-        config, x.s, shape.tp, settings.sequence_parallel, attention_kernel or x.kernel, x.dropout, x.e_c, recompute)
+        config, x.s, shape.tp, settings.sequence_parallel, x.kernel, x.dropout, x.e_c, full or selective)
     tokens = args.global_batch * seq
+    gemms = calibration.gemms(config, counts, settings.micro_batch_size * x.s, seq, shape.tp, full,
+                              full or selective and x.kernel == "math")
     return dict(world=settings.world_size, tokens=tokens, m=settings.micro_batches,
                 zero=args.zero, P=shape.pp, dtype=name, cp_impl=args.cp_impl,
-                attention_share=attention / flops.hardware,
-                gemms=calibration.gemms(config, counts, settings.micro_batch_size * x.s, seq, shape.tp, recompute),
+                attention_share=attention / flops.hardware, gemms=gemms,
                 memory_bytes=per_token_layer * tokens / (shape.dp * shape.cp) * config.n_layer / shape.pp)
 
 

@@ -525,10 +525,11 @@ def test_ctrl_c_during_an_async_save_ends_in_one_line_and_leaves_no_temporary(tm
 
 
 @pytest.mark.slow
-def test_one_process_prints_no_empty_tables_and_a_resume_at_the_last_step_says_so(tmp_path):
+def test_one_process_prints_no_empty_tables_and_a_resume_at_the_last_step_is_an_error(tmp_path):
     """`python train.py` alone: the step line shows step i/N and an ETA, the message tables are left out
     (one process sends nothing) instead of printed as empty headers; resuming at the run's own last step
-    says that there is nothing to train and exits 0 (rather than training 0 steps silently)."""
+    (with --init-from or without) is one line saying there is nothing to train, exit status 2, rather than a
+    status 0 that trained nothing."""
     common = [sys.executable, os.path.join(ROOT, "train.py"), "--preset", "tiny", "--steps", "3", "--global-batch",
               "2", "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path), "--ckpt-dir",
               str(tmp_path / "ck"), "--peak-tflops", "1", *backend_flags(1)]  # the suite's backend, as torchrun's
@@ -540,8 +541,10 @@ def test_one_process_prints_no_empty_tables_and_a_resume_at_the_last_step_says_s
     steps = [line for line in first.stdout.splitlines() if line.startswith("step ")]
     assert steps[0].startswith("step 0/3 | loss") and " | eta " in steps[0], steps
     again = subprocess.run([*common, "--resume"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "nothing to train: the checkpoint is at step 3 and --steps is 3" in again.stdout
+    assert again.returncode == 2, again.stderr[-3000:]
+    errors = [line for line in (again.stdout + again.stderr).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "nothing to train: the checkpoint in --ckpt-dir" in errors[0], errors
+    assert "is at step 3 and --steps is 3; raise --steps" in errors[0], errors
     assert not [line for line in again.stdout.splitlines() if line.startswith("step ")]
 
 
@@ -758,7 +761,7 @@ def _at_a_tenth(argv: list, tmp) -> list:
         out = [sys.executable, *out[1:]]
     if "train.py" in " ".join(out):
         out += ["--out-dir", str(tmp / "out"), "--eval-every", "0", "--sample-tokens", "8"]
-        out += [] if "--steps" in out else ["--steps", "3"]  # the default run: its own 1200 → 3
+        out += [] if "--steps" in out else ["--steps", "3"]  # the default run: its own 600 → 3
     return out
 
 

@@ -128,7 +128,7 @@ def test_the_head_class_runs_at_the_ends_rate():
     calib = calibration.Calibration(
         gemm_fraction=gemm_fraction(block_flops, t_block, 0.0, hbm, peak), gemm_half_dim=0.0, hbm_fraction=1.0,
         link_fraction=1.0, ends_fraction=gemm_fraction(ends_flops, t_ends, 0.0, hbm, peak))
-    classes = calibration.gemms(config, memory.param_counts(config), tokens, 64, 1, recompute=False)
+    classes = calibration.gemms(config, memory.param_counts(config), tokens, 64, 1, False, False)
     seconds = calibration.compute_seconds(classes, tokens, peak, 0.0, hbm, calib)
     assert math.isclose(seconds, config.n_layer * t_block + t_ends, rel_tol=1e-12)
 

@@ -3,7 +3,7 @@
 - For layouts the suite runs on gloo (tests/test_composition.py's kinds), the plan's persistent bytes, Ψ,
   activation estimate, temporaries and every (collective, group)'s calls and payload equal those of the real
   start-up of the same rank on 4 gloo ranks, exactly.
-- The search's pure formulas (planner/search.py) give the plan's figures for the layouts it enumerates.
+- The search's pure formulas (planner/formulas.py) give the plan's figures for the layouts it enumerates.
 - Their activation peak is within 10% of the most bytes autograd holds saved at once over a real step.
 - Published figures: the ZeRO paper's Figure 1; Korthikanti et al.'s per-layer activation formulas.
 - Bad plan input ends in one line, exit status 2.
@@ -294,7 +294,7 @@ def test_search_formulas_give_the_plans_figures(case):
     average (1/D): within those parameters' gradient bytes. The predicted step time then agrees within 1%."""
     from planner import hardware
     import plan
-    import planner.search
+    import planner.formulas
     from planner import time_model
 
     settings = _settings(*case, world=8, extra=["--bucket-mb", "25"])  # buckets above any one tensor
@@ -303,7 +303,7 @@ def test_search_formulas_give_the_plans_figures(case):
         rank = settings.shape.rank_of(0, p, 0, 0)
         with plan.fake_world(rank, 8):
             built = time_model.role_of(plan.build_role(settings, rank))
-        formula = planner.search.formula_role(settings, p)
+        formula = planner.formulas.formula_role(settings, p)
         assert formula.local_params == built.local_params
         assert formula.persistent == built.persistent
         assert formula.notes == built.notes  # DiLoCo's lines
@@ -311,7 +311,7 @@ def test_search_formulas_give_the_plans_figures(case):
         assert sum(formula.temporaries.values()) == pytest.approx(sum(built.temporaries.values()), rel=1e-12)
         assert set(formula.messages) == set(built.messages)
         v = settings.args.pp_virtual if settings.args.pp_schedule == "interleaved" else 1
-        held = planner.search.stage_params(settings.model, settings.shape, v, p)
+        held = planner.formulas.stage_params(settings.model, settings.shape, v, p)
         for key, (calls, payload) in built.messages.items():
             sp_sum = key == ("all_reduce", "tp") and settings.sequence_parallel and settings.args.zero
             assert formula.messages[key].calls == calls, key
@@ -376,7 +376,7 @@ def test_search_enumerates_selective_recompute_with_tensor_parallel_and_experts(
         assert {(2, 1, 1, 0), (4, 1, 1, 3)} <= set(accepted) and all(a[1] == 1 for a in accepted), accepted
         assert not extra or {(1, 1, 2, 0), (2, 1, 4, 3)} <= set(accepted), accepted
     ranked = planner.search.search([*TINY, "--global-batch", "8", "--moe-experts", "4"], 4, hardware.PRESETS["h100"],
-                                   top=10_000)[0]
+                                   top=10_000).best
     assert any(r[2].model.selective_recompute and r[2].shape.ep > 1 for r in ranked)
 
 

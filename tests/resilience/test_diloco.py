@@ -14,6 +14,9 @@ deterministic batches of tests/reference.py, with clipping active (each replica 
 """
 
 import copy
+import os
+import subprocess
+import sys
 from contextlib import nullcontext
 
 import pytest
@@ -26,9 +29,12 @@ from test_composition import SEQ, composed_run
 
 from cli import flags as flags_lib
 import train
+from resilience import ckpt_files
 from mesh import MeshShape, axis_groups, groups_of, infer_mesh_shape
 from reference import build_model
 from optim import adamw_param_groups
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DILOCO_STEPS, CLIP, TOL = 4, 0.05, 1e-10
 PLAIN = ["--diloco-h", "1", "--diloco-replicas", "1", "--diloco-outer-lr", "1", "--diloco-outer-momentum", "0"]
@@ -220,3 +226,24 @@ def test_bad_diloco_input_ends_in_one_line(flags, world, message, tmp_path, monk
     assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     with pytest.raises(ValueError):
         infer_mesh_shape(8, replicas=0)
+
+
+@pytest.mark.slow
+def test_a_run_whose_loss_goes_non_finite_stops_with_one_line_and_keeps_its_checkpoints(tmp_path):
+    """`--diloco-outer-lr 1e30`: the outer step of step 1 (H = 2) blows the weights up, the loss of step 2 is NaN.
+    The run stops there (exit status 1) with one line naming the step and the newest committed checkpoint, and
+    writes nothing more: without the stop it trains NaN to step 8 and exits 0."""
+    ck = tmp_path / "ck"
+    argv = [sys.executable, os.path.join(ROOT, "train.py"), "--preset", "tiny", "--global-batch", "2",
+            "--steps", "8", "--eval-every", "0", "--sample-tokens", "0", "--out-dir", str(tmp_path), "--ckpt-dir",
+            str(ck), "--ckpt-every", "1", "--diloco-h", "2", "--diloco-outer-lr", "1e30", "--peak-tflops", "1",
+            *harness.backend_flags(1)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert run.returncode == 1, (run.returncode, run.stderr[-3000:])
+    stops = [line for line in run.stderr.splitlines() if line.startswith("non-finite")]
+    assert len(stops) == 1 and stops[0].startswith("non-finite loss at step 2 (loss nan"), run.stderr[-3000:]
+    assert "--diloco-outer-lr" in stops[0] and "the newest committed checkpoint is step 2" in stops[0], stops
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert sorted(n for n in os.listdir(ck) if n.startswith("step-")) == ["step-00000001", "step-00000002"]  # no later
+    ckpt_files.verify_checkpoint(ckpt_files.newest_committed(str(ck))[1])

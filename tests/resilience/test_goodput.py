@@ -2,6 +2,7 @@
 ledger is untrusted input, and the checkpoint-interval formulas against their definitions (bench/goodput.py measures
 them under failures; its flags are checked here)."""
 
+import argparse
 import importlib.util
 import math
 import os
@@ -184,6 +185,29 @@ def _bench_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_bench_writes_only_into_a_root_it_made_or_an_empty_one(tmp_path, capsys):
+    """--root: a file, a directory of the user's or a path that cannot be made is one line naming the flag, and the
+    user's files are untouched; a new or empty directory is marked as the bench's and accepted again later."""
+    bench = _bench_module()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "corpus.txt").write_text("the user's")
+    (tmp_path / "a-file").write_text("the user's")
+    for root, message in ((tmp_path / "mine", "holds files this bench did not write"),
+                          (tmp_path / "a-file", "a file; expected a new or empty directory"),
+                          ("/proc/no-such-bench-root", "cannot be written")):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--root", str(root)])
+        assert e.value.code == 2
+        assert f"--root {root}: {message}" in capsys.readouterr().err.splitlines()[-1]
+    assert (tmp_path / "mine" / "corpus.txt").read_text() == "the user's" == (tmp_path / "a-file").read_text()
+    for _ in range(2):  # new, then the bench's own
+        assert bench.parse_args(["--root", str(tmp_path / "new")]).root == str(tmp_path / "new")
+    (tmp_path / "new" / "corpus.txt").write_text("the bench's")
+    assert bench.parse_args(["--root", str(tmp_path / "new")]).root == str(tmp_path / "new")
+    bench.own_root(argparse.ArgumentParser(), str(tmp_path / "new"), clear=True)  # fault_ckpt.py's start
+    assert os.listdir(tmp_path / "new") == [".written-by-a-bench"]
 
 
 # ---------------------------------------------------------------------------------------------------------
