@@ -1,35 +1,32 @@
-"""The precision-recipe ablation (issue 29): which part of a microscaling recipe costs loss, on a laptop.
+"""The Mixed Precision Scaling Laws ablation (issue 42): forward {bf16, 4/6 + 1-D, 2-D} × backward {bf16, MS-EDEN,
+RHT + SR, SR}, several seeds per cell, with the noise of every cell's delta measured.
 
-    python bench/bench_precision.py                # the whole table: `small`, 30 steps of 4×256 tokens (12 min here)
-    python bench/bench_precision.py --steps 200 --noise-seeds 2   # 19 runs, 58 min here with other jobs running
-    python bench/bench_precision.py --table-only   # the table again from what the last run left in out/
-    python bench/bench_precision.py --smoke        # `tiny`, 4 steps, two cells, SQNR at 256²: checks it runs
+    python bench/bench_precision.py --dtype fp32                       # the grid, `mini` with 2 layers, 3 seeds
+    python bench/bench_precision.py --dtype fp32 --steps 40 --seeds 2  # what 28 minutes allowed here (see README)
+    python bench/bench_precision.py --table-only ...                   # the table again from what out/ holds
+    python bench/bench_precision.py --smoke                            # `tiny`, 2 steps, two cells: checks it runs
 
 It prints, in order:
-  1. the round-trip SQNR of each format on randn(4096, 4096) (microscaling.fake_quantize against the fp32 tensor),
-     and the NVFP4 GEMM (both operands fake-quantised) against the fp32 GEMM, next to torchao's thresholds
-     (MXFP8 ≥ 18 dB, MXFP4 ≥ 13 dB, NVFP4 ≥ 8 dB, NVFP4 GEMM ≥ 16 dB);
-  2. the ablation: every cell of forward ∈ {bf16, mxfp8, nvfp4, nvfp4+w2d} × backward ∈ {bf16, nvfp4+sr,
-     nvfp4+sr+rht} (train.py's --precision-recipe; bf16 × bf16 is the plain bf16 run), then today's --fp8 current
-     and --fp8 blockwise: each cell one `python train.py` process from the same init (every weight from (seed,
-     parameter name)) on the same batches of the default corpus, the `small` preset; per cell the final val loss,
-     its delta against bf16 in %, the non-finite (skipped) steps, the saturated share per role (X, W, dY: the
-     values the casts clamped over steps 1..N-1, as the run printed them), s/step, and what the accounting says
-     of the recipe: the share of its FLOPs in narrow formats and the format-weighted peak on a
-     B200 (accounting/format_flops.py) against bf16's;
-  3. which half is the more sensitive here: the forward cells with a bf16 backward against the backward cells
-     with a bf16 forward, next to the 430M figures (12.8B tokens: forward +0.94–1.22%, backward +0.32–0.72% over
-     bf16).
-A measurement, not a timed test. Its size is set by the emulation's cost on a CPU: with the float32 fake
-quantiser (precision/microscaling_fast.py), one thread a cell and two cells at once on this 2-core machine beside other
-jobs (load 2-7), a step of 4×256 tokens took 0.38 s in bf16, 0.5 s with an MXFP8 forward, 1.1 s with an NVFP4
-forward, 1.5 s with an NVFP4 backward and 2.8-3.4 s with both. Thirty steps leave the model early in training,
-where a delta is as much the optimiser's first steps as the format's bias; the fp32 row (the same run in fp32)
-shows how far two precisions drift apart anyway. At 200 steps (205 k tokens) with two more seeds, measured: every
-cell's delta from −0.7% to +3.7% of bf16 and the seeds' σ_Δ 3.9 points, so no cell and neither half stands out of the
-noise at this scale (the 430M figures come from 6·10^4 times the tokens).
-On a GPU without block-scaled GEMMs (all before Blackwell) and on
-CPUs the formats are emulated (quantise → dequantise → a GEMM in the compute dtype): s/step is the emulation's.
+  1. the formats' round-trip SQNR on randn(n, n) and on Student-t data (3 degrees of freedom: heavy tails) against
+     the fp32 tensor: MXFP8, MXFP4, plain NVFP4 and NVFP4 with Four Over Six (precision/quartet.py), torchao's
+     thresholds beside the first three; then MS-EDEN's relative MSE against stochastic rounding's on the same
+     inputs (SR as this repository rounds, the block max at 6; and as Quartet II's baseline, the block max at
+     6·16/17), and round-to-nearest's for scale;
+  2. the ablation: each cell one `python train.py` process (--precision-recipe: forward 4/6 + 1-D =
+     fwd=nvfp4,4over6, 2-D = fwd=nvfp4,w2d; backward MS-EDEN = bwd=nvfp4,eden, RHT + SR = bwd=nvfp4,sr,rht, SR =
+     bwd=nvfp4,sr), for each of --seeds seeds (a seed changes the init, the batches and every draw); a cell's
+     delta is paired: its val loss against the baseline's of the same seed, in % of it. Per cell the mean delta,
+     σ (the standard deviation of the paired delta over the seeds), σ/√seeds (the mean's), whether the mean is
+     beyond 2σ/√seeds, non-finite steps, the saturated share (X/W/dY), s/step, the share of FLOPs in NVFP4 and
+     B200's format-weighted peak against bf16's (accounting/format_flops.py);
+  3. the noise: σ pooled over the cells, at the last step and at the halfway evaluation, the steps that
+     2σ < 0.5 points would need (a power law through those two points: an extrapolation, stated as one) and
+     the seeds that would do it at this length (σ/√seeds: (2σ/0.5)²);
+  4. the verdict: the forward-only cells against the backward-only ones (the paper: forward +0.94–1.22%,
+     backward +0.32–0.72%), and 4/6 + 1-D against 2-D over the backward columns where both ran, each with its σ,
+     "resolved" only beyond 2σ.
+A measurement, not a timed test. On a GPU without block-scaled GEMMs (all before Blackwell) and on CPUs the
+formats are emulated (quantise → dequantise → a GEMM in the compute dtype): s/step is the emulation's.
 """
 
 from __future__ import annotations
@@ -51,39 +48,89 @@ import torch  # noqa: E402
 
 from accounting import format_flops  # noqa: E402
 from planner import hardware  # noqa: E402
-from precision import microscaling, microscaling_fast  # noqa: E402
+from precision import microscaling, microscaling_fast, quartet  # noqa: E402
 import precision.recipe  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 
-# The ablation's axes: a name in the table -> the parts of --precision-recipe it adds (recipe_spec.md's spelling).
-FORWARD = {"bf16": (), "mxfp8": ("fwd=mxfp8",), "nvfp4": ("fwd=nvfp4",), "nvfp4+w2d": ("fwd=nvfp4", "w2d")}
-BACKWARD = {"bf16": (), "nvfp4+sr": ("bwd=nvfp4", "sr"), "nvfp4+sr+rht": ("bwd=nvfp4", "sr", "rht")}
-FP8_ROWS = ("current", "blockwise")  # today's --fp8 recipes
-THRESHOLDS_DB = {"mxfp8": 18.0, "mxfp4": 13.0, "nvfp4": 8.0, "nvfp4 GEMM": 16.0}  # torchao's tests
-NOISE_CELL = ("nvfp4", "nvfp4+sr")  # rerun with other seeds: the spread of its delta is the table's noise
-PAPER = "430M model, 12.8B tokens: forward +0.94–1.22%, backward +0.32–0.72% over bf16"
+# The ablation's axes: a name in the table -> (the parts of --precision-recipe it adds, the format of its GEMMs)
+FORWARD = {"bf16": ((), "bf16"), "4/6+1-D": (("fwd=nvfp4", "4over6"), "nvfp4"), "2-D": (("fwd=nvfp4", "w2d"), "nvfp4")}
+BACKWARD = {"bf16": ((), "bf16"), "MS-EDEN": (("bwd=nvfp4", "eden"), "nvfp4"),
+            "RHT+SR": (("bwd=nvfp4", "sr", "rht"), "nvfp4"), "SR": (("bwd=nvfp4", "sr"), "nvfp4")}
+THRESHOLDS_DB = {"mxfp8": 18.0, "mxfp4": 13.0, "nvfp4": 8.0}  # torchao's tests
+PAPER = "Qwen3 430M, 12.8B tokens: forward-only +0.94–1.22%, backward-only +0.32–0.72% over bf16"
+TARGET = 0.5  # points: 2σ of a delta should be below this to tell the paper's effects apart
 
 
 # --- 1. Round-trip SQNR --------------------------------------------------------------------------------------
 
-def sqnr_table(n: int) -> list:
-    """[(name, dB, threshold)] of each format's round trip on randn(n, n) and the NVFP4 GEMM against fp32."""
+def _student_t(n: int, generator) -> torch.Tensor:
+    """Student-t with 3 degrees of freedom, z/√(χ²₃/3): heavy tails."""
+    chi2 = torch.randn(3, n, n, generator=generator).square().sum(0) / 3
+    return torch.randn(n, n, generator=generator) / chi2.sqrt()
+
+
+def sqnr_table(n: int) -> dict:
+    """{data: {format: dB}}: each format's round trip on randn(n, n) and Student-t(3) against the fp32 tensor."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(n, n, generator=generator)
-    rows = [(name, microscaling.sqnr_db(x, microscaling.fake_quantize(x, microscaling.FORMATS[name])))
-            for name in ("mxfp8", "mxfp4", "nvfp4")]
-    a, b = x, torch.randn(n, n, generator=generator)  # Y = A·Bᵀ: both quantised along K, their last dim
-    nvfp4 = microscaling.FORMATS["nvfp4"]
-    gemm = microscaling.fake_quantize(a, nvfp4) @ microscaling.fake_quantize(b, nvfp4).t()
-    rows.append(("nvfp4 GEMM", microscaling.sqnr_db(a @ b.t(), gemm)))
-    return [(name, db, THRESHOLDS_DB[name]) for name, db in rows]
+    table = {}
+    for data, x in (("randn", torch.randn(n, n, generator=generator)), ("student-t3", _student_t(n, generator))):
+        row = {name: microscaling.sqnr_db(x, microscaling.fake_quantize(x, name))
+               for name in ("mxfp8", "mxfp4", "nvfp4")}
+        row["nvfp4 4/6"] = microscaling.sqnr_db(x, quartet.four_over_six(x).values)
+        table[data] = row
+    return table
 
 
-def print_sqnr(n: int) -> None:
-    print(f"round-trip SQNR on randn({n}, {n}) against fp32 (GEMM: fq(A)·fq(B)ᵀ against A·Bᵀ, {n}³):")
-    for name, db, threshold in sqnr_table(n):
-        verdict = "ok" if db >= threshold else "WRONG: below"
-        print(f"  {name:<11} {db:6.2f} dB   (torchao's threshold ≥ {threshold:g} dB: {verdict})")
+def eden_errors(rows: int, cols: int, group: int) -> dict:
+    """{data: {quantiser: relative MSE}} on randn and Student-t(3) [rows, cols] (float64): MS-EDEN (rotated back),
+    SR (block max at 6), SR as Quartet II's baseline (block max at 6·16/17: the tensor amax given ×17/16), RHT + SR
+    (the same rotation, then SR), round-to-nearest."""
+    generator = torch.Generator().manual_seed(1)
+    out = {}
+    for data, x in (("randn", torch.randn(rows, cols, generator=generator)),
+                    ("student-t3", _student_t(max(rows, cols), generator)[:rows, :cols])):
+        x = x.double()
+        hadamard = microscaling.random_hadamard(group, generator).double()
+
+        def back(y):  # the rotation's inverse: each group times (diag(s)·H/√G)ᵀ
+            return (y.reshape(rows, -1, group) @ (hadamard.t() / math.sqrt(group))).reshape(rows, cols)
+
+        def relative(estimate):
+            return (estimate - x).square().sum().item() / x.square().sum().item()
+
+        def uniform():
+            return torch.rand(x.shape, generator=generator, dtype=torch.float64)
+
+        draws = torch.rand(rows, cols // 16, generator=generator, dtype=torch.float64)
+        nvfp4 = microscaling.FORMATS["nvfp4"]
+        out[data] = {
+            "MS-EDEN": relative(back(quartet.ms_eden(x, hadamard, draws).values)),
+            "SR": relative(microscaling.fake_quantize(x, nvfp4, stochastic=uniform())),
+            "SR, max at 6·16/17": relative(microscaling.fake_quantize(x, nvfp4, stochastic=uniform(),
+                                                                      tensor_amax=x.abs().max() * 17 / 16)),
+            "RHT + SR": relative(back(microscaling.fake_quantize(microscaling.hadamard_blocks(x, hadamard), nvfp4,
+                                                                 stochastic=uniform()))),
+            "round to nearest": relative(microscaling.fake_quantize(x, nvfp4))}
+    return out
+
+
+def print_sqnr(n: int, group: int) -> None:
+    table = sqnr_table(n)
+    names = list(next(iter(table.values())))
+    print(f"round-trip SQNR against fp32 ({n}×{n}; torchao's thresholds on randn: MXFP8 ≥ 18, MXFP4 ≥ 13,"
+          f" NVFP4 ≥ 8 dB):")
+    print(f"  {'data':<12}" + "".join(f"{name:>12}" for name in names))
+    for data, row in table.items():
+        print(f"  {data:<12}" + "".join(f"{row[name]:9.2f} dB" for name in names))
+    below = [name for name, threshold in THRESHOLDS_DB.items() if table["randn"][name] < threshold]
+    print("  torchao's thresholds: " + ("all met" if not below else f"WRONG: below for {', '.join(below)}"))
+    rows, cols = max(group, n // 8), max(4 * group, n // 2)
+    errors = eden_errors(rows, cols, group)
+    print(f"MS-EDEN against stochastic rounding, relative MSE ‖x̂ − x‖²/‖x‖² on the same [{rows}, {cols}] inputs"
+          f" (rotation group {group}; the paper: MS-EDEN > 2× lower than SR):")
+    for data, row in errors.items():
+        ratios = ", ".join(f"{name} {value:.3e} ({value / row['MS-EDEN']:.2f}×)" for name, value in row.items())
+        print(f"  {data:<12} {ratios}")
 
 
 # --- 1b. What the emulation costs a step: the reference quantiser against the fast one -------------------------
@@ -95,27 +142,18 @@ def _reference_fake_quantize(x, fmt, rule="rceil", two_d=False, draws=None, tens
                                       count_saturated)
 
 
-def _gemm_hadamard(x, hadamard, dim=-1):
-    """The Hadamard as the recipe ran it before: a GEMM with H/4 on 16-wide blocks of the last dim (transposed)."""
-    moved = x.movedim(dim, -1)
-    out = (moved.reshape(*moved.shape[:-1], -1, 16) @ (hadamard.to(x.dtype) / 4)).reshape(moved.shape)
-    return out.movedim(-1, dim)
-
-
-def step_seconds(preset: str, spec: str | None, batch: int, steps: int, reference: bool) -> float:
-    """The mean wall seconds of `steps` forward + backward passes (after one warm-up) of `preset` in fp32 with
-    --precision-recipe `spec` (None: none), on random tokens; reference: with the quantiser and Hadamard the
-    recipe used before precision/microscaling_fast.py (float64 NVFP4, a new tensor per operation; the Hadamard as a
-    GEMM)."""
-    config = config_from_preset(preset)
+def step_seconds(config, spec: str | None, batch: int, steps: int, reference: bool) -> float:
+    """The mean wall seconds of `steps` forward + backward passes (after one warm-up) of `config` in fp32 with
+    --precision-recipe `spec` (None: none), on random tokens; reference: NVFP4/MX's quantiser as the recipe ran it
+    before precision/microscaling_fast.py (float64 NVFP4, a new tensor per operation)."""
     torch.manual_seed(0)
     model = GPT(config)
     if spec:
         precision.recipe.convert(model, precision.recipe.parse_recipe(spec))
     tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1))
-    saved = microscaling_fast.fake_quantize, microscaling.hadamard_blocks
+    saved = microscaling_fast.fake_quantize
     if reference:
-        microscaling_fast.fake_quantize, microscaling.hadamard_blocks = _reference_fake_quantize, _gemm_hadamard
+        microscaling_fast.fake_quantize = _reference_fake_quantize
     try:
         times = []
         for _ in range(steps + 1):
@@ -124,117 +162,97 @@ def step_seconds(preset: str, spec: str | None, batch: int, steps: int, referenc
             (loss / count).backward()
             times.append(time.perf_counter() - start)
     finally:
-        microscaling_fast.fake_quantize, microscaling.hadamard_blocks = saved
+        microscaling_fast.fake_quantize = saved
     return sum(times[1:]) / steps
 
 
-def print_speed(preset: str, batch: int, steps: int) -> None:
-    """s/step of each forward × backward cell, the quantiser before (reference) and after (fast), alternated so
-    that a loaded machine slows both alike; the unquantised run for scale."""
-    print(f"the emulation's cost: `{preset}`, {batch}×{config_from_preset(preset).block_size} tokens, fp32,"
-          f" forward + backward, mean of {steps} steps after a warm-up, one thread")
-    plain = step_seconds(preset, None, batch, steps, reference=False)
-    print(f"  {'unquantised':<36} {plain:7.2f} s/step")
-    for fwd in FORWARD:
-        for bwd in BACKWARD:
-            if (fwd, bwd) == ("bf16", "bf16"):
-                continue
-            spec = ",".join(FORWARD[fwd] + BACKWARD[bwd])
-            before = step_seconds(preset, spec, batch, steps, reference=True)
-            after = step_seconds(preset, spec, batch, steps, reference=False)
-            print(f"  {cell_label(fwd, bwd, 'fp32'):<36} before {before:7.2f} s/step, after {after:7.2f} s/step"
-                  f" ({before / after:.1f}× faster)", flush=True)
+def print_speed(config, batch: int, steps: int, rotation: int) -> None:
+    """s/step of each cell with the fast quantiser (and, where it runs NVFP4 by microscaling_fast, the reference
+    one beside it), alternated so that a loaded machine slows both alike; the unquantised run for scale."""
+    print(f"the emulation's cost: {batch}×{config.block_size} tokens, fp32, forward + backward, mean of {steps}"
+          f" steps after a warm-up, one thread")
+    print(f"  {'unquantised':<36} {step_seconds(config, None, batch, steps, reference=False):7.2f} s/step")
+    for fwd, bwd in grid(rotation):
+        spec = recipe_spec(fwd, bwd, rotation)
+        after = step_seconds(config, spec, batch, steps, reference=False)
+        before = step_seconds(config, spec, batch, steps, reference=True)
+        print(f"  {cell_label(fwd, bwd, 'fp32'):<36} {after:7.2f} s/step (the float64 reference quantiser for"
+              f" NVFP4/MX: {before:.2f})", flush=True)
 
 
-# --- 2. The ablation: one train.py process per cell ------------------------------------------------------------
+# --- 2. The ablation: one train.py process per cell and seed ------------------------------------------------------
+
+def grid(rotation: int, smoke: bool = False) -> list:
+    """[(forward, backward)] of the quantised cells, the baseline (bf16 × bf16) left out."""
+    if smoke:
+        return [("4/6+1-D", "MS-EDEN")]
+    return [(f, b) for f in FORWARD for b in BACKWARD if (f, b) != ("bf16", "bf16")]
+
+
+def recipe_spec(fwd: str, bwd: str, rotation: int) -> str:
+    parts = FORWARD[fwd][0] + BACKWARD[bwd][0]
+    return ",".join(parts + ((f"rotation={rotation}",) if "eden" in parts and rotation != quartet.EDEN_GROUP else ()))
+
 
 def cell_label(fwd: str, bwd: str, dtype: str) -> str:
     """A cell's name in the table: the unquantised side is named by the compute dtype."""
     return f"fwd {dtype if fwd == 'bf16' else fwd} × bwd {dtype if bwd == 'bf16' else bwd}"
 
 
-def seed_label(label: str, seed: int) -> str:
-    return f"{label} (seed {seed})"
+def runs(args) -> list:
+    """[(cell label, forward, backward, seed, train.py flags)]: the baseline and every cell, for each seed."""
+    cells = [(args.dtype, "bf16", "bf16", [])]
+    cells += [(cell_label(f, b, args.dtype), f, b, ["--precision-recipe", recipe_spec(f, b, args.rotation)])
+              for f, b in grid(args.rotation, args.smoke)]
+    return [(label, f, b, args.seed + k, flags + ["--seed", str(args.seed + k)])
+            for k in range(args.seeds) for label, f, b, flags in cells]
 
 
-def cells(smoke: bool, dtype: str = "bf16", seed: int = 0, noise_seeds: int = 0) -> list:
-    """[(label, forward, backward, train.py flags)], the plain run first: the baseline every delta is against
-    (bf16 × bf16 is the plain run in the compute dtype); then the noise runs: the baseline and NOISE_CELL again
-    with seeds seed+1..seed+noise_seeds (another init, other batches, other SR draws)."""
-    grid = [("nvfp4+w2d", "nvfp4+sr+rht")] if smoke else [(f, b) for f in FORWARD for b in BACKWARD]
-    rows = [(dtype, "bf16", "bf16", [])]
-    for fwd, bwd in grid:
-        if (fwd, bwd) != ("bf16", "bf16"):
-            parts = FORWARD[fwd] + BACKWARD[bwd]
-            rows.append((cell_label(fwd, bwd, dtype), fwd, bwd, ["--precision-recipe", ",".join(parts)]))
-    if not smoke:
-        rows += [(f"--fp8 {mode}", "fp8", "fp8", ["--fp8", mode]) for mode in FP8_ROWS]
-        if dtype != "fp32":
-            rows.append(("fp32 (reference)", "fp32", "fp32", ["--dtype", "fp32"]))
-    noisy = next(row for row in rows if row[0] == cell_label(*NOISE_CELL, dtype)) if not smoke else rows[-1]
-    for extra in range(1, noise_seeds + 1):
-        for label, fwd, bwd, flags in (rows[0], noisy):
-            rows.append((seed_label(label, seed + extra), fwd, bwd, flags + ["--seed", str(seed + extra)]))
-    return rows
-
-
-def run_cell(label: str, flags: list, args) -> dict:
+def run_cell(label: str, seed: int, flags: list, args) -> dict:
     """Train one cell with train.py in its own process (its printout kept in <out-dir>/<cell>.log, its steps in
     <cell>.jsonl), then read it; with --table-only just read what an earlier run left."""
-    name = re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
+    name = re.sub(r"[^a-z0-9]+", "_", f"{label} seed {seed}".lower()).strip("_")
     metrics, log = (os.path.join(args.out_dir, f"{name}.{ext}") for ext in ("jsonl", "log"))
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--preset", args.preset, "--steps", str(args.steps),
-           "--global-batch", str(args.batch), "--micro-batch", str(args.batch), "--seed", str(args.seed),
-           "--eval-every", "0", "--eval-batches", str(args.eval_batches), "--log-every", str(args.steps),
-           "--sample-tokens", "0", "--out-dir", args.out_dir, "--metrics-file", metrics]
-    cmd += flags if "--dtype" in flags else ["--dtype", args.dtype, *flags]
+           "--global-batch", str(args.batch), "--micro-batch", str(args.batch), "--dtype", args.dtype,
+           "--eval-every", str(max(1, args.steps // 2)), "--eval-batches", str(args.eval_batches),
+           "--log-every", str(args.steps), "--sample-tokens", "0", "--out-dir", args.out_dir,
+           "--metrics-file", metrics, *(["--n-layer", str(args.n_layer)] if args.n_layer else []), *flags]
     start = time.perf_counter()
     if not args.table_only:
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-        # its own session: Linux's autogroup scheduler shares the CPU per session, so cells in one session
-        # would split one share between them
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, start_new_session=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         with open(log, "w") as f:
             f.write(proc.stdout + proc.stderr)
         if proc.returncode != 0:
             lines = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
             said = [line for line in lines if re.search(r"Error\b|^error:", line.strip())] or lines
-            return dict(label=label, error=f"exit {proc.returncode}: {said[-1].strip()[:150]}",
+            return dict(label=label, seed=seed, error=f"exit {proc.returncode}: {said[-1].strip()[:150]}",
                         seconds=time.perf_counter() - start)
-    result = dict(label=label, seconds=time.perf_counter() - start)
+    result = dict(label=label, seed=seed, seconds=time.perf_counter() - start)
     if not (os.path.exists(metrics) and os.path.exists(log)):
         return dict(result, error=f"no {os.path.basename(metrics)} here (not run, or still running)")
     records = [json.loads(line) for line in open(metrics)]
     if "val_loss" not in records[-1]:
         return dict(result, error=f"{len(records)} of {args.steps} steps in {os.path.basename(metrics)} (unfinished)")
+    evals = [r for r in records if "val_loss" in r]
     nonfinite = sum(1 for r in records if r["skipped"] or not math.isfinite(r["loss"]))
     times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
-    return dict(result, val=records[-1]["val_loss"], nonfinite=nonfinite, saturated=saturated_share(open(log).read()),
+    return dict(result, val=evals[-1]["val_loss"], val_half=evals[0]["val_loss"] if len(evals) > 1 else None,
+                half_step=evals[0]["step"], nonfinite=nonfinite, saturated=saturated_share(open(log).read()),
                 step_s=sum(times) / len(times))
 
 
 def saturated_share(stdout: str):
-    """(X, W, dY) percent of values the casts clamped over steps 1..N-1 (the run's last saturation printout: the
-    steps since the one of step 0), or None where the run prints none (bf16, fp32). A recipe prints one line per
-    logged step (each role over all its linears, count-weighted); --fp8 prints a table of its linears, here
-    averaged per role over the linears (unweighted)."""
+    """(X, W, dY) percent of values the casts clamped over steps 1..N-1 (the run's last saturation printout), or
+    None where the run prints none (the baseline)."""
     recipe = re.findall(r"saturated since the last line.*: X ([\d.]+)%\s+W ([\d.]+)%\s+dY ([\d.]+)%", stdout)
-    if recipe:
-        return tuple(float(p) for p in recipe[-1])
-    tables = re.split(r"the saturated share since the last table", stdout)
-    if len(tables) < 2:
-        return None
-    rows = [[float(p) for p in re.findall(r"([\d.]+)%", line)] for line in tables[-1].splitlines()[2:]]
-    rows = [row for row in rows if len(row) == 3]  # a linear's row: input, weight, grad_output
-    return tuple(sum(column) / len(rows) for column in zip(*rows)) if rows else None
+    return tuple(float(p) for p in recipe[-1]) if recipe else None
 
 
-def accounting(fwd: str, bwd: str, preset: str, seq_len: int) -> tuple:
-    """(share of FLOPs in narrow formats, B200's format-weighted peak over its bf16 peak) of a cell's recipe."""
-    if fwd == "fp32":
-        return 0.0, None
-    config = config_from_preset(preset)
-    flops = format_flops.flops_by_format(config, seq_len, fwd.split("+")[0], bwd.split("+")[0], "bf16")
+def accounting(fwd: str, bwd: str, config) -> tuple:
+    """(share of FLOPs in NVFP4, B200's format-weighted peak over its bf16 peak) of a cell's recipe."""
+    flops = format_flops.flops_by_format(config, config.block_size, FORWARD[fwd][1], BACKWARD[bwd][1], "bf16")
     b200 = hardware.PRESETS["b200"]
     peaks, _ = format_flops.format_peaks(b200, flops, "bf16")
     narrow = sum(f for fmt, f in flops.items() if fmt in format_flops.NARROW) / sum(flops.values())
@@ -242,163 +260,214 @@ def accounting(fwd: str, bwd: str, preset: str, seq_len: int) -> tuple:
 
 
 def emulation_cost(row) -> int:
-    """A cell's rough cost in emulated quantisation, to start the dearest first (NVFP4's backward quantises
-    three operands of two GEMMs, each in float64; its forward two; MXFP8's are cheap)."""
-    _, fwd, bwd, _ = row
-    return 4 * bwd.startswith("nvfp4") + 2 * fwd.startswith("nvfp4") + fwd.startswith("mx")
+    """A run's rough cost in emulated quantisation, to start the dearest first (MS-EDEN's backward rotates and
+    quantises four operands in float64, RHT + SR three; 4/6 quantises the forward's twice)."""
+    _, fwd, bwd, _, _ = row
+    return {"MS-EDEN": 6, "RHT+SR": 5, "SR": 4, "bf16": 0}[bwd] + {"4/6+1-D": 2, "2-D": 1, "bf16": 0}[fwd]
 
 
-def noise_estimate(results: list, args) -> dict | None:
-    """From the runs with other seeds: the baseline's val loss spread and the paired delta of NOISE_CELL (its run
-    against the baseline of the same seed) per seed; σ_Δ, the standard deviation of that paired delta in points,
-    is what a cell's delta must exceed (twice) to be told from noise. None without noise runs."""
-    val = {r["label"]: r["val"] for r in results if "error" not in r}
-    base, cell = args.dtype, cell_label(*NOISE_CELL, args.dtype)
-    seeds = [args.seed] + [args.seed + k for k in range(1, args.noise_seeds + 1)]
-    names = [(base, cell)] + [(seed_label(base, k), seed_label(cell, k)) for k in seeds[1:]]
-    pairs = [(val[b], val[c]) for b, c in names if b in val and c in val]
-    if len(pairs) < 2:
+def _std(values: list) -> float | None:
+    if len(values) < 2:
         return None
-    deltas = [100 * (c / b - 1) for b, c in pairs]
-    bases = [b for b, _ in pairs]
-    std = lambda v: math.sqrt(sum((x - sum(v) / len(v)) ** 2 for x in v) / (len(v) - 1))  # noqa: E731
-    return dict(seeds=len(pairs), deltas=deltas, sigma=std(deltas), base_mean=sum(bases) / len(bases),
-                base_spread=100 * std(bases) / (sum(bases) / len(bases)), cell=cell)
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def print_table(results: list, rows: list, args, noise: dict | None) -> None:
-    base = next((r for r in results if r["label"] == args.dtype and "error" not in r), None)
-    print(f"{'cell':<36} {'val loss':>9} {f'Δ vs {args.dtype}':>10} {'> 2σ_Δ':>6} {'non-finite':>10}"
-          f" {'sat X/W/dY':>16} {'s/step':>7} {'narrow FLOPs':>12} {'B200 P_w/bf16':>13}")
-    seq_len = config_from_preset(args.preset).block_size
-    for r, (label, fwd, bwd, _) in zip(results, rows):
-        if "error" in r:
-            print(f"{label:<36} failed ({r['error']})")
+def paired_deltas(results: list, args, key: str = "val") -> dict:
+    """{cell label: {seed: 100·(cell / baseline − 1)}}: each cell against the baseline of its own seed."""
+    base = {r["seed"]: r[key] for r in results if r["label"] == args.dtype and r.get(key) is not None}
+    out = {}
+    for r in results:
+        if r["label"] != args.dtype and r.get(key) is not None and r["seed"] in base:
+            out.setdefault(r["label"], {})[r["seed"]] = 100 * (r[key] / base[r["seed"]] - 1)
+    return out
+
+
+def cell_stats(deltas: dict) -> dict:
+    """{cell: (seeds, mean Δ, σ of Δ over the seeds or None, σ/√seeds or None)}."""
+    out = {}
+    for label, by_seed in deltas.items():
+        values = list(by_seed.values())
+        sigma = _std(values)
+        out[label] = (len(values), sum(values) / len(values), sigma,
+                      None if sigma is None else sigma / math.sqrt(len(values)))
+    return out
+
+
+def pooled_sigma(stats: dict) -> float | None:
+    """√(mean σ²) over the cells that have a σ (equal seeds each: the pooled variance)."""
+    sigmas = [s for _, _, s, _ in stats.values() if s is not None]
+    return math.sqrt(sum(s * s for s in sigmas) / len(sigmas)) if sigmas else None
+
+
+def print_table(results: list, args, config) -> dict:
+    stats = cell_stats(paired_deltas(results, args))
+    by_label: dict = {}
+    for r in results:
+        by_label.setdefault(r["label"], []).append(r)
+    base = [r["val"] for r in by_label.get(args.dtype, []) if "error" not in r]
+    print(f"{'cell':<32} {'seeds':>5} {'val loss':>9} {f'Δ vs {args.dtype}':>10} {'σ':>6} {'σ/√n':>6}"
+          f" {'> 2σ/√n':>7} {'non-finite':>10} {'sat X/W/dY':>16} {'s/step':>7} {'NVFP4 FLOPs':>11}"
+          f" {'B200 P_w/bf16':>13}")
+    if base:
+        print(f"{args.dtype:<32} {len(base):>5} {sum(base) / len(base):9.4f} {'—':>10}")
+    labels = [cell_label(f, b, args.dtype) for f, b in grid(args.rotation, args.smoke)]
+    for (f, b), label in zip(grid(args.rotation, args.smoke), labels):
+        rows = [r for r in by_label.get(label, []) if "error" not in r]
+        failed = [r for r in by_label.get(label, []) if "error" in r]
+        if not rows or label not in stats:
+            print(f"{label:<32} failed ({failed[0]['error'] if failed else 'no baseline of the same seed'})")
             continue
-        change = 100 * (r["val"] / base["val"] - 1) if base else None
-        delta = "n/a" if change is None else f"{change:+.2f}%"
-        above = "—" if noise is None or change is None or label == args.dtype or "(seed" in label else \
-            ("yes" if abs(change) > 2 * noise["sigma"] else "no")
-        sat = "—" if r["saturated"] is None else "/".join(f"{p:.2g}" for p in r["saturated"]) + "%"
-        narrow, speedup = accounting(fwd, bwd, args.preset, seq_len)
-        print(f"{label:<36} {r['val']:9.4f} {delta:>10} {above:>6} {r['nonfinite']:>10} {sat:>16} {r['step_s']:7.2f}"
-              f" {narrow:>12.0%} {'—' if speedup is None else f'{speedup:.2f}×':>13}")
+        n, mean, sigma, se = stats[label]
+        shown = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+        beyond = "n/a" if se is None else ("yes" if abs(mean) > 2 * se else "no")
+        sat = [r["saturated"] for r in rows if r["saturated"] is not None]
+        sat = "—" if not sat else "/".join(f"{sum(c) / len(c):.2g}" for c in zip(*sat)) + "%"
+        narrow, speedup = accounting(f, b, config)
+        print(f"{label:<32} {n:>5} {sum(r['val'] for r in rows) / len(rows):9.4f} {mean:+9.2f}% {shown(sigma):>6}"
+              f" {shown(se):>6} {beyond:>7} {sum(r['nonfinite'] for r in rows):>10} {sat:>16}"
+              f" {sum(r['step_s'] for r in rows) / len(rows):7.2f} {narrow:>11.0%} {speedup:>12.2f}×"
+              + (f"  ({len(failed)} failed)" if failed else ""))
+    return stats
 
 
-def print_verdict(results: list, args, noise: dict | None) -> None:
-    """Forward-only cells (backward unquantised) against backward-only cells (forward unquantised), next to the
-    430M figures; then each NVIDIA part's own effect (w2d, rht), and the noise: the seeds' spread (or, without
-    noise runs, fp32's drift from bf16)."""
-    val = {r["label"]: r["val"] for r in results if "error" not in r}
-    plain = args.dtype
-    if plain not in val:
-        print(f"which half is the more sensitive: no {plain} baseline ran")
+def print_noise(results: list, args, stats: dict) -> None:
+    """σ pooled over the cells at the end and at the halfway evaluation; the steps that 2σ < TARGET would need
+    (σ ∝ steps^a through the two points) and the seeds that would do it at this length."""
+    end = pooled_sigma(stats)
+    half_stats = cell_stats(paired_deltas(results, args, "val_half"))
+    half = pooled_sigma(half_stats)
+    if end is None:
+        print("noise: one seed per cell, no σ (run --seeds 2 or more)")
         return
-    delta = {label: 100 * (v / val[plain] - 1) for label, v in val.items()}
-    forward = [delta[cell_label(f, "bf16", plain)] for f in FORWARD
-               if f != "bf16" and cell_label(f, "bf16", plain) in delta]
-    backward = [delta[cell_label("bf16", b, plain)] for b in BACKWARD
-                if b != "bf16" and cell_label("bf16", b, plain) in delta]
-    if not forward or not backward:
-        print(f"which half is the more sensitive: needs a forward-only and a backward-only cell (ran"
-              f" {len(forward)} and {len(backward)}); the {PAPER}")
+    half_step = next((r["half_step"] for r in results if r.get("half_step") is not None), None)
+    print(f"noise: σ of a cell's paired delta, pooled over {len(stats)} cells of {args.seeds} seeds: {end:.2f} points"
+          f" at step {args.steps}" + (f", {half:.2f} at step {half_step}" if half is not None else "")
+          + f"; 2σ = {2 * end:.2f} points against the {TARGET} the paper's effects need")
+    seeds = math.ceil((2 * end / TARGET) ** 2)
+    print(f"  seeds per cell for 2σ/√seeds < {TARGET} at {args.steps} steps: {seeds} (σ/√n of a mean over seeds)")
+    if half is None or not half_step or half <= 0 or end <= 0:
         return
-    span = lambda d: f"{min(d):+.2f}…{max(d):+.2f}%"  # noqa: E731
-    mean = lambda d: sum(d) / len(d)  # noqa: E731
-    more = "forward" if mean(forward) > mean(backward) else "backward"
-    if noise is not None:
-        noise_size, what = 2 * noise["sigma"], f"2σ_Δ = {2 * noise['sigma']:.2f} points (the seeds' noise)"
+    exponent = math.log(end / half) / math.log(args.steps / half_step)
+    if exponent >= 0:
+        print(f"  steps for 2σ < {TARGET}: not extrapolated (σ grew from step {half_step} to {args.steps},"
+              f" σ ∝ steps^{exponent:+.2f}: this length is still in the optimiser's early transient)")
     else:
-        noise_size = abs(delta.get("fp32 (reference)", 0.0))
-        what = f"fp32's {noise_size:.2f}% drift from bf16"
-    if abs(mean(forward) - mean(backward)) < noise_size:
-        answer = (f"not resolved here (they differ by {abs(mean(forward) - mean(backward)):.2f} points, less than"
-                  f" {what}; the {more} costs more on its face), against the {PAPER}")
-    else:
-        answer = f"the {more} here, {'as' if more == 'forward' else 'unlike'} the {PAPER}"
-    print(f"which half is the more sensitive: quantising the forward alone {span(forward)}, the backward alone"
-          f" {span(backward)} over {plain} (mean {mean(forward):+.2f}% against {mean(backward):+.2f}%): {answer}")
-    parts = {"w2d (2-D weight scales)": [(cell_label("nvfp4+w2d", b, plain), cell_label("nvfp4", b, plain))
-                                         for b in BACKWARD],
-             "rht (Hadamard on dW)": [(cell_label(f, "nvfp4+sr+rht", plain), cell_label(f, "nvfp4+sr", plain))
-                                      for f in FORWARD]}
-    for part, pairs in parts.items():
-        effects = [delta[a] - delta[b] for a, b in pairs if a in delta and b in delta]
-        if effects:
-            print(f"  {part}: {mean(effects):+.2f} points of the delta on average (from {min(effects):+.2f} to"
-                  f" {max(effects):+.2f} over the {len(effects)} pairs of cells that differ only by it; < 0: it helps)")
-    if noise is not None:
-        print(f"  noise, from {noise['seeds']} seeds (init, batches and SR draws all change with --seed): {plain}'s"
-              f" val loss {noise['base_mean']:.4f} ± {noise['base_spread']:.2f}% (std) across seeds; {noise['cell']}'s"
-              f" delta against the same seed's {plain} {', '.join(f'{d:+.2f}%' for d in noise['deltas'])}, σ_Δ ="
-              f" {noise['sigma']:.2f} points: a delta beyond 2σ_Δ = {2 * noise['sigma']:.2f} points is marked"
-              f" above noise")
-    if "fp32 (reference)" in delta:
-        print(f"  fp32 lands {delta['fp32 (reference)']:+.2f}% from bf16 on the same init and batches")
+        steps = args.steps * (TARGET / 2 / end) ** (1 / exponent)
+        print(f"  steps for 2σ < {TARGET}: about {steps:,.0f} (σ ∝ steps^{exponent:.2f} through the two points: an"
+              f" extrapolation from two points of one schedule, the halfway one before the cosine decay)")
+
+
+def _per_seed_mean(deltas: dict, labels: list) -> dict:
+    """{seed: mean of the listed cells' deltas} over the seeds where all of them ran."""
+    seeds = set.intersection(*(set(deltas.get(label, {})) for label in labels)) if labels else set()
+    return {k: sum(deltas[label][k] for label in labels) / len(labels) for k in seeds}
+
+
+def _contrast(first: dict, second: dict) -> tuple | None:
+    """(mean of first − second over the common seeds, its σ/√n or None, n), or None without a common seed."""
+    common = sorted(set(first) & set(second))
+    if not common:
+        return None
+    differences = [first[k] - second[k] for k in common]
+    sigma = _std(differences)
+    return sum(differences) / len(differences), None if sigma is None else sigma / math.sqrt(len(common)), len(common)
+
+
+def print_verdict(results: list, args) -> None:
+    """Forward-only against backward-only; 4/6 + 1-D against 2-D over the backward columns where both ran."""
+    deltas, dtype = paired_deltas(results, args), args.dtype
+    forward = [cell_label(f, "bf16", dtype) for f in FORWARD if f != "bf16"]
+    backward = [cell_label("bf16", b, dtype) for b in BACKWARD if b != "bf16"]
+    forward, backward = [c for c in forward if c in deltas], [c for c in backward if c in deltas]
+
+    def verdict(name, contrast, positive, negative):
+        if contrast is None:
+            return f"{name}: not measured (no common seed)"
+        mean, se, n = contrast
+        if se is None:
+            return f"{name}: {mean:+.2f} points over {n} seed (one seed: no σ, not resolved)"
+        answer = (positive if mean > 0 else negative) if abs(mean) > 2 * se else "not resolved"
+        return f"{name}: {mean:+.2f} ± {se:.2f} points (σ/√n over {n} seeds): {answer}"
+
+    if forward and backward:
+        f_mean, b_mean = _per_seed_mean(deltas, forward), _per_seed_mean(deltas, backward)
+        print(verdict("forward-only minus backward-only cells (mean deltas)", _contrast(f_mean, b_mean),
+                      "the forward is the more sensitive, as in the paper", "the backward is the more sensitive,"
+                      " unlike the paper") + f"; the {PAPER}")
+    pairs = [(cell_label("4/6+1-D", b, dtype), cell_label("2-D", b, dtype)) for b in BACKWARD]
+    pairs = [(a, c) for a, c in pairs if a in deltas and c in deltas]
+    if pairs:
+        four_six = {k: sum(deltas[a][k] for a, _ in pairs) / len(pairs)
+                    for k in set.intersection(*(set(deltas[a]) & set(deltas[c]) for a, c in pairs))}
+        two_d = {k: sum(deltas[c][k] for _, c in pairs) / len(pairs) for k in four_six}
+        print(verdict(f"4/6 + 1-D minus 2-D (over {len(pairs)} backward columns)", _contrast(four_six, two_d),
+                      "2-D is better here, unlike the paper", "4/6 + 1-D is better, as in the paper")
+              + " (the paper: 4/6 + 1-D +0.94% against 2-D +1.22% with a bf16 backward)")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per cell")
-    p.add_argument("--batch", type=int, default=4, help="sequences per step (of the preset's 256 tokens)")
-    p.add_argument("--eval-batches", type=int, default=8, help="val batches for the final loss (the same in all)")
-    p.add_argument("--preset", default="small")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--sqnr-n", type=int, default=4096, help="the SQNR tensors are randn(n, n)")
-    p.add_argument("--jobs", type=int, default=2, help="cells trained at once (after the baseline, unless the"
-                   " token cache is there already)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps per run (default 100)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
+    p.add_argument("--eval-batches", type=int, default=32, help="val batches for each evaluation, the same in all"
+                   " runs (default 32)")
+    p.add_argument("--preset", default="mini", help="the model (default mini: 128 wide, 128 tokens)")
+    p.add_argument("--n-layer", type=int, default=2, help="its layers (default 2; 0: the preset's)")
+    p.add_argument("--seed", type=int, default=1337, help="the first seed (default 1337)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per cell, the baseline's too (default 3)")
+    p.add_argument("--rotation", type=int, default=quartet.EDEN_GROUP, help="MS-EDEN's rotation group (default 128)")
+    p.add_argument("--sqnr-n", type=int, default=4096, help="the SQNR tensors are n×n (default 4096)")
+    p.add_argument("--jobs", type=int, default=2, help="runs trained at once (default 2)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="the compute dtype (the baseline and"
-                   " what the recipes dequantise to); fp32 where the CPU has no fast bf16 GEMM")
-    p.add_argument("--noise-seeds", type=int, default=0, help="rerun the baseline and the NVFP4 SR cell with this"
-                   " many other seeds: the spread of the paired delta says which deltas are above noise")
+                   " what the recipes dequantise to; default bf16); fp32 where the CPU has no fast bf16 GEMM")
     p.add_argument("--threads", type=int, help="OMP threads of each train.py run (default: cores / jobs)")
     p.add_argument("--out-dir", default=os.path.join("out", "bench_precision"),
-                   help="the token cache and each cell's metrics file (default under ./out)")
-    p.add_argument("--table-only", action="store_true", help="print the table of what an earlier run left in"
+                   help="the token cache and each run's metrics file (default out/bench_precision)")
+    p.add_argument("--table-only", action="store_true", help="print the tables of what an earlier run left in"
                    " --out-dir (the same flags), training nothing")
-    p.add_argument("--only", default="", help="run only the cells whose label matches this regex (and the baseline)")
-    p.add_argument("--speed-steps", type=int, default=3, help="steps per cell of the before/after cost (0: skip)")
-    p.add_argument("--speed-only", action="store_true", help="print the SQNR and the before/after cost only")
-    p.add_argument("--smoke", action="store_true", help="`tiny`, 4 steps, two cells, SQNR at 256²")
+    p.add_argument("--speed-steps", type=int, default=0, help="steps per cell of the emulation's cost (default 0:"
+                   " skip)")
+    p.add_argument("--smoke", action="store_true", help="`tiny`, 2 steps, one seed, two cells, SQNR at 256²")
     args = p.parse_args()
     if args.smoke:
-        args.steps, args.batch, args.eval_batches, args.preset, args.sqnr_n = 4, 2, 1, "tiny", 256
-        args.speed_steps = 1
+        args.steps, args.batch, args.eval_batches, args.preset, args.sqnr_n = 2, 2, 1, "tiny", 256
+        args.seeds, args.rotation, args.n_layer, args.speed_steps = 1, 32, 0, min(args.speed_steps, 1)
     args.out_dir = os.path.abspath(args.out_dir)
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     os.makedirs(args.out_dir, exist_ok=True)
+    config = config_from_preset(args.preset, n_layer=args.n_layer or None)
     start = time.perf_counter()
-    print_sqnr(args.sqnr_n)
+    print_sqnr(args.sqnr_n, args.rotation)
     if args.speed_steps:
         print()
-        print_speed(args.preset, args.batch, args.speed_steps)
-    if args.speed_only:
-        return
-    rows = [row for row in cells(args.smoke, args.dtype, args.seed, args.noise_seeds)
-            if row[0] == args.dtype or re.search(args.only, row[0])]
-    print(f"\nablation: `{args.preset}`, {args.steps} steps of {args.batch} sequences, one init (seed {args.seed}),"
-          f" the same batches; val loss over {args.eval_batches} batches after the last step; {args.dtype} compute;"
-          f" {len(rows)} cells, {args.jobs} at a time of {args.threads} threads")
+        print_speed(config, args.batch, args.speed_steps, args.rotation)
+    rows = runs(args)
+    print(f"\nablation: `{args.preset}` ({config.n_layer} layers, {config.n_embd} wide), {args.steps} steps of"
+          f" {args.batch}×{config.block_size} tokens, {args.seeds} seed(s) from {args.seed} (init, batches, draws);"
+          f" val loss over {args.eval_batches} batches at step {max(1, args.steps // 2)} and after the last;"
+          f" {args.dtype} compute; {len(rows)} runs, {args.jobs} at a time of {args.threads} thread(s)")
+
     def run(row):
-        r = run_cell(row[0], row[3], args)
-        print(f"  ran {row[0]}: {r['seconds']:.0f} s" + (f" ({r['error']})" if "error" in r else ""), flush=True)
+        label, _, _, seed, flags = row
+        r = run_cell(label, seed, flags, args)
+        print(f"  ran {label} (seed {seed}): {r['seconds']:.0f} s" + (f" ({r['error']})" if "error" in r else ""),
+              flush=True)
         return r
 
     cached = os.path.isdir(os.path.join(args.out_dir, "data")) and os.listdir(os.path.join(args.out_dir, "data"))
-    done = {} if cached and not args.table_only else {rows[0][0]: run(rows[0])}  # alone: it writes the token cache
+    first = [] if cached or args.table_only else [run(rows[0])]  # alone: it writes the token cache
     with ThreadPoolExecutor(args.jobs) as pool:  # threads that wait on train.py processes, the dearest first
-        futures = {row[0]: pool.submit(run, row) for row in sorted([r for r in rows if r[0] not in done],
-                                                                    key=lambda row: -emulation_cost(row))}
-        done.update({label: future.result() for label, future in futures.items()})
-    results = [done[row[0]] for row in rows]
+        pending = sorted(rows[len(first):], key=lambda row: -emulation_cost(row))
+        results = first + list(pool.map(run, pending))
     print()
-    noise = noise_estimate(results, args)
-    print_table(results, rows, args, noise)
-    print_verdict(results, args, noise)
+    stats = print_table(results, args, config)
+    print_noise(results, args, stats)
+    print_verdict(results, args)
     print(f"wall time {time.perf_counter() - start:.0f} s (python bench/bench_precision.py {' '.join(sys.argv[1:])})")
-    failed = [r["label"] for r in results if "error" in r]
+    failed = [f"{r['label']} (seed {r['seed']})" for r in results if "error" in r]
     if failed:
-        raise SystemExit(f"{len(failed)} cell(s) failed: {', '.join(failed)}")
+        raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

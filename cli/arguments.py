@@ -149,9 +149,14 @@ def _add_fp8_flags(parser) -> None:
     g.add_argument("--fp8-amax-history", type=int, default=16, help="delayed: amax history length L")
     g.add_argument("--fp8-amax-algo", choices=("max", "most_recent"), default="max", help="delayed: scale from")
     g.add_argument("--fp8-margin", type=int, default=0, help="scale = max/amax/2^margin")
-    g.add_argument("--precision-recipe", metavar="SPEC", help="microscaling block linears (precision/recipe.py):"
-                   " mxfp8 | mxfp4 | nvfp4, or parts fwd=F,bwd=F,sr,rht,w2d,tail=F,rule=rceil|floor"
-                   " (F: bf16 | mxfp8 | mxfp4 | nvfp4); not with --fp8 (default: none)")
+    g.add_argument("--precision-recipe", metavar="SPEC", help="microscaling block linears (precision/recipe.py;"
+                   " default: none, the compute dtype): a preset mxfp8 | mxfp4 | nvfp4 | quartet2"
+                   " (= fwd=nvfp4,bwd=nvfp4,4over6,eden), or comma-separated parts: fwd=F, bwd=F (F: bf16 | mxfp8"
+                   " | mxfp4 | nvfp4; default bf16), sr (stochastic rounding of dY), rht (random Hadamard on dW's"
+                   " operands), w2d (16×16 NVFP4 weight blocks), 4over6 (Four Over Six: each forward NVFP4 block"
+                   " scaled to 6 or 4, the lower MSE), eden (MS-EDEN backward, precision/quartet.py), rotation=G"
+                   " (its rotation group: 16 | 32 | 64 | 128 | 256; default 128), tail=F (the last share of blocks"
+                   " in the compute dtype; default 0), rule=rceil|floor (MX scales; default rceil); not with --fp8")
 
 
 def _add_moe_flags(parser) -> None:

@@ -29,9 +29,9 @@ Rounding: elements round to nearest, ties to even, after a clamp to ±max_elem (
 (`stochastic`, a torch.Generator): up with probability equal to the distance from the lower neighbour divided by
 the gap between the two neighbouring representable values, so E[q] = x exactly (for E2M1 and E4M3 alike).
 The random Hadamard transform (`random_hadamard`, `hadamard_blocks`) multiplies each 16-wide block of the last dim
-by H/4, H = Sylvester(16)·diag(random ±1): orthonormal, so applied to both operands of a GEMM along its contraction
-dim (the weight-gradient GEMM dW = dYᵀ·X contracts over tokens) it changes nothing in exact arithmetic while it
-spreads outliers across the block before quantisation.
+by H/4, H = diag(random ±1)·Sylvester(16) (the signs first): orthonormal, so applied to both operands of a GEMM
+along its contraction dim (the weight-gradient GEMM dW = dYᵀ·X contracts over tokens) it changes nothing in exact
+arithmetic while it spreads outliers across the block before quantisation, differently for each draw of the signs.
 
 Hardware: H100/H200 (sm_90) have no block-scaled GEMM; here and on them a recipe quantises, dequantises and runs the
 GEMM in bf16 (`fake_quantize`), which equals the real block-scaled GEMM's operands exactly for MX formats (q·2^e is
@@ -224,20 +224,24 @@ def e8m0_exponent(amax: torch.Tensor, element_max: float, rule: str = "rceil") -
     return torch.where(torch.isfinite(amax), e, E8M0_NAN - 127).to(torch.int32)
 
 
-def nvfp4_tensor_scale(tensor_amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = 448·6/amax in fp32 (one rounding); 1 for an all-zero tensor, capped at fp32's max for a tiny amax,
-    NaN for a non-finite amax."""
+def nvfp4_tensor_scale(tensor_amax: torch.Tensor, numerator: float = NVFP4_TENSOR_SCALE_NUMERATOR) -> torch.Tensor:
+    """S_enc = 448·6/amax in fp32, one true division (rounded once, as TransformerEngine's; torch computes a
+    Python number over a tensor as a reciprocal times the number, two roundings, one ulp off for about a quarter of
+    amaxes); 1 for an all-zero tensor, capped at fp32's max for a tiny amax, NaN for a non-finite amax.
+    numerator: the block scales' ceiling times the element's top (precision/quartet.py's 256·6 and 256·v)."""
     tensor_amax = tensor_amax.float()
-    scale = (NVFP4_TENSOR_SCALE_NUMERATOR / tensor_amax).clamp(max=torch.finfo(torch.float32).max)
+    scale = torch.div(torch.tensor(numerator, device=tensor_amax.device), tensor_amax)
+    scale = scale.clamp(max=torch.finfo(torch.float32).max)
     scale = torch.where(tensor_amax == 0, 1.0, scale)
     return torch.where(torch.isfinite(tensor_amax), scale, float("nan"))
 
 
-def nvfp4_block_scale(block_amax: torch.Tensor, tensor_scale: torch.Tensor) -> torch.Tensor:
+def nvfp4_block_scale(block_amax: torch.Tensor, tensor_scale: torch.Tensor, top: float = E2M1_MAX) -> torch.Tensor:
     """d = e4m3(amax_block·S_enc/6), saturating at 448, rounded once: the product of two fp32 numbers is exact in
     float64 and the quotient by 6 is rounded there too finely to reach an E4M3 tie it is not on (its 48-bit numerator
-    is at least 2^-49 relatively away from any other). Float64 values on E4M3's grid; NaN where not finite."""
-    exact = block_amax.double() * tensor_scale.double() / E2M1_MAX
+    is at least 2^-49 relatively away from any other). Float64 values on E4M3's grid; NaN where not finite.
+    top: the value the block's amax maps to (6; Four Over Six's second candidate 4, precision/quartet.py)."""
+    exact = block_amax.double() * tensor_scale.double() / top
     decoded = _round_to_grid(exact.clamp(max=E4M3_MAX), ELEMENTS["e4m3"], None)
     return torch.where(torch.isfinite(exact), decoded, float("nan"))
 
@@ -337,39 +341,44 @@ def sylvester(size: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
 
 
 def random_hadamard(size: int = 16, generator: torch.Generator | None = None) -> torch.Tensor:
-    """H = Sylvester(size)·diag(s), s random ±1 from generator: H·Hᵀ = size·I (float32, entries ±1)."""
+    """H = diag(s)·Sylvester(size), s random ±1 from generator: H·Hᵀ = size·I (float32, entries ±1). A block
+    (a row vector b) becomes b·H = (b·diag(s))·Sylvester: the signs flip elements BEFORE the mixing, as
+    TransformerEngine's and torchao's random Hadamard transforms do. (After it, b·Sylvester·diag(s), a sign flip
+    of each output commutes with any sign-symmetric quantiser and cancels between a GEMM's two operands: the
+    quantised product would not depend on the draw at all.)"""
     device = generator.device if generator is not None else "cpu"
-    matrix = sylvester(size, device)
     signs = torch.randint(0, 2, (size,), generator=generator, device=device).float().mul_(2).sub_(1)
-    return matrix * signs
+    return signs[:, None] * sylvester(size, device)
 
 
 def hadamard_blocks(x: torch.Tensor, hadamard: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """x with each size-wide block of `dim` multiplied by H/√size (orthonormal): both operands of a GEMM
-    transformed along their contraction dim give the same product. H = Sylvester(size)·diag(s) (`random_hadamard`)
-    is applied as the fast Walsh-Hadamard butterfly, log2(size) stages of (a + b, a - b) over halves, then times
-    s/√size (exact for size 4^k: 16 gives ±1/4): a fixed order of additions, so the result is the same bits in any
-    memory layout (a GEMM's summation order is its library's), and n·log2(size) additions instead of n·size."""
+    """x with each size-wide block of `dim` (a row vector b) multiplied by H/√size (orthonormal): both operands of
+    a GEMM transformed along their contraction dim give the same product. H = diag(s)·Sylvester(size)
+    (`random_hadamard`) is applied as b·diag(s) (exact), then the fast Walsh-Hadamard butterfly, log2(size) stages
+    of (a + b, a - b) over halves, then /√size (exact for size 4^k: 16 gives 1/4): a fixed order of additions, so
+    the result is the same bits in any memory layout (a GEMM's summation order is its library's), and
+    n·log2(size) additions instead of n·size."""
     size = hadamard.shape[0]
     dim = dim % x.dim()
     if x.shape[dim] % size:
         raise ValueError(f"Hadamard transform of {size}: must divide dim {dim}, got shape {tuple(x.shape)}")
-    signs = hadamard[0].to(x.device, x.dtype)  # Sylvester's first row is all ones: H's is s
-    if not torch.equal(hadamard.to(x.device, x.dtype), sylvester(size, x.device, x.dtype) * signs):
-        raise ValueError("hadamard_blocks: expected Sylvester(size)·diag(±1), as random_hadamard makes")
-    v = x.unflatten(dim, (-1, size))  # the block's axis is dim + 1
-    buffers = [torch.empty(v.shape, dtype=v.dtype, device=v.device) for _ in range(2)]
+    signs = hadamard[:, 0].to(x.device, x.dtype)  # Sylvester's first column is all ones: H's is s
+    if not torch.equal(hadamard.to(x.device, x.dtype), signs[:, None] * sylvester(size, x.device, x.dtype)):
+        raise ValueError("hadamard_blocks: expected diag(±1)·Sylvester(size), as random_hadamard makes")
+    trailing = [1] * (x.dim() - 1 - dim)
+    blocks = x.unflatten(dim, (-1, size))  # the block's axis is dim + 1
+    buffers = [torch.empty(blocks.shape, dtype=x.dtype, device=x.device) for _ in range(2)]  # contiguous
+    v = torch.mul(blocks, signs.view(size, *trailing), out=buffers[0])
     half, stage = size // 2, 0
     while half:  # each stage reads the last one's result and writes the other buffer: no temporaries
         pairs = v.unflatten(dim + 1, (size // (2 * half), 2, half))
-        v = buffers[stage % 2]
+        v = buffers[(stage + 1) % 2]
         out = v.unflatten(dim + 1, (size // (2 * half), 2, half))
         a, b = pairs.select(dim + 2, 0), pairs.select(dim + 2, 1)
         torch.add(a, b, out=out.select(dim + 2, 0))
         torch.sub(a, b, out=out.select(dim + 2, 1))
         half, stage = half // 2, stage + 1
-    scale = (signs / math.sqrt(size)).view(size, *[1] * (x.dim() - 1 - dim))
-    return v.mul_(scale).flatten(dim, dim + 1)
+    return v.mul_(1 / math.sqrt(size)).flatten(dim, dim + 1)
 
 
 def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:

@@ -13,7 +13,15 @@ formats). With fq = quantise → dequantise in the part's format, blocks along e
   sr    dY (in both backward GEMMs) rounded stochastically: unbiased, its draws a hash of (run seed, optimizer
         step, micro-batch, layer, the element's place in the LOGICAL tensor), so every mesh draws what one
         device draws, a resumed run replays them, and no generator state is saved;
-  tail  the last ⌈F·n_layer⌉ blocks stay in the compute dtype (NVIDIA's NVFP4 recipe keeps ~15%).
+  tail  the last ⌈F·n_layer⌉ blocks stay in the compute dtype (NVIDIA's NVFP4 recipe keeps ~15%);
+  4over6  Four Over Six (precision/quartet.py) on the forward's 1×16 NVFP4 operands: each block keeps the better
+        (lower MSE) of its max scaled to 6 and to 4;
+  eden  Quartet II's backward (precision/quartet.py): the operands the forward multiplied, fq(X) and fq(W), and dY,
+        each rotated along its GEMM's contraction dim by a G×G random-sign Hadamard R (rotation=G, 128 by
+        default; one R per micro-batch and layer, from the logical keys), then quantised by MS-EDEN (round to
+        nearest, EDEN's correction folded into the block scales, which round stochastically with draws keyed by
+        each block's logical coordinates): dX = E(dY·R)·E(fq(W)ᵀ·R)ᵀ, dW = E(dYᵀ·R)·E(fq(X)ᵀ·R)ᵀ, an unbiased
+        estimate of the gradient of the forward the model ran. The preset quartet2 is fwd=nvfp4,bwd=nvfp4,4over6,eden.
 The embedding, the head and the loss stay in the compute dtype. A MoE block: its router stays in high precision
 (no nn.Linear; DeepSeek-V3 keeps its gate precise: a flipped top-k choice is not a small error), its shared
 experts are dense layers here (TP shards, amax over tp), and a routed expert's logical tensor is the chunk of
@@ -41,29 +49,31 @@ output widths, n the recipe's linears on this rank, β_f bits per element of for
 3. Messages (all_reduce MAX, float32, latency-bound, NVFP4 parts only; `predicted_messages`): per linear and
    micro-batch over tp and over cp (each when its size > 1): forward 8 bytes [amax X, amax W] when fwd=nvfp4
    (twice under activation checkpointing), backward 16 bytes [amax dY, amax dW's dY operand, amax dW's X
-   operand, amax W] when bwd=nvfp4. MX formats and routed experts send nothing. ZeRO-3: under the nvfp4 preset (w2d, fwd
+   operand, amax W] when bwd=nvfp4 (under eden the four rotated operands' amaxes; its re-quantisation of X and W
+   reuses the forward's). MX formats and routed experts send nothing. ZeRO-3: under the nvfp4 preset (w2d, fwd
    = bwd = nvfp4) one 16×16 quantisation of W serves both GEMMs, so it gathers W's E2M1 codes (1 byte per element here,
    4 bits packed) after an all_reduce MAX of the tiles' amaxes (4 bytes per 256 elements) and the tensor amax
    (`ZeroWeightCodec`, precision/recipe_codec.py); otherwise W is quantised along K for Y and along N for dX (two
    copies, 2·β ≥ b_w bits), so it is gathered in the working dtype (b_w bytes per element) and quantised after the
    gather.
 4. Restart state: the optimizer step the draws and Hadamard signs are keyed by ("precision/step", one float64,
-   the same on every rank and mesh); nothing else: no amax history, no generator.
+   the same on every rank and mesh; precision/randomness.py); nothing else: no amax history, no generator.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 import context_parallel
 from parallel import collectives
-from precision import microscaling, microscaling_fast
+from precision import microscaling, microscaling_fast, quartet, randomness
 from fp8 import QuantizationObserver, forward_operands
 from precision.fp8_scaling import pad_rows
+from precision.randomness import DrawState, hadamard_signs, uniform_draws
 from precision.recipe_codec import ZeroWeightCodec
 from shard import ShardInfo, StatePiece, counts_here
 from step import Messages
@@ -75,11 +85,14 @@ from step import Axis
 FORMAT_NAMES = ("bf16", "mxfp8", "mxfp4", "nvfp4")  # bf16: the compute dtype (no quantisation)
 RULES = ("rceil", "floor")
 PRESETS = {"mxfp8": "fwd=mxfp8,bwd=mxfp8", "mxfp4": "fwd=mxfp4,bwd=mxfp4",
-           "nvfp4": "fwd=nvfp4,bwd=nvfp4,sr,rht,w2d,tail=0.15"}
-ACCEPTED = ("comma-separated parts, each a preset (mxfp8 | mxfp4 | nvfp4) or one of fwd=bf16|mxfp8|mxfp4|nvfp4,"
-            " bwd=bf16|mxfp8|mxfp4|nvfp4, sr, rht, w2d, tail=F (0 ≤ F < 1), rule=rceil|floor")
+           "nvfp4": "fwd=nvfp4,bwd=nvfp4,sr,rht,w2d,tail=0.15", "quartet2": "fwd=nvfp4,bwd=nvfp4,4over6,eden"}
+ACCEPTED = ("comma-separated parts, each a preset (mxfp8 | mxfp4 | nvfp4 | quartet2) or one of"
+            " fwd=bf16|mxfp8|mxfp4|nvfp4, bwd=bf16|mxfp8|mxfp4|nvfp4, sr, rht, w2d, 4over6, eden, rotation=G"
+            " (16|32|64|128|256), tail=F (0 ≤ F < 1), rule=rceil|floor")
+FLAGS = ("sr", "rht", "w2d", "4over6", "eden")  # parts without a value
 HADAMARD = 16  # rht's block (tokens)
 TWO_D = 16  # w2d's block (NVFP4's)
+ROTATIONS = (16, 32, 64, 128, 256)  # MS-EDEN's rotation group: a power of two, whole NVFP4 blocks
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,9 @@ class PrecisionRecipe:
     sr: bool = False
     rht: bool = False
     w2d: bool = False
+    four_over_six: bool = False  # "4over6": the forward's NVFP4 blocks each the better of max → 6 and → 4
+    eden: bool = False  # the backward's NVFP4 operands by MS-EDEN (precision/quartet.py)
+    rotation: int = quartet.EDEN_GROUP  # MS-EDEN's rotation group G (along each backward GEMM's contraction)
     tail: float = 0.0
     rule: str = "rceil"
 
@@ -102,11 +118,17 @@ class PrecisionRecipe:
     @property
     def gathers_codes(self) -> bool:
         """Whether ZeRO-3 gathers its weights as E2M1 codes (precision/recipe_codec.py): fwd = bwd = nvfp4 under w2d,
-        one 16×16 quantisation of W serving both GEMMs."""
-        return self.fwd == self.bwd == "nvfp4" and self.w2d
+        one 16×16 quantisation of W serving both GEMMs (not under eden, which re-quantises the forward's W)."""
+        return self.fwd == self.bwd == "nvfp4" and self.w2d and not self.eden
+
+    @property
+    def token_block(self) -> int:
+        """The block along the tokens (dW's contraction): the backward format's, rht's 16, eden's rotation."""
+        return max(block_of(self.bwd), HADAMARD if self.rht else 1, self.rotation if self.eden else 1)
 
     def describe(self) -> str:
         parts = [f"fwd={self.fwd}", f"bwd={self.bwd}"] + [p for p in ("sr", "rht", "w2d") if getattr(self, p)]
+        parts += (["4over6"] if self.four_over_six else []) + ([f"eden,rotation={self.rotation}"] if self.eden else [])
         return ",".join(parts + ([f"tail={self.tail:g}"] if self.tail else []) + [f"rule={self.rule}"])
 
 
@@ -118,8 +140,10 @@ def parse_recipe(spec: str) -> PrecisionRecipe:
         bad = f"--precision-recipe {spec!r}: {part!r} is not a part; expected {ACCEPTED}"
         if key in ("fwd", "bwd") and value in FORMAT_NAMES:
             values[key] = value
-        elif key in ("sr", "rht", "w2d") and not value and "=" not in part:
-            values[key] = True
+        elif key in FLAGS and not value and "=" not in part:
+            values[{"4over6": "four_over_six"}.get(key, key)] = True
+        elif key == "rotation" and value in map(str, ROTATIONS):
+            values[key] = int(value)
         elif key == "rule" and value in RULES:
             values[key] = value
         elif key == "tail" and value:
@@ -140,6 +164,14 @@ def parse_recipe(spec: str) -> PrecisionRecipe:
     if recipe.w2d and "nvfp4" not in (recipe.fwd, recipe.bwd):
         raise ValueError(f"--precision-recipe {spec!r}: w2d is NVFP4's 16×16 weight scaling; give fwd=nvfp4 or"
                          f" bwd=nvfp4")
+    if recipe.four_over_six and (recipe.fwd != "nvfp4" or recipe.w2d):
+        raise ValueError(f"--precision-recipe {spec!r}: 4over6 chooses the scale of the forward's 1×16 NVFP4 blocks;"
+                         f" give fwd=nvfp4, without w2d")
+    if recipe.eden and (recipe.bwd != "nvfp4" or recipe.sr or recipe.rht):
+        raise ValueError(f"--precision-recipe {spec!r}: eden is the backward's NVFP4 quantiser with its own rotation"
+                         f" and randomness; give bwd=nvfp4, without sr and rht")
+    if "rotation" in values and not recipe.eden:
+        raise ValueError(f"--precision-recipe {spec!r}: rotation=G is MS-EDEN's rotation group; give eden")
     return recipe
 
 
@@ -177,8 +209,8 @@ def config_from_flags(args, settings) -> PrecisionRecipe | None:
     for name, (k, n) in widths.items():
         needs += [(f"{name}'s input width K={k}", k, max(block_of(recipe.fwd), bwd_w2d)),
                   (f"{name}'s output width N={n}" + (" per q/k/v segment" if name == "attn.c_attn" else ""), n,
-                   max(block_of(recipe.bwd), fwd_w2d))]
-    token_block = max(block_of(recipe.bwd), HADAMARD if recipe.rht else 1)
+                   max(block_of(recipe.bwd), fwd_w2d, recipe.rotation if recipe.eden else 1))]
+    token_block = recipe.token_block
     needs.append((f"the tokens a linear sees per micro-batch, M = B_μ·s/C = {tokens}", tokens, token_block))
     if cp > 1:
         needs.append((f"each rank's sequence piece under --cp {cp} ({args.cp_balance}), {piece} tokens", piece,
@@ -189,57 +221,6 @@ def config_from_flags(args, settings) -> PrecisionRecipe | None:
                              f" {settings.micro_batch_size}, --n-embd {h}: {what} is not a multiple of the"
                              f" {block}-wide block (a block must lie inside one rank's piece)")
     return recipe
-
-
-# --- Stochastic rounding's draws and the Hadamard signs: functions of the logical coordinates ---------------
-
-_MASK64 = (1 << 64) - 1
-
-
-def _signed(value: int) -> int:
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _splitmix64(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser on int64 tensors (multiplication wraps modulo 2^64)."""
-    z = z + _GOLDEN
-    z = (z ^ _shift_right(z, 30)) * _MIX1
-    z = (z ^ _shift_right(z, 27)) * _MIX2
-    return z ^ _shift_right(z, 31)
-
-
-def draw_key(*parts: int) -> int:
-    """One 64-bit key from integers (run seed, step, micro-batch, layer, role), order-sensitive."""
-    key = torch.zeros((), dtype=torch.int64)
-    for part in parts:
-        key = _splitmix64(key ^ _signed(int(part)))
-    return int(key)
-
-
-def uniform_draws(key: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """U[0, 1) per element (rows[:, None], cols[None, :]), float32 with 24 random bits: a function of the key and
-    the element's logical coordinates only, so any piece of the tensor draws what the whole would. Each row and
-    each column gets a SplitMix64 hash; an element's draw is the top 24 bits of (row hash XOR column hash) times
-    an odd constant: four int64 operations per element (a full hash per element cost 4× more)."""
-    row_hash = _splitmix64(rows.to(torch.int64) ^ key)
-    col_hash = _splitmix64(cols.to(torch.int64) ^ int(_splitmix64(torch.tensor(key ^ _MIX2))))
-    z = (row_hash[:, None] ^ col_hash[None, :]) * _MIX1
-    return _shift_right(z, 40).to(torch.float32) * 2.0**-24
-
-
-def hadamard_signs(key: int, device) -> torch.Tensor:
-    """rht's 16×16 random-sign Hadamard for this key (microscaling.random_hadamard from a seeded generator)."""
-    generator = torch.Generator().manual_seed(key & ((1 << 63) - 1))
-    return microscaling.random_hadamard(HADAMARD, generator).to(device)
 
 
 # --- The recipe linear ---------------------------------------------------------------------------------------
@@ -260,13 +241,14 @@ class _RecipeLinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).to(out_dtype)  # [M, K] as autocast's linear would take it (TP's SP
         # input arrives cast already: then x2 is a view of x, which TP's regathering hook recognises when saved)
         with torch.autocast(device, enabled=False):
-            y = layer.forward_gemm(x2, weight, out_dtype, training)
+            y, amax = layer.forward_gemm(x2, weight, out_dtype, training)
             if bias is not None:
                 y = y + bias.to(out_dtype)
         ctx.save_for_backward(x2, weight)
         ctx.layer, ctx.store, ctx.out_dtype, ctx.x_dtype = layer, store, out_dtype, x.dtype
         ctx.token_shape = tuple(x.shape[:-1])  # (B, L): the tokens' logical rows (SR's coordinates)
         ctx.micro_batch = micro_batch  # j of this step's training forwards (SR's draws)
+        ctx.forward_amax = amax  # the forward's reduced tensor amaxes: eden re-quantises X and W as it did
         ctx.has_bias = bias is not None or (store is not None and layer.bias is not None)
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -278,7 +260,8 @@ class _RecipeLinearFunction(torch.autograd.Function):
         wants_dw = ctx.needs_input_grad[1] or store is not None
         with torch.autocast(grad.device.type, enabled=False):
             dx, dw_operands = layer.backward_operands(dy, x2, weight, ctx.out_dtype, ctx.token_shape,
-                                                      ctx.micro_batch, ctx.needs_input_grad[0], wants_dw)
+                                                      ctx.micro_batch, ctx.needs_input_grad[0], wants_dw,
+                                                      ctx.forward_amax)
             db = dy.sum(0, dtype=layer.bias.dtype) if ctx.has_bias and layer.bias is not None else None
         dx = None if dx is None else dx.to(ctx.x_dtype).view(*grad.shape[:-1], x2.shape[1])
         if store is not None:  # zb's I: dW (and db) wait for the W action; the operands are already quantised
@@ -299,13 +282,15 @@ class RecipeLinear(nn.Linear):
     defers_weight_grad = True  # under zb it hands its dW to the pipeline's store itself
 
     def __init__(self, linear: nn.Linear, recipe: PrecisionRecipe, handle_state, name: str, layer_key: int,
-                 out_index: torch.Tensor, amax_groups: dict, sources: list | None = None, token_block: int = 1):
+                 out_index: torch.Tensor, amax_groups: dict, sources: list | None = None, token_block: int = 1,
+                 in_index: torch.Tensor | None = None):
         nn.Module.__init__(self)  # no new parameters: keep the wrapped linear's
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
         self.recipe, self.state, self.name, self.layer_key = recipe, handle_state, name, layer_key
         self.out_index, self.amax_groups = out_index, dict(amax_groups)
+        self.in_index = torch.arange(self.in_features) if in_index is None else in_index  # eden's draws: W's columns
         self.forwards = 0  # training forwards since the step began: the micro-batch index j of SR's draws
         self.weight_grad_store = None  # the pipeline's WeightGradStore under zb (set by its install)
         self.observer = QuantizationObserver()  # told what each training quantisation cut (PrecisionHandle.observe)
@@ -344,31 +329,45 @@ class RecipeLinear(nn.Linear):
         return collectives.reduce_amax(torch.stack(values), self.amax_groups.values(), self.operators)
 
     def _fq(self, x: torch.Tensor, fmt: str, dtype, role: int | None, two_d: bool = False, tensor_amax=None,
-            draws=None):
+            draws=None, four_over_six: bool = False):
         """x [R, C] quantised in blocks along C and dequantised, in `dtype`; fmt bf16: x in `dtype`. role (0 an
-        input, 1 the weight, 2 the output gradient; None: evaluation): the observer hears what the clamp cut."""
+        input, 1 the weight, 2 the output gradient; None: evaluation): the observer hears what the clamp cut.
+        four_over_six: NVFP4 blocks each the better of max → 6 and max → 4 (precision/quartet.py)."""
         if fmt == "bf16":
             return x.to(dtype)
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        out = microscaling_fast.fake_quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule,
-                                              two_d=two_d, tensor_amax=tensor_amax, draws=draws,
-                                              count_saturated=role is not None)
+        if four_over_six:
+            result = quartet.four_over_six(x.to(wide), tensor_amax)
+            out, saturated = result.values, result.saturated
+        else:
+            out = microscaling_fast.fake_quantize(x.to(wide), microscaling.FORMATS[fmt], rule=self.recipe.rule,
+                                                  two_d=two_d, tensor_amax=tensor_amax, draws=draws,
+                                                  count_saturated=role is not None)
+            out, saturated = out if role is not None else (out, None)
         if role is not None:
-            out, saturated = out
             self.observer.quantized(self, role, x.numel(), saturated)
         return out.to(dtype)
 
-    def forward_gemm(self, x2, weight, out_dtype, training: bool):
-        """Y = fq(X)·fq(W)ᵀ in out_dtype (blocks along K)."""
-        fmt = self.recipe.fwd
+    def forward_operands(self, x2, weight, out_dtype, roles=(None, None), amax=None):
+        """(fq(X), fq(W), NVFP4's reduced tensor amaxes [X, W] or None) of Y = fq(X)·fq(W)ᵀ, blocks along K, in
+        out_dtype; amax given: the forward's (eden re-quantises its operands in the backward as it did)."""
+        recipe, fmt = self.recipe, self.recipe.fwd
         if fmt == "bf16":
-            return x2.to(out_dtype) @ weight.to(out_dtype).t()
-        amax = self._reduced_amax([amax_of(x2), self.weight_amax(weight)]) if fmt == "nvfp4" else (None, None)
+            return x2.to(out_dtype), weight.to(out_dtype), None
+        if amax is None and fmt == "nvfp4":
+            amax = self._reduced_amax([amax_of(x2), self.weight_amax(weight)])
+        tensor_amax = (None, None) if amax is None else amax
+        xq = self._fq(x2, fmt, out_dtype, roles[0], tensor_amax=tensor_amax[0], four_over_six=recipe.four_over_six)
+        wq = self._fq(weight, fmt, out_dtype, roles[1], two_d=recipe.w2d and fmt == "nvfp4",
+                      tensor_amax=tensor_amax[1], four_over_six=recipe.four_over_six)
+        return xq, wq, amax
+
+    def forward_gemm(self, x2, weight, out_dtype, training: bool):
+        """(Y = fq(X)·fq(W)ᵀ in out_dtype, NVFP4's reduced amaxes for the backward)."""
         recomputing = self.operators and in_backward()  # selective: the observer heard it
-        roles = (0, 1) if training and not recomputing else (None, None)
-        xq = self._fq(x2, fmt, out_dtype, roles[0], tensor_amax=amax[0])
-        wq = self._fq(weight, fmt, out_dtype, roles[1], two_d=self.recipe.w2d and fmt == "nvfp4", tensor_amax=amax[1])
-        return xq @ wq.t()
+        xq, wq, amax = self.forward_operands(x2, weight, out_dtype,
+                                             (0, 1) if training and not recomputing else (None, None))
+        return xq @ wq.t(), amax
 
     def _sr_draws(self, dy: torch.Tensor, token_shape: tuple, micro_batch: int, role: int, transposed: bool):
         """SR's U[0,1) for dY (or dYᵀ) from the logical coordinates (token row, output feature)."""
@@ -381,10 +380,13 @@ class RecipeLinear(nn.Linear):
         return uniform_draws(key, cols, rows) if transposed else uniform_draws(key, rows, cols)
 
     def backward_operands(self, dy, x2, weight, out_dtype, token_shape: tuple, micro_batch: int, wants_dx: bool,
-                          wants_dw: bool):
+                          wants_dw: bool, forward_amax=None):
         """(dX = fq(dY)·fq(W) in out_dtype or None, dW's two quantised operands (fq(H·dY)ᵀ [N, M],
         fq(H·X)ᵀ [K, M]) in the compute dtype, or None)."""
         recipe, fmt = self.recipe, self.recipe.bwd
+        if recipe.eden:
+            return self._eden_operands(dy, x2, weight, out_dtype, token_shape, micro_batch, wants_dx, wants_dw,
+                                       forward_amax)
         two_d = recipe.w2d and fmt == "nvfp4"
         # dW's operands: a routed expert's chunk gets zero rows up to the token block (blocks along the tokens;
         # a zero row changes no block's amax, so the padding is exact)
@@ -413,46 +415,48 @@ class RecipeLinear(nn.Linear):
                   self._fq(x_t, fmt, out_dtype, 0, tensor_amax=amax[2]))
         return dx, dw
 
+    def _eden_operands(self, dy, x2, weight, out_dtype, token_shape: tuple, micro_batch: int, wants_dx: bool,
+                       wants_dw: bool, forward_amax):
+        """Quartet II's backward: the forward's operands as it multiplied them (fq(X), fq(W)) and dY, each rotated
+        along its GEMM's contraction dim by this micro-batch's G×G random-sign Hadamard R (one for all four), then
+        MS-EDEN (precision/quartet.py), the scale draws keyed by each block's logical coordinates:
+        dX = E(dY·R)·E(Wᵀ·R)ᵀ, dW's operands (E(dYᵀ·R) [N, M], E(Xᵀ·R) [K, M]); R cancels in both products."""
+        xq, wq, _ = self.forward_operands(x2, weight, out_dtype, amax=forward_amax)
+        wide = torch.float64 if dy.dtype == torch.float64 else torch.float32
+        size, device = self.recipe.rotation, dy.device
+        hadamard = hadamard_signs(self.state.key(micro_batch, self.layer_key, 3), device, size)
+        dy_w, x_w = (pad_rows(dy, self.token_block), pad_rows(xq, self.token_block)) if wants_dw else (dy, xq)
+        tokens = (self.state.token_rows(token_shape, device) if self.sources is None  # a routed chunk: its rows
+                  else torch.arange(dy_w.shape[0], device=device))
+        out_index, in_index = self.out_index.to(device), self.in_index.to(device)
+        operands = [  # (rotated [R, C] along C, R's logical index, C's logical index, observer role) or None
+            (microscaling.hadamard_blocks(dy.to(wide), hadamard), tokens[:dy.shape[0]], out_index, 2) if wants_dx
+            else None,
+            (microscaling.hadamard_blocks(wq.to(wide), hadamard, dim=0).t(), in_index, out_index, 1) if wants_dx
+            else None,
+            (microscaling.hadamard_blocks(dy_w.to(wide), hadamard, dim=0).t(), out_index, tokens, 2) if wants_dw
+            else None,
+            (microscaling.hadamard_blocks(x_w.to(wide), hadamard, dim=0).t(), in_index, tokens, 0) if wants_dw
+            else None]
+        amax = self._reduced_amax([amax_of(o[0]) if o else torch.zeros((), device=device) for o in operands])
+        quantised = []
+        for i, operand in enumerate(operands):
+            if operand is None:
+                quantised.append(None)
+                continue
+            rotated, rows, cols, role = operand
+            draws = uniform_draws(self.state.key(micro_batch, self.layer_key, 4 + i), rows, cols[::quartet.BLOCK])
+            result = quartet.eden_rotated(rotated, size, draws, amax[i], out_dtype)
+            self.observer.quantized(self, role, rotated.numel(), result.saturated)
+            quantised.append(result.values)
+        dx = quantised[0] @ quantised[1].t() if wants_dx else None
+        return dx, (quantised[2], quantised[3]) if wants_dw else None
+
 
 # --- Wiring into the trainer ---------------------------------------------------------------------------------
 
 ROLES = {"attn.c_attn": 0, "attn.c_proj": 1, "mlp.c_fc": 2, "mlp.c_proj": 3, "shared_experts.c_fc": 4,
          "shared_experts.c_proj": 5, "c_fc": 6, "c_proj": 7}  # the last two: a routed expert's (the first match)
-
-
-@dataclass
-class DrawState:
-    """What SR's draws and the Hadamard signs are keyed by, shared by a rank's recipe linears: the run seed, the
-    optimizer step (`step`, restart state), this rank's first global micro-batch (d·m), and where its tokens sit
-    in their sequences (CP's positions; None: all of them)."""
-
-    seed: int
-    first_micro_batch: int
-    seq_len: int
-    positions: torch.Tensor | None
-    step: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.float64))
-
-    def key(self, index: int, layer: int, role: int) -> int:
-        """index: the global micro-batch (rank d's j-th: d·m + j); -1 the step's (the Hadamard signs, the same for
-        all its micro-batches)."""
-        return draw_key(self.seed, int(self.step.item()), index, layer, role)
-
-    def token_rows(self, shape: tuple, device) -> torch.Tensor:
-        """The logical row (sequence·s + position) of each of a micro-batch's local tokens, flattened as the
-        linear flattens them ((B, L) → B·L)."""
-        batch, length = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
-        pos = self.positions if self.positions is not None else torch.arange(length)
-        return (torch.arange(batch)[:, None] * self.seq_len + pos[None, :length]).reshape(-1).to(device)
-
-
-def _out_index(info: ShardInfo | None, out_features: int) -> torch.Tensor:
-    """The global output-feature index of each local row of a weight (TP's pieces, fused q/k/v segments)."""
-    if info is None:
-        return torch.arange(out_features)
-    rows = torch.arange(info.global_shape[0])
-    for split in info.splits:  # TP's column split (dim 0; c_attn's per q/k/v segment): the rows it keeps
-        rows = split.take(rows) if split.dim == 0 else rows
-    return rows.contiguous()
 
 
 def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches: int = 1, seed: int = 0,
@@ -470,7 +474,7 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
     ep = mesh.size("ep") if mesh is not None else 1  # the EP group: consecutive data ranks (C = 1: flags)
     first_source = mesh.index("dp") - mesh.index("ep") if mesh is not None else 0
     sources = [(first_source + s) * micro_batches for s in range(ep)]
-    token_block = max(block_of(recipe.bwd), HADAMARD if recipe.rht else 1)
+    token_block = recipe.token_block
     state = DrawState(seed, first, seq_len, positions)
     n_layer, tail = model.config.n_layer, recipe.tail_layers(model.config.n_layer)
     linears, kept = {}, []
@@ -488,9 +492,9 @@ def convert(model: nn.Module, recipe: PrecisionRecipe, mesh=None, micro_batches:
                 continue
             role = next((r for suffix, r in ROLES.items() if name.endswith(suffix)), len(ROLES))
             key = block.layer_id * 9 + role + (9 * n_layer * (1 + int(path.split(".")[-2])) if routed else 0)
-            linear = RecipeLinear(module, recipe, state, name, key, _out_index(info, module.out_features),
+            linear = RecipeLinear(module, recipe, state, name, key, randomness.out_index(info, module.out_features),
                                   {} if routed else groups, sources if routed else None,
-                                  token_block if routed else 1)
+                                  token_block if routed else 1, randomness.in_index(info, module.in_features))
             if routed:  # of the M tokens a rank routes, its held expert gets E·M·k/N rows (uniform routing)
                 linear.row_share = ep * model.config.moe.topk / model.config.moe.experts
             linear.operators = model.config.selective_recompute

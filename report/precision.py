@@ -108,7 +108,9 @@ def _precision_startup(handle, run, steps: int) -> list:
     where = f" ({layers(facts.formats)})" if facts.formats else ""
     lines = [f"precision recipe {r.describe()}: {len(facts.formats)} block linears{where} with forward operands in"
              f" {fmt(r.fwd)}, backward operands in {fmt(r.bwd)}" + (" (16×16 NVFP4 weight blocks)" if r.w2d else "")
-             + (", Hadamard on dW's operands" if r.rht else "") + (", stochastic rounding of dY" if r.sr else ""),
+             + (", Hadamard on dW's operands" if r.rht else "") + (", stochastic rounding of dY" if r.sr else "")
+             + (", Four Over Six (each forward block scaled to 6 or 4)" if r.four_over_six else "")
+             + (f", MS-EDEN (rotation {r.rotation}, the forward's operands re-quantised)" if r.eden else ""),
              f"  in the compute dtype ({compute}): embedding, head, loss{tail}; GEMMs emulated"
              f" (quantise → dequantise → {compute} GEMM): only Blackwell (B200) has block-scaled tensor cores"]
     tokens = run.micro_batch_size * run.seq_len // run.mesh.size("cp")
@@ -161,7 +163,7 @@ def _precision_end(handle, run, steps: int) -> list:
     """The linears quantised and kept; the routed experts' padded rows counted per MoE layer against the estimate
     (accounting/recipe_experts.py), with what a block-scaled kernel would keep saved for them."""
     facts, r = handle.facts(), handle.facts().recipe
-    block = max(precision.recipe.block_of(r.bwd), precision.recipe.HADAMARD if r.rht else 1)
+    block = r.token_block
     bits = precision.recipe.bits_per_element(r.bwd, run.compute_dtype.itemsize)
     expected = recipe_experts.expected_padded_rows(experts_of(run.config).experts, block) * run.micro_batches * steps
     padding = [f"precision experts: MoE layer {i} padded {rows} rows to {block} per chunk in {steps} steps"

@@ -182,6 +182,29 @@ def test_nvfp4_block_scale_is_rounded_once():
     assert q.block_scales.float().item() == float(below)
 
 
+def _e2m1_codes(q) -> list:
+    """The 4-bit codes of a Quantized's first row, unpacked (the even element in the low nibble)."""
+    packed = q.codes[0]
+    return torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1).tolist()
+
+
+def test_nvfp4_tensor_scale_is_one_true_division():
+    """S_enc = 2688/amax rounded ONCE: amax 112 gives exactly 24 (2688 = 24·112). Then the block [3, 0.125, 0.625,
+    1.25, 2.5] (amax 3: d = e4m3(3·24/6 = 12) = 12) scales by 24/12 = 2 onto E2M1's ties [6, 0.25, 1.25, 2.5, 5],
+    which round to even: codes [7, 0, 2, 4, 6] (torchao's and TransformerEngine's). A reciprocal times 2688
+    (`2688.0 / amax` in torch) gives 24.000001907 and pushes every tie up: [7, 1, 3, 5, 7]."""
+    assert ms.nvfp4_tensor_scale(torch.tensor(112.0)).item() == 24.0
+    x = torch.zeros(1, 32)
+    x[0, :5] = torch.tensor([3, 0.125, 0.625, 1.25, 2.5])
+    x[0, 16] = 112.0
+    q = quantize(x, "nvfp4")
+    assert q.tensor_scale.item() == 24.0 and q.block_scales.float().tolist() == [[12.0, 448.0]]
+    assert _e2m1_codes(q)[:5] == [7, 0, 2, 4, 6]
+    assert fake_quantize(x, "nvfp4")[0, :5].tolist() == [3.0, 0.0, 0.5, 1.0, 2.0]
+    amaxes = torch.rand(10_000, generator=torch.Generator().manual_seed(3)) * 100  # one rounding, every one
+    assert torch.equal(ms.nvfp4_tensor_scale(amaxes), torch.tensor(2688.0).div(amaxes))
+
+
 def test_e4m3_grid_rounding_matches_torch_cast():
     """The element rounding (exponent bits, then the float's own round-to-nearest-even) against torch's float8 cast,
     on random magnitudes across E4M3's range, every representable value and every midpoint (ties)."""
@@ -439,3 +462,32 @@ def test_hadamard_on_both_wgrad_operands_leaves_the_gemm_unchanged():
     grad_output_t, x_t = ms.hadamard_blocks(grad_output.t(), h), ms.hadamard_blocks(x.t(), h)
     assert not torch.allclose(x_t, x.t())
     assert (grad_output_t @ x_t.t() - grad_output.t() @ x).abs().max().item() <= 1e-12
+
+
+def test_the_random_signs_change_the_quantised_wgrad_and_never_the_exact_one():
+    """diag(s) goes BEFORE H: x·diag(s)·H/4. After H the signs commute with a sign-symmetric quantiser (a block's
+    amax and each |element| unchanged) and cancel in dYᵀ·X, so every draw gave the same quantised weight gradient
+    bit for bit. Before H they change what is quantised: four draws, four different NVFP4 wgrads (both operands
+    to nearest), while each draw's exact product stays dYᵀ·X in float64 (1e-12)."""
+    generator = torch.Generator().manual_seed(11)
+    grad_output = torch.randn(64, 48, generator=generator, dtype=torch.float64)
+    x = torch.randn(64, 32, generator=generator, dtype=torch.float64)
+    exact = grad_output.t() @ x
+    quantised = []
+    for seed in range(4):
+        h = ms.random_hadamard(16, torch.Generator().manual_seed(100 + seed))
+        grad_output_t, x_t = ms.hadamard_blocks(grad_output.t(), h), ms.hadamard_blocks(x.t(), h)
+        assert (grad_output_t @ x_t.t() - exact).abs().max().item() <= 1e-12
+        quantised.append(fake_quantize(grad_output_t, "nvfp4") @ fake_quantize(x_t, "nvfp4").t())
+    assert all(not torch.equal(quantised[i], quantised[j]) for i in range(4) for j in range(i))
+
+
+def test_hadamard_blocks_is_the_block_times_the_matrix():
+    """hadamard_blocks(x, H) multiplies each 16-wide block (a row vector) by H/4, H = diag(s)·Sylvester(16): the
+    butterfly equals the GEMM with the matrix (float64, 1e-14), along any dim."""
+    generator = torch.Generator().manual_seed(12)
+    h = ms.random_hadamard(16, generator).double()
+    assert torch.equal(h, torch.diag(h[:, 0]) @ ms.sylvester(16, dtype=torch.float64))
+    x = torch.randn(3, 64, 5, generator=generator, dtype=torch.float64)
+    by_gemm = (x.movedim(1, -1).reshape(3, 5, 4, 16) @ (h / 4)).reshape(3, 5, 64).movedim(-1, 1)
+    assert (ms.hadamard_blocks(x, h, dim=1) - by_gemm).abs().max().item() <= 1e-14

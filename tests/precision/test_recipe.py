@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 
 from precision import microscaling
+from precision import quartet
+from precision import randomness
 from precision import recipe as recipes
 import test_composition
 from harness import assert_runs_follow, run_ranks
@@ -47,6 +49,12 @@ def test_presets_and_parts_parse_to_the_spec():
         "fwd=mxfp4,bwd=mxfp8,rule=floor,tail=0.5", fwd="mxfp4", bwd="mxfp8", rule="floor", tail=0.5)
     assert recipes.parse_recipe("nvfp4,tail=0,sr").tail == 0  # a preset among parts: its parts, then the rest
     assert recipes.parse_recipe("nvfp4").tail_layers(7) == 2 and recipes.parse_recipe("nvfp4").tail_layers(20) == 3
+    assert recipes.parse_recipe("quartet2") == recipes.PrecisionRecipe(
+        "quartet2", fwd="nvfp4", bwd="nvfp4", four_over_six=True, eden=True, rotation=128)
+    quartet2 = recipes.parse_recipe("quartet2,rotation=32")
+    assert quartet2.rotation == 32 and quartet2.token_block == 32 and not quartet2.gathers_codes
+    assert quartet2.describe() == "fwd=nvfp4,bwd=nvfp4,4over6,eden,rotation=32,rule=rceil"
+    assert recipes.parse_recipe("fwd=nvfp4,w2d,bwd=nvfp4,eden").token_block == 128  # 2-D × MS-EDEN: a cell
 
 
 BAD_RECIPES = [
@@ -57,6 +65,14 @@ BAD_RECIPES = [
     (["--precision-recipe", "mxfp8", "--n-embd", "48", "--n-head", "4"], "is not a multiple of the 32-wide block"),
     (["--precision-recipe", "nvfp4", "--tp", "2", "--n-embd", "48", "--n-head", "4"], "16-wide block"),
     (["--precision-recipe", "mxfp8", "--fp8", "current"], "choose one recipe"),
+    (["--precision-recipe", "fwd=mxfp8,4over6"], "4over6 chooses the scale of the forward's 1×16 NVFP4 blocks"),
+    (["--precision-recipe", "fwd=nvfp4,w2d,4over6"], "give fwd=nvfp4, without w2d"),
+    (["--precision-recipe", "bwd=nvfp4,eden,sr"], "eden is the backward's NVFP4 quantiser"),
+    (["--precision-recipe", "bwd=mxfp4,eden"], "give bwd=nvfp4, without sr and rht"),
+    (["--precision-recipe", "bwd=nvfp4,rotation=64"], "rotation=G is MS-EDEN's rotation group"),
+    (["--precision-recipe", "quartet2,rotation=48"], "'rotation=48' is not a part"),
+    (["--precision-recipe", "quartet2,eden=1"], "'eden=1' is not a part"),
+    (["--precision-recipe", "quartet2"], "is not a multiple of the 128-wide block"),  # tiny: h = 64
     (["--precision-recipe", "mxfp8", "--moe-experts", "4", "--tp", "2", "--sp"], "and --sp: a routed expert's rows"),
     (["--precision-recipe", "mxfp8", "--moe-experts", "4", "--cp", "2"], "and --cp: a routed expert's rows"),
     (["--precision-recipe", "mxfp8", "--moe-experts", "4", "--ep", "2", "--moe-replicas", "6"],
@@ -92,7 +108,7 @@ def test_linear_computes_the_nvfp4_recipe_as_written():
     torch.manual_seed(0)
     plain = nn.Linear(K, N, dtype=f64)
     recipe = recipes.parse_recipe("nvfp4")
-    state = recipes.DrawState(seed=5, first_micro_batch=0, seq_len=M, positions=None)
+    state = randomness.DrawState(seed=5, first_micro_batch=0, seq_len=M, positions=None)
     layer = recipes.RecipeLinear(plain, recipe, state, "layer", layer_key=3, out_index=torch.arange(N), amax_groups={})
     x, dy = torch.randn(1, M, K, dtype=f64), torch.randn(1, M, N, dtype=f64)
     x_leaf = x.clone().requires_grad_()
@@ -103,15 +119,49 @@ def test_linear_computes_the_nvfp4_recipe_as_written():
         return microscaling.fake_quantize(t, microscaling.FORMATS["nvfp4"], two_d=two_d, stochastic=draws)
 
     w, x2, dy2 = plain.weight.detach(), x[0], dy[0]
-    hadamard = recipes.hadamard_signs(state.key(-1, 3, 2), "cpu")
-    draws = recipes.uniform_draws(state.key(0, 3, 0), torch.arange(M), torch.arange(N))
-    draws_t = recipes.uniform_draws(state.key(0, 3, 1), torch.arange(N), torch.arange(M))
+    hadamard = randomness.hadamard_signs(state.key(-1, 3, 2), "cpu")
+    draws = randomness.uniform_draws(state.key(0, 3, 0), torch.arange(M), torch.arange(N))
+    draws_t = randomness.uniform_draws(state.key(0, 3, 1), torch.arange(N), torch.arange(M))
     assert torch.equal(y[0], fq(x2) @ fq(w, two_d=True).t() + plain.bias)
     assert torch.equal(x_leaf.grad[0], fq(dy2, draws=draws) @ fq(w, two_d=True))
     dw = fq(microscaling.hadamard_blocks(dy2.t(), hadamard), draws=draws_t) \
         @ fq(microscaling.hadamard_blocks(x2.t(), hadamard)).t()
     assert torch.equal(plain.weight.grad, dw) and torch.equal(plain.bias.grad, dy2.sum(0))
-    assert not torch.equal(draws, recipes.uniform_draws(state.key(1, 3, 0), torch.arange(M), torch.arange(N)))
+    assert not torch.equal(draws, randomness.uniform_draws(state.key(1, 3, 0), torch.arange(M), torch.arange(N)))
+
+
+def test_linear_computes_quartet_ii_as_written():
+    """quartet2 (rotation 16), float64, bitwise: Y = q46(X)·q46(W)ᵀ + b (Four Over Six, 1×16 on both); the backward
+    re-quantises what the forward multiplied, X̂ = q46(X), Ŵ = q46(W), each GEMM's operands rotated by the
+    micro-batch's Hadamard R along its contraction dim and quantised by MS-EDEN with scale draws keyed by the
+    blocks' logical coordinates: dX = E(dY·R)·E(Ŵᵀ·R)ᵀ, dW = E(dYᵀ·R)·E(X̂ᵀ·R)ᵀ, db = Σ dY."""
+    M, K, N, f64, layer_key = 32, 64, 48, torch.float64, 3
+    torch.manual_seed(2)
+    plain = nn.Linear(K, N, dtype=f64)
+    state = randomness.DrawState(seed=5, first_micro_batch=0, seq_len=M, positions=None)
+    layer = recipes.RecipeLinear(plain, recipes.parse_recipe("quartet2,rotation=16"), state, "layer", layer_key,
+                                 out_index=torch.arange(N), amax_groups={})
+    x, dy = torch.randn(1, M, K, dtype=f64), torch.randn(1, M, N, dtype=f64)
+    x_leaf = x.clone().requires_grad_()
+    y = layer(x_leaf)
+    y.backward(dy)
+    w, x2, dy2 = plain.weight.detach(), x[0], dy[0]
+    wq, xq = quartet.four_over_six(w).values, quartet.four_over_six(x2).values
+    assert torch.equal(y[0], xq @ wq.t() + plain.bias)
+    hadamard = randomness.hadamard_signs(state.key(0, layer_key, 3), "cpu", 16)
+    rows, outs, ins = torch.arange(M), torch.arange(N), torch.arange(K)
+
+    def eden(t, role, row_index, col_index):
+        draws = randomness.uniform_draws(state.key(0, layer_key, role), row_index, col_index[::16])
+        return quartet.eden_rotated(t, 16, draws).values
+
+    rotate = microscaling.hadamard_blocks
+    dx = eden(rotate(dy2, hadamard), 4, rows, outs) @ eden(rotate(wq, hadamard, dim=0).t(), 5, ins, outs).t()
+    dw = eden(rotate(dy2, hadamard, dim=0).t(), 6, outs, rows) @ eden(rotate(xq, hadamard, dim=0).t(), 7, ins, rows).t()
+    assert torch.equal(x_leaf.grad[0], dx) and torch.equal(plain.weight.grad, dw)
+    assert torch.equal(plain.bias.grad, dy2.sum(0))
+    exact = dy2.t() @ xq  # the gradient of the forward it ran, estimated: close, not equal
+    assert 0 < (dw - exact).norm() / exact.norm() < 0.3
 
 
 @pytest.mark.parametrize("spec,block", [("nvfp4", 16), ("mxfp8", 32)])
@@ -124,7 +174,7 @@ def test_a_routed_experts_chunk_computes_the_recipe_on_its_rows_padded_to_the_to
     torch.manual_seed(1)
     plain = nn.Linear(K, N, dtype=f64)
     recipe = recipes.parse_recipe(spec)
-    state = recipes.DrawState(seed=5, first_micro_batch=2, seq_len=16, positions=None)
+    state = randomness.DrawState(seed=5, first_micro_batch=2, seq_len=16, positions=None)
     layer = recipes.RecipeLinear(plain, recipe, state, "transformer.h.0.mlp.experts.1.c_fc", 7, torch.arange(N), {},
                                  sources=[2, 6], token_block=block)
     pads = []
@@ -143,15 +193,15 @@ def test_a_routed_experts_chunk_computes_the_recipe_on_its_rows_padded_to_the_to
     w = plain.weight.detach()
     y = fq(x) @ (fq(w, w=True) if two_d else fq(w)).t() + plain.bias
     assert torch.equal(layer(x), y) and pads == [block - 5, block - 5]
-    draws = recipes.uniform_draws(state.key(6, 7, 0), torch.arange(5), torch.arange(N))
+    draws = randomness.uniform_draws(state.key(6, 7, 0), torch.arange(5), torch.arange(N))
     w_dx = fq(w, w=True) if two_d else fq(w.t()).t()
     assert torch.equal(x_leaf.grad, fq(dy, draws) @ w_dx)
     pad = torch.zeros(block - 5, K, dtype=f64), torch.zeros(block - 5, N, dtype=f64)
     xp_t, dyp_t = torch.cat([x, pad[0]]).t(), torch.cat([dy, pad[1]]).t()  # along the tokens, padded
     if recipe.rht:
-        signs = recipes.hadamard_signs(state.key(-1, 7, 2), "cpu")
+        signs = randomness.hadamard_signs(state.key(-1, 7, 2), "cpu")
         xp_t, dyp_t = microscaling.hadamard_blocks(xp_t, signs), microscaling.hadamard_blocks(dyp_t, signs)
-    draws_t = recipes.uniform_draws(state.key(6, 7, 1), torch.arange(N), torch.arange(block))
+    draws_t = randomness.uniform_draws(state.key(6, 7, 1), torch.arange(N), torch.arange(block))
     assert torch.equal(plain.weight.grad, fq(dyp_t, draws_t) @ fq(xp_t).t())
 
 
@@ -180,11 +230,25 @@ def test_routed_experts_padded_rows_per_moe_layer_equal_a_hand_count_and_are_pri
 
 def test_draws_of_a_piece_are_the_whole_tensors_draws_there():
     """Any rank's piece (rows, columns of the logical tensor, in any order) draws what the whole draws there."""
-    key = recipes.draw_key(0, 3, 1, 17, 0)
-    whole = recipes.uniform_draws(key, torch.arange(64), torch.arange(96))
+    key = randomness.draw_key(0, 3, 1, 17, 0)
+    whole = randomness.uniform_draws(key, torch.arange(64), torch.arange(96))
     rows, cols = torch.tensor([40, 41, 7, 8]), torch.tensor([5, 90, 33])
-    assert torch.equal(recipes.uniform_draws(key, rows, cols), whole[rows][:, cols])
+    assert torch.equal(randomness.uniform_draws(key, rows, cols), whole[rows][:, cols])
     assert 0 <= float(whole.min()) and float(whole.max()) < 1 and abs(float(whole.mean()) - 0.5) < 0.01
+
+
+def test_feature_indices_name_a_tp_pieces_logical_rows_and_columns():
+    """out_index: a column-parallel c_attn piece (rank 1 of 2) holds the second half of each q/k/v segment;
+    in_index: a row-parallel c_proj piece holds its columns; each equals the logical tensor's cut by the split."""
+    from shard import ShardInfo, Split
+
+    c_attn = ShardInfo("c_attn.weight", (192, 64), (Split(0, 2, 1, segments=3),))
+    assert randomness.out_index(c_attn, 96).tolist() == [*range(32, 64), *range(96, 128), *range(160, 192)]
+    assert randomness.in_index(c_attn, 64).tolist() == list(range(64))
+    c_proj = ShardInfo("c_proj.weight", (64, 256), (Split(1, 2, 1),))
+    assert randomness.in_index(c_proj, 128).tolist() == list(range(128, 256))
+    assert randomness.out_index(c_proj, 64).tolist() == list(range(64))
+    assert randomness.in_index(None, 8).tolist() == list(range(8))
 
 
 def test_the_tail_and_the_ends_stay_in_the_compute_dtype():
@@ -260,7 +324,7 @@ def _codec_round_trip(rank, world):
 
     torch.manual_seed(0)
     plain = nn.Linear(64, 48, dtype=torch.float64)
-    state = recipes.DrawState(seed=0, first_micro_batch=0, seq_len=16, positions=None)
+    state = randomness.DrawState(seed=0, first_micro_batch=0, seq_len=16, positions=None)
     linear = recipes.RecipeLinear(plain, recipes.parse_recipe("nvfp4"), state, "w", 0, torch.arange(48), {})
     codec = recipes.ZeroWeightCodec()
     codec.attach(linear)
@@ -386,6 +450,47 @@ def test_startup_lines_name_the_formats_bits_and_messages():
     assert "ZeRO-3 gathers these 147,456 weight elements per gather of all as E2M1 codes, 1 byte each here" in text
 
 
+# Quartet II (4over6 forward, MS-EDEN backward) on TP+SP, ZeRO-3, PP and routed experts, and a resume from TP+SP
+# onto ZeRO-3, in a 2-rank spawn of its own: rotation 32 fits a TP piece of c_attn's q/k/v (h/T = 32) and the
+# M = 2·16 tokens. Every rank must rotate with the micro-batch's signs and draw each block scale's SR from its
+# logical coordinates (out_index, in_index, token rows), and reduce the rotated operands' amaxes over tp.
+QUARTET = ["--precision-recipe", "quartet2,rotation=32"]
+QUARTET_CASES = [([*QUARTET, "--tp", "2", "--sp"], H, 4, 2), ([*QUARTET, "--zero", "3"], H, 4, 2),
+                 ([*QUARTET, "--pp", "2"], dict(H, n_layer=4), 4, 2), ([*QUARTET, *MOE, "--ep", "2"], H, 4, 2)]
+QUARTET_IDS = ["tp-sp", "zero3", "pp", "experts-ep2"]
+QUARTET_RESHARD = (([*QUARTET, "--tp", "2", "--sp"], H, 4, 2), ([*QUARTET, "--zero", "3"], H, 4, 2))
+
+
+def _quartet_on_meshes(rank, world, root):
+    traced = [_run_case(rank, world, *case, trace=True) for case in QUARTET_CASES]
+    saving, resuming = QUARTET_RESHARD
+    _run_case(rank, world, *saving, stop=SAVE_AT, save_root=root)
+    return traced, _run_case(rank, world, *resuming, resume_root=root)
+
+
+@pytest.fixture(scope="module")
+def quartet_runs(tmp_path_factory):
+    return run_ranks(_quartet_on_meshes, 2, str(tmp_path_factory.mktemp("quartet")), timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(QUARTET_CASES)), ids=QUARTET_IDS)
+def test_quartet_on_a_mesh_follows_the_single_process_and_traces_as_predicted(quartet_runs, index):
+    _check([rank_results[0][index][:2] for rank_results in quartet_runs], *QUARTET_CASES[index])
+    for rank_results in quartet_runs:
+        traced, predicted = rank_results[0][index][2]
+        assert set(traced) == set(predicted), set(traced) ^ set(predicted)
+        for key, (calls, payload) in predicted.items():
+            assert traced[key] == pytest.approx((calls, payload), abs=1e-9), key
+
+
+@pytest.mark.slow
+def test_quartet_resumed_on_another_mesh_equals_the_uninterrupted_run(quartet_runs):
+    per_rank = [rank_results[1] for rank_results in quartet_runs]
+    assert all(sorted(losses) == list(range(SAVE_AT, STEPS)) for losses, _ in per_rank)
+    _check(per_rank, *QUARTET_RESHARD[1])
+
+
 TP_ZERO3 = (["--precision-recipe", "nvfp4", "--zero", "3", "--tp", "2"], H, 4, 2)  # D = 2 × T = 2
 
 
@@ -415,8 +520,8 @@ def test_stochastic_rounding_with_the_recipes_draws_is_unbiased_across_seeds():
     sigma = (p * (1 - p)) ** 0.5
     x = torch.full((4_000, 32), value)
     x[:, 0] = 6.0  # the block's amax: E8M0 scale 2^0 under rceil
-    keys = [recipes.draw_key(seed, 0, 0, 3, 2) for seed in range(x.shape[0])]
-    draws = torch.cat([recipes.uniform_draws(key, torch.arange(1), torch.arange(32)) for key in keys])
+    keys = [randomness.draw_key(seed, 0, 0, 3, 2) for seed in range(x.shape[0])]
+    draws = torch.cat([randomness.uniform_draws(key, torch.arange(1), torch.arange(32)) for key in keys])
     rounded = microscaling_fast.fake_quantize(x, "mxfp4", draws=draws)[:, 1].double()
     nearest = microscaling_fast.fake_quantize(x, "mxfp4")[:, 1].double()
     assert set(rounded.unique().tolist()) == {2.0, 3.0}
