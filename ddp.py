@@ -17,6 +17,9 @@ order were not. `finish_grad_sync()` launches what is left (unused parameters) a
 Loss normalisation: each micro-batch backpropagates loss_sum / tokens_in_global_batch, so the all-reduce is
 a SUM and its result is the gradient of the global mean loss, whatever the per-rank token counts.
 On accumulation micro-steps (`no_sync()`), gradients just accumulate locally: no communication.
+With `reduction` (--dp-comm-bits 4: parallel/lowbit.py's GradientReduction, handed in by train.py, not imported) each
+bucket is summed by it instead, synchronously as the bucket fills (no overlap), and keeps its error feedback with the
+bucket (`_Bucket.feedback`: 4 bytes a gradient element, held and checkpointed; lowbit.py's docstring).
 
 Accounting (Ψ parameters, D data ranks, b_g bytes per gradient element, bucket size K bytes):
 1. Replicated: parameters, gradients, optimizer state. Split: the batch.
@@ -47,7 +50,7 @@ TAPER_BYTES = 2**20  # the size the last buckets start from (reverse_order_bucke
 
 
 class _Bucket:
-    def __init__(self, index: int, params: list, device, dtype, group):
+    def __init__(self, index: int, params: list, device, dtype, group, reduction=None):
         self.index = index
         self.params = params
         self.group = group  # the parameters' data-parallel group (one per bucket)
@@ -55,6 +58,8 @@ class _Bucket:
         self.buffer = torch.zeros(sum(p.numel() for p in params), device=device, dtype=dtype)
         self.pending = len(params)  # gradients still to arrive this backward
         self.work = None  # the in-flight all-reduce
+        reduced = reduction is not None and dist.get_world_size(group) > 1
+        self.feedback = reduction.feedback_like(self.buffer, group) if reduced else None  # the reduction's state
 
     def reset(self):
         self.pending = len(self.params)
@@ -91,10 +96,12 @@ class DistributedDataParallel(nn.Module, OrderedReductions):
     """Wraps a module; `forward` is the module's. Call `finish_grad_sync()` after the last backward of a step."""
 
     def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25.0, check_same_init: bool = True,
-                 groups: dict | None = None):
+                 groups: dict | None = None, reduction=None):
         """group: the dense parameters' data-parallel group (dp×cp); groups: {grad_group name: ProcessGroup}
-        when parameters name other groups in their record (experts: "expert_dp")."""
+        when parameters name other groups in their record (experts: "expert_dp"); reduction: the buckets' sum
+        when not dist.all_reduce, `reduction(buffer, group, feedback)` in place (module docstring)."""
         super().__init__()
+        self.reduction = reduction
         self.module = describe(module)  # the parameters' records (shard.py), whole tensors unless an axis cut them
         self.groups = dict(groups or {})
         self.groups.setdefault("dp_cp", group)
@@ -114,9 +121,10 @@ class DistributedDataParallel(nn.Module, OrderedReductions):
         """Group the parameters into buckets (reverse_order_buckets) and make their grads buffer views."""
         self._bucket_of = {}
         result = []
-        for index, bucket_params in enumerate(reverse_order_buckets(params, bucket_bytes, taper=True)):
+        cuts = reverse_order_buckets(params, bucket_bytes, taper=True, by_copies=self.reduction is not None)
+        for index, bucket_params in enumerate(cuts):
             bucket = _Bucket(index, bucket_params, bucket_params[0].device, bucket_params[0].dtype,
-                             self.groups[grad_group(bucket_params[0])])
+                             self.groups[grad_group(bucket_params[0])], self.reduction)
             offset = 0
             for param in bucket_params:
                 param.grad = bucket.buffer[offset:offset + param.numel()].view_as(param)
@@ -134,7 +142,9 @@ class DistributedDataParallel(nn.Module, OrderedReductions):
                                                                " no_sync(), and call finish_grad_sync() each step")
 
     def _launch(self, bucket: _Bucket):
-        if dist.get_world_size(bucket.group) > 1:  # a group of one has nothing to sum
+        if dist.get_world_size(bucket.group) > 1 and self.reduction is not None:  # quantised: now, in place
+            self.reduction(bucket.buffer, bucket.group, bucket.feedback)
+        elif dist.get_world_size(bucket.group) > 1:  # a group of one has nothing to sum
             bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True)
         self._next_to_launch += 1
 
@@ -164,7 +174,7 @@ def grad_group(param) -> str:
 
 
 def reverse_order_buckets(params: list, bucket_bytes: int, element_size: int | None = None,
-                          taper: bool = False) -> list:
+                          taper: bool = False, by_copies: bool = False) -> list:
     """Parameters in reverse registration order (≈ the order backward produces their gradients), cut into
     buckets of about `bucket_bytes` (a bucket closes once it reaches the size), of one dtype and one
     data-parallel group each. element_size: the bytes of an element in the buckets, when they will hold
@@ -176,12 +186,17 @@ def reverse_order_buckets(params: list, bucket_bytes: int, element_size: int | N
     bucket_bytes, closing a bucket before a parameter would overflow it. What is left to send after backward
     is then ~1 MiB (or the one parameter that is larger), not up to bucket_bytes, for ~log2(bucket_bytes/1 MiB)
     more all-reduces; the buckets before it are each launched while the layers below still compute.
+
+    by_copies (a quantised reduction, --dp-comm-bits 4): a bucket also closes where the axes a parameter is replicated
+    over change, so a bucket of TP-replicated parameters (LayerNorms, row biases) holds the same values on every TP
+    rank, its codes are the same, and the copies stay equal (a block scale shared with split tensors would differ).
     """
     def size(param):
         return param.numel() * (element_size or param.element_size())
 
     def other_kind(param, bucket):
-        return param.dtype != bucket[0].dtype or grad_group(param) != grad_group(bucket[0])
+        copies = by_copies and param.shard_info.replicated_over != bucket[0].shard_info.replicated_over
+        return copies or param.dtype != bucket[0].dtype or grad_group(param) != grad_group(bucket[0])
 
     buckets, current, current_bytes = [], [], 0
     if taper:
@@ -309,7 +324,9 @@ class DDPLayout:
     def state_pieces(self) -> list:
         """The checkpoint's view: params (= the fp32 masters) and Adam moments, each logical piece written once."""
         sizes = {name: dist.get_world_size(group) for name, group in self.ddp.groups.items()}
-        return replicated_state_pieces(self.params, self.optimizer, self.coords, sizes)
+        pieces = replicated_state_pieces(self.params, self.optimizer, self.coords, sizes)
+        reduction = self.ddp.reduction  # --dp-comm-bits 4: each bucket's error feedback, this rank's own
+        return pieces + (reduction.state_pieces([b.feedback for b in self.ddp.buckets]) if reduction else [])
 
     @property
     def optimizer_step_count(self) -> int:
@@ -324,13 +341,21 @@ class DDPLayout:
         grads = sum(b.buffer.numel() * b.buffer.element_size() for b in self.ddp.buckets)
         optimizer = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
                         if torch.is_tensor(t) and t.dim() > 0)  # the moments; the 0-d step counters aside
-        return {"weights": weights, "grads": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+        held = {"weights": weights, "grads": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+        feedback = [b.feedback.numel() * b.feedback.element_size() for b in self.ddp.buckets if b.feedback is not None]
+        return dict(held, feedback=sum(feedback), total=held["total"] + sum(feedback)) if feedback else held
 
     def predicted_persistent(self) -> dict:
         """(b_w + b_g + b_o)·Ψ with b_w = b_g = b (the fp32 master weights and their gradients) and b_o = 2b (the
         two moments): everything replicated, ZeRO's formula at stage 0 (zero.persistent_bytes)."""
         psi, b = sum(p.numel() for p in self.params), self.params[0].element_size()
-        return {"weights": b * psi, "grads": b * psi, "optimizer": 2 * b * psi, "total": 4 * b * psi}
+        out = {"weights": b * psi, "grads": b * psi, "optimizer": 2 * b * psi, "total": 4 * b * psi}
+        reduction = self.ddp.reduction  # --dp-comm-bits 4: each bucket's error, padded to N chunks of 16·k elements
+        if reduction is None or not reduction.feedback:
+            return out
+        feedback = sum(reduction.feedback_bytes(b.buffer.numel(), b.buffer.element_size(), dist.get_world_size(b.group))
+                       for b in self.ddp.buckets if dist.get_world_size(b.group) > 1)
+        return dict(out, feedback=feedback, total=out["total"] + feedback)
 
     def facts(self) -> DDPFacts:
         return DDPFacts(tuple(self.ddp.bucket_sizes_bytes()),
@@ -338,10 +363,15 @@ class DDPLayout:
                         dist.get_world_size(self.ddp.group))
 
     def predicted_messages(self, micro_batches: int = 1) -> Messages:
-        """One all-reduce per bucket over its group, plus nothing else (the step's scalars are step.py's)."""
+        """One all-reduce per bucket over its group (or what the reduction sends for it), plus nothing else (the
+        step's scalars are step.py's)."""
         out = Messages()
         for bucket, size in zip(self.ddp.buckets, self.ddp.bucket_sizes_bytes()):
-            if dist.get_world_size(bucket.group) > 1:
+            n = dist.get_world_size(bucket.group)
+            if n > 1 and self.ddp.reduction is not None:
+                out = out + self.ddp.reduction.messages(bucket.buffer.numel(), bucket.buffer.element_size(),
+                                                        bucket.group_name, n)
+            elif n > 1:
                 out.add("all_reduce", bucket.group_name, 1, size)
         return out
 

@@ -205,7 +205,7 @@ def _product(ranges):
             yield (head,) + tail
 
 
-def build_mesh(shape: MeshShape, rank: int | None = None, every_group: bool = True) -> Mesh:
+def build_mesh(shape: MeshShape, rank: int | None = None, every_group: bool = True, timeout=None) -> Mesh:
     """Create every axis's process groups (collective: all ranks call this with the same shape).
 
     One communicator per distinct set of ranks: names with the same members share one group (dp, dp_cp and
@@ -217,7 +217,8 @@ def build_mesh(shape: MeshShape, rank: int | None = None, every_group: bool = Tr
     group whatever its size rather than branching on the size (ZeRO, whose units may sit on a group of one,
     skips them), and one singleton is one small communicator with no peer buffers.
     every_group=False (a plan, in a fake process group, where no peer waits on the others' groups): only the
-    groups holding `rank` (groups_of), so that a million ranks are planned in moments.
+    groups holding `rank` (groups_of), so that a million ranks are planned in moments. timeout: the groups'
+    (a timedelta; None: torch's default), bounding their start-up's wait for every member.
     """
     rank = dist.get_rank() if rank is None else rank
     mesh = Mesh(shape=shape, rank=rank)
@@ -227,7 +228,7 @@ def build_mesh(shape: MeshShape, rank: int | None = None, every_group: bool = Tr
         for ranks in partition:  # same order on every rank, so every rank makes the same new_group calls
             key = tuple(ranks)
             if key not in made:
-                made[key] = dist.new_group(ranks) if dist.is_initialized() else None
+                made[key] = dist.new_group(ranks, timeout=timeout) if dist.is_initialized() else None
             if rank in ranks:
                 mesh.groups[axis], mesh.members[axis] = made[key], ranks
     return mesh

@@ -54,6 +54,11 @@ dtype: the residual stream stays in it under autocast), A = activation bytes a l
    stage (`Pipeline.predicted_messages`).
 4. Restart state: nothing of its own. Parameters carry global names (`transformer.h.<i>`), so a checkpoint
    reslices onto another P; the tied copy counts on pp coordinate 0 and is written once.
+
+With `--pp-redundant` the lists hold R actions too (Bamboo's forward on the successor's shadow stage): the
+interpreter keeps each F's output until the R of its micro-batch takes it and hands R to the shadow it serves
+(`serve_redundant`, resilience/redundancy.py, which accounts for it). After a takeover the chunks may be uneven:
+`PipelineConfig.bounds` gives their layer boundaries.
 """
 
 from __future__ import annotations
@@ -109,13 +114,19 @@ class PipelineSchedule:
     def __init__(self, config: PipelineConfig, mesh, n_layer: int, seq_divisor: int = 1):
         self.name, self.P, self.v = config.schedule, config.size, config.virtual
         self.rank, self.group, self.peers = mesh.index("pp"), mesh.group("pp"), list(mesh.members["pp"])
-        self.n_chunks = self.P * self.v
-        self.chunk_layers = split_layers(n_layer, self.n_chunks)  # chunk c's layers; pp rank c mod P holds it
+        self.n_chunks, self.redundant = self.P * self.v, config.redundant
+        self.chunk_layers = chunk_layers(config, n_layer)  # chunk c's layers; pp rank c mod P holds it
         self.seq_divisor = seq_divisor
         self.observer = PipelineObserver()
         self.store = WeightGradStore() if self.name == "zb" else None
         self.forward_observer = ForwardObserver()  # told of each F action's compute (step.ForwardObserver)
         self._plans = {}
+        self.shadow = None  # what runs the R actions (--pp-redundant): resilience/redundancy.py's ShadowStage
+
+    def serve_redundant(self, shadow) -> None:
+        """The successor's shadow stage runs this rank's R actions: `shadow.forward(state, action, h)`, h the
+        output of this rank's F of the micro-batch (None for chunk 0's R, which reads the tokens)."""
+        self.shadow = shadow
 
     def observe_forwards(self, observer: ForwardObserver) -> None:
         self.forward_observer = observer
@@ -157,6 +168,9 @@ class PipelineSchedule:
         if action.kind == "W":  # the weight gradients its I left in the store
             self.store.apply(state.deferred.pop((action.mb, action.chunk)))
             return None
+        if action.kind == "R":  # the successor's forward on its shadow (Bamboo): sends nothing
+            self.shadow.forward(state, action, state.kept.pop(action.mb, None))
+            return None
         return self._backward(state, action, received)  # B, or I
 
     def _forward(self, state, action: Action, received):
@@ -188,7 +202,10 @@ class PipelineSchedule:
             return None
         roots = [h] if aux is None else [h, aux / state.aux_divisor * state.loss_scale]
         state.saved[action.mb, action.chunk] = (inp, roots)
-        return h.detach().to(state.boundary_dtype)
+        out = h.detach().to(state.boundary_dtype)
+        if self.redundant:  # the R of this micro-batch reads it (the send shares the tensor)
+            state.kept[action.mb] = out
+        return out
 
     def _backward(self, state, action: Action, grad):
         """B: backpropagate the chunk's roots (its output with the received gradient, its aux terms) and return
@@ -240,7 +257,7 @@ class PipelineSchedule:
         return self._plans[m]
 
     def programs(self, m: int) -> list:
-        return build_programs(self.name, self.P, m, self.v)
+        return build_programs(self.name, self.P, m, self.v, self.redundant)
 
     def describe(self, m: int) -> str:
         return (f"pipeline {self.name} over P={self.P}" + (f" × v={self.v}" if self.v > 1 else "") + f", m={m}:"
@@ -257,7 +274,7 @@ class _StepState:
         # Stage boundaries carry the parameter dtype (the residual stream's, usually): a layer whose output is
         # wider (an FP8 linear's, say) is cast to it on the way, so every receive knows its size in advance.
         self.boundary_dtype = next(model.parameters()).dtype
-        self.saved, self.deferred, self.aux_totals = {}, {}, {}
+        self.saved, self.deferred, self.aux_totals, self.kept = {}, {}, {}, {}  # kept: F outputs R will read
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
 
@@ -440,6 +457,15 @@ class PipelineConfig:
     schedule: str = "1f1b"
     virtual: int = 1  # v: chunks per rank (1 unless interleaved)
     trace_file: str | None = None
+    redundant: bool = False  # --pp-redundant: R actions in the lists (resilience/redundancy.py validates it)
+    bounds: tuple | None = None  # the chunks' layer boundaries (0, ..., L) when not the even split (a takeover)
+
+
+def chunk_layers(config: PipelineConfig, n_layer: int) -> list:
+    """Each chunk's layers: the even split of v·P chunks, or the given boundaries."""
+    if config.bounds is None:
+        return split_layers(n_layer, config.size * config.virtual)
+    return [range(a, b) for a, b in zip(config.bounds, config.bounds[1:])]
 
 
 def config_from_flags(args, settings) -> PipelineConfig | None:
@@ -462,7 +488,7 @@ def config_from_flags(args, settings) -> PipelineConfig | None:
     if schedule == "interleaved" and n_layer % chunks:
         raise ValueError(f"--pp-schedule interleaved: n_layer={n_layer} must be divisible by --pp {P} × --pp-virtual"
                          f" {v} = {chunks} (equal chunks keep the interleaved slots equal)")
-    return PipelineConfig(P, schedule, v, args.trace_file)
+    return PipelineConfig(P, schedule, v, args.trace_file, redundant=args.pp_redundant)
 
 
 def stage_of(config: PipelineConfig | None, run) -> dict:
@@ -470,6 +496,9 @@ def stage_of(config: PipelineConfig | None, run) -> dict:
     {} without a pipeline; else its chunks' layers, the embeddings on chunk 0's rank, the head on the last's."""
     if config is None:
         return {}
+    if config.bounds is not None:  # after a takeover (resilience/redundancy.py): v = 1, chunk = rank
+        rank, layers = run.mesh.index("pp"), chunk_layers(config, run.config.n_layer)
+        return dict(layers=list(layers[rank]), embedding=rank == 0, head=rank == config.size - 1)
     return stage_kwargs(run.config.n_layer, run.mesh.index("pp"), config.size, config.virtual)
 
 

@@ -48,6 +48,8 @@ L layers, T tensor-parallel size, e_w / e_c the bytes of a working-weight / comp
    checkpoint stops recomputing once the saved tensors are back: the MLP's reduction feeds none); selective
    recompute repeats none (the forward's run as collective_ops operators, whose outputs it keeps). Per step,
    with SP: one all_reduce of the sequence-parallel parameters' gradients (`after_grad_sync`).
+   With --tp-comm-bits 4 (parallel/lowbit.py, handed over by `reduce_with`) each f and g above, the embedding's and
+   the head's too, is an all_to_all_single and an all_gather_single of NVFP4 codes, ≈ 28% of the bytes of bf16.
    `step_messages` computes all of this; the tests check it against the CommTracer byte for byte.
 4. Restart state: nothing of its own; each parameter's `shard_info` names its global slice (any T reloads it).
 """
@@ -73,21 +75,21 @@ from step import Axis, sum_in_place
 # ---------------------------------------------------------------------------------------------------------
 # The raw collectives (parallel/collectives.py: all_gather_single / reduce_scatter_single work on dim 0, so the sequence
 # is moved to the front and back; Megatron keeps activations [s, b, h], model.py is batch-first like nanoGPT).
-_all_reduce, _all_gather = collectives.sum_raw, collectives.gather_raw
-_reduce_scatter = collectives.scatter_raw
+_all_reduce, _all_gather, _reduce_scatter = collectives.sum_raw, collectives.gather_raw, collectives.scatter_raw
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward. Enters a region whose ranks each use the whole X."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, reduction=None):
+        ctx.group, ctx.reduction = group, reduction
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        reduced = ctx.reduction(grad, ctx.group, "backward") if ctx.reduction else _all_reduce(grad, ctx.group)
+        return reduced, None, None
 
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
@@ -95,12 +97,14 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
     `operators`: through collective_ops (a selectively recomputed block keeps the sum, never sends it again)."""
 
     @staticmethod
-    def forward(ctx, x, group, operators=False):
+    def forward(ctx, x, group, operators=False, reduction=None):
+        if reduction is not None:
+            return reduction(x, group, "forward")
         return collectives.all_reduce(x, group) if operators else _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None, None, None
 
 
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -145,18 +149,21 @@ class TensorParallelContext:
     rank: int
     sequence_parallel: bool = False
     operators: bool = False  # forward collectives as collective_ops operators (under selective recompute)
+    # f's and g's all-reduce when set: `reduction(x, group, chain)`, chain "forward" (g) or "backward" (f), and
+    # `reduction.messages(elements, element_bytes)`; parallel/lowbit.py's 4-bit one (TensorParallel.reduce_with)
+    reduction: object = None
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a region: f, or with SP the all-gather of the sequence (of 16-bit data under autocast)."""
         if self.sequence_parallel:
             return GatherFromSequenceParallelRegion.apply(_autocast_input(x), self.group, self.operators)
-        return CopyToTensorParallelRegion.apply(x, self.group)
+        return CopyToTensorParallelRegion.apply(x, self.group, self.reduction)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
         """Out of a region: g, or with SP the reduce-scatter of the sequence."""
         if self.sequence_parallel:
             return ReduceScatterToSequenceParallelRegion.apply(x, self.group, self.operators)
-        return ReduceFromTensorParallelRegion.apply(x, self.group, self.operators)
+        return ReduceFromTensorParallelRegion.apply(x, self.group, self.operators, self.reduction)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -485,6 +492,10 @@ class TensorParallel(Axis):
             sum_in_place(layout.grad_pieces(self.sequence_parallel_params), self.ctx.group)
         return 0
 
+    def reduce_with(self, reduction) -> None:
+        """parallel/lowbit.py's hook: f and g sum through `reduction` (the context's); this file never imports it."""
+        self.ctx.reduction = reduction
+
     @contextmanager
     def sampling(self):
         """The head gathers its vocabulary slices and SP is off (any prompt length works); every rank of the
@@ -506,7 +517,7 @@ class TensorParallel(Axis):
         blocks, config = list(self.model.transformer.h), self.model.config
         return self.batch, Holding(config.n_embd, self.sequence_parallel, config.activation_checkpointing, len(blocks),
                        sum(split_mlp_of(b.mlp) is None for b in blocks), self.model.has_embedding,
-                       self.model.has_head, all(b.attn.c_attn.regather for b in blocks))
+                       self.model.has_head, all(b.attn.c_attn.regather for b in blocks), self.ctx.reduction)
 
     def predicted_messages(self, layout) -> Messages:
         """One optimizer step's tp messages (`step_messages`); the SP sum moves the gradients as the layout
@@ -579,6 +590,14 @@ class Holding:
     embedding: bool = True
     head: bool = True
     regather: bool = True
+    reduction: object = None  # f's and g's all-reduce when not dist.all_reduce (TensorParallelContext.reduction)
+
+
+def _sum(held: Holding, elements: int, element_bytes: int) -> Messages:
+    """One f or g over tp: an all_reduce of the elements, or what the context's reduction sends for them."""
+    if held.reduction is not None:
+        return held.reduction.messages(elements, element_bytes)
+    return Messages().add("all_reduce", "tp", 1, elements * element_bytes)
 
 
 def block_messages(batch: BatchShape, held: Holding, split_mlp: bool = True) -> dict:
@@ -590,8 +609,8 @@ def block_messages(batch: BatchShape, held: Holding, split_mlp: bool = True) -> 
     activation = batch.micro * batch.seq * held.hidden
     message = activation * batch.compute_bytes
     if not held.sequence_parallel:
-        return {"forward": Messages().add("all_reduce", "tp", regions, regions * message),  # g
-                "backward": Messages().add("all_reduce", "tp", regions, regions * activation * batch.param_bytes)}
+        return {"forward": _sum(held, activation, batch.compute_bytes).times(regions),  # g
+                "backward": _sum(held, activation, batch.param_bytes).times(regions)}  # f
     gathers = regions * (2 if held.regather else 1)
     return {"forward": Messages().add("all_gather_single", "tp", regions, regions * message)
                                  .add("reduce_scatter_single", "tp", regions, regions * message),
@@ -613,15 +632,18 @@ def step_messages(batch: BatchShape, held: Holding, sp_grad_bytes: int = 0) -> M
             # repeated (a mixture of experts saves what follows the attention's: all of it is).
             block = block + phases["forward"]
             if split_mlp:
-                block.add("reduce_scatter_single" if sp else "all_reduce", "tp", -1, -compute)
+                block = block + (Messages().add("reduce_scatter_single", "tp", 1, compute) if sp else
+                                 _sum(held, tokens * held.hidden, batch.compute_bytes)).times(-1)
         micro_batch = micro_batch + block.times(count)
-    if held.embedding:  # forward g (SP: ḡ, whose backward all-gathers)
-        for op in ("reduce_scatter_single", "all_gather_single") if sp else ("all_reduce",):
-            micro_batch.add(op, "tp", 1, weights_dtype)
+    if held.embedding and sp:  # forward ḡ, whose backward all-gathers
+        micro_batch.add("reduce_scatter_single", "tp", 1, weights_dtype)
+        micro_batch.add("all_gather_single", "tp", 1, weights_dtype)
+    elif held.embedding:  # forward g
+        micro_batch = micro_batch + _sum(held, tokens * held.hidden, batch.param_bytes)
     if held.head and sp:  # forward all-gather; backward its re-gather and g's reduce-scatter
         micro_batch.add("all_gather_single", "tp", 2, 2 * compute).add("reduce_scatter_single", "tp", 1, compute)
     elif held.head:
-        micro_batch.add("all_reduce", "tp", 1, weights_dtype)  # backward f
+        micro_batch = micro_batch + _sum(held, tokens * held.hidden, batch.param_bytes)  # backward f
     if held.head:  # the loss: MAX of [N], then Σexp and the target logit [2, N], in at least fp32
         micro_batch.add("all_reduce", "tp", 2, 3 * tokens * max(4, batch.compute_bytes))
     out = micro_batch.times(batch.micro_batches)

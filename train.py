@@ -38,13 +38,13 @@ import fp8
 from interop import hf
 import mfu
 import moe
-from parallel import recompute
+from parallel import lowbit, recompute
 import pipeline
 from planner import cpu_probe, time_model
 import precision.recipe
 import report.muon
 import report.run
-from resilience import ckpt_files, elastic, goodput
+from resilience import ckpt_files, elastic, goodput, redundancy
 import shard
 import tensor_parallel
 from accounting.activations import activation_shape
@@ -57,6 +57,7 @@ from model import GPT, GPTConfig, compile_blocks
 from optim import DynamicLossScaler, LRSchedule, build_adamw
 from optimizers.muon import MuonDDPLayout
 from optimizers.zero_muon import ZeroMuon
+from parallel.offload import OffloadConfig, OffloadZeroLayout
 from parallel.zero3 import Zero3Layout
 from parallel.zero_pipeline import pipeline_layout
 from report.run import print0
@@ -64,12 +65,11 @@ from resilience.diloco import DiLoCoLayout
 from step import GradientAccumulation, train_step
 from zero import ZeroConfig, ZeroLayout
 
-# The axes, in DESIGN.md's order of application (MoE/EP and its replicas → TP → CP → PP → FP8 or a microscaling
-# recipe). Each has a
-# `config_from_flags(args, settings)` (cli/flags.py calls it once, before any rank waits) and an
-# `apply(model, run, config)` that swaps modules of the model in place and returns its handle, a step.Axis.
+# The axes, in DESIGN.md's order of application (MoE/EP and its replicas → TP and its 4-bit all-reduce → CP → PP →
+# FP8 or a microscaling recipe). Each has a `config_from_flags(args, settings)` (cli/flags.py calls it once, before
+# any rank waits) and an `apply(model, run, config)` that swaps modules of the model in place and returns its handle.
 # Adding an axis adds a line here; the loop and the printouts only ever loop over the handles.
-AXES = (moe, eplb, tensor_parallel, context_parallel, pipeline, fp8, precision.recipe)
+AXES = (moe, eplb, tensor_parallel, lowbit, context_parallel, pipeline, redundancy, fp8, precision.recipe)
 
 
 @dataclass
@@ -150,6 +150,9 @@ def build_layout(model: GPT, run: Run, materialize: bool = True):
         compile_blocks(model)  # per block: its gradient hooks fire when its backward ends (model.compile_blocks)
     groups = {name: run.mesh.group(name) for name in ("dp_cp", "expert_dp")}  # dense, experts
     layout = build_data_parallel(model, run, groups, coords, materialize)
+    shadow = next((axis for axis in run.axes if axis.name == "redundancy"), None)
+    if shadow is not None:  # --pp-redundant: the successor's shadow is updated after the stage
+        return redundancy.RedundantLayout(layout, shadow)
     # DiLoCo (resilience/diloco.py): the layout above runs inside one replica; every H steps the replicas' outer step
     return DiLoCoLayout(layout, run.settings.diloco, run.mesh) if run.settings.diloco else layout
 
@@ -172,10 +175,13 @@ def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materi
         if args.zero >= 2 and pp_config is not None:  # units per chunk, gathers and reductions by the schedule
             return pipeline_layout(model, config, groups, coords, device, pp_config, run.config.n_layer,
                                    run.mesh.index("pp"), run.micro_batches)
+        if args.offload:  # the optimizer's shard in host memory, the update on the host (parallel/offload.py)
+            return OffloadZeroLayout(model, config, groups, coords, update_group, OffloadConfig(args.offload))
         if args.zero < 3:
             return ZeroLayout(model, config, groups, coords, update_group)
         return Zero3Layout(model, config, groups, coords, device)  # FP8 weights carry their codec (fp8.convert)
-    ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb)
+    reduction = lowbit.gradient_reduction(run.settings.axes.get(lowbit.__name__), run.mesh)  # --dp-comm-bits 4
+    ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb, reduction=reduction)
     if muon:
         adamw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2))
         return MuonDDPLayout(ddp, muon, adamw, coords, update_group, run.mesh.group("tp"))
@@ -224,6 +230,7 @@ class Training:
     checkpointer: ckpt.Checkpointer | None = None
     start_step: int = 0  # a resumed run starts at its checkpoint's step
     step: int = 0  # the step the loop is at (an interrupt reports it)
+    completed: int = 0  # optimizer steps done (a takeover agrees on it)
     progress: report.run.Progress | None = None
     step_peak: report.run.StepPeak | None = None  # on a CPU, the profiled step's memory
 
@@ -280,7 +287,7 @@ def start_training(settings: Settings, tracer: CommTracer, clock: goodput.Clock)
     return Training(run, corpus, train_tokens, val_tokens, sampler, val_sampler, lr_schedule, scaler, machine, clock)
 
 
-def open_checkpointer(t: Training) -> None:
+def open_checkpointer(t: Training, resume: bool = True) -> None:
     """--ckpt-dir's Checkpointer, and --resume's step, layout, scaler and sampler cursor read from it."""
     run, args = t.run, t.run.settings.args
     run_record = dict(steps=args.steps, lr=args.lr, min_lr=t.lr_schedule.min_lr, seed=args.seed,
@@ -293,7 +300,7 @@ def open_checkpointer(t: Training) -> None:
                                        drop_state=args.drop_state)
         t.checkpointer = ckpt.Checkpointer(config, run.mesh, [*run.axes, t.clock], run.device, log=print0,
                                            on_save=lambda stats: report.run.print_save(stats, args.mtbf_hours))
-        if args.resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
+        if args.resume and resume:  # the batch of step s depends only on (seed, s, B_global): resuming sets the cursor
             t.start_step = t.checkpointer.resume(args.resume, run.layout, t.scaler, t.sampler, args.seed)
         finished = t.start_step and t.checkpointer.resumed_run.get("steps") == t.start_step
         if finished:  # a new leg after a finished run (its last step): no failure, nothing lost, no restart
@@ -328,14 +335,23 @@ def train_loop(t: Training, tracer: CommTracer) -> None:
     peak_in_mean = args.steps - t.start_step < 3  # no other timed step would remain
     # Step s + 1's micro-batches are read (pinned, on CUDA) while step s trains, then copied without blocking.
     prefetched = data.Prefetcher(lambda s: local_batches(run, t.sampler, t.train_tokens, s), run.device, args.steps - 1)
-    t.step = t.start_step
+    t.step = t.completed = step = t.start_step
     with ending_cleanly_on_signals(lambda: interrupted(t.checkpointer, t.step)):
-        for step in range(t.start_step, args.steps):
+        while step < args.steps:
             t.step = step
-            record = timed_step(t, step, prefetched, step == peak_step, peak_in_mean)
-            if not (math.isfinite(record["loss"]) and not record["skipped"]) and t.scaler.scale <= 1.0:
-                stop_at_non_finite(t, step, record, prefetched)  # before this step's line, metrics or save
-            after_step(t, step, record, metrics, tracer)
+            try:
+                record = timed_step(t, step, prefetched, step == peak_step, peak_in_mean)
+                if not (math.isfinite(record["loss"]) and not record["skipped"]) and t.scaler.scale <= 1.0:
+                    stop_at_non_finite(t, step, record, prefetched)  # before this step's line, metrics or save
+                t.completed = step + 1
+                after_step(t, step, record, metrics, tracer)
+                step += 1
+            except RuntimeError as error:  # --pp-redundant: a lost stage's predecessor takes it over
+                if not any(axis.name == "redundancy" for axis in run.axes):
+                    raise
+                step = take_over(t, error, tracer)  # the step to run next: the interrupted one, replayed
+                if args.metrics_file and run.mesh.rank == 0 and metrics is None:
+                    metrics = open(args.metrics_file, "a")
         prefetched.close()
         if metrics:
             metrics.close()
@@ -345,6 +361,40 @@ def train_loop(t: Training, tracer: CommTracer) -> None:
         if args.sample_tokens:
             with tracer.phase("sample"), t.clock.phase("eval"):
                 sample(run, t.val_tokens, t.corpus.tokenizer_name)
+
+
+def take_over(t: Training, error: RuntimeError, tracer: CommTracer) -> int:
+    """--pp-redundant lost a stage (resilience/redundancy.py, the takeover): the survivors meet again, the run is
+    composed on P − 1 stages and filled from this process's memory (its stage and its shadow), the shadows are
+    synced, and the survivors agree on the steps done: the loop replays the interrupted one. One line; a loss
+    that redundancy cannot absorb ends the run, naming the newest committed checkpoint (never touched here)."""
+    run, began = t.run, time.perf_counter()
+    handle = next(axis for axis in run.axes if axis.name == "redundancy")
+    memory = {piece.key: piece.tensor for piece in [*run.layout.state_pieces(), *handle.state_pieces()]}
+    adam_steps, old_world = run.layout.optimizer_step_count, run.mesh.shape.world_size
+    bounds = redundancy.stage_bounds(run.settings.axes["pipeline"], run.config.n_layer)
+    try:
+        with t.clock.phase("restart"), tracer.phase("startup"):
+            plan = redundancy.lose_peer(handle, run.mesh, bounds, run.settings.backend)
+            if t.checkpointer:
+                t.checkpointer.abandon()  # a save cut short is never committed; the committed ones stay
+            settings = redundancy.settings_after(run.settings, plan, handle)
+            mesh = build_mesh(settings.shape, timeout=redundancy.short_timeout(handle))  # a loss now fails soon
+            rebuilt = compose(replace(run, settings=settings, mesh=mesh, axes=[], layout=None))
+            copied = redundancy.refill(rebuilt, memory, adam_steps)
+            if len(set(agree(str(t.completed)) if dist.get_world_size() > 1 else [t.completed])) > 1:
+                raise redundancy.TakeoverError("the survivors disagree on the steps done (a loss inside the update)")
+            for name, group in rebuilt.mesh.groups.items():
+                tracer.name_group(group, name)
+            redundancy.restore_timeouts(rebuilt.mesh)
+            vars(run).update(vars(rebuilt))
+            if t.checkpointer:
+                open_checkpointer(t, resume=False)
+    except RuntimeError as e:  # a TakeoverError, or another loss during the takeover (a peer's p2p or store)
+        print(redundancy.impossible_line(error, e, run.settings.args.ckpt_dir), file=sys.stderr, flush=True)
+        sys.exit(1)  # every survivor says it: no group is left to agree which one prints
+    print0(redundancy.takeover_line(plan, t.step, old_world, copied, time.perf_counter() - began, t.completed))
+    return t.completed
 
 
 def timed_step(t: Training, step: int, prefetched, profiled: bool, peak_in_mean: bool) -> dict:

@@ -449,17 +449,19 @@ class ZeroLayout(OrderedReductions):
         return update(grads, counted, scaler, clip, adamw_and_publish, grads[0].device, counted_pieces=pieces,
                       extra_nonfinite=extra_nonfinite, group=self.update_group)
 
-    def _adamw(self, unit: Unit, grad: torch.Tensor):
-        """torch.optim.AdamW (amsgrad off) on one shard: decoupled decay, moments, bias-corrected update."""
+    def _adamw(self, unit: Unit, grad: torch.Tensor, master: torch.Tensor | None = None):
+        """torch.optim.AdamW (amsgrad off) on one shard: decoupled decay, moments, bias-corrected update. master:
+        where the master weights are updated (default the unit's; parallel/offload.py: a host copy)."""
         beta1, beta2 = self.config.betas
+        master = unit.master if master is None else master
         for lo, hi in unit.decay_segments if self.config.weight_decay else ():
-            unit.master[lo:hi].mul_(1 - self.lr * self.config.weight_decay)
+            master[lo:hi].mul_(1 - self.lr * self.config.weight_decay)
         unit.exp_avg.lerp_(grad, 1 - beta1)
         unit.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         t = self.optimizer_step_count
         step_size = self.lr / (1 - beta1 ** t)
         denom = (unit.exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** t)).add_(self.config.eps)
-        unit.master.addcdiv_(unit.exp_avg, denom, value=-step_size)
+        master.addcdiv_(unit.exp_avg, denom, value=-step_size)
 
     def _publish(self, unit: Unit):
         """The updated master → the working weights: all-gathered into every rank's full weights (async); a group

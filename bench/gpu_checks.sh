@@ -120,6 +120,7 @@ check bench_zero 2 120 python3 bench/bench_zero.py --device cuda --skip-table --
 check bench_pipeline 2 120 python3 bench/bench_pipeline.py --device cuda --pp $SIZES2 --n-embd 512 --seq 256 \
     --rounds 4
 check bench_moe 4 120 python3 bench/bench_moe.py --device cuda --embd 512 --seq 512 --steps 4
+check bench_lowbit 2 90 python3 bench/bench_lowbit.py --device cuda --part collective --sizes 1048576,16777216,268435456
 
 echo
 if [[ $DRY_RUN == 1 ]]; then

@@ -10,7 +10,7 @@ from typing import NoReturn
 from experts import router
 from model import PRESETS
 from optimizers import muon
-from parallel import recompute
+from parallel import offload, recompute
 from planner import hardware
 from resilience import elastic
 
@@ -125,16 +125,29 @@ def _add_parallelism_flags(parser) -> None:
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size E")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0: plain DDP)")
     g.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    g.add_argument("--offload", choices=offload.MODES, help="with --zero 1/2: Adam's moments (optimizer), and the"
+                   " fp32 masters (optimizer+master), in host memory, the update on the host (parallel/offload.py);"
+                   " default: none")
     g.add_argument("--diloco-h", type=int, help="DiLoCo (resilience/diloco.py): H inner AdamW steps per"
                    " outer step (default: none, plain data parallel)")
     g.add_argument("--diloco-replicas", type=int, help="DiLoCo replicas R (a divisor of D; default 1)")
     g.add_argument("--diloco-outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD learning rate")
     g.add_argument("--diloco-outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB")
+    g.add_argument("--tp-comm-bits", type=int, default=16, help="TP's all-reduces (f, g): 4 = NVFP4 codes summed in"
+                   " fp32, with error feedback (parallel/lowbit.py); 16 (default) = the exact all-reduce")
+    g.add_argument("--dp-comm-bits", type=int, default=16, help="DDP's gradient buckets: 4 = NVFP4 codes summed in"
+                   " fp32, with error feedback (parallel/lowbit.py); 16 (default) = the exact all-reduce")
+    g.add_argument("--comm-feedback", default="on", help="with a 4-bit all-reduce: on (default) feeds each call's"
+                   " error into a later call, off drops it (the ablation)")
     g.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
     g.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
                    help="pipeline schedule (pipeline.py)")
     g.add_argument("--pp-virtual", type=int, default=2, help="model chunks per rank for --pp-schedule interleaved")
+    g.add_argument("--pp-redundant", action="store_true",
+                   help="Bamboo's pipeline redundancy (resilience/redundancy.py): each stage shadows its successor"
+                        " (forwards in the bubble, the same update) and takes over a lost one without a checkpoint;"
+                        " off by default")
     g.add_argument("--trace-file", help="write one executed pipeline step as Chrome-trace JSON (Perfetto;"
                    " default: none)")
     g.add_argument("--cp-impl", default="ring", choices=["ring", "ulysses"], help="context parallel attention")

@@ -31,7 +31,7 @@ import data
 from experts import router
 from interop import hf
 import moe
-from parallel import recompute
+from parallel import offload, recompute
 from planner import calibration, hardware
 from resilience import diloco, elastic
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
@@ -168,6 +168,7 @@ def validate(args, world_size: int, given=None, axes=(), check_files: bool = Tru
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                                  replicas=diloco_config.replicas if diloco_config else None)
         recompute.check_flags(args, shape)
+        offload.check_flags(args)  # --zero 1/2 and a layout it serves
         config = model_config(args, given)
         # The experts' split before the batch arithmetic, which takes the mesh as given: --ep 3 of 4 experts is a
         # wrong --ep, not a global batch that D = 3 does not divide.

@@ -324,7 +324,11 @@ def config_from_flags(args) -> MuonConfig | None:
     refused = (("--moe-experts", args.moe_experts, "the experts' matrices are not assigned to Muon's updates"),
                ("--fp8", args.fp8, "ZeRO-3 gathers FP8 weights as codes, which Muon's units do not carry"),
                ("--precision-recipe", args.precision_recipe, "its NVFP4 weights travel as codes under ZeRO-3"),
-               ("--diloco-h", args.diloco_h, "DiLoCo's inner optimizer is AdamW"))
+               ("--diloco-h", args.diloco_h, "DiLoCo's inner optimizer is AdamW"),
+               ("--offload", args.offload, "the host's update is AdamW's"),
+               ("--pp-redundant", args.pp_redundant, "its shadow stages' state is AdamW's; not tested with Muon"),
+               ("--tp-comm-bits", args.tp_comm_bits != 16, "not tested with Muon's gathered TP matrices"),
+               ("--dp-comm-bits", args.dp_comm_bits != 16, "not tested with Muon's layouts"))
     for flag, value, why in refused:
         if value:
             raise ValueError(f"--optimizer muon with {flag}: not served ({why}); use --optimizer adamw")

@@ -11,7 +11,12 @@ A schedule is one list of `Action`s per pp rank, built by a pure function:
 Megatron and picotron). `interleaved`: Megatron's interleaved 1F1B over groups of P micro-batches (a
 remainder of m mod P joins the last group); rank r holds chunks r, r+P, ... of the v·P (Narayanan et al.
 2021). `zb`: 1F1B with B split into I and W; rank r keeps r W's deferred and runs them at the end, where
-1F1B idles.
+1F1B idles. With `--pp-redundant` (resilience/redundancy.py, Bamboo) a fifth kind joins gpipe's and 1F1B's lists:
+    R  the successor's forward of (micro-batch, chunk (r+1) mod P), run by rank r on its shadow of that stage
+placed by `with_redundant_forwards` in the rank's idle time of the uniform-cost simulation where it fits (after
+the rank's own F of that micro-batch, whose output is R's input; the last rank's R of chunk 0 reads only the
+tokens), the rest after the rank's last action. R needs no message and sends none: the simulator times it and
+the deadlock checks see it like any action.
 
 The communication plan. An F sends its output to the next chunk's rank, a B/I its input gradient to the
 previous one's. `communication_plan` has every rank post a receive as soon as, in a uniform-cost simulation
@@ -68,7 +73,7 @@ def rank_chunks(pp_rank: int, P: int, v: int) -> list:
 
 
 class Action(NamedTuple):
-    kind: str  # "F" forward, "B" backward, "I" input-gradient backward, "W" weight-gradient backward
+    kind: str  # "F" forward, "B" backward, "I" input-gradient backward, "W" weight-gradient backward, "R" redundant
     mb: int  # micro-batch
     chunk: int  # global chunk index (= pp rank without interleaving)
 
@@ -142,10 +147,45 @@ def zero_bubble_h1(P: int, m: int, rank: int, v: int = 1) -> list:
 BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zb": zero_bubble_h1}
 
 
-def build_programs(schedule: str, P: int, m: int, v: int = 1) -> list:
-    """Every rank's action list (v applies to `interleaved` only)."""
+def build_programs(schedule: str, P: int, m: int, v: int = 1, redundant: bool = False) -> list:
+    """Every rank's action list (v applies to `interleaved` only); `redundant`: with Bamboo's R actions."""
     v = v if schedule == "interleaved" else 1
-    return [BUILDERS[schedule](P, m, rank, v) for rank in range(P)]
+    programs = [BUILDERS[schedule](P, m, rank, v) for rank in range(P)]
+    return with_redundant_forwards(programs) if redundant else programs
+
+
+REDUNDANT_SCHEDULES = ("gpipe", "1f1b")  # v = 1, B whole: the stage a shadow mirrors is one chunk, one backward
+
+
+def with_redundant_forwards(programs: list, costs=None) -> list:
+    """Each rank r's list with R(mb, (r+1) mod P) for every micro-batch (v = 1: chunk = rank), placed in r's idle
+    time of the simulation with `costs` (default uniform; R costs the successor's F): walking r's gaps (before
+    its first action, between two, after its last up to the makespan) in time order, each gap takes the next
+    R's in micro-batch order while they fit and their input exists (r's F of that micro-batch has ended; chunk
+    0's R reads the tokens, any time). An R placed in a gap delays nothing (the next action waited for a
+    message anyway); those that fit nowhere follow the rank's last action and lengthen the step."""
+    P = len(programs)
+    m = sum(a.kind == "F" for a in programs[0])
+    costs = costs if isinstance(costs, (list, tuple)) else [costs or UNIFORM] * P
+    timelines = simulate(programs, costs)
+    makespan = max(end for timeline in timelines for _, _, end in timeline)
+    out = []
+    for rank, timeline in enumerate(timelines):
+        shadowed, cost = (rank + 1) % P, costs[(rank + 1) % P]["F"]
+        ready = {a.mb: (end if shadowed else 0.0) for a, _, end in timeline if a.kind == "F"}
+        gaps = [(timeline[j - 1][2] if j else 0.0, start, j) for j, (_, start, _) in enumerate(timeline)]
+        gaps.append((timeline[-1][2], makespan, len(timeline)))
+        pending, placed = deque(range(m)), defaultdict(list)
+        for begin, end, index in gaps:
+            while pending and ready[pending[0]] <= begin and begin + cost <= end + 1e-9:
+                placed[index].append(Action("R", pending.popleft(), shadowed))
+                begin += cost
+        placed[len(timeline)] += [Action("R", mb, shadowed) for mb in pending]  # after the last: the step grows
+        actions = []
+        for j, (action, _, _) in enumerate(timeline):
+            actions += placed[j] + [action]
+        out.append(actions + placed[len(timeline)])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -195,6 +235,7 @@ def simulate(programs: list, costs, latency: float = 0.0) -> list:
     P = len(programs)
     n_chunks = max(a.chunk for program in programs for a in program) + 1
     costs = costs if isinstance(costs, (list, tuple)) else [costs] * P
+    costs = [c if "R" in c or "F" not in c else {**c, "R": costs[(r + 1) % P]["F"]} for r, c in enumerate(costs)]
     sent_at, clock, nxt = {}, [0.0] * P, [0] * P
     out = [[] for _ in range(P)]
     progress = True
@@ -218,7 +259,7 @@ def simulate(programs: list, costs, latency: float = 0.0) -> list:
     return out
 
 
-UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # backward = 2 forwards, split evenly into I and W
+UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "R": 1.0}  # backward = 2 forwards, split into I and W; R = F
 
 
 def communication_plan(programs: list, n_chunks: int) -> list:
@@ -316,7 +357,7 @@ def last_backwards(steps: list) -> set:
     """The actions after which a chunk's gradients are final: its last B, or its last I and last W."""
     last = {}
     for step in steps:
-        if step.action.kind != "F":
+        if step.action.kind in "BIW":
             last[(step.action.chunk, step.action.kind)] = step.action
     return set(last.values())
 

@@ -236,6 +236,10 @@ def _sized(settings, hw: hardware.Hardware, done: Searched, kth: float, unfit: l
 
 def run_search(argv: list, settings, hw: hardware.Hardware, out=print) -> list:
     """--plan-search: the best ten layouts that fit, by predicted step time, with what limits each."""
+    for flag, bits in (("--tp-comm-bits", settings.args.tp_comm_bits), ("--dp-comm-bits", settings.args.dp_comm_bits)):
+        if bits == 4:  # parallel/lowbit.py: --plan prices it (planner/time_model.py); the search's formulas do not
+            raise FlagError(f"{flag} 4 with --plan-search: the search does not price the 4-bit all-reduce; plan a"
+                            f" layout with it with --plan")
     done = search(_without_layout_flags(argv), settings.args.world, hw, out=out)
     if not done.best:
         detail = (f"; the smallest peak is {mfu.format_bytes(done.smallest[0])} ({layout_name(done.smallest[1])})"

@@ -21,9 +21,12 @@ The time model (planner/hardware.py states the hardware): per role and step
                FLOPs / (peak · e(its smallest dimension)) (optimizers/muon.py's MuonFacts: gather's touched
                matrices, owner's owned ones; DDP every matrix)
     each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds, the
-    bandwidth times the calibration's link_fraction), then
+    bandwidth times the calibration's link_fraction), plus, for a 4-bit all-reduce's all-gather (--tp-comm-bits 4
+    on tp, --dp-comm-bits 4 on dp_cp / expert_dp: parallel/lowbit.py), its calls' encode and decode as memory-bound
+    work, lowbit.codec_bytes of the elements it sums / (HBM · hbm_fraction); then
     on the critical path by these rules (Megatron, ZeRO and ring-attention's own overlap claims):
-      exposed: TP/SP (every f, g inside a layer waits on it), EP's and Ulysses' all-to-alls, the update's and
+      exposed: TP/SP (every f, g inside a layer waits on it, 4-bit or not), DDP's 4-bit buckets (summed
+               synchronously as they fill), EP's and Ulysses' all-to-alls, the update's and
                the step's scalar all-reduces (scalar_messages: DDP's gradient key holds them too, taken out), Muon's
                own update messages (the gather way's U all-gather, the TP gathers of its matrices:
                MuonFacts.messages, taken out of their row and exposed whole),
@@ -63,7 +66,7 @@ import torch
 from accounting import activations, memory, moe_memory
 import mfu
 import model as model_lib
-from parallel import schedules
+from parallel import lowbit, schedules
 from planner import calibration, hardware
 import report.axes
 import report.run
@@ -217,6 +220,7 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
         def piece(nbytes):  # one call of `op` moving nbytes
             return hardware.collective_seconds(op, 1, nbytes, ranks, hw)
 
+        t += _codec_seconds(op, names, calls, payload, ranks, layout, hw)  # a 4-bit all-reduce's encode, decode
         grads = (names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single", "reduce")
                  and payload > 16 * calls)
         # DDP's gradients share their row with the step's two scalars, which block: taken out, exposed whole.
@@ -254,6 +258,21 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
     step = busy + bubble + update + sum(exposed.values()) - in_layer
     return Prediction(compute=compute, update=update, bubble=bubble, step=step, exposed=exposed, total=total,
                       link=link, mfu=role.flops.model * layout["tokens"] / (layout["world"] * peak * step))
+
+
+def _codec_seconds(op: str, names: set, calls: float, payload: float, ranks: list, layout: dict,
+                   hw: hardware.Hardware) -> float:
+    """The encode and decode of a 4-bit all-reduce's calls, priced on its all_gather_single row (each call has one):
+    the elements it sums from the payload (N rows of 4 + 9c/16 bytes, c elements each), lowbit.codec_bytes of them
+    (a fused kernel's traffic) at the HBM's rate; 0 for every other message."""
+    config = layout.get("lowbit")
+    quantised = config is not None and op == "all_gather_single" and calls and (
+        config.tp_bits == 4 and "tp" in names or config.dp_bits == 4 and names & {"dp_cp", "expert_dp"})
+    if not quantised:
+        return 0.0
+    elements = calls * len(ranks) * (payload / calls / len(ranks) - 4) * 16 / 9
+    work = lowbit.codec_bytes(elements, DTYPES[layout["dtype"]].itemsize, config.feedback)
+    return work / (hw.hbm_gbps * 1e9 * hw.calibration.hbm_fraction)
 
 
 def stage_compute(layer_share: float, head_share: float, layout: dict, hw: hardware.Hardware) -> float:
@@ -315,7 +334,7 @@ def layout_facts(settings, device_type: str | None = None, x: memory.ActivationS
     gemms = calibration.gemms(config, counts, settings.micro_batch_size * x.s, seq, shape.tp, full,
                               full or selective and x.kernel == "math")
     return dict(world=settings.world_size, tokens=tokens, m=settings.micro_batches,
-                zero=args.zero, P=shape.pp, dtype=name, cp_impl=args.cp_impl,
+                zero=args.zero, P=shape.pp, dtype=name, cp_impl=args.cp_impl, lowbit=settings.axes.get(lowbit.__name__),
                 attention_share=attention / flops.hardware, gemms=gemms,
                 memory_bytes=per_token_layer * tokens / (shape.dp * shape.cp) * config.n_layer / shape.pp)
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from accounting import fp8_experts, measure, memory, moe_costs, moe_memory, observers
 import context_parallel
 from experts import dispatch, router
 import mfu
+from parallel import lowbit, schedules
 import report.muon
 import report.pipeline
 import report.precision
@@ -82,12 +84,19 @@ def ddp_startup_lines(layout, run=None, steps: int = 0) -> list:
              f"  grads     {mfu.format_bytes(persistent['grads'])}  (= the DDP buckets: grads are views)",
              f"  AdamW m,v {mfu.format_bytes(persistent['optimizer'])}",
              f"  total     {mfu.format_bytes(persistent['total'])}"]
+    if "feedback" in persistent:
+        lines.insert(-1, f"  feedback  {mfu.format_bytes(persistent['feedback'])}  (--dp-comm-bits 4: each bucket's"
+                         f" error, fp32, this rank's; checkpointed)")
     for (op, group), (calls, payload) in layout.predicted_messages().items():
         n = facts.group_sizes[group]
+        formula = "2(N-1)/N·M, ring" if op == "all_reduce" else "(N-1)/N·M: 4-bit codes, parallel/lowbit.py"
         lines.append(f"  {op} {group} (N={n}): payload {mfu.format_bytes(payload)} in {calls}"
                      f" bucket{'' if calls == 1 else 's'}, sent per"
-                     f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} (2(N-1)/N·M, ring)")
-    if len(sizes) > 1 and facts.dp_size > 1:
+                     f" rank {mfu.format_bytes(mfu.wire_bytes(op, payload, n))} ({formula})")
+    if layout.ddp.reduction is not None and facts.dp_size > 1:
+        lines.append("critical path: each bucket's 4-bit sum runs when the bucket fills, blocking backward"
+                     " (no overlap)")
+    elif len(sizes) > 1 and facts.dp_size > 1:
         lines.append(f"critical path: buckets 0..{len(sizes) - 2} overlap the last micro-batch's backward; the"
                      f" last one ({mfu.format_bytes(sizes[-1])}, the first layers' grads) is sent after it")
     elif facts.dp_size > 1:
@@ -366,6 +375,50 @@ def tp_startup_lines(axis, run, steps: int = 0) -> list:
 
 
 AXIS_LINES["tp"] = {"startup": tp_startup_lines}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --- lowbit --- (the 4-bit all-reduce of TP's f and g and of DDP's buckets)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def lowbit_startup_lines(axis, run, steps: int = 0) -> list:
+    """parallel/lowbit.py's format and feedback, and per call site the bytes a rank sends, codes and scales apart,
+    against the exact all_reduce's in the run's dtype and in bf16 (the traced ones are in the end's table)."""
+    config, f = axis.facts().config, mfu.format_bytes
+    where = {"tp": "tp: the next call of the same pass (forward g's, backward f's)",
+             "dp": "dp: each bucket's next step"}
+    lines = [f"4-bit all-reduce (parallel/lowbit.py, Echo): NVFP4 codes (E2M1 two a byte, an E4M3 scale per"
+             f" {lowbit.BLOCK} elements, an fp32 scale per chunk), summed in fp32, each value quantised at most twice;"
+             f" error feedback {'on, into ' if config.feedback else 'off'}"
+             + "; ".join(where[k] for k, bits in (("tp", config.tp_bits), ("dp", config.dp_bits))
+                         if bits == 4 and config.feedback)]
+    sites = []  # (group, what, elements, element bytes, N)
+    if config.tp_bits == 4:
+        batch, held = next(a for a in run.axes if a.name == "tp").facts()
+        n = batch.micro * batch.seq * held.hidden
+        sites.append(("tp", "each f and g, n = b·s·h", n, batch.compute_bytes, axis.facts().tp_size))
+    if config.dp_bits == 4:
+        for bucket in run.layout.ddp.buckets if run.layout.name == "ddp" else []:
+            size = dist.get_world_size(bucket.group)
+            if size > 1:
+                sites.append((bucket.group_name, f"bucket {bucket.index}", bucket.buffer.numel(),
+                              bucket.buffer.element_size(), size))
+    for group, what, n, e, size in sites:
+        c = lowbit.chunk_elements(n, size)
+        sent, codes = 2 * (size - 1) * lowbit.NVFP4.row_bytes(c, e), 2 * (size - 1) * c // 2
+        exact, bf16 = mfu.wire_bytes("all_reduce", n * e, size), mfu.wire_bytes("all_reduce", 2 * n, size)
+        lines.append(f"  {group} (N={size}) {what} = {n:,}: sent per rank {f(sent)} (codes {f(codes)} + scales"
+                     f" {f(sent - codes)}) vs the exact all_reduce's {f(exact)} ({sent / exact:.3f}×), bf16's"
+                     f" {f(bf16)} ({sent / bf16:.3f}×)")
+    if config.tp_bits == 4 and config.feedback:
+        n, size = sites[0][2], sites[0][4]
+        lines.append(f"  tp feedback held through a pass: 2 chains × {f(4 * size * lowbit.chunk_elements(n, size))}"
+                     f" (fp32; transient, never checkpointed)")
+    return lines
+
+
+AXIS_LINES["lowbit"] = {"startup": lowbit_startup_lines}
 MEASURES_BLOCK.add("tp")
 
 
@@ -488,6 +541,34 @@ MEASURES_BLOCK.add("cp")
 
 
 AXIS_LINES["pp"] = report.pipeline.PP_LINES  # the pipeline's section: report/pipeline.py
+
+
+def redundancy_startup_lines(axis, run, steps: int = 0) -> list:
+    """--pp-redundant (resilience/redundancy.py's docstring, answers 1-3): the shadow's bytes predicted and held,
+    the R actions' place in the bubble (the uniform-cost simulation with and without them), the exchange."""
+    f, pp = axis.facts(), next(a for a in run.axes if a.name == "pp").facts()
+    plain = schedules.build_programs(pp.schedule, pp.P, pp.m)
+    idle, filled = (schedules.simulate(programs, schedules.UNIFORM) for programs in (plain, pp.programs))
+    span = [max(end for timeline in t for _, _, end in timeline) for t in (idle, filled)]
+    late = sum(1 for a in pp.programs[f.rank][-pp.m:] if a.kind == "R")
+    return [f"redundancy (Bamboo): pp rank {f.rank} shadows stage {f.shadowed} ({f.shadow_params:,} parameters):"
+            f" weights, gradient, Adam moments 4·b·Ψ_s = {mfu.format_bytes(f.shadow_bytes)} predicted,"
+            f" {mfu.format_bytes(f.shadow_held)} held; its {pp.m} R forwards keep their graphs until the update",
+            f"  bubble (uniform costs, R = F): idle {sum(schedules.bubble_of(idle)) / pp.P:.1%} without R,"
+            f" {sum(schedules.bubble_of(filled)) / pp.P:.1%} with R; step {span[0]:g} → {span[1]:g} slots"
+            f" (+{span[1] / span[0] - 1:.1%}); {late} of this rank's R after its last action",
+            f"  per step over pp: send {mfu.format_bytes(4 * f.own_params)} (this stage's gradients, to stage"
+            f" {(f.rank - 1) % f.P}), recv {mfu.format_bytes(4 * f.shadow_params)} (stage {f.shadowed}'s), before"
+            f" the update"]
+
+
+def redundancy_end_lines(axis, run, steps: int = 0) -> list:
+    f = axis.facts()
+    return [f"redundancy: {f.takeovers} takeover{'s' * (f.takeovers != 1)} in this run; pp rank {f.rank} shadows"
+            f" stage {f.shadowed}, {mfu.format_bytes(f.shadow_held)} held"]
+
+
+AXIS_LINES["redundancy"] = {"startup": redundancy_startup_lines, "end": redundancy_end_lines}
 
 
 AXIS_LINES["fp8"] = report.precision.FP8_LINES  # the recipes' sections: report/precision.py

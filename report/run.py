@@ -254,7 +254,7 @@ def print_end(run, steps_run: int, seconds: float, steps_timed: int, step_peak: 
     held, predicted = run.layout.held_bytes(), run.layout.predicted_persistent()
     print0("=" * 100)
     print0("measured vs predicted (per rank, rank 0):")
-    for kind in ("weights", "grads", "optimizer", "total"):
+    for kind in ("weights", "grads", "optimizer", *(["feedback"] if "feedback" in predicted else []), "total"):
         print0(f"  {kind:<9} held {mfu.format_bytes(held[kind]):>12}"
                f"   predicted {mfu.format_bytes(predicted[kind]):>12}")
     estimate = activation_estimate(run)

@@ -30,6 +30,7 @@ SMOKE_PRINTS = {
     "bench_diloco": "DiLoCo R=2, H=2",
     "bench_endline": "layouts within ±25%",
     "bench_fp8": "× bf16",
+    "bench_lowbit": "paper (Echo",
     "bench_model": "bf16 speed-up over fp32",
     "bench_moe": "step-time ratio to E=1",
     "bench_moe_balance": "global MaxVio",

@@ -215,6 +215,9 @@ BAD_INPUTS = [  # (flags, world size, what the one line must say); FILE, DIR: a 
     (["--optimizer", "muon", "--diloco-h", "2", "--steps", "4", "--global-batch", "4"], 2,
      "--optimizer muon with --diloco-h: not served"),
     (["--optimizer", "muon", "--plan-search", "--world", "8"], 1, "--optimizer muon with --plan-search"),
+    (["--optimizer", "muon", "--zero", "1", "--offload", "optimizer"], 1,
+     "--optimizer muon with --offload: not served"),
+    (["--optimizer", "muon", "--dp-comm-bits", "4"], 1, "--optimizer muon with --dp-comm-bits: not served"),
 ]
 
 

@@ -52,6 +52,7 @@ CASES = [  # (flags, global batch, B_μ)
     (["--cp", "2", "--cp-impl", "ulysses", "--activation-checkpointing", "selective"], 4, 1),
     (["--optimizer", "muon", "--zero", "3", "--muon-owner"], 8, 1),  # optimizers/zero_muon.py: owners' slices
     (["--optimizer", "muon", "--tp", "2", "--zero", "1"], 4, 1),  # the gather way's U, the matrices over tp
+    (["--tp", "2", "--tp-comm-bits", "4", "--dp-comm-bits", "4"], 4, 1),  # parallel/lowbit.py: codes, the feedback
 ]
 
 
@@ -323,6 +324,33 @@ def test_search_formulas_give_the_plans_figures(case):
                                                                             rel=0.01)
 
 
+def test_the_plan_prices_4bit_tp_across_nodes_by_its_bytes_and_its_codec():
+    """T = 16 over two 8-GPU nodes: --tp-comm-bits 4 sends its f and g as NVFP4 codes (≈ 0.28 of bf16's bytes, 0.14
+    of fp32's for f's gradients), each call's encode and decode priced at the HBM's rate on its all-gather's row,
+    and the step is shorter; the exact plan has neither row."""
+    from planner import hardware
+    import plan
+    from planner import time_model
+
+    hw, out = hardware.PRESETS["h100"], {}
+    for name, extra in (("exact", []), ("4-bit", ["--tp-comm-bits", "4"])):
+        settings = _settings(["--tp", "16", "--n-head", "16", "--n-embd", "256", "--dtype", "bf16", *extra], 16, 1,
+                             world=16)
+        with plan.fake_world(0, 16):
+            role = time_model.role_of(plan.build_role(settings, 0))
+        out[name] = (role, time_model.predict(role, time_model.layout_facts(settings), hw))
+    slow, fast = out["exact"][1], out["4-bit"][1]
+    rows = {name: {op: payload for (op, group), (_, payload) in role.messages.items() if group == "tp"}
+            for name, (role, _) in out.items()}
+    assert set(rows["exact"]) == {"all_reduce"}  # f, g and the loss's
+    assert set(rows["4-bit"]) == {"all_reduce", "all_to_all_single", "all_gather_single"}  # the loss's stays exact
+    f_and_g = rows["exact"]["all_reduce"] - rows["4-bit"]["all_reduce"]
+    assert 0.14 < rows["4-bit"]["all_gather_single"] / f_and_g < 0.3
+    assert set(fast.link.values()) == {"inter"} and fast.step < slow.step
+    gather, scatter = (fast.total[(op, "tp")] for op in ("all_gather_single", "all_to_all_single"))
+    assert gather > scatter  # the same wire bytes, and the codec's work on the gather's row
+
+
 def test_plan_prints_diloco_outer_state_and_delta(capsys):
     """--plan with DiLoCo prints what a real start-up prints (report.axes.diloco_startup_lines): the outer state
     θ_start + b, 2·Ψ_rank·4 bytes in the optimizer row, and the Δ all-reduce over `diloco`, Ψ_rank·4 bytes every
@@ -405,6 +433,10 @@ def test_korthikanti_per_layer_activations():
     (["--plan-search", "--world", "8", "--preset", "gpt3-13b", "--global-batch", "8", "--hw-memory-gib", "1"],
      "error: --hw-memory-gib 1: no layout of gpt3-13b on --world 8 fits in it; the smallest peak is"),
     (["--plan", "--plan-search", "--world", "8"], "error: argument --plan-search: not allowed with argument --plan"),
+    (["--plan-search", "--world", "8", "--preset", "tiny", "--tp", "2", "--tp-comm-bits", "4"],
+     "error: --tp-comm-bits 4 with --plan-search: the search does not price the 4-bit all-reduce"),
+    (["--plan-search", "--world", "8", "--preset", "tiny", "--dp-comm-bits", "4"],
+     "error: --dp-comm-bits 4 with --plan-search: the search does not price the 4-bit all-reduce"),
     (["--plan", "--world", "12", "--preset", "tiny"], "error: --world 12 does not fill whole nodes of 8 GPUs"),
     (["--plan-search", "--world", "12", "--gpus-per-node", "5", "--preset", "tiny"],
      "error: --world 12 does not fill whole nodes of 5 GPUs"),
