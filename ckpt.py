@@ -8,9 +8,10 @@ A checkpoint is one directory per step:
         manifest.json       what every file holds, the mesh, the step, a SHA-256 per file, every rank's scalars
         COMMITTED           written last: {"step", "manifest_sha256"}; without it the directory does not count
 
-The manifest maps each LOGICAL tensor ("<kind>/<global name>", kind ∈ param | master | exp_avg | exp_avg_sq | fp8 |
-moe) to its global shape, dtype, and the pieces that hold it: per piece the file, the entry in it, the splits (dim,
-num, index, fused segments: tensor and expert parallel) and the ZeRO flat range [start, end) of the flattened split.
+The manifest maps each LOGICAL tensor ("<kind>/<global name>", kind ∈ param | master | exp_avg | exp_avg_sq |
+momentum | fp8 | moe) to its global shape, dtype, and the pieces that hold it: per piece the file, the entry in it,
+the splits (dim, num, index, fused segments: tensor and expert parallel) and the ZeRO flat range [start, end) of the
+flattened split.
 That is `shard.StatePiece`, the unit every layout (and an axis, for its own state) lists its state in, so a new axis
 joins by describing its pieces: this file never learns what ZeRO or TP are. The directory's side (durable writes,
 checksums, the untrusted manifest's checks, piece geometry, the random generators, pruning) is resilience/ckpt_files.py.

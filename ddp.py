@@ -264,6 +264,7 @@ class DDPFacts:
     dp_size: int  # the ranks of the dense parameters' group (dp×cp)
     buckets: tuple = ()  # each bucket's (group name, elements, element bytes, its group's ranks N), in launch order
     quantized: bool = False  # each bucket is summed by a given reduction (--dp-comm-bits 4), not an all-reduce
+    muon: object = None  # Muon's figures (optimizers/muon.py's MuonFacts), or None
 
 
 class DDPLayout:
@@ -348,7 +349,7 @@ class DDPLayout:
 
     def predicted_persistent(self) -> dict:
         """(b_w + b_g + b_o)·Ψ with b_w = b_g = b (the fp32 master weights and their gradients) and b_o = 2b (the
-        two moments): everything replicated, ZeRO's formula at stage 0 (zero.persistent_bytes)."""
+        two moments): everything replicated, ZeRO's formula at stage 0 (memory.persistent_bytes)."""
         psi, b = sum(p.numel() for p in self.params), self.params[0].element_size()
         out = {"weights": b * psi, "grads": b * psi, "optimizer": 2 * b * psi, "total": 4 * b * psi}
         reduction = self.ddp.reduction  # --dp-comm-bits 4: each bucket's error, padded to N chunks of 16·k elements
@@ -384,7 +385,8 @@ class DDPLayout:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict | None = None) -> list:
+def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict | None = None,
+                            other_state: dict | None = None) -> list:
     """StatePieces of a layout where data-parallel ranks hold the same parameters and torch AdamW state (DDP).
 
     The parameters are the fp32 master weights here, so there are no `master/` pieces. Each logical piece is
@@ -392,7 +394,9 @@ def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict |
     LayerNorm on TP rank 0, the tied embedding on the first pipeline stage), and of the identical replicas in
     a parameter's data-parallel group (`coords[grad_group]` is this rank's index in it, `group_sizes` its
     size), by one member chosen so that each writes about 1/D of the bytes (greedy: the largest tensors
-    first, each to the least-loaded member; the same on every rank as it only reads shapes).
+    first, each to the least-loaded member; the same on every rank as it only reads shapes). other_state:
+    {parameter: [(kind, tensor)]} of the parameters another optimizer steps (Muon's momentum,
+    optimizers/muon.py), listed instead of AdamW's moments.
     """
     ensure_adam_state(optimizer)
     params = [p for p in params if p.requires_grad]
@@ -407,9 +411,8 @@ def replicated_state_pieces(params, optimizer, coords: dict, group_sizes: dict |
     for index, p in enumerate(params):
         info = p.shard_info
         primary = writer[index] == coords.get(info.grad_group, 0) and counts_here(info, coords)
-        state = optimizer.state[p]
-        for kind, tensor in (("param", p.detach()), ("exp_avg", state["exp_avg"]),
-                             ("exp_avg_sq", state["exp_avg_sq"])):
+        state = (other_state or {}).get(p) or [(kind, optimizer.state[p][kind]) for kind in ("exp_avg", "exp_avg_sq")]
+        for kind, tensor in (("param", p.detach()), *state):
             pieces.append(StatePiece(f"{kind}/{info.global_name}", tensor, info, primary=primary))
     return pieces
 

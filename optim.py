@@ -172,7 +172,7 @@ class Layout(Protocol):
         """{weights, grads, optimizer, total} bytes this rank holds for the whole run (measured)."""
 
     def predicted_persistent(self) -> dict:
-        """The same keys, from the layout's formula (zero.persistent_bytes)."""
+        """The same keys, from the layout's formula (memory.persistent_bytes)."""
 
     def predicted_messages(self, micro_batches: int):
         """Its tracer.Messages of one optimizer step of m micro-batches, by (op, group), from its formulas."""

@@ -45,12 +45,13 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cli import flags
+from accounting import memory
 import mfu
 from parallel import schedules, zero_pipeline
 from planner import hardware
 import planner.search
+import report.muon
 import train
-import zero
 from cli.flags import FlagError, fail
 from mesh import build_mesh, groups_of
 from moe import experts_of
@@ -208,8 +209,8 @@ def logical_psi(settings, roles: list) -> int:
 
 
 def zero_table(psi: int, D: int) -> str:
-    """The ZeRO paper's Figure 1 at this Ψ and D (16-bit mixed precision, K = 12: zero.persistent_bytes)."""
-    cells = [f"{zero.persistent_bytes(psi, 'mixed', s, D)['total'] / 1e9:.1f}" for s in range(4)]
+    """The ZeRO paper's Figure 1 at this Ψ and D (16-bit mixed precision, K = 12: memory.persistent_bytes)."""
+    cells = [f"{memory.persistent_bytes(psi, 'mixed', s, D)['total'] / 1e9:.1f}" for s in range(4)]
     return f"ZeRO stages 0/1/2/3 at Ψ = {psi / 1e9:.2f}B, D = {D}, K = 12: " + " / ".join(cells) + " GB per device"
 
 
@@ -227,6 +228,7 @@ def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware, local_
     for what, nbytes in role.temporaries.items():
         lines.append(f"  temporary: {what}: {fmt(nbytes)}")
     lines += [f"  {note.strip()}" for note in role.notes]  # DiLoCo's outer state and Δ all-reduce
+    lines += [f"  {line.strip()}" for line in report.muon.startup_lines(role.muon)]  # --optimizer muon
     fits = "fits" if role.peak <= hw.memory_gib * 2**30 else "DOES NOT FIT"
     lines.append(f"  peak ≈ {fmt(role.peak)} of {hw.memory_gib:.1f} GiB: {fits}")
     lines.append(f"  FLOPs/token: model {role.flops.model:,.0f}, hardware {role.flops.hardware:,.0f}; bubble"

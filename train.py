@@ -18,7 +18,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -42,6 +41,7 @@ import pipeline
 from planner import cpu_probe, time_model
 import precision.recipe
 import report.metrics
+import report.muon
 import report.run
 from resilience import ckpt_files, elastic, goodput, redundancy
 import shard
@@ -54,6 +54,8 @@ from ddp import DDPLayout, DistributedDataParallel
 from mesh import Mesh, build_mesh, init_distributed
 from model import GPT, GPTConfig, compile_blocks
 from optim import DynamicLossScaler, LRSchedule, build_adamw
+from optimizers.muon import MuonDDPLayout
+from optimizers.zero_muon import ZeroMuon
 from parallel.offload import OffloadConfig, OffloadZeroLayout
 from parallel.zero3 import Zero3Layout
 from parallel.zero_pipeline import pipeline_layout
@@ -155,13 +157,18 @@ def build_layout(model: GPT, run: Run, materialize: bool = True):
 
 
 def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materialize: bool):
-    """DDP or ZeRO 1/2/3 over `groups`; the update's norm over the world, or over one DiLoCo replica."""
+    """DDP or ZeRO 1/2/3 over `groups`; the update's norm over the world, or over one DiLoCo replica. With
+    --optimizer muon the blocks' matrices take Muon (optimizers/), its Newton-Schulz in the compute dtype (fp32
+    under fp16, whose range NS's polynomial does not need but whose 11-bit precision it would lose)."""
     args = run.settings.args
     update_group = run.mesh.group("replica") if run.settings.diloco else None
+    ns_dtype = torch.float32 if run.compute_dtype == torch.float16 else run.compute_dtype
+    muon = replace(run.settings.muon, ns_dtype=ns_dtype) if run.settings.muon else None
     if args.zero:  # shards the optimizer state (1), + gradients (2), + weights (3) over dp×cp
         config = ZeroConfig(args.zero, lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2),
                             param_dtype=run.param_dtype, master_dtype=run.master_dtype, bucket_mb=args.bucket_mb,
-                            micro_batches=run.micro_batches)  # m > 1: gradients summed in master_dtype
+                            micro_batches=run.micro_batches,  # m > 1: gradients summed in master_dtype
+                            matrices=ZeroMuon(muon, run.mesh.group("tp")) if muon else None)
         device = run.device if materialize else None  # stage 3 fills its shards of a meta model on it
         pp_config = run.settings.axes.get("pipeline")
         if args.zero >= 2 and pp_config is not None:  # units per chunk, gathers and reductions by the schedule
@@ -174,6 +181,9 @@ def build_data_parallel(model: GPT, run: Run, groups: dict, coords: dict, materi
         return Zero3Layout(model, config, groups, coords, device)  # FP8 weights carry their codec (fp8.convert)
     reduction = lowbit.gradient_reduction(run.settings.axes.get(lowbit.__name__), run.mesh)  # --dp-comm-bits 4
     ddp = DistributedDataParallel(model, groups=groups, bucket_mb=args.bucket_mb, reduction=reduction)
+    if muon:
+        adamw = dict(lr=args.lr, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2))
+        return MuonDDPLayout(ddp, muon, adamw, coords, update_group, run.mesh.group("tp"))
     optimizer = build_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
     return DDPLayout(ddp, optimizer, coords, update_group)
 
@@ -182,8 +192,8 @@ def main(argv=None):
     # The job's wall time by cause (resilience/goodput.py), from the process's creation (run as a program) or from this
     # call (argv given: a caller that runs several in one process, as the tests do).
     clock = goodput.Clock(started=None if argv is None else time.time())
-    if argv is None and LAUNCHER_ENV in os.environ:  # a worker torchrun started: it ends with its launcher
-        stop_with_the_launcher()
+    if argv is None and elastic.LAUNCHER_ENV in os.environ:  # a worker torchrun started: it ends with its launcher
+        elastic.stop_with_the_launcher()
     settings = flags.parse(argv, AXES)  # a bad flag: one line, exit status 2, before any rank waits
     if settings.args.plan or settings.args.plan_search:  # size the layout on meta in a fake process group
         run_plan_py(sys.argv[1:] if argv is None else list(argv))
@@ -264,6 +274,7 @@ def start_training(settings: Settings, tracer: CommTracer, clock: goodput.Clock)
         init_from(run, args.init_from)
     run.peak = mfu.shared_peak(run.device, *mfu.detect_peak_flops(run.device, settings.dtype, args.peak_tflops))
     run.peak = format_flops.run_peak(run, run.peak)  # a precision recipe: the format-weighted peak P_w
+    run.flops = report.muon.with_newton_schulz(run)  # --optimizer muon: the hardware does NS too (one all_reduce)
     for name, group in run.mesh.groups.items():
         tracer.name_group(group, name)
     with report.metrics.captured() as printed:  # --tensorboard shows it as text
@@ -606,29 +617,6 @@ def stop_at_non_finite(t: Training, step: int, record: dict, prefetched) -> NoRe
               file=sys.stderr, flush=True)
     dist.destroy_process_group()
     sys.exit(1)
-
-
-LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every worker it starts
-
-
-def stop_with_the_launcher(poll_s: float = 0.5, grace_s: float = 20.0) -> None:
-    """End this worker when the torchrun agent that started it is gone. The agent starts its workers in process
-    groups of their own (setsid), so a SIGKILL to the launcher's process group (or to the agent) does not reach
-    them: they would train on as orphans, writing checkpoints. A daemon thread watches the parent; once the
-    worker has been reparented it sends itself SIGTERM, which ends the run as Ctrl-C does
-    (`ending_cleanly_on_signals`: one line, a background save abandoned, never half-committed: a checkpoint is
-    committed by a rename); if the process still lives `grace_s` later (blocked where no signal is seen), it
-    exits. Every worker does it, so the peers it would wait on stop too."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
-        os._exit(128 + signal.SIGTERM)
-
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def interrupted(checkpointer, step: int) -> None:

@@ -20,6 +20,8 @@ dim ≥ 2 (kept as [start, end) segments of the shard), then m ← β1·m + (1-�
 p ← p - lr/(1-β1^t) · m / (√v/√(1-β2^t) + ε). The rest follows DESIGN.md's order, through optim.update: reduce →
 unscale → all ranks finite? → global norm = √(Σ_world Σ_shard g²) (the padding is zero; a tensor replicated over a model
 axis, such as TP's LayerNorms, counts on coordinate 0 of that axis: shard.counts_here) → clip → all step or all skip.
+A matrix optimizer (`ZeroConfig.matrices`: Muon, optimizers/zero_muon.py) puts the blocks' 2-D weights in units of
+its own and steps them in that order; their bytes and messages are its docstring's, added to the formulas below.
 
 Mixed precision. Working parameters and each backward's gradients are `param_dtype` (bf16 under --dtype bf16:
 b_w = 2), the optimizer keeps `master_dtype` master weights and moments (fp32: b_o = 4 + 4 + 4 = 12): at m = 1
@@ -43,7 +45,7 @@ Accounting (Ψ parameters (Ψ' padded), D = size of the dp×cp group, b_w/b_g/b_
 weights / persistent gradients / optimizer state, m micro-batches per step, U the largest unit):
 1. Replicated vs split. Stage 1: weights and gradients replicated, optimizer state split in D. Stage 2:
    weights replicated; gradients and optimizer state split. Stage 3: everything split. The batch is split.
-2. Persistent bytes per rank (persistent_bytes, `predicted_persistent()`; `held_bytes()` measures it):
+2. Persistent bytes per rank (`predicted_persistent()`; `held_bytes()` measures it; memory.persistent_bytes):
      stage 1: (b_w + b_g)·Ψ' + b_o·Ψ'/D;  stage 2: b_w·Ψ' + (b_g + b_o)·Ψ'/D;  stage 3: (b_w + b_g + b_o)·Ψ'/D.
    Transient on top (`peak_lower_bound()`, activations apart): stage 1 max(b_g, b_w)·Ψ'/D (the reduce-scatter
    outputs, then the all-gather inputs); stage 2 max(b_w·2U, b_w·Ψ'/D) (2 buckets in flight, or the all-gather
@@ -82,7 +84,7 @@ from step import Messages
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The partition formula (docstring item 2): what each rank keeps of b_w + b_g + b_o bytes per parameter
+# What each rank keeps of b_w + b_g + b_o bytes per parameter (docstring item 2; accounting/memory.py's formula)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -91,46 +93,6 @@ class BytesPerParam:
     weights: int  # b_w
     grads: int  # b_g
     optimizer: int  # b_o: everything Adam keeps per parameter (moments, and any fp32 master copy)
-
-
-BYTES_PER_PARAM: dict[str, BytesPerParam] = {
-    # fp32 weights and grads plus Adam's two fp32 moments. bf16 autocast also lands here: it casts weights to
-    # bf16 on the fly inside each op, but the stored weights and their gradients stay fp32.
-    "fp32": BytesPerParam(weights=4, grads=4, optimizer=8),
-    # Mixed precision as in the ZeRO paper (Rajbhandari et al. 2020, K = 12): bf16/fp16 working weights and
-    # gradients, and the optimizer keeps an fp32 master copy of the weights plus two fp32 moments (4 + 4 + 4).
-    "mixed": BytesPerParam(weights=2, grads=2, optimizer=12),
-}
-
-
-def persistent_bytes(
-    psi: int, recipe: str | BytesPerParam, zero_stage: int, dp_size: int
-) -> dict[str, float]:
-    """Bytes per rank of the state that lives for the whole run, for Psi parameters, under ZeRO stage 0..3.
-
-    ZeRO partitions state across the D data-parallel ranks, one more kind per stage:
-        stage 0 (plain DDP): (b_w + b_g + b_o) * Psi
-        stage 1 (optimizer): (b_w + b_g) * Psi + b_o * Psi / D
-        stage 2 (+ grads):   b_w * Psi + (b_g + b_o) * Psi / D
-        stage 3 (+ weights): (b_w + b_g + b_o) * Psi / D
-    Activations, temporary buffers and fragmentation are extra (see activation_bytes_per_layer).
-    """
-    bpp = BYTES_PER_PARAM[recipe] if isinstance(recipe, str) else recipe
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    # Which kinds are split across the D ranks: optimizer from stage 1, grads from stage 2, weights at stage 3.
-    weights_div = dp_size if zero_stage >= 3 else 1
-    grads_div = dp_size if zero_stage >= 2 else 1
-    optimizer_div = dp_size if zero_stage >= 1 else 1
-    out = {
-        "weights": bpp.weights * psi / weights_div,
-        "grads": bpp.grads * psi / grads_div,
-        "optimizer": bpp.optimizer * psi / optimizer_div,
-    }
-    out["total"] = out["weights"] + out["grads"] + out["optimizer"]
-    return out
 
 
 @dataclass(frozen=True)
@@ -147,6 +109,7 @@ class ZeroConfig:
     bucket_mb: float = 25.0  # stages 1/2: the size of a unit (a gradient bucket), in the working dtype
     micro_batches: int = 1  # m, the micro-batches each step accumulates
     accumulate_dtype: torch.dtype | None = None  # the sum over them; None: master_dtype when m > 1, else param_dtype
+    matrices: object = None  # a matrix optimizer over ZeRO (optimizers/zero_muon.py's ZeroMuon); None: AdamW only
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
@@ -174,11 +137,15 @@ class ZeroFacts:
     pipeline_note: str = ""  # under a pipeline (zero_pipeline.py): how its gradients are reduced, what that holds
     step_transient_predicted: float = 0.0  # under a pipeline: gathered chunks + accumulating gradients (bytes)
     step_transient_measured: float = 0.0  # the same, the most the layout's buffers held at once so far
+    muon: object = None  # a matrix optimizer's figures (optimizers/muon.py's MuonFacts), or None
 
 
 class Unit:
     """One flat, padded buffer of parameters: what is gathered, reduce-scattered and stepped together. The record
-    and each buffer mean the same at every stage, a buffer None where a stage has none (ZeroLayout._build_unit)."""
+    and each buffer mean the same at every stage, a buffer None where a stage has none (ZeroLayout._build_unit).
+    Its collectives are its methods: a matrix optimizer's units (optimizers/zero_muon.py) send otherwise."""
+
+    optimizer = "adamw"  # what steps its shard: ZeroLayout._adamw (a matrix unit's: the layout's `matrices`)
 
     def __init__(self, params: list, groups: dict, codec=None):
         self.params, self.group_name = params, grad_group(params[0])  # "dp_cp" or "expert_dp"
@@ -188,10 +155,11 @@ class Unit:
         sizes = [p.numel() for p in params]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]  # flat offset of each parameter
         self.numel = sum(sizes)  # n
-        self.shard_numel = -(-self.numel // self.dp_size)  # S = ⌈n/D⌉
-        self.padded_numel = self.shard_numel * self.dp_size  # n' = S·D
-        self.shard_start = self.dp_rank * self.shard_numel  # this rank owns [start, start + S)
-        self.mine = slice(self.shard_start, self.shard_start + self.shard_numel)  # its [S] of an [n'] buffer
+        self.bounds = self.shard_bounds()  # rank r's slice of the [n'] buffer: [r·S, (r+1)·S), S = ⌈n/D⌉
+        self.padded_numel = self.bounds[-1][1]  # n' = S·D
+        self.shard_start, end = self.bounds[self.dp_rank]  # this rank owns [start, start + S)
+        self.shard_numel = end - self.shard_start  # S
+        self.mine = slice(self.shard_start, end)  # its [S] of an [n'] buffer
         # Parameter i's part of the shard as [lo, hi) offsets into it (lo == hi: the shard misses it).
         self.spans = [(min(max(o - self.shard_start, 0), self.shard_numel),
                        min(max(o + n - self.shard_start, 0), self.shard_numel)) for o, n in zip(self.offsets, sizes)]
@@ -202,7 +170,7 @@ class Unit:
         self.weights = None  # [n'] working: the full weights the parameters view (stage 3: allocated while gathered)
         self.weight_shard = None  # [S] working: this rank's slice (stages 1/2: a view of `weights`; 3: kept alone)
         self.master = None  # [S] master: AdamW's weights (the working slice itself when the dtypes agree)
-        self.exp_avg = self.exp_avg_sq = None  # [S] master: Adam's moments
+        self.exp_avg = self.exp_avg_sq = None  # [S] master: Adam's moments (init_state)
         self.grad_sum = None  # [n'] accumulate, stage 1: this rank's gradient, summed over the step
         self.bucket = None  # [n'] working, stages 2/3: one backward's gradients, until reduce-scattered
         self.grad_shard = None  # [S] accumulate: this slice's reduced gradient, AdamW's input (stage 1: grad_sum's)
@@ -217,9 +185,32 @@ class Unit:
             flat[offset:offset + p.numel()] = p.detach().reshape(-1)
         return flat
 
+    def shard_bounds(self) -> list:
+        """[(start, end)] of each rank's slice of the [n'] buffer: equal slices of S = ⌈n/D⌉."""
+        size = -(-self.numel // self.dp_size)
+        return [(r * size, (r + 1) * size) for r in range(self.dp_size)]
+
+    def init_state(self, dtype: torch.dtype) -> None:
+        """AdamW's moments of this shard, zero (in the master dtype)."""
+        self.exp_avg, self.exp_avg_sq = torch.zeros(2, self.shard_numel, dtype=dtype, device=self.master.device)
+
     def optimizer_state(self) -> list:
         """[(kind, [S] buffer)] of what AdamW keeps for this shard."""
         return [("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
+
+    def reduce_scatter(self, full: torch.Tensor):
+        """(this rank's [S] slice of Σ_ranks full, the async work): one reduce_scatter_single of the [n'] buffer."""
+        out = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
+        return out, dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def all_gather(self, target: torch.Tensor, source: torch.Tensor):
+        """Every rank's [S] `source` into the [n'] `target` (async; the two may not overlap)."""
+        return dist.all_gather_single(target, source, group=self.group, async_op=True)
+
+    def messages(self, kind: str, itemsize: int, times: int = 1) -> Messages:
+        """`times` "gather"s (all_gather_single) or "reduce"s (reduce_scatter_single) of the [n'] buffer."""
+        op = {"gather": "all_gather_single", "reduce": "reduce_scatter_single"}[kind]
+        return Messages({(op, self.group_name): (times, times * itemsize * self.padded_numel)})
 
     def flat_pieces(self, i: int, kinds: list, primary: bool) -> list:
         """Parameter i's part of this rank's [S] buffers `kinds` [(kind, tensor)] as StatePieces of flat ranges of
@@ -293,15 +284,19 @@ class ZeroLayout(OrderedReductions):
         alone = [p for p in params if "pp" in p.shard_info.replicated_over]
         rest = [p for p in params if id(p) not in {id(q) for q in alone}]
         buckets = reverse_order_buckets(rest, int(self.config.bucket_mb * 2**20), self.param_dtype.itemsize)
-        return [Unit(members, self.groups) for members in buckets + [[p] for p in alone] if members]
+        return [unit for members in buckets + [[p] for p in alone] if members for unit in self._units(members)]
+
+    def _units(self, params: list, codec=None) -> list:
+        """The unit of `params`; with a matrix optimizer (`config.matrices`), its AdamW unit and its matrices'."""
+        matrices = self.config.matrices
+        return [Unit(params, self.groups, codec)] if matrices is None else matrices.units(params, self.groups, codec)
 
     def _build_unit(self, unit: Unit):
         """Fill the unit's buffers: weights and master (`_pack_weights`), moments, gradients; point the parameters
         at their views and record which segments of the shard decay and which the norm counts."""
         self._pack_weights(unit)
         device = unit.master.device
-        unit.exp_avg, unit.exp_avg_sq = (torch.zeros(unit.shard_numel, dtype=self.master_dtype, device=device)
-                                         for _ in range(2))
+        unit.init_state(self.master_dtype)
         if self.stage == 1:
             unit.grad_sum = torch.zeros(unit.padded_numel, dtype=self.accumulate_dtype, device=device)
             unit.grad_shard = unit.grad_sum[unit.mine]
@@ -364,8 +359,7 @@ class ZeroLayout(OrderedReductions):
         if unit.dp_size == 1:  # a group of one (experts held whole, D = 1): the full gradient is the sum
             out, work = full, None
         else:
-            out = torch.empty(unit.shard_numel, dtype=full.dtype, device=full.device)
-            work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=unit.group, async_op=True)
+            out, work = unit.reduce_scatter(full)
         self._in_flight.append((unit, work, out))
         unit.bucket = None  # freed once the collective no longer needs it
         unit.pending = len(unit.params)
@@ -406,8 +400,8 @@ class ZeroLayout(OrderedReductions):
         def adamw_and_publish():  # unit by unit: the all-gather of unit k overlaps unit k+1's update
             self.optimizer_step_count += 1
             gathers = []
-            for unit, grad in zip(self.units, grads):
-                self._adamw(unit, grad)
+            for unit, grad in zip(self.units, grads):  # a matrix unit: its optimizer's (optimizers/zero_muon.py)
+                self._adamw(unit, grad) if unit.optimizer == "adamw" else self.config.matrices.update(self, unit, grad)
                 gathers.append(self._publish(unit))
             for work in (work for work in gathers if work is not None):
                 work.wait()
@@ -434,8 +428,7 @@ class ZeroLayout(OrderedReductions):
         of one refreshes its working slice, no message."""
         if unit.dp_size > 1:
             # The input may not overlap the output: send a copy (the cast, or a clone of the aliased view).
-            return dist.all_gather_single(unit.weights, unit.master.to(self.param_dtype, copy=True),
-                                          group=unit.group, async_op=True)
+            return unit.all_gather(unit.weights, unit.master.to(self.param_dtype, copy=True))
         if unit.master is not unit.weight_shard:
             unit.weight_shard.copy_(unit.master)
         return None
@@ -498,13 +491,19 @@ class ZeroLayout(OrderedReductions):
                                  optimizer=2 * b_m + (0 if self.param_dtype == self.master_dtype else b_m))
 
     def predicted_persistent(self, padded: bool = True) -> dict:
-        """persistent_bytes of each data-parallel group's units (Ψ'_g over D_g), added up."""
+        """The partition formula of each data-parallel group's units (Ψ'_g over D_g), added up; a matrix optimizer's
+        units add their own (optimizers/zero_muon.py)."""
         out = {"weights": 0.0, "grads": 0.0, "optimizer": 0.0, "total": 0.0}
+        if self.config.matrices is not None:
+            out = self.config.matrices.persistent(self, padded)
         for name, group in self.groups.items():
-            units = self.units_of(name)
+            units = [u for u in self.units_of(name) if u.optimizer == "adamw"]
             if units:
                 psi = sum(u.padded_numel if padded else u.numel for u in units)
-                part = persistent_bytes(psi, self.bytes_per_param(), self.stage, dist.get_world_size(group))
+                b, d = self.bytes_per_param(), dist.get_world_size(group)  # docstring, 2: split from stage 3, 2, 1
+                part = {kind: getattr(b, kind) * psi / (d if self.stage >= first else 1)
+                        for kind, first in (("weights", 3), ("grads", 2), ("optimizer", 1))}
+                part["total"] = part["weights"] + part["grads"] + part["optimizer"]
                 out = {kind: out[kind] + part[kind] for kind in out}
         return out
 
@@ -512,8 +511,7 @@ class ZeroLayout(OrderedReductions):
         """What this rank actually holds for the whole run (buckets are transient)."""
         weights = sum(u.weights.nbytes for u in self.units)
         grads = sum((u.grad_sum if self.stage == 1 else u.grad_shard).nbytes for u in self.units)
-        optimizer = sum(u.exp_avg.nbytes + u.exp_avg_sq.nbytes for u in self.units)
-        optimizer += sum(u.master.nbytes for u in self.units if u.master is not u.weight_shard)
+        optimizer = sum(t.nbytes for u in self.units for _, t in u.optimizer_state() if t is not u.weight_shard)
         return {"weights": weights, "grads": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
 
     def peak_lower_bound(self) -> float:
@@ -533,7 +531,8 @@ class ZeroLayout(OrderedReductions):
                   "master": self.master_dtype}
         sizes = {name: dist.get_world_size(group) for name, group in self.groups.items() if self.units_of(name)}
         return ZeroFacts(self.stage, self.dp_size, sizes, len(self.units), self.numel, self.padded_numel,
-                         self.bytes_per_param(), dtypes, self.peak_lower_bound(), self.units[-1].padded_numel, 0)
+                         self.bytes_per_param(), dtypes, self.peak_lower_bound(), self.units[-1].padded_numel, 0,
+                         muon=self.config.matrices.facts(self) if self.config.matrices is not None else None)
 
     def predicted_messages(self, micro_batches: int) -> Messages:
         """Per step over each data-parallel group of size > 1 (docstring item 3): each unit's reduce-scatter (m
@@ -544,9 +543,8 @@ class ZeroLayout(OrderedReductions):
             if dist.get_world_size(group) == 1:  # one rank: its shard is the unit, nothing to send
                 continue
             for unit in self.units_of(name):
-                out.add("all_gather_single", name, 1, b_w * unit.padded_numel)
-                out.add("reduce_scatter_single", name, reduces, reduces * b_r * unit.padded_numel)
-        return out
+                out = out + unit.messages("gather", b_w) + unit.messages("reduce", b_r, reduces)
+        return out + (self.config.matrices.messages(self) if self.config.matrices is not None else Messages())
 
 
 def _merge(segments: list) -> list:

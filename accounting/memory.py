@@ -4,7 +4,7 @@ This file talks over nothing but one all-gather (cuda_memory_peaks takes the max
 Each formula is closed-form, so a reader can check a number by hand, and each has a measurement beside it:
 
 1. Persistent state: b_w + b_g + b_o bytes per parameter, partitioned over the D data-parallel ranks one kind
-   per ZeRO stage: zero.persistent_bytes (ZeRO's own formula, with its paper's Figure 1, lives with ZeRO). Measured
+   per ZeRO stage: `persistent_bytes` (ZeRO's formula, its paper's Figure 1; zero.py implements it). Measured
    by each layout's held_bytes() and, on CUDA, by the caching allocator's peaks (cuda_memory_peaks). Psi
    itself, by the shapes: param_counts, the one count of the model's, a pipeline stage's or a rank's parameters
    (each axis its own terms: TP divides what it splits, PP picks the stage's layers, MoE adds its experts).
@@ -40,11 +40,41 @@ from torch.utils._pytree import tree_leaves
 
 from experts import shared
 from moe import experts_of
+from zero import BytesPerParam
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 1. Persistent state: measured on CUDA (the formula is zero.persistent_bytes)
+# 1. Persistent state: ZeRO's partition formula (zero.py's docstring, item 2), measured on CUDA
 # ----------------------------------------------------------------------------------------------------------
+
+
+BYTES_PER_PARAM: dict[str, BytesPerParam] = {
+    # fp32 weights and grads plus Adam's two fp32 moments. bf16 autocast also lands here: it casts weights to
+    # bf16 on the fly inside each op, but the stored weights and their gradients stay fp32.
+    "fp32": BytesPerParam(weights=4, grads=4, optimizer=8),
+    # Mixed precision as in the ZeRO paper (Rajbhandari et al. 2020, K = 12): bf16/fp16 working weights and
+    # gradients, and the optimizer keeps an fp32 master copy of the weights plus two fp32 moments (4 + 4 + 4).
+    "mixed": BytesPerParam(weights=2, grads=2, optimizer=12),
+}
+
+
+def persistent_bytes(psi: int, recipe: str | BytesPerParam, zero_stage: int, dp_size: int) -> dict[str, float]:
+    """Bytes per rank of the state that lives for the whole run, for Psi parameters, under ZeRO stage 0..3.
+
+    ZeRO partitions state across the D data-parallel ranks, one more kind per stage:
+        stage 0 (plain DDP): (b_w + b_g + b_o) * Psi
+        stage 1 (optimizer): (b_w + b_g) * Psi + b_o * Psi / D
+        stage 2 (+ grads):   b_w * Psi + (b_g + b_o) * Psi / D
+        stage 3 (+ weights): (b_w + b_g + b_o) * Psi / D
+    Activations, temporary buffers and fragmentation are extra (below)."""
+    bpp = BYTES_PER_PARAM[recipe] if isinstance(recipe, str) else recipe
+    if zero_stage not in (0, 1, 2, 3) or dp_size < 1:
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3 and dp_size >= 1, got {zero_stage} and {dp_size}")
+    # Split across the D ranks: the optimizer's from stage 1, the grads' from stage 2, the weights' at stage 3.
+    out = {kind: getattr(bpp, kind) * psi / (dp_size if zero_stage >= first else 1)
+           for kind, first in (("weights", 3), ("grads", 2), ("optimizer", 1))}
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"]
+    return out
 
 
 def cuda_memory_peaks(device, group=None) -> tuple[int, int, int]:

@@ -18,7 +18,7 @@ SLOWER than its all-reduce (NCCL's is half of one), which is what stage 1 (reduc
 against ZeroRedundancyOptimizer (all-reduce + broadcasts, 3Ψ).
 
 Part 2: persistent bytes per rank for stages 0-3 at D = 1, 2, 4 for the `small` preset, predicted by
-zero.persistent_bytes and measured with held_bytes() on layouts built on D gloo ranks: the fp32 recipe
+memory.persistent_bytes and measured with held_bytes() on layouts built on D gloo ranks: the fp32 recipe
 (4 + 4 + 8, what `--dtype fp32` runs; stage 0 is ddp.py + DDPLayout) and the mixed recipe
 (2 + 2 + 12, what `--zero N --dtype bf16` runs; stage 0 predicted only, train.py's stage 0 keeps fp32 weights).
 Part 2 counts bytes, which do not depend on the device: it runs on CPU ranks whatever --device says.
@@ -41,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 
 from common import add_device_argument, check_gpus, synchronize  # noqa: E402
 from harness import device as rank_device, run_ranks  # noqa: E402
-import zero  # noqa: E402
+from accounting import memory  # noqa: E402
 
 HYPER = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 CLIP = 1.0
@@ -207,8 +207,7 @@ def _collectives(rank, world, megabytes, repeats=7):
 
 
 def _persistent(rank, world, recipe, preset="small"):
-    """held_bytes() of every stage's layout for `preset` on this D, next to zero.persistent_bytes."""
-    import zero
+    """held_bytes() of every stage's layout for `preset` on this D, next to memory.persistent_bytes."""
     from ddp import DistributedDataParallel
     from model import GPT, config_from_preset
     from optim import build_adamw
@@ -224,17 +223,17 @@ def _persistent(rank, world, recipe, preset="small"):
         psi = model.num_params()
         if stage == 0:
             if recipe != "fp32":
-                rows[stage] = (zero.persistent_bytes(psi, recipe, 0, world), None, psi)
+                rows[stage] = (memory.persistent_bytes(psi, recipe, 0, world), None, psi)
                 continue
             ddp = DistributedDataParallel(model, bucket_mb=25.0)
             optimizer = build_adamw(model.parameters(), **HYPER)
             optimizer.step()  # AdamW allocates its moments on the first step (the gradients are zero)
             layout = DDPLayout(ddp, optimizer)
-            rows[stage] = (zero.persistent_bytes(psi, recipe, 0, world), layout.held_bytes(), psi)
+            rows[stage] = (memory.persistent_bytes(psi, recipe, 0, world), layout.held_bytes(), psi)
         else:
             layout_class = Zero3Layout if stage == 3 else ZeroLayout
             layout = layout_class(model, ZeroConfig(stage, param_dtype=dtypes[0], master_dtype=dtypes[1], **HYPER))
-            rows[stage] = (zero.persistent_bytes(psi, recipe, stage, world), layout.held_bytes(),
+            rows[stage] = (memory.persistent_bytes(psi, recipe, stage, world), layout.held_bytes(),
                            layout.padded_numel)
         del model
     return rows
@@ -291,10 +290,10 @@ def main(argv=None):
     if args.skip_table:
         return
     print()
-    print(f"Part 2: persistent bytes per rank, `{preset}` preset; predicted (zero.persistent_bytes with Ψ)"
+    print(f"Part 2: persistent bytes per rank, `{preset}` preset; predicted (memory.persistent_bytes with Ψ)"
           " / measured (held_bytes(); ZeRO pads each unit to a multiple of D, Ψ' ≥ Ψ)")
     for recipe in ("fp32", "mixed"):
-        bpp = zero.BYTES_PER_PARAM[recipe]
+        bpp = memory.BYTES_PER_PARAM[recipe]
         print(f"recipe {recipe}: b_w={bpp.weights} b_g={bpp.grads} b_o={bpp.optimizer}")
         table = {}
         for world in worlds:

@@ -9,6 +9,7 @@ from typing import NoReturn
 
 from experts import router
 from model import PRESETS
+from optimizers import muon
 from parallel import offload, recompute
 from planner import hardware
 from resilience import elastic
@@ -113,6 +114,7 @@ def _add_optimization_flags(parser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer block (GPU speed): per block, gradient hooks still fire block"
                         " by block in backward, so DDP/ZeRO communication keeps overlapping it")
+    muon.add_arguments(g)  # --optimizer adamw|muon, --muon-lr, --muon-momentum, --muon-owner
 
 
 def _add_parallelism_flags(parser) -> None:

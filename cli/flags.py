@@ -37,6 +37,8 @@ from resilience import diloco, elastic
 from mesh import MeshShape, choose_device_and_backend, infer_mesh_shape
 from model import PRESETS, GPTConfig, config_from_preset
 from resilience.ckpt_files import CheckpointError, WriterLock
+from optimizers import muon
+from optimizers.muon import MuonConfig
 from resilience.diloco import DiLoCoConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,6 +75,7 @@ class Settings:
     ckpt_lock: WriterLock | None = None  # rank 0's hold on --ckpt-dir for the run (claim_checkpoint_directory)
     diloco: DiLoCoConfig | None = None  # --diloco-h: the replicas' outer step (resilience/diloco.py)
     placement_cost: tuple | None = None  # the EP ranks' link costs by the hardware model (experts/transport.py's)
+    muon: MuonConfig | None = None  # --optimizer muon: Muon on the blocks' matrices (optimizers/muon.py)
 
     @property
     def world_size(self) -> int:
@@ -165,6 +168,7 @@ def validate(args, world_size: int, given=None, axes=(), check_files: bool = Tru
         calibration.check_flags(args)  # each --calib-* constant in its range
         elastic.check_flags(args, world_size)  # every world of the range, before this one's shape names a flag
         diloco_config = diloco.config_from_flags(args)  # H ≥ 1, the outer lr and momentum; R checked by the mesh
+        muon_config = muon.config_from_flags(args)  # its ranges, and the layouts and recipes Muon cannot serve
         shape = infer_mesh_shape(world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                                  replicas=diloco_config.replicas if diloco_config else None)
         recompute.check_flags(args, shape)
@@ -184,7 +188,7 @@ def validate(args, world_size: int, given=None, axes=(), check_files: bool = Tru
     settings = Settings(args=args, given=frozenset(given), shape=shape, model=config,
                         seq_len=args.seq_len or config.block_size, micro_batch_size=micro,
                         micro_batches=args.global_batch // (shape.dp * micro), diloco=diloco_config,
-                        placement_cost=hardware.ep_link_costs(args, shape))
+                        placement_cost=hardware.ep_link_costs(args, shape), muon=muon_config)
     return replace(settings, axes=_axis_configs(args, settings, axes))
 
 

@@ -92,7 +92,7 @@ class Zero3Layout(ZeroLayout):
         """Per block, one unit per data-parallel group and codec (`block_units[i]`), last block first, then the
         root's (the rest)."""
         def units(members: list) -> list:
-            return [Unit(ps, self.groups, codec) for (_, codec), ps in by_group_and_codec(members).items()]
+            return [u for (_, codec), ps in by_group_and_codec(members).items() for u in self._units(ps, codec)]
 
         self.blocks = list(module.transformer.h)
         if not self.blocks:
@@ -213,7 +213,7 @@ class Zero3Layout(ZeroLayout):
         if unit.dp_size == 1:  # a group of one: the shard is the whole unit, no message
             target.copy_(source)
         else:
-            unit.gather_work = dist.all_gather_single(target, source, group=unit.group, async_op=True)
+            unit.gather_work = unit.all_gather(target, source)
         unit.state = "gathering"
 
     def _finish_gather(self, unit: Unit):
@@ -305,10 +305,9 @@ class Zero3Layout(ZeroLayout):
                 if unit.codec is not None:
                     out = out + unit.codec.encode_messages(unit.params, None if alone else name).times(gathers)
                 if not alone:
-                    b_gather = b_w if unit.codec is None else 1
-                    out.add("all_gather_single", name, gathers, gathers * b_gather * unit.padded_numel)
-                    out.add("reduce_scatter_single", name, m, m * b_r * unit.padded_numel)
-        return out
+                    out = out + unit.messages("gather", b_w if unit.codec is None else 1, gathers)
+                    out = out + unit.messages("reduce", b_r, m)
+        return out + (self.config.matrices.messages(self) if self.config.matrices is not None else Messages())
 
 
 def _recomputing() -> bool:

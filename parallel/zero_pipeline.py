@@ -132,8 +132,8 @@ class _ChunkGradients:
             members = [p for p in params if owner.get(id(p), first if id(p) in embedding else last) == chunk]
             tied = [p for p in members if "pp" in p.shard_info.replicated_over]
             rest = [p for p in members if "pp" not in p.shard_info.replicated_over]
-            self.chunk_units[chunk] = [Unit(ps, self.groups, codec if self.stage == 3 else None)
-                                       for (_, codec), ps in by_group_and_codec(rest).items()]
+            self.chunk_units[chunk] = [u for (_, codec), ps in by_group_and_codec(rest).items()
+                                       for u in self._units(ps, codec if self.stage == 3 else None)]
             self.chunk_units[chunk] += [Unit([p], self.groups) for p in tied]
         self._same_chunk = {id(u): units for units in self.chunk_units.values() for u in units}
         return [u for chunk in sorted(self.chunk_units, reverse=True) for u in self.chunk_units[chunk]]
@@ -190,8 +190,9 @@ class _ChunkGradients:
                        step_transient_predicted=self.step_transient(),
                        step_transient_measured=self.peak_transient_bytes)
 
-    def _reduce_messages(self, out: Messages, name: str, unit: Unit) -> None:
-        out.add("reduce_scatter_single", name, 1, self.reduce_dtype.itemsize * unit.padded_numel)
+    def _update_messages(self) -> Messages:
+        """A matrix optimizer's own messages of its update (optimizers/zero_muon.py), or none."""
+        return self.config.matrices.messages(self) if self.config.matrices is not None else Messages()
 
 
 class PipelineZero2Layout(_ChunkGradients, ZeroLayout):
@@ -220,9 +221,9 @@ class PipelineZero2Layout(_ChunkGradients, ZeroLayout):
         for name, group in self.groups.items():
             for unit in self.units_of(name):
                 if unit.dp_size > 1:
-                    self._reduce_messages(out, name, unit)
-                    out.add("all_gather_single", name, 1, self.param_dtype.itemsize * unit.padded_numel)
-        return out
+                    out = out + unit.messages("reduce", self.reduce_dtype.itemsize)
+                    out = out + unit.messages("gather", self.param_dtype.itemsize)
+        return out + self._update_messages()
 
 
 class PipelineZero3Layout(_ChunkGradients, Zero3Layout):
@@ -303,7 +304,6 @@ class PipelineZero3Layout(_ChunkGradients, Zero3Layout):
                     if unit.codec is not None:
                         out = out + unit.codec.encode_messages(unit.params, None if alone else name).times(gathers)
                     if not alone:
-                        out.add("all_gather_single", name, gathers,
-                                gathers * (b_w if unit.codec is None else 1) * unit.padded_numel)
-                        self._reduce_messages(out, name, unit)
-        return out
+                        out = out + unit.messages("gather", b_w if unit.codec is None else 1, gathers)
+                        out = out + unit.messages("reduce", self.reduce_dtype.itemsize)
+        return out + self._update_messages()

@@ -1,6 +1,6 @@
 """A pipeline stage's Role from the start-up's own pure formulas, without building: what --plan-search sizes.
 
-It gives each pipeline stage's time_model.Role from the formulas the start-up prints (zero.persistent_bytes per
+It gives each pipeline stage's time_model.Role from the formulas the start-up prints (memory.persistent_bytes per
 data-parallel group, zero.ZeroLayout's units and transients as `grad_sync_messages` and `_formula_temporaries` count
 them, under a pipeline parallel/zero_pipeline.py's units per chunk (`chunk_units`, `_formula_zero_pipeline`: the
 action list's gathers and transient by zero_pipeline's own functions), DiLoCo's outer state and Δ all-reduce
@@ -297,7 +297,7 @@ def _formula_persistent(s: _Stage) -> dict:
     """DDPLayout's (fp32 params, grads, moments) or ZeroLayout.bytes_per_param's persistent bytes, per group."""
     bpp = zero.BytesPerParam(s.b_w, s.b_g, 2 * s.b_m + (0 if s.b_w == s.b_m else s.b_m))
     stage = s.settings.args.zero
-    parts = [zero.persistent_bytes(n, bpp, stage, s.sizes[g]) for g, n in s.held["local"].items() if n]
+    parts = [memory.persistent_bytes(n, bpp, stage, s.sizes[g]) for g, n in s.held["local"].items() if n]
     return {kind: sum(part[kind] for part in parts) for kind in parts[0]}
 
 
@@ -384,7 +384,7 @@ def _formula_zero_pipeline(s: _Stage, facts: ScheduleFacts) -> tuple:
         transient = max(transient, b_w * sum(n // s.sizes[g] for pieces in units.values() for g, n, _ in pieces))
     bpp = zero.BytesPerParam(b_w, b_a, 2 * s.b_m + (0 if b_w == s.b_m else s.b_m))
     held = {group: sum(n for pieces in units.values() for g, n, _ in pieces if g == group) for group in s.sizes}
-    parts = [zero.persistent_bytes(held[group], bpp, stage, size) for group, size in s.sizes.items()]
+    parts = [memory.persistent_bytes(held[group], bpp, stage, size) for group, size in s.sizes.items()]
     persistent = {kind: sum(part[kind] for part in parts) for kind in parts[0]}
     temporaries = {f"ZeRO-{stage} transients (zero_pipeline.step_transient)": transient}
     first_gather = b_w * numel[program[0].chunk] if stage == 3 else 0.0

@@ -17,6 +17,9 @@ The time model (planner/hardware.py states the hardware): per role and step
                measures)
     update     2 · persistent bytes / (HBM bandwidth · hbm_fraction)                (memory-bound, exposed)
                (a measured CPU: its update's local work timed at start-up, cpu_probe.update_seconds)
+               + with Muon, the Newton-Schulz GEMMs of the data-parallel group's slowest rank, each at
+               FLOPs / (peak · e(its smallest dimension)) (optimizers/muon.py's MuonFacts: gather's touched
+               matrices, owner's owned ones; DDP every matrix)
     each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds, the
     bandwidth times the calibration's link_fraction), plus, for a 4-bit all-reduce's all-gather (--tp-comm-bits 4
     on tp, --dp-comm-bits 4 on dp_cp / expert_dp: parallel/lowbit.py), its calls' encode and decode as memory-bound
@@ -26,15 +29,19 @@ The time model (planner/hardware.py states the hardware): per role and step
     on the critical path by these rules (Megatron, ZeRO and ring-attention's own overlap claims):
       exposed: TP/SP (every f, g inside a layer waits on it, 4-bit or not), DDP's 4-bit buckets (summed
                synchronously as they fill), EP's and Ulysses' all-to-alls, the update's and
-               the step's scalar all-reduces (scalar_messages: DDP's gradient key holds them too, taken out),
+               the step's scalar all-reduces (scalar_messages: DDP's gradient key holds them too, taken out), Muon's
+               own update messages (the gather way's U all-gather, the TP gathers of its matrices:
+               MuonFacts.messages, taken out of their row and exposed whole),
                FP8's amax reductions, the pipeline's loss and tied sums;
       DDP, ZeRO-1: the gradient reduction overlaps the last micro-batch's backward (≈ 2/3 of its compute)
                except its last bucket: exposed = t(last bucket) + max(0, t − t_backward);
-      ZeRO-2/3: each micro-batch's reduce-scatter overlaps that micro-batch's backward, same rule, m times;
+      ZeRO-2/3: each micro-batch's reduce-scatter overlaps that micro-batch's backward, same rule, m times
+               (Muon's owners: their reduces are that reduction, by the same rules);
                under a pipeline (parallel/zero_pipeline.py) each chunk's step sum is reduced once, at its last
                backward: DDP's rule (the last piece: the first local chunk's);
       ZeRO-1/2's all-gather after the update: exposed (it overlaps only the next unit's update);
-      ZeRO-3's gathers are prefetched behind compute except the first (root + block 0) of each pass:
+      ZeRO-3's gathers (Muon's owners: their broadcasts too) are prefetched behind compute except the first
+               (root + block 0) of each pass:
                exposed = m · [t(first) + max(0, t/m − t_compute/m)]; under a pipeline the schedule prefetches
                the next action's chunk during this one, so only the step's first gather waits:
                exposed = t(first) + max(0, t − t_first − t_compute);
@@ -96,6 +103,8 @@ class Role:
     last_bucket: float  # bytes of the gradient reduction's last piece (sent after backward)
     first_gather: float  # ZeRO-3: bytes gathered before the first block can start (root + block 0)
     boundary_bytes: float = 0.0  # one pipeline message
+    muon: object = None  # optimizers/muon.py's MuonFacts: Newton-Schulz's GEMMs by rank (None: AdamW only)
+    update_messages: Messages = field(default_factory=Messages)  # Muon's own, named as `messages` is
     layer_share: float = 1.0  # this rank's layers over the mean (L/P): an uneven pipeline split's slow stage
     head_share: float = 1.0  # this rank's share of the head's GEMM over an even split: P on the stage holding it
     notes: tuple = ()  # a wrapping layout's start-up lines (DiLoCo's outer state and Δ all-reduce), as a run prints
@@ -143,12 +152,15 @@ def role_of(run, device_type: str | None = None) -> Role:
     notes = tuple(report.axes.AXIS_LINES[wrapper]["startup"](layout, run)) if wrapper else ()
     ranks = {name: members for name, members in mesh.members.items()}
     ranks["world"] = list(range(mesh.shape.world_size))
+    muon = facts.muon
+    update_messages = muon.messages.named(run.tracer.alias) if muon is not None else Messages()
     return Role(rank=mesh.rank, coords=mesh.shape.coords(mesh.rank), local_params=sum(p.numel() for p in params),
                 logical={p.shard_info.global_name: math.prod(p.shard_info.global_shape) for p in params},
                 persistent=persistent, activations=estimate,
                 temporaries=temporaries, messages=report.run.predicted_messages(run), group_ranks=ranks,
                 flops=run.flops, bubble=bubble, last_bucket=last_bucket, first_gather=first_gather,
-                boundary_bytes=boundary, notes=notes, head_share=mesh.shape.pp if run.model.has_head else 0.0,
+                boundary_bytes=boundary, notes=notes, muon=muon, update_messages=update_messages,
+                head_share=mesh.shape.pp if run.model.has_head else 0.0,
                 layer_share=len(run.model.transformer.h) * mesh.shape.pp / run.config.n_layer)
 
 
@@ -198,6 +210,9 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
     update = hw.calibration.update_seconds  # a measured CPU's; else memory-bound bytes:
     if update is None:
         update = 2 * role.persistent["total"] / (hbm * hw.calibration.hbm_fraction)
+    if role.muon is not None:  # Newton-Schulz: the group waits for its slowest rank's GEMMs
+        update += max(sum(flops / (peak * hw.calibration.gemm_efficiency(dim)) for flops, dim in gemms)
+                      for gemms in role.muon.ns_gemms_by_rank)
     exposed, total, link, in_layer = {}, {}, {}, 0.0
     for (op, group), (calls, payload) in role.messages.items():
         ranks = _group_ranks(group, role.group_ranks)
@@ -210,19 +225,24 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
             return hardware.collective_seconds(op, 1, nbytes, ranks, hw)
 
         t += _codec_seconds(op, names, calls, payload, ranks, layout, hw)  # a 4-bit all-reduce's encode, decode
-        grads = (names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single")
+        grads = (names & {"dp_cp", "expert_dp"} and op in ("all_reduce", "reduce_scatter_single", "reduce")
                  and payload > 16 * calls)
         # DDP's gradients share their row with the step's two scalars, which block: taken out, exposed whole.
         n, nbytes = scalar_messages().get((op, "dp_cp"), (0, 0)) if grads and "dp_cp" in names else (0, 0)
         scalars = n * piece(nbytes / n) if n else 0.0
         t = hardware.collective_seconds(op, calls - n, payload - nbytes, ranks, hw) if n else t
+        n_own, own_bytes = role.update_messages.get((op, group), (0, 0))  # Muon's: exposed whole, taken out here
+        own = hardware.collective_seconds(op, n_own, own_bytes, ranks, hw) if n_own else 0.0
+        if n_own:
+            calls, payload = calls - n_own, payload - own_bytes
+            t = hardware.collective_seconds(op, calls - n, payload - nbytes, ranks, hw) if calls > n else 0.0
         if grads and (stage <= 1 or P > 1):  # DDP, ZeRO-1, ZeRO-2/3 under PP: once a step, over the last backward
             last = piece(role.last_bucket)
             e = last + max(0.0, t - last - backward_mb)
         elif grads:  # ZeRO-2/3: every micro-batch's, over its own backward
             last = piece(role.last_bucket)
             e = m * (last + max(0.0, t / m - last - backward_mb))
-        elif stage == 3 and op == "all_gather_single" and names & {"dp_cp", "expert_dp"}:
+        elif stage == 3 and op in ("all_gather_single", "broadcast") and names & {"dp_cp", "expert_dp"}:
             first = piece(role.first_gather)
             passes = 1 if P > 1 else m  # under PP: the step's first gather; the rest prefetched an action ahead
             e = passes * (first + max(0.0, t / passes - first - compute / passes))
@@ -234,8 +254,8 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
             e = t
             in_layer += t if names & {"tp", "ep", "cp"} else 0.0
         e = min(e, t)
-        exposed[(op, group)] = e + (1 - hw.overlap) * (t - e) + scalars  # φ of the hidden hides
-        total[(op, group)] = t + scalars
+        exposed[(op, group)] = e + (1 - hw.overlap) * (t - e) + scalars + own  # φ of the hidden hides
+        total[(op, group)] = t + scalars + own
         link[(op, group)] = "inter" if hardware.crosses_nodes(ranks, hw) else "intra"
     busy = compute + in_layer
     bubble = busy * role.bubble / (1 - role.bubble)

@@ -25,10 +25,10 @@ import context_parallel
 from experts import coupling, dispatch, router
 import mfu
 from parallel import lowbit, schedules
+import report.muon
 import report.pipeline
 import report.precision
 import tensor_parallel
-import zero
 from step import Count
 
 
@@ -44,11 +44,12 @@ def axis_lines(axis, when: str, run, steps: int = 0) -> list:
 
 
 def layout_lines(run, when: str, steps: int = 0) -> list:
-    """The layout's lines at `when`: its section's formatters (AXIS_LINES[layout.name]: DDP's, ZeRO's), then a
-    wrapping layout's own (AXIS_LINES[layout.wrapper]: DiLoCo's)."""
+    """The layout's lines at `when`: its section's formatters (AXIS_LINES[layout.name]: DDP's, ZeRO's), Muon's when it
+    steps the matrices (report/muon.py), then a wrapping layout's own (AXIS_LINES[layout.wrapper]: DiLoCo's)."""
     wrapper = AXIS_LINES.get(getattr(run.layout, "wrapper", None), {}).get(when)
     inner = getattr(run.layout, "inner", run.layout)  # the wrapped layout's section reads its own figures
-    return axis_lines(inner, when, run, steps) + (wrapper(run.layout, run, steps) if wrapper else [])
+    muon = report.muon.startup_lines(inner.facts().muon) if when == "startup" else []
+    return axis_lines(inner, when, run, steps) + muon + (wrapper(run.layout, run, steps) if wrapper else [])
 
 
 AXIS_LINES: dict = {}  # {handle name: {"startup" | "step" | "end": formatter(axis, run, steps) -> [str]}}
@@ -143,7 +144,7 @@ def zero_startup_lines(layout, run, steps: int) -> list:
     facts = layout.facts()
     b, D, psi, stage, dtype = facts.bytes_per_param, facts.dp_size, facts.numel, facts.stage, facts.dtypes
     formula = {1: "(b_w+b_g)Ψ + b_oΨ/D", 2: "b_wΨ + (b_g+b_o)Ψ/D", 3: "(b_w+b_g+b_o)Ψ/D"}[stage]
-    exact = zero.persistent_bytes(psi, b, stage, D)
+    exact = memory.persistent_bytes(psi, b, stage, D)
     padded, held = layout.predicted_persistent(), layout.held_bytes()
     sizes = ", ".join(f"{name} D={size}" for name, size in facts.group_sizes.items())
     name, units = mfu.format_dtype, facts.units

@@ -38,9 +38,10 @@ from shard import ShardInfo, Split
 FORMAT_VERSION = 2  # 2: a piece records a list of splits (1: one split as four fields; still read)
 MANIFEST, MARKER = "manifest.json", "COMMITTED"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
-KINDS = ("param", "master", "exp_avg", "exp_avg_sq", "fp8", "precision", "moe", "diloco", "goodput",
-         "lowbit")  # an axis's own state: fp8.py's scaling, precision/recipe.py's step (what its stochastic rounding
-# is keyed by), experts/router.py's bias, resilience/diloco.py's outer state and the inner state of its replicas r ≥ 1,
+KINDS = ("param", "master", "exp_avg", "exp_avg_sq", "momentum", "fp8", "precision", "moe", "diloco", "goodput",
+         "lowbit")  # momentum: Muon's buffer of a matrix (optimizers/muon.py). An axis's own state: fp8.py's scaling,
+# precision/recipe.py's step (what its stochastic rounding is keyed by),
+# experts/router.py's bias, resilience/diloco.py's outer state and the inner state of its replicas r ≥ 1,
 # parallel/lowbit.py's error feedback of DDP's buckets (per rank),
 # resilience/goodput.py's ledger (the job's seconds by cause: accounting, not training state)
 FAULT_ENV = "CKPT_FAULT_PERSIST_SLEEP"  # "STEP:SECONDS": fault-injection tests sleep inside that step's persist

@@ -33,8 +33,11 @@ Two launcher facts this file enforces, measured with torch 2.13 on one machine (
   in the commit's file rendezvous (ckpt.py, 600 s) first; --async-ckpt leaves that wait to the background
   thread, so the loss surfaces at the next step's all-reduce.
 
+A worker ends with its launcher (`stop_with_the_launcher`): torchrun's agent starts its workers in process groups
+of their own, so a SIGKILL to the launcher's group would leave them training as orphans.
+
 Accounting for this file: nothing is held or sent; it reads torchrun's environment and the resumed
-checkpoint's manifest (the world that wrote it).
+checkpoint's manifest (the world that wrote it), and watches the worker's parent (one daemon thread).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
 from mesh import MeshShape, infer_mesh_shape
@@ -147,3 +153,26 @@ def restart_line(saved: dict, shape: MeshShape, step: int, global_batch: int, mi
     return (f"elastic restart ({kind}): world {before} → {after} at step {step}: D {saved['dp']} → {shape.dp},"
             f" m {m_before} → {m_after}; B_global"
             f" {global_batch} = D·m·B_μ kept with B_μ {micro_batch}: the same global batches from step {step} on")
+
+
+LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every worker it starts
+
+
+def stop_with_the_launcher(poll_s: float = 0.5, grace_s: float = 20.0) -> None:
+    """End this worker when the torchrun agent that started it is gone. The agent starts its workers in process
+    groups of their own (setsid), so a SIGKILL to the launcher's process group (or to the agent) does not reach
+    them: they would train on as orphans, writing checkpoints. A daemon thread watches the parent; once the
+    worker has been reparented it sends itself SIGTERM, which ends the run as Ctrl-C does
+    (`ending_cleanly_on_signals`: one line, a background save abandoned, never half-committed: a checkpoint is
+    committed by a rename); if the process still lives `grace_s` later (blocked where no signal is seen), it
+    exits. Every worker does it, so the peers it would wait on stop too."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

@@ -3,11 +3,16 @@
 `global_batches(...)` makes the deterministic global batches of a test (with some targets set to -1, so rows
 and ranks hold different numbers of target tokens), and `reference_run(...)` trains the plain model.py GPT on
 them with torch's own AdamW and `clip_grad_norm_`: nothing in it comes from the code under test except the
-model and the AdamW parameter grouping. Both run in the pytest process, on the CPU: a rank body moves the
-batches to harness.device() (or leaves that to step.train_step), so the reference is the same under every backend.
+model and the AdamW parameter grouping. With `muon_lr` the blocks' 2-D weights take torch.optim.Muon instead,
+its Newton-Schulz in `ns_dtype` (`muon_newton_schulz`: torch's iteration with bf16 replaced by that dtype).
+Both run in the pytest process, on the CPU: a rank body moves the batches to harness.device() (or leaves that
+to step.train_step), so the reference is the same under every backend.
 """
 
+from contextlib import contextmanager
+
 import torch
+import torch.optim._muon
 
 import moe
 from parallel import recompute
@@ -15,6 +20,7 @@ from model import GPT, config_from_preset
 from optim import adamw_param_groups
 
 HYPER = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+MUON = dict(lr=0.02, momentum=0.95)  # the tests' Muon (its weight decay is HYPER's)
 
 
 def make_config(**overrides):
@@ -70,13 +76,16 @@ def build_model(config, *args, **kwargs) -> GPT:
 
 
 def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch.float64, micro_batches: int = 1,
-                  aux_coef: float | None = None, fp8_recipe: str | None = None, precision_recipe: str | None = None):
+                  aux_coef: float | None = None, fp8_recipe: str | None = None, precision_recipe: str | None = None,
+                  muon_lr: float | None = None, ns_dtype=torch.float64):
     """Train the single-device model on the global batches; return (losses, grad_norms, final parameters).
 
     With auxiliary losses (aux_coef: add_squared_mean_aux) the objective is DESIGN.md's: Σ CE / tokens +
     coef · mean over the `micro_batches` (= D·m) micro-batches of aux, the global batch cut in rank order.
     fp8_recipe: the block linears in FP8 (fp8.py, one process), the delayed history rolled once per step.
     precision_recipe: a --precision-recipe SPEC (precision/recipe.py, one process; its step closed per step).
+    muon_lr: torch.optim.Muon (momentum MUON["momentum"], Nesterov, its "original" lr adjustment) on the blocks'
+    2-D weights, AdamW on the rest; its Newton-Schulz in `ns_dtype` (torch's own at bf16).
     """
     model = build_model(config, seed=seed, dtype=dtype)
     if aux_coef is not None:
@@ -91,11 +100,10 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
 
         fp8_handle = recipes.convert(model, recipes.parse_recipe(precision_recipe), seed=seed,
                                      seq_len=batches[0][0].shape[1])
-    optimizer = torch.optim.AdamW(adamw_param_groups(model.parameters(), HYPER["weight_decay"]), lr=HYPER["lr"],
-                                  betas=HYPER["betas"], eps=HYPER["eps"])
+    optimizer, muon = adamw_and_muon(model, muon_lr)
     losses, norms = [], []
     for x, y in batches:
-        optimizer.zero_grad()
+        model.zero_grad()  # AdamW's and Muon's parameters
         count = (y != -1).sum()
         loss_sum, objective = 0.0, 0.0
         for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
@@ -109,9 +117,49 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
             fp8_handle.after_grad_sync()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
         optimizer.step()
+        if muon is not None:
+            with muon_newton_schulz(ns_dtype):
+                muon.step()
         losses.append(float(loss_sum.detach() / count))
         norms.append(float(norm))
     return losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def adamw_and_muon(model, muon_lr: float | None = None) -> tuple:
+    """(torch AdamW, torch.optim.Muon or None): with muon_lr, Muon (momentum MUON["momentum"], Nesterov, torch's
+    "original" lr adjustment) on the blocks' 2-D weights and AdamW on the rest; else AdamW on every parameter."""
+    matrices = [p for name, p in model.named_parameters() if name.startswith("transformer.h.") and p.dim() == 2]
+    rest = [p for p in model.parameters() if all(p is not q for q in matrices)] if muon_lr else model.parameters()
+    adamw = torch.optim.AdamW(adamw_param_groups(rest, HYPER["weight_decay"]), lr=HYPER["lr"], betas=HYPER["betas"],
+                              eps=HYPER["eps"])
+    muon = torch.optim.Muon(matrices, lr=muon_lr, weight_decay=HYPER["weight_decay"], momentum=MUON["momentum"],
+                            nesterov=True) if muon_lr else None
+    return adamw, muon
+
+
+@contextmanager
+def muon_newton_schulz(dtype):
+    """torch.optim.Muon with its Newton-Schulz run in `dtype` (torch's own when bf16): the iteration of
+    torch.optim._muon._zeropower_via_newtonschulz, with its cast of the input to bf16 replaced by one to `dtype`."""
+    original = torch.optim._muon._zeropower_via_newtonschulz
+
+    def in_dtype(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        ortho = grad.to(dtype, copy=True)
+        if grad.size(0) > grad.size(1):
+            ortho = ortho.T
+        ortho.div_(ortho.norm().clamp(min=eps))
+        for _ in range(ns_steps):
+            gram = ortho @ ortho.T
+            ortho = torch.addmm(ortho, torch.addmm(gram, gram, gram, beta=b, alpha=c), ortho, beta=a)
+        return ortho.T if grad.size(0) > grad.size(1) else ortho
+
+    if dtype != torch.bfloat16:
+        torch.optim._muon._zeropower_via_newtonschulz = in_dtype
+    try:
+        yield
+    finally:
+        torch.optim._muon._zeropower_via_newtonschulz = original
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ SMOKE_PRINTS = {
     "bench_model": "bf16 speed-up over fp32",
     "bench_moe": "step-time ratio to E=1",
     "bench_moe_balance": "global MaxVio",
+    "bench_muon": "step-time ratio ZeRO-1 owner / gather",
     "bench_pipeline": "one executed step",
     "bench_precision": "Δ vs bf16",
     "bench_tp": "params/rank",

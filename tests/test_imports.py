@@ -31,7 +31,7 @@ LINES = {m: len(open(p, encoding="utf-8").read().splitlines()) for m, p in PATHS
 CARD = ("model", "ddp", "zero", "tensor_parallel", "pipeline", "context_parallel", "moe", "fp8", "ckpt", "mfu")
 PRIMITIVES = ("shard", "mesh", "data", "step", "optim", "mfu")  # what every axis may need
 AXES = ("ddp", "zero", "tensor_parallel", "pipeline", "context_parallel", "moe", "fp8", "ckpt")
-AXIS_FOLDERS = ("parallel", "experts", "precision", "resilience", "interop")
+AXIS_FOLDERS = ("parallel", "experts", "precision", "resilience", "interop", "optimizers")
 OBSERVING = ("accounting", "report", "planner")  # import the axes; no axis imports them
 ENTRY_POINTS = ("train", "plan", "sample", "export_hf", "plot")
 CARD_FILES, CARD_LINES, ROOT_FILES, READING_LINES = 6, 2000, 20, 2500

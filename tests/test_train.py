@@ -199,6 +199,25 @@ BAD_INPUTS = [  # (flags, world size, what the one line must say); FILE, DIR: a 
     (["--backend", "gloo", "--hw", "h200"], 1, "--hw describes the GPU of --plan / --plan-search or of a GPU run"),
     (["--backend", "gloo", "--gpus-per-node", "4"], 1, "--gpus-per-node describes the GPU of --plan"),
     (["--backend", "gloo", "--hw-memory-gib", "80"], 1, "--hw-memory-gib describes the GPU of --plan"),
+    # --optimizer muon (optimizers/muon.py): an unknown optimizer, values out of range, flags without Muon, and the
+    # recipes and layouts it cannot serve
+    (["--optimizer", "sgd"], 1, "argument --optimizer: invalid choice: 'sgd'"),
+    (["--optimizer", "muon", "--muon-lr", "0"], 1, "--muon-lr must be a positive number, got 0.0"),
+    (["--optimizer", "muon", "--muon-lr", "nan"], 1, "--muon-lr must be a positive number, got nan"),
+    (["--optimizer", "muon", "--muon-momentum", "1"], 1, "--muon-momentum must be in [0, 1), got 1.0"),
+    (["--optimizer", "muon", "--muon-momentum", "-0.5"], 1, "--muon-momentum must be in [0, 1), got -0.5"),
+    (["--muon-lr", "0.01"], 1, "--muon-lr needs --optimizer muon"),
+    (["--muon-owner", "--zero", "1"], 1, "--muon-owner needs --optimizer muon"),
+    (["--optimizer", "muon", "--muon-owner"], 1, "--muon-owner needs --zero 1, 2 or 3"),
+    (["--optimizer", "muon", "--moe-experts", "4"], 1, "--optimizer muon with --moe-experts: not served"),
+    (["--optimizer", "muon", "--fp8", "current"], 1, "--optimizer muon with --fp8: not served"),
+    (["--optimizer", "muon", "--precision-recipe", "mxfp8"], 1, "--optimizer muon with --precision-recipe: not served"),
+    (["--optimizer", "muon", "--diloco-h", "2", "--steps", "4", "--global-batch", "4"], 2,
+     "--optimizer muon with --diloco-h: not served"),
+    (["--optimizer", "muon", "--plan-search", "--world", "8"], 1, "--optimizer muon with --plan-search"),
+    (["--optimizer", "muon", "--zero", "1", "--offload", "optimizer"], 1,
+     "--optimizer muon with --offload: not served"),
+    (["--optimizer", "muon", "--dp-comm-bits", "4"], 1, "--optimizer muon with --dp-comm-bits: not served"),
 ]
 
 
@@ -657,7 +676,7 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.slow
 def test_workers_stop_with_a_killed_launcher_and_the_newest_checkpoint_survives(tmp_path):
     """SIGKILL to torchrun's process group reaches torchrun alone: its agent started the workers with setsid.
-    Each worker watches its parent (train.stop_with_the_launcher) and ends once it is gone, within seconds, and
+    Each worker watches its parent (elastic.stop_with_the_launcher) and ends once it is gone, within seconds, and
     the newest committed checkpoint verifies (nothing half-committed: a save in flight is abandoned)."""
     from resilience import ckpt_files
 

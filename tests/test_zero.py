@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+from accounting import memory
 from accounting.tracer import CommTracer
 from harness import backend_flags, run_bench, run_ranks
 import zero
@@ -464,7 +465,7 @@ def _mixed_bytes(rank, world):
         layout = zero_layout(model, stage, lr=1e-3, param_dtype=torch.bfloat16, master_dtype=torch.float32,
                              bucket_mb=0.02)
         psi = layout.padded_numel
-        expected = zero.persistent_bytes(psi, "mixed", stage, world)
+        expected = memory.persistent_bytes(psi, "mixed", stage, world)
         out[stage] = (layout.held_bytes(), expected, {p.dtype for p in model.parameters()},
                       {u.master.dtype for u in layout.units})
     return out
@@ -724,7 +725,7 @@ def test_bf16_gradient_error_does_not_grow_with_micro_batches(accumulation_runs)
 
 
 def test_fp32_accumulation_bytes_are_the_formulas(accumulation_runs):
-    """With m > 1 under bf16, b_g = 4: held == zero.persistent_bytes(Ψ', 2 + 4 + 12, stage, D), and the traced
+    """With m > 1 under bf16, b_g = 4: held == memory.persistent_bytes(Ψ', 2 + 4 + 12, stage, D), and the traced
     messages of the step are the predicted ones: stage 1 reduce-scatters its fp32 accumulator once (4Ψ'),
     stages 2/3 each micro-batch's bf16 bucket (m·2Ψ'). At m = 1 nothing changes (2 + 2 + 12, 2Ψ')."""
 
@@ -733,7 +734,7 @@ def test_fp32_accumulation_bytes_are_the_formulas(accumulation_runs):
             psi = result["padded_numel"]
             b_g = 4 if m > 1 and forced is None else 2
             assert result["bytes"] == zero.BytesPerParam(weights=2, grads=b_g, optimizer=12)
-            assert result["held"] == result["predicted"] == zero.persistent_bytes(psi, result["bytes"], stage, 2)
+            assert result["held"] == result["predicted"] == memory.persistent_bytes(psi, result["bytes"], stage, 2)
             assert result["comm"] == result["predicted_comm"], (stage, m, forced)
             reduced = {1: b_g * psi, 2: m * 2 * psi, 3: m * 2 * psi}[stage]
             assert result["comm"]["reduce_scatter_single"] == reduced, (stage, m, forced)

@@ -7,7 +7,6 @@ import torch
 
 from accounting import memory
 
-import zero
 from harness import run_ranks
 
 # ---------------------------------------------------------------------------------------------------------
@@ -29,18 +28,18 @@ def test_param_counts_are_the_numel_of_what_is_built():
 
 def test_zero_bytes_per_stage():
     psi, d = 1000, 4
-    mixed = [zero.persistent_bytes(psi, "mixed", stage, d) for stage in range(4)]
+    mixed = [memory.persistent_bytes(psi, "mixed", stage, d) for stage in range(4)]
     # mixed: b_w=2, b_g=2, b_o=12, so 16*psi = 16000 unsplit
     assert mixed[0] == {"weights": 2000, "grads": 2000, "optimizer": 12000, "total": 16000}
     assert mixed[1] == {"weights": 2000, "grads": 2000, "optimizer": 3000, "total": 7000}
     assert mixed[2] == {"weights": 2000, "grads": 500, "optimizer": 3000, "total": 5500}
     assert mixed[3] == {"weights": 500, "grads": 500, "optimizer": 3000, "total": 4000}
-    fp32 = [zero.persistent_bytes(psi, "fp32", stage, d)["total"] for stage in range(4)]
+    fp32 = [memory.persistent_bytes(psi, "fp32", stage, d)["total"] for stage in range(4)]
     assert fp32 == [16000, 8000 + 2000, 4000 + 3000, 4000]
     # One rank: every stage is plain DDP.
-    assert {zero.persistent_bytes(psi, "mixed", s, 1)["total"] for s in range(4)} == {16000}
+    assert {memory.persistent_bytes(psi, "mixed", s, 1)["total"] for s in range(4)} == {16000}
     with pytest.raises(ValueError):
-        zero.persistent_bytes(psi, "mixed", 4, d)
+        memory.persistent_bytes(psi, "mixed", 4, d)
 
 
 def test_korthikanti_activation_formulas():

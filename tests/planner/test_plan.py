@@ -50,6 +50,8 @@ CASES = [  # (flags, global batch, B_μ)
     (["--tp", "2", "--activation-checkpointing", "selective"], 4, 1),  # the kept collective outputs
     (["--tp", "2", "--sp", "--activation-checkpointing", "selective", "--zero", "1"], 4, 1),
     (["--cp", "2", "--cp-impl", "ulysses", "--activation-checkpointing", "selective"], 4, 1),
+    (["--optimizer", "muon", "--zero", "3", "--muon-owner"], 8, 1),  # optimizers/zero_muon.py: owners' slices
+    (["--optimizer", "muon", "--tp", "2", "--zero", "1"], 4, 1),  # the gather way's U, the matrices over tp
     (["--tp", "2", "--tp-comm-bits", "4", "--dp-comm-bits", "4"], 4, 1),  # parallel/lowbit.py: codes, the feedback
 ]
 
@@ -67,7 +69,7 @@ def _figures(role, psi):
     return dict(psi=psi, params=role.local_params, persistent=role.persistent, activations=role.activations,
                 temporaries=role.temporaries, bubble=role.bubble,
                 messages={key: tuple(count) for key, count in role.messages.items()}, flops=role.flops.hardware,
-                notes=role.notes)
+                notes=role.notes, muon=role.muon)
 
 
 def _real_startups(rank, world, cases):
@@ -194,7 +196,7 @@ def test_the_update_probe_times_every_element_the_optimizer_steps(real):
     AdamW keeps moments for: the predicted optimizer bytes are 8 per element (two fp32 moments), plus 4 where the
     master weights are a separate fp32 copy, on every rank of every layout (DiLoCo's also hold its outer state)."""
     for index, case in enumerate(CASES):
-        if "--diloco-h" in case[0]:
+        if "--diloco-h" in case[0] or "muon" in case[0]:  # DiLoCo's outer state; Muon's one momentum (4 bytes)
             continue
         for rank, figures in enumerate(r[index] for r in real):
             optimizer, stepped = figures["persistent"]["optimizer"], figures["stepped"]
