@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of issue 14 in one run, within about 8 minutes: the peak the trainer assumes for this GPU, the
+# Every GPU check of issue 14 in one run, within about 8 minutes (DRY_RUN: about a minute): the peak the trainer assumes for this GPU, the
 # test suite on NCCL, train.py --preset gpt2 for a few steps (tokens/s, MFU), and each bench with --device cuda.
 #
 #     bash bench/gpu_checks.sh                 # logs under $OUT (the device machine's folder) or /tmp/gpu_checks
@@ -22,19 +22,28 @@ START=$(date +%s)
 if [[ $DRY_RUN == 1 ]]; then GPUS=8; else
     GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0); fi
 SUMMARY=()
+rm -f "$WORK/dry_run_commands.jsonl"
 
-argcheck() {  # argcheck python3 SCRIPT ARGS...: SCRIPT's own argparse parser reads ARGS, then it stops
-    shift
-    python3 - "$@" <<'EOF'
-import argparse, os, runpy, sys
+argcheck() {  # argcheck FILE: each line of FILE is [NAME, ARGS] (JSON): the script's argparse parser reads ARGS,
+    # then it stops. One process for all: the imports (torch, the repository) are paid once, not per command.
+    python3 - "$1" <<'EOF'
+import argparse, json, os, runpy, sys, time
 parse = argparse.ArgumentParser.parse_args
 def parse_then_stop(self, args=None, namespace=None):
     parse(self, args, namespace)
     raise SystemExit(0)
 argparse.ArgumentParser.parse_args = parse_then_stop
-sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
-runpy.run_path(sys.argv[0], run_name="__main__")
+for line in open(sys.argv[1]):
+    name, argv = json.loads(line)
+    began, sys.argv = time.time(), argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        status = 0
+    except SystemExit as e:
+        status = e.code or 0
+    sys.path.pop(0)
+    print(f"{'flags ok' if status == 0 else 'FLAGS?  '} {name} ({time.time() - began:.1f} s)", flush=True)
 EOF
 }
 
@@ -44,17 +53,16 @@ check() {  # check NAME GPUS_NEEDED MAX_SECONDS COMMAND...
     local left=$((BUDGET_S - ($(date +%s) - START)))
     if ((GPUS < need)); then SUMMARY+=("SKIP     $name: needs $need GPUs, $GPUS visible"); return; fi
     if [[ $DRY_RUN == 1 ]]; then  # the flags only: from the script (train.py under torchrun too), or pytest's
-        local args=("$@") t0 line
-        t0=$(date +%s)
+        local args=("$@")
         while ((${#args[@]})) && [[ ${args[0]} != *.py ]]; do args=("${args[@]:1}"); done
-        if ((${#args[@]})); then
-            argcheck python3 "${args[@]}" && line="flags ok $name" || line="FLAGS?   $name: $*"
+        if ((${#args[@]})); then  # parsed together at the end (argcheck)
+            python3 -c 'import json, sys; print(json.dumps([sys.argv[1], sys.argv[2:]]))' "$name" "${args[@]}" \
+                >>"$WORK/dry_run_commands.jsonl"
         elif [[ $* == *pytest* ]]; then
-            python3 -m pytest --collect-only -q "${@:4}" >/dev/null && line="flags ok $name" ||
-                line="FLAGS?   $name: $*"
-        else line="unparsed $name: $*"; fi
-        SUMMARY+=("$line")
-        echo "$line ($(($(date +%s) - t0)) s: each command's imports, its parser)"  # progress: ~20 of them
+            echo "collecting the suite ($name)"
+            python3 -m pytest --collect-only -q "${@:4}" >/dev/null && SUMMARY+=("flags ok $name") ||
+                SUMMARY+=("FLAGS?   $name: $*")
+        else SUMMARY+=("unparsed $name: $*"); fi
         return
     fi
     if ((left < 20)); then SUMMARY+=("SKIP     $name: the ${BUDGET_S} s budget is spent"); return; fi
@@ -124,6 +132,8 @@ check bench_lowbit 2 90 python3 bench/bench_lowbit.py --device cuda --part colle
 
 echo
 if [[ $DRY_RUN == 1 ]]; then
+    echo "=== parsing the flags of $(wc -l <"$WORK/dry_run_commands.jsonl") commands in one process"
+    while IFS= read -r line; do echo "$line"; SUMMARY+=("$line"); done < <(argcheck "$WORK/dry_run_commands.jsonl")
     echo "=== summary: DRY_RUN, the flags of every command parsed in $(($(date +%s) - START)) s (nothing ran, so no" \
         "budget was spent; a real run has ${BUDGET_S} s)"
 else echo "=== summary: $GPUS GPU(s), $(($(date +%s) - START)) s of a ${BUDGET_S} s budget; logs in $LOGS"; fi
