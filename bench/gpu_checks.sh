@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU check of issue 14 in one run, within about 8 minutes (DRY_RUN: about a minute): the peak the trainer assumes for this GPU, the
-# test suite on NCCL, train.py --preset gpt2 for a few steps (tokens/s, MFU), and each bench with --device cuda.
+# Every GPU check of issue 14 in one run, within about 8 minutes (DRY_RUN: about a minute): the peak the trainer
+# assumes for this GPU, the test suite on NCCL, train.py --preset gpt2 for a few steps (tokens/s, MFU), and each
+# bench with --device cuda.
 #
 #     bash bench/gpu_checks.sh                 # logs under $OUT (the device machine's folder) or /tmp/gpu_checks
 #     BUDGET_S=900 bash bench/gpu_checks.sh    # more time in all (default 480 s)
