@@ -222,6 +222,7 @@ class RoutedLoad:
         self.last_load, self.off_group = None, [0, 0]  # the last take_load; router.off_group's sums
         self.coupling = Coupling()  # since the last take_coupling; `last_coupling` the last one taken
         self.last_coupling, self.previous = None, None  # previous: (layer id, set keys) of the last forward
+        self.closed_coupling = None  # the window a log line closed (still on the device), read at the end
 
     def routed(self, layer, load: torch.Tensor, keep, sent: int, received: int) -> None:
         if not is_training_forward(layer.training):
@@ -259,18 +260,25 @@ class RoutedLoad:
             if len(keys) >= 32:
                 c.counted[name], c.pending[name] = coupling.fold(c.counted.get(name), keys), []
 
+    def restart_coupling(self) -> None:
+        """A log line's (report/axes.py's moe step lines): the co-selection window restarts without a device read
+        (the line reads the device once, for the loads); the closed window stays on the device for the end."""
+        if self.coupling.kept is not None:
+            self.closed_coupling = self.coupling
+        self.coupling, self.previous = Coupling(), None
+
     def take_coupling(self):
-        """The co-selection counts since the last take, on the host (`CouplingCounts`; None: nothing routed), read
-        once per log line (report/axes.py's moe step lines) and at the end; the counts restart."""
-        c = self.coupling
-        if c.kept is None:
+        """The co-selection counts of the current window, or of the last one a log line closed when the current saw
+        no forward, on the host (`CouplingCounts`; None: nothing routed), read at the end; the counts restart."""
+        c = self.coupling if self.coupling.kept is not None else self.closed_coupling
+        if c is None:
             return self.last_coupling
         counted = {name: coupling.fold(c.counted.get(name), keys) if keys else c.counted[name]
                    for name, keys in c.pending.items()}
         sets = {name: coupling.histogram(v) for name, v in counted.items() if not isinstance(name, tuple)}
         joint = {name: coupling.histogram(v) for name, v in counted.items() if isinstance(name, tuple)}
         self.last_coupling = CouplingCounts(sets, joint, int(c.kept), c.own_slots, *c.rows)
-        self.coupling, self.previous = Coupling(), None
+        self.coupling, self.previous, self.closed_coupling = Coupling(), None, None
         return self.last_coupling
 
     def rows(self) -> tuple:

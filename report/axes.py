@@ -273,7 +273,7 @@ def moe_step_lines(axis, run=None, steps: int = 0) -> list:
     take_load: observers.RoutedLoad)."""
     traffic = axis.facts().traffic
     load = axis.observer.take_load(traffic.micro_batches)
-    axis.observer.take_coupling()  # the co-selection window restarts with each line: the end prints the last one
+    axis.observer.restart_coupling()  # the co-selection window restarts with each line: the end prints the last
     if load is None:
         return []
     loads, dropped, span = load

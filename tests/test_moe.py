@@ -1070,7 +1070,7 @@ def test_the_router_and_the_replicas_loads_share_one_all_reduce_per_group(monkey
         load.add(torch.tensor(step))
     riders = torch.tensor([[5, 2, 4, 4], [1, 1, 1, 4]])  # capacity dropped some: the kept slots
     summed = router.finish_step(loads, ["dp_cp"], riders.clone())
-    assert calls == [("dp_cp", (4 if bias else 2, 4))]
+    assert calls == [("dp_cp", ((4 if bias else 2) * 4,))]  # flat: coselect's riders are wider ([L, N + N²])
     assert summed.tolist() == (2 * riders).tolist()
     assert loads[0].last.tolist() == ([12, 4, 8, 8] if bias else [6, 2, 4, 4])
     assert loads[1].last.tolist() == ([2, 2, 2, 10] if bias else [1, 1, 1, 5])
