@@ -22,18 +22,15 @@ H = 500, against 16.23 for one worker and 15.30 for DDP with an 8× batch.
 
 import argparse
 import math
-import multiprocessing
 import os
 import re
-import socket
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
 import train  # noqa: E402
+from common import train_on_forked_ranks  # noqa: E402
 
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 PHASE_ROW = re.compile(r"^(\w+)\s+(\S+)\s+(\S+)\s+(\d+)\s+([\d.]+ \w+)\s+([\d.]+ \w+)\s+[\d.]+$")
@@ -45,33 +42,9 @@ def _bytes(text: str) -> float:
     return float(value) * UNITS[unit]
 
 
-def _rank(rank: int, world: int, port: int, argv: list, log_path: str) -> None:
-    """One rank of train.py, as torchrun would start it; rank 0's output goes to log_path."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    with open(log_path if rank == 0 else os.devnull, "w") as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-        sys.stdout = os.fdopen(1, "w", buffering=1)
-        train.main(argv)
-
-
 def run(world: int, argv: list, out_dir: str, label: str) -> dict:
     """train.main on `world` forked ranks; what rank 0 printed, parsed: val loss and the bytes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path = os.path.join(out_dir, f"{label}.log")
-    context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_rank, args=(r, world, port, argv, log_path)) for r in range(world)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join()
-    text = open(log_path).read()
-    if any(p.exitcode for p in ranks):
-        raise SystemExit(f"{label}: a rank failed (exit codes {[p.exitcode for p in ranks]}):\n{text[-3000:]}")
+    text = train_on_forked_ranks(train.main, world, argv, out_dir, label)
     vals = VAL.findall(text)
     sent, cross = 0.0, 0.0
     for line in text.splitlines():

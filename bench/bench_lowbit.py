@@ -20,7 +20,6 @@ import argparse
 import multiprocessing
 import os
 import re
-import socket
 import sys
 import tempfile
 
@@ -32,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 import train  # noqa: E402
 import tensor_parallel  # noqa: E402
 from accounting.tracer import CommTracer  # noqa: E402
-from common import add_device_argument, alternate, launch, rank_device  # noqa: E402
+from common import add_device_argument, alternate, launch, rank_device, train_on_forked_ranks  # noqa: E402
 from mfu import format_bytes, wire_bytes  # noqa: E402
 from model import GPT, config_from_preset  # noqa: E402
 from parallel import lowbit  # noqa: E402
@@ -176,33 +175,9 @@ def depth_table(depths: list, batch: int, seq: int, device: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _train_rank(rank: int, world: int, port: int, argv: list, log_path: str) -> None:
-    """One rank of train.py, as torchrun would start it; rank 0's output goes to log_path."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    with open(log_path if rank == 0 else os.devnull, "w") as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-        sys.stdout = os.fdopen(1, "w", buffering=1)
-        train.main(argv)
-
-
 def train_run(world: int, argv: list, out_dir: str, label: str) -> dict:
     """train.main on `world` forked ranks; its step lines parsed: {step: loss}, the final val loss."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path = os.path.join(out_dir, f"{label}.log")
-    context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_train_rank, args=(r, world, port, argv, log_path)) for r in range(world)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join()
-    text = open(log_path).read()
-    if any(p.exitcode for p in ranks):
-        raise SystemExit(f"{label}: a rank failed (exit codes {[p.exitcode for p in ranks]}):\n{text[-3000:]}")
+    text = train_on_forked_ranks(train.main, world, argv, out_dir, label)
     losses, val = {}, None
     for line in text.splitlines():
         match = STEP.match(line)

@@ -4,8 +4,11 @@ with --device cuda)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
+import socket
+import sys
 import statistics
 import tempfile
 import time
@@ -123,3 +126,34 @@ def launch(fn, world: int, *args, device: str = "cpu", start_method: str = "spaw
 def rank_device() -> torch.device:
     """This rank's device as init_rank set it: its GPU when CUDA is in use, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else torch.device("cpu")
+
+
+def _train_rank(rank: int, world: int, port: int, main, argv: list, log_path: str) -> None:
+    """One rank of train.py, as torchrun would start it; rank 0's output goes to log_path."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    with open(log_path if rank == 0 else os.devnull, "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        main(argv)
+
+
+def train_on_forked_ranks(main, world: int, argv: list, out_dir: str, label: str) -> str:
+    """`main(argv)` (train.main) on `world` forked ranks on a free port; what rank 0 printed (also in
+    out_dir/label.log). A failed rank ends the bench with its exit codes and the log's tail."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = os.path.join(out_dir, f"{label}.log")
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_train_rank, args=(r, world, port, main, argv, log_path)) for r in range(world)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join()
+    text = open(log_path).read()
+    if any(p.exitcode for p in ranks):
+        raise SystemExit(f"{label}: a rank failed (exit codes {[p.exitcode for p in ranks]}):\n{text[-3000:]}")
+    return text

@@ -49,6 +49,20 @@ def device():
     return torch.device("cpu")
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (/proc, Linux): a launcher's workers."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass  # it ended while we looked
+    return out
+
+
 def backend_flags(nproc: int) -> list[str]:
     """`--backend` for a test that launches train.py with torchrun on `nproc` ranks: the suite's backend, said
     explicitly (left to itself, train.py picks NCCL whenever a GPU is visible, and gloo is what the suite asked

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import harness
-from harness import backend_flags, run_bench, run_ranks
+from harness import backend_flags, child_pids, run_bench, run_ranks
 from reference import HYPER, global_batches, make_config, rank_micro_batches, reference_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -986,20 +986,6 @@ def test_measuring_the_peak_draws_nothing_from_the_training_rng():
 FAULT_STEPS = 12
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def _rank_of(pid: int) -> int | None:
     """The RANK torchrun gave a worker (its environment), or None if it is gone."""
     try:
@@ -1045,7 +1031,7 @@ def kill_a_worker_when(proc, condition, rng, timeout=60, rank=None) -> int | Non
     try:
         while time.monotonic() < deadline and proc.poll() is None:
             if condition():
-                workers = _children(proc.pid)
+                workers = child_pids(proc.pid)
                 if len(workers) == 2:
                     victim = (rng.choice(sorted(workers)) if rank is None
                               else next((w for w in workers if _rank_of(w) == rank), None))

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from harness import backend_flags
+from harness import backend_flags, child_pids
 from cli.flags import FlagError, build_parser, validate
 from train import AXES
 
@@ -659,20 +659,6 @@ def test_the_accounting_reads_a_layout_only_through_the_protocol():
     assert not beyond, beyond
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (/proc, Linux)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass  # it ended while we looked
-    return out
-
-
 @pytest.mark.slow
 def test_workers_stop_with_a_killed_launcher_and_the_newest_checkpoint_survives(tmp_path):
     """SIGKILL to torchrun's process group reaches torchrun alone: its agent started the workers with setsid.
@@ -689,11 +675,11 @@ def test_workers_stop_with_a_killed_launcher_and_the_newest_checkpoint_survives(
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 150
-        while ckpt_files.newest_committed(str(ck)) is None or len(_children(launcher.pid)) < 2:
+        while ckpt_files.newest_committed(str(ck)) is None or len(child_pids(launcher.pid)) < 2:
             assert time.time() < deadline and launcher.poll() is None, "no checkpoint was committed"
             time.sleep(0.5)
         time.sleep(1.0)  # into the middle of some step, or of a background save
-        workers = _children(launcher.pid)
+        workers = child_pids(launcher.pid)
     finally:
         os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's group: torchrun, not its workers' sessions
         launcher.wait()
