@@ -354,5 +354,53 @@ def print_table(rows: list, tau_star_steps: float) -> None:
           f" persist), no restart met a half-written checkpoint")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Bamboo's model beside checkpointing (bench/bench_redundancy.py measures its inputs and calls it)
+# ---------------------------------------------------------------------------------------------------------
+
+BAMBOO_MTBFS = (20, 60, 200, 600, 2000, 6000, 36000)  # seconds between preemptions, whole job
+
+
+def print_bamboo(overhead: float, takeover_s: float, restart_s: float, cost_s: float, P: int,
+                 mtbfs=BAMBOO_MTBFS) -> None:
+    """Goodput predicted against the time between preemptions M: checkpointing at Young's τ* = sqrt(2CM)
+    (first order and Daly's), Bamboo's redundancy (any stage absorbed, a replacement at once) and this repository's
+    (stage 0 not served: 1/P of the preemptions restart from a checkpoint taken at their own τ*), with the
+    crossover where redundancy starts to pay."""
+    cost = max(cost_s, 1e-3)  # a save measured as free: τ* → 0 would divide by it
+    covered = (P - 1) / P
+
+    def checkpointing(m):
+        tau = goodput.young_interval(cost, m)
+        return goodput.predicted_goodput(tau, cost, m, restart_s), goodput.daly_goodput(tau, cost, m, restart_s)
+
+    def here(m):
+        tau = goodput.young_interval(cost, m / (1 - covered))
+        return goodput.redundancy_goodput(overhead, takeover_s, m, covered, restart_s, tau, cost)
+
+    print(f"goodput predicted by preemption rate (inputs measured: o = {overhead:.3f}, K = {takeover_s:.2f} s,"
+          f" R = {restart_s:.2f} s, C = {cost * 1e3:.0f} ms, P = {P}):")
+    print("  checkpointing 1 − C/τ* − τ*/(2M) − R/M at τ* = sqrt(2CM) (Daly's form beside); Bamboo (1 − o)·(1 − K/M);"
+          f" here (1 − o)·(1 − C/τ − (c·K + (1 − c)·(R + τ/2))/M), c = (P − 1)/P = {covered:.2f}, τ = τ* of M/(1 − c)")
+    print(f"  {'M s':>7} {'per hour':>8} {'τ* s':>6} {'ckpt':>6} {'Daly':>6} {'Bamboo':>6} {'here':>6}  better")
+    for m in mtbfs:
+        first, daly = checkpointing(m)
+        bamboo = goodput.redundancy_goodput(overhead, takeover_s, m)
+        print(f"  {m:>7.0f} {3600 / m:>8.1f} {goodput.young_interval(cost, m):>6.2f} {max(0.0, first):>6.3f}"
+              f" {daly:>6.3f} {max(0.0, bamboo):>6.3f} {max(0.0, here(m)):>6.3f}"
+              f"  {'redundancy' if bamboo > first else 'checkpointing'}")
+    lo, hi = 1.0, 1e7  # the crossover: Bamboo minus checkpointing falls with M (o stays, the failures' cost goes)
+    gain = lambda m: goodput.redundancy_goodput(overhead, takeover_s, m) - checkpointing(m)[0]  # noqa: E731
+    if gain(lo) > 0 > gain(hi):
+        for _ in range(60):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if gain(mid) > 0 else (lo, mid)
+        print(f"  redundancy pays while preemptions come more often than every {lo:.0f} s ({3600 / lo:.1f} per hour)")
+    print("  where the model stops holding: a lost stage 0 (not served here: a checkpoint restart, the `here`"
+          " column), a second loss during a takeover (K ≪ M assumed: the run ends on its newest checkpoint), two"
+          " adjacent stages lost at once; this repository continues on P − 1 stages with no replacement, so at"
+          " most P − 1 takeovers, each making the step slower on dedicated devices (one rank runs two stages)")
+
+
 if __name__ == "__main__":
     main()

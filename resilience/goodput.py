@@ -34,7 +34,9 @@ restart cost per failure and τ the work between checkpoints (seconds), the wast
 
 (a failure loses half an interval on average). Daly (2006) gives the higher-order form for exponential
 failures: the expected wall time per unit of work T_wall/T_s = M·e^{R/M}·(e^{(τ+C)/M} − 1)/τ, optimal at
-τ_opt = sqrt(2CM)·(1 + sqrt(C/(2M))/3 + C/(18M)) − C (C < 2M), else M.
+τ_opt = sqrt(2CM)·(1 + sqrt(C/(2M))/3 + C/(18M)) − C (C < 2M), else M. Pipeline redundancy (Bamboo) trades the
+restart and the lost interval for a steady overhead o and a takeover K per failure: (1 − o)·(1 − K/M) to first
+order (`redundancy_goodput`, with the share of failures it cannot absorb restarted from a checkpoint).
 
 Accounting for this file: 1. replicated: the ledger, a vector of a dozen float64s per rank (rank 0's is the one
 saved); 2. nothing on a device; 3. no message; 4. restart state: the ledger (kind `goodput/`, optional: a
@@ -245,3 +247,17 @@ def daly_goodput(tau_s: float, checkpoint_s: float, mtbf_s: float, restart_s: fl
     failure may strike during a restart too); it tends to 1 − W(τ) when τ, C, R ≪ M."""
     m = mtbf_s
     return tau_s / (m * math.exp(restart_s / m) * math.expm1((tau_s + checkpoint_s) / m))
+
+
+def redundancy_goodput(overhead: float, takeover_s: float, mtbf_s: float, covered: float = 1.0,
+                       restart_s: float = 0.0, tau_s: float = math.inf, checkpoint_s: float = 0.0) -> float:
+    """Pipeline redundancy (Bamboo, resilience/redundancy.py): (1 − o)·(1 − C/τ − (c·K + (1 − c)·(R + τ/2))/M).
+
+    o the steady-state overhead (1 − T_plain/T_redundant: the share of a redundant step that is redundancy), K a
+    takeover's cost (the preemption → the next step done, the interrupted step's redo included), c the share of
+    preemptions a takeover absorbs (1: Bamboo's model, where any stage is shadowed and a replacement joins; here
+    stage 0 is not served: (P − 1)/P), the rest a checkpoint restart (R, and half an interval τ redone) of a run
+    that also checkpoints every τ at a cost C. No checkpoint (τ = ∞) and c = 1: (1 − o)·(1 − K/M); no
+    preemption: 1 − o. First order, like `wasted_fraction`: it ignores a second loss during a takeover (K ≪ M)."""
+    uncovered = 0.0 if covered >= 1 else (1 - covered) * (restart_s + tau_s / 2)
+    return (1 - overhead) * (1 - checkpoint_s / tau_s - (covered * takeover_s + uncovered) / mtbf_s)

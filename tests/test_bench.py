@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from resilience import goodput
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 
@@ -37,6 +39,7 @@ SMOKE_PRINTS = {
     "bench_moe_balance": "global MaxVio",
     "bench_muon": "step-time ratio ZeRO-1 owner / gather",
     "bench_pipeline": "one executed step",
+    "bench_redundancy": "restart / takeover",
     "bench_precision": "Δ vs bf16",
     "bench_tp": "params/rank",
     "fault_ckpt": "resumed correctly",
@@ -74,7 +77,7 @@ def test_every_bench_has_a_smoke_that_the_suite_runs():
 @pytest.mark.parametrize("name", sorted(SMOKE_PRINTS))
 def test_bench_smoke_runs(name, tmp_path):
     cmd = [sys.executable, os.path.join(BENCH, name + ".py"), "--smoke"]
-    if name in ("fault_ckpt", "goodput"):
+    if name in ("fault_ckpt", "goodput", "bench_redundancy"):
         cmd += ["--root", str(tmp_path / name)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
@@ -92,3 +95,36 @@ def test_max_violation_is_the_loss_free_papers():
         sys.path.remove(BENCH)
     loads = torch.tensor([[1, 1, 1, 1], [4, 0, 0, 0], [3, 1, 2, 2], [0, 5, 1, 2]])
     assert max_violation(loads).tolist() == [0.0, 3.0, 0.5, (5 - 2) / 2]
+
+
+def _bench(name: str):
+    saved = list(sys.path)
+    sys.path.insert(0, BENCH)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+
+
+@pytest.mark.parametrize("schedule,P,m", [("gpipe", 2, 4), ("1f1b", 2, 4), ("gpipe", 4, 8), ("1f1b", 4, 8)])
+def test_redundancys_predicted_overhead_from_the_schedule(schedule, P, m):
+    """bench_redundancy's predictions: every rank runs m R's (in the bubble or after its last action); on shared
+    cores the work grows by m·F / (m·(F + B)) = 1/3 whatever the schedule; on dedicated devices the step grows
+    only by the R's that did not fit, at most by all of them."""
+    pred = _bench("bench_redundancy").predicted_overhead(schedule, P, m)
+    assert pred["in_bubble"] + pred["after"] == P * m
+    assert pred["shared"] == pytest.approx(4 / 3, rel=1e-12)
+    assert 1.0 <= pred["dedicated"] <= 1 + m / (3 * (m + P - 1)) + 1e-12  # all m after the makespan
+    assert (pred["dedicated"] > 1) == (pred["after"] > 0)
+
+
+def test_goodputs_bamboo_table_puts_the_crossover_where_the_two_models_meet(capsys):
+    """bench/goodput.py's print_bamboo: the rate below which checkpointing wins is where (1 − o)·(1 − K/M) equals
+    1 − C/τ* − τ*/(2M) − R/M (within the bisection's and the print's rounding)."""
+    bench = _bench("goodput")
+    o, k, r, c = 0.2, 0.5, 20.0, 0.06
+    bench.print_bamboo(o, k, r, c, 4)
+    line = next(l for l in capsys.readouterr().out.splitlines() if "redundancy pays while" in l)
+    m = float(line.split("every ")[1].split(" s")[0])
+    tau = goodput.young_interval(c, m)
+    assert goodput.redundancy_goodput(o, k, m) == pytest.approx(goodput.predicted_goodput(tau, c, m, r), abs=2e-3)

@@ -176,6 +176,19 @@ def test_dalys_goodput_tends_to_the_first_order_model_when_failures_are_rare():
     assert goodput.daly_goodput(tau, c, m, r) == pytest.approx(goodput.predicted_goodput(tau, c, m, r), abs=1e-6)
 
 
+@pytest.mark.parametrize("o,k,m", [(0.25, 0.2, 60.0), (0.05, 2.0, 3600.0), (-0.1, 0.5, 5.0)])
+def test_redundancys_goodput_is_its_overhead_without_preemptions_and_loses_k_per_preemption(o, k, m):
+    """Bamboo's model (no checkpoint, every stage served): 1 − o without preemptions, (1 − o)·(1 − K/M): a
+    preemption costs K seconds of (redundant) progress; with a share 1 − c restarted from a checkpoint, those
+    cost R + τ/2 and the saves C/τ: checked against the expected lost time counted by hand."""
+    assert goodput.redundancy_goodput(o, k, math.inf) == pytest.approx(1 - o, abs=1e-15)
+    assert goodput.redundancy_goodput(o, k, m) == pytest.approx((1 - o) * (1 - k / m), rel=1e-12)
+    c, r, tau, cost = 0.75, 20.0, 10.0, 0.5
+    lost_per_second = cost / tau + (c * k + (1 - c) * (r + tau / 2)) / m
+    assert goodput.redundancy_goodput(o, k, m, c, r, tau, cost) == pytest.approx((1 - o) * (1 - lost_per_second),
+                                                                                  rel=1e-12)
+
+
 def test_the_bench_flags_are_checked_in_one_line(capsys):
     bench = _bench_module()
     for argv, message in ((["--kills", "2"], "--kills 2.0: at least 3 expected kills per run"),
