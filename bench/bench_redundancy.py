@@ -17,22 +17,24 @@ way: nobody stops the survivors when one dies), tiny preset with P layers, fp32,
    cores (P processes on fewer cores, as here) the idle time is another rank's compute, and the step grows with
    the work: busy time with R / without (4/3 whatever P and m). Neither counts the gradient exchange or the
    shadow's update (one more AdamW over the successor's parameters).
-2. Recovery and goodput, on the largest P with 1F1B: runs of --goodput-steps steps with k = 0, 1, 2 SIGKILLs
-   (k ≤ P − 2: after P − 2 takeovers no redundancy is left), each of the last stage's process (never stage 0,
-   which the takeover does not serve), after k evenly spaced steps.
+2. Recovery and goodput, on the largest P with 1F1B (--part goodput runs this part alone), in one stretch of the
+   machine's load: an uninterrupted run without redundancy, one with it, then runs of --goodput-steps steps with
+   k = 0, 1, 2 SIGKILLs (at most P − 1), each of the last stage's process (never stage 0, which the takeover does
+   not serve), after k evenly spaced steps, and the uninterrupted run without redundancy again.
    - redundancy: no checkpoint; the survivors take over (P → P − 1 per kill) and replay the interrupted step.
      Recovery = the kill → the first step line of the smaller world.
    - checkpointing: the same pipeline without redundancy, --ckpt-every τ steps (--async-ckpt); at a kill the
      bench kills the survivors at once (a launcher's agent would) and relaunches P workers with --resume latest
      (a replacement node at once: Bamboo's and torchrun's assumption). Recovery = the kill → the first step
      line of a step not done before the kill (relaunch, start-up, restore, and the steps since the checkpoint
-     redone).
+     redone); R = the kill → the relaunch's first step line.
    Goodput = useful time / wall time over the window from the step line of step `WARMUP` to the last step line:
-   useful = the uninterrupted run without redundancy or checkpoints over the same steps (k = 0 of
-   part 1, same P and schedule: its median window). The model (resilience/goodput.py): checkpointing
-   1 − C/τ − τ/(2M) − R/M; redundancy (1 − o)·(1 − K/M), o = 1 − T_plain/T_redundant, K the takeover's recovery;
-   with the inputs measured here it predicts each measured run (M = its window / k) and, printed by
-   bench/goodput.py's `print_bamboo`, goodput at rates beyond.
+   useful = the uninterrupted runs without redundancy or checkpoints over the same steps (the median of the two).
+   The model (resilience/goodput.py): checkpointing 1 − C/τ − τ/(2M) − R/M (C: the k = 0 checkpointing run's
+   slower steps per save); redundancy (1 − o)·(1 − K/M), o = 1 − T_plain/T_redundant (part 1's median where it
+   ran: one pair of runs is noise on a loaded machine; else the pair here), K the takeover's recovery; with these inputs it predicts each measured run (M = its window / k) and,
+   printed by bench/goodput.py's `print_bamboo`, goodput at rates beyond. The model keeps P stages; the runs
+   here continue on P − 1 after a takeover (the after/before column: their step on the last world / on P).
 Timings are wall-clock on whatever machine runs it: the load average is printed with each table.
 """
 
@@ -70,6 +72,8 @@ def parse_args(argv=None):
     parser.add_argument("--ckpt-every", type=int, default=10, help="τ: the checkpointing runs' interval, steps")
     parser.add_argument("--root", default="/tmp/redundancy-bench",
                         help="a new or empty directory (or one this bench made): it is cleared run by run")
+    parser.add_argument("--part", choices=["both", "overhead", "goodput"], default="both",
+                        help="1 (overhead), 2 (recovery and goodput), or both")
     parser.add_argument("--smoke", action="store_true", help="P = 2, 1f1b, one repeat, one kill each way")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -182,12 +186,15 @@ def window(lines: list) -> tuple:
     return lines[-1][0] - start, max(step for _, step, _, _ in lines) - WARMUP
 
 
-def killed_run(run_dir: str, corpus: str, P: int, schedule: str, steps: int, kills: int, redundant: bool,
+def killed_run(run_dir: str, corpus: str, P: int, schedule: str, steps: int, kills: int, way: str,
                ckpt_every: int) -> dict:
-    """A run with `kills` SIGKILLs of the last stage's process after evenly spaced steps: taken over
-    (`redundant`) or relaunched from the newest checkpoint. Its lines, and each kill's recovery."""
-    extra = ["--pp-redundant"] if redundant else ["--ckpt-dir", os.path.join(run_dir, "ck"), "--ckpt-every",
-                                                  str(ckpt_every), "--async-ckpt", "--keep", "2"]
+    """A run with `kills` SIGKILLs of the last stage's process after evenly spaced steps, `way` "redundancy"
+    (taken over) or "checkpoint" (relaunched from the newest checkpoint); "plain" (no kill): neither. Its lines,
+    and each kill's recovery."""
+    redundant = way == "redundancy"
+    extra = {"plain": [], "redundancy": ["--pp-redundant"],
+             "checkpoint": ["--ckpt-dir", os.path.join(run_dir, "ck"), "--ckpt-every", str(ckpt_every),
+                            "--async-ckpt", "--keep", "2"]}[way]
     at = [WARMUP + 2 + (steps - WARMUP - 4) * (i + 1) // (kills + 1) for i in range(kills)]
     lines = Lines(os.path.join(run_dir, "metrics.jsonl"))
     procs, alive, world = launch(run_dir, corpus, P, schedule, steps, extra), list(range(P)), P
@@ -289,26 +296,36 @@ def overhead_table(args, corpus: str) -> dict:
     return out
 
 
-def goodput_table(args, corpus: str, overheads: dict) -> None:
-    """Part 2: the runs with kills, both ways; recovery and goodput measured, and predicted by the model."""
+def goodput_table(args, corpus: str, overheads: dict | None = None) -> None:
+    """Part 2: the runs with kills, both ways, between two uninterrupted runs without redundancy (the useful
+    time) and one with it (o), all in one stretch of the machine's load; recovery and goodput measured, and
+    predicted by the model. o: part 1's median ratio where it ran (one pair of runs is noise on a loaded
+    machine), else this part's pair."""
     P, schedule = max(args.pps), "1f1b" if "1f1b" in args.schedules else args.schedules[0]
-    base = overheads[(P, schedule)]
-    plain_per_step = statistics.median(base["windows"])  # the uninterrupted run's window per step
-    ratio = base["ratio"]
+    rows, plain = {}, []
+    runs = [("plain", 0), ("redundancy", 0), ("checkpoint", 0)]
+    runs += [(way, k) for k in range(1, min(2, P - 1) + 1) for way in ("redundancy", "checkpoint")] + [("plain", 0)]
+    for index, (way, kills) in enumerate(runs):
+        name = f"{way}-k{kills}-{index}"
+        try:
+            row = killed_run(os.path.join(args.root, name), corpus, P, schedule, args.goodput_steps, kills, way,
+                             args.ckpt_every)
+        except RuntimeError as e:  # said, and the row left out (the smoke's runs must succeed)
+            if args.smoke or way == "plain" or kills == 0:
+                raise
+            print(f"  {name}: the run failed, left out of the tables: {str(e)[:2000]}", flush=True)
+            continue
+        if way == "plain":
+            plain.append(window(row["lines"])[0] / window(row["lines"])[1])
+        else:
+            rows[(way == "redundancy", kills)] = row
+    plain_per_step = statistics.median(plain)  # the uninterrupted run's window per step, before and after
+    red_seconds, red_steps = window(rows[(True, 0)]["lines"])
+    pair = red_seconds / red_steps / plain_per_step
+    ratio = overheads[(P, schedule)]["ratio"] if overheads else pair
     overhead = 1 - 1 / ratio
-    rows = {}
-    for kills in range(0, min(2, P - 2 if P > 2 else 1) + 1):
-        for redundant in (True, False):
-            if kills == 0 and redundant:
-                continue  # part 1's runs: goodput = 1 − o
-            name = f"{'takeover' if redundant else 'restart'}-k{kills}"
-            try:
-                rows[(redundant, kills)] = killed_run(os.path.join(args.root, name), corpus, P, schedule,
-                                                      args.goodput_steps, kills, redundant, args.ckpt_every)
-            except RuntimeError as e:  # said, and the row left out (the smoke's k = 1 runs must succeed)
-                if args.smoke:
-                    raise
-                print(f"  {name}: the run failed, left out of the tables: {str(e)[:2000]}", flush=True)
+    print(f"o from {'part 1: the median of its repeats' if overheads else 'this part: one pair of runs'}, step-time"
+          f" ratio {ratio:.2f} (this part's pair of uninterrupted runs: {pair:.2f})")
     clean = rows[(False, 0)]
     seconds, steps = window(clean["lines"])
     cost = max(0.0, seconds / steps - plain_per_step) * args.ckpt_every  # C per save: the slower steps
@@ -333,8 +350,6 @@ def goodput_table(args, corpus: str, overheads: dict) -> None:
           f" load average {load:.1f}):")
     print(f"  {'way':>10} {'kills':>5} {'window s':>8} {'M s':>6} {'measured':>8} {'predicted':>9} {'after/before':>12}"
           f"  model (after/before: the median step on the last world / on P stages)")
-    print(f"  {'redundancy':>10} {0:>5d} {'':>8} {'∞':>6} {1 - overhead:>8.3f} {1 - overhead:>9.3f} {'':>12}"
-          f"  (1 − o)·(1 − K/M): part 1's step-time ratio")
     for (redundant, kills), row in sorted(rows.items(), key=lambda kv: (kv[0][1], not kv[0][0])):
         seconds, steps = window(row["lines"])
         mtbf = seconds / kills if kills else float("inf")
@@ -359,8 +374,9 @@ def main(argv=None):
         f.write("".join(rng.choice("abcdefgh ijklmnop\n") for _ in range(50_000)))
     began = time.monotonic()
     print(f"redundancy bench: P {args.pps}, {args.schedules}; load average {os.getloadavg()[0]:.1f}", flush=True)
-    overheads = overhead_table(args, corpus)
-    goodput_table(args, corpus, overheads)
+    overheads = overhead_table(args, corpus) if args.part in ("both", "overhead") else None
+    if args.part in ("both", "goodput"):
+        goodput_table(args, corpus, overheads)
     print(f"bench wall time {time.monotonic() - began:.0f} s; load average {os.getloadavg()[0]:.1f}", flush=True)
 
 
