@@ -32,8 +32,9 @@ way: nobody stops the survivors when one dies), tiny preset with P layers, fp32,
    useful = the uninterrupted runs without redundancy or checkpoints over the same steps (the median of the two).
    The model (resilience/goodput.py): checkpointing 1 − C/τ − τ/(2M) − R/M (C: the k = 0 checkpointing run's
    slower steps per save); redundancy (1 − o)·(1 − K/M), o = 1 − T_plain/T_redundant (part 1's median where it
-   ran: one pair of runs is noise on a loaded machine; else the pair here), K the takeover's recovery; with these inputs it predicts each measured run (M = its window / k) and,
-   printed by bench/goodput.py's `print_bamboo`, goodput at rates beyond. The model keeps P stages; the runs
+   ran: one pair of runs is noise on a loaded machine; else the pair here), K the takeover's recovery; with
+   these inputs it predicts each measured run (M = its window / k) and, printed by bench/goodput.py's
+   `print_bamboo`, goodput at rates beyond. The model keeps P stages; the runs
    here continue on P − 1 after a takeover (the after/before column: their step on the last world / on P).
 Timings are wall-clock on whatever machine runs it: the load average is printed with each table.
 """
