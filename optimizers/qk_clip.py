@@ -36,7 +36,8 @@ Accounting (L the attention layers this rank holds, H' the heads of each it hold
 2. Persistent: L·H' fp32 per rank. Transient: the logits of one micro-batch's layer, B·H'·s² in the
    projection's dtype (the unfused attention's), and one layer's logical scale vector (3·n_embd) at a time.
 3. Messages: one all-reduce (MAX) of L·H' fp32 over dp×cp per step, when dp×cp > 1 (`predicted_messages`);
-   it blocks the step's end (the scale waits for it). Nothing over tp, pp or cp.
+   it blocks the step's end (the scale waits for it). Nothing over tp, pp or cp. One host synchronisation per
+   step (which heads clip: the scale is built on the host, one logical row vector per clipped layer).
 4. Restart state: none (the maxima restart with each step).
 """
 
