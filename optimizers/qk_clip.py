@@ -29,12 +29,13 @@ Refused (one line, exit 2): --cp > 1 (a rank's queries would have to meet every 
 to be gathered over the CP group), --diloco-h (the outer anchor is a copy it would not scale), --pp-redundant (the
 shadow stages' copies), --offload (the host's masters). Everything else is served: DDP, ZeRO-1/2/3 (each rank
 scales the rows of W_q and W_k it holds), TP (heads are local to a TP rank: no TP collective), PP (each stage its
-own layers), MoE (its attention is dense), AdamW or Muon.
+own layers), MoE (its attention is dense), AdamW or Muon; FP8 and the precision recipes quantise the scaled
+weights from the next forward on (their caches of a weight's codes end with each step), served but not tested.
 
 Accounting (L the attention layers this rank holds, H' the heads of each it holds: H/T):
 1. Replicated vs split: the maxima L·H' floats, replicated over dp×cp after the all-reduce; split by TP and PP.
-2. Persistent: L·H' fp32 per rank. Transient: the logits of one micro-batch's layer, B·H'·s² in the
-   projection's dtype (the unfused attention's), and one layer's logical scale vector (3·n_embd) at a time.
+2. Persistent: L·H' fp32 per rank (float64 in a float64 run, as the message). Transient: the logits of one
+   micro-batch's layer, B·H'·s² (the unfused attention's), and one layer's logical scale (3·n_embd) at a time.
 3. Messages: one all-reduce (MAX) of L·H' fp32 over dp×cp per step, when dp×cp > 1 (`predicted_messages`);
    it blocks the step's end (the scale waits for it). Nothing over tp, pp or cp. One host synchronisation per
    step (which heads clip: the scale is built on the host, one logical row vector per clipped layer).
@@ -92,7 +93,9 @@ class QKClipFacts:
 
     tau: float
     heads: int  # L·H' on this rank
-    clipped_last_step: int
+    clipped_last_step: int  # heads clipped by the last step
+    clipped_total: int  # head-steps clipped since the start (this process)
+    message_bytes: int  # the maxima's all-reduce payload per step (0: one rank, no message)
 
 
 class QKClip(Axis):
@@ -102,7 +105,7 @@ class QKClip(Axis):
     name = "qk_clip"
 
     def __init__(self, config: QKClipConfig, model, group=None, dtype: torch.dtype = torch.float32):
-        self.config, self.group, self.dtype, self.clipped = config, group, dtype, 0
+        self.config, self.group, self.dtype, self.clipped, self.clipped_total = config, group, dtype, 0, 0
         self.recorders = {}  # {c_attn's weight global name: HeadMax}
         self.heads = {}  # {that name: the global index of each local head, [H']}
         self.width = {}  # {that name: n_embd, the logical width of each of q, k and v}
@@ -131,6 +134,7 @@ class QKClip(Axis):
             recorder.value = None
         clipped = torch.isfinite(maxima) & (maxima > self.config.tau) & (not skipped)
         self.clipped = int(clipped.sum())
+        self.clipped_total += self.clipped
         if not self.clipped:
             return
         gammas = torch.where(clipped, self.config.tau / maxima.double(), 1.0).cpu()
@@ -148,7 +152,9 @@ class QKClip(Axis):
         return Messages({("all_reduce", "dp_cp"): (1, self.dtype.itemsize * heads)})
 
     def facts(self) -> QKClipFacts:
-        return QKClipFacts(self.config.tau, sum(h.numel() for h in self.heads.values()), self.clipped)
+        payload = sum(count.payload for count in self.predicted_messages(None).values())
+        return QKClipFacts(self.config.tau, sum(h.numel() for h in self.heads.values()), self.clipped,
+                           self.clipped_total, int(payload))
 
 
 def row_scale(heads: torch.Tensor, factors: torch.Tensor, width: int, head_dim: int) -> torch.Tensor:
@@ -184,7 +190,8 @@ def scale_pieces(pieces: list, scales: dict) -> None:
         local = piece.shard.shard_of(logical).reshape(-1)
         if piece.flat_range is not None:
             local = local[piece.flat_range[0]:piece.flat_range[1]]
-        tensor.view(-1).mul_(local.to(device=tensor.device, dtype=tensor.dtype))
+        flat = tensor.view(-1)  # a 16-bit copy: multiplied in fp32, rounded once
+        flat.copy_(flat * local.to(flat.device, torch.promote_types(flat.dtype, torch.float32)))
         done.append((storage, first, end))
 
 

@@ -4,11 +4,13 @@
    head whose largest causal logit S exceeded τ has its q and k rows (weight and bias) multiplied by √(τ/S), so its
    recomputed S is τ (1e-12); every other head's rows, and every v row, are bitwise untouched; a master piece
    that aliases the weight (ZeRO's, when the dtypes agree) is scaled once; a skipped step clips nothing.
-2. Through the harness (2 ranks, one spawn): DDP (D = 2), ZeRO-3 (D = 2), TP (T = 2) with AdamW and ZeRO-1
-   owner-shaped Muon (D = 2) with --qk-clip follow the one-process run clipped by hand (tests/reference.py's
-   `watch`: hooks on c_attn, the logits written out head by head, the rows scaled) in float64 to 1e-10, with
+2. Through the harness (2 ranks, one spawn): DDP (D = 2), ZeRO-3 (D = 2) and TP (T = 2) with --qk-clip follow
+   the one-process run clipped by hand (tests/reference.py's `watch`: hooks on c_attn, the logits written out
+   head by head, the rows scaled) in float64 to 1e-10, with
    τ between the heads' logits so that some heads clip and some do not; every traced (collective, group) of a
    step is report.run.predicted_messages (the maxima's one all-reduce over dp_cp; none over tp).
+   Slow (4 ranks, one spawn): PP (P = 2 × D = 2, ZeRO-2's pipeline layout), TP with SP (T = 2 × D = 2, ZeRO-1),
+   Muon at ZeRO-3 gathered and at ZeRO-1 owner-shaped (D = 4), full activation checkpointing (D = 4), alike.
 The flag's refusals (τ ≤ 0, a non-number, --cp > 1): one line naming --qk-clip, exit 2.
 """
 
@@ -132,11 +134,10 @@ def test_a_clipped_head_recomputes_to_tau_and_the_others_are_untouched():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 2. DDP, ZeRO-3, TP and ZeRO-1 owner-shaped Muon through train.compose, against the hand-clipped run
+# 2. DDP, ZeRO-3 and TP through train.compose, against the hand-clipped run
 # ---------------------------------------------------------------------------------------------------------
 
-CASES = [([], 4, 1), (["--zero", "3"], 4, 1), (["--tp", "2"], 4, 1),
-         ([*MUON_FLAGS, "--zero", "1", "--muon-owner"], 4, 1)]  # (flags, global batch, B_μ): D·m = 4 micro-batches
+CASES = [([], 4, 1), (["--zero", "3"], 4, 1), (["--tp", "2"], 4, 1)]  # (flags, global batch, B_μ): D·m = 4
 
 
 def _case(rank, world, flags, global_batch, micro):
@@ -156,7 +157,7 @@ def _cases(rank, world):
     return [_case(rank, world, *case) for case in CASES]
 
 
-def test_ddp_zero3_tp_and_muon_follow_the_hand_clipped_run_and_send_what_they_predict():
+def test_ddp_zero3_and_tp_follow_the_hand_clipped_run_and_send_what_they_predict():
     results = run_ranks(_cases, 2, timeout=300)
     config = make_config()
     for index, (flags, global_batch, micro) in enumerate(CASES):
@@ -190,3 +191,33 @@ def test_a_bad_value_is_one_line_naming_the_flag_and_exit_2(flags, world, messag
         flags_lib.parse(["--preset", "tiny", "--out-dir", str(tmp_path / "out"), *flags], train.AXES)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Slow (4 ranks, one spawn): PP under ZeRO-2's pipeline layout, TP with SP under ZeRO-1, Muon gathered (ZeRO-3)
+# and owner-shaped (ZeRO-1), full activation checkpointing under DDP (D = 4: a recompute records nothing twice)
+# ---------------------------------------------------------------------------------------------------------
+
+SLOW_CASES = [(["--pp", "2", "--zero", "2"], 8, 1), (["--tp", "2", "--sp", "--zero", "1"], 4, 1),
+              ([*MUON_FLAGS, "--zero", "3"], 8, 1), ([*MUON_FLAGS, "--zero", "1", "--muon-owner"], 8, 1),
+              (["--activation-checkpointing", "full"], 8, 1)]
+
+
+def _slow_cases(rank, world):
+    return [_case(rank, world, *case) for case in SLOW_CASES]
+
+
+@pytest.mark.slow
+def test_pp_sp_muon_gather_and_recompute_follow_the_hand_clipped_run():
+    results = run_ranks(_slow_cases, 4, timeout=600)
+    config = make_config()
+    for index, (flags, global_batch, micro) in enumerate(SLOW_CASES):
+        watch, clipped = hand_clip(TAU, config.n_head)
+        muon_lr = MUON["lr"] if "muon" in flags else None
+        reference = reference_run(config, global_batches(STEPS, global_batch, SEQ), clip=CLIP,
+                                  micro_batches=global_batch // micro, muon_lr=muon_lr, watch=watch)
+        assert 0 < len(clipped) < STEPS * config.n_layer * config.n_head, (flags, clipped)
+        per_rank = [r[index] for r in results]
+        assert_runs_follow([(losses, params) for losses, params, *_ in per_rank], reference[0], reference[2], TOL)
+        for rank, (_, _, traced, predicted) in enumerate(per_rank):
+            assert_traced_as_predicted(traced, predicted, (flags, rank))
