@@ -259,7 +259,8 @@ def offload_lines(role: Role, prediction: Prediction, hw: hardware.Hardware) -> 
     t = {what: seconds * 1e3 for what, seconds in prediction.host.items()}
     lines = [f"  host memory (--offload): {fmt(o.freed)} of optimizer state moved off this GPU (in the persistent"
              f" bytes above no more); the host holds {fmt(o.host)} for it (moments, master, gradient staging),"
-             f" {fmt(o.host * g)} a node of {g} such GPUs"]
+             f" {fmt(o.host * g)} a node of {g} such GPUs, of {hw.host_memory_gib:g} GiB:"
+             f" {'fits' if o.host * g <= hw.host_memory_gib * 2**30 else 'DOES NOT FIT'}"]
     if t:  # a measured CPU times its update instead (its host is its device)
         lines.append(f"  host link a step: {fmt(o.moved['d2h'])} to the host, {fmt(o.moved['h2d'])} back, at"
                      f" {hw.host_link_gbps:g} GB/s a direction: the gradient's copy {t['gradient copy']:,.2f} ms"

@@ -4,13 +4,14 @@ the full-size plan (planner/search.py's --plan-search, run four times; parallel/
     python bench/bench_scale_in.py --world 64 --preset gpt3-13b --global-batch 512 --hw-memory-gib 80
     python bench/bench_scale_in.py --smoke    # the tiny preset on 8 and 4 GPUs of a 0.6 MiB device: seconds
 
-Every flag but --world and --smoke is plan.py's and goes to each search as given (--hw-host-link-gbps and
---hw-host-adam-gbps only to the offloaded ones: they need --offload). The searches: --world N without offload (the
-full-size plan), then N/2 without offload, with --offload optimizer and with --offload optimizer+master; the global
-batch stays (the same job on fewer GPUs, as TRANSIT measures it), so each GPU of the half-size runs carries twice the
-tokens. One table: GPUs, offload, the best layout, its predicted step, tokens/s per GPU, its peak device memory,
-the host memory of a node (offload's: G × the fullest stage's host bytes), and its tokens/s per GPU over the
-full-size plan's. A search that finds no layout that fits says so, with the smallest peak it sized.
+Every flag but --world and --smoke is plan.py's and goes to each search as given (--hw-host-link-gbps,
+--hw-host-adam-gbps and --hw-host-memory-gib only to the offloaded ones: they need --offload). The searches:
+--world N without offload (the full-size plan), then N/2 without offload, with --offload optimizer and with
+--offload optimizer+master; the global batch stays (the same job on fewer GPUs, as TRANSIT measures it), so each
+GPU of the half-size runs carries twice the tokens. One table: GPUs, offload, the best layout, its predicted step,
+tokens/s per GPU, its peak device memory, the host memory of a node (offload's: G × the fullest stage's host
+bytes, time_model.host_per_node), the update's time (the host's, exposed, with offload) and its tokens/s per GPU
+over the full-size plan's. A search that finds no layout that fits says so, with the smallest peak it sized.
 
 Why a bench and not a flag: the answer composes four searches of flags that exist; `--offload auto` would be a
 value of a run's flag that no run can take. Accounting for this file: it allocates nothing and sends nothing.
@@ -29,11 +30,11 @@ import mfu  # noqa: E402
 import planner.formulas  # noqa: E402
 import planner.search  # noqa: E402
 from planner import hardware  # noqa: E402
-from planner.time_model import layout_name  # noqa: E402
+from planner.time_model import host_per_node, layout_name  # noqa: E402
 
 SMOKE = ["--preset", "tiny", "--dtype", "bf16", "--seq-len", "64", "--global-batch", "16", "--hw-memory-gib",
          str(0.6 * 2**20 / 2**30)]  # 0.6 MiB: on 4 GPUs no layout of the tiny model fits without offload
-HOST_FLAGS = ("--hw-host-link-gbps", "--hw-host-adam-gbps")
+HOST_FLAGS = ("--hw-host-link-gbps", "--hw-host-adam-gbps", "--hw-host-memory-gib")
 OFFLOADS = (None, "optimizer", "optimizer+master")
 
 
@@ -63,10 +64,9 @@ def best_of(argv: list, world: int, offload: str | None) -> dict:
         return row
     prediction, peak, settings = done.best[0][:3]
     tokens = settings.args.global_batch * settings.seq_len
-    roles = planner.formulas.stage_roles(settings)
-    host = max((role.offload.host for role in roles if role.offload is not None), default=0)
+    host = host_per_node(planner.formulas.stage_roles(settings), hw, world)
     return dict(row, layout=layout_name(settings), step=prediction.step, per_gpu=tokens / prediction.step / world,
-                peak=peak, host_node=host * min(hw.gpus_per_node, world), update=prediction.update)
+                peak=peak, host_node=host, update=prediction.update)
 
 
 def scale_in(argv: list, world: int) -> list:

@@ -184,6 +184,8 @@ class OffloadZeroLayout(ZeroLayout):
                     self._adamw(unit, grad)
                 else:  # the master through a host staging copy
                     self._copy(unit.host_master, unit.master, "d2h")
+                    if self.pin:  # the host reads it next: the non-blocking copy must have landed
+                        torch.cuda.current_stream(self.device).synchronize()
                     self._adamw(unit, grad, unit.host_master)
                     self._copy(unit.master, unit.host_master, "h2d")
                 gathers.append(self._publish(unit))

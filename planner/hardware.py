@@ -31,7 +31,8 @@ x16 twice that, ~50 GB/s (H100, H200, B200 SXM hosts); the nodes' DGX hosts have
 DGX A100 2 × EPYC 7742 (DDR4-3200, 2 × 204.8 = 410 GB/s), DGX H100/H200 2 × Xeon 8480C (DDR5-4800, 2 × 307 =
 614 GB/s), DGX B200 2 × Xeon 8570 (DDR5-5600, 2 × 358 = 717 GB/s); a CPU AdamW (DeepSpeed's vectorised CPU-Adam)
 is taken to stream at half of that (200, 300, 300, 350 GB/s a node): the figure least known here,
-`--hw-host-adam-gbps` sets it.
+`--hw-host-adam-gbps` sets it. Each preset's node holds 2 TB of host memory (the DGX A100 640 GB, H100, H200 and
+B200 datasheets' system memory: 2,048 GiB, `--hw-host-memory-gib`), what the offloaded state of its GPUs must fit.
 
 A preset carries calibration.CALIBRATED (what real runs reach of these figures: GEMM efficiency by shape,
 HBM and link fractions; `--calib-*` override it); a measured CPU the datasheet set.
@@ -68,6 +69,7 @@ class Hardware:
     overlap: float = 1.0  # φ: the share of an overlappable transfer that hides behind compute (planner/cpu_probe.py)
     host_link_gbps: float = 25.0  # per-GPU host link (PCIe), one direction, effective GB/s (--offload)
     host_adam_gbps: float = 200.0  # host memory bandwidth a node's CPU AdamW streams at, shared by its GPUs
+    host_memory_gib: float = 2048.0  # host memory of a node
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of a matmul in `dtype`: its own entry, else (fp16 only) the bf16 one, the same tensor-core
@@ -186,7 +188,8 @@ def add_arguments(parser) -> None:
                        ("--hw-host-link-gbps", "with --offload: each GPU's host link (PCIe), one direction, GB/s"
                         " (the presets: 50, a100 25)"),
                        ("--hw-host-adam-gbps", "with --offload: host memory bandwidth of a node's CPU AdamW, shared by"
-                        " its GPUs, GB/s (the presets: 300, a100 200, b200 350)")):
+                        " its GPUs, GB/s (the presets: 300, a100 200, b200 350)"),
+                       ("--hw-host-memory-gib", "with --offload: host memory of a node, GiB (the presets: 2048)")):
         g.add_argument(flag, type=float, help=f"{what} (default: --hw's)")
     g.add_argument("--moe-local-hit", type=float, help="the share h of the EP dispatch's rows that stay on their rank"
                    " (measured: bench/bench_coupling.py; default: none, the exchange priced whole on the ep group's"
@@ -199,7 +202,7 @@ def from_flags(args, dtype: str) -> Hardware:
     hw = PRESETS[args.hw]
     overrides = {name: getattr(args, f"hw_{name}") for name in ("hbm_gbps", "memory_gib", "intra_gbps", "inter_gbps",
                                                                   "intra_latency_us", "inter_latency_us",
-                                                                  "host_link_gbps", "host_adam_gbps")
+                                                                  "host_link_gbps", "host_adam_gbps", "host_memory_gib")
                  if getattr(args, f"hw_{name}", None) is not None}
     if args.gpus_per_node is not None:
         overrides["gpus_per_node"] = args.gpus_per_node

@@ -371,6 +371,11 @@ def layout_facts(settings, device_type: str | None = None, x: memory.ActivationS
                 memory_bytes=per_token_layer * tokens / (shape.dp * shape.cp) * config.n_layer / shape.pp)
 
 
+def host_per_node(roles: list, hw: hardware.Hardware, world: int) -> float:
+    """--offload: a node's host bytes, at most its G GPUs × the fullest role's (0 without offload)."""
+    return max((r.offload.host for r in roles if r.offload is not None), default=0) * min(hw.gpus_per_node, world)
+
+
 def limiting_term(prediction: Prediction) -> str:
     """The largest term of the step, and when that is compute, the largest of what is lost besides it."""
     losses = {"exposed communication": prediction.exposed_comm, "bubble": prediction.bubble,

@@ -7,7 +7,7 @@
 - The time model's host terms, by hand; a faster host link or host memory shortens the step.
 - Bad host flags and the refusals the search keeps: one line, exit status 2.
 - bench/bench_scale_in.py's smoke: the tiny model on a device too small for it on half the GPUs without offload is
-  placed there with it.
+  placed there with it, unless the node's host memory cannot hold the offloaded state.
 """
 
 import os
@@ -100,7 +100,7 @@ def test_the_plan_prints_what_moves_to_the_host(capsys):
     plan.main(["--world", "8", *TINY, "--zero", "1", "--offload", "optimizer", "--global-batch", "16",
                "--hw-host-link-gbps", "20", "--hw-host-adam-gbps", "100"])
     out = capsys.readouterr().out
-    assert "host memory (--offload):" in out and "a node of 8 such GPUs" in out, out
+    assert "host memory (--offload):" in out and "a node of 8 such GPUs, of 2048 GiB: fits" in out, out
     assert "at 20 GB/s a direction" in out and "streamed at 100/8 GB/s" in out and "offload=optimizer" in out, out
 
 
@@ -133,3 +133,6 @@ def test_bench_scale_in_smoke_runs(capsys):
         assert row["peak"] <= 0.6 * 2**20 and "offload=" in row["layout"] and row["host_node"] > 0, row
     lines = bench_scale_in.table(rows)
     assert "no layout fits" in lines[3] and len(lines) == 6, lines
+    # a node's host memory bounds offload too: 1 MiB a node holds no offloaded layout's state of its 4 GPUs
+    tight = [*bench_scale_in.SMOKE, "--hw-host-memory-gib", str(2**20 / 2**30)]
+    assert not bench_scale_in.best_of(tight, 4, "optimizer+master")["fits"]
