@@ -11,7 +11,7 @@ so that every gradient reduction afterwards is a plain SUM, and the objective is
     layout.finish_grad_sync()        reduce gradients over each parameter's data-parallel group
     axis.after_grad_sync(layout)     each axis's own sums (SP's replicated grads, PP's tied embedding)
     layout.step(scaler, clip)        optim.update: unscale → finite? → global norm → clip → step or skip
-    axis.after_step(layout, skipped) each axis's change of the new weights (optimizers/qk_clip.py's QK-clip)
+    axis.after_update(layout, ..)    each axis's change of the new weights (optimizers/qk_clip.py's QK-clip)
 
 A schedule is an object with one method, `forward_backward(...)` (below); `GradientAccumulation` is the
 default, and the pipeline replaces it with its own (`pipeline.py`): the rest of the step does not change.
@@ -99,7 +99,7 @@ class Axis:
         all-reduce adds them to the gradients' count, so no rank can step while another skips."""
         return 0
 
-    def after_step(self, layout, skipped: bool) -> None:
+    def after_update(self, layout, skipped: bool) -> None:
         """After the layout's update (`skipped`: it did not step): what the axis changes of the new weights."""
 
     def sampling(self):
@@ -282,7 +282,7 @@ def train_step(layout, scaler, batches, data_group, clip: float, autocast, devic
     nonfinite = sum(axis.after_grad_sync(layout) or 0 for axis in axes)  # FP8's non-finite amaxes skip the step
     result = layout.step(scaler, clip, extra_nonfinite=nonfinite or None)
     for axis in axes:  # after the update: QK-clip rescales the new weights (optimizers/qk_clip.py)
-        axis.after_step(layout, result.skipped)
+        axis.after_update(layout, result.skipped)
     layout.zero_grad()
     loss_sum = micro.loss_sum
     if dist.get_world_size(data_group) > 1:

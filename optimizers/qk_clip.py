@@ -17,7 +17,7 @@ How: `HeadMax` is a forward hook on each attention's c_attn. It reads the projec
 and k: what the attention sees, under TP its local heads, under SP the whole sequence), takes the causal logits
 under no_grad, and keeps the running max per head; a forward that does not train (eval, sampling, a recompute
 inside backward: step.is_training_forward) records nothing, and the max would be idempotent anyway. After the
-update (`QKClip.after_step`, step.train_step's hook) the maxima are all-reduced with MAX over dp×cp, so every
+update (`QKClip.after_update`, step.train_step's hook) the maxima are all-reduced with MAX over dp×cp, so every
 replica clips alike, then each layer's logical scale (a vector over c_attn's 3·n_embd output rows: √γ on q's and
 k's rows of a clipped head, 1 elsewhere) multiplies every copy of the weight the layout keeps, found by its state
 pieces (`layout.state_pieces()`, kinds `param/` and `master/`, each cut as its record says: a TP piece, a ZeRO flat
@@ -100,7 +100,7 @@ class QKClipFacts:
 
 class QKClip(Axis):
     """The handle: one HeadMax on each held attention's c_attn (keyed by the weight's global name), the group the
-    maxima are all-reduced over (None or one rank: none), and the step's clip (`after_step`)."""
+    maxima are all-reduced over (None or one rank: none), and the step's clip (`after_update`)."""
 
     name = "qk_clip"
 
@@ -122,7 +122,7 @@ class QKClip(Axis):
                 module.c_attn.register_forward_hook(recorder)
 
     @torch.no_grad()
-    def after_step(self, layout, skipped: bool) -> None:
+    def after_update(self, layout, skipped: bool) -> None:
         """The step's maxima (MAX over dp×cp), then every clipped head's rows scaled in every copy the layout keeps."""
         if not self.recorders:
             return

@@ -104,10 +104,10 @@ def test_a_clipped_head_recomputes_to_tau_and_the_others_are_untouched():
     model(x, y)
     before = [hand_logits(out, config.n_head) for out in outputs]
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
-    clip.after_step(Pieces(), skipped=True)  # a skipped step: nothing moves
+    clip.after_update(Pieces(), skipped=True)  # a skipped step: nothing moves
     assert all(torch.equal(weights[name], p) for name, p in model.named_parameters())
     model(x, y)  # the same step again, recorded (the maxima restarted)
-    clip.after_step(Pieces(), skipped=False)
+    clip.after_update(Pieces(), skipped=False)
     assert clip.facts().clipped_last_step == sum(s > TAU for layer in before for s in layer)
     assert 0 < clip.facts().clipped_last_step < 2 * config.n_head  # some heads clip, some do not
     with torch.no_grad():  # each layer's new q and k of the same input (a later layer's input moved too)
