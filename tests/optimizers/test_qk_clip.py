@@ -141,6 +141,7 @@ CASES = [([], 4, 1), (["--zero", "3"], 4, 1), (["--tp", "2"], 4, 1)]  # (flags, 
 
 
 def _case(rank, world, flags, global_batch, micro):
+    import report.muon
     import report.run
 
     run = composed_run(rank, world, ["--qk-clip", str(TAU), *flags], {}, global_batch, micro, harness.device())
@@ -149,16 +150,23 @@ def _case(rank, world, flags, global_batch, micro):
     held = (run.layout.full_parameters() if hasattr(run.layout, "full_parameters")
             else {p.shard_info.global_name: p.detach().clone() for p in run.model.parameters()})
     predicted = report.run.predicted_messages(run, len(losses))
+    axis = next(axis for axis in run.axes if axis.name == "qk_clip")
     return (losses, {name: (held[name], infos[name]) for name in held}, traced,
-            {key: tuple(count) for key, count in predicted.items()})
+            {key: tuple(count) for key, count in predicted.items()},
+            (axis.facts(), report.muon.qk_clip_startup_lines(axis) + report.muon.qk_clip_step_lines(axis)))
 
 
 def _cases(rank, world):
     return [_case(rank, world, *case) for case in CASES]
 
 
-def test_ddp_zero3_and_tp_follow_the_hand_clipped_run_and_send_what_they_predict():
-    results = run_ranks(_cases, 2, timeout=300)
+@pytest.fixture(scope="module")
+def quick_runs():
+    return run_ranks(_cases, 2, timeout=300)
+
+
+def test_ddp_zero3_and_tp_follow_the_hand_clipped_run_and_send_what_they_predict(quick_runs):
+    results = quick_runs
     config = make_config()
     for index, (flags, global_batch, micro) in enumerate(CASES):
         watch, clipped = hand_clip(TAU, config.n_head)
@@ -168,8 +176,25 @@ def test_ddp_zero3_and_tp_follow_the_hand_clipped_run_and_send_what_they_predict
         assert 0 < len(clipped) < STEPS * config.n_layer * config.n_head, (flags, clipped)  # some clip, some not
         per_rank = [r[index] for r in results]
         assert_runs_follow([(losses, params) for losses, params, *_ in per_rank], reference[0], reference[2], TOL)
-        for rank, (_, _, traced, predicted) in enumerate(per_rank):
+        for rank, (_, _, traced, predicted, _) in enumerate(per_rank):
             assert_traced_as_predicted(traced, predicted, (flags, rank))
+
+
+def test_the_lines_say_the_heads_and_the_one_message(quick_runs):
+    """report/muon.py's qk-clip lines: the heads a rank watches (TP: half), the maxima's one message (float64 here:
+    8 bytes a head; none with one data-parallel rank), the last step's clips."""
+    import mfu
+
+    config = make_config()
+    for index, (flags, _, _) in enumerate(CASES):
+        for *_, (facts, lines) in [r[index] for r in quick_runs]:
+            heads = config.n_layer * config.n_head // (2 if "--tp" in flags else 1)
+            data_ranks = 1 if "--tp" in flags else 2
+            assert facts.heads == heads and facts.message_bytes == (8 * heads if data_ranks > 1 else 0), (flags, facts)
+            if data_ranks > 1:
+                assert f"one all-reduce (MAX) of {mfu.format_bytes(facts.message_bytes)}" in lines[0], lines
+            assert f"{heads} heads watched" in lines[0] and f"of {heads} heads clipped" in lines[1], lines
+            assert 0 <= facts.clipped_last_step <= heads and facts.clipped_total >= facts.clipped_last_step
 
 
 @pytest.mark.parametrize("flags, world, message", [
@@ -219,5 +244,5 @@ def test_pp_sp_muon_gather_and_recompute_follow_the_hand_clipped_run():
         assert 0 < len(clipped) < STEPS * config.n_layer * config.n_head, (flags, clipped)
         per_rank = [r[index] for r in results]
         assert_runs_follow([(losses, params) for losses, params, *_ in per_rank], reference[0], reference[2], TOL)
-        for rank, (_, _, traced, predicted) in enumerate(per_rank):
+        for rank, (_, _, traced, predicted, _) in enumerate(per_rank):
             assert_traced_as_predicted(traced, predicted, (flags, rank))
