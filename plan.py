@@ -227,6 +227,7 @@ def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware, local_
              f" {fmt(a.korthikanti / a.chunks)} a forward)"]
     for what, nbytes in role.temporaries.items():
         lines.append(f"  temporary: {what}: {fmt(nbytes)}")
+    lines += offload_lines(role, prediction, hw)
     lines += [f"  {note.strip()}" for note in role.notes]  # DiLoCo's outer state and Δ all-reduce
     lines += [f"  {line.strip()}" for line in report.muon.startup_lines(role.muon)]  # --optimizer muon
     fits = "fits" if role.peak <= hw.memory_gib * 2**30 else "DOES NOT FIT"
@@ -245,6 +246,27 @@ def role_lines(role: Role, prediction: Prediction, hw: hardware.Hardware, local_
                  f" {total['intra'] * 1e3:,.1f}, inter {exposed['inter'] * 1e3:,.1f} of {total['inter'] * 1e3:,.1f})"
                  f" + bubble {prediction.bubble * 1e3:,.1f} + update {prediction.update * 1e3:,.1f};"
                  f" MFU {prediction.mfu:.1%}; limited by {limiting_term(prediction)}")
+    return lines
+
+
+def offload_lines(role: Role, prediction: Prediction, hw: hardware.Hardware) -> list:
+    """--offload: what moves from the GPU to host memory, the host's bytes a node, and the host link's and the host
+    update's times a step (time_model.offload_seconds)."""
+    o, fmt = role.offload, mfu.format_bytes
+    if o is None:
+        return []
+    g = min(hw.gpus_per_node, len(role.group_ranks["world"]))
+    t = {what: seconds * 1e3 for what, seconds in prediction.host.items()}
+    lines = [f"  host memory (--offload): {fmt(o.freed)} of optimizer state moved off this GPU (in the persistent"
+             f" bytes above no more); the host holds {fmt(o.host)} for it (moments, master, gradient staging),"
+             f" {fmt(o.host * g)} a node of {g} such GPUs, of {hw.host_memory_gib:g} GiB:"
+             f" {'fits' if o.host * g <= hw.host_memory_gib * 2**30 else 'DOES NOT FIT'}"]
+    if t:  # a measured CPU times its update instead (its host is its device)
+        lines.append(f"  host link a step: {fmt(o.moved['d2h'])} to the host, {fmt(o.moved['h2d'])} back, at"
+                     f" {hw.host_link_gbps:g} GB/s a direction: the gradient's copy {t['gradient copy']:,.2f} ms"
+                     f" (exposed {t['gradient copy exposed']:,.2f} behind the backward), the update's copies"
+                     f" {t['update copies']:,.2f} ms; host AdamW {fmt(o.update)} streamed at"
+                     f" {hw.host_adam_gbps:g}/{g} GB/s: {t['host AdamW']:,.2f} ms (the update, exposed)")
     return lines
 
 

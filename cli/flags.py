@@ -103,7 +103,8 @@ _AT_LEAST_0 = ("eval_every", "warmup_steps", "ckpt_every", "sample_tokens", "moe
                "hw_intra_latency_us", "hw_inter_latency_us", "moe_bias_rate", "moe_seq_aux_coef", "moe_groups",
                "moe_group_limit", "moe_shared_experts")
 _POSITIVE = ("lr", "bucket_mb", "mtbf_hours", "peak_tflops", "hw_peak_tflops", "hw_hbm_gbps", "hw_memory_gib",
-             "hw_intra_gbps", "hw_inter_gbps", "moe_route_scale")
+             "hw_intra_gbps", "hw_inter_gbps", "hw_host_link_gbps", "hw_host_adam_gbps",
+             "hw_host_memory_gib", "moe_route_scale")
 _FRACTION = ("beta1", "beta2", "dropout", "moe_load_decay", "moe_local_hit")  # in [0, 1)
 # Upper bounds past which a value cannot be used: (attribute, highest, why).
 _AT_MOST = (
@@ -135,6 +136,8 @@ _ONLY_WITH = (
     *((flag, flag[2:].replace("-", "_"), "--moe-replicas", lambda a: a.moe_replicas > 0)
       for flag in ("--moe-replan-every", "--moe-load-decay", "--moe-placement")),
     ("--moe-placement-cost", "moe_placement_cost", "--moe-placement sinkhorn", lambda a: a.moe_placement == "sinkhorn"),
+    *((flag, flag[2:].replace("-", "_"), "--offload (the host memory they price)", lambda a: a.offload is not None)
+      for flag in ("--hw-host-link-gbps", "--hw-host-adam-gbps", "--hw-host-memory-gib")),
     ("--moe-local-hit", "moe_local_hit", "--ep > 1 and --plan or --plan-search",
      lambda a: a.ep > 1 and (a.plan or a.plan_search)),
     *((flag, flag[2:].replace("-", "_"), "--ckpt-dir", lambda a: a.ckpt_dir is not None)

@@ -27,7 +27,10 @@ Accounting (zero.py's symbols: S = Ψ'/D the shard's elements, b_w working, b_a 
 3. Host↔device bytes per step (`predicted_moved`): device→host b_a·S (the gradient) + (optimizer) b_m·S (the
    master in); host→device b_w·S (optimizer+master: the new weights) or b_m·S (optimizer: the master back). On
    the critical path: the last unit's gradient copy and every host update (they follow the norm's all-reduce),
-   and the weights' copies before their all-gathers. No new collective.
+   and the weights' copies before their all-gathers. No new collective. The host's AdamW streams
+   (b_a + 6·b_m)·S bytes (gradient, master and moments read; master and moments written) and, optimizer+master,
+   b_w·S more (the working copy cast). `figures` gives all of it from S and the dtypes: the layout's
+   `predicted_moved` and `host_bytes` and the planner's price (planner/time_model.py, planner/formulas.py) call it.
 4. Restart state: zero.py's pieces, unchanged (the host tensors are the pieces): a checkpoint loads with or
    without offload, on any D.
 """
@@ -47,6 +50,30 @@ MODES = ("optimizer", "optimizer+master")
 
 
 @dataclass(frozen=True)
+class OffloadFigures:
+    """One rank's offload per step, from its shard's S elements (docstring items 2 and 3)."""
+
+    moved: dict  # {"d2h", "h2d"}: host↔device bytes; d2h's gradient part b_a·S is `grad_d2h`
+    grad_d2h: int  # the gradient's copy, the part that overlaps the backward
+    host: int  # bytes this rank holds in host memory
+    update: int  # bytes the host's AdamW streams
+    freed: int  # device bytes the offload takes off zero.py's resident layout (its b_o less what stays)
+
+
+def optimizer_stays(b_w: int, b_m: int, master: bool) -> int:
+    """The device's b_o under offload (docstring item 2): the master, where it stays and is not the working shard."""
+    return 0 if master or b_w == b_m else b_m
+
+
+def figures(S: float, b_w: int, b_m: int, b_a: int, master: bool) -> OffloadFigures:
+    """S elements in this rank's optimizer shard, b_w working, b_m master, b_a accumulated gradient bytes."""
+    moved = {"d2h": b_a * S, "h2d": b_w * S} if master else {"d2h": (b_a + b_m) * S, "h2d": b_m * S}
+    freed = (2 * b_m + (0 if b_w == b_m else b_m) - optimizer_stays(b_w, b_m, master)) * S  # zero.py's b_o less
+    return OffloadFigures(moved=moved, grad_d2h=b_a * S, host=(2 * b_m + b_a + b_m) * S,
+                          update=(b_a + 6 * b_m + (b_w if master else 0)) * S, freed=freed)
+
+
+@dataclass(frozen=True)
 class OffloadConfig:
     """--offload MODE, validated: what lives in host memory."""
 
@@ -62,11 +89,10 @@ def check_flags(args) -> OffloadConfig | None:
     waits)."""
     if args.offload is None:
         return None
+    if getattr(args, "plan_search", False):  # the search chooses the layout: each is checked here as it is sized
+        return OffloadConfig(args.offload)
     if not args.zero:
         raise ValueError(f"--offload {args.offload} needs --zero 1 or 2: the offloaded state is ZeRO's shard of it")
-    if getattr(args, "plan", False) or getattr(args, "plan_search", False):  # meta tensors have no host copy
-        raise ValueError(f"--offload {args.offload} is not priced by --plan or --plan-search (the planner has no"
-                         f" host-memory model yet)")
     refused = [(args.zero == 3, "--zero 3 (its gathers read the working shard on the device)"),
                (args.zero == 2 and args.pp > 1, "--zero 2 under --pp (parallel/zero_pipeline.py's layouts)"),
                (args.diloco_h, "--diloco-h"), (getattr(args, "moe_replicas", None), "--moe-replicas")]
@@ -84,6 +110,7 @@ class OffloadZeroLayout(ZeroLayout):
         self.offload = offload
         self.device = next(p for p in module.parameters() if p.requires_grad).device
         self.pin = self.device.type == "cuda"  # page-locked host buffers: DMA copies the host does not wait for
+        self.host = torch.device("meta" if self.device.type == "meta" else "cpu")  # a plan's (plan.py) stay on meta
         self.moved = {"d2h": 0, "h2d": 0}  # bytes copied so far (docstring item 3), and the steps they span
         self.moved_steps = 0
         self._copies = {}  # unit → its gradient's host copy, started when the shard was final
@@ -99,11 +126,11 @@ class OffloadZeroLayout(ZeroLayout):
         unit.exp_avg, unit.exp_avg_sq = self._host(unit.exp_avg), self._host(unit.exp_avg_sq)
         if self.offload.master:
             unit.master = self._host(unit.master)  # a copy even where it was the working shard (equal dtypes)
-        unit.host_grad = self._host(torch.zeros(unit.shard_numel, dtype=self.accumulate_dtype))
+        unit.host_grad = self._host(torch.zeros(unit.shard_numel, dtype=self.accumulate_dtype, device=self.host))
         unit.host_master = None if self.offload.master else self._host(torch.zeros_like(unit.master))
 
     def _host(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.to("cpu", copy=True)
+        out = tensor.to(self.host, copy=True)
         return out.pin_memory() if self.pin else out
 
     # --- 1. the gradient shard to the host, as soon as it is final
@@ -157,6 +184,8 @@ class OffloadZeroLayout(ZeroLayout):
                     self._adamw(unit, grad)
                 else:  # the master through a host staging copy
                     self._copy(unit.host_master, unit.master, "d2h")
+                    if self.pin:  # the host reads it next: the non-blocking copy must have landed
+                        torch.cuda.current_stream(self.device).synchronize()
                     self._adamw(unit, grad, unit.host_master)
                     self._copy(unit.master, unit.host_master, "h2d")
                 gathers.append(self._publish(unit))
@@ -182,13 +211,12 @@ class OffloadZeroLayout(ZeroLayout):
         """The device's b_w, b_g, b_o (zero.py's persistent formula then holds for the device): b_o is the master
         that stays (optimizer, unless it is the working shard), else 0."""
         b = super().bytes_per_param()
-        stays = 0 if self.offload.master or self.param_dtype == self.master_dtype else self.master_dtype.itemsize
+        stays = optimizer_stays(b.weights, self.master_dtype.itemsize, self.offload.master)
         return BytesPerParam(weights=b.weights, grads=b.grads, optimizer=stays)
 
     def host_bytes(self) -> dict:
         """What this rank holds in host memory: predicted (docstring item 2) and measured (its host tensors)."""
-        S, b_m, b_a = sum(u.shard_numel for u in self.units), self.master_dtype.itemsize, self.accumulate_dtype.itemsize
-        predicted = (2 * b_m + b_a + b_m) * S  # moments, gradient staging, master (resident or staging)
+        predicted = self.offload_figures().host  # moments, gradient staging, master (resident or staging)
         held = sum(t.nbytes for u in self.units for t in (u.exp_avg, u.exp_avg_sq, u.host_grad,
                                                           u.master if self.offload.master else u.host_master))
         return {"predicted": predicted, "held": held}
@@ -203,9 +231,10 @@ class OffloadZeroLayout(ZeroLayout):
 
     def predicted_moved(self) -> dict:
         """Host↔device bytes of one step (docstring item 3)."""
-        S = sum(u.shard_numel for u in self.units)
+        return self.offload_figures().moved
+
+    def offload_figures(self) -> OffloadFigures:
+        """`figures` of this rank's shard and dtypes (the plan's role reads them: planner/time_model.py)."""
         b_w, b_m, b_a = (d.itemsize for d in (self.param_dtype, self.master_dtype, self.accumulate_dtype))
-        if self.offload.master:
-            return {"d2h": b_a * S, "h2d": b_w * S}
-        return {"d2h": (b_a + b_m) * S, "h2d": b_m * S}
+        return figures(sum(u.shard_numel for u in self.units), b_w, b_m, b_a, self.offload.master)
 

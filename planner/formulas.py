@@ -31,7 +31,7 @@ import context_parallel
 import ddp
 from experts import dispatch, eplb, router
 import mfu
-from parallel import schedules, zero_pipeline
+from parallel import offload, schedules, zero_pipeline
 from precision import fp8_scaling
 import precision.recipe
 import report.axes
@@ -267,7 +267,7 @@ def formula_role(settings, p: int, facts: ScheduleFacts | None = None, sends_ali
                 flops=_flops(config, settings.seq_len, x.kernel),
                 bubble=bubble, last_bucket=last_bucket, first_gather=first_gather, boundary_bytes=boundary,
                 layer_share=s.held["layers"] * shape.pp / config.n_layer,
-                head_share=shape.pp if s.held["head"] else 0.0)
+                head_share=shape.pp if s.held["head"] else 0.0, offload=_formula_offload(s))
 
 
 _FLOPS = {}  # mfu.flops_per_token of the whole model, by (the config's repr, s, kernel): the search asks per stage
@@ -297,11 +297,24 @@ def stage_roles(settings) -> list:
 
 
 def _formula_persistent(s: _Stage) -> dict:
-    """DDPLayout's (fp32 params, grads, moments) or ZeroLayout.bytes_per_param's persistent bytes, per group."""
-    bpp = zero.BytesPerParam(s.b_w, s.b_g, 2 * s.b_m + (0 if s.b_w == s.b_m else s.b_m))
+    """DDPLayout's (fp32 params, grads, moments) or ZeroLayout.bytes_per_param's persistent bytes, per group
+    (offload.OffloadZeroLayout's: the optimizer bytes that stay on the device)."""
+    mode = getattr(s.settings.args, "offload", None)
+    b_o = offload.optimizer_stays(s.b_w, s.b_m, mode == "optimizer+master") if mode else (
+        2 * s.b_m + (0 if s.b_w == s.b_m else s.b_m))
+    bpp = zero.BytesPerParam(s.b_w, s.b_g, b_o)
     stage = s.settings.args.zero
     parts = [memory.persistent_bytes(n, bpp, stage, s.sizes[g]) for g, n in s.held["local"].items() if n]
     return {kind: sum(part[kind] for part in parts) for kind in parts[0]}
+
+
+def _formula_offload(s: _Stage):
+    """--offload: offload.figures of this rank's shard, S = Σ_g Ψ_g / D_g (its layout's units); None without."""
+    mode = getattr(s.settings.args, "offload", None)
+    if not mode:
+        return None
+    S = sum(n / s.sizes[g] for g, n in s.held["local"].items() if n)
+    return offload.figures(S, s.b_w, s.b_m, s.b_g, mode == "optimizer+master")
 
 
 def _formula_data_parallel(s: _Stage) -> tuple:

@@ -23,6 +23,17 @@ of mfu.py and a gloo all-reduce timed many times at two sizes (link_fit), and pl
 block reaches of that peak and how much of a transfer hides behind compute, so every real run's end line checks the
 model against its own steps.
 
+Host memory (parallel/offload.py's --offload, priced by planner/time_model.py): each GPU's own host link (PCIe x16,
+GB/s per direction, effective) and the host memory bandwidth of a node that the host's AdamW streams at, shared by
+the node's GPUs (two sockets, each with its 4 GPUs). Assumptions, not measurements: PCIe 4.0 x16 moves 31.5 GB/s
+per direction raw (16 GT/s × 16 lanes, 128b/130b), of which ~25 GB/s is what pinned copies reach (A100); PCIe 5.0
+x16 twice that, ~50 GB/s (H100, H200, B200 SXM hosts); the nodes' DGX hosts have two sockets of 8 DDR channels:
+DGX A100 2 × EPYC 7742 (DDR4-3200, 2 × 204.8 = 410 GB/s), DGX H100/H200 2 × Xeon 8480C (DDR5-4800, 2 × 307 =
+614 GB/s), DGX B200 2 × Xeon 8570 (DDR5-5600, 2 × 358 = 717 GB/s); a CPU AdamW (DeepSpeed's vectorised CPU-Adam)
+is taken to stream at half of that (200, 300, 300, 350 GB/s a node): the figure least known here,
+`--hw-host-adam-gbps` sets it. Each preset's node holds 2 TB of host memory (the DGX A100 640 GB, H100, H200 and
+B200 datasheets' system memory: 2,048 GiB, `--hw-host-memory-gib`), what the offloaded state of its GPUs must fit.
+
 A preset carries calibration.CALIBRATED (what real runs reach of these figures: GEMM efficiency by shape,
 HBM and link fractions; `--calib-*` override it); a measured CPU the datasheet set.
 
@@ -56,6 +67,9 @@ class Hardware:
     gpus_per_node: int = 8
     calibration: Calibration = calibration.DATASHEET  # what real runs reach of these figures
     overlap: float = 1.0  # φ: the share of an overlappable transfer that hides behind compute (planner/cpu_probe.py)
+    host_link_gbps: float = 25.0  # per-GPU host link (PCIe), one direction, effective GB/s (--offload)
+    host_adam_gbps: float = 200.0  # host memory bandwidth a node's CPU AdamW streams at, shared by its GPUs
+    host_memory_gib: float = 2048.0  # host memory of a node
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of a matmul in `dtype`: its own entry, else (fp16 only) the bf16 one, the same tensor-core
@@ -79,17 +93,17 @@ _STAND_INS = {"fp16": ("bf16",)}  # fp16 runs at the bf16 tensor-core rate (one 
 _BLOCK_SCALED = ("mxfp8", "mxfp4", "nvfp4")  # microscaling formats: a peak on Blackwell's tensor cores only
 
 
-def _gpu(row: str, hbm_gbps: float, memory_gib: float, intra_gbps: float, inter_gbps: float) -> Hardware:
+def _gpu(row: str, hbm_gbps: float, memory_gib: float, intra_gbps: float, inter_gbps: float, host: tuple) -> Hardware:
     peaks = {k: v for k, v in mfu.PEAK_TFLOPS[row].items() if v}
     return Hardware(row.lower(), peaks, hbm_gbps, memory_gib, intra_gbps, inter_gbps,
-                    calibration=calibration.CALIBRATED)
+                    calibration=calibration.CALIBRATED, host_link_gbps=host[0], host_adam_gbps=host[1])
 
 
-PRESETS = {
-    "h100": _gpu("H100", hbm_gbps=3350, memory_gib=80, intra_gbps=450, inter_gbps=50),  # SXM5, NDR 400 per GPU
-    "h200": _gpu("H200", hbm_gbps=4800, memory_gib=141e9 / 2**30, intra_gbps=450, inter_gbps=50),
-    "a100": _gpu("A100", hbm_gbps=2039, memory_gib=80, intra_gbps=300, inter_gbps=25),  # SXM4 80 GB, HDR 200
-    "b200": _gpu("B200", hbm_gbps=8000, memory_gib=180e9 / 2**30, intra_gbps=900, inter_gbps=50),  # HGX, NDR 400
+PRESETS = {  # host: (PCIe GB/s per GPU and direction, CPU AdamW's GB/s a node): the docstring's assumptions
+    "h100": _gpu("H100", hbm_gbps=3350, memory_gib=80, intra_gbps=450, inter_gbps=50, host=(50, 300)),  # SXM5, NDR
+    "h200": _gpu("H200", hbm_gbps=4800, memory_gib=141e9 / 2**30, intra_gbps=450, inter_gbps=50, host=(50, 300)),
+    "a100": _gpu("A100", hbm_gbps=2039, memory_gib=80, intra_gbps=300, inter_gbps=25, host=(25, 200)),  # SXM4, HDR
+    "b200": _gpu("B200", hbm_gbps=8000, memory_gib=180e9 / 2**30, intra_gbps=900, inter_gbps=50, host=(50, 350)),
 }
 
 # Ring steps of one call of each collective over N ranks (the latency term's count).
@@ -170,7 +184,12 @@ def add_arguments(parser) -> None:
                        ("--hw-intra-gbps", "per-GPU bandwidth inside a node, GB/s"),
                        ("--hw-inter-gbps", "per-GPU bandwidth across nodes, GB/s"),
                        ("--hw-intra-latency-us", "latency of one ring step inside a node, µs"),
-                       ("--hw-inter-latency-us", "latency of one ring step across nodes, µs")):
+                       ("--hw-inter-latency-us", "latency of one ring step across nodes, µs"),
+                       ("--hw-host-link-gbps", "with --offload: each GPU's host link (PCIe), one direction, GB/s"
+                        " (the presets: 50, a100 25)"),
+                       ("--hw-host-adam-gbps", "with --offload: host memory bandwidth of a node's CPU AdamW, shared by"
+                        " its GPUs, GB/s (the presets: 300, a100 200, b200 350)"),
+                       ("--hw-host-memory-gib", "with --offload: host memory of a node, GiB (the presets: 2048)")):
         g.add_argument(flag, type=float, help=f"{what} (default: --hw's)")
     g.add_argument("--moe-local-hit", type=float, help="the share h of the EP dispatch's rows that stay on their rank"
                    " (measured: bench/bench_coupling.py; default: none, the exchange priced whole on the ep group's"
@@ -182,7 +201,8 @@ def from_flags(args, dtype: str) -> Hardware:
     """The preset with every --hw-* figure given on the command line put in (each positive: cli/flags.py)."""
     hw = PRESETS[args.hw]
     overrides = {name: getattr(args, f"hw_{name}") for name in ("hbm_gbps", "memory_gib", "intra_gbps", "inter_gbps",
-                                                                  "intra_latency_us", "inter_latency_us")
+                                                                  "intra_latency_us", "inter_latency_us",
+                                                                  "host_link_gbps", "host_adam_gbps", "host_memory_gib")
                  if getattr(args, f"hw_{name}", None) is not None}
     if args.gpus_per_node is not None:
         overrides["gpus_per_node"] = args.gpus_per_node

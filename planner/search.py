@@ -44,7 +44,8 @@ from mesh import infer_mesh_shape
 from moe import experts_of
 from planner.formulas import formula_role, schedule_facts, stage_roles, with_sends_alive
 from planner.hardware import hardware_line
-from planner.time_model import layout_facts, layout_name, limiting_term, plan_dtypes, plan_settings, predict, step_bound
+from planner.time_model import (host_per_node, layout_facts, layout_name, limiting_term, plan_dtypes, plan_settings,
+                                predict, step_bound)
 
 PROGRESS_SECONDS = 3.0  # a progress line at most this often (a search that ends sooner prints none)
 
@@ -127,7 +128,7 @@ class Searched:
     the block that sets the peak with MoE: moe_memory.peak_setter)], and what it did with the others."""
 
     best: list
-    dropped: int = 0  # sized, and their peak does not fit hw.memory_gib
+    dropped: int = 0  # sized, and their peak does not fit hw.memory_gib (offloaded: or a node's, hw.host_memory_gib)
     smallest: tuple | None = None  # (peak, settings) of the smallest that does not fit, when none fits
     sized: int = 0  # validated and sized (their roles built)
     refused: int = 0  # refused by flags.validate (as a run would be)
@@ -220,7 +221,8 @@ def _sized(settings, hw: hardware.Hardware, done: Searched, kth: float, unfit: l
     facts, memory = layout_facts(settings), hw.memory_gib * 2**30
     roles, prediction = [formula_role(settings, 0, schedule, sends_alive=False)], None
     for look in ("first stage", "last stage", "every stage", "sends alive"):
-        if max(r.peak for r in roles) > memory:
+        host = host_per_node(roles, hw, shape.world_size)  # --offload's node of GPUs: its host memory too
+        if max(r.peak for r in roles) > memory or host > hw.host_memory_gib * 2**30:
             done.dropped += 1
             unfit.append((max(r.peak for r in roles), index, settings))
             return None

@@ -20,6 +20,14 @@ The time model (planner/hardware.py states the hardware): per role and step
                + with Muon, the Newton-Schulz GEMMs of the data-parallel group's slowest rank, each at
                FLOPs / (peak · e(its smallest dimension)) (optimizers/muon.py's MuonFacts: gather's touched
                matrices, owner's owned ones; DDP every matrix)
+               with --offload (parallel/offload.py's `figures`, the bytes its layout counts): the device updates
+               nothing; the host's AdamW streams its bytes at the node's host bandwidth over the G GPUs that share it
+               (hw.host_adam_gbps / G), the update's own copies (optimizer: the master in and back; optimizer+master:
+               the new weights in) cross the GPU's host link (hw.host_link_gbps a direction) after it, both exposed
+               (the weights must be back before their all-gather; no one-step-delayed update is modelled); the
+               gradient's copy to the host runs as each unit's shard is final, behind the last micro-batch's backward:
+               exposed = max(0, t − t_backward) (ZeRO-Offload's overlap); a measured CPU keeps its timed update (the
+               host is its device)
     each (collective, group) of the step: α-β time on the group's link (hardware.collective_seconds, the
     bandwidth times the calibration's link_fraction), plus, for a 4-bit all-reduce's all-gather (--tp-comm-bits 4
     on tp, --dp-comm-bits 4 on dp_cp / expert_dp: parallel/lowbit.py), its calls' encode and decode as memory-bound
@@ -108,6 +116,7 @@ class Role:
     layer_share: float = 1.0  # this rank's layers over the mean (L/P): an uneven pipeline split's slow stage
     head_share: float = 1.0  # this rank's share of the head's GEMM over an even split: P on the stage holding it
     notes: tuple = ()  # a wrapping layout's start-up lines (DiLoCo's outer state and Δ all-reduce), as a run prints
+    offload: object = None  # --offload: parallel/offload.py's OffloadFigures of this rank (None: all on the device)
 
     @property
     def peak(self) -> float:
@@ -153,6 +162,7 @@ def role_of(run, device_type: str | None = None) -> Role:
     ranks = {name: members for name, members in mesh.members.items()}
     ranks["world"] = list(range(mesh.shape.world_size))
     muon = facts.muon
+    offload_figures = getattr(layout, "offload_figures", None)  # parallel/offload.py's layout
     update_messages = muon.messages.named(run.tracer.alias) if muon is not None else Messages()
     return Role(rank=mesh.rank, coords=mesh.shape.coords(mesh.rank), local_params=sum(p.numel() for p in params),
                 logical={p.shard_info.global_name: math.prod(p.shard_info.global_shape) for p in params},
@@ -160,6 +170,7 @@ def role_of(run, device_type: str | None = None) -> Role:
                 temporaries=temporaries, messages=report.run.predicted_messages(run), group_ranks=ranks,
                 flops=run.flops, bubble=bubble, last_bucket=last_bucket, first_gather=first_gather,
                 boundary_bytes=boundary, notes=notes, muon=muon, update_messages=update_messages,
+                offload=offload_figures() if offload_figures else None,
                 head_share=mesh.shape.pp if run.model.has_head else 0.0,
                 layer_share=len(run.model.transformer.h) * mesh.shape.pp / run.config.n_layer)
 
@@ -179,6 +190,7 @@ class Prediction:
     exposed: dict = field(default_factory=dict)  # {(op, group): seconds on the critical path}
     total: dict = field(default_factory=dict)  # {(op, group): seconds if nothing overlapped}
     link: dict = field(default_factory=dict)  # {(op, group): "intra" | "inter"}
+    host: dict = field(default_factory=dict)  # --offload: {what: seconds} of `offload_seconds`, `update` holds them
 
     def by_link(self, exposed: bool = True) -> dict:
         out = {"intra": 0.0, "inter": 0.0}
@@ -207,8 +219,11 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
     peak, hbm = hw.peak(layout["dtype"]), hw.hbm_gbps * 1e9
     compute = stage_compute(role.layer_share, role.head_share, layout, hw)
     backward_mb = compute * 2 / 3 / m  # one micro-batch's backward: 4 of its 6·N FLOPs
-    update = hw.calibration.update_seconds  # a measured CPU's; else memory-bound bytes:
-    if update is None:
+    update, host = hw.calibration.update_seconds, {}  # a measured CPU's; else memory-bound bytes, or the host's:
+    if update is None and role.offload is not None:
+        host = offload_seconds(role.offload, backward_mb, layout["world"], hw)
+        update = host["host AdamW"] + host["update copies"] + host["gradient copy exposed"]
+    elif update is None:
         update = 2 * role.persistent["total"] / (hbm * hw.calibration.hbm_fraction)
     if role.muon is not None:  # Newton-Schulz: the group waits for its slowest rank's GEMMs
         update += max(sum(flops / (peak * hw.calibration.gemm_efficiency(dim)) for flops, dim in gemms)
@@ -261,7 +276,19 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
     bubble = busy * role.bubble / (1 - role.bubble)
     step = busy + bubble + update + sum(exposed.values()) - in_layer
     return Prediction(compute=compute, update=update, bubble=bubble, step=step, exposed=exposed, total=total,
-                      link=link, mfu=role.flops.model * layout["tokens"] / (layout["world"] * peak * step))
+                      link=link, host=host, mfu=role.flops.model * layout["tokens"] / (layout["world"] * peak * step))
+
+
+def offload_seconds(figures, backward_mb: float, world: int, hw: hardware.Hardware) -> dict:
+    """--offload's terms (the docstring's update rule): the gradient's copy to the host (its time, and what the last
+    micro-batch's backward leaves of it, with φ of the hidden hiding), the update's own copies over the host link
+    and the host's AdamW at its share of the node's bandwidth."""
+    link = hw.host_link_gbps * 1e9
+    gradient = figures.grad_d2h / link
+    hidden = min(gradient, backward_mb)
+    return {"gradient copy": gradient, "gradient copy exposed": gradient - hidden * hw.overlap,
+            "update copies": (figures.moved["d2h"] - figures.grad_d2h + figures.moved["h2d"]) / link,
+            "host AdamW": figures.update / (hw.host_adam_gbps * 1e9 / min(hw.gpus_per_node, world))}
 
 
 def _codec_seconds(op: str, names: set, calls: float, payload: float, ranks: list, layout: dict,
@@ -344,10 +371,15 @@ def layout_facts(settings, device_type: str | None = None, x: memory.ActivationS
                 memory_bytes=per_token_layer * tokens / (shape.dp * shape.cp) * config.n_layer / shape.pp)
 
 
+def host_per_node(roles: list, hw: hardware.Hardware, world: int) -> float:
+    """--offload: a node's host bytes, at most its G GPUs × the fullest role's (0 without offload)."""
+    return max((r.offload.host for r in roles if r.offload is not None), default=0) * min(hw.gpus_per_node, world)
+
+
 def limiting_term(prediction: Prediction) -> str:
     """The largest term of the step, and when that is compute, the largest of what is lost besides it."""
     losses = {"exposed communication": prediction.exposed_comm, "bubble": prediction.bubble,
-              "update (HBM)": prediction.update}
+              "update (host)" if prediction.host else "update (HBM)": prediction.update}
     worst = max(losses, key=losses.get)
     if prediction.compute >= losses[worst]:
         return f"compute; most lost to {worst} ({losses[worst] / prediction.step:.0%} of the step)"
@@ -388,6 +420,7 @@ def layout_name(settings) -> str:
     if s.pp > 1:
         name += f" {a.pp_schedule}" + (f"(v={a.pp_virtual})" if a.pp_schedule == "interleaved" else "")
     name += " SP" if settings.sequence_parallel else ""
+    name += f" offload={a.offload}" if getattr(a, "offload", None) else ""
     return name + (" AC" if settings.model.activation_checkpointing else "") + (
         " SAC" if settings.model.selective_recompute else "")  # full / selective recompute
 

@@ -4,7 +4,8 @@ A bench is measured by hand, rarely; an API change that breaks it would otherwis
 needs its numbers (bench_ckpt.py once crashed for weeks on a renamed method). The smokes check that each script
 runs end to end and prints its table, never its numbers (timings are for the bench's own side-by-side ratios).
 bench_ckpt, bench_zero and bench_zero_accum run in-process in their axes' test files (their ranks come from the
-harness's warm fork server); the others run here, each as its own process, as a user would start it.
+harness's warm fork server), bench_scale_in in tests/planner/test_plan_offload.py (pure search, no ranks); the others
+run here, each as its own process, as a user would start it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ SMOKE_PRINTS = {
 RUN_ELSEWHERE = {  # script -> the test that runs its --smoke in-process
     "bench_ckpt": "tests/test_ckpt.py::test_bench_ckpt_smoke_runs",
     "bench_hf": "tests/interop/test_hf.py::test_bench_hf_smoke_runs",  # needs transformers: skipped without it
+    "bench_scale_in": "tests/planner/test_plan_offload.py::test_bench_scale_in_smoke_runs",
     "bench_zero": "tests/test_zero.py::test_bench_zero_smoke_runs",
     "bench_zero_accum": "tests/test_zero.py::test_bench_zero_accum_smoke_runs",
 }
