@@ -11,6 +11,7 @@ so that every gradient reduction afterwards is a plain SUM, and the objective is
     layout.finish_grad_sync()        reduce gradients over each parameter's data-parallel group
     axis.after_grad_sync(layout)     each axis's own sums (SP's replicated grads, PP's tied embedding)
     layout.step(scaler, clip)        optim.update: unscale → finite? → global norm → clip → step or skip
+    axis.after_update(layout, ..)    each axis's change of the new weights (optimizers/qk_clip.py's QK-clip)
 
 A schedule is an object with one method, `forward_backward(...)` (below); `GradientAccumulation` is the
 default, and the pipeline replaces it with its own (`pipeline.py`): the rest of the step does not change.
@@ -74,8 +75,8 @@ class Messages(dict):
 class Axis:
     """What an applied axis hands back to train.py (`apply(model, run, config)` returns one, or None when off).
 
-    Nine methods, the same for every axis, so that the step, the checkpoint and the printouts loop over handles
-    and never ask which axes are on. Five serve training, four accounting; every one has a default that does
+    Ten methods, the same for every axis, so that the step, the checkpoint and the printouts loop over handles
+    and never ask which axes are on. Six serve training, four accounting; every one has a default that does
     nothing, and an axis overrides what it needs. What an axis prints lives in its section of report/axes.py
     (report.axes.AXIS_LINES[name]), which reads the handle through these methods only (`facts` for its own
     figures); nothing is set on a handle from outside (`observe` is how the accounting subscribes).
@@ -97,6 +98,9 @@ class Axis:
         non-finite values of its own (FP8 amaxes) that must skip the step on every rank: the update's one world
         all-reduce adds them to the gradients' count, so no rank can step while another skips."""
         return 0
+
+    def after_update(self, layout, skipped: bool) -> None:
+        """After the layout's update (`skipped`: it did not step): what the axis changes of the new weights."""
 
     def sampling(self):
         """A context in which model.generate runs on one rank group (TP gathers the logits, CP attends locally)."""
@@ -163,10 +167,8 @@ def sum_in_place(tensors: list, group) -> None:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
 
 
 def scalar_messages() -> dict:
@@ -203,11 +205,8 @@ class ForwardObserver:
 
 
 class GradientAccumulation:
-    """The default schedule: forward and backward each micro-batch in turn; gradients sync on the last one.
-
-    Under DDP the last backward launches the bucket all-reduces as gradients become ready (overlapped);
-    the earlier ones run inside `layout.no_sync()` and only accumulate.
-    """
+    """The default schedule: forward and backward each micro-batch in turn; gradients sync on the last one (DDP's
+    bucket all-reduces launched as they become ready); the earlier ones run in `layout.no_sync()` and accumulate."""
 
     measured_forward = "one micro-batch's forward"  # what a ForwardObserver's `forward` surrounds
 
@@ -282,6 +281,8 @@ def train_step(layout, scaler, batches, data_group, clip: float, autocast, devic
     layout.finish_grad_sync()
     nonfinite = sum(axis.after_grad_sync(layout) or 0 for axis in axes)  # FP8's non-finite amaxes skip the step
     result = layout.step(scaler, clip, extra_nonfinite=nonfinite or None)
+    for axis in axes:  # after the update: QK-clip rescales the new weights (optimizers/qk_clip.py)
+        axis.after_update(layout, result.skipped)
     layout.zero_grad()
     loss_sum = micro.loss_sum
     if dist.get_world_size(data_group) > 1:

@@ -54,6 +54,7 @@ from ddp import DDPLayout, DistributedDataParallel
 from mesh import Mesh, build_mesh, init_distributed
 from model import GPT, GPTConfig, compile_blocks
 from optim import DynamicLossScaler, LRSchedule, build_adamw
+from optimizers import qk_clip
 from optimizers.muon import MuonDDPLayout
 from optimizers.zero_muon import ZeroMuon
 from parallel.offload import OffloadConfig, OffloadZeroLayout
@@ -65,10 +66,11 @@ from step import GradientAccumulation, train_step
 from zero import ZeroConfig, ZeroLayout
 
 # The axes, in DESIGN.md's order of application (MoE/EP and its replicas → TP and its 4-bit all-reduce → CP → PP →
-# FP8 or a microscaling recipe). Each has a `config_from_flags(args, settings)` (cli/flags.py calls it once, before
-# any rank waits) and an `apply(model, run, config)` that swaps modules of the model in place and returns its handle.
+# FP8 or a microscaling recipe → QK-clip's hooks on the final modules). Each has a `config_from_flags(args, settings)`
+# (cli/flags.py calls it once, before any rank waits) and an `apply(model, run, config)` that swaps modules of the
+# model in place (or hooks them) and returns its handle.
 # Adding an axis adds a line here; the loop and the printouts only ever loop over the handles.
-AXES = (moe, eplb, tensor_parallel, lowbit, context_parallel, pipeline, redundancy, fp8, precision.recipe)
+AXES = (moe, eplb, tensor_parallel, lowbit, context_parallel, pipeline, redundancy, fp8, precision.recipe, qk_clip)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 loss curves of AdamW and Muon on the default corpus.
 
     python bench/bench_muon.py                    # minutes on 2 loaded CPU cores
+    python bench/bench_muon.py --curve-only --adamw-lrs 1e-3 3e-3 1e-2 --muon-lrs 0.01 0.02 0.05   # a sweep
     python bench/bench_muon.py --preset small --timed 5 --curve-steps 300 --curve-preset mini
     python bench/bench_muon.py --smoke            # seconds: tiny, 1 timed step, a 4-step curve
 
@@ -17,9 +18,10 @@ backward, reduction and update, traced: ring wire bytes; max over the ranks), NS
 ranks) and the persistent bytes (max/mean: the owner imbalance). At stage 3 the new weights travel in the next
 forward's gathers, outside the optimizer step: compare stage 3's bytes, not its step alone.
 
-Part 2, train.py itself on one process (fp32, the built-in corpus, the same seed, batches, steps and schedule):
-AdamW everywhere at --lr, against Muon on the blocks' matrices at --muon-lr with AdamW at --lr on the rest; the
-training loss (mean of each window) and the validation loss every --curve-steps/6 steps.
+Part 2, train.py itself on one process (fp32, the built-in corpus, the same seed, batches, steps and schedule;
+the tiny preset, 150 steps: a few minutes): AdamW everywhere at each of --adamw-lrs, against Muon on the blocks'
+matrices at each of --muon-lrs with AdamW at --lr's default (3e-3) on the rest; per run the training loss (the
+mean of each window of --curve-steps/6 steps) and the validation loss after the last step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from harness import run_ranks  # noqa: E402
 
 HYPER = dict(lr=2e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 MUON_LR, CLIP = 0.02, 1.0
+CURVE_ADAMW_LR = 3e-3  # part 2: --lr's default, AdamW's lr on the rest of a Muon run
 SYSTEMS = ("DDP-Muon", "ZeRO-1 gather", "ZeRO-1 owner", "ZeRO-3 gather", "ZeRO-3 owner")
 
 
@@ -141,30 +144,27 @@ def _curve(label: str, argv: list, out_dir: str) -> dict:
                 seconds=time.time() - began)
 
 
-def part2(preset: str, steps: int) -> None:
+def part2(preset: str, steps: int, adamw_lrs: list, muon_lrs: list) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(29500 + os.getpid() % 1000))
     every = max(1, steps // 6)
-    common = ["--preset", preset, "--steps", str(steps), "--dtype", "fp32", "--seed", "1337", "--lr", str(HYPER["lr"]),
+    common = ["--preset", preset, "--steps", str(steps), "--dtype", "fp32", "--seed", "1337",
               "--eval-every", str(every), "--eval-batches", "4", "--log-every", str(steps), "--sample-tokens", "0",
               "--peak-tflops", "1"]
     with tempfile.TemporaryDirectory(prefix="bench-muon-") as tmp:
-        runs = {"AdamW": _curve("adamw", common, tmp),
-                "Muon": _curve("muon", [*common, "--optimizer", "muon", "--muon-lr", str(MUON_LR)], tmp)}
+        runs = {f"AdamW {lr:g}": _curve(f"adamw-{lr:g}", [*common, "--lr", str(lr)], tmp) for lr in adamw_lrs}
+        runs.update({f"Muon {lr:g}": _curve(f"muon-{lr:g}", [*common, "--lr", str(CURVE_ADAMW_LR), "--optimizer",
+                                                             "muon", "--muon-lr", str(lr)], tmp) for lr in muon_lrs})
     print(f"Part 2: train.py, `{preset}` preset, {steps} steps of 16 × its block size tokens, fp32, built-in corpus,"
-          f" seed 1337, warmup 5% then cosine to lr/10; AdamW lr {HYPER['lr']:g} on everything vs Muon lr {MUON_LR:g}"
-          f" on the blocks' matrices + AdamW lr {HYPER['lr']:g} on the rest")
-    print(f"  {'steps':>11}" + "".join(f"{name + ' train':>13}{name + ' val':>11}" for name in runs))
-    for start in range(0, steps, every):
-        end = min(steps, start + every)
-        cells = ""
-        for r in runs.values():
-            window = r["loss"][start:end]
-            val = r["val"].get(end - 1)
-            cells += f"{statistics.mean(window):>13.4f}" + (f"{val:>11.4f}" if val is not None else f"{'':>11}")
-        print(f"  {start:>4}-{end - 1:<6}{cells}")
-    print("  wall: " + ", ".join(f"{name} {r['seconds']:.0f} s" for name, r in runs.items())
-          + " (one process each, a loaded shared machine)")
+          f" seed 1337 (the same batches), warmup 5% then cosine to lr/10; AdamW at its lr on everything vs Muon at its"
+          f" lr on the blocks' matrices + AdamW lr {CURVE_ADAMW_LR:g} (--lr's default) on the rest")
+    windows = [(start, min(steps, start + every)) for start in range(0, steps, every)]
+    print(f"  {'run':<14}" + "".join(f"{f'{a}-{b - 1}':>10}" for a, b in windows) + f"{'val (last)':>12}{'wall':>8}")
+    for name, r in runs.items():
+        cells = "".join(f"{statistics.mean(r['loss'][a:b]):>10.4f}" for a, b in windows)
+        print(f"  {name:<14}{cells}{r['val'][max(r['val'])]:>12.4f}{r['seconds']:>7.0f}s")
+    print("  (train loss: the mean of each window of steps; val: the eval after the last step; one process each,"
+          " a loaded shared machine)")
 
 
 def main(argv=None) -> None:
@@ -172,17 +172,23 @@ def main(argv=None) -> None:
     parser.add_argument("--preset", default="small", help="Part 1's model (default: small)")
     parser.add_argument("--timed", type=int, default=3, help="Part 1's timed steps per system (default: 3)")
     parser.add_argument("--micro", type=int, default=1, help="Part 1's sequences per rank (default: 1)")
-    parser.add_argument("--curve-preset", default="mini", help="Part 2's model (default: mini)")
-    parser.add_argument("--curve-steps", type=int, default=300, help="Part 2's steps (default: 300)")
+    parser.add_argument("--curve-preset", default="tiny", help="Part 2's model (default: tiny)")
+    parser.add_argument("--curve-steps", type=int, default=150, help="Part 2's steps (default: 150)")
+    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[3e-3],
+                        help="Part 2: one AdamW run per lr (default: 3e-3, --lr's default)")
+    parser.add_argument("--muon-lrs", type=float, nargs="+", default=[0.02],
+                        help="Part 2: one Muon run per lr (default: 0.02, --muon-lr's default)")
     parser.add_argument("--skip-curve", action="store_true", help="Part 1 only (default: off)")
+    parser.add_argument("--curve-only", action="store_true", help="Part 2 only (default: off)")
     parser.add_argument("--smoke", action="store_true", help="seconds: tiny, 1 timed step at D = 2, a 4-step curve")
     a = parser.parse_args(argv)
     worlds = (2, 4)
     if a.smoke:
         a.preset, a.timed, a.curve_preset, a.curve_steps, worlds = "tiny", 1, "tiny", 4, (2,)
-    part1(a.preset, worlds, a.timed, a.micro)
+    if not a.curve_only:
+        part1(a.preset, worlds, a.timed, a.micro)
     if not a.skip_curve:
-        part2(a.curve_preset, a.curve_steps)
+        part2(a.curve_preset, a.curve_steps, a.adamw_lrs, a.muon_lrs)
 
 
 if __name__ == "__main__":

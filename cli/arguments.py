@@ -9,7 +9,7 @@ from typing import NoReturn
 
 from experts import router
 from model import PRESETS
-from optimizers import muon
+from optimizers import muon, qk_clip
 from parallel import offload, recompute
 from planner import hardware
 from resilience import elastic
@@ -115,6 +115,7 @@ def _add_optimization_flags(parser) -> None:
                    help="torch.compile each transformer block (GPU speed): per block, gradient hooks still fire block"
                         " by block in backward, so DDP/ZeRO communication keeps overlapping it")
     muon.add_arguments(g)  # --optimizer adamw|muon, --muon-lr, --muon-momentum, --muon-owner
+    qk_clip.add_arguments(g)  # --qk-clip TAU: MuonClip's QK-clip after each step
 
 
 def _add_parallelism_flags(parser) -> None:

@@ -452,6 +452,7 @@ def lowbit_startup_lines(axis, run, steps: int = 0) -> list:
 
 
 AXIS_LINES["lowbit"] = {"startup": lowbit_startup_lines}
+AXIS_LINES["qk_clip"] = {"startup": report.muon.qk_clip_startup_lines, "step": report.muon.qk_clip_step_lines}
 MEASURES_BLOCK.add("tp")
 
 

@@ -1,5 +1,6 @@
 """Muon's printouts: the split, the way it is sharded, its state, its Newton-Schulz work and the owner imbalance
-(optimizers/muon.py, optimizers/zero_muon.py), and the NS FLOPs a step adds to the hardware's.
+(optimizers/muon.py, optimizers/zero_muon.py), and the NS FLOPs a step adds to the hardware's; MuonClip's QK-clip
+lines (optimizers/qk_clip.py: `qk_clip_startup_lines`, `qk_clip_step_lines`, report/axes.py's qk_clip section).
 
 report/axes.py's `layout_lines` adds `startup_lines` after the layout's own section when the layout's facts carry
 Muon's (`facts().muon`); train.py counts NS in the hardware FLOPs (`with_newton_schulz`) before the start-up prints
@@ -65,3 +66,19 @@ def with_newton_schulz(run) -> mfu.FlopsPerToken:
     return replace(run.flops, hardware=run.flops.hardware + per_token,
                    convention=f"{run.flops.convention}; hardware adds Muon's Newton-Schulz, {per_token:,.0f} per token"
                               f" (every rank's, the world's sum)")
+
+
+def qk_clip_startup_lines(axis, run=None, steps: int = 0) -> list:
+    """τ, the heads this rank watches, and the maxima's one message a step."""
+    f = axis.facts()
+    message = (f"one all-reduce (MAX) of {mfu.format_bytes(f.message_bytes)} over dp×cp per step"
+               if f.message_bytes else "no message (one data-parallel rank)")
+    return [f"qk-clip (optimizers/qk_clip.py, MuonClip): after each step, a head whose largest causal logit q·k/√d"
+            f" exceeded τ = {f.tau:g} has its W_q and W_k rows scaled by √(τ/max); {f.heads} heads watched on this"
+            f" rank (TP: its own, no tp message); {message}"]
+
+
+def qk_clip_step_lines(axis, run=None, steps: int = 0) -> list:
+    f = axis.facts()
+    return [f"qk-clip: {f.clipped_last_step} of {f.heads} heads clipped by the last step, {f.clipped_total} head-steps"
+            f" since the start"]

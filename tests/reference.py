@@ -77,7 +77,7 @@ def build_model(config, *args, **kwargs) -> GPT:
 
 def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch.float64, micro_batches: int = 1,
                   aux_coef: float | None = None, fp8_recipe: str | None = None, precision_recipe: str | None = None,
-                  muon_lr: float | None = None, ns_dtype=torch.float64):
+                  muon_lr: float | None = None, ns_dtype=torch.float64, watch=None):
     """Train the single-device model on the global batches; return (losses, grad_norms, final parameters).
 
     With auxiliary losses (aux_coef: add_squared_mean_aux) the objective is DESIGN.md's: Σ CE / tokens +
@@ -86,6 +86,8 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
     precision_recipe: a --precision-recipe SPEC (precision/recipe.py, one process; its step closed per step).
     muon_lr: torch.optim.Muon (momentum MUON["momentum"], Nesterov, its "original" lr adjustment) on the blocks'
     2-D weights, AdamW on the rest; its Newton-Schulz in `ns_dtype` (torch's own at bf16).
+    watch(model): called once on the built model; returns what to call after each update (tests/optimizers/
+    test_qk_clip.py's hand-computed QK-clip: its hooks record the logits, its callable clips).
     """
     model = build_model(config, seed=seed, dtype=dtype)
     if aux_coef is not None:
@@ -101,6 +103,7 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
         fp8_handle = recipes.convert(model, recipes.parse_recipe(precision_recipe), seed=seed,
                                      seq_len=batches[0][0].shape[1])
     optimizer, muon = adamw_and_muon(model, muon_lr)
+    after_step = watch(model) if watch is not None else None
     losses, norms = [], []
     for x, y in batches:
         model.zero_grad()  # AdamW's and Muon's parameters
@@ -120,6 +123,8 @@ def reference_run(config, batches, seed: int = 0, clip: float = 0.0, dtype=torch
         if muon is not None:
             with muon_newton_schulz(ns_dtype):
                 muon.step()
+        if after_step is not None:
+            after_step()
         losses.append(float(loss_sum.detach() / count))
         norms.append(float(norm))
     return losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}

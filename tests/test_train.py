@@ -586,9 +586,9 @@ def test_an_mfu_above_100_percent_is_flagged_once(capsys):
     assert out.count("MFU 223.00%!") == 2 and out.count("MFU above 100% cannot be") == 1, out
 
 
-def test_the_axis_protocol_is_nine_methods_and_no_handle_brings_back_a_removed_hook():
-    """step.Axis: five training methods (after_load: the redundant experts' placement from a checkpoint) and four
-    accounting ones: the predicted and traced messages, `observe`
+def test_the_axis_protocol_is_ten_methods_and_no_handle_brings_back_a_removed_hook():
+    """step.Axis: six training methods (after_load: the redundant experts' placement from a checkpoint; after_update:
+    QK-clip's scale of the new weights) and four accounting ones: the predicted and traced messages, `observe`
     (the accounting's clock or counter subscribes to the algorithm) and `facts` (what the printouts read).
     A handle may have helpers of its own, but none of the hooks that left the protocol (printing moved to
     report/axes.py's sections, per-step hooks into after_grad_sync, "loaded" into the loaded tensors, the
@@ -598,7 +598,7 @@ def test_the_axis_protocol_is_nine_methods_and_no_handle_brings_back_a_removed_h
     import step
 
     protocol = {name for name, value in vars(step.Axis).items() if callable(value) and not name.startswith("_")}
-    assert protocol == {"shard_batches", "after_grad_sync", "sampling", "state_pieces", "after_load",
+    assert protocol == {"shard_batches", "after_grad_sync", "after_update", "sampling", "state_pieces", "after_load",
                         "predicted_messages", "traced_prediction", "observe", "facts"}, protocol
     removed = {"startup_lines", "end_lines", "step_lines", "groups", "before_step", "after_step",
                "local_nonfinite", "gather_codecs", "state_loaded", "take_load", "reset_routing", "routed_rows",
