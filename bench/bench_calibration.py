@@ -28,7 +28,8 @@ iteration and the ratio predicted over published throughput (published step / pr
   examples/megatron-turing-nlg README quotes them): batch 1,920 on 280, 350 and 420 DGX A100 nodes, 60.1, 50.2
   and 44.4 s per iteration (126, 121, 113 TFLOP/s by eq. 3); T = 8, P = 35 (DeepSpeed's 1F1B), 105 layers of
   20,480, 128 heads. Assumed here: B_μ = 1, full recompute, no ZeRO, V = GPT-2's 50,257 padded by Megatron to
-  51,200, bf16.
+  51,200, bf16; DeepSpeed's pipeline engine's blocking p2p, --pp-p2p blocking (deepspeed/runtime/pipe/p2p.py: its
+  send and recv refuse async_op).
 - BLOOM 176B (bigscience-workshop/bigscience, train/tr11-176B-ml/README.md: 70 layers of 14,336, 112 heads,
   V = 250,880, T = 4, P = 12, D = 8, B_μ = 2, B = 2,048, ZeRO-1, bf16, activation checkpointing, 48 nodes of 8
   A100-80GB with 4 Omni-Path links: 4 × 100 Gb/s a node, --hw-inter-gbps 6.25 a GPU; chronicles.md, 2022-03-18:
@@ -112,15 +113,15 @@ HELD_OUT = [
     *_korthikanti("1T", 160, 25600, 128, 64, 1, 512, 512, 1, 71.49, 94.42),
     ("530B D=8 SP+sel", "Korthikanti et al. 2022, §6.3", gpt_argv(105, 20480, 128)
      + layout_argv(2240, 8, 35, 3, 2240, 1, "selective", sp=True), 39.15),
-    *((f"MT-NLG {gpus}", "Smith et al. 2022, §2.4", _MT_NLG + layout_argv(gpus, 8, 35, 1, 1920, 1, dtype="bf16"),
-       seconds) for gpus, seconds in ((2240, 60.1), (2800, 50.2), (3360, 44.4))),
+    *((f"MT-NLG {gpus}", "Smith et al. 2022, §2.4", _MT_NLG + layout_argv(gpus, 8, 35, 1, 1920, 1, dtype="bf16")
+       + ["--pp-p2p", "blocking"], seconds) for gpus, seconds in ((2240, 60.1), (2800, 50.2), (3360, 44.4))),
     ("BLOOM 176B", "BigScience tr11 README, chronicles", gpt_argv(70, 14336, 112, 250880)
      + layout_argv(384, 4, 12, 1, 2048, 2, zero=1, dtype="bf16") + ["--hw-inter-gbps", "6.25"], 105.22),
 ]
-# Rows outside ±15%, and why: DeepSpeed's 2021 pipeline engine ran MT-NLG's layout ~20% slower than the model
-# prices it (Megatron's own 2021-22 runs of the same 530B shape fit within 2%): terms this trainer's model has
-# no flag for (its p2p sends the whole activation, blocking, each 1F1B step; the fp32 gradient accumulation
-# after every micro-batch) may account for part of it; not measured (README, the plan section).
+# Rows outside ±15%, and why: DeepSpeed's 2021 pipeline engine ran MT-NLG's layout 16-21% slower than the model
+# prices it with its blocking p2p (Megatron's own 2021-22 runs of the same 530B shape fit within 2%): the fp32
+# gradient accumulation after every micro-batch, a term this model lacks and no source here states for MT-NLG,
+# would account for most of the rest (README, the plan section).
 KNOWN_MISSES = {"MT-NLG 2240": (1.15, 1.30), "MT-NLG 2800": (1.15, 1.30), "MT-NLG 3360": (1.15, 1.30)}
 
 

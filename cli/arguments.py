@@ -241,4 +241,8 @@ def add_plan_arguments(parser) -> None:
                    " sizes: fused (flash-style, the s×s scores never reach HBM; default: what the trainer's"
                    " scaled_dot_product_attention takes on a GPU) or math (the softmax and its dropout read and write"
                    " the scores through HBM and save them, as Megatron's 2021-22 runs did); --plan, --plan-search")
+    g.add_argument("--pp-p2p", choices=("overlapped", "blocking"), help="how the plan prices the pipeline's sends:"
+                   " overlapped (default: this trainer's, posted ahead of the action that needs them and exposed only"
+                   " in the fill and drain) or blocking (every send waits for its transfer on the critical path, as"
+                   " DeepSpeed's 2021 pipeline engine's did); --plan, --plan-search")
     hardware.add_arguments(parser)

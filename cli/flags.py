@@ -119,6 +119,8 @@ _ONLY_WITH = (
      lambda a: a.plan or a.plan_search),
     ("--attention-kernel", "attention_kernel", "--plan or --plan-search (a run's kernel is the one its device"
      " dispatches)", lambda a: a.plan or a.plan_search),
+    ("--pp-p2p", "pp_p2p", "--plan or --plan-search (a run's sends are the trainer's own, overlapped)",
+     lambda a: a.plan or a.plan_search),
     ("--pp-schedule", "pp_schedule", "--pp > 1", lambda a: a.pp > 1),
     ("--pp-virtual", "pp_virtual", "--pp-schedule interleaved", lambda a: a.pp_schedule == "interleaved"),
     ("--trace-file", "trace_file", "--pp > 1 (it draws the pipeline schedule)", lambda a: a.pp > 1),

@@ -353,6 +353,25 @@ def live_sends(steps: list) -> int:
     return max(peak, live + last)
 
 
+STATIONARY_GROUPS = 3  # from 3·P micro-batches on, live_sends repeats with period P in m (1f1b, interleaved, zb)
+
+
+@functools.lru_cache(maxsize=256)
+def live_sends_of(schedule: str, P: int, m: int, v: int = 1) -> tuple:
+    """live_sends of each rank's communication plan. For m ≥ 3P (1f1b, zb, interleaved) that of 3P + m mod P
+    micro-batches: the plan's steady groups repeat, and its warm-up and cool-down see the first and last groups
+    only (interleaving's last group holds P + m mod P), so P = 64, m = 512 simulates 192 micro-batches, not 512;
+    1f1b's in closed form; gpipe's grows with m: simulated whole (tests/planner/test_search.py checks each against
+    the whole plan over a grid of (schedule, P, m, v))."""
+    v = v if schedule == "interleaved" else 1
+    if schedule == "1f1b":  # rank 0 holds up to P; a middle rank one more than its in flight when m = 1
+        return tuple(min(P - r, m if r == 0 else max(m, 2)) for r in range(P))
+    if schedule != "gpipe" and m >= STATIONARY_GROUPS * P:
+        m = STATIONARY_GROUPS * P + m % P
+    plan = communication_plan(build_programs(schedule, P, m, v), P * v)
+    return tuple(live_sends(steps) for steps in plan)
+
+
 def last_backwards(steps: list) -> set:
     """The actions after which a chunk's gradients are final: its last B, or its last I and last W."""
     last = {}
@@ -395,6 +414,19 @@ def in_flight(program: list) -> tuple:
         stash += {"I": 1, "W": -1}.get(action.kind, 0)
         peak, peak_stash = max(peak, live), max(peak_stash, stash)
     return peak, peak_stash
+
+
+def in_flight_formula(schedule: str, P: int, m: int, rank: int, v: int = 1) -> int:
+    """in_flight(rank's list)[0] without building it: the builders' warm-up forwards, plus the steady phase's one
+    (each of its F's comes before its B or I); gpipe holds all m."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":  # interleaved_1f1b's warm-up
+        total, warmup = v * m, 2 * (P - rank - 1) + (v - 1) * (P + m % P)
+    else:  # one_f_one_b's and zero_bubble_h1's
+        total, warmup = m, P - rank - 1
+    warmup = min(warmup, total)
+    return warmup + (warmup < total)
 
 
 def p2p_counts(programs: list, n_chunks: int) -> dict:

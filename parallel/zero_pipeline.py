@@ -91,10 +91,21 @@ def alive_chunks(program: list, stage: int) -> set:
     Docstring item 2's transient is the most bytes of one of these pairs; a plan reads the pairs by local chunk
     index (stages of one shape with the same pairs have the same transient)."""
     chunks = [a.chunk for a in program]
-    backward = {c: [j for j, a in enumerate(program) if a.chunk == c and a.kind != "F"] for c in set(chunks)}
-    return {(frozenset({chunk, *chunks[j + 1:j + 2]} if stage == 3 else ()),
-             frozenset(c for c, js in backward.items() if js and js[0] <= j <= js[-1]))
-            for j, chunk in enumerate(chunks)}
+    first, last = {}, {}  # each chunk's first and last backward
+    for j, action in enumerate(program):
+        if action.kind != "F":
+            first.setdefault(action.chunk, j)
+            last[action.chunk] = j
+    # Between two changes of the accumulating set, the distinct (this chunk, next chunk) of its actions (a list is
+    # 2·v·m long; its few distinct pairs are what the transient needs).
+    bounds = sorted({0, len(chunks), *first.values(), *(j + 1 for j in last.values())})
+    out = set()
+    for a, b in zip(bounds, bounds[1:]):
+        accumulating = frozenset(c for c in first if first[c] <= a <= last[c])
+        held = set(zip(chunks[a:b], chunks[a + 1:b + 1])) if stage == 3 else {()}
+        held |= {(chunks[-1],)} if stage == 3 and b == len(chunks) else set()  # the last action: no next one
+        out |= {(frozenset(pair), accumulating) for pair in held}
+    return out
 
 
 def step_transient_bytes(program: list, stage: int, gathered: dict, accumulating: dict) -> float:

@@ -45,9 +45,12 @@ from step import Messages
 
 class ScheduleFacts:
     """What a schedule sets per pp rank, for (schedule, P, m, v), each computed on first use and kept (the
-    search's layouts share them, read only): `program(p)`, rank p's action list; `flight(p)`, its
-    chunk-micro-batches in flight; `live(p)`, its sent buffers alive at once (the communication plan's simulation of
-    every rank: the costly part); `alive(p, stage)`, zero_pipeline.alive_chunks of its list; and `pairs`,
+    search's layouts share them, read only): `flight(p)`, rank p's chunk-micro-batches in flight
+    (schedules.in_flight_formula, no list built); `live(p)`, its sent buffers alive at once (schedules.live_sends_of:
+    the communication plan's simulation of every rank, the costly part, of at most 3P + m mod P micro-batches,
+    shared by the m that reduce to them); from its action list, built once and not kept (2·v·m actions a rank):
+    `first_chunk(p)`, its first action's chunk, `runs(p, chunk)`, zero_pipeline.gather_runs, and `alive(p, stage)`,
+    zero_pipeline.alive_chunks; and `pairs`,
     {(src, dst): messages per step}, in closed form: every micro-batch crosses each of the P·v − 1 chunk boundaries
     once forward (its activation) and once backward (its gradient) in any schedule (schedules.p2p_counts counts
     them from the lists: tests/planner/test_search.py checks the two agree)."""
@@ -58,35 +61,35 @@ class ScheduleFacts:
         for chunk in range(P * self.v - 1):
             for pair in ((chunk % P, (chunk + 1) % P), ((chunk + 1) % P, chunk % P)):
                 self.pairs[pair] = self.pairs.get(pair, 0) + m
-        self._programs, self._flights, self._alive = {}, {}, {}
+        self._lists = {}  # p → (first chunk, {chunk: gather runs}, {ZeRO stage: alive chunks}) of rank p's list
 
-    def program(self, p: int) -> list:
-        if p not in self._programs:
-            self._programs[p] = schedules.BUILDERS[self.schedule](self.P, self.m, p, self.v)
-        return self._programs[p]
+    def _list(self, p: int) -> tuple:
+        if p not in self._lists:
+            program = schedules.BUILDERS[self.schedule](self.P, self.m, p, self.v)
+            chunks = schedules.rank_chunks(p, self.P, self.v)
+            self._lists[p] = (program[0].chunk, {c: zero_pipeline.gather_runs(program, c) for c in chunks},
+                              {stage: zero_pipeline.alive_chunks(program, stage) for stage in (2, 3)})
+        return self._lists[p]
+
+    def first_chunk(self, p: int) -> int:
+        return self._list(p)[0]
+
+    def runs(self, p: int, chunk: int) -> int:
+        return self._list(p)[1][chunk]
 
     def flight(self, p: int) -> int:
-        if p not in self._flights:
-            self._flights[p] = schedules.in_flight(self.program(p))[0]
-        return self._flights[p]
+        return schedules.in_flight_formula(self.schedule, self.P, self.m, p, self.v)
 
     def live(self, p: int) -> int:
-        return self._live[p]
-
-    @functools.cached_property
-    def _live(self) -> list:
-        plans = schedules.communication_plan([self.program(p) for p in range(self.P)], self.P * self.v)
-        return [schedules.live_sends(steps) for steps in plans]
+        return schedules.live_sends_of(self.schedule, self.P, self.m, self.v)[p]
 
     def alive(self, p: int, stage: int) -> set:
-        if (p, stage) not in self._alive:
-            self._alive[p, stage] = zero_pipeline.alive_chunks(self.program(p), stage)
-        return self._alive[p, stage]
+        return self._list(p)[2][stage]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)
 def schedule_facts(schedule: str, P: int, m: int, v: int) -> ScheduleFacts:
-    """The schedule's ScheduleFacts, cached (the search meets each key many times)."""
+    """The schedule's ScheduleFacts, cached (the search meets each key many times; they keep no action list)."""
     return ScheduleFacts(schedule, P, m, v)
 
 
@@ -376,11 +379,11 @@ def _formula_zero_pipeline(s: _Stage, facts: ScheduleFacts) -> tuple:
     (zero_pipeline.gather_runs); the transient of zero_pipeline.step_transient_bytes (stage 2: or the update's
     all-gather inputs, the larger); the last piece reduced is the first local chunk's, the first gathered the first
     action's chunk (stage 3)."""
-    stage, b_w, b_a, program = s.settings.args.zero, s.b_w, s.b_g, facts.program(s.p)
+    stage, b_w, b_a = s.settings.args.zero, s.b_w, s.b_g
     units = chunk_units(s)
     messages = Messages()
     for chunk, pieces in units.items():
-        runs = zero_pipeline.gather_runs(program, chunk) if stage == 3 else 1
+        runs = facts.runs(s.p, chunk) if stage == 3 else 1
         for group, n, weights in pieces:
             codec = stage == 3 and weights[1]  # weights with a codec: 1-byte codes, one scale agreement per gather
             if codec:
@@ -400,7 +403,7 @@ def _formula_zero_pipeline(s: _Stage, facts: ScheduleFacts) -> tuple:
     parts = [memory.persistent_bytes(held[group], bpp, stage, size) for group, size in s.sizes.items()]
     persistent = {kind: sum(part[kind] for part in parts) for kind in parts[0]}
     temporaries = {f"ZeRO-{stage} transients (zero_pipeline.step_transient)": transient}
-    first_gather = b_w * numel[program[0].chunk] if stage == 3 else 0.0
+    first_gather = b_w * numel[facts.first_chunk(s.p)] if stage == 3 else 0.0
     return messages, temporaries, s.b_r * numel[min(numel)], first_gather, persistent
 
 

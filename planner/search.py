@@ -17,8 +17,10 @@ Every layout gets its bound from a draft of its settings (the first layout valid
 bound exceeds the tenth best step that fits, none left can enter the ten: the search stops there. The ten are the
 exhaustive search's (search(..., bound=False) bounds no layout before sizing it, each still left at the first
 look that puts it out: tests/planner/test_search.py compares the two).
-What layouts share is computed once: the schedule's facts per (schedule, P, m, v) (formulas.schedule_facts) and
-the time-model facts per (recompute, T, C, P, B_μ). A line every few seconds says how far it is.
+What layouts share is computed once: the schedule's facts per (schedule, P, m, v) (formulas.schedule_facts: in
+flight and 1f1b's sends alive in closed form, interleaving's sends alive simulated at most at 3P + m mod P
+micro-batches and shared by every m that reduces to it, each rank's list walked once) and the time-model facts
+per (recompute, T, C, P, B_μ). A line every few seconds says how far it is.
 
 Accounting for this file: it allocates nothing and sends nothing (shapes and formulas only).
 """
@@ -60,7 +62,8 @@ def search_argv(c: dict) -> list:
 def candidate_args(base: dict, c: dict) -> argparse.Namespace:
     """What parse_args([*base argv, *search_argv(c)]) gives, without parsing: the base's values, the layout's
     fields put in (tests/planner/test_search.py checks they are equal)."""
-    args = argparse.Namespace(**base)
+    args = argparse.Namespace()
+    vars(args).update(base)  # Namespace(**base) sets them one by one: a tenth of a millisecond, 19,080 times at 1T
     args.tp, args.pp, args.zero, args.micro_batch, args.activation_checkpointing = (
         c["T"], c["P"], c["zero"], c["micro"], c["ac"])
     args.pp_schedule = c["schedule"] if c["P"] > 1 else base["pp_schedule"]
@@ -207,27 +210,30 @@ def search(base_argv: list, world: int, hw: hardware.Hardware, top: int = 10, bo
 def _sized(settings, hw: hardware.Hardware, done: Searched, kth: float, unfit: list, index: int) -> tuple | None:
     """(prediction, peak, settings, limiting term, peak setter) of a validated layout; None where it does not fit
     (done counts it, `unfit` keeps (a lower bound of its peak, index, settings)) or cannot beat `kth`, the top-th
-    best step so far. Sized in three looks, each stopping where the layout is out: its first stage (the layout's
-    step and peak are at least that stage's), its every stage without the pipeline's sends alive (the step exact,
-    the peak a lower bound: formula_role's sends_alive), and, for a layout that enters the best, the sends alive
-    (the communication plan's simulation, once per schedule) for its exact peak."""
-    args, shape = settings.args, settings.shape
-    v = args.pp_virtual if args.pp_schedule == "interleaved" and shape.pp > 1 else 1
-    schedule = schedule_facts(args.pp_schedule, shape.pp, settings.micro_batches, v) if shape.pp > 1 else None
+    best step so far. Sized in four looks, each stopping where the layout is out: its first stage, then its last
+    (the layout's step and peak are at least theirs: the first holds the most micro-batches in flight, the last the
+    head), its every stage without the pipeline's sends alive (the step exact, the peak a lower bound:
+    formula_role's sends_alive), and, for a layout that enters the best, the sends alive (formulas.ScheduleFacts'
+    live, once per schedule) for its exact peak."""
+    args, shape, P = settings.args, settings.shape, settings.shape.pp
+    v = args.pp_virtual if args.pp_schedule == "interleaved" and P > 1 else 1
+    schedule = schedule_facts(args.pp_schedule, P, settings.micro_batches, v) if P > 1 else None
     facts, memory = layout_facts(settings), hw.memory_gib * 2**30
     roles, prediction = [formula_role(settings, 0, schedule, sends_alive=False)], None
-    for look in ("first stage", "every stage", "sends alive"):
+    for look in ("first stage", "last stage", "every stage", "sends alive"):
         host = host_per_node(roles, hw, shape.world_size)  # --offload's node of GPUs: its host memory too
         if max(r.peak for r in roles) > memory or host > hw.host_memory_gib * 2**30:
             done.dropped += 1
             unfit.append((max(r.peak for r in roles), index, settings))
             return None
-        step = max(predict(r, facts, hw).step for r in roles) if look == "first stage" else prediction.step
+        step = max(predict(r, facts, hw).step for r in roles) if prediction is None else prediction.step
         if step > kth:
-            done.bounded += 1  # its first stage, or its step, is slower than the top-th best
+            done.bounded += 1  # its first or last stage, or its step, is slower than the top-th best
             return None
-        if look == "first stage":
-            roles += [formula_role(settings, p, schedule, sends_alive=False) for p in range(1, shape.pp)]
+        if look == "first stage" and P > 1:
+            roles.append(formula_role(settings, P - 1, schedule, sends_alive=False))
+        elif look == "last stage":  # the stages between, in pp order
+            roles[1:1] = [formula_role(settings, p, schedule, sends_alive=False) for p in range(1, P - 1)]
             prediction = max((predict(r, facts, hw) for r in roles), key=lambda x: x.step)
         elif look == "every stage" and schedule is not None:
             roles = [with_sends_alive(role, schedule, p) for p, role in enumerate(roles)]

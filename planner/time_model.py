@@ -54,7 +54,8 @@ The time model (planner/hardware.py states the hardware): per role and step
                the next action's chunk during this one, so only the step's first gather waits:
                exposed = t(first) + max(0, t − t_first − t_compute);
       ring CP: each hop's transfer hides behind its block's attention: exposed = max(0, t − t_attention);
-      pipeline p2p: overlapped except in fill and drain: exposed = 2(P−1) · t(one message).
+      pipeline p2p: overlapped except in fill and drain: exposed = 2(P−1) · t(one message); with --pp-p2p
+               blocking (DeepSpeed's 2021 engine: its send and recv take no async_op) all of it: exposed = t.
     then of what a rule hides, only the share φ = hw.overlap hides: exposed += (1 − φ)(t − exposed) (φ = 1 on
     the GPU presets: copy engines and NCCL's own SMs; a CPU measures it, planner/cpu_probe.py: its ranks' gloo threads
     compete with their compute for the same cores)
@@ -262,7 +263,8 @@ def predict(role: Role, layout: dict, hw: hardware.Hardware) -> Prediction:
             passes = 1 if P > 1 else m  # under PP: the step's first gather; the rest prefetched an action ahead
             e = passes * (first + max(0.0, t / passes - first - compute / passes))
         elif "pp" in names and op == "send":
-            e = 2 * (P - 1) * piece(role.boundary_bytes) if role.boundary_bytes else t
+            overlapped = role.boundary_bytes and layout.get("p2p") != "blocking"
+            e = 2 * (P - 1) * piece(role.boundary_bytes) if overlapped else t
         elif "cp" in names and op in ("send", "isend", "batch_isend_irecv") and layout.get("cp_impl") == "ring":
             e = max(0.0, t - compute * layout.get("attention_share", 0.0))
         else:  # TP/SP, EP, Ulysses, the update's and the step's scalars, amaxes, ZeRO-1/2's gather, pp sums
@@ -366,7 +368,7 @@ def layout_facts(settings, device_type: str | None = None, x: memory.ActivationS
                               full or selective and x.kernel == "math")
     return dict(world=settings.world_size, tokens=tokens, m=settings.micro_batches,
                 zero=args.zero, P=shape.pp, dtype=name, cp_impl=args.cp_impl, lowbit=settings.axes.get(lowbit.__name__),
-                local_hit=getattr(args, "moe_local_hit", None),
+                local_hit=getattr(args, "moe_local_hit", None), p2p=getattr(args, "pp_p2p", None),
                 attention_share=attention / flops.hardware, gemms=gemms,
                 memory_bytes=per_token_layer * tokens / (shape.dp * shape.cp) * config.n_layer / shape.pp)
 

@@ -8,9 +8,11 @@
   BLOOM 176B), planned with the same constants: every row within ±15% of the published step, but the known
   misses (KNOWN_MISSES), each held to the band the bench states for it.
 - The uncalibrated model (calibration.DATASHEET) misses Table 1's rows: the calibration is what fits.
-- A constant out of its range is one line naming its flag, exit status 2; so is --attention-kernel without a plan.
+- A constant out of its range is one line naming its flag, exit status 2; so is --attention-kernel or --pp-p2p
+  without a plan.
 - What the time model prices: the GEMM classes add up to mfu's hardware FLOPs (selective recompute on the math
-  path reruns the core attention), and the head's GEMM is the last stage's alone.
+  path reruns the core attention), the head's GEMM is the last stage's alone, and --pp-p2p blocking exposes every
+  send of the pipeline.
 """
 
 import os
@@ -100,6 +102,8 @@ def test_the_plan_sizes_the_vocabulary_given():
     (["--plan", "--world", "8", "--attention-kernel", "flash"], "error: argument --attention-kernel: invalid choice"),
     (["--plan", "--world", "8", "--attention-kernel", "math", "--cp", "2"],
      "error: --attention-kernel math needs --cp 1"),
+    (["--pp-p2p", "blocking"], "error: --pp-p2p needs --plan or --plan-search"),
+    (["--plan", "--world", "8", "--pp-p2p", "async"], "error: argument --pp-p2p: invalid choice"),
 ])
 def test_a_bad_plan_flag_is_one_line(argv, expected, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -121,6 +125,19 @@ def test_the_attention_kernel_given_is_the_one_the_plan_prices_and_sizes():
     assert roles[1].activations.forward > roles[0].activations.forward
     bytes_ = [time_model.layout_facts(s)["memory_bytes"] for s in (fused, unfused)]
     assert bytes_[1] > bytes_[0]
+
+
+def test_blocking_p2p_puts_every_send_on_the_critical_path():
+    """--pp-p2p blocking (DeepSpeed's 2021 pipeline engine): the pipeline's sends are exposed whole, where the
+    default exposes the fill and drain's 2(P − 1) of them; the step grows by the difference, nothing else moves."""
+    layout = ("--pp", "2", "--global-batch", "32", "--micro-batch", "1")
+    overlapped, blocking = _settings(*layout), _settings(*layout, "--pp-p2p", "blocking")
+    role, hw = plan.plan_roles(overlapped)[0], hardware.PRESETS["h100"]
+    ahead, waited = (time_model.predict(role, time_model.layout_facts(s), hw) for s in (overlapped, blocking))
+    send = next(key for key in ahead.total if key[0] == "send")
+    assert waited.exposed[send] == waited.total[send] > 2 * ahead.exposed[send] > 0
+    assert waited.step - ahead.step == pytest.approx(waited.exposed[send] - ahead.exposed[send], rel=1e-9)
+    assert waited.compute == ahead.compute and waited.bubble == ahead.bubble
 
 
 @pytest.mark.parametrize("layout", [[], ["--cp", "2", "--cp-impl", "ring"], ["--cp", "4", "--cp-impl", "ulysses"],
