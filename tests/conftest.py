@@ -12,6 +12,9 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [ROOT] + [os.path.join(TESTS, d) for d in sorted(os.listdir(TESTS))
                          if os.path.isdir(os.path.join(TESTS, d)) and not d.startswith(("_", "."))] + [TESTS]
 
+from cli import flags as flags_lib  # noqa: E402 - found through the path just set
+import train  # noqa: E402
+
 
 def pytest_addoption(parser):
     parser.addoption("--backend", choices=["gloo", "nccl"], default=None,
@@ -22,6 +25,23 @@ def pytest_configure(config):
     # The spawned ranks read the environment (harness.backend()), so the option is passed on through it.
     if config.getoption("--backend"):
         os.environ["TEST_BACKEND"] = config.getoption("--backend")
+
+
+@pytest.fixture
+def refused(tmp_path, monkeypatch, capsys):
+    """`refused(flags, world)`: train.py's flags (after --preset tiny) parsed as rank 0 of `world` parses them,
+    cli.flags.parse, before any process group exists. They must end in exit status 2 and one line on stderr,
+    `error: ...` (no usage text, no traceback): that line is returned for the test's own checks."""
+    def parse(flags: list, world: int = 1) -> str:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        with pytest.raises(SystemExit) as stop:
+            flags_lib.parse(["--preset", "tiny", "--out-dir", str(tmp_path / "out"), *flags], train.AXES)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+        return err
+    return parse
 
 
 @pytest.fixture(scope="module")

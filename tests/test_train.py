@@ -222,13 +222,9 @@ BAD_INPUTS = [  # (flags, world size, what the one line must say); FILE, DIR: a 
 
 
 @pytest.mark.parametrize("flags,world,message", BAD_INPUTS, ids=[" ".join(f) or "empty" for f, _, _ in BAD_INPUTS])
-def test_a_bad_input_ends_in_one_line_before_any_process_group(flags, world, message, tmp_path, monkeypatch,
-                                                              capsys):
+def test_a_bad_input_ends_in_one_line_before_any_process_group(flags, world, message, tmp_path, refused):
     """flags.parse, as every rank runs it before the process group exists: exit status 2 and one line,
     `error: ...`, naming the flag and what it must be; nothing else on stderr (no usage text, no traceback)."""
-    from cli import flags as flags_lib
-    import train
-
     paths = dict(FILE=tmp_path / "a-file", DIR=tmp_path / "a-dir", BINARY=tmp_path / "data.bin",
                  EMPTY=tmp_path / "empty.txt")
     paths["FILE"].write_text("x")
@@ -237,13 +233,8 @@ def test_a_bad_input_ends_in_one_line_before_any_process_group(flags, world, mes
     paths["EMPTY"].write_text("")
     flags = [next((flag.replace(k, str(p), 1) for k, p in paths.items() if flag.startswith(k)), flag)
              for flag in flags]
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    with pytest.raises(SystemExit) as stop:
-        flags_lib.parse(["--preset", "tiny", "--out-dir", str(tmp_path / "out"), *flags], train.AXES)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    err = refused(flags, world)
+    assert message in err, err
 
 
 @pytest.mark.slow

@@ -204,18 +204,10 @@ def test_the_lines_say_the_heads_and_the_one_message(quick_runs):
     (["--qk-clip", "abc"], 1, "--qk-clip: invalid float value"),
     (["--qk-clip", "1", "--cp", "2"], 2, "--qk-clip with --cp > 1: not served"),
 ])
-def test_a_bad_value_is_one_line_naming_the_flag_and_exit_2(flags, world, message, tmp_path, monkeypatch, capsys):
+def test_a_bad_value_is_one_line_naming_the_flag_and_exit_2(flags, world, message, refused):
     """As tests/test_train.py's bad inputs: flags.parse before any process group, exit 2, one line."""
-    from cli import flags as flags_lib
-    import train
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    with pytest.raises(SystemExit) as stop:
-        flags_lib.parse(["--preset", "tiny", "--out-dir", str(tmp_path / "out"), *flags], train.AXES)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    err = refused(flags, world)
+    assert message in err, err
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -81,19 +81,10 @@ BAD_RECIPES = [
 
 
 @pytest.mark.parametrize("flags,message", BAD_RECIPES, ids=[" ".join(f[1:]) for f, _ in BAD_RECIPES])
-def test_a_bad_recipe_ends_in_one_line_naming_the_flag(flags, message, tmp_path, monkeypatch, capsys):
+def test_a_bad_recipe_ends_in_one_line_naming_the_flag(flags, message, refused):
     """flags.parse as every rank runs it: exit status 2, one line `error: --precision-recipe ...`."""
-    from cli import flags as flags_lib
-    import train
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2" if {"--tp", "--cp", "--ep"} & set(flags) else "1")
-    with pytest.raises(SystemExit) as stop:
-        flags_lib.parse(["--preset", "tiny", "--out-dir", str(tmp_path / "out"), *flags], train.AXES)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: --precision-recipe"), err
-    assert message in err, err
+    err = refused(flags, world=2 if {"--tp", "--cp", "--ep"} & set(flags) else 1)
+    assert err.startswith("error: --precision-recipe") and message in err, err
 
 
 # ---------------------------------------------------------------------------------------------------------
