@@ -165,10 +165,11 @@ def quick_runs():
     return run_ranks(_cases, 2, timeout=300)
 
 
-def test_ddp_zero3_and_tp_follow_the_hand_clipped_run_and_send_what_they_predict(quick_runs):
-    results = quick_runs
+def assert_cases_follow_the_hand_clipped_run(cases, results) -> None:
+    """Each case's ranks (results[rank][case]) follow the one-process run clipped by hand (`hand_clip`), to TOL,
+    and send what they predict; the hand clip must have clipped some heads and left others."""
     config = make_config()
-    for index, (flags, global_batch, micro) in enumerate(CASES):
+    for index, (flags, global_batch, micro) in enumerate(cases):
         watch, clipped = hand_clip(TAU, config.n_head)
         muon_lr = MUON["lr"] if "muon" in flags else None
         reference = reference_run(config, global_batches(STEPS, global_batch, SEQ), clip=CLIP,
@@ -178,6 +179,10 @@ def test_ddp_zero3_and_tp_follow_the_hand_clipped_run_and_send_what_they_predict
         assert_runs_follow([(losses, params) for losses, params, *_ in per_rank], reference[0], reference[2], TOL)
         for rank, (_, _, traced, predicted, _) in enumerate(per_rank):
             assert_traced_as_predicted(traced, predicted, (flags, rank))
+
+
+def test_ddp_zero3_and_tp_follow_the_hand_clipped_run_and_send_what_they_predict(quick_runs):
+    assert_cases_follow_the_hand_clipped_run(CASES, quick_runs)
 
 
 def test_the_lines_say_the_heads_and_the_one_message(quick_runs):
@@ -226,15 +231,4 @@ def _slow_cases(rank, world):
 
 @pytest.mark.slow
 def test_pp_sp_muon_gather_and_recompute_follow_the_hand_clipped_run():
-    results = run_ranks(_slow_cases, 4, timeout=600)
-    config = make_config()
-    for index, (flags, global_batch, micro) in enumerate(SLOW_CASES):
-        watch, clipped = hand_clip(TAU, config.n_head)
-        muon_lr = MUON["lr"] if "muon" in flags else None
-        reference = reference_run(config, global_batches(STEPS, global_batch, SEQ), clip=CLIP,
-                                  micro_batches=global_batch // micro, muon_lr=muon_lr, watch=watch)
-        assert 0 < len(clipped) < STEPS * config.n_layer * config.n_head, (flags, clipped)
-        per_rank = [r[index] for r in results]
-        assert_runs_follow([(losses, params) for losses, params, *_ in per_rank], reference[0], reference[2], TOL)
-        for rank, (_, _, traced, predicted, _) in enumerate(per_rank):
-            assert_traced_as_predicted(traced, predicted, (flags, rank))
+    assert_cases_follow_the_hand_clipped_run(SLOW_CASES, run_ranks(_slow_cases, 4, timeout=600))
